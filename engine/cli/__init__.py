@@ -1,0 +1,60 @@
+"""`python -m engine` — the command-line contract of DESIGN.md.
+
+Each subcommand is a module exposing `register(subparsers)` (adds its parser, sets `func`) and is listed
+explicitly in `SUBCOMMANDS`: no dynamic discovery. Errors the user can act on (`SparkError`) print one line on
+stderr and exit 2; nothing prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from engine.errors import SparkError
+
+# name -> module under engine.cli (imported lazily so `hw` never pays for torch-heavy imports it doesn't need)
+SUBCOMMANDS: dict[str, str] = {
+    "generate": "engine.cli.generate",
+    "chat": "engine.cli.chat",
+    "session": "engine.cli.session",
+    "hw": "engine.cli.hw",
+    "bench": "engine.cli.bench",
+    "train": "engine.cli.train",
+}
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description="MLoT Spark engine")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    wanted = [a for a in argv if not a.startswith("-")][:1]
+    for name, module in SUBCOMMANDS.items():
+        # Import only the requested subcommand's module; list the rest for --help.
+        if wanted and wanted[0] != name:
+            subparsers.add_parser(name)
+            continue
+        try:
+            importlib.import_module(module).register(subparsers)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            subparsers.add_parser(name, help="(not available in this build)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        print(f"error: `{args.command}` is not available in this build.", file=sys.stderr)
+        return 2
+    try:
+        return int(func(args) or 0)
+    except SparkError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

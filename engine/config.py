@@ -1,0 +1,127 @@
+"""Model configuration read from a Hugging Face `config.json` (Llama family)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ModelLoadError
+
+# architecture name (config.json "architectures"[0] or "model_type") -> family flags
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {"qkv_bias": False},
+    "MistralForCausalLM": {"qkv_bias": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True},
+}
+MODEL_TYPES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """`rope_scaling` of Llama 3.x (`rope_type: llama3`) or linear position interpolation."""
+
+    rope_type: str  # "llama3" | "linear"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        arch = (d.get("architectures") or [None])[0] or MODEL_TYPES.get(str(d.get("model_type")), "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+            raise ModelLoadError(
+                f"The model architecture {arch or d.get('model_type')!r} is not supported; "
+                f"MLoT Spark runs Llama-family models ({known})."
+            )
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelLoadError(f"The model uses activation {act!r}; only SwiGLU (silu) Llama-family models are supported.")
+        try:
+            n_heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            rs = d.get("rope_scaling")
+            scaling = None
+            if rs:
+                rtype = rs.get("rope_type", rs.get("type"))
+                if rtype == "llama3":
+                    scaling = RopeScaling(
+                        "llama3",
+                        float(rs["factor"]),
+                        float(rs.get("low_freq_factor", 1.0)),
+                        float(rs.get("high_freq_factor", 4.0)),
+                        int(rs.get("original_max_position_embeddings", 8192)),
+                    )
+                elif rtype == "linear":
+                    scaling = RopeScaling("linear", float(rs["factor"]))
+                elif rtype != "default":
+                    raise ModelLoadError(f"The model's rope_scaling type {rtype!r} is not supported (llama3 and linear are).")
+            eos = d.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            return cls(
+                architecture=arch,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=n_heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+                head_dim=int(d.get("head_dim") or hidden // n_heads),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(d.get("rope_theta", 10000.0)),
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                qkv_bias=SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or bool(d.get("attention_bias", False)),
+                o_bias=bool(d.get("attention_bias", False)),
+                mlp_bias=bool(d.get("mlp_bias", False)),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=tuple(int(e) for e in eos_ids),
+                torch_dtype=str(d.get("torch_dtype", "float32")),
+                raw=dict(d),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"config.json is missing or has a bad value for {exc}; the model folder looks incomplete.") from None
+
+    @classmethod
+    def from_file(cls, path: Path) -> "ModelConfig":
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ModelLoadError(f"{path.parent} has no config.json; choose a Hugging Face model folder.") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(f"{path} is not valid JSON ({exc.__class__.__name__}); the download may be incomplete.") from None
+        if not isinstance(data, dict):
+            raise ModelLoadError(f"{path} does not hold a JSON object; it is not a model config.")
+        return cls.from_dict(data)

@@ -1,0 +1,204 @@
+"""Load a Hugging Face model folder: safetensors only (never pickle), memory-mapped, built on the meta device.
+
+We parse safetensors headers ourselves (8-byte little-endian length + JSON) so every way a file can be broken
+— truncated download, absurd header, unknown dtype, offsets past the end — becomes one clear sentence, and so
+tensors can be views of a private mmap of the file: weights are read from disk once, never copied twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.model import Transformer
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+def read_safetensors_header(path: Path) -> list[TensorInfo]:
+    """Validated tensor table of one .safetensors file (raises ModelLoadError naming the problem)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelLoadError(f"{path.name} is empty or truncated; download it again.")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(MAX_HEADER_BYTES, size - 8):
+                raise ModelLoadError(f"{path.name} has a corrupt header (claims {n} bytes); it is truncated or not a safetensors file.")
+            raw = f.read(n)
+    except OSError as exc:
+        raise ModelLoadError(f"Cannot read {path}: {exc.strerror or exc}.") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError
+    except (UnicodeDecodeError, ValueError):
+        raise ModelLoadError(f"{path.name} has an unreadable header; it is not a valid safetensors file.") from None
+    base = 8 + n
+    infos = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (a, b) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ModelLoadError(f"{path.name} has a malformed entry for tensor {name!r}.") from None
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ModelLoadError(f"{path.name} stores {name!r} as {dtype}, a dtype MLoT Spark cannot load.")
+        numel = 1
+        for s in shape:
+            numel *= s
+        itemsize = torch.empty((), dtype=SAFETENSORS_DTYPES[dtype]).element_size()
+        if not (0 <= a <= b) or b - a != numel * itemsize:
+            raise ModelLoadError(f"{path.name} has inconsistent offsets for {name!r}; the file is corrupt.")
+        if base + b > size:
+            raise ModelLoadError(f"{path.name} is truncated ({size} bytes, needs {base + b}); the download is incomplete.")
+        infos.append(TensorInfo(name, dtype, shape, base + a, base + b))
+    return infos
+
+
+def mmap_tensors(path: Path, infos: list[TensorInfo]) -> dict[str, torch.Tensor]:
+    """Tensors viewing a copy-on-write mmap of the file (no read into RAM until touched)."""
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if path.stat().st_size else None
+    out: dict[str, torch.Tensor] = {}
+    for t in infos:
+        dt = SAFETENSORS_DTYPES[t.dtype]
+        count = (t.end - t.start) // torch.empty((), dtype=dt).element_size()
+        if count == 0:
+            out[t.name] = torch.empty(t.shape, dtype=dt)
+            continue
+        out[t.name] = torch.frombuffer(mm, dtype=dt, count=count, offset=t.start).view(t.shape)
+    return out
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The .safetensors files of a model folder, single or sharded; refuses pickles with a reason."""
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ModelLoadError(f"{index.name} is unreadable; the sharded model download may be incomplete.") from None
+        files = [model_dir / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"The model is missing shard {missing[0]}; download the whole folder again.")
+        return files
+    if single.is_file():
+        return [single]
+    others = sorted(model_dir.glob("*.safetensors"))
+    if others:
+        return others
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelLoadError(
+            f"{model_dir.name} holds only pickle weights ({pickles[0]}), which can run code and are never loaded; "
+            "convert them to safetensors (or download the safetensors version)."
+        )
+    raise ModelLoadError(f"{model_dir} has no model.safetensors; choose a Hugging Face model folder with safetensors weights.")
+
+
+def fingerprint(config: ModelConfig, files: list[Path], tables: list[list[TensorInfo]]) -> str:
+    """Model identity for caches and sessions: hash of config.json, every tensor's name/dtype/shape, and 64 KiB
+    sampled from the start, middle and end of each file's data (cheap, yet a retrained checkpoint of the same
+    architecture gets a different fingerprint, so its caches never mix)."""
+    h = hashlib.sha256()
+    h.update(json.dumps(config.raw, sort_keys=True).encode())
+    for path, table in zip(files, tables):
+        for t in sorted(table, key=lambda t: t.name):
+            h.update(f"{t.name}|{t.dtype}|{t.shape}".encode())
+        if table:
+            lo, hi = min(t.start for t in table), max(t.end for t in table)
+            with open(path, "rb") as f:
+                for at in (lo, (lo + hi) // 2, max(lo, hi - 65536)):
+                    f.seek(at)
+                    h.update(f.read(min(65536, hi - at)))
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    config: ModelConfig
+    fingerprint: str
+    path: Path
+    weight_bytes: int
+
+
+def _check_folder(model_dir: Path) -> None:
+    if not model_dir.exists():
+        raise ModelLoadError(f"The model folder {model_dir} does not exist.")
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir} is a file, not a model folder; choose the folder that holds config.json.")
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Build on the meta device, then assign mmap-backed (or converted) tensors: one copy of the weights at most."""
+    model_dir = Path(model_dir).expanduser()
+    _check_folder(model_dir)
+    config = ModelConfig.from_file(model_dir / "config.json")
+    files = weight_files(model_dir)
+    tables = [read_safetensors_header(f) for f in files]
+    state: dict[str, torch.Tensor] = {}
+    for f, table in zip(files, tables):
+        state.update(mmap_tensors(f, table))
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {k: v for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        state.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ModelLoadError(f"The weights lack {missing[0]} (and {len(missing) - 1} more); they do not match config.json.")
+    weight_bytes = 0
+    converted: dict[str, torch.Tensor] = {}
+    for name, ref in expected.items():
+        t = state[name]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise ModelLoadError(f"Tensor {name} has shape {tuple(t.shape)} but config.json implies {tuple(ref.shape)}.")
+        if not t.is_floating_point():
+            raise ModelLoadError(f"Tensor {name} is stored as {t.dtype}; a Llama-family weight must be floating point.")
+        # A dtype/device change copies once; same dtype on CPU stays a view of the mmap.
+        converted[name] = t.to(device=device, dtype=dtype)
+        weight_bytes += converted[name].numel() * converted[name].element_size()
+    model.load_state_dict(converted, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.eval().requires_grad_(False)
+    model.setup_rope()
+    return LoadedModel(model, config, fingerprint(config, files, tables), model_dir, weight_bytes)
