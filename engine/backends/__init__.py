@@ -1,0 +1,99 @@
+"""Backend registry: explicit names, `auto` order coreml -> mps -> cuda -> cpu, with the reason each was skipped."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.backends.base import Backend, BackendProbe
+from engine.errors import BackendUnavailable
+
+AUTO_ORDER: tuple[str, ...] = ("coreml", "mps", "cuda", "cpu")
+
+
+def _probe_coreml() -> BackendProbe:
+    # coreml/ is imported only here and only on a Mac (DESIGN: app and engine reach Core ML through this registry).
+    if platform.system() != "Darwin" or platform.machine() != "arm64":
+        return BackendProbe("coreml", False, f"Core ML needs macOS 15+ on Apple Silicon; this is {platform.system()} {platform.machine()}.")
+    try:
+        from coreml.runtime import probe
+    except ImportError as exc:
+        return BackendProbe("coreml", False, f"The Core ML runtime could not be imported ({exc}).")
+    return probe()
+
+
+def _probe_torch(name: str) -> Callable[[], BackendProbe]:
+    def probe() -> BackendProbe:
+        from engine.backends.torch_backend import probe_torch_device
+
+        return probe_torch_device(name)
+
+    return probe
+
+
+def _open_coreml(model_dir: Path) -> Backend:
+    from coreml.runtime import CoreMLBackend
+
+    return CoreMLBackend(model_dir)
+
+
+def _open_torch(name: str) -> Callable[[Path], Backend]:
+    def open_(model_dir: Path) -> Backend:
+        from engine.backends.torch_backend import TorchBackend
+
+        return TorchBackend(model_dir, device=name)
+
+    return open_
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    probe: Callable[[], BackendProbe]
+    open: Callable[[Path], Backend]
+
+
+REGISTRY: dict[str, BackendEntry] = {
+    "coreml": BackendEntry(_probe_coreml, _open_coreml),
+    "mps": BackendEntry(_probe_torch("mps"), _open_torch("mps")),
+    "cuda": BackendEntry(_probe_torch("cuda"), _open_torch("cuda")),
+    "cpu": BackendEntry(_probe_torch("cpu"), _open_torch("cpu")),
+}
+
+
+def probe_all() -> dict[str, BackendProbe]:
+    return {name: entry.probe() for name, entry in REGISTRY.items()}
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    backend: Backend
+    skipped: tuple[BackendProbe, ...]  # earlier backends `auto` passed over, each with its reason
+
+    def explain(self) -> str:
+        why = "; ".join(f"{p.name}: {p.reason}" for p in self.skipped)
+        return f"{self.backend.name}" + (f" (skipped {why})" if why else "")
+
+
+def open_backend(model_dir: str | Path, name: str = "auto") -> BackendChoice:
+    """Open `name`, or with `auto` the first backend in AUTO_ORDER that probes available and loads."""
+    model_dir = Path(model_dir).expanduser()
+    if name != "auto":
+        if name not in REGISTRY:
+            raise BackendUnavailable(f"Unknown backend {name!r}; choose one of auto, {', '.join(REGISTRY)}.")
+        probe = REGISTRY[name].probe()
+        if not probe.available:
+            raise BackendUnavailable(probe.reason)
+        return BackendChoice(REGISTRY[name].open(model_dir), ())
+    skipped: list[BackendProbe] = []
+    for candidate in AUTO_ORDER:
+        probe = REGISTRY[candidate].probe()
+        if not probe.available:
+            skipped.append(probe)
+            continue
+        try:
+            return BackendChoice(REGISTRY[candidate].open(model_dir), tuple(skipped))
+        except BackendUnavailable as exc:  # e.g. a Core ML conversion that failed: fall through, keep the reason
+            skipped.append(BackendProbe(candidate, False, str(exc)))
+    raise BackendUnavailable("No compute backend is available on this machine.")

@@ -1,0 +1,72 @@
+"""The backend protocol: run the model over a fixed slot table, and read/write KV slots.
+
+Every backend (coreml, mps, cuda, cpu) implements the same small surface, so the memory cascade, sessions and the
+scheduler never know which one runs. KV crosses the boundary in one canonical layout: fp16 on the host,
+(L, Hkv, n, D) per sequence row — what episodic memory keeps, what L3 stores and what session files hold.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model import SlotBatch
+
+CANONICAL_KV_DTYPE = torch.float16
+
+
+@dataclass(frozen=True)
+class BackendProbe:
+    """Whether a backend can run here, and if not, the sentence saying why."""
+
+    name: str
+    available: bool
+    reason: str
+
+
+class Backend(ABC):
+    """A loaded model plus its device slot table of shape (L, B, Hkv, S, D)."""
+
+    name: str
+    config: ModelConfig
+    fingerprint: str
+    weight_bytes: int
+
+    @property
+    @abstractmethod
+    def numerics(self) -> str:
+        """Identifies the arithmetic (backend, device, dtype): L3 entries are only reused under equal numerics."""
+
+    @property
+    @abstractmethod
+    def batch(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_slots(self) -> int: ...
+
+    @abstractmethod
+    def allocate(self, batch: int, num_slots: int) -> None:
+        """(Re)create an empty slot table with `batch` rows of `num_slots` slots."""
+
+    @abstractmethod
+    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
+        """tokens (B, T) long -> logits float32 on the host, (B, T, V) or (B, 1, V) with `last_only`.
+
+        Writes the new tokens' K/V into `batch.write_slots` before attending (see engine.model.SlotBatch).
+        """
+
+    @abstractmethod
+    def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots (n,) long -> k, v each (L, Hkv, n, D) in CANONICAL_KV_DTYPE on the host (keys unrotated)."""
+
+    @abstractmethod
+    def write_kv(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Inverse of read_kv: k, v (L, Hkv, n, D) canonical -> the device slots of `row`."""
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * CANONICAL_KV_DTYPE.itemsize

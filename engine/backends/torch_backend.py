@@ -1,0 +1,87 @@
+"""PyTorch backends: cpu, cuda, mps — one implementation, three devices."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from engine.backends.base import CANONICAL_KV_DTYPE, Backend, BackendProbe
+from engine.model import KVCache, SlotBatch
+from engine.weights import load_model
+
+# Compute dtype per device: CPU kernels are fastest (and exact vs references) in fp32; GPUs run fp16.
+DEVICE_DTYPES: dict[str, torch.dtype] = {"cpu": torch.float32, "cuda": torch.float16, "mps": torch.float16}
+
+
+def probe_torch_device(name: str) -> BackendProbe:
+    if name == "cpu":
+        return BackendProbe("cpu", True, f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
+    if name == "cuda":
+        if torch.cuda.is_available():
+            return BackendProbe("cuda", True, torch.cuda.get_device_name(0))
+        built = torch.backends.cuda.is_built()
+        why = "no NVIDIA GPU is visible" if built else "this PyTorch build has no CUDA support"
+        return BackendProbe("cuda", False, f"CUDA is not available: {why}.")
+    if name == "mps":
+        if torch.backends.mps.is_available():
+            return BackendProbe("mps", True, "Apple GPU via Metal Performance Shaders")
+        why = "this is not macOS on Apple Silicon" if platform.system() != "Darwin" else "Metal is not available on this Mac"
+        return BackendProbe("mps", False, f"MPS is not available: {why}.")
+    raise ValueError(name)
+
+
+class TorchBackend(Backend):
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+        if device == "mps":
+            # Ops MPS lacks fall back to CPU instead of failing mid-conversation.
+            os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
+        self.name = device
+        self.device = torch.device(device)
+        self.dtype = dtype or DEVICE_DTYPES[device]
+        loaded = load_model(model_dir, device=self.device, dtype=self.dtype)
+        self.model = loaded.model
+        self.config = loaded.config
+        self.fingerprint = loaded.fingerprint
+        self.weight_bytes = loaded.weight_bytes
+        self.model_dir = loaded.path
+        self.cache: KVCache = self.model.new_cache(1, 32)
+
+    @property
+    def numerics(self) -> str:
+        return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}"
+
+    @property
+    def batch(self) -> int:
+        return self.cache.batch
+
+    @property
+    def num_slots(self) -> int:
+        return self.cache.num_slots
+
+    def allocate(self, batch: int, num_slots: int) -> None:
+        self.cache = self.model.new_cache(batch, num_slots)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
+        dev = self.device
+        if dev.type != "cpu":
+            tokens = tokens.to(dev, non_blocking=True)
+            batch = SlotBatch(*(t.to(dev, non_blocking=True) for t in (batch.positions, batch.write_slots, batch.slot_positions, batch.mask)))
+        logits = self.model(tokens, self.cache, batch, last_only=last_only)
+        return logits.float().cpu() if dev.type != "cpu" or logits.dtype != torch.float32 else logits
+
+    @torch.inference_mode()
+    def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = slots.to(self.device)
+        k = self.cache.k[:, row].index_select(2, s)  # (L, Hkv, n, D)
+        v = self.cache.v[:, row].index_select(2, s)  # (L, Hkv, n, D)
+        return k.to("cpu", CANONICAL_KV_DTYPE), v.to("cpu", CANONICAL_KV_DTYPE)
+
+    @torch.inference_mode()
+    def write_kv(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        s = slots.to(self.device)
+        self.cache.k[:, row].index_copy_(2, s, k.to(self.device, self.dtype))
+        self.cache.v[:, row].index_copy_(2, s, v.to(self.device, self.dtype))

@@ -1,0 +1,169 @@
+"""Generation as a few small functions: chunked prefill, one-token decode steps, and `stream_generate`, which
+yields one typed `GenerationEvent` per generated token (text delta, token id, logprob, timings, finish reason).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from engine.backends.base import Backend
+from engine.memory import Memory
+from engine.sampling import SamplingSettings, make_logits_processors, make_sampler
+from engine.tokenizer import Tokenizer
+
+FinishReason = str  # "stop" (EOS or stop string) | "length" | "cancelled"
+
+
+@dataclass
+class GenerationSettings:
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    prefill_chunk: int = 256
+
+
+@dataclass(frozen=True)
+class GenerationEvent:
+    text: str  # new text since the previous event (may be "" while a multi-byte character or stop string is pending)
+    token: int | None  # the sampled id (None on a final event that carries no token)
+    logprob: float | None
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_s: float  # time from the call to the first sampled token
+    tokens_per_s: float  # decode speed so far (tokens after the first ÷ time since the first)
+    finish_reason: FinishReason | None = None
+
+
+class Pacer(Protocol):
+    """Hardware policy hook (engine.hw): may shrink prefill chunks, sleep between tokens, or hold while paused."""
+
+    def prefill_chunk(self, requested: int) -> int: ...
+
+    def before_step(self, should_stop: Callable[[], bool]) -> None: ...
+
+
+def prefill(backend: Backend, memory: Memory, ids: Sequence[int], chunk: int) -> torch.Tensor:
+    """Feed `ids` in chunks of at most `chunk` tokens; returns the last token's logits (V,) float32.
+
+    Tokens that the memory can restore from its prefix cache are not recomputed (the last one always is, since its
+    logits are needed).
+    """
+    ids = list(ids)
+    if not ids:
+        raise ValueError("prefill needs at least one token")
+    start = memory.reuse_prefix(ids[:-1])
+    logits = None
+    for at in range(start, len(ids), max(1, chunk)):
+        piece = ids[at : at + chunk]
+        plan = memory.plan(piece)
+        logits = backend.forward(torch.tensor([piece], dtype=torch.long), plan.as_batch(), last_only=True)  # (1, 1, V)
+        memory.after_forward()
+    assert logits is not None
+    return logits[0, -1]
+
+
+def decode_step(backend: Backend, memory: Memory, token: int) -> torch.Tensor:
+    """Feed one token; returns its logits (V,) float32."""
+    plan = memory.plan([token])
+    logits = backend.forward(torch.tensor([[token]], dtype=torch.long), plan.as_batch(), last_only=True)  # (1, 1, V)
+    memory.after_forward()
+    return logits[0, -1]
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back only a tail that could still become one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, stopped)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        hold = 0
+        for s in self.stops:  # longest suffix of pending that is a proper prefix of a stop string
+            for n in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = n
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(self.pending) - hold :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def stream_generate(
+    backend: Backend,
+    memory: Memory,
+    tokenizer: Tokenizer,
+    prompt_ids: Sequence[int],
+    settings: GenerationSettings,
+    *,
+    sampler: Callable[[torch.Tensor], tuple[int, float]] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    pacer: Pacer | None = None,
+) -> Iterator[GenerationEvent]:
+    """Prefill `prompt_ids`, then sample up to `settings.max_tokens` tokens, one event each.
+
+    The last sampled token is *not* fed back (as in every generate loop); a caller that continues later feeds it
+    first. `should_stop` is polled before every step, so cancelling takes effect within one token.
+    """
+    t0 = time.perf_counter()
+    s = settings.sampling
+    sample = sampler or make_sampler(s)
+    processors = make_logits_processors(s)
+    window = max(1, s.repetition_window)
+    history: list[int] = list(memory.tokens[-window:]) + list(prompt_ids)
+    detok = tokenizer.stream_decoder()
+    stops = StopMatcher(settings.stop)
+    eos = tokenizer.eos_ids
+    chunk = pacer.prefill_chunk(settings.prefill_chunk) if pacer else settings.prefill_chunk
+
+    def event(text: str, token: int | None, logprob: float | None, n: int, reason: FinishReason | None) -> GenerationEvent:
+        now = time.perf_counter()
+        rate = (n - 1) / (now - t_first) if n > 1 and now > t_first else 0.0
+        return GenerationEvent(text, token, logprob, len(prompt_ids), n, t_first - t0, rate, reason)
+
+    t_first = t0
+    if should_stop():
+        yield GenerationEvent("", None, None, len(prompt_ids), 0, 0.0, 0.0, "cancelled")
+        return
+    logits = prefill(backend, memory, prompt_ids, chunk)
+    for n in range(1, settings.max_tokens + 1):
+        for proc in processors:
+            logits = proc(torch.tensor(history[-window:], dtype=torch.long), logits)
+        token, logprob = sample(logits)
+        if n == 1:
+            t_first = time.perf_counter()
+        history.append(token)
+        if token in eos:
+            yield event(stops.flush() + detok.flush(), token, logprob, n, "stop")
+            return
+        text, stopped = stops.push(detok.add(token))
+        if stopped:
+            yield event(text, token, logprob, n, "stop")
+            return
+        if n == settings.max_tokens:
+            yield event(text + stops.push(detok.flush())[0] + stops.flush(), token, logprob, n, "length")
+            return
+        if should_stop():
+            yield event(text + stops.flush(), token, logprob, n, "cancelled")
+            return
+        yield event(text, token, logprob, n, None)
+        if pacer:
+            pacer.before_step(should_stop)
+        logits = decode_step(backend, memory, token)

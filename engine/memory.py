@@ -1,0 +1,107 @@
+"""Per-sequence memory: which token's KV lives in which slot of the backend's slot table.
+
+`Memory.plan(ids)` is called before every forward with the ids about to be fed. It does every memory side
+effect first — saving KV that is about to be overwritten, paging blocks in — and returns the `RowPlan` the
+forward needs. The cascade (engine.cascade) is the real implementation; `FullAttentionMemory` here is plain
+contiguous attention over every token (the reference the cascade is compared against, and the benchmarks'
+"full attention" peer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.backends.base import Backend
+from engine.errors import InputTooLarge
+from engine.model import SlotBatch
+
+
+@dataclass
+class RowPlan:
+    """One sequence row's part of a SlotBatch (see engine.model.SlotBatch for meanings).
+
+    positions (T,) long, write_slots (T,) long, slot_positions (S,) long, mask (T, S) bool
+    """
+
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    slot_positions: torch.Tensor
+    mask: torch.Tensor
+
+    def as_batch(self) -> SlotBatch:
+        """A B=1 SlotBatch: positions (1,T), write_slots (1,T), slot_positions (1,S), mask (1,1,T,S)."""
+        return SlotBatch(self.positions[None], self.write_slots[None], self.slot_positions[None], self.mask[None, None])
+
+
+class Memory(Protocol):
+    """The memory of one sequence (one row of the backend's slot table)."""
+
+    row: int
+    tokens: list[int]  # every token fed so far, in order
+
+    def plan(self, ids: list[int]) -> RowPlan:
+        """Reserve slots for `ids` (evicting / paging as needed) and return where they go and what they see."""
+        ...
+
+    def reuse_prefix(self, ids: list[int]) -> int:
+        """On an empty memory: restore KV for the longest cached prefix of `ids` (persistent tier), feed nothing,
+        and return how many leading tokens are now in place (0 when nothing is cached or memory is not empty)."""
+        ...
+
+    def after_forward(self) -> None:
+        """Called after each forward of a plan (e.g. to persist blocks whose KV is now computed)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget everything (the slot table row is considered empty)."""
+        ...
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Everything needed to restore this memory exactly: (JSON-able meta, canonical fp16 host tensors)."""
+        ...
+
+    def load_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of `state()` on a memory over a backend of the same model; writes KV back into the slots."""
+        ...
+
+
+class FullAttentionMemory:
+    """Token i lives in slot i at position i: exact full attention, capacity = the slot table size."""
+
+    def __init__(self, backend: Backend, row: int = 0) -> None:
+        self.backend = backend
+        self.row = row
+        self.tokens: list[int] = []
+        self._slot_positions = torch.arange(backend.num_slots)  # (S,) position == slot
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def reuse_prefix(self, ids: list[int]) -> int:
+        return 0
+
+    def after_forward(self) -> None:
+        pass
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        k, v = self.backend.read_kv(self.row, torch.arange(len(self.tokens)))  # (L, Hkv, N, D) each
+        return {"kind": "full", "tokens": list(self.tokens)}, {"k": k, "v": v}
+
+    def load_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        tokens = [int(t) for t in meta["tokens"]]
+        if len(tokens) > self.backend.num_slots:
+            raise InputTooLarge(f"The saved conversation ({len(tokens)} tokens) exceeds the {self.backend.num_slots}-token cache.")
+        self.backend.write_kv(self.row, torch.arange(len(tokens)), tensors["k"], tensors["v"])
+        self.tokens = tokens
+
+    def plan(self, ids: list[int]) -> RowPlan:
+        start, t, s = len(self.tokens), len(ids), self.backend.num_slots
+        if start + t > s:
+            raise InputTooLarge(f"The conversation ({start + t} tokens) exceeds the {s}-token full-attention cache.")
+        new = torch.arange(start, start + t)  # (T,)
+        mask = torch.arange(s)[None, :] <= new[:, None]  # (T, S) causal over filled slots
+        self.tokens.extend(ids)
+        return RowPlan(new, new, self._slot_positions, mask)
