@@ -53,6 +53,10 @@ class Backend(ABC):
         """(Re)create an empty slot table with `batch` rows of `num_slots` slots."""
 
     @abstractmethod
+    def fork(self) -> "Backend":
+        """A backend sharing these weights with its own empty slot table (another conversation, same model)."""
+
+    @abstractmethod
     def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) long -> logits float32 on the host, (B, T, V) or (B, 1, V) with `last_only`.
 

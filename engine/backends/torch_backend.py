@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 from pathlib import Path
@@ -63,6 +64,11 @@ class TorchBackend(Backend):
 
     def allocate(self, batch: int, num_slots: int) -> None:
         self.cache = self.model.new_cache(batch, num_slots)
+
+    def fork(self) -> "TorchBackend":
+        twin = copy.copy(self)  # shares self.model (weights) by reference
+        twin.cache = self.model.new_cache(self.batch, self.num_slots)
+        return twin
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:

@@ -1,0 +1,47 @@
+"""Where MLoT Spark keeps things, per platform conventions (no Qt here; the app wraps these).
+
+- caches (the persistent KV tier, Core ML conversions): macOS ~/Library/Caches/MLoT Spark,
+  Linux $XDG_CACHE_HOME/mlot-spark (default ~/.cache/mlot-spark); MLOT_SPARK_CACHE_DIR overrides.
+- app data (autosaved sessions): macOS ~/Library/Application Support/MLoT Spark,
+  Linux $XDG_DATA_HOME/mlot-spark (default ~/.local/share/mlot-spark); MLOT_SPARK_DATA_DIR overrides.
+- the bundled default model: resources/models/spark-mini next to the packages, or inside a frozen app bundle.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+APP_NAME = "MLoT Spark"
+APP_SLUG = "mlot-spark"
+BUNDLED_MODEL_NAME = "spark-mini"
+
+
+def _platform_dir(env_override: str, mac_sub: str, xdg_var: str, xdg_default: str) -> Path:
+    if os.environ.get(env_override):
+        return Path(os.environ[env_override]).expanduser()
+    home = Path.home()
+    if sys.platform == "darwin":
+        return home / "Library" / mac_sub / APP_NAME
+    return Path(os.environ.get(xdg_var) or home / xdg_default).expanduser() / APP_SLUG
+
+
+def default_cache_dir() -> Path:
+    return _platform_dir("MLOT_SPARK_CACHE_DIR", "Caches", "XDG_CACHE_HOME", ".cache")
+
+
+def default_data_dir() -> Path:
+    return _platform_dir("MLOT_SPARK_DATA_DIR", "Application Support", "XDG_DATA_HOME", ".local/share")
+
+
+def resources_dir() -> Path:
+    # PyInstaller unpacks data next to the executable and records it in sys._MEIPASS.
+    frozen_root = getattr(sys, "_MEIPASS", None)
+    if frozen_root:
+        return Path(frozen_root) / "resources"
+    return Path(__file__).resolve().parent.parent / "resources"
+
+
+def bundled_model_dir() -> Path:
+    return resources_dir() / "models" / BUNDLED_MODEL_NAME

@@ -1,0 +1,234 @@
+"""The engine's façade: `Engine` (a loaded model, weights once) and `Session` (one conversation and its memory).
+
+The app's worker thread, the CLI and the benchmarks all talk to these two classes; nothing here imports Qt.
+
+A turn is fed *incrementally*: the session remembers the exact text its memory holds (`known_text`); when the
+rendered conversation still starts with that text, only the new suffix is tokenized and fed, so an endless
+conversation keeps its cascade memory instead of being re-read every turn. When the transcript was edited (new
+chat, regenerate, a template that rewrites history) the memory is reset and the prompt re-fed; the persistent
+prefix cache makes that cheap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine.backends import BackendChoice, open_backend
+from engine.backends.base import Backend
+from engine.errors import InputTooLarge
+from engine.generate import GenerationEvent, GenerationSettings, Pacer, stream_generate
+from engine.memory import Memory
+from engine.paths import bundled_model_dir
+from engine.sampling import SamplingSettings, make_sampler
+from engine.tokenizer import Tokenizer
+
+MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pasted file), not a prompt
+MemoryFactory = Callable[[Backend], Memory]
+
+
+@dataclass
+class ChatMessage:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+    timestamp: float = field(default_factory=time.time)
+
+    def as_template_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+class Engine:
+    """A loaded model on one backend; conversations are opened from it and share its weights."""
+
+    def __init__(self, choice: BackendChoice, tokenizer: Tokenizer, model_dir: Path, memory_factory: MemoryFactory) -> None:
+        self.choice = choice
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.memory_factory = memory_factory
+        self._first_taken = False
+        # One forward at a time on shared weights: conversations on other threads queue per step, so the quick
+        # prompt interleaves with a running chat token by token instead of waiting for the whole reply.
+        self.step_lock = threading.Lock()
+
+    @classmethod
+    def load(cls, model_dir: str | Path | None = None, backend: str = "auto", *, memory_factory: MemoryFactory) -> "Engine":
+        model_dir = Path(model_dir).expanduser() if model_dir else bundled_model_dir()
+        tokenizer = Tokenizer.from_dir(model_dir)
+        choice = open_backend(model_dir, backend)
+        return cls(choice, tokenizer, model_dir, memory_factory)
+
+    @property
+    def backend(self) -> Backend:
+        return self.choice.backend
+
+    def new_session(self) -> "Session":
+        """The first session uses the loaded backend's slot table; later ones fork their own."""
+        backend = self.backend if not self._first_taken else self.backend.fork()
+        self._first_taken = True
+        return Session(self, backend, self.memory_factory(backend))
+
+
+class _LockedBackend:
+    """Wraps a backend so every forward takes the engine's step lock (the lock is held for one step only)."""
+
+    def __init__(self, inner: Backend, lock: threading.Lock) -> None:
+        self._inner, self._lock = inner, lock
+
+    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with self._lock:
+            return self._inner.forward(*args, **kwargs)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._inner, name)
+
+
+class Session:
+    """One conversation: messages, its memory on its own slot table, the sampler, and the unfed last token."""
+
+    def __init__(self, engine: Engine, backend: Backend, memory: Memory) -> None:
+        self.engine = engine
+        self.backend = backend
+        self.memory = memory
+        self.tokenizer = engine.tokenizer
+        self.messages: list[ChatMessage] = []
+        self.system_prompt = ""
+        self.pending_token: int | None = None  # sampled last, not yet fed (fed first on the next turn)
+        self.known_text = ""  # decoded text of memory.tokens + pending_token, special tokens included
+        self.sampler = make_sampler(SamplingSettings())
+        self._sampler_settings = SamplingSettings()
+        self._runner = _LockedBackend(backend, engine.step_lock)
+
+    # -- conversation ------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """New chat: forget messages and memory."""
+        self.messages = []
+        self.memory.reset()
+        self.pending_token = None
+        self.known_text = ""
+
+    def chat(
+        self,
+        user_text: str,
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        pacer: Pacer | None = None,
+    ) -> Iterator[GenerationEvent]:
+        """Append a user message and stream the assistant's reply (appended to `messages` when it ends)."""
+        self._check_size(user_text)
+        self.messages.append(ChatMessage("user", user_text))
+        return self.submit(self.messages, settings, should_stop, pacer)
+
+    def submit(
+        self,
+        messages: Sequence[ChatMessage | dict],
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        pacer: Pacer | None = None,
+    ) -> Iterator[GenerationEvent]:
+        """Stream a reply to `messages` (the whole conversation so far, last one from the user)."""
+        msgs = [m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"]) for m in messages]
+        if self.messages is not messages:
+            self.messages = list(msgs)
+        rendered = self.tokenizer.apply_chat_template(self._template_messages(), add_generation_prompt=True)
+        ids = self._ids_for_text(rendered)
+        return self._run(ids, settings, should_stop, pacer, reply_to_messages=True)
+
+    def regenerate(self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None) -> Iterator[GenerationEvent]:
+        """Drop the last assistant reply and answer the last user message again."""
+        while self.messages and self.messages[-1].role == "assistant":
+            self.messages.pop()
+        return self.submit(self.messages, settings, should_stop, pacer)
+
+    def complete(self, prompt: str, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None) -> Iterator[GenerationEvent]:
+        """Raw completion: the prompt text as is (BOS where the tokenizer adds one), appended to what came before."""
+        self._check_size(prompt)
+        if not self.memory.tokens and self.pending_token is None:
+            ids = self.tokenizer.encode(prompt)
+            self.known_text = self.tokenizer.decode(ids, skip_special=False)
+        else:
+            ids = self._pending() + self.tokenizer.encode(prompt, add_bos=False)
+            self.known_text += prompt
+        return self._run(ids, settings, should_stop, pacer, reply_to_messages=False)
+
+    def continue_reply(self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None) -> Iterator[GenerationEvent]:
+        """Extend the last reply: feed the unfed last token and keep sampling (N then M tokens == N+M in one run)."""
+        if self.pending_token is None:
+            raise InputTooLarge("There is no reply to continue; send a prompt first.")
+        extend = bool(self.messages) and self.messages[-1].role == "assistant"
+        return self._run(self._pending(), settings, should_stop, pacer, reply_to_messages=extend, extend_last=extend)
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _template_messages(self) -> list[dict[str, str]]:
+        msgs = [m.as_template_dict() for m in self.messages]
+        if self.system_prompt and not (msgs and msgs[0]["role"] == "system"):
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
+
+    def _pending(self) -> list[int]:
+        return [self.pending_token] if self.pending_token is not None else []
+
+    def _ids_for_text(self, rendered: str) -> list[int]:
+        """Ids to feed so that memory holds `rendered`: only the new suffix when memory already holds a prefix."""
+        if self.known_text and rendered.startswith(self.known_text):
+            suffix = rendered[len(self.known_text) :]
+            self.known_text = rendered
+            return self._pending() + self.tokenizer.encode(suffix, add_bos=False)
+        self.memory.reset()
+        self.pending_token = None
+        ids = self.tokenizer.encode(rendered, add_bos=False) if self._template_has_bos(rendered) else self.tokenizer.encode(rendered)
+        self.known_text = self.tokenizer.decode(ids, skip_special=False)
+        return ids
+
+    def _template_has_bos(self, rendered: str) -> bool:
+        bos = self.tokenizer.bos_id
+        return bos is not None and rendered.startswith(self.tokenizer.decode([bos], skip_special=False))
+
+    def _check_size(self, text: str) -> None:
+        if len(text) > MAX_PROMPT_CHARS:
+            raise InputTooLarge(
+                f"The prompt is {len(text):,} characters, more than the {MAX_PROMPT_CHARS:,} MLoT Spark accepts; shorten it or attach less."
+            )
+
+    def _sampler_for(self, s: SamplingSettings):  # type: ignore[no-untyped-def]
+        # Keep one sampler (and its RNG stream) across turns while settings are unchanged, so a seeded run that is
+        # saved and continued draws the same numbers as an uninterrupted one.
+        if asdict(s) != asdict(self._sampler_settings):
+            self.sampler = make_sampler(s)
+            self._sampler_settings = s
+        return self.sampler
+
+    def _run(
+        self,
+        ids: list[int],
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool],
+        pacer: Pacer | None,
+        *,
+        reply_to_messages: bool,
+        extend_last: bool = False,
+    ) -> Iterator[GenerationEvent]:
+        if not ids:
+            raise InputTooLarge("There is nothing to send; type a prompt first.")
+        sampler = self._sampler_for(settings.sampling)
+        tokens: list[int] = []
+        reply = ""
+        if reply_to_messages and not extend_last:
+            self.messages.append(ChatMessage("assistant", ""))
+        self.pending_token = None
+        try:
+            for ev in stream_generate(self._runner, self.memory, self.tokenizer, ids, settings, sampler=sampler, should_stop=should_stop, pacer=pacer):  # type: ignore[arg-type]
+                if ev.token is not None:
+                    tokens.append(ev.token)
+                    self.pending_token = ev.token
+                reply += ev.text
+                if reply_to_messages:
+                    self.messages[-1].content += ev.text
+                yield ev
+        finally:
+            # Whatever was sampled (even on cancel) is now part of the conversation's known text.
+            self.known_text += self.tokenizer.decode(tokens, skip_special=False)
+            if reply_to_messages and not extend_last and not self.messages[-1].content and not tokens:
+                self.messages.pop()
