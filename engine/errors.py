@@ -29,3 +29,7 @@ class SessionFileError(SparkError):
 
 class InputTooLarge(SparkError):
     """A prompt or file is larger than the engine accepts."""
+
+
+class InsufficientMemory(SparkError):
+    """A model (weights plus KV cache) does not fit in the memory this machine can give it."""
