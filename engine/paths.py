@@ -16,6 +16,8 @@ from pathlib import Path
 APP_NAME = "MLoT Spark"
 APP_SLUG = "mlot-spark"
 BUNDLED_MODEL_NAME = "spark-mini"
+CACHE_DIR_ENV = "MLOT_SPARK_CACHE_DIR"  # tests and benchmarks point this at a temp dir
+DATA_DIR_ENV = "MLOT_SPARK_DATA_DIR"
 
 
 def _platform_dir(env_override: str, mac_sub: str, xdg_var: str, xdg_default: str) -> Path:
@@ -28,11 +30,11 @@ def _platform_dir(env_override: str, mac_sub: str, xdg_var: str, xdg_default: st
 
 
 def default_cache_dir() -> Path:
-    return _platform_dir("MLOT_SPARK_CACHE_DIR", "Caches", "XDG_CACHE_HOME", ".cache")
+    return _platform_dir(CACHE_DIR_ENV, "Caches", "XDG_CACHE_HOME", ".cache")
 
 
 def default_data_dir() -> Path:
-    return _platform_dir("MLOT_SPARK_DATA_DIR", "Application Support", "XDG_DATA_HOME", ".local/share")
+    return _platform_dir(DATA_DIR_ENV, "Application Support", "XDG_DATA_HOME", ".local/share")
 
 
 def resources_dir() -> Path:
