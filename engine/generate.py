@@ -16,6 +16,7 @@ from engine.memory import Memory
 from engine.sampling import SamplingSettings, make_logits_processors, make_sampler
 from engine.tokenizer import Tokenizer
 
+MAX_PENALTY_HISTORY = 4096
 FinishReason = str  # "stop" (EOS or stop string) | "length" | "cancelled"
 
 
@@ -126,7 +127,8 @@ def stream_generate(
     s = settings.sampling
     sample = sampler or make_sampler(s)
     processors = make_logits_processors(s)
-    window = max(1, s.repetition_window)
+    # The penalty looks at the last `repetition_window` tokens; 0 means "all", capped so cost stays flat per token.
+    window = s.repetition_window or MAX_PENALTY_HISTORY
     history: list[int] = list(memory.tokens[-window:]) + list(prompt_ids)
     detok = tokenizer.stream_decoder()
     stops = StopMatcher(settings.stop)

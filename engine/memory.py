@@ -23,7 +23,7 @@ from engine.model import SlotBatch
 class RowPlan:
     """One sequence row's part of a SlotBatch (see engine.model.SlotBatch for meanings).
 
-    positions (T,) long, write_slots (T,) long, slot_positions (S,) long, mask (T, S) bool
+    positions (T,) long, write_slots (T,) long, slot_positions (S',) long, mask (T, S') bool  (S' <= S live slots)
     """
 
     positions: torch.Tensor
@@ -101,7 +101,8 @@ class FullAttentionMemory:
         start, t, s = len(self.tokens), len(ids), self.backend.num_slots
         if start + t > s:
             raise InputTooLarge(f"The conversation ({start + t} tokens) exceeds the {s}-token full-attention cache.")
-        new = torch.arange(start, start + t)  # (T,)
-        mask = torch.arange(s)[None, :] <= new[:, None]  # (T, S) causal over filled slots
+        live = start + t  # only the filled slots take part (see SlotBatch)
+        new = torch.arange(start, live)  # (T,)
+        mask = self._slot_positions[None, :live] <= new[:, None]  # (T, S') causal
         self.tokens.extend(ids)
-        return RowPlan(new, new, self._slot_positions, mask)
+        return RowPlan(new, new, self._slot_positions[:live], mask)

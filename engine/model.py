@@ -92,8 +92,11 @@ class SlotBatch:
 
     positions:      (B, T) long  position of each new token (for its query and its stored key)
     write_slots:    (B, T) long  slot each new token's K/V is written to
-    slot_positions: (B, S) long  position of every slot *after* this step's writes (rotates keys on read)
-    mask:           (B, 1, T, S) bool  True where a new token may attend to a slot
+    slot_positions: (B, S') long position of each of the first S' <= S slots after this step's writes
+    mask:           (B, 1, T, S') bool True where a new token may attend to a slot
+
+    Only the leading S' slots take part (S' = slot_positions.shape[1]): a memory that has filled 300 of 4096 slots
+    pays for 300, and a backend with a fixed shape (Core ML) pads the plan to its S with masked-off slots.
     """
 
     positions: torch.Tensor
@@ -148,16 +151,18 @@ class Attention(nn.Module):
         cache: KVCache,
         batch: SlotBatch,
         rope_q: tuple[torch.Tensor, torch.Tensor],  # cos, sin (B, 1, T, D)
-        rope_k: tuple[torch.Tensor, torch.Tensor],  # cos, sin (B, 1, S, D)
+        rope_k: tuple[torch.Tensor, torch.Tensor],  # cos, sin (B, 1, S', D)
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         cache.write(layer, batch.write_slots, k, v)
+        live = batch.slot_positions.shape[1]  # S'
         q = apply_rope(q, *rope_q)  # (B, H, T, D)
-        keys = apply_rope(cache.k[layer], *rope_k)  # (B, Hkv, S, D)
-        out = F.scaled_dot_product_attention(q, keys, cache.v[layer], attn_mask=batch.mask, enable_gqa=True)  # (B, H, T, D)
+        keys = apply_rope(cache.k[layer][:, :, :live], *rope_k)  # (B, Hkv, S', D)
+        values = cache.v[layer][:, :, :live]  # (B, Hkv, S', D)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, C)
 
 
@@ -216,7 +221,7 @@ class Transformer(nn.Module):
             self.setup_rope()
         assert self.rope is not None
         rope_q = self.rope.lookup(batch.positions)  # (B, 1, T, D) each
-        rope_k = self.rope.lookup(batch.slot_positions)  # (B, 1, S, D) each
+        rope_k = self.rope.lookup(batch.slot_positions)  # (B, 1, S', D) each
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         for i, layer in enumerate(self.model.layers):
             x = x + layer.self_attn(layer.input_layernorm(x), i, cache, batch, rope_q, rope_k)

@@ -21,13 +21,23 @@ from engine.backends import BackendChoice, open_backend
 from engine.backends.base import Backend
 from engine.errors import InputTooLarge
 from engine.generate import GenerationEvent, GenerationSettings, Pacer, stream_generate
-from engine.memory import Memory
+from engine.memory import FullAttentionMemory, Memory
 from engine.paths import bundled_model_dir
 from engine.sampling import SamplingSettings, make_sampler
 from engine.tokenizer import Tokenizer
 
 MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pasted file), not a prompt
 MemoryFactory = Callable[[Backend], Memory]
+
+
+def memory_factory_for(model_dir: str | Path | None, *, cache_dir: Path | None = None, prefix_cache: bool = True) -> MemoryFactory:
+    """The memory each conversation gets on its slot table."""
+
+    def make(backend: Backend) -> Memory:
+        backend.allocate(1, min(backend.config.max_position_embeddings, 4096))
+        return FullAttentionMemory(backend)
+
+    return make
 
 
 @dataclass

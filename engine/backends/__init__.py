@@ -72,7 +72,7 @@ class BackendChoice:
     skipped: tuple[BackendProbe, ...]  # earlier backends `auto` passed over, each with its reason
 
     def explain(self) -> str:
-        why = "; ".join(f"{p.name}: {p.reason}" for p in self.skipped)
+        why = "; ".join(f"{p.name}: {p.reason.rstrip('.')}" for p in self.skipped)
         return f"{self.backend.name}" + (f" (skipped {why})" if why else "")
 
 

@@ -1,0 +1,138 @@
+"""`python -m engine generate` and the shared model/sampling arguments of the CLI (see DESIGN.md's contract)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from engine.errors import SparkError
+from engine.generate import GenerationEvent, GenerationSettings
+from engine.sampling import SamplingSettings
+from engine.session import Engine, Session, memory_factory_for
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None, help="Hugging Face model folder (default: the bundled model)")
+    p.add_argument("--backend", default="auto", choices=["auto", "coreml", "mps", "cuda", "cpu"])
+    p.add_argument("--cache-dir", type=Path, default=None, help="persistent (L3) prefix cache folder")
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not read or write the persistent prefix cache")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
+    if args.max_tokens < 1:
+        raise SparkError(f"--max-tokens must be at least 1, not {args.max_tokens}.")
+    sampling = SamplingSettings(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        greedy=args.greedy,
+    )
+    sampling.validate()
+    return GenerationSettings(max_tokens=args.max_tokens, stop=tuple(args.stop), sampling=sampling)
+
+
+def open_engine(args: argparse.Namespace) -> Engine:
+    factory = memory_factory_for(args.model, cache_dir=args.cache_dir, prefix_cache=not args.no_prefix_cache)
+    return Engine.load(args.model, args.backend, memory_factory=factory)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate text from a prompt (raw completion, or --chat)")
+    add_model_args(p)
+    p.add_argument("--prompt", default=None, help="prompt text (raw completion unless --chat)")
+    p.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from a file")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    add_sampling_args(p)
+    p.add_argument("--save-session", type=Path, default=None, help="save the conversation and its memory to a .spark file")
+    p.add_argument("--load-session", type=Path, default=None, help="continue a saved .spark conversation")
+    p.add_argument("--continue", dest="continue_", action="store_true", help="with --load-session: extend the last reply")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=run)
+
+
+def read_prompt(args: argparse.Namespace) -> str | None:
+    if args.prompt_file is not None:
+        path = args.prompt_file.expanduser()
+        if path.is_dir():
+            raise SparkError(f"{path} is a folder; --prompt-file needs a text file.")
+        try:
+            return path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise SparkError(f"The prompt file {path} does not exist.") from None
+        except UnicodeDecodeError:
+            raise SparkError(f"{path} is not UTF-8 text; --prompt-file needs a text file.") from None
+    return args.prompt
+
+
+def run(args: argparse.Namespace) -> int:
+    prompt = read_prompt(args)
+    if args.continue_ and args.load_session is None:
+        raise SparkError("--continue needs --load-session FILE (the conversation to continue).")
+    if prompt is None and not args.continue_:
+        raise SparkError("Give a prompt with --prompt TEXT (or --load-session FILE --continue).")
+    settings = settings_from_args(args)
+    engine = open_engine(args)
+    session = engine.new_session()
+    if args.load_session is not None:
+        report = session.load(args.load_session)
+        if report.foreign_model:
+            print(f"note: {report.message}", file=sys.stderr)
+    events = pick_stream(session, prompt, args, settings)
+    if not args.json:
+        print(f"backend: {engine.choice.explain()}", file=sys.stderr)
+    text, tokens, last = stream(events, echo=not args.json)
+    if args.save_session is not None:
+        session.save(args.save_session)
+    if args.json:
+        out = {
+            "text": text,
+            "tokens": tokens,
+            "prompt_tokens": last.prompt_tokens if last else 0,
+            "ttft_s": last.ttft_s if last else 0.0,
+            "tokens_per_s": last.tokens_per_s if last else 0.0,
+            "backend": engine.backend.name,
+            "backend_reason": engine.choice.explain(),
+            "finish_reason": last.finish_reason if last else None,
+        }
+        print(json.dumps(out, ensure_ascii=False))
+    return 0
+
+
+def pick_stream(session: Session, prompt: str | None, args: argparse.Namespace, settings: GenerationSettings):  # type: ignore[no-untyped-def]
+    if prompt is None:
+        return session.continue_reply(settings)
+    if args.chat:
+        return session.chat(prompt, settings)
+    return session.complete(prompt, settings)
+
+
+def stream(events, echo: bool) -> tuple[str, list[int], GenerationEvent | None]:  # type: ignore[no-untyped-def]
+    text, tokens, last = [], [], None
+    for ev in events:
+        if ev.token is not None:
+            tokens.append(ev.token)
+        text.append(ev.text)
+        if echo and ev.text:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        last = ev
+    if echo:
+        sys.stdout.write("\n")
+    return "".join(text), tokens, last
