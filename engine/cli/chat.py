@@ -1,0 +1,81 @@
+"""`python -m engine chat` — a terminal chat over the same Session the app uses.
+
+Commands inside the chat: /new (forget the conversation), /system TEXT, /save FILE, /load FILE, /quit.
+Ctrl-C stops the reply being generated; Ctrl-D (or /quit) leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from engine.cli.generate import add_model_args, add_sampling_args, open_engine, settings_from_args
+from engine.errors import SparkError
+from engine.session import Session
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("chat", help="chat with the model in the terminal")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--system", default="", help="system prompt")
+    p.set_defaults(func=run, max_tokens=512)
+
+
+def handle_command(session: Session, line: str) -> bool:
+    """Run a /command; returns False when the chat should end."""
+    cmd, _, arg = line.partition(" ")
+    if cmd == "/quit":
+        return False
+    if cmd == "/new":
+        session.reset()
+        print("(new conversation)")
+    elif cmd == "/system":
+        session.system_prompt = arg
+        print("(system prompt set)")
+    elif cmd == "/save" and arg:
+        session.save(Path(arg))
+        print(f"(saved to {arg})")
+    elif cmd == "/load" and arg:
+        report = session.load(Path(arg))
+        print(f"({report.message})")
+    else:
+        print("commands: /new, /system TEXT, /save FILE, /load FILE, /quit")
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    engine = open_engine(args)
+    session = engine.new_session()
+    session.system_prompt = args.system
+    print(f"MLoT Spark — {engine.model_dir.name} on {engine.choice.explain()}. /quit to leave.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line:
+            continue
+        try:
+            if line.startswith("/"):
+                if not handle_command(session, line):
+                    return 0
+                continue
+            stop = threading.Event()
+            # Ctrl-C during a reply only sets the flag: the loop stops between tokens, never mid-step, so the
+            # conversation's memory stays consistent for the next turn.
+            previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+            try:
+                for ev in session.chat(line, settings, should_stop=stop.is_set):
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+            finally:
+                signal.signal(signal.SIGINT, previous)
+            print(" [stopped]" if stop.is_set() else "")
+        except SparkError as exc:  # a bad command or file must not end the chat
+            print(f"error: {exc}", file=sys.stderr)
