@@ -1,0 +1,49 @@
+"""`python -m engine bench SUITE [--model DIR] [--json]` — benchmarks that report ratios against a peer measured
+in the same run (llama.cpp, transformers, full attention, the cold path). Never wall-clock thresholds in tests."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from engine.errors import SparkError
+
+# suite name -> module exposing `run(args) -> dict` (headline keys per DESIGN.md), optional `add_args(parser)`
+SUITES: dict[str, str] = {
+    "decode": "engine.bench.decode",
+    "cascade": "engine.bench.cascade",
+    "prefix-cache": "engine.bench.prefix_cache",
+    "long-ppl": "engine.bench.long_ppl",
+    "batch": "engine.bench.batch",
+    "profile": "engine.bench.profile",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("bench", help="run a benchmark suite")
+    p.add_argument("suite", choices=list(SUITES))
+    p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model, or the suite's own)")
+    p.add_argument("--backend", default="cpu", choices=["auto", "coreml", "mps", "cuda", "cpu"])
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for us and every peer (default: all cores)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke runs)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        module = importlib.import_module(SUITES[args.suite])
+    except ModuleNotFoundError as exc:
+        if exc.name != SUITES[args.suite]:
+            raise
+        raise SparkError(f"The {args.suite} benchmark is not available in this build.") from None
+    result = module.run(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            print(f"{key:28s} {value}")
+    return 0 if not result.get("error") else 1
