@@ -1,0 +1,38 @@
+"""The policy drives the real generation loop through the `Pacer` hook (tiny random model on CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.backends.torch_backend import TorchBackend
+from engine.generate import GenerationSettings, stream_generate
+from engine.hw.policy import HardwarePolicy, Mode
+from engine.hw.thermal import ThermalState
+from engine.memory import FullAttentionMemory
+from engine.tokenizer import Tokenizer
+from tests.engine.hw.fakes import FakeMemory, FakeThermal, FakeTime
+from tests.tiny import make_tiny_model
+
+
+def test_serious_state_shrinks_prefill_chunks_and_paces_decode(tmp_path: Path) -> None:
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    backend = TorchBackend(model_dir, device="cpu")
+    backend.allocate(1, 256)
+    chunks: list[int] = []
+    forward = backend.forward
+
+    def recording_forward(tokens, batch, last_only=False):  # type: ignore[no-untyped-def]
+        chunks.append(tokens.shape[1])
+        return forward(tokens, batch, last_only)
+
+    backend.forward = recording_forward  # type: ignore[method-assign]
+    t = FakeTime()
+    policy = HardwarePolicy(FakeThermal(ThermalState.SERIOUS), FakeMemory(), Mode.BALANCED, clock=t.clock, sleep=t.sleep)
+
+    settings = GenerationSettings(max_tokens=5, prefill_chunk=256)
+    events = list(stream_generate(backend, FullAttentionMemory(backend), Tokenizer.from_dir(model_dir), list(range(1, 151)),
+                                  settings, sampler=lambda logits: (7, 0.0), pacer=policy))
+
+    assert len(events) == 5
+    assert chunks[:3] == [64, 64, 22]  # 150 prompt tokens in balanced-serious chunks of at most 64
+    assert t.sleeps == [0.02] * 4  # a cool-down before each decode step
