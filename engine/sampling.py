@@ -1,0 +1,166 @@
+"""Choosing the next token: logits processors and samplers, composed like mlx-lm's `make_logits_processors` and
+`make_sampler` (plain callables built once per request, so the decode loop does no dispatch per token).
+
+Order of operations per step, as in transformers' `generate`:
+  1. logits processors (repetition penalty) see the history and the raw logits;
+  2. the sampler reports the chosen token's logprob from the log-softmax of the logits it is given
+     (mlx-lm's convention: the model's distribution after processors, before temperature and truncation);
+  3. greedy: argmax. Otherwise temperature, then top-k, top-p, min-p masks (transformers' warpers, same order and
+     tie rules), then one categorical draw from the sampler's own seeded generator.
+
+Draws happen on the CPU with a CPU `torch.Generator`, so a seed gives the same tokens on every backend (for equal
+logits) and the RNG state saved in a session file is one format everywhere.
+
+Shapes: V vocab, B batch, N history length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import SessionFileError, SparkError
+
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class InvalidSamplingSettings(SparkError, ValueError):
+    """A sampling setting is out of range (e.g. a negative temperature)."""
+
+
+@dataclass
+class SamplingSettings:
+    temperature: float = 0.7
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off
+    repetition_window: int = 64  # how many recent tokens the penalty looks at; 0 = the whole history
+    seed: int | None = None  # None = a fresh random seed
+    greedy: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise InvalidSamplingSettings (one sentence) for a value that cannot be used."""
+        checks = (
+            (math.isfinite(self.temperature) and self.temperature >= 0.0, f"temperature must be 0 or more, not {self.temperature}"),
+            (self.top_k >= 0, f"top-k must be 0 (off) or a positive number of tokens, not {self.top_k}"),
+            (0.0 < self.top_p <= 1.0, f"top-p must be in (0, 1], not {self.top_p}"),
+            (0.0 <= self.min_p <= 1.0, f"min-p must be in [0, 1], not {self.min_p}"),
+            (
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+                f"repetition penalty must be a positive number, not {self.repetition_penalty}",
+            ),
+            (self.repetition_window >= 0, f"repetition window must be 0 (whole history) or more, not {self.repetition_window}"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise InvalidSamplingSettings(f"The sampling {message}.")
+
+
+def make_repetition_penalty(penalty: float, window: int) -> LogitsProcessor:
+    """transformers' RepetitionPenaltyLogitsProcessor over the last `window` tokens (0 = all): a token already
+    seen has its logit divided by `penalty` when positive and multiplied by it when negative."""
+
+    def apply(history: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        # history (N,) or (B, N) long; logits (V,) or (B, V) float
+        recent = history[..., -window:] if window > 0 else history
+        if recent.shape[-1] == 0:
+            return logits
+        recent = recent.to(logits.device)
+        seen = logits.gather(-1, recent)  # (N,) / (B, N)
+        seen = torch.where(seen < 0, seen * penalty, seen / penalty)
+        return logits.scatter(-1, recent, seen)
+
+    return apply
+
+
+def make_logits_processors(s: SamplingSettings) -> list[LogitsProcessor]:
+    """Processors to apply, in order, to each step's logits before the sampler: `logits = p(history, logits)`."""
+    s.validate()
+    processors: list[LogitsProcessor] = []
+    if s.repetition_penalty != 1.0:
+        processors.append(make_repetition_penalty(s.repetition_penalty, s.repetition_window))
+    return processors
+
+
+class Sampler:
+    """Picks a token from one step's logits: `(V,) -> (token_id, logprob)`, or `(B, V) -> (tokens (B,), logprobs (B,))`.
+
+    Build it with `make_sampler(settings)`. It owns a CPU generator: the same seed gives the same tokens, and
+    `get_state()` / `set_state()` save and restore it (as JSON-able ints) so a restored session continues
+    exactly where it stopped.
+    """
+
+    def __init__(self, s: SamplingSettings) -> None:
+        s.validate()
+        self.settings = s
+        self._greedy = s.is_greedy
+        self._temperature = 1.0 if self._greedy else s.temperature
+        self._top_k = s.top_k
+        self._top_p = s.top_p
+        self._log_min_p = math.log(s.min_p) if s.min_p > 0.0 else None
+        self._generator = torch.Generator(device="cpu")
+        if s.seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(s.seed)
+
+    def __call__(self, logits: torch.Tensor) -> tuple[int, float] | tuple[torch.Tensor, torch.Tensor]:
+        batched = logits.dim() == 2
+        scores = logits.float() if batched else logits.float().unsqueeze(0)  # (B, V)
+        logprobs = torch.log_softmax(scores, dim=-1)  # (B, V)
+        if self._greedy:
+            tokens = logprobs.argmax(dim=-1)  # (B,)
+        else:
+            # Warp the raw logits, as transformers does: log-softmax in float32 can merge near-equal logits.
+            probs = torch.softmax(self.warp(scores), dim=-1)  # (B, V)
+            tokens = torch.multinomial(probs.cpu(), 1, generator=self._generator).squeeze(-1).to(logits.device)  # (B,)
+        chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B,)
+        if batched:
+            return tokens, chosen
+        return int(tokens[0]), float(chosen[0])
+
+    def warp(self, scores: torch.Tensor) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p (transformers' warpers, same order): removed tokens get -inf.
+
+        scores (B, V) float -> (B, V) float. Every mask keeps at least the most likely token.
+        """
+        if self._temperature != 1.0:
+            scores = scores / self._temperature
+        vocab = scores.shape[-1]
+        if 0 < self._top_k < vocab:
+            kth = torch.topk(scores, self._top_k, dim=-1).values[..., -1:]  # (B, 1)
+            scores = scores.masked_fill(scores < kth, -math.inf)  # ties with the k-th survive, as in transformers
+        if self._top_p < 1.0:
+            ascending, order = torch.sort(scores, dim=-1)  # (B, V)
+            cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+            drop_sorted = cumulative <= (1.0 - self._top_p)
+            drop_sorted[..., -1:] = False  # the most likely token always stays
+            scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf)
+        if self._log_min_p is not None:
+            # p < min_p * p_max  <=>  log p < log p_max + log min_p; the softmax normaliser cancels on both sides.
+            top = scores.amax(dim=-1, keepdim=True)  # (B, 1)
+            scores = scores.masked_fill(scores < top + self._log_min_p, -math.inf)
+        return scores
+
+    def get_state(self) -> list[int]:
+        """The generator state as a list of byte values (JSON-able, for session files)."""
+        return self._generator.get_state().tolist()
+
+    def set_state(self, state: bytes | list[int]) -> None:
+        """Restore a state from `get_state()` (a list of byte values, or the same as bytes)."""
+        try:
+            self._generator.set_state(torch.tensor(list(state), dtype=torch.uint8))
+        except (RuntimeError, TypeError, ValueError, OverflowError):
+            raise SessionFileError("The saved sampler state is damaged, so the conversation cannot continue exactly.") from None
+
+
+def make_sampler(s: SamplingSettings) -> Sampler:
+    return Sampler(s)
