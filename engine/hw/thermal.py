@@ -90,11 +90,17 @@ def classify(celsius: float, passive: float | None = None, critical: float | Non
     return ThermalState.NOMINAL
 
 
-def _read_millic(path: Path) -> float | None:
+def _read_text(path: Path) -> str:
+    # sysfs files can refuse reads (EIO, ENODATA) while a device sleeps: treat them as absent, never as zero.
     try:
-        return int(path.read_text().strip()) / 1000.0
-    except (OSError, ValueError):
-        return None
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _read_millic(path: Path) -> float | None:
+    text = _read_text(path)
+    return int(text) / 1000.0 if text.lstrip("-").isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,7 @@ def read_thermal_zones(root: Path) -> list[SensorReading]:
         passive: float | None = None
         critical: float | None = None
         for trip in zone.glob("trip_point_*_type"):
-            kind = trip.read_text().strip() if trip.is_file() else ""
+            kind = _read_text(trip)
             value = _plausible(_read_millic(trip.with_name(trip.name.replace("_type", "_temp"))))
             if value is None:
                 continue
@@ -128,10 +134,7 @@ def read_thermal_zones(root: Path) -> list[SensorReading]:
                 passive = value if passive is None else min(passive, value)
             elif kind in ("critical", "hot"):
                 critical = value if critical is None else min(critical, value)
-        try:
-            name = (zone / "type").read_text().strip() or zone.name
-        except OSError:
-            name = zone.name
+        name = _read_text(zone / "type") or zone.name
         readings.append(SensorReading(f"{zone.name} ({name})", celsius, passive, critical))
     return readings
 
