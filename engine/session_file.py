@@ -1,0 +1,695 @@
+"""`.spark` session files: one conversation and its memory in one self-checking file (DESIGN.md, "Session files").
+
+Layout of format v2 (all integers little-endian):
+
+    offset  size  field
+    0       6     magic b"SPARK\\x00"
+    6       2     format version (u16)
+    8       2     flags (u16): compression of the tensor section, 0 none | 1 zlib | 2 lzma
+    10      2     reserved, 0
+    12      8     M, metadata length (u64)
+    20      8     T, tensor section length as stored (u64)
+    28      8     R, tensor section length once decompressed (u64; == T when not compressed)
+    36      32    SHA-256 over bytes [0, 36) + metadata + tensor section
+    68      M     metadata: one UTF-8 JSON object (see `_validate` for its fields)
+    68+M    T     tensors: safetensors bytes (possibly compressed); never pickle
+
+Older layouts stay readable: each has a preamble reader (`_PREAMBLES`) and a metadata migration to the next
+version (`_MIGRATIONS`), applied in a chain up to `FORMAT_VERSION`.
+
+- v1: 56-byte preamble (magic, version, M, T, SHA-256 over metadata + tensors), no compression; its metadata had
+  no tokenizer hash, no `saved` time and no `extra`, messages carried no timestamps, and the sampler state was
+  called `rng`.
+- v2: the layout above.
+
+Reading checks, in this order, before anything is parsed into engine objects: a non-empty regular file, the
+magic, a version this build knows, lengths within limits and adding up to the file's size, and the SHA-256.
+Only then is the JSON parsed, migrated and checked field by field, and the tensor table validated against its
+section before safetensors decodes it. Every failure is one `SessionFileError` sentence; nothing is applied.
+
+Writes are atomic: a temp file in the same folder, fsync, `os.replace`, fsync of the folder — a crash or a full
+disk mid-save leaves the previous file as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import lzma
+import math
+import os
+import stat
+import struct
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+import engine
+from engine.backends.base import CANONICAL_KV_DTYPE, Backend
+from engine.errors import SessionFileError, SparkError
+from engine.memory import Memory
+
+MAGIC = b"SPARK\x00"
+FORMAT_VERSION = 2
+SUFFIX = ".spark"
+
+# Limits: a file may be large (KV), but no header field may make the reader allocate more than the file holds.
+MAX_META_BYTES = 64 * 1024 * 1024  # ~1M token ids + transcript + sampler state fit with room to spare
+MAX_TENSORS = 4096
+MAX_TENSOR_HEADER_BYTES = 16 * 1024 * 1024
+MAX_COMPRESSION_RATIO = 64  # writers store uncompressed above this, so a higher claim is a corrupt (or hostile) file
+MIN_COMPRESSION_SAVING = 0.05
+MAX_TOKEN_ID = 2**31 - 1
+
+_V2_PREAMBLE = struct.Struct("<6sHHHQQQ32s")  # 68 bytes
+_V1_PREAMBLE = struct.Struct("<6sHQQ32s")  # 56 bytes
+_COMPRESSION_FLAGS: dict[str, int] = {"none": 0, "zlib": 1, "lzma": 2}
+_COMPRESSION_NAMES = {v: k for k, v in _COMPRESSION_FLAGS.items()}
+
+# safetensors dtype name -> bytes per element: what a memory's state may hold (KV is canonical fp16).
+_DTYPE_SIZES: dict[str, int] = {"F16": 2, "BF16": 2, "F32": 4, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+JSONValue = Any  # None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "system" | "user" | "assistant" (kept as written; the chat template decides what it accepts)
+    content: str
+    timestamp: float | None = None  # seconds since the epoch; None when the file's format version did not keep it
+
+
+@dataclass
+class SessionData:
+    """Everything a `.spark` file holds, migrated to the current format version."""
+
+    format_version: int  # the version the file was written in (before migration)
+    app_version: str
+    fingerprint: str  # the model's (engine.weights.fingerprint)
+    tokenizer_hash: str | None
+    created: float
+    saved: float
+    system_prompt: str | None
+    messages: list[Message]
+    settings: dict[str, JSONValue]
+    token_ids: list[int]  # every token fed to the memory, in order
+    pending_token: int | None  # sampled last and not yet fed: a continuation feeds it first
+    sampler_state: JSONValue  # the sampler's get_state() (RNG), or None
+    memory_meta: dict[str, JSONValue]  # Memory.state()[0]: slot table, tier stats
+    tensors: dict[str, torch.Tensor]  # Memory.state()[1]: canonical fp16 KV per tier, on the host
+    extra: dict[str, JSONValue]
+    compression: str
+    file_bytes: int
+
+    @property
+    def memory_state(self) -> tuple[dict[str, JSONValue], dict[str, torch.Tensor]]:
+        return self.memory_meta, self.tensors
+
+
+@dataclass
+class RestoredSession:
+    """A session whose memory was written back into a backend: continue by feeding `pending_token` first."""
+
+    data: SessionData
+    memory: Memory
+
+
+@dataclass
+class ForeignModelSession:
+    """A sound file made with another model (or tokenizer): its KV must not be applied; the transcript may be
+    restored and re-read (re-prefilled) after telling the user `reason`."""
+
+    data: SessionData
+    reason: str  # one sentence for the user
+
+
+@dataclass(frozen=True)
+class _Preamble:
+    version: int
+    compression: str
+    meta_len: int
+    tensor_len: int
+    raw_tensor_len: int
+    digest: bytes
+    size: int  # bytes of preamble
+    hashed: bytes  # the preamble bytes the digest covers (none in v1)
+
+
+@dataclass(frozen=True)
+class _TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+# -- reading -------------------------------------------------------------------------------------------------------
+
+
+def _bad(path: Path, what: str) -> SessionFileError:
+    return SessionFileError(f"The session file {path.name} {what}; nothing was restored.")
+
+
+def _read_preamble_v1(path: Path, head: bytes) -> _Preamble:
+    _, version, meta_len, tensor_len, digest = _V1_PREAMBLE.unpack_from(head)
+    return _Preamble(version, "none", meta_len, tensor_len, tensor_len, digest, _V1_PREAMBLE.size, b"")
+
+
+def _read_preamble_v2(path: Path, head: bytes) -> _Preamble:
+    _, version, flags, reserved, meta_len, tensor_len, raw_len, digest = _V2_PREAMBLE.unpack_from(head)
+    if flags not in _COMPRESSION_NAMES:
+        raise _bad(path, f"uses an unknown compression (flags 0x{flags:04x}), so its header is corrupt")
+    if reserved:
+        raise _bad(path, "has a corrupt header (a reserved field is set)")
+    return _Preamble(version, _COMPRESSION_NAMES[flags], meta_len, tensor_len, raw_len, digest, _V2_PREAMBLE.size, head[:36])
+
+
+_PREAMBLES: dict[int, tuple[int, Callable[[Path, bytes], _Preamble]]] = {
+    1: (_V1_PREAMBLE.size, _read_preamble_v1),
+    2: (_V2_PREAMBLE.size, _read_preamble_v2),
+}
+
+
+def _read_checked(path: Path) -> tuple[_Preamble, bytes, bytes, int]:
+    """(preamble, metadata bytes, stored tensor section, file size), after every check up to the SHA-256."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise SessionFileError(f"The session file {path} does not exist.") from None
+    except OSError as exc:
+        raise SessionFileError(f"Cannot read the session file {path}: {exc.strerror or exc}.") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise SessionFileError(f"{path} is a folder, not a session file; choose a {SUFFIX} file.")
+    if not stat.S_ISREG(st.st_mode):
+        raise SessionFileError(f"{path} is not a regular file, so it cannot be a session file.")
+    size = st.st_size
+    if size == 0:
+        raise _bad(path, "is empty (0 bytes), so it was never completely written")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(max(n for n, _ in _PREAMBLES.values()))
+            if not head.startswith(MAGIC[: len(head)]) or len(head) < len(MAGIC):
+                if head.startswith(MAGIC[: len(head)]):
+                    raise _bad(path, f"is truncated ({size} bytes)")
+                raise SessionFileError(f"{path.name} is not an MLoT Spark session file (it does not start with the {SUFFIX} signature).")
+            if len(head) < 8:
+                raise _bad(path, f"is truncated ({size} bytes)")
+            (version,) = struct.unpack_from("<H", head, 6)
+            if version not in _PREAMBLES:
+                if FORMAT_VERSION < version <= 255:
+                    raise SessionFileError(
+                        f"{path.name} was saved by a newer MLoT Spark (session format v{version}; this build reads up to "
+                        f"v{FORMAT_VERSION}); update the app to open it."
+                    )
+                raise _bad(path, f"has an unknown format version ({version}), so its header is corrupt")
+            pre_size, reader = _PREAMBLES[version]
+            if len(head) < pre_size:
+                raise _bad(path, f"is truncated ({size} bytes, shorter than its {pre_size}-byte header)")
+            pre = reader(path, head)
+            if pre.meta_len > MAX_META_BYTES:
+                raise _bad(path, f"has a corrupt header (it claims {pre.meta_len} bytes of metadata, over the {MAX_META_BYTES}-byte limit)")
+            total = pre.size + pre.meta_len + pre.tensor_len
+            if total > size:
+                raise _bad(path, f"is truncated or its header is corrupt (the header needs {total} bytes, the file has {size})")
+            if total < size:
+                raise _bad(path, f"has {size - total} unexpected bytes after its end, so it is corrupt")
+            if pre.compression == "none" and pre.raw_tensor_len != pre.tensor_len:
+                raise _bad(path, "has a corrupt header (tensor lengths disagree)")
+            if pre.raw_tensor_len > MAX_COMPRESSION_RATIO * pre.tensor_len:
+                raise _bad(path, f"has a corrupt header (it claims {pre.raw_tensor_len} bytes of tensors from {pre.tensor_len} stored)")
+            f.seek(pre.size)
+            meta = f.read(pre.meta_len)
+            tensors = f.read(pre.tensor_len)
+            if len(meta) != pre.meta_len or len(tensors) != pre.tensor_len or f.read(1):
+                raise _bad(path, "changed while it was being read")
+    except OSError as exc:
+        raise SessionFileError(f"Cannot read the session file {path}: {exc.strerror or exc}.") from None
+    digest = hashlib.sha256(pre.hashed + meta + tensors).digest()
+    if not hmac.compare_digest(digest, pre.digest):
+        raise _bad(path, "is corrupt: its checksum does not match its contents (it was damaged on disk or in transfer)")
+    return pre, meta, tensors, size
+
+
+def _migrate_v1_to_v2(meta: dict[str, JSONValue]) -> dict[str, JSONValue]:
+    # Written so it cannot raise on any JSON object: whatever it leaves malformed, `_validate` names.
+    out = dict(meta)
+    out["format_version"] = 2
+    out["sampler_state"] = out.pop("rng", None)
+    out["tokenizer_hash"] = None
+    out["saved"] = out.get("created")
+    out["extra"] = {}
+    messages = out.get("messages")
+    if isinstance(messages, list):
+        out["messages"] = [{**m, "timestamp": None} if isinstance(m, dict) else m for m in messages]
+    return out
+
+
+_MIGRATIONS: dict[int, Callable[[dict[str, JSONValue]], dict[str, JSONValue]]] = {1: _migrate_v1_to_v2}
+
+
+def _field(path: Path, meta: Mapping[str, JSONValue], key: str, kinds: type | tuple[type, ...]) -> Any:
+    value = meta.get(key, ...)
+    # bool is an int subclass in Python; a count or timestamp that is `true` is still malformed.
+    if value is ... or not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
+        raise _bad(path, f"has a missing or malformed {key!r} field")
+    return value
+
+
+def _as_tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _token(path: Path, value: JSONValue, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_ID:
+        raise _bad(path, f"has a malformed {key!r} field")
+    return value
+
+
+def _time(path: Path, meta: Mapping[str, JSONValue], key: str) -> float:
+    value = float(_field(path, meta, key, (int, float)))
+    if not math.isfinite(value):
+        raise _bad(path, f"has a malformed {key!r} field")
+    return value
+
+
+def _validate(path: Path, meta: dict[str, JSONValue]) -> dict[str, Any]:
+    """The current-version metadata checked field by field -> SessionData's fields (minus the tensors)."""
+    messages = []
+    for m in _field(path, meta, "messages", list):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise _bad(path, "has a malformed message")
+        ts = m.get("timestamp")
+        if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts)):
+            raise _bad(path, "has a message with a malformed timestamp")
+        messages.append(Message(m["role"], m["content"], None if ts is None else float(ts)))
+    tokenizer_hash = meta.get("tokenizer_hash")
+    if tokenizer_hash is not None and not isinstance(tokenizer_hash, str):
+        raise _bad(path, "has a malformed 'tokenizer_hash' field")
+    system_prompt = meta.get("system_prompt")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise _bad(path, "has a malformed 'system_prompt' field")
+    pending = meta.get("pending_token")
+    return {
+        "app_version": _field(path, meta, "app_version", str),
+        "fingerprint": _field(path, meta, "model_fingerprint", str),
+        "tokenizer_hash": tokenizer_hash,
+        "created": _time(path, meta, "created"),
+        "saved": _time(path, meta, "saved"),
+        "system_prompt": system_prompt,
+        "messages": messages,
+        "settings": _field(path, meta, "settings", dict),
+        "token_ids": [_token(path, t, "token_ids") for t in _field(path, meta, "token_ids", list)],
+        "pending_token": None if pending is None else _token(path, pending, "pending_token"),
+        "sampler_state": meta.get("sampler_state"),
+        "memory_meta": _field(path, meta, "memory", dict),
+        "extra": _field(path, meta, "extra", dict),
+    }
+
+
+def _parse_meta(path: Path, pre: _Preamble, raw: bytes) -> dict[str, Any]:
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise _bad(path, "has unreadable metadata") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != pre.version:
+        raise _bad(path, "has metadata that does not match its header")
+    version = pre.version
+    while version < FORMAT_VERSION:
+        meta = _MIGRATIONS[version](meta)
+        version += 1
+    return _validate(path, meta)
+
+
+def _decompress(path: Path, pre: _Preamble, stored: bytes) -> bytes:
+    if pre.compression == "none":
+        return stored
+    # Bounded: never inflate past the declared length, so a hostile stream cannot exhaust memory.
+    try:
+        if pre.compression == "zlib":
+            d = zlib.decompressobj()
+            raw = d.decompress(stored, pre.raw_tensor_len + 1)
+            complete = d.eof and not d.unconsumed_tail and not d.unused_data
+        else:
+            dl = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+            raw = dl.decompress(stored, pre.raw_tensor_len + 1)
+            complete = dl.eof and not dl.unused_data
+    except (zlib.error, lzma.LZMAError):
+        raise _bad(path, "has a corrupt compressed tensor section") from None
+    if not complete or len(raw) != pre.raw_tensor_len:
+        raise _bad(path, "has a compressed tensor section of the wrong length")
+    return raw
+
+
+def _tensor_table(path: Path, section: bytes) -> dict[str, _TensorEntry]:
+    """Validate the safetensors header against its section (count, dtypes, shapes, exact tiling of the data)."""
+    if len(section) < 8:
+        raise _bad(path, "has a truncated tensor section")
+    (n,) = struct.unpack_from("<Q", section)
+    if n > min(MAX_TENSOR_HEADER_BYTES, len(section) - 8):
+        raise _bad(path, f"has a corrupt tensor table (it claims {n} bytes)")
+    try:
+        header = json.loads(section[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise _bad(path, "has an unreadable tensor table") from None
+    if not isinstance(header, dict):
+        raise _bad(path, "has an unreadable tensor table")
+    header.pop("__metadata__", None)
+    if len(header) > MAX_TENSORS:
+        raise _bad(path, f"lists {len(header)} tensors, over the {MAX_TENSORS} limit")
+    table: dict[str, _TensorEntry] = {}
+    spans = []
+    for name, entry in header.items():
+        try:
+            dtype, shape, (a, b) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ok = (
+                name
+                and dtype in _DTYPE_SIZES
+                and isinstance(shape, list)
+                and all(type(s) is int and 0 <= s < 2**40 for s in shape)
+                and type(a) is int
+                and type(b) is int
+                and 0 <= a <= b
+            )
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise _bad(path, f"has a malformed entry for tensor {name!r}")
+        nbytes = math.prod(shape) * _DTYPE_SIZES[dtype]
+        if b - a != nbytes:
+            raise _bad(path, f"has inconsistent sizes for tensor {name!r}")
+        table[name] = _TensorEntry(dtype, tuple(shape), nbytes)
+        spans.append((a, b))
+    at = 0
+    for a, b in sorted(spans):  # safetensors data is the tensors back to back, nothing more or less
+        if a != at:
+            raise _bad(path, "has overlapping or missing tensor data")
+        at = b
+    if 8 + n + at != len(section):
+        raise _bad(path, "has a tensor section of the wrong size")
+    return table
+
+
+def _decode_tensors(path: Path, section: bytes) -> dict[str, torch.Tensor]:
+    _tensor_table(path, section)
+    try:
+        return st_load(section)
+    except (SafetensorError, ValueError, RuntimeError, TypeError, AssertionError):
+        raise _bad(path, "has tensors that safetensors cannot decode") from None
+
+
+def _open(path: Path) -> tuple[_Preamble, dict[str, Any], bytes, int]:
+    """Checked preamble, validated metadata fields, the decompressed tensor section, the file size."""
+    pre, meta_raw, stored, size = _read_checked(path)
+    fields = _parse_meta(path, pre, meta_raw)
+    section = _decompress(path, pre, stored)
+    return pre, fields, section, size
+
+
+def load_session(path: str | Path) -> SessionData:
+    """Read, verify and migrate a `.spark` file; raises SessionFileError naming the problem."""
+    path = Path(path).expanduser()
+    pre, fields, section, size = _open(path)
+    tensors = _decode_tensors(path, section)
+    return SessionData(format_version=pre.version, tensors=tensors, compression=pre.compression, file_bytes=size, **fields)
+
+
+def verify_session(path: str | Path) -> SessionData:
+    """Everything `restore` checks that does not need a model: the file is sound and this build can read it."""
+    return load_session(path)
+
+
+def tier_of(tensor_name: str) -> str:
+    """Tensors are grouped into tiers by name prefix ("episodic.k" -> "episodic"); bare names are working memory."""
+    return tensor_name.split(".", 1)[0] if "." in tensor_name else "working"
+
+
+def inspect_session(path: str | Path) -> dict[str, JSONValue]:
+    """A verified summary for `session inspect` (JSON-able): version, model, messages, tokens, sizes per tier."""
+    path = Path(path).expanduser()
+    pre, fields, section, size = _open(path)
+    table = _tensor_table(path, section)
+    tiers: dict[str, int] = {}
+    for name, entry in table.items():
+        tiers[tier_of(name)] = tiers.get(tier_of(name), 0) + entry.nbytes
+    return {
+        "path": str(path),
+        "format_version": pre.version,
+        "current_format_version": FORMAT_VERSION,
+        "app_version": fields["app_version"],
+        "model_fingerprint": fields["fingerprint"],
+        "tokenizer_hash": fields["tokenizer_hash"],
+        "created": fields["created"],
+        "saved": fields["saved"],
+        "system_prompt": fields["system_prompt"],
+        "messages": [{"role": m.role, "content": m.content, "timestamp": m.timestamp} for m in fields["messages"]],
+        "token_count": len(fields["token_ids"]) + (fields["pending_token"] is not None),
+        "pending_token": fields["pending_token"],
+        "memory_kind": fields["memory_meta"].get("kind"),
+        "settings": fields["settings"],
+        "compression": pre.compression,
+        "file_bytes": size,
+        "tensor_bytes": sum(tiers.values()),
+        "tier_bytes": tiers,
+    }
+
+
+# -- writing -------------------------------------------------------------------------------------------------------
+
+
+def _message_json(m: Message | Mapping[str, Any] | Any) -> dict[str, JSONValue]:
+    # Accepts this module's Message, engine.session.ChatMessage (same attributes) or a plain mapping.
+    get = m.get if isinstance(m, Mapping) else lambda k, d=None: getattr(m, k, d)
+    ts = get("timestamp")
+    return {"role": str(get("role")), "content": str(get("content")), "timestamp": None if ts is None else float(ts)}
+
+
+def _compress(raw: bytes, method: str) -> tuple[str, bytes]:
+    if method == "none":
+        return "none", raw
+    if method == "zlib":
+        packed = zlib.compress(raw, 6)
+    elif method == "lzma":
+        packed = lzma.compress(raw, format=lzma.FORMAT_XZ, preset=1)
+    else:
+        raise ValueError(f"unknown session compression {method!r}; use one of {', '.join(_COMPRESSION_FLAGS)}")
+    # Store raw when compression saves under MIN_COMPRESSION_SAVING (not worth inflating on every load), or
+    # beyond the ratio a reader accepts.
+    if len(packed) > (1 - MIN_COMPRESSION_SAVING) * len(raw) or len(raw) > MAX_COMPRESSION_RATIO * len(packed):
+        return "none", raw
+    return method, packed
+
+
+def encode_session(
+    *,
+    fingerprint: str,
+    tokenizer_hash: str | None,
+    messages: Sequence[Message | Mapping[str, Any] | Any],
+    system_prompt: str | None,
+    settings: Mapping[str, JSONValue],
+    memory_state: tuple[Mapping[str, JSONValue], Mapping[str, torch.Tensor]],
+    pending_token: int | None,
+    sampler_state: JSONValue,
+    extra: Mapping[str, JSONValue] | None = None,
+    token_ids: Sequence[int] | None = None,
+    created: float | None = None,
+    saved: float | None = None,
+    compression: str = "none",
+) -> bytes:
+    """The bytes of a current-version `.spark` file (see `save_session`)."""
+    memory_meta, tensors = memory_state
+    if token_ids is None:
+        token_ids = memory_meta.get("tokens", [])  # Memory.tokens, as FullAttentionMemory's state records it
+    saved = time.time() if saved is None else saved
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "app_version": engine.__version__,
+        "model_fingerprint": fingerprint,
+        "tokenizer_hash": tokenizer_hash,
+        "created": saved if created is None else created,
+        "saved": saved,
+        "system_prompt": system_prompt,
+        "messages": [_message_json(m) for m in messages],
+        "settings": dict(settings),
+        "token_ids": [int(t) for t in token_ids],
+        "pending_token": None if pending_token is None else int(pending_token),
+        "sampler_state": sampler_state,
+        "memory": dict(memory_meta),
+        "extra": dict(extra or {}),
+    }
+    # allow_nan=False: NaN/Infinity are not JSON, and other readers of the file would choke on them.
+    meta_bytes = json.dumps(meta, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    if len(meta_bytes) > MAX_META_BYTES:
+        raise SessionFileError(f"The conversation's metadata is {len(meta_bytes)} bytes, over the {MAX_META_BYTES}-byte session limit, so it cannot be saved.")
+    if len(tensors) > MAX_TENSORS:
+        raise SessionFileError(f"The memory has {len(tensors)} tensors, over the {MAX_TENSORS} a session file holds, so it cannot be saved.")
+    host: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in storages:
+            t = t.clone()  # safetensors refuses tensors sharing memory (e.g. one zero tensor used twice)
+        storages.add(t.untyped_storage().data_ptr())
+        host[name] = t
+    raw = st_save(host)
+    method, section = _compress(raw, compression)
+    head = struct.pack("<6sHHHQQQ", MAGIC, FORMAT_VERSION, _COMPRESSION_FLAGS[method], 0, len(meta_bytes), len(section), len(raw))
+    digest = hashlib.sha256(head + meta_bytes + section).digest()
+    return head + digest + meta_bytes + section
+
+
+def save_session(
+    path: str | Path,
+    *,
+    fingerprint: str,
+    tokenizer_hash: str | None,
+    messages: Sequence[Message | Mapping[str, Any] | Any],
+    system_prompt: str | None,
+    settings: Mapping[str, JSONValue],
+    memory_state: tuple[Mapping[str, JSONValue], Mapping[str, torch.Tensor]],
+    pending_token: int | None,
+    sampler_state: JSONValue,
+    extra: Mapping[str, JSONValue] | None = None,
+    token_ids: Sequence[int] | None = None,
+    created: float | None = None,
+    compression: str = "none",
+) -> int:
+    """Atomically write a session file; returns its size in bytes.
+
+    memory_state is `Memory.state()`; token_ids defaults to its meta's "tokens" (every token fed so far);
+    pending_token is the last sampled token not yet fed; sampler_state the sampler's JSON-able RNG state;
+    created is the conversation's first save time (kept across autosaves; now when None).
+    On failure (full disk, no permission) raises SessionFileError and the previous file is untouched.
+    """
+    data = encode_session(
+        fingerprint=fingerprint,
+        tokenizer_hash=tokenizer_hash,
+        messages=messages,
+        system_prompt=system_prompt,
+        settings=settings,
+        memory_state=memory_state,
+        pending_token=pending_token,
+        sampler_state=sampler_state,
+        extra=extra,
+        token_ids=token_ids,
+        created=created,
+        compression=compression,
+    )
+    atomic_write(Path(path).expanduser(), data)
+    return len(data)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _fsync(fd: int) -> None:
+    # On macOS fsync only reaches the drive's cache; F_FULLFSYNC asks the drive to persist it.
+    if sys.platform == "darwin":
+        import fcntl
+
+        try:
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+            return
+        except OSError:
+            pass  # not supported by this file system: plain fsync below
+    os.fsync(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Temp file in the same folder, write, fsync, os.replace, fsync the folder: old or new, never half."""
+    if path.is_dir():
+        raise SessionFileError(f"{path} is a folder; choose a file name to save the session to.")
+    folder = path.parent
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise SessionFileError(f"Could not save the session to {path}: {exc.strerror or exc}.") from None
+    try:
+        try:
+            _write_all(fd, data)
+            _fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass  # already renamed or never created: nothing left behind either way
+        if isinstance(exc, OSError):
+            raise SessionFileError(
+                f"Could not save the session to {path}: {exc.strerror or exc}; the previous file (if any) is unchanged."
+            ) from None
+        raise
+    try:
+        dfd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # folders cannot be opened on this platform; the rename itself has happened
+    try:
+        os.fsync(dfd)  # makes the rename itself durable
+    except OSError:
+        pass  # some file systems refuse fsync on a folder; the data is already safely in place
+    finally:
+        os.close(dfd)
+
+
+# -- restoring -----------------------------------------------------------------------------------------------------
+
+
+def restore(
+    path: str | Path,
+    backend: Backend,
+    memory_factory: Callable[[Backend], Memory],
+    *,
+    tokenizer_hash: str | None = None,
+) -> RestoredSession | ForeignModelSession:
+    """Verify `path`, then write its memory back through a new `memory_factory(backend)`.
+
+    Returns ForeignModelSession (applying nothing) when the file was made with another model or tokenizer.
+    Every check runs before `memory_factory` is called, so on any SessionFileError no memory is created and the
+    backend is untouched; should `load_state` itself refuse, the new memory is reset before the error propagates.
+    Give a factory over a row (or forked backend) the current conversation does not use to keep it intact.
+    """
+    path = Path(path).expanduser()
+    data = load_session(path)
+    if data.fingerprint != backend.fingerprint:
+        return ForeignModelSession(
+            data,
+            f"{path.name} was saved with a different model ({data.fingerprint[:12]}, this one is {backend.fingerprint[:12]}); "
+            "its transcript can be restored and re-read, but not its memory.",
+        )
+    if tokenizer_hash is not None and data.tokenizer_hash is not None and data.tokenizer_hash != tokenizer_hash:
+        return ForeignModelSession(
+            data, f"{path.name} was saved with a different tokenizer; its transcript can be restored and re-read, but not its memory."
+        )
+    vocab = backend.config.vocab_size
+    ids = data.token_ids + ([data.pending_token] if data.pending_token is not None else [])
+    if any(t >= vocab for t in ids):
+        raise _bad(path, f"holds token ids beyond this model's {vocab}-token vocabulary")
+    c = backend.config
+    for name, t in data.tensors.items():
+        # KV in the canonical layout (L, Hkv, n, D): anything else would be written into the wrong slots.
+        if t.ndim == 4 and (t.dtype != CANONICAL_KV_DTYPE or (t.shape[0], t.shape[1], t.shape[3]) != (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)):
+            raise _bad(path, f"holds tensor {name!r} of shape {tuple(t.shape)}, which does not fit this model")
+    memory = memory_factory(backend)
+    try:
+        memory.load_state(data.memory_meta, data.tensors)
+    except SparkError as exc:
+        memory.reset()
+        raise SessionFileError(f"The session {path.name} cannot be restored here: {exc}") from None
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError):
+        memory.reset()
+        raise _bad(path, "holds a memory state this build cannot apply") from None
+    return RestoredSession(data, memory)
