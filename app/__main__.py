@@ -1,0 +1,172 @@
+"""`python -m app [--model DIR] [--backend NAME] [--self-test]`: the MLoT Spark window, or a headless smoke run.
+
+--self-test loads the model, streams a reply while timing the GUI thread (prints the longest gap of a 10 ms
+timer; the goal is under 50 ms), saves and restores the session, and exits 0; on failure it prints one line
+to stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from PySide6.QtCore import QEventLoop, QSettings, QTimer, SignalInstance
+
+from engine.backends import AUTO_ORDER
+from engine.generate import GenerationSettings
+from engine.sampling import SamplingSettings
+
+if TYPE_CHECKING:
+    from app.main_window import MainWindow
+
+SELF_TEST_PROMPT = "Hello! In one sentence, what is a memory cascade?"
+SELF_TEST_TOKENS = 48
+GAP_GOAL_S = 0.050
+STEP_TIMEOUT_MS = 300_000  # a cold bundled-model load on a slow disk may take a while
+
+
+class SelfTestFailure(Exception):
+    """One line for stderr."""
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m app", description="MLoT Spark: chat with a local memory-cascade model.")
+    p.add_argument("--model", type=Path, help="model folder (default: the last one used, else the bundled model)")
+    p.add_argument("--backend", default="auto", choices=("auto", *AUTO_ORDER), help="compute backend (default: auto)")
+    p.add_argument("--self-test", action="store_true", help="headless smoke run: load, stream, save, restore, exit")
+    # Qt's own options (-style, -platform ...) pass through to QApplication.
+    args, qt_args = p.parse_known_args(argv)
+    args.qt_args = qt_args
+    return args
+
+
+def _wait_any(signals: dict[str, SignalInstance], timeout_ms: int = STEP_TIMEOUT_MS) -> tuple[str, tuple]:
+    """Run the event loop until one of `signals` fires; returns its name and arguments ("timeout", ()) otherwise."""
+    loop = QEventLoop()
+    got: list[tuple[str, tuple]] = []
+
+    def make(name: str):  # type: ignore[no-untyped-def]
+        def handler(*args: object) -> None:
+            if not got:
+                got.append((name, args))
+            loop.quit()
+
+        return handler
+
+    handlers = [(sig, make(name)) for name, sig in signals.items()]
+    for sig, h in handlers:
+        sig.connect(h)
+    QTimer.singleShot(timeout_ms, loop.quit)
+    loop.exec()
+    for sig, h in handlers:
+        sig.disconnect(h)
+    return got[0] if got else ("timeout", ())
+
+
+def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Path) -> float:
+    """Returns the longest GUI gap in seconds; raises SelfTestFailure."""
+    from app.gap_meter import GapMeter
+
+    w = window.client.worker
+    window.load_model(model, backend)
+    name, args = _wait_any({"loaded": w.loaded, "error": w.error})
+    if name != "loaded":
+        raise SelfTestFailure(f"the model did not load: {args[0] if args else 'timed out'}")
+    print(f"model: {args[0].info.name} on {args[0].info.backend_detail}")
+
+    meter = GapMeter()
+    meter.start()
+    if not window.submit(SELF_TEST_PROMPT):
+        raise SelfTestFailure("the prompt could not be sent")
+    name, args = _wait_any({"finished": w.finished, "error": w.error})
+    gap = meter.stop()
+    if name != "finished" or args[0].reason == "error":
+        raise SelfTestFailure(f"the reply failed: {args[0] if name == 'error' else name}")
+    result = args[0]
+    reply = window.chat.reply_text()
+    if not result.progress.generated_tokens:
+        raise SelfTestFailure("the model generated no tokens")
+    print(f"streamed {result.progress.generated_tokens} tokens at {result.progress.tokens_per_s:.1f} tokens/s, first after {result.progress.ttft_s * 1000:.0f} ms")
+    print(f"longest GUI gap while streaming: {gap * 1000:.1f} ms (goal < {GAP_GOAL_S * 1000:.0f} ms, {meter.ticks} ticks)")
+
+    path = workdir / "self-test.spark"
+    window.client.save(path)
+    name, args = _wait_any({"saved": w.saved, "error": w.error})
+    if name != "saved":
+        raise SelfTestFailure(f"saving the session failed: {args[0] if args else name}")
+    window.client.new_chat()
+    window.client.restore(path)
+    name, args = _wait_any({"restored": w.restored, "error": w.error, "foreign": w.foreign_session})
+    if name != "restored":
+        raise SelfTestFailure(f"restoring the session failed: {args[-1] if args else name}")
+    if window.chat.reply_text() != reply:
+        raise SelfTestFailure("the restored conversation differs from the one saved")
+    print(f"saved and restored {path.name} ({path.stat().st_size:,} bytes)")
+    return gap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.self_test:
+        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+    from PySide6.QtWidgets import QSystemTrayIcon
+
+    from app.application import CrashReporter, SparkApplication
+    from app.icons import tray_icon
+    from app.preferences import Preferences
+    from app.quick_prompt import QuickPromptTray
+    from app.standarddirs import StandardDirs
+    from app.wiring import build_main_window
+
+    app = SparkApplication([sys.argv[0], *args.qt_args])
+    if args.self_test:
+        with tempfile.TemporaryDirectory(prefix="spark-self-test-") as tmp:
+            workdir = Path(tmp)
+            # Scratch settings and data: a smoke run must not touch the user's preferences or autosave.
+            prefs = Preferences(QSettings(str(workdir / "settings.ini"), QSettings.Format.IniFormat))
+            prefs.set_generation(GenerationSettings(max_tokens=SELF_TEST_TOKENS, sampling=SamplingSettings(seed=0)))
+            dirs = StandardDirs(cache=workdir / "cache", data=workdir / "data", documents=workdir)
+            dirs.ensure()
+            window = build_main_window(prefs, dirs)
+            try:
+                self_test(window, args.model, args.backend, workdir)
+            except SelfTestFailure as exc:
+                print(f"self-test failed: {exc}", file=sys.stderr)
+                return 1
+            finally:
+                window.shutdown()
+        print("self-test passed")
+        return 0
+
+    dirs = StandardDirs.from_platform()
+    dirs.ensure()
+    CrashReporter(dirs.crash_log).install()
+    prefs = Preferences(QSettings())
+    window = build_main_window(prefs, dirs)
+    app.aboutToQuit.connect(window.shutdown)
+    app.connect_file_opens(window.open_file)
+    tray = None
+    if QSystemTrayIcon.isSystemTrayAvailable():
+        tray = QuickPromptTray(tray_icon(), window)
+        tray.quick_prompt_requested.connect(window.open_quick_prompt)
+        tray.show_window_requested.connect(window.show)
+        tray.show_window_requested.connect(window.raise_)
+        tray.quit_requested.connect(app.quit)
+        tray.show()
+    # With a menu-bar item the app lives on when its window closes (as on macOS); without one, closing quits.
+    app.setQuitOnLastWindowClosed(tray is None)
+    window.show()
+    window.load_model(args.model or prefs.last_model(), args.backend)
+    return app.exec()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The transcript view and the prompt box.
+
+The view appends streamed text at the end of the document with a cursor (no re-layout of earlier messages), and
+only when a reply ends re-renders that one message with code blocks in a monospace font.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import (
+    QColor,
+    QFont,
+    QFontDatabase,
+    QKeyEvent,
+    QPalette,
+    QTextBlockFormat,
+    QTextCharFormat,
+    QTextCursor,
+    QTextFrame,
+    QTextFrameFormat,
+)
+from PySide6.QtWidgets import QPlainTextEdit, QTextBrowser, QWidget
+
+from app.worker import MessageView
+
+ROLE_LABELS = {"user": "You", "assistant": "Spark", "system": "System"}
+ROLE_PROPERTY = 0x100000  # QTextFormat.UserProperty: marks each message frame with its role
+FENCE = re.compile(r"```[^\n]*\n?(.*?)(?:```|$)", re.S)
+
+
+def _mix(a: QColor, b: QColor, t: float) -> QColor:
+    return QColor.fromRgbF(*(x + (y - x) * t for x, y in zip(a.getRgbF()[:3], b.getRgbF()[:3])))
+
+
+class ChatView(QTextBrowser):
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("chatView")
+        self.setOpenExternalLinks(True)
+        self.setFrameShape(QTextBrowser.Shape.NoFrame)
+        self.document().setDocumentMargin(18)
+        self._reply: QTextFrame | None = None
+        self._mono = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
+
+    # -- public ------------------------------------------------------------------------------------------------------
+    def set_messages(self, messages: Sequence[MessageView]) -> None:
+        self.clear()
+        self._reply = None
+        for m in messages:
+            if m.role != "system":
+                self._add_message(m.role, m.content)
+        self._scroll_to_end()
+
+    def add_user_message(self, text: str) -> None:
+        self._add_message("user", text)
+        self._scroll_to_end()
+
+    def begin_reply(self) -> None:
+        self._reply = self._add_message("assistant", "")
+
+    def append_reply(self, text: str) -> None:
+        if self._reply is None:
+            return
+        at_end = self._at_end()
+        cursor = self._reply.lastCursorPosition()
+        cursor.insertText(text, self._body_format())
+        if at_end:
+            self._scroll_to_end()
+
+    def remove_last_reply(self) -> None:
+        """Regenerate: the last answer goes away before the new one streams in."""
+        frames = self._frames("assistant")
+        if not frames:
+            return
+        frame = frames[-1]
+        cursor = QTextCursor(self.document())
+        cursor.setPosition(frame.firstPosition() - 1)
+        cursor.setPosition(frame.lastPosition() + 1, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+
+    def end_reply(self, note: str = "") -> None:
+        """Re-render the finished reply with code formatting; `note` (e.g. "stopped") goes under it, dimmed."""
+        frame = self._reply
+        self._reply = None
+        if frame is None:
+            return
+        cursor = frame.firstCursorPosition()
+        cursor.setPosition(frame.lastPosition(), QTextCursor.MoveMode.KeepAnchor)
+        text = cursor.selectedText().replace("\u2029", "\n")
+        label, _, body = text.partition("\n")
+        cursor.removeSelectedText()
+        self._fill(frame, "assistant", body)
+        if note:
+            end = frame.lastCursorPosition()
+            end.insertBlock(QTextBlockFormat(), self._note_format())
+            end.insertText(note, self._note_format())
+        self._scroll_to_end()
+
+    def reply_text(self) -> str:
+        """The text of the last assistant message as shown (for tests and Copy)."""
+        frames = self._frames("assistant")
+        return self._frame_body(frames[-1]) if frames else ""
+
+    def _frames(self, role: str) -> list[QTextFrame]:
+        return [f for f in self.document().rootFrame().childFrames() if f.frameFormat().property(ROLE_PROPERTY) == role]
+
+    # -- rendering ---------------------------------------------------------------------------------------------------
+    def _add_message(self, role: str, content: str) -> QTextFrame:
+        cursor = QTextCursor(self.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        fmt = QTextFrameFormat()
+        fmt.setPadding(10)
+        fmt.setTopMargin(6)
+        fmt.setBottomMargin(6)
+        fmt.setBorder(0)
+        if role == "user":
+            pal = self.palette()
+            fmt.setBackground(_mix(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Highlight), 0.12))
+            fmt.setLeftMargin(48)
+        else:
+            fmt.setRightMargin(48)
+        fmt.setProperty(ROLE_PROPERTY, role)
+        frame = cursor.insertFrame(fmt)
+        self._fill(frame, role, content)
+        return frame
+
+    def _fill(self, frame: QTextFrame, role: str, content: str) -> None:
+        cursor = frame.firstCursorPosition()
+        cursor.setBlockFormat(QTextBlockFormat())
+        cursor.insertText(ROLE_LABELS.get(role, role.title()), self._label_format())
+        cursor.insertBlock(QTextBlockFormat(), self._body_format())
+        at = 0
+        for match in FENCE.finditer(content):
+            cursor.insertText(content[at : match.start()].strip("\n"), self._body_format())
+            code = QTextFrameFormat()
+            code.setPadding(8)
+            code.setTopMargin(4)
+            code.setBottomMargin(4)
+            code.setBackground(self.palette().color(QPalette.ColorRole.AlternateBase))
+            code_frame = cursor.insertFrame(code)
+            inner = code_frame.firstCursorPosition()
+            inner.insertText(match.group(1).rstrip("\n"), self._code_format())
+            cursor = frame.lastCursorPosition()
+            at = match.end()
+        cursor.insertText(content[at:].lstrip("\n") if at else content, self._body_format())
+
+    def _frame_body(self, frame: QTextFrame) -> str:
+        cursor = frame.firstCursorPosition()
+        cursor.setPosition(frame.lastPosition(), QTextCursor.MoveMode.KeepAnchor)
+        return cursor.selectedText().replace("\u2029", "\n").partition("\n")[2]
+
+    def _label_format(self) -> QTextCharFormat:
+        fmt = QTextCharFormat()
+        fmt.setFontWeight(QFont.Weight.DemiBold)
+        fmt.setFontPointSize(max(self.font().pointSizeF() - 1, 8))
+        fmt.setForeground(self.palette().color(QPalette.ColorRole.PlaceholderText))
+        return fmt
+
+    def _body_format(self) -> QTextCharFormat:
+        fmt = QTextCharFormat()
+        fmt.setFontWeight(QFont.Weight.Normal)
+        fmt.setFontPointSize(self.font().pointSizeF())
+        fmt.setForeground(self.palette().color(QPalette.ColorRole.Text))
+        return fmt
+
+    def _code_format(self) -> QTextCharFormat:
+        fmt = QTextCharFormat()
+        fmt.setFont(self._mono)
+        fmt.setForeground(self.palette().color(QPalette.ColorRole.Text))
+        return fmt
+
+    def _note_format(self) -> QTextCharFormat:
+        fmt = self._label_format()
+        fmt.setFontWeight(QFont.Weight.Normal)
+        fmt.setFontItalic(True)
+        return fmt
+
+    def _at_end(self) -> bool:
+        bar = self.verticalScrollBar()
+        return bar.value() >= bar.maximum() - 4
+
+    def _scroll_to_end(self) -> None:
+        bar = self.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+
+class PromptEdit(QPlainTextEdit):
+    """Return sends, Shift+Return starts a new line (as in Messages)."""
+
+    submitted = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("promptEdit")
+        self.setPlaceholderText("Message Spark…  (Return to send, Shift+Return for a new line)")
+        self.setTabChangesFocus(True)
+        line = self.fontMetrics().lineSpacing()
+        self.setFixedHeight(int(line * 3 + 2 * self.document().documentMargin() + 8))
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802 - Qt override
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            if event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
+                self.insertPlainText("\n")
+                return
+            text = self.toPlainText().strip()
+            if text:
+                self.submitted.emit(text)
+            return
+        super().keyPressEvent(event)

@@ -1,0 +1,69 @@
+"""Typed access to the app's QSettings: window layout, last model, generation settings, system prompt.
+
+Values that are not plain strings are stored as JSON, because QSettings' INI and plist back ends disagree on types
+(an INI file hands every number back as a string).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QSettings
+
+from engine.generate import GenerationSettings
+from engine.sampling import SamplingSettings
+
+DEFAULT_MAX_TOKENS = 512
+
+
+class Preferences:
+    def __init__(self, settings: QSettings) -> None:
+        self._s = settings
+
+    # -- window ------------------------------------------------------------------------------------------------------
+    def window_geometry(self) -> QByteArray | None:
+        value = self._s.value("window/geometry")
+        return value if isinstance(value, QByteArray) else None
+
+    def window_state(self) -> QByteArray | None:
+        """QMainWindow.saveState(): toolbar and dock (panel) placement and visibility."""
+        value = self._s.value("window/state")
+        return value if isinstance(value, QByteArray) else None
+
+    def set_window(self, geometry: QByteArray, state: QByteArray) -> None:
+        self._s.setValue("window/geometry", geometry)
+        self._s.setValue("window/state", state)
+
+    # -- model -------------------------------------------------------------------------------------------------------
+    def last_model(self) -> Path | None:
+        value = self._s.value("model/last_dir", "")
+        return Path(str(value)) if value else None
+
+    def set_last_model(self, path: Path) -> None:
+        self._s.setValue("model/last_dir", str(path))
+
+    # -- generation --------------------------------------------------------------------------------------------------
+    def generation(self) -> GenerationSettings:
+        raw = self._s.value("generation/settings", "")
+        try:
+            data = json.loads(str(raw)) if raw else {}
+            known = {f.name for f in fields(SamplingSettings)}
+            sampling = SamplingSettings(**{k: v for k, v in data.get("sampling", {}).items() if k in known})
+            sampling.validate()
+            return GenerationSettings(max_tokens=int(data.get("max_tokens", DEFAULT_MAX_TOKENS)), sampling=sampling)
+        except (ValueError, TypeError, AttributeError):  # a hand-edited or older file: fall back to the defaults
+            return GenerationSettings(max_tokens=DEFAULT_MAX_TOKENS)
+
+    def set_generation(self, settings: GenerationSettings) -> None:
+        self._s.setValue("generation/settings", json.dumps({"max_tokens": settings.max_tokens, "sampling": asdict(settings.sampling)}))
+
+    def system_prompt(self) -> str:
+        return str(self._s.value("chat/system_prompt", ""))
+
+    def set_system_prompt(self, text: str) -> None:
+        self._s.setValue("chat/system_prompt", text)
+
+    def sync(self) -> None:
+        self._s.sync()

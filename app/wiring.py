@@ -1,0 +1,31 @@
+"""Builds the window and everything it depends on, explicitly (no global registries): used by `python -m app`,
+`--self-test` and the tests."""
+
+from __future__ import annotations
+
+from app.dialogs import Dialogs
+from app.hw_monitor import HardwareMonitor
+from app.main_window import MainWindow
+from app.preferences import Preferences
+from app.standarddirs import StandardDirs
+from app.worker import ConversationClient
+from engine.hw import HardwarePolicy, SystemMemorySource, ThermalSource, default_thermal_source
+
+
+def build_main_window(
+    prefs: Preferences,
+    dirs: StandardDirs,
+    dialogs: Dialogs | None = None,
+    thermal: ThermalSource | None = None,
+) -> MainWindow:
+    memory = SystemMemorySource()
+    policy = HardwarePolicy(thermal or default_thermal_source(), memory)
+    client = ConversationClient("chat-worker", policy, dirs.autosave_file)
+    quick_client = ConversationClient("quick-prompt-worker", policy)
+    monitor = HardwareMonitor(policy, memory)
+    window = MainWindow(client, quick_client, monitor, prefs, dirs, dialogs)
+    # Parent the non-widget pieces to the window so they live exactly as long as it does.
+    for obj in (client, quick_client, monitor):
+        obj.setParent(window)
+    monitor.start()
+    return window
