@@ -275,10 +275,21 @@ def _token(path: Path, value: JSONValue, key: str) -> int:
     return value
 
 
+def _finite(value: JSONValue) -> float | None:
+    """A JSON number as a finite float; None for anything else (bools, NaN, ints too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _time(path: Path, meta: Mapping[str, JSONValue], key: str) -> float:
-    value = float(_field(path, meta, key, (int, float)))
-    if not math.isfinite(value):
-        raise _bad(path, f"has a malformed {key!r} field")
+    value = _finite(meta.get(key))
+    if value is None:
+        raise _bad(path, f"has a missing or malformed {key!r} field")
     return value
 
 
@@ -289,9 +300,9 @@ def _validate(path: Path, meta: dict[str, JSONValue]) -> dict[str, Any]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise _bad(path, "has a malformed message")
         ts = m.get("timestamp")
-        if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts)):
+        if ts is not None and _finite(ts) is None:
             raise _bad(path, "has a message with a malformed timestamp")
-        messages.append(Message(m["role"], m["content"], None if ts is None else float(ts)))
+        messages.append(Message(m["role"], m["content"], _finite(ts)))
     tokenizer_hash = meta.get("tokenizer_hash")
     if tokenizer_hash is not None and not isinstance(tokenizer_hash, str):
         raise _bad(path, "has a malformed 'tokenizer_hash' field")

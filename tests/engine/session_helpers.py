@@ -69,3 +69,11 @@ def v1_meta(fingerprint: str, token_ids: list[int], pending: int | None, memory_
         "rng": rng,
         "memory": memory_meta,
     }
+
+
+def write_v2(path: Path, meta_bytes: bytes, tensor_section: bytes, *, flags: int = 0, raw_len: int | None = None) -> None:
+    """Write the v2 layout around arbitrary metadata/tensor bytes with a *correct* checksum (as a hostile or buggy
+    writer could), so the reader's checks after the checksum are what is under test."""
+    head = struct.pack("<6sHHHQQQ", b"SPARK\x00", 2, flags, 0, len(meta_bytes), len(tensor_section), len(tensor_section) if raw_len is None else raw_len)
+    digest = hashlib.sha256(head + meta_bytes + tensor_section).digest()
+    path.write_bytes(head + digest + meta_bytes + tensor_section)
