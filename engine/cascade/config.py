@@ -1,0 +1,113 @@
+"""Cascade geometry and budgets, with the rule that keeps every position inside the model's trained context."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from engine.config import ModelConfig
+from engine.errors import SparkError
+
+SLOT_MULTIPLE = 32  # Core ML state dims must be multiples of 32, so the slot table is padded to one
+ROUTINGS = ("sequence", "rolling", "token", "hybrid")
+CONFIG_FILE = "cascade.json"
+
+
+class CascadeConfigError(SparkError):
+    """A cascade.json (or an explicit geometry) is invalid."""
+
+
+@dataclass(frozen=True)
+class CascadeConfig:
+    sink_tokens: int = 4
+    window: int = 512
+    block_size: int = 64
+    retrieval_blocks: int = 4
+    routing: str = "hybrid"
+    rep_keys: int = 4  # representative keys kept per episodic block (see engine.cascade.episodic)
+    reroute_every: int = 16  # rolling routing re-scores blocks every this many tokens
+    proxy_tokens: int = 16  # how many recent keys stand in for the query when routing
+    episodic_budget_bytes: int = 256 * 1024**2
+    persistent_budget_bytes: int = 4 * 1024**3
+
+    def __post_init__(self) -> None:
+        for f in ("window", "block_size", "rep_keys", "reroute_every", "proxy_tokens"):
+            if getattr(self, f) < 1:
+                raise CascadeConfigError(f"The cascade setting {f} must be at least 1, not {getattr(self, f)}.")
+        for f in ("sink_tokens", "retrieval_blocks", "episodic_budget_bytes", "persistent_budget_bytes"):
+            if getattr(self, f) < 0:
+                raise CascadeConfigError(f"The cascade setting {f} must not be negative.")
+        if self.routing not in ROUTINGS:
+            raise CascadeConfigError(f"Unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}.")
+        if self.rep_keys > self.block_size:
+            raise CascadeConfigError("rep_keys cannot exceed block_size.")
+
+    @property
+    def retrieval_slots(self) -> int:
+        return self.retrieval_blocks * self.block_size
+
+    @property
+    def used_slots(self) -> int:
+        """Slots that ever hold a token; also 1 + the largest position ever used."""
+        return self.sink_tokens + self.retrieval_slots + self.window
+
+    @property
+    def num_slots(self) -> int:
+        """The slot table size: used slots padded up to a multiple of SLOT_MULTIPLE (padding is never attended)."""
+        return -(-self.used_slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
+
+    def geometry_tag(self) -> str:
+        """Identifies what KV computed past the first eviction depends on (for L3 keys of spilled blocks)."""
+        g = f"{self.sink_tokens}/{self.window}/{self.block_size}/{self.retrieval_blocks}/{self.routing}"
+        return hashlib.sha256(g.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CascadeConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise CascadeConfigError(f"Unknown cascade setting {unknown[0]!r}; known settings are {', '.join(sorted(known))}.")
+        try:
+            return cls(**{k: (str(v) if k == "routing" else int(v)) for k, v in d.items()})
+        except (TypeError, ValueError):
+            raise CascadeConfigError("A cascade setting has a value of the wrong type.") from None
+
+    def fit_to(self, max_positions: int) -> "CascadeConfig":
+        """Shrink the geometry so sinks + retrieval + window never exceed `max_positions`.
+
+        The window gives way first (down to one block), then retrieval blocks, then the window again and the sinks:
+        a model with a short trained context gets less retrieval rather than positions it never saw.
+        """
+        c = self
+        if c.used_slots <= max_positions:
+            return c
+        c = replace(c, window=max(min(c.window, c.block_size), max_positions - c.sink_tokens - c.retrieval_slots))
+        while c.used_slots > max_positions and c.retrieval_blocks > 0:
+            c = replace(c, retrieval_blocks=c.retrieval_blocks - 1)
+            c = replace(c, window=max(1, min(self.window, max_positions - c.sink_tokens - c.retrieval_slots)))
+        if c.used_slots > max_positions:  # a tiny context: at most 1/8 of it for sinks, the window takes the rest
+            sinks = min(c.sink_tokens, max_positions // 8)
+            c = replace(c, sink_tokens=sinks, window=max_positions - sinks)
+        return c
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, config: ModelConfig, **overrides: Any) -> "CascadeConfig":
+        """Defaults, then the model folder's optional cascade.json, then `overrides`, fitted to the model's context."""
+        values: dict[str, Any] = {}
+        path = Path(model_dir).expanduser() / CONFIG_FILE
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                raise CascadeConfigError(f"{path} is not valid JSON; fix or delete it.") from None
+            if not isinstance(data, dict):
+                raise CascadeConfigError(f"{path} must hold a JSON object of cascade settings.")
+            values.update(data)
+        values.update(overrides)
+        return cls.from_dict(values).fit_to(config.max_position_embeddings)

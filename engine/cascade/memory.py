@@ -1,0 +1,323 @@
+"""CascadeMemory: engine.memory.Memory over the three tiers (working L1, episodic L2, persistent L3).
+
+Per plan (before each forward), in this order:
+  1. route: ask the routing strategy for a query proxy; if it gives one, select the top-k episodic blocks and page
+     in only those not already resident (read from host memory, or back from L3);
+  2. assign slots to the new tokens; tokens pushed out of the window are read (read_kv) *before* the forward
+     overwrites them and appended to the current partial episodic block;
+  3. positions and the mask come from the working memory's preallocated tables.
+A plan may hold at most `window` tokens: with more, a new token would overwrite one fed in the same forward,
+whose KV does not exist yet. Within one chunk that wraps the window, earlier tokens of the chunk see the window
+as it is after the whole chunk is written (at least W - T + 1 window tokens instead of W).
+
+Prefix reuse (L3). "Prefix" means tokens whose KV equals full attention's: those fed before anything ever left the
+window (a forward that evicts computes its own tokens with a truncated context). While the conversation is in
+that pure-prefix phase, after_forward persists each newly completed block-aligned block keyed by the digest of
+the whole token prefix through it; reuse_prefix on an empty memory restores the longest chain of such blocks
+(at most sinks + window tokens). Episodic blocks spilled under budget pressure go to L3 too, keyed additionally by
+the cascade geometry, since their KV depends on it; they are only found again through their L2 stubs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numpy as np
+import torch
+
+from engine.backends.base import Backend
+from engine.cascade.config import CascadeConfig
+from engine.cascade.episodic import EpisodicMemory
+from engine.cascade.persistent import PersistentStore
+from engine.cascade.routing import ROUTING, RouteContext
+from engine.cascade.stats import CascadeStats, Counters, TierStats
+from engine.cascade.working import WorkingMemory
+from engine.errors import InputTooLarge, SessionFileError
+from engine.memory import RowPlan
+
+STATE_VERSION = 1
+TIERS = ("working", "episodic", "persistent")
+
+
+def _token_bytes(ids: list[int]) -> bytes:
+    """Token ids as little-endian int32 bytes: what prefix digests are computed over, on every machine."""
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+class CascadeMemory:
+    """The memory of one sequence: row `row` of the backend's slot table, laid out per `config`."""
+
+    def __init__(self, backend: Backend, config: CascadeConfig, row: int = 0, store: PersistentStore | None = None) -> None:
+        if backend.num_slots != config.num_slots:
+            if backend.batch != 1 or row != 0:
+                raise ValueError(f"the backend's slot table has {backend.num_slots} slots; this cascade needs {config.num_slots}")
+            backend.allocate(1, config.num_slots)
+        c = backend.config
+        self.backend = backend
+        self.cfg = config
+        self.row = row
+        self.store = store
+        self.kv_token_bytes = backend.kv_bytes_per_token()
+        self.working = WorkingMemory(config)
+        self.episodic = EpisodicMemory(config, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), store, self._take_block_digest)
+        self.router = ROUTING[config.routing]()
+        self.counters = Counters()  # working tier: routed block already resident / paged in
+        self.tokens: list[int] = []
+        self._reset_state()
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+
+    def _reset_state(self) -> None:
+        self.tokens = []
+        self.working.reset()
+        self.episodic.reset()
+        self._hasher = hashlib.sha256()  # running digest of every token fed (content address of the prefix)
+        self._prefix_digests: dict[int, str] = {}  # block-aligned end index -> prefix digest, until persisted
+        self._block_digests: dict[int, str] = {}  # episodic block end index -> prefix digest, until the block forms
+        self._prefix_open = True  # nothing has left the window yet: every KV so far equals full attention's
+        self._persisted = 0  # tokens [0, persisted) are in L3 as exact prefix blocks
+        self._since_route = 0
+        self._prompt_sum: torch.Tensor | None = None  # (L, Hkv, D) float64 sum of the current prompt's keys
+        self._prompt_n = 0
+        self._last_prefill = False
+        self._last_slots = torch.zeros(0, dtype=torch.long)  # (T,) slots of the last plan
+        self._last_evicted = False
+
+    def reset(self) -> None:
+        self._reset_state()
+
+    def invalidate(self, tier: str | None = None) -> None:
+        """Drop a tier's contents ('working' forgets the conversation, as reset(); None: every tier)."""
+        if tier not in (None, *TIERS):
+            raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIERS)}")
+        if tier in (None, "persistent") and self.store is not None:
+            self.store.clear()
+        if tier in (None, "working"):
+            self._reset_state()
+        elif tier == "episodic":
+            self.episodic.drop_all()
+            self._block_digests.clear()
+            self.working.set_groups([None] * self.cfg.retrieval_blocks)
+
+    # -- hashing ------------------------------------------------------------------------------------------------
+
+    def _feed_hash(self, ids: list[int], start: int) -> None:
+        """Extend the running prefix digest by ids (absolute indices start..), recording digests at boundaries
+        that a later step needs: block-aligned ends while in the pure prefix, and episodic block ends."""
+        b, sinks, end = self.cfg.block_size, self.cfg.sink_tokens, start + len(ids)
+        cuts: dict[int, tuple[bool, bool]] = {}
+        if self.store is not None:
+            if self._prefix_open:
+                for e in range(max(self._persisted, start) // b * b + b, end + 1, b):
+                    cuts[e] = (True, False)
+            if self.cfg.retrieval_blocks:
+                m = max(self.episodic.next_id + 1, (start - sinks) // b + 1)  # blocks not formed yet, ending after start
+                for e in range(sinks + m * b, end + 1, b):
+                    cuts[e] = (cuts.get(e, (False, False))[0], True)
+        data = _token_bytes(ids)
+        at = start
+        for e in sorted(cuts):
+            self._hasher.update(data[4 * (at - start) : 4 * (e - start)])
+            at = e
+            digest = self._hasher.copy().hexdigest()
+            prefix, block = cuts[e]
+            if prefix:
+                self._prefix_digests[e] = digest
+            if block:
+                self._block_digests[e] = digest
+        self._hasher.update(data[4 * (at - start) :])
+
+    def _take_block_digest(self, end: int) -> str | None:
+        return self._block_digests.pop(end, None)
+
+    # -- routing ------------------------------------------------------------------------------------------------
+
+    def _recent_query(self, n: int) -> torch.Tensor | None:
+        slots = self.working.recent_slots(n)
+        if slots.numel() == 0:
+            return None
+        k, _ = self.backend.read_kv(self.row, slots)  # (L, Hkv, m, D)
+        return k.float().mean(dim=2)  # (L, Hkv, D)
+
+    def _prompt_query(self) -> torch.Tensor | None:
+        return None if self._prompt_sum is None or self._prompt_n == 0 else (self._prompt_sum / self._prompt_n).float()
+
+    def _route(self, prefill: bool) -> None:
+        ctx = RouteContext(prefill, self._since_route, self.cfg.reroute_every, self.cfg.proxy_tokens, self._prompt_query, self._recent_query)
+        query = self.router.query(ctx)
+        if query is None:
+            return
+        self._since_route = 0
+        chosen = self.episodic.select(query, self.cfg.retrieval_blocks)
+        groups = self.working.groups
+        if set(chosen) == {g for g in groups if g is not None}:
+            for bid in chosen:
+                self.episodic.touch(bid)
+            self.counters.hits += len(chosen)
+            return
+        keep = set(chosen)
+        new_groups: list[int | None] = [g if g in keep else None for g in groups]
+        free = [i for i, g in enumerate(new_groups) if g is None]
+        for bid in chosen:
+            if bid in new_groups:
+                self.episodic.touch(bid)
+                self.counters.hits += 1
+                continue
+            kv = self.episodic.fetch(bid, protect=tuple(chosen))
+            if kv is None:
+                continue
+            g = free.pop(0)
+            self.backend.write_kv(self.row, self.working.group_slots(g), kv[0], kv[1])
+            new_groups[g] = bid
+            self.counters.misses += 1
+        self.working.set_groups(new_groups)
+
+    # -- the Memory protocol ------------------------------------------------------------------------------------
+
+    def plan(self, ids: list[int]) -> RowPlan:
+        t = len(ids)
+        if t == 0:
+            raise ValueError("plan needs at least one token")
+        if t > self.cfg.window:
+            raise InputTooLarge(f"A step of {t} tokens exceeds the {self.cfg.window}-token window; feed it in smaller chunks.")
+        prefill = t > 1
+        if prefill and not self._last_prefill:  # a new prompt starts: its keys make the `sequence` query
+            self._prompt_sum, self._prompt_n = None, 0
+        if self.cfg.retrieval_blocks and self.episodic.blocks:
+            self._route(prefill)
+        start = len(self.tokens)
+        slots, evicted = self.working.assign(t)
+        if evicted:
+            self._prefix_open = False
+            self._prefix_digests.clear()
+            if self.cfg.retrieval_blocks:
+                k, v = self.backend.read_kv(self.row, torch.tensor(evicted))  # (L, Hkv, e, D) each, before overwrite
+                self.episodic.append(k, v)
+        self._feed_hash(ids, start)
+        self.tokens.extend(ids)
+        self._since_route += t
+        self._last_prefill, self._last_evicted = prefill, bool(evicted)
+        self.working.refresh_positions()
+        ws = torch.tensor(slots, dtype=torch.long)  # (T,)
+        self._last_slots = ws
+        return RowPlan(self.working.slot_positions[ws], ws, self.working.slot_positions.clone(), self.working.mask(ws))
+
+    def after_forward(self) -> None:
+        if self._last_prefill and self.router.uses_prompt and self.cfg.retrieval_blocks:
+            k, _ = self.backend.read_kv(self.row, self._last_slots)  # (L, Hkv, T, D)
+            self._add_to_prompt(k)
+        if self.store is not None and self._prefix_open and not self._last_evicted:
+            self._persist_prefix()
+
+    def _add_to_prompt(self, k: torch.Tensor) -> None:
+        """k (L, Hkv, T, D) of prompt tokens. Summed in float64 so that how the prompt was chunked (or restored
+        from L3) changes the mean by ~1e-16 and cannot flip a routing decision."""
+        chunk = k.double().sum(dim=2)  # (L, Hkv, D)
+        self._prompt_sum = chunk if self._prompt_sum is None else self._prompt_sum + chunk
+        self._prompt_n += k.shape[2]
+
+    def _persist_prefix(self) -> None:
+        b = self.cfg.block_size
+        assert self.store is not None
+        while self._persisted + b <= len(self.tokens):
+            end = self._persisted + b
+            key = self.store.key(self._prefix_digests.pop(end), "exact")
+            if key not in self.store:
+                slots = torch.tensor([self.working.slot_of(i) for i in range(self._persisted, end)])  # (B,)
+                k, v = self.backend.read_kv(self.row, slots)  # (L, Hkv, B, D)
+                self.store.put(key, k, v, end)
+            self._persisted = end
+
+    def reuse_prefix(self, ids: list[int]) -> int:
+        if self.tokens or self.store is None:
+            return 0
+        b = self.cfg.block_size
+        limit = min(len(ids), self.cfg.sink_tokens + self.cfg.window) // b * b
+        hasher = hashlib.sha256()
+        found: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for end in range(b, limit + 1, b):
+            hasher.update(_token_bytes(ids[end - b : end]))
+            kv = self.store.get(self.store.key(hasher.copy().hexdigest(), "exact"))
+            if kv is None:
+                break
+            found.append(kv)
+        if not found:
+            return 0
+        n = len(found) * b
+        slots, _ = self.working.assign(n)
+        self._prompt_sum, self._prompt_n = None, 0
+        for j, (k, v) in enumerate(found):
+            self.backend.write_kv(self.row, torch.tensor(slots[j * b : (j + 1) * b]), k, v)
+            if self.router.uses_prompt and self.cfg.retrieval_blocks:
+                self._add_to_prompt(k)
+        self._last_prefill = True  # the restored tokens are the start of this prompt, as if prefilled
+        self._persisted = n
+        self._feed_hash(ids[:n], 0)
+        self.tokens.extend(ids[:n])
+        self._since_route += n
+        self.working.refresh_positions()
+        return n
+
+    # -- snapshots ----------------------------------------------------------------------------------------------
+
+    def stats(self) -> CascadeStats:
+        w = self.working
+        working = TierStats.make(
+            "working",
+            w.held_tokens,
+            w.held_tokens * self.kv_token_bytes,
+            self.cfg.num_slots * self.kv_token_bytes,
+            self.counters.hits,
+            self.counters.misses,
+            w.evicted,
+        )
+        persistent = self.store.stats() if self.store is not None else TierStats.make("persistent", 0, 0, 0, 0, 0, 0)
+        return CascadeStats(working, self.episodic.stats(), persistent)
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Meta (JSON-able) + tensors: working slots' KV (L, Hkv, S, D) fp16, episodic blocks fp16, and the float64
+        routing accumulator (kept at full precision so a restored conversation routes exactly as an uninterrupted one)."""
+        ep_meta, tensors = self.episodic.state()
+        k, v = self.backend.read_kv(self.row, torch.arange(self.cfg.num_slots))  # (L, Hkv, S, D) each
+        tensors.update({"wk.k": k, "wk.v": v})
+        if self._prompt_sum is not None:
+            tensors["route.prompt_sum"] = self._prompt_sum.clone()
+        meta = {
+            "kind": "cascade",
+            "version": STATE_VERSION,
+            "config": self.cfg.to_dict(),
+            "tokens": list(self.tokens),
+            "working": self.working.state(),
+            "episodic": ep_meta,
+            "routing": {
+                "since_route": self._since_route,
+                "prompt_n": self._prompt_n,
+                "last_prefill": self._last_prefill,
+                "last_evicted": self._last_evicted,
+                "last_slots": self._last_slots.tolist(),
+            },
+            "prefix": {"open": self._prefix_open, "persisted": self._persisted},
+            "counters": self.counters.to_dict(),
+            "stats": self.stats().to_dict(),
+        }
+        return meta, tensors
+
+    def load_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        if meta.get("kind") != "cascade" or int(meta.get("version", -1)) != STATE_VERSION:
+            raise SessionFileError("The saved memory is not a cascade memory this version can restore.")
+        if CascadeConfig.from_dict(meta["config"]) != self.cfg:
+            raise SessionFileError("The saved memory used a different cascade geometry; restore it with the same settings.")
+        self._reset_state()
+        self.backend.write_kv(self.row, torch.arange(self.cfg.num_slots), tensors["wk.k"], tensors["wk.v"])
+        self.working.load_state(meta["working"])
+        self.episodic.load_state(meta["episodic"], tensors)
+        r = meta["routing"]
+        self._since_route, self._prompt_n = int(r["since_route"]), int(r["prompt_n"])
+        self._last_prefill, self._last_evicted = bool(r["last_prefill"]), bool(r["last_evicted"])
+        self._last_slots = torch.tensor(r["last_slots"], dtype=torch.long)
+        ps = tensors.get("route.prompt_sum")
+        self._prompt_sum = None if ps is None else ps.double().clone()
+        self._prefix_open, self._persisted = bool(meta["prefix"]["open"]), int(meta["prefix"]["persisted"])
+        self.counters = Counters.from_dict(meta["counters"])
+        tokens = [int(t) for t in meta["tokens"]]
+        self._feed_hash(tokens, 0)  # rebuilds the running digest and the boundary digests still pending
+        self.tokens = tokens

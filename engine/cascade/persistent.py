@@ -1,0 +1,233 @@
+"""Persistent memory (L3): content-addressed KV blocks on disk, shared across requests, sessions and restarts.
+
+Layout under the cache dir: `blocks/<key>.safetensors` (one block: k, v (L, Hkv, n, D) fp16) and `index.json`
+(key -> bytes, last use, uses) for LRU accounting. The key is sha256 of (model fingerprint, backend numerics,
+dtype, context tag, digest of the full token prefix up to and including the block), so a block is only ever
+found by the model, arithmetic and token history that produced it.
+
+Crash safety: every file is written to a temp name, fsynced, then renamed, so a reader sees a whole file or
+none. The safetensors header also carries the identity and a CRC32 per tensor; an entry whose identity
+differs, whose size is wrong or whose bytes fail the CRC is deleted with a warning and never loaded. The index is
+advisory: on open it is reconciled with the files actually present (another process may have added some).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import tempfile
+import time
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+from engine.backends.base import CANONICAL_KV_DTYPE
+from engine.cascade.stats import Counters, TierStats
+
+FORMAT = "mlot-spark-kv/1"
+TENSORS = ("k", "v")
+STALE_TEMP_S = 3600.0
+
+
+def _is_key(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+
+
+def _crc(t: torch.Tensor) -> str:
+    return f"{zlib.crc32(t.contiguous().view(torch.uint8).numpy()):08x}"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class _Entry:
+    bytes: int
+    last_used: float
+    uses: int
+
+
+class PersistentStore:
+    """Blocks of one model + backend numerics under `root`; entries of any other model/numerics are never used."""
+
+    def __init__(self, root: str | Path, fingerprint: str, numerics: str, budget_bytes: int = 4 * 1024**3) -> None:
+        self.root = Path(root).expanduser()
+        self.blocks = self.root / "blocks"
+        self.blocks.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.numerics = numerics
+        self.dtype = str(CANONICAL_KV_DTYPE).removeprefix("torch.")
+        self.budget_bytes = budget_bytes
+        self.counters = Counters()
+        self._index: dict[str, _Entry] = {}
+        self._load_index()
+
+    # -- keys ---------------------------------------------------------------------------------------------------
+
+    def key(self, prefix_digest: str, tag: str = "exact") -> str:
+        """The content address of a block: identity of the arithmetic + what the KV was computed from."""
+        ident = f"{self.fingerprint}|{self.numerics}|{self.dtype}|{tag}|{prefix_digest}"
+        return hashlib.sha256(ident.encode()).hexdigest()
+
+    def _path(self, key: str) -> Path:
+        return self.blocks / f"{key}.safetensors"
+
+    # -- index --------------------------------------------------------------------------------------------------
+
+    def _load_index(self) -> None:
+        try:
+            raw = json.loads((self.root / "index.json").read_text(encoding="utf-8"))
+            entries = {k: _Entry(int(e["bytes"]), float(e["last_used"]), int(e["uses"])) for k, e in raw["entries"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            entries = {}
+        present = {p.stem: p for p in self.blocks.glob("*.safetensors") if _is_key(p.stem)}
+        for tmp in self.blocks.glob(".tmp-*"):  # left by a killed writer; young ones may still be mid-write
+            try:
+                if time.time() - tmp.stat().st_mtime > STALE_TEMP_S:
+                    tmp.unlink()
+            except OSError:  # renamed or removed by its writer meanwhile
+                pass
+        self._index = {k: e for k, e in entries.items() if k in present}
+        for k, p in present.items():  # files another process wrote since (or an index that was lost)
+            if k not in self._index:
+                st = p.stat()
+                self._index[k] = _Entry(st.st_size, st.st_mtime, 0)
+
+    def flush(self) -> None:
+        """Write the LRU index (atomically); called after every put/eviction and by `close()`."""
+        data = {"format": FORMAT, "entries": {k: vars(e) for k, e in self._index.items()}}
+        _atomic_write(self.root / "index.json", json.dumps(data).encode())
+
+    close = flush
+
+    # -- blocks -------------------------------------------------------------------------------------------------
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._index
+
+    def put(self, key: str, k: torch.Tensor, v: torch.Tensor, tokens: int) -> None:
+        """k, v (L, Hkv, n, D) canonical fp16 -> one entry (no-op when the key is already stored)."""
+        if key in self._index:
+            return
+        tensors = {"k": k.to(CANONICAL_KV_DTYPE).contiguous(), "v": v.to(CANONICAL_KV_DTYPE).contiguous()}
+        meta = {
+            "format": FORMAT,
+            "key": key,
+            "fingerprint": self.fingerprint,
+            "numerics": self.numerics,
+            "dtype": self.dtype,
+            "tokens": str(tokens),
+            **{f"crc_{n}": _crc(t) for n, t in tensors.items()},
+        }
+        data = save(tensors, metadata=meta)
+        _atomic_write(self._path(key), data)
+        self._index[key] = _Entry(len(data), time.time(), 0)
+        self._enforce_budget(keep=key)
+        self.flush()
+
+    def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The block's k, v (L, Hkv, n, D) fp16, or None when absent; a broken entry is deleted with a warning."""
+        if key not in self._index:
+            self.counters.misses += 1
+            return None
+        path = self._path(key)
+        try:
+            kv = self._read(path, key)
+        except OSError:
+            kv = None
+        if kv is None:
+            self.counters.misses += 1
+            return None
+        e = self._index[key]
+        e.last_used, e.uses = time.time(), e.uses + 1
+        self.counters.hits += 1
+        return kv
+
+    def _read(self, path: Path, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                return self._drop(key, "it is truncated")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        (n,) = struct.unpack("<Q", mm[:8])
+        if n > size - 8:
+            return self._drop(key, "its header is truncated")
+        try:
+            header = json.loads(bytes(mm[8 : 8 + n]).decode("utf-8"))
+            meta = header.pop("__metadata__")
+            infos = {name: header[name] for name in TENSORS}
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+            return self._drop(key, "its header is unreadable")
+        ident = (meta.get("format"), meta.get("key"), meta.get("fingerprint"), meta.get("numerics"), meta.get("dtype"))
+        if ident != (FORMAT, key, self.fingerprint, self.numerics, self.dtype):
+            return self._drop(key, "it belongs to another model, backend or format")
+        out: list[torch.Tensor] = []
+        for name in TENSORS:
+            info = infos[name]
+            a, b = info["data_offsets"]
+            shape = tuple(int(s) for s in info["shape"])
+            count = 1
+            for s in shape:
+                count *= s
+            if info["dtype"] != "F16" or b - a != 2 * count or 8 + n + b > size:
+                return self._drop(key, "its data is truncated or inconsistent")
+            t = torch.frombuffer(mm, dtype=torch.float16, count=count, offset=8 + n + a).view(shape)
+            if _crc(t) != meta.get(f"crc_{name}"):
+                return self._drop(key, "its data fails the checksum")
+            out.append(t)
+        return out[0], out[1]
+
+    def _drop(self, key: str, why: str) -> None:
+        warnings.warn(f"Dropped a persistent KV cache entry because {why}; it will be recomputed.", RuntimeWarning, stacklevel=3)
+        self._remove(key)
+        self.counters.evictions += 1
+        self.flush()
+        return None
+
+    def _remove(self, key: str) -> None:
+        self._index.pop(key, None)
+        self._path(key).unlink(missing_ok=True)
+
+    def _enforce_budget(self, keep: str | None = None) -> None:
+        total = self.bytes
+        if total <= self.budget_bytes:
+            return
+        for key in sorted(self._index, key=lambda k: self._index[k].last_used):  # least recently used first
+            if total <= self.budget_bytes:
+                break
+            if key == keep:
+                continue
+            total -= self._index[key].bytes
+            self._remove(key)
+            self.counters.evictions += 1
+
+    def clear(self) -> None:
+        """Delete every entry of this store's directory (all models: the directory is one cache)."""
+        for key in list(self._index):
+            self._remove(key)
+        self.flush()
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.bytes for e in self._index.values())
+
+    def stats(self) -> TierStats:
+        c = self.counters
+        return TierStats.make("persistent", len(self._index), self.bytes, self.budget_bytes, c.hits, c.misses, c.evictions)

@@ -1,0 +1,129 @@
+"""Working memory (L1): the device slot table's layout and the positions the cascade assigns inside it.
+
+Slots, for S = CascadeConfig.num_slots:
+    [0, sinks)                      attention sinks: the first tokens, kept forever (StreamingLLM)
+    [sinks, sinks + R*B)            R retrieval groups of B slots, each holding one paged-in episodic block
+    [sinks + R*B, ... + W)          the window: a ring of the W most recent tokens
+    [..., S)                        padding to a multiple of 32, never attended
+
+Positions (dense, so the largest is < sinks + R*B + W <= the model's trained context):
+    sinks 0..sinks-1, then the resident blocks in their original order, then the window oldest to newest.
+While nothing has left the window this makes position == absolute token index, i.e. exact full attention.
+Keys are stored unrotated (engine.model), so re-numbering as the window slides costs nothing but this table.
+
+Everything here is O(1) or O(S) per step with preallocated tensors: nothing grows with the conversation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cascade.config import CascadeConfig
+
+
+class WorkingMemory:
+    def __init__(self, cfg: CascadeConfig) -> None:
+        self.cfg = cfg
+        self.sinks, self.block, self.groups_n, self.window = cfg.sink_tokens, cfg.block_size, cfg.retrieval_blocks, cfg.window
+        self.retrieval_start = self.sinks
+        self.window_start = self.sinks + cfg.retrieval_slots
+        self.slot_positions = torch.zeros(cfg.num_slots, dtype=torch.long)  # (S,) position of each slot
+        self.valid = torch.zeros(cfg.num_slots, dtype=torch.bool)  # (S,) slot holds a token that may be attended
+        self._ring = torch.arange(self.window)  # (W,)
+        self._window_positions = self.slot_positions[self.window_start : self.window_start + self.window]  # (W,) view
+        self._block_offsets = torch.arange(self.block)  # (B,)
+        self.reset()
+
+    def reset(self) -> None:
+        self.n_sink = 0  # sink slots filled
+        self.n_window = 0  # window slots filled
+        self.head = 0  # ring index the next window token goes to
+        self.evicted = 0  # tokens that have left the window, ever
+        self.groups: list[int | None] = [None] * self.groups_n  # episodic block id held by each retrieval group
+        self.valid.zero_()
+        self.slot_positions.zero_()
+        self.slot_positions[: self.sinks] = torch.arange(self.sinks)
+        self.refresh_positions()
+
+    @property
+    def resident_blocks(self) -> int:
+        return sum(g is not None for g in self.groups)
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens in sink, window and retrieval slots."""
+        return self.n_sink + self.n_window + self.resident_blocks * self.block
+
+    def slot_of(self, index: int) -> int:
+        """Slot of absolute token `index` while nothing has been evicted (the pure-prefix phase)."""
+        return index if index < self.sinks else self.window_start + (index - self.sinks)
+
+    def recent_slots(self, n: int) -> torch.Tensor:
+        """(m,) slots of the m = min(n, window fill) most recent window tokens, newest first."""
+        m = min(n, self.n_window)
+        return (self.head - 1 - torch.arange(m)) % self.window + self.window_start
+
+    def assign(self, count: int) -> tuple[list[int], list[int]]:
+        """Slots for `count` new tokens, and the window slots whose current token they push out (oldest first).
+
+        The caller must read the pushed-out slots' KV before the forward overwrites them.
+        """
+        slots: list[int] = []
+        evicted: list[int] = []
+        for _ in range(count):
+            if self.n_sink < self.sinks:
+                slots.append(self.n_sink)
+                self.n_sink += 1
+                continue
+            slot = self.window_start + self.head
+            if self.n_window == self.window:
+                evicted.append(slot)
+            else:
+                self.n_window += 1
+            slots.append(slot)
+            self.head = (self.head + 1) % self.window
+        self.evicted += len(evicted)
+        self.valid[slots] = True
+        return slots, evicted
+
+    def set_groups(self, groups: list[int | None]) -> None:
+        """Record which block each retrieval group holds; resident blocks get positions in their original order."""
+        self.groups = list(groups)
+        ranked = sorted((b, g) for g, b in enumerate(self.groups) if b is not None)
+        for g in range(self.groups_n):
+            self.valid[self.retrieval_start + g * self.block : self.retrieval_start + (g + 1) * self.block] = False
+        for rank, (_, g) in enumerate(ranked):
+            at = self.retrieval_start + g * self.block
+            self.slot_positions[at : at + self.block] = self._block_offsets + (self.sinks + rank * self.block)
+            self.valid[at : at + self.block] = True
+        self.refresh_positions()
+
+    def group_slots(self, g: int) -> torch.Tensor:
+        """(B,) slots of retrieval group g."""
+        return self._block_offsets + (self.retrieval_start + g * self.block)
+
+    def refresh_positions(self) -> None:
+        """Window positions: oldest token at base = sinks + resident blocks * B, newest at base + fill - 1."""
+        base = self.sinks + self.resident_blocks * self.block
+        oldest = (self.head - self.n_window) % self.window
+        self._window_positions.copy_(self._ring).sub_(oldest).remainder_(self.window).add_(base)
+
+    def mask(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots (T,) just written -> (T, S) bool: every valid slot, causal among the new tokens."""
+        t = slots.shape[0]
+        if t == 1:
+            return self.valid[None].clone()
+        m = self.valid[None].expand(t, -1).clone()  # (T, S)
+        m[:, slots] = torch.ones(t, t, dtype=torch.bool).tril()
+        return m
+
+    def state(self) -> dict:
+        return {"n_sink": self.n_sink, "n_window": self.n_window, "head": self.head, "evicted": self.evicted, "groups": list(self.groups)}
+
+    def load_state(self, meta: dict) -> None:
+        self.reset()
+        self.n_sink, self.n_window, self.head, self.evicted = (int(meta[k]) for k in ("n_sink", "n_window", "head", "evicted"))
+        self.valid[: self.n_sink] = True
+        filled = (self.head - 1 - torch.arange(self.n_window)) % self.window + self.window_start
+        self.valid[filled] = True
+        self.set_groups([None if g is None else int(g) for g in meta["groups"]])
