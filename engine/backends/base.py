@@ -71,6 +71,17 @@ class Backend(ABC):
     def write_kv(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Inverse of read_kv: k, v (L, Hkv, n, D) canonical -> the device slots of `row`."""
 
+    def copy_rows(self, src: torch.Tensor) -> None:
+        """src (B,) long: row i of the slot table becomes a copy of row src[i] (all slots), e.g. beam reordering.
+
+        This default goes through read_kv/write_kv, so KV passes through the canonical fp16 layout; backends
+        override it with a device-side copy that keeps their own precision.
+        """
+        slots = torch.arange(self.num_slots)
+        copies = [self.read_kv(int(r), slots) for r in src.tolist()]
+        for row, (k, v) in enumerate(copies):
+            self.write_kv(row, slots, k, v)
+
     def kv_bytes_per_token(self) -> int:
         c = self.config
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * CANONICAL_KV_DTYPE.itemsize

@@ -91,3 +91,9 @@ class TorchBackend(Backend):
         s = slots.to(self.device)
         self.cache.k[:, row].index_copy_(2, s, k.to(self.device, self.dtype))
         self.cache.v[:, row].index_copy_(2, s, v.to(self.device, self.dtype))
+
+    @torch.inference_mode()
+    def copy_rows(self, src: torch.Tensor) -> None:
+        idx = src.to(self.device)
+        self.cache.k.copy_(self.cache.k.index_select(1, idx))  # (L, B, Hkv, S, D), exact: no dtype round trip
+        self.cache.v.copy_(self.cache.v.index_select(1, idx))
