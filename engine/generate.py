@@ -26,6 +26,7 @@ class GenerationSettings:
     stop: tuple[str, ...] = ()
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     prefill_chunk: int = 256
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens (llama.cpp's --ignore-eos)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def stream_generate(
     history: list[int] = list(memory.tokens[-window:]) + list(prompt_ids)
     detok = tokenizer.stream_decoder()
     stops = StopMatcher(settings.stop)
-    eos = tokenizer.eos_ids
+    eos = frozenset() if settings.ignore_eos else tokenizer.eos_ids
     chunk = pacer.prefill_chunk(settings.prefill_chunk) if pacer else settings.prefill_chunk
 
     def event(text: str, token: int | None, logprob: float | None, n: int, reason: FinishReason | None) -> GenerationEvent:
@@ -167,5 +168,8 @@ def stream_generate(
             return
         yield event(text, token, logprob, n, None)
         if pacer:
-            pacer.before_step(should_stop)
+            pacer.before_step(should_stop)  # may sleep (cool-down) or hold (thermal pause) until should_stop
+            if should_stop():
+                yield event(stops.flush() + detok.flush(), None, None, n, "cancelled")
+                return
         logits = decode_step(backend, memory, token)

@@ -163,6 +163,12 @@ class Session:
             self.known_text += prompt
         return self._run(ids, settings, should_stop, pacer, reply_to_messages=False)
 
+    def complete_ids(self, ids: Sequence[int], settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None) -> Iterator[GenerationEvent]:
+        """Raw completion from token ids (benchmarks, batch jobs), appended to what came before."""
+        ids = self._pending() + list(ids)
+        self.known_text += self.tokenizer.decode(ids[len(self._pending()) :], skip_special=False)
+        return self._run(ids, settings, should_stop, pacer, reply_to_messages=False)
+
     def continue_reply(self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None) -> Iterator[GenerationEvent]:
         """Extend the last reply: feed the unfed last token and keep sampling (N then M tokens == N+M in one run)."""
         if self.pending_token is None:

@@ -1,0 +1,59 @@
+"""Random checkpoints of real model shapes for speed benchmarks (weights don't change speed; no download)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.config import ModelConfig
+from engine.model import Transformer
+
+# HuggingFaceTB/SmolLM-135M's config.json values (architecture only).
+SMOLLM_135M: dict = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "torch_dtype": "float32",
+}
+
+BENCH_VOCAB_SPECIALS = ["<|endoftext|>"]
+
+
+def write_random_checkpoint(out: Path, config: dict, seed: int = 0) -> Path:
+    """A model folder with `config` and random weights (std 0.02, norms 1), plus a byte-level tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig.from_dict(config))
+    state = {}
+    for name, p in model.state_dict().items():
+        if config.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue
+        state[name] = torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * 0.02
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # A byte-level vocabulary: 256 byte tokens + specials; ids beyond it exist in the model but are never typed.
+    vocab = {tok: i for i, tok in enumerate(BENCH_VOCAB_SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(BENCH_VOCAB_SPECIALS)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "add_bos_token": False}))
+    return out

@@ -1,0 +1,145 @@
+"""`bench decode`: prefill and decode tokens/s of our CPU path beside llama.cpp and transformers, same run.
+
+Every engine gets the same weights (our safetensors; llama.cpp a GGUF export of them at our precision, checked by
+comparing logits), the same thread count, the same prompt ids and greedy decoding of the same number of tokens.
+Runs are interleaved (ours, llama.cpp, transformers, repeat) and the median is reported, so background load hits
+every peer alike. Default model: a SmolLM-135M-shaped random checkpoint (the issue's target shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.bench.checkpoints import SMOLLM_135M, write_random_checkpoint
+from engine.generate import GenerationSettings
+from engine.sampling import SamplingSettings
+from engine.session import Engine, Session, memory_factory_for
+
+PROMPT_TOKENS = 128
+DECODE_TOKENS = 128
+
+
+def prompt_ids(vocab: int, n: int = PROMPT_TOKENS) -> list[int]:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(1, min(vocab, 30000), (n,), generator=g).tolist()
+
+
+def measure_ours(session: Session, ids: list[int], n_decode: int) -> dict:
+    session.reset()
+    settings = GenerationSettings(max_tokens=n_decode, sampling=SamplingSettings(greedy=True), prefill_chunk=len(ids), ignore_eos=True)
+    events = list(session.complete_ids(ids, settings))
+    last = events[-1]
+    return {"prefill_tps": len(ids) / last.ttft_s, "decode_tps": last.tokens_per_s, "tokens": [e.token for e in events]}
+
+
+def measure_llamacpp(llm, ids: list[int], n_decode: int) -> dict:  # type: ignore[no-untyped-def]
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t_first = time.perf_counter()
+    tokens = [tok]
+    for _ in range(n_decode - 1):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tokens.append(tok)
+    t_end = time.perf_counter()
+    return {"prefill_tps": len(ids) / (t_first - t0), "decode_tps": (n_decode - 1) / (t_end - t_first), "tokens": tokens}
+
+
+def measure_transformers(model, ids: list[int], n_decode: int) -> dict:  # type: ignore[no-untyped-def]
+    inp = torch.tensor([ids])
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    t0 = time.perf_counter()
+    model.generate(inp, max_new_tokens=1, min_new_tokens=1, **kw)
+    t1 = time.perf_counter()
+    out = model.generate(inp, max_new_tokens=n_decode, min_new_tokens=n_decode, **kw)
+    t2 = time.perf_counter()
+    # decode rate = the extra tokens over the extra time of the longer run
+    return {"prefill_tps": len(ids) / (t1 - t0), "decode_tps": (n_decode - 1) / ((t2 - t1) - (t1 - t0)), "tokens": out[0, len(ids) :].tolist()}
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def run(args: argparse.Namespace) -> dict:
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    repeats = 1 if args.quick else 3
+    n_decode = 32 if args.quick else DECODE_TOKENS
+    tmp = tempfile.TemporaryDirectory(prefix="spark-bench-")
+    model_dir = Path(args.model) if args.model else write_random_checkpoint(Path(tmp.name) / "smollm-135m-shape", SMOLLM_135M)
+    engine = Engine.load(model_dir, "cpu", memory_factory=memory_factory_for(model_dir, prefix_cache=False))
+    ids = prompt_ids(engine.backend.config.vocab_size)
+    result: dict = {
+        "model": str(model_dir) if args.model else "SmolLM-135M shape (random weights)",
+        "threads": threads,
+        "prompt_tokens": len(ids),
+        "decode_tokens": n_decode,
+        "dtype": "float32",
+    }
+    session = engine.new_session()
+    peers: dict[str, Callable[[], dict]] = {"ours": lambda: measure_ours(session, ids, n_decode)}
+    notes = []
+    try:
+        import llama_cpp
+
+        from engine.bench.gguf_export import export_gguf
+
+        gguf_path = export_gguf(model_dir, Path(tmp.name) / "model-f32.gguf", "f32")
+        llm = llama_cpp.Llama(str(gguf_path), n_ctx=len(ids) + n_decode + 8, n_threads=threads, n_threads_batch=threads, n_batch=len(ids), verbose=False)
+        peers["llamacpp"] = lambda: measure_llamacpp(llm, ids, n_decode)
+        # Same model? Compare the prompt's last-token logits of both engines.
+        llm.reset()
+        llm.eval(ids)
+        theirs = torch.from_numpy(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+        ours_logits = _our_last_logits(engine, ids)
+        result["llamacpp_max_logit_diff"] = float((theirs - ours_logits).abs().max())
+        result["llamacpp_version"] = llama_cpp.__version__
+    except ImportError:
+        notes.append("llama-cpp-python is not installed (pip install -e '.[bench]'); llama.cpp was not measured")
+    try:
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        peers["transformers"] = lambda: measure_transformers(hf, ids, n_decode)
+        result["transformers_version"] = transformers.__version__
+    except ImportError:
+        notes.append("transformers is not installed; it was not measured")
+    runs: dict[str, list[dict]] = {name: [] for name in peers}
+    with torch.inference_mode():
+        for name, fn in peers.items():  # warm-up (allocations, thread pools, lazy init)
+            fn()
+        for _ in range(repeats):
+            for name, fn in peers.items():
+                runs[name].append(fn())
+    for name, rs in runs.items():
+        result[f"{name}_prefill_tps"] = round(_median(rs, "prefill_tps"), 1)
+        result[f"{name}_decode_tps"] = round(_median(rs, "decode_tps"), 1)
+    for name in runs:
+        if name != "ours":
+            result[f"{name}_same_tokens"] = runs[name][-1]["tokens"] == runs["ours"][-1]["tokens"]
+    if "llamacpp" in runs:
+        result["ratio_vs_llamacpp"] = round(result["ours_decode_tps"] / result["llamacpp_decode_tps"], 3)
+    if "transformers" in runs:
+        result["ratio_vs_transformers"] = round(result["ours_decode_tps"] / result["transformers_decode_tps"], 3)
+    if notes:
+        result["notes"] = notes
+    tmp.cleanup()
+    return result
+
+
+def _our_last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    from engine.generate import prefill
+
+    session = engine.new_session()
+    return prefill(session.backend, session.memory, ids, len(ids))
