@@ -1,0 +1,85 @@
+"""The profiler's parts add up, cover every listed category, export a valid Chrome trace, and cost nothing when off."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.backends.torch_backend import TorchBackend
+from engine.generate import GenerationSettings, stream_generate
+from engine.memory import FullAttentionMemory
+from engine.profiler import Profiler
+from engine.sampling import SamplingSettings
+from engine.tokenizer import Tokenizer
+from tests.tiny import make_tiny_model
+
+SETTINGS = GenerationSettings(max_tokens=10, sampling=SamplingSettings(greedy=True), prefill_chunk=8)
+LAYERS = 3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[TorchBackend, Tokenizer]:
+    d = make_tiny_model(tmp_path_factory.mktemp("tiny"), layers=LAYERS)
+    return TorchBackend(d), Tokenizer.from_dir(d)
+
+
+def run(backend: TorchBackend, tok: Tokenizer, profiler: Profiler | None) -> list[int]:
+    b = backend.fork()
+    b.allocate(1, 64)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog.")
+    gen = profiler.stream_generate(b, FullAttentionMemory(b), tok, ids, SETTINGS) if profiler else stream_generate(b, FullAttentionMemory(b), tok, ids, SETTINGS)
+    return [ev.token for ev in gen if ev.token is not None]
+
+
+def hooks(backend: TorchBackend) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in backend.model.modules())
+
+
+def test_parts_add_up_and_cover_every_category(tiny: tuple[TorchBackend, Tokenizer]) -> None:
+    backend, tok = tiny
+    prof = Profiler()
+    tokens = run(backend, tok, prof)
+    assert tokens == run(backend, tok, None)  # profiling changes no result
+    for kind, steps in (("prefill", 1), ("decode", len(tokens) - 1)):
+        bd = prof.breakdown(kind)
+        assert bd.steps == steps and bd.total_s > 0
+        assert all(v >= 0 for v in bd.parts.values())
+        expected = {"embedding", "lm_head", "paging", "backend_overhead", "sampling", "detokenize"}
+        expected |= {f"layer.{i}.{p}" for i in range(LAYERS) for p in ("attention", "mlp")}
+        assert expected <= set(bd.parts)
+        assert set(bd.categories()) >= {"attention", "mlp", "embedding", "lm_head", "paging", "backend_overhead", "sampling", "detokenize"}
+        # sum_error is computed from the profiler's own measurements: parts vs the independently timed steps.
+        assert bd.sum_error == pytest.approx(abs(sum(bd.parts.values()) - bd.total_s) / bd.total_s)
+        assert sum(bd.parts.values()) <= bd.total_s * (1 + 1e-9)  # parts are disjoint pieces of the steps
+        slowest = bd.bottlenecks(3)
+        assert [s for _, s in slowest] == sorted((s for _, s in slowest), reverse=True)
+        assert slowest[0][0] in bd.categories()
+    assert prof.bottlenecks(1)[0] == prof.breakdown("decode").bottlenecks(1)[0]
+
+
+def test_zero_cost_when_off(tiny: tuple[TorchBackend, Tokenizer]) -> None:
+    backend, tok = tiny
+    before = hooks(backend)
+    prof = Profiler()
+    gen = prof.stream_generate(backend.fork(), FullAttentionMemory(backend), tok, [5, 6, 7], SETTINGS)
+    next(gen)
+    assert hooks(backend) > before  # hooks exist only while a profiled run is going
+    list(gen)
+    assert hooks(backend) == before
+
+
+def test_chrome_trace(tiny: tuple[TorchBackend, Tokenizer], tmp_path: Path) -> None:
+    backend, tok = tiny
+    prof = Profiler()
+    run(backend, tok, prof)
+    data = json.loads(prof.export_chrome_trace(tmp_path / "trace.json").read_text())
+    events = data["traceEvents"]
+    assert len(events) == len(prof.spans)
+    assert all(e["ph"] == "X" and e["dur"] >= 0 and e["ts"] >= 0 for e in events)
+    steps = [e for e in events if e["cat"] == "step"]
+    assert {e["name"] for e in steps} == {"prefill_step", "decode_step"}
+    for e in events:  # every part lies inside its step
+        step = next(s for s in steps if s["args"]["step"] == e["args"]["step"])
+        assert step["ts"] <= e["ts"] + 1e-3 and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1e-3
