@@ -14,8 +14,8 @@ at the front it costs one column, at the back it would make every step pay for t
 Feeds are left-padded (real tokens at the end of the row), so `last_only` logits are each row's real last token.
 
 Bucketing: `generate_batch` sorts prompts by length and runs them in groups of at most `max_batch` rows, so rows
-of similar length share a batch; within a group prompts are aligned on the right, so every row finishes its
-prefill in the same step and decode steps carry no padding at all.
+of similar length share a batch; within a group prompts are aligned on the right (in whole prefill chunks), so every
+row finishes its prefill in the same step and decode steps carry no padding at all.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends.base import Backend
-from engine.generate import GenerationEvent, GenerationSettings, StopMatcher
+from engine.generate import MAX_PENALTY_HISTORY, GenerationEvent, GenerationSettings, StopMatcher
 from engine.memory import FullAttentionMemory, Memory, RowPlan
 from engine.model import SlotBatch
 from engine.sampling import make_logits_processors, make_sampler
@@ -106,7 +106,7 @@ class RowState:
     """One request's generation state on a row: what to feed next, and turning its logits into events.
 
     Mirrors `engine.generate.stream_generate` step for step (same sampler, processors, stop and EOS rules), so a
-    row produces the events a lone run would. `skip` is left alignment: that many leading steps feed nothing.
+    row produces the events a lone run would. `skip`: that many leading steps feed nothing (right alignment).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], settings: GenerationSettings, memory: Memory, t0: float, skip: int = 0) -> None:
@@ -117,13 +117,13 @@ class RowState:
         self.skip = skip
         self.sample = make_sampler(s)
         self.processors = make_logits_processors(s)
-        self.window = max(1, s.repetition_window)
+        self.window = s.repetition_window or MAX_PENALTY_HISTORY  # as stream_generate: 0 = all, capped
         self.history: list[int] = list(memory.tokens[-self.window :]) + list(prompt_ids)
         # Greedy rows without processors are sampled together in one batched argmax (see `sample_greedy`).
         self.plain_greedy = s.is_greedy and not self.processors
         self.detok = tokenizer.stream_decoder()
         self.stops = StopMatcher(settings.stop)
-        self.eos = tokenizer.eos_ids
+        self.eos = frozenset() if settings.ignore_eos else tokenizer.eos_ids
         self.tokens: list[int] = []
         self.parts: list[str] = []
         self.last: int | None = None  # sampled last, fed on the next step
@@ -134,11 +134,10 @@ class RowState:
     def next_feed(self, chunk: int) -> list[int]:
         """The ids to feed this step: up to `chunk` prompt ids while prefilling, else the last sampled token."""
         if self.pending:
-            if self.skip >= chunk:
-                self.skip -= chunk
+            if self.skip:
+                self.skip -= 1
                 return []
-            take, self.skip = chunk - self.skip, 0
-            feed, self.pending = self.pending[:take], self.pending[take:]
+            feed, self.pending = self.pending[:chunk], self.pending[chunk:]
             return feed
         assert self.last is not None
         return [self.last]
@@ -251,13 +250,14 @@ def generate_batch(
         memories = [memory_factory(view, r) for r in range(len(group.prompts))]  # type: ignore[arg-type]
         batcher = RowBatcher(backend)
         t0 = time.perf_counter()
-        # Right alignment: a row of length n skips the first (longest - n) virtual tokens, so all rows end prefill
-        # together. Alignment is computed after prefix reuse, on the ids each row still has to feed.
+        # Right alignment: a row needing fewer prefill steps than the longest waits that many steps first, so all
+        # rows feed their last prompt chunk in the same step and then decode in lockstep. Whole steps, not tokens:
+        # each row keeps the chunk boundaries of a lone run (the cascade's result depends on them).
         states: list[RowState | None] = [RowState(tokenizer, p, settings, m, t0) for p, m in zip(group.prompts, memories)]
-        todo = max(len(st.pending) for st in states if st)
-        for st in states:
+        steps = [-(-len(st.pending) // chunk) for st in states if st is not None]
+        for st, n in zip(states, steps):
             assert st is not None
-            st.skip = todo - len(st.pending)
+            st.skip = max(steps) - n
         while any(st is not None for st in states):
             feeds = [st.next_feed(chunk) if st is not None else [] for st in states]
             plans = [memories[r].plan(f) if f else None for r, f in enumerate(feeds)]

@@ -81,3 +81,21 @@ def test_padding_is_harmless(tiny: tuple[TorchBackend, Tokenizer]) -> None:
     m = FullAttentionMemory(solo)
     ref = solo.forward(torch.tensor([[9]]), m.plan([9]).as_batch(), last_only=True)[0, -1]
     torch.testing.assert_close(logits[1], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_cascade_equals_alone(tiny: tuple[TorchBackend, Tokenizer]) -> None:
+    """Each row's own cascade (evicting, paging episodic blocks) gives the tokens of a lone cascade run."""
+    from engine.cascade.config import CascadeConfig
+    from engine.cascade.memory import CascadeMemory
+
+    backend, tok = tiny
+    cfg = CascadeConfig(sink_tokens=2, window=16, block_size=4, retrieval_blocks=2, routing="hybrid", rep_keys=2, proxy_tokens=4, reroute_every=4)
+    settings = GenerationSettings(max_tokens=14, sampling=GREEDY, prefill_chunk=8)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. Python is a programming language. " * 2)
+    ps = [ids[:n] for n in (40, 9, 27, 3)]
+    got = generate_batch(backend.fork(), tok, ps, settings, lambda b, r: CascadeMemory(b, cfg, row=r), num_slots=cfg.num_slots)
+    for p, c in zip(ps, got):
+        b = backend.fork()
+        b.allocate(1, cfg.num_slots)
+        want = [ev.token for ev in stream_generate(b, CascadeMemory(b, cfg), tok, p, settings) if ev.token is not None]
+        assert c.tokens == want

@@ -148,3 +148,21 @@ def test_stream_from_any_thread_and_early_exit_cancels(tiny: tuple[TorchBackend,
     assert [e.token for e in events] == alone(backend, tok, ids[:7], settings(9))
     assert events[-1].finish_reason in ("stop", "length")
     assert results["quitter_cancelled"] is True
+
+
+def test_continuous_batching_with_cascade_rows(tiny: tuple[TorchBackend, Tokenizer]) -> None:
+    """Each request gets its own cascade on its row; rows are reset between requests (same tokens as alone)."""
+    from engine.cascade.config import CascadeConfig
+    from engine.cascade.memory import CascadeMemory
+
+    backend, tok = tiny
+    cfg = CascadeConfig(sink_tokens=2, window=16, block_size=4, retrieval_blocks=2, routing="hybrid", rep_keys=2, proxy_tokens=4, reroute_every=4)
+    ids = tok.encode(TEXT * 2)
+    jobs = [(ids[:n], settings(m)) for n, m in ((30, 12), (6, 20), (21, 5), (2, 16), (12, 9))]
+    config = SchedulerConfig(max_batch=2, num_slots=cfg.num_slots, mixed_chunk=4)  # chunking as alone: same cascade
+    with Scheduler(backend.fork(), tok, config, lambda b, r: CascadeMemory(b, cfg, row=r)) as sched:
+        done = [f.result(timeout=120) for f in [sched.submit(Request(p, s)) for p, s in jobs]]
+    for (p, s), c in zip(jobs, done):
+        b = backend.fork()
+        b.allocate(1, cfg.num_slots)
+        assert c.tokens == [ev.token for ev in stream_generate(b, CascadeMemory(b, cfg), tok, p, s) if ev.token is not None]
