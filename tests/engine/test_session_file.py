@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save as st_save
 
 from engine import session_file
@@ -119,6 +121,24 @@ def test_inspect_reports_messages_tokens_model_and_tier_sizes(tmp_path: Path) ->
     assert info["token_count"] == 5 + 1  # fed tokens + the pending one
     assert info["tier_bytes"] == {"working": 2 * 2 * 2 * 5 * 16 * 2, "episodic": 2 * 2 * 4 * 16 * 2}
     assert info["file_bytes"] == path.stat().st_size
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(st.binary(max_size=300))
+def test_byte_planes_are_lossless(raw: bytes) -> None:
+    assert session_file._unshuffle(session_file._shuffle(raw)) == raw
+
+
+@pytest.mark.parametrize("compression", ["zlib", "lzma"])
+def test_odd_sized_tensor_sections_round_trip_compressed(tmp_path: Path, compression: str) -> None:
+    path = tmp_path / "chat.spark"
+    meta, tensors = kv_state(4)
+    tensors["episodic.k"] = torch.zeros(2, 2, 16, 16, dtype=torch.float16)
+    tensors["flags"] = torch.tensor([True, False, True])  # 3 bytes: an odd-length section
+    save_small(path, memory_state=(meta, tensors), compression=compression)
+    data = load_session(path)
+    assert data.compression == compression
+    assert all(torch.equal(data.tensors[k], t) for k, t in tensors.items())
 
 
 def test_compression_falls_back_to_raw_when_it_does_not_pay(tmp_path: Path) -> None:
