@@ -16,13 +16,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine.backends import BackendChoice, open_backend
 from engine.backends.base import Backend
-from engine.errors import InputTooLarge
+from engine.errors import InputTooLarge, SparkError
 from engine.generate import GenerationEvent, GenerationSettings, Pacer, stream_generate
-from engine.memory import FullAttentionMemory, Memory
-from engine.paths import bundled_model_dir
+from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
+from engine.memory import Memory
+from engine.paths import bundled_model_dir, default_cache_dir
+from engine.session_file import ForeignModelSession, Message, restore, save_session
 from engine.sampling import SamplingSettings, make_sampler
 from engine.tokenizer import Tokenizer
 
@@ -30,14 +33,40 @@ MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pa
 MemoryFactory = Callable[[Backend], Memory]
 
 
-def memory_factory_for(model_dir: str | Path | None, *, cache_dir: Path | None = None, prefix_cache: bool = True) -> MemoryFactory:
-    """The memory each conversation gets on its slot table."""
+def memory_factory_for(model_dir: str | Path | None, *, cache_dir: Path | None = None, prefix_cache: bool = True, **cascade_overrides: Any) -> MemoryFactory:
+    """Each conversation's memory: the cascade laid out per the model's cascade.json, over one persistent
+    (L3) store per model + backend numerics under `cache_dir` (default: the platform cache dir)."""
+    folder = Path(model_dir).expanduser() if model_dir else bundled_model_dir()
+    stores: dict[tuple[str, str], PersistentStore] = {}
+    stores_lock = threading.Lock()
+
+    def store_for(backend: Backend, config: CascadeConfig) -> PersistentStore | None:
+        if not prefix_cache:
+            return None
+        key = (backend.fingerprint, backend.numerics)
+        with stores_lock:
+            if key not in stores:
+                root = (cache_dir or default_cache_dir() / "kv") / backend.fingerprint[:16]
+                stores[key] = PersistentStore(root, backend.fingerprint, backend.numerics, config.persistent_budget_bytes)
+            return stores[key]
 
     def make(backend: Backend) -> Memory:
-        backend.allocate(1, min(backend.config.max_position_embeddings, 4096))
-        return FullAttentionMemory(backend)
+        config = CascadeConfig.for_model(folder, backend.config, **cascade_overrides)
+        return CascadeMemory(backend, config, row=0, store=store_for(backend, config))
 
     return make
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What `Session.load` did, in words the UI and CLI can show."""
+
+    applied: bool  # False: nothing changed (a foreign file not accepted as transcript-only)
+    foreign_model: bool  # the file was made with another model or tokenizer
+    transcript_only: bool  # messages restored, memory re-read on the next turn instead of restored
+    messages: int
+    tokens: int
+    message: str
 
 
 @dataclass
@@ -118,6 +147,7 @@ class Session:
         self.memory.reset()
         self.pending_token = None
         self.known_text = ""
+        self.sampler = make_sampler(self._sampler_settings)  # a new chat restarts a seeded stream
 
     def chat(
         self,
@@ -175,6 +205,62 @@ class Session:
             raise InputTooLarge("There is no reply to continue; send a prompt first.")
         extend = bool(self.messages) and self.messages[-1].role == "assistant"
         return self._run(self._pending(), settings, should_stop, pacer, reply_to_messages=extend, extend_last=extend)
+
+    # -- files ------------------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> int:
+        """Write the conversation and its memory to a .spark file (atomically); returns its size in bytes."""
+        return save_session(
+            path,
+            fingerprint=self.backend.fingerprint,
+            tokenizer_hash=self.tokenizer.content_hash,
+            messages=[Message(m.role, m.content, m.timestamp) for m in self.messages],
+            system_prompt=self.system_prompt,
+            settings={"sampling": asdict(self._sampler_settings)},
+            memory_state=self.memory.state(),
+            pending_token=self.pending_token,
+            sampler_state=self.sampler.get_state(),
+            extra={"known_text": self.known_text, "model": self.engine.model_dir.name},
+        )
+
+    def load(self, path: str | Path, *, accept_transcript_only: bool = False) -> LoadReport:
+        """Restore a .spark file into this session, or leave it untouched on any error.
+
+        The memory is restored into a fresh slot table and swapped in only when everything checked out. A file
+        from another model changes nothing unless `accept_transcript_only`, in which case its messages come back
+        and are re-read on the next turn.
+        """
+        fork = self.backend.fork()
+        outcome = restore(path, fork, self.engine.memory_factory, tokenizer_hash=self.tokenizer.content_hash)
+        data = outcome.data
+        messages = [ChatMessage(m.role, m.content, m.timestamp or time.time()) for m in data.messages]
+        if isinstance(outcome, ForeignModelSession):
+            if not accept_transcript_only:
+                return LoadReport(False, True, False, len(messages), 0, outcome.reason)
+            self.reset()
+            self.messages, self.system_prompt = messages, data.system_prompt or ""
+            return LoadReport(True, True, True, len(messages), 0, f"{outcome.reason} Restored {len(messages)} messages; the memory will be re-read.")
+        self.backend, self.memory = fork, outcome.memory
+        self._runner = _LockedBackend(fork, self.engine.step_lock)
+        self.messages, self.system_prompt = messages, data.system_prompt or ""
+        self.pending_token = data.pending_token
+        self.known_text = str(data.extra.get("known_text", ""))
+        sampling = data.settings.get("sampling")
+        if isinstance(sampling, dict):
+            try:
+                self._sampler_settings = SamplingSettings(**sampling)
+                self.sampler = make_sampler(self._sampler_settings)
+                if data.sampler_state is not None:
+                    self.sampler.set_state(data.sampler_state)
+            except (TypeError, ValueError, SparkError):
+                self._sampler_settings = SamplingSettings()  # unusable settings: fresh sampler, memory still exact
+                self.sampler = make_sampler(self._sampler_settings)
+        n = len(self.memory.tokens)
+        return LoadReport(True, False, False, len(messages), n, f"Restored {len(messages)} messages and {n:,} tokens of memory.")
+
+    def stats(self):  # type: ignore[no-untyped-def]
+        """The memory's tier statistics (CascadeStats), or None for a memory without tiers."""
+        stats = getattr(self.memory, "stats", None)
+        return stats() if stats else None
 
     # -- internals ---------------------------------------------------------------------------------------------
     def _template_messages(self) -> list[dict[str, str]]:
