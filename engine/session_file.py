@@ -85,7 +85,7 @@ _COMPRESSION_NAMES = {v: k for k, v in _COMPRESSION_FLAGS.items()}
 _SHUFFLED = 0x100
 
 # safetensors dtype name -> bytes per element: what a memory's state may hold (KV is canonical fp16).
-_DTYPE_SIZES: dict[str, int] = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_DTYPE_SIZES: dict[str, int] = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 JSONValue = Any  # None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]
 
@@ -461,9 +461,17 @@ def verify_session(path: str | Path) -> SessionData:
     return load_session(path)
 
 
+# Tensor-name prefixes of the memories' state() (engine.cascade: "wk.k", "ep.12.v", "route.prompt_sum").
+_TIER_PREFIXES = {"wk": "working", "working": "working", "ep": "episodic", "episodic": "episodic"}
+
+
 def tier_of(tensor_name: str) -> str:
-    """Tensors are grouped into tiers by name prefix ("episodic.k" -> "episodic"); bare names are working memory."""
-    return tensor_name.split(".", 1)[0] if "." in tensor_name else "working"
+    """The tier a state tensor belongs to, by name prefix; bare names (FullAttentionMemory's "k", "v") are working
+    memory, unknown prefixes are reported under their own name."""
+    if "." not in tensor_name:
+        return "working"
+    prefix = tensor_name.split(".", 1)[0]
+    return _TIER_PREFIXES.get(prefix, prefix)
 
 
 def inspect_session(path: str | Path) -> dict[str, JSONValue]:

@@ -63,6 +63,6 @@ def run_verify(args: argparse.Namespace) -> int:
     data = verify_session(args.file)
     print(
         f"ok: {args.file} is a sound session (format v{data.format_version}, {len(data.messages)} messages, "
-        f"{len(data.token_ids)} tokens, model {data.fingerprint[:12]})."
+        f"{len(data.token_ids) + (data.pending_token is not None)} tokens, model {data.fingerprint[:12]})."
     )
     return 0

@@ -87,6 +87,8 @@ def test_round_trip_keeps_every_field(tmp_path: Path, compression: str) -> None:
     path = tmp_path / "chat.spark"
     meta, tensors = kv_state(40)
     tensors["episodic.k"] = torch.zeros(2, 2, 8, 16, dtype=torch.float16)  # compressible, so zlib/lzma pay
+    tensors["route.prompt_sum"] = torch.randn(7, dtype=torch.float64)  # the cascade keeps a float64 running sum
+    tensors["ep.reps"] = torch.randn(3, 2, 5)  # (rows, r, F) float32
     n = save_small(path, memory_state=(meta, tensors), compression=compression)
     data = load_session(path)
     assert n == path.stat().st_size == data.file_bytes
@@ -139,6 +141,12 @@ def test_odd_sized_tensor_sections_round_trip_compressed(tmp_path: Path, compres
     data = load_session(path)
     assert data.compression == compression
     assert all(torch.equal(data.tensors[k], t) for k, t in tensors.items())
+
+
+def test_tiers_follow_the_memories_tensor_names() -> None:
+    assert [session_file.tier_of(n) for n in ("k", "wk.v", "ep.12.k", "episodic.k", "route.prompt_sum")] == [
+        "working", "working", "episodic", "episodic", "route"
+    ]
 
 
 def test_compression_falls_back_to_raw_when_it_does_not_pay(tmp_path: Path) -> None:
