@@ -71,6 +71,7 @@ FORMAT_VERSION = 2
 SUFFIX = ".spark"
 
 # Limits: a file may be large (KV), but no header field may make the reader allocate more than the file holds.
+MAX_FILE_BYTES = 16 * 1024**3  # read whole into memory: far above any cascade's working + episodic budget
 MAX_META_BYTES = 64 * 1024 * 1024  # ~1M token ids + transcript + sampler state fit with room to spare
 MAX_TENSORS = 4096
 MAX_TENSOR_HEADER_BYTES = 16 * 1024 * 1024
@@ -204,12 +205,12 @@ def _read_checked(path: Path) -> tuple[_Preamble, bytes, bytes, int]:
     size = st.st_size
     if size == 0:
         raise _bad(path, "is empty (0 bytes), so it was never completely written")
+    if size > MAX_FILE_BYTES:
+        raise _bad(path, f"is {size} bytes, larger than any session this build writes ({MAX_FILE_BYTES})")
     try:
         with open(path, "rb") as f:
             head = f.read(max(n for n, _ in _PREAMBLES.values()))
-            if not head.startswith(MAGIC[: len(head)]) or len(head) < len(MAGIC):
-                if head.startswith(MAGIC[: len(head)]):
-                    raise _bad(path, f"is truncated ({size} bytes)")
+            if head[: len(MAGIC)] != MAGIC[: len(head)]:
                 raise SessionFileError(f"{path.name} is not an MLoT Spark session file (it does not start with the {SUFFIX} signature).")
             if len(head) < 8:
                 raise _bad(path, f"is truncated ({size} bytes)")
@@ -243,8 +244,10 @@ def _read_checked(path: Path) -> tuple[_Preamble, bytes, bytes, int]:
                 raise _bad(path, "changed while it was being read")
     except OSError as exc:
         raise SessionFileError(f"Cannot read the session file {path}: {exc.strerror or exc}.") from None
-    digest = hashlib.sha256(pre.hashed + meta + tensors).digest()
-    if not hmac.compare_digest(digest, pre.digest):
+    h = hashlib.sha256(pre.hashed)
+    h.update(meta)
+    h.update(tensors)  # updates, not a concatenation: no second copy of a large file
+    if not hmac.compare_digest(h.digest(), pre.digest):
         raise _bad(path, "is corrupt: its checksum does not match its contents (it was damaged on disk or in transfer)")
     return pre, meta, tensors, size
 
@@ -531,7 +534,7 @@ def _compress(raw: bytes, method: str) -> tuple[int, bytes]:
     return _COMPRESSION_FLAGS[method] | _SHUFFLED, packed
 
 
-def encode_session(
+def _encode(
     *,
     fingerprint: str,
     tokenizer_hash: str | None,
@@ -546,8 +549,8 @@ def encode_session(
     created: float | None = None,
     saved: float | None = None,
     compression: str = "zlib",
-) -> bytes:
-    """The bytes of a current-version `.spark` file (see `save_session`)."""
+) -> list[bytes]:
+    """The current-version `.spark` file as chunks to write in order (see `save_session`)."""
     memory_meta, tensors = memory_state
     if token_ids is None:
         token_ids = memory_meta.get("tokens", [])  # Memory.tokens, as FullAttentionMemory's state records it
@@ -585,8 +588,13 @@ def encode_session(
     raw = st_save(host)
     flags, section = _compress(raw, compression)
     head = struct.pack("<6sHHHQQQ", MAGIC, FORMAT_VERSION, flags, 0, len(meta_bytes), len(section), len(raw))
-    digest = hashlib.sha256(head + meta_bytes + section).digest()
-    return head + digest + meta_bytes + section
+    h = hashlib.sha256(head)
+    h.update(meta_bytes)
+    h.update(section)
+    chunks = [head, h.digest(), meta_bytes, section]
+    if sum(map(len, chunks)) > MAX_FILE_BYTES:
+        raise SessionFileError(f"The session is over the {MAX_FILE_BYTES}-byte limit of a session file, so it cannot be saved.")
+    return chunks
 
 
 def save_session(
@@ -614,7 +622,7 @@ def save_session(
     "none"; a codec that saves under 5% is dropped and the tensors stored raw.
     On failure (full disk, no permission) raises SessionFileError and the previous file is untouched.
     """
-    data = encode_session(
+    chunks = _encode(
         fingerprint=fingerprint,
         tokenizer_hash=tokenizer_hash,
         messages=messages,
@@ -628,8 +636,8 @@ def save_session(
         created=created,
         compression=compression,
     )
-    atomic_write(Path(path).expanduser(), data)
-    return len(data)
+    atomic_write(Path(path).expanduser(), chunks)
+    return sum(map(len, chunks))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -651,7 +659,7 @@ def _fsync(fd: int) -> None:
     os.fsync(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, chunks: Sequence[bytes]) -> None:
     """Temp file in the same folder, write, fsync, os.replace, fsync the folder: old or new, never half."""
     if path.is_dir():
         raise SessionFileError(f"{path} is a folder; choose a file name to save the session to.")
@@ -662,7 +670,8 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise SessionFileError(f"Could not save the session to {path}: {exc.strerror or exc}.") from None
     try:
         try:
-            _write_all(fd, data)
+            for chunk in chunks:
+                _write_all(fd, chunk)
             _fsync(fd)
         finally:
             os.close(fd)
