@@ -1,0 +1,509 @@
+"""A reference interpreter for the ML Programs our conversion emits, in numpy, from the package's protobuf.
+
+It is how the conversion is proven right off-Mac: it executes the very program Core ML would load (the
+model.mlmodel spec plus weights/weight.bin), op by op, in fp16, with state. Only the ops (and op variants) that
+coreml.convert emits are implemented; anything else raises `UnsupportedOp` when the function is loaded, so the
+interpreter can never silently skip or approximate an op it does not know.
+
+Numerics: every value is stored in its declared dtype (fp16 for all float tensors). Each float op computes in
+fp32 and rounds its result to fp16, i.e. fp16 storage with wider accumulation, like the ANE and GPU.
+Every result is checked against the shape and dtype the spec declares for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from coremltools.proto import MIL_pb2
+
+from coreml.errors import PackageError, UnsupportedOp
+from coreml.milblob import NUMPY_DTYPES, BlobFile, dtype_name, immediate_value, tensor_shape
+from coreml.package import Package
+
+F32 = np.float32
+
+
+@dataclass(frozen=True)
+class VarType:
+    dtype: str  # MIL DataType name, e.g. "FLOAT16"
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Op:
+    type: str
+    inputs: dict[str, list[str | np.ndarray]]  # parameter -> bindings: a variable name or an inline value
+    outputs: list[tuple[str, VarType]]
+    name: str
+
+
+@dataclass
+class Function:
+    name: str
+    inputs: dict[str, VarType]
+    states: dict[str, VarType]
+    outputs: list[str]
+    ops: list[Op]
+    consts: dict[str, np.ndarray]  # values of const and constexpr_* ops, computed once at load
+
+
+def _var_type(vt: MIL_pb2.ValueType) -> VarType:
+    kind = vt.WhichOneof("type")
+    if kind == "tensorType":
+        return VarType(dtype_name(vt.tensorType.dataType), tensor_shape(vt.tensorType))
+    if kind == "stateType":
+        inner = vt.stateType.wrappedType
+        if inner.WhichOneof("type") != "tensorType":
+            raise UnsupportedOp("The program has a state that is not a tensor; the interpreter supports tensor states only.")
+        return VarType(dtype_name(inner.tensorType.dataType), tensor_shape(inner.tensorType))
+    raise UnsupportedOp(f"The program uses a {kind} value; the interpreter supports tensors and tensor states only.")
+
+
+class Interpreter:
+    """Load a package once; run any of its functions against a state dict (name -> fp16 array)."""
+
+    def __init__(self, package: Package | str | Path) -> None:
+        self.package = package if isinstance(package, Package) else Package.open(package)
+        self._blobs: dict[Path, BlobFile] = {}
+        self._blob_cache: dict[tuple[Path, int], np.ndarray] = {}  # functions share weights: read each blob once
+        self.functions: dict[str, Function] = {
+            name: self._load_function(name, fn) for name, fn in self.package.spec.mlProgram.functions.items()
+        }
+
+    # ---------------------------------------------------------------- loading
+    def _value(self, v: MIL_pb2.Value) -> np.ndarray:
+        kind = v.WhichOneof("value")
+        tt = v.type.tensorType
+        if kind == "immediateValue":
+            if v.immediateValue.WhichOneof("value") != "tensor":
+                raise UnsupportedOp("The program has a non-tensor inline value; the interpreter supports tensors only.")
+            return immediate_value(tt, v.immediateValue.tensor)
+        if kind == "blobFileValue":
+            path = self.package.resolve_blob(v.blobFileValue.fileName)
+            key = (path, int(v.blobFileValue.offset))
+            if key not in self._blob_cache:
+                if path not in self._blobs:
+                    self._blobs[path] = BlobFile(path)
+                self._blob_cache[key] = self._blobs[path].read(key[1], dtype_name(tt.dataType), tensor_shape(tt))
+            return self._blob_cache[key]
+        raise PackageError("A value in the program has neither inline data nor a weight reference.")
+
+    def _load_function(self, name: str, fn: MIL_pb2.Function) -> Function:
+        block = fn.block_specializations.get(fn.opset)
+        if block is None:
+            raise PackageError(f"Function {name!r} has no block for its opset {fn.opset}.")
+        inputs, states = {}, {}
+        for nv in fn.inputs:
+            (states if nv.type.WhichOneof("type") == "stateType" else inputs)[nv.name] = _var_type(nv.type)
+        ops: list[Op] = []
+        consts: dict[str, np.ndarray] = {}
+        for op in block.operations:
+            if op.type not in OPS and op.type != "const":
+                raise UnsupportedOp(f"The program uses the op {op.type!r}, which the reference interpreter does not implement.")
+            if op.blocks:
+                raise UnsupportedOp(f"The op {op.type!r} has nested blocks, which the reference interpreter does not implement.")
+            outputs = [(o.name, _var_type(o.type)) for o in op.outputs]
+            if op.type == "const":
+                consts[outputs[0][0]] = self._value(op.attributes["val"])
+                continue
+            bindings: dict[str, list[str | np.ndarray]] = {}
+            for param, arg in op.inputs.items():
+                bindings[param] = [b.name if b.WhichOneof("binding") == "name" else self._value(b.value) for b in arg.arguments]
+            label = op.attributes["name"].immediateValue.tensor.strings.values[0] if "name" in op.attributes else op.type
+            parsed = Op(op.type, bindings, outputs, label)
+            if op.type.startswith("constexpr_"):
+                # Weights are decompressed once, exactly as Core ML materialises constexpr ops at load.
+                env = dict(consts)
+                (value,) = _execute(parsed, env, {})
+                consts[outputs[0][0]] = value
+                continue
+            ops.append(parsed)
+        return Function(name, inputs, states, list(block.outputs), ops, consts)
+
+    # ---------------------------------------------------------------- running
+    def new_state(self, function: str | None = None) -> dict[str, np.ndarray]:
+        fn = self.functions[function or next(iter(self.functions))]
+        return {n: np.zeros(t.shape, NUMPY_DTYPES[t.dtype]) for n, t in fn.states.items()}
+
+    def run(self, function: str, inputs: dict[str, np.ndarray], state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Execute `function`; `state` is updated in place (its entries are replaced, never mutated)."""
+        fn = self.functions.get(function)
+        if fn is None:
+            raise PackageError(f"The package has no function {function!r} (it has {', '.join(self.functions)}).")
+        env: dict[str, np.ndarray] = dict(fn.consts)
+        for n, t in fn.inputs.items():
+            if n not in inputs:
+                raise PackageError(f"Function {function!r} needs the input {n!r}.")
+            v = np.asarray(inputs[n])
+            if v.shape != t.shape:
+                raise PackageError(f"Input {n!r} of {function!r} has shape {v.shape}, the program expects {t.shape}.")
+            env[n] = v.astype(NUMPY_DTYPES[t.dtype], copy=False)
+        for n, t in fn.states.items():
+            if n not in state or state[n].shape != t.shape:
+                raise PackageError(f"State {n!r} is missing or not shaped {t.shape}.")
+        for op in fn.ops:
+            results = _execute(op, env, state, fn.states)
+            for (name, _), value in zip(op.outputs, results):
+                env[name] = value
+        return {n: env[n] for n in fn.outputs}
+
+
+# -------------------------------------------------------------------- op execution
+class _Args:
+    """Resolved inputs of one op: `a("x")` one value, `opt("x", default)`, `many("values")`."""
+
+    def __init__(self, op: Op, env: dict[str, np.ndarray], state: dict[str, np.ndarray]) -> None:
+        self.op, self.env, self.state = op, env, state
+
+    def _get(self, b: str | np.ndarray) -> np.ndarray:
+        if isinstance(b, np.ndarray):
+            return b
+        if b in self.env:
+            return self.env[b]
+        raise PackageError(f"Op {self.op.name!r} reads {b!r} before it is defined.")
+
+    def a(self, param: str) -> np.ndarray:
+        if param not in self.op.inputs:
+            raise PackageError(f"Op {self.op.name!r} ({self.op.type}) lacks its input {param!r}.")
+        return self._get(self.op.inputs[param][0])
+
+    def opt(self, param: str, default: object = None) -> object:
+        return self.a(param) if param in self.op.inputs else default
+
+    def many(self, param: str) -> list[np.ndarray]:
+        return [self._get(b) for b in self.op.inputs[param]]
+
+    def name(self, param: str) -> str:
+        b = self.op.inputs[param][0]
+        if not isinstance(b, str):
+            raise PackageError(f"Op {self.op.name!r} must name a state in {param!r}.")
+        return b
+
+    def only(self, allowed: set[str]) -> None:
+        extra = set(self.op.inputs) - allowed
+        if extra:
+            raise UnsupportedOp(f"The op {self.op.type!r} is used with {sorted(extra)}, which the interpreter does not implement.")
+
+
+def _execute(op: Op, env: dict[str, np.ndarray], state: dict[str, np.ndarray], states: dict[str, VarType] | None = None) -> list[np.ndarray]:
+    args = _Args(op, env, state)
+    results = OPS[op.type](args)
+    if states is not None and op.type == "write_state":
+        name = args.name("input")
+        if results[0].shape != states[name].shape:
+            raise PackageError(f"write_state to {name!r} has shape {results[0].shape}, not {states[name].shape}.")
+        state[name] = results[0].astype(NUMPY_DTYPES[states[name].dtype])
+        return []
+    out = []
+    for (name, vt), value in zip(op.outputs, results):
+        value = np.asarray(value)
+        if value.shape != vt.shape:
+            raise PackageError(f"Op {op.name!r} ({op.type}) produced shape {value.shape}; the program declares {vt.shape}.")
+        out.append(value.astype(NUMPY_DTYPES[vt.dtype], copy=False))
+    return out
+
+
+def _f(x: np.ndarray) -> np.ndarray:
+    """Float inputs are widened to fp32 for the arithmetic; integers stay as they are."""
+    return x.astype(F32) if x.dtype.kind == "f" else x
+
+
+def _binary(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable[[_Args], list[np.ndarray]]:
+    def run(a: _Args) -> list[np.ndarray]:
+        a.only({"x", "y"})
+        return [fn(_f(a.a("x")), _f(a.a("y")))]
+
+    return run
+
+
+def _unary(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[_Args], list[np.ndarray]]:
+    def run(a: _Args) -> list[np.ndarray]:
+        a.only({"x"})
+        return [fn(_f(a.a("x")))]
+
+    return run
+
+
+def _axes(a: _Args, rank: int) -> tuple[int, ...]:
+    return tuple(int(ax) % rank for ax in np.atleast_1d(a.a("axes")))
+
+
+def _reduce(fn: Callable[..., np.ndarray]) -> Callable[[_Args], list[np.ndarray]]:
+    def run(a: _Args) -> list[np.ndarray]:
+        a.only({"x", "axes", "keep_dims"})
+        x = _f(a.a("x"))
+        keep = bool(a.opt("keep_dims", np.array(False)))
+        return [fn(x, axis=_axes(a, x.ndim), keepdims=keep)]
+
+    return run
+
+
+def _slices(a: _Args, shape: tuple[int, ...]) -> tuple[tuple[slice | int, ...], list[int]]:
+    """The index tuple of slice_by_index / slice_update, and the axes squeezed away."""
+    rank = len(shape)
+    begin = np.atleast_1d(a.a("begin")).astype(np.int64)
+    end = np.atleast_1d(a.a("end")).astype(np.int64)
+    stride = np.atleast_1d(a.opt("stride", np.ones(rank, np.int64))).astype(np.int64)
+    begin_mask = np.atleast_1d(a.opt("begin_mask", np.zeros(rank, bool))).astype(bool)
+    end_mask = np.atleast_1d(a.opt("end_mask", np.zeros(rank, bool))).astype(bool)
+    squeeze = np.atleast_1d(a.opt("squeeze_mask", np.zeros(rank, bool))).astype(bool)
+    if np.any(stride != 1):
+        raise UnsupportedOp(f"The op {a.op.type!r} is used with a stride other than 1, which the interpreter does not implement.")
+    index: list[slice | int] = []
+    for i, dim in enumerate(shape):
+        b = 0 if begin_mask[i] else int(begin[i]) + (dim if begin[i] < 0 else 0)
+        if squeeze[i]:
+            if not 0 <= b < dim:
+                raise PackageError(f"Op {a.op.name!r} indexes {b} on an axis of size {dim}.")
+            index.append(b)
+            continue
+        e = dim if end_mask[i] else int(end[i]) + (dim if end[i] < 0 else 0)
+        if not 0 <= b <= e <= dim:
+            # Core ML's behaviour out of range is unspecified; the cascade never asks for it, so refuse.
+            raise PackageError(f"Op {a.op.name!r} slices [{b}:{e}] on an axis of size {dim}.")
+        index.append(slice(b, e))
+    return tuple(index), [i for i in range(rank) if squeeze[i]]
+
+
+def _slice_by_index(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "begin", "end", "stride", "begin_mask", "end_mask", "squeeze_mask"})
+    x = a.a("x")
+    index, _ = _slices(a, x.shape)
+    return [x[index]]
+
+
+def _slice_update(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "update", "begin", "end", "stride", "begin_mask", "end_mask", "squeeze_mask"})
+    x, update = a.a("x"), a.a("update")
+    index, _ = _slices(a, x.shape)
+    region = x[index].shape
+    if update.size != int(np.prod(region)):
+        raise PackageError(f"slice_update {a.op.name!r}: update {update.shape} does not fit the region {region}.")
+    out = x.copy()
+    out[index] = update.reshape(region).astype(x.dtype)
+    return [out]
+
+
+def _conv(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "weight", "bias", "strides", "pad_type", "pad", "dilations", "groups"})
+    x, w = _f(a.a("x")), _f(a.a("weight"))
+    one_by_one = w.ndim == 4 and w.shape[2:] == (1, 1) and x.ndim == 4
+    plain = (
+        int(a.opt("groups", np.array(1))) == 1
+        and np.all(np.asarray(a.opt("strides", np.ones(2))) == 1)
+        and np.all(np.asarray(a.opt("dilations", np.ones(2))) == 1)
+        and np.all(np.asarray(a.opt("pad", np.zeros(4))) == 0)
+    )
+    if not (one_by_one and plain):
+        raise UnsupportedOp("The program uses a conv other than a plain 1x1 convolution, which the interpreter does not implement.")
+    y = np.einsum("oi,bihw->bohw", w[:, :, 0, 0], x)  # (B, O, H, W)
+    if "bias" in a.op.inputs:
+        y = y + _f(a.a("bias"))[None, :, None, None]
+    return [y]
+
+
+def _matmul(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "y", "transpose_x", "transpose_y"})
+    x, y = _f(a.a("x")), _f(a.a("y"))
+    if bool(a.opt("transpose_x", np.array(False))):
+        x = np.swapaxes(x, -1, -2)
+    if bool(a.opt("transpose_y", np.array(False))):
+        y = np.swapaxes(y, -1, -2)
+    return [np.matmul(x, y)]
+
+
+def _softmax(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "axis"})
+    x = _f(a.a("x"))
+    axis = int(a.a("axis"))
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return [e / e.sum(axis=axis, keepdims=True)]
+
+
+def _concat(a: _Args) -> list[np.ndarray]:
+    a.only({"values", "axis", "interleave"})
+    if bool(a.opt("interleave", np.array(False))):
+        raise UnsupportedOp("The program uses an interleaved concat, which the interpreter does not implement.")
+    values = a.many("values")
+    return [np.concatenate([_f(v) for v in values], axis=int(a.a("axis")))]
+
+
+def _gather(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "indices", "axis", "batch_dims", "validate_indices"})
+    if int(a.opt("batch_dims", np.array(0))) != 0:
+        raise UnsupportedOp("The program uses a batched gather, which the interpreter does not implement.")
+    x, idx = a.a("x"), a.a("indices").astype(np.int64)
+    axis = int(a.opt("axis", np.array(0)))
+    n = x.shape[axis]
+    if np.any((idx < -n) | (idx >= n)):
+        raise PackageError(f"gather {a.op.name!r} has an index outside [-{n}, {n}).")
+    return [np.take(x, np.where(idx < 0, idx + n, idx), axis=axis)]
+
+
+CAST_TYPES: dict[str, np.dtype] = {
+    "int32": np.dtype(np.int32), "int16": np.dtype(np.int16), "uint16": np.dtype(np.uint16),
+    "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32), "bool": np.dtype(bool),
+}
+
+
+def _cast(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "dtype"})
+    x, to = a.a("x"), str(a.a("dtype"))
+    if to not in CAST_TYPES:
+        raise UnsupportedOp(f"The program casts to {to}, which the interpreter does not implement.")
+    target = CAST_TYPES[to]
+    if x.dtype.kind == "f" and target.kind in "iu":
+        # Core ML's float -> int rounding mode is not something our conversion relies on; refuse rather than guess.
+        raise UnsupportedOp("The program casts a float to an integer, which the interpreter does not implement.")
+    if target.kind in "iu" and x.size and (x.min() < np.iinfo(target).min or x.max() > np.iinfo(target).max):
+        raise PackageError(f"cast {a.op.name!r} to {to} overflows (values {x.min()}..{x.max()}).")
+    return [x.astype(target)]
+
+
+def _reshape(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "shape"})
+    shape = [int(s) for s in np.atleast_1d(a.a("shape"))]
+    if 0 in shape:
+        raise UnsupportedOp("The program uses reshape with a 0 (copy) dimension, which the interpreter does not implement.")
+    return [a.a("x").reshape(shape)]
+
+
+def _squeeze(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "axes"})
+    x = a.a("x")
+    axes = _axes(a, x.ndim) if "axes" in a.op.inputs else None
+    return [np.squeeze(x, axis=axes)]
+
+
+def _expand_dims(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "axes"})
+    x = a.a("x")
+    axes = tuple(int(ax) for ax in np.atleast_1d(a.a("axes")))
+    return [np.expand_dims(x, axis=axes)]
+
+
+def _clip(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "alpha", "beta"})
+    return [np.minimum(np.maximum(_f(a.a("x")), _f(a.a("alpha"))), _f(a.a("beta")))]
+
+
+def _with_epsilon(fn: Callable[[np.ndarray], np.ndarray], default: float) -> Callable[[_Args], list[np.ndarray]]:
+    """rsqrt / inverse: MIL adds `epsilon` (default per the MIL spec) before the operation."""
+
+    def run(a: _Args) -> list[np.ndarray]:
+        a.only({"x", "epsilon"})
+        eps = F32(a.opt("epsilon", np.array(default, F32)))
+        return [fn(_f(a.a("x")) + eps)]
+
+    return run
+
+
+def _select(a: _Args) -> list[np.ndarray]:
+    a.only({"cond", "a", "b"})
+    return [np.where(a.a("cond").astype(bool), _f(a.a("a")), _f(a.a("b")))]
+
+
+def _tile(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "reps"})
+    return [np.tile(a.a("x"), [int(r) for r in np.atleast_1d(a.a("reps"))])]
+
+
+def _transpose(a: _Args) -> list[np.ndarray]:
+    a.only({"x", "perm"})
+    return [np.transpose(a.a("x"), [int(p) for p in np.atleast_1d(a.a("perm"))])]
+
+
+def _read_state(a: _Args) -> list[np.ndarray]:
+    a.only({"input"})
+    return [a.state[a.name("input")]]  # never mutated in place (slice_update copies), so no copy needed
+
+
+def _write_state(a: _Args) -> list[np.ndarray]:
+    a.only({"input", "data"})
+    return [a.a("data")]  # stored into the state by _execute, which knows the state's declared type
+
+
+def _block_repeat(small: np.ndarray, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """Broadcast per-block parameters (one per block of each axis) to the full tensor shape."""
+    if small.ndim != len(shape) or any(s == 0 or n % s for s, n in zip(small.shape, shape)):
+        raise PackageError(f"The {what} shape {small.shape} does not tile the weight shape {shape}.")
+    out = small
+    for axis, (s, n) in enumerate(zip(small.shape, shape)):
+        if s != n:
+            out = np.repeat(out, n // s, axis=axis)
+    return out
+
+
+def _blockwise_shift_scale(a: _Args) -> list[np.ndarray]:
+    """iOS18 constexpr_blockwise_shift_scale: w = scale * (data - offset), scale/offset per block."""
+    a.only({"data", "scale", "offset"})
+    data = a.a("data").astype(F32)
+    scale = _block_repeat(_f(a.a("scale")), data.shape, "scale")
+    offset = _block_repeat(a.a("offset").astype(F32), data.shape, "offset") if "offset" in a.op.inputs else 0.0
+    return [scale * (data - offset)]
+
+
+def _lut_to_dense(a: _Args) -> list[np.ndarray]:
+    """iOS18 constexpr_lut_to_dense: lut (*blocks, palette, vector), indices -> lut[block(i), indices[i], 0]."""
+    a.only({"indices", "lut", "vector_axis"})
+    idx, lut = a.a("indices").astype(np.int64), a.a("lut")
+    if lut.ndim != idx.ndim + 2 or lut.shape[-1] != 1:
+        raise UnsupportedOp("The program uses vector palettization, which the interpreter does not implement.")
+    if any(b == 0 or n % b for b, n in zip(lut.shape[:-2], idx.shape)):
+        raise PackageError(f"The LUT shape {lut.shape} does not tile the index shape {idx.shape}.")
+    if idx.size and idx.max() >= lut.shape[-2]:
+        raise PackageError("A palettized weight indexes past the end of its LUT.")
+    # Block index of every element along each axis, broadcast against the index tensor (no full-size LUT copy).
+    blocks = tuple(
+        (np.arange(n) // (n // b)).reshape([-1 if i == axis else 1 for i in range(idx.ndim)])
+        for axis, (b, n) in enumerate(zip(lut.shape[:-2], idx.shape))
+    )
+    return [lut[blocks + (idx, 0)]]
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+OPS: dict[str, Callable[[_Args], list[np.ndarray]]] = {
+    "abs": _unary(np.abs),
+    "add": _binary(np.add),
+    "cast": _cast,
+    "clip": _clip,
+    "concat": _concat,
+    "constexpr_blockwise_shift_scale": _blockwise_shift_scale,
+    "constexpr_lut_to_dense": _lut_to_dense,
+    "conv": _conv,
+    "expand_dims": _expand_dims,
+    "gather": _gather,
+    "greater_equal": _binary(np.greater_equal),
+    "inverse": _with_epsilon(lambda x: 1.0 / x, 1e-4),
+    "less": _binary(np.less),
+    "logical_and": _binary(np.logical_and),
+    "matmul": _matmul,
+    "mul": _binary(np.multiply),
+    "read_state": _read_state,
+    "real_div": _binary(np.divide),
+    "reduce_max": _reduce(np.max),
+    "reduce_mean": _reduce(np.mean),
+    "reshape": _reshape,
+    "rsqrt": _with_epsilon(lambda x: 1.0 / np.sqrt(x), 1e-12),
+    "select": _select,
+    "silu": _unary(_silu),
+    "slice_by_index": _slice_by_index,
+    "slice_update": _slice_update,
+    "softmax": _softmax,
+    "squeeze": _squeeze,
+    "sub": _binary(np.subtract),
+    "tile": _tile,
+    "transpose": _transpose,
+    "write_state": _write_state,
+}
+
+
+def dequantized_weights(interp: Interpreter, function: str) -> dict[str, np.ndarray]:
+    """Every weight of `function` as the program will use it (constexpr ops applied), keyed by its var name."""
+    return {k: v for k, v in interp.functions[function].consts.items() if v.dtype.kind == "f" and v.ndim >= 1 and v.size > 1}
