@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,35 @@ def test_restore_and_continue_on_fp32_cpu(tiny: Path, tmp_path: Path, sampled: b
     # to fp16 rounding of the cached KV; this tiny model has no near-ties within that tolerance.
     reference, resumed = _continue_equals_uninterrupted(tiny, tmp_path, torch.float32, sampled)
     assert resumed == reference
+
+
+def test_restore_and_continue_with_the_engine_sampler(tiny: Path, tmp_path: Path) -> None:
+    """Seeded sampling through engine.sampling: its get_state() goes into the file, set_state() resumes the stream."""
+    from engine.sampling import SamplingSettings, make_sampler
+
+    settings = SamplingSettings(temperature=1.2, top_p=0.95, top_k=50, seed=77)
+
+    def pick_with(sampler) -> Callable[[torch.Tensor], int]:  # type: ignore[no-untyped-def]
+        return lambda logits: int(sampler(logits)[0])
+
+    ref_backend = open_cpu(tiny, torch.float16)
+    ref_mem = FullAttentionMemory(ref_backend)
+    reference = decode(ref_backend, ref_mem, feed(ref_backend, ref_mem, PROMPT), 14, pick_with(make_sampler(settings)))
+
+    backend = open_cpu(tiny, torch.float16)
+    memory = FullAttentionMemory(backend)
+    sampler = make_sampler(settings)
+    first = decode(backend, memory, feed(backend, memory, PROMPT), 6, pick_with(sampler))
+    path = tmp_path / "chat.spark"
+    save_small(path, fingerprint=backend.fingerprint, memory_state=memory.state(), pending_token=first[-1], sampler_state=sampler.get_state())
+
+    fresh = open_cpu(tiny, torch.float16)
+    restored = restore(path, fresh, FullAttentionMemory)
+    assert isinstance(restored, RestoredSession)
+    resumed = make_sampler(SamplingSettings(temperature=1.2, top_p=0.95, top_k=50, seed=1))  # seed overridden by the state
+    resumed.set_state(restored.data.sampler_state)
+    rest = decode(fresh, restored.memory, feed(fresh, restored.memory, [first[-1]]), 8, pick_with(resumed))
+    assert first + rest == reference
 
 
 def test_foreign_model_is_reported_and_nothing_applied(tiny: Path, other_tiny: Path, tmp_path: Path) -> None:
