@@ -99,3 +99,14 @@ def test_batched_cascade_equals_alone(tiny: tuple[TorchBackend, Tokenizer]) -> N
         b.allocate(1, cfg.num_slots)
         want = [ev.token for ev in stream_generate(b, CascadeMemory(b, cfg), tok, p, settings) if ev.token is not None]
         assert c.tokens == want
+
+
+def test_bench_batch_smoke(tmp_path: Path) -> None:
+    import argparse
+
+    from engine.bench import batch as bench
+
+    d = make_tiny_model(tmp_path / "m", layers=1)
+    out = bench.run(argparse.Namespace(model=d, backend="cpu", threads=None, quick=True, json=True, requests=4))
+    assert out["requests"] == 4 and out["speedup"] > 0 and out["speedup_continuous"] > 0
+    assert out["same_tokens"] == 1.0 and out["same_tokens_continuous"] == 1.0

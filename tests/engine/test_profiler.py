@@ -83,3 +83,15 @@ def test_chrome_trace(tiny: tuple[TorchBackend, Tokenizer], tmp_path: Path) -> N
     for e in events:  # every part lies inside its step
         step = next(s for s in steps if s["args"]["step"] == e["args"]["step"])
         assert step["ts"] <= e["ts"] + 1e-3 and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1e-3
+
+
+def test_bench_profile_smoke(tmp_path: Path) -> None:
+    import argparse
+
+    from engine.bench import profile as bench
+
+    d = make_tiny_model(tmp_path / "m", layers=2)
+    out = bench.run(argparse.Namespace(model=d, backend="cpu", threads=None, quick=True, json=True))
+    assert 0 <= out["sum_error"] < 1
+    assert out["slowest"] in out["decode"]["categories_ms_per_step"]
+    assert json.loads(Path(out["chrome_trace"]).read_text())["traceEvents"]
