@@ -1,0 +1,151 @@
+"""`bench cascade`: decode ms/token and peak RSS at 256, 2k, 8k and 32k tokens of conversation, cascade vs full
+attention. Headline `cost_ratio_32k` = cascade ms/token at 32k / at 256 (goal <= 1.15, with RSS flat).
+
+Peak RSS: each (memory, length) point runs in its own process so its ru_maxrss is its own. Timing: all points
+live in one process and take turns (DECODE_ROUNDS rounds of DECODE_STEPS steps), medians. The cascade is fed the
+whole conversation for real (chunked prefill through the cascade: evictions, episodic blocks, routing). Full
+attention gets its N slots filled by `load_state` with random KV instead of an O(N^2) prefill: decode cost does
+not depend on the KV's values, and the contrast is what it is for.
+
+Default model: a random checkpoint with a small Llama shape and a 33k context (so full attention can reach 32k),
+written to a temp dir; `--model` measures another. The episodic budget is 16 MiB here so it fills early and the
+RSS curve shows the bound (the product default is larger).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine.backends import open_backend
+from engine.backends.base import Backend
+from engine.bench.checkpoints import write_random_checkpoint
+from engine.cascade import CascadeConfig, CascadeMemory
+from engine.memory import FullAttentionMemory, Memory
+
+LENGTHS = (256, 2048, 8192, 32768)
+DECODE_STEPS = 16  # per round; rounds interleave the points
+DECODE_ROUNDS = 8
+WARMUP = 8
+CHUNK = 256
+EPISODIC_BUDGET = 16 * 1024**2
+BENCH_SHAPE: dict = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 33280,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+}
+
+
+def build(model: Path, mode: str, n: int, backend_name: str) -> tuple[Backend, Memory, torch.Tensor] | None:
+    """An n-token conversation in `mode` ("cascade" | "full") on its own backend; None if full attention cannot
+    hold it. Returns the backend, the memory and the last logits (1, 1, V)."""
+    backend = open_backend(model, backend_name).backend
+    vocab = backend.config.vocab_size
+    ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    if mode == "cascade":
+        cfg = CascadeConfig.for_model(model, backend.config, episodic_budget_bytes=EPISODIC_BUDGET)
+        cascade = CascadeMemory(backend, cfg)
+        for at in range(0, n, CHUNK):
+            piece = ids[at : at + CHUNK]
+            logits = backend.forward(torch.tensor([piece]), cascade.plan(piece).as_batch(), last_only=True)
+            cascade.after_forward()
+        return backend, cascade, logits
+    if n + DECODE_ROUNDS * DECODE_STEPS + WARMUP > backend.config.max_position_embeddings:
+        return None
+    backend.allocate(1, n + DECODE_ROUNDS * DECODE_STEPS + WARMUP)
+    full = FullAttentionMemory(backend)
+    c = backend.config
+    shape = (c.num_hidden_layers, c.num_key_value_heads, n, c.head_dim)
+    full.load_state({"tokens": ids}, {"k": torch.randn(shape).half(), "v": torch.randn(shape).half()})
+    return backend, full, torch.zeros(1, 1, vocab)
+
+
+def decode(backend: Backend, memory: Memory, logits: torch.Tensor, steps: int) -> tuple[list[float], torch.Tensor]:
+    """`steps` greedy decode steps; returns each step's seconds and the last logits."""
+    times = []
+    for _ in range(steps):
+        tok = int(logits[0, -1].argmax())
+        t0 = time.perf_counter()
+        plan = memory.plan([tok])
+        logits = backend.forward(torch.tensor([[tok]]), plan.as_batch(), last_only=True)
+        memory.after_forward()
+        times.append(time.perf_counter() - t0)
+    return times, logits
+
+
+def peak_rss_point(model: Path, mode: str, n: int, backend_name: str) -> dict:
+    """Run in a fresh process: build the conversation, decode a little, report this process's peak RSS."""
+    built = build(model, mode, n, backend_name)
+    if built is None:
+        return {"peak_rss_bytes": None}
+    decode(*built, steps=WARMUP + DECODE_STEPS)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_rss_bytes": peak if sys.platform == "darwin" else peak * 1024}  # bytes on macOS, KiB on Linux
+
+
+def run(args: argparse.Namespace) -> dict:
+    threads = getattr(args, "threads", None) or 1
+    torch.set_num_threads(threads)
+    lengths = LENGTHS[:2] if getattr(args, "quick", False) else LENGTHS
+    backend_name = args.backend or "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or write_random_checkpoint(Path(tmp) / "cascade-bench", BENCH_SHAPE)
+        rss: dict[str, dict[int, float | None]] = {"cascade": {}, "full": {}}
+        for n in lengths:
+            for mode in ("cascade", "full"):
+                cmd = [sys.executable, "-m", "engine.bench.cascade", str(model), mode, str(n), backend_name, str(threads)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if proc.returncode != 0:
+                    return {"error": f"{mode} at {n} tokens failed: {proc.stderr.strip().splitlines()[-1:]}"}
+                peak = json.loads(proc.stdout)["peak_rss_bytes"]
+                rss[mode][n] = None if peak is None else round(peak / 2**20, 1)
+        # Timing: every point lives in this one process and they take turns, so load from other processes on the
+        # machine hits all points alike instead of skewing whichever ran during a busy minute.
+        points = {(mode, n): build(model, mode, n, backend_name) for mode in ("cascade", "full") for n in lengths}
+        live = {key: list(p) for key, p in points.items() if p is not None}
+        times: dict[tuple[str, int], list[float]] = {key: [] for key in live}
+        for key, (b, m, logits) in live.items():
+            live[key][2] = decode(b, m, logits, WARMUP)[1]
+        for _ in range(DECODE_ROUNDS):
+            for key, (b, m, logits) in live.items():
+                step_times, live[key][2] = decode(b, m, logits, DECODE_STEPS)
+                times[key] += step_times
+        stats = live[("cascade", lengths[-1])][1].stats().to_dict()  # type: ignore[union-attr]
+    ms = {key: 1000 * statistics.median(t) for key, t in times.items()}
+    first, last = lengths[0], lengths[-1]
+    return {
+        "cost_ratio_32k": ms[("cascade", last)] / ms[("cascade", first)],
+        "cascade_ms_per_token": {n: round(ms[("cascade", n)], 3) for n in lengths},
+        "full_ms_per_token": {n: round(ms[("full", n)], 3) if ("full", n) in ms else None for n in lengths},
+        "cascade_peak_rss_mib": rss["cascade"],
+        "full_peak_rss_mib": rss["full"],
+        "cascade_stats_at_max": stats,
+        "threads": threads,
+        "decode_steps_per_point": DECODE_ROUNDS * DECODE_STEPS,
+    }
+
+
+if __name__ == "__main__":  # one measurement point, in its own process (see module doc)
+    model_arg, mode_arg, n_arg, backend_arg, threads_arg = sys.argv[1:6]
+    torch.set_num_threads(int(threads_arg))
+    print(json.dumps(peak_rss_point(Path(model_arg), mode_arg, int(n_arg), backend_arg)))

@@ -1,0 +1,89 @@
+"""`bench long-ppl`: perplexity on a long held-out document (> 4x the window) with the cascade, with sinks + window
+only (StreamingLLM: the same geometry with retrieval_blocks=0), with sinks + a window as large as the cascade's
+slot budget, and with plain truncation (independent segments as long as the cascade's slot budget).
+Headlines `ppl_cascade`, `ppl_window`, `ppl_truncate`; goal ppl_cascade <= ppl_window.
+
+The document is the held-out split of the training corpus (engine.train.corpus: whole stdlib modules the bundled
+model never saw), rendered the same way, concatenated in name order and cut to `MAX_TOKENS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.backends import open_backend
+from engine.backends.base import Backend
+from engine.cascade import CascadeConfig, CascadeMemory
+from engine.errors import SparkError
+from engine.memory import FullAttentionMemory, Memory
+from engine.paths import bundled_model_dir
+from engine.tokenizer import Tokenizer
+from engine.train.corpus import is_held_out, render_module, stdlib_top_modules
+
+CHUNK = 64  # small chunks: tokens early in a chunk that wraps the window see W - T + 1 window tokens, not W
+MAX_TOKENS = 12288
+QUICK_TOKENS = 3072
+
+
+def held_out_text(min_chars: int) -> str:
+    """Pages of held-out stdlib modules (corpus.render_module, as training renders them) until there is enough."""
+    names = [m for m in stdlib_top_modules() if is_held_out(m)]
+    text = ""
+    for name in names:
+        pages: dict[str, str] = render_module(name)["pages"]  # type: ignore[assignment]
+        text += "".join(pages[k] + "\n\n" for k in sorted(pages))
+        if len(text) >= min_chars:
+            break
+    return text
+
+
+def nll(backend: Backend, memory: Memory, ids: list[int]) -> tuple[float, int]:
+    """Summed next-token NLL of ids[1:] and how many tokens it covers, feeding CHUNK-token forwards."""
+    total = 0.0
+    for at in range(0, len(ids) - 1, CHUNK):
+        piece = ids[at : at + CHUNK]
+        targets = torch.tensor(ids[at + 1 : at + 1 + len(piece)])
+        logits = backend.forward(torch.tensor([piece]), memory.plan(piece).as_batch())[0, : len(targets)]  # (T, V)
+        memory.after_forward()
+        total += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
+    return total, len(ids) - 1
+
+
+def run(args: argparse.Namespace) -> dict:
+    model = Path(args.model) if args.model else bundled_model_dir()
+    if not model.is_dir():
+        raise SparkError(f"The long-ppl benchmark needs a trained model; {model} does not exist yet (pass --model).")
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    backend = open_backend(model, args.backend or "cpu").backend
+    tok = Tokenizer.from_dir(model)
+    cfg = CascadeConfig.for_model(model, backend.config)
+    n = QUICK_TOKENS if getattr(args, "quick", False) else MAX_TOKENS
+    ids = tok.encode(held_out_text(min_chars=n * 6))[:n]
+    if len(ids) < 4 * cfg.window:
+        raise SparkError(f"The held-out text has only {len(ids)} tokens, less than 4x the {cfg.window}-token window.")
+    budget = cfg.used_slots
+    variants = {
+        "cascade": cfg,
+        "window": replace(cfg, retrieval_blocks=0),
+        "window_equal_slots": replace(cfg, retrieval_blocks=0, window=budget - cfg.sink_tokens),
+    }
+    out: dict = {}
+    for name, c in variants.items():
+        backend.allocate(1, c.num_slots)
+        total, count = nll(backend, CascadeMemory(backend, c), ids)
+        out[f"ppl_{name}"] = math.exp(total / count)
+    backend.allocate(1, budget)
+    total, count = 0.0, 0
+    for at in range(0, len(ids) - 1, budget):  # truncation: independent segments of the same slot budget
+        seg_total, seg_count = nll(backend, FullAttentionMemory(backend), ids[at : at + budget])
+        total, count = total + seg_total, count + seg_count
+    out["ppl_truncate"] = math.exp(total / count)
+    out.update({"tokens": len(ids), "window": cfg.window, "retrieval_blocks": cfg.retrieval_blocks, "slot_budget": budget})
+    return out
