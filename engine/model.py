@@ -124,6 +124,7 @@ class KVCache(nn.Module):
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots (B, T); k, v (B, Hkv, T, D) -> stored at [layer, b, :, slots[b]]."""
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         if slots.shape[0] == 1:
             # One sequence: a plain index_copy_ is the cheapest write.
             self.k[layer].index_copy_(2, slots[0], k)
@@ -160,8 +161,9 @@ class Attention(nn.Module):
         cache.write(layer, batch.write_slots, k, v)
         live = batch.slot_positions.shape[1]  # S'
         q = apply_rope(q, *rope_q)  # (B, H, T, D)
-        keys = apply_rope(cache.k[layer][:, :, :live], *rope_k)  # (B, Hkv, S', D)
-        values = cache.v[layer][:, :, :live]  # (B, Hkv, S', D)
+        # The cache may hold a narrower dtype than the compute (fp16 KV, fp32 math on CPU): widen on read.
+        keys = apply_rope(cache.k[layer][:, :, :live].to(q.dtype), *rope_k)  # (B, Hkv, S', D)
+        values = cache.v[layer][:, :, :live].to(q.dtype)  # (B, Hkv, S', D)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, C)
 
@@ -211,9 +213,10 @@ class Transformer(nn.Module):
         p = self.model.embed_tokens.weight
         self.rope = RotaryTable(self.config, max_positions or self.config.max_position_embeddings, p.device, p.dtype)
 
-    def new_cache(self, batch: int, num_slots: int) -> KVCache:
+    def new_cache(self, batch: int, num_slots: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A slot table on the weights' device; `dtype` defaults to the compute dtype."""
         p = self.model.embed_tokens.weight
-        return KVCache(self.config, batch, num_slots, p.device, p.dtype)
+        return KVCache(self.config, batch, num_slots, p.device, dtype or p.dtype)
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch) -> torch.Tensor:
         """tokens (B, T) -> final normed hidden states (B, T, C); writes this step's K/V into `cache`."""

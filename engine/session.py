@@ -28,6 +28,7 @@ from engine.paths import bundled_model_dir, default_cache_dir
 from engine.session_file import ForeignModelSession, Message, restore, save_session
 from engine.sampling import SamplingSettings, make_sampler
 from engine.tokenizer import Tokenizer
+from engine.weights import check_model_folder
 
 MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pasted file), not a prompt
 MemoryFactory = Callable[[Backend], Memory]
@@ -95,6 +96,7 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path | None = None, backend: str = "auto", *, memory_factory: MemoryFactory) -> "Engine":
         model_dir = Path(model_dir).expanduser() if model_dir else bundled_model_dir()
+        check_model_folder(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
         choice = open_backend(model_dir, backend)
         return cls(choice, tokenizer, model_dir, memory_factory)

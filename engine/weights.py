@@ -159,7 +159,7 @@ class LoadedModel:
     weight_bytes: int
 
 
-def _check_folder(model_dir: Path) -> None:
+def check_model_folder(model_dir: Path) -> None:
     if not model_dir.exists():
         raise ModelLoadError(f"The model folder {model_dir} does not exist.")
     if not model_dir.is_dir():
@@ -169,7 +169,7 @@ def _check_folder(model_dir: Path) -> None:
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Build on the meta device, then assign mmap-backed (or converted) tensors: one copy of the weights at most."""
     model_dir = Path(model_dir).expanduser()
-    _check_folder(model_dir)
+    check_model_folder(model_dir)
     config = ModelConfig.from_file(model_dir / "config.json")
     files = weight_files(model_dir)
     tables = [read_safetensors_header(f) for f in files]

@@ -35,7 +35,11 @@ def probe_torch_device(name: str) -> BackendProbe:
 
 
 class TorchBackend(Backend):
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, kv_dtype: torch.dtype = CANONICAL_KV_DTYPE) -> None:
+        """`kv_dtype` defaults to the canonical fp16 on every device (math stays in `dtype`): what the slot table
+        holds is then bit-identical to what episodic memory, the L3 cache and session files keep, so a restored or
+        prefix-cached conversation continues exactly as an uninterrupted one. Pass float32 to compare the math with
+        references at fp32 tolerance."""
         if device == "mps":
             # Ops MPS lacks fall back to CPU instead of failing mid-conversation.
             os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
@@ -48,11 +52,12 @@ class TorchBackend(Backend):
         self.fingerprint = loaded.fingerprint
         self.weight_bytes = loaded.weight_bytes
         self.model_dir = loaded.path
-        self.cache: KVCache = self.model.new_cache(1, 32)
+        self.kv_dtype = kv_dtype
+        self.cache: KVCache = self.model.new_cache(1, 32, kv_dtype)
 
     @property
     def numerics(self) -> str:
-        return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}"
+        return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}-kv{str(self.kv_dtype).removeprefix('torch.')}"
 
     @property
     def batch(self) -> int:
@@ -63,11 +68,11 @@ class TorchBackend(Backend):
         return self.cache.num_slots
 
     def allocate(self, batch: int, num_slots: int) -> None:
-        self.cache = self.model.new_cache(batch, num_slots)
+        self.cache = self.model.new_cache(batch, num_slots, self.kv_dtype)
 
     def fork(self) -> "TorchBackend":
         twin = copy.copy(self)  # shares self.model (weights) by reference
-        twin.cache = self.model.new_cache(self.batch, self.num_slots)
+        twin.cache = self.model.new_cache(self.batch, self.num_slots, self.kv_dtype)
         return twin
 
     @torch.inference_mode()
@@ -89,8 +94,8 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def write_kv(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         s = slots.to(self.device)
-        self.cache.k[:, row].index_copy_(2, s, k.to(self.device, self.dtype))
-        self.cache.v[:, row].index_copy_(2, s, v.to(self.device, self.dtype))
+        self.cache.k[:, row].index_copy_(2, s, k.to(self.device, self.kv_dtype))
+        self.cache.v[:, row].index_copy_(2, s, v.to(self.device, self.kv_dtype))
 
     @torch.inference_mode()
     def copy_rows(self, src: torch.Tensor) -> None:

@@ -57,7 +57,7 @@ def measure_llamacpp(llm, ids: list[int], n_decode: int) -> dict:  # type: ignor
 
 def measure_transformers(model, ids: list[int], n_decode: int) -> dict:  # type: ignore[no-untyped-def]
     inp = torch.tensor([ids])
-    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(inp))
     t0 = time.perf_counter()
     model.generate(inp, max_new_tokens=1, min_new_tokens=1, **kw)
     t1 = time.perf_counter()
