@@ -179,9 +179,14 @@ class EpisodicMemory:
             self.resident -= 1
 
     def drop_all(self) -> None:
-        """Forget every block (the partial block too): `invalidate('episodic')`."""
+        """Forget every complete block (`invalidate('episodic')`). The partial block and the block numbering stay,
+        so block ids keep mapping to the same token ranges (and L3 keys) afterwards."""
         self.counters.evictions += len(self.blocks)
-        self.reset()
+        self.blocks.clear()
+        self.reps.zero_()
+        self.row_block.fill_(-1)
+        self.free_rows = list(range(self.reps.shape[0] - 1, -1, -1))
+        self.resident = self.stubs = 0
 
     # -- routing ------------------------------------------------------------------------------------------------
 

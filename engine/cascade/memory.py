@@ -95,7 +95,6 @@ class CascadeMemory:
             self._reset_state()
         elif tier == "episodic":
             self.episodic.drop_all()
-            self._block_digests.clear()
             self.working.set_groups([None] * self.cfg.retrieval_blocks)
 
     # -- hashing ------------------------------------------------------------------------------------------------

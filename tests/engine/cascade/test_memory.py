@@ -131,3 +131,16 @@ def test_invalidate(tiny_model: Path, tmp_path: Path) -> None:
     assert m.tokens == [] and m.stats().working.entries == 0
     with pytest.raises(ValueError):
         m.invalidate("l4")
+
+
+def test_invalidating_episodic_keeps_the_conversation_going(tiny_model: Path, tmp_path: Path) -> None:
+    cfg = CascadeConfig(**{**SMALL.to_dict(), "episodic_budget_bytes": 3 * 4096})  # forces spills to L3
+    b = TorchBackend(tiny_model)
+    m = CascadeMemory(b, cfg, store=PersistentStore(tmp_path, b.fingerprint, b.numerics))
+    for at in range(0, 160, 16):
+        feed(b, m, random_ids(16, seed=at))
+    m.invalidate("episodic")
+    for at in range(160, 400, 16):
+        feed(b, m, random_ids(16, seed=at))
+    assert m.episodic.blocks and all(blk.l3_key for blk in m.episodic.blocks.values())
+    assert min(m.episodic.blocks) > (160 - cfg.sink_tokens - cfg.window) // cfg.block_size - 1
