@@ -49,7 +49,7 @@ def ttft(model: Path, cache_dir: Path, backend_name: str, repeats: int = 1) -> l
 
 
 def run(args: argparse.Namespace) -> dict:
-    threads = getattr(args, "threads", None) or 1  # 2+ threads on a busy machine spin-wait badly (see report)
+    threads = getattr(args, "threads", None) or 1  # torch threads spin-wait on a busy machine (was 8x slower)
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or write_random_checkpoint(Path(tmp) / "smollm-135m-shape", SMOLLM_135M)
