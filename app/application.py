@@ -21,6 +21,9 @@ from PySide6.QtGui import QFileOpenEvent
 from PySide6.QtWidgets import QApplication, QMessageBox
 
 from app.icons import app_icon
+from engine.paths import resources_dir
+
+STYLE_SHEET = "style/spark.qss"
 from app.standarddirs import init_application_names
 
 log = logging.getLogger(__name__)
@@ -33,6 +36,7 @@ class SparkApplication(QApplication):
         init_application_names()
         super().__init__(argv)
         self.setWindowIcon(app_icon())
+        self.setStyleSheet((resources_dir() / STYLE_SHEET).read_text(encoding="utf-8"))
         self.pending_files: list[Path] = []
         self._receiver_connected = False
 

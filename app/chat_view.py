@@ -43,6 +43,7 @@ class ChatView(QTextBrowser):
         self.setFrameShape(QTextBrowser.Shape.NoFrame)
         self.document().setDocumentMargin(18)
         self._reply: QTextFrame | None = None
+        self._reply_text: list[str] = []  # the streamed reply as received (the document would normalise it)
         self._mono = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
 
     # -- public ------------------------------------------------------------------------------------------------------
@@ -60,11 +61,13 @@ class ChatView(QTextBrowser):
 
     def begin_reply(self) -> None:
         self._reply = self._add_message("assistant", "")
+        self._reply_text = []
 
     def append_reply(self, text: str) -> None:
         if self._reply is None:
             return
         at_end = self._at_end()
+        self._reply_text.append(text)
         cursor = self._reply.lastCursorPosition()
         cursor.insertText(text, self._body_format())
         if at_end:
@@ -89,14 +92,15 @@ class ChatView(QTextBrowser):
             return
         cursor = frame.firstCursorPosition()
         cursor.setPosition(frame.lastPosition(), QTextCursor.MoveMode.KeepAnchor)
-        text = cursor.selectedText().replace("\u2029", "\n")
-        label, _, body = text.partition("\n")
         cursor.removeSelectedText()
-        self._fill(frame, "assistant", body)
-        if note:
-            end = frame.lastCursorPosition()
-            end.insertBlock(QTextBlockFormat(), self._note_format())
-            end.insertText(note, self._note_format())
+        self._fill(frame, "assistant", "".join(self._reply_text))
+        if note:  # under the message, outside its frame: a remark about the turn, not part of the reply
+            after = QTextCursor(self.document())
+            after.setPosition(frame.lastPosition() + 1)
+            block = QTextBlockFormat()
+            block.setLeftMargin(10)
+            after.insertBlock(block, self._note_format())
+            after.insertText(note, self._note_format())
         self._scroll_to_end()
 
     def reply_text(self) -> str:

@@ -1,27 +1,13 @@
-"""The one place the app decides how an Engine is built: which memory each conversation gets.
-
-Swapping full attention for the memory cascade is a change to `memory_factory` only.
-"""
+"""The one place the app decides how an Engine is built: each conversation gets the memory cascade, with its
+persistent (L3) tier under the app's cache dir."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine.backends.base import Backend
-from engine.memory import FullAttentionMemory, Memory
-from engine.session import Engine, MemoryFactory
-
-FULL_ATTENTION_SLOTS = 2048
+from engine.session import Engine, memory_factory_for
 
 
-def memory_factory(num_slots: int = FULL_ATTENTION_SLOTS) -> MemoryFactory:
-    def make(backend: Backend) -> Memory:
-        backend.allocate(1, num_slots)
-        return FullAttentionMemory(backend)
-
-    return make
-
-
-def load_engine(model_dir: Path | None, backend: str = "auto") -> Engine:
+def load_engine(model_dir: Path | None, backend: str, cache_dir: Path) -> Engine:
     """Load `model_dir` (None: the bundled model). Raises SparkError subclasses with one user-facing sentence."""
-    return Engine.load(model_dir, backend, memory_factory=memory_factory())
+    return Engine.load(model_dir, backend, memory_factory=memory_factory_for(model_dir, cache_dir=cache_dir / "kv"))

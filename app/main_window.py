@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QPushButton,
     QSizePolicy,
+    QTabWidget,
     QToolBar,
     QToolButton,
     QVBoxLayout,
@@ -42,7 +43,7 @@ from engine.paths import APP_NAME
 
 SESSION_SUFFIX = ".spark"
 NOTICE_INFO_MS = 6000
-FINISH_NOTES = {"cancelled": "Stopped.", "length": "Reached the reply length limit (⌘, to change it).", "error": ""}
+FINISH_NOTES = {"cancelled": "Stopped.", "length": "Reached the reply length limit; Settings can raise it.", "error": ""}
 
 
 def _keys(standard: QKeySequence.StandardKey, fallback: str) -> list[QKeySequence]:
@@ -116,6 +117,7 @@ class MainWindow(QMainWindow):
         self.setAcceptDrops(True)
         self.setUnifiedTitleAndToolBarOnMac(True)
         self.setDockOptions(QMainWindow.DockOption.AnimatedDocks | QMainWindow.DockOption.AllowTabbedDocks)
+        self.setTabPosition(Qt.DockWidgetArea.RightDockWidgetArea, QTabWidget.TabPosition.North)
 
         self._build_central()
         self._build_panels()
@@ -493,7 +495,7 @@ class MainWindow(QMainWindow):
         self._end_loading()
         self.model_label.setText(f"{info.name} · {info.backend}")
         self.model_label.setToolTip(f"{info.path}\n{info.backend_detail}")
-        self.model_button.setText(info.name)
+        self.model_button.setText(f"Model: {info.name}")
         self.prefs.set_last_model(info.path)
         self._quick_client.attach(loaded.engine)
         self.client.set_system_prompt(self.system_prompt.text().strip())

@@ -20,8 +20,8 @@ def build_main_window(
 ) -> MainWindow:
     memory = SystemMemorySource()
     policy = HardwarePolicy(thermal or default_thermal_source(), memory)
-    client = ConversationClient("chat-worker", policy, dirs.autosave_file)
-    quick_client = ConversationClient("quick-prompt-worker", policy)
+    client = ConversationClient("chat-worker", policy, dirs.cache, dirs.autosave_file)
+    quick_client = ConversationClient("quick-prompt-worker", policy, dirs.cache)
     monitor = HardwareMonitor(policy, memory)
     window = MainWindow(client, quick_client, monitor, prefs, dirs, dialogs)
     # Parent the non-widget pieces to the window so they live exactly as long as it does.

@@ -116,9 +116,10 @@ class ConversationWorker(QObject):
     policy = Signal(PolicyDecision)
     shut_down = Signal()
 
-    def __init__(self, policy: HardwarePolicy | None, autosave_path: Path | None = None) -> None:
+    def __init__(self, policy: HardwarePolicy | None, cache_dir: Path, autosave_path: Path | None = None) -> None:
         super().__init__()
         self._policy = policy
+        self._cache_dir = cache_dir
         # Checkpoints between replies (at most once a minute) and on quit; the quick prompt keeps none.
         self._autosaver = Autosaver(autosave_path, self._autosave) if autosave_path else None
         self._engine: Engine | None = None
@@ -134,7 +135,7 @@ class ConversationWorker(QObject):
     def _on_load(self, model_dir: str, backend: str, cancel: threading.Event) -> None:
         self.loading.emit(model_dir)
         try:
-            engine = load_engine(Path(model_dir) if model_dir else None, backend)
+            engine = load_engine(Path(model_dir) if model_dir else None, backend, self._cache_dir)
             if cancel.is_set():  # loading cannot be interrupted midway; a cancelled load is simply dropped
                 self.load_cancelled.emit()
                 return
@@ -240,7 +241,7 @@ class ConversationWorker(QObject):
         if session is None:
             return
         try:
-            report = session.load(Path(path), transcript_only=transcript_only)
+            report = session.load(Path(path), accept_transcript_only=transcript_only)
         except SparkError as exc:
             self.error.emit(str(exc))
             return
@@ -251,13 +252,13 @@ class ConversationWorker(QObject):
             log.exception("restore failed")
             self.error.emit(f"The session {Path(path).name} could not be restored ({type(exc).__name__}: {exc}).")
             return
-        if report.foreign_model and not transcript_only:
-            self.foreign_session.emit(path, report.reason)
+        if not report.applied:  # another model's file: nothing changed until the user accepts transcript-only
+            self.foreign_session.emit(path, report.message)
             return
         self._undo = None
         self._system_prompt = session.system_prompt
         self.system_prompt.emit(session.system_prompt)
-        note = "transcript only: the memory is re-read on the next turn" if transcript_only else ""
+        note = "transcript only: the memory is re-read on the next turn" if report.transcript_only else ""
         self.conversation.emit(self._transcript())
         self.memory.emit(self._memory_report())
         self.restored.emit(SessionFileEvent("restored", Path(path), time.time(), note))
@@ -338,10 +339,9 @@ class ConversationWorker(QObject):
         if self._session is None:
             return MemoryReport((), 0)
         memory = self._session.memory
-        stats = getattr(memory, "stats", None)  # the cascade reports its tiers; full attention is one flat tier
+        stats = self._session.stats()  # the cascade's tiers; a memory without tiers is shown as one flat tier
         if stats is not None:
-            s = stats()
-            return MemoryReport((s.working, s.episodic, s.persistent), len(memory.tokens))
+            return MemoryReport((stats.working, stats.episodic, stats.persistent), len(memory.tokens))
         backend = self._session.backend
         per_token = backend.kv_bytes_per_token()
         n = len(memory.tokens)
@@ -366,11 +366,13 @@ class ConversationClient(QObject):
 
     busy_changed = Signal(bool)  # a reply is being generated
 
-    def __init__(self, name: str, policy: HardwarePolicy | None, autosave_path: Path | None = None, parent: QObject | None = None) -> None:
+    def __init__(
+        self, name: str, policy: HardwarePolicy | None, cache_dir: Path, autosave_path: Path | None = None, parent: QObject | None = None
+    ) -> None:
         super().__init__(parent)
         self._thread = QThread(self)
         self._thread.setObjectName(name)
-        self.worker = ConversationWorker(policy, autosave_path)
+        self.worker = ConversationWorker(policy, cache_dir, autosave_path)
         self.worker.moveToThread(self._thread)
         self._thread.finished.connect(self.worker.deleteLater)
         for request, slot in (
