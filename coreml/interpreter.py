@@ -484,6 +484,8 @@ OPS: dict[str, Callable[[_Args], list[np.ndarray]]] = {
     "less": _binary(np.less),
     "logical_and": _binary(np.logical_and),
     "matmul": _matmul,
+    "maximum": _binary(np.maximum),
+    "minimum": _binary(np.minimum),
     "mul": _binary(np.multiply),
     "read_state": _read_state,
     "real_div": _binary(np.divide),
@@ -503,7 +505,3 @@ OPS: dict[str, Callable[[_Args], list[np.ndarray]]] = {
     "write_state": _write_state,
 }
 
-
-def dequantized_weights(interp: Interpreter, function: str) -> dict[str, np.ndarray]:
-    """Every weight of `function` as the program will use it (constexpr ops applied), keyed by its var name."""
-    return {k: v for k, v in interp.functions[function].consts.items() if v.dtype.kind == "f" and v.ndim >= 1 and v.size > 1}

@@ -24,10 +24,12 @@ gather does not run on the ANE), and slot positions stay whatever the cascade sa
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import ModelConfig
 from engine.model import Transformer
 
 # ANE rule: no tensor dimension may exceed 16384 (larger ones fall back to CPU or fail to compile), so a large
@@ -179,3 +181,42 @@ class CoreMLWrapper(nn.Module):
             x = x + layer.down_proj(F.silu(layer.gate_proj(hn)) * layer.up_proj(hn))
         hn = self.norm(x)  # (1, C, 1, T)
         return tuple(F.conv2d(hn, w).squeeze(2).transpose(1, 2) for w in self.lm_head)  # each (1, T, V_i)
+
+
+# Suffixes coremltools appends to a weight's var name (fp16 cast, compression) after the traced parameter name.
+_VAR_SUFFIXES = ("_quantized", "_palettized", "_promoted_to_fp16", "_to_fp16", "_promoted")
+_PROJ_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+
+
+def engine_state_dict(program_weights: dict[str, np.ndarray], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Inverse of CoreMLWrapper's weight layout: the weights a converted program uses (var name -> array, e.g.
+    after dequantization) -> an engine Transformer state dict, so the torch engine can run exactly those weights."""
+    by_param: dict[str, np.ndarray] = {}
+    for var, value in program_weights.items():
+        name = var
+        for suffix in _VAR_SUFFIXES:
+            name = name.removesuffix(suffix)
+        by_param[name] = value
+    out: dict[str, torch.Tensor] = {}
+    n_pieces = len(vocab_pieces(config.vocab_size))
+
+    def take(name: str) -> torch.Tensor:
+        if name not in by_param:
+            raise KeyError(f"the program has no weight for {name}")
+        return torch.from_numpy(np.asarray(by_param[name], dtype=np.float16))
+
+    out["model.embed_tokens.weight"] = torch.cat([take(f"embed_{i}") for i in range(n_pieces)])  # (V, C)
+    out["lm_head.weight"] = torch.cat([take(f"lm_head_{i}")[:, :, 0, 0] for i in range(n_pieces)])  # (V, C)
+    out["model.norm.weight"] = take("norm_weight").reshape(-1)
+    biases = {"q_proj": config.qkv_bias, "k_proj": config.qkv_bias, "v_proj": config.qkv_bias, "o_proj": config.o_bias,
+              "gate_proj": config.mlp_bias, "up_proj": config.mlp_bias, "down_proj": config.mlp_bias}
+    for i in range(config.num_hidden_layers):
+        for short, full in _NORMS.items():
+            out[f"model.layers.{i}.{full}.weight"] = take(f"layers_{i}_{short}_weight").reshape(-1)
+        for proj, module in _PROJ_MODULE.items():
+            out[f"model.layers.{i}.{module}.{proj}.weight"] = take(f"layers_{i}_{proj}_weight")[:, :, 0, 0]
+            if biases[proj]:
+                out[f"model.layers.{i}.{module}.{proj}.bias"] = take(f"layers_{i}_{proj}_bias")
+    return out

@@ -1,0 +1,54 @@
+"""Drive a backend greedily and build torch references from a package's own (dequantized) weights."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from coreml.interpreter import Interpreter
+from coreml.wrapper import engine_state_dict
+from engine.backends.base import Backend
+from engine.backends.torch_backend import TorchBackend
+from engine.config import ModelConfig
+from engine.memory import Memory
+
+
+def feed(backend: Backend, memory: Memory, ids: list[int]) -> torch.Tensor:
+    """One step of `ids` (any length: the package backend splits it); returns logits (T, V) float32."""
+    plan = memory.plan(ids)
+    out = backend.forward(torch.tensor([ids], dtype=torch.long), plan.as_batch())
+    memory.after_forward()
+    return out[0]
+
+
+def run_greedy(
+    backend: Backend, memory: Memory, prompt: list[int], steps: int, forced: list[int] | None = None, chunk: int = 75
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Prefill `prompt` in steps of `chunk`, then `steps` decode steps: (every step's logits, argmax tokens).
+
+    With `forced`, those tokens are fed instead of the argmax (teacher forcing), so two backends stay on the same
+    sequence and every step's logits can be compared even where a near-tie flips an argmax.
+    """
+    logits = [feed(backend, memory, prompt[i : i + chunk]) for i in range(0, len(prompt), chunk)]
+    tokens: list[int] = []
+    for i in range(steps):
+        tokens.append(int(logits[-1][-1].argmax()))
+        logits.append(feed(backend, memory, [forced[i] if forced is not None else tokens[-1]]))
+    return logits, tokens
+
+
+def torch_fp16_with_package_weights(model_dir: Path, package: Path, out: Path) -> TorchBackend:
+    """A torch fp16 backend running exactly the weights the package's program uses (constexpr ops applied)."""
+    config = ModelConfig.from_file(model_dir / "config.json")
+    state = engine_state_dict(Interpreter(package).functions["decode"].consts, config)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(model_dir / "config.json", out / "config.json")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return TorchBackend(out, device="cpu", dtype=torch.float16)
+
+
+def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
