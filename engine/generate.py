@@ -59,8 +59,9 @@ def prefill(backend: Backend, memory: Memory, ids: Sequence[int], chunk: int) ->
     if not ids:
         raise ValueError("prefill needs at least one token")
     start = memory.reuse_prefix(ids[:-1])
+    chunk = max(1, min(chunk, memory.max_feed()))
     logits = None
-    for at in range(start, len(ids), max(1, chunk)):
+    for at in range(start, len(ids), chunk):
         piece = ids[at : at + chunk]
         plan = memory.plan(piece)
         logits = backend.forward(torch.tensor([piece], dtype=torch.long), plan.as_batch(), last_only=True)  # (1, 1, V)

@@ -59,6 +59,10 @@ class Memory(Protocol):
         """Forget everything (the slot table row is considered empty)."""
         ...
 
+    def max_feed(self) -> int:
+        """The most tokens one plan may take (prefill chunks are clamped to it)."""
+        ...
+
     def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """Everything needed to restore this memory exactly: (JSON-able meta, canonical fp16 host tensors)."""
         ...
@@ -82,6 +86,9 @@ class FullAttentionMemory:
 
     def reuse_prefix(self, ids: list[int]) -> int:
         return 0
+
+    def max_feed(self) -> int:
+        return self.backend.num_slots - len(self.tokens)
 
     def after_forward(self) -> None:
         pass

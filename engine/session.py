@@ -14,13 +14,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from engine.backends import BackendChoice, open_backend
 from engine.backends.base import Backend
 from engine.errors import InputTooLarge, SparkError
+from engine.hw import HardwarePolicy
 from engine.generate import GenerationEvent, GenerationSettings, Pacer, stream_generate
 from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
 from engine.memory import Memory
@@ -28,15 +29,24 @@ from engine.paths import bundled_model_dir, default_cache_dir
 from engine.session_file import ForeignModelSession, Message, restore, save_session
 from engine.sampling import SamplingSettings, make_sampler
 from engine.tokenizer import Tokenizer
-from engine.weights import check_model_folder
+from engine.weights import check_model_folder, estimate_size
 
 MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pasted file), not a prompt
 MemoryFactory = Callable[[Backend], Memory]
+SLOT_TABLE_ESTIMATE = 1024  # slots per conversation assumed by the fit check (the cascade default is 800)
 
 
-def memory_factory_for(model_dir: str | Path | None, *, cache_dir: Path | None = None, prefix_cache: bool = True, **cascade_overrides: Any) -> MemoryFactory:
+def memory_factory_for(
+    model_dir: str | Path | None,
+    *,
+    cache_dir: Path | None = None,
+    prefix_cache: bool = True,
+    policy: HardwarePolicy | None = None,
+    **cascade_overrides: Any,
+) -> MemoryFactory:
     """Each conversation's memory: the cascade laid out per the model's cascade.json, over one persistent
-    (L3) store per model + backend numerics under `cache_dir` (default: the platform cache dir)."""
+    (L3) store per model + backend numerics under `cache_dir` (default: the platform cache dir). With a `policy`,
+    the episodic tier gets its share of the machine's memory budget instead of the fixed default."""
     folder = Path(model_dir).expanduser() if model_dir else bundled_model_dir()
     stores: dict[tuple[str, str], PersistentStore] = {}
     stores_lock = threading.Lock()
@@ -53,6 +63,9 @@ def memory_factory_for(model_dir: str | Path | None, *, cache_dir: Path | None =
 
     def make(backend: Backend) -> Memory:
         config = CascadeConfig.for_model(folder, backend.config, **cascade_overrides)
+        if policy is not None and "episodic_budget_bytes" not in cascade_overrides:
+            working = config.num_slots * backend.kv_bytes_per_token()
+            config = replace(config, episodic_budget_bytes=policy.episodic_budget_bytes(backend.weight_bytes, working))
         return CascadeMemory(backend, config, row=0, store=store_for(backend, config))
 
     return make
@@ -83,7 +96,10 @@ class ChatMessage:
 class Engine:
     """A loaded model on one backend; conversations are opened from it and share its weights."""
 
-    def __init__(self, choice: BackendChoice, tokenizer: Tokenizer, model_dir: Path, memory_factory: MemoryFactory) -> None:
+    def __init__(
+        self, choice: BackendChoice, tokenizer: Tokenizer, model_dir: Path, memory_factory: MemoryFactory, policy: HardwarePolicy | None = None
+    ) -> None:
+        self.policy = policy  # paces every session's generation (thermal throttling / pause) unless given another
         self.choice = choice
         self.tokenizer = tokenizer
         self.model_dir = model_dir
@@ -94,12 +110,19 @@ class Engine:
         self.step_lock = threading.Lock()
 
     @classmethod
-    def load(cls, model_dir: str | Path | None = None, backend: str = "auto", *, memory_factory: MemoryFactory) -> "Engine":
+    def load(
+        cls, model_dir: str | Path | None = None, backend: str = "auto", *, memory_factory: MemoryFactory, policy: HardwarePolicy | None = None
+    ) -> "Engine":
+        """Load a model folder; with a `policy`, first refuse (one sentence) a model this machine cannot hold."""
         model_dir = Path(model_dir).expanduser() if model_dir else bundled_model_dir()
         check_model_folder(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
+        if policy is not None:
+            # Judged before any weight is read: fp32 on the CPU (the widest a backend computes in), fp16 KV.
+            params, kv_per_token = estimate_size(model_dir)
+            policy.check_model_fits(params * (4 if backend in ("auto", "cpu") else 2), kv_per_token * SLOT_TABLE_ESTIMATE)
         choice = open_backend(model_dir, backend)
-        return cls(choice, tokenizer, model_dir, memory_factory)
+        return cls(choice, tokenizer, model_dir, memory_factory, policy)
 
     @property
     def backend(self) -> Backend:
@@ -323,6 +346,7 @@ class Session:
             self.messages.append(ChatMessage("assistant", ""))
         self.pending_token = None
         try:
+            pacer = pacer or self.engine.policy
             for ev in stream_generate(self._runner, self.memory, self.tokenizer, ids, settings, sampler=sampler, should_stop=should_stop, pacer=pacer):  # type: ignore[arg-type]
                 if ev.token is not None:
                     tokens.append(ev.token)

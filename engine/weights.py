@@ -150,6 +150,19 @@ def fingerprint(config: ModelConfig, files: list[Path], tables: list[list[Tensor
     return h.hexdigest()[:32]
 
 
+def estimate_size(model_dir: Path) -> tuple[int, int]:
+    """(parameter count, fp16 KV bytes per token) from config.json and the safetensors headers alone."""
+    config = ModelConfig.from_file(model_dir / "config.json")
+    params = 0
+    for f in weight_files(model_dir):
+        for t in read_safetensors_header(f):
+            n = 1
+            for s in t.shape:
+                n *= s
+            params += n
+    return params, 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+
+
 @dataclass
 class LoadedModel:
     model: Transformer

@@ -258,6 +258,9 @@ class CascadeMemory:
 
     # -- snapshots ----------------------------------------------------------------------------------------------
 
+    def max_feed(self) -> int:
+        return self.cfg.window  # one plan's tokens must fit the window together
+
     def stats(self) -> CascadeStats:
         w = self.working
         working = TierStats.make(

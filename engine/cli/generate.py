@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine.errors import SparkError
 from engine.generate import GenerationEvent, GenerationSettings
+from engine.hw import this_machine_policy
 from engine.sampling import SamplingSettings
 from engine.session import Engine, Session, memory_factory_for
 
@@ -49,8 +50,9 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
 
 
 def open_engine(args: argparse.Namespace) -> Engine:
-    factory = memory_factory_for(args.model, cache_dir=args.cache_dir, prefix_cache=not args.no_prefix_cache)
-    return Engine.load(args.model, args.backend, memory_factory=factory)
+    policy = this_machine_policy()
+    factory = memory_factory_for(args.model, cache_dir=args.cache_dir, prefix_cache=not args.no_prefix_cache, policy=policy)
+    return Engine.load(args.model, args.backend, memory_factory=factory, policy=policy)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
