@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.config import ModelConfig
+from engine.model import Transformer
 from tests.tiny import make_tiny_model
 
 # Slot table of the shared packages: full-attention parity (75-token prompt + 64 decode steps) fits, and so does
@@ -45,3 +47,22 @@ def package(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Callabl
         return made[quantize]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def big_vocab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, Path]:
+    """A 1-layer fp16 model with 17000 > 16384 classes and its decode-only package (the LM head is split)."""
+    from coreml.convert import Geometry, build_package
+
+    cfg = ModelConfig.from_dict(
+        {"architectures": ["LlamaForCausalLM"], "vocab_size": 17000, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 256}
+    )
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    for name, p in model.named_parameters():
+        torch.nn.init.normal_(p, 1.0 if "norm" in name else 0.0, 0.08)
+    model = model.half().eval().requires_grad_(False)
+    model.setup_rope()
+    out = tmp_path_factory.mktemp("big") / "big.mlpackage"
+    return model, build_package(model, "big-vocab", out, geometry=Geometry(64, (("decode", 1),)))

@@ -14,11 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from coreml.convert import Geometry, build_package
 from coreml.reference import InterpreterBackend
 from engine.backends.base import Backend
 from engine.backends.torch_backend import TorchBackend
-from engine.config import ModelConfig
 from engine.memory import FullAttentionMemory
 from engine.model import SlotBatch, Transformer
 from tests.coreml.helpers import prompt_ids, run_greedy, torch_fp16_with_package_weights
@@ -67,19 +65,9 @@ def test_quantized_parity_against_dequantized_weights(
     assert_parity(torch_be, interp, prompt_ids(75, interp.config.vocab_size, seed=1))
 
 
-def test_large_vocabulary_is_split_below_the_ane_limit(tmp_path: Path) -> None:
+def test_large_vocabulary_is_split_below_the_ane_limit(big_vocab: tuple[Transformer, Path]) -> None:
     """V = 16384 + 616: the embedding and LM head are split in two pieces, outputs logits_0 and logits_1."""
-    cfg = ModelConfig.from_dict(
-        {"architectures": ["LlamaForCausalLM"], "vocab_size": 17000, "hidden_size": 64, "intermediate_size": 128,
-         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 256}
-    )
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    for name, p in model.named_parameters():
-        torch.nn.init.normal_(p, 1.0 if "norm" in name else 0.0, 0.08)
-    model = model.half().eval().requires_grad_(False)
-    model.setup_rope()
-    pkg = build_package(model, "big-vocab", tmp_path / "big.mlpackage", geometry=Geometry(64, (("decode", 1),)))
+    model, pkg = big_vocab
     backend = InterpreterBackend(pkg)
     assert backend.vocab_pieces == [(0, 16384), (16384, 17000)]
     cache = model.new_cache(1, 64)
