@@ -14,6 +14,7 @@ from pathlib import Path
 
 from engine.cli.generate import add_model_args, add_sampling_args, open_engine, settings_from_args
 from engine.errors import SparkError
+from engine.paths import bundled_model_dir
 from engine.session import Session
 
 
@@ -22,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_sampling_args(p)
     p.add_argument("--system", default="", help="system prompt")
-    p.set_defaults(func=run, max_tokens=512)
+    p.set_defaults(func=run)
 
 
 def handle_command(session: Session, line: str) -> bool:
@@ -48,7 +49,7 @@ def handle_command(session: Session, line: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    settings = settings_from_args(args, args.model or bundled_model_dir())  # bad flags fail before any loading
     engine = open_engine(args)
     session = engine.new_session()
     session.system_prompt = args.system

@@ -7,7 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+from engine.config import generation_defaults
 from engine.errors import SparkError
+from engine.paths import bundled_model_dir
 from engine.generate import GenerationEvent, GenerationSettings
 from engine.hw import this_machine_policy
 from engine.sampling import SamplingSettings
@@ -21,32 +23,42 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="do not read or write the persistent prefix cache")
 
 
+# Our defaults where neither a flag nor the model's generation_config.json says otherwise.
+SAMPLING_DEFAULTS: dict = {"max_tokens": 128, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    # None = not given: the model's generation_config.json, then SAMPLING_DEFAULTS, decide.
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--greedy", action="store_true", default=None, help="always take the most likely token")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
-    if args.max_tokens < 1:
-        raise SparkError(f"--max-tokens must be at least 1, not {args.max_tokens}.")
+def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationSettings:
+    """Flags first, then the model's generation_config.json, then SAMPLING_DEFAULTS."""
+    given = {k: getattr(args, k) for k in (*SAMPLING_DEFAULTS, "greedy") if getattr(args, k) is not None}
+    if any(k in given for k in ("temperature", "top_p", "top_k", "min_p")) and "greedy" not in given:
+        given["greedy"] = False  # asking for sampling parameters means sampling, whatever the model's default
+    v = {**SAMPLING_DEFAULTS, "greedy": False, **generation_defaults(model_dir), **given}
+    if v["max_tokens"] < 1:
+        raise SparkError(f"--max-tokens must be at least 1, not {v['max_tokens']}.")
     sampling = SamplingSettings(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
+        temperature=v["temperature"],
+        top_k=v["top_k"],
+        top_p=v["top_p"],
+        min_p=v["min_p"],
+        repetition_penalty=v["repetition_penalty"],
         seed=args.seed,
-        greedy=args.greedy,
+        greedy=v["greedy"],
     )
     sampling.validate()
-    return GenerationSettings(max_tokens=args.max_tokens, stop=tuple(args.stop), sampling=sampling)
+    return GenerationSettings(max_tokens=v["max_tokens"], stop=tuple(args.stop), sampling=sampling)
 
 
 def open_engine(args: argparse.Namespace) -> Engine:
@@ -89,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         raise SparkError("--continue needs --load-session FILE (the conversation to continue).")
     if prompt is None and not args.continue_:
         raise SparkError("Give a prompt with --prompt TEXT (or --load-session FILE --continue).")
-    settings = settings_from_args(args)
+    settings = settings_from_args(args, args.model or bundled_model_dir())  # bad flags fail before any loading
     engine = open_engine(args)
     session = engine.new_session()
     if args.load_session is not None:

@@ -84,3 +84,23 @@ def test_huge_prompt_is_refused_clearly(model: Path, tmp_path: Path) -> None:
     big.write_text("x" * 10_000_000)
     r = engine_cli("generate", "--model", str(model), "--prompt-file", str(big), cache=tmp_path)
     assert r.returncode == 2 and "characters" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_sampling_defaults_come_from_generation_config_unless_flags_say_otherwise(model: Path, tmp_path: Path) -> None:
+    import argparse
+    import json as _json
+
+    from engine.cli.generate import add_sampling_args, settings_from_args
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "generation_config.json").write_text(_json.dumps({"do_sample": True, "temperature": 0.3, "top_p": 0.8, "max_new_tokens": 42}))
+    p = argparse.ArgumentParser()
+    add_sampling_args(p)
+    s = settings_from_args(p.parse_args([]), d)
+    assert (s.max_tokens, s.sampling.temperature, s.sampling.top_p, s.sampling.greedy) == (42, 0.3, 0.8, False)
+    s = settings_from_args(p.parse_args(["--temperature", "0.9", "--max-tokens", "5"]), d)
+    assert (s.max_tokens, s.sampling.temperature, s.sampling.top_p) == (5, 0.9, 0.8)
+    (d / "generation_config.json").write_text(_json.dumps({"do_sample": False}))
+    assert settings_from_args(p.parse_args([]), d).sampling.greedy
+    assert not settings_from_args(p.parse_args(["--temperature", "1.0"]), d).sampling.greedy
