@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QEventLoop, QSettings, QTimer, SignalInstance
+from PySide6.QtCore import QSettings
 
 from engine.backends import AUTO_ORDER
 from engine.generate import GenerationSettings
@@ -46,49 +46,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _wait_any(signals: dict[str, SignalInstance], timeout_ms: int = STEP_TIMEOUT_MS) -> tuple[str, tuple]:
-    """Run the event loop until one of `signals` fires; returns its name and arguments ("timeout", ()) otherwise."""
-    loop = QEventLoop()
-    got: list[tuple[str, tuple]] = []
-
-    def make(name: str):  # type: ignore[no-untyped-def]
-        def handler(*args: object) -> None:
-            if not got:
-                got.append((name, args))
-            loop.quit()
-
-        return handler
-
-    handlers = [(sig, make(name)) for name, sig in signals.items()]
-    for sig, h in handlers:
-        sig.connect(h)
-    QTimer.singleShot(timeout_ms, loop.quit)
-    loop.exec()
-    for sig, h in handlers:
-        sig.disconnect(h)
-    return got[0] if got else ("timeout", ())
-
-
 def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Path) -> float:
     """Returns the longest GUI gap in seconds; raises SelfTestFailure."""
     from app.gap_meter import GapMeter
+    from app.signal_wait import wait_any
 
     w = window.client.worker
     window.load_model(model, backend)
-    name, args = _wait_any({"loaded": w.loaded, "error": w.error})
+    name, value = wait_any({"loaded": w.loaded, "error": w.error}, STEP_TIMEOUT_MS)
     if name != "loaded":
-        raise SelfTestFailure(f"the model did not load: {args[0] if args else 'timed out'}")
-    print(f"model: {args[0].info.name} on {args[0].info.backend_detail}")
+        raise SelfTestFailure(f"the model did not load: {value or 'timed out'}")
+    print(f"model: {value.info.name} on {value.info.backend_detail}")
 
     meter = GapMeter()
     meter.start()
     if not window.submit(SELF_TEST_PROMPT):
         raise SelfTestFailure("the prompt could not be sent")
-    name, args = _wait_any({"finished": w.finished, "error": w.error})
+    name, result = wait_any({"finished": w.finished, "error": w.error}, STEP_TIMEOUT_MS)
     gap = meter.stop()
-    if name != "finished" or args[0].reason == "error":
-        raise SelfTestFailure(f"the reply failed: {args[0] if name == 'error' else name}")
-    result = args[0]
+    if name != "finished" or result.reason == "error":
+        raise SelfTestFailure(f"the reply failed: {result if name == 'error' else name}")
     reply = window.chat.reply_text()
     if not result.progress.generated_tokens:
         raise SelfTestFailure("the model generated no tokens")
@@ -97,14 +74,14 @@ def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Pat
 
     path = workdir / "self-test.spark"
     window.client.save(path)
-    name, args = _wait_any({"saved": w.saved, "error": w.error})
+    name, value = wait_any({"saved": w.saved, "error": w.error}, STEP_TIMEOUT_MS)
     if name != "saved":
-        raise SelfTestFailure(f"saving the session failed: {args[0] if args else name}")
+        raise SelfTestFailure(f"saving the session failed: {value or name}")
     window.client.new_chat()
     window.client.restore(path)
-    name, args = _wait_any({"restored": w.restored, "error": w.error, "foreign": w.foreign_session})
+    name, value = wait_any({"restored": w.restored, "error": w.error, "foreign": w.foreign_session}, STEP_TIMEOUT_MS)
     if name != "restored":
-        raise SelfTestFailure(f"restoring the session failed: {args[-1] if args else name}")
+        raise SelfTestFailure(f"restoring the session failed: {value or name}")
     if window.chat.reply_text() != reply:
         raise SelfTestFailure("the restored conversation differs from the one saved")
     print(f"saved and restored {path.name} ({path.stat().st_size:,} bytes)")

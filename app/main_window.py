@@ -89,7 +89,7 @@ class NoticeBar(QFrame):
             self._timer.start(NOTICE_INFO_MS)
 
     def text(self) -> str:
-        return self.label.text() if self.isVisible() else ""
+        return "" if self.isHidden() else self.label.text()
 
 
 class MainWindow(QMainWindow):

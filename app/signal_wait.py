@@ -1,0 +1,37 @@
+"""Waiting for worker signals on the GUI thread (self-test and tests).
+
+A plain function connected to a worker's signal runs on the worker's thread; a method of a QObject living on the
+GUI thread runs on the GUI thread (queued). `GuiRelay` is such an object: it re-emits a worker signal from the
+GUI thread, so whatever waits on it (an event loop, pytest-qt's waitSignal) is only touched by its own thread.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QEventLoop, QObject, QTimer, Signal, SignalInstance
+
+
+class GuiRelay(QObject):
+    fired = Signal(object)  # the signal's only argument, the tuple of its arguments, or None for none
+
+    def __init__(self, signal: SignalInstance, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        signal.connect(self.relay)
+
+    def relay(self, *args: object) -> None:
+        self.fired.emit(args[0] if len(args) == 1 else (args or None))
+
+
+def wait_any(signals: dict[str, SignalInstance], timeout_ms: int) -> tuple[str, object]:
+    """Run an event loop until one of `signals` fires: its name and argument(s), or ("timeout", None)."""
+    loop = QEventLoop()
+    got: list[tuple[str, object]] = []
+    relays = []
+    for name, signal in signals.items():
+        relay = GuiRelay(signal)
+        relay.fired.connect(lambda value, name=name: (got.append((name, value)), loop.quit()) if not got else None)
+        relays.append(relay)
+    QTimer.singleShot(timeout_ms, loop.quit)
+    loop.exec()
+    for relay in relays:
+        relay.deleteLater()
+    return got[0] if got else ("timeout", None)
