@@ -340,6 +340,10 @@ class Session:
         if not ids:
             raise InputTooLarge("There is nothing to send; type a prompt first.")
         sampler = self._sampler_for(settings.sampling)
+        policy = self.engine.policy
+        spill = getattr(self.memory, "spill", None)
+        if policy is not None and spill is not None and policy.under_pressure():
+            spill()  # in this conversation's own thread, between turns: no other thread touches its memory
         tokens: list[int] = []
         reply = ""
         if reply_to_messages and not extend_last:

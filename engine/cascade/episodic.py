@@ -178,6 +178,21 @@ class EpisodicMemory:
         else:
             self.resident -= 1
 
+    def spill(self) -> int:
+        """Memory pressure: move every resident block's KV to L3, keeping its representative keys as a stub so it
+        can still be routed to and paged back; without a store the blocks are forgotten. Returns the bytes freed."""
+        before = self.bytes
+        for block in [b for b in self.blocks.values() if b.k is not None]:
+            self.counters.evictions += 1
+            if self.store is not None and block.l3_key is not None:
+                self.store.put(block.l3_key, block.k, block.v, self.cfg.block_size)  # type: ignore[arg-type]
+                block.k = block.v = None
+                self.resident -= 1
+                self.stubs += 1
+            else:
+                self._forget(block)
+        return before - self.bytes
+
     def drop_all(self) -> None:
         """Forget every complete block (`invalidate('episodic')`). The partial block and the block numbering stay,
         so block ids keep mapping to the same token ranges (and L3 keys) afterwards."""

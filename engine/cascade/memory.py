@@ -258,6 +258,10 @@ class CascadeMemory:
 
     # -- snapshots ----------------------------------------------------------------------------------------------
 
+    def spill(self) -> int:
+        """Free host memory under pressure: episodic KV goes to disk (see EpisodicMemory.spill); bytes freed."""
+        return self.episodic.spill()
+
     def max_feed(self) -> int:
         return self.cfg.window  # one plan's tokens must fit the window together
 

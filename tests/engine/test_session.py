@@ -130,3 +130,18 @@ def test_huge_prompt_is_refused_and_nothing_changes(engine: Engine) -> None:
     with pytest.raises(InputTooLarge):
         s.chat("x" * 10_000_000, GREEDY)
     assert s.messages == [] and s.memory.tokens == []
+
+
+def test_memory_pressure_spills_the_episodic_tier_between_turns(model: Path, tmp_path: Path) -> None:
+    memory = FakeMemory()
+    policy = HardwarePolicy(FakeThermal(), memory)
+    factory = memory_factory_for(model, cache_dir=tmp_path, policy=policy, window=32, block_size=8, retrieval_blocks=2, episodic_budget_bytes=2**24)
+    s = Engine.load(model, "cpu", memory_factory=factory, policy=policy).new_session()
+    long = GenerationSettings(max_tokens=120, sampling=SamplingSettings(greedy=True), ignore_eos=True)
+    reply(s.chat("fill the episodic tier", long))
+    assert any(b.k is not None for b in s.memory.episodic.blocks.values())
+    memory.snap = MemorySnapshot(GB, 16 * GB, GB // 4, MemoryPressure.CRITICAL)
+    reply(s.chat("next turn", GenerationSettings(max_tokens=2, sampling=SamplingSettings(greedy=True))))
+    assert policy.under_pressure()
+    # The episodic KV resident before this turn went to disk; only blocks formed during the turn may be resident.
+    assert s.memory.episodic.stubs > 0

@@ -70,3 +70,25 @@ def test_budget_spills_to_l3_and_pages_back(tiny_model: Path, tmp_path: Path) ->
     kv = ep.fetch(stub.id, protect=(stub.id,))
     assert kv is not None and ep.counters.misses >= 1
     assert store.counters.hits >= 1
+
+
+def test_spill_under_pressure_moves_kv_to_disk_and_keeps_it_reachable(tiny_model: Path, tmp_path: Path) -> None:
+    b = TorchBackend(tiny_model)
+    cfg = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, routing="token")
+    m = CascadeMemory(b, cfg, store=PersistentStore(tmp_path, b.fingerprint, b.numerics))
+    for at in range(0, 200, 20):
+        feed(b, m, random_ids(20, seed=at))
+    ep = m.episodic
+    resident = {i: (blk.k.clone(), blk.v.clone()) for i, blk in ep.blocks.items() if blk.k is not None}
+    before = ep.bytes
+    freed = m.spill()
+    assert resident and freed == before - ep.bytes and freed >= len(resident) * ep.block_bytes
+    assert all(blk.k is None for blk in ep.blocks.values())  # every block is now a stub...
+    some = next(iter(resident))
+    k, v = ep.fetch(some, protect=(some,))  # ...whose exact KV comes back from disk
+    assert torch.equal(k, resident[some][0]) and torch.equal(v, resident[some][1])
+
+
+def test_spill_without_a_store_forgets_blocks() -> None:
+    ep, _ = _blocks_with_directions(4)
+    assert ep.spill() > 0 and not ep.blocks
