@@ -99,7 +99,7 @@ class ChatView(QTextBrowser):
             after.setPosition(frame.lastPosition() + 1)
             block = QTextBlockFormat()
             block.setLeftMargin(10)
-            after.insertBlock(block, self._note_format())
+            after.setBlockFormat(block)  # the empty block Qt keeps after every frame
             after.insertText(note, self._note_format())
         self._scroll_to_end()
 

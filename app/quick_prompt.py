@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QMenu,
     QPushButton,
+    QSizePolicy,
     QSystemTrayIcon,
     QTextBrowser,
     QVBoxLayout,
@@ -55,9 +56,10 @@ class QuickPromptPanel(QWidget):
         self.copy_button = QPushButton("Copy")
         self.copy_button.setEnabled(False)
 
+        # The hint takes the free width, so a longer hint never waits for a re-layout to show in full.
+        self.hint.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
         footer = QHBoxLayout()
-        footer.addWidget(self.hint)
-        footer.addStretch(1)
+        footer.addWidget(self.hint, 1)
         footer.addWidget(self.copy_button)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(18, 16, 18, 14)
