@@ -78,13 +78,15 @@ def run(args: argparse.Namespace) -> dict:
     n_decode = 32 if args.quick else DECODE_TOKENS
     tmp = tempfile.TemporaryDirectory(prefix="spark-bench-")
     model_dir = Path(args.model) if args.model else write_random_checkpoint(Path(tmp.name) / "smollm-135m-shape", SMOLLM_135M)
-    engine = Engine.load(model_dir, "cpu", memory_factory=memory_factory_for(model_dir, prefix_cache=False))
+    # Ours runs on --backend (coreml, mps, cuda or cpu); the peers always run on the CPU with the same threads.
+    engine = Engine.load(model_dir, args.backend, memory_factory=memory_factory_for(model_dir, prefix_cache=False))
     ids = prompt_ids(engine.backend.config.vocab_size)
     result: dict = {
         "model": str(model_dir) if args.model else "SmolLM-135M shape (random weights)",
         "threads": threads,
         "prompt_tokens": len(ids),
         "decode_tokens": n_decode,
+        "backend": engine.choice.explain(),
         "dtype": "float32",
     }
     session = engine.new_session()
