@@ -52,17 +52,14 @@ def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Pat
     from app.signal_wait import wait_any
 
     w = window.client.worker
-    window.load_model(model, backend)
-    name, value = wait_any({"loaded": w.loaded, "error": w.error}, STEP_TIMEOUT_MS)
+    name, value = wait_any({"loaded": w.loaded, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.load_model(model, backend))
     if name != "loaded":
         raise SelfTestFailure(f"the model did not load: {value or 'timed out'}")
     print(f"model: {value.info.name} on {value.info.backend_detail}")
 
     meter = GapMeter()
     meter.start()
-    if not window.submit(SELF_TEST_PROMPT):
-        raise SelfTestFailure("the prompt could not be sent")
-    name, result = wait_any({"finished": w.finished, "error": w.error}, STEP_TIMEOUT_MS)
+    name, result = wait_any({"finished": w.finished, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.submit(SELF_TEST_PROMPT))
     gap = meter.stop()
     if name != "finished" or result.reason == "error":
         raise SelfTestFailure(f"the reply failed: {result if name == 'error' else name}")
@@ -73,13 +70,13 @@ def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Pat
     print(f"longest GUI gap while streaming: {gap * 1000:.1f} ms (goal < {GAP_GOAL_S * 1000:.0f} ms, {meter.ticks} ticks)")
 
     path = workdir / "self-test.spark"
-    window.client.save(path)
-    name, value = wait_any({"saved": w.saved, "error": w.error}, STEP_TIMEOUT_MS)
+    name, value = wait_any({"saved": w.saved, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.client.save(path))
     if name != "saved":
         raise SelfTestFailure(f"saving the session failed: {value or name}")
     window.client.new_chat()
-    window.client.restore(path)
-    name, value = wait_any({"restored": w.restored, "error": w.error, "foreign": w.foreign_session}, STEP_TIMEOUT_MS)
+    name, value = wait_any(
+        {"restored": w.restored, "error": w.error, "foreign": w.foreign_session}, STEP_TIMEOUT_MS, lambda: window.client.restore(path)
+    )
     if name != "restored":
         raise SelfTestFailure(f"restoring the session failed: {value or name}")
     if window.chat.reply_text() != reply:

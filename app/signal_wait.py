@@ -7,6 +7,8 @@ GUI thread, so whatever waits on it (an event loop, pytest-qt's waitSignal) is o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from PySide6.QtCore import QEventLoop, QObject, QTimer, Signal, SignalInstance
 
 
@@ -21,8 +23,9 @@ class GuiRelay(QObject):
         self.fired.emit(args[0] if len(args) == 1 else (args or None))
 
 
-def wait_any(signals: dict[str, SignalInstance], timeout_ms: int) -> tuple[str, object]:
-    """Run an event loop until one of `signals` fires: its name and argument(s), or ("timeout", None)."""
+def wait_any(signals: dict[str, SignalInstance], timeout_ms: int, start: Callable[[], object] = lambda: None) -> tuple[str, object]:
+    """Call `start` (the request), then run an event loop until one of `signals` fires: its name and argument(s),
+    or ("timeout", None). Listening begins before the request, so a worker that answers at once is not missed."""
     loop = QEventLoop()
     got: list[tuple[str, object]] = []
     relays = []
@@ -30,8 +33,10 @@ def wait_any(signals: dict[str, SignalInstance], timeout_ms: int) -> tuple[str, 
         relay = GuiRelay(signal)
         relay.fired.connect(lambda value, name=name: (got.append((name, value)), loop.quit()) if not got else None)
         relays.append(relay)
+    start()
     QTimer.singleShot(timeout_ms, loop.quit)
-    loop.exec()
+    if not got:
+        loop.exec()
     for relay in relays:
         relay.deleteLater()
     return got[0] if got else ("timeout", None)
