@@ -53,19 +53,26 @@ def prefill(backend: Backend, memory: Memory, ids: Sequence[int], chunk: int) ->
     """Feed `ids` in chunks of at most `chunk` tokens; returns the last token's logits (V,) float32.
 
     Tokens that the memory can restore from its prefix cache are not recomputed (the last one always is, since its
-    logits are needed).
+    logits are needed). A memory with the optional `prefill_cut(ids, start)` (the cascade, to snapshot its state
+    for later prompts) may name one index of `ids` where a chunk must end; chunks after it count from there.
     """
     ids = list(ids)
     if not ids:
         raise ValueError("prefill needs at least one token")
     start = memory.reuse_prefix(ids[:-1])
     chunk = max(1, min(chunk, memory.max_feed()))
+    cut = memory.prefill_cut(ids, start) if hasattr(memory, "prefill_cut") else None
     logits = None
-    for at in range(start, len(ids), chunk):
-        piece = ids[at : at + chunk]
+    at = start
+    while at < len(ids):
+        end = min(at + chunk, len(ids))
+        if cut is not None and at < cut < end:
+            end = cut
+        piece = ids[at:end]
         plan = memory.plan(piece)
         logits = backend.forward(torch.tensor([piece], dtype=torch.long), plan.as_batch(), last_only=True)  # (1, 1, V)
         memory.after_forward()
+        at = end
     assert logits is not None
     return logits[0, -1]
 

@@ -64,6 +64,13 @@ class CascadeConfig:
         g = f"{self.sink_tokens}/{self.window}/{self.block_size}/{self.retrieval_blocks}/{self.routing}"
         return hashlib.sha256(g.encode()).hexdigest()[:16]
 
+    def state_tag(self) -> str:
+        """Identifies every setting a memory's state depends on besides the model and the tokens (for L3 keys of
+        cascade snapshots): all of them but the persistent tier's own budget."""
+        d = self.to_dict()
+        del d["persistent_budget_bytes"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -16,11 +16,34 @@ that pure-prefix phase, after_forward persists each newly completed block-aligne
 the whole token prefix through it; reuse_prefix on an empty memory restores the longest chain of such blocks
 (at most sinks + window tokens). Episodic blocks spilled under budget pressure go to L3 too, keyed additionally by
 the cascade geometry, since their KV depends on it; they are only found again through their L2 stubs.
+
+Cascade snapshots (L3), for prompts longer than that. Past the first eviction KV depends on the cascade (what was
+in the window, which blocks were retrieved, how the prompt was chunked), so single blocks cannot be reused; the
+whole memory state can. With a store, `prefill_cut` (called by engine.generate.prefill before feeding a prompt)
+asks for one extra chunk boundary at C = the last multiple of block_size below the prompt's end (below, because
+prefill always computes the last token for its logits), if C lies past what exact blocks cover; when after_forward
+sees the memory reach exactly C tokens it stores `state()` under key(model, numerics, "snapshot-" + every
+state-relevant setting (CascadeConfig.state_tag), digest of tokens[:C]). `reuse_prefix(ids)` on an empty memory
+hashes ids at every block boundary, tries the snapshots from the longest down, restores the first that loads and
+returns its length; only when none does it falls back to exact blocks. Block alignment keeps that lookup to
+len/block_size index probes; the cost is recomputing 1 to block_size tokens of a repeated prompt.
+- Exactness: a restored snapshot continues exactly as the memory it was taken from (same slots, ring, retrieval
+  groups, episodic blocks, routing accumulators, fp16 KV as state() gives). The prompt's chunk boundaries up to C
+  are part of that state: a cold run of P + Q is chunked from 0 and differs from "snapshot of P, then the rest" by
+  the chunk-boundary effect the cascade always has (see plan); a repeated prompt is chunked identically either way.
+  The extra boundary at C is only made with a store, so runs without the prefix cache chunk as before.
+- Storage: resident episodic blocks are not stored inside the snapshot but as content-addressed "kv" entries
+  (key: sha256 of their fp16 bytes), referenced by the block's l3_key in the snapshot's meta. Successive snapshots
+  of a growing conversation (one per prompt) share every block they have in common, and a later spill of such a
+  block finds its KV already on disk. A snapshot is written after its blocks; one whose block has gone (budget)
+  or fails its checks is not restored (the store counts a miss, corrupt entries are dropped with a warning).
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -43,6 +66,13 @@ def _token_bytes(ids: list[int]) -> bytes:
     return np.asarray(ids, dtype="<i4").tobytes()
 
 
+def _content_digest(k: torch.Tensor, v: torch.Tensor) -> str:
+    """sha256 of a block's fp16 k, v bytes: its content address as a snapshot's episodic block."""
+    h = hashlib.sha256(k.contiguous().view(torch.uint8).numpy())
+    h.update(v.contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 class CascadeMemory:
     """The memory of one sequence: row `row` of the backend's slot table, laid out per `config`."""
 
@@ -60,6 +90,7 @@ class CascadeMemory:
         self.working = WorkingMemory(config)
         self.episodic = EpisodicMemory(config, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), store, self._take_block_digest)
         self.router = ROUTING[config.routing]()
+        self._snapshot_tag = f"snapshot-{config.state_tag()}"
         self.counters = Counters()  # working tier: routed block already resident / paged in
         self.tokens: list[int] = []
         self._reset_state()
@@ -81,6 +112,9 @@ class CascadeMemory:
         self._last_prefill = False
         self._last_slots = torch.zeros(0, dtype=torch.long)  # (T,) slots of the last plan
         self._last_evicted = False
+        self._snapshot_at: int | None = None  # snapshot the state when this many tokens are in (see prefill_cut)
+        self._content_keys: dict[int, str] = {}  # episodic block id -> its content-addressed L3 key, once hashed
+        self.reused_tokens = 0  # how many leading tokens the last reuse_prefix restored (for stats and benches)
 
     def reset(self) -> None:
         self._reset_state()
@@ -206,6 +240,10 @@ class CascadeMemory:
             self._add_to_prompt(k)
         if self.store is not None and self._prefix_open and not self._last_evicted:
             self._persist_prefix()
+        if self._snapshot_at is not None and len(self.tokens) >= self._snapshot_at:
+            if len(self.tokens) == self._snapshot_at:  # a caller that ignored the cut just gets no snapshot
+                self._snapshot()
+            self._snapshot_at = None
 
     def _add_to_prompt(self, k: torch.Tensor) -> None:
         """k (L, Hkv, T, D) of prompt tokens. Summed in float64 so that how the prompt was chunked (or restored
@@ -229,6 +267,14 @@ class CascadeMemory:
     def reuse_prefix(self, ids: list[int]) -> int:
         if self.tokens or self.store is None:
             return 0
+        n = self._reuse_snapshot(ids) or self._reuse_exact(ids)
+        if n:
+            self.store.flush()  # the entries' new recency must outlive this process, or LRU evicts the hot ones
+        self.reused_tokens = n
+        return n
+
+    def _reuse_exact(self, ids: list[int]) -> int:
+        assert self.store is not None
         b = self.cfg.block_size
         limit = min(len(ids), self.cfg.sink_tokens + self.cfg.window) // b * b
         hasher = hashlib.sha256()
@@ -256,7 +302,92 @@ class CascadeMemory:
         self.working.refresh_positions()
         return n
 
-    # -- snapshots ----------------------------------------------------------------------------------------------
+    # -- cascade snapshots --------------------------------------------------------------------------------------
+
+    def snapshot_key(self, prefix: list[int]) -> str:
+        """The L3 key a snapshot of this memory holding exactly `prefix` is stored under."""
+        assert self.store is not None
+        return self.store.key(hashlib.sha256(_token_bytes(prefix)).hexdigest(), self._snapshot_tag)
+
+    def prefill_cut(self, ids: list[int], start: int) -> int | None:
+        """Before a prompt `ids` is fed from index `start` (after reuse_prefix): the index of ids where a chunk
+        must end so that the memory can snapshot its state there, or None. See the module docstring."""
+        if self.store is None:
+            return None
+        base = len(self.tokens) - start  # absolute index of ids[0]
+        cut = (base + len(ids) - 1) // self.cfg.block_size * self.cfg.block_size
+        if cut <= len(self.tokens) or (self._prefix_open and cut <= self.cfg.sink_tokens + self.cfg.window):
+            return None  # nothing left to feed before it, or exact prefix blocks will cover it
+        self._snapshot_at = cut
+        return cut - base
+
+    def _snapshot(self) -> None:
+        assert self.store is not None
+        key = self.store.key(self._hasher.copy().hexdigest(), self._snapshot_tag)
+        if key in self.store:
+            return
+        for block in self.episodic.blocks.values():
+            if block.k is None or block.v is None:
+                continue  # a stub: its KV is in L3 under l3_key already, and a restored stub pages it in the same way
+            ref = self._content_keys.get(block.id)
+            if ref is None:
+                ref = self._content_keys[block.id] = self.store.key(_content_digest(block.k, block.v), "content")
+                block.l3_key = ref  # where its KV now lives on disk: a later spill of it writes nothing
+            self.store.put(ref, block.k, block.v, self.cfg.block_size)
+        meta, tensors = self.state()
+        for block in self.episodic.blocks.values():  # resident blocks travel by reference (their l3_key in meta)
+            tensors.pop(f"ep.{block.id}.k", None)
+            tensors.pop(f"ep.{block.id}.v", None)
+        self.store.put_state(key, meta, tensors)
+
+    def _reuse_snapshot(self, ids: list[int]) -> int:
+        """Restore the longest stored snapshot whose tokens are a prefix of ids; its length, or 0."""
+        assert self.store is not None
+        b = self.cfg.block_size
+        data = _token_bytes(ids)
+        hasher = hashlib.sha256()
+        keys: list[tuple[int, str]] = []
+        for end in range(b, len(ids) + 1, b):
+            hasher.update(data[4 * (end - b) : 4 * end])
+            keys.append((end, self.store.key(hasher.copy().hexdigest(), self._snapshot_tag)))
+        for end, key in reversed(keys):
+            if key not in self.store:
+                continue
+            got = self.store.get_state(key)
+            if got is None:
+                continue
+            meta, tensors = got
+            if meta.get("tokens") != ids[:end] or not self._same_settings(meta):
+                self.store.discard(key, "its recorded tokens or settings do not match its key")
+                continue
+            tensors = dict(tensors)
+            refs: dict[int, str] = {}
+            for bid, _, l3_key, _, _, resident in meta["episodic"]["blocks"]:
+                kv = self.store.get(l3_key) if resident and l3_key else None
+                if resident and kv is None:
+                    # A block it references was evicted (budget) or broken (dropped with a warning): the snapshot
+                    # can never load, so it goes too and the next cold run of this prompt writes a whole new one.
+                    self.store.discard(key)
+                    break
+                if kv is not None:
+                    tensors[f"ep.{bid}.k"], tensors[f"ep.{bid}.v"] = kv
+                    refs[int(bid)] = l3_key
+            else:
+                self._restore(meta, tensors)
+                self._content_keys = refs
+                return end
+        return 0
+
+    def _same_settings(self, meta: dict) -> bool:
+        if meta.get("kind") != "cascade" or meta.get("version") != STATE_VERSION:
+            return False
+        try:
+            saved = CascadeConfig.from_dict(meta["config"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        return replace(saved, persistent_budget_bytes=self.cfg.persistent_budget_bytes) == self.cfg
+
+    # -- session state ------------------------------------------------------------------------------------------
 
     def spill(self) -> int:
         """Free host memory under pressure: episodic KV goes to disk (see EpisodicMemory.spill); bytes freed."""
@@ -312,6 +443,10 @@ class CascadeMemory:
             raise SessionFileError("The saved memory is not a cascade memory this version can restore.")
         if CascadeConfig.from_dict(meta["config"]) != self.cfg:
             raise SessionFileError("The saved memory used a different cascade geometry; restore it with the same settings.")
+        self._restore(meta, tensors)
+
+    def _restore(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """load_state without its checks (callers check the kind, version and settings)."""
         self._reset_state()
         self.backend.write_kv(self.row, torch.arange(self.cfg.num_slots), tensors["wk.k"], tensors["wk.v"])
         self.working.load_state(meta["working"])

@@ -9,6 +9,10 @@ Crash safety: every file is written to a temp name, fsynced, then renamed, so a 
 none. The safetensors header also carries the identity and a CRC32 per tensor; an entry whose identity
 differs, whose size is wrong or whose bytes fail the CRC is deleted with a warning and never loaded. The index is
 advisory: on open it is reconciled with the files actually present (another process may have added some).
+
+Two kinds of entry share the directory, the identity checks and the byte budget (header `kind`): "kv" (one block:
+k, v) and "state" (a cascade snapshot, engine.cascade.memory: named tensors of fp16/fp32/fp64 plus the memory's
+JSON meta, itself covered by a CRC). Entries written before kinds existed are "kv".
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from engine.backends.base import CANONICAL_KV_DTYPE
 from engine.cascade.stats import Counters, TierStats
 
 FORMAT = "mlot-spark-kv/1"
-TENSORS = ("k", "v")
+KV_TENSORS = ("k", "v")
 STALE_TEMP_S = 3600.0
+DTYPES = {"F16": torch.float16, "F32": torch.float32, "F64": torch.float64}  # what entries may hold
 
 
 def _is_key(name: str) -> bool:
@@ -123,17 +128,30 @@ class PersistentStore:
         return key in self._index
 
     def put(self, key: str, k: torch.Tensor, v: torch.Tensor, tokens: int) -> None:
-        """k, v (L, Hkv, n, D) canonical fp16 -> one entry (no-op when the key is already stored)."""
+        """k, v (L, Hkv, n, D) canonical fp16 -> one entry (when the key is already stored: only marks it used now,
+        since whoever puts it again, e.g. a new snapshot referencing the block, still needs it)."""
+        if key in self._index:
+            self._index[key].last_used = time.time()
+            return
+        self._write(key, "kv", {"k": k.to(CANONICAL_KV_DTYPE), "v": v.to(CANONICAL_KV_DTYPE)}, {"tokens": str(tokens)})
+
+    def put_state(self, key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """A memory snapshot: JSON-able meta + named tensors (fp16, fp32 or fp64) -> one entry (no-op when stored)."""
         if key in self._index:
             return
-        tensors = {"k": k.to(CANONICAL_KV_DTYPE).contiguous(), "v": v.to(CANONICAL_KV_DTYPE).contiguous()}
+        state = json.dumps(meta)
+        self._write(key, "state", tensors, {"state": state, "crc_state": f"{zlib.crc32(state.encode()):08x}"})
+
+    def _write(self, key: str, kind: str, tensors: dict[str, torch.Tensor], extra: dict[str, str]) -> None:
+        tensors = {n: t.contiguous() for n, t in tensors.items()}
         meta = {
             "format": FORMAT,
+            "kind": kind,
             "key": key,
             "fingerprint": self.fingerprint,
             "numerics": self.numerics,
             "dtype": self.dtype,
-            "tokens": str(tokens),
+            **extra,
             **{f"crc_{n}": _crc(t) for n, t in tensors.items()},
         }
         data = save(tensors, metadata=meta)
@@ -144,23 +162,31 @@ class PersistentStore:
 
     def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The block's k, v (L, Hkv, n, D) fp16, or None when absent; a broken entry is deleted with a warning."""
+        got = self._get(key, "kv")
+        return None if got is None else (got[1]["k"], got[1]["v"])
+
+    def get_state(self, key: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """A snapshot's (meta, tensors), or None when absent; a broken entry is deleted with a warning."""
+        return self._get(key, "state")
+
+    def _get(self, key: str, kind: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
         if key not in self._index:
             self.counters.misses += 1
             return None
         path = self._path(key)
         try:
-            kv = self._read(path, key)
+            got = self._read(path, key, kind)
         except OSError:
-            kv = None
-        if kv is None:
+            got = None
+        if got is None:
             self.counters.misses += 1
             return None
         e = self._index[key]
         e.last_used, e.uses = time.time(), e.uses + 1
         self.counters.hits += 1
-        return kv
+        return got
 
-    def _read(self, path: Path, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _read(self, path: Path, key: str, kind: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
@@ -172,27 +198,48 @@ class PersistentStore:
         try:
             header = json.loads(bytes(mm[8 : 8 + n]).decode("utf-8"))
             meta = header.pop("__metadata__")
-            infos = {name: header[name] for name in TENSORS}
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+            infos = {name: dict(info) for name, info in header.items()}
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
             return self._drop(key, "its header is unreadable")
-        ident = (meta.get("format"), meta.get("key"), meta.get("fingerprint"), meta.get("numerics"), meta.get("dtype"))
-        if ident != (FORMAT, key, self.fingerprint, self.numerics, self.dtype):
+        ident = (meta.get("format"), meta.get("kind", "kv"), meta.get("key"), meta.get("fingerprint"), meta.get("numerics"), meta.get("dtype"))
+        if ident != (FORMAT, kind, key, self.fingerprint, self.numerics, self.dtype):
             return self._drop(key, "it belongs to another model, backend or format")
-        out: list[torch.Tensor] = []
-        for name in TENSORS:
-            info = infos[name]
-            a, b = info["data_offsets"]
-            shape = tuple(int(s) for s in info["shape"])
+        if kind == "kv" and (set(infos) != set(KV_TENSORS) or any(i.get("dtype") != "F16" for i in infos.values())):
+            return self._drop(key, "its data is truncated or inconsistent")
+        out: dict[str, torch.Tensor] = {}
+        for name, info in infos.items():
+            try:
+                a, b = (int(x) for x in info["data_offsets"])
+                shape = tuple(int(s) for s in info["shape"])
+                dtype = DTYPES[info["dtype"]]
+            except (KeyError, TypeError, ValueError):
+                return self._drop(key, "its data is truncated or inconsistent")
             count = 1
             for s in shape:
                 count *= s
-            if info["dtype"] != "F16" or b - a != 2 * count or 8 + n + b > size:
+            if b - a != dtype.itemsize * count or a < 0 or 8 + n + b > size:
                 return self._drop(key, "its data is truncated or inconsistent")
-            t = torch.frombuffer(mm, dtype=torch.float16, count=count, offset=8 + n + a).view(shape)
+            t = torch.frombuffer(mm, dtype=dtype, count=count, offset=8 + n + a).view(shape) if count else torch.zeros(shape, dtype=dtype)
             if _crc(t) != meta.get(f"crc_{name}"):
                 return self._drop(key, "its data fails the checksum")
-            out.append(t)
-        return out[0], out[1]
+            out[name] = t
+        state: dict = {}
+        if kind == "state":
+            text = meta.get("state", "")
+            if f"{zlib.crc32(text.encode()):08x}" != meta.get("crc_state"):
+                return self._drop(key, "its data fails the checksum")
+            state = json.loads(text)
+        return state, out
+
+    def discard(self, key: str, why: str | None = None) -> None:
+        """Delete an entry that read back intact but cannot be used; with a warning when `why` (completing
+        "because ...") says it should not have happened."""
+        if why is not None:
+            self._drop(key, why)
+            return
+        self._remove(key)
+        self.counters.evictions += 1
+        self.flush()
 
     def _drop(self, key: str, why: str) -> None:
         warnings.warn(f"Dropped a persistent KV cache entry because {why}; it will be recomputed.", RuntimeWarning, stacklevel=3)

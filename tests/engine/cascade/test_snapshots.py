@@ -1,0 +1,195 @@
+"""Cascade snapshots in L3: prompts longer than the window are reused whole (engine.cascade.memory)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.backends.torch_backend import TorchBackend
+from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
+from engine.cli import main as engine_main
+from engine.generate import prefill
+from tests.engine.cascade.helpers import feed, greedy, random_ids
+from tests.tiny import TOKENIZER_TEXT, make_tiny_model
+
+CFG = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, reroute_every=4)
+CHUNK = 16
+
+
+def memory(model: Path, cache: Path, cfg: CascadeConfig = CFG) -> tuple[TorchBackend, CascadeMemory]:
+    """A new backend + memory over `cache`, as a new process would open them."""
+    b = TorchBackend(model)
+    return b, CascadeMemory(b, cfg, store=PersistentStore(cache, b.fingerprint, b.numerics, cfg.persistent_budget_bytes))
+
+
+def cut_of(n: int, cfg: CascadeConfig = CFG) -> int:
+    """Where prefill snapshots a prompt of n tokens: the last block boundary before its last token."""
+    return (n - 1) // cfg.block_size * cfg.block_size
+
+
+def feed_chunks(b: TorchBackend, m: CascadeMemory, ids: list[int]) -> torch.Tensor:
+    logits = None
+    for i in range(0, len(ids), CHUNK):
+        logits = feed(b, m, ids[i : i + CHUNK])[-1]
+    assert logits is not None
+    return logits
+
+
+@pytest.mark.parametrize("routing", ["hybrid", "token"])
+def test_snapshot_reuse_continues_exactly(tiny_model: Path, tmp_path: Path, routing: str) -> None:
+    cfg = CascadeConfig(**{**CFG.to_dict(), "routing": routing})
+    p, q = random_ids(150, seed=1), random_ids(40, seed=2)  # P is > 4 windows: most of it left the window
+    b1, m1 = memory(tiny_model, tmp_path, cfg)
+    cold = prefill(b1, m1, p, CHUNK)
+    assert m1.episodic.blocks and m1.working.evicted > 0
+    want_q = feed_chunks(b1, m1, q)
+    want, _ = greedy(b1, m1, want_q, 12)
+
+    b2, m2 = memory(tiny_model, tmp_path, cfg)  # a restart over the same cache
+    n = m2.reuse_prefix(p + q)
+    assert n == m2.reused_tokens == cut_of(len(p)) == 144
+    assert m2.tokens == p[:n] and m2.working.evicted == n - cfg.sink_tokens - cfg.window
+    # The rest of P, then Q, in the chunks the original used: the same logits and the same continuation.
+    torch.testing.assert_close(feed(b2, m2, p[n:])[-1], cold, atol=1e-5, rtol=0)
+    torch.testing.assert_close(feed_chunks(b2, m2, q), want_q, atol=1e-5, rtol=0)
+    got, _ = greedy(b2, m2, want_q, 12)
+    assert got == want
+    assert m2.tokens == m1.tokens
+
+
+def test_repeated_prompt_recomputes_at_most_a_block(tiny_model: Path, tmp_path: Path) -> None:
+    ids = random_ids(200, seed=3)
+    b1, m1 = memory(tiny_model, tmp_path)
+    cold = prefill(b1, m1, ids, CHUNK)
+    b2, m2 = memory(tiny_model, tmp_path)
+    computed: list[int] = []
+    plan = m2.plan
+    m2.plan = lambda piece: (computed.append(len(piece)), plan(piece))[1]  # type: ignore[method-assign]
+    warm = prefill(b2, m2, ids, CHUNK)
+    assert sum(computed) == len(ids) - cut_of(len(ids)) <= CFG.block_size
+    torch.testing.assert_close(warm, cold, atol=1e-5, rtol=0)
+    assert int(warm.argmax()) == int(cold.argmax())
+    assert m2.store is not None and m2.store.stats().hits >= 1
+
+
+def test_longest_matching_snapshot_wins(tiny_model: Path, tmp_path: Path) -> None:
+    short = random_ids(100, seed=4)
+    long = short + random_ids(80, seed=5)
+    for prompt in (short, long):
+        b, m = memory(tiny_model, tmp_path)
+        prefill(b, m, prompt, CHUNK)
+    b, m = memory(tiny_model, tmp_path)
+    assert m.reuse_prefix(long + [1, 2, 3]) == cut_of(len(long))
+    m.reset()
+    assert m.reuse_prefix(short + random_ids(90, seed=6)) == cut_of(len(short))  # diverges from `long` after short
+    m.reset()
+    assert m.reuse_prefix(long[: cut_of(len(long)) - 1]) == cut_of(len(short))  # one token short of the long one
+
+
+def test_foreign_model_or_settings_never_restore_a_snapshot(tiny_model: Path, other_model: Path, tmp_path: Path) -> None:
+    ids = random_ids(150, seed=7)
+    b, m = memory(tiny_model, tmp_path)
+    prefill(b, m, ids, CHUNK)
+    _, other = memory(other_model, tmp_path)
+    assert other.reuse_prefix(ids) == 0
+    for change in ({"window": 40}, {"routing": "rolling"}, {"rep_keys": 2}, {"episodic_budget_bytes": 10**6}):
+        cfg = CascadeConfig(**{**CFG.to_dict(), **change})
+        _, m2 = memory(tiny_model, tmp_path, cfg)
+        # exact (full-attention) prefix blocks are geometry-independent; the snapshot is not
+        assert m2.reuse_prefix(ids) <= cfg.sink_tokens + cfg.window
+    _, same = memory(tiny_model, tmp_path, CascadeConfig(**{**CFG.to_dict(), "persistent_budget_bytes": 10**9}))
+    assert same.reuse_prefix(ids) == cut_of(len(ids))  # L3's own budget is not part of the state
+    # A snapshot planted under another geometry's key is rejected by its recorded identity.
+    cfg = CascadeConfig(**{**CFG.to_dict(), "window": 40})
+    _, m3 = memory(tiny_model, tmp_path, cfg)
+    src = tmp_path / "blocks" / f"{m.snapshot_key(ids[: cut_of(len(ids))])}.safetensors"
+    src.rename(tmp_path / "blocks" / f"{m3.snapshot_key(ids[: cut_of(len(ids))])}.safetensors")
+    _, m3 = memory(tiny_model, tmp_path, cfg)
+    with pytest.warns(RuntimeWarning, match="another model"):
+        assert m3.reuse_prefix(ids) <= cfg.sink_tokens + cfg.window
+
+
+@pytest.mark.parametrize("damage", ["snapshot", "block"])
+def test_corrupt_snapshot_is_dropped_with_a_warning(tiny_model: Path, tmp_path: Path, damage: str) -> None:
+    ids = random_ids(150, seed=8)
+    b, m = memory(tiny_model, tmp_path)
+    cold = prefill(b, m, ids, CHUNK)
+    key = m.snapshot_key(ids[: cut_of(len(ids))])
+    if damage == "block":  # one of the episodic blocks the snapshot references
+        key = next(blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None)
+    path = tmp_path / "blocks" / f"{key}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    b2, m2 = memory(tiny_model, tmp_path)
+    with pytest.warns(RuntimeWarning, match="fails the checksum"):
+        n = m2.reuse_prefix(ids[:-1])
+    assert n <= CFG.sink_tokens + CFG.window  # fell back to the exact prefix blocks
+    assert not path.exists()
+    assert m2.store is not None and m2.store.stats().misses >= 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m2.reset()
+        warm = prefill(b2, m2, ids, CHUNK)  # recomputed, and the snapshot (or block) written again
+    torch.testing.assert_close(warm, cold, atol=2e-3, rtol=0)
+    assert path.exists()
+
+
+def test_budget_evicts_least_recently_used_snapshots(tiny_model: Path, tmp_path: Path) -> None:
+    first, second = random_ids(150, seed=9), random_ids(150, seed=10)
+    b, m = memory(tiny_model, tmp_path)
+    prefill(b, m, first, CHUNK)
+    store = m.store
+    assert store is not None
+    one = store.bytes
+    store.budget_bytes = one * 3 // 2
+    m.reset()
+    prefill(b, m, second, CHUNK)
+    assert store.bytes <= store.budget_bytes and store.stats().evictions > 0
+    _, m2 = memory(tiny_model, tmp_path, CascadeConfig(**{**CFG.to_dict(), "persistent_budget_bytes": one * 3 // 2}))
+    assert m2.reuse_prefix(second) == cut_of(len(second))
+    m2.reset()
+    assert m2.reuse_prefix(first) < cut_of(len(first))
+
+
+def test_conversation_snapshots_share_episodic_blocks(tiny_model: Path, tmp_path: Path) -> None:
+    b, m = memory(tiny_model, tmp_path)
+    prefill(b, m, random_ids(150, seed=11), CHUNK)
+    store = m.store
+    assert store is not None
+    entries = store.stats().entries
+    on_disk = {blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None and blk.l3_key in store}
+    assert on_disk  # the blocks of the first snapshot (one more formed after its cut, not stored yet)
+    prefill(b, m, random_ids(60, seed=12), CHUNK)  # the next turn: one more snapshot + only the blocks it adds
+    now = {blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None}
+    assert on_disk < now and all(key in store for key in now)
+    assert store.stats().entries == entries + 1 + len(now - on_disk)
+    _, m2 = memory(tiny_model, tmp_path)
+    assert m2.reuse_prefix(m.tokens) == cut_of(len(m.tokens))
+
+
+def test_generate_twice_reuses_the_long_prompt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    model = make_tiny_model(tmp_path / "model", max_positions=512)
+    (model / "cascade.json").write_text(json.dumps({"window": 32, "block_size": 8, "retrieval_blocks": 2}))
+    monkeypatch.setenv("MLOT_SPARK_CACHE_DIR", str(tmp_path / "app-cache"))
+    reused: list[int] = []
+    computed: list[int] = []
+    reuse, plan = CascadeMemory.reuse_prefix, CascadeMemory.plan
+    monkeypatch.setattr(CascadeMemory, "reuse_prefix", lambda self, ids: (reused.append(n := reuse(self, ids)), n)[1])
+    monkeypatch.setattr(CascadeMemory, "plan", lambda self, ids: (computed.append(len(ids)), plan(self, ids))[1])
+    args = ["generate", "--model", str(model), "--cache-dir", str(tmp_path / "l3"), "--prompt", TOKENIZER_TEXT[:700]]
+    runs = []
+    for _ in range(2):
+        computed.clear()
+        assert engine_main([*args, "--max-tokens", "4", "--greedy", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        runs.append((out, sum(computed)))
+    (first, computed_first), (second, computed_second) = runs
+    assert first["prompt_tokens"] > 3 * 32
+    assert reused[0] == 0 and reused[1] == cut_of(first["prompt_tokens"])
+    assert computed_second == computed_first - reused[1]
+    assert second["tokens"] == first["tokens"]
