@@ -1,13 +1,16 @@
 """The one place the app decides how an Engine is built: each conversation gets the memory cascade, with its
-persistent (L3) tier under the app's cache dir."""
+persistent (L3) tier under the app's cache dir, and the hardware policy checks the model fits, sizes the episodic
+tier from the RAM budget and paces generation."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from engine.hw import HardwarePolicy
 from engine.session import Engine, memory_factory_for
 
 
-def load_engine(model_dir: Path | None, backend: str, cache_dir: Path) -> Engine:
+def load_engine(model_dir: Path | None, backend: str, cache_dir: Path, policy: HardwarePolicy | None) -> Engine:
     """Load `model_dir` (None: the bundled model). Raises SparkError subclasses with one user-facing sentence."""
-    return Engine.load(model_dir, backend, memory_factory=memory_factory_for(model_dir, cache_dir=cache_dir / "kv"))
+    memory = memory_factory_for(model_dir, cache_dir=cache_dir / "kv", policy=policy)
+    return Engine.load(model_dir, backend, memory_factory=memory, policy=policy)

@@ -135,7 +135,7 @@ class ConversationWorker(QObject):
     def _on_load(self, model_dir: str, backend: str, cancel: threading.Event) -> None:
         self.loading.emit(model_dir)
         try:
-            engine = load_engine(Path(model_dir) if model_dir else None, backend, self._cache_dir)
+            engine = load_engine(Path(model_dir) if model_dir else None, backend, self._cache_dir, self._policy)
             if cancel.is_set():  # loading cannot be interrupted midway; a cancelled load is simply dropped
                 self.load_cancelled.emit()
                 return
@@ -167,7 +167,7 @@ class ConversationWorker(QObject):
             self._finish_unstarted()
             return
         self._undo = None
-        self._stream(lambda: session.chat(text, settings, stop.is_set, self._policy))
+        self._stream(lambda: session.chat(text, settings, stop.is_set))
 
     @Slot(object, object)
     def _on_regenerate(self, settings: GenerationSettings, stop: threading.Event) -> None:
@@ -180,7 +180,7 @@ class ConversationWorker(QObject):
             self._finish_unstarted()
             return
         self._undo = None
-        self._stream(lambda: session.regenerate(settings, stop.is_set, self._policy))
+        self._stream(lambda: session.regenerate(settings, stop.is_set))
 
     @Slot()
     def _on_new_chat(self) -> None:

@@ -8,12 +8,14 @@ from tests.app.conftest import WAIT_MS, ScriptedThermal, set_reply_tokens
 
 
 def test_panels_update_during_generation(qtbot, window: MainWindow, gui, prefs) -> None:  # type: ignore[no-untyped-def]
-    set_reply_tokens(prefs, 60)
+    set_reply_tokens(prefs, 400)
     seen: list[tuple[str, str]] = []
 
     def sample(_report: object) -> None:
         if window.client.busy:
             seen.append((window.cache_panel._rows["working"].detail.text(), window.performance_panel.tokens.text()))
+            if len(set(seen)) >= 2:  # seen enough: end the reply early
+                window.client.stop()
 
     gui(window.client.worker.memory).connect(sample)
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
