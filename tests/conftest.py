@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import platform
 import sys
+from collections.abc import Iterator
 
 import pytest
+import torch
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -16,3 +18,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("mac"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # Tests run tiny models on small (2-core) CI machines: one intra-op thread avoids spin-wait contention that
+    # makes tiny ops many times slower, and leaves a core for Qt's GUI thread in the app tests.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -3,7 +3,7 @@ session and every test reads the same package."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,15 +16,6 @@ from tests.tiny import make_tiny_model
 # Slot table of the shared packages: full-attention parity (75-token prompt + 64 decode steps) fits, and so does
 # the cascade geometry used by the paging test (4 sinks + 3x16 retrieval + 96 window = 148 -> 160).
 SLOTS = 160
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny models on a shared 2-core box: one torch thread avoids spin-wait contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
