@@ -10,7 +10,8 @@ require_macos hdiutil ditto
 APP="${1:-$DEFAULT_APP}"
 require_app "$APP"
 # A bundle without its default model would open to an empty chat: never ship one.
-[[ -f "$APP/Contents/Resources/resources/models/spark-mini/config.json" ]] \
+# (Contents/Frameworks is sys._MEIPASS; PyInstaller links the data kept in Contents/Resources into it.)
+[[ -f "$APP/Contents/Frameworks/resources/models/spark-mini/config.json" ]] \
   || die "'$APP' has no bundled model (resources/models/spark-mini); rebuild after the model is in place"
 
 VERSION="$(/usr/libexec/PlistBuddy -c 'Print :CFBundleShortVersionString' "$APP/Contents/Info.plist")"

@@ -33,15 +33,20 @@ RUN_TIMEOUT_S = 900  # the self-test's own steps time out at 300 s each
 class Frozen:
     root: Path  # what a user gets: the .app on macOS, the one-folder directory elsewhere
     exe: Path
-    resources: Path  # engine.paths.resources_dir() inside the frozen app
+    internal: Path  # sys._MEIPASS of the frozen app: the collected packages and libraries
+
+    @property
+    def resources(self) -> Path:
+        return self.internal / "resources"  # engine.paths.resources_dir() in the frozen app
 
 
 def layout(dist: Path) -> Frozen:
     if IS_MAC:
         app = dist / "MLoT Spark.app"
-        return Frozen(app, app / "Contents" / "MacOS" / "MLoT Spark", app / "Contents" / "Resources" / "resources")
+        # PyInstaller puts data in Contents/Resources and links it into Contents/Frameworks (sys._MEIPASS).
+        return Frozen(app, app / "Contents" / "MacOS" / "MLoT Spark", app / "Contents" / "Frameworks")
     folder = dist / "mlot-spark"
-    return Frozen(folder, folder / "mlot-spark", folder / "_internal" / "resources")
+    return Frozen(folder, folder / "mlot-spark", folder / "_internal")
 
 
 def newest_source_mtime() -> float:
@@ -103,7 +108,7 @@ def test_bundle_contents(frozen: Frozen) -> None:
     assert (frozen.resources / "style" / "spark.qss").is_file()
     assert (frozen.resources / "icons" / "spark.png").is_file()
     assert not (frozen.resources / "packaging").exists(), "build-only inputs were bundled"
-    internal = frozen.resources.parent
+    internal = frozen.internal
     for left_out in ("transformers", "tkinter", "hypothesis", "pytest", "torch/test"):
         assert not (internal / left_out).exists(), f"{left_out} should be excluded"
     assert [p.name for p in (internal / "torch" / "bin").iterdir()] == ["torch_shm_manager"]
