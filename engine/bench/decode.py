@@ -40,16 +40,22 @@ def measure_ours(session: Session, ids: list[int], n_decode: int) -> dict:
     return {"prefill_tps": len(ids) / last.ttft_s, "decode_tps": last.tokens_per_s, "tokens": [e.token for e in events]}
 
 
+def llama_last_logits(llm) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """The last evaluated token's logits (V,): read from the context, since `Llama.scores` is only filled with
+    logits_all=True (which would make llama.cpp compute the LM head for every prompt token)."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
+
 def measure_llamacpp(llm, ids: list[int], n_decode: int) -> dict:  # type: ignore[no-untyped-def]
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(ids)
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = int(np.argmax(llama_last_logits(llm)))
     t_first = time.perf_counter()
     tokens = [tok]
     for _ in range(n_decode - 1):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(llama_last_logits(llm)))
         tokens.append(tok)
     t_end = time.perf_counter()
     return {"prefill_tps": len(ids) / (t_first - t0), "decode_tps": (n_decode - 1) / (t_end - t_first), "tokens": tokens}
@@ -103,7 +109,7 @@ def run(args: argparse.Namespace) -> dict:
         # Same model? Compare the prompt's last-token logits of both engines.
         llm.reset()
         llm.eval(ids)
-        theirs = torch.from_numpy(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+        theirs = torch.from_numpy(np.array(llama_last_logits(llm), dtype=np.float32))
         ours_logits = _our_last_logits(engine, ids)
         result["llamacpp_max_logit_diff"] = float((theirs - ours_logits).abs().max())
         result["llamacpp_version"] = llama_cpp.__version__

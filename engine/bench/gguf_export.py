@@ -40,12 +40,14 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
-    # A placeholder vocabulary: the benchmark feeds token ids directly, so only its size must match.
+    # A placeholder vocabulary: the benchmark feeds token ids directly, so only its size must match (llama.cpp
+    # insists on at least one merge, hence "a" + "b" -> "ab").
+    tokens = ["a", "b", "ab"] + [f"<t{i}>" for i in range(3, cfg.vocab_size)]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    w.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
+    w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
-    w.add_token_merges([])
+    w.add_token_merges(["a b"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(0)
 
