@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engine.errors import SparkError
 
-# suite name -> module exposing `run(args) -> dict` (headline keys per DESIGN.md), optional `add_args(parser)`
+# suite name -> module exposing `run(args) -> dict` (headline keys per DESIGN.md)
 SUITES: dict[str, str] = {
     "decode": "engine.bench.decode",
     "cascade": "engine.bench.cascade",
