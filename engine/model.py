@@ -210,12 +210,12 @@ class Transformer(nn.Module):
 
     def setup_rope(self, max_positions: int | None = None) -> None:
         """Build the cos/sin table on the weights' device (call after loading weights)."""
-        p = self.model.embed_tokens.weight
+        p = self.model.norm.weight  # any parameter gives device and compute dtype; the norm is never swapped
         self.rope = RotaryTable(self.config, max_positions or self.config.max_position_embeddings, p.device, p.dtype)
 
     def new_cache(self, batch: int, num_slots: int, dtype: torch.dtype | None = None) -> KVCache:
         """A slot table on the weights' device; `dtype` defaults to the compute dtype."""
-        p = self.model.embed_tokens.weight
+        p = self.model.norm.weight  # any parameter gives device and compute dtype; the norm is never swapped
         return KVCache(self.config, batch, num_slots, p.device, dtype or p.dtype)
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch) -> torch.Tensor:
@@ -233,7 +233,7 @@ class Transformer(nn.Module):
 
     def forward_causal(self, tokens: torch.Tensor) -> torch.Tensor:
         """Training / scoring path without a cache: tokens (B, T) -> logits (B, T, V), causal, positions 0..T-1."""
-        if self.rope is None or self.rope.cos.device != self.lm_head.weight.device:
+        if self.rope is None or self.rope.cos.device != self.model.norm.weight.device:
             self.setup_rope()
         assert self.rope is not None
         b, t = tokens.shape

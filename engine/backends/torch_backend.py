@@ -8,9 +8,10 @@ import platform
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend, BackendProbe
-from engine.model import KVCache, SlotBatch
+from engine.model import KVCache, SlotBatch, Transformer
 from engine.weights import load_model
 
 # Compute dtype per device: CPU kernels are fastest (and exact vs references) in fp32; GPUs run fp16.
@@ -34,6 +35,47 @@ def probe_torch_device(name: str) -> BackendProbe:
     raise ValueError(name)
 
 
+class KMajorLinear(nn.Module):
+    """y = x @ Wt (+ b) with the weight stored transposed, (in, out) row-major.
+
+    Decoding multiplies one row by every weight matrix, so speed is memory bandwidth: on CPUs, MKL streams a
+    (in, out) matrix ~1.35x faster than nn.Linear's (out, in) for a single row (measured 14.3 vs 10.6 GB/s on
+    one thread; +19% decode tokens/s end to end on a SmolLM-135M shape). Same arithmetic, same tokens.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)  # (in, out)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
+
+
+class ColumnEmbedding(nn.Module):
+    """Embedding lookup from a (dim, vocab) matrix: the tied twin of a KMajorLinear LM head, sharing its storage."""
+
+    def __init__(self, weight_t: nn.Parameter) -> None:
+        super().__init__()
+        self.weight_t = weight_t  # (C, V), shared with the LM head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C)
+        return self.weight_t.index_select(1, ids.reshape(-1)).t().reshape(*ids.shape, -1)
+
+
+def use_k_major_linears(model: Transformer) -> None:
+    """Swap every nn.Linear for a KMajorLinear (CPU decode layout). A tied LM head keeps one matrix: the embedding
+    then reads columns of the transposed head instead of holding the vocabulary matrix twice."""
+    tied = model.config.tie_word_embeddings
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, KMajorLinear(child))
+    if tied:
+        model.model.embed_tokens = ColumnEmbedding(model.lm_head.weight_t)  # type: ignore[assignment]
+
+
 class TorchBackend(Backend):
     def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, kv_dtype: torch.dtype = CANONICAL_KV_DTYPE) -> None:
         """`kv_dtype` defaults to the canonical fp16 on every device (math stays in `dtype`): what the slot table
@@ -52,6 +94,8 @@ class TorchBackend(Backend):
         self.fingerprint = loaded.fingerprint
         self.weight_bytes = loaded.weight_bytes
         self.model_dir = loaded.path
+        if self.device.type == "cpu":
+            use_k_major_linears(self.model)
         self.kv_dtype = kv_dtype
         self.cache: KVCache = self.model.new_cache(1, 32, kv_dtype)
 
