@@ -1,7 +1,9 @@
 """`bench batch`: throughput of 32 requests batched vs the same 32 run one after another, same run, same model.
 
-Every request gets a prompt of 16-64 token ids and generates exactly `max_tokens` tokens greedily (EOS ignored,
-so both sides do the same work), with full-attention memory (this measures batching, not the cascade). Measured:
+Every request gets a prompt of 16-64 token ids and generates exactly 128 tokens (a short chat reply; 8 with
+--quick) greedily, EOS ignored so both sides do the same work, with full-attention memory (this measures batching,
+not the cascade). Prefill is compute-bound either way, so the shorter the replies the lower the speedup: batching
+wins on decode, where one row per step is memory-bound and 32 rows per step are not. Measured:
   - sequential: each request alone through `stream_generate` on a one-row slot table;
   - batched: `generate_batch` with all 32 in one batch (`speedup` = batched ÷ sequential tokens/s);
   - continuous: the same 32 submitted at once to the `Scheduler` (32 rows), which prefills in chunks and decodes.
@@ -31,6 +33,7 @@ from engine.scheduler import Request, Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 
 REQUESTS = 32
+REPLY_TOKENS = 128
 
 
 def bench_model(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
@@ -63,7 +66,7 @@ def continuous(backend: Backend, tok: Tokenizer, ps: list[list[int]], settings: 
 def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
-    n_tokens = 8 if args.quick else 32
+    n_tokens = getattr(args, "reply_tokens", 8 if args.quick else REPLY_TOKENS)
     n_requests = getattr(args, "requests", REQUESTS)
     with tempfile.TemporaryDirectory(prefix="spark-bench-") as tmp:
         model_dir, label = bench_model(args, tmp)
