@@ -40,6 +40,7 @@ ANE_STATE_ALIGN = 32
 # function name -> tokens per call. 64 amortises the weights over many tokens; 8 and 1 cover the remainder of a
 # run in at most 7 + 7 calls instead of 63 single-token calls.
 FUNCTIONS: dict[str, int] = {"prefill": 64, "prefill_8": 8, "decode": 1}
+FP16_MAX = float(torch.finfo(torch.float16).max)
 MASK_MIN = float(torch.finfo(torch.float16).min)  # finite: fp16 arithmetic never meets inf - inf
 
 
@@ -85,7 +86,8 @@ class ChannelRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = torch.clamp(x.abs().amax(dim=1, keepdim=True), min=1.0)  # (1, 1, 1, T)
+        # An explicit fp16 upper bound: a one-sided clamp lowers to clip(beta=FLT_MAX), an fp16 inf constant.
+        m = torch.clamp(x.abs().amax(dim=1, keepdim=True), min=1.0, max=FP16_MAX)  # (1, 1, 1, T)
         y = x / m
         var = (y * y).mean(dim=1, keepdim=True) + self.eps / (m * m)  # (1, 1, 1, T)
         return y * torch.rsqrt(var) * self.weight
