@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.hw import HardwarePolicy
+from engine.hw import HardwarePolicy, use_recommended_threads
 from engine.session import Engine, memory_factory_for
 
 
 def load_engine(model_dir: Path | None, backend: str, cache_dir: Path, policy: HardwarePolicy | None) -> Engine:
     """Load `model_dir` (None: the bundled model). Raises SparkError subclasses with one user-facing sentence."""
+    use_recommended_threads()  # leave a core to the GUI thread (see engine.hw.chip.recommended_threads)
     memory = memory_factory_for(model_dir, cache_dir=cache_dir / "kv", policy=policy)
     return Engine.load(model_dir, backend, memory_factory=memory, policy=policy)

@@ -11,7 +11,7 @@ from engine.config import generation_defaults
 from engine.errors import SparkError
 from engine.paths import bundled_model_dir
 from engine.generate import GenerationEvent, GenerationSettings
-from engine.hw import this_machine_policy
+from engine.hw import this_machine_policy, use_recommended_threads
 from engine.sampling import SamplingSettings
 from engine.session import Engine, Session, memory_factory_for
 
@@ -21,6 +21,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "coreml", "mps", "cuda", "cpu"])
     p.add_argument("--cache-dir", type=Path, default=None, help="persistent (L3) prefix cache folder")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not read or write the persistent prefix cache")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: performance cores, or all but one)")
 
 
 # Our defaults where neither a flag nor the model's generation_config.json says otherwise.
@@ -62,6 +63,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationS
 
 
 def open_engine(args: argparse.Namespace) -> Engine:
+    use_recommended_threads(args.threads)
     policy = this_machine_policy()
     factory = memory_factory_for(args.model, cache_dir=args.cache_dir, prefix_cache=not args.no_prefix_cache, policy=policy)
     return Engine.load(args.model, args.backend, memory_factory=factory, policy=policy)

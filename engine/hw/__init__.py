@@ -4,10 +4,19 @@ generation to them. `this_machine_policy` wires the real sources; tests build `H
 
 from __future__ import annotations
 
-from engine.hw.chip import ChipInfo, ChipSource, default_chip_source
+from engine.hw.chip import ChipInfo, ChipSource, default_chip_source, recommended_threads
 from engine.hw.memory import MemoryPressure, MemorySnapshot, MemorySource, SystemMemorySource, snapshot_cost_s
 from engine.hw.policy import DecisionKind, HardwarePolicy, Mode, PolicyConfig, PolicyDecision, PolicyState
 from engine.hw.thermal import ThermalReading, ThermalSource, ThermalState, default_thermal_source
+
+
+def use_recommended_threads(threads: int | None = None) -> int:
+    """Set torch's intra-op thread count (`threads`, else the recommendation for this machine); returns it."""
+    import torch
+
+    n = threads or recommended_threads(default_chip_source().read())
+    torch.set_num_threads(n)
+    return n
 
 
 def this_machine_policy(mode: Mode = Mode.BALANCED, config: PolicyConfig | None = None) -> HardwarePolicy:
@@ -17,5 +26,5 @@ def this_machine_policy(mode: Mode = Mode.BALANCED, config: PolicyConfig | None 
 __all__ = [
     "ChipInfo", "ChipSource", "DecisionKind", "HardwarePolicy", "MemoryPressure", "MemorySnapshot", "MemorySource",
     "Mode", "PolicyConfig", "PolicyDecision", "PolicyState", "SystemMemorySource", "ThermalReading", "ThermalSource",
-    "ThermalState", "default_chip_source", "default_thermal_source", "snapshot_cost_s", "this_machine_policy",
+    "ThermalState", "default_chip_source", "default_thermal_source", "recommended_threads", "snapshot_cost_s", "this_machine_policy", "use_recommended_threads",
 ]

@@ -73,3 +73,15 @@ def test_mac_chip_real_sysctl() -> None:
     assert info.name.startswith("Apple M")
     assert info.performance_cores and info.performance_cores > 0
     assert info.total_memory_bytes and info.total_memory_bytes >= 8 * 2**30
+
+
+def test_recommended_threads_leave_room_for_the_gui_and_skip_efficiency_cores() -> None:
+    from engine.hw.chip import ChipInfo, recommended_threads
+
+    def chip(cores: int | None, perf: int | None = None) -> ChipInfo:
+        return ChipInfo("x", "Linux", "x86_64", cores, perf, None, None)
+
+    assert recommended_threads(chip(2)) == 1
+    assert recommended_threads(chip(16)) == 15
+    assert recommended_threads(chip(1)) == 1 and recommended_threads(chip(None)) == 1
+    assert recommended_threads(chip(12, perf=8)) == 8  # Apple Silicon: the performance cores
