@@ -1,17 +1,22 @@
 """Training loop for the bundled model: deterministic, resumable, time-budgeted, CPU or CUDA.
 
 Determinism: the batch of step `s` is drawn from `numpy.random.default_rng([seed, s])` and the learning rate is a
-function of `s` and the planned total, so a run resumed from a checkpoint replays exactly the steps an
-uninterrupted run would have taken (bit-identical on the same device and thread count).
+function of `s` and the total, so with a fixed `--steps N` a run resumed from a checkpoint replays exactly the
+steps an uninterrupted run would have taken (bit-identical on the same device and thread count).
 
-Schedule: `--steps N` fixes the total; otherwise `--minutes` is a wall-clock budget and the total is planned
-once, at the start, from a measured step time at each sequence length (kept in the checkpoint, so a resume keeps
-the same schedule). Linear warmup then cosine decay over that total. The first `short_fraction` of steps train
-at `short_seq_len` (cheaper attention, more steps for the same time); the rest at `seq_len` (≥ 1024 for the
-bundled model, so every position the cascade uses — sinks + retrieval blocks + window = 772 — was trained).
-Both phases see the same number of tokens per step. If the budget runs out before the plan (a slower, shared
-machine), the run stops, saves, and exports what it has; `--resume` finishes the schedule.
+Schedule: linear warmup by step, then cosine decay to `min_lr_ratio` over `progress`, which goes from 0 to 1
+(see `advance_progress`); the first `short_fraction` of progress trains at `short_seq_len` (cheaper attention,
+more steps in the same time), the rest at `seq_len` (1024 for the bundled model, so every position the cascade
+uses — sinks + retrieval blocks + window = 772 — was trained). Both phases see the same tokens per step.
+`--steps N` fixes the total. With `--minutes` the total is planned from a timed forward+backward at each sequence
+length and re-planned every 10 steps from measured step times, so the schedule ends at the deadline even on a
+shared machine whose speed changes; re-planning changes only the pace of the progress still to come, so the
+learning rate never rises again and the context never shrinks back. Such a run depends on the machine's speed:
+it is reproducible in recipe, not bit for bit. FINAL_RESERVE_S of the budget is kept for the final held-out
+eval, the export and the samples; if the budget still runs out first, the run saves and exports what it has.
 
+A checkpoint is written every `checkpoint_every_s` and when SIGTERM/SIGINT arrives (after the current step);
+`--resume` continues from it with the recipe stored in it.
 Checkpoints are safetensors (weights, AdamW moments) + JSON (step, plan, history); never pickle.
 """
 
@@ -244,15 +249,26 @@ def make_optimizer(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
 
 
-def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
+    """Linear warmup by step, then cosine over `progress` (0 -> 1), which never decreases, so neither does 1 - lr."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def seq_len_at(cfg: TrainConfig, step: int, total: int) -> int:
-    return cfg.short_seq_len if step < int(total * cfg.short_fraction) else cfg.seq_len
+def seq_len_at(cfg: TrainConfig, progress: float) -> int:
+    return cfg.short_seq_len if progress < cfg.short_fraction else cfg.seq_len
+
+
+def advance_progress(cfg: TrainConfig, step: int, progress: float, total: int) -> float:
+    """Progress after `step`: 0 through warmup, then the rest of the way to 1 split evenly over the steps left.
+
+    With a fixed total this is (step + 1 - warmup) / (total - warmup); when a time-budgeted run re-plans its total,
+    only the pace of what is left changes, so the learning rate keeps falling and the context never shrinks back.
+    """
+    if step + 1 <= cfg.warmup_steps:
+        return 0.0
+    return progress + (1.0 - progress) / max(1, total - step)
 
 
 def loss_on(model: Transformer, rows: torch.Tensor) -> torch.Tensor:
@@ -261,11 +277,11 @@ def loss_on(model: Transformer, rows: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
 
 
-def train_step(model: Transformer, opt: torch.optim.AdamW, cfg: TrainConfig, step: int, total: int, stream: np.ndarray, device: torch.device) -> float:
-    seq = seq_len_at(cfg, step, total)
+def train_step(model: Transformer, opt: torch.optim.AdamW, cfg: TrainConfig, step: int, progress: float, stream: np.ndarray, device: torch.device) -> float:
+    seq = seq_len_at(cfg, progress)
     rows = batch_at(stream, cfg.seed, step, max(1, cfg.batch_tokens // seq), seq).to(device)
     for group in opt.param_groups:
-        group["lr"] = lr_at(cfg, step, total)
+        group["lr"] = lr_at(cfg, step, progress)
     loss = loss_on(model, rows)
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -315,6 +331,13 @@ def save_checkpoint(model: Transformer, opt: torch.optim.AdamW, state: dict[str,
         ckpt.rename(old)
     tmp.rename(ckpt)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_checkpoint(ckpt: Path) -> None:
+    """A kill between the two renames of `save_checkpoint` leaves only checkpoint.old: put it back."""
+    old = ckpt.with_name(ckpt.name + ".old")
+    if not ckpt.exists() and (old / "state.json").is_file():
+        old.rename(ckpt)
 
 
 def load_checkpoint(model: Transformer, opt: torch.optim.AdamW, ckpt: Path, device: torch.device) -> dict[str, Any]:
@@ -395,13 +418,16 @@ def measure_step_times(model: Transformer, cfg: TrainConfig, data: Data, device:
     return {str(cfg.short_seq_len): step_time(cfg.short_seq_len), str(cfg.seq_len): step_time(cfg.seq_len)}
 
 
-def fit_total_steps(cfg: TrainConfig, step: int, seconds: float, step_times: dict[str, float]) -> int:
-    """Largest total T such that steps step..T-1 (short phase first, then long) fit in `seconds`."""
+def fit_total_steps(cfg: TrainConfig, step: int, progress: float, seconds: float, step_times: dict[str, float]) -> int:
+    """Largest total T such that steps step..T-1 (warmup and short phase first, then long) fit in `seconds`."""
     t_short, t_long = step_times[str(cfg.short_seq_len)], step_times[str(cfg.seq_len)]
 
     def cost(total: int) -> float:
-        boundary = int(total * cfg.short_fraction)
-        return max(0, boundary - step) * t_short + (total - max(step, boundary)) * t_long
+        warm = max(0, cfg.warmup_steps - step)
+        rest = max(0, total - step - warm)
+        # Progress moves (1 - progress) / rest per step after warmup, so this many steps stay below the boundary.
+        short = min(rest, math.ceil(max(0.0, cfg.short_fraction - progress) * rest / max(1e-12, 1.0 - progress)))
+        return (warm + short) * (t_short if cfg.short_fraction > 0 else t_long) + (rest - short) * t_long
 
     lo, hi = step + 1, step + 2
     while cost(hi) <= seconds:
@@ -418,6 +444,7 @@ def new_state(cfg: TrainConfig, data: Data, total: int, step_times: dict[str, fl
     return {
         "step": 0,
         "total_steps": total,
+        "progress": 0.0,
         "step_times": step_times,
         "step_ratio": ratio,
         "tokens_seen": 0,
@@ -440,6 +467,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     if device.type == "cpu":
         torch.set_num_threads(cfg.threads)
     ckpt = cfg.out / "checkpoint"
+    recover_checkpoint(ckpt)
     if resume:
         if not (ckpt / "state.json").is_file():
             raise TrainError(f"There is no checkpoint in {cfg.out} to resume; start without --resume.")
@@ -464,20 +492,20 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         log(f"resumed at step {state['step']}/{state['total_steps']}")
     else:
         step_times = {} if cfg.steps else measure_step_times(model, cfg, data, device)
-        total = cfg.steps or fit_total_steps(cfg, 0, deadline - time.monotonic() - FINAL_RESERVE_S, step_times)
+        total = cfg.steps or fit_total_steps(cfg, 0, 0.0, deadline - time.monotonic() - FINAL_RESERVE_S, step_times)
         if step_times:
             log(f"plan: {', '.join(f'{v:.2f}s/step at seq {k}' for k, v in step_times.items())} -> {total} steps in {cfg.minutes:g} minutes")
         state = new_state(cfg, data, total, step_times)
 
     if resume and cfg.steps is None:
-        state["total_steps"] = fit_total_steps(cfg, state["step"], deadline - time.monotonic() - FINAL_RESERVE_S, state["step_times"])
+        state["total_steps"] = fit_total_steps(cfg, state["step"], state["progress"], deadline - time.monotonic() - FINAL_RESERVE_S, state["step_times"])
         log(f"re-planned for this budget: {state['total_steps']} steps")
     stop = {"signal": None}
 
     def on_signal(signum: int, _frame: Any) -> None:
         stop["signal"] = signum  # finish the current step, save, exit cleanly
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     total = state["total_steps"]
     last_log = last_ckpt = last_eval = time.monotonic()
     window_tokens, window_t0 = 0, time.monotonic()
@@ -488,8 +516,9 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
                 log(f"time budget reached at step {state['step']}/{total}; saving (run again with --resume to finish the schedule)")
                 break
             t0 = time.monotonic()
-            seq = seq_len_at(cfg, state["step"], total)
-            losses.append(train_step(model, opt, cfg, state["step"], total, data.train, device))
+            seq, lr = seq_len_at(cfg, state["progress"]), lr_at(cfg, state["step"], state["progress"])
+            losses.append(train_step(model, opt, cfg, state["step"], state["progress"], data.train, device))
+            state["progress"] = advance_progress(cfg, state["step"], state["progress"], total)
             state["step"] += 1
             n_tok = max(1, cfg.batch_tokens // seq) * seq
             state["tokens_seen"] += n_tok
@@ -505,14 +534,14 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
                     other = str(cfg.seq_len if seq == cfg.short_seq_len else cfg.short_seq_len)
                     if seq == cfg.short_seq_len:  # keep the measured long/short cost ratio for the phase not yet seen
                         times[other] = times[str(seq)] * state["step_ratio"]
-                    total = state["total_steps"] = fit_total_steps(cfg, state["step"], deadline - now - FINAL_RESERVE_S, times)
+                    total = state["total_steps"] = fit_total_steps(cfg, state["step"], state["progress"], deadline - now - FINAL_RESERVE_S, times)
             if now - last_log >= cfg.log_every_s or state["step"] == total:
                 rate = window_tokens / max(1e-9, now - window_t0)
                 left = (total - state["step"]) * (now - window_t0) / max(1, len(losses))
                 mean = sum(losses) / len(losses)
                 state["history"].append({"step": state["step"], "loss": round(mean, 4), "tokens_per_s": round(rate)})
                 log(
-                    f"step {state['step']}/{total} seq {seq} loss {mean:.3f} lr {lr_at(cfg, state['step'] - 1, total):.2e} "
+                    f"step {state['step']}/{total} seq {seq} loss {mean:.3f} lr {lr:.2e} "
                     f"{rate:,.0f} tok/s tokens {state['tokens_seen']:,} elapsed {fmt_time(now - started)} eta {fmt_time(left)}"
                 )
                 losses, window_tokens, window_t0, last_log = [], 0, now, now
@@ -525,7 +554,8 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
                 save_checkpoint(model, opt, state, ckpt)
                 last_ckpt = time.monotonic()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     save_checkpoint(model, opt, state, ckpt)
     if stop["signal"] is not None:
         log(f"stopped by signal at step {state['step']}/{total}; checkpoint saved, continue with --resume")
