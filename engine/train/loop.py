@@ -333,6 +333,9 @@ def save_checkpoint(model: Transformer, opt: torch.optim.AdamW, state: dict[str,
     shutil.rmtree(old, ignore_errors=True)
 
 
+STATE_KEYS = frozenset({"step", "total_steps", "progress", "step_times", "step_ratio", "tokens_seen", "train_seconds", "history", "evals", "corpus_digest", "config"})
+
+
 def recover_checkpoint(ckpt: Path) -> None:
     """A kill between the two renames of `save_checkpoint` leaves only checkpoint.old: put it back."""
     old = ckpt.with_name(ckpt.name + ".old")
@@ -341,7 +344,12 @@ def recover_checkpoint(ckpt: Path) -> None:
 
 
 def load_checkpoint(model: Transformer, opt: torch.optim.AdamW, ckpt: Path, device: torch.device) -> dict[str, Any]:
-    state = json.loads((ckpt / "state.json").read_text(encoding="utf-8"))
+    try:
+        state = json.loads((ckpt / "state.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise TrainError(f"The checkpoint state in {ckpt} is unreadable; start a new run in another --out.") from None
+    if not isinstance(state, dict) or not STATE_KEYS <= state.keys():
+        raise TrainError(f"The checkpoint in {ckpt} was written by another version of the trainer; start a new run in another --out.")
     weights = load_file(str(ckpt / "model.safetensors"))
     moments = load_file(str(ckpt / "optimizer.safetensors"))
     for n, p in model.named_parameters():
