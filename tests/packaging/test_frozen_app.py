@@ -63,8 +63,12 @@ def du(path: Path) -> str:
 
 
 def say(request: pytest.FixtureRequest, line: str) -> None:
+    """Print past pytest's output capture: the build time, size and frozen output belong in every run's log."""
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
+    if capture is None or reporter is None:
+        return
+    with capture.global_and_fixture_disabled():
         reporter.write_line(line)
 
 
