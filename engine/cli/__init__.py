@@ -39,7 +39,9 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         except ModuleNotFoundError as exc:
             if exc.name != module:
                 raise
-            subparsers.add_parser(name, help="(not available in this build)")
+            # Left out of this build (e.g. benchmarks in the frozen app): accept any arguments, then say so.
+            missing = subparsers.add_parser(name, help="(not available in this build)")
+            missing.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 

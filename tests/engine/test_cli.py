@@ -104,3 +104,11 @@ def test_sampling_defaults_come_from_generation_config_unless_flags_say_otherwis
     (d / "generation_config.json").write_text(_json.dumps({"do_sample": False}))
     assert settings_from_args(p.parse_args([]), d).sampling.greedy
     assert not settings_from_args(p.parse_args(["--temperature", "1.0"]), d).sampling.greedy
+
+
+def test_a_subcommand_missing_from_the_build_says_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine import cli
+
+    monkeypatch.setitem(cli.SUBCOMMANDS, "bench", "engine.cli.not_in_this_build")
+    assert cli.main(["bench", "decode", "--json"]) == 2
+    assert "not available in this build" in capsys.readouterr().err
