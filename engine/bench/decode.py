@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> dict:
         "prompt_tokens": len(ids),
         "decode_tokens": n_decode,
         "backend": engine.choice.explain(),
-        "dtype": "float32",
+        "dtype": str(getattr(engine.backend, "dtype", "float16")).removeprefix("torch."),  # Core ML runs fp16
     }
     session = engine.new_session()
     peers: dict[str, Callable[[], dict]] = {"ours": lambda: measure_ours(session, ids, n_decode)}
