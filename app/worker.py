@@ -23,6 +23,7 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from app.engine_factory import load_engine
 from engine.autosave import Autosaver
+from engine.cascade import TierStats
 from engine.errors import SparkError
 from engine.generate import GenerationEvent, GenerationSettings
 from engine.hw import HardwarePolicy, PolicyDecision
@@ -59,22 +60,8 @@ class TurnProgress:
 
 
 @dataclass(frozen=True)
-class TierRow:
-    """One memory tier's counters; the cascade's TierStats has the same fields and is passed through as is."""
-
-    name: str
-    entries: int
-    bytes: int
-    capacity_bytes: int
-    hits: int
-    misses: int
-    hit_rate: float
-    evictions: int
-
-
-@dataclass(frozen=True)
 class MemoryReport:
-    tiers: tuple[TierRow, ...]
+    tiers: tuple[TierStats, ...]  # the cascade's own snapshot type: plain numbers, no tensors
     tokens: int  # tokens this conversation's memory holds
 
 
@@ -345,7 +332,7 @@ class ConversationWorker(QObject):
         backend = self._session.backend
         per_token = backend.kv_bytes_per_token()
         n = len(memory.tokens)
-        row = TierRow("working", n, n * per_token, backend.num_slots * per_token, 0, 0, 0.0, 0)
+        row = TierStats("working", n, n * per_token, backend.num_slots * per_token, 0, 0, 0.0, 0)
         return MemoryReport((row,), n)
 
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from engine.errors import SparkError
+from engine.cli import run_command
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -62,14 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except SparkError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ from PySide6.QtCore import Slot
 from PySide6.QtWidgets import QFormLayout, QLabel, QProgressBar, QWidget
 
 from app.panels.base import Panel, bytes_text
-from app.worker import MemoryReport, TierRow
+from app.worker import MemoryReport
+from engine.cascade import TierStats
 
 TIER_TITLES = {"working": "Working (L1)", "episodic": "Episodic (L2)", "persistent": "Persistent (L3)"}
 
@@ -25,7 +26,7 @@ class _TierRows:
         form.addRow(self.fill)
         form.addRow(self.detail)
 
-    def show(self, tier: TierRow) -> None:
+    def show(self, tier: TierStats) -> None:
         share = tier.bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
         self.fill.setValue(int(min(share, 1.0) * 1000))
         self.fill.setToolTip(f"{share:.0%} full")

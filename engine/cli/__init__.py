@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.errors import SparkError
 
@@ -52,6 +52,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         print(f"error: `{args.command}` is not available in this build.", file=sys.stderr)
         return 2
+    return run_command(func, args)
+
+
+def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
+    """Run a subcommand the way every MLoT Spark CLI does: a SparkError is one line on stderr and exit 2, Ctrl-C is
+    exit 130, never a traceback for either."""
     try:
         return int(func(args) or 0)
     except SparkError as exc:
