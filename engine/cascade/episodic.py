@@ -160,14 +160,19 @@ class EpisodicMemory:
             if not candidates:
                 break
             victim = min(candidates, key=lambda b: b.priority)
-            self.counters.evictions += 1
-            if self.store is not None and victim.l3_key is not None and self.stubs * self.rep_bytes + self.rep_bytes <= budget // 4:
-                self.store.put(victim.l3_key, victim.k, victim.v, self.cfg.block_size)  # type: ignore[arg-type]
-                victim.k = victim.v = None
-                self.resident -= 1
-                self.stubs += 1
-            else:
-                self._forget(victim)
+            self._evict(victim, keep_stub=self.stubs * self.rep_bytes + self.rep_bytes <= budget // 4)
+
+    def _evict(self, block: Block, keep_stub: bool) -> None:
+        """Take a resident block's KV out of host memory: to L3 as a stub (still routable, pages back from disk)
+        when `keep_stub` and it has an L3 key, else forgotten."""
+        self.counters.evictions += 1
+        if keep_stub and self.store is not None and block.l3_key is not None:
+            self.store.put(block.l3_key, block.k, block.v, self.cfg.block_size)  # type: ignore[arg-type]
+            block.k = block.v = None
+            self.resident -= 1
+            self.stubs += 1
+        else:
+            self._forget(block)
 
     def _forget(self, block: Block) -> None:
         del self.blocks[block.id]
@@ -183,14 +188,7 @@ class EpisodicMemory:
         can still be routed to and paged back; without a store the blocks are forgotten. Returns the bytes freed."""
         before = self.bytes
         for block in [b for b in self.blocks.values() if b.k is not None]:
-            self.counters.evictions += 1
-            if self.store is not None and block.l3_key is not None:
-                self.store.put(block.l3_key, block.k, block.v, self.cfg.block_size)  # type: ignore[arg-type]
-                block.k = block.v = None
-                self.resident -= 1
-                self.stubs += 1
-            else:
-                self._forget(block)
+            self._evict(block, keep_stub=True)
         return before - self.bytes
 
     def drop_all(self) -> None:
