@@ -9,7 +9,7 @@ wins on decode, where one row per step is memory-bound and 32 rows per step are 
   - continuous: the same 32 submitted at once to the `Scheduler` (32 rows), which prefills in chunks and decodes.
 Best of two interleaved rounds per path (one with --quick).
 `same_tokens` is the share of requests whose batched tokens equal their sequential ones.
-Default model: the bundled model when present, else a SmolLM-135M-shaped random checkpoint.
+Default model: a SmolLM-135M-shaped random checkpoint (as `bench decode`); --model DIR for any other.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from engine.batch import generate_batch
 from engine.bench.checkpoints import SMOLLM_135M, write_random_checkpoint
 from engine.generate import GenerationSettings, stream_generate
 from engine.memory import FullAttentionMemory
-from engine.paths import bundled_model_dir
 from engine.sampling import SamplingSettings
 from engine.scheduler import Request, Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
@@ -37,11 +36,10 @@ REPLY_TOKENS = 128
 
 
 def bench_model(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
-    """The --model folder, else the bundled model, else a SmolLM-135M-shaped random checkpoint (and its label)."""
+    """The --model folder, else a SmolLM-135M-shaped random checkpoint (and its label), as `bench decode` does: the
+    bundled 4M-parameter demo model is overhead-bound and says little about batching a real model."""
     if args.model:
         return Path(args.model), str(args.model)
-    if (bundled_model_dir() / "config.json").exists():
-        return bundled_model_dir(), f"bundled ({bundled_model_dir().name})"
     return write_random_checkpoint(Path(tmp) / "smollm-135m-shape", SMOLLM_135M), "SmolLM-135M shape (random weights)"
 
 
