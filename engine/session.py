@@ -161,9 +161,7 @@ class Session:
         self.system_prompt = ""
         self.pending_token: int | None = None  # sampled last, not yet fed (fed first on the next turn)
         self.known_text = ""  # decoded text of memory.tokens + pending_token, special tokens included
-        self.sampler = make_sampler(SamplingSettings())
-        self._sampler_settings = SamplingSettings()
-        self._runner = _LockedBackend(backend, engine.step_lock)
+        self.sampler = make_sampler(SamplingSettings())  # its .settings are this conversation's sampling settings
 
     # -- conversation ------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -172,7 +170,7 @@ class Session:
         self.memory.reset()
         self.pending_token = None
         self.known_text = ""
-        self.sampler = make_sampler(self._sampler_settings)  # a new chat restarts a seeded stream
+        self.sampler = make_sampler(self.sampler.settings)  # a new chat restarts a seeded stream
 
     def chat(
         self,
@@ -240,7 +238,7 @@ class Session:
             tokenizer_hash=self.tokenizer.content_hash,
             messages=[Message(m.role, m.content, m.timestamp) for m in self.messages],
             system_prompt=self.system_prompt,
-            settings={"sampling": asdict(self._sampler_settings)},
+            settings={"sampling": asdict(self.sampler.settings)},
             memory_state=self.memory.state(),
             pending_token=self.pending_token,
             sampler_state=self.sampler.get_state(),
@@ -265,20 +263,17 @@ class Session:
             self.messages, self.system_prompt = messages, data.system_prompt or ""
             return LoadReport(True, True, True, len(messages), 0, f"{outcome.reason} Restored {len(messages)} messages; the memory will be re-read.")
         self.backend, self.memory = fork, outcome.memory
-        self._runner = _LockedBackend(fork, self.engine.step_lock)
         self.messages, self.system_prompt = messages, data.system_prompt or ""
         self.pending_token = data.pending_token
         self.known_text = str(data.extra.get("known_text", ""))
         sampling = data.settings.get("sampling")
         if isinstance(sampling, dict):
             try:
-                self._sampler_settings = SamplingSettings(**sampling)
-                self.sampler = make_sampler(self._sampler_settings)
+                self.sampler = make_sampler(SamplingSettings(**sampling))
                 if data.sampler_state is not None:
                     self.sampler.set_state(data.sampler_state)
             except (TypeError, ValueError, SparkError):
-                self._sampler_settings = SamplingSettings()  # unusable settings: fresh sampler, memory still exact
-                self.sampler = make_sampler(self._sampler_settings)
+                self.sampler = make_sampler(SamplingSettings())  # unusable settings: fresh sampler, memory still exact
         n = len(self.memory.tokens)
         return LoadReport(True, False, False, len(messages), n, f"Restored {len(messages)} messages and {n:,} tokens of memory.")
 
@@ -322,9 +317,8 @@ class Session:
     def _sampler_for(self, s: SamplingSettings):  # type: ignore[no-untyped-def]
         # Keep one sampler (and its RNG stream) across turns while settings are unchanged, so a seeded run that is
         # saved and continued draws the same numbers as an uninterrupted one.
-        if asdict(s) != asdict(self._sampler_settings):
+        if asdict(s) != asdict(self.sampler.settings):
             self.sampler = make_sampler(s)
-            self._sampler_settings = s
         return self.sampler
 
     def _run(
@@ -351,7 +345,8 @@ class Session:
         self.pending_token = None
         try:
             pacer = pacer or self.engine.policy
-            for ev in stream_generate(self._runner, self.memory, self.tokenizer, ids, settings, sampler=sampler, should_stop=should_stop, pacer=pacer):  # type: ignore[arg-type]
+            runner = _LockedBackend(self.backend, self.engine.step_lock)
+            for ev in stream_generate(runner, self.memory, self.tokenizer, ids, settings, sampler=sampler, should_stop=should_stop, pacer=pacer):  # type: ignore[arg-type]
                 if ev.token is not None:
                     tokens.append(ev.token)
                     self.pending_token = ev.token
