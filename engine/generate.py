@@ -68,19 +68,21 @@ def prefill(backend: Backend, memory: Memory, ids: Sequence[int], chunk: int) ->
         end = min(at + chunk, len(ids))
         if cut is not None and at < cut < end:
             end = cut
-        piece = ids[at:end]
-        plan = memory.plan(piece)
-        logits = backend.forward(torch.tensor([piece], dtype=torch.long), plan.as_batch(), last_only=True)  # (1, 1, V)
-        memory.after_forward()
+        logits = _feed(backend, memory, ids[at:end])
         at = end
     assert logits is not None
-    return logits[0, -1]
+    return logits
 
 
 def decode_step(backend: Backend, memory: Memory, token: int) -> torch.Tensor:
     """Feed one token; returns its logits (V,) float32."""
-    plan = memory.plan([token])
-    logits = backend.forward(torch.tensor([[token]], dtype=torch.long), plan.as_batch(), last_only=True)  # (1, 1, V)
+    return _feed(backend, memory, [token])
+
+
+def _feed(backend: Backend, memory: Memory, piece: list[int]) -> torch.Tensor:
+    """One step: place `piece` in memory, run it, let memory record it; the last token's logits (V,) float32."""
+    plan = memory.plan(piece)
+    logits = backend.forward(torch.tensor([piece], dtype=torch.long), plan.as_batch(), last_only=True)  # (1, 1, V)
     memory.after_forward()
     return logits[0, -1]
 
