@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -76,9 +77,7 @@ def read_safetensors_header(path: Path) -> list[TensorInfo]:
             raise ModelLoadError(f"{path.name} has a malformed entry for tensor {name!r}.") from None
         if dtype not in SAFETENSORS_DTYPES:
             raise ModelLoadError(f"{path.name} stores {name!r} as {dtype}, a dtype MLoT Spark cannot load.")
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         itemsize = torch.empty((), dtype=SAFETENSORS_DTYPES[dtype]).element_size()
         if not (0 <= a <= b) or b - a != numel * itemsize:
             raise ModelLoadError(f"{path.name} has inconsistent offsets for {name!r}; the file is corrupt.")
@@ -153,13 +152,7 @@ def fingerprint(config: ModelConfig, files: list[Path], tables: list[list[Tensor
 def estimate_size(model_dir: Path) -> tuple[int, int]:
     """(parameter count, fp16 KV bytes per token) from config.json and the safetensors headers alone."""
     config = ModelConfig.from_file(model_dir / "config.json")
-    params = 0
-    for f in weight_files(model_dir):
-        for t in read_safetensors_header(f):
-            n = 1
-            for s in t.shape:
-                n *= s
-            params += n
+    params = sum(math.prod(t.shape) for f in weight_files(model_dir) for t in read_safetensors_header(f))
     return params, 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
 
 
