@@ -80,6 +80,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 like transformers does, then cast back before the weight.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel, same arithmetic
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -106,13 +108,28 @@ class SlotBatch:
 
 
 class KVCache(nn.Module):
-    """Preallocated slot table: k, v (L, B, Hkv, S, D). Keys are stored unrotated (see module doc)."""
+    """Preallocated slot table: k, v (L, B, Hkv, S, D). Keys are stored unrotated (see module doc).
 
-    def __init__(self, cfg: ModelConfig, batch: int, num_slots: int, device: torch.device | str, dtype: torch.dtype) -> None:
+    Beside it live read copies in the compute dtype: `k_rot` holds each key rotated at `rot_positions` (B, S)
+    (-1: not rotated yet) and `v_wide` each value widened (the same tensor as `v` when no widening is needed).
+    A decode step then refreshes only the slots written or re-positioned (the new token's, or the whole window once
+    it slides) instead of converting and rotating every live slot in every layer. The copies are always derived
+    from the stored k, v, so results are exactly those of converting on read.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, num_slots: int, device: torch.device | str, dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
         super().__init__()
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, num_slots, cfg.head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,S,D)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,S,D)
+        self.register_buffer("k_rot", torch.zeros(shape, device=device, dtype=compute_dtype), persistent=False)  # (L,B,Hkv,S,D)
+        wide = self.v if dtype == compute_dtype else torch.zeros(shape, device=device, dtype=compute_dtype)
+        self.register_buffer("v_wide", wide, persistent=False)  # (L,B,Hkv,S,D)
+        self.register_buffer("rot_positions", torch.full((batch, num_slots), -1, device=device, dtype=torch.long), persistent=False)  # (B,S)
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every distinct (L, B, Hkv, S, D) buffer, for whole-row operations such as beam reordering."""
+        return [self.k, self.v, self.k_rot] + ([] if self.v_wide is self.v else [self.v_wide])
 
     @property
     def batch(self) -> int:
@@ -134,6 +151,79 @@ class KVCache(nn.Module):
         self.k[layer].scatter_(2, idx, k)
         self.v[layer].scatter_(2, idx, v)
 
+    def forget(self, row: int | None = None, slots: torch.Tensor | None = None) -> None:
+        """Mark the read copies stale after k, v changed outside a forward (restores, paging in, row copies)."""
+        rows = self.rot_positions if row is None else self.rot_positions[row]
+        if slots is None:
+            rows.fill_(-1)
+        else:
+            rows[..., slots] = -1
+
+    def stale_slots(self, batch: "SlotBatch") -> torch.Tensor | None:
+        """(n,) long: the live slots some row must re-derive this step (written now or re-positioned), or None when
+        that is most of them (a sliding window re-numbers all its slots each step): then refresh all S'."""
+        live = batch.slot_positions.shape[1]
+        stale = self.rot_positions[:, :live] != batch.slot_positions  # (B, S')
+        stale.scatter_(1, batch.write_slots, True)
+        self.rot_positions[:, :live] = batch.slot_positions
+        slots = stale.any(0).nonzero().squeeze(1)
+        return None if slots.numel() * 2 > live else slots
+
+    def refresh(self, layer: int, slots: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Re-derive the read copies of `slots` (n,), or of all S' leading slots when None, with keys rotated by
+        cos/sin (B, 1, n or S', D); return the layer's k_rot, v_wide, each (B, Hkv, S, D)."""
+        k_rot, v_wide = self.k_rot[layer], self.v_wide[layer]  # (B, Hkv, S, D)
+        widen = self.v_wide is not self.v
+        if slots is None:
+            live = rope[0].shape[2]
+            k_rot[:, :, :live] = apply_rope(self.k[layer][:, :, :live].to(k_rot.dtype), *rope)
+            if widen:
+                v_wide[:, :, :live] = self.v[layer][:, :, :live]
+            return k_rot, v_wide
+        fresh = self.k[layer].index_select(2, slots).to(k_rot.dtype)  # (B, Hkv, n, D), widened like a read
+        k_rot.index_copy_(2, slots, apply_rope(fresh, *rope))
+        if widen:
+            v_wide.index_copy_(2, slots, self.v[layer].index_select(2, slots).to(v_wide.dtype))
+        return k_rot, v_wide
+
+
+@dataclass
+class StepReads:
+    """What every layer of one forward shares about reading the slot table (built once per forward).
+
+    rope_q:         cos, sin (B, 1, T, D) at the new tokens' positions
+    refresh_slots:  (n,) slots whose read copies are re-derived this step, or None for all S'
+    rope_refresh:   cos, sin (B, 1, n or S', D) at those slots' positions
+    attend_slots:   (m,) the slots anything may attend to, when gathering them beats reading all S'; else None
+    blocked:        (B, 1, 1, T, m or S') bool, True where a new token may NOT attend
+    """
+
+    rope_q: tuple[torch.Tensor, torch.Tensor]
+    refresh_slots: torch.Tensor | None
+    rope_refresh: tuple[torch.Tensor, torch.Tensor]
+    attend_slots: torch.Tensor | None
+    blocked: torch.Tensor
+
+
+# Steps of at most this many new tokens (decode, speculative or short chunks) attend with two small matmuls: the
+# CPU flash-attention kernel costs ~0.3 ms per call for one query over a few hundred slots, 30 layers a token.
+SMALL_STEP = 8
+
+
+def small_step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """GQA attention for few queries: q (B, H, T, D), keys/values (B, Hkv, S', D), blocked (B, 1, 1, T, S').
+
+    Query heads are grouped under their KV head (H = Hkv * G, heads of a group adjacent), so each KV head is read
+    once per step. Blocked scores get the dtype's lowest finite value, not -inf: a row with nothing to attend to
+    (a padding row in a batch) then stays finite instead of turning into NaN.
+    """
+    b, h, t, d = q.shape
+    hkv, live = keys.shape[1], keys.shape[2]
+    qg = q.reshape(b, hkv, h // hkv * t, d)  # (B, Hkv, G*T, D)
+    scores = (qg @ keys.transpose(-1, -2)).mul_(d**-0.5).view(b, hkv, h // hkv, t, live)  # (B, Hkv, G, T, S')
+    probs = scores.masked_fill_(blocked, torch.finfo(scores.dtype).min).softmax(-1)  # (B, Hkv, G, T, S')
+    return (probs.view(b, hkv, -1, live) @ values).view(b, h, t, d)  # (B, H, T, D)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -144,6 +234,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj: nn.Module | None = None  # q, k, v stacked into one matrix by fuse_projections()
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, C) -> q (B, T, H*D), k and v (B, T, Hkv*D)."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split((self.n_heads * self.head_dim, kv, kv), dim=-1)
+        return q, k, v
 
     def forward(
         self,
@@ -151,20 +250,25 @@ class Attention(nn.Module):
         layer: int,
         cache: KVCache,
         batch: SlotBatch,
-        rope_q: tuple[torch.Tensor, torch.Tensor],  # cos, sin (B, 1, T, D)
-        rope_k: tuple[torch.Tensor, torch.Tensor],  # cos, sin (B, 1, S', D)
+        reads: StepReads,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k, v = self.project(x)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         cache.write(layer, batch.write_slots, k, v)
         live = batch.slot_positions.shape[1]  # S'
-        q = apply_rope(q, *rope_q)  # (B, H, T, D)
-        # The cache may hold a narrower dtype than the compute (fp16 KV, fp32 math on CPU): widen on read.
-        keys = apply_rope(cache.k[layer][:, :, :live].to(q.dtype), *rope_k)  # (B, Hkv, S', D)
-        values = cache.v[layer][:, :, :live].to(q.dtype)  # (B, Hkv, S', D)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)  # (B, H, T, D)
+        q = apply_rope(q, *reads.rope_q)  # (B, H, T, D)
+        k_rot, v_wide = cache.refresh(layer, reads.refresh_slots, reads.rope_refresh)
+        if reads.attend_slots is not None:
+            keys, values = k_rot.index_select(2, reads.attend_slots), v_wide.index_select(2, reads.attend_slots)  # (B, Hkv, m, D)
+        else:
+            keys, values = k_rot[:, :, :live], v_wide[:, :, :live]  # (B, Hkv, S', D) each
+        if t <= SMALL_STEP:
+            out = small_step_attention(q, keys, values, reads.blocked)  # (B, H, T, D)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, C)
 
 
@@ -174,9 +278,34 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj: nn.Module | None = None  # gate and up stacked into one matrix by fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I) each
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I) each
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+def _stacked(linears: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear whose output is the given linears' outputs side by side."""
+    w = torch.cat([lin.weight.detach() for lin in linears])  # (sum out, in)
+    out = nn.Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, device="meta")
+    out.weight = nn.Parameter(w, requires_grad=False)
+    if out.bias is not None:
+        out.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)  # type: ignore[union-attr]
+    return out
+
+
+def fuse_projections(model: "Transformer") -> None:
+    """Stack q/k/v and gate/up into one matrix each (inference only): a decode step then makes 4 matrix calls per
+    layer instead of 7, and the int8 path quantizes each activation row once instead of three times."""
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.qkv_proj = _stacked([a.q_proj, a.k_proj, a.v_proj])
+        m.gate_up_proj = _stacked([m.gate_proj, m.up_proj])
+        del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
 
 
 class DecoderLayer(nn.Module):
@@ -216,18 +345,31 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int, num_slots: int, dtype: torch.dtype | None = None) -> KVCache:
         """A slot table on the weights' device; `dtype` defaults to the compute dtype."""
         p = self.model.norm.weight  # any parameter gives device and compute dtype; the norm is never swapped
-        return KVCache(self.config, batch, num_slots, p.device, dtype or p.dtype)
+        return KVCache(self.config, batch, num_slots, p.device, dtype or p.dtype, p.dtype)
+
+    def step_reads(self, cache: KVCache, batch: SlotBatch) -> StepReads:
+        assert self.rope is not None
+        refresh = cache.stale_slots(batch)
+        rope_refresh = self.rope.lookup(batch.slot_positions if refresh is None else batch.slot_positions.index_select(1, refresh))
+        blocked = ~batch.mask.unsqueeze(1)  # (B, 1, 1, T, S')
+        attend: torch.Tensor | None = None
+        if batch.positions.shape[1] <= SMALL_STEP:
+            # A cascade's slot table has gaps (empty retrieval groups, an unfilled window): read only what is
+            # attended when that is under 3/4 of S'. Masked slots add exactly 0 to a softmax, so this is exact.
+            wanted = batch.mask.flatten(0, 2).any(0).nonzero().squeeze(1)  # (m,)
+            if wanted.numel() * 4 < batch.mask.shape[-1] * 3:
+                attend, blocked = wanted, blocked.index_select(-1, wanted)
+        return StepReads(self.rope.lookup(batch.positions), refresh, rope_refresh, attend, blocked)
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch) -> torch.Tensor:
         """tokens (B, T) -> final normed hidden states (B, T, C); writes this step's K/V into `cache`."""
         if self.rope is None:
             self.setup_rope()
         assert self.rope is not None
-        rope_q = self.rope.lookup(batch.positions)  # (B, 1, T, D) each
-        rope_k = self.rope.lookup(batch.slot_positions)  # (B, 1, S', D) each
+        reads = self.step_reads(cache, batch)
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), i, cache, batch, rope_q, rope_k)
+            x = x + layer.self_attn(layer.input_layernorm(x), i, cache, batch, reads)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x)
 
@@ -241,10 +383,10 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         for layer in self.model.layers:
             a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = apply_rope(a.q_proj(h).view(b, t, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)  # (B, H, T, D)
-            k = apply_rope(a.k_proj(h).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
-            v = a.v_proj(h).view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+            q, k, v = a.project(layer.input_layernorm(x))
+            q = apply_rope(q.view(b, t, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)  # (B, H, T, D)
+            k = apply_rope(k.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
+            v = v.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, D)
             x = x + a.o_proj(o.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
