@@ -111,17 +111,25 @@ class Engine:
 
     @classmethod
     def load(
-        cls, model_dir: str | Path | None = None, backend: str = "auto", *, memory_factory: MemoryFactory, policy: HardwarePolicy | None = None
+        cls,
+        model_dir: str | Path | None = None,
+        backend: str = "auto",
+        *,
+        memory_factory: MemoryFactory,
+        policy: HardwarePolicy | None = None,
+        quantize: str = "none",
     ) -> "Engine":
         """Load a model folder; with a `policy`, first refuse (one sentence) a model this machine cannot hold."""
         model_dir = Path(model_dir).expanduser() if model_dir else bundled_model_dir()
         check_model_folder(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
         if policy is not None:
-            # Judged before any weight is read: fp32 on the CPU (the widest a backend computes in), fp16 KV.
+            # Judged before any weight is read: fp32 on the CPU (the widest a backend computes in) unless the weights
+            # are int8, fp16 KV.
             params, kv_per_token = estimate_size(model_dir)
-            policy.check_model_fits(params * (4 if backend in ("auto", "cpu") else 2), kv_per_token * SLOT_TABLE_ESTIMATE)
-        choice = open_backend(model_dir, backend)
+            bytes_per_param = 1 if quantize == "int8" else 4 if backend in ("auto", "cpu") else 2
+            policy.check_model_fits(params * bytes_per_param, kv_per_token * SLOT_TABLE_ESTIMATE)
+        choice = open_backend(model_dir, backend, quantize)
         return cls(choice, tokenizer, model_dir, memory_factory, policy)
 
     @property

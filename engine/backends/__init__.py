@@ -33,17 +33,17 @@ def _probe_torch(name: str) -> Callable[[], BackendProbe]:
     return probe
 
 
-def _open_coreml(model_dir: Path) -> Backend:
+def _open_coreml(model_dir: Path, quantize: str) -> Backend:
     from coreml.runtime import CoreMLBackend
 
-    return CoreMLBackend(model_dir)
+    return CoreMLBackend(model_dir, quantize=None if quantize == "none" else quantize)
 
 
-def _open_torch(name: str) -> Callable[[Path], Backend]:
-    def open_(model_dir: Path) -> Backend:
+def _open_torch(name: str) -> Callable[[Path, str], Backend]:
+    def open_(model_dir: Path, quantize: str) -> Backend:
         from engine.backends.torch_backend import TorchBackend
 
-        return TorchBackend(model_dir, device=name)
+        return TorchBackend(model_dir, device=name, quantize=quantize)
 
     return open_
 
@@ -51,7 +51,7 @@ def _open_torch(name: str) -> Callable[[Path], Backend]:
 @dataclass(frozen=True)
 class BackendEntry:
     probe: Callable[[], BackendProbe]
-    open: Callable[[Path], Backend]
+    open: Callable[[Path, str], Backend]  # (model folder, weight quantization) -> loaded backend
 
 
 REGISTRY: dict[str, BackendEntry] = {
@@ -76,8 +76,11 @@ class BackendChoice:
         return f"{self.backend.name}" + (f" (skipped {why})" if why else "")
 
 
-def open_backend(model_dir: str | Path, name: str = "auto") -> BackendChoice:
-    """Open `name`, or with `auto` the first backend in AUTO_ORDER that probes available and loads."""
+def open_backend(model_dir: str | Path, name: str = "auto", quantize: str = "none") -> BackendChoice:
+    """Open `name`, or with `auto` the first backend in AUTO_ORDER that probes available and loads.
+
+    `quantize` ("none", or "int8" for Core ML and the CPU) picks the weight storage; a backend that cannot run it
+    says so, and `auto` passes over it with that reason."""
     model_dir = Path(model_dir).expanduser()
     if name != "auto":
         if name not in REGISTRY:
@@ -85,7 +88,7 @@ def open_backend(model_dir: str | Path, name: str = "auto") -> BackendChoice:
         probe = REGISTRY[name].probe()
         if not probe.available:
             raise BackendUnavailable(probe.reason)
-        return BackendChoice(REGISTRY[name].open(model_dir), ())
+        return BackendChoice(REGISTRY[name].open(model_dir, quantize), ())
     skipped: list[BackendProbe] = []
     for candidate in AUTO_ORDER:
         probe = REGISTRY[candidate].probe()
@@ -93,7 +96,7 @@ def open_backend(model_dir: str | Path, name: str = "auto") -> BackendChoice:
             skipped.append(probe)
             continue
         try:
-            return BackendChoice(REGISTRY[candidate].open(model_dir), tuple(skipped))
+            return BackendChoice(REGISTRY[candidate].open(model_dir, quantize), tuple(skipped))
         except BackendUnavailable as exc:  # e.g. a Core ML conversion that failed: fall through, keep the reason
             skipped.append(BackendProbe(candidate, False, str(exc)))
     raise BackendUnavailable("No compute backend is available on this machine.")
