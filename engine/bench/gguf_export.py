@@ -1,4 +1,4 @@
-"""Export a Llama-family model folder to GGUF (fp32 or fp16) so llama.cpp runs the very same weights.
+"""Export a Llama-family model folder to GGUF (f32, f16, bf16, q8_0 or q4_0) so llama.cpp runs the very same weights.
 
 llama.cpp's rotary embedding pairs adjacent channels while Hugging Face pairs channel i with i + D/2, so q_proj and
 k_proj rows are permuted exactly as llama.cpp's own convert_hf_to_gguf.py does. The benchmark checks the two
@@ -21,6 +21,16 @@ def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# --dtype name -> (GGUF file type, tensor type of the 2-D weights); norms always stay f32.
+FILE_TYPES = {
+    "f32": ("ALL_F32", "F32"),
+    "f16": ("MOSTLY_F16", "F16"),
+    "bf16": ("MOSTLY_BF16", "BF16"),
+    "q8_0": ("MOSTLY_Q8_0", "Q8_0"),
+    "q4_0": ("MOSTLY_Q4_0", "Q4_0"),
+}
+
+
 def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     import gguf
 
@@ -28,7 +38,8 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     cfg, sd = loaded.config, loaded.model.state_dict()
     if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.rope_scaling is not None:
         raise SparkError("The GGUF export covers plain Llama shapes (no biases, no rope scaling); this model has them.")
-    np_dtype = {"f32": np.float32, "f16": np.float16}[dtype]
+    if dtype not in FILE_TYPES:
+        raise SparkError(f"GGUF export knows {', '.join(FILE_TYPES)}, not {dtype!r}.")
     w = gguf.GGUFWriter(str(out), "llama")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -39,7 +50,8 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    file_type, qtype = FILE_TYPES[dtype]
+    w.add_file_type(getattr(gguf.LlamaFileType, file_type))
     # A placeholder vocabulary: the benchmark feeds token ids directly, so only its size must match (llama.cpp
     # insists on at least one merge, hence "a" + "b" -> "ab").
     tokens = ["a", "b", "ab"] + [f"<t{i}>" for i in range(3, cfg.vocab_size)]
@@ -53,7 +65,13 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
 
     def put(name: str, t: torch.Tensor, keep_f32: bool = False) -> None:
         a = t.detach().float().numpy()
-        w.add_tensor(name, a if keep_f32 or a.ndim == 1 else a.astype(np_dtype))
+        if keep_f32 or a.ndim == 1 or qtype == "F32":
+            w.add_tensor(name, a)
+        elif qtype == "F16":
+            w.add_tensor(name, a.astype(np.float16))
+        else:  # block formats: the gguf package quantizes, llama.cpp reads the raw bytes
+            kind = getattr(gguf.GGMLQuantizationType, qtype)
+            w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
 
     put("token_embd.weight", sd["model.embed_tokens.weight"])
     for i in range(cfg.num_hidden_layers):
