@@ -169,6 +169,23 @@ class KVCache(nn.Module):
         slots = stale.any(0).nonzero().squeeze(1)
         return None if slots.numel() * 2 > live else slots
 
+    def write_rotated(
+        self, layer: int, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The one-row step whose only stale slots are the ones it writes (plain decoding): store k, v (1, Hkv, T, D)
+        at `slots` (T,), and rotate the queries (1, H, T, D) and the stored keys in one pass with cos/sin
+        (1, 1, T, D) instead of reading the keys back. Returns rotated q and the layer's k_rot, v_wide."""
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        h = q.shape[1]
+        qk = apply_rope(torch.cat((q, k.to(q.dtype)), dim=1), *rope)  # (1, H + Hkv, T, D)
+        k_rot, v_wide = self.k_rot[layer], self.v_wide[layer]  # (1, Hkv, S, D)
+        k_rot.index_copy_(2, slots, qk[:, h:])
+        if self.v_wide is not self.v:
+            v_wide.index_copy_(2, slots, v.to(v_wide.dtype))
+        return qk[:, :h], k_rot, v_wide
+
     def refresh(self, layer: int, slots: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Re-derive the read copies of `slots` (n,), or of all S' leading slots when None, with keys rotated by
         cos/sin (B, 1, n or S', D); return the layer's k_rot, v_wide, each (B, Hkv, S, D)."""
@@ -193,6 +210,7 @@ class StepReads:
 
     rope_q:         cos, sin (B, 1, T, D) at the new tokens' positions
     refresh_slots:  (n,) slots whose read copies are re-derived this step, or None for all S'
+    only_written:   one row, and the refresh slots are exactly the slots this step writes (plain decoding)
     rope_refresh:   cos, sin (B, 1, n or S', D) at those slots' positions
     attend_slots:   (m,) the slots anything may attend to, when gathering them beats reading all S'; else None
     blocked:        (B, 1, 1, T, m or S') bool, True where a new token may NOT attend
@@ -200,6 +218,7 @@ class StepReads:
 
     rope_q: tuple[torch.Tensor, torch.Tensor]
     refresh_slots: torch.Tensor | None
+    only_written: bool
     rope_refresh: tuple[torch.Tensor, torch.Tensor]
     attend_slots: torch.Tensor | None
     blocked: torch.Tensor
@@ -257,10 +276,13 @@ class Attention(nn.Module):
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        cache.write(layer, batch.write_slots, k, v)
         live = batch.slot_positions.shape[1]  # S'
-        q = apply_rope(q, *reads.rope_q)  # (B, H, T, D)
-        k_rot, v_wide = cache.refresh(layer, reads.refresh_slots, reads.rope_refresh)
+        if reads.only_written:
+            q, k_rot, v_wide = cache.write_rotated(layer, batch.write_slots[0], q, k, v, reads.rope_q)  # q (B, H, T, D)
+        else:
+            cache.write(layer, batch.write_slots, k, v)
+            q = apply_rope(q, *reads.rope_q)  # (B, H, T, D)
+            k_rot, v_wide = cache.refresh(layer, reads.refresh_slots, reads.rope_refresh)
         if reads.attend_slots is not None:
             keys, values = k_rot.index_select(2, reads.attend_slots), v_wide.index_select(2, reads.attend_slots)  # (B, Hkv, m, D)
         else:
@@ -359,7 +381,9 @@ class Transformer(nn.Module):
             wanted = batch.mask.flatten(0, 2).any(0).nonzero().squeeze(1)  # (m,)
             if wanted.numel() * 4 < batch.mask.shape[-1] * 3:
                 attend, blocked = wanted, blocked.index_select(-1, wanted)
-        return StepReads(self.rope.lookup(batch.positions), refresh, rope_refresh, attend, blocked)
+        b, t = batch.positions.shape
+        only_written = refresh is not None and b == 1 and refresh.numel() == t  # stale = the T distinct written slots
+        return StepReads(self.rope.lookup(batch.positions), refresh, only_written, rope_refresh, attend, blocked)
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch) -> torch.Tensor:
         """tokens (B, T) -> final normed hidden states (B, T, C); writes this step's K/V into `cache`."""
