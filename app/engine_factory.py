@@ -14,4 +14,5 @@ def load_engine(model_dir: Path | None, backend: str, cache_dir: Path, policy: H
     """Load `model_dir` (None: the bundled model). Raises SparkError subclasses with one user-facing sentence."""
     use_recommended_threads()  # leave a core to the GUI thread (see engine.hw.chip.recommended_threads)
     memory = memory_factory_for(model_dir, cache_dir=cache_dir / "kv", policy=policy)
-    return Engine.load(model_dir, backend, memory_factory=memory, policy=policy)
+    # "auto" weights: int8 when the CPU backend runs (a quarter of the bytes per token), native elsewhere.
+    return Engine.load(model_dir, backend, memory_factory=memory, policy=policy, quantize="auto")

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from engine.backends import BackendChoice, open_backend
+from engine.backends import BackendChoice, open_backend, resolve_quantize
 from engine.backends.base import Backend
 from engine.errors import InputTooLarge, SparkError
 from engine.hw import HardwarePolicy
@@ -124,10 +124,10 @@ class Engine:
         check_model_folder(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
         if policy is not None:
-            # Judged before any weight is read: fp32 on the CPU (the widest a backend computes in) unless the weights
-            # are int8, fp16 KV.
+            # Judged before any weight is read: fp32 on the CPU (the widest a backend computes in) unless the CPU
+            # surely stores int8, fp16 KV.
             params, kv_per_token = estimate_size(model_dir)
-            bytes_per_param = 1 if quantize == "int8" else 4 if backend in ("auto", "cpu") else 2
+            bytes_per_param = 1 if backend == "cpu" and resolve_quantize(backend, quantize) == "int8" else 4 if backend in ("auto", "cpu") else 2
             policy.check_model_fits(params * bytes_per_param, kv_per_token * SLOT_TABLE_ESTIMATE)
         choice = open_backend(model_dir, backend, quantize)
         return cls(choice, tokenizer, model_dir, memory_factory, policy)

@@ -12,6 +12,16 @@ from engine.errors import BackendUnavailable
 
 AUTO_ORDER: tuple[str, ...] = ("coreml", "mps", "cuda", "cpu")
 
+# Weight storage: "none" runs the backend's own precision; "auto" picks per backend, int8 where our int8 kernels
+# are the fast path (the CPU: a quarter of fp32's bytes per token, engine.backends.int8).
+QUANTIZE_CHOICES: tuple[str, ...] = ("auto", "none", "int8")
+AUTO_QUANTIZE: dict[str, str] = {"cpu": "int8"}
+
+
+def resolve_quantize(backend: str, quantize: str) -> str:
+    """The weight storage `backend` runs for a requested `quantize` (resolves "auto")."""
+    return AUTO_QUANTIZE.get(backend, "none") if quantize == "auto" else quantize
+
 
 def _probe_coreml() -> BackendProbe:
     # coreml/ is imported only here and only on a Mac (DESIGN: app and engine reach Core ML through this registry).
@@ -79,8 +89,8 @@ class BackendChoice:
 def open_backend(model_dir: str | Path, name: str = "auto", quantize: str = "none") -> BackendChoice:
     """Open `name`, or with `auto` the first backend in AUTO_ORDER that probes available and loads.
 
-    `quantize` ("none", or "int8" for Core ML and the CPU) picks the weight storage; a backend that cannot run it
-    says so, and `auto` passes over it with that reason."""
+    `quantize` (QUANTIZE_CHOICES; "int8" runs on Core ML and the CPU) picks the weight storage; a backend that
+    cannot run it says so, and the `auto` backend passes over it with that reason."""
     model_dir = Path(model_dir).expanduser()
     if name != "auto":
         if name not in REGISTRY:
@@ -88,7 +98,7 @@ def open_backend(model_dir: str | Path, name: str = "auto", quantize: str = "non
         probe = REGISTRY[name].probe()
         if not probe.available:
             raise BackendUnavailable(probe.reason)
-        return BackendChoice(REGISTRY[name].open(model_dir, quantize), ())
+        return BackendChoice(REGISTRY[name].open(model_dir, resolve_quantize(name, quantize)), ())
     skipped: list[BackendProbe] = []
     for candidate in AUTO_ORDER:
         probe = REGISTRY[candidate].probe()
@@ -96,7 +106,7 @@ def open_backend(model_dir: str | Path, name: str = "auto", quantize: str = "non
             skipped.append(probe)
             continue
         try:
-            return BackendChoice(REGISTRY[candidate].open(model_dir, quantize), tuple(skipped))
+            return BackendChoice(REGISTRY[candidate].open(model_dir, resolve_quantize(candidate, quantize)), tuple(skipped))
         except BackendUnavailable as exc:  # e.g. a Core ML conversion that failed: fall through, keep the reason
             skipped.append(BackendProbe(candidate, False, str(exc)))
     raise BackendUnavailable("No compute backend is available on this machine.")

@@ -104,7 +104,7 @@ class TorchBackend(Backend):
         if quantize not in QUANTIZATIONS:
             raise BackendUnavailable(f"Unknown weight quantization {quantize!r}; choose one of {', '.join(QUANTIZATIONS)}.")
         if quantize != "none" and device != "cpu":
-            raise BackendUnavailable(f"{quantize} weights run on the cpu backend only; {device} runs {DEVICE_DTYPES[device]}.")
+            raise BackendUnavailable(f"{quantize} weights run on the cpu backend only, not on {device}.")
         self.name = device
         self.quantize = quantize
         self.device = torch.device(device)

@@ -2,6 +2,10 @@
 
 Every engine gets the same weights (our safetensors; llama.cpp a GGUF export of them at our precision, checked by
 comparing logits), the same thread count, the same prompt ids and greedy decoding of the same number of tokens.
+Precision: our fp32 path is compared with an F32 GGUF, our int8 path (`--quantize int8`, the CPU default) with a
+Q8_0 GGUF (8-bit weights, 8-bit activations, one scale per 32 weights); transformers runs its CPU default, fp32,
+and the output says so. With quantized weights the engines no longer compute identical logits, so the tokens
+are compared but expected to part once random weights make near-ties.
 Runs are interleaved (ours, llama.cpp, transformers, repeat) and the median is reported, so background load hits
 every peer alike. Default model: a SmolLM-135M-shaped random checkpoint (the issue's target shape).
 """
@@ -22,6 +26,9 @@ from engine.bench.checkpoints import SMOLLM_135M, write_random_checkpoint
 from engine.generate import GenerationSettings
 from engine.sampling import SamplingSettings
 from engine.session import Engine, Session, memory_factory_for
+
+# Our precision -> the GGUF tensor type llama.cpp runs for the same comparison.
+GGUF_TYPE_FOR: dict[str, str] = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int8": "q8_0"}
 
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 128
@@ -85,15 +92,20 @@ def run(args: argparse.Namespace) -> dict:
     tmp = tempfile.TemporaryDirectory(prefix="spark-bench-")
     model_dir = Path(args.model) if args.model else write_random_checkpoint(Path(tmp.name) / "smollm-135m-shape", SMOLLM_135M)
     # Ours runs on --backend (coreml, mps, cuda or cpu); the peers always run on the CPU with the same threads.
-    engine = Engine.load(model_dir, args.backend, memory_factory=memory_factory_for(model_dir, prefix_cache=False))
+    engine = Engine.load(model_dir, args.backend, memory_factory=memory_factory_for(model_dir, prefix_cache=False), quantize=args.quantize)
     ids = prompt_ids(engine.backend.config.vocab_size)
+    dtype = str(getattr(engine.backend, "dtype", "float16")).removeprefix("torch.")  # Core ML runs fp16
+    quantize = getattr(engine.backend, "quantize", "none") or "none"
+    gguf_type = GGUF_TYPE_FOR.get(quantize, GGUF_TYPE_FOR.get(dtype, "f16"))
     result: dict = {
         "model": str(model_dir) if args.model else "SmolLM-135M shape (random weights)",
         "threads": threads,
         "prompt_tokens": len(ids),
         "decode_tokens": n_decode,
         "backend": engine.choice.explain(),
-        "dtype": str(getattr(engine.backend, "dtype", "float16")).removeprefix("torch."),  # Core ML runs fp16
+        "dtype": dtype,
+        "quantize": quantize,
+        "numerics": engine.backend.numerics,
     }
     session = engine.new_session()
     peers: dict[str, Callable[[], dict]] = {"ours": lambda: measure_ours(session, ids, n_decode)}
@@ -103,7 +115,8 @@ def run(args: argparse.Namespace) -> dict:
 
         from engine.bench.gguf_export import export_gguf
 
-        gguf_path = export_gguf(model_dir, Path(tmp.name) / "model-f32.gguf", "f32")
+        gguf_path = export_gguf(model_dir, Path(tmp.name) / f"model-{gguf_type}.gguf", gguf_type)
+        result["llamacpp_gguf_type"] = gguf_type
         llm = llama_cpp.Llama(str(gguf_path), n_ctx=len(ids) + n_decode + 8, n_threads=threads, n_threads_batch=threads, n_batch=len(ids), verbose=False)
         peers["llamacpp"] = lambda: measure_llamacpp(llm, ids, n_decode)
         # Same model? Compare the prompt's last-token logits of both engines.
@@ -121,6 +134,7 @@ def run(args: argparse.Namespace) -> dict:
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         peers["transformers"] = lambda: measure_transformers(hf, ids, n_decode)
         result["transformers_version"] = transformers.__version__
+        result["transformers_dtype"] = "float32"
     except ImportError:
         notes.append("transformers is not installed; it was not measured")
     runs: dict[str, list[dict]] = {name: [] for name in peers}

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> dict:
     n_decode = 16 if args.quick else 64
     with tempfile.TemporaryDirectory(prefix="spark-bench-") as tmp:
         model_dir, label = bench_model(args, tmp)
-        backend = open_backend(model_dir, args.backend).backend
+        backend = open_backend(model_dir, args.backend, args.quantize).backend
         tok = Tokenizer.from_dir(model_dir)
         g = torch.Generator().manual_seed(1234)
         ids = torch.randint(1, min(backend.config.vocab_size, 30000), (PROMPT_TOKENS,), generator=g).tolist()
@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "model": label,
         "backend": backend.name,
+        "numerics": backend.numerics,
         "threads": torch.get_num_threads(),
         "prompt_tokens": PROMPT_TOKENS,
         "decode_tokens": n_decode,

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from engine.backends import QUANTIZE_CHOICES
 from engine.config import generation_defaults
 from engine.errors import SparkError
 from engine.paths import bundled_model_dir
@@ -22,6 +23,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, help="persistent (L3) prefix cache folder")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not read or write the persistent prefix cache")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: performance cores, or all but one)")
+    p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="weight storage (auto: int8 on the cpu backend)")
 
 
 # Our defaults where neither a flag nor the model's generation_config.json says otherwise.
@@ -66,7 +68,7 @@ def open_engine(args: argparse.Namespace) -> Engine:
     use_recommended_threads(args.threads)
     policy = this_machine_policy()
     factory = memory_factory_for(args.model, cache_dir=args.cache_dir, prefix_cache=not args.no_prefix_cache, policy=policy)
-    return Engine.load(args.model, args.backend, memory_factory=factory, policy=policy)
+    return Engine.load(args.model, args.backend, memory_factory=factory, policy=policy, quantize=args.quantize)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

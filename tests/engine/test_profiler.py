@@ -91,7 +91,8 @@ def test_bench_profile_smoke(tmp_path: Path) -> None:
     from engine.bench import profile as bench
 
     d = make_tiny_model(tmp_path / "m", layers=2)
-    out = bench.run(argparse.Namespace(model=d, backend="cpu", threads=None, quick=True, json=True))
+    out = bench.run(argparse.Namespace(model=d, backend="cpu", threads=None, quick=True, json=True, quantize="auto"))
+    assert out["numerics"].startswith("torch-cpu-float32-wint8")  # auto = int8 weights on the cpu backend
     assert 0 <= out["sum_error"] < 1
     assert out["slowest"] in out["decode"]["categories_ms_per_step"]
     assert json.loads(Path(out["chrome_trace"]).read_text())["traceEvents"]

@@ -1,0 +1,97 @@
+"""Int8 CPU weights: the kernels compute what the int8 matrix says, the model stays close to fp32, and the
+registry/CLI plumbing picks int8 only where it runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine.backends import QUANTIZE_CHOICES, open_backend, resolve_quantize
+from engine.backends.int8 import Int8Embedding, Int8Linear, quantize_rows
+from engine.backends.torch_backend import TorchBackend
+from engine.errors import BackendUnavailable
+from engine.generate import decode_step, prefill
+from engine.memory import FullAttentionMemory
+from tests.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tied"), "qwen2", tie=True)  # q/k/v biases and a tied head
+
+
+def test_quantize_rows_is_symmetric_per_row_and_survives_zero_rows() -> None:
+    w = torch.randn(5, 32)
+    w[2] = 0
+    q, scales = quantize_rows(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert torch.equal(q[2], torch.zeros(32, dtype=torch.int8)) and torch.isfinite(scales).all()
+    assert ((q.float() * scales[:, None]) - w).abs().max() <= scales.max() / 2 + 1e-6  # round to nearest
+    assert torch.equal(q.abs().amax(1)[[0, 1, 3, 4]], torch.full((4,), 127, dtype=torch.int8))
+
+
+def test_int8_linear_matches_its_dequantized_matrix() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40)
+    x = torch.randn(3, 7, 96)
+    q, scales = quantize_rows(lin.weight)
+    exact = x @ (q.float() * scales[:, None]).t() + lin.bias  # what the int8 matrix means, activations unquantized
+    got = Int8Linear.from_linear(lin)(x)
+    assert got.shape == (3, 7, 40)
+    # Only the per-row activation quantization (7 or 8 bits) separates the two.
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_tied_int8_head_and_embedding_share_one_int8_matrix(tied_dir: Path) -> None:
+    b = TorchBackend(tied_dir, "cpu", quantize="int8")
+    emb, head = b.model.model.embed_tokens, b.model.lm_head
+    assert isinstance(emb, Int8Embedding) and isinstance(head, Int8Linear)
+    assert not any(isinstance(m, nn.Linear) for m in b.model.modules())
+    ref = TorchBackend(tied_dir, "cpu")
+    ids = torch.tensor([[3, 17, 99]])
+    q, scales = quantize_rows(ref.model.lm_head.weight_t.t())
+    assert torch.equal(emb(ids)[0], q[ids[0]].float() * scales[ids[0], None])
+    assert b.numerics == "torch-cpu-float32-wint8-kvfloat16" and ref.numerics == "torch-cpu-float32-kvfloat16"
+
+
+def test_int8_model_stays_close_to_fp32(tied_dir: Path) -> None:
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    outs = []
+    for quantize in ("none", "int8"):
+        b = TorchBackend(tied_dir, "cpu", quantize=quantize)
+        b.allocate(1, 64)
+        mem = FullAttentionMemory(b)
+        steps = [prefill(b, mem, ids[:30], chunk=16)] + [decode_step(b, mem, t) for t in ids[30:]]
+        outs.append(torch.stack(steps))  # (11, V)
+    fp32, int8 = outs
+    rel = (int8 - fp32).norm(dim=-1) / fp32.norm(dim=-1)
+    assert rel.max() < 0.05, rel
+    assert not torch.equal(int8, fp32)  # it really ran the int8 weights
+
+
+def test_quantize_resolution_and_refusals(tied_dir: Path) -> None:
+    assert QUANTIZE_CHOICES == ("auto", "none", "int8")
+    assert resolve_quantize("cpu", "auto") == "int8" and resolve_quantize("mps", "auto") == "none"
+    assert resolve_quantize("cpu", "none") == "none"
+    assert open_backend(tied_dir, "cpu", "auto").backend.quantize == "int8"  # type: ignore[attr-defined]
+    with pytest.raises(BackendUnavailable, match="int4"):
+        TorchBackend(tied_dir, "cpu", quantize="int4")
+    with pytest.raises(BackendUnavailable, match="cpu backend only"):
+        TorchBackend(tied_dir, "cuda", quantize="int8")
+
+
+def test_cli_generate_quantize_flag(tied_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine import cli
+
+    for q in ("none", "int8"):
+        args = ["generate", "--model", str(tied_dir), "--prompt", "hello", "--max-tokens", "6", "--greedy", "--no-prefix-cache", "--json", "--quantize", q]
+        assert cli.main(args) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["backend"].startswith("cpu") and len(out["tokens"]) == 6
+    with pytest.raises(SystemExit) as exc:  # argparse: usage line and exit 2
+        cli.main(["generate", "--model", str(tied_dir), "--prompt", "x", "--quantize", "int3"])
+    assert exc.value.code == 2 and "int3" in capsys.readouterr().err
