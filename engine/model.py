@@ -46,7 +46,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryTable:
-    """cos/sin lookup by position: a precomputed table (P, D) indexed per step instead of recomputing trig."""
+    """cos/sin lookup by position: a precomputed table (P, D) indexed per step instead of recomputing trig.
+
+    The sin table is stored *signed* (first half negated), so rotating is x*cos + roll(x)*sin: four kernels instead
+    of rotate-half's seven, and bit-identical (negating a factor is exact)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str, dtype: torch.dtype) -> None:
         inv = rope_inv_freq(cfg)  # (D/2,)
@@ -54,22 +57,20 @@ class RotaryTable:
         freqs = torch.outer(pos, inv)  # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
         self.cos = emb.cos().to(device=device, dtype=dtype)  # (P, D)
-        self.sin = emb.sin().to(device=device, dtype=dtype)  # (P, D)
+        sin = emb.sin()  # (P, D)
+        sin[:, : inv.shape[0]].neg_()
+        self.sin = sin.to(device=device, dtype=dtype)  # (P, D) signed: (-sin, +sin) halves
         self.max_positions = max_positions
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, N) long -> cos, sin (B, 1, N, D), broadcastable over heads."""
+        """positions (B, N) long -> cos, signed sin (B, 1, N, D), broadcastable over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, N, D) rotated by cos/sin (B, 1, N, D)."""
-    return x * cos + rotate_half(x) * sin
+    """x (B, heads, N, D) rotated by cos and *signed* sin (B, 1, N, D) from RotaryTable, with Hugging Face's
+    half-split pairing: (x1, x2) -> (x1*cos - x2*sin, x2*cos + x1*sin)."""
+    return (x * cos).add_(x.roll(x.shape[-1] // 2, dims=-1).mul_(sin))
 
 
 class RMSNorm(nn.Module):
@@ -213,7 +214,7 @@ class StepReads:
     only_written:   one row, and the refresh slots are exactly the slots this step writes (plain decoding)
     rope_refresh:   cos, sin (B, 1, n or S', D) at those slots' positions
     attend_slots:   (m,) the slots anything may attend to, when gathering them beats reading all S'; else None
-    blocked:        (B, 1, 1, T, m or S') bool, True where a new token may NOT attend
+    blocked:        (B, 1, 1, T, m or S') bool, True where a new token may NOT attend; None when nothing is
     """
 
     rope_q: tuple[torch.Tensor, torch.Tensor]
@@ -221,7 +222,7 @@ class StepReads:
     only_written: bool
     rope_refresh: tuple[torch.Tensor, torch.Tensor]
     attend_slots: torch.Tensor | None
-    blocked: torch.Tensor
+    blocked: torch.Tensor | None
 
 
 # Steps of at most this many new tokens (decode, speculative or short chunks) attend with two small matmuls: the
@@ -229,8 +230,9 @@ class StepReads:
 SMALL_STEP = 8
 
 
-def small_step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-    """GQA attention for few queries: q (B, H, T, D), keys/values (B, Hkv, S', D), blocked (B, 1, 1, T, S').
+def small_step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """GQA attention for few queries: q (B, H, T, D), keys/values (B, Hkv, S', D), blocked (B, 1, 1, T, S') or None
+    when every slot may be attended.
 
     Query heads are grouped under their KV head (H = Hkv * G, heads of a group adjacent), so each KV head is read
     once per step. Blocked scores get the dtype's lowest finite value, not -inf: a row with nothing to attend to
@@ -240,7 +242,9 @@ def small_step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     hkv, live = keys.shape[1], keys.shape[2]
     qg = q.reshape(b, hkv, h // hkv * t, d)  # (B, Hkv, G*T, D)
     scores = (qg @ keys.transpose(-1, -2)).mul_(d**-0.5).view(b, hkv, h // hkv, t, live)  # (B, Hkv, G, T, S')
-    probs = scores.masked_fill_(blocked, torch.finfo(scores.dtype).min).softmax(-1)  # (B, Hkv, G, T, S')
+    if blocked is not None:
+        scores.masked_fill_(blocked, torch.finfo(scores.dtype).min)
+    probs = scores.softmax(-1)  # (B, Hkv, G, T, S')
     return (probs.view(b, hkv, -1, live) @ values).view(b, h, t, d)  # (B, H, T, D)
 
 
@@ -371,18 +375,20 @@ class Transformer(nn.Module):
 
     def step_reads(self, cache: KVCache, batch: SlotBatch) -> StepReads:
         assert self.rope is not None
+        b, t = batch.positions.shape
         refresh = cache.stale_slots(batch)
+        only_written = refresh is not None and b == 1 and refresh.numel() == t  # stale = the T distinct written slots
         rope_refresh = self.rope.lookup(batch.slot_positions if refresh is None else batch.slot_positions.index_select(1, refresh))
-        blocked = ~batch.mask.unsqueeze(1)  # (B, 1, 1, T, S')
+        blocked: torch.Tensor | None = ~batch.mask.unsqueeze(1)  # (B, 1, 1, T, S')
         attend: torch.Tensor | None = None
-        if batch.positions.shape[1] <= SMALL_STEP:
+        if t <= SMALL_STEP:
             # A cascade's slot table has gaps (empty retrieval groups, an unfilled window): read only what is
             # attended when that is under 3/4 of S'. Masked slots add exactly 0 to a softmax, so this is exact.
             wanted = batch.mask.flatten(0, 2).any(0).nonzero().squeeze(1)  # (m,)
             if wanted.numel() * 4 < batch.mask.shape[-1] * 3:
                 attend, blocked = wanted, blocked.index_select(-1, wanted)
-        b, t = batch.positions.shape
-        only_written = refresh is not None and b == 1 and refresh.numel() == t  # stale = the T distinct written slots
+            if not blocked.any():  # e.g. one new token over exactly the slots it attends: nothing to mask
+                blocked = None
         return StepReads(self.rope.lookup(batch.positions), refresh, only_written, rope_refresh, attend, blocked)
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch) -> torch.Tensor:
