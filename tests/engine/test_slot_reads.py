@@ -15,7 +15,7 @@ from engine.cascade.config import CascadeConfig
 from engine.cascade.memory import CascadeMemory
 from engine.generate import decode_step, prefill
 from engine.memory import FullAttentionMemory
-from engine.model import KVCache, apply_rope, small_step_attention
+from engine.model import KVCache, SlotBatch, apply_rope, small_step_attention
 from tests.tiny import make_tiny_model
 
 
@@ -24,15 +24,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("reads"), "llama")
 
 
-def assert_read_copies_exact(b: TorchBackend, slot_positions: torch.Tensor, valid: torch.Tensor) -> None:
-    """slot_positions (B, S) and valid (B, S) bool: every valid slot's copies equal a fresh read of k, v."""
+def assert_read_copies_exact(b: TorchBackend, slot_positions: torch.Tensor) -> int:
+    """slot_positions (B, S): every read rank holding a slot equals a fresh read of that slot's k, v, rotated at
+    the slot's current position. Returns how many ranks hold a slot."""
     c: KVCache = b.cache
     assert b.model.rope is not None
-    cos, sin = b.model.rope.lookup(slot_positions)  # (B, 1, S, D)
-    fresh_k = apply_rope(c.k.to(c.k_rot.dtype), cos.unsqueeze(0), sin.unsqueeze(0))  # (L, B, Hkv, S, D)
-    keep = valid[None, :, None, :, None].expand_as(fresh_k)
-    assert torch.equal(c.k_rot[keep], fresh_k[keep])
-    assert torch.equal(c.v_wide[keep], c.v.to(c.v_wide.dtype)[keep])
+    held = (c.read_slots >= 0).nonzero().squeeze(1)  # (m,) ranks
+    slots = c.read_slots[held]
+    assert torch.equal(c.read_positions[:, held], slot_positions[:, slots])
+    cos, sin = b.model.rope.lookup(slot_positions[:, slots])  # (B, 1, m, D)
+    fresh_k = apply_rope(c.k[:, :, :, slots].to(c.k_read.dtype), cos.unsqueeze(0), sin.unsqueeze(0))  # (L, B, Hkv, m, D)
+    assert torch.equal(c.k_read[:, :, :, held], fresh_k)
+    assert torch.equal(c.v_read[:, :, :, held], c.v[:, :, :, slots].to(c.v_read.dtype))
+    return held.numel()
 
 
 def test_small_step_attention_equals_sdpa() -> None:
@@ -44,6 +48,8 @@ def test_small_step_attention_equals_sdpa() -> None:
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     ours = small_step_attention(q, k, v, ~mask.unsqueeze(1))
     assert torch.allclose(ours, ref, atol=1e-6), (ours - ref).abs().max()
+    one = q[:, :, :1]  # (B, H, 1, D): the single-token, nothing-masked shortcut
+    assert torch.allclose(small_step_attention(one, k, v, None), F.scaled_dot_product_attention(one, k, v, enable_gqa=True), atol=1e-6)
     mask[1] = False  # a padding row that may attend to nothing stays finite
     assert torch.isfinite(small_step_attention(q, k, v, ~mask.unsqueeze(1))).all()
 
@@ -53,36 +59,43 @@ def test_decoding_keeps_read_copies_exact_and_restores_refresh_them(model_dir: P
     b.allocate(1, 64)
     mem = FullAttentionMemory(b)
     ids = list(range(3, 33))
-    prefill(b, mem, ids[:20], chunk=8)
+    prefill(b, mem, ids[:20], chunk=8)  # small steps (T <= 8) fill the read copies
     for t in ids[20:]:
         decode_step(b, mem, t)
-    n = len(ids)
     pos = torch.arange(64)[None]
-    valid = (pos < n)
-    assert_read_copies_exact(b, pos, valid)
+    assert assert_read_copies_exact(b, pos) == len(ids)
     # A restore writes k, v behind the forward's back: the next step must re-derive those slots.
     slots = torch.tensor([2, 5, 11])
     k, v = b.read_kv(0, slots)
     b.write_kv(0, slots, torch.randn_like(k), torch.randn_like(v))
     decode_step(b, mem, 7)
-    assert_read_copies_exact(b, pos, pos < n + 1)
+    assert assert_read_copies_exact(b, pos) == len(ids) + 1
+    # A new conversation re-uses the slots at the same positions with other tokens: large steps (converted on
+    # read) and small ones both overwrite slots whose copies are held, and no old copy may survive either.
+    for chunk in (12, 4):
+        mem.reset()
+        prefill(b, mem, list(range(40 + chunk, 52 + chunk)), chunk=chunk)
+        decode_step(b, mem, 9)
+        assert assert_read_copies_exact(b, pos) == 13
+
+
+def two_row_step(b: TorchBackend, n: int, tokens: list[int]) -> None:
+    """Both rows write token n at slot n and attend to slots 0..n (what two beams do)."""
+    pos = torch.full((2, 1), n)
+    batch = SlotBatch(pos, pos.clone(), torch.arange(n + 1).expand(2, -1), torch.ones(2, 1, 1, n + 1, dtype=torch.bool))
+    b.forward(torch.tensor([[tokens[0]], [tokens[1]]]), batch, last_only=True)
 
 
 def test_beam_row_copies_carry_read_copies(model_dir: Path) -> None:
     b = TorchBackend(model_dir, "cpu")
     b.allocate(2, 32)
-    b.cache.k.normal_()
-    b.cache.v.normal_()
-    b.cache.forget()
-    pos = torch.arange(32)[None].expand(2, -1)
-    for row in range(2):
-        b.cache.rot_positions[row] = pos[row]
-    cos, sin = b.model.rope.lookup(pos)  # type: ignore[union-attr]
-    b.cache.k_rot.copy_(apply_rope(b.cache.k.float(), cos.unsqueeze(0), sin.unsqueeze(0)))
-    b.cache.v_wide.copy_(b.cache.v)
+    for n in range(6):
+        two_row_step(b, n, [3 + n, 40 + n])  # the rows differ
     b.copy_rows(torch.tensor([1, 1]))
-    assert torch.equal(b.cache.k_rot[:, 0], b.cache.k_rot[:, 1]) and torch.equal(b.cache.rot_positions[0], b.cache.rot_positions[1])
-    assert_read_copies_exact(b, pos, torch.ones(2, 32, dtype=torch.bool))
+    assert torch.equal(b.cache.k_read[:, 0], b.cache.k_read[:, 1]) and torch.equal(b.cache.k[:, 0], b.cache.k[:, 1])
+    assert assert_read_copies_exact(b, torch.arange(32).expand(2, -1)) == 6
+    two_row_step(b, 6, [9, 9])
+    assert assert_read_copies_exact(b, torch.arange(32).expand(2, -1)) == 7
 
 
 def test_sliding_window_re_derives_every_moved_slot(model_dir: Path) -> None:
@@ -95,4 +108,4 @@ def test_sliding_window_re_derives_every_moved_slot(model_dir: Path) -> None:
         decode_step(b, mem, t)
     w = mem.working
     assert w.evicted > 0
-    assert_read_copies_exact(b, w.slot_positions[None], w.valid[None])
+    assert assert_read_copies_exact(b, w.slot_positions[None]) == int(w.valid.sum())
