@@ -83,7 +83,9 @@ class BackendChoice:
 
     def explain(self) -> str:
         why = "; ".join(f"{p.name}: {p.reason.rstrip('.')}" for p in self.skipped)
-        return f"{self.backend.name}" + (f" (skipped {why})" if why else "")
+        quantize = getattr(self.backend, "quantize", "none")
+        weights = f", {quantize} weights" if quantize != "none" else ""
+        return f"{self.backend.name}{weights}" + (f" (skipped {why})" if why else "")
 
 
 def open_backend(model_dir: str | Path, name: str = "auto", quantize: str = "none") -> BackendChoice:

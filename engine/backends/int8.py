@@ -80,6 +80,18 @@ class Int8Embedding(nn.Module):
         return rows.view(*ids.shape, -1)
 
 
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes the weights occupy after use_int8_linears: packed int8 matrices (plus their scales and biases), the
+    embedding's int8 copy, and whatever stayed float (norms, an untied embedding)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            total += m.in_features * m.out_features + 8 * m.out_features  # int8 matrix, fp32 scale + bias per row
+        elif isinstance(m, Int8Embedding):
+            total += m.q.numel() + m.scales.numel() * 4
+    return total
+
+
 def use_int8_linears(model: nn.Module) -> None:
     """Swap every nn.Linear of `model` (a Transformer) for an Int8Linear. A tied LM head quantizes the vocabulary
     matrix once: the embedding dequantizes rows of the same int8 copy."""

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend, BackendProbe
-from engine.backends.int8 import use_int8_linears
+from engine.backends.int8 import resident_weight_bytes, use_int8_linears
 from engine.errors import BackendUnavailable
 from engine.model import KVCache, SlotBatch, Transformer, fuse_projections
 from engine.weights import load_model
@@ -118,6 +118,7 @@ class TorchBackend(Backend):
         fuse_projections(self.model)
         if quantize == "int8":
             use_int8_linears(self.model)
+            self.weight_bytes = resident_weight_bytes(self.model)
         elif self.device.type == "cpu":
             use_k_major_linears(self.model)
         self.kv_dtype = kv_dtype

@@ -56,6 +56,12 @@ def test_tied_int8_head_and_embedding_share_one_int8_matrix(tied_dir: Path) -> N
     q, scales = quantize_rows(ref.model.lm_head.weight_t.t())
     assert torch.equal(emb(ids)[0], q[ids[0]].float() * scales[ids[0], None])
     assert b.numerics == "torch-cpu-float32-wint8-kvfloat16" and ref.numerics == "torch-cpu-float32-kvfloat16"
+    # The memory panel is told what int8 storage really holds: matrices at a byte per weight (the tied vocabulary
+    # matrix twice: packed for the head, plain for the embedding), not the fp32 the checkpoint came in.
+    cfg = b.config
+    per_layer = cfg.hidden_size * (cfg.hidden_size + 2 * cfg.num_key_value_heads * cfg.head_dim) + cfg.hidden_size**2 + 3 * cfg.hidden_size * cfg.intermediate_size
+    matrices = cfg.num_hidden_layers * per_layer + 2 * cfg.vocab_size * cfg.hidden_size
+    assert matrices < b.weight_bytes < matrices * 1.2 and b.weight_bytes < ref.weight_bytes / 2
 
 
 def test_int8_model_stays_close_to_fp32(tied_dir: Path) -> None:
@@ -77,7 +83,9 @@ def test_quantize_resolution_and_refusals(tied_dir: Path) -> None:
     assert QUANTIZE_CHOICES == ("auto", "none", "int8")
     assert resolve_quantize("cpu", "auto") == "int8" and resolve_quantize("mps", "auto") == "none"
     assert resolve_quantize("cpu", "none") == "none"
-    assert open_backend(tied_dir, "cpu", "auto").backend.quantize == "int8"  # type: ignore[attr-defined]
+    choice = open_backend(tied_dir, "cpu", "auto")
+    assert choice.backend.quantize == "int8" and choice.explain() == "cpu, int8 weights"  # type: ignore[attr-defined]
+    assert open_backend(tied_dir, "cpu", "none").explain() == "cpu"
     with pytest.raises(BackendUnavailable, match="int4"):
         TorchBackend(tied_dir, "cpu", quantize="int4")
     with pytest.raises(BackendUnavailable, match="cpu backend only"):
