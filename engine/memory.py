@@ -30,10 +30,13 @@ class RowPlan:
     write_slots: torch.Tensor
     slot_positions: torch.Tensor
     mask: torch.Tensor
+    frame: int = 0  # rotation frame of the slots from frame_start on (engine.model.SlotBatch)
+    frame_start: int = 0
 
     def as_batch(self) -> SlotBatch:
-        """A B=1 SlotBatch: positions (1,T), write_slots (1,T), slot_positions (1,S), mask (1,1,T,S)."""
-        return SlotBatch(self.positions[None], self.write_slots[None], self.slot_positions[None], self.mask[None, None])
+        """A B=1 SlotBatch: positions (1,T), write_slots (1,T), slot_positions (1,S), mask (1,1,T,S), frame (1,)."""
+        framed = (torch.tensor([self.frame]), torch.tensor([self.frame_start])) if self.frame else (None, None)
+        return SlotBatch(self.positions[None], self.write_slots[None], self.slot_positions[None], self.mask[None, None], *framed)
 
 
 class Memory(Protocol):

@@ -97,6 +97,12 @@ class SlotBatch:
     write_slots:    (B, T) long  slot each new token's K/V is written to
     slot_positions: (B, S') long position of each of the first S' <= S slots after this step's writes
     mask:           (B, 1, T, S') bool True where a new token may attend to a slot
+    frame:          (B,) long or None, with frame_start (B,) long: a rotation frame for the slots from
+                    frame_start on. RoPE scores depend only on position differences, so those keys may be rotated
+                    at position + frame if the queries that score them are too. The cascade puts its window in a
+                    frame that grows by one as the window's positions shrink by one: a window key's angle, and so
+                    its read copy (KVCache), never changes while the window slides, and the sinks and paged-in
+                    blocks before it keep theirs. One-row small steps use it; others rotate at plain positions.
 
     Only the leading S' slots take part (S' = slot_positions.shape[1]): a memory that has filled 300 of 4096 slots
     pays for 300, and a backend with a fixed shape (Core ML) pads the plan to its S with masked-off slots.
@@ -106,6 +112,8 @@ class SlotBatch:
     write_slots: torch.Tensor
     slot_positions: torch.Tensor
     mask: torch.Tensor
+    frame: torch.Tensor | None = None
+    frame_start: torch.Tensor | None = None
 
 
 class KVCache(nn.Module):
@@ -161,20 +169,20 @@ class KVCache(nn.Module):
         else:
             self.read_slots.masked_fill_(torch.isin(self.read_slots, slots), -1)
 
-    def plan_reads(self, batch: "SlotBatch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rank the slots a small step attends to and find the stale ranks.
+    def plan_reads(self, batch: "SlotBatch", attended: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hold the attended slots (m,), in slot order, at ranks [0, m) with keys rotated at `positions` (B, m).
 
-        Returns attended slots (m,) in slot order, their positions (B, m) and the stale ranks (n,): those whose
-        slot or position changed since their copy was made, or whose slot this step writes."""
+        Returns the stale ranks of keys (n,): those whose slot or rotation changed since their copy was made, or
+        whose slot this step writes; and the stale ranks of values (n_v,) <= n: only those whose slot changed or
+        is written (a value does not depend on its position)."""
         self.forget(batch.write_slots.flatten())  # written slots always get a fresh copy
-        attended = batch.mask.flatten(0, 2).any(0).nonzero().squeeze(1)  # (m,)
-        positions = batch.slot_positions.index_select(1, attended)  # (B, m)
         m = attended.numel()
-        stale = (self.read_slots[:m] != attended) | (self.read_positions[:, :m] != positions).any(0)  # (m,)
+        moved = self.read_slots[:m] != attended  # (m,) holds another slot, or a forgotten one
+        stale = moved | (self.read_positions[:, :m] != positions).any(0)  # (m,)
         self.read_slots[:m] = attended
         self.read_slots[m:] = -1
         self.read_positions[:, :m] = positions
-        return attended, positions, stale.nonzero().squeeze(1)
+        return stale.nonzero().squeeze(1), moved.nonzero().squeeze(1)
 
     def write_rotated(
         self, layer: int, slots: torch.Tensor, ranks: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
@@ -191,31 +199,36 @@ class KVCache(nn.Module):
         self.v_read[layer].index_copy_(2, ranks, v.to(self.v_read.dtype))
         return qk[:, :h]
 
-    def refresh(self, layer: int, ranks: torch.Tensor | None, slots: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Re-derive the read copies at `ranks` (n,) from `slots` (n,), keys rotated by cos/sin (B, 1, n, D); with
-        ranks None, the leading slots.numel() ranks are rewritten whole."""
-        fresh_k = apply_rope(self.k[layer].index_select(2, slots).to(self.k_read.dtype), *rope)  # (B, Hkv, n, D)
-        fresh_v = self.v[layer].index_select(2, slots).to(self.v_read.dtype)  # (B, Hkv, n, D)
-        if ranks is None:
-            n = slots.numel()
+    def refresh(self, layer: int, reads: "StepReads") -> None:
+        """Re-derive the stale read copies: keys at reads.refresh_ranks from reads.refresh_slots, rotated by
+        reads.rope_refresh (all leading ranks when refresh_ranks is None), values at reads.value_ranks."""
+        fresh_k = apply_rope(self.k[layer].index_select(2, reads.refresh_slots).to(self.k_read.dtype), *reads.rope_refresh)  # (B, Hkv, n, D)
+        if reads.refresh_ranks is None:
+            n = reads.refresh_slots.numel()
             self.k_read[layer][:, :, :n] = fresh_k
-            self.v_read[layer][:, :, :n] = fresh_v
-        else:
-            self.k_read[layer].index_copy_(2, ranks, fresh_k)
-            self.v_read[layer].index_copy_(2, ranks, fresh_v)
+            self.v_read[layer][:, :, :n] = self.v[layer].index_select(2, reads.refresh_slots)
+            return
+        self.k_read[layer].index_copy_(2, reads.refresh_ranks, fresh_k)
+        if reads.value_ranks.numel():
+            fresh_v = self.v[layer].index_select(2, reads.value_slots).to(self.v_read.dtype)  # (B, Hkv, n_v, D)
+            self.v_read[layer].index_copy_(2, reads.value_ranks, fresh_v)
 
 
 @dataclass
 class StepReads:
     """What every layer of one forward shares about reading the slot table (built once per forward).
 
-    rope_q:         cos, sin (B, 1, T, D) at the new tokens' positions
+    rope_q:         cos, sin (B, 1, T, D) at the new tokens' positions (+ the row's frame in small steps)
     width:          m, the attended slots held in read ranks [0, m) (small steps), or 0: read all S' slots in
                     slot order (large steps, where converting on read is amortized over many tokens)
     write_ranks:    (T,) ranks of the written slots when they are the only stale ranks of a one-row step, else None
     refresh_ranks:  (n,) stale ranks to re-derive, or None to rewrite all m
     refresh_slots:  (n or m,) the slots they hold
     rope_refresh:   cos, sin (B, 1, n or m, D) at those slots' positions; for large steps, at all S' slots
+    value_ranks:    (n_v,) ranks whose value copies are stale too (their slot changed); a subset of refresh_ranks
+    value_slots:    (n_v,) the slots they hold
+    split:          with a frame, ranks [0, split) are scored by queries at their positions (rope_q) and ranks
+                    [split, m) by queries in the frame (rope_q_framed); 0 without a frame
     blocked:        (B, 1, 1, T, m) bool, True where a new token may NOT attend; None when nothing is
     """
 
@@ -226,6 +239,10 @@ class StepReads:
     refresh_slots: torch.Tensor
     rope_refresh: tuple[torch.Tensor, torch.Tensor]
     blocked: torch.Tensor | None
+    value_ranks: torch.Tensor | None = None
+    value_slots: torch.Tensor | None = None
+    split: int = 0
+    rope_q_framed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # Steps of at most this many new tokens (decode, speculative or short chunks) attend with two small matmuls: the
@@ -253,6 +270,31 @@ def small_step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         scores.masked_fill_(blocked, torch.finfo(scores.dtype).min)
     probs = scores.softmax(-1)  # (B, Hkv, G, T, S')
     return (probs.view(b, hkv, -1, live) @ values).view(b, h, t, d)  # (B, H, T, D)
+
+
+def split_frame_attention(
+    q_plain: torch.Tensor, q_framed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, split: int, blocked: torch.Tensor | None
+) -> torch.Tensor:
+    """Attention where keys [0, split) are scored by q_plain and keys [split, S') by q_framed (SlotBatch.frame):
+    q_* (1, H, T, D), keys/values (1, Hkv, S', D), blocked (1, 1, 1, T, S') or None. One softmax over all keys."""
+    b, h, t, d = q_plain.shape
+    hkv, live = keys.shape[1], keys.shape[2]
+    g = h // hkv
+    if split == 0 or split == live:
+        return small_step_attention(q_framed if split == 0 else q_plain, keys, values, blocked)
+    if t == 1 and blocked is None and keys.device.type == "cpu":
+        # Two fused attentions, merged by their log-sum-exps: softmax over the union, no score matrix built.
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o0, lse0 = flash(q_plain.view(b, hkv, g, d), keys[:, :, :split], values[:, :, :split])[:2]  # (1, Hkv, G, D), (1, Hkv, G)
+        o1, lse1 = flash(q_framed.view(b, hkv, g, d), keys[:, :, split:], values[:, :, split:])[:2]
+        share = torch.sigmoid(lse1 - lse0).unsqueeze(-1).to(o0.dtype)  # (1, Hkv, G, 1) of the framed keys
+        return torch.lerp(o0, o1, share).view(b, h, t, d)
+    s0 = q_plain.reshape(b, hkv, g * t, d) @ keys[:, :, :split].transpose(-1, -2)  # (1, Hkv, G*T, split)
+    s1 = q_framed.reshape(b, hkv, g * t, d) @ keys[:, :, split:].transpose(-1, -2)  # (1, Hkv, G*T, S' - split)
+    scores = torch.cat((s0, s1), dim=-1).mul_(d**-0.5).view(b, hkv, g, t, live)  # (1, Hkv, G, T, S')
+    if blocked is not None:
+        scores.masked_fill_(blocked, torch.finfo(scores.dtype).min)
+    return (scores.softmax(-1).view(b, hkv, -1, live) @ values).view(b, h, t, d)  # (1, H, T, D)
 
 
 class Attention(nn.Module):
@@ -295,14 +337,21 @@ class Attention(nn.Module):
             q = apply_rope(q, *reads.rope_q)  # (B, H, T, D)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)  # (B, H, T, D)
         else:
+            # New keys and the queries that score them share a rotation: in the frame when there is one.
+            rope_new = reads.rope_q if reads.rope_q_framed is None else reads.rope_q_framed
+            q_raw = q
             if reads.write_ranks is not None:
-                q = cache.write_rotated(layer, batch.write_slots[0], reads.write_ranks, q, k, v, reads.rope_q)  # (B, H, T, D)
+                q = cache.write_rotated(layer, batch.write_slots[0], reads.write_ranks, q, k, v, rope_new)  # (B, H, T, D)
             else:
                 cache.write(layer, batch.write_slots, k, v)
-                q = apply_rope(q, *reads.rope_q)  # (B, H, T, D)
-                cache.refresh(layer, reads.refresh_ranks, reads.refresh_slots, reads.rope_refresh)
+                q = apply_rope(q, *rope_new)  # (B, H, T, D)
+                cache.refresh(layer, reads)
             m = reads.width
-            out = small_step_attention(q, cache.k_read[layer][:, :, :m], cache.v_read[layer][:, :, :m], reads.blocked)  # (B, H, T, D)
+            keys, values = cache.k_read[layer][:, :, :m], cache.v_read[layer][:, :, :m]  # (B, Hkv, m, D) each
+            if reads.rope_q_framed is None:
+                out = small_step_attention(q, keys, values, reads.blocked)  # (B, H, T, D)
+            else:
+                out = split_frame_attention(apply_rope(q_raw, *reads.rope_q), q, keys, values, reads.split, reads.blocked)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, C)
 
 
@@ -388,19 +437,28 @@ class Transformer(nn.Module):
         if t > SMALL_STEP:
             cache.forget(batch.write_slots.flatten())
             return StepReads(rope_q, 0, None, None, batch.write_slots, self.rope.lookup(batch.slot_positions), None)
-        attended, positions, stale = cache.plan_reads(batch)
+        attended = batch.mask.flatten(0, 2).any(0).nonzero().squeeze(1)  # (m,) slots anything attends to
+        positions = batch.slot_positions.index_select(1, attended)  # (B, m) rotation positions of their keys
+        split, rope_q_framed = 0, None
+        if b == 1 and batch.frame is not None and batch.frame_start is not None and int(batch.frame[0]):
+            in_frame = attended >= batch.frame_start[0]  # (m,) a suffix: ranks follow slot order
+            split = int(attended.numel() - in_frame.sum())
+            positions = positions + batch.frame[:, None] * in_frame
+            rope_q_framed = self.rope.lookup(batch.positions + batch.frame[:, None])
+        stale, moved = cache.plan_reads(batch, attended, positions)
         m, n = attended.numel(), stale.numel()
         blocked: torch.Tensor | None = ~batch.mask.index_select(-1, attended).unsqueeze(1)  # (B, 1, 1, T, m)
         if not blocked.any():  # e.g. one new token over exactly the slots it attends: nothing to mask
             blocked = None
-        if n * 2 > m:  # most ranks moved (a sliding window re-numbers all its slots): rewrite them all
-            return StepReads(rope_q, m, None, None, attended, self.rope.lookup(positions), blocked)
+        if n * 2 > m:  # most ranks moved (e.g. a sliding window without a frame re-numbers its slots): rewrite all
+            return StepReads(rope_q, m, None, None, attended, self.rope.lookup(positions), blocked, split=split, rope_q_framed=rope_q_framed)
         write_ranks = None
-        if b == 1 and n == t:  # n stale ranks for T written slots: check they are the written slots' ranks
+        if b == 1 and n == t:  # n stale ranks for T written slots: check they are theirs
             ranks = torch.searchsorted(attended, batch.write_slots[0]).clamp_(max=m - 1)  # (T,)
             if torch.equal(attended.index_select(0, ranks), batch.write_slots[0]):
                 write_ranks = ranks
-        return StepReads(rope_q, m, write_ranks, stale, attended.index_select(0, stale), self.rope.lookup(positions.index_select(1, stale)), blocked)
+        refresh = (attended.index_select(0, stale), self.rope.lookup(positions.index_select(1, stale)))
+        return StepReads(rope_q, m, write_ranks, stale, *refresh, blocked, moved, attended.index_select(0, moved), split, rope_q_framed)
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch) -> torch.Tensor:
         """tokens (B, T) -> final normed hidden states (B, T, C); writes this step's K/V into `cache`."""

@@ -150,7 +150,8 @@ class TorchBackend(Backend):
         dev = self.device
         if dev.type != "cpu":
             tokens = tokens.to(dev, non_blocking=True)
-            batch = SlotBatch(*(t.to(dev, non_blocking=True) for t in (batch.positions, batch.write_slots, batch.slot_positions, batch.mask)))
+            framed = (batch.frame, batch.frame_start) if batch.frame is not None else (None, None)  # tiny: stay on host
+            batch = SlotBatch(*(t.to(dev, non_blocking=True) for t in (batch.positions, batch.write_slots, batch.slot_positions, batch.mask)), *framed)
         logits = self.model(tokens, self.cache, batch, last_only=last_only)
         return logits.float().cpu() if dev.type != "cpu" or logits.dtype != torch.float32 else logits
 

@@ -25,13 +25,25 @@ import torch
 from engine.bench.checkpoints import SMOLLM_135M, write_random_checkpoint
 from engine.generate import GenerationSettings
 from engine.sampling import SamplingSettings
-from engine.session import Engine, Session, memory_factory_for
+from engine.backends.base import Backend
+from engine.memory import FullAttentionMemory, Memory
+from engine.session import Engine, MemoryFactory, Session
 
 # Our precision -> the GGUF tensor type llama.cpp runs for the same comparison.
 GGUF_TYPE_FOR: dict[str, str] = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int8": "q8_0"}
 
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 128
+
+
+def full_attention_memory(slots: int) -> MemoryFactory:
+    """Each conversation gets plain full attention over a slot table of `slots` (no cascade, no L3)."""
+
+    def make(backend: Backend) -> Memory:
+        backend.allocate(1, slots)
+        return FullAttentionMemory(backend)
+
+    return make
 
 
 def prompt_ids(vocab: int, n: int = PROMPT_TOKENS) -> list[int]:
@@ -92,7 +104,8 @@ def run(args: argparse.Namespace) -> dict:
     tmp = tempfile.TemporaryDirectory(prefix="spark-bench-")
     model_dir = Path(args.model) if args.model else write_random_checkpoint(Path(tmp.name) / "smollm-135m-shape", SMOLLM_135M)
     # Ours runs on --backend (coreml, mps, cuda or cpu); the peers always run on the CPU with the same threads.
-    engine = Engine.load(model_dir, args.backend, memory_factory=memory_factory_for(model_dir, prefix_cache=False), quantize=args.quantize)
+    # Full attention, like both peers: this measures the engine core; `bench cascade` measures the memory cascade.
+    engine = Engine.load(model_dir, args.backend, memory_factory=full_attention_memory(PROMPT_TOKENS + n_decode + 8), quantize=args.quantize)
     ids = prompt_ids(engine.backend.config.vocab_size)
     dtype = str(getattr(engine.backend, "dtype", "float16")).removeprefix("torch.")  # Core ML runs fp16
     quantize = getattr(engine.backend, "quantize", "none") or "none"

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SparkError(f"The long-ppl benchmark needs a trained model; {model} does not exist yet (pass --model).")
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    backend = open_backend(model, args.backend or "cpu").backend
+    backend = open_backend(model, args.backend or "cpu", getattr(args, "quantize", "none")).backend
     tok = Tokenizer.from_dir(model)
     cfg = CascadeConfig.for_model(model, backend.config)
     n = QUICK_TOKENS if getattr(args, "quick", False) else MAX_TOKENS
@@ -85,5 +85,5 @@ def run(args: argparse.Namespace) -> dict:
         seg_total, seg_count = nll(backend, FullAttentionMemory(backend), ids[at : at + budget])
         total, count = total + seg_total, count + seg_count
     out["ppl_truncate"] = math.exp(total / count)
-    out.update({"tokens": len(ids), "window": cfg.window, "retrieval_blocks": cfg.retrieval_blocks, "slot_budget": budget})
+    out.update({"numerics": backend.numerics, "tokens": len(ids), "window": cfg.window, "retrieval_blocks": cfg.retrieval_blocks, "slot_budget": budget})
     return out

@@ -88,6 +88,7 @@ class CascadeMemory:
         self.store = store
         self.kv_token_bytes = backend.kv_bytes_per_token()
         self.working = WorkingMemory(config)
+        self.working.frame_period = max(0, c.max_position_embeddings - config.num_slots)  # frames stay in the rotary table
         self.episodic = EpisodicMemory(config, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), store, self._take_block_digest)
         self.router = ROUTING[config.routing]()
         self._snapshot_tag = f"snapshot-{config.state_tag()}"
@@ -232,7 +233,8 @@ class CascadeMemory:
         self.working.refresh_positions()
         ws = torch.tensor(slots, dtype=torch.long)  # (T,)
         self._last_slots = ws
-        return RowPlan(self.working.slot_positions[ws], ws, self.working.slot_positions.clone(), self.working.mask(ws))
+        w = self.working
+        return RowPlan(w.slot_positions[ws], ws, w.slot_positions.clone(), w.mask(ws), w.frame, w.window_start)
 
     def after_forward(self) -> None:
         if self._last_prefill and self.router.uses_prompt and self.cfg.retrieval_blocks:

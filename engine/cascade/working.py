@@ -31,6 +31,12 @@ class WorkingMemory:
         self.valid = torch.zeros(cfg.num_slots, dtype=torch.bool)  # (S,) slot holds a token that may be attended
         self._ring = torch.arange(self.window)  # (W,)
         self._window_positions = self.slot_positions[self.window_start : self.window_start + self.window]  # (W,) view
+        # The window's rotation frame (engine.model.SlotBatch): 1 + evictions, so a window token's position + frame
+        # stays fixed as the window slides; it wraps every `frame_period` evictions to keep position + frame inside
+        # the model's rotary table. It starts at 1, not 0, so the window is its own frame from the first token and
+        # a step costs the same before and after the window fills. 0 disables it; the owner sets it from the
+        # model's context length.
+        self.frame_period = 0
         self._block_offsets = torch.arange(self.block)  # (B,)
         self.reset()
 
@@ -107,6 +113,10 @@ class WorkingMemory:
         base = self.sinks + self.resident_blocks * self.block
         oldest = (self.head - self.n_window) % self.window
         self._window_positions.copy_(self._ring).sub_(oldest).remainder_(self.window).add_(base)
+
+    @property
+    def frame(self) -> int:
+        return 1 + self.evicted % self.frame_period if self.frame_period > 0 else 0
 
     def mask(self, slots: torch.Tensor) -> torch.Tensor:
         """slots (T,) just written -> (T, S) bool: every valid slot, causal among the new tokens."""

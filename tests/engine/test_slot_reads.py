@@ -15,7 +15,7 @@ from engine.cascade.config import CascadeConfig
 from engine.cascade.memory import CascadeMemory
 from engine.generate import decode_step, prefill
 from engine.memory import FullAttentionMemory
-from engine.model import KVCache, SlotBatch, apply_rope, small_step_attention
+from engine.model import KVCache, SlotBatch, apply_rope, small_step_attention, split_frame_attention
 from tests.tiny import make_tiny_model
 
 
@@ -52,6 +52,18 @@ def test_small_step_attention_equals_sdpa() -> None:
     assert torch.allclose(small_step_attention(one, k, v, None), F.scaled_dot_product_attention(one, k, v, enable_gqa=True), atol=1e-6)
     mask[1] = False  # a padding row that may attend to nothing stays finite
     assert torch.isfinite(small_step_attention(q, k, v, ~mask.unsqueeze(1))).all()
+
+
+@pytest.mark.parametrize("t", [1, 3])  # one token: two fused attentions merged; more: one masked softmax
+def test_split_frame_attention_is_one_softmax_over_both_groups(t: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    q0, q1 = torch.randn(1, 4, t, 16, generator=g), torch.randn(1, 4, t, 16, generator=g)  # (1, H, T, D)
+    k, v = torch.randn(1, 2, 20, 16, generator=g), torch.randn(1, 2, 20, 16, generator=g)  # (1, Hkv, S, D)
+    scores = torch.cat((q0.reshape(1, 2, 2 * t, 16) @ k[:, :, :7].transpose(-1, -2), q1.reshape(1, 2, 2 * t, 16) @ k[:, :, 7:].transpose(-1, -2)), -1)
+    ref = ((scores / 4).softmax(-1) @ v).view(1, 4, t, 16)
+    blocked = None if t == 1 else torch.zeros(1, 1, 1, t, 20, dtype=torch.bool)
+    assert torch.allclose(split_frame_attention(q0, q1, k, v, 7, blocked), ref, atol=1e-5)
+    assert torch.allclose(split_frame_attention(q0, q1, k, v, 0, blocked), small_step_attention(q1, k, v, blocked), atol=1e-6)
 
 
 def test_decoding_keeps_read_copies_exact_and_restores_refresh_them(model_dir: Path) -> None:
@@ -98,7 +110,7 @@ def test_beam_row_copies_carry_read_copies(model_dir: Path) -> None:
     assert assert_read_copies_exact(b, torch.arange(32).expand(2, -1)) == 7
 
 
-def test_sliding_window_re_derives_every_moved_slot(model_dir: Path) -> None:
+def test_sliding_window_keeps_copies_in_a_frame(model_dir: Path) -> None:
     b = TorchBackend(model_dir, "cpu")
     cfg = CascadeConfig(sink_tokens=4, window=16, block_size=4, retrieval_blocks=1)
     mem = CascadeMemory(b, cfg)
@@ -107,5 +119,25 @@ def test_sliding_window_re_derives_every_moved_slot(model_dir: Path) -> None:
     for t in ids[10:]:
         decode_step(b, mem, t)
     w = mem.working
-    assert w.evicted > 0
-    assert assert_read_copies_exact(b, w.slot_positions[None]) == int(w.valid.sum())
+    assert w.evicted > 0 and w.frame_period > 0 and w.frame == 1 + w.evicted % w.frame_period
+    # Window keys sit rotated at position + frame, constant while the window slides; sinks and blocks at their
+    # own positions.
+    rotated_at = w.slot_positions.clone()
+    rotated_at[w.window_start :] += w.frame
+    assert assert_read_copies_exact(b, rotated_at[None]) == int(w.valid.sum())
+
+
+def test_frames_change_nothing_but_rounding(model_dir: Path) -> None:
+    """The same sliding conversation with frames (read copies kept) and without (all re-rotated each step)."""
+    ids = [3 + (i * 7) % 200 for i in range(60)]
+    outs = []
+    for period in (None, 0):
+        b = TorchBackend(model_dir, "cpu", kv_dtype=torch.float32)
+        mem = CascadeMemory(b, CascadeConfig(sink_tokens=4, window=16, block_size=4, retrieval_blocks=1))
+        if period is not None:
+            mem.working.frame_period = period  # 0: no frames
+        logits = [prefill(b, mem, ids[:10], chunk=10)] + [decode_step(b, mem, t) for t in ids[10:]]
+        outs.append(torch.stack(logits))
+    framed, plain = outs
+    assert not torch.equal(framed, plain)  # frames were really used past the window
+    assert torch.allclose(framed, plain, atol=1e-4), (framed - plain).abs().max()
