@@ -123,9 +123,9 @@ class KVCache(nn.Module):
     `k_read`/`v_read` holds slot `read_slots[r]`, its key rotated at `read_positions[b, r]` and its value widened.
     A step of few tokens attends to the slots it may see, ranked in slot order, so its keys and values are the
     leading m ranks (no gather, even though a cascade's attended slots have gaps), and it re-derives only the ranks
-    whose slot, position or content changed: the new token's in plain decoding, all of them once a sliding window
-    re-numbers its positions. The copies are always derived from the stored k, v, so results are exactly those of
-    converting and rotating on read.
+    whose slot, rotation or content changed: in plain decoding just the new token's (SlotBatch.frame keeps a
+    sliding window's rotations fixed; without it a sliding window re-rotates them all). The copies are always
+    derived from the stored k, v, so results are exactly those of converting and rotating on read.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, num_slots: int, device: torch.device | str, dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
@@ -245,8 +245,9 @@ class StepReads:
     rope_q_framed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-# Steps of at most this many new tokens (decode, speculative or short chunks) attend with two small matmuls: the
-# CPU flash-attention kernel costs ~0.3 ms per call for one query over a few hundred slots, 30 layers a token.
+# Steps of at most this many new tokens (decoding, short chunks) read the slot table through its read copies
+# (KVCache); larger steps (prefill chunks) convert and rotate every live slot on read, which their many queries
+# amortize, and attend with PyTorch's fused kernel.
 SMALL_STEP = 8
 
 
