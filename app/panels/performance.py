@@ -21,8 +21,8 @@ class PerformancePanel(Panel):
 
     @Slot(ModelInfo)
     def _on_model(self, info: ModelInfo) -> None:
-        self.backend.setText(info.backend)
-        _, _, why = info.backend_detail.partition(" (skipped ")
+        runs, _, why = info.backend_detail.partition(" (skipped ")
+        self.backend.setText(runs)  # the backend and its weights, e.g. "cpu, int8 weights"
         self.skipped.setText(why.removesuffix(")").replace("; ", "\n") if why else "none: the fastest backend runs")
 
     @Slot(TurnProgress)
