@@ -34,7 +34,18 @@ def test_quantize_rows_is_symmetric_per_row_and_survives_zero_rows() -> None:
     assert torch.equal(q.abs().amax(1)[[0, 1, 3, 4]], torch.full((4,), 127, dtype=torch.int8))
 
 
-def test_int8_linear_matches_its_dequantized_matrix() -> None:
+@pytest.mark.parametrize("engine", [e for e in ("x86", "qnnpack") if e in torch.backends.quantized.supported_engines])
+def test_int8_linear_matches_its_dequantized_matrix(engine: str) -> None:
+    """x86 (FBGEMM) is what Intel/AMD machines run, QNNPACK what Apple Silicon's CPU fallback runs."""
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
+    try:
+        _check_int8_linear()
+    finally:
+        torch.backends.quantized.engine = before
+
+
+def _check_int8_linear() -> None:
     torch.manual_seed(0)
     lin = nn.Linear(96, 40)
     x = torch.randn(3, 7, 96)
