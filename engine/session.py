@@ -128,7 +128,10 @@ class Engine:
             # surely stores int8, fp16 KV.
             params, kv_per_token = estimate_size(model_dir)
             bytes_per_param = 1 if backend == "cpu" and resolve_quantize(backend, quantize) == "int8" else 4 if backend in ("auto", "cpu") else 2
-            policy.check_model_fits(params * bytes_per_param, kv_per_token * SLOT_TABLE_ESTIMATE)
+            # A torch slot table keeps read copies in the compute dtype beside its fp16 k, v (engine.model.KVCache):
+            # 3x the fp16 bytes where math is fp32 (the CPU), 2x on fp16 GPUs; Core ML keeps its fp16 state only.
+            kv_copies = 3 if backend in ("auto", "cpu") else 1 if backend == "coreml" else 2
+            policy.check_model_fits(params * bytes_per_param, kv_per_token * SLOT_TABLE_ESTIMATE * kv_copies)
         choice = open_backend(model_dir, backend, quantize)
         return cls(choice, tokenizer, model_dir, memory_factory, policy)
 
