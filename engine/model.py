@@ -454,7 +454,10 @@ class Transformer(nn.Module):
         if n * 2 > m:  # most ranks moved (e.g. a sliding window without a frame re-numbers its slots): rewrite all
             return StepReads(rope_q, m, None, None, attended, self.rope.lookup(positions), blocked, split=split, rope_q_framed=rope_q_framed)
         write_ranks = None
-        if b == 1 and n == t:  # n stale ranks for T written slots: check they are theirs
+        # The one-pass write rotates the new keys as their queries are rotated (in the frame when there is one), so
+        # it serves only steps whose written slots all sit in that frame: not sinks written while a frame is on.
+        same_frame = rope_q_framed is None or bool((batch.write_slots[0] >= batch.frame_start[0]).all())  # type: ignore[index]
+        if b == 1 and n == t and same_frame:  # n stale ranks for T written slots: check they are theirs
             ranks = torch.searchsorted(attended, batch.write_slots[0]).clamp_(max=m - 1)  # (T,)
             if torch.equal(attended.index_select(0, ranks), batch.write_slots[0]):
                 write_ranks = ranks

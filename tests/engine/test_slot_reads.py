@@ -127,6 +127,19 @@ def test_sliding_window_keeps_copies_in_a_frame(model_dir: Path) -> None:
     assert assert_read_copies_exact(b, rotated_at[None]) == int(w.valid.sum())
 
 
+def test_sinks_written_by_small_steps_keep_their_own_frame(model_dir: Path) -> None:
+    """A short first prompt writes the sinks in small steps while the window's frame is already on."""
+    b = TorchBackend(model_dir, "cpu")
+    mem = CascadeMemory(b, CascadeConfig(sink_tokens=4, window=16, block_size=4, retrieval_blocks=1))
+    w = mem.working
+    for t in [5, 6, 7, 8, 9, 10]:  # one token at a time: sinks, then the window
+        decode_step(b, mem, t)
+    assert w.frame == 1 and w.n_sink == 4
+    rotated_at = w.slot_positions.clone()
+    rotated_at[w.window_start :] += w.frame
+    assert assert_read_copies_exact(b, rotated_at[None]) == 6
+
+
 def test_frames_change_nothing_but_rounding(model_dir: Path) -> None:
     """The same sliding conversation with frames (read copies kept) and without (all re-rotated each step)."""
     ids = [3 + (i * 7) % 200 for i in range(60)]
