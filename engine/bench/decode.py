@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.bench.checkpoints import SMOLLM_135M, write_random_checkpoint
+from engine.errors import SparkError
 from engine.generate import GenerationSettings
 from engine.sampling import SamplingSettings
 from engine.backends.base import Backend
@@ -141,6 +142,8 @@ def run(args: argparse.Namespace) -> dict:
         result["llamacpp_version"] = llama_cpp.__version__
     except ImportError:
         notes.append("llama-cpp-python is not installed (pip install -e '.[bench]'); llama.cpp was not measured")
+    except SparkError as exc:  # a shape the GGUF export does not cover
+        notes.append(f"llama.cpp was not measured: {exc}")
     try:
         import transformers
 

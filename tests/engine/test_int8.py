@@ -114,3 +114,30 @@ def test_cli_generate_quantize_flag(tied_dir: Path, capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as exc:  # argparse: usage line and exit 2
         cli.main(["generate", "--model", str(tied_dir), "--prompt", "x", "--quantize", "int3"])
     assert exc.value.code == 2 and "int3" in capsys.readouterr().err
+
+
+def test_bench_decode_reports_the_precisions_it_compared(tmp_path: Path) -> None:
+    """The decode benchmark's plumbing on a tiny model: our int8 path, full attention, the peers it could run."""
+    import argparse
+
+    from engine.bench import decode as bench
+
+    plain = make_tiny_model(tmp_path / "llama", "llama", tie=True)  # no biases: the GGUF export covers it
+    out = bench.run(argparse.Namespace(model=plain, backend="cpu", threads=1, quick=True, json=True, quantize="auto"))
+    assert out["quantize"] == "int8" and out["numerics"] == "torch-cpu-float32-wint8-kvfloat16"
+    assert out["ours_decode_tps"] > 0 and out["transformers_dtype"] == "float32" and out["ratio_vs_transformers"] > 0
+    if "llamacpp_gguf_type" in out:  # llama-cpp-python installed (the bench extra)
+        assert out["llamacpp_gguf_type"] == "q8_0"
+    else:
+        assert any("llama-cpp-python" in n for n in out["notes"])
+
+
+def test_bench_decode_says_why_llamacpp_was_not_measured(tied_dir: Path) -> None:
+    import argparse
+
+    pytest.importorskip("llama_cpp")
+    from engine.bench import decode as bench
+
+    out = bench.run(argparse.Namespace(model=tied_dir, backend="cpu", threads=1, quick=True, json=True, quantize="none"))
+    assert "ratio_vs_llamacpp" not in out and any("biases" in n for n in out["notes"])  # qwen2 has q/k/v biases
+    assert out["quantize"] == "none" and out["ours_decode_tps"] > 0
