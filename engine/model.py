@@ -150,17 +150,19 @@ class KVCache(nn.Module):
     def num_slots(self) -> int:
         return self.k.shape[3]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots (B, T); k, v (B, Hkv, T, D) -> stored at [layer, b, :, slots[b]]."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots (B, T); k, v (B, Hkv, T, D) -> stored at [layer, b, :, slots[b]]. Returns k, v as stored (in the
+        table's dtype)."""
         k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         if slots.shape[0] == 1:
             # One sequence: a plain index_copy_ is the cheapest write.
             self.k[layer].index_copy_(2, slots[0], k)
             self.v[layer].index_copy_(2, slots[0], v)
-            return
+            return k, v
         idx = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # (B, Hkv, T, D)
         self.k[layer].scatter_(2, idx, k)
         self.v[layer].scatter_(2, idx, v)
+        return k, v
 
     def forget(self, slots: torch.Tensor | None = None) -> None:
         """Drop the read copies of `slots` (all when None) after their k, v changed: restores, paging in, writes."""
@@ -188,11 +190,9 @@ class KVCache(nn.Module):
         self, layer: int, slots: torch.Tensor, ranks: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         """Plain decoding, one row whose only stale ranks are the slots it writes: store k, v (1, Hkv, T, D) at
-        `slots` (T,), and rotate the queries (1, H, T, D) and the stored keys in one pass with cos/sin (1, 1, T, D)
+        `slots` (1, T), and rotate the queries (1, H, T, D) and the stored keys in one pass with cos/sin (1, 1, T, D)
         into the read copies at `ranks` (T,), instead of reading the keys back. Returns the rotated queries."""
-        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
+        k, v = self.write(layer, slots, k, v)
         h = q.shape[1]
         qk = apply_rope(torch.cat((q, k.to(q.dtype)), dim=1), *rope)  # (1, H + Hkv, T, D)
         self.k_read[layer].index_copy_(2, ranks, qk[:, h:])
@@ -342,7 +342,7 @@ class Attention(nn.Module):
             rope_new = reads.rope_q if reads.rope_q_framed is None else reads.rope_q_framed
             q_raw = q
             if reads.write_ranks is not None:
-                q = cache.write_rotated(layer, batch.write_slots[0], reads.write_ranks, q, k, v, rope_new)  # (B, H, T, D)
+                q = cache.write_rotated(layer, batch.write_slots, reads.write_ranks, q, k, v, rope_new)  # (B, H, T, D)
             else:
                 cache.write(layer, batch.write_slots, k, v)
                 q = apply_rope(q, *rope_new)  # (B, H, T, D)
