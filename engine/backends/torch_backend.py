@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import platform
 from pathlib import Path
@@ -150,8 +151,8 @@ class TorchBackend(Backend):
         dev = self.device
         if dev.type != "cpu":
             tokens = tokens.to(dev, non_blocking=True)
-            framed = (batch.frame, batch.frame_start) if batch.frame is not None else (None, None)  # tiny: stay on host
-            batch = SlotBatch(*(t.to(dev, non_blocking=True) for t in (batch.positions, batch.write_slots, batch.slot_positions, batch.mask)), *framed)
+            fields = (getattr(batch, f.name) for f in dataclasses.fields(batch))  # astuple would deep-copy the tensors
+            batch = SlotBatch(*(None if t is None else t.to(dev, non_blocking=True) for t in fields))
         logits = self.model(tokens, self.cache, batch, last_only=last_only)
         return logits.float().cpu() if dev.type != "cpu" or logits.dtype != torch.float32 else logits
 
