@@ -90,10 +90,9 @@ class CascadeMemory:
         self.row = row
         self.store = store
         self.kv_token_bytes = backend.kv_bytes_per_token()
-        self.working = WorkingMemory(config)
         # Frames stay inside the rotary table, and small: fp32 angles lose precision as positions grow (4096 more
         # than the table's own positions costs one full re-rotation of the window per 4096 tokens).
-        self.working.frame_period = max(0, min(c.max_position_embeddings - config.num_slots, FRAME_PERIOD_MAX))
+        self.working = WorkingMemory(config, frame_period=max(0, min(c.max_position_embeddings - config.num_slots, FRAME_PERIOD_MAX)))
         self.episodic = EpisodicMemory(config, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), store, self._take_block_digest)
         self.router = ROUTING[config.routing]()
         self._snapshot_tag = f"snapshot-{config.state_tag()}"

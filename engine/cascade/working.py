@@ -22,7 +22,7 @@ from engine.cascade.config import CascadeConfig
 
 
 class WorkingMemory:
-    def __init__(self, cfg: CascadeConfig) -> None:
+    def __init__(self, cfg: CascadeConfig, frame_period: int = 0) -> None:
         self.cfg = cfg
         self.sinks, self.block, self.groups_n, self.window = cfg.sink_tokens, cfg.block_size, cfg.retrieval_blocks, cfg.window
         self.retrieval_start = self.sinks
@@ -34,9 +34,8 @@ class WorkingMemory:
         # The window's rotation frame (engine.model.SlotBatch): 1 + evictions, so a window token's position + frame
         # stays fixed as the window slides; it wraps every `frame_period` evictions to keep position + frame inside
         # the model's rotary table. It starts at 1, not 0, so the window is its own frame from the first token and
-        # a step costs the same before and after the window fills. 0 disables it; the owner sets it from the
-        # model's context length.
-        self.frame_period = 0
+        # a step costs the same before and after the window fills. A period of 0 disables it.
+        self.frame_period = frame_period
         self._block_offsets = torch.arange(self.block)  # (B,)
         self.reset()
 
