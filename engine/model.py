@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.native.decoder import NativeDecoder
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -420,6 +424,8 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
+        # One-call decoding steps on the native CPU kernels (engine.native.decoder), attached by the backend.
+        self.native_decoder: NativeDecoder | None = None
 
     def setup_rope(self, max_positions: int | None = None) -> None:
         """Build the cos/sin table on the weights' device (call after loading weights)."""
@@ -464,12 +470,11 @@ class Transformer(nn.Module):
         refresh = (attended.index_select(0, stale), self.rope.lookup(positions.index_select(1, stale)))
         return StepReads(rope_q, m, write_ranks, stale, *refresh, blocked, moved, attended.index_select(0, moved), split, rope_q_framed)
 
-    def hidden_states(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: StepReads | None = None) -> torch.Tensor:
         """tokens (B, T) -> final normed hidden states (B, T, C); writes this step's K/V into `cache`."""
         if self.rope is None:
             self.setup_rope()
-        assert self.rope is not None
-        reads = self.step_reads(cache, batch)
+        reads = reads or self.step_reads(cache, batch)
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         for i, layer in enumerate(self.model.layers):
             x = x + layer.self_attn(layer.input_layernorm(x), i, cache, batch, reads)
@@ -497,7 +502,14 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last token only when `last_only`."""
-        h = self.hidden_states(tokens, cache, batch)
+        reads = None
+        if self.native_decoder is not None and tokens.shape == (1, 1):
+            if self.rope is None:
+                self.setup_rope()
+            reads = self.step_reads(cache, batch)
+            if self.native_decoder.accepts(cache, reads):
+                return self.native_decoder.decode(self.model.embed_tokens(tokens), cache, batch, reads)
+        h = self.hidden_states(tokens, cache, batch, reads)
         if last_only:
             h = h[:, -1:, :]
         return self.lm_head(h)

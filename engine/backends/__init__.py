@@ -85,6 +85,8 @@ class BackendChoice:
         why = "; ".join(f"{p.name}: {p.reason.rstrip('.')}" for p in self.skipped)
         quantize = getattr(self.backend, "quantize", "none")
         weights = f", {quantize} weights" if quantize != "none" else ""
+        note = getattr(self.backend, "kernels_note", "")
+        weights += f", {note}" if note else ""
         return f"{self.backend.name}{weights}" + (f" (skipped {why})" if why else "")
 
 

@@ -81,14 +81,17 @@ class Int8Embedding(nn.Module):
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes the weights occupy after use_int8_linears: packed int8 matrices (plus their scales and biases), the
-    embedding's int8 copy, and whatever stayed float (norms, an untied embedding)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes the weights occupy after quantizing: parameters and buffers (each storage once: a tied embedding
+    shares its LM head's int8 matrix), plus the kernel library's packed matrices, which are neither."""
+    seen: set[int] = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
     for m in model.modules():
         if isinstance(m, Int8Linear):
             total += m.in_features * m.out_features + 8 * m.out_features  # int8 matrix, fp32 scale + bias per row
-        elif isinstance(m, Int8Embedding):
-            total += m.q.numel() + m.scales.numel() * 4
     return total
 
 

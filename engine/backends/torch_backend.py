@@ -14,6 +14,8 @@ from torch import nn
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend, BackendProbe
 from engine.backends.int8 import resident_weight_bytes, use_int8_linears
 from engine.errors import BackendUnavailable
+from engine.native import load_kernels
+from engine.native.decoder import use_native_int8
 from engine.model import KVCache, SlotBatch, Transformer, fuse_projections
 from engine.weights import load_model
 
@@ -21,6 +23,9 @@ from engine.weights import load_model
 DEVICE_DTYPES: dict[str, torch.dtype] = {"cpu": torch.float32, "cuda": torch.float16, "mps": torch.float16}
 # Weight storage choices: "none" keeps the checkpoint's weights in the compute dtype.
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
+# What runs int8 weights on the CPU: our compiled kernels (engine.native), PyTorch's quantized library, or the
+# first when it can be built.
+KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
 
 
 def probe_torch_device(name: str) -> BackendProbe:
@@ -91,6 +96,7 @@ class TorchBackend(Backend):
         dtype: torch.dtype | None = None,
         kv_dtype: torch.dtype = CANONICAL_KV_DTYPE,
         quantize: str = "none",
+        kernels: str = "auto",
     ) -> None:
         """`quantize="int8"` (CPU only) stores the linear weights as int8 per output channel (engine.backends.int8):
         a quarter of fp32's bytes per decoded token, at a small cost in accuracy.
@@ -98,7 +104,10 @@ class TorchBackend(Backend):
         `kv_dtype` defaults to the canonical fp16 on every device (math stays in `dtype`): what the slot table
         holds is then bit-identical to what episodic memory, the L3 cache and session files keep, so a restored or
         prefix-cached conversation continues exactly as an uninterrupted one. Pass float32 to compare the math with
-        references at fp32 tolerance."""
+        references at fp32 tolerance.
+
+        `kernels` picks what runs int8 weights: "native" our compiled CPU kernels (engine.native; an error when
+        they cannot be built), "torch" PyTorch's quantized library, "auto" native when available."""
         if device == "mps":
             # Ops MPS lacks fall back to CPU instead of failing mid-conversation.
             os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
@@ -106,6 +115,8 @@ class TorchBackend(Backend):
             raise BackendUnavailable(f"Unknown weight quantization {quantize!r}; choose one of {', '.join(QUANTIZATIONS)}.")
         if quantize != "none" and device != "cpu":
             raise BackendUnavailable(f"{quantize} weights run on the cpu backend only, not on {device}.")
+        if kernels not in KERNEL_CHOICES:
+            raise BackendUnavailable(f"Unknown CPU kernels {kernels!r}; choose one of {', '.join(KERNEL_CHOICES)}.")
         self.name = device
         self.quantize = quantize
         self.device = torch.device(device)
@@ -117,8 +128,20 @@ class TorchBackend(Backend):
         self.weight_bytes = loaded.weight_bytes
         self.model_dir = loaded.path
         fuse_projections(self.model)
+        self.native_isa: str | None = None  # the native kernels' instruction set when they run this model
+        self.kernels_note = ""  # which kernels run the int8 weights, and why those (the backend explanation)
         if quantize == "int8":
-            use_int8_linears(self.model)
+            native = load_kernels() if kernels != "torch" else None
+            if native is not None and native.kernels is not None and self.dtype == torch.float32:
+                use_native_int8(self.model, native.kernels)
+                self.native_isa = native.kernels.isa
+                self.kernels_note = f"native {self.native_isa} kernels"
+            elif kernels == "native":
+                why = native.reason if native is not None else "the compute dtype is not float32"
+                raise BackendUnavailable(f"The native CPU kernels are unavailable: {why}.")
+            else:
+                use_int8_linears(self.model)
+                self.kernels_note = "PyTorch kernels" + (f" ({native.reason})" if native is not None else "")
             self.weight_bytes = resident_weight_bytes(self.model)
         elif self.device.type == "cpu":
             use_k_major_linears(self.model)
@@ -127,7 +150,7 @@ class TorchBackend(Backend):
 
     @property
     def numerics(self) -> str:
-        weights = "" if self.quantize == "none" else f"-w{self.quantize}"
+        weights = "" if self.quantize == "none" else f"-w{self.quantize}" + ("native" if self.native_isa else "")
         return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}{weights}-kv{str(self.kv_dtype).removeprefix('torch.')}"
 
     @property

@@ -58,7 +58,7 @@ def _check_int8_linear() -> None:
 
 
 def test_tied_int8_head_and_embedding_share_one_int8_matrix(tied_dir: Path) -> None:
-    b = TorchBackend(tied_dir, "cpu", quantize="int8")
+    b = TorchBackend(tied_dir, "cpu", quantize="int8", kernels="torch")  # PyTorch's quantized library
     emb, head = b.model.model.embed_tokens, b.model.lm_head
     assert isinstance(emb, Int8Embedding) and isinstance(head, Int8Linear)
     assert not any(isinstance(m, nn.Linear) for m in b.model.modules())
@@ -79,7 +79,7 @@ def test_int8_model_stays_close_to_fp32(tied_dir: Path) -> None:
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     outs = []
     for quantize in ("none", "int8"):
-        b = TorchBackend(tied_dir, "cpu", quantize=quantize)
+        b = TorchBackend(tied_dir, "cpu", quantize=quantize, kernels="torch")  # PyTorch's quantized library (native: test_native)
         b.allocate(1, 64)
         mem = FullAttentionMemory(b)
         steps = [prefill(b, mem, ids[:30], chunk=16)] + [decode_step(b, mem, t) for t in ids[30:]]
@@ -95,7 +95,8 @@ def test_quantize_resolution_and_refusals(tied_dir: Path) -> None:
     assert resolve_quantize("cpu", "auto") == "int8" and resolve_quantize("mps", "auto") == "none"
     assert resolve_quantize("cpu", "none") == "none"
     choice = open_backend(tied_dir, "cpu", "auto")
-    assert choice.backend.quantize == "int8" and choice.explain() == "cpu, int8 weights"  # type: ignore[attr-defined]
+    assert choice.backend.quantize == "int8"  # type: ignore[attr-defined]
+    assert choice.explain() == f"cpu, int8 weights, native {choice.backend.native_isa} kernels"  # type: ignore[attr-defined]
     assert open_backend(tied_dir, "cpu", "none").explain() == "cpu"
     with pytest.raises(BackendUnavailable, match="int4"):
         TorchBackend(tied_dir, "cpu", quantize="int4")
@@ -124,7 +125,7 @@ def test_bench_decode_reports_the_precisions_it_compared(tmp_path: Path) -> None
 
     plain = make_tiny_model(tmp_path / "llama", "llama", tie=True)  # no biases: the GGUF export covers it
     out = bench.run(argparse.Namespace(model=plain, backend="cpu", threads=1, quick=True, json=True, quantize="auto"))
-    assert out["quantize"] == "int8" and out["numerics"] == "torch-cpu-float32-wint8-kvfloat16"
+    assert out["quantize"] == "int8" and out["numerics"] == "torch-cpu-float32-wint8native-kvfloat16"
     assert out["ours_decode_tps"] > 0 and out["transformers_dtype"] == "float32" and out["ratio_vs_transformers"] > 0
     if "llamacpp_gguf_type" in out:  # llama-cpp-python installed (the bench extra)
         assert out["llamacpp_gguf_type"] == "q8_0"
