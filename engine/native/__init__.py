@@ -1,7 +1,7 @@
 """Native CPU kernels (spark_kernels.c): built on first use with the machine's C compiler, loaded with ctypes.
 
 The library is compiled once per source version, compiler and CPU into the cache dir (a few seconds), tuned for
-the CPU it runs on (-march=native on x86, -mcpu=native on Arm). Where no C compiler is found (a Mac without the
+the CPU it runs on (-march=native on x86, -mcpu=native on Arm); a packaged app ships one built for its platform. Where no C compiler is found (a Mac without the
 Xcode Command Line Tools) or the build fails, `load_kernels()` returns None with the reason, and the engine runs
 its PyTorch path. Nothing here executes code from a model file: the library is built from our own source.
 
@@ -28,7 +28,8 @@ from engine.paths import default_cache_dir
 
 SOURCE = Path(__file__).with_name("spark_kernels.c")
 COMPILER_ENV = "CC"  # the compiler to use, as for any C build; else cc, clang, gcc in that order
-DISABLE_ENV = "MLOT_SPARK_NO_NATIVE"  # set to 1 to run the PyTorch path (comparisons, troubleshooting)
+DISABLE_ENV = "MLOT_SPARK_NO_NATIVE"
+BUNDLED_DIR = "engine_native"  # where a packaged app keeps its prebuilt library  # set to 1 to run the PyTorch path (comparisons, troubleshooting)
 
 
 class QMat(ctypes.Structure):
@@ -122,10 +123,15 @@ def _compiler() -> str | None:
     return None
 
 
-def compile_flags() -> list[str]:
-    """Optimise for this very CPU: the library is built where it runs (a bundled app builds for Apple Silicon)."""
-    tune = ["-mcpu=native"] if platform.machine().lower() in ("arm64", "aarch64") else ["-march=native"]
-    if sys.platform == "darwin" and platform.machine() == "arm64":
+def compile_flags(portable: bool = False) -> list[str]:
+    """Optimise for this very CPU (the library is built where it runs), or with `portable` for any CPU of the
+    family that a packaged app may meet: x86-64-v3 (AVX2, 2015 on), Armv8.2 with the dot-product instructions."""
+    arm = platform.machine().lower() in ("arm64", "aarch64")
+    if arm:
+        tune = ["-march=armv8.2-a+dotprod"] if portable else ["-mcpu=native"]
+    else:
+        tune = ["-march=x86-64-v3"] if portable else ["-march=native"]
+    if sys.platform == "darwin" and arm:
         tune = ["-mcpu=apple-m1"]  # every Apple Silicon core has the int8 dot-product instructions
     shared = ["-dynamiclib"] if sys.platform == "darwin" else ["-shared"]
     # No fused multiply-add contraction: products round as PyTorch's do, so a key the kernel rotates equals the
@@ -149,15 +155,16 @@ def library_path(cache_root: Path, cc: str, flags: Sequence[str]) -> Path:
     return cache_root / "native" / f"spark_kernels-{digest}{suffix}"
 
 
-def build_library(cache_root: Path | None = None, extra_flags: Sequence[str] = ()) -> Path:
+def build_library(cache_root: Path | None = None, extra_flags: Sequence[str] = (), portable: bool = False) -> Path:
     """Compile spark_kernels.c into the cache (once) and return the library's path. Raises RuntimeError with a
     sentence naming what is missing or what the compiler said. `extra_flags` follow the tuning flags (e.g.
-    -mno-avx512f builds the AVX2 kernel on an AVX-512 machine, which the tests compare)."""
+    -mno-avx512f builds the AVX2 kernel on an AVX-512 machine, which the tests compare); `portable` builds for
+    distribution (packaging/spark.spec) instead of for this CPU."""
     cc = _compiler()
     if cc is None:
         hint = "install the Xcode Command Line Tools (xcode-select --install)" if sys.platform == "darwin" else "install a C compiler (gcc or clang)"
         raise RuntimeError(f"no C compiler was found; {hint} to enable the native CPU kernels")
-    flags = [*compile_flags(), *extra_flags]
+    flags = [*compile_flags(portable), *extra_flags]
     out = library_path(cache_root or default_cache_dir(), cc, flags)
     if out.exists():
         return out
@@ -206,10 +213,19 @@ def load_kernels() -> NativeStatus:
     return _load()
 
 
+def bundled_library() -> Path | None:
+    """The library a packaged app ships (built by packaging/spark.spec), which needs no compiler on the Mac."""
+    frozen_root = getattr(sys, "_MEIPASS", None)
+    if not frozen_root:
+        return None
+    found = sorted((Path(frozen_root) / BUNDLED_DIR).glob("spark_kernels-*"))
+    return found[0] if found else None
+
+
 @cache  # one build and one loaded library per process
 def _load() -> NativeStatus:
     try:
-        kernels = bind(build_library())
+        kernels = bind(bundled_library() or build_library())
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         return NativeStatus(None, str(exc))
     return NativeStatus(kernels, f"native CPU kernels ({kernels.isa})")

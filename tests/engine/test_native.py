@@ -173,3 +173,22 @@ def test_a_failing_build_names_the_compiler_error(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="did not compile with .*error"):
         build_library(tmp_path, extra_flags=("-include", "/nonexistent/header.h"))
     assert not list((tmp_path / "native").glob("*"))  # nothing half-built is left behind
+
+
+ARM_CC, QEMU_ARM = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+
+
+@pytest.mark.skipif(not (ARM_CC and QEMU_ARM), reason="needs an aarch64 cross compiler and qemu-user (Debian: gcc-aarch64-linux-gnu qemu-user)")
+@pytest.mark.parametrize("arch,isa", [("armv8.2-a+dotprod", "neon-dotprod"), ("armv8-a", "portable")])
+def test_arm_kernels_compute_the_exact_int8_product(tmp_path: Path, arch: str, isa: str) -> None:
+    """Apple Silicon runs the NEON dot-product kernel: compiled for Arm, run under emulation, checked exactly."""
+    import subprocess
+
+    from engine.native import SOURCE
+
+    exe = tmp_path / f"arm-check-{isa}"
+    check = Path(__file__).with_name("native") / "arm_check.c"
+    build = [str(ARM_CC), "-O3", "-std=gnu11", "-ffp-contract=off", f"-march={arch}", "-static", f"-I{SOURCE.parent}", str(check), "-o", str(exe), "-lm"]
+    subprocess.run(build, check=True, capture_output=True, timeout=300)
+    out = subprocess.run([str(QEMU_ARM), str(exe)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.splitlines() == [f"isa {isa}", "0 mismatches"], out.stdout

@@ -117,6 +117,7 @@ def test_bundle_contents(frozen: Frozen) -> None:
         assert not (internal / left_out).exists(), f"{left_out} should be excluded"
     assert [p.name for p in (internal / "torch" / "bin").iterdir()] == ["torch_shm_manager"]
     assert not list(internal.rglob("libQt6Qml*")), "Qt QML is unused and should be excluded"
+    assert list((internal / "engine_native").glob("spark_kernels-*")), "the prebuilt native CPU kernels are missing"
 
 
 def test_frozen_engine_cli(frozen: Frozen, tmp_path: Path) -> None:
@@ -124,6 +125,11 @@ def test_frozen_engine_cli(frozen: Frozen, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     hw = json.loads(r.stdout)
     assert hw["backends"]["cpu"]["available"] is True
+    # The bundled kernels run without a compiler: the frozen app never builds them (its cache stays empty).
+    r = run_frozen(frozen, ["engine", "generate", "--prompt", "Hi", "--max-tokens", "4", "--backend", "cpu", "--json"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "native" in json.loads(r.stdout)["backend_reason"]  # e.g. "cpu, int8 weights, native avx2 kernels"
+    assert not (tmp_path / "cache" / "native").exists()
 
 
 def test_frozen_self_test(frozen: Frozen, tmp_path: Path, request: pytest.FixtureRequest) -> None:
