@@ -12,6 +12,7 @@ the ordinary generate loop over thin wrappers of the backend, memory, sampler an
 forward hooks on the model only for the duration of the profiled run (removed when the generator ends).
 Module boundaries are taken from pre-hooks on the norms, so a layer's attention part is input norm + attention +
 residual add and its MLP part is post-attention norm + MLP + residual add: contiguous, nothing falls between.
+A decoding step on the native CPU kernels (engine.native) runs all layers and the head in one call: `native_step`.
 On a GPU pass `sync=torch.cuda.synchronize` so spans measure the kernels, not their launch.
 """
 
@@ -157,11 +158,26 @@ class Profiler:
             handles.append(layer.post_attention_layernorm.register_forward_pre_hook(opener(f"layer.{i}.mlp")))
         handles.append(backbone.norm.register_forward_pre_hook(opener("lm_head")))  # final norm + head
         handles.append(model.lm_head.register_forward_hook(closer))
+        # A native decoding step (engine.native) runs every layer and the head in one call: one part of its own.
+        native = getattr(model, "native_decoder", None)
+        if native is not None:
+            native_decode = native.decode
+
+            def profiled_decode(*args: Any, **kwargs: Any) -> Any:
+                opener("native_step")(model, args)
+                try:
+                    return native_decode(*args, **kwargs)
+                finally:
+                    closer(model, args, None)
+
+            native.decode = profiled_decode
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+            if native is not None:
+                del native.decode  # back to the class's method
             self._module_open = False
 
     # -- profiled generation -----------------------------------------------------------------------------------

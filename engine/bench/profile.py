@@ -3,7 +3,8 @@
 One warm-up generation, then one profiled: a 128-token prompt (prefill) and `decode_tokens` greedy decode steps
 over the cascade memory the app uses (prefix cache off, so paging is the working/episodic path). Reports the
 per-step breakdown of decode and prefill steps, `sum_error` (|sum of parts − total| ÷ total, decode steps),
-`slowest` (the slowest category of a decode step: attention, mlp, lm_head, embedding, paging, sampling,
+`slowest` (the slowest category of a decode step: attention, mlp, lm_head, embedding, native_step (a whole
+step on the native CPU kernels), paging, sampling,
 detokenize, backend_overhead) and writes a Chrome trace (chrome://tracing or ui.perfetto.dev).
 """
 
