@@ -14,7 +14,8 @@ from torch import nn
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend, BackendProbe
 from engine.backends.int8 import resident_weight_bytes, use_int8_linears
 from engine.errors import BackendUnavailable
-from engine.native import load_kernels
+from engine.config import ModelConfig
+from engine.native import NativeStatus, load_kernels
 from engine.native.decoder import use_native_int8
 from engine.model import KVCache, SlotBatch, Transformer, fuse_projections
 from engine.weights import load_model
@@ -88,6 +89,17 @@ def use_k_major_linears(model: Transformer) -> None:
         model.model.embed_tokens = ColumnEmbedding(model.lm_head.weight_t)  # type: ignore[assignment]
 
 
+def native_unfit(status: NativeStatus, config: ModelConfig, dtype: torch.dtype) -> str | None:
+    """Why the native kernels cannot run this model (None when they can)."""
+    if status.kernels is None:
+        return status.reason
+    if dtype != torch.float32:
+        return f"they compute in float32, not {str(dtype).removeprefix('torch.')}"
+    if config.head_dim > status.kernels.max_head_dim:
+        return f"head dim {config.head_dim} exceeds their {status.kernels.max_head_dim}"
+    return None
+
+
 class TorchBackend(Backend):
     def __init__(
         self,
@@ -132,16 +144,16 @@ class TorchBackend(Backend):
         self.kernels_note = ""  # which kernels run the int8 weights, and why those (the backend explanation)
         if quantize == "int8":
             native = load_kernels() if kernels != "torch" else None
-            if native is not None and native.kernels is not None and self.dtype == torch.float32:
+            why_not = None if native is None else native_unfit(native, self.config, self.dtype)
+            if native is not None and native.kernels is not None and why_not is None:
                 use_native_int8(self.model, native.kernels)
                 self.native_isa = native.kernels.isa
                 self.kernels_note = f"native {self.native_isa} kernels"
             elif kernels == "native":
-                why = native.reason if native is not None else "the compute dtype is not float32"
-                raise BackendUnavailable(f"The native CPU kernels are unavailable: {why}.")
+                raise BackendUnavailable(f"The native CPU kernels are unavailable: {why_not}.")
             else:
                 use_int8_linears(self.model)
-                self.kernels_note = "PyTorch kernels" + (f" ({native.reason})" if native is not None else "")
+                self.kernels_note = "PyTorch kernels" + (f" ({why_not})" if why_not else "")
             self.weight_bytes = resident_weight_bytes(self.model)
         elif self.device.type == "cpu":
             use_k_major_linears(self.model)

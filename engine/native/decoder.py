@@ -102,7 +102,7 @@ class NativeDecoder:
             ctypes.pointer(model.lm_head.desc),
         )
         self.vocab = model.lm_head.out_features
-        self.scratch = torch.empty(kernels.lib.spark_decode_scratch_floats(ctypes.byref(self.desc)))
+        self.scratch_floats = int(kernels.lib.spark_decode_scratch_floats(ctypes.byref(self.desc)))
 
     def accepts(self, cache: "KVCache", reads: "StepReads") -> bool:
         """The native step covers one row and one token whose only stale read copy is its own, nothing masked."""
@@ -136,8 +136,10 @@ class NativeDecoder:
         )
         logits = torch.empty(self.vocab)  # (V,)
         scores = torch.empty(reads.width)  # (m,) one head's attention weights at a time
+        # Per call, not per decoder: forked backends share the model, and ctypes lets their threads run at once.
+        scratch = torch.empty(self.scratch_floats)
         self.kernels.lib.spark_decode(
-            ctypes.byref(self.desc), ctypes.byref(table), ctypes.byref(step), residual.data_ptr(), logits.data_ptr(), self.scratch.data_ptr(), scores.data_ptr()
+            ctypes.byref(self.desc), ctypes.byref(table), ctypes.byref(step), residual.data_ptr(), logits.data_ptr(), scratch.data_ptr(), scores.data_ptr()
         )
         return logits.view(1, 1, -1)
 
@@ -145,9 +147,7 @@ class NativeDecoder:
 def use_native_int8(model: "Transformer", kernels: NativeKernels) -> None:
     """Swap every nn.Linear of a fused fp32 `model` for a NativeInt8Linear and attach a NativeDecoder. A tied LM
     head quantizes the vocabulary matrix once: the embedding dequantizes rows of the same int8 copy."""
-    cfg = model.config
-    if cfg.head_dim > kernels.max_head_dim:
-        raise ValueError(f"head dim {cfg.head_dim} exceeds the native kernels' {kernels.max_head_dim}")
+    cfg = model.config  # head_dim <= kernels.max_head_dim (checked by the backend)
     if cfg.tie_word_embeddings:
         q, scales = quantize_rows(model.lm_head.weight)
         model.lm_head = NativeInt8Linear(kernels, q, scales, None)  # type: ignore[assignment]

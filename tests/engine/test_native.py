@@ -192,3 +192,18 @@ def test_arm_kernels_compute_the_exact_int8_product(tmp_path: Path, arch: str, i
     subprocess.run(build, check=True, capture_output=True, timeout=300)
     out = subprocess.run([str(QEMU_ARM), str(exe)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.splitlines() == [f"isa {isa}", "0 mismatches"], out.stdout
+
+
+def test_models_the_native_step_cannot_run_are_named(qwen_dir: Path, kernels: NativeKernels) -> None:
+    import dataclasses
+
+    from engine.backends.torch_backend import native_unfit
+    from engine.native import NativeStatus
+
+    status = NativeStatus(kernels, "ok")
+    cfg = TorchBackend(qwen_dir, "cpu", quantize="none").config
+    assert native_unfit(status, cfg, torch.float32) is None
+    assert native_unfit(status, cfg, torch.bfloat16) == "they compute in float32, not bfloat16"
+    wide = dataclasses.replace(cfg, head_dim=kernels.max_head_dim * 2)
+    assert native_unfit(status, wide, torch.float32) == f"head dim {kernels.max_head_dim * 2} exceeds their {kernels.max_head_dim}"
+    assert native_unfit(NativeStatus(None, "no C compiler was found"), cfg, torch.float32) == "no C compiler was found"
