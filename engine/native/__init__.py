@@ -190,8 +190,8 @@ def bind(path: Path) -> NativeKernels:
     lib = ctypes.CDLL(str(path))
     lib.spark_isa.restype = ctypes.c_char_p
     lib.spark_max_head_dim.restype = ctypes.c_int32
-    lib.spark_qmatmul.restype = None
-    lib.spark_qmatmul.argtypes = [ctypes.POINTER(QMat), ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.spark_qgemv.restype = None
+    lib.spark_qgemv.argtypes = [ctypes.POINTER(QMat), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.spark_decode_scratch_floats.restype = ctypes.c_int64
     lib.spark_decode_scratch_floats.argtypes = [ctypes.POINTER(ModelDesc)]
     lib.spark_decode.restype = None

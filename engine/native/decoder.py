@@ -49,7 +49,7 @@ class NativeInt8Linear(nn.Module):
         m = rows.shape[0]
         if m > 1:
             # Several rows (prefill chunks, batches) reuse each weight row: PyTorch's int8 GEMM beats a row-at-a-time
-            # kernel there (4x at 128 rows). Same quantization and exact int32 sums as spark_qmatmul, same result.
+            # kernel there (4x at 128 rows). Same quantization and exact int32 sums as spark_qgemv, same result.
             amax = rows.abs().amax(dim=1, keepdim=True)  # (M, 1)
             xq = torch.round(rows * torch.where(amax > 0, 127.0 / amax, 0.0)).to(torch.int8)  # (M, K)
             acc = torch._int_mm(xq, self.q.t())  # (M, N) int32
@@ -57,8 +57,7 @@ class NativeInt8Linear(nn.Module):
             return (y if self.bias is None else y.add_(self.bias)).view(*x.shape[:-1], self.out_features)
         y = torch.empty(1, self.out_features)  # (1, N)
         xq = torch.empty(self.in_features, dtype=torch.int8)  # the quantized row
-        xs = torch.empty(1)  # its scale
-        self.kernels.lib.spark_qmatmul(ctypes.byref(self.desc), rows.data_ptr(), 1, y.data_ptr(), xq.data_ptr(), xs.data_ptr())
+        self.kernels.lib.spark_qgemv(ctypes.byref(self.desc), rows.data_ptr(), y.data_ptr(), xq.data_ptr())
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -62,7 +62,7 @@ typedef struct {
 
 /* Quantize one activation row x (K) to int8 in [-127, 127]; returns its scale (0 for an all-zero row). The x86
  * VNNI kernel multiplies unsigned by signed bytes, so there the row is stored as xq + 128 (sign bit flipped) and
- * dot_rows subtracts 128 * (sum of the weights) again. */
+ * dot_row subtracts 128 * (sum of the weights) again. */
 static float quantize_row(const float *x, int32_t k, int8_t *xq) {
     float amax = 0.0f;
     for (int32_t i = 0; i < k; i++) {
@@ -80,88 +80,60 @@ static float quantize_row(const float *x, int32_t k, int8_t *xq) {
     return amax / 127.0f;
 }
 
-/* out[r] = sum_k x_r[k] * w[k] for one weight row and nx <= 4 quantized activation rows (exact int32). One weight
- * row at a time keeps the weight stream sequential, which decoding (nx = 1, every weight read once) needs to run
- * at memory bandwidth: interleaving four weight rows ran at a third of it. */
-static void dot_rows(const int8_t *w, const int8_t *const x[4], int32_t nx, int32_t k, int32_t row_sum, int32_t out[4]) {
-    int32_t i = 0;
-    int32_t s[4] = {0, 0, 0, 0};
+/* sum_k x[k] * w[k] for one weight row and one quantized activation row (exact int32). */
+static int32_t dot_row(const int8_t *w, const int8_t *x, int32_t k, int32_t row_sum) {
+    int32_t i = 0, s = 0;
 #if defined(SPARK_AVX512VNNI)
-    __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-    for (; i + 64 <= k; i += 64) {
-        const __m512i wv = _mm512_loadu_si512(w + i);
-        for (int32_t r = 0; r < nx; r++) a[r] = _mm512_dpbusd_epi32(a[r], _mm512_loadu_si512(x[r] + i), wv);
-    }
+    __m512i a = _mm512_setzero_si512();
+    for (; i + 64 <= k; i += 64) a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(x + i), _mm512_loadu_si512(w + i));
     if (i > 0) {
         int32_t head = row_sum; /* the sum of w over [0, i), which the unsigned offset added 128 times */
         for (int32_t j = i; j < k; j++) head -= w[j];
-        for (int32_t r = 0; r < nx; r++) s[r] = _mm512_reduce_add_epi32(a[r]) - 128 * head;
+        s = _mm512_reduce_add_epi32(a) - 128 * head;
     }
-    for (; i < k; i++)
-        for (int32_t r = 0; r < nx; r++) s[r] += (int32_t)(int8_t)((uint8_t)x[r][i] ^ 0x80u) * w[i];
+    for (; i < k; i++) s += (int32_t)(int8_t)((uint8_t)x[i] ^ 0x80u) * w[i];
 #elif defined(SPARK_AVX2)
     /* maddubs multiplies unsigned by signed bytes into saturating int16 pairs: |x| times w carrying x's sign keeps
      * every pair within 2 * 127 * 127 < 32767, so nothing saturates. */
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    __m256i a = _mm256_setzero_si256();
     for (; i + 32 <= k; i += 32) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i));
         const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i));
-        for (int32_t r = 0; r < nx; r++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x[r] + i));
-            const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
-            a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(pairs, ones));
-        }
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv)), ones));
     }
-    for (int32_t r = 0; r < nx; r++) {
-        int32_t t[8];
-        _mm256_storeu_si256((__m256i *)t, a[r]);
-        s[r] = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-    }
+    int32_t t[8];
+    _mm256_storeu_si256((__m256i *)t, a);
+    s = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
     (void)row_sum;
-    for (; i < k; i++)
-        for (int32_t r = 0; r < nx; r++) s[r] += (int32_t)x[r][i] * w[i];
+    for (; i < k; i++) s += (int32_t)x[i] * w[i];
 #elif defined(SPARK_NEON_DOT)
-    int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
-    for (; i + 16 <= k; i += 16) {
-        const int8x16_t wv = vld1q_s8(w + i);
-        for (int32_t r = 0; r < nx; r++) a[r] = vdotq_s32(a[r], vld1q_s8(x[r] + i), wv);
-    }
-    for (int32_t r = 0; r < nx; r++) s[r] = vaddvq_s32(a[r]);
+    int32x4_t a = vdupq_n_s32(0);
+    for (; i + 16 <= k; i += 16) a = vdotq_s32(a, vld1q_s8(x + i), vld1q_s8(w + i));
+    s = vaddvq_s32(a);
     (void)row_sum;
-    for (; i < k; i++)
-        for (int32_t r = 0; r < nx; r++) s[r] += (int32_t)x[r][i] * w[i];
+    for (; i < k; i++) s += (int32_t)x[i] * w[i];
 #else
     (void)row_sum;
-    for (; i < k; i++)
-        for (int32_t r = 0; r < nx; r++) s[r] += (int32_t)x[r][i] * w[i];
+    for (; i < k; i++) s += (int32_t)x[i] * w[i];
 #endif
-    for (int32_t r = 0; r < nx; r++) out[r] = s[r];
+    return s;
 }
 
-/* y (M, N) = x (M, K) @ W^T, each row of x quantized on the fly (xq: scratch of M*K bytes, xs: M floats). */
-static void qmatmul(const spark_qmat *w, const float *x, int32_t m, float *y, int8_t *xq, float *xs) {
-    const int32_t n = w->n, k = w->k;
-    for (int32_t r = 0; r < m; r++) xs[r] = quantize_row(x + (size_t)r * k, k, xq + (size_t)r * k);
-    /* Each weight row is read from memory once and stays in L1 while up to four activation rows at a time pass
-     * over it (prefill chunks); the quantized activations stay in L2. */
-    for (int32_t j = 0; j < n; j++) {
-        const int8_t *wj = w->q + (size_t)j * k;
-        const float ws = w->scales[j], b = w->bias ? w->bias[j] : 0.0f;
-        for (int32_t r0 = 0; r0 < m; r0 += 4) {
-            const int32_t nx = m - r0 < 4 ? m - r0 : 4;
-            const int8_t *xr[4];
-            int32_t acc[4];
-            for (int32_t t = 0; t < 4; t++) xr[t] = xq + (size_t)(r0 + (t < nx ? t : 0)) * k;
-            dot_rows(wj, xr, nx, k, w->row_sums[j], acc);
-            for (int32_t t = 0; t < nx; t++) y[(size_t)(r0 + t) * n + j] = xs[r0 + t] * ws * (float)acc[t] + b;
-        }
+/* y (N) = W x for one activation row x (K), quantized on the fly into xq (K bytes). Decoding reads every weight
+ * once, so this runs at memory bandwidth only if the weight stream stays sequential: one row at a time (17-27 GB/s
+ * on one Zen 4 core; interleaving four rows ran at 9). Several rows (prefill) go to PyTorch's int8 GEMM instead. */
+static void qgemv(const spark_qmat *w, const float *x, float *y, int8_t *xq) {
+    const int32_t k = w->k;
+    const float xs = quantize_row(x, k, xq);
+    for (int32_t j = 0; j < w->n; j++) {
+        const int32_t acc = dot_row(w->q + (size_t)j * k, xq, k, w->row_sums[j]);
+        y[j] = xs * w->scales[j] * (float)acc + (w->bias ? w->bias[j] : 0.0f);
     }
 }
 
-/* Entry point for Python's Int8 linear layers (prefill chunks, batches): scratch is M*K bytes + M floats. */
-void spark_qmatmul(const spark_qmat *w, const float *x, int32_t m, float *y, int8_t *xq, float *xs) {
-    qmatmul(w, x, m, y, xq, xs);
-}
+/* Entry point for Python's int8 linear layers on one row: xq is scratch of K bytes. */
+void spark_qgemv(const spark_qmat *w, const float *x, float *y, int8_t *xq) { qgemv(w, x, y, xq); }
 
 /* The decoder's weights, one entry per layer in each array. */
 typedef struct {
@@ -265,12 +237,11 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
     float *att = q_plain + hd;              /* (H*D) attention output */
     float *gu = att + hd;                   /* (2*I) gate, up */
     int8_t *xq = (int8_t *)(gu + 2 * (int64_t)inter); /* widest input, as bytes */
-    float xs;
 
     for (int32_t l = 0; l < m->n_layers; l++) {
         /* Attention block. */
         rms_norm(x, m->attn_norm[l], c, m->eps, hbuf);
-        qmatmul(&m->qkv[l], hbuf, 1, qkv, xq, &xs);
+        qgemv(&m->qkv[l], hbuf, qkv, xq);
         const float *q = qkv, *k = qkv + hd, *v = qkv + hd + kvd;
         const int64_t layer_off = (int64_t)l * hkv * s * d;
         for (int32_t kh = 0; kh < hkv; kh++) {
@@ -321,19 +292,19 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
                 for (int32_t i = 0; i < d; i++) out[i] += p * vr[i];
             }
         }
-        qmatmul(&m->o[l], att, 1, hbuf, xq, &xs);
+        qgemv(&m->o[l], att, hbuf, xq);
         for (int32_t i = 0; i < c; i++) x[i] += hbuf[i];
 
         /* MLP block. */
         rms_norm(x, m->mlp_norm[l], c, m->eps, hbuf);
-        qmatmul(&m->gate_up[l], hbuf, 1, gu, xq, &xs);
+        qgemv(&m->gate_up[l], hbuf, gu, xq);
         for (int32_t i = 0; i < inter; i++) {
             const float gate = gu[i];
             gu[i] = gate / (1.0f + exp_approx(-gate)) * gu[inter + i];
         }
-        qmatmul(&m->down[l], gu, 1, hbuf, xq, &xs);
+        qgemv(&m->down[l], gu, hbuf, xq);
         for (int32_t i = 0; i < c; i++) x[i] += hbuf[i];
     }
     rms_norm(x, m->final_norm, c, m->eps, hbuf);
-    qmatmul(m->lm_head, hbuf, 1, logits, xq, &xs);
+    qgemv(m->lm_head, hbuf, logits, xq);
 }

@@ -12,7 +12,7 @@ int main(void) {
     for (int wi = 0; wi < 5; wi++) {
         const int32_t k = widths[wi], n = 37, m = 3;
         int8_t *q = malloc((size_t)n * k), *xq = malloc((size_t)m * k);
-        float *scales = malloc(4 * n), *bias = malloc(4 * n), *x = malloc(4 * (size_t)m * k), *y = malloc(4 * (size_t)m * n), xs[3];
+        float *scales = malloc(4 * n), *bias = malloc(4 * n), *x = malloc(4 * (size_t)m * k), *y = malloc(4 * (size_t)m * n);
         int32_t *sums = malloc(4 * n);
         for (int32_t j = 0; j < n; j++) {
             sums[j] = 0, scales[j] = 0.01f * (float)(j + 1), bias[j] = 0.5f * (float)j;
@@ -27,7 +27,7 @@ int main(void) {
             x[i] = (float)((int)((seed >> 16) % 2001u) - 1000) / 100.0f;
         }
         spark_qmat w = {q, scales, sums, bias, n, k};
-        spark_qmatmul(&w, x, m, y, xq, xs);
+        for (int32_t r = 0; r < m; r++) spark_qgemv(&w, x + r * k, y + r * n, xq + r * k);
         for (int32_t r = 0; r < m; r++) {
             float amax = 0.0f;
             for (int32_t i = 0; i < k; i++) amax = fabsf(x[r * k + i]) > amax ? fabsf(x[r * k + i]) : amax;
