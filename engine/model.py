@@ -16,6 +16,7 @@ Module and parameter names mirror Hugging Face so a state dict loads without ren
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -384,6 +385,14 @@ def _stacked(linears: list[nn.Linear]) -> nn.Linear:
     if out.bias is not None:
         out.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)  # type: ignore[union-attr]
     return out
+
+
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Swap every nn.Linear in `model` for make(linear): the inference paths' weight layouts and quantizations."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, make(child))
 
 
 def fuse_projections(model: "Transformer") -> None:

@@ -13,9 +13,12 @@ against 40.7 ms in fp32 (fp32 K-major) and 37.4 ms in bf16.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from engine.model import replace_linears
 
 # Smallest per-channel scale: an all-zero row would otherwise get scale 0 and quantize to NaN.
 _MIN_SCALE = 1e-12
@@ -95,16 +98,18 @@ def resident_weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def use_int8_linears(model: nn.Module) -> None:
-    """Swap every nn.Linear of `model` (a Transformer) for an Int8Linear. A tied LM head quantizes the vocabulary
-    matrix once: the embedding dequantizes rows of the same int8 copy."""
-    torch.backends.quantized.engine = quantized_engine()
+def quantize_linears(model: nn.Module, make: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], nn.Module]) -> None:
+    """Swap every nn.Linear of `model` (a Transformer) for make(int8 rows, scales, bias). A tied LM head quantizes
+    the vocabulary matrix once: the embedding dequantizes rows of the same int8 copy."""
     cfg = model.config  # type: ignore[attr-defined]
     if cfg.tie_word_embeddings:
         q, scales = quantize_rows(model.lm_head.weight)  # type: ignore[union-attr]
-        model.lm_head = Int8Linear(q, scales, None)  # type: ignore[assignment]
+        model.lm_head = make(q, scales, None)  # type: ignore[assignment]
         model.model.embed_tokens = Int8Embedding(q, scales)  # type: ignore[union-attr]
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear.from_linear(child))
+    replace_linears(model, lambda linear: make(*quantize_rows(linear.weight), linear.bias))
+
+
+def use_int8_linears(model: nn.Module) -> None:
+    """Run every linear layer of `model` on PyTorch's quantized kernels (Int8Linear)."""
+    torch.backends.quantized.engine = quantized_engine()
+    quantize_linears(model, Int8Linear)

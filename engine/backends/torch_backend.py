@@ -17,7 +17,7 @@ from engine.errors import BackendUnavailable
 from engine.config import ModelConfig
 from engine.native import NativeStatus, load_kernels
 from engine.native.decoder import use_native_int8
-from engine.model import KVCache, SlotBatch, Transformer, fuse_projections
+from engine.model import KVCache, SlotBatch, Transformer, fuse_projections, replace_linears
 from engine.weights import load_model
 
 # Compute dtype per device: CPU kernels are fastest (and exact vs references) in fp32; GPUs run fp16.
@@ -80,12 +80,8 @@ class ColumnEmbedding(nn.Module):
 def use_k_major_linears(model: Transformer) -> None:
     """Swap every nn.Linear for a KMajorLinear (CPU decode layout). A tied LM head keeps one matrix: the embedding
     then reads columns of the transposed head instead of holding the vocabulary matrix twice."""
-    tied = model.config.tie_word_embeddings
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, KMajorLinear(child))
-    if tied:
+    replace_linears(model, KMajorLinear)
+    if model.config.tie_word_embeddings:
         model.model.embed_tokens = ColumnEmbedding(model.lm_head.weight_t)  # type: ignore[assignment]
 
 

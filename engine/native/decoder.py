@@ -10,12 +10,13 @@ so both paths share weights, arithmetic and the slot table.
 from __future__ import annotations
 
 import ctypes
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from engine.backends.int8 import Int8Embedding, quantize_rows
+from engine.backends.int8 import quantize_linears, quantize_rows
 from engine.native import CacheDesc, ModelDesc, NativeKernels, QMat, StepDesc
 
 if TYPE_CHECKING:
@@ -144,15 +145,7 @@ class NativeDecoder:
 
 
 def use_native_int8(model: "Transformer", kernels: NativeKernels) -> None:
-    """Swap every nn.Linear of a fused fp32 `model` for a NativeInt8Linear and attach a NativeDecoder. A tied LM
-    head quantizes the vocabulary matrix once: the embedding dequantizes rows of the same int8 copy."""
-    cfg = model.config  # head_dim <= kernels.max_head_dim (checked by the backend)
-    if cfg.tie_word_embeddings:
-        q, scales = quantize_rows(model.lm_head.weight)
-        model.lm_head = NativeInt8Linear(kernels, q, scales, None)  # type: ignore[assignment]
-        model.model.embed_tokens = Int8Embedding(q, scales)  # type: ignore[assignment]
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, NativeInt8Linear.from_linear(kernels, child))
+    """Run every linear layer of a fused fp32 `model` on the native kernels (NativeInt8Linear) and attach a
+    NativeDecoder. The model's head_dim fits kernels.max_head_dim (checked by the backend)."""
+    quantize_linears(model, partial(NativeInt8Linear, kernels))
     model.native_decoder = NativeDecoder(kernels, model)
