@@ -447,6 +447,8 @@ class Transformer(nn.Module):
         return KVCache(self.config, batch, num_slots, p.device, dtype or p.dtype, p.dtype)
 
     def step_reads(self, cache: KVCache, batch: SlotBatch) -> StepReads:
+        if self.rope is None:
+            self.setup_rope()
         assert self.rope is not None
         rope_q = self.rope.lookup(batch.positions)
         b, t = batch.positions.shape
@@ -481,8 +483,6 @@ class Transformer(nn.Module):
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: StepReads | None = None) -> torch.Tensor:
         """tokens (B, T) -> final normed hidden states (B, T, C); writes this step's K/V into `cache`."""
-        if self.rope is None:
-            self.setup_rope()
         reads = reads or self.step_reads(cache, batch)
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         for i, layer in enumerate(self.model.layers):
@@ -513,8 +513,6 @@ class Transformer(nn.Module):
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last token only when `last_only`."""
         reads = None
         if self.native_decoder is not None and tokens.shape == (1, 1):
-            if self.rope is None:
-                self.setup_rope()
             reads = self.step_reads(cache, batch)
             if self.native_decoder.accepts(cache, reads):
                 return self.native_decoder.decode(self.model.embed_tokens(tokens), cache, batch, reads)

@@ -37,12 +37,15 @@ def default_data_dir() -> Path:
     return _platform_dir(DATA_DIR_ENV, "Application Support", "XDG_DATA_HOME", ".local/share")
 
 
+def bundle_root() -> Path | None:
+    """Where a packaged (PyInstaller) app unpacked its data and libraries; None when running from source."""
+    frozen_root = getattr(sys, "_MEIPASS", None)  # recorded by PyInstaller's bootloader
+    return Path(frozen_root) if frozen_root else None
+
+
 def resources_dir() -> Path:
-    # PyInstaller unpacks data next to the executable and records it in sys._MEIPASS.
-    frozen_root = getattr(sys, "_MEIPASS", None)
-    if frozen_root:
-        return Path(frozen_root) / "resources"
-    return Path(__file__).resolve().parent.parent / "resources"
+    root = bundle_root()
+    return root / "resources" if root else Path(__file__).resolve().parent.parent / "resources"
 
 
 def bundled_model_dir() -> Path:

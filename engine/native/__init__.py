@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from engine.paths import default_cache_dir
+from engine.paths import bundle_root, default_cache_dir
 
 SOURCE = Path(__file__).with_name("spark_kernels.c")
 COMPILER_ENV = "CC"  # the compiler to use, as for any C build; else cc, clang, gcc in that order
@@ -127,12 +127,12 @@ def compile_flags(portable: bool = False) -> list[str]:
     """Optimise for this very CPU (the library is built where it runs), or with `portable` for any CPU of the
     family that a packaged app may meet: x86-64-v3 (AVX2, 2015 on), Armv8.2 with the dot-product instructions."""
     arm = platform.machine().lower() in ("arm64", "aarch64")
-    if arm:
+    if arm and sys.platform == "darwin":
+        tune = ["-mcpu=apple-m1"]  # every Apple Silicon core has the int8 dot-product instructions: portable as is
+    elif arm:
         tune = ["-march=armv8.2-a+dotprod"] if portable else ["-mcpu=native"]
     else:
         tune = ["-march=x86-64-v3"] if portable else ["-march=native"]
-    if sys.platform == "darwin" and arm:
-        tune = ["-mcpu=apple-m1"]  # every Apple Silicon core has the int8 dot-product instructions
     shared = ["-dynamiclib"] if sys.platform == "darwin" else ["-shared"]
     # No fused multiply-add contraction: products round as PyTorch's do, so a key the kernel rotates equals the
     # one PyTorch would (the slot table's read copies are compared exactly) and both int8 paths agree bit for bit.
@@ -216,10 +216,10 @@ def load_kernels() -> NativeStatus:
 
 def bundled_library() -> Path | None:
     """The library a packaged app ships (built by packaging/spark.spec), which needs no compiler on the Mac."""
-    frozen_root = getattr(sys, "_MEIPASS", None)
-    if not frozen_root:
+    root = bundle_root()
+    if root is None:
         return None
-    found = sorted((Path(frozen_root) / BUNDLED_DIR).glob("spark_kernels-*"))
+    found = sorted((root / BUNDLED_DIR).glob("spark_kernels-*"))
     return found[0] if found else None
 
 
