@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,46 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+# rope types whose frequencies we compute; the others change attention in ways the model does not implement
+UNSUPPORTED_ROPE_TYPES = ("yarn", "dynamic", "longrope", "su", "ntk")
+
+
+def read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope base, scaling) from a config in either layout: transformers 5 keeps both under `rope_parameters`,
+    transformers 4 writes top-level `rope_theta` and `rope_scaling`. The one place a rope configuration is read."""
+    params = d.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ModelLoadError("config.json has a rope_parameters entry that is not an object; the model folder looks damaged.")
+    # transformers 5 may nest per-layer-type parameters ({"full_attention": {...}}); Llama-family models have one.
+    if params and "rope_theta" not in params and len(params) == 1 and isinstance(next(iter(params.values())), dict):
+        params = next(iter(params.values()))
+    params = params or {}
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    if not math.isfinite(theta) or theta <= 1.0:
+        raise ModelLoadError(f"config.json gives rope_theta {theta}, which is not a usable rotary base (it must be above 1).")
+    rs = params if params.get("rope_type", params.get("type")) not in (None, "default") else d.get("rope_scaling")
+    if not rs:
+        return theta, None
+    if not isinstance(rs, dict):
+        raise ModelLoadError("config.json has a rope_scaling entry that is not an object; the model folder looks damaged.")
+    rtype = rs.get("rope_type", rs.get("type"))
+    if rtype in (None, "default"):
+        return theta, None
+    if rtype == "llama3":
+        return theta, RopeScaling(
+            "llama3",
+            float(rs["factor"]),
+            float(rs.get("low_freq_factor", 1.0)),
+            float(rs.get("high_freq_factor", 4.0)),
+            int(rs.get("original_max_position_embeddings", 8192)),
+        )
+    if rtype == "linear":
+        return theta, RopeScaling("linear", float(rs["factor"]))
+    if rtype in UNSUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"The model uses {rtype} rope scaling, which MLoT Spark does not run yet (llama3 and linear are supported).")
+    raise ModelLoadError(f"The model's rope scaling type {rtype!r} is not supported (llama3 and linear are).")
 
 
 @dataclass(frozen=True)
@@ -71,22 +112,7 @@ class ModelConfig:
         try:
             n_heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
-            rs = d.get("rope_scaling")
-            scaling = None
-            if rs:
-                rtype = rs.get("rope_type", rs.get("type"))
-                if rtype == "llama3":
-                    scaling = RopeScaling(
-                        "llama3",
-                        float(rs["factor"]),
-                        float(rs.get("low_freq_factor", 1.0)),
-                        float(rs.get("high_freq_factor", 4.0)),
-                        int(rs.get("original_max_position_embeddings", 8192)),
-                    )
-                elif rtype == "linear":
-                    scaling = RopeScaling("linear", float(rs["factor"]))
-                elif rtype != "default":
-                    raise ModelLoadError(f"The model's rope_scaling type {rtype!r} is not supported (llama3 and linear are).")
+            rope_theta, scaling = read_rope(d)
             eos = d.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             return cls(
@@ -100,7 +126,7 @@ class ModelConfig:
                 head_dim=int(d.get("head_dim") or hidden // n_heads),
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", 10000.0)),
+                rope_theta=rope_theta,
                 rope_scaling=scaling,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 qkv_bias=SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or bool(d.get("attention_bias", False)),
