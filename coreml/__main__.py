@@ -18,11 +18,9 @@ def _convert(args: argparse.Namespace) -> int:
     def progress(stage: str, fraction: float) -> None:
         print(f"[{fraction * 100:5.1f}%] {stage}", file=sys.stderr, flush=True)
 
-    model = args.model
-    if model is None:
-        from engine.paths import bundled_model_dir
+    from engine.model_files import resolve_model_path
 
-        model = bundled_model_dir()
+    model = resolve_model_path(args.model)
     out = convert(model, args.out, quantize=args.quantize, slots=args.slots, progress=progress)
     print(out)
     return 0
@@ -49,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m coreml", description="MLoT Spark Core ML conversion and checks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser("convert", help="convert a model folder to a stateful multifunction .mlpackage")
-    c.add_argument("--model", default=None, help="Hugging Face model folder (default: the bundled model)")
+    c.add_argument("--model", default=None, help="Hugging Face model folder or .gguf (default: the default model)")
     c.add_argument("--out", required=True, help="the .mlpackage to write")
     c.add_argument("--quantize", choices=QUANTIZATIONS, default="none")
     c.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help=f"slot table size (multiple of 32; default {DEFAULT_SLOTS})")

@@ -32,6 +32,7 @@ from coreml.errors import ConversionError, PackageError
 from coreml.package import Package
 from coreml.wrapper import ANE_STATE_ALIGN, FUNCTIONS, CoreMLWrapper, vocab_pieces
 from engine.config import ModelConfig
+from engine.model_files import read_config
 from engine.model import Transformer
 
 FORMAT_VERSION = "1"  # bump when the wrapper's inputs, outputs or state layout change: invalidates the cache
@@ -332,7 +333,7 @@ def cached_package(
     from engine.weights import fingerprint, read_safetensors_header, weight_files
 
     model_dir = Path(model_dir).expanduser()
-    config = ModelConfig.from_file(model_dir / "config.json")
+    config = read_config(model_dir)
     files = weight_files(model_dir)
     fp = fingerprint(config, files, [read_safetensors_header(f) for f in files])
     geometry = Geometry(slots)

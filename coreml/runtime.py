@@ -30,6 +30,7 @@ from coreml.host import PackageBackend
 from coreml.package import Package
 from engine.backends.base import BackendProbe
 from engine.config import ModelConfig
+from engine.model_files import read_config
 from engine.errors import BackendUnavailable
 
 UNITS_ENV = "MLOT_SPARK_COREML_UNITS"
@@ -88,7 +89,7 @@ class CoreMLBackend(PackageBackend):
         self.cache_dir = cache_dir
         self.progress = progress
         # Identity without loading the weights: the package is what runs.
-        self.config = ModelConfig.from_file(self.model_dir / "config.json")
+        self.config = read_config(self.model_dir)
         files = weight_files(self.model_dir)
         tables = [read_safetensors_header(f) for f in files]
         self.fingerprint = fingerprint(self.config, files, tables)

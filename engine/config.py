@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -84,6 +85,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Per-frequency divisors (D/2,) as a GGUF stores Llama 3 scaling (its `rope_freqs` tensor); None elsewhere.
+    rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -92,6 +95,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def with_rope_freq_factors(self, factors: tuple[float, ...]) -> "ModelConfig":
+        return dataclasses.replace(self, rope_freq_factors=factors, raw={**self.raw, "rope_freq_factors": list(factors)})
 
     @property
     def num_kv_groups(self) -> int:

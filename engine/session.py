@@ -25,11 +25,12 @@ from engine.hw import HardwarePolicy
 from engine.generate import GenerationEvent, GenerationSettings, Pacer, stream_generate
 from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
 from engine.memory import Memory
-from engine.paths import bundled_model_dir, default_cache_dir
+from engine.model_files import check_model_path, display_name, resolve_model_path, settings_dir
+from engine.paths import default_cache_dir
 from engine.session_file import ForeignModelSession, Message, restore, save_session
 from engine.sampling import SamplingSettings, make_sampler
 from engine.tokenizer import Tokenizer
-from engine.weights import check_model_folder, estimate_size
+from engine.weights import estimate_size
 
 MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pasted file), not a prompt
 MemoryFactory = Callable[[Backend], Memory]
@@ -47,7 +48,7 @@ def memory_factory_for(
     """Each conversation's memory: the cascade laid out per the model's cascade.json, over one persistent
     (L3) store per model + backend numerics under `cache_dir` (default: the platform cache dir). With a `policy`,
     the episodic tier gets its share of the machine's memory budget instead of the fixed default."""
-    folder = Path(model_dir).expanduser() if model_dir else bundled_model_dir()
+    model_path = resolve_model_path(model_dir)
     stores: dict[tuple[str, str], PersistentStore] = {}
     stores_lock = threading.Lock()
 
@@ -62,7 +63,7 @@ def memory_factory_for(
             return stores[key]
 
     def make(backend: Backend) -> Memory:
-        config = CascadeConfig.for_model(folder, backend.config, **cascade_overrides)
+        config = CascadeConfig.for_model(settings_dir(model_path), backend.config, **cascade_overrides)
         if policy is not None and "episodic_budget_bytes" not in cascade_overrides:
             working = config.num_slots * backend.kv_bytes_per_token()
             config = replace(config, episodic_budget_bytes=policy.episodic_budget_bytes(backend.weight_bytes, working))
@@ -119,10 +120,11 @@ class Engine:
         policy: HardwarePolicy | None = None,
         quantize: str = "none",
     ) -> "Engine":
-        """Load a model folder; with a `policy`, first refuse (one sentence) a model this machine cannot hold."""
-        model_dir = Path(model_dir).expanduser() if model_dir else bundled_model_dir()
-        check_model_folder(model_dir)
-        tokenizer = Tokenizer.from_dir(model_dir)
+        """Load a model (HF folder or GGUF; the default model when None); with a `policy`, first refuse (one
+        sentence) a model this machine cannot hold."""
+        model_dir = resolve_model_path(model_dir)
+        check_model_path(model_dir)
+        tokenizer = Tokenizer.load(model_dir)
         if policy is not None:
             # Judged before any weight is read: fp32 on the CPU (the widest a backend computes in) unless the CPU
             # surely stores int8, fp16 KV.
@@ -253,7 +255,7 @@ class Session:
             memory_state=self.memory.state(),
             pending_token=self.pending_token,
             sampler_state=self.sampler.get_state(),
-            extra={"known_text": self.known_text, "model": self.engine.model_dir.name},
+            extra={"known_text": self.known_text, "model": display_name(self.engine.model_dir)},
         )
 
     def load(self, path: str | Path, *, accept_transcript_only: bool = False) -> LoadReport:

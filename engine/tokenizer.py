@@ -1,4 +1,4 @@
-"""Tokenizer of a Hugging Face model folder: encode/decode through HF `tokenizers`, chat templates, EOS ids,
+"""Tokenizer of a Hugging Face model folder or a GGUF file: encode/decode through HF `tokenizers`, chat templates, EOS ids,
 and a streaming detokenizer that emits text as soon as it is final.
 
 Only `tokenizer.json` is read for the vocabulary (a JSON file: nothing is ever unpickled). A folder with only a
@@ -26,6 +26,7 @@ from tokenizers import processors
 
 from engine.chat_template import render_chat
 from engine.errors import TokenizerError
+from engine.gguf_tokenizer import tokenizer_parts
 
 # Special-token names transformers passes to chat templates (its `special_tokens_map`).
 _TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -200,6 +201,25 @@ class Tokenizer:
         return cls(
             backend, chat_template=chat_template, special_tokens=special_tokens, eos_ids=frozenset(eos), content_hash=digest.hexdigest()
         )
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any]) -> "Tokenizer":
+        """The tokenizer a GGUF file carries in its metadata (vocabulary, merges or scores, specials, template)."""
+        backend, special_tokens, eos_ids, add_bos, content_hash = tokenizer_parts(metadata)
+        cls._install_bos_eos(backend, special_tokens, add_bos, False)
+        template = metadata.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError("The GGUF's chat template is not text; the file looks damaged.")
+        return cls(backend, chat_template=template or None, special_tokens=special_tokens, eos_ids=eos_ids, content_hash=content_hash)
+
+    @classmethod
+    def load(cls, model_path: str | Path) -> "Tokenizer":
+        """The tokenizer of any model path: a Hugging Face folder, a .gguf file, or a folder holding one."""
+        from engine.model_files import gguf_model, is_gguf_model
+
+        if is_gguf_model(model_path):
+            return cls.from_gguf(gguf_model(model_path).metadata)
+        return cls.from_dir(model_path)
 
     @staticmethod
     def _read_chat_template(root: Path, cfg: dict[str, Any]) -> str | None:

@@ -1,4 +1,5 @@
-"""Load a Hugging Face model folder: safetensors only (never pickle), memory-mapped, built on the meta device.
+"""Load a model: a Hugging Face folder (safetensors only, never pickle) or a GGUF file, memory-mapped, built on
+the meta device.
 
 We parse safetensors headers ourselves (8-byte little-endian length + JSON) so every way a file can be broken
 — truncated download, absurd header, unknown dtype, offsets past the end — becomes one clear sentence, and so
@@ -12,14 +13,16 @@ import json
 import math
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.gguf_file import StoredTensor
 from engine.model import Transformer
+from engine.model_files import check_model_path, file_sha256, gguf_model, is_gguf_model
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
@@ -149,10 +152,15 @@ def fingerprint(config: ModelConfig, files: list[Path], tables: list[list[Tensor
     return h.hexdigest()[:32]
 
 
-def estimate_size(model_dir: Path) -> tuple[int, int]:
-    """(parameter count, fp16 KV bytes per token) from config.json and the safetensors headers alone."""
-    config = ModelConfig.from_file(model_dir / "config.json")
-    params = sum(math.prod(t.shape) for f in weight_files(model_dir) for t in read_safetensors_header(f))
+def estimate_size(model_path: Path) -> tuple[int, int]:
+    """(parameter count, fp16 KV bytes per token) from the config and tensor tables alone (no weight is read)."""
+    if is_gguf_model(model_path):
+        gm = gguf_model(model_path)
+        config = gm.config
+        params = sum(math.prod(s.shape) for s in gm.tensor_shapes())
+    else:
+        config = ModelConfig.from_file(model_path / "config.json")
+        params = sum(math.prod(t.shape) for f in weight_files(model_path) for t in read_safetensors_header(f))
     return params, 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
 
 
@@ -163,40 +171,26 @@ class LoadedModel:
     fingerprint: str
     path: Path
     weight_bytes: int
+    # A GGUF's block-quantized weights as stored, by parameter name, for backends that run them without
+    # re-quantizing; empty for a Hugging Face folder.
+    stored: dict[str, StoredTensor] = field(default_factory=dict)
 
 
-def check_model_folder(model_dir: Path) -> None:
-    if not model_dir.exists():
-        raise ModelLoadError(f"The model folder {model_dir} does not exist.")
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"{model_dir} is a file, not a model folder; choose the folder that holds config.json.")
-
-
-def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Build on the meta device, then assign mmap-backed (or converted) tensors: one copy of the weights at most."""
-    model_dir = Path(model_dir).expanduser()
-    check_model_folder(model_dir)
-    config = ModelConfig.from_file(model_dir / "config.json")
-    files = weight_files(model_dir)
-    tables = [read_safetensors_header(f) for f in files]
-    state: dict[str, torch.Tensor] = {}
-    for f, table in zip(files, tables):
-        state.update(mmap_tensors(f, table))
-    with torch.device("meta"):
-        model = Transformer(config)
-    expected = {k: v for k, v in model.state_dict().items()}
+def _assign(model: Transformer, config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype) -> int:
+    """Check `state` against the model's parameters and assign it (converted to `dtype` on `device`); returns bytes."""
+    expected = dict(model.state_dict())
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         state.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise ModelLoadError(f"The weights lack {missing[0]} (and {len(missing) - 1} more); they do not match config.json.")
+        raise ModelLoadError(f"The weights lack {missing[0]} (and {len(missing) - 1} more); they do not match the model's configuration.")
     weight_bytes = 0
     converted: dict[str, torch.Tensor] = {}
     for name, ref in expected.items():
         t = state[name]
         if tuple(t.shape) != tuple(ref.shape):
-            raise ModelLoadError(f"Tensor {name} has shape {tuple(t.shape)} but config.json implies {tuple(ref.shape)}.")
+            raise ModelLoadError(f"Tensor {name} has shape {tuple(t.shape)} but the configuration implies {tuple(ref.shape)}.")
         if not t.is_floating_point():
             raise ModelLoadError(f"Tensor {name} is stored as {t.dtype}; a Llama-family weight must be floating point.")
         # A dtype/device change copies once; same dtype on CPU stays a view of the mmap.
@@ -207,4 +201,37 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().requires_grad_(False)
     model.setup_rope()
-    return LoadedModel(model, config, fingerprint(config, files, tables), model_dir, weight_bytes)
+    return weight_bytes
+
+
+def _load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype) -> LoadedModel:
+    gm = gguf_model(path)
+    with torch.device("meta"):
+        model = Transformer(gm.config)
+    state: dict[str, torch.Tensor] = {}
+    for name, t in gm.dequantized_state():
+        # Converted as it is read, so at most one fp32 copy of the weights exists at any time.
+        state[name] = t if (t.dtype == dtype and str(device) == "cpu") else t.to(device=device, dtype=dtype)
+    weight_bytes = _assign(model, gm.config, state, device, dtype)
+    # The fingerprint covers the whole file: any changed byte is another model for caches and sessions.
+    return LoadedModel(model, gm.config, file_sha256(gm.path)[:32], gm.path, weight_bytes, gm.stored_tensors())
+
+
+def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Build on the meta device, then assign mmap-backed (or converted) tensors: one copy of the weights at most.
+
+    `model_path`: a Hugging Face folder, a .gguf file, or a folder holding one .gguf."""
+    model_path = Path(model_path).expanduser()
+    check_model_path(model_path)
+    if is_gguf_model(model_path):
+        return _load_gguf(model_path, device, dtype)
+    config = ModelConfig.from_file(model_path / "config.json")
+    files = weight_files(model_path)
+    tables = [read_safetensors_header(f) for f in files]
+    state: dict[str, torch.Tensor] = {}
+    for f, table in zip(files, tables):
+        state.update(mmap_tensors(f, table))
+    with torch.device("meta"):
+        model = Transformer(config)
+    weight_bytes = _assign(model, config, state, device, dtype)
+    return LoadedModel(model, config, fingerprint(config, files, tables), model_path, weight_bytes)

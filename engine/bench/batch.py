@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="spark-bench-") as tmp:
         model_dir, label = bench_model(args, tmp)
         backend = open_backend(model_dir, args.backend).backend
-        tok = Tokenizer.from_dir(model_dir)
+        tok = Tokenizer.load(model_dir)
         ps = prompts(backend.config.vocab_size, n_requests)
         settings = GenerationSettings(max_tokens=n_tokens, sampling=SamplingSettings(greedy=True), ignore_eos=True)
         warm = GenerationSettings(max_tokens=2, sampling=SamplingSettings(greedy=True), ignore_eos=True)

@@ -3,8 +3,8 @@ only (StreamingLLM: the same geometry with retrieval_blocks=0), with sinks + a w
 slot budget, and with plain truncation (independent segments as long as the cascade's slot budget).
 Headlines `ppl_cascade`, `ppl_window`, `ppl_truncate`; goal ppl_cascade <= ppl_window.
 
-The document is the held-out split of the training corpus (engine.train.corpus: whole stdlib modules the bundled
-model never saw), rendered the same way, concatenated in name order and cut to `MAX_TOKENS`.
+The document is a fixed sample of the local standard library's pydoc pages (engine.bench.stdlib_docs),
+concatenated in name order and cut to `MAX_TOKENS`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from engine.backends.base import Backend
 from engine.cascade import CascadeConfig, CascadeMemory
 from engine.errors import SparkError
 from engine.memory import FullAttentionMemory, Memory
-from engine.paths import bundled_model_dir
+from engine.model_files import resolve_model_path, settings_dir
 from engine.tokenizer import Tokenizer
-from engine.train.corpus import is_held_out, render_module, stdlib_top_modules
+from engine.bench.stdlib_docs import is_sampled, render_module, stdlib_top_modules
 
 CHUNK = 64  # small chunks: tokens early in a chunk that wraps the window see W - T + 1 window tokens, not W
 MAX_TOKENS = 12288
@@ -32,8 +32,8 @@ QUICK_TOKENS = 3072
 
 
 def held_out_text(min_chars: int) -> str:
-    """Pages of held-out stdlib modules (corpus.render_module, as training renders them) until there is enough."""
-    names = [m for m in stdlib_top_modules() if is_held_out(m)]
+    """Pages of the sampled stdlib modules until there is enough."""
+    names = [m for m in stdlib_top_modules() if is_sampled(m)]
     text = ""
     for name in names:
         pages: dict[str, str] = render_module(name)["pages"]  # type: ignore[assignment]
@@ -56,14 +56,14 @@ def nll(backend: Backend, memory: Memory, ids: list[int]) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    model = Path(args.model) if args.model else bundled_model_dir()
-    if not model.is_dir():
-        raise SparkError(f"The long-ppl benchmark needs a trained model; {model} does not exist yet (pass --model).")
+    model = resolve_model_path(args.model)
+    if not model.exists():
+        raise SparkError(f"The long-ppl benchmark needs a trained model; {model} does not exist (pass --model).")
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     backend = open_backend(model, args.backend or "cpu", getattr(args, "quantize", "none")).backend
-    tok = Tokenizer.from_dir(model)
-    cfg = CascadeConfig.for_model(model, backend.config)
+    tok = Tokenizer.load(model)
+    cfg = CascadeConfig.for_model(settings_dir(model), backend.config)
     n = QUICK_TOKENS if getattr(args, "quick", False) else MAX_TOKENS
     ids = tok.encode(held_out_text(min_chars=n * 6))[:n]
     if len(ids) < 4 * cfg.window:

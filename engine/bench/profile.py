@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="spark-bench-") as tmp:
         model_dir, label = bench_model(args, tmp)
         backend = open_backend(model_dir, args.backend, args.quantize).backend
-        tok = Tokenizer.from_dir(model_dir)
+        tok = Tokenizer.load(model_dir)
         g = torch.Generator().manual_seed(1234)
         ids = torch.randint(1, min(backend.config.vocab_size, 30000), (PROMPT_TOKENS,), generator=g).tolist()
         settings = GenerationSettings(max_tokens=n_decode, sampling=SamplingSettings(greedy=True), ignore_eos=True, prefill_chunk=PROMPT_TOKENS)

@@ -104,11 +104,12 @@ class CascadeConfig:
         return c
 
     @classmethod
-    def for_model(cls, model_dir: str | Path, config: ModelConfig, **overrides: Any) -> "CascadeConfig":
-        """Defaults, then the model folder's optional cascade.json, then `overrides`, fitted to the model's context."""
+    def for_model(cls, model_dir: str | Path | None, config: ModelConfig, **overrides: Any) -> "CascadeConfig":
+        """Defaults, then the model folder's optional cascade.json (none for a bare GGUF file: `model_dir` None),
+        then `overrides`, fitted to the model's context."""
         values: dict[str, Any] = {}
-        path = Path(model_dir).expanduser() / CONFIG_FILE
-        if path.is_file():
+        path = Path(model_dir).expanduser() / CONFIG_FILE if model_dir is not None else None
+        if path is not None and path.is_file():
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError):

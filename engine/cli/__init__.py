@@ -21,7 +21,6 @@ SUBCOMMANDS: dict[str, str] = {
     "session": "engine.cli.session",
     "hw": "engine.cli.hw",
     "bench": "engine.cli.bench",
-    "train": "engine.cli.train",
 }
 
 

@@ -26,7 +26,7 @@ SUITES: dict[str, str] = {
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="run a benchmark suite")
     p.add_argument("suite", choices=list(SUITES))
-    p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model, or the suite's own)")
+    p.add_argument("--model", type=Path, default=None, help="model folder or .gguf (default: the default model, or the suite's own)")
     p.add_argument("--backend", default="cpu", choices=["auto", "coreml", "mps", "cuda", "cpu"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads for us and every peer (default: all cores)")
     p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="our weight storage in `decode`, `profile` and `long-ppl` (auto: int8 on the cpu backend)")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.cli.generate import add_model_args, add_sampling_args, open_engine, settings_from_args
 from engine.errors import SparkError
-from engine.paths import bundled_model_dir
+from engine.model_files import display_name, resolve_model_path
 from engine.session import Session
 
 
@@ -49,11 +49,11 @@ def handle_command(session: Session, line: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args, args.model or bundled_model_dir())  # bad flags fail before any loading
+    settings = settings_from_args(args, resolve_model_path(args.model))  # bad flags fail before any loading
     engine = open_engine(args)
     session = engine.new_session()
     session.system_prompt = args.system
-    print(f"MLoT Spark — {engine.model_dir.name} on {engine.choice.explain()}. /quit to leave.", file=sys.stderr)
+    print(f"MLoT Spark — {display_name(engine.model_dir)} on {engine.choice.explain()}. /quit to leave.", file=sys.stderr)
     while True:
         try:
             line = input("> ").strip()

@@ -10,7 +10,7 @@ from pathlib import Path
 from engine.backends import QUANTIZE_CHOICES
 from engine.config import generation_defaults
 from engine.errors import SparkError
-from engine.paths import bundled_model_dir
+from engine.model_files import resolve_model_path
 from engine.generate import GenerationEvent, GenerationSettings
 from engine.hw import this_machine_policy, use_recommended_threads
 from engine.sampling import SamplingSettings
@@ -18,7 +18,7 @@ from engine.session import Engine, Session, memory_factory_for
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=None, help="Hugging Face model folder (default: the bundled model)")
+    p.add_argument("--model", type=Path, default=None, help="Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct, the installed default model)")
     p.add_argument("--backend", default="auto", choices=["auto", "coreml", "mps", "cuda", "cpu"])
     p.add_argument("--cache-dir", type=Path, default=None, help="persistent (L3) prefix cache folder")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not read or write the persistent prefix cache")
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         raise SparkError("--continue needs --load-session FILE (the conversation to continue).")
     if prompt is None and not args.continue_:
         raise SparkError("Give a prompt with --prompt TEXT (or --load-session FILE --continue).")
-    settings = settings_from_args(args, args.model or bundled_model_dir())  # bad flags fail before any loading
+    settings = settings_from_args(args, resolve_model_path(args.model))  # bad flags fail before any loading
     engine = open_engine(args)
     session = engine.new_session()
     if args.load_session is not None:

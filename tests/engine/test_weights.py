@@ -69,7 +69,7 @@ def test_sharded_checkpoint_loads(tiny: Path, tmp_path: Path) -> None:
     "breakage, expected",
     [
         ("missing_folder", "does not exist"),
-        ("file_not_folder", "is a file, not a model folder"),
+        ("file_not_folder", "neither a GGUF file nor a model folder"),
         ("no_config", "has no config.json"),
         ("bad_config_json", "is not valid JSON"),
         ("unknown_arch", "is not supported"),

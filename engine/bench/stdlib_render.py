@@ -1,6 +1,6 @@
 """Render one stdlib module (and its public submodules) to documentation text, in an isolated interpreter.
 
-Run by `engine.train.corpus` as `python -S -P render.py MODULE` in a fresh process per top-level module: `-S`
+Run by `engine.bench.stdlib_docs` as `python -S -P render.py MODULE` in a fresh process per top-level module: `-S`
 keeps site-packages (and shims such as setuptools' distutils hack) off the path so only the standard library is
 read, `-P` keeps the caller's folder off `sys.path`, and a crash or a side effect of one import (a module that
 prints, opens a window, or hangs) cannot reach the trainer or the other modules. This file must import nothing
