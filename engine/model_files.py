@@ -59,13 +59,18 @@ def default_model_path() -> Path:
                 f"The default model ({DEFAULT_MODEL_NAME}) is not installed; run `make run` (or `{INSTALL_HINT}`), or choose a model with --model."
             )
         path = Path(locations[0]) / DEFAULT_MODEL_FILE
+    verify_model_file(path, DEFAULT_MODEL_SHA256)
+    return path
+
+
+def verify_model_file(path: Path, sha256: str) -> None:
+    """Refuse (one sentence saying how to repair it) a default-model file that is missing or not the release's."""
     if not path.is_file():
         raise ModelLoadError(f"The default model file {path} is missing; reinstall it with `{INSTALL_HINT} --force-reinstall`.")
-    if file_sha256(path) != DEFAULT_MODEL_SHA256:
+    if file_sha256(path) != sha256:
         raise ModelLoadError(
             f"The default model file {path} is damaged (its sha256 does not match the release); reinstall it with `{INSTALL_HINT} --force-reinstall`."
         )
-    return path
 
 
 def resolve_model_path(path: str | Path | None) -> Path:

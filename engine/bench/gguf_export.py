@@ -1,19 +1,50 @@
-"""Export a Llama-family model folder to GGUF (f32, f16, bf16, q8_0 or q4_0) so llama.cpp runs the very same weights.
+"""Export a Llama-family model folder to GGUF so llama.cpp runs the very same weights and tokenizer.
 
 llama.cpp's rotary embedding pairs adjacent channels while Hugging Face pairs channel i with i + D/2, so q_proj and
-k_proj rows are permuted exactly as llama.cpp's own convert_hf_to_gguf.py does. The benchmark checks the two
-engines' logits agree, which proves the export is the same model.
+k_proj rows of llama/mistral models are permuted exactly as llama.cpp's own convert_hf_to_gguf.py does (qwen2 is
+not permuted). Llama 3 rope scaling is written as llama.cpp's `rope_freqs` tensor. The tokenizer goes in as a gpt2
+(byte-level BPE) vocabulary with its merges, specials and chat template.
+
+The `gguf` package quantizes the legacy block types; for K-quants it has no quantizer, so a caller that wants them
+passes its own `quantizer` (the tests write random valid blocks).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine.errors import SparkError
+from engine.model import rope_inv_freq
 from engine.weights import load_model
+
+# --dtype name -> (GGUF file type, tensor type of the 2-D weights); norms and biases always stay f32.
+FILE_TYPES = {
+    "f32": ("ALL_F32", "F32"),
+    "f16": ("MOSTLY_F16", "F16"),
+    "bf16": ("MOSTLY_BF16", "BF16"),
+    "q8_0": ("MOSTLY_Q8_0", "Q8_0"),
+    "q4_0": ("MOSTLY_Q4_0", "Q4_0"),
+    "q4_1": ("MOSTLY_Q4_1", "Q4_1"),
+    "q5_0": ("MOSTLY_Q5_0", "Q5_0"),
+    "q5_1": ("MOSTLY_Q5_1", "Q5_1"),
+    "q2_k": ("MOSTLY_Q2_K", "Q2_K"),
+    "q3_k": ("MOSTLY_Q3_K_M", "Q3_K"),
+    "q4_k": ("MOSTLY_Q4_K_M", "Q4_K"),
+    "q5_k": ("MOSTLY_Q5_K_M", "Q5_K"),
+    "q6_k": ("MOSTLY_Q6_K", "Q6_K"),
+}
+K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# (rows, cols) float32 -> (rows, bytes) uint8 blocks of the given gguf.GGMLQuantizationType
+Quantizer = Callable[[np.ndarray, Any], np.ndarray]
+
+_GPT2_PRE = "default"
 
 
 def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -21,26 +52,64 @@ def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# --dtype name -> (GGUF file type, tensor type of the 2-D weights); norms always stay f32.
-FILE_TYPES = {
-    "f32": ("ALL_F32", "F32"),
-    "f16": ("MOSTLY_F16", "F16"),
-    "bf16": ("MOSTLY_BF16", "BF16"),
-    "q8_0": ("MOSTLY_Q8_0", "Q8_0"),
-    "q4_0": ("MOSTLY_Q4_0", "Q4_0"),
-}
-
-
-def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
+def _gguf_quantize(a: np.ndarray, kind: Any) -> np.ndarray:
     import gguf
 
-    loaded = load_model(model_dir, dtype=torch.float32)
-    cfg, sd = loaded.config, loaded.model.state_dict()
-    if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.rope_scaling is not None:
-        raise SparkError("The GGUF export covers plain Llama shapes (no biases, no rope scaling); this model has them.")
+    return gguf.quants.quantize(a, kind)
+
+
+def _write_tokenizer(w: Any, model_dir: Path, vocab_size: int) -> None:
+    """The folder's byte-level BPE tokenizer.json as a gpt2 GGUF vocabulary (padded to the model's vocab size)."""
+    import gguf
+
+    data = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    model = data.get("model", {})
+    if model.get("type") != "BPE":
+        raise SparkError("The GGUF export writes byte-level BPE tokenizers; this model's tokenizer is of another kind.")
+    by_id = {int(i): tok for tok, i in model["vocab"].items()}
+    kinds = {i: gguf.TokenType.NORMAL for i in by_id}
+    for added in data.get("added_tokens", []):
+        by_id[int(added["id"])] = added["content"]
+        kinds[int(added["id"])] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    types = [kinds.get(i, gguf.TokenType.UNUSED) for i in range(vocab_size)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(_GPT2_PRE)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8")) if (model_dir / "tokenizer_config.json").is_file() else {}
+    ids = {t: i for i, t in enumerate(tokens)}
+    for key, setter in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id), ("pad_token", w.add_pad_token_id)):
+        text = cfg.get(key)
+        text = text.get("content") if isinstance(text, dict) else text
+        if isinstance(text, str) and text in ids:
+            setter(ids[text])
+    w.add_add_bos_token(bool(cfg.get("add_bos_token", False)))
+    template = cfg.get("chat_template")
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    if isinstance(template, str):
+        w.add_chat_template(template)
+
+
+def export_gguf(model_dir: Path, out: Path, dtype: str = "f32", *, quantizer: Quantizer | None = None) -> Path:
+    import gguf
+
     if dtype not in FILE_TYPES:
         raise SparkError(f"GGUF export knows {', '.join(FILE_TYPES)}, not {dtype!r}.")
-    w = gguf.GGUFWriter(str(out), "llama")
+    if dtype in K_TYPES and quantizer is None:
+        raise SparkError(f"The gguf package cannot quantize to {dtype}; pass a quantizer for K-quants.")
+    quantize = quantizer or _gguf_quantize
+    loaded = load_model(model_dir, dtype=torch.float32)
+    cfg, sd = loaded.config, loaded.model.state_dict()
+    if cfg.o_bias or cfg.mlp_bias:
+        raise SparkError("The GGUF export covers Llama/Qwen2 shapes; this model has output or MLP biases.")
+    arch = GGUF_ARCH[cfg.architecture]
+    permute = arch == "llama"
+    w = gguf.GGUFWriter(str(out), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -50,38 +119,40 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_scaling.factor)
     file_type, qtype = FILE_TYPES[dtype]
     w.add_file_type(getattr(gguf.LlamaFileType, file_type))
-    # A placeholder vocabulary: the benchmark feeds token ids directly, so only its size must match (llama.cpp
-    # insists on at least one merge, hence "a" + "b" -> "ab").
-    tokens = ["a", "b", "ab"] + [f"<t{i}>" for i in range(3, cfg.vocab_size)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
+    _write_tokenizer(w, model_dir, cfg.vocab_size)
 
     def put(name: str, t: torch.Tensor, keep_f32: bool = False) -> None:
-        a = t.detach().float().numpy()
+        a = np.ascontiguousarray(t.detach().float().numpy())
         if keep_f32 or a.ndim == 1 or qtype == "F32":
             w.add_tensor(name, a)
         elif qtype == "F16":
             w.add_tensor(name, a.astype(np.float16))
-        else:  # block formats: the gguf package quantizes, llama.cpp reads the raw bytes
+        else:  # block formats (and BF16): llama.cpp reads the raw bytes
             kind = getattr(gguf.GGMLQuantizationType, qtype)
-            w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
+            w.add_tensor(name, quantize(a, kind), raw_dtype=kind)
 
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3":
+        base = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+        put("rope_freqs.weight", base / rope_inv_freq(cfg), keep_f32=True)  # (D/2,) divisors, as llama.cpp stores them
     put("token_embd.weight", sd["model.embed_tokens.weight"])
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"], keep_f32=True)
-        q = permute_for_gguf(sd[p + "self_attn.q_proj.weight"].numpy(), cfg.num_attention_heads)
-        k = permute_for_gguf(sd[p + "self_attn.k_proj.weight"].numpy(), cfg.num_key_value_heads)
-        put(f"blk.{i}.attn_q.weight", torch.from_numpy(q))
-        put(f"blk.{i}.attn_k.weight", torch.from_numpy(k))
-        put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        for short, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads), ("v", 0)):
+            for part in ("weight", "bias"):
+                key = f"{p}self_attn.{short}_proj.{part}"
+                if key not in sd:
+                    continue
+                t = sd[key]
+                if permute and heads:
+                    t = torch.from_numpy(np.ascontiguousarray(permute_for_gguf(t.numpy(), heads)))
+                put(f"blk.{i}.attn_{short}.{part}", t)
         put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
         put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"], keep_f32=True)
         put(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])

@@ -1,0 +1,40 @@
+"""GGUF files written by the tests themselves from the tiny checkpoints (engine.bench.gguf_export), including the
+K-quant types the `gguf` package cannot quantize: for those, rows of random but valid blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.bench.gguf_export import K_TYPES, export_gguf
+
+# Byte offsets of each K-quant block's fp16 scale fields (llama.cpp's block_q*_K structs): (d, dmin or None).
+K_SCALE_OFFSETS: dict[str, tuple[int, int | None]] = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108, None),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208, None),
+}
+
+
+def random_blocks(a: np.ndarray, kind: Any, seed: int = 0) -> np.ndarray:
+    """(rows, cols) float32 -> (rows, bytes) of random K-quant blocks with small, finite scales."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rows, cols = a.shape
+    n = cols // block
+    rng = np.random.default_rng(seed + rows * 7 + cols)
+    raw = rng.integers(0, 256, size=(rows, n, size), dtype=np.uint8)
+    d_at, dmin_at = K_SCALE_OFFSETS[kind.name]
+    raw[:, :, d_at : d_at + 2] = np.full((rows, n), 0.004, np.float16).view(np.uint8).reshape(rows, n, 2)
+    if dmin_at is not None:
+        raw[:, :, dmin_at : dmin_at + 2] = np.full((rows, n), 0.002, np.float16).view(np.uint8).reshape(rows, n, 2)
+    return raw.reshape(rows, n * size)
+
+
+def write_gguf(model_dir: Path, out: Path, dtype: str) -> Path:
+    return export_gguf(model_dir, out, dtype, quantizer=random_blocks if dtype in K_TYPES else None)
