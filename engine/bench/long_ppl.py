@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F

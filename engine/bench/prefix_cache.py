@@ -5,8 +5,7 @@ warm after a process restart (a fresh interpreter over the same L3 cache dir). H
 TTFT here is prefill (with prefix reuse) plus the argmax of the last logits, model load excluded. The geometry is
 the product's default for the model (CascadeConfig.for_model: window 512, so the prompt is ~3 windows): the warm
 runs restore the cold run's cascade snapshot (engine.cascade.memory) and recompute only the tokens past its
-block-aligned end. Default model: a random SmolLM-135M-shaped checkpoint in a temp dir (weights do not change
-speed).
+block-aligned end. Default model: the default model (SmolLM2-135M-Instruct); --model for another.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench.checkpoints import SMOLLM_135M, write_random_checkpoint
+from engine.model_files import display_name, resolve_model_path, settings_dir
 from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
 
 PROMPT_TOKENS = 1500
@@ -34,7 +33,7 @@ def ttft(model: Path, cache_dir: Path, backend_name: str, repeats: int = 1) -> l
     from engine.generate import prefill
 
     backend = open_backend(model, backend_name).backend
-    cfg = CascadeConfig.for_model(model, backend.config)
+    cfg = CascadeConfig.for_model(settings_dir(model), backend.config)
     ids = torch.randint(0, backend.config.vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
     out = []
     for _ in range(repeats):
@@ -62,7 +61,7 @@ def run(args: argparse.Namespace) -> dict:
     threads = getattr(args, "threads", None) or 1  # torch threads spin-wait on a busy machine (was 8x slower)
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or write_random_checkpoint(Path(tmp) / "smollm-135m-shape", SMOLLM_135M)
+        model = resolve_model_path(args.model)
         cache = Path(tmp) / "l3"
         cold, warm = ttft(model, cache, args.backend or "cpu", repeats=2)
         cmd = [sys.executable, "-m", "engine.bench.prefix_cache", str(model), str(cache), args.backend or "cpu", str(threads)]
@@ -84,6 +83,7 @@ def run(args: argparse.Namespace) -> dict:
         "l3_entries": restart["l3_entries"],
         "l3_bytes": restart["l3_bytes"],
         "prompt_tokens": PROMPT_TOKENS,
+        "model": display_name(model),
         "window": cold["window"],
         "threads": threads,
     }

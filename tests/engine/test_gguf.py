@@ -6,8 +6,6 @@ the original tokenizer.json the GGUF was written from.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np

@@ -108,7 +108,7 @@ def run_frozen(frozen: Frozen, args: list[str], tmp_path: Path) -> subprocess.Co
 
 
 def test_bundle_contents(frozen: Frozen) -> None:
-    assert (frozen.resources / "models" / "spark-mini" / "config.json").is_file(), "the bundled default model is missing"
+    assert (frozen.resources / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file(), "the bundled default model is missing"
     assert (frozen.resources / "style" / "spark.qss").is_file()
     assert (frozen.resources / "icons" / "spark.png").is_file()
     assert not (frozen.resources / "packaging").exists(), "build-only inputs were bundled"
