@@ -91,9 +91,6 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    torch_dtype: str = "float32"
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def with_rope_freq_factors(self, factors: tuple[float, ...]) -> "ModelConfig":
@@ -119,8 +116,6 @@ class ModelConfig:
             n_heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
             rope_theta, scaling = read_rope(d)
-            eos = d.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             return cls(
                 architecture=arch,
                 vocab_size=int(d["vocab_size"]),
@@ -138,9 +133,6 @@ class ModelConfig:
                 qkv_bias=SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or bool(d.get("attention_bias", False)),
                 o_bias=bool(d.get("attention_bias", False)),
                 mlp_bias=bool(d.get("mlp_bias", False)),
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_ids=tuple(int(e) for e in eos_ids),
-                torch_dtype=str(d.get("torch_dtype", "float32")),
                 raw=dict(d),
             )
         except (KeyError, TypeError, ValueError) as exc:
