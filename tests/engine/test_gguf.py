@@ -6,6 +6,7 @@ the original tokenizer.json the GGUF was written from.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +14,11 @@ import pytest
 import torch
 
 from engine.backends.torch_backend import TorchBackend
+from engine.bench.gguf_export import permute_for_gguf
 from engine.errors import ModelLoadError, TokenizerError
 from engine.gguf_file import unpermute_rows
 from engine.memory import FullAttentionMemory
 from engine.model_files import read_config, verify_model_file
-from engine.bench.gguf_export import permute_for_gguf
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
 from tests.gguf_files import write_gguf
@@ -188,3 +189,51 @@ def test_a_non_bpe_gguf_vocabulary_kind_is_refused(tiny256: Path, tmp_path: Path
         tokenizer_parts({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(TokenizerError, match="'exotic' way"):
         tokenizer_parts({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "exotic", "tokenizer.ggml.tokens": ["a", "b", "ab"], "tokenizer.ggml.merges": ["a b"]})
+
+
+def _spm_gguf(out: Path) -> Path:
+    """A vocabulary-only llama (SentencePiece BPE) GGUF: scores from a BPE trained here, byte-fallback tokens."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    from tests.tiny import TOKENIZER_TEXT
+
+    sp = SentencePieceBPETokenizer(unk_token="<unk>")
+    sp.train_from_iterator([TOKENIZER_TEXT], vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    model = json.loads(sp._tokenizer.to_str())["model"]
+    rank = {(m if isinstance(m, str) else " ".join(m)).replace(" ", ""): i for i, m in enumerate(model["merges"])}
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    scores = [0.0] * len(tokens)
+    for tok, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1]):
+        if tok not in ("<unk>", "<s>", "</s>"):
+            tokens.append(tok)
+            types.append(1)
+            scores.append(-float(rank[tok] + 1) if tok in rank else 0.0)  # earlier merges score higher
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_sentencepiece_gguf_vocabulary_encodes_like_transformers_and_llama_cpp(tmp_path: Path) -> None:
+    path = _spm_gguf(tmp_path / "spm.gguf")
+    meta = {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
+    ours = Tokenizer.from_gguf(meta)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["The quick brown fox jumps", "日本語 🙂 Ünïcödé", "def main():\n    return 42", "two  spaces\nnew line"]:
+        assert ours.encode(text) == hf(text)["input_ids"], text
+        assert ours.decode(ours.encode(text)) == text
+    # Leading spaces: llama.cpp and Llama's own tokenizer.json prepend one more "▁" (transformers' GGUF converter
+    # drops it, and with it the text's first space); ours round-trips the text as llama.cpp does.
+    assert ours.decode(ours.encode("  two")) == "  two"
+    assert ours.bos_id == 1 and ours.eos_ids == frozenset({2}) and ours.adds_bos
