@@ -12,10 +12,11 @@ from engine.errors import BackendUnavailable
 
 AUTO_ORDER: tuple[str, ...] = ("coreml", "mps", "cuda", "cpu")
 
-# Weight storage: "none" runs the backend's own precision; "auto" picks per backend, int8 where our int8 kernels
-# are the fast path (the CPU: a quarter of fp32's bytes per token, engine.backends.int8).
-QUANTIZE_CHOICES: tuple[str, ...] = ("auto", "none", "int8")
-AUTO_QUANTIZE: dict[str, str] = {"cpu": "int8"}
+# Weight storage: "none" runs the backend's own precision; q8_0, q4_0, q4_1 are GGUF block formats on the CPU
+# (engine.quant); int8 a Core ML conversion. "auto" picks per backend: on the CPU a GGUF's blocks as stored, an HF
+# folder's weights as Q8_0 (the backend resolves it, knowing what the file stores).
+QUANTIZE_CHOICES: tuple[str, ...] = ("auto", "none", "q8_0", "q4_0", "q4_1", "int8")
+AUTO_QUANTIZE: dict[str, str] = {"cpu": "auto"}
 
 
 def resolve_quantize(backend: str, quantize: str) -> str:

@@ -1,21 +1,28 @@
-/* MLoT Spark native CPU kernels: int8 matrix products and a whole single-token decode step.
+/* MLoT Spark native CPU kernels: block-quantized matrix products (GGUF's Q8_0, Q4_0, Q4_1 layouts) and a whole
+ * single-token decode step, threaded over a persistent pool.
  *
  * Why C: decoding one token of a small model is ~120 matrix-vector products and ~600 tiny ops. From Python each
- * op costs microseconds of dispatch, and the quantized library's matrix call has a ~13 us fixed cost; together
- * that was half of every token. One call per token removes both, and a matrix-vector kernel that streams the
- * int8 rows with the CPU's dot-product instructions runs near memory bandwidth.
+ * op costs microseconds of dispatch; one call per token removes that, and a matrix-vector kernel that streams the
+ * quantized rows with the CPU's dot-product instructions runs near memory bandwidth.
  *
  * Built on first use by engine/native/__init__.py with the machine's C compiler (-O3, tuned for this CPU) and
  * loaded with ctypes; when no compiler is present the engine keeps its PyTorch path. No Python headers, no
  * PyTorch headers: the ABI is plain pointers, described in engine/native/__init__.py.
  *
  * Conventions (shapes as in engine/model.py): C hidden, H query heads, Hkv key/value heads, D head dim, I MLP
- * width, N/K a matrix's output/input size. Weights are int8 (N, K) row-major with one fp32 scale per output row;
- * activations are quantized per row (per token) to int8 with one fp32 scale, symmetric, at call time, and
- * products accumulate in int32: y[n] = x_scale * w_scale[n] * sum_k xq[k] * wq[n, k] + bias[n].
+ * width, N/K a matrix's output/input size. Weights are GGUF blocks of 32 (engine/quant.py): each row of a matrix
+ * is K/32 blocks, read in place from the file's bytes. Activations are quantized per block of 32 as llama.cpp's
+ * dot products do (xq = rint(x * 127 / amax), d_x = amax / 127, fp32 scale), each block's product is an exact
+ * int32 sum, and the blocks' float terms are added in one fixed order (8 partial sums, lane b % 8, then a fixed
+ * tree) that every instruction set reproduces, so every ISA and the prefill path give the same bits:
+ *   Q8_0: term = (d_w * d_x) * sum(wq * xq)
+ *   Q4_0: term = (d_w * d_x) * (sum(nib * xq) - 8 * sum(xq))          w = d_w * (nib - 8)
+ *   Q4_1: term = (d_w * d_x) * sum(nib * xq) + m_w * (d_x * sum(xq))   w = d_w * nib + m_w
  */
 
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,10 +30,16 @@
 
 /* Largest head dim spark_decode supports (the Python side checks before using it). */
 #define SPARK_MAX_HEAD_DIM 512
+#define SPARK_MAX_THREADS 64
+#define QK 32
+
+/* ggml type ids (gguf.GGMLQuantizationType) of the block formats the kernels run. */
+enum { SPARK_Q4_0 = 2, SPARK_Q4_1 = 3, SPARK_Q8_0 = 8 };
 
 int32_t spark_max_head_dim(void) { return SPARK_MAX_HEAD_DIM; }
+int32_t spark_max_threads(void) { return SPARK_MAX_THREADS; }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SPARK_AVX512VNNI 1
 #include <immintrin.h>
 #elif defined(__AVX2__)
@@ -50,90 +63,308 @@ const char *spark_isa(void) {
 #endif
 }
 
-/* One int8 matrix (N, K) with per-row scales; row_sums[n] = sum_k q[n, k] (the x86 VNNI kernel multiplies
- * unsigned activations, xq + 128, and subtracts 128 * row_sums to get the signed product back). */
+/* ---------------------------------------------------------------------------------------------------------------
+ * Persistent thread pool: workers are created once (spark_set_threads) and wait for jobs; a job splits [0, items)
+ * into one contiguous range per thread, the caller running the first. Workers spin briefly between the jobs of a
+ * step (a decoding step issues ~150 back to back), then sleep on a condition variable, so an idle engine costs no
+ * CPU and the GUI thread is never starved. A second caller while a job runs (forked backends decoding at once)
+ * runs its job on its own thread instead of waiting.
+ * ------------------------------------------------------------------------------------------------------------- */
+
+typedef void (*spark_job)(void *ctx, int32_t begin, int32_t end);
+
+static struct {
+    pthread_mutex_t use;   /* held by the one caller dispatching jobs */
+    pthread_mutex_t sleep; /* with wake: idle workers */
+    pthread_cond_t wake;
+    pthread_t workers[SPARK_MAX_THREADS];
+    int32_t n_threads; /* the caller plus the workers */
+    atomic_uint_fast64_t generation;
+    atomic_int pending, sleepers, stop;
+    spark_job job;
+    void *ctx;
+    int32_t items;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {0}, 1, 0, 0, 0, 0, NULL, NULL, 0};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void run_share(int32_t index) {
+    const int64_t items = pool.items, n = pool.n_threads;
+    const int32_t begin = (int32_t)(items * index / n), end = (int32_t)(items * (index + 1) / n);
+    if (begin < end) pool.job(pool.ctx, begin, end);
+}
+
+static void *worker_main(void *arg) {
+    const int32_t index = (int32_t)(intptr_t)arg;
+    uint_fast64_t seen = 0;
+    for (;;) {
+        uint_fast64_t g;
+        int spins = 0;
+        while ((g = atomic_load(&pool.generation)) == seen && !atomic_load(&pool.stop) && spins < 20000) {
+            cpu_relax();
+            spins++;
+        }
+        if (g == seen && !atomic_load(&pool.stop)) {
+            pthread_mutex_lock(&pool.sleep);
+            atomic_fetch_add(&pool.sleepers, 1); /* before re-checking: a dispatcher that misses us sees sleepers */
+            while ((g = atomic_load(&pool.generation)) == seen && !atomic_load(&pool.stop)) pthread_cond_wait(&pool.wake, &pool.sleep);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            pthread_mutex_unlock(&pool.sleep);
+        }
+        if (atomic_load(&pool.stop)) return NULL;
+        seen = g;
+        run_share(index);
+        atomic_fetch_sub(&pool.pending, 1);
+    }
+}
+
+static void stop_workers(void) {
+    atomic_store(&pool.stop, 1);
+    pthread_mutex_lock(&pool.sleep);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.sleep);
+    for (int32_t i = 1; i < pool.n_threads; i++) pthread_join(pool.workers[i], NULL);
+    atomic_store(&pool.stop, 0);
+    pool.n_threads = 1;
+}
+
+/* Use n threads (the caller included) for the jobs that follow; returns the count in effect. */
+int32_t spark_set_threads(int32_t n) {
+    n = n < 1 ? 1 : (n > SPARK_MAX_THREADS ? SPARK_MAX_THREADS : n);
+    pthread_mutex_lock(&pool.use);
+    if (n != pool.n_threads) {
+        stop_workers();
+        int32_t made = 1;
+        for (; made < n; made++)
+            if (pthread_create(&pool.workers[made], NULL, worker_main, (void *)(intptr_t)made) != 0) break;
+        pool.n_threads = made;
+    }
+    const int32_t now = pool.n_threads;
+    pthread_mutex_unlock(&pool.use);
+    return now;
+}
+
+int32_t spark_threads(void) { return pool.n_threads; }
+
+static void parallel_for(spark_job job, void *ctx, int32_t items) {
+    if (items <= 1 || pool.n_threads == 1 || pthread_mutex_trylock(&pool.use) != 0) {
+        job(ctx, 0, items);
+        return;
+    }
+    if (pool.n_threads == 1) {
+        pthread_mutex_unlock(&pool.use);
+        job(ctx, 0, items);
+        return;
+    }
+    pool.job = job, pool.ctx = ctx, pool.items = items;
+    atomic_store(&pool.pending, pool.n_threads - 1);
+    atomic_fetch_add(&pool.generation, 1);
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.sleep);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.sleep);
+    }
+    run_share(0);
+    while (atomic_load(&pool.pending) > 0) cpu_relax();
+    pthread_mutex_unlock(&pool.use);
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Block formats.
+ * ------------------------------------------------------------------------------------------------------------- */
+
+/* One block-quantized matrix (N, K): N rows of K/32 GGUF blocks, row-major (the file's bytes, read in place). */
 typedef struct {
-    const int8_t *q;         /* (N, K) */
-    const float *scales;     /* (N,) */
-    const int32_t *row_sums; /* (N,) */
-    const float *bias;       /* (N,) or NULL */
+    const uint8_t *blocks; /* (N, K/32) blocks of block_bytes(type) */
+    const float *bias;     /* (N,) or NULL */
     int32_t n, k;
+    int32_t type; /* SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1 */
 } spark_qmat;
 
-/* Quantize one activation row x (K) to int8 in [-127, 127]; returns its scale (0 for an all-zero row). The x86
- * VNNI kernel multiplies unsigned by signed bytes, so there the row is stored as xq + 128 (sign bit flipped) and
- * dot_row subtracts 128 * (sum of the weights) again. */
-static float quantize_row(const float *x, int32_t k, int8_t *xq) {
-    float amax = 0.0f;
-    for (int32_t i = 0; i < k; i++) {
-        float a = fabsf(x[i]);
-        amax = a > amax ? a : amax;
-    }
-    const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
-    for (int32_t i = 0; i < k; i++) {
-        int8_t v = (int8_t)lrintf(x[i] * inv);
-#if defined(SPARK_AVX512VNNI)
-        v = (int8_t)((uint8_t)v ^ 0x80u);
-#endif
-        xq[i] = v;
-    }
-    return amax / 127.0f;
+/* Activation rows quantized per block of 32: q (M, K) int8, d (M, K/32) scales, s (M, K/32) sums of q and
+ * ds = d * s (Q4_1's min term). */
+typedef struct {
+    int8_t *q;
+    float *d, *ds;
+    int32_t *s;
+} spark_act;
+
+static int32_t block_bytes(int32_t type) { return type == SPARK_Q8_0 ? 34 : type == SPARK_Q4_1 ? 20 : 18; }
+
+int32_t spark_block_bytes(int32_t type) {
+    return type == SPARK_Q8_0 || type == SPARK_Q4_0 || type == SPARK_Q4_1 ? block_bytes(type) : 0;
 }
 
-/* sum_k x[k] * w[k] for one weight row and one quantized activation row (exact int32). */
-static int32_t dot_row(const int8_t *w, const int8_t *x, int32_t k, int32_t row_sum) {
-    int32_t i = 0, s = 0;
+/* Bytes of activation scratch for m rows of k (spark_qgemm's `scratch`). */
+int64_t spark_act_bytes(int32_t k, int32_t m) { return (int64_t)m * (k + 12 * (k / QK)) + 64; }
+
+static spark_act act_in(void *scratch, int32_t k, int32_t m) {
+    const int64_t nb = (int64_t)m * (k / QK);
+    spark_act a;
+    a.d = (float *)scratch;
+    a.ds = a.d + nb;
+    a.s = (int32_t *)(a.ds + nb);
+    a.q = (int8_t *)(a.s + nb);
+    return a;
+}
+
+static inline float f16_at(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, sizeof h);
+    return (float)h;
+}
+
+/* Quantize one row x (K) into block `b0` onwards of a. */
+static void quantize_row(const float *x, int32_t k, spark_act *a, int64_t b0) {
+    for (int32_t b = 0; b < k / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int32_t i = 0; i < QK; i++) {
+            const float v = fabsf(xb[i]);
+            amax = v > amax ? v : amax;
+        }
+        const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
+        int8_t *q = a->q + (b0 + b) * QK;
+        int32_t s = 0;
+        for (int32_t i = 0; i < QK; i++) {
+            q[i] = (int8_t)lrintf(xb[i] * inv);
+            s += q[i];
+        }
+        a->d[b0 + b] = amax / 127.0f;
+        a->s[b0 + b] = s;
+        a->ds[b0 + b] = a->d[b0 + b] * (float)s;
+    }
+}
+
+/* Exact int32 products of one block: Q8_0 sum(wq * xq); Q4 sum(nib * xq), nibbles unsigned (0..15): byte i holds
+ * element i in its low half and element i + 16 in its high half. `blk` points at the block's quants. */
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+static inline __m256i nibbles(const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+    return _mm256_set_m128i(hi, lo);
+}
+/* 8 int32 lanes whose sum is the block's product (unsigned u times signed s, no saturation: see below). */
+static inline __m256i dot_us(__m256i u, __m256i s) {
 #if defined(SPARK_AVX512VNNI)
-    __m512i a = _mm512_setzero_si512();
-    for (; i + 64 <= k; i += 64) a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(x + i), _mm512_loadu_si512(w + i));
-    if (i > 0) {
-        int32_t head = row_sum; /* the sum of w over [0, i), which the unsigned offset added 128 times */
-        for (int32_t j = i; j < k; j++) head -= w[j];
-        s = _mm512_reduce_add_epi32(a) - 128 * head;
-    }
-    for (; i < k; i++) s += (int32_t)(int8_t)((uint8_t)x[i] ^ 0x80u) * w[i];
-#elif defined(SPARK_AVX2)
-    /* maddubs multiplies unsigned by signed bytes into saturating int16 pairs: |x| times w carrying x's sign keeps
-     * every pair within 2 * 127 * 127 < 32767, so nothing saturates. */
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i a = _mm256_setzero_si256();
-    for (; i + 32 <= k; i += 32) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i));
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv)), ones));
-    }
-    int32_t t[8];
-    _mm256_storeu_si256((__m256i *)t, a);
-    s = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-    (void)row_sum;
-    for (; i < k; i++) s += (int32_t)x[i] * w[i];
-#elif defined(SPARK_NEON_DOT)
-    int32x4_t a = vdupq_n_s32(0);
-    for (; i + 16 <= k; i += 16) a = vdotq_s32(a, vld1q_s8(x + i), vld1q_s8(w + i));
-    s = vaddvq_s32(a);
-    (void)row_sum;
-    for (; i < k; i++) s += (int32_t)x[i] * w[i];
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
-    (void)row_sum;
-    for (; i < k; i++) s += (int32_t)x[i] * w[i];
+    /* maddubs adds two u8 * s8 products into int16: |w| <= 128 and |x| <= 127 keep 2 * 128 * 127 < 32767. */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
+}
+static inline __m256i block_lanes(int32_t type, const uint8_t *qs, const int8_t *xq) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    if (type == SPARK_Q8_0) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)qs);
+        return dot_us(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); /* |w| * (x * sign w) = w * x, -128 included */
+    }
+    return dot_us(nibbles(qs), x);
+}
+/* The four blocks' sums from their lanes (integer adds: exact in any order). */
+static inline __m128i hsum4(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+#endif
+
+static inline int32_t block_dot(int32_t type, const uint8_t *qs, const int8_t *xq) {
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    const __m128i s = hsum4(block_lanes(type, qs, xq), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256());
+    return _mm_cvtsi128_si32(s);
+#elif defined(SPARK_NEON_DOT)
+    const int8x16_t x0 = vld1q_s8(xq), x1 = vld1q_s8(xq + 16);
+    if (type == SPARK_Q8_0) return vaddvq_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), vld1q_s8((const int8_t *)qs), x0), vld1q_s8((const int8_t *)qs + 16), x1));
+    const uint8x16_t raw = vld1q_u8(qs);
+    const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F))), hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+    return vaddvq_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, x0), hi, x1));
+#else
+    int32_t s = 0;
+    if (type == SPARK_Q8_0) {
+        for (int32_t i = 0; i < QK; i++) s += (int32_t)((const int8_t *)qs)[i] * xq[i];
+    } else {
+        for (int32_t i = 0; i < QK / 2; i++) s += (int32_t)(qs[i] & 0x0F) * xq[i] + (int32_t)(qs[i] >> 4) * xq[i + QK / 2];
+    }
     return s;
+#endif
 }
 
-/* y (N) = W x for one activation row x (K), quantized on the fly into xq (K bytes). Decoding reads every weight
- * once, so this runs at memory bandwidth only if the weight stream stays sequential: one row at a time (17-27 GB/s
- * on one Zen 4 core; interleaving four rows ran at 9). Several rows (prefill) go to PyTorch's int8 GEMM instead. */
-static void qgemv(const spark_qmat *w, const float *x, float *y, int8_t *xq) {
-    const int32_t k = w->k;
-    const float xs = quantize_row(x, k, xq);
-    for (int32_t j = 0; j < w->n; j++) {
-        const int32_t acc = dot_row(w->q + (size_t)j * k, xq, k, w->row_sums[j]);
-        y[j] = xs * w->scales[j] * (float)acc + (w->bias ? w->bias[j] : 0.0f);
+/* The float term block b adds (the fixed formulas at the top of this file). */
+static inline float block_term(int32_t type, const uint8_t *blk, int32_t isum, const spark_act *a, int64_t b) {
+    const float dw = f16_at(blk);
+    if (type == SPARK_Q4_1) return (dw * a->d[b]) * (float)isum + f16_at(blk + 2) * a->ds[b];
+    if (type == SPARK_Q4_0) isum -= 8 * a->s[b];
+    return (dw * a->d[b]) * (float)isum;
+}
+
+/* sum_k w[row, k] x[k] for one row of blocks and one quantized activation row starting at block b0. */
+static float dot_row(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, int64_t b0) {
+    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
+    float acc[8] = {0};
+    int32_t b = 0;
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    for (; b + 4 <= nb; b += 4) {
+        const uint8_t *p = row + (int64_t)b * bb;
+        const int8_t *x = a->q + (b0 + b) * QK;
+        int32_t s[4];
+        _mm_storeu_si128((__m128i *)s, hsum4(block_lanes(type, p + off, x), block_lanes(type, p + bb + off, x + QK), block_lanes(type, p + 2 * bb + off, x + 2 * QK),
+                                             block_lanes(type, p + 3 * bb + off, x + 3 * QK)));
+        for (int32_t j = 0; j < 4; j++) acc[(b + j) & 7] += block_term(type, p + j * bb, s[j], a, b0 + b + j);
+    }
+#endif
+    for (; b < nb; b++) {
+        const uint8_t *p = row + (int64_t)b * bb;
+        acc[b & 7] += block_term(type, p, block_dot(type, p + off, a->q + (b0 + b) * QK), a, b0 + b);
+    }
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+/* y (M, N) = x W^T (+ bias) for M quantized activation rows; rows of W split across the pool. Each output is
+ * dot_row of one weight row and one activation row, so a prefill of M rows and M one-row decodes agree bit for
+ * bit; the weight row stays in cache while the M activation rows pass it. */
+typedef struct {
+    const spark_qmat *w;
+    const spark_act *a;
+    float *y;
+    int32_t m;
+} gemm_job;
+
+static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
+    const gemm_job *g = ctx;
+    const spark_qmat *w = g->w;
+    const int32_t nb = w->k / QK, n = w->n;
+    const int64_t row_bytes = (int64_t)nb * block_bytes(w->type);
+    for (int32_t j = begin; j < end; j++) {
+        const uint8_t *row = w->blocks + j * row_bytes;
+        const float bias = w->bias ? w->bias[j] : 0.0f;
+        for (int32_t r = 0; r < g->m; r++) g->y[(int64_t)r * n + j] = dot_row(w->type, row, nb, g->a, (int64_t)r * nb) + bias;
     }
 }
 
-/* Entry point for Python's int8 linear layers on one row: xq is scratch of K bytes. */
-void spark_qgemv(const spark_qmat *w, const float *x, float *y, int8_t *xq) { qgemv(w, x, y, xq); }
+static void qgemm_act(const spark_qmat *w, const spark_act *a, int32_t m, float *y) {
+    gemm_job g = {w, a, y, m};
+    parallel_for(gemm_rows, &g, w->n);
+}
+
+/* Entry point for Python's block linear layers: x (M, K) -> y (M, N); scratch holds spark_act_bytes(K, M). */
+void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void *scratch) {
+    spark_act a = act_in(scratch, w->k, m);
+    const int32_t nb = w->k / QK;
+    for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * w->k, w->k, &a, (int64_t)r * nb);
+    qgemm_act(w, &a, m, y);
+}
+
+/* One row through one matrix: quantize x (K) into a, then y (N) = W x. */
+static void qgemv(const spark_qmat *w, const float *x, float *y, spark_act *a) {
+    quantize_row(x, w->k, a, 0);
+    qgemm_act(w, a, 1, y);
+}
 
 /* The decoder's weights, one entry per layer in each array. */
 typedef struct {
@@ -218,12 +449,54 @@ static float dotf(const float *a, const float *b, int32_t n) {
 int64_t spark_decode_scratch_floats(const spark_model *m) {
     const int64_t c = m->hidden, hd = (int64_t)m->n_heads * m->head_dim, kv = (int64_t)m->n_kv_heads * m->head_dim;
     const int64_t widest_in = c > m->intermediate ? (c > hd ? c : hd) : (m->intermediate > hd ? m->intermediate : hd);
-    /* h, qkv, q_new, q_plain, attn out, gate_up, scores (per head: up to num_slots, passed separately), quant */
-    return c + (hd + 2 * kv) + hd + hd + hd + 2 * (int64_t)m->intermediate + widest_in / 4 + 8;
+    /* h, qkv, q_new, q_plain, attn out, gate_up, quantized activations (scores: per head, passed separately) */
+    return c + (hd + 2 * kv) + hd + hd + hd + 2 * (int64_t)m->intermediate + spark_act_bytes((int32_t)widest_in, 1) / 4 + 8;
+}
+
+/* One layer's attention for query heads [begin, end): softmax over ranks [0, width) of the read copies. */
+typedef struct {
+    const spark_step *step;
+    const float *q_new, *q_plain, *k_read, *v_read; /* k_read, v_read: this layer's (Hkv, S, D) */
+    float *att, *scores;                            /* att (H*D); scores (H, width) */
+    int64_t s;
+    int32_t d, g;
+    float scale;
+} attn_job;
+
+static void attend_heads(void *ctx, int32_t begin, int32_t end) {
+    const attn_job *j = ctx;
+    const spark_step *step = j->step;
+    const int32_t d = j->d;
+    for (int32_t qh = begin; qh < end; qh++) {
+        const int64_t head_off = (int64_t)(qh / j->g) * j->s * d;
+        const float *kh_read = j->k_read + head_off, *vh_read = j->v_read + head_off;
+        float *scores = j->scores + (int64_t)qh * step->width;
+        float mx = -INFINITY;
+        for (int32_t r = 0; r < step->width; r++) {
+            const float *qv = (r < step->split ? j->q_plain : j->q_new) + qh * d;
+            float sc = dotf(qv, kh_read + (int64_t)r * d, d) * j->scale;
+            scores[r] = sc;
+            mx = sc > mx ? sc : mx;
+        }
+        for (int32_t r = 0; r < step->width; r++) scores[r] = exp_approx(scores[r] - mx);
+        float part[8] = {0};
+        int32_t r = 0;
+        for (; r + 8 <= step->width; r += 8)
+            for (int32_t i = 0; i < 8; i++) part[i] += scores[r + i];
+        float total = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+        for (; r < step->width; r++) total += scores[r];
+        float *out = j->att + qh * d;
+        memset(out, 0, sizeof(float) * (size_t)d);
+        for (int32_t r2 = 0; r2 < step->width; r2++) {
+            const float p = scores[r2] / total;
+            const float *vr = vh_read + (int64_t)r2 * d;
+            for (int32_t i = 0; i < d; i++) out[i] += p * vr[i];
+        }
+    }
 }
 
 /* One token through every layer: x (C) is the token's embedding on entry and is updated in place (the residual
- * stream); writes its k, v into the cache; logits (V) = lm_head(final_norm(x)). scores: width floats. */
+ * stream); writes its k, v into the cache; logits (V) = lm_head(final_norm(x)). scores: H * width floats. */
 void spark_decode(const spark_model *m, const spark_cache *cache, const spark_step *step, float *x, float *logits,
                   float *scratch, float *scores) {
     const int32_t c = m->hidden, h = m->n_heads, hkv = m->n_kv_heads, d = m->head_dim, inter = m->intermediate;
@@ -236,12 +509,13 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
     float *q_plain = q_new + hd;            /* (H*D) queries at plain positions (split > 0) */
     float *att = q_plain + hd;              /* (H*D) attention output */
     float *gu = att + hd;                   /* (2*I) gate, up */
-    int8_t *xq = (int8_t *)(gu + 2 * (int64_t)inter); /* widest input, as bytes */
+    const int32_t widest = c > inter ? (c > hd ? c : hd) : (inter > hd ? inter : hd);
+    spark_act xq = act_in(gu + 2 * (int64_t)inter, widest, 1); /* the quantized input of each matrix */
 
     for (int32_t l = 0; l < m->n_layers; l++) {
         /* Attention block. */
         rms_norm(x, m->attn_norm[l], c, m->eps, hbuf);
-        qgemv(&m->qkv[l], hbuf, qkv, xq);
+        qgemv(&m->qkv[l], hbuf, qkv, &xq);
         const float *q = qkv, *k = qkv + hd, *v = qkv + hd + kvd;
         const int64_t layer_off = (int64_t)l * hkv * s * d;
         for (int32_t kh = 0; kh < hkv; kh++) {
@@ -267,44 +541,21 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
             rope(q + qh * d, step->cos_new, step->sin_new, d, q_new + qh * d);
             if (step->split > 0) rope(q + qh * d, step->cos_plain, step->sin_plain, d, q_plain + qh * d);
         }
-        for (int32_t qh = 0; qh < h; qh++) {
-            const int64_t head_off = layer_off + (int64_t)(qh / g) * s * d;
-            const float *kh_read = cache->k_read + head_off, *vh_read = cache->v_read + head_off;
-            float mx = -INFINITY;
-            for (int32_t r = 0; r < step->width; r++) {
-                const float *qv = (r < step->split ? q_plain : q_new) + qh * d;
-                float sc = dotf(qv, kh_read + (int64_t)r * d, d) * scale;
-                scores[r] = sc;
-                mx = sc > mx ? sc : mx;
-            }
-            for (int32_t r = 0; r < step->width; r++) scores[r] = exp_approx(scores[r] - mx);
-            float part[8] = {0};
-            int32_t r = 0;
-            for (; r + 8 <= step->width; r += 8)
-                for (int32_t j = 0; j < 8; j++) part[j] += scores[r + j];
-            float total = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-            for (; r < step->width; r++) total += scores[r];
-            float *out = att + qh * d;
-            memset(out, 0, sizeof(float) * (size_t)d);
-            for (int32_t r = 0; r < step->width; r++) {
-                const float p = scores[r] / total;
-                const float *vr = vh_read + (int64_t)r * d;
-                for (int32_t i = 0; i < d; i++) out[i] += p * vr[i];
-            }
-        }
-        qgemv(&m->o[l], att, hbuf, xq);
+        attn_job aj = {step, q_new, q_plain, cache->k_read + layer_off, cache->v_read + layer_off, att, scores, s, d, g, scale};
+        parallel_for(attend_heads, &aj, h);
+        qgemv(&m->o[l], att, hbuf, &xq);
         for (int32_t i = 0; i < c; i++) x[i] += hbuf[i];
 
         /* MLP block. */
         rms_norm(x, m->mlp_norm[l], c, m->eps, hbuf);
-        qgemv(&m->gate_up[l], hbuf, gu, xq);
+        qgemv(&m->gate_up[l], hbuf, gu, &xq);
         for (int32_t i = 0; i < inter; i++) {
             const float gate = gu[i];
             gu[i] = gate / (1.0f + exp_approx(-gate)) * gu[inter + i];
         }
-        qgemv(&m->down[l], gu, hbuf, xq);
+        qgemv(&m->down[l], gu, hbuf, &xq);
         for (int32_t i = 0; i < c; i++) x[i] += hbuf[i];
     }
     rms_norm(x, m->final_norm, c, m->eps, hbuf);
-    qgemv(m->lm_head, hbuf, logits, xq);
+    qgemv(m->lm_head, hbuf, logits, &xq);
 }
