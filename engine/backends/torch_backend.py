@@ -119,6 +119,7 @@ class TorchBackend(Backend):
         quantize: str = "none",
         kernels: str = "auto",
         stored: Mapping[str, StoredTensor] | None = None,
+        act_parts: int = 2,
     ) -> None:
         """`quantize` (CPU only): "none" keeps fp32; "q8_0", "q4_0", "q4_1" hold every linear layer in that GGUF block
         format (engine.quant), activations quantized per block of 32 as llama.cpp's dot products do; "auto" runs
@@ -131,6 +132,9 @@ class TorchBackend(Backend):
         holds is then bit-identical to what episodic memory, the L3 cache and session files keep, so a restored or
         prefix-cached conversation continues exactly as an uninterrupted one. Pass float32 to compare the math with
         references at fp32 tolerance.
+
+        `act_parts` (native kernels): activations quantized per block of 32 in 1 int8 part (llama.cpp's Q8 dot
+        products) or 2 (the default: a second part holds the first's residual; bench quant measures both).
 
         `kernels` picks what runs block weights: "native" our compiled CPU kernels (engine.native; an error when
         they cannot be built), "torch" PyTorch over the dequantized matrices, "auto" native when available."""
@@ -157,6 +161,7 @@ class TorchBackend(Backend):
         fuse_projections(self.model)
         self.native_isa: str | None = None  # the native kernels' instruction set when they run this model
         self.kernels_note = ""  # which kernels run the block weights, and why those (the backend explanation)
+        self.act_parts = act_parts
         self.quantize = self._block_weights(quantize, kernels, stored) if device == "cpu" else "none"
         if self.quantize == "none" and self.device.type == "cpu":
             use_k_major_linears(self.model)
@@ -187,7 +192,7 @@ class TorchBackend(Backend):
         native = load_kernels() if kernels != "torch" else None
         why_not = None if native is None else native_unfit(native, self.config, self.dtype)
         if native is not None and native.kernels is not None and why_not is None:
-            use_native_blocks(self.model, native.kernels, blocks)
+            use_native_blocks(self.model, native.kernels, blocks, self.act_parts)
             self.native_isa = native.kernels.isa
             self.kernels_note = f"native {self.native_isa} kernels"
         elif kernels == "native":
@@ -203,7 +208,7 @@ class TorchBackend(Backend):
 
     @property
     def numerics(self) -> str:
-        weights = "" if self.quantize == "none" else f"-w{self.quantize}" + ("native" if self.native_isa else "")
+        weights = "" if self.quantize == "none" else f"-w{self.quantize}" + (f"native-a{8 * self.act_parts}" if self.native_isa else "")
         return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}{weights}-kv{str(self.kv_dtype).removeprefix('torch.')}"
 
     @property

@@ -1,4 +1,4 @@
-"""Export a Llama-family model folder to GGUF (f32, f16, bf16, q8_0 or q4_0) so llama.cpp runs the very same weights.
+"""Export a Llama-family model folder to GGUF (f32, f16, bf16, q8_0, q4_0 or q4_1) so llama.cpp runs the very same weights.
 
 llama.cpp's rotary embedding pairs adjacent channels while Hugging Face pairs channel i with i + D/2, so q_proj and
 k_proj rows are permuted exactly as llama.cpp's own convert_hf_to_gguf.py does. The benchmark checks the two
@@ -28,6 +28,7 @@ FILE_TYPES = {
     "bf16": ("MOSTLY_BF16", "BF16"),
     "q8_0": ("MOSTLY_Q8_0", "Q8_0"),
     "q4_0": ("MOSTLY_Q4_0", "Q4_0"),
+    "q4_1": ("MOSTLY_Q4_1", "Q4_1"),
 }
 
 

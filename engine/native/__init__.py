@@ -41,6 +41,7 @@ class QMat(ctypes.Structure):
         ("n", ctypes.c_int32),
         ("k", ctypes.c_int32),
         ("type", ctypes.c_int32),
+        ("act_parts", ctypes.c_int32),
     ]
 
 

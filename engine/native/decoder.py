@@ -28,16 +28,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class NativeBlockLinear(nn.Module):
-    """y = x @ W^T + b with W in a GGUF block format and x quantized per block of 32 at call time."""
+    """y = x @ W^T + b with W in a GGUF block format and x quantized per block of 32 at call time, in one int8
+    part (llama.cpp's Q8 activations) or two (the second holds the first's residual: ~15 bits)."""
 
-    def __init__(self, kernels: NativeKernels, w: "BlockWeights", bias: torch.Tensor | None) -> None:
+    def __init__(self, kernels: NativeKernels, w: "BlockWeights", bias: torch.Tensor | None, act_parts: int = 2) -> None:
         super().__init__()
         self.kernels = kernels
         self.qtype = w.qtype
         self.out_features, self.in_features = w.shape
         self.register_buffer("blocks", w.blocks, persistent=False)  # (N, K/32 * block bytes) uint8
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)  # (N,)
-        self.desc = QMat(_ptr(self.blocks), _ptr(self.bias), self.out_features, self.in_features, w.qtype.ggml_id)
+        self.desc = QMat(_ptr(self.blocks), _ptr(self.bias), self.out_features, self.in_features, w.qtype.ggml_id, act_parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) float32 -> (..., N) float32
         rows = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
@@ -133,11 +134,11 @@ class NativeDecoder:
         return logits.view(1, 1, -1)
 
 
-def use_native_blocks(model: "Transformer", kernels: NativeKernels, blocks: dict[str, "BlockWeights"]) -> None:
+def use_native_blocks(model: "Transformer", kernels: NativeKernels, blocks: dict[str, "BlockWeights"], act_parts: int = 2) -> None:
     """Run every linear layer of a fused `model` on the native kernels (NativeBlockLinear over `blocks`, keyed by
     module path) and attach a NativeDecoder. The model's head_dim fits kernels.max_head_dim (checked by the
     backend)."""
     from engine.backends.blocks import swap_linears
 
-    swap_linears(model, blocks, lambda w, bias: NativeBlockLinear(kernels, w, bias))
+    swap_linears(model, blocks, lambda w, bias: NativeBlockLinear(kernels, w, bias, act_parts))
     model.native_decoder = NativeDecoder(kernels, model)

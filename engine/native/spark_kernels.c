@@ -12,12 +12,14 @@
  * Conventions (shapes as in engine/model.py): C hidden, H query heads, Hkv key/value heads, D head dim, I MLP
  * width, N/K a matrix's output/input size. Weights are GGUF blocks of 32 (engine/quant.py): each row of a matrix
  * is K/32 blocks, read in place from the file's bytes. Activations are quantized per block of 32 as llama.cpp's
- * dot products do (xq = rint(x * 127 / amax), d_x = amax / 127, fp32 scale), each block's product is an exact
- * int32 sum, and the blocks' float terms are added in one fixed order (8 partial sums, lane b % 8, then a fixed
- * tree) that every instruction set reproduces, so every ISA and the prefill path give the same bits:
- *   Q8_0: term = (d_w * d_x) * sum(wq * xq)
- *   Q4_0: term = (d_w * d_x) * (sum(nib * xq) - 8 * sum(xq))          w = d_w * (nib - 8)
- *   Q4_1: term = (d_w * d_x) * sum(nib * xq) + m_w * (d_x * sum(xq))   w = d_w * nib + m_w
+ * dot products do (xq = rint(x * 127 / amax), d_x = amax / 127, fp32 scale), optionally with a second int8
+ * part holding the first one's residual (spark_act: ~15-bit activations, see engine/README or bench quant for why);
+ * each block's product is an exact int32 sum per part, and the blocks' float terms are added in one fixed order
+ * (8 partial sums, lane b % 8, then a fixed tree) that every instruction set reproduces, so every ISA and the
+ * prefill path give the same bits. Per block and part p (x ~= sum_p d_p q_p):
+ *   Q8_0: term = sum_p (d_w * d_p) * sum(wq * q_p)                                  w = d_w * wq
+ *   Q4_0: term = sum_p (d_w * d_p) * (sum(nib * q_p) - 8 * sum(q_p))                 w = d_w * (nib - 8)
+ *   Q4_1: term = sum_p (d_w * d_p) * sum(nib * q_p) + m_w * sum_p d_p * sum(q_p)      w = d_w * nib + m_w
  */
 
 #include <math.h>
@@ -184,15 +186,18 @@ typedef struct {
     const uint8_t *blocks; /* (N, K/32) blocks of block_bytes(type) */
     const float *bias;     /* (N,) or NULL */
     int32_t n, k;
-    int32_t type; /* SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1 */
+    int32_t type;      /* SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1 */
+    int32_t act_parts; /* 1: activations as one int8 block (llama.cpp's Q8); 2: plus an int8 block of the residual */
 } spark_qmat;
 
-/* Activation rows quantized per block of 32: q (M, K) int8, d (M, K/32) scales, s (M, K/32) sums of q and
- * ds = d * s (Q4_1's min term). */
+/* Activation rows quantized per block of 32, in one or two int8 parts: x ~= d1 q1 + d2 q2, where part 2 quantizes
+ * what part 1 left (x - d1 q1) the same way, ~15 bits per value. q1, q2 (M, K) int8; d1, d2 (M, K/32) scales;
+ * s1, s2 their blocks' sums of q; ds = d1 s1 + d2 s2 (Q4_1's min term). Part 2 is left untouched when parts = 1. */
 typedef struct {
-    int8_t *q;
-    float *d, *ds;
-    int32_t *s;
+    int8_t *q1, *q2;
+    float *d1, *d2, *ds;
+    int32_t *s1, *s2;
+    int32_t parts;
 } spark_act;
 
 static int32_t block_bytes(int32_t type) { return type == SPARK_Q8_0 ? 34 : type == SPARK_Q4_1 ? 20 : 18; }
@@ -202,15 +207,19 @@ int32_t spark_block_bytes(int32_t type) {
 }
 
 /* Bytes of activation scratch for m rows of k (spark_qgemm's `scratch`). */
-int64_t spark_act_bytes(int32_t k, int32_t m) { return (int64_t)m * (k + 12 * (k / QK)) + 64; }
+int64_t spark_act_bytes(int32_t k, int32_t m) { return (int64_t)m * (2 * k + 20 * (k / QK)) + 64; }
 
-static spark_act act_in(void *scratch, int32_t k, int32_t m) {
+static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
     const int64_t nb = (int64_t)m * (k / QK);
     spark_act a;
-    a.d = (float *)scratch;
-    a.ds = a.d + nb;
-    a.s = (int32_t *)(a.ds + nb);
-    a.q = (int8_t *)(a.s + nb);
+    a.d1 = (float *)scratch;
+    a.d2 = a.d1 + nb;
+    a.ds = a.d2 + nb;
+    a.s1 = (int32_t *)(a.ds + nb);
+    a.s2 = a.s1 + nb;
+    a.q1 = (int8_t *)(a.s2 + nb);
+    a.q2 = a.q1 + nb * QK;
+    a.parts = parts;
     return a;
 }
 
@@ -220,52 +229,73 @@ static inline float f16_at(const uint8_t *p) {
     return (float)h;
 }
 
+/* One block of 32: q = rint(x * 127 / amax), returns d = amax / 127 (0 for an all-zero block) and q's sum. */
+static float quantize_block(const float *x, int8_t *q, int32_t *sum) {
+    float amax = 0.0f;
+    for (int32_t i = 0; i < QK; i++) {
+        const float v = fabsf(x[i]);
+        amax = v > amax ? v : amax;
+    }
+    const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
+    int32_t s = 0;
+    for (int32_t i = 0; i < QK; i++) {
+        q[i] = (int8_t)lrintf(x[i] * inv);
+        s += q[i];
+    }
+    *sum = s;
+    return amax / 127.0f;
+}
+
 /* Quantize one row x (K) into block `b0` onwards of a. */
 static void quantize_row(const float *x, int32_t k, spark_act *a, int64_t b0) {
     for (int32_t b = 0; b < k / QK; b++) {
+        const int64_t at = b0 + b;
         const float *xb = x + b * QK;
-        float amax = 0.0f;
-        for (int32_t i = 0; i < QK; i++) {
-            const float v = fabsf(xb[i]);
-            amax = v > amax ? v : amax;
+        int8_t *q1 = a->q1 + at * QK;
+        const float d1 = quantize_block(xb, q1, &a->s1[at]);
+        a->d1[at] = d1;
+        if (a->parts == 1) {
+            a->ds[at] = d1 * (float)a->s1[at];
+            continue;
         }
-        const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
-        int8_t *q = a->q + (b0 + b) * QK;
-        int32_t s = 0;
-        for (int32_t i = 0; i < QK; i++) {
-            q[i] = (int8_t)lrintf(xb[i] * inv);
-            s += q[i];
-        }
-        a->d[b0 + b] = amax / 127.0f;
-        a->s[b0 + b] = s;
-        a->ds[b0 + b] = a->d[b0 + b] * (float)s;
+        float r[QK];
+        for (int32_t i = 0; i < QK; i++) r[i] = xb[i] - (float)q1[i] * d1;
+        a->d2[at] = quantize_block(r, a->q2 + at * QK, &a->s2[at]);
+        a->ds[at] = d1 * (float)a->s1[at] + a->d2[at] * (float)a->s2[at];
     }
 }
 
 /* Exact int32 products of one block: Q8_0 sum(wq * xq); Q4 sum(nib * xq), nibbles unsigned (0..15): byte i holds
- * element i in its low half and element i + 16 in its high half. `blk` points at the block's quants. */
+ * element i in its low half and element i + 16 in its high half. `qs` points at the block's quants. */
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
-static inline __m256i nibbles(const uint8_t *qs) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-    const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
-    return _mm256_set_m128i(hi, lo);
+typedef struct {
+    __m256i u; /* unsigned bytes: |w| (Q8_0) or the nibbles */
+    __m256i w; /* Q8_0's signed weights (their signs move onto x) */
+} spark_wv;
+
+static inline spark_wv load_w(int32_t type, const uint8_t *qs) {
+    spark_wv v;
+    if (type == SPARK_Q8_0) {
+        v.w = _mm256_loadu_si256((const __m256i *)qs);
+        v.u = _mm256_abs_epi8(v.w);
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+        const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+        v.u = _mm256_set_m128i(hi, lo);
+        v.w = v.u;
+    }
+    return v;
 }
-/* 8 int32 lanes whose sum is the block's product (unsigned u times signed s, no saturation: see below). */
-static inline __m256i dot_us(__m256i u, __m256i s) {
+/* 8 int32 lanes whose sum is the block's product: u8 times s8 without saturation. */
+static inline __m256i block_lanes(int32_t type, spark_wv wv, const int8_t *xq) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    if (type == SPARK_Q8_0) x = _mm256_sign_epi8(x, wv.w); /* |w| * (x * sign w) = w * x, w = -128 included */
 #if defined(SPARK_AVX512VNNI)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv.u, x);
 #else
     /* maddubs adds two u8 * s8 products into int16: |w| <= 128 and |x| <= 127 keep 2 * 128 * 127 < 32767. */
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wv.u, x), _mm256_set1_epi16(1));
 #endif
-}
-static inline __m256i block_lanes(int32_t type, const uint8_t *qs, const int8_t *xq) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    if (type == SPARK_Q8_0) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)qs);
-        return dot_us(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); /* |w| * (x * sign w) = w * x, -128 included */
-    }
-    return dot_us(nibbles(qs), x);
 }
 /* The four blocks' sums from their lanes (integer adds: exact in any order). */
 static inline __m128i hsum4(__m256i a, __m256i b, __m256i c, __m256i d) {
@@ -276,8 +306,8 @@ static inline __m128i hsum4(__m256i a, __m256i b, __m256i c, __m256i d) {
 
 static inline int32_t block_dot(int32_t type, const uint8_t *qs, const int8_t *xq) {
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
-    const __m128i s = hsum4(block_lanes(type, qs, xq), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256());
-    return _mm_cvtsi128_si32(s);
+    const __m256i z = _mm256_setzero_si256();
+    return _mm_cvtsi128_si32(hsum4(block_lanes(type, load_w(type, qs), xq), z, z, z));
 #elif defined(SPARK_NEON_DOT)
     const int8x16_t x0 = vld1q_s8(xq), x1 = vld1q_s8(xq + 16);
     if (type == SPARK_Q8_0) return vaddvq_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), vld1q_s8((const int8_t *)qs), x0), vld1q_s8((const int8_t *)qs + 16), x1));
@@ -295,34 +325,81 @@ static inline int32_t block_dot(int32_t type, const uint8_t *qs, const int8_t *x
 #endif
 }
 
-/* The float term block b adds (the fixed formulas at the top of this file). */
-static inline float block_term(int32_t type, const uint8_t *blk, int32_t isum, const spark_act *a, int64_t b) {
+/* The float term block b adds (the fixed formulas at the top of this file), from its exact integer sums. */
+static inline float block_term(int32_t type, const uint8_t *blk, int32_t i1, int32_t i2, const spark_act *a, int64_t b) {
     const float dw = f16_at(blk);
-    if (type == SPARK_Q4_1) return (dw * a->d[b]) * (float)isum + f16_at(blk + 2) * a->ds[b];
-    if (type == SPARK_Q4_0) isum -= 8 * a->s[b];
-    return (dw * a->d[b]) * (float)isum;
+    if (type == SPARK_Q4_0) {
+        i1 -= 8 * a->s1[b];
+        if (a->parts == 2) i2 -= 8 * a->s2[b];
+    }
+    float t = (dw * a->d1[b]) * (float)i1;
+    if (a->parts == 2) t += (dw * a->d2[b]) * (float)i2;
+    if (type == SPARK_Q4_1) t += f16_at(blk + 2) * a->ds[b];
+    return t;
 }
 
-/* sum_k w[row, k] x[k] for one row of blocks and one quantized activation row starting at block b0. */
-static float dot_row(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, int64_t b0) {
-    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
-    float acc[8] = {0};
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+/* block_term for blocks b .. b+3 at once: the same float operations in the same order, one lane per block. */
+static inline __m128 block_terms4(int32_t type, const uint8_t *p, int32_t bb, __m128i i1, __m128i i2, const spark_act *a, int64_t b) {
+    int32_t w32[4]; /* each block's first 4 bytes: d, then m (Q4_1) or quants */
+    for (int32_t j = 0; j < 4; j++) memcpy(&w32[j], p + j * bb, 4);
+    const __m128i dm = _mm_setr_epi32(w32[0], w32[1], w32[2], w32[3]);
+    const __m128 dw = _mm_cvtph_ps(_mm_shuffle_epi8(dm, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1)));
+    if (type == SPARK_Q4_0) {
+        i1 = _mm_sub_epi32(i1, _mm_slli_epi32(_mm_loadu_si128((const __m128i *)(a->s1 + b)), 3));
+        if (a->parts == 2) i2 = _mm_sub_epi32(i2, _mm_slli_epi32(_mm_loadu_si128((const __m128i *)(a->s2 + b)), 3));
+    }
+    __m128 t = _mm_mul_ps(_mm_mul_ps(dw, _mm_loadu_ps(a->d1 + b)), _mm_cvtepi32_ps(i1));
+    if (a->parts == 2) t = _mm_add_ps(t, _mm_mul_ps(_mm_mul_ps(dw, _mm_loadu_ps(a->d2 + b)), _mm_cvtepi32_ps(i2)));
+    if (type == SPARK_Q4_1) {
+        const __m128 mw = _mm_cvtph_ps(_mm_shuffle_epi8(dm, _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)));
+        t = _mm_add_ps(t, _mm_mul_ps(mw, _mm_loadu_ps(a->ds + b)));
+    }
+    return t;
+}
+#endif
+
+/* out[t] = sum_k w[row, k] x_t[k] for one row of blocks and R <= 4 quantized activation rows, row t starting at
+ * block b0[t]. The weight blocks are unpacked once for all R rows; each row's sum takes the same steps as for R = 1,
+ * so a prefill and one-row decodes agree bit for bit. */
+#define SPARK_ROWS 4
+static void dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
+    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2, two = a->parts == 2;
+    float acc[SPARK_ROWS][8] = {{0}};
     int32_t b = 0;
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    __m128 lanes[SPARK_ROWS][2]; /* acc[t][0..3], acc[t][4..7] */
+    for (int32_t t = 0; t < r_count; t++) lanes[t][0] = lanes[t][1] = _mm_setzero_ps();
     for (; b + 4 <= nb; b += 4) {
         const uint8_t *p = row + (int64_t)b * bb;
-        const int8_t *x = a->q + (b0 + b) * QK;
-        int32_t s[4];
-        _mm_storeu_si128((__m128i *)s, hsum4(block_lanes(type, p + off, x), block_lanes(type, p + bb + off, x + QK), block_lanes(type, p + 2 * bb + off, x + 2 * QK),
-                                             block_lanes(type, p + 3 * bb + off, x + 3 * QK)));
-        for (int32_t j = 0; j < 4; j++) acc[(b + j) & 7] += block_term(type, p + j * bb, s[j], a, b0 + b + j);
+        const spark_wv w0 = load_w(type, p + off), w1 = load_w(type, p + bb + off), w2 = load_w(type, p + 2 * bb + off), w3 = load_w(type, p + 3 * bb + off);
+        for (int32_t t = 0; t < r_count; t++) {
+            const int64_t x0 = (b0[t] + b) * QK;
+            const int8_t *q = a->q1 + x0;
+            const __m128i i1 = hsum4(block_lanes(type, w0, q), block_lanes(type, w1, q + QK), block_lanes(type, w2, q + 2 * QK), block_lanes(type, w3, q + 3 * QK));
+            __m128i i2 = _mm_setzero_si128();
+            if (two) {
+                q = a->q2 + x0;
+                i2 = hsum4(block_lanes(type, w0, q), block_lanes(type, w1, q + QK), block_lanes(type, w2, q + 2 * QK), block_lanes(type, w3, q + 3 * QK));
+            }
+            lanes[t][(b >> 2) & 1] = _mm_add_ps(lanes[t][(b >> 2) & 1], block_terms4(type, p, bb, i1, i2, a, b0[t] + b));
+        }
+    }
+    for (int32_t t = 0; t < r_count; t++) {
+        _mm_storeu_ps(acc[t], lanes[t][0]);
+        _mm_storeu_ps(acc[t] + 4, lanes[t][1]);
     }
 #endif
-    for (; b < nb; b++) {
-        const uint8_t *p = row + (int64_t)b * bb;
-        acc[b & 7] += block_term(type, p, block_dot(type, p + off, a->q + (b0 + b) * QK), a, b0 + b);
+    for (int32_t t = 0; t < r_count; t++) {
+        float *ac = acc[t];
+        for (int32_t c = b; c < nb; c++) {
+            const uint8_t *p = row + (int64_t)c * bb;
+            const int64_t x0 = (b0[t] + c) * QK;
+            const int32_t i2 = two ? block_dot(type, p + off, a->q2 + x0) : 0;
+            ac[c & 7] += block_term(type, p, block_dot(type, p + off, a->q1 + x0), i2, a, b0[t] + c);
+        }
+        out[t] = ((ac[0] + ac[4]) + (ac[1] + ac[5])) + ((ac[2] + ac[6]) + (ac[3] + ac[7]));
     }
-    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
 /* y (M, N) = x W^T (+ bias) for M quantized activation rows; rows of W split across the pool. Each output is
@@ -340,30 +417,36 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const spark_qmat *w = g->w;
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t row_bytes = (int64_t)nb * block_bytes(w->type);
-    for (int32_t j = begin; j < end; j++) {
-        const uint8_t *row = w->blocks + j * row_bytes;
-        const float bias = w->bias ? w->bias[j] : 0.0f;
-        for (int32_t r = 0; r < g->m; r++) g->y[(int64_t)r * n + j] = dot_row(w->type, row, nb, g->a, (int64_t)r * nb) + bias;
+    /* Tokens in groups of SPARK_ROWS, and within a group every row of this thread's range: the group's activations
+     * stay in L1 while the weight rows stream past once per group. */
+    for (int32_t r = 0; r < g->m; r += SPARK_ROWS) {
+        const int32_t rc = g->m - r < SPARK_ROWS ? g->m - r : SPARK_ROWS;
+        int64_t b0[SPARK_ROWS];
+        for (int32_t t = 0; t < rc; t++) b0[t] = (int64_t)(r + t) * nb;
+        for (int32_t j = begin; j < end; j++) {
+            float out[SPARK_ROWS];
+            dot_rows(w->type, w->blocks + j * row_bytes, nb, g->a, b0, rc, out);
+            const float bias = w->bias ? w->bias[j] : 0.0f;
+            for (int32_t t = 0; t < rc; t++) g->y[(int64_t)(r + t) * n + j] = out[t] + bias;
+        }
     }
-}
-
-static void qgemm_act(const spark_qmat *w, const spark_act *a, int32_t m, float *y) {
-    gemm_job g = {w, a, y, m};
-    parallel_for(gemm_rows, &g, w->n);
 }
 
 /* Entry point for Python's block linear layers: x (M, K) -> y (M, N); scratch holds spark_act_bytes(K, M). */
 void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void *scratch) {
-    spark_act a = act_in(scratch, w->k, m);
+    spark_act a = act_in(scratch, w->k, m, w->act_parts);
     const int32_t nb = w->k / QK;
     for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * w->k, w->k, &a, (int64_t)r * nb);
-    qgemm_act(w, &a, m, y);
+    gemm_job g = {w, &a, y, m};
+    parallel_for(gemm_rows, &g, w->n);
 }
 
-/* One row through one matrix: quantize x (K) into a, then y (N) = W x. */
+/* One row through one matrix: y (N) = W x, x quantized into the scratch `a` points at. */
 static void qgemv(const spark_qmat *w, const float *x, float *y, spark_act *a) {
+    a->parts = w->act_parts;
     quantize_row(x, w->k, a, 0);
-    qgemm_act(w, a, 1, y);
+    gemm_job g = {w, a, y, 1};
+    parallel_for(gemm_rows, &g, w->n);
 }
 
 /* The decoder's weights, one entry per layer in each array. */
@@ -510,7 +593,7 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
     float *att = q_plain + hd;              /* (H*D) attention output */
     float *gu = att + hd;                   /* (2*I) gate, up */
     const int32_t widest = c > inter ? (c > hd ? c : hd) : (inter > hd ? inter : hd);
-    spark_act xq = act_in(gu + 2 * (int64_t)inter, widest, 1); /* the quantized input of each matrix */
+    spark_act xq = act_in(gu + 2 * (int64_t)inter, widest, 1, 1); /* the quantized input of each matrix */
 
     for (int32_t l = 0; l < m->n_layers; l++) {
         /* Attention block. */
