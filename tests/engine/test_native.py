@@ -293,10 +293,26 @@ def test_arm_kernels_compute_the_exact_block_products(tmp_path: Path, arch: str,
 
     exe = tmp_path / f"arm-check-{isa}"
     check = Path(__file__).with_name("native") / "arm_check.c"
-    build = [str(ARM_CC), "-O3", "-std=gnu11", "-ffp-contract=off", f"-march={arch}", "-static", f"-I{SOURCE.parent}", str(check), "-o", str(exe), "-lm"]
+    build = [str(ARM_CC), "-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", f"-march={arch}", "-static", f"-I{SOURCE.parent}", str(check), "-o", str(exe), "-lm"]
     subprocess.run(build, check=True, capture_output=True, timeout=300)
     out = subprocess.run([str(QEMU_ARM), str(exe)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.splitlines() == [f"isa {isa}", "0 mismatches"], out.stdout
+
+
+@pytest.mark.skipif(not X86, reason="the x86 build of the Arm checker")
+def test_the_arm_checker_itself_passes_on_this_machine(tmp_path: Path, kernels: NativeKernels) -> None:
+    """The checker the Arm test runs under qemu, built for this CPU: its C reference agrees with the kernels here,
+    so a mismatch under qemu points at the Arm kernel, not at the checker."""
+    import subprocess
+
+    from engine.native import SOURCE, _compiler, compile_flags
+
+    exe = tmp_path / "check"
+    tune = [f for f in compile_flags() if f.startswith("-m")]
+    build = [str(_compiler()), "-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", *tune, f"-I{SOURCE.parent}", str(Path(__file__).with_name("native") / "arm_check.c"), "-o", str(exe), "-lm"]
+    subprocess.run(build, check=True, capture_output=True, timeout=300)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.splitlines() == [f"isa {kernels.isa}", "0 mismatches"], out.stdout
 
 
 def test_models_the_native_step_cannot_run_are_named(qwen_dir: Path, kernels: NativeKernels) -> None:
