@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.quant import BlockType, StoredTensor, check_stored, dequantize, quantize
+from engine.quant import BLOCK, BlockType, StoredTensor, check_stored, dequantize, quantize
 
 # A fused module's rows, in order, from these HF parameters (engine.model.fuse_projections).
 FUSED: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -29,14 +29,20 @@ class UnsupportedBlocks(ValueError):
 
 @dataclass(frozen=True)
 class BlockWeights:
-    """One matrix (N, K) as raw blocks: blocks (N, K/32 * block bytes) uint8."""
+    """One matrix (N, K) as raw blocks: blocks (N, K/32 * block bytes) uint8. A layer whose input size is no
+    multiple of 32 (an HF folder's, never a GGUF's) is held with zero columns up to K: `in_features` is its own."""
 
     qtype: BlockType
     shape: tuple[int, int]
     blocks: torch.Tensor
+    in_features: int = 0  # 0: shape[1]
 
-    def dequantized(self) -> torch.Tensor:  # (N, K) float32
-        return torch.from_numpy(dequantize(self.blocks.numpy(), self.qtype, self.shape))
+    @property
+    def inputs(self) -> int:
+        return self.in_features or self.shape[1]
+
+    def dequantized(self) -> torch.Tensor:  # (N, inputs) float32
+        return torch.from_numpy(dequantize(self.blocks.numpy(), self.qtype, self.shape))[:, : self.inputs]
 
 
 def stored_type(stored: Mapping[str, StoredTensor]) -> BlockType:
@@ -80,8 +86,8 @@ def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockW
 
 def plan_blocks(model: nn.Module, qtype: BlockType, stored: Mapping[str, StoredTensor] | None = None) -> dict[str, BlockWeights]:
     """Block weights for every nn.Linear of a fused `model`, keyed by module path: the stored bytes where `stored`
-    has them, else the layer's fp32 weight quantized to `qtype`. ValueError when a layer's input size is no
-    multiple of 32 (UnsupportedBlocks when stored bytes cannot run)."""
+    has them, else the layer's fp32 weight quantized to `qtype` (zero columns pad an input size that is no multiple
+    of 32; zeros quantize exactly). UnsupportedBlocks when stored bytes cannot run."""
     tied = bool(model.config.tie_word_embeddings)  # type: ignore[attr-defined]
     out: dict[str, BlockWeights] = {}
     for path, module in model.named_modules():
@@ -90,8 +96,10 @@ def plan_blocks(model: nn.Module, qtype: BlockType, stored: Mapping[str, StoredT
         found = _from_stored(_sources(path, tied, stored), stored) if stored else None
         if found is None:
             w = module.weight.detach().float().numpy()  # (N, K)
-            found = BlockWeights(qtype, tuple(w.shape), torch.from_numpy(quantize(w, qtype)))  # type: ignore[arg-type]
-        if found.shape != tuple(module.weight.shape):
+            n, k = w.shape
+            padded = np.pad(w, ((0, 0), (0, -k % BLOCK)))  # (N, K rounded up to 32)
+            found = BlockWeights(qtype, padded.shape, torch.from_numpy(quantize(padded, qtype)), k)  # type: ignore[arg-type]
+        if (found.shape[0], found.inputs) != tuple(module.weight.shape):
             raise ValueError(f"the stored {path} has shape {found.shape}, but the model's config says {tuple(module.weight.shape)}")
         out[path] = found
     return out
@@ -103,12 +111,12 @@ class BlockEmbedding(nn.Module):
 
     def __init__(self, w: BlockWeights) -> None:
         super().__init__()
-        self.qtype, self.shape = w.qtype, w.shape
+        self.qtype, self.shape, self.dim = w.qtype, w.shape, w.inputs
         self.register_buffer("blocks", w.blocks, persistent=False)  # (V, C/32 * block bytes) uint8
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) long -> (B, T, C) float32
         rows = self.blocks.index_select(0, ids.reshape(-1)).numpy()  # (B*T, bytes)
-        return torch.from_numpy(dequantize(rows, self.qtype, self.shape)).view(*ids.shape, -1)
+        return torch.from_numpy(dequantize(rows, self.qtype, self.shape)[:, : self.dim]).reshape(*ids.shape, self.dim)
 
 
 def swap_linears(model: nn.Module, blocks: Mapping[str, BlockWeights], make: Callable[[BlockWeights, torch.Tensor | None], nn.Module]) -> None:
@@ -133,7 +141,7 @@ def use_stored_embedding(model: nn.Module, stored: Mapping[str, StoredTensor] | 
 
 def dequantized_linear(w: BlockWeights, bias: torch.Tensor | None) -> nn.Linear:
     """The fallback without native kernels: the same blocks, dequantized to fp32 (activations stay fp32)."""
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+    lin = nn.Linear(w.inputs, w.shape[0], bias=bias is not None, device="meta")
     lin.weight = nn.Parameter(w.dequantized(), requires_grad=False)
     if bias is not None:
         lin.bias = nn.Parameter(bias.detach().float(), requires_grad=False)

@@ -35,16 +35,19 @@ class NativeBlockLinear(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.qtype = w.qtype
-        self.out_features, self.in_features = w.shape
-        self.register_buffer("blocks", w.blocks, persistent=False)  # (N, K/32 * block bytes) uint8
+        self.out_features, self.in_features = w.shape[0], w.inputs
+        self.padded = w.shape[1]  # K rounded up to 32: zero weight columns beyond in_features
+        self.register_buffer("blocks", w.blocks, persistent=False)  # (N, padded/32 * block bytes) uint8
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)  # (N,)
-        self.desc = QMat(_ptr(self.blocks), _ptr(self.bias), self.out_features, self.in_features, w.qtype.ggml_id, act_parts)
+        self.desc = QMat(_ptr(self.blocks), _ptr(self.bias), self.out_features, self.padded, w.qtype.ggml_id, act_parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) float32 -> (..., N) float32
         rows = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
+        if self.padded != self.in_features:
+            rows = torch.nn.functional.pad(rows, (0, self.padded - self.in_features))  # (M, padded) zero columns
         m = rows.shape[0]
         y = torch.empty(m, self.out_features)  # (M, N)
-        scratch = torch.empty(int(self.kernels.lib.spark_act_bytes(self.in_features, m)), dtype=torch.uint8)
+        scratch = torch.empty(int(self.kernels.lib.spark_act_bytes(self.padded, m)), dtype=torch.uint8)
         if m > 1:
             self.kernels.use_threads(torch.get_num_threads())
         self.kernels.lib.spark_qgemm(ctypes.byref(self.desc), rows.data_ptr(), m, y.data_ptr(), scratch.data_ptr())

@@ -246,11 +246,17 @@ static float quantize_block(const float *x, int8_t *q, int32_t *sum) {
     return amax / 127.0f;
 }
 
-/* Quantize one row x (K) into block `b0` onwards of a. */
-static void quantize_row(const float *x, int32_t k, spark_act *a, int64_t b0) {
+/* Quantize one row x (K, of which the first `valid` values are given: the rest are zeros, a matrix whose input
+ * size is no multiple of 32 being padded with zero columns) into block `b0` onwards of a. */
+static void quantize_row(const float *x, int32_t k, int32_t valid, spark_act *a, int64_t b0) {
     for (int32_t b = 0; b < k / QK; b++) {
-        const int64_t at = b0 + b;
+        float padded[QK];
         const float *xb = x + b * QK;
+        if ((b + 1) * QK > valid) {
+            for (int32_t i = 0; i < QK; i++) padded[i] = b * QK + i < valid ? xb[i] : 0.0f;
+            xb = padded;
+        }
+        const int64_t at = b0 + b;
         int8_t *q1 = a->q1 + at * QK;
         const float d1 = quantize_block(xb, q1, &a->s1[at]);
         a->d1[at] = d1;
@@ -436,15 +442,15 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
 void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void *scratch) {
     spark_act a = act_in(scratch, w->k, m, w->act_parts);
     const int32_t nb = w->k / QK;
-    for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * w->k, w->k, &a, (int64_t)r * nb);
+    for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * w->k, w->k, w->k, &a, (int64_t)r * nb);
     gemm_job g = {w, &a, y, m};
     parallel_for(gemm_rows, &g, w->n);
 }
 
-/* One row through one matrix: y (N) = W x, x quantized into the scratch `a` points at. */
-static void qgemv(const spark_qmat *w, const float *x, float *y, spark_act *a) {
+/* One row through one matrix: y (N) = W x for x of `len` values (W's K rounded up to 32), quantized into a. */
+static void qgemv(const spark_qmat *w, const float *x, int32_t len, float *y, spark_act *a) {
     a->parts = w->act_parts;
-    quantize_row(x, w->k, a, 0);
+    quantize_row(x, w->k, len, a, 0);
     gemm_job g = {w, a, y, 1};
     parallel_for(gemm_rows, &g, w->n);
 }
@@ -533,7 +539,7 @@ int64_t spark_decode_scratch_floats(const spark_model *m) {
     const int64_t c = m->hidden, hd = (int64_t)m->n_heads * m->head_dim, kv = (int64_t)m->n_kv_heads * m->head_dim;
     const int64_t widest_in = c > m->intermediate ? (c > hd ? c : hd) : (m->intermediate > hd ? m->intermediate : hd);
     /* h, qkv, q_new, q_plain, attn out, gate_up, quantized activations (scores: per head, passed separately) */
-    return c + (hd + 2 * kv) + hd + hd + hd + 2 * (int64_t)m->intermediate + spark_act_bytes((int32_t)widest_in, 1) / 4 + 8;
+    return c + (hd + 2 * kv) + hd + hd + hd + 2 * (int64_t)m->intermediate + spark_act_bytes((int32_t)(widest_in + QK - 1) / QK * QK, 1) / 4 + 8;
 }
 
 /* One layer's attention for query heads [begin, end): softmax over ranks [0, width) of the read copies. */
@@ -593,12 +599,12 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
     float *att = q_plain + hd;              /* (H*D) attention output */
     float *gu = att + hd;                   /* (2*I) gate, up */
     const int32_t widest = c > inter ? (c > hd ? c : hd) : (inter > hd ? inter : hd);
-    spark_act xq = act_in(gu + 2 * (int64_t)inter, widest, 1, 1); /* the quantized input of each matrix */
+    spark_act xq = act_in(gu + 2 * (int64_t)inter, (widest + QK - 1) / QK * QK, 1, 1); /* each matrix's quantized input */
 
     for (int32_t l = 0; l < m->n_layers; l++) {
         /* Attention block. */
         rms_norm(x, m->attn_norm[l], c, m->eps, hbuf);
-        qgemv(&m->qkv[l], hbuf, qkv, &xq);
+        qgemv(&m->qkv[l], hbuf, c, qkv, &xq);
         const float *q = qkv, *k = qkv + hd, *v = qkv + hd + kvd;
         const int64_t layer_off = (int64_t)l * hkv * s * d;
         for (int32_t kh = 0; kh < hkv; kh++) {
@@ -626,19 +632,19 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
         }
         attn_job aj = {step, q_new, q_plain, cache->k_read + layer_off, cache->v_read + layer_off, att, scores, s, d, g, scale};
         parallel_for(attend_heads, &aj, h);
-        qgemv(&m->o[l], att, hbuf, &xq);
+        qgemv(&m->o[l], att, hd, hbuf, &xq);
         for (int32_t i = 0; i < c; i++) x[i] += hbuf[i];
 
         /* MLP block. */
         rms_norm(x, m->mlp_norm[l], c, m->eps, hbuf);
-        qgemv(&m->gate_up[l], hbuf, gu, &xq);
+        qgemv(&m->gate_up[l], hbuf, c, gu, &xq);
         for (int32_t i = 0; i < inter; i++) {
             const float gate = gu[i];
             gu[i] = gate / (1.0f + exp_approx(-gate)) * gu[inter + i];
         }
-        qgemv(&m->down[l], gu, hbuf, &xq);
+        qgemv(&m->down[l], gu, inter, hbuf, &xq);
         for (int32_t i = 0; i < c; i++) x[i] += hbuf[i];
     }
     rms_norm(x, m->final_norm, c, m->eps, hbuf);
-    qgemv(m->lm_head, hbuf, logits, &xq);
+    qgemv(m->lm_head, hbuf, c, logits, &xq);
 }

@@ -134,7 +134,7 @@ def test_block_products_equal_the_integer_reference_bit_for_bit(kernels: NativeK
 
 
 def lin_weights(lin: NativeBlockLinear) -> BlockWeights:
-    return BlockWeights(lin.qtype, (lin.out_features, lin.in_features), lin.blocks)
+    return BlockWeights(lin.qtype, (lin.out_features, lin.padded), lin.blocks, lin.in_features)
 
 
 @pytest.mark.skipif(not X86, reason="instruction-set variants of x86")

@@ -170,11 +170,25 @@ def test_quantize_choices_and_their_errors(qwen_dir: Path, tmp_path: Path) -> No
         TorchBackend(qwen_dir, "cpu", quantize="int8")
     with pytest.raises(BackendUnavailable, match="Unknown weight quantization 'q5_0'"):
         TorchBackend(qwen_dir, "cpu", quantize="q5_0")
-    odd = make_tiny_model(tmp_path / "odd", "llama", hidden=48, heads=4, kv_heads=2)  # 48: no whole blocks of 32
+
+
+
+def test_input_sizes_that_are_no_multiple_of_32_run_with_zero_columns(tmp_path: Path) -> None:
+    """An HF folder's widths need not be multiples of 32 (the bundled spark-mini's MLP is 688 wide): zero weight
+    columns pad each row to whole blocks, zero activations meet them, and the products are unchanged."""
+    odd = make_tiny_model(tmp_path / "odd", "llama", hidden=48, heads=4, kv_heads=2, intermediate=88, tie=True)
     b = TorchBackend(odd, "cpu", quantize="auto")
-    assert b.quantize == "none" and "multiple of 32" in b.kernels_note
-    with pytest.raises(BackendUnavailable, match="cannot be held as q8_0: .*multiple of 32"):
-        TorchBackend(odd, "cpu", quantize="q8_0")
+    assert b.quantize == "q8_0" and b.native_isa is not None
+    head = b.model.lm_head
+    assert (head.in_features, head.padded) == (48, 64)
+    assert b.model.model.embed_tokens(torch.tensor([[5, 6]])).shape == (1, 2, 48)
+    fp32 = logits_of(TorchBackend(odd, "cpu", quantize="none"), IDS)
+    quant = logits_of(b, IDS)  # prefill (padded rows) and the native decoding step (padded blocks)
+    bound = (4 * 2 + 1) * weight_error(odd, BlockType.Q8_0) + 0.01
+    assert ((quant - fp32).norm(dim=-1) / fp32.norm(dim=-1)).max().item() < bound
+    stepwise = TorchBackend(odd, "cpu", quantize="auto")
+    stepwise.model.native_decoder = None  # the same layers, every step through PyTorch
+    assert torch.allclose(logits_of(stepwise, IDS), quant, atol=2e-4, rtol=1e-4)
 
 
 def test_a_stored_file_runs_as_stored_or_says_why(llama_dir: Path, tmp_path: Path) -> None:
