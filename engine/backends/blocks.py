@@ -11,12 +11,23 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
-from engine.quant import BLOCK, BlockType, StoredTensor, check_stored, dequantize, quantize
+from engine.quant import (
+    BLOCK,
+    BlockType,
+    StoredTensor,
+    check_stored,
+    dequantize,
+    quantize,
+)
+
+if TYPE_CHECKING:
+    from engine.model import Transformer
 
 # A fused module's rows, in order, from these HF parameters (engine.model.fuse_projections).
 FUSED: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -80,15 +91,15 @@ def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockW
     for p, n in zip(parts, names):
         check_stored(p, n)  # type: ignore[arg-type]
     rows = np.concatenate([np.asarray(p.data, dtype=np.uint8).reshape(p.shape[0], -1) for p in parts])  # type: ignore[union-attr]
-    shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])  # type: ignore[union-attr]
+    shape = (sum(p.shape[0] for p in parts if p is not None), parts[0].shape[1] if parts[0] is not None else 0)
     return BlockWeights(qtype, shape, torch.from_numpy(rows.copy()))
 
 
-def plan_blocks(model: nn.Module, qtype: BlockType, stored: Mapping[str, StoredTensor] | None = None) -> dict[str, BlockWeights]:
+def plan_blocks(model: "Transformer", qtype: BlockType, stored: Mapping[str, StoredTensor] | None = None) -> dict[str, BlockWeights]:
     """Block weights for every nn.Linear of a fused `model`, keyed by module path: the stored bytes where `stored`
     has them, else the layer's fp32 weight quantized to `qtype` (zero columns pad an input size that is no multiple
     of 32; zeros quantize exactly). UnsupportedBlocks when stored bytes cannot run."""
-    tied = bool(model.config.tie_word_embeddings)  # type: ignore[attr-defined]
+    tied = bool(model.config.tie_word_embeddings)
     out: dict[str, BlockWeights] = {}
     for path, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -96,7 +107,7 @@ def plan_blocks(model: nn.Module, qtype: BlockType, stored: Mapping[str, StoredT
         found = _from_stored(_sources(path, tied, stored), stored) if stored else None
         if found is None:
             w = module.weight.detach().float().numpy()  # (N, K)
-            n, k = w.shape
+            k = w.shape[1]
             padded = np.pad(w, ((0, 0), (0, -k % BLOCK)))  # (N, K rounded up to 32)
             found = BlockWeights(qtype, padded.shape, torch.from_numpy(quantize(padded, qtype)), k)  # type: ignore[arg-type]
         if (found.shape[0], found.inputs) != tuple(module.weight.shape):
@@ -119,24 +130,24 @@ class BlockEmbedding(nn.Module):
         return torch.from_numpy(dequantize(rows, self.qtype, self.shape)[:, : self.dim]).reshape(*ids.shape, self.dim)
 
 
-def swap_linears(model: nn.Module, blocks: Mapping[str, BlockWeights], make: Callable[[BlockWeights, torch.Tensor | None], nn.Module]) -> None:
+def swap_linears(model: "Transformer", blocks: Mapping[str, BlockWeights], make: Callable[[BlockWeights, torch.Tensor | None], nn.Module]) -> None:
     """Replace each planned nn.Linear by make(blocks, its bias); a tied embedding reads the LM head's blocks."""
     for path, w in blocks.items():
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, leaf)
         setattr(parent, leaf, make(w, old.bias))
-    if model.config.tie_word_embeddings and "lm_head" in blocks:  # type: ignore[attr-defined]
-        model.model.embed_tokens = BlockEmbedding(blocks["lm_head"])  # type: ignore[union-attr]
+    if model.config.tie_word_embeddings and "lm_head" in blocks:
+        model.model.embed_tokens = BlockEmbedding(blocks["lm_head"])  # type: ignore[assignment]
 
 
-def use_stored_embedding(model: nn.Module, stored: Mapping[str, StoredTensor] | None) -> None:
+def use_stored_embedding(model: "Transformer", stored: Mapping[str, StoredTensor] | None) -> None:
     """An untied model whose file stores the embedding in a block format reads its rows from those bytes."""
     t = (stored or {}).get(EMBEDDING)
-    if t is None or model.config.tie_word_embeddings or t.qtype not in BlockType.__members__:  # type: ignore[attr-defined]
+    if t is None or model.config.tie_word_embeddings or t.qtype not in BlockType.__members__:
         return
     qtype = check_stored(t, EMBEDDING)
-    model.model.embed_tokens = BlockEmbedding(BlockWeights(qtype, t.shape, torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(t.shape[0], -1))))  # type: ignore[union-attr]
+    model.model.embed_tokens = BlockEmbedding(BlockWeights(qtype, t.shape, torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(t.shape[0], -1))))  # type: ignore[assignment]
 
 
 def dequantized_linear(w: BlockWeights, bias: torch.Tensor | None) -> nn.Linear:

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> dict:
     gguf_file = getattr(args, "gguf", None)
     if gguf_file is not None:  # ours runs the file's blocks as stored (until the GGUF loader opens the file itself)
         stored = stored_from_gguf(gguf_file)
-        choice = BackendChoice(TorchBackend(model_dir, "cpu", quantize=args.quantize if args.quantize != "int8" else "auto", stored=stored), ())
+        choice = BackendChoice(TorchBackend(model_dir, "cpu", quantize=args.quantize, stored=stored), ())
         engine = Engine(choice, Tokenizer.from_dir(model_dir), model_dir, memory)
     else:
         engine = Engine.load(model_dir, args.backend, memory_factory=memory, quantize=args.quantize)
