@@ -24,6 +24,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -88,12 +89,15 @@ static struct {
     int32_t items;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {0}, 1, 0, 0, 0, 0, NULL, NULL, 0};
 
-static inline void cpu_relax(void) {
+/* One spin of a wait; past the first few thousand it also offers the core to the OS (sched_yield): on a busy or
+ * oversubscribed machine the thread we wait for may need this very core. */
+static inline void cpu_relax(int32_t spins) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #elif defined(__aarch64__)
     __asm__ __volatile__("yield");
 #endif
+    if (spins > 2000 && (spins & 63) == 0) sched_yield();
 }
 
 static void run_share(int32_t index) {
@@ -108,10 +112,7 @@ static void *worker_main(void *arg) {
     for (;;) {
         uint_fast64_t g;
         int spins = 0;
-        while ((g = atomic_load(&pool.generation)) == seen && !atomic_load(&pool.stop) && spins < 20000) {
-            cpu_relax();
-            spins++;
-        }
+        while ((g = atomic_load(&pool.generation)) == seen && !atomic_load(&pool.stop) && spins < 20000) cpu_relax(spins++);
         if (g == seen && !atomic_load(&pool.stop)) {
             pthread_mutex_lock(&pool.sleep);
             atomic_fetch_add(&pool.sleepers, 1); /* before re-checking: a dispatcher that misses us sees sleepers */
@@ -173,7 +174,7 @@ static void parallel_for(spark_job job, void *ctx, int32_t items) {
         pthread_mutex_unlock(&pool.sleep);
     }
     run_share(0);
-    while (atomic_load(&pool.pending) > 0) cpu_relax();
+    for (int32_t spins = 0; atomic_load(&pool.pending) > 0; spins++) cpu_relax(spins);
     pthread_mutex_unlock(&pool.use);
 }
 
