@@ -23,6 +23,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.quant import StoredTensor
 
 GGUF_MAGIC = b"GGUF"
 GGUF_SUFFIX = ".gguf"
@@ -60,15 +61,6 @@ _GLOBAL_NAMES: dict[str, str] = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # Tensors a converter may add that the network does not use (rope_freqs is read into the config instead).
 _IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """A block-quantized weight as the file stores it: `data` (out, bytes per row) uint8, rows in HF order."""
-
-    qtype: str  # gguf.GGMLQuantizationType name, e.g. "Q4_1"
-    shape: tuple[int, int]  # torch order: (out, in)
-    data: np.ndarray
 
 
 @dataclass(frozen=True)

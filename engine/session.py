@@ -129,7 +129,7 @@ class Engine:
             # Judged before any weight is read: fp32 on the CPU (the widest a backend computes in) unless the CPU
             # surely stores int8, fp16 KV.
             params, kv_per_token = estimate_size(model_dir)
-            bytes_per_param = 1 if backend == "cpu" and resolve_quantize(backend, quantize, model_dir) == "int8" else 4 if backend in ("auto", "cpu") else 2
+            bytes_per_param = 1 if backend == "cpu" and resolve_quantize(backend, quantize) == "int8" else 4 if backend in ("auto", "cpu") else 2
             # A torch slot table keeps read copies in the compute dtype beside its fp16 k, v (engine.model.KVCache):
             # 3x the fp16 bytes where math is fp32 (the CPU), 2x on fp16 GPUs; Core ML keeps its fp16 state only.
             kv_copies = 3 if backend in ("auto", "cpu") else 1 if backend == "coreml" else 2

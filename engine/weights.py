@@ -20,9 +20,9 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.gguf_file import StoredTensor
 from engine.model import Transformer
 from engine.model_files import check_model_path, file_sha256, gguf_model, is_gguf_model
+from engine.quant import StoredTensor
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,

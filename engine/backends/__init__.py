@@ -9,26 +9,19 @@ from pathlib import Path
 
 from engine.backends.base import Backend, BackendProbe
 from engine.errors import BackendUnavailable
-from engine.model_files import is_gguf_model
 
 AUTO_ORDER: tuple[str, ...] = ("coreml", "mps", "cuda", "cpu")
 
-# Weight storage: "none" runs the backend's own precision; "auto" picks per backend, int8 where our int8 kernels
-# are the fast path (the CPU: a quarter of fp32's bytes per token, engine.backends.int8).
-QUANTIZE_CHOICES: tuple[str, ...] = ("auto", "none", "int8")
-AUTO_QUANTIZE: dict[str, str] = {"cpu": "int8"}
+# Weight storage: "none" runs the backend's own precision; q8_0, q4_0, q4_1 are GGUF block formats on the CPU
+# (engine.quant); int8 a Core ML conversion. "auto" picks per backend: on the CPU a GGUF's blocks as stored, an HF
+# folder's weights as Q8_0 (the backend resolves it, knowing what the file stores).
+QUANTIZE_CHOICES: tuple[str, ...] = ("auto", "none", "q8_0", "q4_0", "q4_1", "int8")
+AUTO_QUANTIZE: dict[str, str] = {"cpu": "auto"}
 
 
-def resolve_quantize(backend: str, quantize: str, model_path: Path | None = None) -> str:
-    """The weight storage `backend` runs for a requested `quantize` (resolves "auto").
-
-    A GGUF's weights are already quantized by their author: re-quantizing them per channel (int8) loses what the
-    file's per-block scales kept (SmolLM2 answered "Monaco"), so "auto" runs them at the backend's precision."""
-    if quantize != "auto":
-        return quantize
-    if model_path is not None and is_gguf_model(model_path):
-        return "none"
-    return AUTO_QUANTIZE.get(backend, "none")
+def resolve_quantize(backend: str, quantize: str) -> str:
+    """The weight storage `backend` runs for a requested `quantize` (resolves "auto")."""
+    return AUTO_QUANTIZE.get(backend, "none") if quantize == "auto" else quantize
 
 
 def _probe_coreml() -> BackendProbe:
@@ -110,7 +103,7 @@ def open_backend(model_dir: str | Path, name: str = "auto", quantize: str = "non
         probe = REGISTRY[name].probe()
         if not probe.available:
             raise BackendUnavailable(probe.reason)
-        return BackendChoice(REGISTRY[name].open(model_dir, resolve_quantize(name, quantize, model_dir)), ())
+        return BackendChoice(REGISTRY[name].open(model_dir, resolve_quantize(name, quantize)), ())
     skipped: list[BackendProbe] = []
     for candidate in AUTO_ORDER:
         probe = REGISTRY[candidate].probe()
@@ -118,7 +111,7 @@ def open_backend(model_dir: str | Path, name: str = "auto", quantize: str = "non
             skipped.append(probe)
             continue
         try:
-            return BackendChoice(REGISTRY[candidate].open(model_dir, resolve_quantize(candidate, quantize, model_dir)), tuple(skipped))
+            return BackendChoice(REGISTRY[candidate].open(model_dir, resolve_quantize(candidate, quantize)), tuple(skipped))
         except BackendUnavailable as exc:  # e.g. a Core ML conversion that failed: fall through, keep the reason
             skipped.append(BackendProbe(candidate, False, str(exc)))
     raise BackendUnavailable("No compute backend is available on this machine.")

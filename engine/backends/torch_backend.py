@@ -6,26 +6,39 @@ import copy
 import dataclasses
 import os
 import platform
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend, BackendProbe
-from engine.backends.int8 import resident_weight_bytes, use_int8_linears
+from engine.backends.blocks import (
+    UnsupportedBlocks,
+    dequantized_linear,
+    plan_blocks,
+    resident_weight_bytes,
+    stored_type,
+    swap_linears,
+    use_stored_embedding,
+)
 from engine.errors import BackendUnavailable
 from engine.config import ModelConfig
 from engine.native import NativeStatus, load_kernels
-from engine.native.decoder import use_native_int8
+from engine.native.decoder import use_native_blocks
 from engine.model import KVCache, SlotBatch, Transformer, fuse_projections, replace_linears
+from engine.quant import BlockType, StoredTensor
 from engine.weights import load_model
 
 # Compute dtype per device: CPU kernels are fastest (and exact vs references) in fp32; GPUs run fp16.
 DEVICE_DTYPES: dict[str, torch.dtype] = {"cpu": torch.float32, "cuda": torch.float16, "mps": torch.float16}
-# Weight storage choices: "none" keeps the checkpoint's weights in the compute dtype.
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
-# What runs int8 weights on the CPU: our compiled kernels (engine.native), PyTorch's quantized library, or the
-# first when it can be built.
+# Weight storage choices: "none" keeps the checkpoint's weights in the compute dtype; the block formats are GGUF's
+# (engine.quant); "auto" runs a GGUF's blocks as stored and quantizes an HF folder to AUTO_BLOCKS.
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", *(t.name.lower() for t in BlockType))
+# The most faithful fast type (bench quant: Q8_0's KL divergence from fp32 is ~10x below the 4-bit types').
+AUTO_BLOCKS = BlockType.Q8_0
+# What runs block weights on the CPU: our compiled kernels (engine.native), PyTorch over the dequantized matrices,
+# or the first when it can be built.
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
 
 
@@ -105,28 +118,38 @@ class TorchBackend(Backend):
         kv_dtype: torch.dtype = CANONICAL_KV_DTYPE,
         quantize: str = "none",
         kernels: str = "auto",
+        stored: Mapping[str, StoredTensor] | None = None,
+        act_parts: int = 2,
     ) -> None:
-        """`quantize="int8"` (CPU only) stores the linear weights as int8 per output channel (engine.backends.int8):
-        a quarter of fp32's bytes per decoded token, at a small cost in accuracy.
+        """`quantize` (CPU only): "none" keeps fp32; "q8_0", "q4_0", "q4_1" hold every linear layer in that GGUF block
+        format (engine.quant), activations quantized per block of 32 as llama.cpp's dot products do; "auto" runs
+        `stored` as stored, else Q8_0.
+
+        `stored` maps Hugging Face parameter names to a GGUF's raw block tensors (the GGUF loader's output): those
+        layers run from their bytes, never dequantized and re-quantized.
 
         `kv_dtype` defaults to the canonical fp16 on every device (math stays in `dtype`): what the slot table
         holds is then bit-identical to what episodic memory, the L3 cache and session files keep, so a restored or
         prefix-cached conversation continues exactly as an uninterrupted one. Pass float32 to compare the math with
         references at fp32 tolerance.
 
-        `kernels` picks what runs int8 weights: "native" our compiled CPU kernels (engine.native; an error when
-        they cannot be built), "torch" PyTorch's quantized library, "auto" native when available."""
+        `act_parts` (native kernels): activations quantized per block of 32 in 1 int8 part (llama.cpp's Q8 dot
+        products) or 2 (the default: a second part holds the first's residual; bench quant measures both).
+
+        `kernels` picks what runs block weights: "native" our compiled CPU kernels (engine.native; an error when
+        they cannot be built), "torch" PyTorch over the dequantized matrices, "auto" native when available."""
         if device == "mps":
             # Ops MPS lacks fall back to CPU instead of failing mid-conversation.
             os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
+        if quantize == "int8":
+            raise BackendUnavailable("int8 weights are a Core ML conversion; on the CPU choose q8_0, q4_0, q4_1 or auto.")
         if quantize not in QUANTIZATIONS:
             raise BackendUnavailable(f"Unknown weight quantization {quantize!r}; choose one of {', '.join(QUANTIZATIONS)}.")
-        if quantize != "none" and device != "cpu":
+        if quantize not in ("none", "auto") and device != "cpu":
             raise BackendUnavailable(f"{quantize} weights run on the cpu backend only, not on {device}.")
         if kernels not in KERNEL_CHOICES:
             raise BackendUnavailable(f"Unknown CPU kernels {kernels!r}; choose one of {', '.join(KERNEL_CHOICES)}.")
         self.name = device
-        self.quantize = quantize
         self.device = torch.device(device)
         self.dtype = dtype or DEVICE_DTYPES[device]
         loaded = load_model(model_dir, device=self.device, dtype=self.dtype)
@@ -137,28 +160,56 @@ class TorchBackend(Backend):
         self.model_dir = loaded.path
         fuse_projections(self.model)
         self.native_isa: str | None = None  # the native kernels' instruction set when they run this model
-        self.kernels_note = ""  # which kernels run the int8 weights, and why those (the backend explanation)
-        if quantize == "int8":
-            native = load_kernels() if kernels != "torch" else None
-            why_not = None if native is None else native_unfit(native, self.config, self.dtype)
-            if native is not None and native.kernels is not None and why_not is None:
-                use_native_int8(self.model, native.kernels)
-                self.native_isa = native.kernels.isa
-                self.kernels_note = f"native {self.native_isa} kernels"
-            elif kernels == "native":
-                raise BackendUnavailable(f"The native CPU kernels are unavailable: {why_not}.")
-            else:
-                use_int8_linears(self.model)
-                self.kernels_note = "PyTorch kernels" + (f" ({why_not})" if why_not else "")
-            self.weight_bytes = resident_weight_bytes(self.model)
-        elif self.device.type == "cpu":
+        self.kernels_note = ""  # which kernels run the block weights, and why those (the backend explanation)
+        self.act_parts = act_parts
+        stored = loaded.stored if stored is None else stored  # a GGUF's blocks, as the loader found them
+        self.quantize = self._block_weights(quantize, kernels, stored) if device == "cpu" else "none"
+        if self.quantize == "none" and self.device.type == "cpu":
             use_k_major_linears(self.model)
         self.kv_dtype = kv_dtype
         self.cache: KVCache = self.model.new_cache(1, 32, kv_dtype)
 
+    def _block_weights(self, quantize: str, kernels: str, stored: Mapping[str, StoredTensor] | None) -> str:
+        """Swap the linear layers for block-quantized ones; returns the format now held ("none": fp32 kept)."""
+        if quantize == "none":
+            return "none"
+        try:
+            qtype = (stored_type(stored) if stored else AUTO_BLOCKS) if quantize == "auto" else BlockType.named(quantize)
+            if stored and quantize != "auto" and stored_type(stored) is not qtype:
+                raise BackendUnavailable(
+                    f"This file stores {stored_type(stored).name} weights, which run as stored: choose --quantize auto (or none for fp32)."
+                )
+            blocks = plan_blocks(self.model, qtype, stored)
+        except UnsupportedBlocks as exc:
+            if quantize != "auto":
+                raise BackendUnavailable(f"These weights cannot run as {quantize}: {exc}.") from None
+            self.kernels_note = f"fp32 ({exc})"
+            return "none"
+        except ValueError as exc:
+            if quantize != "auto":
+                raise BackendUnavailable(f"This model cannot be held as {quantize}: {exc}.") from None
+            self.kernels_note = f"fp32 ({exc})"
+            return "none"
+        native = load_kernels() if kernels != "torch" else None
+        why_not = None if native is None else native_unfit(native, self.config, self.dtype)
+        if native is not None and native.kernels is not None and why_not is None:
+            use_native_blocks(self.model, native.kernels, blocks, self.act_parts)
+            self.native_isa = native.kernels.isa
+            self.kernels_note = f"native {self.native_isa} kernels"
+        elif kernels == "native":
+            raise BackendUnavailable(f"The native CPU kernels are unavailable: {why_not}.")
+        else:
+            # Same blocks dequantized to fp32 (activations stay fp32): slower, as faithful.
+            swap_linears(self.model, blocks, dequantized_linear)
+            use_k_major_linears(self.model)
+            self.kernels_note = "PyTorch fp32 over the dequantized blocks" + (f" ({why_not})" if why_not else "")
+        use_stored_embedding(self.model, stored)
+        self.weight_bytes = resident_weight_bytes(self.model)
+        return qtype.name.lower()
+
     @property
     def numerics(self) -> str:
-        weights = "" if self.quantize == "none" else f"-w{self.quantize}" + ("native" if self.native_isa else "")
+        weights = "" if self.quantize == "none" else f"-w{self.quantize}" + (f"native-a{8 * self.act_parts}" if self.native_isa else "")
         return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}{weights}-kv{str(self.kv_dtype).removeprefix('torch.')}"
 
     @property

@@ -2,10 +2,11 @@
 
 Every engine gets the same weights (our safetensors; llama.cpp a GGUF export of them at our precision, checked by
 comparing logits), the same thread count, the same prompt ids and greedy decoding of the same number of tokens.
-Precision: our fp32 path is compared with an F32 GGUF, our int8 path (`--quantize int8`, the CPU default) with a
-Q8_0 GGUF (8-bit weights, 8-bit activations, one scale per 32 weights); transformers runs its CPU default, fp32,
-and the output says so. With quantized weights the engines no longer compute identical logits, so the tokens
-are compared but expected to part once random weights make near-ties.
+Precision: our fp32 path is compared with an F32 GGUF, our block formats (`--quantize q8_0|q4_0|q4_1`; `auto`, the
+CPU default, is Q8_0 for a model folder) with a GGUF export of the same type, whose bytes are the ones we hold;
+`--gguf FILE` runs that file in both engines, ours as stored (engine.gguf_file). transformers runs its CPU
+default, fp32, and the output says so. Our activations keep more bits than llama.cpp's Q8 blocks, so logits differ
+slightly and the tokens are compared but may part at near-ties.
 Runs are interleaved (ours, llama.cpp, transformers, repeat) and the median is reported, so background load hits
 every peer alike. Default model: a SmolLM-135M-shaped random checkpoint (the issue's target shape).
 """
@@ -26,12 +27,16 @@ from engine.bench.checkpoints import SMOLLM_135M, write_random_checkpoint
 from engine.errors import SparkError
 from engine.generate import GenerationSettings
 from engine.sampling import SamplingSettings
+from engine.backends import BackendChoice
 from engine.backends.base import Backend
+from engine.backends.torch_backend import TorchBackend
+from engine.model_files import gguf_model
+from engine.tokenizer import Tokenizer
 from engine.memory import FullAttentionMemory, Memory
 from engine.session import Engine, MemoryFactory, Session
 
 # Our precision -> the GGUF tensor type llama.cpp runs for the same comparison.
-GGUF_TYPE_FOR: dict[str, str] = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int8": "q8_0"}
+GGUF_TYPE_FOR: dict[str, str] = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1"}
 
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 128
@@ -106,7 +111,14 @@ def run(args: argparse.Namespace) -> dict:
     model_dir = Path(args.model) if args.model else write_random_checkpoint(Path(tmp.name) / "smollm-135m-shape", SMOLLM_135M)
     # Ours runs on --backend (coreml, mps, cuda or cpu); the peers always run on the CPU with the same threads.
     # Full attention, like both peers: this measures the engine core; `bench cascade` measures the memory cascade.
-    engine = Engine.load(model_dir, args.backend, memory_factory=full_attention_memory(PROMPT_TOKENS + n_decode + 8), quantize=args.quantize)
+    memory = full_attention_memory(PROMPT_TOKENS + n_decode + 8)
+    gguf_file = getattr(args, "gguf", None)
+    if gguf_file is not None:  # ours runs the file's blocks as stored (until the GGUF loader opens the file itself)
+        stored = gguf_model(gguf_file).stored_tensors()
+        choice = BackendChoice(TorchBackend(model_dir, "cpu", quantize=args.quantize, stored=stored), ())
+        engine = Engine(choice, Tokenizer.from_dir(model_dir), model_dir, memory)
+    else:
+        engine = Engine.load(model_dir, args.backend, memory_factory=memory, quantize=args.quantize)
     ids = prompt_ids(engine.backend.config.vocab_size)
     dtype = str(getattr(engine.backend, "dtype", "float16")).removeprefix("torch.")  # Core ML runs fp16
     quantize = getattr(engine.backend, "quantize", "none") or "none"
@@ -129,8 +141,12 @@ def run(args: argparse.Namespace) -> dict:
 
         from engine.bench.gguf_export import export_gguf
 
-        gguf_path = export_gguf(model_dir, Path(tmp.name) / f"model-{gguf_type}.gguf", gguf_type)
-        result["llamacpp_gguf_type"] = gguf_type
+        if gguf_file is not None:
+            gguf_path = Path(gguf_file)
+            result["gguf"] = str(gguf_path)
+        else:
+            gguf_path = export_gguf(model_dir, Path(tmp.name) / f"model-{gguf_type}.gguf", gguf_type)
+            result["llamacpp_gguf_type"] = gguf_type
         llm = llama_cpp.Llama(str(gguf_path), n_ctx=len(ids) + n_decode + 8, n_threads=threads, n_threads_batch=threads, n_batch=len(ids), verbose=False)
         peers["llamacpp"] = lambda: measure_llamacpp(llm, ids, n_decode)
         # Same model? Compare the prompt's last-token logits of both engines.
@@ -168,6 +184,7 @@ def run(args: argparse.Namespace) -> dict:
             result[f"{name}_same_tokens"] = runs[name][-1]["tokens"] == runs["ours"][-1]["tokens"]
     if "llamacpp" in runs:
         result["ratio_vs_llamacpp"] = round(result["ours_decode_tps"] / result["llamacpp_decode_tps"], 3)
+        result["prefill_ratio_vs_llamacpp"] = round(result["ours_prefill_tps"] / result["llamacpp_prefill_tps"], 3)
     if "transformers" in runs:
         result["ratio_vs_transformers"] = round(result["ours_decode_tps"] / result["transformers_decode_tps"], 3)
     if notes:

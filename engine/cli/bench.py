@@ -20,6 +20,7 @@ SUITES: dict[str, str] = {
     "long-ppl": "engine.bench.long_ppl",
     "batch": "engine.bench.batch",
     "profile": "engine.bench.profile",
+    "quant": "engine.bench.quant",
 }
 
 
@@ -29,7 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, default=None, help="model folder or .gguf (default: the default model, or the suite's own)")
     p.add_argument("--backend", default="cpu", choices=["auto", "coreml", "mps", "cuda", "cpu"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads for us and every peer (default: all cores)")
-    p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="our weight storage in `decode`, `profile` and `long-ppl` (auto: int8 on the cpu backend)")
+    p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="our weight storage in `decode`, `profile`, `long-ppl` (auto: a GGUF as stored, else q8_0 on the cpu backend; int8: Core ML)")
+    p.add_argument("--gguf", type=Path, default=None, help="`quant`, `decode`: a GGUF of --model's weights, run as stored by both engines")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

@@ -23,7 +23,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, help="persistent (L3) prefix cache folder")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not read or write the persistent prefix cache")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: performance cores, or all but one)")
-    p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="weight storage (auto: int8 on the cpu backend)")
+    p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="weight storage (auto: a GGUF as stored, else q8_0 on the cpu backend; int8: Core ML)")
 
 
 # Our defaults where neither a flag nor the model's generation_config.json says otherwise.

@@ -1,4 +1,4 @@
-"""Native CPU kernels (spark_kernels.c): built on first use with the machine's C compiler, loaded with ctypes.
+"""Native CPU kernels (spark_kernels.c: GGUF block formats, a threaded decoding step): built on first use with the machine's C compiler, loaded with ctypes.
 
 The library is compiled once per source version, compiler and CPU into the cache dir (a few seconds), tuned for
 the CPU it runs on (-march=native on x86, -mcpu=native on Arm); a packaged app ships one built for its platform. Where no C compiler is found (a Mac without the
@@ -33,15 +33,15 @@ BUNDLED_DIR = "engine_native"  # where a packaged app keeps its prebuilt library
 
 
 class QMat(ctypes.Structure):
-    """spark_qmat: an int8 matrix (N, K) with per-row scales, row sums and an optional bias."""
+    """spark_qmat: a block-quantized matrix (N, K) in a GGUF layout (engine.quant) with an optional bias."""
 
     _fields_ = [
-        ("q", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        ("row_sums", ctypes.c_void_p),
+        ("blocks", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int32),
         ("k", ctypes.c_int32),
+        ("type", ctypes.c_int32),
+        ("act_parts", ctypes.c_int32),
     ]
 
 
@@ -103,6 +103,10 @@ class NativeKernels:
     isa: str
     max_head_dim: int
 
+    def use_threads(self, n: int) -> int:
+        """Size the library's persistent thread pool (the caller counts as one); cheap when unchanged."""
+        return int(self.lib.spark_set_threads(max(1, n)))
+
 
 @dataclass(frozen=True)
 class NativeStatus:
@@ -135,9 +139,9 @@ def compile_flags(portable: bool = False) -> list[str]:
         tune = ["-march=x86-64-v3"] if portable else ["-march=native"]
     shared = ["-dynamiclib"] if sys.platform == "darwin" else ["-shared"]
     # No fused multiply-add contraction: products round as PyTorch's do, so a key the kernel rotates equals the
-    # one PyTorch would (the slot table's read copies are compared exactly) and both int8 paths agree bit for bit.
+    # one PyTorch would (the slot table's read copies are compared exactly) and decode and prefill agree bit for bit.
     # libm never needs to set errno here, and without it the compiler inlines and vectorizes sqrtf and lrintf.
-    return ["-O3", "-std=gnu11", "-fPIC", "-ffp-contract=off", "-fno-math-errno", *tune, *shared]
+    return ["-O3", "-std=gnu11", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno", *tune, *shared]
 
 
 def _compiler_identity(cc: str) -> str:
@@ -190,8 +194,16 @@ def bind(path: Path) -> NativeKernels:
     lib = ctypes.CDLL(str(path))
     lib.spark_isa.restype = ctypes.c_char_p
     lib.spark_max_head_dim.restype = ctypes.c_int32
-    lib.spark_qgemv.restype = None
-    lib.spark_qgemv.argtypes = [ctypes.POINTER(QMat), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.spark_max_threads.restype = ctypes.c_int32
+    lib.spark_set_threads.restype = ctypes.c_int32
+    lib.spark_set_threads.argtypes = [ctypes.c_int32]
+    lib.spark_threads.restype = ctypes.c_int32
+    lib.spark_block_bytes.restype = ctypes.c_int32
+    lib.spark_block_bytes.argtypes = [ctypes.c_int32]
+    lib.spark_act_bytes.restype = ctypes.c_int64
+    lib.spark_act_bytes.argtypes = [ctypes.c_int32, ctypes.c_int32]
+    lib.spark_qgemm.restype = None
+    lib.spark_qgemm.argtypes = [ctypes.POINTER(QMat), ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
     lib.spark_decode_scratch_floats.restype = ctypes.c_int64
     lib.spark_decode_scratch_floats.argtypes = [ctypes.POINTER(ModelDesc)]
     lib.spark_decode.restype = None

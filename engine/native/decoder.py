@@ -1,25 +1,25 @@
-"""The model's int8 CPU path on the native kernels: linear layers, and a whole decoding step in one call.
+"""The model's block-quantized CPU path on the native kernels: linear layers, and a whole decoding step in one call.
 
-`use_native_int8(model, kernels)` replaces every linear layer with a NativeInt8Linear (any number of rows: prefill
-chunks and batches call it like nn.Linear) and attaches a NativeDecoder, which `Transformer.forward` uses for
-the common decoding step: one new token in one row whose only stale read copy is its own (plain decoding, and
-the cascade between evictions). Every other step runs the PyTorch code over the same NativeInt8Linear layers,
-so both paths share weights, arithmetic and the slot table.
+`use_native_blocks(model, kernels, blocks)` replaces every linear layer with a NativeBlockLinear (GGUF blocks,
+engine.quant; any number of rows: prefill chunks and batches call it like nn.Linear) and attaches a NativeDecoder,
+which `Transformer.forward` uses for the common decoding step: one new token in one row whose only stale read
+copy is its own (plain decoding, and the cascade between evictions). Every other step runs the PyTorch code over
+the same NativeBlockLinear layers, whose rows the kernel computes exactly as the decoding step does, so both paths
+share weights, arithmetic and the slot table.
 """
 
 from __future__ import annotations
 
 import ctypes
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from engine.backends.int8 import quantize_linears, quantize_rows
 from engine.native import CacheDesc, ModelDesc, NativeKernels, QMat, StepDesc
 
 if TYPE_CHECKING:
+    from engine.backends.blocks import BlockWeights
     from engine.model import KVCache, SlotBatch, StepReads, Transformer
 
 
@@ -27,43 +27,35 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class NativeInt8Linear(nn.Module):
-    """y = x @ W^T + b with W int8 per output channel, x quantized per row (symmetric, 8-bit) at call time."""
+class NativeBlockLinear(nn.Module):
+    """y = x @ W^T + b with W in a GGUF block format and x quantized per block of 32 at call time, in one int8
+    part (llama.cpp's Q8 activations) or two (the second holds the first's residual: ~15 bits)."""
 
-    def __init__(self, kernels: NativeKernels, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, kernels: NativeKernels, w: "BlockWeights", bias: torch.Tensor | None, act_parts: int = 2) -> None:
         super().__init__()
         self.kernels = kernels
-        self.in_features, self.out_features = q.shape[1], q.shape[0]
-        self.register_buffer("q", q.contiguous(), persistent=False)  # (N, K) int8
-        self.register_buffer("scales", scales.float().contiguous(), persistent=False)  # (N,)
-        self.register_buffer("row_sums", q.sum(dim=1, dtype=torch.int32), persistent=False)  # (N,)
+        self.qtype = w.qtype
+        self.out_features, self.in_features = w.shape[0], w.inputs
+        self.padded = w.shape[1]  # K rounded up to 32: zero weight columns beyond in_features
+        self.register_buffer("blocks", w.blocks, persistent=False)  # (N, padded/32 * block bytes) uint8
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)  # (N,)
-        self.desc = QMat(_ptr(self.q), _ptr(self.scales), _ptr(self.row_sums), _ptr(self.bias), self.out_features, self.in_features)
-
-    @classmethod
-    def from_linear(cls, kernels: NativeKernels, linear: nn.Linear) -> "NativeInt8Linear":
-        q, scales = quantize_rows(linear.weight)
-        return cls(kernels, q, scales, linear.bias)
+        self.desc = QMat(_ptr(self.blocks), _ptr(self.bias), self.out_features, self.padded, w.qtype.ggml_id, act_parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) float32 -> (..., N) float32
-        rows = x.reshape(-1, self.in_features).contiguous()  # (M, K)
+        rows = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
+        if self.padded != self.in_features:
+            rows = torch.nn.functional.pad(rows, (0, self.padded - self.in_features))  # (M, padded) zero columns
         m = rows.shape[0]
+        y = torch.empty(m, self.out_features)  # (M, N)
+        scratch = torch.empty(int(self.kernels.lib.spark_act_bytes(self.padded, m)), dtype=torch.uint8)
         if m > 1:
-            # Several rows (prefill chunks, batches) reuse each weight row: PyTorch's int8 GEMM beats a row-at-a-time
-            # kernel there (4x at 128 rows). Same quantization and exact int32 sums as spark_qgemv, same result.
-            amax = rows.abs().amax(dim=1, keepdim=True)  # (M, 1)
-            xq = torch.round(rows * torch.where(amax > 0, 127.0 / amax, 0.0)).to(torch.int8)  # (M, K)
-            acc = torch._int_mm(xq, self.q.t())  # (M, N) int32
-            y = acc.float().mul_((amax / 127.0) * self.scales)  # (M, N)
-            return (y if self.bias is None else y.add_(self.bias)).view(*x.shape[:-1], self.out_features)
-        y = torch.empty(1, self.out_features)  # (1, N)
-        xq = torch.empty(self.in_features, dtype=torch.int8)  # the quantized row
-        self.kernels.lib.spark_qgemv(ctypes.byref(self.desc), rows.data_ptr(), y.data_ptr(), xq.data_ptr())
+            self.kernels.use_threads(torch.get_num_threads())
+        self.kernels.lib.spark_qgemm(ctypes.byref(self.desc), rows.data_ptr(), m, y.data_ptr(), scratch.data_ptr())
         return y.view(*x.shape[:-1], self.out_features)
 
 
 class NativeDecoder:
-    """One decoding step of a fused, NativeInt8Linear model in a single native call (spark_decode)."""
+    """One decoding step of a fused, NativeBlockLinear model in a single native call (spark_decode)."""
 
     def __init__(self, kernels: NativeKernels, model: "Transformer") -> None:
         cfg = model.config
@@ -135,17 +127,21 @@ class NativeDecoder:
             cache.k.data_ptr(), cache.v.data_ptr(), cache.k_read.data_ptr(), cache.v_read.data_ptr(), cache.num_slots, int(cache.k.dtype == torch.float16)
         )
         logits = torch.empty(self.vocab)  # (V,)
-        scores = torch.empty(reads.width)  # (m,) one head's attention weights at a time
+        scores = torch.empty(self.desc.n_heads * reads.width)  # (H, m) each head's attention weights
         # Per call, not per decoder: forked backends share the model, and ctypes lets their threads run at once.
         scratch = torch.empty(self.scratch_floats)
+        self.kernels.use_threads(torch.get_num_threads())  # the hardware policy's count (engine.hw), or --threads
         self.kernels.lib.spark_decode(
             ctypes.byref(self.desc), ctypes.byref(table), ctypes.byref(step), residual.data_ptr(), logits.data_ptr(), scratch.data_ptr(), scores.data_ptr()
         )
         return logits.view(1, 1, -1)
 
 
-def use_native_int8(model: "Transformer", kernels: NativeKernels) -> None:
-    """Run every linear layer of a fused fp32 `model` on the native kernels (NativeInt8Linear) and attach a
-    NativeDecoder. The model's head_dim fits kernels.max_head_dim (checked by the backend)."""
-    quantize_linears(model, partial(NativeInt8Linear, kernels))
+def use_native_blocks(model: "Transformer", kernels: NativeKernels, blocks: dict[str, "BlockWeights"], act_parts: int = 2) -> None:
+    """Run every linear layer of a fused `model` on the native kernels (NativeBlockLinear over `blocks`, keyed by
+    module path) and attach a NativeDecoder. The model's head_dim fits kernels.max_head_dim (checked by the
+    backend)."""
+    from engine.backends.blocks import swap_linears
+
+    swap_linears(model, blocks, lambda w, bias: NativeBlockLinear(kernels, w, bias, act_parts))
     model.native_decoder = NativeDecoder(kernels, model)

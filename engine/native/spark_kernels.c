@@ -1,21 +1,31 @@
-/* MLoT Spark native CPU kernels: int8 matrix products and a whole single-token decode step.
+/* MLoT Spark native CPU kernels: block-quantized matrix products (GGUF's Q8_0, Q4_0, Q4_1 layouts) and a whole
+ * single-token decode step, threaded over a persistent pool.
  *
  * Why C: decoding one token of a small model is ~120 matrix-vector products and ~600 tiny ops. From Python each
- * op costs microseconds of dispatch, and the quantized library's matrix call has a ~13 us fixed cost; together
- * that was half of every token. One call per token removes both, and a matrix-vector kernel that streams the
- * int8 rows with the CPU's dot-product instructions runs near memory bandwidth.
+ * op costs microseconds of dispatch; one call per token removes that, and a matrix-vector kernel that streams the
+ * quantized rows with the CPU's dot-product instructions runs near memory bandwidth.
  *
  * Built on first use by engine/native/__init__.py with the machine's C compiler (-O3, tuned for this CPU) and
  * loaded with ctypes; when no compiler is present the engine keeps its PyTorch path. No Python headers, no
  * PyTorch headers: the ABI is plain pointers, described in engine/native/__init__.py.
  *
  * Conventions (shapes as in engine/model.py): C hidden, H query heads, Hkv key/value heads, D head dim, I MLP
- * width, N/K a matrix's output/input size. Weights are int8 (N, K) row-major with one fp32 scale per output row;
- * activations are quantized per row (per token) to int8 with one fp32 scale, symmetric, at call time, and
- * products accumulate in int32: y[n] = x_scale * w_scale[n] * sum_k xq[k] * wq[n, k] + bias[n].
+ * width, N/K a matrix's output/input size. Weights are GGUF blocks of 32 (engine/quant.py): each row of a matrix
+ * is K/32 blocks, read in place from the file's bytes. Activations are quantized per block of 32 as llama.cpp's
+ * dot products do (xq = rint(x * 127 / amax), d_x = amax / 127, fp32 scale), optionally with a second int8
+ * part holding the first one's residual (spark_act: ~15-bit activations, see engine/README or bench quant for why);
+ * each block's product is an exact int32 sum per part, and the blocks' float terms are added in one fixed order
+ * (8 partial sums, lane b % 8, then a fixed tree) that every instruction set reproduces, so every ISA and the
+ * prefill path give the same bits. Per block and part p (x ~= sum_p d_p q_p):
+ *   Q8_0: term = sum_p (d_w * d_p) * sum(wq * q_p)                                  w = d_w * wq
+ *   Q4_0: term = sum_p (d_w * d_p) * (sum(nib * q_p) - 8 * sum(q_p))                 w = d_w * (nib - 8)
+ *   Q4_1: term = sum_p (d_w * d_p) * sum(nib * q_p) + m_w * sum_p d_p * sum(q_p)      w = d_w * nib + m_w
  */
 
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,10 +33,16 @@
 
 /* Largest head dim spark_decode supports (the Python side checks before using it). */
 #define SPARK_MAX_HEAD_DIM 512
+#define SPARK_MAX_THREADS 64
+#define QK 32
+
+/* ggml type ids (gguf.GGMLQuantizationType) of the block formats the kernels run. */
+enum { SPARK_Q4_0 = 2, SPARK_Q4_1 = 3, SPARK_Q8_0 = 8 };
 
 int32_t spark_max_head_dim(void) { return SPARK_MAX_HEAD_DIM; }
+int32_t spark_max_threads(void) { return SPARK_MAX_THREADS; }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SPARK_AVX512VNNI 1
 #include <immintrin.h>
 #elif defined(__AVX2__)
@@ -50,90 +66,395 @@ const char *spark_isa(void) {
 #endif
 }
 
-/* One int8 matrix (N, K) with per-row scales; row_sums[n] = sum_k q[n, k] (the x86 VNNI kernel multiplies
- * unsigned activations, xq + 128, and subtracts 128 * row_sums to get the signed product back). */
+/* ---------------------------------------------------------------------------------------------------------------
+ * Persistent thread pool: workers are created once (spark_set_threads) and wait for jobs; a job splits [0, items)
+ * into one contiguous range per thread, the caller running the first. Workers spin briefly between the jobs of a
+ * step (a decoding step issues ~150 back to back), then sleep on a condition variable, so an idle engine costs no
+ * CPU and the GUI thread is never starved. A second caller while a job runs (forked backends decoding at once)
+ * runs its job on its own thread instead of waiting.
+ * ------------------------------------------------------------------------------------------------------------- */
+
+typedef void (*spark_job)(void *ctx, int32_t begin, int32_t end);
+
+static struct {
+    pthread_mutex_t use;   /* held by the one caller dispatching jobs */
+    pthread_mutex_t sleep; /* with wake: idle workers */
+    pthread_cond_t wake;
+    pthread_t workers[SPARK_MAX_THREADS];
+    int32_t n_threads; /* the caller plus the workers */
+    atomic_uint_fast64_t generation;
+    atomic_int pending, sleepers, stop;
+    spark_job job;
+    void *ctx;
+    int32_t items;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {0}, 1, 0, 0, 0, 0, NULL, NULL, 0};
+
+/* One spin of a wait; past the first few thousand it also offers the core to the OS (sched_yield): on a busy or
+ * oversubscribed machine the thread we wait for may need this very core. */
+static inline void cpu_relax(int32_t spins) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+    if (spins > 2000 && (spins & 63) == 0) sched_yield();
+}
+
+static void run_share(int32_t index) {
+    const int64_t items = pool.items, n = pool.n_threads;
+    const int32_t begin = (int32_t)(items * index / n), end = (int32_t)(items * (index + 1) / n);
+    if (begin < end) pool.job(pool.ctx, begin, end);
+}
+
+static void *worker_main(void *arg) {
+    const int32_t index = (int32_t)(intptr_t)arg;
+    uint_fast64_t seen = 0;
+    for (;;) {
+        uint_fast64_t g;
+        int spins = 0;
+        while ((g = atomic_load(&pool.generation)) == seen && !atomic_load(&pool.stop) && spins < 20000) cpu_relax(spins++);
+        if (g == seen && !atomic_load(&pool.stop)) {
+            pthread_mutex_lock(&pool.sleep);
+            atomic_fetch_add(&pool.sleepers, 1); /* before re-checking: a dispatcher that misses us sees sleepers */
+            while ((g = atomic_load(&pool.generation)) == seen && !atomic_load(&pool.stop)) pthread_cond_wait(&pool.wake, &pool.sleep);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            pthread_mutex_unlock(&pool.sleep);
+        }
+        if (atomic_load(&pool.stop)) return NULL;
+        seen = g;
+        run_share(index);
+        atomic_fetch_sub(&pool.pending, 1);
+    }
+}
+
+static void stop_workers(void) {
+    atomic_store(&pool.stop, 1);
+    pthread_mutex_lock(&pool.sleep);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.sleep);
+    for (int32_t i = 1; i < pool.n_threads; i++) pthread_join(pool.workers[i], NULL);
+    atomic_store(&pool.stop, 0);
+    pool.n_threads = 1;
+}
+
+/* Use n threads (the caller included) for the jobs that follow; returns the count in effect. */
+int32_t spark_set_threads(int32_t n) {
+    n = n < 1 ? 1 : (n > SPARK_MAX_THREADS ? SPARK_MAX_THREADS : n);
+    pthread_mutex_lock(&pool.use);
+    if (n != pool.n_threads) {
+        stop_workers();
+        int32_t made = 1;
+        for (; made < n; made++)
+            if (pthread_create(&pool.workers[made], NULL, worker_main, (void *)(intptr_t)made) != 0) break;
+        pool.n_threads = made;
+    }
+    const int32_t now = pool.n_threads;
+    pthread_mutex_unlock(&pool.use);
+    return now;
+}
+
+int32_t spark_threads(void) { return pool.n_threads; }
+
+static void parallel_for(spark_job job, void *ctx, int32_t items) {
+    if (items <= 1 || pool.n_threads == 1 || pthread_mutex_trylock(&pool.use) != 0) {
+        job(ctx, 0, items);
+        return;
+    }
+    if (pool.n_threads == 1) {
+        pthread_mutex_unlock(&pool.use);
+        job(ctx, 0, items);
+        return;
+    }
+    pool.job = job, pool.ctx = ctx, pool.items = items;
+    atomic_store(&pool.pending, pool.n_threads - 1);
+    atomic_fetch_add(&pool.generation, 1);
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.sleep);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.sleep);
+    }
+    run_share(0);
+    for (int32_t spins = 0; atomic_load(&pool.pending) > 0; spins++) cpu_relax(spins);
+    pthread_mutex_unlock(&pool.use);
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Block formats.
+ * ------------------------------------------------------------------------------------------------------------- */
+
+/* One block-quantized matrix (N, K): N rows of K/32 GGUF blocks, row-major (the file's bytes, read in place). */
 typedef struct {
-    const int8_t *q;         /* (N, K) */
-    const float *scales;     /* (N,) */
-    const int32_t *row_sums; /* (N,) */
-    const float *bias;       /* (N,) or NULL */
+    const uint8_t *blocks; /* (N, K/32) blocks of block_bytes(type) */
+    const float *bias;     /* (N,) or NULL */
     int32_t n, k;
+    int32_t type;      /* SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1 */
+    int32_t act_parts; /* 1: activations as one int8 block (llama.cpp's Q8); 2: plus an int8 block of the residual */
 } spark_qmat;
 
-/* Quantize one activation row x (K) to int8 in [-127, 127]; returns its scale (0 for an all-zero row). The x86
- * VNNI kernel multiplies unsigned by signed bytes, so there the row is stored as xq + 128 (sign bit flipped) and
- * dot_row subtracts 128 * (sum of the weights) again. */
-static float quantize_row(const float *x, int32_t k, int8_t *xq) {
+/* Activation rows quantized per block of 32, in one or two int8 parts: x ~= d1 q1 + d2 q2, where part 2 quantizes
+ * what part 1 left (x - d1 q1) the same way, ~15 bits per value. q1, q2 (M, K) int8; d1, d2 (M, K/32) scales;
+ * s1, s2 their blocks' sums of q; ds = d1 s1 + d2 s2 (Q4_1's min term). Part 2 is left untouched when parts = 1. */
+typedef struct {
+    int8_t *q1, *q2;
+    float *d1, *d2, *ds;
+    int32_t *s1, *s2;
+    int32_t parts;
+} spark_act;
+
+static int32_t block_bytes(int32_t type) { return type == SPARK_Q8_0 ? 34 : type == SPARK_Q4_1 ? 20 : 18; }
+
+int32_t spark_block_bytes(int32_t type) {
+    return type == SPARK_Q8_0 || type == SPARK_Q4_0 || type == SPARK_Q4_1 ? block_bytes(type) : 0;
+}
+
+/* Bytes of activation scratch for m rows of k (spark_qgemm's `scratch`). */
+int64_t spark_act_bytes(int32_t k, int32_t m) { return (int64_t)m * (2 * k + 20 * (k / QK)) + 64; }
+
+static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
+    const int64_t nb = (int64_t)m * (k / QK);
+    spark_act a;
+    a.d1 = (float *)scratch;
+    a.d2 = a.d1 + nb;
+    a.ds = a.d2 + nb;
+    a.s1 = (int32_t *)(a.ds + nb);
+    a.s2 = a.s1 + nb;
+    a.q1 = (int8_t *)(a.s2 + nb);
+    a.q2 = a.q1 + nb * QK;
+    a.parts = parts;
+    return a;
+}
+
+static inline float f16_at(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, sizeof h);
+    return (float)h;
+}
+
+/* One block of 32: q = rint(x * 127 / amax), returns d = amax / 127 (0 for an all-zero block) and q's sum. */
+static float quantize_block(const float *x, int8_t *q, int32_t *sum) {
     float amax = 0.0f;
-    for (int32_t i = 0; i < k; i++) {
-        float a = fabsf(x[i]);
-        amax = a > amax ? a : amax;
+    for (int32_t i = 0; i < QK; i++) {
+        const float v = fabsf(x[i]);
+        amax = v > amax ? v : amax;
     }
     const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
-    for (int32_t i = 0; i < k; i++) {
-        int8_t v = (int8_t)lrintf(x[i] * inv);
-#if defined(SPARK_AVX512VNNI)
-        v = (int8_t)((uint8_t)v ^ 0x80u);
-#endif
-        xq[i] = v;
+    int32_t s = 0;
+    for (int32_t i = 0; i < QK; i++) {
+        q[i] = (int8_t)lrintf(x[i] * inv);
+        s += q[i];
     }
+    *sum = s;
     return amax / 127.0f;
 }
 
-/* sum_k x[k] * w[k] for one weight row and one quantized activation row (exact int32). */
-static int32_t dot_row(const int8_t *w, const int8_t *x, int32_t k, int32_t row_sum) {
-    int32_t i = 0, s = 0;
+/* Quantize one row x (K, of which the first `valid` values are given: the rest are zeros, a matrix whose input
+ * size is no multiple of 32 being padded with zero columns) into block `b0` onwards of a. */
+static void quantize_row(const float *x, int32_t k, int32_t valid, spark_act *a, int64_t b0) {
+    for (int32_t b = 0; b < k / QK; b++) {
+        float padded[QK];
+        const float *xb = x + b * QK;
+        if ((b + 1) * QK > valid) {
+            for (int32_t i = 0; i < QK; i++) padded[i] = b * QK + i < valid ? xb[i] : 0.0f;
+            xb = padded;
+        }
+        const int64_t at = b0 + b;
+        int8_t *q1 = a->q1 + at * QK;
+        const float d1 = quantize_block(xb, q1, &a->s1[at]);
+        a->d1[at] = d1;
+        if (a->parts == 1) {
+            a->ds[at] = d1 * (float)a->s1[at];
+            continue;
+        }
+        float r[QK];
+        for (int32_t i = 0; i < QK; i++) r[i] = xb[i] - (float)q1[i] * d1;
+        a->d2[at] = quantize_block(r, a->q2 + at * QK, &a->s2[at]);
+        a->ds[at] = d1 * (float)a->s1[at] + a->d2[at] * (float)a->s2[at];
+    }
+}
+
+/* Exact int32 products of one block: Q8_0 sum(wq * xq); Q4 sum(nib * xq), nibbles unsigned (0..15): byte i holds
+ * element i in its low half and element i + 16 in its high half. `qs` points at the block's quants. */
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+typedef struct {
+    __m256i u; /* unsigned bytes: |w| (Q8_0) or the nibbles */
+    __m256i w; /* Q8_0's signed weights (their signs move onto x) */
+} spark_wv;
+
+static inline spark_wv load_w(int32_t type, const uint8_t *qs) {
+    spark_wv v;
+    if (type == SPARK_Q8_0) {
+        v.w = _mm256_loadu_si256((const __m256i *)qs);
+        v.u = _mm256_abs_epi8(v.w);
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+        const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+        v.u = _mm256_set_m128i(hi, lo);
+        v.w = v.u;
+    }
+    return v;
+}
+/* 8 int32 lanes whose sum is the block's product: u8 times s8 without saturation. */
+static inline __m256i block_lanes(int32_t type, spark_wv wv, const int8_t *xq) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    if (type == SPARK_Q8_0) x = _mm256_sign_epi8(x, wv.w); /* |w| * (x * sign w) = w * x, w = -128 included */
 #if defined(SPARK_AVX512VNNI)
-    __m512i a = _mm512_setzero_si512();
-    for (; i + 64 <= k; i += 64) a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(x + i), _mm512_loadu_si512(w + i));
-    if (i > 0) {
-        int32_t head = row_sum; /* the sum of w over [0, i), which the unsigned offset added 128 times */
-        for (int32_t j = i; j < k; j++) head -= w[j];
-        s = _mm512_reduce_add_epi32(a) - 128 * head;
-    }
-    for (; i < k; i++) s += (int32_t)(int8_t)((uint8_t)x[i] ^ 0x80u) * w[i];
-#elif defined(SPARK_AVX2)
-    /* maddubs multiplies unsigned by signed bytes into saturating int16 pairs: |x| times w carrying x's sign keeps
-     * every pair within 2 * 127 * 127 < 32767, so nothing saturates. */
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i a = _mm256_setzero_si256();
-    for (; i + 32 <= k; i += 32) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i));
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv)), ones));
-    }
-    int32_t t[8];
-    _mm256_storeu_si256((__m256i *)t, a);
-    s = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-    (void)row_sum;
-    for (; i < k; i++) s += (int32_t)x[i] * w[i];
-#elif defined(SPARK_NEON_DOT)
-    int32x4_t a = vdupq_n_s32(0);
-    for (; i + 16 <= k; i += 16) a = vdotq_s32(a, vld1q_s8(x + i), vld1q_s8(w + i));
-    s = vaddvq_s32(a);
-    (void)row_sum;
-    for (; i < k; i++) s += (int32_t)x[i] * w[i];
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv.u, x);
 #else
-    (void)row_sum;
-    for (; i < k; i++) s += (int32_t)x[i] * w[i];
+    /* maddubs adds two u8 * s8 products into int16: |w| <= 128 and |x| <= 127 keep 2 * 128 * 127 < 32767. */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wv.u, x), _mm256_set1_epi16(1));
 #endif
+}
+/* The four blocks' sums from their lanes (integer adds: exact in any order). */
+static inline __m128i hsum4(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+#endif
+
+static inline int32_t block_dot(int32_t type, const uint8_t *qs, const int8_t *xq) {
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    const __m256i z = _mm256_setzero_si256();
+    return _mm_cvtsi128_si32(hsum4(block_lanes(type, load_w(type, qs), xq), z, z, z));
+#elif defined(SPARK_NEON_DOT)
+    const int8x16_t x0 = vld1q_s8(xq), x1 = vld1q_s8(xq + 16);
+    if (type == SPARK_Q8_0) return vaddvq_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), vld1q_s8((const int8_t *)qs), x0), vld1q_s8((const int8_t *)qs + 16), x1));
+    const uint8x16_t raw = vld1q_u8(qs);
+    const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0F))), hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+    return vaddvq_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, x0), hi, x1));
+#else
+    int32_t s = 0;
+    if (type == SPARK_Q8_0) {
+        for (int32_t i = 0; i < QK; i++) s += (int32_t)((const int8_t *)qs)[i] * xq[i];
+    } else {
+        for (int32_t i = 0; i < QK / 2; i++) s += (int32_t)(qs[i] & 0x0F) * xq[i] + (int32_t)(qs[i] >> 4) * xq[i + QK / 2];
+    }
     return s;
+#endif
 }
 
-/* y (N) = W x for one activation row x (K), quantized on the fly into xq (K bytes). Decoding reads every weight
- * once, so this runs at memory bandwidth only if the weight stream stays sequential: one row at a time (17-27 GB/s
- * on one Zen 4 core; interleaving four rows ran at 9). Several rows (prefill) go to PyTorch's int8 GEMM instead. */
-static void qgemv(const spark_qmat *w, const float *x, float *y, int8_t *xq) {
-    const int32_t k = w->k;
-    const float xs = quantize_row(x, k, xq);
-    for (int32_t j = 0; j < w->n; j++) {
-        const int32_t acc = dot_row(w->q + (size_t)j * k, xq, k, w->row_sums[j]);
-        y[j] = xs * w->scales[j] * (float)acc + (w->bias ? w->bias[j] : 0.0f);
+/* The float term block b adds (the fixed formulas at the top of this file), from its exact integer sums. */
+static inline float block_term(int32_t type, const uint8_t *blk, int32_t i1, int32_t i2, const spark_act *a, int64_t b) {
+    const float dw = f16_at(blk);
+    if (type == SPARK_Q4_0) {
+        i1 -= 8 * a->s1[b];
+        if (a->parts == 2) i2 -= 8 * a->s2[b];
+    }
+    float t = (dw * a->d1[b]) * (float)i1;
+    if (a->parts == 2) t += (dw * a->d2[b]) * (float)i2;
+    if (type == SPARK_Q4_1) t += f16_at(blk + 2) * a->ds[b];
+    return t;
+}
+
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+/* block_term for blocks b .. b+3 at once: the same float operations in the same order, one lane per block. */
+static inline __m128 block_terms4(int32_t type, const uint8_t *p, int32_t bb, __m128i i1, __m128i i2, const spark_act *a, int64_t b) {
+    int32_t w32[4]; /* each block's first 4 bytes: d, then m (Q4_1) or quants */
+    for (int32_t j = 0; j < 4; j++) memcpy(&w32[j], p + j * bb, 4);
+    const __m128i dm = _mm_setr_epi32(w32[0], w32[1], w32[2], w32[3]);
+    const __m128 dw = _mm_cvtph_ps(_mm_shuffle_epi8(dm, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1)));
+    if (type == SPARK_Q4_0) {
+        i1 = _mm_sub_epi32(i1, _mm_slli_epi32(_mm_loadu_si128((const __m128i *)(a->s1 + b)), 3));
+        if (a->parts == 2) i2 = _mm_sub_epi32(i2, _mm_slli_epi32(_mm_loadu_si128((const __m128i *)(a->s2 + b)), 3));
+    }
+    __m128 t = _mm_mul_ps(_mm_mul_ps(dw, _mm_loadu_ps(a->d1 + b)), _mm_cvtepi32_ps(i1));
+    if (a->parts == 2) t = _mm_add_ps(t, _mm_mul_ps(_mm_mul_ps(dw, _mm_loadu_ps(a->d2 + b)), _mm_cvtepi32_ps(i2)));
+    if (type == SPARK_Q4_1) {
+        const __m128 mw = _mm_cvtph_ps(_mm_shuffle_epi8(dm, _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)));
+        t = _mm_add_ps(t, _mm_mul_ps(mw, _mm_loadu_ps(a->ds + b)));
+    }
+    return t;
+}
+#endif
+
+/* out[t] = sum_k w[row, k] x_t[k] for one row of blocks and R <= 4 quantized activation rows, row t starting at
+ * block b0[t]. The weight blocks are unpacked once for all R rows; each row's sum takes the same steps as for R = 1,
+ * so a prefill and one-row decodes agree bit for bit. */
+#define SPARK_ROWS 4
+static void dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
+    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2, two = a->parts == 2;
+    float acc[SPARK_ROWS][8] = {{0}};
+    int32_t b = 0;
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    __m128 lanes[SPARK_ROWS][2]; /* acc[t][0..3], acc[t][4..7] */
+    for (int32_t t = 0; t < r_count; t++) lanes[t][0] = lanes[t][1] = _mm_setzero_ps();
+    for (; b + 4 <= nb; b += 4) {
+        const uint8_t *p = row + (int64_t)b * bb;
+        const spark_wv w0 = load_w(type, p + off), w1 = load_w(type, p + bb + off), w2 = load_w(type, p + 2 * bb + off), w3 = load_w(type, p + 3 * bb + off);
+        for (int32_t t = 0; t < r_count; t++) {
+            const int64_t x0 = (b0[t] + b) * QK;
+            const int8_t *q = a->q1 + x0;
+            const __m128i i1 = hsum4(block_lanes(type, w0, q), block_lanes(type, w1, q + QK), block_lanes(type, w2, q + 2 * QK), block_lanes(type, w3, q + 3 * QK));
+            __m128i i2 = _mm_setzero_si128();
+            if (two) {
+                q = a->q2 + x0;
+                i2 = hsum4(block_lanes(type, w0, q), block_lanes(type, w1, q + QK), block_lanes(type, w2, q + 2 * QK), block_lanes(type, w3, q + 3 * QK));
+            }
+            lanes[t][(b >> 2) & 1] = _mm_add_ps(lanes[t][(b >> 2) & 1], block_terms4(type, p, bb, i1, i2, a, b0[t] + b));
+        }
+    }
+    for (int32_t t = 0; t < r_count; t++) {
+        _mm_storeu_ps(acc[t], lanes[t][0]);
+        _mm_storeu_ps(acc[t] + 4, lanes[t][1]);
+    }
+#endif
+    for (int32_t t = 0; t < r_count; t++) {
+        float *ac = acc[t];
+        for (int32_t c = b; c < nb; c++) {
+            const uint8_t *p = row + (int64_t)c * bb;
+            const int64_t x0 = (b0[t] + c) * QK;
+            const int32_t i2 = two ? block_dot(type, p + off, a->q2 + x0) : 0;
+            ac[c & 7] += block_term(type, p, block_dot(type, p + off, a->q1 + x0), i2, a, b0[t] + c);
+        }
+        out[t] = ((ac[0] + ac[4]) + (ac[1] + ac[5])) + ((ac[2] + ac[6]) + (ac[3] + ac[7]));
     }
 }
 
-/* Entry point for Python's int8 linear layers on one row: xq is scratch of K bytes. */
-void spark_qgemv(const spark_qmat *w, const float *x, float *y, int8_t *xq) { qgemv(w, x, y, xq); }
+/* y (M, N) = x W^T (+ bias) for M quantized activation rows; rows of W split across the pool. Each output is
+ * dot_row of one weight row and one activation row, so a prefill of M rows and M one-row decodes agree bit for
+ * bit; the weight row stays in cache while the M activation rows pass it. */
+typedef struct {
+    const spark_qmat *w;
+    const spark_act *a;
+    float *y;
+    int32_t m;
+} gemm_job;
+
+static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
+    const gemm_job *g = ctx;
+    const spark_qmat *w = g->w;
+    const int32_t nb = w->k / QK, n = w->n;
+    const int64_t row_bytes = (int64_t)nb * block_bytes(w->type);
+    /* Tokens in groups of SPARK_ROWS, and within a group every row of this thread's range: the group's activations
+     * stay in L1 while the weight rows stream past once per group. */
+    for (int32_t r = 0; r < g->m; r += SPARK_ROWS) {
+        const int32_t rc = g->m - r < SPARK_ROWS ? g->m - r : SPARK_ROWS;
+        int64_t b0[SPARK_ROWS];
+        for (int32_t t = 0; t < rc; t++) b0[t] = (int64_t)(r + t) * nb;
+        for (int32_t j = begin; j < end; j++) {
+            float out[SPARK_ROWS];
+            dot_rows(w->type, w->blocks + j * row_bytes, nb, g->a, b0, rc, out);
+            const float bias = w->bias ? w->bias[j] : 0.0f;
+            for (int32_t t = 0; t < rc; t++) g->y[(int64_t)(r + t) * n + j] = out[t] + bias;
+        }
+    }
+}
+
+/* Entry point for Python's block linear layers: x (M, K) -> y (M, N); scratch holds spark_act_bytes(K, M). */
+void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void *scratch) {
+    spark_act a = act_in(scratch, w->k, m, w->act_parts);
+    const int32_t nb = w->k / QK;
+    for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * w->k, w->k, w->k, &a, (int64_t)r * nb);
+    gemm_job g = {w, &a, y, m};
+    parallel_for(gemm_rows, &g, w->n);
+}
+
+/* One row through one matrix: y (N) = W x for x of `len` values (W's K rounded up to 32), quantized into a. */
+static void qgemv(const spark_qmat *w, const float *x, int32_t len, float *y, spark_act *a) {
+    a->parts = w->act_parts;
+    quantize_row(x, w->k, len, a, 0);
+    gemm_job g = {w, a, y, 1};
+    parallel_for(gemm_rows, &g, w->n);
+}
 
 /* The decoder's weights, one entry per layer in each array. */
 typedef struct {
@@ -218,12 +539,54 @@ static float dotf(const float *a, const float *b, int32_t n) {
 int64_t spark_decode_scratch_floats(const spark_model *m) {
     const int64_t c = m->hidden, hd = (int64_t)m->n_heads * m->head_dim, kv = (int64_t)m->n_kv_heads * m->head_dim;
     const int64_t widest_in = c > m->intermediate ? (c > hd ? c : hd) : (m->intermediate > hd ? m->intermediate : hd);
-    /* h, qkv, q_new, q_plain, attn out, gate_up, scores (per head: up to num_slots, passed separately), quant */
-    return c + (hd + 2 * kv) + hd + hd + hd + 2 * (int64_t)m->intermediate + widest_in / 4 + 8;
+    /* h, qkv, q_new, q_plain, attn out, gate_up, quantized activations (scores: per head, passed separately) */
+    return c + (hd + 2 * kv) + hd + hd + hd + 2 * (int64_t)m->intermediate + spark_act_bytes((int32_t)(widest_in + QK - 1) / QK * QK, 1) / 4 + 8;
+}
+
+/* One layer's attention for query heads [begin, end): softmax over ranks [0, width) of the read copies. */
+typedef struct {
+    const spark_step *step;
+    const float *q_new, *q_plain, *k_read, *v_read; /* k_read, v_read: this layer's (Hkv, S, D) */
+    float *att, *scores;                            /* att (H*D); scores (H, width) */
+    int64_t s;
+    int32_t d, g;
+    float scale;
+} attn_job;
+
+static void attend_heads(void *ctx, int32_t begin, int32_t end) {
+    const attn_job *j = ctx;
+    const spark_step *step = j->step;
+    const int32_t d = j->d;
+    for (int32_t qh = begin; qh < end; qh++) {
+        const int64_t head_off = (int64_t)(qh / j->g) * j->s * d;
+        const float *kh_read = j->k_read + head_off, *vh_read = j->v_read + head_off;
+        float *scores = j->scores + (int64_t)qh * step->width;
+        float mx = -INFINITY;
+        for (int32_t r = 0; r < step->width; r++) {
+            const float *qv = (r < step->split ? j->q_plain : j->q_new) + qh * d;
+            float sc = dotf(qv, kh_read + (int64_t)r * d, d) * j->scale;
+            scores[r] = sc;
+            mx = sc > mx ? sc : mx;
+        }
+        for (int32_t r = 0; r < step->width; r++) scores[r] = exp_approx(scores[r] - mx);
+        float part[8] = {0};
+        int32_t r = 0;
+        for (; r + 8 <= step->width; r += 8)
+            for (int32_t i = 0; i < 8; i++) part[i] += scores[r + i];
+        float total = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+        for (; r < step->width; r++) total += scores[r];
+        float *out = j->att + qh * d;
+        memset(out, 0, sizeof(float) * (size_t)d);
+        for (int32_t r2 = 0; r2 < step->width; r2++) {
+            const float p = scores[r2] / total;
+            const float *vr = vh_read + (int64_t)r2 * d;
+            for (int32_t i = 0; i < d; i++) out[i] += p * vr[i];
+        }
+    }
 }
 
 /* One token through every layer: x (C) is the token's embedding on entry and is updated in place (the residual
- * stream); writes its k, v into the cache; logits (V) = lm_head(final_norm(x)). scores: width floats. */
+ * stream); writes its k, v into the cache; logits (V) = lm_head(final_norm(x)). scores: H * width floats. */
 void spark_decode(const spark_model *m, const spark_cache *cache, const spark_step *step, float *x, float *logits,
                   float *scratch, float *scores) {
     const int32_t c = m->hidden, h = m->n_heads, hkv = m->n_kv_heads, d = m->head_dim, inter = m->intermediate;
@@ -236,12 +599,13 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
     float *q_plain = q_new + hd;            /* (H*D) queries at plain positions (split > 0) */
     float *att = q_plain + hd;              /* (H*D) attention output */
     float *gu = att + hd;                   /* (2*I) gate, up */
-    int8_t *xq = (int8_t *)(gu + 2 * (int64_t)inter); /* widest input, as bytes */
+    const int32_t widest = c > inter ? (c > hd ? c : hd) : (inter > hd ? inter : hd);
+    spark_act xq = act_in(gu + 2 * (int64_t)inter, (widest + QK - 1) / QK * QK, 1, 1); /* each matrix's quantized input */
 
     for (int32_t l = 0; l < m->n_layers; l++) {
         /* Attention block. */
         rms_norm(x, m->attn_norm[l], c, m->eps, hbuf);
-        qgemv(&m->qkv[l], hbuf, qkv, xq);
+        qgemv(&m->qkv[l], hbuf, c, qkv, &xq);
         const float *q = qkv, *k = qkv + hd, *v = qkv + hd + kvd;
         const int64_t layer_off = (int64_t)l * hkv * s * d;
         for (int32_t kh = 0; kh < hkv; kh++) {
@@ -267,44 +631,21 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
             rope(q + qh * d, step->cos_new, step->sin_new, d, q_new + qh * d);
             if (step->split > 0) rope(q + qh * d, step->cos_plain, step->sin_plain, d, q_plain + qh * d);
         }
-        for (int32_t qh = 0; qh < h; qh++) {
-            const int64_t head_off = layer_off + (int64_t)(qh / g) * s * d;
-            const float *kh_read = cache->k_read + head_off, *vh_read = cache->v_read + head_off;
-            float mx = -INFINITY;
-            for (int32_t r = 0; r < step->width; r++) {
-                const float *qv = (r < step->split ? q_plain : q_new) + qh * d;
-                float sc = dotf(qv, kh_read + (int64_t)r * d, d) * scale;
-                scores[r] = sc;
-                mx = sc > mx ? sc : mx;
-            }
-            for (int32_t r = 0; r < step->width; r++) scores[r] = exp_approx(scores[r] - mx);
-            float part[8] = {0};
-            int32_t r = 0;
-            for (; r + 8 <= step->width; r += 8)
-                for (int32_t j = 0; j < 8; j++) part[j] += scores[r + j];
-            float total = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-            for (; r < step->width; r++) total += scores[r];
-            float *out = att + qh * d;
-            memset(out, 0, sizeof(float) * (size_t)d);
-            for (int32_t r = 0; r < step->width; r++) {
-                const float p = scores[r] / total;
-                const float *vr = vh_read + (int64_t)r * d;
-                for (int32_t i = 0; i < d; i++) out[i] += p * vr[i];
-            }
-        }
-        qgemv(&m->o[l], att, hbuf, xq);
+        attn_job aj = {step, q_new, q_plain, cache->k_read + layer_off, cache->v_read + layer_off, att, scores, s, d, g, scale};
+        parallel_for(attend_heads, &aj, h);
+        qgemv(&m->o[l], att, hd, hbuf, &xq);
         for (int32_t i = 0; i < c; i++) x[i] += hbuf[i];
 
         /* MLP block. */
         rms_norm(x, m->mlp_norm[l], c, m->eps, hbuf);
-        qgemv(&m->gate_up[l], hbuf, gu, xq);
+        qgemv(&m->gate_up[l], hbuf, c, gu, &xq);
         for (int32_t i = 0; i < inter; i++) {
             const float gate = gu[i];
             gu[i] = gate / (1.0f + exp_approx(-gate)) * gu[inter + i];
         }
-        qgemv(&m->down[l], gu, hbuf, xq);
+        qgemv(&m->down[l], gu, inter, hbuf, &xq);
         for (int32_t i = 0; i < c; i++) x[i] += hbuf[i];
     }
     rms_norm(x, m->final_norm, c, m->eps, hbuf);
-    qgemv(m->lm_head, hbuf, logits, xq);
+    qgemv(m->lm_head, hbuf, c, logits, &xq);
 }

@@ -31,7 +31,7 @@ def test_panels_update_during_generation(qtbot, window: MainWindow, gui, prefs, 
     assert len({s for s in seen}) >= 2, "panel values did not change while streaming"
     assert set(window.cache_panel._rows) == {"working", "episodic", "persistent"}
     assert "generated" in window.performance_panel.tokens.text()
-    assert window.performance_panel.backend.text().startswith("cpu, int8 weights, native")  # the app's CPU default
+    assert window.performance_panel.backend.text().startswith("cpu, q8_0 weights, native")  # the app's CPU default
     assert "tokens/s" in window.performance_panel.speed.text()
     assert "in memory" in window.session_panel.tokens.text()
     assert window.memory_panel.model.text().endswith("kB")

@@ -1,18 +1,22 @@
-"""The native CPU kernels (engine/native): they build here, every instruction-set variant computes the exact int8
-products, the one-call decoding step equals the PyTorch path over the same weights (and keeps the slot table's
-read copies exact), and without a compiler the engine says why and runs PyTorch's kernels."""
+"""The native CPU kernels (engine/native): they build here, every instruction-set variant computes the block
+products bit for bit as the integer reference below, prefill rows equal one-row decodes, the thread pool changes no
+bit and creates no thread per call, the one-call decoding step equals the PyTorch path over the same weights (and
+keeps the slot table's read copies exact), and without a compiler the engine says why and runs PyTorch."""
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from engine.backends.int8 import Int8Linear, quantize_rows
+from engine.backends.blocks import BlockWeights
 from engine.backends.torch_backend import TorchBackend
 from engine.cascade.config import CascadeConfig
 from engine.cascade.memory import CascadeMemory
@@ -20,11 +24,13 @@ from engine.errors import BackendUnavailable
 from engine.generate import decode_step, prefill
 from engine.memory import FullAttentionMemory
 from engine.native import DISABLE_ENV, NativeKernels, bind, build_library, load_kernels
-from engine.native.decoder import NativeInt8Linear
+from engine.native.decoder import NativeBlockLinear
+from engine.quant import BlockType, quantize
 from tests.engine.test_slot_reads import assert_read_copies_exact
 from tests.tiny import make_tiny_model
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+F32 = np.float32
 
 
 @pytest.fixture(scope="module")
@@ -46,27 +52,89 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("native-llama"), "llama")  # untied head, no biases
 
 
-def integer_reference(lin: NativeInt8Linear, x: torch.Tensor) -> torch.Tensor:
-    """What the kernel must compute, in exact integer arithmetic: x (M, K) -> (M, N)."""
-    amax = x.abs().amax(1, keepdim=True)
-    xq = torch.round(x * torch.where(amax > 0, 127.0 / amax, 0.0)).to(torch.int64)
-    acc = xq @ lin.q.to(torch.int64).t()
-    y = acc.float() * ((amax / 127.0) * lin.scales)
-    return y if lin.bias is None else y + lin.bias
+def quantize_activation(x: np.ndarray, parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """x (nb, 32) float32 -> per part (q (nb, 32) int64, d (nb,) float32), as spark_kernels.c's quantize_row."""
+    out = []
+    for _ in range(parts):
+        amax = np.abs(x).max(axis=1)  # (nb,)
+        with np.errstate(divide="ignore"):
+            inv = np.where(amax == 0, F32(0), F32(127) / amax).astype(F32)
+        q = np.rint(x * inv[:, None]).astype(np.int64)
+        d = (amax / F32(127)).astype(F32)
+        out.append((q, d))
+        x = (x - q.astype(F32) * d[:, None]).astype(F32)  # the residual the next part quantizes
+    return out
 
 
-@pytest.mark.parametrize("k", [64, 576, 50, 200])  # whole vector blocks, and tails the vector loops leave over
-def test_one_row_and_many_rows_compute_the_exact_int8_product(kernels: NativeKernels, k: int) -> None:
-    torch.manual_seed(k)
-    lin = NativeInt8Linear.from_linear(kernels, nn.Linear(k, 37))
-    x = torch.randn(5, k)
+def integer_reference(w: BlockWeights, bias: np.ndarray | None, x: np.ndarray, parts: int) -> np.ndarray:
+    """What the kernel must compute for one activation row x (K,): exact integer block sums, then the float terms
+    in spark_kernels.c's fixed order (block b into partial sum b % 8, then a fixed tree)."""
+    n, k = w.shape
+    nb = k // 32
+    raw = w.blocks.numpy().reshape(n, nb, w.qtype.block_bytes)
+    dw = raw[:, :, :2].copy().view(np.float16)[..., 0].astype(F32)  # (N, nb)
+    if w.qtype is BlockType.Q8_0:
+        wq = raw[:, :, 2:].view(np.int8).astype(np.int64)  # (N, nb, 32)
+    else:
+        qs = raw[:, :, 4:] if w.qtype is BlockType.Q4_1 else raw[:, :, 2:]
+        wq = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int64)  # unsigned nibbles
+    acts = quantize_activation(x.reshape(nb, 32).astype(F32), parts)
+    term = np.zeros((n, nb), F32)
+    ds = np.zeros(nb, F32)  # sum over parts of d * sum(q): Q4_1's min term
+    for q, d in acts:
+        isum = (wq * q[None]).sum(axis=2)  # (N, nb) exact
+        if w.qtype is BlockType.Q4_0:
+            isum = isum - 8 * q.sum(axis=1)[None]
+        term = (term + (dw * d[None]).astype(F32) * isum.astype(F32)).astype(F32)
+        ds = (ds + d * q.sum(axis=1).astype(F32)).astype(F32)
+    if w.qtype is BlockType.Q4_1:
+        mw = raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(F32)
+        term = (term + mw * ds[None]).astype(F32)
+    acc = np.zeros((n, 8), F32)
+    for b in range(nb):
+        acc[:, b % 8] = (acc[:, b % 8] + term[:, b]).astype(F32)
+    y = ((acc[:, 0] + acc[:, 4]) + (acc[:, 1] + acc[:, 5])) + ((acc[:, 2] + acc[:, 6]) + (acc[:, 3] + acc[:, 7]))
+    return y if bias is None else (y + bias).astype(F32)
+
+
+def block_linear(kernels: NativeKernels, qtype: BlockType, n: int, k: int, parts: int, seed: int = 0) -> NativeBlockLinear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # (N, K), rows of differing scale
+    bw = BlockWeights(qtype, (n, k), torch.from_numpy(quantize(w.numpy(), qtype)))
+    return NativeBlockLinear(kernels, bw, torch.randn(n, generator=g), parts)
+
+
+def test_the_integer_reference_takes_the_products_it_claims() -> None:
+    """The reference's block sums, with fp32 rounding taken out, are the plain product of the dequantized
+    matrices (guards the reference itself against a mixed-up nibble or sign)."""
+    torch.manual_seed(0)
+    for qtype in BlockType:
+        w = torch.randn(5, 64)
+        bw = BlockWeights(qtype, (5, 64), torch.from_numpy(quantize(w.numpy(), qtype)))
+        x = np.random.default_rng(0).standard_normal(64).astype(F32)
+        want = bw.dequantized().double().numpy() @ x.astype(np.float64)
+        assert np.allclose(integer_reference(bw, None, x, 2), want, rtol=1e-3, atol=1e-3)  # two parts: ~15 bits
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("qtype", list(BlockType), ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [32, 128, 160, 576])  # one block, whole groups of 4, a group and a tail, SmolLM's width
+def test_block_products_equal_the_integer_reference_bit_for_bit(kernels: NativeKernels, qtype: BlockType, k: int, parts: int) -> None:
+    lin = block_linear(kernels, qtype, 37, k, parts, seed=k)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
     x[3] = 0  # an all-zero row quantizes to zeros with scale 0: just the bias
-    many = lin(x)  # (5, 37) PyTorch's int8 GEMM
-    one_at_a_time = torch.cat([lin(x[i : i + 1]) for i in range(5)])  # the native row kernel
-    assert torch.equal(one_at_a_time, many)
-    assert torch.allclose(many, integer_reference(lin, x), rtol=1e-6, atol=1e-6)
+    x[4, :32] *= 1e4  # an outlier block
+    many = lin(x)  # (6, 37): the prefill path, rows in groups of 4 and a remainder
+    for i in range(6):
+        want = integer_reference(lin_weights(lin), lin.bias.numpy(), x[i].numpy(), parts)
+        assert np.array_equal(many[i].numpy(), want), i
+        assert torch.equal(lin(x[i : i + 1]), many[i : i + 1])  # one row (decode) = the same row of a prefill
     assert torch.equal(many[3], lin.bias)
-    assert torch.allclose(lin(x.view(5, 1, k)), many.view(5, 1, 37))  # leading dims fold into rows
+    assert torch.equal(lin(x.view(3, 2, k)), many.view(3, 2, 37))  # leading dims fold into rows
+
+
+def lin_weights(lin: NativeBlockLinear) -> BlockWeights:
+    return BlockWeights(lin.qtype, (lin.out_features, lin.padded), lin.blocks, lin.in_features)
 
 
 @pytest.mark.skipif(not X86, reason="instruction-set variants of x86")
@@ -74,18 +142,49 @@ def test_one_row_and_many_rows_compute_the_exact_int8_product(kernels: NativeKer
 def test_every_instruction_set_variant_computes_the_same_products(kernels: NativeKernels, tmp_path: Path, flags: tuple[str, ...]) -> None:
     variant = bind(build_library(tmp_path, extra_flags=flags))
     assert variant.isa == {"-mno-avx2": "portable"}.get(flags[-1], "avx2")
-    torch.manual_seed(1)
-    w = nn.Linear(200, 48)
-    x = torch.randn(1, 200)
-    ours, theirs = NativeInt8Linear.from_linear(kernels, w), NativeInt8Linear.from_linear(variant, w)
-    assert torch.equal(ours(x), theirs(x))
+    x = torch.randn(5, 224, generator=torch.Generator().manual_seed(2))
+    for qtype in BlockType:
+        for parts in (1, 2):
+            ours = block_linear(kernels, qtype, 48, 224, parts)
+            theirs = NativeBlockLinear(variant, lin_weights(ours), ours.bias, parts)
+            assert torch.equal(ours(x), theirs(x)), (qtype, parts)
+            assert torch.equal(ours(x[:1]), theirs(x[:1])), (qtype, parts)
+
+
+def native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads through /proc")
+def test_the_thread_pool_changes_no_bit_and_creates_no_thread_per_call(kernels: NativeKernels, llama_dir: Path) -> None:
+    lin = block_linear(kernels, BlockType.Q4_1, 300, 576, 2)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(3))
+    kernels.use_threads(1)
+    one = lin(x)
+    before = native_threads()
+    assert kernels.use_threads(3) == 3 and native_threads() == before + 2  # the workers, made once
+    torch.set_num_threads(3)  # what the layer follows (the hardware policy's count)
+    try:
+        for _ in range(20):
+            assert torch.equal(lin(x), one)
+        assert native_threads() == before + 2  # no thread created per call
+        b = TorchBackend(llama_dir, "cpu", quantize="q8_0")
+        ids = [3 + (i * 7) % 200 for i in range(30)]
+        threaded = run_conversation(b, "full", ids)
+        settled = native_threads()  # PyTorch's own pool may have started its threads too
+        assert torch.equal(run_conversation(b, "full", ids), threaded)
+        assert native_threads() == settled  # 20 more decoding steps, no new thread
+    finally:
+        torch.set_num_threads(1)
+    assert kernels.use_threads(1) == 1 and native_threads() == settled - 2  # the workers end when the pool shrinks
+    assert torch.equal(run_conversation(b, "full", ids), threaded)  # one thread or three: the same bits
 
 
 def test_backend_uses_native_kernels_and_stays_close_to_fp32(qwen_dir: Path) -> None:
-    b = TorchBackend(qwen_dir, "cpu", quantize="int8")
+    b = TorchBackend(qwen_dir, "cpu", quantize="q8_0")
     assert b.native_isa is not None and b.model.native_decoder is not None
-    assert isinstance(b.model.lm_head, NativeInt8Linear) and not any(isinstance(m, (nn.Linear, Int8Linear)) for m in b.model.modules())
-    assert b.numerics == "torch-cpu-float32-wint8native-kvfloat16"
+    assert isinstance(b.model.lm_head, NativeBlockLinear) and not any(isinstance(m, nn.Linear) for m in b.model.modules())
+    assert b.numerics == "torch-cpu-float32-wq8_0native-a16-kvfloat16"
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     outs = []
     for backend in (b, TorchBackend(qwen_dir, "cpu", quantize="none")):
@@ -95,9 +194,8 @@ def test_backend_uses_native_kernels_and_stays_close_to_fp32(qwen_dir: Path) -> 
     native, fp32 = outs
     rel = (native - fp32).norm(dim=-1) / fp32.norm(dim=-1)
     assert rel.max() < 0.05, rel
-    # Tied head: the embedding shares the head's int8 matrix, which the memory figure counts once.
-    q, _ = quantize_rows(TorchBackend(qwen_dir, "cpu", quantize="none").model.lm_head.weight_t.t())
-    assert torch.equal(b.model.model.embed_tokens.q, q) and b.model.model.embed_tokens.q.data_ptr() == b.model.lm_head.q.data_ptr()
+    # Tied head: the embedding reads the head's blocks, one copy of the vocabulary matrix.
+    assert b.model.model.embed_tokens.blocks.data_ptr() == b.model.lm_head.blocks.data_ptr()
 
 
 def run_conversation(b: TorchBackend, memory: str, ids: list[int]) -> torch.Tensor:
@@ -113,12 +211,12 @@ def run_conversation(b: TorchBackend, memory: str, ids: list[int]) -> torch.Tens
 @pytest.mark.parametrize("kv", [torch.float16, torch.float32])
 def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(llama_dir: Path, memory: str, kv: torch.dtype) -> None:
     ids = [3 + (i * 7) % 200 for i in range(50)]
-    native = TorchBackend(llama_dir, "cpu", quantize="int8", kv_dtype=kv)
+    native = TorchBackend(llama_dir, "cpu", quantize="q4_1", kv_dtype=kv)
     calls = count_native_steps(native)
     outs = [run_conversation(native, memory, ids)]
     assert calls["n"] >= 30  # most decoding steps ran natively (the rest re-derive stale copies in PyTorch)
-    stepwise = TorchBackend(llama_dir, "cpu", quantize="int8", kv_dtype=kv)
-    stepwise.model.native_decoder = None  # the same NativeInt8Linear weights, every step through PyTorch
+    stepwise = TorchBackend(llama_dir, "cpu", quantize="q4_1", kv_dtype=kv)
+    stepwise.model.native_decoder = None  # the same NativeBlockLinear weights, every step through PyTorch
     outs.append(run_conversation(stepwise, memory, ids))
     # Only float summation order differs (attention, norms); the slot tables are identical.
     assert torch.allclose(outs[0], outs[1], atol=2e-4, rtol=1e-4), (outs[0] - outs[1]).abs().max()
@@ -139,7 +237,7 @@ def count_native_steps(b: TorchBackend) -> dict[str, int]:
 
 
 def test_native_steps_keep_the_read_copies_exact(llama_dir: Path) -> None:
-    b = TorchBackend(llama_dir, "cpu", quantize="int8")
+    b = TorchBackend(llama_dir, "cpu", quantize="q8_0")
     calls = count_native_steps(b)
     b.allocate(1, 32)
     mem = FullAttentionMemory(b)
@@ -151,18 +249,25 @@ def test_native_steps_keep_the_read_copies_exact(llama_dir: Path) -> None:
 
 
 def test_without_native_kernels_the_engine_says_why_and_runs_pytorch(qwen_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from engine.backends.torch_backend import KMajorLinear
+
     monkeypatch.setenv(DISABLE_ENV, "1")
     status = load_kernels()
     assert status.kernels is None and DISABLE_ENV in status.reason
-    b = TorchBackend(qwen_dir, "cpu", quantize="int8")  # auto: falls back
-    assert b.native_isa is None and isinstance(b.model.lm_head, Int8Linear)
-    assert b.numerics == "torch-cpu-float32-wint8-kvfloat16"
+    b = TorchBackend(qwen_dir, "cpu", quantize="q8_0")  # auto kernels: falls back to the dequantized blocks
+    assert b.native_isa is None and isinstance(b.model.lm_head, KMajorLinear) and DISABLE_ENV in b.kernels_note
+    assert b.numerics == "torch-cpu-float32-wq8_0-kvfloat16"
     with pytest.raises(BackendUnavailable, match="native CPU kernels are unavailable.*turned off"):
-        TorchBackend(qwen_dir, "cpu", quantize="int8", kernels="native")
+        TorchBackend(qwen_dir, "cpu", quantize="q8_0", kernels="native")
     monkeypatch.delenv(DISABLE_ENV)
-    assert isinstance(TorchBackend(qwen_dir, "cpu", quantize="int8", kernels="torch").model.lm_head, Int8Linear)
+    torch_kernels = TorchBackend(qwen_dir, "cpu", quantize="q8_0", kernels="torch")
+    native = TorchBackend(qwen_dir, "cpu", quantize="q8_0")
+    assert isinstance(torch_kernels.model.lm_head, KMajorLinear)
+    # The same blocks: the dequantized weights are exactly what the native kernels hold.
+    head = native.model.lm_head
+    assert torch.equal(torch_kernels.model.lm_head.weight_t.t(), lin_weights(head).dequantized())
     with pytest.raises(BackendUnavailable, match="Unknown CPU kernels"):
-        TorchBackend(qwen_dir, "cpu", quantize="int8", kernels="fast")
+        TorchBackend(qwen_dir, "cpu", quantize="q8_0", kernels="fast")
     # No compiler: one sentence saying what to install.
     monkeypatch.setenv("CC", "no-such-compiler")
     with pytest.raises(RuntimeError, match="no C compiler was found; install"):
@@ -180,7 +285,7 @@ ARM_CC, QEMU_ARM = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aar
 
 @pytest.mark.skipif(not (ARM_CC and QEMU_ARM), reason="needs an aarch64 cross compiler and qemu-user (Debian: gcc-aarch64-linux-gnu qemu-user)")
 @pytest.mark.parametrize("arch,isa", [("armv8.2-a+dotprod", "neon-dotprod"), ("armv8-a", "portable")])
-def test_arm_kernels_compute_the_exact_int8_product(tmp_path: Path, arch: str, isa: str) -> None:
+def test_arm_kernels_compute_the_exact_block_products(tmp_path: Path, arch: str, isa: str) -> None:
     """Apple Silicon runs the NEON dot-product kernel: compiled for Arm, run under emulation, checked exactly."""
     import subprocess
 
@@ -188,10 +293,26 @@ def test_arm_kernels_compute_the_exact_int8_product(tmp_path: Path, arch: str, i
 
     exe = tmp_path / f"arm-check-{isa}"
     check = Path(__file__).with_name("native") / "arm_check.c"
-    build = [str(ARM_CC), "-O3", "-std=gnu11", "-ffp-contract=off", f"-march={arch}", "-static", f"-I{SOURCE.parent}", str(check), "-o", str(exe), "-lm"]
+    build = [str(ARM_CC), "-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", f"-march={arch}", "-static", f"-I{SOURCE.parent}", str(check), "-o", str(exe), "-lm"]
     subprocess.run(build, check=True, capture_output=True, timeout=300)
     out = subprocess.run([str(QEMU_ARM), str(exe)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.splitlines() == [f"isa {isa}", "0 mismatches"], out.stdout
+
+
+@pytest.mark.skipif(not X86, reason="the x86 build of the Arm checker")
+def test_the_arm_checker_itself_passes_on_this_machine(tmp_path: Path, kernels: NativeKernels) -> None:
+    """The checker the Arm test runs under qemu, built for this CPU: its C reference agrees with the kernels here,
+    so a mismatch under qemu points at the Arm kernel, not at the checker."""
+    import subprocess
+
+    from engine.native import SOURCE, _compiler, compile_flags
+
+    exe = tmp_path / "check"
+    tune = [f for f in compile_flags() if f.startswith("-m")]
+    build = [str(_compiler()), "-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", *tune, f"-I{SOURCE.parent}", str(Path(__file__).with_name("native") / "arm_check.c"), "-o", str(exe), "-lm"]
+    subprocess.run(build, check=True, capture_output=True, timeout=300)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.splitlines() == [f"isa {kernels.isa}", "0 mismatches"], out.stdout
 
 
 def test_models_the_native_step_cannot_run_are_named(qwen_dir: Path, kernels: NativeKernels) -> None:

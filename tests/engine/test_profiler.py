@@ -92,7 +92,7 @@ def test_bench_profile_smoke(tmp_path: Path) -> None:
 
     d = make_tiny_model(tmp_path / "m", layers=2)
     out = bench.run(argparse.Namespace(model=d, backend="cpu", threads=None, quick=True, json=True, quantize="auto"))
-    assert out["numerics"].startswith("torch-cpu-float32-wint8")  # auto = int8 weights on the cpu backend
+    assert out["numerics"].startswith("torch-cpu-float32-wq8_0native")  # auto = Q8_0 blocks on the cpu backend
     assert 0 <= out["sum_error"] < 1
     assert out["slowest"] in out["decode"]["categories_ms_per_step"]
     # Decoding steps on the native kernels are one part (all layers and the head in one call), not overhead.

@@ -1,0 +1,170 @@
+"""Which block-quantized matrix each linear layer of a fused model runs, and the tied embedding that shares it.
+
+A GGUF's tensors arrive as StoredTensor (engine.quant) keyed by Hugging Face parameter name and run as stored:
+their bytes are copied, never dequantized and re-quantized; q/k/v and gate/up are fused by stacking rows of
+blocks, which keeps every block intact. An HF folder's fp32 weights are quantized here at load to the chosen type,
+to the very bytes llama.cpp's converter would write.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.quant import (
+    BLOCK,
+    BlockType,
+    StoredTensor,
+    check_stored,
+    dequantize,
+    quantize,
+)
+
+if TYPE_CHECKING:
+    from engine.model import Transformer
+
+# A fused module's rows, in order, from these HF parameters (engine.model.fuse_projections).
+FUSED: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+EMBEDDING = "model.embed_tokens.weight"
+
+
+class UnsupportedBlocks(ValueError):
+    """The stored weights use a format the block kernels do not run (e.g. a K-quant); the message says which."""
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """One matrix (N, K) as raw blocks: blocks (N, K/32 * block bytes) uint8. A layer whose input size is no
+    multiple of 32 (an HF folder's, never a GGUF's) is held with zero columns up to K: `in_features` is its own."""
+
+    qtype: BlockType
+    shape: tuple[int, int]
+    blocks: torch.Tensor
+    in_features: int = 0  # 0: shape[1]
+
+    @property
+    def inputs(self) -> int:
+        return self.in_features or self.shape[1]
+
+    def dequantized(self) -> torch.Tensor:  # (N, inputs) float32
+        return torch.from_numpy(dequantize(self.blocks.numpy(), self.qtype, self.shape))[:, : self.inputs]
+
+
+def stored_type(stored: Mapping[str, StoredTensor]) -> BlockType:
+    """The block format most of `stored` uses (what `auto` runs for the layers a file left unquantized)."""
+    names = Counter(t.qtype for t in stored.values())
+    if not names:
+        raise UnsupportedBlocks("the file stores no quantized matrices")
+    top = names.most_common(1)[0][0]
+    try:
+        return BlockType.named(top)
+    except ValueError:
+        raise UnsupportedBlocks(f"its weights are {top}, which has no block kernel here yet (Q8_0, Q4_0 and Q4_1 do)") from None
+
+
+def _sources(path: str, tied: bool, stored: Mapping[str, StoredTensor]) -> list[str]:
+    parent, _, leaf = path.rpartition(".")
+    if leaf in FUSED:
+        return [f"{parent}.{name}.weight" for name in FUSED[leaf]]
+    if path == "lm_head" and tied and "lm_head.weight" not in stored:
+        return [EMBEDDING]
+    return [f"{path}.weight"]
+
+
+def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockWeights | None:
+    parts = [stored.get(n) for n in names]
+    if any(p is None for p in parts):
+        return None
+    kinds = sorted({p.qtype for p in parts})  # type: ignore[union-attr]
+    if len(kinds) != 1:
+        raise UnsupportedBlocks(f"{', '.join(names)} are stored as {', '.join(kinds)}, which the block kernels cannot run as one matrix")
+    try:
+        qtype = BlockType.named(kinds[0])
+    except ValueError:
+        raise UnsupportedBlocks(f"{names[0]} is stored as {kinds[0]}, which has no block kernel here yet (Q8_0, Q4_0 and Q4_1 do)") from None
+    for p, n in zip(parts, names):
+        check_stored(p, n)  # type: ignore[arg-type]
+    rows = np.concatenate([np.asarray(p.data, dtype=np.uint8).reshape(p.shape[0], -1) for p in parts])  # type: ignore[union-attr]
+    shape = (sum(p.shape[0] for p in parts if p is not None), parts[0].shape[1] if parts[0] is not None else 0)
+    return BlockWeights(qtype, shape, torch.from_numpy(rows.copy()))
+
+
+def plan_blocks(model: "Transformer", qtype: BlockType, stored: Mapping[str, StoredTensor] | None = None) -> dict[str, BlockWeights]:
+    """Block weights for every nn.Linear of a fused `model`, keyed by module path: the stored bytes where `stored`
+    has them, else the layer's fp32 weight quantized to `qtype` (zero columns pad an input size that is no multiple
+    of 32; zeros quantize exactly). UnsupportedBlocks when stored bytes cannot run."""
+    tied = bool(model.config.tie_word_embeddings)
+    out: dict[str, BlockWeights] = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        found = _from_stored(_sources(path, tied, stored), stored) if stored else None
+        if found is None:
+            w = module.weight.detach().float().numpy()  # (N, K)
+            k = w.shape[1]
+            padded = np.pad(w, ((0, 0), (0, -k % BLOCK)))  # (N, K rounded up to 32)
+            found = BlockWeights(qtype, padded.shape, torch.from_numpy(quantize(padded, qtype)), k)  # type: ignore[arg-type]
+        if (found.shape[0], found.inputs) != tuple(module.weight.shape):
+            raise ValueError(f"the stored {path} has shape {found.shape}, but the model's config says {tuple(module.weight.shape)}")
+        out[path] = found
+    return out
+
+
+class BlockEmbedding(nn.Module):
+    """Embedding rows dequantized from a block matrix: the tied LM head's (one copy of the vocabulary), or the
+    file's own token embedding."""
+
+    def __init__(self, w: BlockWeights) -> None:
+        super().__init__()
+        self.qtype, self.shape, self.dim = w.qtype, w.shape, w.inputs
+        self.register_buffer("blocks", w.blocks, persistent=False)  # (V, C/32 * block bytes) uint8
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) long -> (B, T, C) float32
+        rows = self.blocks.index_select(0, ids.reshape(-1)).numpy()  # (B*T, bytes)
+        return torch.from_numpy(dequantize(rows, self.qtype, self.shape)[:, : self.dim]).reshape(*ids.shape, self.dim)
+
+
+def swap_linears(model: "Transformer", blocks: Mapping[str, BlockWeights], make: Callable[[BlockWeights, torch.Tensor | None], nn.Module]) -> None:
+    """Replace each planned nn.Linear by make(blocks, its bias); a tied embedding reads the LM head's blocks."""
+    for path, w in blocks.items():
+        parent_path, _, leaf = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        old = getattr(parent, leaf)
+        setattr(parent, leaf, make(w, old.bias))
+    if model.config.tie_word_embeddings and "lm_head" in blocks:
+        model.model.embed_tokens = BlockEmbedding(blocks["lm_head"])  # type: ignore[assignment]
+
+
+def use_stored_embedding(model: "Transformer", stored: Mapping[str, StoredTensor] | None) -> None:
+    """An untied model whose file stores the embedding in a block format reads its rows from those bytes."""
+    t = (stored or {}).get(EMBEDDING)
+    if t is None or model.config.tie_word_embeddings or t.qtype not in BlockType.__members__:
+        return
+    qtype = check_stored(t, EMBEDDING)
+    model.model.embed_tokens = BlockEmbedding(BlockWeights(qtype, t.shape, torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(t.shape[0], -1))))  # type: ignore[assignment]
+
+
+def dequantized_linear(w: BlockWeights, bias: torch.Tensor | None) -> nn.Linear:
+    """The fallback without native kernels: the same blocks, dequantized to fp32 (activations stay fp32)."""
+    lin = nn.Linear(w.inputs, w.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(w.dequantized(), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
+    return lin
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes the weights occupy: parameters and buffers, each storage once (a tied embedding shares its head's)."""
+    seen: set[int] = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total

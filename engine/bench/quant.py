@@ -1,0 +1,137 @@
+"""`bench quant`: how faithful each block format is to our fp32 path, beside llama.cpp on the same text and bytes.
+
+For every type (Q8_0, Q4_0, Q4_1, and `--gguf FILE` as stored) both engines run the very same GGUF: the model
+folder's fp32 weights exported at that type (engine.bench.gguf_export; our own quantizer writes identical bytes),
+read back as StoredTensor (engine.gguf_file) for us and loaded by llama.cpp (llama-cpp-python, logits for every
+token). Over >= 2,048 tokens of held-out text, each is compared with our fp32 logits: mean and 99th-percentile KL
+divergence, same top token, perplexity. Headline `kld_ratio_vs_llamacpp` (ours / theirs) per type and worst; goal
+<= 1.0. Our kernels quantize activations per block of 32 in two int8 parts (`ours_*`); the same weights also run
+with llama.cpp's one-part Q8 activations (`ours_q8_act_*`) and with fp32 activations (`ours_fp32_act_*`), which
+is how the default was chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.backends.torch_backend import TorchBackend
+from engine.bench.long_ppl import held_out_text
+from engine.errors import SparkError
+from engine.model_files import gguf_model
+from engine.quant import BlockType, StoredTensor
+from engine.tokenizer import Tokenizer
+
+TOKENS = 2048
+QUICK_TOKENS = 256
+TYPES = tuple(t.name.lower() for t in BlockType)
+
+
+def held_out_ids(tokenizer: Tokenizer, n: int) -> list[int]:
+    """n + 1 token ids of held-out text (the last one is only a target)."""
+    ids = tokenizer.encode(held_out_text(8 * n))
+    if len(ids) < n + 1:
+        raise SparkError(f"The held-out text gave {len(ids)} tokens, fewer than the {n + 1} needed.")
+    return ids[: n + 1]
+
+
+def compare(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict:
+    """ref_logits, logits (T, V); targets (T,): KL(ref || this) per token, top-token agreement, perplexity."""
+    kld, ce = [], []
+    for at in range(0, ref_logits.shape[0], 256):  # chunks: (256, V) at a time in float64
+        p = torch.log_softmax(ref_logits[at : at + 256].double(), -1)
+        q = torch.log_softmax(logits[at : at + 256].double(), -1)
+        kld.append((p.exp() * (p - q)).sum(-1))
+        ce.append(-q.gather(1, targets[at : at + 256, None])[:, 0])
+    k = torch.cat(kld)
+    return {
+        "mean_kld": float(k.mean()),
+        "p99_kld": float(torch.quantile(k, 0.99)),
+        "same_top": float((ref_logits.argmax(-1) == logits.argmax(-1)).double().mean()),
+        "ppl": float(torch.cat(ce).mean().exp()),
+    }
+
+
+def our_logits(backend: TorchBackend, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return backend.model.forward_causal(torch.tensor([ids]))[0].float()  # (T, V)
+
+
+def llamacpp_logits(path: Path, ids: list[int], threads: int) -> torch.Tensor:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=len(ids) + 8, n_batch=512, n_ubatch=512, logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm.eval(ids)
+    out = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))  # (T, V)
+    llm.close()
+    return out
+
+
+def _rounded(d: dict, prefix: str) -> dict:
+    return {f"{prefix}_{k}": round(v, 6) for k, v in d.items()}
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.model is None or not Path(args.model).is_dir():
+        raise SparkError("bench quant needs --model DIR, a Hugging Face folder (the fp32 reference), e.g. /work/models/smollm2-hf.")
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    model = Path(args.model)
+    n = QUICK_TOKENS if args.quick else TOKENS
+    ids = held_out_ids(Tokenizer.from_dir(model), n)
+    inputs, targets = ids[:-1], torch.tensor(ids[1:])
+    result: dict = {"model": str(model), "tokens": len(inputs), "threads": threads, "types": {}}
+    t0 = time.perf_counter()
+    fp32 = our_logits(TorchBackend(model, "cpu", quantize="none"), inputs)
+    result["ours_fp32_ppl"] = round(compare(fp32, fp32, targets)["ppl"], 4)
+    try:
+        import llama_cpp
+
+        from engine.bench.gguf_export import export_gguf
+
+        result["llamacpp_version"] = llama_cpp.__version__
+    except ImportError:
+        llama_cpp = None
+        result["notes"] = ["llama-cpp-python is not installed (pip install -e '.[bench]'); llama.cpp was not measured"]
+    tmp = tempfile.TemporaryDirectory(prefix="spark-quant-")
+    files: dict[str, Path] = {}
+    if llama_cpp is not None:
+        f32 = export_gguf(model, Path(tmp.name) / "model-f32.gguf", "f32")
+        result["llamacpp_f32"] = _rounded(compare(fp32, llamacpp_logits(f32, inputs, threads), targets), "llamacpp")  # the peers agree at fp32
+        f32.unlink()
+    for name in TYPES:
+        files[name] = export_gguf(model, Path(tmp.name) / f"model-{name}.gguf", name)
+    if args.gguf:
+        files["gguf"] = Path(args.gguf)
+    for name, path in files.items():
+        stored: dict[str, StoredTensor] = gguf_model(path).stored_tensors()
+        row: dict = {"file": str(path) if name == "gguf" else f"{name} export of the model folder"}
+        ours = TorchBackend(model, "cpu", quantize="auto", stored=stored)
+        row["ours_weights"] = ours.numerics
+        row.update(_rounded(compare(fp32, our_logits(ours, inputs), targets), "ours"))
+        del ours
+        q8_act = TorchBackend(model, "cpu", quantize="auto", stored=stored, act_parts=1)  # llama.cpp's activations
+        row.update(_rounded(compare(fp32, our_logits(q8_act, inputs), targets), "ours_q8_act"))
+        del q8_act
+        fp32_act = TorchBackend(model, "cpu", quantize="auto", stored=stored, kernels="torch")  # same weights, fp32 activations
+        row.update(_rounded(compare(fp32, our_logits(fp32_act, inputs), targets), "ours_fp32_act"))
+        del fp32_act
+        if llama_cpp is not None:
+            row.update(_rounded(compare(fp32, llamacpp_logits(path, inputs, threads), targets), "llamacpp"))
+            row["kld_ratio_vs_llamacpp"] = round(row["ours_mean_kld"] / row["llamacpp_mean_kld"], 3)
+        for who in ("ours", "ours_q8_act", "ours_fp32_act", "llamacpp"):
+            if f"{who}_ppl" in row:
+                row[f"{who}_ppl_delta_pct"] = round(100 * (row[f"{who}_ppl"] / result["ours_fp32_ppl"] - 1), 3)
+        result["types"][name] = row
+    ratios = [r["kld_ratio_vs_llamacpp"] for r in result["types"].values() if "kld_ratio_vs_llamacpp" in r]
+    if ratios:
+        result["kld_ratio_vs_llamacpp"] = {name: r["kld_ratio_vs_llamacpp"] for name, r in result["types"].items()}
+        result["worst_kld_ratio_vs_llamacpp"] = max(ratios)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    tmp.cleanup()
+    return result
