@@ -221,6 +221,16 @@ class Session:
         ids = self._ids_for_text(rendered)
         return self._run(ids, settings, should_stop, pacer, reply_to_messages=True)
 
+    def read_transcript(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Bring memory in step with `messages` without replying (a branch): feeds what memory does not hold yet."""
+        if not self.messages:
+            return
+        rendered = self.tokenizer.apply_chat_template(self._template_messages(), add_generation_prompt=False)
+        ids = self._ids_for_text(rendered)
+        if ids:
+            for _ in self._run(ids, GenerationSettings(max_tokens=0), should_stop, None, reply_to_messages=False):
+                pass
+
     def regenerate(self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None) -> Iterator[GenerationEvent]:
         """Drop the last assistant reply and answer the last user message again."""
         while self.messages and self.messages[-1].role == "assistant":

@@ -43,7 +43,6 @@ class CachePanel(Panel):
         self._empty.setObjectName("panelHint")
         self.form.addRow(self._empty)
         self._rows: dict[str, _TierRows] = {}
-        self.finish()
 
     @Slot(MemoryReport)
     def _on_memory(self, report: MemoryReport) -> None:
