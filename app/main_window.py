@@ -260,7 +260,7 @@ class MainWindow(QMainWindow):
         self.new_chat_action = self._action("New Chat", self._on_new_chat, _keys(SK.New, "Ctrl+N"), "Start a new conversation")
         self.open_action = self._action("Open…", self._on_open_session, _keys(SK.Open, "Ctrl+O"))
         self.save_action = self._action("Save a Copy…", self._on_save, _keys(SK.Save, "Ctrl+S"))
-        self.save_full_action = self._action("Save a Copy with Full Memory…", lambda: self._on_save(full_memory=True))
+        self.save_full_action = self._action("Save a Copy with Full Memory…", lambda: self._on_save(full_memory=True), _keys(SK.SaveAs, "Ctrl+Shift+S"))
         self.export_md_action = self._action("Export as Markdown…", lambda: self._on_export(self.current_id, "md"))
         self.export_json_action = self._action("Export as JSON…", lambda: self._on_export(self.current_id, "json"))
         self.open_model_action = self._action("Open Model…", self._on_open_model, [QKeySequence("Ctrl+Alt+O")], "Load a model folder or a .gguf file")
@@ -551,6 +551,8 @@ class MainWindow(QMainWindow):
         self.current_id = new_id()
         self.file = None
         self.client.new_chat(self.library.path_for(self.current_id))
+        self.coalescer.discard()
+        self.chat.set_messages([])
         self.sidebar.set_current(self.current_id)
         self.inspector.session_panel.show_untitled(None)
         self._update_title()

@@ -207,8 +207,10 @@ class ConversationWorker(QObject):
         self._turn_starts = []
         if self._session is None:
             return
+        had_messages = bool(self._session.messages)
         self._session.reset()
-        self.conversation.emit([])
+        if had_messages:  # the GUI cleared its view already; an empty chat must not clear a message typed since
+            self.conversation.emit([])
         self.memory.emit(self._memory_report())
 
     @Slot(str, str, int, object)
@@ -404,8 +406,8 @@ class ConversationWorker(QObject):
         self.progress.emit(progress)
         self.memory.emit(self._memory_report())
         recalled = self._turns_ago() if self._episodic_hits() > hits_before else 0
+        self._changed()  # stored before `finished`: a finished turn is never only in memory
         self.finished.emit(TurnResult(reason, progress, "".join(text), recalled))
-        self._changed()
 
     def _episodic_hits(self) -> int:
         stats = self._session.stats() if self._session is not None else None
