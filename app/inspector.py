@@ -22,7 +22,11 @@ def model_line(info: ModelInfo) -> str:
     runs, _, why = info.backend_detail.partition(" (skipped ")
     backend, _, rest = runs.partition(", ")
     text = f"{info.name} runs on the {backend.upper() if backend != 'coreml' else 'Neural Engine (Core ML)'}"
-    text += f" with {rest}." if rest else " at its own precision."
+    if rest.startswith(("int", "q", "fp", "bf", "f16", "f32")) or "weights" in rest.split(",")[0]:
+        text += f" with {rest}."
+    else:
+        own = "fp32 weights (full precision)" if backend == "cpu" else "its own precision"
+        text += f" with {own}" + (f", {rest}." if rest else ".")
     if why:
         text += " Skipped faster choices: " + why.removesuffix(")") + "."
     return text

@@ -377,7 +377,8 @@ class ConversationWorker(QObject):
     def _stream(self, start: Callable[[], Iterator[GenerationEvent]]) -> None:
         reason, text = "error", []
         progress = TurnProgress(0, 0, 0.0, 0.0)
-        last_progress = last_memory = self._read_t0 = self._read_last = time.monotonic()
+        last_progress = last_memory = self._read_t0 = time.monotonic()
+        self._read_last = 0.0  # the first reading report goes out at once
         hits_before = self._episodic_hits()
         if self._session is not None:
             self._turn_starts.append(len(self._session.memory.tokens))
