@@ -79,6 +79,7 @@ class ChatView(QTextBrowser):
         self._reply = self._add_message("assistant", "", self._next_index)
         self._next_index += 1
         self._reply_text = []
+        self._scroll_to_end()
 
     def show_reading(self, text: str) -> None:
         """While the prompt is read: `text` (tokens read, rate, time left) in the reply bubble, dimmed."""
@@ -86,8 +87,11 @@ class ChatView(QTextBrowser):
             return
         self._clear_frame(self._reply)
         self._fill(self._reply, "assistant", "")
+        at_end = self._at_end()
         self._reply.lastCursorPosition().insertText(text, self._note_format())
         self._reading = True
+        if at_end:
+            self._scroll_to_end()
 
     def append_reply(self, text: str) -> None:
         if self._reply is None:

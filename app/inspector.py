@@ -41,7 +41,8 @@ def memory_words(report: MemoryReport) -> str:
     used = sum(t.bytes for t in report.tiers if t.name != "persistent")
     parts = [f"Remembers the last {working.entries:,} tokens exactly" if working else f"Holds {report.tokens:,} tokens"]
     if episodic is not None:
-        parts.append(f"recalls {episodic.entries:,} earlier passage{'s' if episodic.entries != 1 else ''}")
+        n = episodic.entries
+        parts.append(f"recalls {n:,} earlier passage{'s' if n != 1 else ''}" if n else "no earlier passages to recall yet")
     return ", ".join(parts) + f", {bytes_text(used)}."
 
 
@@ -141,7 +142,7 @@ class Inspector(QScrollArea):
         self.thermal_panel._on_sample(sample)
         self.memory_panel._on_sample(sample)
         m = sample.memory
-        heat = THERMAL_WORDS.get(sample.thermal.state.value, "Temperature unknown.")
+        heat = THERMAL_WORDS.get(sample.thermal.state.value, "This computer does not report its temperature.")
         self.machine.body.setText(f"{heat} {bytes_text(m.available_bytes)} of memory free; Spark uses {bytes_text(m.rss_bytes)}.")
 
     def show_stored(self, text: str) -> None:

@@ -207,10 +207,7 @@ class ConversationWorker(QObject):
         self._turn_starts = []
         if self._session is None:
             return
-        had_messages = bool(self._session.messages)
-        self._session.reset()
-        if had_messages:  # the GUI cleared its view already; an empty chat must not clear a message typed since
-            self.conversation.emit([])
+        self._session.reset()  # the GUI cleared its view itself: a late "empty" signal would erase what was typed since
         self.memory.emit(self._memory_report())
 
     @Slot(str, str, int, object)

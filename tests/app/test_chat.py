@@ -101,8 +101,7 @@ def test_new_chat_can_be_undone_with_memory_and_title(qtbot, window: MainWindow,
     send_and_wait(qtbot, gui, window, "Remember me")
     first_id, title = window.current_id, window.windowTitle()
     memory = list(window.client.worker._session.memory.tokens)
-    with qtbot.waitSignal(gui(window.client.worker.conversation), timeout=WAIT_MS):
-        window.new_chat_action.trigger()
+    window.new_chat_action.trigger()
     assert "Remember me" not in window.chat.toPlainText()
     assert window.undo_action.isEnabled() and window.undo_action.text() == "Undo New Chat"
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
@@ -125,3 +124,11 @@ def test_bad_model_folder_shows_a_message_and_keeps_the_chat(qtbot, window: Main
     assert window.notice.text()
     assert "Keep this" in window.chat.toPlainText()
     send_and_wait(qtbot, gui, window, "Still works")  # the worker recovered and kept the loaded model
+
+
+def test_a_message_sent_right_after_new_chat_stays_on_screen(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
+    send_and_wait(qtbot, gui, window, "Old talk")
+    window.new_chat_action.trigger()
+    result = send_and_wait(qtbot, gui, window, "Fresh start")  # sent before the worker has even reset
+    assert "Fresh start" in window.chat.toPlainText() and "Old talk" not in window.chat.toPlainText()
+    assert window.chat.reply_text() == result.text.replace("\r", "\n")
