@@ -76,7 +76,7 @@ class ChatView(QTextBrowser):
         self._scroll_to_end()
 
     def begin_reply(self) -> None:
-        self._reply = self._add_message("assistant", "", self._next_index)
+        self._reply = self._add_message("assistant", "", self._next_index, links=False)
         self._next_index += 1
         self._reply_text = []
         self._scroll_to_end()
@@ -99,7 +99,7 @@ class ChatView(QTextBrowser):
         at_end = self._at_end()
         if self._reading:
             self._clear_frame(self._reply)
-            self._fill(self._reply, "assistant", "")
+            self._fill(self._reply, "assistant", "", links=False)
             self._reading = False
         self._reply_text.append(text)
         cursor = self._reply.lastCursorPosition()
@@ -173,7 +173,7 @@ class ChatView(QTextBrowser):
         return [f for f in self.document().rootFrame().childFrames() if f.frameFormat().property(ROLE_PROPERTY) == role]
 
     # -- rendering ---------------------------------------------------------------------------------------------------
-    def _add_message(self, role: str, content: str, index: int) -> QTextFrame:
+    def _add_message(self, role: str, content: str, index: int, links: bool = True) -> QTextFrame:
         cursor = QTextCursor(self.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
         fmt = QTextFrameFormat()
@@ -190,16 +190,16 @@ class ChatView(QTextBrowser):
         fmt.setProperty(ROLE_PROPERTY, role)
         fmt.setProperty(INDEX_PROPERTY, index)
         frame = cursor.insertFrame(fmt)
-        self._fill(frame, role, content)
+        self._fill(frame, role, content, links)
         self._contents[index] = content
         return frame
 
-    def _fill(self, frame: QTextFrame, role: str, content: str) -> None:
+    def _fill(self, frame: QTextFrame, role: str, content: str, links: bool = True) -> None:
         cursor = frame.firstCursorPosition()
         cursor.setBlockFormat(QTextBlockFormat())
         cursor.insertText(ROLE_LABELS.get(role, role.title()), self._label_format())
         index = frame.frameFormat().property(INDEX_PROPERTY)
-        if isinstance(index, int):
+        if isinstance(index, int) and links:  # a streaming reply gets its links once it is finished
             cursor.insertText("    ", self._label_format())
             cursor.insertText("Copy", self._link_format(f"copy:{index}", "Copy this message"))
             cursor.insertText("  ·  ", self._label_format())

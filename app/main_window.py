@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, QUrl, Slot
-from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QDragEnterEvent, QDropEvent, QKeySequence
+from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QDragEnterEvent, QDropEvent, QKeySequence, QResizeEvent
 from PySide6.QtWidgets import (
     QApplication,
     QFrame,
@@ -53,6 +53,7 @@ from engine.session_file import atomic_write, load_session
 SESSION_SUFFIX = ".spark"
 NOTICE_INFO_MS = 6000
 FINISH_NOTES = {"cancelled": "Stopped.", "length": "Reached the reply length limit; Settings can raise it.", "error": ""}
+NARROW_WIDTH = 1100  # px: below it the inspector folds away so the chat keeps most of the window
 PRECISION_WORDS = {"auto": "Automatic (best for this computer)", "none": "Full precision (fp32 on the CPU)", "int8": "8-bit (int8)"}
 
 
@@ -172,6 +173,8 @@ class MainWindow(QMainWindow):
         self._startup_id = prefs.last_conversation() if self.library.get(prefs.last_conversation()) else ""
         self._titles_for_new: dict[str, str] = {}  # branch/duplicate titles, applied when first stored
         self._shut_down = False
+        self._narrow = False
+        self._auto_layout = False
 
         self.setObjectName("mainWindow")
         self.setAcceptDrops(True)
@@ -282,7 +285,7 @@ class MainWindow(QMainWindow):
         self.regenerate_action = self._action("Regenerate", self._on_regenerate, [QKeySequence("Ctrl+R")], "Answer the last prompt again")
         self.quick_action = self._action("Quick Prompt…", self.open_quick_prompt, [QKeySequence("Ctrl+Shift+K")])
         self.sidebar_action = self._toggle("Conversations", self.sidebar, self.prefs.sidebar_visible(), [QKeySequence("Ctrl+Shift+L")], self.prefs.set_sidebar_visible)
-        self.inspector_action = self._toggle("Inspector", self.inspector, self.prefs.inspector_visible(), [QKeySequence("Ctrl+I")], self.prefs.set_inspector_visible)
+        self.inspector_action = self._toggle("Inspector", self.inspector, self.prefs.inspector_visible(), [QKeySequence("Ctrl+I")], self._remember_inspector)
         self.system_prompt_action = self._toggle("System Prompt", self.system_row, True, None, None)
         self.about_action = self._action(f"About {APP_NAME}", self._on_about)
         self.about_action.setMenuRole(QAction.MenuRole.AboutRole)
@@ -298,6 +301,21 @@ class MainWindow(QMainWindow):
         if remember is not None:
             action.toggled.connect(remember)
         return action
+
+    def _remember_inspector(self, shown: bool) -> None:
+        if not self._auto_layout:  # the user's choice, not the narrow-window rule below
+            self.prefs.set_inspector_visible(shown)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802 - Qt override
+        """Below NARROW_WIDTH the chat keeps the room: the inspector folds away (⌘I still opens it) and comes back
+        when the window is wide again, if the user had it open."""
+        super().resizeEvent(event)
+        narrow = self.width() < NARROW_WIDTH
+        if narrow != self._narrow:
+            self._narrow = narrow
+            self._auto_layout = True
+            self.inspector_action.setChecked(self.prefs.inspector_visible() and not narrow)
+            self._auto_layout = False
 
     def _build_menus_and_toolbar(self) -> None:
         bar = self.menuBar()
@@ -426,7 +444,8 @@ class MainWindow(QMainWindow):
         geometry = self.prefs.window_geometry()
         if geometry is None or not self.restoreGeometry(geometry):
             self.resize(1180, 760)
-        self.splitter.setSizes([230, max(400, self.width() - 230 - 280), 280])
+        side = 230 if self.width() >= NARROW_WIDTH else 190
+        self.splitter.setSizes([side, max(400, self.width() - side - 280), 280])
 
     # -- public ------------------------------------------------------------------------------------------------------
     def load_model(self, model: Path | None, backend: str = "auto") -> None:

@@ -73,3 +73,15 @@ def test_inspector_speaks_plainly_and_toggles(qtbot, window: MainWindow, gui, pr
     assert not insp.isVisible() and prefs.inspector_visible() is False
     window.inspector_action.trigger()
     assert insp.isVisible()
+
+
+def test_a_narrow_window_folds_the_inspector_away_and_back(qtbot, window: MainWindow, prefs) -> None:  # type: ignore[no-untyped-def]
+    window.show()
+    window.resize(1400, 860)
+    qtbot.waitUntil(lambda: window.inspector.isVisible())
+    window.resize(900, 700)
+    qtbot.waitUntil(lambda: not window.inspector.isVisible())
+    assert prefs.inspector_visible() is True  # the user's choice is kept
+    qtbot.waitUntil(lambda: window.chat.width() >= 600, timeout=3000)  # the chat keeps the room at 900 px
+    window.resize(1400, 860)
+    qtbot.waitUntil(lambda: window.inspector.isVisible())
