@@ -129,12 +129,19 @@ class ChatView(QTextBrowser):
         self._reading = False
         if frame is None:
             return
-        self._clear_frame(frame)
         text = "".join(self._reply_text)
-        self._fill(frame, "assistant", text)
-        index = frame.frameFormat().property(INDEX_PROPERTY)
-        if isinstance(index, int):
-            self._contents[index] = text
+        if not text:  # nothing was written (stopped while reading, an error): no empty bubble, the note stays
+            self.remove_last_reply()  # the reply frame is the last assistant frame
+            frames = self._frames("assistant") + self._frames("user")
+            if not note or not frames:
+                return
+            frame = max(frames, key=lambda f: f.lastPosition())
+        else:
+            self._clear_frame(frame)
+            self._fill(frame, "assistant", text)
+            index = frame.frameFormat().property(INDEX_PROPERTY)
+            if isinstance(index, int):
+                self._contents[index] = text
         if note:  # under the message, outside its frame: a remark about the turn, not part of the reply
             after = QTextCursor(self.document())
             after.setPosition(frame.lastPosition() + 1)

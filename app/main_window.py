@@ -466,6 +466,9 @@ class MainWindow(QMainWindow):
         if not self.model_loaded:
             self.notice.show_message("The model is still loading; your message is kept, send it when it is ready.", error=False)
             return False
+        if self._opening is not None:
+            self.notice.show_message("Spark is still opening this conversation (recomputing its memory); your message is kept, send it in a moment.", error=False)
+            return False
         if self.client.busy:
             self.notice.show_message(
                 f"Spark is still writing; your message is kept. Stop the reply ({shortcut_text(self.stop_action)}) to send it now.",

@@ -38,7 +38,7 @@ class Panel(QWidget):
         self.form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
         self.layout_.addLayout(self.form)
 
-    def value_row(self, label: str, wrap: bool = False) -> QLabel:
+    def value_row(self, label: str, wrap: bool = True) -> QLabel:
         value = QLabel(PLACEHOLDER)
         value.setObjectName("panelValue")
         value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)

@@ -22,6 +22,7 @@ class _TierRows:
         self.fill.setFixedHeight(6)
         self.detail = QLabel()
         self.detail.setObjectName("panelValue")
+        self.detail.setWordWrap(True)  # the inspector is narrow: wrap rather than cut off
         form.addRow(self.title)
         form.addRow(self.fill)
         form.addRow(self.detail)

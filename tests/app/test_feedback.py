@@ -49,6 +49,7 @@ def test_stop_during_reading_emits_no_token(qtbot, window: MainWindow, gui) -> N
     assert result.reason == "cancelled" and result.progress.generated_tokens == 0 and result.text == ""
     assert deltas == []
     assert "Stopped while reading; nothing was written." in window.chat.toPlainText()
+    assert window.chat.toPlainText().count("Spark") == 0  # no empty reply bubble is left
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS) as blocker:
         window.submit("Short one")  # the conversation goes on
     assert blocker.args[0].reason in ("stop", "length")
@@ -66,6 +67,20 @@ def test_return_while_generating_says_why_and_keeps_the_text(qtbot, window: Main
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS) as blocker:
         window.notice.action_button.click()
     assert blocker.args[0].reason == "cancelled"
+
+
+def test_sending_while_a_conversation_opens_waits_and_says_why(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
+    with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
+        window.submit("First")
+    first = window.current_id
+    window.new_chat_action.trigger()
+    with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
+        window.submit("Second")
+    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
+        window.open_conversation(first)
+        assert window.submit("Too early") is False  # its memory is being recomputed: the message is kept
+        assert "still opening" in window.notice.text()
+    assert window.submit("Now") is True
 
 
 def test_a_reply_that_used_recalled_memory_says_so(qtbot, tmp_path: Path, prefs, dirs, dialogs: ScriptedDialogs) -> None:  # type: ignore[no-untyped-def]
