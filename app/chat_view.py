@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from PySide6.QtCore import Qt, QUrl, Signal, Slot
 from PySide6.QtGui import (
     QColor,
+    QDesktopServices,
     QFont,
     QFontDatabase,
+    QGuiApplication,
     QKeyEvent,
     QPalette,
     QTextBlockFormat,
@@ -23,8 +25,6 @@ from PySide6.QtGui import (
     QTextCursor,
     QTextFrame,
     QTextFrameFormat,
-    QDesktopServices,
-    QGuiApplication,
 )
 from PySide6.QtWidgets import QPlainTextEdit, QTextBrowser, QWidget
 
@@ -33,7 +33,7 @@ from app.worker import MessageView
 ROLE_LABELS = {"user": "You", "assistant": "Spark", "system": "System"}
 ROLE_PROPERTY = 0x100000  # QTextFormat.UserProperty: marks each message frame with its role
 INDEX_PROPERTY = 0x100001  # ...and with its index in the conversation
-FENCE = re.compile(r"```[^\n]*\n?(.*?)(?:```|$)", re.S)
+FENCE = re.compile(r"```[^\n]*\n?(.*?)(?:```|$)", re.DOTALL)
 
 
 def _mix(a: QColor, b: QColor, t: float) -> QColor:
@@ -290,7 +290,7 @@ class PromptEdit(QPlainTextEdit):
         line = self.fontMetrics().lineSpacing()
         self.setFixedHeight(int(line * 3 + 2 * self.document().documentMargin() + 8))
 
-    def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802 - Qt override
+    def keyPressEvent(self, event: QKeyEvent) -> None:
         if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
             if event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
                 self.insertPlainText("\n")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
 
-from app.settings_dialog import SettingsDialog
 import engine
+from app.settings_dialog import SettingsDialog
 from engine.generate import GenerationSettings
 from engine.paths import APP_NAME
 

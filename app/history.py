@@ -6,7 +6,14 @@ from __future__ import annotations
 import time
 
 from PySide6.QtCore import QPoint, Qt, Signal, Slot
-from PySide6.QtWidgets import QLineEdit, QListWidget, QListWidgetItem, QMenu, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QMenu,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.library import ConversationEntry, ConversationLibrary
 

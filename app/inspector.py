@@ -7,10 +7,23 @@ from __future__ import annotations
 import sys
 
 from PySide6.QtCore import Qt, Slot
-from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QToolButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QFrame,
+    QLabel,
+    QScrollArea,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.hw_monitor import HardwareSample
-from app.panels import CachePanel, MemoryPanel, PerformancePanel, SessionPanel, ThermalPanel
+from app.panels import (
+    CachePanel,
+    MemoryPanel,
+    PerformancePanel,
+    SessionPanel,
+    ThermalPanel,
+)
 from app.panels.base import bytes_text
 from app.worker import MemoryReport, ModelInfo, TurnProgress
 

@@ -111,7 +111,7 @@ class ConversationLibrary:
         data = {"version": INDEX_VERSION, "conversations": [asdict(e) for e in self.entries()]}
         try:
             atomic_write(self.folder / INDEX_NAME, [json.dumps(data, ensure_ascii=False).encode("utf-8")])
-        except Exception:  # noqa: BLE001 - the files are the truth; a lost index row is recovered on the next load
+        except Exception:
             log.exception("could not write the conversation index")
 
     def path_for(self, conversation_id: str) -> Path:

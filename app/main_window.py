@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, QUrl, Slot
-from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QDragEnterEvent, QDropEvent, QKeySequence, QResizeEvent
+from PySide6.QtGui import (
+    QAction,
+    QActionGroup,
+    QCloseEvent,
+    QDragEnterEvent,
+    QDropEvent,
+    QKeySequence,
+    QResizeEvent,
+)
 from PySide6.QtWidgets import (
     QApplication,
     QFrame,
@@ -39,15 +47,29 @@ from app.dialogs import Dialogs
 from app.history import HistorySidebar
 from app.hw_monitor import HardwareMonitor
 from app.inspector import Inspector
-from app.library import ConversationEntry, ConversationLibrary, export_json, export_markdown, new_id
+from app.library import (
+    ConversationEntry,
+    ConversationLibrary,
+    export_json,
+    export_markdown,
+    new_id,
+)
 from app.preferences import Preferences
 from app.quick_prompt import QuickPromptPanel
 from app.standarddirs import StandardDirs
-from app.worker import ConversationClient, LoadedModel, MessageView, ReadProgress, SessionFileEvent, StoredConversation, TurnProgress, TurnResult
+from app.worker import (
+    ConversationClient,
+    LoadedModel,
+    MessageView,
+    ReadProgress,
+    SessionFileEvent,
+    StoredConversation,
+    TurnProgress,
+    TurnResult,
+)
 from engine.backends import QUANTIZE_CHOICES
 from engine.generate import GenerationSettings
-from engine.paths import APP_NAME
-from engine.paths import bundled_model_dir
+from engine.paths import APP_NAME, bundled_model_dir
 from engine.session_file import atomic_write, load_session
 
 SESSION_SUFFIX = ".spark"
@@ -104,6 +126,7 @@ class NoticeBar(QFrame):
         self._timer.timeout.connect(self.hide)
         self._action: Callable[[], None] | None = None
         self.action_button.clicked.connect(self._on_action)
+        self._over = parent
         parent.installEventFilter(self)
         self.hide()
 
@@ -126,17 +149,16 @@ class NoticeBar(QFrame):
     def text(self) -> str:
         return "" if self.isHidden() else self.label.text()
 
-    def eventFilter(self, watched: QObject, event: QEvent) -> bool:  # noqa: N802 - Qt override
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
         if event.type() == QEvent.Type.Resize:
             self._place()
         return False
 
     def _place(self) -> None:
-        parent = self.parentWidget()
-        width = max(200, parent.width() - 32)
+        width = max(200, self._over.width() - 32)
         self.setFixedWidth(width)
         self.adjustSize()
-        self.move((parent.width() - width) // 2, 10)
+        self.move((self._over.width() - width) // 2, 10)
 
     def _on_action(self) -> None:
         self.hide()
@@ -306,7 +328,7 @@ class MainWindow(QMainWindow):
         if not self._auto_layout:  # the user's choice, not the narrow-window rule below
             self.prefs.set_inspector_visible(shown)
 
-    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802 - Qt override
+    def resizeEvent(self, event: QResizeEvent) -> None:
         """Below NARROW_WIDTH the chat keeps the room: the inspector folds away (⌘I still opens it) and comes back
         when the window is wide again, if the user had it open."""
         super().resizeEvent(event)
@@ -369,7 +391,7 @@ class MainWindow(QMainWindow):
     def _fill_model_menu(self) -> None:
         m = self.model_menu
         m.clear()
-        default = m.addAction("Default Model (SmolLM2-135M-Instruct)", lambda: self.load_model(None))
+        default = m.addAction(f"Default Model ({bundled_model_dir().stem})", lambda: self.load_model(None))
         default.setCheckable(True)
         default.setChecked(self.model_loaded and self.model_path is None)
         recent = self.prefs.recent_models()
@@ -523,11 +545,11 @@ class MainWindow(QMainWindow):
         self.library.empty_trash()
 
     # -- drag and drop ---------------------------------------------------------------------------------------------
-    def dragEnterEvent(self, event: QDragEnterEvent) -> None:  # noqa: N802 - Qt override
+    def dragEnterEvent(self, event: QDragEnterEvent) -> None:
         if event.mimeData().hasUrls():
             event.acceptProposedAction()
 
-    def dropEvent(self, event: QDropEvent) -> None:  # noqa: N802 - Qt override
+    def dropEvent(self, event: QDropEvent) -> None:
         urls: list[QUrl] = event.mimeData().urls()
         event.acceptProposedAction()
         self.handle_drop([Path(u.toLocalFile()) for u in urls if u.isLocalFile()], len(urls))
@@ -542,7 +564,7 @@ class MainWindow(QMainWindow):
             return
         self.open_file(path)
 
-    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
+    def closeEvent(self, event: QCloseEvent) -> None:
         # Nothing to ask: the conversation is stored as it changes (and once more on quit).
         self.prefs.set_window(self.saveGeometry(), self.saveState())
         self.prefs.set_last_conversation(self.current_id)

@@ -98,7 +98,6 @@ class StoredConversation:
     path: Path
     messages: tuple[tuple[str, str], ...]  # (role, content)
     model: str
-    system_prompt: str
 
 
 @dataclass(frozen=True)
@@ -163,7 +162,7 @@ class ConversationWorker(QObject):
         except SparkError as exc:
             self.error.emit(str(exc))
             return
-        except Exception as exc:  # noqa: BLE001 - a broken model must not take the worker down
+        except Exception as exc:
             log.exception("model load failed")
             self.error.emit(f"The model in {model_dir or 'the app bundle'} could not be loaded ({exc}).")
             return
@@ -233,7 +232,7 @@ class ConversationWorker(QObject):
         self._read_t0 = self._read_last = time.monotonic()
         try:
             session.read_transcript(stop.is_set)
-        except Exception as exc:  # noqa: BLE001 - the transcript is kept; its memory is read on the next turn
+        except Exception as exc:
             log.exception("reading a branch failed")
             self.error.emit(f"The branch's memory could not be read ({exc}); it is read on the next message instead.")
         self.memory.emit(self._memory_report())
@@ -266,7 +265,7 @@ class ConversationWorker(QObject):
         except OSError as exc:
             self.error.emit(f"The session could not be saved to {path} ({exc.strerror or exc}).")
             return
-        except Exception as exc:  # noqa: BLE001 - the worker must answer every request
+        except Exception as exc:
             log.exception("save failed")
             self.error.emit(f"The session could not be saved ({type(exc).__name__}: {exc}).")
             return
@@ -288,7 +287,7 @@ class ConversationWorker(QObject):
         except OSError as exc:
             self.error.emit(f"The session {Path(path).name} could not be read ({exc.strerror or exc}).")
             return
-        except Exception as exc:  # noqa: BLE001 - the worker must answer every request; the chat stays as it was
+        except Exception as exc:
             log.exception("restore failed")
             self.error.emit(f"The session {Path(path).name} could not be restored ({type(exc).__name__}: {exc}).")
             return
@@ -355,13 +354,13 @@ class ConversationWorker(QObject):
             return
         try:
             session.save(self._store_path, compact=True)
-        except Exception as exc:  # noqa: BLE001 - the conversation stays open; the next change tries again
+        except Exception as exc:
             log.exception("storing the conversation failed")
             self.error.emit(f"The conversation could not be stored in the data folder ({exc}); it is still open, and will be stored on the next change.")
             return
         model = self._engine.model_dir.name if self._engine is not None else ""
         messages = tuple((m.role, m.content) for m in session.messages)
-        self.stored.emit(StoredConversation(self._store_path, messages, model, session.system_prompt))
+        self.stored.emit(StoredConversation(self._store_path, messages, model))
 
     def _finish_unstarted(self) -> None:
         """Every send/regenerate request ends with `finished`, so the GUI always leaves its busy state."""
@@ -397,7 +396,7 @@ class ConversationWorker(QObject):
         except SparkError as exc:
             self.error.emit(str(exc))
             self.conversation.emit(self._transcript())
-        except Exception as exc:  # noqa: BLE001 - a failing backend must leave the worker usable
+        except Exception as exc:
             log.exception("generation failed")
             self.error.emit(f"Generation failed ({type(exc).__name__}: {exc}); the conversation is kept, try again.")
             self.conversation.emit(self._transcript())

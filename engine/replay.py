@@ -20,7 +20,9 @@ import torch
 
 from engine.backends.base import Backend
 from engine.errors import SessionFileError
-from engine.generate import _feed  # the very step generation takes, so a replay computes what it computed
+from engine.generate import (
+    _feed,  # the very step generation takes, so a replay computes what it computed
+)
 from engine.memory import Memory
 
 Schedule = list[list]  # [[op, size, count], ...]

@@ -22,15 +22,28 @@ from typing import Any
 
 from engine.backends import BackendChoice, open_backend, resolve_quantize
 from engine.backends.base import Backend
-from engine.errors import InputTooLarge, SparkError
-from engine.hw import HardwarePolicy
-from engine.generate import GenerationEvent, GenerationSettings, Pacer, PrefillProgress, stream_generate
 from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
+from engine.errors import InputTooLarge, SparkError
+from engine.generate import (
+    GenerationEvent,
+    GenerationSettings,
+    Pacer,
+    PrefillProgress,
+    stream_generate,
+)
+from engine.hw import HardwarePolicy
 from engine.memory import Memory
 from engine.paths import bundled_model_dir, default_cache_dir
 from engine.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
-from engine.session_file import RECOMPUTE_KIND, ForeignModelSession, Message, SessionData, restore, save_session
 from engine.sampling import SamplingSettings, make_sampler
+from engine.session_file import (
+    RECOMPUTE_KIND,
+    ForeignModelSession,
+    Message,
+    SessionData,
+    restore,
+    save_session,
+)
 from engine.tokenizer import Tokenizer
 from engine.weights import check_model_folder, estimate_size
 
@@ -121,7 +134,7 @@ class Engine:
         memory_factory: MemoryFactory,
         policy: HardwarePolicy | None = None,
         quantize: str = "none",
-    ) -> "Engine":
+    ) -> Engine:
         """Load a model folder; with a `policy`, first refuse (one sentence) a model this machine cannot hold."""
         model_dir = Path(model_dir).expanduser() if model_dir else bundled_model_dir()
         check_model_folder(model_dir)
@@ -142,7 +155,7 @@ class Engine:
     def backend(self) -> Backend:
         return self.choice.backend
 
-    def new_session(self) -> "Session":
+    def new_session(self) -> Session:
         """The first session uses the loaded backend's slot table; later ones fork their own."""
         backend = self.backend if not self._first_taken else self.backend.fork()
         self._first_taken = True

@@ -12,7 +12,6 @@ import argparse
 import os
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import QEventLoop, QSettings, QTimer
@@ -22,14 +21,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.application import SparkApplication  # noqa: E402
-from app.main_window import MainWindow  # noqa: E402
-from app.preferences import Preferences  # noqa: E402
-from app.signal_wait import wait_any  # noqa: E402
-from app.standarddirs import StandardDirs  # noqa: E402
-from app.wiring import build_main_window  # noqa: E402
-from engine.generate import GenerationSettings  # noqa: E402
-from engine.sampling import SamplingSettings  # noqa: E402
+from app.application import SparkApplication
+from app.main_window import MainWindow
+from app.preferences import Preferences
+from app.signal_wait import wait_any
+from app.standarddirs import StandardDirs
+from app.wiring import build_main_window
+from engine.generate import GenerationSettings
+from engine.sampling import SamplingSettings
 
 STANDIN = Path("/work/models/smollm2-hf")
 WAIT_MS = 600_000

@@ -58,7 +58,7 @@ def test_every_change_is_stored_atomically_in_the_data_folder(qtbot, window: Mai
     say(qtbot, gui, window, "Keep me safe")
     path = window.library.path_for(window.current_id)
     stored = load_session(path)
-    assert [m.content for m in stored.messages][0] == "Keep me safe"
+    assert stored.messages[0].content == "Keep me safe"
     assert inspect_session(path)["memory_kind"] == "recompute"  # compact: transcript, ids and the recipe
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
     index = json.loads((dirs.conversations / "index.json").read_text())
