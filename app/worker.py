@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ MEMORY_INTERVAL_S = 0.25  # tier stats at most 4 times a second: the panels need
 
 
 READ_INTERVAL_S = 0.1  # reading progress at most 10 times a second
+PARKED_CONVERSATIONS = 3  # conversations left recently whose memory stays ready (Undo, switching back: no recompute)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,7 @@ class ConversationWorker(QObject):
         self._session: Session | None = None
         self._system_prompt = ""
         self._turn_starts: list[int] = []  # memory length when each turn began (for "recalled from N turns ago")
+        self._parked: OrderedDict[Path, tuple[Session, list[int]]] = OrderedDict()  # store path -> session, turns
         self._read_t0 = 0.0
         self._read_last = 0.0
         if policy is not None:
@@ -202,18 +205,17 @@ class ConversationWorker(QObject):
     @Slot(str)
     def _on_new_chat(self, store_path: str) -> None:
         """Start an empty conversation stored at `store_path` (the previous one is already stored)."""
-        self._store_path = Path(store_path) if store_path else None
-        self._turn_starts = []
         if self._session is None:
+            self._store_path = Path(store_path) if store_path else None
             return
-        self._session.reset()  # the GUI cleared its view itself: a late "empty" signal would erase what was typed since
+        self._park()  # the GUI cleared its view itself: a late "empty" signal would erase what was typed since
+        self._store_path = Path(store_path) if store_path else None
         self.memory.emit(self._memory_report())
 
     @Slot(str, str, int, object)
     def _on_branch(self, source: str, store_path: str, upto: int, stop: threading.Event) -> None:
         """A new conversation with the messages of `source` up to index `upto` (inclusive), its memory read anew."""
-        session = self._require_session()
-        if session is None:
+        if self._require_session() is None:
             self._finish_unstarted()
             return
         try:
@@ -222,8 +224,9 @@ class ConversationWorker(QObject):
             self.error.emit(f"The conversation could not be branched ({exc}).")
             self._finish_unstarted()
             return
-        session.reset()
-        self._turn_starts = []
+        self._park()
+        session = self._session
+        assert session is not None
         self._store_path = Path(store_path)
         session.messages = [ChatMessage(m.role, m.content, m.timestamp or time.time()) for m in data.messages[: upto + 1]]
         self._system_prompt = session.system_prompt = data.system_prompt or ""
@@ -275,9 +278,19 @@ class ConversationWorker(QObject):
     def _on_restore(self, path: str, transcript_only: bool, store_path: str) -> None:
         """Open `path`; from then on the conversation is stored at `store_path` (its own library file when it
         came from the library, a new one for a file opened from elsewhere)."""
-        session = self._require_session()
-        if session is None:
+        if self._require_session() is None or self._engine is None:
             return
+        target = Path(store_path) if store_path else None
+        parked = self._parked.pop(Path(path), None) if not transcript_only and target == Path(path) else None
+        if parked is not None:  # left a moment ago: its memory is still there, nothing to recompute
+            self._park()
+            self._session, self._turn_starts = parked
+            self._store_path = target
+            self._opened(Path(path), "")
+            return
+        # Read into a fresh session: on any error (or another model's file) the open conversation is untouched.
+        session = self._engine.new_session()
+        self._prepare(session)
         self._read_t0 = self._read_last = time.monotonic()
         try:
             report = session.load(Path(path), accept_transcript_only=transcript_only, on_progress=self._on_restore_progress)
@@ -287,28 +300,49 @@ class ConversationWorker(QObject):
         except OSError as exc:
             self.error.emit(f"The session {Path(path).name} could not be read ({exc.strerror or exc}).")
             return
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the worker must answer every request; the chat stays as it was
             log.exception("restore failed")
             self.error.emit(f"The session {Path(path).name} could not be restored ({type(exc).__name__}: {exc}).")
             return
         if not report.applied:  # another model's file: nothing changed until the user accepts transcript-only
             self.foreign_session.emit(path, report.message)
             return
-        self._system_prompt = session.system_prompt
-        self._turn_starts = []
-        self.system_prompt.emit(session.system_prompt)
+        self._park()
+        self._session, self._turn_starts = session, []
         note = "transcript only: the memory is re-read on the next turn" if report.transcript_only else ""
         if session.restore_digest_ok is False:
             note = "its memory was recomputed and differs slightly from the saved one (other numerics)"
+        joins = target is not None and target != Path(path)
+        self._store_path = target
+        self._opened(Path(path), note)
+        if joins:
+            self._changed()  # a file opened from elsewhere joins the library as a new conversation
+
+    def _opened(self, path: Path, note: str) -> None:
+        session = self._session
+        assert session is not None
+        self._system_prompt = session.system_prompt
+        self.system_prompt.emit(session.system_prompt)
         self.conversation.emit(self._transcript())
         self.memory.emit(self._memory_report())
-        self.restored.emit(SessionFileEvent("restored", Path(path), time.time(), note))
-        new_store = Path(store_path) if store_path else None
-        if new_store is not None and new_store != Path(path):
-            self._store_path = new_store
-            self._changed()  # a file opened from elsewhere joins the library as a new conversation
-        else:
-            self._store_path = new_store
+        self.restored.emit(SessionFileEvent("restored", path, time.time(), note))
+
+    def _park(self) -> None:
+        """Leave the current conversation: keep its session (memory ready) among the parked ones and go on with a
+        fresh one; an empty conversation is just reset."""
+        if self._session is None or self._engine is None:
+            return
+        if not self._session.messages or self._store_path is None:
+            self._session.reset()
+            self._turn_starts = []
+            return
+        self._parked[self._store_path] = (self._session, self._turn_starts)
+        self._parked.move_to_end(self._store_path)
+        while len(self._parked) > PARKED_CONVERSATIONS:
+            self._parked.popitem(last=False)  # its slot table is freed with it
+        self._session = self._engine.new_session()
+        self._prepare(self._session)
+        self._turn_starts = []
 
     @Slot()
     def _on_shutdown(self) -> None:

@@ -172,3 +172,20 @@ def test_copy_button_copies_one_message_without_its_label(qtbot, window: MainWin
     assert QGuiApplication.clipboard().text() == "Copy this exact text"
     window.chat._on_anchor(QUrl("copy:1"))
     assert QGuiApplication.clipboard().text() == result.text  # the reply as written, without its "Spark" label
+
+
+def test_going_back_to_a_conversation_just_left_needs_no_recompute(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
+    say(qtbot, gui, window, "Stay warm")
+    first = window.current_id
+    window.new_chat_action.trigger()
+    say(qtbot, gui, window, "Another one")
+    restoring: list[object] = []
+    gui(window.client.worker.reading).connect(lambda p: restoring.append(p) if p.kind == "restore" else None)
+    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
+        window.open_conversation(first)
+    assert restoring == []  # its memory was kept ready, not rebuilt from the file
+    assert "Stay warm" in window.chat.toPlainText()
+    second = window.sidebar.ids()[0] if window.sidebar.ids()[0] != first else window.sidebar.ids()[1]
+    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
+        window.open_conversation(second)
+    assert restoring == [] and "Another one" in window.chat.toPlainText()
