@@ -140,14 +140,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     # With a menu-bar item the app lives on when its window closes (as on macOS); without one, closing quits.
     app.setQuitOnLastWindowClosed(tray is None)
     window.show()
+    open_startup(window, args, prefs.last_model())
+    return app.exec()
+
+
+def open_startup(window: MainWindow, args: argparse.Namespace, last_model: Path | None) -> None:
+    """Load the model (--model, else a model among the paths, else the last one used) and open the other paths
+    (`.spark` files wait until the model is ready)."""
     from app.main_window import is_model_path
 
     models = [p for p in args.paths if is_model_path(p)]
-    window.load_model(args.model or (models[0] if models else None) or prefs.last_model(), args.backend)
+    window.load_model(args.model or (models[0] if models else None) or last_model, args.backend)
     for path in args.paths:
         if path not in models:
             window.open_file(path.expanduser().resolve())
-    return app.exec()
 
 
 if __name__ == "__main__":

@@ -519,8 +519,8 @@ class MainWindow(QMainWindow):
         if not path.is_file():
             self.notice.show_message(f"The file {path.name} no longer exists; nothing changed.", error=True)
             return
-        if not self.model_loaded:
-            self._pending_files.append(path)
+        if not self.model_loaded or self._opening is not None:
+            self._pending_files.append(path)  # opened once the model is ready (or the conversation opening now is)
             return
         self.client.stop()
         self._opening = new_id()
@@ -814,11 +814,10 @@ class MainWindow(QMainWindow):
         self._on_busy_changed(self.client.busy)
         if first:
             self.client.new_chat(self.library.path_for(self.current_id))
-            if self._startup_id:  # reopen where the user left off
+            if self._startup_id and not self._pending_files:  # reopen where the user left off, unless a file was asked for
                 self.open_conversation(self._startup_id)
-            for path in self._pending_files:
-                self.open_file(path)
-            self._pending_files = []
+            if self._pending_files:  # one at a time: each next one opens when the previous is restored
+                self.open_file(self._pending_files.pop(0))
 
     @Slot()
     def _on_load_cancelled(self) -> None:
@@ -858,6 +857,8 @@ class MainWindow(QMainWindow):
     def _on_error(self, message: str) -> None:
         self.notice.show_message(message, error=True)
         self._opening = None
+        if self._pending_files and self.model_loaded:
+            QTimer.singleShot(0, lambda: self.open_file(self._pending_files.pop(0)))
         if not self.model_loaded:
             self._end_loading()
             self.model_label.setText("No model loaded")
@@ -891,6 +892,8 @@ class MainWindow(QMainWindow):
         if self._opening:
             self.current_id = self._opening
             self._opening = None
+        if self._pending_files:
+            QTimer.singleShot(0, lambda: self.open_file(self._pending_files.pop(0)))
         in_library = event.path.parent == self.library.folder
         self.file = None if in_library else event.path
         self.inspector.session_panel._on_file_event(event)

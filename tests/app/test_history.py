@@ -9,7 +9,7 @@ from pathlib import Path
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication
 
-from app.__main__ import parse_args
+from app.__main__ import open_startup, parse_args
 from app.library import ConversationLibrary, title_from
 from app.main_window import MainWindow
 from app.signal_wait import GuiRelay
@@ -161,9 +161,30 @@ def test_library_survives_a_broken_index(tmp_path: Path) -> None:
     assert title_from("  a   very long first message that goes on and on beyond the width of any sidebar ") .endswith("…")
 
 
-def test_paths_on_the_command_line_are_kept() -> None:
-    args = parse_args(["talk.spark", "--backend", "cpu"])
-    assert args.paths == [Path("talk.spark")] and args.backend == "cpu"
+def test_paths_on_the_command_line_open_after_the_model_loads(qtbot, window: MainWindow, gui, prefs, dirs, dialogs: ScriptedDialogs, tiny_model: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    say(qtbot, gui, window, "Open me from the shell")
+    talk = tmp_path / "talk.spark"
+    dialogs.save_to = talk
+    with qtbot.waitSignal(gui(window.client.worker.saved), timeout=WAIT_MS):
+        window.save_action.trigger()
+    window.shutdown()
+    args = parse_args([str(talk), str(tiny_model), "--backend", "cpu"])  # `python -m app talk.spark MODEL`
+    again = build_main_window(prefs, dirs, dialogs)
+    try:
+        with qtbot.waitSignal(GuiRelay(again.client.worker.restored, parent=again).fired, timeout=WAIT_MS) as blocker:
+            open_startup(again, args, None)
+        assert blocker.args[0].path == talk and again.file == talk  # the file asked for, not the last conversation
+        assert "Open me from the shell" in again.chat.toPlainText()
+    finally:
+        dispose(again)
+
+
+def test_dropping_a_gguf_loads_it_as_a_model(qtbot, window: MainWindow, gui, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # not a real model: the engine refuses it in one sentence, the chat stays
+    with qtbot.waitSignal(gui(window.client.worker.loading), timeout=WAIT_MS) as blocker:
+        window.handle_drop([gguf], 1)
+    assert blocker.args[0] == str(gguf)
 
 
 def test_copy_button_copies_one_message_without_its_label(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
