@@ -156,8 +156,10 @@ class NoticeBar(QFrame):
 
     def _place(self) -> None:
         width = max(200, self._over.width() - 32)
-        self.setFixedWidth(width)
-        self.adjustSize()
+        layout = self.layout()
+        # A wrapped label's own size hint assumes some other width: ask the layout for this width's height.
+        height = layout.totalHeightForWidth(width) if layout.hasHeightForWidth() else self.sizeHint().height()
+        self.setFixedSize(width, height)
         self.move((self._over.width() - width) // 2, 10)
 
     def _on_action(self) -> None:

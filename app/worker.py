@@ -32,7 +32,7 @@ from engine.errors import SparkError
 from engine.generate import GenerationEvent, GenerationSettings, PrefillProgress
 from engine.hw import HardwarePolicy, PolicyDecision
 from engine.session import ChatMessage, Engine, Session
-from engine.session_file import load_session
+from engine.session_file import RECOMPUTE_KIND, load_session
 
 log = logging.getLogger(__name__)
 
@@ -288,23 +288,30 @@ class ConversationWorker(QObject):
             self._store_path = target
             self._opened(Path(path), "")
             return
+        # A compact file's memory takes a while to recompute: its words are shown at once (they are cheap to read).
+        preview = self._preview(Path(path))
+        if preview:
+            self.conversation.emit(preview)
         # Read into a fresh session: on any error (or another model's file) the open conversation is untouched.
         session = self._engine.new_session()
         self._prepare(session)
         self._read_t0 = self._read_last = time.monotonic()
         try:
             report = session.load(Path(path), accept_transcript_only=transcript_only, on_progress=self._on_restore_progress)
-        except SparkError as exc:
-            self.error.emit(str(exc))
-            return
-        except OSError as exc:
-            self.error.emit(f"The session {Path(path).name} could not be read ({exc.strerror or exc}).")
-            return
         except Exception as exc:  # noqa: BLE001 - the worker must answer every request; the chat stays as it was
-            log.exception("restore failed")
-            self.error.emit(f"The session {Path(path).name} could not be restored ({type(exc).__name__}: {exc}).")
+            if isinstance(exc, SparkError):
+                self.error.emit(str(exc))
+            elif isinstance(exc, OSError):
+                self.error.emit(f"The session {Path(path).name} could not be read ({exc.strerror or exc}).")
+            else:
+                log.exception("restore failed")
+                self.error.emit(f"The session {Path(path).name} could not be restored ({type(exc).__name__}: {exc}).")
+            if preview:
+                self.conversation.emit(self._transcript())  # back to the conversation that is still open
             return
         if not report.applied:  # another model's file: nothing changed until the user accepts transcript-only
+            if preview:
+                self.conversation.emit(self._transcript())
             self.foreign_session.emit(path, report.message)
             return
         self._park()
@@ -317,6 +324,16 @@ class ConversationWorker(QObject):
         self._opened(Path(path), note)
         if joins:
             self._changed()  # a file opened from elsewhere joins the library as a new conversation
+
+    def _preview(self, path: Path) -> list[MessageView]:
+        """A compact file's transcript (no memory is touched), or [] for a full file or one that does not read."""
+        try:
+            data = load_session(path)
+        except Exception:  # noqa: BLE001 - the real load below says what is wrong, in one sentence
+            return []
+        if data.memory_meta.get("kind") != RECOMPUTE_KIND:
+            return []
+        return [MessageView(m.role, m.content) for m in data.messages]
 
     def _opened(self, path: Path, note: str) -> None:
         session = self._session

@@ -24,9 +24,11 @@ def say(qtbot, gui, window: MainWindow, text: str):  # type: ignore[no-untyped-d
     return blocker.args[0]
 
 
-def relaunch(qtbot, prefs, dirs, dialogs, tiny_model: Path) -> MainWindow:  # type: ignore[no-untyped-def]
+def relaunch(qtbot, prefs, dirs, dialogs, tiny_model: Path, seen: list[str]) -> MainWindow:  # type: ignore[no-untyped-def]
     """A new window over the same settings and data folder, as the next launch of the app would build it."""
     again = build_main_window(prefs, dirs, dialogs)
+    for name in ("conversation", "restored"):
+        GuiRelay(getattr(again.client.worker, name), parent=again).fired.connect(lambda _v, name=name: seen.append(name))
     with qtbot.waitSignal(GuiRelay(again.client.worker.restored, parent=again).fired, timeout=WAIT_MS):
         again.load_model(tiny_model, "cpu")
     return again
@@ -41,10 +43,12 @@ def test_quit_with_unsaved_work_loses_nothing_and_relaunch_restores_it(qtbot, wi
     window.close()  # ⌘W, then ⌘Q: no question about saving
     window.shutdown()
     assert dialogs.asked == []
-    again = relaunch(qtbot, prefs, dirs, dialogs, tiny_model)
+    seen: list[str] = []
+    again = relaunch(qtbot, prefs, dirs, dialogs, tiny_model, seen)
     try:
         assert "Remember the number 42" in again.chat.toPlainText() and again.chat.reply_text() == reply
         assert again.windowTitle() == title
+        assert seen[:2] == ["conversation", "conversation"]  # the words showed before the memory was ready
         assert again.client.worker._session.memory.tokens == memory  # the memory came back, not just the words
         assert again.sidebar.ids()[0] == again.current_id
         with qtbot.waitSignal(GuiRelay(again.client.worker.finished, parent=again).fired, timeout=WAIT_MS) as blocker:
