@@ -481,6 +481,7 @@ class MainWindow(QMainWindow):
             return
         self.client.stop()
         self._opening = conversation_id
+        self.sidebar.set_current(conversation_id)  # selected at once; its words follow, then its memory
         path = self.library.path_for(conversation_id)
         self.client.restore(path, store_path=path)
 
@@ -858,7 +859,9 @@ class MainWindow(QMainWindow):
     @Slot(str)
     def _on_error(self, message: str) -> None:
         self.notice.show_message(message, error=True)
-        self._opening = None
+        if self._opening is not None:
+            self._opening = None
+            self.sidebar.set_current(self.current_id)  # the conversation that stays open
         if self._pending_files and self.model_loaded:
             QTimer.singleShot(0, lambda: self.open_file(self._pending_files.pop(0)))
         if not self.model_loaded:
