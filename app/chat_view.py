@@ -59,16 +59,23 @@ class ChatView(QTextBrowser):
         self._mono = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
 
     # -- public ------------------------------------------------------------------------------------------------------
-    def set_messages(self, messages: Sequence[MessageView]) -> None:
+    def set_messages(self, messages: Sequence[MessageView], notes: dict[int, str] | None = None) -> None:
+        """Show a whole conversation; `notes` are the remarks that were shown under some of its messages."""
         self.clear()
         self._reply = None
         self._reading = False
         self._contents = {}
         for i, m in enumerate(messages):
             if m.role != "system":
-                self._add_message(m.role, m.content, i)
+                frame = self._add_message(m.role, m.content, i)
+                if notes and notes.get(i):
+                    self._add_note(frame, notes[i])
         self._next_index = len(messages)
         self._scroll_to_end()
+
+    def last_index(self) -> int:
+        """The index of the newest message shown (the reply that just ended)."""
+        return self._next_index - 1
 
     def add_user_message(self, text: str) -> None:
         self._add_message("user", text, self._next_index)
@@ -143,13 +150,16 @@ class ChatView(QTextBrowser):
             if isinstance(index, int):
                 self._contents[index] = text
         if note:  # under the message, outside its frame: a remark about the turn, not part of the reply
-            after = QTextCursor(self.document())
-            after.setPosition(frame.lastPosition() + 1)
-            block = QTextBlockFormat()
-            block.setLeftMargin(10)
-            after.setBlockFormat(block)  # the empty block Qt keeps after every frame
-            after.insertText(note, self._note_format())
+            self._add_note(frame, note)
         self._scroll_to_end()
+
+    def _add_note(self, frame: QTextFrame, note: str) -> None:
+        after = QTextCursor(self.document())
+        after.setPosition(frame.lastPosition() + 1)
+        block = QTextBlockFormat()
+        block.setLeftMargin(10)
+        after.setBlockFormat(block)  # the empty block Qt keeps after every frame
+        after.insertText(note, self._note_format())
 
     def reply_text(self) -> str:
         """The text of the last assistant message as shown (for tests and Copy)."""

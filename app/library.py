@@ -54,6 +54,7 @@ class ConversationEntry:
     text: str = ""  # the conversation's words (shortened), for search
     renamed: bool = False  # the user chose the title: the first message no longer sets it
     messages: int = 0
+    notes: tuple[tuple[int, str], ...] = ()  # (message index, remark shown under it: "Stopped.", "↺ Recalled…")
 
 
 def _entry(raw: object) -> ConversationEntry | None:
@@ -70,6 +71,7 @@ def _entry(raw: object) -> ConversationEntry | None:
             text=str(raw.get("text", ""))[:SEARCH_CHARS],
             renamed=bool(raw.get("renamed", False)),
             messages=int(raw.get("messages", 0)),
+            notes=tuple((int(i), str(t)[:500]) for i, t in raw.get("notes", [])[:10_000]),
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -139,10 +141,19 @@ class ConversationLibrary:
         first_user = next((c for r, c in messages if r == "user"), "")
         title = old.title if old is not None and old.renamed else title_from(first_user)
         text = "\n".join(c for _, c in messages)[:SEARCH_CHARS]
-        e = ConversationEntry(conversation_id, title, old.created if old else now, now, model, text, bool(old and old.renamed), len(messages))
+        notes = tuple((i, t) for i, t in old.notes if i < len(messages)) if old else ()  # a regenerated reply drops its note
+        e = ConversationEntry(conversation_id, title, old.created if old else now, now, model, text, bool(old and old.renamed), len(messages), notes)
         self._entries[conversation_id] = e
         self.save()
         return e
+
+    def set_note(self, conversation_id: str, index: int, note: str) -> None:
+        e = self._entries.get(conversation_id)
+        if e is None:
+            return
+        notes = tuple((i, t) for i, t in e.notes if i != index) + (((index, note),) if note else ())
+        self._entries[conversation_id] = replace(e, notes=notes)
+        self.save()
 
     def rename(self, conversation_id: str, title: str) -> None:
         e = self._entries.get(conversation_id)

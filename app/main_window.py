@@ -854,7 +854,10 @@ class MainWindow(QMainWindow):
         if result.recalled_turns_ago:
             n = result.recalled_turns_ago
             notes.append(f"↺ Recalled from {n} turn{'s' if n != 1 else ''} ago.")
-        self.chat.end_reply(" ".join(n for n in notes if n))
+        note = " ".join(n for n in notes if n)
+        self.chat.end_reply(note)
+        if note:  # kept with the conversation, so reopening it (Undo, relaunch) shows it again
+            self.library.set_note(self.current_id, self.chat.last_index(), note)
 
     @Slot(str)
     def _on_error(self, message: str) -> None:
@@ -871,7 +874,8 @@ class MainWindow(QMainWindow):
     @Slot(list)
     def _on_conversation(self, messages: list[MessageView]) -> None:
         self.coalescer.discard()
-        self.chat.set_messages(messages)
+        entry = self.library.get(self._opening or self.current_id)
+        self.chat.set_messages(messages, dict(entry.notes) if entry else None)
 
     @Slot(StoredConversation)
     def _on_stored(self, stored: StoredConversation) -> None:

@@ -199,6 +199,23 @@ def test_copy_button_copies_one_message_without_its_label(qtbot, window: MainWin
     assert QGuiApplication.clipboard().text() == result.text  # the reply as written, without its "Spark" label
 
 
+def test_notes_under_replies_come_back_with_the_conversation(qtbot, window: MainWindow, gui, prefs) -> None:  # type: ignore[no-untyped-def]
+    from tests.app.conftest import set_reply_tokens
+
+    set_reply_tokens(prefs, 400)
+    with qtbot.waitSignal(window.coalescer.flushed, timeout=WAIT_MS):
+        window.submit("Stop me midway")
+    with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
+        window.stop_action.trigger()
+    assert "Stopped." in window.chat.toPlainText()
+    first = window.current_id
+    window.new_chat_action.trigger()
+    assert "Stopped." not in window.chat.toPlainText()
+    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
+        window.undo_action.trigger()
+    assert window.current_id == first and "Stopped." in window.chat.toPlainText()
+
+
 def test_going_back_to_a_conversation_just_left_needs_no_recompute(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
     say(qtbot, gui, window, "Stay warm")
     first = window.current_id
