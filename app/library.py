@@ -2,7 +2,8 @@
 dates, model, searchable text), owned by the GUI thread.
 
 The worker writes each conversation's `.spark` file (atomically, compact) whenever it changes; the library only
-keeps the index (`index.json`, also written atomically) and moves files to and from a trash folder, so a Delete can
+keeps the index (`index.json`, also written atomically, on a writer thread of its own so an fsync never stalls
+the window; writes keep their order) and moves files to and from a trash folder, so a Delete can
 be undone until the app quits. Nothing read from the index becomes a path: a conversation's file name is derived
 from its id, and ids are checked to be plain hex.
 """
@@ -15,6 +16,7 @@ import re
 import secrets
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -83,6 +85,8 @@ class ConversationLibrary:
         self.folder = folder
         self.trash = folder / TRASH_NAME
         self._entries: dict[str, ConversationEntry] = {}
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="library-index")
+        self._closed = False
         self.load_error = ""  # one sentence when the index could not be read (the files are still there)
 
     # -- storage -----------------------------------------------------------------------------------------------------
@@ -111,10 +115,16 @@ class ConversationLibrary:
 
     def save(self) -> None:
         data = {"version": INDEX_VERSION, "conversations": [asdict(e) for e in self.entries()]}
-        try:
-            atomic_write(self.folder / INDEX_NAME, [json.dumps(data, ensure_ascii=False).encode("utf-8")])
-        except Exception:
-            log.exception("could not write the conversation index")
+        raw = json.dumps(data, ensure_ascii=False).encode("utf-8")
+        if self._closed:  # a last store reported after quit began: written here and now
+            _write_index(self.folder / INDEX_NAME, raw)
+        else:
+            self._writer.submit(_write_index, self.folder / INDEX_NAME, raw)
+
+    def flush(self) -> None:
+        """Wait until every index write asked for so far is on disk."""
+        if not self._closed:
+            self._writer.submit(lambda: None).result()
 
     def path_for(self, conversation_id: str) -> Path:
         if not _ID.match(conversation_id):
@@ -180,14 +190,27 @@ class ConversationLibrary:
         src = self.trash / f"{entry.id}.spark"
         if not src.is_file():
             return False
-        shutil.move(str(src), str(self.path_for(entry.id)))
+        try:
+            shutil.move(str(src), str(self.path_for(entry.id)))
+        except OSError:
+            log.exception("could not bring a deleted conversation back from the trash")
+            return False
         self._entries[entry.id] = entry
         self.save()
         return True
 
-    def empty_trash(self) -> None:
-        """On quit: deletions can no longer be undone, so their files go."""
+    def close(self) -> None:
+        """On quit: finish the index writes; deletions can no longer be undone, so their files go."""
+        self._closed = True
+        self._writer.shutdown(wait=True)
         shutil.rmtree(self.trash, ignore_errors=True)
+
+
+def _write_index(path: Path, data: bytes) -> None:
+    try:
+        atomic_write(path, [data])
+    except Exception:  # the files are the truth; a lost index row is recovered on the next load
+        log.exception("could not write the conversation index")
 
 
 def export_markdown(title: str, messages: list[tuple[str, str]]) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QEvent, QObject, Qt, QTimer, QUrl, Slot
+from PySide6.QtCore import QCoreApplication, QEvent, QObject, Qt, QTimer, QUrl, Slot
 from PySide6.QtGui import (
     QAction,
     QActionGroup,
@@ -477,7 +477,7 @@ class MainWindow(QMainWindow):
 
     def open_conversation(self, conversation_id: str) -> None:
         """Switch to a stored conversation: its transcript and memory come back (recomputed where compact)."""
-        if not self.library.get(conversation_id) or conversation_id == self.current_id or not self.model_loaded:
+        if not self.library.get(conversation_id) or conversation_id in (self.current_id, self._opening) or not self.model_loaded:
             return
         self.client.stop()
         self._opening = conversation_id
@@ -545,7 +545,8 @@ class MainWindow(QMainWindow):
         self.quick_panel.close()
         self._quick_client.shutdown()
         self.client.shutdown()
-        self.library.empty_trash()
+        QCoreApplication.sendPostedEvents(self, QEvent.Type.MetaCall)  # the worker's last "stored" reaches the index
+        self.library.close()
 
     # -- drag and drop ---------------------------------------------------------------------------------------------
     def dragEnterEvent(self, event: QDragEnterEvent) -> None:
@@ -721,8 +722,13 @@ class MainWindow(QMainWindow):
         if entry is None:
             return
         copy_id = new_id()
-        shutil.copyfile(self.library.path_for(conversation_id), self.library.path_for(copy_id))
-        messages = [(m.role, m.content) for m in load_session(self.library.path_for(copy_id)).messages]
+        try:
+            shutil.copyfile(self.library.path_for(conversation_id), self.library.path_for(copy_id))
+            messages = [(m.role, m.content) for m in load_session(self.library.path_for(copy_id)).messages]
+        except Exception as exc:  # noqa: BLE001 - one sentence; the original is untouched
+            self.library.path_for(copy_id).unlink(missing_ok=True)
+            self.notice.show_message(f"The conversation could not be duplicated ({exc}).", error=True)
+            return
         self.library.record(copy_id, messages, entry.model)
         self.library.rename(copy_id, f"{entry.title} (copy)")
         self.sidebar.refresh()

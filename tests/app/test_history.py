@@ -65,6 +65,7 @@ def test_every_change_is_stored_atomically_in_the_data_folder(qtbot, window: Mai
     assert stored.messages[0].content == "Keep me safe"
     assert inspect_session(path)["memory_kind"] == "recompute"  # compact: transcript, ids and the recipe
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+    window.library.flush()
     index = json.loads((dirs.conversations / "index.json").read_text())
     assert [c["title"] for c in index["conversations"]] == ["Keep me safe"]
 
@@ -157,6 +158,7 @@ def test_library_survives_a_broken_index(tmp_path: Path) -> None:
     cid = "0123456789abcdef"
     lib.path_for(cid).write_bytes(b"x")
     lib.record(cid, [("user", "hello")], "m")
+    lib.close()
     (tmp_path / "index.json").write_text("{broken")
     again = ConversationLibrary(tmp_path)
     again.load()
