@@ -473,6 +473,8 @@ class MainWindow(QMainWindow):
 
     # -- public ------------------------------------------------------------------------------------------------------
     def load_model(self, model: Path | None, backend: str = "auto") -> None:
+        if self.model_loaded and self.library.get(self.current_id):
+            self._opening = self.current_id  # the worker carries it over to the new model: no sending until then
         self.client.load(model, backend, self.prefs.precision())
 
     def open_conversation(self, conversation_id: str) -> None:
@@ -830,6 +832,7 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def _on_load_cancelled(self) -> None:
+        self._opening = None
         self._end_loading()
         self.model_label.setText("Model loading cancelled")
 

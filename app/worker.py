@@ -169,12 +169,31 @@ class ConversationWorker(QObject):
             log.exception("model load failed")
             self.error.emit(f"The model in {model_dir or 'the app bundle'} could not be loaded ({exc}).")
             return
+        had_conversation = self._session is not None and bool(self._session.messages)
         self._engine, self._session = engine, session
+        self._parked.clear()  # their memory belongs to the previous model
         self._prepare(session)
         b = engine.backend
         info = ModelInfo(engine.model_dir.name, engine.model_dir, b.name, engine.choice.explain(), b.weight_bytes, b.kv_bytes_per_token())
         self.loaded.emit(LoadedModel(engine, info))
         self.memory.emit(self._memory_report())
+        if had_conversation and self._store_path is not None and self._store_path.is_file():
+            self._carry_over(self._store_path)
+
+    def _carry_over(self, path: Path) -> None:
+        """Another model (or precision) was loaded: the open conversation continues on it. Its stored file comes
+        back exactly where the model and numerics match, else as a transcript that the next turn re-reads."""
+        assert self._session is not None
+        self._read_t0 = self._read_last = time.monotonic()
+        try:
+            report = self._session.load(path, accept_transcript_only=True, on_progress=self._on_restore_progress)
+        except Exception as exc:  # noqa: BLE001 - the file stays; the user can reopen it from the history
+            log.exception("carrying the conversation over failed")
+            self.error.emit(f"The conversation could not be carried over to the new model ({exc}); it is kept in the history.")
+            self.conversation.emit([])
+            return
+        note = "the new model re-reads it on the next message" if report.transcript_only else ""
+        self._opened(path, note)
 
     @Slot(object)
     def _on_attach(self, engine: Engine) -> None:

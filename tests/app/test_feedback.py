@@ -106,17 +106,26 @@ def test_a_reply_that_used_recalled_memory_says_so(qtbot, tmp_path: Path, prefs,
 
 
 def test_model_picker_lists_recent_models_and_precision_reloads(qtbot, window: MainWindow, gui, prefs, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
+        window.submit("Keep me across the reload")
     assert prefs.recent_models()[0] == tiny_model
     window._fill_model_menu()
     texts = [a.text() for a in window.model_menu.actions()]
     assert texts[0].startswith("Default Model") and tiny_model.name in texts
     assert any(a.isChecked() for a in window.model_menu.actions() if a.text() == tiny_model.name)
     none = next(a for a in window.precision_group.actions() if a.data() == "none")
-    with qtbot.waitSignal(gui(window.client.worker.loaded), timeout=WAIT_MS) as blocker:
-        none.trigger()
+    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):  # carried over to the reloaded model
+        with qtbot.waitSignal(gui(window.client.worker.loaded), timeout=WAIT_MS) as blocker:
+            none.trigger()
+            assert window.submit("Too soon") is False  # it is being carried over: the message waits
     assert prefs.precision() == "none"
     assert "int8" not in blocker.args[0].info.backend_detail  # the model was reloaded at full precision
     assert "with fp32 weights (full precision)" in window.inspector.model.body.text()
+    # The open conversation carried over to the reloaded model: shown, stored, and it goes on.
+    assert "Keep me across the reload" in window.chat.toPlainText()
+    with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
+        assert window.submit("Still here?")
+    assert [m.content for m in window.client.worker._session.messages][::2] == ["Keep me across the reload", "Still here?"]
 
 
 def test_a_cleared_system_prompt_stays_cleared(qtbot, window: MainWindow, prefs) -> None:  # type: ignore[no-untyped-def]

@@ -64,8 +64,8 @@ def test_every_change_is_stored_atomically_in_the_data_folder(qtbot, window: Mai
     stored = load_session(path)
     assert stored.messages[0].content == "Keep me safe"
     assert inspect_session(path)["memory_kind"] == "recompute"  # compact: transcript, ids and the recipe
-    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
     window.library.flush()
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
     index = json.loads((dirs.conversations / "index.json").read_text())
     assert [c["title"] for c in index["conversations"]] == ["Keep me safe"]
 
