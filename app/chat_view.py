@@ -93,7 +93,7 @@ class ChatView(QTextBrowser):
         if self._reply is None or self._reply_text:
             return
         self._clear_frame(self._reply)
-        self._fill(self._reply, "assistant", "")
+        self._fill(self._reply, "assistant", "", links=False)
         at_end = self._at_end()
         self._reply.lastCursorPosition().insertText(text, self._note_format())
         self._reading = True

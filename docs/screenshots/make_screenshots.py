@@ -53,8 +53,9 @@ def shoot(window: MainWindow, name: str, size: tuple[int, int]) -> None:
 
 
 def say(window: MainWindow, text: str) -> None:
-    name, _ = wait_any({"finished": window.client.worker.finished}, WAIT_MS, lambda: window.submit(text))
-    assert name == "finished", name
+    sent: list[bool] = []
+    name, _ = wait_any({"finished": window.client.worker.finished}, WAIT_MS, lambda: sent.append(window.submit(text)))
+    assert sent == [True] and name == "finished", (sent, name, window.notice.text())
 
 
 def build(model: Path | None, workdir: Path, size: tuple[int, int]) -> MainWindow:
@@ -68,6 +69,8 @@ def build(model: Path | None, workdir: Path, size: tuple[int, int]) -> MainWindo
     window.show()
     name, value = wait_any({"loaded": window.client.worker.loaded, "error": window.client.worker.error}, WAIT_MS, lambda: window.load_model(model, "auto"))
     assert name == "loaded", value
+    if window._opening is not None:  # a relaunch reopens the last conversation first
+        wait_any({"restored": window.client.worker.restored, "error": window.client.worker.error}, WAIT_MS)
     return window
 
 

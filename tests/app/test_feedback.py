@@ -22,13 +22,18 @@ LONG = "Reading a long prompt takes a while, so the reply bubble says how far it
 def test_reading_shows_progress_in_the_reply_bubble(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
     shown: list[str] = []
     reports: list[ReadProgress] = []
-    gui(window.client.worker.reading).connect(lambda p: (reports.append(p), shown.append(window.chat.reply_text())))
+    headers: list[str] = []
+    gui(window.client.worker.reading).connect(
+        lambda p: (reports.append(p), shown.append(window.chat.reply_text()), headers.append(window.chat.toPlainText().rsplit("Spark", 1)[-1].split("\n")[0]))
+    )
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit(LONG)
     assert reports and reports[0].kind == "prompt" and reports[0].done < reports[0].total
     assert reports[-1].done == reports[-1].total
     assert any(s.startswith("Reading ") and f"of {reports[-1].total:,} tokens" in s for s in shown)
     assert "Reading" not in window.chat.reply_text()  # the reply replaced the progress line
+    assert headers and not any("Copy" in h for h in headers)  # no Copy/Branch on a reply that is not written yet
+    assert "Copy" in window.chat.toPlainText().rsplit("Spark", 1)[-1].split("\n")[0]  # ...and they come when it is
 
 
 def test_stop_during_reading_emits_no_token(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
