@@ -1,4 +1,5 @@
-"""`python -m app [--model DIR] [--backend NAME] [--self-test]`: the MLoT Spark window, or a headless smoke run.
+"""`python -m app [PATH ...] [--model DIR|FILE.gguf] [--backend NAME] [--self-test]`: the MLoT Spark window, or a
+headless smoke run. PATHs are opened as Finder would: `.spark` conversations, model folders or `.gguf` models.
 
 --self-test loads the model, streams a reply while timing the GUI thread (prints the longest gap of a 10 ms
 timer; the goal is under 50 ms), saves and restores the session, and exits 0; on failure it prints one line
@@ -37,7 +38,8 @@ class SelfTestFailure(Exception):
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m app", description="MLoT Spark: chat with a local memory-cascade model.")
-    p.add_argument("--model", type=Path, help="model folder (default: the last one used, else the bundled model)")
+    p.add_argument("paths", nargs="*", type=Path, help=".spark conversations to open, or a model folder / .gguf to load")
+    p.add_argument("--model", type=Path, help="model folder or .gguf file (default: the last one used, else the default model)")
     p.add_argument("--backend", default="auto", choices=("auto", *AUTO_ORDER), help="compute backend (default: auto)")
     p.add_argument("--self-test", action="store_true", help="headless smoke run: load, stream, save, restore, exit")
     # Qt's own options (-style, -platform ...) pass through to QApplication.
@@ -73,7 +75,7 @@ def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Pat
     name, value = wait_any({"saved": w.saved, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.client.save(path))
     if name != "saved":
         raise SelfTestFailure(f"saving the session failed: {value or name}")
-    window.client.new_chat()
+    window.client.new_chat(None)
     name, value = wait_any(
         {"restored": w.restored, "error": w.error, "foreign": w.foreign_session}, STEP_TIMEOUT_MS, lambda: window.client.restore(path)
     )
@@ -104,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.self_test:
         with tempfile.TemporaryDirectory(prefix="spark-self-test-") as tmp:
             workdir = Path(tmp)
-            # Scratch settings and data: a smoke run must not touch the user's preferences or autosave.
+            # Scratch settings and data: a smoke run must not touch the user's preferences or conversations.
             prefs = Preferences(QSettings(str(workdir / "settings.ini"), QSettings.Format.IniFormat))
             prefs.set_generation(GenerationSettings(max_tokens=SELF_TEST_TOKENS, sampling=SamplingSettings(seed=0)))
             dirs = StandardDirs(cache=workdir / "cache", data=workdir / "data", documents=workdir)
@@ -138,8 +140,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     # With a menu-bar item the app lives on when its window closes (as on macOS); without one, closing quits.
     app.setQuitOnLastWindowClosed(tray is None)
     window.show()
-    window.load_model(args.model or prefs.last_model(), args.backend)
+    open_startup(window, args, prefs.last_model())
     return app.exec()
+
+
+def open_startup(window: MainWindow, args: argparse.Namespace, last_model: Path | None) -> None:
+    """Load the model (--model, else a model among the paths, else the last one used) and open the other paths
+    (`.spark` files wait until the model is ready)."""
+    from app.main_window import is_model_path
+
+    models = [p for p in args.paths if is_model_path(p)]
+    window.load_model(args.model or (models[0] if models else None) or last_model, args.backend)
+    for path in args.paths:
+        if path not in models:
+            window.open_file(path.expanduser().resolve())
 
 
 if __name__ == "__main__":

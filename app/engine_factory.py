@@ -10,9 +10,10 @@ from engine.hw import HardwarePolicy, use_recommended_threads
 from engine.session import Engine, memory_factory_for
 
 
-def load_engine(model_dir: Path | None, backend: str, cache_dir: Path, policy: HardwarePolicy | None) -> Engine:
-    """Load `model_dir` (None: the bundled model). Raises SparkError subclasses with one user-facing sentence."""
+def load_engine(model_dir: Path | None, backend: str, cache_dir: Path, policy: HardwarePolicy | None, quantize: str = "auto") -> Engine:
+    """Load `model_dir` (a folder or a .gguf; None: the default model) with weights held as `quantize` (the
+    Settings' weight precision). Raises SparkError subclasses with one user-facing sentence."""
     use_recommended_threads()  # leave a core to the GUI thread (see engine.hw.chip.recommended_threads)
     memory = memory_factory_for(model_dir, cache_dir=cache_dir / "kv", policy=policy)
-    # "auto" weights: int8 when the CPU backend runs (a quarter of the bytes per token), native elsewhere.
-    return Engine.load(model_dir, backend, memory_factory=memory, policy=policy, quantize="auto")
+    # "auto" weights: as stored for a GGUF, the fastest faithful format on the CPU, native elsewhere.
+    return Engine.load(model_dir, backend, memory_factory=memory, policy=policy, quantize=quantize)

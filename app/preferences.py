@@ -1,4 +1,5 @@
-"""Typed access to the app's QSettings: window layout, last model, generation settings, system prompt.
+"""Typed access to the app's QSettings: window layout, models (last, recent, weight precision), generation
+settings, system prompt, the conversation open at quit, and view choices.
 
 Values that are not plain strings are stored as JSON, because QSettings' INI and plist back ends disagree on types
 (an INI file hands every number back as a string).
@@ -16,6 +17,7 @@ from engine.generate import GenerationSettings
 from engine.sampling import SamplingSettings
 
 DEFAULT_MAX_TOKENS = 512
+RECENT_MODELS = 8
 
 
 class Preferences:
@@ -41,8 +43,45 @@ class Preferences:
         value = self._s.value("model/last_dir", "")
         return Path(str(value)) if value else None
 
-    def set_last_model(self, path: Path) -> None:
-        self._s.setValue("model/last_dir", str(path))
+    def set_last_model(self, path: Path | None) -> None:
+        """None: the default model (kept as such, so a later default follows the app, not an old path)."""
+        self._s.setValue("model/last_dir", str(path) if path else "")
+        if path is not None:
+            recent = [p for p in self.recent_models() if p != path]
+            self._s.setValue("model/recent", json.dumps([str(p) for p in [path, *recent][:RECENT_MODELS]]))
+
+    def recent_models(self) -> list[Path]:
+        try:
+            raw = json.loads(str(self._s.value("model/recent", "[]")))
+        except ValueError:
+            return []
+        return [Path(p) for p in raw if isinstance(p, str) and p] if isinstance(raw, list) else []
+
+    def precision(self) -> str:
+        """The weight precision the Settings chose (engine QUANTIZE_CHOICES; "auto" by default)."""
+        return str(self._s.value("model/precision", "auto")) or "auto"
+
+    def set_precision(self, value: str) -> None:
+        self._s.setValue("model/precision", value)
+
+    # -- conversations -------------------------------------------------------------------------------------------------
+    def last_conversation(self) -> str:
+        return str(self._s.value("chat/last_conversation", ""))
+
+    def set_last_conversation(self, conversation_id: str) -> None:
+        self._s.setValue("chat/last_conversation", conversation_id)
+
+    def inspector_visible(self) -> bool:
+        return str(self._s.value("view/inspector", "true")).lower() == "true"
+
+    def set_inspector_visible(self, visible: bool) -> None:
+        self._s.setValue("view/inspector", "true" if visible else "false")
+
+    def sidebar_visible(self) -> bool:
+        return str(self._s.value("view/sidebar", "true")).lower() == "true"
+
+    def set_sidebar_visible(self, visible: bool) -> None:
+        self._s.setValue("view/sidebar", "true" if visible else "false")
 
     # -- generation --------------------------------------------------------------------------------------------------
     def generation(self) -> GenerationSettings:

@@ -24,7 +24,7 @@ def init_application_names() -> None:
 @dataclass(frozen=True)
 class StandardDirs:
     cache: Path  # persistent KV tier, Core ML conversions
-    data: Path  # autosaved sessions, crash log
+    data: Path  # stored conversations, crash log
     documents: Path  # where Save/Open dialogs start
 
     @classmethod
@@ -33,8 +33,9 @@ class StandardDirs:
         return cls(cache=paths.default_cache_dir(), data=paths.default_data_dir(), documents=Path(docs))
 
     @property
-    def autosave_file(self) -> Path:
-        return self.data / "autosave.spark"
+    def conversations(self) -> Path:
+        """Every conversation's stored file and the history's index."""
+        return self.data / "conversations"
 
     @property
     def crash_log(self) -> Path:

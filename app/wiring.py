@@ -20,7 +20,7 @@ def build_main_window(
 ) -> MainWindow:
     memory = SystemMemorySource()
     policy = HardwarePolicy(thermal or default_thermal_source(), memory)
-    client = ConversationClient("chat-worker", policy, dirs.cache, dirs.autosave_file)
+    client = ConversationClient("chat-worker", policy, dirs.cache, store=True)
     quick_client = ConversationClient("quick-prompt-worker", policy, dirs.cache)
     monitor = HardwareMonitor(policy, memory)
     window = MainWindow(client, quick_client, monitor, prefs, dirs, dialogs)

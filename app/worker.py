@@ -8,6 +8,10 @@ takes effect within one token even though the worker's event loop is busy).
 Two clients exist in the app: the main chat (which also loads models) and the quick prompt (which attaches to the
 loaded engine and opens its own short-lived session). The engine's step lock interleaves their forwards.
 Everything crossing a thread boundary is plain data (dataclasses, strings) or an engine object handed over whole.
+
+The main chat's worker stores its conversation after every change (a compact `.spark`, atomically) in the file the
+GUI's conversation library assigned to it, and reports each store, so nothing typed or generated is ever only in
+memory. (Over 400 lines: one worker owns every request about its conversation; splitting it would share its state.)
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +27,12 @@ from pathlib import Path
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from app.engine_factory import load_engine
-from engine.autosave import Autosaver
 from engine.cascade import TierStats
 from engine.errors import SparkError
-from engine.generate import GenerationEvent, GenerationSettings
+from engine.generate import GenerationEvent, GenerationSettings, PrefillProgress
 from engine.hw import HardwarePolicy, PolicyDecision
 from engine.session import ChatMessage, Engine, Session
+from engine.session_file import RECOMPUTE_KIND, load_session
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +40,16 @@ PROGRESS_INTERVAL_S = 0.1  # turn stats (tokens/s) at most 10 times a second
 MEMORY_INTERVAL_S = 0.25  # tier stats at most 4 times a second: the panels need no more
 
 
+READ_INTERVAL_S = 0.1  # reading progress at most 10 times a second
+PARKED_CONVERSATIONS = 3  # conversations left recently whose memory stays ready (Undo, switching back: no recompute)
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
     path: Path
     backend: str
-    backend_detail: str  # BackendChoice.explain(): the backend and why faster ones were skipped
+    backend_detail: str  # BackendChoice.explain(): the backend, its weight precision and why faster ones were skipped
     weight_bytes: int
     kv_bytes_per_token: int
 
@@ -70,6 +79,27 @@ class TurnResult:
     reason: str  # "stop" | "length" | "cancelled" | "error"
     progress: TurnProgress
     text: str
+    recalled_turns_ago: int = 0  # > 0: the reply used recalled (episodic) memory holding turns at least this old
+
+
+@dataclass(frozen=True)
+class ReadProgress:
+    """A prompt (or a restored conversation's memory) being read: tokens done of total, rate, time left."""
+
+    kind: str  # "prompt" | "restore"
+    done: int
+    total: int
+    tokens_per_s: float
+    seconds_left: float
+
+
+@dataclass(frozen=True)
+class StoredConversation:
+    """The worker wrote its conversation to `path` (the library's file for it)."""
+
+    path: Path
+    messages: tuple[tuple[str, str], ...]  # (role, content)
+    model: str
 
 
 @dataclass(frozen=True)
@@ -101,28 +131,33 @@ class ConversationWorker(QObject):
     foreign_session = Signal(str, str)  # path, why only the transcript can be restored
     system_prompt = Signal(str)  # the restored session's system prompt
     policy = Signal(PolicyDecision)
+    reading = Signal(ReadProgress)
+    stored = Signal(StoredConversation)
     shut_down = Signal()
 
-    def __init__(self, policy: HardwarePolicy | None, cache_dir: Path, autosave_path: Path | None = None) -> None:
+    def __init__(self, policy: HardwarePolicy | None, cache_dir: Path, store: bool = False) -> None:
         super().__init__()
         self._policy = policy
         self._cache_dir = cache_dir
-        # Checkpoints between replies (at most once a minute) and on quit; the quick prompt keeps none.
-        self._autosaver = Autosaver(autosave_path, self._autosave) if autosave_path else None
+        self._store_enabled = store  # the main chat stores every change; the quick prompt keeps nothing
+        self._store_path: Path | None = None  # this conversation's file in the library
         self._engine: Engine | None = None
         self._session: Session | None = None
         self._system_prompt = ""
-        self._undo: list[MessageView] | None = None  # the transcript a New Chat dropped, until the next turn
+        self._turn_starts: list[int] = []  # memory length when each turn began (for "recalled from N turns ago")
+        self._parked: OrderedDict[Path, tuple[Session, list[int]]] = OrderedDict()  # store path -> session, turns
+        self._read_t0 = 0.0
+        self._read_last = 0.0
         if policy is not None:
             # Decisions arrive on whichever thread made them; a signal carries them to the GUI safely.
             self._unsubscribe = policy.subscribe(self.policy.emit)
 
     # -- model ---------------------------------------------------------------------------------------------------
-    @Slot(str, str, object)
-    def _on_load(self, model_dir: str, backend: str, cancel: threading.Event) -> None:
+    @Slot(str, str, str, object)
+    def _on_load(self, model_dir: str, backend: str, quantize: str, cancel: threading.Event) -> None:
         self.loading.emit(model_dir)
         try:
-            engine = load_engine(Path(model_dir) if model_dir else None, backend, self._cache_dir, self._policy)
+            engine = load_engine(Path(model_dir) if model_dir else None, backend, self._cache_dir, self._policy, quantize)
             if cancel.is_set():  # loading cannot be interrupted midway; a cancelled load is simply dropped
                 self.load_cancelled.emit()
                 return
@@ -130,16 +165,35 @@ class ConversationWorker(QObject):
         except SparkError as exc:
             self.error.emit(str(exc))
             return
-        except Exception as exc:  # noqa: BLE001 - a broken model must not take the worker down
+        except Exception as exc:
             log.exception("model load failed")
             self.error.emit(f"The model in {model_dir or 'the app bundle'} could not be loaded ({exc}).")
             return
+        had_conversation = self._session is not None and bool(self._session.messages)
         self._engine, self._session = engine, session
-        session.system_prompt = self._system_prompt
+        self._parked.clear()  # their memory belongs to the previous model
+        self._prepare(session)
         b = engine.backend
         info = ModelInfo(engine.model_dir.name, engine.model_dir, b.name, engine.choice.explain(), b.weight_bytes, b.kv_bytes_per_token())
         self.loaded.emit(LoadedModel(engine, info))
         self.memory.emit(self._memory_report())
+        if had_conversation and self._store_path is not None and self._store_path.is_file():
+            self._carry_over(self._store_path)
+
+    def _carry_over(self, path: Path) -> None:
+        """Another model (or precision) was loaded: the open conversation continues on it. Its stored file comes
+        back exactly where the model and numerics match, else as a transcript that the next turn re-reads."""
+        assert self._session is not None
+        self._read_t0 = self._read_last = time.monotonic()
+        try:
+            report = self._session.load(path, accept_transcript_only=True, on_progress=self._on_restore_progress)
+        except Exception as exc:  # noqa: BLE001 - the file stays; the user can reopen it from the history
+            log.exception("carrying the conversation over failed")
+            self.error.emit(f"The conversation could not be carried over to the new model ({exc}); it is kept in the history.")
+            self.conversation.emit([])
+            return
+        note = "the new model re-reads it on the next message" if report.transcript_only else ""
+        self._opened(path, note)
 
     @Slot(object)
     def _on_attach(self, engine: Engine) -> None:
@@ -153,7 +207,6 @@ class ConversationWorker(QObject):
         if session is None:
             self._finish_unstarted()
             return
-        self._undo = None
         self._stream(lambda: session.chat(text, settings, stop.is_set))
 
     @Slot(object, object)
@@ -166,30 +219,47 @@ class ConversationWorker(QObject):
             self.error.emit("There is no prompt to answer again yet; send one first.")
             self._finish_unstarted()
             return
-        self._undo = None
         self._stream(lambda: session.regenerate(settings, stop.is_set))
 
-    @Slot()
-    def _on_new_chat(self) -> None:
+    @Slot(str)
+    def _on_new_chat(self, store_path: str) -> None:
+        """Start an empty conversation stored at `store_path` (the previous one is already stored)."""
         if self._session is None:
+            self._store_path = Path(store_path) if store_path else None
             return
-        if self._session.messages:
-            self._undo = self._transcript()
-        self._session.reset()
-        self.conversation.emit([])
+        self._park()  # the GUI cleared its view itself: a late "empty" signal would erase what was typed since
+        self._store_path = Path(store_path) if store_path else None
+        self.memory.emit(self._memory_report())
+
+    @Slot(str, str, int, object)
+    def _on_branch(self, source: str, store_path: str, upto: int, stop: threading.Event) -> None:
+        """A new conversation with the messages of `source` up to index `upto` (inclusive), its memory read anew."""
+        if self._require_session() is None:
+            self._finish_unstarted()
+            return
+        try:
+            data = load_session(Path(source))
+        except (SparkError, OSError) as exc:
+            self.error.emit(f"The conversation could not be branched ({exc}).")
+            self._finish_unstarted()
+            return
+        self._park()
+        session = self._session
+        assert session is not None
+        self._store_path = Path(store_path)
+        session.messages = [ChatMessage(m.role, m.content, m.timestamp or time.time()) for m in data.messages[: upto + 1]]
+        self._system_prompt = session.system_prompt = data.system_prompt or ""
+        self.system_prompt.emit(session.system_prompt)
+        self.conversation.emit(self._transcript())
+        self._read_t0 = self._read_last = time.monotonic()
+        try:
+            session.read_transcript(stop.is_set)
+        except Exception as exc:
+            log.exception("reading a branch failed")
+            self.error.emit(f"The branch's memory could not be read ({exc}); it is read on the next message instead.")
         self.memory.emit(self._memory_report())
         self._changed()
-
-    @Slot()
-    def _on_undo_new_chat(self) -> None:
-        if self._session is None or self._undo is None:
-            return
-        # Memory stays empty: the next turn finds no known prefix and re-reads the restored transcript.
-        self._session.reset()
-        self._session.messages = [ChatMessage(m.role, m.content) for m in self._undo]
-        self._undo = None
-        self.conversation.emit(self._transcript())
-        self._changed()
+        self.finished.emit(TurnResult("stop", TurnProgress(len(session.memory.tokens), 0, 0.0, 0.0), ""))
 
     @Slot()
     def _on_release(self) -> None:
@@ -201,63 +271,120 @@ class ConversationWorker(QObject):
         self._system_prompt = text
         if self._session is not None:
             self._session.system_prompt = text
+            self._changed()
 
     # -- session files ---------------------------------------------------------------------------------------------
-    @Slot(str)
-    def _on_save(self, path: str) -> None:
+    @Slot(str, bool)
+    def _on_save(self, path: str, full_memory: bool) -> None:
         if self._session is None:
             self.error.emit("There is no conversation to save yet; load a model first.")
             return
         try:
-            self._session.save(Path(path))
+            self._session.save(Path(path), compact=not full_memory)
         except SparkError as exc:
             self.error.emit(str(exc))
             return
         except OSError as exc:
             self.error.emit(f"The session could not be saved to {path} ({exc.strerror or exc}).")
             return
-        except Exception as exc:  # noqa: BLE001 - the worker must answer every request
+        except Exception as exc:
             log.exception("save failed")
             self.error.emit(f"The session could not be saved ({type(exc).__name__}: {exc}).")
             return
         self.saved.emit(SessionFileEvent("saved", Path(path), time.time()))
 
-    @Slot(str, bool)
-    def _on_restore(self, path: str, transcript_only: bool) -> None:
-        session = self._require_session()
-        if session is None:
+    @Slot(str, bool, str)
+    def _on_restore(self, path: str, transcript_only: bool, store_path: str) -> None:
+        """Open `path`; from then on the conversation is stored at `store_path` (its own library file when it
+        came from the library, a new one for a file opened from elsewhere)."""
+        if self._require_session() is None or self._engine is None:
             return
+        target = Path(store_path) if store_path else None
+        parked = self._parked.pop(Path(path), None) if not transcript_only and target == Path(path) else None
+        if parked is not None:  # left a moment ago: its memory is still there, nothing to recompute
+            self._park()
+            self._session, self._turn_starts = parked
+            self._store_path = target
+            self._opened(Path(path), "")
+            return
+        # A compact file's memory takes a while to recompute: its words are shown at once (they are cheap to read).
+        preview = self._preview(Path(path))
+        if preview:
+            self.conversation.emit(preview)
+        # Read into a fresh session: on any error (or another model's file) the open conversation is untouched.
+        session = self._engine.new_session()
+        self._prepare(session)
+        self._read_t0 = self._read_last = time.monotonic()
         try:
-            report = session.load(Path(path), accept_transcript_only=transcript_only)
-        except SparkError as exc:
-            self.error.emit(str(exc))
-            return
-        except OSError as exc:
-            self.error.emit(f"The session {Path(path).name} could not be read ({exc.strerror or exc}).")
-            return
+            report = session.load(Path(path), accept_transcript_only=transcript_only, on_progress=self._on_restore_progress)
         except Exception as exc:  # noqa: BLE001 - the worker must answer every request; the chat stays as it was
-            log.exception("restore failed")
-            self.error.emit(f"The session {Path(path).name} could not be restored ({type(exc).__name__}: {exc}).")
+            if isinstance(exc, SparkError):
+                self.error.emit(str(exc))
+            elif isinstance(exc, OSError):
+                self.error.emit(f"The session {Path(path).name} could not be read ({exc.strerror or exc}).")
+            else:
+                log.exception("restore failed")
+                self.error.emit(f"The session {Path(path).name} could not be restored ({type(exc).__name__}: {exc}).")
+            if preview:
+                self.conversation.emit(self._transcript())  # back to the conversation that is still open
             return
         if not report.applied:  # another model's file: nothing changed until the user accepts transcript-only
+            if preview:
+                self.conversation.emit(self._transcript())
             self.foreign_session.emit(path, report.message)
             return
-        self._undo = None
+        self._park()
+        self._session, self._turn_starts = session, []
+        note = "transcript only: the memory is re-read on the next turn" if report.transcript_only else ""
+        if session.restore_digest_ok is False:
+            note = "its memory was recomputed and differs slightly from the saved one (other numerics)"
+        joins = target is not None and target != Path(path)
+        self._store_path = target
+        self._opened(Path(path), note)
+        if joins:
+            self._changed()  # a file opened from elsewhere joins the library as a new conversation
+
+    def _preview(self, path: Path) -> list[MessageView]:
+        """A compact file's transcript (no memory is touched), or [] for a full file or one that does not read."""
+        try:
+            data = load_session(path)
+        except Exception:  # noqa: BLE001 - the real load below says what is wrong, in one sentence
+            return []
+        if data.memory_meta.get("kind") != RECOMPUTE_KIND:
+            return []
+        return [MessageView(m.role, m.content) for m in data.messages]
+
+    def _opened(self, path: Path, note: str) -> None:
+        session = self._session
+        assert session is not None
         self._system_prompt = session.system_prompt
         self.system_prompt.emit(session.system_prompt)
-        note = "transcript only: the memory is re-read on the next turn" if report.transcript_only else ""
         self.conversation.emit(self._transcript())
         self.memory.emit(self._memory_report())
-        self.restored.emit(SessionFileEvent("restored", Path(path), time.time(), note))
+        self.restored.emit(SessionFileEvent("restored", path, time.time(), note))
+
+    def _park(self) -> None:
+        """Leave the current conversation: keep its session (memory ready) among the parked ones and go on with a
+        fresh one; an empty conversation is just reset."""
+        if self._session is None or self._engine is None:
+            return
+        if not self._session.messages or self._store_path is None:
+            self._session.reset()
+            self._turn_starts = []
+            return
+        self._parked[self._store_path] = (self._session, self._turn_starts)
+        self._parked.move_to_end(self._store_path)
+        while len(self._parked) > PARKED_CONVERSATIONS:
+            self._parked.popitem(last=False)  # its slot table is freed with it
+        self._session = self._engine.new_session()
+        self._prepare(self._session)
+        self._turn_starts = []
 
     @Slot()
     def _on_shutdown(self) -> None:
-        """Last request before the thread quits: checkpoint the conversation (the reply was already stopped)."""
+        """Last request before the thread quits: store the conversation (the reply was already stopped)."""
         try:
-            if self._autosaver is not None and not self._autosaver.flush():
-                log.error("autosave on quit failed: %s", self._autosaver.last_error)
-        except Exception:  # noqa: BLE001 - quitting must never hang on a failed checkpoint
-            log.exception("autosave on quit failed")
+            self._changed()
         finally:
             QThread.currentThread().quit()
 
@@ -265,23 +392,45 @@ class ConversationWorker(QObject):
     def _require_session(self) -> Session | None:
         if self._session is None and self._engine is not None:
             self._session = self._engine.new_session()
-            self._session.system_prompt = self._system_prompt
+            self._prepare(self._session)
         if self._session is None:
             self.error.emit("No model is loaded yet; open a model folder first.")
         return self._session
 
-    def _autosave(self, path: Path) -> None:
-        if self._session is not None and self._session.messages:  # an empty new chat must not replace the last one
-            self._session.save(path)
+    def _prepare(self, session: Session) -> None:
+        session.system_prompt = self._system_prompt
+        if self._store_enabled:
+            session.on_prefill = self._on_prefill
+
+    def _on_prefill(self, p: PrefillProgress) -> None:
+        self._report_reading("prompt", p.done, p.total, p.done - p.reused, p.elapsed_s)
+
+    def _on_restore_progress(self, done: int, total: int) -> None:
+        self._report_reading("restore", done, total, done, time.monotonic() - self._read_t0)
+
+    def _report_reading(self, kind: str, done: int, total: int, computed: int, elapsed: float) -> None:
+        now = time.monotonic()
+        if done < total and now - self._read_last < READ_INTERVAL_S:
+            return
+        self._read_last = now
+        rate = computed / elapsed if elapsed > 0 else 0.0
+        left = (total - done) / rate if rate > 0 else 0.0
+        self.reading.emit(ReadProgress(kind, done, total, rate, left))
 
     def _changed(self) -> None:
-        if self._autosaver is None:
+        """Store the conversation now (compact, atomic) when it has any message; errors are shown, never raised."""
+        session = self._session
+        if not self._store_enabled or session is None or self._store_path is None or not session.messages:
             return
-        self._autosaver.changed()
         try:
-            self._autosaver.tick()
-        except Exception:  # noqa: BLE001 - a failed checkpoint is retried later; the chat goes on
-            log.exception("autosave failed")
+            session.save(self._store_path, compact=True)
+        except Exception as exc:
+            log.exception("storing the conversation failed")
+            self.error.emit(f"The conversation could not be stored in the data folder ({exc}); it is still open, and will be stored on the next change.")
+            return
+        model = self._engine.model_dir.name if self._engine is not None else ""
+        messages = tuple((m.role, m.content) for m in session.messages)
+        self.stored.emit(StoredConversation(self._store_path, messages, model))
 
     def _finish_unstarted(self) -> None:
         """Every send/regenerate request ends with `finished`, so the GUI always leaves its busy state."""
@@ -294,7 +443,11 @@ class ConversationWorker(QObject):
     def _stream(self, start: Callable[[], Iterator[GenerationEvent]]) -> None:
         reason, text = "error", []
         progress = TurnProgress(0, 0, 0.0, 0.0)
-        last_progress = last_memory = time.monotonic()
+        last_progress = last_memory = self._read_t0 = time.monotonic()
+        self._read_last = 0.0  # the first reading report goes out at once
+        hits_before = self._episodic_hits()
+        if self._session is not None:
+            self._turn_starts.append(len(self._session.memory.tokens))
         try:
             for ev in start():
                 if ev.text:
@@ -313,14 +466,30 @@ class ConversationWorker(QObject):
         except SparkError as exc:
             self.error.emit(str(exc))
             self.conversation.emit(self._transcript())
-        except Exception as exc:  # noqa: BLE001 - a failing backend must leave the worker usable
+        except Exception as exc:
             log.exception("generation failed")
             self.error.emit(f"Generation failed ({type(exc).__name__}: {exc}); the conversation is kept, try again.")
             self.conversation.emit(self._transcript())
         self.progress.emit(progress)
         self.memory.emit(self._memory_report())
-        self.finished.emit(TurnResult(reason, progress, "".join(text)))
-        self._changed()
+        recalled = self._turns_ago() if self._episodic_hits() > hits_before else 0
+        self._changed()  # stored before `finished`: a finished turn is never only in memory
+        self.finished.emit(TurnResult(reason, progress, "".join(text), recalled))
+
+    def _episodic_hits(self) -> int:
+        stats = self._session.stats() if self._session is not None else None
+        return stats.episodic.hits if stats is not None else 0
+
+    def _turns_ago(self) -> int:
+        """How many turns back the newest turn lies that has left the exact window (so a recall reached at least
+        that far); 1 when none has wholly left it yet."""
+        stats = self._session.stats() if self._session is not None else None
+        evicted = stats.working.evictions if stats is not None else 0
+        starts = self._turn_starts
+        for back in range(1, len(starts)):
+            if starts[-back] <= evicted:  # turn -(back+1) ended where turn -back began: wholly evicted
+                return back
+        return 1
 
     def _memory_report(self) -> MemoryReport:
         if self._session is None:
@@ -339,27 +508,27 @@ class ConversationWorker(QObject):
 class ConversationClient(QObject):
     """GUI-side handle: owns the worker's thread, turns method calls into queued requests, re-emits results."""
 
-    _load = Signal(str, str, object)
+    _load = Signal(str, str, str, object)
     _attach = Signal(object)
     _send = Signal(str, object, object)
     _regenerate = Signal(object, object)
-    _new_chat = Signal()
-    _undo_new_chat = Signal()
+    _new_chat = Signal(str)
+    _branch = Signal(str, str, int, object)
     _release = Signal()
     _set_system_prompt = Signal(str)
-    _save = Signal(str)
-    _restore = Signal(str, bool)
+    _save = Signal(str, bool)
+    _restore = Signal(str, bool, str)
     _shutdown = Signal()
 
     busy_changed = Signal(bool)  # a reply is being generated
 
     def __init__(
-        self, name: str, policy: HardwarePolicy | None, cache_dir: Path, autosave_path: Path | None = None, parent: QObject | None = None
+        self, name: str, policy: HardwarePolicy | None, cache_dir: Path, store: bool = False, parent: QObject | None = None
     ) -> None:
         super().__init__(parent)
         self._thread = QThread(self)
         self._thread.setObjectName(name)
-        self.worker = ConversationWorker(policy, cache_dir, autosave_path)
+        self.worker = ConversationWorker(policy, cache_dir, store)
         self.worker.moveToThread(self._thread)
         self._thread.finished.connect(self.worker.deleteLater)
         for request, slot in (
@@ -368,7 +537,7 @@ class ConversationClient(QObject):
             (self._send, self.worker._on_send),
             (self._regenerate, self.worker._on_regenerate),
             (self._new_chat, self.worker._on_new_chat),
-            (self._undo_new_chat, self.worker._on_undo_new_chat),
+            (self._branch, self.worker._on_branch),
             (self._release, self.worker._on_release),
             (self._set_system_prompt, self.worker._on_system_prompt),
             (self._save, self.worker._on_save),
@@ -386,9 +555,9 @@ class ConversationClient(QObject):
         return self._stop is not None
 
     # -- requests ----------------------------------------------------------------------------------------------------
-    def load(self, model_dir: Path | None, backend: str = "auto") -> None:
+    def load(self, model_dir: Path | None, backend: str = "auto", quantize: str = "auto") -> None:
         self._cancel_load = threading.Event()
-        self._load.emit(str(model_dir) if model_dir else "", backend, self._cancel_load)
+        self._load.emit(str(model_dir) if model_dir else "", backend, quantize, self._cancel_load)
 
     def cancel_load(self) -> None:
         if self._cancel_load is not None:
@@ -407,11 +576,12 @@ class ConversationClient(QObject):
         if self._stop is not None:
             self._stop.set()
 
-    def new_chat(self) -> None:
-        self._new_chat.emit()
+    def new_chat(self, store_path: Path | None = None) -> None:
+        self._new_chat.emit(str(store_path) if store_path else "")
 
-    def undo_new_chat(self) -> None:
-        self._undo_new_chat.emit()
+    def branch(self, source: Path, store_path: Path, upto: int) -> None:
+        """Busy until the branch's memory is read (Stop ends the reading early)."""
+        self._branch.emit(str(source), str(store_path), upto, self._begin())
 
     def release(self) -> None:
         self.stop()
@@ -420,11 +590,11 @@ class ConversationClient(QObject):
     def set_system_prompt(self, text: str) -> None:
         self._set_system_prompt.emit(text)
 
-    def save(self, path: Path) -> None:
-        self._save.emit(str(path))
+    def save(self, path: Path, full_memory: bool = False) -> None:
+        self._save.emit(str(path), full_memory)
 
-    def restore(self, path: Path, transcript_only: bool = False) -> None:
-        self._restore.emit(str(path), transcript_only)
+    def restore(self, path: Path, transcript_only: bool = False, store_path: Path | None = None) -> None:
+        self._restore.emit(str(path), transcript_only, str(store_path) if store_path else "")
 
     def shutdown(self, timeout_ms: int = 30_000) -> bool:
         """Stop any reply, autosave, end the thread. Blocks the GUI only for the at-most-one-token stop + save."""

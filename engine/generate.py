@@ -41,6 +41,16 @@ class GenerationEvent:
     finish_reason: FinishReason | None = None
 
 
+@dataclass(frozen=True)
+class PrefillProgress:
+    """How far the reading of a prompt got: after the prefix cache's reuse, then after every chunk."""
+
+    done: int  # prompt tokens in memory (reused + computed)
+    total: int  # prompt tokens to read
+    reused: int  # of `done`, restored from the prefix cache instead of computed
+    elapsed_s: float  # since the reading began
+
+
 class Pacer(Protocol):
     """Hardware policy hook (engine.hw): may shrink prefill chunks, sleep between tokens, or hold while paused."""
 
@@ -49,27 +59,44 @@ class Pacer(Protocol):
     def before_step(self, should_stop: Callable[[], bool]) -> None: ...
 
 
-def prefill(backend: Backend, memory: Memory, ids: Sequence[int], chunk: int) -> torch.Tensor:
-    """Feed `ids` in chunks of at most `chunk` tokens; returns the last token's logits (V,) float32.
+def prefill(
+    backend: Backend,
+    memory: Memory,
+    ids: Sequence[int],
+    chunk: int,
+    *,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_progress: Callable[[PrefillProgress], None] | None = None,
+) -> torch.Tensor | None:
+    """Feed `ids` in chunks of at most `chunk` tokens; returns the last token's logits (V,) float32, or None when
+    `should_stop` turned true between two chunks (the chunks already fed stay in memory).
 
     Tokens that the memory can restore from its prefix cache are not recomputed (the last one always is, since its
     logits are needed). A memory with the optional `prefill_cut(ids, start)` (the cascade, to snapshot its state
     for later prompts) may name one index of `ids` where a chunk must end; chunks after it count from there.
+    `should_stop` is polled before every chunk, so a Stop while a long prompt is read acts within one chunk.
     """
     ids = list(ids)
     if not ids:
         raise ValueError("prefill needs at least one token")
+    t0 = time.perf_counter()
     start = memory.reuse_prefix(ids[:-1])
     chunk = max(1, min(chunk, memory.max_feed()))
     cut = memory.prefill_cut(ids, start) if hasattr(memory, "prefill_cut") else None
     logits = None
     at = start
+    if on_progress is not None:
+        on_progress(PrefillProgress(at, len(ids), start, 0.0))
     while at < len(ids):
+        if should_stop():
+            return None
         end = min(at + chunk, len(ids))
         if cut is not None and at < cut < end:
             end = cut
         logits = _feed(backend, memory, ids[at:end])
         at = end
+        if on_progress is not None:
+            on_progress(PrefillProgress(at, len(ids), start, time.perf_counter() - t0))
     assert logits is not None
     return logits
 
@@ -128,11 +155,14 @@ def stream_generate(
     sampler: Callable[[torch.Tensor], tuple[int, float]] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     pacer: Pacer | None = None,
+    on_prefill: Callable[[PrefillProgress], None] | None = None,
 ) -> Iterator[GenerationEvent]:
     """Prefill `prompt_ids`, then sample up to `settings.max_tokens` tokens, one event each.
 
     The last sampled token is *not* fed back (as in every generate loop); a caller that continues later feeds it
-    first. `should_stop` is polled before every step, so cancelling takes effect within one token.
+    first. `should_stop` is polled before every prefill chunk and every step, so cancelling takes effect within
+    one chunk or one token; a Stop while the prompt is read ends with one "cancelled" event and no token.
+    `on_prefill` hears how far the prompt's reading got (called on the generating thread).
     """
     t0 = time.perf_counter()
     s = settings.sampling
@@ -155,7 +185,11 @@ def stream_generate(
     if should_stop():
         yield GenerationEvent("", None, None, len(prompt_ids), 0, 0.0, 0.0, "cancelled")
         return
-    logits = prefill(backend, memory, prompt_ids, chunk)
+    read = prefill(backend, memory, prompt_ids, chunk, should_stop=should_stop, on_progress=on_prefill)
+    if read is None:
+        yield GenerationEvent("", None, None, len(prompt_ids), 0, 0.0, 0.0, "cancelled")
+        return
+    logits = read
     for n in range(1, settings.max_tokens + 1):
         for proc in processors:
             logits = proc(torch.tensor(history[-window:], dtype=torch.long), logits)

@@ -7,6 +7,8 @@ rendered conversation still starts with that text, only the new suffix is tokeni
 conversation keeps its cascade memory instead of being re-read every turn. When the transcript was edited (new
 chat, regenerate, a template that rewrites history) the memory is reset and the prompt re-fed; the persistent
 prefix cache makes that cheap.
+
+(Over 400 lines because saving and restoring, compact files included, must see the session's private state.)
 """
 
 from __future__ import annotations
@@ -20,15 +22,29 @@ from typing import Any
 
 from engine.backends import BackendChoice, open_backend, resolve_quantize
 from engine.backends.base import Backend
-from engine.errors import InputTooLarge, SparkError
-from engine.hw import HardwarePolicy
-from engine.generate import GenerationEvent, GenerationSettings, Pacer, stream_generate
 from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
+from engine.errors import InputTooLarge, SparkError
+from engine.generate import (
+    GenerationEvent,
+    GenerationSettings,
+    Pacer,
+    PrefillProgress,
+    stream_generate,
+)
+from engine.hw import HardwarePolicy
 from engine.memory import Memory
 from engine.model_files import check_model_path, display_name, resolve_model_path, settings_dir
 from engine.paths import default_cache_dir
-from engine.session_file import ForeignModelSession, Message, restore, save_session
+from engine.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
 from engine.sampling import SamplingSettings, make_sampler
+from engine.session_file import (
+    RECOMPUTE_KIND,
+    ForeignModelSession,
+    Message,
+    SessionData,
+    restore,
+    save_session,
+)
 from engine.tokenizer import Tokenizer
 from engine.weights import estimate_size
 
@@ -119,7 +135,7 @@ class Engine:
         memory_factory: MemoryFactory,
         policy: HardwarePolicy | None = None,
         quantize: str = "none",
-    ) -> "Engine":
+    ) -> Engine:
         """Load a model (HF folder or GGUF; the default model when None); with a `policy`, first refuse (one
         sentence) a model this machine cannot hold."""
         model_dir = resolve_model_path(model_dir)
@@ -141,7 +157,7 @@ class Engine:
     def backend(self) -> Backend:
         return self.choice.backend
 
-    def new_session(self) -> "Session":
+    def new_session(self) -> Session:
         """The first session uses the loaded backend's slot table; later ones fork their own."""
         backend = self.backend if not self._first_taken else self.backend.fork()
         self._first_taken = True
@@ -149,14 +165,18 @@ class Engine:
 
 
 class _LockedBackend:
-    """Wraps a backend so every forward takes the engine's step lock (the lock is held for one step only)."""
+    """Wraps a backend so every forward takes the engine's step lock (the lock is held for one step only), and
+    records each forward's size in the session's feed log (what a compact session file replays)."""
 
-    def __init__(self, inner: Backend, lock: threading.Lock) -> None:
-        self._inner, self._lock = inner, lock
+    def __init__(self, inner: Backend, lock: threading.Lock, log: FeedLog | None = None, memory: Memory | None = None) -> None:
+        self._inner, self._lock, self._log, self._memory = inner, lock, log, memory
 
-    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def forward(self, tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
         with self._lock:
-            return self._inner.forward(*args, **kwargs)
+            out = self._inner.forward(tokens, *args, **kwargs)
+        if self._log is not None and self._memory is not None:
+            self._log.record_feed(len(self._memory.tokens), int(tokens.shape[-1]))  # tokens: (1, n)
+        return out
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self._inner, name)
@@ -175,12 +195,16 @@ class Session:
         self.pending_token: int | None = None  # sampled last, not yet fed (fed first on the next turn)
         self.known_text = ""  # decoded text of memory.tokens + pending_token, special tokens included
         self.sampler = make_sampler(SamplingSettings())  # its .settings are this conversation's sampling settings
+        self.feed_log = FeedLog()  # how memory was fed since its last reset (a compact save's recipe)
+        self.restore_digest_ok: bool | None = None  # after a compact restore: was the rebuilt memory bit-identical?
+        self.on_prefill: Callable[[PrefillProgress], None] | None = None  # hears the reading of each prompt
 
     # -- conversation ------------------------------------------------------------------------------------------
     def reset(self) -> None:
         """New chat: forget messages and memory."""
         self.messages = []
         self.memory.reset()
+        self.feed_log.clear()
         self.pending_token = None
         self.known_text = ""
         self.sampler = make_sampler(self.sampler.settings)  # a new chat restarts a seeded stream
@@ -211,6 +235,16 @@ class Session:
         rendered = self.tokenizer.apply_chat_template(self._template_messages(), add_generation_prompt=True)
         ids = self._ids_for_text(rendered)
         return self._run(ids, settings, should_stop, pacer, reply_to_messages=True)
+
+    def read_transcript(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Bring memory in step with `messages` without replying (a branch): feeds what memory does not hold yet."""
+        if not self.messages:
+            return
+        rendered = self.tokenizer.apply_chat_template(self._template_messages(), add_generation_prompt=False)
+        ids = self._ids_for_text(rendered)
+        if ids:
+            for _ in self._run(ids, GenerationSettings(max_tokens=0), should_stop, None, reply_to_messages=False):
+                pass
 
     def regenerate(self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None) -> Iterator[GenerationEvent]:
         """Drop the last assistant reply and answer the last user message again."""
@@ -243,8 +277,22 @@ class Session:
         return self._run(self._pending(), settings, should_stop, pacer, reply_to_messages=extend, extend_last=extend)
 
     # -- files ------------------------------------------------------------------------------------------------
-    def save(self, path: str | Path) -> int:
-        """Write the conversation and its memory to a .spark file (atomically); returns its size in bytes."""
+    def save(self, path: str | Path, *, compact: bool = False, compression: str = "zlib") -> int:
+        """Write the conversation and its memory to a .spark file (atomically); returns its size in bytes.
+
+        `compact`: keep the transcript, token ids and the feed recipe instead of the KV (engine.replay); the memory
+        is recomputed on open. When the recipe is not known (a memory restored from an older full file), the full
+        memory is written instead.
+        """
+        state = self.memory.state()
+        extra: dict[str, Any] = {"known_text": self.known_text, "model": display_name(self.engine.model_dir)}
+        schedule = self.feed_log.schedule_for(len(self.memory.tokens))
+        token_ids = list(self.memory.tokens)
+        if schedule is not None:
+            extra["feed_schedule"] = schedule  # kept in full files too, so they can be re-saved compact
+        if compact and schedule is not None:
+            extra["recompute"] = {"version": 1, "digest": memory_digest(self.memory)}
+            state = ({"kind": RECOMPUTE_KIND}, {})
         return save_session(
             path,
             fingerprint=self.backend.fingerprint,
@@ -252,13 +300,17 @@ class Session:
             messages=[Message(m.role, m.content, m.timestamp) for m in self.messages],
             system_prompt=self.system_prompt,
             settings={"sampling": asdict(self.sampler.settings)},
-            memory_state=self.memory.state(),
+            memory_state=state,
             pending_token=self.pending_token,
             sampler_state=self.sampler.get_state(),
-            extra={"known_text": self.known_text, "model": display_name(self.engine.model_dir)},
+            extra=extra,
+            token_ids=token_ids,
+            compression=compression,
         )
 
-    def load(self, path: str | Path, *, accept_transcript_only: bool = False) -> LoadReport:
+    def load(
+        self, path: str | Path, *, accept_transcript_only: bool = False, on_progress: Callable[[int, int], None] | None = None
+    ) -> LoadReport:
         """Restore a .spark file into this session, or leave it untouched on any error.
 
         The memory is restored into a fresh slot table and swapped in only when everything checked out. A file
@@ -266,7 +318,17 @@ class Session:
         and are re-read on the next turn.
         """
         fork = self.backend.fork()
-        outcome = restore(path, fork, self.engine.memory_factory, tokenizer_hash=self.tokenizer.content_hash)
+        digest_ok: list[bool] = []
+
+        def recompute(memory: Memory, data: SessionData) -> None:
+            # A compact file: feed its tokens again exactly as they were fed (see engine.replay), then compare.
+            schedule = check_schedule(data.extra.get("feed_schedule"), len(data.token_ids))
+            runner = _LockedBackend(fork, self.engine.step_lock)
+            replay(backend_feed(runner, memory), memory, data.token_ids, schedule, on_progress)  # type: ignore[arg-type]
+            saved = data.extra.get("recompute")
+            digest_ok.append(isinstance(saved, dict) and saved.get("digest") == memory_digest(memory))
+
+        outcome = restore(path, fork, self.engine.memory_factory, tokenizer_hash=self.tokenizer.content_hash, recompute=recompute)
         data = outcome.data
         messages = [ChatMessage(m.role, m.content, m.timestamp or time.time()) for m in data.messages]
         if isinstance(outcome, ForeignModelSession):
@@ -276,6 +338,12 @@ class Session:
             self.messages, self.system_prompt = messages, data.system_prompt or ""
             return LoadReport(True, True, True, len(messages), 0, f"{outcome.reason} Restored {len(messages)} messages; the memory will be re-read.")
         self.backend, self.memory = fork, outcome.memory
+        self.restore_digest_ok = digest_ok[0] if digest_ok else None
+        try:
+            self.feed_log.adopt(check_schedule(data.extra.get("feed_schedule"), len(self.memory.tokens)), len(self.memory.tokens))
+        except SparkError:
+            self.feed_log.clear()
+            self.feed_log.valid = False  # recipe unknown: later compact saves keep the full memory
         self.messages, self.system_prompt = messages, data.system_prompt or ""
         self.pending_token = data.pending_token
         self.known_text = str(data.extra.get("known_text", ""))
@@ -288,7 +356,8 @@ class Session:
             except (TypeError, ValueError, SparkError):
                 self.sampler = make_sampler(SamplingSettings())  # unusable settings: fresh sampler, memory still exact
         n = len(self.memory.tokens)
-        return LoadReport(True, False, False, len(messages), n, f"Restored {len(messages)} messages and {n:,} tokens of memory.")
+        how = "" if self.restore_digest_ok is None else " (recomputed, identical)" if self.restore_digest_ok else " (recomputed; it differs slightly from the saved one, as on other numerics)"
+        return LoadReport(True, False, False, len(messages), n, f"Restored {len(messages)} messages and {n:,} tokens of memory{how}.")
 
     def stats(self):  # type: ignore[no-untyped-def]
         """The memory's tier statistics (CascadeStats), or None for a memory without tiers."""
@@ -312,6 +381,7 @@ class Session:
             self.known_text = rendered
             return self._pending() + self.tokenizer.encode(suffix, add_bos=False)
         self.memory.reset()
+        self.feed_log.clear()
         self.pending_token = None
         ids = self.tokenizer.encode(rendered, add_bos=False) if self._template_has_bos(rendered) else self.tokenizer.encode(rendered)
         self.known_text = self.tokenizer.decode(ids, skip_special=False)
@@ -353,13 +423,15 @@ class Session:
             spill()  # in this conversation's own thread, between turns: no other thread touches its memory
         tokens: list[int] = []
         reply = ""
+        held_before = len(self.memory.tokens)
         if reply_to_messages and not extend_last:
             self.messages.append(ChatMessage("assistant", ""))
         self.pending_token = None
         try:
             pacer = pacer or self.engine.policy
-            runner = _LockedBackend(self.backend, self.engine.step_lock)
-            for ev in stream_generate(runner, self.memory, self.tokenizer, ids, settings, sampler=sampler, should_stop=should_stop, pacer=pacer):  # type: ignore[arg-type]
+            runner = _LockedBackend(self.backend, self.engine.step_lock, self.feed_log, self.memory)
+            gen = stream_generate(runner, self.memory, self.tokenizer, ids, settings, sampler=sampler, should_stop=should_stop, pacer=pacer, on_prefill=self.on_prefill)  # type: ignore[arg-type]
+            for ev in gen:  # type: ignore[arg-type]
                 if ev.token is not None:
                     tokens.append(ev.token)
                     self.pending_token = ev.token
@@ -370,5 +442,10 @@ class Session:
         finally:
             # Whatever was sampled (even on cancel) is now part of the conversation's known text.
             self.known_text += self.tokenizer.decode(tokens, skip_special=False)
+            if not tokens and len(self.memory.tokens) < held_before + len(ids):
+                # Stopped while the prompt was read: memory holds part of it; say exactly what it holds, so the
+                # next turn feeds the rest (or re-reads, when the partial text is not a clean prefix).
+                self.known_text = self.tokenizer.decode(list(self.memory.tokens), skip_special=False)
+                self.pending_token = None
             if reply_to_messages and not extend_last and not self.messages[-1].content and not tokens:
                 self.messages.pop()

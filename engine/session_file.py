@@ -89,6 +89,8 @@ _SHUFFLED = 0x100
 # safetensors dtype name -> bytes per element: what a memory's state may hold (KV is canonical fp16).
 _DTYPE_SIZES: dict[str, int] = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
+RECOMPUTE_KIND = "recompute"  # memory meta of a compact file: no KV stored, rebuilt on open (engine.replay)
+
 JSONValue = Any  # None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]
 
 
@@ -712,6 +714,7 @@ def restore(
     memory_factory: Callable[[Backend], Memory],
     *,
     tokenizer_hash: str | None = None,
+    recompute: Callable[[Memory, SessionData], None] | None = None,
 ) -> RestoredSession | ForeignModelSession:
     """Verify `path`, then write its memory back through a new `memory_factory(backend)`.
 
@@ -719,6 +722,7 @@ def restore(
     Every check runs before `memory_factory` is called, so on any SessionFileError no memory is created and the
     backend is untouched; should `load_state` itself refuse, the new memory is reset before the error propagates.
     Give a factory over a row (or forked backend) the current conversation does not use to keep it intact.
+    A compact file (memory kind "recompute": no KV, see engine.replay) is rebuilt by `recompute(memory, data)`.
     """
     path = Path(path).expanduser()
     data = load_session(path)
@@ -742,6 +746,16 @@ def restore(
         # KV in the canonical layout (L, Hkv, n, D): anything else would be written into the wrong slots.
         if t.ndim == 4 and (t.dtype != CANONICAL_KV_DTYPE or (t.shape[0], t.shape[1], t.shape[3]) != kv_dims):
             raise _bad(path, f"holds tensor {name!r} of shape {tuple(t.shape)}, which does not fit this model")
+    if data.memory_meta.get("kind") == RECOMPUTE_KIND:
+        if recompute is None:
+            raise SessionFileError(f"The session {path.name} is compact and must be opened by the app or the engine, which recompute its memory.")
+        memory = memory_factory(backend)
+        try:
+            recompute(memory, data)
+        except BaseException:
+            memory.reset()
+            raise
+        return RestoredSession(data, memory)
     memory = memory_factory(backend)
     try:
         memory.load_state(data.memory_meta, data.tensors)

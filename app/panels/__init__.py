@@ -1,4 +1,4 @@
-"""Docked panels, each a QDockWidget toggled from the View menu; they show plain data handed to their slots."""
+"""The inspector's detail panels (behind its "Details" disclosure); they show plain data handed to their slots."""
 
 from app.panels.cache import CachePanel
 from app.panels.memory import MemoryPanel

@@ -1,11 +1,11 @@
-"""What every panel shares: a dock with a titled form of read-only values."""
+"""What every detail panel of the inspector shares: a titled form of read-only values."""
 
 from __future__ import annotations
 
 import time
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QDockWidget, QFormLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFormLayout, QLabel, QVBoxLayout, QWidget
 
 from engine.hw.memory import format_bytes
 
@@ -20,35 +20,28 @@ def clock_text(epoch_s: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(epoch_s))
 
 
-class Panel(QDockWidget):
+class Panel(QWidget):
     def __init__(self, title: str, object_name: str, parent: QWidget | None = None) -> None:
-        super().__init__(title, parent)
-        # saveState/restoreState identify docks by object name: it must be stable across versions.
+        super().__init__(parent)
         self.setObjectName(object_name)
-        self.setFeatures(
-            QDockWidget.DockWidgetFeature.DockWidgetClosable
-            | QDockWidget.DockWidgetFeature.DockWidgetMovable
-            | QDockWidget.DockWidgetFeature.DockWidgetFloatable
-        )
-        body = QWidget()
-        body.setObjectName("panelBody")
-        self.layout_ = QVBoxLayout(body)
-        self.layout_.setContentsMargins(12, 8, 12, 10)
-        self.layout_.setSpacing(6)
+        self.title = title
+        self.layout_ = QVBoxLayout(self)
+        self.layout_.setContentsMargins(0, 4, 0, 6)
+        self.layout_.setSpacing(4)
+        heading = QLabel(title)
+        heading.setObjectName("panelSection")
+        self.layout_.addWidget(heading)
         self.form = QFormLayout()
         self.form.setLabelAlignment(Qt.AlignmentFlag.AlignRight)
         self.form.setHorizontalSpacing(10)
         self.form.setVerticalSpacing(4)
+        self.form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
         self.layout_.addLayout(self.form)
-        self.setWidget(body)
 
-    def value_row(self, label: str, wrap: bool = False) -> QLabel:
+    def value_row(self, label: str, wrap: bool = True) -> QLabel:
         value = QLabel(PLACEHOLDER)
         value.setObjectName("panelValue")
         value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         value.setWordWrap(wrap)
         self.form.addRow(f"{label}:", value)
         return value
-
-    def finish(self) -> None:
-        self.layout_.addStretch(1)

@@ -22,6 +22,7 @@ class _TierRows:
         self.fill.setFixedHeight(6)
         self.detail = QLabel()
         self.detail.setObjectName("panelValue")
+        self.detail.setWordWrap(True)  # the inspector is narrow: wrap rather than cut off
         form.addRow(self.title)
         form.addRow(self.fill)
         form.addRow(self.detail)
@@ -43,7 +44,6 @@ class CachePanel(Panel):
         self._empty.setObjectName("panelHint")
         self.form.addRow(self._empty)
         self._rows: dict[str, _TierRows] = {}
-        self.finish()
 
     @Slot(MemoryReport)
     def _on_memory(self, report: MemoryReport) -> None:

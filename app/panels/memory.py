@@ -20,7 +20,6 @@ class MemoryPanel(Panel):
         self.model = self.value_row("Model weights")
         self.cache = self.value_row("KV cache")
         self.budget = self.value_row("Budget")
-        self.finish()
 
     @Slot(HardwareSample)
     def _on_sample(self, sample: HardwareSample) -> None:

@@ -17,7 +17,6 @@ class PerformancePanel(Panel):
         self.ttft = self.value_row("First token")
         self.speed = self.value_row("Speed")
         self.tokens = self.value_row("Tokens")
-        self.finish()
 
     @Slot(ModelInfo)
     def _on_model(self, info: ModelInfo) -> None:

@@ -30,7 +30,6 @@ class SessionPanel(Panel):
         buttons.addWidget(self.restore_button)
         buttons.addStretch(1)
         self.layout_.addLayout(buttons)
-        self.finish()
 
     @Slot(SessionFileEvent)
     def _on_file_event(self, event: SessionFileEvent) -> None:

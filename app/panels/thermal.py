@@ -26,7 +26,6 @@ class ThermalPanel(Panel):
         self.action = self.value_row("Engine", wrap=True)
         self.limits = self.value_row("Limits", wrap=True)
         self.action.setText("full speed")
-        self.finish()
 
     @Slot(HardwareSample)
     def _on_sample(self, sample: HardwareSample) -> None:

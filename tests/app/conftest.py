@@ -62,7 +62,10 @@ class ScriptedDialogs(Dialogs):
     open_from: Path | None = None
     model_from: Path | None = None
     new_settings: GenerationSettings | None = None
+    answer_text: str | None = None
+    export_to: Path | None = None
     asked: list[str] = field(default_factory=list)
+    save_starts: list[Path] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__init__(None)
@@ -73,7 +76,27 @@ class ScriptedDialogs(Dialogs):
 
     def save_path(self, start: Path) -> Path | None:
         self.asked.append("save")
+        self.save_starts.append(start)
         return self.save_to
+
+    def export_path(self, start: Path, kind: str) -> Path | None:
+        self.asked.append(f"export {start}")
+        return self.export_to
+
+    def ask_text(self, title: str, label: str, current: str) -> str | None:
+        self.asked.append(title)
+        return self.answer_text
+
+    def model_file(self, start: Path) -> Path | None:
+        self.asked.append("model file")
+        return self.model_from
+
+    def about(self) -> None:
+        self.asked.append("about")
+
+    def help(self, keys: list[tuple[str, str]]) -> None:
+        self.asked.append("help")
+        self.help_keys = keys
 
     def open_path(self, start: Path) -> Path | None:
         self.asked.append("open")

@@ -32,7 +32,7 @@ def test_prompt_streams_tokens_into_view(qtbot, window: MainWindow, gui, prefs) 
     # Every streamed delta is shown, in order, once (the document shows a carriage return as a line break).
     assert window.chat.reply_text() == result.text.replace("\r", "\n")
     assert "Hello there" in window.chat.toPlainText()
-    assert window.isWindowModified()
+    assert window.library.get(window.current_id) is not None  # stored as it changed
 
 
 def test_return_sends_and_shift_return_adds_a_line(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
@@ -97,18 +97,21 @@ def test_regenerate_replaces_the_last_reply(qtbot, window: MainWindow, gui) -> N
     assert window.chat.reply_text() == blocker.args[0].text.replace("\r", "\n")
 
 
-def test_new_chat_can_be_undone(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
+def test_new_chat_can_be_undone_with_memory_and_title(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
     send_and_wait(qtbot, gui, window, "Remember me")
-    with qtbot.waitSignal(gui(window.client.worker.conversation), timeout=WAIT_MS):
-        window.new_chat_action.trigger()
+    first_id, title = window.current_id, window.windowTitle()
+    memory = list(window.client.worker._session.memory.tokens)
+    window.new_chat_action.trigger()
     assert "Remember me" not in window.chat.toPlainText()
-    assert window.undo_action.isEnabled()
-    with qtbot.waitSignal(gui(window.client.worker.conversation), timeout=WAIT_MS):
+    assert window.undo_action.isEnabled() and window.undo_action.text() == "Undo New Chat"
+    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
         window.undo_action.trigger()
     assert "Remember me" in window.chat.toPlainText()
-    # The restored transcript is re-read on the next turn.
-    send_and_wait(qtbot, gui, window, "And now?")
-    assert "Remember me" in window.chat.toPlainText()
+    assert window.current_id == first_id and window.windowTitle() == title == "Remember me — MLoT Spark"
+    assert window.client.worker._session.memory.tokens == memory  # the memory came back too: nothing is re-read
+    with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS) as blocker:
+        assert window.submit("And now?")
+    assert blocker.args[0].progress.prompt_tokens < len(memory)  # only the new message (and its frame) was fed
 
 
 def test_bad_model_folder_shows_a_message_and_keeps_the_chat(qtbot, window: MainWindow, gui, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -121,3 +124,11 @@ def test_bad_model_folder_shows_a_message_and_keeps_the_chat(qtbot, window: Main
     assert window.notice.text()
     assert "Keep this" in window.chat.toPlainText()
     send_and_wait(qtbot, gui, window, "Still works")  # the worker recovered and kept the loaded model
+
+
+def test_a_message_sent_right_after_new_chat_stays_on_screen(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
+    send_and_wait(qtbot, gui, window, "Old talk")
+    window.new_chat_action.trigger()
+    result = send_and_wait(qtbot, gui, window, "Fresh start")  # sent before the worker has even reset
+    assert "Fresh start" in window.chat.toPlainText() and "Old talk" not in window.chat.toPlainText()
+    assert window.chat.reply_text() == result.text.replace("\r", "\n")

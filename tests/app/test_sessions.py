@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QEvent, QMimeData, QPointF, Qt, QUrl
+from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
 from PySide6.QtGui import QDropEvent, QFileOpenEvent
 from PySide6.QtWidgets import QApplication
 
@@ -20,8 +20,8 @@ def chat_and_save(qtbot, gui, window: MainWindow, dialogs: ScriptedDialogs, path
     with qtbot.waitSignal(gui(window.client.worker.saved), timeout=WAIT_MS):
         window.save_action.trigger()  # untitled: asks where (Save As)
     assert path.is_file()
-    assert window.file == path and not window.isWindowModified()
-    assert window.session_panel.file.text() == path.name
+    assert window.file == path
+    assert window.inspector.session_panel.file.text() == path.name
     return window.chat.reply_text()
 
 
@@ -35,37 +35,36 @@ def drop(window: MainWindow, *paths: Path) -> None:
 def test_dropping_a_session_restores_it(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "talk.spark"
     reply = chat_and_save(qtbot, gui, window, dialogs, path, "Save me")
-    with qtbot.waitSignal(gui(window.client.worker.conversation), timeout=WAIT_MS):
-        window.new_chat_action.trigger()
+    window.new_chat_action.trigger()
     assert "Save me" not in window.chat.toPlainText()
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
         drop(window, path)
-    assert dialogs.asked == ["save"]  # nothing unsaved after New Chat: no question
+    assert dialogs.asked == ["save"]  # everything is stored: no question
     assert "Save me" in window.chat.toPlainText()
     assert window.chat.reply_text() == reply
     assert window.file == path
-    assert "restored" in window.session_panel.when.text()
+    assert "restored" in window.inspector.session_panel.when.text()
     # The restored conversation continues.
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS) as blocker:
         window.submit("Continue")
     assert blocker.args[0].reason in ("stop", "length")
 
 
-def test_file_open_event_restores_and_asks_about_unsaved_changes(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_file_open_event_opens_without_asking_and_keeps_the_current_chat(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "finder.spark"
     chat_and_save(qtbot, gui, window, dialogs, path, "From Finder")
     QApplication.instance().connect_file_opens(window.open_file)
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
-        window.submit("An unsaved change")
-    dialogs.confirm_answer = False
-    QApplication.sendEvent(QApplication.instance(), QFileOpenEvent(str(path)))
-    assert len(dialogs.asked) == 2 and "unsaved changes" in dialogs.asked[1]
-    assert "An unsaved change" in window.chat.toPlainText()  # declined: nothing changed
-    dialogs.confirm_answer = True
+        window.submit("A later change")
+    before_id = window.current_id
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
         QApplication.sendEvent(QApplication.instance(), QFileOpenEvent(str(path)))
-    assert "An unsaved change" not in window.chat.toPlainText()
+    assert dialogs.asked == ["save"]  # nothing was asked: the current chat is stored
+    assert "A later change" not in window.chat.toPlainText()
     assert "From Finder" in window.chat.toPlainText()
+    assert window.current_id != before_id
+    qtbot.waitUntil(lambda: window.library.get(window.current_id) is not None, timeout=WAIT_MS)  # joined the history
+    assert "A later change" in window.library.get(before_id).text  # the earlier chat is kept, with the change
 
 
 def test_bad_drops_leave_the_chat_intact(qtbot, window: MainWindow, gui, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -86,18 +85,17 @@ def test_bad_drops_leave_the_chat_intact(qtbot, window: MainWindow, gui, tmp_pat
         drop(window, fake)  # a corrupt .spark: the engine says why, the chat stays
     assert window.notice.text()
     assert window.chat.toPlainText() == before
-    assert window.isWindowModified()
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit("Still here")
 
 
-def test_quitting_while_generating_stops_and_autosaves(qtbot, window: MainWindow, gui, prefs, dirs: StandardDirs) -> None:  # type: ignore[no-untyped-def]
+def test_quitting_while_generating_stops_and_stores(qtbot, window: MainWindow, gui, prefs, dirs: StandardDirs) -> None:  # type: ignore[no-untyped-def]
     set_reply_tokens(prefs, 400)
     with qtbot.waitSignal(window.coalescer.flushed, timeout=WAIT_MS):
         window.submit("Long reply, then quit")
     assert window.client.busy
     window.shutdown()
-    assert dirs.autosave_file.is_file()
+    assert window.library.path_for(window.current_id).is_file()
     assert not window.client._thread.isRunning()
 
 
@@ -109,14 +107,14 @@ def test_settings_and_layout_persist(qtbot, window: MainWindow, gui, prefs, dial
     window.show()
     dialogs.new_settings = GenerationSettings(max_tokens=7, sampling=SamplingSettings(temperature=0.3, top_k=5, seed=11))
     window.settings_action.trigger()
-    window.memory_panel.toggleViewAction().trigger()
-    memory_panel_open = window.memory_panel.toggleViewAction().isChecked()
+    window.inspector_action.trigger()
+    inspector_open = window.inspector_action.isChecked()
     window.shutdown()
     again = build_main_window(prefs, dirs, dialogs)
     again.show()
     try:
         assert prefs.generation() == dialogs.new_settings
         assert prefs.last_model() == tiny_model
-        assert again.memory_panel.toggleViewAction().isChecked() is memory_panel_open
+        assert again.inspector_action.isChecked() is inspector_open and again.inspector.isVisible() is inspector_open
     finally:
         dispose(again)

@@ -29,7 +29,10 @@ def shown(qtbot, window: MainWindow) -> MainWindow:  # type: ignore[no-untyped-d
         (Qt.Key.Key_N, CTRL, "new_chat_action"),
         (Qt.Key.Key_O, CTRL, "open_action"),
         (Qt.Key.Key_S, CTRL, "save_action"),
-        (Qt.Key.Key_S, CTRL | SHIFT, "save_as_action"),
+        (Qt.Key.Key_S, CTRL | SHIFT, "save_full_action"),
+        (Qt.Key.Key_F, CTRL, "find_action"),
+        (Qt.Key.Key_I, CTRL, "inspector_action"),
+        (Qt.Key.Key_Backspace, CTRL, "delete_action"),
         (Qt.Key.Key_Period, CTRL, "stop_action"),
         (Qt.Key.Key_Comma, CTRL, "settings_action"),
         (Qt.Key.Key_R, CTRL, "regenerate_action"),
@@ -52,3 +55,25 @@ def test_shortcut_triggers_its_action(qtbot, shown: MainWindow, key: Qt.Key, mod
 def test_settings_shortcut_opens_the_settings(qtbot, shown: MainWindow, dialogs: ScriptedDialogs) -> None:  # type: ignore[no-untyped-def]
     qtbot.keyClick(shown.chat, Qt.Key.Key_Comma, CTRL)
     assert dialogs.asked == ["settings"]
+
+
+def test_tooltips_name_this_platforms_keys(window: MainWindow) -> None:
+    import sys
+
+    expected = "⌘N" if sys.platform == "darwin" else "Ctrl+N"
+    assert window.new_chat_action.toolTip() == f"Start a new conversation ({expected})"
+    assert "⌘" not in window.stop_action.toolTip() or sys.platform == "darwin"
+
+
+def test_number_shortcuts_switch_conversations(qtbot, shown: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
+    from tests.app.conftest import WAIT_MS
+
+    for text in ("First talk", "Second talk"):
+        with qtbot.waitSignal(gui(shown.client.worker.finished), timeout=WAIT_MS):
+            shown.submit(text)
+        shown.new_chat_action.trigger()
+    assert [shown.library.get(i).title for i in shown.sidebar.ids()] == ["Second talk", "First talk"]  # newest first
+    assert QKeySequence("Ctrl+2") in shown.switch_actions[1].shortcuts()
+    with qtbot.waitSignal(gui(shown.client.worker.restored), timeout=WAIT_MS):
+        qtbot.keyClick(shown.chat, Qt.Key.Key_2, CTRL)
+    assert "First talk" in shown.chat.toPlainText() and "Second talk" not in shown.chat.toPlainText()

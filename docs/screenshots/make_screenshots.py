@@ -1,0 +1,128 @@
+"""Render the app's main states to PNGs in this folder, under a real X server, at 1440×900 and 900×700.
+
+    xvfb-run -a -s "-screen 0 1440x900x24" python docs/screenshots/make_screenshots.py [--model DIR|FILE.gguf]
+
+Scratch settings and data (nothing of the user's is touched); the model really runs, so the states show real
+numbers. The whole screen is grabbed, so menus and popups appear as a user sees them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from PySide6.QtCore import QEventLoop, QSettings, QTimer
+from PySide6.QtWidgets import QApplication
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+
+from app.application import SparkApplication
+from app.main_window import MainWindow
+from app.preferences import Preferences
+from app.signal_wait import wait_any
+from app.standarddirs import StandardDirs
+from app.wiring import build_main_window
+from engine.generate import GenerationSettings
+from engine.sampling import SamplingSettings
+
+STANDIN = Path("/work/models/smollm2-hf")
+WAIT_MS = 600_000
+LONG = ("Here are my notes from the week. " + "We met the suppliers, compared the offers line by line and agreed to "
+        "decide on Friday after the samples arrive. ") * 40
+
+
+def pump(ms: int) -> None:
+    loop = QEventLoop()
+    QTimer.singleShot(ms, loop.quit)
+    loop.exec()
+
+
+def shoot(window: MainWindow, name: str, size: tuple[int, int]) -> None:
+    pump(300)
+    screen = QApplication.primaryScreen()
+    g = window.frameGeometry()
+    image = screen.grabWindow(0, g.x(), g.y(), size[0], size[1])
+    out = HERE / f"{name}-{size[0]}x{size[1]}.png"
+    image.save(str(out))
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
+def say(window: MainWindow, text: str) -> None:
+    sent: list[bool] = []
+    name, _ = wait_any({"finished": window.client.worker.finished}, WAIT_MS, lambda: sent.append(window.submit(text)))
+    assert sent == [True] and name == "finished", (sent, name, window.notice.text())
+
+
+def build(model: Path | None, workdir: Path, size: tuple[int, int]) -> MainWindow:
+    prefs = Preferences(QSettings(str(workdir / "settings.ini"), QSettings.Format.IniFormat))
+    prefs.set_generation(GenerationSettings(max_tokens=60, sampling=SamplingSettings(greedy=True)))
+    dirs = StandardDirs(cache=workdir / "cache", data=workdir / "data", documents=workdir)
+    dirs.ensure()
+    window = build_main_window(prefs, dirs)
+    window.resize(*size)
+    window.move(0, 0)
+    window.show()
+    name, value = wait_any({"loaded": window.client.worker.loaded, "error": window.client.worker.error}, WAIT_MS, lambda: window.load_model(model, "auto"))
+    assert name == "loaded", value
+    if window._opening is not None:  # a relaunch reopens the last conversation first
+        wait_any({"restored": window.client.worker.restored, "error": window.client.worker.error}, WAIT_MS)
+    return window
+
+
+def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
+    if first:
+        for q in ("What is the capital of France?", "Give me three tips for a good night's sleep."):
+            say(window, q)
+            window.new_chat_action.trigger()
+        say(window, "Write a haiku about autumn leaves.")
+    shoot(window, "chat", size)
+
+    # Reading a long prompt: grabbed while the reading is under way.
+    grabbed: list[bool] = []
+
+    def on_reading(p: object) -> None:
+        if not grabbed and getattr(p, "done", 0) > 0 and p.done < p.total:  # type: ignore[attr-defined]
+            grabbed.append(True)
+            shoot(window, "reading", size)
+            window.client.stop()
+
+    window.client.worker.reading.connect(on_reading)
+    say(window, LONG)
+    window.client.worker.reading.disconnect(on_reading)
+
+    window.inspector_action.setChecked(True)
+    window.inspector.details_button.setChecked(True)
+    shoot(window, "inspector-details", size)
+    window.inspector.details_button.setChecked(False)
+
+    QTimer.singleShot(400, lambda: (shoot(window, "model-menu", size), window.model_menu.close()))
+    window.model_button.showMenu()
+
+    window.sidebar.search.setText("haiku")
+    shoot(window, "search", size)
+    window.sidebar.search.setText("")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", type=Path, default=STANDIN if STANDIN.exists() else None)
+    args = p.parse_args()
+    os.environ.setdefault("QT_QPA_PLATFORM", "xcb")
+    app = SparkApplication([sys.argv[0]])
+    with tempfile.TemporaryDirectory(prefix="spark-shots-") as tmp:
+        for i, size in enumerate(((1440, 900), (900, 700))):
+            window = build(args.model, Path(tmp), size)
+            states(window, size, first=i == 0)
+            window.shutdown()
+            window.close()
+    app.quit()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
