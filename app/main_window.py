@@ -78,7 +78,14 @@ SESSION_SUFFIX = ".spark"
 NOTICE_INFO_MS = 6000
 FINISH_NOTES = {"cancelled": "Stopped.", "length": "Reached the reply length limit; Settings can raise it.", "error": ""}
 NARROW_WIDTH = 1100  # px: below it the inspector folds away so the chat keeps most of the window
-PRECISION_WORDS = {"auto": "Automatic (best for this computer)", "none": "Full precision (fp32 on the CPU)", "int8": "8-bit (int8)"}
+PRECISION_WORDS = {
+    "auto": "Automatic (as the file stores it; 8-bit blocks for a folder)",
+    "none": "Full precision (fp32 on the CPU)",
+    "q8_0": "8-bit blocks (Q8_0)",
+    "q4_1": "4-bit blocks with offsets (Q4_1)",
+    "q4_0": "4-bit blocks (Q4_0)",
+    "int8": "8-bit (int8, Core ML only)",
+}
 
 
 def shortcut_text(action: QAction) -> str:

@@ -21,7 +21,7 @@ class PerformancePanel(Panel):
     @Slot(ModelInfo)
     def _on_model(self, info: ModelInfo) -> None:
         runs, _, why = info.backend_detail.partition(" (skipped ")
-        self.backend.setText(runs)  # the backend and its weights, e.g. "cpu, int8 weights"
+        self.backend.setText(runs)  # the backend and its weights, e.g. "cpu, q4_1 weights, native avx2 kernels"
         self.skipped.setText(why.removesuffix(")").replace("; ", "\n") if why else "none: the fastest backend runs")
 
     @Slot(TurnProgress)

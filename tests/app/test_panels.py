@@ -61,8 +61,8 @@ def test_inspector_speaks_plainly_and_toggles(qtbot, window: MainWindow, gui, pr
     assert insp.memory.body.text().startswith("Remembers the last ")
     assert "earlier passage" in insp.memory.body.text()
     model = insp.model.body.text()
-    assert model.startswith("tiny-model0 runs on the CPU with int8 weights")  # model, backend, precision
-    assert "Skipped faster choices: coreml: " in model_line(ModelInfo("m", Path("m"), "cpu", "cpu, int8 weights (skipped coreml: not a Mac; mps: no GPU)", 0, 0))
+    assert model.startswith("tiny-model0 runs on the CPU with q8_0 weights")  # model, backend, precision
+    assert "Skipped faster choices: coreml: " in model_line(ModelInfo("m", Path("m"), "cpu", "cpu, q8_0 weights (skipped coreml: not a Mac; mps: no GPU)", 0, 0))
     assert insp.model.body.wordWrap()  # the whole line wraps instead of being cut off
     assert not insp.details.isVisible()  # the jargon waits behind the disclosure
     insp.details_button.click()
