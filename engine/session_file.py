@@ -63,9 +63,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 import engine
-from engine.backends.base import CANONICAL_KV_DTYPE, Backend
+from engine.backends.base import Backend
 from engine.errors import SessionFileError, SparkError
 from engine.memory import Memory
+from engine.session_schema import SchemaError, StateTarget, check_memory_state, check_session_meta, check_vocab, target_from_state
 
 MAGIC = b"SPARK\x00"
 FORMAT_VERSION = 2
@@ -78,7 +79,6 @@ MAX_TENSORS = 4096
 MAX_TENSOR_HEADER_BYTES = 16 * 1024 * 1024
 MAX_COMPRESSION_RATIO = 64  # writers store uncompressed above this, so a higher claim is a corrupt (or hostile) file
 MIN_COMPRESSION_SAVING = 0.05
-MAX_TOKEN_ID = 2**31 - 1
 
 _V2_PREAMBLE = struct.Struct("<6sHHHQQQ32s")  # 68 bytes
 _V1_PREAMBLE = struct.Struct("<6sHQQ32s")  # 56 bytes
@@ -270,88 +270,27 @@ def _migrate_v1_to_v2(meta: dict[str, JSONValue]) -> dict[str, JSONValue]:
 _MIGRATIONS: dict[int, Callable[[dict[str, JSONValue]], dict[str, JSONValue]]] = {1: _migrate_v1_to_v2}
 
 
-def _field(path: Path, meta: Mapping[str, JSONValue], key: str, kinds: type | tuple[type, ...]) -> Any:
-    value = meta.get(key, ...)
-    # bool is an int subclass in Python; a count or timestamp that is `true` is still malformed.
-    if value is ... or not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
-        raise _bad(path, f"has a missing or malformed {key!r} field")
-    return value
-
-
-def _as_tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kinds if isinstance(kinds, tuple) else (kinds,)
-
-
-def _token(path: Path, value: JSONValue, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_ID:
-        raise _bad(path, f"has a malformed {key!r} field")
-    return value
-
-
-def _finite(value: JSONValue) -> float | None:
-    """A JSON number as a finite float; None for anything else (bools, NaN, ints too large for a float)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        f = float(value)
-    except OverflowError:
-        return None
-    return f if math.isfinite(f) else None
-
-
-def _time(path: Path, meta: Mapping[str, JSONValue], key: str) -> float:
-    value = _finite(meta.get(key))
-    if value is None:
-        raise _bad(path, f"has a missing or malformed {key!r} field")
-    return value
-
-
-def _validate(path: Path, meta: dict[str, JSONValue]) -> dict[str, Any]:
-    """The current-version metadata checked field by field -> SessionData's fields (minus the tensors)."""
-    messages = []
-    for m in _field(path, meta, "messages", list):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise _bad(path, "has a malformed message")
-        ts = m.get("timestamp")
-        if ts is not None and _finite(ts) is None:
-            raise _bad(path, "has a message with a malformed timestamp")
-        messages.append(Message(m["role"], m["content"], _finite(ts)))
-    tokenizer_hash = meta.get("tokenizer_hash")
-    if tokenizer_hash is not None and not isinstance(tokenizer_hash, str):
-        raise _bad(path, "has a malformed 'tokenizer_hash' field")
-    system_prompt = meta.get("system_prompt")
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise _bad(path, "has a malformed 'system_prompt' field")
-    pending = meta.get("pending_token")
-    return {
-        "app_version": _field(path, meta, "app_version", str),
-        "fingerprint": _field(path, meta, "model_fingerprint", str),
-        "tokenizer_hash": tokenizer_hash,
-        "created": _time(path, meta, "created"),
-        "saved": _time(path, meta, "saved"),
-        "system_prompt": system_prompt,
-        "messages": messages,
-        "settings": _field(path, meta, "settings", dict),
-        "token_ids": [_token(path, t, "token_ids") for t in _field(path, meta, "token_ids", list)],
-        "pending_token": None if pending is None else _token(path, pending, "pending_token"),
-        "sampler_state": meta.get("sampler_state"),
-        "memory_meta": _field(path, meta, "memory", dict),
-        "extra": _field(path, meta, "extra", dict),
-    }
-
-
 def _parse_meta(path: Path, pre: _Preamble, raw: bytes) -> dict[str, Any]:
     try:
-        meta = json.loads(raw.decode("utf-8"))
+        meta = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise _bad(path, "has unreadable metadata") from None
+        raise _bad(path, "has unreadable metadata (not strict JSON)") from None
     if not isinstance(meta, dict) or meta.get("format_version") != pre.version:
         raise _bad(path, "has metadata that does not match its header")
     version = pre.version
     while version < FORMAT_VERSION:
         meta = _MIGRATIONS[version](meta)
         version += 1
-    return _validate(path, meta)
+    try:
+        fields = check_session_meta(meta)
+    except SchemaError as exc:
+        raise _bad(path, str(exc)) from None
+    fields["messages"] = [Message(*m) for m in fields["messages"]]
+    return fields
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity, -Infinity: Python's parser accepts them by default
 
 
 def _decompress(path: Path, pre: _Preamble, stored: bytes) -> bytes:
@@ -452,17 +391,26 @@ def _open(path: Path) -> tuple[_Preamble, dict[str, Any], bytes, int]:
     return pre, fields, section, size
 
 
-def load_session(path: str | Path) -> SessionData:
-    """Read, verify and migrate a `.spark` file; raises SessionFileError naming the problem."""
+def load_session(path: str | Path, target: StateTarget | None = None) -> SessionData:
+    """Read, verify and migrate a `.spark` file; raises SessionFileError naming the problem.
+
+    The memory state is checked against `target` (the model's: exactly what `restore` checks), or without one
+    against the file's own geometry (every check that does not need the model)."""
     path = Path(path).expanduser()
     pre, fields, section, size = _open(path)
     tensors = _decode_tensors(path, section)
+    try:
+        if target is not None:
+            check_vocab(fields["token_ids"], fields["pending_token"], target.vocab_size)
+        check_memory_state(fields["memory_meta"], tensors, target or target_from_state(fields["memory_meta"], tensors))
+    except SchemaError as exc:
+        raise _bad(path, str(exc)) from None
     return SessionData(format_version=pre.version, tensors=tensors, compression=pre.compression, file_bytes=size, **fields)
 
 
-def verify_session(path: str | Path) -> SessionData:
-    """Everything `restore` checks that does not need a model: the file is sound and this build can read it."""
-    return load_session(path)
+def verify_session(path: str | Path, target: StateTarget | None = None) -> SessionData:
+    """`restore`'s checks without restoring: with the model's `target`, passing means restore succeeds."""
+    return load_session(path, target)
 
 
 # Tensor-name prefixes of the memories' state() (engine.cascade: "wk.k", "ep.12.v", "route.prompt_sum").
@@ -716,8 +664,8 @@ def restore(
     """Verify `path`, then write its memory back through a new `memory_factory(backend)`.
 
     Returns ForeignModelSession (applying nothing) when the file was made with another model or tokenizer.
-    Every check runs before `memory_factory` is called, so on any SessionFileError no memory is created and the
-    backend is untouched; should `load_state` itself refuse, the new memory is reset before the error propagates.
+    Every check (session_schema, against the new memory's `state_target()`) runs before anything is written, so
+    on any SessionFileError the backend is untouched.
     Give a factory over a row (or forked backend) the current conversation does not use to keep it intact.
     """
     path = Path(path).expanduser()
@@ -732,23 +680,18 @@ def restore(
         return ForeignModelSession(
             data, f"{path.name} was saved with a different tokenizer; its transcript can be restored and re-read, but not its memory."
         )
-    vocab = backend.config.vocab_size
-    ids = data.token_ids + ([data.pending_token] if data.pending_token is not None else [])
-    if any(t >= vocab for t in ids):
-        raise _bad(path, f"holds token ids beyond this model's {vocab}-token vocabulary")
-    c = backend.config
-    kv_dims = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
-    for name, t in data.tensors.items():
-        # KV in the canonical layout (L, Hkv, n, D): anything else would be written into the wrong slots.
-        if t.ndim == 4 and (t.dtype != CANONICAL_KV_DTYPE or (t.shape[0], t.shape[1], t.shape[3]) != kv_dims):
-            raise _bad(path, f"holds tensor {name!r} of shape {tuple(t.shape)}, which does not fit this model")
+    # The memory is made (sized by the model, never by the file) only to learn its geometry; it is checked against
+    # before anything is written, so a refused file leaves it and the backend untouched.
     memory = memory_factory(backend)
+    try:
+        target = memory.state_target()
+        check_vocab(data.token_ids, data.pending_token, target.vocab_size)
+        check_memory_state(data.memory_meta, data.tensors, target)
+    except SchemaError as exc:
+        raise _bad(path, str(exc)) from None
     try:
         memory.load_state(data.memory_meta, data.tensors)
     except SparkError as exc:
         memory.reset()
         raise SessionFileError(f"The session {path.name} cannot be restored here: {exc}") from None
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError):
-        memory.reset()
-        raise _bad(path, "holds a memory state this build cannot apply") from None
     return RestoredSession(data, memory)
