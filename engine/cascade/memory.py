@@ -54,7 +54,7 @@ from engine.cascade.persistent import PersistentStore
 from engine.cascade.routing import ROUTING, RouteContext
 from engine.cascade.stats import CascadeStats, Counters, TierStats
 from engine.cascade.working import WorkingMemory
-from engine.errors import InputTooLarge, SessionFileError
+from engine.errors import InputTooLarge, SessionFileError, SparkError
 from engine.memory import RowPlan
 from engine.session_schema import CASCADE_STATE_VERSION, SchemaError, StateTarget, check_memory_state
 
@@ -369,7 +369,12 @@ class CascadeMemory:
                 continue
             tensors = dict(tensors)
             refs: dict[int, str] = {}
-            for bid, _, l3_key, _, _, resident in meta["episodic"]["blocks"]:
+            try:
+                listed = [(int(b[0]), b[2], b[5]) for b in meta["episodic"]["blocks"]]
+            except (KeyError, TypeError, ValueError, IndexError, OverflowError):
+                self.store.discard(key, "its episodic blocks are unreadable")
+                continue
+            for bid, l3_key, resident in listed:
                 kv = self.store.get(l3_key) if resident and l3_key else None
                 if resident and kv is None:
                     # A block it references was evicted (budget) or broken (dropped with a warning): the snapshot
@@ -395,7 +400,7 @@ class CascadeMemory:
             return False
         try:
             saved = CascadeConfig.from_dict(meta["config"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError, SparkError):
             return False
         return replace(saved, persistent_budget_bytes=self.cfg.persistent_budget_bytes) == self.cfg
 
