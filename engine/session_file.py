@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 import zlib
+from glob import escape as glob_escape
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,8 +76,10 @@ SUFFIX = ".spark"
 # Limits: a file may be large (KV), but no header field may make the reader allocate more than the file holds.
 MAX_FILE_BYTES = 16 * 1024**3  # read whole into memory: far above any cascade's working + episodic budget
 MAX_META_BYTES = 64 * 1024 * 1024  # ~1M token ids + transcript + sampler state fit with room to spare
+STALE_TEMP_S = 3600.0  # a temp file older than this belongs to no running save
 MAX_TENSORS = 4096
 MAX_TENSOR_HEADER_BYTES = 16 * 1024 * 1024
+_READ_CHUNK = 1 << 20
 MAX_COMPRESSION_RATIO = 64  # writers store uncompressed above this, so a higher claim is a corrupt (or hostile) file
 MIN_COMPRESSION_SAVING = 0.05
 
@@ -238,6 +241,19 @@ def _read_checked(path: Path) -> tuple[_Preamble, bytes, bytes, int]:
                 raise _bad(path, "has a corrupt header (tensor lengths disagree)")
             if pre.raw_tensor_len > MAX_COMPRESSION_RATIO * pre.tensor_len:
                 raise _bad(path, f"has a corrupt header (it claims {pre.raw_tensor_len} bytes of tensors from {pre.tensor_len} stored)")
+            # First pass: the checksum, streamed, so a large damaged (or sparse) file costs no memory. Only a
+            # sound file is read into memory, and hashed again as it is, in case it changed in between.
+            f.seek(pre.size)
+            h = hashlib.sha256(pre.hashed)
+            left = pre.meta_len + pre.tensor_len
+            while left:
+                chunk = f.read(min(_READ_CHUNK, left))
+                if not chunk:
+                    raise _bad(path, "changed while it was being read")
+                h.update(chunk)
+                left -= len(chunk)
+            if not hmac.compare_digest(h.digest(), pre.digest):
+                raise _bad(path, "is corrupt: its checksum does not match its contents (it was damaged on disk or in transfer)")
             f.seek(pre.size)
             meta = f.read(pre.meta_len)
             tensors = f.read(pre.tensor_len)
@@ -249,7 +265,7 @@ def _read_checked(path: Path) -> tuple[_Preamble, bytes, bytes, int]:
     h.update(meta)
     h.update(tensors)  # updates, not a concatenation: no second copy of a large file
     if not hmac.compare_digest(h.digest(), pre.digest):
-        raise _bad(path, "is corrupt: its checksum does not match its contents (it was damaged on disk or in transfer)")
+        raise _bad(path, "changed while it was being read")
     return pre, meta, tensors, size
 
 
@@ -612,13 +628,67 @@ def _fsync(fd: int) -> None:
     os.fsync(fd)
 
 
-def atomic_write(path: Path, chunks: Sequence[bytes]) -> None:
-    """Temp file in the same folder, write, fsync, os.replace, fsync the folder: old or new, never half."""
-    if path.is_dir():
+def _check_target(path: Path) -> None:
+    """Saving replaces the file at `path`: only ever a regular file (or nothing), never what a link points at."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise SessionFileError(f"Could not save the session to {path}: {exc.strerror or exc}.") from None
+    if stat.S_ISDIR(st.st_mode):
         raise SessionFileError(f"{path} is a folder; choose a file name to save the session to.")
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+    for test, kind in kinds:
+        if test(st.st_mode):
+            raise SessionFileError(f"{path} is {kind}, not a regular file, so the session was not saved there; choose another file name.")
+
+
+def _temp_prefix(name: str, pid: int | None = None) -> str:
+    return f".{name}.{os.getpid() if pid is None else pid}."
+
+
+def remove_stale_temps(path: Path) -> int:
+    """Delete temp files that killed saves of `path` left behind: their writer is gone (same machine) or they are
+    older than STALE_TEMP_S (a writer elsewhere). Returns how many were removed."""
+    removed = 0
+    try:
+        candidates = list(path.parent.glob(f".{glob_escape(path.name)}.*.tmp"))
+    except OSError:
+        return 0
+    for tmp in candidates:
+        pid_text = tmp.name[len(path.name) + 2 :].split(".", 1)[0]
+        try:
+            st = os.lstat(tmp)
+            dead = pid_text.isdigit() and not _alive(int(pid_text))
+            if stat.S_ISREG(st.st_mode) and (dead or time.time() - st.st_mtime > STALE_TEMP_S):
+                os.unlink(tmp)
+                removed += 1
+        except OSError:
+            pass  # renamed or removed by its writer meanwhile
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # someone else's process, or not a pid we can ask about: leave its file to the age rule
+    return True
+
+
+def atomic_write(path: Path, chunks: Sequence[bytes]) -> None:
+    """Temp file in the same folder, write, fsync, os.replace, fsync the folder: old or new, never half.
+    Refuses a target that is not a regular file; first removes temp files of earlier saves that were killed."""
+    _check_target(path)
+    remove_stale_temps(path)
     folder = path.parent
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=".tmp", dir=folder)
     except OSError as exc:
         raise SessionFileError(f"Could not save the session to {path}: {exc.strerror or exc}.") from None
     try:

@@ -505,3 +505,56 @@ def test_autosave_failure_is_kept_and_retried(tmp_path: Path) -> None:
     clock.now += 5
     assert auto.tick() and auto.last_error is None and not auto.dirty
     load_session(tmp_path / "auto.spark")
+
+
+# -- hostile targets and files -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "symlink"])
+def test_saving_refuses_a_target_that_is_not_a_regular_file(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "chat.spark"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        import socket
+
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(path))
+        server.close()
+    else:
+        path.symlink_to(victim)
+    with pytest.raises(SessionFileError, match="not a regular file, so the session was not saved there"):
+        save_small(path)
+    assert os.path.lexists(path) and (path.is_symlink() or not path.is_file())  # left as it was
+    assert victim.read_text() == "keep me"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_temp_files_of_killed_saves_are_removed_when_the_next_save_starts(tmp_path: Path) -> None:
+    path = tmp_path / "chat.spark"
+    dead = tmp_path / ".chat.spark.999999999.x1.tmp"  # a pid no process has
+    old = tmp_path / ".chat.spark.1.x2.tmp"  # pid 1 is alive, but the file is older than any save
+    young = tmp_path / f".chat.spark.{os.getppid()}.x3.tmp"  # a live writer's file, being written now
+    other = tmp_path / ".other.spark.999999999.x4.tmp"  # another file's temp: not ours to judge
+    for p in (dead, old, young, other):
+        p.write_bytes(b"partial")
+    os.utime(old, (0, 0))
+    save_small(path)
+    assert not dead.exists() and not old.exists() and young.exists() and other.exists()
+    assert load_session(path).pending_token == 11
+
+
+def test_a_huge_sparse_file_fails_its_checksum_without_being_read_into_memory(tmp_path: Path) -> None:
+    from tests.engine.session_fuzzing import memory_cap
+
+    path, raw = _good(tmp_path)
+    big = 1 << 30
+    struct.pack_into("<Q", raw, 20, big)  # a tensor section of 1 GiB, as a hostile header claims
+    struct.pack_into("<Q", raw, 28, big)
+    with open(path, "wb") as f:
+        f.write(raw[: 68 + struct.unpack_from("<Q", raw, 12)[0]])
+        f.truncate(f.tell() + big)  # sparse: no disk used
+    with memory_cap(256 << 20), pytest.raises(SessionFileError, match="checksum does not match"):
+        load_session(path)
