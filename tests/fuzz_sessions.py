@@ -172,10 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         files.append((path, mutated_file(world, random.Random(args.seed * 1_000_003 + i), path)))
     made = time.monotonic() - started
     pool = _Pool(args.workers, (str(world.model), str(root / "l3"), args.memory_cap_mb << 20))
+    before = _outside_the_store(root)
     try:
         results = pool.run(files, args.time_limit)
     finally:
         pool.close()
+    changed = sorted(set(_outside_the_store(root).items()) ^ set(before.items()))
     counts = Counter(outcome for outcome, _, _ in results)
     print(f"{len(results)} mutated session files (seed {args.seed}; made in {made:.0f} s, checked in {time.monotonic() - started - made:.0f} s, "
           f"{args.workers} workers, {args.time_limit:g} s and +{args.memory_cap_mb} MB per file)")
@@ -185,9 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     defects = Counter((outcome, detail) for outcome, _, detail in results if outcome not in OUTCOMES[:2])
     for (outcome, detail), n in defects.most_common(20):
         print(f"  {n:>5} x {outcome}: {detail}")
+    print(f"files written outside the stores: {len(changed)}" + "".join(f"\n  {p}" for p, _ in changed[:10]))
     by_kind = Counter((what.split(":")[0], outcome) for outcome, what, _ in results)
     print("by mutation: " + ", ".join(f"{k}/{o} {n}" for (k, o), n in sorted(by_kind.items())))
-    return 0 if not defects else 1
+    return 0 if not defects and not changed else 1
+
+
+def _outside_the_store(root: Path) -> dict[str, int]:
+    """Every file under the fuzz folder but the stores and the mutated files themselves, with its mtime."""
+    return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0] not in ("l3", "files")}
 
 
 if __name__ == "__main__":
