@@ -15,9 +15,9 @@ from typing import Protocol
 import torch
 
 from engine.backends.base import Backend
-from engine.errors import InputTooLarge
+from engine.errors import InputTooLarge, SessionFileError
 from engine.model import SlotBatch
-from engine.session_schema import StateTarget, check_memory_state
+from engine.session_schema import SchemaError, StateTarget, check_memory_state
 
 
 @dataclass
@@ -110,10 +110,11 @@ class FullAttentionMemory:
         return StateTarget(c.vocab_size, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), max_slots=self.backend.num_slots)
 
     def load_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-        check_memory_state(meta, tensors, self.state_target())
+        try:
+            check_memory_state(meta, tensors, self.state_target())
+        except SchemaError as exc:
+            raise SessionFileError(f"The saved memory cannot be restored: it {exc}.") from None
         tokens = [int(t) for t in meta["tokens"]]
-        if len(tokens) > self.backend.num_slots:
-            raise InputTooLarge(f"The saved conversation ({len(tokens)} tokens) exceeds the {self.backend.num_slots}-token cache.")
         self.backend.write_kv(self.row, torch.arange(len(tokens)), tensors["k"], tensors["v"])
         self.tokens = tokens
 
