@@ -31,7 +31,15 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import TokenizerError
-from engine.template_limits import MAX_RENDER_CHARS, Deadline, RenderLimits, TemplateLimitExceeded, bounded_call, check_args, check_result
+from engine.template_limits import (
+    MAX_RENDER_CHARS,
+    Deadline,
+    RenderLimits,
+    TemplateLimitExceeded,
+    bounded_call,
+    check_args,
+    check_result,
+)
 
 FALLBACK_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -90,6 +98,7 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+DEFAULT_LIMITS = RenderLimits()
 MAX_LIPSUM_PARAGRAPHS = 100
 MAX_EXPONENT = 4096  # `**`: a power beyond this is no prompt, only a way to burn CPU
 MAX_INT_BITS = 1 << 20
@@ -100,9 +109,9 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset({"*", "**", "%", "+"})
 
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (Jinja's signature)
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         check_args(args, kwargs, MAX_RENDER_CHARS)
-        return check_result(ImmutableSandboxedEnvironment.call(__self, __context, __obj, *args, **kwargs), MAX_RENDER_CHARS)
+        return check_result(super().call(context, obj, *args, **kwargs), MAX_RENDER_CHARS)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         limit = MAX_RENDER_CHARS
@@ -120,7 +129,7 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
         return check_result(super().call_binop(context, operator, left, right), limit)
 
 
-def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002 (Jinja's names)
+def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
     if not (0 <= n <= MAX_LIPSUM_PARAGRAPHS and 0 <= min <= max <= 1000):
         raise TemplateLimitExceeded(f"it asked lipsum for {n} paragraphs of up to {max} words")
     return str(jinja2.utils.generate_lorem_ipsum(n=n, html=html, min=min, max=max))
@@ -158,7 +167,7 @@ def render_chat(
     bos_token: str = "",
     eos_token: str = "",
     continue_final_message: bool = False,
-    limits: RenderLimits = RenderLimits(),
+    limits: RenderLimits = DEFAULT_LIMITS,
     **extra: Any,
 ) -> str:
     """Render `messages` ({"role", "content", ...} dicts) into the prompt text the model expects.

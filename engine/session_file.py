@@ -51,9 +51,9 @@ import sys
 import tempfile
 import time
 import zlib
-from glob import escape as glob_escape
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,14 @@ import engine
 from engine.backends.base import Backend
 from engine.errors import SessionFileError, SparkError
 from engine.memory import Memory
-from engine.session_schema import SchemaError, StateTarget, check_memory_state, check_session_meta, check_vocab, target_from_state
+from engine.session_schema import (
+    SchemaError,
+    StateTarget,
+    check_memory_state,
+    check_session_meta,
+    check_vocab,
+    target_from_state,
+)
 
 MAGIC = b"SPARK\x00"
 FORMAT_VERSION = 2
@@ -537,7 +544,10 @@ def _encode(
         "extra": dict(extra or {}),
     }
     # allow_nan=False: NaN/Infinity are not JSON, and other readers of the file would choke on them.
-    meta_bytes = json.dumps(meta, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    try:
+        meta_bytes = json.dumps(meta, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        raise SessionFileError("The conversation holds text that is not valid Unicode (a lone surrogate), so it cannot be saved.") from None
     if len(meta_bytes) > MAX_META_BYTES:
         raise SessionFileError(
             f"The conversation's metadata is {len(meta_bytes)} bytes, over the {MAX_META_BYTES}-byte session limit, so it cannot be saved."

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, Self
 
 MAX_RENDER_CHARS = 4_000_000  # 4x the largest prompt accepted (engine.session.MAX_PROMPT_CHARS)
 MAX_RENDER_SECONDS = 5.0  # real templates render in milliseconds
@@ -73,7 +73,7 @@ class Deadline:
         self.end = 0.0
         self.previous: Any = None
 
-    def __enter__(self) -> "Deadline":
+    def __enter__(self) -> Self:
         self.end = time.monotonic() + self.limits.max_seconds
         self.previous = sys.gettrace()
         sys.settrace(self._on_call)

@@ -61,7 +61,7 @@ def _worker(conn: Connection, model: str, store_root: str, cap: int) -> None:
                 backend = TorchBackend(model, "cpu")
                 store = stores[random.randrange(2)]
                 try:
-                    outcome = restore(path, backend, lambda b: CascadeMemory(b, CONFIG, store=store))
+                    outcome = restore(path, backend, lambda b, store=store: CascadeMemory(b, CONFIG, store=store))
                 except SessionFileError as exc:
                     if verified:
                         conn.send(("traceback", f"verify passed, restore refused: {exc}"))
@@ -81,7 +81,7 @@ def _worker(conn: Connection, model: str, store_root: str, cap: int) -> None:
                 conn.send(("accepted", "") if bool(torch.isfinite(logits).all()) else ("traceback", "non-finite logits after restore"))
             except MemoryError:
                 conn.send(("over memory cap", "MemoryError"))
-            except Exception as exc:  # the defect this harness exists to find: report its site
+            except Exception as exc:  # noqa: BLE001 - the defect this harness exists to find: report its site
                 site = traceback.extract_tb(exc.__traceback__)[-1]
                 conn.send(("traceback", f"{type(exc).__name__} at {Path(site.filename).name}:{site.lineno}: {str(exc)[:120]}"))
 

@@ -56,7 +56,12 @@ from engine.cascade.stats import CascadeStats, Counters, TierStats
 from engine.cascade.working import WorkingMemory
 from engine.errors import InputTooLarge, SessionFileError, SparkError
 from engine.memory import RowPlan
-from engine.session_schema import CASCADE_STATE_VERSION, SchemaError, StateTarget, check_memory_state
+from engine.session_schema import (
+    CASCADE_STATE_VERSION,
+    SchemaError,
+    StateTarget,
+    check_memory_state,
+)
 
 STATE_VERSION = CASCADE_STATE_VERSION
 TIERS = ("working", "episodic", "persistent")

@@ -99,7 +99,12 @@ def _model_target(model_dir: Path):  # type: ignore[no-untyped-def]
     weight headers alone: no weights are loaded."""
     from engine.cascade import CascadeConfig
     from engine.session_schema import StateTarget
-    from engine.weights import check_model_folder, fingerprint, read_safetensors_header, weight_files
+    from engine.weights import (
+        check_model_folder,
+        fingerprint,
+        read_safetensors_header,
+        weight_files,
+    )
 
     folder = model_dir.expanduser()
     check_model_folder(folder)

@@ -15,7 +15,7 @@ import random
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 from safetensors.torch import load as st_load
@@ -191,7 +191,7 @@ class memory_cap:
         self.extra = extra
         self.saved: tuple[int, int] | None = None
 
-    def __enter__(self) -> "memory_cap":
+    def __enter__(self) -> Self:
         try:
             import resource
 

@@ -54,7 +54,7 @@ def _header(edit: Callable[[dict], None]) -> Callable[[Path], None]:
 
 def _nan_weight(d: Path) -> None:
     tensors = load_file(d / "model.safetensors")
-    name = sorted(tensors)[0]
+    name = min(tensors)
     tensors[name][0] = float("nan")
     save_file(tensors, d / "model.safetensors")
 

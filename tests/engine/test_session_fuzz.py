@@ -18,7 +18,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine.errors import SessionFileError
-from engine.session_file import RestoredSession, inspect_session, load_session, restore, verify_session
+from engine.session_file import (
+    RestoredSession,
+    inspect_session,
+    load_session,
+    restore,
+    verify_session,
+)
 from tests.engine.cascade.helpers import feed
 from tests.engine.session_fuzzing import World, memory_cap, mutated_file
 
