@@ -70,8 +70,11 @@ def _worker(conn: Connection, model: str, store_root: str, cap: int) -> None:
                     else:
                         conn.send(("clean rejection", ""))
                     continue
-                if not verified or not isinstance(outcome, RestoredSession):
+                if not verified:
                     conn.send(("traceback", f"verify refused a file restore accepted ({type(outcome).__name__})"))
+                    continue
+                if not isinstance(outcome, RestoredSession):  # another model's file: its transcript only, as designed
+                    conn.send(("accepted", "transcript only"))
                     continue
                 memory = outcome.memory
                 memory.spill()
@@ -185,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     for outcome in OUTCOMES:
         print(f"{outcome:<18}{counts[outcome]:>8}")
     defects = Counter((outcome, detail) for outcome, _, detail in results if outcome not in OUTCOMES[:2])
+    example = {(outcome, detail): what for outcome, what, detail in results}
     for (outcome, detail), n in defects.most_common(20):
-        print(f"  {n:>5} x {outcome}: {detail}")
+        print(f"  {n:>5} x {outcome}: {detail} (e.g. {example[outcome, detail]})")
     print(f"files written outside the stores: {len(changed)}" + "".join(f"\n  {p}" for p, _ in changed[:10]))
     by_kind = Counter((what.split(":")[0], outcome) for outcome, what, _ in results)
     print("by mutation: " + ", ".join(f"{k}/{o} {n}" for (k, o), n in sorted(by_kind.items())))
