@@ -431,8 +431,11 @@ def load_session(path: str | Path, target: StateTarget | None = None) -> Session
     return SessionData(format_version=pre.version, tensors=tensors, compression=pre.compression, file_bytes=size, **fields)
 
 
-def verify_session(path: str | Path, target: StateTarget | None = None) -> SessionData:
-    """`restore`'s checks without restoring: with the model's `target`, passing means restore succeeds."""
+def verify_session(path: str | Path, target: StateTarget | None = None, fingerprint: str | None = None) -> SessionData:
+    """`restore`'s checks without restoring: with the model's `target` and `fingerprint`, passing means restore
+    succeeds. A file of another model (fingerprint differs) is checked as restore treats it: transcript only."""
+    if target is not None and fingerprint is not None and load_session(path).fingerprint != fingerprint:
+        target = None
     return load_session(path, target)
 
 

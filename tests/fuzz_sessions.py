@@ -44,6 +44,7 @@ def _worker(conn: Connection, model: str, store_root: str, cap: int) -> None:
     from tests.engine.session_fuzzing import CONFIG, memory_cap
 
     stores = [PersistentStore(Path(store_root) / str(i), TorchBackend(model, "cpu").fingerprint, "cpu-fp32", 1 << 30) for i in range(2)]
+    fingerprint = TorchBackend(model, "cpu").fingerprint
     target = CascadeMemory(TorchBackend(model, "cpu"), CONFIG).state_target()
     with memory_cap(cap):
         while True:
@@ -53,7 +54,7 @@ def _worker(conn: Connection, model: str, store_root: str, cap: int) -> None:
                 return
             try:
                 try:
-                    verify_session(path, target)
+                    verify_session(path, target, fingerprint)
                     verified = True
                 except SessionFileError as exc:
                     verified = False

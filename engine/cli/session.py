@@ -83,10 +83,9 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     target, fingerprint = (None, None) if args.model is None else _model_target(args.model)
-    if fingerprint is not None and verify_session(args.file).fingerprint != fingerprint:
-        target = None  # another model's file: restore would take its transcript only, which needs no target
-    data = verify_session(args.file, target)
-    scope = "restores on this model" if target is not None else "transcript only on this model" if fingerprint else "file checks"
+    data = verify_session(args.file, target, fingerprint)
+    ours = fingerprint is not None and data.fingerprint == fingerprint
+    scope = "restores on this model" if ours else "transcript only on this model" if fingerprint else "file checks"
     print(
         f"ok: {escape(args.file)} is a sound session ({scope}; format v{data.format_version}, {len(data.messages)} messages, "
         f"{len(data.token_ids) + (data.pending_token is not None)} tokens, model {escape(data.fingerprint[:12])})."

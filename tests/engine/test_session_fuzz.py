@@ -114,7 +114,7 @@ def test_verify_passes_exactly_what_restores_and_continues(world: World, tmp_pat
     target = world.factory(None)(world.backend()).state_target()
     with memory_cap(CAP):
         try:
-            verify_session(path, target)
+            verify_session(path, target, world.fingerprint)
             verified = None
         except SessionFileError as exc:
             verified = str(exc)
@@ -126,7 +126,9 @@ def test_verify_passes_exactly_what_restores_and_continues(world: World, tmp_pat
             event("refused")
             return
         assert verified is None, f"{what}: verify refused ({verified}) what restore restored"
-        assert isinstance(outcome, RestoredSession)
+        if not isinstance(outcome, RestoredSession):  # another model's file: transcript only, nothing to continue
+            event("transcript only")
+            return
         memory = outcome.memory
         memory.spill()  # writes KV under l3 keys read from the file: they must stay inside the store
         pending = outcome.data.pending_token if outcome.data.pending_token is not None else 1
