@@ -184,10 +184,10 @@ def _check_sizes(d: dict[str, Any]) -> None:
         value = d.get(key)
         if value is None and key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
             continue  # optional: derived or defaulted
-        whole = isinstance(value, int) and not isinstance(value, bool)
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            whole = True
-        if not whole or not lo <= value <= hi:
+        whole = (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and math.isfinite(value) and value.is_integer()
+        )
+        if not whole or not lo <= float(value) <= hi:  # type: ignore[arg-type]  # whole: an int or integral float
             raise ModelLoadError(f"config.json gives {key} = {str(value)[:40]}, which is not a whole number from {lo} to {hi}; the model folder looks damaged.")
     heads, kv = int(d["num_attention_heads"]), int(d.get("num_key_value_heads") or d["num_attention_heads"])
     if heads % kv:

@@ -280,11 +280,12 @@ class PersistentStore:
             if f"{zlib.crc32(text.encode()):08x}" != meta.get("crc_state"):
                 return self._drop(key, "its data fails the checksum")
             try:
-                state = json.loads(text)
+                parsed = json.loads(text)
             except (ValueError, RecursionError):
-                state = None
-            if not isinstance(state, dict):
+                parsed = None
+            if not isinstance(parsed, dict):
                 return self._drop(key, "its state is unreadable")
+            state = parsed
         return state, out
 
     def discard(self, key: str, why: str | None = None) -> None:
