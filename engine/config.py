@@ -112,6 +112,7 @@ class ModelConfig:
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ModelLoadError(f"The model uses activation {act!r}; only SwiGLU (silu) Llama-family models are supported.")
+        _check_sizes(d)
         try:
             n_heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
@@ -141,14 +142,57 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: Path) -> "ModelConfig":
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            if Path(path).stat().st_size > MAX_CONFIG_BYTES:
+                raise ModelLoadError(f"{path} is larger than any model config; the model folder looks damaged.")
+            data = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_no_constant)
         except FileNotFoundError:
             raise ModelLoadError(f"{path.parent} has no config.json; choose a Hugging Face model folder.") from None
+        except RecursionError:
+            raise ModelLoadError(f"{path} is nested too deeply to be a model config; the model folder looks damaged.") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"{path} is not valid JSON ({exc.__class__.__name__}); the download may be incomplete.") from None
         if not isinstance(data, dict):
             raise ModelLoadError(f"{path} does not hold a JSON object; it is not a model config.")
         return cls.from_dict(data)
+
+
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+# config.json's sizes: (key, smallest, largest). Bounds far beyond any Llama-family model, so that a damaged or
+# hostile file is refused in one sentence instead of dividing by zero or sizing a huge table (the rotary table
+# has max_position_embeddings rows).
+SIZE_LIMITS: tuple[tuple[str, int, int], ...] = (
+    ("vocab_size", 1, 1 << 24),
+    ("hidden_size", 1, 1 << 16),
+    ("intermediate_size", 1, 1 << 20),
+    ("num_hidden_layers", 1, 1024),
+    ("num_attention_heads", 1, 1024),
+    ("num_key_value_heads", 1, 1024),
+    ("head_dim", 1, 1024),
+    ("max_position_embeddings", 1, 1 << 20),
+)
+
+
+def _no_constant(name: str) -> None:
+    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
+
+
+def _check_sizes(d: dict[str, Any]) -> None:
+    """Every size in range and a whole number (no bool, list, string, NaN or Infinity); heads divide evenly."""
+    for key, lo, hi in SIZE_LIMITS:
+        value = d.get(key)
+        if value is None and key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+            continue  # optional: derived or defaulted
+        whole = (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and math.isfinite(value) and value.is_integer()
+        )
+        if not whole or not lo <= float(value) <= hi:  # type: ignore[arg-type]  # whole: an int or integral float
+            raise ModelLoadError(f"config.json gives {key} = {str(value)[:40]}, which is not a whole number from {lo} to {hi}; the model folder looks damaged.")
+    heads, kv = int(d["num_attention_heads"]), int(d.get("num_key_value_heads") or d["num_attention_heads"])
+    if heads % kv:
+        raise ModelLoadError(f"config.json gives {heads} attention heads for {kv} key/value heads, which do not divide evenly.")
+    eps = d.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ModelLoadError(f"config.json gives rms_norm_eps = {str(eps)[:40]}, which is not a small positive number.")
 
 
 # generation_config.json key -> SamplingSettings field (the model author's defaults; CLI flags and the UI override)

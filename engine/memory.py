@@ -15,8 +15,9 @@ from typing import Protocol
 import torch
 
 from engine.backends.base import Backend
-from engine.errors import InputTooLarge
+from engine.errors import InputTooLarge, SessionFileError
 from engine.model import SlotBatch
+from engine.session_schema import SchemaError, StateTarget, check_memory_state
 
 
 @dataclass
@@ -74,6 +75,10 @@ class Memory(Protocol):
         """Inverse of `state()` on a memory over a backend of the same model; writes KV back into the slots."""
         ...
 
+    def state_target(self) -> StateTarget:
+        """What a state must fit to load here (engine.session_schema checks it before load_state)."""
+        ...
+
 
 class FullAttentionMemory:
     """Token i lives in slot i at position i: exact full attention, capacity = the slot table size."""
@@ -100,10 +105,16 @@ class FullAttentionMemory:
         k, v = self.backend.read_kv(self.row, torch.arange(len(self.tokens)))  # (L, Hkv, N, D) each
         return {"kind": "full", "tokens": list(self.tokens)}, {"k": k, "v": v}
 
+    def state_target(self) -> StateTarget:
+        c = self.backend.config
+        return StateTarget(c.vocab_size, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), max_slots=self.backend.num_slots)
+
     def load_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        try:
+            check_memory_state(meta, tensors, self.state_target())
+        except SchemaError as exc:
+            raise SessionFileError(f"The saved memory cannot be restored: it {exc}.") from None
         tokens = [int(t) for t in meta["tokens"]]
-        if len(tokens) > self.backend.num_slots:
-            raise InputTooLarge(f"The saved conversation ({len(tokens)} tokens) exceeds the {self.backend.num_slots}-token cache.")
         self.backend.write_kv(self.row, torch.arange(len(tokens)), tensors["k"], tensors["v"])
         self.tokens = tokens
 

@@ -233,6 +233,7 @@ class Session:
         if self.messages is not messages:
             self.messages = list(msgs)
         rendered = self.tokenizer.apply_chat_template(self._template_messages(), add_generation_prompt=True)
+        self._check_size(rendered)  # what the template made of the text, not only what was typed
         ids = self._ids_for_text(rendered)
         return self._run(ids, settings, should_stop, pacer, reply_to_messages=True)
 

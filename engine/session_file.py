@@ -53,6 +53,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +64,17 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 import engine
-from engine.backends.base import CANONICAL_KV_DTYPE, Backend
+from engine.backends.base import Backend
 from engine.errors import SessionFileError, SparkError
 from engine.memory import Memory
+from engine.session_schema import (
+    SchemaError,
+    StateTarget,
+    check_memory_state,
+    check_session_meta,
+    check_vocab,
+    target_from_state,
+)
 
 MAGIC = b"SPARK\x00"
 FORMAT_VERSION = 2
@@ -74,11 +83,12 @@ SUFFIX = ".spark"
 # Limits: a file may be large (KV), but no header field may make the reader allocate more than the file holds.
 MAX_FILE_BYTES = 16 * 1024**3  # read whole into memory: far above any cascade's working + episodic budget
 MAX_META_BYTES = 64 * 1024 * 1024  # ~1M token ids + transcript + sampler state fit with room to spare
+STALE_TEMP_S = 3600.0  # a temp file older than this belongs to no running save
 MAX_TENSORS = 4096
 MAX_TENSOR_HEADER_BYTES = 16 * 1024 * 1024
+_READ_CHUNK = 1 << 20
 MAX_COMPRESSION_RATIO = 64  # writers store uncompressed above this, so a higher claim is a corrupt (or hostile) file
 MIN_COMPRESSION_SAVING = 0.05
-MAX_TOKEN_ID = 2**31 - 1
 
 _V2_PREAMBLE = struct.Struct("<6sHHHQQQ32s")  # 68 bytes
 _V1_PREAMBLE = struct.Struct("<6sHQQ32s")  # 56 bytes
@@ -240,6 +250,19 @@ def _read_checked(path: Path) -> tuple[_Preamble, bytes, bytes, int]:
                 raise _bad(path, "has a corrupt header (tensor lengths disagree)")
             if pre.raw_tensor_len > MAX_COMPRESSION_RATIO * pre.tensor_len:
                 raise _bad(path, f"has a corrupt header (it claims {pre.raw_tensor_len} bytes of tensors from {pre.tensor_len} stored)")
+            # First pass: the checksum, streamed, so a large damaged (or sparse) file costs no memory. Only a
+            # sound file is read into memory, and hashed again as it is, in case it changed in between.
+            f.seek(pre.size)
+            h = hashlib.sha256(pre.hashed)
+            left = pre.meta_len + pre.tensor_len
+            while left:
+                chunk = f.read(min(_READ_CHUNK, left))
+                if not chunk:
+                    raise _bad(path, "changed while it was being read")
+                h.update(chunk)
+                left -= len(chunk)
+            if not hmac.compare_digest(h.digest(), pre.digest):
+                raise _bad(path, "is corrupt: its checksum does not match its contents (it was damaged on disk or in transfer)")
             f.seek(pre.size)
             meta = f.read(pre.meta_len)
             tensors = f.read(pre.tensor_len)
@@ -251,7 +274,7 @@ def _read_checked(path: Path) -> tuple[_Preamble, bytes, bytes, int]:
     h.update(meta)
     h.update(tensors)  # updates, not a concatenation: no second copy of a large file
     if not hmac.compare_digest(h.digest(), pre.digest):
-        raise _bad(path, "is corrupt: its checksum does not match its contents (it was damaged on disk or in transfer)")
+        raise _bad(path, "changed while it was being read")
     return pre, meta, tensors, size
 
 
@@ -272,88 +295,27 @@ def _migrate_v1_to_v2(meta: dict[str, JSONValue]) -> dict[str, JSONValue]:
 _MIGRATIONS: dict[int, Callable[[dict[str, JSONValue]], dict[str, JSONValue]]] = {1: _migrate_v1_to_v2}
 
 
-def _field(path: Path, meta: Mapping[str, JSONValue], key: str, kinds: type | tuple[type, ...]) -> Any:
-    value = meta.get(key, ...)
-    # bool is an int subclass in Python; a count or timestamp that is `true` is still malformed.
-    if value is ... or not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
-        raise _bad(path, f"has a missing or malformed {key!r} field")
-    return value
-
-
-def _as_tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kinds if isinstance(kinds, tuple) else (kinds,)
-
-
-def _token(path: Path, value: JSONValue, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKEN_ID:
-        raise _bad(path, f"has a malformed {key!r} field")
-    return value
-
-
-def _finite(value: JSONValue) -> float | None:
-    """A JSON number as a finite float; None for anything else (bools, NaN, ints too large for a float)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        f = float(value)
-    except OverflowError:
-        return None
-    return f if math.isfinite(f) else None
-
-
-def _time(path: Path, meta: Mapping[str, JSONValue], key: str) -> float:
-    value = _finite(meta.get(key))
-    if value is None:
-        raise _bad(path, f"has a missing or malformed {key!r} field")
-    return value
-
-
-def _validate(path: Path, meta: dict[str, JSONValue]) -> dict[str, Any]:
-    """The current-version metadata checked field by field -> SessionData's fields (minus the tensors)."""
-    messages = []
-    for m in _field(path, meta, "messages", list):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise _bad(path, "has a malformed message")
-        ts = m.get("timestamp")
-        if ts is not None and _finite(ts) is None:
-            raise _bad(path, "has a message with a malformed timestamp")
-        messages.append(Message(m["role"], m["content"], _finite(ts)))
-    tokenizer_hash = meta.get("tokenizer_hash")
-    if tokenizer_hash is not None and not isinstance(tokenizer_hash, str):
-        raise _bad(path, "has a malformed 'tokenizer_hash' field")
-    system_prompt = meta.get("system_prompt")
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise _bad(path, "has a malformed 'system_prompt' field")
-    pending = meta.get("pending_token")
-    return {
-        "app_version": _field(path, meta, "app_version", str),
-        "fingerprint": _field(path, meta, "model_fingerprint", str),
-        "tokenizer_hash": tokenizer_hash,
-        "created": _time(path, meta, "created"),
-        "saved": _time(path, meta, "saved"),
-        "system_prompt": system_prompt,
-        "messages": messages,
-        "settings": _field(path, meta, "settings", dict),
-        "token_ids": [_token(path, t, "token_ids") for t in _field(path, meta, "token_ids", list)],
-        "pending_token": None if pending is None else _token(path, pending, "pending_token"),
-        "sampler_state": meta.get("sampler_state"),
-        "memory_meta": _field(path, meta, "memory", dict),
-        "extra": _field(path, meta, "extra", dict),
-    }
-
-
 def _parse_meta(path: Path, pre: _Preamble, raw: bytes) -> dict[str, Any]:
     try:
-        meta = json.loads(raw.decode("utf-8"))
+        meta = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise _bad(path, "has unreadable metadata") from None
+        raise _bad(path, "has unreadable metadata (not strict JSON)") from None
     if not isinstance(meta, dict) or meta.get("format_version") != pre.version:
         raise _bad(path, "has metadata that does not match its header")
     version = pre.version
     while version < FORMAT_VERSION:
         meta = _MIGRATIONS[version](meta)
         version += 1
-    return _validate(path, meta)
+    try:
+        fields = check_session_meta(meta)
+    except SchemaError as exc:
+        raise _bad(path, str(exc)) from None
+    fields["messages"] = [Message(*m) for m in fields["messages"]]
+    return fields
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity, -Infinity: Python's parser accepts them by default
 
 
 def _decompress(path: Path, pre: _Preamble, stored: bytes) -> bytes:
@@ -454,17 +416,45 @@ def _open(path: Path) -> tuple[_Preamble, dict[str, Any], bytes, int]:
     return pre, fields, section, size
 
 
-def load_session(path: str | Path) -> SessionData:
-    """Read, verify and migrate a `.spark` file; raises SessionFileError naming the problem."""
+def load_session(path: str | Path, target: StateTarget | None = None) -> SessionData:
+    """Read, verify and migrate a `.spark` file; raises SessionFileError naming the problem.
+
+    The memory state is checked against `target` (the model's: exactly what `restore` checks), or without one
+    against the file's own geometry (every check that does not need the model)."""
     path = Path(path).expanduser()
     pre, fields, section, size = _open(path)
     tensors = _decode_tensors(path, section)
+    try:
+        if target is not None:
+            check_vocab(fields["token_ids"], fields["pending_token"], target.vocab_size)
+        if fields["memory_meta"].get("kind") == RECOMPUTE_KIND:
+            _check_recipe(fields, tensors)
+        else:
+            check_memory_state(fields["memory_meta"], tensors, target or target_from_state(fields["memory_meta"], tensors))
+    except SchemaError as exc:
+        raise _bad(path, str(exc)) from None
     return SessionData(format_version=pre.version, tensors=tensors, compression=pre.compression, file_bytes=size, **fields)
 
 
-def verify_session(path: str | Path) -> SessionData:
-    """Everything `restore` checks that does not need a model: the file is sound and this build can read it."""
-    return load_session(path)
+def _check_recipe(fields: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+    """A compact file (engine.replay): no tensors, and a feed recipe that accounts for exactly its tokens."""
+    from engine.replay import check_schedule  # the recipe's one checker; replay imports generation code
+
+    if tensors:
+        raise SchemaError("is compact (memory recomputed on open) yet holds memory tensors")
+    extra = fields.get("extra")
+    try:
+        check_schedule(extra.get("feed_schedule") if isinstance(extra, dict) else None, len(fields["token_ids"]))
+    except SessionFileError:
+        raise SchemaError("has a malformed memory recipe (its feed schedule does not account for its tokens)") from None
+
+
+def verify_session(path: str | Path, target: StateTarget | None = None, fingerprint: str | None = None) -> SessionData:
+    """`restore`'s checks without restoring: with the model's `target` and `fingerprint`, passing means restore
+    succeeds. A file of another model (fingerprint differs) is checked as restore treats it: transcript only."""
+    if target is not None and fingerprint is not None and load_session(path).fingerprint != fingerprint:
+        target = None
+    return load_session(path, target)
 
 
 # Tensor-name prefixes of the memories' state() (engine.cascade: "wk.k", "ep.12.v", "route.prompt_sum").
@@ -575,7 +565,10 @@ def _encode(
         "extra": dict(extra or {}),
     }
     # allow_nan=False: NaN/Infinity are not JSON, and other readers of the file would choke on them.
-    meta_bytes = json.dumps(meta, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    try:
+        meta_bytes = json.dumps(meta, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        raise SessionFileError("The conversation holds text that is not valid Unicode (a lone surrogate), so it cannot be saved.") from None
     if len(meta_bytes) > MAX_META_BYTES:
         raise SessionFileError(
             f"The conversation's metadata is {len(meta_bytes)} bytes, over the {MAX_META_BYTES}-byte session limit, so it cannot be saved."
@@ -666,13 +659,67 @@ def _fsync(fd: int) -> None:
     os.fsync(fd)
 
 
-def atomic_write(path: Path, chunks: Sequence[bytes]) -> None:
-    """Temp file in the same folder, write, fsync, os.replace, fsync the folder: old or new, never half."""
-    if path.is_dir():
+def _check_target(path: Path) -> None:
+    """Saving replaces the file at `path`: only ever a regular file (or nothing), never what a link points at."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise SessionFileError(f"Could not save the session to {path}: {exc.strerror or exc}.") from None
+    if stat.S_ISDIR(st.st_mode):
         raise SessionFileError(f"{path} is a folder; choose a file name to save the session to.")
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+    for test, kind in kinds:
+        if test(st.st_mode):
+            raise SessionFileError(f"{path} is {kind}, not a regular file, so the session was not saved there; choose another file name.")
+
+
+def _temp_prefix(name: str, pid: int | None = None) -> str:
+    return f".{name}.{os.getpid() if pid is None else pid}."
+
+
+def remove_stale_temps(path: Path) -> int:
+    """Delete temp files that killed saves of `path` left behind: their writer is gone (same machine) or they are
+    older than STALE_TEMP_S (a writer elsewhere). Returns how many were removed."""
+    removed = 0
+    try:
+        candidates = list(path.parent.glob(f".{glob_escape(path.name)}.*.tmp"))
+    except OSError:
+        return 0
+    for tmp in candidates:
+        pid_text = tmp.name[len(path.name) + 2 :].split(".", 1)[0]
+        try:
+            st = os.lstat(tmp)
+            dead = pid_text.isdigit() and not _alive(int(pid_text))
+            if stat.S_ISREG(st.st_mode) and (dead or time.time() - st.st_mtime > STALE_TEMP_S):
+                os.unlink(tmp)
+                removed += 1
+        except OSError:
+            pass  # renamed or removed by its writer meanwhile
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # someone else's process, or not a pid we can ask about: leave its file to the age rule
+    return True
+
+
+def atomic_write(path: Path, chunks: Sequence[bytes]) -> None:
+    """Temp file in the same folder, write, fsync, os.replace, fsync the folder: old or new, never half.
+    Refuses a target that is not a regular file; first removes temp files of earlier saves that were killed."""
+    _check_target(path)
+    remove_stale_temps(path)
     folder = path.parent
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=".tmp", dir=folder)
     except OSError as exc:
         raise SessionFileError(f"Could not save the session to {path}: {exc.strerror or exc}.") from None
     try:
@@ -719,8 +766,8 @@ def restore(
     """Verify `path`, then write its memory back through a new `memory_factory(backend)`.
 
     Returns ForeignModelSession (applying nothing) when the file was made with another model or tokenizer.
-    Every check runs before `memory_factory` is called, so on any SessionFileError no memory is created and the
-    backend is untouched; should `load_state` itself refuse, the new memory is reset before the error propagates.
+    Every check (session_schema, against the new memory's `state_target()`) runs before anything is written, so
+    on any SessionFileError the backend is untouched.
     Give a factory over a row (or forked backend) the current conversation does not use to keep it intact.
     A compact file (memory kind "recompute": no KV, see engine.replay) is rebuilt by `recompute(memory, data)`.
     """
@@ -736,33 +783,32 @@ def restore(
         return ForeignModelSession(
             data, f"{path.name} was saved with a different tokenizer; its transcript can be restored and re-read, but not its memory."
         )
-    vocab = backend.config.vocab_size
-    ids = data.token_ids + ([data.pending_token] if data.pending_token is not None else [])
-    if any(t >= vocab for t in ids):
-        raise _bad(path, f"holds token ids beyond this model's {vocab}-token vocabulary")
-    c = backend.config
-    kv_dims = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
-    for name, t in data.tensors.items():
-        # KV in the canonical layout (L, Hkv, n, D): anything else would be written into the wrong slots.
-        if t.ndim == 4 and (t.dtype != CANONICAL_KV_DTYPE or (t.shape[0], t.shape[1], t.shape[3]) != kv_dims):
-            raise _bad(path, f"holds tensor {name!r} of shape {tuple(t.shape)}, which does not fit this model")
+    memory = memory_factory(backend)
     if data.memory_meta.get("kind") == RECOMPUTE_KIND:
+        # Checked by load_session (no tensors, a recipe for exactly its tokens); the tokens against the vocabulary here.
+        try:
+            check_vocab(data.token_ids, data.pending_token, memory.state_target().vocab_size)
+        except SchemaError as exc:
+            raise _bad(path, str(exc)) from None
         if recompute is None:
             raise SessionFileError(f"The session {path.name} is compact and must be opened by the app or the engine, which recompute its memory.")
-        memory = memory_factory(backend)
         try:
             recompute(memory, data)
         except BaseException:
             memory.reset()
             raise
         return RestoredSession(data, memory)
-    memory = memory_factory(backend)
+    # The memory is made (sized by the model, never by the file) only to learn its geometry; it is checked against
+    # before anything is written, so a refused file leaves it and the backend untouched.
+    try:
+        target = memory.state_target()
+        check_vocab(data.token_ids, data.pending_token, target.vocab_size)
+        check_memory_state(data.memory_meta, data.tensors, target)
+    except SchemaError as exc:
+        raise _bad(path, str(exc)) from None
     try:
         memory.load_state(data.memory_meta, data.tensors)
     except SparkError as exc:
         memory.reset()
         raise SessionFileError(f"The session {path.name} cannot be restored here: {exc}") from None
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError):
-        memory.reset()
-        raise _bad(path, "holds a memory state this build cannot apply") from None
     return RestoredSession(data, memory)

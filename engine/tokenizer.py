@@ -60,7 +60,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         data = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise TokenizerError(f"{path} is not valid JSON ({exc.__class__.__name__}); the download may be incomplete.") from None
     if not isinstance(data, dict):
         raise TokenizerError(f"{path} does not hold a JSON object; the model folder looks damaged.")

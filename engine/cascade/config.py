@@ -14,6 +14,14 @@ from engine.errors import SparkError
 SLOT_MULTIPLE = 32  # Core ML state dims must be multiples of 32, so the slot table is padded to one
 ROUTINGS = ("sequence", "rolling", "token", "hybrid")
 CONFIG_FILE = "cascade.json"
+MAX_SETTING = 2**50  # any size or budget; a window of that many tokens is already refused by the context fit
+
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _no_constant(name: str) -> None:
+    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
 
 
 class CascadeConfigError(SparkError):
@@ -80,10 +88,12 @@ class CascadeConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise CascadeConfigError(f"Unknown cascade setting {unknown[0]!r}; known settings are {', '.join(sorted(known))}.")
-        try:
-            return cls(**{k: (str(v) if k == "routing" else int(v)) for k, v in d.items()})
-        except (TypeError, ValueError):
-            raise CascadeConfigError("A cascade setting has a value of the wrong type.") from None
+        for k, v in d.items():
+            # Whole numbers only (no bool, float, Infinity or list), within MAX_SETTING: a file never sizes memory.
+            ok = isinstance(v, str) if k == "routing" else type(v) is int and -MAX_SETTING <= v <= MAX_SETTING
+            if not ok:
+                raise CascadeConfigError(f"The cascade setting {k} has a value of the wrong type or size ({str(v)[:40]}).")
+        return cls(**d)
 
     def fit_to(self, max_positions: int) -> "CascadeConfig":
         """Shrink the geometry so sinks + retrieval + window never exceed `max_positions`.
@@ -111,8 +121,10 @@ class CascadeConfig:
         path = Path(model_dir).expanduser() / CONFIG_FILE if model_dir is not None else None
         if path is not None and path.is_file():
             try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                if path.stat().st_size > MAX_CONFIG_BYTES:
+                    raise CascadeConfigError(f"{path} is larger than any cascade settings file; fix or delete it.")
+                data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
                 raise CascadeConfigError(f"{path} is not valid JSON; fix or delete it.") from None
             if not isinstance(data, dict):
                 raise CascadeConfigError(f"{path} must hold a JSON object of cascade settings.")

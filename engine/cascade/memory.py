@@ -54,10 +54,16 @@ from engine.cascade.persistent import PersistentStore
 from engine.cascade.routing import ROUTING, RouteContext
 from engine.cascade.stats import CascadeStats, Counters, TierStats
 from engine.cascade.working import WorkingMemory
-from engine.errors import InputTooLarge, SessionFileError
+from engine.errors import InputTooLarge, SessionFileError, SparkError
 from engine.memory import RowPlan
+from engine.session_schema import (
+    CASCADE_STATE_VERSION,
+    SchemaError,
+    StateTarget,
+    check_memory_state,
+)
 
-STATE_VERSION = 1
+STATE_VERSION = CASCADE_STATE_VERSION
 TIERS = ("working", "episodic", "persistent")
 
 
@@ -368,7 +374,12 @@ class CascadeMemory:
                 continue
             tensors = dict(tensors)
             refs: dict[int, str] = {}
-            for bid, _, l3_key, _, _, resident in meta["episodic"]["blocks"]:
+            try:
+                listed = [(int(b[0]), b[2], b[5]) for b in meta["episodic"]["blocks"]]
+            except (KeyError, TypeError, ValueError, IndexError, OverflowError):
+                self.store.discard(key, "its episodic blocks are unreadable")
+                continue
+            for bid, l3_key, resident in listed:
                 kv = self.store.get(l3_key) if resident and l3_key else None
                 if resident and kv is None:
                     # A block it references was evicted (budget) or broken (dropped with a warning): the snapshot
@@ -379,6 +390,11 @@ class CascadeMemory:
                     tensors[f"ep.{bid}.k"], tensors[f"ep.{bid}.v"] = kv
                     refs[int(bid)] = l3_key
             else:
+                try:  # a cache file is input like any other: the session schema decides before anything is written
+                    check_memory_state(meta, tensors, self.state_target())
+                except SchemaError as exc:
+                    self.store.discard(key, f"the snapshot {exc}")
+                    continue
                 self._restore(meta, tensors)
                 self._content_keys = refs
                 return end
@@ -389,7 +405,7 @@ class CascadeMemory:
             return False
         try:
             saved = CascadeConfig.from_dict(meta["config"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError, SparkError):
             return False
         return replace(saved, persistent_budget_bytes=self.cfg.persistent_budget_bytes) == self.cfg
 
@@ -444,11 +460,15 @@ class CascadeMemory:
         }
         return meta, tensors
 
+    def state_target(self) -> StateTarget:
+        c = self.backend.config
+        return StateTarget(c.vocab_size, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), cascade=self.cfg)
+
     def load_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-        if meta.get("kind") != "cascade" or int(meta.get("version", -1)) != STATE_VERSION:
-            raise SessionFileError("The saved memory is not a cascade memory this version can restore.")
-        if CascadeConfig.from_dict(meta["config"]) != self.cfg:
-            raise SessionFileError("The saved memory used a different cascade geometry; restore it with the same settings.")
+        try:  # the one schema (engine.session_schema): nothing is touched unless all of it holds
+            check_memory_state(meta, tensors, self.state_target())
+        except SchemaError as exc:
+            raise SessionFileError(f"The saved memory cannot be restored: it {exc}.") from None
         self._restore(meta, tensors)
 
     def _restore(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:

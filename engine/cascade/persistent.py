@@ -13,6 +13,13 @@ advisory: on open it is reconciled with the files actually present (another proc
 Two kinds of entry share the directory, the identity checks and the byte budget (header `kind`): "kv" (one block:
 k, v) and "state" (a cascade snapshot, engine.cascade.memory: named tensors of fp16/fp32/fp64 plus the memory's
 JSON meta, itself covered by a CRC). Entries written before kinds existed are "kv".
+
+Paths: a key is a sha256 hex string or it is refused; every entry's path is checked to resolve inside `blocks/`,
+so nothing read from a session file or a snapshot (an episodic block's l3_key) can name a file elsewhere.
+
+A cache is an optimisation, never a reason to lose a reply: any I/O error (full disk, read-only or vanished
+folder, a file where the folder should be) turns the store off for the rest of the run with one warning, and it
+then behaves as an empty cache that stores nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import hashlib
 import json
 import mmap
 import os
+import stat
 import struct
 import tempfile
 import time
@@ -41,8 +49,8 @@ STALE_TEMP_S = 3600.0
 DTYPES = {"F16": torch.float16, "F32": torch.float32, "F64": torch.float64}  # what entries may hold
 
 
-def _is_key(name: str) -> bool:
-    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+def _is_key(name: object) -> bool:
+    return isinstance(name, str) and len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
 
 def _crc(t: torch.Tensor) -> str:
@@ -75,14 +83,30 @@ class PersistentStore:
     def __init__(self, root: str | Path, fingerprint: str, numerics: str, budget_bytes: int = 4 * 1024**3) -> None:
         self.root = Path(root).expanduser()
         self.blocks = self.root / "blocks"
-        self.blocks.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint
         self.numerics = numerics
         self.dtype = str(CANONICAL_KV_DTYPE).removeprefix("torch.")
         self.budget_bytes = budget_bytes
         self.counters = Counters()
         self._index: dict[str, _Entry] = {}
-        self._load_index()
+        self.disabled: str | None = None  # why the store turned itself off (an I/O error), or None
+        try:
+            self.blocks.mkdir(parents=True, exist_ok=True)
+            self._blocks_resolved = self.blocks.resolve(strict=True)
+            self._load_index()
+        except OSError as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        """Turn the store off for this run after an I/O error, with one warning; it then acts as an empty cache."""
+        if self.disabled is None:
+            self.disabled = exc.strerror or str(exc)
+            warnings.warn(
+                f"The persistent KV cache at {self.root} is off for this run ({self.disabled}); replies are unaffected, only slower to repeat.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._index = {}
 
     # -- keys ---------------------------------------------------------------------------------------------------
 
@@ -92,7 +116,13 @@ class PersistentStore:
         return hashlib.sha256(ident.encode()).hexdigest()
 
     def _path(self, key: str) -> Path:
-        return self.blocks / f"{key}.safetensors"
+        """The entry's file; refuses anything but a content hash, and any path that resolves outside `blocks/`."""
+        if not _is_key(key):
+            raise ValueError("a persistent cache key must be a sha256 hex digest")
+        path = self.blocks / f"{key}.safetensors"
+        if path.resolve().parent != self._blocks_resolved:  # e.g. a symlink planted in the cache folder
+            raise ValueError("a persistent cache entry resolves outside the cache folder")
+        return path
 
     # -- index --------------------------------------------------------------------------------------------------
 
@@ -117,19 +147,26 @@ class PersistentStore:
 
     def flush(self) -> None:
         """Write the LRU index (atomically); called after every put/eviction and by `close()`."""
+        if self.disabled:
+            return
         data = {"format": FORMAT, "entries": {k: vars(e) for k, e in self._index.items()}}
-        _atomic_write(self.root / "index.json", json.dumps(data).encode())
+        try:
+            _atomic_write(self.root / "index.json", json.dumps(data).encode())
+        except OSError as exc:
+            self._fail(exc)
 
     close = flush
 
     # -- blocks -------------------------------------------------------------------------------------------------
 
     def __contains__(self, key: str) -> bool:
-        return key in self._index
+        return not self.disabled and key in self._index
 
     def put(self, key: str, k: torch.Tensor, v: torch.Tensor, tokens: int) -> None:
         """k, v (L, Hkv, n, D) canonical fp16 -> one entry (when the key is already stored: only marks it used now,
         since whoever puts it again, e.g. a new snapshot referencing the block, still needs it)."""
+        if self.disabled or not _is_key(key):
+            return
         if key in self._index:
             self._index[key].last_used = time.time()
             return
@@ -137,7 +174,7 @@ class PersistentStore:
 
     def put_state(self, key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         """A memory snapshot: JSON-able meta + named tensors (fp16, fp32 or fp64) -> one entry (no-op when stored)."""
-        if key in self._index:
+        if self.disabled or not _is_key(key) or key in self._index:
             return
         state = json.dumps(meta)
         self._write(key, "state", tensors, {"state": state, "crc_state": f"{zlib.crc32(state.encode()):08x}"})
@@ -155,7 +192,11 @@ class PersistentStore:
             **{f"crc_{n}": _crc(t) for n, t in tensors.items()},
         }
         data = save(tensors, metadata=meta)
-        _atomic_write(self._path(key), data)
+        try:
+            _atomic_write(self._path(key), data)
+        except OSError as exc:
+            self._fail(exc)
+            return
         self._index[key] = _Entry(len(data), time.time(), 0)
         self._enforce_budget(keep=key)
         self.flush()
@@ -170,14 +211,19 @@ class PersistentStore:
         return self._get(key, "state")
 
     def _get(self, key: str, kind: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
-        if key not in self._index:
+        if self.disabled or not _is_key(key) or key not in self._index:
             self.counters.misses += 1
             return None
-        path = self._path(key)
         try:
-            got = self._read(path, key, kind)
-        except OSError:
+            got = self._read(self._path(key), key, kind)
+        except FileNotFoundError:  # removed by another process meanwhile: a plain miss
+            self._index.pop(key, None)
             got = None
+        except OSError as exc:
+            self._fail(exc)
+            got = None
+        except (ValueError, RuntimeError):  # a path outside the folder, or bytes torch cannot view
+            got = self._drop(key, "it cannot be read as an entry")
         if got is None:
             self.counters.misses += 1
             return None
@@ -187,8 +233,13 @@ class PersistentStore:
         return got
 
     def _read(self, path: Path, key: str, kind: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # Non-blocking and no symlinks: a FIFO or link planted under a key's name is refused, never waited on.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return self._drop(key, "it is not a regular file")
+            size = st.st_size
             if size < 8:
                 return self._drop(key, "it is truncated")
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -199,7 +250,7 @@ class PersistentStore:
             header = json.loads(bytes(mm[8 : 8 + n]).decode("utf-8"))
             meta = header.pop("__metadata__")
             infos = {name: dict(info) for name, info in header.items()}
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return self._drop(key, "its header is unreadable")
         ident = (meta.get("format"), meta.get("kind", "kv"), meta.get("key"), meta.get("fingerprint"), meta.get("numerics"), meta.get("dtype"))
         if ident != (FORMAT, kind, key, self.fingerprint, self.numerics, self.dtype):
@@ -212,7 +263,7 @@ class PersistentStore:
                 a, b = (int(x) for x in info["data_offsets"])
                 shape = tuple(int(s) for s in info["shape"])
                 dtype = DTYPES[info["dtype"]]
-            except (KeyError, TypeError, ValueError):
+            except (KeyError, TypeError, ValueError, OverflowError):
                 return self._drop(key, "its data is truncated or inconsistent")
             count = 1
             for s in shape:
@@ -228,7 +279,13 @@ class PersistentStore:
             text = meta.get("state", "")
             if f"{zlib.crc32(text.encode()):08x}" != meta.get("crc_state"):
                 return self._drop(key, "its data fails the checksum")
-            state = json.loads(text)
+            try:
+                parsed = json.loads(text)
+            except (ValueError, RecursionError):
+                parsed = None
+            if not isinstance(parsed, dict):
+                return self._drop(key, "its state is unreadable")
+            state = parsed
         return state, out
 
     def discard(self, key: str, why: str | None = None) -> None:
@@ -250,7 +307,14 @@ class PersistentStore:
 
     def _remove(self, key: str) -> None:
         self._index.pop(key, None)
-        self._path(key).unlink(missing_ok=True)
+        if self.disabled or not _is_key(key):
+            return
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except ValueError:
+            pass  # resolves outside the folder: never deleted through the cache
+        except OSError as exc:
+            self._fail(exc)
 
     def _enforce_budget(self, keep: str | None = None) -> None:
         total = self.bytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 
 from engine.errors import SparkError
@@ -54,9 +55,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(func, args)
 
 
+def _one_line_warning(message: Warning | str, category: type[Warning], *_: object, **__: object) -> str:
+    return f"warning: {message}\n"
+
+
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """Run a subcommand the way every MLoT Spark CLI does: a SparkError is one line on stderr and exit 2, Ctrl-C is
-    exit 130, never a traceback for either."""
+    exit 130, never a traceback for either; a warning (e.g. the cache turning itself off) is one line too."""
+    warnings.formatwarning = _one_line_warning
     try:
         return int(func(args) or 0)
     except SparkError as exc:

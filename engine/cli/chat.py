@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+from engine.cli.checks import check_text
 from engine.cli.generate import add_model_args, add_sampling_args, open_engine, settings_from_args
 from engine.errors import SparkError
 from engine.model_files import display_name, resolve_model_path
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, resolve_model_path(args.model))  # bad flags fail before any loading
     engine = open_engine(args)
     session = engine.new_session()
+    check_text(args.system, "--system")
     session.system_prompt = args.system
     print(f"MLoT Spark — {display_name(engine.model_dir)} on {engine.choice.explain()}. /quit to leave.", file=sys.stderr)
     while True:
@@ -60,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
         except EOFError:
             print()
             return 0
+        except UnicodeDecodeError:  # the terminal sent bytes that are not UTF-8: say so, keep the chat
+            print("error: That line is not valid UTF-8 text; check the terminal's encoding.", file=sys.stderr)
+            continue
         if not line:
             continue
         try:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from engine.backends import QUANTIZE_CHOICES
+from engine.cli.checks import check_max_tokens, check_seed, check_text, check_threads, read_text_file
 from engine.config import generation_defaults
 from engine.errors import SparkError
 from engine.model_files import resolve_model_path
@@ -49,8 +50,10 @@ def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationS
     if any(k in given for k in ("temperature", "top_p", "top_k", "min_p")) and "greedy" not in given:
         given["greedy"] = False  # asking for sampling parameters means sampling, whatever the model's default
     v = {**SAMPLING_DEFAULTS, "greedy": False, **generation_defaults(model_dir), **given}
-    if v["max_tokens"] < 1:
-        raise SparkError(f"--max-tokens must be at least 1, not {v['max_tokens']}.")
+    check_max_tokens(v["max_tokens"])
+    check_seed(args.seed)
+    for stop in args.stop:
+        check_text(stop, "--stop")
     sampling = SamplingSettings(
         temperature=v["temperature"],
         top_k=v["top_k"],
@@ -65,6 +68,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationS
 
 
 def open_engine(args: argparse.Namespace) -> Engine:
+    check_threads(args.threads)
     use_recommended_threads(args.threads)
     policy = this_machine_policy()
     factory = memory_factory_for(args.model, cache_dir=args.cache_dir, prefix_cache=not args.no_prefix_cache, policy=policy)
@@ -87,15 +91,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def read_prompt(args: argparse.Namespace) -> str | None:
     if args.prompt_file is not None:
-        path = args.prompt_file.expanduser()
-        if path.is_dir():
-            raise SparkError(f"{path} is a folder; --prompt-file needs a text file.")
-        try:
-            return path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise SparkError(f"The prompt file {path} does not exist.") from None
-        except UnicodeDecodeError:
-            raise SparkError(f"{path} is not UTF-8 text; --prompt-file needs a text file.") from None
+        return read_text_file(args.prompt_file, "--prompt-file")
+    check_text(args.prompt, "--prompt")
     return args.prompt
 
 
@@ -116,8 +113,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"backend: {engine.choice.explain()}", file=sys.stderr)
     text, tokens, last = stream(events, echo=not args.json)
-    if args.save_session is not None:
-        session.save(args.save_session)
     if args.json:
         out = {
             "text": text,
@@ -129,7 +124,12 @@ def run(args: argparse.Namespace) -> int:
             "backend_reason": engine.choice.explain(),
             "finish_reason": last.finish_reason if last else None,
         }
-        print(json.dumps(out, ensure_ascii=False))
+        print(json.dumps(out, ensure_ascii=False), flush=True)
+    if args.save_session is not None:  # after the reply is out: a failed save must not lose it
+        try:
+            session.save(args.save_session)
+        except SparkError as exc:
+            raise SparkError(f"The reply was printed but not saved: {exc}") from None
     return 0
 
 

@@ -168,3 +168,36 @@ def test_broken_or_unsafe_templates_raise_tokenizer_error(template: str) -> None
     with pytest.raises(TokenizerError) as err:
         render_chat(template, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert "\n" not in str(err.value) and str(err.value).endswith(".")
+
+
+# -- hostile templates: bounded in time and size, one sentence ---------------------------------------------------
+
+HOSTILE_TEMPLATES = {
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "doubling namespace": "{% set ns = namespace(x='ab') %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}{{ ns.x }}",
+    "doubling macro": "{% macro f(s, n) %}{% if n %}{{ f(s ~ s, n - 1) }}{% else %}{{ s }}{% endif %}{% endmacro %}{{ f('ab', 40) }}",
+    "lipsum": "{{ lipsum(n=200000) }}",
+    "repeat": "{{ 'x' * 1000000000 }}",
+    "filter width": "{{ 'x'|center(1000000000) }}",
+    "method width": "{{ 'x'.ljust(1000000000) }}",
+    "format width": "{{ '%*d' % (1000000000, 1) }}",
+    "power": "{{ 7 ** 100000 }}",
+    "huge output": "{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_hostile_templates_are_stopped_with_one_sentence(name: str) -> None:
+    from engine.template_limits import RenderLimits
+
+    with pytest.raises(TokenizerError, match="was stopped because") as info:
+        render_chat(HOSTILE_TEMPLATES[name], [{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                    limits=RenderLimits(max_chars=1_000_000, max_seconds=1.0))
+    assert "\n" not in str(info.value) and str(info.value).endswith(".")
+
+
+def test_limits_leave_real_templates_alone() -> None:
+    from tests.tiny import CHAT_TEMPLATE
+
+    messages = [{"role": "user", "content": "x" * 500_000}, {"role": "assistant", "content": "y"}]
+    assert len(render_chat(CHAT_TEMPLATE, messages, add_generation_prompt=True, bos_token="<s>")) > 500_000

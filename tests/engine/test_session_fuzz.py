@@ -1,13 +1,14 @@
 """Fuzzing `.spark` reading: whatever the bytes, the only outcome is a restored session or one SessionFileError —
-never another exception, a hang, or a partial restore (the live conversation and backend stay untouched).
+never another exception, a hang, an allocation the file chose, or a partial restore; and `verify` (with the
+model) passes exactly the files `restore` restores, which then continue generating.
 
-Bounded for a 2-core CI: small files (a few KiB), a few hundred examples, a per-example deadline, no example
-database written into the tree.
+Bounded for a 2-core CI: small files (~100 KiB), a couple of hundred examples, a memory cap around each example,
+no example database written into the tree. `make fuzz` runs the same mutations at scale (tests/fuzz_sessions.py).
 """
 
 from __future__ import annotations
 
-import json
+import random
 import struct
 from pathlib import Path
 
@@ -15,63 +16,23 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save as st_save
 
-from engine.backends.base import Backend
-from engine.backends.torch_backend import TorchBackend
 from engine.errors import SessionFileError
-from engine.memory import FullAttentionMemory
-from engine.session_file import ForeignModelSession, RestoredSession, inspect_session, load_session, restore, save_session
-from tests.engine.session_helpers import feed, v1_meta, write_v1, write_v2
-from tests.tiny import make_tiny_model
+from engine.session_file import (
+    RestoredSession,
+    inspect_session,
+    load_session,
+    restore,
+    verify_session,
+)
+from tests.engine.cascade.helpers import feed
+from tests.engine.session_fuzzing import World, memory_cap, mutated_file
 
-FUZZ = settings(max_examples=300, deadline=5000, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SCHEMA_FUZZ = settings(max_examples=150, deadline=5000, database=None, suppress_health_check=[HealthCheck.too_slow])
-PROMPT = [1, 17, 42, 99, 7, 250, 3, 64]
-
-
-class World:
-    """One tiny model, a live conversation on it, and the valid files the fuzzers start from."""
-
-    def __init__(self, root: Path) -> None:
-        model = make_tiny_model(root / "model")
-        self.live = TorchBackend(model, "cpu")
-        self.live.allocate(1, 32)
-        memory = FullAttentionMemory(self.live)
-        feed(self.live, memory, PROMPT)
-        self.live_tokens = list(memory.tokens)
-        self.target = TorchBackend(model, "cpu")  # where schema-fuzzed restores write
-        self.target.allocate(1, 32)
-        meta, tensors = memory.state()
-        # Low-entropy extra tier, so the compressed variants really are compressed.
-        tensors = {**tensors, "episodic.k": torch.randint(0, 4, (2, 2, 8, 16), generator=torch.Generator().manual_seed(0)).half()}
-        self.meta, self.tensors = meta, tensors
-        common = dict(
-            fingerprint=self.live.fingerprint,
-            tokenizer_hash="t" * 64,
-            messages=[{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}],
-            system_prompt="Be brief.",
-            settings={"max_tokens": 8},
-            memory_state=(meta, tensors),
-            pending_token=5,
-            sampler_state=[1, 2, 3],
-        )
-        self.files: dict[str, bytes] = {}
-        for compression in ("none", "zlib", "lzma"):
-            path = root / f"{compression}.spark"
-            save_session(path, compression=compression, **common)  # type: ignore[arg-type]
-            assert load_session(path).compression == compression
-            self.files[compression] = path.read_bytes()
-        v1 = root / "v1.spark"
-        write_v1(v1, v1_meta(self.live.fingerprint, meta["tokens"], 5, meta, [1, 2, 3]), st_save(tensors))
-        self.files["v1"] = v1.read_bytes()
-        self.v2_meta = json.loads(self.files["none"][68 : 68 + struct.unpack_from("<Q", self.files["none"], 12)[0]])
-        self.section = st_save(tensors)
-        self.snapshot = (self.live.cache.k.clone(), self.live.cache.v.clone())
-        self.path = root / "fuzzed.spark"
-
-    def live_untouched(self) -> bool:
-        return torch.equal(self.live.cache.k, self.snapshot[0]) and torch.equal(self.live.cache.v, self.snapshot[1])
+FUZZ = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SCHEMA_FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+CAP = 1 << 30  # far above what any example needs (a few MB), far below what the issue's files asked for (5 GB)
+NAMES = ["none", "zlib", "lzma"]
+EDGE_LENGTHS = [0, 1, 2**31, 2**32 + 7, 2**63, 2**64 - 1]
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +40,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     return World(tmp_path_factory.mktemp("fuzz"))
 
 
-NAMES = ["none", "zlib", "lzma", "v1"]
-LENGTH_FIELDS = {"none": (12, 20, 28), "zlib": (12, 20, 28), "lzma": (12, 20, 28), "v1": (8, 16)}
-EDGE_LENGTHS = [0, 1, 2**31, 2**32 + 7, 2**63, 2**64 - 1]
+def test_the_seed_files_are_sound_and_restore(world: World, tmp_path: Path) -> None:
+    target = world.factory(None)(world.backend()).state_target()
+    for name, raw in world.files.items():
+        path = tmp_path / f"{name}.spark"
+        path.write_bytes(raw)
+        assert load_session(path).compression == name  # every codec really is exercised
+        verify_session(path, target)
+        assert isinstance(restore(path, world.backend(), world.factory(world.store("seed"))), RestoredSession)
 
 
 @st.composite
@@ -102,7 +68,7 @@ def mutations(draw: st.DrawFn, files: dict[str, bytes]) -> tuple[str, bytes]:
         d = draw(st.integers(c, len(other)))
         raw = raw[:a] + other[c:d] + raw[b:]
     elif op == "inflate":
-        at = draw(st.sampled_from(LENGTH_FIELDS[name]))
+        at = draw(st.sampled_from([12, 20, 28]))
         value = draw(st.one_of(st.sampled_from(EDGE_LENGTHS + [len(raw), 2 * len(raw)]), st.integers(0, 2**64 - 1)))
         struct.pack_into("<Q", raw, at, value)
     elif op == "overwrite":
@@ -117,82 +83,58 @@ def mutations(draw: st.DrawFn, files: dict[str, bytes]) -> tuple[str, bytes]:
 
 @FUZZ
 @given(data=st.data())
-def test_mutated_files_only_ever_raise_session_file_error(world: World, data: st.DataObject) -> None:
+def test_damaged_files_only_ever_raise_session_file_error(world: World, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
     op, raw = data.draw(mutations(world.files), label="mutation")
-    world.path.write_bytes(raw)
-    unchanged = raw in world.files.values()  # e.g. an empty splice
-    calls: list[Backend] = []
-
-    def factory(backend: Backend) -> FullAttentionMemory:
-        calls.append(backend)
-        return FullAttentionMemory(backend)
-
-    if unchanged:  # still a sound file: it must restore (into the scratch backend, leaving the live one alone)
-        load_session(world.path), inspect_session(world.path)
-        assert isinstance(restore(world.path, world.target, FullAttentionMemory), RestoredSession)
+    if raw in world.files.values():  # e.g. an empty splice: still sound, covered by the seed test
         return
-    for attempt in (load_session, inspect_session, lambda p: restore(p, world.live, factory)):
-        with pytest.raises(SessionFileError) as info:
-            attempt(world.path)
-        message = str(info.value)
-        assert message and "\n" not in message and message.endswith("."), message
-    assert not calls, f"{op}: a memory was created for a file that failed verification"
-    assert world.live_untouched(), f"{op}: the live conversation's KV changed"
-
-
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**1100), 2**1100) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12,
-)
-META_KEYS = ["format_version", "app_version", "model_fingerprint", "tokenizer_hash", "created", "saved", "system_prompt",
-             "messages", "settings", "token_ids", "pending_token", "sampler_state", "memory", "extra"]
-
-
-def _set_path(obj: object, path: list[str | int], value: object, delete: bool) -> None:
-    for key in path[:-1]:
-        obj = obj[key]  # type: ignore[index]
-    if delete:
-        del obj[path[-1]]  # type: ignore[attr-defined]
-    else:
-        obj[path[-1]] = value  # type: ignore[index]
+    path = tmp_path_factory.mktemp("damaged") / "f.spark"
+    path.write_bytes(raw)
+    backend = world.backend()
+    before = backend.cache.k.clone() if getattr(backend, "cache", None) is not None else None
+    with memory_cap(CAP):
+        for attempt in (load_session, inspect_session, lambda p: restore(p, backend, world.factory(None))):
+            with pytest.raises(SessionFileError) as info:
+                attempt(path)
+            message = str(info.value)
+            assert message and "\n" not in message and message.endswith("."), message
+    assert before is None or torch.equal(backend.cache.k, before), f"{op}: the backend's KV changed"
 
 
 @SCHEMA_FUZZ
-@given(data=st.data())
-def test_well_checksummed_but_malformed_content_is_a_clear_error(world: World, data: st.DataObject) -> None:
-    """A file with a valid checksum but hostile or buggy content (as another writer could produce)."""
-    meta = json.loads(json.dumps(world.v2_meta))
-    section = world.section
-    target = data.draw(st.sampled_from(["meta", "nested", "tensor table"]))
-    if target == "meta":
-        _set_path(meta, [data.draw(st.sampled_from(META_KEYS))], data.draw(JSON), data.draw(st.booleans()))
-    elif target == "nested":
-        path = data.draw(st.sampled_from([["messages", 0, "role"], ["messages", 1, "timestamp"], ["memory", "tokens"], ["memory", "kind"],
-                                          ["token_ids", 0], ["messages", 0]]))
-        _set_path(meta, path, data.draw(JSON), data.draw(st.booleans()))
-    else:
-        (n,) = struct.unpack_from("<Q", section)
-        table = json.loads(section[8 : 8 + n])
-        name = data.draw(st.sampled_from(sorted(table)))
-        field = data.draw(st.sampled_from(["dtype", "shape", "data_offsets", None]))
-        if field is None:
-            table[name] = data.draw(JSON)
-        else:
-            table[name][field] = data.draw(st.one_of(JSON, st.sampled_from(["F16", "F64", "I64", [0, 2**62], [1, 2, 3, 4]])))
-        header = json.dumps(table).encode()
-        section = struct.pack("<Q", len(header)) + header + section[8 + n :]
-    write_v2(world.path, json.dumps(meta).encode(), section)
-    try:
-        outcome = restore(world.path, world.target, FullAttentionMemory)
-    except SessionFileError as exc:
-        assert "\n" not in str(exc) and str(exc).endswith(".")
-        event("refused")
-    else:
-        assert isinstance(outcome, (RestoredSession, ForeignModelSession))
-        event(type(outcome).__name__)
-    try:
-        inspect_session(world.path)
-    except SessionFileError:
-        pass
-    assert world.live_untouched()
+@given(rng=st.randoms(use_true_random=False))
+def test_verify_passes_exactly_what_restores_and_continues(world: World, tmp_path_factory: pytest.TempPathFactory, rng: random.Random) -> None:
+    """Schema-aware: any field of the metadata or the memory state, or a tensor, made hostile behind a valid
+    checksum. verify(with the model) OK <=> restore OK, and a restored memory spills and generates."""
+    root = tmp_path_factory.mktemp("schema")
+    path = root / "f.spark"
+    world_files_before = {p: p.stat().st_mtime_ns for p in world.root.rglob("*") if "l3" not in p.relative_to(world.root).parts}
+    what = mutated_file(world, rng, path)
+    backend = world.backend()
+    store = world.store(f"fuzz-{rng.randrange(4)}")
+    target = world.factory(None)(world.backend()).state_target()
+    with memory_cap(CAP):
+        try:
+            verify_session(path, target, world.fingerprint)
+            verified = None
+        except SessionFileError as exc:
+            verified = str(exc)
+        try:
+            outcome = restore(path, backend, world.factory(store))
+        except SessionFileError as exc:
+            assert verified is not None, f"{what}: verify passed, restore refused: {exc}"
+            assert "\n" not in str(exc) and str(exc).endswith(".")
+            event("refused")
+            return
+        assert verified is None, f"{what}: verify refused ({verified}) what restore restored"
+        if not isinstance(outcome, RestoredSession):  # another model's file: transcript only, nothing to continue
+            event("transcript only")
+            return
+        memory = outcome.memory
+        memory.spill()  # writes KV under l3 keys read from the file: they must stay inside the store
+        pending = outcome.data.pending_token if outcome.data.pending_token is not None else 1
+        logits = feed(backend, memory, [pending])
+        assert torch.isfinite(logits).all()
+        event("restored")
+    outside = {p: p.stat().st_mtime_ns for p in world.root.rglob("*") if "l3" not in p.relative_to(world.root).parts}
+    assert outside == world_files_before, f"{what}: a file outside the store was written"
+    assert [p.name for p in root.iterdir()] == ["f.spark"], f"{what}: something was written next to the session file"
