@@ -216,6 +216,15 @@ def _assign(model: Transformer, config: ModelConfig, state: dict[str, torch.Tens
     return weight_bytes
 
 
+def model_fingerprint(model_path: Path) -> str:
+    """The fingerprint `load_model` gives a model, from its file(s) alone (no weight is converted)."""
+    if is_gguf_model(model_path):
+        return file_sha256(gguf_model(model_path).path)[:32]
+    config = ModelConfig.from_file(model_path / "config.json")
+    files = weight_files(model_path)
+    return fingerprint(config, files, [read_safetensors_header(f) for f in files])
+
+
 def _load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype) -> LoadedModel:
     gm = gguf_model(path)
     with torch.device("meta"):
@@ -226,7 +235,7 @@ def _load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype) -> Lo
         state[name] = t if (t.dtype == dtype and str(device) == "cpu") else t.to(device=device, dtype=dtype)
     weight_bytes = _assign(model, gm.config, state, device, dtype)
     # The fingerprint covers the whole file: any changed byte is another model for caches and sessions.
-    return LoadedModel(model, gm.config, file_sha256(gm.path)[:32], gm.path, weight_bytes, gm.stored_tensors())
+    return LoadedModel(model, gm.config, model_fingerprint(gm.path), gm.path, weight_bytes, gm.stored_tensors())
 
 
 def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:

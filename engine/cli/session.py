@@ -14,7 +14,6 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from engine.config import ModelConfig
 from engine.session_file import inspect_session, verify_session
 
 PREVIEW_CHARS = 72
@@ -97,19 +96,13 @@ def _model_target(model_dir: Path):  # type: ignore[no-untyped-def]
     """(the state target restore would use, the model's fingerprint), from the folder's config, cascade.json and
     weight headers alone: no weights are loaded."""
     from engine.cascade import CascadeConfig
+    from engine.model_files import check_model_path, read_config, settings_dir
     from engine.session_schema import StateTarget
-    from engine.weights import (
-        check_model_folder,
-        fingerprint,
-        read_safetensors_header,
-        weight_files,
-    )
+    from engine.weights import model_fingerprint
 
-    folder = model_dir.expanduser()
-    check_model_folder(folder)
-    config = ModelConfig.from_file(folder / "config.json")
-    files = weight_files(folder)
-    tables = [read_safetensors_header(f) for f in files]
-    cascade = CascadeConfig.for_model(folder, config)
+    path = model_dir.expanduser()
+    check_model_path(path)
+    config = read_config(path)
+    cascade = CascadeConfig.for_model(settings_dir(path), config)
     dims = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-    return StateTarget(config.vocab_size, dims, cascade=cascade), fingerprint(config, files, tables)
+    return StateTarget(config.vocab_size, dims, cascade=cascade), model_fingerprint(path)
