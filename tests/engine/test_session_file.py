@@ -1,4 +1,4 @@
-"""`.spark` session files: round trip, restore-and-continue, migration, clear errors, atomic saves, CLI, autosave."""
+"""`.spark` session files: round trip, restore-and-continue, migration, clear errors, atomic saves, CLI."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from safetensors.torch import save as st_save
 
 from engine import session_file
-from engine.autosave import Autosaver
 from engine.backends.base import Backend
 from engine.backends.torch_backend import TorchBackend
 from engine.cli import main as cli_main
@@ -457,54 +456,6 @@ def test_cli_verify_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[st
         assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and "checksum" in err
     assert cli_main(["session", "verify", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
-
-
-# -- autosave ------------------------------------------------------------------------------------------------------
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_autosave_periodic_only_when_changed_and_on_quit(tmp_path: Path) -> None:
-    clock = FakeClock()
-    saved: list[Path] = []
-    auto = Autosaver(tmp_path / "auto.spark", saved.append, interval_s=30, clock=clock)
-    assert not auto.tick() and auto.flush() and saved == []  # nothing changed: nothing written
-    auto.changed()
-    clock.now += 10
-    assert not auto.tick()  # too soon
-    clock.now += 25
-    assert auto.tick() and len(saved) == 1 and not auto.dirty
-    clock.now += 100
-    assert not auto.tick()  # no change since
-    auto.changed()
-    assert auto.flush() and len(saved) == 2 and auto.saves == 2
-
-
-def test_autosave_failure_is_kept_and_retried(tmp_path: Path) -> None:
-    clock = FakeClock()
-    fail = [True]
-
-    def save(path: Path) -> None:
-        if fail[0]:
-            raise SessionFileError("Could not save the session to x: No space left on device.")
-        save_small(path)
-
-    auto = Autosaver(tmp_path / "auto.spark", save, interval_s=5, clock=clock)
-    auto.changed()
-    clock.now += 5
-    assert not auto.tick() and auto.dirty and "No space" in str(auto.last_error)
-    clock.now += 1
-    assert not auto.tick()  # waits a full interval before retrying
-    fail[0] = False
-    clock.now += 5
-    assert auto.tick() and auto.last_error is None and not auto.dirty
-    load_session(tmp_path / "auto.spark")
 
 
 # -- hostile targets and files -------------------------------------------------------------------------------------
