@@ -100,6 +100,7 @@ class Completion:
     prompt_tokens: int
     ttft_s: float
     tokens_per_s: float
+    cached_tokens: int = 0  # leading prompt tokens restored from the prefix cache instead of computed
 
 
 class RowState:
@@ -113,7 +114,12 @@ class RowState:
         s = settings.sampling
         self.settings = settings
         self.prompt_len = len(prompt_ids)
-        self.pending = list(prompt_ids[memory.reuse_prefix(list(prompt_ids[:-1])) :])  # prompt ids not yet fed
+        self.cached_tokens = memory.reuse_prefix(list(prompt_ids[:-1]))  # restored from the prefix cache, not fed
+        self.pending = list(prompt_ids[self.cached_tokens :])  # prompt ids not yet fed
+        # As engine.generate.prefill: a memory may ask for a chunk to end at one index (to snapshot its state there
+        # for a later prompt that extends this one); `cut` counts pending ids up to it.
+        cut = memory.prefill_cut(list(prompt_ids), self.cached_tokens) if hasattr(memory, "prefill_cut") else None
+        self.cut = None if cut is None else cut - self.cached_tokens
         self.skip = skip
         self.sample = make_sampler(s)
         self.processors = make_logits_processors(s)
@@ -137,7 +143,11 @@ class RowState:
             if self.skip:
                 self.skip -= 1
                 return []
+            if self.cut is not None and 0 < self.cut < chunk:
+                chunk = self.cut
             feed, self.pending = self.pending[:chunk], self.pending[chunk:]
+            if self.cut is not None:
+                self.cut = self.cut - len(feed) or None
             return feed
         assert self.last is not None
         return [self.last]
@@ -185,7 +195,7 @@ class RowState:
 
     def completion(self, last: GenerationEvent) -> Completion:
         assert self.finish_reason is not None
-        return Completion(list(self.tokens), "".join(self.parts), self.finish_reason, self.prompt_len, last.ttft_s, last.tokens_per_s)
+        return Completion(list(self.tokens), "".join(self.parts), self.finish_reason, self.prompt_len, last.ttft_s, last.tokens_per_s, self.cached_tokens)
 
 
 def sample_greedy(logits: torch.Tensor) -> tuple[list[int], list[float]]:

@@ -224,6 +224,11 @@ class Scheduler:
     def running(self) -> int:
         return sum(a is not None for a in self._rows)
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a row (the server reports it and sizes Retry-After by it)."""
+        return len(self._waiting)
+
     # -- scheduler thread --------------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
