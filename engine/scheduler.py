@@ -281,7 +281,8 @@ class Scheduler:
             feed: list[int] = []
             plan = None
             if a is not None:
-                chunk = a.state.settings.prefill_chunk
+                # As engine.generate.prefill: one step may not feed a row more than its memory takes at once.
+                chunk = max(1, min(a.state.settings.prefill_chunk, self._memories[r].max_feed()))
                 feed = a.state.next_feed(min(chunk, self.config.mixed_chunk) if decoding else chunk)
                 try:
                     plan = self._memories[r].plan(feed)

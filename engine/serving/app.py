@@ -28,7 +28,6 @@ from starlette.types import Receive, Scope, Send
 
 from engine.serving import protocol
 from engine.serving.errors import ApiError, bad_key, bad_request, server_error, too_large, unknown_model
-from engine.serving.metrics import Metrics
 from engine.serving.service import Job, ModelService
 
 log = logging.getLogger("engine.serve")
@@ -61,7 +60,10 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, chunks: AsyncIterator[str], job: Job) -> None:
-        super().__init__(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.status_code = 200
+        self.background = None
+        # No Content-Length: the body's length is unknown until the last event (chunked transfer).
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         self.chunks, self.job = chunks, job
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -94,7 +96,7 @@ class Api:
     def __init__(self, service: ModelService) -> None:
         self.service = service
         self.config = service.config
-        self.metrics = Metrics(service.gauges())
+        self.metrics = service.metrics
         self.created = int(time.time())
 
     # -- plumbing ----------------------------------------------------------------------------------------------
@@ -213,12 +215,9 @@ class Api:
     def finish(self, job: Job) -> protocol.Completion:
         try:
             c = job.result()
-        except ApiError:
-            raise
         except Exception as exc:  # the scheduler ended the request with an error (e.g. a failed forward)
             log.error("generation failed: %s", exc)
             raise server_error(f"Generation failed: {exc}") from None
-        self.metrics.finished(c.prompt_tokens, c.cached_tokens, len(c.tokens), c.ttft_s, c.tokens_per_s)
         return c
 
 

@@ -46,6 +46,7 @@ class Metrics:
 
     def __init__(self, sources: dict[str, Callable[[], float]] | None = None) -> None:
         self.requests: dict[tuple[str, int], int] = {}
+        self.reasons: dict[str, int] = {}  # finished generations by finish reason (cancelled: the client left)
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.completion_tokens = 0
@@ -56,7 +57,8 @@ class Metrics:
     def request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
 
-    def finished(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, ttft_s: float, tokens_per_s: float) -> None:
+    def finished(self, reason: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int, ttft_s: float, tokens_per_s: float) -> None:
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
         self.completion_tokens += completion_tokens
@@ -69,6 +71,9 @@ class Metrics:
         out = ["# HELP spark_requests_total HTTP requests answered, by endpoint and status.", "# TYPE spark_requests_total counter"]
         for (endpoint, status), n in sorted(self.requests.items()):
             out.append(f'spark_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+        out += ["# HELP spark_generations_total Generations finished, by reason.", "# TYPE spark_generations_total counter"]
+        for reason, n in sorted(self.reasons.items()):
+            out.append(f'spark_generations_total{{reason="{reason}"}} {n}')
         for name, value, text in (
             ("spark_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
             ("spark_prompt_cached_tokens_total", self.cached_tokens, "Prompt tokens restored from memory instead of computed."),

@@ -127,7 +127,10 @@ def _common(body: dict, limits: Limits) -> tuple[str, GenerationSettings, bool, 
     top_p = _num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     seed = _int(body, "seed", -(2**63), 2**63 - 1)
     sampling = SamplingSettings(temperature=temperature, top_p=top_p, seed=seed, greedy=temperature == 0.0)
-    settings = GenerationSettings(max_tokens=max_tokens or limits.max_tokens_default, stop=_stops(body), sampling=sampling)
+    # ignore_eos: vLLM's and llama.cpp's extension (benchmarks want a fixed reply length).
+    settings = GenerationSettings(
+        max_tokens=max_tokens or limits.max_tokens_default, stop=_stops(body), sampling=sampling, ignore_eos=_bool(body, "ignore_eos")
+    )
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):

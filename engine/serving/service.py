@@ -13,8 +13,10 @@ client went away) frees its row at the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,8 @@ from engine.errors import SparkError
 from engine.generate import GenerationEvent
 from engine.memory import Memory
 from engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed, SchedulerConfig
-from engine.serving.errors import ApiError, bad_request, busy, too_large, unavailable
+from engine.serving.errors import bad_request, busy, too_large, unavailable
+from engine.serving.metrics import Metrics
 from engine.serving.protocol import Limits, ParsedRequest
 from engine.tokenizer import Tokenizer
 
@@ -47,7 +50,7 @@ class ServeConfig:
 class Job:
     """One queued request: `events()` streams its GenerationEvents, `result()` its Completion once they end."""
 
-    def __init__(self, scheduler: Scheduler, request: Request, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, scheduler: Scheduler, request: Request, loop: asyncio.AbstractEventLoop, on_done: Callable[[Completion], None]) -> None:
         self.request = request
         self._queue: asyncio.Queue[GenerationEvent | None] = asyncio.Queue()
 
@@ -59,7 +62,14 @@ class Job:
 
         request.on_event = put
         self.future = scheduler.submit(request, block=False)  # QueueFull / SchedulerClosed propagate
-        self.future.add_done_callback(lambda _: put(None))  # after the final event (same thread, in order)
+
+        def done(future: Future) -> None:  # after the final event (same thread, in order)
+            put(None)
+            if not future.cancelled() and future.exception() is None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: nothing left to count
+                    loop.call_soon_threadsafe(on_done, future.result())
+
+        self.future.add_done_callback(done)
 
     async def events(self) -> AsyncIterator[GenerationEvent]:
         try:
@@ -95,6 +105,7 @@ class ModelService:
 
         sched_cfg = SchedulerConfig(max_batch=config.max_batch, num_slots=num_slots, max_queue=config.max_queue)
         self.scheduler = Scheduler(backend, tokenizer, sched_cfg, factory)
+        self.metrics = Metrics(self.gauges())
 
     def close(self) -> None:
         self.scheduler.close()
@@ -129,11 +140,14 @@ class ModelService:
         except SparkError as exc:  # e.g. a chat template that refuses these messages
             raise bad_request(str(exc)) from None
         try:
-            return Job(self.scheduler, Request(ids, req.settings), asyncio.get_running_loop())
+            return Job(self.scheduler, Request(ids, req.settings), asyncio.get_running_loop(), self._count)
         except QueueFull:
             raise busy(self.config.retry_after_s, self.config.max_queue) from None
         except SchedulerClosed:
             raise unavailable("The server is shutting down; send the request to it again after it restarts.") from None
+
+    def _count(self, c: Completion) -> None:
+        self.metrics.finished(c.finish_reason, c.prompt_tokens, c.cached_tokens, len(c.tokens), c.ttft_s, c.tokens_per_s)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special=False)
