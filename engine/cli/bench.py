@@ -20,6 +20,7 @@ SUITES: dict[str, str] = {
     "long-ppl": "engine.bench.long_ppl",
     "batch": "engine.bench.batch",
     "profile": "engine.bench.profile",
+    "serve": "engine.bench.serve",
 }
 
 
@@ -30,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="cpu", choices=["auto", "coreml", "mps", "cuda", "cpu"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads for us and every peer (default: all cores)")
     p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="our weight storage in `decode`, `profile` and `long-ppl` (auto: int8 on the cpu backend)")
+    p.add_argument("--peer-gguf", type=Path, default=None, help="`serve`: the GGUF of the same weights for llama.cpp's server")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
