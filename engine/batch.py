@@ -67,6 +67,8 @@ class RowBatcher:
         Returns the last real token's logits per row, (B, V) float32 (rows fed nothing hold padding logits).
         """
         b = self.rows
+        if getattr(self.backend, "runs_leading_rows", False):  # rows past the last busy one cost nothing
+            b = 1 + max((r for r, p in enumerate(plans) if p is not None), default=0)
         t = max(1, max(len(f) for f in feeds))
         live = 1 + max((p.slot_positions.shape[0] for p in plans if p is not None), default=0)  # S', scratch included
         tokens = torch.full((b, t), self.pad_id, dtype=torch.long)  # (B, T)
@@ -86,8 +88,11 @@ class RowBatcher:
             slot_positions[r, 1 : n + 1] = plan.slot_positions
             mask[r, 0, off:, 1 : n + 1] = plan.mask
             mask[r, 0, off:, 0] = False
-        logits = self.backend.forward(tokens, SlotBatch(positions, write_slots, slot_positions, mask), last_only=True)  # (B, 1, V)
-        return logits[:, -1]
+        logits = self.backend.forward(tokens, SlotBatch(positions, write_slots, slot_positions, mask), last_only=True)  # (b, 1, V)
+        out = logits[:, -1]  # (b, V)
+        if b < self.rows:  # callers index rows of the whole table; rows past b were fed nothing
+            out = torch.cat((out, out.new_zeros(self.rows - b, out.shape[1])))
+        return out
 
 
 @dataclass
