@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QMenu
 from engine.errors import SparkError
 from engine.session import Engine
 from engine.serving.server import LOOPBACK, LocalServer
-from engine.serving.service import ModelService, ServeConfig
+from engine.serving.service import ModelService, ServeConfig, served_name
 
 DEFAULT_PORT = 8080
 
@@ -69,7 +69,7 @@ class LocalServerController(QObject):
             return
         engine = self._engine
         try:
-            service = ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, ServeConfig(model_id=engine.model_dir.name))
+            service = ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, ServeConfig(model_id=served_name(engine.model_dir)))
             try:
                 self._server = LocalServer(service, LOOPBACK, self.port).start()
             except BaseException:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from engine.cli.generate import add_model_args, open_engine
 from engine.errors import SparkError
-from engine.serving.service import ModelService, ServeConfig
-from engine.serving.server import LOOPBACK, LocalServer
+from engine.serving.service import ModelService, ServeConfig, served_name
+from engine.serving.server import LOOPBACK, LocalServer, bind
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,10 +27,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def model_name(model: Path) -> str:
-    return model.stem if model.suffix == ".gguf" else model.name
-
-
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise SparkError(f"--port must be between 0 and 65535, not {args.port}.")
@@ -39,9 +34,10 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             raise SparkError(f"{flag} must be at least 1, not {value}.")
     key = args.api_key if args.api_key is not None else os.environ.get("MLOT_SPARK_API_KEY") or None
+    bind(args.host, args.port).close()  # a taken port fails now, not after the model has loaded
     engine = open_engine(args)
     config = ServeConfig(
-        model_id=args.model_name or model_name(engine.model_dir),
+        model_id=args.model_name or served_name(engine.model_dir),
         api_key=key,
         max_batch=args.max_batch,
         max_queue=args.max_queue,

@@ -18,6 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine.backends.base import Backend
@@ -32,6 +33,11 @@ from engine.serving.protocol import Limits, ParsedRequest
 from engine.tokenizer import Tokenizer
 
 DEFAULT_SLOTS = 2048  # slots per row for a memory that does not say (full attention)
+
+
+def served_name(model: Path) -> str:
+    """The name clients send as "model" for a model folder or GGUF file: its folder name or file stem."""
+    return model.stem if model.suffix == ".gguf" else model.name
 
 
 @dataclass(frozen=True)
