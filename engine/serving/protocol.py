@@ -20,6 +20,7 @@ from engine.sampling import SamplingSettings
 from engine.serving.errors import bad_request
 
 MAX_STOPS = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # each stop string is searched in every streamed piece: keep that cheap
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -78,8 +79,8 @@ def _stops(body: dict) -> tuple[str, ...]:
     if v is None:
         return ()
     stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
-        raise bad_request(f"'stop' must be a string or a list of at most {MAX_STOPS} strings.", "stop")
+    if not isinstance(stops, list) or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stops) or len(stops) > MAX_STOPS:
+        raise bad_request(f"'stop' must be a string or a list of at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters.", "stop")
     return tuple(s for s in stops if s)
 
 
@@ -120,6 +121,9 @@ def _common(body: dict, limits: Limits) -> tuple[str, GenerationSettings, bool, 
         raise bad_request("'n' must be 1; this server returns one choice per request.", "n")
     if body.get("tools"):
         raise bad_request("'tools' are not supported by this server.", "tools")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad_request("Only the 'text' response_format is supported by this server.", "response_format")
     max_tokens = _int(body, "max_completion_tokens", 1, limits.max_tokens_limit)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, limits.max_tokens_limit)
