@@ -11,10 +11,12 @@ format ends the reply with an error, never a crash.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -22,6 +24,7 @@ import httpx
 
 from engine.errors import SparkError
 from engine.generate import GenerationEvent, GenerationSettings
+from engine.session_file import Message, save_session
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 300.0  # between two chunks of a stream (a big model's first token can take a while)
@@ -200,6 +203,24 @@ class RemoteSession:
 
     def reset(self) -> None:
         self.messages = []
+
+    def save(self, path: str | Path) -> int:
+        """Write the transcript as a .spark file (no memory: the server's is not ours to save). Opened with a
+        local model it restores as a transcript of another model, to be re-read; returns the size in bytes."""
+        fingerprint = "remote-" + hashlib.sha256(f"{self.client.server.url}\n{self.client.server.model}".encode()).hexdigest()
+        return save_session(
+            path,
+            fingerprint=fingerprint,
+            tokenizer_hash=None,
+            messages=[Message(m["role"], m["content"]) for m in self.messages],
+            system_prompt=self.system_prompt,
+            settings={},
+            memory_state=({"kind": "transcript"}, {}),
+            pending_token=None,
+            sampler_state=None,
+            extra={"remote_url": self.client.server.url, "model": self.client.server.model},
+            token_ids=[],
+        )
 
     def chat(self, user_text: str, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False) -> Iterator[GenerationEvent]:
         """Append a user message and stream the reply (appended to `messages` as it arrives)."""

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from engine.generate import GenerationSettings
+from engine.memory import FullAttentionMemory
 from engine.remote import RemoteClient, RemoteError, RemoteServer, RemoteSession
 from engine.sampling import SamplingSettings
+from engine.session_file import ForeignModelSession, restore
 from tests.engine.serving.conftest import KEY, Served
 
 GREEDY = GenerationSettings(max_tokens=12, sampling=SamplingSettings(greedy=True))
@@ -35,13 +38,21 @@ def test_streams_what_the_server_answers(served: Served) -> None:
     assert remote(served).list_models() == ["tiny"]
 
 
-def test_session_keeps_the_transcript(served: Served) -> None:
+def test_session_keeps_the_transcript(served: Served, tmp_path: Path) -> None:
     session = RemoteSession(remote(served), system_prompt="Be brief.")
     first = "".join(e.text for e in session.chat("Python is", GREEDY))
     second = "".join(e.text for e in session.chat("And the fox?", GREEDY))
     assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
     assert [session.messages[1]["content"], session.messages[3]["content"]] == [first, second]
     assert served.service.metrics.cached_tokens > 0  # the server reused the first turn for the second
+    # The transcript saves; a local model opens it as another model's transcript, to be re-read.
+    path = tmp_path / "remote.spark"
+    assert session.save(path) > 0
+    local = served.backend.fork()
+    opened = restore(path, local, lambda b: FullAttentionMemory(b))
+    assert isinstance(opened, ForeignModelSession)
+    assert [(m.role, m.content) for m in opened.data.messages] == [(m["role"], m["content"]) for m in session.messages]
+    assert opened.data.system_prompt == "Be brief."
 
 
 def test_stopping_cancels_on_the_server(served: Served) -> None:
