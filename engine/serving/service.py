@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +77,7 @@ class Job:
 
         self.future.add_done_callback(done)
 
-    async def events(self) -> AsyncIterator[GenerationEvent]:
+    async def events(self) -> AsyncGenerator[GenerationEvent, None]:
         try:
             while (ev := await self._queue.get()) is not None:
                 yield ev
@@ -93,9 +93,10 @@ class Job:
 
 
 class ModelService:
-    """Owns the scheduler over `backend` (a fork of its own) and the model's tokenizer."""
+    """Owns the scheduler over `backend` (a fork of its own) and the model's tokenizer. `memory_factory` is called
+    as factory(backend, row), as engine.session.memory_factory_for's factories take it."""
 
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, memory_factory: RowMemoryFactory, config: ServeConfig) -> None:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, memory_factory: RowMemoryFactory | Callable[..., Memory], config: ServeConfig) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.memories: list[Memory] = []
