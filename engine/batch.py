@@ -119,7 +119,12 @@ class RowState:
         s = settings.sampling
         self.settings = settings
         self.prompt_len = len(prompt_ids)
-        self.cached_tokens = memory.reuse_prefix(list(prompt_ids[:-1]))  # restored from the prefix cache, not fed
+        held = len(memory.tokens)  # a row may keep a finished request's memory: continue it if this prompt extends it
+        if held and (held >= len(prompt_ids) or list(prompt_ids[:held]) != memory.tokens):
+            memory.reset()
+            held = 0
+        # Leading prompt tokens already in memory or restored from the prefix cache: not fed again.
+        self.cached_tokens = held or memory.reuse_prefix(list(prompt_ids[:-1]))
         self.pending = list(prompt_ids[self.cached_tokens :])  # prompt ids not yet fed
         # As engine.generate.prefill: a memory may ask for a chunk to end at one index (to snapshot its state there
         # for a later prompt that extends this one); `cut` counts pending ids up to it.
@@ -129,7 +134,7 @@ class RowState:
         self.sample = make_sampler(s)
         self.processors = make_logits_processors(s)
         self.window = s.repetition_window or MAX_PENALTY_HISTORY  # as stream_generate: 0 = all, capped
-        self.history: list[int] = list(memory.tokens[-self.window :]) + list(prompt_ids)
+        self.history: list[int] = list(prompt_ids)  # what memory holds is a prefix of the prompt by now
         # Greedy rows without processors are sampled together in one batched argmax (see `sample_greedy`).
         self.plain_greedy = s.is_greedy and not self.processors
         self.detok = tokenizer.stream_decoder()

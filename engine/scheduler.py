@@ -3,7 +3,8 @@
 One scheduler thread owns the backend and its slot table of `max_batch` rows (plus the scratch slot per row, see
 engine.batch). Every step it
   1. admits waiting requests into free rows, most urgent first (interactive chat before background work, FIFO
-     within a priority); each row has its own memory, reset when its request ends;
+     within a priority); each row has its own memory, kept when its request ends, so that a request extending
+     that conversation goes to that row and feeds only its new tokens (see `_pick_row`);
   2. feeds every active row: a prefill chunk, or its last sampled token, or nothing — so a step is a prefill,
      decode or mixed step depending on who is running. While any row is decoding, prefill chunks shrink to
      `mixed_chunk` tokens, because every row is padded to the longest feed: a long chunk would make each
@@ -124,6 +125,9 @@ class Scheduler:
         self._memories = [memory_factory(view, r) for r in range(self.config.max_batch)]  # type: ignore[arg-type]
         self._batcher = RowBatcher(backend)
         self._rows: list[_Active | None] = [None] * self.config.max_batch
+        # A finished request's memory stays in its row until another request needs the row, so a request that
+        # extends that conversation (a chat client's next turn) continues it instead of re-reading its prompt.
+        self._used = [0] * self.config.max_batch  # when each row was last given a request (LRU among kept rows)
         self._waiting: list[_Waiting] = []  # heap: most urgent, oldest first
         self._seq = itertools.count()
         self._cond = threading.Condition()
@@ -248,22 +252,32 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Move the most urgent waiting requests into free rows (caller holds the lock)."""
-        for r, a in enumerate(self._rows):
-            if a is not None:
+        free = [r for r, a in enumerate(self._rows) if a is None]
+        while free and self._waiting:
+            w = heapq.heappop(self._waiting)
+            self._cond.notify_all()  # queue space for blocked submitters
+            if not w.future.set_running_or_notify_cancel():
+                continue  # cancelled through its future while waiting
+            r = self._pick_row(free, w.ids)
+            try:
+                state = RowState(self.tokenizer, w.ids, w.request.settings, self._memories[r], w.t0)
+            except Exception as exc:  # bad settings: this request fails, the row stays free
+                self._memories[r].reset()
+                w.future.set_exception(exc)
                 continue
-            while self._waiting:
-                w = heapq.heappop(self._waiting)
-                self._cond.notify_all()  # queue space for blocked submitters
-                if not w.future.set_running_or_notify_cancel():
-                    continue  # cancelled through its future while waiting
-                try:
-                    state = RowState(self.tokenizer, w.ids, w.request.settings, self._memories[r], w.t0)
-                except Exception as exc:  # bad settings: this request fails, the row stays free
-                    self._memories[r].reset()
-                    w.future.set_exception(exc)
-                    continue
-                self._rows[r] = _Active(w, state)
-                break
+            free.remove(r)
+            self._used[r] = next(self._seq)
+            self._rows[r] = _Active(w, state)
+
+    def _pick_row(self, free: list[int], ids: list[int]) -> int:
+        """The free row for a prompt: one whose kept memory (a finished request's conversation) the prompt extends,
+        the longest such; else the first empty row (busy rows stay first, see RowBatcher); else the row kept the
+        longest without use. RowState forgets a kept memory the prompt does not extend."""
+        extends = [r for r in free if 0 < len(self._memories[r].tokens) < len(ids) and ids[: len(self._memories[r].tokens)] == self._memories[r].tokens]
+        if extends:
+            return max(extends, key=lambda r: len(self._memories[r].tokens))
+        empty = [r for r in free if not self._memories[r].tokens]
+        return empty[0] if empty else min(free, key=lambda r: self._used[r])
 
     def _step(self) -> None:
         rows = self._rows
@@ -319,8 +333,8 @@ class Scheduler:
         a = self._rows[r]
         assert a is not None
         self._rows[r] = None
-        self._memories[r].reset()
         if error is not None:
+            self._memories[r].reset()
             a.waiting.future.set_exception(error)
         else:
             a.waiting.future.set_result(result)  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ class Served:
     tokenizer: Tokenizer
     backend: TorchBackend
     model_dir: Path
+    cache_dir: Path
 
     @property
     def url(self) -> str:
@@ -39,7 +40,7 @@ def start_server(model_dir: Path, cache_dir: Path, **config: object) -> Served:
     factory = memory_factory_for(model_dir, cache_dir=cache_dir, **CASCADE)
     settings = {"model_id": "tiny", "api_key": KEY, "max_batch": 4, "max_queue": 8, "max_prompt_tokens": 600, **config}
     service = ModelService(backend.fork(), tok, factory, ServeConfig(**settings))  # type: ignore[arg-type]
-    return Served(LocalServer(service, port=0).start(), service, tok, backend, model_dir)
+    return Served(LocalServer(service, port=0).start(), service, tok, backend, model_dir, cache_dir)
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +53,14 @@ def served(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     s = start_server(tiny_dir, tmp_path_factory.mktemp("kv"))
     yield s
     s.server.stop()
+
+
+REAL_MODEL = Path("/work/models/smollm2-hf")  # the HF stand-in for the default model until the GGUF loader lands
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The real default model (SmolLM2-135M-Instruct), or a skip where this machine does not have it."""
+    if not (REAL_MODEL / "config.json").is_file():
+        pytest.skip("the real default model is not on this machine")
+    return REAL_MODEL

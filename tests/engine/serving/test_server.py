@@ -106,12 +106,32 @@ def test_second_turn_reuses_the_first_turns_memory(served: Served) -> None:
     turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "And the fox?"}]
     second = c.chat.completions.create(model="tiny", messages=turn2, max_tokens=10, temperature=0)  # type: ignore[arg-type]
     cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    # The row kept turn 1's memory (prompt and every reply token but the last): reused as far as turn 2's ids
+    # repeat it. The random model's reply is not valid UTF-8, so its text re-encodes to other ids, and the prefix
+    # cache's blocks of the prompt are what matches here (tests/engine/test_scheduler.py and the real model's test
+    # show the kept row continuing).
     turn1_ids = served.tokenizer.encode_chat(turn1)
-    assert cached >= len(turn1_ids) // 8 * 8 > 0  # at least every whole block of the first prompt
+    assert cached >= len(turn1_ids) // 8 * 8 > 0
     assert cached < second.usage.prompt_tokens  # type: ignore[union-attr]
-    # Restored, not approximated: the reply equals one computed from scratch.
+    # Continued, not approximated: the reply equals one computed from scratch (all of it fits the window).
     assert second.choices[0].message.content == reference(served, served.tokenizer.encode_chat(turn2), 10)
     assert metric(served, "spark_prompt_cached_tokens_total") >= cached
+
+
+def test_after_a_restart_the_prefix_cache_gives_the_memory_back(served: Served) -> None:
+    c = client(served)
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about the dog."}]
+    first = c.chat.completions.create(model="tiny", messages=turn1, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content or ""}, {"role": "user", "content": "More."}]
+    restarted = start_server(served.model_dir, served.cache_dir)  # a new process's rows are empty; L3 is on disk
+    try:
+        second = client(restarted).chat.completions.create(model="tiny", messages=turn2, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    finally:
+        restarted.server.stop()
+    cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    fed = len(served.tokenizer.encode_chat(turn1)) + first.usage.completion_tokens - 1  # type: ignore[union-attr]
+    assert cached == fed // 8 * 8  # every whole prefix block of what turn 1 fed (it all fits the window)
+    assert second.choices[0].message.content == reference(served, served.tokenizer.encode_chat(turn2), 6)
 
 
 def test_a_conversation_past_the_window_resumes_from_its_snapshot(served: Served) -> None:
@@ -120,11 +140,15 @@ def test_a_conversation_past_the_window_resumes_from_its_snapshot(served: Served
     while len(served.tokenizer.encode_chat([{"role": "system", "content": system}])) < 200:
         system += " " + SYSTEM
     turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Summarize."}]
-    assert len(served.tokenizer.encode_chat(turn1)) > 2 + 128  # longer than sinks + window: a cascade snapshot
+    n1 = len(served.tokenizer.encode_chat(turn1))
+    assert n1 > 2 + 128  # longer than sinks + window: a cascade snapshot, not exact blocks
     first = c.chat.completions.create(model="tiny", messages=turn1, max_tokens=6, temperature=0)  # type: ignore[arg-type]
     turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content or ""}, {"role": "user", "content": "More."}]
-    second = c.chat.completions.create(model="tiny", messages=turn2, max_tokens=6, temperature=0)  # type: ignore[arg-type]
-    n1 = len(served.tokenizer.encode_chat(turn1))
+    restarted = start_server(served.model_dir, served.cache_dir)
+    try:
+        second = client(restarted).chat.completions.create(model="tiny", messages=turn2, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    finally:
+        restarted.server.stop()
     assert second.usage.prompt_tokens_details.cached_tokens == (n1 - 1) // 8 * 8  # type: ignore[union-attr]
 
 
