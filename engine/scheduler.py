@@ -127,7 +127,6 @@ class Scheduler:
         self._rows: list[_Active | None] = [None] * self.config.max_batch
         # A finished request's memory stays in its row until another request needs the row, so a request that
         # extends that conversation (a chat client's next turn) continues it instead of re-reading its prompt.
-        self._used = [0] * self.config.max_batch  # when each row was last given a request (LRU among kept rows)
         self._waiting: list[_Waiting] = []  # heap: most urgent, oldest first
         self._seq = itertools.count()
         self._cond = threading.Condition()
@@ -266,18 +265,20 @@ class Scheduler:
                 w.future.set_exception(exc)
                 continue
             free.remove(r)
-            self._used[r] = next(self._seq)
             self._rows[r] = _Active(w, state)
 
     def _pick_row(self, free: list[int], ids: list[int]) -> int:
         """The free row for a prompt: one whose kept memory (a finished request's conversation) the prompt extends,
-        the longest such; else the first empty row (busy rows stay first, see RowBatcher); else the row kept the
-        longest without use. RowState forgets a kept memory the prompt does not extend."""
-        extends = [r for r in free if 0 < len(self._memories[r].tokens) < len(ids) and ids[: len(self._memories[r].tokens)] == self._memories[r].tokens]
+        the longest such; else, since a forward runs every row up to the last busy one (see RowBatcher) and an idle
+        row among them pays for padding, an empty row among those, then any free row among those, then the first
+        free row past them, whatever it kept (RowState forgets a kept memory the prompt does not extend)."""
+        memories = self._memories
+        extends = [r for r in free if 0 < len(memories[r].tokens) < len(ids) and ids[: len(memories[r].tokens)] == memories[r].tokens]
         if extends:
-            return max(extends, key=lambda r: len(self._memories[r].tokens))
-        empty = [r for r in free if not self._memories[r].tokens]
-        return empty[0] if empty else min(free, key=lambda r: self._used[r])
+            return max(extends, key=lambda r: len(memories[r].tokens))
+        view = 1 + max((r for r, a in enumerate(self._rows) if a is not None), default=-1)
+        inside = [r for r in free if r < view]
+        return next((r for r in inside if not memories[r].tokens), inside[0] if inside else free[0])
 
     def _step(self) -> None:
         rows = self._rows

@@ -171,12 +171,15 @@ def test_continuous_batching_with_cascade_rows(tiny: tuple[TorchBackend, Tokeniz
 def test_a_request_extending_a_finished_one_continues_its_row(tiny: tuple[TorchBackend, Tokenizer]) -> None:
     backend, tok = tiny
     ids = tok.encode(TEXT)
+    gate = threading.Event()
     with scheduler(tiny) as sched:
-        first = sched.submit(Request(ids[:12], settings(6))).result(timeout=120)
-        other = sched.submit(Request(ids[20:25], settings(3))).result(timeout=120)  # unrelated: takes another row
-        extended = ids[:12] + first.tokens + ids[30:34]
+        other = sched.submit(Request(ids[20:25], settings(3), on_event=lambda ev: gate.wait(60) and None))  # row 0, held
+        first = sched.submit(Request(ids[:12], settings(6)))
+        gate.set()
+        first_done, other_done = first.result(timeout=120), other.result(timeout=120)
+        extended = ids[:12] + first_done.tokens + ids[30:34]
         again = sched.submit(Request(extended, settings(5))).result(timeout=120)
         fresh = sched.submit(Request(ids[40:44], settings(2))).result(timeout=120)
-    assert first.cached_tokens == 0 and other.cached_tokens == 0 and fresh.cached_tokens == 0
-    assert again.cached_tokens == 12 + len(first.tokens) - 1  # all it fed: the prompt and the reply but its last token
+    assert first_done.cached_tokens == 0 and other_done.cached_tokens == 0 and fresh.cached_tokens == 0
+    assert again.cached_tokens == 12 + len(first_done.tokens) - 1  # all it fed: the prompt and the reply but its last token
     assert again.tokens == alone(backend, tok, extended, settings(5))  # continued exactly
