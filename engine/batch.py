@@ -105,7 +105,7 @@ class Completion:
     prompt_tokens: int
     ttft_s: float
     tokens_per_s: float
-    cached_tokens: int = 0  # leading prompt tokens restored from the prefix cache instead of computed
+    cached_tokens: int = 0  # leading prompt tokens not computed: kept in the row's memory or restored from L3
 
 
 class RowState:

@@ -16,7 +16,6 @@ Module and parameter names mirror Hugging Face so a state dict loads without ren
 from __future__ import annotations
 
 import copy
-
 import math
 from collections.abc import Callable
 from dataclasses import dataclass

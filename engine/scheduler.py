@@ -125,8 +125,6 @@ class Scheduler:
         self._memories = [memory_factory(view, r) for r in range(self.config.max_batch)]  # type: ignore[arg-type]
         self._batcher = RowBatcher(backend)
         self._rows: list[_Active | None] = [None] * self.config.max_batch
-        # A finished request's memory stays in its row until another request needs the row, so a request that
-        # extends that conversation (a chat client's next turn) continues it instead of re-reading its prompt.
         self._waiting: list[_Waiting] = []  # heap: most urgent, oldest first
         self._seq = itertools.count()
         self._cond = threading.Condition()
