@@ -57,6 +57,9 @@ class SchedulerConfig:
     max_queue: int = 64  # waiting requests beyond the running ones
     block_when_full: bool = False  # default for `submit(block=None)`
     mixed_chunk: int = 16  # prefill chunk while other rows are decoding
+    # Prompt tokens one step may take over all rows: when many requests arrive at once, the first ones start
+    # replying after a step of this size instead of after everyone's prompt (the rest join while they decode).
+    step_prompt_tokens: int = 512
 
 
 _ids = itertools.count()
@@ -290,13 +293,19 @@ class Scheduler:
         self.steps["mixed" if decoding and prefilling else "decode" if decoding else "prefill"] += 1
         feeds: list[list[int]] = []
         plans: list[RowPlan | None] = []
+        budget = self.config.step_prompt_tokens
         for r, a in enumerate(rows):
             feed: list[int] = []
             plan = None
-            if a is not None:
+            if a is not None and a.state.pending and budget <= 0:
+                pass  # this step's prompt tokens are spent: this row's prompt waits for the next step
+            elif a is not None:
                 # As engine.generate.prefill: one step may not feed a row more than its memory takes at once.
                 chunk = max(1, min(a.state.settings.prefill_chunk, self._memories[r].max_feed()))
-                feed = a.state.next_feed(min(chunk, self.config.mixed_chunk) if decoding else chunk)
+                if a.state.pending:
+                    chunk = min(chunk, self.config.mixed_chunk if decoding else chunk, budget)
+                    budget -= chunk
+                feed = a.state.next_feed(chunk)
                 try:
                     plan = self._memories[r].plan(feed)
                 except Exception as exc:  # e.g. the conversation outgrew the row: only this request fails

@@ -183,3 +183,15 @@ def test_a_request_extending_a_finished_one_continues_its_row(tiny: tuple[TorchB
     assert first_done.cached_tokens == 0 and other_done.cached_tokens == 0 and fresh.cached_tokens == 0
     assert again.cached_tokens == 12 + len(first_done.tokens) - 1  # all it fed: the prompt and the reply but its last token
     assert again.tokens == alone(backend, tok, extended, settings(5))  # continued exactly
+
+
+def test_a_small_prompt_budget_per_step_changes_no_token(tiny: tuple[TorchBackend, Tokenizer]) -> None:
+    backend, tok = tiny
+    ids = tok.encode(TEXT)
+    jobs = [(ids[:n], settings(m, chunk=8)) for n, m in ((13, 5), (17, 4), (9, 6))]
+    with scheduler(tiny, step_prompt_tokens=6) as sched:
+        futures = [sched.submit(Request(p, s)) for p, s in jobs]
+        done = [f.result(timeout=120) for f in futures]
+    for (p, s), c in zip(jobs, done):
+        assert c.tokens == alone(backend, tok, p, s)
+    assert sched.steps["prefill"] >= 3  # 39 prompt tokens at most 6 a step: the first steps take turns
