@@ -136,6 +136,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         tray.show_window_requested.connect(window.show)
         tray.show_window_requested.connect(window.raise_)
         tray.quit_requested.connect(app.quit)
+        # -- issue 22: the "Local Server" switch (app/local_server.py); it serves whichever model is loaded.
+        from app.local_server import LocalServerController, install_local_server_menu
+
+        local_server = LocalServerController(parent=window)
+        install_local_server_menu(tray.contextMenu(), local_server)
+        window.client.worker.loaded.connect(local_server.on_model_loaded)
+        local_server.failed.connect(lambda message: tray.showMessage("MLoT Spark", message))
+        app.aboutToQuit.connect(local_server.stop)
+        # -- end issue 22
         tray.show()
     # With a menu-bar item the app lives on when its window closes (as on macOS); without one, closing quits.
     app.setQuitOnLastWindowClosed(tray is None)

@@ -67,6 +67,8 @@ class RowBatcher:
         Returns the last real token's logits per row, (B, V) float32 (rows fed nothing hold padding logits).
         """
         b = self.rows
+        if getattr(self.backend, "runs_leading_rows", False):  # rows past the last busy one cost nothing
+            b = 1 + max((r for r, p in enumerate(plans) if p is not None), default=0)
         t = max(1, max(len(f) for f in feeds))
         live = 1 + max((p.slot_positions.shape[0] for p in plans if p is not None), default=0)  # S', scratch included
         tokens = torch.full((b, t), self.pad_id, dtype=torch.long)  # (B, T)
@@ -86,8 +88,11 @@ class RowBatcher:
             slot_positions[r, 1 : n + 1] = plan.slot_positions
             mask[r, 0, off:, 1 : n + 1] = plan.mask
             mask[r, 0, off:, 0] = False
-        logits = self.backend.forward(tokens, SlotBatch(positions, write_slots, slot_positions, mask), last_only=True)  # (B, 1, V)
-        return logits[:, -1]
+        logits = self.backend.forward(tokens, SlotBatch(positions, write_slots, slot_positions, mask), last_only=True)  # (b, 1, V)
+        out = logits[:, -1]  # (b, V)
+        if b < self.rows:  # callers index rows of the whole table; rows past b were fed nothing
+            out = torch.cat((out, out.new_zeros(self.rows - b, out.shape[1])))
+        return out
 
 
 @dataclass
@@ -100,6 +105,7 @@ class Completion:
     prompt_tokens: int
     ttft_s: float
     tokens_per_s: float
+    cached_tokens: int = 0  # leading prompt tokens not computed: kept in the row's memory or restored from L3
 
 
 class RowState:
@@ -113,12 +119,22 @@ class RowState:
         s = settings.sampling
         self.settings = settings
         self.prompt_len = len(prompt_ids)
-        self.pending = list(prompt_ids[memory.reuse_prefix(list(prompt_ids[:-1])) :])  # prompt ids not yet fed
+        held = len(memory.tokens)  # a row may keep a finished request's memory: continue it if this prompt extends it
+        if held and (held >= len(prompt_ids) or list(prompt_ids[:held]) != memory.tokens):
+            memory.reset()
+            held = 0
+        # Leading prompt tokens already in memory or restored from the prefix cache: not fed again.
+        self.cached_tokens = held or memory.reuse_prefix(list(prompt_ids[:-1]))
+        self.pending = list(prompt_ids[self.cached_tokens :])  # prompt ids not yet fed
+        # As engine.generate.prefill: a memory may ask for a chunk to end at one index (to snapshot its state there
+        # for a later prompt that extends this one); `cut` counts pending ids up to it.
+        cut = memory.prefill_cut(list(prompt_ids), self.cached_tokens) if hasattr(memory, "prefill_cut") else None
+        self.cut = None if cut is None else cut - self.cached_tokens
         self.skip = skip
         self.sample = make_sampler(s)
         self.processors = make_logits_processors(s)
         self.window = s.repetition_window or MAX_PENALTY_HISTORY  # as stream_generate: 0 = all, capped
-        self.history: list[int] = list(memory.tokens[-self.window :]) + list(prompt_ids)
+        self.history: list[int] = list(prompt_ids)  # what memory holds is a prefix of the prompt by now
         # Greedy rows without processors are sampled together in one batched argmax (see `sample_greedy`).
         self.plain_greedy = s.is_greedy and not self.processors
         self.detok = tokenizer.stream_decoder()
@@ -137,7 +153,11 @@ class RowState:
             if self.skip:
                 self.skip -= 1
                 return []
+            if self.cut is not None and 0 < self.cut < chunk:
+                chunk = self.cut
             feed, self.pending = self.pending[:chunk], self.pending[chunk:]
+            if self.cut is not None:
+                self.cut = self.cut - len(feed) or None
             return feed
         assert self.last is not None
         return [self.last]
@@ -185,7 +205,7 @@ class RowState:
 
     def completion(self, last: GenerationEvent) -> Completion:
         assert self.finish_reason is not None
-        return Completion(list(self.tokens), "".join(self.parts), self.finish_reason, self.prompt_len, last.ttft_s, last.tokens_per_s)
+        return Completion(list(self.tokens), "".join(self.parts), self.finish_reason, self.prompt_len, last.ttft_s, last.tokens_per_s, self.cached_tokens)
 
 
 def sample_greedy(logits: torch.Tensor) -> tuple[list[int], list[float]]:

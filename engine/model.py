@@ -15,6 +15,7 @@ Module and parameter names mirror Hugging Face so a state dict loads without ren
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,6 +149,18 @@ class KVCache(nn.Module):
     def slot_tensors(self) -> list[torch.Tensor]:
         """Every (L, B, Hkv, S, D) buffer, for whole-row operations such as beam reordering."""
         return [self.k, self.v, self.k_read, self.v_read]
+
+    def leading_rows(self, n: int) -> "KVCache":
+        """This table's rows [0, n) as a KVCache sharing its storage and its read-copy bookkeeping (views).
+
+        The read copies of rows left out are not kept up to date by forwards over the view: whoever switches
+        between views of different sizes must `forget()` the read copies first (TorchBackend.forward does)."""
+        view = copy.copy(self)
+        view._buffers = dict(self._buffers)  # a module's shallow copy would share (and so overwrite) the dict
+        for name in ("k", "v", "k_read", "v_read"):
+            view._buffers[name] = self._buffers[name][:, :n]  # (L, n, Hkv, S, D)
+        view._buffers["read_positions"] = self._buffers["read_positions"][:n]  # (n, S)
+        return view
 
     @property
     def batch(self) -> int:

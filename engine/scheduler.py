@@ -3,7 +3,8 @@
 One scheduler thread owns the backend and its slot table of `max_batch` rows (plus the scratch slot per row, see
 engine.batch). Every step it
   1. admits waiting requests into free rows, most urgent first (interactive chat before background work, FIFO
-     within a priority); each row has its own memory, reset when its request ends;
+     within a priority); each row has its own memory, kept when its request ends, so that a request extending
+     that conversation goes to that row and feeds only its new tokens (see `_pick_row`);
   2. feeds every active row: a prefill chunk, or its last sampled token, or nothing — so a step is a prefill,
      decode or mixed step depending on who is running. While any row is decoding, prefill chunks shrink to
      `mixed_chunk` tokens, because every row is padded to the longest feed: a long chunk would make each
@@ -56,6 +57,9 @@ class SchedulerConfig:
     max_queue: int = 64  # waiting requests beyond the running ones
     block_when_full: bool = False  # default for `submit(block=None)`
     mixed_chunk: int = 16  # prefill chunk while other rows are decoding
+    # Prompt tokens one step may take over all rows: when many requests arrive at once, the first ones start
+    # replying after a step of this size instead of after everyone's prompt (the rest join while they decode).
+    step_prompt_tokens: int = 512
 
 
 _ids = itertools.count()
@@ -224,6 +228,11 @@ class Scheduler:
     def running(self) -> int:
         return sum(a is not None for a in self._rows)
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a row (the server reports it and sizes Retry-After by it)."""
+        return len(self._waiting)
+
     # -- scheduler thread --------------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -243,22 +252,34 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Move the most urgent waiting requests into free rows (caller holds the lock)."""
-        for r, a in enumerate(self._rows):
-            if a is not None:
+        free = [r for r, a in enumerate(self._rows) if a is None]
+        while free and self._waiting:
+            w = heapq.heappop(self._waiting)
+            self._cond.notify_all()  # queue space for blocked submitters
+            if not w.future.set_running_or_notify_cancel():
+                continue  # cancelled through its future while waiting
+            r = self._pick_row(free, w.ids)
+            try:
+                state = RowState(self.tokenizer, w.ids, w.request.settings, self._memories[r], w.t0)
+            except Exception as exc:  # bad settings: this request fails, the row stays free
+                self._memories[r].reset()
+                w.future.set_exception(exc)
                 continue
-            while self._waiting:
-                w = heapq.heappop(self._waiting)
-                self._cond.notify_all()  # queue space for blocked submitters
-                if not w.future.set_running_or_notify_cancel():
-                    continue  # cancelled through its future while waiting
-                try:
-                    state = RowState(self.tokenizer, w.ids, w.request.settings, self._memories[r], w.t0)
-                except Exception as exc:  # bad settings: this request fails, the row stays free
-                    self._memories[r].reset()
-                    w.future.set_exception(exc)
-                    continue
-                self._rows[r] = _Active(w, state)
-                break
+            free.remove(r)
+            self._rows[r] = _Active(w, state)
+
+    def _pick_row(self, free: list[int], ids: list[int]) -> int:
+        """The free row for a prompt: one whose kept memory (a finished request's conversation) the prompt extends,
+        the longest such; else, since a forward runs every row up to the last busy one (see RowBatcher) and an idle
+        row among them pays for padding, an empty row among those, then any free row among those, then the first
+        free row past them, whatever it kept (RowState forgets a kept memory the prompt does not extend)."""
+        memories = self._memories
+        extends = [r for r in free if 0 < len(memories[r].tokens) < len(ids) and ids[: len(memories[r].tokens)] == memories[r].tokens]
+        if extends:
+            return max(extends, key=lambda r: len(memories[r].tokens))
+        view = 1 + max((r for r, a in enumerate(self._rows) if a is not None), default=-1)
+        inside = [r for r in free if r < view]
+        return next((r for r in inside if not memories[r].tokens), inside[0] if inside else free[0])
 
     def _step(self) -> None:
         rows = self._rows
@@ -272,12 +293,19 @@ class Scheduler:
         self.steps["mixed" if decoding and prefilling else "decode" if decoding else "prefill"] += 1
         feeds: list[list[int]] = []
         plans: list[RowPlan | None] = []
+        budget = self.config.step_prompt_tokens
         for r, a in enumerate(rows):
             feed: list[int] = []
             plan = None
-            if a is not None:
-                chunk = a.state.settings.prefill_chunk
-                feed = a.state.next_feed(min(chunk, self.config.mixed_chunk) if decoding else chunk)
+            if a is not None and a.state.pending and budget <= 0:
+                pass  # this step's prompt tokens are spent: this row's prompt waits for the next step
+            elif a is not None:
+                # As engine.generate.prefill: one step may not feed a row more than its memory takes at once.
+                chunk = max(1, min(a.state.settings.prefill_chunk, self._memories[r].max_feed()))
+                if a.state.pending:
+                    chunk = min(chunk, self.config.mixed_chunk if decoding else chunk, budget)
+                    budget -= chunk
+                feed = a.state.next_feed(chunk)
                 try:
                     plan = self._memories[r].plan(feed)
                 except Exception as exc:  # e.g. the conversation outgrew the row: only this request fails
@@ -313,8 +341,8 @@ class Scheduler:
         a = self._rows[r]
         assert a is not None
         self._rows[r] = None
-        self._memories[r].reset()
         if error is not None:
+            self._memories[r].reset()
             a.waiting.future.set_exception(error)
         else:
             a.waiting.future.set_result(result)  # type: ignore[arg-type]

@@ -78,12 +78,12 @@ def memory_factory_for(
                 stores[key] = PersistentStore(root, backend.fingerprint, backend.numerics, config.persistent_budget_bytes)
             return stores[key]
 
-    def make(backend: Backend) -> Memory:
+    def make(backend: Backend, row: int = 0) -> Memory:  # row: as a scheduler's RowMemoryFactory
         config = CascadeConfig.for_model(settings_dir(model_path), backend.config, **cascade_overrides)
         if policy is not None and "episodic_budget_bytes" not in cascade_overrides:
             working = config.num_slots * backend.kv_bytes_per_token()
             config = replace(config, episodic_budget_bytes=policy.episodic_budget_bytes(backend.weight_bytes, working))
-        return CascadeMemory(backend, config, row=0, store=store_for(backend, config))
+        return CascadeMemory(backend, config, row=row, store=store_for(backend, config))
 
     return make
 
@@ -156,6 +156,11 @@ class Engine:
     @property
     def backend(self) -> Backend:
         return self.choice.backend
+
+    def locked_fork(self) -> Backend:
+        """A fork of the backend (its own slot table, shared weights) whose forwards take the step lock: for a
+        scheduler serving requests beside this engine's conversations."""
+        return _LockedBackend(self.backend.fork(), self.step_lock)  # type: ignore[return-value]
 
     def new_session(self) -> Session:
         """The first session uses the loaded backend's slot table; later ones fork their own."""

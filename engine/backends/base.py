@@ -34,6 +34,9 @@ class Backend(ABC):
     config: ModelConfig
     fingerprint: str
     weight_bytes: int
+    # Whether `forward` takes tokens for the leading rows only, (B' <= B, T): a batch with its busy rows first
+    # then costs B' rows, not B (the scheduler's rows fill from row 0).
+    runs_leading_rows: bool = False
 
     @property
     @abstractmethod

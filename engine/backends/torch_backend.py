@@ -220,8 +220,11 @@ class TorchBackend(Backend):
     def num_slots(self) -> int:
         return self.cache.num_slots
 
+    runs_leading_rows = True
+
     def allocate(self, batch: int, num_slots: int) -> None:
         self.cache = self.model.new_cache(batch, num_slots, self.kv_dtype)
+        self._rows_run = self.cache.batch
 
     def fork(self) -> "TorchBackend":
         twin = copy.copy(self)  # shares self.model (weights) by reference
@@ -235,7 +238,13 @@ class TorchBackend(Backend):
             tokens = tokens.to(dev, non_blocking=True)
             fields = (getattr(batch, f.name) for f in dataclasses.fields(batch))  # astuple would deep-copy the tensors
             batch = SlotBatch(*(None if t is None else t.to(dev, non_blocking=True) for t in fields))
-        logits = self.model(tokens, self.cache, batch, last_only=last_only)
+        rows = tokens.shape[0]
+        if rows != getattr(self, "_rows_run", self.cache.batch):
+            # Rows outside the previous forward's view hold stale read copies: re-derive every row's this time.
+            self.cache.forget()
+            self._rows_run = rows
+        cache = self.cache if rows == self.cache.batch else self.cache.leading_rows(rows)
+        logits = self.model(tokens, cache, batch, last_only=last_only)
         return logits.float().cpu() if dev.type != "cpu" or logits.dtype != torch.float32 else logits
 
     @torch.inference_mode()

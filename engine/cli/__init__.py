@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "chat": "engine.cli.chat",
     "session": "engine.cli.session",
     "hw": "engine.cli.hw",
+    "serve": "engine.cli.serve",
     "bench": "engine.cli.bench",
 }
 

@@ -21,6 +21,7 @@ SUITES: dict[str, str] = {
     "batch": "engine.bench.batch",
     "profile": "engine.bench.profile",
     "quant": "engine.bench.quant",
+    "serve": "engine.bench.serve",
 }
 
 
@@ -32,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for us and every peer (default: all cores)")
     p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="our weight storage in `decode`, `profile`, `long-ppl` (auto: a GGUF as stored, else q8_0 on the cpu backend; int8: Core ML)")
     p.add_argument("--gguf", type=Path, default=None, help="`quant`, `decode`: a GGUF of --model's weights, run as stored by both engines")
+    p.add_argument("--peer-gguf", type=Path, default=None, help="`serve`: the GGUF of the same weights for llama.cpp's server")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

@@ -100,6 +100,7 @@ class NativeDecoder:
         """The native step covers one row and one token whose only stale read copy is its own, nothing masked."""
         return (
             cache.batch == 1
+            and cache.k.is_contiguous()  # not a view of one row of a bigger table (KVCache.leading_rows)
             and reads.width > 0
             and reads.write_ranks is not None
             and reads.blocked is None

@@ -110,3 +110,43 @@ def test_bench_batch_smoke(tmp_path: Path) -> None:
     out = bench.run(argparse.Namespace(model=d, backend="cpu", threads=None, quick=True, json=True, requests=4))
     assert out["requests"] == 4 and out["speedup"] > 0 and out["speedup_continuous"] > 0
     assert out["same_tokens"] == 1.0 and out["same_tokens_continuous"] == 1.0
+
+
+class _RecordingBackend:
+    """A backend that records how many rows each forward ran (and otherwise is the backend it wraps)."""
+
+    def __init__(self, inner: TorchBackend) -> None:
+        self._inner = inner
+        self.rows_run: list[int] = []
+
+    def forward(self, tokens: torch.Tensor, batch, last_only: bool = False) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        self.rows_run.append(tokens.shape[0])
+        return self._inner.forward(tokens, batch, last_only=last_only)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._inner, name)
+
+
+def test_forwards_run_only_up_to_the_last_busy_row(tiny: tuple[TorchBackend, Tokenizer]) -> None:
+    backend, tok = tiny
+    b = backend.fork()
+    b.allocate(4, 65)
+    view = RowView(b)
+    memories = [FullAttentionMemory(view, r) for r in range(4)]  # type: ignore[arg-type]
+    spy = _RecordingBackend(b)
+    batcher = RowBatcher(spy)  # type: ignore[arg-type]
+    ids = prompts(tok)[0]
+    got = []
+    for feeds in ([ids, [], [], []], [[], [], ids, []]):  # row 0 alone, then row 2 alone
+        plans = [memories[r].plan(f) if f else None for r, f in enumerate(feeds)]
+        logits = batcher.forward(feeds, plans)  # (4, V)
+        assert logits.shape[0] == 4
+        got.append(logits[[r for r, f in enumerate(feeds) if f][0]])
+    assert spy.rows_run == [1, 3]
+    # Same logits as a lone run of the prompt, whichever rows ran (the view switch re-derived the read copies).
+    lone = backend.fork()
+    lone.allocate(1, len(ids))
+    want = stream_generate(lone, FullAttentionMemory(lone), tok, ids, GenerationSettings(max_tokens=1, sampling=SamplingSettings(greedy=True)))
+    token = next(want).token
+    assert [int(g.argmax()) for g in got] == [token, token]
+    torch.testing.assert_close(got[0], got[1])

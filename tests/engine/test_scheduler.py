@@ -166,3 +166,32 @@ def test_continuous_batching_with_cascade_rows(tiny: tuple[TorchBackend, Tokeniz
         b = backend.fork()
         b.allocate(1, cfg.num_slots)
         assert c.tokens == [ev.token for ev in stream_generate(b, CascadeMemory(b, cfg), tok, p, s) if ev.token is not None]
+
+
+def test_a_request_extending_a_finished_one_continues_its_row(tiny: tuple[TorchBackend, Tokenizer]) -> None:
+    backend, tok = tiny
+    ids = tok.encode(TEXT)
+    gate = threading.Event()
+    with scheduler(tiny) as sched:
+        other = sched.submit(Request(ids[20:25], settings(3), on_event=lambda ev: gate.wait(60) and None))  # row 0, held
+        first = sched.submit(Request(ids[:12], settings(6)))
+        gate.set()
+        first_done, other_done = first.result(timeout=120), other.result(timeout=120)
+        extended = ids[:12] + first_done.tokens + ids[30:34]
+        again = sched.submit(Request(extended, settings(5))).result(timeout=120)
+        fresh = sched.submit(Request(ids[40:44], settings(2))).result(timeout=120)
+    assert first_done.cached_tokens == 0 and other_done.cached_tokens == 0 and fresh.cached_tokens == 0
+    assert again.cached_tokens == 12 + len(first_done.tokens) - 1  # all it fed: the prompt and the reply but its last token
+    assert again.tokens == alone(backend, tok, extended, settings(5))  # continued exactly
+
+
+def test_a_small_prompt_budget_per_step_changes_no_token(tiny: tuple[TorchBackend, Tokenizer]) -> None:
+    backend, tok = tiny
+    ids = tok.encode(TEXT)
+    jobs = [(ids[:n], settings(m, chunk=8)) for n, m in ((13, 5), (17, 4), (9, 6))]
+    with scheduler(tiny, step_prompt_tokens=6) as sched:
+        futures = [sched.submit(Request(p, s)) for p, s in jobs]
+        done = [f.result(timeout=120) for f in futures]
+    for (p, s), c in zip(jobs, done):
+        assert c.tokens == alone(backend, tok, p, s)
+    assert sched.steps["prefill"] >= 3  # 39 prompt tokens at most 6 a step: the first steps take turns
