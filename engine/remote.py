@@ -24,7 +24,7 @@ import httpx
 
 from engine.errors import SparkError
 from engine.generate import GenerationEvent, GenerationSettings
-from engine.session_file import Message, save_session
+from engine.session_file import TRANSCRIPT_KIND, Message, save_session
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 300.0  # between two chunks of a stream (a big model's first token can take a while)
@@ -215,7 +215,7 @@ class RemoteSession:
             messages=[Message(m["role"], m["content"]) for m in self.messages],
             system_prompt=self.system_prompt,
             settings={},
-            memory_state=({"kind": "transcript"}, {}),
+            memory_state=({"kind": TRANSCRIPT_KIND}, {}),
             pending_token=None,
             sampler_state=None,
             extra={"remote_url": self.client.server.url, "model": self.client.server.model},

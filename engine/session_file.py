@@ -100,6 +100,7 @@ _SHUFFLED = 0x100
 _DTYPE_SIZES: dict[str, int] = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 RECOMPUTE_KIND = "recompute"  # memory meta of a compact file: no KV stored, rebuilt on open (engine.replay)
+TRANSCRIPT_KIND = "transcript"  # memory meta of a file with no memory at all (a remote server's conversation)
 
 JSONValue = Any  # None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]
 
@@ -427,8 +428,12 @@ def load_session(path: str | Path, target: StateTarget | None = None) -> Session
     try:
         if target is not None:
             check_vocab(fields["token_ids"], fields["pending_token"], target.vocab_size)
-        if fields["memory_meta"].get("kind") == RECOMPUTE_KIND:
+        kind = fields["memory_meta"].get("kind")
+        if kind == RECOMPUTE_KIND:
             _check_recipe(fields, tensors)
+        elif kind == TRANSCRIPT_KIND:
+            if tensors or fields["token_ids"] or fields["pending_token"] is not None:
+                raise SchemaError("is a transcript-only file yet holds memory (tensors or token ids)")
         else:
             check_memory_state(fields["memory_meta"], tensors, target or target_from_state(fields["memory_meta"], tensors))
     except SchemaError as exc:
