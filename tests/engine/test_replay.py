@@ -87,7 +87,7 @@ def test_a_tampered_recipe_is_refused_in_one_sentence(engine: Engine, tmp_path: 
         sampler_state=data.sampler_state, extra=bad, token_ids=data.token_ids,
     )
     b = engine.new_session()
-    with pytest.raises(SessionFileError, match="memory recipe is malformed"):
+    with pytest.raises(SessionFileError, match="malformed memory recipe"):
         b.load(tmp_path / "bad.spark")
     assert b.memory.tokens == []  # nothing applied
     with pytest.raises(SessionFileError, match="compact"):
