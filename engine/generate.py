@@ -53,21 +53,20 @@ def prefill(backend: Backend, memory: Memory, ids: Sequence[int], chunk: int) ->
     """Feed `ids` in chunks of at most `chunk` tokens; returns the last token's logits (V,) float32.
 
     Tokens that the memory can restore from its prefix cache are not recomputed (the last one always is, since its
-    logits are needed). A memory with the optional `prefill_cut(ids, start)` (the cascade, to snapshot its state
-    for later prompts) may name one index of `ids` where a chunk must end; chunks after it count from there.
+    logits are needed). A memory with the optional `prefill_cut(ids, start)` (the cascade: to snapshot its state
+    for later prompts, and to route a prompt's last tokens with the queries just before them) may name indices of
+    `ids` where chunks must end; chunks after a cut count from there.
     """
     ids = list(ids)
     if not ids:
         raise ValueError("prefill needs at least one token")
     start = memory.reuse_prefix(ids[:-1])
     chunk = max(1, min(chunk, memory.max_feed()))
-    cut = memory.prefill_cut(ids, start) if hasattr(memory, "prefill_cut") else None
+    cuts = memory.prefill_cut(ids, start) if hasattr(memory, "prefill_cut") else []
     logits = None
     at = start
     while at < len(ids):
-        end = min(at + chunk, len(ids))
-        if cut is not None and at < cut < end:
-            end = cut
+        end = min([at + chunk, len(ids), *(c for c in cuts if at < c)])
         logits = _feed(backend, memory, ids[at:end])
         at = end
     assert logits is not None
