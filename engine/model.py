@@ -108,6 +108,8 @@ class SlotBatch:
                     frame that grows by one as the window's positions shrink by one: a window key's angle, and so
                     its read copy (KVCache), never changes while the window slides, and the sinks and paged-in
                     blocks before it keep theirs. One-row small steps use it; others rotate at plain positions.
+    summary_weights: (B, T) float or None: each token's weight in the query summary (rows summing to 1; padding 0);
+                    None weighs a row's tokens equally.
 
     Only the leading S' slots take part (S' = slot_positions.shape[1]): a memory that has filled 300 of 4096 slots
     pays for 300, and a backend with a fixed shape (Core ML) pads the plan to its S with masked-off slots.
@@ -119,6 +121,7 @@ class SlotBatch:
     mask: torch.Tensor
     frame: torch.Tensor | None = None
     frame_start: torch.Tensor | None = None
+    summary_weights: torch.Tensor | None = None
 
 
 class KVCache(nn.Module):
@@ -331,13 +334,17 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split((self.n_heads * self.head_dim, kv, kv), dim=-1)
         return q, k, v
 
-    def summarize(self, q: torch.Tensor, out: torch.Tensor) -> None:
+    def summarize(self, q: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> None:
         """The query summary: q (B, T, H*D) pre-RoPE (after q_proj and its bias) -> out (B, Hkv, D) fp32, the mean
-        over the step's tokens and over the query heads of each KV-head group (heads of a group are adjacent).
-        Computed in the forward that makes q, never in a pass of its own."""
+        over the step's tokens (weighted by `weights` (B, T) when given) and over the query heads of each KV-head
+        group (heads of a group are adjacent). Computed in the forward that makes q, never in a pass of its own."""
         b, t, _ = q.shape
         g = self.n_heads // self.n_kv_heads
-        out.copy_(q.reshape(b, t, self.n_kv_heads, g, self.head_dim).float().mean(dim=(1, 3)))
+        per_group = q.reshape(b, t, self.n_kv_heads, g, self.head_dim).float().mean(dim=3)  # (B, T, Hkv, D)
+        if weights is None:
+            out.copy_(per_group.mean(dim=1))
+        else:
+            out.copy_(torch.einsum("bt,btkd->bkd", weights.float(), per_group))
 
     def forward(
         self,
@@ -349,7 +356,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.project(x)
-        self.summarize(q, cache.summary[layer])
+        self.summarize(q, batch.summary_weights, cache.summary[layer])
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)

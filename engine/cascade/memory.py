@@ -88,21 +88,25 @@ class CascadeMemory:
     def __init__(self, backend: Backend, config: CascadeConfig, row: int = 0, store: PersistentStore | None = None) -> None:
         if config.window == AUTO_WINDOW:
             raise ValueError("resolve the automatic window first (CascadeConfig.fit_to or for_model)")
-        if backend.num_slots != config.num_slots:
-            if backend.batch != 1 or row != 0:
-                raise ValueError(f"the backend's slot table has {backend.num_slots} slots; this cascade needs {config.num_slots}")
-            backend.allocate(1, config.num_slots)
-        c = backend.config
         self.backend = backend
-        self.cfg = config
         self.row = row
         self.store = store
         self.kv_token_bytes = backend.kv_bytes_per_token()
+        self._layout(config)
+
+    def _layout(self, config: CascadeConfig) -> None:
+        """Lay the memory out per `config` (empty), resizing a one-row slot table to it."""
+        backend, c = self.backend, self.backend.config
+        if backend.num_slots != config.num_slots:
+            if backend.batch != 1 or self.row != 0:
+                raise ValueError(f"the backend's slot table has {backend.num_slots} slots; this cascade needs {config.num_slots}")
+            backend.allocate(1, config.num_slots)
+        self.cfg = config
         # Frames stay inside the rotary table (the trained context + ROTARY_HEADROOM), and small: fp32 angles lose
         # precision as positions grow (a period of 4096 costs one full re-rotation of the window per 4096 tokens).
         table = c.max_position_embeddings + ROTARY_HEADROOM
         self.working = WorkingMemory(config, c.num_hidden_layers, frame_period=max(0, min(table - config.num_slots, FRAME_PERIOD_MAX)))
-        self.episodic = EpisodicMemory(config, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), store, self._take_block_digest)
+        self.episodic = EpisodicMemory(config, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), self.store, self._take_block_digest)
         self.router = ROUTING[config.routing]()
         self._snapshot_tag = f"snapshot-{config.state_tag()}"
         self.counters = Counters()  # working tier: routed block already resident / paged in
@@ -490,8 +494,16 @@ class CascadeMemory:
             meta, tensors = migrate_state(meta, tensors)
         if meta.get("kind") != "cascade" or int(meta.get("version", -1)) != STATE_VERSION:
             raise SessionFileError("The saved memory is not a cascade memory this version can restore.")
-        if CascadeConfig.from_dict(meta["config"]) != self.cfg:
-            raise SessionFileError("The saved memory used a different cascade geometry; restore it with the same settings.")
+        saved = CascadeConfig.from_dict(meta["config"])
+        # The state depends on its geometry, not on budgets: a file saved under another geometry (an older default,
+        # another cascade.json) restores in its own, within the model's trained context, under this memory's budgets.
+        saved = replace(saved, episodic_budget_bytes=self.cfg.episodic_budget_bytes, persistent_budget_bytes=self.cfg.persistent_budget_bytes)
+        if saved != self.cfg:
+            if saved.window == AUTO_WINDOW or saved.used_slots > self.backend.config.max_position_embeddings:
+                raise SessionFileError("The saved memory's cascade geometry exceeds this model's trained context.")
+            if self.backend.batch != 1 or self.row != 0:
+                raise SessionFileError("The saved memory used a different cascade geometry; restore it with the same settings.")
+            self._layout(saved)
         self._restore(meta, tensors)
 
     def _restore(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
