@@ -54,8 +54,9 @@ def key_bounds(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def bound_scores(kmin: torch.Tensor, kmax: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """kmin, kmax (rows, L, F); query (L, Hkv, D) -> (rows, L): each block's upper bound on q . k per layer."""
-    q = query.float().reshape(1, query.shape[0], -1)  # (1, L, F)
-    return torch.maximum(kmin * q, kmax * q).sum(-1)
+    q = query.float().reshape(query.shape[0], -1)  # (L, F)
+    # max(q*kmin, q*kmax) is q*kmax where q > 0 and q*kmin where q < 0: two batched mat-vecs, no temporaries.
+    return torch.einsum("rlf,lf->rl", kmax, q.clamp(min=0)) + torch.einsum("rlf,lf->rl", kmin, q.clamp(max=0))
 
 
 class EpisodicMemory:
