@@ -254,7 +254,7 @@ class StepReads:
     value_slots: torch.Tensor | None = None
     split: int = 0
     rope_q_framed: tuple[torch.Tensor, torch.Tensor] | None = None
-    pre: "StepReads | None" = None  # stale ranks besides the written one (a page-in), re-derived before the write
+    pre: StepReads | None = None  # stale ranks besides the written one (a page-in), re-derived before the write
 
 
 # The rotary table reaches this far past the trained context. Only rotation frames (SlotBatch.frame) use it: a

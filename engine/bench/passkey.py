@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
     trained = backend.config.max_position_embeddings
     window = getattr(args, "window", None)
     cfg = CascadeConfig.for_model(model, backend.config, **({"window": window} if window else {}))
-    depths = QUICK_DEPTHS if getattr(args, "quick", False) else DEPTHS
+    depths: tuple[float, ...] = QUICK_DEPTHS if getattr(args, "quick", False) else DEPTHS
     if getattr(args, "depths", None):
         depths = tuple(float(d) for d in args.depths.split(","))
     lengths = lengths_for(trained, getattr(args, "quick", False), getattr(args, "max_length", None))

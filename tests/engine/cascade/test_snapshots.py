@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import warnings
 from pathlib import Path
@@ -56,7 +57,7 @@ def test_snapshot_reuse_continues_exactly(tiny_model: Path, tmp_path: Path, rout
     # The rest of P, then Q, in the chunks the original used: the same logits and the same continuation.
     # The cascade routes a prompt's last tokens in small chunks (prefill_cut): continue at the cold run's cuts.
     bounds = [n, *(c for c in m2.prefill_cut(p, n) if c > n), len(p)]
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in itertools.pairwise(bounds):
         got = feed(b2, m2, p[lo:hi])[-1]
     torch.testing.assert_close(got, cold, atol=1e-5, rtol=0)
     torch.testing.assert_close(feed_chunks(b2, m2, q), want_q, atol=1e-5, rtol=0)
