@@ -3,9 +3,9 @@ warm after a process restart (a fresh interpreter over the same L3 cache dir). H
 `speedup_restart` = cold TTFT / warm TTFT (goal >= 10).
 
 TTFT here is prefill (with prefix reuse) plus the argmax of the last logits, model load excluded. The geometry is
-the product's default for the model (CascadeConfig.for_model: window 512, so the prompt is ~3 windows): the warm
-runs restore the cold run's cascade snapshot (engine.cascade.memory) and recompute only the tokens past its
-block-aligned end. Default model: a random SmolLM-135M-shaped checkpoint in a temp dir (weights do not change
+the product's default for the model (CascadeConfig.for_model: the window covers the 2,048-token context, so the
+prompt fits it): the warm runs restore the cold run's exact prefix blocks (engine.cascade.memory; a cascade.json
+forcing a small window exercises its snapshots instead) and recompute only the tokens past their block-aligned end. Default model: a random SmolLM-135M-shaped checkpoint in a temp dir (weights do not change
 speed).
 """
 

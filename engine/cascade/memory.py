@@ -461,12 +461,13 @@ class CascadeMemory:
     def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """Meta (JSON-able) + tensors: working slots' KV (L, Hkv, S, D) fp16, episodic blocks fp16 with their key
         bounds, and the routing state in fp32 as computed (so a restored conversation routes exactly as an
-        uninterrupted one): route.recent (n, L, Hkv, D) query summaries, route.routed (L, Hkv, D)."""
+        uninterrupted one): route.recent (n, L, Hkv*D) query summaries, route.routed (L, Hkv, D)."""
         ep_meta, tensors = self.episodic.state()
         k, v = self.backend.read_kv(self.row, torch.arange(self.cfg.num_slots))  # (L, Hkv, S, D) each
         tensors.update({"wk.k": k, "wk.v": v})
         if self._recent:
-            tensors["route.recent"] = torch.stack([q for q, _ in self._recent])  # (n, L, Hkv, D)
+            # (n, L, Hkv*D): three dimensions, so no reader mistakes it for KV in the canonical (L, Hkv, n, D) layout
+            tensors["route.recent"] = torch.stack([q.flatten(1) for q, _ in self._recent])
         if self._routed is not None:
             tensors["route.routed"] = self._routed.clone()
         meta = {
@@ -508,6 +509,7 @@ class CascadeMemory:
 
     def _restore(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         """load_state without its checks (callers check the kind, version and settings)."""
+        c = self.backend.config
         self._reset_state()
         self.backend.write_kv(self.row, torch.arange(self.cfg.num_slots), tensors["wk.k"], tensors["wk.v"])
         self.working.load_state(meta["working"])
@@ -518,7 +520,8 @@ class CascadeMemory:
         self._last_slots = torch.tensor(r["last_slots"], dtype=torch.long)
         recent = tensors.get("route.recent")
         counts = [int(n) for n in r["recent_tokens"]]
-        self._recent = [] if recent is None else [(recent[i].float().clone(), counts[i]) for i in range(len(counts))]
+        shape = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        self._recent = [] if recent is None else [(recent[i].float().reshape(shape).clone(), counts[i]) for i in range(len(counts))]
         routed = tensors.get("route.routed")
         self._routed = None if routed is None else routed.float().clone()
         self._prefix_open, self._persisted = bool(meta["prefix"]["open"]), int(meta["prefix"]["persisted"])
