@@ -77,6 +77,7 @@ class RowBatcher:
         slot_positions = torch.zeros((b, live), dtype=torch.long)  # (B, S')
         mask = torch.zeros((b, 1, t, live), dtype=torch.bool)  # (B, 1, T, S')
         mask[:, :, :, 0] = True  # padding attends to the scratch slot only (cleared below for real tokens)
+        weights = torch.zeros((b, t))  # (B, T) each row's real tokens share its query summary; padding has no say
         for r, plan in enumerate(plans):
             if plan is None:
                 continue
@@ -88,7 +89,9 @@ class RowBatcher:
             slot_positions[r, 1 : n + 1] = plan.slot_positions
             mask[r, 0, off:, 1 : n + 1] = plan.mask
             mask[r, 0, off:, 0] = False
-        logits = self.backend.forward(tokens, SlotBatch(positions, write_slots, slot_positions, mask), last_only=True)  # (b, 1, V)
+            weights[r, off:] = 1.0 / len(feeds[r])
+        batch = SlotBatch(positions, write_slots, slot_positions, mask, summary_weights=weights)
+        logits = self.backend.forward(tokens, batch, last_only=True)  # (b, 1, V)
         out = logits[:, -1]  # (b, V)
         if b < self.rows:  # callers index rows of the whole table; rows past b were fed nothing
             out = torch.cat((out, out.new_zeros(self.rows - b, out.shape[1])))
@@ -125,11 +128,11 @@ class RowState:
             held = 0
         # Leading prompt tokens already in memory or restored from the prefix cache: not fed again.
         self.cached_tokens = held or memory.reuse_prefix(list(prompt_ids[:-1]))
-        self.pending = list(prompt_ids[self.cached_tokens :])  # prompt ids not yet fed
-        # As engine.generate.prefill: a memory may ask for a chunk to end at one index (to snapshot its state there
-        # for a later prompt that extends this one); `cut` counts pending ids up to it.
-        cut = memory.prefill_cut(list(prompt_ids), self.cached_tokens) if hasattr(memory, "prefill_cut") else None
-        self.cut = None if cut is None else cut - self.cached_tokens
+        start = self.cached_tokens
+        self.pending = list(prompt_ids[start:])  # prompt ids not yet fed
+        self.at = start  # index in prompt_ids of pending[0]
+        # Chunk ends the memory asks for (the cascade: snapshots, a prompt's routed tail), as engine.generate.prefill.
+        self.cuts: list[int] = memory.prefill_cut(list(prompt_ids), start) if hasattr(memory, "prefill_cut") else []
         self.skip = skip
         self.sample = make_sampler(s)
         self.processors = make_logits_processors(s)
@@ -153,14 +156,21 @@ class RowState:
             if self.skip:
                 self.skip -= 1
                 return []
-            if self.cut is not None and 0 < self.cut < chunk:
-                chunk = self.cut
-            feed, self.pending = self.pending[:chunk], self.pending[chunk:]
-            if self.cut is not None:
-                self.cut = self.cut - len(feed) or None
+            n = min([chunk, *(c - self.at for c in self.cuts if c > self.at)])
+            feed, self.pending = self.pending[:n], self.pending[n:]
+            self.at += n
             return feed
         assert self.last is not None
         return [self.last]
+
+    def prefill_steps(self, chunk: int) -> int:
+        """How many steps next_feed(chunk) takes to feed the rest of the prompt."""
+        bounds = sorted({self.at + len(self.pending), *(c for c in self.cuts if self.at < c < self.at + len(self.pending))})
+        at, steps = self.at, 0
+        for end in bounds:
+            steps += -(-(end - at) // chunk)
+            at = end
+        return steps
 
     @property
     def samples_after_feed(self) -> bool:
@@ -274,7 +284,7 @@ def generate_batch(
         # rows feed their last prompt chunk in the same step and then decode in lockstep. Whole steps, not tokens:
         # each row keeps the chunk boundaries of a lone run (the cascade's result depends on them).
         states: list[RowState | None] = [RowState(tokenizer, p, settings, m, t0) for p, m in zip(group.prompts, memories)]
-        steps = [-(-len(st.pending) // chunk) for st in states if st is not None]
+        steps = [st.prefill_steps(chunk) for st in states if st is not None]
         for st, n in zip(states, steps):
             assert st is not None
             st.skip = max(steps) - n

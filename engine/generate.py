@@ -72,8 +72,9 @@ def prefill(
     `should_stop` turned true between two chunks (the chunks already fed stay in memory).
 
     Tokens that the memory can restore from its prefix cache are not recomputed (the last one always is, since its
-    logits are needed). A memory with the optional `prefill_cut(ids, start)` (the cascade, to snapshot its state
-    for later prompts) may name one index of `ids` where a chunk must end; chunks after it count from there.
+    logits are needed). A memory with the optional `prefill_cut(ids, start)` (the cascade: to snapshot its state
+    for later prompts, and to route a prompt's last tokens with the queries just before them) may name indices of
+    `ids` where chunks must end; chunks after a cut count from there.
     `should_stop` is polled before every chunk, so a Stop while a long prompt is read acts within one chunk.
     """
     ids = list(ids)
@@ -82,7 +83,7 @@ def prefill(
     t0 = time.perf_counter()
     start = memory.reuse_prefix(ids[:-1])
     chunk = max(1, min(chunk, memory.max_feed()))
-    cut = memory.prefill_cut(ids, start) if hasattr(memory, "prefill_cut") else None
+    cuts = memory.prefill_cut(ids, start) if hasattr(memory, "prefill_cut") else []
     logits = None
     at = start
     if on_progress is not None:
@@ -90,9 +91,7 @@ def prefill(
     while at < len(ids):
         if should_stop():
             return None
-        end = min(at + chunk, len(ids))
-        if cut is not None and at < cut < end:
-            end = cut
+        end = min([at + chunk, len(ids), *(c for c in cuts if at < c)])
         logits = _feed(backend, memory, ids[at:end])
         at = end
         if on_progress is not None:

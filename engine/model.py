@@ -111,6 +111,8 @@ class SlotBatch:
                     frame that grows by one as the window's positions shrink by one: a window key's angle, and so
                     its read copy (KVCache), never changes while the window slides, and the sinks and paged-in
                     blocks before it keep theirs. One-row small steps use it; others rotate at plain positions.
+    summary_weights: (B, T) float or None: each token's weight in the query summary (rows summing to 1; padding 0);
+                    None weighs a row's tokens equally.
 
     Only the leading S' slots take part (S' = slot_positions.shape[1]): a memory that has filled 300 of 4096 slots
     pays for 300, and a backend with a fixed shape (Core ML) pads the plan to its S with masked-off slots.
@@ -122,6 +124,7 @@ class SlotBatch:
     mask: torch.Tensor
     frame: torch.Tensor | None = None
     frame_start: torch.Tensor | None = None
+    summary_weights: torch.Tensor | None = None
 
 
 class KVCache(nn.Module):
@@ -145,6 +148,9 @@ class KVCache(nn.Module):
         self.register_buffer("v_read", torch.zeros(shape, device=device, dtype=compute_dtype), persistent=False)  # (L,B,Hkv,S,D)
         self.register_buffer("read_slots", torch.full((num_slots,), -1, device=device, dtype=torch.long), persistent=False)  # (S,)
         self.register_buffer("read_positions", torch.full((batch, num_slots), -1, device=device, dtype=torch.long), persistent=False)  # (B,S)
+        # The last forward's query summary (see Attention.summarize): what the cascade routes episodic blocks with.
+        summary_shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim)
+        self.register_buffer("summary", torch.zeros(summary_shape, device=device, dtype=torch.float32), persistent=False)  # (L,B,Hkv,D)
 
     def slot_tensors(self) -> list[torch.Tensor]:
         """Every (L, B, Hkv, S, D) buffer, for whole-row operations such as beam reordering."""
@@ -263,7 +269,13 @@ class StepReads:
     value_slots: torch.Tensor | None = None
     split: int = 0
     rope_q_framed: tuple[torch.Tensor, torch.Tensor] | None = None
+    pre: StepReads | None = None  # stale ranks besides the written one (a page-in), re-derived before the write
 
+
+# The rotary table reaches this far past the trained context. Only rotation frames (SlotBatch.frame) use it: a
+# frame adds the same offset to queries and keys, so attention still sees distances inside the trained context,
+# and a slot table as large as that context can still slide its window in a frame.
+ROTARY_HEADROOM = 4096
 
 # Steps of at most this many new tokens (decoding, short chunks) read the slot table through its read copies
 # (KVCache); larger steps (prefill chunks) convert and rotate every live slot on read, which their many queries
@@ -337,6 +349,18 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split((self.n_heads * self.head_dim, kv, kv), dim=-1)
         return q, k, v
 
+    def summarize(self, q: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> None:
+        """The query summary: q (B, T, H*D) pre-RoPE (after q_proj and its bias) -> out (B, Hkv, D) fp32, the mean
+        over the step's tokens (weighted by `weights` (B, T) when given) and over the query heads of each KV-head
+        group (heads of a group are adjacent). Computed in the forward that makes q, never in a pass of its own."""
+        b, t, _ = q.shape
+        g = self.n_heads // self.n_kv_heads
+        per_group = q.reshape(b, t, self.n_kv_heads, g, self.head_dim).float().mean(dim=3)  # (B, T, Hkv, D)
+        if weights is None:
+            out.copy_(per_group.mean(dim=1))
+        else:
+            out.copy_(torch.einsum("bt,btkd->bkd", weights.float(), per_group))
+
     def forward(
         self,
         x: torch.Tensor,  # (B, T, C)
@@ -347,6 +371,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.project(x)
+        self.summarize(q, batch.summary_weights, cache.summary[layer])
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
@@ -362,6 +387,8 @@ class Attention(nn.Module):
             rope_new = reads.rope_q if reads.rope_q_framed is None else reads.rope_q_framed
             q_raw = q
             if reads.write_ranks is not None:
+                if reads.pre is not None:
+                    cache.refresh(layer, reads.pre)
                 q = cache.write_rotated(layer, batch.write_slots, reads.write_ranks, q, k, v, rope_new)  # (B, H, T, D)
             else:
                 cache.write(layer, batch.write_slots, k, v)
@@ -454,7 +481,7 @@ class Transformer(nn.Module):
     def setup_rope(self, max_positions: int | None = None) -> None:
         """Build the cos/sin table on the weights' device (call after loading weights)."""
         p = self.model.norm.weight  # any parameter gives device and compute dtype; the norm is never swapped
-        self.rope = RotaryTable(self.config, max_positions or self.config.max_position_embeddings, p.device, p.dtype)
+        self.rope = RotaryTable(self.config, max_positions or self.config.max_position_embeddings + ROTARY_HEADROOM, p.device, p.dtype)
 
     def new_cache(self, batch: int, num_slots: int, dtype: torch.dtype | None = None) -> KVCache:
         """A slot table on the weights' device; `dtype` defaults to the compute dtype."""
@@ -485,7 +512,7 @@ class Transformer(nn.Module):
             blocked = None
         if n * 2 > m:  # most ranks moved (e.g. a sliding window without a frame re-numbers its slots): rewrite all
             return StepReads(rope_q, m, None, None, attended, self.rope.lookup(positions), blocked, split=split, rope_q_framed=rope_q_framed)
-        write_ranks = None
+        write_ranks, pre = None, None
         # The one-pass write rotates the new keys as their queries are rotated (in the frame when there is one), so
         # it serves only steps whose written slots all sit in that frame: not sinks written while a frame is on.
         same_frame = rope_q_framed is None or bool((batch.write_slots[0] >= batch.frame_start[0]).all())  # type: ignore[index]
@@ -493,8 +520,20 @@ class Transformer(nn.Module):
             ranks = torch.searchsorted(attended, batch.write_slots[0]).clamp_(max=m - 1)  # (T,)
             if torch.equal(attended.index_select(0, ranks), batch.write_slots[0]):
                 write_ranks = ranks
+        elif b == 1 and t == 1 and same_frame:
+            # A decoding step right after the memory changed (a page-in, a re-route): re-derive the other stale
+            # ranks first, then take the one-pass write (and the native step) as in plain decoding.
+            rank = torch.searchsorted(attended, batch.write_slots[0]).clamp_(max=m - 1)  # (1,)
+            others = stale != rank
+            if bool(attended[rank] == batch.write_slots[0, 0]) and int(others.sum()) == n - 1:
+                write_ranks, o = rank, stale[others]
+                vo = moved[moved != rank]
+                pre = StepReads(rope_q, m, None, o, attended.index_select(0, o), self.rope.lookup(positions.index_select(1, o)), None, vo, attended.index_select(0, vo))
+                stale = rank
         refresh = (attended.index_select(0, stale), self.rope.lookup(positions.index_select(1, stale)))
-        return StepReads(rope_q, m, write_ranks, stale, *refresh, blocked, moved, attended.index_select(0, moved), split, rope_q_framed)
+        if pre is not None:
+            moved = moved[moved == stale]
+        return StepReads(rope_q, m, write_ranks, stale, *refresh, blocked, moved, attended.index_select(0, moved), split, rope_q_framed, pre)
 
     def hidden_states(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: StepReads | None = None) -> torch.Tensor:
         """tokens (B, T) -> final normed hidden states (B, T, C); writes this step's K/V into `cache`."""
@@ -530,6 +569,9 @@ class Transformer(nn.Module):
         if self.native_decoder is not None and tokens.shape == (1, 1):
             reads = self.step_reads(cache, batch)
             if self.native_decoder.accepts(cache, reads):
+                if reads.pre is not None:
+                    for i in range(self.config.num_hidden_layers):
+                        cache.refresh(i, reads.pre)
                 return self.native_decoder.decode(self.model.embed_tokens(tokens), cache, batch, reads)
         h = self.hidden_states(tokens, cache, batch, reads)
         if last_only:

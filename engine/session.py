@@ -50,7 +50,9 @@ from engine.weights import estimate_size
 
 MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pasted file), not a prompt
 MemoryFactory = Callable[[Backend], Memory]
-SLOT_TABLE_ESTIMATE = 1024  # slots per conversation assumed by the fit check (the cascade default is 800)
+SLOT_TABLE_ESTIMATE = 1024  # slots per conversation assumed by the fit check (the least a window gets; it grows into
+# what the budget leaves, up to the trained context: see memory_factory_for)
+SLOT_TABLE_COPIES = 3  # a torch slot table on the CPU holds its fp16 KV plus fp32 read copies: 3x the fp16 bytes
 
 
 def memory_factory_for(
@@ -79,7 +81,11 @@ def memory_factory_for(
             return stores[key]
 
     def make(backend: Backend, row: int = 0) -> Memory:  # row: as a scheduler's RowMemoryFactory
-        config = CascadeConfig.for_model(settings_dir(model_path), backend.config, **cascade_overrides)
+        max_slots = None
+        if policy is not None:  # the window covers the trained context as far as half the spare budget allows
+            spare = max(0, policy.budget_bytes() - backend.weight_bytes)
+            max_slots = max(SLOT_TABLE_ESTIMATE, spare // 2 // (SLOT_TABLE_COPIES * backend.kv_bytes_per_token()))
+        config = CascadeConfig.for_model(settings_dir(model_path), backend.config, max_slots=max_slots, **cascade_overrides)
         if policy is not None and "episodic_budget_bytes" not in cascade_overrides:
             working = config.num_slots * backend.kv_bytes_per_token()
             config = replace(config, episodic_budget_bytes=policy.episodic_budget_bytes(backend.weight_bytes, working))

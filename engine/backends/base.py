@@ -74,6 +74,13 @@ class Backend(ABC):
     def write_kv(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Inverse of read_kv: k, v (L, Hkv, n, D) canonical -> the device slots of `row`."""
 
+    def query_summary(self) -> torch.Tensor | None:
+        """The last forward's query summary, an extra output of that same forward (never a pass of its own):
+        (B, L, Hkv, D) float32 on the host; for each row and layer, the mean of the pre-RoPE queries (after q_proj
+        and its bias) over the step's tokens and over the query heads of each KV-head group. None from a backend
+        that does not produce one (the cascade then routes with a key proxy)."""
+        return None
+
     def copy_rows(self, src: torch.Tensor) -> None:
         """src (B,) long: row i of the slot table becomes a copy of row src[i] (all slots), e.g. beam reordering.
 

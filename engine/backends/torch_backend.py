@@ -247,6 +247,9 @@ class TorchBackend(Backend):
         logits = self.model(tokens, cache, batch, last_only=last_only)
         return logits.float().cpu() if dev.type != "cpu" or logits.dtype != torch.float32 else logits
 
+    def query_summary(self) -> torch.Tensor:
+        return self.cache.summary.transpose(0, 1).to("cpu", torch.float32).clone()  # (B, L, Hkv, D)
+
     @torch.inference_mode()
     def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = slots.to(self.device)

@@ -1,7 +1,9 @@
-"""`bench long-ppl`: perplexity on a long held-out document (> 4x the window) with the cascade, with sinks + window
-only (StreamingLLM: the same geometry with retrieval_blocks=0), with sinks + a window as large as the cascade's
-slot budget, and with plain truncation (independent segments as long as the cascade's slot budget).
-Headlines `ppl_cascade`, `ppl_window`, `ppl_truncate`; goal ppl_cascade <= ppl_window.
+"""`bench long-ppl`: perplexity on a long held-out document (at least 1.5x the cascade's slots) with the cascade,
+with sinks + window only (StreamingLLM: the same geometry with retrieval_blocks=0), with sinks + a window as
+large as the cascade's slot budget, and with plain truncation (independent segments as long as the slot budget).
+Headlines `ppl_cascade`, `ppl_window`, `ppl_window_equal_slots`, `ppl_truncate`; goal ppl_cascade <=
+ppl_window_equal_slots (retrieval pays for its slots). The geometry is the model's default (the window covers the
+trained context) unless `--window N` forces the window, as a model folder's cascade.json would.
 
 The document is a fixed sample of the local standard library's pydoc pages (engine.bench.stdlib_docs),
 concatenated in name order and cut to `MAX_TOKENS`.
@@ -62,11 +64,12 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     backend = open_backend(model, args.backend or "cpu", getattr(args, "quantize", "none")).backend
     tok = Tokenizer.load(model)
-    cfg = CascadeConfig.for_model(settings_dir(model), backend.config)
-    n = QUICK_TOKENS if getattr(args, "quick", False) else MAX_TOKENS
+    window = getattr(args, "window", None)
+    cfg = CascadeConfig.for_model(settings_dir(model), backend.config, **({"window": window} if window else {}))
+    n = max(QUICK_TOKENS if getattr(args, "quick", False) else MAX_TOKENS, 3 * cfg.used_slots // 2)
     ids = tok.encode(held_out_text(min_chars=n * 6))[:n]
-    if len(ids) < 4 * cfg.window:
-        raise SparkError(f"The held-out text has only {len(ids)} tokens, less than 4x the {cfg.window}-token window.")
+    if 2 * len(ids) < 3 * cfg.used_slots:
+        raise SparkError(f"The held-out text has only {len(ids)} tokens, less than 1.5x the cascade's {cfg.used_slots} slots.")
     budget = cfg.used_slots
     variants = {
         "cascade": cfg,
@@ -84,5 +87,5 @@ def run(args: argparse.Namespace) -> dict:
         seg_total, seg_count = nll(backend, FullAttentionMemory(backend), ids[at : at + budget])
         total, count = total + seg_total, count + seg_count
     out["ppl_truncate"] = math.exp(total / count)
-    out.update({"numerics": backend.numerics, "tokens": len(ids), "window": cfg.window, "retrieval_blocks": cfg.retrieval_blocks, "slot_budget": budget})
+    out.update({"model": str(model), "numerics": backend.numerics, "tokens": len(ids), "window": cfg.window, "retrieval_blocks": cfg.retrieval_blocks, "slot_budget": budget})
     return out

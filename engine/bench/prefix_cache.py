@@ -3,9 +3,10 @@ warm after a process restart (a fresh interpreter over the same L3 cache dir). H
 `speedup_restart` = cold TTFT / warm TTFT (goal >= 10).
 
 TTFT here is prefill (with prefix reuse) plus the argmax of the last logits, model load excluded. The geometry is
-the product's default for the model (CascadeConfig.for_model: window 512, so the prompt is ~3 windows): the warm
-runs restore the cold run's cascade snapshot (engine.cascade.memory) and recompute only the tokens past its
-block-aligned end. Default model: the default model (SmolLM2-135M-Instruct); --model for another.
+the product's default for the model (CascadeConfig.for_model: the window covers the trained context, so the
+prompt fits it): the warm runs restore the cold run's exact prefix blocks (engine.cascade.memory; a cascade.json
+forcing a small window exercises its snapshots instead) and recompute only the tokens past their block-aligned end.
+Default model: the default model (SmolLM2-135M-Instruct); --model for another.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Cascade geometry and budgets, with the rule that keeps every position inside the model's trained context."""
+"""Cascade geometry and budgets, with the rule that keeps every position inside the model's trained context.
+
+The window defaults to the whole trained context less the sinks and the retrieval slots (as far as the memory
+budget allows), so a conversation that fits the model is exactly full attention and the cascade extends it.
+A model folder's cascade.json overrides any setting (benchmarks force a small window with it)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from engine.errors import SparkError
 
 SLOT_MULTIPLE = 32  # Core ML state dims must be multiples of 32, so the slot table is padded to one
 ROUTINGS = ("sequence", "rolling", "token", "hybrid")
+AUTO_WINDOW = 0
 CONFIG_FILE = "cascade.json"
 MAX_SETTING = 2**50  # any size or budget; a window of that many tokens is already refused by the context fit
 
@@ -31,27 +36,27 @@ class CascadeConfigError(SparkError):
 @dataclass(frozen=True)
 class CascadeConfig:
     sink_tokens: int = 4
-    window: int = 512
+    window: int = AUTO_WINDOW  # AUTO_WINDOW: resolved by fit_to from the trained context and the memory budget
     block_size: int = 64
     retrieval_blocks: int = 4
     routing: str = "hybrid"
-    rep_keys: int = 4  # representative keys kept per episodic block (see engine.cascade.episodic)
-    reroute_every: int = 16  # rolling routing re-scores blocks every this many tokens
-    proxy_tokens: int = 16  # how many recent keys stand in for the query when routing
+    reroute_every: int = 64  # while generating, re-route at least every this many tokens
+    reroute_drift: int = 10  # ... and sooner when the routing query's mean cosine to the routed one drops this many %
+    proxy_tokens: int = 16  # the routing query: the query summaries of this many recent tokens, averaged
     episodic_budget_bytes: int = 256 * 1024**2
     persistent_budget_bytes: int = 4 * 1024**3
 
     def __post_init__(self) -> None:
-        for f in ("window", "block_size", "rep_keys", "reroute_every", "proxy_tokens"):
+        for f in ("block_size", "reroute_every", "proxy_tokens"):
             if getattr(self, f) < 1:
                 raise CascadeConfigError(f"The cascade setting {f} must be at least 1, not {getattr(self, f)}.")
-        for f in ("sink_tokens", "retrieval_blocks", "episodic_budget_bytes", "persistent_budget_bytes"):
+        for f in ("window", "sink_tokens", "retrieval_blocks", "episodic_budget_bytes", "persistent_budget_bytes"):
             if getattr(self, f) < 0:
                 raise CascadeConfigError(f"The cascade setting {f} must not be negative.")
+        if not 0 <= self.reroute_drift <= 100:
+            raise CascadeConfigError(f"The cascade setting reroute_drift is a percentage (0 to 100), not {self.reroute_drift}.")
         if self.routing not in ROUTINGS:
             raise CascadeConfigError(f"Unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}.")
-        if self.rep_keys > self.block_size:
-            raise CascadeConfigError("rep_keys cannot exceed block_size.")
 
     @property
     def retrieval_slots(self) -> int:
@@ -95,28 +100,35 @@ class CascadeConfig:
                 raise CascadeConfigError(f"The cascade setting {k} has a value of the wrong type or size ({str(v)[:40]}).")
         return cls(**d)
 
-    def fit_to(self, max_positions: int) -> "CascadeConfig":
-        """Shrink the geometry so sinks + retrieval + window never exceed `max_positions`.
+    def fit_to(self, max_positions: int, max_slots: int | None = None) -> "CascadeConfig":
+        """Resolve an automatic window and shrink the geometry so sinks + retrieval + window never exceed
+        `max_positions` (nor `max_slots`, what memory allows the slot table).
 
-        The window gives way first (down to one block), then retrieval blocks, then the window again and the sinks:
-        a model with a short trained context gets less retrieval rather than positions it never saw.
+        An automatic window takes every position the sinks and retrieval leave. Then the window gives way first
+        (down to one block), then retrieval blocks, then the window again and the sinks: a model with a short
+        trained context gets less retrieval rather than positions it never saw.
         """
+        limit = max_positions if max_slots is None else max(1, min(max_positions, max_slots))
         c = self
-        if c.used_slots <= max_positions:
+        if c.window == AUTO_WINDOW:
+            c = replace(c, window=max(c.block_size, limit - c.sink_tokens - c.retrieval_slots))
+        want = c.window
+        if c.used_slots <= limit:
             return c
-        c = replace(c, window=max(min(c.window, c.block_size), max_positions - c.sink_tokens - c.retrieval_slots))
-        while c.used_slots > max_positions and c.retrieval_blocks > 0:
+        c = replace(c, window=max(min(c.window, c.block_size), limit - c.sink_tokens - c.retrieval_slots))
+        while c.used_slots > limit and c.retrieval_blocks > 0:
             c = replace(c, retrieval_blocks=c.retrieval_blocks - 1)
-            c = replace(c, window=max(1, min(self.window, max_positions - c.sink_tokens - c.retrieval_slots)))
-        if c.used_slots > max_positions:  # a tiny context: at most 1/8 of it for sinks, the window takes the rest
-            sinks = min(c.sink_tokens, max_positions // 8)
-            c = replace(c, sink_tokens=sinks, window=max_positions - sinks)
+            c = replace(c, window=max(1, min(want, limit - c.sink_tokens - c.retrieval_slots)))
+        if c.used_slots > limit:  # a tiny context: at most 1/8 of it for sinks, the window takes the rest
+            sinks = min(c.sink_tokens, limit // 8)
+            c = replace(c, sink_tokens=sinks, window=limit - sinks)
         return c
 
     @classmethod
-    def for_model(cls, model_dir: str | Path | None, config: ModelConfig, **overrides: Any) -> "CascadeConfig":
+    def for_model(cls, model_dir: str | Path | None, config: ModelConfig, max_slots: int | None = None, **overrides: Any) -> "CascadeConfig":
         """Defaults, then the model folder's optional cascade.json (none for a bare GGUF file: `model_dir` None),
-        then `overrides`, fitted to the model's context."""
+        then `overrides`, fitted to the model's context and to `max_slots` (the slot table the memory budget and the
+        backend allow; None: no limit)."""
         values: dict[str, Any] = {}
         path = Path(model_dir).expanduser() / CONFIG_FILE if model_dir is not None else None
         if path is not None and path.is_file():
@@ -130,4 +142,4 @@ class CascadeConfig:
                 raise CascadeConfigError(f"{path} must hold a JSON object of cascade settings.")
             values.update(data)
         values.update(overrides)
-        return cls.from_dict(values).fit_to(config.max_position_embeddings)
+        return cls.from_dict(values).fit_to(config.max_position_embeddings, max_slots)

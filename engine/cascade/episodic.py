@@ -1,23 +1,23 @@
 """Episodic memory (L2): blocks of KV that left the window, kept on the host and paged back in when relevant.
 
 Tokens leaving the window are appended to a partial block; every `block_size` tokens the block is complete and
-gets `rep_keys` representative keys: the tokens whose keys lie closest to the block's centroid (cosine, averaged
-over layers and KV heads). InfLLM picks the tokens that receive the most attention inside the block, which needs
-queries the backend protocol does not expose; centroid-nearest keys are the cheap key-only stand-in.
+gets its key bounds (Quest): per layer, KV head and channel, the min and the max of its keys (unrotated, as
+stored). Relevance of a block to a query q for one layer is Quest's upper bound on q . k over the block's keys,
+summed over the layer's KV heads: sum over (head, channel) of max(q * kmin, q * kmax). Blocks are ranked per
+layer, so each layer's retrieval slots may hold different blocks. All bounds live in two preallocated matrices,
+so scoring is a few element-wise passes whose size is bounded by the budget, never by the conversation's length.
+Why bounds rather than InfLLM's representative tokens (those receiving the most attention inside the block):
+a bound needs no queries at the time a block forms, is exact about the one key that matters (a passkey is a
+single token among filler) where a few representatives may miss it, and costs 2 key rows per block.
 
-Relevance of a block to a query proxy q (L, Hkv, D) = max over its representative keys of the mean over
-(layer, head) of cos(q, key). All representative keys live in one preallocated matrix, so scoring is one
-mat-vec whose size is bounded by the budget, never by the conversation's length.
-
-Budget: resident KV + representative keys <= `episodic_budget_bytes`. Over budget, the resident block with the
-lowest priority (last access tick + FREQUENCY_WEIGHT x uses: LRU weighted by access frequency) spills to L3 and
-stays routable as a stub (its representative keys and its L3 key); stubs may use at most a quarter of the budget,
-beyond which the lowest-priority stub is forgotten. Without a persistent store, evicted blocks are simply dropped.
+Budget: resident KV + bounds <= `episodic_budget_bytes`. Over budget, the resident block with the lowest
+priority (last access tick + FREQUENCY_WEIGHT x uses: LRU weighted by access frequency) spills to L3 and stays
+routable as a stub (its bounds and its L3 key); stubs may use at most a quarter of the budget, beyond which the
+lowest-priority stub is forgotten. Without a persistent store, evicted blocks are simply dropped.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +34,7 @@ FREQUENCY_WEIGHT = 8  # one past access is worth this many routing rounds of rec
 @dataclass
 class Block:
     id: int  # j: holds tokens [sinks + j*B, sinks + (j+1)*B) of the conversation
-    row: int  # its row in the representative-key matrix
+    row: int  # its row in the key-bound matrices
     k: torch.Tensor | None  # (L, Hkv, B, D) fp16 on the host; None once spilled to L3
     v: torch.Tensor | None  # (L, Hkv, B, D) fp16
     l3_key: str | None  # where its KV lives on disk once spilled
@@ -46,23 +46,17 @@ class Block:
         return self.last_access + FREQUENCY_WEIGHT * self.uses
 
 
-def normalize_query(q: torch.Tensor) -> torch.Tensor:
-    """q (L, Hkv, D) -> (F,) float32, unit per (layer, head) and scaled so a dot product is the mean cosine."""
-    q = q.float()
-    q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-    return q.flatten() / math.sqrt(q.shape[0] * q.shape[1])
+def key_bounds(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k (L, Hkv, B, D) -> per-channel min and max over the block's tokens, each (L, Hkv*D) float32."""
+    kf = k.float()
+    return kf.amin(dim=2).flatten(1), kf.amax(dim=2).flatten(1)
 
 
-def representative_keys(k: torch.Tensor, r: int) -> torch.Tensor:
-    """k (L, Hkv, B, D) -> (r, F): the r keys nearest the block centroid, normalised like `normalize_query`."""
-    kn = k.float()
-    kn = kn / kn.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # (L, Hkv, B, D)
-    c = kn.mean(dim=2, keepdim=True)  # (L, Hkv, 1, D)
-    c = c / c.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-    typical = (kn * c).sum(-1).mean(dim=(0, 1))  # (B,) mean cosine to the centroid
-    picks = typical.topk(r).indices.sort().values  # (r,)
-    reps = kn[:, :, picks, :].permute(2, 0, 1, 3)  # (r, L, Hkv, D)
-    return reps.reshape(r, -1) / math.sqrt(k.shape[0] * k.shape[1])  # (r, F)
+def bound_scores(kmin: torch.Tensor, kmax: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """kmin, kmax (rows, L, F); query (L, Hkv, D) -> (rows, L): each block's upper bound on q . k per layer."""
+    q = query.float().reshape(query.shape[0], -1)  # (L, F)
+    # max(q*kmin, q*kmax) is q*kmax where q > 0 and q*kmin where q < 0: two batched mat-vecs, no temporaries.
+    return torch.einsum("rlf,lf->rl", kmax, q.clamp(min=0)) + torch.einsum("rlf,lf->rl", kmin, q.clamp(max=0))
 
 
 class EpisodicMemory:
@@ -78,11 +72,11 @@ class EpisodicMemory:
         self.digest_at = digest_at
         L, hkv, d = kv_shape
         self.kv_shape = kv_shape
-        b, r = cfg.block_size, cfg.rep_keys
+        b = cfg.block_size
         self.block_bytes = 2 * L * hkv * b * d * CANONICAL_KV_DTYPE.itemsize
-        self.rep_bytes = r * L * hkv * d * 4
+        self.rep_bytes = 2 * L * hkv * d * 4  # a block's key bounds
         budget = cfg.episodic_budget_bytes
-        # Rows of the representative-key matrix: enough for a full budget of resident blocks plus stubs.
+        # Rows of the key-bound matrices: enough for a full budget of resident blocks plus stubs.
         stub_rows = (budget // 4) // self.rep_bytes if store is not None else 0
         self.max_rows = budget // (self.block_bytes + self.rep_bytes) + stub_rows
         self.counters = Counters()
@@ -90,7 +84,7 @@ class EpisodicMemory:
 
     def reset(self) -> None:
         L, hkv, d = self.kv_shape
-        b, r = self.cfg.block_size, self.cfg.rep_keys
+        b = self.cfg.block_size
         self.partial_k = torch.zeros(L, hkv, b, d, dtype=CANONICAL_KV_DTYPE)  # (L, Hkv, B, D)
         self.partial_v = torch.zeros(L, hkv, b, d, dtype=CANONICAL_KV_DTYPE)  # (L, Hkv, B, D)
         self.partial_n = 0
@@ -98,7 +92,8 @@ class EpisodicMemory:
         self.tick = 0
         self.blocks: dict[int, Block] = {}
         # Grown by doubling up to max_rows, so a short conversation does not pay for a full budget up front.
-        self.reps = torch.zeros(0, r, L * hkv * d)  # (rows, r, F) float32
+        self.kmin = torch.zeros(0, L, hkv * d)  # (rows, L, F) float32, F = Hkv*D
+        self.kmax = torch.zeros(0, L, hkv * d)  # (rows, L, F) float32
         self.row_block = torch.full((0,), -1, dtype=torch.long)  # (rows,) block id per row, -1 when free
         self.free_rows: list[int] = []
         self.resident = 0
@@ -126,7 +121,7 @@ class EpisodicMemory:
         if self.max_rows == 0:
             return
         row = self._take_row()
-        self.reps[row] = representative_keys(k, self.cfg.rep_keys)
+        self.kmin[row], self.kmax[row] = key_bounds(k)
         self.row_block[row] = block_id
         end = self.cfg.sink_tokens + (block_id + 1) * self.cfg.block_size
         digest = self.digest_at(end) if self.store is not None else None
@@ -137,9 +132,10 @@ class EpisodicMemory:
 
     def _take_row(self) -> int:
         if not self.free_rows:
-            n = self.reps.shape[0]
+            n = self.kmin.shape[0]
             grow = max(1, min(self.max_rows, max(4, 2 * n)) - n)
-            self.reps = torch.cat([self.reps, torch.zeros(grow, *self.reps.shape[1:])])
+            self.kmin = torch.cat([self.kmin, torch.zeros(grow, *self.kmin.shape[1:])])
+            self.kmax = torch.cat([self.kmax, torch.zeros(grow, *self.kmax.shape[1:])])
             self.row_block = torch.cat([self.row_block, torch.full((grow,), -1, dtype=torch.long)])
             self.free_rows.extend(range(n + grow - 1, n - 1, -1))
         return self.free_rows.pop()
@@ -196,23 +192,24 @@ class EpisodicMemory:
         so block ids keep mapping to the same token ranges (and L3 keys) afterwards."""
         self.counters.evictions += len(self.blocks)
         self.blocks.clear()
-        self.reps.zero_()
+        self.kmin.zero_()
+        self.kmax.zero_()
         self.row_block.fill_(-1)
-        self.free_rows = list(range(self.reps.shape[0] - 1, -1, -1))
+        self.free_rows = list(range(self.kmin.shape[0] - 1, -1, -1))
         self.resident = self.stubs = 0
 
     # -- routing ------------------------------------------------------------------------------------------------
 
-    def select(self, query: torch.Tensor, k: int) -> list[int]:
-        """query (L, Hkv, D) -> ids of the (at most) k most relevant blocks, best first."""
+    def select(self, query: torch.Tensor, k: int) -> list[list[int]]:
+        """query (L, Hkv, D) -> per layer, ids of its min(k, blocks) most relevant blocks, best first."""
         self.tick += 1
-        if not self.blocks or k == 0:
-            return []
-        q = normalize_query(query)  # (F,)
-        scores = (self.reps @ q).amax(dim=1)  # (rows,)
-        scores.masked_fill_(self.row_block < 0, float("-inf"))
-        top = scores.topk(min(k, len(self.blocks))).indices  # (k,)
-        return [int(i) for i in self.row_block[top].tolist()]
+        n = min(k, len(self.blocks))
+        if n == 0:
+            return [[] for _ in range(query.shape[0])]
+        scores = bound_scores(self.kmin, self.kmax, query)  # (rows, L)
+        scores.masked_fill_((self.row_block < 0)[:, None], float("-inf"))
+        top = scores.topk(n, dim=0).indices  # (n, L)
+        return self.row_block[top].t().tolist()  # (L, n)
 
     def touch(self, block_id: int) -> None:
         """A block already in a retrieval slot was selected again: it counts as a use for LRU."""
@@ -248,12 +245,12 @@ class EpisodicMemory:
             "partial_n": self.partial_n,
             "next_id": self.next_id,
             "tick": self.tick,
-            "rows": self.reps.shape[0],
+            "rows": self.kmin.shape[0],
             "free_rows": list(self.free_rows),
             "blocks": [[b.id, b.row, b.l3_key, b.last_access, b.uses, b.k is not None] for b in self.blocks.values()],
             "counters": self.counters.to_dict(),
         }
-        tensors = {"ep.partial_k": self.partial_k.clone(), "ep.partial_v": self.partial_v.clone(), "ep.reps": self.reps.clone()}
+        tensors = {"ep.partial_k": self.partial_k.clone(), "ep.partial_v": self.partial_v.clone(), "ep.kmin": self.kmin.clone(), "ep.kmax": self.kmax.clone()}
         for b in self.blocks.values():
             if b.k is not None and b.v is not None:
                 tensors[f"ep.{b.id}.k"], tensors[f"ep.{b.id}.v"] = b.k, b.v
@@ -264,7 +261,8 @@ class EpisodicMemory:
         self.partial_k.copy_(tensors["ep.partial_k"])
         self.partial_v.copy_(tensors["ep.partial_v"])
         self.partial_n, self.next_id, self.tick = int(meta["partial_n"]), int(meta["next_id"]), int(meta["tick"])
-        self.reps = tensors["ep.reps"].float().clone()  # (rows, r, F)
+        self.kmin = tensors["ep.kmin"].float().clone()  # (rows, L, F)
+        self.kmax = tensors["ep.kmax"].float().clone()  # (rows, L, F)
         self.row_block = torch.full((int(meta["rows"]),), -1, dtype=torch.long)
         self.free_rows = [int(r) for r in meta["free_rows"]]
         for bid, row, l3_key, last, uses, resident in meta["blocks"]:

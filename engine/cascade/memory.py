@@ -1,8 +1,10 @@
 """CascadeMemory: engine.memory.Memory over the three tiers (working L1, episodic L2, persistent L3).
 
 Per plan (before each forward), in this order:
-  1. route: ask the routing strategy for a query proxy; if it gives one, select the top-k episodic blocks and page
-     in only those not already resident (read from host memory, or back from L3);
+  1. route: the routing query is the backend's query summary (per layer and KV head, the mean pre-RoPE query of the
+     last forwards, over their last `proxy_tokens` tokens); when the routing strategy says so (a new prompt chunk,
+     drift, the clock), each layer selects its top-k episodic blocks and only the (layer, group) pairs whose block
+     changed are paged in (read from host memory, or back from L3);
   2. assign slots to the new tokens; tokens pushed out of the window are read (read_kv) *before* the forward
      overwrites them and appended to the current partial episodic block;
   3. positions and the mask come from the working memory's preallocated tables.
@@ -48,14 +50,16 @@ import numpy as np
 import torch
 
 from engine.backends.base import Backend
-from engine.cascade.config import CascadeConfig
+from engine.cascade.config import AUTO_WINDOW, CascadeConfig
 from engine.cascade.episodic import EpisodicMemory
+from engine.cascade.migrate import migrate_state
 from engine.cascade.persistent import PersistentStore
 from engine.cascade.routing import ROUTING, RouteContext
 from engine.cascade.stats import CascadeStats, Counters, TierStats
 from engine.cascade.working import WorkingMemory
 from engine.errors import InputTooLarge, SessionFileError, SparkError
 from engine.memory import RowPlan
+from engine.model import ROTARY_HEADROOM
 from engine.session_schema import (
     CASCADE_STATE_VERSION,
     SchemaError,
@@ -63,7 +67,9 @@ from engine.session_schema import (
     check_memory_state,
 )
 
-STATE_VERSION = CASCADE_STATE_VERSION
+STATE_VERSION = CASCADE_STATE_VERSION  # 2: per-layer retrieval groups, key bounds, query-summary routing (engine.cascade.migrate)
+TAIL_STEP = 4  # a prompt's last TAIL_STEPS * TAIL_STEP tokens go in small chunks, each routed by the one before
+TAIL_STEPS = 6
 TIERS = ("working", "episodic", "persistent")
 
 
@@ -86,20 +92,27 @@ class CascadeMemory:
     """The memory of one sequence: row `row` of the backend's slot table, laid out per `config`."""
 
     def __init__(self, backend: Backend, config: CascadeConfig, row: int = 0, store: PersistentStore | None = None) -> None:
-        if backend.num_slots != config.num_slots:
-            if backend.batch != 1 or row != 0:
-                raise ValueError(f"the backend's slot table has {backend.num_slots} slots; this cascade needs {config.num_slots}")
-            backend.allocate(1, config.num_slots)
-        c = backend.config
+        if config.window == AUTO_WINDOW:
+            raise ValueError("resolve the automatic window first (CascadeConfig.fit_to or for_model)")
         self.backend = backend
-        self.cfg = config
         self.row = row
         self.store = store
         self.kv_token_bytes = backend.kv_bytes_per_token()
-        # Frames stay inside the rotary table, and small: fp32 angles lose precision as positions grow (4096 more
-        # than the table's own positions costs one full re-rotation of the window per 4096 tokens).
-        self.working = WorkingMemory(config, frame_period=max(0, min(c.max_position_embeddings - config.num_slots, FRAME_PERIOD_MAX)))
-        self.episodic = EpisodicMemory(config, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), store, self._take_block_digest)
+        self._layout(config)
+
+    def _layout(self, config: CascadeConfig) -> None:
+        """Lay the memory out per `config` (empty), resizing a one-row slot table to it."""
+        backend, c = self.backend, self.backend.config
+        if backend.num_slots != config.num_slots:
+            if backend.batch != 1 or self.row != 0:
+                raise ValueError(f"the backend's slot table has {backend.num_slots} slots; this cascade needs {config.num_slots}")
+            backend.allocate(1, config.num_slots)
+        self.cfg = config
+        # Frames stay inside the rotary table (the trained context + ROTARY_HEADROOM), and small: fp32 angles lose
+        # precision as positions grow (a period of 4096 costs one full re-rotation of the window per 4096 tokens).
+        table = c.max_position_embeddings + ROTARY_HEADROOM
+        self.working = WorkingMemory(config, c.num_hidden_layers, frame_period=max(0, min(table - config.num_slots, FRAME_PERIOD_MAX)))
+        self.episodic = EpisodicMemory(config, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), self.store, self._take_block_digest)
         self.router = ROUTING[config.routing]()
         self._snapshot_tag = f"snapshot-{config.state_tag()}"
         self.counters = Counters()  # working tier: routed block already resident / paged in
@@ -118,8 +131,8 @@ class CascadeMemory:
         self._prefix_open = True  # nothing has left the window yet: every KV so far equals full attention's
         self._persisted = 0  # tokens [0, persisted) are in L3 as exact prefix blocks
         self._since_route = 0
-        self._prompt_sum: torch.Tensor | None = None  # (L, Hkv, D) float64 sum of the current prompt's keys
-        self._prompt_n = 0
+        self._recent: list[tuple[torch.Tensor, int]] = []  # (query summary (L, Hkv, D) fp32, tokens) of recent forwards
+        self._routed: torch.Tensor | None = None  # (L, Hkv, D) the routing query of the last routing decision
         self._last_prefill = False
         self._last_slots = torch.zeros(0, dtype=torch.long)  # (T,) slots of the last plan
         self._last_evicted = False
@@ -140,7 +153,7 @@ class CascadeMemory:
             self._reset_state()
         elif tier == "episodic":
             self.episodic.drop_all()
-            self.working.set_groups([None] * self.cfg.retrieval_blocks)
+            self.working.set_groups([[] for _ in range(self.working.num_layers)])
 
     # -- hashing ------------------------------------------------------------------------------------------------
 
@@ -175,45 +188,82 @@ class CascadeMemory:
 
     # -- routing ------------------------------------------------------------------------------------------------
 
-    def _recent_query(self, n: int) -> torch.Tensor | None:
+    def _recent_keys(self, n: int) -> torch.Tensor | None:
+        """For backends without a query summary: the mean key of the n most recent tokens, (L, Hkv, D)."""
         slots = self.working.recent_slots(n)
         if slots.numel() == 0:
             return None
         k, _ = self.backend.read_kv(self.row, slots)  # (L, Hkv, m, D)
-        return k.float().mean(dim=2)  # (L, Hkv, D)
+        return k.float().mean(dim=2)
 
-    def _prompt_query(self) -> torch.Tensor | None:
-        return None if self._prompt_sum is None or self._prompt_n == 0 else (self._prompt_sum / self._prompt_n).float()
+    def _routing_query(self) -> torch.Tensor | None:
+        """(L, Hkv, D): the query summaries of the last proxy_tokens tokens, weighted by their forwards' tokens."""
+        if not self._recent:
+            return self._recent_keys(self.cfg.proxy_tokens)
+        total = sum(n for _, n in self._recent)
+        return sum(q * (n / total) for q, n in self._recent)  # type: ignore[return-value]
+
+    def _remember_summary(self, tokens: int) -> None:
+        summary = self.backend.query_summary()  # (B, L, Hkv, D) or None
+        if summary is None:
+            return
+        self._recent.append((summary[self.row].float().clone(), tokens))
+        while len(self._recent) > 1 and sum(n for _, n in self._recent[1:]) >= self.cfg.proxy_tokens:
+            self._recent.pop(0)
+
+    def _drift(self, query: torch.Tensor) -> float:
+        if self._routed is None:
+            return 1.0
+        return 1.0 - float(torch.nn.functional.cosine_similarity(query, self._routed, dim=-1).mean())
 
     def _route(self, prefill: bool) -> None:
-        ctx = RouteContext(prefill, self._since_route, self.cfg.reroute_every, self.cfg.proxy_tokens, self._prompt_query, self._recent_query)
-        query = self.router.query(ctx)
+        query = self._routing_query()
         if query is None:
             return
-        self._since_route = 0
-        chosen = self.episodic.select(query, self.cfg.retrieval_blocks)
-        groups = self.working.groups
-        if set(chosen) == {g for g in groups if g is not None}:
-            for bid in chosen:
-                self.episodic.touch(bid)
-            self.counters.hits += len(chosen)
+        ctx = RouteContext(prefill, self._since_route, self.cfg.reroute_every, self._drift(query), self.cfg.reroute_drift / 100)
+        if not self.router.should_route(ctx):
             return
-        keep = set(chosen)
-        new_groups: list[int | None] = [g if g in keep else None for g in groups]
-        free = [i for i, g in enumerate(new_groups) if g is None]
-        for bid in chosen:
-            if bid in new_groups:
-                self.episodic.touch(bid)
-                self.counters.hits += 1
-                continue
-            kv = self.episodic.fetch(bid, protect=tuple(chosen))
-            if kv is None:
-                continue
-            g = free.pop(0)
-            self.backend.write_kv(self.row, self.working.group_slots(g), kv[0], kv[1])
-            new_groups[g] = bid
-            self.counters.misses += 1
-        self.working.set_groups(new_groups)
+        self._since_route = 0
+        self._routed = query
+        while True:
+            chosen = self.episodic.select(query, self.cfg.retrieval_blocks)  # (L, n) block ids per layer
+            if self._page_in(chosen):
+                return
+
+    def _page_in(self, chosen: list[list[int]]) -> bool:
+        """Put each layer's chosen blocks in its retrieval groups, paging in only (layer, group) pairs that change.
+        False when a block turned out to be gone (forgotten from L3): the caller selects again."""
+        old = self.working.groups
+        n = len(chosen[0])
+        new: list[list[int | None]] = []
+        for layer, pick in enumerate(chosen):
+            keep = [b if g < len(old[layer]) and old[layer][g] in pick else None for g, b in enumerate(old[layer][:n])]
+            keep += [None] * (n - len(keep))
+            rest = iter(b for b in pick if b not in keep)
+            new.append([b if b is not None else next(rest) for b in keep])
+        changed = {(layer, g) for layer in range(len(new)) for g in range(n) if g >= len(old[layer]) or old[layer][g] != new[layer][g]}
+        needed = {new[layer][g] for layer, g in changed}
+        protect = tuple({b for pick in chosen for b in pick})
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for bid in sorted(needed):  # type: ignore[type-var]
+            got = self.episodic.fetch(bid, protect=protect)  # type: ignore[arg-type]
+            if got is None:
+                return False
+            kv[bid] = got  # type: ignore[index]
+        for bid in set(protect) - needed:
+            self.episodic.touch(bid)
+        self.counters.hits += n * len(new) - len(changed)
+        self.counters.misses += len(changed)
+        for g in sorted({g for _, g in changed}):
+            slots = self.working.group_slots(g)
+            k, v = self.backend.read_kv(self.row, slots)  # (L, Hkv, B, D): layers that keep their block keep their KV
+            ks, vs = list(k.unbind(0)), list(v.unbind(0))
+            for layer in (layer for layer, gg in changed if gg == g):
+                bk, bv = kv[new[layer][g]]  # type: ignore[index]
+                ks[layer], vs[layer] = bk[layer], bv[layer]
+            self.backend.write_kv(self.row, slots, torch.stack(ks), torch.stack(vs))
+        self.working.set_groups(new)  # type: ignore[arg-type]
+        return True
 
     # -- the Memory protocol ------------------------------------------------------------------------------------
 
@@ -224,8 +274,6 @@ class CascadeMemory:
         if t > self.cfg.window:
             raise InputTooLarge(f"A step of {t} tokens exceeds the {self.cfg.window}-token window; feed it in smaller chunks.")
         prefill = t > 1
-        if prefill and not self._last_prefill:  # a new prompt starts: its keys make the `sequence` query
-            self._prompt_sum, self._prompt_n = None, 0
         if self.cfg.retrieval_blocks and self.episodic.blocks:
             self._route(prefill)
         start = len(self.tokens)
@@ -247,22 +295,14 @@ class CascadeMemory:
         return RowPlan(w.slot_positions[ws], ws, w.slot_positions.clone(), w.mask(ws), w.frame, w.window_start)
 
     def after_forward(self) -> None:
-        if self._last_prefill and self.router.uses_prompt and self.cfg.retrieval_blocks:
-            k, _ = self.backend.read_kv(self.row, self._last_slots)  # (L, Hkv, T, D)
-            self._add_to_prompt(k)
+        if self.cfg.retrieval_blocks:
+            self._remember_summary(self._last_slots.numel())
         if self.store is not None and self._prefix_open and not self._last_evicted:
             self._persist_prefix()
         if self._snapshot_at is not None and len(self.tokens) >= self._snapshot_at:
             if len(self.tokens) == self._snapshot_at:  # a caller that ignored the cut just gets no snapshot
                 self._snapshot()
             self._snapshot_at = None
-
-    def _add_to_prompt(self, k: torch.Tensor) -> None:
-        """k (L, Hkv, T, D) of prompt tokens. Summed in float64 so that how the prompt was chunked (or restored
-        from L3) changes the mean by ~1e-16 and cannot flip a routing decision."""
-        chunk = k.double().sum(dim=2)  # (L, Hkv, D)
-        self._prompt_sum = chunk if self._prompt_sum is None else self._prompt_sum + chunk
-        self._prompt_n += k.shape[2]
 
     def _persist_prefix(self) -> None:
         b = self.cfg.block_size
@@ -301,11 +341,8 @@ class CascadeMemory:
             return 0
         n = len(found) * b
         slots, _ = self.working.assign(n)
-        self._prompt_sum, self._prompt_n = None, 0
         for j, (k, v) in enumerate(found):
             self.backend.write_kv(self.row, torch.tensor(slots[j * b : (j + 1) * b]), k, v)
-            if self.router.uses_prompt and self.cfg.retrieval_blocks:
-                self._add_to_prompt(k)
         self._last_prefill = True  # the restored tokens are the start of this prompt, as if prefilled
         self._persisted = n
         self._feed_hash(ids[:n], 0)
@@ -321,17 +358,22 @@ class CascadeMemory:
         assert self.store is not None
         return self.store.key(hashlib.sha256(_token_bytes(prefix)).hexdigest(), self._snapshot_tag)
 
-    def prefill_cut(self, ids: list[int], start: int) -> int | None:
-        """Before a prompt `ids` is fed from index `start` (after reuse_prefix): the index of ids where a chunk
-        must end so that the memory can snapshot its state there, or None. See the module docstring."""
-        if self.store is None:
-            return None
+    def prefill_cut(self, ids: list[int], start: int) -> list[int]:
+        """Before a prompt `ids` is fed from index `start` (after reuse_prefix): indices of ids where chunks must
+        end, ascending. One lets the memory snapshot its state (see the module docstring). When the conversation
+        reaches past the window, the prompt's last tokens also go in small chunks: a forward's query summary
+        routes the next one, so the question at the end of a prompt routes the tokens that answer it."""
         base = len(self.tokens) - start  # absolute index of ids[0]
-        cut = (base + len(ids) - 1) // self.cfg.block_size * self.cfg.block_size
-        if cut <= len(self.tokens) or (self._prefix_open and cut <= self.cfg.sink_tokens + self.cfg.window):
-            return None  # nothing left to feed before it, or exact prefix blocks will cover it
-        self._snapshot_at = cut
-        return cut - base
+        end = base + len(ids)
+        cuts: set[int] = set()
+        if self.cfg.retrieval_blocks and end > self.cfg.sink_tokens + self.cfg.window:
+            cuts.update(c - base for c in range(end - TAIL_STEP, end - TAIL_STEP * TAIL_STEPS - 1, -TAIL_STEP) if c > len(self.tokens))
+        if self.store is not None:
+            cut = (end - 1) // self.cfg.block_size * self.cfg.block_size
+            if cut > len(self.tokens) and not (self._prefix_open and cut <= self.cfg.sink_tokens + self.cfg.window):
+                self._snapshot_at = cut  # else nothing is left to feed before it, or exact prefix blocks cover it
+                cuts.add(cut - base)
+        return sorted(cuts)
 
     def _snapshot(self) -> None:
         assert self.store is not None
@@ -433,13 +475,17 @@ class CascadeMemory:
         return CascadeStats(working, self.episodic.stats(), persistent)
 
     def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        """Meta (JSON-able) + tensors: working slots' KV (L, Hkv, S, D) fp16, episodic blocks fp16, and the float64
-        routing accumulator (kept at full precision so a restored conversation routes exactly as an uninterrupted one)."""
+        """Meta (JSON-able) + tensors: working slots' KV (L, Hkv, S, D) fp16, episodic blocks fp16 with their key
+        bounds, and the routing state in fp32 as computed (so a restored conversation routes exactly as an
+        uninterrupted one): route.recent (n, L, Hkv*D) query summaries, route.routed (L, Hkv, D)."""
         ep_meta, tensors = self.episodic.state()
         k, v = self.backend.read_kv(self.row, torch.arange(self.cfg.num_slots))  # (L, Hkv, S, D) each
         tensors.update({"wk.k": k, "wk.v": v})
-        if self._prompt_sum is not None:
-            tensors["route.prompt_sum"] = self._prompt_sum.clone()
+        if self._recent:
+            # (n, L, Hkv*D): three dimensions, so no reader mistakes it for KV in the canonical (L, Hkv, n, D) layout
+            tensors["route.recent"] = torch.stack([q.flatten(1) for q, _ in self._recent])
+        if self._routed is not None:
+            tensors["route.routed"] = self._routed.clone()
         meta = {
             "kind": "cascade",
             "version": STATE_VERSION,
@@ -449,7 +495,7 @@ class CascadeMemory:
             "episodic": ep_meta,
             "routing": {
                 "since_route": self._since_route,
-                "prompt_n": self._prompt_n,
+                "recent_tokens": [n for _, n in self._recent],
                 "last_prefill": self._last_prefill,
                 "last_evicted": self._last_evicted,
                 "last_slots": self._last_slots.tolist(),
@@ -462,27 +508,43 @@ class CascadeMemory:
 
     def state_target(self) -> StateTarget:
         c = self.backend.config
-        return StateTarget(c.vocab_size, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), cascade=self.cfg)
+        dims = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        return StateTarget(c.vocab_size, dims, cascade=self.cfg, max_positions=c.max_position_embeddings)
 
     def load_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         try:  # the one schema (engine.session_schema): nothing is touched unless all of it holds
             check_memory_state(meta, tensors, self.state_target())
         except SchemaError as exc:
             raise SessionFileError(f"The saved memory cannot be restored: it {exc}.") from None
+        if meta.get("version") == 1:
+            meta, tensors = migrate_state(meta, tensors)
+        saved = CascadeConfig.from_dict(meta["config"])
+        # The state depends on its geometry, not on budgets: a file saved under another geometry (an older default,
+        # another cascade.json) restores in its own, within the model's trained context, under this memory's budgets.
+        saved = replace(saved, episodic_budget_bytes=self.cfg.episodic_budget_bytes, persistent_budget_bytes=self.cfg.persistent_budget_bytes)
+        if saved != self.cfg:
+            if self.backend.batch != 1 or self.row != 0:
+                raise SessionFileError("The saved memory used a different cascade geometry; restore it with the same settings.")
+            self._layout(saved)
         self._restore(meta, tensors)
 
     def _restore(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         """load_state without its checks (callers check the kind, version and settings)."""
+        c = self.backend.config
         self._reset_state()
         self.backend.write_kv(self.row, torch.arange(self.cfg.num_slots), tensors["wk.k"], tensors["wk.v"])
         self.working.load_state(meta["working"])
         self.episodic.load_state(meta["episodic"], tensors)
         r = meta["routing"]
-        self._since_route, self._prompt_n = int(r["since_route"]), int(r["prompt_n"])
+        self._since_route = int(r["since_route"])
         self._last_prefill, self._last_evicted = bool(r["last_prefill"]), bool(r["last_evicted"])
         self._last_slots = torch.tensor(r["last_slots"], dtype=torch.long)
-        ps = tensors.get("route.prompt_sum")
-        self._prompt_sum = None if ps is None else ps.double().clone()
+        recent = tensors.get("route.recent")
+        counts = [int(n) for n in r["recent_tokens"]]
+        shape = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        self._recent = [] if recent is None else [(recent[i].float().reshape(shape).clone(), counts[i]) for i in range(len(counts))]
+        routed = tensors.get("route.routed")
+        self._routed = None if routed is None else routed.float().clone()
         self._prefix_open, self._persisted = bool(meta["prefix"]["open"]), int(meta["prefix"]["persisted"])
         self.counters = Counters.from_dict(meta["counters"])
         tokens = [int(t) for t in meta["tokens"]]

@@ -2,12 +2,15 @@
 
 Slots, for S = CascadeConfig.num_slots:
     [0, sinks)                      attention sinks: the first tokens, kept forever (StreamingLLM)
-    [sinks, sinks + R*B)            R retrieval groups of B slots, each holding one paged-in episodic block
+    [sinks, sinks + R*B)            R retrieval groups of B slots; per layer, each holds one paged-in episodic block
+                                    (layers may hold different blocks: retrieval is per layer)
     [sinks + R*B, ... + W)          the window: a ring of the W most recent tokens
     [..., S)                        padding to a multiple of 32, never attended
 
 Positions (dense, so the largest is < sinks + R*B + W <= the model's trained context):
-    sinks 0..sinks-1, then the resident blocks in their original order, then the window oldest to newest.
+    sinks 0..sinks-1, then the n filled retrieval groups (group g at sinks + g*B: one position table serves every
+    layer, so a group's position cannot follow which block each layer put in it), then the window oldest to newest.
+Every layer holds the same number n of blocks, in groups [0, n), so the mask is the same for every layer.
 While nothing has left the window this makes position == absolute token index, i.e. exact full attention.
 Keys are stored unrotated (engine.model), so re-numbering as the window slides costs nothing but this table.
 
@@ -22,8 +25,9 @@ from engine.cascade.config import CascadeConfig
 
 
 class WorkingMemory:
-    def __init__(self, cfg: CascadeConfig, frame_period: int = 0) -> None:
+    def __init__(self, cfg: CascadeConfig, num_layers: int, frame_period: int = 0) -> None:
         self.cfg = cfg
+        self.num_layers = num_layers
         self.sinks, self.block, self.groups_n, self.window = cfg.sink_tokens, cfg.block_size, cfg.retrieval_blocks, cfg.window
         self.retrieval_start = self.sinks
         self.window_start = self.sinks + cfg.retrieval_slots
@@ -44,7 +48,7 @@ class WorkingMemory:
         self.n_window = 0  # window slots filled
         self.head = 0  # ring index the next window token goes to
         self.evicted = 0  # tokens that have left the window, ever
-        self.groups: list[int | None] = [None] * self.groups_n  # episodic block id held by each retrieval group
+        self.groups: list[list[int]] = [[] for _ in range(self.num_layers)]  # per layer, block id held by groups 0..n-1
         self.valid.zero_()
         self.slot_positions.zero_()
         self.slot_positions[: self.sinks] = torch.arange(self.sinks)
@@ -52,7 +56,8 @@ class WorkingMemory:
 
     @property
     def resident_blocks(self) -> int:
-        return sum(g is not None for g in self.groups)
+        """n: retrieval groups filled, in every layer alike."""
+        return len(self.groups[0]) if self.groups else 0
 
     @property
     def held_tokens(self) -> int:
@@ -91,16 +96,16 @@ class WorkingMemory:
         self.valid[slots] = True
         return slots, evicted
 
-    def set_groups(self, groups: list[int | None]) -> None:
-        """Record which block each retrieval group holds; resident blocks get positions in their original order."""
-        self.groups = list(groups)
-        ranked = sorted((b, g) for g, b in enumerate(self.groups) if b is not None)
-        for g in range(self.groups_n):
-            self.valid[self.retrieval_start + g * self.block : self.retrieval_start + (g + 1) * self.block] = False
-        for rank, (_, g) in enumerate(ranked):
-            at = self.retrieval_start + g * self.block
-            self.slot_positions[at : at + self.block] = self._block_offsets + (self.sinks + rank * self.block)
-            self.valid[at : at + self.block] = True
+    def set_groups(self, groups: list[list[int]]) -> None:
+        """Record which block each layer's retrieval groups [0, n) hold (the same n in every layer)."""
+        if len({len(g) for g in groups}) > 1 or len(groups) != self.num_layers or len(groups[0]) > self.groups_n:
+            raise ValueError("every layer must hold the same number of retrieval blocks, at most retrieval_blocks")
+        self.groups = [list(g) for g in groups]
+        n = self.resident_blocks
+        end = self.retrieval_start + self.groups_n * self.block
+        self.valid[self.retrieval_start : end] = False
+        self.valid[self.retrieval_start : self.retrieval_start + n * self.block] = True
+        self.slot_positions[self.retrieval_start : end] = torch.arange(self.groups_n * self.block) + self.sinks
         self.refresh_positions()
 
     def group_slots(self, g: int) -> torch.Tensor:
@@ -127,7 +132,7 @@ class WorkingMemory:
         return m
 
     def state(self) -> dict:
-        return {"n_sink": self.n_sink, "n_window": self.n_window, "head": self.head, "evicted": self.evicted, "groups": list(self.groups)}
+        return {"n_sink": self.n_sink, "n_window": self.n_window, "head": self.head, "evicted": self.evicted, "groups": [list(g) for g in self.groups]}
 
     def load_state(self, meta: dict) -> None:
         self.reset()
@@ -135,4 +140,4 @@ class WorkingMemory:
         self.valid[: self.n_sink] = True
         filled = (self.head - 1 - torch.arange(self.n_window)) % self.window + self.window_start
         self.valid[filled] = True
-        self.set_groups([None if g is None else int(g) for g in meta["groups"]])
+        self.set_groups([[int(b) for b in layer] for layer in meta["groups"]])

@@ -92,6 +92,7 @@ class StepDesc(ctypes.Structure):
         ("rank", ctypes.c_int64),
         ("width", ctypes.c_int32),
         ("split", ctypes.c_int32),
+        ("qsum", ctypes.c_void_p),
     ]
 
 

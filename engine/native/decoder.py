@@ -123,6 +123,7 @@ class NativeDecoder:
             int(reads.write_ranks[0]),
             reads.width,
             reads.split,
+            cache.summary.data_ptr(),  # (L, 1, Hkv, D): the step's query summary, as the PyTorch path writes it
         )
         table = CacheDesc(
             cache.k.data_ptr(), cache.v.data_ptr(), cache.k_read.data_ptr(), cache.v_read.data_ptr(), cache.num_slots, int(cache.k.dtype == torch.float16)

@@ -485,6 +485,8 @@ typedef struct {
     const float *cos_plain, *sin_plain; /* (D): rotation of the queries scoring ranks < split (split > 0 only) */
     int64_t slot, rank;                 /* where the new k, v are stored, and the rank of its read copy */
     int32_t width, split;               /* attend to ranks [0, width); ranks [0, split) score against q_plain */
+    float *qsum;                        /* (L, Hkv, D) or NULL: per layer, the mean pre-RoPE query of each KV-head
+                                           group (engine.model: the query summary the cascade routes with) */
 } spark_step;
 
 static void rms_norm(const float *x, const float *w, int32_t c, float eps, float *out) {
@@ -533,6 +535,16 @@ static float dotf(const float *a, const float *b, int32_t n) {
     float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (; i < n; i++) s += a[i] * b[i];
     return s;
+}
+
+/* out (Hkv, D) = the mean of q (H, D) over the G query heads of each KV head (heads of a group adjacent). */
+static void query_summary(const float *q, int32_t hkv, int32_t g, int32_t d, float *out) {
+    for (int32_t kh = 0; kh < hkv; kh++)
+        for (int32_t i = 0; i < d; i++) {
+            float acc = 0.0f;
+            for (int32_t j = 0; j < g; j++) acc += q[(kh * g + j) * d + i];
+            out[kh * d + i] = acc / (float)g;
+        }
 }
 
 /* Scratch floats spark_decode needs for a model (callers allocate this many). */
@@ -607,6 +619,7 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
         rms_norm(x, m->attn_norm[l], c, m->eps, hbuf);
         qgemv(&m->qkv[l], hbuf, c, qkv, &xq);
         const float *q = qkv, *k = qkv + hd, *v = qkv + hd + kvd;
+        if (step->qsum) query_summary(q, hkv, g, d, step->qsum + (int64_t)l * kvd);
         const int64_t layer_off = (int64_t)l * hkv * s * d;
         for (int32_t kh = 0; kh < hkv; kh++) {
             const int64_t slot_off = layer_off + (kh * s + step->slot) * d;

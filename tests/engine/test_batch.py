@@ -89,7 +89,7 @@ def test_batched_cascade_equals_alone(tiny: tuple[TorchBackend, Tokenizer]) -> N
     from engine.cascade.memory import CascadeMemory
 
     backend, tok = tiny
-    cfg = CascadeConfig(sink_tokens=2, window=16, block_size=4, retrieval_blocks=2, routing="hybrid", rep_keys=2, proxy_tokens=4, reroute_every=4)
+    cfg = CascadeConfig(sink_tokens=2, window=16, block_size=4, retrieval_blocks=2, routing="hybrid", proxy_tokens=4, reroute_every=4)
     settings = GenerationSettings(max_tokens=14, sampling=GREEDY, prefill_chunk=8)
     ids = tok.encode("The quick brown fox jumps over the lazy dog. Python is a programming language. " * 2)
     ps = [ids[:n] for n in (40, 9, 27, 3)]

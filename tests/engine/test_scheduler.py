@@ -156,7 +156,7 @@ def test_continuous_batching_with_cascade_rows(tiny: tuple[TorchBackend, Tokeniz
     from engine.cascade.memory import CascadeMemory
 
     backend, tok = tiny
-    cfg = CascadeConfig(sink_tokens=2, window=16, block_size=4, retrieval_blocks=2, routing="hybrid", rep_keys=2, proxy_tokens=4, reroute_every=4)
+    cfg = CascadeConfig(sink_tokens=2, window=16, block_size=4, retrieval_blocks=2, routing="hybrid", proxy_tokens=4, reroute_every=4)
     ids = tok.encode(TEXT * 2)
     jobs = [(ids[:n], settings(m)) for n, m in ((30, 12), (6, 20), (21, 5), (2, 16), (12, 9))]
     config = SchedulerConfig(max_batch=2, num_slots=cfg.num_slots, mixed_chunk=4)  # chunking as alone: same cascade

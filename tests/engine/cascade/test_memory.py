@@ -46,14 +46,22 @@ def test_restore_and_continue_is_exact(tiny_model: Path, tmp_path: Path, prompt_
         assert m3.working.evicted > 0
 
 
-def test_load_state_refuses_another_geometry(tiny_model: Path) -> None:
+def test_load_state_adopts_the_saved_geometry_within_the_trained_context(tiny_model: Path) -> None:
+    """A state saved under another geometry (an older default, another cascade.json) restores in its own."""
     b = TorchBackend(tiny_model)
     m = CascadeMemory(b, SMALL)
-    feed(b, m, random_ids(10))
+    prefill(b, m, random_ids(80), 16)
     meta, tensors = m.state()
-    other = CascadeMemory(TorchBackend(tiny_model), CascadeConfig(sink_tokens=4, window=64, block_size=8, retrieval_blocks=2))
+    want, _ = greedy(b, m, feed(b, m, [5])[-1], 6)
+    ob = TorchBackend(tiny_model)
+    other = CascadeMemory(ob, CascadeConfig(sink_tokens=4, window=64, block_size=8, retrieval_blocks=2))
+    other.load_state(meta, tensors)
+    assert other.cfg == SMALL and ob.num_slots == SMALL.num_slots
+    got, _ = greedy(ob, other, feed(ob, other, [5])[-1], 6)
+    assert got == want
+    too_big = {**meta, "config": {**meta["config"], "window": 100_000}}
     with pytest.raises(SessionFileError):
-        other.load_state(meta, tensors)
+        CascadeMemory(TorchBackend(tiny_model), SMALL).load_state(too_big, tensors)
 
 
 def test_prefix_reuse_across_a_restart(tiny_model: Path, tmp_path: Path) -> None:

@@ -74,7 +74,7 @@ def test_positions_and_memory_stay_bounded(tiny_model: Path) -> None:
         m.after_forward()
     assert b.num_slots == cfg.num_slots
     assert m.episodic.bytes <= cfg.episodic_budget_bytes
-    assert m.episodic.reps.shape[0] <= m.episodic.max_rows
+    assert m.episodic.kmin.shape[0] <= m.episodic.max_rows
     assert len(m._block_digests) <= cfg.window // cfg.block_size + 2
     s = m.stats()
     assert s.working.evictions == 3000 - cfg.sink_tokens - cfg.window
