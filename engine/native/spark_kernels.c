@@ -108,7 +108,8 @@ static void run_share(int32_t index) {
 
 static void *worker_main(void *arg) {
     const int32_t index = (int32_t)(intptr_t)arg;
-    uint_fast64_t seen = 0;
+    /* Workers are made while the dispatcher's lock is held, so no job is in flight: jobs before now are not ours. */
+    uint_fast64_t seen = atomic_load(&pool.generation);
     for (;;) {
         uint_fast64_t g;
         int spins = 0;
@@ -137,9 +138,22 @@ static void stop_workers(void) {
     pool.n_threads = 1;
 }
 
+/* A forked child has none of the parent's workers: it starts over with one thread. */
+static void pool_after_fork(void) {
+    pool.n_threads = 1;
+    pthread_mutex_init(&pool.use, NULL);
+    pthread_mutex_init(&pool.sleep, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.pending, 0);
+}
+static pthread_once_t fork_guard = PTHREAD_ONCE_INIT;
+static void install_fork_guard(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
 /* Use n threads (the caller included) for the jobs that follow; returns the count in effect. */
 int32_t spark_set_threads(int32_t n) {
     n = n < 1 ? 1 : (n > SPARK_MAX_THREADS ? SPARK_MAX_THREADS : n);
+    pthread_once(&fork_guard, install_fork_guard);
     pthread_mutex_lock(&pool.use);
     if (n != pool.n_threads) {
         stop_workers();
