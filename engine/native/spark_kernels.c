@@ -9,6 +9,9 @@
  * loaded with ctypes; when no compiler is present the engine keeps its PyTorch path. No Python headers, no
  * PyTorch headers: the ABI is plain pointers, described in engine/native/__init__.py.
  *
+ * Longer than the project's ~400 lines on purpose: one translation unit, so the decoding step inlines the block
+ * kernels and the pool's dispatch, and the Arm checker (tests/engine/native/arm_check.c) includes the whole thing.
+ *
  * Conventions (shapes as in engine/model.py): C hidden, H query heads, Hkv key/value heads, D head dim, I MLP
  * width, N/K a matrix's output/input size. Weights are GGUF blocks of 32 (engine/quant.py): each row of a matrix
  * is K/32 blocks, read in place from the file's bytes. Activations are quantized per block of 32 as llama.cpp's
