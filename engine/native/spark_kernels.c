@@ -16,7 +16,7 @@
  * width, N/K a matrix's output/input size. Weights are GGUF blocks of 32 (engine/quant.py): each row of a matrix
  * is K/32 blocks, read in place from the file's bytes. Activations are quantized per block of 32 as llama.cpp's
  * dot products do (xq = rint(x * 127 / amax), d_x = amax / 127, fp32 scale), optionally with a second int8
- * part holding the first one's residual (spark_act: ~15-bit activations, see engine/README or bench quant for why);
+ * part holding the first one's residual (spark_act: ~15-bit activations; README, bench quant, says why);
  * each block's product is an exact int32 sum per part, and the blocks' float terms are added in one fixed order
  * (8 partial sums, lane b % 8, then a fixed tree) that every instruction set reproduces, so every ISA and the
  * prefill path give the same bits. Per block and part p (x ~= sum_p d_p q_p):
