@@ -35,7 +35,7 @@ DEVICE_DTYPES: dict[str, torch.dtype] = {"cpu": torch.float32, "cuda": torch.flo
 # Weight storage choices: "none" keeps the checkpoint's weights in the compute dtype; the block formats are GGUF's
 # (engine.quant); "auto" runs a GGUF's blocks as stored and quantizes an HF folder to AUTO_BLOCKS.
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", *(t.name.lower() for t in BlockType))
-# The most faithful fast type (bench quant: Q8_0's KL divergence from fp32 is ~10x below the 4-bit types').
+# The most faithful fast type (bench quant on SmolLM2-135M: mean KLD from fp32 0.0011 at Q8_0, 0.044 at Q4_1).
 AUTO_BLOCKS = BlockType.Q8_0
 # What runs block weights on the CPU: our compiled kernels (engine.native), PyTorch over the dequantized matrices,
 # or the first when it can be built.

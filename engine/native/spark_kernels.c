@@ -9,11 +9,14 @@
  * loaded with ctypes; when no compiler is present the engine keeps its PyTorch path. No Python headers, no
  * PyTorch headers: the ABI is plain pointers, described in engine/native/__init__.py.
  *
+ * Longer than the project's ~400 lines on purpose: one translation unit, so the decoding step inlines the block
+ * kernels and the pool's dispatch, and the Arm checker (tests/engine/native/arm_check.c) includes the whole thing.
+ *
  * Conventions (shapes as in engine/model.py): C hidden, H query heads, Hkv key/value heads, D head dim, I MLP
  * width, N/K a matrix's output/input size. Weights are GGUF blocks of 32 (engine/quant.py): each row of a matrix
  * is K/32 blocks, read in place from the file's bytes. Activations are quantized per block of 32 as llama.cpp's
  * dot products do (xq = rint(x * 127 / amax), d_x = amax / 127, fp32 scale), optionally with a second int8
- * part holding the first one's residual (spark_act: ~15-bit activations, see engine/README or bench quant for why);
+ * part holding the first one's residual (spark_act: ~15-bit activations; README, bench quant, says why);
  * each block's product is an exact int32 sum per part, and the blocks' float terms are added in one fixed order
  * (8 partial sums, lane b % 8, then a fixed tree) that every instruction set reproduces, so every ISA and the
  * prefill path give the same bits. Per block and part p (x ~= sum_p d_p q_p):
@@ -108,7 +111,8 @@ static void run_share(int32_t index) {
 
 static void *worker_main(void *arg) {
     const int32_t index = (int32_t)(intptr_t)arg;
-    uint_fast64_t seen = 0;
+    /* Workers are made while the dispatcher's lock is held, so no job is in flight: jobs before now are not ours. */
+    uint_fast64_t seen = atomic_load(&pool.generation);
     for (;;) {
         uint_fast64_t g;
         int spins = 0;
@@ -137,9 +141,22 @@ static void stop_workers(void) {
     pool.n_threads = 1;
 }
 
+/* A forked child has none of the parent's workers: it starts over with one thread. */
+static void pool_after_fork(void) {
+    pool.n_threads = 1;
+    pthread_mutex_init(&pool.use, NULL);
+    pthread_mutex_init(&pool.sleep, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.pending, 0);
+}
+static pthread_once_t fork_guard = PTHREAD_ONCE_INIT;
+static void install_fork_guard(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
 /* Use n threads (the caller included) for the jobs that follow; returns the count in effect. */
 int32_t spark_set_threads(int32_t n) {
     n = n < 1 ? 1 : (n > SPARK_MAX_THREADS ? SPARK_MAX_THREADS : n);
+    pthread_once(&fork_guard, install_fork_guard);
     pthread_mutex_lock(&pool.use);
     if (n != pool.n_threads) {
         stop_workers();

@@ -328,3 +328,4 @@ def test_models_the_native_step_cannot_run_are_named(qwen_dir: Path, kernels: Na
     wide = dataclasses.replace(cfg, head_dim=kernels.max_head_dim * 2)
     assert native_unfit(status, wide, torch.float32) == f"head dim {kernels.max_head_dim * 2} exceeds their {kernels.max_head_dim}"
     assert native_unfit(NativeStatus(None, "no C compiler was found"), cfg, torch.float32) == "no C compiler was found"
+
