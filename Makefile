@@ -31,6 +31,7 @@ test-packaging: dev
 
 app: dev
 	$(PY) -m pip install -q -e '.[packaging]'
+	$(if $(filter Darwin,$(shell uname -s)),$(PY) packaging/build_coreml.py,)
 	$(PY) -m PyInstaller --noconfirm --clean --distpath dist --workpath build packaging/spark.spec
 
 bench: dev

@@ -81,8 +81,13 @@ class Bundle:
 
     def total_bytes(self) -> int:
         """Every byte of the bundle except compiled programs (what a conversion writes)."""
-        return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file() and ".mlmodelc" not in f.parts[-1] and
-                   not any(p.endswith(".mlmodelc") for p in f.relative_to(self.path).parts))
+        return sum(f.stat().st_size for f in self.path.rglob("*")
+                   if f.is_file() and not any(p.endswith(".mlmodelc") for p in f.relative_to(self.path).parts))
+
+    def weight_bytes(self) -> int:
+        """The weight files: each program's weights/weight.bin and the host embedding."""
+        files = [self.package(n).weights_path for n in self.program_names] + [self.path / EMBED_FILE]
+        return sum(f.stat().st_size for f in files if f.is_file())
 
 
 def _validate(prov: object, name: str) -> tuple[dict, ModelConfig, tuple, dict, tuple, int]:

@@ -56,9 +56,13 @@ def _structure(bundle: Bundle) -> CheckLine:
 
 
 def _size(bundle: Bundle) -> CheckLine:
-    have, want = bundle.total_bytes(), expected_bytes(bundle.config, bundle.quantize)
-    ratio = have / want
-    return CheckLine("size", ratio <= SIZE_TOLERANCE, f"{have / 1e6:.1f} MB = {ratio:.3f} x the weights' {want / 1e6:.1f} MB at {bundle.quantize}")
+    """Weight files against the weights' bytes at the bundle's compression (each tensor once, no padding); the
+    whole bundle (program specs included) is reported beside it."""
+    weights, want = bundle.weight_bytes(), expected_bytes(bundle.config, bundle.quantize)
+    ratio = weights / want
+    return CheckLine("size", ratio <= SIZE_TOLERANCE,
+                     f"weights {weights / 1e6:.2f} MB = {ratio:.3f} x the {want / 1e6:.2f} MB expected at {bundle.quantize}; "
+                     f"bundle {bundle.total_bytes() / 1e6:.2f} MB")
 
 
 def _smoke(bundle: Bundle) -> CheckLine:

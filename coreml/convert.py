@@ -274,6 +274,7 @@ def build_bundle(
             ct.utils.save_multifunction(desc, str(tmp / f"{name}.mlpackage"))
             for path in parts.values():
                 shutil.rmtree(path, ignore_errors=True)
+            compress.clear_memo()
         step("Writing the host embedding and the manifest")
         if not config.tie_word_embeddings:
             emb = model.model.embed_tokens.weight.detach().to(torch.float16).contiguous().numpy()  # (V, C)

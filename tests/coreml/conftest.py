@@ -97,3 +97,15 @@ def big_vocab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, Pa
     model.setup_rope()
     out = tmp_path_factory.mktemp("big") / "big"
     return model, build_bundle(model, "big-vocab", out, quantize="none", geometry=Geometry(64, (("decode", 1),)))
+
+
+# The real default model: the HF stand-in of SmolLM2-135M-Instruct until the GGUF loader lands (then the
+# integrator points this at the shipped GGUF). Tests that need it skip cleanly without it.
+REAL_MODEL = Path("/work/models/smollm2-hf")
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    if not (REAL_MODEL / "config.json").is_file():
+        pytest.skip(f"the real default model is not at {REAL_MODEL}")
+    return REAL_MODEL
