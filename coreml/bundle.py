@@ -43,7 +43,7 @@ class Bundle:
     slots: int
 
     @classmethod
-    def open(cls, path: str | Path) -> "Bundle":
+    def open(cls, path: str | Path) -> Bundle:
         path = Path(path).expanduser()
         manifest = path / MANIFEST
         if not manifest.is_file():

@@ -14,7 +14,14 @@ from coremltools.proto import MIL_pb2
 
 from coreml.bundle import EMBED_FILE, HEAD, Bundle
 from coreml.errors import PackageError
-from coreml.milblob import SUB_BYTE_BITS, BlobFile, dtype_name, immediate_value, tensor_shape, unpack_bits
+from coreml.milblob import (
+    SUB_BYTE_BITS,
+    BlobFile,
+    dtype_name,
+    immediate_value,
+    tensor_shape,
+    unpack_bits,
+)
 from coreml.wrapper import strip_var_suffix
 
 

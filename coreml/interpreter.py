@@ -22,7 +22,13 @@ import numpy as np
 from coremltools.proto import MIL_pb2
 
 from coreml.errors import PackageError, UnsupportedOp
-from coreml.milblob import NUMPY_DTYPES, BlobFile, dtype_name, immediate_value, tensor_shape
+from coreml.milblob import (
+    NUMPY_DTYPES,
+    BlobFile,
+    dtype_name,
+    immediate_value,
+    tensor_shape,
+)
 from coreml.package import Package
 
 F32 = np.float32
@@ -401,38 +407,6 @@ def _concat(a: _Args) -> list[np.ndarray]:
     return [np.concatenate([_f(v) for v in values], axis=int(a.a("axis")))]
 
 
-def _gather(a: _Args) -> list[np.ndarray]:
-    a.only({"x", "indices", "axis", "batch_dims", "validate_indices"})
-    if int(a.opt("batch_dims", np.array(0))) != 0:
-        raise UnsupportedOp("The program uses a batched gather, which the interpreter does not implement.")
-    x, idx = a.a("x"), a.a("indices").astype(np.int64)
-    axis = int(a.opt("axis", np.array(0)))
-    n = x.shape[axis]
-    if np.any((idx < -n) | (idx >= n)):
-        raise PackageError(f"gather {a.op.name!r} has an index outside [-{n}, {n}).")
-    return [np.take(x, np.where(idx < 0, idx + n, idx), axis=axis)]
-
-
-CAST_TYPES: dict[str, np.dtype] = {
-    "int32": np.dtype(np.int32), "int16": np.dtype(np.int16), "uint16": np.dtype(np.uint16),
-    "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32), "bool": np.dtype(bool),
-}
-
-
-def _cast(a: _Args) -> list[np.ndarray]:
-    a.only({"x", "dtype"})
-    x, to = a.a("x"), str(a.a("dtype"))
-    if to not in CAST_TYPES:
-        raise UnsupportedOp(f"The program casts to {to}, which the interpreter does not implement.")
-    target = CAST_TYPES[to]
-    if x.dtype.kind == "f" and target.kind in "iu":
-        # Core ML's float -> int rounding mode is not something our conversion relies on; refuse rather than guess.
-        raise UnsupportedOp("The program casts a float to an integer, which the interpreter does not implement.")
-    if target.kind in "iu" and x.size and (x.min() < np.iinfo(target).min or x.max() > np.iinfo(target).max):
-        raise PackageError(f"cast {a.op.name!r} to {to} overflows (values {x.min()}..{x.max()}).")
-    return [x.astype(target)]
-
-
 def _reshape(a: _Args) -> list[np.ndarray]:
     a.only({"x", "shape"})
     shape = [int(s) for s in np.atleast_1d(a.a("shape"))]
@@ -461,7 +435,7 @@ def _clip(a: _Args) -> list[np.ndarray]:
 
 
 def _with_epsilon(fn: Callable[[np.ndarray], np.ndarray], default: float) -> Callable[[_Args], list[np.ndarray]]:
-    """rsqrt / inverse: MIL adds `epsilon` (default per the MIL spec) before the operation."""
+    """inverse: MIL adds `epsilon` (default per the MIL spec) before the operation."""
 
     def run(a: _Args) -> list[np.ndarray]:
         a.only({"x", "epsilon"})
@@ -469,11 +443,6 @@ def _with_epsilon(fn: Callable[[np.ndarray], np.ndarray], default: float) -> Cal
         return [fn(_f(a.a("x")) + eps)]
 
     return run
-
-
-def _select(a: _Args) -> list[np.ndarray]:
-    a.only({"cond", "a", "b"})
-    return [np.where(a.a("cond").astype(bool), _f(a.a("a")), _f(a.a("b")))]
 
 
 def _tile(a: _Args) -> list[np.ndarray]:
@@ -541,37 +510,27 @@ def _silu(x: np.ndarray) -> np.ndarray:
 OPS: dict[str, Callable[[_Args], list[np.ndarray]]] = {
     "abs": _unary(np.abs),
     "add": _binary(np.add),
-    "cast": _cast,
     "clip": _clip,
     "concat": _concat,
     "constexpr_blockwise_shift_scale": _blockwise_shift_scale,
     "constexpr_lut_to_dense": _lut_to_dense,
     "conv": _conv,
     "expand_dims": _expand_dims,
-    "gather": _gather,
-    "greater_equal": _binary(np.greater_equal),
     "inverse": _with_epsilon(lambda x: 1.0 / x, 1e-4),
     "layer_norm": _layer_norm,
-    "less": _binary(np.less),
-    "logical_and": _binary(np.logical_and),
     "matmul": _matmul,
-    "maximum": _binary(np.maximum),
-    "minimum": _binary(np.minimum),
     "mul": _binary(np.multiply),
     "read_state": _read_state,
     "real_div": _binary(np.divide),
     "reduce_max": _reduce(np.max),
     "reduce_mean": _reduce(np.mean),
     "reshape": _reshape,
-    "rsqrt": _with_epsilon(lambda x: 1.0 / np.sqrt(x), 1e-12),
-    "select": _select,
     "silu": _unary(_silu),
     "slice_by_index": _slice_by_index,
     "slice_update": _slice_update,
     "softmax": _softmax,
     "stack": _stack,
     "squeeze": _squeeze,
-    "sub": _binary(np.subtract),
     "tile": _tile,
     "transpose": _transpose,
     "write_state": _write_state,

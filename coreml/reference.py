@@ -52,7 +52,7 @@ class InterpreterBackend(PackageBackend):
             raise PackageError(f"This bundle was converted for {self.slots} slots, not {num_slots}; convert it again with --slots {num_slots}.")
         self.states = [self._new_row() for _ in range(batch)]
 
-    def fork(self) -> "InterpreterBackend":
+    def fork(self) -> InterpreterBackend:
         twin = copy.copy(self)  # shares the interpreters (the loaded weights)
         twin.states = [self._new_row() for _ in range(self.batch)]
         return twin

@@ -192,7 +192,7 @@ class CoreMLBackend(PackageBackend):
                 self._load(num_slots)
             self.states = [self._new_row() for _ in range(batch)]
 
-    def fork(self) -> "CoreMLBackend":
+    def fork(self) -> CoreMLBackend:
         if self.path is None:
             raise BackendUnavailable("The Core ML backend must be allocated before it is forked.")
         with self.lock:

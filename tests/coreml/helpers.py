@@ -5,10 +5,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
-
-import numpy as np
 
 from coreml.bundle import HEAD, Bundle, chunk_name
 from coreml.embedding import HostEmbedding

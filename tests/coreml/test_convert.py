@@ -14,7 +14,15 @@ from coreml import convert as conv
 from coreml.__main__ import main
 from coreml.bundle import MANIFEST, REQUIRED, Bundle
 from coreml.compress import DEFAULT_QUANTIZE, resolve
-from coreml.convert import Geometry, atomic_dir, build_bundle, cache_key, cached_bundle, expected_bytes, plan_chunks
+from coreml.convert import (
+    Geometry,
+    atomic_dir,
+    build_bundle,
+    cache_key,
+    cached_bundle,
+    expected_bytes,
+    plan_chunks,
+)
 from coreml.errors import ConversionCancelled, ConversionError, PackageError
 from engine.config import ModelConfig
 from engine.weights import load_model

@@ -23,7 +23,12 @@ from engine.memory import FullAttentionMemory
 from engine.model import SlotBatch, Transformer
 from engine.weights import load_model
 from tests.coreml.conftest import model_dir_of
-from tests.coreml.helpers import feed, prompt_ids, run_greedy, torch_fp16_with_package_weights
+from tests.coreml.helpers import (
+    feed,
+    prompt_ids,
+    run_greedy,
+    torch_fp16_with_package_weights,
+)
 
 DECODE_STEPS = 64
 ATOL = 3e-2  # logits are O(3); fp16 carries ~3 significant digits, and the program's op order differs from torch's
