@@ -81,7 +81,10 @@ def _smoke(bundle: Bundle) -> CheckLine:
         memory.after_forward()
     if not np.isfinite(logits.numpy()).all():
         return CheckLine("reference run", False, "the logits are not finite")
-    return CheckLine("reference run", True, f"prefill {n} tokens + {SMOKE_DECODE_STEPS} decode steps, finite logits")
+    overflows = [o for interp in backend.interpreters.values() for o in interp.overflows]
+    if overflows:
+        return CheckLine("reference run", False, f"{len(overflows)} fp16 overflow(s), first in {overflows[0]}")
+    return CheckLine("reference run", True, f"prefill {n} tokens + {SMOKE_DECODE_STEPS} decode steps, finite logits, no fp16 overflow")
 
 
 def run_checks(path: str | Path, smoke: bool = True) -> Iterator[CheckLine]:

@@ -80,6 +80,7 @@ class Interpreter:
         if accumulate not in ACCUMULATIONS:
             raise ValueError(f"accumulate must be one of {ACCUMULATIONS}")
         self.fp16_acc = accumulate == "fp16"
+        self.overflows: list[str] = []  # ops whose finite result overflowed its fp16 type (e.g. x*x > 65504)
         self.package = package if isinstance(package, Package) else Package.open(package)
         self._blobs: dict[Path, BlobFile] = {}
         self._blob_cache: dict[tuple[Path, int], np.ndarray] = {}  # functions share weights: read each blob once
@@ -159,7 +160,7 @@ class Interpreter:
             if n not in state or state[n].shape != t.shape:
                 raise PackageError(f"State {n!r} is missing or not shaped {t.shape}.")
         for op in fn.ops:
-            results = _execute(op, env, state, fn.states, self.fp16_acc)
+            results = _execute(op, env, state, fn.states, self.fp16_acc, self.overflows)
             for (name, _), value in zip(op.outputs, results):
                 env[name] = value
         return {n: env[n] for n in fn.outputs}
@@ -203,7 +204,12 @@ class _Args:
 
 
 def _execute(
-    op: Op, env: dict[str, np.ndarray], state: dict[str, np.ndarray], states: dict[str, VarType] | None = None, fp16_acc: bool = False
+    op: Op,
+    env: dict[str, np.ndarray],
+    state: dict[str, np.ndarray],
+    states: dict[str, VarType] | None = None,
+    fp16_acc: bool = False,
+    overflows: list[str] | None = None,
 ) -> list[np.ndarray]:
     args = _Args(op, env, state, fp16_acc)
     results = OPS[op.type](args)
@@ -218,6 +224,13 @@ def _execute(
         value = np.asarray(value)
         if value.shape != vt.shape:
             raise PackageError(f"Op {op.name!r} ({op.type}) produced shape {value.shape}; the program declares {vt.shape}.")
+        if vt.dtype == "FLOAT16" and value.dtype.kind == "f" and value.dtype != np.float16:
+            with np.errstate(over="ignore"):
+                stored = value.astype(np.float16)
+            if overflows is not None and not np.isfinite(stored).all() and np.isfinite(value).all():
+                overflows.append(f"{op.type} {op.name}")
+            out.append(stored)
+            continue
         out.append(value.astype(NUMPY_DTYPES[vt.dtype], copy=False))
     return out
 

@@ -52,7 +52,9 @@ ANE_STATE_ALIGN = 32
 # run in at most 7 + 7 calls instead of 63 single-token calls.
 FUNCTIONS: dict[str, int] = {"prefill": 64, "prefill_8": 8, "decode": 1}
 FP16_MAX = float(torch.finfo(torch.float16).max)
-MASK_MIN = float(torch.finfo(torch.float16).min)  # finite: fp16 arithmetic never meets inf - inf
+# Additive mask value: exp() of it is 0 in any precision, and score + MASK_MIN stays finite in fp16 for any score
+# above -35504 (fp16's own minimum overflowed to -inf on SmolLM2's real scores: ANE lint "no fp16 overflow").
+MASK_MIN = -30000.0
 
 
 def vocab_pieces(vocab: int) -> list[tuple[int, int]]:

@@ -99,3 +99,15 @@ def test_an_unsupported_variant_of_a_known_op_fails_loudly(package: Callable[[st
     inputs = {n: np.zeros(t.shape, np.float16) for n, t in interp.functions["decode"].inputs.items()}
     with pytest.raises(UnsupportedOp, match="interleaved concat"):
         interp.run("decode", inputs, interp.new_state())
+
+
+def test_fp16_overflow_is_recorded(package: Callable[[str], Path]) -> None:
+    """A finite result that does not fit fp16 is recorded (check's smoke run fails on it), never silently inf."""
+    interp = Interpreter(Bundle.open(package("none")).package("chunk_0"))
+    fn = interp.functions["decode"]
+    inputs = {n: np.zeros(t.shape, np.float16) for n, t in fn.inputs.items()}
+    interp.run("decode", inputs, interp.new_state())
+    assert interp.overflows == []
+    inputs["hidden"] = np.full(fn.inputs["hidden"].shape, 6e4, np.float16)  # the residual add overflows
+    interp.run("decode", inputs, interp.new_state())
+    assert interp.overflows and all(isinstance(o, str) for o in interp.overflows)
