@@ -108,6 +108,8 @@ def test_fp16_overflow_is_recorded(package: Callable[[str], Path]) -> None:
     inputs = {n: np.zeros(t.shape, np.float16) for n, t in fn.inputs.items()}
     interp.run("decode", inputs, interp.new_state())
     assert interp.overflows == []
-    inputs["hidden"] = np.full(fn.inputs["hidden"].shape, 6e4, np.float16)  # the residual add overflows
-    interp.run("decode", inputs, interp.new_state())
+    state = interp.new_state()
+    state["k_cache"] = np.full_like(state["k_cache"], 6e4)
+    inputs["keep"] = np.full(fn.inputs["keep"].shape, 2, np.float16)  # cache * keep = 1.2e5 > 65504
+    interp.run("decode", inputs, state)
     assert interp.overflows and all(isinstance(o, str) for o in interp.overflows)
