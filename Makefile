@@ -35,6 +35,7 @@ test-packaging: dev
 
 app: dev
 	$(PY) -m pip install -q -e '.[packaging]'
+	$(if $(filter Darwin,$(shell uname -s)),$(PY) packaging/build_coreml.py,)
 	$(PY) -m PyInstaller --noconfirm --clean --distpath dist --workpath build packaging/spark.spec
 
 # >= 10,000 mutated .spark files through verify and restore, each under a memory cap and a time limit.

@@ -1,7 +1,8 @@
-"""`python -m coreml convert --model DIR --out PKG [--quantize ...] [--slots S]` and `python -m coreml check PKG`.
+"""`python -m coreml convert --model DIR --out BUNDLE [--quantize ...] [--units ...] [--slots S]`,
+`python -m coreml check BUNDLE` and `python -m coreml faithfulness --model DIR`.
 
-Errors the user can act on print one line on stderr and exit 2 (as `python -m engine` does); a package that
-fails `check` exits 1."""
+Errors the user can act on print one line on stderr and exit 2 (as `python -m engine` does); a bundle that
+fails `check` exits 1. Converting prints its progress on stderr; Ctrl-C cancels it and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ def _convert(args: argparse.Namespace) -> int:
     from engine.model_files import resolve_model_path
 
     model = resolve_model_path(args.model)
-    out = convert(model, args.out, quantize=args.quantize, slots=args.slots, progress=progress)
+    try:
+        out = convert(model, args.out, quantize=args.quantize, units=args.units, slots=args.slots, progress=progress)
+    except KeyboardInterrupt:
+        print("error: the Core ML conversion was cancelled; nothing was written.", file=sys.stderr)
+        return 130
     print(out)
     return 0
 
@@ -30,31 +35,52 @@ def _check(args: argparse.Namespace) -> int:
     from coreml.check import run_checks
 
     failed = None
-    for line in run_checks(args.package):
+    for line in run_checks(args.bundle):
         print(line, flush=True)
         if not line.ok and failed is None:
             failed = line
     if failed is not None:
-        print(f"error: {args.package} is not sound: {failed.name}: {failed.detail}", file=sys.stderr)
+        print(f"error: {args.bundle} is not sound: {failed.name}: {failed.detail}", file=sys.stderr)
         return 1
     print("sound")
     return 0
 
 
+def _faithfulness(args: argparse.Namespace) -> int:
+    import json
+
+    from coreml.faithfulness import measure
+    from engine.bench.long_ppl import held_out_text
+
+    from engine.model_files import resolve_model_path
+
+    model = resolve_model_path(args.model)
+    for r in measure(model, tuple(args.quantize), held_out_text(args.tokens * 8), max_tokens=args.tokens):
+        print(json.dumps({"quantize": r.quantize, "mean_kld": r.mean_kld, "same_top": r.same_top, "tokens": r.tokens}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from coreml.convert import DEFAULT_SLOTS, QUANTIZATIONS
+    from coreml.compress import COMPUTE_UNITS, DEFAULT_UNITS, QUANTIZATIONS
 
     parser = argparse.ArgumentParser(prog="python -m coreml", description="MLoT Spark Core ML conversion and checks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    c = sub.add_parser("convert", help="convert a model folder to a stateful multifunction .mlpackage")
+    c = sub.add_parser("convert", help="convert a model folder to a Core ML bundle (layer chunks + head, multifunction)")
     c.add_argument("--model", default=None, help="Hugging Face model folder or .gguf (default: the default model)")
-    c.add_argument("--out", required=True, help="the .mlpackage to write")
-    c.add_argument("--quantize", choices=QUANTIZATIONS, default="none")
-    c.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help=f"slot table size (multiple of 32; default {DEFAULT_SLOTS})")
+    c.add_argument("--out", required=True, help="the bundle folder to write")
+    c.add_argument("--quantize", choices=("auto", *QUANTIZATIONS), default="auto",
+                   help="weight compression (auto: the most faithful Neural Engine choice)")
+    c.add_argument("--units", choices=COMPUTE_UNITS, default=DEFAULT_UNITS, help="compute units the bundle is made for")
+    c.add_argument("--slots", type=int, default=None, help="slot table size (multiple of 32; default: the model's cascade geometry)")
     c.set_defaults(func=_convert)
-    k = sub.add_parser("check", help="validate a package: structure, provenance, ANE rules, reference run")
-    k.add_argument("package")
+    k = sub.add_parser("check", help="validate a bundle: structure, size, ANE lint, reference run")
+    k.add_argument("bundle")
     k.set_defaults(func=_check)
+    f = sub.add_parser("faithfulness", help="mean KL divergence and same-top-token rate of each compression against fp32")
+    f.add_argument("--model", default=None)
+    f.add_argument("--quantize", nargs="+", default=[q for q in QUANTIZATIONS if q != "int4"])
+    f.add_argument("--tokens", type=int, default=512)
+    f.set_defaults(func=_faithfulness)
     return parser
 
 

@@ -1,9 +1,9 @@
-"""`python -m coreml check PKG`: is this package sound? Structure, provenance, ANE rules, a reference smoke run,
-and on a Mac Core ML's compute plan. Each check yields a line; the package is sound only if none failed."""
+"""`python -m coreml check BUNDLE`: is this converted model sound? Manifest, structure, the ANE lint, a reference
+smoke run, and on a Mac Core ML's compute plan. Each check yields a line; the bundle is sound only if none failed
+(lint warnings are printed but do not fail)."""
 
 from __future__ import annotations
 
-import json
 import platform
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,11 +13,12 @@ import numpy as np
 import torch
 
 from coreml import ane_rules
-from coreml.convert import INPUT_NAMES, REQUIRED_PROVENANCE, STATE_NAMES
+from coreml.bundle import HEAD, Bundle
+from coreml.convert import CHUNK_INPUTS, STATE_NAMES, expected_bytes
 from coreml.errors import CoreMLError
-from coreml.package import Package
 
 SMOKE_DECODE_STEPS = 3
+SIZE_TOLERANCE = 1.05  # a bundle may exceed its weights' bytes at its compression by at most 5 %
 
 
 @dataclass(frozen=True)
@@ -30,73 +31,95 @@ class CheckLine:
         return f"{'ok  ' if self.ok else 'FAIL'} {self.name}: {self.detail}"
 
 
-def _structure(pkg: Package) -> CheckLine:
-    prov = pkg.provenance
-    functions = json.loads(prov["functions"])
-    missing = [f for f in functions if f not in pkg.function_names]
-    if missing:
-        return CheckLine("structure", False, f"function {missing[0]!r} is missing")
+def _structure(bundle: Bundle) -> CheckLine:
     shapes = set()
-    for fname, fn in pkg.spec.mlProgram.functions.items():
-        names = {nv.name for nv in fn.inputs}
-        lacking = [n for n in (*INPUT_NAMES, *STATE_NAMES) if n not in names]
-        if lacking:
-            return CheckLine("structure", False, f"function {fname!r} lacks {lacking[0]!r}")
-        for nv in fn.inputs:
-            if nv.name in STATE_NAMES:
-                shapes.add(tuple(d.constant.size for d in nv.type.stateType.wrappedType.tensorType.dimensions))
-    if len(shapes) != 1:
-        return CheckLine("structure", False, f"the functions declare different state shapes {sorted(shapes)}")
-    if not pkg.weights_path.is_file():
-        return CheckLine("structure", False, "weights/weight.bin is missing")
-    return CheckLine("structure", True, f"functions {', '.join(pkg.function_names)}; state {shapes.pop()}")
+    for name in bundle.program_names:
+        pkg = bundle.package(name)
+        missing = [f for f in bundle.functions if f not in pkg.function_names]
+        if missing:
+            return CheckLine("structure", False, f"{name} lacks the function {missing[0]!r}")
+        if not pkg.weights_path.is_file():
+            return CheckLine("structure", False, f"{name} lacks weights/weight.bin")
+        needed = ("hidden",) if name == HEAD else (*CHUNK_INPUTS, *STATE_NAMES)
+        for fname, fn in pkg.spec.mlProgram.functions.items():
+            names = {nv.name for nv in fn.inputs}
+            lacking = [n for n in needed if n not in names]
+            if lacking:
+                return CheckLine("structure", False, f"{name}:{fname} lacks {lacking[0]!r}")
+            for nv in fn.inputs:
+                if nv.name in STATE_NAMES:
+                    shapes.add((name, tuple(d.constant.size for d in nv.type.stateType.wrappedType.tensorType.dimensions)))
+    per_program = {n for n, _ in shapes}
+    if len(shapes) != len(per_program):
+        return CheckLine("structure", False, "a chunk's functions declare different state shapes")
+    return CheckLine("structure", True, f"{len(bundle.chunks)} layer chunk(s) {list(bundle.chunks)} + head; functions {', '.join(bundle.functions)}")
 
 
-def _smoke(pkg: Package) -> CheckLine:
+def _size(bundle: Bundle) -> CheckLine:
+    """Weight files against the weights' bytes at the bundle's compression (each tensor once, no padding); the
+    whole bundle (program specs included) is reported beside it."""
+    weights, want = bundle.weight_bytes(), expected_bytes(bundle.config, bundle.quantize)
+    ratio = weights / want
+    return CheckLine("size", ratio <= SIZE_TOLERANCE,
+                     f"weights {weights / 1e6:.2f} MB = {ratio:.3f} x the {want / 1e6:.2f} MB expected at {bundle.quantize}; "
+                     f"bundle {bundle.total_bytes() / 1e6:.2f} MB")
+
+
+def _smoke(bundle: Bundle) -> CheckLine:
     from coreml.reference import InterpreterBackend
     from engine.memory import FullAttentionMemory
 
-    backend = InterpreterBackend(pkg)
+    backend = InterpreterBackend(bundle)
     memory = FullAttentionMemory(backend)
     n = min(backend.num_slots - SMOKE_DECODE_STEPS, max(backend.functions.values()) + 9)  # every function runs
     ids = [i % backend.config.vocab_size for i in range(1, n + 1)]
     logits = backend.forward(torch.tensor([ids]), memory.plan(ids).as_batch(), last_only=True)
+    memory.after_forward()
     for _ in range(SMOKE_DECODE_STEPS):
         token = int(logits[0, -1].argmax())
         logits = backend.forward(torch.tensor([[token]]), memory.plan([token]).as_batch(), last_only=True)
+        memory.after_forward()
     if not np.isfinite(logits.numpy()).all():
         return CheckLine("reference run", False, "the logits are not finite")
-    return CheckLine("reference run", True, f"prefill {n} tokens + {SMOKE_DECODE_STEPS} decode steps, finite logits")
+    overflows = [o for interp in backend.interpreters.values() for o in interp.overflows]
+    if overflows:
+        return CheckLine("reference run", False, f"{len(overflows)} fp16 overflow(s), first in {overflows[0]}")
+    return CheckLine("reference run", True, f"prefill {n} tokens + {SMOKE_DECODE_STEPS} decode steps, finite logits, no fp16 overflow")
 
 
-def run_checks(path: str | Path) -> Iterator[CheckLine]:
+def run_checks(path: str | Path, smoke: bool = True) -> Iterator[CheckLine]:
     try:
-        pkg = Package.open(path)
+        bundle = Bundle.open(path)
     except CoreMLError as exc:
-        yield CheckLine("package", False, str(exc))
+        yield CheckLine("bundle", False, str(exc))
         return
-    prov = pkg.provenance
-    missing = [k for k in REQUIRED_PROVENANCE if k not in prov]
-    if missing:
-        yield CheckLine("provenance", False, f"missing {', '.join(missing)}; convert with `python -m coreml convert`")
-        return
+    prov = bundle.provenance
     yield CheckLine(
         "provenance", True,
-        f"{prov['architecture']} {prov['fingerprint'][:12]}, {prov['slots']} slots, quantize {prov['quantize']}, "
+        f"{prov['architecture']} {str(prov['fingerprint'])[:12]}, {bundle.slots} slots, quantize {bundle.quantize}, units {bundle.units}, "
         f"coremltools {prov['coremltools']}, torch {prov['torch']}",
     )
-    line = _structure(pkg)
+    try:
+        line = _structure(bundle)
+    except CoreMLError as exc:
+        line = CheckLine("structure", False, str(exc))
     yield line
     if not line.ok:
         return
-    violations = ane_rules.check_package(pkg)
-    yield CheckLine("ANE rules", not violations, "all hold" if not violations else f"{violations[0]} ({len(violations)} in all)")
-    try:
-        yield _smoke(pkg)
-    except CoreMLError as exc:
-        yield CheckLine("reference run", False, str(exc))
+    yield _size(bundle)
+    findings = ane_rules.lint_bundle(bundle)
+    errors = [f for f in findings if f.error]
+    yield CheckLine("ANE lint", not errors, "no errors" if not errors else f"{errors[0]} ({len(errors)} error(s) in all)")
+    for f in findings:
+        if not f.error:
+            yield CheckLine("ANE lint warning", True, str(f))
+    if smoke:
+        try:
+            yield _smoke(bundle)
+        except CoreMLError as exc:
+            yield CheckLine("reference run", False, str(exc))
     if platform.system() == "Darwin" and platform.machine() == "arm64":
-        from coreml.runtime import compute_plan_summary
+        from coreml.runtime import compute_plan_share
 
-        for fname, counts in compute_plan_summary(pkg.path).items():
-            yield CheckLine(f"compute plan {fname}", True, ", ".join(f"{d}: {c}" for d, c in sorted(counts.items())))
+        for where, share in compute_plan_share(bundle.path, bundle.units).items():
+            yield CheckLine(f"compute plan {where}", True, ", ".join(f"{d}: {s:.1%}" for d, s in sorted(share.items())))

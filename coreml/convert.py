@@ -1,13 +1,14 @@
-"""torch -> Core ML: one stateful, fp16, static-shape, multifunction ML Program per (model, slots, quantization).
+"""torch -> Core ML: the model as a bundle of stateful, fp16, static-shape, multifunction ML Programs.
 
-Steps (each reported to the progress callback):
-  1. build a CoreMLWrapper per function (prefill T=64, prefill_8 T=8, decode T=1; see coreml.wrapper) and trace it
-  2. ct.convert each (macOS 15 target: states need it), KV buffers declared as ct.StateType
-  3. compress each function's weights (coremltools.optimize.coreml; deterministic, so identical weights stay
-     identical and are stored once)
-  4. merge into one multifunction package (ct.utils.save_multifunction deduplicates the shared weights)
-  5. write provenance into the package metadata and check the ANE rules (a violation fails the build)
-  6. rename the finished package into place: a half-written package is never where a reader looks
+Steps (each reported to the progress callback, which may cancel between steps):
+  0. check memory: a conversion peaks near CONVERT_PEAK_FACTOR x the fp16 bytes of its largest program
+  1. plan the layer chunks (≤ max_chunk_bytes of weights each, at the chosen compression)
+  2. per program (each chunk, then the head) and per function (prefill T=64, prefill_8 T=8, decode T=1):
+     trace the wrapper (coreml.wrapper), ct.convert (macOS 15 target: states need it), compress
+  3. merge each program's functions (ct.utils.save_multifunction stores the shared weights once)
+  4. the untied input embedding as raw fp16 for the host's mmap lookup; bundle.json with provenance
+  5. the ANE lint (coreml.ane_rules): an error fails the build
+  6. rename the finished bundle into place: a half-written bundle is never where a reader looks
 """
 
 from __future__ import annotations
@@ -28,26 +29,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from coreml.errors import ConversionError, PackageError
-from coreml.package import Package
-from coreml.wrapper import ANE_STATE_ALIGN, FUNCTIONS, CoreMLWrapper, vocab_pieces
+from coreml import compress
+from coreml.bundle import EMBED_FILE, FORMAT_VERSION, HEAD, MANIFEST, Bundle, chunk_name
+from coreml.errors import ConversionCancelled, ConversionError, PackageError
+from coreml.wrapper import ANE_STATE_ALIGN, FUNCTIONS, Head, LayerChunk, vocab_pieces
 from engine.config import ModelConfig
 from engine.model_files import read_config
 from engine.model import Transformer
 
-FORMAT_VERSION = "1"  # bump when the wrapper's inputs, outputs or state layout change: invalidates the cache
-QUANTIZATIONS = ("none", "int8", "int4", "lut4", "lut6")
-DEFAULT_SLOTS = 512
+DEFAULT_SLOTS = 512  # only when the model's cascade geometry is unknown; convert() uses the model's own
+CHUNK_INPUTS = ("hidden", "q_cos", "q_sin", "k_cos", "k_sin", "mask", "write", "keep")
 STATE_NAMES = ("k_cache", "v_cache")
-INPUT_NAMES = ("input_ids", "q_cos", "q_sin", "k_cos", "k_sin", "mask", "write_start")
-REQUIRED_PROVENANCE = (
-    "format", "fingerprint", "architecture", "config", "slots", "functions", "vocab_pieces", "quantize",
-    "coremltools", "torch", "cache_key",
-)
-# Weights smaller than this stay fp16: compressing them saves nothing and costs accuracy.
-QUANT_MIN_WEIGHT = 1024
-INT4_BLOCK = 32
-LUT_GROUP = 16  # output channels sharing one palette (iOS18 grouped-channel palettization)
+# Anemll keeps each ANE program at 1-2 GB; coremltools #2758 saw a 667 MB program fail ANE compilation silently.
+MAX_CHUNK_BYTES = 1 << 30
+# Peak memory of one program's conversion in multiples of its fp16 weight bytes (measured ~10x: README).
+CONVERT_PEAK_FACTOR = 12
 
 Progress = Callable[[str, float], None]  # (stage sentence, fraction done 0..1)
 
@@ -58,10 +54,11 @@ def _no_progress(stage: str, fraction: float) -> None:
 
 @dataclass(frozen=True)
 class Geometry:
-    """What a package is specialised for besides the weights."""
+    """What a bundle is specialised for besides the weights."""
 
     slots: int
     functions: tuple[tuple[str, int], ...] = tuple(FUNCTIONS.items())
+    max_chunk_bytes: int = MAX_CHUNK_BYTES
 
 
 def tool_versions() -> dict[str, str]:
@@ -70,36 +67,19 @@ def tool_versions() -> dict[str, str]:
     return {"coremltools": ct.__version__, "torch": torch.__version__}
 
 
-def cache_key(fingerprint: str, geometry: Geometry, quantize: str) -> str:
-    """Everything that changes the package's bytes: model, geometry, compression, format and tool versions."""
+def cache_key(fingerprint: str, geometry: Geometry, quantize: str, units: str = compress.DEFAULT_UNITS) -> str:
+    """Everything that changes the bundle's bytes: model, geometry, compression, units, format, tool versions."""
     ident = {
         "format": FORMAT_VERSION,
         "fingerprint": fingerprint,
         "slots": geometry.slots,
         "functions": list(geometry.functions),
+        "max_chunk_bytes": geometry.max_chunk_bytes,
         "quantize": quantize,
+        "units": units,
         **tool_versions(),
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def provenance(config: ModelConfig, fingerprint: str, geometry: Geometry, quantize: str) -> dict[str, str]:
-    return {
-        "format": FORMAT_VERSION,
-        "fingerprint": fingerprint,
-        "architecture": config.architecture,
-        "config": json.dumps(config.raw, sort_keys=True),
-        "slots": str(geometry.slots),
-        "functions": json.dumps(dict(geometry.functions)),
-        "layers": str(config.num_hidden_layers),
-        "kv_heads": str(config.num_key_value_heads),
-        "head_dim": str(config.head_dim),
-        "vocab_size": str(config.vocab_size),
-        "vocab_pieces": json.dumps(vocab_pieces(config.vocab_size)),
-        "quantize": quantize,
-        "cache_key": cache_key(fingerprint, geometry, quantize),
-        **tool_versions(),
-    }
 
 
 def check_geometry(config: ModelConfig, geometry: Geometry) -> None:
@@ -112,89 +92,113 @@ def check_geometry(config: ModelConfig, geometry: Geometry) -> None:
         )
     if d % ANE_STATE_ALIGN:
         raise ConversionError(f"The model's head dimension {d} is not a multiple of {ANE_STATE_ALIGN}, which the Neural Engine's KV state needs.")
+    if 1 not in dict(geometry.functions).values():
+        raise ConversionError("A Core ML bundle needs a single-token function to run every step.")
 
 
-def _quant_config(quantize: str):  # -> coremltools.optimize.coreml.OptimizationConfig
-    import coremltools.optimize.coreml as cto
+def layer_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
+    """Weight shapes of one decoder layer (matrices and vectors), as the conversion stores them."""
+    c, i, h, kv, d = config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    shapes: list[tuple[int, ...]] = [(h * d, c), (kv * d, c), (kv * d, c), (c, h * d), (i, c), (i, c), (c, i), (c,), (c,)]
+    if config.qkv_bias:
+        shapes += [(h * d,), (kv * d,), (kv * d,)]
+    if config.o_bias:
+        shapes.append((c,))
+    if config.mlp_bias:
+        shapes += [(i,), (i,), (c,)]
+    return shapes
 
-    if quantize == "int8":
-        op = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=QUANT_MIN_WEIGHT)
-    elif quantize == "int4":
-        op = cto.OpLinearQuantizerConfig(
-            mode="linear_symmetric", dtype="int4", granularity="per_block", block_size=INT4_BLOCK, weight_threshold=QUANT_MIN_WEIGHT
+
+def head_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
+    return [(b - a, config.hidden_size) for a, b in vocab_pieces(config.vocab_size)] + [(config.hidden_size,)]
+
+
+def plan_chunks(config: ModelConfig, quantize: str, max_bytes: int) -> list[tuple[int, int]]:
+    """[first, last) layers per chunk: consecutive layers while the chunk's weights stay ≤ max_bytes."""
+    per_layer = compress.nominal_bytes(layer_shapes(config), quantize)
+    if per_layer > max_bytes:
+        raise ConversionError(f"One decoder layer holds {per_layer / 1e6:.0f} MB of weights, more than the {max_bytes / 1e6:.0f} MB a Neural Engine program may hold.")
+    n = max(1, max_bytes // per_layer)
+    L = config.num_hidden_layers
+    return [(a, min(a + n, L)) for a in range(0, L, n)]
+
+
+def expected_bytes(config: ModelConfig, quantize: str) -> int:
+    """The bundle's weights at this compression, each stored once (the size target: bundle ≤ 1.05 x this)."""
+    total = config.num_hidden_layers * compress.nominal_bytes(layer_shapes(config), quantize) + compress.nominal_bytes(head_shapes(config), quantize)
+    if not config.tie_word_embeddings:
+        total += 2 * config.vocab_size * config.hidden_size
+    return total
+
+
+def check_memory(config: ModelConfig, chunks: list[tuple[int, int]], available: int | None = None) -> None:
+    """Refuse in one sentence, before any work, a conversion that would exhaust memory."""
+    import psutil
+
+    largest = max([compress.nominal_bytes(layer_shapes(config), "none") * (b - a) for a, b in chunks]
+                  + [compress.nominal_bytes(head_shapes(config), "none")])
+    model = expected_bytes(config, "none")
+    need = model + CONVERT_PEAK_FACTOR * largest
+    have = psutil.virtual_memory().available if available is None else available
+    if need > have:
+        raise ConversionError(
+            f"Converting this model needs about {need / 1e9:.1f} GB of free memory and {have / 1e9:.1f} GB are available; close other apps or use a smaller model."
         )
-    else:
-        bits = {"lut4": 4, "lut6": 6}[quantize]
-        op = cto.OpPalettizerConfig(
-            mode="custom", lut_function=kmeans_lut(bits), granularity="per_grouped_channel", group_size=LUT_GROUP, weight_threshold=QUANT_MIN_WEIGHT
-        )
-    # Only the matmul weights (1x1 convs) and embedding tables: norms and RoPE-free scalars stay fp16.
-    return cto.OptimizationConfig(op_type_configs={"conv": op, "gather": op})
 
 
-def kmeans_lut(bits: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """Deterministic 1-D k-means palette (Lloyd's algorithm from quantile seeds).
-
-    Deterministic on purpose: every function of the package compresses the same weights, and only identical
-    results are deduplicated by save_multifunction. (coremltools' own kmeans mode also needs scikit-learn.)
-    """
-
-    def lut_function(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        w = np.asarray(weight, dtype=np.float32).ravel()
-        k = 1 << bits
-        centers = np.quantile(w, (np.arange(k) + 0.5) / k)
-        for _ in range(16):
-            centers = np.sort(centers)
-            idx = np.searchsorted((centers[1:] + centers[:-1]) / 2, w)
-            sums = np.bincount(idx, weights=w, minlength=k)
-            counts = np.bincount(idx, minlength=k)
-            centers = np.where(counts > 0, sums / np.maximum(counts, 1), centers)
-        centers = np.sort(centers)
-        idx = np.searchsorted((centers[1:] + centers[:-1]) / 2, w)
-        return centers.astype(weight.dtype), idx.astype(np.uint8)
-
-    return lut_function
+def provenance(config: ModelConfig, fingerprint: str, geometry: Geometry, quantize: str, units: str, chunks: list[tuple[int, int]]) -> dict:
+    return {
+        "format": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "architecture": config.architecture,
+        "config": config.raw,
+        "slots": geometry.slots,
+        "functions": dict(geometry.functions),
+        "chunks": [list(c) for c in chunks],
+        "vocab_pieces": [list(p) for p in vocab_pieces(config.vocab_size)],
+        "quantize": quantize,
+        "units": units,
+        "tied": bool(config.tie_word_embeddings),
+        "cache_key": cache_key(fingerprint, geometry, quantize, units),
+        **tool_versions(),
+    }
 
 
-def example_inputs(config: ModelConfig, slots: int, chunk: int) -> tuple[torch.Tensor, ...]:
+def chunk_example(config: ModelConfig, slots: int, t: int) -> tuple[torch.Tensor, ...]:
     d, h = config.head_dim, torch.float16
     return (
-        torch.zeros(1, chunk, dtype=torch.int32),  # input_ids
-        torch.ones(1, 1, chunk, d, dtype=h),  # q_cos
-        torch.zeros(1, 1, chunk, d, dtype=h),  # q_sin
+        torch.zeros(1, config.hidden_size, 1, t, dtype=h),  # hidden
+        torch.ones(1, 1, t, d, dtype=h),  # q_cos
+        torch.zeros(1, 1, t, d, dtype=h),  # q_sin
         torch.ones(1, 1, slots, d, dtype=h),  # k_cos
         torch.zeros(1, 1, slots, d, dtype=h),  # k_sin
-        torch.zeros(1, 1, chunk, slots, dtype=h),  # mask
-        torch.zeros(1, dtype=torch.int32),  # write_start
+        torch.zeros(1, 1, t, slots, dtype=h),  # mask
+        torch.zeros(1, 1, slots, t, dtype=h),  # write
+        torch.ones(1, 1, slots, 1, dtype=h),  # keep
     )
 
 
 _OP_RE = re.compile(r"op(?:eration)? '?([\w:.]+)'?", re.IGNORECASE)
 
 
-def _convert_function(model: Transformer, slots: int, chunk: int, out: Path) -> None:
+def _ct_convert(module: torch.nn.Module, example: tuple[torch.Tensor, ...], names: tuple[str, ...], outputs: list[str], out: Path) -> None:
     import coremltools as ct
 
-    wrapper = CoreMLWrapper(model, slots, chunk).eval()
-    example = example_inputs(model.config, slots, chunk)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", category=torch.jit.TracerWarning)
         with torch.no_grad():
-            traced = torch.jit.trace(wrapper, example)
-    inputs = [
-        ct.TensorType(name=n, shape=tuple(e.shape), dtype=np.int32 if e.dtype == torch.int32 else np.float16)
-        for n, e in zip(INPUT_NAMES, example)
-    ]
+            traced = torch.jit.trace(module, example)
+    inputs = [ct.TensorType(name=n, shape=tuple(e.shape), dtype=np.float16) for n, e in zip(names, example)]
     states = [
-        ct.StateType(wrapped_type=ct.TensorType(shape=tuple(wrapper.k_cache.shape), dtype=np.float16), name=n) for n in STATE_NAMES
+        ct.StateType(wrapped_type=ct.TensorType(shape=tuple(getattr(module, n).shape), dtype=np.float16), name=n)
+        for n in STATE_NAMES if hasattr(module, n)
     ]
-    outputs = [ct.TensorType(name=f"logits_{i}", dtype=np.float16) for i in range(len(wrapper.pieces))]
     try:
         mlmodel = ct.convert(
             traced,
             inputs=inputs,
-            outputs=outputs,
-            states=states,
+            outputs=[ct.TensorType(name=n, dtype=np.float16) for n in outputs],
+            states=states or None,
             minimum_deployment_target=ct.target.macOS15,  # states and iOS18 compression ops need it
             compute_precision=ct.precision.FLOAT16,
             convert_to="mlprogram",
@@ -207,62 +211,81 @@ def _convert_function(model: Transformer, slots: int, chunk: int, out: Path) -> 
     mlmodel.save(str(out))
 
 
-def _compress(path: Path, quantize: str) -> None:
-    import coremltools as ct
-    import coremltools.optimize.coreml as cto
+class _Steps:
+    """Progress over a known number of steps; cancellation is checked at every step."""
 
-    model = ct.models.MLModel(str(path), skip_model_load=True)
-    cfg = _quant_config(quantize)
-    fn = cto.linear_quantize_weights if quantize.startswith("int") else cto.palettize_weights
-    compressed = fn(model, cfg)
-    shutil.rmtree(path)
-    compressed.save(str(path))
+    def __init__(self, total: int, progress: Progress, cancel: Callable[[], bool] | None) -> None:
+        self.total, self.done, self.progress, self.cancel = total, 0, progress, cancel
+
+    def __call__(self, stage: str) -> None:
+        if self.cancel is not None and self.cancel():
+            raise ConversionCancelled("The Core ML conversion was cancelled; nothing was written.")
+        self.progress(stage, min(self.done / self.total, 1.0))
+        self.done += 1
 
 
-def build_package(
+def build_bundle(
     model: Transformer,
     fingerprint: str,
     out: Path,
     *,
-    quantize: str = "none",
+    quantize: str | None = None,
+    units: str = compress.DEFAULT_UNITS,
     geometry: Geometry = Geometry(DEFAULT_SLOTS),
     progress: Progress = _no_progress,
+    cancel: Callable[[], bool] | None = None,
+    available_memory: int | None = None,
 ) -> Path:
-    """Convert an in-memory fp16 `model` to the package `out` (written atomically; replaces an existing one)."""
+    """Convert an in-memory fp16 `model` to the bundle `out` (written atomically; replaces an existing one)."""
     import coremltools as ct
 
     from coreml import ane_rules
 
-    if quantize not in QUANTIZATIONS:
-        raise ConversionError(f"Unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZATIONS)}.")
+    quantize = compress.resolve(quantize, units)
     config = model.config
     check_geometry(config, geometry)
-    steps = 2 * len(geometry.functions) + 2
-    done = 0
-    with atomic_package(out) as tmp, tempfile.TemporaryDirectory(prefix="spark-coreml-") as work:
-        parts: dict[str, Path] = {}
-        for name, chunk in geometry.functions:
-            progress(f"Converting the {name} function ({chunk} tokens per call)", done / steps)
-            parts[name] = Path(work) / f"{name}.mlpackage"
-            _convert_function(model, geometry.slots, chunk, parts[name])
-            done += 1
-            if quantize != "none":
-                progress(f"Compressing the {name} function's weights ({quantize})", done / steps)
-                _compress(parts[name], quantize)
-            done += 1
-        progress("Merging the functions into one package", done / steps)
-        desc = ct.utils.MultiFunctionDescriptor()
-        for name, path in parts.items():
-            desc.add_function(str(path), src_function_name="main", target_function_name=name)
-        desc.default_function_name = "decode"
-        ct.utils.save_multifunction(desc, str(tmp))
-        done += 1
-        progress("Checking the Neural Engine rules", done / steps)
-        pkg = Package.open(tmp)
-        pkg.set_provenance(provenance(config, fingerprint, geometry, quantize))
-        violations = ane_rules.check_package(pkg)
-        if violations:
-            raise ConversionError(f"The converted program breaks an ANE rule: {violations[0]} ({len(violations)} violation(s) in all).")
+    chunks = plan_chunks(config, quantize, geometry.max_chunk_bytes)
+    check_memory(config, chunks, available_memory)
+    n_fn = len(geometry.functions)
+    step = _Steps((len(chunks) + 1) * (2 * n_fn + 1) + 2, progress, cancel)
+    programs: list[tuple[str, Callable[[int], torch.nn.Module], tuple[str, ...], list[str]]] = [
+        (chunk_name(i), (lambda t, a=a, b=b: LayerChunk(model, a, b, geometry.slots, t)), CHUNK_INPUTS, ["hidden_out", "qsum"])
+        for i, (a, b) in enumerate(chunks)
+    ]
+    programs.append((HEAD, lambda t: Head(model), ("hidden",), [f"logits_{i}" for i in range(len(vocab_pieces(config.vocab_size)))]))
+    with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(prefix="spark-coreml-") as work:
+        tmp.mkdir()
+        for name, make, input_names, outputs in programs:
+            parts: dict[str, Path] = {}
+            for fname, t in geometry.functions:
+                step(f"Converting {name} ({fname}, {t} tokens per call)")
+                module = make(t).eval()
+                example = chunk_example(config, geometry.slots, t) if input_names == CHUNK_INPUTS else (chunk_example(config, geometry.slots, t)[0],)
+                parts[fname] = Path(work) / f"{name}-{fname}.mlpackage"
+                _ct_convert(module, example, input_names, outputs, parts[fname])
+                del module
+                step(f"Compressing {name} ({fname}, {quantize})")
+                if quantize != "none":
+                    compress.compress_package(parts[fname], quantize)
+            step(f"Merging the functions of {name}")
+            desc = ct.utils.MultiFunctionDescriptor()
+            for fname, path in parts.items():
+                desc.add_function(str(path), src_function_name="main", target_function_name=fname)
+            desc.default_function_name = "decode" if "decode" in parts else next(iter(parts))
+            ct.utils.save_multifunction(desc, str(tmp / f"{name}.mlpackage"))
+            for path in parts.values():
+                shutil.rmtree(path, ignore_errors=True)
+            compress.clear_memo()
+        step("Writing the host embedding and the manifest")
+        if not config.tie_word_embeddings:
+            emb = model.model.embed_tokens.weight.detach().to(torch.float16).contiguous().numpy()  # (V, C)
+            emb.tofile(tmp / EMBED_FILE)
+        prov = provenance(config, fingerprint, geometry, quantize, units, chunks)
+        (tmp / MANIFEST).write_text(json.dumps(prov, sort_keys=True), encoding="utf-8")
+        step("Checking the Neural Engine rules")
+        errors = [f for f in ane_rules.lint_bundle(Bundle.open(tmp)) if f.error]
+        if errors:
+            raise ConversionError(f"The converted program breaks an ANE rule: {errors[0]} ({len(errors)} error(s) in all).")
     progress("Done", 1.0)
     return out
 
@@ -270,42 +293,53 @@ def build_package(
 def load_for_conversion(model_dir: str | Path) -> tuple[Transformer, str]:
     from engine.weights import load_model
 
-    loaded = load_model(model_dir, dtype=torch.float16)  # the package's weights are these fp16 values exactly
+    loaded = load_model(model_dir, dtype=torch.float16)  # the bundle's weights are these fp16 values exactly
     return loaded.model, loaded.fingerprint
+
+
+def default_slots(model_dir: str | Path, config: ModelConfig) -> int:
+    """The slot count the memory cascade uses for this model (its default geometry)."""
+    from engine.cascade import CascadeConfig
+
+    return CascadeConfig.for_model(model_dir, config).num_slots
 
 
 def convert(
     model_dir: str | Path,
     out: str | Path,
     *,
-    quantize: str = "none",
-    slots: int = DEFAULT_SLOTS,
+    quantize: str | None = None,
+    units: str = compress.DEFAULT_UNITS,
+    slots: int | None = None,
+    max_chunk_bytes: int = MAX_CHUNK_BYTES,
     progress: Progress = _no_progress,
+    cancel: Callable[[], bool] | None = None,
 ) -> Path:
-    """`python -m coreml convert`: the model folder -> the package `out`."""
+    """`python -m coreml convert`: the model folder -> the bundle `out`."""
     model, fp = load_for_conversion(model_dir)
-    return build_package(model, fp, Path(out).expanduser(), quantize=quantize, geometry=Geometry(slots), progress=progress)
+    slots = slots if slots is not None else default_slots(model_dir, model.config)
+    geometry = Geometry(slots, max_chunk_bytes=max_chunk_bytes)
+    return build_bundle(model, fp, Path(out).expanduser(), quantize=quantize, units=units, geometry=geometry, progress=progress, cancel=cancel)
 
 
 # ------------------------------------------------------------------------------------------------ atomic + cache
 @contextmanager
-def atomic_package(final: Path) -> Iterator[Path]:
-    """Yield a temporary package path; on success rename it to `final`, on any error remove it.
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary path; on success rename it to `final`, on any error (or cancel) remove it.
 
-    The temporary package lives inside a hidden '.partial-*' folder next to `final` (same filesystem, so the
+    The temporary folder lives inside a hidden '.partial-*' folder next to `final` (same filesystem, so the
     rename is atomic), so neither the cache lookup (which opens exactly `final`) nor a user browsing the folder
-    finds a half-written package: `final` is absent, the old package, or the complete new one.
+    finds a half-written bundle: `final` is absent, the old bundle, or the complete new one.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    work = final.parent / f".partial-{final.stem}-{uuid.uuid4().hex[:8]}"
+    work = final.parent / f".partial-{final.name}-{uuid.uuid4().hex[:8]}"
     work.mkdir()
     try:
-        tmp = work / "package.mlpackage"  # coremltools insists on the extension
+        tmp = work / "bundle"
         yield tmp
         if final.exists():
-            old = work / "replaced.mlpackage"
-            os.rename(final, old)
+            os.rename(final, work / "replaced")
         os.rename(tmp, final)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -317,35 +351,34 @@ def default_cache_root() -> Path:
     return default_cache_dir() / "coreml"
 
 
-def cached_package_path(cache_root: Path, key: str) -> Path:
-    return cache_root / f"{key}.mlpackage"
-
-
-def cached_package(
+def cached_bundle(
     model_dir: str | Path,
     *,
-    slots: int = DEFAULT_SLOTS,
-    quantize: str = "none",
+    slots: int | None = None,
+    quantize: str | None = None,
+    units: str = compress.DEFAULT_UNITS,
     cache_dir: str | Path | None = None,
     progress: Progress = _no_progress,
+    cancel: Callable[[], bool] | None = None,
 ) -> Path:
-    """The package for this model/geometry/quantization/tool versions, converting (once) if the cache lacks it."""
+    """The bundle for this model/geometry/compression/units/tool versions, converting (once) if the cache lacks it."""
     from engine.weights import fingerprint, read_safetensors_header, weight_files
 
     model_dir = Path(model_dir).expanduser()
     config = read_config(model_dir)
     files = weight_files(model_dir)
     fp = fingerprint(config, files, [read_safetensors_header(f) for f in files])
-    geometry = Geometry(slots)
+    quantize = compress.resolve(quantize, units)
+    geometry = Geometry(slots if slots is not None else default_slots(model_dir, config))
     check_geometry(config, geometry)
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_root()
-    path = cached_package_path(root, cache_key(fp, geometry, quantize))
+    path = root / cache_key(fp, geometry, quantize, units)
     if path.is_dir():
         try:
-            if Package.open(path).provenance.get("cache_key") == path.stem:
-                progress("Using the cached Core ML package", 1.0)
+            if Bundle.open(path).provenance.get("cache_key") == path.name:
+                progress("Using the cached Core ML model", 1.0)
                 return path
         except PackageError:
             pass  # an unreadable cache entry is rebuilt (atomically replaced), never trusted
     model, _ = load_for_conversion(model_dir)
-    return build_package(model, fp, path, quantize=quantize, geometry=geometry, progress=progress)
+    return build_bundle(model, fp, path, quantize=quantize, units=units, geometry=geometry, progress=progress, cancel=cancel)

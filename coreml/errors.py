@@ -19,3 +19,7 @@ class PackageError(CoreMLError):
 
 class UnsupportedOp(CoreMLError):
     """The reference interpreter met an op (or an op variant) it does not implement; never skipped silently."""
+
+
+class ConversionCancelled(CoreMLError):
+    """The user cancelled a conversion; nothing was written."""

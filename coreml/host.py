@@ -1,60 +1,58 @@
-"""The host side of a converted package, shared by the Core ML runtime and the reference interpreter.
+"""The host side of a converted bundle, shared by the Core ML runtime and the reference interpreter.
 
-`PackageBackend` implements the engine's Backend protocol over "something that runs a package function against
-a per-row state": it splits each step into calls of the package's fixed chunk sizes, computes the RoPE tables and
-the additive mask, reassembles the split LM head, and maps read_kv / write_kv onto the (L, Hkv, S, D) states,
-which are already the canonical KV layout.
+`PackageBackend` implements the engine's Backend protocol over "something that runs one function of one program
+against a per-row state": it looks the embedding up on the host (mmap), splits each step into calls of the
+bundle's fixed token counts, computes the RoPE tables, the additive mask and the one-hot write matrix, runs the
+layer chunks in order, runs the head only on the rows whose logits are used, and maps read_kv / write_kv onto the
+chunks' (L_chunk, Hkv, S, D) states, which are the canonical KV layout split by layers.
+
+After every forward, `query_summary` holds (B, L, Hkv, D) fp32: per layer, the mean pre-RoPE query over the
+step's tokens and the query heads of each KV group (what the cascade's retrieval scores blocks against).
 """
 
 from __future__ import annotations
 
-import json
 from abc import abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from coreml.convert import REQUIRED_PROVENANCE, STATE_NAMES
+from coreml.bundle import HEAD, Bundle, chunk_name
+from coreml.embedding import HostEmbedding
 from coreml.errors import PackageError
 from coreml.wrapper import MASK_MIN
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend
 from engine.config import ModelConfig
 from engine.model import SlotBatch, rope_inv_freq
 
+STATE_NAMES = ("k_cache", "v_cache")
+
 
 @dataclass(frozen=True)
 class Call:
-    """One function call: step rows [row0, row0 + size) written to slots [start, start + size)."""
+    """One function call: step rows [row0, row0 + size)."""
 
     function: str
     row0: int
     size: int
-    start: int
 
 
-def plan_calls(write_slots: list[int], functions: dict[str, int]) -> list[Call]:
-    """Split a step's write slots into contiguous runs, and each run greedily into the available chunk sizes.
+def plan_calls(n: int, functions: dict[str, int]) -> list[Call]:
+    """Split n rows greedily into the available token counts (64, 8, 1 ...), in order.
 
-    Runs execute in order, so a token attends before later runs of the same step are written. That matches the
+    Calls execute in order, so a token attends before later calls of the same step are written. That matches the
     torch engine (which writes the whole step first) whenever no token may attend a slot written by a later token
     of the same step, which holds for every causal plan the cascade makes.
     """
-    sizes = sorted(((t, n) for n, t in functions.items()), reverse=True)
+    sizes = sorted(((t, name) for name, t in functions.items()), reverse=True)
     if not sizes or sizes[-1][0] != 1:
-        raise PackageError("The package has no single-token function, so it cannot run an arbitrary step.")
-    calls: list[Call] = []
-    t = 0
-    while t < len(write_slots):
-        run = 1
-        while t + run < len(write_slots) and write_slots[t + run] == write_slots[t] + run:
-            run += 1
-        at = 0
-        while at < run:
-            size, name = next((s, n) for s, n in sizes if s <= run - at)
-            calls.append(Call(name, t + at, size, write_slots[t + at]))
-            at += size
-        t += run
+        raise PackageError("The bundle has no single-token function, so it cannot run an arbitrary step.")
+    calls, at = [], 0
+    while at < n:
+        size, name = next((s, f) for s, f in sizes if s <= n - at)
+        calls.append(Call(name, at, size))
+        at += size
     return calls
 
 
@@ -71,59 +69,82 @@ class RopeHost:
         return emb.cos().to(torch.float16).numpy(), emb.sin().to(torch.float16).numpy()
 
 
-def config_from_provenance(prov: dict[str, str]) -> ModelConfig:
-    missing = [k for k in REQUIRED_PROVENANCE if k not in prov]
-    if missing:
-        raise PackageError(f"The package lacks MLoT Spark provenance ({missing[0]}); convert it with `python -m coreml convert`.")
-    return ModelConfig.from_dict(json.loads(prov["config"]))
+def write_matrix(slots: list[int], num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """slots (T,) -> write (1, 1, S, T) one-hot and keep (1, 1, S, 1)."""
+    if len(set(slots)) != len(slots):
+        raise ValueError("a step writes one slot twice")
+    write = np.zeros((1, 1, num_slots, len(slots)), np.float16)
+    write[0, 0, slots, np.arange(len(slots))] = 1
+    keep = (1 - write.sum(axis=-1, keepdims=True)).astype(np.float16)
+    return write, keep
 
 
 class PackageBackend(Backend):
-    """Backend over a converted package; subclasses run functions and move state."""
+    """Backend over a converted bundle; subclasses run functions and move state."""
 
     config: ModelConfig
+    bundle: Bundle
     functions: dict[str, int]  # function name -> tokens per call
-    vocab_pieces: list[tuple[int, int]]
     slots: int
+    query_summary: torch.Tensor | None = None
 
-    def _setup_host(self, prov: dict[str, str]) -> None:
-        self.config = config_from_provenance(prov)
-        self.fingerprint = prov["fingerprint"]
-        self.functions = {k: int(v) for k, v in json.loads(prov["functions"]).items()}
-        self.vocab_pieces = [tuple(p) for p in json.loads(prov["vocab_pieces"])]
-        self.slots = int(prov["slots"])
+    def _setup_host(self, bundle: Bundle) -> None:
+        self.bundle = bundle
+        self.config = bundle.config
+        self.fingerprint = str(bundle.provenance["fingerprint"])
+        self.functions = dict(bundle.functions)
+        self.slots = bundle.slots
+        self.chunks = [chunk_name(i) for i in range(len(bundle.chunks))]
+        self.chunk_layers = [b - a for a, b in bundle.chunks]
         self.rope = RopeHost(self.config)
+        self.embedding = HostEmbedding(bundle)
 
     # -------------------------------------------------------------- what a subclass provides
     @abstractmethod
-    def _predict(self, row: int, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run `function` on row `row`'s state; returns the outputs (logits_i)."""
+    def _predict(self, row: int, program: str, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run `function` of `program` (a chunk on row `row`'s state, or the stateless head)."""
 
     @abstractmethod
-    def _read_state(self, row: int, name: str) -> np.ndarray:
-        """The whole state `name` of row `row`, (L, Hkv, S, D) fp16."""
+    def _read_state(self, row: int, program: str, name: str) -> np.ndarray:
+        """The whole state `name` of a chunk for row `row`, (L_chunk, Hkv, S, D) fp16."""
 
     @abstractmethod
-    def _write_state(self, row: int, name: str, value: np.ndarray) -> None: ...
+    def _write_state(self, row: int, program: str, name: str, value: np.ndarray) -> None:
+        """Replace the whole state; value (L_chunk, Hkv, S, D) fp16."""
 
     # -------------------------------------------------------------- Backend
     @property
     def num_slots(self) -> int:
         return self.slots
 
-    def step_inputs(self, tokens: torch.Tensor, batch: SlotBatch, row: int, call: Call, k_rope: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
+    def _layers(self, tokens: torch.Tensor, batch: SlotBatch, row: int, call: Call, k_rope: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Run every chunk for one call: -> hidden (1, C, 1, T) fp16 and qsum (L, Hkv, D) fp32 (mean over T)."""
         rows = slice(call.row0, call.row0 + call.size)
         q_cos, q_sin = self.rope(batch.positions[row, rows])  # (T, D) each
+        write, keep = write_matrix(batch.write_slots[row, rows].tolist(), self.slots)
         mask = batch.mask[row, 0, rows].numpy()  # (T, S) bool
-        return {
-            "input_ids": tokens[row, rows].numpy().astype(np.int32)[None],  # (1, T)
-            "q_cos": q_cos[None, None],  # (1, 1, T, D)
-            "q_sin": q_sin[None, None],
-            "k_cos": k_rope[0][None, None],  # (1, 1, S, D)
-            "k_sin": k_rope[1][None, None],
+        hidden = np.ascontiguousarray(self.embedding(tokens[row, rows].numpy()).T[None, :, None, :])  # (1, C, 1, T)
+        fixed = {
+            "q_cos": q_cos[None, None], "q_sin": q_sin[None, None],  # (1, 1, T, D)
+            "k_cos": k_rope[0][None, None], "k_sin": k_rope[1][None, None],  # (1, 1, S, D)
             "mask": np.where(mask, 0.0, MASK_MIN).astype(np.float16)[None, None],  # (1, 1, T, S) additive
-            "write_start": np.array([call.start], dtype=np.int32),  # (1,)
+            "write": write, "keep": keep,
         }
+        summaries = []
+        for chunk in self.chunks:
+            out = self._predict(row, chunk, call.function, {"hidden": hidden, **fixed})
+            hidden = np.asarray(out["hidden_out"], dtype=np.float16)
+            summaries.append(np.asarray(out["qsum"], dtype=np.float32)[0])  # (L_chunk, Hkv, D)
+        return hidden, np.concatenate(summaries, axis=0)
+
+    def _head(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden (n, C) fp16 -> logits (n, V) fp32, in calls of the head's token counts."""
+        out = []
+        for call in plan_calls(hidden.shape[0], self.functions):
+            h = np.ascontiguousarray(hidden[call.row0 : call.row0 + call.size].T[None, :, None, :])  # (1, C, 1, T)
+            res = self._predict(-1, HEAD, call.function, {"hidden": h})
+            out.append(np.concatenate([np.asarray(res[f"logits_{i}"]) for i in range(len(self.bundle.vocab_pieces))], axis=-1)[0])
+        return np.concatenate(out, axis=0).astype(np.float32)
 
     def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
         b, t = tokens.shape
@@ -131,7 +152,7 @@ class PackageBackend(Backend):
             raise ValueError(f"forward got {b} rows but the slot table has {self.batch}")
         live = batch.slot_positions.shape[-1]
         if live > self.slots:
-            raise ValueError(f"the plan covers {live} slots but the package has {self.slots}")
+            raise ValueError(f"the plan covers {live} slots but the bundle has {self.slots}")
         if live < self.slots:
             # Only the leading S' slots take part (SlotBatch); the fixed-shape program sees the rest masked off.
             pad = self.slots - live
@@ -141,33 +162,38 @@ class PackageBackend(Backend):
                 torch.nn.functional.pad(batch.slot_positions, (0, pad)),
                 torch.nn.functional.pad(batch.mask, (0, pad), value=False),
             )
-        rows_out = []
+        rows_out, summaries = [], []
         for row in range(b):
             k_rope = self.rope(batch.slot_positions[row])  # (S, D) each, once per step
-            calls = plan_calls(batch.write_slots[row].tolist(), self.functions)
-            if last_only:
-                calls_needed = calls[-1:]
-                for call in calls[:-1]:
-                    self._predict(row, call.function, self.step_inputs(tokens, batch, row, call, k_rope))
-            else:
-                calls_needed = calls
-            pieces = []
-            for call in calls_needed:
-                out = self._predict(row, call.function, self.step_inputs(tokens, batch, row, call, k_rope))
-                logits = np.concatenate([out[f"logits_{i}"] for i in range(len(self.vocab_pieces))], axis=-1)  # (1, T, V)
-                pieces.append(logits[0])
-            logits = np.concatenate(pieces, axis=0)  # (T or last call's T, V)
-            rows_out.append(logits[-1:] if last_only else logits)
-        return torch.from_numpy(np.stack(rows_out).astype(np.float32))  # (B, T, V) or (B, 1, V)
+            hidden, qsum = [], np.zeros((self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim), np.float32)
+            for call in plan_calls(t, self.functions):
+                h, q = self._layers(tokens, batch, row, call, k_rope)
+                hidden.append(h[0, :, 0, :].T)  # (T_call, C)
+                qsum += q * (call.size / t)
+            final = np.concatenate(hidden, axis=0)  # (T, C)
+            rows_out.append(self._head(final[-1:] if last_only else final))  # only the logits that are used
+            summaries.append(qsum)
+        self.query_summary = torch.from_numpy(np.stack(summaries))  # (B, L, Hkv, D) fp32
+        return torch.from_numpy(np.stack(rows_out))  # (B, T, V) or (B, 1, V) fp32
+
+    def _chunk_of_layers(self) -> list[tuple[str, int]]:
+        return list(zip(self.chunks, self.chunk_layers))
 
     def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         idx = slots.numpy()
-        k, v = (torch.from_numpy(np.ascontiguousarray(self._read_state(row, n)[:, :, idx])) for n in STATE_NAMES)
-        return k.to(CANONICAL_KV_DTYPE), v.to(CANONICAL_KV_DTYPE)  # (L, Hkv, n, D) each
+        out = []
+        for name in STATE_NAMES:
+            parts = [np.asarray(self._read_state(row, chunk, name), dtype=np.float16)[:, :, idx] for chunk in self.chunks]
+            out.append(torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=0))).to(CANONICAL_KV_DTYPE))
+        return out[0], out[1]  # (L, Hkv, n, D) each
 
     def write_kv(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         idx = slots.numpy()
         for name, new in zip(STATE_NAMES, (k, v)):
-            state = self._read_state(row, name).copy()
-            state[:, :, idx] = new.to(torch.float16).numpy()
-            self._write_state(row, name, state)
+            layers = new.to(torch.float16).numpy()  # (L, Hkv, n, D)
+            at = 0
+            for chunk, n in self._chunk_of_layers():
+                state = np.array(self._read_state(row, chunk, name), dtype=np.float16)  # a private copy
+                state[:, :, idx] = layers[at : at + n]
+                self._write_state(row, chunk, name, state)
+                at += n

@@ -5,8 +5,10 @@ model.mlmodel spec plus weights/weight.bin), op by op, in fp16, with state. Only
 coreml.convert emits are implemented; anything else raises `UnsupportedOp` when the function is loaded, so the
 interpreter can never silently skip or approximate an op it does not know.
 
-Numerics: every value is stored in its declared dtype (fp16 for all float tensors). Each float op computes in
-fp32 and rounds its result to fp16, i.e. fp16 storage with wider accumulation, like the ANE and GPU.
+Numerics: every value is stored in its declared dtype (fp16 for all float tensors). By default each float op
+computes in fp32 and rounds its result to fp16 (fp16 storage, wider accumulation). `accumulate="fp16"` is the
+ANE-pessimistic mode: sums in conv, matmul, reductions, softmax and layer_norm are accumulated in fp16, one
+rounding per ACC_BLOCK products, so the drift it shows bounds what an fp16-accumulating engine could do.
 Every result is checked against the shape and dtype the spec declares for it.
 """
 
@@ -20,10 +22,19 @@ import numpy as np
 from coremltools.proto import MIL_pb2
 
 from coreml.errors import PackageError, UnsupportedOp
-from coreml.milblob import NUMPY_DTYPES, BlobFile, dtype_name, immediate_value, tensor_shape
+from coreml.milblob import (
+    NUMPY_DTYPES,
+    BlobFile,
+    dtype_name,
+    immediate_value,
+    tensor_shape,
+)
 from coreml.package import Package
 
 F32 = np.float32
+F16 = np.float16
+ACC_BLOCK = 8  # products summed in fp32 before each fp16 rounding in the fp16-accumulation mode
+ACCUMULATIONS = ("fp32", "fp16")
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,11 @@ def _var_type(vt: MIL_pb2.ValueType) -> VarType:
 class Interpreter:
     """Load a package once; run any of its functions against a state dict (name -> fp16 array)."""
 
-    def __init__(self, package: Package | str | Path) -> None:
+    def __init__(self, package: Package | str | Path, accumulate: str = "fp32") -> None:
+        if accumulate not in ACCUMULATIONS:
+            raise ValueError(f"accumulate must be one of {ACCUMULATIONS}")
+        self.fp16_acc = accumulate == "fp16"
+        self.overflows: list[str] = []  # ops whose finite result overflowed its fp16 type (e.g. x*x > 65504)
         self.package = package if isinstance(package, Package) else Package.open(package)
         self._blobs: dict[Path, BlobFile] = {}
         self._blob_cache: dict[tuple[Path, int], np.ndarray] = {}  # functions share weights: read each blob once
@@ -145,7 +160,7 @@ class Interpreter:
             if n not in state or state[n].shape != t.shape:
                 raise PackageError(f"State {n!r} is missing or not shaped {t.shape}.")
         for op in fn.ops:
-            results = _execute(op, env, state, fn.states)
+            results = _execute(op, env, state, fn.states, self.fp16_acc, self.overflows)
             for (name, _), value in zip(op.outputs, results):
                 env[name] = value
         return {n: env[n] for n in fn.outputs}
@@ -155,8 +170,8 @@ class Interpreter:
 class _Args:
     """Resolved inputs of one op: `a("x")` one value, `opt("x", default)`, `many("values")`."""
 
-    def __init__(self, op: Op, env: dict[str, np.ndarray], state: dict[str, np.ndarray]) -> None:
-        self.op, self.env, self.state = op, env, state
+    def __init__(self, op: Op, env: dict[str, np.ndarray], state: dict[str, np.ndarray], fp16_acc: bool = False) -> None:
+        self.op, self.env, self.state, self.fp16_acc = op, env, state, fp16_acc
 
     def _get(self, b: str | np.ndarray) -> np.ndarray:
         if isinstance(b, np.ndarray):
@@ -188,8 +203,15 @@ class _Args:
             raise UnsupportedOp(f"The op {self.op.type!r} is used with {sorted(extra)}, which the interpreter does not implement.")
 
 
-def _execute(op: Op, env: dict[str, np.ndarray], state: dict[str, np.ndarray], states: dict[str, VarType] | None = None) -> list[np.ndarray]:
-    args = _Args(op, env, state)
+def _execute(
+    op: Op,
+    env: dict[str, np.ndarray],
+    state: dict[str, np.ndarray],
+    states: dict[str, VarType] | None = None,
+    fp16_acc: bool = False,
+    overflows: list[str] | None = None,
+) -> list[np.ndarray]:
+    args = _Args(op, env, state, fp16_acc)
     results = OPS[op.type](args)
     if states is not None and op.type == "write_state":
         name = args.name("input")
@@ -202,6 +224,13 @@ def _execute(op: Op, env: dict[str, np.ndarray], state: dict[str, np.ndarray], s
         value = np.asarray(value)
         if value.shape != vt.shape:
             raise PackageError(f"Op {op.name!r} ({op.type}) produced shape {value.shape}; the program declares {vt.shape}.")
+        if vt.dtype == "FLOAT16" and value.dtype.kind == "f" and value.dtype != np.float16:
+            with np.errstate(over="ignore"):
+                stored = value.astype(np.float16)
+            if overflows is not None and not np.isfinite(stored).all() and np.isfinite(value).all():
+                overflows.append(f"{op.type} {op.name}")
+            out.append(stored)
+            continue
         out.append(value.astype(NUMPY_DTYPES[vt.dtype], copy=False))
     return out
 
@@ -209,6 +238,28 @@ def _execute(op: Op, env: dict[str, np.ndarray], state: dict[str, np.ndarray], s
 def _f(x: np.ndarray) -> np.ndarray:
     """Float inputs are widened to fp32 for the arithmetic; integers stay as they are."""
     return x.astype(F32) if x.dtype.kind == "f" else x
+
+
+def _fp16_sum(x: np.ndarray, axis: int, keepdims: bool = False) -> np.ndarray:
+    """Sum along `axis` accumulating in fp16: fp32 partial sums of ACC_BLOCK terms, each added to an fp16 total."""
+    x = np.moveaxis(x.astype(F32), axis, -1)
+    acc = np.zeros(x.shape[:-1], F16)
+    for k in range(0, x.shape[-1], ACC_BLOCK):
+        acc = (acc.astype(F32) + x[..., k : k + ACC_BLOCK].sum(axis=-1).astype(F16).astype(F32)).astype(F16)
+    out = acc.astype(F32)
+    return np.expand_dims(out, axis) if keepdims else out
+
+
+def _contract(x: np.ndarray, y: np.ndarray, spec: str, k_x: int, k_y: int, fp16_acc: bool) -> np.ndarray:
+    """einsum(spec, x, y) over the shared axis (x's axis k_x, y's axis k_y), optionally accumulated in fp16."""
+    if not fp16_acc:
+        return np.einsum(spec, x, y)
+    acc = None
+    for k in range(0, x.shape[k_x], ACC_BLOCK):
+        part = np.einsum(spec, np.take(x, range(k, min(k + ACC_BLOCK, x.shape[k_x])), axis=k_x),
+                         np.take(y, range(k, min(k + ACC_BLOCK, y.shape[k_y])), axis=k_y)).astype(F16).astype(F32)
+        acc = part if acc is None else (acc + part).astype(F16).astype(F32)
+    return acc
 
 
 def _binary(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable[[_Args], list[np.ndarray]]:
@@ -236,7 +287,10 @@ def _reduce(fn: Callable[..., np.ndarray]) -> Callable[[_Args], list[np.ndarray]
         a.only({"x", "axes", "keep_dims"})
         x = _f(a.a("x"))
         keep = bool(a.opt("keep_dims", np.array(False)))
-        return [fn(x, axis=_axes(a, x.ndim), keepdims=keep)]
+        axes = _axes(a, x.ndim)
+        if a.fp16_acc and fn is np.mean and len(axes) == 1:
+            return [_fp16_sum(x, axes[0], keepdims=keep) / x.shape[axes[0]]]
+        return [fn(x, axis=axes, keepdims=keep)]
 
     return run
 
@@ -299,7 +353,7 @@ def _conv(a: _Args) -> list[np.ndarray]:
     )
     if not (one_by_one and plain):
         raise UnsupportedOp("The program uses a conv other than a plain 1x1 convolution, which the interpreter does not implement.")
-    y = np.einsum("oi,bihw->bohw", w[:, :, 0, 0], x)  # (B, O, H, W)
+    y = _contract(w[:, :, 0, 0], x, "oi,bihw->bohw", 1, 1, a.fp16_acc)  # (B, O, H, W)
     if "bias" in a.op.inputs:
         y = y + _f(a.a("bias"))[None, :, None, None]
     return [y]
@@ -312,7 +366,9 @@ def _matmul(a: _Args) -> list[np.ndarray]:
         x = np.swapaxes(x, -1, -2)
     if bool(a.opt("transpose_y", np.array(False))):
         y = np.swapaxes(y, -1, -2)
-    return [np.matmul(x, y)]
+    if x.ndim != 4 or y.ndim != 4:
+        raise UnsupportedOp("The program uses a matmul of rank other than 4, which the interpreter does not implement.")
+    return [_contract(x, y, "bhmk,bhkn->bhmn", 3, 2, a.fp16_acc)]
 
 
 def _softmax(a: _Args) -> list[np.ndarray]:
@@ -320,7 +376,40 @@ def _softmax(a: _Args) -> list[np.ndarray]:
     x = _f(a.a("x"))
     axis = int(a.a("axis"))
     e = np.exp(x - x.max(axis=axis, keepdims=True))
+    if a.fp16_acc:
+        e = e.astype(F16).astype(F32)
+        return [e / _fp16_sum(e, axis, keepdims=True)]
     return [e / e.sum(axis=axis, keepdims=True)]
+
+
+def _layer_norm(a: _Args) -> list[np.ndarray]:
+    """MIL layer_norm: (x - mean) / sqrt(var + epsilon) over `axes`, then * gamma + beta."""
+    a.only({"x", "axes", "gamma", "beta", "epsilon"})
+    x = _f(a.a("x"))
+    axes = _axes(a, x.ndim)
+    if axes != (x.ndim - 1,):
+        raise UnsupportedOp("The program uses a layer_norm over axes other than the last, which the interpreter does not implement.")
+    eps = F32(a.opt("epsilon", np.array(1e-5, F32)))
+    if a.fp16_acc:
+        n = x.shape[-1]
+        mean = (_fp16_sum(x, -1, keepdims=True) / n).astype(F16).astype(F32)
+        d = (x - mean).astype(F16).astype(F32)
+        var = (_fp16_sum((d * d).astype(F16).astype(F32), -1, keepdims=True) / n).astype(F16).astype(F32)
+    else:
+        mean = x.mean(axis=-1, keepdims=True)
+        d = x - mean
+        var = (d * d).mean(axis=-1, keepdims=True)
+    y = d / np.sqrt(var + eps)
+    if "gamma" in a.op.inputs:
+        y = y * _f(a.a("gamma"))
+    if "beta" in a.op.inputs:
+        y = y + _f(a.a("beta"))
+    return [y]
+
+
+def _stack(a: _Args) -> list[np.ndarray]:
+    a.only({"values", "axis"})
+    return [np.stack([_f(v) for v in a.many("values")], axis=int(a.a("axis")))]
 
 
 def _concat(a: _Args) -> list[np.ndarray]:
@@ -329,38 +418,6 @@ def _concat(a: _Args) -> list[np.ndarray]:
         raise UnsupportedOp("The program uses an interleaved concat, which the interpreter does not implement.")
     values = a.many("values")
     return [np.concatenate([_f(v) for v in values], axis=int(a.a("axis")))]
-
-
-def _gather(a: _Args) -> list[np.ndarray]:
-    a.only({"x", "indices", "axis", "batch_dims", "validate_indices"})
-    if int(a.opt("batch_dims", np.array(0))) != 0:
-        raise UnsupportedOp("The program uses a batched gather, which the interpreter does not implement.")
-    x, idx = a.a("x"), a.a("indices").astype(np.int64)
-    axis = int(a.opt("axis", np.array(0)))
-    n = x.shape[axis]
-    if np.any((idx < -n) | (idx >= n)):
-        raise PackageError(f"gather {a.op.name!r} has an index outside [-{n}, {n}).")
-    return [np.take(x, np.where(idx < 0, idx + n, idx), axis=axis)]
-
-
-CAST_TYPES: dict[str, np.dtype] = {
-    "int32": np.dtype(np.int32), "int16": np.dtype(np.int16), "uint16": np.dtype(np.uint16),
-    "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32), "bool": np.dtype(bool),
-}
-
-
-def _cast(a: _Args) -> list[np.ndarray]:
-    a.only({"x", "dtype"})
-    x, to = a.a("x"), str(a.a("dtype"))
-    if to not in CAST_TYPES:
-        raise UnsupportedOp(f"The program casts to {to}, which the interpreter does not implement.")
-    target = CAST_TYPES[to]
-    if x.dtype.kind == "f" and target.kind in "iu":
-        # Core ML's float -> int rounding mode is not something our conversion relies on; refuse rather than guess.
-        raise UnsupportedOp("The program casts a float to an integer, which the interpreter does not implement.")
-    if target.kind in "iu" and x.size and (x.min() < np.iinfo(target).min or x.max() > np.iinfo(target).max):
-        raise PackageError(f"cast {a.op.name!r} to {to} overflows (values {x.min()}..{x.max()}).")
-    return [x.astype(target)]
 
 
 def _reshape(a: _Args) -> list[np.ndarray]:
@@ -391,7 +448,7 @@ def _clip(a: _Args) -> list[np.ndarray]:
 
 
 def _with_epsilon(fn: Callable[[np.ndarray], np.ndarray], default: float) -> Callable[[_Args], list[np.ndarray]]:
-    """rsqrt / inverse: MIL adds `epsilon` (default per the MIL spec) before the operation."""
+    """inverse: MIL adds `epsilon` (default per the MIL spec) before the operation."""
 
     def run(a: _Args) -> list[np.ndarray]:
         a.only({"x", "epsilon"})
@@ -399,11 +456,6 @@ def _with_epsilon(fn: Callable[[np.ndarray], np.ndarray], default: float) -> Cal
         return [fn(_f(a.a("x")) + eps)]
 
     return run
-
-
-def _select(a: _Args) -> list[np.ndarray]:
-    a.only({"cond", "a", "b"})
-    return [np.where(a.a("cond").astype(bool), _f(a.a("a")), _f(a.a("b")))]
 
 
 def _tile(a: _Args) -> list[np.ndarray]:
@@ -471,35 +523,27 @@ def _silu(x: np.ndarray) -> np.ndarray:
 OPS: dict[str, Callable[[_Args], list[np.ndarray]]] = {
     "abs": _unary(np.abs),
     "add": _binary(np.add),
-    "cast": _cast,
     "clip": _clip,
     "concat": _concat,
     "constexpr_blockwise_shift_scale": _blockwise_shift_scale,
     "constexpr_lut_to_dense": _lut_to_dense,
     "conv": _conv,
     "expand_dims": _expand_dims,
-    "gather": _gather,
-    "greater_equal": _binary(np.greater_equal),
     "inverse": _with_epsilon(lambda x: 1.0 / x, 1e-4),
-    "less": _binary(np.less),
-    "logical_and": _binary(np.logical_and),
+    "layer_norm": _layer_norm,
     "matmul": _matmul,
-    "maximum": _binary(np.maximum),
-    "minimum": _binary(np.minimum),
     "mul": _binary(np.multiply),
     "read_state": _read_state,
     "real_div": _binary(np.divide),
     "reduce_max": _reduce(np.max),
     "reduce_mean": _reduce(np.mean),
     "reshape": _reshape,
-    "rsqrt": _with_epsilon(lambda x: 1.0 / np.sqrt(x), 1e-12),
-    "select": _select,
     "silu": _unary(_silu),
     "slice_by_index": _slice_by_index,
     "slice_update": _slice_update,
     "softmax": _softmax,
+    "stack": _stack,
     "squeeze": _squeeze,
-    "sub": _binary(np.subtract),
     "tile": _tile,
     "transpose": _transpose,
     "write_state": _write_state,

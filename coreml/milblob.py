@@ -69,6 +69,18 @@ class BlobFile:
         self.count = count
 
     def read(self, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        raw = self.raw(offset, dtype)
+        n = int(np.prod(shape, dtype=np.int64))
+        if dtype in SUB_BYTE_BITS:
+            bits, signed = SUB_BYTE_BITS[dtype]
+            return unpack_bits(raw, bits, signed, n).reshape(shape)
+        if raw.size != n:
+            raise PackageError(f"A weight in {self.path.name} holds {raw.size} values, not the {n} its shape {shape} needs.")
+        return raw.reshape(shape).copy()
+
+    def raw(self, offset: int, dtype: str) -> np.ndarray:
+        """One blob's data as a read-only view of the mapped file (no copy): typed values, or the packed bytes
+        (uint8) of a sub-byte type."""
         if offset + 64 > len(self._mm):
             raise PackageError(f"A weight points past the end of {self.path.name}; the package is corrupt.")
         sentinel, code, size, data_offset, pad_bits = struct.unpack_from("<IIQQQ", self._mm, offset)
@@ -82,17 +94,14 @@ class BlobFile:
         # The program declares e.g. BOOL/INT4 where the blob may store the same bits under a sibling code.
         if stored != dtype and not (dtype in SUB_BYTE_BITS and stored in SUB_BYTE_BITS and SUB_BYTE_BITS[dtype][0] == SUB_BYTE_BITS[stored][0]):
             raise PackageError(f"A weight in {self.path.name} is stored as {stored} but the program declares {dtype}.")
-        raw = self._mm[data_offset : data_offset + size]
-        n = int(np.prod(shape, dtype=np.int64))
         if dtype in SUB_BYTE_BITS:
-            bits, signed = SUB_BYTE_BITS[dtype]
-            return unpack_bits(raw, bits, signed, n).reshape(shape)
+            return np.frombuffer(self._mm, dtype=np.uint8, count=size, offset=data_offset)
         if dtype not in NUMPY_DTYPES:
             raise PackageError(f"A weight in {self.path.name} has type {dtype}, which the interpreter does not read.")
-        arr = np.frombuffer(raw, dtype=NUMPY_DTYPES[dtype])
-        if arr.size != n:
-            raise PackageError(f"A weight in {self.path.name} holds {arr.size} values, not the {n} its shape {shape} needs.")
-        return arr.reshape(shape).copy()
+        item = NUMPY_DTYPES[dtype].itemsize
+        if size % item:
+            raise PackageError(f"A weight in {self.path.name} has a size that is not a whole number of {dtype} values.")
+        return np.frombuffer(self._mm, dtype=NUMPY_DTYPES[dtype], count=size // item, offset=data_offset)
 
 
 def tensor_shape(tt: MIL_pb2.TensorType) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ class Package:
     spec_path: Path
 
     @classmethod
-    def open(cls, path: str | Path) -> "Package":
+    def open(cls, path: str | Path) -> Package:
         path = Path(path).expanduser()
         if not path.is_dir():
             raise PackageError(f"{path} is not a Core ML package folder (.mlpackage).")

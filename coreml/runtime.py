@@ -1,17 +1,18 @@
-"""The macOS runtime backend: a converted package run by Core ML (on the Neural Engine by default).
+"""The macOS runtime backend: a converted bundle run by Core ML (on the Neural Engine by default).
 
 Importable everywhere (the engine's registry imports it only on a Mac); everything that needs the Core ML
-framework is imported inside functions. Exercised by the tests marked `mac`.
+framework is imported inside functions. Exercised by the tests marked `mac`, and off-Mac through a fake loader
+that enforces the coremltools bridge's rules (tests/coreml/fake_coreml.py).
 
-- `CoreMLBackend(model_dir)`: the package comes from the conversion cache (coreml.convert.cached_package),
-  converted on first use for the slot count the memory asks for in `allocate`, then loaded once per function
-  (`function_name=`), with compute units from the argument or MLOT_SPARK_COREML_UNITS (default CPU_AND_NE).
-- Every row of the slot table is one MLState, shared by the package's functions (they declare identical
-  states). Predictions on one backend's states are serialised by a lock: an MLState must not be used by two
-  predictions at once.
-- read_kv / write_kv use MLState.read_state / write_state (coremltools >= 8, macOS 15).
-- A warm-up prediction per function at load, on a throwaway state, so the first user token does not pay for
-  Core ML's device specialisation.
+- The bundle comes from the app (shipped, compiled, by `make app`) or the conversion cache
+  (coreml.convert.cached_bundle), converted on first use for the slot count the memory asks for.
+- Each program is compiled once to `<name>.mlmodelc` beside its package and loaded with `CompiledMLModel`
+  once per function (no recompilation per function or per launch).
+- Each row of the slot table holds one MLState per layer chunk, shared by the chunk's functions (they declare
+  identical states). Predictions on one backend's states are serialised by a lock.
+- read_kv / write_kv use MLState.read_state / write_state. The bridge converts only int32, int8, float32 and
+  float64 arrays (write_state casts nothing; only predict() casts fp16 inputs), so KV crosses it as float32:
+  exact for fp16 values.
 """
 
 from __future__ import annotations
@@ -19,23 +20,29 @@ from __future__ import annotations
 import copy
 import os
 import platform
+import shutil
 import threading
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from coreml.convert import DEFAULT_SLOTS, Progress, cached_package
-from coreml.errors import PackageError
+from coreml import compress
+from coreml.bundle import HEAD, Bundle
+from coreml.convert import Progress, cached_bundle
+from coreml.errors import CoreMLError, PackageError
 from coreml.host import PackageBackend
-from coreml.package import Package
 from engine.backends.base import BackendProbe
 from engine.model_files import read_config
 from engine.errors import BackendUnavailable
 
 UNITS_ENV = "MLOT_SPARK_COREML_UNITS"
 QUANT_ENV = "MLOT_SPARK_COREML_QUANTIZE"
-COMPUTE_UNITS = ("CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY", "ALL")
 MIN_MACOS = (15, 0)
+# dtypes coremltools' MLState.write_state accepts (its bridge converts these numpy types only)
+BRIDGE_STATE_DTYPES = (np.dtype(np.int32), np.dtype(np.int8), np.dtype(np.float32), np.dtype(np.float64))
 
 
 def probe() -> BackendProbe:
@@ -62,10 +69,54 @@ def probe() -> BackendProbe:
 
 
 def compute_units_name(requested: str | None) -> str:
-    name = (requested or os.environ.get(UNITS_ENV) or "CPU_AND_NE").upper()
-    if name not in COMPUTE_UNITS:
-        raise BackendUnavailable(f"Unknown Core ML compute units {name!r}; choose one of {', '.join(COMPUTE_UNITS)}.")
+    name = (requested or os.environ.get(UNITS_ENV) or compress.DEFAULT_UNITS).upper()
+    if name not in compress.COMPUTE_UNITS:
+        raise BackendUnavailable(f"Unknown Core ML compute units {name!r}; choose one of {', '.join(compress.COMPUTE_UNITS)}.")
     return name
+
+
+class Program(Protocol):
+    """One function of one compiled program, as coremltools' CompiledMLModel exposes it."""
+
+    def predict(self, data: dict[str, np.ndarray], state: object | None = None) -> dict[str, np.ndarray]: ...
+
+    def make_state(self) -> object: ...
+
+
+Loader = Callable[[Bundle, str, str, str], Program]  # (bundle, program, function, compute units) -> Program
+
+
+def compile_program(bundle: Bundle, name: str) -> Path:
+    """`<name>.mlmodelc` beside the package, compiled once (atomically: a half-written one is never found)."""
+    import coremltools as ct
+
+    compiled = bundle.compiled_path(name)
+    if compiled.is_dir():
+        return compiled
+    made = Path(ct.models.utils.compile_model(str(bundle.package_path(name))))
+    tmp = compiled.with_name(f".{compiled.name}-{uuid.uuid4().hex[:8]}")
+    shutil.move(str(made), tmp)
+    try:
+        os.rename(tmp, compiled)
+    except OSError:  # another process compiled it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return compiled
+
+
+def core_ml_loader(bundle: Bundle, name: str, function: str, units: str) -> Program:
+    import coremltools as ct
+
+    try:
+        return ct.models.CompiledMLModel(str(compile_program(bundle, name)), getattr(ct.ComputeUnit, units), function_name=function)
+    except Exception as exc:  # Core ML reports load failures as generic exceptions with its own text
+        raise BackendUnavailable(f"Core ML could not load the converted model ({str(exc).splitlines()[0][:200]}).") from None
+
+
+def shipped_root() -> Path:
+    """Where `make app` puts the default model's compiled bundle inside the app."""
+    from engine.paths import resources_dir
+
+    return resources_dir() / "coreml"
 
 
 class CoreMLBackend(PackageBackend):
@@ -79,25 +130,28 @@ class CoreMLBackend(PackageBackend):
         quantize: str | None = None,
         cache_dir: str | Path | None = None,
         progress: Progress | None = None,
+        loader: Loader = core_ml_loader,
     ) -> None:
-        from engine.weights import fingerprint, read_safetensors_header, weight_files
+        from engine.weights import model_fingerprint, stored_weight_bytes
 
         self.model_dir = Path(model_dir).expanduser()
         self.units = compute_units_name(compute_units)
-        self.quantize = quantize or os.environ.get(QUANT_ENV) or "none"
+        try:
+            self.quantize = compress.resolve(quantize or os.environ.get(QUANT_ENV), self.units)
+        except CoreMLError as exc:
+            raise BackendUnavailable(str(exc)) from None
         self.cache_dir = cache_dir
         self.progress = progress
-        # Identity without loading the weights: the package is what runs.
+        self.loader = loader
+        # Identity without loading the weights: the bundle is what runs.
         self.config = read_config(self.model_dir)
-        files = weight_files(self.model_dir)
-        tables = [read_safetensors_header(f) for f in files]
-        self.fingerprint = fingerprint(self.config, files, tables)
-        self.weight_bytes = sum(t.end - t.start for table in tables for t in table)
-        self.slots = DEFAULT_SLOTS
-        self.models: dict[str, object] = {}  # function name -> ct.models.MLModel
-        self.states: list[object] = []  # one MLState per row
+        self.fingerprint = model_fingerprint(self.model_dir)
+        self.weight_bytes = stored_weight_bytes(self.model_dir)
+        self.slots = 0
+        self.programs: dict[tuple[str, str], Program] = {}  # (program, function) -> loaded function
+        self.states: list[dict[str, object]] = []  # per row: chunk -> MLState
         self.lock = threading.Lock()
-        self.package: Path | None = None
+        self.path: Path | None = None
 
     @property
     def numerics(self) -> str:
@@ -107,97 +161,88 @@ class CoreMLBackend(PackageBackend):
     def batch(self) -> int:
         return len(self.states) or 1
 
-    def _load(self, slots: int) -> None:
-        import coremltools as ct
+    def _find(self, slots: int) -> Path:
+        from coreml.convert import Geometry, cache_key
 
+        shipped = shipped_root() / cache_key(self.fingerprint, Geometry(slots), self.quantize, self.units)
+        if shipped.is_dir():
+            return shipped
         kwargs = {"progress": self.progress} if self.progress else {}
-        path = cached_package(self.model_dir, slots=slots, quantize=self.quantize, cache_dir=self.cache_dir, **kwargs)
-        pkg = Package.open(path)
-        if pkg.provenance.get("fingerprint") != self.fingerprint:
-            raise PackageError(f"The cached Core ML package {path.name} was converted from other weights; delete it and retry.")
-        self._setup_host(pkg.provenance)
-        units = getattr(ct.ComputeUnit, self.units)
-        try:
-            self.models = {f: ct.models.MLModel(str(path), compute_units=units, function_name=f) for f in self.functions}
-        except Exception as exc:  # Core ML reports load failures as generic exceptions with its own text
-            raise BackendUnavailable(f"Core ML could not load the converted model ({str(exc).splitlines()[0][:200]}).") from None
-        self.package = path
-        self.weight_bytes = pkg.weights_path.stat().st_size
-        self._warm_up()
+        return cached_bundle(self.model_dir, slots=slots, quantize=self.quantize, units=self.units, cache_dir=self.cache_dir, **kwargs)
 
-    def _warm_up(self) -> None:
-        """One prediction per function on a throwaway state: Core ML specialises the program for the device."""
-        state = self._new_state()
-        s, d = self.slots, self.config.head_dim
-        for f, t in self.functions.items():
-            inputs = {
-                "input_ids": np.zeros((1, t), np.int32),
-                "q_cos": np.ones((1, 1, t, d), np.float16),
-                "q_sin": np.zeros((1, 1, t, d), np.float16),
-                "k_cos": np.ones((1, 1, s, d), np.float16),
-                "k_sin": np.zeros((1, 1, s, d), np.float16),
-                "mask": np.zeros((1, 1, t, s), np.float16),
-                "write_start": np.zeros((1,), np.int32),
-            }
-            self.models[f].predict(inputs, state=state)
+    def _load(self, slots: int) -> None:
+        path = self._find(slots)
+        bundle = Bundle.open(path)
+        if bundle.provenance.get("fingerprint") != self.fingerprint:
+            raise PackageError(f"The Core ML bundle {path.name} was converted from other weights; delete it and retry.")
+        self._setup_host(bundle)
+        self.programs = {(p, f): self.loader(bundle, p, f, self.units) for p in bundle.program_names for f in self.functions}
+        self.path = path
+        self.weight_bytes = bundle.total_bytes()
 
-    def _new_state(self) -> object:
-        # All functions declare the same states; a state made by one is used by all (see module doc).
-        return self.models["decode"].make_state()
+    def _new_row(self) -> dict[str, object]:
+        # All functions of a chunk declare the same states; a state made by one is used by all (see module doc).
+        return {c: self.programs[(c, "decode")].make_state() for c in self.chunks}
 
     def allocate(self, batch: int, num_slots: int) -> None:
         with self.lock:
-            if self.package is None or num_slots != self.slots:
+            if self.path is None or num_slots != self.slots:
                 self._load(num_slots)
-            self.states = [self._new_state() for _ in range(batch)]
+            self.states = [self._new_row() for _ in range(batch)]
 
-    def fork(self) -> "CoreMLBackend":
+    def fork(self) -> CoreMLBackend:
+        if self.path is None:
+            raise BackendUnavailable("The Core ML backend must be allocated before it is forked.")
         with self.lock:
-            if self.package is None:
-                self._load(self.slots)
-            twin = copy.copy(self)  # shares the loaded MLModels (weights)
+            twin = copy.copy(self)  # shares the loaded programs (weights)
             twin.lock = threading.Lock()
-            twin.states = [self._new_state() for _ in range(self.batch)]
+            twin.states = [self._new_row() for _ in range(self.batch)]
             return twin
 
-    def _ensure_loaded(self) -> None:
+    def _require_states(self) -> None:
         if not self.states:
-            self.allocate(1, self.slots)
+            raise BackendUnavailable("The Core ML backend has no slot table yet; allocate it first.")
 
-    def _predict(self, row: int, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self._ensure_loaded()
+    def _predict(self, row: int, program: str, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self._require_states()
         with self.lock:
-            return self.models[function].predict(inputs, state=self.states[row])
+            if program == HEAD:
+                return self.programs[(program, function)].predict(inputs)
+            return self.programs[(program, function)].predict(inputs, state=self.states[row][program])
 
-    def _read_state(self, row: int, name: str) -> np.ndarray:
-        self._ensure_loaded()
+    def _read_state(self, row: int, program: str, name: str) -> np.ndarray:
+        self._require_states()
         with self.lock:
-            return np.asarray(self.states[row].read_state(name), dtype=np.float16)
+            return np.asarray(self.states[row][program].read_state(name)).astype(np.float16)
 
-    def _write_state(self, row: int, name: str, value: np.ndarray) -> None:
-        self._ensure_loaded()
+    def _write_state(self, row: int, program: str, name: str, value: np.ndarray) -> None:
+        self._require_states()
+        wide = np.ascontiguousarray(value, dtype=np.float32)  # the bridge takes float32, not float16; exact
         with self.lock:
-            self.states[row].write_state(name, np.ascontiguousarray(value, dtype=np.float16))
+            self.states[row][program].write_state(name, wide)
 
 
-def compute_plan_summary(package: str | Path, units: str = "CPU_AND_NE") -> dict[str, dict[str, int]]:
-    """function -> {device: op count} from Core ML's compute plan (macOS only): which ops land on ANE/GPU/CPU."""
+def compute_plan_share(bundle_path: str | Path, units: str = "CPU_AND_NE") -> dict[str, dict[str, float]]:
+    """program:function -> {device: share of the estimated cost} from Core ML's compute plan (macOS only)."""
     import coremltools as ct
     from coremltools.models.compute_plan import MLComputePlan
 
-    summary: dict[str, dict[str, int]] = {}
-    model = ct.models.MLModel(str(package), compute_units=getattr(ct.ComputeUnit, units), function_name="decode")
-    plan = MLComputePlan.load_from_path(model.get_compiled_model_path(), compute_units=getattr(ct.ComputeUnit, units))
-    program = plan.model_structure.program
-    if program is None:
-        raise PackageError("The compute plan has no ML Program; the package is not an ML Program.")
-    for fname, fn in program.functions.items():
-        counts: dict[str, int] = {}
-        for op in fn.block.operations:
-            if op.operator_name == "const":
-                continue
-            usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
-            device = type(usage.preferred_compute_device).__name__ if usage else "none"
-            counts[device] = counts.get(device, 0) + 1
-        summary[fname] = counts
-    return summary
+    bundle = Bundle.open(bundle_path)
+    out: dict[str, dict[str, float]] = {}
+    for name in bundle.program_names:
+        plan = MLComputePlan.load_from_path(str(compile_program(bundle, name)), compute_units=getattr(ct.ComputeUnit, units))
+        program = plan.model_structure.program
+        if program is None:
+            raise PackageError("The compute plan has no ML Program; the bundle is not made of ML Programs.")
+        for fname, fn in program.functions.items():
+            cost: dict[str, float] = {}
+            for op in fn.block.operations:
+                if op.operator_name == "const" or op.operator_name.startswith("constexpr_"):
+                    continue
+                usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
+                device = type(usage.preferred_compute_device).__name__ if usage else "none"
+                estimate = plan.get_estimated_cost_for_mlprogram_operation(op)
+                cost[device] = cost.get(device, 0.0) + (estimate.weight if estimate else 0.0)
+            total = sum(cost.values()) or 1.0
+            out[f"{name}:{fname}"] = {d: c / total for d, c in cost.items()}
+    return out

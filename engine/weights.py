@@ -225,6 +225,13 @@ def model_fingerprint(model_path: Path) -> str:
     return fingerprint(config, files, [read_safetensors_header(f) for f in files])
 
 
+def stored_weight_bytes(model_path: Path) -> int:
+    """Bytes the model's weights take in its file(s), as stored (no weight is read)."""
+    if is_gguf_model(model_path):
+        return sum(int(t.data.nbytes) for t in gguf_model(model_path).tensor_shapes())
+    return sum(t.end - t.start for f in weight_files(model_path) for t in read_safetensors_header(f))
+
+
 def _load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype) -> LoadedModel:
     gm = gguf_model(path)
     with torch.device("meta"):

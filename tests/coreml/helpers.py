@@ -5,9 +5,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from coreml.bundle import HEAD, Bundle, chunk_name
+from coreml.embedding import HostEmbedding
 from coreml.interpreter import Interpreter
 from coreml.wrapper import engine_state_dict
 from engine.backends.base import Backend
@@ -40,12 +43,24 @@ def run_greedy(
     return logits, tokens
 
 
+def bundle_state_dict(bundle_path: Path) -> dict[str, torch.Tensor]:
+    """The engine state dict of exactly the weights a bundle's programs use (constexpr ops applied)."""
+    bundle = Bundle.open(bundle_path)
+    chunks = [(a, Interpreter(bundle.package(chunk_name(i))).functions["decode"].consts) for i, (a, _) in enumerate(bundle.chunks)]
+    head = Interpreter(bundle.package(HEAD)).functions["decode"].consts
+    embed = HostEmbedding(bundle)(np.arange(bundle.config.vocab_size))
+    return engine_state_dict(chunks, head, embed, bundle.config)
+
+
 def torch_fp16_with_package_weights(model_dir: Path, package: Path, out: Path) -> TorchBackend:
-    """A torch fp16 backend running exactly the weights the package's program uses (constexpr ops applied)."""
-    config = ModelConfig.from_file(model_dir / "config.json")
-    state = engine_state_dict(Interpreter(package).functions["decode"].consts, config)
+    """A torch fp16 backend running exactly the weights the bundle's programs use (constexpr ops applied)."""
+    state = bundle_state_dict(package)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(model_dir / "config.json", out / "config.json")
+    config = ModelConfig.from_file(model_dir / "config.json")
+    if config.tie_word_embeddings:  # stored once, as in the bundle: the head's (dequantized) matrix
+        assert torch.equal(state["model.embed_tokens.weight"], state["lm_head.weight"])
+        del state["lm_head.weight"]
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     return TorchBackend(out, device="cpu", dtype=torch.float16)
 

@@ -1,5 +1,5 @@
-"""The Core ML runtime backend. Tests marked `mac` run real Core ML predictions (skipped off macOS on Apple
-Silicon by tests/conftest.py); the rest check what must hold everywhere."""
+"""The Core ML runtime backend. Off-Mac it runs through a fake of coremltools' bridge that enforces the bridge's
+rules (fake_coreml.py); tests marked `mac` run real Core ML predictions (skipped off macOS on Apple Silicon)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,17 @@ import platform
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from coreml.reference import InterpreterBackend
 from coreml.runtime import CoreMLBackend, compute_units_name, probe
 from engine.backends.torch_backend import TorchBackend
 from engine.errors import BackendUnavailable
 from engine.memory import FullAttentionMemory
 from tests.coreml.conftest import SLOTS
+from tests.coreml.fake_coreml import BridgeError, FakeLoader, FakeMLState
 from tests.coreml.helpers import feed, prompt_ids, run_greedy
 from tests.coreml.test_parity import assert_parity
 
@@ -36,11 +39,52 @@ def test_compute_units_come_from_argument_or_environment(monkeypatch: pytest.Mon
         compute_units_name("GPU_ONLY")
 
 
+def test_int4_on_the_neural_engine_is_refused_in_one_sentence(tied_dir: Path) -> None:
+    with pytest.raises(BackendUnavailable, match="int4 per-block weights run only on the GPU"):
+        CoreMLBackend(tied_dir, compute_units="CPU_AND_NE", quantize="int4", loader=FakeLoader())
+
+
+def test_the_fake_bridge_refuses_fp16_state_writes() -> None:
+    """The bug class this fake exists for: MLState.write_state does not take float16."""
+    state = FakeMLState("chunk_0", {"k_cache": np.zeros((1, 2, 32, 32), np.float16)})
+    with pytest.raises(BridgeError, match="float32"):
+        state.write_state("k_cache", np.ones((1, 2, 32, 32), np.float16))
+    state.write_state("k_cache", np.ones((1, 2, 32, 32), np.float32))
+    assert state.values["k_cache"].dtype == np.float16 and state.values["k_cache"].sum() == 2 * 32 * 32
+
+
+@pytest.fixture()
+def fake_backend(tied_dir: Path, default_bundle: Path, cache_root: Path) -> tuple[CoreMLBackend, FakeLoader]:
+    loader = FakeLoader()
+    backend = CoreMLBackend(tied_dir, cache_dir=cache_root, loader=loader)
+    backend.allocate(1, SLOTS)  # finds the session's default bundle in the cache (no conversion)
+    assert backend.path == default_bundle
+    return backend, loader
+
+
+def test_runtime_host_code_through_the_bridge_rules(fake_backend: tuple[CoreMLBackend, FakeLoader], default_bundle: Path) -> None:
+    """Every program is loaded once per function; predictions, state reads and writes pass the bridge's checks;
+    the results equal the reference interpreter's exactly (same programs, same host code)."""
+    backend, loader = fake_backend
+    programs = backend.bundle.program_names
+    assert sorted((p, f) for p, f, _ in loader.loaded) == sorted((p, f) for p in programs for f in backend.functions)
+    assert {u for _, _, u in loader.loaded} == {"CPU_AND_NE"}
+    ref = InterpreterBackend(default_bundle)
+    ids = prompt_ids(40, backend.config.vocab_size)
+    torch.testing.assert_close(feed(backend, FullAttentionMemory(backend), ids), feed(ref, FullAttentionMemory(ref), ids), atol=0, rtol=0)
+    k, v = backend.read_kv(0, torch.arange(40))
+    twin = backend.fork()
+    twin.write_kv(0, torch.arange(40), k, v)  # float32 through the bridge: exact
+    k2, v2 = twin.read_kv(0, torch.arange(40))
+    assert k2.dtype == torch.float16 and torch.equal(k, k2) and torch.equal(v, v2)
+    assert torch.count_nonzero(backend.fork().read_kv(0, torch.arange(40))[0]) == 0  # a fork starts empty
+
+
 @pytest.fixture(scope="module")
-def coreml_backend(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> CoreMLBackend:
+def coreml_backend(tied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> CoreMLBackend:
     cache = tmp_path_factory.mktemp("coreml-cache")
-    backend = CoreMLBackend(tiny_dir, cache_dir=cache)
-    backend.allocate(1, SLOTS)  # converts into the cache, loads every function, warms up
+    backend = CoreMLBackend(tied_dir, cache_dir=cache)
+    backend.allocate(1, SLOTS)  # converts into the cache, compiles each program once, loads every function
     return backend
 
 
@@ -51,16 +95,19 @@ def test_probe_is_available_on_this_mac() -> None:
 
 @pytest.mark.mac
 @pytest.mark.parametrize("units", ["CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"])
-def test_core_ml_matches_the_torch_engine(units: str, tiny_dir: Path, coreml_backend: CoreMLBackend) -> None:
-    backend = CoreMLBackend(tiny_dir, compute_units=units, cache_dir=coreml_backend.cache_dir)
+def test_core_ml_matches_the_torch_engine(units: str, tied_dir: Path, coreml_backend: CoreMLBackend, tmp_path: Path) -> None:
+    from tests.coreml.helpers import torch_fp16_with_package_weights
+
+    backend = CoreMLBackend(tied_dir, compute_units=units, cache_dir=coreml_backend.cache_dir)
     backend.allocate(1, SLOTS)
-    torch_be = TorchBackend(tiny_dir, device="cpu", dtype=torch.float16)
+    assert backend.path is not None
+    torch_be = torch_fp16_with_package_weights(tied_dir, backend.path, tmp_path / "dequantized")
     torch_be.allocate(1, SLOTS)
     assert_parity(torch_be, backend, prompt_ids(75, backend.config.vocab_size))
 
 
 @pytest.mark.mac
-def test_state_read_write_and_fork(coreml_backend: CoreMLBackend) -> None:
+def test_state_write_read_round_trip_on_core_ml(coreml_backend: CoreMLBackend) -> None:
     b = coreml_backend
     b.allocate(1, SLOTS)
     memory = FullAttentionMemory(b)
@@ -70,19 +117,34 @@ def test_state_read_write_and_fork(coreml_backend: CoreMLBackend) -> None:
     twin.write_kv(0, torch.arange(40), k, v)
     k2, v2 = twin.read_kv(0, torch.arange(40))
     assert torch.equal(k, k2) and torch.equal(v, v2)
-    assert torch.count_nonzero(b.fork().read_kv(0, torch.arange(40))[0]) == 0  # a fork starts empty
+    # The restored table continues exactly as the original does.
+    torch.testing.assert_close(twin.forward(torch.tensor([[7]]), memory.plan([7]).as_batch()), b.forward(torch.tensor([[7]]), memory.plan([7]).as_batch()), atol=0, rtol=0)
 
 
 @pytest.mark.mac
-def test_compute_plan_and_decode_speed(coreml_backend: CoreMLBackend, tiny_dir: Path) -> None:
-    from coreml.runtime import compute_plan_summary
+def test_compiled_once_beside_the_bundle(coreml_backend: CoreMLBackend) -> None:
+    assert coreml_backend.path is not None
+    for name in coreml_backend.bundle.program_names:
+        assert coreml_backend.bundle.compiled_path(name).is_dir()
 
-    assert coreml_backend.package is not None
-    plan = compute_plan_summary(coreml_backend.package)
-    assert set(plan) >= {"prefill", "prefill_8", "decode"}
-    for units in ("CPU_AND_NE", "CPU_AND_GPU"):
-        b = CoreMLBackend(tiny_dir, compute_units=units, cache_dir=coreml_backend.cache_dir)
-        b.allocate(1, SLOTS)
+
+@pytest.mark.mac
+def test_neural_engine_share_of_the_default_model(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """≥ 90 % of the estimated cost of every program function on the Neural Engine (MLComputePlan), and decode
+    tokens/s of Core ML on CPU_AND_NE against the torch CPU backend in the same run."""
+    from coreml.runtime import compute_plan_share
+
+    backend = CoreMLBackend(real_model_dir, cache_dir=tmp_path_factory.mktemp("real-cache"))
+    backend.allocate(1, backend.bundle.slots if backend.path else 800)
+    assert backend.path is not None
+    for where, share in compute_plan_share(backend.path).items():
+        ane = sum(s for d, s in share.items() if "NeuralEngine" in d)
+        assert ane >= 0.9, f"{where}: {share}"
+    rates = {}
+    for name, b in (("coreml", backend), ("cpu", TorchBackend(real_model_dir, device="cpu", dtype=torch.float32))):
+        b.allocate(1, backend.num_slots)
         t0 = time.perf_counter()
         run_greedy(b, FullAttentionMemory(b), prompt_ids(8, b.config.vocab_size), 32, chunk=8)
-        print(f"{units}: {32 / (time.perf_counter() - t0):.1f} tokens/s (tiny model, includes host overhead)")
+        rates[name] = 32 / (time.perf_counter() - t0)
+    print(f"decode tokens/s: {rates}, ratio coreml/cpu {rates['coreml'] / rates['cpu']:.2f}")
+    assert rates["coreml"] > 0
