@@ -239,7 +239,7 @@ class CascadeMemory:
         for layer, pick in enumerate(chosen):
             keep = [b if g < len(old[layer]) and old[layer][g] in pick else None for g, b in enumerate(old[layer][:n])]
             keep += [None] * (n - len(keep))
-            rest = iter(b for b in pick if b not in keep)
+            rest = iter(sorted(b for b in pick if b not in keep))  # by id, not rank: placement follows the set alone
             new.append([b if b is not None else next(rest) for b in keep])
         changed = {(layer, g) for layer in range(len(new)) for g in range(n) if g >= len(old[layer]) or old[layer][g] != new[layer][g]}
         needed = {new[layer][g] for layer, g in changed}
