@@ -86,11 +86,12 @@ static struct {
     pthread_t workers[SPARK_MAX_THREADS];
     int32_t n_threads; /* the caller plus the workers */
     atomic_uint_fast64_t generation;
+    uint_fast64_t start_generation; /* the generation the current workers were made at */
     atomic_int pending, sleepers, stop;
     spark_job job;
     void *ctx;
     int32_t items;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {0}, 1, 0, 0, 0, 0, NULL, NULL, 0};
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {0}, 1, 0, 0, 0, 0, 0, NULL, NULL, 0};
 
 /* One spin of a wait; past the first few thousand it also offers the core to the OS (sched_yield): on a busy or
  * oversubscribed machine the thread we wait for may need this very core. */
@@ -111,8 +112,9 @@ static void run_share(int32_t index) {
 
 static void *worker_main(void *arg) {
     const int32_t index = (int32_t)(intptr_t)arg;
-    /* Workers are made while the dispatcher's lock is held, so no job is in flight: jobs before now are not ours. */
-    uint_fast64_t seen = atomic_load(&pool.generation);
+    /* The generation when this worker was made (under the dispatcher's lock, no job in flight): the jobs before it
+     * are not ours, every later one is, even one dispatched before this thread first runs. */
+    uint_fast64_t seen = pool.start_generation;
     for (;;) {
         uint_fast64_t g;
         int spins = 0;
@@ -160,6 +162,7 @@ int32_t spark_set_threads(int32_t n) {
     pthread_mutex_lock(&pool.use);
     if (n != pool.n_threads) {
         stop_workers();
+        pool.start_generation = atomic_load(&pool.generation);
         int32_t made = 1;
         for (; made < n; made++)
             if (pthread_create(&pool.workers[made], NULL, worker_main, (void *)(intptr_t)made) != 0) break;
