@@ -24,6 +24,11 @@ class Preferences:
     def __init__(self, settings: QSettings) -> None:
         self._s = settings
 
+    @property
+    def settings(self) -> QSettings:
+        """The settings file itself, for parts that keep their own keys in it (the remote server list)."""
+        return self._s
+
     # -- window ------------------------------------------------------------------------------------------------------
     def window_geometry(self) -> QByteArray | None:
         value = self._s.value("window/geometry")
