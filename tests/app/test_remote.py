@@ -4,6 +4,7 @@ its transcript and reopens with a local model, and a server that fails is one se
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 from collections.abc import Iterator
@@ -49,7 +50,7 @@ def send(qtbot, window: MainWindow, gui, text: str) -> TurnResult:  # type: igno
     return blocker.args[0]
 
 
-def test_a_remote_server_is_a_model_choice_and_the_reply_streams_from_it(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, prefs, served: Served, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_remote_server_is_a_model_choice_and_the_reply_streams_from_it(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, prefs, served: Served, tiny_model: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     greedy(prefs)
     window.system_prompt.setText("Be brief.")
     window.system_prompt.editingFinished.emit()
@@ -85,21 +86,25 @@ def test_a_remote_server_is_a_model_choice_and_the_reply_streams_from_it(qtbot, 
     assert stored.system_prompt == "Be brief."
     entry = window.library.get(cid)
     assert entry is not None and entry.model.startswith("tiny on 127.0.0.1:")
+    elsewhere = tmp_path / "remote chat.spark"
+    shutil.copyfile(window.library.path_for(cid), elsewhere)
 
     # Back to a local model: the conversation goes on there as a transcript (re-read on the next message) ...
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
         window.load_model(tiny_model, "cpu")
     assert window.remote is None and "Does not apply" not in window.inspector.memory.body.text()
     assert "The quick brown fox" in window.chat.toPlainText() and window.chat.reply_text() == result.text.replace("\r", "\n")
-    # ... and reopening it from the history with the local model restores it without asking anything.
-    window._on_new_chat()
-    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
-        window.open_conversation(cid)
-    assert window.current_id == cid and window.chat.reply_text() == result.text.replace("\r", "\n")
-    assert not [q for q in dialogs.asked if "transcript" in q.lower()]
     nxt = send(qtbot, window, gui, "And then?")  # the local model reads the transcript and answers
     assert nxt.reason in ("stop", "length")
     assert [m.role for m in load_session(window.library.path_for(cid)).messages] == ["user", "assistant", "user", "assistant"]
+    # A remote conversation's file opened with the local model restores its transcript without asking anything:
+    # it holds no memory that taking the transcript alone could lose.
+    window._on_new_chat()
+    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
+        window.open_file(elsewhere)
+    assert window.current_id != cid and window.chat.reply_text() == result.text.replace("\r", "\n")
+    assert "The quick brown fox" in window.chat.toPlainText() and "And then?" not in window.chat.toPlainText()
+    assert dialogs.asked == ["add server"]
 
 
 def test_stop_ends_a_remote_reply(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, prefs, served: Served) -> None:  # type: ignore[no-untyped-def]
