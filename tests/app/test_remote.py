@@ -156,3 +156,35 @@ def test_a_failing_server_is_one_sentence_and_nothing_is_lost(qtbot, window: Mai
     assert "Are you there?" in window.chat.toPlainText()  # the user's message stays on screen and in the library
     stored = load_session(window.library.path_for(window.current_id))
     assert [(m.role, m.content) for m in stored.messages] == [("user", "Are you there?")]
+
+
+def test_the_open_conversation_goes_on_at_the_server_and_the_history_opens_there(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, prefs, served: Served, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    greedy(prefs)
+    local = send(qtbot, window, gui, "Hello")  # a local conversation first
+    local_id = window.current_id
+    choose(qtbot, window, gui, dialogs, RemoteServer(served.url, "tiny", KEY))
+    history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": local.text}, {"role": "user", "content": "Go on"}]
+    client = openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0)
+    want = client.chat.completions.create(model="tiny", messages=history, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    assert send(qtbot, window, gui, "Go on").text == want.choices[0].message.content  # the server got the whole transcript
+    with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS) as blocker:
+        window.regenerate_action.trigger()
+    assert blocker.args[0].text == want.choices[0].message.content and window.chat.toPlainText().count("Go on") == 1
+    assert [m.role for m in load_session(window.library.path_for(local_id)).messages] == ["user", "assistant"] * 2
+
+    # Save a Copy writes the transcript (there is no memory of ours to save).
+    dialogs.save_to = tmp_path / "copy.spark"
+    with qtbot.waitSignal(gui(window.client.worker.saved), timeout=WAIT_MS):
+        window.save_action.trigger()
+    assert load_session(dialogs.save_to).memory_meta.get("kind") == TRANSCRIPT_KIND
+
+    # A new chat, then the earlier conversation from the history: its transcript comes back, still at the server.
+    window._on_new_chat()
+    send(qtbot, window, gui, "Another chat")
+    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
+        window.open_conversation(local_id)
+    assert window.current_id == local_id and "Go on" in window.chat.toPlainText() and "Another chat" not in window.chat.toPlainText()
+    assert window.remote is not None and window.inspector.memory.body.text().startswith("Does not apply")
+    third = send(qtbot, window, gui, "More")
+    assert third.reason in ("stop", "length") and third.text
+    assert [m.role for m in load_session(window.library.path_for(local_id)).messages] == ["user", "assistant"] * 3
