@@ -483,6 +483,7 @@ class ConversationWorker(QObject):
         """Last request before the thread quits: store the conversation (the reply was already stopped)."""
         try:
             self._changed()
+            self._drop_remote()
         finally:
             QThread.currentThread().quit()
 
