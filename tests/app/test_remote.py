@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QUrl
 
 from app.main_window import MainWindow
 from app.worker import TurnResult
@@ -188,3 +188,11 @@ def test_the_open_conversation_goes_on_at_the_server_and_the_history_opens_there
     third = send(qtbot, window, gui, "More")
     assert third.reason in ("stop", "length") and third.text
     assert [m.role for m in load_session(window.library.path_for(local_id)).messages] == ["user", "assistant"] * 3
+    # Branch at the first reply: a new conversation holding the transcript up to there, stored transcript-only.
+    with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
+        window.chat._on_anchor(QUrl("branch:1"))
+    assert window.current_id != local_id and "Go on" not in window.chat.toPlainText()
+    qtbot.waitUntil(lambda: window.library.get(window.current_id) is not None, timeout=WAIT_MS)
+    branch = load_session(window.library.path_for(window.current_id))
+    assert branch.memory_meta.get("kind") == TRANSCRIPT_KIND
+    assert [(m.role, m.content) for m in branch.messages] == [("user", "Hello"), ("assistant", local.text)]
