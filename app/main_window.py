@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from PySide6.QtCore import QCoreApplication, QEvent, QObject, Qt, QTimer, QUrl, Slot
@@ -423,7 +424,7 @@ class MainWindow(QMainWindow):
         if servers:
             m.addSection("Servers")
             for s in servers:
-                a = m.addAction(remote_name(s), lambda s=s: self.use_remote(s))
+                a = m.addAction(remote_name(s), partial(self.use_remote, s))
                 a.setToolTip(s.url)
                 a.setCheckable(True)
                 a.setChecked(s == self.remote)
@@ -503,8 +504,10 @@ class MainWindow(QMainWindow):
         self.client.load(model, backend, self.prefs.precision())
 
     def use_remote(self, server: RemoteServer) -> None:
-        """Chat with `server` from now on; the open conversation goes on there as its transcript."""
+        """Chat with `server` from now on; the open conversation goes on there as its transcript. A local model
+        still loading is dropped when it is ready (else it would take the choice back)."""
         self.client.stop()
+        self.client.cancel_load()
         self.client.use_remote(server)
 
     def open_conversation(self, conversation_id: str) -> None:
@@ -862,11 +865,15 @@ class MainWindow(QMainWindow):
         self.monitor._on_model(info)
         self._on_busy_changed(self.client.busy)
         if first:
-            self.client.new_chat(self.library.path_for(self.current_id))
-            if self._startup_id and not self._pending_files:  # reopen where the user left off, unless a file was asked for
-                self.open_conversation(self._startup_id)
-            if self._pending_files:  # one at a time: each next one opens when the previous is restored
-                self.open_file(self._pending_files.pop(0))
+            self._first_ready()
+
+    def _first_ready(self) -> None:
+        """The first model (local or remote) is ready: the chat gets its file, and the app reopens where it was."""
+        self.client.new_chat(self.library.path_for(self.current_id))
+        if self._startup_id and not self._pending_files:  # reopen where the user left off, unless a file was asked for
+            self.open_conversation(self._startup_id)
+        if self._pending_files:  # one at a time: each next one opens when the previous is restored
+            self.open_file(self._pending_files.pop(0))
 
     @Slot(object)
     def _on_remote_ready(self, server: RemoteServer) -> None:
@@ -878,8 +885,8 @@ class MainWindow(QMainWindow):
         self.model_button.setText(f"Model: {server.model}")
         self.inspector.show_remote(server)
         self._on_busy_changed(self.client.busy)
-        if first:  # nothing was loaded yet: this chat gets its file in the library now
-            self.client.new_chat(self.library.path_for(self.current_id))
+        if first:
+            self._first_ready()
 
     @Slot()
     def _on_load_cancelled(self) -> None:

@@ -15,12 +15,14 @@ import pytest
 from PySide6.QtCore import Qt, QUrl
 
 from app.main_window import MainWindow
+from app.signal_wait import GuiRelay
+from app.wiring import build_main_window
 from app.worker import TurnResult
 from engine.generate import GenerationSettings
 from engine.remote import RemoteServer
 from engine.sampling import SamplingSettings
 from engine.session_file import TRANSCRIPT_KIND, load_session
-from tests.app.conftest import WAIT_MS, ScriptedDialogs
+from tests.app.conftest import WAIT_MS, ScriptedDialogs, dispose
 from tests.engine.serving.conftest import KEY, Served, start_server
 
 
@@ -196,3 +198,19 @@ def test_the_open_conversation_goes_on_at_the_server_and_the_history_opens_there
     branch = load_session(window.library.path_for(window.current_id))
     assert branch.memory_meta.get("kind") == TRANSCRIPT_KIND
     assert [(m.role, m.content) for m in branch.messages] == [("user", "Hello"), ("assistant", local.text)]
+
+
+def test_a_server_chosen_while_the_local_model_loads_keeps_the_choice(qtbot, tiny_model: Path, prefs, dirs, dialogs: ScriptedDialogs, thermal, served: Served) -> None:  # type: ignore[no-untyped-def]
+    greedy(prefs)
+    window = build_main_window(prefs, dirs, dialogs, thermal)
+    try:
+        server = RemoteServer(served.url, "tiny", KEY)
+        with qtbot.waitSignal(GuiRelay(window.client.worker.remote_ready, parent=window).fired, timeout=WAIT_MS):
+            window.load_model(tiny_model, "cpu")  # the app's startup load, still running when the server is chosen
+            window.use_remote(server)
+        with qtbot.waitSignal(GuiRelay(window.client.worker.finished, parent=window).fired, timeout=WAIT_MS) as blocker:
+            assert window.submit("Hi")
+        assert window.remote == server and blocker.args[0].text
+        assert load_session(window.library.path_for(window.current_id)).memory_meta.get("kind") == TRANSCRIPT_KIND
+    finally:
+        dispose(window)
