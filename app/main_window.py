@@ -504,10 +504,9 @@ class MainWindow(QMainWindow):
         self.client.load(model, backend, self.prefs.precision())
 
     def use_remote(self, server: RemoteServer) -> None:
-        """Chat with `server` from now on; the open conversation goes on there as its transcript. A local model
-        still loading is dropped when it is ready (else it would take the choice back)."""
+        """Chat with `server` from now on; the open conversation goes on there as its transcript. (Requests are
+        queued in order: a local model still loading finishes first, so the quick prompt keeps it, then this wins.)"""
         self.client.stop()
-        self.client.cancel_load()
         self.client.use_remote(server)
 
     def open_conversation(self, conversation_id: str) -> None:
