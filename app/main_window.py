@@ -852,6 +852,7 @@ class MainWindow(QMainWindow):
         self.model_loaded = True
         self.remote = None
         self._end_loading()
+        resume = self._last_remote() if first else None
         self.model_path = None if _is_default(info.path) else info.path
         runs = info.backend_detail.partition(" (skipped ")[0]
         self.model_label.setText(f"{info.name} · {runs}")
@@ -863,8 +864,16 @@ class MainWindow(QMainWindow):
         self.inspector._on_model(info)
         self.monitor._on_model(info)
         self._on_busy_changed(self.client.busy)
+        if resume is not None:  # the app was left chatting with a server: back to it (queued before the reopening)
+            self.use_remote(resume)
+        else:
+            self.prefs.set_last_remote(None)
         if first:
             self._first_ready()
+
+    def _last_remote(self) -> RemoteServer | None:
+        last = self.prefs.last_remote()
+        return next((s for s in self.remote_servers.all() if (s.url, s.model) == last), None)
 
     def _first_ready(self) -> None:
         """The first model (local or remote) is ready: the chat gets its file, and the app reopens where it was."""
@@ -879,6 +888,7 @@ class MainWindow(QMainWindow):
         first = not self.model_loaded
         self.model_loaded = True
         self.remote = server
+        self.prefs.set_last_remote(server.url, server.model)
         self.model_label.setText(f"{remote_name(server)} · remote server")
         self.model_label.setToolTip(server.url)
         self.model_button.setText(f"Model: {server.model}")

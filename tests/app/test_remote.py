@@ -214,3 +214,25 @@ def test_a_server_chosen_while_the_local_model_loads_keeps_the_choice(qtbot, tin
         assert load_session(window.library.path_for(window.current_id)).memory_meta.get("kind") == TRANSCRIPT_KIND
     finally:
         dispose(window)
+
+
+def test_the_next_launch_goes_back_to_the_server_and_its_conversation(qtbot, window: MainWindow, gui, prefs, dirs, dialogs: ScriptedDialogs, thermal, served: Served, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    greedy(prefs)
+    server = RemoteServer(served.url, "tiny", KEY)
+    choose(qtbot, window, gui, dialogs, server)
+    first = send(qtbot, window, gui, "Remember me")
+    cid = window.current_id
+    window.shutdown()
+    again = build_main_window(prefs, dirs, dialogs, thermal)
+    try:
+        with qtbot.waitSignal(GuiRelay(again.client.worker.restored, parent=again).fired, timeout=WAIT_MS):
+            again.load_model(tiny_model, "cpu")  # the startup load; then the server is chosen again
+        assert again.remote == server and again.current_id == cid
+        assert again.chat.reply_text() == first.text.replace("\r", "\n")
+        assert again.inspector.memory.body.text().startswith("Does not apply")
+        # Choosing a local model ends it, for this launch and the next.
+        with qtbot.waitSignal(GuiRelay(again.client.worker.loaded, parent=again).fired, timeout=WAIT_MS):
+            again.load_model(tiny_model, "cpu")
+        assert again.remote is None and prefs.last_remote() is None
+    finally:
+        dispose(again)
