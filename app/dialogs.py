@@ -7,9 +7,11 @@ from pathlib import Path
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
 
 import engine
+from app.remote_servers import AddServerDialog
 from app.settings_dialog import SettingsDialog
 from engine.generate import GenerationSettings
 from engine.paths import APP_NAME
+from engine.remote import RemoteServer
 
 SESSION_FILTER = "Spark conversations (*.spark)"
 MODEL_FILTER = "GGUF models (*.gguf)"
@@ -23,7 +25,9 @@ New Chat and Delete can be undone. The sidebar lists your conversations; search 
 rename, duplicate, export or delete it. "Branch" on a message starts a new conversation up to that point.</p>
 <h3>Models</h3>
 <p>The Model button chooses the default model, a recent one, or opens a model folder or a .gguf file (you can
-also drop one on the window). Weight Precision trades memory for faithfulness. The inspector says what runs where.</p>
+also drop one on the window). "Add a Server…" chats with a model on an OpenAI-compatible server instead (vLLM,
+Ollama, llama.cpp, LM Studio); the server then keeps the memory and Spark stores the transcript. Weight Precision
+trades memory for faithfulness. The inspector says what runs where.</p>
 <h3>Keys</h3>"""
 
 
@@ -80,6 +84,10 @@ class Dialogs:
     def model_dir(self, start: Path) -> Path | None:
         name = QFileDialog.getExistingDirectory(self.parent, "Open Model Folder", str(start))
         return Path(name) if name else None
+
+    def add_server(self) -> RemoteServer | None:
+        dialog = AddServerDialog(self.parent)
+        return dialog.value() if dialog.exec() == AddServerDialog.DialogCode.Accepted else None
 
     def edit_settings(self, current: GenerationSettings) -> GenerationSettings | None:
         dialog = SettingsDialog(current, self.parent)

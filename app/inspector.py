@@ -25,8 +25,10 @@ from app.panels import (
     ThermalPanel,
 )
 from app.panels.base import bytes_text
-from app.worker import MemoryReport, ModelInfo, TurnProgress
+from app.worker import MemoryReport, ModelInfo, TurnProgress, remote_name
+from engine.remote import RemoteServer
 
+REMOTE_MEMORY = "Does not apply to a remote model: the server keeps its own memory; Spark stores the transcript only."
 THERMAL_WORDS = {"nominal": "Running cool.", "fair": "Warm; running normally.", "serious": "Hot: replies are slowed down to cool off.", "critical": "Very hot: replies pause until it cools."}
 
 
@@ -46,6 +48,8 @@ def model_line(info: ModelInfo) -> str:
 
 
 def memory_words(report: MemoryReport) -> str:
+    if report.remote:
+        return REMOTE_MEMORY
     if not report.tiers:
         return "Nothing yet."
     tiers = {t.name: t for t in report.tiers}
@@ -136,6 +140,14 @@ class Inspector(QScrollArea):
         self.model.body.setToolTip(str(info.path))
         self.performance_panel._on_model(info)
         self.memory_panel._on_model(info)
+
+    def show_remote(self, server: RemoteServer) -> None:
+        """A remote server is the model: say where it runs; the memory rows say they do not apply (see _on_memory)."""
+        self.model.body.setText(f"{remote_name(server)} runs on the server at {server.url}; Spark sends it the conversation and streams the reply.")
+        self.model.body.setToolTip(server.url)
+        self.performance_panel.backend.setText(f"remote server ({server.url})")
+        self.performance_panel.skipped.setText("does not apply (remote model)")
+        self.memory_panel.model.setText("on the server")
 
     @Slot(MemoryReport)
     def _on_memory(self, report: MemoryReport) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from PySide6.QtCore import QCoreApplication, QEvent, QObject, Qt, QTimer, QUrl, Slot
@@ -56,6 +57,7 @@ from app.library import (
 )
 from app.preferences import Preferences
 from app.quick_prompt import QuickPromptPanel
+from app.remote_servers import RemoteServerList
 from app.standarddirs import StandardDirs
 from app.worker import (
     ConversationClient,
@@ -66,11 +68,13 @@ from app.worker import (
     StoredConversation,
     TurnProgress,
     TurnResult,
+    remote_name,
 )
 from engine.backends import QUANTIZE_CHOICES
 from engine.generate import GenerationSettings
 from engine.errors import SparkError
 from engine.model_files import DEFAULT_MODEL_NAME, default_model_path
+from engine.remote import RemoteServer
 from engine.paths import APP_NAME
 from engine.session_file import atomic_write, load_session
 
@@ -200,6 +204,8 @@ class MainWindow(QMainWindow):
         self.current_id = new_id()
         self.model_loaded = False
         self.model_path: Path | None = None
+        self.remote: RemoteServer | None = None  # the remote server replies stream from, when one is the model
+        self.remote_servers = RemoteServerList(prefs.settings)
         self._undo: list[UndoStep] = []
         self._opening: str | None = None  # the conversation id a restore in flight will become
         self._pending_files: list[Path] = []  # opened before the model was ready
@@ -301,6 +307,7 @@ class MainWindow(QMainWindow):
         self.export_json_action = self._action("Export as JSON…", lambda: self._on_export(self.current_id, "json"))
         self.open_model_action = self._action("Open Model…", self._on_open_model, [QKeySequence("Ctrl+Alt+O")], "Load a model folder or a .gguf file")
         self.open_model_folder_action = self._action("Open Model Folder…", self._on_open_model_folder)
+        self.add_server_action = self._action("Add a Server…", self._on_add_server, tip="Chat with a model on an OpenAI-compatible server")
         self.close_action = self._action("Close Window", self.close, _keys(SK.Close, "Ctrl+W"))
         self.quit_action = self._action("Quit MLoT Spark", self._on_quit, _keys(SK.Quit, "Ctrl+Q"))
         self.quit_action.setMenuRole(QAction.MenuRole.QuitRole)
@@ -404,7 +411,7 @@ class MainWindow(QMainWindow):
         m.clear()
         default = m.addAction(f"Default Model ({DEFAULT_MODEL_NAME})", lambda: self.load_model(None))
         default.setCheckable(True)
-        default.setChecked(self.model_loaded and self.model_path is None)
+        default.setChecked(self.model_loaded and self.model_path is None and self.remote is None)
         recent = self.prefs.recent_models()
         if recent:
             m.addSection("Recent")
@@ -412,10 +419,19 @@ class MainWindow(QMainWindow):
                 a = m.addAction(p.name, lambda p=p: self.load_model(p))
                 a.setToolTip(str(p))
                 a.setCheckable(True)
-                a.setChecked(p == self.model_path)
+                a.setChecked(p == self.model_path and self.remote is None)
+        servers = self.remote_servers.all()
+        if servers:
+            m.addSection("Servers")
+            for s in servers:
+                a = m.addAction(remote_name(s), partial(self.use_remote, s))
+                a.setToolTip(s.url)
+                a.setCheckable(True)
+                a.setChecked(s == self.remote)
         m.addSeparator()
         m.addAction(self.open_model_action)
         m.addAction(self.open_model_folder_action)
+        m.addAction(self.add_server_action)
         m.addSeparator()
         m.addMenu(self.precision_menu)
 
@@ -456,6 +472,7 @@ class MainWindow(QMainWindow):
         w.policy.connect(self.inspector.thermal_panel._on_decision)
         w.reading.connect(self._on_reading)
         w.stored.connect(self._on_stored)
+        w.remote_ready.connect(self._on_remote_ready)
         self.client.busy_changed.connect(self._on_busy_changed)
         self.coalescer.flushed.connect(self.chat.append_reply)
         self.monitor.sampled.connect(self.inspector._on_sample)
@@ -485,6 +502,12 @@ class MainWindow(QMainWindow):
         if self.model_loaded and self.library.get(self.current_id):
             self._opening = self.current_id  # the worker carries it over to the new model: no sending until then
         self.client.load(model, backend, self.prefs.precision())
+
+    def use_remote(self, server: RemoteServer) -> None:
+        """Chat with `server` from now on; the open conversation goes on there as its transcript. (Requests are
+        queued in order: a local model still loading finishes first, so the quick prompt keeps it, then this wins.)"""
+        self.client.stop()
+        self.client.use_remote(server)
 
     def open_conversation(self, conversation_id: str) -> None:
         """Switch to a stored conversation: its transcript and memory come back (recomputed where compact)."""
@@ -672,9 +695,16 @@ class MainWindow(QMainWindow):
         recent = self.prefs.recent_models()
         return recent[0].parent if recent else Path.home()
 
+    @Slot()
+    def _on_add_server(self) -> None:
+        server = self.dialogs.add_server()
+        if server is not None:
+            self.remote_servers.add(server)
+            self.use_remote(server)
+
     def _on_precision(self, action: QAction) -> None:
         self.prefs.set_precision(str(action.data()))
-        if self.model_loaded:
+        if self.model_loaded and self.remote is None:  # a remote model's precision is the server's business
             self.load_model(self.model_path)
 
     @Slot()
@@ -820,7 +850,9 @@ class MainWindow(QMainWindow):
         info = loaded.info
         first = not self.model_loaded
         self.model_loaded = True
+        self.remote = None
         self._end_loading()
+        resume = self._last_remote() if first else None
         self.model_path = None if _is_default(info.path) else info.path
         runs = info.backend_detail.partition(" (skipped ")[0]
         self.model_label.setText(f"{info.name} · {runs}")
@@ -832,12 +864,38 @@ class MainWindow(QMainWindow):
         self.inspector._on_model(info)
         self.monitor._on_model(info)
         self._on_busy_changed(self.client.busy)
+        if resume is not None:  # the app was left chatting with a server: back to it (queued before the reopening)
+            self.use_remote(resume)
+        else:
+            self.prefs.set_last_remote(None)
         if first:
-            self.client.new_chat(self.library.path_for(self.current_id))
-            if self._startup_id and not self._pending_files:  # reopen where the user left off, unless a file was asked for
-                self.open_conversation(self._startup_id)
-            if self._pending_files:  # one at a time: each next one opens when the previous is restored
-                self.open_file(self._pending_files.pop(0))
+            self._first_ready()
+
+    def _last_remote(self) -> RemoteServer | None:
+        last = self.prefs.last_remote()
+        return next((s for s in self.remote_servers.all() if (s.url, s.model) == last), None)
+
+    def _first_ready(self) -> None:
+        """The first model (local or remote) is ready: the chat gets its file, and the app reopens where it was."""
+        self.client.new_chat(self.library.path_for(self.current_id))
+        if self._startup_id and not self._pending_files:  # reopen where the user left off, unless a file was asked for
+            self.open_conversation(self._startup_id)
+        if self._pending_files:  # one at a time: each next one opens when the previous is restored
+            self.open_file(self._pending_files.pop(0))
+
+    @Slot(object)
+    def _on_remote_ready(self, server: RemoteServer) -> None:
+        first = not self.model_loaded
+        self.model_loaded = True
+        self.remote = server
+        self.prefs.set_last_remote(server.url, server.model)
+        self.model_label.setText(f"{remote_name(server)} · remote server")
+        self.model_label.setToolTip(server.url)
+        self.model_button.setText(f"Model: {server.model}")
+        self.inspector.show_remote(server)
+        self._on_busy_changed(self.client.busy)
+        if first:
+            self._first_ready()
 
     @Slot()
     def _on_load_cancelled(self) -> None:

@@ -24,6 +24,11 @@ class Preferences:
     def __init__(self, settings: QSettings) -> None:
         self._s = settings
 
+    @property
+    def settings(self) -> QSettings:
+        """The settings file itself, for parts that keep their own keys in it (the remote server list)."""
+        return self._s
+
     # -- window ------------------------------------------------------------------------------------------------------
     def window_geometry(self) -> QByteArray | None:
         value = self._s.value("window/geometry")
@@ -49,6 +54,19 @@ class Preferences:
         if path is not None:
             recent = [p for p in self.recent_models() if p != path]
             self._s.setValue("model/recent", json.dumps([str(p) for p in [path, *recent][:RECENT_MODELS]]))
+
+    def last_remote(self) -> tuple[str, str] | None:
+        """(base URL, model) of the remote server chosen last, if the app was left with one."""
+        try:
+            raw = json.loads(str(self._s.value("model/last_remote", "") or "null"))
+        except json.JSONDecodeError:
+            return None
+        if isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, str) for x in raw):
+            return raw[0], raw[1]
+        return None
+
+    def set_last_remote(self, url: str | None, model: str = "") -> None:
+        self._s.setValue("model/last_remote", json.dumps([url, model]) if url else "")
 
     def recent_models(self) -> list[Path]:
         try:

@@ -11,7 +11,9 @@ Everything crossing a thread boundary is plain data (dataclasses, strings) or an
 
 The main chat's worker stores its conversation after every change (a compact `.spark`, atomically) in the file the
 GUI's conversation library assigned to it, and reports each store, so nothing typed or generated is ever only in
-memory. (Over 400 lines: one worker owns every request about its conversation; splitting it would share its state.)
+memory. A remote server chosen as the model (`use_remote`) takes the local session's place: the same requests
+stream from `engine.remote.RemoteSession`, whose memory is the server's, so the conversation is stored as its
+transcript only. (Over 400 lines: one worker owns every request about its conversation; splitting it would share its state.)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
@@ -31,8 +34,14 @@ from engine.cascade import TierStats
 from engine.errors import SparkError
 from engine.generate import GenerationEvent, GenerationSettings, PrefillProgress
 from engine.hw import HardwarePolicy, PolicyDecision
+from engine.remote import RemoteClient, RemoteServer, RemoteSession
 from engine.session import ChatMessage, Engine, Session
-from engine.session_file import RECOMPUTE_KIND, load_session
+from engine.session_file import (
+    RECOMPUTE_KIND,
+    TRANSCRIPT_KIND,
+    SessionData,
+    load_session,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,7 @@ class TurnProgress:
 class MemoryReport:
     tiers: tuple[TierStats, ...]  # the cascade's own snapshot type: plain numbers, no tensors
     tokens: int  # tokens this conversation's memory holds
+    remote: str = ""  # a remote server's URL: its memory is the server's, none of these numbers apply
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,11 @@ class SessionFileEvent:
     note: str = ""  # e.g. "transcript only: memory re-read on the next turn"
 
 
+def remote_name(server: RemoteServer) -> str:
+    """How a remote model is named in the window and the history: its name and the server's host."""
+    return f"{server.model} on {urlsplit(server.url).netloc}"
+
+
 class ConversationWorker(QObject):
     loading = Signal(str)  # model folder being loaded
     loaded = Signal(LoadedModel)
@@ -133,6 +148,7 @@ class ConversationWorker(QObject):
     policy = Signal(PolicyDecision)
     reading = Signal(ReadProgress)
     stored = Signal(StoredConversation)
+    remote_ready = Signal(object)  # RemoteServer: replies now stream from it
     shut_down = Signal()
 
     def __init__(self, policy: HardwarePolicy | None, cache_dir: Path, store: bool = False) -> None:
@@ -143,6 +159,7 @@ class ConversationWorker(QObject):
         self._store_path: Path | None = None  # this conversation's file in the library
         self._engine: Engine | None = None
         self._session: Session | None = None
+        self._remote: RemoteSession | None = None  # set while a remote server is the model
         self._system_prompt = ""
         self._turn_starts: list[int] = []  # memory length when each turn began (for "recalled from N turns ago")
         self._parked: OrderedDict[Path, tuple[Session, list[int]]] = OrderedDict()  # store path -> session, turns
@@ -169,7 +186,8 @@ class ConversationWorker(QObject):
             log.exception("model load failed")
             self.error.emit(f"The model in {model_dir or 'the app bundle'} could not be loaded ({exc}).")
             return
-        had_conversation = self._session is not None and bool(self._session.messages)
+        had_conversation = self._active_messages() > 0
+        self._drop_remote()
         self._engine, self._session = engine, session
         self._parked.clear()  # their memory belongs to the previous model
         self._prepare(session)
@@ -200,9 +218,27 @@ class ConversationWorker(QObject):
         """Use an engine another worker loaded; the session opens lazily on the first prompt."""
         self._engine, self._session = engine, None
 
+    @Slot(object)
+    def _on_use_remote(self, server: RemoteServer) -> None:
+        """Chat with `server` from now on; the open conversation goes on there (its transcript is sent with the
+        next message). Nothing is contacted until then, so this never waits on the network."""
+        messages = self._messages()
+        self._drop_remote()
+        self._remote = RemoteSession(RemoteClient(server), [{"role": r, "content": c} for r, c in messages], self._system_prompt)
+        if self._session is not None:  # the local memory would go stale beside the remote transcript: freed
+            self._session.reset()
+        self._parked.clear()
+        self._turn_starts = []
+        self.remote_ready.emit(server)
+        self.memory.emit(self._memory_report())
+
     # -- conversation ----------------------------------------------------------------------------------------------
     @Slot(str, object, object)
     def _on_send(self, text: str, settings: GenerationSettings, stop: threading.Event) -> None:
+        remote = self._remote
+        if remote is not None:
+            self._stream(lambda: remote.chat(text, settings, stop.is_set))
+            return
         session = self._require_session()
         if session is None:
             self._finish_unstarted()
@@ -211,19 +247,29 @@ class ConversationWorker(QObject):
 
     @Slot(object, object)
     def _on_regenerate(self, settings: GenerationSettings, stop: threading.Event) -> None:
-        session = self._require_session()
-        if session is None:
+        remote = self._remote
+        session = self._require_session() if remote is None else None
+        if remote is None and session is None:
             self._finish_unstarted()
             return
-        if not any(m.role == "user" for m in session.messages):
+        if not any(role == "user" for role, _ in self._messages()):
             self.error.emit("There is no prompt to answer again yet; send one first.")
             self._finish_unstarted()
             return
-        self._stream(lambda: session.regenerate(settings, stop.is_set))
+        if remote is not None:
+            self._stream(lambda: remote.regenerate(settings, stop.is_set))
+        else:
+            assert session is not None
+            self._stream(lambda: session.regenerate(settings, stop.is_set))
 
     @Slot(str)
     def _on_new_chat(self, store_path: str) -> None:
         """Start an empty conversation stored at `store_path` (the previous one is already stored)."""
+        if self._remote is not None:
+            self._remote.reset()
+            self._store_path = Path(store_path) if store_path else None
+            self.memory.emit(self._memory_report())
+            return
         if self._session is None:
             self._store_path = Path(store_path) if store_path else None
             return
@@ -234,6 +280,9 @@ class ConversationWorker(QObject):
     @Slot(str, str, int, object)
     def _on_branch(self, source: str, store_path: str, upto: int, stop: threading.Event) -> None:
         """A new conversation with the messages of `source` up to index `upto` (inclusive), its memory read anew."""
+        if self._remote is not None:
+            self._branch_remote(Path(source), Path(store_path), upto)
+            return
         if self._require_session() is None:
             self._finish_unstarted()
             return
@@ -261,6 +310,28 @@ class ConversationWorker(QObject):
         self._changed()
         self.finished.emit(TurnResult("stop", TurnProgress(len(session.memory.tokens), 0, 0.0, 0.0), ""))
 
+    def _branch_remote(self, source: Path, store_path: Path, upto: int) -> None:
+        """A remote conversation has no memory to read: the branch is its transcript up to `upto`."""
+        assert self._remote is not None
+        try:
+            data = load_session(source)
+        except (SparkError, OSError) as exc:
+            self.error.emit(f"The conversation could not be branched ({exc}).")
+            self._finish_unstarted()
+            return
+        self._take_transcript(data, store_path, upto + 1)
+        self._changed()
+        self.finished.emit(TurnResult("stop", TurnProgress(0, 0, 0.0, 0.0), ""))
+
+    def _take_transcript(self, data: SessionData, store_path: Path | None, upto: int | None = None) -> None:
+        assert self._remote is not None
+        self._remote.messages = [{"role": m.role, "content": m.content} for m in data.messages[:upto]]
+        self._system_prompt = self._remote.system_prompt = data.system_prompt or ""
+        self._store_path = store_path
+        self.system_prompt.emit(self._system_prompt)
+        self.conversation.emit(self._transcript())
+        self.memory.emit(self._memory_report())
+
     @Slot()
     def _on_release(self) -> None:
         """Drop the session (the quick prompt closed): its slot table is freed; the next prompt opens a new one."""
@@ -269,18 +340,25 @@ class ConversationWorker(QObject):
     @Slot(str)
     def _on_system_prompt(self, text: str) -> None:
         self._system_prompt = text
-        if self._session is not None:
+        if self._remote is not None:
+            self._remote.system_prompt = text
+            self._changed()
+        elif self._session is not None:
             self._session.system_prompt = text
             self._changed()
 
     # -- session files ---------------------------------------------------------------------------------------------
     @Slot(str, bool)
     def _on_save(self, path: str, full_memory: bool) -> None:
-        if self._session is None:
+        if self._session is None and self._remote is None:
             self.error.emit("There is no conversation to save yet; load a model first.")
             return
         try:
-            self._session.save(Path(path), compact=not full_memory)
+            if self._remote is not None:  # the server's memory is not ours: the transcript is all there is
+                self._remote.save(Path(path))
+            else:
+                assert self._session is not None
+                self._session.save(Path(path), compact=not full_memory)
         except SparkError as exc:
             self.error.emit(str(exc))
             return
@@ -297,6 +375,9 @@ class ConversationWorker(QObject):
     def _on_restore(self, path: str, transcript_only: bool, store_path: str) -> None:
         """Open `path`; from then on the conversation is stored at `store_path` (its own library file when it
         came from the library, a new one for a file opened from elsewhere)."""
+        if self._remote is not None:
+            self._restore_remote(Path(path), Path(store_path) if store_path else None)
+            return
         if self._require_session() is None or self._engine is None:
             return
         target = Path(store_path) if store_path else None
@@ -308,7 +389,11 @@ class ConversationWorker(QObject):
             self._opened(Path(path), "")
             return
         # A compact file's memory takes a while to recompute: its words are shown at once (they are cheap to read).
-        preview = self._preview(Path(path))
+        peek = self._peek(Path(path))
+        kind = peek.memory_meta.get("kind") if peek is not None else None
+        # A remote server's conversation holds no memory at all: taking its transcript loses nothing, so no question.
+        transcript_only = transcript_only or kind == TRANSCRIPT_KIND
+        preview = [MessageView(m.role, m.content) for m in peek.messages] if peek is not None and kind == RECOMPUTE_KIND else []
         if preview:
             self.conversation.emit(preview)
         # Read into a fresh session: on any error (or another model's file) the open conversation is untouched.
@@ -344,15 +429,28 @@ class ConversationWorker(QObject):
         if joins:
             self._changed()  # a file opened from elsewhere joins the library as a new conversation
 
-    def _preview(self, path: Path) -> list[MessageView]:
-        """A compact file's transcript (no memory is touched), or [] for a full file or one that does not read."""
+    def _peek(self, path: Path) -> SessionData | None:
+        """The file's transcript and kind (no memory is touched), or None for one that does not read."""
+        try:
+            return load_session(path)
+        except Exception:  # noqa: BLE001 - the real load says what is wrong, in one sentence
+            return None
+
+    def _restore_remote(self, path: Path, target: Path | None) -> None:
+        """With a remote model any conversation opens as its transcript (the server re-reads it with the next message)."""
         try:
             data = load_session(path)
-        except Exception:  # noqa: BLE001 - the real load below says what is wrong, in one sentence
-            return []
-        if data.memory_meta.get("kind") != RECOMPUTE_KIND:
-            return []
-        return [MessageView(m.role, m.content) for m in data.messages]
+        except SparkError as exc:
+            self.error.emit(str(exc))
+            return
+        except OSError as exc:
+            self.error.emit(f"The session {path.name} could not be read ({exc.strerror or exc}).")
+            return
+        joins = target is not None and target != path
+        self._take_transcript(data, target)
+        self.restored.emit(SessionFileEvent("restored", path, time.time(), ""))
+        if joins:
+            self._changed()
 
     def _opened(self, path: Path, note: str) -> None:
         session = self._session
@@ -366,7 +464,7 @@ class ConversationWorker(QObject):
     def _park(self) -> None:
         """Leave the current conversation: keep its session (memory ready) among the parked ones and go on with a
         fresh one; an empty conversation is just reset."""
-        if self._session is None or self._engine is None:
+        if self._session is None or self._engine is None or self._remote is not None:
             return
         if not self._session.messages or self._store_path is None:
             self._session.reset()
@@ -385,6 +483,7 @@ class ConversationWorker(QObject):
         """Last request before the thread quits: store the conversation (the reply was already stopped)."""
         try:
             self._changed()
+            self._drop_remote()
         finally:
             QThread.currentThread().quit()
 
@@ -419,26 +518,42 @@ class ConversationWorker(QObject):
 
     def _changed(self) -> None:
         """Store the conversation now (compact, atomic) when it has any message; errors are shown, never raised."""
-        session = self._session
-        if not self._store_enabled or session is None or self._store_path is None or not session.messages:
+        session = self._remote or self._session
+        if not self._store_enabled or session is None or self._store_path is None or not self._active_messages():
             return
         try:
-            session.save(self._store_path, compact=True)
+            if isinstance(session, RemoteSession):
+                session.save(self._store_path)  # transcript only: the memory is the server's
+            else:
+                session.save(self._store_path, compact=True)
         except Exception as exc:
             log.exception("storing the conversation failed")
             self.error.emit(f"The conversation could not be stored in the data folder ({exc}); it is still open, and will be stored on the next change.")
             return
-        model = self._engine.model_dir.name if self._engine is not None else ""
-        messages = tuple((m.role, m.content) for m in session.messages)
+        model = remote_name(self._remote.client.server) if self._remote is not None else self._engine.model_dir.name if self._engine is not None else ""
+        messages = tuple(self._messages())
         self.stored.emit(StoredConversation(self._store_path, messages, model))
 
     def _finish_unstarted(self) -> None:
         """Every send/regenerate request ends with `finished`, so the GUI always leaves its busy state."""
         self.finished.emit(TurnResult("error", TurnProgress(0, 0, 0.0, 0.0), ""))
 
+    def _messages(self) -> list[tuple[str, str]]:
+        """The open conversation as (role, content), whichever backend holds it."""
+        if self._remote is not None:
+            return [(m["role"], m["content"]) for m in self._remote.messages]
+        return [(m.role, m.content) for m in self._session.messages] if self._session is not None else []
+
+    def _active_messages(self) -> int:
+        return len(self._remote.messages) if self._remote is not None else len(self._session.messages) if self._session is not None else 0
+
+    def _drop_remote(self) -> None:
+        if self._remote is not None:
+            self._remote.client.close()
+            self._remote = None
+
     def _transcript(self) -> list[MessageView]:
-        assert self._session is not None
-        return [MessageView(m.role, m.content) for m in self._session.messages]
+        return [MessageView(r, c) for r, c in self._messages()]
 
     def _stream(self, start: Callable[[], Iterator[GenerationEvent]]) -> None:
         reason, text = "error", []
@@ -446,7 +561,7 @@ class ConversationWorker(QObject):
         last_progress = last_memory = self._read_t0 = time.monotonic()
         self._read_last = 0.0  # the first reading report goes out at once
         hits_before = self._episodic_hits()
-        if self._session is not None:
+        if self._session is not None and self._remote is None:
             self._turn_starts.append(len(self._session.memory.tokens))
         try:
             for ev in start():
@@ -477,7 +592,7 @@ class ConversationWorker(QObject):
         self.finished.emit(TurnResult(reason, progress, "".join(text), recalled))
 
     def _episodic_hits(self) -> int:
-        stats = self._session.stats() if self._session is not None else None
+        stats = self._session.stats() if self._session is not None and self._remote is None else None
         return stats.episodic.hits if stats is not None else 0
 
     def _turns_ago(self) -> int:
@@ -492,6 +607,8 @@ class ConversationWorker(QObject):
         return 1
 
     def _memory_report(self) -> MemoryReport:
+        if self._remote is not None:
+            return MemoryReport((), 0, self._remote.client.server.url)
         if self._session is None:
             return MemoryReport((), 0)
         memory = self._session.memory
@@ -510,6 +627,7 @@ class ConversationClient(QObject):
 
     _load = Signal(str, str, str, object)
     _attach = Signal(object)
+    _use_remote = Signal(object)
     _send = Signal(str, object, object)
     _regenerate = Signal(object, object)
     _new_chat = Signal(str)
@@ -534,6 +652,7 @@ class ConversationClient(QObject):
         for request, slot in (
             (self._load, self.worker._on_load),
             (self._attach, self.worker._on_attach),
+            (self._use_remote, self.worker._on_use_remote),
             (self._send, self.worker._on_send),
             (self._regenerate, self.worker._on_regenerate),
             (self._new_chat, self.worker._on_new_chat),
@@ -565,6 +684,10 @@ class ConversationClient(QObject):
 
     def attach(self, engine: Engine) -> None:
         self._attach.emit(engine)
+
+    def use_remote(self, server: RemoteServer) -> None:
+        """Chat with a remote server from now on (until a local model is loaded); `remote_ready` says when."""
+        self._use_remote.emit(server)
 
     def send(self, text: str, settings: GenerationSettings) -> None:
         self._send.emit(text, settings, self._begin())

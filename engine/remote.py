@@ -6,13 +6,16 @@ memory on this path: the server holds whatever memory it has; `RemoteSession` ke
 Every failure is a `RemoteError` with one sentence naming the problem and what to do.
 
 Shapes of what comes back are checked as hostile input: a server that sends something else than OpenAI's
-format ends the reply with an error, never a crash.
+format ends the reply with an error, never a crash. The stream is read on a thread of its own, so Stop (and quitting)
+takes effect at once even while the server is silent (a big model reading a long prompt), not at its next chunk.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +31,9 @@ from engine.session_file import TRANSCRIPT_KIND, Message, save_session
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 300.0  # between two chunks of a stream (a big model's first token can take a while)
+STOP_POLL_S = 0.05  # how often a silent stream checks for Stop
+QUEUED_LINES = 1024  # lines read ahead of the consumer; the reader waits beyond that (a flooding server is held back)
+_END = object()
 
 
 class RemoteError(SparkError):
@@ -136,15 +142,58 @@ class RemoteClient:
         if s.seed is not None:
             body["seed"] = s.seed
         t0 = time.perf_counter()
+        lines: queue.Queue[object] = queue.Queue(QUEUED_LINES)
+        done = threading.Event()  # the consumer left (stopped, failed or finished): the reader lets go of the stream
+        reader = threading.Thread(target=self._read, args=(body, lines, done), name="remote-stream", daemon=True)
+        reader.start()
+        try:
+            yield from self._events(self._lines(lines, should_stop), t0, should_stop)
+        finally:
+            done.set()
+
+    def _read(self, body: dict[str, Any], lines: queue.Queue[object], done: threading.Event) -> None:
+        """On the reader thread: the response's lines into `lines`, then _END, or the one RemoteError."""
+
+        def put(item: object) -> bool:
+            while not done.is_set():
+                try:
+                    lines.put(item, timeout=STOP_POLL_S)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         try:
             with self._http.stream("POST", self.server.url + "/chat/completions", json=body) as response:
                 if response.status_code != 200:
-                    raise self._fail(response)
-                yield from self._events(response.iter_lines(), t0, should_stop)
+                    put(self._fail(response))
+                    return
+                for line in response.iter_lines():
+                    if not put(line):
+                        return  # leaving the `with` closes the connection: the server cancels the generation
         except httpx.HTTPError as exc:
-            raise self._unreachable(exc) from None
+            put(self._unreachable(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - e.g. the client closed under a stream nobody reads any more
+            put(RemoteError(f"The connection to the server at {self.server.url} failed ({type(exc).__name__}); try again."))
+            return
+        put(_END)
 
-    def _events(self, lines: Iterator[str], t0: float, should_stop: Callable[[], bool]) -> Iterator[GenerationEvent]:
+    def _lines(self, lines: queue.Queue[object], should_stop: Callable[[], bool]) -> Iterator[str | None]:
+        """The stream's lines as they come; None whenever it is silent for STOP_POLL_S, so Stop is seen at once."""
+        while True:
+            try:
+                item = lines.get(timeout=STOP_POLL_S)
+            except queue.Empty:
+                yield None
+                continue
+            if item is _END:
+                return
+            if isinstance(item, RemoteError):
+                raise item
+            yield str(item)
+
+    def _events(self, lines: Iterator[str | None], t0: float, should_stop: Callable[[], bool]) -> Iterator[GenerationEvent]:
         n, prompt_tokens, t_first, reason = 0, 0, t0, None
 
         def event(text: str, final: str | None) -> GenerationEvent:
@@ -156,7 +205,7 @@ class RemoteClient:
             if should_stop():
                 yield event("", "cancelled")
                 return
-            if not line.startswith("data:"):
+            if line is None or not line.startswith("data:"):
                 continue  # SSE comments, event names, blank separators
             data = line[5:].strip()
             if data == "[DONE]":

@@ -48,12 +48,15 @@ class CachePanel(Panel):
     @Slot(MemoryReport)
     def _on_memory(self, report: MemoryReport) -> None:
         names = [t.name for t in report.tiers]
-        if names != list(self._rows):
+        if names != list(self._rows) or not names:
             while self.form.rowCount():
                 self.form.removeRow(0)
             self._rows = {n: _TierRows(self.form, n) for n in names}
             if not names:
-                self._empty = QLabel("No model loaded.")
+                hint = "The memory cascade does not apply to a remote model: the server keeps its own memory." if report.remote else "No model loaded."
+                self._empty = QLabel(hint)
+                self._empty.setObjectName("panelHint")
+                self._empty.setWordWrap(True)
                 self.form.addRow(self._empty)
         for tier in report.tiers:
             self._rows[tier.name].show(tier)

@@ -40,6 +40,9 @@ class MemoryPanel(Panel):
 
     @Slot(MemoryReport)
     def _on_memory(self, report: MemoryReport) -> None:
+        if report.remote:
+            self.cache.setText("does not apply (remote model)")
+            return
         used = sum(t.bytes for t in report.tiers)
         capacity = sum(t.capacity_bytes for t in report.tiers)
         self.cache.setText(f"{bytes_text(used)} of {bytes_text(capacity)}" if capacity else bytes_text(used))

@@ -44,6 +44,9 @@ class SessionPanel(Panel):
 
     @Slot(MemoryReport)
     def _on_memory(self, report: MemoryReport) -> None:
+        if report.remote:
+            self.tokens.setText("no memory to save: a remote model's conversation is stored as its transcript")
+            return
         if not report.tiers:
             self.tokens.setText(PLACEHOLDER)
             return

@@ -26,6 +26,7 @@ from app.standarddirs import StandardDirs
 from app.wiring import build_main_window
 from engine.generate import GenerationSettings
 from engine.hw import ThermalReading, ThermalState
+from engine.remote import RemoteServer
 from engine.sampling import SamplingSettings
 from tests.tiny import make_tiny_model
 
@@ -64,6 +65,7 @@ class ScriptedDialogs(Dialogs):
     new_settings: GenerationSettings | None = None
     answer_text: str | None = None
     export_to: Path | None = None
+    server_to_add: RemoteServer | None = None
     asked: list[str] = field(default_factory=list)
     save_starts: list[Path] = field(default_factory=list)
 
@@ -105,6 +107,10 @@ class ScriptedDialogs(Dialogs):
     def model_dir(self, start: Path) -> Path | None:
         self.asked.append("model")
         return self.model_from
+
+    def add_server(self) -> RemoteServer | None:
+        self.asked.append("add server")
+        return self.server_to_add
 
     def edit_settings(self, current: GenerationSettings) -> GenerationSettings | None:
         self.asked.append("settings")

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from engine.generate import GenerationSettings
+from engine.generate import GenerationEvent, GenerationSettings
 from engine.memory import FullAttentionMemory
 from engine.remote import RemoteClient, RemoteError, RemoteServer, RemoteSession
 from engine.sampling import SamplingSettings
@@ -57,11 +59,12 @@ def test_session_keeps_the_transcript(served: Served, tmp_path: Path) -> None:
 
 def test_stopping_cancels_on_the_server(served: Served) -> None:
     before = served.service.metrics.reasons.get("cancelled", 0)
-    polls: list[int] = []
     long = GenerationSettings(max_tokens=4000, sampling=SamplingSettings(greedy=True))
     messages = [{"role": "user", "content": "The quick brown fox jumps over"}]
-    events = list(remote(served).stream_chat(messages, long, should_stop=lambda: bool(polls.append(1)) or len(polls) > 3))
-    assert events[-1].finish_reason == "cancelled" and 1 < len(events) < 6  # (polled per SSE line; this reply is long)
+    events: list[GenerationEvent] = []
+    for ev in remote(served).stream_chat(messages, long, should_stop=lambda: len(events) >= 3):
+        events.append(ev)  # noqa: PERF402 - should_stop reads the list as it grows
+    assert events[-1].finish_reason == "cancelled" and len(events) == 4  # (this reply is long: it was cut short)
     for _ in range(600):  # a bound on waiting, not a speed requirement
         if served.service.scheduler.running == 0 and served.service.metrics.reasons.get("cancelled", 0) > before:
             break
@@ -94,3 +97,21 @@ def test_a_broken_stream_is_an_error_not_a_crash(body: bytes) -> None:
     with pytest.raises(RemoteError) as e:
         list(client.stream_chat([{"role": "user", "content": "hi"}], GREEDY))
     assert "\n" not in str(e.value)
+
+
+def test_stop_takes_effect_while_the_server_is_silent() -> None:
+    release = threading.Event()
+    spoke: list[bool] = []
+
+    def silent() -> Iterator[bytes]:  # a server still reading a long prompt: nothing comes until released
+        release.wait(timeout=30)  # (a bound for the failing case only)
+        spoke.append(True)
+        yield b'data: {"choices": [{"delta": {"content": "late"}}]}\n\n'
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=silent(), headers={"content-type": "text/event-stream"}))
+    client = RemoteClient(RemoteServer("http://remote.invalid/v1", "m"), transport=transport)
+    events = list(client.stream_chat([{"role": "user", "content": "hi"}], GREEDY, should_stop=lambda: True))
+    assert not spoke  # cancelled while the server was still silent, not at its next chunk
+    assert [(e.text, e.finish_reason) for e in events] == [("", "cancelled")]
+    release.set()
+    client.close()
