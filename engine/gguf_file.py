@@ -238,6 +238,14 @@ class GGUFModel:
             tensor = torch.from_numpy(np.ascontiguousarray(values))
             yield t.hf_name, tensor if tensor.dtype == torch.float32 else tensor.float()
 
+    def tokenizer_fields(self) -> list[tuple[str, Any, list[Any]]]:
+        """(name, value, gguf value types) of every tokenizer.* field, for writing them into another GGUF."""
+        out = []
+        for name, field in self._reader.fields.items():
+            if name.startswith("tokenizer.") and name in self.metadata:
+                out.append((name, self.metadata[name], list(field.types)))
+        return out
+
     def tensor_shapes(self) -> list[_Tensor]:
         """Every tensor the network uses, with its torch-order shape (nothing is read)."""
         return list(self._tensors())

@@ -58,9 +58,28 @@ def _gguf_quantize(a: np.ndarray, kind: Any) -> np.ndarray:
     return gguf.quants.quantize(a, kind)
 
 
+def _copy_tokenizer(w: Any, model_path: Path) -> None:
+    """A GGUF source's tokenizer fields, as they are (vocabulary, merges or scores, specials, chat template)."""
+    import gguf
+
+    from engine.model_files import gguf_model
+
+    for name, value, types in gguf_model(model_path).tokenizer_fields():
+        if types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, value, gguf.GGUFValueType.ARRAY, sub_type=types[-1])
+        else:
+            w.add_key_value(name, value, types[0])
+
+
 def _write_tokenizer(w: Any, model_dir: Path, vocab_size: int) -> None:
     """The folder's byte-level BPE tokenizer.json as a gpt2 GGUF vocabulary (padded to the model's vocab size)."""
     import gguf
+
+    from engine.model_files import is_gguf_model
+
+    if is_gguf_model(model_dir):
+        _copy_tokenizer(w, model_dir)
+        return
 
     data = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
     model = data.get("model", {})

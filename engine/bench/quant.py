@@ -23,7 +23,7 @@ import torch
 from engine.backends.torch_backend import TorchBackend
 from engine.bench.long_ppl import held_out_text
 from engine.errors import SparkError
-from engine.model_files import gguf_model
+from engine.model_files import gguf_model, is_gguf_model, resolve_model_path
 from engine.quant import BlockType, StoredTensor
 from engine.tokenizer import Tokenizer
 
@@ -77,13 +77,11 @@ def _rounded(d: dict, prefix: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.model is None or not Path(args.model).is_dir():
-        raise SparkError("bench quant needs --model DIR, a Hugging Face folder (the fp32 reference), e.g. /work/models/smollm2-hf.")
+    model = resolve_model_path(args.model)  # its fp32 weights (a GGUF's, dequantized) are the reference
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    model = Path(args.model)
     n = QUICK_TOKENS if args.quick else TOKENS
-    ids = held_out_ids(Tokenizer.from_dir(model), n)
+    ids = held_out_ids(Tokenizer.load(model), n)
     inputs, targets = ids[:-1], torch.tensor(ids[1:])
     result: dict = {"model": str(model), "tokens": len(inputs), "threads": threads, "types": {}}
     t0 = time.perf_counter()
@@ -108,6 +106,8 @@ def run(args: argparse.Namespace) -> dict:
         files[name] = export_gguf(model, Path(tmp.name) / f"model-{name}.gguf", name)
     if args.gguf:
         files["gguf"] = Path(args.gguf)
+    elif is_gguf_model(model):
+        files["gguf"] = model  # the file as it is: its own blocks, as stored, in both engines
     for name, path in files.items():
         stored: dict[str, StoredTensor] = gguf_model(path).stored_tensors()
         row: dict = {"file": str(path) if name == "gguf" else f"{name} export of the model folder"}
