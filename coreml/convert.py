@@ -300,8 +300,9 @@ def load_for_conversion(model_dir: str | Path) -> tuple[Transformer, str]:
 def default_slots(model_dir: str | Path, config: ModelConfig) -> int:
     """The slot count the memory cascade uses for this model (its default geometry)."""
     from engine.cascade import CascadeConfig
+    from engine.model_files import settings_dir
 
-    return CascadeConfig.for_model(model_dir, config).num_slots
+    return CascadeConfig.for_model(settings_dir(model_dir), config).num_slots
 
 
 def convert(
@@ -362,12 +363,11 @@ def cached_bundle(
     cancel: Callable[[], bool] | None = None,
 ) -> Path:
     """The bundle for this model/geometry/compression/units/tool versions, converting (once) if the cache lacks it."""
-    from engine.weights import fingerprint, read_safetensors_header, weight_files
+    from engine.weights import model_fingerprint
 
     model_dir = Path(model_dir).expanduser()
     config = read_config(model_dir)
-    files = weight_files(model_dir)
-    fp = fingerprint(config, files, [read_safetensors_header(f) for f in files])
+    fp = model_fingerprint(model_dir)
     quantize = compress.resolve(quantize, units)
     geometry = Geometry(slots if slots is not None else default_slots(model_dir, config))
     check_geometry(config, geometry)
