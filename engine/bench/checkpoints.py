@@ -11,26 +11,6 @@ from safetensors.torch import save_file
 from engine.config import ModelConfig
 from engine.model import Transformer
 
-# HuggingFaceTB/SmolLM-135M's config.json values (architecture only).
-SMOLLM_135M: dict = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": True,
-    "bos_token_id": 0,
-    "eos_token_id": 0,
-    "torch_dtype": "float32",
-}
-
 BENCH_VOCAB_SPECIALS = ["<|endoftext|>"]
 
 

@@ -8,7 +8,8 @@ CPU default, is Q8_0 for a model folder) with a GGUF export of the same type, wh
 default, fp32, and the output says so. Our activations keep more bits than llama.cpp's Q8 blocks, so logits differ
 slightly and the tokens are compared but may part at near-ties.
 Runs are interleaved (ours, llama.cpp, transformers, repeat) and the median is reported, so background load hits
-every peer alike. Default model: a SmolLM-135M-shaped random checkpoint (the issue's target shape).
+every peer alike. Default model: the default model's GGUF, which both engines run as stored (ours with
+`--quantize auto`), and transformers dequantized to fp32.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.bench.checkpoints import SMOLLM_135M, write_random_checkpoint
 from engine.errors import SparkError
 from engine.generate import GenerationSettings
 from engine.sampling import SamplingSettings
 from engine.backends import BackendChoice
 from engine.backends.base import Backend
 from engine.backends.torch_backend import TorchBackend
-from engine.model_files import gguf_model
+from engine.model_files import display_name, gguf_model, is_gguf_model, resolve_model_path
 from engine.tokenizer import Tokenizer
 from engine.memory import FullAttentionMemory, Memory
 from engine.session import Engine, MemoryFactory, Session
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
     repeats = 1 if args.quick else 3
     n_decode = 32 if args.quick else DECODE_TOKENS
     tmp = tempfile.TemporaryDirectory(prefix="spark-bench-")
-    model_dir = Path(args.model) if args.model else write_random_checkpoint(Path(tmp.name) / "smollm-135m-shape", SMOLLM_135M)
+    model_dir = resolve_model_path(args.model)  # the default model unless --model names another
     # Ours runs on --backend (coreml, mps, cuda or cpu); the peers always run on the CPU with the same threads.
     # Full attention, like both peers: this measures the engine core; `bench cascade` measures the memory cascade.
     memory = full_attention_memory(PROMPT_TOKENS + n_decode + 8)
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
     if gguf_file is not None:  # ours runs the file's blocks as stored (until the GGUF loader opens the file itself)
         stored = gguf_model(gguf_file).stored_tensors()
         choice = BackendChoice(TorchBackend(model_dir, "cpu", quantize=args.quantize, stored=stored), ())
-        engine = Engine(choice, Tokenizer.from_dir(model_dir), model_dir, memory)
+        engine = Engine(choice, Tokenizer.load(model_dir), model_dir, memory)
     else:
         engine = Engine.load(model_dir, args.backend, memory_factory=memory, quantize=args.quantize)
     ids = prompt_ids(engine.backend.config.vocab_size)
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
     quantize = getattr(engine.backend, "quantize", "none") or "none"
     gguf_type = GGUF_TYPE_FOR.get(quantize, GGUF_TYPE_FOR.get(dtype, "f16"))
     result: dict = {
-        "model": str(model_dir) if args.model else "SmolLM-135M shape (random weights)",
+        "model": display_name(model_dir),
         "threads": threads,
         "prompt_tokens": len(ids),
         "decode_tokens": n_decode,
@@ -143,6 +143,9 @@ def run(args: argparse.Namespace) -> dict:
 
         if gguf_file is not None:
             gguf_path = Path(gguf_file)
+            result["gguf"] = str(gguf_path)
+        elif is_gguf_model(model_dir) and args.quantize == "auto":  # both engines run the file as it is
+            gguf_path = gguf_model(model_dir).path
             result["gguf"] = str(gguf_path)
         else:
             gguf_path = export_gguf(model_dir, Path(tmp.name) / f"model-{gguf_type}.gguf", gguf_type)
@@ -163,7 +166,9 @@ def run(args: argparse.Namespace) -> dict:
     try:
         import transformers
 
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        file = gguf_model(model_dir).path if is_gguf_model(model_dir) else None  # transformers dequantizes a GGUF
+        where = (file.parent, {"gguf_file": file.name}) if file else (model_dir, {})
+        hf = transformers.AutoModelForCausalLM.from_pretrained(where[0], dtype=torch.float32, **where[1]).eval()
         peers["transformers"] = lambda: measure_transformers(hf, ids, n_decode)
         result["transformers_version"] = transformers.__version__
         result["transformers_dtype"] = "float32"
