@@ -194,7 +194,16 @@ static void parallel_for(spark_job job, void *ctx, int32_t items) {
         pthread_mutex_unlock(&pool.sleep);
     }
     run_share(0);
-    for (int32_t spins = 0; atomic_load(&pool.pending) > 0; spins++) cpu_relax(spins);
+    for (int32_t spins = 0; atomic_load(&pool.pending) > 0; spins++) {
+        cpu_relax(spins);
+        if ((spins & 0xFFFFF) == 0xFFFFF) {
+            /* A wake-up lost to a worker that was just falling asleep (seen once, under a full test suite): wake the
+             * sleepers again rather than wait for ever. Costs nothing on the normal path. */
+            pthread_mutex_lock(&pool.sleep);
+            pthread_cond_broadcast(&pool.wake);
+            pthread_mutex_unlock(&pool.sleep);
+        }
+    }
     pthread_mutex_unlock(&pool.use);
 }
 
