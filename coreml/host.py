@@ -6,7 +6,7 @@ bundle's fixed token counts, computes the RoPE tables, the additive mask and the
 layer chunks in order, runs the head only on the rows whose logits are used, and maps read_kv / write_kv onto the
 chunks' (L_chunk, Hkv, S, D) states, which are the canonical KV layout split by layers.
 
-After every forward, `query_summary` holds (B, L, Hkv, D) fp32: per layer, the mean pre-RoPE query over the
+After every forward, `query_summary()` returns (B, L, Hkv, D) fp32: per layer, the mean pre-RoPE query over the
 step's tokens and the query heads of each KV group (what the cascade's retrieval scores blocks against).
 """
 
@@ -86,7 +86,11 @@ class PackageBackend(Backend):
     bundle: Bundle
     functions: dict[str, int]  # function name -> tokens per call
     slots: int
-    query_summary: torch.Tensor | None = None
+    _summary: torch.Tensor | None = None  # the last forward's query summary (the cascade reads query_summary())
+
+    def query_summary(self) -> torch.Tensor | None:
+        """Backend protocol: the per-layer query summary of the last forward, (B, L, Hkv, D) fp32."""
+        return self._summary
 
     def _setup_host(self, bundle: Bundle) -> None:
         self.bundle = bundle
@@ -173,7 +177,7 @@ class PackageBackend(Backend):
             final = np.concatenate(hidden, axis=0)  # (T, C)
             rows_out.append(self._head(final[-1:] if last_only else final))  # only the logits that are used
             summaries.append(qsum)
-        self.query_summary = torch.from_numpy(np.stack(summaries))  # (B, L, Hkv, D) fp32
+        self._summary = torch.from_numpy(np.stack(summaries))  # (B, L, Hkv, D) fp32
         return torch.from_numpy(np.stack(rows_out))  # (B, T, V) or (B, 1, V) fp32
 
     def _chunk_of_layers(self) -> list[tuple[str, int]]:

@@ -58,17 +58,9 @@ def test_moved_kv_continues_the_conversation(tiny_dir: Path, package: Callable[[
     torch.testing.assert_close(feed(twin, restored, [7]), expected, atol=0, rtol=0)
 
 
-class KeyRoutedTorchBackend(TorchBackend):
-    """The reference without a query summary, so the cascade routes it by recent keys as it routes a package that
-    does not return one yet (the Core ML program's summary output is issue 18's Core ML part)."""
-
-    def query_summary(self) -> None:  # type: ignore[override]
-        return None
-
-
 def test_cascade_pages_blocks_through_the_package(tiny_dir: Path, package: Callable[[str], Path]) -> None:
     interp = InterpreterBackend(package("none"))
-    torch_be = KeyRoutedTorchBackend(tiny_dir, device="cpu", dtype=torch.float16)
+    torch_be = TorchBackend(tiny_dir, device="cpu", dtype=torch.float16)
     # 4 sinks + 3 retrieval blocks of 16 + a 96-token window = 148 slots -> 160, the shared packages' size.
     cfg = CascadeConfig(sink_tokens=4, window=96, block_size=16, retrieval_blocks=3, routing="hybrid")
     assert cfg.num_slots == interp.num_slots

@@ -98,7 +98,7 @@ def test_query_summary_is_the_mean_pre_rope_query_per_kv_group(tiny_dir: Path, p
     ids = prompt_ids(75, c.vocab_size, seed=4)
     memory = FullAttentionMemory(interp)
     interp.forward(torch.tensor([ids]), memory.plan(ids).as_batch(), last_only=True)
-    got = interp.query_summary
+    got = interp.query_summary()
     assert got is not None and got.shape == (1, c.num_hidden_layers, c.num_key_value_heads, c.head_dim) and got.dtype == torch.float32
     model = load_model(tiny_dir, dtype=torch.float32).model
     normed: list[torch.Tensor] = []
