@@ -151,7 +151,8 @@ def target_from_state(meta: Any, tensors: Mapping[str, torch.Tensor]) -> StateTa
         raise SchemaError("lacks its memory's KV tensors")
     dims = (int(kv.shape[0]), int(kv.shape[1]), int(kv.shape[3]))
     if kind == "cascade":
-        return StateTarget(2**31, dims, cascade=cascade_config(meta.get("config")))
+        config = {k: v for k, v in as_dict(meta.get("config"), "config").items() if k != "rep_keys"}  # format 1's
+        return StateTarget(2**31, dims, cascade=cascade_config(config))
     return StateTarget(2**31, dims, max_slots=int(kv.shape[2]))
 
 

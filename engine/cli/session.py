@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     inspect.set_defaults(func=run_inspect)
     verify = actions.add_parser("verify", help="exit 0 only when the file is sound and this build can restore it")
     verify.add_argument("file", type=Path)
-    verify.add_argument("--model", type=Path, default=None, help="run restore's checks against this model (a folder)")
+    verify.add_argument("--model", type=Path, default=None, help="run restore's checks against this model (folder or .gguf; default: the default model)")
     verify.set_defaults(func=run_verify)
 
 
@@ -81,7 +81,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    target, fingerprint = (None, None) if args.model is None else _model_target(args.model)
+    model = args.model if args.model is not None else _installed_default_model()
+    target, fingerprint = (None, None) if model is None else _model_target(model)
     data = verify_session(args.file, target, fingerprint)
     ours = fingerprint is not None and data.fingerprint == fingerprint
     scope = "restores on this model" if ours else "transcript only on this model" if fingerprint else "file checks"
@@ -90,6 +91,17 @@ def run_verify(args: argparse.Namespace) -> int:
         f"{len(data.token_ids) + (data.pending_token is not None)} tokens, model {escape(data.fingerprint[:12])})."
     )
     return 0
+
+
+def _installed_default_model() -> Path | None:
+    """The default model, against which a plain `session verify` runs restore's checks; None when not installed."""
+    from engine.errors import ModelLoadError
+    from engine.model_files import default_model_path
+
+    try:
+        return default_model_path()
+    except ModelLoadError:
+        return None
 
 
 def _model_target(model_dir: Path):  # type: ignore[no-untyped-def]
@@ -105,4 +117,5 @@ def _model_target(model_dir: Path):  # type: ignore[no-untyped-def]
     config = read_config(path)
     cascade = CascadeConfig.for_model(settings_dir(path), config)
     dims = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-    return StateTarget(config.vocab_size, dims, cascade=cascade), model_fingerprint(path)
+    target = StateTarget(config.vocab_size, dims, cascade=cascade, max_positions=config.max_position_embeddings)
+    return target, model_fingerprint(path)

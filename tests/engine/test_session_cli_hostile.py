@@ -65,13 +65,14 @@ def test_verify_with_the_model_runs_restores_checks(world: World, tmp_path: Path
     (other / "cascade.json").write_text(json.dumps({"window": 64, "block_size": 8, "sink_tokens": 4, "retrieval_blocks": 2}))
     assert cli_main(["session", "verify", str(path)]) == 0  # the file itself is sound
     capsys.readouterr()
-    assert cli_main(["session", "verify", str(path), "--model", str(other)]) == 2
-    err = capsys.readouterr().err
-    assert "different cascade geometry" in err and len(err.strip().splitlines()) == 1
+    # A saved geometry other than the model's current one restores in its own layout (within the trained context):
+    # verify says so, and restore agrees.
+    assert cli_main(["session", "verify", str(path), "--model", str(other)]) == 0
+    assert "restores on this model" in capsys.readouterr().out
     from engine.backends.torch_backend import TorchBackend
     from engine.cascade import CascadeConfig, CascadeMemory
 
     backend = TorchBackend(other, "cpu")
     config = CascadeConfig(window=64, block_size=8, sink_tokens=4, retrieval_blocks=2)
-    with pytest.raises(SessionFileError, match="different cascade geometry"):  # and restore agrees
-        restore(path, backend, lambda b: CascadeMemory(b, config))
+    restored = restore(path, backend, lambda b: CascadeMemory(b, config))
+    assert restored.memory.cfg.window == CONFIG.window  # laid out as saved
