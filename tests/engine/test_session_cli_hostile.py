@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main as cli_main
-from engine.errors import SessionFileError
 from engine.session_file import restore, save_session
 from engine.session_schema import LATEST_TIME
 from tests.engine.session_fuzzing import CONFIG, World
