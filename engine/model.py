@@ -166,6 +166,7 @@ class KVCache(nn.Module):
         for name in ("k", "v", "k_read", "v_read"):
             view._buffers[name] = self._buffers[name][:, :n]  # (L, n, Hkv, S, D)
         view._buffers["read_positions"] = self._buffers["read_positions"][:n]  # (n, S)
+        view._buffers["summary"] = self._buffers["summary"][:, :n]  # (L, n, Hkv, D): rows past n keep their last summary
         return view
 
     @property
