@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
 from pathlib import Path
 
 from engine.backends import QUANTIZE_CHOICES
+from engine.cli.checks import check_threads
 from engine.errors import SparkError
 
 # suite name -> module exposing `run(args) -> dict` (headline keys per DESIGN.md)
@@ -44,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_threads(args.threads)
     try:
         module = importlib.import_module(SUITES[args.suite])
     except ModuleNotFoundError as exc:

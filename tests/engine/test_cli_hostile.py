@@ -53,6 +53,11 @@ def test_out_of_range_values_are_one_sentence(model: Path, tmp_path: Path, flags
     one_line_error(engine_cli(*args, cache=tmp_path), expected)
 
 
+@pytest.mark.parametrize("threads", ["0", "-3", "100000"])
+def test_bench_threads_are_range_checked_before_any_work(model: Path, tmp_path: Path, threads: str) -> None:
+    one_line_error(engine_cli("bench", "decode", "--model", str(model), "--threads", threads, cache=tmp_path), "--threads must be between 1 and")
+
+
 def test_a_file_given_as_cache_dir_costs_one_warning_not_the_reply(model: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "cache-file"
     blocker.write_text("x")
