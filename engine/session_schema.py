@@ -324,10 +324,14 @@ def _groups(value: Any, version: int, layers: int, groups_n: int, next_id: int) 
     per_layer = as_list(value, "working.groups", layers)
     if len(per_layer) != layers:
         raise _bad("working.groups", f"does not list retrieval groups for each of the {layers} layers")
-    for layer in per_layer:  # each layer's retrieval slots hold their own blocks
+    sizes = set()
+    for layer in per_layer:  # each layer's retrieval slots hold their own blocks, as many in every layer
         held = [as_int(g, "working.groups", 0, next_id - 1) for g in as_list(layer, "working.groups", groups_n)]
         if len(set(held)) != len(held):
             raise _bad("working.groups", "holds a block twice in one layer")
+        sizes.add(len(held))
+    if len(sizes) > 1:
+        raise _bad("working.groups", "holds a different number of blocks in different layers")
 
 
 def _routing_tensors(r: dict, tensors: Mapping[str, torch.Tensor], version: int, kv_dims: tuple[int, int, int]) -> set[str]:
