@@ -30,7 +30,6 @@ from app.wiring import build_main_window
 from engine.generate import GenerationSettings
 from engine.sampling import SamplingSettings
 
-STANDIN = Path("/work/models/smollm2-hf")
 WAIT_MS = 600_000
 LONG = ("Here are my notes from the week. " + "We met the suppliers, compared the offers line by line and agreed to "
         "decide on Friday after the samples arrive. ") * 40
@@ -110,7 +109,7 @@ def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", type=Path, default=STANDIN if STANDIN.exists() else None)
+    p.add_argument("--model", type=Path, default=None, help="default: the default model")
     args = p.parse_args()
     os.environ.setdefault("QT_QPA_PLATFORM", "xcb")
     app = SparkApplication([sys.argv[0]])
