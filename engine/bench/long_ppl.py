@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -56,16 +57,20 @@ def nll(backend: Backend, memory: Memory, ids: list[int]) -> tuple[float, int]:
     return total, len(ids) - 1
 
 
-def run(args: argparse.Namespace) -> dict:
-    model = resolve_model_path(args.model)
-    if not model.exists():
-        raise SparkError(f"The long-ppl benchmark needs a trained model; {model} does not exist (pass --model).")
+def open_model(args: argparse.Namespace) -> tuple[Path, Backend, Tokenizer, CascadeConfig]:
+    """The long-context benches' set-up: --model (default: the default model) on --backend with --quantize, its
+    tokenizer, and its cascade geometry with --window forced when given."""
+    model = resolve_model_path(args.model)  # a missing path is refused by the loader in one sentence
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     backend = open_backend(model, args.backend or "cpu", getattr(args, "quantize", "none")).backend
-    tok = Tokenizer.load(model)
     window = getattr(args, "window", None)
     cfg = CascadeConfig.for_model(settings_dir(model), backend.config, **({"window": window} if window else {}))
+    return model, backend, Tokenizer.load(model), cfg
+
+
+def run(args: argparse.Namespace) -> dict:
+    model, backend, tok, cfg = open_model(args)
     n = max(QUICK_TOKENS if getattr(args, "quick", False) else MAX_TOKENS, 3 * cfg.used_slots // 2)
     ids = tok.encode(held_out_text(min_chars=n * 6))[:n]
     if 2 * len(ids) < 3 * cfg.used_slots:

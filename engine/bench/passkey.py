@@ -15,15 +15,12 @@ import random
 import time
 from dataclasses import dataclass
 
-import torch
 
-from engine.backends import open_backend
 from engine.backends.base import Backend
-from engine.cascade import CascadeConfig, CascadeMemory
-from engine.errors import SparkError
+from engine.cascade import CascadeMemory
 from engine.generate import decode_step, prefill
 from engine.memory import FullAttentionMemory, Memory
-from engine.model_files import resolve_model_path, settings_dir
+from engine.bench.long_ppl import open_model
 from engine.tokenizer import Tokenizer
 
 INTRO = "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about the important information there.\n"
@@ -85,16 +82,8 @@ def lengths_for(trained: int, quick: bool, max_length: int | None) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    model = resolve_model_path(args.model)
-    if not model.exists():
-        raise SparkError(f"The passkey benchmark needs a model; {model} does not exist (pass --model).")
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    backend = open_backend(model, args.backend or "cpu", getattr(args, "quantize", "none")).backend
-    tok = Tokenizer.load(model)
+    model, backend, tok, cfg = open_model(args)
     trained = backend.config.max_position_embeddings
-    window = getattr(args, "window", None)
-    cfg = CascadeConfig.for_model(settings_dir(model), backend.config, **({"window": window} if window else {}))
     depths: tuple[float, ...] = QUICK_DEPTHS if getattr(args, "quick", False) else DEPTHS
     if getattr(args, "depths", None):
         depths = tuple(float(d) for d in args.depths.split(","))
