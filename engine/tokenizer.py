@@ -27,6 +27,7 @@ from tokenizers import processors
 from engine.chat_template import render_chat
 from engine.errors import TokenizerError
 from engine.gguf_tokenizer import tokenizer_parts
+from engine.model_files import gguf_model, is_gguf_model
 
 # Special-token names transformers passes to chat templates (its `special_tokens_map`).
 _TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -215,8 +216,6 @@ class Tokenizer:
     @classmethod
     def load(cls, model_path: str | Path) -> "Tokenizer":
         """The tokenizer of any model path: a Hugging Face folder, a .gguf file, or a folder holding one."""
-        from engine.model_files import gguf_model, is_gguf_model
-
         if is_gguf_model(model_path):
             return cls.from_gguf(gguf_model(model_path).metadata)
         return cls.from_dir(model_path)
