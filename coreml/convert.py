@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import tempfile
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +31,7 @@ from coreml import compress
 from coreml.bundle import EMBED_FILE, FORMAT_VERSION, HEAD, MANIFEST, Bundle, chunk_name
 from coreml.errors import ConversionCancelled, ConversionError, PackageError
 from coreml.wrapper import ANE_STATE_ALIGN, FUNCTIONS, Head, LayerChunk, vocab_pieces
+from engine import fileio
 from engine.config import ModelConfig
 from engine.model_files import read_config
 from engine.model import Transformer
@@ -330,20 +329,11 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
     The temporary folder lives inside a hidden '.partial-*' folder next to `final` (same filesystem, so the
     rename is atomic), so neither the cache lookup (which opens exactly `final`) nor a user browsing the folder
-    finds a half-written bundle: `final` is absent, the old bundle, or the complete new one.
+    finds a half-written bundle: `final` is absent, the old bundle, or the complete new one. Every file is
+    fsynced before the rename, and the folder after it (engine.fileio.atomic_dir).
     """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    work = final.parent / f".partial-{final.name}-{uuid.uuid4().hex[:8]}"
-    work.mkdir()
-    try:
-        tmp = work / "bundle"
+    with fileio.atomic_dir(Path(final)) as tmp:
         yield tmp
-        if final.exists():
-            os.rename(final, work / "replaced")
-        os.rename(tmp, final)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def default_cache_root() -> Path:

@@ -12,7 +12,6 @@ import hashlib
 import json
 import math
 import mmap
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,29 +19,22 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.fileio import (
+    DTYPES,
+    HeaderError,
+    HeaderFault,
+    HeaderLimits,
+    read_header_file,
+)
 from engine.model import Transformer
 from engine.model_files import check_model_path, file_sha256, gguf_model, is_gguf_model
 from engine.quant import StoredTensor
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+SAFETENSORS_DTYPES = DTYPES  # the one dtype table (engine.fileio)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_DIM = 1 << 48  # any size or byte offset in a header: beyond this it cannot describe a real file
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
+HEADER_LIMITS = HeaderLimits(MAX_HEADER_BYTES, max_dim=MAX_DIM)
 
 
 @dataclass(frozen=True)
@@ -57,45 +49,33 @@ class TensorInfo:
 def read_safetensors_header(path: Path) -> list[TensorInfo]:
     """Validated tensor table of one .safetensors file (raises ModelLoadError naming the problem)."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ModelLoadError(f"{path.name} is empty or truncated; download it again.")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(MAX_HEADER_BYTES, size - 8):
-                raise ModelLoadError(f"{path.name} has a corrupt header (claims {n} bytes); it is truncated or not a safetensors file.")
-            raw = f.read(n)
+        header = read_header_file(path, HEADER_LIMITS)
     except OSError as exc:
         raise ModelLoadError(f"Cannot read {path}: {exc.strerror or exc}.") from None
-    try:
-        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-        if not isinstance(header, dict):
-            raise ValueError
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ModelLoadError(f"{path.name} has an unreadable header; it is not a valid safetensors file.") from None
-    base = 8 + n
-    infos = []
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (a, b) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ModelLoadError(f"{path.name} has a malformed entry for tensor {name!r}.") from None
-        # Whole numbers only: a float, bool, string or negative size is a damaged (or hostile) header.
-        if not all(type(x) is int and 0 <= x < MAX_DIM for x in (*shape, a, b)) or len(shape) > 8 or not isinstance(dtype, str):
-            raise ModelLoadError(f"{path.name} has a malformed entry for tensor {name!r}; the file is corrupt.")
-        if dtype not in SAFETENSORS_DTYPES:
-            raise ModelLoadError(f"{path.name} stores {name!r} as {dtype}, a dtype MLoT Spark cannot load.")
-        numel = math.prod(shape)
-        itemsize = torch.empty((), dtype=SAFETENSORS_DTYPES[dtype]).element_size()
-        if not (0 <= a <= b) or b - a != numel * itemsize:
-            raise ModelLoadError(f"{path.name} has inconsistent offsets for {name!r}; the file is corrupt.")
-        if base + b > size:
-            raise ModelLoadError(f"{path.name} is truncated ({size} bytes, needs {base + b}); the download is incomplete.")
-        infos.append(TensorInfo(name, dtype, shape, base + a, base + b))
-    return infos
+    except HeaderError as exc:
+        raise ModelLoadError(_header_sentence(path, exc)) from None
+    return [TensorInfo(t.name, t.dtype, t.shape, t.start, t.end) for t in header.tensors.values()]
+
+
+def _header_sentence(path: Path, exc: HeaderError) -> str:
+    name, fault = exc.tensor, exc.fault
+    if fault is HeaderFault.TRUNCATED:
+        return f"{path.name} is empty or truncated; download it again."
+    if fault is HeaderFault.HEADER_SIZE:
+        return f"{path.name} has a corrupt header (claims {exc.detail}); it is truncated or not a safetensors file."
+    if fault is HeaderFault.UNREADABLE:
+        return f"{path.name} has an unreadable header; it is not a valid safetensors file."
+    if fault is HeaderFault.TOO_MANY:
+        return f"{path.name} lists {exc.detail}; it is not a model file MLoT Spark can load."
+    if fault is HeaderFault.DTYPE:
+        return f"{path.name} stores {name!r} as {exc.detail}, a dtype MLoT Spark cannot load."
+    if fault is HeaderFault.SIZE:
+        return f"{path.name} has inconsistent offsets for {name!r}; the file is corrupt."
+    if fault is HeaderFault.PAST_END:
+        return f"{path.name} is truncated ({exc.detail}); the download is incomplete."
+    if fault is HeaderFault.OVERLAP:
+        return f"{path.name} has overlapping data for {name!r}; the file is corrupt."
+    return f"{path.name} has a malformed entry for tensor {name!r}; the file is corrupt."
 
 
 def mmap_tensors(path: Path, infos: list[TensorInfo]) -> dict[str, torch.Tensor]:

@@ -29,8 +29,6 @@ import json
 import mmap
 import os
 import stat
-import struct
-import tempfile
 import time
 import warnings
 import zlib
@@ -42,11 +40,23 @@ from safetensors.torch import save
 
 from engine.backends.base import CANONICAL_KV_DTYPE
 from engine.cascade.stats import Counters, TierStats
+from engine.fileio import (
+    HeaderError,
+    HeaderFault,
+    HeaderLimits,
+    atomic_write,
+    read_header,
+)
 
 FORMAT = "mlot-spark-kv/1"
 KV_TENSORS = ("k", "v")
 STALE_TEMP_S = 3600.0
-DTYPES = {"F16": torch.float16, "F32": torch.float32, "F64": torch.float64}  # what entries may hold
+HEADER_LIMITS = HeaderLimits(100 * 1024 * 1024, dtypes=frozenset({"F16", "F32", "F64"}))  # what entries may hold
+_HEADER_FAULTS = {
+    HeaderFault.TRUNCATED: "it is truncated",
+    HeaderFault.HEADER_SIZE: "its header is truncated",
+    HeaderFault.UNREADABLE: "its header is unreadable",
+}  # every other fault: "its data is truncated or inconsistent"
 
 
 def _is_key(name: object) -> bool:
@@ -58,16 +68,7 @@ def _crc(t: torch.Tensor) -> str:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, [data], prefix=".tmp-", suffix=path.suffix)
 
 
 @dataclass
@@ -243,34 +244,23 @@ class PersistentStore:
             if size < 8:
                 return self._drop(key, "it is truncated")
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        (n,) = struct.unpack("<Q", mm[:8])
-        if n > size - 8:
-            return self._drop(key, "its header is truncated")
         try:
-            header = json.loads(bytes(mm[8 : 8 + n]).decode("utf-8"))
-            meta = header.pop("__metadata__")
-            infos = {name: dict(info) for name, info in header.items()}
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            header = read_header(mm, HEADER_LIMITS)
+        except HeaderError as exc:
+            return self._drop(key, _HEADER_FAULTS.get(exc.fault, "its data is truncated or inconsistent"))
+        meta = header.metadata
+        if meta is None:
             return self._drop(key, "its header is unreadable")
         ident = (meta.get("format"), meta.get("kind", "kv"), meta.get("key"), meta.get("fingerprint"), meta.get("numerics"), meta.get("dtype"))
         if ident != (FORMAT, kind, key, self.fingerprint, self.numerics, self.dtype):
             return self._drop(key, "it belongs to another model, backend or format")
-        if kind == "kv" and (set(infos) != set(KV_TENSORS) or any(i.get("dtype") != "F16" for i in infos.values())):
+        infos = header.tensors
+        if kind == "kv" and (set(infos) != set(KV_TENSORS) or any(i.dtype != "F16" for i in infos.values())):
             return self._drop(key, "its data is truncated or inconsistent")
         out: dict[str, torch.Tensor] = {}
         for name, info in infos.items():
-            try:
-                a, b = (int(x) for x in info["data_offsets"])
-                shape = tuple(int(s) for s in info["shape"])
-                dtype = DTYPES[info["dtype"]]
-            except (KeyError, TypeError, ValueError, OverflowError):
-                return self._drop(key, "its data is truncated or inconsistent")
-            count = 1
-            for s in shape:
-                count *= s
-            if b - a != dtype.itemsize * count or a < 0 or 8 + n + b > size:
-                return self._drop(key, "its data is truncated or inconsistent")
-            t = torch.frombuffer(mm, dtype=dtype, count=count, offset=8 + n + a).view(shape) if count else torch.zeros(shape, dtype=dtype)
+            count = info.nbytes // info.torch_dtype.itemsize
+            t = torch.frombuffer(mm, dtype=info.torch_dtype, count=count, offset=info.start).view(info.shape) if count else torch.zeros(info.shape, dtype=info.torch_dtype)
             if _crc(t) != meta.get(f"crc_{name}"):
                 return self._drop(key, "its data fails the checksum")
             out[name] = t

@@ -18,12 +18,12 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from engine.fileio import atomic_path
 from engine.paths import bundle_root, default_cache_dir
 
 SOURCE = Path(__file__).with_name("spark_kernels.c")
@@ -176,17 +176,11 @@ def build_library(cache_root: Path | None = None, extra_flags: Sequence[str] = (
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: a concurrent process or an interrupted build never leaves half a file.
-    fd, tmp = tempfile.mkstemp(prefix=out.stem + "-", suffix=out.suffix, dir=out.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+    with atomic_path(out, prefix=out.stem + "-", suffix=out.suffix) as tmp:
+        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["(no message)"])[0]
             raise RuntimeError(f"the native CPU kernels did not compile with {cc}: {first}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return out
 
 
