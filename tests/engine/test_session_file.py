@@ -15,11 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save as st_save
 
-from engine import session_file
+from engine import session_container, session_file
 from engine.backends.base import Backend
 from engine.backends.torch_backend import TorchBackend
 from engine.cli import main as cli_main
 from engine.errors import SessionFileError
+from engine.fileio import FileSystem
 from engine.memory import FullAttentionMemory
 from engine.session_file import (
     FORMAT_VERSION,
@@ -129,16 +130,16 @@ def test_inspect_reports_messages_tokens_model_and_tier_sizes(tmp_path: Path) ->
 @settings(max_examples=100, deadline=None, database=None)
 @given(st.binary(max_size=300))
 def test_byte_planes_are_lossless(raw: bytes) -> None:
-    assert session_file._unshuffle(session_file._shuffle(raw)) == raw
+    assert session_container.unshuffle(session_container.shuffle(raw)) == raw
 
 
 @pytest.mark.parametrize("compression", ["zlib", "lzma"])
 def test_odd_sized_tensor_sections_round_trip_compressed(tmp_path: Path, compression: str) -> None:
     raw = bytes(range(256)) * 40 + b"\x07"  # an odd length: the byte planes keep the last byte as is
-    flags, stored = session_file._compress(raw, compression)
-    assert flags & 0xFF == session_file._COMPRESSION_FLAGS[compression] and len(stored) < len(raw)
-    pre = session_file._Preamble(2, compression, True, 0, len(stored), len(raw), b"", 68, b"")
-    assert session_file._decompress(tmp_path / "x.spark", pre, stored) == raw
+    flags, stored = session_container.compress(raw, compression)
+    assert flags & 0xFF == session_container.COMPRESSION_FLAGS[compression] and len(stored) < len(raw)
+    pre = session_container.Preamble(2, compression, True, 0, len(stored), len(raw), b"", 68, b"")
+    assert session_container.decompress(tmp_path / "x.spark", pre, stored) == raw
 
 
 def test_tensors_a_memory_state_does_not_use_are_refused(tmp_path: Path) -> None:
@@ -391,40 +392,53 @@ def test_corrupt_file_leaves_the_live_conversation_alone(tiny: Path, tmp_path: P
 # -- atomic saves --------------------------------------------------------------------------------------------------
 
 
-def test_full_disk_mid_save_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path, before = _good(tmp_path)
-    real_write = os.write
-    written = [0]
+class _DiskFills(FileSystem):
+    """Short writes, as a filling disk gives, then ENOSPC."""
 
-    def disk_fills(fd: int, data: bytes) -> int:
-        if written[0] > 1000:
+    def __init__(self) -> None:
+        self.written = 0
+
+    def write(self, fd: int, data: memoryview) -> int:
+        if self.written > 1000:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        n = real_write(fd, bytes(data[:700]))  # short writes, as a filling disk gives
-        written[0] += n
+        n = os.write(fd, bytes(data[:700]))
+        self.written += n
         return n
 
-    monkeypatch.setattr(session_file.os, "write", disk_fills)
+
+class _Fails(FileSystem):
+    """One step of the write (fsync of the temp file, or the rename) fails as a crash or an I/O error would."""
+
+    def __init__(self, step: str) -> None:
+        self.step = step
+
+    def fsync(self, fd: int) -> None:
+        if self.step == "fsync":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        super().fsync(fd)
+
+    def replace(self, src: str | Path, dst: str | Path) -> None:
+        if self.step == "replace":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        super().replace(src, dst)
+
+
+def test_full_disk_mid_save_keeps_the_previous_file(tmp_path: Path) -> None:
+    path, before = _good(tmp_path)
+    fs = _DiskFills()
     with pytest.raises(SessionFileError, match="No space left on device; the previous file"):
-        save_small(path, memory_state=kv_state(30, seed=5))
-    monkeypatch.undo()
+        save_small(path, memory_state=kv_state(30, seed=5), fs=fs)
+    assert fs.written > 1000  # the disk filled mid-write, not before it
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.spark"]  # no temp file left behind
     load_session(path)
 
 
 @pytest.mark.parametrize("failing", ["fsync", "replace"])
-def test_crash_before_rename_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+def test_crash_before_rename_keeps_the_previous_file(tmp_path: Path, failing: str) -> None:
     path, before = _good(tmp_path)
-
-    def fail(*args: object) -> None:
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-    monkeypatch.setattr(session_file.os, failing, fail)
-    if failing == "fsync":
-        monkeypatch.setattr(session_file.sys, "platform", "linux")  # route through os.fsync on macOS too
     with pytest.raises(SessionFileError, match="Could not save the session"):
-        save_small(path, memory_state=kv_state(30, seed=5))
-    monkeypatch.undo()
+        save_small(path, memory_state=kv_state(30, seed=5), fs=_Fails(failing))
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.spark"]
 
