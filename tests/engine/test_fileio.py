@@ -133,10 +133,9 @@ def iter_of(make: Callable[[], list[bytes]]) -> Iterator[bytes]:
 def test_atomic_path_commits_what_the_body_wrote_and_discards_a_failed_body(tmp_path: Path) -> None:
     target = tmp_path / "lib.so"
     target.write_bytes(b"old")
-    with pytest.raises(RuntimeError):
-        with atomic_path(target, prefix="lib-", suffix=".so") as tmp:
-            tmp.write_bytes(b"half")
-            raise RuntimeError("the compiler failed")
+    with pytest.raises(RuntimeError), atomic_path(target, prefix="lib-", suffix=".so") as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("the compiler failed")
     assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["lib.so"]
     fs = Recorder()
     with atomic_path(target, prefix="lib-", suffix=".so", fs=fs) as tmp:
