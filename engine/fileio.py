@@ -275,7 +275,7 @@ def header_length(first8: bytes, size: int, limits: HeaderLimits) -> int:
 def parse_header(raw: bytes, size: int, limits: HeaderLimits) -> Header:
     """Validate the header JSON `raw` (the bytes after the length) of a file (or buffer) of `size` bytes."""
     try:
-        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        header = json.loads(raw.decode("utf-8"), parse_constant=reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise HeaderError(HeaderFault.UNREADABLE) from None
     if not isinstance(header, dict):
@@ -342,5 +342,6 @@ def read_header_file(path: Path, limits: HeaderLimits) -> Header:
     return parse_header(raw, size, limits)
 
 
-def _no_constant(name: str) -> None:
+def reject_constant(name: str) -> None:
+    """For `json.loads(parse_constant=...)`: strict JSON, as every file here is read."""
     raise ValueError(f"{name} is not JSON")  # NaN, Infinity, -Infinity: Python's parser accepts them by default

@@ -27,6 +27,7 @@ import torch
 
 from engine.backends.base import Backend
 from engine.errors import SessionFileError, SparkError
+from engine.fileio import reject_constant
 from engine.memory import Memory
 from engine.session_container import (
     FORMAT_VERSION,
@@ -90,7 +91,7 @@ __all__ = [
 
 
 def _migrate_v1_to_v2(meta: dict[str, JSONValue]) -> dict[str, JSONValue]:
-    # Written so it cannot raise on any JSON object: whatever it leaves malformed, `_validate` names.
+    # Written so it cannot raise on any JSON object: whatever it leaves malformed, check_session_meta names.
     out = dict(meta)
     out["format_version"] = 2
     out["sampler_state"] = out.pop("rng", None)
@@ -108,7 +109,7 @@ _MIGRATIONS: dict[int, Callable[[dict[str, JSONValue]], dict[str, JSONValue]]] =
 
 def _parse_meta(path: Path, pre: Preamble, raw: bytes) -> dict[str, Any]:
     try:
-        meta = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        meta = json.loads(raw.decode("utf-8"), parse_constant=reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise bad(path, "has unreadable metadata (not strict JSON)") from None
     if not isinstance(meta, dict) or meta.get("format_version") != pre.version:
@@ -123,10 +124,6 @@ def _parse_meta(path: Path, pre: Preamble, raw: bytes) -> dict[str, Any]:
         raise bad(path, str(exc)) from None
     fields["messages"] = [Message(*m) for m in fields["messages"]]
     return fields
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")  # NaN, Infinity, -Infinity: Python's parser accepts them by default
 
 
 def _open(path: Path) -> tuple[Preamble, dict[str, Any], bytes, int]:
