@@ -59,8 +59,8 @@ from app.preferences import Preferences
 from app.quick_prompt import QuickPromptPanel
 from app.remote_servers import RemoteServerList
 from app.standarddirs import StandardDirs
-from app.worker import (
-    ConversationClient,
+from app.client import ConversationClient
+from app.worker_types import (
     LoadedModel,
     MessageView,
     ReadProgress,

@@ -25,7 +25,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.coalescer import TextCoalescer
-from app.worker import ConversationClient, TurnResult
+from app.client import ConversationClient
+from app.worker_types import TurnResult
 from engine.generate import GenerationSettings
 
 PANEL_WIDTH = 520

@@ -8,7 +8,7 @@ from app.hw_monitor import HardwareMonitor
 from app.main_window import MainWindow
 from app.preferences import Preferences
 from app.standarddirs import StandardDirs
-from app.worker import ConversationClient
+from app.client import ConversationClient
 from engine.hw import HardwarePolicy, SystemMemorySource, ThermalSource, default_thermal_source
 
 

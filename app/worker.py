@@ -1,6 +1,6 @@
 """The engine side of the app: a `ConversationWorker` (QObject) living in its own QThread owns one conversation.
 
-The GUI talks to it only through `ConversationClient`, whose request signals are queued into the worker's thread,
+The GUI talks to it only through `app.client.ConversationClient`, whose request signals are queued into the worker's thread,
 and listens to the worker's typed signals. Generation runs inside a worker slot, so the GUI thread never waits
 on it; Stop sets a `threading.Event` that the generate loop polls before every token (no queue round-trip, so it
 takes effect within one token even though the worker's event loop is busy).
@@ -13,7 +13,9 @@ The main chat's worker stores its conversation after every change (a compact `.s
 GUI's conversation library assigned to it, and reports each store, so nothing typed or generated is ever only in
 memory. A remote server chosen as the model (`use_remote`) takes the local session's place: the same requests
 stream from `engine.remote.RemoteSession`, whose memory is the server's, so the conversation is stored as its
-transcript only. (Over 400 lines: one worker owns every request about its conversation; splitting it would share its state.)
+transcript only.
+(About 450 lines: one worker owns every request about its conversation, and they share its state — the session,
+the parked sessions, the store path; its data types, client, and memory figures are modules of their own.)
 """
 
 from __future__ import annotations
@@ -23,14 +25,24 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from app.engine_factory import load_engine
-from engine.cascade import TierStats
+from app.memory_report import episodic_hits, memory_report, turns_ago
+from app.worker_types import (
+    LoadedModel,
+    MemoryReport,
+    MessageView,
+    ModelInfo,
+    ReadProgress,
+    SessionFileEvent,
+    StoredConversation,
+    TurnProgress,
+    TurnResult,
+    remote_name,
+)
 from engine.errors import SparkError
 from engine.generate import GenerationEvent, GenerationSettings, PrefillProgress
 from engine.hw import HardwarePolicy, PolicyDecision
@@ -47,88 +59,8 @@ log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.1  # turn stats (tokens/s) at most 10 times a second
 MEMORY_INTERVAL_S = 0.25  # tier stats at most 4 times a second: the panels need no more
-
-
 READ_INTERVAL_S = 0.1  # reading progress at most 10 times a second
 PARKED_CONVERSATIONS = 3  # conversations left recently whose memory stays ready (Undo, switching back: no recompute)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    path: Path
-    backend: str
-    backend_detail: str  # BackendChoice.explain(): the backend, its weight precision and why faster ones were skipped
-    weight_bytes: int
-    kv_bytes_per_token: int
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    engine: Engine  # handed to the quick prompt's worker; the GUI only reads `info`
-    info: ModelInfo
-
-
-@dataclass(frozen=True)
-class TurnProgress:
-    prompt_tokens: int
-    generated_tokens: int
-    ttft_s: float
-    tokens_per_s: float
-
-
-@dataclass(frozen=True)
-class MemoryReport:
-    tiers: tuple[TierStats, ...]  # the cascade's own snapshot type: plain numbers, no tensors
-    tokens: int  # tokens this conversation's memory holds
-    remote: str = ""  # a remote server's URL: its memory is the server's, none of these numbers apply
-
-
-@dataclass(frozen=True)
-class TurnResult:
-    reason: str  # "stop" | "length" | "cancelled" | "error"
-    progress: TurnProgress
-    text: str
-    recalled_turns_ago: int = 0  # > 0: the reply used recalled (episodic) memory holding turns at least this old
-
-
-@dataclass(frozen=True)
-class ReadProgress:
-    """A prompt (or a restored conversation's memory) being read: tokens done of total, rate, time left."""
-
-    kind: str  # "prompt" | "restore"
-    done: int
-    total: int
-    tokens_per_s: float
-    seconds_left: float
-
-
-@dataclass(frozen=True)
-class StoredConversation:
-    """The worker wrote its conversation to `path` (the library's file for it)."""
-
-    path: Path
-    messages: tuple[tuple[str, str], ...]  # (role, content)
-    model: str
-
-
-@dataclass(frozen=True)
-class MessageView:
-    role: str
-    content: str
-
-
-@dataclass(frozen=True)
-class SessionFileEvent:
-    kind: str  # "saved" | "restored"
-    path: Path
-    when: float  # seconds since the epoch
-    note: str = ""  # e.g. "transcript only: memory re-read on the next turn"
-
-
-def remote_name(server: RemoteServer) -> str:
-    """How a remote model is named in the window and the history: its name and the server's host."""
-    return f"{server.model} on {urlsplit(server.url).netloc}"
 
 
 class ConversationWorker(QObject):
@@ -165,9 +97,8 @@ class ConversationWorker(QObject):
         self._parked: OrderedDict[Path, tuple[Session, list[int]]] = OrderedDict()  # store path -> session, turns
         self._read_t0 = 0.0
         self._read_last = 0.0
-        if policy is not None:
-            # Decisions arrive on whichever thread made them; a signal carries them to the GUI safely.
-            self._unsubscribe = policy.subscribe(self.policy.emit)
+        # Decisions arrive on whichever thread made them; a signal carries them to the GUI safely.
+        self._unsubscribe = policy.subscribe(self.policy.emit) if policy is not None else None
 
     # -- model ---------------------------------------------------------------------------------------------------
     @Slot(str, str, str, object)
@@ -194,7 +125,7 @@ class ConversationWorker(QObject):
         b = engine.backend
         info = ModelInfo(engine.model_dir.name, engine.model_dir, b.name, engine.choice.explain(), b.weight_bytes, b.kv_bytes_per_token())
         self.loaded.emit(LoadedModel(engine, info))
-        self.memory.emit(self._memory_report())
+        self.memory.emit(memory_report(self._session, self._remote))
         if had_conversation and self._store_path is not None and self._store_path.is_file():
             self._carry_over(self._store_path)
 
@@ -205,7 +136,7 @@ class ConversationWorker(QObject):
         self._read_t0 = self._read_last = time.monotonic()
         try:
             report = self._session.load(path, accept_transcript_only=True, on_progress=self._on_restore_progress)
-        except Exception as exc:  # noqa: BLE001 - the file stays; the user can reopen it from the history
+        except Exception as exc:
             log.exception("carrying the conversation over failed")
             self.error.emit(f"The conversation could not be carried over to the new model ({exc}); it is kept in the history.")
             self.conversation.emit([])
@@ -230,7 +161,7 @@ class ConversationWorker(QObject):
         self._parked.clear()
         self._turn_starts = []
         self.remote_ready.emit(server)
-        self.memory.emit(self._memory_report())
+        self.memory.emit(memory_report(self._session, self._remote))
 
     # -- conversation ----------------------------------------------------------------------------------------------
     @Slot(str, object, object)
@@ -268,14 +199,14 @@ class ConversationWorker(QObject):
         if self._remote is not None:
             self._remote.reset()
             self._store_path = Path(store_path) if store_path else None
-            self.memory.emit(self._memory_report())
+            self.memory.emit(memory_report(self._session, self._remote))
             return
         if self._session is None:
             self._store_path = Path(store_path) if store_path else None
             return
         self._park()  # the GUI cleared its view itself: a late "empty" signal would erase what was typed since
         self._store_path = Path(store_path) if store_path else None
-        self.memory.emit(self._memory_report())
+        self.memory.emit(memory_report(self._session, self._remote))
 
     @Slot(str, str, int, object)
     def _on_branch(self, source: str, store_path: str, upto: int, stop: threading.Event) -> None:
@@ -306,7 +237,7 @@ class ConversationWorker(QObject):
         except Exception as exc:
             log.exception("reading a branch failed")
             self.error.emit(f"The branch's memory could not be read ({exc}); it is read on the next message instead.")
-        self.memory.emit(self._memory_report())
+        self.memory.emit(memory_report(self._session, self._remote))
         self._changed()
         self.finished.emit(TurnResult("stop", TurnProgress(len(session.memory.tokens), 0, 0.0, 0.0), ""))
 
@@ -330,7 +261,7 @@ class ConversationWorker(QObject):
         self._store_path = store_path
         self.system_prompt.emit(self._system_prompt)
         self.conversation.emit(self._transcript())
-        self.memory.emit(self._memory_report())
+        self.memory.emit(memory_report(self._session, self._remote))
 
     @Slot()
     def _on_release(self) -> None:
@@ -402,7 +333,7 @@ class ConversationWorker(QObject):
         self._read_t0 = self._read_last = time.monotonic()
         try:
             report = session.load(Path(path), accept_transcript_only=transcript_only, on_progress=self._on_restore_progress)
-        except Exception as exc:  # noqa: BLE001 - the worker must answer every request; the chat stays as it was
+        except Exception as exc:
             if isinstance(exc, SparkError):
                 self.error.emit(str(exc))
             elif isinstance(exc, OSError):
@@ -433,7 +364,7 @@ class ConversationWorker(QObject):
         """The file's transcript and kind (no memory is touched), or None for one that does not read."""
         try:
             return load_session(path)
-        except Exception:  # noqa: BLE001 - the real load says what is wrong, in one sentence
+        except Exception:
             return None
 
     def _restore_remote(self, path: Path, target: Path | None) -> None:
@@ -458,7 +389,7 @@ class ConversationWorker(QObject):
         self._system_prompt = session.system_prompt
         self.system_prompt.emit(session.system_prompt)
         self.conversation.emit(self._transcript())
-        self.memory.emit(self._memory_report())
+        self.memory.emit(memory_report(self._session, self._remote))
         self.restored.emit(SessionFileEvent("restored", path, time.time(), note))
 
     def _park(self) -> None:
@@ -485,6 +416,9 @@ class ConversationWorker(QObject):
             self._changed()
             self._drop_remote()
         finally:
+            if self._unsubscribe is not None:  # the policy outlives this worker: no decision may reach it after
+                self._unsubscribe()
+                self._unsubscribe = None
             QThread.currentThread().quit()
 
     # -- internals -------------------------------------------------------------------------------------------------
@@ -575,7 +509,7 @@ class ConversationWorker(QObject):
                     self.progress.emit(progress)
                 if now - last_memory >= MEMORY_INTERVAL_S:
                     last_memory = now
-                    self.memory.emit(self._memory_report())
+                    self.memory.emit(memory_report(self._session, self._remote))
                 if ev.finish_reason:
                     reason = ev.finish_reason
         except SparkError as exc:
@@ -586,154 +520,10 @@ class ConversationWorker(QObject):
             self.error.emit(f"Generation failed ({type(exc).__name__}: {exc}); the conversation is kept, try again.")
             self.conversation.emit(self._transcript())
         self.progress.emit(progress)
-        self.memory.emit(self._memory_report())
-        recalled = self._turns_ago() if self._episodic_hits() > hits_before else 0
+        self.memory.emit(memory_report(self._session, self._remote))
+        recalled = turns_ago(self._session, self._turn_starts) if self._episodic_hits() > hits_before else 0
         self._changed()  # stored before `finished`: a finished turn is never only in memory
         self.finished.emit(TurnResult(reason, progress, "".join(text), recalled))
 
     def _episodic_hits(self) -> int:
-        stats = self._session.stats() if self._session is not None and self._remote is None else None
-        return stats.episodic.hits if stats is not None else 0
-
-    def _turns_ago(self) -> int:
-        """How many turns back the newest turn lies that has left the exact window (so a recall reached at least
-        that far); 1 when none has wholly left it yet."""
-        stats = self._session.stats() if self._session is not None else None
-        evicted = stats.working.evictions if stats is not None else 0
-        starts = self._turn_starts
-        for back in range(1, len(starts)):
-            if starts[-back] <= evicted:  # turn -(back+1) ended where turn -back began: wholly evicted
-                return back
-        return 1
-
-    def _memory_report(self) -> MemoryReport:
-        if self._remote is not None:
-            return MemoryReport((), 0, self._remote.client.server.url)
-        if self._session is None:
-            return MemoryReport((), 0)
-        memory = self._session.memory
-        stats = self._session.stats()  # the cascade's tiers; a memory without tiers is shown as one flat tier
-        if stats is not None:
-            return MemoryReport((stats.working, stats.episodic, stats.persistent), len(memory.tokens))
-        backend = self._session.backend
-        per_token = backend.kv_bytes_per_token()
-        n = len(memory.tokens)
-        row = TierStats("working", n, n * per_token, backend.num_slots * per_token, 0, 0, 0.0, 0)
-        return MemoryReport((row,), n)
-
-
-class ConversationClient(QObject):
-    """GUI-side handle: owns the worker's thread, turns method calls into queued requests, re-emits results."""
-
-    _load = Signal(str, str, str, object)
-    _attach = Signal(object)
-    _use_remote = Signal(object)
-    _send = Signal(str, object, object)
-    _regenerate = Signal(object, object)
-    _new_chat = Signal(str)
-    _branch = Signal(str, str, int, object)
-    _release = Signal()
-    _set_system_prompt = Signal(str)
-    _save = Signal(str, bool)
-    _restore = Signal(str, bool, str)
-    _shutdown = Signal()
-
-    busy_changed = Signal(bool)  # a reply is being generated
-
-    def __init__(
-        self, name: str, policy: HardwarePolicy | None, cache_dir: Path, store: bool = False, parent: QObject | None = None
-    ) -> None:
-        super().__init__(parent)
-        self._thread = QThread(self)
-        self._thread.setObjectName(name)
-        self.worker = ConversationWorker(policy, cache_dir, store)
-        self.worker.moveToThread(self._thread)
-        self._thread.finished.connect(self.worker.deleteLater)
-        for request, slot in (
-            (self._load, self.worker._on_load),
-            (self._attach, self.worker._on_attach),
-            (self._use_remote, self.worker._on_use_remote),
-            (self._send, self.worker._on_send),
-            (self._regenerate, self.worker._on_regenerate),
-            (self._new_chat, self.worker._on_new_chat),
-            (self._branch, self.worker._on_branch),
-            (self._release, self.worker._on_release),
-            (self._set_system_prompt, self.worker._on_system_prompt),
-            (self._save, self.worker._on_save),
-            (self._restore, self.worker._on_restore),
-            (self._shutdown, self.worker._on_shutdown),
-        ):
-            request.connect(slot)  # auto connection: queued, since the worker lives in another thread
-        self.worker.finished.connect(self._on_finished)
-        self._stop: threading.Event | None = None
-        self._cancel_load: threading.Event | None = None
-        self._thread.start()
-
-    @property
-    def busy(self) -> bool:
-        return self._stop is not None
-
-    # -- requests ----------------------------------------------------------------------------------------------------
-    def load(self, model_dir: Path | None, backend: str = "auto", quantize: str = "auto") -> None:
-        self._cancel_load = threading.Event()
-        self._load.emit(str(model_dir) if model_dir else "", backend, quantize, self._cancel_load)
-
-    def cancel_load(self) -> None:
-        if self._cancel_load is not None:
-            self._cancel_load.set()
-
-    def attach(self, engine: Engine) -> None:
-        self._attach.emit(engine)
-
-    def use_remote(self, server: RemoteServer) -> None:
-        """Chat with a remote server from now on (until a local model is loaded); `remote_ready` says when."""
-        self._use_remote.emit(server)
-
-    def send(self, text: str, settings: GenerationSettings) -> None:
-        self._send.emit(text, settings, self._begin())
-
-    def regenerate(self, settings: GenerationSettings) -> None:
-        self._regenerate.emit(settings, self._begin())
-
-    def stop(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
-
-    def new_chat(self, store_path: Path | None = None) -> None:
-        self._new_chat.emit(str(store_path) if store_path else "")
-
-    def branch(self, source: Path, store_path: Path, upto: int) -> None:
-        """Busy until the branch's memory is read (Stop ends the reading early)."""
-        self._branch.emit(str(source), str(store_path), upto, self._begin())
-
-    def release(self) -> None:
-        self.stop()
-        self._release.emit()
-
-    def set_system_prompt(self, text: str) -> None:
-        self._set_system_prompt.emit(text)
-
-    def save(self, path: Path, full_memory: bool = False) -> None:
-        self._save.emit(str(path), full_memory)
-
-    def restore(self, path: Path, transcript_only: bool = False, store_path: Path | None = None) -> None:
-        self._restore.emit(str(path), transcript_only, str(store_path) if store_path else "")
-
-    def shutdown(self, timeout_ms: int = 30_000) -> bool:
-        """Stop any reply, autosave, end the thread. Blocks the GUI only for the at-most-one-token stop + save."""
-        self.stop()
-        self.cancel_load()
-        self._shutdown.emit()
-        return self._thread.wait(timeout_ms)
-
-    # -- internals -------------------------------------------------------------------------------------------------
-    def _begin(self) -> threading.Event:
-        # A fresh event per request: a Stop pressed before the worker picks the request up still applies to it.
-        self._stop = threading.Event()
-        self.busy_changed.emit(True)
-        return self._stop
-
-    @Slot(TurnResult)
-    def _on_finished(self, result: TurnResult) -> None:
-        self._stop = None
-        self.busy_changed.emit(False)
+        return episodic_hits(self._session if self._remote is None else None)

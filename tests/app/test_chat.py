@@ -9,7 +9,7 @@ from PySide6.QtCore import Qt
 
 from app.gap_meter import GapMeter
 from app.main_window import MainWindow
-from app.worker import TurnResult
+from app.worker_types import TurnResult
 from tests.app.conftest import WAIT_MS, set_reply_tokens
 
 GROSS_STALL_S = 0.25

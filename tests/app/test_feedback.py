@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt
 from app.main_window import MainWindow
 from app.signal_wait import GuiRelay
 from app.wiring import build_main_window
-from app.worker import ReadProgress
+from app.worker_types import ReadProgress
 from tests.app.conftest import WAIT_MS, ScriptedDialogs, dispose, set_reply_tokens
 from tests.tiny import make_tiny_model
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from app.inspector import model_line
 from app.main_window import MainWindow
-from app.worker import ModelInfo
+from app.worker_types import ModelInfo
 from engine.hw import ThermalState
 from tests.app.conftest import WAIT_MS, ScriptedThermal, set_reply_tokens
 

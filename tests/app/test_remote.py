@@ -17,7 +17,7 @@ from PySide6.QtCore import Qt, QUrl
 from app.main_window import MainWindow
 from app.signal_wait import GuiRelay
 from app.wiring import build_main_window
-from app.worker import TurnResult
+from app.worker_types import TurnResult
 from engine.generate import GenerationSettings
 from engine.remote import RemoteServer
 from engine.sampling import SamplingSettings
