@@ -48,7 +48,7 @@ class SparkApplication(QApplication):
         for path in pending:
             self.file_open_requested.emit(path)
 
-    def event(self, e: QEvent) -> bool:  # noqa: N802 - Qt override
+    def event(self, e: QEvent) -> bool:
         if e.type() == QEvent.Type.FileOpen and isinstance(e, QFileOpenEvent):
             path = Path(e.file())
             if self._receiver_connected:

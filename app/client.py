@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
@@ -34,12 +36,18 @@ class ConversationClient(QObject):
     busy_changed = Signal(bool)  # a reply is being generated
 
     def __init__(
-        self, name: str, policy: HardwarePolicy | None, cache_dir: Path, store: bool = False, parent: QObject | None = None
+        self,
+        name: str,
+        policy: HardwarePolicy | None,
+        cache_dir: Path,
+        store: bool = False,
+        parent: QObject | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(parent)
         self._thread = QThread(self)
         self._thread.setObjectName(name)
-        self.worker = ConversationWorker(policy, cache_dir, store)
+        self.worker = ConversationWorker(policy, cache_dir, store, clock)
         self.worker.moveToThread(self._thread)
         self._thread.finished.connect(self.worker.deleteLater)
         for request, slot in (

@@ -14,9 +14,9 @@ from PySide6.QtGui import QAction, QGuiApplication
 from PySide6.QtWidgets import QMenu
 
 from engine.errors import SparkError
-from engine.session import Engine
 from engine.serving.server import LOOPBACK, LocalServer
 from engine.serving.service import ModelService, ServeConfig, served_name
+from engine.session import Engine
 
 DEFAULT_PORT = 8080
 

@@ -83,8 +83,11 @@ class ConversationWorker(QObject):
     remote_ready = Signal(object)  # RemoteServer: replies now stream from it
     shut_down = Signal()
 
-    def __init__(self, policy: HardwarePolicy | None, cache_dir: Path, store: bool = False) -> None:
+    def __init__(
+        self, policy: HardwarePolicy | None, cache_dir: Path, store: bool = False, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__()
+        self._clock = clock  # paces the progress reports; the tests pass a fake
         self._policy = policy
         self._cache_dir = cache_dir
         self._store_enabled = store  # the main chat stores every change; the quick prompt keeps nothing
@@ -133,7 +136,7 @@ class ConversationWorker(QObject):
         """Another model (or precision) was loaded: the open conversation continues on it. Its stored file comes
         back exactly where the model and numerics match, else as a transcript that the next turn re-reads."""
         assert self._session is not None
-        self._read_t0 = self._read_last = time.monotonic()
+        self._read_t0 = self._read_last = self._clock()
         try:
             report = self._session.load(path, accept_transcript_only=True, on_progress=self._on_restore_progress)
         except Exception as exc:
@@ -231,7 +234,7 @@ class ConversationWorker(QObject):
         self._system_prompt = session.system_prompt = data.system_prompt or ""
         self.system_prompt.emit(session.system_prompt)
         self.conversation.emit(self._transcript())
-        self._read_t0 = self._read_last = time.monotonic()
+        self._read_t0 = self._read_last = self._clock()
         try:
             session.read_transcript(stop.is_set)
         except Exception as exc:
@@ -330,7 +333,7 @@ class ConversationWorker(QObject):
         # Read into a fresh session: on any error (or another model's file) the open conversation is untouched.
         session = self._engine.new_session()
         self._prepare(session)
-        self._read_t0 = self._read_last = time.monotonic()
+        self._read_t0 = self._read_last = self._clock()
         try:
             report = session.load(Path(path), accept_transcript_only=transcript_only, on_progress=self._on_restore_progress)
         except Exception as exc:
@@ -439,10 +442,10 @@ class ConversationWorker(QObject):
         self._report_reading("prompt", p.done, p.total, p.done - p.reused, p.elapsed_s)
 
     def _on_restore_progress(self, done: int, total: int) -> None:
-        self._report_reading("restore", done, total, done, time.monotonic() - self._read_t0)
+        self._report_reading("restore", done, total, done, self._clock() - self._read_t0)
 
     def _report_reading(self, kind: str, done: int, total: int, computed: int, elapsed: float) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if done < total and now - self._read_last < READ_INTERVAL_S:
             return
         self._read_last = now
@@ -492,7 +495,7 @@ class ConversationWorker(QObject):
     def _stream(self, start: Callable[[], Iterator[GenerationEvent]]) -> None:
         reason, text = "error", []
         progress = TurnProgress(0, 0, 0.0, 0.0)
-        last_progress = last_memory = self._read_t0 = time.monotonic()
+        last_progress = last_memory = self._read_t0 = self._clock()
         self._read_last = 0.0  # the first reading report goes out at once
         hits_before = self._episodic_hits()
         if self._session is not None and self._remote is None:
@@ -503,7 +506,7 @@ class ConversationWorker(QObject):
                     text.append(ev.text)
                     self.delta.emit(ev.text)
                 progress = TurnProgress(ev.prompt_tokens, ev.generated_tokens, ev.ttft_s, ev.tokens_per_s)
-                now = time.monotonic()
+                now = self._clock()
                 if now - last_progress >= PROGRESS_INTERVAL_S:
                     last_progress = now
                     self.progress.emit(progress)

@@ -78,7 +78,7 @@ def test_sending_while_a_conversation_opens_waits_and_says_why(qtbot, window: Ma
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit("First")
     first = window.current_id
-    window.new_chat_action.trigger()
+    window.menus.new_chat_action.trigger()
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit("Second")
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
@@ -114,11 +114,11 @@ def test_model_picker_lists_recent_models_and_precision_reloads(qtbot, window: M
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit("Keep me across the reload")
     assert prefs.recent_models()[0] == tiny_model
-    window._fill_model_menu()
-    texts = [a.text() for a in window.model_menu.actions()]
+    window.menus.model_menu.aboutToShow.emit()
+    texts = [a.text() for a in window.menus.model_menu.actions()]
     assert texts[0].startswith("Default Model") and tiny_model.name in texts
-    assert any(a.isChecked() for a in window.model_menu.actions() if a.text() == tiny_model.name)
-    none = next(a for a in window.precision_group.actions() if a.data() == "none")
+    assert any(a.isChecked() for a in window.menus.model_menu.actions() if a.text() == tiny_model.name)
+    none = next(a for a in window.menus.precision_group.actions() if a.data() == "none")
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):  # carried over to the reloaded model
         with qtbot.waitSignal(gui(window.client.worker.loaded), timeout=WAIT_MS) as blocker:
             none.trigger()
@@ -144,11 +144,11 @@ def test_a_cleared_system_prompt_stays_cleared(qtbot, window: MainWindow, prefs)
 
 
 def test_help_and_about_and_edit_menu(window: MainWindow, dialogs: ScriptedDialogs) -> None:
-    window.help_action.trigger()
-    window.about_action.trigger()
+    window.menus.help_action.trigger()
+    window.menus.about_action.trigger()
     assert dialogs.asked[-2:] == ["help", "about"]
     keys = dict(dialogs.help_keys)
-    assert keys["New Chat"] == window.new_chat_action.shortcut().toString(window.new_chat_action.shortcut().SequenceFormat.NativeText)
+    assert keys["New Chat"] == window.menus.new_chat_action.shortcut().toString(window.menus.new_chat_action.shortcut().SequenceFormat.NativeText)
     menus = {m.title().replace("&", ""): [a.text() for a in m.actions()] for m in (a.menu() for a in window.menuBar().actions()) if m}
     assert {"Copy", "Select All"} <= set(menus["Edit"])
     assert "MLoT Spark Help" in menus["Help"] and "About MLoT Spark" in menus["Help"]

@@ -61,8 +61,8 @@ def test_tooltips_name_this_platforms_keys(window: MainWindow) -> None:
     import sys
 
     expected = "⌘N" if sys.platform == "darwin" else "Ctrl+N"
-    assert window.new_chat_action.toolTip() == f"Start a new conversation ({expected})"
-    assert "⌘" not in window.stop_action.toolTip() or sys.platform == "darwin"
+    assert window.menus.new_chat_action.toolTip() == f"Start a new conversation ({expected})"
+    assert "⌘" not in window.menus.stop_action.toolTip() or sys.platform == "darwin"
 
 
 def test_number_shortcuts_switch_conversations(qtbot, shown: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
