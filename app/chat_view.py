@@ -37,7 +37,8 @@ FENCE = re.compile(r"```[^\n]*\n?(.*?)(?:```|$)", re.DOTALL)
 
 
 def _mix(a: QColor, b: QColor, t: float) -> QColor:
-    return QColor.fromRgbF(*(x + (y - x) * t for x, y in zip(a.getRgbF()[:3], b.getRgbF()[:3])))
+    ca, cb = (a.redF(), a.greenF(), a.blueF()), (b.redF(), b.greenF(), b.blueF())
+    return QColor.fromRgbF(*(x + (y - x) * t for x, y in zip(ca, cb, strict=True)))
 
 
 class ChatView(QTextBrowser):

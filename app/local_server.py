@@ -96,8 +96,10 @@ def install_local_server_menu(menu: QMenu, controller: LocalServerController) ->
     copy = QAction("Copy Server URL", menu)
     copy.setEnabled(False)
     first = menu.actions()[0] if menu.actions() else None
-    menu.insertActions(first, [switch, copy])  # type: ignore[arg-type]
-    if first is not None:
+    if first is None:
+        menu.addActions([switch, copy])
+    else:
+        menu.insertActions(first, [switch, copy])
         menu.insertSeparator(first)
 
     def on_state(running: bool, url: str) -> None:

@@ -67,6 +67,7 @@ class NoticeBar(QFrame):
     def _place(self) -> None:
         width = max(200, self._over.width() - 32)
         layout = self.layout()
+        assert layout is not None  # set in __init__
         # A wrapped label's own size hint assumes some other width: ask the layout for this width's height.
         height = layout.totalHeightForWidth(width) if layout.hasHeightForWidth() else self.sizeHint().height()
         self.setFixedSize(width, height)

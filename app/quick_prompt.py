@@ -12,6 +12,7 @@ from collections.abc import Callable
 from PySide6.QtCore import QObject, QPoint, QRectF, Qt, Signal, Slot
 from PySide6.QtGui import (
     QAction,
+    QCloseEvent,
     QColor,
     QGuiApplication,
     QIcon,
@@ -111,7 +112,7 @@ class QuickPromptPanel(QWidget):
         self.question.selectAll()
         super().showEvent(event)
 
-    def closeEvent(self, event) -> None:  # type: ignore[no-untyped-def]
+    def closeEvent(self, event: QCloseEvent) -> None:
         self._client.release()
         self._coalescer.discard()
         super().closeEvent(event)

@@ -49,7 +49,7 @@ class WindowMenus(QObject):
         self._build_actions()
         self._build_menus_and_toolbar()
 
-    def _action(self, text: str, slot: Callable[[], None], keys: list[QKeySequence] | None = None, tip: str = "") -> QAction:
+    def _action(self, text: str, slot: Callable[[], object], keys: list[QKeySequence] | None = None, tip: str = "") -> QAction:
         action = QAction(text, self._w)
         if keys:
             action.setShortcuts(keys)
@@ -93,7 +93,7 @@ class WindowMenus(QObject):
         self.about_action = self._action(f"About {APP_NAME}", self._on_about)
         self.about_action.setMenuRole(QAction.MenuRole.AboutRole)
         self.help_action = self._action(f"{APP_NAME} Help", self._on_help, _keys(SK.HelpContents, "F1"))
-        self.switch_actions = [self._action(f"Conversation {n}", lambda n=n: self._w.commands.switch_to(n), [QKeySequence(f"Ctrl+{n}")]) for n in range(1, 10)]
+        self.switch_actions = [self._action(f"Conversation {n}", partial(self._w.commands.switch_to, n), [QKeySequence(f"Ctrl+{n}")]) for n in range(1, 10)]
 
     def _toggle(self, text: str, widget: QWidget, on: bool, keys: list[QKeySequence] | None, remember: Callable[[bool], None] | None) -> QAction:
         action = self._action(text, lambda: None, keys, text)
@@ -168,7 +168,7 @@ class WindowMenus(QObject):
         if recent:
             m.addSection("Recent")
             for p in recent:
-                a = m.addAction(p.name, lambda p=p: self._w.load_model(p))
+                a = m.addAction(p.name, partial(self._w.load_model, p))
                 a.setToolTip(str(p))
                 a.setCheckable(True)
                 a.setChecked(p == self._w.model_path and self._w.remote is None)

@@ -119,10 +119,10 @@ def test_model_picker_lists_recent_models_and_precision_reloads(qtbot, window: M
     assert texts[0].startswith("Default Model") and tiny_model.name in texts
     assert any(a.isChecked() for a in window.menus.model_menu.actions() if a.text() == tiny_model.name)
     none = next(a for a in window.menus.precision_group.actions() if a.data() == "none")
-    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):  # carried over to the reloaded model
-        with qtbot.waitSignal(gui(window.client.worker.loaded), timeout=WAIT_MS) as blocker:
-            none.trigger()
-            assert window.submit("Too soon") is False  # it is being carried over: the message waits
+    # Loaded, then carried over to the reloaded model.
+    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS), qtbot.waitSignal(gui(window.client.worker.loaded), timeout=WAIT_MS) as blocker:
+        none.trigger()
+        assert window.submit("Too soon") is False  # it is being carried over: the message waits
     assert prefs.precision() == "none"
     assert "q8_0" not in blocker.args[0].info.backend_detail  # the model was reloaded at full precision
     assert "with fp32 weights (full precision)" in window.inspector.model.body.text()
