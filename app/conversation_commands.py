@@ -116,7 +116,7 @@ class ConversationCommands(QObject):
         try:
             shutil.copyfile(self._w.library.path_for(conversation_id), self._w.library.path_for(copy_id))
             messages = [(m.role, m.content) for m in load_session(self._w.library.path_for(copy_id)).messages]
-        except Exception as exc:
+        except Exception as exc:  # one sentence; the original is untouched
             self._w.library.path_for(copy_id).unlink(missing_ok=True)
             self._w.notice.show_message(f"The conversation could not be duplicated ({exc}).", error=True)
             return
@@ -171,7 +171,7 @@ class ConversationCommands(QObject):
             messages = [(m.role, m.content) for m in load_session(self._w.library.path_for(conversation_id)).messages]
             text = export_markdown(entry.title, messages) if kind == "md" else export_json(entry.title, messages, entry.model)
             atomic_write(path, [text.encode("utf-8")])
-        except Exception as exc:
+        except Exception as exc:  # one sentence, nothing lost
             self._w.notice.show_message(f"The conversation could not be exported to {path.name} ({exc}).", error=True)
             return
         self._w.notice.show_message(f"Exported {path.name}.", error=False)

@@ -139,7 +139,7 @@ class ConversationWorker(QObject):
         self._read_t0 = self._read_last = self._clock()
         try:
             report = self._session.load(path, accept_transcript_only=True, on_progress=self._on_restore_progress)
-        except Exception as exc:
+        except Exception as exc:  # the file stays; the user can reopen it from the history
             log.exception("carrying the conversation over failed")
             self.error.emit(f"The conversation could not be carried over to the new model ({exc}); it is kept in the history.")
             self.conversation.emit([])
@@ -336,7 +336,7 @@ class ConversationWorker(QObject):
         self._read_t0 = self._read_last = self._clock()
         try:
             report = session.load(Path(path), accept_transcript_only=transcript_only, on_progress=self._on_restore_progress)
-        except Exception as exc:
+        except Exception as exc:  # the worker must answer every request; the chat stays as it was
             if isinstance(exc, SparkError):
                 self.error.emit(str(exc))
             elif isinstance(exc, OSError):
@@ -367,7 +367,7 @@ class ConversationWorker(QObject):
         """The file's transcript and kind (no memory is touched), or None for one that does not read."""
         try:
             return load_session(path)
-        except Exception:
+        except Exception:  # the real load says what is wrong, in one sentence
             return None
 
     def _restore_remote(self, path: Path, target: Path | None) -> None:

@@ -115,6 +115,6 @@ def test_settings_and_layout_persist(qtbot, window: MainWindow, gui, prefs, dial
     try:
         assert prefs.generation() == dialogs.new_settings
         assert prefs.last_model() == tiny_model
-        assert again.inspector_action.isChecked() is inspector_open and again.inspector.isVisible() is inspector_open
+        assert again.menus.inspector_action.isChecked() is inspector_open and again.inspector.isVisible() is inspector_open
     finally:
         dispose(again)
