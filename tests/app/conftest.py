@@ -8,7 +8,7 @@ import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before pytest-qt creates the QApplication
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,11 +106,23 @@ class ScriptedDialogs(Dialogs):
 
 
 class ScriptedThermal:
+    """A thermal source whose state the test sets; like macOS's notification, a change tells the subscribers."""
+
     def __init__(self) -> None:
         self.state = ThermalState.NOMINAL
+        self._listeners: list[Callable[[], None]] = []
 
     def read(self) -> ThermalReading:
         return ThermalReading(self.state, "test sensor", 42.0, "cpu")
+
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def change(self, state: ThermalState) -> None:
+        self.state = state
+        for listener in list(self._listeners):
+            listener()
 
 
 @pytest.fixture

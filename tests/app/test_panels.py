@@ -62,8 +62,7 @@ def test_panels_update_during_generation(qtbot, reporting_window: MainWindow, pr
 
 
 def test_thermal_panel_says_what_the_engine_does(qtbot, window: MainWindow, gui, thermal: ScriptedThermal) -> None:  # type: ignore[no-untyped-def]
-    thermal.state = ThermalState.SERIOUS
-    window.monitor._policy.mark_stale()
+    thermal.change(ThermalState.SERIOUS)
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit("Warm it up")
     qtbot.waitUntil(lambda: "throttled: thermal serious" in window.inspector.thermal_panel.action.text(), timeout=WAIT_MS)
