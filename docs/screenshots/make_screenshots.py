@@ -68,7 +68,7 @@ def build(model: Path | None, workdir: Path, size: tuple[int, int]) -> MainWindo
     window.show()
     name, value = wait_any({"loaded": window.client.worker.loaded, "error": window.client.worker.error}, WAIT_MS, lambda: window.load_model(model, "auto"))
     assert name == "loaded", value
-    if window._opening is not None:  # a relaunch reopens the last conversation first
+    if window.opening is not None:  # a relaunch reopens the last conversation first
         wait_any({"restored": window.client.worker.restored, "error": window.client.worker.error}, WAIT_MS)
     return window
 
