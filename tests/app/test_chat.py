@@ -100,7 +100,7 @@ def test_regenerate_replaces_the_last_reply(qtbot, window: MainWindow, gui) -> N
 def test_new_chat_can_be_undone_with_memory_and_title(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
     send_and_wait(qtbot, gui, window, "Remember me")
     first_id, title = window.current_id, window.windowTitle()
-    memory = list(window.client.worker._session.memory.tokens)
+    memory = list(window.client.worker.session.memory.tokens)
     window.menus.new_chat_action.trigger()
     assert "Remember me" not in window.chat.toPlainText()
     assert window.menus.undo_action.isEnabled() and window.menus.undo_action.text() == "Undo New Chat"
@@ -108,7 +108,7 @@ def test_new_chat_can_be_undone_with_memory_and_title(qtbot, window: MainWindow,
         window.menus.undo_action.trigger()
     assert "Remember me" in window.chat.toPlainText()
     assert window.current_id == first_id and window.windowTitle() == title == "Remember me — MLoT Spark"
-    assert window.client.worker._session.memory.tokens == memory  # the memory came back too: nothing is re-read
+    assert window.client.worker.session.memory.tokens == memory  # the memory came back too: nothing is re-read
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS) as blocker:
         assert window.submit("And now?")
     assert blocker.args[0].progress.prompt_tokens < len(memory)  # only the new message (and its frame) was fed

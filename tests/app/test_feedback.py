@@ -105,7 +105,7 @@ def test_a_reply_that_used_recalled_memory_says_so(qtbot, tmp_path: Path, prefs,
         assert recalled, "no reply used recalled memory although the conversation overflowed the 64-token window"
         n = recalled[-1].recalled_turns_ago
         assert f"Recalled from {n} turn" in w.chat.toPlainText()
-        assert w.client.worker._session.stats().episodic.hits > 0
+        assert w.client.worker.session.stats().episodic.hits > 0
     finally:
         dispose(w)
 
@@ -130,7 +130,7 @@ def test_model_picker_lists_recent_models_and_precision_reloads(qtbot, window: M
     assert "Keep me across the reload" in window.chat.toPlainText()
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         assert window.submit("Still here?")
-    assert [m.content for m in window.client.worker._session.messages][::2] == ["Keep me across the reload", "Still here?"]
+    assert [m.content for m in window.client.worker.session.messages][::2] == ["Keep me across the reload", "Still here?"]
 
 
 def test_a_cleared_system_prompt_stays_cleared(qtbot, window: MainWindow, prefs) -> None:  # type: ignore[no-untyped-def]

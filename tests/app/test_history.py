@@ -38,7 +38,7 @@ def test_quit_with_unsaved_work_loses_nothing_and_relaunch_restores_it(qtbot, wi
     say(qtbot, gui, window, "Remember the number 42")
     say(qtbot, gui, window, "And the colour blue")
     reply = window.chat.reply_text()
-    memory = list(window.client.worker._session.memory.tokens)
+    memory = list(window.client.worker.session.memory.tokens)
     title = window.windowTitle()
     window.close()  # ⌘W, then ⌘Q: no question about saving
     window.shutdown()
@@ -49,7 +49,7 @@ def test_quit_with_unsaved_work_loses_nothing_and_relaunch_restores_it(qtbot, wi
         assert "Remember the number 42" in again.chat.toPlainText() and again.chat.reply_text() == reply
         assert again.windowTitle() == title
         assert seen[:2] == ["conversation", "conversation"]  # the words showed before the memory was ready
-        assert again.client.worker._session.memory.tokens == memory  # the memory came back, not just the words
+        assert again.client.worker.session.memory.tokens == memory  # the memory came back, not just the words
         assert again.sidebar.ids()[0] == again.current_id
         with qtbot.waitSignal(GuiRelay(again.client.worker.finished, parent=again).fired, timeout=WAIT_MS) as blocker:
             again.submit("What did I ask first?")
@@ -85,7 +85,7 @@ def test_search_rename_delete_and_undo(qtbot, window: MainWindow, gui, dialogs: 
     window.sidebar.rename_requested.emit(lisbon)
     assert window.library.get(lisbon).title == "Holiday"
 
-    memory = list(window.client.worker._session.memory.tokens)
+    memory = list(window.client.worker.session.memory.tokens)
     window.menus.delete_action.trigger()  # ⌘⌫ on the open conversation
     assert window.library.get(bread) is None and window.sidebar.ids() == [lisbon]
     assert not window.library.path_for(bread).exists()
@@ -94,18 +94,18 @@ def test_search_rename_delete_and_undo(qtbot, window: MainWindow, gui, dialogs: 
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
         window.menus.undo_action.trigger()
     assert window.current_id == bread and "Bake sourdough bread" in window.chat.toPlainText()
-    assert window.client.worker._session.memory.tokens == memory
+    assert window.client.worker.session.memory.tokens == memory
     assert window.sidebar.ids() == [bread, lisbon]
 
 
 def test_branch_at_a_message_restores_that_points_memory(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
     say(qtbot, gui, window, "First question")
-    after_first = window.client.worker._session.messages[:2]
+    after_first = window.client.worker.session.messages[:2]
     say(qtbot, gui, window, "Second question")
     source = window.current_id
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.chat._on_anchor(QUrl("branch:1"))  # "Branch" on the first reply
-    session = window.client.worker._session
+    session = window.client.worker.session
     assert window.current_id != source
     assert [(m.role, m.content) for m in session.messages] == [(m.role, m.content) for m in after_first]
     assert "Second question" not in window.chat.toPlainText()
