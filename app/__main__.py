@@ -52,10 +52,11 @@ def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Pat
     """Returns the longest GUI gap in seconds; raises SelfTestFailure."""
     from app.gap_meter import GapMeter
     from app.signal_wait import wait_any
+    from app.worker_types import LoadedModel, TurnResult
 
     w = window.client.worker
     name, value = wait_any({"loaded": w.loaded, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.load_model(model, backend))
-    if name != "loaded":
+    if name != "loaded" or not isinstance(value, LoadedModel):
         raise SelfTestFailure(f"the model did not load: {value or 'timed out'}")
     print(f"model: {value.info.name} on {value.info.backend_detail}")
 
@@ -63,7 +64,7 @@ def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Pat
     meter.start()
     name, result = wait_any({"finished": w.finished, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.submit(SELF_TEST_PROMPT))
     gap = meter.stop()
-    if name != "finished" or result.reason == "error":
+    if name != "finished" or not isinstance(result, TurnResult) or result.reason == "error":
         raise SelfTestFailure(f"the reply failed: {result if name == 'error' else name}")
     reply = window.chat.reply_text()
     if not result.progress.generated_tokens:

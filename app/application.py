@@ -21,10 +21,10 @@ from PySide6.QtGui import QFileOpenEvent
 from PySide6.QtWidgets import QApplication, QMessageBox
 
 from app.icons import app_icon
+from app.standarddirs import init_application_names
 from engine.paths import resources_dir
 
 STYLE_SHEET = "style/spark.qss"
-from app.standarddirs import init_application_names
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class SparkApplication(QApplication):
         for path in pending:
             self.file_open_requested.emit(path)
 
-    def event(self, e: QEvent) -> bool:  # noqa: N802 - Qt override
+    def event(self, e: QEvent) -> bool:
         if e.type() == QEvent.Type.FileOpen and isinstance(e, QFileOpenEvent):
             path = Path(e.file())
             if self._receiver_connected:
@@ -74,7 +74,11 @@ class CrashReporter(QObject):
 
     def install(self) -> None:
         sys.excepthook = self._hook
-        threading.excepthook = lambda args: self._hook(args.exc_type, args.exc_value, args.exc_traceback)  # type: ignore[arg-type]
+        threading.excepthook = self._thread_hook
+
+    def _thread_hook(self, args: threading.ExceptHookArgs) -> None:
+        if args.exc_value is not None:  # the hook's arguments allow None: then there is nothing to report
+            self._hook(args.exc_type, args.exc_value, args.exc_traceback)
 
     def _hook(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         text = "".join(traceback.format_exception(exc_type, exc, tb))
@@ -84,7 +88,8 @@ class CrashReporter(QObject):
                 f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n{text}\n")
         except OSError:
             log.error("could not write the crash log %s", self.log_path)
-        sys.__stderr__.write(text)
+        if sys.__stderr__ is not None:  # None under a GUI launcher without a console
+            sys.__stderr__.write(text)
         self.crashed.emit(f"{exc_type.__name__}: {exc}", str(self.log_path))
 
     @Slot(str, str)

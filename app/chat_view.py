@@ -28,7 +28,7 @@ from PySide6.QtGui import (
 )
 from PySide6.QtWidgets import QPlainTextEdit, QTextBrowser, QWidget
 
-from app.worker import MessageView
+from app.worker_types import MessageView
 
 ROLE_LABELS = {"user": "You", "assistant": "Spark", "system": "System"}
 ROLE_PROPERTY = 0x100000  # QTextFormat.UserProperty: marks each message frame with its role
@@ -37,7 +37,8 @@ FENCE = re.compile(r"```[^\n]*\n?(.*?)(?:```|$)", re.DOTALL)
 
 
 def _mix(a: QColor, b: QColor, t: float) -> QColor:
-    return QColor.fromRgbF(*(x + (y - x) * t for x, y in zip(a.getRgbF()[:3], b.getRgbF()[:3])))
+    ca, cb = (a.redF(), a.greenF(), a.blueF()), (b.redF(), b.greenF(), b.blueF())
+    return QColor.fromRgbF(*(x + (y - x) * t for x, y in zip(ca, cb, strict=True)))
 
 
 class ChatView(QTextBrowser):

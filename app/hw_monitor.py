@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
-from app.worker import MemoryReport, ModelInfo
+from app.worker_types import MemoryReport, ModelInfo
 from engine.hw import HardwarePolicy, MemorySnapshot, PolicyState, SystemMemorySource, ThermalReading
 
 SAMPLE_MS = 1000

@@ -14,9 +14,9 @@ from PySide6.QtGui import QAction, QGuiApplication
 from PySide6.QtWidgets import QMenu
 
 from engine.errors import SparkError
-from engine.session import Engine
 from engine.serving.server import LOOPBACK, LocalServer
 from engine.serving.service import ModelService, ServeConfig, served_name
+from engine.session import Engine
 
 DEFAULT_PORT = 8080
 
@@ -96,8 +96,10 @@ def install_local_server_menu(menu: QMenu, controller: LocalServerController) ->
     copy = QAction("Copy Server URL", menu)
     copy.setEnabled(False)
     first = menu.actions()[0] if menu.actions() else None
-    menu.insertActions(first, [switch, copy])  # type: ignore[arg-type]
-    if first is not None:
+    if first is None:
+        menu.addActions([switch, copy])
+    else:
+        menu.insertActions(first, [switch, copy])
         menu.insertSeparator(first)
 
     def on_state(running: bool, url: str) -> None:

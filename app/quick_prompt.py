@@ -10,7 +10,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from PySide6.QtCore import QObject, QPoint, QRectF, Qt, Signal, Slot
-from PySide6.QtGui import QAction, QColor, QGuiApplication, QIcon, QKeyEvent, QPainter, QPainterPath, QPaintEvent, QPalette, QShowEvent
+from PySide6.QtGui import (
+    QAction,
+    QCloseEvent,
+    QColor,
+    QGuiApplication,
+    QIcon,
+    QKeyEvent,
+    QPainter,
+    QPainterPath,
+    QPaintEvent,
+    QPalette,
+    QShowEvent,
+)
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -24,8 +36,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.client import ConversationClient
 from app.coalescer import TextCoalescer
-from app.worker import ConversationClient, TurnResult
+from app.worker_types import TurnResult
 from engine.generate import GenerationSettings
 
 PANEL_WIDTH = 520
@@ -89,22 +102,22 @@ class QuickPromptPanel(QWidget):
         return self.answer.toPlainText()
 
     # -- events ----------------------------------------------------------------------------------------------------
-    def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802 - Qt override
+    def keyPressEvent(self, event: QKeyEvent) -> None:
         if event.key() == Qt.Key.Key_Escape:
             self.close()
             return
         super().keyPressEvent(event)
 
-    def showEvent(self, event: QShowEvent) -> None:  # noqa: N802 - Qt override
+    def showEvent(self, event: QShowEvent) -> None:
         self.question.selectAll()
         super().showEvent(event)
 
-    def closeEvent(self, event) -> None:  # type: ignore[no-untyped-def]  # noqa: N802 - Qt override
+    def closeEvent(self, event: QCloseEvent) -> None:
         self._client.release()
         self._coalescer.discard()
         super().closeEvent(event)
 
-    def paintEvent(self, event: QPaintEvent) -> None:  # noqa: N802 - Qt override
+    def paintEvent(self, event: QPaintEvent) -> None:
         # A rounded HUD-like card; the window itself is translucent so the corners stay clear.
         p = QPainter(self)
         p.setRenderHint(QPainter.RenderHint.Antialiasing)

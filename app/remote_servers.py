@@ -125,7 +125,7 @@ class AddServerDialog(QDialog):
         self._lister.run(self.url.text().strip(), self.key.text())
 
     @Slot(list)
-    def _on_listed(self, names: list) -> None:
+    def _on_listed(self, names: list[str]) -> None:
         self.check.setEnabled(True)
         current = self.model.currentText()
         self.model.clear()

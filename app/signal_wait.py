@@ -8,6 +8,7 @@ GUI thread, so whatever waits on it (an event loop, pytest-qt's waitSignal) is o
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from PySide6.QtCore import QEventLoop, QObject, QTimer, Signal, SignalInstance
 
@@ -31,7 +32,7 @@ def wait_any(signals: dict[str, SignalInstance], timeout_ms: int, start: Callabl
     relays = []
     for name, signal in signals.items():
         relay = GuiRelay(signal)
-        relay.fired.connect(lambda value, name=name: (got.append((name, value)), loop.quit()) if not got else None)
+        relay.fired.connect(partial(_first, got, loop, name))
         relays.append(relay)
     start()
     QTimer.singleShot(timeout_ms, loop.quit)
@@ -40,3 +41,10 @@ def wait_any(signals: dict[str, SignalInstance], timeout_ms: int, start: Callabl
     for relay in relays:
         relay.deleteLater()
     return got[0] if got else ("timeout", None)
+
+
+def _first(got: list[tuple[str, object]], loop: QEventLoop, name: str, value: object) -> None:
+    """Keep the first signal that fires, and end the wait."""
+    if not got:
+        got.append((name, value))
+        loop.quit()

@@ -28,7 +28,7 @@ class StandardDirs:
     documents: Path  # where Save/Open dialogs start
 
     @classmethod
-    def from_platform(cls) -> "StandardDirs":
+    def from_platform(cls) -> StandardDirs:
         docs = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation) or str(Path.home())
         return cls(cache=paths.default_cache_dir(), data=paths.default_data_dir(), documents=Path(docs))
 

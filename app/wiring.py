@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
+from app.client import ConversationClient
 from app.dialogs import Dialogs
 from app.hw_monitor import HardwareMonitor
 from app.main_window import MainWindow
 from app.preferences import Preferences
 from app.standarddirs import StandardDirs
-from app.worker import ConversationClient
 from engine.hw import HardwarePolicy, SystemMemorySource, ThermalSource, default_thermal_source
 
 
@@ -17,10 +20,11 @@ def build_main_window(
     dirs: StandardDirs,
     dialogs: Dialogs | None = None,
     thermal: ThermalSource | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> MainWindow:
     memory = SystemMemorySource()
     policy = HardwarePolicy(thermal or default_thermal_source(), memory)
-    client = ConversationClient("chat-worker", policy, dirs.cache, store=True)
+    client = ConversationClient("chat-worker", policy, dirs.cache, store=True, clock=clock)
     quick_client = ConversationClient("quick-prompt-worker", policy, dirs.cache)
     monitor = HardwareMonitor(policy, memory)
     window = MainWindow(client, quick_client, monitor, prefs, dirs, dialogs)

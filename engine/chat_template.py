@@ -54,7 +54,7 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering ignores it."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 - jinja2's Extension declares `tags` an instance attribute; it is only read
 
     def parse(self, parser: Any) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -62,7 +62,7 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
 
     def _render_body(self, caller: Any) -> str:
-        return caller()
+        return str(caller())
 
 
 class _TemplateNamespace(jinja2.utils.Namespace):
@@ -161,7 +161,7 @@ def compile_template(template: str) -> jinja2.Template:
 
 def render_chat(
     template: str | None,
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool,
     bos_token: str = "",

@@ -59,7 +59,7 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 def _added_tokens(tokens: list[str], types: list[int]) -> list[AddedToken]:
     return [
         AddedToken(tok, special=(kind == CONTROL), normalized=False, single_word=False, lstrip=False, rstrip=False)
-        for tok, kind in zip(tokens, types)
+        for tok, kind in zip(tokens, types, strict=True)
         if kind in (CONTROL, USER_DEFINED)
     ]
 

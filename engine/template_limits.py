@@ -39,7 +39,7 @@ def _too_big(value: Any, limit: int) -> bool:
     return isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > limit
 
 
-def check_args(args: tuple, kwargs: dict, limit: int) -> None:
+def check_args(args: tuple[object, ...], kwargs: dict[str, object], limit: int) -> None:
     """Refuse an integer argument beyond the limit (a width, a count, a repeat) before the call allocates."""
     for a in (*args, *kwargs.values()):
         if isinstance(a, int) and not isinstance(a, bool) and abs(a) > limit:

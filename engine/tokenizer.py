@@ -152,7 +152,7 @@ class Tokenizer:
         self._adds_bos = self._bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [self._bos_id]
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json, generation_config.json and config.json from `model_dir`."""
         root = Path(model_dir)
         if not root.is_dir():
@@ -204,7 +204,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, metadata: dict[str, Any]) -> "Tokenizer":
+    def from_gguf(cls, metadata: dict[str, Any]) -> Tokenizer:
         """The tokenizer a GGUF file carries in its metadata (vocabulary, merges or scores, specials, template)."""
         backend, special_tokens, eos_ids, add_bos, content_hash = tokenizer_parts(metadata)
         cls._install_bos_eos(backend, special_tokens, add_bos, False)
@@ -214,7 +214,7 @@ class Tokenizer:
         return cls(backend, chat_template=template or None, special_tokens=special_tokens, eos_ids=eos_ids, content_hash=content_hash)
 
     @classmethod
-    def load(cls, model_path: str | Path) -> "Tokenizer":
+    def load(cls, model_path: str | Path) -> Tokenizer:
         """The tokenizer of any model path: a Hugging Face folder, a .gguf file, or a folder holding one."""
         if is_gguf_model(model_path):
             return cls.from_gguf(gguf_model(model_path).metadata)
@@ -277,7 +277,7 @@ class Tokenizer:
             ids.insert(0, self._bos_id)
         return ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
         """The prompt text for `messages` (transformers' `apply_chat_template(tokenize=False)`).
 
         `extra` reaches the template as variables (e.g. `continue_final_message=True`, `tools=[...]`).
@@ -285,7 +285,7 @@ class Tokenizer:
         kwargs = {**self._special_tokens, **extra}
         return render_chat(self._chat_template, messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
         """Prompt ids for `messages`: the rendered template encoded without added special tokens, because the
         template writes its own BOS text (transformers' `apply_chat_template(tokenize=True)`)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_bos=False)

@@ -6,7 +6,7 @@ from PySide6.QtCore import Slot
 from PySide6.QtWidgets import QFormLayout, QLabel, QProgressBar, QWidget
 
 from app.panels.base import Panel, bytes_text
-from app.worker import MemoryReport
+from app.worker_types import MemoryReport
 from engine.cascade import TierStats
 
 TIER_TITLES = {"working": "Working (L1)", "episodic": "Episodic (L2)", "persistent": "Persistent (L3)"}

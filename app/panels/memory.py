@@ -7,7 +7,7 @@ from PySide6.QtWidgets import QWidget
 
 from app.hw_monitor import HardwareSample
 from app.panels.base import Panel, bytes_text
-from app.worker import MemoryReport, ModelInfo
+from app.worker_types import MemoryReport, ModelInfo
 
 
 class MemoryPanel(Panel):

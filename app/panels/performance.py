@@ -6,7 +6,7 @@ from PySide6.QtCore import Slot
 from PySide6.QtWidgets import QWidget
 
 from app.panels.base import Panel
-from app.worker import ModelInfo, TurnProgress
+from app.worker_types import ModelInfo, TurnProgress
 
 
 class PerformancePanel(Panel):

@@ -8,7 +8,7 @@ from PySide6.QtCore import Signal, Slot
 from PySide6.QtWidgets import QHBoxLayout, QPushButton, QWidget
 
 from app.panels.base import PLACEHOLDER, Panel, clock_text
-from app.worker import MemoryReport, SessionFileEvent
+from app.worker_types import MemoryReport, SessionFileEvent
 
 
 class SessionPanel(Panel):

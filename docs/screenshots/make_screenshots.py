@@ -68,7 +68,7 @@ def build(model: Path | None, workdir: Path, size: tuple[int, int]) -> MainWindo
     window.show()
     name, value = wait_any({"loaded": window.client.worker.loaded, "error": window.client.worker.error}, WAIT_MS, lambda: window.load_model(model, "auto"))
     assert name == "loaded", value
-    if window._opening is not None:  # a relaunch reopens the last conversation first
+    if window.opening is not None:  # a relaunch reopens the last conversation first
         wait_any({"restored": window.client.worker.restored, "error": window.client.worker.error}, WAIT_MS)
     return window
 
@@ -77,7 +77,7 @@ def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
     if first:
         for q in ("What is the capital of France?", "Give me three tips for a good night's sleep."):
             say(window, q)
-            window.new_chat_action.trigger()
+            window.menus.new_chat_action.trigger()
         say(window, "Write a haiku about autumn leaves.")
     shoot(window, "chat", size)
 
@@ -94,13 +94,13 @@ def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
     say(window, LONG)
     window.client.worker.reading.disconnect(on_reading)
 
-    window.inspector_action.setChecked(True)
+    window.menus.inspector_action.setChecked(True)
     window.inspector.details_button.setChecked(True)
     shoot(window, "inspector-details", size)
     window.inspector.details_button.setChecked(False)
 
-    QTimer.singleShot(400, lambda: (shoot(window, "model-menu", size), window.model_menu.close()))
-    window.model_button.showMenu()
+    QTimer.singleShot(400, lambda: (shoot(window, "model-menu", size), window.menus.model_menu.close()))
+    window.menus.model_button.showMenu()
 
     window.sidebar.search.setText("haiku")
     shoot(window, "search", size)

@@ -32,9 +32,9 @@ import torch
 from engine.backends import open_backend
 from engine.backends.base import Backend
 from engine.bench.checkpoints import write_random_checkpoint
-from engine.model_files import read_config, settings_dir
 from engine.cascade import CascadeConfig, CascadeMemory
 from engine.memory import FullAttentionMemory, Memory
+from engine.model_files import read_config, settings_dir
 
 LENGTHS = (256, 16384, 32768)  # and the length where the window first fills (see lengths_for)
 DECODE_STEPS = 16  # per round; rounds interleave the points
@@ -42,7 +42,7 @@ DECODE_ROUNDS = 8
 WARMUP = 8
 CHUNK = 256
 EPISODIC_BUDGET = 16 * 1024**2
-BENCH_SHAPE: dict = {
+BENCH_SHAPE: dict[str, object] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "vocab_size": 4096,
@@ -97,7 +97,7 @@ def decode(backend: Backend, memory: Memory, logits: torch.Tensor, steps: int) -
     return times, logits
 
 
-def peak_rss_point(model: Path, mode: str, n: int, backend_name: str, quantize: str) -> dict:
+def peak_rss_point(model: Path, mode: str, n: int, backend_name: str, quantize: str) -> dict[str, object]:
     """Run in a fresh process: build the conversation, decode a little, report this process's peak RSS."""
     built = build(model, mode, n, backend_name, quantize)
     if built is None:
@@ -114,7 +114,7 @@ def fill_length(model: Path) -> tuple[int, CascadeConfig]:
     return cfg.sink_tokens + cfg.window, cfg
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict[str, object]:
     threads = getattr(args, "threads", None) or 1
     torch.set_num_threads(threads)
     backend_name = args.backend or "cpu"
@@ -135,16 +135,17 @@ def run(args: argparse.Namespace) -> dict:
         # Timing: every point lives in this one process and they take turns, so load from other processes on the
         # machine hits all points alike instead of skewing whichever ran during a busy minute.
         points = {(mode, n): build(model, mode, n, backend_name, quantize) for mode in ("cascade", "full") for n in lengths}
-        live = {key: list(p) for key, p in points.items() if p is not None}
+        live = {key: p for key, p in points.items() if p is not None}
+        last = {key: logits for key, (_, _, logits) in live.items()}  # each point's latest logits
         times: dict[tuple[str, int], list[float]] = {key: [] for key in live}
-        for key, (b, m, logits) in live.items():
-            live[key][2] = decode(b, m, logits, WARMUP)[1]
+        for key, (b, m, _) in live.items():
+            last[key] = decode(b, m, last[key], WARMUP)[1]
         for _ in range(DECODE_ROUNDS):
-            for key, (b, m, logits) in live.items():
-                step_times, live[key][2] = decode(b, m, logits, DECODE_STEPS)
+            for key, (b, m, _) in live.items():
+                step_times, last[key] = decode(b, m, last[key], DECODE_STEPS)
                 times[key] += step_times
-        stats = live[("cascade", lengths[-1])][1].stats().to_dict()  # type: ignore[union-attr]
-        numerics = live[("cascade", lengths[-1])][0].numerics  # type: ignore[attr-defined]
+        stats = live[("cascade", lengths[-1])][1].stats().to_dict()  # type: ignore[attr-defined]  # the "cascade" point's memory is a CascadeMemory; build() returns the Memory protocol
+        numerics = live[("cascade", lengths[-1])][0].numerics
     ms = {key: 1000 * statistics.median(t) for key, t in times.items()}
     first, last = lengths[0], lengths[-1]
     return {

@@ -14,7 +14,7 @@ from engine.model import Transformer
 BENCH_VOCAB_SPECIALS = ["<|endoftext|>"]
 
 
-def write_random_checkpoint(out: Path, config: dict, seed: int = 0) -> Path:
+def write_random_checkpoint(out: Path, config: dict[str, object], seed: int = 0) -> Path:
     """A model folder with `config` and random weights (std 0.02, norms 1), plus a byte-level tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

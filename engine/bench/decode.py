@@ -20,20 +20,21 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from engine.errors import SparkError
-from engine.generate import GenerationSettings
-from engine.sampling import SamplingSettings
 from engine.backends import BackendChoice
 from engine.backends.base import Backend
 from engine.backends.torch_backend import TorchBackend
-from engine.model_files import display_name, gguf_model, is_gguf_model, resolve_model_path
-from engine.tokenizer import Tokenizer
+from engine.errors import SparkError
+from engine.generate import GenerationSettings
 from engine.memory import FullAttentionMemory, Memory
+from engine.model_files import display_name, gguf_model, is_gguf_model, resolve_model_path
+from engine.sampling import SamplingSettings
 from engine.session import Engine, MemoryFactory, Session
+from engine.tokenizer import Tokenizer
 
 # Our precision -> the GGUF tensor type llama.cpp runs for the same comparison.
 GGUF_TYPE_FOR: dict[str, str] = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1"}
@@ -57,7 +58,7 @@ def prompt_ids(vocab: int, n: int = PROMPT_TOKENS) -> list[int]:
     return torch.randint(1, min(vocab, 30000), (n,), generator=g).tolist()
 
 
-def measure_ours(session: Session, ids: list[int], n_decode: int) -> dict:
+def measure_ours(session: Session, ids: list[int], n_decode: int) -> dict[str, Any]:
     session.reset()
     settings = GenerationSettings(max_tokens=n_decode, sampling=SamplingSettings(greedy=True), prefill_chunk=len(ids), ignore_eos=True)
     events = list(session.complete_ids(ids, settings))
@@ -65,13 +66,13 @@ def measure_ours(session: Session, ids: list[int], n_decode: int) -> dict:
     return {"prefill_tps": len(ids) / last.ttft_s, "decode_tps": last.tokens_per_s, "tokens": [e.token for e in events]}
 
 
-def llama_last_logits(llm) -> np.ndarray:  # type: ignore[no-untyped-def]
+def llama_last_logits(llm) -> np.ndarray:  # type: ignore[no-untyped-def]  # llm: a llama_cpp.Llama, an optional import (the bench extra)
     """The last evaluated token's logits (V,): read from the context, since `Llama.scores` is only filled with
     logits_all=True (which would make llama.cpp compute the LM head for every prompt token)."""
     return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
 
 
-def measure_llamacpp(llm, ids: list[int], n_decode: int) -> dict:  # type: ignore[no-untyped-def]
+def measure_llamacpp(llm, ids: list[int], n_decode: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]  # llm: a llama_cpp.Llama, an optional import
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(ids)
@@ -86,7 +87,7 @@ def measure_llamacpp(llm, ids: list[int], n_decode: int) -> dict:  # type: ignor
     return {"prefill_tps": len(ids) / (t_first - t0), "decode_tps": (n_decode - 1) / (t_end - t_first), "tokens": tokens}
 
 
-def measure_transformers(model, ids: list[int], n_decode: int) -> dict:  # type: ignore[no-untyped-def]
+def measure_transformers(model, ids: list[int], n_decode: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]  # model: a transformers model, an optional import
     inp = torch.tensor([ids])
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(inp))
     t0 = time.perf_counter()
@@ -98,11 +99,11 @@ def measure_transformers(model, ids: list[int], n_decode: int) -> dict:  # type:
     return {"prefill_tps": len(ids) / (t1 - t0), "decode_tps": (n_decode - 1) / ((t2 - t1) - (t1 - t0)), "tokens": out[0, len(ids) :].tolist()}
 
 
-def _median(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return float(statistics.median(r[key] for r in runs))
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     repeats = 1 if args.quick else 3
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
     dtype = str(getattr(engine.backend, "dtype", "float16")).removeprefix("torch.")  # Core ML runs fp16
     quantize = getattr(engine.backend, "quantize", "none") or "none"
     gguf_type = GGUF_TYPE_FOR.get(quantize, GGUF_TYPE_FOR.get(dtype, "f16"))
-    result: dict = {
+    result: dict[str, Any] = {
         "model": display_name(model_dir),
         "threads": threads,
         "prompt_tokens": len(ids),
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
         "numerics": engine.backend.numerics,
     }
     session = engine.new_session()
-    peers: dict[str, Callable[[], dict]] = {"ours": lambda: measure_ours(session, ids, n_decode)}
+    peers: dict[str, Callable[[], dict[str, Any]]] = {"ours": lambda: measure_ours(session, ids, n_decode)}
     notes = []
     try:
         import llama_cpp
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> dict:
         llm = llama_cpp.Llama(str(gguf_path), n_ctx=len(ids) + n_decode + 8, n_threads=threads, n_threads_batch=threads, n_batch=len(ids), verbose=False)
         peers["llamacpp"] = lambda: measure_llamacpp(llm, ids, n_decode)
         # Same model? Compare the prompt's last-token logits of both engines.
-        llm.reset()
+        llm.reset()  # type: ignore[no-untyped-call]  # llama_cpp leaves Llama.reset unannotated
         llm.eval(ids)
         theirs = torch.from_numpy(np.array(llama_last_logits(llm), dtype=np.float32))
         ours_logits = _our_last_logits(engine, ids)
@@ -168,15 +169,15 @@ def run(args: argparse.Namespace) -> dict:
 
         file = gguf_model(model_dir).path if is_gguf_model(model_dir) else None  # transformers dequantizes a GGUF
         where = (file.parent, {"gguf_file": file.name}) if file else (model_dir, {})
-        hf = transformers.AutoModelForCausalLM.from_pretrained(where[0], dtype=torch.float32, **where[1]).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(where[0], dtype=torch.float32, **where[1]).eval()  # type: ignore[no-untyped-call]  # transformers leaves from_pretrained's result unannotated
         peers["transformers"] = lambda: measure_transformers(hf, ids, n_decode)
         result["transformers_version"] = transformers.__version__
         result["transformers_dtype"] = "float32"
     except ImportError:
         notes.append("transformers is not installed; it was not measured")
-    runs: dict[str, list[dict]] = {name: [] for name in peers}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in peers}
     with torch.inference_mode():
-        for name, fn in peers.items():  # warm-up (allocations, thread pools, lazy init)
+        for fn in peers.values():  # warm-up (allocations, thread pools, lazy init)
             fn()
         for _ in range(repeats):
             for name, fn in peers.items():
@@ -202,4 +203,6 @@ def _our_last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     from engine.generate import prefill
 
     session = engine.new_session()
-    return prefill(session.backend, session.memory, ids, len(ids))
+    logits = prefill(session.backend, session.memory, ids, len(ids))
+    assert logits is not None  # None only when a should_stop ends the prefill early; there is none here
+    return logits

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 
 from engine.backends import open_backend
 from engine.backends.base import Backend
+from engine.bench.stdlib_docs import is_sampled, render_module, stdlib_top_modules
 from engine.cascade import CascadeConfig, CascadeMemory
 from engine.errors import SparkError
 from engine.memory import FullAttentionMemory, Memory
 from engine.model_files import resolve_model_path, settings_dir
 from engine.tokenizer import Tokenizer
-from engine.bench.stdlib_docs import is_sampled, render_module, stdlib_top_modules
 
 CHUNK = 64  # small chunks: tokens early in a chunk that wraps the window see W - T + 1 window tokens, not W
 MAX_TOKENS = 12288
@@ -38,7 +38,9 @@ def held_out_text(min_chars: int) -> str:
     names = [m for m in stdlib_top_modules() if is_sampled(m)]
     text = ""
     for name in names:
-        pages: dict[str, str] = render_module(name)["pages"]  # type: ignore[assignment]
+        pages = render_module(name)["pages"]
+        if not isinstance(pages, dict):  # the renderer's JSON: {"pages": {title: text}}
+            continue
         text += "".join(pages[k] + "\n\n" for k in sorted(pages))
         if len(text) >= min_chars:
             break
@@ -69,7 +71,7 @@ def open_model(args: argparse.Namespace) -> tuple[Path, Backend, Tokenizer, Casc
     return model, backend, Tokenizer.load(model), cfg
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict[str, object]:
     model, backend, tok, cfg = open_model(args)
     n = max(QUICK_TOKENS if getattr(args, "quick", False) else MAX_TOKENS, 3 * cfg.used_slots // 2)
     ids = tok.encode(held_out_text(min_chars=n * 6))[:n]
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> dict:
         "window": replace(cfg, retrieval_blocks=0),
         "window_equal_slots": replace(cfg, retrieval_blocks=0, window=budget - cfg.sink_tokens),
     }
-    out: dict = {}
+    out: dict[str, object] = {}
     for name, c in variants.items():
         backend.allocate(1, c.num_slots)
         total, count = nll(backend, CascadeMemory(backend, c), ids)

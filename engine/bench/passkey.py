@@ -14,13 +14,13 @@ import argparse
 import random
 import time
 from dataclasses import dataclass
-
+from typing import Any
 
 from engine.backends.base import Backend
+from engine.bench.long_ppl import open_model
 from engine.cascade import CascadeMemory
 from engine.generate import decode_step, prefill
 from engine.memory import FullAttentionMemory, Memory
-from engine.bench.long_ppl import open_model
 from engine.tokenizer import Tokenizer
 
 INTRO = "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about the important information there.\n"
@@ -59,6 +59,7 @@ def make_trial(tok: Tokenizer, length: int, depth: float, seed: int) -> Trial:
 def answer(backend: Backend, memory: Memory, tok: Tokenizer, ids: list[int]) -> str:
     """Greedy reply of up to ANSWER_TOKENS tokens (stops at a newline)."""
     logits = prefill(backend, memory, ids, CHUNK)
+    assert logits is not None  # None only when a should_stop ends the prefill early; there is none here
     out: list[int] = []
     for _ in range(ANSWER_TOKENS):
         token = int(logits.argmax())
@@ -81,17 +82,17 @@ def lengths_for(trained: int, quick: bool, max_length: int | None) -> list[int]:
     return sorted(out)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     model, backend, tok, cfg = open_model(args)
     trained = backend.config.max_position_embeddings
     depths: tuple[float, ...] = QUICK_DEPTHS if getattr(args, "quick", False) else DEPTHS
     if getattr(args, "depths", None):
         depths = tuple(float(d) for d in args.depths.split(","))
     lengths = lengths_for(trained, getattr(args, "quick", False), getattr(args, "max_length", None))
-    per_length: dict[int, dict] = {}
+    per_length: dict[int, dict[str, Any]] = {}
     t0 = time.perf_counter()
     for length in lengths:
-        row: dict = {"cascade": [], "full": []}
+        row: dict[str, Any] = {"cascade": [], "full": []}
         for i, depth in enumerate(depths):
             # The peer's prompt and answer must fit the trained context, so the length there is what fits.
             trial = make_trial(tok, trained - ANSWER_TOKENS if length == trained else length, depth, seed=length * 100 + i)

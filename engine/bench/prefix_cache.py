@@ -18,17 +18,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from engine.model_files import display_name, resolve_model_path, settings_dir
 from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
+from engine.model_files import display_name, resolve_model_path, settings_dir
 
 PROMPT_TOKENS = 1500
 CHUNK = 256
 
 
-def ttft(model: Path, cache_dir: Path, backend_name: str, repeats: int = 1) -> list[dict]:
+def ttft(model: Path, cache_dir: Path, backend_name: str, repeats: int = 1) -> list[dict[str, Any]]:
     """Load the model once, then `repeats` times: a fresh memory over `cache_dir`, prefill the prompt, argmax."""
     from engine.backends import open_backend
     from engine.generate import prefill
@@ -42,6 +43,7 @@ def ttft(model: Path, cache_dir: Path, backend_name: str, repeats: int = 1) -> l
         memory = CascadeMemory(backend, cfg, store=store)
         t0 = time.perf_counter()
         logits = prefill(backend, memory, ids, CHUNK)
+        assert logits is not None  # None only when a should_stop ends the prefill early; there is none here
         token = int(logits.argmax())
         seconds = time.perf_counter() - t0
         out.append(
@@ -58,7 +60,7 @@ def ttft(model: Path, cache_dir: Path, backend_name: str, repeats: int = 1) -> l
     return out
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     threads = getattr(args, "threads", None) or 1  # torch threads spin-wait on a busy machine (was 8x slower)
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> dict:
         if proc.returncode != 0:
             return {"error": f"the restarted process failed: {proc.stderr.strip().splitlines()[-1:]}"}
         restart = json.loads(proc.stdout)
-    drift = max(abs(a - b) for a, b in zip(cold["logits_head"], restart["logits_head"]))
+    drift = max(abs(a - b) for a, b in zip(cold["logits_head"], restart["logits_head"], strict=True))
     return {
         "speedup_warm": cold["ttft_s"] / warm["ttft_s"],
         "speedup_restart": cold["ttft_s"] / restart["ttft_s"],

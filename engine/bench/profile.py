@@ -27,7 +27,7 @@ from engine.tokenizer import Tokenizer
 PROMPT_TOKENS = 128
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict[str, object]:
     if args.threads:
         torch.set_num_threads(args.threads)
     n_decode = 16 if args.quick else 64

@@ -16,6 +16,7 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ def held_out_ids(tokenizer: Tokenizer, n: int) -> list[int]:
     return ids[: n + 1]
 
 
-def compare(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict:
+def compare(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
     """ref_logits, logits (T, V); targets (T,): KL(ref || this) per token, top-token agreement, perplexity."""
     kld, ce = [], []
     for at in range(0, ref_logits.shape[0], 256):  # chunks: (256, V) at a time in float64
@@ -72,18 +73,18 @@ def llamacpp_logits(path: Path, ids: list[int], threads: int) -> torch.Tensor:
     return out
 
 
-def _rounded(d: dict, prefix: str) -> dict:
+def _rounded(d: dict[str, Any], prefix: str) -> dict[str, Any]:
     return {f"{prefix}_{k}": round(v, 6) for k, v in d.items()}
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     model = resolve_model_path(args.model)  # its fp32 weights (a GGUF's, dequantized) are the reference
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     n = QUICK_TOKENS if args.quick else TOKENS
     ids = held_out_ids(Tokenizer.load(model), n)
     inputs, targets = ids[:-1], torch.tensor(ids[1:])
-    result: dict = {"model": str(model), "tokens": len(inputs), "threads": threads, "types": {}}
+    result: dict[str, Any] = {"model": str(model), "tokens": len(inputs), "threads": threads, "types": {}}
     t0 = time.perf_counter()
     fp32 = our_logits(TorchBackend(model, "cpu", quantize="none"), inputs)
     result["ours_fp32_ppl"] = round(compare(fp32, fp32, targets)["ppl"], 4)
@@ -93,12 +94,13 @@ def run(args: argparse.Namespace) -> dict:
         from engine.bench.gguf_export import export_gguf
 
         result["llamacpp_version"] = llama_cpp.__version__
+        have_llamacpp = True
     except ImportError:
-        llama_cpp = None
+        have_llamacpp = False
         result["notes"] = ["llama-cpp-python is not installed (pip install -e '.[bench]'); llama.cpp was not measured"]
     tmp = tempfile.TemporaryDirectory(prefix="spark-quant-")
     files: dict[str, Path] = {}
-    if llama_cpp is not None:
+    if have_llamacpp:
         f32 = export_gguf(model, Path(tmp.name) / "model-f32.gguf", "f32")
         result["llamacpp_f32"] = _rounded(compare(fp32, llamacpp_logits(f32, inputs, threads), targets), "llamacpp")  # the peers agree at fp32
         f32.unlink()
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> dict:
         files["gguf"] = model  # the file as it is: its own blocks, as stored, in both engines
     for name, path in files.items():
         stored: dict[str, StoredTensor] = gguf_model(path).stored_tensors()
-        row: dict = {"file": str(path) if name == "gguf" else f"{name} export of the model folder"}
+        row: dict[str, Any] = {"file": str(path) if name == "gguf" else f"{name} export of the model folder"}
         ours = TorchBackend(model, "cpu", quantize="auto", stored=stored)
         row["ours_weights"] = ours.numerics
         row.update(_rounded(compare(fp32, our_logits(ours, inputs), targets), "ours"))
@@ -121,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
         fp32_act = TorchBackend(model, "cpu", quantize="auto", stored=stored, kernels="torch")  # same weights, fp32 activations
         row.update(_rounded(compare(fp32, our_logits(fp32_act, inputs), targets), "ours_fp32_act"))
         del fp32_act
-        if llama_cpp is not None:
+        if have_llamacpp:
             row.update(_rounded(compare(fp32, llamacpp_logits(path, inputs, threads), targets), "llamacpp"))
             row["kld_ratio_vs_llamacpp"] = round(row["ours_mean_kld"] / row["llamacpp_mean_kld"], 3)
         for who in ("ours", "ours_q8_act", "ours_fp32_act", "llamacpp"):

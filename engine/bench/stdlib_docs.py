@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 RENDERER = Path(__file__).with_name("stdlib_render.py")
 
 # Imported for their side effects or needing a display / an interactive terminal; never imported at all.
@@ -52,4 +51,5 @@ def render_module(top: str) -> dict[str, object]:
         return {"pages": {}, "entries": []}
     if proc.returncode != 0:
         return {"pages": {}, "entries": []}
-    return json.loads(proc.stdout.decode("utf-8"))
+    docs: dict[str, object] = json.loads(proc.stdout.decode("utf-8"))
+    return docs

@@ -56,7 +56,7 @@ def entries(module: object, modname: str) -> list[list[str]]:
         if not doc or len(doc) < 40:
             return
         try:
-            sig = str(inspect.signature(obj))  # type: ignore[arg-type]
+            sig = str(inspect.signature(obj))  # type: ignore[arg-type]  # any module attribute; a non-callable raises TypeError, caught below
         except (TypeError, ValueError):
             sig = ""
         found.append([qual, ADDRESS.sub("", sig), ADDRESS.sub("", doc)])
@@ -81,7 +81,7 @@ def render(top: str) -> dict[str, object]:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
             module = importlib.import_module(top)
-        except BaseException:  # noqa: BLE001 - any failure (ImportError, SystemExit, platform checks) means "skip"
+        except BaseException:  # any failure (ImportError, SystemExit, platform checks) means "skip"
             return {"pages": {}, "entries": []}
         if hasattr(module, "__path__"):
             for info in pkgutil.walk_packages(module.__path__, prefix=top + ".", onerror=lambda _name: None):
@@ -90,8 +90,8 @@ def render(top: str) -> dict[str, object]:
         for name in sorted(set(names)):
             try:
                 mod = importlib.import_module(name)
-                text = pydoc.render_doc(mod, title="%s", renderer=pydoc.plaintext)
-            except BaseException:  # noqa: BLE001 - a submodule that cannot load on this platform is skipped
+                text = pydoc.render_doc(mod, title="%s", renderer=pydoc.plaintext)  # type: ignore[attr-defined]  # pydoc has it; typeshed does not declare it
+            except BaseException:  # a submodule that cannot load on this platform is skipped
                 continue
             pages[name] = clean_page(text)
             found.extend(entries(mod, name))

@@ -12,7 +12,7 @@ from engine.backends import QUANTIZE_CHOICES
 from engine.cli.checks import check_threads
 from engine.errors import SparkError
 
-# suite name -> module exposing `run(args) -> dict` (headline keys per DESIGN.md)
+# suite name -> module exposing `run(args) -> dict[str, object]` (headline keys per DESIGN.md)
 SUITES: dict[str, str] = {
     "decode": "engine.bench.decode",
     "cascade": "engine.bench.cascade",
@@ -26,7 +26,7 @@ SUITES: dict[str, str] = {
 }
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("bench", help="run a benchmark suite")
     p.add_argument("suite", choices=list(SUITES))
     p.add_argument("--model", type=Path, default=None, help="model folder or .gguf (default: the default model, or the suite's own)")

@@ -6,7 +6,7 @@ import argparse
 import json
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("hw", help="show chip, thermal state, memory and compute backends")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--snapshot-cost", action="store_true", help="also measure the cost of one memory snapshot")

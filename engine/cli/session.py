@@ -13,8 +13,12 @@ import argparse
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.session_file import inspect_session, verify_session
+
+if TYPE_CHECKING:
+    from engine.session_schema import StateTarget
 
 PREVIEW_CHARS = 72
 # What a terminal would act on or render deceptively: C0/C1 controls, DEL, bidi controls, surrogates.
@@ -23,7 +27,7 @@ _ESCAPES = {c: (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}") for c in _UNSAFE}
 _JSON_ESCAPES = {c: f"\\u{c:04x}" for c in _UNSAFE if c >= 0x20}  # json.dumps already escapes C0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("session", help="inspect or verify a .spark session file")
     actions = parser.add_subparsers(dest="session_action", required=True, metavar="ACTION")
     inspect = actions.add_parser("inspect", help="show a session's messages, model, token count and sizes")
@@ -104,7 +108,7 @@ def _installed_default_model() -> Path | None:
         return None
 
 
-def _model_target(model_dir: Path):  # type: ignore[no-untyped-def]
+def _model_target(model_dir: Path) -> tuple[StateTarget, str]:
     """(the state target restore would use, the model's fingerprint), from the folder's config, cascade.json and
     weight headers alone: no weights are loaded."""
     from engine.cascade import CascadeConfig

@@ -12,6 +12,7 @@ Linux takes the worse of the two: PSI sees stalls already happening, the availab
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import sys
 import time
@@ -61,10 +62,8 @@ def parse_psi(text: str) -> MemoryPressure:
         for pair in rest.split():
             key, _, value = pair.partition("=")
             if key == "avg10":
-                try:
+                with contextlib.suppress(ValueError):
                     avg10[kind] = float(value)
-                except ValueError:
-                    pass
     if "some" not in avg10:
         return MemoryPressure.UNKNOWN
     if avg10.get("full", 0.0) >= PSI_FULL_CRITICAL:
@@ -155,9 +154,10 @@ class MemorySource(Protocol):
 
 
 def _default_pressure() -> PressureReader:
-    if sys.platform == "darwin":
+    platform: str = sys.platform  # a plain str: the type checker would otherwise check one platform's branch only
+    if platform == "darwin":
         return MacPressure()
-    if sys.platform.startswith("linux"):
+    if platform.startswith("linux"):
         return LinuxPressure()
     return RatioPressure()
 

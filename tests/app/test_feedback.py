@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt
 from app.main_window import MainWindow
 from app.signal_wait import GuiRelay
 from app.wiring import build_main_window
-from app.worker import ReadProgress
+from app.worker_types import ReadProgress
 from tests.app.conftest import WAIT_MS, ScriptedDialogs, dispose, set_reply_tokens
 from tests.tiny import make_tiny_model
 
@@ -78,7 +78,7 @@ def test_sending_while_a_conversation_opens_waits_and_says_why(qtbot, window: Ma
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit("First")
     first = window.current_id
-    window.new_chat_action.trigger()
+    window.menus.new_chat_action.trigger()
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit("Second")
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
@@ -105,7 +105,7 @@ def test_a_reply_that_used_recalled_memory_says_so(qtbot, tmp_path: Path, prefs,
         assert recalled, "no reply used recalled memory although the conversation overflowed the 64-token window"
         n = recalled[-1].recalled_turns_ago
         assert f"Recalled from {n} turn" in w.chat.toPlainText()
-        assert w.client.worker._session.stats().episodic.hits > 0
+        assert w.client.worker.session.stats().episodic.hits > 0
     finally:
         dispose(w)
 
@@ -114,15 +114,15 @@ def test_model_picker_lists_recent_models_and_precision_reloads(qtbot, window: M
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit("Keep me across the reload")
     assert prefs.recent_models()[0] == tiny_model
-    window._fill_model_menu()
-    texts = [a.text() for a in window.model_menu.actions()]
+    window.menus.model_menu.aboutToShow.emit()
+    texts = [a.text() for a in window.menus.model_menu.actions()]
     assert texts[0].startswith("Default Model") and tiny_model.name in texts
-    assert any(a.isChecked() for a in window.model_menu.actions() if a.text() == tiny_model.name)
-    none = next(a for a in window.precision_group.actions() if a.data() == "none")
-    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):  # carried over to the reloaded model
-        with qtbot.waitSignal(gui(window.client.worker.loaded), timeout=WAIT_MS) as blocker:
-            none.trigger()
-            assert window.submit("Too soon") is False  # it is being carried over: the message waits
+    assert any(a.isChecked() for a in window.menus.model_menu.actions() if a.text() == tiny_model.name)
+    none = next(a for a in window.menus.precision_group.actions() if a.data() == "none")
+    # Loaded, then carried over to the reloaded model.
+    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS), qtbot.waitSignal(gui(window.client.worker.loaded), timeout=WAIT_MS) as blocker:
+        none.trigger()
+        assert window.submit("Too soon") is False  # it is being carried over: the message waits
     assert prefs.precision() == "none"
     assert "q8_0" not in blocker.args[0].info.backend_detail  # the model was reloaded at full precision
     assert "with fp32 weights (full precision)" in window.inspector.model.body.text()
@@ -130,7 +130,7 @@ def test_model_picker_lists_recent_models_and_precision_reloads(qtbot, window: M
     assert "Keep me across the reload" in window.chat.toPlainText()
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         assert window.submit("Still here?")
-    assert [m.content for m in window.client.worker._session.messages][::2] == ["Keep me across the reload", "Still here?"]
+    assert [m.content for m in window.client.worker.session.messages][::2] == ["Keep me across the reload", "Still here?"]
 
 
 def test_a_cleared_system_prompt_stays_cleared(qtbot, window: MainWindow, prefs) -> None:  # type: ignore[no-untyped-def]
@@ -144,11 +144,11 @@ def test_a_cleared_system_prompt_stays_cleared(qtbot, window: MainWindow, prefs)
 
 
 def test_help_and_about_and_edit_menu(window: MainWindow, dialogs: ScriptedDialogs) -> None:
-    window.help_action.trigger()
-    window.about_action.trigger()
+    window.menus.help_action.trigger()
+    window.menus.about_action.trigger()
     assert dialogs.asked[-2:] == ["help", "about"]
     keys = dict(dialogs.help_keys)
-    assert keys["New Chat"] == window.new_chat_action.shortcut().toString(window.new_chat_action.shortcut().SequenceFormat.NativeText)
+    assert keys["New Chat"] == window.menus.new_chat_action.shortcut().toString(window.menus.new_chat_action.shortcut().SequenceFormat.NativeText)
     menus = {m.title().replace("&", ""): [a.text() for a in m.actions()] for m in (a.menu() for a in window.menuBar().actions()) if m}
     assert {"Copy", "Select All"} <= set(menus["Edit"])
     assert "MLoT Spark Help" in menus["Help"] and "About MLoT Spark" in menus["Help"]

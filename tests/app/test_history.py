@@ -38,7 +38,7 @@ def test_quit_with_unsaved_work_loses_nothing_and_relaunch_restores_it(qtbot, wi
     say(qtbot, gui, window, "Remember the number 42")
     say(qtbot, gui, window, "And the colour blue")
     reply = window.chat.reply_text()
-    memory = list(window.client.worker._session.memory.tokens)
+    memory = list(window.client.worker.session.memory.tokens)
     title = window.windowTitle()
     window.close()  # ⌘W, then ⌘Q: no question about saving
     window.shutdown()
@@ -49,7 +49,7 @@ def test_quit_with_unsaved_work_loses_nothing_and_relaunch_restores_it(qtbot, wi
         assert "Remember the number 42" in again.chat.toPlainText() and again.chat.reply_text() == reply
         assert again.windowTitle() == title
         assert seen[:2] == ["conversation", "conversation"]  # the words showed before the memory was ready
-        assert again.client.worker._session.memory.tokens == memory  # the memory came back, not just the words
+        assert again.client.worker.session.memory.tokens == memory  # the memory came back, not just the words
         assert again.sidebar.ids()[0] == again.current_id
         with qtbot.waitSignal(GuiRelay(again.client.worker.finished, parent=again).fired, timeout=WAIT_MS) as blocker:
             again.submit("What did I ask first?")
@@ -73,7 +73,7 @@ def test_every_change_is_stored_atomically_in_the_data_folder(qtbot, window: Mai
 def test_search_rename_delete_and_undo(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs) -> None:  # type: ignore[no-untyped-def]
     say(qtbot, gui, window, "Plan a trip to Lisbon")
     lisbon = window.current_id
-    window.new_chat_action.trigger()
+    window.menus.new_chat_action.trigger()
     say(qtbot, gui, window, "Bake sourdough bread")
     bread = window.current_id
     window.sidebar.search.setText("lisbon")
@@ -85,27 +85,27 @@ def test_search_rename_delete_and_undo(qtbot, window: MainWindow, gui, dialogs: 
     window.sidebar.rename_requested.emit(lisbon)
     assert window.library.get(lisbon).title == "Holiday"
 
-    memory = list(window.client.worker._session.memory.tokens)
-    window.delete_action.trigger()  # ⌘⌫ on the open conversation
+    memory = list(window.client.worker.session.memory.tokens)
+    window.menus.delete_action.trigger()  # ⌘⌫ on the open conversation
     assert window.library.get(bread) is None and window.sidebar.ids() == [lisbon]
     assert not window.library.path_for(bread).exists()
     assert "Bake sourdough" not in window.chat.toPlainText()
-    assert window.undo_action.text() == "Undo Delete"
+    assert window.menus.undo_action.text() == "Undo Delete"
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
-        window.undo_action.trigger()
+        window.menus.undo_action.trigger()
     assert window.current_id == bread and "Bake sourdough bread" in window.chat.toPlainText()
-    assert window.client.worker._session.memory.tokens == memory
+    assert window.client.worker.session.memory.tokens == memory
     assert window.sidebar.ids() == [bread, lisbon]
 
 
 def test_branch_at_a_message_restores_that_points_memory(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
     say(qtbot, gui, window, "First question")
-    after_first = window.client.worker._session.messages[:2]
+    after_first = window.client.worker.session.messages[:2]
     say(qtbot, gui, window, "Second question")
     source = window.current_id
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.chat._on_anchor(QUrl("branch:1"))  # "Branch" on the first reply
-    session = window.client.worker._session
+    session = window.client.worker.session
     assert window.current_id != source
     assert [(m.role, m.content) for m in session.messages] == [(m.role, m.content) for m in after_first]
     assert "Second question" not in window.chat.toPlainText()
@@ -124,16 +124,16 @@ def test_duplicate_and_export(qtbot, window: MainWindow, gui, dialogs: ScriptedD
     source = window.current_id
     reply = window.chat.reply_text()
     dialogs.export_to = tmp_path / "talk.md"
-    window.export_md_action.trigger()
+    window.menus.export_md_action.trigger()
     md = (tmp_path / "talk.md").read_text()
     assert md.startswith("# Export me") and "**You:**" in md and "Export me" in md
     dialogs.export_to = tmp_path / "talk.json"
-    window.export_json_action.trigger()
+    window.menus.export_json_action.trigger()
     data = json.loads((tmp_path / "talk.json").read_text())
     assert data["title"] == "Export me" and [m["role"] for m in data["messages"]] == ["user", "assistant"]
     assert dialogs.asked[-2:] == [f"export {tmp_path / 'Export me.md'}", f"export {tmp_path / 'Export me.json'}"]  # Documents, titled
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
-        window.duplicate_action.trigger()
+        window.menus.duplicate_action.trigger()
     assert window.current_id != source and window.library.get(window.current_id).title == "Export me (copy)"
     assert window.chat.reply_text() == reply
 
@@ -142,11 +142,11 @@ def test_save_a_copy_is_compact_by_default_and_full_on_request(qtbot, window: Ma
     say(qtbot, gui, window, "Size me")
     dialogs.save_to = tmp_path / "small.spark"
     with qtbot.waitSignal(gui(window.client.worker.saved), timeout=WAIT_MS):
-        window.save_action.trigger()
+        window.menus.save_action.trigger()
     assert dialogs.save_starts[-1] == window.dirs.documents / "Size me.spark"  # Documents, with the title
     dialogs.save_to = tmp_path / "full.spark"
     with qtbot.waitSignal(gui(window.client.worker.saved), timeout=WAIT_MS):
-        window.save_full_action.trigger()
+        window.menus.save_full_action.trigger()
     small, full = inspect_session(tmp_path / "small.spark"), inspect_session(tmp_path / "full.spark")
     assert small["tensor_bytes"] == 0 and full["tensor_bytes"] > 0
     assert small["file_bytes"] < full["file_bytes"]  # (the tiny test model's KV is small; the real model's figure is in the README)
@@ -172,7 +172,7 @@ def test_paths_on_the_command_line_open_after_the_model_loads(qtbot, window: Mai
     talk = tmp_path / "talk.spark"
     dialogs.save_to = talk
     with qtbot.waitSignal(gui(window.client.worker.saved), timeout=WAIT_MS):
-        window.save_action.trigger()
+        window.menus.save_action.trigger()
     window.shutdown()
     args = parse_args([str(talk), str(tiny_model), "--backend", "cpu"])  # `python -m app talk.spark MODEL`
     again = build_main_window(prefs, dirs, dialogs)
@@ -208,20 +208,20 @@ def test_notes_under_replies_come_back_with_the_conversation(qtbot, window: Main
     with qtbot.waitSignal(window.coalescer.flushed, timeout=WAIT_MS):
         window.submit("Stop me midway")
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
-        window.stop_action.trigger()
+        window.menus.stop_action.trigger()
     assert "Stopped." in window.chat.toPlainText()
     first = window.current_id
-    window.new_chat_action.trigger()
+    window.menus.new_chat_action.trigger()
     assert "Stopped." not in window.chat.toPlainText()
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
-        window.undo_action.trigger()
+        window.menus.undo_action.trigger()
     assert window.current_id == first and "Stopped." in window.chat.toPlainText()
 
 
 def test_going_back_to_a_conversation_just_left_needs_no_recompute(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
     say(qtbot, gui, window, "Stay warm")
     first = window.current_id
-    window.new_chat_action.trigger()
+    window.menus.new_chat_action.trigger()
     say(qtbot, gui, window, "Another one")
     restoring: list[object] = []
     gui(window.client.worker.reading).connect(lambda p: restoring.append(p) if p.kind == "restore" else None)

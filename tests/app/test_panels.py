@@ -2,37 +2,58 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+from PySide6.QtWidgets import QLabel, QWidget
 
 from app.inspector import model_line
 from app.main_window import MainWindow
-from app.worker import ModelInfo
+from app.signal_wait import GuiRelay
+from app.wiring import build_main_window
+from app.worker_types import ModelInfo
 from engine.hw import ThermalState
-from tests.app.conftest import WAIT_MS, ScriptedThermal, set_reply_tokens
+from tests.app.conftest import WAIT_MS, ScriptedThermal, dispose, set_reply_tokens
 
 
-def test_panels_update_during_generation(qtbot, window: MainWindow, gui, prefs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    set_reply_tokens(prefs, 400)
-    # The tiny model decodes a reply faster than the panels' report interval: pace it at >= 2 ms a token (the
-    # engine's own pacing hook), so the reply outlasts several reports. Stopped once two differ.
-    policy = window.monitor._policy
-    paced = policy.before_step
-    monkeypatch.setattr(policy, "before_step", lambda should_stop: (time.sleep(0.002), paced(should_stop))[1])
-    seen: list[tuple[str, str]] = []
+class StepClock:
+    """A clock that moves one second each time it is read: every report interval has passed at every token, so the
+    worker reports after each one, whatever the machine's speed."""
 
-    def sample(_report: object) -> None:
-        if window.client.busy:
-            seen.append((window.inspector.cache_panel._rows["working"].detail.text(), window.inspector.performance_panel.tokens.text()))
-            if len(set(seen)) >= 2:  # seen enough: end the reply early
-                window.client.stop()
+    def __init__(self) -> None:
+        self.now = 0.0
 
-    gui(window.client.worker.memory).connect(sample)
-    with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.fixture
+def reporting_window(qtbot, tiny_model: Path, prefs, dirs, dialogs, thermal) -> Iterator[MainWindow]:  # type: ignore[no-untyped-def]
+    w = build_main_window(prefs, dirs, dialogs, thermal, clock=StepClock())
+    with qtbot.waitSignal(GuiRelay(w.client.worker.loaded, parent=w).fired, timeout=WAIT_MS):
+        w.load_model(tiny_model, "cpu")
+    yield w
+    dispose(w)
+
+
+def shown(panel: QWidget) -> str:
+    """What a panel shows: its labels' text, in order."""
+    return "\n".join(label.text() for label in panel.findChildren(QLabel) if label.text())
+
+
+def test_panels_update_during_generation(qtbot, reporting_window: MainWindow, prefs) -> None:  # type: ignore[no-untyped-def]
+    window = reporting_window
+    set_reply_tokens(prefs, 16)
+    during: list[str] = []  # the cache and performance panels after each memory report of the streaming reply
+    reports = GuiRelay(window.client.worker.memory, parent=window).fired  # queued after the inspector's own slot
+    reports.connect(lambda _: during.append(shown(window.inspector.cache_panel) + shown(window.inspector.performance_panel)) if window.client.busy else None)
+    with qtbot.waitSignal(GuiRelay(window.client.worker.finished, parent=window).fired, timeout=WAIT_MS):
         window.submit("Fill the cache a little")
-    assert len(seen) >= 2, "the panels were not updated while streaming"
-    assert len({s for s in seen}) >= 2, "panel values did not change while streaming"
-    assert set(window.inspector.cache_panel._rows) == {"working", "episodic", "persistent"}
+    assert len(set(during)) >= 2, f"the panels did not change while the reply streamed: {during}"
+    cache = shown(window.inspector.cache_panel)
+    assert all(title in cache for title in ("Working (L1)", "Episodic (L2)", "Persistent (L3)"))
     assert "generated" in window.inspector.performance_panel.tokens.text()
     assert window.inspector.performance_panel.backend.text().startswith("cpu, q8_0 weights, native")  # the app's CPU default
     assert "tokens/s" in window.inspector.performance_panel.speed.text()
@@ -41,8 +62,7 @@ def test_panels_update_during_generation(qtbot, window: MainWindow, gui, prefs, 
 
 
 def test_thermal_panel_says_what_the_engine_does(qtbot, window: MainWindow, gui, thermal: ScriptedThermal) -> None:  # type: ignore[no-untyped-def]
-    thermal.state = ThermalState.SERIOUS
-    window.monitor._policy.mark_stale()
+    thermal.change(ThermalState.SERIOUS)
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit("Warm it up")
     qtbot.waitUntil(lambda: "throttled: thermal serious" in window.inspector.thermal_panel.action.text(), timeout=WAIT_MS)
@@ -68,9 +88,9 @@ def test_inspector_speaks_plainly_and_toggles(qtbot, window: MainWindow, gui, pr
     insp.details_button.click()
     assert insp.details.isVisible() and insp.cache_panel.isVisible()
     assert insp.isVisible()
-    window.inspector_action.trigger()  # ⌘I / Ctrl+I
+    window.menus.inspector_action.trigger()  # ⌘I / Ctrl+I
     assert not insp.isVisible() and prefs.inspector_visible() is False
-    window.inspector_action.trigger()
+    window.menus.inspector_action.trigger()
     assert insp.isVisible()
 
 

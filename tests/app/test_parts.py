@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QSettings, Qt
 
+from app.client import ConversationClient
 from app.coalescer import TextCoalescer
 from app.icons import app_icon, draw_app_icon, tray_icon
 from app.preferences import Preferences
 from app.settings_dialog import SettingsDialog
 from engine.generate import GenerationSettings
+from engine.hw import DecisionKind, HardwarePolicy, PolicyDecision, SystemMemorySource, ThermalState
 from engine.sampling import SamplingSettings
+from tests.app.conftest import ScriptedThermal
 
 
 def test_coalescer_repaints_at_most_once_per_frame(qtbot) -> None:  # type: ignore[no-untyped-def]
@@ -54,3 +57,19 @@ def test_icons_exist_and_draw(qtbot) -> None:  # type: ignore[no-untyped-def]
     assert not icon.isNull() and icon.isMask()
     img = draw_app_icon(64)
     assert img.width() == 64 and img.pixelColor(32, 32).alpha() == 255
+
+
+def test_a_shut_down_worker_no_longer_hears_the_policy(qtbot, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    thermal = ScriptedThermal()
+    policy = HardwarePolicy(thermal, SystemMemorySource())
+    client = ConversationClient("test-worker", policy, tmp_path)
+    heard: list[PolicyDecision] = []
+    client.worker.policy.connect(heard.append, Qt.ConnectionType.DirectConnection)  # on the deciding thread
+    thermal.change(ThermalState.SERIOUS)
+    policy.refresh()
+    assert DecisionKind.THROTTLE in [d.kind for d in heard]
+    before = list(heard)
+    assert client.shutdown()
+    thermal.change(ThermalState.CRITICAL)
+    policy.refresh()  # a pause is decided; the worker that was shut down is no longer told
+    assert heard == before

@@ -13,12 +13,12 @@ def test_quick_prompt_answers_while_the_main_chat_generates(qtbot, window: MainW
     set_reply_tokens(prefs, 400)
     with qtbot.waitSignal(window.coalescer.flushed, timeout=WAIT_MS):
         window.submit("A long main reply")
-    window.quick_action.trigger()
+    window.menus.quick_action.trigger()
     panel = window.quick_panel
     assert panel.isVisible()
     set_reply_tokens(prefs, 10)
     qtbot.keyClicks(panel.question, "Quick one?")
-    with qtbot.waitSignal(gui(window._quick_client.worker.finished), timeout=WAIT_MS) as blocker:
+    with qtbot.waitSignal(gui(window.quick_client.worker.finished), timeout=WAIT_MS) as blocker:
         qtbot.keyClick(panel.question, Qt.Key.Key_Return)
     assert window.client.busy, "the main chat should still be generating"
     assert blocker.args[0].progress.generated_tokens > 0
@@ -29,6 +29,6 @@ def test_quick_prompt_answers_while_the_main_chat_generates(qtbot, window: MainW
     qtbot.keyClick(panel, Qt.Key.Key_Escape)
     assert not panel.isVisible()
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS) as main_done:
-        window.stop_action.trigger()
+        window.menus.stop_action.trigger()
     assert main_done.args[0].reason == "cancelled"
     assert "Quick one?" not in window.chat.toPlainText()

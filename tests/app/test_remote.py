@@ -17,7 +17,7 @@ from PySide6.QtCore import Qt, QUrl
 from app.main_window import MainWindow
 from app.signal_wait import GuiRelay
 from app.wiring import build_main_window
-from app.worker import TurnResult
+from app.worker_types import TurnResult
 from engine.generate import GenerationSettings
 from engine.remote import RemoteServer
 from engine.sampling import SamplingSettings
@@ -43,7 +43,7 @@ def choose(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, server: Rem
     """Add the server through the model menu's "Add a Server…", which also chooses it."""
     dialogs.server_to_add = server
     with qtbot.waitSignal(gui(window.client.worker.remote_ready), timeout=WAIT_MS):
-        window.add_server_action.trigger()
+        window.menus.add_server_action.trigger()
 
 
 def send(qtbot, window: MainWindow, gui, text: str) -> TurnResult:  # type: ignore[no-untyped-def]
@@ -59,10 +59,10 @@ def test_a_remote_server_is_a_model_choice_and_the_reply_streams_from_it(qtbot, 
     server = RemoteServer(served.url, "tiny", KEY)
     choose(qtbot, window, gui, dialogs, server)
     assert window.remote == server and window.remote_servers.all() == [server]
-    window._fill_model_menu()
-    checked = [a.text() for a in window.model_menu.actions() if a.isChecked()]
+    window.menus.model_menu.aboutToShow.emit()
+    checked = [a.text() for a in window.menus.model_menu.actions() if a.isChecked()]
     assert checked == [f"tiny on {served.url.split('//')[1].split('/')[0]}"]  # the server, not the local model
-    assert window.model_button.text() == "Model: tiny"
+    assert window.menus.model_button.text() == "Model: tiny"
 
     result = send(qtbot, window, gui, "The quick brown fox")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
@@ -101,7 +101,7 @@ def test_a_remote_server_is_a_model_choice_and_the_reply_streams_from_it(qtbot, 
     assert [m.role for m in load_session(window.library.path_for(cid)).messages] == ["user", "assistant", "user", "assistant"]
     # A remote conversation's file opened with the local model restores its transcript without asking anything:
     # it holds no memory that taking the transcript alone could lose.
-    window._on_new_chat()
+    window.menus.new_chat_action.trigger()
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
         window.open_file(elsewhere)
     assert window.current_id != cid and window.chat.reply_text() == result.text.replace("\r", "\n")
@@ -170,18 +170,18 @@ def test_the_open_conversation_goes_on_at_the_server_and_the_history_opens_there
     want = client.chat.completions.create(model="tiny", messages=history, max_tokens=12, temperature=0)  # type: ignore[arg-type]
     assert send(qtbot, window, gui, "Go on").text == want.choices[0].message.content  # the server got the whole transcript
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS) as blocker:
-        window.regenerate_action.trigger()
+        window.menus.regenerate_action.trigger()
     assert blocker.args[0].text == want.choices[0].message.content and window.chat.toPlainText().count("Go on") == 1
     assert [m.role for m in load_session(window.library.path_for(local_id)).messages] == ["user", "assistant"] * 2
 
     # Save a Copy writes the transcript (there is no memory of ours to save).
     dialogs.save_to = tmp_path / "copy.spark"
     with qtbot.waitSignal(gui(window.client.worker.saved), timeout=WAIT_MS):
-        window.save_action.trigger()
+        window.menus.save_action.trigger()
     assert load_session(dialogs.save_to).memory_meta.get("kind") == TRANSCRIPT_KIND
 
     # A new chat, then the earlier conversation from the history: its transcript comes back, still at the server.
-    window._on_new_chat()
+    window.menus.new_chat_action.trigger()
     send(qtbot, window, gui, "Another chat")
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
         window.open_conversation(local_id)

@@ -18,7 +18,7 @@ def chat_and_save(qtbot, gui, window: MainWindow, dialogs: ScriptedDialogs, path
         window.submit(text)
     dialogs.save_to = path
     with qtbot.waitSignal(gui(window.client.worker.saved), timeout=WAIT_MS):
-        window.save_action.trigger()  # untitled: asks where (Save As)
+        window.menus.save_action.trigger()  # untitled: asks where (Save As)
     assert path.is_file()
     assert window.file == path
     assert window.inspector.session_panel.file.text() == path.name
@@ -35,7 +35,7 @@ def drop(window: MainWindow, *paths: Path) -> None:
 def test_dropping_a_session_restores_it(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "talk.spark"
     reply = chat_and_save(qtbot, gui, window, dialogs, path, "Save me")
-    window.new_chat_action.trigger()
+    window.menus.new_chat_action.trigger()
     assert "Save me" not in window.chat.toPlainText()
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
         drop(window, path)
@@ -106,15 +106,15 @@ def test_settings_and_layout_persist(qtbot, window: MainWindow, gui, prefs, dial
 
     window.show()
     dialogs.new_settings = GenerationSettings(max_tokens=7, sampling=SamplingSettings(temperature=0.3, top_k=5, seed=11))
-    window.settings_action.trigger()
-    window.inspector_action.trigger()
-    inspector_open = window.inspector_action.isChecked()
+    window.menus.settings_action.trigger()
+    window.menus.inspector_action.trigger()
+    inspector_open = window.menus.inspector_action.isChecked()
     window.shutdown()
     again = build_main_window(prefs, dirs, dialogs)
     again.show()
     try:
         assert prefs.generation() == dialogs.new_settings
         assert prefs.last_model() == tiny_model
-        assert again.inspector_action.isChecked() is inspector_open and again.inspector.isVisible() is inspector_open
+        assert again.menus.inspector_action.isChecked() is inspector_open and again.inspector.isVisible() is inspector_open
     finally:
         dispose(again)

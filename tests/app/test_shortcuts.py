@@ -42,7 +42,7 @@ def shown(qtbot, window: MainWindow) -> MainWindow:  # type: ignore[no-untyped-d
     ],
 )
 def test_shortcut_triggers_its_action(qtbot, shown: MainWindow, key: Qt.Key, mods: Qt.KeyboardModifier, action: str) -> None:  # type: ignore[no-untyped-def]
-    target = getattr(shown, action)
+    target = getattr(shown.menus, action)
     target.setEnabled(True)
     target.triggered.disconnect()  # count the trigger only: quitting or closing would end the test's window
     hits: list[bool] = []
@@ -61,8 +61,8 @@ def test_tooltips_name_this_platforms_keys(window: MainWindow) -> None:
     import sys
 
     expected = "⌘N" if sys.platform == "darwin" else "Ctrl+N"
-    assert window.new_chat_action.toolTip() == f"Start a new conversation ({expected})"
-    assert "⌘" not in window.stop_action.toolTip() or sys.platform == "darwin"
+    assert window.menus.new_chat_action.toolTip() == f"Start a new conversation ({expected})"
+    assert "⌘" not in window.menus.stop_action.toolTip() or sys.platform == "darwin"
 
 
 def test_number_shortcuts_switch_conversations(qtbot, shown: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
@@ -71,9 +71,9 @@ def test_number_shortcuts_switch_conversations(qtbot, shown: MainWindow, gui) ->
     for text in ("First talk", "Second talk"):
         with qtbot.waitSignal(gui(shown.client.worker.finished), timeout=WAIT_MS):
             shown.submit(text)
-        shown.new_chat_action.trigger()
+        shown.menus.new_chat_action.trigger()
     assert [shown.library.get(i).title for i in shown.sidebar.ids()] == ["Second talk", "First talk"]  # newest first
-    assert QKeySequence("Ctrl+2") in shown.switch_actions[1].shortcuts()
+    assert QKeySequence("Ctrl+2") in shown.menus.switch_actions[1].shortcuts()
     with qtbot.waitSignal(gui(shown.client.worker.restored), timeout=WAIT_MS):
         qtbot.keyClick(shown.chat, Qt.Key.Key_2, CTRL)
     assert "First talk" in shown.chat.toPlainText() and "Second talk" not in shown.chat.toPlainText()
