@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,11 +136,6 @@ def cascade_config(value: Any) -> CascadeConfig:
         raise _bad("config", "is not a valid cascade geometry") from None
 
 
-def same_geometry(a: CascadeConfig, b: CascadeConfig) -> bool:
-    """Equal in everything a state depends on: budgets are per machine and never decide compatibility."""
-    return replace(a, episodic_budget_bytes=0, persistent_budget_bytes=0) == replace(b, episodic_budget_bytes=0, persistent_budget_bytes=0)
-
-
 def target_from_state(meta: Any, tensors: Mapping[str, torch.Tensor]) -> StateTarget:
     """A target from the file itself (no model at hand): its own geometry and KV dims, any vocabulary that fits a
     token id. Everything but the model-dependent ranges is then checked as restore checks it."""
@@ -189,7 +184,7 @@ def _saved_geometry(config: dict, target: StateTarget) -> CascadeConfig:
     cfg = target.cascade
     assert cfg is not None
     saved = cascade_config(config)
-    if same_geometry(saved, cfg):
+    if saved.same_state(cfg):  # budgets are per machine and never decide compatibility
         return cfg
     if target.max_positions is None or saved.window < 1 or saved.used_slots > target.max_positions:
         raise SchemaError("holds a memory of a cascade geometry this model cannot hold (beyond its trained context)")
@@ -279,11 +274,14 @@ def _check_cascade(meta: dict, tensors: Mapping[str, torch.Tensor], target: Stat
 
     r = as_dict(meta.get("routing"), "routing")
     as_int(r.get("since_route"), "routing.since_route", 0, MAX_COUNT)
-    as_bool(r.get("last_prefill"), "routing.last_prefill")
-    as_bool(r.get("last_evicted"), "routing.last_evicted")
-    last_slots = [as_int(s, "routing.last_slots", 0, slots - 1) for s in as_list(r.get("last_slots"), "routing.last_slots", window)]
-    if len(set(last_slots)) != len(last_slots):
-        raise _bad("routing.last_slots", "repeats a slot")
+    # Written until the state stopped carrying what it never read back; still checked where present.
+    for flag in ("last_prefill", "last_evicted"):
+        if flag in r:
+            as_bool(r[flag], f"routing.{flag}")
+    if "last_slots" in r:
+        last_slots = [as_int(s, "routing.last_slots", 0, slots - 1) for s in as_list(r["last_slots"], "routing.last_slots", window)]
+        if len(set(last_slots)) != len(last_slots):
+            raise _bad("routing.last_slots", "repeats a slot")
 
     p = as_dict(meta.get("prefix"), "prefix")
     prefix_open = as_bool(p.get("open"), "prefix.open")
