@@ -54,8 +54,8 @@ class Block:
 
 def content_digest(k: torch.Tensor, v: torch.Tensor) -> str:
     """sha256 of a block's fp16 k, v bytes: its content address in L3."""
-    h = hashlib.sha256(k.contiguous().view(torch.uint8).numpy())
-    h.update(v.contiguous().view(torch.uint8).numpy())
+    h = hashlib.sha256(k.contiguous().view(torch.uint8).numpy().data)
+    h.update(v.contiguous().view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 
