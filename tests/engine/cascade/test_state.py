@@ -14,7 +14,11 @@ from safetensors.torch import load_file
 from engine.backends.torch_backend import TorchBackend
 from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore, TierStats
 from engine.cascade.config import BUDGETS
+from engine.generate import GenerationSettings
+from engine.sampling import SamplingSettings
+from engine.session import Engine, memory_factory_for
 from tests.engine.cascade.helpers import feed, greedy, prefill, random_ids
+from tests.tiny import make_tiny_model
 
 DATA = Path(__file__).parent / "data"
 CFG = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, routing="token", episodic_budget_bytes=2**30)
@@ -136,3 +140,39 @@ def test_every_tier_reports_the_same_stats(tiny_model: Path, tmp_path: Path) -> 
         assert tier.hit_rate == tier.hits / (tier.hits + tier.misses)
     assert s.working.capacity_bytes == cfg.num_slots * b.kv_bytes_per_token()
     assert (s.episodic.capacity_bytes, s.persistent.capacity_bytes) == (cfg.episodic_budget_bytes, store.budget_bytes)
+
+
+def test_a_session_file_restores_under_another_machines_budgets(tmp_path: Path) -> None:
+    """A .spark saved where the episodic budget is large opens where it is small (another machine's RAM), with
+    blocks over it spilled to L3: every step after it gives the logits the original memory gives."""
+    model = make_tiny_model(tmp_path / "m", max_positions=512)
+    geometry = {"window": 32, "block_size": 8, "retrieval_blocks": 2, "routing": "token"}
+    long = GenerationSettings(max_tokens=480, sampling=SamplingSettings(greedy=True), ignore_eos=True)
+
+    def engine(cache: str, episodic: int, persistent: int) -> Engine:
+        factory = memory_factory_for(model, cache_dir=tmp_path / cache, episodic_budget_bytes=episodic, persistent_budget_bytes=persistent, **geometry)
+        return Engine.load(model, "cpu", memory_factory=factory)
+
+    s = engine("l3-a", 2**30, 2**30).new_session()
+    list(s.chat("the first turn, long enough to leave the window", long))
+    original = s.memory
+    assert isinstance(original, CascadeMemory)
+    ep = original.episodic
+    assert len(ep.blocks) >= 40 and ep.resident == len(ep.blocks)
+    # Stubs may use a quarter of the budget: room for every block, those formed below included (a block forgotten
+    # for the budget changes what later steps recall, as it would have on that machine from the start).
+    small = 4 * (len(ep.blocks) + 8) * ep.rep_bytes
+    assert small < ep.bytes
+    path = tmp_path / "talk.spark"
+    s.save(path)
+
+    t = engine("l3-b", small, 2**24).new_session()
+    report = t.load(path)
+    restored = t.memory
+    assert report.applied and not report.foreign_model and isinstance(restored, CascadeMemory)
+    assert restored.cfg == original.cfg.with_budgets_of(replace(original.cfg, episodic_budget_bytes=small, persistent_budget_bytes=2**24))
+    assert restored.episodic.bytes <= small and restored.episodic.stubs > 0
+    for step in range(40):
+        ids = [3 + (7 * step) % 200]
+        assert torch.equal(feed(t.backend, restored, ids), feed(s.backend, original, ids))
+    assert restored.episodic.bytes <= small  # (paging stubs back exactly: test_a_state_restores_under_other_budgets)
