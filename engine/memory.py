@@ -10,7 +10,7 @@ contiguous attention over every token (the reference the cascade is compared aga
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -67,11 +67,11 @@ class Memory(Protocol):
         """The most tokens one plan may take (prefill chunks are clamped to it)."""
         ...
 
-    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Everything needed to restore this memory exactly: (JSON-able meta, canonical fp16 host tensors)."""
         ...
 
-    def load_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Inverse of `state()` on a memory over a backend of the same model; writes KV back into the slots."""
         ...
 
@@ -101,7 +101,7 @@ class FullAttentionMemory:
     def after_forward(self) -> None:
         pass
 
-    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         k, v = self.backend.read_kv(self.row, torch.arange(len(self.tokens)))  # (L, Hkv, N, D) each
         return {"kind": "full", "tokens": list(self.tokens)}, {"k": k, "v": v}
 
@@ -109,7 +109,7 @@ class FullAttentionMemory:
         c = self.backend.config
         return StateTarget(c.vocab_size, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), max_slots=self.backend.num_slots)
 
-    def load_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         try:
             check_memory_state(meta, tensors, self.state_target())
         except SchemaError as exc:

@@ -39,7 +39,6 @@ from engine.session_schema_values import (
     cascade_config,
     check_tensor,
     exact_names,
-    same_geometry,
     tokens_in_vocab,
 )
 
@@ -56,7 +55,6 @@ __all__ = [
     "check_memory_state",
     "check_session_meta",
     "check_vocab",
-    "same_geometry",
     "target_from_state",
 ]
 

@@ -27,7 +27,6 @@ from engine.session_schema_values import (
     check_tensor,
     counters,
     exact_names,
-    same_geometry,
     tokens_in_vocab,
 )
 
@@ -61,7 +60,7 @@ def _saved_geometry(config: dict[str, Any], target: StateTarget) -> CascadeConfi
     cfg = target.cascade
     assert cfg is not None
     saved = cascade_config(config)
-    if same_geometry(saved, cfg):
+    if saved.same_state(cfg):  # budgets are per machine and never decide compatibility
         return cfg
     if target.max_positions is None or saved.window < 1 or saved.used_slots > target.max_positions:
         raise SchemaError("holds a memory of a cascade geometry this model cannot hold (beyond its trained context)")
@@ -133,11 +132,14 @@ def _check_cascade(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor], ta
 
     r = as_dict(meta.get("routing"), "routing")
     as_int(r.get("since_route"), "routing.since_route", 0, MAX_COUNT)
-    as_bool(r.get("last_prefill"), "routing.last_prefill")
-    as_bool(r.get("last_evicted"), "routing.last_evicted")
-    last_slots = [as_int(s, "routing.last_slots", 0, slots - 1) for s in as_list(r.get("last_slots"), "routing.last_slots", window)]
-    if len(set(last_slots)) != len(last_slots):
-        raise bad("routing.last_slots", "repeats a slot")
+    # Written until the state stopped carrying what it never read back; still checked where present.
+    for flag in ("last_prefill", "last_evicted"):
+        if flag in r:
+            as_bool(r[flag], f"routing.{flag}")
+    if "last_slots" in r:
+        last_slots = [as_int(s, "routing.last_slots", 0, slots - 1) for s in as_list(r["last_slots"], "routing.last_slots", window)]
+        if len(set(last_slots)) != len(last_slots):
+            raise bad("routing.last_slots", "repeats a slot")
 
     p = as_dict(meta.get("prefix"), "prefix")
     prefix_open = as_bool(p.get("open"), "prefix.open")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -121,11 +121,6 @@ def cascade_config(value: Any) -> CascadeConfig:
         return CascadeConfig.from_dict(d)
     except CascadeConfigError:
         raise bad("config", "is not a valid cascade geometry") from None
-
-
-def same_geometry(a: CascadeConfig, b: CascadeConfig) -> bool:
-    """Equal in everything a state depends on: budgets are per machine and never decide compatibility."""
-    return replace(a, episodic_budget_bytes=0, persistent_budget_bytes=0) == replace(b, episodic_budget_bytes=0, persistent_budget_bytes=0)
 
 
 def finite_number(value: Any) -> float | None:

@@ -12,12 +12,14 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from engine.cascade.routing import ROUTING
 from engine.config import ModelConfig
 from engine.errors import SparkError
 
 SLOT_MULTIPLE = 32  # Core ML state dims must be multiples of 32, so the slot table is padded to one
-ROUTINGS = ("sequence", "rolling", "token", "hybrid")
 AUTO_WINDOW = 0
+# Sized per machine (engine.hw.policy sizes the episodic one from RAM): never part of what a state depends on.
+BUDGETS = ("episodic_budget_bytes", "persistent_budget_bytes")
 CONFIG_FILE = "cascade.json"
 MAX_SETTING = 2**50  # any size or budget; a window of that many tokens is already refused by the context fit
 
@@ -55,8 +57,8 @@ class CascadeConfig:
                 raise CascadeConfigError(f"The cascade setting {f} must not be negative.")
         if not 0 <= self.reroute_drift <= 100:
             raise CascadeConfigError(f"The cascade setting reroute_drift is a percentage (0 to 100), not {self.reroute_drift}.")
-        if self.routing not in ROUTINGS:
-            raise CascadeConfigError(f"Unknown routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}.")
+        if self.routing not in ROUTING:
+            raise CascadeConfigError(f"Unknown routing {self.routing!r}; choose one of {', '.join(ROUTING)}.")
 
     @property
     def retrieval_slots(self) -> int:
@@ -72,23 +74,32 @@ class CascadeConfig:
         """The slot table size: used slots padded up to a multiple of SLOT_MULTIPLE (padding is never attended)."""
         return -(-self.used_slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
-    def geometry_tag(self) -> str:
-        """Identifies what KV computed past the first eviction depends on (for L3 keys of spilled blocks)."""
-        g = f"{self.sink_tokens}/{self.window}/{self.block_size}/{self.retrieval_blocks}/{self.routing}"
-        return hashlib.sha256(g.encode()).hexdigest()[:16]
+    def state_settings(self) -> dict[str, Any]:
+        """What a memory's state depends on besides the model, its numerics and the tokens: every setting but the
+        budgets. The one definition used wherever states meet: session restore (engine.session_schema), the
+        layout a restored state takes (CascadeMemory.load_state) and the L3 key of cascade snapshots."""
+        d = self.to_dict()
+        for name in BUDGETS:
+            del d[name]
+        return d
+
+    def same_state(self, other: CascadeConfig) -> bool:
+        """True when a state of either memory is a state of the other (they differ at most in budgets)."""
+        return self.state_settings() == other.state_settings()
+
+    def with_budgets_of(self, other: CascadeConfig) -> CascadeConfig:
+        """These settings under `other`'s budgets: a saved state's geometry on this machine."""
+        return replace(self, **{name: getattr(other, name) for name in BUDGETS})
 
     def state_tag(self) -> str:
-        """Identifies every setting a memory's state depends on besides the model and the tokens (for L3 keys of
-        cascade snapshots): all of them but the persistent tier's own budget."""
-        d = self.to_dict()
-        del d["persistent_budget_bytes"]
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        """A short digest of state_settings() (for L3 keys of cascade snapshots)."""
+        return hashlib.sha256(json.dumps(self.state_settings(), sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CascadeConfig":
+    def from_dict(cls, d: dict[str, Any]) -> CascadeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -100,7 +111,7 @@ class CascadeConfig:
                 raise CascadeConfigError(f"The cascade setting {k} has a value of the wrong type or size ({str(v)[:40]}).")
         return cls(**d)
 
-    def fit_to(self, max_positions: int, max_slots: int | None = None) -> "CascadeConfig":
+    def fit_to(self, max_positions: int, max_slots: int | None = None) -> CascadeConfig:
         """Resolve an automatic window and shrink the geometry so sinks + retrieval + window never exceed
         `max_positions` (nor `max_slots`, what memory allows the slot table).
 
@@ -125,7 +136,7 @@ class CascadeConfig:
         return c
 
     @classmethod
-    def for_model(cls, model_dir: str | Path | None, config: ModelConfig, max_slots: int | None = None, **overrides: Any) -> "CascadeConfig":
+    def for_model(cls, model_dir: str | Path | None, config: ModelConfig, max_slots: int | None = None, **overrides: Any) -> CascadeConfig:
         """Defaults, then the model folder's optional cascade.json (none for a bare GGUF file: `model_dir` None),
         then `overrides`, fitted to the model's context and to `max_slots` (the slot table the memory budget and the
         backend allow; None: no limit)."""

@@ -13,13 +13,19 @@ single token among filler) where a few representatives may miss it, and costs 2 
 Budget: resident KV + bounds <= `episodic_budget_bytes`. Over budget, the resident block with the lowest
 priority (last access tick + FREQUENCY_WEIGHT x uses: LRU weighted by access frequency) spills to L3 and stays
 routable as a stub (its bounds and its L3 key); stubs may use at most a quarter of the budget, beyond which the
-lowest-priority stub is forgotten. Without a persistent store, evicted blocks are simply dropped.
+lowest-priority stub is forgotten. Without a persistent store, evicted blocks are simply dropped. A state restored
+under a smaller budget (another machine) is brought within it the same way as soon as it is loaded.
+
+A spilled block's L3 key is its content address (sha256 of its fp16 k, v bytes): whatever the block's KV depended
+on (the geometry, the routing, which blocks earlier budgets kept), the key names exactly those bytes, so a stub can
+never page in another conversation's KV, and cascade snapshots (engine.cascade.prefix) reference the same entries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,13 +43,20 @@ class Block:
     row: int  # its row in the key-bound matrices
     k: torch.Tensor | None  # (L, Hkv, B, D) fp16 on the host; None once spilled to L3
     v: torch.Tensor | None  # (L, Hkv, B, D) fp16
-    l3_key: str | None  # where its KV lives on disk once spilled
+    l3_key: str | None  # its content address in L3 once computed (spilled, or referenced by a snapshot)
     last_access: int
     uses: int
 
     @property
     def priority(self) -> int:
         return self.last_access + FREQUENCY_WEIGHT * self.uses
+
+
+def content_digest(k: torch.Tensor, v: torch.Tensor) -> str:
+    """sha256 of a block's fp16 k, v bytes: its content address in L3."""
+    h = hashlib.sha256(k.contiguous().view(torch.uint8).numpy().data)
+    h.update(v.contiguous().view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 
 def key_bounds(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,11 +78,9 @@ class EpisodicMemory:
         cfg: CascadeConfig,
         kv_shape: tuple[int, int, int],  # (L, Hkv, D)
         store: PersistentStore | None,
-        digest_at: Callable[[int], str | None],  # token-prefix digest at a token index (for L3 keys of spills)
     ) -> None:
         self.cfg = cfg
         self.store = store
-        self.digest_at = digest_at
         L, hkv, d = kv_shape
         self.kv_shape = kv_shape
         b = cfg.block_size
@@ -123,10 +134,7 @@ class EpisodicMemory:
         row = self._take_row()
         self.kmin[row], self.kmax[row] = key_bounds(k)
         self.row_block[row] = block_id
-        end = self.cfg.sink_tokens + (block_id + 1) * self.cfg.block_size
-        digest = self.digest_at(end) if self.store is not None else None
-        l3_key = self.store.key(digest, f"cascade-{self.cfg.geometry_tag()}") if self.store is not None and digest else None
-        self.blocks[block_id] = Block(block_id, row, k, v, l3_key, self.tick, 0)
+        self.blocks[block_id] = Block(block_id, row, k, v, None, self.tick, 0)
         self.resident += 1
         self._enforce_budget(protect=())
 
@@ -158,12 +166,19 @@ class EpisodicMemory:
             victim = min(candidates, key=lambda b: b.priority)
             self._evict(victim, keep_stub=self.stubs * self.rep_bytes + self.rep_bytes <= budget // 4)
 
+    def content_key(self, block: Block) -> str:
+        """The resident block's L3 key (its content address), computed once."""
+        assert self.store is not None and block.k is not None and block.v is not None
+        if block.l3_key is None:
+            block.l3_key = self.store.key(content_digest(block.k, block.v), "content")
+        return block.l3_key
+
     def _evict(self, block: Block, keep_stub: bool) -> None:
         """Take a resident block's KV out of host memory: to L3 as a stub (still routable, pages back from disk)
-        when `keep_stub` and it has an L3 key, else forgotten."""
+        when `keep_stub` and there is a store, else forgotten."""
         self.counters.evictions += 1
-        if keep_stub and self.store is not None and block.l3_key is not None:
-            self.store.put(block.l3_key, block.k, block.v, self.cfg.block_size)  # type: ignore[arg-type]
+        if keep_stub and self.store is not None and block.k is not None and block.v is not None:
+            self.store.put(self.content_key(block), block.k, block.v, self.cfg.block_size)
             block.k = block.v = None
             self.resident -= 1
             self.stubs += 1
@@ -240,7 +255,7 @@ class EpisodicMemory:
         c = self.counters
         return TierStats.make("episodic", len(self.blocks), self.bytes, self.cfg.episodic_budget_bytes, c.hits, c.misses, c.evictions)
 
-    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         meta = {
             "partial_n": self.partial_n,
             "next_id": self.next_id,
@@ -256,7 +271,9 @@ class EpisodicMemory:
                 tensors[f"ep.{b.id}.k"], tensors[f"ep.{b.id}.v"] = b.k, b.v
         return meta, tensors
 
-    def load_state(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of state(), then within this memory's budget (it may be smaller than the writer's): blocks over
+        it spill to L3 or are forgotten, lowest priority first, as any block over budget is."""
         self.reset()
         self.partial_k.copy_(tensors["ep.partial_k"])
         self.partial_v.copy_(tensors["ep.partial_v"])
@@ -268,8 +285,11 @@ class EpisodicMemory:
         for bid, row, l3_key, last, uses, resident in meta["blocks"]:
             k = tensors[f"ep.{bid}.k"].to(CANONICAL_KV_DTYPE).clone() if resident else None
             v = tensors[f"ep.{bid}.v"].to(CANONICAL_KV_DTYPE).clone() if resident else None
-            self.blocks[int(bid)] = Block(int(bid), int(row), k, v, l3_key, int(last), int(uses))
+            # A resident block's key is recomputed from its KV when needed: a key read from a file is trusted only
+            # where it is the sole way back to the KV (a stub).
+            self.blocks[int(bid)] = Block(int(bid), int(row), k, v, None if resident else l3_key, int(last), int(uses))
             self.row_block[int(row)] = int(bid)
             self.resident += bool(resident)
             self.stubs += not resident
         self.counters = Counters.from_dict(meta["counters"])
+        self._enforce_budget(protect=())

@@ -16,13 +16,15 @@ Nothing is allocated from the file's numbers beyond what its own tensors already
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.cascade.episodic import key_bounds
 from engine.errors import SessionFileError
 
 
-def migrate_state(meta: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+def migrate_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A version-1 cascade state (meta, tensors) as version 2. Raises SessionFileError when it is malformed."""
     try:
         return _v1_to_v2(meta, tensors)
@@ -30,7 +32,7 @@ def migrate_state(meta: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, d
         raise SessionFileError("The saved memory (cascade format 1) is malformed and cannot be migrated.") from None
 
 
-def _v1_to_v2(meta: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+def _v1_to_v2(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     meta, tensors = dict(meta), dict(tensors)
     config = {k: v for k, v in meta["config"].items() if k != "rep_keys"}
     wk = tensors["wk.k"]  # (L, Hkv, S, D)

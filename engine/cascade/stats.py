@@ -27,7 +27,7 @@ class TierStats:
     evictions: int
 
     @classmethod
-    def make(cls, name: str, entries: int, bytes_: int, capacity_bytes: int, hits: int, misses: int, evictions: int) -> "TierStats":
+    def make(cls, name: str, entries: int, bytes_: int, capacity_bytes: int, hits: int, misses: int, evictions: int) -> TierStats:
         total = hits + misses
         return cls(name, entries, bytes_, capacity_bytes, hits, misses, hits / total if total else 0.0, evictions)
 
@@ -54,5 +54,5 @@ class Counters:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, int]) -> "Counters":
+    def from_dict(cls, d: dict[str, int]) -> Counters:
         return cls(int(d["hits"]), int(d["misses"]), int(d["evictions"]))

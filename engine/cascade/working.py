@@ -19,9 +19,12 @@ Everything here is O(1) or O(S) per step with preallocated tensors: nothing grow
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.cascade.config import CascadeConfig
+from engine.cascade.stats import Counters, TierStats
 
 
 class WorkingMemory:
@@ -41,6 +44,7 @@ class WorkingMemory:
         # a step costs the same before and after the window fills. A period of 0 disables it.
         self.frame_period = frame_period
         self._block_offsets = torch.arange(self.block)  # (B,)
+        self.counters = Counters()  # a routed block already sat in its retrieval group / had to be paged in
         self.reset()
 
     def reset(self) -> None:
@@ -131,10 +135,15 @@ class WorkingMemory:
         m[:, slots] = torch.ones(t, t, dtype=torch.bool).tril()
         return m
 
-    def state(self) -> dict:
+    def stats(self, token_bytes: int) -> TierStats:
+        """This tier's stats; `token_bytes`: one token's KV in the slot table (all layers)."""
+        held, c = self.held_tokens, self.counters
+        return TierStats.make("working", held, held * token_bytes, self.cfg.num_slots * token_bytes, c.hits, c.misses, self.evicted)
+
+    def state(self) -> dict[str, Any]:
         return {"n_sink": self.n_sink, "n_window": self.n_window, "head": self.head, "evicted": self.evicted, "groups": [list(g) for g in self.groups]}
 
-    def load_state(self, meta: dict) -> None:
+    def load_state(self, meta: dict[str, Any]) -> None:
         self.reset()
         self.n_sink, self.n_window, self.head, self.evicted = (int(meta[k]) for k in ("n_sink", "n_window", "head", "evicted"))
         self.valid[: self.n_sink] = True

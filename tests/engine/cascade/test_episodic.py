@@ -17,7 +17,7 @@ L, HKV, D, B = 2, 2, 16, 8
 def _blocks_with_directions(n: int) -> tuple[EpisodicMemory, torch.Tensor]:
     """n blocks whose keys point (noisily) along n orthogonal directions; returns memory and the directions."""
     cfg = CascadeConfig(block_size=B, retrieval_blocks=2)
-    ep = EpisodicMemory(cfg, (L, HKV, D), None, lambda end: None)
+    ep = EpisodicMemory(cfg, (L, HKV, D), None)
     dirs = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(0)))[0][:n]  # (n, D) orthonormal
     g = torch.Generator().manual_seed(1)
     for i in range(n):
@@ -44,7 +44,7 @@ def test_each_layer_selects_its_own_blocks() -> None:
 def test_key_bounds_find_a_single_outlier_key() -> None:
     """Quest's bound sees one matching key among filler, which a block mean would average away."""
     cfg = CascadeConfig(block_size=B, retrieval_blocks=1)
-    ep = EpisodicMemory(cfg, (L, HKV, D), None, lambda end: None)
+    ep = EpisodicMemory(cfg, (L, HKV, D), None)
     g = torch.Generator().manual_seed(3)
     needle = torch.zeros(D)
     needle[0] = 4.0

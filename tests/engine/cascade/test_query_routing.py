@@ -91,14 +91,14 @@ def test_rerouting_follows_drift_not_only_the_clock(tiny_model: Path) -> None:
     b.steer = steady
     for at in range(0, 120, 12):
         feed(b, m, random_ids(12, seed=at))
-    routed = m.counters.hits + m.counters.misses
+    routed = m.working.counters.hits + m.working.counters.misses
     for t in range(10):  # the same query: no drift, and the clock is far away
         feed(b, m, [t + 3])
-    assert m.counters.hits + m.counters.misses == routed
+    assert m.working.counters.hits + m.working.counters.misses == routed
     b.steer = -steady  # the conversation turned: the query points the other way
     for t in range(5):
         feed(b, m, [t + 4])
-    assert m.counters.hits + m.counters.misses > routed
+    assert m.working.counters.hits + m.working.counters.misses > routed
 
 
 def test_a_long_prompt_ends_in_small_routed_chunks(tiny_model: Path) -> None:
@@ -126,9 +126,9 @@ def test_native_step_gives_the_same_summary_and_stays_native_after_page_ins(tmp_
         m = CascadeMemory(b, cfg)
         logits, summaries = [prefill(b, m, ids[:10], chunk=10)], []
         for t in ids[10:]:
-            misses = m.counters.misses
+            misses = m.working.counters.misses
             logits.append(decode_step(b, m, t))
-            summaries.append((b.query_summary(), m.counters.misses > misses))
+            summaries.append((b.query_summary(), m.working.counters.misses > misses))
         runs.append((torch.stack(logits), summaries))
     (native_logits, native_sums), (torch_logits, torch_sums) = runs
     torch.testing.assert_close(native_logits, torch_logits, atol=5e-4, rtol=1e-4)  # fp32 attention summed in another order

@@ -101,13 +101,14 @@ def test_foreign_model_or_settings_never_restore_a_snapshot(tiny_model: Path, ot
     prefill(b, m, ids, CHUNK)
     _, other = memory(other_model, tmp_path)
     assert other.reuse_prefix(ids) == 0
-    for change in ({"window": 40}, {"routing": "rolling"}, {"reroute_drift": 20}, {"episodic_budget_bytes": 10**6}):
+    for change in ({"window": 40}, {"routing": "rolling"}, {"reroute_drift": 20}, {"proxy_tokens": 8}):
         cfg = CascadeConfig(**{**CFG.to_dict(), **change})
         _, m2 = memory(tiny_model, tmp_path, cfg)
         # exact (full-attention) prefix blocks are geometry-independent; the snapshot is not
         assert m2.reuse_prefix(ids) <= cfg.sink_tokens + cfg.window
-    _, same = memory(tiny_model, tmp_path, CascadeConfig(**{**CFG.to_dict(), "persistent_budget_bytes": 10**9}))
-    assert same.reuse_prefix(ids) == cut_of(len(ids))  # L3's own budget is not part of the state
+    for budgets in ({"persistent_budget_bytes": 10**9}, {"episodic_budget_bytes": 10**6}):
+        _, same = memory(tiny_model, tmp_path, CascadeConfig(**{**CFG.to_dict(), **budgets}))
+        assert same.reuse_prefix(ids) == cut_of(len(ids))  # budgets are not part of the state
     # A snapshot planted under another geometry's key is rejected by its recorded identity.
     cfg = CascadeConfig(**{**CFG.to_dict(), "window": 40})
     _, m3 = memory(tiny_model, tmp_path, cfg)

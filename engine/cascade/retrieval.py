@@ -1,0 +1,146 @@
+"""Retrieval: which episodic blocks each layer's retrieval groups hold, and paging them into the slot table.
+
+The routing query is the backend's query summary (per layer and KV head, the mean pre-RoPE query of the last
+forwards, over their last `proxy_tokens` tokens; a backend without one: the mean key of the most recent tokens).
+When the routing strategy (engine.cascade.routing) says so (a new prompt chunk, drift, the clock), each layer
+selects its top-k episodic blocks and only the (layer, group) pairs whose block changed are paged in (read from
+host memory, or back from L3).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any
+
+import torch
+
+from engine.backends.base import Backend
+from engine.cascade.config import CascadeConfig
+from engine.cascade.episodic import EpisodicMemory
+from engine.cascade.routing import ROUTING, RouteContext
+from engine.cascade.working import WorkingMemory
+
+
+class Retriever:
+    """Routing state and paging for one memory (row `row` of the backend's slot table)."""
+
+    def __init__(self, backend: Backend, row: int, cfg: CascadeConfig, working: WorkingMemory, episodic: EpisodicMemory) -> None:
+        self.backend = backend
+        self.row = row
+        self.cfg = cfg
+        self.working = working
+        self.episodic = episodic
+        self.strategy = ROUTING[cfg.routing]()
+        self.reset()
+
+    def reset(self) -> None:
+        self.since_route = 0  # tokens fed since the last routing decision
+        self.recent: list[tuple[torch.Tensor, int]] = []  # (query summary (L, Hkv, D) fp32, tokens) of recent forwards
+        self.routed: torch.Tensor | None = None  # (L, Hkv, D) the routing query of the last routing decision
+
+    # -- the routing query --------------------------------------------------------------------------------------
+
+    def _recent_keys(self, n: int) -> torch.Tensor | None:
+        """For backends without a query summary: the mean key of the n most recent tokens, (L, Hkv, D)."""
+        slots = self.working.recent_slots(n)
+        if slots.numel() == 0:
+            return None
+        k, _ = self.backend.read_kv(self.row, slots)  # (L, Hkv, m, D)
+        return k.float().mean(dim=2)
+
+    def _routing_query(self) -> torch.Tensor | None:
+        """(L, Hkv, D): the query summaries of the last proxy_tokens tokens, weighted by their forwards' tokens."""
+        if not self.recent:
+            return self._recent_keys(self.cfg.proxy_tokens)
+        total = sum(n for _, n in self.recent)
+        return functools.reduce(operator.add, (q * (n / total) for q, n in self.recent))
+
+    def remember_summary(self, tokens: int) -> None:
+        """After a forward of `tokens` tokens: keep its query summary for the next routing query."""
+        summary = self.backend.query_summary()  # (B, L, Hkv, D) or None
+        if summary is None:
+            return
+        self.recent.append((summary[self.row].float().clone(), tokens))
+        while len(self.recent) > 1 and sum(n for _, n in self.recent[1:]) >= self.cfg.proxy_tokens:
+            self.recent.pop(0)
+
+    def _drift(self, query: torch.Tensor) -> float:
+        if self.routed is None:
+            return 1.0
+        return 1.0 - float(torch.nn.functional.cosine_similarity(query, self.routed, dim=-1).mean())
+
+    # -- routing and paging -------------------------------------------------------------------------------------
+
+    def route(self, prefill: bool) -> None:
+        """Before a plan: re-select and page in each layer's blocks when the strategy says so."""
+        query = self._routing_query()
+        if query is None:
+            return
+        ctx = RouteContext(prefill, self.since_route, self.cfg.reroute_every, self._drift(query), self.cfg.reroute_drift / 100)
+        if not self.strategy.should_route(ctx):
+            return
+        self.since_route = 0
+        self.routed = query
+        while True:
+            chosen = self.episodic.select(query, self.cfg.retrieval_blocks)  # (L, n) block ids per layer
+            if self._page_in(chosen):
+                return
+
+    def _page_in(self, chosen: list[list[int]]) -> bool:
+        """Put each layer's chosen blocks in its retrieval groups, paging in only (layer, group) pairs that change.
+        False when a block turned out to be gone (forgotten from L3): the caller selects again."""
+        old = self.working.groups
+        n = len(chosen[0])
+        new: list[list[int]] = []
+        for layer, pick in enumerate(chosen):
+            held = old[layer][:n]
+            keep: list[int | None] = [b if b in pick else None for b in held] + [None] * (n - len(held))
+            rest = iter(sorted(b for b in pick if b not in keep))  # by id, not rank: placement follows the set alone
+            new.append([b if b is not None else next(rest) for b in keep])
+        changed = {(layer, g) for layer in range(len(new)) for g in range(n) if g >= len(old[layer]) or old[layer][g] != new[layer][g]}
+        needed = {new[layer][g] for layer, g in changed}
+        protect = tuple({b for pick in chosen for b in pick})
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for bid in sorted(needed):
+            got = self.episodic.fetch(bid, protect=protect)
+            if got is None:
+                return False
+            kv[bid] = got
+        for bid in set(protect) - needed:
+            self.episodic.touch(bid)
+        self.working.counters.hits += n * len(new) - len(changed)
+        self.working.counters.misses += len(changed)
+        for g in sorted({g for _, g in changed}):
+            slots = self.working.group_slots(g)
+            k, v = self.backend.read_kv(self.row, slots)  # (L, Hkv, B, D): layers that keep their block keep their KV
+            ks, vs = list(k.unbind(0)), list(v.unbind(0))
+            for layer in (layer for layer, gg in changed if gg == g):
+                bk, bv = kv[new[layer][g]]
+                ks[layer], vs[layer] = bk[layer], bv[layer]
+            self.backend.write_kv(self.row, slots, torch.stack(ks), torch.stack(vs))
+        self.working.set_groups(new)
+        return True
+
+    # -- state --------------------------------------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The routing meta and tensors, fp32 as computed (so a restored conversation routes exactly as an
+        uninterrupted one): route.recent (n, L, Hkv*D) query summaries, route.routed (L, Hkv, D)."""
+        tensors: dict[str, torch.Tensor] = {}
+        if self.recent:
+            # (n, L, Hkv*D): three dimensions, so no reader mistakes it for KV in the canonical (L, Hkv, n, D) layout
+            tensors["route.recent"] = torch.stack([q.flatten(1) for q, _ in self.recent])
+        if self.routed is not None:
+            tensors["route.routed"] = self.routed.clone()
+        return {"since_route": self.since_route, "recent_tokens": [n for _, n in self.recent]}, tensors
+
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        self.reset()
+        self.since_route = int(meta["since_route"])
+        recent = tensors.get("route.recent")
+        counts = [int(n) for n in meta["recent_tokens"]]
+        shape = self.episodic.kv_shape
+        self.recent = [] if recent is None else [(recent[i].float().reshape(shape).clone(), counts[i]) for i in range(len(counts))]
+        routed = tensors.get("route.routed")
+        self.routed = None if routed is None else routed.float().clone()
