@@ -11,7 +11,7 @@ differs, whose size is wrong or whose bytes fail the CRC is deleted with a warni
 advisory: on open it is reconciled with the files actually present (another process may have added some).
 
 Two kinds of entry share the directory, the identity checks and the byte budget (header `kind`): "kv" (one block:
-k, v) and "state" (a cascade snapshot, engine.cascade.memory: named tensors of fp16/fp32/fp64 plus the memory's
+k, v) and "state" (a cascade snapshot, engine.cascade.prefix: named tensors of fp16/fp32/fp64 plus the memory's
 JSON meta, itself covered by a CRC). Entries written before kinds existed are "kv".
 
 Paths: a key is a sha256 hex string or it is refused; every entry's path is checked to resolve inside `blocks/`,
