@@ -95,7 +95,7 @@ def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockW
     return BlockWeights(qtype, shape, torch.from_numpy(rows.copy()))
 
 
-def plan_blocks(model: "Transformer", qtype: BlockType, stored: Mapping[str, StoredTensor] | None = None) -> dict[str, BlockWeights]:
+def plan_blocks(model: Transformer, qtype: BlockType, stored: Mapping[str, StoredTensor] | None = None) -> dict[str, BlockWeights]:
     """Block weights for every nn.Linear of a fused `model`, keyed by module path: the stored bytes where `stored`
     has them, else the layer's fp32 weight quantized to `qtype` (zero columns pad an input size that is no multiple
     of 32; zeros quantize exactly). UnsupportedBlocks when stored bytes cannot run."""
@@ -130,7 +130,7 @@ class BlockEmbedding(nn.Module):
         return torch.from_numpy(dequantize(rows, self.qtype, self.shape)[:, : self.dim]).reshape(*ids.shape, self.dim)
 
 
-def swap_linears(model: "Transformer", blocks: Mapping[str, BlockWeights], make: Callable[[BlockWeights, torch.Tensor | None], nn.Module]) -> None:
+def swap_linears(model: Transformer, blocks: Mapping[str, BlockWeights], make: Callable[[BlockWeights, torch.Tensor | None], nn.Module]) -> None:
     """Replace each planned nn.Linear by make(blocks, its bias); a tied embedding reads the LM head's blocks."""
     for path, w in blocks.items():
         parent_path, _, leaf = path.rpartition(".")
@@ -141,7 +141,7 @@ def swap_linears(model: "Transformer", blocks: Mapping[str, BlockWeights], make:
         model.model.embed_tokens = BlockEmbedding(blocks["lm_head"])  # type: ignore[assignment]
 
 
-def use_stored_embedding(model: "Transformer", stored: Mapping[str, StoredTensor] | None) -> None:
+def use_stored_embedding(model: Transformer, stored: Mapping[str, StoredTensor] | None) -> None:
     """An untied model whose file stores the embedding in a block format reads its rows from those bytes."""
     t = (stored or {}).get(EMBEDDING)
     if t is None or model.config.tie_word_embeddings or t.qtype not in BlockType.__members__:
