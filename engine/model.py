@@ -11,7 +11,8 @@ Module and parameter names mirror Hugging Face so a state dict loads without ren
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +75,8 @@ class Attention(nn.Module):
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         out = step.attend(layer, q, k, v)  # (B, H, T, D)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # type: ignore[no-any-return]  # nn.Module.__call__ is untyped
+        y: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, C)
+        return y
 
 
 class MLP(nn.Module):
@@ -90,7 +92,8 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I) each
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I) each
-        return self.down_proj(F.silu(gate).mul_(up))
+        out: torch.Tensor = self.down_proj(F.silu(gate).mul_(up))
+        return out
 
 
 def _stacked(linears: list[nn.Linear]) -> nn.Linear:
@@ -99,7 +102,7 @@ def _stacked(linears: list[nn.Linear]) -> nn.Linear:
     out = nn.Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, device="meta")
     out.weight = nn.Parameter(w, requires_grad=False)
     if out.bias is not None:
-        out.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)  # type: ignore[union-attr]
+        out.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears if lin.bias is not None]), requires_grad=False)
     return out
 
 
@@ -114,7 +117,7 @@ def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) ->
 def fuse_projections(model: Transformer) -> None:
     """Stack q/k/v and gate/up into one matrix each (inference only): a decode step then makes 4 matrix calls per
     layer instead of 7, and the int8 path quantizes each activation row once instead of three times."""
-    for layer in model.model.layers:
+    for layer in model.decoder_layers():
         a, m = layer.self_attn, layer.mlp
         a.qkv_proj = _stacked([a.q_proj, a.k_proj, a.v_proj])
         m.gate_up_proj = _stacked([m.gate_proj, m.up_proj])
@@ -131,6 +134,8 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
+    embed_tokens: nn.Module  # an nn.Embedding, or a backend's lookup sharing the LM head's storage
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -147,8 +152,13 @@ class Transformer(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
+            assert isinstance(self.model.embed_tokens, nn.Embedding)  # as built; backends swap it later
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
+
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """The layers, typed (iterating an nn.ModuleList yields plain Modules)."""
+        return cast(Sequence[DecoderLayer], self.model.layers)
 
     def setup_rope(self, max_positions: int | None = None) -> None:
         """Build the cos/sin table on the weights' device (call after loading weights)."""
@@ -170,14 +180,16 @@ class Transformer(nn.Module):
     def hidden_states(self, tokens: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """tokens (B, T) -> final normed hidden states (B, T, C), each layer attending through `step`."""
         x = self.model.embed_tokens(tokens)  # (B, T, C)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             x = x + layer.self_attn(layer.input_layernorm(x), i, step)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.norm(x)  # type: ignore[no-any-return]  # nn.Module.__call__ is untyped
+        h: torch.Tensor = self.model.norm(x)
+        return h
 
     def forward_causal(self, tokens: torch.Tensor) -> torch.Tensor:
         """Training / scoring path without a cache: tokens (B, T) -> logits (B, T, V), causal, positions 0..T-1."""
-        return self.lm_head(self.hidden_states(tokens, CausalStep(self.rotary(), tokens.shape[1])))  # type: ignore[no-any-return]  # nn.Module.__call__ is untyped
+        logits: torch.Tensor = self.lm_head(self.hidden_states(tokens, CausalStep(self.rotary(), tokens.shape[1])))
+        return logits
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch, last_only: bool = False, reads: StepReads | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last token only when `last_only`; writes this
@@ -186,4 +198,5 @@ class Transformer(nn.Module):
         h = self.hidden_states(tokens, SlotStep(cache, batch, reads))
         if last_only:
             h = h[:, -1:, :]
-        return self.lm_head(h)  # type: ignore[no-any-return]  # nn.Module.__call__ is untyped
+        logits: torch.Tensor = self.lm_head(h)
+        return logits

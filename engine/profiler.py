@@ -167,7 +167,7 @@ class Profiler:
         model = backend.model
         backbone = model.model
         handles = [backbone.embed_tokens.register_forward_pre_hook(opener("embedding")), backbone.embed_tokens.register_forward_hook(closer)]
-        for i, layer in enumerate(backbone.layers):
+        for i, layer in enumerate(model.decoder_layers()):
             handles.append(layer.input_layernorm.register_forward_pre_hook(opener(f"layer.{i}.attention")))
             handles.append(layer.post_attention_layernorm.register_forward_pre_hook(opener(f"layer.{i}.mlp")))
         handles.append(backbone.norm.register_forward_pre_hook(opener("lm_head")))  # final norm + head
@@ -194,9 +194,9 @@ class Profiler:
         """`engine.generate.stream_generate`, same arguments and events, with every step profiled."""
         sampler = kwargs.pop("sampler", None) or make_sampler(settings.sampling)
         gen = stream_generate(
-            _Timed(backend, self, {"forward": "backend"}),  # type: ignore[arg-type]
-            _Timed(memory, self, {"plan": "paging", "after_forward": "paging", "reuse_prefix": "paging"}),  # type: ignore[arg-type]
-            _ProfiledTokenizer(tokenizer, self),  # type: ignore[arg-type]
+            _Timed(backend, self, {"forward": "backend"}),  # type: ignore[arg-type]  # a timing proxy: the backend's attributes via __getattr__
+            _Timed(memory, self, {"plan": "paging", "after_forward": "paging", "reuse_prefix": "paging"}),
+            _ProfiledTokenizer(tokenizer, self),  # type: ignore[arg-type]  # a timing proxy, as above
             prompt_ids,
             settings,
             sampler=self.timed("sampling", sampler),

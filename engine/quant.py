@@ -39,7 +39,7 @@ class BlockType(Enum):
         return 8 * self.block_bytes / BLOCK
 
     @classmethod
-    def named(cls, name: str) -> "BlockType":
+    def named(cls, name: str) -> BlockType:
         """'q8_0' or 'Q8_0' -> BlockType.Q8_0; ValueError naming the choices otherwise."""
         try:
             return cls[name.upper()]
@@ -106,7 +106,8 @@ def quantize(w: np.ndarray, qtype: BlockType) -> np.ndarray:
 
 
 def _pack(q: np.ndarray) -> np.ndarray:  # (blocks, 32) in 0..15 -> (blocks, 16) bytes
-    return (q[:, : BLOCK // 2] | (q[:, BLOCK // 2 :] << np.uint8(4))).astype(np.uint8)
+    packed: np.ndarray = (q[:, : BLOCK // 2] | (q[:, BLOCK // 2 :] << np.uint8(4))).astype(np.uint8)
+    return packed
 
 
 def dequantize(data: np.ndarray, qtype: BlockType, shape: tuple[int, int]) -> np.ndarray:

@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.backends import BackendChoice, open_backend
 from engine.backends.base import Backend
+from engine.cascade import CascadeStats
 from engine.errors import InputTooLarge, SparkError
 from engine.generate import (
     GenerationEvent,
@@ -35,7 +36,7 @@ from engine.loading import LockedBackend, MemoryFactory, check_fits, memory_fact
 from engine.memory import Memory
 from engine.model_files import check_model_path, display_name, resolve_model_path
 from engine.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
-from engine.sampling import SamplingSettings, make_sampler
+from engine.sampling import Sampler, SamplingSettings, make_sampler
 from engine.session_file import (
     RECOMPUTE_KIND,
     ForeignModelSession,
@@ -116,7 +117,7 @@ class Engine:
     def locked_fork(self) -> Backend:
         """A fork of the backend (its own slot table, shared weights) whose forwards take the step lock: for a
         scheduler serving requests beside this engine's conversations."""
-        return LockedBackend(self.backend.fork(), self.step_lock)  # type: ignore[return-value]
+        return LockedBackend(self.backend.fork(), self.step_lock)  # type: ignore[return-value]  # a proxy: Backend's members via __getattr__
 
     def new_session(self) -> Session:
         """The first session uses the loaded backend's slot table; later ones fork their own."""
@@ -166,7 +167,7 @@ class Session:
 
     def submit(
         self,
-        messages: Sequence[ChatMessage | dict],
+        messages: Sequence[ChatMessage | dict[str, str]],
         settings: GenerationSettings,
         should_stop: Callable[[], bool] = lambda: False,
         pacer: Pacer | None = None,
@@ -268,7 +269,7 @@ class Session:
             # A compact file: feed its tokens again exactly as they were fed (see engine.replay), then compare.
             schedule = check_schedule(data.extra.get("feed_schedule"), len(data.token_ids))
             runner = LockedBackend(fork, self.engine.step_lock)
-            replay(backend_feed(runner, memory), memory, data.token_ids, schedule, on_progress)  # type: ignore[arg-type]
+            replay(backend_feed(runner, memory), memory, data.token_ids, schedule, on_progress)  # type: ignore[arg-type]  # LockedBackend: a proxy
             saved = data.extra.get("recompute")
             digest_ok.append(isinstance(saved, dict) and saved.get("digest") == memory_digest(memory))
 
@@ -303,7 +304,7 @@ class Session:
         how = "" if self.restore_digest_ok is None else " (recomputed, identical)" if self.restore_digest_ok else " (recomputed; it differs slightly from the saved one, as on other numerics)"
         return LoadReport(True, False, False, len(messages), n, f"Restored {len(messages)} messages and {n:,} tokens of memory{how}.")
 
-    def stats(self):  # type: ignore[no-untyped-def]
+    def stats(self) -> CascadeStats | None:
         """The memory's tier statistics (CascadeStats), or None for a memory without tiers."""
         stats = getattr(self.memory, "stats", None)
         return stats() if stats else None
@@ -341,7 +342,7 @@ class Session:
                 f"The prompt is {len(text):,} characters, more than the {MAX_PROMPT_CHARS:,} MLoT Spark accepts; shorten it or attach less."
             )
 
-    def _sampler_for(self, s: SamplingSettings):  # type: ignore[no-untyped-def]
+    def _sampler_for(self, s: SamplingSettings) -> Sampler:
         # Keep one sampler (and its RNG stream) across turns while settings are unchanged, so a seeded run that is
         # saved and continued draws the same numbers as an uninterrupted one.
         if asdict(s) != asdict(self.sampler.settings):
@@ -374,8 +375,8 @@ class Session:
         try:
             pacer = pacer or self.engine.policy
             runner = LockedBackend(self.backend, self.engine.step_lock, self.feed_log, self.memory)
-            gen = stream_generate(runner, self.memory, self.tokenizer, ids, settings, sampler=sampler, should_stop=should_stop, pacer=pacer, on_prefill=self.on_prefill)  # type: ignore[arg-type]
-            for ev in gen:  # type: ignore[arg-type]
+            gen = stream_generate(runner, self.memory, self.tokenizer, ids, settings, sampler=sampler, should_stop=should_stop, pacer=pacer, on_prefill=self.on_prefill)  # type: ignore[arg-type]  # LockedBackend: a proxy
+            for ev in gen:
                 if ev.token is not None:
                     tokens.append(ev.token)
                     self.pending_token = ev.token

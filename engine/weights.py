@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
@@ -210,6 +211,7 @@ def _assign(model: Transformer, config: ModelConfig, state: dict[str, torch.Tens
         weight_bytes += converted[name].numel() * converted[name].element_size()
     model.load_state_dict(converted, strict=False, assign=True)
     if config.tie_word_embeddings:
+        assert isinstance(model.model.embed_tokens, nn.Embedding)  # as the model was built
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().requires_grad_(False)
     model.setup_rope()

@@ -9,6 +9,7 @@ import platform
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +58,7 @@ def probe_torch_device(name: str) -> BackendProbe:
     if name == "cuda":
         if torch.cuda.is_available():
             return BackendProbe("cuda", True, torch.cuda.get_device_name(0))
-        built = torch.backends.cuda.is_built()
+        built = torch.backends.cuda.is_built()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         why = "no NVIDIA GPU is visible" if built else "this PyTorch build has no CUDA support"
         return BackendProbe("cuda", False, f"CUDA is not available: {why}.")
     if name == "mps":
@@ -104,7 +105,9 @@ def use_k_major_linears(model: Transformer) -> None:
     then reads columns of the transposed head instead of holding the vocabulary matrix twice."""
     replace_linears(model, KMajorLinear)
     if model.config.tie_word_embeddings:
-        model.model.embed_tokens = ColumnEmbedding(model.lm_head.weight_t)  # type: ignore[assignment]
+        head = model.lm_head
+        assert isinstance(head, KMajorLinear)  # swapped just above
+        model.model.embed_tokens = ColumnEmbedding(head.weight_t)
 
 
 def native_unfit(status: NativeStatus, config: ModelConfig, dtype: torch.dtype) -> str | None:
@@ -272,8 +275,9 @@ class TorchBackend(Backend):
         dev = self.device
         if dev.type != "cpu":
             tokens = tokens.to(dev, non_blocking=True)
-            fields = (getattr(batch, f.name) for f in dataclasses.fields(batch))  # astuple would deep-copy the tensors
-            batch = SlotBatch(*(None if t is None else t.to(dev, non_blocking=True) for t in fields))
+            fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}  # astuple would deep-copy the tensors
+            moved: dict[str, Any] = {k: None if t is None else t.to(dev, non_blocking=True) for k, t in fields.items()}
+            batch = dataclasses.replace(batch, **moved)
         rows = tokens.shape[0]
         if rows != getattr(self, "_rows_run", self.cache.batch):
             # Rows outside the previous forward's view hold stale read copies: re-derive every row's this time.
@@ -285,8 +289,8 @@ class TorchBackend(Backend):
             reads = cache.plan(batch, self.model.rotary())
             if self.decoder.accepts(cache, reads):
                 return self._native_step(tokens, cache, batch, reads)
-        logits = self.model(tokens, cache, batch, last_only=last_only, reads=reads)
-        return logits.float().cpu() if dev.type != "cpu" or logits.dtype != torch.float32 else logits  # type: ignore[no-any-return]  # nn.Module.__call__ is untyped
+        logits: torch.Tensor = self.model(tokens, cache, batch, last_only=last_only, reads=reads)
+        return logits.float().cpu() if dev.type != "cpu" or logits.dtype != torch.float32 else logits
 
     def _native_step(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: StepReads) -> torch.Tensor:
         """tokens (1, 1) -> logits (1, 1, V): the whole decoding step in one native call."""

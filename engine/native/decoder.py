@@ -11,12 +11,13 @@ weights, arithmetic and the slot table.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from engine.model import Transformer
+from engine.model import DecoderLayer, Transformer
 from engine.native import CacheDesc, ModelDesc, NativeKernels, QMat, StepDesc
 from engine.slots import KVCache, SlotBatch, StepReads
 
@@ -33,6 +34,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class NativeBlockLinear(nn.Module):
     """y = x @ W^T + b with W in a GGUF block format and x quantized per block of 32 at call time, in one int8
     part (llama.cpp's Q8 activations) or two (the second holds the first's residual: ~15 bits)."""
+
+    blocks: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, kernels: NativeKernels, w: BlockWeights, bias: torch.Tensor | None, act_parts: int = 2) -> None:
         super().__init__()
@@ -57,18 +61,24 @@ class NativeBlockLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def _qmat(m: nn.Module | None) -> QMat:
+    """The native descriptor of a layer the backend swapped for a NativeBlockLinear."""
+    assert isinstance(m, NativeBlockLinear), m
+    return m.desc
+
+
 class NativeDecoder:
     """One decoding step of a fused, NativeBlockLinear model in a single native call (spark_decode)."""
 
     def __init__(self, kernels: NativeKernels, model: Transformer) -> None:
         cfg = model.config
-        layers = list(model.model.layers)
+        layers = model.decoder_layers()
         n = len(layers)
         self.kernels = kernels
         self.model = model  # holds every buffer the descriptors point into
 
-        def mats(get) -> ctypes.Array:  # type: ignore[no-untyped-def]
-            return (QMat * n)(*[get(layer).desc for layer in layers])
+        def mats(get: Callable[[DecoderLayer], nn.Module | None]) -> ctypes.Array[QMat]:
+            return (QMat * n)(*[_qmat(get(layer)) for layer in layers])
 
         self._arrays = (
             (ctypes.c_void_p * n)(*[layer.input_layernorm.weight.data_ptr() for layer in layers]),
@@ -94,7 +104,7 @@ class NativeDecoder:
             gate_up,
             down,
             model.model.norm.weight.data_ptr(),
-            ctypes.pointer(model.lm_head.desc),
+            ctypes.pointer(_qmat(model.lm_head)),
         )
         self.vocab = model.lm_head.out_features
         self.scratch_floats = int(kernels.lib.spark_decode_scratch_floats(ctypes.byref(self.desc)))

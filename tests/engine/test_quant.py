@@ -19,8 +19,8 @@ from engine.bench.gguf_export import export_gguf
 from engine.errors import BackendUnavailable
 from engine.generate import GenerationSettings
 from engine.gguf_file import unpermute_rows
-from engine.model_files import gguf_model
 from engine.memory import FullAttentionMemory
+from engine.model_files import gguf_model
 from engine.native.decoder import NativeBlockLinear
 from engine.quant import BlockType, StoredTensor, check_stored, dequantize, quantize
 from engine.sampling import SamplingSettings

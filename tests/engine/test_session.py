@@ -11,7 +11,7 @@ import torch
 from engine.backends.blocks import resident_weight_bytes
 from engine.backends.torch_backend import TorchBackend
 from engine.cascade import CascadeConfig
-from engine.errors import InsufficientMemory, InputTooLarge, SessionFileError
+from engine.errors import InputTooLarge, InsufficientMemory, SessionFileError
 from engine.generate import GenerationSettings
 from engine.hw import HardwarePolicy
 from engine.hw.memory import MemoryPressure, MemorySnapshot, format_bytes
@@ -143,12 +143,11 @@ def test_the_fit_check_admits_exactly_what_fits(model: Path, spare: int) -> None
     room = weights + kv + spare
     ram = FakeMemory(MemorySnapshot(rss_bytes=GB, total_bytes=16 * GB, available_bytes=room, pressure=MemoryPressure.NORMAL))
     policy = HardwarePolicy(FakeThermal(), ram, config=PolicyConfig(budget_bytes=room))
-    load = lambda: Engine.load(model, "cpu", memory_factory=memory_factory_for(model), policy=policy)  # noqa: E731
     if spare < 0:
         with pytest.raises(InsufficientMemory):
-            load()
+            Engine.load(model, "cpu", memory_factory=memory_factory_for(model), policy=policy)
     else:
-        assert load().backend.weight_bytes == weights
+        assert Engine.load(model, "cpu", memory_factory=memory_factory_for(model), policy=policy).backend.weight_bytes == weights
 
 
 def test_policy_sizes_the_episodic_tier(model: Path, tmp_path: Path) -> None:
