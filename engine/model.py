@@ -160,10 +160,10 @@ class Transformer(nn.Module):
         """The layers, typed (iterating an nn.ModuleList yields plain Modules)."""
         return cast(Sequence[DecoderLayer], self.model.layers)
 
-    def setup_rope(self, max_positions: int | None = None) -> None:
+    def setup_rope(self) -> None:
         """Build the cos/sin table on the weights' device (call after loading weights)."""
         p = self.model.norm.weight  # any parameter gives device and compute dtype; the norm is never swapped
-        self.rope = RotaryTable(self.config, max_positions or self.config.max_position_embeddings + ROTARY_HEADROOM, p.device, p.dtype)
+        self.rope = RotaryTable(self.config, self.config.max_position_embeddings + ROTARY_HEADROOM, p.device, p.dtype)
 
     def rotary(self) -> RotaryTable:
         """The cos/sin table, (re)built when missing or on another device than the weights."""

@@ -161,32 +161,19 @@ def fingerprint(config: ModelConfig, files: list[Path], tables: list[list[Tensor
     return h.hexdigest()[:32]
 
 
-def estimate_size(model_path: Path) -> tuple[int, int]:
-    """(parameter count, fp16 KV bytes per token) from the config and tensor tables alone (no weight is read)."""
-    if is_gguf_model(model_path):
-        gm = gguf_model(model_path)
-        config = gm.config
-        params = sum(math.prod(s.shape) for s in gm.tensor_shapes())
-    else:
-        config = ModelConfig.from_file(model_path / "config.json")
-        params = sum(math.prod(t.shape) for f in weight_files(model_path) for t in read_safetensors_header(f))
-    return params, 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-
-
 @dataclass
 class LoadedModel:
     model: Transformer
     config: ModelConfig
     fingerprint: str
     path: Path
-    weight_bytes: int
     # A GGUF's block-quantized weights as stored, by parameter name, for backends that run them without
     # re-quantizing; empty for a Hugging Face folder.
     stored: dict[str, StoredTensor] = field(default_factory=dict)
 
 
-def _assign(model: Transformer, config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype) -> int:
-    """Check `state` against the model's parameters and assign it (converted to `dtype` on `device`); returns bytes."""
+def _assign(model: Transformer, config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype) -> None:
+    """Check `state` against the model's parameters and assign it (converted to `dtype` on `device`)."""
     expected = dict(model.state_dict())
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
@@ -194,7 +181,6 @@ def _assign(model: Transformer, config: ModelConfig, state: dict[str, torch.Tens
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelLoadError(f"The weights lack {missing[0]} (and {len(missing) - 1} more); they do not match the model's configuration.")
-    weight_bytes = 0
     converted: dict[str, torch.Tensor] = {}
     for name, ref in expected.items():
         t = state[name]
@@ -208,14 +194,12 @@ def _assign(model: Transformer, config: ModelConfig, state: dict[str, torch.Tens
         # 3x cheaper than isfinite().all(). NaN weights would otherwise only fail later, while sampling.
         if not bool(torch.isfinite(converted[name].sum(dtype=torch.float32))):
             raise ModelLoadError(f"Tensor {name} holds NaN or infinite values; the model file is corrupt, download it again.")
-        weight_bytes += converted[name].numel() * converted[name].element_size()
     model.load_state_dict(converted, strict=False, assign=True)
     if config.tie_word_embeddings:
         assert isinstance(model.model.embed_tokens, nn.Embedding)  # as the model was built
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().requires_grad_(False)
     model.setup_rope()
-    return weight_bytes
 
 
 def model_fingerprint(model_path: Path) -> str:
@@ -242,9 +226,9 @@ def _load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype) -> Lo
     for name, t in gm.dequantized_state():
         # Converted as it is read, so at most one fp32 copy of the weights exists at any time.
         state[name] = t if (t.dtype == dtype and str(device) == "cpu") else t.to(device=device, dtype=dtype)
-    weight_bytes = _assign(model, gm.config, state, device, dtype)
+    _assign(model, gm.config, state, device, dtype)
     # The fingerprint covers the whole file: any changed byte is another model for caches and sessions.
-    return LoadedModel(model, gm.config, model_fingerprint(gm.path), gm.path, weight_bytes, gm.stored_tensors())
+    return LoadedModel(model, gm.config, model_fingerprint(gm.path), gm.path, gm.stored_tensors())
 
 
 def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -263,5 +247,5 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
         state.update(mmap_tensors(f, table))
     with torch.device("meta"):
         model = Transformer(config)
-    weight_bytes = _assign(model, config, state, device, dtype)
-    return LoadedModel(model, config, fingerprint(config, files, tables), model_path, weight_bytes)
+    _assign(model, config, state, device, dtype)
+    return LoadedModel(model, config, fingerprint(config, files, tables), model_path)

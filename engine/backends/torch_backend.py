@@ -172,7 +172,6 @@ class TorchBackend(Backend):
         self.model = loaded.model
         self.config = loaded.config
         self.fingerprint = loaded.fingerprint
-        self.model_dir = loaded.path
         fuse_projections(self.model)
         self.native_isa: str | None = None  # the native kernels' instruction set when they run this model
         self.native_steps = native_steps

@@ -40,7 +40,6 @@ def test_fp32_weights_are_views_of_the_file_not_copies(tiny: Path) -> None:
     a, b = "model.embed_tokens.weight", "model.norm.weight"
     # Both tensors live in one mapping of the file: their addresses differ exactly by their file offsets.
     assert state[b].data_ptr() - state[a].data_ptr() == table[b].start - table[a].start
-    assert loaded.weight_bytes == sum(p.numel() * 4 for p in state.values())
 
 
 def test_fingerprint_is_stable_and_content_sensitive(tiny: Path, tmp_path: Path) -> None:
