@@ -72,6 +72,15 @@ def check_stored(t: StoredTensor, name: str = "weight") -> BlockType:
     return qtype
 
 
+def scales_finite(t: StoredTensor) -> bool:
+    """Whether every block's scale (and Q4_1's minimum) is finite: a block's only float fields, so the matrix holds
+    NaN or infinity exactly when one of them does. `t` has passed check_stored."""
+    qtype = BlockType.named(t.qtype)
+    b = np.asarray(t.data, dtype=np.uint8).reshape(-1, qtype.block_bytes)  # (blocks, bytes)
+    fields = np.ascontiguousarray(b[:, : 4 if qtype is BlockType.Q4_1 else 2]).view(np.float16)  # (blocks, 1 or 2)
+    return bool(np.isfinite(fields).all())
+
+
 def _f16_bytes(a: np.ndarray) -> np.ndarray:  # (n, 1) float32 -> (n, 2) uint8, round to nearest even
     return a.astype(np.float16).view(np.uint8).reshape(-1, 2)
 

@@ -168,7 +168,9 @@ class TorchBackend(Backend):
         self.name = device
         self.device = torch.device(device)
         self.dtype = dtype or DEVICE_DTYPES[device]
-        loaded = load_model(model_dir, device=self.device, dtype=self.dtype)
+        # A GGUF's block matrices are left undecoded when they may run as stored (no transient fp32 copy).
+        leave_stored = self.device.type == "cpu" and quantize != "none" and stored is None
+        loaded = load_model(model_dir, device=self.device, dtype=self.dtype, leave_stored=leave_stored)
         self.model = loaded.model
         self.config = loaded.config
         self.fingerprint = loaded.fingerprint
@@ -181,6 +183,9 @@ class TorchBackend(Backend):
         self.act_parts = act_parts
         stored = loaded.stored if stored is None else stored  # a GGUF's blocks, as the loader found them
         self.quantize = self._block_weights(quantize, kernels, stored) if device == "cpu" else "none"
+        if any(p.is_meta for p in self.model.parameters()):  # the stored blocks cannot all run: read them in fp32
+            self.model = load_model(model_dir, device=self.device, dtype=self.dtype).model
+            fuse_projections(self.model)
         if self.quantize == "none" and self.device.type == "cpu":
             use_k_major_linears(self.model)
         self.weight_bytes = resident_weight_bytes(self.model)  # as finally held: fused, transposed or in blocks

@@ -6,12 +6,16 @@ import json
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from engine.backends.torch_backend import TorchBackend
 from engine.errors import ModelLoadError
+from engine.memory import FullAttentionMemory
 from engine.weights import load_model, read_safetensors_header
+from tests.gguf_files import write_gguf
 from tests.tiny import make_tiny_model
 
 
@@ -143,3 +147,51 @@ def test_header_reader_rejects_offsets_past_the_end(tiny: Path, tmp_path: Path) 
     st.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
     with pytest.raises(ModelLoadError, match="truncated"):
         read_safetensors_header(st)
+
+
+@pytest.fixture(scope="module")
+def tiny256(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Rows of 256 weights: a whole number of blocks for every type, K-quants included.
+    return make_tiny_model(tmp_path_factory.mktemp("g256"), "llama", hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2)
+
+
+def cpu_logits(backend: TorchBackend) -> torch.Tensor:
+    backend.allocate(1, 64)
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    return backend.forward(ids, FullAttentionMemory(backend).plan(ids[0].tolist()).as_batch())[0]  # (T, V)
+
+
+def test_gguf_block_matrices_run_as_stored_without_an_fp32_copy(tiny256: Path, tmp_path: Path) -> None:
+    path = write_gguf(tiny256, tmp_path / "m.gguf", "q4_1")
+    lean = load_model(path, leave_stored=True)
+    q = lean.model.get_parameter("model.layers.0.self_attn.q_proj.weight")
+    assert q.is_meta and "model.layers.0.self_attn.q_proj.weight" in lean.stored  # never dequantized
+    assert not lean.model.get_parameter("model.norm.weight").is_meta
+    direct = TorchBackend(path, "cpu", quantize="auto")  # leaves the blocks undecoded
+    assert direct.quantize == "q4_1" and not any(p.is_meta for p in direct.model.parameters())
+    # The same blocks handed over after a full fp32 load (the path before): the very same logits.
+    after_fp32 = TorchBackend(path, "cpu", quantize="auto", stored=load_model(path).stored)
+    assert torch.equal(cpu_logits(direct), cpu_logits(after_fp32))
+    assert direct.weight_bytes == after_fp32.weight_bytes
+
+
+def test_gguf_blocks_without_a_kernel_are_read_in_fp32_after_all(tiny256: Path, tmp_path: Path) -> None:
+    path = write_gguf(tiny256, tmp_path / "k.gguf", "q6_k")
+    auto = TorchBackend(path, "cpu", quantize="auto")  # Q6_K has no block kernel: auto falls back to fp32
+    assert auto.quantize == "none" and "Q6_K" in auto.kernels_note
+    assert not any(p.is_meta for p in auto.model.parameters())
+    assert torch.equal(cpu_logits(auto), cpu_logits(TorchBackend(path, "cpu", quantize="none")))
+
+
+def test_a_nan_block_scale_is_refused_in_one_sentence(tiny256: Path, tmp_path: Path) -> None:
+    import gguf
+
+    path = write_gguf(tiny256, tmp_path / "nan.gguf", "q8_0")
+    at = next(t.data_offset for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight")
+    raw = bytearray(path.read_bytes())
+    raw[at : at + 2] = np.array([np.nan], np.float16).tobytes()  # the first block's scale
+    path.write_bytes(bytes(raw))
+    for leave_stored in (True, False):  # left as stored or dequantized: the same refusal
+        with pytest.raises(ModelLoadError) as err:
+            load_model(path, leave_stored=leave_stored)
+        assert "model.layers.1.mlp.down_proj.weight holds NaN or infinite values" in one_sentence(err.value)
