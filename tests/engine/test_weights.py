@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -175,10 +176,40 @@ def test_gguf_block_matrices_run_as_stored_without_an_fp32_copy(tiny256: Path, t
     assert direct.weight_bytes == after_fp32.weight_bytes
 
 
-def test_gguf_blocks_without_a_kernel_are_read_in_fp32_after_all(tiny256: Path, tmp_path: Path) -> None:
-    path = write_gguf(tiny256, tmp_path / "k.gguf", "q6_k")
-    auto = TorchBackend(path, "cpu", quantize="auto")  # Q6_K has no block kernel: auto falls back to fp32
-    assert auto.quantize == "none" and "Q6_K" in auto.kernels_note
+def with_tensor_as(path: Path, out: Path, name: str, kind: Any) -> Path:
+    """A copy of the GGUF at `path` with tensor `name` re-quantized to `kind` (a gguf.GGMLQuantizationType)."""
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    w = gguf.GGUFWriter(str(out), str(r.fields["general.architecture"].contents()))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # written by the writer itself
+        vtype = f.types[0]
+        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if t.name == name:
+            w.add_tensor(t.name, gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind), raw_dtype=kind)
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["q6_k", "mixed"])
+def test_gguf_blocks_that_cannot_run_as_stored_are_read_in_fp32_after_all(tiny256: Path, tmp_path: Path, kind: str) -> None:
+    import gguf
+
+    if kind == "q6_k":  # no block kernel: nothing is left undecoded
+        path, why = write_gguf(tiny256, tmp_path / "k.gguf", "q6_k"), "Q6_K"
+    else:  # Q4_1 blocks left undecoded, then found unable to run (a fused q/k/v of two types): read again in fp32
+        q41 = write_gguf(tiny256, tmp_path / "a.gguf", "q4_1")
+        path, why = with_tensor_as(q41, tmp_path / "mixed.gguf", "blk.0.attn_k.weight", gguf.GGMLQuantizationType.Q8_0), "cannot run as one matrix"
+    auto = TorchBackend(path, "cpu", quantize="auto")
+    assert auto.quantize == "none" and why in auto.kernels_note
     assert not any(p.is_meta for p in auto.model.parameters())
     assert torch.equal(cpu_logits(auto), cpu_logits(TorchBackend(path, "cpu", quantize="none")))
 
