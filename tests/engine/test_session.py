@@ -95,7 +95,7 @@ def test_a_file_from_another_model_restores_the_transcript_only_when_accepted(en
     report = s.load(tmp_path / "o.spark")
     assert not report.applied and report.foreign_model and "different model" in report.message and s.messages == []
     report = s.load(tmp_path / "o.spark", accept_transcript_only=True)
-    assert report.applied and report.transcript_only and [m.content for m in s.messages][0] == "from the other model"
+    assert report.applied and report.transcript_only and s.messages[0].content == "from the other model"
     assert s.memory.tokens == []  # no foreign KV applied; the next turn re-reads the transcript
     assert reply(s.chat("go on", GREEDY))
 
