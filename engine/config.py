@@ -93,7 +93,7 @@ class ModelConfig:
     mlp_bias: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    def with_rope_freq_factors(self, factors: tuple[float, ...]) -> "ModelConfig":
+    def with_rope_freq_factors(self, factors: tuple[float, ...]) -> ModelConfig:
         return dataclasses.replace(self, rope_freq_factors=factors, raw={**self.raw, "rope_freq_factors": list(factors)})
 
     @property
@@ -101,7 +101,7 @@ class ModelConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         arch = (d.get("architectures") or [None])[0] or MODEL_TYPES.get(str(d.get("model_type")), "")
         if arch not in SUPPORTED_ARCHITECTURES:
             known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
@@ -140,7 +140,7 @@ class ModelConfig:
             raise ModelLoadError(f"config.json is missing or has a bad value for {exc}; the model folder looks incomplete.") from None
 
     @classmethod
-    def from_file(cls, path: Path) -> "ModelConfig":
+    def from_file(cls, path: Path) -> ModelConfig:
         try:
             if Path(path).stat().st_size > MAX_CONFIG_BYTES:
                 raise ModelLoadError(f"{path} is larger than any model config; the model folder looks damaged.")

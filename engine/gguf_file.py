@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,11 +215,14 @@ class GGUFModel:
                 out[t.hf_name] = StoredTensor(t.qtype, (t.shape[0], t.shape[1]), data)
         return out
 
-    def dequantized_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, fp32 tensor) one at a time: float tensors as mmap views where they are already fp32."""
+    def dequantized_state(self, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, fp32 tensor) one at a time: float tensors as mmap views where they are already fp32; the
+        tensors named in `skip` are left out (never decoded)."""
         import gguf
 
         for t in self._tensors():
+            if t.hf_name in skip:
+                continue
             if t.qtype in BLOCK_TYPES:
                 kind = getattr(gguf.GGMLQuantizationType, t.qtype)
                 try:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from engine.backends.base import Backend
+from engine.backends.torch_backend import TorchBackend
 from engine.generate import GenerationEvent, GenerationSettings, stream_generate
 from engine.memory import Memory
 from engine.sampling import make_sampler
@@ -128,56 +129,56 @@ class Profiler:
         return run
 
     # -- model hooks -------------------------------------------------------------------------------------------
+    def _open_module(self, name: str) -> None:
+        if not self._stack:
+            return  # a forward outside a profiled step
+        if self._module_open:
+            self.pop()
+        self.push(name)
+        self._module_open = True
+
+    def _close_module(self) -> None:
+        if self._module_open:
+            self.pop()
+            self._module_open = False
+
     @contextmanager
-    def attach(self, model: nn.Module | None) -> Iterator[None]:
-        """Register the module-boundary hooks on a Llama-family `Transformer` for the duration of the block."""
-        if model is None or not hasattr(model, "model"):
-            yield  # a backend without a torch module (Core ML): the backend call is one part
+    def _native_step(self) -> Iterator[None]:
+        self._open_module("native_step")
+        try:
+            yield
+        finally:
+            self._close_module()
+
+    @contextmanager
+    def attach(self, backend: Backend) -> Iterator[None]:
+        """Register the module-boundary hooks on a PyTorch backend's Llama-family model, and time its native steps,
+        for the duration of the block. Any other backend's call is one part."""
+        if not isinstance(backend, TorchBackend):
+            yield
             return
 
-        def opener(name: str) -> Callable[..., None]:
-            def hook(module: nn.Module, args: Any) -> None:
-                if not self._stack:
-                    return  # a forward outside a profiled step
-                if self._module_open:
-                    self.pop()
-                self.push(name)
-                self._module_open = True
-
-            return hook
+        def opener(name: str) -> Callable[[nn.Module, Any], None]:
+            return lambda module, args: self._open_module(name)
 
         def closer(module: nn.Module, args: Any, out: Any) -> None:
-            if self._module_open:
-                self.pop()
-                self._module_open = False
+            self._close_module()
 
+        model = backend.model
         backbone = model.model
         handles = [backbone.embed_tokens.register_forward_pre_hook(opener("embedding")), backbone.embed_tokens.register_forward_hook(closer)]
-        for i, layer in enumerate(backbone.layers):
+        for i, layer in enumerate(model.decoder_layers()):
             handles.append(layer.input_layernorm.register_forward_pre_hook(opener(f"layer.{i}.attention")))
             handles.append(layer.post_attention_layernorm.register_forward_pre_hook(opener(f"layer.{i}.mlp")))
         handles.append(backbone.norm.register_forward_pre_hook(opener("lm_head")))  # final norm + head
         handles.append(model.lm_head.register_forward_hook(closer))
-        # A native decoding step (engine.native) runs every layer and the head in one call: one part of its own.
-        native = getattr(model, "native_decoder", None)
-        if native is not None:
-            native_decode = native.decode
-
-            def profiled_decode(*args: Any, **kwargs: Any) -> Any:
-                opener("native_step")(model, args)
-                try:
-                    return native_decode(*args, **kwargs)
-                finally:
-                    closer(model, args, None)
-
-            native.decode = profiled_decode
         try:
-            yield
+            # A native decoding step (engine.native) runs every layer and the head in one call: one part of its own.
+            with backend.watch_native_steps(self._native_step):
+                yield
         finally:
             for h in handles:
                 h.remove()
-            if native is not None:
-                del native.decode  # back to the class's method
             self._module_open = False
 
     # -- profiled generation -----------------------------------------------------------------------------------
@@ -193,16 +194,16 @@ class Profiler:
         """`engine.generate.stream_generate`, same arguments and events, with every step profiled."""
         sampler = kwargs.pop("sampler", None) or make_sampler(settings.sampling)
         gen = stream_generate(
-            _Timed(backend, self, {"forward": "backend"}),  # type: ignore[arg-type]
-            _Timed(memory, self, {"plan": "paging", "after_forward": "paging", "reuse_prefix": "paging"}),  # type: ignore[arg-type]
-            _ProfiledTokenizer(tokenizer, self),  # type: ignore[arg-type]
+            _Timed(backend, self, {"forward": "backend"}),  # type: ignore[arg-type]  # a timing proxy: the backend's attributes via __getattr__
+            _Timed(memory, self, {"plan": "paging", "after_forward": "paging", "reuse_prefix": "paging"}),
+            _ProfiledTokenizer(tokenizer, self),  # type: ignore[arg-type]  # a timing proxy, as above
             prompt_ids,
             settings,
             sampler=self.timed("sampling", sampler),
             **kwargs,
         )
         kind = "prefill_step"
-        with self.attach(getattr(backend, "model", None)):
+        with self.attach(backend):
             while True:
                 self.push(kind)
                 try:

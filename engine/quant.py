@@ -39,7 +39,7 @@ class BlockType(Enum):
         return 8 * self.block_bytes / BLOCK
 
     @classmethod
-    def named(cls, name: str) -> "BlockType":
+    def named(cls, name: str) -> BlockType:
         """'q8_0' or 'Q8_0' -> BlockType.Q8_0; ValueError naming the choices otherwise."""
         try:
             return cls[name.upper()]
@@ -70,6 +70,15 @@ def check_stored(t: StoredTensor, name: str = "weight") -> BlockType:
     if t.data.dtype != np.uint8 or t.data.size != n * row_bytes(qtype, k):
         raise ValueError(f"{name} holds {t.data.size} bytes, not the {n * row_bytes(qtype, k)} a {t.qtype} matrix of shape {t.shape} needs")
     return qtype
+
+
+def scales_finite(t: StoredTensor) -> bool:
+    """Whether every block's scale (and Q4_1's minimum) is finite: a block's only float fields, so the matrix holds
+    NaN or infinity exactly when one of them does. `t` has passed check_stored."""
+    qtype = BlockType.named(t.qtype)
+    b = np.asarray(t.data, dtype=np.uint8).reshape(-1, qtype.block_bytes)  # (blocks, bytes)
+    fields = np.ascontiguousarray(b[:, : 4 if qtype is BlockType.Q4_1 else 2]).view(np.float16)  # (blocks, 1 or 2)
+    return bool(np.isfinite(fields).all())
 
 
 def _f16_bytes(a: np.ndarray) -> np.ndarray:  # (n, 1) float32 -> (n, 2) uint8, round to nearest even
@@ -106,7 +115,8 @@ def quantize(w: np.ndarray, qtype: BlockType) -> np.ndarray:
 
 
 def _pack(q: np.ndarray) -> np.ndarray:  # (blocks, 32) in 0..15 -> (blocks, 16) bytes
-    return (q[:, : BLOCK // 2] | (q[:, BLOCK // 2 :] << np.uint8(4))).astype(np.uint8)
+    packed: np.ndarray = (q[:, : BLOCK // 2] | (q[:, BLOCK // 2 :] << np.uint8(4))).astype(np.uint8)
+    return packed
 
 
 def dequantize(data: np.ndarray, qtype: BlockType, shape: tuple[int, int]) -> np.ndarray:

@@ -8,7 +8,7 @@ conversation keeps its cascade memory instead of being re-read every turn. When 
 chat, regenerate, a template that rewrites history) the memory is reset and the prompt re-fed; the persistent
 prefix cache makes that cheap.
 
-(Over 400 lines because saving and restoring, compact files included, must see the session's private state.)
+Loading (the memory factory, the fit check, the step lock's backend wrapper) lives in engine.loading.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.backends import BackendChoice, open_backend, resolve_quantize
+from engine.backends import BackendChoice, open_backend
 from engine.backends.base import Backend
-from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
+from engine.cascade import CascadeStats
 from engine.errors import InputTooLarge, SparkError
 from engine.generate import (
     GenerationEvent,
@@ -32,11 +32,11 @@ from engine.generate import (
     stream_generate,
 )
 from engine.hw import HardwarePolicy
+from engine.loading import LockedBackend, MemoryFactory, check_fits, memory_factory_for
 from engine.memory import Memory
-from engine.model_files import check_model_path, display_name, resolve_model_path, settings_dir
-from engine.paths import default_cache_dir
+from engine.model_files import check_model_path, display_name, resolve_model_path
 from engine.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
-from engine.sampling import SamplingSettings, make_sampler
+from engine.sampling import Sampler, SamplingSettings, make_sampler
 from engine.session_file import (
     RECOMPUTE_KIND,
     ForeignModelSession,
@@ -46,52 +46,10 @@ from engine.session_file import (
     save_session,
 )
 from engine.tokenizer import Tokenizer
-from engine.weights import estimate_size
 
 MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pasted file), not a prompt
-MemoryFactory = Callable[[Backend], Memory]
-SLOT_TABLE_ESTIMATE = 1024  # slots per conversation assumed by the fit check (the least a window gets; it grows into
-# what the budget leaves, up to the trained context: see memory_factory_for)
-SLOT_TABLE_COPIES = 3  # a torch slot table on the CPU holds its fp16 KV plus fp32 read copies: 3x the fp16 bytes
 
-
-def memory_factory_for(
-    model_dir: str | Path | None,
-    *,
-    cache_dir: Path | None = None,
-    prefix_cache: bool = True,
-    policy: HardwarePolicy | None = None,
-    **cascade_overrides: Any,
-) -> MemoryFactory:
-    """Each conversation's memory: the cascade laid out per the model's cascade.json, over one persistent
-    (L3) store per model + backend numerics under `cache_dir` (default: the platform cache dir). With a `policy`,
-    the episodic tier gets its share of the machine's memory budget instead of the fixed default."""
-    model_path = resolve_model_path(model_dir)
-    stores: dict[tuple[str, str], PersistentStore] = {}
-    stores_lock = threading.Lock()
-
-    def store_for(backend: Backend, config: CascadeConfig) -> PersistentStore | None:
-        if not prefix_cache:
-            return None
-        key = (backend.fingerprint, backend.numerics)
-        with stores_lock:
-            if key not in stores:
-                root = (cache_dir or default_cache_dir() / "kv") / backend.fingerprint[:16]
-                stores[key] = PersistentStore(root, backend.fingerprint, backend.numerics, config.persistent_budget_bytes)
-            return stores[key]
-
-    def make(backend: Backend, row: int = 0) -> Memory:  # row: as a scheduler's RowMemoryFactory
-        max_slots = None
-        if policy is not None:  # the window covers the trained context as far as half the spare budget allows
-            spare = max(0, policy.budget_bytes() - backend.weight_bytes)
-            max_slots = max(SLOT_TABLE_ESTIMATE, spare // 2 // (SLOT_TABLE_COPIES * backend.kv_bytes_per_token()))
-        config = CascadeConfig.for_model(settings_dir(model_path), backend.config, max_slots=max_slots, **cascade_overrides)
-        if policy is not None and "episodic_budget_bytes" not in cascade_overrides:
-            working = config.num_slots * backend.kv_bytes_per_token()
-            config = replace(config, episodic_budget_bytes=policy.episodic_budget_bytes(backend.weight_bytes, working))
-        return CascadeMemory(backend, config, row=row, store=store_for(backend, config))
-
-    return make
+__all__ = ["ChatMessage", "Engine", "LoadReport", "MemoryFactory", "Session", "memory_factory_for"]  # the last two from engine.loading
 
 
 @dataclass(frozen=True)
@@ -142,21 +100,14 @@ class Engine:
         policy: HardwarePolicy | None = None,
         quantize: str = "none",
     ) -> Engine:
-        """Load a model (HF folder or GGUF; the default model when None); with a `policy`, first refuse (one
-        sentence) a model this machine cannot hold."""
+        """Load a model (HF folder or GGUF; the default model when None); with a `policy`, refuse (one sentence) a
+        model this machine cannot hold, by the loaded backend's own figures."""
         model_dir = resolve_model_path(model_dir)
         check_model_path(model_dir)
         tokenizer = Tokenizer.load(model_dir)
-        if policy is not None:
-            # Judged before any weight is read: fp32 on the CPU (the widest a backend computes in) unless the CPU
-            # surely stores int8, fp16 KV.
-            params, kv_per_token = estimate_size(model_dir)
-            bytes_per_param = 1 if backend == "cpu" and resolve_quantize(backend, quantize) == "int8" else 4 if backend in ("auto", "cpu") else 2
-            # A torch slot table keeps read copies in the compute dtype beside its fp16 k, v (engine.model.KVCache):
-            # 3x the fp16 bytes where math is fp32 (the CPU), 2x on fp16 GPUs; Core ML keeps its fp16 state only.
-            kv_copies = 3 if backend in ("auto", "cpu") else 1 if backend == "coreml" else 2
-            policy.check_model_fits(params * bytes_per_param, kv_per_token * SLOT_TABLE_ESTIMATE * kv_copies)
         choice = open_backend(model_dir, backend, quantize)
+        if policy is not None:
+            check_fits(policy, choice.backend, model_dir)
         return cls(choice, tokenizer, model_dir, memory_factory, policy)
 
     @property
@@ -166,31 +117,13 @@ class Engine:
     def locked_fork(self) -> Backend:
         """A fork of the backend (its own slot table, shared weights) whose forwards take the step lock: for a
         scheduler serving requests beside this engine's conversations."""
-        return _LockedBackend(self.backend.fork(), self.step_lock)  # type: ignore[return-value]
+        return LockedBackend(self.backend.fork(), self.step_lock)  # type: ignore[return-value]  # a proxy: Backend's members via __getattr__
 
     def new_session(self) -> Session:
         """The first session uses the loaded backend's slot table; later ones fork their own."""
         backend = self.backend if not self._first_taken else self.backend.fork()
         self._first_taken = True
         return Session(self, backend, self.memory_factory(backend))
-
-
-class _LockedBackend:
-    """Wraps a backend so every forward takes the engine's step lock (the lock is held for one step only), and
-    records each forward's size in the session's feed log (what a compact session file replays)."""
-
-    def __init__(self, inner: Backend, lock: threading.Lock, log: FeedLog | None = None, memory: Memory | None = None) -> None:
-        self._inner, self._lock, self._log, self._memory = inner, lock, log, memory
-
-    def forward(self, tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with self._lock:
-            out = self._inner.forward(tokens, *args, **kwargs)
-        if self._log is not None and self._memory is not None:
-            self._log.record_feed(len(self._memory.tokens), int(tokens.shape[-1]))  # tokens: (1, n)
-        return out
-
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
-        return getattr(self._inner, name)
 
 
 class Session:
@@ -234,7 +167,7 @@ class Session:
 
     def submit(
         self,
-        messages: Sequence[ChatMessage | dict],
+        messages: Sequence[ChatMessage | dict[str, str]],
         settings: GenerationSettings,
         should_stop: Callable[[], bool] = lambda: False,
         pacer: Pacer | None = None,
@@ -335,8 +268,8 @@ class Session:
         def recompute(memory: Memory, data: SessionData) -> None:
             # A compact file: feed its tokens again exactly as they were fed (see engine.replay), then compare.
             schedule = check_schedule(data.extra.get("feed_schedule"), len(data.token_ids))
-            runner = _LockedBackend(fork, self.engine.step_lock)
-            replay(backend_feed(runner, memory), memory, data.token_ids, schedule, on_progress)  # type: ignore[arg-type]
+            runner = LockedBackend(fork, self.engine.step_lock)
+            replay(backend_feed(runner, memory), memory, data.token_ids, schedule, on_progress)  # type: ignore[arg-type]  # LockedBackend: a proxy
             saved = data.extra.get("recompute")
             digest_ok.append(isinstance(saved, dict) and saved.get("digest") == memory_digest(memory))
 
@@ -371,7 +304,7 @@ class Session:
         how = "" if self.restore_digest_ok is None else " (recomputed, identical)" if self.restore_digest_ok else " (recomputed; it differs slightly from the saved one, as on other numerics)"
         return LoadReport(True, False, False, len(messages), n, f"Restored {len(messages)} messages and {n:,} tokens of memory{how}.")
 
-    def stats(self):  # type: ignore[no-untyped-def]
+    def stats(self) -> CascadeStats | None:
         """The memory's tier statistics (CascadeStats), or None for a memory without tiers."""
         stats = getattr(self.memory, "stats", None)
         return stats() if stats else None
@@ -409,7 +342,7 @@ class Session:
                 f"The prompt is {len(text):,} characters, more than the {MAX_PROMPT_CHARS:,} MLoT Spark accepts; shorten it or attach less."
             )
 
-    def _sampler_for(self, s: SamplingSettings):  # type: ignore[no-untyped-def]
+    def _sampler_for(self, s: SamplingSettings) -> Sampler:
         # Keep one sampler (and its RNG stream) across turns while settings are unchanged, so a seeded run that is
         # saved and continued draws the same numbers as an uninterrupted one.
         if asdict(s) != asdict(self.sampler.settings):
@@ -441,9 +374,9 @@ class Session:
         self.pending_token = None
         try:
             pacer = pacer or self.engine.policy
-            runner = _LockedBackend(self.backend, self.engine.step_lock, self.feed_log, self.memory)
-            gen = stream_generate(runner, self.memory, self.tokenizer, ids, settings, sampler=sampler, should_stop=should_stop, pacer=pacer, on_prefill=self.on_prefill)  # type: ignore[arg-type]
-            for ev in gen:  # type: ignore[arg-type]
+            runner = LockedBackend(self.backend, self.engine.step_lock, self.feed_log, self.memory)
+            gen = stream_generate(runner, self.memory, self.tokenizer, ids, settings, sampler=sampler, should_stop=should_stop, pacer=pacer, on_prefill=self.on_prefill)  # type: ignore[arg-type]  # LockedBackend: a proxy
+            for ev in gen:
                 if ev.token is not None:
                     tokens.append(ev.token)
                     self.pending_token = ev.token

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import mmap
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
@@ -28,7 +29,7 @@ from engine.fileio import (
 )
 from engine.model import Transformer
 from engine.model_files import check_model_path, file_sha256, gguf_model, is_gguf_model
-from engine.quant import StoredTensor
+from engine.quant import BlockType, StoredTensor, check_stored, scales_finite
 
 SAFETENSORS_DTYPES = DTYPES  # the one dtype table (engine.fileio)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -140,42 +141,41 @@ def fingerprint(config: ModelConfig, files: list[Path], tables: list[list[Tensor
     return h.hexdigest()[:32]
 
 
-def estimate_size(model_path: Path) -> tuple[int, int]:
-    """(parameter count, fp16 KV bytes per token) from the config and tensor tables alone (no weight is read)."""
-    if is_gguf_model(model_path):
-        gm = gguf_model(model_path)
-        config = gm.config
-        params = sum(math.prod(s.shape) for s in gm.tensor_shapes())
-    else:
-        config = ModelConfig.from_file(model_path / "config.json")
-        params = sum(math.prod(t.shape) for f in weight_files(model_path) for t in read_safetensors_header(f))
-    return params, 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-
-
 @dataclass
 class LoadedModel:
     model: Transformer
     config: ModelConfig
     fingerprint: str
     path: Path
-    weight_bytes: int
     # A GGUF's block-quantized weights as stored, by parameter name, for backends that run them without
     # re-quantizing; empty for a Hugging Face folder.
     stored: dict[str, StoredTensor] = field(default_factory=dict)
 
 
-def _assign(model: Transformer, config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype) -> int:
-    """Check `state` against the model's parameters and assign it (converted to `dtype` on `device`); returns bytes."""
+def _assign(
+    model: Transformer,
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    device: str | torch.device,
+    dtype: torch.dtype,
+    left: Mapping[str, tuple[int, int]] | None = None,
+) -> None:
+    """Check `state` against the model's parameters and assign it (converted to `dtype` on `device`). The names in
+    `left` (with their shapes) are checked but stay on the meta device: a backend builds those layers itself."""
+    left = left or {}
     expected = dict(model.state_dict())
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         state.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(set(expected) - set(state) - set(left))
     if missing:
         raise ModelLoadError(f"The weights lack {missing[0]} (and {len(missing) - 1} more); they do not match the model's configuration.")
-    weight_bytes = 0
     converted: dict[str, torch.Tensor] = {}
     for name, ref in expected.items():
+        if name in left and name not in state:
+            if left[name] != tuple(ref.shape):
+                raise ModelLoadError(f"Tensor {name} has shape {left[name]} but the configuration implies {tuple(ref.shape)}.")
+            continue
         t = state[name]
         if tuple(t.shape) != tuple(ref.shape):
             raise ModelLoadError(f"Tensor {name} has shape {tuple(t.shape)} but the configuration implies {tuple(ref.shape)}.")
@@ -187,13 +187,12 @@ def _assign(model: Transformer, config: ModelConfig, state: dict[str, torch.Tens
         # 3x cheaper than isfinite().all(). NaN weights would otherwise only fail later, while sampling.
         if not bool(torch.isfinite(converted[name].sum(dtype=torch.float32))):
             raise ModelLoadError(f"Tensor {name} holds NaN or infinite values; the model file is corrupt, download it again.")
-        weight_bytes += converted[name].numel() * converted[name].element_size()
     model.load_state_dict(converted, strict=False, assign=True)
     if config.tie_word_embeddings:
+        assert isinstance(model.model.embed_tokens, nn.Embedding)  # as the model was built
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().requires_grad_(False)
     model.setup_rope()
-    return weight_bytes
 
 
 def model_fingerprint(model_path: Path) -> str:
@@ -212,27 +211,38 @@ def stored_weight_bytes(model_path: Path) -> int:
     return sum(t.end - t.start for f in weight_files(model_path) for t in read_safetensors_header(f))
 
 
-def _load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype, leave_stored: bool) -> LoadedModel:
     gm = gguf_model(path)
+    stored = gm.stored_tensors()
+    left = {name: t for name, t in stored.items() if t.qtype in BlockType.__members__} if leave_stored else {}
+    for name, blocks in left.items():  # never dequantized here, so checked here as _assign checks the others
+        try:
+            check_stored(blocks, name)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path.name}: {exc}; the file is damaged.") from None
+        if not scales_finite(blocks):
+            raise ModelLoadError(f"Tensor {name} holds NaN or infinite values; the model file is corrupt, download it again.")
     with torch.device("meta"):
         model = Transformer(gm.config)
     state: dict[str, torch.Tensor] = {}
-    for name, t in gm.dequantized_state():
+    for name, t in gm.dequantized_state(skip=left):
         # Converted as it is read, so at most one fp32 copy of the weights exists at any time.
         state[name] = t if (t.dtype == dtype and str(device) == "cpu") else t.to(device=device, dtype=dtype)
-    weight_bytes = _assign(model, gm.config, state, device, dtype)
+    _assign(model, gm.config, state, device, dtype, {name: blocks.shape for name, blocks in left.items()})
     # The fingerprint covers the whole file: any changed byte is another model for caches and sessions.
-    return LoadedModel(model, gm.config, model_fingerprint(gm.path), gm.path, weight_bytes, gm.stored_tensors())
+    return LoadedModel(model, gm.config, model_fingerprint(gm.path), gm.path, stored)
 
 
-def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *, leave_stored: bool = False) -> LoadedModel:
     """Build on the meta device, then assign mmap-backed (or converted) tensors: one copy of the weights at most.
 
-    `model_path`: a Hugging Face folder, a .gguf file, or a folder holding one .gguf."""
+    `model_path`: a Hugging Face folder, a .gguf file, or a folder holding one .gguf. `leave_stored`: a GGUF's
+    matrices in a block format (engine.quant.BlockType) stay on the meta device, never dequantized, for a backend
+    that builds those layers from `LoadedModel.stored`."""
     model_path = Path(model_path).expanduser()
     check_model_path(model_path)
     if is_gguf_model(model_path):
-        return _load_gguf(model_path, device, dtype)
+        return _load_gguf(model_path, device, dtype, leave_stored)
     config = ModelConfig.from_file(model_path / "config.json")
     files = weight_files(model_path)
     tables = [read_safetensors_header(f) for f in files]
@@ -241,5 +251,5 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
         state.update(mmap_tensors(f, table))
     with torch.device("meta"):
         model = Transformer(config)
-    weight_bytes = _assign(model, config, state, device, dtype)
-    return LoadedModel(model, config, fingerprint(config, files, tables), model_path, weight_bytes)
+    _assign(model, config, state, device, dtype)
+    return LoadedModel(model, config, fingerprint(config, files, tables), model_path)

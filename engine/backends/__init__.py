@@ -84,9 +84,8 @@ class BackendChoice:
 
     def explain(self) -> str:
         why = "; ".join(f"{p.name}: {p.reason.rstrip('.')}" for p in self.skipped)
-        quantize = getattr(self.backend, "quantize", "none")
+        quantize, note = self.backend.quantize, self.backend.kernels_note
         weights = f", {quantize} weights" if quantize != "none" else ""
-        note = getattr(self.backend, "kernels_note", "")
         weights += f", {note}" if note else ""
         return f"{self.backend.name}{weights}" + (f" (skipped {why})" if why else "")
 

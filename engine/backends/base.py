@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
-from engine.model import SlotBatch
+from engine.slots import SlotBatch
 
 CANONICAL_KV_DTYPE = torch.float16
 
@@ -33,7 +33,9 @@ class Backend(ABC):
     name: str
     config: ModelConfig
     fingerprint: str
-    weight_bytes: int
+    weight_bytes: int  # bytes the loaded weights occupy where they run, as this backend holds them
+    quantize: str = "none"  # the weight storage it runs (engine.backends.QUANTIZE_CHOICES; "none": its own precision)
+    kernels_note: str = ""  # which kernels run the weights and why, where the backend chose among several
     # Whether `forward` takes tokens for the leading rows only, (B' <= B, T): a batch with its busy rows first
     # then costs B' rows, not B (the scheduler's rows fill from row 0).
     runs_leading_rows: bool = False
@@ -56,14 +58,14 @@ class Backend(ABC):
         """(Re)create an empty slot table with `batch` rows of `num_slots` slots."""
 
     @abstractmethod
-    def fork(self) -> "Backend":
+    def fork(self) -> Backend:
         """A backend sharing these weights with its own empty slot table (another conversation, same model)."""
 
     @abstractmethod
     def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) long -> logits float32 on the host, (B, T, V) or (B, 1, V) with `last_only`.
 
-        Writes the new tokens' K/V into `batch.write_slots` before attending (see engine.model.SlotBatch).
+        Writes the new tokens' K/V into `batch.write_slots` before attending (see engine.slots.SlotBatch).
         """
 
     @abstractmethod
@@ -93,5 +95,11 @@ class Backend(ABC):
             self.write_kv(row, slots, k, v)
 
     def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's k and v in the canonical layout: what the memory tiers, L3 and session files hold."""
         c = self.config
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * CANONICAL_KV_DTYPE.itemsize
+
+    def slot_bytes_per_token(self) -> int:
+        """Bytes one slot of one row takes in this backend's own slot table: its KV plus whatever it keeps beside
+        it. This default is a table holding the canonical KV and nothing else (Core ML's fp16 state)."""
+        return self.kv_bytes_per_token()

@@ -78,10 +78,10 @@ def _sources(path: str, tied: bool, stored: Mapping[str, StoredTensor]) -> list[
 
 
 def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockWeights | None:
-    parts = [stored.get(n) for n in names]
-    if any(p is None for p in parts):
+    parts = [stored[n] for n in names if n in stored]
+    if len(parts) != len(names):
         return None
-    kinds = sorted({p.qtype for p in parts})  # type: ignore[union-attr]
+    kinds = sorted({p.qtype for p in parts})
     if len(kinds) != 1:
         raise UnsupportedBlocks(f"{', '.join(names)} are stored as {', '.join(kinds)}, which the block kernels cannot run as one matrix")
     try:
@@ -89,13 +89,13 @@ def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockW
     except ValueError:
         raise UnsupportedBlocks(f"{names[0]} is stored as {kinds[0]}, which has no block kernel here yet (Q8_0, Q4_0 and Q4_1 do)") from None
     for p, n in zip(parts, names):
-        check_stored(p, n)  # type: ignore[arg-type]
-    rows = np.concatenate([np.asarray(p.data, dtype=np.uint8).reshape(p.shape[0], -1) for p in parts])  # type: ignore[union-attr]
-    shape = (sum(p.shape[0] for p in parts if p is not None), parts[0].shape[1] if parts[0] is not None else 0)
+        check_stored(p, n)
+    rows = np.concatenate([np.asarray(p.data, dtype=np.uint8).reshape(p.shape[0], -1) for p in parts])
+    shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
     return BlockWeights(qtype, shape, torch.from_numpy(rows.copy()))
 
 
-def plan_blocks(model: "Transformer", qtype: BlockType, stored: Mapping[str, StoredTensor] | None = None) -> dict[str, BlockWeights]:
+def plan_blocks(model: Transformer, qtype: BlockType, stored: Mapping[str, StoredTensor] | None = None) -> dict[str, BlockWeights]:
     """Block weights for every nn.Linear of a fused `model`, keyed by module path: the stored bytes where `stored`
     has them, else the layer's fp32 weight quantized to `qtype` (zero columns pad an input size that is no multiple
     of 32; zeros quantize exactly). UnsupportedBlocks when stored bytes cannot run."""
@@ -109,7 +109,7 @@ def plan_blocks(model: "Transformer", qtype: BlockType, stored: Mapping[str, Sto
             w = module.weight.detach().float().numpy()  # (N, K)
             k = w.shape[1]
             padded = np.pad(w, ((0, 0), (0, -k % BLOCK)))  # (N, K rounded up to 32)
-            found = BlockWeights(qtype, padded.shape, torch.from_numpy(quantize(padded, qtype)), k)  # type: ignore[arg-type]
+            found = BlockWeights(qtype, (padded.shape[0], padded.shape[1]), torch.from_numpy(quantize(padded, qtype)), k)
         if (found.shape[0], found.inputs) != tuple(module.weight.shape):
             raise ValueError(f"the stored {path} has shape {found.shape}, but the model's config says {tuple(module.weight.shape)}")
         out[path] = found
@@ -119,6 +119,8 @@ def plan_blocks(model: "Transformer", qtype: BlockType, stored: Mapping[str, Sto
 class BlockEmbedding(nn.Module):
     """Embedding rows dequantized from a block matrix: the tied LM head's (one copy of the vocabulary), or the
     file's own token embedding."""
+
+    blocks: torch.Tensor
 
     def __init__(self, w: BlockWeights) -> None:
         super().__init__()
@@ -130,7 +132,7 @@ class BlockEmbedding(nn.Module):
         return torch.from_numpy(dequantize(rows, self.qtype, self.shape)[:, : self.dim]).reshape(*ids.shape, self.dim)
 
 
-def swap_linears(model: "Transformer", blocks: Mapping[str, BlockWeights], make: Callable[[BlockWeights, torch.Tensor | None], nn.Module]) -> None:
+def swap_linears(model: Transformer, blocks: Mapping[str, BlockWeights], make: Callable[[BlockWeights, torch.Tensor | None], nn.Module]) -> None:
     """Replace each planned nn.Linear by make(blocks, its bias); a tied embedding reads the LM head's blocks."""
     for path, w in blocks.items():
         parent_path, _, leaf = path.rpartition(".")
@@ -138,16 +140,16 @@ def swap_linears(model: "Transformer", blocks: Mapping[str, BlockWeights], make:
         old = getattr(parent, leaf)
         setattr(parent, leaf, make(w, old.bias))
     if model.config.tie_word_embeddings and "lm_head" in blocks:
-        model.model.embed_tokens = BlockEmbedding(blocks["lm_head"])  # type: ignore[assignment]
+        model.model.embed_tokens = BlockEmbedding(blocks["lm_head"])
 
 
-def use_stored_embedding(model: "Transformer", stored: Mapping[str, StoredTensor] | None) -> None:
+def use_stored_embedding(model: Transformer, stored: Mapping[str, StoredTensor] | None) -> None:
     """An untied model whose file stores the embedding in a block format reads its rows from those bytes."""
     t = (stored or {}).get(EMBEDDING)
     if t is None or model.config.tie_word_embeddings or t.qtype not in BlockType.__members__:
         return
     qtype = check_stored(t, EMBEDDING)
-    model.model.embed_tokens = BlockEmbedding(BlockWeights(qtype, t.shape, torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(t.shape[0], -1))))  # type: ignore[assignment]
+    model.model.embed_tokens = BlockEmbedding(BlockWeights(qtype, t.shape, torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(t.shape[0], -1))))
 
 
 def dequantized_linear(w: BlockWeights, bias: torch.Tensor | None) -> nn.Linear:

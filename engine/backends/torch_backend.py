@@ -6,14 +6,17 @@ import copy
 import dataclasses
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend, BackendProbe
 from engine.backends.blocks import (
+    BlockWeights,
     UnsupportedBlocks,
     dequantized_linear,
     plan_blocks,
@@ -22,12 +25,19 @@ from engine.backends.blocks import (
     swap_linears,
     use_stored_embedding,
 )
-from engine.errors import BackendUnavailable
 from engine.config import ModelConfig
-from engine.native import NativeStatus, load_kernels
-from engine.native.decoder import use_native_blocks
-from engine.model import KVCache, SlotBatch, Transformer, fuse_projections, replace_linears
+from engine.errors import BackendUnavailable
+from engine.model import (
+    KVCache,
+    SlotBatch,
+    Transformer,
+    fuse_projections,
+    replace_linears,
+)
+from engine.native import NativeKernels, NativeStatus, load_kernels
+from engine.native.decoder import NativeBlockLinear, NativeDecoder
 from engine.quant import BlockType, StoredTensor
+from engine.slots import StepReads
 from engine.weights import load_model
 
 # Compute dtype per device: CPU kernels are fastest (and exact vs references) in fp32; GPUs run fp16.
@@ -48,7 +58,7 @@ def probe_torch_device(name: str) -> BackendProbe:
     if name == "cuda":
         if torch.cuda.is_available():
             return BackendProbe("cuda", True, torch.cuda.get_device_name(0))
-        built = torch.backends.cuda.is_built()
+        built = torch.backends.cuda.is_built()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         why = "no NVIDIA GPU is visible" if built else "this PyTorch build has no CUDA support"
         return BackendProbe("cuda", False, f"CUDA is not available: {why}.")
     if name == "mps":
@@ -95,7 +105,9 @@ def use_k_major_linears(model: Transformer) -> None:
     then reads columns of the transposed head instead of holding the vocabulary matrix twice."""
     replace_linears(model, KMajorLinear)
     if model.config.tie_word_embeddings:
-        model.model.embed_tokens = ColumnEmbedding(model.lm_head.weight_t)  # type: ignore[assignment]
+        head = model.lm_head
+        assert isinstance(head, KMajorLinear)  # swapped just above
+        model.model.embed_tokens = ColumnEmbedding(head.weight_t)
 
 
 def native_unfit(status: NativeStatus, config: ModelConfig, dtype: torch.dtype) -> str | None:
@@ -120,6 +132,7 @@ class TorchBackend(Backend):
         kernels: str = "auto",
         stored: Mapping[str, StoredTensor] | None = None,
         act_parts: int = 2,
+        native_steps: bool = True,
     ) -> None:
         """`quantize` (CPU only): "none" keeps fp32; "q8_0", "q4_0", "q4_1" hold every linear layer in that GGUF block
         format (engine.quant), activations quantized per block of 32 as llama.cpp's dot products do; "auto" runs
@@ -137,7 +150,10 @@ class TorchBackend(Backend):
         products) or 2 (the default: a second part holds the first's residual; bench quant measures both).
 
         `kernels` picks what runs block weights: "native" our compiled CPU kernels (engine.native; an error when
-        they cannot be built), "torch" PyTorch over the dequantized matrices, "auto" native when available."""
+        they cannot be built), "torch" PyTorch over the dequantized matrices, "auto" native when available.
+
+        `native_steps`: with the native kernels, let a decoding step they cover run as one native call (the default);
+        False runs every step through the PyTorch code over the same native layers (comparisons in tests)."""
         if device == "mps":
             # Ops MPS lacks fall back to CPU instead of failing mid-conversation.
             os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
@@ -152,20 +168,27 @@ class TorchBackend(Backend):
         self.name = device
         self.device = torch.device(device)
         self.dtype = dtype or DEVICE_DTYPES[device]
-        loaded = load_model(model_dir, device=self.device, dtype=self.dtype)
+        # A GGUF's block matrices are left undecoded when they may run as stored (no transient fp32 copy).
+        leave_stored = self.device.type == "cpu" and quantize != "none" and stored is None
+        loaded = load_model(model_dir, device=self.device, dtype=self.dtype, leave_stored=leave_stored)
         self.model = loaded.model
         self.config = loaded.config
         self.fingerprint = loaded.fingerprint
-        self.weight_bytes = loaded.weight_bytes
-        self.model_dir = loaded.path
         fuse_projections(self.model)
         self.native_isa: str | None = None  # the native kernels' instruction set when they run this model
+        self.native_steps = native_steps
+        self.decoder: NativeDecoder | None = None  # runs the decoding steps it accepts (see forward)
+        self._native_span: Callable[[], AbstractContextManager[object]] | None = None  # see watch_native_steps
         self.kernels_note = ""  # which kernels run the block weights, and why those (the backend explanation)
         self.act_parts = act_parts
         stored = loaded.stored if stored is None else stored  # a GGUF's blocks, as the loader found them
         self.quantize = self._block_weights(quantize, kernels, stored) if device == "cpu" else "none"
+        if any(p.is_meta for p in self.model.parameters()):  # the stored blocks cannot all run: read them in fp32
+            self.model = load_model(model_dir, device=self.device, dtype=self.dtype).model
+            fuse_projections(self.model)
         if self.quantize == "none" and self.device.type == "cpu":
             use_k_major_linears(self.model)
+        self.weight_bytes = resident_weight_bytes(self.model)  # as finally held: fused, transposed or in blocks
         self.kv_dtype = kv_dtype
         self.cache: KVCache = self.model.new_cache(1, 32, kv_dtype)
 
@@ -193,7 +216,7 @@ class TorchBackend(Backend):
         native = load_kernels() if kernels != "torch" else None
         why_not = None if native is None else native_unfit(native, self.config, self.dtype)
         if native is not None and native.kernels is not None and why_not is None:
-            use_native_blocks(self.model, native.kernels, blocks, self.act_parts)
+            self._use_native_blocks(native.kernels, blocks)
             self.native_isa = native.kernels.isa
             self.kernels_note = f"native {self.native_isa} kernels"
         elif kernels == "native":
@@ -204,8 +227,24 @@ class TorchBackend(Backend):
             use_k_major_linears(self.model)
             self.kernels_note = "PyTorch fp32 over the dequantized blocks" + (f" ({why_not})" if why_not else "")
         use_stored_embedding(self.model, stored)
-        self.weight_bytes = resident_weight_bytes(self.model)
         return qtype.name.lower()
+
+    def _use_native_blocks(self, kernels: NativeKernels, blocks: Mapping[str, BlockWeights]) -> None:
+        """Every linear layer on the native kernels (the model's head_dim fits kernels.max_head_dim: native_unfit),
+        and a one-call decoding step over them when `native_steps`."""
+        act_parts = self.act_parts
+        swap_linears(self.model, blocks, lambda w, bias: NativeBlockLinear(kernels, w, bias, act_parts))
+        if self.native_steps:
+            self.decoder = NativeDecoder(kernels, self.model)
+
+    @contextmanager
+    def watch_native_steps(self, span: Callable[[], AbstractContextManager[object]]) -> Iterator[None]:
+        """Within the block, every native decoding step runs inside `span()` (the profiler times them so)."""
+        before, self._native_span = self._native_span, span
+        try:
+            yield
+        finally:
+            self._native_span = before
 
     @property
     def numerics(self) -> str:
@@ -215,6 +254,10 @@ class TorchBackend(Backend):
     @property
     def batch(self) -> int:
         return self.cache.batch
+
+    def slot_bytes_per_token(self) -> int:
+        """k, v in the KV dtype plus their read copies in the compute dtype (engine.slots.KVCache)."""
+        return KVCache.bytes_per_slot(self.config, self.kv_dtype, self.dtype)
 
     @property
     def num_slots(self) -> int:
@@ -226,7 +269,7 @@ class TorchBackend(Backend):
         self.cache = self.model.new_cache(batch, num_slots, self.kv_dtype)
         self._rows_run = self.cache.batch
 
-    def fork(self) -> "TorchBackend":
+    def fork(self) -> TorchBackend:
         twin = copy.copy(self)  # shares self.model (weights) by reference
         twin.cache = self.model.new_cache(self.batch, self.num_slots, self.kv_dtype)
         return twin
@@ -236,16 +279,33 @@ class TorchBackend(Backend):
         dev = self.device
         if dev.type != "cpu":
             tokens = tokens.to(dev, non_blocking=True)
-            fields = (getattr(batch, f.name) for f in dataclasses.fields(batch))  # astuple would deep-copy the tensors
-            batch = SlotBatch(*(None if t is None else t.to(dev, non_blocking=True) for t in fields))
+            fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}  # astuple would deep-copy the tensors
+            moved: dict[str, Any] = {k: None if t is None else t.to(dev, non_blocking=True) for k, t in fields.items()}
+            batch = dataclasses.replace(batch, **moved)
         rows = tokens.shape[0]
         if rows != getattr(self, "_rows_run", self.cache.batch):
             # Rows outside the previous forward's view hold stale read copies: re-derive every row's this time.
             self.cache.forget()
             self._rows_run = rows
         cache = self.cache if rows == self.cache.batch else self.cache.leading_rows(rows)
-        logits = self.model(tokens, cache, batch, last_only=last_only)
+        reads = None
+        if self.decoder is not None and tokens.shape == (1, 1):
+            reads = cache.plan(batch, self.model.rotary())
+            if self.decoder.accepts(cache, reads):
+                return self._native_step(tokens, cache, batch, reads)
+        logits: torch.Tensor = self.model(tokens, cache, batch, last_only=last_only, reads=reads)
         return logits.float().cpu() if dev.type != "cpu" or logits.dtype != torch.float32 else logits
+
+    def _native_step(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: StepReads) -> torch.Tensor:
+        """tokens (1, 1) -> logits (1, 1, V): the whole decoding step in one native call."""
+        assert self.decoder is not None
+        if reads.pre is not None:  # stale copies besides the written one (a page-in): re-derived first, in PyTorch
+            cache.refresh_all_layers(reads.pre)
+        x = self.model.model.embed_tokens(tokens)  # (1, 1, C)
+        if self._native_span is None:
+            return self.decoder.decode(x, cache, batch, reads)
+        with self._native_span():
+            return self.decoder.decode(x, cache, batch, reads)
 
     def query_summary(self) -> torch.Tensor:
         return self.cache.summary.transpose(0, 1).to("cpu", torch.float32).clone()  # (B, L, Hkv, D)

@@ -1,26 +1,30 @@
 """The model's block-quantized CPU path on the native kernels: linear layers, and a whole decoding step in one call.
 
-`use_native_blocks(model, kernels, blocks)` replaces every linear layer with a NativeBlockLinear (GGUF blocks,
-engine.quant; any number of rows: prefill chunks and batches call it like nn.Linear) and attaches a NativeDecoder,
-which `Transformer.forward` uses for the common decoding step: one new token in one row whose only stale read
-copy is its own (plain decoding, and the cascade between evictions). Every other step runs the PyTorch code over
-the same NativeBlockLinear layers, whose rows the kernel computes exactly as the decoding step does, so both paths
-share weights, arithmetic and the slot table.
+The CPU backend (engine.backends.torch_backend) replaces every linear layer with a NativeBlockLinear (GGUF blocks,
+engine.quant; any number of rows: prefill chunks and batches call it like nn.Linear) and decides per step whether
+a NativeDecoder runs it: the common decoding step, one new token in one row whose only stale read copy is its own
+(plain decoding, and the cascade between evictions). Every other step runs the PyTorch code over the same
+NativeBlockLinear layers, whose rows the kernel computes exactly as the decoding step does, so both paths share
+weights, arithmetic and the slot table.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from engine.model import DecoderLayer, Transformer
 from engine.native import CacheDesc, ModelDesc, NativeKernels, QMat, StepDesc
+from engine.slots import KVCache, SlotBatch, StepReads
 
 if TYPE_CHECKING:
-    from engine.backends.blocks import BlockWeights
-    from engine.model import KVCache, SlotBatch, StepReads, Transformer
+    from engine.backends.blocks import (
+        BlockWeights,  # only its fields are read; the backend imports both
+    )
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -31,7 +35,10 @@ class NativeBlockLinear(nn.Module):
     """y = x @ W^T + b with W in a GGUF block format and x quantized per block of 32 at call time, in one int8
     part (llama.cpp's Q8 activations) or two (the second holds the first's residual: ~15 bits)."""
 
-    def __init__(self, kernels: NativeKernels, w: "BlockWeights", bias: torch.Tensor | None, act_parts: int = 2) -> None:
+    blocks: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, kernels: NativeKernels, w: BlockWeights, bias: torch.Tensor | None, act_parts: int = 2) -> None:
         super().__init__()
         self.kernels = kernels
         self.qtype = w.qtype
@@ -54,18 +61,24 @@ class NativeBlockLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def _qmat(m: nn.Module | None) -> QMat:
+    """The native descriptor of a layer the backend swapped for a NativeBlockLinear."""
+    assert isinstance(m, NativeBlockLinear), m
+    return m.desc
+
+
 class NativeDecoder:
     """One decoding step of a fused, NativeBlockLinear model in a single native call (spark_decode)."""
 
-    def __init__(self, kernels: NativeKernels, model: "Transformer") -> None:
+    def __init__(self, kernels: NativeKernels, model: Transformer) -> None:
         cfg = model.config
-        layers = list(model.model.layers)
+        layers = model.decoder_layers()
         n = len(layers)
         self.kernels = kernels
         self.model = model  # holds every buffer the descriptors point into
 
-        def mats(get) -> ctypes.Array:  # type: ignore[no-untyped-def]
-            return (QMat * n)(*[get(layer).desc for layer in layers])
+        def mats(get: Callable[[DecoderLayer], nn.Module | None]) -> ctypes.Array[QMat]:
+            return (QMat * n)(*[_qmat(get(layer)) for layer in layers])
 
         self._arrays = (
             (ctypes.c_void_p * n)(*[layer.input_layernorm.weight.data_ptr() for layer in layers]),
@@ -91,12 +104,12 @@ class NativeDecoder:
             gate_up,
             down,
             model.model.norm.weight.data_ptr(),
-            ctypes.pointer(model.lm_head.desc),
+            ctypes.pointer(_qmat(model.lm_head)),
         )
         self.vocab = model.lm_head.out_features
         self.scratch_floats = int(kernels.lib.spark_decode_scratch_floats(ctypes.byref(self.desc)))
 
-    def accepts(self, cache: "KVCache", reads: "StepReads") -> bool:
+    def accepts(self, cache: KVCache, reads: StepReads) -> bool:
         """The native step covers one row and one token whose only stale read copy is its own, nothing masked."""
         return (
             cache.batch == 1
@@ -108,7 +121,7 @@ class NativeDecoder:
             and cache.k_read.dtype == torch.float32
         )
 
-    def decode(self, x: torch.Tensor, cache: "KVCache", batch: "SlotBatch", reads: "StepReads") -> torch.Tensor:
+    def decode(self, x: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: StepReads) -> torch.Tensor:
         """x (1, 1, C) embedded token -> logits (1, 1, V); writes the token's k, v and read copies into `cache`."""
         assert reads.write_ranks is not None
         residual = x.reshape(-1).contiguous().clone()  # (C,) updated in place by the kernel
@@ -138,12 +151,3 @@ class NativeDecoder:
         )
         return logits.view(1, 1, -1)
 
-
-def use_native_blocks(model: "Transformer", kernels: NativeKernels, blocks: dict[str, "BlockWeights"], act_parts: int = 2) -> None:
-    """Run every linear layer of a fused `model` on the native kernels (NativeBlockLinear over `blocks`, keyed by
-    module path) and attach a NativeDecoder. The model's head_dim fits kernels.max_head_dim (checked by the
-    backend)."""
-    from engine.backends.blocks import swap_linears
-
-    swap_linears(model, blocks, lambda w, bias: NativeBlockLinear(kernels, w, bias, act_parts))
-    model.native_decoder = NativeDecoder(kernels, model)

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.backends import BackendChoice
+from engine.backends.torch_backend import TorchBackend
 from engine.generate import GenerationSettings, decode_step, prefill
 from engine.memory import FullAttentionMemory
 from engine.sampling import SamplingSettings
 from engine.session import Engine
-from engine.backends import BackendChoice
-from engine.backends.torch_backend import TorchBackend
 from engine.tokenizer import Tokenizer
 from tests.tiny import make_tiny_model
 

@@ -19,8 +19,8 @@ from engine.bench.gguf_export import export_gguf
 from engine.errors import BackendUnavailable
 from engine.generate import GenerationSettings
 from engine.gguf_file import unpermute_rows
-from engine.model_files import gguf_model
 from engine.memory import FullAttentionMemory
+from engine.model_files import gguf_model
 from engine.native.decoder import NativeBlockLinear
 from engine.quant import BlockType, StoredTensor, check_stored, dequantize, quantize
 from engine.sampling import SamplingSettings
@@ -187,8 +187,7 @@ def test_input_sizes_that_are_no_multiple_of_32_run_with_zero_columns(tmp_path: 
     quant = logits_of(b, IDS)  # prefill (padded rows) and the native decoding step (padded blocks)
     bound = (4 * 2 + 1) * weight_error(odd, BlockType.Q8_0) + 0.01
     assert ((quant - fp32).norm(dim=-1) / fp32.norm(dim=-1)).max().item() < bound
-    stepwise = TorchBackend(odd, "cpu", quantize="auto")
-    stepwise.model.native_decoder = None  # the same layers, every step through PyTorch
+    stepwise = TorchBackend(odd, "cpu", quantize="auto", native_steps=False)  # the same layers, every step through PyTorch
     assert torch.allclose(logits_of(stepwise, IDS), quant, atol=2e-4, rtol=1e-4)
 
 

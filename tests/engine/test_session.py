@@ -6,13 +6,20 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
-from engine.errors import InsufficientMemory, InputTooLarge, SessionFileError
+from engine.backends.blocks import resident_weight_bytes
+from engine.backends.torch_backend import TorchBackend
+from engine.cascade import CascadeConfig
+from engine.errors import InputTooLarge, InsufficientMemory, SessionFileError
 from engine.generate import GenerationSettings
 from engine.hw import HardwarePolicy
-from engine.hw.memory import MemoryPressure, MemorySnapshot
+from engine.hw.memory import MemoryPressure, MemorySnapshot, format_bytes
+from engine.hw.policy import PolicyConfig
+from engine.loading import MIN_SLOT_TABLE
 from engine.sampling import SamplingSettings
 from engine.session import Engine, memory_factory_for
+from engine.slots import KVCache
 from tests.engine.hw.fakes import GB, FakeMemory, FakeThermal
 from tests.tiny import make_tiny_model
 
@@ -88,7 +95,7 @@ def test_a_file_from_another_model_restores_the_transcript_only_when_accepted(en
     report = s.load(tmp_path / "o.spark")
     assert not report.applied and report.foreign_model and "different model" in report.message and s.messages == []
     report = s.load(tmp_path / "o.spark", accept_transcript_only=True)
-    assert report.applied and report.transcript_only and [m.content for m in s.messages][0] == "from the other model"
+    assert report.applied and report.transcript_only and s.messages[0].content == "from the other model"
     assert s.memory.tokens == []  # no foreign KV applied; the next turn re-reads the transcript
     assert reply(s.chat("go on", GREEDY))
 
@@ -109,19 +116,46 @@ def test_two_conversations_on_shared_weights_interleave_without_interference(eng
     assert results == alone
 
 
-def test_a_model_that_cannot_fit_is_refused_before_loading(model: Path) -> None:
+def need_of(model: Path) -> tuple[int, int, int]:
+    """The fit check's figures for `model` on the cpu backend, computed here from the backend's own reports and the
+    slot table the cascade builds (a budget too small for more gets the least table, MIN_SLOT_TABLE slots)."""
+    b = TorchBackend(model, "cpu")
+    slots = CascadeConfig.for_model(model, b.config, max_slots=MIN_SLOT_TABLE).num_slots
+    table = KVCache(b.config, 1, slots, "cpu", torch.float16, torch.float32)  # what a conversation allocates
+    kv = sum(t.numel() * t.element_size() for t in table.slot_tensors())
+    return resident_weight_bytes(b.model), kv, slots
+
+
+def test_a_model_that_cannot_fit_is_refused_with_the_backends_own_figures(model: Path) -> None:
+    weights, kv, slots = need_of(model)
+    # The tiny model: k and v of 2 layers x 2 KV heads x 16 dims per slot, fp16 plus fp32 read copies.
+    assert kv == slots * 2 * 2 * 2 * 16 * (2 + 4) and slots == MIN_SLOT_TABLE
     tiny_ram = FakeMemory(MemorySnapshot(rss_bytes=GB, total_bytes=64 * 1024, available_bytes=32 * 1024, pressure=MemoryPressure.NORMAL))
     policy = HardwarePolicy(FakeThermal(), tiny_ram)
     with pytest.raises(InsufficientMemory) as err:
         Engine.load(model, "cpu", memory_factory=memory_factory_for(model), policy=policy)
-    assert "needs" in str(err.value) and "free" in str(err.value)
+    assert f"needs {format_bytes(weights + kv)} ({format_bytes(weights)} of weights and {format_bytes(kv)} of KV cache)" in str(err.value)
+
+
+@pytest.mark.parametrize("spare", [0, -1])
+def test_the_fit_check_admits_exactly_what_fits(model: Path, spare: int) -> None:
+    weights, kv, _ = need_of(model)
+    room = weights + kv + spare
+    ram = FakeMemory(MemorySnapshot(rss_bytes=GB, total_bytes=16 * GB, available_bytes=room, pressure=MemoryPressure.NORMAL))
+    policy = HardwarePolicy(FakeThermal(), ram, config=PolicyConfig(budget_bytes=room))
+    if spare < 0:
+        with pytest.raises(InsufficientMemory):
+            Engine.load(model, "cpu", memory_factory=memory_factory_for(model), policy=policy)
+    else:
+        assert Engine.load(model, "cpu", memory_factory=memory_factory_for(model), policy=policy).backend.weight_bytes == weights
 
 
 def test_policy_sizes_the_episodic_tier(model: Path, tmp_path: Path) -> None:
     policy = HardwarePolicy(FakeThermal(), FakeMemory())
     engine = Engine.load(model, "cpu", memory_factory=memory_factory_for(model, cache_dir=tmp_path, policy=policy), policy=policy)
     s = engine.new_session()
-    working = s.memory.cfg.num_slots * s.backend.kv_bytes_per_token()
+    working = sum(t.numel() * t.element_size() for t in s.backend.cache.slot_tensors()) // s.backend.batch  # one row's table
+    assert working == s.memory.cfg.num_slots * s.backend.slot_bytes_per_token()
     assert s.memory.cfg.episodic_budget_bytes == policy.episodic_budget_bytes(s.backend.weight_bytes, working)
 
 

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.attention import apply_rope, small_step_attention, split_frame_attention
 from engine.backends.torch_backend import TorchBackend
 from engine.cascade.config import CascadeConfig
 from engine.cascade.memory import CascadeMemory
 from engine.generate import decode_step, prefill
 from engine.memory import FullAttentionMemory
-from engine.model import KVCache, SlotBatch, apply_rope, small_step_attention, split_frame_attention
+from engine.slots import KVCache, SlotBatch
 from tests.tiny import make_tiny_model
 
 

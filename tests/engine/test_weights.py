@@ -5,13 +5,18 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from engine.backends.torch_backend import TorchBackend
 from engine.errors import ModelLoadError
+from engine.memory import FullAttentionMemory
 from engine.weights import load_model, read_safetensors_header
+from tests.gguf_files import write_gguf
 from tests.tiny import make_tiny_model
 
 
@@ -40,7 +45,6 @@ def test_fp32_weights_are_views_of_the_file_not_copies(tiny: Path) -> None:
     a, b = "model.embed_tokens.weight", "model.norm.weight"
     # Both tensors live in one mapping of the file: their addresses differ exactly by their file offsets.
     assert state[b].data_ptr() - state[a].data_ptr() == table[b].start - table[a].start
-    assert loaded.weight_bytes == sum(p.numel() * 4 for p in state.values())
 
 
 def test_fingerprint_is_stable_and_content_sensitive(tiny: Path, tmp_path: Path) -> None:
@@ -144,3 +148,81 @@ def test_header_reader_rejects_offsets_past_the_end(tiny: Path, tmp_path: Path) 
     st.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
     with pytest.raises(ModelLoadError, match="truncated"):
         read_safetensors_header(st)
+
+
+@pytest.fixture(scope="module")
+def tiny256(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Rows of 256 weights: a whole number of blocks for every type, K-quants included.
+    return make_tiny_model(tmp_path_factory.mktemp("g256"), "llama", hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2)
+
+
+def cpu_logits(backend: TorchBackend) -> torch.Tensor:
+    backend.allocate(1, 64)
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    return backend.forward(ids, FullAttentionMemory(backend).plan(ids[0].tolist()).as_batch())[0]  # (T, V)
+
+
+def test_gguf_block_matrices_run_as_stored_without_an_fp32_copy(tiny256: Path, tmp_path: Path) -> None:
+    path = write_gguf(tiny256, tmp_path / "m.gguf", "q4_1")
+    lean = load_model(path, leave_stored=True)
+    q = lean.model.get_parameter("model.layers.0.self_attn.q_proj.weight")
+    assert q.is_meta and "model.layers.0.self_attn.q_proj.weight" in lean.stored  # never dequantized
+    assert not lean.model.get_parameter("model.norm.weight").is_meta
+    direct = TorchBackend(path, "cpu", quantize="auto")  # leaves the blocks undecoded
+    assert direct.quantize == "q4_1" and not any(p.is_meta for p in direct.model.parameters())
+    # The same blocks handed over after a full fp32 load (the path before): the very same logits.
+    after_fp32 = TorchBackend(path, "cpu", quantize="auto", stored=load_model(path).stored)
+    assert torch.equal(cpu_logits(direct), cpu_logits(after_fp32))
+    assert direct.weight_bytes == after_fp32.weight_bytes
+
+
+def with_tensor_as(path: Path, out: Path, name: str, kind: Any) -> Path:
+    """A copy of the GGUF at `path` with tensor `name` re-quantized to `kind` (a gguf.GGMLQuantizationType)."""
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    w = gguf.GGUFWriter(str(out), str(r.fields["general.architecture"].contents()))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # written by the writer itself
+        vtype = f.types[0]
+        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if t.name == name:
+            w.add_tensor(t.name, gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind), raw_dtype=kind)
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["q6_k", "mixed"])
+def test_gguf_blocks_that_cannot_run_as_stored_are_read_in_fp32_after_all(tiny256: Path, tmp_path: Path, kind: str) -> None:
+    import gguf
+
+    if kind == "q6_k":  # no block kernel: nothing is left undecoded
+        path, why = write_gguf(tiny256, tmp_path / "k.gguf", "q6_k"), "Q6_K"
+    else:  # Q4_1 blocks left undecoded, then found unable to run (a fused q/k/v of two types): read again in fp32
+        q41 = write_gguf(tiny256, tmp_path / "a.gguf", "q4_1")
+        path, why = with_tensor_as(q41, tmp_path / "mixed.gguf", "blk.0.attn_k.weight", gguf.GGMLQuantizationType.Q8_0), "cannot run as one matrix"
+    auto = TorchBackend(path, "cpu", quantize="auto")
+    assert auto.quantize == "none" and why in auto.kernels_note
+    assert not any(p.is_meta for p in auto.model.parameters())
+    assert torch.equal(cpu_logits(auto), cpu_logits(TorchBackend(path, "cpu", quantize="none")))
+
+
+def test_a_nan_block_scale_is_refused_in_one_sentence(tiny256: Path, tmp_path: Path) -> None:
+    import gguf
+
+    path = write_gguf(tiny256, tmp_path / "nan.gguf", "q8_0")
+    at = next(t.data_offset for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight")
+    raw = bytearray(path.read_bytes())
+    raw[at : at + 2] = np.array([np.nan], np.float16).tobytes()  # the first block's scale
+    path.write_bytes(bytes(raw))
+    for leave_stored in (True, False):  # left as stored or dequantized: the same refusal
+        with pytest.raises(ModelLoadError) as err:
+            load_model(path, leave_stored=leave_stored)
+        assert "model.layers.1.mlp.down_proj.weight holds NaN or infinite values" in one_sentence(err.value)

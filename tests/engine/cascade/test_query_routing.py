@@ -5,6 +5,8 @@ migration of format-1 states."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -118,11 +120,9 @@ def test_native_step_gives_the_same_summary_and_stays_native_after_page_ins(tmp_
     cfg = CascadeConfig(sink_tokens=4, window=16, block_size=4, retrieval_blocks=2, routing="token")
     runs = []
     for native in (True, False):
-        b = TorchBackend(model, "cpu", quantize="q8_0")
-        if b.model.native_decoder is None:
+        b = TorchBackend(model, "cpu", quantize="q8_0", native_steps=native)  # False: the same weights, every step through PyTorch
+        if b.native_isa is None:
             pytest.skip(f"the native kernels are not available here: {b.kernels_note}")
-        if not native:
-            b.model.native_decoder = None  # the same NativeInt8Linear weights, every step through PyTorch
         m = CascadeMemory(b, cfg)
         logits, summaries = [prefill(b, m, ids[:10], chunk=10)], []
         for t in ids[10:]:
@@ -142,19 +142,23 @@ def test_native_step_gives_the_same_summary_and_stays_native_after_page_ins(tmp_
 def test_page_in_steps_run_on_the_native_decoder(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "llama", "llama")
     b = TorchBackend(model, "cpu", quantize="q8_0")
-    decoder = b.model.native_decoder
-    if decoder is None:
+    if b.decoder is None:
         pytest.skip(f"the native kernels are not available here: {b.kernels_note}")
     m = CascadeMemory(b, CascadeConfig(sink_tokens=4, window=16, block_size=4, retrieval_blocks=2, routing="token"))
     prefill(b, m, random_ids(40, seed=2), chunk=10)
     native_steps = 0
-    for t in random_ids(30, seed=3):
-        plan = m.plan([t])
-        batch = plan.as_batch()
-        reads = b.model.step_reads(b.cache, batch)
-        native_steps += decoder.accepts(b.cache, reads)
-        b.forward(torch.tensor([[t]]), batch, last_only=True)
-        m.after_forward()
+
+    @contextmanager
+    def count() -> Iterator[None]:
+        nonlocal native_steps
+        native_steps += 1
+        yield
+
+    with b.watch_native_steps(count):
+        for t in random_ids(30, seed=3):
+            plan = m.plan([t])
+            b.forward(torch.tensor([[t]]), plan.as_batch(), last_only=True)
+            m.after_forward()
     assert native_steps == 30
 
 
