@@ -23,12 +23,12 @@ import torch
 
 from engine.backends import open_backend
 from engine.backends.base import Backend
-from engine.batch import generate_batch
-from engine.model_files import display_name, resolve_model_path
 from engine.generate import GenerationSettings, stream_generate
 from engine.memory import FullAttentionMemory
+from engine.model_files import display_name, resolve_model_path
 from engine.sampling import SamplingSettings
-from engine.scheduler import Request, Scheduler, SchedulerConfig
+from engine.serving.batch import generate_batch
+from engine.serving.scheduler import Request, Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 
 REQUESTS = 32

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from engine.serving import protocol
+from engine.serving.batch import Completion
 from engine.serving.errors import ApiError, bad_key, bad_request, server_error, too_large, unknown_model
 from engine.serving.service import Job, ModelService
 
@@ -212,7 +213,7 @@ class Api:
             yield sse(protocol.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else "text_completion", c))
         yield "data: [DONE]\n\n"
 
-    def finish(self, job: Job) -> protocol.Completion:
+    def finish(self, job: Job) -> Completion:
         try:
             c = job.result()
         except Exception as exc:  # the scheduler ended the request with an error (e.g. a failed forward)

@@ -14,8 +14,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.batch import Completion
-from engine.generate import GenerationSettings
+from engine.generate import FinishReason, GenerationSettings
+from engine.serving.batch import Completion
 from engine.sampling import SamplingSettings
 from engine.serving.errors import bad_request
 
@@ -191,8 +191,20 @@ def usage(c: Completion) -> dict[str, Any]:
     }
 
 
-def finish_reason(reason: str) -> str:
-    return reason if reason in ("stop", "length") else "stop"
+# OpenAI's finish_reason for ours. A cancelled reply only reaches a client that is still there when the server
+# shuts down mid-reply: "stop" is the nearest of OpenAI's words (it has none for "cancelled").
+OPENAI_FINISH_REASONS: dict[FinishReason, str] = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
+
+
+def finish_reason(reason: FinishReason) -> str:
+    """The finish_reason a response carries for `reason`."""
+    return OPENAI_FINISH_REASONS[reason]
+
+
+def parse_finish_reason(raw: object) -> FinishReason:
+    """Ours for a finish_reason an OpenAI-compatible server sent (engine.remote): anything but "length" (including
+    "content_filter", "tool_calls", or nothing) ends the reply as a plain stop."""
+    return FinishReason.LENGTH if raw == "length" else FinishReason.STOP
 
 
 def chat_logprobs(entries: list[tuple[str, float]]) -> dict[str, Any]:

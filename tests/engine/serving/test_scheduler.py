@@ -14,7 +14,7 @@ from engine.errors import InputTooLarge
 from engine.generate import GenerationEvent, GenerationSettings, stream_generate
 from engine.memory import FullAttentionMemory
 from engine.sampling import SamplingSettings
-from engine.scheduler import Priority, QueueFull, Request, Scheduler, SchedulerConfig
+from engine.serving.scheduler import Priority, QueueFull, Request, Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 from tests.tiny import make_tiny_model
 

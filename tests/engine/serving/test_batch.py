@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.backends.torch_backend import TorchBackend
-from engine.batch import RowBatcher, RowView, generate_batch
+from engine.serving.batch import RowBatcher, RowView, generate_batch
 from engine.generate import GenerationSettings, stream_generate
 from engine.memory import FullAttentionMemory
 from engine.sampling import SamplingSettings
