@@ -108,7 +108,11 @@ def test_bench_batch_smoke(tmp_path: Path) -> None:
 
     d = make_tiny_model(tmp_path / "m", layers=1)
     out = bench.run(argparse.Namespace(model=d, backend="cpu", threads=None, quick=True, json=True, requests=4))
-    assert out["requests"] == 4 and out["speedup"] > 0 and out["speedup_continuous"] > 0
+    # The speed figures are measurements (README); what the smoke run can check is that every path did the work
+    # it reports: these prompts, 8 tokens each, and exactly the tokens of a lone greedy run on both batched paths.
+    vocab = TorchBackend(d).config.vocab_size
+    assert out["requests"] == 4 and out["tokens_per_request"] == 8
+    assert out["prompt_tokens"] == sum(len(p) for p in bench.prompts(vocab, 4))
     assert out["same_tokens"] == 1.0 and out["same_tokens_continuous"] == 1.0
 
 
