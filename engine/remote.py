@@ -69,7 +69,8 @@ def _error_message(response: httpx.Response) -> str:
         return ""
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict) and isinstance(err.get("message"), str):
-        return err["message"][:300]
+        message: str = err["message"]
+        return message[:300]
     if isinstance(err, str):
         return err[:300]
     return ""
@@ -175,7 +176,7 @@ class RemoteClient:
         except httpx.HTTPError as exc:
             put(self._unreachable(exc))
             return
-        except Exception as exc:  # noqa: BLE001 - e.g. the client closed under a stream nobody reads any more
+        except Exception as exc:
             put(RemoteError(f"The connection to the server at {self.server.url} failed ({type(exc).__name__}); try again."))
             return
         put(_END)

@@ -212,4 +212,4 @@ def sample_greedy(logits: torch.Tensor) -> list[Sample]:
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
     tokens = logprobs.argmax(dim=-1)  # (B,)
     chosen = logprobs.gather(-1, tokens[:, None])[:, 0]  # (B,)
-    return [Sample(t, lp) for t, lp in zip(tokens.tolist(), chosen.tolist())]
+    return [Sample(t, lp) for t, lp in zip(tokens.tolist(), chosen.tolist(), strict=True)]

@@ -173,7 +173,7 @@ def sample_rows(states: Sequence[RowState | None], rows: Sequence[int], logits: 
     active = {r: st for r in rows if (st := states[r]) is not None}
     assert len(active) == len(rows)
     greedy = [r for r in rows if active[r].reply.plain_greedy]
-    picked = dict(zip(greedy, sample_greedy(logits[greedy]))) if greedy else {}
+    picked = dict(zip(greedy, sample_greedy(logits[greedy]), strict=True)) if greedy else {}
     events = []
     for r in rows:
         st = active[r]
@@ -224,9 +224,9 @@ def generate_batch(
         # Right alignment: a row needing fewer prefill steps than the longest waits that many steps first, so all
         # rows feed their last prompt chunk in the same step and then decode in lockstep. Whole steps, not tokens:
         # each row keeps the chunk boundaries of a lone run (the cascade's result depends on them).
-        rows = [RowState(tokenizer, p, settings, m, t0) for p, m in zip(group.prompts, memories)]
+        rows = [RowState(tokenizer, p, settings, m, t0) for p, m in zip(group.prompts, memories, strict=True)]
         steps = [st.feed.steps(chunk) for st in rows]
-        for st, n in zip(rows, steps):
+        for st, n in zip(rows, steps, strict=True):
             st.skip = max(steps) - n
         states: list[RowState | None] = list(rows)
         while any(st is not None for st in states):
@@ -237,11 +237,10 @@ def generate_batch(
                 if plan is not None:
                     memories[r].after_forward()
             ready = [r for r, st in enumerate(states) if st is not None and feeds[r] and not st.prefilling]
-            for r, ev in zip(ready, sample_rows(states, ready, logits)):
-                if ev.finish_reason is not None:
-                    st = states[r]
-                    assert st is not None
-                    results[group.indices[r]] = st.completion(ev)
+            for r, ev in zip(ready, sample_rows(states, ready, logits), strict=True):
+                done_row = states[r]
+                if ev.finish_reason is not None and done_row is not None:
+                    results[group.indices[r]] = done_row.completion(ev)
                     states[r] = None
     done = [c for c in results if c is not None]
     assert len(done) == len(results)

@@ -36,7 +36,7 @@ class Histogram:
 
     def render(self, name: str) -> list[str]:
         lines, running = [], 0
-        for bound, count in zip(self.bounds, self.counts):
+        for bound, count in zip(self.bounds, self.counts, strict=True):
             running += count
             lines.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
         lines += [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.total:.6g}", f"{name}_count {self.n}"]

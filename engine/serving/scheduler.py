@@ -20,6 +20,7 @@ per the `block` flag. `request.cancel()` stops one request between steps and lea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import threading
@@ -99,10 +100,8 @@ class _Waiting:
 
 
 def _fail(future: Future[Completion], exc: BaseException) -> None:
-    try:
+    with contextlib.suppress(InvalidStateError):  # cancelled through the future meanwhile: nobody waits for it
         future.set_exception(exc)
-    except InvalidStateError:  # cancelled through the future meanwhile: nobody waits for it
-        pass
 
 
 @dataclass
@@ -137,7 +136,7 @@ class Scheduler:
         self._thread.start()
 
     # -- front (any thread) ------------------------------------------------------------------------------------
-    def submit(self, request: Request, *, block: bool | None = None, timeout: float | None = None) -> "Future[Completion]":
+    def submit(self, request: Request, *, block: bool | None = None, timeout: float | None = None) -> Future[Completion]:
         """Queue `request`; the future resolves to its `Completion` (or fails with the error that ended it)."""
         ids = self.tokenizer.encode(request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
         if not ids:
@@ -219,7 +218,7 @@ class Scheduler:
         if wait:
             self._thread.join()
 
-    def __enter__(self) -> "Scheduler":
+    def __enter__(self) -> Scheduler:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -321,8 +320,8 @@ class Scheduler:
             if plan is not None:
                 self._memories[r].after_forward()
         states = [a.state if a is not None else None for a in rows]
-        ready = [r for r, (p, st) in enumerate(zip(plans, states)) if p is not None and st is not None and not st.prefilling]
-        for r, ev in zip(ready, sample_rows(states, ready, logits, self._cancelled)):
+        ready = [r for r, (p, st) in enumerate(zip(plans, states, strict=True)) if p is not None and st is not None and not st.prefilling]
+        for r, ev in zip(ready, sample_rows(states, ready, logits, self._cancelled), strict=True):
             self._deliver(r, ev)
 
     def _cancelled(self, r: int) -> bool:

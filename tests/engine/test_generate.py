@@ -106,7 +106,7 @@ def test_batches_and_the_scheduler_end_each_request_as_it_ends_alone(model: tupl
             want[-1].finish_reason,
         )
     with Scheduler(backend.fork(), tok, SchedulerConfig(max_batch=3, num_slots=64)) as sched:  # type: ignore[arg-type]  # a Backend stand-in
-        runs = {name: ([], *case) for name, case in cases(ids).items()}
+        runs: dict[str, tuple[list[GenerationEvent], list[int], GenerationSettings]] = {name: ([], *case) for name, case in cases(ids).items()}
         futures = {name: sched.submit(Request(p, s, on_event=got.append)) for name, (got, p, s) in runs.items()}
         for name, f in futures.items():
             f.result(timeout=60)
@@ -142,7 +142,12 @@ def test_cancel_between_steps_flushes_the_held_back_text_alone_and_on_the_schedu
     with Scheduler(backend.fork(), tok, SchedulerConfig(max_batch=2, num_slots=64)) as sched:  # type: ignore[arg-type]  # a Backend stand-in
         got: list[GenerationEvent] = []
         request = Request([ids["x"]], settings)
-        request.on_event = lambda ev: (got.append(ev), request.cancel())  # type: ignore[func-returns-value]  # both, in order
+
+        def cancel_after(ev: GenerationEvent) -> None:
+            got.append(ev)
+            request.cancel()
+
+        request.on_event = cancel_after
         completion = sched.submit(request).result(timeout=60)
     assert shape(got) == want
     assert (completion.text, completion.finish_reason) == ("\ufffd", FinishReason.CANCELLED)
