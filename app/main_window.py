@@ -71,7 +71,7 @@ from app.worker import (
     remote_name,
 )
 from engine.backends import QUANTIZE_CHOICES
-from engine.generate import GenerationSettings
+from engine.generate import FinishReason, GenerationSettings
 from engine.errors import SparkError
 from engine.model_files import DEFAULT_MODEL_NAME, default_model_path
 from engine.remote import RemoteServer
@@ -80,7 +80,7 @@ from engine.session_file import atomic_write, load_session
 
 SESSION_SUFFIX = ".spark"
 NOTICE_INFO_MS = 6000
-FINISH_NOTES = {"cancelled": "Stopped.", "length": "Reached the reply length limit; Settings can raise it.", "error": ""}
+FINISH_NOTES = {FinishReason.CANCELLED: "Stopped.", FinishReason.LENGTH: "Reached the reply length limit; Settings can raise it.", "error": ""}
 NARROW_WIDTH = 1100  # px: below it the inspector folds away so the chat keeps most of the window
 PRECISION_WORDS = {
     "auto": "Automatic (as the file stores it; 8-bit blocks for a folder)",
@@ -925,7 +925,7 @@ class MainWindow(QMainWindow):
     def _on_finished(self, result: TurnResult) -> None:
         self.coalescer.flush()  # text queued before `finished` is shown before the reply is closed
         notes = [FINISH_NOTES.get(result.reason, "")]
-        if result.reason == "cancelled" and not result.progress.generated_tokens:
+        if result.reason == FinishReason.CANCELLED and not result.progress.generated_tokens:
             notes = ["Stopped while reading; nothing was written."]
         if result.recalled_turns_ago:
             n = result.recalled_turns_ago

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
@@ -32,7 +33,7 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 from app.engine_factory import load_engine
 from engine.cascade import TierStats
 from engine.errors import SparkError
-from engine.generate import GenerationEvent, GenerationSettings, PrefillProgress
+from engine.generate import FinishReason, GenerationEvent, GenerationSettings, PrefillProgress
 from engine.hw import HardwarePolicy, PolicyDecision
 from engine.remote import RemoteClient, RemoteServer, RemoteSession
 from engine.session import ChatMessage, Engine, Session
@@ -86,7 +87,7 @@ class MemoryReport:
 
 @dataclass(frozen=True)
 class TurnResult:
-    reason: str  # "stop" | "length" | "cancelled" | "error"
+    reason: FinishReason | Literal["error"]
     progress: TurnProgress
     text: str
     recalled_turns_ago: int = 0  # > 0: the reply used recalled (episodic) memory holding turns at least this old
@@ -308,7 +309,7 @@ class ConversationWorker(QObject):
             self.error.emit(f"The branch's memory could not be read ({exc}); it is read on the next message instead.")
         self.memory.emit(self._memory_report())
         self._changed()
-        self.finished.emit(TurnResult("stop", TurnProgress(len(session.memory.tokens), 0, 0.0, 0.0), ""))
+        self.finished.emit(TurnResult(FinishReason.STOP, TurnProgress(len(session.memory.tokens), 0, 0.0, 0.0), ""))
 
     def _branch_remote(self, source: Path, store_path: Path, upto: int) -> None:
         """A remote conversation has no memory to read: the branch is its transcript up to `upto`."""
@@ -321,7 +322,7 @@ class ConversationWorker(QObject):
             return
         self._take_transcript(data, store_path, upto + 1)
         self._changed()
-        self.finished.emit(TurnResult("stop", TurnProgress(0, 0, 0.0, 0.0), ""))
+        self.finished.emit(TurnResult(FinishReason.STOP, TurnProgress(0, 0, 0.0, 0.0), ""))
 
     def _take_transcript(self, data: SessionData, store_path: Path | None, upto: int | None = None) -> None:
         assert self._remote is not None
@@ -556,7 +557,8 @@ class ConversationWorker(QObject):
         return [MessageView(r, c) for r, c in self._messages()]
 
     def _stream(self, start: Callable[[], Iterator[GenerationEvent]]) -> None:
-        reason, text = "error", []
+        reason: FinishReason | Literal["error"] = "error"
+        text: list[str] = []
         progress = TurnProgress(0, 0, 0.0, 0.0)
         last_progress = last_memory = self._read_t0 = time.monotonic()
         self._read_last = 0.0  # the first reading report goes out at once

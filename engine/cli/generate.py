@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from engine.backends import QUANTIZE_CHOICES
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def pick_stream(session: Session, prompt: str | None, args: argparse.Namespace, settings: GenerationSettings):  # type: ignore[no-untyped-def]
+def pick_stream(session: Session, prompt: str | None, args: argparse.Namespace, settings: GenerationSettings) -> Iterator[GenerationEvent]:
     if prompt is None:
         return session.continue_reply(settings)
     if args.chat:
@@ -142,8 +143,10 @@ def pick_stream(session: Session, prompt: str | None, args: argparse.Namespace, 
     return session.complete(prompt, settings)
 
 
-def stream(events, echo: bool) -> tuple[str, list[int], GenerationEvent | None]:  # type: ignore[no-untyped-def]
-    text, tokens, last = [], [], None
+def stream(events: Iterable[GenerationEvent], echo: bool) -> tuple[str, list[int], GenerationEvent | None]:
+    text: list[str] = []
+    tokens: list[int] = []
+    last: GenerationEvent | None = None
     for ev in events:
         if ev.token is not None:
             tokens.append(ev.token)

@@ -14,7 +14,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -60,7 +60,7 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncIterator[str], job: Job) -> None:
+    def __init__(self, chunks: AsyncGenerator[str, None], job: Job) -> None:
         self.status_code = 200
         self.background = None
         # No Content-Length: the body's length is unknown until the last event (chunked transfer).
@@ -84,7 +84,7 @@ class SSEResponse(Response):
         finally:
             self.job.cancel_unless_done()
             watcher.cancel()
-            await self.chunks.aclose()  # type: ignore[attr-defined]
+            await self.chunks.aclose()
 
 
 def sse(obj: Any) -> str:
@@ -185,7 +185,7 @@ class Api:
         shape = protocol.chat_response if chat else protocol.completion_response
         return JSONResponse(shape(rid, req.model, c, logprobs if req.logprobs else None))
 
-    async def stream(self, job: Job, req: protocol.ParsedRequest, rid: str, chat: bool) -> AsyncIterator[str]:
+    async def stream(self, job: Job, req: protocol.ParsedRequest, rid: str, chat: bool) -> AsyncGenerator[str, None]:
         created = int(time.time())
         model = req.model
         offset = 0
