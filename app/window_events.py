@@ -20,13 +20,14 @@ from app.worker_types import (
     remote_name,
 )
 from engine.errors import SparkError
+from engine.generate import FinishReason
 from engine.model_files import default_model_path
 from engine.remote import RemoteServer
 
 if TYPE_CHECKING:
     from app.main_window import MainWindow
 
-FINISH_NOTES = {"cancelled": "Stopped.", "length": "Reached the reply length limit; Settings can raise it.", "error": ""}
+FINISH_NOTES: dict[FinishReason | str, str] = {FinishReason.CANCELLED: "Stopped.", FinishReason.LENGTH: "Reached the reply length limit; Settings can raise it.", "error": ""}
 
 
 class WorkerEvents(QObject):
@@ -137,7 +138,7 @@ class WorkerEvents(QObject):
     def _on_finished(self, result: TurnResult) -> None:
         self._w.coalescer.flush()  # text queued before `finished` is shown before the reply is closed
         notes = [FINISH_NOTES.get(result.reason, "")]
-        if result.reason == "cancelled" and not result.progress.generated_tokens:
+        if result.reason == FinishReason.CANCELLED and not result.progress.generated_tokens:
             notes = ["Stopped while reading; nothing was written."]
         if result.recalled_turns_ago:
             n = result.recalled_turns_ago

@@ -27,6 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
@@ -46,7 +47,7 @@ from app.worker_types import (
     remote_name,
 )
 from engine.errors import SparkError
-from engine.generate import GenerationEvent, GenerationSettings, PrefillProgress
+from engine.generate import FinishReason, GenerationEvent, GenerationSettings, PrefillProgress
 from engine.hw import HardwarePolicy, PolicyDecision
 from engine.remote import RemoteClient, RemoteServer, RemoteSession
 from engine.session import ChatMessage, Engine, Session
@@ -228,7 +229,7 @@ class ConversationWorker(QObject):
             self.error.emit(f"The branch's memory could not be read ({exc}); it is read on the next message instead.")
         self.memory.emit(memory_report(self.session, self.remote))
         self.store()
-        self.finished.emit(TurnResult("stop", TurnProgress(len(session.memory.tokens), 0, 0.0, 0.0), ""))
+        self.finished.emit(TurnResult(FinishReason.STOP, TurnProgress(len(session.memory.tokens), 0, 0.0, 0.0), ""))
 
     def _branch_remote(self, source: Path, store_path: Path, upto: int) -> None:
         """A remote conversation has no memory to read: the branch is its transcript up to `upto`."""
@@ -241,7 +242,7 @@ class ConversationWorker(QObject):
             return
         self.take_transcript(data, store_path, upto + 1)
         self.store()
-        self.finished.emit(TurnResult("stop", TurnProgress(0, 0, 0.0, 0.0), ""))
+        self.finished.emit(TurnResult(FinishReason.STOP, TurnProgress(0, 0, 0.0, 0.0), ""))
 
     def take_transcript(self, data: SessionData, store_path: Path | None, upto: int | None = None) -> None:
         assert self.remote is not None
@@ -378,7 +379,8 @@ class ConversationWorker(QObject):
         return [MessageView(r, c) for r, c in self._messages()]
 
     def _stream(self, start: Callable[[], Iterator[GenerationEvent]]) -> None:
-        reason, text = "error", []
+        reason: FinishReason | Literal["error"] = "error"
+        text: list[str] = []
         progress = TurnProgress(0, 0, 0.0, 0.0)
         last_progress = last_memory = self._read_t0 = self._clock()
         self._read_last = 0.0  # the first reading report goes out at once

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit
 
 from engine.cascade import TierStats
+from engine.generate import FinishReason
 from engine.remote import RemoteServer
 from engine.session import Engine
 
@@ -44,7 +46,7 @@ class MemoryReport:
 
 @dataclass(frozen=True)
 class TurnResult:
-    reason: str  # "stop" | "length" | "cancelled" | "error"
+    reason: FinishReason | Literal["error"]
     progress: TurnProgress
     text: str
     recalled_turns_ago: int = 0  # > 0: the reply used recalled (episodic) memory holding turns at least this old

@@ -1,5 +1,11 @@
-"""Generation as a few small functions: chunked prefill, one-token decode steps, and `stream_generate`, which
-yields one typed `GenerationEvent` per generated token (text delta, token id, logprob, timings, finish reason).
+"""The one generation loop: chunked prefill, one-token decode steps, and what turns a sampled token into a typed
+`GenerationEvent` (text delta, token id, logprob, timings, finish reason).
+
+Every path generates through the same two pieces: `PromptFeed` (which prompt ids go in the next forward, in chunks
+ending where the memory asks) and `Reply` (processors, sampler, detokenizer, stop strings, EOS, the token budget,
+cancellation, the events). `stream_generate` drives one of each for a single request; the batch and the server's
+scheduler (`engine.serving.batch`, `engine.serving.scheduler`) drive one per row of a slot table, so a request
+produces the same events whichever path runs it.
 """
 
 from __future__ import annotations
@@ -7,17 +13,25 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 import torch
 
 from engine.backends.base import Backend
 from engine.memory import Memory
-from engine.sampling import SamplingSettings, make_logits_processors, make_sampler
+from engine.sampling import Sample, Sampler, SamplingSettings, make_logits_processors, make_sampler
 from engine.tokenizer import Tokenizer
 
 MAX_PENALTY_HISTORY = 4096
-FinishReason = str  # "stop" (EOS or stop string) | "length" | "cancelled"
+
+
+class FinishReason(StrEnum):
+    """Why a generation ended; the values are OpenAI's words where OpenAI has one (see serving.protocol)."""
+
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens generated
+    CANCELLED = "cancelled"  # the caller stopped it
 
 
 @dataclass
@@ -83,29 +97,64 @@ def prefill(
     t0 = time.perf_counter()
     start = memory.reuse_prefix(ids[:-1])
     chunk = max(1, min(chunk, memory.max_feed()))
-    cuts = memory.prefill_cut(ids, start) if hasattr(memory, "prefill_cut") else []
+    feed = PromptFeed(ids, start, prefill_cuts(memory, ids, start))
     logits = None
-    at = start
     if on_progress is not None:
-        on_progress(PrefillProgress(at, len(ids), start, 0.0))
-    while at < len(ids):
+        on_progress(PrefillProgress(feed.at, len(ids), start, 0.0))
+    while not feed.done:
         if should_stop():
             return None
-        end = min([at + chunk, len(ids), *(c for c in cuts if at < c)])
-        logits = _feed(backend, memory, ids[at:end])
-        at = end
+        logits = feed_step(backend, memory, feed.next(chunk))
         if on_progress is not None:
-            on_progress(PrefillProgress(at, len(ids), start, time.perf_counter() - t0))
+            on_progress(PrefillProgress(feed.at, len(ids), start, time.perf_counter() - t0))
     assert logits is not None
     return logits
 
 
+def prefill_cuts(memory: Memory, ids: list[int], start: int) -> list[int]:
+    """Indices of `ids` where a prefill chunk must end, from a memory with the optional `prefill_cut` (the cascade:
+    to snapshot its state for later prompts, and to route a prompt's last tokens with the queries just before
+    them); none for other memories."""
+    cut: Callable[[list[int], int], list[int]] | None = getattr(memory, "prefill_cut", None)
+    return list(cut(ids, start)) if cut is not None else []
+
+
+class PromptFeed:
+    """The prompt ids still to feed, handed out in chunks of at most `chunk` that also end at every cut (so a
+    chunk boundary falls where the memory asked, whoever drives the feed)."""
+
+    def __init__(self, ids: Sequence[int], start: int, cuts: Sequence[int]) -> None:
+        self.pending = list(ids[start:])  # prompt ids not fed yet
+        self.at = start  # index in the prompt of pending[0]
+        self.cuts = sorted(cuts)
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+    def next(self, chunk: int) -> list[int]:
+        n = min([chunk, *(c - self.at for c in self.cuts if c > self.at)])
+        piece, self.pending = self.pending[:n], self.pending[n:]
+        self.at += len(piece)
+        return piece
+
+    def steps(self, chunk: int) -> int:
+        """How many `next(chunk)` calls feed the rest."""
+        end = self.at + len(self.pending)
+        bounds = sorted({end, *(c for c in self.cuts if self.at < c < end)})
+        at, steps = self.at, 0
+        for b in bounds:
+            steps += -(-(b - at) // chunk)
+            at = b
+        return steps
+
+
 def decode_step(backend: Backend, memory: Memory, token: int) -> torch.Tensor:
     """Feed one token; returns its logits (V,) float32."""
-    return _feed(backend, memory, [token])
+    return feed_step(backend, memory, [token])
 
 
-def _feed(backend: Backend, memory: Memory, piece: list[int]) -> torch.Tensor:
+def feed_step(backend: Backend, memory: Memory, piece: list[int]) -> torch.Tensor:
     """One step: place `piece` in memory, run it, let memory record it; the last token's logits (V,) float32."""
     plan = memory.plan(piece)
     logits = backend.forward(torch.tensor([piece], dtype=torch.long), plan.as_batch(), last_only=True)  # (1, 1, V)
@@ -144,6 +193,88 @@ class StopMatcher:
         return out
 
 
+class Reply:
+    """One request's side of the loop: sampled token in, `GenerationEvent` out.
+
+    Applies the request's processors and sampler (`pick`), and ends the reply on EOS or a stop string ("stop"),
+    after `max_tokens` ("length"), or when cancelled ("cancelled"). Every final event carries all the text still
+    held back (the stop matcher's tail and the detokenizer's incomplete characters), whichever way it ended.
+    `history`: the tokens before the reply the repetition penalty may look at (it keeps the last window of them).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_tokens: int,
+        settings: GenerationSettings,
+        history: Sequence[int],
+        *,
+        sampler: Callable[[torch.Tensor], Sample] | None = None,
+        t0: float | None = None,
+    ) -> None:
+        s = settings.sampling
+        self.settings = settings
+        self.prompt_tokens = prompt_tokens
+        self.sample = sampler or make_sampler(s)
+        self.processors = make_logits_processors(s)
+        # The penalty looks at the last `repetition_window` tokens; 0 means "all", capped so cost stays flat per token.
+        self.window = s.repetition_window or MAX_PENALTY_HISTORY
+        self.history = list(history)
+        # Greedy without processors: the same as a batched argmax (engine.sampling.sample_greedy), which batches use.
+        self.plain_greedy = isinstance(self.sample, Sampler) and s.is_greedy and not self.processors
+        self.detok = tokenizer.stream_decoder()
+        self.stops = StopMatcher(settings.stop)
+        self.eos = frozenset() if settings.ignore_eos else tokenizer.eos_ids
+        self.tokens: list[int] = []
+        self.pieces: list[str] = []  # the text emitted so far, event by event
+        self.finish_reason: FinishReason | None = None
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.t_first = self.t0
+
+    def pick(self, logits: torch.Tensor) -> Sample:
+        """logits (V,) -> the next token, through this request's processors and sampler."""
+        for proc in self.processors:
+            logits = proc(torch.tensor(self.history[-self.window :], dtype=torch.long), logits)
+        return self.sample(logits)
+
+    def accept(self, token: int, logprob: float, should_stop: Callable[[], bool] = lambda: False) -> GenerationEvent:
+        """Record a sampled token and return its event, final when the reply ends here. `should_stop` is asked only
+        when nothing else ended the reply: when true, the reply ends here as cancelled."""
+        n = len(self.tokens) + 1
+        if n == 1:
+            self.t_first = time.perf_counter()
+        self.tokens.append(token)
+        self.history.append(token)
+        if token in self.eos:
+            return self._event(self._held(), token, logprob, FinishReason.STOP)
+        text, stopped = self.stops.push(self.detok.add(token))
+        if stopped:
+            return self._event(text, token, logprob, FinishReason.STOP)
+        if n >= self.settings.max_tokens:
+            return self._event(text + self._held(), token, logprob, FinishReason.LENGTH)
+        if should_stop():
+            return self._event(text + self._held(), token, logprob, FinishReason.CANCELLED)
+        return self._event(text, token, logprob, None)
+
+    def cancel(self) -> GenerationEvent:
+        """The final event of a reply cancelled between steps: no token, the held-back text."""
+        return self._event(self._held(), None, None, FinishReason.CANCELLED)
+
+    def _held(self) -> str:
+        """All text held back: the detokenizer's pending bytes go through the stop matcher first (a stop string
+        may still complete with them), then whatever the matcher holds."""
+        return self.stops.push(self.detok.flush())[0] + self.stops.flush()
+
+    def _event(self, text: str, token: int | None, logprob: float | None, reason: FinishReason | None) -> GenerationEvent:
+        now = time.perf_counter()
+        n = len(self.tokens)
+        rate = (n - 1) / (now - self.t_first) if n > 1 and now > self.t_first else 0.0
+        if text:
+            self.pieces.append(text)
+        self.finish_reason = reason
+        return GenerationEvent(text, token, logprob, self.prompt_tokens, n, self.t_first - self.t0 if n else 0.0, rate, reason)
+
+
 def stream_generate(
     backend: Backend,
     memory: Memory,
@@ -151,68 +282,39 @@ def stream_generate(
     prompt_ids: Sequence[int],
     settings: GenerationSettings,
     *,
-    sampler: Callable[[torch.Tensor], tuple[int, float]] | None = None,
+    sampler: Callable[[torch.Tensor], Sample] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     pacer: Pacer | None = None,
     on_prefill: Callable[[PrefillProgress], None] | None = None,
 ) -> Iterator[GenerationEvent]:
-    """Prefill `prompt_ids`, then sample up to `settings.max_tokens` tokens, one event each.
+    """Prefill `prompt_ids` after what `memory` holds, then sample up to `settings.max_tokens` tokens, one event each.
 
     The last sampled token is *not* fed back (as in every generate loop); a caller that continues later feeds it
-    first. `should_stop` is polled before every prefill chunk and every step, so cancelling takes effect within
-    one chunk or one token; a Stop while the prompt is read ends with one "cancelled" event and no token.
-    `on_prefill` hears how far the prompt's reading got (called on the generating thread).
+    first. `should_stop` is polled before every prefill chunk and after every sampled token, so cancelling takes
+    effect within one chunk or one token; a Stop while the prompt is read ends with one "cancelled" event and no
+    token. `on_prefill` hears how far the prompt's reading got (called on the generating thread).
     """
-    t0 = time.perf_counter()
-    s = settings.sampling
-    sample = sampler or make_sampler(s)
-    processors = make_logits_processors(s)
-    # The penalty looks at the last `repetition_window` tokens; 0 means "all", capped so cost stays flat per token.
-    window = s.repetition_window or MAX_PENALTY_HISTORY
-    history: list[int] = list(memory.tokens[-window:]) + list(prompt_ids)
-    detok = tokenizer.stream_decoder()
-    stops = StopMatcher(settings.stop)
-    eos = frozenset() if settings.ignore_eos else tokenizer.eos_ids
+    window = settings.sampling.repetition_window or MAX_PENALTY_HISTORY
+    reply = Reply(tokenizer, len(prompt_ids), settings, list(memory.tokens[-window:]) + list(prompt_ids), sampler=sampler)
     chunk = pacer.prefill_chunk(settings.prefill_chunk) if pacer else settings.prefill_chunk
-
-    def event(text: str, token: int | None, logprob: float | None, n: int, reason: FinishReason | None) -> GenerationEvent:
-        now = time.perf_counter()
-        rate = (n - 1) / (now - t_first) if n > 1 and now > t_first else 0.0
-        return GenerationEvent(text, token, logprob, len(prompt_ids), n, t_first - t0, rate, reason)
-
-    t_first = t0
     if should_stop():
-        yield GenerationEvent("", None, None, len(prompt_ids), 0, 0.0, 0.0, "cancelled")
+        yield reply.cancel()
         return
-    read = prefill(backend, memory, prompt_ids, chunk, should_stop=should_stop, on_progress=on_prefill)
-    if read is None:
-        yield GenerationEvent("", None, None, len(prompt_ids), 0, 0.0, 0.0, "cancelled")
+    logits = prefill(backend, memory, prompt_ids, chunk, should_stop=should_stop, on_progress=on_prefill)
+    if logits is None:
+        yield reply.cancel()
         return
-    logits = read
-    for n in range(1, settings.max_tokens + 1):
-        for proc in processors:
-            logits = proc(torch.tensor(history[-window:], dtype=torch.long), logits)
-        token, logprob = sample(logits)
-        if n == 1:
-            t_first = time.perf_counter()
-        history.append(token)
-        if token in eos:
-            yield event(stops.flush() + detok.flush(), token, logprob, n, "stop")
+    if settings.max_tokens < 1:  # read the prompt only (a session bringing memory in step with a transcript)
+        return
+    while True:
+        token, logprob = reply.pick(logits)
+        event = reply.accept(token, logprob, should_stop)
+        yield event
+        if event.finish_reason is not None:
             return
-        text, stopped = stops.push(detok.add(token))
-        if stopped:
-            yield event(text, token, logprob, n, "stop")
-            return
-        if n == settings.max_tokens:
-            yield event(text + stops.push(detok.flush())[0] + stops.flush(), token, logprob, n, "length")
-            return
-        if should_stop():
-            yield event(text + stops.flush(), token, logprob, n, "cancelled")
-            return
-        yield event(text, token, logprob, n, None)
         if pacer:
             pacer.before_step(should_stop)  # may sleep (cool-down) or hold (thermal pause) until should_stop
             if should_stop():
-                yield event(stops.flush() + detok.flush(), None, None, n, "cancelled")
+                yield reply.cancel()
                 return
         logits = decode_step(backend, memory, token)

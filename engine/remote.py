@@ -26,7 +26,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from engine.errors import SparkError
-from engine.generate import GenerationEvent, GenerationSettings
+from engine.generate import FinishReason, GenerationEvent, GenerationSettings
+from engine.serving.protocol import parse_finish_reason
 from engine.session_file import TRANSCRIPT_KIND, Message, save_session
 
 CONNECT_TIMEOUT_S = 10.0
@@ -68,7 +69,8 @@ def _error_message(response: httpx.Response) -> str:
         return ""
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict) and isinstance(err.get("message"), str):
-        return err["message"][:300]
+        message: str = err["message"]
+        return message[:300]
     if isinstance(err, str):
         return err[:300]
     return ""
@@ -174,7 +176,7 @@ class RemoteClient:
         except httpx.HTTPError as exc:
             put(self._unreachable(exc))
             return
-        except Exception as exc:  # noqa: BLE001 - e.g. the client closed under a stream nobody reads any more
+        except Exception as exc:
             put(RemoteError(f"The connection to the server at {self.server.url} failed ({type(exc).__name__}); try again."))
             return
         put(_END)
@@ -196,14 +198,14 @@ class RemoteClient:
     def _events(self, lines: Iterator[str | None], t0: float, should_stop: Callable[[], bool]) -> Iterator[GenerationEvent]:
         n, prompt_tokens, t_first, reason = 0, 0, t0, None
 
-        def event(text: str, final: str | None) -> GenerationEvent:
+        def event(text: str, final: FinishReason | None) -> GenerationEvent:
             now = time.perf_counter()
             rate = (n - 1) / (now - t_first) if n > 1 and now > t_first else 0.0
             return GenerationEvent(text, None, None, prompt_tokens, n, t_first - t0 if n else 0.0, rate, final)
 
         for line in lines:
             if should_stop():
-                yield event("", "cancelled")
+                yield event("", FinishReason.CANCELLED)
                 return
             if line is None or not line.startswith("data:"):
                 continue  # SSE comments, event names, blank separators
@@ -226,7 +228,7 @@ class RemoteClient:
                     if n == 1:
                         t_first = time.perf_counter()
                     yield event(text, None)
-        yield event("", reason if reason in ("stop", "length") else "stop")
+        yield event("", parse_finish_reason(reason))
 
     def _parse(self, data: str) -> dict[str, Any]:
         try:

@@ -15,17 +15,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from engine.backends.base import Backend
 from engine.errors import SessionFileError
-from engine.generate import (
-    _feed,  # the very step generation takes, so a replay computes what it computed
-)
+from engine.generate import feed_step  # the very step generation takes, so a replay computes what it computed
 from engine.memory import Memory
 
-Schedule = list[list]  # [[op, size, count], ...]
+Schedule = list[list[Any]]  # [[op ("f" | "r"), size, count], ...], as JSON holds it
 MAX_RUNS = 1_000_000  # a schedule longer than this is not one this app wrote
 
 
@@ -134,6 +133,6 @@ def backend_feed(backend: Backend, memory: Memory) -> Callable[[list[int]], None
     """One forward of a piece, exactly as generation does it."""
 
     def feed(piece: list[int]) -> None:
-        _feed(backend, memory, piece)
+        feed_step(backend, memory, piece)
 
     return feed

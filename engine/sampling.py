@@ -5,8 +5,9 @@ Order of operations per step, as in transformers' `generate`:
   1. logits processors (repetition penalty) see the history and the raw logits;
   2. the sampler reports the chosen token's logprob from the log-softmax of the logits it is given
      (mlx-lm's convention: the model's distribution after processors, before temperature and truncation);
-  3. greedy: argmax. Otherwise temperature, then top-k, top-p, min-p masks (transformers' warpers, same order and
-     tie rules), then one categorical draw from the sampler's own seeded generator.
+  3. greedy: argmax. Otherwise the warpers — temperature, then top-k, top-p, min-p masks (transformers' warpers,
+     same order and tie rules), each a `scores -> scores` callable composed once — then one categorical draw from
+     the sampler's own seeded generator.
 
 Draws happen on the CPU with a CPU `torch.Generator`, so a seed gives the same tokens on every backend (for equal
 logits) and the RNG state saved in a session file is one format everywhere.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -90,69 +92,108 @@ def make_logits_processors(s: SamplingSettings) -> list[LogitsProcessor]:
     return processors
 
 
-class Sampler:
-    """Picks a token from one step's logits: `(V,) -> (token_id, logprob)`, or `(B, V) -> (tokens (B,), logprobs (B,))`.
+Warper = Callable[[torch.Tensor], torch.Tensor]  # scores (B, V) -> (B, V), removed tokens at -inf
 
-    Build it with `make_sampler(settings)`. It owns a CPU generator: the same seed gives the same tokens, and
-    `get_state()` / `set_state()` save and restore it (as JSON-able ints) so a restored session continues
-    exactly where it stopped.
+
+def make_temperature(temperature: float) -> Warper:
+    return lambda scores: scores / temperature
+
+
+def make_top_k(k: int) -> Warper:
+    def apply(scores: torch.Tensor) -> torch.Tensor:
+        if k >= scores.shape[-1]:
+            return scores
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]  # (B, 1)
+        return scores.masked_fill(scores < kth, -math.inf)  # ties with the k-th survive, as in transformers
+
+    return apply
+
+
+def make_top_p(p: float) -> Warper:
+    def apply(scores: torch.Tensor) -> torch.Tensor:
+        ascending, order = torch.sort(scores, dim=-1)  # (B, V)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= (1.0 - p)
+        drop_sorted[..., -1:] = False  # the most likely token always stays
+        return scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf)
+
+    return apply
+
+
+def make_min_p(p: float) -> Warper:
+    log_min_p = math.log(p)
+
+    def apply(scores: torch.Tensor) -> torch.Tensor:
+        # p < min_p * p_max  <=>  log p < log p_max + log min_p; the softmax normaliser cancels on both sides.
+        top = scores.amax(dim=-1, keepdim=True)  # (B, 1)
+        return scores.masked_fill(scores < top + log_min_p, -math.inf)
+
+    return apply
+
+
+def make_warpers(s: SamplingSettings) -> list[Warper]:
+    """Temperature, top-k, top-p, min-p (transformers' warpers, same order), only those that are on. Every mask
+    keeps at least the most likely token. Empty for greedy settings."""
+    s.validate()
+    if s.is_greedy:
+        return []
+    warpers: list[Warper] = []
+    if s.temperature != 1.0:
+        warpers.append(make_temperature(s.temperature))
+    if s.top_k > 0:
+        warpers.append(make_top_k(s.top_k))
+    if s.top_p < 1.0:
+        warpers.append(make_top_p(s.top_p))
+    if s.min_p > 0.0:
+        warpers.append(make_min_p(s.min_p))
+    return warpers
+
+
+class Sample(NamedTuple):
+    token: int
+    logprob: float  # of `token` under the log-softmax of the logits the sampler was given
+
+
+class Sampler:
+    """Picks a token from one step's logits: `(V,) -> Sample(token, logprob)`.
+
+    Build it with `make_sampler(settings)`: its warpers are composed once. It owns a CPU generator: the same seed
+    gives the same tokens, and `get_state()` / `set_state()` save and restore it (as JSON-able ints) so a restored
+    session continues exactly where it stopped.
     """
 
     def __init__(self, s: SamplingSettings) -> None:
         s.validate()
         self.settings = s
+        self._warpers = make_warpers(s)
         self._greedy = s.is_greedy
-        self._temperature = 1.0 if self._greedy else s.temperature
-        self._top_k = s.top_k
-        self._top_p = s.top_p
-        self._log_min_p = math.log(s.min_p) if s.min_p > 0.0 else None
         self._generator = torch.Generator(device="cpu")
         if s.seed is None:
             self._generator.seed()
         else:
             self._generator.manual_seed(s.seed)
 
-    def __call__(self, logits: torch.Tensor) -> tuple[int, float] | tuple[torch.Tensor, torch.Tensor]:
-        batched = logits.dim() == 2
-        scores = logits.float() if batched else logits.float().unsqueeze(0)  # (B, V)
-        logprobs = torch.log_softmax(scores, dim=-1)  # (B, V)
+    def __call__(self, logits: torch.Tensor) -> Sample:
+        scores = logits.float().unsqueeze(0)  # (1, V)
+        logprobs = torch.log_softmax(scores, dim=-1)  # (1, V)
         if self._greedy:
-            tokens = logprobs.argmax(dim=-1)  # (B,)
+            token = int(logprobs.argmax(dim=-1)[0])
         else:
             # Warp the raw logits, as transformers does: log-softmax in float32 can merge near-equal logits.
-            probs = torch.softmax(self.warp(scores), dim=-1)  # (B, V)
-            tokens = torch.multinomial(probs.cpu(), 1, generator=self._generator).squeeze(-1).to(logits.device)  # (B,)
-        chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B,)
-        if batched:
-            return tokens, chosen
-        return int(tokens[0]), float(chosen[0])
+            probs = torch.softmax(self.warp(scores), dim=-1)  # (1, V)
+            token = int(torch.multinomial(probs.cpu(), 1, generator=self._generator)[0, 0])
+        return Sample(token, float(logprobs[0, token]))
 
     def warp(self, scores: torch.Tensor) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p (transformers' warpers, same order): removed tokens get -inf.
-
-        scores (B, V) float -> (B, V) float. Every mask keeps at least the most likely token.
-        """
-        if self._temperature != 1.0:
-            scores = scores / self._temperature
-        vocab = scores.shape[-1]
-        if 0 < self._top_k < vocab:
-            kth = torch.topk(scores, self._top_k, dim=-1).values[..., -1:]  # (B, 1)
-            scores = scores.masked_fill(scores < kth, -math.inf)  # ties with the k-th survive, as in transformers
-        if self._top_p < 1.0:
-            ascending, order = torch.sort(scores, dim=-1)  # (B, V)
-            cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-            drop_sorted = cumulative <= (1.0 - self._top_p)
-            drop_sorted[..., -1:] = False  # the most likely token always stays
-            scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf)
-        if self._log_min_p is not None:
-            # p < min_p * p_max  <=>  log p < log p_max + log min_p; the softmax normaliser cancels on both sides.
-            top = scores.amax(dim=-1, keepdim=True)  # (B, 1)
-            scores = scores.masked_fill(scores < top + self._log_min_p, -math.inf)
+        """scores (B, V) float -> (B, V) float through this sampler's warpers, in order."""
+        for warper in self._warpers:
+            scores = warper(scores)
         return scores
 
     def get_state(self) -> list[int]:
         """The generator state as a list of byte values (JSON-able, for session files)."""
-        return self._generator.get_state().tolist()
+        state: list[int] = self._generator.get_state().tolist()
+        return state
 
     def set_state(self, state: bytes | list[int]) -> None:
         """Restore a state from `get_state()` (a list of byte values, or the same as bytes)."""
@@ -164,3 +205,11 @@ class Sampler:
 
 def make_sampler(s: SamplingSettings) -> Sampler:
     return Sampler(s)
+
+
+def sample_greedy(logits: torch.Tensor) -> list[Sample]:
+    """logits (B, V) -> one greedy Sample per row, the same numbers a greedy `Sampler` gives each row alone."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+    tokens = logprobs.argmax(dim=-1)  # (B,)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]  # (B,)
+    return [Sample(t, lp) for t, lp in zip(tokens.tolist(), chosen.tolist(), strict=True)]

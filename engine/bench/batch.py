@@ -17,18 +17,20 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine.backends import open_backend
 from engine.backends.base import Backend
-from engine.batch import generate_batch
-from engine.model_files import display_name, resolve_model_path
 from engine.generate import GenerationSettings, stream_generate
 from engine.memory import FullAttentionMemory
+from engine.model_files import display_name, resolve_model_path
 from engine.sampling import SamplingSettings
-from engine.scheduler import Request, Scheduler, SchedulerConfig
+from engine.serving.batch import generate_batch
+from engine.serving.scheduler import Request, Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 
 REQUESTS = 32
@@ -59,7 +61,7 @@ def continuous(backend: Backend, tok: Tokenizer, ps: list[list[int]], settings: 
         return [f.result().tokens for f in futures]
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     n_tokens = getattr(args, "reply_tokens", 8 if args.quick else REPLY_TOKENS)
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
         continuous(backend.fork(), tok, ps, warm)
         timings: dict[str, float] = {}
         outputs: dict[str, list[list[int]]] = {}
-        paths = {
+        paths: dict[str, Callable[[], list[list[int]]]] = {
             "sequential": lambda: sequential(backend.fork(), tok, ps, settings),
             "batched": lambda: [c.tokens for c in generate_batch(backend.fork(), tok, ps, settings, max_batch=n_requests)],
             "continuous": lambda: continuous(backend.fork(), tok, ps, settings),
@@ -102,6 +104,6 @@ def run(args: argparse.Namespace) -> dict:
         "continuous_tps": round(tps["continuous"], 1),
         "speedup": round(tps["batched"] / tps["sequential"], 2),
         "speedup_continuous": round(tps["continuous"] / tps["sequential"], 2),
-        "same_tokens": sum(a == b for a, b in zip(outputs["batched"], outputs["sequential"])) / n_requests,
-        "same_tokens_continuous": sum(a == b for a, b in zip(outputs["continuous"], outputs["sequential"])) / n_requests,
+        "same_tokens": sum(a == b for a, b in zip(outputs["batched"], outputs["sequential"], strict=True)) / n_requests,
+        "same_tokens_continuous": sum(a == b for a, b in zip(outputs["continuous"], outputs["sequential"], strict=True)) / n_requests,
     }

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -42,7 +43,8 @@ REQUEST_TIMEOUT_S = 600.0
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Peer:
     name: str
     url: str  # .../v1
     model: str
-    extra: dict  # request fields that fix the reply length
+    extra: dict[str, Any]  # request fields that fix the reply length
     usage: bool  # whether it reports usage in a stream (else tokens = content chunks, one per token)
 
 
@@ -97,7 +99,7 @@ async def one_request(client: httpx.AsyncClient, peer: Peer, k: int, max_tokens:
         raise SparkError(f"{peer.name}'s server broke a streamed reply ({type(exc).__name__}: {exc}).") from None
 
 
-async def _stream(client: httpx.AsyncClient, peer: Peer, body: dict, t0: float) -> tuple[float, int]:
+async def _stream(client: httpx.AsyncClient, peer: Peer, body: dict[str, Any], t0: float) -> tuple[float, int]:
     ttft, chunks, usage = None, 0, None
     async with client.stream("POST", peer.url + "/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -116,7 +118,7 @@ async def _stream(client: httpx.AsyncClient, peer: Peer, body: dict, t0: float) 
     return (ttft if ttft is not None else time.perf_counter() - t0), (usage if usage is not None else chunks)
 
 
-async def level(peer: Peer, clients: int, per_client: int, max_tokens: int, first: int) -> dict:
+async def level(peer: Peer, clients: int, per_client: int, max_tokens: int, first: int) -> dict[str, Any]:
     """`clients` concurrent clients, each sending `per_client` requests one after another."""
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
@@ -152,7 +154,7 @@ def find_peer_gguf(args: argparse.Namespace, model: Path) -> Path | None:
     return found[0] if found else None
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     model = resolve_model_path(args.model)
     threads = args.threads or os.cpu_count() or 1
     max_tokens = 16 if args.quick else 64
@@ -164,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
     elif importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("starlette_context") is None:
         note = "llama.cpp left out: llama-cpp-python[server] is not installed (pip install -e '.[bench]')."
         gguf = None
-    out: dict = {"model": str(model), "peer_gguf": str(gguf) if gguf else None, "threads": threads, "max_tokens": max_tokens}
+    out: dict[str, Any] = {"model": str(model), "peer_gguf": str(gguf) if gguf else None, "threads": threads, "max_tokens": max_tokens}
     if note:
         out["note"] = note
     ports = {"ours": free_port(), "llamacpp": free_port()}
@@ -185,9 +187,9 @@ def run(args: argparse.Namespace) -> dict:
             peers.append(Peer("llamacpp", f"http://127.0.0.1:{ports['llamacpp']}/v1", "bench", {"min_tokens": max_tokens}, False))
         for p in peers:  # warm-up: first-request costs (kernels, caches) stay out of the figures
             asyncio.run(level(p, 1, 1, 4, 10_000))
-        levels: dict[str, dict] = {}
+        levels: dict[str, dict[str, Any]] = {}
         for c in LEVELS:
-            row: dict = {}
+            row: dict[str, Any] = {}
             for p in peers:
                 row[p.name] = asyncio.run(level(p, c, per_client[c], max_tokens, first=1000 * c))
             if "llamacpp" in row:

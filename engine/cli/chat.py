@@ -19,7 +19,7 @@ from engine.model_files import display_name, resolve_model_path
 from engine.session import Session
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("chat", help="chat with the model in the terminal")
     add_model_args(p)
     add_sampling_args(p)
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             stop = threading.Event()
             # Ctrl-C during a reply only sets the flag: the loop stops between tokens, never mid-step, so the
             # conversation's memory stays consistent for the next turn.
-            previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+            previous = signal.signal(signal.SIGINT, lambda *_, flag=stop: flag.set())  # this turn's flag, bound now
             try:
                 for ev in session.chat(line, settings, should_stop=stop.is_set):
                     sys.stdout.write(ev.text)

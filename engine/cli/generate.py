@@ -5,15 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from engine.backends import QUANTIZE_CHOICES
 from engine.cli.checks import check_max_tokens, check_seed, check_text, check_threads, read_text_file
 from engine.config import generation_defaults
 from engine.errors import SparkError
-from engine.model_files import resolve_model_path
 from engine.generate import GenerationEvent, GenerationSettings
 from engine.hw import this_machine_policy, use_recommended_threads
+from engine.model_files import resolve_model_path
 from engine.sampling import SamplingSettings
 from engine.session import Engine, Session, memory_factory_for
 
@@ -28,7 +29,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 # Our defaults where neither a flag nor the model's generation_config.json says otherwise.
-SAMPLING_DEFAULTS: dict = {"max_tokens": 128, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+SAMPLING_DEFAULTS: dict[str, float] = {"max_tokens": 128, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -75,7 +76,7 @@ def open_engine(args: argparse.Namespace) -> Engine:
     return Engine.load(args.model, args.backend, memory_factory=factory, policy=policy, quantize=args.quantize)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("generate", help="generate text from a prompt (raw completion, or --chat)")
     add_model_args(p)
     p.add_argument("--prompt", default=None, help="prompt text (raw completion unless --chat)")
@@ -93,7 +94,8 @@ def read_prompt(args: argparse.Namespace) -> str | None:
     if args.prompt_file is not None:
         return read_text_file(args.prompt_file, "--prompt-file")
     check_text(args.prompt, "--prompt")
-    return args.prompt
+    prompt: str | None = args.prompt
+    return prompt
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def pick_stream(session: Session, prompt: str | None, args: argparse.Namespace, settings: GenerationSettings):  # type: ignore[no-untyped-def]
+def pick_stream(session: Session, prompt: str | None, args: argparse.Namespace, settings: GenerationSettings) -> Iterator[GenerationEvent]:
     if prompt is None:
         return session.continue_reply(settings)
     if args.chat:
@@ -141,8 +143,10 @@ def pick_stream(session: Session, prompt: str | None, args: argparse.Namespace, 
     return session.complete(prompt, settings)
 
 
-def stream(events, echo: bool) -> tuple[str, list[int], GenerationEvent | None]:  # type: ignore[no-untyped-def]
-    text, tokens, last = [], [], None
+def stream(events: Iterable[GenerationEvent], echo: bool) -> tuple[str, list[int], GenerationEvent | None]:
+    text: list[str] = []
+    tokens: list[int] = []
+    last: GenerationEvent | None = None
     for ev in events:
         if ev.token is not None:
             tokens.append(ev.token)

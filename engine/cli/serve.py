@@ -9,11 +9,11 @@ import sys
 
 from engine.cli.generate import add_model_args, open_engine
 from engine.errors import SparkError
-from engine.serving.service import ModelService, ServeConfig, served_name
 from engine.serving.server import LOOPBACK, LocalServer, bind
+from engine.serving.service import ModelService, ServeConfig, served_name
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_model_args(p)
     p.add_argument("--host", default=LOOPBACK, help="address to listen on (default 127.0.0.1: this machine only)")

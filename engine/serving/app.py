@@ -14,7 +14,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -27,6 +27,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from engine.serving import protocol
+from engine.serving.batch import Completion
 from engine.serving.errors import ApiError, bad_key, bad_request, server_error, too_large, unknown_model
 from engine.serving.service import Job, ModelService
 
@@ -59,7 +60,7 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncIterator[str], job: Job) -> None:
+    def __init__(self, chunks: AsyncGenerator[str, None], job: Job) -> None:
         self.status_code = 200
         self.background = None
         # No Content-Length: the body's length is unknown until the last event (chunked transfer).
@@ -83,7 +84,7 @@ class SSEResponse(Response):
         finally:
             self.job.cancel_unless_done()
             watcher.cancel()
-            await self.chunks.aclose()  # type: ignore[attr-defined]
+            await self.chunks.aclose()
 
 
 def sse(obj: Any) -> str:
@@ -184,7 +185,7 @@ class Api:
         shape = protocol.chat_response if chat else protocol.completion_response
         return JSONResponse(shape(rid, req.model, c, logprobs if req.logprobs else None))
 
-    async def stream(self, job: Job, req: protocol.ParsedRequest, rid: str, chat: bool) -> AsyncIterator[str]:
+    async def stream(self, job: Job, req: protocol.ParsedRequest, rid: str, chat: bool) -> AsyncGenerator[str, None]:
         created = int(time.time())
         model = req.model
         offset = 0
@@ -212,7 +213,7 @@ class Api:
             yield sse(protocol.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else "text_completion", c))
         yield "data: [DONE]\n\n"
 
-    def finish(self, job: Job) -> protocol.Completion:
+    def finish(self, job: Job) -> Completion:
         try:
             c = job.result()
         except Exception as exc:  # the scheduler ended the request with an error (e.g. a failed forward)

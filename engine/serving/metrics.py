@@ -11,6 +11,8 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.generate import FinishReason
+
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_BUCKETS = (1.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 
@@ -34,7 +36,7 @@ class Histogram:
 
     def render(self, name: str) -> list[str]:
         lines, running = [], 0
-        for bound, count in zip(self.bounds, self.counts):
+        for bound, count in zip(self.bounds, self.counts, strict=True):
             running += count
             lines.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
         lines += [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.total:.6g}", f"{name}_count {self.n}"]
@@ -46,7 +48,7 @@ class Metrics:
 
     def __init__(self, sources: dict[str, Callable[[], float]] | None = None) -> None:
         self.requests: dict[tuple[str, int], int] = {}
-        self.reasons: dict[str, int] = {}  # finished generations by finish reason (cancelled: the client left)
+        self.reasons: dict[FinishReason, int] = {}  # finished generations by finish reason (cancelled: the client left)
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.completion_tokens = 0
@@ -57,7 +59,7 @@ class Metrics:
     def request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
 
-    def finished(self, reason: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int, ttft_s: float, tokens_per_s: float) -> None:
+    def finished(self, reason: FinishReason, prompt_tokens: int, cached_tokens: int, completion_tokens: int, ttft_s: float, tokens_per_s: float) -> None:
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens

@@ -14,9 +14,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.batch import Completion
-from engine.generate import GenerationSettings
+from engine.generate import FinishReason, GenerationSettings
 from engine.sampling import SamplingSettings
+from engine.serving.batch import Completion
 from engine.serving.errors import bad_request
 
 MAX_STOPS = 4  # as OpenAI
@@ -43,7 +43,7 @@ class ParsedRequest:
     logprobs: bool
 
 
-def _num(body: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
     v = body.get(name)
     if v is None:
         return default
@@ -54,7 +54,7 @@ def _num(body: dict, name: str, default: float, lo: float, hi: float, *, lo_open
     return float(v)
 
 
-def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
+def _int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     v = body.get(name)
     if v is None:
         return None
@@ -65,7 +65,7 @@ def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
     return v
 
 
-def _bool(body: dict, name: str) -> bool:
+def _bool(body: dict[str, Any], name: str) -> bool:
     v = body.get(name, False)
     if v is None:
         return False
@@ -74,7 +74,7 @@ def _bool(body: dict, name: str) -> bool:
     return v
 
 
-def _stops(body: dict) -> tuple[str, ...]:
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     v = body.get("stop")
     if v is None:
         return ()
@@ -100,7 +100,7 @@ def _content(value: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content")
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("'messages' must be a non-empty list of {role, content} objects.", "messages")
@@ -113,7 +113,7 @@ def _messages(body: dict) -> list[dict[str, str]]:
     return out
 
 
-def _common(body: dict, limits: Limits) -> tuple[str, GenerationSettings, bool, bool]:
+def _common(body: dict[str, Any], limits: Limits) -> tuple[str, GenerationSettings, bool, bool]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' must name the model to use (see GET /v1/models).", "model")
@@ -191,8 +191,20 @@ def usage(c: Completion) -> dict[str, Any]:
     }
 
 
-def finish_reason(reason: str) -> str:
-    return reason if reason in ("stop", "length") else "stop"
+# OpenAI's finish_reason for ours. A cancelled reply only reaches a client that is still there when the server
+# shuts down mid-reply: "stop" is the nearest of OpenAI's words (it has none for "cancelled").
+OPENAI_FINISH_REASONS: dict[FinishReason, str] = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
+
+
+def finish_reason(reason: FinishReason) -> str:
+    """The finish_reason a response carries for `reason`."""
+    return OPENAI_FINISH_REASONS[reason]
+
+
+def parse_finish_reason(raw: object) -> FinishReason:
+    """Ours for a finish_reason an OpenAI-compatible server sent (engine.remote): anything but "length" (including
+    "content_filter", "tool_calls", or nothing) ends the reply as a plain stop."""
+    return FinishReason.LENGTH if raw == "length" else FinishReason.STOP
 
 
 def chat_logprobs(entries: list[tuple[str, float]]) -> dict[str, Any]:

@@ -64,7 +64,7 @@ class LocalServer:
             self.service.close()
             self._sock.close()
 
-    def start(self, timeout: float = 30.0) -> "LocalServer":
+    def start(self, timeout: float = 30.0) -> LocalServer:
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="spark-server", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
@@ -82,7 +82,7 @@ class LocalServer:
         self.service.close()
         self._sock.close()
 
-    def __enter__(self) -> "LocalServer":
+    def __enter__(self) -> LocalServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

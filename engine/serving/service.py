@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from engine.backends.base import Backend
-from engine.batch import Completion, RowMemoryFactory
 from engine.errors import SparkError
 from engine.generate import GenerationEvent
 from engine.memory import Memory
-from engine.scheduler import QueueFull, Request, Scheduler, SchedulerClosed, SchedulerConfig
+from engine.serving.batch import Completion, RowMemoryFactory
 from engine.serving.errors import bad_request, busy, too_large, unavailable
 from engine.serving.metrics import Metrics
 from engine.serving.protocol import Limits, ParsedRequest
+from engine.serving.scheduler import QueueFull, Request, Scheduler, SchedulerClosed, SchedulerConfig
 from engine.tokenizer import Tokenizer
 
 DEFAULT_SLOTS = 2048  # slots per row for a memory that does not say (full attention)
@@ -69,7 +69,7 @@ class Job:
         request.on_event = put
         self.future = scheduler.submit(request, block=False)  # QueueFull / SchedulerClosed propagate
 
-        def done(future: Future) -> None:  # after the final event (same thread, in order)
+        def done(future: Future[Completion]) -> None:  # after the final event (same thread, in order)
             put(None)
             if not future.cancelled() and future.exception() is None:
                 with contextlib.suppress(RuntimeError):  # the loop is gone: nothing left to count

@@ -119,7 +119,10 @@ def test_stop_while_reading_acts_within_one_chunk_and_emits_no_token(engine: Eng
     ids = engine.tokenizer.encode(LONG * 2)
     assert len(ids) > 3 * GREEDY.prefill_chunk
     read: list[PrefillProgress] = []
-    stop = lambda: len(read) >= 2
+
+    def stop() -> bool:
+        return len(read) >= 2
+
     events = list(stream_generate(s.backend, s.memory, engine.tokenizer, ids, GREEDY, should_stop=stop, on_prefill=read.append))
     assert [(e.token, e.text, e.finish_reason) for e in events] == [(None, "", "cancelled")]
     assert len(s.memory.tokens) == GREEDY.prefill_chunk  # exactly one chunk was read after Stop was asked for

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import SessionFileError, SparkError
-from engine.sampling import SamplingSettings, make_logits_processors, make_sampler
+from engine.sampling import Sample, SamplingSettings, make_logits_processors, make_sampler, make_warpers, sample_greedy
 
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import (  # noqa: E402  (after the importorskip)
@@ -35,12 +35,20 @@ def test_greedy_is_argmax_with_model_logprob() -> None:
         assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[token]))
 
 
-def test_greedy_batch() -> None:
+def test_batched_greedy_equals_the_sampler_row_by_row() -> None:
+    """The batch's one-argmax fast path gives each row exactly what a greedy Sampler gives it alone."""
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
-    tokens, logprobs = make_sampler(SamplingSettings(greedy=True))(logits)
-    assert tokens.shape == (4,) and tokens.dtype == torch.long and logprobs.shape == (4,)
-    assert torch.equal(tokens, logits.argmax(-1))
-    assert torch.allclose(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
+    sampler = make_sampler(SamplingSettings(greedy=True))
+    rows = sample_greedy(logits)
+    assert rows == [sampler(row) for row in logits]
+    assert all(isinstance(r, Sample) and isinstance(r.token, int) and isinstance(r.logprob, float) for r in rows)
+    assert [r.token for r in rows] == logits.argmax(-1).tolist()
+
+
+def test_warpers_are_composed_only_when_on() -> None:
+    assert make_warpers(SamplingSettings(greedy=True, top_k=5, top_p=0.5)) == []
+    assert make_warpers(SamplingSettings(temperature=1.0)) == []
+    assert len(make_warpers(SamplingSettings(temperature=0.5, top_k=5, top_p=0.5, min_p=0.1))) == 4
 
 
 @settings(max_examples=200, deadline=None)
@@ -117,15 +125,14 @@ def test_seed_reproducibility_and_state_roundtrip() -> None:
         restored.set_state([1, 2, 3])
 
 
-def test_batch_sampling_shapes_and_seed() -> None:
+def test_seeded_top_k_draws_stay_in_the_top_k_and_repeat() -> None:
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(3))
     s = SamplingSettings(temperature=0.9, top_k=5, seed=7)
-    tokens, logprobs = make_sampler(s)(logits)
-    assert tokens.shape == (5,) and logprobs.shape == (5,)
+    a, b = make_sampler(s), make_sampler(s)
+    picks = [a(row) for row in logits]
     top5 = torch.topk(logits, 5, -1).indices
-    assert all(int(t) in top5[i].tolist() for i, t in enumerate(tokens))
-    again, _ = make_sampler(s)(logits)
-    assert torch.equal(tokens, again)
+    assert all(p.token in top5[i].tolist() for i, p in enumerate(picks))
+    assert picks == [b(row) for row in logits]
 
 
 @pytest.mark.parametrize("penalty", [1.3, 0.7])

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from engine.backends.torch_backend import TorchBackend
-from engine.serving.service import ModelService, ServeConfig
 from engine.serving.server import LocalServer
+from engine.serving.service import ModelService, ServeConfig
 from engine.session import memory_factory_for
 from engine.tokenizer import Tokenizer
 from tests.real_model import real_gguf

@@ -177,7 +177,7 @@ def test_errors_have_openai_shape_and_status(served: Served) -> None:
 def test_full_queue_is_429_with_retry_after(tiny_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import threading
 
-    from engine.scheduler import Request
+    from engine.serving.scheduler import Request
 
     s = start_server(tiny_dir, tmp_path, max_batch=1, max_queue=1)
     gate, held = threading.Event(), threading.Event()

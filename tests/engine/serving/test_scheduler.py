@@ -14,7 +14,7 @@ from engine.errors import InputTooLarge
 from engine.generate import GenerationEvent, GenerationSettings, stream_generate
 from engine.memory import FullAttentionMemory
 from engine.sampling import SamplingSettings
-from engine.scheduler import Priority, QueueFull, Request, Scheduler, SchedulerConfig
+from engine.serving.scheduler import Priority, QueueFull, Request, Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 from tests.tiny import make_tiny_model
 
@@ -50,7 +50,7 @@ def test_continuous_batching_equals_alone(tiny: tuple[TorchBackend, Tokenizer]) 
     with scheduler(tiny) as sched:
         futures = [sched.submit(Request(p, s)) for p, s in jobs]
         done = [f.result(timeout=120) for f in futures]
-    for (p, s), c in zip(jobs, done):
+    for (p, s), c in zip(jobs, done, strict=True):
         assert c.tokens == alone(backend, tok, p, s)
         assert c.text == tok.decode(c.tokens)
     assert sched.steps["mixed"] > 0 and sched.steps["decode"] > 0  # requests joined while others decoded
@@ -162,7 +162,7 @@ def test_continuous_batching_with_cascade_rows(tiny: tuple[TorchBackend, Tokeniz
     config = SchedulerConfig(max_batch=2, num_slots=cfg.num_slots, mixed_chunk=4)  # chunking as alone: same cascade
     with Scheduler(backend.fork(), tok, config, lambda b, r: CascadeMemory(b, cfg, row=r)) as sched:
         done = [f.result(timeout=120) for f in [sched.submit(Request(p, s)) for p, s in jobs]]
-    for (p, s), c in zip(jobs, done):
+    for (p, s), c in zip(jobs, done, strict=True):
         b = backend.fork()
         b.allocate(1, cfg.num_slots)
         assert c.tokens == [ev.token for ev in stream_generate(b, CascadeMemory(b, cfg), tok, p, s) if ev.token is not None]
@@ -192,6 +192,6 @@ def test_a_small_prompt_budget_per_step_changes_no_token(tiny: tuple[TorchBacken
     with scheduler(tiny, step_prompt_tokens=6) as sched:
         futures = [sched.submit(Request(p, s)) for p, s in jobs]
         done = [f.result(timeout=120) for f in futures]
-    for (p, s), c in zip(jobs, done):
+    for (p, s), c in zip(jobs, done, strict=True):
         assert c.tokens == alone(backend, tok, p, s)
     assert sched.steps["prefill"] >= 3  # 39 prompt tokens at most 6 a step: the first steps take turns

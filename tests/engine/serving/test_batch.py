@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from engine.backends.torch_backend import TorchBackend
-from engine.batch import RowBatcher, RowView, generate_batch
 from engine.generate import GenerationSettings, stream_generate
 from engine.memory import FullAttentionMemory
 from engine.sampling import SamplingSettings
+from engine.serving.batch import RowBatcher, RowView, generate_batch
 from engine.tokenizer import Tokenizer
 from tests.tiny import make_tiny_model
 
@@ -41,7 +41,7 @@ def test_batched_equals_alone_greedy(tiny: tuple[TorchBackend, Tokenizer]) -> No
     settings = GenerationSettings(max_tokens=12, sampling=GREEDY, prefill_chunk=4)
     ps = prompts(tok)
     got = generate_batch(backend.fork(), tok, ps, settings, max_batch=8)
-    for p, c in zip(ps, got):
+    for p, c in zip(ps, got, strict=True):
         assert c.tokens == alone(backend, tok, p, settings)
         assert c.prompt_tokens == len(p)
         assert c.finish_reason in ("stop", "length")
@@ -66,14 +66,14 @@ def test_seeded_rows_draw_their_own_streams(tiny: tuple[TorchBackend, Tokenizer]
 
 def test_padding_is_harmless(tiny: tuple[TorchBackend, Tokenizer]) -> None:
     """Rows fed nothing or fewer tokens stay finite and leave other rows' logits unchanged."""
-    backend, tok = tiny
+    backend, _tok = tiny
     b = backend.fork()
     b.allocate(3, 17)
     view = RowView(b)
     mems = [FullAttentionMemory(view, r) for r in range(3)]  # type: ignore[arg-type]
     assert mems[0].backend.num_slots == 16
     feeds = [[5, 6, 7, 8], [9], []]
-    plans = [m.plan(f) if f else None for m, f in zip(mems, feeds)]
+    plans = [m.plan(f) if f else None for m, f in zip(mems, feeds, strict=True)]
     logits = RowBatcher(b).forward(feeds, plans)
     assert torch.isfinite(logits).all()
     solo = backend.fork()
@@ -94,7 +94,7 @@ def test_batched_cascade_equals_alone(tiny: tuple[TorchBackend, Tokenizer]) -> N
     ids = tok.encode("The quick brown fox jumps over the lazy dog. Python is a programming language. " * 2)
     ps = [ids[:n] for n in (40, 9, 27, 3)]
     got = generate_batch(backend.fork(), tok, ps, settings, lambda b, r: CascadeMemory(b, cfg, row=r), num_slots=cfg.num_slots)
-    for p, c in zip(ps, got):
+    for p, c in zip(ps, got, strict=True):
         b = backend.fork()
         b.allocate(1, cfg.num_slots)
         want = [ev.token for ev in stream_generate(b, CascadeMemory(b, cfg), tok, p, settings) if ev.token is not None]
@@ -108,7 +108,11 @@ def test_bench_batch_smoke(tmp_path: Path) -> None:
 
     d = make_tiny_model(tmp_path / "m", layers=1)
     out = bench.run(argparse.Namespace(model=d, backend="cpu", threads=None, quick=True, json=True, requests=4))
-    assert out["requests"] == 4 and out["speedup"] > 0 and out["speedup_continuous"] > 0
+    # The speed figures are measurements (README); what the smoke run can check is that every path did the work
+    # it reports: these prompts, 8 tokens each, and exactly the tokens of a lone greedy run on both batched paths.
+    vocab = TorchBackend(d).config.vocab_size
+    assert out["requests"] == 4 and out["tokens_per_request"] == 8
+    assert out["prompt_tokens"] == sum(len(p) for p in bench.prompts(vocab, 4))
     assert out["same_tokens"] == 1.0 and out["same_tokens_continuous"] == 1.0
 
 
@@ -141,7 +145,7 @@ def test_forwards_run_only_up_to_the_last_busy_row(tiny: tuple[TorchBackend, Tok
         plans = [memories[r].plan(f) if f else None for r, f in enumerate(feeds)]
         logits = batcher.forward(feeds, plans)  # (4, V)
         assert logits.shape[0] == 4
-        got.append(logits[[r for r, f in enumerate(feeds) if f][0]])
+        got.append(logits[next(r for r, f in enumerate(feeds) if f)])
     assert spy.rows_run == [1, 3]
     # Same logits as a lone run of the prompt, whichever rows ran (the view switch re-derived the read copies).
     lone = backend.fork()

@@ -1,4 +1,9 @@
-"""Static batching: many prompts through one slot table, giving the same tokens as running each alone (greedy).
+"""Batching: many prompts through one slot table, giving the same tokens as running each alone (greedy or seeded).
+
+Each row runs the one generation loop of `engine.generate` (a `PromptFeed` and a `Reply` per request, in
+`RowState`); this module only adds what a shared slot table needs: the scratch slot, padding, and bucketing.
+`generate_batch` is static batching (the `bench batch` suite); `engine.serving.scheduler` runs the same rows with
+requests joining and leaving (the server).
 
 Every row of the slot table is one sequence with its own `Memory`. A step feeds each row a different number of
 tokens (a prefill chunk, one decode token, or nothing), so the step's token tensor is padded to the longest feed.
@@ -23,14 +28,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 
 from engine.backends.base import Backend
-from engine.generate import MAX_PENALTY_HISTORY, GenerationEvent, GenerationSettings, StopMatcher
+from engine.generate import FinishReason, GenerationEvent, GenerationSettings, PromptFeed, Reply, prefill_cuts
 from engine.memory import FullAttentionMemory, Memory, RowPlan
 from engine.model import SlotBatch
-from engine.sampling import make_logits_processors, make_sampler
+from engine.sampling import sample_greedy
 from engine.tokenizer import Tokenizer
 
 RowMemoryFactory = Callable[[Backend, int], Memory]  # (backend as the row sees it, row index) -> that row's memory
@@ -49,7 +56,7 @@ class RowView:
     def write_kv(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self._backend.write_kv(row, slots + 1, k, v)
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str) -> Any:  # everything but the slot table is the backend's own
         return getattr(self._backend, name)
 
 
@@ -104,7 +111,7 @@ class Completion:
 
     tokens: list[int]
     text: str
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: FinishReason
     prompt_tokens: int
     ttft_s: float
     tokens_per_s: float
@@ -112,132 +119,66 @@ class Completion:
 
 
 class RowState:
-    """One request's generation state on a row: what to feed next, and turning its logits into events.
+    """One request on a row: its prompt feed and its reply (the loop of `engine.generate`), plus `skip`: that
+    many leading steps feed nothing (right alignment in `generate_batch`).
 
-    Mirrors `engine.generate.stream_generate` step for step (same sampler, processors, stop and EOS rules), so a
-    row produces the events a lone run would. `skip`: that many leading steps feed nothing (right alignment).
+    The row's memory may hold a finished request's conversation: when this prompt extends it, only the new ids
+    are fed; otherwise the memory is reset. Leading ids the prefix cache restores are not fed either.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], settings: GenerationSettings, memory: Memory, t0: float, skip: int = 0) -> None:
-        s = settings.sampling
         self.settings = settings
-        self.prompt_len = len(prompt_ids)
-        held = len(memory.tokens)  # a row may keep a finished request's memory: continue it if this prompt extends it
-        if held and (held >= len(prompt_ids) or list(prompt_ids[:held]) != memory.tokens):
+        ids = list(prompt_ids)
+        held = len(memory.tokens)
+        if held and (held >= len(ids) or ids[:held] != memory.tokens):
             memory.reset()
             held = 0
-        # Leading prompt tokens already in memory or restored from the prefix cache: not fed again.
-        self.cached_tokens = held or memory.reuse_prefix(list(prompt_ids[:-1]))
-        start = self.cached_tokens
-        self.pending = list(prompt_ids[start:])  # prompt ids not yet fed
-        self.at = start  # index in prompt_ids of pending[0]
-        # Chunk ends the memory asks for (the cascade: snapshots, a prompt's routed tail), as engine.generate.prefill.
-        self.cuts: list[int] = memory.prefill_cut(list(prompt_ids), start) if hasattr(memory, "prefill_cut") else []
+        self.cached_tokens = held or memory.reuse_prefix(ids[:-1])
+        self.feed = PromptFeed(ids, self.cached_tokens, prefill_cuts(memory, ids, self.cached_tokens))
+        self.reply = Reply(tokenizer, len(ids), settings, ids, t0=t0)  # what memory holds is a prefix of the prompt
         self.skip = skip
-        self.sample = make_sampler(s)
-        self.processors = make_logits_processors(s)
-        self.window = s.repetition_window or MAX_PENALTY_HISTORY  # as stream_generate: 0 = all, capped
-        self.history: list[int] = list(prompt_ids)  # what memory holds is a prefix of the prompt by now
-        # Greedy rows without processors are sampled together in one batched argmax (see `sample_greedy`).
-        self.plain_greedy = s.is_greedy and not self.processors
-        self.detok = tokenizer.stream_decoder()
-        self.stops = StopMatcher(settings.stop)
-        self.eos = frozenset() if settings.ignore_eos else tokenizer.eos_ids
-        self.tokens: list[int] = []
-        self.parts: list[str] = []
         self.last: int | None = None  # sampled last, fed on the next step
-        self.finish_reason: str | None = None
-        self.t0 = t0
-        self.t_first = t0
+
+    @property
+    def prefilling(self) -> bool:
+        """Prompt ids are still to be fed (the step after the last of them samples)."""
+        return not self.feed.done
 
     def next_feed(self, chunk: int) -> list[int]:
         """The ids to feed this step: up to `chunk` prompt ids while prefilling, else the last sampled token."""
-        if self.pending:
+        if self.prefilling:
             if self.skip:
                 self.skip -= 1
                 return []
-            n = min([chunk, *(c - self.at for c in self.cuts if c > self.at)])
-            feed, self.pending = self.pending[:n], self.pending[n:]
-            self.at += n
-            return feed
+            return self.feed.next(chunk)
         assert self.last is not None
         return [self.last]
 
-    def prefill_steps(self, chunk: int) -> int:
-        """How many steps next_feed(chunk) takes to feed the rest of the prompt."""
-        bounds = sorted({self.at + len(self.pending), *(c for c in self.cuts if self.at < c < self.at + len(self.pending))})
-        at, steps = self.at, 0
-        for end in bounds:
-            steps += -(-(end - at) // chunk)
-            at = end
-        return steps
-
-    @property
-    def samples_after_feed(self) -> bool:
-        """Whether the step that just ran ends with a token to sample from (prefill done)."""
-        return not self.pending
-
-    def pick(self, logits: torch.Tensor) -> tuple[int, float]:
-        """logits (V,) -> (token, logprob) with this request's processors and sampler."""
-        for proc in self.processors:
-            logits = proc(torch.tensor(self.history[-self.window :], dtype=torch.long), logits)
-        return self.sample(logits)  # type: ignore[return-value]
-
-    def accept(self, token: int, logprob: float) -> GenerationEvent:
-        """Record a sampled token and return its event (with `finish_reason` set when the request ends here)."""
-        n = len(self.tokens) + 1
-        if n == 1:
-            self.t_first = time.perf_counter()
-        self.tokens.append(token)
-        self.history.append(token)
+    def accept(self, token: int, logprob: float, should_stop: Callable[[], bool]) -> GenerationEvent:
         self.last = token
-        if token in self.eos:
-            return self._event(self.stops.flush() + self.detok.flush(), token, logprob, "stop")
-        text, stopped = self.stops.push(self.detok.add(token))
-        if stopped:
-            return self._event(text, token, logprob, "stop")
-        if n == self.settings.max_tokens:
-            return self._event(text + self.stops.push(self.detok.flush())[0] + self.stops.flush(), token, logprob, "length")
-        return self._event(text, token, logprob, None)
+        return self.reply.accept(token, logprob, should_stop)
 
     def cancel(self) -> GenerationEvent:
-        """The final event of a request cancelled between steps."""
-        return self._event(self.stops.flush(), None, None, "cancelled")
-
-    def _event(self, text: str, token: int | None, logprob: float | None, reason: str | None) -> GenerationEvent:
-        now = time.perf_counter()
-        n = len(self.tokens)
-        rate = (n - 1) / (now - self.t_first) if n > 1 and now > self.t_first else 0.0
-        if text:
-            self.parts.append(text)
-        self.finish_reason = reason
-        return GenerationEvent(text, token, logprob, self.prompt_len, n, self.t_first - self.t0 if n else 0.0, rate, reason)
+        return self.reply.cancel()
 
     def completion(self, last: GenerationEvent) -> Completion:
-        assert self.finish_reason is not None
-        return Completion(list(self.tokens), "".join(self.parts), self.finish_reason, self.prompt_len, last.ttft_s, last.tokens_per_s, self.cached_tokens)
+        reply = self.reply
+        assert reply.finish_reason is not None
+        return Completion(list(reply.tokens), "".join(reply.pieces), reply.finish_reason, reply.prompt_tokens, last.ttft_s, last.tokens_per_s, self.cached_tokens)
 
 
-def sample_greedy(logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """logits (B, V) -> greedy tokens and their logprobs, the same numbers `Sampler` computes for one row."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
-    tokens = logprobs.argmax(dim=-1)  # (B,)
-    return tokens.tolist(), logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
-
-
-def sample_rows(states: Sequence[RowState | None], rows: Sequence[int], logits: torch.Tensor) -> list[GenerationEvent]:
-    """Sample the given rows of `logits` (B, V) and return one event per row, in `rows` order."""
-    greedy = [r for r in rows if states[r].plain_greedy]  # type: ignore[union-attr]
-    picked: dict[int, tuple[int, float]] = {}
-    if greedy:
-        toks, lps = sample_greedy(logits[greedy])
-        picked = {r: (t, lp) for r, t, lp in zip(greedy, toks, lps)}
+def sample_rows(states: Sequence[RowState | None], rows: Sequence[int], logits: torch.Tensor, should_stop: Callable[[int], bool] = lambda r: False) -> list[GenerationEvent]:
+    """Sample the given rows of `logits` (B, V) and return one event per row, in `rows` order; `should_stop(row)`
+    says whether that row's request was cancelled meanwhile (asked as `Reply.accept` asks)."""
+    active = {r: st for r in rows if (st := states[r]) is not None}
+    assert len(active) == len(rows)
+    greedy = [r for r in rows if active[r].reply.plain_greedy]
+    picked = dict(zip(greedy, sample_greedy(logits[greedy]), strict=True)) if greedy else {}
     events = []
     for r in rows:
-        st = states[r]
-        assert st is not None
-        token, logprob = picked[r] if r in picked else st.pick(logits[r])
-        events.append(st.accept(token, logprob))
+        st = active[r]
+        token, logprob = picked[r] if r in picked else st.reply.pick(logits[r])
+        events.append(st.accept(token, logprob, partial(should_stop, r)))
     return events
 
 
@@ -277,17 +218,17 @@ def generate_batch(
         longest = max(len(p) for p in group.prompts)
         backend.allocate(len(group.prompts), (num_slots or longest + settings.max_tokens) + 1)
         view = RowView(backend)
-        memories = [memory_factory(view, r) for r in range(len(group.prompts))]  # type: ignore[arg-type]
+        memories = [memory_factory(view, r) for r in range(len(group.prompts))]  # type: ignore[arg-type]  # RowView is the backend minus slot 0, not a Backend subclass
         batcher = RowBatcher(backend)
         t0 = time.perf_counter()
         # Right alignment: a row needing fewer prefill steps than the longest waits that many steps first, so all
         # rows feed their last prompt chunk in the same step and then decode in lockstep. Whole steps, not tokens:
         # each row keeps the chunk boundaries of a lone run (the cascade's result depends on them).
-        states: list[RowState | None] = [RowState(tokenizer, p, settings, m, t0) for p, m in zip(group.prompts, memories)]
-        steps = [st.prefill_steps(chunk) for st in states if st is not None]
-        for st, n in zip(states, steps):
-            assert st is not None
+        rows = [RowState(tokenizer, p, settings, m, t0) for p, m in zip(group.prompts, memories, strict=True)]
+        steps = [st.feed.steps(chunk) for st in rows]
+        for st, n in zip(rows, steps, strict=True):
             st.skip = max(steps) - n
+        states: list[RowState | None] = list(rows)
         while any(st is not None for st in states):
             feeds = [st.next_feed(chunk) if st is not None else [] for st in states]
             plans = [memories[r].plan(f) if f else None for r, f in enumerate(feeds)]
@@ -295,12 +236,12 @@ def generate_batch(
             for r, plan in enumerate(plans):
                 if plan is not None:
                     memories[r].after_forward()
-            ready = [r for r, st in enumerate(states) if st is not None and feeds[r] and st.samples_after_feed]
-            for r, ev in zip(ready, sample_rows(states, ready, logits)):
-                if ev.finish_reason is not None:
-                    st = states[r]
-                    assert st is not None
-                    results[group.indices[r]] = st.completion(ev)
+            ready = [r for r, st in enumerate(states) if st is not None and feeds[r] and not st.prefilling]
+            for r, ev in zip(ready, sample_rows(states, ready, logits), strict=True):
+                done_row = states[r]
+                if ev.finish_reason is not None and done_row is not None:
+                    results[group.indices[r]] = done_row.completion(ev)
                     states[r] = None
-    assert all(r is not None for r in results)
-    return results  # type: ignore[return-value]
+    done = [c for c in results if c is not None]
+    assert len(done) == len(results)
+    return done

@@ -1,7 +1,7 @@
 """Continuous batching: many requests share one model; they join and leave the running batch between steps.
 
 One scheduler thread owns the backend and its slot table of `max_batch` rows (plus the scratch slot per row, see
-engine.batch). Every step it
+engine.serving.batch). Every step it
   1. admits waiting requests into free rows, most urgent first (interactive chat before background work, FIFO
      within a priority); each row has its own memory, kept when its request ends, so that a request extending
      that conversation goes to that row and feeds only its new tokens (see `_pick_row`);
@@ -20,6 +20,7 @@ per the `block` flag. `request.cancel()` stops one request between steps and lea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import threading
@@ -30,10 +31,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from engine.backends.base import Backend
-from engine.batch import Completion, RowBatcher, RowMemoryFactory, RowState, RowView, sample_rows
 from engine.errors import SparkError
 from engine.generate import GenerationEvent, GenerationSettings
 from engine.memory import FullAttentionMemory, RowPlan
+from engine.serving.batch import Completion, RowBatcher, RowMemoryFactory, RowState, RowView, sample_rows
 from engine.tokenizer import Tokenizer
 
 
@@ -94,15 +95,13 @@ class _Waiting:
     seq: int
     request: Request = field(compare=False)
     ids: list[int] = field(compare=False)
-    future: Future = field(compare=False)
+    future: Future[Completion] = field(compare=False)
     t0: float = field(compare=False)
 
 
-def _fail(future: Future, exc: BaseException) -> None:
-    try:
+def _fail(future: Future[Completion], exc: BaseException) -> None:
+    with contextlib.suppress(InvalidStateError):  # cancelled through the future meanwhile: nobody waits for it
         future.set_exception(exc)
-    except InvalidStateError:  # cancelled through the future meanwhile: nobody waits for it
-        pass
 
 
 @dataclass
@@ -125,7 +124,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         backend.allocate(self.config.max_batch, self.config.num_slots + 1)
         view = RowView(backend)
-        self._memories = [memory_factory(view, r) for r in range(self.config.max_batch)]  # type: ignore[arg-type]
+        self._memories = [memory_factory(view, r) for r in range(self.config.max_batch)]  # type: ignore[arg-type]  # RowView is the backend minus slot 0, not a Backend subclass
         self._batcher = RowBatcher(backend)
         self._rows: list[_Active | None] = [None] * self.config.max_batch
         self._waiting: list[_Waiting] = []  # heap: most urgent, oldest first
@@ -137,7 +136,7 @@ class Scheduler:
         self._thread.start()
 
     # -- front (any thread) ------------------------------------------------------------------------------------
-    def submit(self, request: Request, *, block: bool | None = None, timeout: float | None = None) -> "Future[Completion]":
+    def submit(self, request: Request, *, block: bool | None = None, timeout: float | None = None) -> Future[Completion]:
         """Queue `request`; the future resolves to its `Completion` (or fails with the error that ended it)."""
         ids = self.tokenizer.encode(request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
         if not ids:
@@ -198,8 +197,9 @@ class Scheduler:
         try:
             while (item := await queue.get()) is not None:
                 yield item
-            if future.exception() is not None:
-                raise future.exception()  # type: ignore[misc]
+            error = future.exception()
+            if error is not None:
+                raise error
         finally:
             if not future.done():
                 request.cancel()
@@ -218,7 +218,7 @@ class Scheduler:
         if wait:
             self._thread.join()
 
-    def __enter__(self) -> "Scheduler":
+    def __enter__(self) -> Scheduler:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -286,8 +286,8 @@ class Scheduler:
         for r, a in enumerate(rows):
             if a is not None and a.waiting.request.cancelled:
                 self._deliver(r, a.state.cancel())
-        decoding = any(a is not None and not a.state.pending for a in rows)
-        prefilling = any(a is not None and a.state.pending for a in rows)
+        decoding = any(a is not None and not a.state.prefilling for a in rows)
+        prefilling = any(a is not None and a.state.prefilling for a in rows)
         if not (decoding or prefilling):
             return
         self.steps["mixed" if decoding and prefilling else "decode" if decoding else "prefill"] += 1
@@ -297,12 +297,12 @@ class Scheduler:
         for r, a in enumerate(rows):
             feed: list[int] = []
             plan = None
-            if a is not None and a.state.pending and budget <= 0:
+            if a is not None and a.state.prefilling and budget <= 0:
                 pass  # this step's prompt tokens are spent: this row's prompt waits for the next step
             elif a is not None:
                 # As engine.generate.prefill: one step may not feed a row more than its memory takes at once.
                 chunk = max(1, min(a.state.settings.prefill_chunk, self._memories[r].max_feed()))
-                if a.state.pending:
+                if a.state.prefilling:
                     chunk = min(chunk, self.config.mixed_chunk if decoding else chunk, budget)
                     budget -= chunk
                 feed = a.state.next_feed(chunk)
@@ -319,10 +319,14 @@ class Scheduler:
         for r, plan in enumerate(plans):
             if plan is not None:
                 self._memories[r].after_forward()
-        ready = [r for r, p in enumerate(plans) if p is not None and not rows[r].state.pending]  # type: ignore[union-attr]
         states = [a.state if a is not None else None for a in rows]
-        for r, ev in zip(ready, sample_rows(states, ready, logits)):
+        ready = [r for r, (p, st) in enumerate(zip(plans, states, strict=True)) if p is not None and st is not None and not st.prefilling]
+        for r, ev in zip(ready, sample_rows(states, ready, logits, self._cancelled), strict=True):
             self._deliver(r, ev)
+
+    def _cancelled(self, r: int) -> bool:
+        a = self._rows[r]
+        return a is not None and a.waiting.request.cancelled
 
     def _deliver(self, r: int, ev: GenerationEvent) -> None:
         a = self._rows[r]
@@ -345,4 +349,5 @@ class Scheduler:
             self._memories[r].reset()
             a.waiting.future.set_exception(error)
         else:
-            a.waiting.future.set_result(result)  # type: ignore[arg-type]
+            assert result is not None
+            a.waiting.future.set_result(result)
