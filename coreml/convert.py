@@ -34,10 +34,15 @@ from coreml.bundle import EMBED_FILE, FORMAT_VERSION, HEAD, MANIFEST, Bundle, ch
 from coreml.errors import ConversionCancelled, ConversionError, PackageError
 from coreml.wrapper import ANE_STATE_ALIGN, FUNCTIONS, Head, LayerChunk, vocab_pieces
 from engine.config import ModelConfig
-from engine.model_files import read_config
 from engine.model import Transformer
+from engine.model_files import read_config
 
 DEFAULT_SLOTS = 512  # only when the model's cascade geometry is unknown; convert() uses the model's own
+# The slot table a Core ML program is converted for: the cascade's geometry fitted to at most this many slots.
+# Every decode step reads, rewrites and rotates the whole KV state and attends over all S slots, so S-proportional
+# work grows past the weights' own (about equal at 2048 on SmolLM2-135M, 4x at its 8192 trained context; the
+# README's Core ML section has the figures). The engine fits its cascade to it through Backend.max_slots.
+ANE_MAX_SLOTS = 2048
 CHUNK_INPUTS = ("hidden", "q_cos", "q_sin", "k_cos", "k_sin", "mask", "write", "keep")
 STATE_NAMES = ("k_cache", "v_cache")
 # Anemll keeps each ANE program at 1-2 GB; coremltools #2758 saw a 667 MB program fail ANE compilation silently.
@@ -298,11 +303,12 @@ def load_for_conversion(model_dir: str | Path) -> tuple[Transformer, str]:
 
 
 def default_slots(model_dir: str | Path, config: ModelConfig) -> int:
-    """The slot count the memory cascade uses for this model (its default geometry)."""
+    """The slot count the memory cascade uses for this model on Core ML: its default geometry fitted to
+    ANE_MAX_SLOTS, exactly as engine.session fits it to CoreMLBackend.max_slots (so `make app` ships that bundle)."""
     from engine.cascade import CascadeConfig
     from engine.model_files import settings_dir
 
-    return CascadeConfig.for_model(settings_dir(model_dir), config).num_slots
+    return CascadeConfig.for_model(settings_dir(model_dir), config, max_slots=ANE_MAX_SLOTS).num_slots
 
 
 def convert(

@@ -31,12 +31,12 @@ import numpy as np
 
 from coreml import compress
 from coreml.bundle import HEAD, Bundle
-from coreml.convert import Progress, cached_bundle
+from coreml.convert import ANE_MAX_SLOTS, Progress, cached_bundle
 from coreml.errors import CoreMLError, PackageError
 from coreml.host import PackageBackend
 from engine.backends.base import BackendProbe
-from engine.model_files import read_config
 from engine.errors import BackendUnavailable
+from engine.model_files import read_config
 
 UNITS_ENV = "MLOT_SPARK_COREML_UNITS"
 QUANT_ENV = "MLOT_SPARK_COREML_QUANTIZE"
@@ -121,6 +121,7 @@ def shipped_root() -> Path:
 
 class CoreMLBackend(PackageBackend):
     name = "coreml"
+    max_slots = ANE_MAX_SLOTS  # the cascade fits to the slot count `make app` converts for (coreml.convert)
 
     def __init__(
         self,

@@ -81,10 +81,11 @@ def memory_factory_for(
             return stores[key]
 
     def make(backend: Backend, row: int = 0) -> Memory:  # row: as a scheduler's RowMemoryFactory
-        max_slots = None
+        max_slots = backend.max_slots  # what the backend runs (a Core ML program's fixed slot count)
         if policy is not None:  # the window covers the trained context as far as half the spare budget allows
             spare = max(0, policy.budget_bytes() - backend.weight_bytes)
-            max_slots = max(SLOT_TABLE_ESTIMATE, spare // 2 // (SLOT_TABLE_COPIES * backend.kv_bytes_per_token()))
+            budget = max(SLOT_TABLE_ESTIMATE, spare // 2 // (SLOT_TABLE_COPIES * backend.kv_bytes_per_token()))
+            max_slots = budget if max_slots is None else min(max_slots, budget)
         config = CascadeConfig.for_model(settings_dir(model_path), backend.config, max_slots=max_slots, **cascade_overrides)
         if policy is not None and "episodic_budget_bytes" not in cascade_overrides:
             working = config.num_slots * backend.kv_bytes_per_token()
