@@ -40,9 +40,9 @@ from engine.model_files import read_config
 
 DEFAULT_SLOTS = 512  # only when the model's cascade geometry is unknown; convert() uses the model's own
 # The slot table a Core ML program is converted for: the cascade's geometry fitted to at most this many slots.
-# Every decode step reads, rewrites and rotates the whole KV state and attends over all S slots, so S-proportional
-# work grows past the weights' own (about equal at 2048 on SmolLM2-135M, 4x at its 8192 trained context; the
-# README's Core ML section has the figures). The engine fits its cascade to it through Backend.max_slots.
+# Every decode step reads, rewrites and rotates the whole KV state and attends over all S slots, so that work
+# grows with S past the weights' own on SmolLM2-135M's 8192-position context (figures: the README's Core ML
+# section). The engine fits its cascade to it through Backend.max_slots (CoreMLBackend.max_slots).
 ANE_MAX_SLOTS = 2048
 CHUNK_INPUTS = ("hidden", "q_cos", "q_sin", "k_cos", "k_sin", "mask", "write", "keep")
 STATE_NAMES = ("k_cache", "v_cache")
