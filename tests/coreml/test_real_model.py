@@ -23,7 +23,9 @@ from tests.coreml.fake_coreml import FakeLoader
 from tests.coreml.helpers import run_greedy, torch_fp16_with_package_weights
 from tests.coreml.test_ane_rules import op_types
 
-pytestmark = pytest.mark.slow
+# Slow: each interpreter step copies the whole (30, 3, 2048, 64) KV state per layer (slice_update), so 3 prompts
+# x 32 tokens took over 10 minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "Explain in one sentence why the sky is blue.")
 TOKENS = 32
 
