@@ -51,7 +51,6 @@ def _faithfulness(args: argparse.Namespace) -> int:
 
     from coreml.faithfulness import measure
     from engine.bench.long_ppl import held_out_text
-
     from engine.model_files import resolve_model_path
 
     model = resolve_model_path(args.model)

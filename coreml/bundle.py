@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from coreml.errors import PackageError
 from coreml.package import Package
@@ -35,7 +36,7 @@ def chunk_name(i: int) -> str:
 @dataclass(frozen=True)
 class Bundle:
     path: Path
-    provenance: dict
+    provenance: dict[str, Any]
     config: ModelConfig
     chunks: tuple[tuple[int, int], ...]  # [first, last) layers per chunk
     functions: dict[str, int]
@@ -90,7 +91,10 @@ class Bundle:
         return sum(f.stat().st_size for f in files if f.is_file())
 
 
-def _validate(prov: object, name: str) -> tuple[dict, ModelConfig, tuple, dict, tuple, int]:
+Ranges = tuple[tuple[int, int], ...]
+
+
+def _validate(prov: object, name: str) -> tuple[dict[str, Any], ModelConfig, Ranges, dict[str, int], Ranges, int]:
     def bad(what: str) -> PackageError:
         return PackageError(f"The {MANIFEST} of {name} {what}; convert the model again.")
 
@@ -131,4 +135,4 @@ def _validate(prov: object, name: str) -> tuple[dict, ModelConfig, tuple, dict, 
         at = p[1]
     if at != V:
         raise bad(f"covers {at} classes, the model has {V}")
-    return prov, config, tuple(tuple(c) for c in chunks), dict(fns), tuple(tuple(p) for p in pieces), slots
+    return prov, config, tuple((c[0], c[1]) for c in chunks), dict(fns), tuple((p[0], p[1]) for p in pieces), slots

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -92,8 +94,8 @@ def _kmeans(weight: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     return centers.astype(weight.dtype), idx.astype(np.uint8)
 
 
-def optimization_config(quantize: str):  # -> coremltools.optimize.coreml.OptimizationConfig
-    import coremltools.optimize.coreml as cto
+def optimization_config(quantize: str) -> Any:  # coremltools.optimize.coreml.OptimizationConfig (untyped)
+    import coremltools.optimize.coreml as cto  # type: ignore[import-untyped]  # coremltools ships no type information
 
     if quantize == "int8":
         op = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=QUANT_MIN_WEIGHT)
@@ -110,7 +112,7 @@ def optimization_config(quantize: str):  # -> coremltools.optimize.coreml.Optimi
     return cto.OptimizationConfig(op_type_configs={"conv": op})
 
 
-def compress_package(path, quantize: str) -> None:  # path: Path of an .mlpackage, rewritten in place
+def compress_package(path: Path, quantize: str) -> None:  # an .mlpackage, rewritten in place
     import shutil
 
     import coremltools as ct
@@ -132,13 +134,13 @@ def simulate(weight: np.ndarray, quantize: str) -> np.ndarray:
         scale = (np.abs(w.astype(np.float32)).max(axis=1, keepdims=True) / 127.0).astype(np.float16)  # (out, 1)
         safe = np.where(scale == 0, np.float16(1), scale).astype(np.float32)
         q = np.clip(np.round(w.astype(np.float32) / safe), -127, 127)
-        return (q * scale.astype(np.float32)).astype(np.float16)
+        return np.asarray(q * scale.astype(np.float32), np.float16)
     if quantize == "int4":
         o, i = w.shape
         blocks = w.astype(np.float32).reshape(o, i // INT4_BLOCK, INT4_BLOCK)
         scale = (np.abs(blocks).max(axis=2, keepdims=True) / 7.0).astype(np.float16).astype(np.float32)
         q = np.clip(np.round(blocks / np.where(scale == 0, 1, scale)), -8, 7)
-        return (q * scale).reshape(o, i).astype(np.float16)
+        return np.asarray((q * scale).reshape(o, i), np.float16)
     lut = kmeans_lut(LUT_BITS[quantize])
     out = np.empty_like(w)
     for g in range(0, w.shape[0], LUT_GROUP):

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,10 +34,15 @@ from coreml.errors import ConversionCancelled, ConversionError, PackageError
 from coreml.wrapper import ANE_STATE_ALIGN, FUNCTIONS, Head, LayerChunk, vocab_pieces
 from engine import fileio
 from engine.config import ModelConfig
-from engine.model_files import read_config
 from engine.model import Transformer
+from engine.model_files import read_config
 
 DEFAULT_SLOTS = 512  # only when the model's cascade geometry is unknown; convert() uses the model's own
+# The slot table a Core ML program is converted for: the cascade's geometry fitted to at most this many slots.
+# Every decode step reads, rewrites and rotates the whole KV state and attends over all S slots, so that work
+# grows with S past the weights' own on SmolLM2-135M's 8192-position context (figures: the README's Core ML
+# section). The engine fits its cascade to it through Backend.max_slots (CoreMLBackend.max_slots).
+ANE_MAX_SLOTS = 2048
 CHUNK_INPUTS = ("hidden", "q_cos", "q_sin", "k_cos", "k_sin", "mask", "write", "keep")
 STATE_NAMES = ("k_cache", "v_cache")
 # Anemll keeps each ANE program at 1-2 GB; coremltools #2758 saw a 667 MB program fail ANE compilation silently.
@@ -61,7 +67,7 @@ class Geometry:
 
 
 def tool_versions() -> dict[str, str]:
-    import coremltools as ct
+    import coremltools as ct  # type: ignore[import-untyped]  # coremltools ships no type information
 
     return {"coremltools": ct.__version__, "torch": torch.__version__}
 
@@ -132,7 +138,7 @@ def expected_bytes(config: ModelConfig, quantize: str) -> int:
 
 def check_memory(config: ModelConfig, chunks: list[tuple[int, int]], available: int | None = None) -> None:
     """Refuse in one sentence, before any work, a conversion that would exhaust memory."""
-    import psutil
+    import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 
     largest = max([compress.nominal_bytes(layer_shapes(config), "none") * (b - a) for a, b in chunks]
                   + [compress.nominal_bytes(head_shapes(config), "none")])
@@ -145,7 +151,7 @@ def check_memory(config: ModelConfig, chunks: list[tuple[int, int]], available: 
         )
 
 
-def provenance(config: ModelConfig, fingerprint: str, geometry: Geometry, quantize: str, units: str, chunks: list[tuple[int, int]]) -> dict:
+def provenance(config: ModelConfig, fingerprint: str, geometry: Geometry, quantize: str, units: str, chunks: list[tuple[int, int]]) -> dict[str, Any]:
     return {
         "format": FORMAT_VERSION,
         "fingerprint": fingerprint,
@@ -184,9 +190,9 @@ def _ct_convert(module: torch.nn.Module, example: tuple[torch.Tensor, ...], name
     import coremltools as ct
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", category=torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", category=torch.jit.TracerWarning)  # type: ignore[attr-defined]  # torch.jit has no __all__
         with torch.no_grad():
-            traced = torch.jit.trace(module, example)
+            traced = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]  # torch.jit.trace is unannotated
     inputs = [ct.TensorType(name=n, shape=tuple(e.shape), dtype=np.float16) for n, e in zip(names, example)]
     states = [
         ct.StateType(wrapped_type=ct.TensorType(shape=tuple(getattr(module, n).shape), dtype=np.float16), name=n)
@@ -203,7 +209,7 @@ def _ct_convert(module: torch.nn.Module, example: tuple[torch.Tensor, ...], name
             convert_to="mlprogram",
             skip_model_load=True,  # no Core ML runtime needed (and none on Linux)
         )
-    except Exception as exc:  # coremltools raises bare RuntimeError/ValueError/NotImplementedError for unsupported ops
+    except Exception as exc:  # noqa: BLE001  coremltools raises bare RuntimeError/ValueError/NotImplementedError for unsupported ops
         m = _OP_RE.search(str(exc))
         what = f"the op {m.group(1)!r}" if m else f"this model ({exc.__class__.__name__}: {str(exc).splitlines()[0][:160]})"
         raise ConversionError(f"Core ML conversion failed: coremltools {ct.__version__} cannot convert {what}.") from None
@@ -247,9 +253,12 @@ def build_bundle(
     check_memory(config, chunks, available_memory)
     n_fn = len(geometry.functions)
     step = _Steps((len(chunks) + 1) * (2 * n_fn + 1) + 2, progress, cancel)
+
+    def layer_chunk(a: int, b: int) -> Callable[[int], torch.nn.Module]:
+        return lambda t: LayerChunk(model, a, b, geometry.slots, t)
+
     programs: list[tuple[str, Callable[[int], torch.nn.Module], tuple[str, ...], list[str]]] = [
-        (chunk_name(i), (lambda t, a=a, b=b: LayerChunk(model, a, b, geometry.slots, t)), CHUNK_INPUTS, ["hidden_out", "qsum"])
-        for i, (a, b) in enumerate(chunks)
+        (chunk_name(i), layer_chunk(a, b), CHUNK_INPUTS, ["hidden_out", "qsum"]) for i, (a, b) in enumerate(chunks)
     ]
     programs.append((HEAD, lambda t: Head(model), ("hidden",), [f"logits_{i}" for i in range(len(vocab_pieces(config.vocab_size)))]))
     with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(prefix="spark-coreml-") as work:
@@ -297,11 +306,12 @@ def load_for_conversion(model_dir: str | Path) -> tuple[Transformer, str]:
 
 
 def default_slots(model_dir: str | Path, config: ModelConfig) -> int:
-    """The slot count the memory cascade uses for this model (its default geometry)."""
+    """The slot count the memory cascade uses for this model on Core ML: its default geometry fitted to
+    ANE_MAX_SLOTS, exactly as engine.session fits it to CoreMLBackend.max_slots (so `make app` ships that bundle)."""
     from engine.cascade import CascadeConfig
     from engine.model_files import settings_dir
 
-    return CascadeConfig.for_model(settings_dir(model_dir), config).num_slots
+    return CascadeConfig.for_model(settings_dir(model_dir), config, max_slots=ANE_MAX_SLOTS).num_slots
 
 
 def convert(

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from coreml import compress
+from engine.weights import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Faithfulness:
     tokens: int
 
 
-def _compressed_model(model_dir: Path, quantize: str):
+def _compressed_model(model_dir: Path, quantize: str) -> LoadedModel:
     from engine.weights import load_model
 
     loaded = load_model(model_dir, dtype=torch.float32)
@@ -37,9 +38,10 @@ def _compressed_model(model_dir: Path, quantize: str):
     return loaded
 
 
-def _logits(loaded, ids: list[int]) -> torch.Tensor:
+def _logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return loaded.model.forward_causal(torch.tensor([ids]))[0].float()  # (n, V)
+        logits: torch.Tensor = loaded.model.forward_causal(torch.tensor([ids]))[0].float()  # (n, V)
+    return logits
 
 
 def measure(model_dir: str | Path, quantizations: tuple[str, ...], text: str, max_tokens: int = 512) -> list[Faithfulness]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from coremltools.proto import MIL_pb2
+from coremltools.proto import MIL_pb2  # type: ignore[import-untyped]  # coremltools ships no type information
 
 from coreml.errors import PackageError, UnsupportedOp
 from coreml.milblob import (
@@ -110,7 +110,8 @@ class Interpreter:
         block = fn.block_specializations.get(fn.opset)
         if block is None:
             raise PackageError(f"Function {name!r} has no block for its opset {fn.opset}.")
-        inputs, states = {}, {}
+        inputs: dict[str, VarType] = {}
+        states: dict[str, VarType] = {}
         for nv in fn.inputs:
             (states if nv.type.WhichOneof("type") == "stateType" else inputs)[nv.name] = _var_type(nv.type)
         ops: list[Op] = []
@@ -185,7 +186,7 @@ class _Args:
             raise PackageError(f"Op {self.op.name!r} ({self.op.type}) lacks its input {param!r}.")
         return self._get(self.op.inputs[param][0])
 
-    def opt(self, param: str, default: object = None) -> object:
+    def opt(self, param: str, default: np.ndarray) -> np.ndarray:
         return self.a(param) if param in self.op.inputs else default
 
     def many(self, param: str) -> list[np.ndarray]:
@@ -253,12 +254,14 @@ def _fp16_sum(x: np.ndarray, axis: int, keepdims: bool = False) -> np.ndarray:
 def _contract(x: np.ndarray, y: np.ndarray, spec: str, k_x: int, k_y: int, fp16_acc: bool) -> np.ndarray:
     """einsum(spec, x, y) over the shared axis (x's axis k_x, y's axis k_y), optionally accumulated in fp16."""
     if not fp16_acc:
-        return np.einsum(spec, x, y)
-    acc = None
+        return np.asarray(np.einsum(spec, x, y))
+    acc: np.ndarray | None = None
     for k in range(0, x.shape[k_x], ACC_BLOCK):
         part = np.einsum(spec, np.take(x, range(k, min(k + ACC_BLOCK, x.shape[k_x])), axis=k_x),
                          np.take(y, range(k, min(k + ACC_BLOCK, y.shape[k_y])), axis=k_y)).astype(F16).astype(F32)
         acc = part if acc is None else (acc + part).astype(F16).astype(F32)
+    if acc is None:  # an empty contraction axis
+        return np.asarray(np.einsum(spec, x, y), F32)
     return acc
 
 
@@ -513,11 +516,11 @@ def _lut_to_dense(a: _Args) -> list[np.ndarray]:
         (np.arange(n) // (n // b)).reshape([-1 if i == axis else 1 for i in range(idx.ndim)])
         for axis, (b, n) in enumerate(zip(lut.shape[:-2], idx.shape))
     )
-    return [lut[blocks + (idx, 0)]]
+    return [np.asarray(lut[blocks + (idx, 0)])]
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    return np.asarray(x / (1.0 + np.exp(-x)))
 
 
 OPS: dict[str, Callable[[_Args], list[np.ndarray]]] = {

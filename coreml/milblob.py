@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
-from coremltools.proto import MIL_pb2
+from coremltools.proto import MIL_pb2  # type: ignore[import-untyped]  # coremltools ships no type information
 
 from coreml.errors import PackageError
 
@@ -37,7 +37,7 @@ SUB_BYTE_BITS: dict[str, tuple[int, bool]] = {  # name -> (bits, signed)
 
 
 def dtype_name(code: int) -> str:
-    return MIL_pb2.DataType.Name(code)
+    return str(MIL_pb2.DataType.Name(code))
 
 
 def unpack_bits(raw: bytes | np.ndarray, bits: int, signed: bool, count: int) -> np.ndarray:
@@ -45,7 +45,7 @@ def unpack_bits(raw: bytes | np.ndarray, bits: int, signed: bool, count: int) ->
     b = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")[: count * bits]
     if b.size < count * bits:
         raise PackageError(f"A {bits}-bit weight holds {b.size} bits, fewer than its {count} elements need; the package is corrupt.")
-    vals = (b.reshape(count, bits).astype(np.uint8) << np.arange(bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
+    vals: np.ndarray = (b.reshape(count, bits).astype(np.uint8) << np.arange(bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
     if signed:
         return np.where(vals >= 1 << (bits - 1), vals.astype(np.int16) - (1 << bits), vals).astype(np.int8)
     return vals
@@ -83,7 +83,7 @@ class BlobFile:
         (uint8) of a sub-byte type."""
         if offset + 64 > len(self._mm):
             raise PackageError(f"A weight points past the end of {self.path.name}; the package is corrupt.")
-        sentinel, code, size, data_offset, pad_bits = struct.unpack_from("<IIQQQ", self._mm, offset)
+        sentinel, code, size, data_offset, _pad_bits = struct.unpack_from("<IIQQQ", self._mm, offset)
         if sentinel != BLOB_SENTINEL:
             raise PackageError(f"No weight record at offset {offset} of {self.path.name}; the package is corrupt.")
         stored = BLOB_DTYPES.get(code)

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from coremltools.proto import Model_pb2
+from coremltools.proto import Model_pb2  # type: ignore[import-untyped]  # coremltools ships no type information
 
 from coreml.errors import PackageError
 
@@ -35,7 +35,7 @@ class Package:
         spec = Model_pb2.Model()
         try:
             spec.ParseFromString(spec_path.read_bytes())
-        except Exception:  # protobuf raises its own DecodeError type; any failure means the same thing here
+        except Exception:  # noqa: BLE001  protobuf raises its own DecodeError type; any failure means the same thing here
             raise PackageError(f"{spec_path.name} in {path.name} is not a valid Core ML model spec.") from None
         if spec.WhichOneof("Type") != "mlProgram":
             raise PackageError(f"{path.name} is not an ML Program; MLoT Spark packages are ML Programs.")
@@ -76,6 +76,8 @@ def _root_spec_path(pkg: Path) -> Path:
     try:
         m = json.loads(manifest.read_text(encoding="utf-8"))
         root = m["itemInfoEntries"][m["rootModelIdentifier"]]["path"]
+        if not isinstance(root, str):
+            raise TypeError(root)
     except FileNotFoundError:
         raise PackageError(f"{pkg.name} has no Manifest.json; it is not a complete .mlpackage.") from None
     except (OSError, ValueError, KeyError, TypeError):

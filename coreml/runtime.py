@@ -31,12 +31,12 @@ import numpy as np
 
 from coreml import compress
 from coreml.bundle import HEAD, Bundle
-from coreml.convert import Progress, cached_bundle
+from coreml.convert import ANE_MAX_SLOTS, Progress, cached_bundle
 from coreml.errors import CoreMLError, PackageError
 from coreml.host import PackageBackend
 from engine.backends.base import BackendProbe
-from engine.model_files import read_config
 from engine.errors import BackendUnavailable
+from engine.model_files import read_config
 
 UNITS_ENV = "MLOT_SPARK_COREML_UNITS"
 QUANT_ENV = "MLOT_SPARK_COREML_QUANTIZE"
@@ -57,8 +57,8 @@ def probe() -> BackendProbe:
     if version < MIN_MACOS:
         return BackendProbe("coreml", False, f"Core ML stateful models need macOS 15 or later; this Mac runs {release or 'an unknown version'}.")
     try:
-        import coremltools as ct
-        from coremltools.models.model import MLState  # noqa: F401  (stateful prediction support)
+        import coremltools as ct  # type: ignore[import-untyped]  # coremltools ships no type information
+        from coremltools.models.model import MLState  # type: ignore[import-untyped]  # noqa: F401  (stateful prediction support; coremltools ships no type information)
     except ImportError as exc:
         return BackendProbe("coreml", False, f"coremltools is not importable ({exc}).")
     try:
@@ -75,12 +75,20 @@ def compute_units_name(requested: str | None) -> str:
     return name
 
 
+class State(Protocol):
+    """One program's KV state for one row, as coremltools' MLState exposes it."""
+
+    def read_state(self, name: str) -> np.ndarray: ...
+
+    def write_state(self, name: str, value: np.ndarray) -> None: ...
+
+
 class Program(Protocol):
     """One function of one compiled program, as coremltools' CompiledMLModel exposes it."""
 
-    def predict(self, data: dict[str, np.ndarray], state: object | None = None) -> dict[str, np.ndarray]: ...
+    def predict(self, data: dict[str, np.ndarray], state: State | None = None) -> dict[str, np.ndarray]: ...
 
-    def make_state(self) -> object: ...
+    def make_state(self) -> State: ...
 
 
 Loader = Callable[[Bundle, str, str, str], Program]  # (bundle, program, function, compute units) -> Program
@@ -107,9 +115,10 @@ def core_ml_loader(bundle: Bundle, name: str, function: str, units: str) -> Prog
     import coremltools as ct
 
     try:
-        return ct.models.CompiledMLModel(str(compile_program(bundle, name)), getattr(ct.ComputeUnit, units), function_name=function)
-    except Exception as exc:  # Core ML reports load failures as generic exceptions with its own text
+        program: Program = ct.models.CompiledMLModel(str(compile_program(bundle, name)), getattr(ct.ComputeUnit, units), function_name=function)
+    except Exception as exc:  # noqa: BLE001  Core ML reports load failures as generic exceptions with its own text
         raise BackendUnavailable(f"Core ML could not load the converted model ({str(exc).splitlines()[0][:200]}).") from None
+    return program
 
 
 def shipped_root() -> Path:
@@ -121,6 +130,7 @@ def shipped_root() -> Path:
 
 class CoreMLBackend(PackageBackend):
     name = "coreml"
+    max_slots = ANE_MAX_SLOTS  # the cascade fits to the slot count `make app` converts for (coreml.convert)
 
     def __init__(
         self,
@@ -149,7 +159,7 @@ class CoreMLBackend(PackageBackend):
         self.weight_bytes = stored_weight_bytes(self.model_dir)
         self.slots = 0
         self.programs: dict[tuple[str, str], Program] = {}  # (program, function) -> loaded function
-        self.states: list[dict[str, object]] = []  # per row: chunk -> MLState
+        self.states: list[dict[str, State]] = []  # per row: chunk -> MLState
         self.lock = threading.Lock()
         self.path: Path | None = None
 
@@ -167,8 +177,9 @@ class CoreMLBackend(PackageBackend):
         shipped = shipped_root() / cache_key(self.fingerprint, Geometry(slots), self.quantize, self.units)
         if shipped.is_dir():
             return shipped
-        kwargs = {"progress": self.progress} if self.progress else {}
-        return cached_bundle(self.model_dir, slots=slots, quantize=self.quantize, units=self.units, cache_dir=self.cache_dir, **kwargs)
+        if self.progress is None:
+            return cached_bundle(self.model_dir, slots=slots, quantize=self.quantize, units=self.units, cache_dir=self.cache_dir)
+        return cached_bundle(self.model_dir, slots=slots, quantize=self.quantize, units=self.units, cache_dir=self.cache_dir, progress=self.progress)
 
     def _load(self, slots: int) -> None:
         path = self._find(slots)
@@ -180,7 +191,7 @@ class CoreMLBackend(PackageBackend):
         self.path = path
         self.weight_bytes = bundle.total_bytes()
 
-    def _new_row(self) -> dict[str, object]:
+    def _new_row(self) -> dict[str, State]:
         # All functions of a chunk declare the same states; a state made by one is used by all (see module doc).
         return {c: self.programs[(c, "decode")].make_state() for c in self.chunks}
 
@@ -225,7 +236,7 @@ class CoreMLBackend(PackageBackend):
 def compute_plan_share(bundle_path: str | Path, units: str = "CPU_AND_NE") -> dict[str, dict[str, float]]:
     """program:function -> {device: share of the estimated cost} from Core ML's compute plan (macOS only)."""
     import coremltools as ct
-    from coremltools.models.compute_plan import MLComputePlan
+    from coremltools.models.compute_plan import MLComputePlan  # type: ignore[import-untyped]  # coremltools ships no type information
 
     bundle = Bundle.open(bundle_path)
     out: dict[str, dict[str, float]] = {}

@@ -34,6 +34,7 @@ and no gather, all of which run on the CPU; the layer slice of the state is upda
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model import Transformer
+from engine.model import DecoderLayer, Transformer
 
 # ANE rule: no tensor dimension may exceed 16384 (larger ones fall back to CPU or fail to compile), so a large
 # vocabulary is split for the LM head into pieces of at most this many rows.
@@ -119,7 +120,7 @@ def rotate_half(x: torch.Tensor, half: int) -> torch.Tensor:
 
 
 class Layer(nn.Module):
-    def __init__(self, layer: nn.Module, eps: float) -> None:
+    def __init__(self, layer: DecoderLayer, eps: float) -> None:
         super().__init__()
         a, m = layer.self_attn, layer.mlp
         self.input_norm = ChannelRMSNorm(layer.input_layernorm.weight, eps)
@@ -131,6 +132,9 @@ class Layer(nn.Module):
 class LayerChunk(nn.Module):
     """Decoder layers [first, last) over a state-held slot table; see the module doc for inputs and outputs."""
 
+    k_cache: torch.Tensor  # (L_chunk, Hkv, S, D) fp16 buffers, registered below: the program's states
+    v_cache: torch.Tensor
+
     def __init__(self, model: Transformer, first: int, last: int, num_slots: int, chunk: int) -> None:
         super().__init__()
         cfg = model.config
@@ -138,7 +142,7 @@ class LayerChunk(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.groups = cfg.num_kv_groups
         self.scale = cfg.head_dim**-0.5
-        self.layers = nn.ModuleList(Layer(model.model.layers[i], cfg.rms_norm_eps) for i in range(first, last))
+        self.layers = nn.ModuleList(Layer(cast(DecoderLayer, model.model.layers[i]), cfg.rms_norm_eps) for i in range(first, last))
         # States: one slot table per K and V. Buffers updated in place become Core ML states.
         shape = (last - first, self.n_kv, num_slots, self.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=torch.float16))
@@ -169,7 +173,8 @@ class LayerChunk(nn.Module):
         mask_g = mask.repeat(1, 1, g, 1) if g > 1 else mask
         x = hidden
         summaries = []
-        for i, layer in enumerate(self.layers):
+        for i, module in enumerate(self.layers):
+            layer = cast(Layer, module)
             hn = layer.input_norm(x)
             q = layer.q_proj(hn).view(1, h, d, t).transpose(2, 3)  # (1, H, T, D)
             k = layer.k_proj(hn).view(1, hkv, d, t).transpose(2, 3)  # (1, Hkv, T, D)

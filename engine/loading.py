@@ -30,12 +30,14 @@ MIN_SLOT_TABLE = 1024
 
 
 def slot_table_limit(policy: HardwarePolicy | None, backend: Backend) -> int | None:
-    """The most slots a conversation's table may take: half of what the budget leaves beside the weights, never
-    below MIN_SLOT_TABLE; None (the trained context decides) without a policy."""
+    """The most slots a conversation's table may take: what the backend runs (a Core ML program's fixed slot count)
+    and half of what the budget leaves beside the weights, never below MIN_SLOT_TABLE; None (the trained context
+    decides) when neither limits it."""
     if policy is None:
-        return None
+        return backend.max_slots
     spare = max(0, policy.budget_bytes() - backend.weight_bytes)
-    return max(MIN_SLOT_TABLE, spare // 2 // backend.slot_bytes_per_token())
+    budget = max(MIN_SLOT_TABLE, spare // 2 // backend.slot_bytes_per_token())
+    return budget if backend.max_slots is None else min(backend.max_slots, budget)
 
 
 def check_fits(policy: HardwarePolicy, backend: Backend, model_path: Path) -> None:

@@ -1,7 +1,9 @@
-"""`make app` step: convert the default model at its default geometry, compile it, and stage it for the bundle.
+"""`make app` step: convert the default model at its Core ML geometry, compile it, and stage it for the bundle.
 
     python packaging/build_coreml.py [--model DIR] [--out build/coreml]
 
+The geometry is the model's cascade fitted to coreml.convert.ANE_MAX_SLOTS (coreml.convert.default_slots), which
+is what the engine lays out over a CoreMLBackend (its max_slots), so both name the same slot count.
 Writes `<out>/<cache key>/` (coreml.convert.cached_bundle: the key is the one CoreMLBackend looks up, so the app
 finds it under resources/coreml/ and a Mac user never waits for a conversion), then on macOS compiles every
 program to `.mlmodelc` beside its package (coreml.runtime.compile_program) and checks the bundle

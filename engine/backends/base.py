@@ -39,6 +39,9 @@ class Backend(ABC):
     # Whether `forward` takes tokens for the leading rows only, (B' <= B, T): a batch with its busy rows first
     # then costs B' rows, not B (the scheduler's rows fill from row 0).
     runs_leading_rows: bool = False
+    # The largest slot table this backend runs (None: any). The cascade fits its geometry to it, as to the memory
+    # budget: Core ML runs a fixed-shape program converted for one slot count (coreml.convert.ANE_MAX_SLOTS).
+    max_slots: int | None = None
 
     @property
     @abstractmethod

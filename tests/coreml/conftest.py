@@ -8,12 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from tests.real_model import real_gguf
 import torch
 
 from engine.config import ModelConfig
 from engine.model import Transformer
+from tests.real_model import real_gguf
 from tests.tiny import make_tiny_model
 
 # Slot table of the shared bundles: full-attention parity (75-token prompt + 64 decode steps) fits, and so does

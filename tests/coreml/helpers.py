@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
+import json
 from pathlib import Path
 
 import numpy as np
@@ -52,12 +52,13 @@ def bundle_state_dict(bundle_path: Path) -> dict[str, torch.Tensor]:
     return engine_state_dict(chunks, head, embed, bundle.config)
 
 
-def torch_fp16_with_package_weights(model_dir: Path, package: Path, out: Path) -> TorchBackend:
-    """A torch fp16 backend running exactly the weights the bundle's programs use (constexpr ops applied)."""
+def torch_fp16_with_package_weights(package: Path, out: Path) -> TorchBackend:
+    """A torch fp16 backend running exactly the weights the bundle's programs use (constexpr ops applied), with
+    the bundle's own config (the model may be a GGUF, which has no config.json to copy)."""
     state = bundle_state_dict(package)
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copy(model_dir / "config.json", out / "config.json")
-    config = ModelConfig.from_file(model_dir / "config.json")
+    (out / "config.json").write_text(json.dumps(Bundle.open(package).config.raw), encoding="utf-8")
+    config = ModelConfig.from_file(out / "config.json")
     if config.tie_word_embeddings:  # stored once, as in the bundle: the head's (dequantized) matrix
         assert torch.equal(state["model.embed_tokens.weight"], state["lm_head.weight"])
         del state["lm_head.weight"]

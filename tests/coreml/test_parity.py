@@ -68,7 +68,7 @@ def test_quantized_parity_against_dequantized_weights(
     model_dir = model_dir_of(variant, tiny_dir, tied_dir)
     interp = InterpreterBackend(pkg)
     assert interp.bundle.tied  # the host embedding decodes rows of the compressed head
-    torch_be = torch_fp16_with_package_weights(model_dir, pkg, tmp_path / "dequantized")
+    torch_be = torch_fp16_with_package_weights(pkg, tmp_path / "dequantized")
     torch_be.allocate(1, interp.num_slots)
 
     def up_proj(folder: Path) -> torch.Tensor:  # as stored, independent of the CPU backend's runtime layout

@@ -1,4 +1,5 @@
-"""The real default model at its default geometry (the cascade's slot table): the conversion's targets and the
+"""The real default model (the shipped GGUF) at its Core ML geometry (the cascade's slot table fitted to
+CoreMLBackend.max_slots): the conversion's targets, the runtime finding the bundle `make app` builds, and the
 reference interpreter's parity with the torch fp16 path. Slow (a conversion of the real model, cached under the
 cache dir), marked `slow`, and skipped when the model is absent."""
 
@@ -12,27 +13,45 @@ import torch
 from coreml.bundle import Bundle
 from coreml.check import run_checks
 from coreml.compress import DEFAULT_QUANTIZE
-from coreml.convert import cached_bundle, expected_bytes
+from coreml.convert import ANE_MAX_SLOTS, cached_bundle, expected_bytes
 from coreml.reference import InterpreterBackend
+from coreml.runtime import CoreMLBackend
 from engine.cascade import CascadeConfig, CascadeMemory
+from engine.session import memory_factory_for
 from engine.tokenizer import Tokenizer
+from tests.coreml.fake_coreml import FakeLoader
 from tests.coreml.helpers import run_greedy, torch_fp16_with_package_weights
 from tests.coreml.test_ane_rules import op_types
 
-pytestmark = pytest.mark.slow
+# Slow: each interpreter step copies the whole (30, 3, 2048, 64) KV state per layer (slice_update), so 3 prompts
+# x 32 tokens took over 10 minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "Explain in one sentence why the sky is blue.")
 TOKENS = 32
 
 
 @pytest.fixture(scope="module")
 def real_bundle(real_model_dir: Path) -> Path:
-    return cached_bundle(real_model_dir)  # default compression, units and geometry; converted once per cache
+    # What packaging/build_coreml.py ships: default compression, units and geometry; converted once per cache.
+    return cached_bundle(real_model_dir)
 
 
-def test_default_conversion_meets_its_targets(real_model_dir: Path, real_bundle: Path) -> None:
+@pytest.fixture(scope="module")
+def cascade(real_model_dir: Path, real_bundle: Path) -> CascadeConfig:
+    """The cascade the engine lays out over a CoreMLBackend of the default model (engine.session's factory), after
+    checking that the backend finds the bundle build_coreml.py makes: same slot count, no second conversion."""
+    backend = CoreMLBackend(real_model_dir, cache_dir=real_bundle.parent, loader=FakeLoader())
+    memory = memory_factory_for(real_model_dir, prefix_cache=False)(backend)
+    assert isinstance(memory, CascadeMemory) and backend.path == real_bundle
+    bundle = Bundle.open(real_bundle)
+    assert memory.cfg.num_slots == bundle.slots == ANE_MAX_SLOTS < bundle.config.max_position_embeddings
+    return memory.cfg
+
+
+def test_default_conversion_meets_its_targets(real_bundle: Path, cascade: CascadeConfig) -> None:
     bundle = Bundle.open(real_bundle)
     assert bundle.quantize == DEFAULT_QUANTIZE and bundle.units == "CPU_AND_NE"
-    assert bundle.slots == CascadeConfig.for_model(real_model_dir, bundle.config).num_slots
+    assert bundle.slots == cascade.num_slots
     assert bundle.weight_bytes() <= 1.05 * expected_bytes(bundle.config, bundle.quantize)
     assert not op_types(bundle).keys() & {"constexpr_blockwise_shift_scale", "gather"}
     lines = list(run_checks(real_bundle))
@@ -43,13 +62,12 @@ def _greedy_tokens(backend, ids: list[int], config: CascadeConfig, forced: list[
     return run_greedy(backend, CascadeMemory(backend, config), ids, TOKENS, forced=forced, chunk=len(ids))
 
 
-def test_interpreter_greedy_tokens_equal_the_torch_fp16_path(real_model_dir: Path, real_bundle: Path, tmp_path: Path) -> None:
+def test_interpreter_greedy_tokens_equal_the_torch_fp16_path(real_model_dir: Path, real_bundle: Path, cascade: CascadeConfig, tmp_path: Path) -> None:
     """32 greedy tokens per prompt: the interpreter, teacher-forced on the torch fp16 path's tokens (the bundle's own
     dequantized weights), picks the same token at every step where torch's top-2 margin exceeds TIE; the steps
     before the first disagreement are exactly what a free-running interpreter would generate."""
     interp = InterpreterBackend(real_bundle)
-    torch_be = torch_fp16_with_package_weights(real_model_dir, real_bundle, tmp_path / "dequantized")
-    cascade = CascadeConfig.for_model(real_model_dir, interp.config)
+    torch_be = torch_fp16_with_package_weights(real_bundle, tmp_path / "dequantized")
     torch_be.allocate(1, cascade.num_slots)
     tok = Tokenizer.load(real_model_dir)
     for prompt in PROMPTS:
@@ -67,11 +85,10 @@ def test_interpreter_greedy_tokens_equal_the_torch_fp16_path(real_model_dir: Pat
 TIE = 0.1  # logits; a top-2 margin below this is a tie at fp16 precision (the logits span ~[-20, 30])
 
 
-def test_fp16_accumulation_bounds_the_drift(real_model_dir: Path, real_bundle: Path) -> None:
+def test_fp16_accumulation_bounds_the_drift(real_model_dir: Path, real_bundle: Path, cascade: CascadeConfig) -> None:
     """The ANE-pessimistic interpreter (fp16 sums) teacher-forced on the default path's tokens: the logits drift by
     at most DRIFT and the top token agrees on nearly every step."""
     wide, narrow = InterpreterBackend(real_bundle), InterpreterBackend(real_bundle, accumulate="fp16")
-    cascade = CascadeConfig.for_model(real_model_dir, wide.config)
     ids = Tokenizer.load(real_model_dir).encode_chat([{"role": "user", "content": PROMPTS[0]}])
     ref_logits, ref_tokens = _greedy_tokens(wide, ids, cascade)
     got_logits, _ = _greedy_tokens(narrow, ids, cascade, forced=ref_tokens)

@@ -11,15 +11,20 @@ import numpy as np
 import pytest
 import torch
 
+from coreml.convert import ANE_MAX_SLOTS, default_slots
 from coreml.reference import InterpreterBackend
 from coreml.runtime import CoreMLBackend, compute_units_name, probe
 from engine.backends.torch_backend import TorchBackend
+from engine.cascade import CascadeMemory
 from engine.errors import BackendUnavailable
 from engine.memory import FullAttentionMemory
+from engine.model_files import read_config
+from engine.session import memory_factory_for
 from tests.coreml.conftest import SLOTS
 from tests.coreml.fake_coreml import BridgeError, FakeLoader, FakeMLState
 from tests.coreml.helpers import feed, prompt_ids, run_greedy
 from tests.coreml.test_parity import assert_parity
+from tests.tiny import make_tiny_model
 
 
 def test_probe_explains_why_core_ml_is_unavailable_off_mac() -> None:
@@ -51,6 +56,23 @@ def test_the_fake_bridge_refuses_fp16_state_writes() -> None:
         state.write_state("k_cache", np.ones((1, 2, 32, 32), np.float16))
     state.write_state("k_cache", np.ones((1, 2, 32, 32), np.float32))
     assert state.values["k_cache"].dtype == np.float16 and state.values["k_cache"].sum() == 2 * 32 * 32
+
+
+def test_the_engine_lays_its_cascade_out_in_the_slot_count_make_app_converts_for(tmp_path: Path) -> None:
+    """A model trained on more positions than a Core ML program holds: engine.session fits the cascade to the
+    backend's max_slots, and that slot count is the one packaging/build_coreml.py converts for (default_slots), so
+    the runtime finds the shipped bundle instead of converting on the user's Mac."""
+    model = make_tiny_model(tmp_path / "long", hidden=128, heads=4, kv_heads=2, intermediate=256, max_positions=4096)
+    config = read_config(model)
+
+    class SlotLimited(TorchBackend):  # what the session sees of a CoreMLBackend: its slot limit
+        max_slots = CoreMLBackend.max_slots
+
+    memory = memory_factory_for(model, prefix_cache=False)(SlotLimited(model, device="cpu", dtype=torch.float16))
+    assert isinstance(memory, CascadeMemory)
+    assert memory.cfg.num_slots == default_slots(model, config) == ANE_MAX_SLOTS
+    unlimited = memory_factory_for(model, prefix_cache=False)(TorchBackend(model, device="cpu", dtype=torch.float16))
+    assert isinstance(unlimited, CascadeMemory) and unlimited.cfg.num_slots == 4096  # elsewhere: the trained context
 
 
 @pytest.fixture()
@@ -101,7 +123,7 @@ def test_core_ml_matches_the_torch_engine(units: str, tied_dir: Path, coreml_bac
     backend = CoreMLBackend(tied_dir, compute_units=units, cache_dir=coreml_backend.cache_dir)
     backend.allocate(1, SLOTS)
     assert backend.path is not None
-    torch_be = torch_fp16_with_package_weights(tied_dir, backend.path, tmp_path / "dequantized")
+    torch_be = torch_fp16_with_package_weights(backend.path, tmp_path / "dequantized")
     torch_be.allocate(1, SLOTS)
     assert_parity(torch_be, backend, prompt_ids(75, backend.config.vocab_size))
 
