@@ -15,7 +15,7 @@ def memory_report(session: Session | None, remote: RemoteSession | None) -> Memo
     if session is None:
         return MemoryReport((), 0)
     memory = session.memory
-    stats = session.stats()  # type: ignore[no-untyped-call]  # Session.stats is not annotated yet (engine/session.py, another part of issue 16)
+    stats = session.stats()
     if stats is not None:
         return MemoryReport((stats.working, stats.episodic, stats.persistent), len(memory.tokens))
     backend = session.backend
@@ -27,14 +27,14 @@ def memory_report(session: Session | None, remote: RemoteSession | None) -> Memo
 
 def episodic_hits(session: Session | None) -> int:
     """Blocks the episodic tier has paged back in so far (0 without a cascade)."""
-    stats = session.stats() if session is not None else None  # type: ignore[no-untyped-call]  # Session.stats is not annotated yet (engine/session.py)
+    stats = session.stats() if session is not None else None
     return stats.episodic.hits if stats is not None else 0
 
 
 def turns_ago(session: Session | None, turn_starts: list[int]) -> int:
     """How many turns back the newest turn lies that has left the exact window (so a recall reached at least that
     far); 1 when none has wholly left it yet. `turn_starts`: the memory's token count when each turn began."""
-    stats = session.stats() if session is not None else None  # type: ignore[no-untyped-call]  # Session.stats is not annotated yet (engine/session.py)
+    stats = session.stats() if session is not None else None
     evicted = stats.working.evictions if stats is not None else 0
     for back in range(1, len(turn_starts)):
         if turn_starts[-back] <= evicted:  # turn -(back+1) ended where turn -back began: wholly evicted

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from coremltools.proto import MIL_pb2, Model_pb2  # type: ignore[import-untyped]  # coremltools ships no type information
+from coremltools.proto import MIL_pb2, Model_pb2
 
 from coreml.bundle import Bundle
 from coreml.compress import has_gpu

@@ -95,7 +95,7 @@ def _kmeans(weight: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def optimization_config(quantize: str) -> Any:  # coremltools.optimize.coreml.OptimizationConfig (untyped)
-    import coremltools.optimize.coreml as cto  # type: ignore[import-untyped]  # coremltools ships no type information
+    import coremltools.optimize.coreml as cto
 
     if quantize == "int8":
         op = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=QUANT_MIN_WEIGHT)

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from coreml import compress
 from coreml.bundle import EMBED_FILE, FORMAT_VERSION, HEAD, MANIFEST, Bundle, chunk_name
@@ -67,7 +68,7 @@ class Geometry:
 
 
 def tool_versions() -> dict[str, str]:
-    import coremltools as ct  # type: ignore[import-untyped]  # coremltools ships no type information
+    import coremltools as ct
 
     return {"coremltools": ct.__version__, "torch": torch.__version__}
 
@@ -138,7 +139,7 @@ def expected_bytes(config: ModelConfig, quantize: str) -> int:
 
 def check_memory(config: ModelConfig, chunks: list[tuple[int, int]], available: int | None = None) -> None:
     """Refuse in one sentence, before any work, a conversion that would exhaust memory."""
-    import psutil  # type: ignore[import-untyped]  # psutil ships no type information
+    import psutil
 
     largest = max([compress.nominal_bytes(layer_shapes(config), "none") * (b - a) for a, b in chunks]
                   + [compress.nominal_bytes(head_shapes(config), "none")])
@@ -209,7 +210,7 @@ def _ct_convert(module: torch.nn.Module, example: tuple[torch.Tensor, ...], name
             convert_to="mlprogram",
             skip_model_load=True,  # no Core ML runtime needed (and none on Linux)
         )
-    except Exception as exc:  # noqa: BLE001  coremltools raises bare RuntimeError/ValueError/NotImplementedError for unsupported ops
+    except Exception as exc:
         m = _OP_RE.search(str(exc))
         what = f"the op {m.group(1)!r}" if m else f"this model ({exc.__class__.__name__}: {str(exc).splitlines()[0][:160]})"
         raise ConversionError(f"Core ML conversion failed: coremltools {ct.__version__} cannot convert {what}.") from None
@@ -286,6 +287,7 @@ def build_bundle(
             compress.clear_memo()
         step("Writing the host embedding and the manifest")
         if not config.tie_word_embeddings:
+            assert isinstance(model.model.embed_tokens, nn.Embedding)  # the converter's model keeps the lookup as built
             emb = model.model.embed_tokens.weight.detach().to(torch.float16).contiguous().numpy()  # (V, C)
             emb.tofile(tmp / EMBED_FILE)
         prov = provenance(config, fingerprint, geometry, quantize, units, chunks)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from coremltools.proto import MIL_pb2  # type: ignore[import-untyped]  # coremltools ships no type information
+from coremltools.proto import MIL_pb2
 
 from coreml.bundle import EMBED_FILE, HEAD, Bundle
 from coreml.errors import PackageError

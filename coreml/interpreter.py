@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from coremltools.proto import MIL_pb2  # type: ignore[import-untyped]  # coremltools ships no type information
+from coremltools.proto import MIL_pb2
 
 from coreml.errors import PackageError, UnsupportedOp
 from coreml.milblob import (

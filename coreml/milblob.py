@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
-from coremltools.proto import MIL_pb2  # type: ignore[import-untyped]  # coremltools ships no type information
+from coremltools.proto import MIL_pb2
 
 from coreml.errors import PackageError
 

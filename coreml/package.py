@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from coremltools.proto import Model_pb2  # type: ignore[import-untyped]  # coremltools ships no type information
+from coremltools.proto import Model_pb2
 
 from coreml.errors import PackageError
 

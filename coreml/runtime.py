@@ -57,8 +57,8 @@ def probe() -> BackendProbe:
     if version < MIN_MACOS:
         return BackendProbe("coreml", False, f"Core ML stateful models need macOS 15 or later; this Mac runs {release or 'an unknown version'}.")
     try:
-        import coremltools as ct  # type: ignore[import-untyped]  # coremltools ships no type information
-        from coremltools.models.model import MLState  # type: ignore[import-untyped]  # noqa: F401  (stateful prediction support; coremltools ships no type information)
+        import coremltools as ct
+        from coremltools.models.model import MLState  # noqa: F401  (stateful prediction support)
     except ImportError as exc:
         return BackendProbe("coreml", False, f"coremltools is not importable ({exc}).")
     try:
@@ -236,7 +236,7 @@ class CoreMLBackend(PackageBackend):
 def compute_plan_share(bundle_path: str | Path, units: str = "CPU_AND_NE") -> dict[str, dict[str, float]]:
     """program:function -> {device: share of the estimated cost} from Core ML's compute plan (macOS only)."""
     import coremltools as ct
-    from coremltools.models.compute_plan import MLComputePlan  # type: ignore[import-untyped]  # coremltools ships no type information
+    from coremltools.models.compute_plan import MLComputePlan
 
     bundle = Bundle.open(bundle_path)
     out: dict[str, dict[str, float]] = {}

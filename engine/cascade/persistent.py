@@ -34,6 +34,7 @@ import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save
@@ -64,7 +65,7 @@ def _is_key(name: object) -> bool:
 
 
 def _crc(t: torch.Tensor) -> str:
-    return f"{zlib.crc32(t.contiguous().view(torch.uint8).numpy()):08x}"
+    return f"{zlib.crc32(t.contiguous().view(torch.uint8).numpy().data):08x}"
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -173,7 +174,7 @@ class PersistentStore:
             return
         self._write(key, "kv", {"k": k.to(CANONICAL_KV_DTYPE), "v": v.to(CANONICAL_KV_DTYPE)}, {"tokens": str(tokens)})
 
-    def put_state(self, key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def put_state(self, key: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """A memory snapshot: JSON-able meta + named tensors (fp16, fp32 or fp64) -> one entry (no-op when stored)."""
         if self.disabled or not _is_key(key) or key in self._index:
             return
@@ -207,11 +208,11 @@ class PersistentStore:
         got = self._get(key, "kv")
         return None if got is None else (got[1]["k"], got[1]["v"])
 
-    def get_state(self, key: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    def get_state(self, key: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
         """A snapshot's (meta, tensors), or None when absent; a broken entry is deleted with a warning."""
         return self._get(key, "state")
 
-    def _get(self, key: str, kind: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    def _get(self, key: str, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
         if self.disabled or not _is_key(key) or key not in self._index:
             self.counters.misses += 1
             return None
@@ -224,7 +225,8 @@ class PersistentStore:
             self._fail(exc)
             got = None
         except (ValueError, RuntimeError):  # a path outside the folder, or bytes torch cannot view
-            got = self._drop(key, "it cannot be read as an entry")
+            self._drop(key, "it cannot be read as an entry")
+            got = None
         if got is None:
             self.counters.misses += 1
             return None
@@ -233,48 +235,57 @@ class PersistentStore:
         self.counters.hits += 1
         return got
 
-    def _read(self, path: Path, key: str, kind: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    def _read(self, path: Path, key: str, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
         # Non-blocking and no symlinks: a FIFO or link planted under a key's name is refused, never waited on.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
-                return self._drop(key, "it is not a regular file")
+                self._drop(key, "it is not a regular file")
+                return None
             size = st.st_size
             if size < 8:
-                return self._drop(key, "it is truncated")
+                self._drop(key, "it is truncated")
+                return None
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         try:
             header = read_header(mm, HEADER_LIMITS)
         except HeaderError as exc:
-            return self._drop(key, _HEADER_FAULTS.get(exc.fault, "its data is truncated or inconsistent"))
+            self._drop(key, _HEADER_FAULTS.get(exc.fault, "its data is truncated or inconsistent"))
+            return None
         meta = header.metadata
         if meta is None:
-            return self._drop(key, "its header is unreadable")
+            self._drop(key, "its header is unreadable")
+            return None
         ident = (meta.get("format"), meta.get("kind", "kv"), meta.get("key"), meta.get("fingerprint"), meta.get("numerics"), meta.get("dtype"))
         if ident != (FORMAT, kind, key, self.fingerprint, self.numerics, self.dtype):
-            return self._drop(key, "it belongs to another model, backend or format")
+            self._drop(key, "it belongs to another model, backend or format")
+            return None
         infos = header.tensors
         if kind == "kv" and (set(infos) != set(KV_TENSORS) or any(i.dtype != "F16" for i in infos.values())):
-            return self._drop(key, "its data is truncated or inconsistent")
+            self._drop(key, "its data is truncated or inconsistent")
+            return None
         out: dict[str, torch.Tensor] = {}
         for name, info in infos.items():
             count = info.nbytes // info.torch_dtype.itemsize
             t = torch.frombuffer(mm, dtype=info.torch_dtype, count=count, offset=info.start).view(info.shape) if count else torch.zeros(info.shape, dtype=info.torch_dtype)
             if _crc(t) != meta.get(f"crc_{name}"):
-                return self._drop(key, "its data fails the checksum")
+                self._drop(key, "its data fails the checksum")
+                return None
             out[name] = t
-        state: dict = {}
+        state: dict[str, Any] = {}
         if kind == "state":
             text = meta.get("state", "")
             if f"{zlib.crc32(text.encode()):08x}" != meta.get("crc_state"):
-                return self._drop(key, "its data fails the checksum")
+                self._drop(key, "its data fails the checksum")
+                return None
             try:
                 parsed = json.loads(text)
             except (ValueError, RecursionError):
                 parsed = None
             if not isinstance(parsed, dict):
-                return self._drop(key, "its state is unreadable")
+                self._drop(key, "its state is unreadable")
+                return None
             state = parsed
         return state, out
 
@@ -293,7 +304,6 @@ class PersistentStore:
         self._remove(key)
         self.counters.evictions += 1
         self.flush()
-        return None
 
     def _remove(self, key: str) -> None:
         self._index.pop(key, None)
