@@ -194,7 +194,7 @@ def _ct_convert(module: torch.nn.Module, example: tuple[torch.Tensor, ...], name
         warnings.simplefilter("ignore", category=torch.jit.TracerWarning)  # type: ignore[attr-defined]  # torch.jit has no __all__
         with torch.no_grad():
             traced = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]  # torch.jit.trace is unannotated
-    inputs = [ct.TensorType(name=n, shape=tuple(e.shape), dtype=np.float16) for n, e in zip(names, example)]
+    inputs = [ct.TensorType(name=n, shape=tuple(e.shape), dtype=np.float16) for n, e in zip(names, example, strict=True)]
     states = [
         ct.StateType(wrapped_type=ct.TensorType(shape=tuple(getattr(module, n).shape), dtype=np.float16), name=n)
         for n in STATE_NAMES if hasattr(module, n)

@@ -137,7 +137,7 @@ class HostEmbedding:
         if self._file is not None:
             return np.asarray(self._file[ids])
         out = np.empty((ids.size, self.hidden), np.float16)
-        for (a, b), piece in zip(self.pieces, self._head):
+        for (a, b), piece in zip(self.pieces, self._head, strict=True):
             sel = np.nonzero((ids >= a) & (ids < b))[0]
             if sel.size:
                 out[sel] = piece.rows(ids[sel] - a)

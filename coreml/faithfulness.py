@@ -31,7 +31,7 @@ def _compressed_model(model_dir: Path, quantize: str) -> LoadedModel:
     loaded = load_model(model_dir, dtype=torch.float32)
     model = loaded.model
     with torch.no_grad():
-        for name, module in model.named_modules():
+        for _name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and module.weight.dim() == 2:
                 w16 = module.weight.detach().to(torch.float16).numpy()
                 module.weight.copy_(torch.from_numpy(compress.simulate(w16, quantize).astype(np.float32)))

@@ -181,7 +181,7 @@ class PackageBackend(Backend):
         return torch.from_numpy(np.stack(rows_out))  # (B, T, V) or (B, 1, V) fp32
 
     def _chunk_of_layers(self) -> list[tuple[str, int]]:
-        return list(zip(self.chunks, self.chunk_layers))
+        return list(zip(self.chunks, self.chunk_layers, strict=True))
 
     def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         idx = slots.numpy()
@@ -193,7 +193,7 @@ class PackageBackend(Backend):
 
     def write_kv(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         idx = slots.numpy()
-        for name, new in zip(STATE_NAMES, (k, v)):
+        for name, new in zip(STATE_NAMES, (k, v), strict=True):
             layers = new.to(torch.float16).numpy()  # (L, Hkv, n, D)
             at = 0
             for chunk, n in self._chunk_of_layers():

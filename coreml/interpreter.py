@@ -162,7 +162,7 @@ class Interpreter:
                 raise PackageError(f"State {n!r} is missing or not shaped {t.shape}.")
         for op in fn.ops:
             results = _execute(op, env, state, fn.states, self.fp16_acc, self.overflows)
-            for (name, _), value in zip(op.outputs, results):
+            for (name, _), value in zip(op.outputs, results, strict=True):
                 env[name] = value
         return {n: env[n] for n in fn.outputs}
 
@@ -221,7 +221,7 @@ def _execute(
         state[name] = results[0].astype(NUMPY_DTYPES[states[name].dtype])
         return []
     out = []
-    for (name, vt), value in zip(op.outputs, results):
+    for (_name, vt), value in zip(op.outputs, results, strict=True):
         value = np.asarray(value)
         if value.shape != vt.shape:
             raise PackageError(f"Op {op.name!r} ({op.type}) produced shape {value.shape}; the program declares {vt.shape}.")
@@ -483,10 +483,10 @@ def _write_state(a: _Args) -> list[np.ndarray]:
 
 def _block_repeat(small: np.ndarray, shape: tuple[int, ...], what: str) -> np.ndarray:
     """Broadcast per-block parameters (one per block of each axis) to the full tensor shape."""
-    if small.ndim != len(shape) or any(s == 0 or n % s for s, n in zip(small.shape, shape)):
+    if small.ndim != len(shape) or any(s == 0 or n % s for s, n in zip(small.shape, shape, strict=True)):
         raise PackageError(f"The {what} shape {small.shape} does not tile the weight shape {shape}.")
     out = small
-    for axis, (s, n) in enumerate(zip(small.shape, shape)):
+    for axis, (s, n) in enumerate(zip(small.shape, shape, strict=True)):
         if s != n:
             out = np.repeat(out, n // s, axis=axis)
     return out
@@ -507,16 +507,16 @@ def _lut_to_dense(a: _Args) -> list[np.ndarray]:
     idx, lut = a.a("indices").astype(np.int64), a.a("lut")
     if lut.ndim != idx.ndim + 2 or lut.shape[-1] != 1:
         raise UnsupportedOp("The program uses vector palettization, which the interpreter does not implement.")
-    if any(b == 0 or n % b for b, n in zip(lut.shape[:-2], idx.shape)):
+    if any(b == 0 or n % b for b, n in zip(lut.shape[:-2], idx.shape, strict=True)):
         raise PackageError(f"The LUT shape {lut.shape} does not tile the index shape {idx.shape}.")
     if idx.size and idx.max() >= lut.shape[-2]:
         raise PackageError("A palettized weight indexes past the end of its LUT.")
     # Block index of every element along each axis, broadcast against the index tensor (no full-size LUT copy).
     blocks = tuple(
         (np.arange(n) // (n // b)).reshape([-1 if i == axis else 1 for i in range(idx.ndim)])
-        for axis, (b, n) in enumerate(zip(lut.shape[:-2], idx.shape))
+        for axis, (b, n) in enumerate(zip(lut.shape[:-2], idx.shape, strict=True))
     )
-    return [np.asarray(lut[blocks + (idx, 0)])]
+    return [np.asarray(lut[(*blocks, idx, 0)])]
 
 
 def _silu(x: np.ndarray) -> np.ndarray:

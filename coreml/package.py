@@ -35,7 +35,7 @@ class Package:
         spec = Model_pb2.Model()
         try:
             spec.ParseFromString(spec_path.read_bytes())
-        except Exception:  # noqa: BLE001  protobuf raises its own DecodeError type; any failure means the same thing here
+        except Exception:
             raise PackageError(f"{spec_path.name} in {path.name} is not a valid Core ML model spec.") from None
         if spec.WhichOneof("Type") != "mlProgram":
             raise PackageError(f"{path.name} is not an ML Program; MLoT Spark packages are ML Programs.")

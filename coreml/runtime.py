@@ -116,7 +116,7 @@ def core_ml_loader(bundle: Bundle, name: str, function: str, units: str) -> Prog
 
     try:
         program: Program = ct.models.CompiledMLModel(str(compile_program(bundle, name)), getattr(ct.ComputeUnit, units), function_name=function)
-    except Exception as exc:  # noqa: BLE001  Core ML reports load failures as generic exceptions with its own text
+    except Exception as exc:
         raise BackendUnavailable(f"Core ML could not load the converted model ({str(exc).splitlines()[0][:200]}).") from None
     return program
 

@@ -13,6 +13,7 @@ A problem is a `HeaderError` carrying a `HeaderFault`; each caller turns that in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -194,10 +195,8 @@ def _sync_tree(root: Path, fs: FileSystem) -> None:
 
 
 def _remove(tmp: str | Path, fs: FileSystem) -> None:
-    try:
+    with contextlib.suppress(OSError):  # already renamed or never created: nothing left behind either way
         fs.unlink(tmp)
-    except OSError:
-        pass  # already renamed or never created: nothing left behind either way
 
 
 # -- safetensors-style headers -------------------------------------------------------------------------------------

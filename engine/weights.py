@@ -129,7 +129,7 @@ def fingerprint(config: ModelConfig, files: list[Path], tables: list[list[Tensor
     architecture gets a different fingerprint, so its caches never mix)."""
     h = hashlib.sha256()
     h.update(json.dumps(config.raw, sort_keys=True).encode())
-    for path, table in zip(files, tables):
+    for path, table in zip(files, tables, strict=True):
         for t in sorted(table, key=lambda t: t.name):
             h.update(f"{t.name}|{t.dtype}|{t.shape}".encode())
         if table:
@@ -247,7 +247,7 @@ def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype
     files = weight_files(model_path)
     tables = [read_safetensors_header(f) for f in files]
     state: dict[str, torch.Tensor] = {}
-    for f, table in zip(files, tables):
+    for f, table in zip(files, tables, strict=True):
         state.update(mmap_tensors(f, table))
     with torch.device("meta"):
         model = Transformer(config)

@@ -88,7 +88,7 @@ def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockW
         qtype = BlockType.named(kinds[0])
     except ValueError:
         raise UnsupportedBlocks(f"{names[0]} is stored as {kinds[0]}, which has no block kernel here yet (Q8_0, Q4_0 and Q4_1 do)") from None
-    for p, n in zip(parts, names):
+    for p, n in zip(parts, names, strict=True):
         check_stored(p, n)
     rows = np.concatenate([np.asarray(p.data, dtype=np.uint8).reshape(p.shape[0], -1) for p in parts])
     shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])

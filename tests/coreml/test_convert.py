@@ -137,12 +137,11 @@ def test_a_hostile_manifest_is_refused_in_one_sentence(package: Callable[[str], 
 
 def test_a_failed_write_leaves_nothing_behind(tmp_path: Path) -> None:
     final = tmp_path / "model"
-    with pytest.raises(RuntimeError):
-        with atomic_dir(final) as tmp:
-            tmp.mkdir()
-            (tmp / MANIFEST).write_text("{}")
-            assert not final.exists()  # a reader looking for the bundle finds nothing while it is written
-            raise RuntimeError("killed mid-write")
+    with pytest.raises(RuntimeError), atomic_dir(final) as tmp:
+        tmp.mkdir()
+        (tmp / MANIFEST).write_text("{}")
+        assert not final.exists()  # a reader looking for the bundle finds nothing while it is written
+        raise RuntimeError("killed mid-write")
     assert list(tmp_path.iterdir()) == []
 
 

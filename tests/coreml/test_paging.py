@@ -25,7 +25,7 @@ def test_read_kv_is_canonical_and_write_kv_round_trips(tiny_dir: Path, package: 
     feed(interp, FullAttentionMemory(interp), ids)
     feed(torch_be, FullAttentionMemory(torch_be), ids)
     slots = torch.arange(40)
-    for got, ref in zip(interp.read_kv(0, slots), torch_be.read_kv(0, slots)):
+    for got, ref in zip(interp.read_kv(0, slots), torch_be.read_kv(0, slots), strict=True):
         c = interp.config
         assert got.shape == (c.num_hidden_layers, c.num_key_value_heads, 40, c.head_dim) and got.dtype == torch.float16
         torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
@@ -68,7 +68,7 @@ def test_cascade_pages_blocks_through_the_package(tiny_dir: Path, package: Calla
     ref_mem, got_mem = CascadeMemory(torch_be, cfg), CascadeMemory(interp, cfg)
     ref_logits, ref_tokens = run_greedy(torch_be, ref_mem, prompt, 24, chunk=64)
     got_logits, _ = run_greedy(interp, got_mem, prompt, 24, forced=ref_tokens, chunk=64)
-    for r, g in zip(ref_logits, got_logits):
+    for r, g in zip(ref_logits, got_logits, strict=True):
         torch.testing.assert_close(g, r.float(), atol=ATOL, rtol=0)
     ref_stats, got_stats = ref_mem.stats(), got_mem.stats()
     assert got_stats.working.evictions > 0 and got_stats.working.misses > 0  # blocks left and were paged back in

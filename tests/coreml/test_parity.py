@@ -41,10 +41,10 @@ def assert_parity(reference: Backend, candidate: Backend, prompt: list[int], ste
     ref_logits, ref_tokens = run_greedy(reference, FullAttentionMemory(reference), prompt, steps)
     got_logits, got_tokens = run_greedy(candidate, FullAttentionMemory(candidate), prompt, steps, forced=ref_tokens)
     assert len(got_logits) == len(ref_logits)
-    for r, g in zip(ref_logits, got_logits):
+    for r, g in zip(ref_logits, got_logits, strict=True):
         assert g.shape == r.shape
         torch.testing.assert_close(g, r.float(), atol=ATOL, rtol=0)
-    for step, (r, ref_tok, got_tok) in enumerate(zip(ref_logits[:-1], ref_tokens, got_tokens)):
+    for step, (r, ref_tok, got_tok) in enumerate(zip(ref_logits[:-1], ref_tokens, got_tokens, strict=True)):
         top2 = r[-1].float().topk(2).values
         if float(top2[0] - top2[1]) > 2 * ATOL:
             assert got_tok == ref_tok, f"decode step {step}: {got_tok} != {ref_tok}"

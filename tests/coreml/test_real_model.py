@@ -75,9 +75,9 @@ def test_interpreter_greedy_tokens_equal_the_torch_fp16_path(real_model_dir: Pat
         ref_logits, want = _greedy_tokens(torch_be, ids, cascade)
         interp.allocate(1, cascade.num_slots)
         _, got = _greedy_tokens(interp, ids, cascade, forced=want)
-        same = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), TOKENS)
+        same = next((i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w), TOKENS)
         margins = [float(r[-1].float().topk(2).values.diff().abs()) for r in ref_logits[:-1]]
-        flips = [(i, round(margins[i], 3)) for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        flips = [(i, round(margins[i], 3)) for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
         print(f"{prompt!r}: {same}/{TOKENS} tokens equal before any disagreement; disagreements (step, torch top-2 margin): {flips}")
         assert all(m < TIE for _, m in flips), f"{prompt!r}: {tok.decode(got)!r} != {tok.decode(want)!r}"
 
@@ -92,8 +92,8 @@ def test_fp16_accumulation_bounds_the_drift(real_model_dir: Path, real_bundle: P
     ids = Tokenizer.load(real_model_dir).encode_chat([{"role": "user", "content": PROMPTS[0]}])
     ref_logits, ref_tokens = _greedy_tokens(wide, ids, cascade)
     got_logits, _ = _greedy_tokens(narrow, ids, cascade, forced=ref_tokens)
-    drift = max(float((g[-1] - r[-1]).abs().max()) for g, r in zip(got_logits, ref_logits))
-    same = sum(int(g[-1].argmax()) == int(r[-1].argmax()) for g, r in zip(got_logits, ref_logits)) / len(ref_logits)
+    drift = max(float((g[-1] - r[-1]).abs().max()) for g, r in zip(got_logits, ref_logits, strict=True))
+    same = sum(int(g[-1].argmax()) == int(r[-1].argmax()) for g, r in zip(got_logits, ref_logits, strict=True)) / len(ref_logits)
     print(f"fp16 accumulation: max logit drift {drift:.3f}, same top token {same:.1%} over {len(ref_logits)} steps")
     assert torch.isfinite(torch.stack([g[-1] for g in got_logits])).all()
     assert drift < DRIFT and same >= 0.9

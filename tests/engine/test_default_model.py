@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.generate import GenerationSettings
-from engine.model_files import DEFAULT_MODEL_FILE, default_model_path, display_name, file_sha256, DEFAULT_MODEL_SHA256
+from engine.model_files import DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256, default_model_path, display_name, file_sha256
 from engine.sampling import SamplingSettings
 from engine.session import Engine, memory_factory_for
 

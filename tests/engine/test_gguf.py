@@ -131,7 +131,7 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop_tensors: boo
         else:
             w.add_key_value(name, value, kind)
     if not drop_tensors:
-        for i, t in enumerate(reader.tensors):
+        for _i, t in enumerate(reader.tensors):
             if tensor_type and t.name == "blk.0.attn_q.weight":
                 kind = getattr(gguf.GGMLQuantizationType, tensor_type)
                 block, size = gguf.GGML_QUANT_SIZES[kind]
@@ -177,7 +177,7 @@ def test_an_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
 def test_a_damaged_default_model_is_refused_with_what_to_do(tmp_path: Path) -> None:
     f = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     f.write_bytes(b"GGUF" + b"\0" * 100)
-    with pytest.raises(ModelLoadError, match="sha256 does not match.*--force-reinstall"):
+    with pytest.raises(ModelLoadError, match=r"sha256 does not match.*--force-reinstall"):
         verify_model_file(f, "0" * 64)
     verify_model_file(f, __import__("hashlib").sha256(f.read_bytes()).hexdigest())
 

@@ -266,7 +266,7 @@ def test_without_native_kernels_the_engine_says_why_and_runs_pytorch(qwen_dir: P
     b = TorchBackend(qwen_dir, "cpu", quantize="q8_0")  # auto kernels: falls back to the dequantized blocks
     assert b.native_isa is None and isinstance(b.model.lm_head, KMajorLinear) and DISABLE_ENV in b.kernels_note
     assert b.numerics == "torch-cpu-float32-wq8_0-kvfloat16"
-    with pytest.raises(BackendUnavailable, match="native CPU kernels are unavailable.*turned off"):
+    with pytest.raises(BackendUnavailable, match=r"native CPU kernels are unavailable.*turned off"):
         TorchBackend(qwen_dir, "cpu", quantize="q8_0", kernels="native")
     monkeypatch.delenv(DISABLE_ENV)
     torch_kernels = TorchBackend(qwen_dir, "cpu", quantize="q8_0", kernels="torch")
@@ -284,7 +284,7 @@ def test_without_native_kernels_the_engine_says_why_and_runs_pytorch(qwen_dir: P
 
 
 def test_a_failing_build_names_the_compiler_error(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="did not compile with .*error"):
+    with pytest.raises(RuntimeError, match=r"did not compile with .*error"):
         build_library(tmp_path, extra_flags=("-include", "/nonexistent/header.h"))
     assert not list((tmp_path / "native").glob("*"))  # nothing half-built is left behind
 

@@ -108,7 +108,7 @@ def test_a_gguf_runs_as_stored_exactly_as_the_same_weights_quantized_at_load(lla
     from_file = TorchBackend(model_dir, "cpu", quantize="auto", stored=stored)
     at_load = TorchBackend(model_dir, "cpu", quantize=qtype.name.lower())
     assert from_file.quantize == at_load.quantize == qtype.name.lower()
-    for (name, a), (_, b) in zip(from_file.model.named_modules(), at_load.model.named_modules()):
+    for (name, a), (_, b) in zip(from_file.model.named_modules(), at_load.model.named_modules(), strict=True):
         if isinstance(a, NativeBlockLinear):
             assert torch.equal(a.blocks, b.blocks), name  # the file's bytes (q/k un-permuted) = our quantizer's
     assert isinstance(from_file.model.model.embed_tokens, BlockEmbedding)  # read from the file's blocks
@@ -200,7 +200,7 @@ def test_a_stored_file_runs_as_stored_or_says_why(llama_dir: Path, tmp_path: Pat
     kq["model.layers.0.mlp.down_proj.weight"] = StoredTensor("Q6_K", (64, 128), np.zeros(64 * 105, np.uint8))
     b = TorchBackend(llama_dir, "cpu", quantize="auto", stored=kq)
     assert b.quantize == "none" and "Q6_K" in b.kernels_note and "no block kernel" in b.kernels_note
-    with pytest.raises(BackendUnavailable, match="cannot run as q4_1: .*Q6_K"):
+    with pytest.raises(BackendUnavailable, match=r"cannot run as q4_1: .*Q6_K"):
         TorchBackend(llama_dir, "cpu", quantize="q4_1", stored=kq)
 
 

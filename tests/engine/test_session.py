@@ -44,7 +44,7 @@ def reply(events) -> list[int]:  # type: ignore[no-untyped-def]
 def test_turns_are_fed_incrementally_and_equal_a_full_recompute(engine: Engine) -> None:
     a = engine.new_session()
     reply(a.chat("hello", GREEDY))
-    held = list(a.memory.tokens) + [a.pending_token]  # what the memory holds after turn 1, the unfed last token too
+    held = [*a.memory.tokens, a.pending_token]  # what the memory holds after turn 1, the unfed last token too
     second = reply(a.chat("and then?", GREEDY))
     # Turn 2 extended the memory instead of re-reading the conversation...
     assert a.memory.tokens[: len(held)] == held

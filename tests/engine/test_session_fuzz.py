@@ -69,7 +69,7 @@ def mutations(draw: st.DrawFn, files: dict[str, bytes]) -> tuple[str, bytes]:
         raw = raw[:a] + other[c:d] + raw[b:]
     elif op == "inflate":
         at = draw(st.sampled_from([12, 20, 28]))
-        value = draw(st.one_of(st.sampled_from(EDGE_LENGTHS + [len(raw), 2 * len(raw)]), st.integers(0, 2**64 - 1)))
+        value = draw(st.one_of(st.sampled_from([*EDGE_LENGTHS, len(raw), 2 * len(raw)]), st.integers(0, 2**64 - 1)))
         struct.pack_into("<Q", raw, at, value)
     elif op == "overwrite":
         junk = draw(st.binary(min_size=1, max_size=64))

@@ -15,7 +15,7 @@ VERSION = plist.project_version(REPO / "pyproject.toml")
 
 def test_version_comes_from_pyproject() -> None:
     with (REPO / "pyproject.toml").open("rb") as f:
-        assert VERSION == tomllib.load(f)["project"]["version"]
+        assert tomllib.load(f)["project"]["version"] == VERSION
     info = plist.info_plist(VERSION)
     assert info["CFBundleShortVersionString"] == info["CFBundleVersion"] == VERSION
 

@@ -133,7 +133,7 @@ def test_native_step_gives_the_same_summary_and_stays_native_after_page_ins(tmp_
     (native_logits, native_sums), (torch_logits, torch_sums) = runs
     torch.testing.assert_close(native_logits, torch_logits, atol=5e-4, rtol=1e-4)  # fp32 attention summed in another order
     paged = 0
-    for (a, was_paged), (want, _) in zip(native_sums, torch_sums):
+    for (a, was_paged), (want, _) in zip(native_sums, torch_sums, strict=True):
         torch.testing.assert_close(a, want, atol=2e-4, rtol=5e-3)  # the hidden states drift by attention rounding
         paged += was_paged
     assert paged >= 5  # the comparison covered steps right after page-ins

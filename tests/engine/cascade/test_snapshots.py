@@ -88,7 +88,7 @@ def test_longest_matching_snapshot_wins(tiny_model: Path, tmp_path: Path) -> Non
         b, m = memory(tiny_model, tmp_path)
         prefill(b, m, prompt, CHUNK)
     b, m = memory(tiny_model, tmp_path)
-    assert m.reuse_prefix(long + [1, 2, 3]) == cut_of(len(long))
+    assert m.reuse_prefix([*long, 1, 2, 3]) == cut_of(len(long))
     m.reset()
     assert m.reuse_prefix(short + random_ids(90, seed=6)) == cut_of(len(short))  # diverges from `long` after short
     m.reset()

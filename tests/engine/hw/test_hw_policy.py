@@ -87,7 +87,7 @@ def test_critical_to_nominal_resumes_without_a_separate_unthrottle() -> None:
 
 
 def test_sources_are_read_at_most_once_per_poll_interval_unless_notified() -> None:
-    policy, thermal, _memory, t, events = make(poll_interval_s=1.0)
+    policy, thermal, _memory, _t, events = make(poll_interval_s=1.0)
     policy.before_step(never)
     policy.before_step(never)
     policy.prefill_chunk(256)
