@@ -160,10 +160,13 @@ class Interpreter:
         for n, t in fn.states.items():
             if n not in state or state[n].shape != t.shape:
                 raise PackageError(f"State {n!r} is missing or not shaped {t.shape}.")
-        for op in fn.ops:
-            results = _execute(op, env, state, fn.states, self.fp16_acc, self.overflows)
-            for (name, _), value in zip(op.outputs, results, strict=True):
-                env[name] = value
+        # The device propagates inf/NaN silently; the interpreter records fp16 overflows itself (self.overflows), so
+        # numpy's warnings about what follows one (inf * 0) say nothing more.
+        with np.errstate(over="ignore", invalid="ignore"):
+            for op in fn.ops:
+                results = _execute(op, env, state, fn.states, self.fp16_acc, self.overflows)
+                for (name, _), value in zip(op.outputs, results, strict=True):
+                    env[name] = value
         return {n: env[n] for n in fn.outputs}
 
 

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.http_clients import close_all
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # `mac` tests need the real thing (pyobjc, sysctl, Core ML): skip them anywhere but macOS on Apple Silicon.
@@ -28,3 +30,9 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def close_http_clients() -> Iterator[None]:
+    yield
+    close_all()

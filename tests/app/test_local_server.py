@@ -14,6 +14,7 @@ from app.local_server import LocalServerController, install_local_server_menu
 from app.remote_servers import AddServerDialog, RemoteServerList
 from engine.remote import RemoteServer
 from engine.session import Engine, memory_factory_for
+from tests.http_clients import closed_after_test
 
 WAIT_MS = 30_000
 
@@ -41,7 +42,7 @@ def test_switch_serves_the_loaded_model_and_copies_its_url(qtbot, tiny_model: Pa
         assert controller.url in switch.text() and copy.isEnabled()
         copy.trigger()
         assert QGuiApplication.clipboard().text() == controller.url
-        client = openai.OpenAI(base_url=controller.url, api_key="none", max_retries=0, timeout=60)
+        client = closed_after_test(openai.OpenAI(base_url=controller.url, api_key="none", max_retries=0, timeout=60))
         assert [m.id for m in client.models.list().data] == [tiny_model.name]
         reply = client.chat.completions.create(model=tiny_model.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert reply.choices[0].finish_reason in ("stop", "length")

@@ -24,6 +24,7 @@ from engine.sampling import SamplingSettings
 from engine.session_file import TRANSCRIPT_KIND, load_session
 from tests.app.conftest import WAIT_MS, ScriptedDialogs, dispose
 from tests.engine.serving.conftest import KEY, Served, start_server
+from tests.http_clients import closed_after_test
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_a_remote_server_is_a_model_choice_and_the_reply_streams_from_it(qtbot, 
 
     result = send(qtbot, window, gui, "The quick brown fox")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
-    want = openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0).chat.completions.create(
+    want = closed_after_test(openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0)).chat.completions.create(
         model="tiny", messages=messages, max_tokens=12, temperature=0  # type: ignore[arg-type]
     )
     assert result.reason == want.choices[0].finish_reason
@@ -166,7 +167,7 @@ def test_the_open_conversation_goes_on_at_the_server_and_the_history_opens_there
     local_id = window.current_id
     choose(qtbot, window, gui, dialogs, RemoteServer(served.url, "tiny", KEY))
     history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": local.text}, {"role": "user", "content": "Go on"}]
-    client = openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0)
+    client = closed_after_test(openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0))
     want = client.chat.completions.create(model="tiny", messages=history, max_tokens=12, temperature=0)  # type: ignore[arg-type]
     assert send(qtbot, window, gui, "Go on").text == want.choices[0].message.content  # the server got the whole transcript
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS) as blocker:

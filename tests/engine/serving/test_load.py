@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from tests.engine.serving.conftest import KEY, Served, start_server
+from tests.http_clients import closed_after_test
 
 CLIENTS = 32
 KILLED = {3, 11, 19, 27}  # these close their stream after the first chunk
@@ -80,7 +81,7 @@ def test_32_streaming_clients(loaded: Served) -> None:
     assert cancelled(loaded) == len(KILLED)  # each killed client cancelled its own generation, nothing else did
 
     # Each request alone (one at a time) gives what it gave under load.
-    client = openai.OpenAI(base_url=loaded.url, api_key=KEY, max_retries=0, timeout=120)
+    client = closed_after_test(openai.OpenAI(base_url=loaded.url, api_key=KEY, max_retries=0, timeout=120))
     for i, (text, reason) in enumerate(got):
         if i in KILLED:
             assert text and reason is None

@@ -10,13 +10,14 @@ import openai
 from engine.serving.server import LocalServer
 from engine.serving.service import ModelService, ServeConfig
 from engine.session import Engine, memory_factory_for
+from tests.http_clients import closed_after_test
 
 
 def test_two_turns_on_the_real_model(real_model_dir: Path, tmp_path: Path) -> None:
     engine = Engine.load(real_model_dir, "cpu", memory_factory=memory_factory_for(real_model_dir, cache_dir=tmp_path), quantize="auto")
     service = ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, ServeConfig(model_id="smollm2"))
     with LocalServer(service, port=0) as server:
-        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+        client = closed_after_test(openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300))
         messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is the capital of France?"}]
         first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)  # type: ignore[arg-type]
         assert "Paris" in (first.choices[0].message.content or "")

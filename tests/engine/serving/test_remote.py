@@ -18,17 +18,18 @@ from engine.remote import RemoteClient, RemoteError, RemoteServer, RemoteSession
 from engine.sampling import SamplingSettings
 from engine.session_file import ForeignModelSession, restore
 from tests.engine.serving.conftest import KEY, Served
+from tests.http_clients import closed_after_test
 
 GREEDY = GenerationSettings(max_tokens=12, sampling=SamplingSettings(greedy=True))
 
 
 def remote(served: Served, key: str = KEY, model: str = "tiny") -> RemoteClient:
-    return RemoteClient(RemoteServer(served.url, model, key))
+    return closed_after_test(RemoteClient(RemoteServer(served.url, model, key)))
 
 
 def test_streams_what_the_server_answers(served: Served) -> None:
     messages = [{"role": "user", "content": "The quick brown fox"}]
-    want = openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0).chat.completions.create(
+    want = closed_after_test(openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0)).chat.completions.create(
         model="tiny", messages=messages, max_tokens=12, temperature=0  # type: ignore[arg-type]
     )
     events = list(remote(served).stream_chat(messages, GREEDY))
@@ -82,7 +83,7 @@ def test_errors_are_one_sentence(served: Served) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again below: nothing listens there
     with pytest.raises(RemoteError, match="Cannot reach"):
-        RemoteClient(RemoteServer(f"http://127.0.0.1:{port}/v1", "tiny")).list_models()
+        closed_after_test(RemoteClient(RemoteServer(f"http://127.0.0.1:{port}/v1", "tiny"))).list_models()
     with pytest.raises(RemoteError, match="not a server address"):
         RemoteServer("ftp://x", "tiny")
 
@@ -93,7 +94,7 @@ def test_errors_are_one_sentence(served: Served) -> None:
 )
 def test_a_broken_stream_is_an_error_not_a_crash(body: bytes) -> None:
     transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body, headers={"content-type": "text/event-stream"}))
-    client = RemoteClient(RemoteServer("http://remote.invalid/v1", "m"), transport=transport)
+    client = closed_after_test(RemoteClient(RemoteServer("http://remote.invalid/v1", "m"), transport=transport))
     with pytest.raises(RemoteError) as e:
         list(client.stream_chat([{"role": "user", "content": "hi"}], GREEDY))
     assert "\n" not in str(e.value)

@@ -12,12 +12,13 @@ from engine.generate import GenerationSettings, stream_generate
 from engine.memory import FullAttentionMemory
 from engine.sampling import SamplingSettings
 from tests.engine.serving.conftest import KEY, Served, start_server
+from tests.http_clients import closed_after_test
 
 SYSTEM = "You are a terse assistant. The quick brown fox jumps over the lazy dog. Python is a programming language."
 
 
 def client(served: Served, key: str = KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.url, api_key=key, max_retries=0, timeout=60)
+    return closed_after_test(openai.OpenAI(base_url=served.url, api_key=key, max_retries=0, timeout=60))
 
 
 def reference(served: Served, ids: list[int], max_tokens: int) -> str:
