@@ -190,6 +190,10 @@ def run(args: argparse.Namespace) -> dict:
     if "llamacpp" in runs:
         result["ratio_vs_llamacpp"] = round(result["ours_decode_tps"] / result["llamacpp_decode_tps"], 3)
         result["prefill_ratio_vs_llamacpp"] = round(result["ours_prefill_tps"] / result["llamacpp_prefill_tps"], 3)
+        # Each repeat's ratio (its runs are adjacent, so they share that moment's load): the spread behind the median.
+        pairs = list(zip(runs["ours"], runs["llamacpp"]))
+        result["ratio_vs_llamacpp_runs"] = [round(o["decode_tps"] / t["decode_tps"], 3) for o, t in pairs]
+        result["prefill_ratio_vs_llamacpp_runs"] = [round(o["prefill_tps"] / t["prefill_tps"], 3) for o, t in pairs]
     if "transformers" in runs:
         result["ratio_vs_transformers"] = round(result["ours_decode_tps"] / result["transformers_decode_tps"], 3)
     if notes:
