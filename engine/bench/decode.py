@@ -24,16 +24,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.errors import SparkError
-from engine.generate import GenerationSettings
-from engine.sampling import SamplingSettings
 from engine.backends import BackendChoice
 from engine.backends.base import Backend
 from engine.backends.torch_backend import TorchBackend
-from engine.model_files import display_name, gguf_model, is_gguf_model, resolve_model_path
-from engine.tokenizer import Tokenizer
+from engine.errors import SparkError
+from engine.generate import GenerationSettings
 from engine.memory import FullAttentionMemory, Memory
+from engine.model_files import (
+    display_name,
+    gguf_model,
+    is_gguf_model,
+    resolve_model_path,
+)
+from engine.sampling import SamplingSettings
 from engine.session import Engine, MemoryFactory, Session
+from engine.tokenizer import Tokenizer
 
 # Our precision -> the GGUF tensor type llama.cpp runs for the same comparison.
 GGUF_TYPE_FOR: dict[str, str] = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1"}
@@ -88,7 +93,7 @@ def measure_llamacpp(llm, ids: list[int], n_decode: int) -> dict:  # type: ignor
 
 def measure_transformers(model, ids: list[int], n_decode: int) -> dict:  # type: ignore[no-untyped-def]
     inp = torch.tensor([ids])
-    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(inp))
+    kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, "attention_mask": torch.ones_like(inp)}
     t0 = time.perf_counter()
     model.generate(inp, max_new_tokens=1, min_new_tokens=1, **kw)
     t1 = time.perf_counter()

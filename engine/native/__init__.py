@@ -154,7 +154,7 @@ def compile_flags(portable: bool = False) -> list[str]:
 
 def _compiler_identity(cc: str) -> str:
     try:
-        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30)
         return out.stdout.splitlines()[0] if out.stdout else cc
     except (OSError, subprocess.SubprocessError):
         return cc
