@@ -496,6 +496,47 @@ static void dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_a
     }
 }
 
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+/* dot_rows for one int16 activation row (a decoding step) and two weight rows at once: two independent chains
+ * for the core to overlap, the activation blocks loaded once for both. Each row's sum takes dot_rows's steps. */
+static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32_t nb, const spark_act *a, float *out) {
+    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
+    __m128 cur_a = _mm_setzero_ps(), next_a = _mm_setzero_ps(), cur_b = _mm_setzero_ps(), next_b = _mm_setzero_ps();
+    int32_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        const uint8_t *pa = ra + (int64_t)b * bb, *pb = rb + (int64_t)b * bb;
+        const int16_t *q = a->q16 + (int64_t)b * QK;
+        __m256i la[4], lb[4];
+        for (int32_t j = 0; j < 4; j++) {
+            const spark_w16 wa = load_w16(type, pa + j * bb + off), wb = load_w16(type, pb + j * bb + off);
+            la[j] = block_lanes16(wa, q + j * QK);
+            lb[j] = block_lanes16(wb, q + j * QK);
+        }
+        __m128 dwa, mwa = _mm_setzero_ps(), dwb, mwb = _mm_setzero_ps();
+        block_scales4(type, pa, bb, &dwa, &mwa);
+        block_scales4(type, pb, bb, &dwb, &mwb);
+        const __m128 sa = _mm_add_ps(cur_a, block_terms4(type, dwa, mwa, hsum4(la[0], la[1], la[2], la[3]), a, b));
+        const __m128 sb = _mm_add_ps(cur_b, block_terms4(type, dwb, mwb, hsum4(lb[0], lb[1], lb[2], lb[3]), a, b));
+        cur_a = next_a, next_a = sa, cur_b = next_b, next_b = sb;
+    }
+    const int32_t odd = (b >> 2) & 1;
+    float acc[2][8];
+    _mm_storeu_ps(acc[0] + (odd ? 4 : 0), cur_a);
+    _mm_storeu_ps(acc[0] + (odd ? 0 : 4), next_a);
+    _mm_storeu_ps(acc[1] + (odd ? 4 : 0), cur_b);
+    _mm_storeu_ps(acc[1] + (odd ? 0 : 4), next_b);
+    for (int32_t r = 0; r < 2; r++) {
+        const uint8_t *row = r ? rb : ra;
+        float *ac = acc[r];
+        for (int32_t c = b; c < nb; c++) {
+            const uint8_t *p = row + (int64_t)c * bb;
+            ac[c & 7] += block_term(type, p, block_dot(type, p + off, a, c), a, c);
+        }
+        out[r] = ((ac[0] + ac[4]) + (ac[1] + ac[5])) + ((ac[2] + ac[6]) + (ac[3] + ac[7]));
+    }
+}
+#endif
+
 /* y (M, N) = x W^T (+ bias) for M quantized activation rows; rows of W split across the pool. Each output is
  * dot_row of one weight row and one activation row, so a prefill of M rows and M one-row decodes agree bit for
  * bit; the weight row stays in cache while the M activation rows pass it. */
@@ -511,6 +552,15 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const spark_qmat *w = g->w;
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t row_bytes = (int64_t)nb * block_bytes(w->type);
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    if (g->m == 1 && g->a->parts == 2 && w->type != SPARK_Q8_0) { /* a decoding step: weight rows in pairs */
+        for (; begin + 2 <= end; begin += 2) {
+            float out[2];
+            dot_pair16(w->type, w->blocks + begin * row_bytes, w->blocks + (begin + 1) * row_bytes, nb, g->a, out);
+            for (int32_t r = 0; r < 2; r++) g->y[begin + r] = out[r] + (w->bias ? w->bias[begin + r] : 0.0f);
+        }
+    }
+#endif
     /* Tokens in groups of SPARK_ROWS, and within a group every row of this thread's range: the group's activations
      * stay in L1 while the weight rows stream past once per group. */
     for (int32_t r = 0; r < g->m; r += SPARK_ROWS) {
