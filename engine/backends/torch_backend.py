@@ -34,7 +34,7 @@ from engine.model import (
     fuse_projections,
     replace_linears,
 )
-from engine.native import NativeKernels, NativeStatus, load_kernels
+from engine.native import NativeKernels, NativeStatus, activation_numerics, load_kernels
 from engine.native.decoder import NativeBlockLinear, NativeDecoder
 from engine.quant import BlockType, StoredTensor
 from engine.slots import StepReads
@@ -146,8 +146,8 @@ class TorchBackend(Backend):
         prefix-cached conversation continues exactly as an uninterrupted one. Pass float32 to compare the math with
         references at fp32 tolerance.
 
-        `act_parts` (native kernels): activations quantized per block of 32 in 1 int8 part (llama.cpp's Q8 dot
-        products) or 2 (the default: a second part holds the first's residual; bench quant measures both).
+        `act_parts` (native kernels): activations quantized per block of 32 as int8 (1: llama.cpp's Q8 dot
+        products) or int16 (2, the default) with one scale per block; bench quant measures both.
 
         `kernels` picks what runs block weights: "native" our compiled CPU kernels (engine.native; an error when
         they cannot be built), "torch" PyTorch over the dequantized matrices, "auto" native when available.
@@ -248,7 +248,7 @@ class TorchBackend(Backend):
 
     @property
     def numerics(self) -> str:
-        weights = "" if self.quantize == "none" else f"-w{self.quantize}" + (f"native-a{8 * self.act_parts}" if self.native_isa else "")
+        weights = "" if self.quantize == "none" else f"-w{self.quantize}" + (f"native-{activation_numerics(self.act_parts)}" if self.native_isa else "")
         return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}{weights}-kv{str(self.kv_dtype).removeprefix('torch.')}"
 
     @property

@@ -89,7 +89,7 @@ def measure_llamacpp(llm, ids: list[int], n_decode: int) -> dict[str, Any]:  # t
 
 def measure_transformers(model, ids: list[int], n_decode: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]  # model: a transformers model, an optional import
     inp = torch.tensor([ids])
-    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(inp))
+    kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, "attention_mask": torch.ones_like(inp)}
     t0 = time.perf_counter()
     model.generate(inp, max_new_tokens=1, min_new_tokens=1, **kw)
     t1 = time.perf_counter()
@@ -191,6 +191,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "llamacpp" in runs:
         result["ratio_vs_llamacpp"] = round(result["ours_decode_tps"] / result["llamacpp_decode_tps"], 3)
         result["prefill_ratio_vs_llamacpp"] = round(result["ours_prefill_tps"] / result["llamacpp_prefill_tps"], 3)
+        # Each repeat's ratio (its runs are adjacent, so they share that moment's load): the spread behind the median.
+        pairs = list(zip(runs["ours"], runs["llamacpp"], strict=True))
+        result["ratio_vs_llamacpp_runs"] = [round(o["decode_tps"] / t["decode_tps"], 3) for o, t in pairs]
+        result["prefill_ratio_vs_llamacpp_runs"] = [round(o["prefill_tps"] / t["prefill_tps"], 3) for o, t in pairs]
     if "transformers" in runs:
         result["ratio_vs_transformers"] = round(result["ours_decode_tps"] / result["transformers_decode_tps"], 3)
     if notes:

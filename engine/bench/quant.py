@@ -5,8 +5,8 @@ folder's fp32 weights exported at that type (engine.bench.gguf_export; our own q
 read back as StoredTensor (engine.gguf_file) for us and loaded by llama.cpp (llama-cpp-python, logits for every
 token). Over >= 2,048 tokens of held-out text, each is compared with our fp32 logits: mean and 99th-percentile KL
 divergence, same top token, perplexity. Headline `kld_ratio_vs_llamacpp` (ours / theirs) per type and worst; goal
-<= 1.0. Our kernels quantize activations per block of 32 in two int8 parts (`ours_*`); the same weights also run
-with llama.cpp's one-part Q8 activations (`ours_q8_act_*`) and with fp32 activations (`ours_fp32_act_*`), which
+<= 1.0. Our kernels quantize activations per block of 32 as int16 with one scale (`ours_*`); the same weights
+also run with llama.cpp's int8 (Q8) activations (`ours_q8_act_*`) and with fp32 activations (`ours_fp32_act_*`), which
 is how the default was chosen.
 """
 

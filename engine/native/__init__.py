@@ -41,7 +41,7 @@ class QMat(ctypes.Structure):
         ("n", ctypes.c_int32),
         ("k", ctypes.c_int32),
         ("type", ctypes.c_int32),
-        ("act_parts", ctypes.c_int32),
+        ("act_parts", ctypes.c_int32),  # 1: int8 activations per block of 32 (llama.cpp's Q8); 2: int16
     ]
 
 
@@ -96,6 +96,13 @@ class StepDesc(ctypes.Structure):
     ]
 
 
+def activation_numerics(act_parts: int) -> str:
+    """The label of QMat.act_parts's activation format, for a backend's numerics string (which keys the disk prefix
+    cache): "a8" is llama.cpp's int8 blocks; "a16i" int16 blocks with one scale, which replaced two int8 parts
+    ("a16") and computes slightly different bits, so caches written by the old kernels are not reused."""
+    return "a8" if act_parts == 1 else "a16i"
+
+
 @dataclass(frozen=True)
 class NativeKernels:
     """The loaded library: `lib` with typed entry points, and the instruction set its dot products use."""
@@ -147,7 +154,7 @@ def compile_flags(portable: bool = False) -> list[str]:
 
 def _compiler_identity(cc: str) -> str:
     try:
-        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30)
         return out.stdout.splitlines()[0] if out.stdout else cc
     except (OSError, subprocess.SubprocessError):
         return cc

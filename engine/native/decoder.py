@@ -33,7 +33,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 class NativeBlockLinear(nn.Module):
     """y = x @ W^T + b with W in a GGUF block format and x quantized per block of 32 at call time, in one int8
-    part (llama.cpp's Q8 activations) or two (the second holds the first's residual: ~15 bits)."""
+    part (llama.cpp's Q8 activations) or 2 (int16 blocks with one scale)."""
 
     blocks: torch.Tensor
     bias: torch.Tensor | None

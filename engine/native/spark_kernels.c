@@ -15,14 +15,14 @@
  * Conventions (shapes as in engine/model.py): C hidden, H query heads, Hkv key/value heads, D head dim, I MLP
  * width, N/K a matrix's output/input size. Weights are GGUF blocks of 32 (engine/quant.py): each row of a matrix
  * is K/32 blocks, read in place from the file's bytes. Activations are quantized per block of 32 as llama.cpp's
- * dot products do (xq = rint(x * 127 / amax), d_x = amax / 127, fp32 scale), optionally with a second int8
- * part holding the first one's residual (spark_act: ~15-bit activations; README, bench quant, says why);
- * each block's product is an exact int32 sum per part, and the blocks' float terms are added in one fixed order
- * (8 partial sums, lane b % 8, then a fixed tree) that every instruction set reproduces, so every ISA and the
- * prefill path give the same bits. Per block and part p (x ~= sum_p d_p q_p):
- *   Q8_0: term = sum_p (d_w * d_p) * sum(wq * q_p)                                  w = d_w * wq
- *   Q4_0: term = sum_p (d_w * d_p) * (sum(nib * q_p) - 8 * sum(q_p))                 w = d_w * (nib - 8)
- *   Q4_1: term = sum_p (d_w * d_p) * sum(nib * q_p) + m_w * sum_p d_p * sum(q_p)      w = d_w * nib + m_w
+ * dot products do (xq = rint(x * 127 / amax), d_x = amax / 127, fp32 scale) or, by default, as int16 with one scale
+ * (xq = rint(x * 32767 / amax), d_x = amax / 32767: ~16-bit activations, finer than the two int8 parts used before,
+ * which bench quant measured as faithful as fp32, at one product per block); each block's product is an exact int32 sum, and the blocks' float terms are added in one
+ * fixed order (8 partial sums, lane b % 8, then a fixed tree) that every instruction set reproduces, so every ISA
+ * and the prefill path give the same bits. Per block (w = the weight, x ~= d_x xq, s = sum(xq)):
+ *   Q8_0: term = (d_w * d_x) * sum(wq * xq)                          w = d_w * wq
+ *   Q4_0: term = (d_w * d_x) * (sum(nib * xq) - 8 * s)               w = d_w * (nib - 8)
+ *   Q4_1: term = (d_w * d_x) * sum(nib * xq) + m_w * (d_x * s)       w = d_w * nib + m_w
  */
 
 #include <math.h>
@@ -220,13 +220,15 @@ typedef struct {
     int32_t act_parts; /* 1: activations as one int8 block (llama.cpp's Q8); 2: plus an int8 block of the residual */
 } spark_qmat;
 
-/* Activation rows quantized per block of 32, in one or two int8 parts: x ~= d1 q1 + d2 q2, where part 2 quantizes
- * what part 1 left (x - d1 q1) the same way, ~15 bits per value. q1, q2 (M, K) int8; d1, d2 (M, K/32) scales;
- * s1, s2 their blocks' sums of q; ds = d1 s1 + d2 s2 (Q4_1's min term). Part 2 is left untouched when parts = 1. */
+/* Activation rows quantized per block of 32 with one fp32 scale per block: as int8 (parts = 1, llama.cpp's Q8:
+ * q = rint(x * 127 / amax), d = amax / 127) or as int16 (parts = 2, q = rint(x * 32767 / amax), d = amax / 32767:
+ * ~16 bits; "parts" is the ABI's older name, from two int8 parts, which held ~15 bits at twice the products). q8 / q16 (M, K) share memory; d (M, K/32) the
+ * scales, s the blocks' sums of q, ds = d * s (Q4_1's min term). */
 typedef struct {
-    int8_t *q1, *q2;
-    float *d1, *d2, *ds;
-    int32_t *s1, *s2;
+    int8_t *q8;
+    int16_t *q16;
+    float *d, *ds;
+    int32_t *s;
     int32_t parts;
 } spark_act;
 
@@ -237,18 +239,16 @@ int32_t spark_block_bytes(int32_t type) {
 }
 
 /* Bytes of activation scratch for m rows of k (spark_qgemm's `scratch`). */
-int64_t spark_act_bytes(int32_t k, int32_t m) { return (int64_t)m * (2 * k + 20 * (k / QK)) + 64; }
+int64_t spark_act_bytes(int32_t k, int32_t m) { return (int64_t)m * (2 * k + 12 * (k / QK)) + 64; }
 
 static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
     const int64_t nb = (int64_t)m * (k / QK);
     spark_act a;
-    a.d1 = (float *)scratch;
-    a.d2 = a.d1 + nb;
-    a.ds = a.d2 + nb;
-    a.s1 = (int32_t *)(a.ds + nb);
-    a.s2 = a.s1 + nb;
-    a.q1 = (int8_t *)(a.s2 + nb);
-    a.q2 = a.q1 + nb * QK;
+    a.d = (float *)scratch;
+    a.ds = a.d + nb;
+    a.s = (int32_t *)(a.ds + nb);
+    a.q8 = (int8_t *)(a.s + nb);
+    a.q16 = (int16_t *)(a.s + nb);
     a.parts = parts;
     return a;
 }
@@ -259,21 +259,30 @@ static inline float f16_at(const uint8_t *p) {
     return (float)h;
 }
 
-/* One block of 32: q = rint(x * 127 / amax), returns d = amax / 127 (0 for an all-zero block) and q's sum. */
-static float quantize_block(const float *x, int8_t *q, int32_t *sum) {
+/* One block of 32: q = rint(x * qmax / amax) into q8 (qmax 127, parts 1) or q16 (qmax 32767, parts 2); returns
+ * d = amax / qmax (0 for an all-zero block) and sets q's sum. */
+static float quantize_block(const float *x, int32_t parts, int8_t *q8, int16_t *q16, int32_t *sum) {
     float amax = 0.0f;
     for (int32_t i = 0; i < QK; i++) {
         const float v = fabsf(x[i]);
         amax = v > amax ? v : amax;
     }
-    const float inv = amax == 0.0f ? 0.0f : 127.0f / amax;
+    const float qmax = parts == 2 ? 32767.0f : 127.0f;
+    const float inv = amax == 0.0f ? 0.0f : qmax / amax;
     int32_t s = 0;
-    for (int32_t i = 0; i < QK; i++) {
-        q[i] = (int8_t)lrintf(x[i] * inv);
-        s += q[i];
+    if (parts == 2) {
+        for (int32_t i = 0; i < QK; i++) {
+            q16[i] = (int16_t)lrintf(x[i] * inv);
+            s += q16[i];
+        }
+    } else {
+        for (int32_t i = 0; i < QK; i++) {
+            q8[i] = (int8_t)lrintf(x[i] * inv);
+            s += q8[i];
+        }
     }
     *sum = s;
-    return amax / 127.0f;
+    return amax / qmax;
 }
 
 /* Quantize one row x (K, of which the first `valid` values are given: the rest are zeros, a matrix whose input
@@ -287,22 +296,14 @@ static void quantize_row(const float *x, int32_t k, int32_t valid, spark_act *a,
             xb = padded;
         }
         const int64_t at = b0 + b;
-        int8_t *q1 = a->q1 + at * QK;
-        const float d1 = quantize_block(xb, q1, &a->s1[at]);
-        a->d1[at] = d1;
-        if (a->parts == 1) {
-            a->ds[at] = d1 * (float)a->s1[at];
-            continue;
-        }
-        float r[QK];
-        for (int32_t i = 0; i < QK; i++) r[i] = xb[i] - (float)q1[i] * d1;
-        a->d2[at] = quantize_block(r, a->q2 + at * QK, &a->s2[at]);
-        a->ds[at] = d1 * (float)a->s1[at] + a->d2[at] * (float)a->s2[at];
+        a->d[at] = quantize_block(xb, a->parts, a->q8 + at * QK, a->q16 + at * QK, &a->s[at]);
+        a->ds[at] = a->d[at] * (float)a->s[at];
     }
 }
 
 /* Exact int32 products of one block: Q8_0 sum(wq * xq); Q4 sum(nib * xq), nibbles unsigned (0..15): byte i holds
- * element i in its low half and element i + 16 in its high half. `qs` points at the block's quants. */
+ * element i in its low half and element i + 16 in its high half. `qs` points at the block's quants. Integer sums
+ * are exact in any order, so each instruction set takes its own fastest route to the same number. */
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
 typedef struct {
     __m256i u; /* unsigned bytes: |w| (Q8_0) or the nibbles */
@@ -322,7 +323,7 @@ static inline spark_wv load_w(int32_t type, const uint8_t *qs) {
     }
     return v;
 }
-/* 8 int32 lanes whose sum is the block's product: u8 times s8 without saturation. */
+/* 8 int32 lanes whose sum is the block's product with int8 activations: u8 times s8 without saturation. */
 static inline __m256i block_lanes(int32_t type, spark_wv wv, const int8_t *xq) {
     __m256i x = _mm256_loadu_si256((const __m256i *)xq);
     if (type == SPARK_Q8_0) x = _mm256_sign_epi8(x, wv.w); /* |w| * (x * sign w) = w * x, w = -128 included */
@@ -333,6 +334,33 @@ static inline __m256i block_lanes(int32_t type, spark_wv wv, const int8_t *xq) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(wv.u, x), _mm256_set1_epi16(1));
 #endif
 }
+
+typedef struct {
+    __m256i lo, hi; /* the weights widened to int16: elements 0..15 and 16..31 */
+} spark_w16;
+
+static inline spark_w16 load_w16(int32_t type, const uint8_t *qs) {
+    spark_w16 v;
+    if (type == SPARK_Q8_0) {
+        v.lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qs));
+        v.hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0F);
+        v.lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
+        v.hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+    }
+    return v;
+}
+/* 8 int32 lanes whose sum is the block's product with int16 activations: |w| <= 128, |x| <= 32767, so a pair's
+ * sum and the block's total (< 2^27) stay within int32. */
+static inline __m256i block_lanes16(spark_w16 w, const int16_t *x) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)x), x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
+#if defined(SPARK_AVX512VNNI)
+    return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), w.lo, x0), w.hi, x1);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x0), _mm256_madd_epi16(w.hi, x1));
+#endif
+}
 /* The four blocks' sums from their lanes (integer adds: exact in any order). */
 static inline __m128i hsum4(__m256i a, __m256i b, __m256i c, __m256i d) {
     const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
@@ -340,11 +368,27 @@ static inline __m128i hsum4(__m256i a, __m256i b, __m256i c, __m256i d) {
 }
 #endif
 
-static inline int32_t block_dot(int32_t type, const uint8_t *qs, const int8_t *xq) {
+/* The same products in plain C (the portable build; Arm's int16 path, which the compiler vectorizes). */
+static inline int32_t dot16_c(int32_t type, const uint8_t *qs, const int16_t *x) {
+    int32_t s = 0;
+    if (type == SPARK_Q8_0) {
+        for (int32_t i = 0; i < QK; i++) s += (int32_t)((const int8_t *)qs)[i] * x[i];
+    } else {
+        for (int32_t i = 0; i < QK / 2; i++) s += (int32_t)(qs[i] & 0x0F) * x[i] + (int32_t)(qs[i] >> 4) * x[i + QK / 2];
+    }
+    return s;
+}
+
+/* Block `at` of a's product with the block of quants `qs`. */
+static inline int32_t block_dot(int32_t type, const uint8_t *qs, const spark_act *a, int64_t at) {
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
     const __m256i z = _mm256_setzero_si256();
-    return _mm_cvtsi128_si32(hsum4(block_lanes(type, load_w(type, qs), xq), z, z, z));
-#elif defined(SPARK_NEON_DOT)
+    const __m256i lanes = a->parts == 2 ? block_lanes16(load_w16(type, qs), a->q16 + at * QK) : block_lanes(type, load_w(type, qs), a->q8 + at * QK);
+    return _mm_cvtsi128_si32(hsum4(lanes, z, z, z));
+#else
+    if (a->parts == 2) return dot16_c(type, qs, a->q16 + at * QK);
+    const int8_t *xq = a->q8 + at * QK;
+#if defined(SPARK_NEON_DOT)
     const int8x16_t x0 = vld1q_s8(xq), x1 = vld1q_s8(xq + 16);
     if (type == SPARK_Q8_0) return vaddvq_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), vld1q_s8((const int8_t *)qs), x0), vld1q_s8((const int8_t *)qs + 16), x1));
     const uint8x16_t raw = vld1q_u8(qs);
@@ -359,84 +403,139 @@ static inline int32_t block_dot(int32_t type, const uint8_t *qs, const int8_t *x
     }
     return s;
 #endif
+#endif
 }
 
-/* The float term block b adds (the fixed formulas at the top of this file), from its exact integer sums. */
-static inline float block_term(int32_t type, const uint8_t *blk, int32_t i1, int32_t i2, const spark_act *a, int64_t b) {
+/* The float term block b adds (the fixed formulas at the top of this file), from its exact integer sum. */
+static inline float block_term(int32_t type, const uint8_t *blk, int32_t i, const spark_act *a, int64_t b) {
     const float dw = f16_at(blk);
-    if (type == SPARK_Q4_0) {
-        i1 -= 8 * a->s1[b];
-        if (a->parts == 2) i2 -= 8 * a->s2[b];
-    }
-    float t = (dw * a->d1[b]) * (float)i1;
-    if (a->parts == 2) t += (dw * a->d2[b]) * (float)i2;
+    if (type == SPARK_Q4_0) i -= 8 * a->s[b];
+    float t = (dw * a->d[b]) * (float)i;
     if (type == SPARK_Q4_1) t += f16_at(blk + 2) * a->ds[b];
     return t;
 }
 
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
-/* block_term for blocks b .. b+3 at once: the same float operations in the same order, one lane per block. */
-static inline __m128 block_terms4(int32_t type, const uint8_t *p, int32_t bb, __m128i i1, __m128i i2, const spark_act *a, int64_t b) {
+/* The weight side of blocks b .. b+3 (their d, and Q4_1's m), widened once for every activation row. */
+static inline void block_scales4(int32_t type, const uint8_t *p, int32_t bb, __m128 *dw, __m128 *mw) {
     int32_t w32[4]; /* each block's first 4 bytes: d, then m (Q4_1) or quants */
     for (int32_t j = 0; j < 4; j++) memcpy(&w32[j], p + j * bb, 4);
     const __m128i dm = _mm_setr_epi32(w32[0], w32[1], w32[2], w32[3]);
-    const __m128 dw = _mm_cvtph_ps(_mm_shuffle_epi8(dm, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1)));
-    if (type == SPARK_Q4_0) {
-        i1 = _mm_sub_epi32(i1, _mm_slli_epi32(_mm_loadu_si128((const __m128i *)(a->s1 + b)), 3));
-        if (a->parts == 2) i2 = _mm_sub_epi32(i2, _mm_slli_epi32(_mm_loadu_si128((const __m128i *)(a->s2 + b)), 3));
-    }
-    __m128 t = _mm_mul_ps(_mm_mul_ps(dw, _mm_loadu_ps(a->d1 + b)), _mm_cvtepi32_ps(i1));
-    if (a->parts == 2) t = _mm_add_ps(t, _mm_mul_ps(_mm_mul_ps(dw, _mm_loadu_ps(a->d2 + b)), _mm_cvtepi32_ps(i2)));
-    if (type == SPARK_Q4_1) {
-        const __m128 mw = _mm_cvtph_ps(_mm_shuffle_epi8(dm, _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)));
-        t = _mm_add_ps(t, _mm_mul_ps(mw, _mm_loadu_ps(a->ds + b)));
-    }
+    *dw = _mm_cvtph_ps(_mm_shuffle_epi8(dm, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1)));
+    if (type == SPARK_Q4_1) *mw = _mm_cvtph_ps(_mm_shuffle_epi8(dm, _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)));
+}
+/* block_term for blocks b .. b+3 at once: the same float operations in the same order, one lane per block. */
+static inline __m128 block_terms4(int32_t type, __m128 dw, __m128 mw, __m128i i, const spark_act *a, int64_t b) {
+    if (type == SPARK_Q4_0) i = _mm_sub_epi32(i, _mm_slli_epi32(_mm_loadu_si128((const __m128i *)(a->s + b)), 3));
+    __m128 t = _mm_mul_ps(_mm_mul_ps(dw, _mm_loadu_ps(a->d + b)), _mm_cvtepi32_ps(i));
+    if (type == SPARK_Q4_1) t = _mm_add_ps(t, _mm_mul_ps(mw, _mm_loadu_ps(a->ds + b)));
     return t;
 }
 #endif
 
 /* out[t] = sum_k w[row, k] x_t[k] for one row of blocks and R <= 4 quantized activation rows, row t starting at
  * block b0[t]. The weight blocks are unpacked once for all R rows; each row's sum takes the same steps as for R = 1,
- * so a prefill and one-row decodes agree bit for bit. */
+ * so a prefill and one-row decodes agree bit for bit. Inlined per R (spark_dot_rows below), so the R rows'
+ * accumulators live in registers. */
 #define SPARK_ROWS 4
-static void dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
-    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2, two = a->parts == 2;
+static inline __attribute__((always_inline)) void dot_rows_r(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, const int32_t r_count, float *out) {
+    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
     float acc[SPARK_ROWS][8] = {{0}};
     int32_t b = 0;
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
-    __m128 lanes[SPARK_ROWS][2]; /* acc[t][0..3], acc[t][4..7] */
-    for (int32_t t = 0; t < r_count; t++) lanes[t][0] = lanes[t][1] = _mm_setzero_ps();
+    /* Per row, the partial sums of blocks of this group's parity (cur) and of the next group's (next): b % 8 for
+     * b in groups of 4 is acc[0..3] for even groups, acc[4..7] for odd ones; the two swap roles every group. */
+    __m128 cur[SPARK_ROWS], next[SPARK_ROWS];
+    for (int32_t t = 0; t < r_count; t++) cur[t] = next[t] = _mm_setzero_ps();
     for (; b + 4 <= nb; b += 4) {
         const uint8_t *p = row + (int64_t)b * bb;
-        const spark_wv w0 = load_w(type, p + off), w1 = load_w(type, p + bb + off), w2 = load_w(type, p + 2 * bb + off), w3 = load_w(type, p + 3 * bb + off);
-        for (int32_t t = 0; t < r_count; t++) {
-            const int64_t x0 = (b0[t] + b) * QK;
-            const int8_t *q = a->q1 + x0;
-            const __m128i i1 = hsum4(block_lanes(type, w0, q), block_lanes(type, w1, q + QK), block_lanes(type, w2, q + 2 * QK), block_lanes(type, w3, q + 3 * QK));
-            __m128i i2 = _mm_setzero_si128();
-            if (two) {
-                q = a->q2 + x0;
-                i2 = hsum4(block_lanes(type, w0, q), block_lanes(type, w1, q + QK), block_lanes(type, w2, q + 2 * QK), block_lanes(type, w3, q + 3 * QK));
+        __m128 dw, mw = _mm_setzero_ps();
+        block_scales4(type, p, bb, &dw, &mw);
+        __m128i isum[SPARK_ROWS];
+        if (a->parts == 2) {
+            const spark_w16 w0 = load_w16(type, p + off), w1 = load_w16(type, p + bb + off), w2 = load_w16(type, p + 2 * bb + off), w3 = load_w16(type, p + 3 * bb + off);
+            for (int32_t t = 0; t < r_count; t++) {
+                const int16_t *q = a->q16 + (b0[t] + b) * QK;
+                isum[t] = hsum4(block_lanes16(w0, q), block_lanes16(w1, q + QK), block_lanes16(w2, q + 2 * QK), block_lanes16(w3, q + 3 * QK));
             }
-            lanes[t][(b >> 2) & 1] = _mm_add_ps(lanes[t][(b >> 2) & 1], block_terms4(type, p, bb, i1, i2, a, b0[t] + b));
+        } else {
+            const spark_wv w0 = load_w(type, p + off), w1 = load_w(type, p + bb + off), w2 = load_w(type, p + 2 * bb + off), w3 = load_w(type, p + 3 * bb + off);
+            for (int32_t t = 0; t < r_count; t++) {
+                const int8_t *q = a->q8 + (b0[t] + b) * QK;
+                isum[t] = hsum4(block_lanes(type, w0, q), block_lanes(type, w1, q + QK), block_lanes(type, w2, q + 2 * QK), block_lanes(type, w3, q + 3 * QK));
+            }
+        }
+        for (int32_t t = 0; t < r_count; t++) {
+            const __m128 sum = _mm_add_ps(cur[t], block_terms4(type, dw, mw, isum[t], a, b0[t] + b));
+            cur[t] = next[t];
+            next[t] = sum;
         }
     }
+    const int32_t odd = (b >> 2) & 1; /* groups done: after an odd count, cur holds the odd groups' sums */
     for (int32_t t = 0; t < r_count; t++) {
-        _mm_storeu_ps(acc[t], lanes[t][0]);
-        _mm_storeu_ps(acc[t] + 4, lanes[t][1]);
+        _mm_storeu_ps(acc[t] + (odd ? 4 : 0), cur[t]);
+        _mm_storeu_ps(acc[t] + (odd ? 0 : 4), next[t]);
     }
 #endif
     for (int32_t t = 0; t < r_count; t++) {
         float *ac = acc[t];
         for (int32_t c = b; c < nb; c++) {
             const uint8_t *p = row + (int64_t)c * bb;
-            const int64_t x0 = (b0[t] + c) * QK;
-            const int32_t i2 = two ? block_dot(type, p + off, a->q2 + x0) : 0;
-            ac[c & 7] += block_term(type, p, block_dot(type, p + off, a->q1 + x0), i2, a, b0[t] + c);
+            ac[c & 7] += block_term(type, p, block_dot(type, p + off, a, b0[t] + c), a, b0[t] + c);
         }
         out[t] = ((ac[0] + ac[4]) + (ac[1] + ac[5])) + ((ac[2] + ac[6]) + (ac[3] + ac[7]));
     }
 }
+
+static void dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
+    switch (r_count) {
+    case 1: dot_rows_r(type, row, nb, a, b0, 1, out); break;
+    case 2: dot_rows_r(type, row, nb, a, b0, 2, out); break;
+    case 3: dot_rows_r(type, row, nb, a, b0, 3, out); break;
+    default: dot_rows_r(type, row, nb, a, b0, SPARK_ROWS, out); break;
+    }
+}
+
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+/* dot_rows for one int16 activation row (a decoding step) and two weight rows at once: two independent chains
+ * for the core to overlap, the activation blocks loaded once for both. Each row's sum takes dot_rows's steps. */
+static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32_t nb, const spark_act *a, float *out) {
+    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
+    __m128 cur_a = _mm_setzero_ps(), next_a = _mm_setzero_ps(), cur_b = _mm_setzero_ps(), next_b = _mm_setzero_ps();
+    int32_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        const uint8_t *pa = ra + (int64_t)b * bb, *pb = rb + (int64_t)b * bb;
+        const int16_t *q = a->q16 + (int64_t)b * QK;
+        __m256i la[4], lb[4];
+        for (int32_t j = 0; j < 4; j++) {
+            const spark_w16 wa = load_w16(type, pa + j * bb + off), wb = load_w16(type, pb + j * bb + off);
+            la[j] = block_lanes16(wa, q + j * QK);
+            lb[j] = block_lanes16(wb, q + j * QK);
+        }
+        __m128 dwa, mwa = _mm_setzero_ps(), dwb, mwb = _mm_setzero_ps();
+        block_scales4(type, pa, bb, &dwa, &mwa);
+        block_scales4(type, pb, bb, &dwb, &mwb);
+        const __m128 sa = _mm_add_ps(cur_a, block_terms4(type, dwa, mwa, hsum4(la[0], la[1], la[2], la[3]), a, b));
+        const __m128 sb = _mm_add_ps(cur_b, block_terms4(type, dwb, mwb, hsum4(lb[0], lb[1], lb[2], lb[3]), a, b));
+        cur_a = next_a, next_a = sa, cur_b = next_b, next_b = sb;
+    }
+    const int32_t odd = (b >> 2) & 1;
+    float acc[2][8];
+    _mm_storeu_ps(acc[0] + (odd ? 4 : 0), cur_a);
+    _mm_storeu_ps(acc[0] + (odd ? 0 : 4), next_a);
+    _mm_storeu_ps(acc[1] + (odd ? 4 : 0), cur_b);
+    _mm_storeu_ps(acc[1] + (odd ? 0 : 4), next_b);
+    for (int32_t r = 0; r < 2; r++) {
+        const uint8_t *row = r ? rb : ra;
+        float *ac = acc[r];
+        for (int32_t c = b; c < nb; c++) {
+            const uint8_t *p = row + (int64_t)c * bb;
+            ac[c & 7] += block_term(type, p, block_dot(type, p + off, a, c), a, c);
+        }
+        out[r] = ((ac[0] + ac[4]) + (ac[1] + ac[5])) + ((ac[2] + ac[6]) + (ac[3] + ac[7]));
+    }
+}
+#endif
 
 /* y (M, N) = x W^T (+ bias) for M quantized activation rows; rows of W split across the pool. Each output is
  * dot_row of one weight row and one activation row, so a prefill of M rows and M one-row decodes agree bit for
@@ -453,6 +552,15 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const spark_qmat *w = g->w;
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t row_bytes = (int64_t)nb * block_bytes(w->type);
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    if (g->m == 1 && g->a->parts == 2 && w->type != SPARK_Q8_0) { /* a decoding step: weight rows in pairs */
+        for (; begin + 2 <= end; begin += 2) {
+            float out[2];
+            dot_pair16(w->type, w->blocks + begin * row_bytes, w->blocks + (begin + 1) * row_bytes, nb, g->a, out);
+            for (int32_t r = 0; r < 2; r++) g->y[begin + r] = out[r] + (w->bias ? w->bias[begin + r] : 0.0f);
+        }
+    }
+#endif
     /* Tokens in groups of SPARK_ROWS, and within a group every row of this thread's range: the group's activations
      * stay in L1 while the weight rows stream past once per group. */
     for (int32_t r = 0; r < g->m; r += SPARK_ROWS) {

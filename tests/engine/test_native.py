@@ -54,18 +54,15 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("native-llama"), "llama")  # untied head, no biases
 
 
-def quantize_activation(x: np.ndarray, parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """x (nb, 32) float32 -> per part (q (nb, 32) int64, d (nb,) float32), as spark_kernels.c's quantize_row."""
-    out = []
-    for _ in range(parts):
-        amax = np.abs(x).max(axis=1)  # (nb,)
-        with np.errstate(divide="ignore"):
-            inv = np.where(amax == 0, F32(0), F32(127) / amax).astype(F32)
-        q = np.rint(x * inv[:, None]).astype(np.int64)
-        d = (amax / F32(127)).astype(F32)
-        out.append((q, d))
-        x = (x - q.astype(F32) * d[:, None]).astype(F32)  # the residual the next part quantizes
-    return out
+def quantize_activation(x: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """x (nb, 32) float32 -> (q (nb, 32) int64, d (nb,) float32), as spark_kernels.c's quantize_row: one scale per
+    block, int8 for parts = 1 (llama.cpp's Q8), int16 for parts = 2."""
+    qmax = F32(32767 if parts == 2 else 127)
+    amax = np.abs(x).max(axis=1)  # (nb,)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax == 0, F32(0), qmax / amax).astype(F32)
+    q = np.rint(x * inv[:, None]).astype(np.int64)
+    return q, (amax / qmax).astype(F32)
 
 
 def integer_reference(w: BlockWeights, bias: np.ndarray | None, x: np.ndarray, parts: int) -> np.ndarray:
@@ -80,17 +77,15 @@ def integer_reference(w: BlockWeights, bias: np.ndarray | None, x: np.ndarray, p
     else:
         qs = raw[:, :, 4:] if w.qtype is BlockType.Q4_1 else raw[:, :, 2:]
         wq = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int64)  # unsigned nibbles
-    acts = quantize_activation(x.reshape(nb, 32).astype(F32), parts)
-    term = np.zeros((n, nb), F32)
-    ds = np.zeros(nb, F32)  # sum over parts of d * sum(q): Q4_1's min term
-    for q, d in acts:
-        isum = (wq * q[None]).sum(axis=2)  # (N, nb) exact
-        if w.qtype is BlockType.Q4_0:
-            isum = isum - 8 * q.sum(axis=1)[None]
-        term = (term + (dw * d[None]).astype(F32) * isum.astype(F32)).astype(F32)
-        ds = (ds + d * q.sum(axis=1).astype(F32)).astype(F32)
+    q, d = quantize_activation(x.reshape(nb, 32).astype(F32), parts)
+    isum = (wq * q[None]).sum(axis=2)  # (N, nb) exact
+    assert np.abs(isum).max(initial=0) < 2**31  # what the kernel's int32 lanes hold
+    if w.qtype is BlockType.Q4_0:
+        isum = isum - 8 * q.sum(axis=1)[None]
+    term = ((dw * d[None]).astype(F32) * isum.astype(F32)).astype(F32)
     if w.qtype is BlockType.Q4_1:
         mw = raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(F32)
+        ds = (d * q.sum(axis=1).astype(F32)).astype(F32)  # Q4_1's min term
         term = (term + mw * ds[None]).astype(F32)
     acc = np.zeros((n, 8), F32)
     for b in range(nb):
@@ -115,7 +110,7 @@ def test_the_integer_reference_takes_the_products_it_claims() -> None:
         bw = BlockWeights(qtype, (5, 64), torch.from_numpy(quantize(w.numpy(), qtype)))
         x = np.random.default_rng(0).standard_normal(64).astype(F32)
         want = bw.dequantized().double().numpy() @ x.astype(np.float64)
-        assert np.allclose(integer_reference(bw, None, x, 2), want, rtol=1e-3, atol=1e-3)  # two parts: ~15 bits
+        assert np.allclose(integer_reference(bw, None, x, 2), want, rtol=1e-4, atol=1e-4)  # int16: ~16 bits
 
 
 @pytest.mark.parametrize("parts", [1, 2])
@@ -186,7 +181,7 @@ def test_backend_uses_native_kernels_and_stays_close_to_fp32(qwen_dir: Path) -> 
     b = TorchBackend(qwen_dir, "cpu", quantize="q8_0")
     assert b.native_isa is not None and b.decoder is not None
     assert isinstance(b.model.lm_head, NativeBlockLinear) and not any(isinstance(m, nn.Linear) for m in b.model.modules())
-    assert b.numerics == "torch-cpu-float32-wq8_0native-a16-kvfloat16"
+    assert b.numerics == "torch-cpu-float32-wq8_0native-a16i-kvfloat16"
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     outs = []
     for backend in (b, TorchBackend(qwen_dir, "cpu", quantize="none")):
@@ -221,8 +216,10 @@ def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(llama_
     stepwise = TorchBackend(llama_dir, "cpu", quantize="q4_1", kv_dtype=kv, native_steps=False)
     assert stepwise.decoder is None  # the same NativeBlockLinear weights, every step through PyTorch
     outs.append(run_conversation(stepwise, memory, ids))
-    # Only float summation order differs (attention, norms): logits agree closely ...
-    assert torch.allclose(outs[0], outs[1], atol=2e-4, rtol=1e-4), (outs[0] - outs[1]).abs().max()
+    # Only float summation order differs (attention, norms): logits agree closely. Such a difference can move a
+    # stored fp16 key or value by one ulp or an activation by one int16 step, hence the bound (measured: 1.6e-4 to
+    # 3.4e-4 over these steps) ...
+    assert torch.allclose(outs[0], outs[1], atol=5e-4, rtol=1e-4), (outs[0] - outs[1]).abs().max()
     # ... the read bookkeeping is the same, and the stored and read keys and values differ only by that rounding.
     a, b = native.cache, stepwise.cache
     assert torch.equal(a.read_slots, b.read_slots) and torch.equal(a.read_positions, b.read_positions)

@@ -22,7 +22,7 @@ static float reference(int32_t type, const uint8_t *row, const float *x, int32_t
     float acc[8] = {0};
     for (int32_t b = 0; b < k / QK; b++) {
         const uint8_t *blk = row + (int64_t)b * block_bytes(type);
-        float xb[QK], dw, mw = 0.0f, term = 0.0f, ds = 0.0f;
+        float xb[QK], dw, mw = 0.0f, term, ds;
         memcpy(xb, x + b * QK, sizeof xb);
         _Float16 h;
         memcpy(&h, blk, 2);
@@ -31,29 +31,28 @@ static float reference(int32_t type, const uint8_t *row, const float *x, int32_t
             memcpy(&h, blk + 2, 2);
             mw = (float)h;
         }
-        for (int32_t p = 0; p < parts; p++) {
-            float amax = 0.0f;
-            for (int32_t i = 0; i < QK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-            const float inv = amax == 0.0f ? 0.0f : 127.0f / amax, d = amax / 127.0f;
-            int32_t q[QK], isum = 0, s = 0;
-            for (int32_t i = 0; i < QK; i++) {
-                q[i] = (int32_t)lrintf(xb[i] * inv);
-                s += q[i];
-            }
-            for (int32_t i = 0; i < QK; i++) {
-                int32_t w;
-                if (type == SPARK_Q8_0) w = (int8_t)blk[2 + i];
-                else {
-                    const uint8_t byte = blk[(type == SPARK_Q4_1 ? 4 : 2) + i % 16];
-                    w = i < 16 ? (byte & 0x0F) : (byte >> 4);
-                }
-                isum += w * q[i];
-            }
-            if (type == SPARK_Q4_0) isum -= 8 * s;
-            term = p == 0 ? (dw * d) * (float)isum : term + (dw * d) * (float)isum;
-            ds = p == 0 ? d * (float)s : ds + d * (float)s;
-            for (int32_t i = 0; i < QK; i++) xb[i] = xb[i] - (float)q[i] * d;
+        /* One scale per block: int8 (parts 1, qmax 127) or int16 (parts 2, qmax 32767). */
+        const float qmax = parts == 2 ? 32767.0f : 127.0f;
+        float amax = 0.0f;
+        for (int32_t i = 0; i < QK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        const float inv = amax == 0.0f ? 0.0f : qmax / amax, d = amax / qmax;
+        int32_t q[QK], isum = 0, s = 0;
+        for (int32_t i = 0; i < QK; i++) {
+            q[i] = (int32_t)lrintf(xb[i] * inv);
+            s += q[i];
         }
+        for (int32_t i = 0; i < QK; i++) {
+            int32_t w;
+            if (type == SPARK_Q8_0) w = (int8_t)blk[2 + i];
+            else {
+                const uint8_t byte = blk[(type == SPARK_Q4_1 ? 4 : 2) + i % 16];
+                w = i < 16 ? (byte & 0x0F) : (byte >> 4);
+            }
+            isum += w * q[i];
+        }
+        if (type == SPARK_Q4_0) isum -= 8 * s;
+        term = (dw * d) * (float)isum;
+        ds = d * (float)s;
         if (type == SPARK_Q4_1) term += mw * ds;
         acc[b & 7] += term;
     }
