@@ -153,6 +153,7 @@ class CascadeMemory:
         n = self._reuse_snapshot(ids) or self._reuse_exact(ids)
         if n:
             self.store.flush()  # the entries' new recency must outlive this process, or LRU evicts the hot ones
+        self.prefix.canonical = n  # what a cold read of the prompt holds there (engine.cascade.prefix)
         self.reused_tokens = n
         return n
 
@@ -184,9 +185,10 @@ class CascadeMemory:
                 block.l3_key = key
         return found.tokens
 
-    def snapshot_key(self, prefix: list[int]) -> str:
-        """The L3 key a snapshot of this memory holding exactly `prefix` is stored under."""
-        return self.prefix.snapshot_key(prefix)
+    def snapshot_key(self, prefix: list[int], prompt_tokens: int) -> str:
+        """The L3 key a snapshot of this memory holding exactly `prefix`, read from a prompt of `prompt_tokens`
+        tokens, is stored under."""
+        return self.prefix.snapshot_key(prefix, prompt_tokens)
 
     def prefill_cut(self, ids: list[int], start: int) -> list[int]:
         """Before a prompt `ids` is fed from index `start` (after reuse_prefix): indices of ids where chunks must
@@ -198,9 +200,7 @@ class CascadeMemory:
         cuts: set[int] = set()
         if self.cfg.retrieval_blocks and end > self.cfg.sink_tokens + self.cfg.window:
             cuts.update(c - base for c in range(end - TAIL_STEP, end - TAIL_STEP * TAIL_STEPS - 1, -TAIL_STEP) if c > len(self.tokens))
-        cut = self.prefix.cut(len(self.tokens), end)
-        if cut is not None:
-            cuts.add(cut - base)
+        cuts.update(c - base for c in self.prefix.cut(len(self.tokens), end))
         return sorted(cuts)
 
     def spill(self) -> int:
@@ -257,6 +257,7 @@ class CascadeMemory:
                 raise SessionFileError("The saved memory used a different cascade geometry; restore it with the same settings.")
             self._layout(saved.with_budgets_of(self.cfg))
         self._restore(meta, tensors)
+        self.prefix.canonical = None  # a conversation, however it was fed: never snapshot as a fresh read
 
     def _restore(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """load_state without its checks (callers check the kind, version and settings)."""

@@ -11,15 +11,22 @@ the window, which blocks were retrieved, how the prompt was chunked), so single 
 memory state can. With a store, `cut` asks for one extra chunk boundary at C = the last multiple of block_size
 below the prompt's end (below, because prefill always computes the last token for its logits), if C lies past
 what exact blocks cover; when the memory reaches exactly C tokens it stores its state under key(model, numerics,
-"snapshot-" + CascadeConfig.state_tag(), digest of tokens[:C]). On an empty memory the snapshots are tried from
-the longest block boundary down; the first that loads is restored, and only when none does the exact blocks are
-tried. Block alignment keeps that lookup to len/block_size index probes; the cost is recomputing 1 to block_size
-tokens of a repeated prompt.
-- Exactness: a restored snapshot continues exactly as the memory it was taken from (same slots, ring, retrieval
-  groups, episodic blocks, routing state, fp16 KV as the memory's state() gives). The prompt's chunk boundaries up
-  to C are part of that state: a cold run of P + Q is chunked from 0 and differs from "snapshot of P, then the
-  rest" by the chunk-boundary effect the cascade always has; a repeated prompt is chunked identically either way.
-  The extra boundary at C is only made with a store, so runs without the prefix cache chunk as before.
+"snapshot-" + CascadeConfig.state_tag() + the prompt's length, digest of tokens[:C]). On an empty memory the
+snapshot of a prompt of the same length and first C tokens is restored if it loads, else the exact blocks are
+tried. The cost is recomputing 1 to block_size tokens of a repeated prompt.
+- Exactness: reuse never changes what the memory holds, whatever the store has (a restored session continues
+  as the original did, though only one of them has the original's cache). A state reused for a prompt must be
+  the one a cold read of that very prompt reaches, and the rest must be chunked as the cold read chunks it:
+  - a snapshot is taken only while a prompt is read into an empty memory (`fresh`, the canonical chunking:
+    chunks from 0, the tail and snapshot cuts of the prompt's end), never in a later turn, whose state depends
+    on how the conversation was fed (replies token by token);
+  - it is keyed by the prompt's length too: the cuts before C (the tail's, engine.cascade.memory) depend on
+    where the prompt ends, so the snapshot of P is not the state a cold read of P + Q has at C (that one was
+    chunked from 0 without P's cuts); a repeated or regenerated prompt is chunked identically either way;
+  - exact blocks reused up to n <= sinks + window are full attention's KV however they were chunked, but the
+    chunks after them would start at n instead of at a multiple of the chunk from 0: a fresh read that crosses
+    the first eviction therefore cuts at sinks + window, so every read chunks the evicting part from there.
+  The extra boundaries are only made with a store, so runs without the prefix cache chunk as before.
 - Budgets are not part of the key (CascadeConfig.state_settings): a snapshot restores under this memory's budgets,
   as a session file does (engine.cascade.episodic brings its blocks within the episodic budget).
 - Storage: resident episodic blocks are not stored inside the snapshot but as content-addressed "kv" entries,
@@ -83,6 +90,10 @@ class PrefixCache:
         self.open = True  # nothing has left the window yet: every KV so far equals full attention's
         self.persisted = 0  # tokens [0, persisted) are in L3 as exact prefix blocks
         self.snapshot_at: int | None = None  # snapshot the state when this many tokens are in (see cut)
+        self.snapshot_of = 0  # ... of a read of a prompt this long (part of the snapshot's key)
+        # How many tokens the memory holds as a cold read would (0 when empty, n after reusing n); None once it
+        # holds anything else (a prompt was read, a session restored): only such a memory reads `fresh` (see cut).
+        self.canonical: int | None = 0
 
     def feed(self, ids: list[int], start: int) -> None:
         """Extend the running digest by ids (absolute indices start..), recording the digests at block-aligned
@@ -134,22 +145,32 @@ class PrefixCache:
 
     # -- cascade snapshots --------------------------------------------------------------------------------------
 
-    def snapshot_key(self, prefix: list[int]) -> str:
-        """The L3 key a snapshot of a memory holding exactly `prefix` is stored under."""
+    def snapshot_key(self, prefix: list[int], prompt_tokens: int) -> str:
+        """The L3 key a snapshot of a memory holding exactly `prefix`, read from a prompt of `prompt_tokens`
+        tokens, is stored under."""
         assert self.store is not None
-        return self.store.key(hashlib.sha256(token_bytes(prefix)).hexdigest(), self.snapshot_tag)
+        return self._snapshot_key(hashlib.sha256(token_bytes(prefix)).hexdigest(), prompt_tokens)
 
-    def cut(self, tokens: int, end: int) -> int | None:
-        """Before a prompt ending at absolute index `end` is fed to a memory of `tokens` tokens: the chunk boundary
-        to snapshot at (absolute), remembered for `due`; None when nothing is left to feed before it, or exact
-        prefix blocks cover it."""
-        if self.store is None:
-            return None
+    def _snapshot_key(self, digest: str, prompt_tokens: int) -> str:
+        assert self.store is not None
+        return self.store.key(digest, f"{self.snapshot_tag}-of-{prompt_tokens}")
+
+    def cut(self, tokens: int, end: int) -> list[int]:
+        """Before a prompt ending at absolute index `end` is fed to a memory of `tokens` tokens: the chunk
+        boundaries (absolute) that make the read canonical, see the module docstring. The one to snapshot at is
+        remembered for `due`. None without a store, or when the memory is not read fresh (see `canonical`)."""
+        fresh, self.canonical = self.canonical == tokens, None  # after this prompt the memory holds a conversation
+        if self.store is None or not fresh:
+            return []
+        cuts = []
+        first_eviction = self.cfg.sink_tokens + self.cfg.window
+        if self.open and tokens < first_eviction < end:
+            cuts.append(first_eviction)
         cut = (end - 1) // self.cfg.block_size * self.cfg.block_size
-        if cut > tokens and not (self.open and cut <= self.cfg.sink_tokens + self.cfg.window):
-            self.snapshot_at = cut
-            return cut
-        return None
+        if cut > tokens and not (self.open and cut <= first_eviction):
+            self.snapshot_at, self.snapshot_of = cut, end
+            cuts.append(cut)
+        return cuts
 
     def due(self, tokens: int) -> bool:
         """After a forward: whether the memory, now of `tokens` tokens, is to be snapshot (once, at the cut; a
@@ -163,7 +184,7 @@ class PrefixCache:
         """Store the memory's state (as `state()` gives it, called once its blocks have their L3 keys) under the
         digest of every token fed; resident episodic blocks go in as content-addressed entries of their own."""
         assert self.store is not None
-        key = self.store.key(self.hasher.copy().hexdigest(), self.snapshot_tag)
+        key = self._snapshot_key(self.hasher.copy().hexdigest(), self.snapshot_of)
         if key in self.store:
             return
         resident = [b for b in episodic.blocks.values() if b.k is not None and b.v is not None]
@@ -186,26 +207,15 @@ class PrefixCache:
         return saved.same_state(self.cfg)
 
     def find_snapshot(self, ids: list[int], target: StateTarget) -> Snapshot | None:
-        """The longest stored snapshot whose tokens are a prefix of ids and that passes the session schema for
-        `target`; entries that cannot be used are deleted on the way."""
+        """The snapshot a fresh read of the prompt `ids` + its last token took (at its cut), if stored and it passes
+        the session schema for `target`; an entry that cannot be used is deleted on the way."""
         assert self.store is not None
-        b = self.cfg.block_size
-        data = token_bytes(ids)
-        hasher = hashlib.sha256()
-        keys: list[tuple[int, str]] = []
-        for end in range(b, len(ids) + 1, b):
-            hasher.update(data[4 * (end - b) : 4 * end])
-            keys.append((end, self.store.key(hasher.copy().hexdigest(), self.snapshot_tag)))
-        for end, key in reversed(keys):
-            if key not in self.store:
-                continue
-            got = self.store.get_state(key)
-            if got is None:
-                continue
-            found = self._complete(key, end, ids, *got, target)
-            if found is not None:
-                return found
-        return None
+        end = len(ids) // self.cfg.block_size * self.cfg.block_size  # the cut of a prompt of len(ids) + 1 tokens
+        if end == 0:
+            return None
+        key = self.snapshot_key(ids[:end], len(ids) + 1)
+        got = self.store.get_state(key) if key in self.store else None
+        return None if got is None else self._complete(key, end, ids, *got, target)
 
     def _complete(self, key: str, end: int, ids: list[int], meta: dict[str, Any], stored: dict[str, torch.Tensor], target: StateTarget) -> Snapshot | None:
         """A read snapshot with its blocks' KV filled in from L3, checked; None (and the entry deleted) if unusable."""
