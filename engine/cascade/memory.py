@@ -192,7 +192,8 @@ class CascadeMemory:
 
     def prefill_cut(self, ids: list[int], start: int) -> list[int]:
         """Before a prompt `ids` is fed from index `start` (after reuse_prefix): indices of ids where chunks must
-        end, ascending. One lets the memory snapshot its state (engine.cascade.prefix). When the conversation
+        end, ascending. With a store, a prompt read into an empty memory is chunked so that reusing its prefix
+        changes nothing, and one cut lets the memory snapshot its state (engine.cascade.prefix). When the conversation
         reaches past the window, the prompt's last tokens also go in small chunks: a forward's query summary
         routes the next one, so the question at the end of a prompt routes the tokens that answer it."""
         base = len(self.tokens) - start  # absolute index of ids[0]

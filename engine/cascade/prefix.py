@@ -157,8 +157,8 @@ class PrefixCache:
 
     def cut(self, tokens: int, end: int) -> list[int]:
         """Before a prompt ending at absolute index `end` is fed to a memory of `tokens` tokens: the chunk
-        boundaries (absolute) that make the read canonical, see the module docstring. The one to snapshot at is
-        remembered for `due`. None without a store, or when the memory is not read fresh (see `canonical`)."""
+        boundaries (absolute) that make the read canonical, see the module docstring; the one to snapshot at is
+        remembered for `due`. Empty without a store, or when the memory is not read fresh (see `canonical`)."""
         fresh, self.canonical = self.canonical == tokens, None  # after this prompt the memory holds a conversation
         if self.store is None or not fresh:
             return []

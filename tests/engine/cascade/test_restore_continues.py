@@ -5,6 +5,7 @@ snapshots and exact blocks of its first prompt (engine.cascade.prefix)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,7 @@ from engine.sampling import SamplingSettings
 from engine.session import ChatMessage, Engine, Session, memory_factory_for
 from tests.engine.cascade.helpers import random_ids
 
-GEOMETRY = {"window": 32, "block_size": 8, "retrieval_blocks": 2, "routing": "token"}
+GEOMETRY: dict[str, Any] = {"window": 32, "block_size": 8, "retrieval_blocks": 2, "routing": "token"}
 REPLY = GenerationSettings(max_tokens=8, sampling=SamplingSettings(greedy=True), ignore_eos=True)
 FIRST = " ".join(f"w{i}" for i in random_ids(60, seed=21))  # a first prompt several windows long
 

@@ -3,7 +3,6 @@ never changes what the memory holds (engine.cascade.prefix)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import warnings
 from pathlib import Path
@@ -117,9 +116,9 @@ def test_a_snapshot_serves_the_prompt_it_was_read_from(tiny_model: Path, tmp_pat
     m.reset()
     assert m.reuse_prefix(short[:-1]) == cut_of(len(short))
     m.reset()
-    edited = short[:-2] + [(short[-2] + 1) % 100]  # as reuse_prefix sees a prompt of the same length that differs
+    edited = [*short[:-2], (short[-2] + 1) % 100]  # as reuse_prefix sees a prompt of the same length that differs
     assert m.reuse_prefix(edited) == cut_of(len(short))  # after the cut only: the same chunks up to it
-    for other in (long + [1, 2, 3], short + random_ids(90, seed=6), long[: cut_of(len(long)) - 1]):
+    for other in ([*long, 1, 2, 3], short + random_ids(90, seed=6), long[: cut_of(len(long)) - 1]):
         m.reset()  # another length: chunked otherwise before the cut, only the exact blocks are the same
         assert m.reuse_prefix(other) <= CFG.sink_tokens + CFG.window
 
@@ -198,7 +197,7 @@ def test_snapshots_share_episodic_blocks(tiny_model: Path, tmp_path: Path) -> No
     store = m.store
     assert store is not None
     entries = store.stats().entries
-    on_disk = {blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None and blk.l3_key in store}
+    on_disk = {blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None and blk.l3_key is not None and blk.l3_key in store}
     assert on_disk  # the blocks of the first snapshot (one more formed after its cut, not stored yet)
     longer = first + random_ids(60, seed=12)
     m.reset()
