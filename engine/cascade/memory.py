@@ -175,7 +175,7 @@ class CascadeMemory:
 
     def _reuse_snapshot(self, ids: list[int]) -> int:
         """Restore the longest stored snapshot whose tokens are a prefix of ids; its length, or 0."""
-        found = self.prefix.find_snapshot(ids, self.state_target())
+        found = self.prefix.find_snapshot(ids, TAIL_STEP * TAIL_STEPS, self.state_target())
         if found is None:
             return 0
         self._restore(found.meta, found.tensors)
@@ -185,15 +185,14 @@ class CascadeMemory:
                 block.l3_key = key
         return found.tokens
 
-    def snapshot_key(self, prefix: list[int], prompt_tokens: int) -> str:
-        """The L3 key a snapshot of this memory holding exactly `prefix`, read from a prompt of `prompt_tokens`
-        tokens, is stored under."""
-        return self.prefix.snapshot_key(prefix, prompt_tokens)
+    def snapshot_key(self, prefix: list[int]) -> str:
+        """The L3 key a snapshot of this memory holding exactly `prefix` is stored under."""
+        return self.prefix.snapshot_key(prefix)
 
     def prefill_cut(self, ids: list[int], start: int) -> list[int]:
         """Before a prompt `ids` is fed from index `start` (after reuse_prefix): indices of ids where chunks must
-        end, ascending. With a store, a prompt read into an empty memory is chunked so that reusing its prefix
-        changes nothing, and one cut lets the memory snapshot its state (engine.cascade.prefix). When the conversation
+        end, ascending. With a store, a prompt read into an empty memory is chunked on a grid, so that reusing a
+        prefix changes nothing and the memory can snapshot its state (engine.cascade.prefix). When the conversation
         reaches past the window, the prompt's last tokens also go in small chunks: a forward's query summary
         routes the next one, so the question at the end of a prompt routes the tokens that answer it."""
         base = len(self.tokens) - start  # absolute index of ids[0]
@@ -201,7 +200,7 @@ class CascadeMemory:
         cuts: set[int] = set()
         if self.cfg.retrieval_blocks and end > self.cfg.sink_tokens + self.cfg.window:
             cuts.update(c - base for c in range(end - TAIL_STEP, end - TAIL_STEP * TAIL_STEPS - 1, -TAIL_STEP) if c > len(self.tokens))
-        cuts.update(c - base for c in self.prefix.cut(len(self.tokens), end))
+        cuts.update(c - base for c in self.prefix.cut(len(self.tokens), end, TAIL_STEP * TAIL_STEPS))
         return sorted(cuts)
 
     def spill(self) -> int:

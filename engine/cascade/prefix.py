@@ -8,25 +8,23 @@ tokens).
 
 Cascade snapshots, for prompts longer than that. Past the first eviction KV depends on the cascade (what was in
 the window, which blocks were retrieved, how the prompt was chunked), so single blocks cannot be reused; the whole
-memory state can. With a store, `cut` asks for one extra chunk boundary at C = the last multiple of block_size
-below the prompt's end (below, because prefill always computes the last token for its logits), if C lies past
-what exact blocks cover; when the memory reaches exactly C tokens it stores its state under key(model, numerics,
-"snapshot-" + CascadeConfig.state_tag() + the prompt's length, digest of tokens[:C]). On an empty memory the
-snapshot of a prompt of the same length and first C tokens is restored if it loads, else the exact blocks are
-tried. The cost is recomputing 1 to block_size tokens of a repeated prompt.
-- Exactness: reuse never changes what the memory holds, whatever the store has (a restored session continues
-  as the original did, though only one of them has the original's cache). A state reused for a prompt must be
-  the one a cold read of that very prompt reaches, and the rest must be chunked as the cold read chunks it:
-  - a snapshot is taken only while a prompt is read into an empty memory (`fresh`, the canonical chunking:
-    chunks from 0, the tail and snapshot cuts of the prompt's end), never in a later turn, whose state depends
-    on how the conversation was fed (replies token by token);
-  - it is keyed by the prompt's length too: the cuts before C (the tail's, engine.cascade.memory) depend on
-    where the prompt ends, so the snapshot of P is not the state a cold read of P + Q has at C (that one was
-    chunked from 0 without P's cuts); a repeated or regenerated prompt is chunked identically either way;
-  - exact blocks reused up to n <= sinks + window are full attention's KV however they were chunked, but the
-    chunks after them would start at n instead of at a multiple of the chunk from 0: a fresh read that crosses
-    the first eviction therefore cuts at sinks + window, so every read chunks the evicting part from there.
-  The extra boundaries are only made with a store, so runs without the prefix cache chunk as before.
+memory state can, when it is the state a cold read of the new prompt passes through. Reuse never changes what the
+memory holds, whatever the store has (a restored session re-reading its conversation continues as the original,
+though only the original's cache knows its first prompt), so with a store a prompt read into an empty memory
+(`fresh`) is chunked on a grid that does not depend on where the prompt ends:
+  - a cut at F = sinks + window, the first eviction: exact blocks reused up to n <= F are full attention's KV
+    however they were chunked, and every read chunks the evicting part from F on;
+  - cuts at every grid point G = F + k * GRID_STEP past it, so the chunks between them do not depend on where the
+    read started either;
+  - the snapshot at the last grid point S before the prompt's tail (the last `tail` tokens, which the cascade
+    chunks by the prompt's end, engine.cascade.memory), stored under key(model, numerics, "snapshot-" +
+    CascadeConfig.state_tag(), digest of tokens[:S]).
+A cold read of any longer prompt then holds exactly that state at S (same chunks before it), and the reused one
+chunks the rest as the cold one does. On an empty memory the grid points are tried from the last one before the
+prompt's tail down; the first snapshot that loads is restored, and only when none does the exact blocks are tried.
+A snapshot is taken only of a fresh read, never in a later turn, whose state depends on how the conversation was
+fed (replies token by token). The cost is recomputing up to GRID_STEP + tail tokens of a repeated prompt; the
+cuts are only made with a store, so runs without the prefix cache chunk as before.
 - Budgets are not part of the key (CascadeConfig.state_settings): a snapshot restores under this memory's budgets,
   as a session file does (engine.cascade.episodic brings its blocks within the episodic budget).
 - Storage: resident episodic blocks are not stored inside the snapshot but as content-addressed "kv" entries,
@@ -58,6 +56,7 @@ from engine.session_schema import (
 )
 
 KV = tuple[torch.Tensor, torch.Tensor]  # k, v (L, Hkv, n, D)
+GRID_STEP = 256  # the default prefill chunk (engine.generate): with it the grid's cuts cost no extra forward
 
 
 def token_bytes(ids: list[int]) -> bytes:
@@ -82,6 +81,8 @@ class PrefixCache:
         self.store = store
         self.cfg = cfg
         self.snapshot_tag = f"snapshot-{cfg.state_tag()}"
+        self.first_eviction = cfg.sink_tokens + cfg.window
+        self.grid_step = max(cfg.block_size, min(cfg.window, GRID_STEP) // cfg.block_size * cfg.block_size)
         self.reset()
 
     def reset(self) -> None:
@@ -90,7 +91,6 @@ class PrefixCache:
         self.open = True  # nothing has left the window yet: every KV so far equals full attention's
         self.persisted = 0  # tokens [0, persisted) are in L3 as exact prefix blocks
         self.snapshot_at: int | None = None  # snapshot the state when this many tokens are in (see cut)
-        self.snapshot_of = 0  # ... of a read of a prompt this long (part of the snapshot's key)
         # How many tokens the memory holds as a cold read would (0 when empty, n after reusing n); None once it
         # holds anything else (a prompt was read, a session restored): only such a memory reads `fresh` (see cut).
         self.canonical: int | None = 0
@@ -145,32 +145,29 @@ class PrefixCache:
 
     # -- cascade snapshots --------------------------------------------------------------------------------------
 
-    def snapshot_key(self, prefix: list[int], prompt_tokens: int) -> str:
-        """The L3 key a snapshot of a memory holding exactly `prefix`, read from a prompt of `prompt_tokens`
-        tokens, is stored under."""
+    def snapshot_key(self, prefix: list[int]) -> str:
+        """The L3 key a snapshot of a memory holding exactly `prefix` is stored under."""
         assert self.store is not None
-        return self._snapshot_key(hashlib.sha256(token_bytes(prefix)).hexdigest(), prompt_tokens)
+        return self.store.key(hashlib.sha256(token_bytes(prefix)).hexdigest(), self.snapshot_tag)
 
-    def _snapshot_key(self, digest: str, prompt_tokens: int) -> str:
-        assert self.store is not None
-        return self.store.key(digest, f"{self.snapshot_tag}-of-{prompt_tokens}")
+    def snapshot_points(self, end: int, tail: int) -> range:
+        """The grid points a fresh read of a prompt of `end` tokens snapshots at or passes through in the same
+        state as any longer prompt's read (see the module docstring), ascending."""
+        return range(self.first_eviction + self.grid_step, end - tail, self.grid_step)
 
-    def cut(self, tokens: int, end: int) -> list[int]:
-        """Before a prompt ending at absolute index `end` is fed to a memory of `tokens` tokens: the chunk
-        boundaries (absolute) that make the read canonical, see the module docstring; the one to snapshot at is
-        remembered for `due`. Empty without a store, or when the memory is not read fresh (see `canonical`)."""
+    def cut(self, tokens: int, end: int, tail: int) -> list[int]:
+        """Before a prompt ending at absolute index `end` (its last `tail` tokens chunked by its end) is fed to a
+        memory of `tokens` tokens: the chunk boundaries (absolute) that make the read canonical; the last one
+        before the tail is the one to snapshot at, remembered for `due`. Empty without a store, or when the memory
+        is not read fresh (see `canonical`)."""
         fresh, self.canonical = self.canonical == tokens, None  # after this prompt the memory holds a conversation
-        if self.store is None or not fresh:
+        if self.store is None or not fresh or end <= self.first_eviction:
             return []
-        cuts = []
-        first_eviction = self.cfg.sink_tokens + self.cfg.window
-        if self.open and tokens < first_eviction < end:
-            cuts.append(first_eviction)
-        cut = (end - 1) // self.cfg.block_size * self.cfg.block_size
-        if cut > tokens and not (self.open and cut <= first_eviction):
-            self.snapshot_at, self.snapshot_of = cut, end
-            cuts.append(cut)
-        return cuts
+        grid = range(self.first_eviction, end, self.grid_step)
+        points = self.snapshot_points(end, tail)
+        if points and points[-1] > tokens:
+            self.snapshot_at = points[-1]
+        return [c for c in grid if c > tokens]
 
     def due(self, tokens: int) -> bool:
         """After a forward: whether the memory, now of `tokens` tokens, is to be snapshot (once, at the cut; a
@@ -184,7 +181,7 @@ class PrefixCache:
         """Store the memory's state (as `state()` gives it, called once its blocks have their L3 keys) under the
         digest of every token fed; resident episodic blocks go in as content-addressed entries of their own."""
         assert self.store is not None
-        key = self._snapshot_key(self.hasher.copy().hexdigest(), self.snapshot_of)
+        key = self.store.key(self.hasher.copy().hexdigest(), self.snapshot_tag)
         if key in self.store:
             return
         resident = [b for b in episodic.blocks.values() if b.k is not None and b.v is not None]
@@ -206,16 +203,22 @@ class PrefixCache:
             return False
         return saved.same_state(self.cfg)
 
-    def find_snapshot(self, ids: list[int], target: StateTarget) -> Snapshot | None:
-        """The snapshot a fresh read of the prompt `ids` + its last token took (at its cut), if stored and it passes
-        the session schema for `target`; an entry that cannot be used is deleted on the way."""
+    def find_snapshot(self, ids: list[int], tail: int, target: StateTarget) -> Snapshot | None:
+        """The longest stored snapshot that a fresh read of the prompt `ids` + its last token passes through (its
+        tokens a prefix of ids, at a grid point before the prompt's last `tail` tokens) and that passes the session
+        schema for `target`; entries that cannot be used are deleted on the way."""
         assert self.store is not None
-        end = len(ids) // self.cfg.block_size * self.cfg.block_size  # the cut of a prompt of len(ids) + 1 tokens
-        if end == 0:
-            return None
-        key = self.snapshot_key(ids[:end], len(ids) + 1)
-        got = self.store.get_state(key) if key in self.store else None
-        return None if got is None else self._complete(key, end, ids, *got, target)
+        for end in reversed(self.snapshot_points(len(ids) + 1, tail)):
+            key = self.snapshot_key(ids[:end])
+            if key not in self.store:
+                continue
+            got = self.store.get_state(key)
+            if got is None:
+                continue
+            found = self._complete(key, end, ids, *got, target)
+            if found is not None:
+                return found
+        return None
 
     def _complete(self, key: str, end: int, ids: list[int], meta: dict[str, Any], stored: dict[str, torch.Tensor], target: StateTarget) -> Snapshot | None:
         """A read snapshot with its blocks' KV filled in from L3, checked; None (and the entry deleted) if unusable."""

@@ -12,6 +12,7 @@ import torch
 
 from engine.backends.torch_backend import TorchBackend
 from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
+from engine.cascade.memory import TAIL_STEP, TAIL_STEPS
 from engine.cli import main as engine_main
 from engine.generate import prefill
 from engine.replay import memory_digest
@@ -29,8 +30,10 @@ def memory(model: Path, cache: Path, cfg: CascadeConfig = CFG) -> tuple[TorchBac
 
 
 def cut_of(n: int, cfg: CascadeConfig = CFG) -> int:
-    """Where prefill snapshots a prompt of n tokens: the last block boundary before its last token."""
-    return (n - 1) // cfg.block_size * cfg.block_size
+    """Where a fresh read of a prompt of n tokens snapshots: the last grid point (sinks + window, then every
+    window here) before the prompt's tail; 0 when there is none."""
+    points = range(cfg.sink_tokens + 2 * cfg.window, n - TAIL_STEP * TAIL_STEPS, cfg.window)
+    return points[-1] if points else 0
 
 
 def feed_chunks(b: TorchBackend, m: CascadeMemory, ids: list[int]) -> torch.Tensor:
@@ -43,51 +46,38 @@ def feed_chunks(b: TorchBackend, m: CascadeMemory, ids: list[int]) -> torch.Tens
 
 @pytest.mark.parametrize("routing", ["hybrid", "token"])
 def test_snapshot_reuse_continues_exactly(tiny_model: Path, tmp_path: Path, routing: str) -> None:
+    """P + Q over a cache that holds P's snapshot: the memory a cold read of P + Q makes without any cache, bit for
+    bit, so the reply does not depend on which cache the reader has (a restored session re-reading its
+    conversation, engine.session)."""
     cfg = CascadeConfig(**{**CFG.to_dict(), "routing": routing})
     p, q = random_ids(150, seed=1), random_ids(40, seed=2)  # P is > 4 windows: most of it left the window
-    b1, m1 = memory(tiny_model, tmp_path, cfg)
-    cold = prefill(b1, m1, p, CHUNK)
-    assert m1.episodic.blocks and m1.working.evicted > 0
-
-    b2, m2 = memory(tiny_model, tmp_path, cfg)  # a restart over the same cache
-    warm = prefill(b2, m2, p, CHUNK)
-    assert m2.reused_tokens == cut_of(len(p)) == 144
+    prefill(*memory(tiny_model, tmp_path / "warm", cfg), p, CHUNK)
+    b1, m1 = memory(tiny_model, tmp_path / "cold", cfg)
+    cold = prefill(b1, m1, p + q, CHUNK)
+    assert m1.reused_tokens == 0 and m1.episodic.blocks and m1.working.evicted > 0
+    b2, m2 = memory(tiny_model, tmp_path / "warm", cfg)  # a restart over P's cache
+    warm = prefill(b2, m2, p + q, CHUNK)
+    assert m2.reused_tokens == cut_of(len(p)) == 100
     torch.testing.assert_close(warm, cold, atol=0, rtol=0)
-    assert memory_digest(m2) == memory_digest(m1)  # bit for bit the memory the cold read made
-    want_q = feed_chunks(b1, m1, q)
-    torch.testing.assert_close(feed_chunks(b2, m2, q), want_q, atol=0, rtol=0)
-    want, _ = greedy(b1, m1, want_q, 12)
-    got, _ = greedy(b2, m2, want_q, 12)
+    assert memory_digest(m2) == memory_digest(m1)
+    want, _ = greedy(b1, m1, cold, 12)
+    got, _ = greedy(b2, m2, warm, 12)
     assert got == want
     assert m2.tokens == m1.tokens
 
 
-def test_a_longer_prompt_reads_as_without_a_cache(tiny_model: Path, tmp_path: Path) -> None:
-    """P + Q over a cache that holds P's snapshot and exact blocks: the memory a cold read of P + Q makes, not
-    "P's snapshot, then the rest" (P's state at its cut was chunked for P's end), so the reply does not depend on
-    which cache the reader has (a restored session re-reading its conversation, engine.session)."""
-    p, q = random_ids(150, seed=1), random_ids(40, seed=2)
-    prefill(*memory(tiny_model, tmp_path / "warm"), p, CHUNK)
-    b1, m1 = memory(tiny_model, tmp_path / "cold")
-    cold = prefill(b1, m1, p + q, CHUNK)
-    b2, m2 = memory(tiny_model, tmp_path / "warm")
-    warm = prefill(b2, m2, p + q, CHUNK)
-    assert 0 < m2.reused_tokens <= CFG.sink_tokens + CFG.window  # P's exact blocks; its snapshot is P's alone
-    torch.testing.assert_close(warm, cold, atol=0, rtol=0)
-    assert memory_digest(m2) == memory_digest(m1)
-
-
 def test_a_later_turn_is_never_snapshot(tiny_model: Path, tmp_path: Path) -> None:
     """A turn after the first holds a conversation fed as it came (replies token by token), which no cold read of
-    its tokens reproduces: only a prompt read into an empty memory is snapshot, so restoring one is exact."""
+    its tokens reproduces: only a prompt read into an empty memory is snapshot."""
     b, m = memory(tiny_model, tmp_path)
-    prefill(b, m, random_ids(150, seed=1), CHUNK)
+    first = random_ids(150, seed=1)
+    prefill(b, m, first, CHUNK)
     assert m.store is not None
     entries = m.store.stats().entries
     prefill(b, m, random_ids(60, seed=2), CHUNK)
     assert m.store.stats().entries == entries
     _, m2 = memory(tiny_model, tmp_path)
-    assert m2.reuse_prefix(m.tokens[:-1]) <= CFG.sink_tokens + CFG.window
+    assert m2.reuse_prefix(m.tokens[:-1]) == cut_of(len(first))
 
 
 def test_repeated_prompt_recomputes_at_most_a_block(tiny_model: Path, tmp_path: Path) -> None:
@@ -99,28 +89,26 @@ def test_repeated_prompt_recomputes_at_most_a_block(tiny_model: Path, tmp_path: 
     plan = m2.plan
     m2.plan = lambda piece: (computed.append(len(piece)), plan(piece))[1]  # type: ignore[method-assign]
     warm = prefill(b2, m2, ids, CHUNK)
-    assert sum(computed) == len(ids) - cut_of(len(ids)) <= CFG.block_size
-    torch.testing.assert_close(warm, cold, atol=1e-5, rtol=0)
+    assert sum(computed) == len(ids) - cut_of(len(ids)) <= CFG.window + TAIL_STEP * TAIL_STEPS
+    torch.testing.assert_close(warm, cold, atol=0, rtol=0)
+    assert memory_digest(m2) == memory_digest(m1)
     assert int(warm.argmax()) == int(cold.argmax())
     assert m2.store is not None and m2.store.stats().hits >= 1
 
 
-def test_a_snapshot_serves_the_prompt_it_was_read_from(tiny_model: Path, tmp_path: Path) -> None:
+def test_longest_matching_snapshot_wins(tiny_model: Path, tmp_path: Path) -> None:
     short = random_ids(100, seed=4)
     long = short + random_ids(80, seed=5)
     for prompt in (short, long):
         b, m = memory(tiny_model, tmp_path)
         prefill(b, m, prompt, CHUNK)
     b, m = memory(tiny_model, tmp_path)
-    assert m.reuse_prefix(long[:-1]) == cut_of(len(long))
+    assert cut_of(len(short)) < cut_of(len(long))
+    assert m.reuse_prefix([*long, 1, 2, 3]) == cut_of(len(long))
     m.reset()
-    assert m.reuse_prefix(short[:-1]) == cut_of(len(short))
+    assert m.reuse_prefix(short + random_ids(90, seed=6)) == cut_of(len(short))  # diverges from `long` after short
     m.reset()
-    edited = [*short[:-2], (short[-2] + 1) % 100]  # as reuse_prefix sees a prompt of the same length that differs
-    assert m.reuse_prefix(edited) == cut_of(len(short))  # after the cut only: the same chunks up to it
-    for other in ([*long, 1, 2, 3], short + random_ids(90, seed=6), long[: cut_of(len(long)) - 1]):
-        m.reset()  # another length: chunked otherwise before the cut, only the exact blocks are the same
-        assert m.reuse_prefix(other) <= CFG.sink_tokens + CFG.window
+    assert m.reuse_prefix(long[: cut_of(len(long)) + TAIL_STEP * TAIL_STEPS - 1]) == cut_of(len(short))  # its tail reaches the long one
 
 
 def test_foreign_model_or_settings_never_restore_a_snapshot(tiny_model: Path, other_model: Path, tmp_path: Path) -> None:
@@ -136,15 +124,15 @@ def test_foreign_model_or_settings_never_restore_a_snapshot(tiny_model: Path, ot
         assert m2.reuse_prefix(ids) <= cfg.sink_tokens + cfg.window
     for budgets in ({"persistent_budget_bytes": 10**9}, {"episodic_budget_bytes": 10**6}):
         _, same = memory(tiny_model, tmp_path, CascadeConfig(**{**CFG.to_dict(), **budgets}))
-        assert same.reuse_prefix(ids[:-1]) == cut_of(len(ids))  # budgets are not part of the state
+        assert same.reuse_prefix(ids) == cut_of(len(ids))  # budgets are not part of the state
     # A snapshot planted under another geometry's key is rejected by its recorded identity.
     cfg = CascadeConfig(**{**CFG.to_dict(), "window": 40})
     _, m3 = memory(tiny_model, tmp_path, cfg)
-    src = tmp_path / "blocks" / f"{m.snapshot_key(ids[: cut_of(len(ids))], len(ids))}.safetensors"
-    src.rename(tmp_path / "blocks" / f"{m3.snapshot_key(ids[: cut_of(len(ids))], len(ids))}.safetensors")
+    src = tmp_path / "blocks" / f"{m.snapshot_key(ids[: cut_of(len(ids))])}.safetensors"
+    src.rename(tmp_path / "blocks" / f"{m3.snapshot_key(ids[: cut_of(len(ids), cfg)])}.safetensors")  # where m3 looks
     _, m3 = memory(tiny_model, tmp_path, cfg)
     with pytest.warns(RuntimeWarning, match="another model"):
-        assert m3.reuse_prefix(ids[:-1]) <= cfg.sink_tokens + cfg.window
+        assert m3.reuse_prefix(ids) <= cfg.sink_tokens + cfg.window
 
 
 @pytest.mark.parametrize("damage", ["snapshot", "block"])
@@ -152,7 +140,7 @@ def test_corrupt_snapshot_is_dropped_with_a_warning(tiny_model: Path, tmp_path: 
     ids = random_ids(150, seed=8)
     b, m = memory(tiny_model, tmp_path)
     cold = prefill(b, m, ids, CHUNK)
-    key = m.snapshot_key(ids[: cut_of(len(ids))], len(ids))
+    key = m.snapshot_key(ids[: cut_of(len(ids))])
     if damage == "block":  # one of the episodic blocks the snapshot references
         key = next(blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None)
     path = tmp_path / "blocks" / f"{key}.safetensors"
@@ -185,9 +173,9 @@ def test_budget_evicts_least_recently_used_snapshots(tiny_model: Path, tmp_path:
     prefill(b, m, second, CHUNK)
     assert store.bytes <= store.budget_bytes and store.stats().evictions > 0
     _, m2 = memory(tiny_model, tmp_path, CascadeConfig(**{**CFG.to_dict(), "persistent_budget_bytes": one * 3 // 2}))
-    assert m2.reuse_prefix(second[:-1]) == cut_of(len(second))
+    assert m2.reuse_prefix(second) == cut_of(len(second))
     m2.reset()
-    assert m2.reuse_prefix(first[:-1]) < cut_of(len(first))
+    assert m2.reuse_prefix(first) < cut_of(len(first))
 
 
 def test_snapshots_share_episodic_blocks(tiny_model: Path, tmp_path: Path) -> None:
@@ -198,10 +186,10 @@ def test_snapshots_share_episodic_blocks(tiny_model: Path, tmp_path: Path) -> No
     assert store is not None
     entries = store.stats().entries
     on_disk = {blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None and blk.l3_key is not None and blk.l3_key in store}
-    assert on_disk  # the blocks of the first snapshot (one more formed after its cut, not stored yet)
+    assert on_disk  # the blocks of the first snapshot (more formed after its point, not stored yet)
     longer = first + random_ids(60, seed=12)
     m.reset()
-    prefill(b, m, longer, CHUNK)  # a longer prompt: one more snapshot + only the blocks it adds
+    prefill(b, m, longer, CHUNK)  # the conversation re-read: one more snapshot + only the blocks it adds
     now = {blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None and blk.l3_key is not None}
     assert on_disk & now and all(key in store for key in now)
     assert store.stats().entries == entries + 1 + len(now - on_disk)
