@@ -148,9 +148,20 @@ class CascadeMemory:
         return self.backend.read_kv(self.row, slots)
 
     def reuse_prefix(self, ids: list[int]) -> int:
+        """ids: a prompt less its last token. Only a state that a cold read of the prompt passes through is
+        restored: a snapshot before the prompt's tail (engine.cascade.prefix)."""
+        return self._reuse(ids, len(ids) - TAIL_STEP * TAIL_STEPS)
+
+    def restore_prefix(self, ids: list[int]) -> int:
+        """A replay's (engine.replay) reuse_prefix: ids is exactly the prefix reuse_prefix restored when the memory
+        was fed, so a snapshot may end where ids end."""
+        return self._reuse(ids, len(ids))
+
+    def _reuse(self, ids: list[int], last: int) -> int:
+        """Restore the longest prefix of ids the store has, a snapshot ending at most at `last`; its length."""
         if self.tokens or self.store is None:
             return 0
-        n = self._reuse_snapshot(ids) or self._reuse_exact(ids)
+        n = self._reuse_snapshot(ids, last) or self._reuse_exact(ids)
         if n:
             self.store.flush()  # the entries' new recency must outlive this process, or LRU evicts the hot ones
         self.prefix.canonical = n  # what a cold read of the prompt holds there (engine.cascade.prefix)
@@ -173,9 +184,10 @@ class CascadeMemory:
         self.working.refresh_positions()
         return n
 
-    def _reuse_snapshot(self, ids: list[int]) -> int:
-        """Restore the longest stored snapshot whose tokens are a prefix of ids; its length, or 0."""
-        found = self.prefix.find_snapshot(ids, TAIL_STEP * TAIL_STEPS, self.state_target())
+    def _reuse_snapshot(self, ids: list[int], last: int) -> int:
+        """Restore the longest stored snapshot ending at most at `last` whose tokens are a prefix of ids; its
+        length, or 0."""
+        found = self.prefix.find_snapshot(ids, last, self.state_target())
         if found is None:
             return 0
         self._restore(found.meta, found.tensors)

@@ -203,12 +203,11 @@ class PrefixCache:
             return False
         return saved.same_state(self.cfg)
 
-    def find_snapshot(self, ids: list[int], tail: int, target: StateTarget) -> Snapshot | None:
-        """The longest stored snapshot that a fresh read of the prompt `ids` + its last token passes through (its
-        tokens a prefix of ids, at a grid point before the prompt's last `tail` tokens) and that passes the session
-        schema for `target`; entries that cannot be used are deleted on the way."""
+    def find_snapshot(self, ids: list[int], last: int, target: StateTarget) -> Snapshot | None:
+        """The longest stored snapshot at a grid point up to `last` whose tokens are a prefix of ids and that passes
+        the session schema for `target`; entries that cannot be used are deleted on the way."""
         assert self.store is not None
-        for end in reversed(self.snapshot_points(len(ids) + 1, tail)):
+        for end in reversed(self.snapshot_points(last + 1, 0)):
             key = self.snapshot_key(ids[:end])
             if key not in self.store:
                 continue
