@@ -207,8 +207,15 @@ class PrefixCache:
         """The longest stored snapshot at a grid point up to `last` whose tokens are a prefix of ids and that passes
         the session schema for `target`; entries that cannot be used are deleted on the way."""
         assert self.store is not None
-        for end in reversed(self.snapshot_points(last + 1, 0)):
-            key = self.snapshot_key(ids[:end])
+        data = token_bytes(ids)
+        hasher = hashlib.sha256()
+        keys: list[tuple[int, str]] = []
+        at = 0
+        for end in self.snapshot_points(last + 1, 0):  # one pass over the tokens for every grid point's digest
+            hasher.update(data[4 * at : 4 * end])
+            at = end
+            keys.append((end, self.store.key(hasher.copy().hexdigest(), self.snapshot_tag)))
+        for end, key in reversed(keys):
             if key not in self.store:
                 continue
             got = self.store.get_state(key)
