@@ -112,10 +112,12 @@ def replay(
     of at most the memory's largest feed (then the digest check may report a difference).
     """
     at, total = 0, len(ids)
+    # A memory whose reuse_prefix takes a prompt (less its last token) restores exactly a known prefix by its own name.
+    restore: Callable[[list[int]], int] = getattr(memory, "restore_prefix", memory.reuse_prefix)
     for op, size, count in schedule:
         for _ in range(count):
             if op == "r":
-                got = min(memory.reuse_prefix(list(ids[at : at + size])), size)
+                got = min(restore(list(ids[at : at + size])), size)
                 step = max(1, memory.max_feed())
                 pos = at + got
                 while pos < at + size:

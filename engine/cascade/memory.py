@@ -148,11 +148,23 @@ class CascadeMemory:
         return self.backend.read_kv(self.row, slots)
 
     def reuse_prefix(self, ids: list[int]) -> int:
+        """ids: a prompt less its last token. Only a state that a cold read of the prompt passes through is
+        restored: a snapshot before the prompt's tail (engine.cascade.prefix)."""
+        return self._reuse(ids, len(ids) - TAIL_STEP * TAIL_STEPS)
+
+    def restore_prefix(self, ids: list[int]) -> int:
+        """A replay's (engine.replay) reuse_prefix: ids is exactly the prefix reuse_prefix restored when the memory
+        was fed, so a snapshot may end where ids end."""
+        return self._reuse(ids, len(ids))
+
+    def _reuse(self, ids: list[int], last: int) -> int:
+        """Restore the longest prefix of ids the store has, a snapshot ending at most at `last`; its length."""
         if self.tokens or self.store is None:
             return 0
-        n = self._reuse_snapshot(ids) or self._reuse_exact(ids)
+        n = self._reuse_snapshot(ids, last) or self._reuse_exact(ids)
         if n:
             self.store.flush()  # the entries' new recency must outlive this process, or LRU evicts the hot ones
+        self.prefix.canonical = n  # what a cold read of the prompt holds there (engine.cascade.prefix)
         self.reused_tokens = n
         return n
 
@@ -172,9 +184,10 @@ class CascadeMemory:
         self.working.refresh_positions()
         return n
 
-    def _reuse_snapshot(self, ids: list[int]) -> int:
-        """Restore the longest stored snapshot whose tokens are a prefix of ids; its length, or 0."""
-        found = self.prefix.find_snapshot(ids, self.state_target())
+    def _reuse_snapshot(self, ids: list[int], last: int) -> int:
+        """Restore the longest stored snapshot ending at most at `last` whose tokens are a prefix of ids; its
+        length, or 0."""
+        found = self.prefix.find_snapshot(ids, last, self.state_target())
         if found is None:
             return 0
         self._restore(found.meta, found.tensors)
@@ -190,7 +203,8 @@ class CascadeMemory:
 
     def prefill_cut(self, ids: list[int], start: int) -> list[int]:
         """Before a prompt `ids` is fed from index `start` (after reuse_prefix): indices of ids where chunks must
-        end, ascending. One lets the memory snapshot its state (engine.cascade.prefix). When the conversation
+        end, ascending. With a store, a prompt read into an empty memory is chunked on a grid, so that reusing a
+        prefix changes nothing and the memory can snapshot its state (engine.cascade.prefix). When the conversation
         reaches past the window, the prompt's last tokens also go in small chunks: a forward's query summary
         routes the next one, so the question at the end of a prompt routes the tokens that answer it."""
         base = len(self.tokens) - start  # absolute index of ids[0]
@@ -198,9 +212,7 @@ class CascadeMemory:
         cuts: set[int] = set()
         if self.cfg.retrieval_blocks and end > self.cfg.sink_tokens + self.cfg.window:
             cuts.update(c - base for c in range(end - TAIL_STEP, end - TAIL_STEP * TAIL_STEPS - 1, -TAIL_STEP) if c > len(self.tokens))
-        cut = self.prefix.cut(len(self.tokens), end)
-        if cut is not None:
-            cuts.add(cut - base)
+        cuts.update(c - base for c in self.prefix.cut(len(self.tokens), end, TAIL_STEP * TAIL_STEPS))
         return sorted(cuts)
 
     def spill(self) -> int:
@@ -257,6 +269,7 @@ class CascadeMemory:
                 raise SessionFileError("The saved memory used a different cascade geometry; restore it with the same settings.")
             self._layout(saved.with_budgets_of(self.cfg))
         self._restore(meta, tensors)
+        self.prefix.canonical = None  # a conversation, however it was fed: never snapshot as a fresh read
 
     def _restore(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """load_state without its checks (callers check the kind, version and settings)."""

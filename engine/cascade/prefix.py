@@ -8,18 +8,23 @@ tokens).
 
 Cascade snapshots, for prompts longer than that. Past the first eviction KV depends on the cascade (what was in
 the window, which blocks were retrieved, how the prompt was chunked), so single blocks cannot be reused; the whole
-memory state can. With a store, `cut` asks for one extra chunk boundary at C = the last multiple of block_size
-below the prompt's end (below, because prefill always computes the last token for its logits), if C lies past
-what exact blocks cover; when the memory reaches exactly C tokens it stores its state under key(model, numerics,
-"snapshot-" + CascadeConfig.state_tag(), digest of tokens[:C]). On an empty memory the snapshots are tried from
-the longest block boundary down; the first that loads is restored, and only when none does the exact blocks are
-tried. Block alignment keeps that lookup to len/block_size index probes; the cost is recomputing 1 to block_size
-tokens of a repeated prompt.
-- Exactness: a restored snapshot continues exactly as the memory it was taken from (same slots, ring, retrieval
-  groups, episodic blocks, routing state, fp16 KV as the memory's state() gives). The prompt's chunk boundaries up
-  to C are part of that state: a cold run of P + Q is chunked from 0 and differs from "snapshot of P, then the
-  rest" by the chunk-boundary effect the cascade always has; a repeated prompt is chunked identically either way.
-  The extra boundary at C is only made with a store, so runs without the prefix cache chunk as before.
+memory state can, when it is the state a cold read of the new prompt passes through. Reuse never changes what the
+memory holds, whatever the store has (a restored session re-reading its conversation continues as the original,
+though only the original's cache knows its first prompt), so with a store a prompt read into an empty memory
+(`fresh`) is chunked on a grid that does not depend on where the prompt ends:
+  - a cut at F = sinks + window, the first eviction: exact blocks reused up to n <= F are full attention's KV
+    however they were chunked, and every read chunks the evicting part from F on;
+  - cuts at every grid point G = F + k * GRID_STEP past it, so the chunks between them do not depend on where the
+    read started either;
+  - the snapshot at the last grid point S before the prompt's tail (the last `tail` tokens, which the cascade
+    chunks by the prompt's end, engine.cascade.memory), stored under key(model, numerics, "snapshot-" +
+    CascadeConfig.state_tag(), digest of tokens[:S]).
+A cold read of any longer prompt then holds exactly that state at S (same chunks before it), and the reused one
+chunks the rest as the cold one does. On an empty memory the grid points are tried from the last one before the
+prompt's tail down; the first snapshot that loads is restored, and only when none does the exact blocks are tried.
+A snapshot is taken only of a fresh read, never in a later turn, whose state depends on how the conversation was
+fed (replies token by token). The cost is recomputing up to GRID_STEP + tail tokens of a repeated prompt; the
+cuts are only made with a store, so runs without the prefix cache chunk as before.
 - Budgets are not part of the key (CascadeConfig.state_settings): a snapshot restores under this memory's budgets,
   as a session file does (engine.cascade.episodic brings its blocks within the episodic budget).
 - Storage: resident episodic blocks are not stored inside the snapshot but as content-addressed "kv" entries,
@@ -51,6 +56,7 @@ from engine.session_schema import (
 )
 
 KV = tuple[torch.Tensor, torch.Tensor]  # k, v (L, Hkv, n, D)
+GRID_STEP = 256  # the default prefill chunk (engine.generate): with it the grid's cuts cost no extra forward
 
 
 def token_bytes(ids: list[int]) -> bytes:
@@ -75,6 +81,8 @@ class PrefixCache:
         self.store = store
         self.cfg = cfg
         self.snapshot_tag = f"snapshot-{cfg.state_tag()}"
+        self.first_eviction = cfg.sink_tokens + cfg.window
+        self.grid_step = max(cfg.block_size, min(cfg.window, GRID_STEP) // cfg.block_size * cfg.block_size)
         self.reset()
 
     def reset(self) -> None:
@@ -83,6 +91,9 @@ class PrefixCache:
         self.open = True  # nothing has left the window yet: every KV so far equals full attention's
         self.persisted = 0  # tokens [0, persisted) are in L3 as exact prefix blocks
         self.snapshot_at: int | None = None  # snapshot the state when this many tokens are in (see cut)
+        # How many tokens the memory holds as a cold read would (0 when empty, n after reusing n); None once it
+        # holds anything else (a prompt was read, a session restored): only such a memory reads `fresh` (see cut).
+        self.canonical: int | None = 0
 
     def feed(self, ids: list[int], start: int) -> None:
         """Extend the running digest by ids (absolute indices start..), recording the digests at block-aligned
@@ -139,17 +150,24 @@ class PrefixCache:
         assert self.store is not None
         return self.store.key(hashlib.sha256(token_bytes(prefix)).hexdigest(), self.snapshot_tag)
 
-    def cut(self, tokens: int, end: int) -> int | None:
-        """Before a prompt ending at absolute index `end` is fed to a memory of `tokens` tokens: the chunk boundary
-        to snapshot at (absolute), remembered for `due`; None when nothing is left to feed before it, or exact
-        prefix blocks cover it."""
-        if self.store is None:
-            return None
-        cut = (end - 1) // self.cfg.block_size * self.cfg.block_size
-        if cut > tokens and not (self.open and cut <= self.cfg.sink_tokens + self.cfg.window):
-            self.snapshot_at = cut
-            return cut
-        return None
+    def snapshot_points(self, end: int, tail: int) -> range:
+        """The grid points a fresh read of a prompt of `end` tokens snapshots at or passes through in the same
+        state as any longer prompt's read (see the module docstring), ascending."""
+        return range(self.first_eviction + self.grid_step, end - tail, self.grid_step)
+
+    def cut(self, tokens: int, end: int, tail: int) -> list[int]:
+        """Before a prompt ending at absolute index `end` (its last `tail` tokens chunked by its end) is fed to a
+        memory of `tokens` tokens: the chunk boundaries (absolute) that make the read canonical; the last one
+        before the tail is the one to snapshot at, remembered for `due`. Empty without a store, or when the memory
+        is not read fresh (see `canonical`)."""
+        fresh, self.canonical = self.canonical == tokens, None  # after this prompt the memory holds a conversation
+        if self.store is None or not fresh or end <= self.first_eviction:
+            return []
+        grid = range(self.first_eviction, end, self.grid_step)
+        points = self.snapshot_points(end, tail)
+        if points and points[-1] > tokens:
+            self.snapshot_at = points[-1]
+        return [c for c in grid if c > tokens]
 
     def due(self, tokens: int) -> bool:
         """After a forward: whether the memory, now of `tokens` tokens, is to be snapshot (once, at the cut; a
@@ -185,16 +203,17 @@ class PrefixCache:
             return False
         return saved.same_state(self.cfg)
 
-    def find_snapshot(self, ids: list[int], target: StateTarget) -> Snapshot | None:
-        """The longest stored snapshot whose tokens are a prefix of ids and that passes the session schema for
-        `target`; entries that cannot be used are deleted on the way."""
+    def find_snapshot(self, ids: list[int], last: int, target: StateTarget) -> Snapshot | None:
+        """The longest stored snapshot at a grid point up to `last` whose tokens are a prefix of ids and that passes
+        the session schema for `target`; entries that cannot be used are deleted on the way."""
         assert self.store is not None
-        b = self.cfg.block_size
         data = token_bytes(ids)
         hasher = hashlib.sha256()
         keys: list[tuple[int, str]] = []
-        for end in range(b, len(ids) + 1, b):
-            hasher.update(data[4 * (end - b) : 4 * end])
+        at = 0
+        for end in self.snapshot_points(last + 1, 0):  # one pass over the tokens for every grid point's digest
+            hasher.update(data[4 * at : 4 * end])
+            at = end
             keys.append((end, self.store.key(hasher.copy().hexdigest(), self.snapshot_tag)))
         for end, key in reversed(keys):
             if key not in self.store:

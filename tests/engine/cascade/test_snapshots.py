@@ -1,8 +1,8 @@
-"""Cascade snapshots in L3: prompts longer than the window are reused whole (engine.cascade.memory)."""
+"""Cascade snapshots in L3: prompts longer than the window are reused whole (engine.cascade.memory), and reuse
+never changes what the memory holds (engine.cascade.prefix)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import warnings
 from pathlib import Path
@@ -12,8 +12,10 @@ import torch
 
 from engine.backends.torch_backend import TorchBackend
 from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
+from engine.cascade.memory import TAIL_STEP, TAIL_STEPS
 from engine.cli import main as engine_main
 from engine.generate import prefill
+from engine.replay import memory_digest
 from tests.engine.cascade.helpers import feed, greedy, random_ids
 from tests.tiny import TOKENIZER_TEXT, make_tiny_model
 
@@ -28,8 +30,10 @@ def memory(model: Path, cache: Path, cfg: CascadeConfig = CFG) -> tuple[TorchBac
 
 
 def cut_of(n: int, cfg: CascadeConfig = CFG) -> int:
-    """Where prefill snapshots a prompt of n tokens: the last block boundary before its last token."""
-    return (n - 1) // cfg.block_size * cfg.block_size
+    """Where a fresh read of a prompt of n tokens snapshots: the last grid point (sinks + window, then every
+    window here) before the prompt's tail; 0 when there is none."""
+    points = range(cfg.sink_tokens + 2 * cfg.window, n - TAIL_STEP * TAIL_STEPS, cfg.window)
+    return points[-1] if points else 0
 
 
 def feed_chunks(b: TorchBackend, m: CascadeMemory, ids: list[int]) -> torch.Tensor:
@@ -42,28 +46,38 @@ def feed_chunks(b: TorchBackend, m: CascadeMemory, ids: list[int]) -> torch.Tens
 
 @pytest.mark.parametrize("routing", ["hybrid", "token"])
 def test_snapshot_reuse_continues_exactly(tiny_model: Path, tmp_path: Path, routing: str) -> None:
+    """P + Q over a cache that holds P's snapshot: the memory a cold read of P + Q makes without any cache, bit for
+    bit, so the reply does not depend on which cache the reader has (a restored session re-reading its
+    conversation, engine.session)."""
     cfg = CascadeConfig(**{**CFG.to_dict(), "routing": routing})
     p, q = random_ids(150, seed=1), random_ids(40, seed=2)  # P is > 4 windows: most of it left the window
-    b1, m1 = memory(tiny_model, tmp_path, cfg)
-    cold = prefill(b1, m1, p, CHUNK)
-    assert m1.episodic.blocks and m1.working.evicted > 0
-    want_q = feed_chunks(b1, m1, q)
-    want, _ = greedy(b1, m1, want_q, 12)
-
-    b2, m2 = memory(tiny_model, tmp_path, cfg)  # a restart over the same cache
-    n = m2.reuse_prefix(p + q)
-    assert n == m2.reused_tokens == cut_of(len(p)) == 144
-    assert m2.tokens == p[:n] and m2.working.evicted == n - cfg.sink_tokens - cfg.window
-    # The rest of P, then Q, in the chunks the original used: the same logits and the same continuation.
-    # The cascade routes a prompt's last tokens in small chunks (prefill_cut): continue at the cold run's cuts.
-    bounds = [n, *(c for c in m2.prefill_cut(p, n) if c > n), len(p)]
-    for lo, hi in itertools.pairwise(bounds):
-        got = feed(b2, m2, p[lo:hi])[-1]
-    torch.testing.assert_close(got, cold, atol=1e-5, rtol=0)
-    torch.testing.assert_close(feed_chunks(b2, m2, q), want_q, atol=1e-5, rtol=0)
-    got, _ = greedy(b2, m2, want_q, 12)
+    prefill(*memory(tiny_model, tmp_path / "warm", cfg), p, CHUNK)
+    b1, m1 = memory(tiny_model, tmp_path / "cold", cfg)
+    cold = prefill(b1, m1, p + q, CHUNK)
+    assert m1.reused_tokens == 0 and m1.episodic.blocks and m1.working.evicted > 0
+    b2, m2 = memory(tiny_model, tmp_path / "warm", cfg)  # a restart over P's cache
+    warm = prefill(b2, m2, p + q, CHUNK)
+    assert m2.reused_tokens == cut_of(len(p)) == 100
+    torch.testing.assert_close(warm, cold, atol=0, rtol=0)
+    assert memory_digest(m2) == memory_digest(m1)
+    want, _ = greedy(b1, m1, cold, 12)
+    got, _ = greedy(b2, m2, warm, 12)
     assert got == want
     assert m2.tokens == m1.tokens
+
+
+def test_a_later_turn_is_never_snapshot(tiny_model: Path, tmp_path: Path) -> None:
+    """A turn after the first holds a conversation fed as it came (replies token by token), which no cold read of
+    its tokens reproduces: only a prompt read into an empty memory is snapshot."""
+    b, m = memory(tiny_model, tmp_path)
+    first = random_ids(150, seed=1)
+    prefill(b, m, first, CHUNK)
+    assert m.store is not None
+    entries = m.store.stats().entries
+    prefill(b, m, random_ids(60, seed=2), CHUNK)
+    assert m.store.stats().entries == entries
+    _, m2 = memory(tiny_model, tmp_path)
+    assert m2.reuse_prefix(m.tokens[:-1]) == cut_of(len(first))
 
 
 def test_repeated_prompt_recomputes_at_most_a_block(tiny_model: Path, tmp_path: Path) -> None:
@@ -75,8 +89,9 @@ def test_repeated_prompt_recomputes_at_most_a_block(tiny_model: Path, tmp_path: 
     plan = m2.plan
     m2.plan = lambda piece: (computed.append(len(piece)), plan(piece))[1]  # type: ignore[method-assign]
     warm = prefill(b2, m2, ids, CHUNK)
-    assert sum(computed) == len(ids) - cut_of(len(ids)) <= CFG.block_size
-    torch.testing.assert_close(warm, cold, atol=1e-5, rtol=0)
+    assert sum(computed) == len(ids) - cut_of(len(ids)) <= CFG.window + TAIL_STEP * TAIL_STEPS
+    torch.testing.assert_close(warm, cold, atol=0, rtol=0)
+    assert memory_digest(m2) == memory_digest(m1)
     assert int(warm.argmax()) == int(cold.argmax())
     assert m2.store is not None and m2.store.stats().hits >= 1
 
@@ -88,11 +103,12 @@ def test_longest_matching_snapshot_wins(tiny_model: Path, tmp_path: Path) -> Non
         b, m = memory(tiny_model, tmp_path)
         prefill(b, m, prompt, CHUNK)
     b, m = memory(tiny_model, tmp_path)
+    assert cut_of(len(short)) < cut_of(len(long))
     assert m.reuse_prefix([*long, 1, 2, 3]) == cut_of(len(long))
     m.reset()
     assert m.reuse_prefix(short + random_ids(90, seed=6)) == cut_of(len(short))  # diverges from `long` after short
     m.reset()
-    assert m.reuse_prefix(long[: cut_of(len(long)) - 1]) == cut_of(len(short))  # one token short of the long one
+    assert m.reuse_prefix(long[: cut_of(len(long)) + TAIL_STEP * TAIL_STEPS - 1]) == cut_of(len(short))  # its tail reaches the long one
 
 
 def test_foreign_model_or_settings_never_restore_a_snapshot(tiny_model: Path, other_model: Path, tmp_path: Path) -> None:
@@ -113,7 +129,7 @@ def test_foreign_model_or_settings_never_restore_a_snapshot(tiny_model: Path, ot
     cfg = CascadeConfig(**{**CFG.to_dict(), "window": 40})
     _, m3 = memory(tiny_model, tmp_path, cfg)
     src = tmp_path / "blocks" / f"{m.snapshot_key(ids[: cut_of(len(ids))])}.safetensors"
-    src.rename(tmp_path / "blocks" / f"{m3.snapshot_key(ids[: cut_of(len(ids))])}.safetensors")
+    src.rename(tmp_path / "blocks" / f"{m3.snapshot_key(ids[: cut_of(len(ids), cfg)])}.safetensors")  # where m3 looks
     _, m3 = memory(tiny_model, tmp_path, cfg)
     with pytest.warns(RuntimeWarning, match="another model"):
         assert m3.reuse_prefix(ids) <= cfg.sink_tokens + cfg.window
@@ -162,20 +178,23 @@ def test_budget_evicts_least_recently_used_snapshots(tiny_model: Path, tmp_path:
     assert m2.reuse_prefix(first) < cut_of(len(first))
 
 
-def test_conversation_snapshots_share_episodic_blocks(tiny_model: Path, tmp_path: Path) -> None:
+def test_snapshots_share_episodic_blocks(tiny_model: Path, tmp_path: Path) -> None:
     b, m = memory(tiny_model, tmp_path)
-    prefill(b, m, random_ids(150, seed=11), CHUNK)
+    first = random_ids(150, seed=11)
+    prefill(b, m, first, CHUNK)
     store = m.store
     assert store is not None
     entries = store.stats().entries
-    on_disk = {blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None and blk.l3_key in store}
-    assert on_disk  # the blocks of the first snapshot (one more formed after its cut, not stored yet)
-    prefill(b, m, random_ids(60, seed=12), CHUNK)  # the next turn: one more snapshot + only the blocks it adds
-    now = {blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None}
-    assert on_disk < now and all(key in store for key in now)
+    on_disk = {blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None and blk.l3_key is not None and blk.l3_key in store}
+    assert on_disk  # the blocks of the first snapshot (more formed after its point, not stored yet)
+    longer = first + random_ids(60, seed=12)
+    m.reset()
+    prefill(b, m, longer, CHUNK)  # the conversation re-read: one more snapshot + only the blocks it adds
+    now = {blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None and blk.l3_key is not None}
+    assert on_disk & now and all(key in store for key in now)
     assert store.stats().entries == entries + 1 + len(now - on_disk)
     _, m2 = memory(tiny_model, tmp_path)
-    assert m2.reuse_prefix(m.tokens) == cut_of(len(m.tokens))
+    assert m2.reuse_prefix(longer[:-1]) == cut_of(len(longer))
 
 
 def test_generate_twice_reuses_the_long_prompt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

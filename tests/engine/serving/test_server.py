@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from engine.cascade.memory import TAIL_STEP, TAIL_STEPS
 from engine.generate import GenerationSettings, stream_generate
 from engine.memory import FullAttentionMemory
 from engine.sampling import SamplingSettings
@@ -138,11 +139,13 @@ def test_after_a_restart_the_prefix_cache_gives_the_memory_back(served: Served) 
 def test_a_conversation_past_the_window_resumes_from_its_snapshot(served: Served) -> None:
     c = client(served)
     system = SYSTEM
-    while len(served.tokenizer.encode_chat([{"role": "system", "content": system}])) < 200:
+    while len(served.tokenizer.encode_chat([{"role": "system", "content": system}])) < 300:
         system += " " + SYSTEM
     turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Summarize."}]
     n1 = len(served.tokenizer.encode_chat(turn1))
-    assert n1 > 2 + 128  # longer than sinks + window: a cascade snapshot, not exact blocks
+    # past sinks + window, a grid step (the window here) and the tail: a cascade snapshot, not exact blocks
+    points = range(2 + 128 + 128, n1 - TAIL_STEP * TAIL_STEPS, 128)  # engine.cascade.prefix
+    assert points
     first = c.chat.completions.create(model="tiny", messages=turn1, max_tokens=6, temperature=0)  # type: ignore[arg-type]
     turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content or ""}, {"role": "user", "content": "More."}]
     restarted = start_server(served.model_dir, served.cache_dir)
@@ -150,7 +153,7 @@ def test_a_conversation_past_the_window_resumes_from_its_snapshot(served: Served
         second = client(restarted).chat.completions.create(model="tiny", messages=turn2, max_tokens=6, temperature=0)  # type: ignore[arg-type]
     finally:
         restarted.server.stop()
-    assert second.usage.prompt_tokens_details.cached_tokens == (n1 - 1) // 8 * 8  # type: ignore[union-attr]
+    assert second.usage.prompt_tokens_details.cached_tokens == points[-1]  # type: ignore[union-attr]
 
 
 def test_errors_have_openai_shape_and_status(served: Served) -> None:
