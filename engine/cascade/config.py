@@ -39,8 +39,8 @@ class CascadeConfigError(SparkError):
 class CascadeConfig:
     sink_tokens: int = 4
     window: int = AUTO_WINDOW  # AUTO_WINDOW: resolved by fit_to from the trained context and the memory budget
-    block_size: int = 64
-    retrieval_blocks: int = 4
+    block_size: int = 32  # 8 x 32 retrieval slots beat 4 x 64 at equal slots (README, bench long-ppl --window 512)
+    retrieval_blocks: int = 8
     routing: str = "hybrid"
     reroute_every: int = 64  # while generating, re-route at least every this many tokens
     reroute_drift: int = 10  # ... and sooner when the routing query's mean cosine to the routed one drops this many %
