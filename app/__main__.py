@@ -38,8 +38,12 @@ class SelfTestFailure(Exception):
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m app", description="MLoT Spark: chat with a local memory-cascade model.")
-    p.add_argument("paths", nargs="*", type=Path, help=".spark conversations to open, or a model folder / .gguf to load")
-    p.add_argument("--model", type=Path, help="model folder or .gguf file (default: the last one used, else the default model)")
+    p.add_argument(
+        "paths", nargs="*", type=Path, help=".spark conversations to open, or a model folder / .gguf to load"
+    )
+    p.add_argument(
+        "--model", type=Path, help="model folder or .gguf file (default: the last one used, else the default model)"
+    )
     p.add_argument("--backend", default="auto", choices=("auto", *AUTO_ORDER), help="compute backend (default: auto)")
     p.add_argument("--self-test", action="store_true", help="headless smoke run: load, stream, save, restore, exit")
     # Qt's own options (-style, -platform ...) pass through to QApplication.
@@ -55,22 +59,30 @@ def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Pat
     from app.worker_types import LoadedModel, TurnResult
 
     w = window.client.worker
-    name, value = wait_any({"loaded": w.loaded, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.load_model(model, backend))
+    name, value = wait_any(
+        {"loaded": w.loaded, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.load_model(model, backend)
+    )
     if name != "loaded" or not isinstance(value, LoadedModel):
         raise SelfTestFailure(f"the model did not load: {value or 'timed out'}")
     print(f"model: {value.info.name} on {value.info.backend_detail}")
 
     meter = GapMeter()
     meter.start()
-    name, result = wait_any({"finished": w.finished, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.submit(SELF_TEST_PROMPT))
+    name, result = wait_any(
+        {"finished": w.finished, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.submit(SELF_TEST_PROMPT)
+    )
     gap = meter.stop()
     if name != "finished" or not isinstance(result, TurnResult) or result.reason == "error":
         raise SelfTestFailure(f"the reply failed: {result if name == 'error' else name}")
     reply = window.chat.reply_text()
     if not result.progress.generated_tokens:
         raise SelfTestFailure("the model generated no tokens")
-    print(f"streamed {result.progress.generated_tokens} tokens at {result.progress.tokens_per_s:.1f} tokens/s, first after {result.progress.ttft_s * 1000:.0f} ms")
-    print(f"longest GUI gap while streaming: {gap * 1000:.1f} ms (goal < {GAP_GOAL_S * 1000:.0f} ms, {meter.ticks} ticks)")
+    print(
+        f"streamed {result.progress.generated_tokens} tokens at {result.progress.tokens_per_s:.1f} tokens/s, first after {result.progress.ttft_s * 1000:.0f} ms"
+    )
+    print(
+        f"longest GUI gap while streaming: {gap * 1000:.1f} ms (goal < {GAP_GOAL_S * 1000:.0f} ms, {meter.ticks} ticks)"
+    )
 
     path = workdir / "self-test.spark"
     name, value = wait_any({"saved": w.saved, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.client.save(path))
@@ -78,7 +90,9 @@ def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Pat
         raise SelfTestFailure(f"saving the session failed: {value or name}")
     window.client.new_chat(None)
     name, value = wait_any(
-        {"restored": w.restored, "error": w.error, "foreign": w.foreign_session}, STEP_TIMEOUT_MS, lambda: window.client.restore(path)
+        {"restored": w.restored, "error": w.error, "foreign": w.foreign_session},
+        STEP_TIMEOUT_MS,
+        lambda: window.client.restore(path),
     )
     if name != "restored":
         raise SelfTestFailure(f"restoring the session failed: {value or name}")

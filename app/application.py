@@ -94,7 +94,9 @@ class CrashReporter(QObject):
 
     @Slot(str, str)
     def _on_crashed(self, summary: str, log_path: str) -> None:
-        box = QMessageBox(QMessageBox.Icon.Critical, "MLoT Spark ran into a problem", "Something went wrong inside MLoT Spark.")
+        box = QMessageBox(
+            QMessageBox.Icon.Critical, "MLoT Spark ran into a problem", "Something went wrong inside MLoT Spark."
+        )
         box.setInformativeText(
             f"{summary}\n\nYour conversation is still open; saving it now is a good idea. Details were written to {log_path}."
         )

@@ -221,7 +221,9 @@ class ChatView(QTextBrowser):
             cursor.insertText("    ", self._label_format())
             cursor.insertText("Copy", self._link_format(f"copy:{index}", "Copy this message"))
             cursor.insertText("  ·  ", self._label_format())
-            cursor.insertText("Branch", self._link_format(f"branch:{index}", "A new conversation up to this message, with its memory"))
+            cursor.insertText(
+                "Branch", self._link_format(f"branch:{index}", "A new conversation up to this message, with its memory")
+            )
         cursor.insertBlock(QTextBlockFormat(), self._body_format())
         at = 0
         for match in FENCE.finditer(content):

@@ -58,7 +58,9 @@ class ConversationCommands(QObject):
             return
         step = self._undo.pop()
         if step.entry is not None and not self._w.library.undelete(step.entry):
-            self._w.notice.show_message("The deleted conversation is no longer in the trash, so it cannot come back.", error=True)
+            self._w.notice.show_message(
+                "The deleted conversation is no longer in the trash, so it cannot come back.", error=True
+            )
         elif self._w.library.get(step.reopen):
             self._w.sidebar.refresh()
             self._w.open_conversation(step.reopen)
@@ -99,7 +101,9 @@ class ConversationCommands(QObject):
     def rename(self, conversation_id: str) -> None:
         entry = self._w.library.get(conversation_id)
         if entry is None:
-            self._w.notice.show_message("This conversation has no messages yet, so there is nothing to rename.", error=False)
+            self._w.notice.show_message(
+                "This conversation has no messages yet, so there is nothing to rename.", error=False
+            )
             return
         title = self._w.dialogs.ask_text("Rename Conversation", "Title:", entry.title)
         if title:
@@ -162,14 +166,20 @@ class ConversationCommands(QObject):
     def export(self, conversation_id: str, kind: str) -> None:
         entry = self._w.library.get(conversation_id)
         if entry is None:
-            self._w.notice.show_message("This conversation has no messages yet, so there is nothing to export.", error=False)
+            self._w.notice.show_message(
+                "This conversation has no messages yet, so there is nothing to export.", error=False
+            )
             return
         path = self._w.dialogs.export_path(self._w.dirs.documents / f"{_file_name(entry.title)}.{kind}", kind)
         if path is None:
             return
         try:
             messages = [(m.role, m.content) for m in load_session(self._w.library.path_for(conversation_id)).messages]
-            text = export_markdown(entry.title, messages) if kind == "md" else export_json(entry.title, messages, entry.model)
+            text = (
+                export_markdown(entry.title, messages)
+                if kind == "md"
+                else export_json(entry.title, messages, entry.model)
+            )
             atomic_write(path, [text.encode("utf-8")])
         except Exception as exc:  # one sentence, nothing lost
             self._w.notice.show_message(f"The conversation could not be exported to {path.name} ({exc}).", error=True)

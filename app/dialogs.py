@@ -78,7 +78,13 @@ class Dialogs:
 
     def help(self, keys: list[tuple[str, str]]) -> None:
         rows = "".join(f"<tr><td>{name}</td><td>&nbsp;&nbsp;{key}</td></tr>" for name, key in keys if key)
-        box = QMessageBox(QMessageBox.Icon.NoIcon, f"{APP_NAME} Help", HELP_TEXT + f"<table>{rows}</table>", QMessageBox.StandardButton.Close, self.parent)
+        box = QMessageBox(
+            QMessageBox.Icon.NoIcon,
+            f"{APP_NAME} Help",
+            HELP_TEXT + f"<table>{rows}</table>",
+            QMessageBox.StandardButton.Close,
+            self.parent,
+        )
         box.exec()
 
     def model_dir(self, start: Path) -> Path | None:

@@ -10,7 +10,9 @@ from engine.hw import HardwarePolicy, use_recommended_threads
 from engine.session import Engine, memory_factory_for
 
 
-def load_engine(model_dir: Path | None, backend: str, cache_dir: Path, policy: HardwarePolicy | None, quantize: str = "auto") -> Engine:
+def load_engine(
+    model_dir: Path | None, backend: str, cache_dir: Path, policy: HardwarePolicy | None, quantize: str = "auto"
+) -> Engine:
     """Load `model_dir` (a folder or a .gguf; None: the default model) with weights held as `quantize` (the
     Settings' weight precision). Raises SparkError subclasses with one user-facing sentence."""
     use_recommended_threads()  # leave a core to the GUI thread (see engine.hw.chip.recommended_threads)

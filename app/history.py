@@ -21,10 +21,13 @@ ID_ROLE = Qt.ItemDataRole.UserRole
 
 
 def when_text(epoch_s: float, now: float | None = None) -> str:
-    """"14:05" today, "Yesterday", a weekday within the week, else the date."""
+    """ "14:05" today, "Yesterday", a weekday within the week, else the date."""
     now = time.time() if now is None else now
     t, n = time.localtime(epoch_s), time.localtime(now)
-    days = (time.mktime((n.tm_year, n.tm_mon, n.tm_mday, 0, 0, 0, 0, 0, -1)) - time.mktime((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0, 0, 0, -1))) / 86400
+    days = (
+        time.mktime((n.tm_year, n.tm_mon, n.tm_mday, 0, 0, 0, 0, 0, -1))
+        - time.mktime((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0, 0, 0, -1))
+    ) / 86400
     if days < 0.5:
         return time.strftime("%H:%M", t)
     if days < 1.5:
@@ -77,7 +80,10 @@ class HistorySidebar(QWidget):
         for e in self.library.entries(self.search.text()):
             item = QListWidgetItem(f"{e.title}\n{self._subtitle(e)}")
             item.setData(ID_ROLE, e.id)
-            item.setToolTip(f"{e.title}\n{time.strftime('%d %b %Y, %H:%M', time.localtime(e.updated))}" + (f" · {e.model}" if e.model else ""))
+            item.setToolTip(
+                f"{e.title}\n{time.strftime('%d %b %Y, %H:%M', time.localtime(e.updated))}"
+                + (f" · {e.model}" if e.model else "")
+            )
             self.list.addItem(item)
             if e.id == self.current_id:
                 item.setSelected(True)

@@ -40,7 +40,12 @@ def _sparkle(cx: float, cy: float, r: float, waist: float) -> QPainterPath:
     """A four-pointed star: long points at radius r, pinched to `waist` x r between them."""
     path = QPainterPath(QPointF(cx, cy - r))
     w = r * waist
-    for tip, ctrl in (((cx + r, cy), (cx + w, cy - w)), ((cx, cy + r), (cx + w, cy + w)), ((cx - r, cy), (cx - w, cy + w)), ((cx, cy - r), (cx - w, cy - w))):
+    for tip, ctrl in (
+        ((cx + r, cy), (cx + w, cy - w)),
+        ((cx, cy + r), (cx + w, cy + w)),
+        ((cx - r, cy), (cx - w, cy + w)),
+        ((cx, cy - r), (cx - w, cy - w)),
+    ):
         path.quadTo(QPointF(*ctrl), QPointF(*tip))
     return path
 

@@ -29,7 +29,12 @@ from app.worker_types import MemoryReport, ModelInfo, TurnProgress, remote_name
 from engine.remote import RemoteServer
 
 REMOTE_MEMORY = "Does not apply to a remote model: the server keeps its own memory; Spark stores the transcript only."
-THERMAL_WORDS = {"nominal": "Running cool.", "fair": "Warm; running normally.", "serious": "Hot: replies are slowed down to cool off.", "critical": "Very hot: replies pause until it cools."}
+THERMAL_WORDS = {
+    "nominal": "Running cool.",
+    "fair": "Warm; running normally.",
+    "serious": "Hot: replies are slowed down to cool off.",
+    "critical": "Very hot: replies pause until it cools.",
+}
 
 
 def model_line(info: ModelInfo) -> str:
@@ -59,7 +64,9 @@ def memory_words(report: MemoryReport) -> str:
     parts = [f"Remembers the last {working.entries:,} tokens exactly" if working else f"Holds {report.tokens:,} tokens"]
     if episodic is not None:
         n = episodic.entries
-        parts.append(f"recalls {n:,} earlier passage{'s' if n != 1 else ''}" if n else "no earlier passages to recall yet")
+        parts.append(
+            f"recalls {n:,} earlier passage{'s' if n != 1 else ''}" if n else "no earlier passages to recall yet"
+        )
     return ", ".join(parts) + f", {bytes_text(used)}."
 
 
@@ -143,7 +150,9 @@ class Inspector(QScrollArea):
 
     def show_remote(self, server: RemoteServer) -> None:
         """A remote server is the model: say where it runs; the memory rows say they do not apply (see _on_memory)."""
-        self.model.body.setText(f"{remote_name(server)} runs on the server at {server.url}; Spark sends it the conversation and streams the reply.")
+        self.model.body.setText(
+            f"{remote_name(server)} runs on the server at {server.url}; Spark sends it the conversation and streams the reply."
+        )
         self.model.body.setToolTip(server.url)
         self.performance_panel.backend.setText(f"remote server ({server.url})")
         self.performance_panel.skipped.setText("does not apply (remote model)")
@@ -160,7 +169,9 @@ class Inspector(QScrollArea):
     def _on_progress(self, p: TurnProgress) -> None:
         self.performance_panel._on_progress(p)
         if p.generated_tokens:
-            self.speed.body.setText(f"{p.tokens_per_s:.0f} tokens a second; the first came {p.ttft_s * 1000:,.0f} ms after sending ({p.prompt_tokens:,} tokens read).")
+            self.speed.body.setText(
+                f"{p.tokens_per_s:.0f} tokens a second; the first came {p.ttft_s * 1000:,.0f} ms after sending ({p.prompt_tokens:,} tokens read)."
+            )
 
     @Slot(HardwareSample)
     def _on_sample(self, sample: HardwareSample) -> None:
@@ -168,7 +179,9 @@ class Inspector(QScrollArea):
         self.memory_panel._on_sample(sample)
         m = sample.memory
         heat = THERMAL_WORDS.get(sample.thermal.state.value, "This computer does not report its temperature.")
-        self.machine.body.setText(f"{heat} {bytes_text(m.available_bytes)} of memory free; Spark uses {bytes_text(m.rss_bytes)}.")
+        self.machine.body.setText(
+            f"{heat} {bytes_text(m.available_bytes)} of memory free; Spark uses {bytes_text(m.rss_bytes)}."
+        )
 
     def show_stored(self, text: str) -> None:
         self.conversation.body.setText(text)

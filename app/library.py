@@ -101,7 +101,9 @@ class ConversationLibrary:
                 data = json.loads(path.read_text(encoding="utf-8"))
                 rows = data.get("conversations", []) if isinstance(data, dict) else []
             except (OSError, ValueError, UnicodeDecodeError) as exc:
-                self.load_error = f"The list of conversations could not be read ({exc}); it was rebuilt from the stored files."
+                self.load_error = (
+                    f"The list of conversations could not be read ({exc}); it was rebuilt from the stored files."
+                )
                 rows = []
             for row in rows if isinstance(rows, list) else []:
                 e = _entry(row)
@@ -151,8 +153,20 @@ class ConversationLibrary:
         first_user = next((c for r, c in messages if r == "user"), "")
         title = old.title if old is not None and old.renamed else title_from(first_user)
         text = "\n".join(c for _, c in messages)[:SEARCH_CHARS]
-        notes = tuple((i, t) for i, t in old.notes if i < len(messages)) if old else ()  # a regenerated reply drops its note
-        e = ConversationEntry(conversation_id, title, old.created if old else now, now, model, text, bool(old and old.renamed), len(messages), notes)
+        notes = (
+            tuple((i, t) for i, t in old.notes if i < len(messages)) if old else ()
+        )  # a regenerated reply drops its note
+        e = ConversationEntry(
+            conversation_id,
+            title,
+            old.created if old else now,
+            now,
+            model,
+            text,
+            bool(old and old.renamed),
+            len(messages),
+            notes,
+        )
         self._entries[conversation_id] = e
         self.save()
         return e

@@ -69,7 +69,12 @@ class LocalServerController(QObject):
             return
         engine = self._engine
         try:
-            service = ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, ServeConfig(model_id=served_name(engine.model_dir)))
+            service = ModelService(
+                engine.locked_fork(),
+                engine.tokenizer,
+                engine.memory_factory,
+                ServeConfig(model_id=served_name(engine.model_dir)),
+            )
             try:
                 self._server = LocalServer(service, LOOPBACK, self.port).start()
             except BaseException:

@@ -51,7 +51,9 @@ NARROW_WIDTH = 1100  # px: below it the inspector folds away so the chat keeps m
 
 
 def is_model_path(path: Path) -> bool:
-    return (path.is_dir() and ((path / "config.json").is_file() or any(path.glob("*.gguf")))) or (path.is_file() and path.suffix.lower() == ".gguf")
+    return (path.is_dir() and ((path / "config.json").is_file() or any(path.glob("*.gguf")))) or (
+        path.is_file() and path.suffix.lower() == ".gguf"
+    )
 
 
 class MainWindow(QMainWindow):
@@ -230,7 +232,11 @@ class MainWindow(QMainWindow):
 
     def open_conversation(self, conversation_id: str) -> None:
         """Switch to a stored conversation: its transcript and memory come back (recomputed where compact)."""
-        if not self.library.get(conversation_id) or conversation_id in (self.current_id, self.opening) or not self.model_loaded:
+        if (
+            not self.library.get(conversation_id)
+            or conversation_id in (self.current_id, self.opening)
+            or not self.model_loaded
+        ):
             return
         self.client.stop()
         self.opening = conversation_id
@@ -242,10 +248,15 @@ class MainWindow(QMainWindow):
     def submit(self, text: str) -> bool:
         """Send `text` as the next user message; False (with a message saying why) when it cannot be sent now."""
         if not self.model_loaded:
-            self.notice.show_message("The model is still loading; your message is kept, send it when it is ready.", error=False)
+            self.notice.show_message(
+                "The model is still loading; your message is kept, send it when it is ready.", error=False
+            )
             return False
         if self.opening is not None:
-            self.notice.show_message("Spark is still opening this conversation (recomputing its memory); your message is kept, send it in a moment.", error=False)
+            self.notice.show_message(
+                "Spark is still opening this conversation (recomputing its memory); your message is kept, send it in a moment.",
+                error=False,
+            )
             return False
         if self.client.busy:
             self.notice.show_message(
@@ -270,7 +281,10 @@ class MainWindow(QMainWindow):
             self.load_model(path)
             return
         if path.suffix != SESSION_SUFFIX:
-            self.notice.show_message(f"MLoT Spark opens {SESSION_SUFFIX} conversations, model folders and .gguf models; {path.name} is none of these, so nothing changed.", error=True)
+            self.notice.show_message(
+                f"MLoT Spark opens {SESSION_SUFFIX} conversations, model folders and .gguf models; {path.name} is none of these, so nothing changed.",
+                error=True,
+            )
             return
         if not path.is_file():
             self.notice.show_message(f"The file {path.name} no longer exists; nothing changed.", error=True)
@@ -312,11 +326,16 @@ class MainWindow(QMainWindow):
 
     def handle_drop(self, paths: list[Path], count: int) -> None:
         if len(paths) != 1 or count != 1:
-            self.notice.show_message("Drop one .spark conversation, one model folder or one .gguf file at a time; nothing changed.", error=True)
+            self.notice.show_message(
+                "Drop one .spark conversation, one model folder or one .gguf file at a time; nothing changed.",
+                error=True,
+            )
             return
         path = paths[0]
         if path.is_dir() and not is_model_path(path):
-            self.notice.show_message(f"{path.name} is not a model folder (it has no config.json or .gguf); nothing changed.", error=True)
+            self.notice.show_message(
+                f"{path.name} is not a model folder (it has no config.json or .gguf); nothing changed.", error=True
+            )
             return
         self.open_file(path)
 

@@ -114,7 +114,10 @@ class Preferences:
             return GenerationSettings(max_tokens=DEFAULT_MAX_TOKENS)
 
     def set_generation(self, settings: GenerationSettings) -> None:
-        self._s.setValue("generation/settings", json.dumps({"max_tokens": settings.max_tokens, "sampling": asdict(settings.sampling)}))
+        self._s.setValue(
+            "generation/settings",
+            json.dumps({"max_tokens": settings.max_tokens, "sampling": asdict(settings.sampling)}),
+        )
 
     def system_prompt(self) -> str:
         return str(self._s.value("chat/system_prompt", ""))

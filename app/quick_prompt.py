@@ -47,7 +47,9 @@ QUICK_MAX_TOKENS = 256  # a quick answer; the main window is for long replies
 
 class QuickPromptPanel(QWidget):
     def __init__(self, client: ConversationClient, settings: Callable[[], GenerationSettings]) -> None:
-        super().__init__(None, Qt.WindowType.Tool | Qt.WindowType.FramelessWindowHint | Qt.WindowType.WindowStaysOnTopHint)
+        super().__init__(
+            None, Qt.WindowType.Tool | Qt.WindowType.FramelessWindowHint | Qt.WindowType.WindowStaysOnTopHint
+        )
         self.setObjectName("quickPrompt")
         self.setWindowTitle("Quick Prompt")
         self.setAttribute(Qt.WidgetAttribute.WA_TranslucentBackground)

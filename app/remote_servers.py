@@ -54,11 +54,17 @@ class RemoteServerList:
 
     def add(self, server: RemoteServer) -> None:
         servers = [s for s in self.all() if (s.url, s.model) != (server.url, server.model)] + [server]
-        self._s.setValue(SETTINGS_KEY, json.dumps([{"base_url": s.base_url, "model": s.model, "api_key": s.api_key} for s in servers]))
+        self._s.setValue(
+            SETTINGS_KEY,
+            json.dumps([{"base_url": s.base_url, "model": s.model, "api_key": s.api_key} for s in servers]),
+        )
 
     def remove(self, server: RemoteServer) -> None:
         servers = [s for s in self.all() if (s.url, s.model) != (server.url, server.model)]
-        self._s.setValue(SETTINGS_KEY, json.dumps([{"base_url": s.base_url, "model": s.model, "api_key": s.api_key} for s in servers]))
+        self._s.setValue(
+            SETTINGS_KEY,
+            json.dumps([{"base_url": s.base_url, "model": s.model, "api_key": s.api_key} for s in servers]),
+        )
 
 
 class _ModelLister(QObject):
@@ -132,7 +138,11 @@ class AddServerDialog(QDialog):
         self.model.addItems([str(n) for n in names])
         if current in names:
             self.model.setCurrentText(current)
-        self.status.setText(f"The server offers {len(names)} model{'s' if len(names) != 1 else ''}." if names else "The server lists no models.")
+        self.status.setText(
+            f"The server offers {len(names)} model{'s' if len(names) != 1 else ''}."
+            if names
+            else "The server lists no models."
+        )
 
     @Slot(str)
     def _on_failed(self, message: str) -> None:

@@ -37,7 +37,9 @@ class SessionFiles:
             report = self._w.session.load(path, accept_transcript_only=True, on_progress=self._w.restore_progress)
         except Exception as exc:  # the file stays; the user can reopen it from the history
             log.exception("carrying the conversation over failed")
-            self._w.error.emit(f"The conversation could not be carried over to the new model ({exc}); it is kept in the history.")
+            self._w.error.emit(
+                f"The conversation could not be carried over to the new model ({exc}); it is kept in the history."
+            )
             self._w.conversation.emit([])
             return
         note = "the new model re-reads it on the next message" if report.transcript_only else ""
@@ -86,7 +88,11 @@ class SessionFiles:
         kind = peek.memory_meta.get("kind") if peek is not None else None
         # A remote server's conversation holds no memory at all: taking its transcript loses nothing, so no question.
         transcript_only = transcript_only or kind == TRANSCRIPT_KIND
-        preview = [MessageView(m.role, m.content) for m in peek.messages] if peek is not None and kind == RECOMPUTE_KIND else []
+        preview = (
+            [MessageView(m.role, m.content) for m in peek.messages]
+            if peek is not None and kind == RECOMPUTE_KIND
+            else []
+        )
         if preview:
             self._w.conversation.emit(preview)
         # Read into a fresh session: on any error (or another model's file) the open conversation is untouched.
@@ -94,7 +100,9 @@ class SessionFiles:
         self._w.prepare(session)
         self._w.start_reading()
         try:
-            report = session.load(Path(path), accept_transcript_only=transcript_only, on_progress=self._w.restore_progress)
+            report = session.load(
+                Path(path), accept_transcript_only=transcript_only, on_progress=self._w.restore_progress
+            )
         except Exception as exc:  # the worker must answer every request; the chat stays as it was
             if isinstance(exc, SparkError):
                 self._w.error.emit(str(exc))
@@ -102,7 +110,9 @@ class SessionFiles:
                 self._w.error.emit(f"The session {Path(path).name} could not be read ({exc.strerror or exc}).")
             else:
                 log.exception("restore failed")
-                self._w.error.emit(f"The session {Path(path).name} could not be restored ({type(exc).__name__}: {exc}).")
+                self._w.error.emit(
+                    f"The session {Path(path).name} could not be restored ({type(exc).__name__}: {exc})."
+                )
             if preview:
                 self._w.conversation.emit(self._w.transcript())  # back to the conversation that is still open
             return

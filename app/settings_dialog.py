@@ -66,7 +66,9 @@ class SettingsDialog(QDialog):
         form.addRow("Greedy:", self.greedy)
         form.addRow("Longest reply:", self.max_tokens)
         buttons = QDialogButtonBox(
-            QDialogButtonBox.StandardButton.RestoreDefaults | QDialogButtonBox.StandardButton.Cancel | QDialogButtonBox.StandardButton.Ok
+            QDialogButtonBox.StandardButton.RestoreDefaults
+            | QDialogButtonBox.StandardButton.Cancel
+            | QDialogButtonBox.StandardButton.Ok
         )
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)

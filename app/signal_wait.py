@@ -24,7 +24,9 @@ class GuiRelay(QObject):
         self.fired.emit(args[0] if len(args) == 1 else (args or None))
 
 
-def wait_any(signals: dict[str, SignalInstance], timeout_ms: int, start: Callable[[], object] = lambda: None) -> tuple[str, object]:
+def wait_any(
+    signals: dict[str, SignalInstance], timeout_ms: int, start: Callable[[], object] = lambda: None
+) -> tuple[str, object]:
     """Call `start` (the request), then run an event loop until one of `signals` fires: its name and argument(s),
     or ("timeout", None). Listening begins before the request, so a worker that answers at once is not missed."""
     loop = QEventLoop()

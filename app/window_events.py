@@ -27,7 +27,11 @@ from engine.remote import RemoteServer
 if TYPE_CHECKING:
     from app.main_window import MainWindow
 
-FINISH_NOTES: dict[FinishReason | str, str] = {FinishReason.CANCELLED: "Stopped.", FinishReason.LENGTH: "Reached the reply length limit; Settings can raise it.", "error": ""}
+FINISH_NOTES: dict[FinishReason | str, str] = {
+    FinishReason.CANCELLED: "Stopped.",
+    FinishReason.LENGTH: "Reached the reply length limit; Settings can raise it.",
+    "error": "",
+}
 
 
 class WorkerEvents(QObject):
@@ -91,7 +95,9 @@ class WorkerEvents(QObject):
     def _first_ready(self) -> None:
         """The first model (local or remote) is ready: the chat gets its file, and the app reopens where it was."""
         self._w.client.new_chat(self._w.library.path_for(self._w.current_id))
-        if self._w.startup_id and not self._w.pending_files:  # reopen where the user left off, unless a file was asked for
+        if (
+            self._w.startup_id and not self._w.pending_files
+        ):  # reopen where the user left off, unless a file was asked for
             self._w.open_conversation(self._w.startup_id)
         if self._w.pending_files:  # one at a time: each next one opens when the previous is restored
             self._w.open_file(self._w.pending_files.pop(0))
@@ -127,7 +133,9 @@ class WorkerEvents(QObject):
         if p.kind == "prompt":
             self._w.chat.show_reading(f"Reading {p.done:,} of {p.total:,} tokens{rate}{left}")
         elif p.done < p.total:
-            self._w.notice.show_message(f"Recomputing this conversation's memory: {p.done:,} of {p.total:,} tokens{rate}{left}", error=False)
+            self._w.notice.show_message(
+                f"Recomputing this conversation's memory: {p.done:,} of {p.total:,} tokens{rate}{left}", error=False
+            )
 
     @Slot(TurnProgress)
     def _on_progress(self, p: TurnProgress) -> None:
@@ -196,7 +204,10 @@ class WorkerEvents(QObject):
         self._w.file = None if in_library else event.path
         self._w.inspector.session_panel._on_file_event(event)
         if not in_library or event.note:
-            self._w.notice.show_message(f"Opened {event.path.name}" + (f" ({event.note})." if event.note else "."), error=bool(event.note) and "differs" in event.note)
+            self._w.notice.show_message(
+                f"Opened {event.path.name}" + (f" ({event.note})." if event.note else "."),
+                error=bool(event.note) and "differs" in event.note,
+            )
         elif self._w.notice.text().startswith("Recomputing"):
             self._w.notice.hide()
         self._w.sidebar.set_current(self._w.current_id)
@@ -204,8 +215,12 @@ class WorkerEvents(QObject):
 
     @Slot(str, str)
     def _on_foreign_session(self, path: str, reason: str) -> None:
-        if self._w.dialogs.confirm("Different Model", f"{reason}\n\nRestore the transcript only?", "Restore Transcript"):
-            self._w.client.restore(Path(path), transcript_only=True, store_path=self._w.library.path_for(self._w.opening or new_id()))
+        if self._w.dialogs.confirm(
+            "Different Model", f"{reason}\n\nRestore the transcript only?", "Restore Transcript"
+        ):
+            self._w.client.restore(
+                Path(path), transcript_only=True, store_path=self._w.library.path_for(self._w.opening or new_id())
+            )
         else:
             self._w.opening = None
 

@@ -49,7 +49,9 @@ class WindowMenus(QObject):
         self._build_actions()
         self._build_menus_and_toolbar()
 
-    def _action(self, text: str, slot: Callable[[], object], keys: list[QKeySequence] | None = None, tip: str = "") -> QAction:
+    def _action(
+        self, text: str, slot: Callable[[], object], keys: list[QKeySequence] | None = None, tip: str = ""
+    ) -> QAction:
         action = QAction(text, self._w)
         if keys:
             action.setShortcuts(keys)
@@ -62,40 +64,86 @@ class WindowMenus(QObject):
 
     def _build_actions(self) -> None:
         SK = QKeySequence.StandardKey
-        self.new_chat_action = self._action("New Chat", self._w.commands.new_chat, _keys(SK.New, "Ctrl+N"), "Start a new conversation")
+        self.new_chat_action = self._action(
+            "New Chat", self._w.commands.new_chat, _keys(SK.New, "Ctrl+N"), "Start a new conversation"
+        )
         self.open_action = self._action("Open…", self._w.commands.open_session, _keys(SK.Open, "Ctrl+O"))
         self.save_action = self._action("Save a Copy…", self._w.commands.save, _keys(SK.Save, "Ctrl+S"))
-        self.save_full_action = self._action("Save a Copy with Full Memory…", lambda: self._w.commands.save(full_memory=True), _keys(SK.SaveAs, "Ctrl+Shift+S"))
-        self.export_md_action = self._action("Export as Markdown…", lambda: self._w.commands.export(self._w.current_id, "md"))
-        self.export_json_action = self._action("Export as JSON…", lambda: self._w.commands.export(self._w.current_id, "json"))
-        self.open_model_action = self._action("Open Model…", self._on_open_model, [QKeySequence("Ctrl+Alt+O")], "Load a model folder or a .gguf file")
+        self.save_full_action = self._action(
+            "Save a Copy with Full Memory…",
+            lambda: self._w.commands.save(full_memory=True),
+            _keys(SK.SaveAs, "Ctrl+Shift+S"),
+        )
+        self.export_md_action = self._action(
+            "Export as Markdown…", lambda: self._w.commands.export(self._w.current_id, "md")
+        )
+        self.export_json_action = self._action(
+            "Export as JSON…", lambda: self._w.commands.export(self._w.current_id, "json")
+        )
+        self.open_model_action = self._action(
+            "Open Model…", self._on_open_model, [QKeySequence("Ctrl+Alt+O")], "Load a model folder or a .gguf file"
+        )
         self.open_model_folder_action = self._action("Open Model Folder…", self._on_open_model_folder)
-        self.add_server_action = self._action("Add a Server…", self._on_add_server, tip="Chat with a model on an OpenAI-compatible server")
+        self.add_server_action = self._action(
+            "Add a Server…", self._on_add_server, tip="Chat with a model on an OpenAI-compatible server"
+        )
         self.close_action = self._action("Close Window", self._w.close, _keys(SK.Close, "Ctrl+W"))
         self.quit_action = self._action("Quit MLoT Spark", self._on_quit, _keys(SK.Quit, "Ctrl+Q"))
         self.quit_action.setMenuRole(QAction.MenuRole.QuitRole)
         self.undo_action = self._action("Undo", self._w.commands.undo, _keys(SK.Undo, "Ctrl+Z"))
         self.undo_action.setEnabled(False)
         self.copy_action = self._action("Copy", lambda: self._edit("copy"), _keys(SK.Copy, "Ctrl+C"))
-        self.select_all_action = self._action("Select All", lambda: self._edit("selectAll"), _keys(SK.SelectAll, "Ctrl+A"))
+        self.select_all_action = self._action(
+            "Select All", lambda: self._edit("selectAll"), _keys(SK.SelectAll, "Ctrl+A")
+        )
         self.find_action = self._action("Find Conversation…", self._w.commands.find, _keys(SK.Find, "Ctrl+F"))
         self.rename_action = self._action("Rename Conversation…", lambda: self._w.commands.rename(self._w.current_id))
-        self.duplicate_action = self._action("Duplicate Conversation", lambda: self._w.commands.duplicate(self._w.current_id))
-        self.delete_action = self._action("Delete Conversation", lambda: self._w.commands.delete(self._w.current_id), [QKeySequence("Ctrl+Backspace")])
-        self.settings_action = self._action("Settings…", self._on_settings, _keys(SK.Preferences, "Ctrl+,"), "Sampling settings")
+        self.duplicate_action = self._action(
+            "Duplicate Conversation", lambda: self._w.commands.duplicate(self._w.current_id)
+        )
+        self.delete_action = self._action(
+            "Delete Conversation", lambda: self._w.commands.delete(self._w.current_id), [QKeySequence("Ctrl+Backspace")]
+        )
+        self.settings_action = self._action(
+            "Settings…", self._on_settings, _keys(SK.Preferences, "Ctrl+,"), "Sampling settings"
+        )
         self.settings_action.setMenuRole(QAction.MenuRole.PreferencesRole)
         self.stop_action = self._action("Stop", self._w.stop_reply, [QKeySequence("Ctrl+.")], "Stop the reply")
-        self.regenerate_action = self._action("Regenerate", self._w.regenerate, [QKeySequence("Ctrl+R")], "Answer the last prompt again")
+        self.regenerate_action = self._action(
+            "Regenerate", self._w.regenerate, [QKeySequence("Ctrl+R")], "Answer the last prompt again"
+        )
         self.quick_action = self._action("Quick Prompt…", self._w.open_quick_prompt, [QKeySequence("Ctrl+Shift+K")])
-        self.sidebar_action = self._toggle("Conversations", self._w.sidebar, self._w.prefs.sidebar_visible(), [QKeySequence("Ctrl+Shift+L")], self._w.prefs.set_sidebar_visible)
-        self.inspector_action = self._toggle("Inspector", self._w.inspector, self._w.prefs.inspector_visible(), [QKeySequence("Ctrl+I")], self._remember_inspector)
+        self.sidebar_action = self._toggle(
+            "Conversations",
+            self._w.sidebar,
+            self._w.prefs.sidebar_visible(),
+            [QKeySequence("Ctrl+Shift+L")],
+            self._w.prefs.set_sidebar_visible,
+        )
+        self.inspector_action = self._toggle(
+            "Inspector",
+            self._w.inspector,
+            self._w.prefs.inspector_visible(),
+            [QKeySequence("Ctrl+I")],
+            self._remember_inspector,
+        )
         self.system_prompt_action = self._toggle("System Prompt", self._w.system_row, True, None, None)
         self.about_action = self._action(f"About {APP_NAME}", self._on_about)
         self.about_action.setMenuRole(QAction.MenuRole.AboutRole)
         self.help_action = self._action(f"{APP_NAME} Help", self._on_help, _keys(SK.HelpContents, "F1"))
-        self.switch_actions = [self._action(f"Conversation {n}", partial(self._w.commands.switch_to, n), [QKeySequence(f"Ctrl+{n}")]) for n in range(1, 10)]
+        self.switch_actions = [
+            self._action(f"Conversation {n}", partial(self._w.commands.switch_to, n), [QKeySequence(f"Ctrl+{n}")])
+            for n in range(1, 10)
+        ]
 
-    def _toggle(self, text: str, widget: QWidget, on: bool, keys: list[QKeySequence] | None, remember: Callable[[bool], None] | None) -> QAction:
+    def _toggle(
+        self,
+        text: str,
+        widget: QWidget,
+        on: bool,
+        keys: list[QKeySequence] | None,
+        remember: Callable[[bool], None] | None,
+    ) -> QAction:
         action = self._action(text, lambda: None, keys, text)
         action.setCheckable(True)
         action.setChecked(on)
@@ -130,8 +178,37 @@ class WindowMenus(QObject):
             self.precision_group.addAction(a)
         self.precision_group.triggered.connect(self._on_precision)
         self._fill_model_menu()
-        menu("&File", [self.new_chat_action, self.open_action, None, self.save_action, self.save_full_action, self.export_md_action, self.export_json_action, None, self.close_action, self.quit_action])
-        menu("&Edit", [self.undo_action, None, self.copy_action, self.select_all_action, None, self.find_action, self.rename_action, self.duplicate_action, self.delete_action, None, self.settings_action])
+        menu(
+            "&File",
+            [
+                self.new_chat_action,
+                self.open_action,
+                None,
+                self.save_action,
+                self.save_full_action,
+                self.export_md_action,
+                self.export_json_action,
+                None,
+                self.close_action,
+                self.quit_action,
+            ],
+        )
+        menu(
+            "&Edit",
+            [
+                self.undo_action,
+                None,
+                self.copy_action,
+                self.select_all_action,
+                None,
+                self.find_action,
+                self.rename_action,
+                self.duplicate_action,
+                self.delete_action,
+                None,
+                self.settings_action,
+            ],
+        )
         menu("&Chat", [self.stop_action, self.regenerate_action])
         bar.addMenu(self.model_menu)
         menu("&View", [self.sidebar_action, self.inspector_action, self.system_prompt_action])
@@ -241,5 +318,14 @@ class WindowMenus(QObject):
         self._w.dialogs.help(self._help_keys())
 
     def _help_keys(self) -> list[tuple[str, str]]:
-        acts = [self.new_chat_action, self.find_action, self.delete_action, self.inspector_action, self.stop_action, self.regenerate_action, self.undo_action, self.switch_actions[0]]
+        acts = [
+            self.new_chat_action,
+            self.find_action,
+            self.delete_action,
+            self.inspector_action,
+            self.stop_action,
+            self.regenerate_action,
+            self.undo_action,
+            self.switch_actions[0],
+        ]
         return [(a.text().replace("Conversation 1", "Conversation 1…9"), shortcut_text(a)) for a in acts]

@@ -85,7 +85,11 @@ class ConversationWorker(QObject):
     shut_down = Signal()
 
     def __init__(
-        self, policy: HardwarePolicy | None, cache_dir: Path, store: bool = False, clock: Callable[[], float] = time.monotonic
+        self,
+        policy: HardwarePolicy | None,
+        cache_dir: Path,
+        store: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
         self._clock = clock  # paces the progress reports; the tests pass a fake
@@ -110,7 +114,9 @@ class ConversationWorker(QObject):
     def _on_load(self, model_dir: str, backend: str, quantize: str, cancel: threading.Event) -> None:
         self.loading.emit(model_dir)
         try:
-            engine = load_engine(Path(model_dir) if model_dir else None, backend, self._cache_dir, self._policy, quantize)
+            engine = load_engine(
+                Path(model_dir) if model_dir else None, backend, self._cache_dir, self._policy, quantize
+            )
             if cancel.is_set():  # loading cannot be interrupted midway; a cancelled load is simply dropped
                 self.load_cancelled.emit()
                 return
@@ -128,7 +134,14 @@ class ConversationWorker(QObject):
         self.parked.clear()  # their memory belongs to the previous model
         self.prepare(session)
         b = engine.backend
-        info = ModelInfo(engine.model_dir.name, engine.model_dir, b.name, engine.choice.explain(), b.weight_bytes, b.kv_bytes_per_token())
+        info = ModelInfo(
+            engine.model_dir.name,
+            engine.model_dir,
+            b.name,
+            engine.choice.explain(),
+            b.weight_bytes,
+            b.kv_bytes_per_token(),
+        )
         self.loaded.emit(LoadedModel(engine, info))
         self.memory.emit(memory_report(self.session, self.remote))
         if had_conversation and self.store_path is not None and self.store_path.is_file():
@@ -145,7 +158,9 @@ class ConversationWorker(QObject):
         next message). Nothing is contacted until then, so this never waits on the network."""
         messages = self._messages()
         self._drop_remote()
-        self.remote = RemoteSession(RemoteClient(server), [{"role": r, "content": c} for r, c in messages], self.system_text)
+        self.remote = RemoteSession(
+            RemoteClient(server), [{"role": r, "content": c} for r, c in messages], self.system_text
+        )
         if self.session is not None:  # the local memory would go stale beside the remote transcript: freed
             self.session.reset()
         self.parked.clear()
@@ -217,7 +232,9 @@ class ConversationWorker(QObject):
         session = self.session
         assert session is not None
         self.store_path = Path(store_path)
-        session.messages = [ChatMessage(m.role, m.content, m.timestamp or time.time()) for m in data.messages[: upto + 1]]
+        session.messages = [
+            ChatMessage(m.role, m.content, m.timestamp or time.time()) for m in data.messages[: upto + 1]
+        ]
         self.system_text = session.system_prompt = data.system_prompt or ""
         self.system_prompt.emit(session.system_prompt)
         self.conversation.emit(self.transcript())
@@ -351,9 +368,17 @@ class ConversationWorker(QObject):
                 session.save(self.store_path, compact=True)
         except Exception as exc:
             log.exception("storing the conversation failed")
-            self.error.emit(f"The conversation could not be stored in the data folder ({exc}); it is still open, and will be stored on the next change.")
+            self.error.emit(
+                f"The conversation could not be stored in the data folder ({exc}); it is still open, and will be stored on the next change."
+            )
             return
-        model = remote_name(self.remote.client.server) if self.remote is not None else self.engine.model_dir.name if self.engine is not None else ""
+        model = (
+            remote_name(self.remote.client.server)
+            if self.remote is not None
+            else self.engine.model_dir.name
+            if self.engine is not None
+            else ""
+        )
         messages = tuple(self._messages())
         self.stored.emit(StoredConversation(self.store_path, messages, model))
 
@@ -368,7 +393,13 @@ class ConversationWorker(QObject):
         return [(m.role, m.content) for m in self.session.messages] if self.session is not None else []
 
     def _active_messages(self) -> int:
-        return len(self.remote.messages) if self.remote is not None else len(self.session.messages) if self.session is not None else 0
+        return (
+            len(self.remote.messages)
+            if self.remote is not None
+            else len(self.session.messages)
+            if self.session is not None
+            else 0
+        )
 
     def _drop_remote(self) -> None:
         if self.remote is not None:

@@ -64,18 +64,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="python -m coreml", description="MLoT Spark Core ML conversion and checks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    c = sub.add_parser("convert", help="convert a model folder to a Core ML bundle (layer chunks + head, multifunction)")
+    c = sub.add_parser(
+        "convert", help="convert a model folder to a Core ML bundle (layer chunks + head, multifunction)"
+    )
     c.add_argument("--model", default=None, help="Hugging Face model folder or .gguf (default: the default model)")
     c.add_argument("--out", required=True, help="the bundle folder to write")
-    c.add_argument("--quantize", choices=("auto", *QUANTIZATIONS), default="auto",
-                   help="weight compression (auto: the most faithful Neural Engine choice)")
+    c.add_argument(
+        "--quantize",
+        choices=("auto", *QUANTIZATIONS),
+        default="auto",
+        help="weight compression (auto: the most faithful Neural Engine choice)",
+    )
     c.add_argument("--units", choices=COMPUTE_UNITS, default=DEFAULT_UNITS, help="compute units the bundle is made for")
-    c.add_argument("--slots", type=int, default=None, help="slot table size (multiple of 32; default: the model's cascade geometry)")
+    c.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="slot table size (multiple of 32; default: the model's cascade geometry)",
+    )
     c.set_defaults(func=_convert)
     k = sub.add_parser("check", help="validate a bundle: structure, size, ANE lint, reference run")
     k.add_argument("bundle")
     k.set_defaults(func=_check)
-    f = sub.add_parser("faithfulness", help="mean KL divergence and same-top-token rate of each compression against fp32")
+    f = sub.add_parser(
+        "faithfulness", help="mean KL divergence and same-top-token rate of each compression against fp32"
+    )
     f.add_argument("--model", default=None)
     f.add_argument("--quantize", nargs="+", default=[q for q in QUANTIZATIONS if q != "int4"])
     f.add_argument("--tokens", type=int, default=512)

@@ -38,9 +38,32 @@ FLOAT_TYPES = {"FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16", "FLOAT8E4M3FN", "FLO
 # Ops the ANE does not execute (Core ML places them on the CPU): lookups, integer/boolean logic, casts, and
 # data-dependent shapes. The census counts them per function; in a CPU_AND_NE bundle each is an error.
 CPU_OPS = {
-    "gather", "gather_nd", "gather_along_axis", "scatter", "scatter_nd", "scatter_along_axis", "cast", "select",
-    "logical_and", "logical_or", "logical_not", "logical_xor", "greater", "greater_equal", "less", "less_equal",
-    "equal", "not_equal", "non_zero", "argsort", "topk", "range_1d", "fill_like", "shape", "while_loop", "cond",
+    "gather",
+    "gather_nd",
+    "gather_along_axis",
+    "scatter",
+    "scatter_nd",
+    "scatter_along_axis",
+    "cast",
+    "select",
+    "logical_and",
+    "logical_or",
+    "logical_not",
+    "logical_xor",
+    "greater",
+    "greater_equal",
+    "less",
+    "less_equal",
+    "equal",
+    "not_equal",
+    "non_zero",
+    "argsort",
+    "topk",
+    "range_1d",
+    "fill_like",
+    "shape",
+    "while_loop",
+    "cond",
 }
 ANE_LAST_AXIS_BYTES = 64
 ELEMENT_BYTES = {"FLOAT16": 2, "FLOAT32": 4, "INT32": 4, "INT8": 1, "UINT8": 1, "BOOL": 1, "INT16": 2, "UINT16": 2}
@@ -73,7 +96,9 @@ def _tensor(vt: MIL_pb2.ValueType) -> MIL_pb2.TensorType | None:
     return None
 
 
-def _check_value(where: str, vt: MIL_pb2.ValueType, has_state: bool, out: list[Finding], scalar_param: bool = False) -> None:
+def _check_value(
+    where: str, vt: MIL_pb2.ValueType, has_state: bool, out: list[Finding], scalar_param: bool = False
+) -> None:
     tt = _tensor(vt)
     if tt is None:
         return
@@ -85,7 +110,9 @@ def _check_value(where: str, vt: MIL_pb2.ValueType, has_state: bool, out: list[F
     if big:
         out.append(Finding("max-dim", where, f"has a dimension of {big[0]} > {ANE_MAX_DIM}"))
     if has_state and None in dims:
-        out.append(Finding("static", where, f"has a shape not known statically {['?' if d is None else d for d in dims]}"))
+        out.append(
+            Finding("static", where, f"has a shape not known statically {['?' if d is None else d for d in dims]}")
+        )
 
 
 def _ops(fn: MIL_pb2.Function) -> list[MIL_pb2.Operation]:
@@ -115,7 +142,13 @@ def check_spec(spec: Model_pb2.Model, units: str = "CPU_AND_NE") -> list[Finding
                 tt = _tensor(nv.type)
                 dims = _dims(tt) if tt is not None else []
                 if len(dims) < 2 or any(d is None or d % ANE_STATE_ALIGN for d in dims[-2:]):
-                    out.append(Finding("state-align", where, f"state shape {dims}: the last two dimensions must be multiples of {ANE_STATE_ALIGN}"))
+                    out.append(
+                        Finding(
+                            "state-align",
+                            where,
+                            f"state shape {dims}: the last two dimensions must be multiples of {ANE_STATE_ALIGN}",
+                        )
+                    )
         ops = _ops(fn)
         by_out = {o.name: op for op in ops for o in op.outputs}
         squares = exps = small = 0
@@ -128,13 +161,22 @@ def check_spec(spec: Model_pb2.Model, units: str = "CPU_AND_NE") -> list[Finding
                 if op.type == "constexpr_blockwise_shift_scale":
                     data, scale = _const_shape(by_out, op, "data"), _const_shape(by_out, op, "scale")
                     if len(data) > 1 and len(scale) > 1 and scale[1] not in (1, data[1]) and not has_gpu(units):
-                        out.append(Finding("granularity", f"{fname}:{op.outputs[0].name}",
-                                           f"per-block quantization (blocks of {data[1] // max(scale[1], 1)}) runs only on the GPU, not with {units}"))
+                        out.append(
+                            Finding(
+                                "granularity",
+                                f"{fname}:{op.outputs[0].name}",
+                                f"per-block quantization (blocks of {data[1] // max(scale[1], 1)}) runs only on the GPU, not with {units}",
+                            )
+                        )
                 continue
             if op.type in CPU_OPS:
                 cpu[op.type] = cpu.get(op.type, 0) + 1
                 if units == "CPU_AND_NE":
-                    out.append(Finding("cpu-op", f"{fname}:{op.outputs[0].name}", f"{op.type} does not run on the Neural Engine"))
+                    out.append(
+                        Finding(
+                            "cpu-op", f"{fname}:{op.outputs[0].name}", f"{op.type} does not run on the Neural Engine"
+                        )
+                    )
             if (op.type in CPU_OPS) != on_cpu:
                 switches += 1
                 on_cpu = not on_cpu
@@ -147,15 +189,39 @@ def check_spec(spec: Model_pb2.Model, units: str = "CPU_AND_NE") -> list[Finding
                 tt = _tensor(o.type)
                 if tt is not None and tt.rank >= 2:
                     last = _dims(tt)[-1]
-                    if last is not None and last * ELEMENT_BYTES.get(MIL_pb2.DataType.Name(tt.dataType), 2) < ANE_LAST_AXIS_BYTES:
+                    if (
+                        last is not None
+                        and last * ELEMENT_BYTES.get(MIL_pb2.DataType.Name(tt.dataType), 2) < ANE_LAST_AXIS_BYTES
+                    ):
                         small += 1
         if cpu:
             census = ", ".join(f"{k} x{v}" for k, v in sorted(cpu.items()))
-            out.append(Finding("cpu-census", fname, f"likely-CPU ops {census}; {switches} CPU<->ANE switches in program order", error=False))
+            out.append(
+                Finding(
+                    "cpu-census",
+                    fname,
+                    f"likely-CPU ops {census}; {switches} CPU<->ANE switches in program order",
+                    error=False,
+                )
+            )
         if small:
-            out.append(Finding("last-axis", fname, f"{small} values have a last axis under {ANE_LAST_AXIS_BYTES} bytes (padded by the ANE)", error=False))
+            out.append(
+                Finding(
+                    "last-axis",
+                    fname,
+                    f"{small} values have a last axis under {ANE_LAST_AXIS_BYTES} bytes (padded by the ANE)",
+                    error=False,
+                )
+            )
         if squares or exps:
-            out.append(Finding("fp16-overflow", fname, f"{squares} squares and {exps} exps that may overflow fp16 on large activations", error=False))
+            out.append(
+                Finding(
+                    "fp16-overflow",
+                    fname,
+                    f"{squares} squares and {exps} exps that may overflow fp16 on large activations",
+                    error=False,
+                )
+            )
     return out
 
 
@@ -165,7 +231,11 @@ def _blob_digests(pkg: Package) -> list[tuple[str, int]]:
     seen: dict[int, tuple[str, int]] = {}
     for fn in pkg.spec.mlProgram.functions.values():
         for op in _ops(fn):
-            values = [op.attributes["val"]] if op.type == "const" else [a.value for arg in op.inputs.values() for a in arg.arguments if a.HasField("value")]
+            values = (
+                [op.attributes["val"]]
+                if op.type == "const"
+                else [a.value for arg in op.inputs.values() for a in arg.arguments if a.HasField("value")]
+            )
             for v in values:
                 if v.HasField("blobFileValue") and blobs is not None:
                     off = int(v.blobFileValue.offset)
@@ -191,7 +261,13 @@ def lint_bundle(bundle: Bundle, max_program_bytes: int = MAX_CHUNK_BYTES) -> lis
                 out.append(Finding("duplicate", name, f"a {n}-byte weight is stored twice (also in {where})"))
             owner.setdefault(digest, name)
         if nbytes > max_program_bytes:
-            out.append(Finding("weight-bytes", name, f"holds {nbytes / 1e6:.1f} MB of weights, over the {max_program_bytes / 1e6:.1f} MB a Neural Engine program may hold"))
+            out.append(
+                Finding(
+                    "weight-bytes",
+                    name,
+                    f"holds {nbytes / 1e6:.1f} MB of weights, over the {max_program_bytes / 1e6:.1f} MB a Neural Engine program may hold",
+                )
+            )
     return out
 
 

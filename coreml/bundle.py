@@ -24,8 +24,22 @@ MANIFEST = "bundle.json"
 HEAD = "head"
 EMBED_FILE = "embed.bin"
 FORMAT_VERSION = "2"  # bump when the programs' inputs, outputs or state layout change: invalidates the cache
-REQUIRED = ("format", "fingerprint", "architecture", "config", "slots", "functions", "chunks", "vocab_pieces",
-            "quantize", "units", "tied", "coremltools", "torch", "cache_key")
+REQUIRED = (
+    "format",
+    "fingerprint",
+    "architecture",
+    "config",
+    "slots",
+    "functions",
+    "chunks",
+    "vocab_pieces",
+    "quantize",
+    "units",
+    "tied",
+    "coremltools",
+    "torch",
+    "cache_key",
+)
 MAX_CHUNKS = 1024
 
 
@@ -48,7 +62,9 @@ class Bundle:
         path = Path(path).expanduser()
         manifest = path / MANIFEST
         if not manifest.is_file():
-            raise PackageError(f"{path} is not an MLoT Spark Core ML bundle (no {MANIFEST}); convert it with `python -m coreml convert`.")
+            raise PackageError(
+                f"{path} is not an MLoT Spark Core ML bundle (no {MANIFEST}); convert it with `python -m coreml convert`."
+            )
         try:
             prov = json.loads(manifest.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -82,8 +98,11 @@ class Bundle:
 
     def total_bytes(self) -> int:
         """Every byte of the bundle except compiled programs (what a conversion writes)."""
-        return sum(f.stat().st_size for f in self.path.rglob("*")
-                   if f.is_file() and not any(p.endswith(".mlmodelc") for p in f.relative_to(self.path).parts))
+        return sum(
+            f.stat().st_size
+            for f in self.path.rglob("*")
+            if f.is_file() and not any(p.endswith(".mlmodelc") for p in f.relative_to(self.path).parts)
+        )
 
     def weight_bytes(self) -> int:
         """The weight files: each program's weights/weight.bin and the host embedding."""
@@ -113,14 +132,20 @@ def _validate(prov: object, name: str) -> tuple[dict[str, Any], ModelConfig, Ran
     if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= 1 << 20:
         raise bad("has an invalid slot count")
     fns = prov["functions"]
-    if not isinstance(fns, dict) or not fns or not all(isinstance(k, str) and isinstance(v, int) and 1 <= v <= 4096 for k, v in fns.items()):
+    if (
+        not isinstance(fns, dict)
+        or not fns
+        or not all(isinstance(k, str) and isinstance(v, int) and 1 <= v <= 4096 for k, v in fns.items())
+    ):
         raise bad("has invalid functions")
     chunks = prov["chunks"]
     if not isinstance(chunks, list) or not 1 <= len(chunks) <= MAX_CHUNKS:
         raise bad("has an invalid chunk list")
     at = 0
     for c in chunks:
-        if not (isinstance(c, list) and len(c) == 2 and all(isinstance(x, int) for x in c) and c[0] == at and c[1] > at):
+        if not (
+            isinstance(c, list) and len(c) == 2 and all(isinstance(x, int) for x in c) and c[0] == at and c[1] > at
+        ):
             raise bad("has chunks that do not cover the layers in order")
         at = c[1]
     if at != L:
@@ -130,7 +155,9 @@ def _validate(prov: object, name: str) -> tuple[dict[str, Any], ModelConfig, Ran
     if not isinstance(pieces, list) or not pieces:
         raise bad("has no vocabulary pieces")
     for p in pieces:
-        if not (isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p) and p[0] == at and p[1] > at):
+        if not (
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p) and p[0] == at and p[1] > at
+        ):
             raise bad("has vocabulary pieces that do not cover the vocabulary in order")
         at = p[1]
     if at != V:

@@ -48,11 +48,17 @@ def _structure(bundle: Bundle) -> CheckLine:
                 return CheckLine("structure", False, f"{name}:{fname} lacks {lacking[0]!r}")
             for nv in fn.inputs:
                 if nv.name in STATE_NAMES:
-                    shapes.add((name, tuple(d.constant.size for d in nv.type.stateType.wrappedType.tensorType.dimensions)))
+                    shapes.add(
+                        (name, tuple(d.constant.size for d in nv.type.stateType.wrappedType.tensorType.dimensions))
+                    )
     per_program = {n for n, _ in shapes}
     if len(shapes) != len(per_program):
         return CheckLine("structure", False, "a chunk's functions declare different state shapes")
-    return CheckLine("structure", True, f"{len(bundle.chunks)} layer chunk(s) {list(bundle.chunks)} + head; functions {', '.join(bundle.functions)}")
+    return CheckLine(
+        "structure",
+        True,
+        f"{len(bundle.chunks)} layer chunk(s) {list(bundle.chunks)} + head; functions {', '.join(bundle.functions)}",
+    )
 
 
 def _size(bundle: Bundle) -> CheckLine:
@@ -60,9 +66,12 @@ def _size(bundle: Bundle) -> CheckLine:
     whole bundle (program specs included) is reported beside it."""
     weights, want = bundle.weight_bytes(), expected_bytes(bundle.config, bundle.quantize)
     ratio = weights / want
-    return CheckLine("size", ratio <= SIZE_TOLERANCE,
-                     f"weights {weights / 1e6:.2f} MB = {ratio:.3f} x the {want / 1e6:.2f} MB expected at {bundle.quantize}; "
-                     f"bundle {bundle.total_bytes() / 1e6:.2f} MB")
+    return CheckLine(
+        "size",
+        ratio <= SIZE_TOLERANCE,
+        f"weights {weights / 1e6:.2f} MB = {ratio:.3f} x the {want / 1e6:.2f} MB expected at {bundle.quantize}; "
+        f"bundle {bundle.total_bytes() / 1e6:.2f} MB",
+    )
 
 
 def _smoke(bundle: Bundle) -> CheckLine:
@@ -84,7 +93,11 @@ def _smoke(bundle: Bundle) -> CheckLine:
     overflows = [o for interp in backend.interpreters.values() for o in interp.overflows]
     if overflows:
         return CheckLine("reference run", False, f"{len(overflows)} fp16 overflow(s), first in {overflows[0]}")
-    return CheckLine("reference run", True, f"prefill {n} tokens + {SMOKE_DECODE_STEPS} decode steps, finite logits, no fp16 overflow")
+    return CheckLine(
+        "reference run",
+        True,
+        f"prefill {n} tokens + {SMOKE_DECODE_STEPS} decode steps, finite logits, no fp16 overflow",
+    )
 
 
 def run_checks(path: str | Path, smoke: bool = True) -> Iterator[CheckLine]:
@@ -95,7 +108,8 @@ def run_checks(path: str | Path, smoke: bool = True) -> Iterator[CheckLine]:
         return
     prov = bundle.provenance
     yield CheckLine(
-        "provenance", True,
+        "provenance",
+        True,
         f"{prov['architecture']} {str(prov['fingerprint'])[:12]}, {bundle.slots} slots, quantize {bundle.quantize}, units {bundle.units}, "
         f"coremltools {prov['coremltools']}, torch {prov['torch']}",
     )
@@ -109,7 +123,9 @@ def run_checks(path: str | Path, smoke: bool = True) -> Iterator[CheckLine]:
     yield _size(bundle)
     findings = ane_rules.lint_bundle(bundle)
     errors = [f for f in findings if f.error]
-    yield CheckLine("ANE lint", not errors, "no errors" if not errors else f"{errors[0]} ({len(errors)} error(s) in all)")
+    yield CheckLine(
+        "ANE lint", not errors, "no errors" if not errors else f"{errors[0]} ({len(errors)} error(s) in all)"
+    )
     for f in findings:
         if not f.error:
             yield CheckLine("ANE lint warning", True, str(f))

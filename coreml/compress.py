@@ -57,7 +57,9 @@ def resolve(quantize: str | None, units: str) -> str:
     return q
 
 
-_LUT_MEMO: dict[tuple[int, bytes], tuple[np.ndarray, np.ndarray]] = {}  # each function of a program compresses the same weights
+_LUT_MEMO: dict[
+    tuple[int, bytes], tuple[np.ndarray, np.ndarray]
+] = {}  # each function of a program compresses the same weights
 
 
 def clear_memo() -> None:
@@ -71,7 +73,12 @@ def kmeans_lut(bits: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray
     clustered once per conversion instead of once per function (clear_memo() after a program)."""
 
     def lut_function(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        key = (bits, hashlib.sha256(np.ascontiguousarray(weight).tobytes()).digest() + str(weight.shape).encode() + str(weight.dtype).encode())
+        key = (
+            bits,
+            hashlib.sha256(np.ascontiguousarray(weight).tobytes()).digest()
+            + str(weight.shape).encode()
+            + str(weight.dtype).encode(),
+        )
         if key not in _LUT_MEMO:
             _LUT_MEMO[key] = _kmeans(weight, bits)
         return _LUT_MEMO[key]
@@ -98,14 +105,23 @@ def optimization_config(quantize: str) -> Any:  # coremltools.optimize.coreml.Op
     import coremltools.optimize.coreml as cto
 
     if quantize == "int8":
-        op = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=QUANT_MIN_WEIGHT)
+        op = cto.OpLinearQuantizerConfig(
+            mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=QUANT_MIN_WEIGHT
+        )
     elif quantize == "int4":
         op = cto.OpLinearQuantizerConfig(
-            mode="linear_symmetric", dtype="int4", granularity="per_block", block_size=INT4_BLOCK, weight_threshold=QUANT_MIN_WEIGHT
+            mode="linear_symmetric",
+            dtype="int4",
+            granularity="per_block",
+            block_size=INT4_BLOCK,
+            weight_threshold=QUANT_MIN_WEIGHT,
         )
     else:
         op = cto.OpPalettizerConfig(
-            mode="custom", lut_function=kmeans_lut(LUT_BITS[quantize]), granularity="per_grouped_channel", group_size=LUT_GROUP,
+            mode="custom",
+            lut_function=kmeans_lut(LUT_BITS[quantize]),
+            granularity="per_grouped_channel",
+            group_size=LUT_GROUP,
             weight_threshold=QUANT_MIN_WEIGHT,
         )
     # Only the matmul weights (1x1 convs): norms stay fp16.

@@ -97,15 +97,33 @@ def check_geometry(config: ModelConfig, geometry: Geometry) -> None:
             f"A Core ML slot table of {s} slots is not possible: it must be a multiple of {ANE_STATE_ALIGN} and at least {biggest}."
         )
     if d % ANE_STATE_ALIGN:
-        raise ConversionError(f"The model's head dimension {d} is not a multiple of {ANE_STATE_ALIGN}, which the Neural Engine's KV state needs.")
+        raise ConversionError(
+            f"The model's head dimension {d} is not a multiple of {ANE_STATE_ALIGN}, which the Neural Engine's KV state needs."
+        )
     if 1 not in dict(geometry.functions).values():
         raise ConversionError("A Core ML bundle needs a single-token function to run every step.")
 
 
 def layer_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
     """Weight shapes of one decoder layer (matrices and vectors), as the conversion stores them."""
-    c, i, h, kv, d = config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    shapes: list[tuple[int, ...]] = [(h * d, c), (kv * d, c), (kv * d, c), (c, h * d), (i, c), (i, c), (c, i), (c,), (c,)]
+    c, i, h, kv, d = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
+    shapes: list[tuple[int, ...]] = [
+        (h * d, c),
+        (kv * d, c),
+        (kv * d, c),
+        (c, h * d),
+        (i, c),
+        (i, c),
+        (c, i),
+        (c,),
+        (c,),
+    ]
     if config.qkv_bias:
         shapes += [(h * d,), (kv * d,), (kv * d,)]
     if config.o_bias:
@@ -123,7 +141,9 @@ def plan_chunks(config: ModelConfig, quantize: str, max_bytes: int) -> list[tupl
     """[first, last) layers per chunk: consecutive layers while the chunk's weights stay ≤ max_bytes."""
     per_layer = compress.nominal_bytes(layer_shapes(config), quantize)
     if per_layer > max_bytes:
-        raise ConversionError(f"One decoder layer holds {per_layer / 1e6:.0f} MB of weights, more than the {max_bytes / 1e6:.0f} MB a Neural Engine program may hold.")
+        raise ConversionError(
+            f"One decoder layer holds {per_layer / 1e6:.0f} MB of weights, more than the {max_bytes / 1e6:.0f} MB a Neural Engine program may hold."
+        )
     n = max(1, max_bytes // per_layer)
     L = config.num_hidden_layers
     return [(a, min(a + n, L)) for a in range(0, L, n)]
@@ -131,7 +151,9 @@ def plan_chunks(config: ModelConfig, quantize: str, max_bytes: int) -> list[tupl
 
 def expected_bytes(config: ModelConfig, quantize: str) -> int:
     """The bundle's weights at this compression, each stored once (the size target: bundle ≤ 1.05 x this)."""
-    total = config.num_hidden_layers * compress.nominal_bytes(layer_shapes(config), quantize) + compress.nominal_bytes(head_shapes(config), quantize)
+    total = config.num_hidden_layers * compress.nominal_bytes(layer_shapes(config), quantize) + compress.nominal_bytes(
+        head_shapes(config), quantize
+    )
     if not config.tie_word_embeddings:
         total += 2 * config.vocab_size * config.hidden_size
     return total
@@ -141,8 +163,10 @@ def check_memory(config: ModelConfig, chunks: list[tuple[int, int]], available: 
     """Refuse in one sentence, before any work, a conversion that would exhaust memory."""
     import psutil
 
-    largest = max([compress.nominal_bytes(layer_shapes(config), "none") * (b - a) for a, b in chunks]
-                  + [compress.nominal_bytes(head_shapes(config), "none")])
+    largest = max(
+        [compress.nominal_bytes(layer_shapes(config), "none") * (b - a) for a, b in chunks]
+        + [compress.nominal_bytes(head_shapes(config), "none")]
+    )
     model = expected_bytes(config, "none")
     need = model + CONVERT_PEAK_FACTOR * largest
     have = psutil.virtual_memory().available if available is None else available
@@ -152,7 +176,9 @@ def check_memory(config: ModelConfig, chunks: list[tuple[int, int]], available: 
         )
 
 
-def provenance(config: ModelConfig, fingerprint: str, geometry: Geometry, quantize: str, units: str, chunks: list[tuple[int, int]]) -> dict[str, Any]:
+def provenance(
+    config: ModelConfig, fingerprint: str, geometry: Geometry, quantize: str, units: str, chunks: list[tuple[int, int]]
+) -> dict[str, Any]:
     return {
         "format": FORMAT_VERSION,
         "fingerprint": fingerprint,
@@ -187,17 +213,22 @@ def chunk_example(config: ModelConfig, slots: int, t: int) -> tuple[torch.Tensor
 _OP_RE = re.compile(r"op(?:eration)? '?([\w:.]+)'?", re.IGNORECASE)
 
 
-def _ct_convert(module: torch.nn.Module, example: tuple[torch.Tensor, ...], names: tuple[str, ...], outputs: list[str], out: Path) -> None:
+def _ct_convert(
+    module: torch.nn.Module, example: tuple[torch.Tensor, ...], names: tuple[str, ...], outputs: list[str], out: Path
+) -> None:
     import coremltools as ct
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", category=torch.jit.TracerWarning)  # type: ignore[attr-defined]  # torch.jit has no __all__
         with torch.no_grad():
             traced = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]  # torch.jit.trace is unannotated
-    inputs = [ct.TensorType(name=n, shape=tuple(e.shape), dtype=np.float16) for n, e in zip(names, example, strict=True)]
+    inputs = [
+        ct.TensorType(name=n, shape=tuple(e.shape), dtype=np.float16) for n, e in zip(names, example, strict=True)
+    ]
     states = [
         ct.StateType(wrapped_type=ct.TensorType(shape=tuple(getattr(module, n).shape), dtype=np.float16), name=n)
-        for n in STATE_NAMES if hasattr(module, n)
+        for n in STATE_NAMES
+        if hasattr(module, n)
     ]
     try:
         mlmodel = ct.convert(
@@ -212,8 +243,14 @@ def _ct_convert(module: torch.nn.Module, example: tuple[torch.Tensor, ...], name
         )
     except Exception as exc:
         m = _OP_RE.search(str(exc))
-        what = f"the op {m.group(1)!r}" if m else f"this model ({exc.__class__.__name__}: {str(exc).splitlines()[0][:160]})"
-        raise ConversionError(f"Core ML conversion failed: coremltools {ct.__version__} cannot convert {what}.") from None
+        what = (
+            f"the op {m.group(1)!r}"
+            if m
+            else f"this model ({exc.__class__.__name__}: {str(exc).splitlines()[0][:160]})"
+        )
+        raise ConversionError(
+            f"Core ML conversion failed: coremltools {ct.__version__} cannot convert {what}."
+        ) from None
     mlmodel.save(str(out))
 
 
@@ -261,7 +298,9 @@ def build_bundle(
     programs: list[tuple[str, Callable[[int], torch.nn.Module], tuple[str, ...], list[str]]] = [
         (chunk_name(i), layer_chunk(a, b), CHUNK_INPUTS, ["hidden_out", "qsum"]) for i, (a, b) in enumerate(chunks)
     ]
-    programs.append((HEAD, lambda t: Head(model), ("hidden",), [f"logits_{i}" for i in range(len(vocab_pieces(config.vocab_size)))]))
+    programs.append(
+        (HEAD, lambda t: Head(model), ("hidden",), [f"logits_{i}" for i in range(len(vocab_pieces(config.vocab_size)))])
+    )
     with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(prefix="spark-coreml-") as work:
         tmp.mkdir()
         for name, make, input_names, outputs in programs:
@@ -269,7 +308,11 @@ def build_bundle(
             for fname, t in geometry.functions:
                 step(f"Converting {name} ({fname}, {t} tokens per call)")
                 module = make(t).eval()
-                example = chunk_example(config, geometry.slots, t) if input_names == CHUNK_INPUTS else (chunk_example(config, geometry.slots, t)[0],)
+                example = (
+                    chunk_example(config, geometry.slots, t)
+                    if input_names == CHUNK_INPUTS
+                    else (chunk_example(config, geometry.slots, t)[0],)
+                )
                 parts[fname] = Path(work) / f"{name}-{fname}.mlpackage"
                 _ct_convert(module, example, input_names, outputs, parts[fname])
                 del module
@@ -295,7 +338,9 @@ def build_bundle(
         step("Checking the Neural Engine rules")
         errors = [f for f in ane_rules.lint_bundle(Bundle.open(tmp)) if f.error]
         if errors:
-            raise ConversionError(f"The converted program breaks an ANE rule: {errors[0]} ({len(errors)} error(s) in all).")
+            raise ConversionError(
+                f"The converted program breaks an ANE rule: {errors[0]} ({len(errors)} error(s) in all)."
+            )
     progress("Done", 1.0)
     return out
 
@@ -331,7 +376,16 @@ def convert(
     model, fp = load_for_conversion(model_dir)
     slots = slots if slots is not None else default_slots(model_dir, model.config)
     geometry = Geometry(slots, max_chunk_bytes=max_chunk_bytes)
-    return build_bundle(model, fp, Path(out).expanduser(), quantize=quantize, units=units, geometry=geometry, progress=progress, cancel=cancel)
+    return build_bundle(
+        model,
+        fp,
+        Path(out).expanduser(),
+        quantize=quantize,
+        units=units,
+        geometry=geometry,
+        progress=progress,
+        cancel=cancel,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ atomic + cache
@@ -383,4 +437,6 @@ def cached_bundle(
         except PackageError:
             pass  # an unreadable cache entry is rebuilt (atomically replaced), never trusted
     model, _ = load_for_conversion(model_dir)
-    return build_bundle(model, fp, path, quantize=quantize, units=units, geometry=geometry, progress=progress, cancel=cancel)
+    return build_bundle(
+        model, fp, path, quantize=quantize, units=units, geometry=geometry, progress=progress, cancel=cancel
+    )

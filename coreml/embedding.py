@@ -39,17 +39,23 @@ class _Source:
         if self.dtype in SUB_BYTE_BITS:
             bits, signed = SUB_BYTE_BITS[self.dtype]
             if per_row * bits % 8:
-                raise PackageError("A packed embedding row does not end on a byte boundary; the bundle is not one MLoT Spark writes.")
+                raise PackageError(
+                    "A packed embedding row does not end on a byte boundary; the bundle is not one MLoT Spark writes."
+                )
             nbytes = per_row * bits // 8
             packed = self.data.reshape(-1)[: self.shape[0] * nbytes].reshape(self.shape[0], nbytes)
-            return np.stack([unpack_bits(packed[i], bits, signed, per_row) for i in idx]).reshape((len(idx), *self.shape[1:]))
+            return np.stack([unpack_bits(packed[i], bits, signed, per_row) for i in idx]).reshape(
+                (len(idx), *self.shape[1:])
+            )
         return np.asarray(self.data.reshape(self.shape)[idx])
 
 
 class _Piece:
     """Rows [a, b) of the head matrix as the program stores them (const or constexpr op)."""
 
-    def __init__(self, op: MIL_pb2.Operation, consts: dict[str, MIL_pb2.Operation], blobs: BlobFile, bundle: Bundle) -> None:
+    def __init__(
+        self, op: MIL_pb2.Operation, consts: dict[str, MIL_pb2.Operation], blobs: BlobFile, bundle: Bundle
+    ) -> None:
         self.kind = op.type
 
         def value(param: str) -> MIL_pb2.Value:
@@ -68,13 +74,19 @@ class _Piece:
             path = bundle.package(HEAD).resolve_blob(v.blobFileValue.fileName)
             if path != blobs.path:
                 raise PackageError("The LM head names a second weight file; the bundle is not one MLoT Spark writes.")
-            return _Source(blobs.raw(int(v.blobFileValue.offset), dtype_name(tt.dataType)), dtype_name(tt.dataType), tensor_shape(tt))
+            return _Source(
+                blobs.raw(int(v.blobFileValue.offset), dtype_name(tt.dataType)),
+                dtype_name(tt.dataType),
+                tensor_shape(tt),
+            )
 
         if op.type == "const":
             self.main = source(op.attributes["val"])
         elif op.type == "constexpr_blockwise_shift_scale":
             if "offset" in op.inputs:
-                raise PackageError("The LM head uses an asymmetric quantization; the bundle is not one MLoT Spark writes.")
+                raise PackageError(
+                    "The LM head uses an asymmetric quantization; the bundle is not one MLoT Spark writes."
+                )
             self.main, self.scale = source(value("data")), source(value("scale"))
         elif op.type == "constexpr_lut_to_dense":
             self.main, self.lut = source(value("indices")), source(value("lut"))
@@ -88,7 +100,11 @@ class _Piece:
         data = self.main.rows(idx).reshape(len(idx), -1).astype(np.float32)  # (n, C)
         c = data.shape[1]
         if self.kind == "constexpr_blockwise_shift_scale":
-            scale = self.scale.rows(idx * self.scale.shape[0] // self.main.shape[0]).reshape(len(idx), -1).astype(np.float32)  # (n, blocks)
+            scale = (
+                self.scale.rows(idx * self.scale.shape[0] // self.main.shape[0])
+                .reshape(len(idx), -1)
+                .astype(np.float32)
+            )  # (n, blocks)
             if c % scale.shape[1]:
                 raise PackageError("The LM head's scales do not tile its rows.")
             return (data * np.repeat(scale, c // scale.shape[1], axis=1)).astype(np.float16)
@@ -111,7 +127,9 @@ class HostEmbedding:
             path = bundle.path / EMBED_FILE
             expected = self.vocab * self.hidden * 2
             if not path.is_file() or path.stat().st_size != expected:
-                raise PackageError(f"The bundle's {EMBED_FILE} is missing or not {expected} bytes; convert the model again.")
+                raise PackageError(
+                    f"The bundle's {EMBED_FILE} is missing or not {expected} bytes; convert the model again."
+                )
             self._file = np.memmap(path, dtype=np.float16, mode="r", shape=(self.vocab, self.hidden))
             return
         pkg = bundle.package(HEAD)
@@ -119,7 +137,11 @@ class HostEmbedding:
         fn = pkg.spec.mlProgram.functions.get("decode") or next(iter(pkg.spec.mlProgram.functions.values()))
         ops = list(fn.block_specializations[fn.opset].operations)
         consts = {op.outputs[0].name: op for op in ops if op.type == "const"}
-        by_name = {strip_var_suffix(op.outputs[0].name): op for op in ops if op.type == "const" or op.type.startswith("constexpr_")}
+        by_name = {
+            strip_var_suffix(op.outputs[0].name): op
+            for op in ops
+            if op.type == "const" or op.type.startswith("constexpr_")
+        }
         for i, (a, b) in enumerate(self.pieces):
             op = by_name.get(f"lm_head_{i}")
             if op is None:

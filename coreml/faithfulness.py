@@ -44,7 +44,9 @@ def _logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     return logits
 
 
-def measure(model_dir: str | Path, quantizations: tuple[str, ...], text: str, max_tokens: int = 512) -> list[Faithfulness]:
+def measure(
+    model_dir: str | Path, quantizations: tuple[str, ...], text: str, max_tokens: int = 512
+) -> list[Faithfulness]:
     from engine.tokenizer import Tokenizer
     from engine.weights import load_model
 

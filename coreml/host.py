@@ -121,7 +121,9 @@ class PackageBackend(Backend):
     def num_slots(self) -> int:
         return self.slots
 
-    def _layers(self, tokens: torch.Tensor, batch: SlotBatch, row: int, call: Call, k_rope: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _layers(
+        self, tokens: torch.Tensor, batch: SlotBatch, row: int, call: Call, k_rope: tuple[np.ndarray, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Run every chunk for one call: -> hidden (1, C, 1, T) fp16 and qsum (L, Hkv, D) fp32 (mean over T)."""
         rows = slice(call.row0, call.row0 + call.size)
         q_cos, q_sin = self.rope(batch.positions[row, rows])  # (T, D) each
@@ -129,10 +131,13 @@ class PackageBackend(Backend):
         mask = batch.mask[row, 0, rows].numpy()  # (T, S) bool
         hidden = np.ascontiguousarray(self.embedding(tokens[row, rows].numpy()).T[None, :, None, :])  # (1, C, 1, T)
         fixed = {
-            "q_cos": q_cos[None, None], "q_sin": q_sin[None, None],  # (1, 1, T, D)
-            "k_cos": k_rope[0][None, None], "k_sin": k_rope[1][None, None],  # (1, 1, S, D)
+            "q_cos": q_cos[None, None],
+            "q_sin": q_sin[None, None],  # (1, 1, T, D)
+            "k_cos": k_rope[0][None, None],
+            "k_sin": k_rope[1][None, None],  # (1, 1, S, D)
             "mask": np.where(mask, 0.0, MASK_MIN).astype(np.float16)[None, None],  # (1, 1, T, S) additive
-            "write": write, "keep": keep,
+            "write": write,
+            "keep": keep,
         }
         summaries = []
         for chunk in self.chunks:
@@ -147,7 +152,11 @@ class PackageBackend(Backend):
         for call in plan_calls(hidden.shape[0], self.functions):
             h = np.ascontiguousarray(hidden[call.row0 : call.row0 + call.size].T[None, :, None, :])  # (1, C, 1, T)
             res = self._predict(-1, HEAD, call.function, {"hidden": h})
-            out.append(np.concatenate([np.asarray(res[f"logits_{i}"]) for i in range(len(self.bundle.vocab_pieces))], axis=-1)[0])
+            out.append(
+                np.concatenate([np.asarray(res[f"logits_{i}"]) for i in range(len(self.bundle.vocab_pieces))], axis=-1)[
+                    0
+                ]
+            )
         return np.concatenate(out, axis=0).astype(np.float32)
 
     def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
@@ -169,7 +178,12 @@ class PackageBackend(Backend):
         rows_out, summaries = [], []
         for row in range(b):
             k_rope = self.rope(batch.slot_positions[row])  # (S, D) each, once per step
-            hidden, qsum = [], np.zeros((self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim), np.float32)
+            hidden, qsum = (
+                [],
+                np.zeros(
+                    (self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim), np.float32
+                ),
+            )
             for call in plan_calls(t, self.functions):
                 h, q = self._layers(tokens, batch, row, call, k_rope)
                 hidden.append(h[0, :, 0, :].T)  # (T_call, C)
@@ -187,7 +201,9 @@ class PackageBackend(Backend):
         idx = slots.numpy()
         out = []
         for name in STATE_NAMES:
-            parts = [np.asarray(self._read_state(row, chunk, name), dtype=np.float16)[:, :, idx] for chunk in self.chunks]
+            parts = [
+                np.asarray(self._read_state(row, chunk, name), dtype=np.float16)[:, :, idx] for chunk in self.chunks
+            ]
             out.append(torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=0))).to(CANONICAL_KV_DTYPE))
         return out[0], out[1]  # (L, Hkv, n, D) each
 

@@ -51,7 +51,9 @@ def _var_type(vt: MIL_pb2.ValueType) -> VarType:
     if kind == "stateType":
         inner = vt.stateType.wrappedType
         if inner.WhichOneof("type") != "tensorType":
-            raise UnsupportedOp("The program has a state that is not a tensor; the interpreter supports tensor states only.")
+            raise UnsupportedOp(
+                "The program has a state that is not a tensor; the interpreter supports tensor states only."
+            )
         return VarType(dtype_name(inner.tensorType.dataType), tensor_shape(inner.tensorType))
     raise UnsupportedOp(f"The program uses a {kind} value; the interpreter supports tensors and tensor states only.")
 
@@ -101,17 +103,25 @@ class Interpreter:
         consts: dict[str, np.ndarray] = {}
         for op in block.operations:
             if op.type not in OPS and op.type != "const":
-                raise UnsupportedOp(f"The program uses the op {op.type!r}, which the reference interpreter does not implement.")
+                raise UnsupportedOp(
+                    f"The program uses the op {op.type!r}, which the reference interpreter does not implement."
+                )
             if op.blocks:
-                raise UnsupportedOp(f"The op {op.type!r} has nested blocks, which the reference interpreter does not implement.")
+                raise UnsupportedOp(
+                    f"The op {op.type!r} has nested blocks, which the reference interpreter does not implement."
+                )
             outputs = [(o.name, _var_type(o.type)) for o in op.outputs]
             if op.type == "const":
                 consts[outputs[0][0]] = self._value(op.attributes["val"])
                 continue
             bindings: dict[str, list[str | np.ndarray]] = {}
             for param, arg in op.inputs.items():
-                bindings[param] = [b.name if b.WhichOneof("binding") == "name" else self._value(b.value) for b in arg.arguments]
-            label = op.attributes["name"].immediateValue.tensor.strings.values[0] if "name" in op.attributes else op.type
+                bindings[param] = [
+                    b.name if b.WhichOneof("binding") == "name" else self._value(b.value) for b in arg.arguments
+                ]
+            label = (
+                op.attributes["name"].immediateValue.tensor.strings.values[0] if "name" in op.attributes else op.type
+            )
             parsed = Op(op.type, bindings, outputs, label)
             if op.type.startswith("constexpr_"):
                 # Weights are decompressed once, exactly as Core ML materialises constexpr ops at load.

@@ -34,7 +34,9 @@ class Op:
 class _Args:
     """Resolved inputs of one op: `a("x")` one value, `opt("x", default)`, `many("values")`."""
 
-    def __init__(self, op: Op, env: dict[str, np.ndarray], state: dict[str, np.ndarray], fp16_acc: bool = False) -> None:
+    def __init__(
+        self, op: Op, env: dict[str, np.ndarray], state: dict[str, np.ndarray], fp16_acc: bool = False
+    ) -> None:
         self.op, self.env, self.state, self.fp16_acc = op, env, state, fp16_acc
 
     def _get(self, b: str | np.ndarray) -> np.ndarray:
@@ -64,7 +66,9 @@ class _Args:
     def only(self, allowed: set[str]) -> None:
         extra = set(self.op.inputs) - allowed
         if extra:
-            raise UnsupportedOp(f"The op {self.op.type!r} is used with {sorted(extra)}, which the interpreter does not implement.")
+            raise UnsupportedOp(
+                f"The op {self.op.type!r} is used with {sorted(extra)}, which the interpreter does not implement."
+            )
 
 
 def execute(
@@ -87,7 +91,9 @@ def execute(
     for (_name, vt), value in zip(op.outputs, results, strict=True):
         value = np.asarray(value)
         if value.shape != vt.shape:
-            raise PackageError(f"Op {op.name!r} ({op.type}) produced shape {value.shape}; the program declares {vt.shape}.")
+            raise PackageError(
+                f"Op {op.name!r} ({op.type}) produced shape {value.shape}; the program declares {vt.shape}."
+            )
         if vt.dtype == "FLOAT16" and value.dtype.kind == "f" and value.dtype != np.float16:
             with np.errstate(over="ignore"):
                 stored = value.astype(np.float16)
@@ -120,8 +126,15 @@ def _contract(x: np.ndarray, y: np.ndarray, spec: str, k_x: int, k_y: int, fp16_
         return np.asarray(np.einsum(spec, x, y))
     acc: np.ndarray | None = None
     for k in range(0, x.shape[k_x], ACC_BLOCK):
-        part = np.einsum(spec, np.take(x, range(k, min(k + ACC_BLOCK, x.shape[k_x])), axis=k_x),
-                         np.take(y, range(k, min(k + ACC_BLOCK, y.shape[k_y])), axis=k_y)).astype(F16).astype(F32)
+        part = (
+            np.einsum(
+                spec,
+                np.take(x, range(k, min(k + ACC_BLOCK, x.shape[k_x])), axis=k_x),
+                np.take(y, range(k, min(k + ACC_BLOCK, y.shape[k_y])), axis=k_y),
+            )
+            .astype(F16)
+            .astype(F32)
+        )
         acc = part if acc is None else (acc + part).astype(F16).astype(F32)
     if acc is None:  # an empty contraction axis
         return np.asarray(np.einsum(spec, x, y), F32)
@@ -171,7 +184,9 @@ def _slices(a: _Args, shape: tuple[int, ...]) -> tuple[tuple[slice | int, ...], 
     end_mask = np.atleast_1d(a.opt("end_mask", np.zeros(rank, bool))).astype(bool)
     squeeze = np.atleast_1d(a.opt("squeeze_mask", np.zeros(rank, bool))).astype(bool)
     if np.any(stride != 1):
-        raise UnsupportedOp(f"The op {a.op.type!r} is used with a stride other than 1, which the interpreter does not implement.")
+        raise UnsupportedOp(
+            f"The op {a.op.type!r} is used with a stride other than 1, which the interpreter does not implement."
+        )
     index: list[slice | int] = []
     for i, dim in enumerate(shape):
         b = 0 if begin_mask[i] else int(begin[i]) + (dim if begin[i] < 0 else 0)
@@ -218,7 +233,9 @@ def _conv(a: _Args) -> list[np.ndarray]:
         and np.all(np.asarray(a.opt("pad", np.zeros(4))) == 0)
     )
     if not (one_by_one and plain):
-        raise UnsupportedOp("The program uses a conv other than a plain 1x1 convolution, which the interpreter does not implement.")
+        raise UnsupportedOp(
+            "The program uses a conv other than a plain 1x1 convolution, which the interpreter does not implement."
+        )
     y = _contract(w[:, :, 0, 0], x, "oi,bihw->bohw", 1, 1, a.fp16_acc)  # (B, O, H, W)
     if "bias" in a.op.inputs:
         y = y + _f(a.a("bias"))[None, :, None, None]
@@ -254,7 +271,9 @@ def _layer_norm(a: _Args) -> list[np.ndarray]:
     x = _f(a.a("x"))
     axes = _axes(a, x.ndim)
     if axes != (x.ndim - 1,):
-        raise UnsupportedOp("The program uses a layer_norm over axes other than the last, which the interpreter does not implement.")
+        raise UnsupportedOp(
+            "The program uses a layer_norm over axes other than the last, which the interpreter does not implement."
+        )
     eps = F32(a.opt("epsilon", np.array(1e-5, F32)))
     if a.fp16_acc:
         n = x.shape[-1]
@@ -290,7 +309,9 @@ def _reshape(a: _Args) -> list[np.ndarray]:
     a.only({"x", "shape"})
     shape = [int(s) for s in np.atleast_1d(a.a("shape"))]
     if 0 in shape:
-        raise UnsupportedOp("The program uses reshape with a 0 (copy) dimension, which the interpreter does not implement.")
+        raise UnsupportedOp(
+            "The program uses reshape with a 0 (copy) dimension, which the interpreter does not implement."
+        )
     return [a.a("x").reshape(shape)]
 
 
@@ -414,4 +435,3 @@ OPS: dict[str, Callable[[_Args], list[np.ndarray]]] = {
     "transpose": _transpose,
     "write_state": _write_state,
 }
-

@@ -23,16 +23,42 @@ BLOB_SENTINEL = 0xDEADBEEF
 BLOB_VERSION = 2
 # blob storage data-type codes -> MIL DataType names (coremltools BlobDataType)
 BLOB_DTYPES: dict[int, str] = {
-    1: "FLOAT16", 2: "FLOAT32", 3: "UINT8", 4: "INT8", 5: "BFLOAT16", 6: "INT16", 7: "UINT16", 8: "INT4",
-    9: "UINT1", 10: "UINT2", 11: "UINT4", 12: "UINT3", 13: "UINT6", 14: "INT32", 15: "UINT32",
+    1: "FLOAT16",
+    2: "FLOAT32",
+    3: "UINT8",
+    4: "INT8",
+    5: "BFLOAT16",
+    6: "INT16",
+    7: "UINT16",
+    8: "INT4",
+    9: "UINT1",
+    10: "UINT2",
+    11: "UINT4",
+    12: "UINT3",
+    13: "UINT6",
+    14: "INT32",
+    15: "UINT32",
 }
 NUMPY_DTYPES: dict[str, np.dtype] = {
-    "FLOAT16": np.dtype(np.float16), "FLOAT32": np.dtype(np.float32), "FLOAT64": np.dtype(np.float64),
-    "INT8": np.dtype(np.int8), "UINT8": np.dtype(np.uint8), "INT16": np.dtype(np.int16), "UINT16": np.dtype(np.uint16),
-    "INT32": np.dtype(np.int32), "UINT32": np.dtype(np.uint32), "INT64": np.dtype(np.int64), "BOOL": np.dtype(bool),
+    "FLOAT16": np.dtype(np.float16),
+    "FLOAT32": np.dtype(np.float32),
+    "FLOAT64": np.dtype(np.float64),
+    "INT8": np.dtype(np.int8),
+    "UINT8": np.dtype(np.uint8),
+    "INT16": np.dtype(np.int16),
+    "UINT16": np.dtype(np.uint16),
+    "INT32": np.dtype(np.int32),
+    "UINT32": np.dtype(np.uint32),
+    "INT64": np.dtype(np.int64),
+    "BOOL": np.dtype(bool),
 }
 SUB_BYTE_BITS: dict[str, tuple[int, bool]] = {  # name -> (bits, signed)
-    "INT4": (4, True), "UINT4": (4, False), "UINT1": (1, False), "UINT2": (2, False), "UINT3": (3, False), "UINT6": (6, False),
+    "INT4": (4, True),
+    "UINT4": (4, False),
+    "UINT1": (1, False),
+    "UINT2": (2, False),
+    "UINT3": (3, False),
+    "UINT6": (6, False),
 }
 
 
@@ -44,8 +70,12 @@ def unpack_bits(raw: bytes | np.ndarray, bits: int, signed: bool, count: int) ->
     """Bit-packed little-endian integers -> int8/uint8 array of `count` elements."""
     b = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")[: count * bits]
     if b.size < count * bits:
-        raise PackageError(f"A {bits}-bit weight holds {b.size} bits, fewer than its {count} elements need; the package is corrupt.")
-    vals: np.ndarray = (b.reshape(count, bits).astype(np.uint8) << np.arange(bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
+        raise PackageError(
+            f"A {bits}-bit weight holds {b.size} bits, fewer than its {count} elements need; the package is corrupt."
+        )
+    vals: np.ndarray = (b.reshape(count, bits).astype(np.uint8) << np.arange(bits, dtype=np.uint8)).sum(
+        axis=1, dtype=np.uint8
+    )
     if signed:
         return np.where(vals >= 1 << (bits - 1), vals.astype(np.int16) - (1 << bits), vals).astype(np.int8)
     return vals
@@ -65,7 +95,9 @@ class BlobFile:
             raise PackageError(f"The weight file {path.name} is truncated; the package is incomplete.")
         count, version = struct.unpack_from("<II", self._mm, 0)
         if version != BLOB_VERSION:
-            raise PackageError(f"The weight file {path.name} has storage version {version}; only version {BLOB_VERSION} is understood.")
+            raise PackageError(
+                f"The weight file {path.name} has storage version {version}; only version {BLOB_VERSION} is understood."
+            )
         self.count = count
 
     def read(self, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -75,7 +107,9 @@ class BlobFile:
             bits, signed = SUB_BYTE_BITS[dtype]
             return unpack_bits(raw, bits, signed, n).reshape(shape)
         if raw.size != n:
-            raise PackageError(f"A weight in {self.path.name} holds {raw.size} values, not the {n} its shape {shape} needs.")
+            raise PackageError(
+                f"A weight in {self.path.name} holds {raw.size} values, not the {n} its shape {shape} needs."
+            )
         return raw.reshape(shape).copy()
 
     def raw(self, offset: int, dtype: str) -> np.ndarray:
@@ -92,7 +126,9 @@ class BlobFile:
         if data_offset + size > len(self._mm):
             raise PackageError(f"A weight's data runs past the end of {self.path.name}; the package is corrupt.")
         # The program declares e.g. BOOL/INT4 where the blob may store the same bits under a sibling code.
-        if stored != dtype and not (dtype in SUB_BYTE_BITS and stored in SUB_BYTE_BITS and SUB_BYTE_BITS[dtype][0] == SUB_BYTE_BITS[stored][0]):
+        if stored != dtype and not (
+            dtype in SUB_BYTE_BITS and stored in SUB_BYTE_BITS and SUB_BYTE_BITS[dtype][0] == SUB_BYTE_BITS[stored][0]
+        ):
             raise PackageError(f"A weight in {self.path.name} is stored as {stored} but the program declares {dtype}.")
         if dtype in SUB_BYTE_BITS:
             return np.frombuffer(self._mm, dtype=np.uint8, count=size, offset=data_offset)

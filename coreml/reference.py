@@ -49,7 +49,9 @@ class InterpreterBackend(PackageBackend):
 
     def allocate(self, batch: int, num_slots: int) -> None:
         if num_slots != self.slots:
-            raise PackageError(f"This bundle was converted for {self.slots} slots, not {num_slots}; convert it again with --slots {num_slots}.")
+            raise PackageError(
+                f"This bundle was converted for {self.slots} slots, not {num_slots}; convert it again with --slots {num_slots}."
+            )
         self.states = [self._new_row() for _ in range(batch)]
 
     def fork(self) -> InterpreterBackend:

@@ -48,14 +48,22 @@ BRIDGE_STATE_DTYPES = (np.dtype(np.int32), np.dtype(np.int8), np.dtype(np.float3
 def probe() -> BackendProbe:
     """Available only on macOS 15+ on Apple Silicon with a coremltools that can load models."""
     if platform.system() != "Darwin" or platform.machine() != "arm64":
-        return BackendProbe("coreml", False, f"Core ML needs macOS 15+ on Apple Silicon; this is {platform.system()} {platform.machine()}.")
+        return BackendProbe(
+            "coreml",
+            False,
+            f"Core ML needs macOS 15+ on Apple Silicon; this is {platform.system()} {platform.machine()}.",
+        )
     release = platform.mac_ver()[0]
     try:
         version = tuple(int(p) for p in release.split(".")[:2])
     except ValueError:
         version = (0, 0)
     if version < MIN_MACOS:
-        return BackendProbe("coreml", False, f"Core ML stateful models need macOS 15 or later; this Mac runs {release or 'an unknown version'}.")
+        return BackendProbe(
+            "coreml",
+            False,
+            f"Core ML stateful models need macOS 15 or later; this Mac runs {release or 'an unknown version'}.",
+        )
     try:
         import coremltools as ct
         from coremltools.models.model import MLState  # noqa: F401  (stateful prediction support)
@@ -64,14 +72,18 @@ def probe() -> BackendProbe:
     try:
         from coremltools import libcoremlpython  # noqa: F401  (the native bridge to Core ML)
     except ImportError:
-        return BackendProbe("coreml", False, f"coremltools {ct.__version__} lacks its Core ML bridge (libcoremlpython); reinstall it.")
+        return BackendProbe(
+            "coreml", False, f"coremltools {ct.__version__} lacks its Core ML bridge (libcoremlpython); reinstall it."
+        )
     return BackendProbe("coreml", True, f"Core ML via coremltools {ct.__version__} on macOS {release}")
 
 
 def compute_units_name(requested: str | None) -> str:
     name = (requested or os.environ.get(UNITS_ENV) or compress.DEFAULT_UNITS).upper()
     if name not in compress.COMPUTE_UNITS:
-        raise BackendUnavailable(f"Unknown Core ML compute units {name!r}; choose one of {', '.join(compress.COMPUTE_UNITS)}.")
+        raise BackendUnavailable(
+            f"Unknown Core ML compute units {name!r}; choose one of {', '.join(compress.COMPUTE_UNITS)}."
+        )
     return name
 
 
@@ -115,9 +127,13 @@ def core_ml_loader(bundle: Bundle, name: str, function: str, units: str) -> Prog
     import coremltools as ct
 
     try:
-        program: Program = ct.models.CompiledMLModel(str(compile_program(bundle, name)), getattr(ct.ComputeUnit, units), function_name=function)
+        program: Program = ct.models.CompiledMLModel(
+            str(compile_program(bundle, name)), getattr(ct.ComputeUnit, units), function_name=function
+        )
     except Exception as exc:
-        raise BackendUnavailable(f"Core ML could not load the converted model ({str(exc).splitlines()[0][:200]}).") from None
+        raise BackendUnavailable(
+            f"Core ML could not load the converted model ({str(exc).splitlines()[0][:200]})."
+        ) from None
     return program
 
 
@@ -178,8 +194,17 @@ class CoreMLBackend(PackageBackend):
         if shipped.is_dir():
             return shipped
         if self.progress is None:
-            return cached_bundle(self.model_dir, slots=slots, quantize=self.quantize, units=self.units, cache_dir=self.cache_dir)
-        return cached_bundle(self.model_dir, slots=slots, quantize=self.quantize, units=self.units, cache_dir=self.cache_dir, progress=self.progress)
+            return cached_bundle(
+                self.model_dir, slots=slots, quantize=self.quantize, units=self.units, cache_dir=self.cache_dir
+            )
+        return cached_bundle(
+            self.model_dir,
+            slots=slots,
+            quantize=self.quantize,
+            units=self.units,
+            cache_dir=self.cache_dir,
+            progress=self.progress,
+        )
 
     def _load(self, slots: int) -> None:
         path = self._find(slots)
@@ -187,7 +212,9 @@ class CoreMLBackend(PackageBackend):
         if bundle.provenance.get("fingerprint") != self.fingerprint:
             raise PackageError(f"The Core ML bundle {path.name} was converted from other weights; delete it and retry.")
         self._setup_host(bundle)
-        self.programs = {(p, f): self.loader(bundle, p, f, self.units) for p in bundle.program_names for f in self.functions}
+        self.programs = {
+            (p, f): self.loader(bundle, p, f, self.units) for p in bundle.program_names for f in self.functions
+        }
         self.path = path
         self.weight_bytes = bundle.total_bytes()
 
@@ -241,7 +268,9 @@ def compute_plan_share(bundle_path: str | Path, units: str = "CPU_AND_NE") -> di
     bundle = Bundle.open(bundle_path)
     out: dict[str, dict[str, float]] = {}
     for name in bundle.program_names:
-        plan = MLComputePlan.load_from_path(str(compile_program(bundle, name)), compute_units=getattr(ct.ComputeUnit, units))
+        plan = MLComputePlan.load_from_path(
+            str(compile_program(bundle, name)), compute_units=getattr(ct.ComputeUnit, units)
+        )
         program = plan.model_structure.program
         if program is None:
             raise PackageError("The compute plan has no ML Program; the bundle is not made of ML Programs.")

@@ -100,7 +100,9 @@ class ChannelRMSNorm(nn.Module):
         super().__init__()
         c = weight.numel()
         fold = math.sqrt(c / (c + 1))
-        self.weight = nn.Parameter((weight.detach().float() * fold).half()[None, :, None, None].clone(), requires_grad=False)  # (1, C, 1, 1)
+        self.weight = nn.Parameter(
+            (weight.detach().float() * fold).half()[None, :, None, None].clone(), requires_grad=False
+        )  # (1, C, 1, 1)
         self.c_num = math.sqrt(c * eps)
         self.channels = c
 
@@ -125,7 +127,9 @@ class Layer(nn.Module):
         a, m = layer.self_attn, layer.mlp
         self.input_norm = ChannelRMSNorm(layer.input_layernorm.weight, eps)
         self.post_norm = ChannelRMSNorm(layer.post_attention_layernorm.weight, eps)
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (ConvProj(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            ConvProj(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+        )
         self.gate_proj, self.up_proj, self.down_proj = (ConvProj(p) for p in (m.gate_proj, m.up_proj, m.down_proj))
 
 
@@ -142,14 +146,18 @@ class LayerChunk(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.groups = cfg.num_kv_groups
         self.scale = cfg.head_dim**-0.5
-        self.layers = nn.ModuleList(Layer(cast(DecoderLayer, model.model.layers[i]), cfg.rms_norm_eps) for i in range(first, last))
+        self.layers = nn.ModuleList(
+            Layer(cast(DecoderLayer, model.model.layers[i]), cfg.rms_norm_eps) for i in range(first, last)
+        )
         # States: one slot table per K and V. Buffers updated in place become Core ML states.
         shape = (last - first, self.n_kv, num_slots, self.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=torch.float16))
         self.register_buffer("v_cache", torch.zeros(shape, dtype=torch.float16))
 
     @staticmethod
-    def store(cache: torch.Tensor, layer: int, new: torch.Tensor, write: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def store(
+        cache: torch.Tensor, layer: int, new: torch.Tensor, write: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
         """new (1, Hkv, T, D) -> cache[layer] with slot s = write[s] @ new where written, else kept; returns the
         layer's (1, Hkv, S, D). The slice offsets are Python ints, so the update has static begin/end."""
         updated = cache[layer : layer + 1] * keep + torch.matmul(write, new)  # (1, Hkv, S, D)
@@ -182,7 +190,9 @@ class LayerChunk(nn.Module):
             summaries.append(q.reshape(1, hkv, g * t, d).mean(dim=2))  # (1, Hkv, D) pre-RoPE, per KV group
             keys = self.store(self.k_cache, i, k, write, keep)  # (1, Hkv, S, D) unrotated
             values = self.store(self.v_cache, i, v, write, keep)
-            q = (q * q_cos + rotate_half(q, d // 2) * q_sin) * self.scale  # (1, H, T, D), scaled before the matmul: T < S
+            q = (
+                q * q_cos + rotate_half(q, d // 2) * q_sin
+            ) * self.scale  # (1, H, T, D), scaled before the matmul: T < S
             keys = keys * k_cos + rotate_half(keys, d // 2) * k_sin
             scores = torch.matmul(q.reshape(1, hkv, g * t, d), keys.transpose(2, 3)) + mask_g  # (1, Hkv, G*T, S)
             probs = torch.softmax(scores, dim=-1)
@@ -206,7 +216,9 @@ class Head(nn.Module):
         self.norm = ChannelRMSNorm(model.model.norm.weight, cfg.rms_norm_eps)
         head = model.lm_head.weight.detach().half()  # (V, C)
         self.pieces = vocab_pieces(cfg.vocab_size)
-        self.lm_head = nn.ParameterList(nn.Parameter(head[a:b, :, None, None].clone(), requires_grad=False) for a, b in self.pieces)
+        self.lm_head = nn.ParameterList(
+            nn.Parameter(head[a:b, :, None, None].clone(), requires_grad=False) for a, b in self.pieces
+        )
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         hn = self.norm(hidden)  # (1, C, 1, T)
@@ -215,8 +227,15 @@ class Head(nn.Module):
 
 # Suffixes coremltools appends to a weight's var name (fp16 cast, compression) after the traced parameter name.
 _VAR_SUFFIXES = ("_quantized", "_palettized", "_promoted_to_fp16", "_to_fp16", "_promoted")
-_PROJ_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_PROJ_MODULE = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 _NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
 
 
@@ -237,8 +256,15 @@ def engine_state_dict(
     """Inverse of the bundle's weight layout: each chunk's (first layer, program weights), the head program's
     weights and the host embedding (V, C) -> an engine Transformer state dict, so the torch engine can run exactly
     the weights a bundle uses (e.g. after dequantization). Norm weights are unfolded (see ChannelRMSNorm)."""
-    biases = {"q_proj": config.qkv_bias, "k_proj": config.qkv_bias, "v_proj": config.qkv_bias, "o_proj": config.o_bias,
-              "gate_proj": config.mlp_bias, "up_proj": config.mlp_bias, "down_proj": config.mlp_bias}
+    biases = {
+        "q_proj": config.qkv_bias,
+        "k_proj": config.qkv_bias,
+        "v_proj": config.qkv_bias,
+        "o_proj": config.o_bias,
+        "gate_proj": config.mlp_bias,
+        "up_proj": config.mlp_bias,
+        "down_proj": config.mlp_bias,
+    }
 
     def table(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {strip_var_suffix(k): v for k, v in weights.items()}
@@ -251,7 +277,9 @@ def engine_state_dict(
     out: dict[str, torch.Tensor] = {}
     h = table(head)
     n_pieces = len(vocab_pieces(config.vocab_size))
-    out["lm_head.weight"] = torch.from_numpy(np.concatenate([take(h, f"lm_head_{i}")[:, :, 0, 0] for i in range(n_pieces)]))
+    out["lm_head.weight"] = torch.from_numpy(
+        np.concatenate([take(h, f"lm_head_{i}")[:, :, 0, 0] for i in range(n_pieces)])
+    )
     out["model.norm.weight"] = unfold_norm(take(h, "norm_weight"))
     out["model.embed_tokens.weight"] = torch.from_numpy(np.asarray(embed, np.float16))
     for first, weights in chunks:
@@ -262,7 +290,11 @@ def engine_state_dict(
             for short, full in _NORMS.items():
                 out[f"model.layers.{i}.{full}.weight"] = unfold_norm(take(t, f"layers_{j}_{short}_weight"))
             for proj, module in _PROJ_MODULE.items():
-                out[f"model.layers.{i}.{module}.{proj}.weight"] = torch.from_numpy(take(t, f"layers_{j}_{proj}_weight")[:, :, 0, 0].copy())
+                out[f"model.layers.{i}.{module}.{proj}.weight"] = torch.from_numpy(
+                    take(t, f"layers_{j}_{proj}_weight")[:, :, 0, 0].copy()
+                )
                 if biases[proj]:
-                    out[f"model.layers.{i}.{module}.{proj}.bias"] = torch.from_numpy(take(t, f"layers_{j}_{proj}_bias").copy())
+                    out[f"model.layers.{i}.{module}.{proj}.bias"] = torch.from_numpy(
+                        take(t, f"layers_{j}_{proj}_bias").copy()
+                    )
     return out

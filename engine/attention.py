@@ -42,7 +42,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
     wavelen = 2 * math.pi / inv
     inv_llama = torch.where(wavelen > low_wavelen, inv / sc.factor, inv)
-    smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+    smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
+        sc.high_freq_factor - sc.low_freq_factor
+    )
     smoothed = (1 - smooth) * inv_llama / sc.factor + smooth * inv_llama
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, inv_llama)
@@ -111,7 +113,9 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
 
-def small_step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+def small_step_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None
+) -> torch.Tensor:
     """GQA attention for few queries: q (B, H, T, D), keys/values (B, Hkv, S', D), blocked (B, 1, 1, T, S') or None
     when every slot may be attended.
 
@@ -134,7 +138,12 @@ def small_step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 
 def split_frame_attention(
-    q_plain: torch.Tensor, q_framed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, split: int, blocked: torch.Tensor | None
+    q_plain: torch.Tensor,
+    q_framed: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    split: int,
+    blocked: torch.Tensor | None,
 ) -> torch.Tensor:
     """Attention where keys [0, split) are scored by q_plain and keys [split, S') by q_framed (SlotBatch.frame):
     q_* (1, H, T, D), keys/values (1, Hkv, S', D), blocked (1, 1, 1, T, S') or None. One softmax over all keys."""
@@ -147,7 +156,9 @@ def split_frame_attention(
         # Two fused attentions, merged by their log-sum-exps: softmax over the union, no score matrix built. The
         # public SDPA returns no log-sum-exp, hence the private CPU op (present in torch 2.x's CPU builds).
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        o0, lse0 = flash(q_plain.view(b, hkv, g, d), keys[:, :, :split], values[:, :, :split])[:2]  # (1, Hkv, G, D), (1, Hkv, G)
+        o0, lse0 = flash(q_plain.view(b, hkv, g, d), keys[:, :, :split], values[:, :, :split])[
+            :2
+        ]  # (1, Hkv, G, D), (1, Hkv, G)
         o1, lse1 = flash(q_framed.view(b, hkv, g, d), keys[:, :, split:], values[:, :, split:])[:2]
         share = torch.sigmoid(lse1 - lse0).unsqueeze(-1).to(o0.dtype)  # (1, Hkv, G, 1) of the framed keys
         return torch.lerp(o0, o1, share).view(b, h, t, d)

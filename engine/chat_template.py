@@ -82,14 +82,18 @@ class _TemplateNamespace(jinja2.utils.Namespace):
     @staticmethod
     def _check_name(name: Any) -> None:
         if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a chat template may not store the attribute {name!r} on a namespace")
+            raise jinja2.exceptions.SecurityError(
+                f"a chat template may not store the attribute {name!r} on a namespace"
+            )
 
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # Jinja's own `tojson` HTML-escapes `<`, `>`, `&` and `'`, which would change the prompt; transformers' does not.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -189,18 +193,32 @@ def render_chat(
     context = {"tools": None, "documents": None, **extra}
     try:
         text = _render_bounded(
-            compiled, limits, messages=chat, add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token, **context
+            compiled,
+            limits,
+            messages=chat,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **context,
         )
     except TemplateLimitExceeded as exc:
-        raise TokenizerError(f"The model's chat template was stopped because {exc}; fix chat_template in tokenizer_config.json.") from None
+        raise TokenizerError(
+            f"The model's chat template was stopped because {exc}; fix chat_template in tokenizer_config.json."
+        ) from None
     except jinja2.TemplateError as exc:  # includes the template's own raise_exception(...) and sandbox refusals
-        raise TokenizerError(f"The model's chat template rejected the conversation: {_clause(exc.message or str(exc))}.") from None
+        raise TokenizerError(
+            f"The model's chat template rejected the conversation: {_clause(exc.message or str(exc))}."
+        ) from None
     except Exception as exc:  # the template is third-party code; any failure in it is a template problem, not ours
-        raise TokenizerError(f"The model's chat template failed ({exc.__class__.__name__}: {_clause(str(exc))}).") from None
+        raise TokenizerError(
+            f"The model's chat template failed ({exc.__class__.__name__}: {_clause(str(exc))})."
+        ) from None
     if continue_final_message:
         tag = _CONTINUE_TAG.strip()
         if final.strip() not in text or tag not in text:
-            raise TokenizerError("The model's chat template drops part of the final message, so it cannot be continued.")
+            raise TokenizerError(
+                "The model's chat template drops part of the final message, so it cannot be continued."
+            )
         loc = text.rindex(tag)
         # The template kept the tag's trailing space: the message text is intact. Otherwise it trimmed whitespace.
         text = text[:loc] if text[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:loc].rstrip()

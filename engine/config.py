@@ -17,7 +17,11 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {"qkv_bias": False},
     "Qwen2ForCausalLM": {"qkv_bias": True},
 }
-MODEL_TYPES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 
 
 @dataclass(frozen=True)
@@ -40,19 +44,25 @@ def read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     transformers 4 writes top-level `rope_theta` and `rope_scaling`. The one place a rope configuration is read."""
     params = d.get("rope_parameters")
     if params is not None and not isinstance(params, dict):
-        raise ModelLoadError("config.json has a rope_parameters entry that is not an object; the model folder looks damaged.")
+        raise ModelLoadError(
+            "config.json has a rope_parameters entry that is not an object; the model folder looks damaged."
+        )
     # transformers 5 may nest per-layer-type parameters ({"full_attention": {...}}); Llama-family models have one.
     if params and "rope_theta" not in params and len(params) == 1 and isinstance(next(iter(params.values())), dict):
         params = next(iter(params.values()))
     params = params or {}
     theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
     if not math.isfinite(theta) or theta <= 1.0:
-        raise ModelLoadError(f"config.json gives rope_theta {theta}, which is not a usable rotary base (it must be above 1).")
+        raise ModelLoadError(
+            f"config.json gives rope_theta {theta}, which is not a usable rotary base (it must be above 1)."
+        )
     rs = params if params.get("rope_type", params.get("type")) not in (None, "default") else d.get("rope_scaling")
     if not rs:
         return theta, None
     if not isinstance(rs, dict):
-        raise ModelLoadError("config.json has a rope_scaling entry that is not an object; the model folder looks damaged.")
+        raise ModelLoadError(
+            "config.json has a rope_scaling entry that is not an object; the model folder looks damaged."
+        )
     rtype = rs.get("rope_type", rs.get("type"))
     if rtype in (None, "default"):
         return theta, None
@@ -67,7 +77,9 @@ def read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if rtype == "linear":
         return theta, RopeScaling("linear", float(rs["factor"]))
     if rtype in UNSUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(f"The model uses {rtype} rope scaling, which MLoT Spark does not run yet (llama3 and linear are supported).")
+        raise ModelLoadError(
+            f"The model uses {rtype} rope scaling, which MLoT Spark does not run yet (llama3 and linear are supported)."
+        )
     raise ModelLoadError(f"The model's rope scaling type {rtype!r} is not supported (llama3 and linear are).")
 
 
@@ -94,7 +106,9 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def with_rope_freq_factors(self, factors: tuple[float, ...]) -> ModelConfig:
-        return dataclasses.replace(self, rope_freq_factors=factors, raw={**self.raw, "rope_freq_factors": list(factors)})
+        return dataclasses.replace(
+            self, rope_freq_factors=factors, raw={**self.raw, "rope_freq_factors": list(factors)}
+        )
 
     @property
     def num_kv_groups(self) -> int:
@@ -111,7 +125,9 @@ class ModelConfig:
             )
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
-            raise ModelLoadError(f"The model uses activation {act!r}; only SwiGLU (silu) Llama-family models are supported.")
+            raise ModelLoadError(
+                f"The model uses activation {act!r}; only SwiGLU (silu) Llama-family models are supported."
+            )
         _check_sizes(d)
         try:
             n_heads = int(d["num_attention_heads"])
@@ -137,7 +153,9 @@ class ModelConfig:
                 raw=dict(d),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ModelLoadError(f"config.json is missing or has a bad value for {exc}; the model folder looks incomplete.") from None
+            raise ModelLoadError(
+                f"config.json is missing or has a bad value for {exc}; the model folder looks incomplete."
+            ) from None
 
     @classmethod
     def from_file(cls, path: Path) -> ModelConfig:
@@ -148,9 +166,13 @@ class ModelConfig:
         except FileNotFoundError:
             raise ModelLoadError(f"{path.parent} has no config.json; choose a Hugging Face model folder.") from None
         except RecursionError:
-            raise ModelLoadError(f"{path} is nested too deeply to be a model config; the model folder looks damaged.") from None
+            raise ModelLoadError(
+                f"{path} is nested too deeply to be a model config; the model folder looks damaged."
+            ) from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelLoadError(f"{path} is not valid JSON ({exc.__class__.__name__}); the download may be incomplete.") from None
+            raise ModelLoadError(
+                f"{path} is not valid JSON ({exc.__class__.__name__}); the download may be incomplete."
+            ) from None
         if not isinstance(data, dict):
             raise ModelLoadError(f"{path} does not hold a JSON object; it is not a model config.")
         return cls.from_dict(data)
@@ -186,10 +208,14 @@ def _check_sizes(d: dict[str, Any]) -> None:
             isinstance(value, float) and math.isfinite(value) and value.is_integer()
         )
         if not whole or not lo <= float(value) <= hi:  # type: ignore[arg-type]  # whole: an int or integral float
-            raise ModelLoadError(f"config.json gives {key} = {str(value)[:40]}, which is not a whole number from {lo} to {hi}; the model folder looks damaged.")
+            raise ModelLoadError(
+                f"config.json gives {key} = {str(value)[:40]}, which is not a whole number from {lo} to {hi}; the model folder looks damaged."
+            )
     heads, kv = int(d["num_attention_heads"]), int(d.get("num_key_value_heads") or d["num_attention_heads"])
     if heads % kv:
-        raise ModelLoadError(f"config.json gives {heads} attention heads for {kv} key/value heads, which do not divide evenly.")
+        raise ModelLoadError(
+            f"config.json gives {heads} attention heads for {kv} key/value heads, which do not divide evenly."
+        )
     eps = d.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ModelLoadError(f"config.json gives rms_norm_eps = {str(eps)[:40]}, which is not a small positive number.")
@@ -213,7 +239,9 @@ def generation_defaults(model_dir: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         return {}
-    out: dict[str, Any] = {field: data[key] for key, field in GENERATION_KEYS.items() if isinstance(data.get(key), (int, float))}
+    out: dict[str, Any] = {
+        field: data[key] for key, field in GENERATION_KEYS.items() if isinstance(data.get(key), (int, float))
+    }
     if data.get("do_sample") is False:
         out["greedy"] = True
     if isinstance(data.get("max_new_tokens"), int):

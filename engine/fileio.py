@@ -139,7 +139,9 @@ def atomic_path(path: Path, *, prefix: str = ".tmp-", suffix: str = ".tmp", fs: 
     sync_folder(folder, fs)
 
 
-def atomic_write(path: Path, chunks: Iterable[bytes], *, prefix: str = ".tmp-", suffix: str = ".tmp", fs: FileSystem = SYSTEM) -> int:
+def atomic_write(
+    path: Path, chunks: Iterable[bytes], *, prefix: str = ".tmp-", suffix: str = ".tmp", fs: FileSystem = SYSTEM
+) -> int:
     """Write `chunks` in order to `path`: old or new, never half. Returns the bytes written.
     OSError (full disk, no permission, missing folder) propagates for the caller to word; the previous file stays."""
     folder = path.parent
@@ -218,7 +220,11 @@ class HeaderFault(Enum):
 
 class HeaderError(ValueError):
     def __init__(self, fault: HeaderFault, tensor: str | None = None, detail: str = "") -> None:
-        super().__init__(f"{fault.value}" + (f" (tensor {tensor!r})" if tensor is not None else "") + (f": {detail}" if detail else ""))
+        super().__init__(
+            f"{fault.value}"
+            + (f" (tensor {tensor!r})" if tensor is not None else "")
+            + (f": {detail}" if detail else "")
+        )
         self.fault = fault
         self.tensor = tensor
         self.detail = detail

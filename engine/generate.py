@@ -265,14 +265,18 @@ class Reply:
         may still complete with them), then whatever the matcher holds."""
         return self.stops.push(self.detok.flush())[0] + self.stops.flush()
 
-    def _event(self, text: str, token: int | None, logprob: float | None, reason: FinishReason | None) -> GenerationEvent:
+    def _event(
+        self, text: str, token: int | None, logprob: float | None, reason: FinishReason | None
+    ) -> GenerationEvent:
         now = time.perf_counter()
         n = len(self.tokens)
         rate = (n - 1) / (now - self.t_first) if n > 1 and now > self.t_first else 0.0
         if text:
             self.pieces.append(text)
         self.finish_reason = reason
-        return GenerationEvent(text, token, logprob, self.prompt_tokens, n, self.t_first - self.t0 if n else 0.0, rate, reason)
+        return GenerationEvent(
+            text, token, logprob, self.prompt_tokens, n, self.t_first - self.t0 if n else 0.0, rate, reason
+        )
 
 
 def stream_generate(
@@ -295,7 +299,9 @@ def stream_generate(
     token. `on_prefill` hears how far the prompt's reading got (called on the generating thread).
     """
     window = settings.sampling.repetition_window or MAX_PENALTY_HISTORY
-    reply = Reply(tokenizer, len(prompt_ids), settings, list(memory.tokens[-window:]) + list(prompt_ids), sampler=sampler)
+    reply = Reply(
+        tokenizer, len(prompt_ids), settings, list(memory.tokens[-window:]) + list(prompt_ids), sampler=sampler
+    )
     chunk = pacer.prefill_chunk(settings.prefill_chunk) if pacer else settings.prefill_chunk
     if should_stop():
         yield reply.cancel()

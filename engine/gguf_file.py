@@ -121,11 +121,17 @@ class GGUFModel:
         arch = self.architecture
         if arch not in ARCHITECTURES:
             if not arch and not self._reader.tensors:
-                raise ModelLoadError(f"{self.path.name} holds no model (it is a vocabulary-only GGUF); choose a GGUF with weights.")
+                raise ModelLoadError(
+                    f"{self.path.name} holds no model (it is a vocabulary-only GGUF); choose a GGUF with weights."
+                )
             known = ", ".join(ARCHITECTURES)
-            raise ModelLoadError(f"{self.path.name} is a {arch or 'unknown'!r} model; MLoT Spark runs GGUF models of the {known} families.")
+            raise ModelLoadError(
+                f"{self.path.name} is a {arch or 'unknown'!r} model; MLoT Spark runs GGUF models of the {known} families."
+            )
         if not self._reader.tensors:
-            raise ModelLoadError(f"{self.path.name} holds no tensors (a vocabulary-only GGUF); choose a GGUF with weights.")
+            raise ModelLoadError(
+                f"{self.path.name} holds no tensors (a vocabulary-only GGUF); choose a GGUF with weights."
+            )
         names = {t.name for t in self._reader.tensors}
         try:
             hidden = int(self._key("embedding_length"))
@@ -150,10 +156,14 @@ class GGUFModel:
                 "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
             }
         except (TypeError, ValueError):
-            raise ModelLoadError(f"{self.path.name} lacks or garbles {arch} metadata (sizes, heads, context); the file is incomplete.") from None
+            raise ModelLoadError(
+                f"{self.path.name} lacks or garbles {arch} metadata (sizes, heads, context); the file is incomplete."
+            ) from None
         rope_dims = self._key("rope.dimension_count", head_dim)
         if int(rope_dims) != head_dim:
-            raise ModelLoadError(f"{self.path.name} rotates {rope_dims} of {head_dim} channels per head; partial rotary models are not supported.")
+            raise ModelLoadError(
+                f"{self.path.name} rotates {rope_dims} of {head_dim} channels per head; partial rotary models are not supported."
+            )
         config = ModelConfig.from_dict(d)
         factors = self._rope_freq_factors(config)
         if factors is not None:
@@ -174,7 +184,9 @@ class GGUFModel:
             if t.name == "rope_freqs.weight":
                 values = np.asarray(t.data, dtype=np.float32).reshape(-1)
                 if values.shape[0] != config.head_dim // 2 or not np.all(np.isfinite(values)) or np.any(values <= 0):
-                    raise ModelLoadError(f"{self.path.name} has a rope_freqs tensor that does not fit the model; the file is damaged.")
+                    raise ModelLoadError(
+                        f"{self.path.name} has a rope_freqs tensor that does not fit the model; the file is damaged."
+                    )
                 return tuple(float(v) for v in values)
         return None
 
@@ -191,7 +203,9 @@ class GGUFModel:
             elif t.name in _GLOBAL_NAMES:
                 hf = _GLOBAL_NAMES[t.name]
             else:
-                raise ModelLoadError(f"{self.path.name} has a tensor {t.name!r} that a {self.architecture} model does not use; the file is not a plain {self.architecture} model.")
+                raise ModelLoadError(
+                    f"{self.path.name} has a tensor {t.name!r} that a {self.architecture} model does not use; the file is not a plain {self.architecture} model."
+                )
             qtype = t.tensor_type.name
             if qtype not in FLOAT_TYPES + BLOCK_TYPES:
                 raise ModelLoadError(
@@ -228,13 +242,17 @@ class GGUFModel:
                 try:
                     values = gguf.quants.dequantize(t.data, kind)
                 except Exception as exc:
-                    raise ModelLoadError(f"{self.path.name}: tensor {t.gguf_name} cannot be decoded ({exc.__class__.__name__}); the file is damaged.") from None
+                    raise ModelLoadError(
+                        f"{self.path.name}: tensor {t.gguf_name} cannot be decoded ({exc.__class__.__name__}); the file is damaged."
+                    ) from None
             elif t.qtype == "BF16":
                 values = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
             else:
                 values = np.asarray(t.data)
             if math.prod(values.shape) != math.prod(t.shape):
-                raise ModelLoadError(f"{self.path.name}: tensor {t.gguf_name} holds {values.size} values for shape {t.shape}; the file is damaged.")
+                raise ModelLoadError(
+                    f"{self.path.name}: tensor {t.gguf_name} holds {values.size} values for shape {t.shape}; the file is damaged."
+                )
             values = values.reshape(t.shape)
             if t.heads:
                 values = unpermute_rows(values, t.heads)

@@ -26,7 +26,9 @@ CONTROL, USER_DEFINED, BYTE = 3, 4, 6
 
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _split(regex: str) -> pre_tokenizers.PreTokenizer:
@@ -44,7 +46,10 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
         return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
     if pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"):
         return _split(_LLAMA3_REGEX)
@@ -100,7 +105,13 @@ def _llama_spm(meta: dict[str, Any], tokens: list[str], types: list[int]) -> tok
     vocab = {tok: i for i, tok in enumerate(tokens)}
     unk_id = meta.get("tokenizer.ggml.unknown_token_id", 0)
     unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
-    model = models.BPE(vocab=vocab, merges=_spm_merges(vocab, [float(s) for s in scores]), unk_token=unk, fuse_unk=True, byte_fallback=True)
+    model = models.BPE(
+        vocab=vocab,
+        merges=_spm_merges(vocab, [float(s) for s in scores]),
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
     backend = tokenizers.Tokenizer(model)
     prefix = [normalizers.Prepend("▁")] if meta.get("tokenizer.ggml.add_space_prefix", True) else []
     backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
@@ -116,13 +127,19 @@ def tokenizer_parts(meta: dict[str, Any]) -> tuple[tokenizers.Tokenizer, dict[st
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise TokenizerError("The GGUF has no vocabulary (tokenizer.ggml.tokens); the file is incomplete.")
     types_raw = meta.get("tokenizer.ggml.token_type")
-    types = [int(t) for t in types_raw] if isinstance(types_raw, list) and len(types_raw) == len(tokens) else [1] * len(tokens)
+    types = (
+        [int(t) for t in types_raw]
+        if isinstance(types_raw, list) and len(types_raw) == len(tokens)
+        else [1] * len(tokens)
+    )
     if kind == "gpt2":
         backend = _gpt2(meta, tokens)
     elif kind == "llama":
         backend = _llama_spm(meta, tokens, types)
     else:
-        raise TokenizerError(f"The GGUF's tokenizer is of type {kind!r}; MLoT Spark reads gpt2 (BPE) and llama (SentencePiece) vocabularies.")
+        raise TokenizerError(
+            f"The GGUF's tokenizer is of type {kind!r}; MLoT Spark reads gpt2 (BPE) and llama (SentencePiece) vocabularies."
+        )
     backend.add_tokens(_added_tokens(tokens, types))  # ids already in the vocabulary: marks them whole and special
     backend.no_truncation()
     backend.no_padding()
@@ -131,8 +148,21 @@ def tokenizer_parts(meta: dict[str, Any]) -> tuple[tokenizers.Tokenizer, dict[st
         i = meta.get(f"tokenizer.ggml.{key}")
         return tokens[i] if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tokens) else None
 
-    special = {name: t for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")) if (t := text_of(key)) is not None}
-    eos = {i for key in ("eos_token_id", "eot_token_id", "eom_token_id") if isinstance(i := meta.get(f"tokenizer.ggml.{key}"), int) and 0 <= i < len(tokens)}
+    special = {
+        name: t
+        for name, key in (
+            ("bos_token", "bos_token_id"),
+            ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"),
+        )
+        if (t := text_of(key)) is not None
+    }
+    eos = {
+        i
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if isinstance(i := meta.get(f"tokenizer.ggml.{key}"), int) and 0 <= i < len(tokens)
+    }
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     digest = hashlib.sha256()
     for key in sorted(k for k in meta if k.startswith("tokenizer.")):

@@ -43,7 +43,9 @@ def slot_table_limit(policy: HardwarePolicy | None, backend: Backend) -> int | N
 def check_fits(policy: HardwarePolicy, backend: Backend, model_path: Path) -> None:
     """InsufficientMemory (one sentence) unless the backend's weights and one conversation's slot table, as the
     cascade lays it out for this model, fit the machine."""
-    geometry = CascadeConfig.for_model(settings_dir(model_path), backend.config, max_slots=slot_table_limit(policy, backend))
+    geometry = CascadeConfig.for_model(
+        settings_dir(model_path), backend.config, max_slots=slot_table_limit(policy, backend)
+    )
     policy.check_model_fits(backend.weight_bytes, geometry.num_slots * backend.slot_bytes_per_token())
 
 
@@ -69,11 +71,15 @@ def memory_factory_for(
         with stores_lock:
             if key not in stores:
                 root = (cache_dir or default_cache_dir() / "kv") / backend.fingerprint[:16]
-                stores[key] = PersistentStore(root, backend.fingerprint, backend.numerics, config.persistent_budget_bytes)
+                stores[key] = PersistentStore(
+                    root, backend.fingerprint, backend.numerics, config.persistent_budget_bytes
+                )
             return stores[key]
 
     def make(backend: Backend, row: int = 0) -> Memory:  # row: as a scheduler's RowMemoryFactory
-        config = CascadeConfig.for_model(settings_dir(model_path), backend.config, max_slots=slot_table_limit(policy, backend), **cascade_overrides)
+        config = CascadeConfig.for_model(
+            settings_dir(model_path), backend.config, max_slots=slot_table_limit(policy, backend), **cascade_overrides
+        )
         if policy is not None and "episodic_budget_bytes" not in cascade_overrides:
             working = config.num_slots * backend.slot_bytes_per_token()
             config = replace(config, episodic_budget_bytes=policy.episodic_budget_bytes(backend.weight_bytes, working))
@@ -86,7 +92,9 @@ class LockedBackend:
     """Wraps a backend so every forward takes the engine's step lock (the lock is held for one step only), and
     records each forward's size in the session's feed log (what a compact session file replays)."""
 
-    def __init__(self, inner: Backend, lock: threading.Lock, log: FeedLog | None = None, memory: Memory | None = None) -> None:
+    def __init__(
+        self, inner: Backend, lock: threading.Lock, log: FeedLog | None = None, memory: Memory | None = None
+    ) -> None:
         self._inner, self._lock, self._log, self._memory = inner, lock, log, memory
 
     def forward(self, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -37,7 +37,9 @@ class RowPlan:
     def as_batch(self) -> SlotBatch:
         """A B=1 SlotBatch: positions (1,T), write_slots (1,T), slot_positions (1,S), mask (1,1,T,S), frame (1,)."""
         framed = (torch.tensor([self.frame]), torch.tensor([self.frame_start])) if self.frame else (None, None)
-        return SlotBatch(self.positions[None], self.write_slots[None], self.slot_positions[None], self.mask[None, None], *framed)
+        return SlotBatch(
+            self.positions[None], self.write_slots[None], self.slot_positions[None], self.mask[None, None], *framed
+        )
 
 
 class Memory(Protocol):
@@ -107,7 +109,9 @@ class FullAttentionMemory:
 
     def state_target(self) -> StateTarget:
         c = self.backend.config
-        return StateTarget(c.vocab_size, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), max_slots=self.backend.num_slots)
+        return StateTarget(
+            c.vocab_size, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), max_slots=self.backend.num_slots
+        )
 
     def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         try:

@@ -29,7 +29,15 @@ from engine.config import ModelConfig
 from engine.slots import KVCache, SlotBatch, SlotStep, StepReads
 
 # ROTARY_HEADROOM, SlotBatch and rope_inv_freq are re-exported: the cascade, batching and Core ML import them here.
-__all__ = ["ROTARY_HEADROOM", "KVCache", "SlotBatch", "Transformer", "fuse_projections", "replace_linears", "rope_inv_freq"]
+__all__ = [
+    "ROTARY_HEADROOM",
+    "KVCache",
+    "SlotBatch",
+    "Transformer",
+    "fuse_projections",
+    "replace_linears",
+    "rope_inv_freq",
+]
 
 
 class RMSNorm(nn.Module):
@@ -102,7 +110,9 @@ def _stacked(linears: list[nn.Linear]) -> nn.Linear:
     out = nn.Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, device="meta")
     out.weight = nn.Parameter(w, requires_grad=False)
     if out.bias is not None:
-        out.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears if lin.bias is not None]), requires_grad=False)
+        out.bias = nn.Parameter(
+            torch.cat([lin.bias.detach() for lin in linears if lin.bias is not None]), requires_grad=False
+        )
     return out
 
 
@@ -191,7 +201,14 @@ class Transformer(nn.Module):
         logits: torch.Tensor = self.lm_head(self.hidden_states(tokens, CausalStep(self.rotary(), tokens.shape[1])))
         return logits
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch, last_only: bool = False, reads: StepReads | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        batch: SlotBatch,
+        last_only: bool = False,
+        reads: StepReads | None = None,
+    ) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last token only when `last_only`; writes this
         step's K/V into `cache`. `reads`: the step's plan when the caller already made it (KVCache.plan)."""
         reads = reads or cache.plan(batch, self.rotary())

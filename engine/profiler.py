@@ -166,7 +166,10 @@ class Profiler:
 
         model = backend.model
         backbone = model.model
-        handles = [backbone.embed_tokens.register_forward_pre_hook(opener("embedding")), backbone.embed_tokens.register_forward_hook(closer)]
+        handles = [
+            backbone.embed_tokens.register_forward_pre_hook(opener("embedding")),
+            backbone.embed_tokens.register_forward_hook(closer),
+        ]
         for i, layer in enumerate(model.decoder_layers()):
             handles.append(layer.input_layernorm.register_forward_pre_hook(opener(f"layer.{i}.attention")))
             handles.append(layer.post_attention_layernorm.register_forward_pre_hook(opener(f"layer.{i}.mlp")))
@@ -276,7 +279,9 @@ class _ProfiledTokenizer:
         self._inner, self._profiler = inner, profiler
 
     def stream_decoder(self, *args: Any, **kwargs: Any) -> _Timed:
-        return _Timed(self._inner.stream_decoder(*args, **kwargs), self._profiler, {"add": "detokenize", "flush": "detokenize"})
+        return _Timed(
+            self._inner.stream_decoder(*args, **kwargs), self._profiler, {"add": "detokenize", "flush": "detokenize"}
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -44,7 +44,9 @@ class BlockType(Enum):
         try:
             return cls[name.upper()]
         except KeyError:
-            raise ValueError(f"{name!r} is not a block format here; choose one of {', '.join(t.name.lower() for t in cls)}") from None
+            raise ValueError(
+                f"{name!r} is not a block format here; choose one of {', '.join(t.name.lower() for t in cls)}"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,13 @@ def check_stored(t: StoredTensor, name: str = "weight") -> BlockType:
     qtype = BlockType.named(t.qtype)
     n, k = t.shape
     if k % BLOCK or n <= 0 or k <= 0:
-        raise ValueError(f"{name} has shape {t.shape}, which {t.qtype} cannot hold (the input size must be a multiple of {BLOCK})")
+        raise ValueError(
+            f"{name} has shape {t.shape}, which {t.qtype} cannot hold (the input size must be a multiple of {BLOCK})"
+        )
     if t.data.dtype != np.uint8 or t.data.size != n * row_bytes(qtype, k):
-        raise ValueError(f"{name} holds {t.data.size} bytes, not the {n * row_bytes(qtype, k)} a {t.qtype} matrix of shape {t.shape} needs")
+        raise ValueError(
+            f"{name} holds {t.data.size} bytes, not the {n * row_bytes(qtype, k)} a {t.qtype} matrix of shape {t.shape} needs"
+        )
     return qtype
 
 

@@ -96,16 +96,24 @@ class RemoteClient:
         if response.status_code == 404 and detail:
             return RemoteError(f"The server at {where} says: {detail}")
         if response.status_code == 404:
-            return RemoteError(f"The server at {where} has no OpenAI-compatible API there; check the address (it usually ends in /v1).")
+            return RemoteError(
+                f"The server at {where} has no OpenAI-compatible API there; check the address (it usually ends in /v1)."
+            )
         if response.status_code in (429, 503):
             wait = response.headers.get("retry-after")
             return RemoteError(f"The server at {where} is busy; try again{f' in {wait} s' if wait else ' shortly'}.")
-        return RemoteError(f"The server at {where} answered {response.status_code}: {detail or response.reason_phrase}.")
+        return RemoteError(
+            f"The server at {where} answered {response.status_code}: {detail or response.reason_phrase}."
+        )
 
     def _unreachable(self, exc: httpx.HTTPError) -> RemoteError:
         if isinstance(exc, httpx.TimeoutException):
-            return RemoteError(f"The server at {self.server.url} did not answer in time; check that it is running and reachable.")
-        return RemoteError(f"Cannot reach the server at {self.server.url}; check the address and that the server is running.")
+            return RemoteError(
+                f"The server at {self.server.url} did not answer in time; check that it is running and reachable."
+            )
+        return RemoteError(
+            f"Cannot reach the server at {self.server.url}; check the address and that the server is running."
+        )
 
     def list_models(self) -> list[str]:
         """The model names the server offers (GET /models)."""
@@ -119,10 +127,15 @@ class RemoteClient:
             data = response.json().get("data")
             return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
         except (json.JSONDecodeError, AttributeError, TypeError):
-            raise RemoteError(f"The server at {self.server.url} sent a model list that is not OpenAI's format.") from None
+            raise RemoteError(
+                f"The server at {self.server.url} sent a model list that is not OpenAI's format."
+            ) from None
 
     def stream_chat(
-        self, messages: Sequence[dict[str, str]], settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False
+        self,
+        messages: Sequence[dict[str, str]],
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
     ) -> Iterator[GenerationEvent]:
         """Stream the reply to `messages`; one event per text chunk, the last with `finish_reason`.
 
@@ -177,7 +190,11 @@ class RemoteClient:
             put(self._unreachable(exc))
             return
         except Exception as exc:
-            put(RemoteError(f"The connection to the server at {self.server.url} failed ({type(exc).__name__}); try again."))
+            put(
+                RemoteError(
+                    f"The connection to the server at {self.server.url} failed ({type(exc).__name__}); try again."
+                )
+            )
             return
         put(_END)
 
@@ -195,7 +212,9 @@ class RemoteClient:
                 raise item
             yield str(item)
 
-    def _events(self, lines: Iterator[str | None], t0: float, should_stop: Callable[[], bool]) -> Iterator[GenerationEvent]:
+    def _events(
+        self, lines: Iterator[str | None], t0: float, should_stop: Callable[[], bool]
+    ) -> Iterator[GenerationEvent]:
         n, prompt_tokens, t_first, reason = 0, 0, t0, None
 
         def event(text: str, final: FinishReason | None) -> GenerationEvent:
@@ -258,7 +277,9 @@ class RemoteSession:
     def save(self, path: str | Path) -> int:
         """Write the transcript as a .spark file (no memory: the server's is not ours to save). Opened with a
         local model it restores as a transcript of another model, to be re-read; returns the size in bytes."""
-        fingerprint = "remote-" + hashlib.sha256(f"{self.client.server.url}\n{self.client.server.model}".encode()).hexdigest()
+        fingerprint = (
+            "remote-" + hashlib.sha256(f"{self.client.server.url}\n{self.client.server.model}".encode()).hexdigest()
+        )
         return save_session(
             path,
             fingerprint=fingerprint,
@@ -273,12 +294,16 @@ class RemoteSession:
             token_ids=[],
         )
 
-    def chat(self, user_text: str, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False) -> Iterator[GenerationEvent]:
+    def chat(
+        self, user_text: str, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False
+    ) -> Iterator[GenerationEvent]:
         """Append a user message and stream the reply (appended to `messages` as it arrives)."""
         self.messages.append({"role": "user", "content": user_text})
         return self._reply(settings, should_stop)
 
-    def regenerate(self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False) -> Iterator[GenerationEvent]:
+    def regenerate(
+        self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False
+    ) -> Iterator[GenerationEvent]:
         while self.messages and self.messages[-1]["role"] == "assistant":
             self.messages.pop()
         return self._reply(settings, should_stop)

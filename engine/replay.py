@@ -75,7 +75,9 @@ def check_schedule(raw: object, tokens: int) -> Schedule:
         if not (isinstance(run, list) and len(run) == 3 and run[0] in ("f", "r")):
             raise bad
         op, size, count = run
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (size, count)) or (op == "r" and count != 1):
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (size, count)) or (
+            op == "r" and count != 1
+        ):
             raise bad
         total += size * count
         if total > tokens:

@@ -51,7 +51,10 @@ class SamplingSettings:
     def validate(self) -> None:
         """Raise InvalidSamplingSettings (one sentence) for a value that cannot be used."""
         checks = (
-            (math.isfinite(self.temperature) and self.temperature >= 0.0, f"temperature must be 0 or more, not {self.temperature}"),
+            (
+                math.isfinite(self.temperature) and self.temperature >= 0.0,
+                f"temperature must be 0 or more, not {self.temperature}",
+            ),
             (self.top_k >= 0, f"top-k must be 0 (off) or a positive number of tokens, not {self.top_k}"),
             (0.0 < self.top_p <= 1.0, f"top-p must be in (0, 1], not {self.top_p}"),
             (0.0 <= self.min_p <= 1.0, f"min-p must be in [0, 1], not {self.min_p}"),
@@ -59,7 +62,10 @@ class SamplingSettings:
                 math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
                 f"repetition penalty must be a positive number, not {self.repetition_penalty}",
             ),
-            (self.repetition_window >= 0, f"repetition window must be 0 (whole history) or more, not {self.repetition_window}"),
+            (
+                self.repetition_window >= 0,
+                f"repetition window must be 0 (whole history) or more, not {self.repetition_window}",
+            ),
         )
         for ok, message in checks:
             if not ok:
@@ -200,7 +206,9 @@ class Sampler:
         try:
             self._generator.set_state(torch.tensor(list(state), dtype=torch.uint8))
         except (RuntimeError, TypeError, ValueError, OverflowError):
-            raise SessionFileError("The saved sampler state is damaged, so the conversation cannot continue exactly.") from None
+            raise SessionFileError(
+                "The saved sampler state is damaged, so the conversation cannot continue exactly."
+            ) from None
 
 
 def make_sampler(s: SamplingSettings) -> Sampler:

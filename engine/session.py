@@ -49,7 +49,14 @@ from engine.tokenizer import Tokenizer
 
 MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pasted file), not a prompt
 
-__all__ = ["ChatMessage", "Engine", "LoadReport", "MemoryFactory", "Session", "memory_factory_for"]  # the last two from engine.loading
+__all__ = [
+    "ChatMessage",
+    "Engine",
+    "LoadReport",
+    "MemoryFactory",
+    "Session",
+    "memory_factory_for",
+]  # the last two from engine.loading
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,12 @@ class Engine:
     """A loaded model on one backend; conversations are opened from it and share its weights."""
 
     def __init__(
-        self, choice: BackendChoice, tokenizer: Tokenizer, model_dir: Path, memory_factory: MemoryFactory, policy: HardwarePolicy | None = None
+        self,
+        choice: BackendChoice,
+        tokenizer: Tokenizer,
+        model_dir: Path,
+        memory_factory: MemoryFactory,
+        policy: HardwarePolicy | None = None,
     ) -> None:
         self.policy = policy  # paces every session's generation (thermal throttling / pause) unless given another
         self.choice = choice
@@ -191,13 +203,21 @@ class Session:
             for _ in self._run(ids, GenerationSettings(max_tokens=0), should_stop, None, reply_to_messages=False):
                 pass
 
-    def regenerate(self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None) -> Iterator[GenerationEvent]:
+    def regenerate(
+        self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None
+    ) -> Iterator[GenerationEvent]:
         """Drop the last assistant reply and answer the last user message again."""
         while self.messages and self.messages[-1].role == "assistant":
             self.messages.pop()
         return self.submit(self.messages, settings, should_stop, pacer)
 
-    def complete(self, prompt: str, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None) -> Iterator[GenerationEvent]:
+    def complete(
+        self,
+        prompt: str,
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        pacer: Pacer | None = None,
+    ) -> Iterator[GenerationEvent]:
         """Raw completion: the prompt text as is (BOS where the tokenizer adds one), appended to what came before."""
         self._check_size(prompt)
         if not self.memory.tokens and self.pending_token is None:
@@ -208,13 +228,21 @@ class Session:
             self.known_text += prompt
         return self._run(ids, settings, should_stop, pacer, reply_to_messages=False)
 
-    def complete_ids(self, ids: Sequence[int], settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None) -> Iterator[GenerationEvent]:
+    def complete_ids(
+        self,
+        ids: Sequence[int],
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        pacer: Pacer | None = None,
+    ) -> Iterator[GenerationEvent]:
         """Raw completion from token ids (benchmarks, batch jobs), appended to what came before."""
         ids = self._pending() + list(ids)
         self.known_text += self.tokenizer.decode(ids[len(self._pending()) :], skip_special=False)
         return self._run(ids, settings, should_stop, pacer, reply_to_messages=False)
 
-    def continue_reply(self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None) -> Iterator[GenerationEvent]:
+    def continue_reply(
+        self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None
+    ) -> Iterator[GenerationEvent]:
         """Extend the last reply: feed the unfed last token and keep sampling (N then M tokens == N+M in one run)."""
         if self.pending_token is None:
             raise InputTooLarge("There is no reply to continue; send a prompt first.")
@@ -254,7 +282,11 @@ class Session:
         )
 
     def load(
-        self, path: str | Path, *, accept_transcript_only: bool = False, on_progress: Callable[[int, int], None] | None = None
+        self,
+        path: str | Path,
+        *,
+        accept_transcript_only: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> LoadReport:
         """Restore a .spark file into this session, or leave it untouched on any error.
 
@@ -273,7 +305,9 @@ class Session:
             saved = data.extra.get("recompute")
             digest_ok.append(isinstance(saved, dict) and saved.get("digest") == memory_digest(memory))
 
-        outcome = restore(path, fork, self.engine.memory_factory, tokenizer_hash=self.tokenizer.content_hash, recompute=recompute)
+        outcome = restore(
+            path, fork, self.engine.memory_factory, tokenizer_hash=self.tokenizer.content_hash, recompute=recompute
+        )
         data = outcome.data
         messages = [ChatMessage(m.role, m.content, m.timestamp or time.time()) for m in data.messages]
         if isinstance(outcome, ForeignModelSession):
@@ -281,11 +315,20 @@ class Session:
                 return LoadReport(False, True, False, len(messages), 0, outcome.reason)
             self.reset()
             self.messages, self.system_prompt = messages, data.system_prompt or ""
-            return LoadReport(True, True, True, len(messages), 0, f"{outcome.reason} Restored {len(messages)} messages; the memory will be re-read.")
+            return LoadReport(
+                True,
+                True,
+                True,
+                len(messages),
+                0,
+                f"{outcome.reason} Restored {len(messages)} messages; the memory will be re-read.",
+            )
         self.backend, self.memory = fork, outcome.memory
         self.restore_digest_ok = digest_ok[0] if digest_ok else None
         try:
-            self.feed_log.adopt(check_schedule(data.extra.get("feed_schedule"), len(self.memory.tokens)), len(self.memory.tokens))
+            self.feed_log.adopt(
+                check_schedule(data.extra.get("feed_schedule"), len(self.memory.tokens)), len(self.memory.tokens)
+            )
         except SparkError:
             self.feed_log.clear()
             self.feed_log.valid = False  # recipe unknown: later compact saves keep the full memory
@@ -301,8 +344,16 @@ class Session:
             except (TypeError, ValueError, SparkError):
                 self.sampler = make_sampler(SamplingSettings())  # unusable settings: fresh sampler, memory still exact
         n = len(self.memory.tokens)
-        how = "" if self.restore_digest_ok is None else " (recomputed, identical)" if self.restore_digest_ok else " (recomputed; it differs slightly from the saved one, as on other numerics)"
-        return LoadReport(True, False, False, len(messages), n, f"Restored {len(messages)} messages and {n:,} tokens of memory{how}.")
+        how = (
+            ""
+            if self.restore_digest_ok is None
+            else " (recomputed, identical)"
+            if self.restore_digest_ok
+            else " (recomputed; it differs slightly from the saved one, as on other numerics)"
+        )
+        return LoadReport(
+            True, False, False, len(messages), n, f"Restored {len(messages)} messages and {n:,} tokens of memory{how}."
+        )
 
     def stats(self) -> CascadeStats | None:
         """The memory's tier statistics (CascadeStats), or None for a memory without tiers."""
@@ -328,7 +379,11 @@ class Session:
         self.memory.reset()
         self.feed_log.clear()
         self.pending_token = None
-        ids = self.tokenizer.encode(rendered, add_bos=False) if self._template_has_bos(rendered) else self.tokenizer.encode(rendered)
+        ids = (
+            self.tokenizer.encode(rendered, add_bos=False)
+            if self._template_has_bos(rendered)
+            else self.tokenizer.encode(rendered)
+        )
         self.known_text = self.tokenizer.decode(ids, skip_special=False)
         return ids
 
@@ -375,7 +430,17 @@ class Session:
         try:
             pacer = pacer or self.engine.policy
             runner = LockedBackend(self.backend, self.engine.step_lock, self.feed_log, self.memory)
-            gen = stream_generate(runner, self.memory, self.tokenizer, ids, settings, sampler=sampler, should_stop=should_stop, pacer=pacer, on_prefill=self.on_prefill)  # type: ignore[arg-type]  # LockedBackend: a proxy
+            gen = stream_generate(
+                runner,  # type: ignore[arg-type]  # LockedBackend: a proxy
+                self.memory,
+                self.tokenizer,
+                ids,
+                settings,
+                sampler=sampler,
+                should_stop=should_stop,
+                pacer=pacer,
+                on_prefill=self.on_prefill,
+            )
             for ev in gen:
                 if ev.token is not None:
                     tokens.append(ev.token)

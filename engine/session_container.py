@@ -113,7 +113,17 @@ def _read_preamble_v2(path: Path, head: bytes) -> Preamble:
         raise bad(path, f"uses an unknown compression (flags 0x{flags:04x}), so its header is corrupt")
     if reserved:
         raise bad(path, "has a corrupt header (a reserved field is set)")
-    return Preamble(version, _COMPRESSION_NAMES[codec], shuffled, meta_len, tensor_len, raw_len, digest, _V2_PREAMBLE.size, head[:36])
+    return Preamble(
+        version,
+        _COMPRESSION_NAMES[codec],
+        shuffled,
+        meta_len,
+        tensor_len,
+        raw_len,
+        digest,
+        _V2_PREAMBLE.size,
+        head[:36],
+    )
 
 
 PREAMBLES: dict[int, tuple[int, Callable[[Path, bytes], Preamble]]] = {
@@ -143,7 +153,9 @@ def read_checked(path: Path) -> tuple[Preamble, bytes, bytes, int]:
         with open(path, "rb") as f:
             head = f.read(max(n for n, _ in PREAMBLES.values()))
             if head[: len(MAGIC)] != MAGIC[: len(head)]:
-                raise SessionFileError(f"{path.name} is not an MLoT Spark session file (it does not start with the {SUFFIX} signature).")
+                raise SessionFileError(
+                    f"{path.name} is not an MLoT Spark session file (it does not start with the {SUFFIX} signature)."
+                )
             if len(head) < 8:
                 raise bad(path, f"is truncated ({size} bytes)")
             (version,) = struct.unpack_from("<H", head, 6)
@@ -159,16 +171,24 @@ def read_checked(path: Path) -> tuple[Preamble, bytes, bytes, int]:
                 raise bad(path, f"is truncated ({size} bytes, shorter than its {pre_size}-byte header)")
             pre = reader(path, head)
             if pre.meta_len > MAX_META_BYTES:
-                raise bad(path, f"has a corrupt header (it claims {pre.meta_len} bytes of metadata, over the {MAX_META_BYTES}-byte limit)")
+                raise bad(
+                    path,
+                    f"has a corrupt header (it claims {pre.meta_len} bytes of metadata, over the {MAX_META_BYTES}-byte limit)",
+                )
             total = pre.size + pre.meta_len + pre.tensor_len
             if total > size:
-                raise bad(path, f"is truncated or its header is corrupt (the header needs {total} bytes, the file has {size})")
+                raise bad(
+                    path, f"is truncated or its header is corrupt (the header needs {total} bytes, the file has {size})"
+                )
             if total < size:
                 raise bad(path, f"has {size - total} unexpected bytes after its end, so it is corrupt")
             if pre.compression == "none" and pre.raw_tensor_len != pre.tensor_len:
                 raise bad(path, "has a corrupt header (tensor lengths disagree)")
             if pre.raw_tensor_len > MAX_COMPRESSION_RATIO * pre.tensor_len:
-                raise bad(path, f"has a corrupt header (it claims {pre.raw_tensor_len} bytes of tensors from {pre.tensor_len} stored)")
+                raise bad(
+                    path,
+                    f"has a corrupt header (it claims {pre.raw_tensor_len} bytes of tensors from {pre.tensor_len} stored)",
+                )
             # First pass: the checksum, streamed, so a large damaged (or sparse) file costs no memory. Only a
             # sound file is read into memory, and hashed again as it is, in case it changed in between.
             f.seek(pre.size)
@@ -181,7 +201,9 @@ def read_checked(path: Path) -> tuple[Preamble, bytes, bytes, int]:
                 h.update(chunk)
                 left -= len(chunk)
             if not hmac.compare_digest(h.digest(), pre.digest):
-                raise bad(path, "is corrupt: its checksum does not match its contents (it was damaged on disk or in transfer)")
+                raise bad(
+                    path, "is corrupt: its checksum does not match its contents (it was damaged on disk or in transfer)"
+                )
             f.seek(pre.size)
             meta = f.read(pre.meta_len)
             tensors = f.read(pre.tensor_len)
@@ -255,7 +277,11 @@ def _table_sentence(exc: HeaderError) -> str:
     if exc.fault is HeaderFault.SIZE:
         return f"has inconsistent sizes for tensor {exc.tensor!r}"
     if exc.fault is HeaderFault.OVERLAP:
-        return "has overlapping or missing tensor data" if exc.tensor is not None else "has a tensor section of the wrong size"
+        return (
+            "has overlapping or missing tensor data"
+            if exc.tensor is not None
+            else "has a tensor section of the wrong size"
+        )
     return _TABLE_FAULTS[exc.fault]
 
 
@@ -296,5 +322,7 @@ def pack(meta_bytes: bytes, raw_tensors: bytes, compression: str) -> list[bytes]
     h.update(section)
     chunks = [head, h.digest(), meta_bytes, section]
     if sum(map(len, chunks)) > MAX_FILE_BYTES:
-        raise SessionFileError(f"The session is over the {MAX_FILE_BYTES}-byte limit of a session file, so it cannot be saved.")
+        raise SessionFileError(
+            f"The session is over the {MAX_FILE_BYTES}-byte limit of a session file, so it cannot be saved."
+        )
     return chunks

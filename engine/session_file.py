@@ -152,10 +152,14 @@ def load_session(path: str | Path, target: StateTarget | None = None) -> Session
             if tensors or fields["token_ids"] or fields["pending_token"] is not None:
                 raise SchemaError("is a transcript-only file yet holds memory (tensors or token ids)")
         else:
-            check_memory_state(fields["memory_meta"], tensors, target or target_from_state(fields["memory_meta"], tensors))
+            check_memory_state(
+                fields["memory_meta"], tensors, target or target_from_state(fields["memory_meta"], tensors)
+            )
     except SchemaError as exc:
         raise bad(path, str(exc)) from None
-    return SessionData(format_version=pre.version, tensors=tensors, compression=pre.compression, file_bytes=size, **fields)
+    return SessionData(
+        format_version=pre.version, tensors=tensors, compression=pre.compression, file_bytes=size, **fields
+    )
 
 
 def _check_recipe(fields: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
@@ -252,7 +256,8 @@ def restore(
         )
     if tokenizer_hash is not None and data.tokenizer_hash is not None and data.tokenizer_hash != tokenizer_hash:
         return ForeignModelSession(
-            data, f"{path.name} was saved with a different tokenizer; its transcript can be restored and re-read, but not its memory."
+            data,
+            f"{path.name} was saved with a different tokenizer; its transcript can be restored and re-read, but not its memory.",
         )
     memory = memory_factory(backend)
     if data.memory_meta.get("kind") == RECOMPUTE_KIND:
@@ -262,7 +267,9 @@ def restore(
         except SchemaError as exc:
             raise bad(path, str(exc)) from None
         if recompute is None:
-            raise SessionFileError(f"The session {path.name} is compact and must be opened by the app or the engine, which recompute its memory.")
+            raise SessionFileError(
+                f"The session {path.name} is compact and must be opened by the app or the engine, which recompute its memory."
+            )
         try:
             recompute(memory, data)
         except BaseException:

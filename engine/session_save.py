@@ -77,7 +77,9 @@ def encode(
     try:
         meta_bytes = json.dumps(meta, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
     except UnicodeEncodeError:
-        raise SessionFileError("The conversation holds text that is not valid Unicode (a lone surrogate), so it cannot be saved.") from None
+        raise SessionFileError(
+            "The conversation holds text that is not valid Unicode (a lone surrogate), so it cannot be saved."
+        ) from None
     if len(meta_bytes) > MAX_META_BYTES:
         raise SessionFileError(
             f"The conversation's metadata is {len(meta_bytes)} bytes, over the {MAX_META_BYTES}-byte session limit, so it cannot be saved."
@@ -151,10 +153,18 @@ def _check_target(path: Path) -> None:
         raise SessionFileError(f"Could not save the session to {path}: {exc.strerror or exc}.") from None
     if stat.S_ISDIR(st.st_mode):
         raise SessionFileError(f"{path} is a folder; choose a file name to save the session to.")
-    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+    kinds = (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+    )
     for test, kind in kinds:
         if test(st.st_mode):
-            raise SessionFileError(f"{path} is {kind}, not a regular file, so the session was not saved there; choose another file name.")
+            raise SessionFileError(
+                f"{path} is {kind}, not a regular file, so the session was not saved there; choose another file name."
+            )
 
 
 def _temp_prefix(name: str, pid: int | None = None) -> str:
@@ -203,4 +213,6 @@ def atomic_write(path: Path, chunks: Sequence[bytes], fs: FileSystem = SYSTEM) -
     try:
         durable_write(path, chunks, prefix=_temp_prefix(path.name), suffix=".tmp", fs=fs)
     except OSError as exc:
-        raise SessionFileError(f"Could not save the session to {path}: {exc.strerror or exc}; the previous file (if any) is unchanged.") from None
+        raise SessionFileError(
+            f"Could not save the session to {path}: {exc.strerror or exc}; the previous file (if any) is unchanged."
+        ) from None

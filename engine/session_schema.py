@@ -91,7 +91,9 @@ def check_full_state(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor], 
     assert target.max_slots is not None
     tokens = tokens_in_vocab(meta.get("tokens"), "tokens", target.vocab_size, MAX_COUNT)
     if len(tokens) > target.max_slots:
-        raise SchemaError(f"holds {len(tokens)} tokens, more than the {target.max_slots} slots of this full-attention memory")
+        raise SchemaError(
+            f"holds {len(tokens)} tokens, more than the {target.max_slots} slots of this full-attention memory"
+        )
     L, hkv, d = target.kv_dims
     for name in ("k", "v"):
         check_tensor(tensors, name, KV_DTYPE, (L, hkv, len(tokens), d))

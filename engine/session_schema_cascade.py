@@ -67,7 +67,9 @@ def _saved_geometry(config: dict[str, Any], target: StateTarget) -> CascadeConfi
     return saved
 
 
-def _check_cascade(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor], target: StateTarget, version: int) -> None:
+def _check_cascade(
+    meta: dict[str, Any], tensors: Mapping[str, torch.Tensor], target: StateTarget, version: int
+) -> None:
     """A cascade state as `version` wrote it. Version 2 (per-layer retrieval groups, per-block key bounds,
     query-summary routing) differs from 1 only where `_groups`, `_routing_tensors` and the block summaries say."""
     config = dict(as_dict(meta.get("config"), "config"))
@@ -88,7 +90,11 @@ def _check_cascade(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor], ta
     # Every token fed went to a sink or the window; the ring fills sinks first and is full before it evicts.
     if n_sink + n_window + evicted != n:
         raise bad("working memory", f"accounts for {n_sink + n_window + evicted} tokens, not the {n} it holds")
-    if (n_sink < sinks and (n_window or evicted)) or (evicted and n_window != window) or head != (n_window + evicted) % window:
+    if (
+        (n_sink < sinks and (n_window or evicted))
+        or (evicted and n_window != window)
+        or head != (n_window + evicted) % window
+    ):
         raise bad("working memory", "is inconsistent (sinks, window fill, ring head)")
 
     e = as_dict(meta.get("episodic"), "episodic")
@@ -137,7 +143,10 @@ def _check_cascade(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor], ta
         if flag in r:
             as_bool(r[flag], f"routing.{flag}")
     if "last_slots" in r:
-        last_slots = [as_int(s, "routing.last_slots", 0, slots - 1) for s in as_list(r["last_slots"], "routing.last_slots", window)]
+        last_slots = [
+            as_int(s, "routing.last_slots", 0, slots - 1)
+            for s in as_list(r["last_slots"], "routing.last_slots", window)
+        ]
         if len(set(last_slots)) != len(last_slots):
             raise bad("routing.last_slots", "repeats a slot")
 
@@ -154,7 +163,11 @@ def _check_cascade(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor], ta
     check_tensor(tensors, "ep.partial_k", KV_DTYPE, (L, hkv, block, d))
     check_tensor(tensors, "ep.partial_v", KV_DTYPE, (L, hkv, block, d))
     # What each block is scored by: representative keys (1), per-channel key bounds (2).
-    summaries = {"ep.reps": (rows, rep_keys, L * hkv * d)} if version == 1 else {"ep.kmin": (rows, L, hkv * d), "ep.kmax": (rows, L, hkv * d)}
+    summaries = (
+        {"ep.reps": (rows, rep_keys, L * hkv * d)}
+        if version == 1
+        else {"ep.kmin": (rows, L, hkv * d), "ep.kmax": (rows, L, hkv * d)}
+    )
     for name, shape in summaries.items():
         check_tensor(tensors, name, torch.float32, shape)
     expected = {"wk.k", "wk.v", "ep.partial_k", "ep.partial_v", *summaries}
@@ -189,7 +202,9 @@ def _groups(value: Any, version: int, layers: int, groups_n: int, next_id: int) 
         raise bad("working.groups", "holds a different number of blocks in different layers")
 
 
-def _routing_tensors(r: dict[str, Any], tensors: Mapping[str, torch.Tensor], version: int, kv_dims: tuple[int, int, int]) -> set[str]:
+def _routing_tensors(
+    r: dict[str, Any], tensors: Mapping[str, torch.Tensor], version: int, kv_dims: tuple[int, int, int]
+) -> set[str]:
     """The routing state's tensors (their names): a float64 prompt-key sum (1); recent query summaries and the
     routed query (2)."""
     L, hkv, d = kv_dims
@@ -202,7 +217,10 @@ def _routing_tensors(r: dict[str, Any], tensors: Mapping[str, torch.Tensor], ver
         elif prompt_n:
             raise SchemaError("lacks the routing tensor 'route.prompt_sum' its prompt count needs")
         return names
-    counts = [as_int(c, "routing.recent_tokens", 1, MAX_COUNT) for c in as_list(r.get("recent_tokens"), "routing.recent_tokens", MAX_GEOMETRY)]
+    counts = [
+        as_int(c, "routing.recent_tokens", 1, MAX_COUNT)
+        for c in as_list(r.get("recent_tokens"), "routing.recent_tokens", MAX_GEOMETRY)
+    ]
     if counts:  # (n, L, Hkv*D) query summaries of the recent steps, one per count
         check_tensor(tensors, "route.recent", torch.float32, (len(counts), L, hkv * d))
         names.add("route.recent")

@@ -88,13 +88,13 @@ def check_sampling(settings: dict[str, Any]) -> None:
     kinds = {f.name: f.type for f in fields(SamplingSettings)}
     for key, value in sampling.items():
         kind = kinds.get(key)
-        ok = (
-            kind is not None
-            and (
-                (kind == "float" and finite_number(value) is not None)
-                or (kind == "int" and not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= MAX_TOKEN_ID)
-                or (kind == "bool" and isinstance(value, bool))
-                or (key == "seed" and (value is None or (not isinstance(value, bool) and isinstance(value, int) and 0 <= value < 2**64)))
+        ok = kind is not None and (
+            (kind == "float" and finite_number(value) is not None)
+            or (kind == "int" and not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= MAX_TOKEN_ID)
+            or (kind == "bool" and isinstance(value, bool))
+            or (
+                key == "seed"
+                and (value is None or (not isinstance(value, bool) and isinstance(value, int) and 0 <= value < 2**64))
             )
         )
         if not ok:
@@ -108,7 +108,11 @@ def check_sampling(settings: dict[str, Any]) -> None:
 def check_sampler_state(value: Any) -> None:
     if value is None:
         return
-    if not isinstance(value, list) or len(value) != SAMPLER_STATE_BYTES or any(type(b) is not int or not 0 <= b <= 255 for b in value):
+    if (
+        not isinstance(value, list)
+        or len(value) != SAMPLER_STATE_BYTES
+        or any(type(b) is not int or not 0 <= b <= 255 for b in value)
+    ):
         raise SchemaError("has a malformed sampler state")
     try:  # the generator's own checks, on a scratch generator: what restore's set_state will do
         torch.Generator().set_state(torch.tensor(value, dtype=torch.uint8))

@@ -77,12 +77,16 @@ def tokens_in_vocab(value: Any, where: str, vocab: int, max_len: int) -> list[in
     return ids
 
 
-def check_tensor(tensors: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def check_tensor(
+    tensors: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     t = tensors.get(name)
     if t is None:
         raise SchemaError(f"lacks the memory tensor {name!r}")
     if t.dtype != dtype or tuple(t.shape) != shape:
-        raise SchemaError(f"holds tensor {name!r} as {t.dtype} {tuple(t.shape)}, where this model needs {dtype} {shape}")
+        raise SchemaError(
+            f"holds tensor {name!r} as {t.dtype} {tuple(t.shape)}, where this model needs {dtype} {shape}"
+        )
     if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
         raise SchemaError(f"holds tensor {name!r} with NaN or infinite values")
     return t

@@ -145,18 +145,36 @@ class KVCache(nn.Module):
     read_positions: torch.Tensor
     summary: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig, batch: int, num_slots: int, device: torch.device | str, dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch: int,
+        num_slots: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, num_slots, cfg.head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,S,D)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,S,D)
-        self.register_buffer("k_read", torch.zeros(shape, device=device, dtype=compute_dtype), persistent=False)  # (L,B,Hkv,S,D)
-        self.register_buffer("v_read", torch.zeros(shape, device=device, dtype=compute_dtype), persistent=False)  # (L,B,Hkv,S,D)
-        self.register_buffer("read_slots", torch.full((num_slots,), -1, device=device, dtype=torch.long), persistent=False)  # (S,)
-        self.register_buffer("read_positions", torch.full((batch, num_slots), -1, device=device, dtype=torch.long), persistent=False)  # (B,S)
+        self.register_buffer(
+            "k_read", torch.zeros(shape, device=device, dtype=compute_dtype), persistent=False
+        )  # (L,B,Hkv,S,D)
+        self.register_buffer(
+            "v_read", torch.zeros(shape, device=device, dtype=compute_dtype), persistent=False
+        )  # (L,B,Hkv,S,D)
+        self.register_buffer(
+            "read_slots", torch.full((num_slots,), -1, device=device, dtype=torch.long), persistent=False
+        )  # (S,)
+        self.register_buffer(
+            "read_positions", torch.full((batch, num_slots), -1, device=device, dtype=torch.long), persistent=False
+        )  # (B,S)
         # The last forward's query summary (summarize_queries): what the cascade routes episodic blocks with.
         summary_shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim)
-        self.register_buffer("summary", torch.zeros(summary_shape, device=device, dtype=torch.float32), persistent=False)  # (L,B,Hkv,D)
+        self.register_buffer(
+            "summary", torch.zeros(summary_shape, device=device, dtype=torch.float32), persistent=False
+        )  # (L,B,Hkv,D)
 
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, compute_dtype: torch.dtype) -> int:
@@ -189,7 +207,9 @@ class KVCache(nn.Module):
     def num_slots(self) -> int:
         return int(self.k.shape[3])
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """slots (B, T); k, v (B, Hkv, T, D) -> stored at [layer, b, :, slots[b]]. Returns k, v as stored (in the
         table's dtype)."""
         k, v = k.to(self.k.dtype), v.to(self.v.dtype)
@@ -262,7 +282,9 @@ class KVCache(nn.Module):
                 return replace(base, write_ranks=rank, pre=pre)
         return replace(base, refresh=refresh(stale, moved))
 
-    def _move_reads(self, batch: SlotBatch, attended: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _move_reads(
+        self, batch: SlotBatch, attended: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hold the attended slots (m,), in slot order, at ranks [0, m) with keys rotated at `positions` (B, m).
 
         Returns the stale ranks of keys (n,): those whose slot or rotation changed since their copy was made, or
@@ -277,7 +299,16 @@ class KVCache(nn.Module):
         self.read_positions[:, :m] = positions
         return stale.nonzero().squeeze(1), moved.nonzero().squeeze(1)
 
-    def write_rotated(self, layer: int, slots: torch.Tensor, ranks: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def write_rotated(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        ranks: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: Rope,
+    ) -> torch.Tensor:
         """Plain decoding, one row whose only stale ranks are the slots it writes: store k, v (1, Hkv, T, D) at
         `slots` (1, T), and rotate the queries (1, H, T, D) and the stored keys in one pass with cos/sin (1, 1, T, D)
         into the read copies at `ranks` (T,), instead of reading the keys back. Returns the rotated queries."""

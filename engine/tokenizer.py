@@ -62,7 +62,9 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise TokenizerError(f"{path} is not valid JSON ({exc.__class__.__name__}); the download may be incomplete.") from None
+        raise TokenizerError(
+            f"{path} is not valid JSON ({exc.__class__.__name__}); the download may be incomplete."
+        ) from None
     if not isinstance(data, dict):
         raise TokenizerError(f"{path} does not hold a JSON object; the model folder looks damaged.")
     return data
@@ -149,7 +151,9 @@ class Tokenizer:
         self._content_hash = content_hash
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         # Whether plain `encode(text)` starts with BOS, decided once by the post-processor's output for "".
-        self._adds_bos = self._bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [self._bos_id]
+        self._adds_bos = self._bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [
+            self._bos_id
+        ]
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -166,7 +170,9 @@ class Tokenizer:
                     f"{root} has only a SentencePiece tokenizer.model; add its tokenizer.json "
                     "(download it, or save one with transformers' AutoTokenizer.save_pretrained)."
                 ) from None
-            raise TokenizerError(f"{root} has no tokenizer.json; choose a complete Hugging Face model folder.") from None
+            raise TokenizerError(
+                f"{root} has no tokenizer.json; choose a complete Hugging Face model folder."
+            ) from None
         except OSError as exc:
             raise TokenizerError(f"{tok_path} cannot be read ({exc.strerror or exc.__class__.__name__}).") from None
         try:
@@ -181,14 +187,18 @@ class Tokenizer:
         gen = _read_json(root / "generation_config.json") or {}
         model_cfg = _read_json(root / "config.json") or {}
 
-        special_tokens = {name: text for name in _TEMPLATE_TOKEN_NAMES if (text := _token_text(cfg.get(name))) is not None}
+        special_tokens = {
+            name: text for name in _TEMPLATE_TOKEN_NAMES if (text := _token_text(cfg.get(name))) is not None
+        }
         chat_template = cls._read_chat_template(root, cfg)
 
         # Prompts must never be cut or padded behind the caller's back.
         backend.no_truncation()
         backend.no_padding()
         if "add_bos_token" in cfg or "add_eos_token" in cfg:
-            cls._install_bos_eos(backend, special_tokens, bool(cfg.get("add_bos_token")), bool(cfg.get("add_eos_token")))
+            cls._install_bos_eos(
+                backend, special_tokens, bool(cfg.get("add_bos_token")), bool(cfg.get("add_eos_token"))
+            )
 
         eos: set[int] = set(_ids(gen.get("eos_token_id"))) | set(_ids(model_cfg.get("eos_token_id")))
         eos_text = special_tokens.get("eos_token")
@@ -200,7 +210,11 @@ class Tokenizer:
             if extra.is_file():
                 digest.update(extra.read_bytes())
         return cls(
-            backend, chat_template=chat_template, special_tokens=special_tokens, eos_ids=frozenset(eos), content_hash=digest.hexdigest()
+            backend,
+            chat_template=chat_template,
+            special_tokens=special_tokens,
+            eos_ids=frozenset(eos),
+            content_hash=digest.hexdigest(),
         )
 
     @classmethod
@@ -211,7 +225,13 @@ class Tokenizer:
         template = metadata.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
             raise TokenizerError("The GGUF's chat template is not text; the file looks damaged.")
-        return cls(backend, chat_template=template or None, special_tokens=special_tokens, eos_ids=eos_ids, content_hash=content_hash)
+        return cls(
+            backend,
+            chat_template=template or None,
+            special_tokens=special_tokens,
+            eos_ids=eos_ids,
+            content_hash=content_hash,
+        )
 
     @classmethod
     def load(cls, model_path: str | Path) -> Tokenizer:
@@ -236,7 +256,9 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         if template is not None and not isinstance(template, str):
-            raise TokenizerError("tokenizer_config.json has a chat_template that is not text; the model folder looks damaged.")
+            raise TokenizerError(
+                "tokenizer_config.json has a chat_template that is not text; the model folder looks damaged."
+            )
         return template or None
 
     @staticmethod
@@ -277,7 +299,9 @@ class Tokenizer:
             ids.insert(0, self._bos_id)
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
         """The prompt text for `messages` (transformers' `apply_chat_template(tokenize=False)`).
 
         `extra` reaches the template as variables (e.g. `continue_final_message=True`, `tools=[...]`).
@@ -285,7 +309,9 @@ class Tokenizer:
         kwargs = {**self._special_tokens, **extra}
         return render_chat(self._chat_template, messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
         """Prompt ids for `messages`: the rendered template encoded without added special tokens, because the
         template writes its own BOS text (transformers' `apply_chat_template(tokenize=True)`)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_bos=False)

@@ -120,7 +120,9 @@ def weight_files(model_dir: Path) -> list[Path]:
             f"{model_dir.name} holds only pickle weights ({pickles[0]}), which can run code and are never loaded; "
             "convert them to safetensors (or download the safetensors version)."
         )
-    raise ModelLoadError(f"{model_dir} has no model.safetensors; choose a Hugging Face model folder with safetensors weights.")
+    raise ModelLoadError(
+        f"{model_dir} has no model.safetensors; choose a Hugging Face model folder with safetensors weights."
+    )
 
 
 def fingerprint(config: ModelConfig, files: list[Path], tables: list[list[TensorInfo]]) -> str:
@@ -169,16 +171,22 @@ def _assign(
         state.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(state) - set(left))
     if missing:
-        raise ModelLoadError(f"The weights lack {missing[0]} (and {len(missing) - 1} more); they do not match the model's configuration.")
+        raise ModelLoadError(
+            f"The weights lack {missing[0]} (and {len(missing) - 1} more); they do not match the model's configuration."
+        )
     converted: dict[str, torch.Tensor] = {}
     for name, ref in expected.items():
         if name in left and name not in state:
             if left[name] != tuple(ref.shape):
-                raise ModelLoadError(f"Tensor {name} has shape {left[name]} but the configuration implies {tuple(ref.shape)}.")
+                raise ModelLoadError(
+                    f"Tensor {name} has shape {left[name]} but the configuration implies {tuple(ref.shape)}."
+                )
             continue
         t = state[name]
         if tuple(t.shape) != tuple(ref.shape):
-            raise ModelLoadError(f"Tensor {name} has shape {tuple(t.shape)} but the configuration implies {tuple(ref.shape)}.")
+            raise ModelLoadError(
+                f"Tensor {name} has shape {tuple(t.shape)} but the configuration implies {tuple(ref.shape)}."
+            )
         if not t.is_floating_point():
             raise ModelLoadError(f"Tensor {name} is stored as {t.dtype}; a Llama-family weight must be floating point.")
         # A dtype/device change copies once; same dtype on CPU stays a view of the mmap.
@@ -186,7 +194,9 @@ def _assign(
         # One NaN or inf anywhere makes the sum non-finite (real weights are far too small to overflow an fp32 sum);
         # 3x cheaper than isfinite().all(). NaN weights would otherwise only fail later, while sampling.
         if not bool(torch.isfinite(converted[name].sum(dtype=torch.float32))):
-            raise ModelLoadError(f"Tensor {name} holds NaN or infinite values; the model file is corrupt, download it again.")
+            raise ModelLoadError(
+                f"Tensor {name} holds NaN or infinite values; the model file is corrupt, download it again."
+            )
     model.load_state_dict(converted, strict=False, assign=True)
     if config.tie_word_embeddings:
         assert isinstance(model.model.embed_tokens, nn.Embedding)  # as the model was built
@@ -221,7 +231,9 @@ def _load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype, leave
         except ValueError as exc:
             raise ModelLoadError(f"{path.name}: {exc}; the file is damaged.") from None
         if not scales_finite(blocks):
-            raise ModelLoadError(f"Tensor {name} holds NaN or infinite values; the model file is corrupt, download it again.")
+            raise ModelLoadError(
+                f"Tensor {name} holds NaN or infinite values; the model file is corrupt, download it again."
+            )
     with torch.device("meta"):
         model = Transformer(gm.config)
     state: dict[str, torch.Tensor] = {}
@@ -233,7 +245,13 @@ def _load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype, leave
     return LoadedModel(model, gm.config, model_fingerprint(gm.path), gm.path, stored)
 
 
-def load_model(model_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *, leave_stored: bool = False) -> LoadedModel:
+def load_model(
+    model_path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    leave_stored: bool = False,
+) -> LoadedModel:
     """Build on the meta device, then assign mmap-backed (or converted) tensors: one copy of the weights at most.
 
     `model_path`: a Hugging Face folder, a .gguf file, or a folder holding one .gguf. `leave_stored`: a GGUF's

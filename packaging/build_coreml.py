@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: the converted default model is not sound: {failed[0]}", file=sys.stderr)
             return 1
         if platform.system() != "Darwin":
-            print(f"error: {path} is converted but Core ML compiles programs only on macOS; run `make app` on a Mac.", file=sys.stderr)
+            print(
+                f"error: {path} is converted but Core ML compiles programs only on macOS; run `make app` on a Mac.",
+                file=sys.stderr,
+            )
             return 1
         from coreml.runtime import compile_program
 

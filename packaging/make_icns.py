@@ -55,9 +55,16 @@ def _png_bytes(image: QImage) -> bytes:
 def _downscale(image: QImage, pixels: int) -> QImage:
     # Halve first, then one last smooth step: a single bilinear jump from 1024 to 16 px would alias badly.
     while image.width() >= 2 * pixels:
-        image = image.scaled(image.width() // 2, image.height() // 2, Qt.AspectRatioMode.IgnoreAspectRatio, Qt.TransformationMode.SmoothTransformation)
+        image = image.scaled(
+            image.width() // 2,
+            image.height() // 2,
+            Qt.AspectRatioMode.IgnoreAspectRatio,
+            Qt.TransformationMode.SmoothTransformation,
+        )
     if image.width() != pixels:
-        image = image.scaled(pixels, pixels, Qt.AspectRatioMode.IgnoreAspectRatio, Qt.TransformationMode.SmoothTransformation)
+        image = image.scaled(
+            pixels, pixels, Qt.AspectRatioMode.IgnoreAspectRatio, Qt.TransformationMode.SmoothTransformation
+        )
     return image
 
 
@@ -67,7 +74,9 @@ def render_pngs(src: Path) -> dict[Slot, bytes]:
     if image.isNull():
         raise ValueError(f"{src} is not a readable image")
     if image.width() != image.height() or image.width() < SLOTS[-1].pixels:
-        raise ValueError(f"{src} is {image.width()}x{image.height()}; the icon source must be square, at least {SLOTS[-1].pixels} px")
+        raise ValueError(
+            f"{src} is {image.width()}x{image.height()}; the icon source must be square, at least {SLOTS[-1].pixels} px"
+        )
     return {slot: _png_bytes(_downscale(image, slot.pixels)) for slot in SLOTS}
 
 

@@ -43,7 +43,10 @@ def _worker(conn: Connection, model: str, store_root: str, cap: int) -> None:
     from engine.session_file import RestoredSession, restore, verify_session
     from tests.engine.session_fuzzing import CONFIG, memory_cap
 
-    stores = [PersistentStore(Path(store_root) / str(i), TorchBackend(model, "cpu").fingerprint, "cpu-fp32", 1 << 30) for i in range(2)]
+    stores = [
+        PersistentStore(Path(store_root) / str(i), TorchBackend(model, "cpu").fingerprint, "cpu-fp32", 1 << 30)
+        for i in range(2)
+    ]
     fingerprint = TorchBackend(model, "cpu").fingerprint
     target = CascadeMemory(TorchBackend(model, "cpu"), CONFIG).state_target()
     with memory_cap(cap):
@@ -80,14 +83,22 @@ def _worker(conn: Connection, model: str, store_root: str, cap: int) -> None:
                 memory = outcome.memory
                 memory.spill()
                 plan = memory.plan([outcome.data.pending_token or 1])
-                logits = backend.forward(torch.tensor([[outcome.data.pending_token or 1]]), plan.as_batch(), last_only=True)
+                logits = backend.forward(
+                    torch.tensor([[outcome.data.pending_token or 1]]), plan.as_batch(), last_only=True
+                )
                 memory.after_forward()
-                conn.send(("accepted", "") if bool(torch.isfinite(logits).all()) else ("traceback", "non-finite logits after restore"))
+                conn.send(
+                    ("accepted", "")
+                    if bool(torch.isfinite(logits).all())
+                    else ("traceback", "non-finite logits after restore")
+                )
             except MemoryError:
                 conn.send(("over memory cap", "MemoryError"))
             except Exception as exc:
                 site = traceback.extract_tb(exc.__traceback__)[-1]
-                conn.send(("traceback", f"{type(exc).__name__} at {Path(site.filename).name}:{site.lineno}: {str(exc)[:120]}"))
+                conn.send(
+                    ("traceback", f"{type(exc).__name__} at {Path(site.filename).name}:{site.lineno}: {str(exc)[:120]}")
+                )
 
 
 class _Pool:
@@ -105,7 +116,9 @@ class _Pool:
         child.close()
         return proc, parent
 
-    def run(self, files: list[tuple[Path, str]], time_limit: float, startup: float = 180.0) -> list[tuple[str, str, str]]:
+    def run(
+        self, files: list[tuple[Path, str]], time_limit: float, startup: float = 180.0
+    ) -> list[tuple[str, str, str]]:
         results: list[tuple[str, str, str]] = []
         pending = list(reversed(files))
         busy: dict[int, tuple[Path, str, float]] = {}
@@ -183,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         pool.close()
     changed = sorted(set(_outside_the_store(root).items()) ^ set(before.items()))
     counts = Counter(outcome for outcome, _, _ in results)
-    print(f"{len(results)} mutated session files (seed {args.seed}; made in {made:.0f} s, checked in {time.monotonic() - started - made:.0f} s, "
-          f"{args.workers} workers, {args.time_limit:g} s and +{args.memory_cap_mb} MB per file)")
+    print(
+        f"{len(results)} mutated session files (seed {args.seed}; made in {made:.0f} s, checked in {time.monotonic() - started - made:.0f} s, "
+        f"{args.workers} workers, {args.time_limit:g} s and +{args.memory_cap_mb} MB per file)"
+    )
     print(f"{'outcome':<18}{'files':>8}")
     for outcome in OUTCOMES:
         print(f"{outcome:<18}{counts[outcome]:>8}")
@@ -200,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _outside_the_store(root: Path) -> dict[str, int]:
     """Every file under the fuzz folder but the stores and the mutated files themselves, with its mtime."""
-    return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0] not in ("l3", "files")}
+    return {
+        str(p): p.stat().st_mtime_ns
+        for p in root.rglob("*")
+        if p.is_file() and p.relative_to(root).parts[0] not in ("l3", "files")
+    }
 
 
 if __name__ == "__main__":

@@ -52,7 +52,10 @@ def build_tokenizer(vocab_size: int = 320) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator([TOKENIZER_TEXT], trainer=trainer)
     return tok
@@ -123,5 +126,7 @@ def make_tiny_model(
             indent=2,
         )
     )
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": [eos, end], "do_sample": False}))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": bos, "eos_token_id": [eos, end], "do_sample": False})
+    )
     return out

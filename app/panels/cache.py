@@ -34,7 +34,9 @@ class _TierRows:
         looked_up = tier.hits + tier.misses
         hit = f"{tier.hit_rate:.0%} hits" if looked_up else "no lookups yet"
         capacity = f" of {bytes_text(tier.capacity_bytes)}" if tier.capacity_bytes else ""
-        self.detail.setText(f"{tier.entries:,} entries · {bytes_text(tier.bytes)}{capacity}\n{hit} · {tier.evictions:,} evictions")
+        self.detail.setText(
+            f"{tier.entries:,} entries · {bytes_text(tier.bytes)}{capacity}\n{hit} · {tier.evictions:,} evictions"
+        )
 
 
 class CachePanel(Panel):
@@ -53,7 +55,11 @@ class CachePanel(Panel):
                 self.form.removeRow(0)
             self._rows = {n: _TierRows(self.form, n) for n in names}
             if not names:
-                hint = "The memory cascade does not apply to a remote model: the server keeps its own memory." if report.remote else "No model loaded."
+                hint = (
+                    "The memory cascade does not apply to a remote model: the server keeps its own memory."
+                    if report.remote
+                    else "No model loaded."
+                )
                 self._empty = QLabel(hint)
                 self._empty.setObjectName("panelHint")
                 self._empty.setWordWrap(True)

@@ -32,7 +32,11 @@ class ThermalPanel(Panel):
         mark, color, name = STATE_TEXT[sample.thermal.state]
         self.state.setText(f'<span style="color:{color}">{mark}</span> {name}')
         r = sample.thermal
-        where = r.source + (f" · {r.sensor}" if r.sensor else "") + (f" · {r.celsius:.0f} °C" if r.celsius is not None else "")
+        where = (
+            r.source
+            + (f" · {r.sensor}" if r.sensor else "")
+            + (f" · {r.celsius:.0f} °C" if r.celsius is not None else "")
+        )
         self.source.setText(where)
         t = sample.policy.throttle
         parts = []

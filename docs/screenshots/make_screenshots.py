@@ -31,8 +31,10 @@ from engine.generate import GenerationSettings
 from engine.sampling import SamplingSettings
 
 WAIT_MS = 600_000
-LONG = ("Here are my notes from the week. " + "We met the suppliers, compared the offers line by line and agreed to "
-        "decide on Friday after the samples arrive. ") * 40
+LONG = (
+    "Here are my notes from the week. " + "We met the suppliers, compared the offers line by line and agreed to "
+    "decide on Friday after the samples arrive. "
+) * 40
 
 
 def pump(ms: int) -> None:
@@ -66,7 +68,11 @@ def build(model: Path | None, workdir: Path, size: tuple[int, int]) -> MainWindo
     window.resize(*size)
     window.move(0, 0)
     window.show()
-    name, value = wait_any({"loaded": window.client.worker.loaded, "error": window.client.worker.error}, WAIT_MS, lambda: window.load_model(model, "auto"))
+    name, value = wait_any(
+        {"loaded": window.client.worker.loaded, "error": window.client.worker.error},
+        WAIT_MS,
+        lambda: window.load_model(model, "auto"),
+    )
     assert name == "loaded", value
     if window.opening is not None:  # a relaunch reopens the last conversation first
         wait_any({"restored": window.client.worker.restored, "error": window.client.worker.error}, WAIT_MS)

@@ -27,7 +27,11 @@ def resolve_quantize(backend: str, quantize: str) -> str:
 def _probe_coreml() -> BackendProbe:
     # coreml/ is imported only here and only on a Mac (DESIGN: app and engine reach Core ML through this registry).
     if platform.system() != "Darwin" or platform.machine() != "arm64":
-        return BackendProbe("coreml", False, f"Core ML needs macOS 15+ on Apple Silicon; this is {platform.system()} {platform.machine()}.")
+        return BackendProbe(
+            "coreml",
+            False,
+            f"Core ML needs macOS 15+ on Apple Silicon; this is {platform.system()} {platform.machine()}.",
+        )
     try:
         from coreml.runtime import probe
     except ImportError as exc:
@@ -110,7 +114,9 @@ def open_backend(model_dir: str | Path, name: str = "auto", quantize: str = "non
             skipped.append(probe)
             continue
         try:
-            return BackendChoice(REGISTRY[candidate].open(model_dir, resolve_quantize(candidate, quantize)), tuple(skipped))
+            return BackendChoice(
+                REGISTRY[candidate].open(model_dir, resolve_quantize(candidate, quantize)), tuple(skipped)
+            )
         except BackendUnavailable as exc:  # e.g. a Core ML conversion that failed: fall through, keep the reason
             skipped.append(BackendProbe(candidate, False, str(exc)))
     raise BackendUnavailable("No compute backend is available on this machine.")

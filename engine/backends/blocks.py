@@ -30,7 +30,10 @@ if TYPE_CHECKING:
     from engine.model import Transformer
 
 # A fused module's rows, in order, from these HF parameters (engine.model.fuse_projections).
-FUSED: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 EMBEDDING = "model.embed_tokens.weight"
 
 
@@ -65,7 +68,9 @@ def stored_type(stored: Mapping[str, StoredTensor]) -> BlockType:
     try:
         return BlockType.named(top)
     except ValueError:
-        raise UnsupportedBlocks(f"its weights are {top}, which has no block kernel here yet (Q8_0, Q4_0 and Q4_1 do)") from None
+        raise UnsupportedBlocks(
+            f"its weights are {top}, which has no block kernel here yet (Q8_0, Q4_0 and Q4_1 do)"
+        ) from None
 
 
 def _sources(path: str, tied: bool, stored: Mapping[str, StoredTensor]) -> list[str]:
@@ -83,11 +88,15 @@ def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockW
         return None
     kinds = sorted({p.qtype for p in parts})
     if len(kinds) != 1:
-        raise UnsupportedBlocks(f"{', '.join(names)} are stored as {', '.join(kinds)}, which the block kernels cannot run as one matrix")
+        raise UnsupportedBlocks(
+            f"{', '.join(names)} are stored as {', '.join(kinds)}, which the block kernels cannot run as one matrix"
+        )
     try:
         qtype = BlockType.named(kinds[0])
     except ValueError:
-        raise UnsupportedBlocks(f"{names[0]} is stored as {kinds[0]}, which has no block kernel here yet (Q8_0, Q4_0 and Q4_1 do)") from None
+        raise UnsupportedBlocks(
+            f"{names[0]} is stored as {kinds[0]}, which has no block kernel here yet (Q8_0, Q4_0 and Q4_1 do)"
+        ) from None
     for p, n in zip(parts, names, strict=True):
         check_stored(p, n)
     rows = np.concatenate([np.asarray(p.data, dtype=np.uint8).reshape(p.shape[0], -1) for p in parts])
@@ -95,7 +104,9 @@ def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockW
     return BlockWeights(qtype, shape, torch.from_numpy(rows.copy()))
 
 
-def plan_blocks(model: Transformer, qtype: BlockType, stored: Mapping[str, StoredTensor] | None = None) -> dict[str, BlockWeights]:
+def plan_blocks(
+    model: Transformer, qtype: BlockType, stored: Mapping[str, StoredTensor] | None = None
+) -> dict[str, BlockWeights]:
     """Block weights for every nn.Linear of a fused `model`, keyed by module path: the stored bytes where `stored`
     has them, else the layer's fp32 weight quantized to `qtype` (zero columns pad an input size that is no multiple
     of 32; zeros quantize exactly). UnsupportedBlocks when stored bytes cannot run."""
@@ -109,9 +120,13 @@ def plan_blocks(model: Transformer, qtype: BlockType, stored: Mapping[str, Store
             w = module.weight.detach().float().numpy()  # (N, K)
             k = w.shape[1]
             padded = np.pad(w, ((0, 0), (0, -k % BLOCK)))  # (N, K rounded up to 32)
-            found = BlockWeights(qtype, (padded.shape[0], padded.shape[1]), torch.from_numpy(quantize(padded, qtype)), k)
+            found = BlockWeights(
+                qtype, (padded.shape[0], padded.shape[1]), torch.from_numpy(quantize(padded, qtype)), k
+            )
         if (found.shape[0], found.inputs) != tuple(module.weight.shape):
-            raise ValueError(f"the stored {path} has shape {found.shape}, but the model's config says {tuple(module.weight.shape)}")
+            raise ValueError(
+                f"the stored {path} has shape {found.shape}, but the model's config says {tuple(module.weight.shape)}"
+            )
         out[path] = found
     return out
 
@@ -132,7 +147,11 @@ class BlockEmbedding(nn.Module):
         return torch.from_numpy(dequantize(rows, self.qtype, self.shape)[:, : self.dim]).reshape(*ids.shape, self.dim)
 
 
-def swap_linears(model: Transformer, blocks: Mapping[str, BlockWeights], make: Callable[[BlockWeights, torch.Tensor | None], nn.Module]) -> None:
+def swap_linears(
+    model: Transformer,
+    blocks: Mapping[str, BlockWeights],
+    make: Callable[[BlockWeights, torch.Tensor | None], nn.Module],
+) -> None:
     """Replace each planned nn.Linear by make(blocks, its bias); a tied embedding reads the LM head's blocks."""
     for path, w in blocks.items():
         parent_path, _, leaf = path.rpartition(".")
@@ -149,7 +168,9 @@ def use_stored_embedding(model: Transformer, stored: Mapping[str, StoredTensor] 
     if t is None or model.config.tie_word_embeddings or t.qtype not in BlockType.__members__:
         return
     qtype = check_stored(t, EMBEDDING)
-    model.model.embed_tokens = BlockEmbedding(BlockWeights(qtype, t.shape, torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(t.shape[0], -1))))
+    model.model.embed_tokens = BlockEmbedding(
+        BlockWeights(qtype, t.shape, torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(t.shape[0], -1)))
+    )
 
 
 def dequantized_linear(w: BlockWeights, bias: torch.Tensor | None) -> nn.Linear:

@@ -64,7 +64,11 @@ def probe_torch_device(name: str) -> BackendProbe:
     if name == "mps":
         if torch.backends.mps.is_available():
             return BackendProbe("mps", True, "Apple GPU via Metal Performance Shaders")
-        why = "this is not macOS on Apple Silicon" if platform.system() != "Darwin" else "Metal is not available on this Mac"
+        why = (
+            "this is not macOS on Apple Silicon"
+            if platform.system() != "Darwin"
+            else "Metal is not available on this Mac"
+        )
         return BackendProbe("mps", False, f"MPS is not available: {why}.")
     raise ValueError(name)
 
@@ -158,9 +162,13 @@ class TorchBackend(Backend):
             # Ops MPS lacks fall back to CPU instead of failing mid-conversation.
             os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
         if quantize == "int8":
-            raise BackendUnavailable("int8 weights are a Core ML conversion; on the CPU choose q8_0, q4_0, q4_1 or auto.")
+            raise BackendUnavailable(
+                "int8 weights are a Core ML conversion; on the CPU choose q8_0, q4_0, q4_1 or auto."
+            )
         if quantize not in QUANTIZATIONS:
-            raise BackendUnavailable(f"Unknown weight quantization {quantize!r}; choose one of {', '.join(QUANTIZATIONS)}.")
+            raise BackendUnavailable(
+                f"Unknown weight quantization {quantize!r}; choose one of {', '.join(QUANTIZATIONS)}."
+            )
         if quantize not in ("none", "auto") and device != "cpu":
             raise BackendUnavailable(f"{quantize} weights run on the cpu backend only, not on {device}.")
         if kernels not in KERNEL_CHOICES:
@@ -197,7 +205,9 @@ class TorchBackend(Backend):
         if quantize == "none":
             return "none"
         try:
-            qtype = (stored_type(stored) if stored else AUTO_BLOCKS) if quantize == "auto" else BlockType.named(quantize)
+            qtype = (
+                (stored_type(stored) if stored else AUTO_BLOCKS) if quantize == "auto" else BlockType.named(quantize)
+            )
             if stored and quantize != "auto" and stored_type(stored) is not qtype:
                 raise BackendUnavailable(
                     f"This file stores {stored_type(stored).name} weights, which run as stored: choose --quantize auto (or none for fp32)."
@@ -248,7 +258,11 @@ class TorchBackend(Backend):
 
     @property
     def numerics(self) -> str:
-        weights = "" if self.quantize == "none" else f"-w{self.quantize}" + (f"native-{activation_numerics(self.act_parts)}" if self.native_isa else "")
+        weights = (
+            ""
+            if self.quantize == "none"
+            else f"-w{self.quantize}" + (f"native-{activation_numerics(self.act_parts)}" if self.native_isa else "")
+        )
         return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}{weights}-kv{str(self.kv_dtype).removeprefix('torch.')}"
 
     @property
@@ -279,7 +293,9 @@ class TorchBackend(Backend):
         dev = self.device
         if dev.type != "cpu":
             tokens = tokens.to(dev, non_blocking=True)
-            fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}  # astuple would deep-copy the tensors
+            fields = {
+                f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)
+            }  # astuple would deep-copy the tensors
             moved: dict[str, Any] = {k: None if t is None else t.to(dev, non_blocking=True) for k, t in fields.items()}
             batch = dataclasses.replace(batch, **moved)
         rows = tokens.shape[0]

@@ -51,11 +51,20 @@ def prompts(vocab: int, n: int, seed: int = 99) -> list[list[int]]:
 
 def sequential(backend: Backend, tok: Tokenizer, ps: list[list[int]], settings: GenerationSettings) -> list[list[int]]:
     backend.allocate(1, max(len(p) for p in ps) + settings.max_tokens)
-    return [[ev.token for ev in stream_generate(backend, FullAttentionMemory(backend), tok, p, settings) if ev.token is not None] for p in ps]
+    return [
+        [
+            ev.token
+            for ev in stream_generate(backend, FullAttentionMemory(backend), tok, p, settings)
+            if ev.token is not None
+        ]
+        for p in ps
+    ]
 
 
 def continuous(backend: Backend, tok: Tokenizer, ps: list[list[int]], settings: GenerationSettings) -> list[list[int]]:
-    config = SchedulerConfig(max_batch=len(ps), num_slots=max(len(p) for p in ps) + settings.max_tokens, max_queue=len(ps))
+    config = SchedulerConfig(
+        max_batch=len(ps), num_slots=max(len(p) for p in ps) + settings.max_tokens, max_queue=len(ps)
+    )
     with Scheduler(backend, tok, config) as sched:
         futures = [sched.submit(Request(p, settings)) for p in ps]
         return [f.result().tokens for f in futures]
@@ -82,7 +91,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         outputs: dict[str, list[list[int]]] = {}
         paths: dict[str, Callable[[], list[list[int]]]] = {
             "sequential": lambda: sequential(backend.fork(), tok, ps, settings),
-            "batched": lambda: [c.tokens for c in generate_batch(backend.fork(), tok, ps, settings, max_batch=n_requests)],
+            "batched": lambda: [
+                c.tokens for c in generate_batch(backend.fork(), tok, ps, settings, max_batch=n_requests)
+            ],
             "continuous": lambda: continuous(backend.fork(), tok, ps, settings),
         }
         for _ in range(1 if args.quick else 2):
@@ -105,5 +116,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "speedup": round(tps["batched"] / tps["sequential"], 2),
         "speedup_continuous": round(tps["continuous"] / tps["sequential"], 2),
         "same_tokens": sum(a == b for a, b in zip(outputs["batched"], outputs["sequential"], strict=True)) / n_requests,
-        "same_tokens_continuous": sum(a == b for a, b in zip(outputs["continuous"], outputs["sequential"], strict=True)) / n_requests,
+        "same_tokens_continuous": sum(a == b for a, b in zip(outputs["continuous"], outputs["sequential"], strict=True))
+        / n_requests,
     }

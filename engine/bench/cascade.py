@@ -60,7 +60,9 @@ BENCH_SHAPE: dict[str, object] = {
 }
 
 
-def build(model: Path, mode: str, n: int, backend_name: str, quantize: str) -> tuple[Backend, Memory, torch.Tensor] | None:
+def build(
+    model: Path, mode: str, n: int, backend_name: str, quantize: str
+) -> tuple[Backend, Memory, torch.Tensor] | None:
     """An n-token conversation in `mode` ("cascade" | "full") on its own backend; None if full attention cannot
     hold it. Returns the backend, the memory and the last logits (1, 1, V)."""
     backend = open_backend(model, backend_name, quantize).backend
@@ -126,7 +128,17 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         rss: dict[str, dict[int, float | None]] = {"cascade": {}, "full": {}}
         for n in lengths:
             for mode in ("cascade", "full"):
-                cmd = [sys.executable, "-m", "engine.bench.cascade", str(model), mode, str(n), backend_name, str(threads), quantize]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "engine.bench.cascade",
+                    str(model),
+                    mode,
+                    str(n),
+                    backend_name,
+                    str(threads),
+                    quantize,
+                ]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if proc.returncode != 0:
                     return {"error": f"{mode} at {n} tokens failed: {proc.stderr.strip().splitlines()[-1:]}"}
@@ -134,7 +146,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                 rss[mode][n] = None if peak is None else round(peak / 2**20, 1)
         # Timing: every point lives in this one process and they take turns, so load from other processes on the
         # machine hits all points alike instead of skewing whichever ran during a busy minute.
-        points = {(mode, n): build(model, mode, n, backend_name, quantize) for mode in ("cascade", "full") for n in lengths}
+        points = {
+            (mode, n): build(model, mode, n, backend_name, quantize) for mode in ("cascade", "full") for n in lengths
+        }
         live = {key: p for key, p in points.items() if p is not None}
         last = {key: logits for key, (_, _, logits) in live.items()}  # each point's latest logits
         times: dict[tuple[str, int], list[float]] = {key: [] for key in live}
@@ -153,7 +167,12 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "cost_ratio_longest": ms[("cascade", last)] / ms[("cascade", fill)],
         "cost_ratio_vs_256": ms[("cascade", last)] / ms[("cascade", first)],
         "window_fills_at": fill,
-        "geometry": {"sink_tokens": geometry.sink_tokens, "window": geometry.window, "block_size": geometry.block_size, "retrieval_blocks": geometry.retrieval_blocks},
+        "geometry": {
+            "sink_tokens": geometry.sink_tokens,
+            "window": geometry.window,
+            "block_size": geometry.block_size,
+            "retrieval_blocks": geometry.retrieval_blocks,
+        },
         "numerics": numerics,
         "cascade_ms_per_token": {n: round(ms[("cascade", n)], 3) for n in lengths},
         "full_ms_per_token": {n: round(ms[("full", n)], 3) if ("full", n) in ms else None for n in lengths},

@@ -35,5 +35,7 @@ def write_random_checkpoint(out: Path, config: dict[str, object], seed: int = 0)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(BENCH_VOCAB_SPECIALS)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "add_bos_token": False}))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "add_bos_token": False})
+    )
     return out

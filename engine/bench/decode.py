@@ -37,7 +37,14 @@ from engine.session import Engine, MemoryFactory, Session
 from engine.tokenizer import Tokenizer
 
 # Our precision -> the GGUF tensor type llama.cpp runs for the same comparison.
-GGUF_TYPE_FOR: dict[str, str] = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1"}
+GGUF_TYPE_FOR: dict[str, str] = {
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "q8_0": "q8_0",
+    "q4_0": "q4_0",
+    "q4_1": "q4_1",
+}
 
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 128
@@ -60,7 +67,9 @@ def prompt_ids(vocab: int, n: int = PROMPT_TOKENS) -> list[int]:
 
 def measure_ours(session: Session, ids: list[int], n_decode: int) -> dict[str, Any]:
     session.reset()
-    settings = GenerationSettings(max_tokens=n_decode, sampling=SamplingSettings(greedy=True), prefill_chunk=len(ids), ignore_eos=True)
+    settings = GenerationSettings(
+        max_tokens=n_decode, sampling=SamplingSettings(greedy=True), prefill_chunk=len(ids), ignore_eos=True
+    )
     events = list(session.complete_ids(ids, settings))
     last = events[-1]
     return {"prefill_tps": len(ids) / last.ttft_s, "decode_tps": last.tokens_per_s, "tokens": [e.token for e in events]}
@@ -84,7 +93,11 @@ def measure_llamacpp(llm, ids: list[int], n_decode: int) -> dict[str, Any]:  # t
         tok = int(np.argmax(llama_last_logits(llm)))
         tokens.append(tok)
     t_end = time.perf_counter()
-    return {"prefill_tps": len(ids) / (t_first - t0), "decode_tps": (n_decode - 1) / (t_end - t_first), "tokens": tokens}
+    return {
+        "prefill_tps": len(ids) / (t_first - t0),
+        "decode_tps": (n_decode - 1) / (t_end - t_first),
+        "tokens": tokens,
+    }
 
 
 def measure_transformers(model, ids: list[int], n_decode: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]  # model: a transformers model, an optional import
@@ -96,7 +109,11 @@ def measure_transformers(model, ids: list[int], n_decode: int) -> dict[str, Any]
     out = model.generate(inp, max_new_tokens=n_decode, min_new_tokens=n_decode, **kw)
     t2 = time.perf_counter()
     # decode rate = the extra tokens over the extra time of the longer run
-    return {"prefill_tps": len(ids) / (t1 - t0), "decode_tps": (n_decode - 1) / ((t2 - t1) - (t1 - t0)), "tokens": out[0, len(ids) :].tolist()}
+    return {
+        "prefill_tps": len(ids) / (t1 - t0),
+        "decode_tps": (n_decode - 1) / ((t2 - t1) - (t1 - t0)),
+        "tokens": out[0, len(ids) :].tolist(),
+    }
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float:
@@ -151,7 +168,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             gguf_path = export_gguf(model_dir, Path(tmp.name) / f"model-{gguf_type}.gguf", gguf_type)
             result["llamacpp_gguf_type"] = gguf_type
-        llm = llama_cpp.Llama(str(gguf_path), n_ctx=len(ids) + n_decode + 8, n_threads=threads, n_threads_batch=threads, n_batch=len(ids), verbose=False)
+        llm = llama_cpp.Llama(
+            str(gguf_path),
+            n_ctx=len(ids) + n_decode + 8,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=len(ids),
+            verbose=False,
+        )
         peers["llamacpp"] = lambda: measure_llamacpp(llm, ids, n_decode)
         # Same model? Compare the prompt's last-token logits of both engines.
         llm.reset()  # type: ignore[no-untyped-call]  # llama_cpp leaves Llama.reset unannotated

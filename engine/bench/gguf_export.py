@@ -98,9 +98,17 @@ def _write_tokenizer(w: Any, model_dir: Path, vocab_size: int) -> None:
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    cfg = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8")) if (model_dir / "tokenizer_config.json").is_file() else {}
+    cfg = (
+        json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+        if (model_dir / "tokenizer_config.json").is_file()
+        else {}
+    )
     ids = {t: i for i, t in enumerate(tokens)}
-    for key, setter in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id), ("pad_token", w.add_pad_token_id)):
+    for key, setter in (
+        ("bos_token", w.add_bos_token_id),
+        ("eos_token", w.add_eos_token_id),
+        ("pad_token", w.add_pad_token_id),
+    ):
         text = cfg.get(key)
         text = text.get("content") if isinstance(text, dict) else text
         if isinstance(text, str) and text in ids:

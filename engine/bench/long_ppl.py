@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     n = max(QUICK_TOKENS if getattr(args, "quick", False) else MAX_TOKENS, 3 * cfg.used_slots // 2)
     ids = tok.encode(held_out_text(min_chars=n * 6))[:n]
     if 2 * len(ids) < 3 * cfg.used_slots:
-        raise SparkError(f"The held-out text has only {len(ids)} tokens, less than 1.5x the cascade's {cfg.used_slots} slots.")
+        raise SparkError(
+            f"The held-out text has only {len(ids)} tokens, less than 1.5x the cascade's {cfg.used_slots} slots."
+        )
     budget = cfg.used_slots
     variants = {
         "cascade": cfg,
@@ -94,5 +96,14 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         seg_total, seg_count = nll(backend, FullAttentionMemory(backend), ids[at : at + budget])
         total, count = total + seg_total, count + seg_count
     out["ppl_truncate"] = math.exp(total / count)
-    out.update({"model": str(model), "numerics": backend.numerics, "tokens": len(ids), "window": cfg.window, "retrieval_blocks": cfg.retrieval_blocks, "slot_budget": budget})
+    out.update(
+        {
+            "model": str(model),
+            "numerics": backend.numerics,
+            "tokens": len(ids),
+            "window": cfg.window,
+            "retrieval_blocks": cfg.retrieval_blocks,
+            "slot_budget": budget,
+        }
+    )
     return out

@@ -95,23 +95,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {"cascade": [], "full": []}
         for i, depth in enumerate(depths):
             # The peer's prompt and answer must fit the trained context, so the length there is what fits.
-            trial = make_trial(tok, trained - ANSWER_TOKENS if length == trained else length, depth, seed=length * 100 + i)
+            trial = make_trial(
+                tok, trained - ANSWER_TOKENS if length == trained else length, depth, seed=length * 100 + i
+            )
             memory = CascadeMemory(backend, cfg)
             got = answer(backend, memory, tok, trial.ids)
-            row["cascade"].append({"depth": depth, "tokens": len(trial.ids), "key": trial.key, "answer": got, "ok": trial.key in got})
+            row["cascade"].append(
+                {"depth": depth, "tokens": len(trial.ids), "key": trial.key, "answer": got, "ok": trial.key in got}
+            )
             if len(trial.ids) + ANSWER_TOKENS <= trained:
                 backend.allocate(1, len(trial.ids) + ANSWER_TOKENS)
                 got = answer(backend, FullAttentionMemory(backend), tok, trial.ids)
-                row["full"].append({"depth": depth, "tokens": len(trial.ids), "key": trial.key, "answer": got, "ok": trial.key in got})
+                row["full"].append(
+                    {"depth": depth, "tokens": len(trial.ids), "key": trial.key, "answer": got, "ok": trial.key in got}
+                )
         per_length[length] = row
-    acc = {name: {n: (sum(t["ok"] for t in r[name]) / len(r[name]) if r[name] else None) for n, r in per_length.items()} for name in ("cascade", "full")}
+    acc = {
+        name: {n: (sum(t["ok"] for t in r[name]) / len(r[name]) if r[name] else None) for n, r in per_length.items()}
+        for name in ("cascade", "full")
+    }
     return {
         "accuracy_cascade": acc["cascade"],
         "accuracy_full": acc["full"],
         "model": str(model),
         "numerics": backend.numerics,
         "trained_context": trained,
-        "geometry": {"sink_tokens": cfg.sink_tokens, "window": cfg.window, "block_size": cfg.block_size, "retrieval_blocks": cfg.retrieval_blocks, "routing": cfg.routing},
+        "geometry": {
+            "sink_tokens": cfg.sink_tokens,
+            "window": cfg.window,
+            "block_size": cfg.block_size,
+            "retrieval_blocks": cfg.retrieval_blocks,
+            "routing": cfg.routing,
+        },
         "depths": list(depths),
         "seconds": round(time.perf_counter() - t0, 1),
         "trials": per_length,

@@ -36,7 +36,9 @@ def ttft(model: Path, cache_dir: Path, backend_name: str, repeats: int = 1) -> l
 
     backend = open_backend(model, backend_name).backend
     cfg = CascadeConfig.for_model(settings_dir(model), backend.config)
-    ids = torch.randint(0, backend.config.vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(
+        0, backend.config.vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     out = []
     for _ in range(repeats):
         store = PersistentStore(cache_dir, backend.fingerprint, backend.numerics)
@@ -67,7 +69,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = resolve_model_path(args.model)
         cache = Path(tmp) / "l3"
         cold, warm = ttft(model, cache, args.backend or "cpu", repeats=2)
-        cmd = [sys.executable, "-m", "engine.bench.prefix_cache", str(model), str(cache), args.backend or "cpu", str(threads)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "engine.bench.prefix_cache",
+            str(model),
+            str(cache),
+            args.backend or "cpu",
+            str(threads),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             return {"error": f"the restarted process failed: {proc.stderr.strip().splitlines()[-1:]}"}

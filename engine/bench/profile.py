@@ -37,7 +37,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         tok = Tokenizer.load(model_dir)
         g = torch.Generator().manual_seed(1234)
         ids = torch.randint(1, min(backend.config.vocab_size, 30000), (PROMPT_TOKENS,), generator=g).tolist()
-        settings = GenerationSettings(max_tokens=n_decode, sampling=SamplingSettings(greedy=True), ignore_eos=True, prefill_chunk=PROMPT_TOKENS)
+        settings = GenerationSettings(
+            max_tokens=n_decode, sampling=SamplingSettings(greedy=True), ignore_eos=True, prefill_chunk=PROMPT_TOKENS
+        )
         new_memory = memory_factory_for(model_dir, prefix_cache=False)
         list(stream_generate(backend, new_memory(backend), tok, ids, settings))  # warm-up
         profiler = Profiler(sync=cuda_sync_for(backend))

@@ -66,7 +66,16 @@ def our_logits(backend: TorchBackend, ids: list[int]) -> torch.Tensor:
 def llamacpp_logits(path: Path, ids: list[int], threads: int) -> torch.Tensor:
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(path), n_ctx=len(ids) + 8, n_batch=512, n_ubatch=512, logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm = llama_cpp.Llama(
+        str(path),
+        n_ctx=len(ids) + 8,
+        n_batch=512,
+        n_ubatch=512,
+        logits_all=True,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
     llm.eval(ids)
     out = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))  # (T, V)
     llm.close()
@@ -102,7 +111,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     files: dict[str, Path] = {}
     if have_llamacpp:
         f32 = export_gguf(model, Path(tmp.name) / "model-f32.gguf", "f32")
-        result["llamacpp_f32"] = _rounded(compare(fp32, llamacpp_logits(f32, inputs, threads), targets), "llamacpp")  # the peers agree at fp32
+        result["llamacpp_f32"] = _rounded(
+            compare(fp32, llamacpp_logits(f32, inputs, threads), targets), "llamacpp"
+        )  # the peers agree at fp32
         f32.unlink()
     for name in TYPES:
         files[name] = export_gguf(model, Path(tmp.name) / f"model-{name}.gguf", name)
@@ -120,7 +131,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         q8_act = TorchBackend(model, "cpu", quantize="auto", stored=stored, act_parts=1)  # llama.cpp's activations
         row.update(_rounded(compare(fp32, our_logits(q8_act, inputs), targets), "ours_q8_act"))
         del q8_act
-        fp32_act = TorchBackend(model, "cpu", quantize="auto", stored=stored, kernels="torch")  # same weights, fp32 activations
+        fp32_act = TorchBackend(
+            model, "cpu", quantize="auto", stored=stored, kernels="torch"
+        )  # same weights, fp32 activations
         row.update(_rounded(compare(fp32, our_logits(fp32_act, inputs), targets), "ours_fp32_act"))
         del fp32_act
         if have_llamacpp:

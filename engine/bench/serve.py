@@ -71,7 +71,9 @@ def server_process(cmd: list[str], health: str, log: Path) -> Iterator[None]:
                 if httpx.get(health, timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise SparkError(f"The server `{' '.join(cmd[:4])} ...` did not come up within {START_TIMEOUT_S:.0f} s.")
+                raise SparkError(
+                    f"The server `{' '.join(cmd[:4])} ...` did not come up within {START_TIMEOUT_S:.0f} s."
+                )
             time.sleep(0.5)
         yield
     finally:
@@ -84,12 +86,24 @@ def server_process(cmd: list[str], health: str, log: Path) -> Iterator[None]:
 
 
 def prompt(k: int) -> list[dict[str, str]]:
-    return [{"role": "user", "content": f"Story {k}: write a few sentences about {TOPICS[k % len(TOPICS)]} and the number {k}."}]
+    return [
+        {
+            "role": "user",
+            "content": f"Story {k}: write a few sentences about {TOPICS[k % len(TOPICS)]} and the number {k}.",
+        }
+    ]
 
 
 async def one_request(client: httpx.AsyncClient, peer: Peer, k: int, max_tokens: int) -> tuple[float, int]:
     """Stream one chat reply; (ttft_s, tokens)."""
-    body = {"model": peer.model, "messages": prompt(k), "max_tokens": max_tokens, "temperature": 0, "stream": True, **peer.extra}
+    body = {
+        "model": peer.model,
+        "messages": prompt(k),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        **peer.extra,
+    }
     if peer.usage:
         body["stream_options"] = {"include_usage": True}
     t0 = time.perf_counter()
@@ -166,25 +180,77 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     elif importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("starlette_context") is None:
         note = "llama.cpp left out: llama-cpp-python[server] is not installed (pip install -e '.[bench]')."
         gguf = None
-    out: dict[str, Any] = {"model": str(model), "peer_gguf": str(gguf) if gguf else None, "threads": threads, "max_tokens": max_tokens}
+    out: dict[str, Any] = {
+        "model": str(model),
+        "peer_gguf": str(gguf) if gguf else None,
+        "threads": threads,
+        "max_tokens": max_tokens,
+    }
     if note:
         out["note"] = note
     ports = {"ours": free_port(), "llamacpp": free_port()}
-    ours_cmd = [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(ports["ours"]), "--threads", str(threads)]
-    ours_cmd += ["--backend", args.backend, "--quantize", args.quantize, "--model-name", "bench", "--max-batch", "32", "--no-prefix-cache"]
+    ours_cmd = [
+        sys.executable,
+        "-m",
+        "engine",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(ports["ours"]),
+        "--threads",
+        str(threads),
+    ]
+    ours_cmd += [
+        "--backend",
+        args.backend,
+        "--quantize",
+        args.quantize,
+        "--model-name",
+        "bench",
+        "--max-batch",
+        "32",
+        "--no-prefix-cache",
+    ]
     peers = [Peer("ours", f"http://127.0.0.1:{ports['ours']}/v1", "bench", {"ignore_eos": True}, True)]
     logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))  # the servers' logs stay for a failed run
     with contextlib.ExitStack() as stack:
         stack.enter_context(server_process(ours_cmd, f"http://127.0.0.1:{ports['ours']}/health", logs / "ours.log"))
         if gguf is not None:
-            llama_cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(ports["llamacpp"]), "--host", "127.0.0.1"]
-            llama_cmd += ["--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048", "--model_alias", "bench"]
-            llama_cmd += ["--interrupt_requests", "False"]  # its default ends a running stream when another request comes
-            stack.enter_context(server_process(llama_cmd, f"http://127.0.0.1:{ports['llamacpp']}/v1/models", logs / "llama.log"))
+            llama_cmd = [
+                sys.executable,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                str(gguf),
+                "--port",
+                str(ports["llamacpp"]),
+                "--host",
+                "127.0.0.1",
+            ]
+            llama_cmd += [
+                "--n_threads",
+                str(threads),
+                "--n_threads_batch",
+                str(threads),
+                "--n_ctx",
+                "2048",
+                "--model_alias",
+                "bench",
+            ]
+            llama_cmd += [
+                "--interrupt_requests",
+                "False",
+            ]  # its default ends a running stream when another request comes
+            stack.enter_context(
+                server_process(llama_cmd, f"http://127.0.0.1:{ports['llamacpp']}/v1/models", logs / "llama.log")
+            )
             import llama_cpp
 
             out["peer"] = f"llama.cpp server (llama-cpp-python {llama_cpp.__version__}), {gguf.name}"
-            peers.append(Peer("llamacpp", f"http://127.0.0.1:{ports['llamacpp']}/v1", "bench", {"min_tokens": max_tokens}, False))
+            peers.append(
+                Peer("llamacpp", f"http://127.0.0.1:{ports['llamacpp']}/v1", "bench", {"min_tokens": max_tokens}, False)
+            )
         for p in peers:  # warm-up: first-request costs (kernels, caches) stay out of the figures
             asyncio.run(level(p, 1, 1, 4, 10_000))
         levels: dict[str, dict[str, Any]] = {}
@@ -193,7 +259,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for p in peers:
                 row[p.name] = asyncio.run(level(p, c, per_client[c], max_tokens, first=1000 * c))
             if "llamacpp" in row:
-                row["throughput_ratio_vs_llamacpp"] = round(row["ours"]["throughput_tps"] / row["llamacpp"]["throughput_tps"], 3)
+                row["throughput_ratio_vs_llamacpp"] = round(
+                    row["ours"]["throughput_tps"] / row["llamacpp"]["throughput_tps"], 3
+                )
                 row["ttft_p50_ratio_vs_llamacpp"] = round(row["ours"]["ttft_p50_s"] / row["llamacpp"]["ttft_p50_s"], 3)
             levels[str(c)] = row
     out["levels"] = levels

@@ -36,7 +36,14 @@ def is_sampled(top: str) -> bool:
 
 def render_module(top: str) -> dict[str, object]:
     """Pages and entries of one top-level module, from a fresh isolated interpreter (empty result on failure)."""
-    env = {"PYTHONHASHSEED": "0", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PATH": os.defpath, "TERM": "dumb", "COLUMNS": "80"}
+    env = {
+        "PYTHONHASHSEED": "0",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "PATH": os.defpath,
+        "TERM": "dumb",
+        "COLUMNS": "80",
+    }
     try:
         proc = subprocess.run(
             [sys.executable, "-S", "-P", str(RENDERER), top],

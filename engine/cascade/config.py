@@ -56,7 +56,9 @@ class CascadeConfig:
             if getattr(self, f) < 0:
                 raise CascadeConfigError(f"The cascade setting {f} must not be negative.")
         if not 0 <= self.reroute_drift <= 100:
-            raise CascadeConfigError(f"The cascade setting reroute_drift is a percentage (0 to 100), not {self.reroute_drift}.")
+            raise CascadeConfigError(
+                f"The cascade setting reroute_drift is a percentage (0 to 100), not {self.reroute_drift}."
+            )
         if self.routing not in ROUTING:
             raise CascadeConfigError(f"Unknown routing {self.routing!r}; choose one of {', '.join(ROUTING)}.")
 
@@ -103,12 +105,16 @@ class CascadeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise CascadeConfigError(f"Unknown cascade setting {unknown[0]!r}; known settings are {', '.join(sorted(known))}.")
+            raise CascadeConfigError(
+                f"Unknown cascade setting {unknown[0]!r}; known settings are {', '.join(sorted(known))}."
+            )
         for k, v in d.items():
             # Whole numbers only (no bool, float, Infinity or list), within MAX_SETTING: a file never sizes memory.
             ok = isinstance(v, str) if k == "routing" else type(v) is int and -MAX_SETTING <= v <= MAX_SETTING
             if not ok:
-                raise CascadeConfigError(f"The cascade setting {k} has a value of the wrong type or size ({str(v)[:40]}).")
+                raise CascadeConfigError(
+                    f"The cascade setting {k} has a value of the wrong type or size ({str(v)[:40]})."
+                )
         return cls(**d)
 
     def fit_to(self, max_positions: int, max_slots: int | None = None) -> CascadeConfig:
@@ -136,7 +142,9 @@ class CascadeConfig:
         return c
 
     @classmethod
-    def for_model(cls, model_dir: str | Path | None, config: ModelConfig, max_slots: int | None = None, **overrides: Any) -> CascadeConfig:
+    def for_model(
+        cls, model_dir: str | Path | None, config: ModelConfig, max_slots: int | None = None, **overrides: Any
+    ) -> CascadeConfig:
         """Defaults, then the model folder's optional cascade.json (none for a bare GGUF file: `model_dir` None),
         then `overrides`, fitted to the model's context and to `max_slots` (the slot table the memory budget and the
         backend allow; None: no limit)."""

@@ -253,7 +253,9 @@ class EpisodicMemory:
 
     def stats(self) -> TierStats:
         c = self.counters
-        return TierStats.make("episodic", len(self.blocks), self.bytes, self.cfg.episodic_budget_bytes, c.hits, c.misses, c.evictions)
+        return TierStats.make(
+            "episodic", len(self.blocks), self.bytes, self.cfg.episodic_budget_bytes, c.hits, c.misses, c.evictions
+        )
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         meta = {
@@ -265,7 +267,12 @@ class EpisodicMemory:
             "blocks": [[b.id, b.row, b.l3_key, b.last_access, b.uses, b.k is not None] for b in self.blocks.values()],
             "counters": self.counters.to_dict(),
         }
-        tensors = {"ep.partial_k": self.partial_k.clone(), "ep.partial_v": self.partial_v.clone(), "ep.kmin": self.kmin.clone(), "ep.kmax": self.kmax.clone()}
+        tensors = {
+            "ep.partial_k": self.partial_k.clone(),
+            "ep.partial_v": self.partial_v.clone(),
+            "ep.kmin": self.kmin.clone(),
+            "ep.kmax": self.kmax.clone(),
+        }
         for b in self.blocks.values():
             if b.k is not None and b.v is not None:
                 tensors[f"ep.{b.id}.k"], tensors[f"ep.{b.id}.v"] = b.k, b.v

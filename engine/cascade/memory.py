@@ -46,7 +46,9 @@ from engine.session_schema import (
     check_memory_state,
 )
 
-STATE_VERSION = CASCADE_STATE_VERSION  # 2: per-layer retrieval groups, key bounds, query-summary routing (engine.cascade.migrate)
+STATE_VERSION = (
+    CASCADE_STATE_VERSION  # 2: per-layer retrieval groups, key bounds, query-summary routing (engine.cascade.migrate)
+)
 TAIL_STEP = 4  # a prompt's last TAIL_STEPS * TAIL_STEP tokens go in small chunks, each routed by the one before
 TAIL_STEPS = 6
 TIERS = ("working", "episodic", "persistent")
@@ -56,7 +58,9 @@ FRAME_PERIOD_MAX = 4096
 class CascadeMemory:
     """The memory of one sequence: row `row` of the backend's slot table, laid out per `config`."""
 
-    def __init__(self, backend: Backend, config: CascadeConfig, row: int = 0, store: PersistentStore | None = None) -> None:
+    def __init__(
+        self, backend: Backend, config: CascadeConfig, row: int = 0, store: PersistentStore | None = None
+    ) -> None:
         if config.window == AUTO_WINDOW:
             raise ValueError("resolve the automatic window first (CascadeConfig.fit_to or for_model)")
         self.backend = backend
@@ -70,13 +74,17 @@ class CascadeMemory:
         backend, c = self.backend, self.backend.config
         if backend.num_slots != config.num_slots:
             if backend.batch != 1 or self.row != 0:
-                raise ValueError(f"the backend's slot table has {backend.num_slots} slots; this cascade needs {config.num_slots}")
+                raise ValueError(
+                    f"the backend's slot table has {backend.num_slots} slots; this cascade needs {config.num_slots}"
+                )
             backend.allocate(1, config.num_slots)
         self.cfg = config
         # Frames stay inside the rotary table (the trained context + ROTARY_HEADROOM), and small: fp32 angles lose
         # precision as positions grow (a period of 4096 costs one full re-rotation of the window per 4096 tokens).
         table = c.max_position_embeddings + ROTARY_HEADROOM
-        self.working = WorkingMemory(config, c.num_hidden_layers, frame_period=max(0, min(table - config.num_slots, FRAME_PERIOD_MAX)))
+        self.working = WorkingMemory(
+            config, c.num_hidden_layers, frame_period=max(0, min(table - config.num_slots, FRAME_PERIOD_MAX))
+        )
         self.episodic = EpisodicMemory(config, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), self.store)
         self.retriever = Retriever(backend, self.row, config, self.working, self.episodic)
         self.prefix = PrefixCache(self.store, config)
@@ -116,7 +124,9 @@ class CascadeMemory:
         if t == 0:
             raise ValueError("plan needs at least one token")
         if t > self.cfg.window:
-            raise InputTooLarge(f"A step of {t} tokens exceeds the {self.cfg.window}-token window; feed it in smaller chunks.")
+            raise InputTooLarge(
+                f"A step of {t} tokens exceeds the {self.cfg.window}-token window; feed it in smaller chunks."
+            )
         if self.cfg.retrieval_blocks and self.episodic.blocks:
             self.retriever.route(prefill=t > 1)
         start = len(self.tokens)
@@ -211,7 +221,11 @@ class CascadeMemory:
         end = base + len(ids)
         cuts: set[int] = set()
         if self.cfg.retrieval_blocks and end > self.cfg.sink_tokens + self.cfg.window:
-            cuts.update(c - base for c in range(end - TAIL_STEP, end - TAIL_STEP * TAIL_STEPS - 1, -TAIL_STEP) if c > len(self.tokens))
+            cuts.update(
+                c - base
+                for c in range(end - TAIL_STEP, end - TAIL_STEP * TAIL_STEPS - 1, -TAIL_STEP)
+                if c > len(self.tokens)
+            )
         cuts.update(c - base for c in self.prefix.cut(len(self.tokens), end, TAIL_STEP * TAIL_STEPS))
         return sorted(cuts)
 
@@ -266,7 +280,9 @@ class CascadeMemory:
         saved = CascadeConfig.from_dict(meta["config"])
         if not saved.same_state(self.cfg):
             if self.backend.batch != 1 or self.row != 0:
-                raise SessionFileError("The saved memory used a different cascade geometry; restore it with the same settings.")
+                raise SessionFileError(
+                    "The saved memory used a different cascade geometry; restore it with the same settings."
+                )
             self._layout(saved.with_budgets_of(self.cfg))
         self._restore(meta, tensors)
         self.prefix.canonical = None  # a conversation, however it was fed: never snapshot as a fresh read

@@ -24,7 +24,9 @@ from engine.cascade.episodic import key_bounds
 from engine.errors import SessionFileError
 
 
-def migrate_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def migrate_state(
+    meta: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A version-1 cascade state (meta, tensors) as version 2. Raises SessionFileError when it is malformed."""
     try:
         return _v1_to_v2(meta, tensors)

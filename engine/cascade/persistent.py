@@ -131,7 +131,9 @@ class PersistentStore:
     def _load_index(self) -> None:
         try:
             raw = json.loads((self.root / "index.json").read_text(encoding="utf-8"))
-            entries = {k: _Entry(int(e["bytes"]), float(e["last_used"]), int(e["uses"])) for k, e in raw["entries"].items()}
+            entries = {
+                k: _Entry(int(e["bytes"]), float(e["last_used"]), int(e["uses"])) for k, e in raw["entries"].items()
+            }
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             entries = {}
         present = {p.stem: p for p in self.blocks.glob("*.safetensors") if _is_key(p.stem)}
@@ -257,7 +259,14 @@ class PersistentStore:
         if meta is None:
             self._drop(key, "its header is unreadable")
             return None
-        ident = (meta.get("format"), meta.get("kind", "kv"), meta.get("key"), meta.get("fingerprint"), meta.get("numerics"), meta.get("dtype"))
+        ident = (
+            meta.get("format"),
+            meta.get("kind", "kv"),
+            meta.get("key"),
+            meta.get("fingerprint"),
+            meta.get("numerics"),
+            meta.get("dtype"),
+        )
         if ident != (FORMAT, kind, key, self.fingerprint, self.numerics, self.dtype):
             self._drop(key, "it belongs to another model, backend or format")
             return None
@@ -268,7 +277,11 @@ class PersistentStore:
         out: dict[str, torch.Tensor] = {}
         for name, info in infos.items():
             count = info.nbytes // info.torch_dtype.itemsize
-            t = torch.frombuffer(mm, dtype=info.torch_dtype, count=count, offset=info.start).view(info.shape) if count else torch.zeros(info.shape, dtype=info.torch_dtype)
+            t = (
+                torch.frombuffer(mm, dtype=info.torch_dtype, count=count, offset=info.start).view(info.shape)
+                if count
+                else torch.zeros(info.shape, dtype=info.torch_dtype)
+            )
             if _crc(t) != meta.get(f"crc_{name}"):
                 self._drop(key, "its data fails the checksum")
                 return None
@@ -300,7 +313,9 @@ class PersistentStore:
         self.flush()
 
     def _drop(self, key: str, why: str) -> None:
-        warnings.warn(f"Dropped a persistent KV cache entry because {why}; it will be recomputed.", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"Dropped a persistent KV cache entry because {why}; it will be recomputed.", RuntimeWarning, stacklevel=3
+        )
         self._remove(key)
         self.counters.evictions += 1
         self.flush()
@@ -341,4 +356,6 @@ class PersistentStore:
 
     def stats(self) -> TierStats:
         c = self.counters
-        return TierStats.make("persistent", len(self._index), self.bytes, self.budget_bytes, c.hits, c.misses, c.evictions)
+        return TierStats.make(
+            "persistent", len(self._index), self.bytes, self.budget_bytes, c.hits, c.misses, c.evictions
+        )

@@ -177,7 +177,9 @@ class PrefixCache:
         at, self.snapshot_at = self.snapshot_at, None
         return tokens == at
 
-    def put_snapshot(self, episodic: EpisodicMemory, state: Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> None:
+    def put_snapshot(
+        self, episodic: EpisodicMemory, state: Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor]]]
+    ) -> None:
         """Store the memory's state (as `state()` gives it, called once its blocks have their L3 keys) under the
         digest of every token fed; resident episodic blocks go in as content-addressed entries of their own."""
         assert self.store is not None
@@ -226,7 +228,15 @@ class PrefixCache:
                 return found
         return None
 
-    def _complete(self, key: str, end: int, ids: list[int], meta: dict[str, Any], stored: dict[str, torch.Tensor], target: StateTarget) -> Snapshot | None:
+    def _complete(
+        self,
+        key: str,
+        end: int,
+        ids: list[int],
+        meta: dict[str, Any],
+        stored: dict[str, torch.Tensor],
+        target: StateTarget,
+    ) -> Snapshot | None:
         """A read snapshot with its blocks' KV filled in from L3, checked; None (and the entry deleted) if unusable."""
         assert self.store is not None
         if meta.get("tokens") != ids[:end] or not self._same_settings(meta):

@@ -25,7 +25,9 @@ from engine.cascade.working import WorkingMemory
 class Retriever:
     """Routing state and paging for one memory (row `row` of the backend's slot table)."""
 
-    def __init__(self, backend: Backend, row: int, cfg: CascadeConfig, working: WorkingMemory, episodic: EpisodicMemory) -> None:
+    def __init__(
+        self, backend: Backend, row: int, cfg: CascadeConfig, working: WorkingMemory, episodic: EpisodicMemory
+    ) -> None:
         self.backend = backend
         self.row = row
         self.cfg = cfg
@@ -77,7 +79,9 @@ class Retriever:
         query = self._routing_query()
         if query is None:
             return
-        ctx = RouteContext(prefill, self.since_route, self.cfg.reroute_every, self._drift(query), self.cfg.reroute_drift / 100)
+        ctx = RouteContext(
+            prefill, self.since_route, self.cfg.reroute_every, self._drift(query), self.cfg.reroute_drift / 100
+        )
         if not self.strategy.should_route(ctx):
             return
         self.since_route = 0
@@ -98,7 +102,12 @@ class Retriever:
             keep: list[int | None] = [b if b in pick else None for b in held] + [None] * (n - len(held))
             rest = iter(sorted(b for b in pick if b not in keep))  # by id, not rank: placement follows the set alone
             new.append([b if b is not None else next(rest) for b in keep])
-        changed = {(layer, g) for layer in range(len(new)) for g in range(n) if g >= len(old[layer]) or old[layer][g] != new[layer][g]}
+        changed = {
+            (layer, g)
+            for layer in range(len(new))
+            for g in range(n)
+            if g >= len(old[layer]) or old[layer][g] != new[layer][g]
+        }
         needed = {new[layer][g] for layer, g in changed}
         protect = tuple({b for pick in chosen for b in pick})
         kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -141,6 +150,10 @@ class Retriever:
         recent = tensors.get("route.recent")
         counts = [int(n) for n in meta["recent_tokens"]]
         shape = self.episodic.kv_shape
-        self.recent = [] if recent is None else [(recent[i].float().reshape(shape).clone(), counts[i]) for i in range(len(counts))]
+        self.recent = (
+            []
+            if recent is None
+            else [(recent[i].float().reshape(shape).clone(), counts[i]) for i in range(len(counts))]
+        )
         routed = tensors.get("route.routed")
         self.routed = None if routed is None else routed.float().clone()

@@ -27,7 +27,9 @@ class TierStats:
     evictions: int
 
     @classmethod
-    def make(cls, name: str, entries: int, bytes_: int, capacity_bytes: int, hits: int, misses: int, evictions: int) -> TierStats:
+    def make(
+        cls, name: str, entries: int, bytes_: int, capacity_bytes: int, hits: int, misses: int, evictions: int
+    ) -> TierStats:
         total = hits + misses
         return cls(name, entries, bytes_, capacity_bytes, hits, misses, hits / total if total else 0.0, evictions)
 

@@ -31,7 +31,12 @@ class WorkingMemory:
     def __init__(self, cfg: CascadeConfig, num_layers: int, frame_period: int = 0) -> None:
         self.cfg = cfg
         self.num_layers = num_layers
-        self.sinks, self.block, self.groups_n, self.window = cfg.sink_tokens, cfg.block_size, cfg.retrieval_blocks, cfg.window
+        self.sinks, self.block, self.groups_n, self.window = (
+            cfg.sink_tokens,
+            cfg.block_size,
+            cfg.retrieval_blocks,
+            cfg.window,
+        )
         self.retrieval_start = self.sinks
         self.window_start = self.sinks + cfg.retrieval_slots
         self.slot_positions = torch.zeros(cfg.num_slots, dtype=torch.long)  # (S,) position of each slot
@@ -138,14 +143,24 @@ class WorkingMemory:
     def stats(self, token_bytes: int) -> TierStats:
         """This tier's stats; `token_bytes`: one token's KV in the slot table (all layers)."""
         held, c = self.held_tokens, self.counters
-        return TierStats.make("working", held, held * token_bytes, self.cfg.num_slots * token_bytes, c.hits, c.misses, self.evicted)
+        return TierStats.make(
+            "working", held, held * token_bytes, self.cfg.num_slots * token_bytes, c.hits, c.misses, self.evicted
+        )
 
     def state(self) -> dict[str, Any]:
-        return {"n_sink": self.n_sink, "n_window": self.n_window, "head": self.head, "evicted": self.evicted, "groups": [list(g) for g in self.groups]}
+        return {
+            "n_sink": self.n_sink,
+            "n_window": self.n_window,
+            "head": self.head,
+            "evicted": self.evicted,
+            "groups": [list(g) for g in self.groups],
+        }
 
     def load_state(self, meta: dict[str, Any]) -> None:
         self.reset()
-        self.n_sink, self.n_window, self.head, self.evicted = (int(meta[k]) for k in ("n_sink", "n_window", "head", "evicted"))
+        self.n_sink, self.n_window, self.head, self.evicted = (
+            int(meta[k]) for k in ("n_sink", "n_window", "head", "evicted")
+        )
         self.valid[: self.n_sink] = True
         filled = (self.head - 1 - torch.arange(self.n_window)) % self.window + self.window_start
         self.valid[filled] = True

@@ -29,16 +29,37 @@ SUITES: dict[str, str] = {
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("bench", help="run a benchmark suite")
     p.add_argument("suite", choices=list(SUITES))
-    p.add_argument("--model", type=Path, default=None, help="model folder or .gguf (default: the default model, or the suite's own)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model folder or .gguf (default: the default model, or the suite's own)",
+    )
     p.add_argument("--backend", default="cpu", choices=["auto", "coreml", "mps", "cuda", "cpu"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads for us and every peer (default: all cores)")
-    p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="our weight storage in `decode`, `profile`, `long-ppl`, `passkey` (auto: a GGUF as stored, else q8_0 on the cpu backend; int8: Core ML)")
-    p.add_argument("--gguf", type=Path, default=None, help="`quant`, `decode`: a GGUF of --model's weights, run as stored by both engines")
-    p.add_argument("--peer-gguf", type=Path, default=None, help="`serve`: the GGUF of the same weights for llama.cpp's server")
+    p.add_argument(
+        "--quantize",
+        default="auto",
+        choices=QUANTIZE_CHOICES,
+        help="our weight storage in `decode`, `profile`, `long-ppl`, `passkey` (auto: a GGUF as stored, else q8_0 on the cpu backend; int8: Core ML)",
+    )
+    p.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="`quant`, `decode`: a GGUF of --model's weights, run as stored by both engines",
+    )
+    p.add_argument(
+        "--peer-gguf", type=Path, default=None, help="`serve`: the GGUF of the same weights for llama.cpp's server"
+    )
     p.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke runs)")
-    p.add_argument("--window", type=int, default=None, help="`passkey`, `long-ppl`: force the cascade's window (tokens)")
+    p.add_argument(
+        "--window", type=int, default=None, help="`passkey`, `long-ppl`: force the cascade's window (tokens)"
+    )
     p.add_argument("--depths", default=None, help="`passkey`: comma-separated key depths (default 0.1,0.3,0.5,0.7,0.9)")
-    p.add_argument("--max-length", type=int, default=None, help="`passkey`: the longest prompt (default 4x the trained context)")
+    p.add_argument(
+        "--max-length", type=int, default=None, help="`passkey`: the longest prompt (default 4x the trained context)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

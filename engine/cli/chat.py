@@ -55,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
     session = engine.new_session()
     check_text(args.system, "--system")
     session.system_prompt = args.system
-    print(f"MLoT Spark — {display_name(engine.model_dir)} on {engine.choice.explain()}. /quit to leave.", file=sys.stderr)
+    print(
+        f"MLoT Spark — {display_name(engine.model_dir)} on {engine.choice.explain()}. /quit to leave.", file=sys.stderr
+    )
     while True:
         try:
             line = input("> ").strip()

@@ -20,7 +20,9 @@ MAX_PROMPT_FILE_BYTES = 4 * 1_000_000  # engine.session.MAX_PROMPT_CHARS charact
 def check_threads(threads: int | None) -> None:
     cores = os.cpu_count() or 1
     if threads is not None and not 1 <= threads <= cores * THREADS_PER_CORE:
-        raise SparkError(f"--threads must be between 1 and {cores * THREADS_PER_CORE} on this {cores}-core machine, not {threads}.")
+        raise SparkError(
+            f"--threads must be between 1 and {cores * THREADS_PER_CORE} on this {cores}-core machine, not {threads}."
+        )
 
 
 def check_seed(seed: int | None) -> None:
@@ -40,7 +42,9 @@ def check_text(text: str | None, flag: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise SparkError(f"{flag} is not valid UTF-8 text (an invalid byte at character {exc.start}); check the terminal's encoding.") from None
+        raise SparkError(
+            f"{flag} is not valid UTF-8 text (an invalid byte at character {exc.start}); check the terminal's encoding."
+        ) from None
 
 
 def read_text_file(path: Path, flag: str, max_bytes: int = MAX_PROMPT_FILE_BYTES) -> str:
@@ -52,7 +56,9 @@ def read_text_file(path: Path, flag: str, max_bytes: int = MAX_PROMPT_FILE_BYTES
         if stat.S_ISDIR(st.st_mode):
             raise SparkError(f"{path} is a folder; {flag} needs a text file.")
         if stat.S_ISREG(st.st_mode) and st.st_size > max_bytes:
-            raise InputTooLarge(f"{path} is {st.st_size:,} bytes, more than the {max_bytes:,} {flag} accepts; shorten it.")
+            raise InputTooLarge(
+                f"{path} is {st.st_size:,} bytes, more than the {max_bytes:,} {flag} accepts; shorten it."
+            )
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
     except FileNotFoundError:

@@ -20,16 +20,33 @@ from engine.session import Engine, Session, memory_factory_for
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=None, help="Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct, the installed default model)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct, the installed default model)",
+    )
     p.add_argument("--backend", default="auto", choices=["auto", "coreml", "mps", "cuda", "cpu"])
     p.add_argument("--cache-dir", type=Path, default=None, help="persistent (L3) prefix cache folder")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not read or write the persistent prefix cache")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: performance cores, or all but one)")
-    p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="weight storage (auto: a GGUF as stored, else q8_0 on the cpu backend; int8: Core ML)")
+    p.add_argument(
+        "--quantize",
+        default="auto",
+        choices=QUANTIZE_CHOICES,
+        help="weight storage (auto: a GGUF as stored, else q8_0 on the cpu backend; int8: Core ML)",
+    )
 
 
 # Our defaults where neither a flag nor the model's generation_config.json says otherwise.
-SAMPLING_DEFAULTS: dict[str, float] = {"max_tokens": 128, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+SAMPLING_DEFAULTS: dict[str, float] = {
+    "max_tokens": 128,
+    "temperature": 0.7,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +89,9 @@ def open_engine(args: argparse.Namespace) -> Engine:
     check_threads(args.threads)
     use_recommended_threads(args.threads)
     policy = this_machine_policy()
-    factory = memory_factory_for(args.model, cache_dir=args.cache_dir, prefix_cache=not args.no_prefix_cache, policy=policy)
+    factory = memory_factory_for(
+        args.model, cache_dir=args.cache_dir, prefix_cache=not args.no_prefix_cache, policy=policy
+    )
     return Engine.load(args.model, args.backend, memory_factory=factory, policy=policy, quantize=args.quantize)
 
 
@@ -83,9 +102,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from a file")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     add_sampling_args(p)
-    p.add_argument("--save-session", type=Path, default=None, help="save the conversation and its memory to a .spark file")
+    p.add_argument(
+        "--save-session", type=Path, default=None, help="save the conversation and its memory to a .spark file"
+    )
     p.add_argument("--load-session", type=Path, default=None, help="continue a saved .spark conversation")
-    p.add_argument("--continue", dest="continue_", action="store_true", help="with --load-session: extend the last reply")
+    p.add_argument(
+        "--continue", dest="continue_", action="store_true", help="with --load-session: extend the last reply"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=run)
 
@@ -135,7 +158,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def pick_stream(session: Session, prompt: str | None, args: argparse.Namespace, settings: GenerationSettings) -> Iterator[GenerationEvent]:
+def pick_stream(
+    session: Session, prompt: str | None, args: argparse.Namespace, settings: GenerationSettings
+) -> Iterator[GenerationEvent]:
     if prompt is None:
         return session.continue_reply(settings)
     if args.chat:

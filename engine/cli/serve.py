@@ -18,19 +18,36 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_model_args(p)
     p.add_argument("--host", default=LOOPBACK, help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
-    p.add_argument("--api-key", default=None, help="require this key as 'Authorization: Bearer KEY' (default: $MLOT_SPARK_API_KEY, else none)")
-    p.add_argument("--model-name", default=None, help="the name clients send as \"model\" (default: the model's folder or file name)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key as 'Authorization: Bearer KEY' (default: $MLOT_SPARK_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--model-name",
+        default=None,
+        help='the name clients send as "model" (default: the model\'s folder or file name)',
+    )
     p.add_argument("--max-batch", type=int, default=8, help="requests generating at once")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (more get 429)")
     p.add_argument("--max-prompt-tokens", type=int, default=16384, help="longer prompts get 413")
-    p.add_argument("--allow-origin", action="append", default=[], help="allow browser requests from this origin (CORS; off by default)")
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        help="allow browser requests from this origin (CORS; off by default)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise SparkError(f"--port must be between 0 and 65535, not {args.port}.")
-    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue), ("--max-prompt-tokens", args.max_prompt_tokens)):
+    for flag, value in (
+        ("--max-batch", args.max_batch),
+        ("--max-queue", args.max_queue),
+        ("--max-prompt-tokens", args.max_prompt_tokens),
+    ):
         if value < 1:
             raise SparkError(f"{flag} must be at least 1, not {value}.")
     key = args.api_key if args.api_key is not None else os.environ.get("MLOT_SPARK_API_KEY") or None
@@ -44,9 +61,14 @@ def run(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         allow_origins=tuple(args.allow_origin),
     )
-    server = LocalServer(ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, config), args.host, args.port)
+    server = LocalServer(
+        ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, config), args.host, args.port
+    )
     if args.host not in (LOOPBACK, "localhost", "::1") and key is None:
-        print("warning: listening beyond this machine without --api-key; anyone who can reach it may use it.", file=sys.stderr)
+        print(
+            "warning: listening beyond this machine without --api-key; anyone who can reach it may use it.",
+            file=sys.stderr,
+        )
     print(f"serving {config.model_id} at {server.url} (backend: {engine.choice.explain()})", file=sys.stderr)
     server.serve_forever()
     return 0

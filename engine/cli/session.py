@@ -22,7 +22,13 @@ if TYPE_CHECKING:
 
 PREVIEW_CHARS = 72
 # What a terminal would act on or render deceptively: C0/C1 controls, DEL, bidi controls, surrogates.
-_UNSAFE = {c for c in range(0x20)} | set(range(0x7F, 0xA0)) | set(range(0x202A, 0x202F)) | set(range(0x2066, 0x206A)) | {0x200E, 0x200F, 0x061C}
+_UNSAFE = (
+    {c for c in range(0x20)}
+    | set(range(0x7F, 0xA0))
+    | set(range(0x202A, 0x202F))
+    | set(range(0x2066, 0x206A))
+    | {0x200E, 0x200F, 0x061C}
+)
 _ESCAPES = {c: (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}") for c in _UNSAFE}
 _JSON_ESCAPES = {c: f"\\u{c:04x}" for c in _UNSAFE if c >= 0x20}  # json.dumps already escapes C0
 
@@ -36,7 +42,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     inspect.set_defaults(func=run_inspect)
     verify = actions.add_parser("verify", help="exit 0 only when the file is sound and this build can restore it")
     verify.add_argument("file", type=Path)
-    verify.add_argument("--model", type=Path, default=None, help="run restore's checks against this model (folder or .gguf; default: the default model)")
+    verify.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="run restore's checks against this model (folder or .gguf; default: the default model)",
+    )
     verify.set_defaults(func=run_verify)
 
 
@@ -66,7 +77,11 @@ def run_inspect(args: argparse.Namespace) -> int:
         text = json.dumps(info, ensure_ascii=False).translate(_JSON_ESCAPES)
         print(text.encode("utf-8", "backslashreplace").decode("utf-8"))
         return 0
-    upgraded = "" if info["format_version"] == info["current_format_version"] else f" (read as v{info['current_format_version']})"
+    upgraded = (
+        ""
+        if info["format_version"] == info["current_format_version"]
+        else f" (read as v{info['current_format_version']})"
+    )
     lines = [
         f"{escape(info['path'])}",
         f"  format      v{info['format_version']}{upgraded}, saved by MLoT Spark {escape(info['app_version'])}",
@@ -75,7 +90,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         f"  created     {_when(info['created'])}, saved {_when(info['saved'])}",
         f"  messages    {len(info['messages'])}, tokens {info['token_count']}",
         f"  memory      {escape(info['memory_kind'] or 'unknown')}, compression {info['compression']}",
-        f"  size        {info['file_bytes']} bytes on disk, " + ", ".join(f"{escape(tier)} {n} bytes" for tier, n in info["tier_bytes"].items()),
+        f"  size        {info['file_bytes']} bytes on disk, "
+        + ", ".join(f"{escape(tier)} {n} bytes" for tier, n in info["tier_bytes"].items()),
     ]
     if info["system_prompt"]:
         lines.append(f"  system      {_preview(info['system_prompt'])}")

@@ -24,7 +24,25 @@ def this_machine_policy(mode: Mode = Mode.BALANCED, config: PolicyConfig | None 
 
 
 __all__ = [
-    "ChipInfo", "ChipSource", "DecisionKind", "HardwarePolicy", "MemoryPressure", "MemorySnapshot", "MemorySource",
-    "Mode", "PolicyConfig", "PolicyDecision", "PolicyState", "SystemMemorySource", "ThermalReading", "ThermalSource",
-    "ThermalState", "default_chip_source", "default_thermal_source", "recommended_threads", "snapshot_cost_s", "this_machine_policy", "use_recommended_threads",
+    "ChipInfo",
+    "ChipSource",
+    "DecisionKind",
+    "HardwarePolicy",
+    "MemoryPressure",
+    "MemorySnapshot",
+    "MemorySource",
+    "Mode",
+    "PolicyConfig",
+    "PolicyDecision",
+    "PolicyState",
+    "SystemMemorySource",
+    "ThermalReading",
+    "ThermalSource",
+    "ThermalState",
+    "default_chip_source",
+    "default_thermal_source",
+    "recommended_threads",
+    "snapshot_cost_s",
+    "this_machine_policy",
+    "use_recommended_threads",
 ]

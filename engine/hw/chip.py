@@ -100,8 +100,15 @@ class GenericChipSource:
     def read(self) -> ChipInfo:
         import psutil
 
-        return ChipInfo(platform.processor() or platform.machine() or "unknown CPU", platform.system(), platform.machine(),
-                        os.cpu_count(), None, None, psutil.virtual_memory().total)
+        return ChipInfo(
+            platform.processor() or platform.machine() or "unknown CPU",
+            platform.system(),
+            platform.machine(),
+            os.cpu_count(),
+            None,
+            None,
+            psutil.virtual_memory().total,
+        )
 
 
 def recommended_threads(chip: ChipInfo) -> int:

@@ -187,7 +187,9 @@ class SystemMemorySource:
         process = psutil.Process()  # created once: constructing one per snapshot would dominate its cost
         return lambda: int(process.memory_info().rss)
 
-    def attach_model(self, weight_bytes: int, cascade_bytes: Callable[[], Mapping[str, int]] = dict, backend: str | None = None) -> None:
+    def attach_model(
+        self, weight_bytes: int, cascade_bytes: Callable[[], Mapping[str, int]] = dict, backend: str | None = None
+    ) -> None:
         """Report the loaded model: its weight bytes, a function giving the cascade's bytes per tier, its backend."""
         self.weight_bytes = weight_bytes
         self.cascade_bytes = cascade_bytes

@@ -52,7 +52,9 @@ PROFILES: dict[Mode, ModeProfile] = {
     Mode.PERFORMANCE: ModeProfile(Throttle(), Throttle(chunk_cap=128, batch_cap=4, cooldown_s=0.005), False),
     Mode.BALANCED: ModeProfile(Throttle(), Throttle(chunk_cap=64, batch_cap=2, cooldown_s=0.02), False),
     Mode.EFFICIENCY: ModeProfile(
-        Throttle(chunk_cap=128, batch_cap=2, cooldown_s=0.01), Throttle(chunk_cap=32, batch_cap=1, cooldown_s=0.05), True
+        Throttle(chunk_cap=128, batch_cap=2, cooldown_s=0.01),
+        Throttle(chunk_cap=32, batch_cap=1, cooldown_s=0.05),
+        True,
     ),
 }
 
@@ -153,7 +155,9 @@ class HardwarePolicy:
     @property
     def state(self) -> PolicyState:
         with self._lock:
-            return PolicyState(self._mode, self._thermal_state, self._pressure, self._paused, self._throttle, self._spilling)
+            return PolicyState(
+                self._mode, self._thermal_state, self._pressure, self._paused, self._throttle, self._spilling
+            )
 
     def mark_stale(self) -> None:
         """Re-read the sources at the next step (called by thermal change notifications, from any thread)."""
@@ -218,8 +222,16 @@ class HardwarePolicy:
         self._spilling = spilling
         params = {"memory_pressure": pressure.value}
         if spilling:
-            return [PolicyDecision(DecisionKind.SPILL, f"spilling episodic memory to disk: memory pressure {pressure.value}", params)]
-        return [PolicyDecision(DecisionKind.KEEP, f"keeping episodic memory in RAM: memory pressure {pressure.value}", params)]
+            return [
+                PolicyDecision(
+                    DecisionKind.SPILL, f"spilling episodic memory to disk: memory pressure {pressure.value}", params
+                )
+            ]
+        return [
+            PolicyDecision(
+                DecisionKind.KEEP, f"keeping episodic memory in RAM: memory pressure {pressure.value}", params
+            )
+        ]
 
     def _emit(self, decisions: list[PolicyDecision]) -> None:
         if not decisions:

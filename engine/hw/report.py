@@ -55,8 +55,10 @@ def format_summary(report: Mapping[str, Any]) -> str:
     ]
     device = report["device_memory"]
     if device:
-        lines.append(f"device:   {device['backend']} {format_bytes(device['allocated_bytes'])} allocated, "
-                     f"{format_bytes(device['reserved_bytes'])} held")
+        lines.append(
+            f"device:   {device['backend']} {format_bytes(device['allocated_bytes'])} allocated, "
+            f"{format_bytes(device['reserved_bytes'])} held"
+        )
     lines.append("backends:")
     for name, probe in report["backends"].items():
         mark = "yes" if probe["available"] else "no "

@@ -161,7 +161,9 @@ def _psutil_sensors() -> Mapping[str, Sequence[Any]]:
 class LinuxThermalSource:
     """Hottest of the sysfs thermal zones under `root` and psutil's hwmon sensors, mapped to a level."""
 
-    def __init__(self, root: Path = Path("/"), sensors: Callable[[], Mapping[str, Sequence[Any]]] = _psutil_sensors) -> None:
+    def __init__(
+        self, root: Path = Path("/"), sensors: Callable[[], Mapping[str, Sequence[Any]]] = _psutil_sensors
+    ) -> None:
         self.root = Path(root)
         self.sensors = sensors
 

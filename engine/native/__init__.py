@@ -175,7 +175,11 @@ def build_library(cache_root: Path | None = None, extra_flags: Sequence[str] = (
     distribution (packaging/spark.spec) instead of for this CPU."""
     cc = _compiler()
     if cc is None:
-        hint = "install the Xcode Command Line Tools (xcode-select --install)" if sys.platform == "darwin" else "install a C compiler (gcc or clang)"
+        hint = (
+            "install the Xcode Command Line Tools (xcode-select --install)"
+            if sys.platform == "darwin"
+            else "install a C compiler (gcc or clang)"
+        )
         raise RuntimeError(f"no C compiler was found; {hint} to enable the native CPU kernels")
     flags = [*compile_flags(portable), *extra_flags]
     out = library_path(cache_root or default_cache_dir(), cc, flags)
@@ -184,7 +188,9 @@ def build_library(cache_root: Path | None = None, extra_flags: Sequence[str] = (
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: a concurrent process or an interrupted build never leaves half a file.
     with atomic_path(out, prefix=out.stem + "-", suffix=out.suffix) as tmp:
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True, timeout=300
+        )
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["(no message)"])[0]
             raise RuntimeError(f"the native CPU kernels did not compile with {cc}: {first}")

@@ -45,7 +45,9 @@ class NativeBlockLinear(nn.Module):
         self.out_features, self.in_features = w.shape[0], w.inputs
         self.padded = w.shape[1]  # K rounded up to 32: zero weight columns beyond in_features
         self.register_buffer("blocks", w.blocks, persistent=False)  # (N, padded/32 * block bytes) uint8
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)  # (N,)
+        self.register_buffer(
+            "bias", None if bias is None else bias.detach().float().contiguous(), persistent=False
+        )  # (N,)
         self.desc = QMat(_ptr(self.blocks), _ptr(self.bias), self.out_features, self.padded, w.qtype.ggml_id, act_parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) float32 -> (..., N) float32
@@ -139,7 +141,12 @@ class NativeDecoder:
             cache.summary.data_ptr(),  # (L, 1, Hkv, D): the step's query summary, as the PyTorch path writes it
         )
         table = CacheDesc(
-            cache.k.data_ptr(), cache.v.data_ptr(), cache.k_read.data_ptr(), cache.v_read.data_ptr(), cache.num_slots, int(cache.k.dtype == torch.float16)
+            cache.k.data_ptr(),
+            cache.v.data_ptr(),
+            cache.k_read.data_ptr(),
+            cache.v_read.data_ptr(),
+            cache.num_slots,
+            int(cache.k.dtype == torch.float16),
         )
         logits = torch.empty(self.vocab)  # (V,)
         scores = torch.empty(self.desc.n_heads * reads.width)  # (H, m) each head's attention weights
@@ -147,7 +154,12 @@ class NativeDecoder:
         scratch = torch.empty(self.scratch_floats)
         self.kernels.use_threads(torch.get_num_threads())  # the hardware policy's count (engine.hw), or --threads
         self.kernels.lib.spark_decode(
-            ctypes.byref(self.desc), ctypes.byref(table), ctypes.byref(step), residual.data_ptr(), logits.data_ptr(), scratch.data_ptr(), scores.data_ptr()
+            ctypes.byref(self.desc),
+            ctypes.byref(table),
+            ctypes.byref(step),
+            residual.data_ptr(),
+            logits.data_ptr(),
+            scratch.data_ptr(),
+            scores.data_ptr(),
         )
         return logits.view(1, 1, -1)
-

@@ -64,7 +64,11 @@ class SSEResponse(Response):
         self.status_code = 200
         self.background = None
         # No Content-Length: the body's length is unknown until the last event (chunked transfer).
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        self.raw_headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
         self.chunks, self.job = chunks, job
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -201,16 +205,26 @@ class Api:
                     continue
                 offset += len(ev.text)
                 delta = {"content": ev.text}
-                yield sse(protocol.chat_chunk(rid, model, created, delta, None, lp) if chat else protocol.completion_chunk(rid, model, created, ev.text, None, lp))
+                yield sse(
+                    protocol.chat_chunk(rid, model, created, delta, None, lp)
+                    if chat
+                    else protocol.completion_chunk(rid, model, created, ev.text, None, lp)
+                )
         try:
             c = self.finish(job)
         except ApiError as err:  # the status line is gone already: the error travels as an event
             yield sse(err.body())
             return
         reason = protocol.finish_reason(c.finish_reason)
-        yield sse(protocol.chat_chunk(rid, model, created, {}, reason) if chat else protocol.completion_chunk(rid, model, created, "", reason))
+        yield sse(
+            protocol.chat_chunk(rid, model, created, {}, reason)
+            if chat
+            else protocol.completion_chunk(rid, model, created, "", reason)
+        )
         if req.include_usage:
-            yield sse(protocol.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else "text_completion", c))
+            yield sse(
+                protocol.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else "text_completion", c)
+            )
         yield "data: [DONE]\n\n"
 
     def finish(self, job: Job) -> Completion:
@@ -240,5 +254,12 @@ def create_app(service: ModelService) -> Starlette:
     ]
     middleware = []
     if service.config.allow_origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=list(service.config.allow_origins), allow_methods=["GET", "POST"], allow_headers=["*"]))
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(service.config.allow_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["*"],
+            )
+        )
     return Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: not_found})

@@ -126,7 +126,15 @@ class RowState:
     are fed; otherwise the memory is reset. Leading ids the prefix cache restores are not fed either.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], settings: GenerationSettings, memory: Memory, t0: float, skip: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        settings: GenerationSettings,
+        memory: Memory,
+        t0: float,
+        skip: int = 0,
+    ) -> None:
         self.settings = settings
         ids = list(prompt_ids)
         held = len(memory.tokens)
@@ -164,10 +172,23 @@ class RowState:
     def completion(self, last: GenerationEvent) -> Completion:
         reply = self.reply
         assert reply.finish_reason is not None
-        return Completion(list(reply.tokens), "".join(reply.pieces), reply.finish_reason, reply.prompt_tokens, last.ttft_s, last.tokens_per_s, self.cached_tokens)
+        return Completion(
+            list(reply.tokens),
+            "".join(reply.pieces),
+            reply.finish_reason,
+            reply.prompt_tokens,
+            last.ttft_s,
+            last.tokens_per_s,
+            self.cached_tokens,
+        )
 
 
-def sample_rows(states: Sequence[RowState | None], rows: Sequence[int], logits: torch.Tensor, should_stop: Callable[[int], bool] = lambda r: False) -> list[GenerationEvent]:
+def sample_rows(
+    states: Sequence[RowState | None],
+    rows: Sequence[int],
+    logits: torch.Tensor,
+    should_stop: Callable[[int], bool] = lambda r: False,
+) -> list[GenerationEvent]:
     """Sample the given rows of `logits` (B, V) and return one event per row, in `rows` order; `should_stop(row)`
     says whether that row's request was cancelled meanwhile (asked as `Reply.accept` asks)."""
     active = {r: st for r in rows if (st := states[r]) is not None}
@@ -190,7 +211,10 @@ class _Group:
 
 def _buckets(prompts: list[list[int]], max_batch: int) -> list[_Group]:
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    return [_Group(order[i : i + max_batch], [prompts[j] for j in order[i : i + max_batch]]) for i in range(0, len(order), max_batch)]
+    return [
+        _Group(order[i : i + max_batch], [prompts[j] for j in order[i : i + max_batch]])
+        for i in range(0, len(order), max_batch)
+    ]
 
 
 def generate_batch(

@@ -28,11 +28,18 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def bad_key() -> ApiError:
-    return ApiError(401, "The API key is missing or wrong; send it as 'Authorization: Bearer KEY'.", code="invalid_api_key")
+    return ApiError(
+        401, "The API key is missing or wrong; send it as 'Authorization: Bearer KEY'.", code="invalid_api_key"
+    )
 
 
 def unknown_model(name: str, served: str) -> ApiError:
-    return ApiError(404, f"The model {name!r} does not exist here; this server serves {served!r}.", param="model", code="model_not_found")
+    return ApiError(
+        404,
+        f"The model {name!r} does not exist here; this server serves {served!r}.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def too_large(message: str, param: str | None = None) -> ApiError:

@@ -59,7 +59,15 @@ class Metrics:
     def request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
 
-    def finished(self, reason: FinishReason, prompt_tokens: int, cached_tokens: int, completion_tokens: int, ttft_s: float, tokens_per_s: float) -> None:
+    def finished(
+        self,
+        reason: FinishReason,
+        prompt_tokens: int,
+        cached_tokens: int,
+        completion_tokens: int,
+        ttft_s: float,
+        tokens_per_s: float,
+    ) -> None:
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
@@ -70,23 +78,44 @@ class Metrics:
             self.tokens_per_s.observe(tokens_per_s)
 
     def render(self) -> str:
-        out = ["# HELP spark_requests_total HTTP requests answered, by endpoint and status.", "# TYPE spark_requests_total counter"]
+        out = [
+            "# HELP spark_requests_total HTTP requests answered, by endpoint and status.",
+            "# TYPE spark_requests_total counter",
+        ]
         for (endpoint, status), n in sorted(self.requests.items()):
             out.append(f'spark_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-        out += ["# HELP spark_generations_total Generations finished, by reason.", "# TYPE spark_generations_total counter"]
+        out += [
+            "# HELP spark_generations_total Generations finished, by reason.",
+            "# TYPE spark_generations_total counter",
+        ]
         for reason, n in sorted(self.reasons.items()):
             out.append(f'spark_generations_total{{reason="{reason}"}} {n}')
         for name, value, text in (
             ("spark_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
-            ("spark_prompt_cached_tokens_total", self.cached_tokens, "Prompt tokens restored from memory instead of computed."),
+            (
+                "spark_prompt_cached_tokens_total",
+                self.cached_tokens,
+                "Prompt tokens restored from memory instead of computed.",
+            ),
             ("spark_completion_tokens_total", self.completion_tokens, "Tokens generated."),
         ):
             out += [f"# HELP {name} {text}", f"# TYPE {name} counter", f"{name} {value}"]
-        out += ["# HELP spark_prompt_cache_hit_ratio Share of prompt tokens restored from memory.", "# TYPE spark_prompt_cache_hit_ratio gauge"]
-        out.append(f"spark_prompt_cache_hit_ratio {self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0:.6g}")
-        out += ["# HELP spark_ttft_seconds Time from arrival to the first token.", "# TYPE spark_ttft_seconds histogram"]
+        out += [
+            "# HELP spark_prompt_cache_hit_ratio Share of prompt tokens restored from memory.",
+            "# TYPE spark_prompt_cache_hit_ratio gauge",
+        ]
+        out.append(
+            f"spark_prompt_cache_hit_ratio {self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0:.6g}"
+        )
+        out += [
+            "# HELP spark_ttft_seconds Time from arrival to the first token.",
+            "# TYPE spark_ttft_seconds histogram",
+        ]
         out += self.ttft.render("spark_ttft_seconds")
-        out += ["# HELP spark_decode_tokens_per_second Decode speed per request.", "# TYPE spark_decode_tokens_per_second histogram"]
+        out += [
+            "# HELP spark_decode_tokens_per_second Decode speed per request.",
+            "# TYPE spark_decode_tokens_per_second histogram",
+        ]
         out += self.tokens_per_s.render("spark_decode_tokens_per_second")
         for name, read in sorted(self.sources.items()):
             out += [f"# TYPE {name} gauge", f"{name} {read():.6g}"]

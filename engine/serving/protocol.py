@@ -50,7 +50,9 @@ def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float, 
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise bad_request(f"'{name}' must be a number.", name)
     if v > hi or v < lo or (lo_open and v == lo):
-        raise bad_request(f"'{name}' must be {'above' if lo_open else 'at least'} {lo} and at most {hi}, not {v}.", name)
+        raise bad_request(
+            f"'{name}' must be {'above' if lo_open else 'at least'} {lo} and at most {hi}, not {v}.", name
+        )
     return float(v)
 
 
@@ -79,8 +81,15 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     if v is None:
         return ()
     stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stops) or len(stops) > MAX_STOPS:
-        raise bad_request(f"'stop' must be a string or a list of at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters.", "stop")
+    if (
+        not isinstance(stops, list)
+        or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stops)
+        or len(stops) > MAX_STOPS
+    ):
+        raise bad_request(
+            f"'stop' must be a string or a list of at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters.",
+            "stop",
+        )
     return tuple(s for s in stops if s)
 
 
@@ -94,7 +103,10 @@ def _content(value: Any, i: int) -> str:
         parts = []
         for part in value:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content may only hold text parts; this model reads text only.", f"messages[{i}].content")
+                raise bad_request(
+                    f"messages[{i}].content may only hold text parts; this model reads text only.",
+                    f"messages[{i}].content",
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content")
@@ -133,7 +145,10 @@ def _common(body: dict[str, Any], limits: Limits) -> tuple[str, GenerationSettin
     sampling = SamplingSettings(temperature=temperature, top_p=top_p, seed=seed, greedy=temperature == 0.0)
     # ignore_eos: vLLM's and llama.cpp's extension (benchmarks want a fixed reply length).
     settings = GenerationSettings(
-        max_tokens=max_tokens or limits.max_tokens_default, stop=_stops(body), sampling=sampling, ignore_eos=_bool(body, "ignore_eos")
+        max_tokens=max_tokens or limits.max_tokens_default,
+        stop=_stops(body),
+        sampling=sampling,
+        ignore_eos=_bool(body, "ignore_eos"),
     )
     stream = _bool(body, "stream")
     options = body.get("stream_options")
@@ -150,7 +165,9 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
     messages = _messages(body)
     logprobs = _bool(body, "logprobs")
     if _int(body, "top_logprobs", 0, 20):
-        raise bad_request("'top_logprobs' above 0 is not supported; 'logprobs' gives each chosen token's logprob.", "top_logprobs")
+        raise bad_request(
+            "'top_logprobs' above 0 is not supported; 'logprobs' gives each chosen token's logprob.", "top_logprobs"
+        )
     return ParsedRequest(model, messages, None, settings, stream, include_usage, logprobs)
 
 
@@ -165,7 +182,9 @@ def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
             raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request).", "prompt")
     elif not isinstance(prompt, str) or not prompt:
-        raise bad_request("'prompt' must be a non-empty string or a list of token ids (one prompt per request).", "prompt")
+        raise bad_request(
+            "'prompt' must be a non-empty string or a list of token ids (one prompt per request).", "prompt"
+        )
     if body.get("echo") or body.get("suffix") or body.get("best_of") not in (None, 1):
         raise bad_request("'echo', 'suffix' and 'best_of' are not supported by this server.")
     lp = _int(body, "logprobs", 0, 5)
@@ -193,7 +212,11 @@ def usage(c: Completion) -> dict[str, Any]:
 
 # OpenAI's finish_reason for ours. A cancelled reply only reaches a client that is still there when the server
 # shuts down mid-reply: "stop" is the nearest of OpenAI's words (it has none for "cancelled").
-OPENAI_FINISH_REASONS: dict[FinishReason, str] = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
+OPENAI_FINISH_REASONS: dict[FinishReason, str] = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "stop",
+}
 
 
 def finish_reason(reason: FinishReason) -> str:
@@ -208,7 +231,11 @@ def parse_finish_reason(raw: object) -> FinishReason:
 
 
 def chat_logprobs(entries: list[tuple[str, float]]) -> dict[str, Any]:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []} for t, lp in entries]}
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []} for t, lp in entries
+        ]
+    }
 
 
 def completion_logprobs(entries: list[tuple[str, float]], offset: int = 0) -> dict[str, Any]:
@@ -216,7 +243,12 @@ def completion_logprobs(entries: list[tuple[str, float]], offset: int = 0) -> di
     for t, _ in entries:
         offsets.append(at)
         at += len(t)
-    return {"tokens": [t for t, _ in entries], "token_logprobs": [lp for _, lp in entries], "top_logprobs": None, "text_offset": offsets}
+    return {
+        "tokens": [t for t, _ in entries],
+        "token_logprobs": [lp for _, lp in entries],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
 
 
 def chat_response(rid: str, model: str, c: Completion, logprobs: list[tuple[str, float]] | None) -> dict[str, Any]:
@@ -226,25 +258,45 @@ def chat_response(rid: str, model: str, c: Completion, logprobs: list[tuple[str,
         "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
         "finish_reason": finish_reason(c.finish_reason),
     }
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": [choice], "usage": usage(c)}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage(c),
+    }
 
 
-def completion_response(rid: str, model: str, c: Completion, logprobs: list[tuple[str, float]] | None) -> dict[str, Any]:
+def completion_response(
+    rid: str, model: str, c: Completion, logprobs: list[tuple[str, float]] | None
+) -> dict[str, Any]:
     choice = {
         "index": 0,
         "text": c.text,
         "logprobs": completion_logprobs(logprobs) if logprobs is not None else None,
         "finish_reason": finish_reason(c.finish_reason),
     }
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": [choice], "usage": usage(c)}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage(c),
+    }
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+def chat_chunk(
+    rid: str, model: str, created: int, delta: dict[str, Any], reason: str | None = None, logprobs: Any = None
+) -> dict[str, Any]:
     choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+def completion_chunk(
+    rid: str, model: str, created: int, text: str, reason: str | None = None, logprobs: Any = None
+) -> dict[str, Any]:
     choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 

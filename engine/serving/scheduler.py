@@ -136,7 +136,9 @@ class Scheduler:
         self._thread.start()
 
     # -- front (any thread) ------------------------------------------------------------------------------------
-    def submit(self, request: Request, *, block: bool | None = None, timeout: float | None = None) -> Future[Completion]:
+    def submit(
+        self, request: Request, *, block: bool | None = None, timeout: float | None = None
+    ) -> Future[Completion]:
         """Queue `request`; the future resolves to its `Completion` (or fails with the error that ended it)."""
         ids = self.tokenizer.encode(request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
         if not ids:
@@ -158,13 +160,23 @@ class Scheduler:
                 if request.priority < worst.priority:
                     self._waiting.remove(worst)
                     heapq.heapify(self._waiting)
-                    _fail(worst.future, QueueFull("A more urgent request took this request's place in the full queue; submit it again later."))
+                    _fail(
+                        worst.future,
+                        QueueFull(
+                            "A more urgent request took this request's place in the full queue; submit it again later."
+                        ),
+                    )
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if not block or (left is not None and left <= 0):
-                    raise QueueFull(f"The request queue is full ({self.config.max_queue} waiting); try again when a reply finishes.")
+                    raise QueueFull(
+                        f"The request queue is full ({self.config.max_queue} waiting); try again when a reply finishes."
+                    )
                 self._cond.wait(left)
-            heapq.heappush(self._waiting, _Waiting(int(request.priority), next(self._seq), request, ids, future, time.perf_counter()))
+            heapq.heappush(
+                self._waiting,
+                _Waiting(int(request.priority), next(self._seq), request, ids, future, time.perf_counter()),
+            )
             self._cond.notify_all()
         return future
 
@@ -192,7 +204,11 @@ class Scheduler:
         request.on_event = on_event
         blocking = self.config.block_when_full if block is None else block
         # A blocking submit waits for queue space: do that off the event loop.
-        future = await loop.run_in_executor(None, lambda: self.submit(request, block=True)) if blocking else self.submit(request, block=False)
+        future = (
+            await loop.run_in_executor(None, lambda: self.submit(request, block=True))
+            if blocking
+            else self.submit(request, block=False)
+        )
         future.add_done_callback(lambda _: put(None))  # after the final event (same thread, FIFO), or on failure
         try:
             while (item := await queue.get()) is not None:
@@ -274,7 +290,11 @@ class Scheduler:
         row among them pays for padding, an empty row among those, then any free row among those, then the first
         free row past them, whatever it kept (RowState forgets a kept memory the prompt does not extend)."""
         memories = self._memories
-        extends = [r for r in free if 0 < len(memories[r].tokens) < len(ids) and ids[: len(memories[r].tokens)] == memories[r].tokens]
+        extends = [
+            r
+            for r in free
+            if 0 < len(memories[r].tokens) < len(ids) and ids[: len(memories[r].tokens)] == memories[r].tokens
+        ]
         if extends:
             return max(extends, key=lambda r: len(memories[r].tokens))
         view = 1 + max((r for r, a in enumerate(self._rows) if a is not None), default=-1)
@@ -320,7 +340,11 @@ class Scheduler:
             if plan is not None:
                 self._memories[r].after_forward()
         states = [a.state if a is not None else None for a in rows]
-        ready = [r for r, (p, st) in enumerate(zip(plans, states, strict=True)) if p is not None and st is not None and not st.prefilling]
+        ready = [
+            r
+            for r, (p, st) in enumerate(zip(plans, states, strict=True))
+            if p is not None and st is not None and not st.prefilling
+        ]
         for r, ev in zip(ready, sample_rows(states, ready, logits, self._cancelled), strict=True):
             self._deliver(r, ev)
 

@@ -30,7 +30,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ServerError(f"Cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host.") from None
+        raise ServerError(
+            f"Cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host."
+        ) from None
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
@@ -47,7 +49,9 @@ class LocalServer:
     def __post_init__(self) -> None:
         self._sock = bind(self.host, self.port)
         self.port = self._sock.getsockname()[1]
-        config = uvicorn.Config(create_app(self.service), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            create_app(self.service), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2
+        )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
@@ -65,7 +69,9 @@ class LocalServer:
             self._sock.close()
 
     def start(self, timeout: float = 30.0) -> LocalServer:
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, name="spark-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="spark-server", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:

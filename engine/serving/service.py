@@ -56,7 +56,13 @@ class ServeConfig:
 class Job:
     """One queued request: `events()` streams its GenerationEvents, `result()` its Completion once they end."""
 
-    def __init__(self, scheduler: Scheduler, request: Request, loop: asyncio.AbstractEventLoop, on_done: Callable[[Completion], None]) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        request: Request,
+        loop: asyncio.AbstractEventLoop,
+        on_done: Callable[[Completion], None],
+    ) -> None:
         self.request = request
         self._queue: asyncio.Queue[GenerationEvent | None] = asyncio.Queue()
 
@@ -96,7 +102,13 @@ class ModelService:
     """Owns the scheduler over `backend` (a fork of its own) and the model's tokenizer. `memory_factory` is called
     as factory(backend, row), as engine.session.memory_factory_for's factories take it."""
 
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, memory_factory: RowMemoryFactory | Callable[..., Memory], config: ServeConfig) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        memory_factory: RowMemoryFactory | Callable[..., Memory],
+        config: ServeConfig,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.memories: list[Memory] = []
@@ -130,7 +142,9 @@ class ModelService:
         else:
             ids = list(req.prompt or [])
             if any(t >= tok.vocab_size for t in ids):
-                raise bad_request(f"'prompt' holds a token id outside this model's vocabulary of {tok.vocab_size}.", "prompt")
+                raise bad_request(
+                    f"'prompt' holds a token id outside this model's vocabulary of {tok.vocab_size}.", "prompt"
+                )
         if not ids:
             raise bad_request("The prompt is empty; send some text.", "prompt")
         if len(ids) > self.config.max_prompt_tokens:
@@ -154,7 +168,9 @@ class ModelService:
             raise unavailable("The server is shutting down; send the request to it again after it restarts.") from None
 
     def _count(self, c: Completion) -> None:
-        self.metrics.finished(c.finish_reason, c.prompt_tokens, c.cached_tokens, len(c.tokens), c.ttft_s, c.tokens_per_s)
+        self.metrics.finished(
+            c.finish_reason, c.prompt_tokens, c.cached_tokens, len(c.tokens), c.ttft_s, c.tokens_per_s
+        )
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special=False)

@@ -155,7 +155,9 @@ def thermal() -> ScriptedThermal:
 
 
 @pytest.fixture
-def window(qtbot, tiny_model: Path, prefs: Preferences, dirs: StandardDirs, dialogs: ScriptedDialogs, thermal: ScriptedThermal) -> Iterator[MainWindow]:  # type: ignore[no-untyped-def]
+def window(
+    qtbot, tiny_model: Path, prefs: Preferences, dirs: StandardDirs, dialogs: ScriptedDialogs, thermal: ScriptedThermal
+) -> Iterator[MainWindow]:  # type: ignore[no-untyped-def]
     w = build_main_window(prefs, dirs, dialogs, thermal)
     with qtbot.waitSignal(GuiRelay(w.client.worker.loaded, parent=w).fired, timeout=WAIT_MS):
         w.load_model(tiny_model, "cpu")

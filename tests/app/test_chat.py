@@ -24,7 +24,9 @@ def send_and_wait(qtbot, gui, window: MainWindow, text: str) -> TurnResult:  # t
 def test_prompt_streams_tokens_into_view(qtbot, window: MainWindow, gui, prefs) -> None:  # type: ignore[no-untyped-def]
     set_reply_tokens(prefs, 120)  # long enough to span several frames even on a fast machine
     shown_while_busy: list[str] = []
-    window.coalescer.flushed.connect(lambda _t: shown_while_busy.append(window.chat.reply_text()) if window.client.busy else None)
+    window.coalescer.flushed.connect(
+        lambda _t: shown_while_busy.append(window.chat.reply_text()) if window.client.busy else None
+    )
     result = send_and_wait(qtbot, gui, window, "Hello there")
     assert result.reason in ("stop", "length")
     assert result.progress.generated_tokens > 0

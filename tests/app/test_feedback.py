@@ -24,7 +24,11 @@ def test_reading_shows_progress_in_the_reply_bubble(qtbot, window: MainWindow, g
     reports: list[ReadProgress] = []
     headers: list[str] = []
     gui(window.client.worker.reading).connect(
-        lambda p: (reports.append(p), shown.append(window.chat.reply_text()), headers.append(window.chat.toPlainText().rsplit("Spark", 1)[-1].split("\n")[0]))
+        lambda p: (
+            reports.append(p),
+            shown.append(window.chat.reply_text()),
+            headers.append(window.chat.toPlainText().rsplit("Spark", 1)[-1].split("\n")[0]),
+        )
     )
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit(LONG)
@@ -88,16 +92,25 @@ def test_sending_while_a_conversation_opens_waits_and_says_why(qtbot, window: Ma
     assert window.submit("Now") is True
 
 
-def test_a_reply_that_used_recalled_memory_says_so(qtbot, tmp_path: Path, prefs, dirs, dialogs: ScriptedDialogs) -> None:  # type: ignore[no-untyped-def]
+def test_a_reply_that_used_recalled_memory_says_so(
+    qtbot, tmp_path: Path, prefs, dirs, dialogs: ScriptedDialogs
+) -> None:  # type: ignore[no-untyped-def]
     small = make_tiny_model(tmp_path / "small-window")
-    (small / "cascade.json").write_text(json.dumps({"window": 64, "block_size": 16, "retrieval_blocks": 2, "sink_tokens": 4}))
+    (small / "cascade.json").write_text(
+        json.dumps({"window": 64, "block_size": 16, "retrieval_blocks": 2, "sink_tokens": 4})
+    )
     w = build_main_window(prefs, dirs, dialogs)
     try:
         with qtbot.waitSignal(GuiRelay(w.client.worker.loaded, parent=w).fired, timeout=WAIT_MS):
             w.load_model(small, "cpu")
         finished = GuiRelay(w.client.worker.finished, parent=w).fired
         results = []
-        for text in ("The secret word is marmalade. " * 6, "Tell me about the weather.", "Then about the sea.", "What was the secret word?"):
+        for text in (
+            "The secret word is marmalade. " * 6,
+            "Tell me about the weather.",
+            "Then about the sea.",
+            "What was the secret word?",
+        ):
             with qtbot.waitSignal(finished, timeout=WAIT_MS) as blocker:
                 w.submit(text)
             results.append(blocker.args[0])
@@ -110,7 +123,9 @@ def test_a_reply_that_used_recalled_memory_says_so(qtbot, tmp_path: Path, prefs,
         dispose(w)
 
 
-def test_model_picker_lists_recent_models_and_precision_reloads(qtbot, window: MainWindow, gui, prefs, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_model_picker_lists_recent_models_and_precision_reloads(
+    qtbot, window: MainWindow, gui, prefs, tiny_model: Path
+) -> None:  # type: ignore[no-untyped-def]
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit("Keep me across the reload")
     assert prefs.recent_models()[0] == tiny_model
@@ -120,7 +135,10 @@ def test_model_picker_lists_recent_models_and_precision_reloads(qtbot, window: M
     assert any(a.isChecked() for a in window.menus.model_menu.actions() if a.text() == tiny_model.name)
     none = next(a for a in window.menus.precision_group.actions() if a.data() == "none")
     # Loaded, then carried over to the reloaded model.
-    with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS), qtbot.waitSignal(gui(window.client.worker.loaded), timeout=WAIT_MS) as blocker:
+    with (
+        qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS),
+        qtbot.waitSignal(gui(window.client.worker.loaded), timeout=WAIT_MS) as blocker,
+    ):
         none.trigger()
         assert window.submit("Too soon") is False  # it is being carried over: the message waits
     assert prefs.precision() == "none"
@@ -130,7 +148,10 @@ def test_model_picker_lists_recent_models_and_precision_reloads(qtbot, window: M
     assert "Keep me across the reload" in window.chat.toPlainText()
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         assert window.submit("Still here?")
-    assert [m.content for m in window.client.worker.session.messages][::2] == ["Keep me across the reload", "Still here?"]
+    assert [m.content for m in window.client.worker.session.messages][::2] == [
+        "Keep me across the reload",
+        "Still here?",
+    ]
 
 
 def test_a_cleared_system_prompt_stays_cleared(qtbot, window: MainWindow, prefs) -> None:  # type: ignore[no-untyped-def]
@@ -148,7 +169,13 @@ def test_help_and_about_and_edit_menu(window: MainWindow, dialogs: ScriptedDialo
     window.menus.about_action.trigger()
     assert dialogs.asked[-2:] == ["help", "about"]
     keys = dict(dialogs.help_keys)
-    assert keys["New Chat"] == window.menus.new_chat_action.shortcut().toString(window.menus.new_chat_action.shortcut().SequenceFormat.NativeText)
-    menus = {m.title().replace("&", ""): [a.text() for a in m.actions()] for m in (a.menu() for a in window.menuBar().actions()) if m}
+    assert keys["New Chat"] == window.menus.new_chat_action.shortcut().toString(
+        window.menus.new_chat_action.shortcut().SequenceFormat.NativeText
+    )
+    menus = {
+        m.title().replace("&", ""): [a.text() for a in m.actions()]
+        for m in (a.menu() for a in window.menuBar().actions())
+        if m
+    }
     assert {"Copy", "Select All"} <= set(menus["Edit"])
     assert "MLoT Spark Help" in menus["Help"] and "About MLoT Spark" in menus["Help"]

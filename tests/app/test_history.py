@@ -28,13 +28,17 @@ def relaunch(qtbot, prefs, dirs, dialogs, tiny_model: Path, seen: list[str]) -> 
     """A new window over the same settings and data folder, as the next launch of the app would build it."""
     again = build_main_window(prefs, dirs, dialogs)
     for name in ("conversation", "restored"):
-        GuiRelay(getattr(again.client.worker, name), parent=again).fired.connect(lambda _v, name=name: seen.append(name))
+        GuiRelay(getattr(again.client.worker, name), parent=again).fired.connect(
+            lambda _v, name=name: seen.append(name)
+        )
     with qtbot.waitSignal(GuiRelay(again.client.worker.restored, parent=again).fired, timeout=WAIT_MS):
         again.load_model(tiny_model, "cpu")
     return again
 
 
-def test_quit_with_unsaved_work_loses_nothing_and_relaunch_restores_it(qtbot, window: MainWindow, gui, prefs, dirs, dialogs: ScriptedDialogs, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_quit_with_unsaved_work_loses_nothing_and_relaunch_restores_it(
+    qtbot, window: MainWindow, gui, prefs, dirs, dialogs: ScriptedDialogs, tiny_model: Path
+) -> None:  # type: ignore[no-untyped-def]
     say(qtbot, gui, window, "Remember the number 42")
     say(qtbot, gui, window, "And the colour blue")
     reply = window.chat.reply_text()
@@ -131,14 +135,19 @@ def test_duplicate_and_export(qtbot, window: MainWindow, gui, dialogs: ScriptedD
     window.menus.export_json_action.trigger()
     data = json.loads((tmp_path / "talk.json").read_text())
     assert data["title"] == "Export me" and [m["role"] for m in data["messages"]] == ["user", "assistant"]
-    assert dialogs.asked[-2:] == [f"export {tmp_path / 'Export me.md'}", f"export {tmp_path / 'Export me.json'}"]  # Documents, titled
+    assert dialogs.asked[-2:] == [
+        f"export {tmp_path / 'Export me.md'}",
+        f"export {tmp_path / 'Export me.json'}",
+    ]  # Documents, titled
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
         window.menus.duplicate_action.trigger()
     assert window.current_id != source and window.library.get(window.current_id).title == "Export me (copy)"
     assert window.chat.reply_text() == reply
 
 
-def test_save_a_copy_is_compact_by_default_and_full_on_request(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_save_a_copy_is_compact_by_default_and_full_on_request(
+    qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     say(qtbot, gui, window, "Size me")
     dialogs.save_to = tmp_path / "small.spark"
     with qtbot.waitSignal(gui(window.client.worker.saved), timeout=WAIT_MS):
@@ -149,7 +158,9 @@ def test_save_a_copy_is_compact_by_default_and_full_on_request(qtbot, window: Ma
         window.menus.save_full_action.trigger()
     small, full = inspect_session(tmp_path / "small.spark"), inspect_session(tmp_path / "full.spark")
     assert small["tensor_bytes"] == 0 and full["tensor_bytes"] > 0
-    assert small["file_bytes"] < full["file_bytes"]  # (the tiny test model's KV is small; the real model's figure is in the README)
+    assert (
+        small["file_bytes"] < full["file_bytes"]
+    )  # (the tiny test model's KV is small; the real model's figure is in the README)
 
 
 def test_library_survives_a_broken_index(tmp_path: Path) -> None:
@@ -164,10 +175,14 @@ def test_library_survives_a_broken_index(tmp_path: Path) -> None:
     again.load()
     assert "could not be read" in again.load_error
     assert again.get(cid) is not None  # the file is still listed
-    assert title_from("  a   very long first message that goes on and on beyond the width of any sidebar ") .endswith("…")
+    assert title_from("  a   very long first message that goes on and on beyond the width of any sidebar ").endswith(
+        "…"
+    )
 
 
-def test_paths_on_the_command_line_open_after_the_model_loads(qtbot, window: MainWindow, gui, prefs, dirs, dialogs: ScriptedDialogs, tiny_model: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_paths_on_the_command_line_open_after_the_model_loads(
+    qtbot, window: MainWindow, gui, prefs, dirs, dialogs: ScriptedDialogs, tiny_model: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     say(qtbot, gui, window, "Open me from the shell")
     talk = tmp_path / "talk.spark"
     dialogs.save_to = talk

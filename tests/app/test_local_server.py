@@ -44,7 +44,9 @@ def test_switch_serves_the_loaded_model_and_copies_its_url(qtbot, tiny_model: Pa
         assert QGuiApplication.clipboard().text() == controller.url
         client = closed_after_test(openai.OpenAI(base_url=controller.url, api_key="none", max_retries=0, timeout=60))
         assert [m.id for m in client.models.list().data] == [tiny_model.name]
-        reply = client.chat.completions.create(model=tiny_model.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        reply = client.chat.completions.create(
+            model=tiny_model.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         assert reply.choices[0].finish_reason in ("stop", "length")
     finally:
         switch.setChecked(False)
@@ -81,7 +83,10 @@ def test_server_list_round_trips_and_skips_broken_entries(tmp_path: Path) -> Non
     assert RemoteServerList(settings).all() == [b, a]
     servers.remove(b)
     assert servers.all() == [a]
-    settings.setValue("remote/servers", '[{"base_url": "ftp://x", "model": "m"}, {"nope": 1}, ' + '{"base_url": "http://c/v1", "model": "c"}]')
+    settings.setValue(
+        "remote/servers",
+        '[{"base_url": "ftp://x", "model": "m"}, {"nope": 1}, ' + '{"base_url": "http://c/v1", "model": "c"}]',
+    )
     assert servers.all() == [RemoteServer("http://c/v1", "c")]
     settings.setValue("remote/servers", "{not json")
     assert servers.all() == []

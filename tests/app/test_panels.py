@@ -48,14 +48,22 @@ def test_panels_update_during_generation(qtbot, reporting_window: MainWindow, pr
     set_reply_tokens(prefs, 16)
     during: list[str] = []  # the cache and performance panels after each memory report of the streaming reply
     reports = GuiRelay(window.client.worker.memory, parent=window).fired  # queued after the inspector's own slot
-    reports.connect(lambda _: during.append(shown(window.inspector.cache_panel) + shown(window.inspector.performance_panel)) if window.client.busy else None)
+    reports.connect(
+        lambda _: (
+            during.append(shown(window.inspector.cache_panel) + shown(window.inspector.performance_panel))
+            if window.client.busy
+            else None
+        )
+    )
     with qtbot.waitSignal(GuiRelay(window.client.worker.finished, parent=window).fired, timeout=WAIT_MS):
         window.submit("Fill the cache a little")
     assert len(set(during)) >= 2, f"the panels did not change while the reply streamed: {during}"
     cache = shown(window.inspector.cache_panel)
     assert all(title in cache for title in ("Working (L1)", "Episodic (L2)", "Persistent (L3)"))
     assert "generated" in window.inspector.performance_panel.tokens.text()
-    assert window.inspector.performance_panel.backend.text().startswith("cpu, q8_0 weights, native")  # the app's CPU default
+    assert window.inspector.performance_panel.backend.text().startswith(
+        "cpu, q8_0 weights, native"
+    )  # the app's CPU default
     assert "tokens/s" in window.inspector.performance_panel.speed.text()
     assert "in memory" in window.inspector.session_panel.tokens.text()
     assert window.inspector.memory_panel.model.text().endswith("kB")
@@ -65,7 +73,9 @@ def test_thermal_panel_says_what_the_engine_does(qtbot, window: MainWindow, gui,
     thermal.change(ThermalState.SERIOUS)
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
         window.submit("Warm it up")
-    qtbot.waitUntil(lambda: "throttled: thermal serious" in window.inspector.thermal_panel.action.text(), timeout=WAIT_MS)
+    qtbot.waitUntil(
+        lambda: "throttled: thermal serious" in window.inspector.thermal_panel.action.text(), timeout=WAIT_MS
+    )
     with qtbot.waitSignal(window.monitor.sampled, timeout=WAIT_MS):
         pass
     assert "Serious" in window.inspector.thermal_panel.state.text()
@@ -82,7 +92,9 @@ def test_inspector_speaks_plainly_and_toggles(qtbot, window: MainWindow, gui, pr
     assert "earlier passage" in insp.memory.body.text()
     model = insp.model.body.text()
     assert model.startswith("tiny-model0 runs on the CPU with q8_0 weights")  # model, backend, precision
-    assert "Skipped faster choices: coreml: " in model_line(ModelInfo("m", Path("m"), "cpu", "cpu, q8_0 weights (skipped coreml: not a Mac; mps: no GPU)", 0, 0))
+    assert "Skipped faster choices: coreml: " in model_line(
+        ModelInfo("m", Path("m"), "cpu", "cpu, q8_0 weights (skipped coreml: not a Mac; mps: no GPU)", 0, 0)
+    )
     assert insp.model.body.wordWrap()  # the whole line wraps instead of being cut off
     assert not insp.details.isVisible()  # the jargon waits behind the disclosure
     insp.details_button.click()

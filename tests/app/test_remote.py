@@ -53,7 +53,9 @@ def send(qtbot, window: MainWindow, gui, text: str) -> TurnResult:  # type: igno
     return blocker.args[0]
 
 
-def test_a_remote_server_is_a_model_choice_and_the_reply_streams_from_it(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, prefs, served: Served, tiny_model: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_remote_server_is_a_model_choice_and_the_reply_streams_from_it(
+    qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, prefs, served: Served, tiny_model: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     greedy(prefs)
     window.system_prompt.setText("Be brief.")
     window.system_prompt.editingFinished.emit()
@@ -68,7 +70,10 @@ def test_a_remote_server_is_a_model_choice_and_the_reply_streams_from_it(qtbot, 
     result = send(qtbot, window, gui, "The quick brown fox")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
     want = closed_after_test(openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0)).chat.completions.create(
-        model="tiny", messages=messages, max_tokens=12, temperature=0  # type: ignore[arg-type]
+        model="tiny",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
     )
     assert result.reason == want.choices[0].finish_reason
     assert result.text == want.choices[0].message.content and result.text
@@ -85,7 +90,10 @@ def test_a_remote_server_is_a_model_choice_and_the_reply_streams_from_it(qtbot, 
     cid = window.current_id
     stored = load_session(window.library.path_for(cid))
     assert stored.memory_meta.get("kind") == TRANSCRIPT_KIND and not stored.token_ids and not stored.tensors
-    assert [(m.role, m.content) for m in stored.messages] == [("user", "The quick brown fox"), ("assistant", result.text)]
+    assert [(m.role, m.content) for m in stored.messages] == [
+        ("user", "The quick brown fox"),
+        ("assistant", result.text),
+    ]
     assert stored.system_prompt == "Be brief."
     entry = window.library.get(cid)
     assert entry is not None and entry.model.startswith("tiny on 127.0.0.1:")
@@ -96,10 +104,17 @@ def test_a_remote_server_is_a_model_choice_and_the_reply_streams_from_it(qtbot, 
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
         window.load_model(tiny_model, "cpu")
     assert window.remote is None and "Does not apply" not in window.inspector.memory.body.text()
-    assert "The quick brown fox" in window.chat.toPlainText() and window.chat.reply_text() == result.text.replace("\r", "\n")
+    assert "The quick brown fox" in window.chat.toPlainText() and window.chat.reply_text() == result.text.replace(
+        "\r", "\n"
+    )
     nxt = send(qtbot, window, gui, "And then?")  # the local model reads the transcript and answers
     assert nxt.reason in ("stop", "length")
-    assert [m.role for m in load_session(window.library.path_for(cid)).messages] == ["user", "assistant", "user", "assistant"]
+    assert [m.role for m in load_session(window.library.path_for(cid)).messages] == [
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
     # A remote conversation's file opened with the local model restores its transcript without asking anything:
     # it holds no memory that taking the transcript alone could lose.
     window.menus.new_chat_action.trigger()
@@ -110,7 +125,9 @@ def test_a_remote_server_is_a_model_choice_and_the_reply_streams_from_it(qtbot, 
     assert dialogs.asked == ["add server"]
 
 
-def test_stop_ends_a_remote_reply(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, prefs, served: Served) -> None:  # type: ignore[no-untyped-def]
+def test_stop_ends_a_remote_reply(
+    qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, prefs, served: Served
+) -> None:  # type: ignore[no-untyped-def]
     greedy(prefs, 200)
     choose(qtbot, window, gui, dialogs, RemoteServer(served.url, "tiny", KEY))
     after_stop: list[str] = []
@@ -129,8 +146,13 @@ def test_stop_ends_a_remote_reply(qtbot, window: MainWindow, gui, dialogs: Scrip
     assert result.progress.generated_tokens == 1
     assert "Stopped." in window.chat.toPlainText() and window.send_button.text() == "Send"
     stored = load_session(window.library.path_for(window.current_id))
-    assert [(m.role, m.content) for m in stored.messages] == [("user", "Tell me a long story"), ("assistant", result.text)]
-    qtbot.waitUntil(lambda: served.service.metrics.reasons.get("cancelled", 0) > 0, timeout=WAIT_MS)  # the server let go too
+    assert [(m.role, m.content) for m in stored.messages] == [
+        ("user", "Tell me a long story"),
+        ("assistant", result.text),
+    ]
+    qtbot.waitUntil(
+        lambda: served.service.metrics.reasons.get("cancelled", 0) > 0, timeout=WAIT_MS
+    )  # the server let go too
 
 
 def _closed_port() -> int:
@@ -143,7 +165,9 @@ def _closed_port() -> int:
     "case, words",
     [("down", "Cannot reach the server"), ("key", "refused the API key"), ("model", "says:")],
 )
-def test_a_failing_server_is_one_sentence_and_nothing_is_lost(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, served: Served, case: str, words: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_failing_server_is_one_sentence_and_nothing_is_lost(
+    qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, served: Served, case: str, words: str
+) -> None:  # type: ignore[no-untyped-def]
     server = {
         "down": RemoteServer(f"http://127.0.0.1:{_closed_port()}/v1", "tiny", KEY),
         "key": RemoteServer(served.url, "tiny", "sk-wrong"),
@@ -161,15 +185,23 @@ def test_a_failing_server_is_one_sentence_and_nothing_is_lost(qtbot, window: Mai
     assert [(m.role, m.content) for m in stored.messages] == [("user", "Are you there?")]
 
 
-def test_the_open_conversation_goes_on_at_the_server_and_the_history_opens_there(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, prefs, served: Served, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_open_conversation_goes_on_at_the_server_and_the_history_opens_there(
+    qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, prefs, served: Served, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     greedy(prefs)
     local = send(qtbot, window, gui, "Hello")  # a local conversation first
     local_id = window.current_id
     choose(qtbot, window, gui, dialogs, RemoteServer(served.url, "tiny", KEY))
-    history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": local.text}, {"role": "user", "content": "Go on"}]
+    history = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": local.text},
+        {"role": "user", "content": "Go on"},
+    ]
     client = closed_after_test(openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0))
     want = client.chat.completions.create(model="tiny", messages=history, max_tokens=12, temperature=0)  # type: ignore[arg-type]
-    assert send(qtbot, window, gui, "Go on").text == want.choices[0].message.content  # the server got the whole transcript
+    assert (
+        send(qtbot, window, gui, "Go on").text == want.choices[0].message.content
+    )  # the server got the whole transcript
     with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS) as blocker:
         window.menus.regenerate_action.trigger()
     assert blocker.args[0].text == want.choices[0].message.content and window.chat.toPlainText().count("Go on") == 1
@@ -186,7 +218,11 @@ def test_the_open_conversation_goes_on_at_the_server_and_the_history_opens_there
     send(qtbot, window, gui, "Another chat")
     with qtbot.waitSignal(gui(window.client.worker.restored), timeout=WAIT_MS):
         window.open_conversation(local_id)
-    assert window.current_id == local_id and "Go on" in window.chat.toPlainText() and "Another chat" not in window.chat.toPlainText()
+    assert (
+        window.current_id == local_id
+        and "Go on" in window.chat.toPlainText()
+        and "Another chat" not in window.chat.toPlainText()
+    )
     assert window.remote is not None and window.inspector.memory.body.text().startswith("Does not apply")
     third = send(qtbot, window, gui, "More")
     assert third.reason in ("stop", "length") and third.text
@@ -201,7 +237,9 @@ def test_the_open_conversation_goes_on_at_the_server_and_the_history_opens_there
     assert [(m.role, m.content) for m in branch.messages] == [("user", "Hello"), ("assistant", local.text)]
 
 
-def test_a_server_chosen_while_the_local_model_loads_keeps_the_choice(qtbot, tiny_model: Path, prefs, dirs, dialogs: ScriptedDialogs, thermal, served: Served) -> None:  # type: ignore[no-untyped-def]
+def test_a_server_chosen_while_the_local_model_loads_keeps_the_choice(
+    qtbot, tiny_model: Path, prefs, dirs, dialogs: ScriptedDialogs, thermal, served: Served
+) -> None:  # type: ignore[no-untyped-def]
     greedy(prefs)
     window = build_main_window(prefs, dirs, dialogs, thermal)
     try:
@@ -217,7 +255,9 @@ def test_a_server_chosen_while_the_local_model_loads_keeps_the_choice(qtbot, tin
         dispose(window)
 
 
-def test_the_next_launch_goes_back_to_the_server_and_its_conversation(qtbot, window: MainWindow, gui, prefs, dirs, dialogs: ScriptedDialogs, thermal, served: Served, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_next_launch_goes_back_to_the_server_and_its_conversation(
+    qtbot, window: MainWindow, gui, prefs, dirs, dialogs: ScriptedDialogs, thermal, served: Served, tiny_model: Path
+) -> None:  # type: ignore[no-untyped-def]
     greedy(prefs)
     server = RemoteServer(served.url, "tiny", KEY)
     choose(qtbot, window, gui, dialogs, server)

@@ -28,11 +28,15 @@ def chat_and_save(qtbot, gui, window: MainWindow, dialogs: ScriptedDialogs, path
 def drop(window: MainWindow, *paths: Path) -> None:
     mime = QMimeData()
     mime.setUrls([QUrl.fromLocalFile(str(p)) for p in paths])
-    event = QDropEvent(QPointF(10, 10), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier)
+    event = QDropEvent(
+        QPointF(10, 10), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier
+    )
     window.dropEvent(event)
 
 
-def test_dropping_a_session_restores_it(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_dropping_a_session_restores_it(
+    qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "talk.spark"
     reply = chat_and_save(qtbot, gui, window, dialogs, path, "Save me")
     window.menus.new_chat_action.trigger()
@@ -50,7 +54,9 @@ def test_dropping_a_session_restores_it(qtbot, window: MainWindow, gui, dialogs:
     assert blocker.args[0].reason in ("stop", "length")
 
 
-def test_file_open_event_opens_without_asking_and_keeps_the_current_chat(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_file_open_event_opens_without_asking_and_keeps_the_current_chat(
+    qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "finder.spark"
     chat_and_save(qtbot, gui, window, dialogs, path, "From Finder")
     QApplication.instance().connect_file_opens(window.open_file)
@@ -99,13 +105,17 @@ def test_quitting_while_generating_stops_and_stores(qtbot, window: MainWindow, g
     assert not window.client._thread.isRunning()
 
 
-def test_settings_and_layout_persist(qtbot, window: MainWindow, gui, prefs, dialogs: ScriptedDialogs, tiny_model: Path, dirs: StandardDirs) -> None:  # type: ignore[no-untyped-def]
+def test_settings_and_layout_persist(
+    qtbot, window: MainWindow, gui, prefs, dialogs: ScriptedDialogs, tiny_model: Path, dirs: StandardDirs
+) -> None:  # type: ignore[no-untyped-def]
     from app.wiring import build_main_window
     from engine.generate import GenerationSettings
     from engine.sampling import SamplingSettings
 
     window.show()
-    dialogs.new_settings = GenerationSettings(max_tokens=7, sampling=SamplingSettings(temperature=0.3, top_k=5, seed=11))
+    dialogs.new_settings = GenerationSettings(
+        max_tokens=7, sampling=SamplingSettings(temperature=0.3, top_k=5, seed=11)
+    )
     window.menus.settings_action.trigger()
     window.menus.inspector_action.trigger()
     inspector_open = window.menus.inspector_action.isChecked()
@@ -115,6 +125,8 @@ def test_settings_and_layout_persist(qtbot, window: MainWindow, gui, prefs, dial
     try:
         assert prefs.generation() == dialogs.new_settings
         assert prefs.last_model() == tiny_model
-        assert again.menus.inspector_action.isChecked() is inspector_open and again.inspector.isVisible() is inspector_open
+        assert (
+            again.menus.inspector_action.isChecked() is inspector_open and again.inspector.isVisible() is inspector_open
+        )
     finally:
         dispose(again)

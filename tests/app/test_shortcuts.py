@@ -41,7 +41,9 @@ def shown(qtbot, window: MainWindow) -> MainWindow:  # type: ignore[no-untyped-d
         (Qt.Key.Key_Q, CTRL, "quit_action"),
     ],
 )
-def test_shortcut_triggers_its_action(qtbot, shown: MainWindow, key: Qt.Key, mods: Qt.KeyboardModifier, action: str) -> None:  # type: ignore[no-untyped-def]
+def test_shortcut_triggers_its_action(
+    qtbot, shown: MainWindow, key: Qt.Key, mods: Qt.KeyboardModifier, action: str
+) -> None:  # type: ignore[no-untyped-def]
     target = getattr(shown.menus, action)
     target.setEnabled(True)
     target.triggered.disconnect()  # count the trigger only: quitting or closing would end the test's window

@@ -69,8 +69,14 @@ def package(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, tied_dir: 
     def get(variant: str) -> Path:
         if variant not in made:
             quantize, units, tied, max_bytes = VARIANTS[variant]
-            made[variant] = convert(tied_dir if tied else tiny_dir, root / f"tiny-{variant}", quantize=quantize, units=units,
-                                    slots=SLOTS, max_chunk_bytes=max_bytes or MAX_CHUNK_BYTES)
+            made[variant] = convert(
+                tied_dir if tied else tiny_dir,
+                root / f"tiny-{variant}",
+                quantize=quantize,
+                units=units,
+                slots=SLOTS,
+                max_chunk_bytes=max_bytes or MAX_CHUNK_BYTES,
+            )
         return made[variant]
 
     return get
@@ -86,9 +92,17 @@ def big_vocab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, Pa
     from coreml.convert import Geometry, build_bundle
 
     cfg = ModelConfig.from_dict(
-        {"architectures": ["LlamaForCausalLM"], "vocab_size": 17000, "hidden_size": 64, "intermediate_size": 128,
-         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 256,
-         "tie_word_embeddings": True}
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 17000,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 256,
+            "tie_word_embeddings": True,
+        }
     )
     torch.manual_seed(0)
     model = Transformer(cfg)

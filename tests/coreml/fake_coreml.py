@@ -36,7 +36,9 @@ class FakeMLState:
         if name not in self.values:
             raise BridgeError(f"no state named {name}")
         if not isinstance(value, np.ndarray) or value.dtype not in BRIDGE_STATE_DTYPES:
-            raise BridgeError(f"write_state converts int32, int8, float32 and float64 arrays only, not {getattr(value, 'dtype', type(value))}")
+            raise BridgeError(
+                f"write_state converts int32, int8, float32 and float64 arrays only, not {getattr(value, 'dtype', type(value))}"
+            )
         if value.shape != self.values[name].shape:
             raise BridgeError(f"write_state of shape {value.shape} into a state of shape {self.values[name].shape}")
         self.values[name] = value.astype(np.float16)

@@ -46,7 +46,10 @@ def run_greedy(
 def bundle_state_dict(bundle_path: Path) -> dict[str, torch.Tensor]:
     """The engine state dict of exactly the weights a bundle's programs use (constexpr ops applied)."""
     bundle = Bundle.open(bundle_path)
-    chunks = [(a, Interpreter(bundle.package(chunk_name(i))).functions["decode"].consts) for i, (a, _) in enumerate(bundle.chunks)]
+    chunks = [
+        (a, Interpreter(bundle.package(chunk_name(i))).functions["decode"].consts)
+        for i, (a, _) in enumerate(bundle.chunks)
+    ]
     head = Interpreter(bundle.package(HEAD)).functions["decode"].consts
     embed = HostEmbedding(bundle)(np.arange(bundle.config.vocab_size))
     return engine_state_dict(chunks, head, embed, bundle.config)

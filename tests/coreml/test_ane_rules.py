@@ -22,8 +22,11 @@ from engine.config import ModelConfig
 
 def op_types(bundle: Bundle) -> Counter[str]:
     return Counter(
-        op.type for name in bundle.program_names for fn in bundle.package(name).spec.mlProgram.functions.values()
-        for b in fn.block_specializations.values() for op in b.operations
+        op.type
+        for name in bundle.program_names
+        for fn in bundle.package(name).spec.mlProgram.functions.values()
+        for b in fn.block_specializations.values()
+        for op in b.operations
     )
 
 
@@ -60,7 +63,9 @@ def test_catches_fp32_oversized_misaligned_and_dynamic(package: Callable[[str], 
     pkg = bundle.package("chunk_0")
     fn = pkg.spec.mlProgram.functions["decode"]
     ops = list(fn.block_specializations[fn.opset].operations)
-    next(op for op in ops if op.type == "softmax").outputs[0].type.tensorType.dataType = MIL_pb2.DataType.Value("FLOAT32")
+    next(op for op in ops if op.type == "softmax").outputs[0].type.tensorType.dataType = MIL_pb2.DataType.Value(
+        "FLOAT32"
+    )
     next(op for op in ops if op.type == "conv").outputs[0].type.tensorType.dimensions[1].constant.size = 20000
     state = next(nv for nv in fn.inputs if nv.name == "k_cache")
     state.type.stateType.wrappedType.tensorType.dimensions[2].constant.size = 100

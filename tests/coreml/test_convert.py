@@ -44,8 +44,16 @@ def test_provenance_is_in_the_manifest(tiny_dir: Path, package: Callable[[str], 
 
 def test_chunks_hold_at_most_the_byte_limit_and_the_real_geometry_plans_one_chunk() -> None:
     smollm = ModelConfig.from_dict(
-        {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True}
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 49152,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "tie_word_embeddings": True,
+        }
     )
     assert plan_chunks(smollm, "none", 1 << 30) == [(0, 30)]  # 30 layers, ~204 MB fp16
     chunks = plan_chunks(smollm, "none", 50_000_000)
@@ -81,7 +89,15 @@ def test_progress_is_monotone_and_cancel_leaves_nothing(tied_dir: Path, tmp_path
         return len(seen) >= 2  # the user presses Cancel after the first function was converted
 
     with pytest.raises(ConversionCancelled, match="cancelled; nothing was written"):
-        build_bundle(model, "fp", tmp_path / "out", quantize="none", geometry=Geometry(SLOTS), progress=lambda s, f: seen.append((s, f)), cancel=cancel)
+        build_bundle(
+            model,
+            "fp",
+            tmp_path / "out",
+            quantize="none",
+            geometry=Geometry(SLOTS),
+            progress=lambda s, f: seen.append((s, f)),
+            cancel=cancel,
+        )
     assert list(tmp_path.iterdir()) == []
     assert [f for _, f in seen] == sorted(f for _, f in seen) and seen[0][0].startswith("Converting chunk_0")
 
@@ -89,9 +105,14 @@ def test_progress_is_monotone_and_cancel_leaves_nothing(tied_dir: Path, tmp_path
 def test_cache_key_changes_with_everything_that_changes_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     base = cache_key("fp", Geometry(256), "none")
     assert base == cache_key("fp", Geometry(256), "none")
-    others = {cache_key("fp2", Geometry(256), "none"), cache_key("fp", Geometry(288), "none"), cache_key("fp", Geometry(256), "lut4"),
-              cache_key("fp", Geometry(256, (("decode", 1),)), "none"), cache_key("fp", Geometry(256), "none", "CPU_AND_GPU"),
-              cache_key("fp", Geometry(256, max_chunk_bytes=1 << 20), "none")}
+    others = {
+        cache_key("fp2", Geometry(256), "none"),
+        cache_key("fp", Geometry(288), "none"),
+        cache_key("fp", Geometry(256), "lut4"),
+        cache_key("fp", Geometry(256, (("decode", 1),)), "none"),
+        cache_key("fp", Geometry(256), "none", "CPU_AND_GPU"),
+        cache_key("fp", Geometry(256, max_chunk_bytes=1 << 20), "none"),
+    }
     monkeypatch.setattr(conv, "tool_versions", lambda: {"coremltools": "9.1", "torch": "2.13.0"})
     others.add(cache_key("fp", Geometry(256), "none"))
     assert base not in others and len(others) == 7
@@ -105,7 +126,10 @@ def test_cache_converts_once_and_rebuilds_a_corrupt_entry(
     builds: list[Path] = []
     monkeypatch.setattr(conv, "build_bundle", lambda model, fp, out, **kw: builds.append(out) or out)
     stages: list[str] = []
-    assert cached_bundle(tied_dir, slots=SLOTS, cache_dir=tmp_path, progress=lambda s, f: stages.append(s)) == tmp_path / key
+    assert (
+        cached_bundle(tied_dir, slots=SLOTS, cache_dir=tmp_path, progress=lambda s, f: stages.append(s))
+        == tmp_path / key
+    )
     assert builds == [] and stages == ["Using the cached Core ML model"]
     (tmp_path / key / MANIFEST).write_text("{")  # a damaged entry is never trusted
     cached_bundle(tied_dir, slots=SLOTS, cache_dir=tmp_path)
@@ -124,7 +148,9 @@ def test_cache_converts_once_and_rebuilds_a_corrupt_entry(
         (lambda m: {**m, "vocab_pieces": [[0, 10]]}, "covers 10 classes"),
     ],
 )
-def test_a_hostile_manifest_is_refused_in_one_sentence(package: Callable[[str], Path], tmp_path: Path, edit, message: str) -> None:
+def test_a_hostile_manifest_is_refused_in_one_sentence(
+    package: Callable[[str], Path], tmp_path: Path, edit, message: str
+) -> None:
     bad = tmp_path / "bad"
     shutil.copytree(package("none"), bad)
     manifest = json.loads((bad / MANIFEST).read_text())
@@ -191,4 +217,9 @@ def test_cli_errors_are_one_line_on_stderr(tiny_dir: Path, tmp_path: Path, capsy
 def test_check_passes_a_sound_bundle(package: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", str(package("lut4"))]) == 0
     out = capsys.readouterr().out
-    assert "ok   ANE lint: no errors" in out and "ok   reference run" in out and "ok   size" in out and out.strip().endswith("sound")
+    assert (
+        "ok   ANE lint: no errors" in out
+        and "ok   reference run" in out
+        and "ok   size" in out
+        and out.strip().endswith("sound")
+    )

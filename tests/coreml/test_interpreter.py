@@ -22,9 +22,17 @@ from tests.coreml.conftest import VARIANTS
 from tests.coreml.test_ane_rules import op_types
 
 READERS = {
-    "FLOAT16": "read_fp16_data", "FLOAT32": "read_float_data", "INT8": "read_int8_data", "UINT8": "read_uint8_data",
-    "INT4": "read_int4_data", "UINT4": "read_uint4_data", "UINT6": "read_uint6_data", "INT16": "read_int16_data",
-    "UINT16": "read_uint16_data", "INT32": "read_int32_data", "UINT32": "read_uint32_data",
+    "FLOAT16": "read_fp16_data",
+    "FLOAT32": "read_float_data",
+    "INT8": "read_int8_data",
+    "UINT8": "read_uint8_data",
+    "INT4": "read_int4_data",
+    "UINT4": "read_uint4_data",
+    "UINT6": "read_uint6_data",
+    "INT16": "read_int16_data",
+    "UINT16": "read_uint16_data",
+    "INT32": "read_int32_data",
+    "UINT32": "read_uint32_data",
 }
 
 
@@ -32,7 +40,11 @@ def blob_values(pkg: Package):
     for fn in pkg.spec.mlProgram.functions.values():
         for block in fn.block_specializations.values():
             for op in block.operations:
-                values = [op.attributes["val"]] if op.type == "const" else [a.value for arg in op.inputs.values() for a in arg.arguments if a.HasField("value")]
+                values = (
+                    [op.attributes["val"]]
+                    if op.type == "const"
+                    else [a.value for arg in op.inputs.values() for a in arg.arguments if a.HasField("value")]
+                )
                 for v in values:
                     if v.HasField("blobFileValue"):
                         yield v
@@ -55,7 +67,14 @@ def test_blob_reader_matches_coremltools(variant: str, package: Callable[[str], 
             np.testing.assert_array_equal(got.ravel(), want.ravel()[: got.size])
             seen.add(dtype)
     quantize = bundle.quantize
-    expected = {"none": {"FLOAT16"}, "int8": {"INT8"}, "int4": {"INT4"}, "lut4": {"UINT4"}, "lut6": {"UINT6"}, "lut8": {"UINT8"}}[quantize]
+    expected = {
+        "none": {"FLOAT16"},
+        "int8": {"INT8"},
+        "int4": {"INT4"},
+        "lut4": {"UINT4"},
+        "lut6": {"UINT6"},
+        "lut8": {"UINT8"},
+    }[quantize]
     assert expected <= seen
 
 

@@ -73,4 +73,3 @@ def test_cascade_pages_blocks_through_the_package(tiny_dir: Path, package: Calla
     ref_stats, got_stats = ref_mem.stats(), got_mem.stats()
     assert got_stats.working.evictions > 0 and got_stats.working.misses > 0  # blocks left and were paged back in
     assert (got_stats.working.hits, got_stats.working.misses) == (ref_stats.working.hits, ref_stats.working.misses)
-

@@ -34,7 +34,9 @@ DECODE_STEPS = 64
 ATOL = 3e-2  # logits are O(3); fp16 carries ~3 significant digits, and the program's op order differs from torch's
 
 
-def assert_parity(reference: Backend, candidate: Backend, prompt: list[int], steps: int = DECODE_STEPS) -> tuple[list[int], list[int]]:
+def assert_parity(
+    reference: Backend, candidate: Backend, prompt: list[int], steps: int = DECODE_STEPS
+) -> tuple[list[int], list[int]]:
     """The torch engine decodes greedily; the candidate is fed the same tokens. Every step's logits agree within
     ATOL, and the candidate picks the same token wherever the reference's top-2 margin exceeds 2 * ATOL (a closer
     call is a tie at fp16 precision)."""
@@ -99,10 +101,16 @@ def test_query_summary_is_the_mean_pre_rope_query_per_kv_group(tiny_dir: Path, p
     memory = FullAttentionMemory(interp)
     interp.forward(torch.tensor([ids]), memory.plan(ids).as_batch(), last_only=True)
     got = interp.query_summary()
-    assert got is not None and got.shape == (1, c.num_hidden_layers, c.num_key_value_heads, c.head_dim) and got.dtype == torch.float32
+    assert (
+        got is not None
+        and got.shape == (1, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        and got.dtype == torch.float32
+    )
     model = load_model(tiny_dir, dtype=torch.float32).model
     normed: list[torch.Tensor] = []
-    hooks = [layer.input_layernorm.register_forward_hook(lambda m, i, o: normed.append(o)) for layer in model.model.layers]
+    hooks = [
+        layer.input_layernorm.register_forward_hook(lambda m, i, o: normed.append(o)) for layer in model.model.layers
+    ]
     with torch.inference_mode():
         model.forward_causal(torch.tensor([ids]))
     for h in hooks:

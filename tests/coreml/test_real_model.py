@@ -26,7 +26,11 @@ from tests.coreml.test_ane_rules import op_types
 # Slow: each interpreter step copies the whole (30, 3, 2048, 64) KV state per layer (slice_update), so 3 prompts
 # x 32 tokens took over 10 minutes on a loaded 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
-PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "Explain in one sentence why the sky is blue.")
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence why the sky is blue.",
+)
 TOKENS = 32
 
 
@@ -62,7 +66,9 @@ def _greedy_tokens(backend, ids: list[int], config: CascadeConfig, forced: list[
     return run_greedy(backend, CascadeMemory(backend, config), ids, TOKENS, forced=forced, chunk=len(ids))
 
 
-def test_interpreter_greedy_tokens_equal_the_torch_fp16_path(real_model_dir: Path, real_bundle: Path, cascade: CascadeConfig, tmp_path: Path) -> None:
+def test_interpreter_greedy_tokens_equal_the_torch_fp16_path(
+    real_model_dir: Path, real_bundle: Path, cascade: CascadeConfig, tmp_path: Path
+) -> None:
     """32 greedy tokens per prompt: the interpreter, teacher-forced on the torch fp16 path's tokens (the bundle's own
     dequantized weights), picks the same token at every step where torch's top-2 margin exceeds TIE; the steps
     before the first disagreement are exactly what a free-running interpreter would generate."""
@@ -78,7 +84,9 @@ def test_interpreter_greedy_tokens_equal_the_torch_fp16_path(real_model_dir: Pat
         same = next((i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w), TOKENS)
         margins = [float(r[-1].float().topk(2).values.diff().abs()) for r in ref_logits[:-1]]
         flips = [(i, round(margins[i], 3)) for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
-        print(f"{prompt!r}: {same}/{TOKENS} tokens equal before any disagreement; disagreements (step, torch top-2 margin): {flips}")
+        print(
+            f"{prompt!r}: {same}/{TOKENS} tokens equal before any disagreement; disagreements (step, torch top-2 margin): {flips}"
+        )
         assert all(m < TIE for _, m in flips), f"{prompt!r}: {tok.decode(got)!r} != {tok.decode(want)!r}"
 
 
@@ -93,7 +101,9 @@ def test_fp16_accumulation_bounds_the_drift(real_model_dir: Path, real_bundle: P
     ref_logits, ref_tokens = _greedy_tokens(wide, ids, cascade)
     got_logits, _ = _greedy_tokens(narrow, ids, cascade, forced=ref_tokens)
     drift = max(float((g[-1] - r[-1]).abs().max()) for g, r in zip(got_logits, ref_logits, strict=True))
-    same = sum(int(g[-1].argmax()) == int(r[-1].argmax()) for g, r in zip(got_logits, ref_logits, strict=True)) / len(ref_logits)
+    same = sum(int(g[-1].argmax()) == int(r[-1].argmax()) for g, r in zip(got_logits, ref_logits, strict=True)) / len(
+        ref_logits
+    )
     print(f"fp16 accumulation: max logit drift {drift:.3f}, same top token {same:.1%} over {len(ref_logits)} steps")
     assert torch.isfinite(torch.stack([g[-1] for g in got_logits])).all()
     assert drift < DRIFT and same >= 0.9

@@ -84,7 +84,9 @@ def fake_backend(tied_dir: Path, default_bundle: Path, cache_root: Path) -> tupl
     return backend, loader
 
 
-def test_runtime_host_code_through_the_bridge_rules(fake_backend: tuple[CoreMLBackend, FakeLoader], default_bundle: Path) -> None:
+def test_runtime_host_code_through_the_bridge_rules(
+    fake_backend: tuple[CoreMLBackend, FakeLoader], default_bundle: Path
+) -> None:
     """Every program is loaded once per function; predictions, state reads and writes pass the bridge's checks;
     the results equal the reference interpreter's exactly (same programs, same host code)."""
     backend, loader = fake_backend
@@ -93,7 +95,9 @@ def test_runtime_host_code_through_the_bridge_rules(fake_backend: tuple[CoreMLBa
     assert {u for _, _, u in loader.loaded} == {"CPU_AND_NE"}
     ref = InterpreterBackend(default_bundle)
     ids = prompt_ids(40, backend.config.vocab_size)
-    torch.testing.assert_close(feed(backend, FullAttentionMemory(backend), ids), feed(ref, FullAttentionMemory(ref), ids), atol=0, rtol=0)
+    torch.testing.assert_close(
+        feed(backend, FullAttentionMemory(backend), ids), feed(ref, FullAttentionMemory(ref), ids), atol=0, rtol=0
+    )
     k, v = backend.read_kv(0, torch.arange(40))
     twin = backend.fork()
     twin.write_kv(0, torch.arange(40), k, v)  # float32 through the bridge: exact
@@ -117,7 +121,9 @@ def test_probe_is_available_on_this_mac() -> None:
 
 @pytest.mark.mac
 @pytest.mark.parametrize("units", ["CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"])
-def test_core_ml_matches_the_torch_engine(units: str, tied_dir: Path, coreml_backend: CoreMLBackend, tmp_path: Path) -> None:
+def test_core_ml_matches_the_torch_engine(
+    units: str, tied_dir: Path, coreml_backend: CoreMLBackend, tmp_path: Path
+) -> None:
     from tests.coreml.helpers import torch_fp16_with_package_weights
 
     backend = CoreMLBackend(tied_dir, compute_units=units, cache_dir=coreml_backend.cache_dir)
@@ -140,7 +146,12 @@ def test_state_write_read_round_trip_on_core_ml(coreml_backend: CoreMLBackend) -
     k2, v2 = twin.read_kv(0, torch.arange(40))
     assert torch.equal(k, k2) and torch.equal(v, v2)
     # The restored table continues exactly as the original does.
-    torch.testing.assert_close(twin.forward(torch.tensor([[7]]), memory.plan([7]).as_batch()), b.forward(torch.tensor([[7]]), memory.plan([7]).as_batch()), atol=0, rtol=0)
+    torch.testing.assert_close(
+        twin.forward(torch.tensor([[7]]), memory.plan([7]).as_batch()),
+        b.forward(torch.tensor([[7]]), memory.plan([7]).as_batch()),
+        atol=0,
+        rtol=0,
+    )
 
 
 @pytest.mark.mac
@@ -151,7 +162,9 @@ def test_compiled_once_beside_the_bundle(coreml_backend: CoreMLBackend) -> None:
 
 
 @pytest.mark.mac
-def test_neural_engine_share_of_the_default_model(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_neural_engine_share_of_the_default_model(
+    real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """≥ 90 % of the estimated cost of every program function on the Neural Engine (MLComputePlan), and decode
     tokens/s of Core ML on CPU_AND_NE against the torch CPU backend in the same run."""
     from coreml.runtime import compute_plan_share

@@ -33,9 +33,41 @@ CONFIG = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=
 PREAMBLE = 68
 
 HOSTILE_VALUES: list[Any] = [
-    -1, 0, 1, 7, 31, 32, 33, 255, 2**31 - 1, 2**31, 2**32, 2**63, 2**64, -(2**63), 10**30, 3 * 10**8,
-    1.5, -0.0, 1e308, True, False, None, "", "7", "../../../../tmp/evil", "../" * 20 + "abcd", "a" * 63 + "/", "\x1b]0;pwned\x07\x1b[2J", "\ud800",
-    [], [0], [None], {}, {"a": 1}, [[[[]]]],
+    -1,
+    0,
+    1,
+    7,
+    31,
+    32,
+    33,
+    255,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**63,
+    2**64,
+    -(2**63),
+    10**30,
+    3 * 10**8,
+    1.5,
+    -0.0,
+    1e308,
+    True,
+    False,
+    None,
+    "",
+    "7",
+    "../../../../tmp/evil",
+    "../" * 20 + "abcd",
+    "a" * 63 + "/",
+    "\x1b]0;pwned\x07\x1b[2J",
+    "\ud800",
+    [],
+    [0],
+    [None],
+    {},
+    {"a": 1},
+    [[[[]]]],
 ]
 RAW_TOKENS = ["Infinity", "-Infinity", "NaN", "1e999", "-1e999", '"\\ud800"', "9" * 5000, "[" * 5000 + "]" * 5000]
 
@@ -56,7 +88,10 @@ class World:
         prefill(backend, memory, random_ids(40, seed=1), 16)
         meta, tensors = memory.state()
         # Low-entropy KV of the same shapes (any finite fp16 is a valid state), so zlib/lzma really compress.
-        tensors = {n: (t.float().round().clamp(-2, 2).to(t.dtype) if t.dtype == torch.float16 else t) for n, t in tensors.items()}
+        tensors = {
+            n: (t.float().round().clamp(-2, 2).to(t.dtype) if t.dtype == torch.float16 else t)
+            for n, t in tensors.items()
+        }
         self.meta, self.tensors = meta, tensors
         self.files: dict[str, bytes] = {}
         for compression in ("none", "zlib", "lzma"):
@@ -163,7 +198,9 @@ def mutate_bytes(world: World, rng: random.Random) -> bytes:
             raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
         return bytes(raw)
     if op == "inflate":
-        struct.pack_into("<Q", raw, rng.choice([12, 20, 28]), rng.choice([0, 1, 2**31, 2**63, 2**64 - 1, rng.randrange(2**64)]))
+        struct.pack_into(
+            "<Q", raw, rng.choice([12, 20, 28]), rng.choice([0, 1, 2**31, 2**63, 2**64 - 1, rng.randrange(2**64)])
+        )
         return bytes(raw)
     return b"SPARK\x00\x02\x00" + rng.randbytes(rng.randrange(512))
 

@@ -51,10 +51,16 @@ def write_v1(path: Path, meta: dict, tensor_section: bytes) -> None:
     u64 tensor length, SHA-256 over metadata + tensors), then metadata JSON, then raw safetensors bytes."""
     meta_bytes = json.dumps(meta).encode()
     digest = hashlib.sha256(meta_bytes + tensor_section).digest()
-    path.write_bytes(struct.pack("<6sHQQ32s", b"SPARK\x00", 1, len(meta_bytes), len(tensor_section), digest) + meta_bytes + tensor_section)
+    path.write_bytes(
+        struct.pack("<6sHQQ32s", b"SPARK\x00", 1, len(meta_bytes), len(tensor_section), digest)
+        + meta_bytes
+        + tensor_section
+    )
 
 
-def v1_meta(fingerprint: str, token_ids: list[int], pending: int | None, memory_meta: dict, rng: list[int] | None) -> dict:
+def v1_meta(
+    fingerprint: str, token_ids: list[int], pending: int | None, memory_meta: dict, rng: list[int] | None
+) -> dict:
     """v1 metadata: no tokenizer hash, no `saved`, no `extra`, timestamp-less messages, the sampler state as `rng`."""
     return {
         "format_version": 1,
@@ -71,9 +77,20 @@ def v1_meta(fingerprint: str, token_ids: list[int], pending: int | None, memory_
     }
 
 
-def write_v2(path: Path, meta_bytes: bytes, tensor_section: bytes, *, flags: int = 0, raw_len: int | None = None) -> None:
+def write_v2(
+    path: Path, meta_bytes: bytes, tensor_section: bytes, *, flags: int = 0, raw_len: int | None = None
+) -> None:
     """Write the v2 layout around arbitrary metadata/tensor bytes with a *correct* checksum (as a hostile or buggy
     writer could), so the reader's checks after the checksum are what is under test."""
-    head = struct.pack("<6sHHHQQQ", b"SPARK\x00", 2, flags, 0, len(meta_bytes), len(tensor_section), len(tensor_section) if raw_len is None else raw_len)
+    head = struct.pack(
+        "<6sHHHQQQ",
+        b"SPARK\x00",
+        2,
+        flags,
+        0,
+        len(meta_bytes),
+        len(tensor_section),
+        len(tensor_section) if raw_len is None else raw_len,
+    )
     digest = hashlib.sha256(head + meta_bytes + tensor_section).digest()
     path.write_bytes(head + digest + meta_bytes + tensor_section)

@@ -67,7 +67,14 @@ FEATURES = (
     "{% endfor %}{{ 'tools:' ~ (tools is none) }}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-TEMPLATES = {"chatml": CHATML_QWEN2, "llama3": LLAMA3, "mistral": MISTRAL, "zephyr": ZEPHYR, "llama2": LLAMA2, "features": FEATURES}
+TEMPLATES = {
+    "chatml": CHATML_QWEN2,
+    "llama3": LLAMA3,
+    "mistral": MISTRAL,
+    "zephyr": ZEPHYR,
+    "llama2": LLAMA2,
+    "features": FEATURES,
+}
 
 WITH_SYSTEM = [
     {"role": "system", "content": "You are terse. <b>&'</b>"},
@@ -125,7 +132,9 @@ def test_continue_final_message_matches_transformers(base_dir: Path, tmp_path: P
     messages = [{"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "One, two,"}]
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     expected = hf.apply_chat_template(messages, tokenize=False, continue_final_message=True)
-    got = Tokenizer.from_dir(folder).apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    got = Tokenizer.from_dir(folder).apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
     assert got == expected
     assert got.endswith("One, two,")
 
@@ -191,8 +200,12 @@ def test_hostile_templates_are_stopped_with_one_sentence(name: str) -> None:
     from engine.template_limits import RenderLimits
 
     with pytest.raises(TokenizerError, match="was stopped because") as info:
-        render_chat(HOSTILE_TEMPLATES[name], [{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                    limits=RenderLimits(max_chars=1_000_000, max_seconds=1.0))
+        render_chat(
+            HOSTILE_TEMPLATES[name],
+            [{"role": "user", "content": "hi"}],
+            add_generation_prompt=True,
+            limits=RenderLimits(max_chars=1_000_000, max_seconds=1.0),
+        )
     assert "\n" not in str(info.value) and str(info.value).endswith(".")
 
 

@@ -22,11 +22,24 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def engine_cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MLOT_SPARK_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "engine", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
 
 
 def test_generate_json_has_the_contract_fields(model: Path, tmp_path: Path) -> None:
-    r = engine_cli("generate", "--model", str(model), "--prompt", "The quick", "--max-tokens", "8", "--greedy", "--json", cache=tmp_path)
+    r = engine_cli(
+        "generate",
+        "--model",
+        str(model),
+        "--prompt",
+        "The quick",
+        "--max-tokens",
+        "8",
+        "--greedy",
+        "--json",
+        cache=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) >= {"text", "tokens", "prompt_tokens", "ttft_s", "tokens_per_s", "backend", "finish_reason"}
@@ -35,14 +48,38 @@ def test_generate_json_has_the_contract_fields(model: Path, tmp_path: Path) -> N
 
 
 def test_save_load_continue_equals_one_run(model: Path, tmp_path: Path) -> None:
-    common = ["--model", str(model), "--prompt", "Memory cascade", "--seed", "7", "--temperature", "1.0", "--json", "--no-prefix-cache"]
+    common = [
+        "--model",
+        str(model),
+        "--prompt",
+        "Memory cascade",
+        "--seed",
+        "7",
+        "--temperature",
+        "1.0",
+        "--json",
+        "--no-prefix-cache",
+    ]
     whole = engine_cli("generate", *common, "--max-tokens", "20", cache=tmp_path)
     spark = tmp_path / "conv.spark"
     first = engine_cli("generate", *common, "--max-tokens", "8", "--save-session", str(spark), cache=tmp_path)
     assert first.returncode == 0, first.stderr
     rest = engine_cli(
-        "generate", "--model", str(model), "--load-session", str(spark), "--continue", "--max-tokens", "12",
-        "--seed", "7", "--temperature", "1.0", "--json", "--no-prefix-cache", cache=tmp_path,
+        "generate",
+        "--model",
+        str(model),
+        "--load-session",
+        str(spark),
+        "--continue",
+        "--max-tokens",
+        "12",
+        "--seed",
+        "7",
+        "--temperature",
+        "1.0",
+        "--json",
+        "--no-prefix-cache",
+        cache=tmp_path,
     )
     assert rest.returncode == 0, rest.stderr
     tokens = json.loads(first.stdout)["tokens"] + json.loads(rest.stdout)["tokens"]
@@ -53,7 +90,9 @@ def test_save_load_continue_equals_one_run(model: Path, tmp_path: Path) -> None:
 
 
 def test_chat_mode_uses_the_template(model: Path, tmp_path: Path) -> None:
-    r = engine_cli("generate", "--model", str(model), "--prompt", "hi", "--chat", "--max-tokens", "4", "--json", cache=tmp_path)
+    r = engine_cli(
+        "generate", "--model", str(model), "--prompt", "hi", "--chat", "--max-tokens", "4", "--json", cache=tmp_path
+    )
     raw = engine_cli("generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "4", "--json", cache=tmp_path)
     assert json.loads(r.stdout)["prompt_tokens"] > json.loads(raw.stdout)["prompt_tokens"]
 
@@ -94,7 +133,9 @@ def test_sampling_defaults_come_from_generation_config_unless_flags_say_otherwis
 
     d = tmp_path / "m"
     d.mkdir()
-    (d / "generation_config.json").write_text(_json.dumps({"do_sample": True, "temperature": 0.3, "top_p": 0.8, "max_new_tokens": 42}))
+    (d / "generation_config.json").write_text(
+        _json.dumps({"do_sample": True, "temperature": 0.3, "top_p": 0.8, "max_new_tokens": 42})
+    )
     p = argparse.ArgumentParser()
     add_sampling_args(p)
     s = settings_from_args(p.parse_args([]), d)
@@ -106,7 +147,9 @@ def test_sampling_defaults_come_from_generation_config_unless_flags_say_otherwis
     assert not settings_from_args(p.parse_args(["--temperature", "1.0"]), d).sampling.greedy
 
 
-def test_a_subcommand_missing_from_the_build_says_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_subcommand_missing_from_the_build_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from engine import cli
 
     monkeypatch.setitem(cli.SUBCOMMANDS, "bench", "engine.cli.not_in_this_build")

@@ -46,7 +46,9 @@ def one_line_error(r: subprocess.CompletedProcess[bytes], expected: str) -> None
         ([b"--prompt", b"caf\xe9 \xff"], "--prompt is not valid UTF-8 text"),
     ],
 )
-def test_out_of_range_values_are_one_sentence(model: Path, tmp_path: Path, flags: list[str | bytes], expected: str) -> None:
+def test_out_of_range_values_are_one_sentence(
+    model: Path, tmp_path: Path, flags: list[str | bytes], expected: str
+) -> None:
     args: list[str | bytes] = ["generate", "--model", str(model), "--max-tokens", "2", *flags]
     if not any(f in (b"--prompt", "--prompt-file") for f in flags):
         args += ["--prompt", "hi"]
@@ -55,14 +57,29 @@ def test_out_of_range_values_are_one_sentence(model: Path, tmp_path: Path, flags
 
 @pytest.mark.parametrize("threads", ["0", "-3", "100000"])
 def test_bench_threads_are_range_checked_before_any_work(model: Path, tmp_path: Path, threads: str) -> None:
-    one_line_error(engine_cli("bench", "decode", "--model", str(model), "--threads", threads, cache=tmp_path), "--threads must be between 1 and")
+    one_line_error(
+        engine_cli("bench", "decode", "--model", str(model), "--threads", threads, cache=tmp_path),
+        "--threads must be between 1 and",
+    )
 
 
 def test_a_file_given_as_cache_dir_costs_one_warning_not_the_reply(model: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "cache-file"
     blocker.write_text("x")
-    r = engine_cli("generate", "--model", str(model), "--prompt", "The quick", "--max-tokens", "4", "--greedy", "--json",
-                   "--cache-dir", str(blocker), cache=tmp_path)
+    r = engine_cli(
+        "generate",
+        "--model",
+        str(model),
+        "--prompt",
+        "The quick",
+        "--max-tokens",
+        "4",
+        "--greedy",
+        "--json",
+        "--cache-dir",
+        str(blocker),
+        cache=tmp_path,
+    )
     err = r.stderr.decode()
     assert r.returncode == 0, err
     assert len(json.loads(r.stdout)["tokens"]) >= 1
@@ -73,7 +90,20 @@ def test_a_file_given_as_cache_dir_costs_one_warning_not_the_reply(model: Path, 
 def test_a_failed_save_prints_the_reply_first_and_says_so_after(model: Path, tmp_path: Path) -> None:
     fifo = tmp_path / "talk.spark"
     os.mkfifo(fifo)
-    r = engine_cli("generate", "--model", str(model), "--prompt", "The quick", "--max-tokens", "4", "--greedy", "--json",
-                   "--save-session", str(fifo), "--no-prefix-cache", cache=tmp_path)
+    r = engine_cli(
+        "generate",
+        "--model",
+        str(model),
+        "--prompt",
+        "The quick",
+        "--max-tokens",
+        "4",
+        "--greedy",
+        "--json",
+        "--save-session",
+        str(fifo),
+        "--no-prefix-cache",
+        cache=tmp_path,
+    )
     assert len(json.loads(r.stdout)["tokens"]) >= 1  # the reply is out
     one_line_error(r, "The reply was printed but not saved")

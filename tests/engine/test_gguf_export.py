@@ -42,7 +42,16 @@ def test_export_writes_each_type_with_the_same_values(model_dir: Path, tmp_path:
             ref = permute_for_gguf(ref, permute_heads)
         got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(ref.shape)
         # Worst case per element: half a step of the format (Q4_0: 1/16 of a block's range, Q8_0: 1/254).
-        tol = {"f32": 0.0, "f16": 1e-3, "bf16": 8e-3, "q8_0": 4e-3, "q4_0": 7e-2, "q4_1": 7e-2, "q5_0": 4e-2, "q5_1": 4e-2}[dtype] * max(1.0, float(np.abs(ref).max()))
+        tol = {
+            "f32": 0.0,
+            "f16": 1e-3,
+            "bf16": 8e-3,
+            "q8_0": 4e-3,
+            "q4_0": 7e-2,
+            "q4_1": 7e-2,
+            "q5_0": 4e-2,
+            "q5_1": 4e-2,
+        }[dtype] * max(1.0, float(np.abs(ref).max()))
         assert np.abs(got - ref).max() <= tol, (name, np.abs(got - ref).max())
 
 

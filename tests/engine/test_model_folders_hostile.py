@@ -95,7 +95,9 @@ def test_a_broken_model_folder_is_one_sentence(base: Path, tmp_path: Path, name:
     assert "\n" not in message and message.endswith("."), message
 
 
-@pytest.mark.parametrize("value", ["Infinity", "1e999", "[4]", '"4"', "-4", "4.5", "true", "[" * 100_000 + "]" * 100_000])
+@pytest.mark.parametrize(
+    "value", ["Infinity", "1e999", "[4]", '"4"', "-4", "4.5", "true", "[" * 100_000 + "]" * 100_000]
+)
 def test_a_broken_cascade_json_is_one_sentence(base: Path, tmp_path: Path, value: str) -> None:
     folder = tmp_path / "model"
     shutil.copytree(base, folder)

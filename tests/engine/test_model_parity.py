@@ -74,7 +74,13 @@ def test_greedy_generation_matches_transformers_generate(arch_dir: Path) -> None
         inp = torch.tensor([prompt])
         # An explicit mask: otherwise transformers infers one from pad_token_id and could hide a BOS of the same id.
         out = hf_model(arch_dir).generate(
-            inp, attention_mask=torch.ones_like(inp), max_new_tokens=24, min_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+            inp,
+            attention_mask=torch.ones_like(inp),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
     assert ours == out[0, len(prompt) :].tolist()
 

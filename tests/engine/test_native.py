@@ -94,7 +94,9 @@ def integer_reference(w: BlockWeights, bias: np.ndarray | None, x: np.ndarray, p
     return y if bias is None else (y + bias).astype(F32)
 
 
-def block_linear(kernels: NativeKernels, qtype: BlockType, n: int, k: int, parts: int, seed: int = 0) -> NativeBlockLinear:
+def block_linear(
+    kernels: NativeKernels, qtype: BlockType, n: int, k: int, parts: int, seed: int = 0
+) -> NativeBlockLinear:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # (N, K), rows of differing scale
     bw = BlockWeights(qtype, (n, k), torch.from_numpy(quantize(w.numpy(), qtype)))
@@ -116,7 +118,9 @@ def test_the_integer_reference_takes_the_products_it_claims() -> None:
 @pytest.mark.parametrize("parts", [1, 2])
 @pytest.mark.parametrize("qtype", list(BlockType), ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [32, 128, 160, 576])  # one block, whole groups of 4, a group and a tail, SmolLM's width
-def test_block_products_equal_the_integer_reference_bit_for_bit(kernels: NativeKernels, qtype: BlockType, k: int, parts: int) -> None:
+def test_block_products_equal_the_integer_reference_bit_for_bit(
+    kernels: NativeKernels, qtype: BlockType, k: int, parts: int
+) -> None:
     lin = block_linear(kernels, qtype, 37, k, parts, seed=k)
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
     x[3] = 0  # an all-zero row quantizes to zeros with scale 0: just the bias
@@ -136,7 +140,9 @@ def lin_weights(lin: NativeBlockLinear) -> BlockWeights:
 
 @pytest.mark.skipif(not X86, reason="instruction-set variants of x86")
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")], ids=["avx2", "portable"])
-def test_every_instruction_set_variant_computes_the_same_products(kernels: NativeKernels, tmp_path: Path, flags: tuple[str, ...]) -> None:
+def test_every_instruction_set_variant_computes_the_same_products(
+    kernels: NativeKernels, tmp_path: Path, flags: tuple[str, ...]
+) -> None:
     variant = bind(build_library(tmp_path, extra_flags=flags))
     assert variant.isa == {"-mno-avx2": "portable"}.get(flags[-1], "avx2")
     x = torch.randn(5, 224, generator=torch.Generator().manual_seed(2))
@@ -180,14 +186,18 @@ def test_the_thread_pool_changes_no_bit_and_creates_no_thread_per_call(kernels: 
 def test_backend_uses_native_kernels_and_stays_close_to_fp32(qwen_dir: Path) -> None:
     b = TorchBackend(qwen_dir, "cpu", quantize="q8_0")
     assert b.native_isa is not None and b.decoder is not None
-    assert isinstance(b.model.lm_head, NativeBlockLinear) and not any(isinstance(m, nn.Linear) for m in b.model.modules())
+    assert isinstance(b.model.lm_head, NativeBlockLinear) and not any(
+        isinstance(m, nn.Linear) for m in b.model.modules()
+    )
     assert b.numerics == "torch-cpu-float32-wq8_0native-a16i-kvfloat16"
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     outs = []
     for backend in (b, TorchBackend(qwen_dir, "cpu", quantize="none")):
         backend.allocate(1, 64)
         mem = FullAttentionMemory(backend)
-        outs.append(torch.stack([prefill(backend, mem, ids[:30], chunk=16)] + [decode_step(backend, mem, t) for t in ids[30:]]))
+        outs.append(
+            torch.stack([prefill(backend, mem, ids[:30], chunk=16)] + [decode_step(backend, mem, t) for t in ids[30:]])
+        )
     native, fp32 = outs
     rel = (native - fp32).norm(dim=-1) / fp32.norm(dim=-1)
     assert rel.max() < 0.05, rel
@@ -206,7 +216,9 @@ def run_conversation(b: TorchBackend, memory: str, ids: list[int]) -> torch.Tens
 
 @pytest.mark.parametrize("memory", ["full", "cascade"])
 @pytest.mark.parametrize("kv", [torch.float16, torch.float32])
-def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(llama_dir: Path, memory: str, kv: torch.dtype) -> None:
+def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(
+    llama_dir: Path, memory: str, kv: torch.dtype
+) -> None:
     ids = [3 + (i * 7) % 200 for i in range(50)]
     native = TorchBackend(llama_dir, "cpu", quantize="q4_1", kv_dtype=kv)
     calls = {"n": 0}
@@ -254,7 +266,9 @@ def test_native_steps_keep_the_read_copies_exact(llama_dir: Path) -> None:
     assert assert_read_copies_exact(b, torch.arange(32)[None]) == 14
 
 
-def test_without_native_kernels_the_engine_says_why_and_runs_pytorch(qwen_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_without_native_kernels_the_engine_says_why_and_runs_pytorch(
+    qwen_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from engine.backends.torch_backend import KMajorLinear
 
     monkeypatch.setenv(DISABLE_ENV, "1")
@@ -289,7 +303,10 @@ def test_a_failing_build_names_the_compiler_error(tmp_path: Path) -> None:
 ARM_CC, QEMU_ARM = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
 
 
-@pytest.mark.skipif(not (ARM_CC and QEMU_ARM), reason="needs an aarch64 cross compiler and qemu-user (Debian: gcc-aarch64-linux-gnu qemu-user)")
+@pytest.mark.skipif(
+    not (ARM_CC and QEMU_ARM),
+    reason="needs an aarch64 cross compiler and qemu-user (Debian: gcc-aarch64-linux-gnu qemu-user)",
+)
 @pytest.mark.parametrize("arch,isa", [("armv8.2-a+dotprod", "neon-dotprod"), ("armv8-a", "portable")])
 def test_arm_kernels_compute_the_exact_block_products(tmp_path: Path, arch: str, isa: str) -> None:
     """Apple Silicon runs the NEON dot-product kernel: compiled for Arm, run under emulation, checked exactly."""
@@ -299,9 +316,24 @@ def test_arm_kernels_compute_the_exact_block_products(tmp_path: Path, arch: str,
 
     exe = tmp_path / f"arm-check-{isa}"
     check = Path(__file__).with_name("native") / "arm_check.c"
-    build = [str(ARM_CC), "-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", f"-march={arch}", "-static", f"-I{SOURCE.parent}", str(check), "-o", str(exe), "-lm"]
+    build = [
+        str(ARM_CC),
+        "-O3",
+        "-std=gnu11",
+        "-pthread",
+        "-ffp-contract=off",
+        f"-march={arch}",
+        "-static",
+        f"-I{SOURCE.parent}",
+        str(check),
+        "-o",
+        str(exe),
+        "-lm",
+    ]
     subprocess.run(build, check=True, capture_output=True, timeout=300)
-    out = subprocess.run([str(QEMU_ARM), str(exe)], capture_output=True, text=True, timeout=300, check=False)  # the assert below shows its output
+    out = subprocess.run(
+        [str(QEMU_ARM), str(exe)], capture_output=True, text=True, timeout=300, check=False
+    )  # the assert below shows its output
     assert out.returncode == 0 and out.stdout.splitlines() == [f"isa {isa}", "0 mismatches"], out.stdout
 
 
@@ -315,9 +347,23 @@ def test_the_arm_checker_itself_passes_on_this_machine(tmp_path: Path, kernels: 
 
     exe = tmp_path / "check"
     tune = [f for f in compile_flags() if f.startswith("-m")]
-    build = [str(_compiler()), "-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", *tune, f"-I{SOURCE.parent}", str(Path(__file__).with_name("native") / "arm_check.c"), "-o", str(exe), "-lm"]
+    build = [
+        str(_compiler()),
+        "-O3",
+        "-std=gnu11",
+        "-pthread",
+        "-ffp-contract=off",
+        *tune,
+        f"-I{SOURCE.parent}",
+        str(Path(__file__).with_name("native") / "arm_check.c"),
+        "-o",
+        str(exe),
+        "-lm",
+    ]
     subprocess.run(build, check=True, capture_output=True, timeout=300)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, check=False)  # the assert below shows its output
+    out = subprocess.run(
+        [str(exe)], capture_output=True, text=True, timeout=300, check=False
+    )  # the assert below shows its output
     assert out.returncode == 0 and out.stdout.splitlines() == [f"isa {kernels.isa}", "0 mismatches"], out.stdout
 
 
@@ -332,6 +378,8 @@ def test_models_the_native_step_cannot_run_are_named(qwen_dir: Path, kernels: Na
     assert native_unfit(status, cfg, torch.float32) is None
     assert native_unfit(status, cfg, torch.bfloat16) == "they compute in float32, not bfloat16"
     wide = dataclasses.replace(cfg, head_dim=kernels.max_head_dim * 2)
-    assert native_unfit(status, wide, torch.float32) == f"head dim {kernels.max_head_dim * 2} exceeds their {kernels.max_head_dim}"
+    assert (
+        native_unfit(status, wide, torch.float32)
+        == f"head dim {kernels.max_head_dim * 2} exceeds their {kernels.max_head_dim}"
+    )
     assert native_unfit(NativeStatus(None, "no C compiler was found"), cfg, torch.float32) == "no C compiler was found"
-

@@ -30,7 +30,11 @@ def run(backend: TorchBackend, tok: Tokenizer, profiler: Profiler | None) -> lis
     b = backend.fork()
     b.allocate(1, 64)
     ids = tok.encode("The quick brown fox jumps over the lazy dog.")
-    gen = profiler.stream_generate(b, FullAttentionMemory(b), tok, ids, SETTINGS) if profiler else stream_generate(b, FullAttentionMemory(b), tok, ids, SETTINGS)
+    gen = (
+        profiler.stream_generate(b, FullAttentionMemory(b), tok, ids, SETTINGS)
+        if profiler
+        else stream_generate(b, FullAttentionMemory(b), tok, ids, SETTINGS)
+    )
     return [ev.token for ev in gen if ev.token is not None]
 
 
@@ -42,7 +46,9 @@ def timed_run(backend: TorchBackend, tok: Tokenizer, profiler: Profiler) -> tupl
     """A profiled run whose steps the caller times itself: the tokens and each event's wait (seconds)."""
     b = backend.fork()
     b.allocate(1, 64)
-    gen = profiler.stream_generate(b, FullAttentionMemory(b), tok, tok.encode("The quick brown fox jumps over the lazy dog."), SETTINGS)
+    gen = profiler.stream_generate(
+        b, FullAttentionMemory(b), tok, tok.encode("The quick brown fox jumps over the lazy dog."), SETTINGS
+    )
     tokens, waits = [], []
     while True:
         start = time.perf_counter()
@@ -73,7 +79,16 @@ def test_parts_add_up_and_cover_every_category(tiny: tuple[TorchBackend, Tokeniz
         expected = {"embedding", "lm_head", "paging", "backend_overhead", "sampling", "detokenize"}
         expected |= {f"layer.{i}.{p}" for i in range(LAYERS) for p in ("attention", "mlp")}
         assert expected <= set(bd.parts)
-        assert set(bd.categories()) >= {"attention", "mlp", "embedding", "lm_head", "paging", "backend_overhead", "sampling", "detokenize"}
+        assert set(bd.categories()) >= {
+            "attention",
+            "mlp",
+            "embedding",
+            "lm_head",
+            "paging",
+            "backend_overhead",
+            "sampling",
+            "detokenize",
+        }
         covered = sum(bd.parts.values())
         assert covered <= bd.total_s * (1 + 1e-9)  # parts are disjoint pieces of the steps
         # Against the waits timed out here (which hold the steps): what the parts leave uncovered is at most the

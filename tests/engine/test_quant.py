@@ -100,7 +100,9 @@ def tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_a_gguf_runs_as_stored_exactly_as_the_same_weights_quantized_at_load(llama_dir: Path, tied_dir: Path, tmp_path: Path, qtype: BlockType, tie: bool) -> None:
+def test_a_gguf_runs_as_stored_exactly_as_the_same_weights_quantized_at_load(
+    llama_dir: Path, tied_dir: Path, tmp_path: Path, qtype: BlockType, tie: bool
+) -> None:
     model_dir = tied_dir if tie else llama_dir
     path = export_gguf(model_dir, tmp_path / "m.gguf", qtype.name.lower())  # gguf.GGUFWriter, llama.cpp's row order
     stored = gguf_model(path).stored_tensors()
@@ -118,7 +120,12 @@ def test_a_gguf_runs_as_stored_exactly_as_the_same_weights_quantized_at_load(lla
     else:  # an HF folder keeps its own untied embedding in fp32; the file's is its blocks, dequantized
         emb = from_file.model.model.embed_tokens(torch.tensor([IDS]))[0]
         t = stored["model.embed_tokens.weight"]
-        assert torch.equal(emb, torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data)[IDS], getattr(gguf.GGMLQuantizationType, t.qtype))))
+        assert torch.equal(
+            emb,
+            torch.from_numpy(
+                gguf.quants.dequantize(np.asarray(t.data)[IDS], getattr(gguf.GGMLQuantizationType, t.qtype))
+            ),
+        )
 
 
 def test_unpermuting_rows_restores_hugging_face_order(llama_dir: Path, tmp_path: Path) -> None:
@@ -150,7 +157,9 @@ def weight_error(model_dir: Path, qtype: BlockType) -> float:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_logits_stay_within_the_bound_the_type_implies(llama_dir: Path, qwen_dir: Path, arch: str, qtype: BlockType) -> None:
+def test_logits_stay_within_the_bound_the_type_implies(
+    llama_dir: Path, qwen_dir: Path, arch: str, qtype: BlockType
+) -> None:
     """Bound, to first order: each weight product perturbs what it feeds by at most its matrix's relative rounding
     error e (measured on these very weights), and the errors of the 4 products per layer on the residual path (2
     layers) and of the head add at most linearly: 9e relative on the logits, plus 1% for the activations' two int8
@@ -174,7 +183,6 @@ def test_quantize_choices_and_their_errors(qwen_dir: Path, tmp_path: Path) -> No
         TorchBackend(qwen_dir, "cpu", quantize="q5_0")
 
 
-
 def test_input_sizes_that_are_no_multiple_of_32_run_with_zero_columns(tmp_path: Path) -> None:
     """An HF folder's widths need not be multiples of 32 (the bundled spark-mini's MLP is 688 wide): zero weight
     columns pad each row to whole blocks, zero activations meet them, and the products are unchanged."""
@@ -188,7 +196,9 @@ def test_input_sizes_that_are_no_multiple_of_32_run_with_zero_columns(tmp_path: 
     quant = logits_of(b, IDS)  # prefill (padded rows) and the native decoding step (padded blocks)
     bound = (4 * 2 + 1) * weight_error(odd, BlockType.Q8_0) + 0.01
     assert ((quant - fp32).norm(dim=-1) / fp32.norm(dim=-1)).max().item() < bound
-    stepwise = TorchBackend(odd, "cpu", quantize="auto", native_steps=False)  # the same layers, every step through PyTorch
+    stepwise = TorchBackend(
+        odd, "cpu", quantize="auto", native_steps=False
+    )  # the same layers, every step through PyTorch
     assert torch.allclose(logits_of(stepwise, IDS), quant, atol=2e-4, rtol=1e-4)
 
 

@@ -15,7 +15,9 @@ from engine.session_file import inspect_session, load_session, restore
 from tests.tiny import make_tiny_model
 
 GREEDY = GenerationSettings(max_tokens=24, sampling=SamplingSettings(greedy=True), ignore_eos=True, prefill_chunk=16)
-SEEDED = GenerationSettings(max_tokens=24, sampling=SamplingSettings(seed=5, temperature=1.2), ignore_eos=True, prefill_chunk=16)
+SEEDED = GenerationSettings(
+    max_tokens=24, sampling=SamplingSettings(seed=5, temperature=1.2), ignore_eos=True, prefill_chunk=16
+)
 LONG = "The memory cascade keeps sinks, a window and recalled blocks. " * 6
 
 
@@ -82,9 +84,17 @@ def test_a_tampered_recipe_is_refused_in_one_sentence(engine: Engine, tmp_path: 
 
     bad = dict(data.extra, feed_schedule=[["f", 10_000, 1]])
     save_session(
-        tmp_path / "bad.spark", fingerprint=data.fingerprint, tokenizer_hash=data.tokenizer_hash, messages=data.messages,
-        system_prompt=data.system_prompt, settings=data.settings, memory_state=data.memory_state, pending_token=data.pending_token,
-        sampler_state=data.sampler_state, extra=bad, token_ids=data.token_ids,
+        tmp_path / "bad.spark",
+        fingerprint=data.fingerprint,
+        tokenizer_hash=data.tokenizer_hash,
+        messages=data.messages,
+        system_prompt=data.system_prompt,
+        settings=data.settings,
+        memory_state=data.memory_state,
+        pending_token=data.pending_token,
+        sampler_state=data.sampler_state,
+        extra=bad,
+        token_ids=data.token_ids,
     )
     b = engine.new_session()
     with pytest.raises(SessionFileError, match="malformed memory recipe"):
@@ -96,7 +106,18 @@ def test_a_tampered_recipe_is_refused_in_one_sentence(engine: Engine, tmp_path: 
 
 @pytest.mark.parametrize(
     "raw",
-    [None, "x", [["f", 1]], [["g", 1, 1]], [["f", 0, 1]], [["f", 1, -1]], [["r", 2, 2]], [["f", True, 1]], [["f", 3, 1]], [["f", 1, 1]]],
+    [
+        None,
+        "x",
+        [["f", 1]],
+        [["g", 1, 1]],
+        [["f", 0, 1]],
+        [["f", 1, -1]],
+        [["r", 2, 2]],
+        [["f", True, 1]],
+        [["f", 3, 1]],
+        [["f", 1, 1]],
+    ],
 )
 def test_malformed_schedules_are_refused(raw: object) -> None:
     with pytest.raises(SessionFileError):
@@ -123,7 +144,9 @@ def test_stop_while_reading_acts_within_one_chunk_and_emits_no_token(engine: Eng
     def stop() -> bool:
         return len(read) >= 2
 
-    events = list(stream_generate(s.backend, s.memory, engine.tokenizer, ids, GREEDY, should_stop=stop, on_prefill=read.append))
+    events = list(
+        stream_generate(s.backend, s.memory, engine.tokenizer, ids, GREEDY, should_stop=stop, on_prefill=read.append)
+    )
     assert [(e.token, e.text, e.finish_reason) for e in events] == [(None, "", "cancelled")]
     assert len(s.memory.tokens) == GREEDY.prefill_chunk  # exactly one chunk was read after Stop was asked for
     assert [p.done for p in read] == [0, GREEDY.prefill_chunk] and read[-1].total == len(ids)

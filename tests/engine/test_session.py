@@ -130,31 +130,45 @@ def test_a_model_that_cannot_fit_is_refused_with_the_backends_own_figures(model:
     weights, kv, slots = need_of(model)
     # The tiny model: k and v of 2 layers x 2 KV heads x 16 dims per slot, fp16 plus fp32 read copies.
     assert kv == slots * 2 * 2 * 2 * 16 * (2 + 4) and slots == MIN_SLOT_TABLE
-    tiny_ram = FakeMemory(MemorySnapshot(rss_bytes=GB, total_bytes=64 * 1024, available_bytes=32 * 1024, pressure=MemoryPressure.NORMAL))
+    tiny_ram = FakeMemory(
+        MemorySnapshot(rss_bytes=GB, total_bytes=64 * 1024, available_bytes=32 * 1024, pressure=MemoryPressure.NORMAL)
+    )
     policy = HardwarePolicy(FakeThermal(), tiny_ram)
     with pytest.raises(InsufficientMemory) as err:
         Engine.load(model, "cpu", memory_factory=memory_factory_for(model), policy=policy)
-    assert f"needs {format_bytes(weights + kv)} ({format_bytes(weights)} of weights and {format_bytes(kv)} of KV cache)" in str(err.value)
+    assert (
+        f"needs {format_bytes(weights + kv)} ({format_bytes(weights)} of weights and {format_bytes(kv)} of KV cache)"
+        in str(err.value)
+    )
 
 
 @pytest.mark.parametrize("spare", [0, -1])
 def test_the_fit_check_admits_exactly_what_fits(model: Path, spare: int) -> None:
     weights, kv, _ = need_of(model)
     room = weights + kv + spare
-    ram = FakeMemory(MemorySnapshot(rss_bytes=GB, total_bytes=16 * GB, available_bytes=room, pressure=MemoryPressure.NORMAL))
+    ram = FakeMemory(
+        MemorySnapshot(rss_bytes=GB, total_bytes=16 * GB, available_bytes=room, pressure=MemoryPressure.NORMAL)
+    )
     policy = HardwarePolicy(FakeThermal(), ram, config=PolicyConfig(budget_bytes=room))
     if spare < 0:
         with pytest.raises(InsufficientMemory):
             Engine.load(model, "cpu", memory_factory=memory_factory_for(model), policy=policy)
     else:
-        assert Engine.load(model, "cpu", memory_factory=memory_factory_for(model), policy=policy).backend.weight_bytes == weights
+        assert (
+            Engine.load(model, "cpu", memory_factory=memory_factory_for(model), policy=policy).backend.weight_bytes
+            == weights
+        )
 
 
 def test_policy_sizes_the_episodic_tier(model: Path, tmp_path: Path) -> None:
     policy = HardwarePolicy(FakeThermal(), FakeMemory())
-    engine = Engine.load(model, "cpu", memory_factory=memory_factory_for(model, cache_dir=tmp_path, policy=policy), policy=policy)
+    engine = Engine.load(
+        model, "cpu", memory_factory=memory_factory_for(model, cache_dir=tmp_path, policy=policy), policy=policy
+    )
     s = engine.new_session()
-    working = sum(t.numel() * t.element_size() for t in s.backend.cache.slot_tensors()) // s.backend.batch  # one row's table
+    working = (
+        sum(t.numel() * t.element_size() for t in s.backend.cache.slot_tensors()) // s.backend.batch
+    )  # one row's table
     assert working == s.memory.cfg.num_slots * s.backend.slot_bytes_per_token()
     assert s.memory.cfg.episodic_budget_bytes == policy.episodic_budget_bytes(s.backend.weight_bytes, working)
 
@@ -169,7 +183,15 @@ def test_huge_prompt_is_refused_and_nothing_changes(engine: Engine) -> None:
 def test_memory_pressure_spills_the_episodic_tier_between_turns(model: Path, tmp_path: Path) -> None:
     memory = FakeMemory()
     policy = HardwarePolicy(FakeThermal(), memory)
-    factory = memory_factory_for(model, cache_dir=tmp_path, policy=policy, window=32, block_size=8, retrieval_blocks=2, episodic_budget_bytes=2**24)
+    factory = memory_factory_for(
+        model,
+        cache_dir=tmp_path,
+        policy=policy,
+        window=32,
+        block_size=8,
+        retrieval_blocks=2,
+        episodic_budget_bytes=2**24,
+    )
     s = Engine.load(model, "cpu", memory_factory=factory, policy=policy).new_session()
     long = GenerationSettings(max_tokens=120, sampling=SamplingSettings(greedy=True), ignore_eos=True)
     reply(s.chat("fill the episodic tier", long))

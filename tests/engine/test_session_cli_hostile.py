@@ -37,7 +37,9 @@ def _hostile_file(world: World, path: Path) -> Path:
     return path
 
 
-def test_inspect_escapes_control_and_bidi_characters(world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_escapes_control_and_bidi_characters(
+    world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = _hostile_file(world, tmp_path / "evil.spark")
     assert cli_main(["session", "inspect", str(path)]) == 0
     out = capsys.readouterr().out
@@ -50,7 +52,9 @@ def test_inspect_escapes_control_and_bidi_characters(world: World, tmp_path: Pat
     assert info["messages"][0]["content"] == HOSTILE and info["system_prompt"] == HOSTILE  # escaped, not altered
 
 
-def test_verify_with_the_model_runs_restores_checks(world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_with_the_model_runs_restores_checks(
+    world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "talk.spark"
     path.write_bytes(world.files["zlib"])
     same = tmp_path / "same-model"  # the world's model with its cascade geometry in cascade.json
@@ -61,7 +65,9 @@ def test_verify_with_the_model_runs_restores_checks(world: World, tmp_path: Path
 
     other = tmp_path / "same-weights-other-geometry"
     shutil.copytree(world.model, other)
-    (other / "cascade.json").write_text(json.dumps({"window": 64, "block_size": 8, "sink_tokens": 4, "retrieval_blocks": 2}))
+    (other / "cascade.json").write_text(
+        json.dumps({"window": 64, "block_size": 8, "sink_tokens": 4, "retrieval_blocks": 2})
+    )
     assert cli_main(["session", "verify", str(path)]) == 0  # the file itself is sound
     capsys.readouterr()
     # A saved geometry other than the model's current one restores in its own layout (within the trained context):

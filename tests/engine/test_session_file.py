@@ -70,7 +70,10 @@ def save_small(path: Path, **overrides) -> int:
     kwargs = dict(
         fingerprint="f" * 32,
         tokenizer_hash="t" * 64,
-        messages=[Message("user", "Hello 🙂", 1_700_000_001.5), {"role": "assistant", "content": "Hi — ünïcödé", "timestamp": 1_700_000_002.0}],
+        messages=[
+            Message("user", "Hello 🙂", 1_700_000_001.5),
+            {"role": "assistant", "content": "Hi — ünïcödé", "timestamp": 1_700_000_002.0},
+        ],
         system_prompt="Be brief.",
         settings={"max_tokens": 32, "sampling": {"temperature": 0.7, "seed": 3}},
         memory_state=kv_state(),
@@ -100,7 +103,10 @@ def test_round_trip_keeps_every_field(tmp_path: Path, compression: str) -> None:
     assert data.fingerprint == "f" * 32 and data.tokenizer_hash == "t" * 64
     assert data.created == 1_700_000_000.0 and data.saved >= data.created
     assert data.system_prompt == "Be brief."
-    assert data.messages == [Message("user", "Hello 🙂", 1_700_000_001.5), Message("assistant", "Hi — ünïcödé", 1_700_000_002.0)]
+    assert data.messages == [
+        Message("user", "Hello 🙂", 1_700_000_001.5),
+        Message("assistant", "Hi — ünïcödé", 1_700_000_002.0),
+    ]
     assert data.settings == {"max_tokens": 32, "sampling": {"temperature": 0.7, "seed": 3}}
     assert data.token_ids == meta["tokens"]
     assert data.pending_token == 11
@@ -153,14 +159,20 @@ def test_tensors_a_memory_state_does_not_use_are_refused(tmp_path: Path) -> None
 
 def test_tiers_follow_the_memories_tensor_names() -> None:
     assert [session_file.tier_of(n) for n in ("k", "wk.v", "ep.12.k", "episodic.k", "route.prompt_sum")] == [
-        "working", "working", "episodic", "episodic", "route"
+        "working",
+        "working",
+        "episodic",
+        "episodic",
+        "route",
     ]
 
 
 def test_compression_falls_back_to_raw_when_it_does_not_pay(tmp_path: Path) -> None:
     path = tmp_path / "chat.spark"
     noise = torch.randint(0, 256, (2, 2, 2, 40, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    k, v = (noise.view(torch.int16) & 0x3FFF).view(torch.float16)  # random bits, finite (exponent < 31): nothing to compress
+    k, v = (noise.view(torch.int16) & 0x3FFF).view(
+        torch.float16
+    )  # random bits, finite (exponent < 31): nothing to compress
     save_small(path, memory_state=({"kind": "full", "tokens": [1] * 40}, {"k": k, "v": v}), compression="zlib")
     assert load_session(path).compression == "none"
 
@@ -168,7 +180,9 @@ def test_compression_falls_back_to_raw_when_it_does_not_pay(tmp_path: Path) -> N
 # -- restore and continue ------------------------------------------------------------------------------------------
 
 
-def _continue_equals_uninterrupted(model: Path, tmp_path: Path, dtype: torch.dtype, sampled: bool) -> tuple[list[int], list[int]]:
+def _continue_equals_uninterrupted(
+    model: Path, tmp_path: Path, dtype: torch.dtype, sampled: bool
+) -> tuple[list[int], list[int]]:
     n, m = 6, 8
     ref_backend = open_cpu(model, dtype)
     gen = torch.Generator().manual_seed(1234)
@@ -235,12 +249,20 @@ def test_restore_and_continue_with_the_engine_sampler(tiny: Path, tmp_path: Path
     sampler = make_sampler(settings)
     first = decode(backend, memory, feed(backend, memory, PROMPT), 6, pick_with(sampler))
     path = tmp_path / "chat.spark"
-    save_small(path, fingerprint=backend.fingerprint, memory_state=memory.state(), pending_token=first[-1], sampler_state=sampler.get_state())
+    save_small(
+        path,
+        fingerprint=backend.fingerprint,
+        memory_state=memory.state(),
+        pending_token=first[-1],
+        sampler_state=sampler.get_state(),
+    )
 
     fresh = open_cpu(tiny, torch.float16)
     restored = restore(path, fresh, FullAttentionMemory)
     assert isinstance(restored, RestoredSession)
-    resumed = make_sampler(SamplingSettings(temperature=1.2, top_p=0.95, top_k=50, seed=1))  # seed overridden by the state
+    resumed = make_sampler(
+        SamplingSettings(temperature=1.2, top_p=0.95, top_k=50, seed=1)
+    )  # seed overridden by the state
     resumed.set_state(restored.data.sampler_state)
     rest = decode(fresh, restored.memory, feed(fresh, restored.memory, [first[-1]]), 8, pick_with(resumed))
     assert first + rest == reference
@@ -280,7 +302,9 @@ def test_restore_of_a_conversation_too_long_for_the_cache_is_one_clear_error(tin
     path = tmp_path / "chat.spark"
     tokens = [5] * (SLOTS + 4)
     kv = torch.zeros(2, 2, len(tokens), 16, dtype=torch.float16)
-    save_small(path, fingerprint=backend.fingerprint, memory_state=({"kind": "full", "tokens": tokens}, {"k": kv, "v": kv}))
+    save_small(
+        path, fingerprint=backend.fingerprint, memory_state=({"kind": "full", "tokens": tokens}, {"k": kv, "v": kv})
+    )
     with pytest.raises(SessionFileError, match=f"holds {SLOTS + 4} tokens, more than"):
         restore(path, backend, FullAttentionMemory)
 
@@ -293,7 +317,9 @@ def test_v1_file_opens_migrated_and_continues(tiny: Path, tmp_path: Path) -> Non
     memory = FullAttentionMemory(backend)
     reference_backend = open_cpu(tiny)
     reference_memory = FullAttentionMemory(reference_backend)
-    reference = decode(reference_backend, reference_memory, feed(reference_backend, reference_memory, PROMPT), 10, greedy)
+    reference = decode(
+        reference_backend, reference_memory, feed(reference_backend, reference_memory, PROMPT), 10, greedy
+    )
     first = decode(backend, memory, feed(backend, memory, PROMPT), 4, greedy)
     meta, tensors = memory.state()
     path = tmp_path / "old.spark"
@@ -386,7 +412,11 @@ def test_corrupt_file_leaves_the_live_conversation_alone(tiny: Path, tmp_path: P
     path.write_bytes(bytes(raw))
     with pytest.raises(SessionFileError, match="checksum"):
         restore(path, backend, lambda b: FullAttentionMemory(b))
-    assert torch.equal(backend.cache.k, snapshot[0]) and torch.equal(backend.cache.v, snapshot[1]) and live.tokens == snapshot[2]
+    assert (
+        torch.equal(backend.cache.k, snapshot[0])
+        and torch.equal(backend.cache.v, snapshot[1])
+        and live.tokens == snapshot[2]
+    )
 
 
 # -- atomic saves --------------------------------------------------------------------------------------------------

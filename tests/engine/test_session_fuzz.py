@@ -28,7 +28,12 @@ from engine.session_file import (
 from tests.engine.cascade.helpers import feed
 from tests.engine.session_fuzzing import World, memory_cap, mutated_file
 
-FUZZ = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 SCHEMA_FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 CAP = 1 << 30  # far above what any example needs (a few MB), far below what the issue's files asked for (5 GB)
 NAMES = ["none", "zlib", "lzma"]
@@ -83,7 +88,9 @@ def mutations(draw: st.DrawFn, files: dict[str, bytes]) -> tuple[str, bytes]:
 
 @FUZZ
 @given(data=st.data())
-def test_damaged_files_only_ever_raise_session_file_error(world: World, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+def test_damaged_files_only_ever_raise_session_file_error(
+    world: World, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
     op, raw = data.draw(mutations(world.files), label="mutation")
     if raw in world.files.values():  # e.g. an empty splice: still sound, covered by the seed test
         return
@@ -102,12 +109,16 @@ def test_damaged_files_only_ever_raise_session_file_error(world: World, tmp_path
 
 @SCHEMA_FUZZ
 @given(rng=st.randoms(use_true_random=False))
-def test_verify_passes_exactly_what_restores_and_continues(world: World, tmp_path_factory: pytest.TempPathFactory, rng: random.Random) -> None:
+def test_verify_passes_exactly_what_restores_and_continues(
+    world: World, tmp_path_factory: pytest.TempPathFactory, rng: random.Random
+) -> None:
     """Schema-aware: any field of the metadata or the memory state, or a tensor, made hostile behind a valid
     checksum. verify(with the model) OK <=> restore OK, and a restored memory spills and generates."""
     root = tmp_path_factory.mktemp("schema")
     path = root / "f.spark"
-    world_files_before = {p: p.stat().st_mtime_ns for p in world.root.rglob("*") if "l3" not in p.relative_to(world.root).parts}
+    world_files_before = {
+        p: p.stat().st_mtime_ns for p in world.root.rglob("*") if "l3" not in p.relative_to(world.root).parts
+    }
     what = mutated_file(world, rng, path)
     backend = world.backend()
     store = world.store(f"fuzz-{rng.randrange(4)}")

@@ -67,7 +67,10 @@ def _restore_refuses(world: World, path: Path) -> None:
     target = world.factory(None)(world.backend()).state_target()
     before = backend.cache.k.clone()
     with memory_cap(512 << 20):  # the files asked for 2.7-5 GB; the check allocates nothing
-        for attempt in (lambda: verify_session(path, target), lambda: restore(path, backend, world.factory(world.store("schema")))):
+        for attempt in (
+            lambda: verify_session(path, target),
+            lambda: restore(path, backend, world.factory(world.store("schema"))),
+        ):
             with pytest.raises(SessionFileError) as info:
                 attempt()
             assert "\n" not in str(info.value) and str(info.value).endswith(".")

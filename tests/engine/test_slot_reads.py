@@ -34,7 +34,9 @@ def assert_read_copies_exact(b: TorchBackend, slot_positions: torch.Tensor) -> i
     slots = c.read_slots[held]
     assert torch.equal(c.read_positions[:, held], slot_positions[:, slots])
     cos, sin = b.model.rope.lookup(slot_positions[:, slots])  # (B, 1, m, D)
-    fresh_k = apply_rope(c.k[:, :, :, slots].to(c.k_read.dtype), cos.unsqueeze(0), sin.unsqueeze(0))  # (L, B, Hkv, m, D)
+    fresh_k = apply_rope(
+        c.k[:, :, :, slots].to(c.k_read.dtype), cos.unsqueeze(0), sin.unsqueeze(0)
+    )  # (L, B, Hkv, m, D)
     assert torch.equal(c.k_read[:, :, :, held], fresh_k)
     assert torch.equal(c.v_read[:, :, :, held], c.v[:, :, :, slots].to(c.v_read.dtype))
     return held.numel()
@@ -50,7 +52,9 @@ def test_small_step_attention_equals_sdpa() -> None:
     ours = small_step_attention(q, k, v, ~mask.unsqueeze(1))
     assert torch.allclose(ours, ref, atol=1e-6), (ours - ref).abs().max()
     one = q[:, :, :1]  # (B, H, 1, D): the single-token, nothing-masked shortcut
-    assert torch.allclose(small_step_attention(one, k, v, None), F.scaled_dot_product_attention(one, k, v, enable_gqa=True), atol=1e-6)
+    assert torch.allclose(
+        small_step_attention(one, k, v, None), F.scaled_dot_product_attention(one, k, v, enable_gqa=True), atol=1e-6
+    )
     mask[1] = False  # a padding row that may attend to nothing stays finite
     assert torch.isfinite(small_step_attention(q, k, v, ~mask.unsqueeze(1))).all()
 
@@ -60,11 +64,19 @@ def test_split_frame_attention_is_one_softmax_over_both_groups(t: int) -> None:
     g = torch.Generator().manual_seed(1)
     q0, q1 = torch.randn(1, 4, t, 16, generator=g), torch.randn(1, 4, t, 16, generator=g)  # (1, H, T, D)
     k, v = torch.randn(1, 2, 20, 16, generator=g), torch.randn(1, 2, 20, 16, generator=g)  # (1, Hkv, S, D)
-    scores = torch.cat((q0.reshape(1, 2, 2 * t, 16) @ k[:, :, :7].transpose(-1, -2), q1.reshape(1, 2, 2 * t, 16) @ k[:, :, 7:].transpose(-1, -2)), -1)
+    scores = torch.cat(
+        (
+            q0.reshape(1, 2, 2 * t, 16) @ k[:, :, :7].transpose(-1, -2),
+            q1.reshape(1, 2, 2 * t, 16) @ k[:, :, 7:].transpose(-1, -2),
+        ),
+        -1,
+    )
     ref = ((scores / 4).softmax(-1) @ v).view(1, 4, t, 16)
     blocked = None if t == 1 else torch.zeros(1, 1, 1, t, 20, dtype=torch.bool)
     assert torch.allclose(split_frame_attention(q0, q1, k, v, 7, blocked), ref, atol=1e-5)
-    assert torch.allclose(split_frame_attention(q0, q1, k, v, 0, blocked), small_step_attention(q1, k, v, blocked), atol=1e-6)
+    assert torch.allclose(
+        split_frame_attention(q0, q1, k, v, 0, blocked), small_step_attention(q1, k, v, blocked), atol=1e-6
+    )
 
 
 def test_decoding_keeps_read_copies_exact_and_restores_refresh_them(model_dir: Path) -> None:

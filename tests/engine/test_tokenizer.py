@@ -60,14 +60,24 @@ def make_byte_fallback_dir(out: Path) -> Path:
     data["model"]["byte_fallback"] = True
     data["model"]["fuse_unk"] = True
     data["decoder"] = json.loads(
-        decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]).__getstate__()
+        decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        ).__getstate__()
     )
     data["post_processor"] = json.loads(
-        processors.TemplateProcessing(single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1", special_tokens=[("<s>", 1)]).__getstate__()
+        processors.TemplateProcessing(
+            single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1", special_tokens=[("<s>", 1)]
+        ).__getstate__()
     )
     (out / "tokenizer.json").write_text(json.dumps(data))
     (out / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": {"content": "<s>", "__type": "AddedToken"}, "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"})
+        json.dumps(
+            {
+                "bos_token": {"content": "<s>", "__type": "AddedToken"},
+                "eos_token": "</s>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
     )
     (out / "config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     return out
@@ -137,7 +147,15 @@ def _one_sentence(err: SparkError) -> None:
 
 @pytest.mark.parametrize(
     "damage",
-    ["no_folder", "no_tokenizer_json", "sentencepiece_only", "corrupt_tokenizer_json", "corrupt_config", "config_not_object", "bad_generation_config"],
+    [
+        "no_folder",
+        "no_tokenizer_json",
+        "sentencepiece_only",
+        "corrupt_tokenizer_json",
+        "corrupt_config",
+        "config_not_object",
+        "bad_generation_config",
+    ],
 )
 def test_bad_files_raise_tokenizer_error(tiny_dir: Path, tmp_path: Path, damage: str) -> None:
     d = _copy(tiny_dir, tmp_path / "m")
@@ -166,7 +184,9 @@ def test_bad_files_raise_tokenizer_error(tiny_dir: Path, tmp_path: Path, damage:
 def test_tokenizer_json_wins_over_sentencepiece(tiny_dir: Path, tmp_path: Path) -> None:
     d = _copy(tiny_dir, tmp_path / "m")
     (d / "tokenizer.model").write_bytes(b"never read")
-    assert Tokenizer.from_dir(d).encode("hello", add_bos=False) == Tokenizer.from_dir(tiny_dir).encode("hello", add_bos=False)
+    assert Tokenizer.from_dir(d).encode("hello", add_bos=False) == Tokenizer.from_dir(tiny_dir).encode(
+        "hello", add_bos=False
+    )
 
 
 def test_missing_optional_files_are_fine(tiny_dir: Path, tmp_path: Path) -> None:
@@ -182,7 +202,9 @@ def test_missing_optional_files_are_fine(tiny_dir: Path, tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_encode_matches_transformers(tiny: Tokenizer, hf_tiny, fallback: Tokenizer, fallback_dir: Path, text: str) -> None:
+def test_encode_matches_transformers(
+    tiny: Tokenizer, hf_tiny, fallback: Tokenizer, fallback_dir: Path, text: str
+) -> None:
     assert tiny.encode(text, add_bos=False) == hf_tiny.encode(text, add_special_tokens=False)
     hf_fallback = transformers.AutoTokenizer.from_pretrained(str(fallback_dir))
     assert fallback.encode(text, add_bos=False) == hf_fallback.encode(text, add_special_tokens=False)
@@ -264,7 +286,9 @@ def test_stream_equals_decode_random_ids_byte_fallback(fallback: Tokenizer, data
     assert "".join(_stream(fallback, ids, skip)) == fallback.decode(ids, skip_special=skip)
 
 
-TEXT_ALPHABET = st.sampled_from(sorted(set(TOKENIZER_TEXT)) + list("🙂🚀👍🏽中文字한국어é\u200d") + ["<|end|>", "<|user|>"])
+TEXT_ALPHABET = st.sampled_from(
+    sorted(set(TOKENIZER_TEXT)) + list("🙂🚀👍🏽中文字한국어é\u200d") + ["<|end|>", "<|user|>"]
+)
 
 
 @HYPOTHESIS

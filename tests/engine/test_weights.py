@@ -122,7 +122,9 @@ def test_bad_model_folders_give_one_clear_sentence(tiny: Path, tmp_path: Path, b
             state["model.norm.weight"] = torch.ones(64, dtype=torch.int32)
             save_file(state, str(st))
         elif breakage == "missing_shard":
-            (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
+            (target / "model.safetensors.index.json").write_text(
+                json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})
+            )
     with pytest.raises(ModelLoadError) as err:
         load_model(target)
     assert expected in one_sentence(err.value)
@@ -153,7 +155,9 @@ def test_header_reader_rejects_offsets_past_the_end(tiny: Path, tmp_path: Path) 
 @pytest.fixture(scope="module")
 def tiny256(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Rows of 256 weights: a whole number of blocks for every type, K-quants included.
-    return make_tiny_model(tmp_path_factory.mktemp("g256"), "llama", hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("g256"), "llama", hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2
+    )
 
 
 def cpu_logits(backend: TorchBackend) -> torch.Tensor:
@@ -189,7 +193,9 @@ def with_tensor_as(path: Path, out: Path, name: str, kind: Any) -> Path:
         w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     for t in r.tensors:
         if t.name == name:
-            w.add_tensor(t.name, gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind), raw_dtype=kind)
+            w.add_tensor(
+                t.name, gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind), raw_dtype=kind
+            )
         else:
             w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     w.write_header_to_file()
@@ -200,14 +206,19 @@ def with_tensor_as(path: Path, out: Path, name: str, kind: Any) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["q6_k", "mixed"])
-def test_gguf_blocks_that_cannot_run_as_stored_are_read_in_fp32_after_all(tiny256: Path, tmp_path: Path, kind: str) -> None:
+def test_gguf_blocks_that_cannot_run_as_stored_are_read_in_fp32_after_all(
+    tiny256: Path, tmp_path: Path, kind: str
+) -> None:
     import gguf
 
     if kind == "q6_k":  # no block kernel: nothing is left undecoded
         path, why = write_gguf(tiny256, tmp_path / "k.gguf", "q6_k"), "Q6_K"
     else:  # Q4_1 blocks left undecoded, then found unable to run (a fused q/k/v of two types): read again in fp32
         q41 = write_gguf(tiny256, tmp_path / "a.gguf", "q4_1")
-        path, why = with_tensor_as(q41, tmp_path / "mixed.gguf", "blk.0.attn_k.weight", gguf.GGMLQuantizationType.Q8_0), "cannot run as one matrix"
+        path, why = (
+            with_tensor_as(q41, tmp_path / "mixed.gguf", "blk.0.attn_k.weight", gguf.GGMLQuantizationType.Q8_0),
+            "cannot run as one matrix",
+        )
     auto = TorchBackend(path, "cpu", quantize="auto")
     assert auto.quantize == "none" and why in auto.kernels_note
     assert not any(p.is_meta for p in auto.model.parameters())

@@ -53,7 +53,9 @@ def newest_source_mtime() -> float:
     newest = 0.0
     for name in SOURCES:
         path = REPO / name
-        files = [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        files = (
+            [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        )
         newest = max([newest, *(f.stat().st_mtime for f in files)])
     return newest
 
@@ -83,7 +85,17 @@ def frozen(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     work = tmp_path_factory.mktemp("pyinstaller")
     start = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "PyInstaller", "--noconfirm", "--distpath", str(work / "dist"), "--workpath", str(work / "build"), str(SPEC)],
+        [
+            sys.executable,
+            "-m",
+            "PyInstaller",
+            "--noconfirm",
+            "--distpath",
+            str(work / "dist"),
+            "--workpath",
+            str(work / "build"),
+            str(SPEC),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -104,11 +116,15 @@ def run_frozen(frozen: Frozen, args: list[str], tmp_path: Path) -> subprocess.Co
         "MLOT_SPARK_CACHE_DIR": str(tmp_path / "cache"),
         "MLOT_SPARK_DATA_DIR": str(tmp_path / "data"),
     }
-    return subprocess.run([str(frozen.exe), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    return subprocess.run(
+        [str(frozen.exe), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
 
 
 def test_bundle_contents(frozen: Frozen) -> None:
-    assert (frozen.resources / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file(), "the bundled default model is missing"
+    assert (frozen.resources / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file(), (
+        "the bundled default model is missing"
+    )
     assert (frozen.resources / "style" / "spark.qss").is_file()
     assert (frozen.resources / "icons" / "spark.png").is_file()
     assert not (frozen.resources / "packaging").exists(), "build-only inputs were bundled"
@@ -126,7 +142,9 @@ def test_frozen_engine_cli(frozen: Frozen, tmp_path: Path) -> None:
     hw = json.loads(r.stdout)
     assert hw["backends"]["cpu"]["available"] is True
     # The bundled kernels run without a compiler: the frozen app never builds them (its cache stays empty).
-    r = run_frozen(frozen, ["engine", "generate", "--prompt", "Hi", "--max-tokens", "4", "--backend", "cpu", "--json"], tmp_path)
+    r = run_frozen(
+        frozen, ["engine", "generate", "--prompt", "Hi", "--max-tokens", "4", "--backend", "cpu", "--json"], tmp_path
+    )
     assert r.returncode == 0, r.stderr
     assert "native" in json.loads(r.stdout)["backend_reason"]  # e.g. "cpu, int8 weights, native avx2 kernels"
     assert not (tmp_path / "cache" / "native").exists()

@@ -37,7 +37,9 @@ def png_size(png: bytes) -> tuple[int, int]:
 
 def test_pack_icns_layout() -> None:
     data = make_icns.pack_icns([(b"ic07", b"abc"), (b"ic10", b"")])
-    assert data == b"icns" + struct.pack(">I", 8 + 11 + 8) + b"ic07" + struct.pack(">I", 11) + b"abc" + b"ic10" + struct.pack(">I", 8)
+    assert data == b"icns" + struct.pack(">I", 8 + 11 + 8) + b"ic07" + struct.pack(
+        ">I", 11
+    ) + b"abc" + b"ic10" + struct.pack(">I", 8)
     assert parse_icns(data) == [(b"ic07", b"abc"), (b"ic10", b"")]
 
 

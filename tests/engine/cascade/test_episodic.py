@@ -76,7 +76,14 @@ def test_paging_writes_blocks_into_retrieval_slots(tiny_model: Path) -> None:
 def test_budget_spills_to_l3_and_pages_back(tiny_model: Path, tmp_path: Path) -> None:
     b = TorchBackend(tiny_model)
     block_bytes = 2 * 2 * 2 * 8 * 16 * 2  # L=2, Hkv=2, B=8, D=16, fp16
-    cfg = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, routing="token", episodic_budget_bytes=8 * block_bytes)
+    cfg = CascadeConfig(
+        sink_tokens=4,
+        window=32,
+        block_size=8,
+        retrieval_blocks=2,
+        routing="token",
+        episodic_budget_bytes=8 * block_bytes,
+    )
     store = PersistentStore(tmp_path, b.fingerprint, b.numerics)
     m = CascadeMemory(b, cfg, store=store)
     for at in range(0, 600, 20):

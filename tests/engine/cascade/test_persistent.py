@@ -32,7 +32,10 @@ def test_foreign_model_or_backend_entries_are_never_used(tmp_path: Path) -> None
     k, v = _kv()
     a = PersistentStore(tmp_path, "model-a", "torch-cpu-float32")
     a.put(a.key("p"), k, v, 8)
-    for other in (PersistentStore(tmp_path, "model-b", "torch-cpu-float32"), PersistentStore(tmp_path, "model-a", "torch-mps-float16")):
+    for other in (
+        PersistentStore(tmp_path, "model-b", "torch-cpu-float32"),
+        PersistentStore(tmp_path, "model-a", "torch-mps-float16"),
+    ):
         assert other.key("p") != a.key("p")
         assert other.get(other.key("p")) is None
     # A file planted under the other model's key (e.g. copied caches) is rejected by its recorded identity.

@@ -18,7 +18,9 @@ def _kv() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 2, 8, 16, generator=g).half(), torch.randn(2, 2, 8, 16, generator=g).half()
 
 
-@pytest.mark.parametrize("key", ["../../victim", "../" * 8 + "tmp/x", "A" * 64, "a" * 63, "/etc/passwd", "", "a" * 64 + "/x"])
+@pytest.mark.parametrize(
+    "key", ["../../victim", "../" * 8 + "tmp/x", "A" * 64, "a" * 63, "/etc/passwd", "", "a" * 64 + "/x"]
+)
 def test_keys_that_are_not_content_hashes_never_become_paths(tmp_path: Path, key: str) -> None:
     victim = tmp_path / "victim.safetensors"
     victim.write_bytes(b"weights")

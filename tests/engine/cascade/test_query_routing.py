@@ -86,10 +86,21 @@ def test_each_layer_pages_in_its_own_best_blocks(tiny_model: Path) -> None:
 
 def test_rerouting_follows_drift_not_only_the_clock(tiny_model: Path) -> None:
     b = SteeredBackend(tiny_model)
-    cfg = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, routing="rolling", reroute_every=10_000, reroute_drift=10, proxy_tokens=4)
+    cfg = CascadeConfig(
+        sink_tokens=4,
+        window=32,
+        block_size=8,
+        retrieval_blocks=2,
+        routing="rolling",
+        reroute_every=10_000,
+        reroute_drift=10,
+        proxy_tokens=4,
+    )
     m = CascadeMemory(b, cfg)
     c = b.config
-    steady = torch.randn(1, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, generator=torch.Generator().manual_seed(0))
+    steady = torch.randn(
+        1, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, generator=torch.Generator().manual_seed(0)
+    )
     b.steer = steady
     for at in range(0, 120, 12):
         feed(b, m, random_ids(12, seed=at))
@@ -120,7 +131,9 @@ def test_native_step_gives_the_same_summary_and_stays_native_after_page_ins(tmp_
     cfg = CascadeConfig(sink_tokens=4, window=16, block_size=4, retrieval_blocks=2, routing="token")
     runs = []
     for native in (True, False):
-        b = TorchBackend(model, "cpu", quantize="q8_0", native_steps=native)  # False: the same weights, every step through PyTorch
+        b = TorchBackend(
+            model, "cpu", quantize="q8_0", native_steps=native
+        )  # False: the same weights, every step through PyTorch
         if b.native_isa is None:
             pytest.skip(f"the native kernels are not available here: {b.kernels_note}")
         m = CascadeMemory(b, cfg)
@@ -131,7 +144,9 @@ def test_native_step_gives_the_same_summary_and_stays_native_after_page_ins(tmp_
             summaries.append((b.query_summary(), m.working.counters.misses > misses))
         runs.append((torch.stack(logits), summaries))
     (native_logits, native_sums), (torch_logits, torch_sums) = runs
-    torch.testing.assert_close(native_logits, torch_logits, atol=5e-4, rtol=1e-4)  # fp32 attention summed in another order
+    torch.testing.assert_close(
+        native_logits, torch_logits, atol=5e-4, rtol=1e-4
+    )  # fp32 attention summed in another order
     paged = 0
     for (a, was_paged), (want, _) in zip(native_sums, torch_sums, strict=True):
         torch.testing.assert_close(a, want, atol=2e-4, rtol=5e-3)  # the hidden states drift by attention rounding

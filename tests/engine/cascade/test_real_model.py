@@ -15,11 +15,18 @@ GREEDY = GenerationSettings(max_tokens=24, sampling=SamplingSettings(temperature
 
 def test_a_fact_from_the_first_turn_comes_back_after_leaving_the_window(tmp_path: Path) -> None:
     model = default_model_dir()
-    factory = memory_factory_for(model, prefix_cache=False, window=128, block_size=32, retrieval_blocks=4, sink_tokens=4)
+    factory = memory_factory_for(
+        model, prefix_cache=False, window=128, block_size=32, retrieval_blocks=4, sink_tokens=4
+    )
     session = Engine.load(model, "cpu", memory_factory=factory).new_session()
     "".join(ev.text for ev in session.chat("Remember this: my cat's name is Whiskerton.", GREEDY))
     first_turn = len(session.memory.tokens)
-    for question in ("Name a color of the sky.", "What is two plus two?", "Name a fruit that is yellow.", "What do bees make?"):
+    for question in (
+        "Name a color of the sky.",
+        "What is two plus two?",
+        "Name a fruit that is yellow.",
+        "What do bees make?",
+    ):
         "".join(ev.text for ev in session.chat(question, GREEDY))
     reply = "".join(ev.text for ev in session.chat("What is my cat's name?", GREEDY))
     memory = session.memory

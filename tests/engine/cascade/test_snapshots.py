@@ -26,7 +26,9 @@ CHUNK = 16
 def memory(model: Path, cache: Path, cfg: CascadeConfig = CFG) -> tuple[TorchBackend, CascadeMemory]:
     """A new backend + memory over `cache`, as a new process would open them."""
     b = TorchBackend(model)
-    return b, CascadeMemory(b, cfg, store=PersistentStore(cache, b.fingerprint, b.numerics, cfg.persistent_budget_bytes))
+    return b, CascadeMemory(
+        b, cfg, store=PersistentStore(cache, b.fingerprint, b.numerics, cfg.persistent_budget_bytes)
+    )
 
 
 def cut_of(n: int, cfg: CascadeConfig = CFG) -> int:
@@ -108,10 +110,14 @@ def test_longest_matching_snapshot_wins(tiny_model: Path, tmp_path: Path) -> Non
     m.reset()
     assert m.reuse_prefix(short + random_ids(90, seed=6)) == cut_of(len(short))  # diverges from `long` after short
     m.reset()
-    assert m.reuse_prefix(long[: cut_of(len(long)) + TAIL_STEP * TAIL_STEPS - 1]) == cut_of(len(short))  # its tail reaches the long one
+    assert m.reuse_prefix(long[: cut_of(len(long)) + TAIL_STEP * TAIL_STEPS - 1]) == cut_of(
+        len(short)
+    )  # its tail reaches the long one
 
 
-def test_foreign_model_or_settings_never_restore_a_snapshot(tiny_model: Path, other_model: Path, tmp_path: Path) -> None:
+def test_foreign_model_or_settings_never_restore_a_snapshot(
+    tiny_model: Path, other_model: Path, tmp_path: Path
+) -> None:
     ids = random_ids(150, seed=7)
     b, m = memory(tiny_model, tmp_path)
     prefill(b, m, ids, CHUNK)
@@ -185,7 +191,11 @@ def test_snapshots_share_episodic_blocks(tiny_model: Path, tmp_path: Path) -> No
     store = m.store
     assert store is not None
     entries = store.stats().entries
-    on_disk = {blk.l3_key for blk in m.episodic.blocks.values() if blk.k is not None and blk.l3_key is not None and blk.l3_key in store}
+    on_disk = {
+        blk.l3_key
+        for blk in m.episodic.blocks.values()
+        if blk.k is not None and blk.l3_key is not None and blk.l3_key in store
+    }
     assert on_disk  # the blocks of the first snapshot (more formed after its point, not stored yet)
     longer = first + random_ids(60, seed=12)
     m.reset()
@@ -197,7 +207,9 @@ def test_snapshots_share_episodic_blocks(tiny_model: Path, tmp_path: Path) -> No
     assert m2.reuse_prefix(longer[:-1]) == cut_of(len(longer))
 
 
-def test_generate_twice_reuses_the_long_prompt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_generate_twice_reuses_the_long_prompt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = make_tiny_model(tmp_path / "model", max_positions=512)
     (model / "cascade.json").write_text(json.dumps({"window": 32, "block_size": 8, "retrieval_blocks": 2}))
     monkeypatch.setenv("MLOT_SPARK_CACHE_DIR", str(tmp_path / "app-cache"))

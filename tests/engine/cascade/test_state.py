@@ -21,7 +21,9 @@ from tests.engine.cascade.helpers import feed, greedy, prefill, random_ids
 from tests.tiny import make_tiny_model
 
 DATA = Path(__file__).parent / "data"
-CFG = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, routing="token", episodic_budget_bytes=2**30)
+CFG = CascadeConfig(
+    sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, routing="token", episodic_budget_bytes=2**30
+)
 
 
 def _changed(cfg: CascadeConfig, name: str) -> CascadeConfig:
@@ -46,7 +48,9 @@ def test_budgets_are_the_only_settings_a_state_does_not_depend_on(tiny_model: Pa
     assert restored.tokens == m.tokens
 
 
-def _run(tiny_model: Path, cfg: CascadeConfig, store: PersistentStore | None = None) -> tuple[TorchBackend, CascadeMemory, torch.Tensor]:
+def _run(
+    tiny_model: Path, cfg: CascadeConfig, store: PersistentStore | None = None
+) -> tuple[TorchBackend, CascadeMemory, torch.Tensor]:
     b = TorchBackend(tiny_model)
     m = CascadeMemory(b, cfg, store=store)
     logits = prefill(b, m, random_ids(200, seed=4), 16)
@@ -77,12 +81,16 @@ def test_a_state_restores_under_other_budgets(tiny_model: Path, tmp_path: Path) 
     assert m2.cfg == cfg and m2.episodic.bytes <= small
     assert set(m2.episodic.blocks) == set(blocks)  # every block kept ...
     stubs = [blk for blk in m2.episodic.blocks.values() if blk.k is None]
-    assert len(stubs) == len(blocks) - m2.episodic.resident > 0 and all(blk.l3_key in store for blk in stubs)  # ... on disk
+    assert len(stubs) == len(blocks) - m2.episodic.resident > 0 and all(
+        blk.l3_key in store for blk in stubs
+    )  # ... on disk
     kept = [blocks[i] for i, blk in m2.episodic.blocks.items() if blk.k is not None]
     assert min(kept) >= max(blocks[blk.id] for blk in stubs)
     got, _ = greedy(b2, m2, logits, 40)
     assert got == want
-    assert m2.episodic.bytes <= small and m2.episodic.counters.misses > 0 and store.stats().hits > 0  # paged back from L3
+    assert (
+        m2.episodic.bytes <= small and m2.episodic.counters.misses > 0 and store.stats().hits > 0
+    )  # paged back from L3
 
     b3 = TorchBackend(tiny_model)
     m3 = CascadeMemory(b3, cfg)  # no store: the blocks over budget are forgotten, lowest priority first
@@ -107,7 +115,9 @@ def test_a_format_2_state_written_before_the_split_restores_and_continues(tiny_m
     meta = json.loads((DATA / "cascade_state_v2.json").read_text())
     tensors = load_file(str(DATA / "cascade_state_v2.safetensors"))
     assert meta["version"] == 2 and "stats" in meta and "last_slots" in meta["routing"]
-    cfg = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, routing="token", episodic_budget_bytes=6 * 4096)
+    cfg = CascadeConfig(
+        sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, routing="token", episodic_budget_bytes=6 * 4096
+    )
     b = TorchBackend(tiny_model)
     m = CascadeMemory(b, cfg)
     m.load_state(meta, tensors)
@@ -150,7 +160,13 @@ def test_a_session_file_restores_under_another_machines_budgets(tmp_path: Path) 
     long = GenerationSettings(max_tokens=480, sampling=SamplingSettings(greedy=True), ignore_eos=True)
 
     def engine(cache: str, episodic: int, persistent: int) -> Engine:
-        factory = memory_factory_for(model, cache_dir=tmp_path / cache, episodic_budget_bytes=episodic, persistent_budget_bytes=persistent, **geometry)
+        factory = memory_factory_for(
+            model,
+            cache_dir=tmp_path / cache,
+            episodic_budget_bytes=episodic,
+            persistent_budget_bytes=persistent,
+            **geometry,
+        )
         return Engine.load(model, "cpu", memory_factory=factory)
 
     s = engine("l3-a", 2**30, 2**30).new_session()
@@ -170,7 +186,9 @@ def test_a_session_file_restores_under_another_machines_budgets(tmp_path: Path) 
     report = t.load(path)
     restored = t.memory
     assert report.applied and not report.foreign_model and isinstance(restored, CascadeMemory)
-    assert restored.cfg == original.cfg.with_budgets_of(replace(original.cfg, episodic_budget_bytes=small, persistent_budget_bytes=2**24))
+    assert restored.cfg == original.cfg.with_budgets_of(
+        replace(original.cfg, episodic_budget_bytes=small, persistent_budget_bytes=2**24)
+    )
     assert restored.episodic.bytes <= small and restored.episodic.stubs > 0
     for step in range(40):
         ids = [3 + (7 * step) % 200]

@@ -41,7 +41,9 @@ def test_exact_against_full_attention_prefill_and_decode(tiny_model: Path) -> No
     cm, fm = CascadeMemory(cb, SMALL), FullAttentionMemory(fb)
     ids = random_ids(SMALL.sink_tokens + SMALL.window)  # exactly fills sinks + window
     for at in range(0, 48, 16):
-        torch.testing.assert_close(feed(cb, cm, ids[at : at + 16]), feed(fb, fm, ids[at : at + 16]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            feed(cb, cm, ids[at : at + 16]), feed(fb, fm, ids[at : at + 16]), atol=1e-5, rtol=1e-5
+        )
     for tok in ids[48:]:
         torch.testing.assert_close(feed(cb, cm, [tok]), feed(fb, fm, [tok]), atol=1e-5, rtol=1e-5)
     assert cm.working.evicted == 0
@@ -60,7 +62,9 @@ def test_exact_against_transformers(tiny_model: Path) -> None:
 
 
 def test_positions_and_memory_stay_bounded(tiny_model: Path) -> None:
-    cfg = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, reroute_every=4, episodic_budget_bytes=64 * 1024)
+    cfg = CascadeConfig(
+        sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, reroute_every=4, episodic_budget_bytes=64 * 1024
+    )
     b = TorchBackend(tiny_model)
     m = CascadeMemory(b, cfg)
     ids = random_ids(3000, seed=1)

@@ -38,7 +38,13 @@ def psi_tree(root: Path, text: str) -> Path:
 
 @pytest.mark.parametrize(
     ("some", "full", "expected"),
-    [(0.0, 0.0, "normal"), (9.99, 0.0, "normal"), (10.0, 0.0, "warning"), (40.0, 9.0, "warning"), (40.0, 10.0, "critical")],
+    [
+        (0.0, 0.0, "normal"),
+        (9.99, 0.0, "normal"),
+        (10.0, 0.0, "warning"),
+        (40.0, 9.0, "warning"),
+        (40.0, 10.0, "critical"),
+    ],
 )
 def test_psi_levels(some: float, full: float, expected: str) -> None:
     assert parse_psi(psi_text(some, full)).value == expected

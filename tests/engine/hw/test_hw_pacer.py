@@ -27,11 +27,22 @@ def test_serious_state_shrinks_prefill_chunks_and_paces_decode(tmp_path: Path) -
 
     backend.forward = recording_forward  # type: ignore[method-assign]
     t = FakeTime()
-    policy = HardwarePolicy(FakeThermal(ThermalState.SERIOUS), FakeMemory(), Mode.BALANCED, clock=t.clock, sleep=t.sleep)
+    policy = HardwarePolicy(
+        FakeThermal(ThermalState.SERIOUS), FakeMemory(), Mode.BALANCED, clock=t.clock, sleep=t.sleep
+    )
 
     settings = GenerationSettings(max_tokens=5, prefill_chunk=256)
-    events = list(stream_generate(backend, FullAttentionMemory(backend), Tokenizer.from_dir(model_dir), list(range(1, 151)),
-                                  settings, sampler=lambda logits: (7, 0.0), pacer=policy))
+    events = list(
+        stream_generate(
+            backend,
+            FullAttentionMemory(backend),
+            Tokenizer.from_dir(model_dir),
+            list(range(1, 151)),
+            settings,
+            sampler=lambda logits: (7, 0.0),
+            pacer=policy,
+        )
+    )
 
     assert len(events) == 5
     assert chunks[:3] == [64, 64, 22]  # 150 prompt tokens in balanced-serious chunks of at most 64

@@ -14,7 +14,9 @@ GB = 2**30
 N, F, S, C = ThermalState.NOMINAL, ThermalState.FAIR, ThermalState.SERIOUS, ThermalState.CRITICAL
 
 
-def make(mode: Mode = Mode.BALANCED, **config: object) -> tuple[HardwarePolicy, FakeThermal, FakeMemory, FakeTime, list[PolicyDecision]]:
+def make(
+    mode: Mode = Mode.BALANCED, **config: object
+) -> tuple[HardwarePolicy, FakeThermal, FakeMemory, FakeTime, list[PolicyDecision]]:
     thermal, memory, t = FakeThermal(), FakeMemory(), FakeTime()
     policy = HardwarePolicy(thermal, memory, mode, PolicyConfig(**config), clock=t.clock, sleep=t.sleep)  # type: ignore[arg-type]
     events: list[PolicyDecision] = []
@@ -122,7 +124,10 @@ def test_changing_mode_re_evaluates_and_announces() -> None:
     assert events == []  # balanced does nothing at fair
     policy.set_mode(Mode.EFFICIENCY)
     assert (events[-1].kind, events[-1].reason, events[-1].parameters["mode"]) == (
-        DecisionKind.THROTTLE, "throttled: thermal fair", "efficiency")
+        DecisionKind.THROTTLE,
+        "throttled: thermal fair",
+        "efficiency",
+    )
     policy.set_mode(Mode.PERFORMANCE)
     assert events[-1].kind is DecisionKind.UNTHROTTLE
 
@@ -152,7 +157,10 @@ def test_memory_pressure_spills_and_recovers() -> None:
     assert policy.under_pressure() is False and events == []
     memory.snap = replace(memory.snap, pressure=MemoryPressure.WARNING)
     assert policy.under_pressure() is True
-    assert (events[-1].kind, events[-1].reason) == (DecisionKind.SPILL, "spilling episodic memory to disk: memory pressure warning")
+    assert (events[-1].kind, events[-1].reason) == (
+        DecisionKind.SPILL,
+        "spilling episodic memory to disk: memory pressure warning",
+    )
     memory.snap = replace(memory.snap, pressure=MemoryPressure.CRITICAL)
     assert policy.under_pressure() is True and len(events) == 1  # still spilling: no repeat
     memory.snap = replace(memory.snap, pressure=MemoryPressure.NORMAL)
@@ -163,7 +171,9 @@ def test_budget_and_episodic_sizing() -> None:
     policy, *_ = make()
     assert policy.budget_bytes() == int(16 * GB * 0.6)
     # budget 9.6 GB - 4 GB weights - 0.6 GB working KV = 5 GB spare, half of it episodic
-    assert policy.episodic_budget_bytes(4 * GB, int(0.6 * GB)) == int((int(16 * GB * 0.6) - 4 * GB - int(0.6 * GB)) * 0.5)
+    assert policy.episodic_budget_bytes(4 * GB, int(0.6 * GB)) == int(
+        (int(16 * GB * 0.6) - 4 * GB - int(0.6 * GB)) * 0.5
+    )
     assert policy.episodic_budget_bytes(20 * GB, 0) == 0
     explicit, *_ = make(budget_bytes=8 * GB, episodic_share=0.25)
     assert explicit.episodic_budget_bytes(2 * GB, 2 * GB) == 1 * GB

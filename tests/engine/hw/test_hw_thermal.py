@@ -43,18 +43,32 @@ def no_sensors() -> dict:
     ("celsius", "passive", "critical", "expected"),
     [
         # critical trip 105, passive 90: fair from 80, serious from 90, critical from 100
-        (60.0, 90.0, 105.0, N), (80.0, 90.0, 105.0, F), (90.0, 90.0, 105.0, S), (100.0, 90.0, 105.0, C),
+        (60.0, 90.0, 105.0, N),
+        (80.0, 90.0, 105.0, F),
+        (90.0, 90.0, 105.0, S),
+        (100.0, 90.0, 105.0, C),
         # critical only (100): serious from 85, fair from 75, critical from 95
-        (74.9, None, 100.0, N), (75.0, None, 100.0, F), (85.0, None, 100.0, S), (95.0, None, 100.0, C),
+        (74.9, None, 100.0, N),
+        (75.0, None, 100.0, F),
+        (85.0, None, 100.0, S),
+        (95.0, None, 100.0, C),
         # passive only (80): fair from 70, serious from 80, critical from 90
-        (69.0, 80.0, None, N), (70.0, 80.0, None, F), (80.0, 80.0, None, S), (90.0, 80.0, None, C),
+        (69.0, 80.0, None, N),
+        (70.0, 80.0, None, F),
+        (80.0, 80.0, None, S),
+        (90.0, 80.0, None, C),
         # no limits: absolute 70 / 85 / 95
-        (50.0, None, None, N), (70.0, None, None, F), (85.0, None, None, S), (95.0, None, None, C),
+        (50.0, None, None, N),
+        (70.0, None, None, F),
+        (85.0, None, None, S),
+        (95.0, None, None, C),
         # a junk limit (0 or absurd) is ignored, falling back to the absolute thresholds
         (86.0, 0.0, 999.0, S),
     ],
 )
-def test_classify_thresholds(celsius: float, passive: float | None, critical: float | None, expected: ThermalState) -> None:
+def test_classify_thresholds(
+    celsius: float, passive: float | None, critical: float | None, expected: ThermalState
+) -> None:
     assert classify(celsius, passive, critical) is expected
 
 
@@ -69,7 +83,12 @@ def test_sysfs_zones_are_parsed_with_their_trip_points(tmp_path: Path) -> None:
         ("thermal_zone1 (x86_pkg_temp)", 91.5, 90.0, 100.0),
     ]
     reading = LinuxThermalSource(tmp_path, no_sensors).read()
-    assert (reading.state, reading.source, reading.celsius, reading.sensor) == (S, "sysfs", 91.5, "thermal_zone1 (x86_pkg_temp)")
+    assert (reading.state, reading.source, reading.celsius, reading.sensor) == (
+        S,
+        "sysfs",
+        91.5,
+        "thermal_zone1 (x86_pkg_temp)",
+    )
 
 
 def test_lowest_trip_of_a_kind_wins_and_hot_counts_as_critical(tmp_path: Path) -> None:

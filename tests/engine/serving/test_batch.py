@@ -33,7 +33,7 @@ def alone(backend: TorchBackend, tok: Tokenizer, ids: list[int], settings: Gener
 def prompts(tok: Tokenizer) -> list[list[int]]:
     text = "The quick brown fox jumps over the lazy dog. Python is a programming language. def main(): return 42"
     ids = tok.encode(text)
-    return [ids[: n] for n in (1, 3, 7, 12, len(ids), 5, 2, 9)]
+    return [ids[:n] for n in (1, 3, 7, 12, len(ids), 5, 2, 9)]
 
 
 def test_batched_equals_alone_greedy(tiny: tuple[TorchBackend, Tokenizer]) -> None:
@@ -89,11 +89,15 @@ def test_batched_cascade_equals_alone(tiny: tuple[TorchBackend, Tokenizer]) -> N
     from engine.cascade.memory import CascadeMemory
 
     backend, tok = tiny
-    cfg = CascadeConfig(sink_tokens=2, window=16, block_size=4, retrieval_blocks=2, routing="hybrid", proxy_tokens=4, reroute_every=4)
+    cfg = CascadeConfig(
+        sink_tokens=2, window=16, block_size=4, retrieval_blocks=2, routing="hybrid", proxy_tokens=4, reroute_every=4
+    )
     settings = GenerationSettings(max_tokens=14, sampling=GREEDY, prefill_chunk=8)
     ids = tok.encode("The quick brown fox jumps over the lazy dog. Python is a programming language. " * 2)
     ps = [ids[:n] for n in (40, 9, 27, 3)]
-    got = generate_batch(backend.fork(), tok, ps, settings, lambda b, r: CascadeMemory(b, cfg, row=r), num_slots=cfg.num_slots)
+    got = generate_batch(
+        backend.fork(), tok, ps, settings, lambda b, r: CascadeMemory(b, cfg, row=r), num_slots=cfg.num_slots
+    )
     for p, c in zip(ps, got, strict=True):
         b = backend.fork()
         b.allocate(1, cfg.num_slots)
@@ -150,7 +154,13 @@ def test_forwards_run_only_up_to_the_last_busy_row(tiny: tuple[TorchBackend, Tok
     # Same logits as a lone run of the prompt, whichever rows ran (the view switch re-derived the read copies).
     lone = backend.fork()
     lone.allocate(1, len(ids))
-    want = stream_generate(lone, FullAttentionMemory(lone), tok, ids, GenerationSettings(max_tokens=1, sampling=SamplingSettings(greedy=True)))
+    want = stream_generate(
+        lone,
+        FullAttentionMemory(lone),
+        tok,
+        ids,
+        GenerationSettings(max_tokens=1, sampling=SamplingSettings(greedy=True)),
+    )
     token = next(want).token
     assert [int(g.argmax()) for g in got] == [token, token]
     torch.testing.assert_close(got[0], got[1])

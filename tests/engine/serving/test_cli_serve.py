@@ -17,7 +17,10 @@ def test_bad_flags_are_one_line(capsys: pytest.CaptureFixture[str], tiny_dir: Pa
     assert main(["serve", "--model", str(tiny_dir), "--port", "70000"]) == 2
     assert main(["serve", "--model", str(tiny_dir), "--max-batch", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --port must be between 0 and 65535, not 70000.", "error: --max-batch must be at least 1, not 0."]
+    assert err == [
+        "error: --port must be between 0 and 65535, not 70000.",
+        "error: --max-batch must be at least 1, not 0.",
+    ]
 
 
 def test_a_taken_port_is_one_line(capsys: pytest.CaptureFixture[str], tiny_dir: Path, tmp_path: Path) -> None:
@@ -27,7 +30,11 @@ def test_a_taken_port_is_one_line(capsys: pytest.CaptureFixture[str], tiny_dir: 
         port = s.getsockname()[1]
         code = main(["serve", "--model", str(tiny_dir), "--port", str(port), "--cache-dir", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1].startswith(f"error: Cannot listen on 127.0.0.1:{port}") and "Traceback" not in "".join(err)
+    assert (
+        code == 2
+        and err[-1].startswith(f"error: Cannot listen on 127.0.0.1:{port}")
+        and "Traceback" not in "".join(err)
+    )
 
 
 def test_bench_finds_the_peer_gguf(tmp_path: Path) -> None:

@@ -38,7 +38,9 @@ async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
     """Stream request i; returns (text, finish_reason), or the text so far and None for a killed client."""
     # A killed client asks for a long reply so it is surely still generating when it leaves.
     long = {"max_tokens": 2000, "extra_body": {"ignore_eos": True}} if i in KILLED else {"max_tokens": 10}
-    stream = await client.chat.completions.create(model="tiny", messages=messages(i), temperature=0, stream=True, **long)  # type: ignore[call-overload]
+    stream = await client.chat.completions.create(
+        model="tiny", messages=messages(i), temperature=0, stream=True, **long
+    )  # type: ignore[call-overload]
     text, reason = "", None
     async for chunk in stream:
         if not chunk.choices:

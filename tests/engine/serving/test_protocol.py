@@ -15,7 +15,23 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12,
 )
-fields = st.sampled_from(["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "logprobs", "n", "response_format"])
+fields = st.sampled_from(
+    [
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "seed",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "n",
+        "response_format",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -29,13 +45,31 @@ def test_any_body_parses_or_is_a_400(body: object) -> None:
 
 
 def test_fields_reach_the_settings() -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 7,
-            "temperature": 0, "top_p": 0.5, "stop": "x", "seed": 3, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_tokens": 7,
+        "temperature": 0,
+        "top_p": 0.5,
+        "stop": "x",
+        "seed": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logprobs": True,
+    }
     r = parse_chat(body, LIMITS)
     assert r.messages == [{"role": "user", "content": "hi"}]
-    assert (r.settings.max_tokens, r.settings.stop, r.settings.sampling.seed, r.settings.sampling.top_p) == (7, ("x",), 3, 0.5)
+    assert (r.settings.max_tokens, r.settings.stop, r.settings.sampling.seed, r.settings.sampling.top_p) == (
+        7,
+        ("x",),
+        3,
+        0.5,
+    )
     assert r.settings.sampling.is_greedy and r.stream and r.include_usage and r.logprobs
-    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, LIMITS).settings.max_tokens == LIMITS.max_tokens_default
+    assert (
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, LIMITS).settings.max_tokens
+        == LIMITS.max_tokens_default
+    )
 
 
 @pytest.mark.parametrize(
@@ -49,7 +83,10 @@ def test_fields_reach_the_settings() -> None:
         ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
         ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
     ],
 )

@@ -14,14 +14,24 @@ from tests.http_clients import closed_after_test
 
 
 def test_two_turns_on_the_real_model(real_model_dir: Path, tmp_path: Path) -> None:
-    engine = Engine.load(real_model_dir, "cpu", memory_factory=memory_factory_for(real_model_dir, cache_dir=tmp_path), quantize="auto")
-    service = ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, ServeConfig(model_id="smollm2"))
+    engine = Engine.load(
+        real_model_dir, "cpu", memory_factory=memory_factory_for(real_model_dir, cache_dir=tmp_path), quantize="auto"
+    )
+    service = ModelService(
+        engine.locked_fork(), engine.tokenizer, engine.memory_factory, ServeConfig(model_id="smollm2")
+    )
     with LocalServer(service, port=0) as server:
         client = closed_after_test(openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300))
-        messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is the capital of France?"}]
+        messages = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ]
         first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)  # type: ignore[arg-type]
         assert "Paris" in (first.choices[0].message.content or "")
-        messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "And of Germany?"}]
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And of Germany?"},
+        ]
         second = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)  # type: ignore[arg-type]
         assert "Berlin" in (second.choices[0].message.content or "")
         # Turn 2 goes to the row that kept turn 1's memory: everything turn 1 fed (its prompt and its reply but the

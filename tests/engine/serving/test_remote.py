@@ -30,7 +30,10 @@ def remote(served: Served, key: str = KEY, model: str = "tiny") -> RemoteClient:
 def test_streams_what_the_server_answers(served: Served) -> None:
     messages = [{"role": "user", "content": "The quick brown fox"}]
     want = closed_after_test(openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0)).chat.completions.create(
-        model="tiny", messages=messages, max_tokens=12, temperature=0  # type: ignore[arg-type]
+        model="tiny",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
     )
     events = list(remote(served).stream_chat(messages, GREEDY))
     assert "".join(e.text for e in events) == want.choices[0].message.content
@@ -93,7 +96,9 @@ def test_errors_are_one_sentence(served: Served) -> None:
     [b"data: {not json}\n\n", b"data: [1, 2]\n\n", b'data: {"error": {"message": "out of memory"}}\n\n'],
 )
 def test_a_broken_stream_is_an_error_not_a_crash(body: bytes) -> None:
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body, headers={"content-type": "text/event-stream"}))
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+    )
     client = closed_after_test(RemoteClient(RemoteServer("http://remote.invalid/v1", "m"), transport=transport))
     with pytest.raises(RemoteError) as e:
         list(client.stream_chat([{"role": "user", "content": "hi"}], GREEDY))
@@ -109,7 +114,9 @@ def test_stop_takes_effect_while_the_server_is_silent() -> None:
         spoke.append(True)
         yield b'data: {"choices": [{"delta": {"content": "late"}}]}\n\n'
 
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=silent(), headers={"content-type": "text/event-stream"}))
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(200, content=silent(), headers={"content-type": "text/event-stream"})
+    )
     client = RemoteClient(RemoteServer("http://remote.invalid/v1", "m"), transport=transport)
     events = list(client.stream_chat([{"role": "user", "content": "hi"}], GREEDY, should_stop=lambda: True))
     assert not spoke  # cancelled while the server was still silent, not at its next chunk

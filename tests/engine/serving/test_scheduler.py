@@ -87,7 +87,10 @@ def test_priorities_hold_under_a_full_queue(tiny: tuple[TorchBackend, Tokenizer]
     with scheduler(tiny, max_batch=1, max_queue=3) as sched:
         blocker = sched.submit(Request(ids[:3], settings(2), on_event=hold))
         assert started.wait(30)
-        bg = [sched.submit(Request(ids[:5], settings(2), Priority.BACKGROUND, on_event=first_token(f"bg{i}"))) for i in range(3)]
+        bg = [
+            sched.submit(Request(ids[:5], settings(2), Priority.BACKGROUND, on_event=first_token(f"bg{i}")))
+            for i in range(3)
+        ]
         with pytest.raises(QueueFull):
             sched.submit(Request(ids[:5], settings(2), Priority.BACKGROUND))
         with pytest.raises(QueueFull):
@@ -156,7 +159,9 @@ def test_continuous_batching_with_cascade_rows(tiny: tuple[TorchBackend, Tokeniz
     from engine.cascade.memory import CascadeMemory
 
     backend, tok = tiny
-    cfg = CascadeConfig(sink_tokens=2, window=16, block_size=4, retrieval_blocks=2, routing="hybrid", proxy_tokens=4, reroute_every=4)
+    cfg = CascadeConfig(
+        sink_tokens=2, window=16, block_size=4, retrieval_blocks=2, routing="hybrid", proxy_tokens=4, reroute_every=4
+    )
     ids = tok.encode(TEXT * 2)
     jobs = [(ids[:n], settings(m)) for n, m in ((30, 12), (6, 20), (21, 5), (2, 16), (12, 9))]
     config = SchedulerConfig(max_batch=2, num_slots=cfg.num_slots, mixed_chunk=4)  # chunking as alone: same cascade
@@ -165,7 +170,9 @@ def test_continuous_batching_with_cascade_rows(tiny: tuple[TorchBackend, Tokeniz
     for (p, s), c in zip(jobs, done, strict=True):
         b = backend.fork()
         b.allocate(1, cfg.num_slots)
-        assert c.tokens == [ev.token for ev in stream_generate(b, CascadeMemory(b, cfg), tok, p, s) if ev.token is not None]
+        assert c.tokens == [
+            ev.token for ev in stream_generate(b, CascadeMemory(b, cfg), tok, p, s) if ev.token is not None
+        ]
 
 
 def test_a_request_extending_a_finished_one_continues_its_row(tiny: tuple[TorchBackend, Tokenizer]) -> None:
@@ -173,7 +180,9 @@ def test_a_request_extending_a_finished_one_continues_its_row(tiny: tuple[TorchB
     ids = tok.encode(TEXT)
     gate = threading.Event()
     with scheduler(tiny) as sched:
-        other = sched.submit(Request(ids[20:25], settings(3), on_event=lambda ev: gate.wait(60) and None))  # row 0, held
+        other = sched.submit(
+            Request(ids[20:25], settings(3), on_event=lambda ev: gate.wait(60) and None)
+        )  # row 0, held
         first = sched.submit(Request(ids[:12], settings(6)))
         gate.set()
         first_done, other_done = first.result(timeout=120), other.result(timeout=120)
@@ -181,7 +190,9 @@ def test_a_request_extending_a_finished_one_continues_its_row(tiny: tuple[TorchB
         again = sched.submit(Request(extended, settings(5))).result(timeout=120)
         fresh = sched.submit(Request(ids[40:44], settings(2))).result(timeout=120)
     assert first_done.cached_tokens == 0 and other_done.cached_tokens == 0 and fresh.cached_tokens == 0
-    assert again.cached_tokens == 12 + len(first_done.tokens) - 1  # all it fed: the prompt and the reply but its last token
+    assert (
+        again.cached_tokens == 12 + len(first_done.tokens) - 1
+    )  # all it fed: the prompt and the reply but its last token
     assert again.tokens == alone(backend, tok, extended, settings(5))  # continued exactly
 
 

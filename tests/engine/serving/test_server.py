@@ -54,7 +54,12 @@ def test_chat_equals_the_engine_alone_streaming_or_not(served: Served) -> None:
     assert whole.usage.completion_tokens <= 12
     chunks = list(
         client(served).chat.completions.create(
-            model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}  # type: ignore[arg-type]
+            model="tiny",
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},  # type: ignore[arg-type]
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -74,7 +79,9 @@ def test_completions_and_stop_strings(served: Served) -> None:
     cut = client(served).completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
     assert cut.choices[0].text == want[: want.find(stop)]
     assert cut.choices[0].finish_reason == "stop"
-    streamed = client(served).completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=stop, stream=True)
+    streamed = client(served).completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == want[: want.find(stop)]
 
 
@@ -124,7 +131,11 @@ def test_after_a_restart_the_prefix_cache_gives_the_memory_back(served: Served) 
     c = client(served)
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about the dog."}]
     first = c.chat.completions.create(model="tiny", messages=turn1, max_tokens=6, temperature=0)  # type: ignore[arg-type]
-    turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content or ""}, {"role": "user", "content": "More."}]
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "More."},
+    ]
     restarted = start_server(served.model_dir, served.cache_dir)  # a new process's rows are empty; L3 is on disk
     try:
         second = client(restarted).chat.completions.create(model="tiny", messages=turn2, max_tokens=6, temperature=0)  # type: ignore[arg-type]
@@ -147,7 +158,11 @@ def test_a_conversation_past_the_window_resumes_from_its_snapshot(served: Served
     points = range(2 + 128 + 128, n1 - TAIL_STEP * TAIL_STEPS, 128)  # engine.cascade.prefix
     assert points
     first = c.chat.completions.create(model="tiny", messages=turn1, max_tokens=6, temperature=0)  # type: ignore[arg-type]
-    turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content or ""}, {"role": "user", "content": "More."}]
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "More."},
+    ]
     restarted = start_server(served.model_dir, served.cache_dir)
     try:
         second = client(restarted).chat.completions.create(model="tiny", messages=turn2, max_tokens=6, temperature=0)  # type: ignore[arg-type]
@@ -167,13 +182,21 @@ def test_errors_have_openai_shape_and_status(served: Served) -> None:
         client(served).completions.create(model="tiny", prompt="fox " * 800, max_tokens=2)
     assert e3.value.status_code == 413 and e3.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e4:
-        client(served).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=-1)
+        client(served).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=-1
+        )
     assert e4.value.param == "temperature"
-    raw = httpx.post(served.url + "/chat/completions", content=b'{"model": "tiny", "messages": [', headers={"Authorization": f"Bearer {KEY}"})
+    raw = httpx.post(
+        served.url + "/chat/completions",
+        content=b'{"model": "tiny", "messages": [',
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     assert raw.status_code == 400
     err = raw.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
-    huge = httpx.post(served.url + "/completions", content=b"x" * (9 * 1024**2), headers={"Authorization": f"Bearer {KEY}"})
+    huge = httpx.post(
+        served.url + "/completions", content=b"x" * (9 * 1024**2), headers={"Authorization": f"Bearer {KEY}"}
+    )
     assert huge.status_code == 413
     assert httpx.get(served.url + "/nothing-here").json()["error"]["message"]
 
@@ -200,7 +223,10 @@ def test_full_queue_is_429_with_retry_after(tiny_dir, tmp_path) -> None:  # type
         assert e.value.response.headers["retry-after"] == "2"
         gate.set()
         running.result(30), queued.result(30)
-        assert client(s).completions.create(model="tiny", prompt="fox", max_tokens=2).choices[0].finish_reason in ("stop", "length")
+        assert client(s).completions.create(model="tiny", prompt="fox", max_tokens=2).choices[0].finish_reason in (
+            "stop",
+            "length",
+        )
     finally:
         gate.set()
         s.server.stop()
