@@ -26,13 +26,8 @@ dev: $(VENV)/.dev-installed
 run: install
 	$(PY) -m app
 
-# The linters, pinned so every machine reports the same findings (kept out of the package's extras).
-$(VENV)/.lint-installed: $(VENV)/.dev-installed
-	$(PY) -m pip install -q ruff==0.17.6 mypy==2.4.1
-	touch $@
-
 # Lint, format and types first (seconds to a minute), then the suite (minutes).
-lint: $(VENV)/.lint-installed
+lint: dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
