@@ -9,6 +9,10 @@ Steps (each reported to the progress callback, which may cancel between steps):
   4. the untied input embedding as raw fp16 for the host's mmap lookup; bundle.json with provenance
   5. the ANE lint (coreml.ane_rules): an error fails the build
   6. rename the finished bundle into place: a half-written bundle is never where a reader looks
+
+Why over ~400 lines: the steps above are one pipeline sharing the progress/cancel callback, the memory check and
+the bundle being built; apart, each would need the others' state (compression, ANE rules and the bundle layout
+already live in their own modules).
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ chat, regenerate, a template that rewrites history) the memory is reset and the 
 prefix cache makes that cheap.
 
 Loading (the memory factory, the fit check, the step lock's backend wrapper) lives in engine.loading.
+
+Why over ~400 lines: `Session` is the one owner of a conversation's memory, transcript, sampler and feed log;
+its save and load must move all four in step (a load swaps them in only when everything checked out), so they
+stay beside the state they move.
 """
 
 from __future__ import annotations
