@@ -22,7 +22,6 @@ import os
 import platform
 import shutil
 import threading
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -36,6 +35,7 @@ from coreml.errors import CoreMLError, PackageError
 from coreml.host import PackageBackend
 from engine.backends.base import BackendProbe
 from engine.errors import BackendUnavailable
+from engine.fileio import atomic_dir
 from engine.model_files import read_config
 
 UNITS_ENV = "MLOT_SPARK_COREML_UNITS"
@@ -114,12 +114,11 @@ def compile_program(bundle: Bundle, name: str) -> Path:
     if compiled.is_dir():
         return compiled
     made = Path(ct.models.utils.compile_model(str(bundle.package_path(name))))
-    tmp = compiled.with_name(f".{compiled.name}-{uuid.uuid4().hex[:8]}")
-    shutil.move(str(made), tmp)
     try:
-        os.rename(tmp, compiled)
-    except OSError:  # another process compiled it first
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_dir(compiled) as tmp:  # durable like every file we write; another process's equal copy is replaced
+            shutil.move(str(made), tmp)
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
     return compiled
 
 
