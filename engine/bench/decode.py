@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         peers["llamacpp"] = lambda: measure_llamacpp(llm, ids, n_decode)
         # Same model? Compare the prompt's last-token logits of both engines.
-        llm.reset()  # type: ignore[no-untyped-call]  # llama_cpp leaves Llama.reset unannotated
+        llm.reset()
         llm.eval(ids)
         theirs = torch.from_numpy(np.array(llama_last_logits(llm), dtype=np.float32))
         ours_logits = _our_last_logits(engine, ids)
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         file = gguf_model(model_dir).path if is_gguf_model(model_dir) else None  # transformers dequantizes a GGUF
         where = (file.parent, {"gguf_file": file.name}) if file else (model_dir, {})
-        hf = transformers.AutoModelForCausalLM.from_pretrained(where[0], dtype=torch.float32, **where[1]).eval()  # type: ignore[no-untyped-call]  # transformers leaves from_pretrained's result unannotated
+        hf = transformers.AutoModelForCausalLM.from_pretrained(where[0], dtype=torch.float32, **where[1]).eval()
         peers["transformers"] = lambda: measure_transformers(hf, ids, n_decode)
         result["transformers_version"] = transformers.__version__
         result["transformers_dtype"] = "float32"
