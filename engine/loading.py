@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
-from engine.backends.base import Backend
+from engine.backends.base import Backend, BackendWrapper
 from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
 from engine.hw import HardwarePolicy
 from engine.memory import Memory
 from engine.model_files import resolve_model_path, settings_dir
 from engine.paths import default_cache_dir
 from engine.replay import FeedLog
+from engine.slots import SlotBatch
 
 MemoryFactory = Callable[[Backend], Memory]
 # The least slot table a memory budget shrinks a conversation to (its window grows into what the budget leaves,
@@ -88,21 +89,19 @@ def memory_factory_for(
     return make
 
 
-class LockedBackend:
-    """Wraps a backend so every forward takes the engine's step lock (the lock is held for one step only), and
+class LockedBackend(BackendWrapper):
+    """A backend whose every forward takes the engine's step lock (the lock is held for one step only), and
     records each forward's size in the session's feed log (what a compact session file replays)."""
 
     def __init__(
         self, inner: Backend, lock: threading.Lock, log: FeedLog | None = None, memory: Memory | None = None
     ) -> None:
-        self._inner, self._lock, self._log, self._memory = inner, lock, log, memory
+        super().__init__(inner)
+        self._lock, self._log, self._memory = lock, log, memory
 
-    def forward(self, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
         with self._lock:
-            out = self._inner.forward(tokens, *args, **kwargs)
+            out = self.inner.forward(tokens, batch, last_only)
         if self._log is not None and self._memory is not None:
             self._log.record_feed(len(self._memory.tokens), int(tokens.shape[-1]))  # tokens: (1, n)
         return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)

@@ -29,11 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.backends.base import Backend
+from engine.backends.base import Backend, BackendWrapper
 from engine.backends.torch_backend import TorchBackend
 from engine.generate import GenerationEvent, GenerationSettings, stream_generate
 from engine.memory import Memory
 from engine.sampling import make_sampler
+from engine.slots import SlotBatch
 from engine.tokenizer import Tokenizer
 
 PART_NAMES = {"backend": "backend_overhead"}  # a span whose exclusive time has a clearer name as a part
@@ -197,7 +198,7 @@ class Profiler:
         """`engine.generate.stream_generate`, same arguments and events, with every step profiled."""
         sampler = kwargs.pop("sampler", None) or make_sampler(settings.sampling)
         gen = stream_generate(
-            _Timed(backend, self, {"forward": "backend"}),  # type: ignore[arg-type]  # a timing proxy: the backend's attributes via __getattr__
+            _TimedBackend(backend, self),
             _Timed(memory, self, {"plan": "paging", "after_forward": "paging", "reuse_prefix": "paging"}),
             _ProfiledTokenizer(tokenizer, self),  # type: ignore[arg-type]  # a timing proxy, as above
             prompt_ids,
@@ -258,6 +259,21 @@ class Profiler:
         path = Path(path)
         path.write_text(json.dumps(self.chrome_trace()))
         return path
+
+
+class _TimedBackend(BackendWrapper):
+    """The backend with every forward inside the profiler's "backend" span."""
+
+    def __init__(self, inner: Backend, profiler: Profiler) -> None:
+        super().__init__(inner)
+        self._profiler = profiler
+
+    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
+        self._profiler.push("backend")
+        try:
+            return self.inner.forward(tokens, batch, last_only)
+        finally:
+            self._profiler.pop()
 
 
 class _Timed:

@@ -133,7 +133,7 @@ class Engine:
     def locked_fork(self) -> Backend:
         """A fork of the backend (its own slot table, shared weights) whose forwards take the step lock: for a
         scheduler serving requests beside this engine's conversations."""
-        return LockedBackend(self.backend.fork(), self.step_lock)  # type: ignore[return-value]  # a proxy: Backend's members via __getattr__
+        return LockedBackend(self.backend.fork(), self.step_lock)
 
     def new_session(self) -> Session:
         """The first session uses the loaded backend's slot table; later ones fork their own."""
@@ -305,7 +305,7 @@ class Session:
             # A compact file: feed its tokens again exactly as they were fed (see engine.replay), then compare.
             schedule = check_schedule(data.extra.get("feed_schedule"), len(data.token_ids))
             runner = LockedBackend(fork, self.engine.step_lock)
-            replay(backend_feed(runner, memory), memory, data.token_ids, schedule, on_progress)  # type: ignore[arg-type]  # LockedBackend: a proxy
+            replay(backend_feed(runner, memory), memory, data.token_ids, schedule, on_progress)
             saved = data.extra.get("recompute")
             digest_ok.append(isinstance(saved, dict) and saved.get("digest") == memory_digest(memory))
 
@@ -435,7 +435,7 @@ class Session:
             pacer = pacer or self.engine.policy
             runner = LockedBackend(self.backend, self.engine.step_lock, self.feed_log, self.memory)
             gen = stream_generate(
-                runner,  # type: ignore[arg-type]  # LockedBackend: a proxy
+                runner,
                 self.memory,
                 self.tokenizer,
                 ids,

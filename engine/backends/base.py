@@ -86,17 +86,6 @@ class Backend(ABC):
         that does not produce one (the cascade then routes with a key proxy)."""
         return None
 
-    def copy_rows(self, src: torch.Tensor) -> None:
-        """src (B,) long: row i of the slot table becomes a copy of row src[i] (all slots), e.g. beam reordering.
-
-        This default goes through read_kv/write_kv, so KV passes through the canonical fp16 layout; backends
-        override it with a device-side copy that keeps their own precision.
-        """
-        slots = torch.arange(self.num_slots)
-        copies = [self.read_kv(int(r), slots) for r in src.tolist()]
-        for row, (k, v) in enumerate(copies):
-            self.write_kv(row, slots, k, v)
-
     def kv_bytes_per_token(self) -> int:
         """Bytes of one token's k and v in the canonical layout: what the memory tiers, L3 and session files hold."""
         c = self.config
@@ -106,3 +95,51 @@ class Backend(ABC):
         """Bytes one slot of one row takes in this backend's own slot table: its KV plus whatever it keeps beside
         it. This default is a table holding the canonical KV and nothing else (Core ML's fp16 state)."""
         return self.kv_bytes_per_token()
+
+
+class BackendWrapper(Backend):
+    """Another backend with something around it (a lock, a timer, a hidden slot): every member goes to `inner`
+    unless a subclass overrides it. Written out member by member, so the type checker sees the whole surface and a
+    member added to Backend must be added here too (the class cannot be instantiated until it is)."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.name, self.config, self.fingerprint = inner.name, inner.config, inner.fingerprint
+        self.weight_bytes, self.quantize, self.kernels_note = inner.weight_bytes, inner.quantize, inner.kernels_note
+        self.runs_leading_rows, self.max_slots = inner.runs_leading_rows, inner.max_slots
+
+    @property
+    def numerics(self) -> str:
+        return self.inner.numerics
+
+    @property
+    def batch(self) -> int:
+        return self.inner.batch
+
+    @property
+    def num_slots(self) -> int:
+        return self.inner.num_slots
+
+    def allocate(self, batch: int, num_slots: int) -> None:
+        self.inner.allocate(batch, num_slots)
+
+    def fork(self) -> Backend:
+        return self.inner.fork()
+
+    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
+        return self.inner.forward(tokens, batch, last_only)
+
+    def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.read_kv(row, slots)
+
+    def write_kv(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.inner.write_kv(row, slots, k, v)
+
+    def query_summary(self) -> torch.Tensor | None:
+        return self.inner.query_summary()
+
+    def kv_bytes_per_token(self) -> int:
+        return self.inner.kv_bytes_per_token()
+
+    def slot_bytes_per_token(self) -> int:
+        return self.inner.slot_bytes_per_token()

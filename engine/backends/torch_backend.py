@@ -339,11 +339,3 @@ class TorchBackend(Backend):
         self.cache.k[:, row].index_copy_(2, s, k.to(self.device, self.kv_dtype))
         self.cache.v[:, row].index_copy_(2, s, v.to(self.device, self.kv_dtype))
         self.cache.forget(s)
-
-    @torch.inference_mode()
-    def copy_rows(self, src: torch.Tensor) -> None:
-        idx = src.to(self.device)
-        c = self.cache
-        for buf in c.slot_tensors():  # (L, B, Hkv, S, D), exact: no dtype round trip
-            buf.copy_(buf.index_select(1, idx))
-        c.read_positions.copy_(c.read_positions.index_select(0, idx))

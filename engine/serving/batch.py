@@ -29,11 +29,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 
-from engine.backends.base import Backend
+from engine.backends.base import Backend, BackendWrapper
 from engine.generate import FinishReason, GenerationEvent, GenerationSettings, PromptFeed, Reply, prefill_cuts
 from engine.memory import FullAttentionMemory, Memory, RowPlan
 from engine.model import SlotBatch
@@ -43,21 +42,18 @@ from engine.tokenizer import Tokenizer
 RowMemoryFactory = Callable[[Backend, int], Memory]  # (backend as the row sees it, row index) -> that row's memory
 
 
-class RowView:
+class RowView(BackendWrapper):
     """The backend as one row's memory sees it: the same slot table with the scratch slot 0 hidden."""
 
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
-        self.num_slots = backend.num_slots - 1
+    @property
+    def num_slots(self) -> int:
+        return self.inner.num_slots - 1
 
     def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._backend.read_kv(row, slots + 1)
+        return self.inner.read_kv(row, slots + 1)
 
     def write_kv(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._backend.write_kv(row, slots + 1, k, v)
-
-    def __getattr__(self, name: str) -> Any:  # everything but the slot table is the backend's own
-        return getattr(self._backend, name)
+        self.inner.write_kv(row, slots + 1, k, v)
 
 
 class RowBatcher:
@@ -242,7 +238,7 @@ def generate_batch(
         longest = max(len(p) for p in group.prompts)
         backend.allocate(len(group.prompts), (num_slots or longest + settings.max_tokens) + 1)
         view = RowView(backend)
-        memories = [memory_factory(view, r) for r in range(len(group.prompts))]  # type: ignore[arg-type]  # RowView is the backend minus slot 0, not a Backend subclass
+        memories = [memory_factory(view, r) for r in range(len(group.prompts))]
         batcher = RowBatcher(backend)
         t0 = time.perf_counter()
         # Right alignment: a row needing fewer prefill steps than the longest waits that many steps first, so all

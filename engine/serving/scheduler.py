@@ -124,7 +124,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         backend.allocate(self.config.max_batch, self.config.num_slots + 1)
         view = RowView(backend)
-        self._memories = [memory_factory(view, r) for r in range(self.config.max_batch)]  # type: ignore[arg-type]  # RowView is the backend minus slot 0, not a Backend subclass
+        self._memories = [memory_factory(view, r) for r in range(self.config.max_batch)]
         self._batcher = RowBatcher(backend)
         self._rows: list[_Active | None] = [None] * self.config.max_batch
         self._waiting: list[_Waiting] = []  # heap: most urgent, oldest first

@@ -16,7 +16,7 @@ from engine.cascade.config import CascadeConfig
 from engine.cascade.memory import CascadeMemory
 from engine.generate import decode_step, prefill
 from engine.memory import FullAttentionMemory
-from engine.slots import KVCache, SlotBatch
+from engine.slots import KVCache
 from tests.tiny import make_tiny_model
 
 
@@ -102,25 +102,6 @@ def test_decoding_keeps_read_copies_exact_and_restores_refresh_them(model_dir: P
         prefill(b, mem, list(range(40 + chunk, 52 + chunk)), chunk=chunk)
         decode_step(b, mem, 9)
         assert assert_read_copies_exact(b, pos) == 13
-
-
-def two_row_step(b: TorchBackend, n: int, tokens: list[int]) -> None:
-    """Both rows write token n at slot n and attend to slots 0..n (what two beams do)."""
-    pos = torch.full((2, 1), n)
-    batch = SlotBatch(pos, pos.clone(), torch.arange(n + 1).expand(2, -1), torch.ones(2, 1, 1, n + 1, dtype=torch.bool))
-    b.forward(torch.tensor([[tokens[0]], [tokens[1]]]), batch, last_only=True)
-
-
-def test_beam_row_copies_carry_read_copies(model_dir: Path) -> None:
-    b = TorchBackend(model_dir, "cpu")
-    b.allocate(2, 32)
-    for n in range(6):
-        two_row_step(b, n, [3 + n, 40 + n])  # the rows differ
-    b.copy_rows(torch.tensor([1, 1]))
-    assert torch.equal(b.cache.k_read[:, 0], b.cache.k_read[:, 1]) and torch.equal(b.cache.k[:, 0], b.cache.k[:, 1])
-    assert assert_read_copies_exact(b, torch.arange(32).expand(2, -1)) == 6
-    two_row_step(b, 6, [9, 9])
-    assert assert_read_copies_exact(b, torch.arange(32).expand(2, -1)) == 7
 
 
 def test_sliding_window_keeps_copies_in_a_frame(model_dir: Path) -> None:
