@@ -1,7 +1,7 @@
 """`bench cascade`: decode ms/token and peak RSS at 256 tokens, where the window first fills, 16k and 32k tokens of
 conversation, cascade vs full attention (where it fits the trained context), on the path users run: the default
-geometry (the window covers the trained context), the default weights (`--quantize auto`: int8 on the native
-kernels on the CPU), re-routing and paging included. Headline `cost_ratio_32k` = cascade ms/token at 32k / at the
+geometry (the window covers the trained context), the default weights (`--quantize auto`: a GGUF as stored, else
+q8_0, on the native kernels on the CPU), re-routing and paging included. Headline `cost_ratio_32k` = cascade ms/token at 32k / at the
 length where the window first fills (goal <= 1.1, with RSS flat).
 
 Peak RSS: each (memory, length) point runs in its own process so its ru_maxrss is its own. Timing: all points
@@ -82,7 +82,7 @@ def build(
     full = FullAttentionMemory(backend)
     c = backend.config
     shape = (c.num_hidden_layers, c.num_key_value_heads, n, c.head_dim)
-    full.load_state({"tokens": ids}, {"k": torch.randn(shape).half(), "v": torch.randn(shape).half()})
+    full.load_state({"kind": "full", "tokens": ids}, {"k": torch.randn(shape).half(), "v": torch.randn(shape).half()})
     return backend, full, torch.zeros(1, 1, vocab)
 
 
