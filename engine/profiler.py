@@ -119,13 +119,18 @@ class Profiler:
             self._stack[-1][2] += duration
         self.spans.append(Span(name, start, duration, duration - children, len(self._stack), self._steps))
 
+    @contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        self.push(name)
+        try:
+            yield
+        finally:
+            self.pop()
+
     def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
-            self.push(name)
-            try:
+            with self.span(name):
                 return fn(*args, **kwargs)
-            finally:
-                self.pop()
 
         return run
 
@@ -269,11 +274,8 @@ class _TimedBackend(BackendWrapper):
         self._profiler = profiler
 
     def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
-        self._profiler.push("backend")
-        try:
+        with self._profiler.span("backend"):
             return self.inner.forward(tokens, batch, last_only)
-        finally:
-            self._profiler.pop()
 
 
 class _Timed:
