@@ -96,12 +96,10 @@ class Retriever:
         False when a block turned out to be gone (forgotten from L3): the caller selects again."""
         old = self.working.groups
         n = len(chosen[0])
-        new: list[list[int]] = []
-        for layer, pick in enumerate(chosen):
-            held = old[layer][:n]
-            keep: list[int | None] = [b if b in pick else None for b in held] + [None] * (n - len(held))
-            rest = iter(sorted(b for b in pick if b not in keep))  # by id, not rank: placement follows the set alone
-            new.append([b if b is not None else next(rest) for b in keep])
+        # Groups hold each layer's blocks in conversation order: positions rise with the group, so the model reads
+        # retrieved text in the order it was written, and a fact split over two adjacent blocks reads whole. (Keeping
+        # held blocks in place pages less, but put block j+1 before block j: the passkey's digits came out swapped.)
+        new = [sorted(pick) for pick in chosen]
         changed = {
             (layer, g)
             for layer in range(len(new))

@@ -118,3 +118,18 @@ def test_spill_under_pressure_moves_kv_to_disk_and_keeps_it_reachable(tiny_model
 def test_spill_without_a_store_forgets_blocks() -> None:
     ep, _ = _blocks_with_directions(4)
     assert ep.spill() > 0 and not ep.blocks
+
+
+def test_retrieval_groups_hold_each_layers_blocks_in_conversation_order(tiny_model: Path) -> None:
+    """Positions rise with the group, so blocks must sit in the order they were written: a fact split over blocks
+    j and j + 1 (a passkey's digits) reads whole only if j comes first, however the selection changed."""
+    cfg = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=3, routing="token")
+    b = TorchBackend(tiny_model)
+    m = CascadeMemory(b, cfg)
+    seen_orders = set()
+    for at in range(0, 400, 10):
+        feed(b, m, random_ids(10, seed=at))
+        for groups in m.working.groups:
+            assert groups == sorted(groups)
+            seen_orders.add(tuple(groups))
+    assert len(seen_orders) > 3  # the selection really changed along the way
