@@ -36,7 +36,21 @@ def _message_json(m: Message | Mapping[str, Any] | Any) -> dict[str, JSONValue]:
     return {"role": str(get("role")), "content": str(get("content")), "timestamp": None if ts is None else float(ts)}
 
 
-def encode(
+def _host_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous host tensors, none sharing memory (safetensors refuses that, e.g. one zero tensor used twice)."""
+    host: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in storages:
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        host[name] = t
+    return host
+
+
+def save_session(
+    path: str | Path,
     *,
     fingerprint: str,
     tokenizer_hash: str | None,
@@ -49,14 +63,22 @@ def encode(
     extra: Mapping[str, JSONValue] | None = None,
     token_ids: Sequence[int] | None = None,
     created: float | None = None,
-    saved: float | None = None,
     compression: str = "zlib",
-) -> list[bytes]:
-    """The current-version `.spark` file as chunks to write in order (see `save_session`)."""
+    fs: FileSystem = SYSTEM,
+) -> int:
+    """Atomically write a session file; returns its size in bytes.
+
+    memory_state is `Memory.state()`; token_ids defaults to its meta's "tokens" (every token fed so far);
+    pending_token is the last sampled token not yet fed; sampler_state the sampler's JSON-able RNG state;
+    created is the conversation's first save time (kept across autosaves; now when None). compression: "zlib"
+    (byte-shuffled, level 1: about a third smaller for real KV, fast), "lzma" (a little smaller, ~10x slower) or
+    "none"; a codec that saves under 5% is dropped and the tensors stored raw.
+    On failure (full disk, no permission) raises SessionFileError and the previous file is untouched.
+    """
     memory_meta, tensors = memory_state
     if token_ids is None:
         token_ids = memory_meta.get("tokens", [])  # Memory.tokens, as FullAttentionMemory's state records it
-    saved = time.time() if saved is None else saved
+    saved = time.time()
     meta = {
         "format_version": FORMAT_VERSION,
         "app_version": engine.__version__,
@@ -88,57 +110,7 @@ def encode(
         raise SessionFileError(
             f"The memory has {len(tensors)} tensors, over the {MAX_TENSORS} a session file holds, so it cannot be saved."
         )
-    host: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    for name, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        if t.numel() and t.untyped_storage().data_ptr() in storages:
-            t = t.clone()  # safetensors refuses tensors sharing memory (e.g. one zero tensor used twice)
-        storages.add(t.untyped_storage().data_ptr())
-        host[name] = t
-    return pack(meta_bytes, st_save(host), compression)
-
-
-def save_session(
-    path: str | Path,
-    *,
-    fingerprint: str,
-    tokenizer_hash: str | None,
-    messages: Sequence[Message | Mapping[str, Any] | Any],
-    system_prompt: str | None,
-    settings: Mapping[str, JSONValue],
-    memory_state: tuple[Mapping[str, JSONValue], Mapping[str, torch.Tensor]],
-    pending_token: int | None,
-    sampler_state: JSONValue,
-    extra: Mapping[str, JSONValue] | None = None,
-    token_ids: Sequence[int] | None = None,
-    created: float | None = None,
-    compression: str = "zlib",
-    fs: FileSystem = SYSTEM,
-) -> int:
-    """Atomically write a session file; returns its size in bytes.
-
-    memory_state is `Memory.state()`; token_ids defaults to its meta's "tokens" (every token fed so far);
-    pending_token is the last sampled token not yet fed; sampler_state the sampler's JSON-able RNG state;
-    created is the conversation's first save time (kept across autosaves; now when None). compression: "zlib"
-    (byte-shuffled, level 1: about a third smaller for real KV, fast), "lzma" (a little smaller, ~10x slower) or
-    "none"; a codec that saves under 5% is dropped and the tensors stored raw.
-    On failure (full disk, no permission) raises SessionFileError and the previous file is untouched.
-    """
-    chunks = encode(
-        fingerprint=fingerprint,
-        tokenizer_hash=tokenizer_hash,
-        messages=messages,
-        system_prompt=system_prompt,
-        settings=settings,
-        memory_state=memory_state,
-        pending_token=pending_token,
-        sampler_state=sampler_state,
-        extra=extra,
-        token_ids=token_ids,
-        created=created,
-        compression=compression,
-    )
+    chunks = pack(meta_bytes, st_save(_host_copies(tensors)), compression)
     atomic_write(Path(path).expanduser(), chunks, fs=fs)
     return sum(map(len, chunks))
 
