@@ -41,6 +41,7 @@ class CascadeConfig:
     window: int = AUTO_WINDOW  # AUTO_WINDOW: resolved by fit_to from the trained context and the memory budget
     block_size: int = 32  # 8 x 32 retrieval slots beat 4 x 64 at equal slots (README, bench long-ppl --window 512)
     retrieval_blocks: int = 8
+    layer_blocks: int = 2  # of the retrieval groups, how many hold each layer's own picks (the rest: the consensus)
     routing: str = "hybrid"
     reroute_every: int = 64  # while generating, re-route at least every this many tokens
     reroute_drift: int = 10  # ... and sooner when the routing query's mean cosine to the routed one drops this many %
@@ -52,7 +53,14 @@ class CascadeConfig:
         for f in ("block_size", "reroute_every", "proxy_tokens"):
             if getattr(self, f) < 1:
                 raise CascadeConfigError(f"The cascade setting {f} must be at least 1, not {getattr(self, f)}.")
-        for f in ("window", "sink_tokens", "retrieval_blocks", "episodic_budget_bytes", "persistent_budget_bytes"):
+        for f in (
+            "window",
+            "sink_tokens",
+            "retrieval_blocks",
+            "layer_blocks",
+            "episodic_budget_bytes",
+            "persistent_budget_bytes",
+        ):
             if getattr(self, f) < 0:
                 raise CascadeConfigError(f"The cascade setting {f} must not be negative.")
         if not 0 <= self.reroute_drift <= 100:

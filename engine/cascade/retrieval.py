@@ -3,8 +3,9 @@
 The routing query is the backend's query summary (per layer and KV head, the mean pre-RoPE query of the last
 forwards, over their last `proxy_tokens` tokens; a backend without one: the mean key of the most recent tokens).
 When the routing strategy (engine.cascade.routing) says so (a new prompt chunk, drift, the clock), each layer
-selects its top-k episodic blocks and only the (layer, group) pairs whose block changed are paged in (read from
-host memory, or back from L3).
+ranks its top-k episodic blocks; the blocks the layers rank highest together fill the first groups in every layer,
+each layer's best others fill its last `layer_blocks` groups (consensus_groups), and only the (layer, group) pairs
+whose block changed are paged in (read from host memory, or back from L3).
 """
 
 from __future__ import annotations
@@ -20,6 +21,25 @@ from engine.cascade.config import CascadeConfig
 from engine.cascade.episodic import EpisodicMemory
 from engine.cascade.routing import ROUTING, RouteContext
 from engine.cascade.working import WorkingMemory
+
+
+def consensus_groups(chosen: list[list[int]], shared: int) -> list[list[int]]:
+    """Per layer, its n chosen blocks (best first) -> the blocks its n retrieval groups hold, in group order.
+
+    Groups [0, shared) hold, in every layer alike, the `shared` blocks the layers rank highest together (Borda
+    count over the layers' rankings; ties to the older block); groups [shared, n) hold each layer's best other
+    blocks. Each part is in conversation order. Why: one position table serves every layer, so a block's position
+    follows its group; when layers put the same block in different groups, its tokens sit at positions up to
+    n * block_size apart from one layer to the next, and on the default model a passkey retrieved by every layer
+    was still misread (bench passkey); blocks in conversation order read a fact split over blocks j, j + 1 whole.
+    """
+    n = len(chosen[0]) if chosen else 0
+    votes: dict[int, int] = {}
+    for pick in chosen:
+        for rank, b in enumerate(pick):
+            votes[b] = votes.get(b, 0) + n - rank
+    common = sorted(sorted(votes, key=lambda b: (-votes[b], b))[:shared])
+    return [common + sorted([b for b in pick if b not in common][: n - len(common)]) for pick in chosen]
 
 
 class Retriever:
@@ -92,14 +112,12 @@ class Retriever:
                 return
 
     def _page_in(self, chosen: list[list[int]]) -> bool:
-        """Put each layer's chosen blocks in its retrieval groups, paging in only (layer, group) pairs that change.
+        """Lay each layer's chosen blocks (best first) out in its retrieval groups (consensus_groups), paging in only
+        (layer, group) pairs that change.
         False when a block turned out to be gone (forgotten from L3): the caller selects again."""
         old = self.working.groups
         n = len(chosen[0])
-        # Groups hold each layer's blocks in conversation order: positions rise with the group, so the model reads
-        # retrieved text in the order it was written, and a fact split over two adjacent blocks reads whole. (Keeping
-        # held blocks in place pages less, but put block j+1 before block j: the passkey's digits came out swapped.)
-        new = [sorted(pick) for pick in chosen]
+        new = consensus_groups(chosen, n - min(n, self.cfg.layer_blocks))
         changed = {
             (layer, g)
             for layer in range(len(new))

@@ -2,8 +2,9 @@
 
 Slots, for S = CascadeConfig.num_slots:
     [0, sinks)                      attention sinks: the first tokens, kept forever (StreamingLLM)
-    [sinks, sinks + R*B)            R retrieval groups of B slots; per layer, each holds one paged-in episodic block
-                                    (layers may hold different blocks: retrieval is per layer)
+    [sinks, sinks + R*B)            R retrieval groups of B slots; per layer, each holds one paged-in episodic block:
+                                    the first R - layer_blocks the same blocks in every layer (the layers'
+                                    consensus), the rest each layer's own picks (engine.cascade.retrieval)
     [sinks + R*B, ... + W)          the window: a ring of the W most recent tokens
     [..., S)                        padding to a multiple of 32, never attended
 

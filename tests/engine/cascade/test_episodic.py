@@ -9,6 +9,7 @@ import torch
 from engine.backends.torch_backend import TorchBackend
 from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
 from engine.cascade.episodic import EpisodicMemory
+from engine.cascade.retrieval import consensus_groups
 from tests.engine.cascade.helpers import feed, random_ids
 
 L, HKV, D, B = 2, 2, 16, 8
@@ -122,14 +123,27 @@ def test_spill_without_a_store_forgets_blocks() -> None:
 
 def test_retrieval_groups_hold_each_layers_blocks_in_conversation_order(tiny_model: Path) -> None:
     """Positions rise with the group, so blocks must sit in the order they were written: a fact split over blocks
-    j and j + 1 (a passkey's digits) reads whole only if j comes first, however the selection changed."""
-    cfg = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=3, routing="token")
+    j and j + 1 (a passkey's digits) reads whole only if j comes first, however the selection changed. The shared
+    groups hold the same blocks in every layer; the layer's own groups follow."""
+    cfg = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=3, layer_blocks=1, routing="token")
     b = TorchBackend(tiny_model)
     m = CascadeMemory(b, cfg)
     seen_orders = set()
     for at in range(0, 400, 10):
         feed(b, m, random_ids(10, seed=at))
-        for groups in m.working.groups:
-            assert groups == sorted(groups)
-            seen_orders.add(tuple(groups))
+        groups = m.working.groups
+        for layer in groups:
+            shared, own = layer[:-1], layer[-1:]
+            assert shared == sorted(shared) and shared == groups[0][:-1]
+            assert own == sorted(own) and not set(own) & set(shared)
+            seen_orders.add(tuple(layer))
     assert len(seen_orders) > 3  # the selection really changed along the way
+
+
+def test_consensus_groups_share_the_blocks_layers_agree_on_and_keep_each_layers_own() -> None:
+    chosen = [[9, 4, 2], [4, 9, 7], [4, 3, 9]]  # per layer, best first
+    # Borda: 4 -> 2+3+3 = 8, 9 -> 3+2+1 = 6, 3 -> 2, then 2 and 7 with 1 each
+    assert consensus_groups(chosen, 2) == [[4, 9, 2], [4, 9, 7], [4, 9, 3]]
+    assert consensus_groups(chosen, 3) == [[3, 4, 9]] * 3
+    assert consensus_groups([[1, 2], [2, 1]], 1) == [[1, 2], [1, 2]]  # a tie goes to the older block
+    assert consensus_groups(chosen, 0) == [[2, 4, 9], [4, 7, 9], [3, 4, 9]]  # each layer's own, in order

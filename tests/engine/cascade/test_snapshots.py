@@ -123,7 +123,13 @@ def test_foreign_model_or_settings_never_restore_a_snapshot(
     prefill(b, m, ids, CHUNK)
     _, other = memory(other_model, tmp_path)
     assert other.reuse_prefix(ids) == 0
-    for change in ({"window": 40}, {"routing": "rolling"}, {"reroute_drift": 20}, {"proxy_tokens": 8}):
+    for change in (
+        {"window": 40},
+        {"routing": "rolling"},
+        {"reroute_drift": 20},
+        {"proxy_tokens": 8},
+        {"layer_blocks": 1},
+    ):
         cfg = CascadeConfig(**{**CFG.to_dict(), **change})
         _, m2 = memory(tiny_model, tmp_path, cfg)
         # exact (full-attention) prefix blocks are geometry-independent; the snapshot is not
