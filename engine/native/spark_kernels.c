@@ -438,6 +438,7 @@ static inline __m128 block_terms4(int32_t type, __m128 dw, __m128 mw, __m128i i,
  * so a prefill and one-row decodes agree bit for bit. Inlined per R (spark_dot_rows below), so the R rows'
  * accumulators live in registers. */
 #define SPARK_ROWS 4
+#define SPARK_AHEAD 4 /* pairs of weight rows to prefetch ahead in a decoding step */
 static inline __attribute__((always_inline)) void dot_rows_r(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, const int32_t r_count, float *out) {
     const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
     float acc[SPARK_ROWS][8] = {{0}};
@@ -553,8 +554,12 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t row_bytes = (int64_t)nb * block_bytes(w->type);
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
-    if (g->m == 1 && g->a->parts == 2 && w->type != SPARK_Q8_0) { /* a decoding step: weight rows in pairs */
+    if (g->m == 1 && g->a->parts == 2) { /* a decoding step: weight rows in pairs */
         for (; begin + 2 <= end; begin += 2) {
+            if (begin + 2 * SPARK_AHEAD + 2 <= end) { /* the pair SPARK_AHEAD pairs on, fetched while this one computes */
+                const uint8_t *ahead = w->blocks + (begin + 2 * SPARK_AHEAD) * row_bytes;
+                for (int64_t at = 0; at < 2 * row_bytes; at += 64) _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
+            }
             float out[2];
             dot_pair16(w->type, w->blocks + begin * row_bytes, w->blocks + (begin + 1) * row_bytes, nb, g->a, out);
             for (int32_t r = 0; r < 2; r++) g->y[begin + r] = out[r] + (w->bias ? w->bias[begin + r] : 0.0f);
