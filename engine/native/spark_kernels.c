@@ -804,3 +804,36 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
     rms_norm(x, m->final_norm, c, m->eps, hbuf);
     qgemv(m->lm_head, hbuf, c, logits, &xq);
 }
+
+/* Rows `ids` (n) of a block matrix (N, K) as float32, out (n, K): the float operations of engine.quant.dequantize
+ * (Q8_0: q * d; Q4_0: d * (nib - 8); Q4_1: d * nib + m), for the embedding a tied LM head shares. Returns 1; 0 for
+ * a type these do not cover (the caller dequantizes in Python); -1, with nothing written, for an id outside [0, N). */
+int32_t spark_dequant_rows(const spark_qmat *w, const int64_t *ids, int32_t n, float *out) {
+    if (w->type != SPARK_Q8_0 && w->type != SPARK_Q4_0 && w->type != SPARK_Q4_1) return 0;
+    for (int32_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= w->n) return -1;
+    const int32_t nb = w->k / QK, bb = block_bytes(w->type);
+    for (int32_t r = 0; r < n; r++) {
+        const uint8_t *row = w->blocks + ids[r] * (int64_t)nb * bb;
+        float *o = out + (int64_t)r * w->k;
+        for (int32_t b = 0; b < nb; b++, o += QK) {
+            const uint8_t *blk = row + (int64_t)b * bb;
+            const float d = f16_at(blk);
+            if (w->type == SPARK_Q8_0) {
+                for (int32_t i = 0; i < QK; i++) o[i] = (float)((const int8_t *)(blk + 2))[i] * d;
+            } else if (w->type == SPARK_Q4_0) {
+                for (int32_t i = 0; i < QK / 2; i++) {
+                    o[i] = d * ((float)(blk[2 + i] & 0x0F) - 8.0f);
+                    o[i + QK / 2] = d * ((float)(blk[2 + i] >> 4) - 8.0f);
+                }
+            } else {
+                const float m = f16_at(blk + 2);
+                for (int32_t i = 0; i < QK / 2; i++) {
+                    o[i] = d * (float)(blk[4 + i] & 0x0F) + m;
+                    o[i + QK / 2] = d * (float)(blk[4 + i] >> 4) + m;
+                }
+            }
+        }
+    }
+    return 1;
+}
