@@ -433,11 +433,11 @@ static inline __m128 block_terms4(int32_t type, __m128 dw, __m128 mw, __m128i i,
 }
 #endif
 
-/* out[t] = sum_k w[row, k] x_t[k] for one row of blocks and R <= SPARK_ROWS (8) quantized activation rows, row t starting at
+/* out[t] = sum_k w[row, k] x_t[k] for one row of blocks and R <= SPARK_ROWS (12) quantized activation rows, row t starting at
  * block b0[t]. The weight blocks are unpacked once for all R rows; each row's sum takes the same steps as for R = 1,
  * so a prefill and one-row decodes agree bit for bit. Inlined per R (spark_dot_rows below), so the R rows'
  * accumulators live in registers. */
-#define SPARK_ROWS 8
+#define SPARK_ROWS 12
 #define SPARK_AHEAD 4 /* pairs of weight rows to prefetch ahead in a decoding step */
 static inline __attribute__((always_inline)) void dot_rows_r(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, const int32_t r_count, float *out) {
     const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
@@ -497,6 +497,10 @@ static void dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_a
     case 5: dot_rows_r(type, row, nb, a, b0, 5, out); break;
     case 6: dot_rows_r(type, row, nb, a, b0, 6, out); break;
     case 7: dot_rows_r(type, row, nb, a, b0, 7, out); break;
+    case 8: dot_rows_r(type, row, nb, a, b0, 8, out); break;
+    case 9: dot_rows_r(type, row, nb, a, b0, 9, out); break;
+    case 10: dot_rows_r(type, row, nb, a, b0, 10, out); break;
+    case 11: dot_rows_r(type, row, nb, a, b0, 11, out); break;
     default: dot_rows_r(type, row, nb, a, b0, SPARK_ROWS, out); break;
     }
 }
