@@ -562,7 +562,8 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t row_bytes = (int64_t)nb * block_bytes(w->type);
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
-    if (g->m == 1 && g->a->parts == 2) { /* a decoding step: weight rows in pairs */
+    /* A decoding step over the types dot_pair16 knows: weight rows in pairs. */
+    if (g->m == 1 && g->a->parts == 2 && (w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1 || w->type == SPARK_Q8_0)) {
         for (; begin + 2 <= end; begin += 2) {
             if (begin + 2 * SPARK_AHEAD + 2 <= end) { /* the pair SPARK_AHEAD pairs on, fetched while this one computes */
                 const uint8_t *ahead = w->blocks + (begin + 2 * SPARK_AHEAD) * row_bytes;
