@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend, BackendProbe
 from engine.backends.blocks import (
+    BlockEmbedding,
     BlockWeights,
     UnsupportedBlocks,
     dequantized_linear,
@@ -35,7 +36,7 @@ from engine.model import (
     replace_linears,
 )
 from engine.native import NativeKernels, NativeStatus, activation_numerics, load_kernels
-from engine.native.decoder import NativeBlockLinear, NativeDecoder
+from engine.native.decoder import NativeBlockEmbedding, NativeBlockLinear, NativeDecoder
 from engine.quant import BlockType, StoredTensor
 from engine.slots import StepReads
 from engine.weights import load_model
@@ -244,6 +245,9 @@ class TorchBackend(Backend):
         and a one-call decoding step over them when `native_steps`."""
         act_parts = self.act_parts
         swap_linears(self.model, blocks, lambda w, bias: NativeBlockLinear(kernels, w, bias, act_parts))
+        head: nn.Module = self.model.lm_head  # swapped for a NativeBlockLinear when planned
+        if isinstance(self.model.model.embed_tokens, BlockEmbedding) and isinstance(head, NativeBlockLinear):
+            self.model.model.embed_tokens = NativeBlockEmbedding(kernels, head)  # the tied head's rows, natively
         if self.native_steps:
             self.decoder = NativeDecoder(kernels, self.model)
 

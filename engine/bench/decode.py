@@ -15,6 +15,7 @@ every peer alike. Default model: the default model's GGUF, which both engines ru
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -221,6 +222,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["prefill_ratio_vs_llamacpp_runs"] = [round(o["prefill_tps"] / t["prefill_tps"], 3) for o, t in pairs]
     if "transformers" in runs:
         result["ratio_vs_transformers"] = round(result["ours_decode_tps"] / result["transformers_decode_tps"], 3)
+    if hasattr(os, "getloadavg"):  # what else ran: ratios taken on a loaded machine say so
+        result["load_average_1m"] = round(os.getloadavg()[0], 2)
     if notes:
         result["notes"] = notes
     tmp.cleanup()

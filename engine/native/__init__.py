@@ -212,6 +212,8 @@ def bind(path: Path) -> NativeKernels:
     lib.spark_act_bytes.argtypes = [ctypes.c_int32, ctypes.c_int32]
     lib.spark_qgemm.restype = None
     lib.spark_qgemm.argtypes = [ctypes.POINTER(QMat), ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+    lib.spark_dequant_rows.restype = ctypes.c_int32
+    lib.spark_dequant_rows.argtypes = [ctypes.POINTER(QMat), ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
     lib.spark_decode_scratch_floats.restype = ctypes.c_int64
     lib.spark_decode_scratch_floats.argtypes = [ctypes.POINTER(ModelDesc)]
     lib.spark_decode.restype = None

@@ -11,20 +11,17 @@ weights, arithmetic and the slot table.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from engine.backends.blocks import BlockEmbedding, BlockWeights
 from engine.model import DecoderLayer, Transformer
 from engine.native import CacheDesc, ModelDesc, NativeKernels, QMat, StepDesc
 from engine.slots import KVCache, SlotBatch, StepReads
-
-if TYPE_CHECKING:
-    from engine.backends.blocks import (
-        BlockWeights,  # only its fields are read; the backend imports both
-    )
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -63,10 +60,41 @@ class NativeBlockLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class NativeBlockEmbedding(BlockEmbedding):
+    """The tied embedding over its LM head's blocks, rows dequantized by the kernels (the same float operations as
+    engine.quant.dequantize; a type they do not cover takes BlockEmbedding's path)."""
+
+    def __init__(self, kernels: NativeKernels, head: NativeBlockLinear) -> None:
+        super().__init__(BlockWeights(head.qtype, (head.out_features, head.padded), head.blocks, head.in_features))
+        self.kernels = kernels
+        self.desc = head.desc  # points into head.blocks, which self.blocks shares
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) long -> (B, T, C) float32
+        flat = ids.reshape(-1).to(torch.int64).contiguous()  # (B*T,)
+        out = torch.empty(flat.numel(), self.shape[1])  # (B*T, K)
+        done = self.kernels.lib.spark_dequant_rows(
+            ctypes.byref(self.desc), flat.data_ptr(), flat.numel(), out.data_ptr()
+        )
+        if done == 0:
+            return super().forward(ids)
+        if done < 0:
+            raise IndexError(f"a token id is outside the vocabulary of {self.shape[0]}")
+        return out[:, : self.dim].reshape(*ids.shape, self.dim)
+
+
 def _qmat(m: nn.Module | None) -> QMat:
     """The native descriptor of a layer the backend swapped for a NativeBlockLinear."""
     assert isinstance(m, NativeBlockLinear), m
     return m.desc
+
+
+@dataclass(frozen=True)
+class _Work:
+    """A decoding step's working memory, reused step after step (the kernel overwrites all of it)."""
+
+    residual: torch.Tensor  # (C,) the residual stream
+    scratch: torch.Tensor  # (spark_decode_scratch_floats,) activations between the step's matrices
+    scores: torch.Tensor  # (>= H * m,) each head's attention weights
 
 
 class NativeDecoder:
@@ -110,6 +138,7 @@ class NativeDecoder:
         )
         self.vocab = model.lm_head.out_features
         self.scratch_floats = int(kernels.lib.spark_decode_scratch_floats(ctypes.byref(self.desc)))
+        self._local = threading.local()  # each thread's _Work
 
     def accepts(self, cache: KVCache, reads: StepReads) -> bool:
         """The native step covers one row and one token whose only stale read copy is its own, nothing masked."""
@@ -126,7 +155,6 @@ class NativeDecoder:
     def decode(self, x: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: StepReads) -> torch.Tensor:
         """x (1, 1, C) embedded token -> logits (1, 1, V); writes the token's k, v and read copies into `cache`."""
         assert reads.write_ranks is not None
-        residual = x.reshape(-1).contiguous().clone()  # (C,) updated in place by the kernel
         cos_plain, sin_plain = (t.contiguous() for t in reads.rope_q)  # (1, 1, 1, D)
         cos_new, sin_new = (t.contiguous() for t in (reads.rope_q_framed or reads.rope_q))
         step = StepDesc(
@@ -148,18 +176,27 @@ class NativeDecoder:
             cache.num_slots,
             int(cache.k.dtype == torch.float16),
         )
-        logits = torch.empty(self.vocab)  # (V,)
-        scores = torch.empty(self.desc.n_heads * reads.width)  # (H, m) each head's attention weights
-        # Per call, not per decoder: forked backends share the model, and ctypes lets their threads run at once.
-        scratch = torch.empty(self.scratch_floats)
+        logits = torch.empty(self.vocab)  # (V,) a new tensor each step: callers may keep it
+        work = self._work(self.desc.n_heads * reads.width)
+        work.residual.copy_(x.reshape(-1))  # (C,) updated in place by the kernel
         self.kernels.use_threads(torch.get_num_threads())  # the hardware policy's count (engine.hw), or --threads
         self.kernels.lib.spark_decode(
             ctypes.byref(self.desc),
             ctypes.byref(table),
             ctypes.byref(step),
-            residual.data_ptr(),
+            work.residual.data_ptr(),
             logits.data_ptr(),
-            scratch.data_ptr(),
-            scores.data_ptr(),
+            work.scratch.data_ptr(),
+            work.scores.data_ptr(),
         )
         return logits.view(1, 1, -1)
+
+    def _work(self, score_floats: int) -> _Work:
+        """This thread's working buffers, grown to hold `score_floats` attention weights. Per thread, not per
+        decoder: forked backends share the model and its decoder, and ctypes lets their threads run at once."""
+        work: _Work | None = getattr(self._local, "work", None)
+        if work is None or work.scores.numel() < score_floats:
+            grown = max(score_floats, 2 * work.scores.numel() if work is not None else 0)
+            work = _Work(torch.empty(self.desc.hidden), torch.empty(self.scratch_floats), torch.empty(grown))
+            self._local.work = work
+        return work

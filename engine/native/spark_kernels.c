@@ -433,11 +433,12 @@ static inline __m128 block_terms4(int32_t type, __m128 dw, __m128 mw, __m128i i,
 }
 #endif
 
-/* out[t] = sum_k w[row, k] x_t[k] for one row of blocks and R <= 4 quantized activation rows, row t starting at
+/* out[t] = sum_k w[row, k] x_t[k] for one row of blocks and R <= SPARK_ROWS (12) quantized activation rows, row t starting at
  * block b0[t]. The weight blocks are unpacked once for all R rows; each row's sum takes the same steps as for R = 1,
  * so a prefill and one-row decodes agree bit for bit. Inlined per R (spark_dot_rows below), so the R rows'
  * accumulators live in registers. */
-#define SPARK_ROWS 4
+#define SPARK_ROWS 12
+#define SPARK_AHEAD 4 /* pairs of weight rows to prefetch ahead in a decoding step */
 static inline __attribute__((always_inline)) void dot_rows_r(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, const int32_t r_count, float *out) {
     const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
     float acc[SPARK_ROWS][8] = {{0}};
@@ -492,6 +493,14 @@ static void dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_a
     case 1: dot_rows_r(type, row, nb, a, b0, 1, out); break;
     case 2: dot_rows_r(type, row, nb, a, b0, 2, out); break;
     case 3: dot_rows_r(type, row, nb, a, b0, 3, out); break;
+    case 4: dot_rows_r(type, row, nb, a, b0, 4, out); break;
+    case 5: dot_rows_r(type, row, nb, a, b0, 5, out); break;
+    case 6: dot_rows_r(type, row, nb, a, b0, 6, out); break;
+    case 7: dot_rows_r(type, row, nb, a, b0, 7, out); break;
+    case 8: dot_rows_r(type, row, nb, a, b0, 8, out); break;
+    case 9: dot_rows_r(type, row, nb, a, b0, 9, out); break;
+    case 10: dot_rows_r(type, row, nb, a, b0, 10, out); break;
+    case 11: dot_rows_r(type, row, nb, a, b0, 11, out); break;
     default: dot_rows_r(type, row, nb, a, b0, SPARK_ROWS, out); break;
     }
 }
@@ -553,8 +562,13 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t row_bytes = (int64_t)nb * block_bytes(w->type);
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
-    if (g->m == 1 && g->a->parts == 2 && w->type != SPARK_Q8_0) { /* a decoding step: weight rows in pairs */
+    /* A decoding step over the types dot_pair16 knows: weight rows in pairs. */
+    if (g->m == 1 && g->a->parts == 2 && (w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1 || w->type == SPARK_Q8_0)) {
         for (; begin + 2 <= end; begin += 2) {
+            if (begin + 2 * SPARK_AHEAD + 2 <= end) { /* the pair SPARK_AHEAD pairs on, fetched while this one computes */
+                const uint8_t *ahead = w->blocks + (begin + 2 * SPARK_AHEAD) * row_bytes;
+                for (int64_t at = 0; at < 2 * row_bytes; at += 64) _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
+            }
             float out[2];
             dot_pair16(w->type, w->blocks + begin * row_bytes, w->blocks + (begin + 1) * row_bytes, nb, g->a, out);
             for (int32_t r = 0; r < 2; r++) g->y[begin + r] = out[r] + (w->bias ? w->bias[begin + r] : 0.0f);
@@ -798,4 +812,37 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
     }
     rms_norm(x, m->final_norm, c, m->eps, hbuf);
     qgemv(m->lm_head, hbuf, c, logits, &xq);
+}
+
+/* Rows `ids` (n) of a block matrix (N, K) as float32, out (n, K): the float operations of engine.quant.dequantize
+ * (Q8_0: q * d; Q4_0: d * (nib - 8); Q4_1: d * nib + m), for the embedding a tied LM head shares. Returns 1; 0 for
+ * a type these do not cover (the caller dequantizes in Python); -1, with nothing written, for an id outside [0, N). */
+int32_t spark_dequant_rows(const spark_qmat *w, const int64_t *ids, int32_t n, float *out) {
+    if (w->type != SPARK_Q8_0 && w->type != SPARK_Q4_0 && w->type != SPARK_Q4_1) return 0;
+    for (int32_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= w->n) return -1;
+    const int32_t nb = w->k / QK, bb = block_bytes(w->type);
+    for (int32_t r = 0; r < n; r++) {
+        const uint8_t *row = w->blocks + ids[r] * (int64_t)nb * bb;
+        float *o = out + (int64_t)r * w->k;
+        for (int32_t b = 0; b < nb; b++, o += QK) {
+            const uint8_t *blk = row + (int64_t)b * bb;
+            const float d = f16_at(blk);
+            if (w->type == SPARK_Q8_0) {
+                for (int32_t i = 0; i < QK; i++) o[i] = (float)((const int8_t *)(blk + 2))[i] * d;
+            } else if (w->type == SPARK_Q4_0) {
+                for (int32_t i = 0; i < QK / 2; i++) {
+                    o[i] = d * ((float)(blk[2 + i] & 0x0F) - 8.0f);
+                    o[i + QK / 2] = d * ((float)(blk[2 + i] >> 4) - 8.0f);
+                }
+            } else {
+                const float m = f16_at(blk + 2);
+                for (int32_t i = 0; i < QK / 2; i++) {
+                    o[i] = d * (float)(blk[4 + i] & 0x0F) + m;
+                    o[i + QK / 2] = d * (float)(blk[4 + i] >> 4) + m;
+                }
+            }
+        }
+    }
+    return 1;
 }

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.backends.blocks import BlockWeights
+from engine.backends.blocks import BlockEmbedding, BlockWeights
 from engine.backends.torch_backend import TorchBackend
 from engine.cascade.config import CascadeConfig
 from engine.cascade.memory import CascadeMemory
@@ -26,7 +26,7 @@ from engine.errors import BackendUnavailable
 from engine.generate import decode_step, prefill
 from engine.memory import FullAttentionMemory
 from engine.native import DISABLE_ENV, NativeKernels, bind, build_library, load_kernels
-from engine.native.decoder import NativeBlockLinear
+from engine.native.decoder import NativeBlockEmbedding, NativeBlockLinear
 from engine.quant import BlockType, quantize
 from tests.engine.test_slot_reads import assert_read_copies_exact
 from tests.tiny import make_tiny_model
@@ -122,16 +122,17 @@ def test_block_products_equal_the_integer_reference_bit_for_bit(
     kernels: NativeKernels, qtype: BlockType, k: int, parts: int
 ) -> None:
     lin = block_linear(kernels, qtype, 37, k, parts, seed=k)
-    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(15, k, generator=torch.Generator().manual_seed(1))
     x[3] = 0  # an all-zero row quantizes to zeros with scale 0: just the bias
     x[4, :32] *= 1e4  # an outlier block
-    many = lin(x)  # (6, 37): the prefill path, rows in groups of 4 and a remainder
-    for i in range(6):
+    many = lin(x)  # (15, 37): the prefill path, rows in a group of 12 and a remainder of 3
+    assert torch.equal(lin(x[:7]), many[:7])  # a group of 7
+    for i in range(15):
         want = integer_reference(lin_weights(lin), lin.bias.numpy(), x[i].numpy(), parts)
         assert np.array_equal(many[i].numpy(), want), i
         assert torch.equal(lin(x[i : i + 1]), many[i : i + 1])  # one row (decode) = the same row of a prefill
     assert torch.equal(many[3], lin.bias)
-    assert torch.equal(lin(x.view(3, 2, k)), many.view(3, 2, 37))  # leading dims fold into rows
+    assert torch.equal(lin(x.view(5, 3, k)), many.view(5, 3, 37))  # leading dims fold into rows
 
 
 def lin_weights(lin: NativeBlockLinear) -> BlockWeights:
@@ -383,3 +384,17 @@ def test_models_the_native_step_cannot_run_are_named(qwen_dir: Path, kernels: Na
         == f"head dim {kernels.max_head_dim * 2} exceeds their {kernels.max_head_dim}"
     )
     assert native_unfit(NativeStatus(None, "no C compiler was found"), cfg, torch.float32) == "no C compiler was found"
+
+
+@pytest.mark.parametrize("qtype", list(BlockType), ids=lambda t: t.name)
+def test_the_native_embedding_rows_equal_the_python_dequantization(kernels: NativeKernels, qtype: BlockType) -> None:
+    """The tied embedding's rows from the kernels are engine.quant.dequantize's bit for bit; an id outside the
+    vocabulary is refused with nothing read."""
+    head = block_linear(kernels, qtype, 40, 160, 2, seed=3)
+    native, python = NativeBlockEmbedding(kernels, head), BlockEmbedding(lin_weights(head))
+    ids = torch.tensor([[0, 39, 7], [7, 1, 20]])
+    assert torch.equal(native(ids), python(ids))
+    assert native(ids).shape == (2, 3, 160)
+    for bad in (40, -1):
+        with pytest.raises(IndexError):
+            native(torch.tensor([[1, bad]]))
