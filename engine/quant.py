@@ -188,6 +188,29 @@ def dequantize(data: np.ndarray, qtype: BlockType, shape: tuple[int, int]) -> np
     return w.reshape(-1, k)
 
 
+# Formats whose every block is a Q8_0 block with the same fp16 d and integer quants in -16..15 (Q5_0) or -8..7.
+WIDENS_TO_Q8_0 = ("Q4_0", "Q5_0", "Q8_0")
+
+
+def widen_to_q8_0(data: np.ndarray, qtype: BlockType) -> np.ndarray:
+    """Blocks of a format in WIDENS_TO_Q8_0 (n, bytes) -> Q8_0 blocks (n, K/32 * 34) of the very same values: the
+    fp16 d copied, each quant widened to int8. Lossless (dequantize gives equal floats, the kernels equal bits), so
+    a matrix fused from rows of mixed formats (a Q4_K_M file's q, k as Q5_0 beside v as Q8_0) still runs as stored."""
+    if qtype.name not in WIDENS_TO_Q8_0:
+        raise ValueError(f"{qtype.name} blocks do not widen to Q8_0 without loss")
+    n = data.shape[0]
+    b = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, qtype.block_bytes)  # (blocks, bytes)
+    if qtype is BlockType.Q8_0:
+        return b.reshape(n, -1)
+    if qtype is BlockType.Q5_0:
+        qh = b[:, 2:6].copy().view("<u4").astype(np.uint32)  # (blocks, 1)
+        hi = ((qh >> np.arange(BLOCK, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8) << np.uint8(4)
+        q = (_nibbles(b[:, 6:]) | hi).astype(np.int8) - np.int8(16)  # (blocks, 32)
+    else:
+        q = _nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)
+    return np.concatenate([b[:, :2], q.view(np.uint8)], axis=1).reshape(n, -1)
+
+
 def _f16(b: np.ndarray) -> np.ndarray:  # (blocks, 2) uint8 -> (blocks, 1) float32
     return b.copy().view(np.float16).astype(np.float32)
 
