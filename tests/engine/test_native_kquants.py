@@ -4,19 +4,28 @@ and the reference itself is the plain product of the dequantized weights."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from engine.backends.blocks import BlockWeights
-from engine.native import NativeKernels, bind, build_library
+from engine.native import NativeKernels, bind, build_library, load_kernels
 from engine.native.decoder import NativeBlockLinear
 from engine.quant import BlockType, k4_scales, k6_quants
-from tests.engine.test_native import X86, kernels, quantize_activation  # noqa: F401  (kernels: a fixture)
+from tests.engine.test_native import X86, quantize_activation
 from tests.engine.test_quant_types import random_blocks
 
 F32 = np.float32
 TYPES = [BlockType.Q5_0, BlockType.Q4_K, BlockType.Q6_K]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> NativeKernels:
+    status = load_kernels()
+    assert status.kernels is not None, status.reason  # every machine the tests run on has a C compiler
+    return status.kernels
 
 
 def _f16(b: np.ndarray) -> np.ndarray:  # (..., 2) uint8 -> (...) float32
@@ -108,7 +117,7 @@ def test_the_integer_reference_takes_the_products_it_claims(qtype: BlockType) ->
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [256, 1536])  # one super-block; SmolLM's MLP width (6 super-blocks, 48 blocks of 32)
 def test_products_equal_the_integer_reference_bit_for_bit(
-    kernels: NativeKernels,  # noqa: F811
+    kernels: NativeKernels,
     qtype: BlockType,
     k: int,
     parts: int,
@@ -124,7 +133,7 @@ def test_products_equal_the_integer_reference_bit_for_bit(
     assert torch.equal(many[3], lin.bias)
 
 
-def test_q5_0_runs_at_widths_of_any_multiple_of_32(kernels: NativeKernels) -> None:  # noqa: F811
+def test_q5_0_runs_at_widths_of_any_multiple_of_32(kernels: NativeKernels) -> None:
     lin = kquant_linear(kernels, BlockType.Q5_0, 11, 576, 2)  # SmolLM's hidden size: 18 blocks, a tail of 2
     x = activations(576)
     many = lin(x)
@@ -136,13 +145,11 @@ def test_q5_0_runs_at_widths_of_any_multiple_of_32(kernels: NativeKernels) -> No
 @pytest.mark.skipif(not X86, reason="x86 instruction-set variants")
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")], ids=["avx2", "portable"])
 def test_every_instruction_set_variant_computes_the_same_bits(
-    kernels: NativeKernels,  # noqa: F811
-    tmp_path: object,
+    kernels: NativeKernels,
+    tmp_path: Path,
     flags: tuple[str, ...],
 ) -> None:
-    from pathlib import Path
-
-    variant = bind(build_library(Path(str(tmp_path)), extra_flags=flags))
+    variant = bind(build_library(tmp_path, extra_flags=flags))
     assert variant.isa == {"-mno-avx2": "portable"}.get(flags[-1], "avx2")
     for qtype in TYPES:
         for parts in (1, 2):
