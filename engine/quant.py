@@ -185,7 +185,8 @@ def dequantize(data: np.ndarray, qtype: BlockType, shape: tuple[int, int]) -> np
             w = d * nib + _f16(b[:, 2:4])
         else:
             w = d * (nib - np.float32(8))
-    return w.reshape(-1, k)
+    out: np.ndarray = w.reshape(-1, k)
+    return out
 
 
 # Formats whose every block is a Q8_0 block with the same fp16 d and integer quants in -16..15 (Q5_0) or -8..7.
@@ -237,7 +238,8 @@ def _q4_k(b: np.ndarray) -> np.ndarray:  # (blocks, 144) -> (blocks, 256)
     q = (qs & np.uint8(0x0F)).reshape(-1, 8, 32).astype(np.float32)  # (blocks, 8 sub-blocks, 32)
     scale = (d * sc.astype(np.float32))[:, :, None]  # exact: an fp16 times a 6-bit integer
     low = (dmin * mn.astype(np.float32))[:, :, None]
-    return (scale * q - low).reshape(-1, SUPER)
+    w: np.ndarray = (scale * q - low).reshape(-1, SUPER)
+    return w
 
 
 def k6_quants(b: np.ndarray) -> np.ndarray:

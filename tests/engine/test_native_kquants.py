@@ -85,13 +85,19 @@ def integer_reference(qtype: BlockType, raw: np.ndarray, bias: np.ndarray, x: np
     for b in range(nb):
         acc[:, b % 8] = (acc[:, b % 8] + term[:, b]).astype(F32)
     y = ((acc[:, 0] + acc[:, 4]) + (acc[:, 1] + acc[:, 5])) + ((acc[:, 2] + acc[:, 6]) + (acc[:, 3] + acc[:, 7]))
-    return (y + bias).astype(F32)
+    out: np.ndarray = (y + bias).astype(F32)
+    return out
 
 
 def kquant_linear(kernels: NativeKernels, qtype: BlockType, n: int, k: int, parts: int) -> NativeBlockLinear:
     raw = random_blocks(qtype, n, k, seed=k + qtype.ggml_id)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
     return NativeBlockLinear(kernels, BlockWeights(qtype, (n, k), torch.from_numpy(raw)), bias, parts)
+
+
+def bias_of(lin: NativeBlockLinear) -> np.ndarray:
+    assert lin.bias is not None
+    return lin.bias.numpy()
 
 
 def activations(k: int) -> torch.Tensor:
@@ -127,10 +133,10 @@ def test_products_equal_the_integer_reference_bit_for_bit(
     many = lin(x)  # (6, 37): the prefill path, rows in groups of 4 and a remainder
     raw = lin.blocks.numpy()
     for i in range(6):
-        want = integer_reference(qtype, raw, lin.bias.numpy(), x[i].numpy(), parts)
+        want = integer_reference(qtype, raw, bias_of(lin), x[i].numpy(), parts)
         assert np.array_equal(many[i].numpy(), want), i
         assert torch.equal(lin(x[i : i + 1]), many[i : i + 1])  # one row (decode) = the same row of a prefill
-    assert torch.equal(many[3], lin.bias)
+    assert torch.equal(many[3], torch.from_numpy(bias_of(lin)))
 
 
 def test_q5_0_runs_at_widths_of_any_multiple_of_32(kernels: NativeKernels) -> None:
@@ -138,7 +144,7 @@ def test_q5_0_runs_at_widths_of_any_multiple_of_32(kernels: NativeKernels) -> No
     x = activations(576)
     many = lin(x)
     for i in range(6):
-        want = integer_reference(BlockType.Q5_0, lin.blocks.numpy(), lin.bias.numpy(), x[i].numpy(), 2)
+        want = integer_reference(BlockType.Q5_0, lin.blocks.numpy(), bias_of(lin), x[i].numpy(), 2)
         assert np.array_equal(many[i].numpy(), want), i
 
 

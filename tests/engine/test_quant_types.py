@@ -16,7 +16,10 @@ def random_blocks(qtype: BlockType, n: int, k: int, seed: int = 0) -> np.ndarray
     """(n, K/E * block bytes) uint8 of `qtype`: random quants with finite fp16 scales of a plausible size."""
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, size=(n * k // qtype.elements, qtype.block_bytes), dtype=np.uint8)
-    scale = lambda m: (rng.uniform(-1, 1, size=(m, 1)) * 0.01).astype(np.float16).view(np.uint8)  # noqa: E731
+
+    def scale(m: int) -> np.ndarray:  # (m, 2) uint8: fp16 scales
+        return (rng.uniform(-1, 1, size=(m, 1)) * 0.01).astype(np.float16).view(np.uint8)
+
     if qtype is BlockType.Q6_K:
         b[:, 208:210] = scale(len(b))
     else:
