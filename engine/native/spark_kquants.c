@@ -144,6 +144,23 @@ static inline void kq_halves(const kq_block *o, const spark_act *a, int64_t at, 
     const __m128i r = _mm_hadd_epi32(q, q); /* h0, h1, h0, h1 */
     *h0 = _mm_cvtsi128_si32(r);
     *h1 = _mm_extract_epi32(r, 1);
+#elif defined(SPARK_NEON_DOT)
+    const int8x16_t w0 = vld1q_s8(o->w), w1 = vld1q_s8(o->w + 16);
+    if (a->parts == 2) {
+        const int16_t *x = a->q16 + at * QK;
+        const int16x8_t a0 = vmovl_s8(vget_low_s8(w0)), a1 = vmovl_high_s8(w0);
+        const int16x8_t b0 = vmovl_s8(vget_low_s8(w1)), b1 = vmovl_high_s8(w1);
+        const int16x8_t x0 = vld1q_s16(x), x1 = vld1q_s16(x + 8), x2 = vld1q_s16(x + 16), x3 = vld1q_s16(x + 24);
+        int32x4_t s0 = vmlal_high_s16(vmull_s16(vget_low_s16(a0), vget_low_s16(x0)), a0, x0);
+        s0 = vmlal_high_s16(vmlal_s16(s0, vget_low_s16(a1), vget_low_s16(x1)), a1, x1);
+        int32x4_t s1 = vmlal_high_s16(vmull_s16(vget_low_s16(b0), vget_low_s16(x2)), b0, x2);
+        s1 = vmlal_high_s16(vmlal_s16(s1, vget_low_s16(b1), vget_low_s16(x3)), b1, x3);
+        *h0 = vaddvq_s32(s0), *h1 = vaddvq_s32(s1);
+    } else {
+        const int8_t *x = a->q8 + at * QK;
+        *h0 = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w0, vld1q_s8(x)));
+        *h1 = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w1, vld1q_s8(x + 16)));
+    }
 #else
     int32_t s0 = 0, s1 = 0;
     if (a->parts == 2) {

@@ -1,9 +1,12 @@
 """The native kernels of spark_kquants.c (Q5_0, Q4_K, Q6_K, the formats of a Q4_K_M file): every instruction-set
 variant computes each product bit for bit as the integer reference below, a prefill's rows equal one-row decodes,
-and the reference itself is the plain product of the dequantized weights."""
+and the reference itself is the plain product of the dequantized weights. The Arm builds (NEON dot product and
+portable) run a C checker with its own reference under qemu, and must hash every output as this machine does."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +14,7 @@ import pytest
 import torch
 
 from engine.backends.blocks import BlockWeights
-from engine.native import NativeKernels, bind, build_library, load_kernels
+from engine.native import SOURCE, NativeKernels, _compiler, bind, build_library, compile_flags, load_kernels
 from engine.native.decoder import NativeBlockLinear
 from engine.quant import BlockType, k4_scales, k6_quants
 from tests.engine.test_native import X86, quantize_activation
@@ -162,3 +165,43 @@ def test_every_instruction_set_variant_computes_the_same_bits(
             here, there = kquant_linear(kernels, qtype, 19, 512, parts), kquant_linear(variant, qtype, 19, 512, parts)
             x = activations(512)
             assert torch.equal(here(x), there(x)), (qtype, parts)
+
+
+ARM_CC, QEMU_ARM = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+CHECKER = Path(__file__).with_name("native") / "kquant_check.c"
+
+
+def run_checker(cc: str, flags: list[str], exe: Path, runner: list[str]) -> list[str]:
+    """Build kquant_check.c (spark_kernels.c included) and run it: its lines 'isa X', 'N mismatches', 'hash H'."""
+    build = [cc, "-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", *flags, f"-I{SOURCE.parent}", str(CHECKER)]
+    subprocess.run([*build, "-o", str(exe), "-lm"], check=True, capture_output=True, timeout=300)
+    out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def native_check(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    cc = _compiler()
+    assert cc is not None
+    tune = [f for f in compile_flags() if f.startswith("-m")]
+    return run_checker(cc, tune, tmp_path_factory.mktemp("kq-check") / "check", [])
+
+
+def test_the_c_checker_agrees_with_its_reference_here(native_check: list[str], kernels: NativeKernels) -> None:
+    assert native_check[:2] == [f"isa {kernels.isa}", "0 mismatches"]
+
+
+@pytest.mark.skipif(
+    not (ARM_CC and QEMU_ARM),
+    reason="needs an aarch64 cross compiler and qemu-user (Debian: gcc-aarch64-linux-gnu qemu-user)",
+)
+@pytest.mark.parametrize("arch,isa", [("armv8.2-a+dotprod", "neon-dotprod"), ("armv8-a", "portable")])
+def test_arm_kernels_compute_the_same_bits_under_emulation(
+    tmp_path: Path, native_check: list[str], arch: str, isa: str
+) -> None:
+    """Apple Silicon's NEON dot-product build (and Arm's portable one): exact against the reference, and every
+    output's bits hash as on this machine."""
+    assert ARM_CC and QEMU_ARM
+    lines = run_checker(ARM_CC, [f"-march={arch}", "-static"], tmp_path / f"check-{isa}", [QEMU_ARM])
+    assert lines == [f"isa {isa}", "0 mismatches", native_check[2]]
