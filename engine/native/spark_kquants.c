@@ -13,10 +13,13 @@
  * float term is formed in one fixed way and added into partial sum b % 8, then the same fixed tree. Every instruction
  * set reaches the same integers by its own route, so every ISA, the prefill path and the decoding step give the same
  * bits. Per block of 32 (h0, h1 the halves' sums, d_x the activation scale, ds = d_x * sum(xq)):
- *   Q5_0: term = (d * d_x) * (h0 + h1)                           w = d * (q5 - 16)
+ *   Q5_0: term = (d * d_x) * (h0 + h1)                               w = d * (q5 - 16)
  *   Q4_K: term = ((d * sc) * d_x) * (h0 + h1) + (-(dmin * m)) * ds   w = d * sc * q4 - dmin * m (sc, m: 6 bits)
- *   Q6_K: term = (d * d_x) * (float)(sc0 * h0 + sc1 * h1)  (int64)   w = d * sc * (q6 - 32)   (sc: int8 per 16)
- * d * sc and dmin * m are exact in fp32 (an fp16 times an integer of at most 8 bits).
+ *   Q6_K: term = (d * d_x) * ((float)(sc0 * h0) + (float)(sc1 * h1)) w = d * sc * (q6 - 32)   (sc: int8 per 16)
+ * d * sc and dmin * m are exact in fp32 (an fp16 times an integer of at most 8 bits); |sc * h| <= 128 * 16 * 32 *
+ * 32767 < 2^31 is an exact int32 (their sum might not be, hence two conversions).
+ * On x86 the int16-activation path (the default) takes 8 blocks at once (a K-quant super-block): the 8 blocks' sums
+ * fill the 8 lanes of a vector, lane j being partial sum j, so the same float operations run lane by lane.
  */
 
 /* ggml type ids (gguf.GGMLQuantizationType) of the formats here. */
@@ -178,18 +181,105 @@ static inline void kq_halves(const kq_block *o, const spark_act *a, int64_t at, 
 
 /* The block's float term (the formulas at the top of this file). */
 static inline float kq_term(int32_t type, const kq_block *o, int32_t h0, int32_t h1, const spark_act *a, int64_t at) {
-    if (type == SPARK_Q6_K) return (o->dw * a->d[at]) * (float)((int64_t)o->s0 * h0 + (int64_t)o->s1 * h1);
+    if (type == SPARK_Q6_K) return (o->dw * a->d[at]) * ((float)(o->s0 * h0) + (float)(o->s1 * h1));
     float t = (o->dw * a->d[at]) * (float)(h0 + h1);
     if (type == SPARK_Q4_K) t += o->mw * a->ds[at];
     return t;
 }
 
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+/* Lane j = the sum of v[j]'s 8 lanes (integer adds: exact in any order). */
+static inline __m256i kq_hsum8(const __m256i *v) {
+    const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* Eight blocks' weight factors (lane j: block b + j): dw, mw and Q6_K's half scales. */
+typedef struct {
+    __m256 dw, mw;
+    __m256i s0, s1;
+} kq_factors;
+
+static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int32_t b) {
+    kq_factors f;
+    f.mw = _mm256_setzero_ps();
+    f.s0 = f.s1 = _mm256_setzero_si256();
+    if (type == SPARK_Q5_0) {
+        const uint8_t *blk = row + (int64_t)b * 22;
+        uint16_t h[8];
+        for (int32_t j = 0; j < 8; j++) memcpy(&h[j], blk + j * 22, 2);
+        f.dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+    } else if (type == SPARK_Q4_K) {
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 144;
+        int32_t sc[8], m[8];
+        for (int32_t j = 0; j < 8; j++) k4_scale_min(j, blk + 4, &sc[j], &m[j]);
+        f.dw = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)sc)));
+        const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)m)));
+        f.mw = _mm256_xor_ps(mins, _mm256_set1_ps(-0.0f)); /* -(dmin * m), exactly */
+    } else {
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 210;
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192)); /* s0, s1 of block 0, then block 1, ... */
+        const __m128i split = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        f.s0 = _mm256_cvtepi8_epi32(split);
+        f.s1 = _mm256_cvtepi8_epi32(_mm_srli_si128(split, 8));
+        f.dw = _mm256_set1_ps(f16_at(blk + 208));
+    }
+    return f;
+}
+
+/* The 8 blocks' terms for one int16 activation row from its block `at`: lanes as kq_term computes each. */
+static inline __m256 kq_group_terms(int32_t type, const kq_factors *f, __m256i h0, __m256i h1, const spark_act *a, int64_t at) {
+    const __m256 scale = _mm256_mul_ps(f->dw, _mm256_loadu_ps(a->d + at));
+    if (type == SPARK_Q6_K)
+        return _mm256_mul_ps(scale, _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s0, h0)), _mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s1, h1))));
+    __m256 t = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(h0)); /* h0: the whole block's sum here */
+    if (type == SPARK_Q4_K) t = _mm256_add_ps(t, _mm256_mul_ps(f->mw, _mm256_loadu_ps(a->ds + at)));
+    return t;
+}
+#endif
+
 /* out[t] = one weight row times activation rows t < r_count (row t from block b0[t]); each block is unpacked once for
  * all rows, and each row's sum takes the same steps whatever r_count is. */
 #define KQ_ROWS 4
-static void kq_dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
+static inline __attribute__((always_inline)) void kq_dot_rows_r(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, const int32_t r_count, float *out) {
     float acc[KQ_ROWS][8] = {{0}};
-    for (int32_t b = 0; b < nb; b++) {
+    int32_t b = 0;
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    if (a->parts == 2) {
+        __m256 vacc[KQ_ROWS];
+        for (int32_t t = 0; t < r_count; t++) vacc[t] = _mm256_setzero_ps();
+        for (; b + 8 <= nb; b += 8) {
+            __m256i l0[KQ_ROWS][8], l1[KQ_ROWS][8]; /* per row and block: lanes of the first and second halves */
+            for (int32_t j = 0; j < 8; j++) {
+                kq_block o;
+                kq_unpack(type, row, b + j, &o);
+                const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(o.w)), w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(o.w, 1));
+                for (int32_t t = 0; t < r_count; t++) {
+                    const int16_t *x = a->q16 + (b0[t] + b + j) * QK;
+#if defined(SPARK_AVX512VNNI)
+                    const __m256i z = _mm256_setzero_si256();
+                    l0[t][j] = _mm256_dpwssd_epi32(z, w0, _mm256_loadu_si256((const __m256i *)x));
+                    l1[t][j] = _mm256_dpwssd_epi32(type == SPARK_Q6_K ? z : l0[t][j], w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+#else
+                    l0[t][j] = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x));
+                    l1[t][j] = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+                    if (type != SPARK_Q6_K) l1[t][j] = _mm256_add_epi32(l0[t][j], l1[t][j]);
+#endif
+                }
+            }
+            const kq_factors f = kq_group_factors(type, row, b);
+            for (int32_t t = 0; t < r_count; t++) {
+                /* Q6_K: h0, h1 per block; the others: the whole block's sum (l1 holds l0 + l1). */
+                const __m256i h0 = type == SPARK_Q6_K ? kq_hsum8(l0[t]) : kq_hsum8(l1[t]);
+                const __m256i h1 = type == SPARK_Q6_K ? kq_hsum8(l1[t]) : h0;
+                vacc[t] = _mm256_add_ps(vacc[t], kq_group_terms(type, &f, h0, h1, a, b0[t] + b));
+            }
+        }
+        for (int32_t t = 0; t < r_count; t++) _mm256_storeu_ps(acc[t], vacc[t]);
+    }
+#endif
+    for (; b < nb; b++) {
         kq_block o;
         kq_unpack(type, row, b, &o);
         for (int32_t t = 0; t < r_count; t++) {
@@ -201,6 +291,15 @@ static void kq_dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spar
     for (int32_t t = 0; t < r_count; t++) {
         const float *ac = acc[t];
         out[t] = ((ac[0] + ac[4]) + (ac[1] + ac[5])) + ((ac[2] + ac[6]) + (ac[3] + ac[7]));
+    }
+}
+
+static void kq_dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
+    switch (r_count) {
+    case 1: kq_dot_rows_r(type, row, nb, a, b0, 1, out); break;
+    case 2: kq_dot_rows_r(type, row, nb, a, b0, 2, out); break;
+    case 3: kq_dot_rows_r(type, row, nb, a, b0, 3, out); break;
+    default: kq_dot_rows_r(type, row, nb, a, b0, KQ_ROWS, out); break;
     }
 }
 

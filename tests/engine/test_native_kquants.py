@@ -78,7 +78,8 @@ def integer_reference(qtype: BlockType, raw: np.ndarray, bias: np.ndarray, x: np
     h1 = (q[:, :, 16:] * xq[None, :, 16:]).sum(axis=2)
     assert max(np.abs(h0).max(), np.abs(h1).max()) < 2**31  # what the kernel's int32 lanes hold
     if qtype is BlockType.Q6_K:
-        term = ((dw * d[None]).astype(F32) * (s0 * h0 + s1 * h1).astype(F32)).astype(F32)
+        halves = ((s0 * h0).astype(F32) + (s1 * h1).astype(F32)).astype(F32)  # each product an exact int32
+        term = ((dw * d[None]).astype(F32) * halves).astype(F32)
     else:
         term = ((dw * d[None]).astype(F32) * (h0 + h1).astype(F32)).astype(F32)
     if qtype is BlockType.Q4_K:
