@@ -195,6 +195,47 @@ static inline __m256i kq_hsum8(const __m256i *v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
+/* Block b's signed quants widened to int16 (w0: weights 0..15, w1: 16..31). Q5_0 builds them from the nibbles and
+ * its fifth bits directly at int16 width (fewer shuffles than via 32 int8); the K-quants widen kq_unpack's. */
+static inline void kq_unpack16(int32_t type, const uint8_t *row, int32_t b, __m256i *w0, __m256i *w1) {
+    if (type == SPARK_Q5_0) {
+        const uint8_t *blk = row + (int64_t)b * 22;
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6)), m4 = _mm_set1_epi8(0x0F);
+        const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, (short)0x8000);
+        const __m256i lo_set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)(qh & 0xFFFF)), sel), sel);
+        const __m256i hi_set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)(qh >> 16)), sel), sel);
+        const __m256i minus16 = _mm256_set1_epi16(-16); /* q5 - 16 = nib - 16 where the fifth bit is clear */
+        *w0 = _mm256_add_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(raw, m4)), _mm256_andnot_si256(lo_set, minus16));
+        *w1 = _mm256_add_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)), _mm256_andnot_si256(hi_set, minus16));
+        return;
+    }
+    const int32_t j = b & 7; /* the block within its super-block */
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    if (type == SPARK_Q4_K) {
+        const uint8_t *qs = row + (int64_t)(b >> 3) * 144 + 16 + 32 * (j >> 1);
+        const __m128i r0 = _mm_loadu_si128((const __m128i *)qs), r1 = _mm_loadu_si128((const __m128i *)(qs + 16));
+        *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(j & 1 ? _mm_srli_epi16(r0, 4) : r0, m4));
+        *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(j & 1 ? _mm_srli_epi16(r1, 4) : r1, m4));
+        return;
+    }
+    /* Q6_K, as kq_unpack, 16 weights at a time. */
+    const uint8_t *blk = row + (int64_t)(b >> 3) * 210;
+    const int32_t h = j >> 2, t = j & 3;
+    const uint8_t *ql = blk + 64 * h + 32 * (t & 1), *qh = blk + 128 + 32 * h;
+    const __m128i shift = _mm_cvtsi32_si128(2 * t), m2 = _mm_set1_epi8(0x03), bias = _mm_set1_epi8(32);
+    __m128i q[2];
+    for (int32_t i = 0; i < 2; i++) {
+        const __m128i l = _mm_loadu_si128((const __m128i *)(ql + 16 * i)), hb = _mm_loadu_si128((const __m128i *)(qh + 16 * i));
+        const __m128i lo = _mm_and_si128(t >= 2 ? _mm_srli_epi16(l, 4) : l, m4);
+        const __m128i hi = _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(hb, shift), m2), 4);
+        q[i] = _mm_sub_epi8(_mm_or_si128(lo, hi), bias);
+    }
+    *w0 = _mm256_cvtepi8_epi16(q[0]);
+    *w1 = _mm256_cvtepi8_epi16(q[1]);
+}
+
 /* Eight blocks' weight factors (lane j: block b + j): dw, mw and Q6_K's half scales. */
 typedef struct {
     __m256 dw, mw;
@@ -209,13 +250,23 @@ static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int3
         const uint8_t *blk = row + (int64_t)b * 22;
         uint16_t h[8];
         for (int32_t j = 0; j < 8; j++) memcpy(&h[j], blk + j * 22, 2);
-        f.dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+        /* built in registers: a vector load of just-stored scalars would stall on store forwarding */
+        f.dw = _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5], (short)h[6], (short)h[7]));
     } else if (type == SPARK_Q4_K) {
         const uint8_t *blk = row + (int64_t)(b >> 3) * 144;
-        int32_t sc[8], m[8];
-        for (int32_t j = 0; j < 8; j++) k4_scale_min(j, blk + 4, &sc[j], &m[j]);
-        f.dw = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)sc)));
-        const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)m)));
+        /* the 12 scale bytes to 8 scales then 8 mins, one byte each (llama.cpp's mask trick: get_scale_min_k4 for
+         * all 8 sub-blocks at once) */
+        uint32_t u[4];
+        memcpy(u, blk + 4, 12);
+        const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+        u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+        const uint32_t mins_lo = u[1] & k1;
+        u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+        u[2] = mins_lo;
+        u[0] &= k1;
+        const __m128i packed = _mm_setr_epi32((int32_t)u[0], (int32_t)u[1], (int32_t)u[2], (int32_t)u[3]);
+        f.dw = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
+        const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
         f.mw = _mm256_xor_ps(mins, _mm256_set1_ps(-0.0f)); /* -(dmin * m), exactly */
     } else {
         const uint8_t *blk = row + (int64_t)(b >> 3) * 210;
@@ -252,9 +303,8 @@ static inline __attribute__((always_inline)) void kq_dot_rows_r(int32_t type, co
         for (; b + 8 <= nb; b += 8) {
             __m256i l0[KQ_ROWS][8], l1[KQ_ROWS][8]; /* per row and block: lanes of the first and second halves */
             for (int32_t j = 0; j < 8; j++) {
-                kq_block o;
-                kq_unpack(type, row, b + j, &o);
-                const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(o.w)), w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(o.w, 1));
+                __m256i w0, w1; /* the block's weights as int16: 0..15, 16..31 */
+                kq_unpack16(type, row, b + j, &w0, &w1);
                 for (int32_t t = 0; t < r_count; t++) {
                     const int16_t *x = a->q16 + (b0[t] + b + j) * QK;
 #if defined(SPARK_AVX512VNNI)
