@@ -236,6 +236,29 @@ static inline void kq_unpack16(int32_t type, const uint8_t *row, int32_t b, __m2
     *w1 = _mm256_cvtepi8_epi16(q[1]);
 }
 
+#if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
+#define SPARK_KQ512 1
+/* Block b's 32 signed quants as one vector of int16 (AVX-512: a mask register spreads Q5_0's fifth bits). */
+static inline __m512i kq_unpack512(int32_t type, const uint8_t *row, int32_t b) {
+    if (type == SPARK_Q5_0) {
+        const uint8_t *blk = row + (int64_t)b * 22;
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6)), m4 = _mm_set1_epi8(0x0F);
+        const __m512i nib = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4)));
+        return _mm512_mask_sub_epi16(nib, (__mmask32)~qh, nib, _mm512_set1_epi16(16)); /* q5 - 16 */
+    }
+    if (type == SPARK_Q4_K) {
+        const int32_t j = b & 7;
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(row + (int64_t)(b >> 3) * 144 + 16 + 32 * (j >> 1)));
+        return _mm512_cvtepu8_epi16(_mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F)));
+    }
+    kq_block o;
+    kq_unpack(type, row, b, &o);
+    return _mm512_cvtepi8_epi16(o.w);
+}
+#endif
+
 /* Eight blocks' weight factors (lane j: block b + j): dw, mw and Q6_K's half scales. */
 typedef struct {
     __m256 dw, mw;
@@ -303,6 +326,16 @@ static inline __attribute__((always_inline)) void kq_dot_rows_r(int32_t type, co
         for (; b + 8 <= nb; b += 8) {
             __m256i l0[KQ_ROWS][8], l1[KQ_ROWS][8]; /* per row and block: lanes of the first and second halves */
             for (int32_t j = 0; j < 8; j++) {
+#if defined(SPARK_KQ512)
+                const __m512i w = kq_unpack512(type, row, b + j); /* 32 x int16 */
+                for (int32_t t = 0; t < r_count; t++) {
+                    const __m512i l = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->q16 + (b0[t] + b + j) * QK));
+                    l0[t][j] = _mm512_castsi512_si256(l);    /* weights 0..15 */
+                    l1[t][j] = _mm512_extracti64x4_epi64(l, 1); /* weights 16..31 */
+                    if (type != SPARK_Q6_K) l1[t][j] = _mm256_add_epi32(l0[t][j], l1[t][j]);
+                }
+                continue;
+#endif
                 __m256i w0, w1; /* the block's weights as int16: 0..15, 16..31 */
                 kq_unpack16(type, row, b + j, &w0, &w1);
                 for (int32_t t = 0; t < r_count; t++) {
