@@ -377,12 +377,21 @@ static inline __attribute__((always_inline)) void kq_dot_rows_r(int32_t type, co
     }
 }
 
-static void kq_dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
+/* kq_dot_rows_r inlined per row count, then per type (below): the type's branches fold away in each copy. */
+static inline __attribute__((always_inline)) void kq_dot_rows_t(const int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
     switch (r_count) {
     case 1: kq_dot_rows_r(type, row, nb, a, b0, 1, out); break;
     case 2: kq_dot_rows_r(type, row, nb, a, b0, 2, out); break;
     case 3: kq_dot_rows_r(type, row, nb, a, b0, 3, out); break;
     default: kq_dot_rows_r(type, row, nb, a, b0, KQ_ROWS, out); break;
+    }
+}
+
+static void kq_dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
+    switch (type) {
+    case SPARK_Q5_0: kq_dot_rows_t(SPARK_Q5_0, row, nb, a, b0, r_count, out); break;
+    case SPARK_Q4_K: kq_dot_rows_t(SPARK_Q4_K, row, nb, a, b0, r_count, out); break;
+    default: kq_dot_rows_t(SPARK_Q6_K, row, nb, a, b0, r_count, out); break;
     }
 }
 
