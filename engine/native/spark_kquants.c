@@ -199,16 +199,10 @@ static inline __m256i kq_hsum8(const __m256i *v) {
  * its fifth bits directly at int16 width (fewer shuffles than via 32 int8); the K-quants widen kq_unpack's. */
 static inline void kq_unpack16(int32_t type, const uint8_t *row, int32_t b, __m256i *w0, __m256i *w1) {
     if (type == SPARK_Q5_0) {
-        const uint8_t *blk = row + (int64_t)b * 22;
-        uint32_t qh;
-        memcpy(&qh, blk + 2, 4);
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6)), m4 = _mm_set1_epi8(0x0F);
-        const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, (short)0x8000);
-        const __m256i lo_set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)(qh & 0xFFFF)), sel), sel);
-        const __m256i hi_set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)(qh >> 16)), sel), sel);
-        const __m256i minus16 = _mm256_set1_epi16(-16); /* q5 - 16 = nib - 16 where the fifth bit is clear */
-        *w0 = _mm256_add_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(raw, m4)), _mm256_andnot_si256(lo_set, minus16));
-        *w1 = _mm256_add_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)), _mm256_andnot_si256(hi_set, minus16));
+        kq_block o;
+        kq_unpack(type, row, b, &o);
+        *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(o.w));
+        *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(o.w, 1));
         return;
     }
     const int32_t j = b & 7; /* the block within its super-block */
@@ -311,6 +305,41 @@ static inline __m256 kq_group_terms(int32_t type, const kq_factors *f, __m256i h
     if (type == SPARK_Q4_K) t = _mm256_add_ps(t, _mm256_mul_ps(f->mw, _mm256_loadu_ps(a->ds + at)));
     return t;
 }
+/* Lane j = the sum of block j's lanes, from the pairwise sums p[i] = hadd(lanes 2i, lanes 2i + 1) (kq_hsum8's
+ * first step, taken as the blocks come). */
+static inline __m256i kq_hsum8_pairs(const __m256i *p) {
+    const __m256i u0 = _mm256_hadd_epi32(p[0], p[1]), u1 = _mm256_hadd_epi32(p[2], p[3]);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* Block b's int16 products with each activation row t (from its block b0[t] + at - b... i.e. b0[t] + blk): 8 int32
+ * lanes into l0[t][i] (weights 0..15) and l1[t][i] (16..31; Q5_0 and Q4_K: the whole block, l0 + l1). */
+static inline __attribute__((always_inline)) void kq_block_lanes(const int32_t type, const uint8_t *row, int32_t b, const spark_act *a, const int64_t *b0, const int32_t r_count, int32_t blk, __m256i (*l0)[2], __m256i (*l1)[2], int32_t i) {
+#if defined(SPARK_KQ512)
+    const __m512i w = kq_unpack512(type, row, b); /* 32 x int16 */
+    for (int32_t t = 0; t < r_count; t++) {
+        const __m512i l = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->q16 + (b0[t] + blk) * QK));
+        l0[t][i] = _mm512_castsi512_si256(l);
+        l1[t][i] = _mm512_extracti64x4_epi64(l, 1);
+        if (type != SPARK_Q6_K) l1[t][i] = _mm256_add_epi32(l0[t][i], l1[t][i]);
+    }
+#else
+    __m256i w0, w1; /* the block's weights as int16: 0..15, 16..31 */
+    kq_unpack16(type, row, b, &w0, &w1);
+    for (int32_t t = 0; t < r_count; t++) {
+        const int16_t *x = a->q16 + (b0[t] + blk) * QK;
+#if defined(SPARK_AVX512VNNI)
+        const __m256i z = _mm256_setzero_si256();
+        l0[t][i] = _mm256_dpwssd_epi32(z, w0, _mm256_loadu_si256((const __m256i *)x));
+        l1[t][i] = _mm256_dpwssd_epi32(type == SPARK_Q6_K ? z : l0[t][i], w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+#else
+        l0[t][i] = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x));
+        l1[t][i] = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+        if (type != SPARK_Q6_K) l1[t][i] = _mm256_add_epi32(l0[t][i], l1[t][i]);
+#endif
+    }
+#endif
+}
 #endif
 
 /* out[t] = one weight row times activation rows t < r_count (row t from block b0[t]); each block is unpacked once for
@@ -324,38 +353,21 @@ static inline __attribute__((always_inline)) void kq_dot_rows_r(int32_t type, co
         __m256 vacc[KQ_ROWS];
         for (int32_t t = 0; t < r_count; t++) vacc[t] = _mm256_setzero_ps();
         for (; b + 8 <= nb; b += 8) {
-            __m256i l0[KQ_ROWS][8], l1[KQ_ROWS][8]; /* per row and block: lanes of the first and second halves */
-            for (int32_t j = 0; j < 8; j++) {
-#if defined(SPARK_KQ512)
-                const __m512i w = kq_unpack512(type, row, b + j); /* 32 x int16 */
+            /* Per row, the blocks' lanes summed pairwise as they come (few live registers: AVX2 has 16): p1 the
+             * whole block's (or Q6_K's second half's), p0 Q6_K's first half's. */
+            __m256i p0[KQ_ROWS][4], p1[KQ_ROWS][4];
+            for (int32_t j = 0; j < 8; j += 2) {
+                __m256i l0[KQ_ROWS][2], l1[KQ_ROWS][2];
+                for (int32_t i = 0; i < 2; i++) kq_block_lanes(type, row, b + j + i, a, b0, r_count, b + j + i, l0, l1, i);
                 for (int32_t t = 0; t < r_count; t++) {
-                    const __m512i l = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->q16 + (b0[t] + b + j) * QK));
-                    l0[t][j] = _mm512_castsi512_si256(l);    /* weights 0..15 */
-                    l1[t][j] = _mm512_extracti64x4_epi64(l, 1); /* weights 16..31 */
-                    if (type != SPARK_Q6_K) l1[t][j] = _mm256_add_epi32(l0[t][j], l1[t][j]);
-                }
-                continue;
-#endif
-                __m256i w0, w1; /* the block's weights as int16: 0..15, 16..31 */
-                kq_unpack16(type, row, b + j, &w0, &w1);
-                for (int32_t t = 0; t < r_count; t++) {
-                    const int16_t *x = a->q16 + (b0[t] + b + j) * QK;
-#if defined(SPARK_AVX512VNNI)
-                    const __m256i z = _mm256_setzero_si256();
-                    l0[t][j] = _mm256_dpwssd_epi32(z, w0, _mm256_loadu_si256((const __m256i *)x));
-                    l1[t][j] = _mm256_dpwssd_epi32(type == SPARK_Q6_K ? z : l0[t][j], w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
-#else
-                    l0[t][j] = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x));
-                    l1[t][j] = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
-                    if (type != SPARK_Q6_K) l1[t][j] = _mm256_add_epi32(l0[t][j], l1[t][j]);
-#endif
+                    p1[t][j / 2] = _mm256_hadd_epi32(l1[t][0], l1[t][1]);
+                    if (type == SPARK_Q6_K) p0[t][j / 2] = _mm256_hadd_epi32(l0[t][0], l0[t][1]);
                 }
             }
             const kq_factors f = kq_group_factors(type, row, b);
             for (int32_t t = 0; t < r_count; t++) {
-                /* Q6_K: h0, h1 per block; the others: the whole block's sum (l1 holds l0 + l1). */
-                const __m256i h0 = type == SPARK_Q6_K ? kq_hsum8(l0[t]) : kq_hsum8(l1[t]);
-                const __m256i h1 = type == SPARK_Q6_K ? kq_hsum8(l1[t]) : h0;
+                const __m256i h1 = kq_hsum8_pairs(p1[t]);
+                const __m256i h0 = type == SPARK_Q6_K ? kq_hsum8_pairs(p0[t]) : h1; /* Q5_0, Q4_K: the block's sum */
                 vacc[t] = _mm256_add_ps(vacc[t], kq_group_terms(type, &f, h0, h1, a, b0[t] + b));
             }
         }
