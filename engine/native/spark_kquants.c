@@ -188,15 +188,8 @@ static inline float kq_term(int32_t type, const kq_block *o, int32_t h0, int32_t
 }
 
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
-/* Lane j = the sum of v[j]'s 8 lanes (integer adds: exact in any order). */
-static inline __m256i kq_hsum8(const __m256i *v) {
-    const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-}
-
-/* Block b's signed quants widened to int16 (w0: weights 0..15, w1: 16..31). Q5_0 builds them from the nibbles and
- * its fifth bits directly at int16 width (fewer shuffles than via 32 int8); the K-quants widen kq_unpack's. */
+/* Block b's signed quants widened to int16 (w0: weights 0..15, w1: 16..31): Q5_0 widens kq_unpack's 32 int8 (its
+ * fifth bits spread once per byte, cheaper on AVX2 than per int16 lane); the K-quants unpack 16 weights at a time. */
 static inline void kq_unpack16(int32_t type, const uint8_t *row, int32_t b, __m256i *w0, __m256i *w1) {
     if (type == SPARK_Q5_0) {
         kq_block o;
@@ -305,20 +298,20 @@ static inline __m256 kq_group_terms(int32_t type, const kq_factors *f, __m256i h
     if (type == SPARK_Q4_K) t = _mm256_add_ps(t, _mm256_mul_ps(f->mw, _mm256_loadu_ps(a->ds + at)));
     return t;
 }
-/* Lane j = the sum of block j's lanes, from the pairwise sums p[i] = hadd(lanes 2i, lanes 2i + 1) (kq_hsum8's
- * first step, taken as the blocks come). */
+/* Lane j = the sum of block j's lanes, from the pairwise sums p[i] = hadd(lanes 2i, lanes 2i + 1) (the first
+ * step of a horizontal sum, taken as the blocks come; integer adds, exact in any order). */
 static inline __m256i kq_hsum8_pairs(const __m256i *p) {
     const __m256i u0 = _mm256_hadd_epi32(p[0], p[1]), u1 = _mm256_hadd_epi32(p[2], p[3]);
     return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
-/* Block b's int16 products with each activation row t (from its block b0[t] + at - b... i.e. b0[t] + blk): 8 int32
- * lanes into l0[t][i] (weights 0..15) and l1[t][i] (16..31; Q5_0 and Q4_K: the whole block, l0 + l1). */
-static inline __attribute__((always_inline)) void kq_block_lanes(const int32_t type, const uint8_t *row, int32_t b, const spark_act *a, const int64_t *b0, const int32_t r_count, int32_t blk, __m256i (*l0)[2], __m256i (*l1)[2], int32_t i) {
+/* Block b's int16 products with activation block b0[t] + b of each row t: 8 int32 lanes into l0[t][i] (weights
+ * 0..15) and l1[t][i] (16..31; Q5_0 and Q4_K: the whole block, l0 + l1). */
+static inline __attribute__((always_inline)) void kq_block_lanes(const int32_t type, const uint8_t *row, int32_t b, const spark_act *a, const int64_t *b0, const int32_t r_count, __m256i (*l0)[2], __m256i (*l1)[2], int32_t i) {
 #if defined(SPARK_KQ512)
     const __m512i w = kq_unpack512(type, row, b); /* 32 x int16 */
     for (int32_t t = 0; t < r_count; t++) {
-        const __m512i l = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->q16 + (b0[t] + blk) * QK));
+        const __m512i l = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->q16 + (b0[t] + b) * QK));
         l0[t][i] = _mm512_castsi512_si256(l);
         l1[t][i] = _mm512_extracti64x4_epi64(l, 1);
         if (type != SPARK_Q6_K) l1[t][i] = _mm256_add_epi32(l0[t][i], l1[t][i]);
@@ -327,7 +320,7 @@ static inline __attribute__((always_inline)) void kq_block_lanes(const int32_t t
     __m256i w0, w1; /* the block's weights as int16: 0..15, 16..31 */
     kq_unpack16(type, row, b, &w0, &w1);
     for (int32_t t = 0; t < r_count; t++) {
-        const int16_t *x = a->q16 + (b0[t] + blk) * QK;
+        const int16_t *x = a->q16 + (b0[t] + b) * QK;
 #if defined(SPARK_AVX512VNNI)
         const __m256i z = _mm256_setzero_si256();
         l0[t][i] = _mm256_dpwssd_epi32(z, w0, _mm256_loadu_si256((const __m256i *)x));
@@ -358,7 +351,7 @@ static inline __attribute__((always_inline)) void kq_dot_rows_r(int32_t type, co
             __m256i p0[KQ_ROWS][4], p1[KQ_ROWS][4];
             for (int32_t j = 0; j < 8; j += 2) {
                 __m256i l0[KQ_ROWS][2], l1[KQ_ROWS][2];
-                for (int32_t i = 0; i < 2; i++) kq_block_lanes(type, row, b + j + i, a, b0, r_count, b + j + i, l0, l1, i);
+                for (int32_t i = 0; i < 2; i++) kq_block_lanes(type, row, b + j + i, a, b0, r_count, l0, l1, i);
                 for (int32_t t = 0; t < r_count; t++) {
                     p1[t][j / 2] = _mm256_hadd_epi32(l1[t][0], l1[t][1]);
                     if (type == SPARK_Q6_K) p0[t][j / 2] = _mm256_hadd_epi32(l0[t][0], l0[t][1]);
