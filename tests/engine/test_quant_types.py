@@ -72,3 +72,15 @@ def test_stored_k_quants_check_their_shape_and_float_fields(qtype: BlockType) ->
     at = 208 if qtype is BlockType.Q6_K else (2 if qtype is BlockType.Q4_K else 0)  # Q4_K: its dmin
     bad[1, at : at + 2] = np.array([np.inf], np.float16).view(np.uint8)
     assert not scales_finite(StoredTensor(qtype.gguf_name, (3, 256), bad.reshape(-1)))
+
+
+@pytest.mark.parametrize("qtype", NEW, ids=lambda t: t.name)
+def test_any_bytes_read_as_the_gguf_package_reads_them(qtype: BlockType) -> None:
+    """A hostile file's blocks (NaN and infinite scales included) dequantize to the very values gguf's reader gives."""
+    junk = np.random.default_rng(qtype.ggml_id).integers(
+        0, 256, (4, 2 * qtype.block_bytes * 256 // qtype.elements), dtype=np.uint8
+    )
+    with np.errstate(invalid="ignore", over="ignore"):  # junk scales are inf/NaN on purpose, in both readers
+        want = gguf.quants.dequantize(junk, getattr(gguf.GGMLQuantizationType, qtype.gguf_name))
+        got = dequantize(junk, qtype, (4, 512))
+    assert np.array_equal(got, want, equal_nan=True)
