@@ -91,3 +91,17 @@ def test_q4_k_m_logits_match_the_dequantized_blocks_and_stay_near_fp32(q4_k_m: t
             worst = max(worst, float((w_q - w_ref).norm() / w_ref.norm()))
     assert 0.01 < worst < 0.2  # Q4_K_M's rounding is real and moderate
     assert rel(native, fp32) < 9 * worst + 0.01
+
+
+def test_a_file_mixing_runnable_and_unrunnable_formats_runs_in_fp32_and_says_why(
+    q4_k_m: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A Q5_K_M file holds Q5_K (and Q5_1) beside Q6_K and Q8_0: a fused q/k/v may mix a format with a kernel and
+    one without. The whole model is read in fp32 (the same logits as --quantize none), and the backend says why."""
+    folder = q4_k_m[0]
+    path = quantize_with_llamacpp(folder, tmp_path / "m-q5_k_m.gguf", "q5_k_m")
+    kinds = {t.qtype for t in gguf_model(path).stored_tensors().values()}
+    assert "Q5_K" in kinds and kinds & {"Q6_K", "Q8_0"}, kinds
+    auto = TorchBackend(path, "cpu", quantize="auto")
+    assert auto.quantize == "none" and "no block kernel" in auto.kernels_note
+    assert torch.equal(logits_of(auto, IDS), logits_of(TorchBackend(path, "cpu", quantize="none"), IDS))
