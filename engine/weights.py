@@ -224,7 +224,10 @@ def stored_weight_bytes(model_path: Path) -> int:
 def _load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype, leave_stored: bool) -> LoadedModel:
     gm = gguf_model(path)
     stored = gm.stored_tensors()
-    left = {name: t for name, t in stored.items() if t.qtype in BlockType.__members__} if leave_stored else {}
+    # Left undecoded only when every matrix can run so: a fused q/k/v or gate/up must not mix undecoded and decoded
+    # parts (a Q5_K_M file's Q5_K q beside its Q6_K v), and one format without a kernel reads the model in fp32 anyway.
+    runnable = all(t.qtype in BlockType.__members__ for t in stored.values())
+    left = dict(stored) if leave_stored and runnable else {}
     for name, blocks in left.items():  # never dequantized here, so checked here as _assign checks the others
         try:
             check_stored(blocks, name)

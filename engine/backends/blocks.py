@@ -2,8 +2,10 @@
 
 A GGUF's tensors arrive as StoredTensor (engine.quant) keyed by Hugging Face parameter name and run as stored:
 their bytes are copied, never dequantized and re-quantized; q/k/v and gate/up are fused by stacking rows of
-blocks, which keeps every block intact. An HF folder's fp32 weights are quantized here at load to the chosen type,
-to the very bytes llama.cpp's converter would write.
+blocks, which keeps every block intact. Parts stored in different formats (a Q4_K_M file's v as Q8_0 beside q, k
+as Q5_0) are stacked as Q8_0 when every part widens to it without loss (engine.quant.widen_to_q8_0). An HF
+folder's fp32 weights are quantized here at load to the chosen type, to the very bytes llama.cpp's converter
+would write.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from torch import nn
 
 from engine.quant import (
     BLOCK,
+    WIDENS_TO_Q8_0,
     BlockType,
     StoredTensor,
     check_stored,
     dequantize,
     quantize,
+    widen_to_q8_0,
 )
 
 if TYPE_CHECKING:
@@ -38,7 +42,11 @@ EMBEDDING = "model.embed_tokens.weight"
 
 
 class UnsupportedBlocks(ValueError):
-    """The stored weights use a format the block kernels do not run (e.g. a K-quant); the message says which."""
+    """The stored weights use a format the block kernels do not run (e.g. Q2_K); the message says which."""
+
+
+def _kernel_types() -> str:
+    return ", ".join(t.name for t in BlockType)
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,7 @@ def stored_type(stored: Mapping[str, StoredTensor]) -> BlockType:
         return BlockType.named(top)
     except ValueError:
         raise UnsupportedBlocks(
-            f"its weights are {top}, which has no block kernel here yet (Q8_0, Q4_0 and Q4_1 do)"
+            f"its weights are {top}, which has no block kernel here yet ({_kernel_types()} do)"
         ) from None
 
 
@@ -87,19 +95,22 @@ def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockW
     if len(parts) != len(names):
         return None
     kinds = sorted({p.qtype for p in parts})
+    for kind, name in ((p.qtype, n) for p, n in zip(parts, names, strict=True)):
+        if kind not in BlockType.__members__:
+            raise UnsupportedBlocks(
+                f"{name} is stored as {kind}, which has no block kernel here yet ({_kernel_types()} do)"
+            )
+    types = [check_stored(p, n) for p, n in zip(parts, names, strict=True)]
+    data = [np.asarray(p.data, dtype=np.uint8).reshape(p.shape[0], -1) for p in parts]
+    qtype = types[0]
     if len(kinds) != 1:
-        raise UnsupportedBlocks(
-            f"{', '.join(names)} are stored as {', '.join(kinds)}, which the block kernels cannot run as one matrix"
-        )
-    try:
-        qtype = BlockType.named(kinds[0])
-    except ValueError:
-        raise UnsupportedBlocks(
-            f"{names[0]} is stored as {kinds[0]}, which has no block kernel here yet (Q8_0, Q4_0 and Q4_1 do)"
-        ) from None
-    for p, n in zip(parts, names, strict=True):
-        check_stored(p, n)
-    rows = np.concatenate([np.asarray(p.data, dtype=np.uint8).reshape(p.shape[0], -1) for p in parts])
+        if not all(k in WIDENS_TO_Q8_0 for k in kinds):
+            raise UnsupportedBlocks(
+                f"{', '.join(names)} are stored as {', '.join(kinds)}, which the block kernels cannot run as one matrix"
+            )
+        qtype = BlockType.Q8_0
+        data = [widen_to_q8_0(d, t) for d, t in zip(data, types, strict=True)]
+    rows = np.concatenate(data)
     shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
     return BlockWeights(qtype, shape, torch.from_numpy(rows.copy()))
 
@@ -109,7 +120,14 @@ def plan_blocks(
 ) -> dict[str, BlockWeights]:
     """Block weights for every nn.Linear of a fused `model`, keyed by module path: the stored bytes where `stored`
     has them, else the layer's fp32 weight quantized to `qtype` (zero columns pad an input size that is no multiple
-    of 32; zeros quantize exactly). UnsupportedBlocks when stored bytes cannot run."""
+    of 32; zeros quantize exactly), or to Q8_0 where a file's own format has no quantizer here (a K-quant).
+    UnsupportedBlocks when stored bytes cannot run or `qtype` cannot be written."""
+    if not qtype.quantizable and not stored:
+        raise UnsupportedBlocks(
+            f"there is no {qtype.name} quantizer here ({qtype.name} runs as a GGUF file stores it; "
+            f"choose one of {', '.join(t.name.lower() for t in BlockType if t.quantizable)})"
+        )
+    fill = qtype if qtype.quantizable else BlockType.Q8_0
     tied = bool(model.config.tie_word_embeddings)
     out: dict[str, BlockWeights] = {}
     for path, module in model.named_modules():
@@ -120,9 +138,7 @@ def plan_blocks(
             w = module.weight.detach().float().numpy()  # (N, K)
             k = w.shape[1]
             padded = np.pad(w, ((0, 0), (0, -k % BLOCK)))  # (N, K rounded up to 32)
-            found = BlockWeights(
-                qtype, (padded.shape[0], padded.shape[1]), torch.from_numpy(quantize(padded, qtype)), k
-            )
+            found = BlockWeights(fill, (padded.shape[0], padded.shape[1]), torch.from_numpy(quantize(padded, fill)), k)
         if (found.shape[0], found.inputs) != tuple(module.weight.shape):
             raise ValueError(
                 f"the stored {path} has shape {found.shape}, but the model's config says {tuple(module.weight.shape)}"

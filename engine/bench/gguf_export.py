@@ -6,7 +6,10 @@ not permuted). Llama 3 rope scaling is written as llama.cpp's `rope_freqs` tenso
 (byte-level BPE) vocabulary with its merges, specials and chat template.
 
 The `gguf` package quantizes the legacy block types; for K-quants it has no quantizer, so a caller that wants them
-passes its own `quantizer` (the tests write random valid blocks).
+passes its own `quantizer` (the tests write random valid blocks), or `quantize_with_llamacpp` writes the file
+llama.cpp's own quantizer makes (a Q4_K_M as downloads have it) from an f32 export of the folder. From the
+command line, with no download (the fp32 weights quantized once, never a quantized file quantized again):
+    python -m engine.bench.gguf_export MODEL_DIR OUT.gguf --dtype q4_k_m
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2F
 Quantizer = Callable[[np.ndarray, Any], np.ndarray]
 
 _GPT2_PRE = "default"
+# --dtype name -> llama.cpp's file type (llama_cpp.LLAMA_FTYPE_*): its quantizer picks each tensor's type, falling
+# back to Q5_0/Q5_1/Q8_0 for rows that are no multiple of 256 (SmolLM2's hidden size, 576).
+LLAMACPP_TYPES = {
+    "q4_k_m": "MOSTLY_Q4_K_M",
+    "q4_k_s": "MOSTLY_Q4_K_S",
+    "q5_k_m": "MOSTLY_Q5_K_M",
+    "q6_k_llamacpp": "MOSTLY_Q6_K",
+}
 
 
 def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -193,3 +204,62 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32", *, quantizer: Qu
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def quantize_with_llamacpp(model_dir: Path, out: Path, dtype: str = "q4_k_m", threads: int = 1) -> Path:
+    """`out` as llama.cpp's quantizer (llama-cpp-python, llama_model_quantize) writes it from an f32 export of
+    `model_dir`. A GGUF source must hold float weights: quantizing an already quantized file again would measure
+    the double rounding, not the format. SparkError in one sentence otherwise."""
+    import ctypes
+    import tempfile
+
+    from engine.model_files import gguf_model, is_gguf_model
+
+    if dtype not in LLAMACPP_TYPES:
+        raise SparkError(f"llama.cpp's quantizer here writes {', '.join(LLAMACPP_TYPES)}, not {dtype!r}.")
+    if is_gguf_model(model_dir) and gguf_model(model_dir).stored_tensors():
+        raise SparkError(
+            f"{model_dir.name} already holds quantized weights; quantize from a float model (an HF folder or an "
+            "f16/f32 GGUF), since quantizing twice is not the format llama.cpp users download."
+        )
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SparkError(
+            "llama-cpp-python is not installed (pip install -e '.[bench]'); it writes K-quant files."
+        ) from None
+    with tempfile.TemporaryDirectory(prefix="spark-export-", dir=out.parent) as tmp:
+        f32 = export_gguf(model_dir, Path(tmp) / "model-f32.gguf", "f32")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{LLAMACPP_TYPES[dtype]}")
+        params.nthread = max(1, threads)
+        rc = llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise SparkError(f"llama.cpp's quantizer failed on {model_dir.name} (code {rc}).")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m engine.bench.gguf_export", description=__doc__.splitlines()[0])
+    p.add_argument("model", type=Path, help="a model folder (or a float GGUF)")
+    p.add_argument("out", type=Path, help="the .gguf to write")
+    p.add_argument("--dtype", default="f32", choices=[*FILE_TYPES.keys() - set(K_TYPES), *LLAMACPP_TYPES])
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp's quantizer threads")
+    args = p.parse_args(argv)
+    try:
+        if args.dtype in LLAMACPP_TYPES:
+            quantize_with_llamacpp(args.model, args.out, args.dtype, args.threads)
+        else:
+            export_gguf(args.model, args.out, args.dtype)
+    except SparkError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """`bench quant`: how faithful each block format is to our fp32 path, beside llama.cpp on the same text and bytes.
 
-For every type (Q8_0, Q4_0, Q4_1, and `--gguf FILE` as stored) both engines run the very same GGUF: the model
+For every type (Q8_0, Q4_0, Q4_1, Q5_0, and `--gguf FILE` as stored) both engines run the very same GGUF: the model
 folder's fp32 weights exported at that type (engine.bench.gguf_export; our own quantizer writes identical bytes),
 read back as StoredTensor (engine.gguf_file) for us and loaded by llama.cpp (llama-cpp-python, logits for every
 token). Over >= 2,048 tokens of held-out text, each is compared with our fp32 logits: mean and 99th-percentile KL
@@ -8,6 +8,11 @@ divergence, same top token, perplexity. Headline `kld_ratio_vs_llamacpp` (ours /
 <= 1.0. Our kernels quantize activations per block of 32 as int16 with one scale (`ours_*`); the same weights
 also run with llama.cpp's int8 (Q8) activations (`ours_q8_act_*`) and with fp32 activations (`ours_fp32_act_*`), which
 is how the default was chosen.
+
+K-quant files (Q4_K_M and the like, whose tensors mix Q4_K, Q6_K, Q5_0 and Q8_0) have no quantizer here: build one
+from the folder's fp32 weights with llama.cpp's quantizer (no download, quantized once) and pass it as --gguf:
+    python -m engine.bench.gguf_export MODEL_DIR /tmp/m-q4_k_m.gguf --dtype q4_k_m
+    python -m engine bench quant --model MODEL_DIR --gguf /tmp/m-q4_k_m.gguf --json
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from engine.tokenizer import Tokenizer
 
 TOKENS = 2048
 QUICK_TOKENS = 256
-TYPES = tuple(t.name.lower() for t in BlockType)
+TYPES = tuple(t.name.lower() for t in BlockType if t.quantizable)
 
 
 def held_out_ids(tokenizer: Tokenizer, n: int) -> list[int]:

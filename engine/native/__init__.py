@@ -27,6 +27,7 @@ from engine.fileio import atomic_path
 from engine.paths import bundle_root, default_cache_dir
 
 SOURCE = Path(__file__).with_name("spark_kernels.c")
+INCLUDED = (Path(__file__).with_name("spark_kquants.c"),)  # what SOURCE includes: part of the library's identity
 COMPILER_ENV = "CC"  # the compiler to use, as for any C build; else cc, clang, gcc in that order
 DISABLE_ENV = "MLOT_SPARK_NO_NATIVE"
 BUNDLED_DIR = "engine_native"  # where a packaged app keeps its prebuilt library  # set to 1 to run the PyTorch path (comparisons, troubleshooting)
@@ -162,7 +163,8 @@ def _compiler_identity(cc: str) -> str:
 
 def library_path(cache_root: Path, cc: str, flags: Sequence[str]) -> Path:
     """Where the library for this source, compiler, flags and machine lives in the cache."""
-    ident = "|".join([SOURCE.read_text(), _compiler_identity(cc), " ".join(flags), platform.machine(), sys.platform])
+    sources = [SOURCE.read_text(), *(p.read_text() for p in INCLUDED)]
+    ident = "|".join([*sources, _compiler_identity(cc), " ".join(flags), platform.machine(), sys.platform])
     digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
     suffix = ".dylib" if sys.platform == "darwin" else ".so"
     return cache_root / "native" / f"spark_kernels-{digest}{suffix}"

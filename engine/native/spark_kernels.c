@@ -234,7 +234,11 @@ typedef struct {
 
 static int32_t block_bytes(int32_t type) { return type == SPARK_Q8_0 ? 34 : type == SPARK_Q4_1 ? 20 : 18; }
 
+static inline int kq_type(int32_t type);          /* spark_kquants.c: Q5_0, Q4_K, Q6_K */
+static inline int32_t kq_block_bytes(int32_t type);
+
 int32_t spark_block_bytes(int32_t type) {
+    if (kq_type(type)) return kq_block_bytes(type);
     return type == SPARK_Q8_0 || type == SPARK_Q4_0 || type == SPARK_Q4_1 ? block_bytes(type) : 0;
 }
 
@@ -546,6 +550,8 @@ static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32
 }
 #endif
 
+#include "spark_kquants.c" /* Q5_0, Q4_K, Q6_K: kq_gemm_rows */
+
 /* y (M, N) = x W^T (+ bias) for M quantized activation rows; rows of W split across the pool. Each output is
  * dot_row of one weight row and one activation row, so a prefill of M rows and M one-row decodes agree bit for
  * bit; the weight row stays in cache while the M activation rows pass it. */
@@ -559,6 +565,10 @@ typedef struct {
 static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const gemm_job *g = ctx;
     const spark_qmat *w = g->w;
+    if (kq_type(w->type)) {
+        kq_gemm_rows(w, g->a, g->y, g->m, begin, end);
+        return;
+    }
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t row_bytes = (int64_t)nb * block_bytes(w->type);
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
