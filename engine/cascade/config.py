@@ -41,7 +41,7 @@ class CascadeConfig:
     window: int = AUTO_WINDOW  # AUTO_WINDOW: resolved by fit_to from the trained context and the memory budget
     block_size: int = 32  # 8 x 32 retrieval slots beat 4 x 64 at equal slots (README, bench long-ppl --window 512)
     retrieval_blocks: int = 8
-    layer_blocks: int = 2  # of the retrieval groups, how many hold each layer's own picks (the rest: the consensus)
+    layer_blocks: int = 2  # answering, the retrieval groups that hold each layer's own picks (the rest: the consensus)
     routing: str = "hybrid"
     reroute_every: int = 64  # while generating, re-route at least every this many tokens
     reroute_drift: int = 10  # ... and sooner when the routing query's mean cosine to the routed one drops this many %

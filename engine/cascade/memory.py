@@ -128,7 +128,7 @@ class CascadeMemory:
                 f"A step of {t} tokens exceeds the {self.cfg.window}-token window; feed it in smaller chunks."
             )
         if self.cfg.retrieval_blocks and self.episodic.blocks:
-            self.retriever.route(prefill=t > 1)
+            self.retriever.route(prefill=t > 1, answering=t <= TAIL_STEP)
         start = len(self.tokens)
         slots, evicted = self.working.assign(t)
         if evicted:

@@ -3,9 +3,10 @@
 The routing query is the backend's query summary (per layer and KV head, the mean pre-RoPE query of the last
 forwards, over their last `proxy_tokens` tokens; a backend without one: the mean key of the most recent tokens).
 When the routing strategy (engine.cascade.routing) says so (a new prompt chunk, drift, the clock), each layer
-ranks its top-k episodic blocks; the blocks the layers rank highest together fill the first groups in every layer,
-each layer's best others fill its last `layer_blocks` groups (consensus_groups), and only the (layer, group) pairs
-whose block changed are paged in (read from host memory, or back from L3).
+ranks its top-k episodic blocks. While a prompt is read, each layer's groups hold its own picks; while answering (a
+decoding step, or a prompt's last tokens, which route the reply) the blocks the layers rank highest together fill
+the first groups in every layer and each layer's best others its last `layer_blocks` groups (consensus_groups).
+Only the (layer, group) pairs whose block changed are paged in (read from host memory, or back from L3).
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ class Retriever:
 
     # -- routing and paging -------------------------------------------------------------------------------------
 
-    def route(self, prefill: bool) -> None:
-        """Before a plan: re-select and page in each layer's blocks when the strategy says so."""
+    def route(self, prefill: bool, answering: bool) -> None:
+        """Before a plan: re-select and page in each layer's blocks when the strategy says so. `answering`: the
+        plan is a decoding step or a prompt's last tokens (they route the reply), else part of a prompt being read."""
         query = self._routing_query()
         if query is None:
             return
@@ -108,16 +110,17 @@ class Retriever:
         self.routed = query
         while True:
             chosen = self.episodic.select(query, self.cfg.retrieval_blocks)  # (L, n) block ids per layer
-            if self._page_in(chosen):
+            n = len(chosen[0])
+            shared = n - min(n, self.cfg.layer_blocks) if answering else 0
+            if self._page_in(consensus_groups(chosen, shared)):
                 return
 
-    def _page_in(self, chosen: list[list[int]]) -> bool:
-        """Lay each layer's chosen blocks (best first) out in its retrieval groups (consensus_groups), paging in only
+    def _page_in(self, new: list[list[int]]) -> bool:
+        """Put each layer's blocks in its retrieval groups (new[layer][g]: group g's block), paging in only
         (layer, group) pairs that change.
         False when a block turned out to be gone (forgotten from L3): the caller selects again."""
         old = self.working.groups
-        n = len(chosen[0])
-        new = consensus_groups(chosen, n - min(n, self.cfg.layer_blocks))
+        n = len(new[0])
         changed = {
             (layer, g)
             for layer in range(len(new))
@@ -125,7 +128,7 @@ class Retriever:
             if g >= len(old[layer]) or old[layer][g] != new[layer][g]
         }
         needed = {new[layer][g] for layer, g in changed}
-        protect = tuple({b for pick in chosen for b in pick})
+        protect = tuple({b for pick in new for b in pick})
         kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for bid in sorted(needed):
             got = self.episodic.fetch(bid, protect=protect)

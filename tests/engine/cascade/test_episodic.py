@@ -123,21 +123,27 @@ def test_spill_without_a_store_forgets_blocks() -> None:
 
 def test_retrieval_groups_hold_each_layers_blocks_in_conversation_order(tiny_model: Path) -> None:
     """Positions rise with the group, so blocks must sit in the order they were written: a fact split over blocks
-    j and j + 1 (a passkey's digits) reads whole only if j comes first, however the selection changed. The shared
-    groups hold the same blocks in every layer; the layer's own groups follow."""
+    j and j + 1 (a passkey's digits) reads whole only if j comes first, however the selection changed. While a
+    prompt is read every group is the layer's own; while answering (one-token steps) the shared groups hold the same
+    blocks in every layer and the layer's own groups follow."""
     cfg = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=3, layer_blocks=1, routing="token")
     b = TorchBackend(tiny_model)
     m = CascadeMemory(b, cfg)
     seen_orders = set()
+    differ_reading = False
     for at in range(0, 400, 10):
-        feed(b, m, random_ids(10, seed=at))
+        feed(b, m, random_ids(10, seed=at))  # reading: each layer's own picks
+        groups = m.working.groups
+        assert all(layer == sorted(layer) for layer in groups)
+        differ_reading |= any(layer[:-1] != groups[0][:-1] for layer in groups)
+        feed(b, m, random_ids(1, seed=at + 1))  # answering: the consensus in the first groups
         groups = m.working.groups
         for layer in groups:
             shared, own = layer[:-1], layer[-1:]
             assert shared == sorted(shared) and shared == groups[0][:-1]
             assert own == sorted(own) and not set(own) & set(shared)
             seen_orders.add(tuple(layer))
-    assert len(seen_orders) > 3  # the selection really changed along the way
+    assert len(seen_orders) > 3 and differ_reading  # the selection really changed; reading layers really differ
 
 
 def test_consensus_groups_share_the_blocks_layers_agree_on_and_keep_each_layers_own() -> None:
