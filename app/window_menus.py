@@ -24,6 +24,7 @@ PRECISION_WORDS = {
     "auto": "Automatic (as the file stores it; 8-bit blocks for a folder)",
     "none": "Full precision (fp32 on the CPU)",
     "q8_0": "8-bit blocks (Q8_0)",
+    "q5_0": "5-bit blocks (Q5_0)",
     "q4_1": "4-bit blocks with offsets (Q4_1)",
     "q4_0": "4-bit blocks (Q4_0)",
     "int8": "8-bit (int8, Core ML only)",

@@ -43,6 +43,7 @@ GGUF_TYPE_FOR: dict[str, str] = {
     "float16": "f16",
     "bfloat16": "bf16",
     "q8_0": "q8_0",
+    "q5_0": "q5_0",
     "q4_0": "q4_0",
     "q4_1": "q4_1",
 }

@@ -176,7 +176,7 @@ def test_logits_stay_within_the_bound_the_type_implies(
 
 
 def test_quantize_choices_and_their_errors(qwen_dir: Path, tmp_path: Path) -> None:
-    assert QUANTIZE_CHOICES == ("auto", "none", "q8_0", "q4_0", "q4_1", "int8")
+    assert QUANTIZE_CHOICES == ("auto", "none", "q8_0", "q5_0", "q4_0", "q4_1", "int8")
     assert resolve_quantize("cpu", "auto") == "auto" and resolve_quantize("mps", "auto") == "none"
     assert TorchBackend(qwen_dir, "cpu", quantize="auto").quantize == "q8_0"  # an HF folder: the faithful type
     with pytest.raises(BackendUnavailable, match="int8 weights are a Core ML conversion"):
