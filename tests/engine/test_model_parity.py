@@ -14,6 +14,7 @@ from engine.memory import FullAttentionMemory
 from engine.sampling import SamplingSettings
 from engine.session import Engine
 from engine.tokenizer import Tokenizer
+from tests.hf_greedy import hf_greedy_tokens
 from tests.tiny import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -70,19 +71,7 @@ def test_greedy_generation_matches_transformers_generate(arch_dir: Path) -> None
     prompt = engine.tokenizer.encode("The quick brown fox")
     settings = GenerationSettings(max_tokens=24, sampling=SamplingSettings(greedy=True), ignore_eos=True)
     ours = [ev.token for ev in session.complete_ids(prompt, settings)]
-    with torch.no_grad():
-        inp = torch.tensor([prompt])
-        # An explicit mask: otherwise transformers infers one from pad_token_id and could hide a BOS of the same id.
-        out = hf_model(arch_dir).generate(
-            inp,
-            attention_mask=torch.ones_like(inp),
-            max_new_tokens=24,
-            min_new_tokens=24,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    assert ours == out[0, len(prompt) :].tolist()
+    assert ours == hf_greedy_tokens(hf_model(arch_dir), prompt, 24)
 
 
 def test_fp16_weights_load_and_compute_in_fp32(tmp_path: Path) -> None:
