@@ -14,7 +14,8 @@ heads, D head dim.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -227,6 +228,8 @@ class KVCache(nn.Module):
         """Drop the read copies of `slots` (all when None) after their k, v changed: restores, paging in, writes."""
         if slots is None:
             self.read_slots.fill_(-1)
+        elif slots.numel() == 1:  # a decoding step's write: one comparison, not isin's sort
+            self.read_slots.masked_fill_(self.read_slots == slots.reshape(()), -1)
         else:
             self.read_slots.masked_fill_(torch.isin(self.read_slots, slots), -1)
 
@@ -238,7 +241,9 @@ class KVCache(nn.Module):
         if t > SMALL_STEP:
             self.forget(batch.write_slots.flatten())
             return StepReads(rope_q=rope_q, width=0, rope_slots=rope.lookup(batch.slot_positions))
-        attended = batch.mask.flatten(0, 2).any(0).nonzero().squeeze(1)  # (m,) slots anything attends to
+        one_query = batch.mask.shape[:-1].numel() == 1  # one row, one token: it attends to exactly `attended`
+        rows = batch.mask.reshape(-1, batch.mask.shape[-1])  # (B*Hm*T, S')
+        attended = (rows[0] if one_query else rows.any(0)).nonzero().squeeze(1)  # (m,) slots anything attends to
         positions = batch.slot_positions.index_select(1, attended)  # (B, m) rotation positions of their keys
         split, rope_q_framed, frame_start = 0, None, None
         if b == 1 and batch.frame is not None and batch.frame_start is not None and int(batch.frame[0]):
@@ -249,12 +254,20 @@ class KVCache(nn.Module):
             rope_q_framed = rope.lookup(batch.positions + batch.frame[:, None])
         stale, moved = self._move_reads(batch, attended, positions)
         m, n = attended.numel(), stale.numel()
-        blocked: torch.Tensor | None = ~batch.mask.index_select(-1, attended).unsqueeze(1)  # (B, 1, 1, T, m)
-        if blocked is not None and not blocked.any():  # e.g. one new token over exactly the slots it attends
-            blocked = None
-        base = StepReads(rope_q=rope_q, width=m, split=split, rope_q_framed=rope_q_framed, blocked=blocked)
+        blocked: torch.Tensor | None = None
+        if not one_query:
+            blocked = ~batch.mask.index_select(-1, attended).unsqueeze(1)  # (B, 1, 1, T, m)
+            if not blocked.any():  # e.g. new tokens over exactly the slots each attends
+                blocked = None
+        base: dict[str, Any] = {
+            "rope_q": rope_q,
+            "width": m,
+            "split": split,
+            "rope_q_framed": rope_q_framed,
+            "blocked": blocked,
+        }
         if n * 2 > m:  # most ranks moved (e.g. a sliding window without a frame re-numbers its slots): rewrite all
-            return replace(base, refresh=Refresh(slots=attended, ranks=None, rope=rope.lookup(positions)))
+            return StepReads(**base, refresh=Refresh(slots=attended, ranks=None, rope=rope.lookup(positions)))
 
         def refresh(ranks: torch.Tensor, value_ranks: torch.Tensor) -> Refresh:
             return Refresh(
@@ -271,7 +284,7 @@ class KVCache(nn.Module):
         if b == 1 and n == t and same_frame:  # n stale ranks for T written slots: check they are theirs
             ranks = torch.searchsorted(attended, batch.write_slots[0]).clamp_(max=m - 1)  # (T,)
             if torch.equal(attended.index_select(0, ranks), batch.write_slots[0]):
-                return replace(base, write_ranks=ranks)
+                return StepReads(**base, write_ranks=ranks)
         elif b == 1 and t == 1 and same_frame:
             # A decoding step right after the memory changed (a page-in, a re-route): re-derive the other stale
             # ranks first, then take the one-pass write (and the native step) as in plain decoding.
@@ -279,8 +292,8 @@ class KVCache(nn.Module):
             others = stale != rank
             if bool(attended[rank] == batch.write_slots[0, 0]) and int(others.sum()) == n - 1:
                 pre = refresh(stale[others], moved[moved != rank])
-                return replace(base, write_ranks=rank, pre=pre)
-        return replace(base, refresh=refresh(stale, moved))
+                return StepReads(**base, write_ranks=rank, pre=pre)
+        return StepReads(**base, refresh=refresh(stale, moved))
 
     def _move_reads(
         self, batch: SlotBatch, attended: torch.Tensor, positions: torch.Tensor
