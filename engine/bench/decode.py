@@ -9,7 +9,9 @@ default, fp32, and the output says so. Our activations keep more bits than llama
 slightly and the tokens are compared but may part at near-ties.
 Runs are interleaved (ours, llama.cpp, transformers, repeat) and the median is reported, so background load hits
 every peer alike. Default model: the default model's GGUF, which both engines run as stored (ours with
-`--quantize auto`), and transformers dequantized to fp32.
+`--quantize auto`), and transformers dequantized to fp32. llama.cpp runs in a process of its own, with the
+environment the user gave (engine.bench.llamacpp_peer says why); transformers runs in ours, under the engine's
+OpenMP policy.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from engine import USER_OMP_WAIT_POLICY
 from engine.backends import BackendChoice
 from engine.backends.base import Backend
 from engine.backends.torch_backend import TorchBackend
+from engine.bench.llamacpp_peer import LlamaCppPeer, PeerError, peer_environment
 from engine.errors import SparkError
 from engine.generate import GenerationSettings
 from engine.memory import FullAttentionMemory, Memory
@@ -75,31 +78,6 @@ def measure_ours(session: Session, ids: list[int], n_decode: int) -> dict[str, A
     events = list(session.complete_ids(ids, settings))
     last = events[-1]
     return {"prefill_tps": len(ids) / last.ttft_s, "decode_tps": last.tokens_per_s, "tokens": [e.token for e in events]}
-
-
-def llama_last_logits(llm) -> np.ndarray:  # type: ignore[no-untyped-def]  # llm: a llama_cpp.Llama, an optional import (the bench extra)
-    """The last evaluated token's logits (V,): read from the context, since `Llama.scores` is only filled with
-    logits_all=True (which would make llama.cpp compute the LM head for every prompt token)."""
-    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
-
-
-def measure_llamacpp(llm, ids: list[int], n_decode: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]  # llm: a llama_cpp.Llama, an optional import
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(ids)
-    tok = int(np.argmax(llama_last_logits(llm)))
-    t_first = time.perf_counter()
-    tokens = [tok]
-    for _ in range(n_decode - 1):
-        llm.eval([tok])
-        tok = int(np.argmax(llama_last_logits(llm)))
-        tokens.append(tok)
-    t_end = time.perf_counter()
-    return {
-        "prefill_tps": len(ids) / (t_first - t0),
-        "decode_tps": (n_decode - 1) / (t_end - t_first),
-        "tokens": tokens,
-    }
 
 
 def measure_transformers(model, ids: list[int], n_decode: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]  # model: a transformers model, an optional import
@@ -156,8 +134,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     session = engine.new_session()
     peers: dict[str, Callable[[], dict[str, Any]]] = {"ours": lambda: measure_ours(session, ids, n_decode)}
     notes = []
+    peer: LlamaCppPeer | None = None
     try:
-        import llama_cpp
+        import llama_cpp  # noqa: F401  # installed? The peer process imports it
 
         from engine.bench.gguf_export import export_gguf
 
@@ -170,26 +149,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             gguf_path = export_gguf(model_dir, Path(tmp.name) / f"model-{gguf_type}.gguf", gguf_type)
             result["llamacpp_gguf_type"] = gguf_type
-        llm = llama_cpp.Llama(
-            str(gguf_path),
-            n_ctx=len(ids) + n_decode + 8,
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_batch=len(ids),
-            verbose=False,
+        peer = LlamaCppPeer(peer_environment(USER_OMP_WAIT_POLICY))
+        result["llamacpp_version"] = peer.load(
+            gguf_path, n_ctx=len(ids) + n_decode + 8, threads=threads, n_batch=len(ids)
         )
-        peers["llamacpp"] = lambda: measure_llamacpp(llm, ids, n_decode)
+        llamacpp = peer
+        peers["llamacpp"] = lambda: llamacpp.measure(ids, n_decode)
         # Same model? Compare the prompt's last-token logits of both engines.
-        llm.reset()
-        llm.eval(ids)
-        theirs = torch.from_numpy(np.array(llama_last_logits(llm), dtype=np.float32))
+        theirs = torch.from_numpy(peer.last_logits(ids))
         ours_logits = _our_last_logits(engine, ids)
         result["llamacpp_max_logit_diff"] = float((theirs - ours_logits).abs().max())
-        result["llamacpp_version"] = llama_cpp.__version__
     except ImportError:
         notes.append("llama-cpp-python is not installed (pip install -e '.[bench]'); llama.cpp was not measured")
-    except SparkError as exc:  # a shape the GGUF export does not cover
+    except (SparkError, PeerError) as exc:  # a shape the GGUF export does not cover; the peer failed
         notes.append(f"llama.cpp was not measured: {exc}")
+        peers.pop("llamacpp", None)
     try:
         import transformers
 
@@ -227,6 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["load_average_1m"] = round(os.getloadavg()[0], 2)
     if notes:
         result["notes"] = notes
+    if peer is not None:
+        peer.close()
     tmp.cleanup()
     return result
 
