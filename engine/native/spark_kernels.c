@@ -668,7 +668,7 @@ static void lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_
 }
 #endif
 
-/* Whether a prefill of these activations over w takes the token-lane route (built by spark_qgemm). */
+/* Whether a prefill of m activation rows over w takes the token-lane route (its copy built by spark_qgemm). */
 static int uses_lanes(const spark_qmat *w, int32_t m) {
 #if defined(SPARK_ZMM)
     return m > 1 && w->act_parts == 2 && (w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1);
