@@ -1,0 +1,94 @@
+"""spark_kernels.c's AVX-512 prefill route (the tokens in the vector lanes, 16 per group, weight rows in pairs): at
+token counts across group boundaries and widths with a partial group of 8 blocks, every output equals the integer
+reference bit for bit and the same row decoded alone; the AVX2 build's 256-bit route computes the same bits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.native import NativeKernels, bind, build_library, load_kernels
+from engine.native.decoder import NativeBlockLinear
+from engine.quant import BlockType
+from tests.engine.test_native import LEGACY, X86, block_linear, integer_reference, lin_weights
+
+TOKENS = 40  # two whole groups of 16 and a partial one
+
+
+def has_avx512_vnni() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512bw", "avx512vl", "avx512_vnni"))
+
+
+@pytest.fixture(scope="module")
+def kernels() -> NativeKernels:
+    status = load_kernels()
+    assert status.kernels is not None, status.reason
+    return status.kernels
+
+
+def activations(k: int) -> torch.Tensor:
+    x = torch.randn(TOKENS, k, generator=torch.Generator().manual_seed(k))  # (TOKENS, K)
+    x[16] = 0  # an all-zero row (the first of the second group): scale 0, just the bias
+    x[17, :32] *= 1e4  # an outlier block
+    x[39, -32:] *= 1e-4  # a tiny one, in the last (partial) group
+    return x
+
+
+def test_this_machine_builds_the_512_bit_route(kernels: NativeKernels) -> None:
+    """Where the CPU has AVX-512 BW and VNNI the native build is the AVX-512 one, so the tests below run the
+    token-lane route (elsewhere they check the build's own route)."""
+    if not (X86 and has_avx512_vnni()):
+        pytest.skip("no AVX-512 VNNI on this machine")
+    assert kernels.isa == "avx512-vnni"
+
+
+@pytest.mark.parametrize("qtype", LEGACY, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [32, 160, 576, 1536])  # 1, 5, 18 (SmolLM's hidden) and 48 (its MLP) blocks
+def test_prefill_across_token_groups_equals_the_integer_reference(
+    kernels: NativeKernels, qtype: BlockType, k: int
+) -> None:
+    lin = block_linear(kernels, qtype, 37, k, 2, seed=k + 1)  # 18 row pairs and a single row
+    x = activations(k)
+    many = lin(x)  # (TOKENS, 37)
+    w, bias = lin_weights(lin), lin.bias.numpy()
+    for i in range(TOKENS):
+        assert np.array_equal(many[i].numpy(), integer_reference(w, bias, x[i].numpy(), 2)), i
+        assert torch.equal(lin(x[i : i + 1]), many[i : i + 1]), i  # a decoding step = the same prefill row
+    for m in (2, 15, 16, 17, 33):  # whole and partial groups
+        assert torch.equal(lin(x[:m]), many[:m]), m
+        assert torch.equal(lin(x[TOKENS - m :]), many[TOKENS - m :]), m  # the same tokens in other lanes
+
+
+def test_a_single_output_row_and_odd_thread_splits_change_no_bit(kernels: NativeKernels) -> None:
+    x = activations(576)
+    for qtype in LEGACY:
+        one = block_linear(kernels, qtype, 1, 576, 2, seed=5)  # no pair at all
+        want = integer_reference(lin_weights(one), one.bias.numpy(), x[5].numpy(), 2)
+        assert np.array_equal(one(x)[5].numpy(), want)
+        lin = block_linear(kernels, qtype, 45, 576, 2, seed=6)
+        single = lin(x)
+        kernels.use_threads(3)  # 15 rows a thread: pairs and a single row in each share
+        torch.set_num_threads(3)
+        try:
+            assert torch.equal(lin(x), single), qtype
+        finally:
+            torch.set_num_threads(1)
+            kernels.use_threads(1)
+
+
+@pytest.mark.skipif(not X86, reason="x86 instruction-set variants")
+def test_the_avx2_build_computes_the_same_bits(kernels: NativeKernels, tmp_path: Path) -> None:
+    avx2 = bind(build_library(tmp_path, extra_flags=("-mno-avx512f",)))
+    assert avx2.isa == "avx2"
+    x = activations(576)
+    for qtype in LEGACY:
+        ours = block_linear(kernels, qtype, 40, 576, 2, seed=9)
+        theirs = NativeBlockLinear(avx2, lin_weights(ours), ours.bias, 2)
+        assert torch.equal(ours(x), theirs(x)), qtype
