@@ -14,6 +14,7 @@ from engine.native import NativeKernels, bind, build_library, load_kernels
 from engine.native.decoder import NativeBlockLinear
 from engine.quant import BlockType
 from tests.engine.test_native import LEGACY, X86, block_linear, integer_reference, lin_weights
+from tests.engine.test_native_kquants import bias_of
 
 TOKENS = 40  # two whole groups of 16 and a partial one
 
@@ -57,7 +58,7 @@ def test_prefill_across_token_groups_equals_the_integer_reference(
     lin = block_linear(kernels, qtype, 37, k, 2, seed=k + 1)  # 18 row pairs and a single row
     x = activations(k)
     many = lin(x)  # (TOKENS, 37)
-    w, bias = lin_weights(lin), lin.bias.numpy()
+    w, bias = lin_weights(lin), bias_of(lin)
     for i in range(TOKENS):
         assert np.array_equal(many[i].numpy(), integer_reference(w, bias, x[i].numpy(), 2)), i
         assert torch.equal(lin(x[i : i + 1]), many[i : i + 1]), i  # a decoding step = the same prefill row
@@ -70,7 +71,7 @@ def test_a_single_output_row_and_odd_thread_splits_change_no_bit(kernels: Native
     x = activations(576)
     for qtype in LEGACY:
         one = block_linear(kernels, qtype, 1, 576, 2, seed=5)  # no pair at all
-        want = integer_reference(lin_weights(one), one.bias.numpy(), x[5].numpy(), 2)
+        want = integer_reference(lin_weights(one), bias_of(one), x[5].numpy(), 2)
         assert np.array_equal(one(x)[5].numpy(), want)
         lin = block_linear(kernels, qtype, 45, 576, 2, seed=6)
         single = lin(x)
