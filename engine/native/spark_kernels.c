@@ -566,6 +566,8 @@ static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32
 }
 #endif
 
+#include "spark_kquants.c" /* Q5_0, Q4_K, Q6_K: kq_gemm_rows */
+
 #if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
 #define SPARK_ZMM 1
 /* Prefill on AVX-512 with the tokens in the lanes: one 512-bit product adds a pair of weights (broadcast) times the
@@ -640,15 +642,21 @@ static inline __attribute__((always_inline)) void tokens_in_lanes(const int32_t 
 /* Weight rows [begin, end) times every token group: y (M, N) (+ bias), rows two at a time. */
 static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
     const int32_t nb = w->k / QK, n = w->n;
-    const int64_t row_bytes = (int64_t)nb * block_bytes(type);
+    const int64_t row_bytes = kq_type(type) ? kq_row_bytes(type, w->k) : (int64_t)nb * block_bytes(type);
     for (int64_t g = 0; g * SPARK_LANES < m; g++) {
         const int32_t count = m - g * SPARK_LANES < SPARK_LANES ? (int32_t)(m - g * SPARK_LANES) : SPARK_LANES;
         for (int32_t j = begin; j < end; j += 2) {
             const int32_t R = end - j >= 2 ? 2 : 1;
             const uint8_t *rows[2] = {w->blocks + j * row_bytes, w->blocks + (j + 1) * row_bytes};
             __m512 out[2];
-            if (R == 2) tokens_in_lanes(type, rows, 2, nb, a, g, out);
-            else tokens_in_lanes(type, rows, 1, nb, a, g, out);
+            if (kq_type(type)) {
+                if (R == 2) kq_tokens_in_lanes(type, rows, 2, nb, a, g, out);
+                else kq_tokens_in_lanes(type, rows, 1, nb, a, g, out);
+            } else if (R == 2) {
+                tokens_in_lanes(type, rows, 2, nb, a, g, out);
+            } else {
+                tokens_in_lanes(type, rows, 1, nb, a, g, out);
+            }
             for (int32_t r = 0; r < R; r++) {
                 float lanes[SPARK_LANES];
                 _mm512_storeu_ps(lanes, out[r]);
@@ -663,7 +671,10 @@ static void lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_
     switch (w->type) {
     case SPARK_Q8_0: lanes_gemm_t(SPARK_Q8_0, w, a, y, m, begin, end); break;
     case SPARK_Q4_0: lanes_gemm_t(SPARK_Q4_0, w, a, y, m, begin, end); break;
-    default: lanes_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
+    case SPARK_Q4_1: lanes_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
+    case SPARK_Q5_0: lanes_gemm_t(SPARK_Q5_0, w, a, y, m, begin, end); break;
+    case SPARK_Q4_K: lanes_gemm_t(SPARK_Q4_K, w, a, y, m, begin, end); break;
+    default: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break;
     }
 }
 #endif
@@ -671,14 +682,12 @@ static void lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_
 /* Whether a prefill of m activation rows over w takes the token-lane route (its copy built by spark_qgemm). */
 static int uses_lanes(const spark_qmat *w, int32_t m) {
 #if defined(SPARK_ZMM)
-    return m > 1 && w->act_parts == 2 && (w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1);
+    return m > 1 && w->act_parts == 2 && (w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1 || kq_type(w->type));
 #else
     (void)w, (void)m;
     return 0;
 #endif
 }
-
-#include "spark_kquants.c" /* Q5_0, Q4_K, Q6_K: kq_gemm_rows */
 
 /* y (M, N) = x W^T (+ bias) for M quantized activation rows; rows of W split across the pool. Each output is
  * dot_row of one weight row and one activation row, so a prefill of M rows and M one-row decodes agree bit for
@@ -693,16 +702,16 @@ typedef struct {
 static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const gemm_job *g = ctx;
     const spark_qmat *w = g->w;
-    if (kq_type(w->type)) {
-        kq_gemm_rows(w, g->a, g->y, g->m, begin, end);
-        return;
-    }
 #if defined(SPARK_ZMM)
     if (uses_lanes(w, g->m)) {
         lanes_gemm(w, g->a, g->y, g->m, begin, end);
         return;
     }
 #endif
+    if (kq_type(w->type)) {
+        kq_gemm_rows(w, g->a, g->y, g->m, begin, end);
+        return;
+    }
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t row_bytes = (int64_t)nb * block_bytes(w->type);
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)

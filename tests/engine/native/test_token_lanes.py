@@ -1,6 +1,7 @@
-"""spark_kernels.c's AVX-512 prefill route (the tokens in the vector lanes, 16 per group, weight rows in pairs): at
-token counts across group boundaries and widths with a partial group of 8 blocks, every output equals the integer
-reference bit for bit and the same row decoded alone; the AVX2 build's 256-bit route computes the same bits."""
+"""The AVX-512 prefill route of spark_kernels.c and spark_kquants.c (the tokens in the vector lanes, 16 per group,
+weight rows in pairs), for every block type: at token counts across group boundaries and widths with a partial
+group of 8 blocks, every output equals the integer reference bit for bit and the same row decoded alone; the AVX2
+build's 256-bit routes compute the same bits."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from engine.native import NativeKernels, bind, build_library, load_kernels
 from engine.native.decoder import NativeBlockLinear
 from engine.quant import BlockType
 from tests.engine.test_native import LEGACY, X86, block_linear, integer_reference, lin_weights
-from tests.engine.test_native_kquants import bias_of
+from tests.engine.test_native_kquants import TYPES as KQUANTS
+from tests.engine.test_native_kquants import bias_of, kquant_linear
+from tests.engine.test_native_kquants import integer_reference as kquant_reference
 
 TOKENS = 40  # two whole groups of 16 and a partial one
 
@@ -93,3 +96,39 @@ def test_the_avx2_build_computes_the_same_bits(kernels: NativeKernels, tmp_path:
         ours = block_linear(kernels, qtype, 40, 576, 2, seed=9)
         theirs = NativeBlockLinear(avx2, lin_weights(ours), ours.bias, 2)
         assert torch.equal(ours(x), theirs(x)), qtype
+
+
+@pytest.mark.parametrize("qtype", KQUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [256, 1536])  # one super-block (8 blocks of 32); SmolLM's MLP width (48)
+def test_k_quant_prefill_across_token_groups_equals_the_integer_reference(
+    kernels: NativeKernels, qtype: BlockType, k: int
+) -> None:
+    lin = kquant_linear(kernels, qtype, 37, k, 2)
+    x = activations(k)
+    many = lin(x)  # (TOKENS, 37)
+    raw, bias = lin.blocks.numpy(), bias_of(lin)
+    for i in range(TOKENS):
+        assert np.array_equal(many[i].numpy(), kquant_reference(qtype, raw, bias, x[i].numpy(), 2)), i
+        assert torch.equal(lin(x[i : i + 1]), many[i : i + 1]), i
+    for m in (2, 17, 33):
+        assert torch.equal(lin(x[:m]), many[:m]), m
+        assert torch.equal(lin(x[TOKENS - m :]), many[TOKENS - m :]), m
+
+
+def test_q5_0_prefill_with_a_partial_block_group_equals_the_reference(kernels: NativeKernels) -> None:
+    lin = kquant_linear(kernels, BlockType.Q5_0, 12, 576, 2)  # 18 blocks: two groups of 8 and a partial one
+    x = activations(576)
+    many = lin(x)
+    for i in range(TOKENS):
+        assert np.array_equal(
+            many[i].numpy(), kquant_reference(BlockType.Q5_0, lin.blocks.numpy(), bias_of(lin), x[i].numpy(), 2)
+        )
+
+
+@pytest.mark.skipif(not X86, reason="x86 instruction-set variants")
+def test_the_avx2_build_computes_the_same_k_quant_bits(kernels: NativeKernels, tmp_path: Path) -> None:
+    avx2 = bind(build_library(tmp_path, extra_flags=("-mno-avx512f",)))
+    x = activations(512)
+    for qtype in KQUANTS:
+        here, there = kquant_linear(kernels, qtype, 21, 512, 2), kquant_linear(avx2, qtype, 21, 512, 2)
+        assert torch.equal(here(x), there(x)), qtype
