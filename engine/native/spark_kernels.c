@@ -282,6 +282,27 @@ static inline float f16_at(const uint8_t *p) {
 /* One block of 32: q = rint(x * qmax / amax) into q8 (qmax 127, parts 1) or q16 (qmax 32767, parts 2); returns
  * d = amax / qmax (0 for an all-zero block) and sets q's sum. */
 static float quantize_block(const float *x, int32_t parts, int8_t *q8, int16_t *q16, int32_t *sum) {
+#if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
+    /* The same operations 16 lanes at a time: max keeps the running value where |x| is NaN, as `v > amax` does;
+     * the conversion rounds as lrintf (the current mode) and its out-of-range result, like lrintf's, has zero low
+     * bits, so the truncated quants and their sum are the scalar loop's. */
+    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps())));
+    const float qmax = parts == 2 ? 32767.0f : 127.0f;
+    const __m512 inv = _mm512_set1_ps(amax == 0.0f ? 0.0f : qmax / amax);
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+    const int bits = parts == 2 ? 16 : 24; /* sign-extend the stored low 16 (8) bits for the sum */
+    const __m512i t0 = _mm512_srai_epi32(_mm512_slli_epi32(i0, bits), bits), t1 = _mm512_srai_epi32(_mm512_slli_epi32(i1, bits), bits);
+    if (parts == 2) {
+        _mm256_storeu_si256((__m256i *)q16, _mm512_cvtepi32_epi16(i0));
+        _mm256_storeu_si256((__m256i *)(q16 + 16), _mm512_cvtepi32_epi16(i1));
+    } else {
+        _mm_storeu_si128((__m128i *)q8, _mm512_cvtepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)(q8 + 16), _mm512_cvtepi32_epi8(i1));
+    }
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(t0, t1));
+    return amax / qmax;
+#else
     float amax = 0.0f;
     for (int32_t i = 0; i < QK; i++) {
         const float v = fabsf(x[i]);
@@ -303,6 +324,7 @@ static float quantize_block(const float *x, int32_t parts, int8_t *q8, int16_t *
     }
     *sum = s;
     return amax / qmax;
+#endif
 }
 
 /* Quantize one row x (K, of which the first `valid` values are given: the rest are zeros, a matrix whose input

@@ -132,3 +132,24 @@ def test_the_avx2_build_computes_the_same_k_quant_bits(kernels: NativeKernels, t
     for qtype in KQUANTS:
         here, there = kquant_linear(kernels, qtype, 21, 512, 2), kquant_linear(avx2, qtype, 21, 512, 2)
         assert torch.equal(here(x), there(x)), qtype
+
+
+@pytest.mark.skipif(not X86, reason="x86 instruction-set variants")
+def test_activations_quantize_as_the_scalar_loop_even_when_hostile(kernels: NativeKernels, tmp_path: Path) -> None:
+    """The AVX-512 build quantizes activation blocks 16 lanes at a time, the AVX2 build with the scalar loop: NaN,
+    infinities, denormals (whose scale overflows) and huge values give the same bits, one row or many, int8 or
+    int16 activations."""
+    avx2 = bind(build_library(tmp_path, extra_flags=("-mno-avx512f",)))
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(4))
+    x[0, 3] = float("nan")
+    x[1, 40] = float("inf")
+    x[1, 41] = -float("inf")
+    x[2, 64:96] = torch.tensor(1e-40) * torch.arange(32)  # denormals: 32767 / amax is infinite
+    x[3, :32] = 3e38
+    x[4, 96:] = -0.0
+    for qtype in LEGACY:
+        for parts in (1, 2):
+            ours = block_linear(kernels, qtype, 10, 128, parts, seed=3)
+            theirs = NativeBlockLinear(avx2, lin_weights(ours), ours.bias, parts)
+            for rows in (x, x[1:2], x[2:3]):
+                assert torch.equal(ours(rows).view(torch.int32), theirs(rows).view(torch.int32)), (qtype, parts)
