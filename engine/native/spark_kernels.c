@@ -273,6 +273,11 @@ static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
     return a;
 }
 
+/* Ask for `bytes` from p in cache before they are read (streams the hardware prefetcher does not foresee). */
+static inline void prefetch_bytes(const uint8_t *p, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 3);
+}
+
 static inline float f16_at(const uint8_t *p) {
     _Float16 h;
     memcpy(&h, p, sizeof h);
@@ -894,6 +899,9 @@ typedef struct {
     float scale;
 } attn_job;
 
+#ifndef SPARK_KV_AHEAD
+#define SPARK_KV_AHEAD 8 /* key or value rows ahead */
+#endif
 static void attend_heads(void *ctx, int32_t begin, int32_t end) {
     const attn_job *j = ctx;
     const spark_step *step = j->step;
@@ -904,6 +912,8 @@ static void attend_heads(void *ctx, int32_t begin, int32_t end) {
         float *scores = j->scores + (int64_t)qh * step->width;
         float mx = -INFINITY;
         for (int32_t r = 0; r < step->width; r++) {
+            /* The read copies come from memory once per step (a head group's first head): asked for ahead. */
+            if (r + SPARK_KV_AHEAD < step->width) prefetch_bytes((const uint8_t *)(kh_read + (int64_t)(r + SPARK_KV_AHEAD) * d), (int64_t)d * 4);
             const float *qv = (r < step->split ? j->q_plain : j->q_new) + qh * d;
             float sc = dotf(qv, kh_read + (int64_t)r * d, d) * j->scale;
             scores[r] = sc;
@@ -919,6 +929,7 @@ static void attend_heads(void *ctx, int32_t begin, int32_t end) {
         float *out = j->att + qh * d;
         memset(out, 0, sizeof(float) * (size_t)d);
         for (int32_t r2 = 0; r2 < step->width; r2++) {
+            if (r2 + SPARK_KV_AHEAD < step->width) prefetch_bytes((const uint8_t *)(vh_read + (int64_t)(r2 + SPARK_KV_AHEAD) * d), (int64_t)d * 4);
             const float p = scores[r2] / total;
             const float *vr = vh_read + (int64_t)r2 * d;
             for (int32_t i = 0; i < d; i++) out[i] += p * vr[i];
