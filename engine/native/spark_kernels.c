@@ -23,6 +23,9 @@
  *   Q8_0: term = (d_w * d_x) * sum(wq * xq)                          w = d_w * wq
  *   Q4_0: term = (d_w * d_x) * (sum(nib * xq) - 8 * s)               w = d_w * (nib - 8)
  *   Q4_1: term = (d_w * d_x) * sum(nib * xq) + m_w * (d_x * s)       w = d_w * nib + m_w
+ * Routes to those integers: a decoding step (one activation row) takes the weight rows in pairs with 256-bit
+ * products (AVX2; AVX-512 VNNI); a prefill on AVX-512 puts 16 tokens in the lanes of one 512-bit product
+ * (tokens_in_lanes, every block type), elsewhere it passes each weight row over 12 tokens (dot_rows_r).
  */
 
 #include <math.h>
@@ -899,9 +902,7 @@ typedef struct {
     float scale;
 } attn_job;
 
-#ifndef SPARK_KV_AHEAD
-#define SPARK_KV_AHEAD 8 /* key or value rows ahead */
-#endif
+#define SPARK_KV_AHEAD 8 /* key or value rows asked for ahead */
 static void attend_heads(void *ctx, int32_t begin, int32_t end) {
     const attn_job *j = ctx;
     const spark_step *step = j->step;

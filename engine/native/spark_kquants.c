@@ -20,7 +20,8 @@
  * 32767 < 2^31 is an exact int32 (their sum might not be, hence two conversions).
  * On x86 the int16-activation path (the default) takes 8 blocks at once (a K-quant super-block): the 8 blocks' sums
  * fill the 8 lanes of a vector, lane j being partial sum j, so the same float operations run lane by lane.
- * Routes: AVX-512 with BW and VNNI (one 512-bit product per block), AVX2, Arm's NEON dot product, portable C; each
+ * Routes: AVX-512 with BW and VNNI (one 512-bit product per block; a prefill: spark_kernels.c's token-lane route,
+ * kq_tokens_in_lanes below), AVX2, Arm's NEON dot product, portable C; each
  * checked bit for bit by tests/engine/native/kquant_check.c (the Arm ones under qemu) and the Python tests.
  */
 
