@@ -709,10 +709,13 @@ static void lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_
 }
 #endif
 
-/* Whether a prefill of m activation rows over w takes the token-lane route (its copy built by spark_qgemm). */
-static int uses_lanes(const spark_qmat *w, int32_t m) {
+/* How many of a prefill's m activation rows over w take the token-lane route (its copy built by spark_qgemm), the
+ * first ones; the rest take the row routes. A group of 16 lanes costs the same however few tokens fill it, and
+ * below about half full the row routes are faster: so whole groups, and a last partial one of at least 8. */
+static int32_t lane_tokens(const spark_qmat *w, int32_t m) {
 #if defined(SPARK_ZMM)
-    return m > 1 && w->act_parts == 2 && (w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1 || kq_type(w->type));
+    if (w->act_parts != 2 || !(w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1 || kq_type(w->type))) return 0;
+    return m % SPARK_LANES >= SPARK_LANES / 2 ? m : m - m % SPARK_LANES;
 #else
     (void)w, (void)m;
     return 0;
@@ -732,14 +735,13 @@ typedef struct {
 static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const gemm_job *g = ctx;
     const spark_qmat *w = g->w;
+    const int32_t lanes = lane_tokens(w, g->m); /* tokens [0, lanes) in the lanes, the rest by rows */
 #if defined(SPARK_ZMM)
-    if (uses_lanes(w, g->m)) {
-        lanes_gemm(w, g->a, g->y, g->m, begin, end);
-        return;
-    }
+    if (lanes > 0) lanes_gemm(w, g->a, g->y, lanes, begin, end);
+    if (lanes == g->m) return;
 #endif
     if (kq_type(w->type)) {
-        kq_gemm_rows(w, g->a, g->y, g->m, begin, end);
+        kq_gemm_rows(w, g->a, g->y, lanes, g->m, begin, end);
         return;
     }
     const int32_t nb = w->k / QK, n = w->n;
@@ -760,7 +762,7 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
 #endif
     /* Tokens in groups of SPARK_ROWS, and within a group every row of this thread's range: the group's activations
      * stay in L1 while the weight rows stream past once per group. */
-    for (int32_t r = 0; r < g->m; r += SPARK_ROWS) {
+    for (int32_t r = lanes; r < g->m; r += SPARK_ROWS) {
         const int32_t rc = g->m - r < SPARK_ROWS ? g->m - r : SPARK_ROWS;
         int64_t b0[SPARK_ROWS];
         for (int32_t t = 0; t < rc; t++) b0[t] = (int64_t)(r + t) * nb;
@@ -779,7 +781,8 @@ void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void 
     const int32_t nb = w->k / QK;
     for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * w->k, w->k, w->k, &a, (int64_t)r * nb);
 #if defined(SPARK_ZMM)
-    if (uses_lanes(w, m)) lanes_in(&a, m, nb);
+    const int32_t lanes = lane_tokens(w, m);
+    if (lanes > 0) lanes_in(&a, lanes, nb);
 #endif
     gemm_job g = {w, &a, y, m};
     parallel_for(gemm_rows, &g, w->n);

@@ -475,11 +475,11 @@ static void kq_dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spar
     }
 }
 
-/* Weight rows [begin, end) of w times m activation rows: y (M, N), as spark_kernels.c's gemm_rows. */
-static void kq_gemm_rows(const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
+/* Weight rows [begin, end) of w times activation rows [first, m): y (M, N), as spark_kernels.c's gemm_rows. */
+static void kq_gemm_rows(const spark_qmat *w, const spark_act *a, float *y, int32_t first, int32_t m, int32_t begin, int32_t end) {
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t rb = kq_row_bytes(w->type, w->k);
-    for (int32_t r = 0; r < m; r += KQ_ROWS) {
+    for (int32_t r = first; r < m; r += KQ_ROWS) {
         const int32_t rc = m - r < KQ_ROWS ? m - r : KQ_ROWS;
         int64_t b0[KQ_ROWS];
         for (int32_t t = 0; t < rc; t++) b0[t] = (int64_t)(r + t) * nb;

@@ -65,7 +65,7 @@ def test_prefill_across_token_groups_equals_the_integer_reference(
     for i in range(TOKENS):
         assert np.array_equal(many[i].numpy(), integer_reference(w, bias, x[i].numpy(), 2)), i
         assert torch.equal(lin(x[i : i + 1]), many[i : i + 1]), i  # a decoding step = the same prefill row
-    for m in (2, 15, 16, 17, 33):  # whole and partial groups
+    for m in (2, 7, 8, 15, 16, 17, 20, 24, 33):  # by rows; one group, whole or from 8; groups and rows after
         assert torch.equal(lin(x[:m]), many[:m]), m
         assert torch.equal(lin(x[TOKENS - m :]), many[TOKENS - m :]), m  # the same tokens in other lanes
 
