@@ -253,8 +253,16 @@ int32_t spark_block_bytes(int32_t type) {
 
 #define SPARK_LANES 16 /* tokens per vector in the token-lane layout */
 
-/* Rows rounded up to whole groups of SPARK_LANES tokens: the token-lane copy's (a prefill's; none for one row). */
-static int64_t lane_rows(int32_t m) { return m > 1 ? ((int64_t)m + SPARK_LANES - 1) / SPARK_LANES * SPARK_LANES : 0; }
+/* Rows rounded up to whole groups of SPARK_LANES tokens: the token-lane copy's (a prefill's on AVX-512; none for
+ * one row, nor where that route is not built). */
+static int64_t lane_rows(int32_t m) {
+#if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
+    return m >= SPARK_LANES / 2 ? ((int64_t)m + SPARK_LANES - 1) / SPARK_LANES * SPARK_LANES : 0;
+#else
+    (void)m;
+    return 0;
+#endif
+}
 
 /* Bytes of activation scratch for m rows of k (spark_qgemm's `scratch`): the rows, then their token-lane copy. */
 int64_t spark_act_bytes(int32_t k, int32_t m) { return ((int64_t)m + lane_rows(m)) * (2 * k + 12 * (k / QK)) + 128; }
