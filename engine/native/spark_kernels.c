@@ -23,6 +23,9 @@
  *   Q8_0: term = (d_w * d_x) * sum(wq * xq)                          w = d_w * wq
  *   Q4_0: term = (d_w * d_x) * (sum(nib * xq) - 8 * s)               w = d_w * (nib - 8)
  *   Q4_1: term = (d_w * d_x) * sum(nib * xq) + m_w * (d_x * s)       w = d_w * nib + m_w
+ * Routes to those integers: a decoding step (one activation row) takes the weight rows in pairs with 256-bit
+ * products (AVX2; AVX-512 VNNI); a prefill on AVX-512 puts 16 tokens in the lanes of one 512-bit product
+ * (tokens_in_lanes, every block type), elsewhere it passes each weight row over 12 tokens (dot_rows_r).
  */
 
 #include <math.h>
@@ -230,6 +233,12 @@ typedef struct {
     float *d, *ds;
     int32_t *s;
     int32_t parts;
+    /* The same int16 rows with the tokens in vector lanes (AVX-512 prefill, tokens_in_lanes below), for
+     * ceil(M/16) groups of 16 tokens, absent tokens zero: tq (G, K/32, 16, 16) int16 pairs, lane t of vector
+     * (g, b, i) = elements 2i, 2i+1 of token 16g + t's block b; td, tds, ts (G, K/32, 16) its d, ds, s. */
+    int32_t *tq;
+    float *td, *tds;
+    int32_t *ts;
 } spark_act;
 
 static int32_t block_bytes(int32_t type) { return type == SPARK_Q8_0 ? 34 : type == SPARK_Q4_1 ? 20 : 18; }
@@ -242,11 +251,24 @@ int32_t spark_block_bytes(int32_t type) {
     return type == SPARK_Q8_0 || type == SPARK_Q4_0 || type == SPARK_Q4_1 ? block_bytes(type) : 0;
 }
 
-/* Bytes of activation scratch for m rows of k (spark_qgemm's `scratch`). */
-int64_t spark_act_bytes(int32_t k, int32_t m) { return (int64_t)m * (2 * k + 12 * (k / QK)) + 64; }
+#define SPARK_LANES 16 /* tokens per vector in the token-lane layout */
+
+/* Rows rounded up to whole groups of SPARK_LANES tokens: the token-lane copy's (a prefill's on AVX-512; none for
+ * one row, nor where that route is not built). */
+static int64_t lane_rows(int32_t m) {
+#if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
+    return m >= SPARK_LANES / 2 ? ((int64_t)m + SPARK_LANES - 1) / SPARK_LANES * SPARK_LANES : 0;
+#else
+    (void)m;
+    return 0;
+#endif
+}
+
+/* Bytes of activation scratch for m rows of k (spark_qgemm's `scratch`): the rows, then their token-lane copy. */
+int64_t spark_act_bytes(int32_t k, int32_t m) { return ((int64_t)m + lane_rows(m)) * (2 * k + 12 * (k / QK)) + 128; }
 
 static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
-    const int64_t nb = (int64_t)m * (k / QK);
+    const int64_t nb = (int64_t)m * (k / QK), tb = lane_rows(m) * (k / QK);
     spark_act a;
     a.d = (float *)scratch;
     a.ds = a.d + nb;
@@ -254,7 +276,17 @@ static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
     a.q8 = (int8_t *)(a.s + nb);
     a.q16 = (int16_t *)(a.s + nb);
     a.parts = parts;
+    /* the token-lane copy from the next 64-byte boundary after the rows (its vectors are loaded whole) */
+    a.tq = (int32_t *)(((uintptr_t)(a.q16 + nb * QK) + 63) & ~(uintptr_t)63);
+    a.td = (float *)(a.tq + tb * QK / 2);
+    a.tds = a.td + tb;
+    a.ts = (int32_t *)(a.tds + tb);
     return a;
+}
+
+/* Ask for `bytes` from p in cache before they are read (streams the hardware prefetcher does not foresee). */
+static inline void prefetch_bytes(const uint8_t *p, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 3);
 }
 
 static inline float f16_at(const uint8_t *p) {
@@ -266,6 +298,27 @@ static inline float f16_at(const uint8_t *p) {
 /* One block of 32: q = rint(x * qmax / amax) into q8 (qmax 127, parts 1) or q16 (qmax 32767, parts 2); returns
  * d = amax / qmax (0 for an all-zero block) and sets q's sum. */
 static float quantize_block(const float *x, int32_t parts, int8_t *q8, int16_t *q16, int32_t *sum) {
+#if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
+    /* The same operations 16 lanes at a time: max keeps the running value where |x| is NaN, as `v > amax` does;
+     * the conversion rounds as lrintf (the current mode) and its out-of-range result, like lrintf's, has zero low
+     * bits, so the truncated quants and their sum are the scalar loop's. */
+    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps())));
+    const float qmax = parts == 2 ? 32767.0f : 127.0f;
+    const __m512 inv = _mm512_set1_ps(amax == 0.0f ? 0.0f : qmax / amax);
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+    const int bits = parts == 2 ? 16 : 24; /* sign-extend the stored low 16 (8) bits for the sum */
+    const __m512i t0 = _mm512_srai_epi32(_mm512_slli_epi32(i0, bits), bits), t1 = _mm512_srai_epi32(_mm512_slli_epi32(i1, bits), bits);
+    if (parts == 2) {
+        _mm256_storeu_si256((__m256i *)q16, _mm512_cvtepi32_epi16(i0));
+        _mm256_storeu_si256((__m256i *)(q16 + 16), _mm512_cvtepi32_epi16(i1));
+    } else {
+        _mm_storeu_si128((__m128i *)q8, _mm512_cvtepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)(q8 + 16), _mm512_cvtepi32_epi8(i1));
+    }
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(t0, t1));
+    return amax / qmax;
+#else
     float amax = 0.0f;
     for (int32_t i = 0; i < QK; i++) {
         const float v = fabsf(x[i]);
@@ -287,6 +340,7 @@ static float quantize_block(const float *x, int32_t parts, int8_t *q8, int16_t *
     }
     *sum = s;
     return amax / qmax;
+#endif
 }
 
 /* Quantize one row x (K, of which the first `valid` values are given: the rest are zeros, a matrix whose input
@@ -552,6 +606,130 @@ static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32
 
 #include "spark_kquants.c" /* Q5_0, Q4_K, Q6_K: kq_gemm_rows */
 
+#if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
+#define SPARK_ZMM 1
+/* Prefill on AVX-512 with the tokens in the lanes: one 512-bit product adds a pair of weights (broadcast) times the
+ * same pair of 16 tokens' activations, so 16 products give 16 tokens' exact block sums, one per lane, with no
+ * horizontal sum (a block per vector, the 256-bit route's layout, needs one per block and token); the float terms
+ * then run 16 tokens at once, each lane taking block_term's operations in block order. */
+
+/* Token-lane copy of a's m rows of nb blocks (spark_act's tq, td, tds, ts), absent tokens of the last group zero. */
+static void lanes_in(spark_act *a, int32_t m, int32_t nb) {
+    const int64_t groups = lane_rows(m) / SPARK_LANES;
+    for (int64_t g = 0; g < groups; g++)
+        for (int32_t t = 0; t < SPARK_LANES; t++) {
+            const int64_t tok = g * SPARK_LANES + t;
+            for (int32_t b = 0; b < nb; b++) {
+                const int64_t at = (g * nb + b) * SPARK_LANES + t; /* lane t of block b's scalars */
+                int32_t *q = a->tq + (g * nb + b) * (QK / 2) * SPARK_LANES + t;
+                if (tok < m) {
+                    const int16_t *x = a->q16 + (tok * nb + b) * QK;
+                    for (int32_t i = 0; i < QK / 2; i++) memcpy(&q[i * SPARK_LANES], x + 2 * i, 4);
+                    a->td[at] = a->d[tok * nb + b], a->tds[at] = a->ds[tok * nb + b], a->ts[at] = a->s[tok * nb + b];
+                } else {
+                    for (int32_t i = 0; i < QK / 2; i++) q[i * SPARK_LANES] = 0;
+                    a->td[at] = a->tds[at] = 0.0f, a->ts[at] = 0;
+                }
+            }
+        }
+}
+
+/* out[r] (16 token lanes) = weight row rows[r] (r < R) times the 16 tokens of group g: per 8 blocks, each row's
+ * quants widened to int16 once (wide), then per block 16 products per row into two chains (pairs i even, odd). */
+static inline __attribute__((always_inline)) void tokens_in_lanes(const int32_t type, const uint8_t *const *rows, const int32_t R, int32_t nb, const spark_act *a, int64_t g, __m512 *out) {
+    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
+    __m512 acc[2][8];
+    for (int32_t r = 0; r < R; r++)
+        for (int32_t u = 0; u < 8; u++) acc[r][u] = _mm512_setzero_ps();
+    for (int32_t b8 = 0; b8 < nb; b8 += 8) {
+        const int32_t count = nb - b8 < 8 ? nb - b8 : 8;
+        int32_t wide[2][8][QK / 2] __attribute__((aligned(64))); /* int16 pairs: block u's weights 2i, 2i+1 */
+        for (int32_t r = 0; r < R; r++)
+            for (int32_t u = 0; u < count; u++) {
+                const spark_w16 w = load_w16(type, rows[r] + (int64_t)(b8 + u) * bb + off);
+                _mm512_store_si512(wide[r][u], _mm512_inserti64x4(_mm512_castsi256_si512(w.lo), w.hi, 1));
+            }
+#pragma GCC unroll 8
+        for (int32_t u = 0; u < 8; u++) {
+            if (u >= count) break;
+            const int64_t at = (g * nb + b8 + u) * SPARK_LANES;
+            const int32_t *xq = a->tq + at * (QK / 2);
+            __m512i s[2][2];
+            for (int32_t r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+            for (int32_t i = 0; i < QK / 2; i++) {
+                const __m512i x = _mm512_load_si512(xq + i * SPARK_LANES);
+                for (int32_t r = 0; r < R; r++) s[r][i & 1] = _mm512_dpwssd_epi32(s[r][i & 1], x, _mm512_set1_epi32(wide[r][u][i]));
+            }
+            const __m512 d = _mm512_loadu_ps(a->td + at);
+            for (int32_t r = 0; r < R; r++) {
+                const uint8_t *blk = rows[r] + (int64_t)(b8 + u) * bb;
+                __m512i isum = _mm512_add_epi32(s[r][0], s[r][1]);
+                if (type == SPARK_Q4_0) isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(_mm512_loadu_si512(a->ts + at), 3));
+                __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(f16_at(blk)), d), _mm512_cvtepi32_ps(isum));
+                if (type == SPARK_Q4_1) t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(f16_at(blk + 2)), _mm512_loadu_ps(a->tds + at)));
+                acc[r][u] = _mm512_add_ps(acc[r][u], t);
+            }
+        }
+    }
+    for (int32_t r = 0; r < R; r++)
+        out[r] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][4]), _mm512_add_ps(acc[r][1], acc[r][5])),
+                               _mm512_add_ps(_mm512_add_ps(acc[r][2], acc[r][6]), _mm512_add_ps(acc[r][3], acc[r][7])));
+}
+
+/* Weight rows [begin, end) times every token group: y (M, N) (+ bias), rows two at a time. */
+static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
+    const int32_t nb = w->k / QK, n = w->n;
+    const int64_t row_bytes = kq_type(type) ? kq_row_bytes(type, w->k) : (int64_t)nb * block_bytes(type);
+    for (int64_t g = 0; g * SPARK_LANES < m; g++) {
+        const int32_t count = m - g * SPARK_LANES < SPARK_LANES ? (int32_t)(m - g * SPARK_LANES) : SPARK_LANES;
+        for (int32_t j = begin; j < end; j += 2) {
+            const int32_t R = end - j >= 2 ? 2 : 1;
+            const uint8_t *rows[2] = {w->blocks + j * row_bytes, w->blocks + (j + 1) * row_bytes};
+            __m512 out[2];
+            if (kq_type(type)) {
+                if (R == 2) kq_tokens_in_lanes(type, rows, 2, nb, a, g, out);
+                else kq_tokens_in_lanes(type, rows, 1, nb, a, g, out);
+            } else if (R == 2) {
+                tokens_in_lanes(type, rows, 2, nb, a, g, out);
+            } else {
+                tokens_in_lanes(type, rows, 1, nb, a, g, out);
+            }
+            for (int32_t r = 0; r < R; r++) {
+                float lanes[SPARK_LANES];
+                _mm512_storeu_ps(lanes, out[r]);
+                const float bias = w->bias ? w->bias[j + r] : 0.0f;
+                for (int32_t t = 0; t < count; t++) y[(g * SPARK_LANES + t) * n + j + r] = lanes[t] + bias;
+            }
+        }
+    }
+}
+
+static void lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
+    switch (w->type) {
+    case SPARK_Q8_0: lanes_gemm_t(SPARK_Q8_0, w, a, y, m, begin, end); break;
+    case SPARK_Q4_0: lanes_gemm_t(SPARK_Q4_0, w, a, y, m, begin, end); break;
+    case SPARK_Q4_1: lanes_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
+    case SPARK_Q5_0: lanes_gemm_t(SPARK_Q5_0, w, a, y, m, begin, end); break;
+    case SPARK_Q4_K: lanes_gemm_t(SPARK_Q4_K, w, a, y, m, begin, end); break;
+    default: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break;
+    }
+}
+#endif
+
+/* How many of a prefill's m activation rows over w take the token-lane route (its copy built by spark_qgemm), the
+ * first ones; the rest take the row routes. A group of 16 lanes costs the same however few tokens fill it, and
+ * below about half full the row routes are faster: so whole groups, and a last partial one of at least 8. */
+static int32_t lane_tokens(const spark_qmat *w, int32_t m) {
+#if defined(SPARK_ZMM)
+    if (w->act_parts != 2 || !(w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1 || kq_type(w->type))) return 0;
+    return m % SPARK_LANES >= SPARK_LANES / 2 ? m : m - m % SPARK_LANES;
+#else
+    (void)w, (void)m;
+    return 0;
+#endif
+}
+
 /* y (M, N) = x W^T (+ bias) for M quantized activation rows; rows of W split across the pool. Each output is
  * dot_row of one weight row and one activation row, so a prefill of M rows and M one-row decodes agree bit for
  * bit; the weight row stays in cache while the M activation rows pass it. */
@@ -565,8 +743,13 @@ typedef struct {
 static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const gemm_job *g = ctx;
     const spark_qmat *w = g->w;
+    const int32_t lanes = lane_tokens(w, g->m); /* tokens [0, lanes) in the lanes, the rest by rows */
+#if defined(SPARK_ZMM)
+    if (lanes > 0) lanes_gemm(w, g->a, g->y, lanes, begin, end);
+    if (lanes == g->m) return;
+#endif
     if (kq_type(w->type)) {
-        kq_gemm_rows(w, g->a, g->y, g->m, begin, end);
+        kq_gemm_rows(w, g->a, g->y, lanes, g->m, begin, end);
         return;
     }
     const int32_t nb = w->k / QK, n = w->n;
@@ -587,7 +770,7 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
 #endif
     /* Tokens in groups of SPARK_ROWS, and within a group every row of this thread's range: the group's activations
      * stay in L1 while the weight rows stream past once per group. */
-    for (int32_t r = 0; r < g->m; r += SPARK_ROWS) {
+    for (int32_t r = lanes; r < g->m; r += SPARK_ROWS) {
         const int32_t rc = g->m - r < SPARK_ROWS ? g->m - r : SPARK_ROWS;
         int64_t b0[SPARK_ROWS];
         for (int32_t t = 0; t < rc; t++) b0[t] = (int64_t)(r + t) * nb;
@@ -605,6 +788,10 @@ void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void 
     spark_act a = act_in(scratch, w->k, m, w->act_parts);
     const int32_t nb = w->k / QK;
     for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * w->k, w->k, w->k, &a, (int64_t)r * nb);
+#if defined(SPARK_ZMM)
+    const int32_t lanes = lane_tokens(w, m);
+    if (lanes > 0) lanes_in(&a, lanes, nb);
+#endif
     gemm_job g = {w, &a, y, m};
     parallel_for(gemm_rows, &g, w->n);
 }
@@ -726,6 +913,7 @@ typedef struct {
     float scale;
 } attn_job;
 
+#define SPARK_KV_AHEAD 8 /* key or value rows asked for ahead */
 static void attend_heads(void *ctx, int32_t begin, int32_t end) {
     const attn_job *j = ctx;
     const spark_step *step = j->step;
@@ -736,6 +924,8 @@ static void attend_heads(void *ctx, int32_t begin, int32_t end) {
         float *scores = j->scores + (int64_t)qh * step->width;
         float mx = -INFINITY;
         for (int32_t r = 0; r < step->width; r++) {
+            /* The read copies come from memory once per step (a head group's first head): asked for ahead. */
+            if (r + SPARK_KV_AHEAD < step->width) prefetch_bytes((const uint8_t *)(kh_read + (int64_t)(r + SPARK_KV_AHEAD) * d), (int64_t)d * 4);
             const float *qv = (r < step->split ? j->q_plain : j->q_new) + qh * d;
             float sc = dotf(qv, kh_read + (int64_t)r * d, d) * j->scale;
             scores[r] = sc;
@@ -751,6 +941,7 @@ static void attend_heads(void *ctx, int32_t begin, int32_t end) {
         float *out = j->att + qh * d;
         memset(out, 0, sizeof(float) * (size_t)d);
         for (int32_t r2 = 0; r2 < step->width; r2++) {
+            if (r2 + SPARK_KV_AHEAD < step->width) prefetch_bytes((const uint8_t *)(vh_read + (int64_t)(r2 + SPARK_KV_AHEAD) * d), (int64_t)d * 4);
             const float p = scores[r2] / total;
             const float *vr = vh_read + (int64_t)r2 * d;
             for (int32_t i = 0; i < d; i++) out[i] += p * vr[i];

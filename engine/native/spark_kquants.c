@@ -20,7 +20,8 @@
  * 32767 < 2^31 is an exact int32 (their sum might not be, hence two conversions).
  * On x86 the int16-activation path (the default) takes 8 blocks at once (a K-quant super-block): the 8 blocks' sums
  * fill the 8 lanes of a vector, lane j being partial sum j, so the same float operations run lane by lane.
- * Routes: AVX-512 with BW and VNNI (one 512-bit product per block), AVX2, Arm's NEON dot product, portable C; each
+ * Routes: AVX-512 with BW and VNNI (one 512-bit product per block; a prefill: spark_kernels.c's token-lane route,
+ * kq_tokens_in_lanes below), AVX2, Arm's NEON dot product, portable C; each
  * checked bit for bit by tests/engine/native/kquant_check.c (the Arm ones under qemu) and the Python tests.
  */
 
@@ -337,6 +338,78 @@ static inline __attribute__((always_inline)) void kq_block_lanes(const int32_t t
 }
 #endif
 
+#if defined(SPARK_KQ512)
+/* The weight factors of block b (kq_unpack's dw, mw, s0, s1) without its quants. */
+static inline void kq_factors_of(const int32_t type, const uint8_t *row, int32_t b, kq_block *o) {
+    o->mw = 0.0f;
+    o->s0 = o->s1 = 0;
+    if (type == SPARK_Q5_0) {
+        o->dw = f16_at(row + (int64_t)b * 22);
+    } else if (type == SPARK_Q4_K) {
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 144;
+        int32_t sc, m;
+        k4_scale_min(b & 7, blk + 4, &sc, &m);
+        o->dw = f16_at(blk) * (float)sc;
+        o->mw = -(f16_at(blk + 2) * (float)m);
+    } else {
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        o->dw = f16_at(blk + 208);
+        o->s0 = sc[2 * (b & 7)];
+        o->s1 = sc[2 * (b & 7) + 1];
+    }
+}
+
+/* spark_kernels.c's token-lane prefill (tokens_in_lanes) for these types: out[r] (16 token lanes) = weight row
+ * rows[r] (r < R) times token group g. Per block and row, 16 products of a broadcast weight pair with the 16
+ * tokens' pair: pairs 0..7 sum to h0, 8..15 to h1, one lane per token; the terms as kq_term, lane by lane. */
+static inline __attribute__((always_inline)) void kq_tokens_in_lanes(const int32_t type, const uint8_t *const *rows, const int32_t R, int32_t nb, const spark_act *a, int64_t g, __m512 *out) {
+    __m512 acc[2][8];
+    for (int32_t r = 0; r < R; r++)
+        for (int32_t u = 0; u < 8; u++) acc[r][u] = _mm512_setzero_ps();
+    for (int32_t b8 = 0; b8 < nb; b8 += 8) {
+        const int32_t count = nb - b8 < 8 ? nb - b8 : 8;
+        int32_t wide[2][8][QK / 2] __attribute__((aligned(64))); /* int16 pairs: block u's weights 2i, 2i+1 */
+        kq_block f[2][8];
+        for (int32_t r = 0; r < R; r++)
+            for (int32_t u = 0; u < count; u++) {
+                _mm512_store_si512(wide[r][u], kq_unpack512(type, rows[r], b8 + u));
+                kq_factors_of(type, rows[r], b8 + u, &f[r][u]);
+            }
+#pragma GCC unroll 8
+        for (int32_t u = 0; u < 8; u++) {
+            if (u >= count) break;
+            const int64_t at = (g * nb + b8 + u) * SPARK_LANES;
+            const int32_t *xq = a->tq + at * (QK / 2);
+            __m512i h[2][2];
+            for (int32_t r = 0; r < R; r++) h[r][0] = h[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+            for (int32_t i = 0; i < QK / 2; i++) {
+                const __m512i x = _mm512_load_si512(xq + i * SPARK_LANES);
+                for (int32_t r = 0; r < R; r++) h[r][i >> 3] = _mm512_dpwssd_epi32(h[r][i >> 3], x, _mm512_set1_epi32(wide[r][u][i]));
+            }
+            const __m512 d = _mm512_loadu_ps(a->td + at);
+            for (int32_t r = 0; r < R; r++) {
+                const kq_block *o = &f[r][u];
+                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(o->dw), d);
+                __m512 t;
+                if (type == SPARK_Q6_K) {
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_set1_epi32(o->s0), h[r][0]));
+                    t = _mm512_mul_ps(scale, _mm512_add_ps(lo, _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_set1_epi32(o->s1), h[r][1]))));
+                } else {
+                    t = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(h[r][0], h[r][1])));
+                    if (type == SPARK_Q4_K) t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(o->mw), _mm512_loadu_ps(a->tds + at)));
+                }
+                acc[r][u] = _mm512_add_ps(acc[r][u], t);
+            }
+        }
+    }
+    for (int32_t r = 0; r < R; r++)
+        out[r] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][4]), _mm512_add_ps(acc[r][1], acc[r][5])),
+                               _mm512_add_ps(_mm512_add_ps(acc[r][2], acc[r][6]), _mm512_add_ps(acc[r][3], acc[r][7])));
+}
+#endif
+
 /* out[t] = one weight row times activation rows t < r_count (row t from block b0[t]); each block is unpacked once for
  * all rows, and each row's sum takes the same steps whatever r_count is. */
 #define KQ_ROWS 4
@@ -402,11 +475,11 @@ static void kq_dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spar
     }
 }
 
-/* Weight rows [begin, end) of w times m activation rows: y (M, N), as spark_kernels.c's gemm_rows. */
-static void kq_gemm_rows(const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
+/* Weight rows [begin, end) of w times activation rows [first, m): y (M, N), as spark_kernels.c's gemm_rows. */
+static void kq_gemm_rows(const spark_qmat *w, const spark_act *a, float *y, int32_t first, int32_t m, int32_t begin, int32_t end) {
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t rb = kq_row_bytes(w->type, w->k);
-    for (int32_t r = 0; r < m; r += KQ_ROWS) {
+    for (int32_t r = first; r < m; r += KQ_ROWS) {
         const int32_t rc = m - r < KQ_ROWS ? m - r : KQ_ROWS;
         int64_t b0[KQ_ROWS];
         for (int32_t t = 0; t < rc; t++) b0[t] = (int64_t)(r + t) * nb;

@@ -67,7 +67,7 @@ int main(void) {
     for (int32_t ti = 0; ti < 3; ti++) {
         for (int32_t wi = 0; wi < 4; wi++) {
             for (int32_t parts = 1; parts <= 2; parts++) {
-                const int32_t type = types[ti], k = widths[wi], n = 37, m = 6;
+                const int32_t type = types[ti], k = widths[wi], n = 37, m = 20; /* AVX-512: 16 tokens in lanes, 4 by rows */
                 uint8_t *w = malloc((size_t)n * (k / QK) * block_bytes(type));
                 float *bias = malloc(4 * n), *x = malloc(4 * (size_t)m * k), *y = malloc(4 * (size_t)m * n);
                 void *scratch = malloc((size_t)spark_act_bytes(k, m));

@@ -95,7 +95,7 @@ int main(void) {
             const int32_t k = (const int32_t[]){256, 1536, 576}[wi];
             if (k % QK_K && types[ti] != SPARK_Q5_0) continue;
             for (int32_t parts = 1; parts <= 2; parts++) {
-                const int32_t type = types[ti], n = 37, m = 6;
+                const int32_t type = types[ti], n = 37, m = 20; /* AVX-512: 16 tokens in lanes, 4 by rows */
                 const int64_t rb = kq_row_bytes(type, k);
                 const int32_t per = type == SPARK_Q5_0 ? QK : QK_K;
                 uint8_t *w = malloc((size_t)(n * rb));
