@@ -758,10 +758,8 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     /* A decoding step over the types dot_pair16 knows: weight rows in pairs. */
     if (g->m == 1 && g->a->parts == 2 && (w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1 || w->type == SPARK_Q8_0)) {
         for (; begin + 2 <= end; begin += 2) {
-            if (begin + 2 * SPARK_AHEAD + 2 <= end) { /* the pair SPARK_AHEAD pairs on, fetched while this one computes */
-                const uint8_t *ahead = w->blocks + (begin + 2 * SPARK_AHEAD) * row_bytes;
-                for (int64_t at = 0; at < 2 * row_bytes; at += 64) _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
-            }
+            /* the pair SPARK_AHEAD pairs on, fetched while this one computes */
+            if (begin + 2 * SPARK_AHEAD + 2 <= end) prefetch_bytes(w->blocks + (begin + 2 * SPARK_AHEAD) * row_bytes, 2 * row_bytes);
             float out[2];
             dot_pair16(w->type, w->blocks + begin * row_bytes, w->blocks + (begin + 1) * row_bytes, nb, g->a, out);
             for (int32_t r = 0; r < 2; r++) g->y[begin + r] = out[r] + (w->bias ? w->bias[begin + r] : 0.0f);
