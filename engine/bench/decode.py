@@ -17,6 +17,7 @@ OpenMP policy.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import tempfile
@@ -135,35 +136,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peers: dict[str, Callable[[], dict[str, Any]]] = {"ours": lambda: measure_ours(session, ids, n_decode)}
     notes = []
     peer: LlamaCppPeer | None = None
-    try:
-        import llama_cpp  # noqa: F401  # installed? The peer process imports it
-
-        from engine.bench.gguf_export import export_gguf
-
-        if gguf_file is not None:
-            gguf_path = Path(gguf_file)
-            result["gguf"] = str(gguf_path)
-        elif is_gguf_model(model_dir) and args.quantize == "auto":  # both engines run the file as it is
-            gguf_path = gguf_model(model_dir).path
-            result["gguf"] = str(gguf_path)
-        else:
-            gguf_path = export_gguf(model_dir, Path(tmp.name) / f"model-{gguf_type}.gguf", gguf_type)
-            result["llamacpp_gguf_type"] = gguf_type
-        peer = LlamaCppPeer(peer_environment(USER_OMP_WAIT_POLICY))
-        result["llamacpp_version"] = peer.load(
-            gguf_path, n_ctx=len(ids) + n_decode + 8, threads=threads, n_batch=len(ids)
-        )
-        llamacpp = peer
-        peers["llamacpp"] = lambda: llamacpp.measure(ids, n_decode)
-        # Same model? Compare the prompt's last-token logits of both engines.
-        theirs = torch.from_numpy(peer.last_logits(ids))
-        ours_logits = _our_last_logits(engine, ids)
-        result["llamacpp_max_logit_diff"] = float((theirs - ours_logits).abs().max())
-    except ImportError:
+    if importlib.util.find_spec("llama_cpp") is None:  # only the peer process loads it
         notes.append("llama-cpp-python is not installed (pip install -e '.[bench]'); llama.cpp was not measured")
-    except (SparkError, PeerError) as exc:  # a shape the GGUF export does not cover; the peer failed
-        notes.append(f"llama.cpp was not measured: {exc}")
-        peers.pop("llamacpp", None)
+    else:
+        try:
+            from engine.bench.gguf_export import export_gguf
+
+            if gguf_file is not None:
+                gguf_path = Path(gguf_file)
+                result["gguf"] = str(gguf_path)
+            elif is_gguf_model(model_dir) and args.quantize == "auto":  # both engines run the file as it is
+                gguf_path = gguf_model(model_dir).path
+                result["gguf"] = str(gguf_path)
+            else:
+                gguf_path = export_gguf(model_dir, Path(tmp.name) / f"model-{gguf_type}.gguf", gguf_type)
+                result["llamacpp_gguf_type"] = gguf_type
+            peer = LlamaCppPeer(peer_environment(USER_OMP_WAIT_POLICY))
+            result["llamacpp_version"] = peer.load(
+                gguf_path, n_ctx=len(ids) + n_decode + 8, threads=threads, n_batch=len(ids)
+            )
+            llamacpp = peer
+            peers["llamacpp"] = lambda: llamacpp.measure(ids, n_decode)
+            # Same model? Compare the prompt's last-token logits of both engines.
+            theirs = torch.from_numpy(peer.last_logits(ids))
+            ours_logits = _our_last_logits(engine, ids)
+            result["llamacpp_max_logit_diff"] = float((theirs - ours_logits).abs().max())
+        except (SparkError, PeerError) as exc:  # a shape the GGUF export does not cover; the peer failed
+            notes.append(f"llama.cpp was not measured: {exc}")
+            peers.pop("llamacpp", None)
     try:
         import transformers
 
