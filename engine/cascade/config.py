@@ -42,6 +42,8 @@ class CascadeConfig:
     block_size: int = 32  # 8 x 32 retrieval slots beat 4 x 64 at equal slots (README, bench long-ppl --window 512)
     retrieval_blocks: int = 8
     layer_blocks: int = 2  # answering, the retrieval groups that hold each layer's own picks (the rest: the consensus)
+    # Retrieval gate: a block is paged in only if it outscores the window's gate_rank-th best block (0: no gate).
+    gate_rank: int = 8
     routing: str = "hybrid"
     reroute_every: int = 64  # while generating, re-route at least every this many tokens
     reroute_drift: int = 10  # ... and sooner when the routing query's mean cosine to the routed one drops this many %
@@ -58,6 +60,7 @@ class CascadeConfig:
             "sink_tokens",
             "retrieval_blocks",
             "layer_blocks",
+            "gate_rank",
             "episodic_budget_bytes",
             "persistent_budget_bytes",
         ):

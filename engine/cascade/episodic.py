@@ -61,8 +61,17 @@ def content_digest(k: torch.Tensor, v: torch.Tensor) -> str:
 
 def key_bounds(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k (L, Hkv, B, D) -> per-channel min and max over the block's tokens, each (L, Hkv*D) float32."""
-    kf = k.float()
-    return kf.amin(dim=2).flatten(1), kf.amax(dim=2).flatten(1)
+    kmin, kmax = blocks_key_bounds(k, k.shape[2])
+    return kmin[0], kmax[0]
+
+
+def blocks_key_bounds(k: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k (L, Hkv, n*B, D), n blocks of B = `block` tokens -> each block's key bounds, each (n, L, Hkv*D) float32."""
+    L, hkv, t, d = k.shape
+    kf = k.float().reshape(L, hkv, t // block, block, d)  # (L, Hkv, n, B, D)
+    kmin = kf.amin(dim=3).permute(2, 0, 1, 3).reshape(t // block, L, hkv * d)  # (n, L, F)
+    kmax = kf.amax(dim=3).permute(2, 0, 1, 3).reshape(t // block, L, hkv * d)  # (n, L, F)
+    return kmin, kmax
 
 
 def bound_scores(kmin: torch.Tensor, kmax: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -161,10 +170,16 @@ class EpisodicMemory:
             self._forget(min((b for b in self.blocks.values() if b.k is None), key=lambda b: b.priority))
         while self.bytes > budget:
             candidates = [b for b in self.blocks.values() if b.k is not None and b.id not in protect]
-            if not candidates:
+            if candidates:
+                victim = min(candidates, key=lambda b: b.priority)
+                self._evict(victim, keep_stub=self.stubs * self.rep_bytes + self.rep_bytes <= budget // 4)
+                continue
+            # Every resident block sits in a retrieval group (per-layer picks can hold R x layers of them): the
+            # stubs' bounds give way, so only the blocks the slots need can ever exceed the budget.
+            stubs = [b for b in self.blocks.values() if b.k is None]
+            if not stubs:
                 break
-            victim = min(candidates, key=lambda b: b.priority)
-            self._evict(victim, keep_stub=self.stubs * self.rep_bytes + self.rep_bytes <= budget // 4)
+            self._forget(min(stubs, key=lambda b: b.priority))
 
     def content_key(self, block: Block) -> str:
         """The resident block's L3 key (its content address), computed once."""
@@ -215,14 +230,20 @@ class EpisodicMemory:
 
     # -- routing ------------------------------------------------------------------------------------------------
 
-    def select(self, query: torch.Tensor, k: int) -> list[list[int]]:
-        """query (L, Hkv, D) -> per layer, ids of its min(k, blocks) most relevant blocks, best first."""
+    def select(
+        self, query: torch.Tensor, k: int, beat: torch.Tensor | None = None, at_least: int = 0
+    ) -> list[list[int]]:
+        """query (L, Hkv, D) -> per layer, ids of its n most relevant blocks, best first, n = min(k, blocks).
+        The retrieval gate: with `beat` (L,), n is at most how many blocks outscore beat[layer] in the median
+        layer (every layer holds the same number of blocks, engine.cascade.working), but never below `at_least`."""
         self.tick += 1
         n = min(k, len(self.blocks))
         if n == 0:
             return [[] for _ in range(query.shape[0])]
         scores = bound_scores(self.kmin, self.kmax, query)  # (rows, L)
         scores.masked_fill_((self.row_block < 0)[:, None], float("-inf"))
+        if beat is not None:
+            n = min(n, max(at_least, int((scores > beat).sum(0).median())))
         top = scores.topk(n, dim=0).indices  # (n, L)
         return self.row_block[top].t().tolist()  # (L, n)
 

@@ -3,7 +3,7 @@
 The routing query is the backend's query summary (per layer and KV head, the mean pre-RoPE query of the last
 forwards, over their last `proxy_tokens` tokens; a backend without one: the mean key of the most recent tokens).
 When the routing strategy (engine.cascade.routing) says so (a new prompt chunk, drift, the clock), each layer
-ranks its top-k episodic blocks. While a prompt is read, each layer's groups hold its own picks; while answering (a
+ranks its top-k episodic blocks, as many as the retrieval gate admits (engine.cascade.window_bounds). While a prompt is read, each layer's groups hold its own picks; while answering (a
 decoding step, or a prompt's last tokens, which route the reply) the blocks the layers rank highest together fill
 the first groups in every layer and each layer's best others its last `layer_blocks` groups (consensus_groups).
 Only the (layer, group) pairs whose block changed are paged in (read from host memory, or back from L3).
@@ -21,6 +21,7 @@ from engine.backends.base import Backend
 from engine.cascade.config import CascadeConfig
 from engine.cascade.episodic import EpisodicMemory
 from engine.cascade.routing import ROUTING, RouteContext
+from engine.cascade.window_bounds import WindowBounds
 from engine.cascade.working import WorkingMemory
 
 
@@ -55,12 +56,14 @@ class Retriever:
         self.working = working
         self.episodic = episodic
         self.strategy = ROUTING[cfg.routing]()
+        self.window_bounds = WindowBounds(backend, row, working, episodic.kv_shape)
         self.reset()
 
     def reset(self) -> None:
         self.since_route = 0  # tokens fed since the last routing decision
         self.recent: list[tuple[torch.Tensor, int]] = []  # (query summary (L, Hkv, D) fp32, tokens) of recent forwards
         self.routed: torch.Tensor | None = None  # (L, Hkv, D) the routing query of the last routing decision
+        self.window_bounds.reset()
 
     # -- the routing query --------------------------------------------------------------------------------------
 
@@ -108,8 +111,12 @@ class Retriever:
             return
         self.since_route = 0
         self.routed = query
+        beat = self.window_bounds.threshold(query, self.cfg.gate_rank)  # (L,) or None: the retrieval gate
+        # A decoding step never empties a group: a step that changes how many are filled re-rotates the whole
+        # window's read copies (engine.slots), so within a reply the gate may only add groups.
+        keep = 0 if prefill else self.working.resident_blocks
         while True:
-            chosen = self.episodic.select(query, self.cfg.retrieval_blocks)  # (L, n) block ids per layer
+            chosen = self.episodic.select(query, self.cfg.retrieval_blocks, beat, keep)  # (L, n) ids per layer
             n = len(chosen[0])
             shared = n - min(n, self.cfg.layer_blocks) if answering else 0
             if self._page_in(consensus_groups(chosen, shared)):

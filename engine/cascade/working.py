@@ -11,8 +11,11 @@ Slots, for S = CascadeConfig.num_slots:
 Positions (dense, so the largest is < sinks + R*B + W <= the model's trained context):
     sinks 0..sinks-1, then the n filled retrieval groups (group g at sinks + g*B: one position table serves every
     layer, so a group's position cannot follow which block each layer put in it), then the window oldest to newest.
-Every layer holds the same number n of blocks, in groups [0, n), so the mask is the same for every layer.
+Every layer holds the same number n <= R of blocks, in groups [0, n), so the mask is the same for every layer.
 While nothing has left the window this makes position == absolute token index, i.e. exact full attention.
+Dense rather than a window that always starts after all R groups: with the retrieval gate leaving groups empty,
+the sinks then sit right before the window, as they do for the window-only memory, and bench long-ppl at the
+default geometry measured it better (README).
 Keys are stored unrotated (engine.model), so re-numbering as the window slides costs nothing but this table.
 
 Everything here is O(1) or O(S) per step with preallocated tensors: nothing grows with the conversation.
@@ -82,6 +85,16 @@ class WorkingMemory:
         """(m,) slots of the m = min(n, window fill) most recent window tokens, newest first."""
         m = min(n, self.n_window)
         return (self.head - 1 - torch.arange(m)) % self.window + self.window_start
+
+    def window_blocks(self) -> range:
+        """Ordinals c of the blocks wholly in the window: the window's tokens c*B .. c*B + B - 1, counting every
+        token that ever entered it (the blocks episodic memory forms from them as they leave)."""
+        return range(-(-self.evicted // self.block), (self.evicted + self.n_window) // self.block)
+
+    def window_block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks (n,) ordinals from window_blocks() -> (n*B,) their slots, block by block, oldest token first."""
+        tokens = blocks[:, None] * self.block + self._block_offsets  # (n, B): the e-th window token sits at ring e % W
+        return (tokens % self.window).flatten() + self.window_start
 
     def assign(self, count: int) -> tuple[list[int], list[int]]:
         """Slots for `count` new tokens, and the window slots whose current token they push out (oldest first).

@@ -140,6 +140,7 @@ def test_every_tier_reports_the_same_stats(tiny_model: Path, tmp_path: Path) -> 
         feed(b, m, random_ids(20, seed=at))
     for t in range(40):
         feed(b, m, [3 + t])
+        assert m.episodic.bytes <= cfg.episodic_budget_bytes  # even when every resident block is in a group
     s = m.stats()
     assert s.working == m.working.stats(b.kv_bytes_per_token())
     assert s.episodic == m.episodic.stats() and s.persistent == store.stats()
