@@ -17,6 +17,8 @@ from engine.backends.base import Backend
 from engine.cascade.episodic import blocks_key_bounds, bound_scores
 from engine.cascade.working import WorkingMemory
 
+READ_BLOCKS = 16  # window blocks read from the slot table at once: bounds the copies to a few MB on real models
+
 
 class WindowBounds:
     def __init__(self, backend: Backend, row: int, working: WorkingMemory, kv_shape: tuple[int, int, int]) -> None:
@@ -38,13 +40,13 @@ class WindowBounds:
         span = self.working.window_blocks()
         blocks = torch.arange(span.start, span.stop)  # (n,)
         rows = blocks % self.rows  # (n,)
-        missing = self.held[rows] != blocks  # (n,)
-        if bool(missing.any()):
-            new = blocks[missing]  # (m,)
-            k, _ = self.backend.read_kv(self.row, self.working.window_block_slots(new))  # (L, Hkv, m*B, D)
-            kmin, kmax = blocks_key_bounds(k, self.working.block)  # (m, L, F) each
-            self.kmin[rows[missing]], self.kmax[rows[missing]] = kmin, kmax
-            self.held[rows[missing]] = new
+        missing = blocks[self.held[rows] != blocks]  # (m,)
+        for at in range(0, missing.numel(), READ_BLOCKS):  # a whole window (after a restore) in bounded reads
+            new = missing[at : at + READ_BLOCKS]
+            k, _ = self.backend.read_kv(self.row, self.working.window_block_slots(new))  # (L, Hkv, n*B, D)
+            kmin, kmax = blocks_key_bounds(k, self.working.block)  # (n, L, F) each
+            self.kmin[new % self.rows], self.kmax[new % self.rows] = kmin, kmax
+            self.held[new % self.rows] = new
         return bound_scores(self.kmin[rows], self.kmax[rows], query)
 
     def threshold(self, query: torch.Tensor, rank: int) -> torch.Tensor | None:
