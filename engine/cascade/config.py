@@ -44,6 +44,9 @@ class CascadeConfig:
     layer_blocks: int = 2  # answering, the retrieval groups that hold each layer's own picks (the rest: the consensus)
     # Retrieval gate: a block is paged in only if it outscores the window's gate_rank-th best block (0: no gate).
     gate_rank: int = 8
+    # Retrieved blocks sit this many tokens before the newest (just before the window, if that is shorter): as far
+    # as a long window's oldest tokens, the model hardly reads them (bench passkey at the default geometry).
+    retrieval_near: int = 2048
     routing: str = "hybrid"
     reroute_every: int = 64  # while generating, re-route at least every this many tokens
     reroute_drift: int = 10  # ... and sooner when the routing query's mean cosine to the routed one drops this many %
@@ -61,6 +64,7 @@ class CascadeConfig:
             "retrieval_blocks",
             "layer_blocks",
             "gate_rank",
+            "retrieval_near",
             "episodic_budget_bytes",
             "persistent_budget_bytes",
         ):

@@ -8,14 +8,16 @@ Slots, for S = CascadeConfig.num_slots:
     [sinks + R*B, ... + W)          the window: a ring of the W most recent tokens
     [..., S)                        padding to a multiple of 32, never attended
 
-Positions (dense, so the largest is < sinks + R*B + W <= the model's trained context):
-    sinks 0..sinks-1, then the n filled retrieval groups (group g at sinks + g*B: one position table serves every
-    layer, so a group's position cannot follow which block each layer put in it), then the window oldest to newest.
+Positions (the largest is < sinks + R*B + W <= the model's trained context):
+    sinks 0..sinks-1, then the window oldest to newest starting at sinks + n*B for the n filled retrieval groups
+    (dense: with the retrieval gate leaving groups empty, the sinks then sit right before the window, as for the
+    window-only memory, which bench long-ppl at the default geometry measured better than a fixed start);
+    group g at sinks + (W - near) + g*B, near = min(W, retrieval_near): its block reads as if it had been said
+    near + (n - g)*B tokens ago, not a whole long window ago, where the model hardly reads it (bench passkey at
+    the default geometry). With a window no longer than retrieval_near the groups sit right before it. One position
+    table serves every layer, so a group's position cannot follow which block each layer put in it.
 Every layer holds the same number n <= R of blocks, in groups [0, n), so the mask is the same for every layer.
 While nothing has left the window this makes position == absolute token index, i.e. exact full attention.
-Dense rather than a window that always starts after all R groups: with the retrieval gate leaving groups empty,
-the sinks then sit right before the window, as they do for the window-only memory, and bench long-ppl at the
-default geometry measured it better (README).
 Keys are stored unrotated (engine.model), so re-numbering as the window slides costs nothing but this table.
 
 Everything here is O(1) or O(S) per step with preallocated tensors: nothing grows with the conversation.
@@ -128,7 +130,10 @@ class WorkingMemory:
         end = self.retrieval_start + self.groups_n * self.block
         self.valid[self.retrieval_start : end] = False
         self.valid[self.retrieval_start : self.retrieval_start + n * self.block] = True
-        self.slot_positions[self.retrieval_start : end] = torch.arange(self.groups_n * self.block) + self.sinks
+        near = min(self.window, self.cfg.retrieval_near)
+        self.slot_positions[self.retrieval_start : end] = torch.arange(self.groups_n * self.block) + (
+            self.sinks + self.window - near
+        )
         self.refresh_positions()
 
     def group_slots(self, g: int) -> torch.Tensor:

@@ -105,3 +105,22 @@ def test_a_decoding_step_never_empties_a_group(tiny_model: Path) -> None:
     assert w.resident_blocks == 0
     window = w.slot_positions[w.window_start : w.window_start + w.window]
     assert sorted(window.tolist()) == list(range(GATED.sink_tokens, GATED.sink_tokens + GATED.window))
+
+
+def test_retrieved_blocks_sit_retrieval_near_tokens_back_in_a_long_window(tiny_model: Path) -> None:
+    """With a window longer than retrieval_near, a group's block reads as said near + (n - g) * B tokens before the
+    newest token; with a window no longer, right before the window (the layout bench passkey --window 256 uses)."""
+    for near, window in ((16, 64), (512, 64)):
+        cfg = CascadeConfig(**{**GATED.to_dict(), "window": window, "retrieval_near": near, "gate_rank": 0})
+        b = SteeredBackend(tiny_model)
+        m = CascadeMemory(b, cfg)
+        for at in range(0, 160, 16):
+            feed(b, m, random_ids(16, seed=at))
+        w = m.working
+        n, block = w.resident_blocks, cfg.block_size
+        assert n == cfg.retrieval_blocks
+        newest = int(w.slot_positions[w.window_start :][w.valid[w.window_start :]].max())
+        assert newest == cfg.sink_tokens + n * block + window - 1  # the window follows the groups' slots, densely
+        got = w.slot_positions[w.retrieval_start : w.window_start]  # (R*B,)
+        back = min(near, window) + n * block - 1 - torch.arange(n * block)  # (R*B,) tokens before the newest
+        assert torch.equal(newest - got, back)
