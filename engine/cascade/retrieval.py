@@ -3,9 +3,10 @@
 The routing query is the backend's query summary (per layer and KV head, the mean pre-RoPE query of the last
 forwards, over their last `proxy_tokens` tokens; a backend without one: the mean key of the most recent tokens).
 When the routing strategy (engine.cascade.routing) says so (a new prompt chunk, drift, the clock), each layer
-ranks its top-k episodic blocks, as many as the retrieval gate admits (engine.cascade.window_bounds). While a prompt is read, each layer's groups hold its own picks; while answering (a
-decoding step, or a prompt's last tokens, which route the reply) the blocks the layers rank highest together fill
-the first groups in every layer and each layer's best others its last `layer_blocks` groups (consensus_groups).
+ranks its top-k episodic blocks, as many as the retrieval gate admits (engine.cascade.window_bounds). While a
+prompt is read, each layer's groups hold its own picks; while answering (a decoding step, or a prompt's last
+tokens, which route the reply) the blocks the layers rank highest together fill the first groups in every layer
+and each layer's best others its last `layer_blocks` groups (consensus_groups).
 Only the (layer, group) pairs whose block changed are paged in (read from host memory, or back from L3).
 """
 

@@ -2,7 +2,7 @@
 
 An evicted block is paged in only where it outscores the window's own `gate_rank`-th best block (per layer, in the
 median layer; EpisodicMemory.select): retrieval competes with the window for the model's attention on equal terms,
-and a block the window already outranks only adds far-away tokens (bench long-ppl at the default geometry).
+and a block the window already outranks costs more than it brings (bench long-ppl at the default geometry).
 A window block's bounds are exactly those episodic memory gives it when it leaves (key bounds of its keys as
 stored). They are computed once per block from the slot table and kept in a ring sized to the window, so a
 routing decision reads only the blocks completed since the last one. Derived data, never saved: a restored memory
