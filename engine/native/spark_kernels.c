@@ -24,8 +24,9 @@
  *   Q4_0: term = (d_w * d_x) * (sum(nib * xq) - 8 * s)               w = d_w * (nib - 8)
  *   Q4_1: term = (d_w * d_x) * sum(nib * xq) + m_w * (d_x * s)       w = d_w * nib + m_w
  * Routes to those integers: a decoding step (one activation row) takes the weight rows in pairs with 256-bit
- * products (AVX2; AVX-512 VNNI); a prefill on AVX-512 puts 16 tokens in the lanes of one 512-bit product
- * (tokens_in_lanes, every block type), elsewhere it passes each weight row over 12 tokens (dot_rows_r).
+ * products (AVX2; AVX-512 VNNI), one row from each half of a thread's range; a prefill on AVX-512 puts 16 tokens
+ * in the lanes of one 512-bit product (tokens_in_lanes, every block type), elsewhere it passes each weight row
+ * over 12 tokens (dot_rows_r).
  */
 
 #include <math.h>
@@ -239,6 +240,11 @@ typedef struct {
     int32_t *tq;
     float *td, *tds;
     int32_t *ts;
+    /* One row only (a decoding step; NULL otherwise): its int16 quants as two bytes each, xh = q >> 8 (signed) and
+     * xl = q & 255 (unsigned), and per block xc = 32768 * sum(xh): split_row below, for block_lanes_split. */
+    int8_t *xh;
+    uint8_t *xl;
+    int32_t *xc;
 } spark_act;
 
 static int32_t block_bytes(int32_t type) { return type == SPARK_Q8_0 ? 34 : type == SPARK_Q4_1 ? 20 : 18; }
@@ -264,8 +270,11 @@ static int64_t lane_rows(int32_t m) {
 #endif
 }
 
-/* Bytes of activation scratch for m rows of k (spark_qgemm's `scratch`): the rows, then their token-lane copy. */
-int64_t spark_act_bytes(int32_t k, int32_t m) { return ((int64_t)m + lane_rows(m)) * (2 * k + 12 * (k / QK)) + 128; }
+/* Bytes of activation scratch for m rows of k (spark_qgemm's `scratch`): the rows, then their token-lane copy, or
+ * for one row its split bytes. */
+int64_t spark_act_bytes(int32_t k, int32_t m) {
+    return ((int64_t)m + lane_rows(m)) * (2 * k + 12 * (k / QK)) + 128 + (m == 1 ? 2 * k + 4 * (k / QK) + 64 : 0);
+}
 
 static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
     const int64_t nb = (int64_t)m * (k / QK), tb = lane_rows(m) * (k / QK);
@@ -281,6 +290,12 @@ static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
     a.td = (float *)(a.tq + tb * QK / 2);
     a.tds = a.td + tb;
     a.ts = (int32_t *)(a.tds + tb);
+    a.xh = NULL, a.xl = NULL, a.xc = NULL;
+    if (m == 1) {
+        a.xh = (int8_t *)(((uintptr_t)(a.ts + tb) + 63) & ~(uintptr_t)63);
+        a.xl = (uint8_t *)(a.xh + k);
+        a.xc = (int32_t *)(a.xl + k);
+    }
     return a;
 }
 
@@ -419,6 +434,16 @@ static inline __m256i block_lanes16(spark_w16 w, const int16_t *x) {
     return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x0), _mm256_madd_epi16(w.hi, x1));
 #endif
 }
+#if defined(SPARK_AVX512VNNI)
+/* block_lanes16 for Q8_0 in two byte products, with no widening of the weights to int16:
+ * x = 256 xh + xl, and w enters the xh product as the unsigned byte w + 128 (w ^ 0x80), so the lanes sum to
+ * sum(w x) + 32768 sum(xh); the caller takes off a->xc per block. Exact integers: the same sums. */
+static inline __m256i block_lanes_split(const uint8_t *qs, const spark_act *a, int64_t at) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)qs), wu = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+    const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, _mm256_loadu_si256((const __m256i *)(a->xh + at)));
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), _mm256_loadu_si256((const __m256i *)(a->xl + at)), w);
+}
+#endif
 /* The four blocks' sums from their lanes (integer adds: exact in any order). */
 static inline __m128i hsum4(__m256i a, __m256i b, __m256i c, __m256i d) {
     const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
@@ -476,11 +501,28 @@ static inline float block_term(int32_t type, const uint8_t *blk, int32_t i, cons
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
 /* The weight side of blocks b .. b+3 (their d, and Q4_1's m), widened once for every activation row. */
 static inline void block_scales4(int32_t type, const uint8_t *p, int32_t bb, __m128 *dw, __m128 *mw) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* The four fp16 scales gathered by one word permute of the blocks' first bytes (every scale sits at an even
+     * offset: bb is even), not four scalar loads and inserts, which cost a decoding step more than the widening
+     * of its weights. The loads stay inside the four blocks: 4 * bb >= 64 (Q4_0, Q4_1) and >= 128 (Q8_0). */
+    const __m512i lo = _mm512_loadu_si512(p);
+    __m512i dm; /* words 0..3: d of blocks 0..3; Q4_1: words 4..7, their m */
+    if (type == SPARK_Q8_0) {
+        dm = _mm512_permutex2var_epi16(lo, _mm512_zextsi128_si512(_mm_setr_epi16(0, 17, 34, 51, 0, 0, 0, 0)), _mm512_loadu_si512(p + 64));
+    } else {
+        const int16_t w = (int16_t)(bb / 2);
+        dm = _mm512_permutexvar_epi16(_mm512_zextsi128_si512(_mm_setr_epi16(0, w, 2 * w, 3 * w, 1, w + 1, 2 * w + 1, 3 * w + 1)), lo);
+    }
+    const __m128i dm128 = _mm512_castsi512_si128(dm);
+    *dw = _mm_cvtph_ps(dm128);
+    if (type == SPARK_Q4_1) *mw = _mm_cvtph_ps(_mm_unpackhi_epi64(dm128, dm128));
+#else
     int32_t w32[4]; /* each block's first 4 bytes: d, then m (Q4_1) or quants */
     for (int32_t j = 0; j < 4; j++) memcpy(&w32[j], p + j * bb, 4);
     const __m128i dm = _mm_setr_epi32(w32[0], w32[1], w32[2], w32[3]);
     *dw = _mm_cvtph_ps(_mm_shuffle_epi8(dm, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1)));
     if (type == SPARK_Q4_1) *mw = _mm_cvtph_ps(_mm_shuffle_epi8(dm, _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)));
+#endif
 }
 /* block_term for blocks b .. b+3 at once: the same float operations in the same order, one lane per block. */
 static inline __m128 block_terms4(int32_t type, __m128 dw, __m128 mw, __m128i i, const spark_act *a, int64_t b) {
@@ -496,7 +538,6 @@ static inline __m128 block_terms4(int32_t type, __m128 dw, __m128 mw, __m128i i,
  * so a prefill and one-row decodes agree bit for bit. Inlined per R (spark_dot_rows below), so the R rows'
  * accumulators live in registers. */
 #define SPARK_ROWS 12
-#define SPARK_AHEAD 4 /* pairs of weight rows to prefetch ahead in a decoding step */
 static inline __attribute__((always_inline)) void dot_rows_r(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, const int32_t r_count, float *out) {
     const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
     float acc[SPARK_ROWS][8] = {{0}};
@@ -566,7 +607,7 @@ static void dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_a
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
 /* dot_rows for one int16 activation row (a decoding step) and two weight rows at once: two independent chains
  * for the core to overlap, the activation blocks loaded once for both. Each row's sum takes dot_rows's steps. */
-static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32_t nb, const spark_act *a, float *out) {
+static inline __attribute__((always_inline)) void dot_pair16_t(const int32_t type, const uint8_t *ra, const uint8_t *rb, int32_t nb, const spark_act *a, float *out) {
     const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
     __m128 cur_a = _mm_setzero_ps(), next_a = _mm_setzero_ps(), cur_b = _mm_setzero_ps(), next_b = _mm_setzero_ps();
     int32_t b = 0;
@@ -574,16 +615,29 @@ static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32
         const uint8_t *pa = ra + (int64_t)b * bb, *pb = rb + (int64_t)b * bb;
         const int16_t *q = a->q16 + (int64_t)b * QK;
         __m256i la[4], lb[4];
-        for (int32_t j = 0; j < 4; j++) {
-            const spark_w16 wa = load_w16(type, pa + j * bb + off), wb = load_w16(type, pb + j * bb + off);
-            la[j] = block_lanes16(wa, q + j * QK);
-            lb[j] = block_lanes16(wb, q + j * QK);
+        __m128i split = _mm_setzero_si128(); /* what block_lanes_split's sums carry over the products */
+#if defined(SPARK_AVX512VNNI)
+        if (type == SPARK_Q8_0) {
+            for (int32_t j = 0; j < 4; j++) {
+                la[j] = block_lanes_split(pa + j * bb + off, a, (int64_t)(b + j) * QK);
+                lb[j] = block_lanes_split(pb + j * bb + off, a, (int64_t)(b + j) * QK);
+            }
+            split = _mm_loadu_si128((const __m128i *)(a->xc + b));
+        } else
+#endif
+        {
+            for (int32_t j = 0; j < 4; j++) {
+                const spark_w16 wa = load_w16(type, pa + j * bb + off), wb = load_w16(type, pb + j * bb + off);
+                la[j] = block_lanes16(wa, q + j * QK);
+                lb[j] = block_lanes16(wb, q + j * QK);
+            }
         }
         __m128 dwa, mwa = _mm_setzero_ps(), dwb, mwb = _mm_setzero_ps();
         block_scales4(type, pa, bb, &dwa, &mwa);
         block_scales4(type, pb, bb, &dwb, &mwb);
-        const __m128 sa = _mm_add_ps(cur_a, block_terms4(type, dwa, mwa, hsum4(la[0], la[1], la[2], la[3]), a, b));
-        const __m128 sb = _mm_add_ps(cur_b, block_terms4(type, dwb, mwb, hsum4(lb[0], lb[1], lb[2], lb[3]), a, b));
+        const __m128i ia = _mm_sub_epi32(hsum4(la[0], la[1], la[2], la[3]), split), ib = _mm_sub_epi32(hsum4(lb[0], lb[1], lb[2], lb[3]), split);
+        const __m128 sa = _mm_add_ps(cur_a, block_terms4(type, dwa, mwa, ia, a, b));
+        const __m128 sb = _mm_add_ps(cur_b, block_terms4(type, dwb, mwb, ib, a, b));
         cur_a = next_a, next_a = sa, cur_b = next_b, next_b = sb;
     }
     const int32_t odd = (b >> 2) & 1;
@@ -600,6 +654,14 @@ static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32
             ac[c & 7] += block_term(type, p, block_dot(type, p + off, a, c), a, c);
         }
         out[r] = ((ac[0] + ac[4]) + (ac[1] + ac[5])) + ((ac[2] + ac[6]) + (ac[3] + ac[7]));
+    }
+}
+/* dot_pair16_t compiled per type, so its branches on the type fold away. */
+static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32_t nb, const spark_act *a, float *out) {
+    switch (type) {
+    case SPARK_Q8_0: dot_pair16_t(SPARK_Q8_0, ra, rb, nb, a, out); break;
+    case SPARK_Q4_0: dot_pair16_t(SPARK_Q4_0, ra, rb, nb, a, out); break;
+    default: dot_pair16_t(SPARK_Q4_1, ra, rb, nb, a, out); break;
     }
 }
 #endif
@@ -755,15 +817,20 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t row_bytes = (int64_t)nb * block_bytes(w->type);
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
-    /* A decoding step over the types dot_pair16 knows: weight rows in pairs. */
+    /* A decoding step over the types dot_pair16 knows: weight rows in pairs, row i of the range's first half with
+     * row i of its second, so the rows stream from memory as two long sequential runs, which the hardware
+     * prefetcher follows (adjacent rows in pairs make a short two-stream pattern it does not: it needed a software
+     * prefetch and was slower still; tests/engine/native/qgemm_timing.c). */
     if (g->m == 1 && g->a->parts == 2 && (w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1 || w->type == SPARK_Q8_0)) {
-        for (; begin + 2 <= end; begin += 2) {
-            /* the pair SPARK_AHEAD pairs on, fetched while this one computes */
-            if (begin + 2 * SPARK_AHEAD + 2 <= end) prefetch_bytes(w->blocks + (begin + 2 * SPARK_AHEAD) * row_bytes, 2 * row_bytes);
+        const int32_t half = (end - begin) / 2;
+        for (int32_t i = 0; i < half; i++) {
+            const int32_t ra = begin + i, rb = begin + half + i;
             float out[2];
-            dot_pair16(w->type, w->blocks + begin * row_bytes, w->blocks + (begin + 1) * row_bytes, nb, g->a, out);
-            for (int32_t r = 0; r < 2; r++) g->y[begin + r] = out[r] + (w->bias ? w->bias[begin + r] : 0.0f);
+            dot_pair16(w->type, w->blocks + ra * row_bytes, w->blocks + rb * row_bytes, nb, g->a, out);
+            g->y[ra] = out[0] + (w->bias ? w->bias[ra] : 0.0f);
+            g->y[rb] = out[1] + (w->bias ? w->bias[rb] : 0.0f);
         }
+        begin += 2 * half; /* an odd range's last row: the loop below */
     }
 #endif
     /* Tokens in groups of SPARK_ROWS, and within a group every row of this thread's range: the group's activations
@@ -781,11 +848,31 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     }
 }
 
+/* One row's int16 quants as a->xh, xl, xc (spark_act), for a Q8_0 decoding step's block_lanes_split. */
+static void split_row(const spark_act *a, int32_t type, int32_t nb) {
+#if defined(SPARK_AVX512VNNI)
+    if (type != SPARK_Q8_0 || a->parts != 2 || a->xh == NULL) return;
+    for (int32_t b = 0; b < nb; b++) {
+        int32_t high = 0;
+        for (int32_t i = 0; i < QK; i++) {
+            const int16_t q = a->q16[b * QK + i];
+            a->xh[b * QK + i] = (int8_t)(q >> 8);
+            a->xl[b * QK + i] = (uint8_t)(q & 0xFF);
+            high += q >> 8;
+        }
+        a->xc[b] = high * 32768;
+    }
+#else
+    (void)a, (void)type, (void)nb;
+#endif
+}
+
 /* Entry point for Python's block linear layers: x (M, K) -> y (M, N); scratch holds spark_act_bytes(K, M). */
 void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void *scratch) {
     spark_act a = act_in(scratch, w->k, m, w->act_parts);
     const int32_t nb = w->k / QK;
     for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * w->k, w->k, w->k, &a, (int64_t)r * nb);
+    if (m == 1) split_row(&a, w->type, nb);
 #if defined(SPARK_ZMM)
     const int32_t lanes = lane_tokens(w, m);
     if (lanes > 0) lanes_in(&a, lanes, nb);
@@ -798,6 +885,7 @@ void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void 
 static void qgemv(const spark_qmat *w, const float *x, int32_t len, float *y, spark_act *a) {
     a->parts = w->act_parts;
     quantize_row(x, w->k, len, a, 0);
+    split_row(a, w->type, w->k / QK);
     gemm_job g = {w, a, y, 1};
     parallel_for(gemm_rows, &g, w->n);
 }

@@ -144,6 +144,26 @@ def lin_weights(lin: NativeBlockLinear) -> BlockWeights:
     return BlockWeights(lin.qtype, (lin.out_features, lin.padded), lin.blocks, lin.in_features)
 
 
+def test_q8_0_decoding_products_hold_at_the_extreme_quants(kernels: NativeKernels) -> None:
+    """A decoding step's Q8_0 product splits each int16 activation into two bytes and offsets the weights by 128
+    (block_lanes_split): every weight byte from -128 (a file may hold it; our quantizer never writes it) to 127
+    against activations at +-32767 and at the split's byte boundaries gives the integer reference's bits."""
+    n, k = 41, 256  # odd: the range's last row takes the one-row route
+    lin = block_linear(kernels, BlockType.Q8_0, n, k, 2, seed=5)
+    raw = lin.blocks.numpy().reshape(n, k // 32, BlockType.Q8_0.block_bytes)
+    raw[:, :, 2:] = (np.arange(n * k).reshape(n, k // 32, 32) % 256).astype(np.uint8)  # every byte, -128 included
+    raw[0, :, 2:] = 0x80  # a row of -128 only
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(6))
+    x[1, ::2] = -x[1, ::2].abs().max()  # a block's extremes both ways: -32767 and +32767
+    # quants exactly these (each block's first is 32767, so the scale is 1): the split's byte boundaries both ways
+    edges = [32767, -32767, 255, -255, 256, -256, 511, -1, 0, 1, 127, -128, 128, -129, 32512, -32513]
+    x[2] = torch.tensor([edges[i % 16] if i % 32 else 32767 for i in range(k)], dtype=torch.float32)
+    x[3] = -x[2]
+    for i in range(4):
+        want = integer_reference(lin_weights(lin), lin.bias.numpy(), x[i].numpy(), 2)
+        assert np.array_equal(lin(x[i : i + 1])[0].numpy(), want), i
+
+
 @pytest.mark.skipif(not X86, reason="instruction-set variants of x86")
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")], ids=["avx2", "portable"])
 def test_every_instruction_set_variant_computes_the_same_products(
