@@ -1000,38 +1000,91 @@ typedef struct {
 } attn_job;
 
 #define SPARK_KV_AHEAD 8 /* key or value rows asked for ahead */
-static void attend_heads(void *ctx, int32_t begin, int32_t end) {
-    const attn_job *j = ctx;
-    const spark_step *step = j->step;
-    const int32_t d = j->d;
-    for (int32_t qh = begin; qh < end; qh++) {
-        const int64_t head_off = (int64_t)(qh / j->g) * j->s * d;
-        const float *kh_read = j->k_read + head_off, *vh_read = j->v_read + head_off;
-        float *scores = j->scores + (int64_t)qh * step->width;
-        float mx = -INFINITY;
-        for (int32_t r = 0; r < step->width; r++) {
-            /* The read copies come from memory once per step (a head group's first head): asked for ahead. */
-            if (r + SPARK_KV_AHEAD < step->width) prefetch_bytes((const uint8_t *)(kh_read + (int64_t)(r + SPARK_KV_AHEAD) * d), (int64_t)d * 4);
-            const float *qv = (r < step->split ? j->q_plain : j->q_new) + qh * d;
-            float sc = dotf(qv, kh_read + (int64_t)r * d, d) * j->scale;
-            scores[r] = sc;
-            mx = sc > mx ? sc : mx;
+#define SPARK_RUN_HEADS 8 /* query heads that share a key row's load, at most */
+/* attend_run's weighted sums of the value rows for nh (<= 4) heads of head dim 64, compiled per nh: each value
+ * row read once for all of them, each head's sum taking the same operations in the same order as alone. */
+static inline __attribute__((always_inline)) void value_sums(const attn_job *j, int32_t h0, const int32_t nh, const float *total) {
+    const int32_t width = j->step->width;
+    const float *vh_read = j->v_read + (int64_t)(h0 / j->g) * j->s * 64;
+    float sum[4][64] = {{0}};
+    for (int32_t r = 0; r < width; r++) {
+        if (r + SPARK_KV_AHEAD < width) prefetch_bytes((const uint8_t *)(vh_read + (int64_t)(r + SPARK_KV_AHEAD) * 64), 64 * 4);
+        const float *vr = vh_read + (int64_t)r * 64;
+        for (int32_t u = 0; u < nh; u++) {
+            const float p = j->scores[(int64_t)(h0 + u) * width + r] / total[u];
+            for (int32_t i = 0; i < 64; i++) sum[u][i] += p * vr[i];
         }
-        for (int32_t r = 0; r < step->width; r++) scores[r] = exp_approx(scores[r] - mx);
+    }
+    for (int32_t u = 0; u < nh; u++) memcpy(j->att + (int64_t)(h0 + u) * 64, sum[u], sizeof sum[u]);
+}
+
+/* Query heads [h0, h0 + nh) of one KV-head group: each key row is read once for all of them, then each head's
+ * softmax and weighted sum of the value rows. Every head's numbers take the same operations in the same order as
+ * for a head alone. */
+static inline __attribute__((always_inline)) void attend_run(const attn_job *j, int32_t h0, int32_t nh, const int32_t d) {
+    const spark_step *step = j->step;
+    const int32_t width = step->width;
+    const int64_t head_off = (int64_t)(h0 / j->g) * j->s * d;
+    const float *kh_read = j->k_read + head_off, *vh_read = j->v_read + head_off;
+    float mx[SPARK_RUN_HEADS], total[SPARK_RUN_HEADS];
+    for (int32_t u = 0; u < nh; u++) mx[u] = -INFINITY;
+    for (int32_t r = 0; r < width; r++) {
+        if (r + SPARK_KV_AHEAD < width) prefetch_bytes((const uint8_t *)(kh_read + (int64_t)(r + SPARK_KV_AHEAD) * d), (int64_t)d * 4);
+        const float *qv = (r < step->split ? j->q_plain : j->q_new) + (int64_t)h0 * d, *kr = kh_read + (int64_t)r * d;
+        for (int32_t u = 0; u < nh; u++) {
+            const float sc = dotf(qv + (int64_t)u * d, kr, d) * j->scale;
+            j->scores[(int64_t)(h0 + u) * width + r] = sc;
+            mx[u] = sc > mx[u] ? sc : mx[u];
+        }
+    }
+    for (int32_t u = 0; u < nh; u++) {
+        float *scores = j->scores + (int64_t)(h0 + u) * width;
+        for (int32_t r = 0; r < width; r++) scores[r] = exp_approx(scores[r] - mx[u]);
         float part[8] = {0};
         int32_t r = 0;
-        for (; r + 8 <= step->width; r += 8)
+        for (; r + 8 <= width; r += 8)
             for (int32_t i = 0; i < 8; i++) part[i] += scores[r + i];
-        float total = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-        for (; r < step->width; r++) total += scores[r];
-        float *out = j->att + qh * d;
-        memset(out, 0, sizeof(float) * (size_t)d);
-        for (int32_t r2 = 0; r2 < step->width; r2++) {
-            if (r2 + SPARK_KV_AHEAD < step->width) prefetch_bytes((const uint8_t *)(vh_read + (int64_t)(r2 + SPARK_KV_AHEAD) * d), (int64_t)d * 4);
-            const float p = scores[r2] / total;
-            const float *vr = vh_read + (int64_t)r2 * d;
-            for (int32_t i = 0; i < d; i++) out[i] += p * vr[i];
+        float t = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+        for (; r < width; r++) t += scores[r];
+        total[u] = t;
+    }
+    if (d == 64 && nh <= 4) {
+        switch (nh) { /* each value row read once for the run, the sums in registers */
+        case 1: value_sums(j, h0, 1, total); break;
+        case 2: value_sums(j, h0, 2, total); break;
+        case 3: value_sums(j, h0, 3, total); break;
+        default: value_sums(j, h0, 4, total); break;
         }
+        return;
+    }
+    for (int32_t u = 0; u < nh; u++) {
+        const float *scores = j->scores + (int64_t)(h0 + u) * width;
+        float sum[SPARK_MAX_HEAD_DIM];
+        for (int32_t i = 0; i < d; i++) sum[i] = 0.0f;
+        for (int32_t r = 0; r < width; r++) {
+            /* the value rows come from memory for the run's first head */
+            if (u == 0 && r + SPARK_KV_AHEAD < width) prefetch_bytes((const uint8_t *)(vh_read + (int64_t)(r + SPARK_KV_AHEAD) * d), (int64_t)d * 4);
+            const float p = scores[r] / total[u];
+            const float *vr = vh_read + (int64_t)r * d;
+            for (int32_t i = 0; i < d; i++) sum[i] += p * vr[i];
+        }
+        memcpy(j->att + (int64_t)(h0 + u) * d, sum, sizeof(float) * (size_t)d);
+    }
+}
+
+/* One layer's attention for query heads [begin, end), in runs that share a KV head. */
+static void attend_heads(void *ctx, int32_t begin, int32_t end) {
+    const attn_job *j = ctx;
+    while (begin < end) {
+        int32_t stop = (begin / j->g + 1) * j->g;
+        stop = stop < end ? stop : end;
+        stop = stop - begin < SPARK_RUN_HEADS ? stop : begin + SPARK_RUN_HEADS;
+        if (j->d == 64) {
+            attend_run(j, begin, stop - begin, 64); /* SmolLM2's, Llama's and Qwen's head dim */
+        } else {
+            attend_run(j, begin, stop - begin, j->d);
+        }
+        begin = stop;
     }
 }
 

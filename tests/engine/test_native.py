@@ -243,11 +243,19 @@ def run_conversation(b: TorchBackend, memory: str, ids: list[int]) -> torch.Tens
     return torch.stack([prefill(b, mem, ids[:10], chunk=10)] + [decode_step(b, mem, t) for t in ids[10:]])  # (n, V)
 
 
+@pytest.fixture(scope="module")
+def head64_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Head dim 64 and three query heads per KV head, as SmolLM2's: the attention's compiled-per-run route."""
+    return make_tiny_model(tmp_path_factory.mktemp("native-head64"), "llama", hidden=192, heads=3, kv_heads=1)
+
+
 @pytest.mark.parametrize("memory", ["full", "cascade"])
 @pytest.mark.parametrize("kv", [torch.float16, torch.float32])
+@pytest.mark.parametrize("model", ["llama_dir", "head64_dir"])
 def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(
-    llama_dir: Path, memory: str, kv: torch.dtype
+    request: pytest.FixtureRequest, model: str, memory: str, kv: torch.dtype
 ) -> None:
+    llama_dir: Path = request.getfixturevalue(model)
     ids = [3 + (i * 7) % 200 for i in range(50)]
     native = TorchBackend(llama_dir, "cpu", quantize="q4_1", kv_dtype=kv)
     calls = {"n": 0}
