@@ -999,7 +999,7 @@ typedef struct {
     float scale;
 } attn_job;
 
-#define SPARK_KV_AHEAD 8 /* key or value rows asked for ahead */
+#define SPARK_KV_AHEAD 32 /* key or value rows asked for ahead (8 KiB at head dim 64) */
 #define SPARK_RUN_HEADS 8 /* query heads that share a key row's load, at most */
 /* attend_run's weighted sums of the value rows for nh (<= 4) heads of head dim 64, compiled per nh: each value
  * row read once for all of them, each head's sum taking the same operations in the same order as alone. */
