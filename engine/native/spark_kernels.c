@@ -24,9 +24,9 @@
  *   Q4_0: term = (d_w * d_x) * (sum(nib * xq) - 8 * s)               w = d_w * (nib - 8)
  *   Q4_1: term = (d_w * d_x) * sum(nib * xq) + m_w * (d_x * s)       w = d_w * nib + m_w
  * Routes to those integers: a decoding step (one activation row) takes the weight rows in pairs with 256-bit
- * products (AVX2; AVX-512 VNNI), one row from each half of a thread's range; a prefill on AVX-512 puts 16 tokens
- * in the lanes of one 512-bit product (tokens_in_lanes, every block type), elsewhere it passes each weight row
- * over 12 tokens (dot_rows_r).
+ * products (AVX2; AVX-512 VNNI), one row from each half of a thread's range; a prefill puts 16 tokens in the
+ * lanes of one 512-bit product on AVX-512 (tokens_in_lanes, every block type), 8 in a 256-bit one on AVX2 (Q8_0,
+ * Q4_0, Q4_1); elsewhere it passes each weight row over 12 tokens (dot_rows_r).
  */
 
 #include <math.h>
@@ -234,9 +234,9 @@ typedef struct {
     float *d, *ds;
     int32_t *s;
     int32_t parts;
-    /* The same int16 rows with the tokens in vector lanes (AVX-512 prefill, tokens_in_lanes below), for
-     * ceil(M/16) groups of 16 tokens, absent tokens zero: tq (G, K/32, 16, 16) int16 pairs, lane t of vector
-     * (g, b, i) = elements 2i, 2i+1 of token 16g + t's block b; td, tds, ts (G, K/32, 16) its d, ds, s. */
+    /* The same int16 rows with the tokens in vector lanes (a prefill on AVX-512 or AVX2, tokens_in_lanes below),
+     * for ceil(M/L) groups of L = SPARK_LANES tokens, absent tokens zero: tq (G, K/32, 16, L) int16 pairs, lane t
+     * of vector (g, b, i) = elements 2i, 2i+1 of token Lg + t's block b; td, tds, ts (G, K/32, L) its d, ds, s. */
     int32_t *tq;
     float *td, *tds;
     int32_t *ts;
@@ -257,13 +257,22 @@ int32_t spark_block_bytes(int32_t type) {
     return type == SPARK_Q8_0 || type == SPARK_Q4_0 || type == SPARK_Q4_1 ? block_bytes(type) : 0;
 }
 
-#define SPARK_LANES 16 /* tokens per vector in the token-lane layout */
+/* Tokens per vector in the token-lane layout (a prefill's route on AVX-512 and AVX2): 512 or 256 bits of int32;
+ * and the fewest tokens worth a group. A group costs the same however few tokens fill it; below that many the row
+ * routes are faster (tests/engine/native/qgemm_timing.c: about half a group on AVX-512, three quarters on AVX2). */
+#if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
+#define SPARK_LANES 16
+#define SPARK_LANES_MIN 8
+#else
+#define SPARK_LANES 8
+#define SPARK_LANES_MIN 6
+#endif
 
 /* Rows rounded up to whole groups of SPARK_LANES tokens: the token-lane copy's (a prefill's on AVX-512; none for
  * one row, nor where that route is not built). */
 static int64_t lane_rows(int32_t m) {
-#if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
-    return m >= SPARK_LANES / 2 ? ((int64_t)m + SPARK_LANES - 1) / SPARK_LANES * SPARK_LANES : 0;
+#if (defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)) || defined(SPARK_AVX2)
+    return m >= SPARK_LANES_MIN ? ((int64_t)m + SPARK_LANES - 1) / SPARK_LANES * SPARK_LANES : 0;
 #else
     (void)m;
     return 0;
@@ -668,13 +677,8 @@ static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32
 
 #include "spark_kquants.c" /* Q5_0, Q4_K, Q6_K: kq_gemm_rows */
 
-#if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
-#define SPARK_ZMM 1
-/* Prefill on AVX-512 with the tokens in the lanes: one 512-bit product adds a pair of weights (broadcast) times the
- * same pair of 16 tokens' activations, so 16 products give 16 tokens' exact block sums, one per lane, with no
- * horizontal sum (a block per vector, the 256-bit route's layout, needs one per block and token); the float terms
- * then run 16 tokens at once, each lane taking block_term's operations in block order. */
-
+#if (defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)) || defined(SPARK_AVX2)
+#define SPARK_TOKEN_LANES 1
 /* Token-lane copy of a's m rows of nb blocks (spark_act's tq, td, tds, ts), absent tokens of the last group zero. */
 static void lanes_in(spark_act *a, int32_t m, int32_t nb) {
     const int64_t groups = lane_rows(m) / SPARK_LANES;
@@ -695,6 +699,15 @@ static void lanes_in(spark_act *a, int32_t m, int32_t nb) {
             }
         }
 }
+
+#endif
+
+#if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
+#define SPARK_ZMM 1
+/* Prefill on AVX-512 with the tokens in the lanes: one 512-bit product adds a pair of weights (broadcast) times the
+ * same pair of 16 tokens' activations, so 16 products give 16 tokens' exact block sums, one per lane, with no
+ * horizontal sum (a block per vector, the 256-bit route's layout, needs one per block and token); the float terms
+ * then run 16 tokens at once, each lane taking block_term's operations in block order. */
 
 /* out[r] (16 token lanes) = weight row rows[r] (r < R) times the 16 tokens of group g: per 8 blocks, each row's
  * quants widened to int16 once (wide), then per block 16 products per row into two chains (pairs i even, odd). */
@@ -779,13 +792,87 @@ static void lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_
 }
 #endif
 
+#if defined(SPARK_AVX2)
+/* Prefill on AVX2 with the tokens in the lanes, as on AVX-512 above but 8 tokens a vector: a 256-bit madd of one
+ * broadcast weight pair and the same pair of 8 tokens' activations adds one product pair per token, so a block's
+ * exact sums sit one per lane with no horizontal sum (the row route's per-block cost). Legacy types only. */
+static inline __attribute__((always_inline)) void tokens_in_lanes(const int32_t type, const uint8_t *const *rows, const int32_t R, int32_t nb, const spark_act *a, int64_t g, __m256 *out) {
+    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
+    __m256 acc[2][8];
+    for (int32_t r = 0; r < R; r++)
+        for (int32_t u = 0; u < 8; u++) acc[r][u] = _mm256_setzero_ps();
+    for (int32_t b = 0; b < nb; b++) {
+        int32_t wide[2][QK / 2] __attribute__((aligned(32))); /* int16 pairs: the block's weights 2i, 2i+1 */
+        for (int32_t r = 0; r < R; r++) {
+            const spark_w16 w = load_w16(type, rows[r] + (int64_t)b * bb + off);
+            _mm256_store_si256((__m256i *)wide[r], w.lo);
+            _mm256_store_si256((__m256i *)(wide[r] + QK / 4), w.hi);
+        }
+        const int64_t at = (g * nb + b) * SPARK_LANES;
+        const int32_t *xq = a->tq + at * (QK / 2);
+        __m256i s[2][2];
+        for (int32_t r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+        for (int32_t i = 0; i < QK / 2; i++) {
+            const __m256i x = _mm256_load_si256((const __m256i *)(xq + i * SPARK_LANES));
+            for (int32_t r = 0; r < R; r++) s[r][i & 1] = _mm256_add_epi32(s[r][i & 1], _mm256_madd_epi16(x, _mm256_set1_epi32(wide[r][i])));
+        }
+        const __m256 d = _mm256_loadu_ps(a->td + at);
+        for (int32_t r = 0; r < R; r++) {
+            const uint8_t *blk = rows[r] + (int64_t)b * bb;
+            __m256i isum = _mm256_add_epi32(s[r][0], s[r][1]);
+            if (type == SPARK_Q4_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(a->ts + at)), 3));
+            __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), d), _mm256_cvtepi32_ps(isum));
+            if (type == SPARK_Q4_1) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_loadu_ps(a->tds + at)));
+            acc[r][b & 7] = _mm256_add_ps(acc[r][b & 7], t);
+        }
+    }
+    for (int32_t r = 0; r < R; r++)
+        out[r] = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][4]), _mm256_add_ps(acc[r][1], acc[r][5])),
+                               _mm256_add_ps(_mm256_add_ps(acc[r][2], acc[r][6]), _mm256_add_ps(acc[r][3], acc[r][7])));
+}
+
+/* Weight rows [begin, end) times every token group: y (M, N) (+ bias), rows two at a time. */
+static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
+    const int32_t nb = w->k / QK, n = w->n;
+    const int64_t row_bytes = (int64_t)nb * block_bytes(type);
+    for (int64_t g = 0; g * SPARK_LANES < m; g++) {
+        const int32_t count = m - g * SPARK_LANES < SPARK_LANES ? (int32_t)(m - g * SPARK_LANES) : SPARK_LANES;
+        for (int32_t j = begin; j < end; j += 2) {
+            const int32_t R = end - j >= 2 ? 2 : 1;
+            const uint8_t *rows[2] = {w->blocks + j * row_bytes, w->blocks + (j + 1) * row_bytes};
+            __m256 out[2];
+            if (R == 2) tokens_in_lanes(type, rows, 2, nb, a, g, out);
+            else tokens_in_lanes(type, rows, 1, nb, a, g, out);
+            for (int32_t r = 0; r < R; r++) {
+                float lanes[SPARK_LANES];
+                _mm256_storeu_ps(lanes, out[r]);
+                const float bias = w->bias ? w->bias[j + r] : 0.0f;
+                for (int32_t t = 0; t < count; t++) y[(g * SPARK_LANES + t) * n + j + r] = lanes[t] + bias;
+            }
+        }
+    }
+}
+
+static void lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
+    switch (w->type) {
+    case SPARK_Q8_0: lanes_gemm_t(SPARK_Q8_0, w, a, y, m, begin, end); break;
+    case SPARK_Q4_0: lanes_gemm_t(SPARK_Q4_0, w, a, y, m, begin, end); break;
+    default: lanes_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
+    }
+}
+#endif
+
 /* How many of a prefill's m activation rows over w take the token-lane route (its copy built by spark_qgemm), the
- * first ones; the rest take the row routes. A group of 16 lanes costs the same however few tokens fill it, and
- * below about half full the row routes are faster: so whole groups, and a last partial one of at least 8. */
+ * first ones; the rest take the row routes: whole groups, and a last partial one of at least SPARK_LANES_MIN. */
 static int32_t lane_tokens(const spark_qmat *w, int32_t m) {
+#if defined(SPARK_TOKEN_LANES)
 #if defined(SPARK_ZMM)
     if (w->act_parts != 2 || !(w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1 || kq_type(w->type))) return 0;
-    return m % SPARK_LANES >= SPARK_LANES / 2 ? m : m - m % SPARK_LANES;
+#else
+    if (w->act_parts != 2 || !(w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1)) return 0;
+#endif
+    return m % SPARK_LANES >= SPARK_LANES_MIN ? m : m - m % SPARK_LANES;
 #else
     (void)w, (void)m;
     return 0;
@@ -806,7 +893,7 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const gemm_job *g = ctx;
     const spark_qmat *w = g->w;
     const int32_t lanes = lane_tokens(w, g->m); /* tokens [0, lanes) in the lanes, the rest by rows */
-#if defined(SPARK_ZMM)
+#if defined(SPARK_TOKEN_LANES)
     if (lanes > 0) lanes_gemm(w, g->a, g->y, lanes, begin, end);
     if (lanes == g->m) return;
 #endif
@@ -873,7 +960,7 @@ void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void 
     const int32_t nb = w->k / QK;
     for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * w->k, w->k, w->k, &a, (int64_t)r * nb);
     if (m == 1) split_row(&a, w->type, nb);
-#if defined(SPARK_ZMM)
+#if defined(SPARK_TOKEN_LANES)
     const int32_t lanes = lane_tokens(w, m);
     if (lanes > 0) lanes_in(&a, lanes, nb);
 #endif

@@ -266,9 +266,10 @@ def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(
     assert stepwise.decoder is None  # the same NativeBlockLinear weights, every step through PyTorch
     outs.append(run_conversation(stepwise, memory, ids))
     # Only float summation order differs (attention, norms): logits agree closely. Such a difference can move a
-    # stored fp16 key or value by one ulp or an activation by one int16 step, hence the bound (measured: 1.6e-4 to
-    # 3.4e-4 over these steps) ...
-    assert torch.allclose(outs[0], outs[1], atol=5e-4, rtol=1e-4), (outs[0] - outs[1]).abs().max()
+    # stored fp16 key or value by one ulp or an activation by one int16 step, which scales with the logits, hence a
+    # bound relative to the largest (measured on AVX2: 0.5e-4 to 1.2e-4 of it over these steps) ...
+    worst = (outs[0] - outs[1]).abs().max()
+    assert worst <= 2.5e-4 * outs[1].abs().max(), worst
     # ... the read bookkeeping is the same, and the stored and read keys and values differ only by that rounding.
     a, b = native.cache, stepwise.cache
     assert torch.equal(a.read_slots, b.read_slots) and torch.equal(a.read_positions, b.read_positions)

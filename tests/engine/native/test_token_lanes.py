@@ -1,7 +1,8 @@
-"""The AVX-512 prefill route of spark_kernels.c and spark_kquants.c (the tokens in the vector lanes, 16 per group,
-weight rows in pairs), for every block type: at token counts across group boundaries and widths with a partial
-group of 8 blocks, every output equals the integer reference bit for bit and the same row decoded alone; the AVX2
-build's 256-bit routes compute the same bits."""
+"""The prefill route of spark_kernels.c and spark_kquants.c with the tokens in the vector lanes, weight rows in
+pairs: on AVX-512 16 tokens a group for every block type, on AVX2 8 for Q8_0, Q4_0 and Q4_1 (the tests below run
+the route of the machine's build). At token counts across group boundaries and widths with a partial group of 8
+blocks, every output equals the integer reference bit for bit and the same row decoded alone; on AVX-512, the AVX2
+build computes the same bits."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.engine.test_native_kquants import TYPES as KQUANTS
 from tests.engine.test_native_kquants import bias_of, kquant_linear
 from tests.engine.test_native_kquants import integer_reference as kquant_reference
 
-TOKENS = 40  # two whole groups of 16 and a partial one
+TOKENS = 40  # two whole groups of 16 and a partial one; five of 8
 
 
 def has_avx512_vnni() -> bool:
@@ -39,7 +40,7 @@ def kernels() -> NativeKernels:
 
 def activations(k: int) -> torch.Tensor:
     x = torch.randn(TOKENS, k, generator=torch.Generator().manual_seed(k))  # (TOKENS, K)
-    x[16] = 0  # an all-zero row (the first of the second group): scale 0, just the bias
+    x[16] = 0  # an all-zero row (a group's first): scale 0, just the bias
     x[17, :32] *= 1e4  # an outlier block
     x[39, -32:] *= 1e-4  # a tiny one, in the last (partial) group
     return x
@@ -65,7 +66,7 @@ def test_prefill_across_token_groups_equals_the_integer_reference(
     for i in range(TOKENS):
         assert np.array_equal(many[i].numpy(), integer_reference(w, bias, x[i].numpy(), 2)), i
         assert torch.equal(lin(x[i : i + 1]), many[i : i + 1]), i  # a decoding step = the same prefill row
-    for m in (2, 7, 8, 15, 16, 17, 20, 24, 33):  # by rows; one group, whole or from 8; groups and rows after
+    for m in (2, 5, 7, 8, 13, 15, 16, 17, 20, 24, 33):  # by rows; a group, whole or partial; groups and rows after
         assert torch.equal(lin(x[:m]), many[:m]), m
         assert torch.equal(lin(x[TOKENS - m :]), many[TOKENS - m :]), m  # the same tokens in other lanes
 
