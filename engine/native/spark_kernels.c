@@ -245,6 +245,9 @@ typedef struct {
     int8_t *xh;
     uint8_t *xl;
     int32_t *xc;
+    /* One row only, AVX2 (in xh's place): its int16 quants with each block's elements in the order of load_nib's
+     * vectors, for a Q4_0 or Q4_1 decoding step: 0, 2, .., 14, 1, 3, .., 15, then 16, 18, .., 30, 17, .., 31. */
+    int16_t *xp;
 } spark_act;
 
 static int32_t block_bytes(int32_t type) { return type == SPARK_Q8_0 ? 34 : type == SPARK_Q4_1 ? 20 : 18; }
@@ -299,11 +302,12 @@ static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
     a.td = (float *)(a.tq + tb * QK / 2);
     a.tds = a.td + tb;
     a.ts = (int32_t *)(a.tds + tb);
-    a.xh = NULL, a.xl = NULL, a.xc = NULL;
+    a.xh = NULL, a.xl = NULL, a.xc = NULL, a.xp = NULL;
     if (m == 1) {
         a.xh = (int8_t *)(((uintptr_t)(a.ts + tb) + 63) & ~(uintptr_t)63);
         a.xl = (uint8_t *)(a.xh + k);
         a.xc = (int32_t *)(a.xl + k);
+        a.xp = (int16_t *)a.xh;
     }
     return a;
 }
@@ -451,6 +455,18 @@ static inline __m256i block_lanes_split(const uint8_t *qs, const spark_act *a, i
     const __m256i w = _mm256_loadu_si256((const __m256i *)qs), wu = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
     const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, _mm256_loadu_si256((const __m256i *)(a->xh + at)));
     return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), _mm256_loadu_si256((const __m256i *)(a->xl + at)), w);
+}
+#endif
+#if defined(SPARK_AVX2)
+/* block_lanes16 of a Q4 block for a decoding step, against a->xp: the nibbles widened to int16 by shifts of the
+ * block's 16 bytes (broadcast to both halves) within 32-bit words, not by two byte-to-word shuffles: a word's
+ * nibble at bit 0 or 16 after a shift of 0 (low half) or 8 (high half) is the low nibble of an even or odd byte,
+ * after 4 or 12 the high nibble. The pairs madd adds differ from block_lanes16's; the lanes' total is the same. */
+static inline __m256i block_lanes_nib(const uint8_t *qs, const int16_t *xp) {
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs)), mask = _mm256_set1_epi32(0x000F000F);
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8)), mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(4, 4, 4, 4, 12, 12, 12, 12)), mask);
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)), _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 16))));
 }
 #endif
 /* The four blocks' sums from their lanes (integer adds: exact in any order). */
@@ -632,6 +648,14 @@ static inline __attribute__((always_inline)) void dot_pair16_t(const int32_t typ
                 lb[j] = block_lanes_split(pb + j * bb + off, a, (int64_t)(b + j) * QK);
             }
             split = _mm_loadu_si128((const __m128i *)(a->xc + b));
+        } else
+#endif
+#if defined(SPARK_AVX2)
+        if (type != SPARK_Q8_0) {
+            for (int32_t j = 0; j < 4; j++) {
+                la[j] = block_lanes_nib(pa + j * bb + off, a->xp + (int64_t)(b + j) * QK);
+                lb[j] = block_lanes_nib(pb + j * bb + off, a->xp + (int64_t)(b + j) * QK);
+            }
         } else
 #endif
         {
@@ -935,7 +959,8 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     }
 }
 
-/* One row's int16 quants as a->xh, xl, xc (spark_act), for a Q8_0 decoding step's block_lanes_split. */
+/* One row's int16 quants as a->xh, xl, xc (spark_act), for a Q8_0 decoding step's block_lanes_split (AVX-512), or
+ * as a->xp for a Q4 one's block_lanes_nib (AVX2). */
 static void split_row(const spark_act *a, int32_t type, int32_t nb) {
 #if defined(SPARK_AVX512VNNI)
     if (type != SPARK_Q8_0 || a->parts != 2 || a->xh == NULL) return;
@@ -948,6 +973,14 @@ static void split_row(const spark_act *a, int32_t type, int32_t nb) {
             high += q >> 8;
         }
         a->xc[b] = high * 32768;
+    }
+#elif defined(SPARK_AVX2)
+    if (type == SPARK_Q8_0 || a->parts != 2 || a->xp == NULL) return;
+    for (int32_t b = 0; b < nb; b++) {
+        const int16_t *q = a->q16 + b * QK;
+        int16_t *p = a->xp + b * QK;
+        for (int32_t h = 0; h < 2; h++) /* elements 0..15, then 16..31 */
+            for (int32_t i = 0; i < 8; i++) p[16 * h + i] = q[16 * h + 2 * i], p[16 * h + 8 + i] = q[16 * h + 2 * i + 1];
     }
 #else
     (void)a, (void)type, (void)nb;
