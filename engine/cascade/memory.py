@@ -143,7 +143,13 @@ class CascadeMemory:
         self.working.refresh_positions()
         ws = torch.tensor(slots, dtype=torch.long)  # (T,)
         w = self.working
-        return RowPlan(w.slot_positions[ws], ws, w.slot_positions.clone(), w.mask(ws), w.frame, w.window_start)
+        mask = w.mask(ws)  # (T, S)
+        # Only the leading slots up to the last one attended take part (SlotBatch's S'): a prefill's attention then
+        # costs what the memory holds, not the whole table.
+        live = int(mask.any(0).nonzero()[-1]) + 1
+        return RowPlan(
+            w.slot_positions[ws], ws, w.slot_positions[:live].clone(), mask[:, :live], w.frame, w.window_start
+        )
 
     def after_forward(self) -> None:
         if self.cfg.retrieval_blocks:

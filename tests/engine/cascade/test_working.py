@@ -61,6 +61,18 @@ def test_exact_against_transformers(tiny_model: Path) -> None:
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_a_step_reads_only_the_slots_up_to_the_last_one_held(tiny_model: Path) -> None:
+    """A prefill's attention costs what the memory holds, not the whole table (SlotBatch's S')."""
+    b = TorchBackend(tiny_model)
+    m = CascadeMemory(b, SMALL)
+    w = m.working
+    plan = m.plan(random_ids(20))  # the 4 sinks, then 16 window slots after the retrieval groups'
+    assert plan.mask.shape == (20, w.window_start + 16) and plan.slot_positions.shape == (w.window_start + 16,)
+    assert w.window_start + 16 < b.num_slots
+    assert not bool(plan.mask[-1].all())  # the empty retrieval slots inside the extent stay masked
+    assert int(plan.mask.any(0).nonzero()[-1]) == w.window_start + 15  # the extent ends at the last slot written
+
+
 def test_positions_and_memory_stay_bounded(tiny_model: Path) -> None:
     cfg = CascadeConfig(
         sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, reroute_every=4, episodic_budget_bytes=64 * 1024
