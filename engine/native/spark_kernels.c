@@ -775,45 +775,6 @@ static inline __attribute__((always_inline)) void tokens_in_lanes(const int32_t 
         out[r] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][4]), _mm512_add_ps(acc[r][1], acc[r][5])),
                                _mm512_add_ps(_mm512_add_ps(acc[r][2], acc[r][6]), _mm512_add_ps(acc[r][3], acc[r][7])));
 }
-
-/* Weight rows [begin, end) times every token group: y (M, N) (+ bias), rows two at a time. */
-static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
-    const int32_t nb = w->k / QK, n = w->n;
-    const int64_t row_bytes = kq_type(type) ? kq_row_bytes(type, w->k) : (int64_t)nb * block_bytes(type);
-    for (int64_t g = 0; g * SPARK_LANES < m; g++) {
-        const int32_t count = m - g * SPARK_LANES < SPARK_LANES ? (int32_t)(m - g * SPARK_LANES) : SPARK_LANES;
-        for (int32_t j = begin; j < end; j += 2) {
-            const int32_t R = end - j >= 2 ? 2 : 1;
-            const uint8_t *rows[2] = {w->blocks + j * row_bytes, w->blocks + (j + 1) * row_bytes};
-            __m512 out[2];
-            if (kq_type(type)) {
-                if (R == 2) kq_tokens_in_lanes(type, rows, 2, nb, a, g, out);
-                else kq_tokens_in_lanes(type, rows, 1, nb, a, g, out);
-            } else if (R == 2) {
-                tokens_in_lanes(type, rows, 2, nb, a, g, out);
-            } else {
-                tokens_in_lanes(type, rows, 1, nb, a, g, out);
-            }
-            for (int32_t r = 0; r < R; r++) {
-                float lanes[SPARK_LANES];
-                _mm512_storeu_ps(lanes, out[r]);
-                const float bias = w->bias ? w->bias[j + r] : 0.0f;
-                for (int32_t t = 0; t < count; t++) y[(g * SPARK_LANES + t) * n + j + r] = lanes[t] + bias;
-            }
-        }
-    }
-}
-
-static void lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
-    switch (w->type) {
-    case SPARK_Q8_0: lanes_gemm_t(SPARK_Q8_0, w, a, y, m, begin, end); break;
-    case SPARK_Q4_0: lanes_gemm_t(SPARK_Q4_0, w, a, y, m, begin, end); break;
-    case SPARK_Q4_1: lanes_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
-    case SPARK_Q5_0: lanes_gemm_t(SPARK_Q5_0, w, a, y, m, begin, end); break;
-    case SPARK_Q4_K: lanes_gemm_t(SPARK_Q4_K, w, a, y, m, begin, end); break;
-    default: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break;
-    }
-}
 #endif
 
 #if defined(SPARK_AVX2)
@@ -856,23 +817,39 @@ static inline __attribute__((always_inline)) void tokens_in_lanes(const int32_t 
                                _mm256_add_ps(_mm256_add_ps(acc[r][2], acc[r][6]), _mm256_add_ps(acc[r][3], acc[r][7])));
 }
 
+#endif
+
+#if defined(SPARK_TOKEN_LANES)
 /* Weight rows [begin, end) times every token group: y (M, N) (+ bias), rows two at a time. */
 static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
     const int32_t nb = w->k / QK, n = w->n;
-    const int64_t row_bytes = (int64_t)nb * block_bytes(type);
+    const int64_t row_bytes = kq_type(type) ? kq_row_bytes(type, w->k) : (int64_t)nb * block_bytes(type);
     for (int64_t g = 0; g * SPARK_LANES < m; g++) {
         const int32_t count = m - g * SPARK_LANES < SPARK_LANES ? (int32_t)(m - g * SPARK_LANES) : SPARK_LANES;
         for (int32_t j = begin; j < end; j += 2) {
             const int32_t R = end - j >= 2 ? 2 : 1;
             const uint8_t *rows[2] = {w->blocks + j * row_bytes, w->blocks + (j + 1) * row_bytes};
+            float lanes[2][SPARK_LANES];
+#if defined(SPARK_ZMM)
+            __m512 out[2];
+            if (kq_type(type)) {
+                if (R == 2) kq_tokens_in_lanes(type, rows, 2, nb, a, g, out);
+                else kq_tokens_in_lanes(type, rows, 1, nb, a, g, out);
+            } else if (R == 2) {
+                tokens_in_lanes(type, rows, 2, nb, a, g, out);
+            } else {
+                tokens_in_lanes(type, rows, 1, nb, a, g, out);
+            }
+            for (int32_t r = 0; r < R; r++) _mm512_storeu_ps(lanes[r], out[r]);
+#else
             __m256 out[2];
             if (R == 2) tokens_in_lanes(type, rows, 2, nb, a, g, out);
             else tokens_in_lanes(type, rows, 1, nb, a, g, out);
+            for (int32_t r = 0; r < R; r++) _mm256_storeu_ps(lanes[r], out[r]);
+#endif
             for (int32_t r = 0; r < R; r++) {
-                float lanes[SPARK_LANES];
-                _mm256_storeu_ps(lanes, out[r]);
                 const float bias = w->bias ? w->bias[j + r] : 0.0f;
-                for (int32_t t = 0; t < count; t++) y[(g * SPARK_LANES + t) * n + j + r] = lanes[t] + bias;
+                for (int32_t t = 0; t < count; t++) y[(g * SPARK_LANES + t) * n + j + r] = lanes[r][t] + bias;
             }
         }
     }
@@ -882,6 +859,11 @@ static void lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_
     switch (w->type) {
     case SPARK_Q8_0: lanes_gemm_t(SPARK_Q8_0, w, a, y, m, begin, end); break;
     case SPARK_Q4_0: lanes_gemm_t(SPARK_Q4_0, w, a, y, m, begin, end); break;
+#if defined(SPARK_ZMM)
+    case SPARK_Q5_0: lanes_gemm_t(SPARK_Q5_0, w, a, y, m, begin, end); break;
+    case SPARK_Q4_K: lanes_gemm_t(SPARK_Q4_K, w, a, y, m, begin, end); break;
+    case SPARK_Q6_K: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break;
+#endif
     default: lanes_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
     }
 }
