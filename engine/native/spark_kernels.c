@@ -245,8 +245,8 @@ typedef struct {
     int8_t *xh;
     uint8_t *xl;
     int32_t *xc;
-    /* One row only, AVX2 (in xh's place): its int16 quants with each block's elements in the order of load_nib's
-     * vectors, for a Q4_0 or Q4_1 decoding step: 0, 2, .., 14, 1, 3, .., 15, then 16, 18, .., 30, 17, .., 31. */
+    /* One row only, AVX2 (in xh's place): its int16 quants for a Q4_0 or Q4_1 decoding step, each block's
+     * elements in the order of block_lanes_nib's vectors: 0, 2, .., 14, 1, 3, .., 15, 16, 18, .., 30, 17, .., 31. */
     int16_t *xp;
 } spark_act;
 
@@ -271,8 +271,8 @@ int32_t spark_block_bytes(int32_t type) {
 #define SPARK_LANES_MIN 6
 #endif
 
-/* Rows rounded up to whole groups of SPARK_LANES tokens: the token-lane copy's (a prefill's on AVX-512; none for
- * one row, nor where that route is not built). */
+/* Rows rounded up to whole groups of SPARK_LANES tokens: the token-lane copy's (a prefill's on AVX-512 or AVX2;
+ * none for one row, nor where that route is not built). */
 static int64_t lane_rows(int32_t m) {
 #if (defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)) || defined(SPARK_AVX2)
     return m >= SPARK_LANES_MIN ? ((int64_t)m + SPARK_LANES - 1) / SPARK_LANES * SPARK_LANES : 0;
