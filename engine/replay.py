@@ -96,7 +96,9 @@ def memory_digest(memory: Memory) -> str:
         t = tensors[name].detach().contiguous().cpu()
         h.update(name.encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes())
+        # The tensor's own bytes, not a copy: hashlib lets other threads run while it hashes a large buffer, so
+        # saving the whole slot table does not stall the GUI thread.
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 

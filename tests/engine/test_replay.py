@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.errors import SessionFileError
 from engine.generate import GenerationSettings, PrefillProgress, stream_generate
-from engine.replay import FeedLog, check_schedule
+from engine.replay import FeedLog, check_schedule, memory_digest
 from engine.sampling import SamplingSettings
 from engine.session import Engine, memory_factory_for
 from engine.session_file import inspect_session, load_session, restore
@@ -122,6 +124,21 @@ def test_a_tampered_recipe_is_refused_in_one_sentence(engine: Engine, tmp_path: 
 def test_malformed_schedules_are_refused(raw: object) -> None:
     with pytest.raises(SessionFileError):
         check_schedule(raw, 2)
+
+
+def test_the_memory_digest_is_sha256_over_names_shapes_and_raw_bytes(engine: Engine) -> None:
+    """The digest a compact file stores: saved files keep verifying however it is computed."""
+    session = engine.new_session()
+    tokens(session.chat(LONG, GREEDY))  # past the window: episodic blocks and routing state in the memory too
+    _, tensors = session.memory.state()
+    assert {t.dtype for t in tensors.values()} == {torch.float16, torch.float32}  # KV, and the routing summaries
+    want = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        want.update(name.encode())
+        want.update(str(tuple(t.shape)).encode())
+        want.update(bytes(t.reshape(-1).view(torch.uint8).tolist()))
+    assert memory_digest(session.memory) == want.hexdigest()
 
 
 def test_the_feed_log_counts_reuse_and_runs() -> None:
