@@ -264,17 +264,21 @@ int32_t spark_block_bytes(int32_t type) {
  * and the fewest tokens worth a group. A group costs the same however few tokens fill it; below that many the row
  * routes are faster (tests/engine/native/qgemm_timing.c: about half a group on AVX-512, three quarters on AVX2). */
 #if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
+#define SPARK_ZMM 1 /* the 512-bit token-lane route, every block type */
 #define SPARK_LANES 16
 #define SPARK_LANES_MIN 8
 #else
 #define SPARK_LANES 8
 #define SPARK_LANES_MIN 6
 #endif
+#if defined(SPARK_ZMM) || defined(SPARK_AVX2)
+#define SPARK_TOKEN_LANES 1 /* a prefill takes the token-lane route (AVX2: Q8_0, Q4_0, Q4_1) */
+#endif
 
 /* Rows rounded up to whole groups of SPARK_LANES tokens: the token-lane copy's (a prefill's on AVX-512 or AVX2;
  * none for one row, nor where that route is not built). */
 static int64_t lane_rows(int32_t m) {
-#if (defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)) || defined(SPARK_AVX2)
+#if defined(SPARK_TOKEN_LANES)
     return m >= SPARK_LANES_MIN ? ((int64_t)m + SPARK_LANES - 1) / SPARK_LANES * SPARK_LANES : 0;
 #else
     (void)m;
@@ -701,8 +705,7 @@ static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32
 
 #include "spark_kquants.c" /* Q5_0, Q4_K, Q6_K: kq_gemm_rows */
 
-#if (defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)) || defined(SPARK_AVX2)
-#define SPARK_TOKEN_LANES 1
+#if defined(SPARK_TOKEN_LANES)
 /* Token-lane copy of a's m rows of nb blocks (spark_act's tq, td, tds, ts), absent tokens of the last group zero. */
 static void lanes_in(spark_act *a, int32_t m, int32_t nb) {
     const int64_t groups = lane_rows(m) / SPARK_LANES;
@@ -726,8 +729,7 @@ static void lanes_in(spark_act *a, int32_t m, int32_t nb) {
 
 #endif
 
-#if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
-#define SPARK_ZMM 1
+#if defined(SPARK_ZMM)
 /* Prefill on AVX-512 with the tokens in the lanes: one 512-bit product adds a pair of weights (broadcast) times the
  * same pair of 16 tokens' activations, so 16 products give 16 tokens' exact block sums, one per lane, with no
  * horizontal sum (a block per vector, the 256-bit route's layout, needs one per block and token); the float terms
@@ -816,7 +818,6 @@ static inline __attribute__((always_inline)) void tokens_in_lanes(const int32_t 
         out[r] = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][4]), _mm256_add_ps(acc[r][1], acc[r][5])),
                                _mm256_add_ps(_mm256_add_ps(acc[r][2], acc[r][6]), _mm256_add_ps(acc[r][3], acc[r][7])));
 }
-
 #endif
 
 #if defined(SPARK_TOKEN_LANES)
@@ -873,11 +874,11 @@ static void lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_
  * first ones; the rest take the row routes: whole groups, and a last partial one of at least SPARK_LANES_MIN. */
 static int32_t lane_tokens(const spark_qmat *w, int32_t m) {
 #if defined(SPARK_TOKEN_LANES)
+    int routed = w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1;
 #if defined(SPARK_ZMM)
-    if (w->act_parts != 2 || !(w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1 || kq_type(w->type))) return 0;
-#else
-    if (w->act_parts != 2 || !(w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1)) return 0;
+    routed = routed || kq_type(w->type);
 #endif
+    if (w->act_parts != 2 || !routed) return 0;
     return m % SPARK_LANES >= SPARK_LANES_MIN ? m : m - m % SPARK_LANES;
 #else
     (void)w, (void)m;

@@ -226,8 +226,7 @@ static inline void kq_unpack16(int32_t type, const uint8_t *row, int32_t b, __m2
     *w1 = _mm256_cvtepi8_epi16(q[1]);
 }
 
-#if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
-#define SPARK_KQ512 1
+#if defined(SPARK_ZMM)
 /* Block b's 32 signed quants as one vector of int16 (AVX-512: a mask register spreads Q5_0's fifth bits). */
 static inline __m512i kq_unpack512(int32_t type, const uint8_t *row, int32_t b) {
     if (type == SPARK_Q5_0) {
@@ -311,7 +310,7 @@ static inline __m256i kq_hsum8_pairs(const __m256i *p) {
 /* Block b's int16 products with activation block b0[t] + b of each row t: 8 int32 lanes into l0[t][i] (weights
  * 0..15) and l1[t][i] (16..31; Q5_0 and Q4_K: the whole block, l0 + l1). */
 static inline __attribute__((always_inline)) void kq_block_lanes(const int32_t type, const uint8_t *row, int32_t b, const spark_act *a, const int64_t *b0, const int32_t r_count, __m256i (*l0)[2], __m256i (*l1)[2], int32_t i) {
-#if defined(SPARK_KQ512)
+#if defined(SPARK_ZMM)
     const __m512i w = kq_unpack512(type, row, b); /* 32 x int16 */
     for (int32_t t = 0; t < r_count; t++) {
         const __m512i l = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->q16 + (b0[t] + b) * QK));
@@ -338,7 +337,7 @@ static inline __attribute__((always_inline)) void kq_block_lanes(const int32_t t
 }
 #endif
 
-#if defined(SPARK_KQ512)
+#if defined(SPARK_ZMM)
 /* The weight factors of block b (kq_unpack's dw, mw, s0, s1) without its quants. */
 static inline void kq_factors_of(const int32_t type, const uint8_t *row, int32_t b, kq_block *o) {
     o->mw = 0.0f;
