@@ -37,6 +37,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* Largest head dim spark_decode supports (the Python side checks before using it). */
 #define SPARK_MAX_HEAD_DIM 512
@@ -75,13 +76,17 @@ const char *spark_isa(void) {
 
 /* ---------------------------------------------------------------------------------------------------------------
  * Persistent thread pool: workers are created once (spark_set_threads) and wait for jobs; a job splits [0, items)
- * into one contiguous range per thread, the caller running the first. Workers spin briefly between the jobs of a
- * step (a decoding step issues ~150 back to back), then sleep on a condition variable, so an idle engine costs no
- * CPU and the GUI thread is never starved. A second caller while a job runs (forked backends decoding at once)
+ * into one contiguous range per thread, the caller running the first. Workers wait for the next job spinning for
+ * SPARK_LINGER_NS (a decoding step issues ~150 jobs back to back; a prefill's products are a millisecond or more of
+ * PyTorch attention apart, and a worker that slept through that gap costs a wake-up per product), offering the core
+ * to the OS all along past the first few thousand spins, then sleep on a condition variable, so an idle engine
+ * costs no CPU and the GUI thread is never starved. A second caller while a job runs (forked backends decoding at once)
  * runs its job on its own thread instead of waiting.
  * ------------------------------------------------------------------------------------------------------------- */
 
 typedef void (*spark_job)(void *ctx, int32_t begin, int32_t end);
+
+#define SPARK_LINGER_NS 5000000
 
 static struct {
     pthread_mutex_t use;   /* held by the one caller dispatching jobs */
@@ -108,6 +113,12 @@ static inline void cpu_relax(int32_t spins) {
     if (spins > 2000 && (spins & 63) == 0) sched_yield();
 }
 
+static inline int64_t monotonic_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
 static void run_share(int32_t index) {
     const int64_t items = pool.items, n = pool.n_threads;
     const int32_t begin = (int32_t)(items * index / n), end = (int32_t)(items * (index + 1) / n);
@@ -121,8 +132,11 @@ static void *worker_main(void *arg) {
     uint_fast64_t seen = pool.start_generation;
     for (;;) {
         uint_fast64_t g;
-        int spins = 0;
-        while ((g = atomic_load(&pool.generation)) == seen && !atomic_load(&pool.stop) && spins < 20000) cpu_relax(spins++);
+        const int64_t until = monotonic_ns() + SPARK_LINGER_NS;
+        for (int32_t spins = 0; (g = atomic_load(&pool.generation)) == seen && !atomic_load(&pool.stop); spins++) {
+            cpu_relax(spins);
+            if ((spins & 63) == 63 && monotonic_ns() > until) break;
+        }
         if (g == seen && !atomic_load(&pool.stop)) {
             pthread_mutex_lock(&pool.sleep);
             atomic_fetch_add(&pool.sleepers, 1); /* before re-checking: a dispatcher that misses us sees sleepers */

@@ -9,6 +9,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -207,6 +208,25 @@ def test_the_thread_pool_changes_no_bit_and_creates_no_thread_per_call(kernels: 
         torch.set_num_threads(1)
     assert kernels.use_threads(1) == 1 and native_threads() == settled - 2  # the workers end when the pool shrinks
     assert torch.equal(run_conversation(b, "full", ids), threaded)  # one thread or three: the same bits
+
+
+def test_an_idle_pool_costs_no_cpu(kernels: NativeKernels) -> None:
+    """The workers wait spinning for a few milliseconds after a product (a prefill's next one comes after PyTorch's
+    attention), then sleep: an engine left idle costs no CPU."""
+    lin = block_linear(kernels, BlockType.Q8_0, 64, 576, 2)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(4))
+    kernels.use_threads(3)
+    torch.set_num_threads(3)
+    try:
+        lin(x)
+        time.sleep(0.2)  # well past the linger
+        start = time.process_time()  # every thread of the process
+        time.sleep(0.3)
+        idle = time.process_time() - start
+    finally:
+        torch.set_num_threads(1)
+        kernels.use_threads(1)
+    assert idle < 0.03  # two workers still spinning would have used ~0.3 s each
 
 
 def test_backend_uses_native_kernels_and_stays_close_to_fp32(qwen_dir: Path) -> None:
