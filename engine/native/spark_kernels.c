@@ -25,8 +25,9 @@
  *   Q4_1: term = (d_w * d_x) * sum(nib * xq) + m_w * (d_x * s)       w = d_w * nib + m_w
  * Routes to those integers: a decoding step (one activation row) takes the weight rows in pairs with 256-bit
  * products (AVX2; AVX-512 VNNI), one row from each half of a thread's range; a prefill puts 16 tokens in the
- * lanes of one 512-bit product on AVX-512 (tokens_in_lanes, every block type), 8 in a 256-bit one on AVX2 (Q8_0,
- * Q4_0, Q4_1); elsewhere it passes each weight row over 12 tokens (dot_rows_r).
+ * lanes of one 512-bit product on AVX-512 (tokens_in_lanes, every block type), 8 in a 256-bit one on AVX2 (Q4_0,
+ * Q4_1), and on AVX2 puts 8 weight rows in the lanes for Q8_0 (rows_in_lanes_q8); elsewhere it passes each weight
+ * row over 12 tokens (dot_rows_r).
  */
 
 #include <math.h>
@@ -286,7 +287,7 @@ int32_t spark_block_bytes(int32_t type) {
 #define SPARK_LANES_MIN 6
 #endif
 #if defined(SPARK_ZMM) || defined(SPARK_AVX2)
-#define SPARK_TOKEN_LANES 1 /* a prefill takes the token-lane route (AVX2: Q8_0, Q4_0, Q4_1) */
+#define SPARK_TOKEN_LANES 1 /* a prefill takes the lane routes (AVX2: Q8_0 by rows_in_lanes_q8, Q4_0, Q4_1) */
 #endif
 
 /* Rows rounded up to whole groups of SPARK_LANES tokens: the token-lane copy's (a prefill's on AVX-512 or AVX2;
@@ -834,6 +835,94 @@ static inline __attribute__((always_inline)) void tokens_in_lanes(const int32_t 
 }
 #endif
 
+#if defined(SPARK_AVX2)
+/* out[i] lane r = in[r] lane i: an 8 x 8 transpose of int32 (pairs of rows interleaved, then quads, then halves). */
+static inline void transpose8x32(const __m256i *in, __m256i *out) {
+    __m256i t[8], u[8];
+    for (int32_t r = 0; r < 8; r += 2) {
+        t[r] = _mm256_unpacklo_epi32(in[r], in[r + 1]);     /* rows r, r+1 at lanes 0, 1 | 4, 5 */
+        t[r + 1] = _mm256_unpackhi_epi32(in[r], in[r + 1]); /* at lanes 2, 3 | 6, 7 */
+    }
+    for (int32_t r = 0; r < 8; r += 4)
+        for (int32_t h = 0; h < 2; h++) {
+            u[r + h] = _mm256_unpacklo_epi64(t[r + h], t[r + h + 2]);     /* rows r..r+3 at lane 0 | 4 (h = 1: 2 | 6) */
+            u[r + h + 2] = _mm256_unpackhi_epi64(t[r + h], t[r + h + 2]); /* at lane 1 | 5 (h = 1: 3 | 7) */
+        }
+    const int32_t at[4] = {0, 2, 1, 3}; /* the u holding lane i | i + 4 */
+    for (int32_t i = 0; i < 4; i++) {
+        out[i] = _mm256_permute2x128_si256(u[at[i]], u[4 + at[i]], 0x20);
+        out[i + 4] = _mm256_permute2x128_si256(u[at[i]], u[4 + at[i]], 0x31);
+    }
+}
+
+/* Q8_0 prefill on AVX2 with 8 weight rows in the lanes and the tokens broadcast. tokens_in_lanes broadcasts each
+ * weight pair from a register, two shuffles a product on the one shuffle port, which bounded it; here the 8 rows'
+ * blocks are widened once into wt, (nb, 16, 8) int16 pairs (pair i of row r at [b][i][r]) and dw (nb, 8) their
+ * scales, and each token's pair comes straight from memory as a broadcast load, so a product is a madd and an add.
+ * Per row and token: the same integer block sums and the same float operations in the same order as
+ * tokens_in_lanes (terms (dw * dx) * sum into 8 partial sums by block mod 8, added in the same tree), so the same
+ * bits. wt holds nb * (128 int32 + 8 floats). */
+static void rows_in_lanes_q8(const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end, int32_t *wt) {
+    const int32_t nb = w->k / QK, n = w->n;
+    const int64_t row_bytes = (int64_t)nb * block_bytes(SPARK_Q8_0);
+    float *dw = (float *)(wt + (int64_t)nb * (QK / 2) * 8);
+    const int32_t *x32 = (const int32_t *)a->q16; /* token t's pair p at x32[t * nb * 16 + p] */
+    for (int32_t j = begin; j < end; j += 8) {
+        const int32_t rows = end - j < 8 ? end - j : 8;
+        for (int32_t b = 0; b < nb; b++) {
+            __m256i lo[8], hi[8]; /* row r's pairs 0-7 and 8-15, transposed below into pair i's 8 rows */
+            for (int32_t r = 0; r < 8; r++) {
+                float d = 0.0f; /* rows past the range: zero weights, their lanes never stored */
+                lo[r] = hi[r] = _mm256_setzero_si256();
+                if (r < rows) {
+                    const uint8_t *blk = w->blocks + (j + r) * row_bytes + (int64_t)b * block_bytes(SPARK_Q8_0);
+                    const spark_w16 q = load_w16(SPARK_Q8_0, blk + 2);
+                    lo[r] = q.lo, hi[r] = q.hi;
+                    d = f16_at(blk);
+                }
+                dw[(int64_t)b * 8 + r] = d;
+            }
+            transpose8x32(lo, (__m256i *)(wt + (int64_t)b * (QK / 2) * 8));
+            transpose8x32(hi, (__m256i *)(wt + ((int64_t)b * (QK / 2) + 8) * 8));
+        }
+        for (int32_t t0 = 0; t0 < m; t0 += 8) {
+            const int32_t count = m - t0 < 8 ? m - t0 : 8;
+            const int32_t *xt[8];
+            const float *dt[8];
+            for (int32_t t = 0; t < 8; t++) { /* tokens past m repeat token t0: computed, never stored */
+                const int64_t tok = t0 + (t < count ? t : 0);
+                xt[t] = x32 + tok * nb * (QK / 2);
+                dt[t] = a->d + tok * nb;
+            }
+            __m256 acc[8][8];
+            for (int32_t t = 0; t < 8; t++)
+                for (int32_t u = 0; u < 8; u++) acc[t][u] = _mm256_setzero_ps();
+            for (int32_t b = 0; b < nb; b++) {
+                const int32_t *wb = wt + (int64_t)b * (QK / 2) * 8;
+                __m256i s[8];
+                for (int32_t t = 0; t < 8; t++) s[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                for (int32_t i = 0; i < QK / 2; i++) {
+                    const __m256i wv = _mm256_load_si256((const __m256i *)(wb + i * 8));
+                    for (int32_t t = 0; t < 8; t++) s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(wv, _mm256_set1_epi32(xt[t][b * (QK / 2) + i])));
+                }
+                const __m256 d = _mm256_loadu_ps(dw + (int64_t)b * 8);
+                for (int32_t t = 0; t < 8; t++)
+                    acc[t][b & 7] = _mm256_add_ps(acc[t][b & 7], _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(dt[t][b])), _mm256_cvtepi32_ps(s[t])));
+            }
+            for (int32_t t = 0; t < count; t++) {
+                const __m256 out = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][4]), _mm256_add_ps(acc[t][1], acc[t][5])),
+                                                 _mm256_add_ps(_mm256_add_ps(acc[t][2], acc[t][6]), _mm256_add_ps(acc[t][3], acc[t][7])));
+                float lanes[8];
+                _mm256_storeu_ps(lanes, out);
+                float *row = y + (int64_t)(t0 + t) * n + j;
+                for (int32_t r = 0; r < rows; r++) row[r] = lanes[r] + (w->bias ? w->bias[j + r] : 0.0f);
+            }
+        }
+    }
+}
+#endif
+
 #if defined(SPARK_TOKEN_LANES)
 /* Weight rows [begin, end) times every token group: y (M, N) (+ bias), rows two at a time. */
 static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
@@ -870,7 +959,18 @@ static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t typ
     }
 }
 
-static void lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
+/* Returns 0, having computed nothing, where the memory for rows_in_lanes_q8's copy was not to be had. */
+static int32_t lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
+#if defined(SPARK_AVX2)
+    if (w->type == SPARK_Q8_0) {
+        const int64_t nb = w->k / QK;
+        int32_t *wt = aligned_alloc(32, (size_t)(nb * ((QK / 2) * 8 + 8) * 4)); /* a multiple of 32 bytes */
+        if (wt == NULL) return 0;
+        rows_in_lanes_q8(w, a, y, m, begin, end, wt);
+        free(wt);
+        return 1;
+    }
+#endif
     switch (w->type) {
     case SPARK_Q8_0: lanes_gemm_t(SPARK_Q8_0, w, a, y, m, begin, end); break;
     case SPARK_Q4_0: lanes_gemm_t(SPARK_Q4_0, w, a, y, m, begin, end); break;
@@ -881,6 +981,17 @@ static void lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_
 #endif
     default: lanes_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
     }
+    return 1;
+}
+
+/* Whether a prefill's token-lane route reads the token-lane copy (lanes_in): not AVX2's Q8_0 route. */
+static int32_t reads_lane_copy(const spark_qmat *w) {
+#if defined(SPARK_AVX2)
+    return w->type != SPARK_Q8_0;
+#else
+    (void)w;
+    return 1;
+#endif
 }
 #endif
 
@@ -913,9 +1024,9 @@ typedef struct {
 static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const gemm_job *g = ctx;
     const spark_qmat *w = g->w;
-    const int32_t lanes = lane_tokens(w, g->m); /* tokens [0, lanes) in the lanes, the rest by rows */
+    int32_t lanes = lane_tokens(w, g->m); /* tokens [0, lanes) in the lanes, the rest by rows */
 #if defined(SPARK_TOKEN_LANES)
-    if (lanes > 0) lanes_gemm(w, g->a, g->y, lanes, begin, end);
+    if (lanes > 0 && !lanes_gemm(w, g->a, g->y, lanes, begin, end)) lanes = 0; /* no memory for its copy: by rows */
     if (lanes == g->m) return;
 #endif
     if (kq_type(w->type)) {
@@ -992,7 +1103,7 @@ void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void 
     if (m == 1) split_row(&a, w->type, nb);
 #if defined(SPARK_TOKEN_LANES)
     const int32_t lanes = lane_tokens(w, m);
-    if (lanes > 0) lanes_in(&a, lanes, nb);
+    if (lanes > 0 && reads_lane_copy(w)) lanes_in(&a, lanes, nb);
 #endif
     gemm_job g = {w, &a, y, m};
     parallel_for(gemm_rows, &g, w->n);
