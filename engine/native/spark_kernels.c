@@ -25,9 +25,9 @@
  *   Q4_1: term = (d_w * d_x) * sum(nib * xq) + m_w * (d_x * s)       w = d_w * nib + m_w
  * Routes to those integers: a decoding step (one activation row) takes the weight rows in pairs with 256-bit
  * products (AVX2; AVX-512 VNNI), one row from each half of a thread's range; a prefill puts 16 tokens in the
- * lanes of one 512-bit product on AVX-512 (tokens_in_lanes, every block type), 8 in a 256-bit one on AVX2 (Q4_0,
- * Q4_1), and on AVX2 puts 8 weight rows in the lanes for Q8_0 (rows_in_lanes_q8); elsewhere it passes each weight
- * row over 12 tokens (dot_rows_r).
+ * lanes of one 512-bit product on AVX-512 (tokens_in_lanes, every block type), on AVX2 8 weight rows in the
+ * lanes of a 256-bit one against each token broadcast (rows_in_lanes_t: Q8_0, Q4_0, Q4_1); elsewhere it passes
+ * each weight row over 12 tokens (dot_rows_r).
  */
 
 #include <math.h>
@@ -249,7 +249,7 @@ typedef struct {
     float *d, *ds;
     int32_t *s;
     int32_t parts;
-    /* The same int16 rows with the tokens in vector lanes (a prefill on AVX-512 or AVX2, tokens_in_lanes below),
+    /* The same int16 rows with the tokens in vector lanes (a prefill on AVX-512, tokens_in_lanes below),
      * for ceil(M/L) groups of L = SPARK_LANES tokens, absent tokens zero: tq (G, K/32, 16, L) int16 pairs, lane t
      * of vector (g, b, i) = elements 2i, 2i+1 of token Lg + t's block b; td, tds, ts (G, K/32, L) its d, ds, s. */
     int32_t *tq;
@@ -275,9 +275,10 @@ int32_t spark_block_bytes(int32_t type) {
     return type == SPARK_Q8_0 || type == SPARK_Q4_0 || type == SPARK_Q4_1 ? block_bytes(type) : 0;
 }
 
-/* Tokens per vector in the token-lane layout (a prefill's route on AVX-512 and AVX2): 512 or 256 bits of int32;
- * and the fewest tokens worth a group. A group costs the same however few tokens fill it; below that many the row
- * routes are faster (tests/engine/native/qgemm_timing.c: about half a group on AVX-512, three quarters on AVX2). */
+/* Tokens a prefill's lane route takes at a time (on AVX-512 in the lanes of one 512-bit product, on AVX2 each
+ * broadcast against 8 weight rows in a 256-bit one), and the fewest worth a group. A group costs the same however
+ * few tokens fill it; below that many the row routes are faster (tests/engine/native/qgemm_timing.c: about half a
+ * group on AVX-512, three quarters on AVX2). */
 #if defined(SPARK_AVX512VNNI) && defined(__AVX512BW__)
 #define SPARK_ZMM 1 /* the 512-bit token-lane route, every block type */
 #define SPARK_LANES 16
@@ -287,13 +288,13 @@ int32_t spark_block_bytes(int32_t type) {
 #define SPARK_LANES_MIN 6
 #endif
 #if defined(SPARK_ZMM) || defined(SPARK_AVX2)
-#define SPARK_TOKEN_LANES 1 /* a prefill takes the lane routes (AVX2: Q8_0 by rows_in_lanes_q8, Q4_0, Q4_1) */
+#define SPARK_TOKEN_LANES 1 /* a prefill takes a lane route (AVX2: Q8_0, Q4_0, Q4_1, by rows_in_lanes_t) */
 #endif
 
-/* Rows rounded up to whole groups of SPARK_LANES tokens: the token-lane copy's (a prefill's on AVX-512 or AVX2;
- * none for one row, nor where that route is not built). */
+/* Rows rounded up to whole groups of SPARK_LANES tokens: the token-lane copy's (a prefill's on AVX-512; none for
+ * one row, nor where that route is not built). */
 static int64_t lane_rows(int32_t m) {
-#if defined(SPARK_TOKEN_LANES)
+#if defined(SPARK_ZMM)
     return m >= SPARK_LANES_MIN ? ((int64_t)m + SPARK_LANES - 1) / SPARK_LANES * SPARK_LANES : 0;
 #else
     (void)m;
@@ -720,7 +721,7 @@ static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32
 
 #include "spark_kquants.c" /* Q5_0, Q4_K, Q6_K: kq_gemm_rows */
 
-#if defined(SPARK_TOKEN_LANES)
+#if defined(SPARK_ZMM)
 /* Token-lane copy of a's m rows of nb blocks (spark_act's tq, td, tds, ts), absent tokens of the last group zero. */
 static void lanes_in(spark_act *a, int32_t m, int32_t nb) {
     const int64_t groups = lane_rows(m) / SPARK_LANES;
@@ -794,46 +795,6 @@ static inline __attribute__((always_inline)) void tokens_in_lanes(const int32_t 
 }
 #endif
 
-#if defined(SPARK_AVX2)
-/* Prefill on AVX2 with the tokens in the lanes, as on AVX-512 above but 8 tokens a vector: a 256-bit madd of one
- * broadcast weight pair and the same pair of 8 tokens' activations adds one product pair per token, so a block's
- * exact sums sit one per lane with no horizontal sum (the row route's per-block cost). Legacy types only. */
-static inline __attribute__((always_inline)) void tokens_in_lanes(const int32_t type, const uint8_t *const *rows, const int32_t R, int32_t nb, const spark_act *a, int64_t g, __m256 *out) {
-    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
-    __m256 acc[2][8];
-    for (int32_t r = 0; r < R; r++)
-        for (int32_t u = 0; u < 8; u++) acc[r][u] = _mm256_setzero_ps();
-    for (int32_t b = 0; b < nb; b++) {
-        int32_t wide[2][QK / 2] __attribute__((aligned(32))); /* int16 pairs: the block's weights 2i, 2i+1 */
-        for (int32_t r = 0; r < R; r++) {
-            const spark_w16 w = load_w16(type, rows[r] + (int64_t)b * bb + off);
-            _mm256_store_si256((__m256i *)wide[r], w.lo);
-            _mm256_store_si256((__m256i *)(wide[r] + QK / 4), w.hi);
-        }
-        const int64_t at = (g * nb + b) * SPARK_LANES;
-        const int32_t *xq = a->tq + at * (QK / 2);
-        __m256i s[2][2];
-        for (int32_t r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 16
-        for (int32_t i = 0; i < QK / 2; i++) {
-            const __m256i x = _mm256_load_si256((const __m256i *)(xq + i * SPARK_LANES));
-            for (int32_t r = 0; r < R; r++) s[r][i & 1] = _mm256_add_epi32(s[r][i & 1], _mm256_madd_epi16(x, _mm256_set1_epi32(wide[r][i])));
-        }
-        const __m256 d = _mm256_loadu_ps(a->td + at);
-        for (int32_t r = 0; r < R; r++) {
-            const uint8_t *blk = rows[r] + (int64_t)b * bb;
-            __m256i isum = _mm256_add_epi32(s[r][0], s[r][1]);
-            if (type == SPARK_Q4_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(a->ts + at)), 3));
-            __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), d), _mm256_cvtepi32_ps(isum));
-            if (type == SPARK_Q4_1) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_loadu_ps(a->tds + at)));
-            acc[r][b & 7] = _mm256_add_ps(acc[r][b & 7], t);
-        }
-    }
-    for (int32_t r = 0; r < R; r++)
-        out[r] = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][4]), _mm256_add_ps(acc[r][1], acc[r][5])),
-                               _mm256_add_ps(_mm256_add_ps(acc[r][2], acc[r][6]), _mm256_add_ps(acc[r][3], acc[r][7])));
-}
-#endif
 
 #if defined(SPARK_AVX2)
 /* out[i] lane r = in[r] lane i: an 8 x 8 transpose of int32 (pairs of rows interleaved, then quads, then halves). */
@@ -855,32 +816,34 @@ static inline void transpose8x32(const __m256i *in, __m256i *out) {
     }
 }
 
-/* Q8_0 prefill on AVX2 with 8 weight rows in the lanes and the tokens broadcast. tokens_in_lanes broadcasts each
- * weight pair from a register, two shuffles a product on the one shuffle port, which bounded it; here the 8 rows'
- * blocks are widened once into wt, (nb, 16, 8) int16 pairs (pair i of row r at [b][i][r]) and dw (nb, 8) their
- * scales, and each token's pair comes straight from memory as a broadcast load, so a product is a madd and an add.
- * Per row and token: the same integer block sums and the same float operations in the same order as
- * tokens_in_lanes (terms (dw * dx) * sum into 8 partial sums by block mod 8, added in the same tree), so the same
- * bits. wt holds nb * (128 int32 + 8 floats). */
-static void rows_in_lanes_q8(const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end, int32_t *wt) {
-    const int32_t nb = w->k / QK, n = w->n;
-    const int64_t row_bytes = (int64_t)nb * block_bytes(SPARK_Q8_0);
-    float *dw = (float *)(wt + (int64_t)nb * (QK / 2) * 8);
+/* Prefill on AVX2 with 8 weight rows in the lanes and the tokens broadcast (Q8_0, Q4_0, Q4_1). With the tokens in
+ * the lanes instead (as on AVX-512), each weight pair is broadcast from a register, two shuffles a product on the
+ * one shuffle port, which bounded that route; here the 8 rows' blocks are widened and transposed once into wt,
+ * (nb, 16, 8) int16 pairs (pair i of row r at [b][i][r]), with dw (nb, 8) their scales and mw (nb, 8) Q4_1's
+ * minimums, and each token's pair comes straight from memory as a broadcast load, so a product is a madd and an
+ * add. Per row and token: the same integer block sums and the same float operations in the same order as every
+ * other route (block terms into 8 partial sums by block mod 8, added in the same tree), so the same bits. wt holds
+ * nb * (128 int32 + 16 floats). */
+static inline __attribute__((always_inline)) void rows_in_lanes_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end, int32_t *wt) {
+    const int32_t nb = w->k / QK, n = w->n, bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
+    const int64_t row_bytes = (int64_t)nb * bb;
+    float *dw = (float *)(wt + (int64_t)nb * (QK / 2) * 8), *mw = dw + (int64_t)nb * 8;
     const int32_t *x32 = (const int32_t *)a->q16; /* token t's pair p at x32[t * nb * 16 + p] */
     for (int32_t j = begin; j < end; j += 8) {
         const int32_t rows = end - j < 8 ? end - j : 8;
         for (int32_t b = 0; b < nb; b++) {
             __m256i lo[8], hi[8]; /* row r's pairs 0-7 and 8-15, transposed below into pair i's 8 rows */
             for (int32_t r = 0; r < 8; r++) {
-                float d = 0.0f; /* rows past the range: zero weights, their lanes never stored */
+                float d = 0.0f, mn = 0.0f; /* rows past the range: zero weights, their lanes never stored */
                 lo[r] = hi[r] = _mm256_setzero_si256();
                 if (r < rows) {
-                    const uint8_t *blk = w->blocks + (j + r) * row_bytes + (int64_t)b * block_bytes(SPARK_Q8_0);
-                    const spark_w16 q = load_w16(SPARK_Q8_0, blk + 2);
+                    const uint8_t *blk = w->blocks + (j + r) * row_bytes + (int64_t)b * bb;
+                    const spark_w16 q = load_w16(type, blk + off);
                     lo[r] = q.lo, hi[r] = q.hi;
                     d = f16_at(blk);
+                    if (type == SPARK_Q4_1) mn = f16_at(blk + 2);
                 }
-                dw[(int64_t)b * 8 + r] = d;
+                dw[(int64_t)b * 8 + r] = d, mw[(int64_t)b * 8 + r] = mn;
             }
             transpose8x32(lo, (__m256i *)(wt + (int64_t)b * (QK / 2) * 8));
             transpose8x32(hi, (__m256i *)(wt + ((int64_t)b * (QK / 2) + 8) * 8));
@@ -888,11 +851,11 @@ static void rows_in_lanes_q8(const spark_qmat *w, const spark_act *a, float *y, 
         for (int32_t t0 = 0; t0 < m; t0 += 8) {
             const int32_t count = m - t0 < 8 ? m - t0 : 8;
             const int32_t *xt[8];
-            const float *dt[8];
+            int64_t at[8]; /* token t's first block in a->d, ds, s */
             for (int32_t t = 0; t < 8; t++) { /* tokens past m repeat token t0: computed, never stored */
                 const int64_t tok = t0 + (t < count ? t : 0);
                 xt[t] = x32 + tok * nb * (QK / 2);
-                dt[t] = a->d + tok * nb;
+                at[t] = tok * nb;
             }
             __m256 acc[8][8];
             for (int32_t t = 0; t < 8; t++)
@@ -907,8 +870,13 @@ static void rows_in_lanes_q8(const spark_qmat *w, const spark_act *a, float *y, 
                     for (int32_t t = 0; t < 8; t++) s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(wv, _mm256_set1_epi32(xt[t][b * (QK / 2) + i])));
                 }
                 const __m256 d = _mm256_loadu_ps(dw + (int64_t)b * 8);
-                for (int32_t t = 0; t < 8; t++)
-                    acc[t][b & 7] = _mm256_add_ps(acc[t][b & 7], _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(dt[t][b])), _mm256_cvtepi32_ps(s[t])));
+                for (int32_t t = 0; t < 8; t++) {
+                    __m256i isum = s[t];
+                    if (type == SPARK_Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(a->s[at[t] + b] << 3));
+                    __m256 term = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(a->d[at[t] + b])), _mm256_cvtepi32_ps(isum));
+                    if (type == SPARK_Q4_1) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_loadu_ps(mw + (int64_t)b * 8), _mm256_set1_ps(a->ds[at[t] + b])));
+                    acc[t][b & 7] = _mm256_add_ps(acc[t][b & 7], term);
+                }
             }
             for (int32_t t = 0; t < count; t++) {
                 const __m256 out = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][4]), _mm256_add_ps(acc[t][1], acc[t][5])),
@@ -923,7 +891,7 @@ static void rows_in_lanes_q8(const spark_qmat *w, const spark_act *a, float *y, 
 }
 #endif
 
-#if defined(SPARK_TOKEN_LANES)
+#if defined(SPARK_ZMM)
 /* Weight rows [begin, end) times every token group: y (M, N) (+ bias), rows two at a time. */
 static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
     const int32_t nb = w->k / QK, n = w->n;
@@ -934,7 +902,6 @@ static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t typ
             const int32_t R = end - j >= 2 ? 2 : 1;
             const uint8_t *rows[2] = {w->blocks + j * row_bytes, w->blocks + (j + 1) * row_bytes};
             float lanes[2][SPARK_LANES];
-#if defined(SPARK_ZMM)
             __m512 out[2];
             if (kq_type(type)) {
                 if (R == 2) kq_tokens_in_lanes(type, rows, 2, nb, a, g, out);
@@ -945,12 +912,6 @@ static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t typ
                 tokens_in_lanes(type, rows, 1, nb, a, g, out);
             }
             for (int32_t r = 0; r < R; r++) _mm512_storeu_ps(lanes[r], out[r]);
-#else
-            __m256 out[2];
-            if (R == 2) tokens_in_lanes(type, rows, 2, nb, a, g, out);
-            else tokens_in_lanes(type, rows, 1, nb, a, g, out);
-            for (int32_t r = 0; r < R; r++) _mm256_storeu_ps(lanes[r], out[r]);
-#endif
             for (int32_t r = 0; r < R; r++) {
                 const float bias = w->bias ? w->bias[j + r] : 0.0f;
                 for (int32_t t = 0; t < count; t++) y[(g * SPARK_LANES + t) * n + j + r] = lanes[r][t] + bias;
@@ -958,41 +919,35 @@ static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t typ
         }
     }
 }
+#endif
 
-/* Returns 0, having computed nothing, where the memory for rows_in_lanes_q8's copy was not to be had. */
+#if defined(SPARK_TOKEN_LANES)
+/* Returns 0, having computed nothing, where the memory for rows_in_lanes_t's copy was not to be had. */
 static int32_t lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
 #if defined(SPARK_AVX2)
-    if (w->type == SPARK_Q8_0) {
-        const int64_t nb = w->k / QK;
-        int32_t *wt = aligned_alloc(32, (size_t)(nb * ((QK / 2) * 8 + 8) * 4)); /* a multiple of 32 bytes */
-        if (wt == NULL) return 0;
-        rows_in_lanes_q8(w, a, y, m, begin, end, wt);
-        free(wt);
-        return 1;
+    const int64_t nb = w->k / QK;
+    int32_t *wt = aligned_alloc(32, (size_t)(nb * ((QK / 2) * 8 + 16) * 4)); /* a multiple of 32 bytes */
+    if (wt == NULL) return 0;
+    switch (w->type) {
+    case SPARK_Q8_0: rows_in_lanes_t(SPARK_Q8_0, w, a, y, m, begin, end, wt); break;
+    case SPARK_Q4_0: rows_in_lanes_t(SPARK_Q4_0, w, a, y, m, begin, end, wt); break;
+    default: rows_in_lanes_t(SPARK_Q4_1, w, a, y, m, begin, end, wt); break;
     }
-#endif
+    free(wt);
+    return 1;
+#else
     switch (w->type) {
     case SPARK_Q8_0: lanes_gemm_t(SPARK_Q8_0, w, a, y, m, begin, end); break;
     case SPARK_Q4_0: lanes_gemm_t(SPARK_Q4_0, w, a, y, m, begin, end); break;
-#if defined(SPARK_ZMM)
     case SPARK_Q5_0: lanes_gemm_t(SPARK_Q5_0, w, a, y, m, begin, end); break;
     case SPARK_Q4_K: lanes_gemm_t(SPARK_Q4_K, w, a, y, m, begin, end); break;
     case SPARK_Q6_K: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break;
-#endif
     default: lanes_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
     }
     return 1;
-}
-
-/* Whether a prefill's token-lane route reads the token-lane copy (lanes_in): not AVX2's Q8_0 route. */
-static int32_t reads_lane_copy(const spark_qmat *w) {
-#if defined(SPARK_AVX2)
-    return w->type != SPARK_Q8_0;
-#else
-    (void)w;
-    return 1;
 #endif
 }
+
 #endif
 
 /* How many of a prefill's m activation rows over w take the token-lane route (its copy built by spark_qgemm), the
@@ -1101,9 +1056,9 @@ void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void 
     const int32_t nb = w->k / QK;
     for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * w->k, w->k, w->k, &a, (int64_t)r * nb);
     if (m == 1) split_row(&a, w->type, nb);
-#if defined(SPARK_TOKEN_LANES)
+#if defined(SPARK_ZMM)
     const int32_t lanes = lane_tokens(w, m);
-    if (lanes > 0 && reads_lane_copy(w)) lanes_in(&a, lanes, nb);
+    if (lanes > 0) lanes_in(&a, lanes, nb); /* AVX2's route reads the rows as they are */
 #endif
     gemm_job g = {w, &a, y, m};
     parallel_for(gemm_rows, &g, w->n);

@@ -1,8 +1,8 @@
-"""The prefill route of spark_kernels.c and spark_kquants.c with the tokens in the vector lanes, weight rows in
-pairs: on AVX-512 16 tokens a group for every block type, on AVX2 8 for Q4_0 and Q4_1, while AVX2's Q8_0 puts 8
-weight rows in the lanes instead (the tests below run the route of the machine's build). At token counts across
-group boundaries and widths with a partial group of 8 blocks, every output equals the integer reference bit for bit
-and the same row decoded alone; on AVX-512, the AVX2 build computes the same bits."""
+"""A prefill's lane routes of spark_kernels.c and spark_kquants.c: on AVX-512 16 tokens in the lanes of a vector,
+weight rows in pairs, for every block type; on AVX2 8 weight rows in the lanes and the tokens broadcast, for Q8_0,
+Q4_0 and Q4_1 (the tests below run the route of the machine's build). At token counts across group boundaries and
+widths with a partial group of 8 blocks, every output equals the integer reference bit for bit and the same row
+decoded alone; on AVX-512, the AVX2 build computes the same bits."""
 
 from __future__ import annotations
 
@@ -90,8 +90,8 @@ def test_a_single_output_row_and_odd_thread_splits_change_no_bit(kernels: Native
 
 @pytest.mark.skipif(not X86, reason="x86 instruction-set variants")
 def test_the_avx2_build_computes_the_same_bits(kernels: NativeKernels, tmp_path: Path) -> None:
-    """Both builds' prefill routes (on AVX2, Q8_0 has 8 weight rows in the lanes): 37 rows (a partial group of 8),
-    token counts with a partial group or rows after the groups, and 3 threads splitting the rows off the groups."""
+    """Both builds' prefill routes: 37 rows (a partial group of 8 on AVX2), token counts with a partial group or rows
+    after the groups, and 3 threads splitting the rows off the groups."""
     avx2 = bind(build_library(tmp_path, extra_flags=("-mno-avx512f",)))
     assert avx2.isa == "avx2"
     x = activations(576)
