@@ -722,6 +722,11 @@ static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32
 #include "spark_kquants.c" /* Q5_0, Q4_K, Q6_K: kq_gemm_rows */
 
 #if defined(SPARK_ZMM)
+/* Prefill on AVX-512 with the tokens in the lanes: one 512-bit product adds a pair of weights (broadcast) times the
+ * same pair of 16 tokens' activations, so 16 products give 16 tokens' exact block sums, one per lane, with no
+ * horizontal sum (a block per vector, the 256-bit route's layout, needs one per block and token); the float terms
+ * then run 16 tokens at once, each lane taking block_term's operations in block order. */
+
 /* Token-lane copy of a's m rows of nb blocks (spark_act's tq, td, tds, ts), absent tokens of the last group zero. */
 static void lanes_in(spark_act *a, int32_t m, int32_t nb) {
     const int64_t groups = lane_rows(m) / SPARK_LANES;
@@ -742,14 +747,6 @@ static void lanes_in(spark_act *a, int32_t m, int32_t nb) {
             }
         }
 }
-
-#endif
-
-#if defined(SPARK_ZMM)
-/* Prefill on AVX-512 with the tokens in the lanes: one 512-bit product adds a pair of weights (broadcast) times the
- * same pair of 16 tokens' activations, so 16 products give 16 tokens' exact block sums, one per lane, with no
- * horizontal sum (a block per vector, the 256-bit route's layout, needs one per block and token); the float terms
- * then run 16 tokens at once, each lane taking block_term's operations in block order. */
 
 /* out[r] (16 token lanes) = weight row rows[r] (r < R) times the 16 tokens of group g: per 8 blocks, each row's
  * quants widened to int16 once (wide), then per block 16 products per row into two chains (pairs i even, odd). */
@@ -794,7 +791,6 @@ static inline __attribute__((always_inline)) void tokens_in_lanes(const int32_t 
                                _mm512_add_ps(_mm512_add_ps(acc[r][2], acc[r][6]), _mm512_add_ps(acc[r][3], acc[r][7])));
 }
 #endif
-
 
 #if defined(SPARK_AVX2)
 /* out[i] lane r = in[r] lane i: an 8 x 8 transpose of int32 (pairs of rows interleaved, then quads, then halves). */
@@ -901,7 +897,6 @@ static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t typ
         for (int32_t j = begin; j < end; j += 2) {
             const int32_t R = end - j >= 2 ? 2 : 1;
             const uint8_t *rows[2] = {w->blocks + j * row_bytes, w->blocks + (j + 1) * row_bytes};
-            float lanes[2][SPARK_LANES];
             __m512 out[2];
             if (kq_type(type)) {
                 if (R == 2) kq_tokens_in_lanes(type, rows, 2, nb, a, g, out);
@@ -911,10 +906,11 @@ static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t typ
             } else {
                 tokens_in_lanes(type, rows, 1, nb, a, g, out);
             }
-            for (int32_t r = 0; r < R; r++) _mm512_storeu_ps(lanes[r], out[r]);
             for (int32_t r = 0; r < R; r++) {
+                float lanes[SPARK_LANES];
+                _mm512_storeu_ps(lanes, out[r]);
                 const float bias = w->bias ? w->bias[j + r] : 0.0f;
-                for (int32_t t = 0; t < count; t++) y[(g * SPARK_LANES + t) * n + j + r] = lanes[r][t] + bias;
+                for (int32_t t = 0; t < count; t++) y[(g * SPARK_LANES + t) * n + j + r] = lanes[t] + bias;
             }
         }
     }
@@ -939,19 +935,18 @@ static int32_t lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int
     switch (w->type) {
     case SPARK_Q8_0: lanes_gemm_t(SPARK_Q8_0, w, a, y, m, begin, end); break;
     case SPARK_Q4_0: lanes_gemm_t(SPARK_Q4_0, w, a, y, m, begin, end); break;
+    case SPARK_Q4_1: lanes_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
     case SPARK_Q5_0: lanes_gemm_t(SPARK_Q5_0, w, a, y, m, begin, end); break;
     case SPARK_Q4_K: lanes_gemm_t(SPARK_Q4_K, w, a, y, m, begin, end); break;
-    case SPARK_Q6_K: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break;
-    default: lanes_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
+    default: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break;
     }
     return 1;
 #endif
 }
-
 #endif
 
-/* How many of a prefill's m activation rows over w take the token-lane route (its copy built by spark_qgemm), the
- * first ones; the rest take the row routes: whole groups, and a last partial one of at least SPARK_LANES_MIN. */
+/* How many of a prefill's m activation rows over w take the lane route (on AVX-512 its copy built by spark_qgemm),
+ * the first ones; the rest take the row routes: whole groups, and a last partial one of at least SPARK_LANES_MIN. */
 static int32_t lane_tokens(const spark_qmat *w, int32_t m) {
 #if defined(SPARK_TOKEN_LANES)
     int routed = w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1;
@@ -1058,7 +1053,7 @@ void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void 
     if (m == 1) split_row(&a, w->type, nb);
 #if defined(SPARK_ZMM)
     const int32_t lanes = lane_tokens(w, m);
-    if (lanes > 0) lanes_in(&a, lanes, nb); /* AVX2's route reads the rows as they are */
+    if (lanes > 0) lanes_in(&a, lanes, nb);
 #endif
     gemm_job g = {w, &a, y, m};
     parallel_for(gemm_rows, &g, w->n);
