@@ -31,6 +31,7 @@ lint: dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(PY) -m tests.import_graph
 
 test: lint
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -m "not slow" -p no:cacheprovider

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from PySide6.QtCore import QSettings
 
 from engine.backends import AUTO_ORDER
-from engine.generate import GenerationSettings
-from engine.sampling import SamplingSettings
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
 
 if TYPE_CHECKING:
     from app.main_window import MainWindow

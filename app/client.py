@@ -11,10 +11,10 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from app.worker import ConversationWorker
 from app.worker_types import TurnResult
-from engine.generate import GenerationSettings
+from engine.generation.loop import GenerationSettings
 from engine.hw import HardwarePolicy
-from engine.remote import RemoteServer
-from engine.session import Engine
+from engine.openai.client import RemoteServer
+from engine.session.engine import Engine
 
 
 class ConversationClient(QObject):

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from PySide6.QtCore import QObject, Slot
 
 from app.library import ConversationEntry, export_json, export_markdown, new_id
-from engine.session_file import SUFFIX as SESSION_SUFFIX
-from engine.session_file import atomic_write, load_session
+from engine.session.file import SUFFIX as SESSION_SUFFIX
+from engine.session.file import atomic_write, load_session
 
 if TYPE_CHECKING:
     from app.main_window import MainWindow

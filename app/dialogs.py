@@ -9,9 +9,9 @@ from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
 import engine
 from app.remote_servers import AddServerDialog
 from app.settings_dialog import SettingsDialog
-from engine.generate import GenerationSettings
+from engine.generation.loop import GenerationSettings
+from engine.openai.client import RemoteServer
 from engine.paths import APP_NAME
-from engine.remote import RemoteServer
 
 SESSION_FILTER = "Spark conversations (*.spark)"
 MODEL_FILTER = "GGUF models (*.gguf)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.hw import HardwarePolicy, use_recommended_threads
-from engine.session import Engine, memory_factory_for
+from engine.session.engine import Engine, memory_factory_for
 
 
 def load_engine(

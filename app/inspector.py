@@ -26,7 +26,7 @@ from app.panels import (
 )
 from app.panels.base import bytes_text
 from app.worker_types import MemoryReport, ModelInfo, TurnProgress, remote_name
-from engine.remote import RemoteServer
+from engine.openai.client import RemoteServer
 
 REMOTE_MEMORY = "Does not apply to a remote model: the server keeps its own memory; Spark stores the transcript only."
 THERMAL_WORDS = {

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from engine.session_file import atomic_write
+from engine.session.file import atomic_write
 
 log = logging.getLogger(__name__)
 

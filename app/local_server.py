@@ -1,5 +1,5 @@
 """The "Local Server" switch of the menu-bar item: serves the loaded model over the OpenAI-compatible API
-(engine.serving) on 127.0.0.1, beside the app's own conversations (the scheduler's forwards take the engine's
+(engine.openai) on 127.0.0.1, beside the app's own conversations (the scheduler's forwards take the engine's
 step lock, so a chat and API requests interleave step by step), with an item that copies the URL.
 
 `LocalServerController` owns the server; `install_local_server_menu` adds the two actions to a QMenu. The
@@ -14,9 +14,9 @@ from PySide6.QtGui import QAction, QGuiApplication
 from PySide6.QtWidgets import QMenu
 
 from engine.errors import SparkError
-from engine.serving.server import LOOPBACK, LocalServer
-from engine.serving.service import ModelService, ServeConfig, served_name
-from engine.session import Engine
+from engine.openai.server import LOOPBACK, LocalServer
+from engine.openai.service import ModelService, ServeConfig, served_name
+from engine.session.engine import Engine
 
 DEFAULT_PORT = 8080
 

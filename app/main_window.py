@@ -42,10 +42,10 @@ from app.remote_servers import RemoteServerList
 from app.standarddirs import StandardDirs
 from app.window_events import WorkerEvents
 from app.window_menus import WindowMenus, shortcut_text
-from engine.generate import GenerationSettings
+from engine.generation.loop import GenerationSettings
+from engine.openai.client import RemoteServer
 from engine.paths import APP_NAME
-from engine.remote import RemoteServer
-from engine.session_file import SUFFIX as SESSION_SUFFIX
+from engine.session.file import SUFFIX as SESSION_SUFFIX
 
 NARROW_WIDTH = 1100  # px: below it the inspector folds away so the chat keeps most of the window
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from app.worker_types import MemoryReport
-from engine.cascade import TierStats
-from engine.remote import RemoteSession
-from engine.session import Session
+from engine.memory.cascade import TierStats
+from engine.openai.client import RemoteSession
+from engine.session.engine import Session
 
 
 def memory_report(session: Session | None, remote: RemoteSession | None) -> MemoryReport:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from engine.generate import GenerationSettings
-from engine.sampling import SamplingSettings
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
 
 DEFAULT_MAX_TOKENS = 512
 RECENT_MODELS = 8

@@ -39,7 +39,7 @@ from PySide6.QtWidgets import (
 from app.client import ConversationClient
 from app.coalescer import TextCoalescer
 from app.worker_types import TurnResult
-from engine.generate import GenerationSettings
+from engine.generation.loop import GenerationSettings
 
 PANEL_WIDTH = 520
 QUICK_MAX_TOKENS = 256  # a quick answer; the main window is for long replies

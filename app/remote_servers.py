@@ -3,7 +3,7 @@
 `AddServerDialog` asks for a base URL, an API key and a model; "Check" lists the server's models (on a worker
 thread, so a slow server never freezes the window) and fills the model box. `RemoteServerList` keeps the added
 servers in QSettings as JSON (QSettings back ends disagree on types). Chatting with one goes through
-`engine.remote.RemoteSession` (the same GenerationEvents as a local session); the cascade and session memory
+`engine.openai.client.RemoteSession` (the same GenerationEvents as a local session); the cascade and session memory
 panels do not apply to it.
 
 The API key is stored in the app's settings file in plain text, as LM Studio and Jan do; the Keychain would be the
@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.remote import RemoteClient, RemoteError, RemoteServer
+from engine.openai.client import RemoteClient, RemoteError, RemoteServer
 
 SETTINGS_KEY = "remote/servers"
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from app.memory_report import memory_report
 from app.worker_types import MessageView, SessionFileEvent
 from engine.errors import SparkError
-from engine.session_file import RECOMPUTE_KIND, TRANSCRIPT_KIND, SessionData, load_session
+from engine.session.file import RECOMPUTE_KIND, TRANSCRIPT_KIND, SessionData, load_session
 
 if TYPE_CHECKING:
     from app.worker import ConversationWorker

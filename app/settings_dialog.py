@@ -17,8 +17,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.generate import GenerationSettings
-from engine.sampling import InvalidSamplingSettings, SamplingSettings
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
 
 RANDOM_SEED = -1  # the spin box's special value shown as "Random"
 

@@ -20,9 +20,9 @@ from app.worker_types import (
     remote_name,
 )
 from engine.errors import SparkError
-from engine.generate import FinishReason
-from engine.model_files import default_model_path
-from engine.remote import RemoteServer
+from engine.generation.loop import FinishReason
+from engine.loading.model_files import default_model_path
+from engine.openai.client import RemoteServer
 
 if TYPE_CHECKING:
     from app.main_window import MainWindow

@@ -14,7 +14,7 @@ from PySide6.QtWidgets import QApplication, QMenu, QSizePolicy, QToolBar, QToolB
 
 from app.worker_types import remote_name
 from engine.backends import QUANTIZE_CHOICES
-from engine.model_files import DEFAULT_MODEL_NAME
+from engine.loading.model_files import DEFAULT_MODEL_NAME
 from engine.paths import APP_NAME
 
 if TYPE_CHECKING:

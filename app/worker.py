@@ -12,7 +12,7 @@ Everything crossing a thread boundary is plain data (dataclasses, strings) or an
 The main chat's worker stores its conversation after every change (a compact `.spark`, atomically) in the file the
 GUI's conversation library assigned to it, and reports each store, so nothing typed or generated is ever only in
 memory. A remote server chosen as the model (`use_remote`) takes the local session's place: the same requests
-stream from `engine.remote.RemoteSession`, whose memory is the server's, so the conversation is stored as its
+stream from `engine.openai.client.RemoteSession`, whose memory is the server's, so the conversation is stored as its
 transcript only.
 Its state (session, remote, store path, parked sessions) is public to its helpers on its own thread: the session
 files (`app.session_files`) and the memory figures (`app.memory_report`); the GUI never reads it, it listens.
@@ -47,11 +47,11 @@ from app.worker_types import (
     remote_name,
 )
 from engine.errors import SparkError
-from engine.generate import FinishReason, GenerationEvent, GenerationSettings, PrefillProgress
+from engine.generation.loop import FinishReason, GenerationEvent, GenerationSettings, PrefillProgress
 from engine.hw import HardwarePolicy, PolicyDecision
-from engine.remote import RemoteClient, RemoteServer, RemoteSession
-from engine.session import ChatMessage, Engine, Session
-from engine.session_file import (
+from engine.openai.client import RemoteClient, RemoteServer, RemoteSession
+from engine.session.engine import ChatMessage, Engine, Session
+from engine.session.file import (
     SessionData,
     load_session,
 )

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from engine.cascade import TierStats
-from engine.generate import FinishReason
-from engine.remote import RemoteServer
-from engine.session import Engine
+from engine.generation.loop import FinishReason
+from engine.memory.cascade import TierStats
+from engine.openai.client import RemoteServer
+from engine.session.engine import Engine
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ def _convert(args: argparse.Namespace) -> int:
     def progress(stage: str, fraction: float) -> None:
         print(f"[{fraction * 100:5.1f}%] {stage}", file=sys.stderr, flush=True)
 
-    from engine.model_files import resolve_model_path
+    from engine.loading.model_files import resolve_model_path
 
     model = resolve_model_path(args.model)
     try:
@@ -50,8 +50,8 @@ def _faithfulness(args: argparse.Namespace) -> int:
     import json
 
     from coreml.faithfulness import measure
-    from engine.bench.long_ppl import held_out_text
-    from engine.model_files import resolve_model_path
+    from engine.heldout.docs import held_out_text
+    from engine.loading.model_files import resolve_model_path
 
     model = resolve_model_path(args.model)
     for r in measure(model, tuple(args.quantize), held_out_text(args.tokens * 8), max_tokens=args.tokens):

@@ -29,10 +29,9 @@ from coremltools.proto import MIL_pb2, Model_pb2
 
 from coreml.bundle import Bundle
 from coreml.compress import has_gpu
-from coreml.convert import MAX_CHUNK_BYTES
 from coreml.milblob import BlobFile
 from coreml.package import Package
-from coreml.wrapper import ANE_MAX_DIM, ANE_STATE_ALIGN
+from coreml.wrapper import ANE_MAX_DIM, ANE_STATE_ALIGN, MAX_CHUNK_BYTES
 
 FLOAT_TYPES = {"FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16", "FLOAT8E4M3FN", "FLOAT8E5M2"}
 # Ops the ANE does not execute (Core ML places them on the CPU): lookups, integer/boolean logic, casts, and

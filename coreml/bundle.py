@@ -18,7 +18,7 @@ from typing import Any
 
 from coreml.errors import PackageError
 from coreml.package import Package
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 MANIFEST = "bundle.json"
 HEAD = "head"

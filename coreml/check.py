@@ -76,7 +76,7 @@ def _size(bundle: Bundle) -> CheckLine:
 
 def _smoke(bundle: Bundle) -> CheckLine:
     from coreml.reference import InterpreterBackend
-    from engine.memory import FullAttentionMemory
+    from engine.memory.base import FullAttentionMemory
 
     backend = InterpreterBackend(bundle)
     memory = FullAttentionMemory(backend)

@@ -36,11 +36,11 @@ from torch import nn
 from coreml import compress
 from coreml.bundle import EMBED_FILE, FORMAT_VERSION, HEAD, MANIFEST, Bundle, chunk_name
 from coreml.errors import ConversionCancelled, ConversionError, PackageError
-from coreml.wrapper import ANE_STATE_ALIGN, FUNCTIONS, Head, LayerChunk, vocab_pieces
+from coreml.wrapper import ANE_STATE_ALIGN, FUNCTIONS, MAX_CHUNK_BYTES, Head, LayerChunk, vocab_pieces
 from engine import fileio
-from engine.config import ModelConfig
-from engine.model import Transformer
-from engine.model_files import read_config
+from engine.loading.model_files import read_config
+from engine.model.config import ModelConfig
+from engine.model.network import Transformer
 
 DEFAULT_SLOTS = 512  # only when the model's cascade geometry is unknown; convert() uses the model's own
 # The slot table a Core ML program is converted for: the cascade's geometry fitted to at most this many slots.
@@ -50,8 +50,6 @@ DEFAULT_SLOTS = 512  # only when the model's cascade geometry is unknown; conver
 ANE_MAX_SLOTS = 2048
 CHUNK_INPUTS = ("hidden", "q_cos", "q_sin", "k_cos", "k_sin", "mask", "write", "keep")
 STATE_NAMES = ("k_cache", "v_cache")
-# Anemll keeps each ANE program at 1-2 GB; coremltools #2758 saw a 667 MB program fail ANE compilation silently.
-MAX_CHUNK_BYTES = 1 << 30
 # Peak memory of one program's conversion in multiples of its fp16 weight bytes (measured ~10x: README).
 CONVERT_PEAK_FACTOR = 12
 
@@ -350,7 +348,7 @@ def build_bundle(
 
 
 def load_for_conversion(model_dir: str | Path) -> tuple[Transformer, str]:
-    from engine.weights import load_model
+    from engine.loading.weights import load_model
 
     loaded = load_model(model_dir, dtype=torch.float16)  # the bundle's weights are these fp16 values exactly
     return loaded.model, loaded.fingerprint
@@ -358,9 +356,9 @@ def load_for_conversion(model_dir: str | Path) -> tuple[Transformer, str]:
 
 def default_slots(model_dir: str | Path, config: ModelConfig) -> int:
     """The slot count the memory cascade uses for this model on Core ML: its default geometry fitted to
-    ANE_MAX_SLOTS, exactly as engine.session fits it to CoreMLBackend.max_slots (so `make app` ships that bundle)."""
-    from engine.cascade import CascadeConfig
-    from engine.model_files import settings_dir
+    ANE_MAX_SLOTS, exactly as engine.session.engine fits it to CoreMLBackend.max_slots (so `make app` ships that bundle)."""
+    from engine.loading.model_files import settings_dir
+    from engine.memory.cascade import CascadeConfig
 
     return CascadeConfig.for_model(settings_dir(model_dir), config, max_slots=ANE_MAX_SLOTS).num_slots
 
@@ -423,7 +421,7 @@ def cached_bundle(
     cancel: Callable[[], bool] | None = None,
 ) -> Path:
     """The bundle for this model/geometry/compression/units/tool versions, converting (once) if the cache lacks it."""
-    from engine.weights import model_fingerprint
+    from engine.loading.weights import model_fingerprint
 
     model_dir = Path(model_dir).expanduser()
     config = read_config(model_dir)

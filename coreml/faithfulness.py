@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from coreml import compress
-from engine.weights import LoadedModel
+from engine.loading.weights import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Faithfulness:
 
 
 def _compressed_model(model_dir: Path, quantize: str) -> LoadedModel:
-    from engine.weights import load_model
+    from engine.loading.weights import load_model
 
     loaded = load_model(model_dir, dtype=torch.float32)
     model = loaded.model
@@ -47,8 +47,8 @@ def _logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
 def measure(
     model_dir: str | Path, quantizations: tuple[str, ...], text: str, max_tokens: int = 512
 ) -> list[Faithfulness]:
-    from engine.tokenizer import Tokenizer
-    from engine.weights import load_model
+    from engine.loading.tokenizer import Tokenizer
+    from engine.loading.weights import load_model
 
     model_dir = Path(model_dir)
     ids = Tokenizer.load(model_dir).encode(text)[:max_tokens]

@@ -23,8 +23,8 @@ from coreml.embedding import HostEmbedding
 from coreml.errors import PackageError
 from coreml.wrapper import MASK_MIN
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend
-from engine.config import ModelConfig
-from engine.model import SlotBatch, rope_inv_freq
+from engine.model.config import ModelConfig
+from engine.model.network import SlotBatch, rope_inv_freq
 
 STATE_NAMES = ("k_cache", "v_cache")
 
@@ -57,7 +57,7 @@ def plan_calls(n: int, functions: dict[str, int]) -> list[Call]:
 
 
 class RopeHost:
-    """cos/sin of arbitrary positions, computed exactly as engine.model.RotaryTable does (fp32, then fp16)."""
+    """cos/sin of arbitrary positions, computed exactly as engine.model.network.RotaryTable does (fp32, then fp16)."""
 
     def __init__(self, config: ModelConfig) -> None:
         self.inv = rope_inv_freq(config)  # (D/2,) fp32

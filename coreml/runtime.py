@@ -36,7 +36,7 @@ from coreml.host import PackageBackend
 from engine.backends.base import BackendProbe
 from engine.errors import BackendUnavailable
 from engine.fileio import atomic_dir
-from engine.model_files import read_config
+from engine.loading.model_files import read_config
 
 UNITS_ENV = "MLOT_SPARK_COREML_UNITS"
 QUANT_ENV = "MLOT_SPARK_COREML_QUANTIZE"
@@ -157,7 +157,7 @@ class CoreMLBackend(PackageBackend):
         progress: Progress | None = None,
         loader: Loader = core_ml_loader,
     ) -> None:
-        from engine.weights import model_fingerprint, stored_weight_bytes
+        from engine.loading.weights import model_fingerprint, stored_weight_bytes
 
         self.model_dir = Path(model_dir).expanduser()
         self.units = compute_units_name(compute_units)

@@ -10,7 +10,7 @@ LayerChunk inputs (B = 1; T = chunk; S = slots; C = hidden; D = head dim; every 
     hidden      (1, C, 1, T)      the residual stream, channels-first (the ANE's native conv layout)
     q_cos/q_sin (1, 1, T, D)      RoPE of the new tokens' positions
     k_cos/k_sin (1, 1, S, D)      RoPE of every slot's position after this step's writes (keys are stored
-                                  unrotated and rotated on read, as in engine.model)
+                                  unrotated and rotated on read, as in engine.model.network)
     mask        (1, 1, T, S)      additive attention mask over slots: 0 = may attend, MASK_MIN = may not
     write       (1, 1, S, T)      one-hot: write[s, t] = 1 when token t's K/V go to slot s (a column of zeros
                                   writes nothing, so a call may carry padding rows)
@@ -41,14 +41,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.model import DecoderLayer, Transformer
+from engine.model.config import ModelConfig
+from engine.model.network import DecoderLayer, Transformer
 
 # ANE rule: no tensor dimension may exceed 16384 (larger ones fall back to CPU or fail to compile), so a large
 # vocabulary is split for the LM head into pieces of at most this many rows.
 ANE_MAX_DIM = 16384
 # ANE rule: state dimensions are multiples of 32 (the slot axis and head dim tile without padding).
 ANE_STATE_ALIGN = 32
+# ANE rule: Anemll keeps each ANE program at 1-2 GB; coremltools #2758 saw a 667 MB program fail ANE compilation
+# silently. The converter splits layers into chunks of at most this many weight bytes and the lint checks it.
+MAX_CHUNK_BYTES = 1 << 30
 # function name -> tokens per call. 64 amortises the weights over many tokens; 8 and 1 cover the remainder of a
 # run in at most 7 + 7 calls instead of 63 single-token calls.
 FUNCTIONS: dict[str, int] = {"prefill": 64, "prefill_8": 8, "decode": 1}

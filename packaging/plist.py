@@ -15,7 +15,7 @@ BUNDLE_ID = "com.mlot.spark"
 ICON_FILE = "spark.icns"  # BUNDLE copies the icon into Contents/Resources under this name
 # Core ML stateful models (KV as ct.StateType) need macOS 15.
 MIN_MACOS = "15.0"
-SESSION_EXTENSION = "spark"  # matches engine.session_file.SUFFIX (a test checks)
+SESSION_EXTENSION = "spark"  # matches engine.session.file.SUFFIX (a test checks)
 SESSION_UTI = "com.mlot.spark.session"
 SESSION_TYPE_NAME = "MLoT Spark Session"
 SESSION_MIME = "application/x-mlot-spark-session"

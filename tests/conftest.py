@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.http_clients import close_all
+from tests.helpers.http_clients import close_all
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

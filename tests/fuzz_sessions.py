@@ -2,7 +2,7 @@
 
     python -m tests.fuzz_sessions [--files 10000] [--seed 0] [--workers 2] [--time-limit 20] [--memory-cap-mb 1024]
 
-Each file is a schema-aware mutation of a real cascade session on a tiny model (tests/engine/session_fuzzing.py).
+Each file is a schema-aware mutation of a real cascade session on a tiny model (tests/engine/session/session_fuzzing.py).
 Worker processes run verify, then restore into a fresh memory over a persistent store, then spill and generate one
 token; each runs under an address-space cap, and a file that takes longer than the time limit has its worker
 killed. Outcomes, printed as a table:
@@ -38,10 +38,10 @@ def _worker(conn: Connection, model: str, store_root: str, cap: int) -> None:
 
     torch.set_num_threads(1)
     from engine.backends.torch_backend import TorchBackend
-    from engine.cascade import CascadeMemory, PersistentStore
     from engine.errors import SessionFileError
-    from engine.session_file import RestoredSession, restore, verify_session
-    from tests.engine.session_fuzzing import CONFIG, memory_cap
+    from engine.memory.cascade import CascadeMemory, PersistentStore
+    from engine.session.file import RestoredSession, restore, verify_session
+    from tests.engine.session.session_fuzzing import CONFIG, memory_cap
 
     stores = [
         PersistentStore(Path(store_root) / str(i), TorchBackend(model, "cpu").fingerprint, "cpu-fp32", 1 << 30)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-cap-mb", type=int, default=1024, help="address space a worker may add per file")
     args = parser.parse_args(argv)
 
-    from tests.engine.session_fuzzing import World, mutated_file
+    from tests.engine.session.session_fuzzing import World, mutated_file
 
     root = Path(tempfile.mkdtemp(prefix="spark-fuzz-"))
     started = time.monotonic()

@@ -7,7 +7,7 @@ from PySide6.QtWidgets import QFormLayout, QLabel, QProgressBar, QWidget
 
 from app.panels.base import Panel, bytes_text
 from app.worker_types import MemoryReport
-from engine.cascade import TierStats
+from engine.memory.cascade import TierStats
 
 TIER_TITLES = {"working": "Working (L1)", "episodic": "Episodic (L2)", "persistent": "Persistent (L3)"}
 

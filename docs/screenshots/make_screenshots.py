@@ -27,8 +27,8 @@ from app.preferences import Preferences
 from app.signal_wait import wait_any
 from app.standarddirs import StandardDirs
 from app.wiring import build_main_window
-from engine.generate import GenerationSettings
-from engine.sampling import SamplingSettings
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
 
 WAIT_MS = 600_000
 LONG = (

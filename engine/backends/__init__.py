@@ -13,7 +13,7 @@ from engine.errors import BackendUnavailable
 AUTO_ORDER: tuple[str, ...] = ("coreml", "mps", "cuda", "cpu")
 
 # Weight storage: "none" runs the backend's own precision; q8_0, q4_0, q4_1 are GGUF block formats on the CPU
-# (engine.quant); int8 a Core ML conversion. "auto" picks per backend: on the CPU a GGUF's blocks as stored, an HF
+# (engine.model.quant); int8 a Core ML conversion. "auto" picks per backend: on the CPU a GGUF's blocks as stored, an HF
 # folder's weights as Q8_0 (the backend resolves it, knowing what the file stores).
 QUANTIZE_CHOICES: tuple[str, ...] = ("auto", "none", "q8_0", "q5_0", "q4_0", "q4_1", "int8")
 AUTO_QUANTIZE: dict[str, str] = {"cpu": "auto"}

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
-from engine.slots import SlotBatch
+from engine.model.config import ModelConfig
+from engine.model.slots import SlotBatch
 
 CANONICAL_KV_DTYPE = torch.float16
 
@@ -68,7 +68,7 @@ class Backend(ABC):
     def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) long -> logits float32 on the host, (B, T, V) or (B, 1, V) with `last_only`.
 
-        Writes the new tokens' K/V into `batch.write_slots` before attending (see engine.slots.SlotBatch).
+        Writes the new tokens' K/V into `batch.write_slots` before attending (see engine.model.slots.SlotBatch).
         """
 
     @abstractmethod

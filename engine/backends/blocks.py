@@ -1,9 +1,9 @@
 """Which block-quantized matrix each linear layer of a fused model runs, and the tied embedding that shares it.
 
-A GGUF's tensors arrive as StoredTensor (engine.quant) keyed by Hugging Face parameter name and run as stored:
+A GGUF's tensors arrive as StoredTensor (engine.model.quant) keyed by Hugging Face parameter name and run as stored:
 their bytes are copied, never dequantized and re-quantized; q/k/v and gate/up are fused by stacking rows of
 blocks, which keeps every block intact. Parts stored in different formats (a Q4_K_M file's v as Q8_0 beside q, k
-as Q5_0) are stacked as Q8_0 when every part widens to it without loss (engine.quant.widen_to_q8_0). An HF
+as Q5_0) are stacked as Q8_0 when every part widens to it without loss (engine.model.quant.widen_to_q8_0). An HF
 folder's fp32 weights are quantized here at load to the chosen type, to the very bytes llama.cpp's converter
 would write.
 """
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.quant import (
+from engine.model.quant import (
     BLOCK,
     WIDENS_TO_Q8_0,
     BlockType,
@@ -31,9 +31,9 @@ from engine.quant import (
 )
 
 if TYPE_CHECKING:
-    from engine.model import Transformer
+    from engine.model.network import Transformer
 
-# A fused module's rows, in order, from these HF parameters (engine.model.fuse_projections).
+# A fused module's rows, in order, from these HF parameters (engine.model.network.fuse_projections).
 FUSED: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),

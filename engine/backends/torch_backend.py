@@ -26,29 +26,29 @@ from engine.backends.blocks import (
     swap_linears,
     use_stored_embedding,
 )
-from engine.config import ModelConfig
+from engine.backends.native import NativeKernels, NativeStatus, activation_numerics, load_kernels
+from engine.backends.native.decoder import NativeBlockEmbedding, NativeBlockLinear, NativeDecoder
 from engine.errors import BackendUnavailable
-from engine.model import (
+from engine.loading.weights import load_model
+from engine.model.config import ModelConfig
+from engine.model.network import (
     KVCache,
     SlotBatch,
     Transformer,
     fuse_projections,
     replace_linears,
 )
-from engine.native import NativeKernels, NativeStatus, activation_numerics, load_kernels
-from engine.native.decoder import NativeBlockEmbedding, NativeBlockLinear, NativeDecoder
-from engine.quant import BlockType, StoredTensor
-from engine.slots import StepReads
-from engine.weights import load_model
+from engine.model.quant import BlockType, StoredTensor
+from engine.model.slots import StepReads
 
 # Compute dtype per device: CPU kernels are fastest (and exact vs references) in fp32; GPUs run fp16.
 DEVICE_DTYPES: dict[str, torch.dtype] = {"cpu": torch.float32, "cuda": torch.float16, "mps": torch.float16}
 # Weight storage choices: "none" keeps the checkpoint's weights in the compute dtype; the block formats are GGUF's
-# (engine.quant); "auto" runs a GGUF's blocks as stored and quantizes an HF folder to AUTO_BLOCKS.
+# (engine.model.quant); "auto" runs a GGUF's blocks as stored and quantizes an HF folder to AUTO_BLOCKS.
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", *(t.name.lower() for t in BlockType))
 # The most faithful fast type (bench quant on SmolLM2-135M: mean KLD from fp32 0.0011 at Q8_0, 0.044 at Q4_1).
 AUTO_BLOCKS = BlockType.Q8_0
-# What runs block weights on the CPU: our compiled kernels (engine.native), PyTorch over the dequantized matrices,
+# What runs block weights on the CPU: our compiled kernels (engine.backends.native), PyTorch over the dequantized matrices,
 # or the first when it can be built.
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
 
@@ -140,7 +140,7 @@ class TorchBackend(Backend):
         native_steps: bool = True,
     ) -> None:
         """`quantize` (CPU only): "none" keeps fp32; "q8_0", "q4_0", "q4_1" hold every linear layer in that GGUF block
-        format (engine.quant), activations quantized per block of 32 as llama.cpp's dot products do; "auto" runs
+        format (engine.model.quant), activations quantized per block of 32 as llama.cpp's dot products do; "auto" runs
         `stored` as stored, else Q8_0.
 
         `stored` maps Hugging Face parameter names to a GGUF's raw block tensors (the GGUF loader's output): those
@@ -154,7 +154,7 @@ class TorchBackend(Backend):
         `act_parts` (native kernels): activations quantized per block of 32 as int8 (1: llama.cpp's Q8 dot
         products) or int16 (2, the default) with one scale per block; bench quant measures both.
 
-        `kernels` picks what runs block weights: "native" our compiled CPU kernels (engine.native; an error when
+        `kernels` picks what runs block weights: "native" our compiled CPU kernels (engine.backends.native; an error when
         they cannot be built), "torch" PyTorch over the dequantized matrices, "auto" native when available.
 
         `native_steps`: with the native kernels, let a decoding step they cover run as one native call (the default);
@@ -274,7 +274,7 @@ class TorchBackend(Backend):
         return self.cache.batch
 
     def slot_bytes_per_token(self) -> int:
-        """k, v in the KV dtype plus their read copies in the compute dtype (engine.slots.KVCache)."""
+        """k, v in the KV dtype plus their read copies in the compute dtype (engine.model.slots.KVCache)."""
         return KVCache.bytes_per_slot(self.config, self.kv_dtype, self.dtype)
 
     @property

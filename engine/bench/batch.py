@@ -25,13 +25,13 @@ import torch
 
 from engine.backends import open_backend
 from engine.backends.base import Backend
-from engine.generate import GenerationSettings, stream_generate
-from engine.memory import FullAttentionMemory
-from engine.model_files import display_name, resolve_model_path
-from engine.sampling import SamplingSettings
-from engine.serving.batch import generate_batch
-from engine.serving.scheduler import Request, Scheduler, SchedulerConfig
-from engine.tokenizer import Tokenizer
+from engine.generation.batch import generate_batch
+from engine.generation.loop import GenerationSettings, stream_generate
+from engine.generation.sampling import SamplingSettings
+from engine.generation.scheduler import Request, Scheduler, SchedulerConfig
+from engine.loading.model_files import display_name, resolve_model_path
+from engine.loading.tokenizer import Tokenizer
+from engine.memory.base import FullAttentionMemory
 
 REQUESTS = 32
 REPLY_TOKENS = 128

@@ -32,9 +32,9 @@ import torch
 from engine.backends import open_backend
 from engine.backends.base import Backend
 from engine.bench.checkpoints import write_random_checkpoint
-from engine.cascade import CascadeConfig, CascadeMemory
-from engine.memory import FullAttentionMemory, Memory
-from engine.model_files import read_config, settings_dir
+from engine.loading.model_files import read_config, settings_dir
+from engine.memory.base import FullAttentionMemory, Memory
+from engine.memory.cascade import CascadeConfig, CascadeMemory
 
 LENGTHS = (256, 16384, 32768)  # and the length where the window first fills (see lengths_for)
 DECODE_STEPS = 16  # per round; rounds interleave the points

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
-from engine.model import Transformer
+from engine.model.config import ModelConfig
+from engine.model.network import Transformer
 
 BENCH_VOCAB_SPECIALS = ["<|endoftext|>"]
 

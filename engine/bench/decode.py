@@ -4,7 +4,7 @@ Every engine gets the same weights (our safetensors; llama.cpp a GGUF export of 
 comparing logits), the same thread count, the same prompt ids and greedy decoding of the same number of tokens.
 Precision: our fp32 path is compared with an F32 GGUF, our block formats (`--quantize q8_0|q4_0|q4_1`; `auto`, the
 CPU default, is Q8_0 for a model folder) with a GGUF export of the same type, whose bytes are the ones we hold;
-`--gguf FILE` runs that file in both engines, ours as stored (engine.gguf_file). transformers runs its CPU
+`--gguf FILE` runs that file in both engines, ours as stored (engine.loading.gguf). transformers runs its CPU
 default, fp32, and the output says so. Our activations keep more bits than llama.cpp's Q8 blocks, so logits differ
 slightly and the tokens are compared but may part at near-ties.
 Runs are interleaved (ours, llama.cpp, transformers, repeat) and the median is reported, so background load hits
@@ -34,12 +34,12 @@ from engine.backends.base import Backend
 from engine.backends.torch_backend import TorchBackend
 from engine.bench.llamacpp_peer import LlamaCppPeer, PeerError, peer_environment
 from engine.errors import SparkError
-from engine.generate import GenerationSettings
-from engine.memory import FullAttentionMemory, Memory
-from engine.model_files import display_name, gguf_model, is_gguf_model, resolve_model_path
-from engine.sampling import SamplingSettings
-from engine.session import Engine, MemoryFactory, Session
-from engine.tokenizer import Tokenizer
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
+from engine.loading.model_files import display_name, gguf_model, is_gguf_model, resolve_model_path
+from engine.loading.tokenizer import Tokenizer
+from engine.memory.base import FullAttentionMemory, Memory
+from engine.session.engine import Engine, MemoryFactory, Session
 
 # Our precision -> the GGUF tensor type llama.cpp runs for the same comparison.
 GGUF_TYPE_FOR: dict[str, str] = {
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _our_last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    from engine.generate import prefill
+    from engine.generation.loop import prefill
 
     session = engine.new_session()
     logits = prefill(session.backend, session.memory, ids, len(ids))

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from engine.errors import SparkError
-from engine.model import rope_inv_freq
-from engine.weights import load_model
+from engine.loading.weights import load_model
+from engine.model.network import rope_inv_freq
 
 # --dtype name -> (GGUF file type, tensor type of the 2-D weights); norms and biases always stay f32.
 FILE_TYPES = {
@@ -73,7 +73,7 @@ def _copy_tokenizer(w: Any, model_path: Path) -> None:
     """A GGUF source's tokenizer fields, as they are (vocabulary, merges or scores, specials, chat template)."""
     import gguf
 
-    from engine.model_files import gguf_model
+    from engine.loading.model_files import gguf_model
 
     for name, value, types in gguf_model(model_path).tokenizer_fields():
         if types[0] == gguf.GGUFValueType.ARRAY:
@@ -86,7 +86,7 @@ def _write_tokenizer(w: Any, model_dir: Path, vocab_size: int) -> None:
     """The folder's byte-level BPE tokenizer.json as a gpt2 GGUF vocabulary (padded to the model's vocab size)."""
     import gguf
 
-    from engine.model_files import is_gguf_model
+    from engine.loading.model_files import is_gguf_model
 
     if is_gguf_model(model_dir):
         _copy_tokenizer(w, model_dir)
@@ -213,7 +213,7 @@ def quantize_with_llamacpp(model_dir: Path, out: Path, dtype: str = "q4_k_m", th
     import ctypes
     import tempfile
 
-    from engine.model_files import gguf_model, is_gguf_model
+    from engine.loading.model_files import gguf_model, is_gguf_model
 
     if dtype not in LLAMACPP_TYPES:
         raise SparkError(f"llama.cpp's quantizer here writes {', '.join(LLAMACPP_TYPES)}, not {dtype!r}.")

@@ -5,7 +5,7 @@ Headlines `ppl_cascade`, `ppl_window`, `ppl_window_equal_slots`, `ppl_truncate`;
 ppl_window_equal_slots (retrieval pays for its slots). The geometry is the model's default (the window covers the
 trained context) unless `--window N` forces the window, as a model folder's cascade.json would.
 
-The document is a fixed sample of the local standard library's pydoc pages (engine.bench.stdlib_docs),
+The document is a fixed sample of the local standard library's pydoc pages (engine.heldout.docs),
 concatenated in name order and cut to `MAX_TOKENS`.
 """
 
@@ -21,30 +21,16 @@ import torch.nn.functional as F
 
 from engine.backends import open_backend
 from engine.backends.base import Backend
-from engine.bench.stdlib_docs import is_sampled, render_module, stdlib_top_modules
-from engine.cascade import CascadeConfig, CascadeMemory
 from engine.errors import SparkError
-from engine.memory import FullAttentionMemory, Memory
-from engine.model_files import resolve_model_path, settings_dir
-from engine.tokenizer import Tokenizer
+from engine.heldout.docs import held_out_text
+from engine.loading.model_files import resolve_model_path, settings_dir
+from engine.loading.tokenizer import Tokenizer
+from engine.memory.base import FullAttentionMemory, Memory
+from engine.memory.cascade import CascadeConfig, CascadeMemory
 
 CHUNK = 64  # small chunks: tokens early in a chunk that wraps the window see W - T + 1 window tokens, not W
 MAX_TOKENS = 12288
 QUICK_TOKENS = 3072
-
-
-def held_out_text(min_chars: int) -> str:
-    """Pages of the sampled stdlib modules until there is enough."""
-    names = [m for m in stdlib_top_modules() if is_sampled(m)]
-    text = ""
-    for name in names:
-        pages = render_module(name)["pages"]
-        if not isinstance(pages, dict):  # the renderer's JSON: {"pages": {title: text}}
-            continue
-        text += "".join(pages[k] + "\n\n" for k in sorted(pages))
-        if len(text) >= min_chars:
-            break
-    return text
 
 
 def nll(backend: Backend, memory: Memory, ids: list[int]) -> tuple[float, int]:

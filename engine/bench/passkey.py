@@ -18,10 +18,10 @@ from typing import Any
 
 from engine.backends.base import Backend
 from engine.bench.long_ppl import open_model
-from engine.cascade import CascadeMemory
-from engine.generate import decode_step, prefill
-from engine.memory import FullAttentionMemory, Memory
-from engine.tokenizer import Tokenizer
+from engine.generation.loop import decode_step, prefill
+from engine.loading.tokenizer import Tokenizer
+from engine.memory.base import FullAttentionMemory, Memory
+from engine.memory.cascade import CascadeMemory
 
 INTRO = "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about the important information there.\n"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

@@ -4,7 +4,7 @@ warm after a process restart (a fresh interpreter over the same L3 cache dir). H
 
 TTFT here is prefill (with prefix reuse) plus the argmax of the last logits, model load excluded. The geometry is
 the product's default for the model (CascadeConfig.for_model: the window covers the trained context, so the
-prompt fits it): the warm runs restore the cold run's exact prefix blocks (engine.cascade.memory; a cascade.json
+prompt fits it): the warm runs restore the cold run's exact prefix blocks (engine.memory.cascade.core; a cascade.json
 forcing a small window exercises its snapshots instead) and recompute only the tokens past their block-aligned end.
 Default model: the default model (SmolLM2-135M-Instruct); --model for another.
 """
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from engine.cascade import CascadeConfig, CascadeMemory, PersistentStore
-from engine.model_files import display_name, resolve_model_path, settings_dir
+from engine.loading.model_files import display_name, resolve_model_path, settings_dir
+from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
 
 PROMPT_TOKENS = 1500
 CHUNK = 256
@@ -32,7 +32,7 @@ CHUNK = 256
 def ttft(model: Path, cache_dir: Path, backend_name: str, repeats: int = 1) -> list[dict[str, Any]]:
     """Load the model once, then `repeats` times: a fresh memory over `cache_dir`, prefill the prompt, argmax."""
     from engine.backends import open_backend
-    from engine.generate import prefill
+    from engine.generation.loop import prefill
 
     backend = open_backend(model, backend_name).backend
     cfg = CascadeConfig.for_model(settings_dir(model), backend.config)

@@ -1,4 +1,4 @@
-"""`bench profile`: where a generation step's time goes, from `engine.profiler`, on the session's real memory.
+"""`bench profile`: where a generation step's time goes, from `engine.generation.profiler`, on the session's real memory.
 
 One warm-up generation, then one profiled: a 128-token prompt (prefill) and `decode_tokens` greedy decode steps
 over the cascade memory the app uses (prefix cache off, so paging is the working/episodic path). Reports the
@@ -18,11 +18,11 @@ import torch
 
 from engine.backends import open_backend
 from engine.bench.batch import bench_model
-from engine.generate import GenerationSettings, stream_generate
-from engine.profiler import Profiler, cuda_sync_for
-from engine.sampling import SamplingSettings
-from engine.session import memory_factory_for
-from engine.tokenizer import Tokenizer
+from engine.generation.loop import GenerationSettings, stream_generate
+from engine.generation.profiler import Profiler, cuda_sync_for
+from engine.generation.sampling import SamplingSettings
+from engine.loading.tokenizer import Tokenizer
+from engine.session.engine import memory_factory_for
 
 PROMPT_TOKENS = 128
 

@@ -2,7 +2,7 @@
 
 For every type (Q8_0, Q4_0, Q4_1, Q5_0, and `--gguf FILE` as stored) both engines run the very same GGUF: the model
 folder's fp32 weights exported at that type (engine.bench.gguf_export; our own quantizer writes identical bytes),
-read back as StoredTensor (engine.gguf_file) for us and loaded by llama.cpp (llama-cpp-python, logits for every
+read back as StoredTensor (engine.loading.gguf) for us and loaded by llama.cpp (llama-cpp-python, logits for every
 token). Over >= 2,048 tokens of held-out text, each is compared with our fp32 logits: mean and 99th-percentile KL
 divergence, same top token, perplexity. Headline `kld_ratio_vs_llamacpp` (ours / theirs) per type and worst; goal
 <= 1.0. Our kernels quantize activations per block of 32 as int16 with one scale (`ours_*`); the same weights
@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from engine.backends.torch_backend import TorchBackend
-from engine.bench.long_ppl import held_out_text
 from engine.errors import SparkError
-from engine.model_files import gguf_model, is_gguf_model, resolve_model_path
-from engine.quant import BlockType, StoredTensor
-from engine.tokenizer import Tokenizer
+from engine.heldout.docs import held_out_text
+from engine.loading.model_files import gguf_model, is_gguf_model, resolve_model_path
+from engine.loading.tokenizer import Tokenizer
+from engine.model.quant import BlockType, StoredTensor
 
 TOKENS = 2048
 QUICK_TOKENS = 256

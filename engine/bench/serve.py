@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from engine.errors import SparkError
-from engine.model_files import resolve_model_path
+from engine.loading.model_files import resolve_model_path
 
 LEVELS = (1, 8, 32)
 TOPICS = ("a lighthouse", "a red bicycle", "the moon", "a library", "a small robot", "the ocean", "a garden", "a train")

@@ -15,8 +15,8 @@ from pathlib import Path
 from engine.cli.checks import check_text
 from engine.cli.generate import add_model_args, add_sampling_args, open_engine, settings_from_args
 from engine.errors import SparkError
-from engine.model_files import display_name, resolve_model_path
-from engine.session import Session
+from engine.loading.model_files import display_name, resolve_model_path
+from engine.session.engine import Session
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -14,7 +14,7 @@ from engine.errors import InputTooLarge, SparkError
 
 MAX_NEW_TOKENS = 1_000_000  # the ceiling of one reply's --max-tokens (the cascade's cost per token is flat)
 THREADS_PER_CORE = 4
-MAX_PROMPT_FILE_BYTES = 4 * 1_000_000  # engine.session.MAX_PROMPT_CHARS characters of up to 4 UTF-8 bytes
+MAX_PROMPT_FILE_BYTES = 4 * 1_000_000  # engine.session.engine.MAX_PROMPT_CHARS characters of up to 4 UTF-8 bytes
 
 
 def check_threads(threads: int | None) -> None:

@@ -10,13 +10,13 @@ from pathlib import Path
 
 from engine.backends import QUANTIZE_CHOICES
 from engine.cli.checks import check_max_tokens, check_seed, check_text, check_threads, read_text_file
-from engine.config import generation_defaults
 from engine.errors import SparkError
-from engine.generate import GenerationEvent, GenerationSettings
+from engine.generation.loop import GenerationEvent, GenerationSettings
+from engine.generation.sampling import SamplingSettings
 from engine.hw import this_machine_policy, use_recommended_threads
-from engine.model_files import resolve_model_path
-from engine.sampling import SamplingSettings
-from engine.session import Engine, Session, memory_factory_for
+from engine.loading.model_files import resolve_model_path
+from engine.model.config import generation_defaults
+from engine.session.engine import Engine, Session, memory_factory_for
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
 """`python -m engine serve [--model M] [--host 127.0.0.1] [--port 8080] [--api-key K]` — the OpenAI-compatible
-server (engine.serving) on the loaded model, continuous batching through the scheduler."""
+server (engine.openai) on the loaded model, continuous batching through the scheduler."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 
 from engine.cli.generate import add_model_args, open_engine
 from engine.errors import SparkError
-from engine.serving.server import LOOPBACK, LocalServer, bind
-from engine.serving.service import ModelService, ServeConfig, served_name
+from engine.openai.server import LOOPBACK, LocalServer, bind
+from engine.openai.service import ModelService, ServeConfig, served_name
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -62,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
         allow_origins=tuple(args.allow_origin),
     )
     server = LocalServer(
-        ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, config), args.host, args.port
+        ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, config),
+        args.host,
+        args.port,
     )
     if args.host not in (LOOPBACK, "localhost", "::1") and key is None:
         print(

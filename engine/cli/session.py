@@ -15,10 +15,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.session_file import inspect_session, verify_session
+from engine.session.file import inspect_session, verify_session
 
 if TYPE_CHECKING:
-    from engine.session_schema import StateTarget
+    from engine.memory.values import StateTarget
 
 PREVIEW_CHARS = 72
 # What a terminal would act on or render deceptively: C0/C1 controls, DEL, bidi controls, surrogates.
@@ -116,7 +116,7 @@ def run_verify(args: argparse.Namespace) -> int:
 def _installed_default_model() -> Path | None:
     """The default model, against which a plain `session verify` runs restore's checks; None when not installed."""
     from engine.errors import ModelLoadError
-    from engine.model_files import default_model_path
+    from engine.loading.model_files import default_model_path
 
     try:
         return default_model_path()
@@ -127,10 +127,10 @@ def _installed_default_model() -> Path | None:
 def _model_target(model_dir: Path) -> tuple[StateTarget, str]:
     """(the state target restore would use, the model's fingerprint), from the folder's config, cascade.json and
     weight headers alone: no weights are loaded."""
-    from engine.cascade import CascadeConfig
-    from engine.model_files import check_model_path, read_config, settings_dir
-    from engine.session_schema import StateTarget
-    from engine.weights import model_fingerprint
+    from engine.loading.model_files import check_model_path, read_config, settings_dir
+    from engine.loading.weights import model_fingerprint
+    from engine.memory.cascade import CascadeConfig
+    from engine.memory.values import StateTarget
 
     path = model_dir.expanduser()
     check_model_path(path)

@@ -1,6 +1,6 @@
 """The hardware policy: reads thermal and memory sources, adapts generation, and announces every decision.
 
-It is the engine.generate `Pacer`: `prefill_chunk` caps prefill chunks and `before_step` sleeps a cool-down
+It is the engine.generation.loop `Pacer`: `prefill_chunk` caps prefill chunks and `before_step` sleeps a cool-down
 between tokens or, at critical, holds generation until the machine cools (or the user stops it). The scheduler
 asks `max_batch`, backend selection asks `preferred_backend`, the cascade asks `episodic_budget_bytes` and
 `under_pressure`, model loading calls `check_model_fits`. Each change of course is a `PolicyDecision` sent to the
@@ -242,7 +242,7 @@ class HardwarePolicy:
             for listener in listeners:
                 listener(decision)
 
-    # --- Pacer (engine.generate) -----------------------------------------------------------------------------------
+    # --- Pacer (engine.generation.loop) -----------------------------------------------------------------------------------
 
     def prefill_chunk(self, requested: int) -> int:
         # A prefill that starts at critical runs at the serious cap; the first `before_step` then holds it.

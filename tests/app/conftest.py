@@ -22,11 +22,11 @@ from app.preferences import Preferences
 from app.signal_wait import GuiRelay
 from app.standarddirs import StandardDirs
 from app.wiring import build_main_window
-from engine.generate import GenerationSettings
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
 from engine.hw import ThermalReading, ThermalState
-from engine.remote import RemoteServer
-from engine.sampling import SamplingSettings
-from tests.tiny import make_tiny_model
+from engine.openai.client import RemoteServer
+from tests.helpers.tiny import make_tiny_model
 
 WAIT_MS = 30_000
 REPLY_TOKENS = 12  # every streamed reply in these tests; long ones set their own

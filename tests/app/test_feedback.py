@@ -14,7 +14,7 @@ from app.signal_wait import GuiRelay
 from app.wiring import build_main_window
 from app.worker_types import ReadProgress
 from tests.app.conftest import WAIT_MS, ScriptedDialogs, dispose, set_reply_tokens
-from tests.tiny import make_tiny_model
+from tests.helpers.tiny import make_tiny_model
 
 LONG = "Reading a long prompt takes a while, so the reply bubble says how far it got. " * 40
 

@@ -14,7 +14,7 @@ from app.library import ConversationLibrary, title_from
 from app.main_window import MainWindow
 from app.signal_wait import GuiRelay
 from app.wiring import build_main_window
-from engine.session_file import inspect_session, load_session
+from engine.session.file import inspect_session, load_session
 from tests.app.conftest import WAIT_MS, ScriptedDialogs, dispose
 
 

@@ -12,9 +12,9 @@ from PySide6.QtWidgets import QMenu
 
 from app.local_server import LocalServerController, install_local_server_menu
 from app.remote_servers import AddServerDialog, RemoteServerList
-from engine.remote import RemoteServer
-from engine.session import Engine, memory_factory_for
-from tests.http_clients import closed_after_test
+from engine.openai.client import RemoteServer
+from engine.session.engine import Engine, memory_factory_for
+from tests.helpers.http_clients import closed_after_test
 
 WAIT_MS = 30_000
 

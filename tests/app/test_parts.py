@@ -11,9 +11,9 @@ from app.coalescer import TextCoalescer
 from app.icons import app_icon, draw_app_icon, tray_icon
 from app.preferences import Preferences
 from app.settings_dialog import SettingsDialog
-from engine.generate import GenerationSettings
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
 from engine.hw import DecisionKind, HardwarePolicy, PolicyDecision, SystemMemorySource, ThermalState
-from engine.sampling import SamplingSettings
 from tests.app.conftest import ScriptedThermal
 
 

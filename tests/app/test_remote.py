@@ -1,4 +1,4 @@
-"""The app's remote backend against our own server (engine.serving) on loopback: "Add a Server…" makes it a model
+"""The app's remote backend against our own server (engine.openai) on loopback: "Add a Server…" makes it a model
 choice, replies stream from it, Stop works, the inspector says memory does not apply, the conversation is stored as
 its transcript and reopens with a local model, and a server that fails is one sentence with nothing lost."""
 
@@ -18,18 +18,18 @@ from app.main_window import MainWindow
 from app.signal_wait import GuiRelay
 from app.wiring import build_main_window
 from app.worker_types import TurnResult
-from engine.generate import GenerationSettings
-from engine.remote import RemoteServer
-from engine.sampling import SamplingSettings
-from engine.session_file import TRANSCRIPT_KIND, load_session
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
+from engine.openai.client import RemoteServer
+from engine.session.file import TRANSCRIPT_KIND, load_session
 from tests.app.conftest import WAIT_MS, ScriptedDialogs, dispose
-from tests.engine.serving.conftest import KEY, Served, start_server
-from tests.http_clients import closed_after_test
+from tests.engine.openai.conftest import KEY, Served, start_server
+from tests.helpers.http_clients import closed_after_test
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from tests.tiny import make_tiny_model
+    from tests.helpers.tiny import make_tiny_model
 
     s = start_server(make_tiny_model(tmp_path_factory.mktemp("remote-tiny"), layers=2), tmp_path_factory.mktemp("kv"))
     yield s

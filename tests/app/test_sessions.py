@@ -109,8 +109,8 @@ def test_settings_and_layout_persist(
     qtbot, window: MainWindow, gui, prefs, dialogs: ScriptedDialogs, tiny_model: Path, dirs: StandardDirs
 ) -> None:  # type: ignore[no-untyped-def]
     from app.wiring import build_main_window
-    from engine.generate import GenerationSettings
-    from engine.sampling import SamplingSettings
+    from engine.generation.loop import GenerationSettings
+    from engine.generation.sampling import SamplingSettings
 
     window.show()
     dialogs.new_settings = GenerationSettings(

@@ -1,5 +1,5 @@
 """Shared converted bundles: conversion is the slow part, so each variant is converted once per session and every
-test reads the same bundle. Tiny checkpoints only (tests/tiny.py); the real-model tests are in
+test reads the same bundle. Tiny checkpoints only (tests/helpers/tiny.py); the real-model tests are in
 test_real_model.py and skip without it."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.model import Transformer
-from tests.real_model import real_gguf
-from tests.tiny import make_tiny_model
+from engine.model.config import ModelConfig
+from engine.model.network import Transformer
+from tests.helpers.real_model import real_gguf
+from tests.helpers.tiny import make_tiny_model
 
 # Slot table of the shared bundles: full-attention parity (75-token prompt + 64 decode steps) fits, and so does
 # the cascade geometry used by the paging test (4 sinks + 3x16 retrieval + 96 window = 148 -> 160).
@@ -61,7 +61,8 @@ def default_bundle(tied_dir: Path, cache_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def package(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, tied_dir: Path) -> Callable[[str], Path]:
     """package(variant) -> a converted bundle of a tiny model (converted on first request); see VARIANTS."""
-    from coreml.convert import MAX_CHUNK_BYTES, convert
+    from coreml.convert import convert
+    from coreml.wrapper import MAX_CHUNK_BYTES
 
     made: dict[str, Path] = {}
     root = tmp_path_factory.mktemp("bundles")

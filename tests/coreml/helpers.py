@@ -15,8 +15,8 @@ from coreml.interpreter import Interpreter
 from coreml.wrapper import engine_state_dict
 from engine.backends.base import Backend
 from engine.backends.torch_backend import TorchBackend
-from engine.config import ModelConfig
-from engine.memory import Memory
+from engine.memory.base import Memory
+from engine.model.config import ModelConfig
 
 
 def feed(backend: Backend, memory: Memory, ids: list[int]) -> torch.Tensor:

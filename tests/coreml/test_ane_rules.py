@@ -17,7 +17,7 @@ from coreml.__main__ import main
 from coreml.bundle import MANIFEST, Bundle
 from coreml.convert import Geometry, check_geometry
 from coreml.errors import ConversionError
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 
 def op_types(bundle: Bundle) -> Counter[str]:

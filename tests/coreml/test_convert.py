@@ -24,8 +24,8 @@ from coreml.convert import (
     plan_chunks,
 )
 from coreml.errors import ConversionCancelled, ConversionError, PackageError
-from engine.config import ModelConfig
-from engine.weights import load_model
+from engine.loading.weights import load_model
+from engine.model.config import ModelConfig
 from tests.coreml.conftest import SLOTS
 
 

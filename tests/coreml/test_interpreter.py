@@ -17,7 +17,7 @@ from coreml.errors import UnsupportedOp
 from coreml.interpreter import OPS, Interpreter
 from coreml.milblob import BlobFile, dtype_name, tensor_shape
 from coreml.package import Package
-from engine.model import Transformer
+from engine.model.network import Transformer
 from tests.coreml.conftest import VARIANTS
 from tests.coreml.test_ane_rules import op_types
 

@@ -10,8 +10,8 @@ import torch
 
 from coreml.reference import InterpreterBackend
 from engine.backends.torch_backend import TorchBackend
-from engine.cascade import CascadeConfig, CascadeMemory
-from engine.memory import FullAttentionMemory
+from engine.memory.base import FullAttentionMemory
+from engine.memory.cascade import CascadeConfig, CascadeMemory
 from tests.coreml.helpers import feed, prompt_ids, run_greedy
 
 ATOL = 3e-2

@@ -19,9 +19,9 @@ from coreml.reference import InterpreterBackend
 from coreml.wrapper import ChannelRMSNorm
 from engine.backends.base import Backend
 from engine.backends.torch_backend import TorchBackend
-from engine.memory import FullAttentionMemory
-from engine.model import SlotBatch, Transformer
-from engine.weights import load_model
+from engine.loading.weights import load_model
+from engine.memory.base import FullAttentionMemory
+from engine.model.network import SlotBatch, Transformer
 from tests.coreml.conftest import model_dir_of
 from tests.coreml.helpers import (
     feed,

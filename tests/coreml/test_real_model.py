@@ -16,9 +16,9 @@ from coreml.compress import DEFAULT_QUANTIZE
 from coreml.convert import ANE_MAX_SLOTS, cached_bundle, expected_bytes
 from coreml.reference import InterpreterBackend
 from coreml.runtime import CoreMLBackend
-from engine.cascade import CascadeConfig, CascadeMemory
-from engine.session import memory_factory_for
-from engine.tokenizer import Tokenizer
+from engine.loading.tokenizer import Tokenizer
+from engine.memory.cascade import CascadeConfig, CascadeMemory
+from engine.session.engine import memory_factory_for
 from tests.coreml.fake_coreml import FakeLoader
 from tests.coreml.helpers import run_greedy, torch_fp16_with_package_weights
 from tests.coreml.test_ane_rules import op_types
@@ -42,7 +42,7 @@ def real_bundle(real_model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def cascade(real_model_dir: Path, real_bundle: Path) -> CascadeConfig:
-    """The cascade the engine lays out over a CoreMLBackend of the default model (engine.session's factory), after
+    """The cascade the engine lays out over a CoreMLBackend of the default model (engine.session.engine's factory), after
     checking that the backend finds the bundle build_coreml.py makes: same slot count, no second conversion."""
     backend = CoreMLBackend(real_model_dir, cache_dir=real_bundle.parent, loader=FakeLoader())
     memory = memory_factory_for(real_model_dir, prefix_cache=False)(backend)

@@ -15,16 +15,16 @@ from coreml.convert import ANE_MAX_SLOTS, default_slots
 from coreml.reference import InterpreterBackend
 from coreml.runtime import CoreMLBackend, compute_units_name, probe
 from engine.backends.torch_backend import TorchBackend
-from engine.cascade import CascadeMemory
 from engine.errors import BackendUnavailable
-from engine.memory import FullAttentionMemory
-from engine.model_files import read_config
-from engine.session import memory_factory_for
+from engine.loading.model_files import read_config
+from engine.memory.base import FullAttentionMemory
+from engine.memory.cascade import CascadeMemory
+from engine.session.engine import memory_factory_for
 from tests.coreml.conftest import SLOTS
 from tests.coreml.fake_coreml import BridgeError, FakeLoader, FakeMLState
 from tests.coreml.helpers import feed, prompt_ids, run_greedy
 from tests.coreml.test_parity import assert_parity
-from tests.tiny import make_tiny_model
+from tests.helpers.tiny import make_tiny_model
 
 
 def test_probe_explains_why_core_ml_is_unavailable_off_mac() -> None:
@@ -59,7 +59,7 @@ def test_the_fake_bridge_refuses_fp16_state_writes() -> None:
 
 
 def test_the_engine_lays_its_cascade_out_in_the_slot_count_make_app_converts_for(tmp_path: Path) -> None:
-    """A model trained on more positions than a Core ML program holds: engine.session fits the cascade to the
+    """A model trained on more positions than a Core ML program holds: engine.session.engine fits the cascade to the
     backend's max_slots, and that slot count is the one packaging/build_coreml.py converts for (default_slots), so
     the runtime finds the shipped bundle instead of converting on the user's Mac."""
     model = make_tiny_model(tmp_path / "long", hidden=128, heads=4, kv_heads=2, intermediate=256, max_positions=4096)

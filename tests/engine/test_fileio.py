@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from engine.cascade.persistent import PersistentStore
 from engine.errors import ModelLoadError, SessionFileError
 from engine.fileio import (
     FileSystem,
@@ -28,9 +27,10 @@ from engine.fileio import (
     read_header,
     read_header_file,
 )
-from engine.session_file import load_session, save_session
-from engine.weights import read_safetensors_header
-from tests.engine.session_helpers import write_v2
+from engine.loading.weights import read_safetensors_header
+from engine.memory.cascade.persistent import PersistentStore
+from engine.session.file import load_session, save_session
+from tests.engine.session.session_helpers import write_v2
 
 # -- atomic writes -------------------------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import plistlib
 import tomllib
 
 from engine.paths import APP_NAME
-from engine.session_file import SUFFIX
+from engine.session.file import SUFFIX
 from tests.packaging.loader import REPO, load
 
 plist = load("plist")

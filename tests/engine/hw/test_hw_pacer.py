@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.backends.torch_backend import TorchBackend
-from engine.generate import GenerationSettings, stream_generate
+from engine.generation.loop import GenerationSettings, stream_generate
 from engine.hw.policy import HardwarePolicy, Mode
 from engine.hw.thermal import ThermalState
-from engine.memory import FullAttentionMemory
-from engine.tokenizer import Tokenizer
+from engine.loading.tokenizer import Tokenizer
+from engine.memory.base import FullAttentionMemory
 from tests.engine.hw.fakes import FakeMemory, FakeThermal, FakeTime
-from tests.tiny import make_tiny_model
+from tests.helpers.tiny import make_tiny_model
 
 
 def test_serious_state_shrinks_prefill_chunks_and_paces_decode(tmp_path: Path) -> None:

@@ -1,0 +1,202 @@
+"""The model's block-quantized CPU path on the native kernels: linear layers, and a whole decoding step in one call.
+
+The CPU backend (engine.backends.torch_backend) replaces every linear layer with a NativeBlockLinear (GGUF blocks,
+engine.model.quant; any number of rows: prefill chunks and batches call it like nn.Linear) and decides per step whether
+a NativeDecoder runs it: the common decoding step, one new token in one row whose only stale read copy is its own
+(plain decoding, and the cascade between evictions). Every other step runs the PyTorch code over the same
+NativeBlockLinear layers, whose rows the kernel computes exactly as the decoding step does, so both paths share
+weights, arithmetic and the slot table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.backends.blocks import BlockEmbedding, BlockWeights
+from engine.backends.native import CacheDesc, ModelDesc, NativeKernels, QMat, StepDesc
+from engine.model.network import DecoderLayer, Transformer
+from engine.model.slots import KVCache, SlotBatch, StepReads
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeBlockLinear(nn.Module):
+    """y = x @ W^T + b with W in a GGUF block format and x quantized per block of 32 at call time, in one int8
+    part (llama.cpp's Q8 activations) or 2 (int16 blocks with one scale)."""
+
+    blocks: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, kernels: NativeKernels, w: BlockWeights, bias: torch.Tensor | None, act_parts: int = 2) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.qtype = w.qtype
+        self.out_features, self.in_features = w.shape[0], w.inputs
+        self.padded = w.shape[1]  # K rounded up to 32: zero weight columns beyond in_features
+        self.register_buffer("blocks", w.blocks, persistent=False)  # (N, padded/32 * block bytes) uint8
+        self.register_buffer(
+            "bias", None if bias is None else bias.detach().float().contiguous(), persistent=False
+        )  # (N,)
+        self.desc = QMat(_ptr(self.blocks), _ptr(self.bias), self.out_features, self.padded, w.qtype.ggml_id, act_parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) float32 -> (..., N) float32
+        rows = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
+        if self.padded != self.in_features:
+            rows = torch.nn.functional.pad(rows, (0, self.padded - self.in_features))  # (M, padded) zero columns
+        m = rows.shape[0]
+        y = torch.empty(m, self.out_features)  # (M, N)
+        scratch = torch.empty(int(self.kernels.lib.spark_act_bytes(self.padded, m)), dtype=torch.uint8)
+        if m > 1:
+            self.kernels.use_threads(torch.get_num_threads())
+        self.kernels.lib.spark_qgemm(ctypes.byref(self.desc), rows.data_ptr(), m, y.data_ptr(), scratch.data_ptr())
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class NativeBlockEmbedding(BlockEmbedding):
+    """The tied embedding over its LM head's blocks, rows dequantized by the kernels (the same float operations as
+    engine.model.quant.dequantize; a type they do not cover takes BlockEmbedding's path)."""
+
+    def __init__(self, kernels: NativeKernels, head: NativeBlockLinear) -> None:
+        super().__init__(BlockWeights(head.qtype, (head.out_features, head.padded), head.blocks, head.in_features))
+        self.kernels = kernels
+        self.desc = head.desc  # points into head.blocks, which self.blocks shares
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) long -> (B, T, C) float32
+        flat = ids.reshape(-1).to(torch.int64).contiguous()  # (B*T,)
+        out = torch.empty(flat.numel(), self.shape[1])  # (B*T, K)
+        done = self.kernels.lib.spark_dequant_rows(
+            ctypes.byref(self.desc), flat.data_ptr(), flat.numel(), out.data_ptr()
+        )
+        if done == 0:
+            return super().forward(ids)
+        if done < 0:
+            raise IndexError(f"a token id is outside the vocabulary of {self.shape[0]}")
+        return out[:, : self.dim].reshape(*ids.shape, self.dim)
+
+
+def _qmat(m: nn.Module | None) -> QMat:
+    """The native descriptor of a layer the backend swapped for a NativeBlockLinear."""
+    assert isinstance(m, NativeBlockLinear), m
+    return m.desc
+
+
+@dataclass(frozen=True)
+class _Work:
+    """A decoding step's working memory, reused step after step (the kernel overwrites all of it)."""
+
+    residual: torch.Tensor  # (C,) the residual stream
+    scratch: torch.Tensor  # (spark_decode_scratch_floats,) activations between the step's matrices
+    scores: torch.Tensor  # (>= H * m,) each head's attention weights
+
+
+class NativeDecoder:
+    """One decoding step of a fused, NativeBlockLinear model in a single native call (spark_decode)."""
+
+    def __init__(self, kernels: NativeKernels, model: Transformer) -> None:
+        cfg = model.config
+        layers = model.decoder_layers()
+        n = len(layers)
+        self.kernels = kernels
+        self.model = model  # holds every buffer the descriptors point into
+
+        def mats(get: Callable[[DecoderLayer], nn.Module | None]) -> ctypes.Array[QMat]:
+            return (QMat * n)(*[_qmat(get(layer)) for layer in layers])
+
+        self._arrays = (
+            (ctypes.c_void_p * n)(*[layer.input_layernorm.weight.data_ptr() for layer in layers]),
+            (ctypes.c_void_p * n)(*[layer.post_attention_layernorm.weight.data_ptr() for layer in layers]),
+            mats(lambda layer: layer.self_attn.qkv_proj),
+            mats(lambda layer: layer.self_attn.o_proj),
+            mats(lambda layer: layer.mlp.gate_up_proj),
+            mats(lambda layer: layer.mlp.down_proj),
+        )
+        attn_norm, mlp_norm, qkv, o, gate_up, down = self._arrays
+        self.desc = ModelDesc(
+            n,
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.rms_norm_eps,
+            ctypes.cast(attn_norm, ctypes.POINTER(ctypes.c_void_p)),
+            ctypes.cast(mlp_norm, ctypes.POINTER(ctypes.c_void_p)),
+            qkv,
+            o,
+            gate_up,
+            down,
+            model.model.norm.weight.data_ptr(),
+            ctypes.pointer(_qmat(model.lm_head)),
+        )
+        self.vocab = model.lm_head.out_features
+        self.scratch_floats = int(kernels.lib.spark_decode_scratch_floats(ctypes.byref(self.desc)))
+        self._local = threading.local()  # each thread's _Work
+
+    def accepts(self, cache: KVCache, reads: StepReads) -> bool:
+        """The native step covers one row and one token whose only stale read copy is its own, nothing masked."""
+        return (
+            cache.batch == 1
+            and cache.k.is_contiguous()  # not a view of one row of a bigger table (KVCache.leading_rows)
+            and reads.width > 0
+            and reads.write_ranks is not None
+            and reads.blocked is None
+            and cache.k.dtype in (torch.float16, torch.float32)
+            and cache.k_read.dtype == torch.float32
+        )
+
+    def decode(self, x: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: StepReads) -> torch.Tensor:
+        """x (1, 1, C) embedded token -> logits (1, 1, V); writes the token's k, v and read copies into `cache`."""
+        assert reads.write_ranks is not None
+        cos_plain, sin_plain = (t.contiguous() for t in reads.rope_q)  # (1, 1, 1, D)
+        cos_new, sin_new = (t.contiguous() for t in (reads.rope_q_framed or reads.rope_q))
+        step = StepDesc(
+            cos_new.data_ptr(),
+            sin_new.data_ptr(),
+            cos_plain.data_ptr(),
+            sin_plain.data_ptr(),
+            int(batch.write_slots[0, 0]),
+            int(reads.write_ranks[0]),
+            reads.width,
+            reads.split,
+            cache.summary.data_ptr(),  # (L, 1, Hkv, D): the step's query summary, as the PyTorch path writes it
+        )
+        table = CacheDesc(
+            cache.k.data_ptr(),
+            cache.v.data_ptr(),
+            cache.k_read.data_ptr(),
+            cache.v_read.data_ptr(),
+            cache.num_slots,
+            int(cache.k.dtype == torch.float16),
+        )
+        logits = torch.empty(self.vocab)  # (V,) a new tensor each step: callers may keep it
+        work = self._work(self.desc.n_heads * reads.width)
+        work.residual.copy_(x.reshape(-1))  # (C,) updated in place by the kernel
+        self.kernels.use_threads(torch.get_num_threads())  # the hardware policy's count (engine.hw), or --threads
+        self.kernels.lib.spark_decode(
+            ctypes.byref(self.desc),
+            ctypes.byref(table),
+            ctypes.byref(step),
+            work.residual.data_ptr(),
+            logits.data_ptr(),
+            work.scratch.data_ptr(),
+            work.scores.data_ptr(),
+        )
+        return logits.view(1, 1, -1)
+
+    def _work(self, score_floats: int) -> _Work:
+        """This thread's working buffers, grown to hold `score_floats` attention weights. Per thread, not per
+        decoder: forked backends share the model and its decoder, and ctypes lets their threads run at once."""
+        work: _Work | None = getattr(self._local, "work", None)
+        if work is None or work.scores.numel() < score_floats:
+            grown = max(score_floats, 2 * work.scores.numel() if work is not None else 0)
+            work = _Work(torch.empty(self.desc.hidden), torch.empty(self.scratch_floats), torch.empty(grown))
+            self._local.work = work
+        return work

@@ -1,0 +1,492 @@
+/* MLoT Spark native CPU kernels, part two: the block formats that do not share Q8_0/Q4_0/Q4_1's shape of one fp16
+ * scale and 32 plain quants per block: Q5_0 (a fifth bit per weight) and the K-quants Q4_K and Q6_K (super-blocks
+ * of 256 weights with integer sub-block scales), the formats a Q4_K_M file holds (engine/model/quant.py has the layouts).
+ *
+ * Included by spark_kernels.c after its block formats (one translation unit, so the row loops inline these and the
+ * Arm checker, which includes spark_kernels.c, covers them too); it uses that file's spark_qmat, spark_act, QK,
+ * f16_at and the ISA macros. The only hooks in spark_kernels.c are the type dispatch points: spark_block_bytes and
+ * gemm_rows, which hands these types to kq_gemm_rows below.
+ *
+ * Numerics, as spark_kernels.c's: activations quantized per block of 32 (int16 with one scale, or llama.cpp's int8);
+ * each weight block of 32 (a K-quant super-block is 8 of them) is unpacked to signed 8-bit quants, its products with
+ * the two halves of the activation block (16 weights each: Q6_K's sub-blocks) are exact int32 sums, and the block's
+ * float term is formed in one fixed way and added into partial sum b % 8, then the same fixed tree. Every instruction
+ * set reaches the same integers by its own route, so every ISA, the prefill path and the decoding step give the same
+ * bits. Per block of 32 (h0, h1 the halves' sums, d_x the activation scale, ds = d_x * sum(xq)):
+ *   Q5_0: term = (d * d_x) * (h0 + h1)                               w = d * (q5 - 16)
+ *   Q4_K: term = ((d * sc) * d_x) * (h0 + h1) + (-(dmin * m)) * ds   w = d * sc * q4 - dmin * m (sc, m: 6 bits)
+ *   Q6_K: term = (d * d_x) * ((float)(sc0 * h0) + (float)(sc1 * h1)) w = d * sc * (q6 - 32)   (sc: int8 per 16)
+ * d * sc and dmin * m are exact in fp32 (an fp16 times an integer of at most 8 bits); |sc * h| <= 128 * 16 * 32 *
+ * 32767 < 2^31 is an exact int32 (their sum might not be, hence two conversions).
+ * On x86 the int16-activation path (the default) takes 8 blocks at once (a K-quant super-block): the 8 blocks' sums
+ * fill the 8 lanes of a vector, lane j being partial sum j, so the same float operations run lane by lane.
+ * Routes: AVX-512 with BW and VNNI (one 512-bit product per block; a prefill: spark_kernels.c's token-lane route,
+ * kq_tokens_in_lanes below), AVX2, Arm's NEON dot product, portable C; each
+ * checked bit for bit by tests/engine/backends/native/kquant_check.c (the Arm ones under qemu) and the Python tests.
+ */
+
+/* ggml type ids (gguf.GGMLQuantizationType) of the formats here. */
+enum { SPARK_Q5_0 = 6, SPARK_Q4_K = 12, SPARK_Q6_K = 14 };
+#define QK_K 256
+
+static inline int kq_type(int32_t type) { return type == SPARK_Q5_0 || type == SPARK_Q4_K || type == SPARK_Q6_K; }
+
+/* Bytes of one block of the type: 32 weights for Q5_0, a super-block of 256 for the K-quants. */
+static inline int32_t kq_block_bytes(int32_t type) { return type == SPARK_Q5_0 ? 22 : type == SPARK_Q4_K ? 144 : 210; }
+
+static inline int64_t kq_row_bytes(int32_t type, int32_t k) {
+    return type == SPARK_Q5_0 ? (int64_t)(k / QK) * 22 : (int64_t)(k / QK_K) * kq_block_bytes(type);
+}
+
+/* One unpacked weight block of 32: signed quants and the float factors of its term. */
+typedef struct {
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    __m256i w; /* 32 x int8 */
+#else
+    int8_t w[QK];
+#endif
+    float dw, mw;   /* Q5_0: d; Q4_K: d * sc and -(dmin * m); Q6_K: d */
+    int32_t s0, s1; /* Q6_K: the two halves' int8 scales */
+} kq_block;
+
+/* Q4_K's scale and min of sub-block j (ggml's get_scale_min_k4). */
+static inline void k4_scale_min(int32_t j, const uint8_t *q, int32_t *sc, int32_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+/* 32 bytes, 0xFF where bit i of x is set (llama.cpp's bytes_from_bits_32). */
+static inline __m256i kq_bytes_from_bits(uint32_t x) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)x), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+#endif
+
+/* Block b (of 32 weights) of a row of the type. */
+static inline void kq_unpack(int32_t type, const uint8_t *row, int32_t b, kq_block *o) {
+    o->mw = 0.0f;
+    o->s0 = o->s1 = 0;
+    if (type == SPARK_Q5_0) {
+        const uint8_t *blk = row + (int64_t)b * 22;
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        o->dw = f16_at(blk);
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6)), m4 = _mm_set1_epi8(0x0F);
+        const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+        /* nib | 0xF0 where the fifth bit is clear: as int8 that is nib - 16, and nib + 16 - 16 where it is set. */
+        o->w = _mm256_or_si256(nib, _mm256_andnot_si256(kq_bytes_from_bits(qh), _mm256_set1_epi8((char)0xF0)));
+#else
+        for (int32_t i = 0; i < QK / 2; i++) {
+            o->w[i] = (int8_t)(((blk[6 + i] & 0x0F) | (((qh >> i) & 1) << 4)) - 16);
+            o->w[i + QK / 2] = (int8_t)(((blk[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+        }
+#endif
+        return;
+    }
+    const int32_t j = b & 7; /* the block within its super-block */
+    if (type == SPARK_Q4_K) {
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 144, *qs = blk + 16 + 32 * (j >> 1);
+        int32_t sc, m;
+        k4_scale_min(j, blk + 4, &sc, &m);
+        o->dw = f16_at(blk) * (float)sc;
+        o->mw = -(f16_at(blk + 2) * (float)m);
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)qs);
+        o->w = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
+#else
+        for (int32_t i = 0; i < QK; i++) o->w[i] = (int8_t)(j & 1 ? qs[i] >> 4 : qs[i] & 0x0F);
+#endif
+        return;
+    }
+    /* Q6_K: block j is quarter t of half h; its low 4 bits are nibbles of ql (the high ones from t = 2), its top
+     * two bits are bits 2t of qh; its halves' scales are sc[2j], sc[2j + 1]. */
+    const uint8_t *blk = row + (int64_t)(b >> 3) * 210;
+    const int32_t h = j >> 2, t = j & 3;
+    const uint8_t *ql = blk + 64 * h + 32 * (t & 1), *qh = blk + 128 + 32 * h;
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    o->dw = f16_at(blk + 208);
+    o->s0 = sc[2 * j];
+    o->s1 = sc[2 * j + 1];
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+    const __m256i l = _mm256_loadu_si256((const __m256i *)ql), hbits = _mm256_loadu_si256((const __m256i *)qh);
+    const __m256i lo = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(l, 4) : l, m4);
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t)), m2), 4);
+    o->w = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+#else
+    for (int32_t i = 0; i < QK; i++) {
+        const int32_t low = t >= 2 ? ql[i] >> 4 : ql[i] & 0x0F;
+        o->w[i] = (int8_t)((low | (((qh[i] >> (2 * t)) & 3) << 4)) - 32);
+    }
+#endif
+}
+
+/* The exact products of an unpacked block with activation block `at`: h0 over weights 0..15, h1 over 16..31. */
+static inline void kq_halves(const kq_block *o, const spark_act *a, int64_t at, int32_t *h0, int32_t *h1) {
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    __m128i q; /* four int32: two partial sums of the first 16 products, then two of the second 16 */
+    if (a->parts == 2) {
+        const int16_t *x = a->q16 + at * QK;
+        const __m256i l0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(o->w)), _mm256_loadu_si256((const __m256i *)x));
+        const __m256i l1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(o->w, 1)), _mm256_loadu_si256((const __m256i *)(x + 16)));
+        const __m256i p = _mm256_hadd_epi32(l0, l1); /* per 128-bit lane: l0 pairs, l1 pairs */
+        q = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    } else {
+        /* |w| (unsigned) times x carrying w's sign: |w| <= 32 and |x| <= 127 keep maddubs's pair sums in int16.
+         * madd's lanes 0..3 hold weights 0..15, lanes 4..7 weights 16..31. */
+        const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(a->q8 + at * QK)), o->w);
+        const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(o->w), x), _mm256_set1_epi16(1));
+        q = _mm_hadd_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+    }
+    const __m128i r = _mm_hadd_epi32(q, q); /* h0, h1, h0, h1 */
+    *h0 = _mm_cvtsi128_si32(r);
+    *h1 = _mm_extract_epi32(r, 1);
+#elif defined(SPARK_NEON_DOT)
+    const int8x16_t w0 = vld1q_s8(o->w), w1 = vld1q_s8(o->w + 16);
+    if (a->parts == 2) {
+        const int16_t *x = a->q16 + at * QK;
+        const int16x8_t a0 = vmovl_s8(vget_low_s8(w0)), a1 = vmovl_high_s8(w0);
+        const int16x8_t b0 = vmovl_s8(vget_low_s8(w1)), b1 = vmovl_high_s8(w1);
+        const int16x8_t x0 = vld1q_s16(x), x1 = vld1q_s16(x + 8), x2 = vld1q_s16(x + 16), x3 = vld1q_s16(x + 24);
+        int32x4_t s0 = vmlal_high_s16(vmull_s16(vget_low_s16(a0), vget_low_s16(x0)), a0, x0);
+        s0 = vmlal_high_s16(vmlal_s16(s0, vget_low_s16(a1), vget_low_s16(x1)), a1, x1);
+        int32x4_t s1 = vmlal_high_s16(vmull_s16(vget_low_s16(b0), vget_low_s16(x2)), b0, x2);
+        s1 = vmlal_high_s16(vmlal_s16(s1, vget_low_s16(b1), vget_low_s16(x3)), b1, x3);
+        *h0 = vaddvq_s32(s0), *h1 = vaddvq_s32(s1);
+    } else {
+        const int8_t *x = a->q8 + at * QK;
+        *h0 = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w0, vld1q_s8(x)));
+        *h1 = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w1, vld1q_s8(x + 16)));
+    }
+#else
+    int32_t s0 = 0, s1 = 0;
+    if (a->parts == 2) {
+        const int16_t *x = a->q16 + at * QK;
+        for (int32_t i = 0; i < QK / 2; i++) s0 += (int32_t)o->w[i] * x[i];
+        for (int32_t i = QK / 2; i < QK; i++) s1 += (int32_t)o->w[i] * x[i];
+    } else {
+        const int8_t *x = a->q8 + at * QK;
+        for (int32_t i = 0; i < QK / 2; i++) s0 += (int32_t)o->w[i] * x[i];
+        for (int32_t i = QK / 2; i < QK; i++) s1 += (int32_t)o->w[i] * x[i];
+    }
+    *h0 = s0, *h1 = s1;
+#endif
+}
+
+/* The block's float term (the formulas at the top of this file). */
+static inline float kq_term(int32_t type, const kq_block *o, int32_t h0, int32_t h1, const spark_act *a, int64_t at) {
+    if (type == SPARK_Q6_K) return (o->dw * a->d[at]) * ((float)(o->s0 * h0) + (float)(o->s1 * h1));
+    float t = (o->dw * a->d[at]) * (float)(h0 + h1);
+    if (type == SPARK_Q4_K) t += o->mw * a->ds[at];
+    return t;
+}
+
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+/* Block b's signed quants widened to int16 (w0: weights 0..15, w1: 16..31): Q5_0 widens kq_unpack's 32 int8 (its
+ * fifth bits spread once per byte, cheaper on AVX2 than per int16 lane); the K-quants unpack 16 weights at a time. */
+static inline void kq_unpack16(int32_t type, const uint8_t *row, int32_t b, __m256i *w0, __m256i *w1) {
+    if (type == SPARK_Q5_0) {
+        kq_block o;
+        kq_unpack(type, row, b, &o);
+        *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(o.w));
+        *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(o.w, 1));
+        return;
+    }
+    const int32_t j = b & 7; /* the block within its super-block */
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    if (type == SPARK_Q4_K) {
+        const uint8_t *qs = row + (int64_t)(b >> 3) * 144 + 16 + 32 * (j >> 1);
+        const __m128i r0 = _mm_loadu_si128((const __m128i *)qs), r1 = _mm_loadu_si128((const __m128i *)(qs + 16));
+        *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(j & 1 ? _mm_srli_epi16(r0, 4) : r0, m4));
+        *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(j & 1 ? _mm_srli_epi16(r1, 4) : r1, m4));
+        return;
+    }
+    /* Q6_K, as kq_unpack, 16 weights at a time. */
+    const uint8_t *blk = row + (int64_t)(b >> 3) * 210;
+    const int32_t h = j >> 2, t = j & 3;
+    const uint8_t *ql = blk + 64 * h + 32 * (t & 1), *qh = blk + 128 + 32 * h;
+    const __m128i shift = _mm_cvtsi32_si128(2 * t), m2 = _mm_set1_epi8(0x03), bias = _mm_set1_epi8(32);
+    __m128i q[2];
+    for (int32_t i = 0; i < 2; i++) {
+        const __m128i l = _mm_loadu_si128((const __m128i *)(ql + 16 * i)), hb = _mm_loadu_si128((const __m128i *)(qh + 16 * i));
+        const __m128i lo = _mm_and_si128(t >= 2 ? _mm_srli_epi16(l, 4) : l, m4);
+        const __m128i hi = _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(hb, shift), m2), 4);
+        q[i] = _mm_sub_epi8(_mm_or_si128(lo, hi), bias);
+    }
+    *w0 = _mm256_cvtepi8_epi16(q[0]);
+    *w1 = _mm256_cvtepi8_epi16(q[1]);
+}
+
+#if defined(SPARK_ZMM)
+/* Block b's 32 signed quants as one vector of int16 (AVX-512: a mask register spreads Q5_0's fifth bits). */
+static inline __m512i kq_unpack512(int32_t type, const uint8_t *row, int32_t b) {
+    if (type == SPARK_Q5_0) {
+        const uint8_t *blk = row + (int64_t)b * 22;
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6)), m4 = _mm_set1_epi8(0x0F);
+        const __m512i nib = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4)));
+        return _mm512_mask_sub_epi16(nib, (__mmask32)~qh, nib, _mm512_set1_epi16(16)); /* q5 - 16 */
+    }
+    if (type == SPARK_Q4_K) {
+        const int32_t j = b & 7;
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(row + (int64_t)(b >> 3) * 144 + 16 + 32 * (j >> 1)));
+        return _mm512_cvtepu8_epi16(_mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F)));
+    }
+    kq_block o;
+    kq_unpack(type, row, b, &o);
+    return _mm512_cvtepi8_epi16(o.w);
+}
+#endif
+
+/* Eight blocks' weight factors (lane j: block b + j): dw, mw and Q6_K's half scales. */
+typedef struct {
+    __m256 dw, mw;
+    __m256i s0, s1;
+} kq_factors;
+
+static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int32_t b) {
+    kq_factors f;
+    f.mw = _mm256_setzero_ps();
+    f.s0 = f.s1 = _mm256_setzero_si256();
+    if (type == SPARK_Q5_0) {
+        const uint8_t *blk = row + (int64_t)b * 22;
+        uint16_t h[8];
+        for (int32_t j = 0; j < 8; j++) memcpy(&h[j], blk + j * 22, 2);
+        /* built in registers: a vector load of just-stored scalars would stall on store forwarding */
+        f.dw = _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5], (short)h[6], (short)h[7]));
+    } else if (type == SPARK_Q4_K) {
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 144;
+        /* the 12 scale bytes to 8 scales then 8 mins, one byte each (llama.cpp's mask trick: get_scale_min_k4 for
+         * all 8 sub-blocks at once) */
+        uint32_t u[4];
+        memcpy(u, blk + 4, 12);
+        const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+        u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+        const uint32_t mins_lo = u[1] & k1;
+        u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+        u[2] = mins_lo;
+        u[0] &= k1;
+        const __m128i packed = _mm_setr_epi32((int32_t)u[0], (int32_t)u[1], (int32_t)u[2], (int32_t)u[3]);
+        f.dw = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
+        const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
+        f.mw = _mm256_xor_ps(mins, _mm256_set1_ps(-0.0f)); /* -(dmin * m), exactly */
+    } else {
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 210;
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192)); /* s0, s1 of block 0, then block 1, ... */
+        const __m128i split = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        f.s0 = _mm256_cvtepi8_epi32(split);
+        f.s1 = _mm256_cvtepi8_epi32(_mm_srli_si128(split, 8));
+        f.dw = _mm256_set1_ps(f16_at(blk + 208));
+    }
+    return f;
+}
+
+/* The 8 blocks' terms for one int16 activation row from its block `at`: lanes as kq_term computes each. */
+static inline __m256 kq_group_terms(int32_t type, const kq_factors *f, __m256i h0, __m256i h1, const spark_act *a, int64_t at) {
+    const __m256 scale = _mm256_mul_ps(f->dw, _mm256_loadu_ps(a->d + at));
+    if (type == SPARK_Q6_K)
+        return _mm256_mul_ps(scale, _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s0, h0)), _mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s1, h1))));
+    __m256 t = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(h0)); /* h0: the whole block's sum here */
+    if (type == SPARK_Q4_K) t = _mm256_add_ps(t, _mm256_mul_ps(f->mw, _mm256_loadu_ps(a->ds + at)));
+    return t;
+}
+/* Lane j = the sum of block j's lanes, from the pairwise sums p[i] = hadd(lanes 2i, lanes 2i + 1) (the first
+ * step of a horizontal sum, taken as the blocks come; integer adds, exact in any order). */
+static inline __m256i kq_hsum8_pairs(const __m256i *p) {
+    const __m256i u0 = _mm256_hadd_epi32(p[0], p[1]), u1 = _mm256_hadd_epi32(p[2], p[3]);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* Block b's int16 products with activation block b0[t] + b of each row t: 8 int32 lanes into l0[t][i] (weights
+ * 0..15) and l1[t][i] (16..31; Q5_0 and Q4_K: the whole block, l0 + l1). */
+static inline __attribute__((always_inline)) void kq_block_lanes(const int32_t type, const uint8_t *row, int32_t b, const spark_act *a, const int64_t *b0, const int32_t r_count, __m256i (*l0)[2], __m256i (*l1)[2], int32_t i) {
+#if defined(SPARK_ZMM)
+    const __m512i w = kq_unpack512(type, row, b); /* 32 x int16 */
+    for (int32_t t = 0; t < r_count; t++) {
+        const __m512i l = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->q16 + (b0[t] + b) * QK));
+        l0[t][i] = _mm512_castsi512_si256(l);
+        l1[t][i] = _mm512_extracti64x4_epi64(l, 1);
+        if (type != SPARK_Q6_K) l1[t][i] = _mm256_add_epi32(l0[t][i], l1[t][i]);
+    }
+#else
+    __m256i w0, w1; /* the block's weights as int16: 0..15, 16..31 */
+    kq_unpack16(type, row, b, &w0, &w1);
+    for (int32_t t = 0; t < r_count; t++) {
+        const int16_t *x = a->q16 + (b0[t] + b) * QK;
+#if defined(SPARK_AVX512VNNI)
+        const __m256i z = _mm256_setzero_si256();
+        l0[t][i] = _mm256_dpwssd_epi32(z, w0, _mm256_loadu_si256((const __m256i *)x));
+        l1[t][i] = _mm256_dpwssd_epi32(type == SPARK_Q6_K ? z : l0[t][i], w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+#else
+        l0[t][i] = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x));
+        l1[t][i] = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+        if (type != SPARK_Q6_K) l1[t][i] = _mm256_add_epi32(l0[t][i], l1[t][i]);
+#endif
+    }
+#endif
+}
+#endif
+
+#if defined(SPARK_ZMM)
+/* The weight factors of block b (kq_unpack's dw, mw, s0, s1) without its quants. */
+static inline void kq_factors_of(const int32_t type, const uint8_t *row, int32_t b, kq_block *o) {
+    o->mw = 0.0f;
+    o->s0 = o->s1 = 0;
+    if (type == SPARK_Q5_0) {
+        o->dw = f16_at(row + (int64_t)b * 22);
+    } else if (type == SPARK_Q4_K) {
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 144;
+        int32_t sc, m;
+        k4_scale_min(b & 7, blk + 4, &sc, &m);
+        o->dw = f16_at(blk) * (float)sc;
+        o->mw = -(f16_at(blk + 2) * (float)m);
+    } else {
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        o->dw = f16_at(blk + 208);
+        o->s0 = sc[2 * (b & 7)];
+        o->s1 = sc[2 * (b & 7) + 1];
+    }
+}
+
+/* spark_kernels.c's token-lane prefill (tokens_in_lanes) for these types: out[r] (16 token lanes) = weight row
+ * rows[r] (r < R) times token group g. Per block and row, 16 products of a broadcast weight pair with the 16
+ * tokens' pair: pairs 0..7 sum to h0, 8..15 to h1, one lane per token; the terms as kq_term, lane by lane. */
+static inline __attribute__((always_inline)) void kq_tokens_in_lanes(const int32_t type, const uint8_t *const *rows, const int32_t R, int32_t nb, const spark_act *a, int64_t g, __m512 *out) {
+    __m512 acc[2][8];
+    for (int32_t r = 0; r < R; r++)
+        for (int32_t u = 0; u < 8; u++) acc[r][u] = _mm512_setzero_ps();
+    for (int32_t b8 = 0; b8 < nb; b8 += 8) {
+        const int32_t count = nb - b8 < 8 ? nb - b8 : 8;
+        int32_t wide[2][8][QK / 2] __attribute__((aligned(64))); /* int16 pairs: block u's weights 2i, 2i+1 */
+        kq_block f[2][8];
+        for (int32_t r = 0; r < R; r++)
+            for (int32_t u = 0; u < count; u++) {
+                _mm512_store_si512(wide[r][u], kq_unpack512(type, rows[r], b8 + u));
+                kq_factors_of(type, rows[r], b8 + u, &f[r][u]);
+            }
+#pragma GCC unroll 8
+        for (int32_t u = 0; u < 8; u++) {
+            if (u >= count) break;
+            const int64_t at = (g * nb + b8 + u) * SPARK_LANES;
+            const int32_t *xq = a->tq + at * (QK / 2);
+            __m512i h[2][2];
+            for (int32_t r = 0; r < R; r++) h[r][0] = h[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+            for (int32_t i = 0; i < QK / 2; i++) {
+                const __m512i x = _mm512_load_si512(xq + i * SPARK_LANES);
+                for (int32_t r = 0; r < R; r++) h[r][i >> 3] = _mm512_dpwssd_epi32(h[r][i >> 3], x, _mm512_set1_epi32(wide[r][u][i]));
+            }
+            const __m512 d = _mm512_loadu_ps(a->td + at);
+            for (int32_t r = 0; r < R; r++) {
+                const kq_block *o = &f[r][u];
+                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(o->dw), d);
+                __m512 t;
+                if (type == SPARK_Q6_K) {
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_set1_epi32(o->s0), h[r][0]));
+                    t = _mm512_mul_ps(scale, _mm512_add_ps(lo, _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_set1_epi32(o->s1), h[r][1]))));
+                } else {
+                    t = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(h[r][0], h[r][1])));
+                    if (type == SPARK_Q4_K) t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(o->mw), _mm512_loadu_ps(a->tds + at)));
+                }
+                acc[r][u] = _mm512_add_ps(acc[r][u], t);
+            }
+        }
+    }
+    for (int32_t r = 0; r < R; r++)
+        out[r] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][4]), _mm512_add_ps(acc[r][1], acc[r][5])),
+                               _mm512_add_ps(_mm512_add_ps(acc[r][2], acc[r][6]), _mm512_add_ps(acc[r][3], acc[r][7])));
+}
+#endif
+
+/* out[t] = one weight row times activation rows t < r_count (row t from block b0[t]); each block is unpacked once for
+ * all rows, and each row's sum takes the same steps whatever r_count is. */
+#define KQ_ROWS 4
+static inline __attribute__((always_inline)) void kq_dot_rows_r(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, const int32_t r_count, float *out) {
+    float acc[KQ_ROWS][8] = {{0}};
+    int32_t b = 0;
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    if (a->parts == 2) {
+        __m256 vacc[KQ_ROWS];
+        for (int32_t t = 0; t < r_count; t++) vacc[t] = _mm256_setzero_ps();
+        for (; b + 8 <= nb; b += 8) {
+            /* Per row, the blocks' lanes summed pairwise as they come (few live registers: AVX2 has 16): p1 the
+             * whole block's (or Q6_K's second half's), p0 Q6_K's first half's. */
+            __m256i p0[KQ_ROWS][4], p1[KQ_ROWS][4];
+            for (int32_t j = 0; j < 8; j += 2) {
+                __m256i l0[KQ_ROWS][2], l1[KQ_ROWS][2];
+                for (int32_t i = 0; i < 2; i++) kq_block_lanes(type, row, b + j + i, a, b0, r_count, l0, l1, i);
+                for (int32_t t = 0; t < r_count; t++) {
+                    p1[t][j / 2] = _mm256_hadd_epi32(l1[t][0], l1[t][1]);
+                    if (type == SPARK_Q6_K) p0[t][j / 2] = _mm256_hadd_epi32(l0[t][0], l0[t][1]);
+                }
+            }
+            const kq_factors f = kq_group_factors(type, row, b);
+            for (int32_t t = 0; t < r_count; t++) {
+                const __m256i h1 = kq_hsum8_pairs(p1[t]);
+                const __m256i h0 = type == SPARK_Q6_K ? kq_hsum8_pairs(p0[t]) : h1; /* Q5_0, Q4_K: the block's sum */
+                vacc[t] = _mm256_add_ps(vacc[t], kq_group_terms(type, &f, h0, h1, a, b0[t] + b));
+            }
+        }
+        for (int32_t t = 0; t < r_count; t++) _mm256_storeu_ps(acc[t], vacc[t]);
+    }
+#endif
+    for (; b < nb; b++) {
+        kq_block o;
+        kq_unpack(type, row, b, &o);
+        for (int32_t t = 0; t < r_count; t++) {
+            int32_t h0, h1;
+            kq_halves(&o, a, b0[t] + b, &h0, &h1);
+            acc[t][b & 7] += kq_term(type, &o, h0, h1, a, b0[t] + b);
+        }
+    }
+    for (int32_t t = 0; t < r_count; t++) {
+        const float *ac = acc[t];
+        out[t] = ((ac[0] + ac[4]) + (ac[1] + ac[5])) + ((ac[2] + ac[6]) + (ac[3] + ac[7]));
+    }
+}
+
+/* kq_dot_rows_r inlined per row count, then per type (below): the type's branches fold away in each copy. */
+static inline __attribute__((always_inline)) void kq_dot_rows_t(const int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
+    switch (r_count) {
+    case 1: kq_dot_rows_r(type, row, nb, a, b0, 1, out); break;
+    case 2: kq_dot_rows_r(type, row, nb, a, b0, 2, out); break;
+    case 3: kq_dot_rows_r(type, row, nb, a, b0, 3, out); break;
+    default: kq_dot_rows_r(type, row, nb, a, b0, KQ_ROWS, out); break;
+    }
+}
+
+static void kq_dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
+    switch (type) {
+    case SPARK_Q5_0: kq_dot_rows_t(SPARK_Q5_0, row, nb, a, b0, r_count, out); break;
+    case SPARK_Q4_K: kq_dot_rows_t(SPARK_Q4_K, row, nb, a, b0, r_count, out); break;
+    default: kq_dot_rows_t(SPARK_Q6_K, row, nb, a, b0, r_count, out); break;
+    }
+}
+
+/* Weight rows [begin, end) of w times activation rows [first, m): y (M, N), as spark_kernels.c's gemm_rows. */
+static void kq_gemm_rows(const spark_qmat *w, const spark_act *a, float *y, int32_t first, int32_t m, int32_t begin, int32_t end) {
+    const int32_t nb = w->k / QK, n = w->n;
+    const int64_t rb = kq_row_bytes(w->type, w->k);
+    for (int32_t r = first; r < m; r += KQ_ROWS) {
+        const int32_t rc = m - r < KQ_ROWS ? m - r : KQ_ROWS;
+        int64_t b0[KQ_ROWS];
+        for (int32_t t = 0; t < rc; t++) b0[t] = (int64_t)(r + t) * nb;
+        for (int32_t j = begin; j < end; j++) {
+            float out[KQ_ROWS];
+            kq_dot_rows(w->type, w->blocks + j * rb, nb, a, b0, rc, out);
+            const float bias = w->bias ? w->bias[j] : 0.0f;
+            for (int32_t t = 0; t < rc; t++) y[(int64_t)(r + t) * n + j] = out[t] + bias;
+        }
+    }
+}

@@ -1,0 +1,267 @@
+"""Batching: many prompts through one slot table, giving the same tokens as running each alone (greedy or seeded).
+
+Each row runs the one generation loop of `engine.generation.loop` (a `PromptFeed` and a `Reply` per request, in
+`RowState`); this module only adds what a shared slot table needs: the scratch slot, padding, and bucketing.
+`generate_batch` is static batching (the `bench batch` suite); `engine.generation.scheduler` runs the same rows with
+requests joining and leaving (the server).
+
+Every row of the slot table is one sequence with its own `Memory`. A step feeds each row a different number of
+tokens (a prefill chunk, one decode token, or nothing), so the step's token tensor is padded to the longest feed.
+
+Padding, and why it is harmless: the slot table is allocated with one extra *scratch* slot per row, slot 0, which
+no memory knows about — each row's memory is built over `RowView`, the backend with slot 0 hidden (memory slot i is
+table slot i + 1). A padding token writes its K/V to the scratch slot and attends only to the scratch slot, so
+  - it never overwrites a real token's K/V and no real token ever attends to it (the scratch column of every real
+    token's mask is False);
+  - its attention row is never all-False, so softmax has one finite entry and no NaN appears anywhere.
+The scratch slot is first, not last, because a forward attends only over the leading S' slots (see SlotBatch):
+at the front it costs one column, at the back it would make every step pay for the whole table.
+Feeds are left-padded (real tokens at the end of the row), so `last_only` logits are each row's real last token.
+
+Bucketing: `generate_batch` sorts prompts by length and runs them in groups of at most `max_batch` rows, so rows
+of similar length share a batch; within a group prompts are aligned on the right (in whole prefill chunks), so every
+row finishes its prefill in the same step and decode steps carry no padding at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from engine.backends.base import Backend, BackendWrapper
+from engine.generation.loop import FinishReason, GenerationEvent, GenerationSettings, PromptFeed, Reply, prefill_cuts
+from engine.generation.sampling import sample_greedy
+from engine.loading.tokenizer import Tokenizer
+from engine.memory.base import FullAttentionMemory, Memory, RowPlan
+from engine.model.network import SlotBatch
+
+RowMemoryFactory = Callable[[Backend, int], Memory]  # (backend as the row sees it, row index) -> that row's memory
+
+
+class RowView(BackendWrapper):
+    """The backend as one row's memory sees it: the same slot table with the scratch slot 0 hidden."""
+
+    @property
+    def num_slots(self) -> int:
+        return self.inner.num_slots - 1
+
+    def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.read_kv(row, slots + 1)
+
+    def write_kv(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.inner.write_kv(row, slots + 1, k, v)
+
+
+class RowBatcher:
+    """Runs one padded forward over every row of a slot table allocated with a scratch slot 0 per row."""
+
+    def __init__(self, backend: Backend, pad_id: int = 0) -> None:
+        self.backend = backend
+        self.rows = backend.batch
+        self.pad_id = pad_id
+
+    def forward(self, feeds: Sequence[Sequence[int]], plans: Sequence[RowPlan | None]) -> torch.Tensor:
+        """feeds[r]: ids fed to row r (may be empty); plans[r]: its memory's plan (None when empty).
+
+        Returns the last real token's logits per row, (B, V) float32 (rows fed nothing hold padding logits).
+        """
+        b = self.rows
+        if getattr(self.backend, "runs_leading_rows", False):  # rows past the last busy one cost nothing
+            b = 1 + max((r for r, p in enumerate(plans) if p is not None), default=0)
+        t = max(1, max(len(f) for f in feeds))
+        live = 1 + max((p.slot_positions.shape[0] for p in plans if p is not None), default=0)  # S', scratch included
+        tokens = torch.full((b, t), self.pad_id, dtype=torch.long)  # (B, T)
+        positions = torch.zeros((b, t), dtype=torch.long)  # (B, T)
+        write_slots = torch.zeros((b, t), dtype=torch.long)  # (B, T) padding writes to the scratch slot 0
+        slot_positions = torch.zeros((b, live), dtype=torch.long)  # (B, S')
+        mask = torch.zeros((b, 1, t, live), dtype=torch.bool)  # (B, 1, T, S')
+        mask[:, :, :, 0] = True  # padding attends to the scratch slot only (cleared below for real tokens)
+        weights = torch.zeros((b, t))  # (B, T) each row's real tokens share its query summary; padding has no say
+        for r, plan in enumerate(plans):
+            if plan is None:
+                continue
+            off = t - len(feeds[r])  # left padding
+            n = plan.slot_positions.shape[0]
+            tokens[r, off:] = torch.as_tensor(feeds[r], dtype=torch.long)
+            positions[r, off:] = plan.positions
+            write_slots[r, off:] = plan.write_slots + 1
+            slot_positions[r, 1 : n + 1] = plan.slot_positions
+            mask[r, 0, off:, 1 : n + 1] = plan.mask
+            mask[r, 0, off:, 0] = False
+            weights[r, off:] = 1.0 / len(feeds[r])
+        batch = SlotBatch(positions, write_slots, slot_positions, mask, summary_weights=weights)
+        logits = self.backend.forward(tokens, batch, last_only=True)  # (b, 1, V)
+        out = logits[:, -1]  # (b, V)
+        if b < self.rows:  # callers index rows of the whole table; rows past b were fed nothing
+            out = torch.cat((out, out.new_zeros(self.rows - b, out.shape[1])))
+        return out
+
+
+@dataclass
+class Completion:
+    """A finished request: what `generate_batch` returns per prompt and what a scheduler future resolves to."""
+
+    tokens: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    ttft_s: float
+    tokens_per_s: float
+    cached_tokens: int = 0  # leading prompt tokens not computed: kept in the row's memory or restored from L3
+
+
+class RowState:
+    """One request on a row: its prompt feed and its reply (the loop of `engine.generation.loop`), plus `skip`: that
+    many leading steps feed nothing (right alignment in `generate_batch`).
+
+    The row's memory may hold a finished request's conversation: when this prompt extends it, only the new ids
+    are fed; otherwise the memory is reset. Leading ids the prefix cache restores are not fed either.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        settings: GenerationSettings,
+        memory: Memory,
+        t0: float,
+        skip: int = 0,
+    ) -> None:
+        self.settings = settings
+        ids = list(prompt_ids)
+        held = len(memory.tokens)
+        if held and (held >= len(ids) or ids[:held] != memory.tokens):
+            memory.reset()
+            held = 0
+        self.cached_tokens = held or memory.reuse_prefix(ids[:-1])
+        self.feed = PromptFeed(ids, self.cached_tokens, prefill_cuts(memory, ids, self.cached_tokens))
+        self.reply = Reply(tokenizer, len(ids), settings, ids, t0=t0)  # what memory holds is a prefix of the prompt
+        self.skip = skip
+        self.last: int | None = None  # sampled last, fed on the next step
+
+    @property
+    def prefilling(self) -> bool:
+        """Prompt ids are still to be fed (the step after the last of them samples)."""
+        return not self.feed.done
+
+    def next_feed(self, chunk: int) -> list[int]:
+        """The ids to feed this step: up to `chunk` prompt ids while prefilling, else the last sampled token."""
+        if self.prefilling:
+            if self.skip:
+                self.skip -= 1
+                return []
+            return self.feed.next(chunk)
+        assert self.last is not None
+        return [self.last]
+
+    def accept(self, token: int, logprob: float, should_stop: Callable[[], bool]) -> GenerationEvent:
+        self.last = token
+        return self.reply.accept(token, logprob, should_stop)
+
+    def cancel(self) -> GenerationEvent:
+        return self.reply.cancel()
+
+    def completion(self, last: GenerationEvent) -> Completion:
+        reply = self.reply
+        assert reply.finish_reason is not None
+        return Completion(
+            list(reply.tokens),
+            "".join(reply.pieces),
+            reply.finish_reason,
+            reply.prompt_tokens,
+            last.ttft_s,
+            last.tokens_per_s,
+            self.cached_tokens,
+        )
+
+
+def sample_rows(
+    states: Sequence[RowState | None],
+    rows: Sequence[int],
+    logits: torch.Tensor,
+    should_stop: Callable[[int], bool] = lambda r: False,
+) -> list[GenerationEvent]:
+    """Sample the given rows of `logits` (B, V) and return one event per row, in `rows` order; `should_stop(row)`
+    says whether that row's request was cancelled meanwhile (asked as `Reply.accept` asks)."""
+    active = {r: st for r in rows if (st := states[r]) is not None}
+    assert len(active) == len(rows)
+    greedy = [r for r in rows if active[r].reply.plain_greedy]
+    picked = dict(zip(greedy, sample_greedy(logits[greedy]), strict=True)) if greedy else {}
+    events = []
+    for r in rows:
+        st = active[r]
+        token, logprob = picked[r] if r in picked else st.reply.pick(logits[r])
+        events.append(st.accept(token, logprob, partial(should_stop, r)))
+    return events
+
+
+@dataclass
+class _Group:
+    indices: list[int]  # positions in the caller's prompt list
+    prompts: list[list[int]]
+
+
+def _buckets(prompts: list[list[int]], max_batch: int) -> list[_Group]:
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    return [
+        _Group(order[i : i + max_batch], [prompts[j] for j in order[i : i + max_batch]])
+        for i in range(0, len(order), max_batch)
+    ]
+
+
+def generate_batch(
+    backend: Backend,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Sequence[int]] | Sequence[str],
+    settings: GenerationSettings,
+    memory_factory: RowMemoryFactory = FullAttentionMemory,
+    *,
+    max_batch: int = 32,
+    num_slots: int | None = None,
+) -> list[Completion]:
+    """Generate a reply to every prompt (ids, or text tokenized as raw completion), batched; results in input order.
+
+    Takes over `backend`'s slot table (pass `backend.fork()` to keep another conversation's). Each group is
+    allocated `num_slots` slots per row (default: its longest prompt + `max_tokens`) plus the scratch slot.
+    Sampling is per row with the request's own sampler, so a seeded row draws what a lone seeded run draws.
+    """
+    ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    if any(not p for p in ids):
+        raise ValueError("every prompt needs at least one token")
+    results: list[Completion | None] = [None] * len(ids)
+    chunk = max(1, settings.prefill_chunk)
+    for group in _buckets(ids, max(1, max_batch)):
+        longest = max(len(p) for p in group.prompts)
+        backend.allocate(len(group.prompts), (num_slots or longest + settings.max_tokens) + 1)
+        view = RowView(backend)
+        memories = [memory_factory(view, r) for r in range(len(group.prompts))]
+        batcher = RowBatcher(backend)
+        t0 = time.perf_counter()
+        # Right alignment: a row needing fewer prefill steps than the longest waits that many steps first, so all
+        # rows feed their last prompt chunk in the same step and then decode in lockstep. Whole steps, not tokens:
+        # each row keeps the chunk boundaries of a lone run (the cascade's result depends on them).
+        rows = [RowState(tokenizer, p, settings, m, t0) for p, m in zip(group.prompts, memories, strict=True)]
+        steps = [st.feed.steps(chunk) for st in rows]
+        for st, n in zip(rows, steps, strict=True):
+            st.skip = max(steps) - n
+        states: list[RowState | None] = list(rows)
+        while any(st is not None for st in states):
+            feeds = [st.next_feed(chunk) if st is not None else [] for st in states]
+            plans = [memories[r].plan(f) if f else None for r, f in enumerate(feeds)]
+            logits = batcher.forward(feeds, plans)  # (B, V)
+            for r, plan in enumerate(plans):
+                if plan is not None:
+                    memories[r].after_forward()
+            ready = [r for r, st in enumerate(states) if st is not None and feeds[r] and not st.prefilling]
+            for r, ev in zip(ready, sample_rows(states, ready, logits), strict=True):
+                done_row = states[r]
+                if ev.finish_reason is not None and done_row is not None:
+                    results[group.indices[r]] = done_row.completion(ev)
+                    states[r] = None
+    done = [c for c in results if c is not None]
+    assert len(done) == len(results)
+    return done

@@ -1,0 +1,272 @@
+"""Read a GGUF model file (llama.cpp's format) as a `ModelConfig`, a state dict and the raw quantized blocks.
+
+The file is memory-mapped through the `gguf` package. Its metadata becomes a Hugging Face-style config (so one
+validator, `ModelConfig.from_dict`, checks both kinds of model); its tensors are renamed to Hugging Face names and
+q/k rows are put back in Hugging Face's rotary order, undoing the permutation llama.cpp's converter applies.
+
+Block-quantized tensors are kept as `StoredTensor`s (views of the mapping, rows in Hugging Face order) for backends
+that run them as stored; `dequantized_state` turns each into fp32 one tensor at a time, so at most one fp32 copy of
+the weights exists.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Container, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.errors import ModelLoadError
+from engine.model.config import ModelConfig
+from engine.model.quant import StoredTensor
+
+GGUF_MAGIC = b"GGUF"
+GGUF_SUFFIX = ".gguf"
+
+# general.architecture -> Hugging Face architecture, and whether llama.cpp's converter permuted q/k rows for it
+ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "llama": ("LlamaForCausalLM", True),
+    "mistral": ("MistralForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+}
+
+# Tensor types we read: float types as is, block types dequantized here (or run as stored by a backend that can).
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+_LAYER_NAMES: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# Tensors a converter may add that the network does not use (rope_freqs is read into the config instead).
+_IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    hf_name: str
+    gguf_name: str
+    qtype: str
+    shape: tuple[int, ...]  # torch order
+    data: np.ndarray  # memory-mapped: float types in their dtype, block types as (rows, bytes) uint8
+    heads: int  # > 0: rows to un-permute (q/k of a permuted architecture), per this many heads
+
+
+def is_gguf_file(path: Path) -> bool:
+    """A file whose first four bytes are GGUF's magic (the suffix alone is not trusted)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Rows (n_head*D, ...) from llama.cpp's interleaved rotary order back to Hugging Face's half-split order.
+
+    Works on float rows and on rows of quantization blocks alike: it only reorders whole rows."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFModel:
+    """One opened GGUF file: metadata, config and tensors (nothing is read until used)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        if not is_gguf_file(self.path):
+            raise ModelLoadError(f"{self.path.name} is not a GGUF file (it does not start with GGUF's signature).")
+        import gguf  # the GGUF reader is only needed for GGUF models
+
+        try:
+            self._reader = gguf.GGUFReader(str(self.path), "c")  # copy-on-write: tensors are writable views
+        except Exception as exc:  # the reader raises ValueError, struct/IndexError... for a damaged file
+            raise ModelLoadError(
+                f"{self.path.name} is truncated or corrupt ({exc.__class__.__name__}: {str(exc)[:120]}); download it again."
+            ) from None
+        self.metadata: dict[str, Any] = {}
+        for name, field in self._reader.fields.items():
+            try:
+                self.metadata[name] = field.contents()
+            except Exception:  # a field the reader cannot decode: treat as absent; required ones are checked below
+                continue
+        self.architecture = str(self.metadata.get("general.architecture", ""))
+        self.config = self._config()
+
+    # -- metadata ----------------------------------------------------------------------------------------------
+    def _key(self, suffix: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.architecture}.{suffix}", default)
+
+    def _config(self) -> ModelConfig:
+        arch = self.architecture
+        if arch not in ARCHITECTURES:
+            if not arch and not self._reader.tensors:
+                raise ModelLoadError(
+                    f"{self.path.name} holds no model (it is a vocabulary-only GGUF); choose a GGUF with weights."
+                )
+            known = ", ".join(ARCHITECTURES)
+            raise ModelLoadError(
+                f"{self.path.name} is a {arch or 'unknown'!r} model; MLoT Spark runs GGUF models of the {known} families."
+            )
+        if not self._reader.tensors:
+            raise ModelLoadError(
+                f"{self.path.name} holds no tensors (a vocabulary-only GGUF); choose a GGUF with weights."
+            )
+        names = {t.name for t in self._reader.tensors}
+        try:
+            hidden = int(self._key("embedding_length"))
+            heads = int(self._key("attention.head_count"))
+            head_dim = int(self._key("attention.key_length", hidden // max(heads, 1)))
+            tokens = self.metadata.get("tokenizer.ggml.tokens")
+            vocab = int(self._key("vocab_size", len(tokens) if isinstance(tokens, list) else 0))
+            d: dict[str, Any] = {
+                "architectures": [ARCHITECTURES[arch][0]],
+                "vocab_size": vocab,
+                "hidden_size": hidden,
+                "intermediate_size": int(self._key("feed_forward_length")),
+                "num_hidden_layers": int(self._key("block_count")),
+                "num_attention_heads": heads,
+                "num_key_value_heads": int(self._key("attention.head_count_kv", heads)),
+                "head_dim": head_dim,
+                "max_position_embeddings": int(self._key("context_length")),
+                "rms_norm_eps": float(self._key("attention.layer_norm_rms_epsilon", 1e-5)),
+                "rope_parameters": {"rope_theta": float(self._key("rope.freq_base", 10000.0)), **self._rope_scaling()},
+                "tie_word_embeddings": "output.weight" not in names,
+                "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
+                "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
+            }
+        except (TypeError, ValueError):
+            raise ModelLoadError(
+                f"{self.path.name} lacks or garbles {arch} metadata (sizes, heads, context); the file is incomplete."
+            ) from None
+        rope_dims = self._key("rope.dimension_count", head_dim)
+        if int(rope_dims) != head_dim:
+            raise ModelLoadError(
+                f"{self.path.name} rotates {rope_dims} of {head_dim} channels per head; partial rotary models are not supported."
+            )
+        config = ModelConfig.from_dict(d)
+        factors = self._rope_freq_factors(config)
+        if factors is not None:
+            config = config.with_rope_freq_factors(factors)
+        return config
+
+    def _rope_scaling(self) -> dict[str, Any]:
+        kind = self._key("rope.scaling.type", "none")
+        if kind in ("none", None):
+            return {}
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(self._key("rope.scaling.factor", 1.0))}
+        return {"rope_type": str(kind)}  # yarn and others: ModelConfig refuses them in one sentence
+
+    def _rope_freq_factors(self, config: ModelConfig) -> tuple[float, ...] | None:
+        """Llama 3's rope scaling, which llama.cpp's converter stores as a (D/2,) `rope_freqs` tensor."""
+        for t in self._reader.tensors:
+            if t.name == "rope_freqs.weight":
+                values = np.asarray(t.data, dtype=np.float32).reshape(-1)
+                if values.shape[0] != config.head_dim // 2 or not np.all(np.isfinite(values)) or np.any(values <= 0):
+                    raise ModelLoadError(
+                        f"{self.path.name} has a rope_freqs tensor that does not fit the model; the file is damaged."
+                    )
+                return tuple(float(v) for v in values)
+        return None
+
+    # -- tensors -----------------------------------------------------------------------------------------------
+    def _tensors(self) -> Iterator[_Tensor]:
+        permuted = ARCHITECTURES[self.architecture][1]
+        cfg = self.config
+        for t in self._reader.tensors:
+            if t.name in _IGNORED:
+                continue
+            m = _LAYER_RE.fullmatch(t.name)
+            if m and m.group(2) in _LAYER_NAMES:
+                hf = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+            elif t.name in _GLOBAL_NAMES:
+                hf = _GLOBAL_NAMES[t.name]
+            else:
+                raise ModelLoadError(
+                    f"{self.path.name} has a tensor {t.name!r} that a {self.architecture} model does not use; the file is not a plain {self.architecture} model."
+                )
+            qtype = t.tensor_type.name
+            if qtype not in FLOAT_TYPES + BLOCK_TYPES:
+                raise ModelLoadError(
+                    f"{self.path.name} stores {t.name} as {qtype}, a type MLoT Spark does not read "
+                    f"(it reads {', '.join(FLOAT_TYPES + BLOCK_TYPES)}); choose another quantization of the model."
+                )
+            shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
+            heads = 0
+            if permuted and (hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias")):
+                heads = cfg.num_attention_heads
+            elif permuted and (hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias")):
+                heads = cfg.num_key_value_heads
+            yield _Tensor(hf, t.name, qtype, shape, t.data, heads)
+
+    def stored_tensors(self) -> dict[str, StoredTensor]:
+        """Every 2-D weight the file keeps in a block type, by Hugging Face name, rows in HF order."""
+        out: dict[str, StoredTensor] = {}
+        for t in self._tensors():
+            if t.qtype in BLOCK_TYPES and len(t.shape) == 2:
+                data = unpermute_rows(t.data, t.heads) if t.heads else t.data
+                out[t.hf_name] = StoredTensor(t.qtype, (t.shape[0], t.shape[1]), data)
+        return out
+
+    def dequantized_state(self, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, fp32 tensor) one at a time: float tensors as mmap views where they are already fp32; the
+        tensors named in `skip` are left out (never decoded)."""
+        import gguf
+
+        for t in self._tensors():
+            if t.hf_name in skip:
+                continue
+            if t.qtype in BLOCK_TYPES:
+                kind = getattr(gguf.GGMLQuantizationType, t.qtype)
+                try:
+                    values = gguf.quants.dequantize(t.data, kind)
+                except Exception as exc:
+                    raise ModelLoadError(
+                        f"{self.path.name}: tensor {t.gguf_name} cannot be decoded ({exc.__class__.__name__}); the file is damaged."
+                    ) from None
+            elif t.qtype == "BF16":
+                values = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+            else:
+                values = np.asarray(t.data)
+            if math.prod(values.shape) != math.prod(t.shape):
+                raise ModelLoadError(
+                    f"{self.path.name}: tensor {t.gguf_name} holds {values.size} values for shape {t.shape}; the file is damaged."
+                )
+            values = values.reshape(t.shape)
+            if t.heads:
+                values = unpermute_rows(values, t.heads)
+            tensor = torch.from_numpy(np.ascontiguousarray(values))
+            yield t.hf_name, tensor if tensor.dtype == torch.float32 else tensor.float()
+
+    def tokenizer_fields(self) -> list[tuple[str, Any, list[Any]]]:
+        """(name, value, gguf value types) of every tokenizer.* field, for writing them into another GGUF."""
+        out = []
+        for name, field in self._reader.fields.items():
+            if name.startswith("tokenizer.") and name in self.metadata:
+                out.append((name, self.metadata[name], list(field.types)))
+        return out
+
+    def tensor_shapes(self) -> list[_Tensor]:
+        """Every tensor the network uses, with its torch-order shape (nothing is read)."""
+        return list(self._tensors())

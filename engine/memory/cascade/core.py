@@ -1,0 +1,300 @@
+"""CascadeMemory: engine.memory.base.Memory over the three tiers, composed of one object per responsibility:
+
+- WorkingMemory (L1, engine.memory.cascade.working): the slot table's layout, positions and mask;
+- EpisodicMemory (L2, engine.memory.cascade.episodic): evicted KV in blocks, their key bounds and budget;
+- Retriever (engine.memory.cascade.retrieval): the routing query, when to re-route, paging blocks into retrieval groups;
+- PrefixCache (engine.memory.cascade.prefix): prefix digests, exact prefix blocks and cascade snapshots in L3
+  (engine.memory.cascade.persistent's PersistentStore).
+
+Per plan (before each forward), in this order:
+  1. route (Retriever.route): each layer's retrieval groups get its most relevant blocks, when the routing
+     strategy says so;
+  2. assign slots to the new tokens; tokens pushed out of the window are read (read_kv) *before* the forward
+     overwrites them and appended to the current partial episodic block;
+  3. positions and the mask come from the working memory's preallocated tables.
+A plan may hold at most `window` tokens: with more, a new token would overwrite one fed in the same forward,
+whose KV does not exist yet. Within one chunk that wraps the window, earlier tokens of the chunk see the window
+as it is after the whole chunk is written (at least W - T + 1 window tokens instead of W).
+
+A state (state(), load_state()) depends on the model, its numerics and CascadeConfig.state_settings() (the
+geometry and routing settings, never the budgets): it restores on any machine with the same model, under that
+machine's budgets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.backends.base import Backend
+from engine.errors import InputTooLarge, SessionFileError
+from engine.memory.base import RowPlan
+from engine.memory.cascade.config import AUTO_WINDOW, CascadeConfig
+from engine.memory.cascade.episodic import EpisodicMemory
+from engine.memory.cascade.migrate import migrate_state
+from engine.memory.cascade.persistent import PersistentStore
+from engine.memory.cascade.prefix import PrefixCache
+from engine.memory.cascade.retrieval import Retriever
+from engine.memory.cascade.state_schema import CASCADE_STATE_VERSION, check_cascade_state
+from engine.memory.cascade.stats import CascadeStats, Counters, TierStats
+from engine.memory.cascade.working import WorkingMemory
+from engine.memory.values import SchemaError, StateTarget
+from engine.model.network import ROTARY_HEADROOM
+
+STATE_VERSION = CASCADE_STATE_VERSION  # 2: per-layer retrieval groups, key bounds, query-summary routing (engine.memory.cascade.migrate)
+TAIL_STEP = 4  # a prompt's last TAIL_STEPS * TAIL_STEP tokens go in small chunks, each routed by the one before
+TAIL_STEPS = 6
+TIERS = ("working", "episodic", "persistent")
+FRAME_PERIOD_MAX = 4096
+
+
+class CascadeMemory:
+    """The memory of one sequence: row `row` of the backend's slot table, laid out per `config`."""
+
+    def __init__(
+        self, backend: Backend, config: CascadeConfig, row: int = 0, store: PersistentStore | None = None
+    ) -> None:
+        if config.window == AUTO_WINDOW:
+            raise ValueError("resolve the automatic window first (CascadeConfig.fit_to or for_model)")
+        self.backend = backend
+        self.row = row
+        self.store = store
+        self.kv_token_bytes = backend.kv_bytes_per_token()
+        self._layout(config)
+
+    def _layout(self, config: CascadeConfig) -> None:
+        """Lay the memory out per `config` (empty), resizing a one-row slot table to it."""
+        backend, c = self.backend, self.backend.config
+        if backend.num_slots != config.num_slots:
+            if backend.batch != 1 or self.row != 0:
+                raise ValueError(
+                    f"the backend's slot table has {backend.num_slots} slots; this cascade needs {config.num_slots}"
+                )
+            backend.allocate(1, config.num_slots)
+        self.cfg = config
+        # Frames stay inside the rotary table (the trained context + ROTARY_HEADROOM), and small: fp32 angles lose
+        # precision as positions grow (a period of 4096 costs one full re-rotation of the window per 4096 tokens).
+        table = c.max_position_embeddings + ROTARY_HEADROOM
+        self.working = WorkingMemory(
+            config, c.num_hidden_layers, frame_period=max(0, min(table - config.num_slots, FRAME_PERIOD_MAX))
+        )
+        self.episodic = EpisodicMemory(config, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), self.store)
+        self.retriever = Retriever(backend, self.row, config, self.working, self.episodic)
+        self.prefix = PrefixCache(self.store, config)
+        self.tokens: list[int] = []
+        self._reset_state()
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+
+    def _reset_state(self) -> None:
+        self.tokens = []
+        self.working.reset()
+        self.episodic.reset()
+        self.retriever.reset()
+        self.prefix.reset()
+        self._last_fed = 0  # tokens of the last plan (its forward's query summary covers them)
+        self.reused_tokens = 0  # how many leading tokens the last reuse_prefix restored (for stats and benches)
+
+    def reset(self) -> None:
+        self._reset_state()
+
+    def invalidate(self, tier: str | None = None) -> None:
+        """Drop a tier's contents ('working' forgets the conversation, as reset(); None: every tier)."""
+        if tier not in (None, *TIERS):
+            raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIERS)}")
+        if tier in (None, "persistent") and self.store is not None:
+            self.store.clear()
+        if tier in (None, "working"):
+            self._reset_state()
+        elif tier == "episodic":
+            self.episodic.drop_all()
+            self.working.set_groups([[] for _ in range(self.working.num_layers)])
+
+    # -- the Memory protocol ------------------------------------------------------------------------------------
+
+    def plan(self, ids: list[int]) -> RowPlan:
+        t = len(ids)
+        if t == 0:
+            raise ValueError("plan needs at least one token")
+        if t > self.cfg.window:
+            raise InputTooLarge(
+                f"A step of {t} tokens exceeds the {self.cfg.window}-token window; feed it in smaller chunks."
+            )
+        if self.cfg.retrieval_blocks and self.episodic.blocks:
+            self.retriever.route(prefill=t > 1, answering=t <= TAIL_STEP)
+        start = len(self.tokens)
+        slots, evicted = self.working.assign(t)
+        if evicted:
+            self.prefix.close()
+            if self.cfg.retrieval_blocks:
+                k, v = self.backend.read_kv(self.row, torch.tensor(evicted))  # (L, Hkv, e, D) each, before overwrite
+                self.episodic.append(k, v)
+        self.prefix.feed(ids, start)
+        self.tokens.extend(ids)
+        self.retriever.since_route += t
+        self._last_fed = t
+        self.working.refresh_positions()
+        ws = torch.tensor(slots, dtype=torch.long)  # (T,)
+        w = self.working
+        mask = w.mask(ws)  # (T, S)
+        # Only the leading slots up to the last one attended take part (SlotBatch's S'): a prefill's attention then
+        # costs what the memory holds, not the whole table.
+        live = int(mask.any(0).nonzero()[-1]) + 1
+        return RowPlan(
+            w.slot_positions[ws], ws, w.slot_positions[:live].clone(), mask[:, :live], w.frame, w.window_start
+        )
+
+    def after_forward(self) -> None:
+        if self.cfg.retrieval_blocks:
+            self.retriever.remember_summary(self._last_fed)
+        self.prefix.persist(len(self.tokens), self._read_prefix)
+        if self.prefix.due(len(self.tokens)):
+            self.prefix.put_snapshot(self.episodic, self.state)
+
+    def _read_prefix(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV (L, Hkv, n, D) of tokens [start, end) while nothing has been evicted."""
+        slots = torch.tensor([self.working.slot_of(i) for i in range(start, end)])  # (n,)
+        return self.backend.read_kv(self.row, slots)
+
+    def reuse_prefix(self, ids: list[int]) -> int:
+        """ids: a prompt less its last token. Only a state that a cold read of the prompt passes through is
+        restored: a snapshot before the prompt's tail (engine.memory.cascade.prefix)."""
+        return self._reuse(ids, len(ids) - TAIL_STEP * TAIL_STEPS)
+
+    def restore_prefix(self, ids: list[int]) -> int:
+        """A replay's (engine.session.replay) reuse_prefix: ids is exactly the prefix reuse_prefix restored when the memory
+        was fed, so a snapshot may end where ids end."""
+        return self._reuse(ids, len(ids))
+
+    def _reuse(self, ids: list[int], last: int) -> int:
+        """Restore the longest prefix of ids the store has, a snapshot ending at most at `last`; its length."""
+        if self.tokens or self.store is None:
+            return 0
+        n = self._reuse_snapshot(ids, last) or self._reuse_exact(ids)
+        if n:
+            self.store.flush()  # the entries' new recency must outlive this process, or LRU evicts the hot ones
+        self.prefix.canonical = n  # what a cold read of the prompt holds there (engine.memory.cascade.prefix)
+        self.reused_tokens = n
+        return n
+
+    def _reuse_exact(self, ids: list[int]) -> int:
+        found = self.prefix.find_exact(ids)
+        if not found:
+            return 0
+        b = self.cfg.block_size
+        n = len(found) * b
+        slots, _ = self.working.assign(n)
+        for j, (k, v) in enumerate(found):
+            self.backend.write_kv(self.row, torch.tensor(slots[j * b : (j + 1) * b]), k, v)
+        self.prefix.persisted = n
+        self.prefix.feed(ids[:n], 0)
+        self.tokens.extend(ids[:n])
+        self.retriever.since_route += n
+        self.working.refresh_positions()
+        return n
+
+    def _reuse_snapshot(self, ids: list[int], last: int) -> int:
+        """Restore the longest stored snapshot ending at most at `last` whose tokens are a prefix of ids; its
+        length, or 0."""
+        found = self.prefix.find_snapshot(ids, last, self.state_target())
+        if found is None:
+            return 0
+        self._restore(found.meta, found.tensors)
+        for bid, key in found.refs.items():  # their KV is on disk under these keys already: no need to hash it
+            block = self.episodic.blocks.get(bid)
+            if block is not None and block.k is not None:
+                block.l3_key = key
+        return found.tokens
+
+    def snapshot_key(self, prefix: list[int]) -> str:
+        """The L3 key a snapshot of this memory holding exactly `prefix` is stored under."""
+        return self.prefix.snapshot_key(prefix)
+
+    def prefill_cut(self, ids: list[int], start: int) -> list[int]:
+        """Before a prompt `ids` is fed from index `start` (after reuse_prefix): indices of ids where chunks must
+        end, ascending. With a store, a prompt read into an empty memory is chunked on a grid, so that reusing a
+        prefix changes nothing and the memory can snapshot its state (engine.memory.cascade.prefix). When the conversation
+        reaches past the window, the prompt's last tokens also go in small chunks: a forward's query summary
+        routes the next one, so the question at the end of a prompt routes the tokens that answer it."""
+        base = len(self.tokens) - start  # absolute index of ids[0]
+        end = base + len(ids)
+        cuts: set[int] = set()
+        if self.cfg.retrieval_blocks and end > self.cfg.sink_tokens + self.cfg.window:
+            cuts.update(
+                c - base
+                for c in range(end - TAIL_STEP, end - TAIL_STEP * TAIL_STEPS - 1, -TAIL_STEP)
+                if c > len(self.tokens)
+            )
+        cuts.update(c - base for c in self.prefix.cut(len(self.tokens), end, TAIL_STEP * TAIL_STEPS))
+        return sorted(cuts)
+
+    def spill(self) -> int:
+        """Free host memory under pressure: episodic KV goes to disk (see EpisodicMemory.spill); bytes freed."""
+        return self.episodic.spill()
+
+    def max_feed(self) -> int:
+        return self.cfg.window  # one plan's tokens must fit the window together
+
+    def stats(self) -> CascadeStats:
+        persistent = self.store.stats() if self.store is not None else TierStats.make("persistent", 0, 0, 0, 0, 0, 0)
+        return CascadeStats(self.working.stats(self.kv_token_bytes), self.episodic.stats(), persistent)
+
+    # -- session state ------------------------------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Meta (JSON-able) + tensors: working slots' KV (L, Hkv, S, D) fp16, episodic blocks fp16 with their key
+        bounds, and the routing state (engine.memory.cascade.retrieval)."""
+        ep_meta, tensors = self.episodic.state()
+        k, v = self.backend.read_kv(self.row, torch.arange(self.cfg.num_slots))  # (L, Hkv, S, D) each
+        tensors.update({"wk.k": k, "wk.v": v})
+        routing, route_tensors = self.retriever.state()
+        tensors.update(route_tensors)
+        meta = {
+            "kind": "cascade",
+            "version": STATE_VERSION,
+            "config": self.cfg.to_dict(),
+            "tokens": list(self.tokens),
+            "working": self.working.state(),
+            "episodic": ep_meta,
+            "routing": routing,
+            "prefix": self.prefix.state(),
+            "counters": self.working.counters.to_dict(),
+        }
+        return meta, tensors
+
+    def state_target(self) -> StateTarget:
+        c = self.backend.config
+        dims = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        return StateTarget(c.vocab_size, dims, cascade=self.cfg, max_positions=c.max_position_embeddings)
+
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Restore a state saved by any memory of the same model and numerics: in its own geometry (within the
+        model's trained context) under this memory's budgets (engine.memory.cascade.config.CascadeConfig.state_settings)."""
+        try:  # the one schema (engine.memory.cascade.state_schema): nothing is touched unless all of it holds
+            check_cascade_state(meta, tensors, self.state_target())
+        except SchemaError as exc:
+            raise SessionFileError(f"The saved memory cannot be restored: it {exc}.") from None
+        if meta.get("version") == 1:
+            meta, tensors = migrate_state(meta, tensors)
+        saved = CascadeConfig.from_dict(meta["config"])
+        if not saved.same_state(self.cfg):
+            if self.backend.batch != 1 or self.row != 0:
+                raise SessionFileError(
+                    "The saved memory used a different cascade geometry; restore it with the same settings."
+                )
+            self._layout(saved.with_budgets_of(self.cfg))
+        self._restore(meta, tensors)
+        self.prefix.canonical = None  # a conversation, however it was fed: never snapshot as a fresh read
+
+    def _restore(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """load_state without its checks (callers check the kind, version and settings)."""
+        self._reset_state()
+        self.backend.write_kv(self.row, torch.arange(self.cfg.num_slots), tensors["wk.k"], tensors["wk.v"])
+        self.working.load_state(meta["working"])
+        self.working.counters = Counters.from_dict(meta["counters"])
+        self.episodic.load_state(meta["episodic"], tensors)
+        self.retriever.load_state(meta["routing"], tensors)
+        tokens = [int(t) for t in meta["tokens"]]
+        self.prefix.load_state(meta["prefix"], tokens)
+        self.tokens = tokens

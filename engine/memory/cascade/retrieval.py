@@ -1,0 +1,186 @@
+"""Retrieval: which episodic blocks each layer's retrieval groups hold, and paging them into the slot table.
+
+The routing query is the backend's query summary (per layer and KV head, the mean pre-RoPE query of the last
+forwards, over their last `proxy_tokens` tokens; a backend without one: the mean key of the most recent tokens).
+When the routing strategy (engine.memory.cascade.routing) says so (a new prompt chunk, drift, the clock), each layer
+ranks its top-k episodic blocks, as many as the retrieval gate admits (engine.memory.cascade.window_bounds). While a
+prompt is read, each layer's groups hold its own picks; while answering (a decoding step, or a prompt's last
+tokens, which route the reply) the blocks the layers rank highest together fill the first groups in every layer
+and each layer's best others its last `layer_blocks` groups (consensus_groups).
+Only the (layer, group) pairs whose block changed are paged in (read from host memory, or back from L3).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any
+
+import torch
+
+from engine.backends.base import Backend
+from engine.memory.cascade.config import CascadeConfig
+from engine.memory.cascade.episodic import EpisodicMemory
+from engine.memory.cascade.routing import ROUTING, RouteContext
+from engine.memory.cascade.window_bounds import WindowBounds
+from engine.memory.cascade.working import WorkingMemory
+
+
+def consensus_groups(chosen: list[list[int]], shared: int) -> list[list[int]]:
+    """Per layer, its n chosen blocks (best first) -> the blocks its n retrieval groups hold, in group order.
+
+    Groups [0, shared) hold, in every layer alike, the `shared` blocks the layers rank highest together (Borda
+    count over the layers' rankings; ties to the older block); groups [shared, n) hold each layer's best other
+    blocks. Each part is in conversation order. Why: one position table serves every layer, so a block's position
+    follows its group; when layers put the same block in different groups, its tokens sit at positions up to
+    n * block_size apart from one layer to the next, and on the default model a passkey retrieved by every layer
+    was still misread (bench passkey); blocks in conversation order read a fact split over blocks j, j + 1 whole.
+    """
+    n = len(chosen[0]) if chosen else 0
+    votes: dict[int, int] = {}
+    for pick in chosen:
+        for rank, b in enumerate(pick):
+            votes[b] = votes.get(b, 0) + n - rank
+    common = sorted(sorted(votes, key=lambda b: (-votes[b], b))[:shared])
+    return [common + sorted([b for b in pick if b not in common][: n - len(common)]) for pick in chosen]
+
+
+class Retriever:
+    """Routing state and paging for one memory (row `row` of the backend's slot table)."""
+
+    def __init__(
+        self, backend: Backend, row: int, cfg: CascadeConfig, working: WorkingMemory, episodic: EpisodicMemory
+    ) -> None:
+        self.backend = backend
+        self.row = row
+        self.cfg = cfg
+        self.working = working
+        self.episodic = episodic
+        self.strategy = ROUTING[cfg.routing]()
+        self.window_bounds = WindowBounds(backend, row, working, episodic.kv_shape)
+        self.reset()
+
+    def reset(self) -> None:
+        self.since_route = 0  # tokens fed since the last routing decision
+        self.recent: list[tuple[torch.Tensor, int]] = []  # (query summary (L, Hkv, D) fp32, tokens) of recent forwards
+        self.routed: torch.Tensor | None = None  # (L, Hkv, D) the routing query of the last routing decision
+        self.window_bounds.reset()
+
+    # -- the routing query --------------------------------------------------------------------------------------
+
+    def _recent_keys(self, n: int) -> torch.Tensor | None:
+        """For backends without a query summary: the mean key of the n most recent tokens, (L, Hkv, D)."""
+        slots = self.working.recent_slots(n)
+        if slots.numel() == 0:
+            return None
+        k, _ = self.backend.read_kv(self.row, slots)  # (L, Hkv, m, D)
+        return k.float().mean(dim=2)
+
+    def _routing_query(self) -> torch.Tensor | None:
+        """(L, Hkv, D): the query summaries of the last proxy_tokens tokens, weighted by their forwards' tokens."""
+        if not self.recent:
+            return self._recent_keys(self.cfg.proxy_tokens)
+        total = sum(n for _, n in self.recent)
+        return functools.reduce(operator.add, (q * (n / total) for q, n in self.recent))
+
+    def remember_summary(self, tokens: int) -> None:
+        """After a forward of `tokens` tokens: keep its query summary for the next routing query."""
+        summary = self.backend.query_summary()  # (B, L, Hkv, D) or None
+        if summary is None:
+            return
+        self.recent.append((summary[self.row].float().clone(), tokens))
+        while len(self.recent) > 1 and sum(n for _, n in self.recent[1:]) >= self.cfg.proxy_tokens:
+            self.recent.pop(0)
+
+    def _drift(self, query: torch.Tensor) -> float:
+        if self.routed is None:
+            return 1.0
+        return 1.0 - float(torch.nn.functional.cosine_similarity(query, self.routed, dim=-1).mean())
+
+    # -- routing and paging -------------------------------------------------------------------------------------
+
+    def route(self, prefill: bool, answering: bool) -> None:
+        """Before a plan: re-select and page in each layer's blocks when the strategy says so. `answering`: the
+        plan is a decoding step or a prompt's last tokens (they route the reply), else part of a prompt being read."""
+        query = self._routing_query()
+        if query is None:
+            return
+        ctx = RouteContext(
+            prefill, self.since_route, self.cfg.reroute_every, self._drift(query), self.cfg.reroute_drift / 100
+        )
+        if not self.strategy.should_route(ctx):
+            return
+        self.since_route = 0
+        self.routed = query
+        beat = self.window_bounds.threshold(query, self.cfg.gate_rank)  # (L,) or None: the retrieval gate
+        # A decoding step never empties a group: a step that changes how many are filled re-rotates the whole
+        # window's read copies (engine.model.slots), so within a reply the gate may only add groups.
+        keep = 0 if prefill else self.working.resident_blocks
+        while True:
+            chosen = self.episodic.select(query, self.cfg.retrieval_blocks, beat, keep)  # (L, n) ids per layer
+            n = len(chosen[0])
+            shared = n - min(n, self.cfg.layer_blocks) if answering else 0
+            if self._page_in(consensus_groups(chosen, shared)):
+                return
+
+    def _page_in(self, new: list[list[int]]) -> bool:
+        """Put each layer's blocks in its retrieval groups (new[layer][g]: group g's block), paging in only
+        (layer, group) pairs that change.
+        False when a block turned out to be gone (forgotten from L3): the caller selects again."""
+        old = self.working.groups
+        n = len(new[0])
+        changed = {
+            (layer, g)
+            for layer in range(len(new))
+            for g in range(n)
+            if g >= len(old[layer]) or old[layer][g] != new[layer][g]
+        }
+        needed = {new[layer][g] for layer, g in changed}
+        protect = tuple({b for pick in new for b in pick})
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for bid in sorted(needed):
+            got = self.episodic.fetch(bid, protect=protect)
+            if got is None:
+                return False
+            kv[bid] = got
+        for bid in set(protect) - needed:
+            self.episodic.touch(bid)
+        self.working.counters.hits += n * len(new) - len(changed)
+        self.working.counters.misses += len(changed)
+        for g in sorted({g for _, g in changed}):
+            slots = self.working.group_slots(g)
+            k, v = self.backend.read_kv(self.row, slots)  # (L, Hkv, B, D): layers that keep their block keep their KV
+            ks, vs = list(k.unbind(0)), list(v.unbind(0))
+            for layer in (layer for layer, gg in changed if gg == g):
+                bk, bv = kv[new[layer][g]]
+                ks[layer], vs[layer] = bk[layer], bv[layer]
+            self.backend.write_kv(self.row, slots, torch.stack(ks), torch.stack(vs))
+        self.working.set_groups(new)
+        return True
+
+    # -- state --------------------------------------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The routing meta and tensors, fp32 as computed (so a restored conversation routes exactly as an
+        uninterrupted one): route.recent (n, L, Hkv*D) query summaries, route.routed (L, Hkv, D)."""
+        tensors: dict[str, torch.Tensor] = {}
+        if self.recent:
+            # (n, L, Hkv*D): three dimensions, so no reader mistakes it for KV in the canonical (L, Hkv, n, D) layout
+            tensors["route.recent"] = torch.stack([q.flatten(1) for q, _ in self.recent])
+        if self.routed is not None:
+            tensors["route.routed"] = self.routed.clone()
+        return {"since_route": self.since_route, "recent_tokens": [n for _, n in self.recent]}, tensors
+
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        self.reset()
+        self.since_route = int(meta["since_route"])
+        recent = tensors.get("route.recent")
+        counts = [int(n) for n in meta["recent_tokens"]]
+        shape = self.episodic.kv_shape
+        self.recent = (
+            []
+            if recent is None
+            else [(recent[i].float().reshape(shape).clone(), counts[i]) for i in range(len(counts))]
+        )
+        routed = tensors.get("route.routed")
+        self.routed = None if routed is None else routed.float().clone()

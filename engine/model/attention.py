@@ -1,0 +1,170 @@
+"""Attention kernels: rotary embeddings, the few-query GQA attentions the slot table's read copies feed, and the
+causal attention of the training / scoring path.
+
+`StepAttention` is the one interface a layer's attention calls: given a layer's projections it stores what must be
+stored and returns the attention output. `engine.model.slots.SlotStep` implements it over the slot table; `CausalStep`
+here implements it for a plain causal pass without a cache.
+
+Shapes: B batch, T new tokens, S' attended slots, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.config import ModelConfig
+
+# The rotary table reaches this far past the trained context. Only rotation frames (engine.model.slots.SlotBatch.frame)
+# use it: a frame adds the same offset to queries and keys, so attention still sees distances inside the trained
+# context, and a slot table as large as that context can still slide its window in a frame.
+ROTARY_HEADROOM = 4096
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin (B, 1, N, D)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (D/2,) including Llama 3 / linear `rope_scaling`, as transformers computes them."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # (D/2,)
+    if cfg.rope_freq_factors is not None:
+        return inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv
+    if sc.rope_type == "linear":
+        return inv / sc.factor
+    # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth blend in between.
+    low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
+    high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    inv_llama = torch.where(wavelen > low_wavelen, inv / sc.factor, inv)
+    smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
+        sc.high_freq_factor - sc.low_freq_factor
+    )
+    smoothed = (1 - smooth) * inv_llama / sc.factor + smooth * inv_llama
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, inv_llama)
+
+
+class RotaryTable:
+    """cos/sin lookup by position: a precomputed table (P, D) indexed per step instead of recomputing trig.
+
+    The sin table is stored *signed* (first half negated), so rotating is x*cos + roll(x)*sin: four kernels instead
+    of rotate-half's seven, and bit-identical (negating a factor is exact)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        inv = rope_inv_freq(cfg)  # (D/2,)
+        pos = torch.arange(max_positions, dtype=torch.float32)  # (P,)
+        freqs = torch.outer(pos, inv)  # (P, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
+        self.cos = emb.cos().to(device=device, dtype=dtype)  # (P, D)
+        sin = emb.sin()  # (P, D)
+        sin[:, : inv.shape[0]].neg_()
+        self.sin = sin.to(device=device, dtype=dtype)  # (P, D) signed: (-sin, +sin) halves
+
+    def lookup(self, positions: torch.Tensor) -> Rope:
+        """positions (B, N) long -> cos, signed sin (B, 1, N, D), broadcastable over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def leading(self, n: int) -> Rope:
+        """cos, signed sin (1, 1, n, D) of positions 0..n-1."""
+        return self.cos[:n][None, None], self.sin[:n][None, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, N, D) rotated by cos and *signed* sin (B, 1, N, D) from RotaryTable, with Hugging Face's
+    half-split pairing: (x1, x2) -> (x1*cos - x2*sin, x2*cos + x1*sin)."""
+    return (x * cos).add_(x.roll(x.shape[-1] // 2, dims=-1).mul_(sin))
+
+
+class StepAttention(Protocol):
+    """What a layer's attention asks of the step it runs in (the slot table, or a plain causal pass)."""
+
+    def record_queries(self, layer: int, q: torch.Tensor) -> None:
+        """q (B, T, H*D) pre-RoPE: the step's queries, for a query summary where the step keeps one."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, H, T, D), k and v (B, Hkv, T, D), all unrotated -> attention output (B, H, T, D)."""
+        ...
+
+
+class CausalStep:
+    """A pass without a cache (training, scoring): tokens at positions 0..T-1, each attending to those before it."""
+
+    def __init__(self, rope: RotaryTable, tokens: int) -> None:
+        self.cos, self.sin = rope.leading(tokens)  # (1, 1, T, D)
+
+    def record_queries(self, layer: int, q: torch.Tensor) -> None:
+        pass  # no memory routes on a causal pass
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q = apply_rope(q, self.cos, self.sin)  # (B, H, T, D)
+        k = apply_rope(k, self.cos, self.sin)  # (B, Hkv, T, D)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, D)
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Many queries: q (B, H, T, D), keys/values (B, Hkv, S', D), mask (B, 1, T, S') True where allowed -> (B, H, T, D),
+    PyTorch's fused kernel."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+def small_step_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor | None
+) -> torch.Tensor:
+    """GQA attention for few queries: q (B, H, T, D), keys/values (B, Hkv, S', D), blocked (B, 1, 1, T, S') or None
+    when every slot may be attended.
+
+    Query heads are grouped under their KV head (H = Hkv * G, heads of a group adjacent), so each KV head is read
+    once per step. Blocked scores get the dtype's lowest finite value, not -inf: a row with nothing to attend to
+    (a padding row in a batch) then stays finite instead of turning into NaN.
+    """
+    b, h, t, d = q.shape
+    hkv, live = keys.shape[1], keys.shape[2]
+    if t == 1 and blocked is None:
+        # One token, nothing masked: each KV head's G query heads are G query rows of plain attention, which
+        # PyTorch's fused kernel does faster than the matmuls below.
+        return F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), keys, values).view(b, h, t, d)
+    qg = q.reshape(b, hkv, h // hkv * t, d)  # (B, Hkv, G*T, D)
+    scores = (qg @ keys.transpose(-1, -2)).mul_(d**-0.5).view(b, hkv, h // hkv, t, live)  # (B, Hkv, G, T, S')
+    if blocked is not None:
+        scores.masked_fill_(blocked, torch.finfo(scores.dtype).min)
+    probs = scores.softmax(-1)  # (B, Hkv, G, T, S')
+    return (probs.view(b, hkv, -1, live) @ values).view(b, h, t, d)  # (B, H, T, D)
+
+
+def split_frame_attention(
+    q_plain: torch.Tensor,
+    q_framed: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    split: int,
+    blocked: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention where keys [0, split) are scored by q_plain and keys [split, S') by q_framed (SlotBatch.frame):
+    q_* (1, H, T, D), keys/values (1, Hkv, S', D), blocked (1, 1, 1, T, S') or None. One softmax over all keys."""
+    b, h, t, d = q_plain.shape
+    hkv, live = keys.shape[1], keys.shape[2]
+    g = h // hkv
+    if split == 0 or split == live:
+        return small_step_attention(q_framed if split == 0 else q_plain, keys, values, blocked)
+    if t == 1 and blocked is None and keys.device.type == "cpu":
+        # Two fused attentions, merged by their log-sum-exps: softmax over the union, no score matrix built. The
+        # public SDPA returns no log-sum-exp, hence the private CPU op (present in torch 2.x's CPU builds).
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o0, lse0 = flash(q_plain.view(b, hkv, g, d), keys[:, :, :split], values[:, :, :split])[
+            :2
+        ]  # (1, Hkv, G, D), (1, Hkv, G)
+        o1, lse1 = flash(q_framed.view(b, hkv, g, d), keys[:, :, split:], values[:, :, split:])[:2]
+        share = torch.sigmoid(lse1 - lse0).unsqueeze(-1).to(o0.dtype)  # (1, Hkv, G, 1) of the framed keys
+        return torch.lerp(o0, o1, share).view(b, h, t, d)
+    s0 = q_plain.reshape(b, hkv, g * t, d) @ keys[:, :, :split].transpose(-1, -2)  # (1, Hkv, G*T, split)
+    s1 = q_framed.reshape(b, hkv, g * t, d) @ keys[:, :, split:].transpose(-1, -2)  # (1, Hkv, G*T, S' - split)
+    scores = torch.cat((s0, s1), dim=-1).mul_(d**-0.5).view(b, hkv, g, t, live)  # (1, Hkv, G, T, S')
+    if blocked is not None:
+        scores.masked_fill_(blocked, torch.finfo(scores.dtype).min)
+    return (scores.softmax(-1).view(b, hkv, -1, live) @ values).view(b, h, t, d)  # (1, H, T, D)

@@ -1,0 +1,219 @@
+"""One PyTorch implementation of the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM, TinyLlama): the network only.
+
+The model attends over a slot table (engine.model.slots): the caller (the memory cascade) decides which token lives in
+which slot and at which position. Each layer's attention hands its projections to one interface
+(engine.model.attention.StepAttention): the slot table for generation, a plain causal pass for training and scoring.
+Which kernels run a decoding step (PyTorch here, or the native CPU kernels) is the backend's choice.
+
+Shapes: B batch, T new tokens, C hidden, H query heads, Hkv key/value heads, D head dim, V vocab.
+Module and parameter names mirror Hugging Face so a state dict loads without renaming.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.attention import (
+    ROTARY_HEADROOM,
+    CausalStep,
+    RotaryTable,
+    StepAttention,
+    rope_inv_freq,
+)
+from engine.model.config import ModelConfig
+from engine.model.slots import KVCache, SlotBatch, SlotStep, StepReads
+
+# ROTARY_HEADROOM, SlotBatch and rope_inv_freq are re-exported: the cascade, batching and Core ML import them here.
+__all__ = [
+    "ROTARY_HEADROOM",
+    "KVCache",
+    "SlotBatch",
+    "Transformer",
+    "fuse_projections",
+    "replace_linears",
+    "rope_inv_freq",
+]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like transformers does, then cast back before the weight.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel, same arithmetic
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = h, hkv, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj: nn.Module | None = None  # q, k, v stacked into one matrix by fuse_projections()
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, C) -> q (B, T, H*D), k and v (B, T, Hkv*D)."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split((self.n_heads * self.head_dim, kv, kv), dim=-1)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, layer: int, step: StepAttention) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        b, t, _ = x.shape
+        q, k, v = self.project(x)
+        step.record_queries(layer, q)  # pre-RoPE, after q_proj and its bias
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        out = step.attend(layer, q, k, v)  # (B, H, T, D)
+        y: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, C)
+        return y
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj: nn.Module | None = None  # gate and up stacked into one matrix by fuse_projections()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I) each
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I) each
+        out: torch.Tensor = self.down_proj(F.silu(gate).mul_(up))
+        return out
+
+
+def _stacked(linears: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear whose output is the given linears' outputs side by side."""
+    w = torch.cat([lin.weight.detach() for lin in linears])  # (sum out, in)
+    out = nn.Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, device="meta")
+    out.weight = nn.Parameter(w, requires_grad=False)
+    if out.bias is not None:
+        out.bias = nn.Parameter(
+            torch.cat([lin.bias.detach() for lin in linears if lin.bias is not None]), requires_grad=False
+        )
+    return out
+
+
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Swap every nn.Linear in `model` for make(linear): the inference paths' weight layouts and quantizations."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, make(child))
+
+
+def fuse_projections(model: Transformer) -> None:
+    """Stack q/k/v and gate/up into one matrix each (inference only): a decode step then makes 4 matrix calls per
+    layer instead of 7, and the int8 path quantizes each activation row once instead of three times."""
+    for layer in model.decoder_layers():
+        a, m = layer.self_attn, layer.mlp
+        a.qkv_proj = _stacked([a.q_proj, a.k_proj, a.v_proj])
+        m.gate_up_proj = _stacked([m.gate_proj, m.up_proj])
+        del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    embed_tokens: nn.Module  # an nn.Embedding, or a backend's lookup sharing the LM head's storage
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """Llama-family causal LM over a slot-table KV cache."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            assert isinstance(self.model.embed_tokens, nn.Embedding)  # as built; backends swap it later
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope: RotaryTable | None = None
+
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """The layers, typed (iterating an nn.ModuleList yields plain Modules)."""
+        return cast(Sequence[DecoderLayer], self.model.layers)
+
+    def setup_rope(self) -> None:
+        """Build the cos/sin table on the weights' device (call after loading weights)."""
+        p = self.model.norm.weight  # any parameter gives device and compute dtype; the norm is never swapped
+        self.rope = RotaryTable(self.config, self.config.max_position_embeddings + ROTARY_HEADROOM, p.device, p.dtype)
+
+    def rotary(self) -> RotaryTable:
+        """The cos/sin table, (re)built when missing or on another device than the weights."""
+        if self.rope is None or self.rope.cos.device != self.model.norm.weight.device:
+            self.setup_rope()
+        assert self.rope is not None
+        return self.rope
+
+    def new_cache(self, batch: int, num_slots: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A slot table on the weights' device; `dtype` defaults to the compute dtype."""
+        p = self.model.norm.weight  # any parameter gives device and compute dtype; the norm is never swapped
+        return KVCache(self.config, batch, num_slots, p.device, dtype or p.dtype, p.dtype)
+
+    def hidden_states(self, tokens: torch.Tensor, step: StepAttention) -> torch.Tensor:
+        """tokens (B, T) -> final normed hidden states (B, T, C), each layer attending through `step`."""
+        x = self.model.embed_tokens(tokens)  # (B, T, C)
+        for i, layer in enumerate(self.decoder_layers()):
+            x = x + layer.self_attn(layer.input_layernorm(x), i, step)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h: torch.Tensor = self.model.norm(x)
+        return h
+
+    def forward_causal(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Training / scoring path without a cache: tokens (B, T) -> logits (B, T, V), causal, positions 0..T-1."""
+        logits: torch.Tensor = self.lm_head(self.hidden_states(tokens, CausalStep(self.rotary(), tokens.shape[1])))
+        return logits
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        batch: SlotBatch,
+        last_only: bool = False,
+        reads: StepReads | None = None,
+    ) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last token only when `last_only`; writes this
+        step's K/V into `cache`. `reads`: the step's plan when the caller already made it (KVCache.plan)."""
+        reads = reads or cache.plan(batch, self.rotary())
+        h = self.hidden_states(tokens, SlotStep(cache, batch, reads))
+        if last_only:
+            h = h[:, -1:, :]
+        logits: torch.Tensor = self.lm_head(h)
+        return logits

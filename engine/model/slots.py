@@ -1,0 +1,387 @@
+"""The slot table: a preallocated, fixed-shape KV cache of S slots per layer, its read copies, and the planning of
+each step's reads — the one owner of the invariant that a read copy always equals its slot read and rotated afresh.
+
+The caller (the memory cascade) decides which token lives in which slot and at which position (`SlotBatch`), so
+the same forward serves full attention, StreamingLLM-style sink+window, paged-in episodic blocks, batching and
+Core ML conversion. Keys are stored *without* rotary embedding and rotated on read with the slot's current
+position: the cascade re-numbers positions as the window slides without rewriting the cache, and while positions
+equal absolute token indices the result equals standard attention exactly.
+
+Shapes: L layers, B batch, T new tokens, S slots, S' live slots, m attended slots, H query heads, Hkv key/value
+heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.model.attention import (
+    Rope,
+    RotaryTable,
+    apply_rope,
+    masked_attention,
+    small_step_attention,
+    split_frame_attention,
+)
+from engine.model.config import ModelConfig
+
+# Steps of at most this many new tokens (decoding, short chunks) read the slot table through its read copies;
+# larger steps (prefill chunks) convert and rotate every live slot on read, which their many queries amortize,
+# and attend with PyTorch's fused kernel.
+SMALL_STEP = 8
+
+
+@dataclass
+class SlotBatch:
+    """Everything one forward needs about where tokens go and what they see (built by the cascade).
+
+    positions:      (B, T) long  position of each new token (for its query and its stored key)
+    write_slots:    (B, T) long  slot each new token's K/V is written to
+    slot_positions: (B, S') long position of each of the first S' <= S slots after this step's writes
+    mask:           (B, 1, T, S') bool True where a new token may attend to a slot
+    frame:          (B,) long or None, with frame_start (B,) long: a rotation frame for the slots from
+                    frame_start on. RoPE scores depend only on position differences, so those keys may be rotated
+                    at position + frame if the queries that score them are too. The cascade puts its window in a
+                    frame that grows by one as the window's positions shrink by one: a window key's angle, and so
+                    its read copy (KVCache), never changes while the window slides, and the sinks and paged-in
+                    blocks before it keep theirs. One-row small steps use it; others rotate at plain positions.
+    summary_weights: (B, T) float or None: each token's weight in the query summary (rows summing to 1; padding 0);
+                    None weighs a row's tokens equally.
+
+    Only the leading S' slots take part (S' = slot_positions.shape[1]): a memory that has filled 300 of 4096 slots
+    pays for 300, and a backend with a fixed shape (Core ML) pads the plan to its S with masked-off slots.
+    """
+
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    slot_positions: torch.Tensor
+    mask: torch.Tensor
+    frame: torch.Tensor | None = None
+    frame_start: torch.Tensor | None = None
+    summary_weights: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refresh:
+    """Stale read copies to re-derive from the stored k, v.
+
+    slots:       (n,) the slots whose key copies are stale
+    ranks:       (n,) the ranks holding them, or None: the copies are the leading n ranks, keys and values both
+    rope:        cos, sin (B, 1, n, D) at those slots' positions
+    value_slots: (n_v,) slots whose value copies are stale too (their slot changed; a value has no position)
+    value_ranks: (n_v,) the ranks holding them, a subset of `ranks` (unused when `ranks` is None)
+    """
+
+    slots: torch.Tensor
+    ranks: torch.Tensor | None
+    rope: Rope
+    value_slots: torch.Tensor | None = None
+    value_ranks: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepReads:
+    """How every layer of one forward reads the slot table (planned once per forward by `KVCache.plan`).
+
+    rope_q:        cos, sin (B, 1, T, D) at the new tokens' positions
+    width:         m, the attended slots held in read ranks [0, m) (small steps), or 0: read all S' slots in slot
+                   order (large steps, where converting on read is amortized over many tokens)
+    rope_slots:    large steps: cos, sin (B, 1, S', D) at every live slot's position; None for small steps
+    refresh:       small steps whose written slots are not the only stale ranks: what to re-derive after the write
+    write_ranks:   (T,) ranks of the written slots when a one-row step can write their read copies in one pass
+                   (KVCache.write_rotated), else None
+    pre:           with write_ranks: the other stale ranks (a page-in), re-derived before the write
+    split:         with a frame, ranks [0, split) are scored by queries at their positions (rope_q) and ranks
+                   [split, m) by queries in the frame (rope_q_framed); 0 without a frame
+    rope_q_framed: cos, sin (1, 1, T, D) at the new tokens' positions in the frame, or None without one
+    blocked:       (B, 1, 1, T, m) bool, True where a new token may NOT attend; None when nothing is
+    """
+
+    rope_q: Rope
+    width: int
+    rope_slots: Rope | None = None
+    refresh: Refresh | None = None
+    write_ranks: torch.Tensor | None = None
+    pre: Refresh | None = None
+    split: int = 0
+    rope_q_framed: Rope | None = None
+    blocked: torch.Tensor | None = None
+
+
+def summarize_queries(q: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> None:
+    """The query summary: q (B, T, H*D) pre-RoPE (after q_proj and its bias) -> out (B, Hkv, D) fp32, the mean over
+    the step's tokens (weighted by `weights` (B, T) when given) and over the query heads of each KV-head group
+    (heads of a group are adjacent). Computed in the forward that makes q, never in a pass of its own."""
+    b, t, hd = q.shape
+    hkv, d = out.shape[1], out.shape[2]
+    per_group = q.reshape(b, t, hkv, hd // (hkv * d), d).float().mean(dim=3)  # (B, T, Hkv, D)
+    if weights is None:
+        out.copy_(per_group.mean(dim=1))
+    else:
+        out.copy_(torch.einsum("bt,btkd->bkd", weights.float(), per_group))
+
+
+class KVCache(nn.Module):
+    """Preallocated slot table: k, v (L, B, Hkv, S, D). Keys are stored unrotated (see module doc).
+
+    Beside it live *read copies* in the compute dtype, in read order rather than slot order: rank r of
+    `k_read`/`v_read` holds slot `read_slots[r]`, its key rotated at `read_positions[b, r]` and its value widened.
+    A step of few tokens attends to the slots it may see, ranked in slot order, so its keys and values are the
+    leading m ranks (no gather, even though a cascade's attended slots have gaps), and it re-derives only the ranks
+    whose slot, rotation or content changed: in plain decoding just the new token's (SlotBatch.frame keeps a
+    sliding window's rotations fixed; without it a sliding window re-rotates them all). The copies are always
+    derived from the stored k, v, so results are exactly those of converting and rotating on read.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_read: torch.Tensor
+    v_read: torch.Tensor
+    read_slots: torch.Tensor
+    read_positions: torch.Tensor
+    summary: torch.Tensor
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch: int,
+        num_slots: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, num_slots, cfg.head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,S,D)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,S,D)
+        self.register_buffer(
+            "k_read", torch.zeros(shape, device=device, dtype=compute_dtype), persistent=False
+        )  # (L,B,Hkv,S,D)
+        self.register_buffer(
+            "v_read", torch.zeros(shape, device=device, dtype=compute_dtype), persistent=False
+        )  # (L,B,Hkv,S,D)
+        self.register_buffer(
+            "read_slots", torch.full((num_slots,), -1, device=device, dtype=torch.long), persistent=False
+        )  # (S,)
+        self.register_buffer(
+            "read_positions", torch.full((batch, num_slots), -1, device=device, dtype=torch.long), persistent=False
+        )  # (B,S)
+        # The last forward's query summary (summarize_queries): what the cascade routes episodic blocks with.
+        summary_shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim)
+        self.register_buffer(
+            "summary", torch.zeros(summary_shape, device=device, dtype=torch.float32), persistent=False
+        )  # (L,B,Hkv,D)
+
+    @staticmethod
+    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, compute_dtype: torch.dtype) -> int:
+        """Bytes one slot of one row takes: k, v in `dtype` and their read copies in `compute_dtype`, every layer."""
+        per_tensor = cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+        return 2 * per_tensor * (dtype.itemsize + compute_dtype.itemsize)
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every (L, B, Hkv, S, D) buffer, for whole-row operations such as beam reordering."""
+        return [self.k, self.v, self.k_read, self.v_read]
+
+    def leading_rows(self, n: int) -> KVCache:
+        """This table's rows [0, n) as a KVCache sharing its storage and its read-copy bookkeeping (views).
+
+        The read copies of rows left out are not kept up to date by forwards over the view: whoever switches
+        between views of different sizes must `forget()` the read copies first (TorchBackend.forward does)."""
+        view = copy.copy(self)
+        view._buffers = dict(self._buffers)  # a module's shallow copy would share (and so overwrite) the dict
+        for name in ("k", "v", "k_read", "v_read"):
+            view._buffers[name] = self.get_buffer(name)[:, :n]  # (L, n, Hkv, S, D)
+        view._buffers["read_positions"] = self.read_positions[:n]  # (n, S)
+        view._buffers["summary"] = self.summary[:, :n]  # (L, n, Hkv, D): rows past n keep their last summary
+        return view
+
+    @property
+    def batch(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.k.shape[3])
+
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots (B, T); k, v (B, Hkv, T, D) -> stored at [layer, b, :, slots[b]]. Returns k, v as stored (in the
+        table's dtype)."""
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        if slots.shape[0] == 1:
+            # One sequence: a plain index_copy_ is the cheapest write.
+            self.k[layer].index_copy_(2, slots[0], k)
+            self.v[layer].index_copy_(2, slots[0], v)
+            return k, v
+        idx = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # (B, Hkv, T, D)
+        self.k[layer].scatter_(2, idx, k)
+        self.v[layer].scatter_(2, idx, v)
+        return k, v
+
+    def forget(self, slots: torch.Tensor | None = None) -> None:
+        """Drop the read copies of `slots` (all when None) after their k, v changed: restores, paging in, writes."""
+        if slots is None:
+            self.read_slots.fill_(-1)
+        elif slots.numel() == 1:  # a decoding step's write: one comparison, not isin's sort
+            self.read_slots.masked_fill_(self.read_slots == slots.reshape(()), -1)
+        else:
+            self.read_slots.masked_fill_(torch.isin(self.read_slots, slots), -1)
+
+    def plan(self, batch: SlotBatch, rope: RotaryTable) -> StepReads:
+        """How this step reads the table; for small steps, moves the read bookkeeping to the attended slots (their
+        copies are brought up to date by the forward that follows, layer by layer)."""
+        rope_q = rope.lookup(batch.positions)
+        b, t = batch.positions.shape
+        if t > SMALL_STEP:
+            self.forget(batch.write_slots.flatten())
+            return StepReads(rope_q=rope_q, width=0, rope_slots=rope.lookup(batch.slot_positions))
+        one_query = batch.mask.shape[:-1].numel() == 1  # one row, one token: it attends to exactly `attended`
+        rows = batch.mask.reshape(-1, batch.mask.shape[-1])  # (B*Hm*T, S')
+        attended = (rows[0] if one_query else rows.any(0)).nonzero().squeeze(1)  # (m,) slots anything attends to
+        positions = batch.slot_positions.index_select(1, attended)  # (B, m) rotation positions of their keys
+        split, rope_q_framed, frame_start = 0, None, None
+        if b == 1 and batch.frame is not None and batch.frame_start is not None and int(batch.frame[0]):
+            frame_start = batch.frame_start[0]
+            in_frame = attended >= frame_start  # (m,) a suffix: ranks follow slot order
+            split = int(attended.numel() - in_frame.sum())
+            positions = positions + batch.frame[:, None] * in_frame
+            rope_q_framed = rope.lookup(batch.positions + batch.frame[:, None])
+        stale, moved = self._move_reads(batch, attended, positions)
+        m, n = attended.numel(), stale.numel()
+        blocked: torch.Tensor | None = None
+        if not one_query:
+            blocked = ~batch.mask.index_select(-1, attended).unsqueeze(1)  # (B, 1, 1, T, m)
+            if not blocked.any():  # e.g. new tokens over exactly the slots each attends
+                blocked = None
+        base: dict[str, Any] = {
+            "rope_q": rope_q,
+            "width": m,
+            "split": split,
+            "rope_q_framed": rope_q_framed,
+            "blocked": blocked,
+        }
+        if n * 2 > m:  # most ranks moved (e.g. a sliding window without a frame re-numbers its slots): rewrite all
+            return StepReads(**base, refresh=Refresh(slots=attended, ranks=None, rope=rope.lookup(positions)))
+
+        def refresh(ranks: torch.Tensor, value_ranks: torch.Tensor) -> Refresh:
+            return Refresh(
+                slots=attended.index_select(0, ranks),
+                ranks=ranks,
+                rope=rope.lookup(positions.index_select(1, ranks)),
+                value_slots=attended.index_select(0, value_ranks),
+                value_ranks=value_ranks,
+            )
+
+        # The one-pass write rotates the new keys as their queries are rotated (in the frame when there is one), so
+        # it serves only steps whose written slots all sit in that frame: not sinks written while a frame is on.
+        same_frame = frame_start is None or bool((batch.write_slots[0] >= frame_start).all())
+        if b == 1 and n == t and same_frame:  # n stale ranks for T written slots: check they are theirs
+            ranks = torch.searchsorted(attended, batch.write_slots[0]).clamp_(max=m - 1)  # (T,)
+            if torch.equal(attended.index_select(0, ranks), batch.write_slots[0]):
+                return StepReads(**base, write_ranks=ranks)
+        elif b == 1 and t == 1 and same_frame:
+            # A decoding step right after the memory changed (a page-in, a re-route): re-derive the other stale
+            # ranks first, then take the one-pass write (and the native step) as in plain decoding.
+            rank = torch.searchsorted(attended, batch.write_slots[0]).clamp_(max=m - 1)  # (1,)
+            others = stale != rank
+            if bool(attended[rank] == batch.write_slots[0, 0]) and int(others.sum()) == n - 1:
+                pre = refresh(stale[others], moved[moved != rank])
+                return StepReads(**base, write_ranks=rank, pre=pre)
+        return StepReads(**base, refresh=refresh(stale, moved))
+
+    def _move_reads(
+        self, batch: SlotBatch, attended: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hold the attended slots (m,), in slot order, at ranks [0, m) with keys rotated at `positions` (B, m).
+
+        Returns the stale ranks of keys (n,): those whose slot or rotation changed since their copy was made, or
+        whose slot this step writes; and the stale ranks of values (n_v,) <= n: only those whose slot changed or
+        is written (a value does not depend on its position)."""
+        self.forget(batch.write_slots.flatten())  # written slots always get a fresh copy
+        m = attended.numel()
+        moved = self.read_slots[:m] != attended  # (m,) holds another slot, or a forgotten one
+        stale = moved | (self.read_positions[:, :m] != positions).any(0)  # (m,)
+        self.read_slots[:m] = attended
+        self.read_slots[m:] = -1
+        self.read_positions[:, :m] = positions
+        return stale.nonzero().squeeze(1), moved.nonzero().squeeze(1)
+
+    def write_rotated(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        ranks: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: Rope,
+    ) -> torch.Tensor:
+        """Plain decoding, one row whose only stale ranks are the slots it writes: store k, v (1, Hkv, T, D) at
+        `slots` (1, T), and rotate the queries (1, H, T, D) and the stored keys in one pass with cos/sin (1, 1, T, D)
+        into the read copies at `ranks` (T,), instead of reading the keys back. Returns the rotated queries."""
+        k, v = self.write(layer, slots, k, v)
+        h = q.shape[1]
+        qk = apply_rope(torch.cat((q, k.to(q.dtype)), dim=1), *rope)  # (1, H + Hkv, T, D)
+        self.k_read[layer].index_copy_(2, ranks, qk[:, h:])
+        self.v_read[layer].index_copy_(2, ranks, v.to(self.v_read.dtype))
+        return qk[:, :h]
+
+    def refresh(self, layer: int, r: Refresh) -> None:
+        """Re-derive stale read copies of `layer` from the stored k, v."""
+        fresh_k = apply_rope(self.k[layer].index_select(2, r.slots).to(self.k_read.dtype), *r.rope)  # (B, Hkv, n, D)
+        if r.ranks is None:
+            n = r.slots.numel()
+            self.k_read[layer][:, :, :n] = fresh_k
+            self.v_read[layer][:, :, :n] = self.v[layer].index_select(2, r.slots)
+            return
+        self.k_read[layer].index_copy_(2, r.ranks, fresh_k)
+        if r.value_ranks is not None and r.value_slots is not None and r.value_ranks.numel():
+            fresh_v = self.v[layer].index_select(2, r.value_slots).to(self.v_read.dtype)  # (B, Hkv, n_v, D)
+            self.v_read[layer].index_copy_(2, r.value_ranks, fresh_v)
+
+    def refresh_all_layers(self, r: Refresh) -> None:
+        for layer in range(self.k.shape[0]):
+            self.refresh(layer, r)
+
+
+class SlotStep:
+    """One forward over the slot table (engine.model.attention.StepAttention): each layer stores its new k, v in the
+    slots the batch names, keeps the read copies exact, and attends over the slots the batch lets it see."""
+
+    def __init__(self, cache: KVCache, batch: SlotBatch, reads: StepReads) -> None:
+        self.cache, self.batch, self.reads = cache, batch, reads
+
+    def record_queries(self, layer: int, q: torch.Tensor) -> None:
+        summarize_queries(q, self.batch.summary_weights, self.cache.summary[layer])
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache, batch, reads = self.cache, self.batch, self.reads
+        if reads.rope_slots is not None:  # a large step: convert and rotate every live slot on read
+            cache.write(layer, batch.write_slots, k, v)
+            live = batch.slot_positions.shape[1]  # S'
+            keys = apply_rope(cache.k[layer][:, :, :live].to(q.dtype), *reads.rope_slots)  # (B, Hkv, S', D)
+            values = cache.v[layer][:, :, :live].to(q.dtype)  # (B, Hkv, S', D)
+            return masked_attention(apply_rope(q, *reads.rope_q), keys, values, batch.mask)  # (B, H, T, D)
+        # New keys and the queries that score them share a rotation: in the frame when there is one.
+        rope_new = reads.rope_q if reads.rope_q_framed is None else reads.rope_q_framed
+        q_raw = q
+        if reads.write_ranks is not None:
+            if reads.pre is not None:
+                cache.refresh(layer, reads.pre)
+            q = cache.write_rotated(layer, batch.write_slots, reads.write_ranks, q, k, v, rope_new)  # (B, H, T, D)
+        else:
+            assert reads.refresh is not None  # KVCache.plan gives a small step one or the other
+            cache.write(layer, batch.write_slots, k, v)
+            q = apply_rope(q, *rope_new)  # (B, H, T, D)
+            cache.refresh(layer, reads.refresh)
+        m = reads.width
+        keys, values = cache.k_read[layer][:, :, :m], cache.v_read[layer][:, :, :m]  # (B, Hkv, m, D) each
+        if reads.rope_q_framed is None:
+            return small_step_attention(q, keys, values, reads.blocked)  # (B, H, T, D)
+        return split_frame_attention(apply_rope(q_raw, *reads.rope_q), q, keys, values, reads.split, reads.blocked)

@@ -1,0 +1,265 @@
+"""The ASGI application (Starlette): OpenAI's routes over a `ModelService`.
+
+Routes: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions.
+Every failure is OpenAI's error object with its status (see engine.openai.errors); nothing else — no traceback,
+no HTML — ever reaches the client. A client that goes away (disconnect, or a failed send) cancels its request, so
+its row is free for the next one at the next step. CORS is off unless origins are named.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from engine.generation.batch import Completion
+from engine.openai import protocol
+from engine.openai.errors import ApiError, bad_key, bad_request, server_error, too_large, unknown_model
+from engine.openai.service import Job, ModelService
+
+log = logging.getLogger("engine.serve")
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refusing (413) one over `limit` bytes before reading it all, (400) one that is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(f"The request body is larger than the {limit:,} bytes this server accepts.")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large(f"The request body is larger than the {limit:,} bytes this server accepts.")
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise bad_request("The request body is not valid JSON.") from None
+
+
+class SSEResponse(Response):
+    """Server-sent events from `chunks`; a client disconnect (or a send that fails) cancels `job`."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncGenerator[str, None], job: Job) -> None:
+        self.status_code = 200
+        self.background = None
+        # No Content-Length: the body's length is unknown until the last event (chunked transfer).
+        self.raw_headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
+        self.chunks, self.job = chunks, job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.job.cancel_unless_done()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away mid-send
+            pass
+        finally:
+            self.job.cancel_unless_done()
+            watcher.cancel()
+            await self.chunks.aclose()
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Api:
+    """The route handlers, bound to one service and its metrics."""
+
+    def __init__(self, service: ModelService) -> None:
+        self.service = service
+        self.config = service.config
+        self.metrics = service.metrics
+        self.created = int(time.time())
+
+    # -- plumbing ----------------------------------------------------------------------------------------------
+    def route(self, endpoint: str, handler: Handler, *, auth: bool = True) -> Handler:
+        async def wrapped(request: Request) -> Response:
+            try:
+                if auth:
+                    self.check_key(request)
+                response = await handler(request)
+            except ApiError as err:
+                response = error_response(err)
+            except Exception:  # a bug must not leak a traceback to the client; the log keeps it
+                log.exception("request to %s failed", endpoint)
+                response = error_response(server_error("The server failed on this request; see its log."))
+            self.metrics.request(endpoint, response.status_code)
+            return response
+
+        return wrapped
+
+    def check_key(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise bad_key()
+
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_id:
+            raise unknown_model(name, self.config.model_id)
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "mlot-spark"}
+
+    # -- routes ------------------------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        s = self.service.scheduler
+        return JSONResponse({"status": "ok", "model": self.config.model_id, "running": s.running, "waiting": s.waiting})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self.check_model(request.path_params["model"])
+        return JSONResponse(self.model_card())
+
+    async def chat(self, request: Request) -> Response:
+        req = protocol.parse_chat(await read_json(request, self.config.max_body_bytes), self.config.limits)
+        return await self.generate(request, req, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        req = protocol.parse_completion(await read_json(request, self.config.max_body_bytes), self.config.limits)
+        return await self.generate(request, req, chat=False)
+
+    # -- generation --------------------------------------------------------------------------------------------
+    async def generate(self, request: Request, req: protocol.ParsedRequest, *, chat: bool) -> Response:
+        self.check_model(req.model)
+        job = await self.service.start(req)
+        rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+        if req.stream:
+            return SSEResponse(self.stream(job, req, rid, chat), job)
+        return await self.whole(request, job, req, rid, chat)
+
+    async def whole(self, request: Request, job: Job, req: protocol.ParsedRequest, rid: str, chat: bool) -> Response:
+        """A non-streaming reply; the client leaving while it waits cancels the job."""
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            job.cancel_unless_done()
+
+        watcher = asyncio.create_task(watch())
+        logprobs: list[tuple[str, float]] = []
+        try:
+            async for ev in job.events():
+                if req.logprobs and ev.token is not None and ev.logprob is not None:
+                    logprobs.append((self.service.token_text(ev.token), ev.logprob))
+        finally:
+            watcher.cancel()
+        c = self.finish(job)
+        shape = protocol.chat_response if chat else protocol.completion_response
+        return JSONResponse(shape(rid, req.model, c, logprobs if req.logprobs else None))
+
+    async def stream(self, job: Job, req: protocol.ParsedRequest, rid: str, chat: bool) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        model = req.model
+        offset = 0
+        if chat:
+            yield sse(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+        async with contextlib.aclosing(job.events()) as events:
+            async for ev in events:
+                lp = None
+                if req.logprobs and ev.token is not None and ev.logprob is not None:
+                    entry = [(self.service.token_text(ev.token), ev.logprob)]
+                    lp = protocol.chat_logprobs(entry) if chat else protocol.completion_logprobs(entry, offset)
+                if not ev.text and lp is None:
+                    continue
+                offset += len(ev.text)
+                delta = {"content": ev.text}
+                yield sse(
+                    protocol.chat_chunk(rid, model, created, delta, None, lp)
+                    if chat
+                    else protocol.completion_chunk(rid, model, created, ev.text, None, lp)
+                )
+        try:
+            c = self.finish(job)
+        except ApiError as err:  # the status line is gone already: the error travels as an event
+            yield sse(err.body())
+            return
+        reason = protocol.finish_reason(c.finish_reason)
+        yield sse(
+            protocol.chat_chunk(rid, model, created, {}, reason)
+            if chat
+            else protocol.completion_chunk(rid, model, created, "", reason)
+        )
+        if req.include_usage:
+            yield sse(
+                protocol.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else "text_completion", c)
+            )
+        yield "data: [DONE]\n\n"
+
+    def finish(self, job: Job) -> Completion:
+        try:
+            c = job.result()
+        except Exception as exc:  # the scheduler ended the request with an error (e.g. a failed forward)
+            log.error("generation failed: %s", exc)
+            raise server_error(f"Generation failed: {exc}") from None
+        return c
+
+
+def create_app(service: ModelService) -> Starlette:
+    api = Api(service)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        what = "This method is not allowed here" if status == 405 else f"There is no route {request.url.path}"
+        return error_response(ApiError(status, f"{what}; see /v1/models, /v1/chat/completions, /v1/completions."))
+
+    routes = [
+        Route("/health", api.route("health", api.health, auth=False), methods=["GET"]),
+        Route("/metrics", api.route("metrics", api.metrics_text), methods=["GET"]),
+        Route("/v1/models", api.route("models", api.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", api.route("models", api.model), methods=["GET"]),
+        Route("/v1/chat/completions", api.route("chat", api.chat), methods=["POST"]),
+        Route("/v1/completions", api.route("completions", api.completions), methods=["POST"]),
+    ]
+    middleware = []
+    if service.config.allow_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(service.config.allow_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["*"],
+            )
+        )
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: not_found})

@@ -1,0 +1,321 @@
+"""A remote OpenAI-compatible server (vLLM, Ollama, llama.cpp, LM Studio, our own `serve`) as a chat backend.
+
+`RemoteClient` streams a chat reply from base URL + API key + model with httpx and yields the same
+`GenerationEvent`s a local session does, so the app's worker treats both alike. There is no cascade or session
+memory on this path: the server holds whatever memory it has; `RemoteSession` keeps the transcript only.
+Every failure is a `RemoteError` with one sentence naming the problem and what to do.
+
+Shapes of what comes back are checked as hostile input: a server that sends something else than OpenAI's
+format ends the reply with an error, never a crash. The stream is read on a thread of its own, so Stop (and quitting)
+takes effect at once even while the server is silent (a big model reading a long prompt), not at its next chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from engine.errors import SparkError
+from engine.generation.loop import FinishReason, GenerationEvent, GenerationSettings
+from engine.openai.protocol import parse_finish_reason
+from engine.session.file import TRANSCRIPT_KIND, Message, save_session
+
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 300.0  # between two chunks of a stream (a big model's first token can take a while)
+STOP_POLL_S = 0.05  # how often a silent stream checks for Stop
+QUEUED_LINES = 1024  # lines read ahead of the consumer; the reader waits beyond that (a flooding server is held back)
+_END = object()
+
+
+class RemoteError(SparkError):
+    """The remote server cannot be reached, refused the request, or answered in an unexpected shape."""
+
+
+@dataclass(frozen=True)
+class RemoteServer:
+    """Where a remote model lives: what "Add a server…" asks for."""
+
+    base_url: str  # e.g. http://192.168.1.20:8000/v1
+    model: str
+    api_key: str = ""
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise RemoteError(f"{self.base_url!r} is not a server address; give one like http://host:8000/v1.")
+        if not self.model.strip():
+            raise RemoteError("Name the model to use on the server (see its model list).")
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/")
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The server's own error sentence from an OpenAI error body, if it sent one."""
+    try:
+        body = json.loads(response.read() or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return ""
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        message: str = err["message"]
+        return message[:300]
+    if isinstance(err, str):
+        return err[:300]
+    return ""
+
+
+class RemoteClient:
+    """Talks to one remote server. `transport` is for tests (httpx's mock transport); None uses the network."""
+
+    def __init__(self, server: RemoteServer, transport: httpx.BaseTransport | None = None) -> None:
+        self.server = server
+        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+        timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+        self._http = httpx.Client(headers=headers, timeout=timeout, transport=transport, follow_redirects=False)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _fail(self, response: httpx.Response) -> RemoteError:
+        where = self.server.url
+        detail = _error_message(response)
+        if response.status_code == 401 or response.status_code == 403:
+            return RemoteError(f"The server at {where} refused the API key; check the key in the server's settings.")
+        if response.status_code == 404 and detail:
+            return RemoteError(f"The server at {where} says: {detail}")
+        if response.status_code == 404:
+            return RemoteError(
+                f"The server at {where} has no OpenAI-compatible API there; check the address (it usually ends in /v1)."
+            )
+        if response.status_code in (429, 503):
+            wait = response.headers.get("retry-after")
+            return RemoteError(f"The server at {where} is busy; try again{f' in {wait} s' if wait else ' shortly'}.")
+        return RemoteError(
+            f"The server at {where} answered {response.status_code}: {detail or response.reason_phrase}."
+        )
+
+    def _unreachable(self, exc: httpx.HTTPError) -> RemoteError:
+        if isinstance(exc, httpx.TimeoutException):
+            return RemoteError(
+                f"The server at {self.server.url} did not answer in time; check that it is running and reachable."
+            )
+        return RemoteError(
+            f"Cannot reach the server at {self.server.url}; check the address and that the server is running."
+        )
+
+    def list_models(self) -> list[str]:
+        """The model names the server offers (GET /models)."""
+        try:
+            response = self._http.get(self.server.url + "/models")
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from None
+        if response.status_code != 200:
+            raise self._fail(response)
+        try:
+            data = response.json().get("data")
+            return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            raise RemoteError(
+                f"The server at {self.server.url} sent a model list that is not OpenAI's format."
+            ) from None
+
+    def stream_chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> Iterator[GenerationEvent]:
+        """Stream the reply to `messages`; one event per text chunk, the last with `finish_reason`.
+
+        Events carry no token ids (the server does not send them); `generated_tokens` counts chunks until the
+        server's usage (when it sends one) gives the true counts on the final event.
+        """
+        s = settings.sampling
+        body: dict[str, Any] = {
+            "model": self.server.model,
+            "messages": list(messages),
+            "max_tokens": settings.max_tokens,
+            "temperature": 0.0 if s.is_greedy else s.temperature,
+            "top_p": s.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if settings.stop:
+            body["stop"] = list(settings.stop)[:4]
+        if s.seed is not None:
+            body["seed"] = s.seed
+        t0 = time.perf_counter()
+        lines: queue.Queue[object] = queue.Queue(QUEUED_LINES)
+        done = threading.Event()  # the consumer left (stopped, failed or finished): the reader lets go of the stream
+        reader = threading.Thread(target=self._read, args=(body, lines, done), name="remote-stream", daemon=True)
+        reader.start()
+        try:
+            yield from self._events(self._lines(lines, should_stop), t0, should_stop)
+        finally:
+            done.set()
+
+    def _read(self, body: dict[str, Any], lines: queue.Queue[object], done: threading.Event) -> None:
+        """On the reader thread: the response's lines into `lines`, then _END, or the one RemoteError."""
+
+        def put(item: object) -> bool:
+            while not done.is_set():
+                try:
+                    lines.put(item, timeout=STOP_POLL_S)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        try:
+            with self._http.stream("POST", self.server.url + "/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    put(self._fail(response))
+                    return
+                for line in response.iter_lines():
+                    if not put(line):
+                        return  # leaving the `with` closes the connection: the server cancels the generation
+        except httpx.HTTPError as exc:
+            put(self._unreachable(exc))
+            return
+        except Exception as exc:
+            put(
+                RemoteError(
+                    f"The connection to the server at {self.server.url} failed ({type(exc).__name__}); try again."
+                )
+            )
+            return
+        put(_END)
+
+    def _lines(self, lines: queue.Queue[object], should_stop: Callable[[], bool]) -> Iterator[str | None]:
+        """The stream's lines as they come; None whenever it is silent for STOP_POLL_S, so Stop is seen at once."""
+        while True:
+            try:
+                item = lines.get(timeout=STOP_POLL_S)
+            except queue.Empty:
+                yield None
+                continue
+            if item is _END:
+                return
+            if isinstance(item, RemoteError):
+                raise item
+            yield str(item)
+
+    def _events(
+        self, lines: Iterator[str | None], t0: float, should_stop: Callable[[], bool]
+    ) -> Iterator[GenerationEvent]:
+        n, prompt_tokens, t_first, reason = 0, 0, t0, None
+
+        def event(text: str, final: FinishReason | None) -> GenerationEvent:
+            now = time.perf_counter()
+            rate = (n - 1) / (now - t_first) if n > 1 and now > t_first else 0.0
+            return GenerationEvent(text, None, None, prompt_tokens, n, t_first - t0 if n else 0.0, rate, final)
+
+        for line in lines:
+            if should_stop():
+                yield event("", FinishReason.CANCELLED)
+                return
+            if line is None or not line.startswith("data:"):
+                continue  # SSE comments, event names, blank separators
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = self._parse(data)
+            usage = chunk.get("usage")
+            if isinstance(usage, dict):
+                prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                n = int(usage.get("completion_tokens") or n)
+            for choice in chunk.get("choices") or []:
+                if not isinstance(choice, dict):
+                    continue
+                delta = choice.get("delta") or {}
+                text = delta.get("content") if isinstance(delta, dict) else None
+                reason = choice.get("finish_reason") or reason
+                if isinstance(text, str) and text:
+                    n += 1
+                    if n == 1:
+                        t_first = time.perf_counter()
+                    yield event(text, None)
+        yield event("", parse_finish_reason(reason))
+
+    def _parse(self, data: str) -> dict[str, Any]:
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError:
+            chunk = None
+        if not isinstance(chunk, dict):
+            raise RemoteError(f"The server at {self.server.url} sent a reply that is not OpenAI's streaming format.")
+        if "error" in chunk:
+            err = chunk["error"]
+            message = err.get("message") if isinstance(err, dict) else err
+            raise RemoteError(f"The server at {self.server.url} stopped with an error: {str(message)[:300]}")
+        return chunk
+
+
+@dataclass
+class RemoteSession:
+    """A conversation with a remote model: the transcript only (the server keeps whatever memory it keeps)."""
+
+    client: RemoteClient
+    messages: list[dict[str, str]] = field(default_factory=list)
+    system_prompt: str = ""
+
+    def reset(self) -> None:
+        self.messages = []
+
+    def save(self, path: str | Path) -> int:
+        """Write the transcript as a .spark file (no memory: the server's is not ours to save). Opened with a
+        local model it restores as a transcript of another model, to be re-read; returns the size in bytes."""
+        fingerprint = (
+            "remote-" + hashlib.sha256(f"{self.client.server.url}\n{self.client.server.model}".encode()).hexdigest()
+        )
+        return save_session(
+            path,
+            fingerprint=fingerprint,
+            tokenizer_hash=None,
+            messages=[Message(m["role"], m["content"]) for m in self.messages],
+            system_prompt=self.system_prompt,
+            settings={},
+            memory_state=({"kind": TRANSCRIPT_KIND}, {}),
+            pending_token=None,
+            sampler_state=None,
+            extra={"remote_url": self.client.server.url, "model": self.client.server.model},
+            token_ids=[],
+        )
+
+    def chat(
+        self, user_text: str, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False
+    ) -> Iterator[GenerationEvent]:
+        """Append a user message and stream the reply (appended to `messages` as it arrives)."""
+        self.messages.append({"role": "user", "content": user_text})
+        return self._reply(settings, should_stop)
+
+    def regenerate(
+        self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False
+    ) -> Iterator[GenerationEvent]:
+        while self.messages and self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+        return self._reply(settings, should_stop)
+
+    def _reply(self, settings: GenerationSettings, should_stop: Callable[[], bool]) -> Iterator[GenerationEvent]:
+        sent = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + list(self.messages)
+        reply = {"role": "assistant", "content": ""}
+        self.messages.append(reply)
+        try:
+            for ev in self.client.stream_chat(sent, settings, should_stop):
+                reply["content"] += ev.text
+                yield ev
+        finally:
+            if not reply["content"]:
+                self.messages.remove(reply)

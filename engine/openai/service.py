@@ -1,0 +1,188 @@
+"""The model behind the server: one loaded model, one scheduler (continuous batching), requests in, events out.
+
+`ModelService` turns a parsed request into prompt ids (chat template or raw text), checks its size, and queues it
+on the scheduler. Each row of the scheduler has its own memory from the engine's memory factory — the cascade over
+the shared persistent (L3) store — so a request whose prompt extends an earlier one (a chat client sending the
+whole conversation again) restores that prefix from L3 (exact prefix blocks while the conversation fits the window,
+the cascade snapshot beyond) instead of re-reading it; `Completion.cached_tokens` says how many tokens it skipped.
+
+`Job` bridges the scheduler thread to the event loop: events arrive on an asyncio queue; cancelling the job (the
+client went away) frees its row at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.backends.base import Backend
+from engine.errors import SparkError
+from engine.generation.batch import Completion, RowMemoryFactory
+from engine.generation.loop import GenerationEvent
+from engine.generation.scheduler import QueueFull, Request, Scheduler, SchedulerClosed, SchedulerConfig
+from engine.loading.tokenizer import Tokenizer
+from engine.memory.base import Memory
+from engine.openai.errors import bad_request, busy, too_large, unavailable
+from engine.openai.metrics import Metrics
+from engine.openai.protocol import Limits, ParsedRequest
+
+DEFAULT_SLOTS = 2048  # slots per row for a memory that does not say (full attention)
+
+
+def served_name(model: Path) -> str:
+    """The name clients send as "model" for a model folder or GGUF file: its folder name or file stem."""
+    return model.stem if model.suffix == ".gguf" else model.name
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_id: str  # the name clients send as "model"
+    api_key: str | None = None
+    max_batch: int = 8  # requests generating at once (rows of the slot table)
+    max_queue: int = 64  # requests waiting beyond those; more are refused with 429 + Retry-After
+    max_prompt_tokens: int = 16384  # longer prompts are refused with 413
+    max_body_bytes: int = 8 * 1024**2  # larger request bodies are refused with 413 before they are parsed
+    retry_after_s: int = 2
+    limits: Limits = field(default_factory=Limits)
+    allow_origins: tuple[str, ...] = ()  # CORS is off unless origins are named
+
+
+class Job:
+    """One queued request: `events()` streams its GenerationEvents, `result()` its Completion once they end."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        request: Request,
+        loop: asyncio.AbstractEventLoop,
+        on_done: Callable[[Completion], None],
+    ) -> None:
+        self.request = request
+        self._queue: asyncio.Queue[GenerationEvent | None] = asyncio.Queue()
+
+        def put(item: GenerationEvent | None) -> None:
+            try:
+                loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            except RuntimeError:  # the event loop is gone: nobody listens any more
+                request.cancel()
+
+        request.on_event = put
+        self.future = scheduler.submit(request, block=False)  # QueueFull / SchedulerClosed propagate
+
+        def done(future: Future[Completion]) -> None:  # after the final event (same thread, in order)
+            put(None)
+            if not future.cancelled() and future.exception() is None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: nothing left to count
+                    loop.call_soon_threadsafe(on_done, future.result())
+
+        self.future.add_done_callback(done)
+
+    async def events(self) -> AsyncGenerator[GenerationEvent, None]:
+        try:
+            while (ev := await self._queue.get()) is not None:
+                yield ev
+        finally:
+            self.cancel_unless_done()
+
+    def cancel_unless_done(self) -> None:
+        if not self.future.done():
+            self.request.cancel()
+
+    def result(self) -> Completion:
+        return self.future.result(timeout=0)
+
+
+class ModelService:
+    """Owns the scheduler over `backend` (a fork of its own) and the model's tokenizer. `memory_factory` is called
+    as factory(backend, row), as engine.session.engine.memory_factory_for's factories take it."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        memory_factory: RowMemoryFactory | Callable[..., Memory],
+        config: ServeConfig,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.memories: list[Memory] = []
+        probe = memory_factory(backend, 0)  # a cascade sizes the slot table itself (batch 1); read its size off it
+        num_slots = getattr(getattr(probe, "cfg", None), "num_slots", DEFAULT_SLOTS)
+        self._lock = threading.Lock()
+
+        def factory(view: Backend, row: int) -> Memory:
+            m = memory_factory(view, row)
+            with self._lock:
+                self.memories.append(m)
+            return m
+
+        sched_cfg = SchedulerConfig(max_batch=config.max_batch, num_slots=num_slots, max_queue=config.max_queue)
+        self.scheduler = Scheduler(backend, tokenizer, sched_cfg, factory)
+        self.metrics = Metrics(self.gauges())
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def prompt_ids(self, req: ParsedRequest) -> list[int]:
+        """Prompt ids for a chat (through the chat template) or a completion (raw text, or ids as given)."""
+        tok = self.tokenizer
+        if req.messages is not None:
+            if tok.chat_template is None:
+                raise bad_request("This model has no chat template; use /v1/completions with a raw prompt.", "messages")
+            ids = tok.encode_chat(req.messages)
+        elif isinstance(req.prompt, str):
+            ids = tok.encode(req.prompt)
+        else:
+            ids = list(req.prompt or [])
+            if any(t >= tok.vocab_size for t in ids):
+                raise bad_request(
+                    f"'prompt' holds a token id outside this model's vocabulary of {tok.vocab_size}.", "prompt"
+                )
+        if not ids:
+            raise bad_request("The prompt is empty; send some text.", "prompt")
+        if len(ids) > self.config.max_prompt_tokens:
+            raise too_large(
+                f"The prompt is {len(ids):,} tokens, more than the {self.config.max_prompt_tokens:,} this server accepts; shorten it.",
+                "messages" if req.messages is not None else "prompt",
+            )
+        return ids
+
+    async def start(self, req: ParsedRequest) -> Job:
+        """Tokenize (off the event loop) and queue `req`; ApiError when it is refused."""
+        try:
+            ids = await asyncio.to_thread(self.prompt_ids, req)
+        except SparkError as exc:  # e.g. a chat template that refuses these messages
+            raise bad_request(str(exc)) from None
+        try:
+            return Job(self.scheduler, Request(ids, req.settings), asyncio.get_running_loop(), self._count)
+        except QueueFull:
+            raise busy(self.config.retry_after_s, self.config.max_queue) from None
+        except SchedulerClosed:
+            raise unavailable("The server is shutting down; send the request to it again after it restarts.") from None
+
+    def _count(self, c: Completion) -> None:
+        self.metrics.finished(
+            c.finish_reason, c.prompt_tokens, c.cached_tokens, len(c.tokens), c.ttft_s, c.tokens_per_s
+        )
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special=False)
+
+    # -- figures -----------------------------------------------------------------------------------------------
+    def gauges(self) -> dict[str, Any]:
+        """Gauges for /metrics and /health: rows in use, queue, and the prefix store's hit rate."""
+        out: dict[str, Any] = {
+            "spark_requests_running": lambda: float(self.scheduler.running),
+            "spark_requests_waiting": lambda: float(self.scheduler.waiting),
+        }
+        stats = getattr(self.memories[0], "stats", None) if self.memories else None
+        if stats is not None:  # the persistent store is shared by every row; the other tiers are per row
+            out["spark_cache_persistent_hit_ratio"] = lambda: float(stats().persistent.hit_rate)
+        return out

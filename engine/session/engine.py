@@ -1,0 +1,481 @@
+"""The engine's façade: `Engine` (a loaded model, weights once) and `Session` (one conversation and its memory).
+
+The app's worker thread, the CLI and the benchmarks all talk to these two classes; nothing here imports Qt.
+
+A turn is fed *incrementally*: the session remembers the exact text its memory holds (`known_text`); when the
+rendered conversation still starts with that text, only the new suffix is tokenized and fed, so an endless
+conversation keeps its cascade memory instead of being re-read every turn. When the transcript was edited (new
+chat, regenerate, a template that rewrites history) the memory is reset and the prompt re-fed; the persistent
+prefix cache makes that cheap.
+
+Loading (the memory factory, the fit check, the step lock's backend wrapper) lives in engine.session.setup.
+
+Why over ~400 lines: `Session` is the one owner of a conversation's memory, transcript, sampler and feed log;
+its save and load must move all four in step (a load swaps them in only when everything checked out), so they
+stay beside the state they move.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.backends import BackendChoice, open_backend
+from engine.backends.base import Backend
+from engine.errors import InputTooLarge, SparkError
+from engine.generation.loop import (
+    GenerationEvent,
+    GenerationSettings,
+    Pacer,
+    PrefillProgress,
+    stream_generate,
+)
+from engine.generation.sampling import Sampler, SamplingSettings, make_sampler
+from engine.hw import HardwarePolicy
+from engine.loading.model_files import check_model_path, display_name, resolve_model_path
+from engine.loading.tokenizer import Tokenizer
+from engine.memory.base import Memory
+from engine.memory.cascade import CascadeStats
+from engine.session.file import (
+    RECOMPUTE_KIND,
+    ForeignModelSession,
+    Message,
+    SessionData,
+    restore,
+    save_session,
+)
+from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
+from engine.session.setup import LockedBackend, MemoryFactory, check_fits, memory_factory_for
+
+MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pasted file), not a prompt
+
+__all__ = [
+    "ChatMessage",
+    "Engine",
+    "LoadReport",
+    "MemoryFactory",
+    "Session",
+    "memory_factory_for",
+]  # the last two from engine.session.setup
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What `Session.load` did, in words the UI and CLI can show."""
+
+    applied: bool  # False: nothing changed (a foreign file not accepted as transcript-only)
+    foreign_model: bool  # the file was made with another model or tokenizer
+    transcript_only: bool  # messages restored, memory re-read on the next turn instead of restored
+    messages: int
+    tokens: int
+    message: str
+
+
+@dataclass
+class ChatMessage:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+    timestamp: float = field(default_factory=time.time)
+
+    def as_template_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+class Engine:
+    """A loaded model on one backend; conversations are opened from it and share its weights."""
+
+    def __init__(
+        self,
+        choice: BackendChoice,
+        tokenizer: Tokenizer,
+        model_dir: Path,
+        memory_factory: MemoryFactory,
+        policy: HardwarePolicy | None = None,
+    ) -> None:
+        self.policy = policy  # paces every session's generation (thermal throttling / pause) unless given another
+        self.choice = choice
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.memory_factory = memory_factory
+        self._first_taken = False
+        # One forward at a time on shared weights: conversations on other threads queue per step, so the quick
+        # prompt interleaves with a running chat token by token instead of waiting for the whole reply.
+        self.step_lock = threading.Lock()
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path | None = None,
+        backend: str = "auto",
+        *,
+        memory_factory: MemoryFactory,
+        policy: HardwarePolicy | None = None,
+        quantize: str = "none",
+    ) -> Engine:
+        """Load a model (HF folder or GGUF; the default model when None); with a `policy`, refuse (one sentence) a
+        model this machine cannot hold, by the loaded backend's own figures."""
+        model_dir = resolve_model_path(model_dir)
+        check_model_path(model_dir)
+        tokenizer = Tokenizer.load(model_dir)
+        choice = open_backend(model_dir, backend, quantize)
+        if policy is not None:
+            check_fits(policy, choice.backend, model_dir)
+        return cls(choice, tokenizer, model_dir, memory_factory, policy)
+
+    @property
+    def backend(self) -> Backend:
+        return self.choice.backend
+
+    def locked_fork(self) -> Backend:
+        """A fork of the backend (its own slot table, shared weights) whose forwards take the step lock: for a
+        scheduler serving requests beside this engine's conversations."""
+        return LockedBackend(self.backend.fork(), self.step_lock)
+
+    def new_session(self) -> Session:
+        """The first session uses the loaded backend's slot table; later ones fork their own."""
+        backend = self.backend if not self._first_taken else self.backend.fork()
+        self._first_taken = True
+        return Session(self, backend, self.memory_factory(backend))
+
+
+def load(
+    model: str | Path | None = None,
+    backend: str = "auto",
+    *,
+    quantize: str = "none",
+    cache_dir: Path | None = None,
+    prefix_cache: bool = True,
+    policy: HardwarePolicy | None = None,
+) -> Engine:
+    """The engine's front door: a model (HF folder, GGUF file, or the default model when None) on `backend`, each
+    conversation's memory the cascade over a persistent prefix cache under `cache_dir` (the app's cache dir when
+    None). With a `policy`, a model this machine cannot hold is refused in one sentence."""
+    factory = memory_factory_for(model, cache_dir=cache_dir, prefix_cache=prefix_cache, policy=policy)
+    return Engine.load(model, backend, memory_factory=factory, policy=policy, quantize=quantize)
+
+
+class Session:
+    """One conversation: messages, its memory on its own slot table, the sampler, and the unfed last token."""
+
+    def __init__(self, engine: Engine, backend: Backend, memory: Memory) -> None:
+        self.engine = engine
+        self.backend = backend
+        self.memory = memory
+        self.tokenizer = engine.tokenizer
+        self.messages: list[ChatMessage] = []
+        self.system_prompt = ""
+        self.pending_token: int | None = None  # sampled last, not yet fed (fed first on the next turn)
+        self.known_text = ""  # decoded text of memory.tokens + pending_token, special tokens included
+        self.sampler = make_sampler(SamplingSettings())  # its .settings are this conversation's sampling settings
+        self.feed_log = FeedLog()  # how memory was fed since its last reset (a compact save's recipe)
+        self.restore_digest_ok: bool | None = None  # after a compact restore: was the rebuilt memory bit-identical?
+        self.on_prefill: Callable[[PrefillProgress], None] | None = None  # hears the reading of each prompt
+
+    # -- conversation ------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """New chat: forget messages and memory."""
+        self.messages = []
+        self.memory.reset()
+        self.feed_log.clear()
+        self.pending_token = None
+        self.known_text = ""
+        self.sampler = make_sampler(self.sampler.settings)  # a new chat restarts a seeded stream
+
+    def chat(
+        self,
+        user_text: str,
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        pacer: Pacer | None = None,
+    ) -> Iterator[GenerationEvent]:
+        """Append a user message and stream the assistant's reply (appended to `messages` when it ends)."""
+        self._check_size(user_text)
+        self.messages.append(ChatMessage("user", user_text))
+        return self.submit(self.messages, settings, should_stop, pacer)
+
+    def submit(
+        self,
+        messages: Sequence[ChatMessage | dict[str, str]],
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        pacer: Pacer | None = None,
+    ) -> Iterator[GenerationEvent]:
+        """Stream a reply to `messages` (the whole conversation so far, last one from the user)."""
+        msgs = [m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"]) for m in messages]
+        if self.messages is not messages:
+            self.messages = list(msgs)
+        rendered = self.tokenizer.apply_chat_template(self._template_messages(), add_generation_prompt=True)
+        self._check_size(rendered)  # what the template made of the text, not only what was typed
+        ids = self._ids_for_text(rendered)
+        return self._run(ids, settings, should_stop, pacer, reply_to_messages=True)
+
+    def read_transcript(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Bring memory in step with `messages` without replying (a branch): feeds what memory does not hold yet."""
+        if not self.messages:
+            return
+        rendered = self.tokenizer.apply_chat_template(self._template_messages(), add_generation_prompt=False)
+        ids = self._ids_for_text(rendered)
+        if ids:
+            for _ in self._run(ids, GenerationSettings(max_tokens=0), should_stop, None, reply_to_messages=False):
+                pass
+
+    def regenerate(
+        self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None
+    ) -> Iterator[GenerationEvent]:
+        """Drop the last assistant reply and answer the last user message again."""
+        while self.messages and self.messages[-1].role == "assistant":
+            self.messages.pop()
+        return self.submit(self.messages, settings, should_stop, pacer)
+
+    def complete(
+        self,
+        prompt: str,
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        pacer: Pacer | None = None,
+    ) -> Iterator[GenerationEvent]:
+        """Raw completion: the prompt text as is (BOS where the tokenizer adds one), appended to what came before."""
+        self._check_size(prompt)
+        if not self.memory.tokens and self.pending_token is None:
+            ids = self.tokenizer.encode(prompt)
+            self.known_text = self.tokenizer.decode(ids, skip_special=False)
+        else:
+            ids = self._pending() + self.tokenizer.encode(prompt, add_bos=False)
+            self.known_text += prompt
+        return self._run(ids, settings, should_stop, pacer, reply_to_messages=False)
+
+    def complete_ids(
+        self,
+        ids: Sequence[int],
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        pacer: Pacer | None = None,
+    ) -> Iterator[GenerationEvent]:
+        """Raw completion from token ids (benchmarks, batch jobs), appended to what came before."""
+        ids = self._pending() + list(ids)
+        self.known_text += self.tokenizer.decode(ids[len(self._pending()) :], skip_special=False)
+        return self._run(ids, settings, should_stop, pacer, reply_to_messages=False)
+
+    def continue_reply(
+        self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None
+    ) -> Iterator[GenerationEvent]:
+        """Extend the last reply: feed the unfed last token and keep sampling (N then M tokens == N+M in one run)."""
+        if self.pending_token is None:
+            raise InputTooLarge("There is no reply to continue; send a prompt first.")
+        extend = bool(self.messages) and self.messages[-1].role == "assistant"
+        return self._run(self._pending(), settings, should_stop, pacer, reply_to_messages=extend, extend_last=extend)
+
+    # -- files ------------------------------------------------------------------------------------------------
+    def save(self, path: str | Path, *, compact: bool = False, compression: str = "zlib") -> int:
+        """Write the conversation and its memory to a .spark file (atomically); returns its size in bytes.
+
+        `compact`: keep the transcript, token ids and the feed recipe instead of the KV (engine.session.replay); the memory
+        is recomputed on open. When the recipe is not known (a memory restored from an older full file), the full
+        memory is written instead.
+        """
+        state = self.memory.state()
+        extra: dict[str, Any] = {"known_text": self.known_text, "model": display_name(self.engine.model_dir)}
+        schedule = self.feed_log.schedule_for(len(self.memory.tokens))
+        token_ids = list(self.memory.tokens)
+        if schedule is not None:
+            extra["feed_schedule"] = schedule  # kept in full files too, so they can be re-saved compact
+        if compact and schedule is not None:
+            extra["recompute"] = {"version": 1, "digest": memory_digest(self.memory)}
+            state = ({"kind": RECOMPUTE_KIND}, {})
+        return save_session(
+            path,
+            fingerprint=self.backend.fingerprint,
+            tokenizer_hash=self.tokenizer.content_hash,
+            messages=[Message(m.role, m.content, m.timestamp) for m in self.messages],
+            system_prompt=self.system_prompt,
+            settings={"sampling": asdict(self.sampler.settings)},
+            memory_state=state,
+            pending_token=self.pending_token,
+            sampler_state=self.sampler.get_state(),
+            extra=extra,
+            token_ids=token_ids,
+            compression=compression,
+        )
+
+    def load(
+        self,
+        path: str | Path,
+        *,
+        accept_transcript_only: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> LoadReport:
+        """Restore a .spark file into this session, or leave it untouched on any error.
+
+        The memory is restored into a fresh slot table and swapped in only when everything checked out. A file
+        from another model changes nothing unless `accept_transcript_only`, in which case its messages come back
+        and are re-read on the next turn.
+        """
+        fork = self.backend.fork()
+        digest_ok: list[bool] = []
+
+        def recompute(memory: Memory, data: SessionData) -> None:
+            # A compact file: feed its tokens again exactly as they were fed (see engine.session.replay), then compare.
+            schedule = check_schedule(data.extra.get("feed_schedule"), len(data.token_ids))
+            runner = LockedBackend(fork, self.engine.step_lock)
+            replay(backend_feed(runner, memory), memory, data.token_ids, schedule, on_progress)
+            saved = data.extra.get("recompute")
+            digest_ok.append(isinstance(saved, dict) and saved.get("digest") == memory_digest(memory))
+
+        outcome = restore(
+            path, fork, self.engine.memory_factory, tokenizer_hash=self.tokenizer.content_hash, recompute=recompute
+        )
+        data = outcome.data
+        messages = [ChatMessage(m.role, m.content, m.timestamp or time.time()) for m in data.messages]
+        if isinstance(outcome, ForeignModelSession):
+            if not accept_transcript_only:
+                return LoadReport(False, True, False, len(messages), 0, outcome.reason)
+            self.reset()
+            self.messages, self.system_prompt = messages, data.system_prompt or ""
+            return LoadReport(
+                True,
+                True,
+                True,
+                len(messages),
+                0,
+                f"{outcome.reason} Restored {len(messages)} messages; the memory will be re-read.",
+            )
+        self.backend, self.memory = fork, outcome.memory
+        self.restore_digest_ok = digest_ok[0] if digest_ok else None
+        try:
+            self.feed_log.adopt(
+                check_schedule(data.extra.get("feed_schedule"), len(self.memory.tokens)), len(self.memory.tokens)
+            )
+        except SparkError:
+            self.feed_log.clear()
+            self.feed_log.valid = False  # recipe unknown: later compact saves keep the full memory
+        self.messages, self.system_prompt = messages, data.system_prompt or ""
+        self.pending_token = data.pending_token
+        self.known_text = str(data.extra.get("known_text", ""))
+        sampling = data.settings.get("sampling")
+        if isinstance(sampling, dict):
+            try:
+                self.sampler = make_sampler(SamplingSettings(**sampling))
+                if data.sampler_state is not None:
+                    self.sampler.set_state(data.sampler_state)
+            except (TypeError, ValueError, SparkError):
+                self.sampler = make_sampler(SamplingSettings())  # unusable settings: fresh sampler, memory still exact
+        n = len(self.memory.tokens)
+        how = (
+            ""
+            if self.restore_digest_ok is None
+            else " (recomputed, identical)"
+            if self.restore_digest_ok
+            else " (recomputed; it differs slightly from the saved one, as on other numerics)"
+        )
+        return LoadReport(
+            True, False, False, len(messages), n, f"Restored {len(messages)} messages and {n:,} tokens of memory{how}."
+        )
+
+    def stats(self) -> CascadeStats | None:
+        """The memory's tier statistics (CascadeStats), or None for a memory without tiers."""
+        stats = getattr(self.memory, "stats", None)
+        return stats() if stats else None
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _template_messages(self) -> list[dict[str, str]]:
+        msgs = [m.as_template_dict() for m in self.messages]
+        if self.system_prompt and not (msgs and msgs[0]["role"] == "system"):
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
+
+    def _pending(self) -> list[int]:
+        return [self.pending_token] if self.pending_token is not None else []
+
+    def _ids_for_text(self, rendered: str) -> list[int]:
+        """Ids to feed so that memory holds `rendered`: only the new suffix when memory already holds a prefix."""
+        if self.known_text and rendered.startswith(self.known_text):
+            suffix = rendered[len(self.known_text) :]
+            self.known_text = rendered
+            return self._pending() + self.tokenizer.encode(suffix, add_bos=False)
+        self.memory.reset()
+        self.feed_log.clear()
+        self.pending_token = None
+        ids = (
+            self.tokenizer.encode(rendered, add_bos=False)
+            if self._template_has_bos(rendered)
+            else self.tokenizer.encode(rendered)
+        )
+        self.known_text = self.tokenizer.decode(ids, skip_special=False)
+        return ids
+
+    def _template_has_bos(self, rendered: str) -> bool:
+        bos = self.tokenizer.bos_id
+        return bos is not None and rendered.startswith(self.tokenizer.decode([bos], skip_special=False))
+
+    def _check_size(self, text: str) -> None:
+        if len(text) > MAX_PROMPT_CHARS:
+            raise InputTooLarge(
+                f"The prompt is {len(text):,} characters, more than the {MAX_PROMPT_CHARS:,} MLoT Spark accepts; shorten it or attach less."
+            )
+
+    def _sampler_for(self, s: SamplingSettings) -> Sampler:
+        # Keep one sampler (and its RNG stream) across turns while settings are unchanged, so a seeded run that is
+        # saved and continued draws the same numbers as an uninterrupted one.
+        if asdict(s) != asdict(self.sampler.settings):
+            self.sampler = make_sampler(s)
+        return self.sampler
+
+    def _run(
+        self,
+        ids: list[int],
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool],
+        pacer: Pacer | None,
+        *,
+        reply_to_messages: bool,
+        extend_last: bool = False,
+    ) -> Iterator[GenerationEvent]:
+        if not ids:
+            raise InputTooLarge("There is nothing to send; type a prompt first.")
+        sampler = self._sampler_for(settings.sampling)
+        policy = self.engine.policy
+        spill = getattr(self.memory, "spill", None)
+        if policy is not None and spill is not None and policy.under_pressure():
+            spill()  # in this conversation's own thread, between turns: no other thread touches its memory
+        tokens: list[int] = []
+        reply = ""
+        held_before = len(self.memory.tokens)
+        if reply_to_messages and not extend_last:
+            self.messages.append(ChatMessage("assistant", ""))
+        self.pending_token = None
+        try:
+            pacer = pacer or self.engine.policy
+            runner = LockedBackend(self.backend, self.engine.step_lock, self.feed_log, self.memory)
+            gen = stream_generate(
+                runner,
+                self.memory,
+                self.tokenizer,
+                ids,
+                settings,
+                sampler=sampler,
+                should_stop=should_stop,
+                pacer=pacer,
+                on_prefill=self.on_prefill,
+            )
+            for ev in gen:
+                if ev.token is not None:
+                    tokens.append(ev.token)
+                    self.pending_token = ev.token
+                reply += ev.text
+                if reply_to_messages:
+                    self.messages[-1].content += ev.text
+                yield ev
+        finally:
+            # Whatever was sampled (even on cancel) is now part of the conversation's known text.
+            self.known_text += self.tokenizer.decode(tokens, skip_special=False)
+            if not tokens and len(self.memory.tokens) < held_before + len(ids):
+                # Stopped while the prompt was read: memory holds part of it; say exactly what it holds, so the
+                # next turn feeds the rest (or re-reads, when the partial text is not a clean prefix).
+                self.known_text = self.tokenizer.decode(list(self.memory.tokens), skip_special=False)
+                self.pending_token = None
+            if reply_to_messages and not extend_last and not self.messages[-1].content and not tokens:
+                self.messages.pop()

@@ -1,0 +1,107 @@
+"""What an `Engine` (engine.session.engine) is opened with: each conversation's memory factory, the check that a loaded
+model fits the machine, and the backend wrapper that serializes forwards on shared weights.
+
+Sizes come from the backend itself (its resident weight bytes, the bytes one slot of its table takes) and from the
+slot table the cascade will really build, not from guesses per backend name.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.backends.base import Backend, BackendWrapper
+from engine.hw import HardwarePolicy
+from engine.loading.model_files import resolve_model_path, settings_dir
+from engine.memory.base import Memory
+from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
+from engine.model.slots import SlotBatch
+from engine.paths import default_cache_dir
+from engine.session.replay import FeedLog
+
+MemoryFactory = Callable[[Backend], Memory]
+# The least slot table a memory budget shrinks a conversation to (its window grows into what the budget leaves,
+# up to the trained context).
+MIN_SLOT_TABLE = 1024
+
+
+def slot_table_limit(policy: HardwarePolicy | None, backend: Backend) -> int | None:
+    """The most slots a conversation's table may take: what the backend runs (a Core ML program's fixed slot count)
+    and half of what the budget leaves beside the weights, never below MIN_SLOT_TABLE; None (the trained context
+    decides) when neither limits it."""
+    if policy is None:
+        return backend.max_slots
+    spare = max(0, policy.budget_bytes() - backend.weight_bytes)
+    budget = max(MIN_SLOT_TABLE, spare // 2 // backend.slot_bytes_per_token())
+    return budget if backend.max_slots is None else min(backend.max_slots, budget)
+
+
+def check_fits(policy: HardwarePolicy, backend: Backend, model_path: Path) -> None:
+    """InsufficientMemory (one sentence) unless the backend's weights and one conversation's slot table, as the
+    cascade lays it out for this model, fit the machine."""
+    geometry = CascadeConfig.for_model(
+        settings_dir(model_path), backend.config, max_slots=slot_table_limit(policy, backend)
+    )
+    policy.check_model_fits(backend.weight_bytes, geometry.num_slots * backend.slot_bytes_per_token())
+
+
+def memory_factory_for(
+    model_dir: str | Path | None,
+    *,
+    cache_dir: Path | None = None,
+    prefix_cache: bool = True,
+    policy: HardwarePolicy | None = None,
+    **cascade_overrides: Any,
+) -> MemoryFactory:
+    """Each conversation's memory: the cascade laid out per the model's cascade.json, over one persistent
+    (L3) store per model + backend numerics under `cache_dir` (default: the platform cache dir). With a `policy`,
+    the slot table and the episodic tier get their share of the machine's memory budget instead of the defaults."""
+    model_path = resolve_model_path(model_dir)
+    stores: dict[tuple[str, str], PersistentStore] = {}
+    stores_lock = threading.Lock()
+
+    def store_for(backend: Backend, config: CascadeConfig) -> PersistentStore | None:
+        if not prefix_cache:
+            return None
+        key = (backend.fingerprint, backend.numerics)
+        with stores_lock:
+            if key not in stores:
+                root = (cache_dir or default_cache_dir() / "kv") / backend.fingerprint[:16]
+                stores[key] = PersistentStore(
+                    root, backend.fingerprint, backend.numerics, config.persistent_budget_bytes
+                )
+            return stores[key]
+
+    def make(backend: Backend, row: int = 0) -> Memory:  # row: as a scheduler's RowMemoryFactory
+        config = CascadeConfig.for_model(
+            settings_dir(model_path), backend.config, max_slots=slot_table_limit(policy, backend), **cascade_overrides
+        )
+        if policy is not None and "episodic_budget_bytes" not in cascade_overrides:
+            working = config.num_slots * backend.slot_bytes_per_token()
+            config = replace(config, episodic_budget_bytes=policy.episodic_budget_bytes(backend.weight_bytes, working))
+        return CascadeMemory(backend, config, row=row, store=store_for(backend, config))
+
+    return make
+
+
+class LockedBackend(BackendWrapper):
+    """A backend whose every forward takes the engine's step lock (the lock is held for one step only), and
+    records each forward's size in the session's feed log (what a compact session file replays)."""
+
+    def __init__(
+        self, inner: Backend, lock: threading.Lock, log: FeedLog | None = None, memory: Memory | None = None
+    ) -> None:
+        super().__init__(inner)
+        self._lock, self._log, self._memory = lock, log, memory
+
+    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
+        with self._lock:
+            out = self.inner.forward(tokens, batch, last_only)
+        if self._log is not None and self._memory is not None:
+            self._log.record_feed(len(self._memory.tokens), int(tokens.shape[-1]))  # tokens: (1, n)
+        return out

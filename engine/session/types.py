@@ -1,0 +1,69 @@
+"""What a `.spark` session file holds once read: its messages, its data, and what restoring it gave.
+
+The file format is engine.session.container; reading and restoring engine.session.file; writing engine.session.save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.memory.base import Memory
+
+RECOMPUTE_KIND = "recompute"  # memory meta of a compact file: no KV stored, rebuilt on open (engine.session.replay)
+TRANSCRIPT_KIND = "transcript"  # memory meta of a file with no memory at all (a remote server's conversation)
+
+JSONValue = Any  # None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "system" | "user" | "assistant" (kept as written; the chat template decides what it accepts)
+    content: str
+    timestamp: float | None = None  # seconds since the epoch; None when the file's format version did not keep it
+
+
+@dataclass
+class SessionData:
+    """Everything a `.spark` file holds, migrated to the current format version."""
+
+    format_version: int  # the version the file was written in (before migration)
+    app_version: str
+    fingerprint: str  # the model's (engine.loading.weights.fingerprint)
+    tokenizer_hash: str | None
+    created: float
+    saved: float
+    system_prompt: str | None
+    messages: list[Message]
+    settings: dict[str, JSONValue]
+    token_ids: list[int]  # every token fed to the memory, in order
+    pending_token: int | None  # sampled last and not yet fed: a continuation feeds it first
+    sampler_state: JSONValue  # the sampler's get_state() (RNG), or None
+    memory_meta: dict[str, JSONValue]  # Memory.state()[0]: slot table, tier stats
+    tensors: dict[str, torch.Tensor]  # Memory.state()[1]: canonical fp16 KV per tier, on the host
+    extra: dict[str, JSONValue]
+    compression: str
+    file_bytes: int
+
+    @property
+    def memory_state(self) -> tuple[dict[str, JSONValue], dict[str, torch.Tensor]]:
+        return self.memory_meta, self.tensors
+
+
+@dataclass
+class RestoredSession:
+    """A session whose memory was written back into a backend: continue by feeding `pending_token` first."""
+
+    data: SessionData
+    memory: Memory
+
+
+@dataclass
+class ForeignModelSession:
+    """A sound file made with another model (or tokenizer): its KV must not be applied; the transcript may be
+    restored and re-read (re-prefilled) after telling the user `reason`."""
+
+    data: SessionData
+    reason: str  # one sentence for the user

@@ -1,0 +1,65 @@
+"""K-quant files run as stored without llama.cpp's quantizer (so CI, which has no llama-cpp-python, covers them):
+a tiny model whose every matrix is Q4_K, or Q6_K, holding random but valid blocks (small finite scales) written with
+the GGUF export's quantizer hook. Each matrix holds the file's bytes, the native kernels give the logits of the same
+blocks dequantized with fp32 activations, and the native decoding step agrees with the PyTorch step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine.backends.native.decoder import NativeBlockLinear
+from engine.backends.torch_backend import TorchBackend
+from engine.bench.gguf_export import export_gguf
+from engine.loading.model_files import gguf_model
+from engine.model.quant import BlockType
+from tests.engine.model.test_quant import IDS, logits_of
+from tests.helpers.tiny import make_tiny_model
+
+SUPER = 256  # weights per K-quant super-block
+
+
+def random_blocks(a: np.ndarray, kind: Any) -> np.ndarray:
+    """Valid random blocks of `kind` for a (rows, cols) matrix: fp16 super-block scales of ~1e-2, random quants."""
+    qtype = BlockType[kind.name]
+    rows, cols = a.shape
+    n = cols // SUPER
+    rng = np.random.default_rng(rows * 7919 + cols)
+    raw = rng.integers(0, 256, size=(rows * n, qtype.block_bytes), dtype=np.uint8)
+    scales = (rng.uniform(0.2, 1.0, size=(rows * n, 2)) * (2e-3 if qtype is BlockType.Q4_K else 4e-4)).astype(
+        np.float16
+    )
+    if qtype is BlockType.Q4_K:  # d, dmin lead the block
+        raw[:, :4] = scales.view(np.uint8)
+    else:  # Q6_K: ql, qh, int8 scales, then d last
+        raw[:, -2:] = scales[:, :1].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("dtype,qtype", [("q4_k", BlockType.Q4_K), ("q6_k", BlockType.Q6_K)])
+def test_a_k_quant_file_runs_its_blocks_as_stored(tmp_path: Path, dtype: str, qtype: BlockType) -> None:
+    folder = make_tiny_model(tmp_path / "hf", "llama", hidden=256, heads=4, kv_heads=2, intermediate=512, tie=True)
+    path = export_gguf(folder, tmp_path / f"m-{dtype}.gguf", dtype, quantizer=random_blocks)
+    stored = gguf_model(path).stored_tensors()
+    b = TorchBackend(path, "cpu", quantize="auto", stored=stored)
+    assert b.native_isa is not None and b.kernels_note.startswith("native")
+    layers = {name: m for name, m in b.model.named_modules() if isinstance(m, NativeBlockLinear)}
+    assert {m.qtype for m in layers.values()} == {qtype}
+    down = layers["model.layers.0.mlp.down_proj"]
+    t = stored["model.layers.0.mlp.down_proj.weight"]
+    assert np.array_equal(down.blocks.numpy(), np.asarray(t.data, dtype=np.uint8).reshape(t.shape[0], -1))
+
+    native = logits_of(b, IDS)
+    dequantized = logits_of(TorchBackend(path, "cpu", quantize="auto", stored=stored, kernels="torch"), IDS)
+    stepwise = logits_of(TorchBackend(path, "cpu", quantize="auto", stored=stored, native_steps=False), IDS)
+    assert torch.isfinite(native).all() and float(native.std()) > 0
+
+    def rel(x: torch.Tensor, y: torch.Tensor) -> float:  # the worst token's relative error
+        return float(((x - y).norm(dim=-1) / y.norm(dim=-1)).max())
+
+    assert rel(native, dequantized) < 1e-3  # int16 activations per block of 32 against fp32 ones, same weights
+    assert rel(stepwise, native) < 1e-3  # the PyTorch step over the same layers

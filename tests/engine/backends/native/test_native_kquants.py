@@ -1,0 +1,208 @@
+"""The native kernels of spark_kquants.c (Q5_0, Q4_K, Q6_K, the formats of a Q4_K_M file): every instruction-set
+variant computes each product bit for bit as the integer reference below, a prefill's rows equal one-row decodes,
+and the reference itself is the plain product of the dequantized weights. The Arm builds (NEON dot product and
+portable) run a C checker with its own reference under qemu, and must hash every output as this machine does."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.backends.blocks import BlockWeights
+from engine.backends.native import SOURCE, NativeKernels, _compiler, bind, build_library, compile_flags, load_kernels
+from engine.backends.native.decoder import NativeBlockLinear
+from engine.model.quant import BlockType, k4_scales, k6_quants
+from tests.engine.backends.native.test_native import X86, quantize_activation
+from tests.engine.model.test_quant_types import random_blocks
+
+F32 = np.float32
+TYPES = [BlockType.Q5_0, BlockType.Q4_K, BlockType.Q6_K]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> NativeKernels:
+    status = load_kernels()
+    assert status.kernels is not None, status.reason  # every machine the tests run on has a C compiler
+    return status.kernels
+
+
+def _f16(b: np.ndarray) -> np.ndarray:  # (..., 2) uint8 -> (...) float32
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(F32)
+
+
+def block_factors(qtype: BlockType, raw: np.ndarray) -> tuple[np.ndarray, ...]:
+    """raw (N, row bytes) -> per block of 32: signed quants (N, nb, 32) int64, dw, mw (N, nb) float32 and the
+    halves' scales s0, s1 (N, nb) int64, as spark_kquants.c's kq_unpack."""
+    n = raw.shape[0]
+    b = raw.reshape(-1, qtype.block_bytes)
+    if qtype is BlockType.Q5_0:
+        qh = b[:, 2:6].copy().view("<u4").astype(np.uint32)
+        hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64) << 4
+        q = np.concatenate([b[:, 6:] & 0x0F, b[:, 6:] >> 4], axis=1).astype(np.int64) | hi
+        dw, mw = _f16(b[:, 0:2]), np.zeros(len(b), F32)
+        s0 = s1 = np.zeros(len(b), np.int64)
+        return (q - 16).reshape(n, -1, 32), dw.reshape(n, -1), mw.reshape(n, -1), s0.reshape(n, -1), s1.reshape(n, -1)
+    if qtype is BlockType.Q4_K:
+        sc, mn = k4_scales(b[:, 4:16])  # (blocks, 8)
+        qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(-1, 8, 32).astype(np.int64)
+        dw = (_f16(b[:, 0:2])[:, None] * sc.astype(F32)).astype(F32)
+        mw = -(_f16(b[:, 2:4])[:, None] * mn.astype(F32)).astype(F32)
+        zero = np.zeros((len(b), 8), np.int64)
+        return q.reshape(n, -1, 32), dw.reshape(n, -1), mw.reshape(n, -1), zero.reshape(n, -1), zero.reshape(n, -1)
+    q = k6_quants(b).astype(np.int64).reshape(-1, 8, 32)
+    sc = b[:, 192:208].copy().view(np.int8).astype(np.int64).reshape(-1, 8, 2)
+    dw = np.repeat(_f16(b[:, 208:210])[:, None], 8, axis=1)
+    mw = np.zeros((len(b), 8), F32)
+    return (
+        q.reshape(n, -1, 32),
+        dw.reshape(n, -1),
+        mw.reshape(n, -1),
+        sc[..., 0].reshape(n, -1),
+        sc[..., 1].reshape(n, -1),
+    )
+
+
+def integer_reference(qtype: BlockType, raw: np.ndarray, bias: np.ndarray, x: np.ndarray, parts: int) -> np.ndarray:
+    """One activation row x (K,) through raw (N, row bytes): exact integer half-block sums, then the float terms of
+    spark_kquants.c in its fixed order (block b into partial sum b % 8, then a fixed tree)."""
+    q, dw, mw, s0, s1 = block_factors(qtype, raw)
+    n, nb = dw.shape
+    xq, d = quantize_activation(x.reshape(nb, 32).astype(F32), parts)
+    h0 = (q[:, :, :16] * xq[None, :, :16]).sum(axis=2)  # (N, nb) exact
+    h1 = (q[:, :, 16:] * xq[None, :, 16:]).sum(axis=2)
+    assert max(np.abs(h0).max(), np.abs(h1).max()) < 2**31  # what the kernel's int32 lanes hold
+    if qtype is BlockType.Q6_K:
+        halves = ((s0 * h0).astype(F32) + (s1 * h1).astype(F32)).astype(F32)  # each product an exact int32
+        term = ((dw * d[None]).astype(F32) * halves).astype(F32)
+    else:
+        term = ((dw * d[None]).astype(F32) * (h0 + h1).astype(F32)).astype(F32)
+    if qtype is BlockType.Q4_K:
+        ds = (d * xq.sum(axis=1).astype(F32)).astype(F32)
+        term = (term + mw * ds[None]).astype(F32)
+    acc = np.zeros((n, 8), F32)
+    for b in range(nb):
+        acc[:, b % 8] = (acc[:, b % 8] + term[:, b]).astype(F32)
+    y = ((acc[:, 0] + acc[:, 4]) + (acc[:, 1] + acc[:, 5])) + ((acc[:, 2] + acc[:, 6]) + (acc[:, 3] + acc[:, 7]))
+    out: np.ndarray = (y + bias).astype(F32)
+    return out
+
+
+def kquant_linear(kernels: NativeKernels, qtype: BlockType, n: int, k: int, parts: int) -> NativeBlockLinear:
+    raw = random_blocks(qtype, n, k, seed=k + qtype.ggml_id)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
+    return NativeBlockLinear(kernels, BlockWeights(qtype, (n, k), torch.from_numpy(raw)), bias, parts)
+
+
+def bias_of(lin: NativeBlockLinear) -> np.ndarray:
+    assert lin.bias is not None
+    return lin.bias.numpy()
+
+
+def activations(k: int) -> torch.Tensor:
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))  # (6, K)
+    x[3] = 0  # an all-zero row quantizes to zeros with scale 0: just the bias
+    x[4, :32] *= 1e4  # an outlier block
+    return x
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_integer_reference_takes_the_products_it_claims(qtype: BlockType) -> None:
+    """With fp32 rounding taken out, the reference is the plain product of the dequantized matrix (guards the
+    reference itself against a mixed-up nibble, bit or scale)."""
+    raw = random_blocks(qtype, 5, 512, seed=7)
+    bw = BlockWeights(qtype, (5, 512), torch.from_numpy(raw))
+    x = np.random.default_rng(0).standard_normal(512).astype(F32)
+    want = bw.dequantized().double().numpy() @ x.astype(np.float64)
+    got = integer_reference(qtype, raw, np.zeros(5, F32), x, 2)
+    assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())  # int16 activations: ~16 bits
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [256, 1536])  # one super-block; SmolLM's MLP width (6 super-blocks, 48 blocks of 32)
+def test_products_equal_the_integer_reference_bit_for_bit(
+    kernels: NativeKernels,
+    qtype: BlockType,
+    k: int,
+    parts: int,
+) -> None:
+    lin = kquant_linear(kernels, qtype, 37, k, parts)
+    x = activations(k)
+    many = lin(x)  # (6, 37): the prefill path, rows in groups of 4 and a remainder
+    raw = lin.blocks.numpy()
+    for i in range(6):
+        want = integer_reference(qtype, raw, bias_of(lin), x[i].numpy(), parts)
+        assert np.array_equal(many[i].numpy(), want), i
+        assert torch.equal(lin(x[i : i + 1]), many[i : i + 1])  # one row (decode) = the same row of a prefill
+    assert torch.equal(many[3], torch.from_numpy(bias_of(lin)))
+
+
+def test_q5_0_runs_at_widths_of_any_multiple_of_32(kernels: NativeKernels) -> None:
+    lin = kquant_linear(kernels, BlockType.Q5_0, 11, 576, 2)  # SmolLM's hidden size: 18 blocks, a tail of 2
+    x = activations(576)
+    many = lin(x)
+    for i in range(6):
+        want = integer_reference(BlockType.Q5_0, lin.blocks.numpy(), bias_of(lin), x[i].numpy(), 2)
+        assert np.array_equal(many[i].numpy(), want), i
+
+
+@pytest.mark.skipif(not X86, reason="x86 instruction-set variants")
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")], ids=["avx2", "portable"])
+def test_every_instruction_set_variant_computes_the_same_bits(
+    kernels: NativeKernels,
+    tmp_path: Path,
+    flags: tuple[str, ...],
+) -> None:
+    variant = bind(build_library(tmp_path, extra_flags=flags))
+    assert variant.isa == {"-mno-avx2": "portable"}.get(flags[-1], "avx2")
+    for qtype in TYPES:
+        for parts in (1, 2):
+            here, there = kquant_linear(kernels, qtype, 19, 512, parts), kquant_linear(variant, qtype, 19, 512, parts)
+            x = activations(512)
+            assert torch.equal(here(x), there(x)), (qtype, parts)
+
+
+ARM_CC, QEMU_ARM = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+CHECKER = Path(__file__).with_name("kquant_check.c")
+
+
+def run_checker(cc: str, flags: list[str], exe: Path, runner: list[str]) -> list[str]:
+    """Build kquant_check.c (spark_kernels.c included) and run it: its lines 'isa X', 'N mismatches', 'hash H'."""
+    build = [cc, "-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", *flags, f"-I{SOURCE.parent}", str(CHECKER)]
+    subprocess.run([*build, "-o", str(exe), "-lm"], check=True, capture_output=True, timeout=300)
+    out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def native_check(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    cc = _compiler()
+    assert cc is not None
+    tune = [f for f in compile_flags() if f.startswith("-m")]
+    return run_checker(cc, tune, tmp_path_factory.mktemp("kq-check") / "check", [])
+
+
+def test_the_c_checker_agrees_with_its_reference_here(native_check: list[str], kernels: NativeKernels) -> None:
+    assert native_check[:2] == [f"isa {kernels.isa}", "0 mismatches"]
+
+
+@pytest.mark.skipif(
+    not (ARM_CC and QEMU_ARM),
+    reason="needs an aarch64 cross compiler and qemu-user (Debian: gcc-aarch64-linux-gnu qemu-user)",
+)
+@pytest.mark.parametrize("arch,isa", [("armv8.2-a+dotprod", "neon-dotprod"), ("armv8-a", "portable")])
+def test_arm_kernels_compute_the_same_bits_under_emulation(
+    tmp_path: Path, native_check: list[str], arch: str, isa: str
+) -> None:
+    """Apple Silicon's NEON dot-product build (and Arm's portable one): exact against the reference, and every
+    output's bits hash as on this machine."""
+    assert ARM_CC and QEMU_ARM
+    lines = run_checker(ARM_CC, [f"-march={arch}", "-static"], tmp_path / f"check-{isa}", [QEMU_ARM])
+    assert lines == [f"isa {isa}", "0 mismatches", native_check[2]]
