@@ -1,4 +1,4 @@
-"""Shared pytest hooks."""
+"""Shared pytest hooks; the shared fixtures live in tests/helpers and load as a plugin."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from tests.helpers.http_clients import close_all
+
+pytest_plugins = ["tests.helpers.fixtures"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

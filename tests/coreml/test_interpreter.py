@@ -18,7 +18,7 @@ from coreml.interpreter import OPS, Interpreter
 from coreml.milblob import BlobFile, dtype_name, tensor_shape
 from coreml.package import Package
 from engine.model.network import Transformer
-from tests.coreml.conftest import VARIANTS
+from tests.coreml.helpers import VARIANTS
 from tests.coreml.test_ane_rules import op_types
 
 READERS = {

@@ -22,9 +22,9 @@ from engine.backends.torch_backend import TorchBackend
 from engine.loading.weights import load_model
 from engine.memory.base import FullAttentionMemory
 from engine.model.network import SlotBatch, Transformer
-from tests.coreml.conftest import model_dir_of
 from tests.coreml.helpers import (
     feed,
+    model_dir_of,
     prompt_ids,
     run_greedy,
     torch_fp16_with_package_weights,

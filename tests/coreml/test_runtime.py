@@ -20,9 +20,8 @@ from engine.loading.model_files import read_config
 from engine.memory.base import FullAttentionMemory
 from engine.memory.cascade import CascadeMemory
 from engine.session.engine import memory_factory_for
-from tests.coreml.conftest import SLOTS
 from tests.coreml.fake_coreml import BridgeError, FakeLoader, FakeMLState
-from tests.coreml.helpers import feed, prompt_ids, run_greedy
+from tests.coreml.helpers import SLOTS, feed, prompt_ids, run_greedy
 from tests.coreml.test_parity import assert_parity
 from tests.helpers.tiny import make_tiny_model
 

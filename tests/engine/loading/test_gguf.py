@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -24,7 +25,6 @@ from engine.memory.base import FullAttentionMemory
 from tests.helpers.gguf_files import write_gguf
 from tests.helpers.tiny import make_tiny_model
 
-gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
 

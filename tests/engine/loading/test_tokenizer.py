@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
@@ -15,8 +16,6 @@ from tokenizers import decoders, models, normalizers, processors, trainers
 from engine.errors import SparkError, TokenizerError
 from engine.loading.tokenizer import StreamingDetokenizer, Tokenizer
 from tests.helpers.tiny import SPECIAL, TOKENIZER_TEXT, make_tiny_model
-
-transformers = pytest.importorskip("transformers")
 
 TEXTS = [
     "",

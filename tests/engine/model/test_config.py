@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from engine.backends.torch_backend import TorchBackend
 from engine.errors import ModelLoadError
 from engine.memory.base import FullAttentionMemory
 from engine.model.config import ModelConfig, RopeScaling
 from tests.helpers.tiny import make_tiny_model
-
-transformers = pytest.importorskip("transformers")
 
 
 def logits(model: Path) -> torch.Tensor:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from engine.backends import BackendChoice
 from engine.backends.torch_backend import TorchBackend
@@ -16,8 +17,6 @@ from engine.memory.base import FullAttentionMemory
 from engine.session.engine import Engine
 from tests.helpers.hf_greedy import hf_greedy_tokens
 from tests.helpers.tiny import make_tiny_model
-
-transformers = pytest.importorskip("transformers")
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2"]
 ATOL = 2e-5

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from engine.backends.torch_backend import TorchBackend
@@ -16,12 +15,6 @@ from engine.memory.base import FullAttentionMemory
 from tests.helpers.tiny import make_tiny_model
 
 GREEDY = SamplingSettings(greedy=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[TorchBackend, Tokenizer]:
-    d = make_tiny_model(tmp_path_factory.mktemp("tiny"), layers=2)
-    return TorchBackend(d), Tokenizer.from_dir(d)
 
 
 def alone(backend: TorchBackend, tok: Tokenizer, ids: list[int], settings: GenerationSettings) -> list[int]:

@@ -14,8 +14,8 @@ import openai
 import psutil
 import pytest
 
-from tests.engine.openai.conftest import KEY, Served, start_server
 from tests.helpers.http_clients import closed_after_test
+from tests.helpers.server import KEY, Served, start_server
 
 CLIENTS = 32
 KILLED = {3, 11, 19, 27}  # these close their stream after the first chunk

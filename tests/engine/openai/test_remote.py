@@ -17,8 +17,8 @@ from engine.generation.sampling import SamplingSettings
 from engine.memory.base import FullAttentionMemory
 from engine.openai.client import RemoteClient, RemoteError, RemoteServer, RemoteSession
 from engine.session.file import ForeignModelSession, restore
-from tests.engine.openai.conftest import KEY, Served
 from tests.helpers.http_clients import closed_after_test
+from tests.helpers.server import KEY, Served
 
 GREEDY = GenerationSettings(max_tokens=12, sampling=SamplingSettings(greedy=True))
 

@@ -16,16 +16,9 @@ from engine.generation.sampling import SamplingSettings
 from engine.generation.scheduler import Priority, QueueFull, Request, Scheduler, SchedulerConfig
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory
-from tests.helpers.tiny import make_tiny_model
 
 GREEDY = SamplingSettings(greedy=True)
 TEXT = "The quick brown fox jumps over the lazy dog. Python is a programming language. def main(): return 42"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[TorchBackend, Tokenizer]:
-    d = make_tiny_model(tmp_path_factory.mktemp("tiny"), layers=2)
-    return TorchBackend(d), Tokenizer.from_dir(d)
 
 
 def settings(n: int, chunk: int = 4) -> GenerationSettings:

@@ -12,8 +12,8 @@ from engine.generation.loop import GenerationSettings, stream_generate
 from engine.generation.sampling import SamplingSettings
 from engine.memory.base import FullAttentionMemory
 from engine.memory.cascade.core import TAIL_STEP, TAIL_STEPS
-from tests.engine.openai.conftest import KEY, Served, start_server
 from tests.helpers.http_clients import closed_after_test
+from tests.helpers.server import KEY, Served, start_server
 
 SYSTEM = "You are a terse assistant. The quick brown fox jumps over the lazy dog. Python is a programming language."
 

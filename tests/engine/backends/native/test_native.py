@@ -10,8 +10,6 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +28,7 @@ from engine.memory.cascade.config import CascadeConfig
 from engine.memory.cascade.core import CascadeMemory
 from engine.model.quant import BlockType, quantize
 from tests.engine.model.test_slot_reads import assert_read_copies_exact
+from tests.helpers.timers import NativeStepCounter
 from tests.helpers.tiny import make_tiny_model
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -39,15 +38,6 @@ LEGACY = [
     BlockType.Q4_1,
 ]  # spark_kernels.c's own formats (the rest: test_native_kquants)
 F32 = np.float32
-
-
-@pytest.fixture(scope="module")
-def kernels() -> NativeKernels:
-    status = load_kernels()
-    # CI and every developer machine has a C compiler: the kernels must build there, not silently fall back.
-    assert shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    assert status.kernels is not None, status.reason
-    return status.kernels
 
 
 @pytest.fixture(scope="module")
@@ -278,10 +268,10 @@ def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(
     llama_dir: Path = request.getfixturevalue(model)
     ids = [3 + (i * 7) % 200 for i in range(50)]
     native = TorchBackend(llama_dir, "cpu", quantize="q4_1", kv_dtype=kv)
-    calls = {"n": 0}
-    with native.watch_native_steps(counter(calls)):
+    steps = NativeStepCounter()
+    with native.timed_parts(steps):
         outs = [run_conversation(native, memory, ids)]
-    assert calls["n"] >= 30  # most decoding steps ran natively (the rest re-derive stale copies in PyTorch)
+    assert steps.native_steps >= 30  # most decoding steps ran natively (the rest re-derive stale copies in PyTorch)
     stepwise = TorchBackend(llama_dir, "cpu", quantize="q4_1", kv_dtype=kv, native_steps=False)
     assert stepwise.decoder is None  # the same NativeBlockLinear weights, every step through PyTorch
     outs.append(run_conversation(stepwise, memory, ids))
@@ -300,27 +290,16 @@ def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(
     torch.testing.assert_close(a.k_read[:, :, :, held], b.k_read[:, :, :, held], atol=2e-3, rtol=2e-3)
 
 
-def counter(calls: dict[str, int]) -> Callable[[], AbstractContextManager[None]]:
-    """A span for TorchBackend.watch_native_steps that counts the native steps."""
-
-    @contextmanager
-    def span() -> Iterator[None]:
-        calls["n"] += 1
-        yield
-
-    return span
-
-
 def test_native_steps_keep_the_read_copies_exact(llama_dir: Path) -> None:
     b = TorchBackend(llama_dir, "cpu", quantize="q8_0")
-    calls = {"n": 0}
+    steps = NativeStepCounter()
     b.allocate(1, 32)
     mem = FullAttentionMemory(b)
-    with b.watch_native_steps(counter(calls)):
+    with b.timed_parts(steps):
         prefill(b, mem, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], chunk=10)
         for t in [20, 21, 22, 23]:
             decode_step(b, mem, t)
-    assert calls["n"] == 3  # the first step after a prefill derives every read copy, in PyTorch
+    assert steps.native_steps == 3  # the first step after a prefill derives every read copy, in PyTorch
     assert assert_read_copies_exact(b, torch.arange(32)[None]) == 14
 
 

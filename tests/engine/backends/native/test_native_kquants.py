@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.backends.blocks import BlockWeights
-from engine.backends.native import SOURCE, NativeKernels, _compiler, bind, build_library, compile_flags, load_kernels
+from engine.backends.native import SOURCE, NativeKernels, _compiler, bind, build_library, compile_flags
 from engine.backends.native.decoder import NativeBlockLinear
 from engine.model.quant import BlockType, k4_scales, k6_quants
 from tests.engine.backends.native.test_native import X86, quantize_activation
@@ -22,13 +22,6 @@ from tests.engine.model.test_quant_types import random_blocks
 
 F32 = np.float32
 TYPES = [BlockType.Q5_0, BlockType.Q4_K, BlockType.Q6_K]
-
-
-@pytest.fixture(scope="module")
-def kernels() -> NativeKernels:
-    status = load_kernels()
-    assert status.kernels is not None, status.reason  # every machine the tests run on has a C compiler
-    return status.kernels
 
 
 def _f16(b: np.ndarray) -> np.ndarray:  # (..., 2) uint8 -> (...) float32

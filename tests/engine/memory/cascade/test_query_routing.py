@@ -5,8 +5,6 @@ migration of format-1 states."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from engine.memory.cascade import CascadeConfig, CascadeMemory
 from engine.memory.cascade.core import TAIL_STEP, TAIL_STEPS
 from engine.model.config import ModelConfig
 from tests.engine.memory.cascade.helpers import feed, greedy, random_ids
+from tests.helpers.timers import NativeStepCounter
 from tests.helpers.tiny import make_tiny_model
 
 DATA = Path(__file__).parent / "data"
@@ -161,20 +160,13 @@ def test_page_in_steps_run_on_the_native_decoder(tmp_path: Path) -> None:
         pytest.skip(f"the native kernels are not available here: {b.kernels_note}")
     m = CascadeMemory(b, CascadeConfig(sink_tokens=4, window=16, block_size=4, retrieval_blocks=2, routing="token"))
     prefill(b, m, random_ids(40, seed=2), chunk=10)
-    native_steps = 0
-
-    @contextmanager
-    def count() -> Iterator[None]:
-        nonlocal native_steps
-        native_steps += 1
-        yield
-
-    with b.watch_native_steps(count):
+    steps = NativeStepCounter()
+    with b.timed_parts(steps):
         for t in random_ids(30, seed=3):
             plan = m.plan([t])
             b.forward(torch.tensor([[t]]), plan.as_batch(), last_only=True)
             m.after_forward()
-    assert native_steps == 30
+    assert steps.native_steps == 30
 
 
 def test_geometry_covers_the_trained_context(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.backends.native import NativeKernels, bind, build_library, load_kernels
+from engine.backends.native import NativeKernels, bind, build_library
 from engine.backends.native.decoder import NativeBlockLinear
 from engine.model.quant import BlockType
 from tests.engine.backends.native.test_native import LEGACY, X86, block_linear, integer_reference, lin_weights
@@ -29,13 +29,6 @@ def has_avx512_vnni() -> bool:
     except OSError:
         return False
     return all(f in flags for f in ("avx512bw", "avx512vl", "avx512_vnni"))
-
-
-@pytest.fixture(scope="module")
-def kernels() -> NativeKernels:
-    status = load_kernels()
-    assert status.kernels is not None, status.reason
-    return status.kernels
 
 
 def activations(k: int) -> torch.Tensor:
