@@ -8,7 +8,9 @@ scheduler never know which one runs. KV crosses the boundary in one canonical la
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -25,6 +27,16 @@ class BackendProbe:
     name: str
     available: bool
     reason: str
+
+
+class PartTimer(Protocol):
+    """What a profiler gives a backend to time the parts of its forward (engine.generation.profiler)."""
+
+    def open_part(self, name: str) -> None: ...  # "embedding", "layer.{i}.attention", "layer.{i}.mlp", "lm_head"
+
+    def close_part(self) -> None: ...
+
+    def native_step(self) -> AbstractContextManager[object]: ...  # one native decoding step (every layer at once)
 
 
 class Backend(ABC):
@@ -96,6 +108,11 @@ class Backend(ABC):
         it. This default is a table holding the canonical KV and nothing else (Core ML's fp16 state)."""
         return self.kv_bytes_per_token()
 
+    def timed_parts(self, timer: PartTimer) -> AbstractContextManager[None]:
+        """Within the block, the forward reports its parts to `timer`; a backend whose forward is one opaque call
+        (Core ML, a remote server) reports nothing and the profiler counts the whole call as one part."""
+        return nullcontext()
+
 
 class BackendWrapper(Backend):
     """Another backend with something around it (a lock, a timer, a hidden slot): every member goes to `inner`
@@ -143,3 +160,6 @@ class BackendWrapper(Backend):
 
     def slot_bytes_per_token(self) -> int:
         return self.inner.slot_bytes_per_token()
+
+    def timed_parts(self, timer: PartTimer) -> AbstractContextManager[None]:
+        return self.inner.timed_parts(timer)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.backends.base import CANONICAL_KV_DTYPE, Backend, BackendProbe
+from engine.backends.base import CANONICAL_KV_DTYPE, Backend, BackendProbe, PartTimer
 from engine.backends.blocks import (
     BlockEmbedding,
     BlockWeights,
@@ -187,7 +187,7 @@ class TorchBackend(Backend):
         self.native_isa: str | None = None  # the native kernels' instruction set when they run this model
         self.native_steps = native_steps
         self.decoder: NativeDecoder | None = None  # runs the decoding steps it accepts (see forward)
-        self._native_span: Callable[[], AbstractContextManager[object]] | None = None  # see watch_native_steps
+        self._native_span: Callable[[], AbstractContextManager[object]] | None = None  # see timed_parts
         self.kernels_note = ""  # which kernels run the block weights, and why those (the backend explanation)
         self.act_parts = act_parts
         stored = loaded.stored if stored is None else stored  # a GGUF's blocks, as the loader found them
@@ -252,13 +252,33 @@ class TorchBackend(Backend):
             self.decoder = NativeDecoder(kernels, self.model)
 
     @contextmanager
-    def watch_native_steps(self, span: Callable[[], AbstractContextManager[object]]) -> Iterator[None]:
-        """Within the block, every native decoding step runs inside `span()` (the profiler times them so)."""
-        before, self._native_span = self._native_span, span
+    def timed_parts(self, timer: PartTimer) -> Iterator[None]:
+        """Module-boundary hooks on the network report each part to `timer`; a native decoding step (every layer and
+        the head in one call) runs inside `timer.native_step()`."""
+
+        def opener(name: str) -> Callable[[nn.Module, Any], None]:
+            return lambda module, args: timer.open_part(name)
+
+        def closer(module: nn.Module, args: Any, out: Any) -> None:
+            timer.close_part()
+
+        backbone = self.model.model
+        handles = [
+            backbone.embed_tokens.register_forward_pre_hook(opener("embedding")),
+            backbone.embed_tokens.register_forward_hook(closer),
+        ]
+        for i, layer in enumerate(self.model.decoder_layers()):
+            handles.append(layer.input_layernorm.register_forward_pre_hook(opener(f"layer.{i}.attention")))
+            handles.append(layer.post_attention_layernorm.register_forward_pre_hook(opener(f"layer.{i}.mlp")))
+        handles.append(backbone.norm.register_forward_pre_hook(opener("lm_head")))  # final norm + head
+        handles.append(self.model.lm_head.register_forward_hook(closer))
+        before, self._native_span = self._native_span, timer.native_step
         try:
             yield
         finally:
             self._native_span = before
+            for h in handles:
+                h.remove()
 
     @property
     def numerics(self) -> str:

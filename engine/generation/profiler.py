@@ -21,16 +21,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from engine.backends.base import Backend, BackendWrapper
-from engine.backends.torch_backend import TorchBackend
 from engine.generation.loop import GenerationEvent, GenerationSettings, stream_generate
 from engine.generation.sampling import make_sampler
 from engine.loading.tokenizer import Tokenizer
@@ -158,37 +156,22 @@ class Profiler:
 
     @contextmanager
     def attach(self, backend: Backend) -> Iterator[None]:
-        """Register the module-boundary hooks on a PyTorch backend's Llama-family model, and time its native steps,
-        for the duration of the block. Any other backend's call is one part."""
-        if not isinstance(backend, TorchBackend):
-            yield
-            return
-
-        def opener(name: str) -> Callable[[nn.Module, Any], None]:
-            return lambda module, args: self._open_module(name)
-
-        def closer(module: nn.Module, args: Any, out: Any) -> None:
-            self._close_module()
-
-        model = backend.model
-        backbone = model.model
-        handles = [
-            backbone.embed_tokens.register_forward_pre_hook(opener("embedding")),
-            backbone.embed_tokens.register_forward_hook(closer),
-        ]
-        for i, layer in enumerate(model.decoder_layers()):
-            handles.append(layer.input_layernorm.register_forward_pre_hook(opener(f"layer.{i}.attention")))
-            handles.append(layer.post_attention_layernorm.register_forward_pre_hook(opener(f"layer.{i}.mlp")))
-        handles.append(backbone.norm.register_forward_pre_hook(opener("lm_head")))  # final norm + head
-        handles.append(model.lm_head.register_forward_hook(closer))
+        """Time the parts of the backend's forwards for the duration of the block (the backend reports them through
+        `Backend.timed_parts`; one whose forward is opaque is one part)."""
         try:
-            # A native decoding step (engine.backends.native) runs every layer and the head in one call: one part of its own.
-            with backend.watch_native_steps(self._native_step):
+            with backend.timed_parts(self):
                 yield
         finally:
-            for h in handles:
-                h.remove()
             self._module_open = False
+
+    def open_part(self, name: str) -> None:
+        self._open_module(name)
+
+    def close_part(self) -> None:
+        self._close_module()
+
+    def native_step(self) -> AbstractContextManager[object]:
+        return self._native_step()
 
     # -- profiled generation -----------------------------------------------------------------------------------
     def stream_generate(
