@@ -19,12 +19,10 @@ from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QSettings
 
-from engine.backends import AUTO_ORDER
-from engine.generation.loop import GenerationSettings
-from engine.generation.sampling import SamplingSettings
+from engine import AUTO_ORDER, GenerationSettings, SamplingSettings
 
 if TYPE_CHECKING:
-    from app.main_window import MainWindow
+    from app.window.main_window import MainWindow
 
 SELF_TEST_PROMPT = "Hello! In one sentence, what is a memory cascade?"
 SELF_TEST_TOKENS = 48
@@ -54,11 +52,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Path) -> float:
     """Returns the longest GUI gap in seconds; raises SelfTestFailure."""
-    from app.gap_meter import GapMeter
-    from app.signal_wait import wait_any
-    from app.worker_types import LoadedModel, TurnResult
+    from app.misc.gap_meter import GapMeter
+    from app.misc.signal_wait import wait_any
+    from app.worker.types import LoadedModel, TurnResult
 
-    w = window.client.worker
+    w = window.client
     name, value = wait_any(
         {"loaded": w.loaded, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.load_model(model, backend)
     )
@@ -111,10 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from PySide6.QtWidgets import QSystemTrayIcon
 
     from app.application import CrashReporter, SparkApplication
-    from app.icons import tray_icon
-    from app.preferences import Preferences
-    from app.quick_prompt import QuickPromptTray
-    from app.standarddirs import StandardDirs
+    from app.misc.icons import tray_icon
+    from app.misc.standarddirs import StandardDirs
+    from app.settings.preferences import Preferences
+    from app.tray.quick_prompt import QuickPromptTray
     from app.wiring import build_main_window
 
     app = SparkApplication([sys.argv[0], *args.qt_args])
@@ -152,11 +150,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         tray.show_window_requested.connect(window.raise_)
         tray.quit_requested.connect(app.quit)
         # -- issue 22: the "Local Server" switch (app/local_server.py); it serves whichever model is loaded.
-        from app.local_server import LocalServerController, install_local_server_menu
+        from app.tray.local_server import LocalServerController, install_local_server_menu
 
         local_server = LocalServerController(parent=window)
         install_local_server_menu(tray.contextMenu(), local_server)
-        window.client.worker.loaded.connect(local_server.on_model_loaded)
+        window.client.loaded.connect(local_server.on_model_loaded)
         local_server.failed.connect(lambda message: tray.showMessage("MLoT Spark", message))
         app.aboutToQuit.connect(local_server.stop)
         # -- end issue 22
@@ -171,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def open_startup(window: MainWindow, args: argparse.Namespace, last_model: Path | None) -> None:
     """Load the model (--model, else a model among the paths, else the last one used) and open the other paths
     (`.spark` files wait until the model is ready)."""
-    from app.main_window import is_model_path
+    from app.window.main_window import is_model_path
 
     models = [p for p in args.paths if is_model_path(p)]
     window.load_model(args.model or (models[0] if models else None) or last_model, args.backend)

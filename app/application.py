@@ -20,8 +20,8 @@ from PySide6.QtCore import QEvent, QObject, Signal, Slot
 from PySide6.QtGui import QFileOpenEvent
 from PySide6.QtWidgets import QApplication, QMessageBox
 
-from app.icons import app_icon
-from app.standarddirs import init_application_names
+from app.misc.icons import app_icon
+from app.misc.standarddirs import init_application_names
 from engine.paths import resources_dir
 
 STYLE_SHEET = "style/spark.qss"

@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from app.client import ConversationClient
-from app.dialogs import Dialogs
-from app.hw_monitor import HardwareMonitor
-from app.main_window import MainWindow
-from app.preferences import Preferences
-from app.standarddirs import StandardDirs
+from app.inspector.hw_monitor import HardwareMonitor
+from app.misc.standarddirs import StandardDirs
+from app.settings.preferences import Preferences
+from app.window.dialogs import Dialogs
+from app.window.main_window import MainWindow
+from app.worker.client import ConversationClient
 from engine.hw import HardwarePolicy, SystemMemorySource, ThermalSource, default_thermal_source
 
 

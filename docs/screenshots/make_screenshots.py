@@ -22,10 +22,10 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.application import SparkApplication
-from app.main_window import MainWindow
-from app.preferences import Preferences
-from app.signal_wait import wait_any
-from app.standarddirs import StandardDirs
+from app.misc.signal_wait import wait_any
+from app.misc.standarddirs import StandardDirs
+from app.settings.preferences import Preferences
+from app.window.main_window import MainWindow
 from app.wiring import build_main_window
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
@@ -55,7 +55,7 @@ def shoot(window: MainWindow, name: str, size: tuple[int, int]) -> None:
 
 def say(window: MainWindow, text: str) -> None:
     sent: list[bool] = []
-    name, _ = wait_any({"finished": window.client.worker.finished}, WAIT_MS, lambda: sent.append(window.submit(text)))
+    name, _ = wait_any({"finished": window.client.finished}, WAIT_MS, lambda: sent.append(window.submit(text)))
     assert sent == [True] and name == "finished", (sent, name, window.notice.text())
 
 
@@ -69,13 +69,13 @@ def build(model: Path | None, workdir: Path, size: tuple[int, int]) -> MainWindo
     window.move(0, 0)
     window.show()
     name, value = wait_any(
-        {"loaded": window.client.worker.loaded, "error": window.client.worker.error},
+        {"loaded": window.client.loaded, "error": window.client.error},
         WAIT_MS,
         lambda: window.load_model(model, "auto"),
     )
     assert name == "loaded", value
-    if window.opening is not None:  # a relaunch reopens the last conversation first
-        wait_any({"restored": window.client.worker.restored, "error": window.client.worker.error}, WAIT_MS)
+    if window.state.opening is not None:  # a relaunch reopens the last conversation first
+        wait_any({"restored": window.client.restored, "error": window.client.error}, WAIT_MS)
     return window
 
 
@@ -96,9 +96,9 @@ def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
             shoot(window, "reading", size)
             window.client.stop()
 
-    window.client.worker.reading.connect(on_reading)
+    window.client.reading.connect(on_reading)
     say(window, LONG)
-    window.client.worker.reading.disconnect(on_reading)
+    window.client.reading.disconnect(on_reading)
 
     window.menus.inspector_action.setChecked(True)
     window.inspector.details_button.setChecked(True)
