@@ -37,37 +37,41 @@ THERMAL_WORDS = {
 }
 
 
+PLAIN_RUNS = {
+    "coreml": "runs on the Neural Engine",
+    "mps": "runs on the Mac's graphics processor",
+    "cuda": "runs on the graphics card",
+    "cpu": "runs on the CPU",
+}
+
+
 def model_line(info: ModelInfo) -> str:
-    """Model, backend, weight precision and why faster backends were skipped, as one sentence."""
+    """Where the model runs, in plain words; the weights, kernels and skipped backends are the Details' business."""
     runs, _, why = info.backend_detail.partition(" (skipped ")
-    backend, _, rest = runs.partition(", ")
-    text = f"{info.name} runs on the {backend.upper() if backend != 'coreml' else 'Neural Engine (Core ML)'}"
-    if rest.startswith(("int", "q", "fp", "bf", "f16", "f32")) or "weights" in rest.split(",")[0]:
-        text += f" with {rest}."
-    else:
-        own = "fp32 weights (full precision)" if backend == "cpu" else "its own precision"
-        text += f" with {own}" + (f", {rest}." if rest else ".")
-    if why:
-        text += " Skipped faster choices: " + why.removesuffix(")") + "."
-    return text
+    backend = runs.partition(", ")[0]
+    text = f"{info.name} {PLAIN_RUNS.get(backend, 'runs on ' + backend)}"
+    if backend != "coreml" and "coreml" in why:
+        text += " (the Neural Engine needs a Mac with Apple silicon)"
+    return text + "."
 
 
 def memory_words(report: MemoryReport) -> str:
+    """What the conversation's memory holds, as a reader would say it."""
     if report.remote:
         return REMOTE_MEMORY
-    if not report.tiers:
-        return "Nothing yet."
     tiers = {t.name: t for t in report.tiers}
     working = tiers.get("working")
     episodic = tiers.get("episodic")
-    used = sum(t.bytes for t in report.tiers if t.name != "persistent")
-    parts = [f"Remembers the last {working.entries:,} tokens exactly" if working else f"Holds {report.tokens:,} tokens"]
-    if episodic is not None:
-        n = episodic.entries
-        parts.append(
-            f"recalls {n:,} earlier passage{'s' if n != 1 else ''}" if n else "no earlier passages to recall yet"
-        )
-    return ", ".join(parts) + f", {bytes_text(used)}."
+    if not report.tokens:
+        return "Nothing yet: the conversation is empty."
+    used = bytes_text(sum(t.bytes for t in report.tiers if t.name != "persistent"))
+    if working is None or not working.evictions:
+        return f"Remembers this whole conversation word for word ({report.tokens:,} tokens, {used})."
+    n = episodic.entries if episodic is not None else 0
+    recall = f"and can recall {n:,} earlier passage{'s' if n != 1 else ''} when they matter" if n else ""
+    return " ".join(
+        p for p in (f"Remembers the last {working.entries:,} tokens word for word", recall, f"({used}).") if p
+    )
 
 
 class _Section(QWidget):

@@ -124,5 +124,12 @@ class Preferences:
     def set_system_prompt(self, text: str) -> None:
         self._s.setValue("chat/system_prompt", text)
 
+    def loaded_once(self) -> bool:
+        """A model was loaded before on this machine (the first load also prepares the CPU kernels: slower)."""
+        return bool(self._s.value("app/loadedOnce", False, type=bool))
+
+    def set_loaded_once(self) -> None:
+        self._s.setValue("app/loadedOnce", True)
+
     def sync(self) -> None:
         self._s.sync()

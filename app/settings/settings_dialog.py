@@ -1,17 +1,22 @@
-"""Sampling settings (⌘,): temperature, top-k/p, min-p, repetition penalty, seed, greedy, reply length."""
+"""Settings (⌘,): how replies are sampled (temperature, top-k/p, min-p, repetition penalty, seed, greedy, reply
+length), and the local server's switch."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from PySide6.QtCore import Slot
+from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (
     QCheckBox,
     QDialog,
     QDialogButtonBox,
     QDoubleSpinBox,
     QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
     QLabel,
+    QPushButton,
     QSpinBox,
     QVBoxLayout,
     QWidget,
@@ -31,9 +36,17 @@ def _double(lo: float, hi: float, step: float, decimals: int = 2) -> QDoubleSpin
 
 
 class SettingsDialog(QDialog):
-    def __init__(self, settings: GenerationSettings, parent: QWidget | None = None) -> None:
+    """The reply settings, and (given its switch) the local server. Each group is a method: a further setting is
+    one row in its group."""
+
+    def __init__(
+        self,
+        settings: GenerationSettings,
+        parent: QWidget | None = None,
+        server: tuple[QAction, QAction] | None = None,
+    ) -> None:
         super().__init__(parent)
-        self.setWindowTitle("Generation Settings")
+        self.setWindowTitle("Settings")
         self.temperature = _double(0.0, 2.0, 0.05)
         self.top_k = QSpinBox()
         self.top_k.setRange(0, 1000)
@@ -75,9 +88,37 @@ class SettingsDialog(QDialog):
         self.greedy.toggled.connect(self._on_greedy_toggled)
         layout = QVBoxLayout(self)
         layout.addLayout(form)
+        self.serve: QCheckBox | None = None
+        if server is not None:
+            layout.addWidget(self._server_group(*server))
         layout.addWidget(self.error)
         layout.addWidget(buttons)
         self._show(settings)
+
+    def _server_group(self, switch: QAction, copy: QAction) -> QGroupBox:
+        """The local server's switch (the Model menu's, mirrored) and its address to copy."""
+        group = QGroupBox("Local Server")
+        row = QHBoxLayout(group)
+        self.serve = QCheckBox(switch.text())
+        self.serve.setChecked(switch.isChecked())
+        self.serve.toggled.connect(switch.setChecked)
+        copy_button = QPushButton("Copy URL")
+        copy_button.setEnabled(copy.isEnabled())
+        copy_button.clicked.connect(copy.trigger)
+
+        def follow() -> None:  # the switch may refuse (no model) or change its text once serving
+            assert self.serve is not None
+            self.serve.blockSignals(True)
+            self.serve.setChecked(switch.isChecked())
+            self.serve.setText(switch.text())
+            self.serve.blockSignals(False)
+            copy_button.setEnabled(copy.isEnabled())
+
+        switch.changed.connect(follow)
+        copy.changed.connect(follow)
+        row.addWidget(self.serve, 1)
+        row.addWidget(copy_button)
+        return group
 
     def value(self) -> GenerationSettings:
         seed = self.seed.value()

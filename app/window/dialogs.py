@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
 
 import engine
@@ -94,6 +95,9 @@ class Dialogs:
         dialog = AddServerDialog(self.parent)
         return dialog.value() if dialog.exec() == AddServerDialog.DialogCode.Accepted else None
 
-    def edit_settings(self, current: GenerationSettings) -> GenerationSettings | None:
-        dialog = SettingsDialog(current, self.parent)
+    def edit_settings(
+        self, current: GenerationSettings, server: tuple[QAction, QAction] | None = None
+    ) -> GenerationSettings | None:
+        """The settings as edited (None: cancelled); `server`: the local server's switch and Copy URL actions."""
+        dialog = SettingsDialog(current, self.parent, server)
         return dialog.value() if dialog.exec() == SettingsDialog.DialogCode.Accepted else None

@@ -10,10 +10,12 @@ interface: they share the small `WindowState` and speak through signals; neither
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from pathlib import Path
 
 from PySide6.QtCore import QCoreApplication, QEvent, Qt, QTimer, QUrl, Slot
-from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent, QResizeEvent
+from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent, QGuiApplication, QResizeEvent
 from PySide6.QtWidgets import (
     QApplication,
     QFrame,
@@ -34,12 +36,15 @@ from app.inspector.hw_monitor import HardwareMonitor
 from app.inspector.inspector import Inspector
 from app.misc.coalescer import TextCoalescer
 from app.misc.standarddirs import StandardDirs
+from app.server.local_server import LocalServerController, local_server_actions
 from app.settings.preferences import Preferences
 from app.settings.remote_servers import RemoteServerList
 from app.tray.quick_prompt import QuickPromptPanel
-from app.window.chat_view import ChatView, PromptEdit
+from app.window.chat_view import ChatView
 from app.window.commands import ConversationCommands
+from app.window.composer import Composer
 from app.window.dialogs import Dialogs
+from app.window.empty_state import greeting
 from app.window.menus import WindowMenus, shortcut_text
 from app.window.notice_bar import NoticeBar
 from app.window.state import Notice, WindowState
@@ -57,7 +62,14 @@ from app.worker.types import (
 from engine import SESSION_SUFFIX, FinishReason, GenerationSettings, RemoteServer, SparkError, default_model_path
 from engine.paths import APP_NAME
 
+INTERACTIVE_PREFILL_CHUNK = 32  # tokens per forward while the user waits (see generation_settings)
 NARROW_WIDTH = 1100  # px: below it the inspector folds away so the chat keeps most of the window
+RUNS_ON = {  # the status bar's words for where the model runs (the details are in the tooltip and the inspector)
+    "coreml": "runs on the Neural Engine",
+    "mps": "runs on the Mac's graphics processor",
+    "cuda": "runs on the graphics card",
+    "cpu": "runs on the processor",
+}
 FINISH_NOTES: dict[FinishReason | str, str] = {
     FinishReason.CANCELLED: "Stopped.",
     FinishReason.LENGTH: "Reached the reply length limit; Settings can raise it.",
@@ -77,6 +89,7 @@ class MainWindow(QMainWindow):
         client: ConversationClient,
         quick_client: ConversationClient,
         monitor: HardwareMonitor,
+        local_server: LocalServerController,
         prefs: Preferences,
         dirs: StandardDirs,
         dialogs: Dialogs | None = None,
@@ -85,6 +98,7 @@ class MainWindow(QMainWindow):
         super().__init__()
         self.client = client
         self.monitor = monitor
+        self.local_server = local_server
         self.prefs = prefs
         self.dirs = dirs
         self.dialogs = dialogs or Dialogs(self)
@@ -94,6 +108,7 @@ class MainWindow(QMainWindow):
         self.remote_servers = RemoteServerList(prefs.settings)
         self.startup_id = prefs.last_conversation() if self.library.get(prefs.last_conversation()) else ""
         self._shut_down = False
+        self.workers_done = False  # set by shutdown: both worker threads ended
         self._narrow = False
         self.auto_layout = False
 
@@ -136,18 +151,9 @@ class MainWindow(QMainWindow):
         self.chat = ChatView()
         self.chat.setAcceptDrops(False)  # drops belong to the window (sessions, models)
         self.coalescer = TextCoalescer(parent=self)
-        self.prompt = PromptEdit()
-        self.send_button = QPushButton("Send")
-        self.send_button.setObjectName("sendButton")
-        self.send_button.setDefault(True)
-        self.send_button.setMinimumWidth(76)
-        composer = QWidget()
-        composer.setObjectName("composer")
-        bottom = QHBoxLayout(composer)
-        bottom.setContentsMargins(16, 10, 16, 14)
-        bottom.setSpacing(10)
-        bottom.addWidget(self.prompt, 1)
-        bottom.addWidget(self.send_button, 0, Qt.AlignmentFlag.AlignBottom)
+        self.composer = composer = Composer()
+        self.prompt = composer.prompt
+        self.send_button = composer.send_button
         layout = QVBoxLayout(column)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
@@ -173,6 +179,7 @@ class MainWindow(QMainWindow):
         """Below NARROW_WIDTH the chat keeps the room: the inspector folds away (⌘I still opens it) and comes back
         when the window is wide again, if the user had it open."""
         super().resizeEvent(event)
+        self.composer.set_max_height(self.height() // 3)
         narrow = self.width() < NARROW_WIDTH
         if narrow != self._narrow:
             self._narrow = narrow
@@ -196,6 +203,17 @@ class MainWindow(QMainWindow):
         status.addPermanentWidget(self.load_cancel)
         self.load_progress.hide()
         self.load_cancel.hide()
+        self._loading_text = ""
+        self._loading_since = 0.0
+        self._loading_timer = QTimer(self)
+        self._loading_timer.setInterval(1000)
+        self._loading_timer.timeout.connect(self._tick_loading)
+        self.server_label = QLabel()
+        self.server_label.setObjectName("serverStatus")
+        self.server_label.setTextFormat(Qt.TextFormat.RichText)
+        self.server_label.linkActivated.connect(self._on_server_link)
+        status.addPermanentWidget(self.server_label)
+        self.server_label.hide()
 
     def _connect(self) -> None:
         c = self.client
@@ -229,6 +247,7 @@ class MainWindow(QMainWindow):
         self.inspector.session_panel.save_requested.connect(self.commands.save)
         self.inspector.session_panel.restore_requested.connect(self.commands.open_session)
         self.chat.branch_requested.connect(self.commands.branch)
+        self.chat.example_chosen.connect(self.submit)
         self.chat.copied.connect(lambda _: self.notice.show_message("Copied.", error=False))
         self.sidebar.open_requested.connect(self.open_conversation)
         self.sidebar.renamed.connect(self.commands.rename)
@@ -278,11 +297,20 @@ class MainWindow(QMainWindow):
         m.server_chosen.connect(self.use_remote)
         m.precision_changed.connect(self._on_precision)
         m.conversation_chosen.connect(self.open_conversation)
+        switch, copy = local_server_actions(self.local_server, self)
+        self.server_switch, self.server_copy = switch, copy
+        m.add_server_actions(switch, copy)
+        c.loaded.connect(self.local_server.on_model_loaded)
+        self.local_server.state_changed.connect(self._on_server_state)
+        self.local_server.failed.connect(lambda text: self.notice.show_message(text, error=True))
 
     def _restore_layout(self) -> None:
         geometry = self.prefs.window_geometry()
         if geometry is None or not self.restoreGeometry(geometry):
             self.resize(1180, 760)
+        state = self.prefs.window_state()
+        if state is not None:
+            self.restoreState(state)
         side = 230 if self.width() >= NARROW_WIDTH else 190
         self.splitter.setSizes([side, max(400, self.width() - side - 280), 280])
 
@@ -369,20 +397,27 @@ class MainWindow(QMainWindow):
     def open_quick_prompt(self) -> None:
         self.quick_panel.open_centered()
 
-    def shutdown(self) -> None:
-        """Remember the layout and the open conversation, stop any reply, store it, end both worker threads."""
+    def shutdown(self, wait_ms: int = 30_000) -> bool:
+        """Remember the layout and the open conversation, stop any reply, store it, end both worker threads (both
+        at once, each within `wait_ms`); False when a worker is still busy then (a model still loading: nothing of
+        it needs keeping, so Quit need not wait for it)."""
         if self._shut_down:
-            return
+            return self.workers_done
         self._shut_down = True
         self.prefs.set_window(self.saveGeometry(), self.saveState())
         self.prefs.set_system_prompt(self.system_prompt.text().strip())
         self.prefs.set_last_conversation(self.state.current_id)
         self.prefs.sync()
         self.quick_panel.close()
-        self.quick_client.shutdown()
-        self.client.shutdown()
+        self.quick_client.begin_shutdown()
+        self.client.begin_shutdown()  # Stop acts at once (between two tokens or two prompt chunks)
+        self.local_server.stop()
+        done = self.client.wait_shut_down(wait_ms)
+        done = self.quick_client.wait_shut_down(wait_ms) and done
         QCoreApplication.sendPostedEvents(self.client, QEvent.Type.MetaCall)  # its last "stored" reaches the index
         self.library.close()
+        self.workers_done = done
+        return done
 
     def dragEnterEvent(self, event: QDragEnterEvent) -> None:
         if event.mimeData().hasUrls():
@@ -448,14 +483,18 @@ class MainWindow(QMainWindow):
     @Slot(bool)
     def show_busy(self, busy: bool) -> None:
         self.menus.stop_action.setEnabled(busy)
-        self.menus.regenerate_action.setEnabled(self.state.model_loaded and not busy)
+        # Regenerate needs a prompt to answer again: not in an empty chat.
+        self.menus.regenerate_action.setEnabled(self.state.model_loaded and not busy and not self.chat.is_empty())
         self.send_button.setText("Stop" if busy else "Send")
         self.send_button.setEnabled(self.state.model_loaded)
         if not busy:
             self.speed_label.setText("")
 
     def generation_settings(self) -> GenerationSettings:
-        return self.prefs.generation()
+        """The user's settings, with the prompt read in small chunks: Stop is checked between chunks, so a small
+        one keeps Stop (and Quit) prompt while a long paste is read, at a small cost in reading speed."""
+        settings = self.prefs.generation()
+        return replace(settings, prefill_chunk=min(settings.prefill_chunk, INTERACTIVE_PREFILL_CHUNK))
 
     def title(self) -> str:
         entry = self.library.get(self.state.current_id)
@@ -468,9 +507,26 @@ class MainWindow(QMainWindow):
     # -- the client's signals -------------------------------------------------------------------------------------
     @Slot(str)
     def _on_loading(self, model_dir: str) -> None:
-        self.model_label.setText(f"Loading {Path(model_dir).name if model_dir else 'the default model'}…")
+        """Say what is happening and how long it takes (the first load on a machine also builds its kernels)."""
+        name = Path(model_dir).name if model_dir else "the default model"
+        if self.prefs.loaded_once():
+            self._loading_text = f"Loading {name}…"
+        else:
+            self._loading_text = (
+                f"Preparing {name} for this computer: the first launch takes about a minute, later ones a few seconds."
+            )
+        self._loading_since = time.monotonic()
+        self.model_label.setText(self._loading_text)
+        if self.chat.is_empty():
+            self.chat.set_greeting(self._loading_text, ())
         self.load_progress.show()
         self.load_cancel.show()
+        self._loading_timer.start()
+
+    @Slot()
+    def _tick_loading(self) -> None:
+        seconds = int(time.monotonic() - self._loading_since)
+        self.model_label.setText(f"{self._loading_text} ({seconds} s)")
 
     @Slot(LoadedModel)
     def _on_loaded(self, loaded: LoadedModel) -> None:
@@ -481,11 +537,13 @@ class MainWindow(QMainWindow):
         self._end_loading()
         resume = self._last_remote() if first else None
         self.state.model_path = None if _is_default(info.path) else info.path
-        runs = info.backend_detail.partition(" (skipped ")[0]
-        self.model_label.setText(f"{info.name} · {runs}")
-        self.model_label.setToolTip(f"{info.path}\n{info.backend_detail}")
+        self.model_label.setText(f"{info.name} · {RUNS_ON.get(info.backend, info.backend)}")
+        self.model_label.setToolTip(f"{info.path}\n{info.backend_detail}")  # the expert's details, on hover
+        self.chat.set_greeting(*greeting(info.name, info.weight_bytes))
+        self.composer.set_counter(loaded.count_tokens, info.context_tokens)
         self.menus.model_button.setText(f"Model: {info.name}")
         self.prefs.set_last_model(self.state.model_path)
+        self.prefs.set_loaded_once()
         self.quick_client.attach(loaded.engine)
         self.client.set_system_prompt(self.system_prompt.text().strip())
         self.inspector.on_model(info)
@@ -522,6 +580,8 @@ class MainWindow(QMainWindow):
         self.model_label.setToolTip(server.url)
         self.menus.model_button.setText(f"Model: {server.model}")
         self.inspector.show_remote(server)
+        self.chat.set_greeting(*greeting(server.model, 0, remote=True))
+        self.composer.set_counter(None, 0)
         self.show_busy(self.client.busy)
         if first:
             self._first_ready()
@@ -533,6 +593,7 @@ class MainWindow(QMainWindow):
         self.model_label.setText("Model loading cancelled")
 
     def _end_loading(self) -> None:
+        self._loading_timer.stop()
         self.load_progress.hide()
         self.load_cancel.hide()
 
@@ -554,10 +615,14 @@ class MainWindow(QMainWindow):
 
     @Slot(TurnResult)
     def _on_finished(self, result: TurnResult) -> None:
+        if self._shut_down:  # Quit cut the reply off: the worker stored it with a note saying so
+            return
         self.coalescer.flush()  # text queued before `finished` is shown before the reply is closed
         notes = [FINISH_NOTES.get(result.reason, "")]
         if result.reason == FinishReason.CANCELLED and not result.progress.generated_tokens:
-            notes = ["Stopped while reading; nothing was written."]
+            notes = [
+                "Stopped while reading; nothing was written. What was read stays in memory; the rest is read with your next message."
+            ]
         if result.recalled_turns_ago:
             n = result.recalled_turns_ago
             notes.append(f"↺ Recalled from {n} turn{'s' if n != 1 else ''} ago.")
@@ -583,6 +648,7 @@ class MainWindow(QMainWindow):
         self.coalescer.discard()
         entry = self.library.get(self.state.opening or self.state.current_id)
         self.chat.set_messages(messages, dict(entry.notes) if entry else None)
+        self.show_busy(self.client.busy)
 
     @Slot(StoredConversation)
     def _on_stored(self, stored: StoredConversation) -> None:
@@ -651,6 +717,7 @@ class MainWindow(QMainWindow):
         self.chat.set_messages([])
         self.inspector.reset_conversation()
         self.speed_label.setText("")
+        self.show_busy(self.client.busy)
 
     @Slot(Notice)
     def show_notice(self, notice: Notice) -> None:
@@ -683,6 +750,20 @@ class MainWindow(QMainWindow):
     def _on_precision(self, _precision: str) -> None:
         if self.state.model_loaded and self.state.remote is None:  # a server's precision is its own business
             self.load_model(self.state.model_path)
+
+    @Slot(bool, str)
+    def _on_server_state(self, running: bool, url: str) -> None:
+        """While the server is on, the status bar says where, with a link that copies the address."""
+        link = self.palette().color(self.palette().ColorRole.Link).name()
+        self.server_label.setText(
+            f'Serving on {url} · <a style="color:{link}; text-decoration:none" href="copy">Copy</a>'
+        )
+        self.server_label.setVisible(running)
+
+    @Slot(str)
+    def _on_server_link(self, _href: str) -> None:
+        QGuiApplication.clipboard().setText(self.local_server.url)
+        self.notice.show_message(f"Copied {self.local_server.url}.", error=False)
 
     @Slot()
     def _on_quit(self) -> None:

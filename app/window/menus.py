@@ -85,7 +85,8 @@ class WindowMenus(QObject):
         self._dialogs = dialogs
         self._text_fallback = text_fallback  # where Copy/Select All go when the focus holds no text
         self._titles = titles  # the conversations the Window menu lists: (id, title), newest first
-        self.model_menu_extras: list[QAction] = []  # entries other parts add at the menu's end (the local server)
+        self.model_menu_extras: list[QAction | None] = []  # entries added at the menu's end (None: a separator)
+        self.server_actions: tuple[QAction, QAction] | None = None  # the local server's, shown in Settings too
         self._build_actions()
         self._build_menus_and_toolbar()
 
@@ -285,10 +286,17 @@ class WindowMenus(QObject):
         m.addSeparator()
         m.addMenu(self.precision_menu)
         for action in self.model_menu_extras:
-            m.addAction(action)
+            m.addSeparator() if action is None else m.addAction(action)
 
-    def add_model_menu_entry(self, action: QAction) -> None:
-        """A further entry at the end of the Model menu (kept across its refills)."""
+    def add_server_actions(self, switch: QAction, copy: QAction) -> None:
+        """The local server's switch and Copy URL: at the end of the Model menu, and in Settings."""
+        self.server_actions = (switch, copy)
+        self.add_model_menu_entry(None)
+        self.add_model_menu_entry(switch)
+        self.add_model_menu_entry(copy)
+
+    def add_model_menu_entry(self, action: QAction | None) -> None:
+        """A further entry at the end of the Model menu, kept across its refills (None: a separator)."""
         self.model_menu_extras = [*self.model_menu_extras, action]
         self._fill_model_menu()
 
@@ -344,7 +352,7 @@ class WindowMenus(QObject):
 
     @Slot()
     def _on_settings(self) -> None:
-        edited = self._dialogs.edit_settings(self._prefs.generation())
+        edited = self._dialogs.edit_settings(self._prefs.generation(), self.server_actions)
         if edited is not None:
             self._prefs.set_generation(edited)
 

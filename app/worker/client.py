@@ -169,10 +169,18 @@ class ConversationClient(QObject):
         self._restore.emit(str(path), transcript_only, str(store_path) if store_path else "")
 
     def shutdown(self, timeout_ms: int = 30_000) -> bool:
-        """Stop any reply, autosave, end the thread. Blocks the GUI only for the at-most-one-token stop + save."""
+        """Stop any reply, store the conversation, end the thread; False when it is still busy after `timeout_ms`."""
+        self.begin_shutdown()
+        return self.wait_shut_down(timeout_ms)
+
+    def begin_shutdown(self) -> None:
+        """Stop any reply (or loading) and ask the worker to store its conversation and end (its last request)."""
         self.stop()
         self.cancel_load()
         self._shutdown.emit()
+
+    def wait_shut_down(self, timeout_ms: int) -> bool:
+        """Block until the worker's thread ended (at most `timeout_ms`): the at-most-one-step stop + the store."""
         return self._thread.wait(timeout_ms)
 
     # -- internals -------------------------------------------------------------------------------------------------

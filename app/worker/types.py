@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -18,12 +19,14 @@ class ModelInfo:
     backend_detail: str  # BackendChoice.explain(): the backend, its weight precision and why faster ones were skipped
     weight_bytes: int
     kv_bytes_per_token: int
+    context_tokens: int = 0  # the model's trained context
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    engine: Engine  # handed to the quick prompt's worker; the GUI only reads `info`
+    engine: Engine  # handed to the quick prompt's worker; the GUI reads `info` and counts with `count_tokens`
     info: ModelInfo
+    count_tokens: Callable[[str], int]  # a prompt's length in the model's tokens (thread-safe: the GUI calls it)
 
 
 @dataclass(frozen=True)

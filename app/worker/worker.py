@@ -144,8 +144,10 @@ class ConversationWorker(QObject):
             engine.choice.explain(),
             b.weight_bytes,
             b.kv_bytes_per_token(),
+            b.config.max_position_embeddings,
         )
-        self.loaded.emit(LoadedModel(engine, info))
+        tokenizer = engine.tokenizer
+        self.loaded.emit(LoadedModel(engine, info, lambda text: len(tokenizer.encode(text, add_bos=False))))
         self.memory.emit(conversation.memory_report())
         if had_conversation and self._store_path is not None and self._store_path.is_file():
             self._carry_over(self._store_path)

@@ -1,6 +1,7 @@
-"""Render the app's main states to PNGs in this folder, under a real X server, at 1440×900 and 900×700.
+"""Render the app's main states to PNGs in this folder, under a real X server, at 1440×900, 900×700 and 1920×1080,
+in light and dark mode.
 
-    xvfb-run -a -s "-screen 0 1440x900x24" python docs/screenshots/make_screenshots.py [--model DIR|FILE.gguf]
+    xvfb-run -a -s "-screen 0 1920x1080x24" python docs/screenshots/make_screenshots.py [--model DIR|FILE.gguf]
 
 Scratch settings and data (nothing of the user's is touched); the model really runs, so the states show real
 numbers. The whole screen is grabbed, so menus and popups appear as a user sees them.
@@ -24,11 +25,11 @@ sys.path.insert(0, str(ROOT))
 from app.application import SparkApplication
 from app.misc.signal_wait import wait_any
 from app.misc.standarddirs import StandardDirs
+from app.misc.theme import Scheme
 from app.settings.preferences import Preferences
 from app.window.main_window import MainWindow
 from app.wiring import build_main_window
-from engine.generation.loop import GenerationSettings
-from engine.generation.sampling import SamplingSettings
+from engine import GenerationSettings, SamplingSettings
 
 WAIT_MS = 600_000
 LONG = (
@@ -43,12 +44,16 @@ def pump(ms: int) -> None:
     loop.exec()
 
 
+SIZES = ((1440, 900), (900, 700), (1920, 1080))
+SCHEME = [Scheme.LIGHT]  # the one being shot
+
+
 def shoot(window: MainWindow, name: str, size: tuple[int, int]) -> None:
     pump(300)
     screen = QApplication.primaryScreen()
     g = window.frameGeometry()
     image = screen.grabWindow(0, g.x(), g.y(), size[0], size[1])
-    out = HERE / f"{name}-{size[0]}x{size[1]}.png"
+    out = HERE / f"{name}-{SCHEME[0].value}-{size[0]}x{size[1]}.png"
     image.save(str(out))
     print(f"wrote {out.relative_to(ROOT)}")
 
@@ -80,11 +85,16 @@ def build(model: Path | None, workdir: Path, size: tuple[int, int]) -> MainWindo
 
 
 def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
+    window.menus.new_chat_action.trigger()
+    shoot(window, "empty", size)
     if first:
         for q in ("What is the capital of France?", "Give me three tips for a good night's sleep."):
             say(window, q)
             window.menus.new_chat_action.trigger()
         say(window, "Write a haiku about autumn leaves.")
+    else:
+        window.open_conversation(window.sidebar.ids()[0])
+        wait_any({"restored": window.client.restored, "error": window.client.error}, WAIT_MS)
     shoot(window, "chat", size)
 
     # Reading a long prompt: grabbed while the reading is under way.
@@ -120,11 +130,16 @@ def main() -> int:
     os.environ.setdefault("QT_QPA_PLATFORM", "xcb")
     app = SparkApplication([sys.argv[0]])
     with tempfile.TemporaryDirectory(prefix="spark-shots-") as tmp:
-        for i, size in enumerate(((1440, 900), (900, 700))):
-            window = build(args.model, Path(tmp), size)
-            states(window, size, first=i == 0)
-            window.shutdown()
-            window.close()
+        first = True
+        for scheme in (Scheme.LIGHT, Scheme.DARK):
+            app.set_scheme(scheme)
+            SCHEME[0] = scheme
+            for size in SIZES:
+                window = build(args.model, Path(tmp), size)
+                states(window, size, first=first)
+                first = False
+                window.shutdown()
+                window.close()
     app.quit()
     return 0
 

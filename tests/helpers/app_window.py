@@ -78,7 +78,9 @@ class ScriptedDialogs(Dialogs):
         self.asked.append("add server")
         return self.server_to_add
 
-    def edit_settings(self, current: GenerationSettings) -> GenerationSettings | None:
+    def edit_settings(
+        self, current: GenerationSettings, server: tuple[object, object] | None = None
+    ) -> GenerationSettings | None:
         self.asked.append("settings")
         return self.new_settings
 

@@ -21,6 +21,10 @@ class PerformancePanel(Panel):
     @Slot(ModelInfo)
     def on_model(self, info: ModelInfo) -> None:
         runs, _, why = info.backend_detail.partition(" (skipped ")
+        backend, _, rest = runs.partition(", ")
+        if not (rest.startswith(("int", "q", "fp", "bf", "f16", "f32")) or "weights" in rest.split(",")[0]):
+            own = "fp32 weights (full precision)" if backend == "cpu" else "its own precision"
+            runs = ", ".join(p for p in (backend, own, rest) if p)
         self.backend.setText(runs)  # the backend and its weights, e.g. "cpu, q4_1 weights, native avx2 kernels"
         self.skipped.setText(why.removesuffix(")").replace("; ", "\n") if why else "none: the fastest backend runs")
 

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 from PySide6.QtWidgets import QLabel, QWidget
 
-from app.inspector.inspector import model_line
+from app.inspector.inspector import memory_words, model_line
 from app.misc.signal_wait import GuiRelay
 from app.window.main_window import MainWindow
 from app.wiring import build_main_window
-from app.worker.types import ModelInfo
+from app.worker.types import MemoryReport, ModelInfo
+from engine import TierStats
 from engine.hw import ThermalState
 from tests.helpers.app_window import WAIT_MS, ScriptedThermal, dispose, set_reply_tokens
 
@@ -88,12 +89,18 @@ def test_inspector_speaks_plainly_and_toggles(qtbot, window: MainWindow, gui, pr
     with qtbot.waitSignal(gui(window.client.finished), timeout=WAIT_MS):
         window.submit("Hello")
     insp = window.inspector
-    assert insp.memory.body.text().startswith("Remembers the last ")
-    assert "earlier passage" in insp.memory.body.text()
+    assert insp.memory.body.text().startswith("Remembers this whole conversation word for word (")
     model = insp.model.body.text()
-    assert model.startswith("tiny-model0 runs on the CPU with q8_0 weights")  # model, backend, precision
-    assert "Skipped faster choices: coreml: " in model_line(
+    assert model.startswith("tiny-model0 runs on the CPU")  # where, in words; the weights are the Details'
+    assert "q8_0" not in model and "kernels" not in model
+    plain = model_line(
         ModelInfo("m", Path("m"), "cpu", "cpu, q8_0 weights (skipped coreml: not a Mac; mps: no GPU)", 0, 0)
+    )
+    assert plain == "m runs on the CPU (the Neural Engine needs a Mac with Apple silicon)."
+    evicted = TierStats("working", 64, 640, 900, 0, 0, 0.0, 500)
+    recalled = TierStats("episodic", 3, 300, 900, 0, 0, 0.0, 0)
+    assert memory_words(MemoryReport((evicted, recalled), 564)).startswith(
+        "Remembers the last 64 tokens word for word and can recall 3 earlier passages when they matter"
     )
     assert insp.model.body.wordWrap()  # the whole line wraps instead of being cut off
     assert not insp.details.isVisible()  # the jargon waits behind the disclosure

@@ -143,7 +143,7 @@ def test_model_picker_lists_recent_models_and_precision_reloads(
         assert window.submit("Too soon") is False  # it is being carried over: the message waits
     assert prefs.precision() == "none"
     assert "q8_0" not in blocker.args[0].info.backend_detail  # the model was reloaded at full precision
-    assert "with fp32 weights (full precision)" in window.inspector.model.body.text()
+    assert "fp32" in window.inspector.performance_panel.backend.text()  # the precision, in the Details
     # The open conversation carried over to the reloaded model: shown, stored, and it goes on.
     assert "Keep me across the reload" in window.chat.toPlainText()
     with qtbot.waitSignal(gui(window.client.finished), timeout=WAIT_MS):

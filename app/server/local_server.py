@@ -1,6 +1,6 @@
-"""The "Local Server" switch of the menu-bar item: serves the loaded model over the OpenAI-compatible API
-(engine.openai) on 127.0.0.1, beside the app's own conversations (the scheduler's forwards take the engine's
-step lock, so a chat and API requests interleave step by step), with an item that copies the URL.
+"""The local server: serves the loaded model over the OpenAI-compatible API (engine.openai) on 127.0.0.1, beside
+the app's own conversations (the scheduler's forwards take the engine's step lock, so a chat and API requests
+interleave step by step). Its switch and "Copy Server URL" sit in the window's Model menu and in the menu-bar item.
 
 `LocalServerController` owns the server; `install_local_server_menu` adds the two actions to a QMenu. The
 controller is told about the loaded engine through `attach(engine)`; switching models restarts the server on the
@@ -93,27 +93,37 @@ class LocalServerController(QObject):
         self.state_changed.emit(False, "")
 
 
-def install_local_server_menu(menu: QMenu, controller: LocalServerController) -> tuple[QAction, QAction]:
-    """Add "Local Server" (a switch) and "Copy Server URL" to `menu`; returns the two actions."""
-    switch = QAction("Local Server", menu)
+def switch_text(controller: LocalServerController) -> str:
+    return f"Serve This Model on http://{LOOPBACK}:{controller.port or 'any port'}"
+
+
+def local_server_actions(controller: LocalServerController, parent: QObject) -> tuple[QAction, QAction]:
+    """The server's switch and "Copy Server URL", kept in step with the controller."""
+    switch = QAction(switch_text(controller), parent)
     switch.setCheckable(True)
-    copy = QAction("Copy Server URL", menu)
+    copy = QAction("Copy Server URL", parent)
     copy.setEnabled(False)
+
+    def on_state(running: bool, url: str) -> None:
+        switch.blockSignals(True)
+        switch.setChecked(running)
+        switch.blockSignals(False)
+        switch.setText(f"Serving This Model on {url}" if running else switch_text(controller))
+        copy.setEnabled(running)
+
+    switch.toggled.connect(controller.set_enabled)
+    copy.triggered.connect(lambda: QGuiApplication.clipboard().setText(controller.url))
+    controller.state_changed.connect(on_state)
+    return switch, copy
+
+
+def install_local_server_menu(menu: QMenu, controller: LocalServerController) -> tuple[QAction, QAction]:
+    """Add the server's switch and "Copy Server URL" at the top of `menu` (the menu-bar item's); returns them."""
+    switch, copy = local_server_actions(controller, menu)
     first = menu.actions()[0] if menu.actions() else None
     if first is None:
         menu.addActions([switch, copy])
     else:
         menu.insertActions(first, [switch, copy])
         menu.insertSeparator(first)
-
-    def on_state(running: bool, url: str) -> None:
-        switch.blockSignals(True)
-        switch.setChecked(running)
-        switch.blockSignals(False)
-        switch.setText(f"Local Server: {url}" if running else "Local Server")
-        copy.setEnabled(running)
-
-    switch.toggled.connect(controller.set_enabled)
-    copy.triggered.connect(lambda: QGuiApplication.clipboard().setText(controller.url))
-    controller.state_changed.connect(on_state)
     return switch, copy

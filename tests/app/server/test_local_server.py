@@ -10,8 +10,8 @@ from PySide6.QtCore import QSettings
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QMenu
 
+from app.server.local_server import LocalServerController, install_local_server_menu, switch_text
 from app.settings.remote_servers import AddServerDialog, RemoteServerList
-from app.tray.local_server import LocalServerController, install_local_server_menu
 from engine.openai.client import RemoteServer
 from engine.session.engine import Engine, memory_factory_for
 from tests.helpers.http_clients import closed_after_test
@@ -50,7 +50,7 @@ def test_switch_serves_the_loaded_model_and_copies_its_url(qtbot, tiny_model: Pa
         assert reply.choices[0].finish_reason in ("stop", "length")
     finally:
         switch.setChecked(False)
-    assert not controller.running and not copy.isEnabled() and switch.text() == "Local Server"
+    assert not controller.running and not copy.isEnabled() and switch.text() == switch_text(controller)
 
 
 def test_add_server_dialog_lists_models_and_returns_the_server(qtbot, tiny_model: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
