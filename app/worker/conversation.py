@@ -71,7 +71,10 @@ class Conversation(Protocol):
         """Read a `.spark` file into this (fresh) conversation; raises SparkError/OSError, leaving it unchanged."""
         ...
 
-    def save(self, path: Path, full_memory: bool) -> None: ...
+    def save(self, path: Path, full_memory: bool, verify: bool = True) -> None:
+        """Write the conversation; `verify`: with what a restore needs to check the memory comes back exact (a
+        while on a large memory: a save in a hurry goes without)."""
+        ...
 
     def reset(self) -> None: ...
 
@@ -141,8 +144,8 @@ class LocalConversation:
             note = "its memory was recomputed and differs slightly from the saved one (other numerics)"
         return Opened(True, note)
 
-    def save(self, path: Path, full_memory: bool) -> None:
-        self.session.save(path, compact=not full_memory)
+    def save(self, path: Path, full_memory: bool, verify: bool = True) -> None:
+        self.session.save(path, compact=not full_memory, digest=verify)
 
     def reset(self) -> None:
         self.session.reset()
@@ -228,7 +231,7 @@ class RemoteConversation:
         self.take_transcript([(m.role, m.content) for m in data.messages], data.system_prompt or "", lambda: False)
         return Opened(True, "")
 
-    def save(self, path: Path, full_memory: bool) -> None:
+    def save(self, path: Path, full_memory: bool, verify: bool = True) -> None:
         self.remote.save(path)  # the server's memory is not ours: the transcript is all there is
 
     def reset(self) -> None:

@@ -327,7 +327,7 @@ class ConversationWorker(QObject):
     def on_shutdown(self) -> None:
         """Last request before the thread quits: store the conversation (the reply was already stopped)."""
         try:
-            self._store()
+            self._store(verify=False)  # in a hurry: the app is quitting
             self._close_all()
         finally:
             if self._unsubscribe is not None:  # the policy outlives this worker: no decision may reach it after
@@ -386,13 +386,15 @@ class ConversationWorker(QObject):
         left = (total - done) / rate if rate > 0 else 0.0
         self.reading.emit(ReadProgress(kind, done, total, rate, left))
 
-    def _store(self, cut_off: bool = False) -> None:
-        """Store the conversation now (compact, atomic) when it has any message; errors are shown, never raised."""
+    def _store(self, cut_off: bool = False, verify: bool = True) -> None:
+        """Store the conversation now (compact, atomic) when it has any message; errors are shown, never raised.
+        `cut_off`: its last reply was stopped before it ended; `verify`: with the memory's hash (a while)."""
         conversation = self.conversation
         if not self._store_enabled or conversation is None or self._store_path is None or not conversation.messages:
             return
         try:
-            conversation.save(self._store_path, full_memory=False)
+            # A reply cut off (Stop, Quit) is stored at once: no hash of the memory to check a restore by.
+            conversation.save(self._store_path, full_memory=False, verify=verify and not cut_off)
         except Exception as exc:
             log.exception("storing the conversation failed")
             self.error.emit(
