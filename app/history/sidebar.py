@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QPoint, QRect, QSize, Qt, Signal, Slot
-from PySide6.QtGui import QFont, QKeyEvent, QPainter, QPalette
+from PySide6.QtGui import QColor, QFont, QKeyEvent, QPainter, QPalette
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QLineEdit,
@@ -27,6 +27,11 @@ ID_ROLE = Qt.ItemDataRole.UserRole
 SUBTITLE_ROLE = Qt.ItemDataRole.UserRole + 1
 
 
+def _mix(a: QColor, b: QColor, t: float) -> QColor:
+    ca, cb = (a.redF(), a.greenF(), a.blueF()), (b.redF(), b.greenF(), b.blueF())
+    return QColor.fromRgbF(*(x + (y - x) * t for x, y in zip(ca, cb, strict=True)))
+
+
 class RowDelegate(QStyledItemDelegate):
     """A row: the title (the text an inline rename edits) over a smaller, dimmed line with the date and model."""
 
@@ -41,15 +46,20 @@ class RowDelegate(QStyledItemDelegate):
         opt = QStyleOptionViewItem(option)
         self.initStyleOption(opt, index)
         title, sub = opt.text, index.data(SUBTITLE_ROLE) or ""
-        opt.text = ""
-        style = opt.widget.style() if opt.widget is not None else None
-        if style is not None:
-            style.drawControl(QStyle.ControlElement.CE_ItemViewItem, opt, painter, opt.widget)
-        rect: QRect = opt.rect.adjusted(10, 6, -8, -6)
         selected = bool(opt.state & QStyle.StateFlag.State_Selected)
+        hovered = bool(opt.state & QStyle.StateFlag.State_MouseOver)
         pal: QPalette = opt.palette
-        text_role = QPalette.ColorRole.HighlightedText if selected else QPalette.ColorRole.Text
         painter.save()
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        if selected or hovered:  # a soft tint of the accent, the row's text keeps its own colour (light or dark)
+            tint = _mix(
+                pal.color(QPalette.ColorRole.Window), pal.color(QPalette.ColorRole.Highlight), 0.22 if selected else 0.1
+            )
+            painter.setPen(Qt.PenStyle.NoPen)
+            painter.setBrush(tint)
+            painter.drawRoundedRect(opt.rect.adjusted(2, 1, -2, -1), 8, 8)
+        rect: QRect = opt.rect.adjusted(10, 6, -8, -6)
+        text_role = QPalette.ColorRole.Text
         font = QFont(opt.font)
         font.setWeight(QFont.Weight.DemiBold if sub else QFont.Weight.Normal)
         painter.setFont(font)
@@ -62,7 +72,7 @@ class RowDelegate(QStyledItemDelegate):
             small = QFont(opt.font)
             small.setPointSizeF(max(small.pointSizeF() - 1.5, 8))
             painter.setFont(small)
-            painter.setPen(pal.color(text_role if selected else QPalette.ColorRole.PlaceholderText))
+            painter.setPen(pal.color(QPalette.ColorRole.PlaceholderText))
             bottom = QRect(rect.left(), rect.top() + line, rect.width(), line)
             elided = painter.fontMetrics().elidedText(sub, Qt.TextElideMode.ElideRight, rect.width())
             painter.drawText(bottom, flags, elided)
@@ -70,8 +80,12 @@ class RowDelegate(QStyledItemDelegate):
 
 
 def when_text(epoch_s: float, now: float | None = None) -> str:
-    """ "14:05" today, "Yesterday", a weekday within the week, else the date."""
+    """ "Just now", "12 min ago", "14:05" earlier today, "Yesterday", a weekday within the week, else the date."""
     now = time.time() if now is None else now
+    if 0 <= now - epoch_s < 60:
+        return "Just now"
+    if 0 <= now - epoch_s < 3600:
+        return f"{int(now - epoch_s) // 60} min ago"
     t, n = time.localtime(epoch_s), time.localtime(now)
     days = (
         time.mktime((n.tm_year, n.tm_mon, n.tm_mday, 0, 0, 0, 0, 0, -1))

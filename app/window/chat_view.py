@@ -42,6 +42,8 @@ COLUMN_MAX = 760  # px: the reading column's widest; wider windows centre it
 LIVE_RENDER_S = 0.25  # a streaming reply is rendered as Markdown at most this often
 PASTE_LINES = 14  # a user message longer than this (or PASTE_CHARS) shows its first lines and "Show all"
 PASTE_CHARS = 1500
+PASTE_PREVIEW_LINES = 6  # ...of which a collapsed paste shows this much
+PASTE_PREVIEW_CHARS = 480
 
 
 def _mix(a: QColor, b: QColor, t: float) -> QColor:
@@ -93,13 +95,16 @@ class ChatView(QTextBrowser):
         self._place_pill()
 
     def _place_column(self) -> None:
-        """Wider than COLUMN_MAX, the text keeps that width and sits in the middle (as a page in a reader)."""
+        """Wider than COLUMN_MAX, the text keeps that width and sits in the middle (as a page in a reader); the
+        greeting of an empty chat sits a quarter down."""
         side = max(18, (self.viewport().width() - COLUMN_MAX) // 2)
+        top = max(18, self.viewport().height() // 4) if self._empty else 18
         root = self.document().rootFrame()
         fmt = root.frameFormat()
-        if int(fmt.leftMargin()) != side:
+        if int(fmt.leftMargin()) != side or int(fmt.topMargin()) != top:
             fmt.setLeftMargin(side)
             fmt.setRightMargin(side)
+            fmt.setTopMargin(top)
             root.setFrameFormat(fmt)
 
     def _place_pill(self) -> None:
@@ -171,7 +176,7 @@ class ChatView(QTextBrowser):
             for k, e in enumerate(examples)
         )
         self.document().rootFrame().firstCursorPosition().insertHtml(
-            f'<div align="center"><p style="font-size:x-large; margin-top:80px">{html.escape(line)}</p>'
+            f'<div align="center"><p style="font-size:x-large">{html.escape(line)}</p>'
             f'<p style="color:{dim}">Ask anything, or try one of these:</p>{items}</div>'
         )
 
@@ -380,10 +385,13 @@ class ChatView(QTextBrowser):
             return
         if role == "user" and isinstance(index, int) and index not in self._expanded and _is_long(content):
             lines = content.splitlines()
-            shown = "\n".join(lines[:PASTE_LINES])[:PASTE_CHARS]
-            cursor.insertText(shown, self._body_format())
+            shown = "\n".join(lines[:PASTE_PREVIEW_LINES])
+            if len(shown) > PASTE_PREVIEW_CHARS:
+                shown = shown[:PASTE_PREVIEW_CHARS].rsplit(" ", 1)[0]
+            cursor.insertText(shown + " …", self._body_format())
             cursor.insertBlock(QTextBlockFormat(), self._body_format())
-            rest = f"{len(lines):,} lines, {len(content):,} characters"
+            n = len(lines)
+            rest = f"{n:,} line{'s' if n != 1 else ''}, {len(content):,} characters"
             cursor.insertText(f"Show all ({rest})", self._link_format(f"expand:{index}", "Show the whole message"))
             return
         cursor.insertText(content, self._body_format())

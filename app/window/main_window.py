@@ -68,7 +68,7 @@ RUNS_ON = {  # the status bar's words for where the model runs (the details are 
     "coreml": "runs on the Neural Engine",
     "mps": "runs on the Mac's graphics processor",
     "cuda": "runs on the graphics card",
-    "cpu": "runs on the processor",
+    "cpu": "runs on the CPU",
 }
 FINISH_NOTES: dict[FinishReason | str, str] = {
     FinishReason.CANCELLED: "Stopped.",

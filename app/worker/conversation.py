@@ -25,6 +25,7 @@ from engine import (
     RemoteServer,
     RemoteSession,
     TierStats,
+    display_name,
     load_session,
 )
 
@@ -121,7 +122,7 @@ class LocalConversation:
 
     @property
     def model_name(self) -> str:
-        return self._engine.model_dir.name
+        return display_name(self._engine.model_dir)
 
     def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
         return self.session.chat(text, settings, stop)

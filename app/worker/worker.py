@@ -53,6 +53,7 @@ from engine import (
     RemoteServer,
     Session,
     SparkError,
+    display_name,
     load_session,
 )
 from engine.hw import HardwarePolicy, PolicyDecision
@@ -138,7 +139,7 @@ class ConversationWorker(QObject):
         self.conversation = conversation
         b = engine.backend
         info = ModelInfo(
-            engine.model_dir.name,
+            display_name(engine.model_dir),
             engine.model_dir,
             b.name,
             engine.choice.explain(),

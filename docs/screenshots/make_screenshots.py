@@ -106,9 +106,14 @@ def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
             shoot(window, "reading", size)
             window.client.stop()
 
+    chat_id = window.state.current_id
+    window.menus.new_chat_action.trigger()  # read in a chat of its own, gone again after the shot
     window.client.reading.connect(on_reading)
     say(window, LONG)
     window.client.reading.disconnect(on_reading)
+    window.commands.delete(window.state.current_id)
+    window.open_conversation(chat_id)
+    wait_any({"restored": window.client.restored, "error": window.client.error}, WAIT_MS)
 
     window.menus.inspector_action.setChecked(True)
     window.inspector.details_button.setChecked(True)

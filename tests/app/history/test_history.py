@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QLineEdit
 
 from app.__main__ import open_startup, parse_args
 from app.history.library import ConversationLibrary, title_from
+from app.history.sidebar import when_text
 from app.misc.signal_wait import GuiRelay
 from app.window.main_window import MainWindow
 from app.wiring import build_main_window
@@ -252,3 +253,16 @@ def test_going_back_to_a_conversation_just_left_needs_no_recompute(qtbot, window
     with qtbot.waitSignal(gui(window.client.restored), timeout=WAIT_MS):
         window.open_conversation(second)
     assert restoring == [] and "Another one" in window.chat.toPlainText()
+
+
+def test_rows_say_when_in_relative_words_and_repeated_questions_read_apart(tmp_path: Path) -> None:
+    now = 1_800_000_000.0
+    assert when_text(now - 20, now) == "Just now" and when_text(now - 600, now) == "10 min ago"
+    library = ConversationLibrary(tmp_path)
+    library.load()
+    first, second = "0123456789abcdef", "fedcba9876543210"
+    for cid, reply in ((first, "Paris is the capital."), (second, "The capital of France is Paris.")):
+        library.path_for(cid).write_bytes(b"")
+        library.record(cid, [("user", "What is the capital of France?"), ("assistant", reply)], "m")
+    assert library.get(first).title == "What is the capital of France?"
+    assert library.get(second).title.startswith("What is the capital of France? — The capital of")

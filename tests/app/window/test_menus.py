@@ -8,7 +8,7 @@ from PySide6.QtGui import QKeySequence
 from PySide6.QtWidgets import QApplication
 
 from app.window.main_window import MainWindow
-from tests.helpers.app_window import ScriptedDialogs
+from tests.helpers.app_window import WAIT_MS, ScriptedDialogs
 
 CTRL = Qt.KeyboardModifier.ControlModifier
 SHIFT = Qt.KeyboardModifier.ShiftModifier
@@ -79,3 +79,21 @@ def test_number_shortcuts_switch_conversations(qtbot, shown: MainWindow, gui) ->
     with qtbot.waitSignal(gui(shown.client.restored), timeout=WAIT_MS):
         qtbot.keyClick(shown.chat, Qt.Key.Key_2, CTRL)
     assert "First talk" in shown.chat.toPlainText() and "Second talk" not in shown.chat.toPlainText()
+
+
+def test_window_menu_lists_conversations_by_title_and_esc_clears_search(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
+    for text in ("Plan a trip to Lisbon", "Bake sourdough bread"):
+        window.menus.new_chat_action.trigger()
+        with qtbot.waitSignal(gui(window.client.finished), timeout=WAIT_MS):
+            window.submit(text)
+    window.menus.window_menu.aboutToShow.emit()
+    texts = [a.text() for a in window.menus.window_menu.actions()]
+    assert texts[:2] == ["Minimize", "Zoom"]
+    assert "Bake sourdough bread" in texts and "Plan a trip to Lisbon" in texts
+    assert not any(t.startswith("Conversation ") for t in texts)  # titled, not numbered
+    window.sidebar.search.setText("lisbon")
+    qtbot.keyClick(window.sidebar.search, Qt.Key.Key_Escape)
+    assert window.sidebar.search.text() == ""
+    # Edit has the text commands, and the conversation's own Undo apart from them.
+    edit = [a.text() for a in window.menus.edit_menu.actions() if a.text()]
+    assert edit[:6] == ["Undo", "Redo", "Cut", "Copy", "Paste", "Select All"]
