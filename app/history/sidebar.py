@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QPoint, QRect, QSize, Qt, Signal, Slot
-from PySide6.QtGui import QColor, QFont, QKeyEvent, QPainter, QPalette
+from PySide6.QtGui import QColor, QFont, QGuiApplication, QKeyEvent, QPainter, QPalette
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QLineEdit,
@@ -52,9 +52,9 @@ class RowDelegate(QStyledItemDelegate):
         painter.save()
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
         if selected or hovered:  # a soft tint of the accent, the row's text keeps its own colour (light or dark)
-            tint = _mix(
-                pal.color(QPalette.ColorRole.Window), pal.color(QPalette.ColorRole.Highlight), 0.22 if selected else 0.1
-            )
+            app = QGuiApplication.palette()  # the list's own is transparent (the sidebar shows through)
+            strength = 0.22 if selected else 0.1
+            tint = _mix(app.color(QPalette.ColorRole.Window), app.color(QPalette.ColorRole.Highlight), strength)
             painter.setPen(Qt.PenStyle.NoPen)
             painter.setBrush(tint)
             painter.drawRoundedRect(opt.rect.adjusted(2, 1, -2, -1), 8, 8)

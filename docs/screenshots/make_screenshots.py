@@ -112,6 +112,7 @@ def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
     say(window, LONG)
     window.client.reading.disconnect(on_reading)
     window.commands.delete(window.state.current_id)
+    window.notice.hide()
     window.open_conversation(chat_id)
     wait_any({"restored": window.client.restored, "error": window.client.error}, WAIT_MS)
 

@@ -134,3 +134,15 @@ def test_a_message_sent_right_after_new_chat_stays_on_screen(qtbot, window: Main
     result = send_and_wait(qtbot, gui, window, "Fresh start")  # sent before the worker has even reset
     assert "Fresh start" in window.chat.toPlainText() and "Old talk" not in window.chat.toPlainText()
     assert window.chat.reply_text() == result.text
+
+
+def test_stop_says_stopping_at_once_and_the_chat_keeps_the_reply_so_far(qtbot, window: MainWindow, gui, prefs) -> None:  # type: ignore[no-untyped-def]
+    set_reply_tokens(prefs, 400)
+    with qtbot.waitSignal(window.coalescer.flushed, timeout=WAIT_MS):
+        window.submit("Tell me a long story")
+    with qtbot.waitSignal(gui(window.client.finished), timeout=WAIT_MS) as blocker:
+        window.stop_reply()
+        assert window.send_button.text() == "Stopping…" and not window.send_button.isEnabled()
+    assert blocker.args[0].reason == "cancelled"
+    assert window.send_button.text() == "Send" and window.send_button.isEnabled()
+    assert "Stopped." in window.chat.toPlainText()
