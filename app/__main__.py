@@ -1,35 +1,38 @@
 """`python -m app [PATH ...] [--model DIR|FILE.gguf] [--backend NAME] [--self-test]`: the MLoT Spark window, or a
 headless smoke run. PATHs are opened as Finder would: `.spark` conversations, model folders or `.gguf` models.
 
---self-test loads the model, streams a reply while timing the GUI thread (prints the longest gap of a 10 ms
-timer; the goal is under 50 ms), saves and restores the session, and exits 0; on failure it prints one line
-to stderr and exits 1.
+--self-test loads the model, streams a reply while timing the GUI thread (the longest gap of a 10 ms timer; the
+goal is under 50 ms), saves and restores the session, times Stop while a long prompt is read and while a reply is
+written, and Quit while a reply streams (the reply so far must be stored), and exits 0; on failure it prints one
+line to stderr and exits 1. With --json it prints one JSON object of what it measured instead of sentences.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QSettings
 
-from engine.backends import AUTO_ORDER
-from engine.generation.loop import GenerationSettings
-from engine.generation.sampling import SamplingSettings
+from engine import AUTO_ORDER, GenerationSettings, SamplingSettings
 
 if TYPE_CHECKING:
-    from app.main_window import MainWindow
+    from app.window.main_window import MainWindow
 
 SELF_TEST_PROMPT = "Hello! In one sentence, what is a memory cascade?"
 SELF_TEST_TOKENS = 48
+LONG_PROMPT = "Summarise this note. " + "The lighthouse keeper logs the weather, the ships and the lamp. " * 120
 GAP_GOAL_S = 0.050
-STEP_TIMEOUT_MS = 300_000  # a cold bundled-model load on a slow disk may take a while
+STEP_TIMEOUT_MS = 300_000
+QUIT_WAIT_MS = 800  # Quit waits this long for the workers (a reply stops within one step and is stored)  # a cold bundled-model load on a slow disk may take a while
 
 
 class SelfTestFailure(Exception):
@@ -46,25 +49,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--backend", default="auto", choices=("auto", *AUTO_ORDER), help="compute backend (default: auto)")
     p.add_argument("--self-test", action="store_true", help="headless smoke run: load, stream, save, restore, exit")
+    p.add_argument("--json", action="store_true", help="with --self-test: print one JSON object of the figures")
     # Qt's own options (-style, -platform ...) pass through to QApplication.
     args, qt_args = p.parse_known_args(argv)
     args.qt_args = qt_args
     return args
 
 
-def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Path) -> float:
-    """Returns the longest GUI gap in seconds; raises SelfTestFailure."""
-    from app.gap_meter import GapMeter
-    from app.signal_wait import wait_any
-    from app.worker_types import LoadedModel, TurnResult
+def self_test(
+    window: MainWindow, model: Path | None, backend: str, workdir: Path, say: Callable[[str], None]
+) -> dict[str, float | int | str]:
+    """Returns what it measured; raises SelfTestFailure."""
+    from app.misc.gap_meter import GapMeter
+    from app.misc.signal_wait import wait_any
+    from app.worker.types import LoadedModel, TurnResult
 
-    w = window.client.worker
+    w = window.client
     name, value = wait_any(
         {"loaded": w.loaded, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.load_model(model, backend)
     )
     if name != "loaded" or not isinstance(value, LoadedModel):
         raise SelfTestFailure(f"the model did not load: {value or 'timed out'}")
-    print(f"model: {value.info.name} on {value.info.backend_detail}")
+    say(f"model: {value.info.name} on {value.info.backend_detail}")
+    figures: dict[str, float | int | str] = {"model": value.info.name, "backend": value.info.backend}
 
     meter = GapMeter()
     meter.start()
@@ -77,10 +84,16 @@ def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Pat
     reply = window.chat.reply_text()
     if not result.progress.generated_tokens:
         raise SelfTestFailure("the model generated no tokens")
-    print(
+    figures |= {
+        "generated_tokens": result.progress.generated_tokens,
+        "tokens_per_s": round(result.progress.tokens_per_s, 1),
+        "ttft_ms": round(result.progress.ttft_s * 1000, 1),
+        "longest_gui_gap_ms": round(gap * 1000, 1),
+    }
+    say(
         f"streamed {result.progress.generated_tokens} tokens at {result.progress.tokens_per_s:.1f} tokens/s, first after {result.progress.ttft_s * 1000:.0f} ms"
     )
-    print(
+    say(
         f"longest GUI gap while streaming: {gap * 1000:.1f} ms (goal < {GAP_GOAL_S * 1000:.0f} ms, {meter.ticks} ticks)"
     )
 
@@ -98,8 +111,87 @@ def self_test(window: MainWindow, model: Path | None, backend: str, workdir: Pat
         raise SelfTestFailure(f"restoring the session failed: {value or name}")
     if window.chat.reply_text() != reply:
         raise SelfTestFailure("the restored conversation differs from the one saved")
-    print(f"saved and restored {path.name} ({path.stat().st_size:,} bytes)")
-    return gap
+    say(f"saved and restored {path.name} ({path.stat().st_size:,} bytes)")
+    figures["stop_while_reading_ms"] = _time_stop(window, reading=True)
+    say(f"Stop while a long prompt is read: the turn ended {figures['stop_while_reading_ms']} ms later")
+    figures["stop_while_decoding_ms"] = _time_stop(window, reading=False)
+    say(f"Stop while a reply is written: the turn ended {figures['stop_while_decoding_ms']} ms later")
+    return figures
+
+
+def _time_stop(window: MainWindow, reading: bool) -> float:
+    """Milliseconds from Stop (pressed on the GUI thread) to the turn's end, while a long prompt is read or while a
+    reply is written."""
+    from PySide6.QtCore import QEventLoop, QTimer
+
+    from app.worker.types import ReadProgress, TurnResult
+
+    window.prefs.set_generation(GenerationSettings(max_tokens=2000, sampling=SamplingSettings(seed=0)))
+    loop = QEventLoop()
+    stopped_at: list[float] = []
+    ended: list[float] = []
+
+    def stop() -> None:
+        if not stopped_at:
+            stopped_at.append(time.perf_counter())
+            window.stop_reply()
+
+    def on_reading(p: ReadProgress) -> None:
+        if reading and 0 < p.done < p.total:
+            stop()
+
+    def on_delta(_text: str) -> None:
+        if not reading:
+            stop()
+
+    def on_finished(_r: TurnResult) -> None:
+        ended.append(time.perf_counter())
+        loop.quit()
+
+    window.client.reading.connect(on_reading)
+    window.client.delta.connect(on_delta)
+    window.client.finished.connect(on_finished)
+    QTimer.singleShot(STEP_TIMEOUT_MS, loop.quit)
+    window.commands.new_chat()
+    window.submit(LONG_PROMPT if reading else "Tell me a long story about a lighthouse keeper.")
+    loop.exec()
+    window.client.reading.disconnect(on_reading)
+    window.client.delta.disconnect(on_delta)
+    window.client.finished.disconnect(on_finished)
+    if not stopped_at or not ended:
+        raise SelfTestFailure(
+            f"Stop while {'reading' if reading else 'writing'} was not measured (the turn ended first)"
+        )
+    return round((ended[0] - stopped_at[0]) * 1000, 1)
+
+
+def time_quit_while_streaming(window: MainWindow, library_folder: Path) -> float:
+    """Milliseconds Quit takes while a reply streams; the reply so far must be stored with its title."""
+    from PySide6.QtCore import QEventLoop, QTimer
+
+    from app.history.library import CUT_OFF_NOTE, ConversationLibrary
+
+    window.prefs.set_generation(GenerationSettings(max_tokens=2000, sampling=SamplingSettings(seed=0)))
+    loop = QEventLoop()
+    window.coalescer.flushed.connect(lambda _t: loop.quit())
+    QTimer.singleShot(STEP_TIMEOUT_MS, loop.quit)
+    window.commands.new_chat()
+    window.submit("Write a long poem about the sea.")
+    loop.exec()
+    cid = window.state.current_id
+    t0 = time.perf_counter()
+    window.shutdown()
+    took = round((time.perf_counter() - t0) * 1000, 1)
+    after = ConversationLibrary(library_folder)
+    after.load()
+    entry = after.get(cid)
+    if (
+        entry is None
+        or not entry.title.startswith("Write a long poem")
+        or CUT_OFF_NOTE not in dict(entry.notes).values()
+    ):
+        raise SelfTestFailure("the reply cut off by Quit was not stored with its title and a cut-off note")
+    return took
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,10 +203,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from PySide6.QtWidgets import QSystemTrayIcon
 
     from app.application import CrashReporter, SparkApplication
-    from app.icons import tray_icon
-    from app.preferences import Preferences
-    from app.quick_prompt import QuickPromptTray
-    from app.standarddirs import StandardDirs
+    from app.misc.icons import tray_icon
+    from app.misc.standarddirs import StandardDirs
+    from app.server.local_server import install_local_server_menu
+    from app.settings.preferences import Preferences
+    from app.tray.quick_prompt import QuickPromptTray
     from app.wiring import build_main_window
 
     app = SparkApplication([sys.argv[0], *args.qt_args])
@@ -127,14 +220,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             dirs = StandardDirs(cache=workdir / "cache", data=workdir / "data", documents=workdir)
             dirs.ensure()
             window = build_main_window(prefs, dirs)
+            say: Callable[[str], None] = (lambda _s: None) if args.json else print
             try:
-                self_test(window, args.model, args.backend, workdir)
+                figures = self_test(window, args.model, args.backend, workdir, say)
+                figures["quit_while_streaming_ms"] = time_quit_while_streaming(window, dirs.conversations)
+                say(f"Quit while a reply streams: {figures['quit_while_streaming_ms']} ms, the reply so far stored")
             except SelfTestFailure as exc:
                 print(f"self-test failed: {exc}", file=sys.stderr)
                 return 1
             finally:
                 window.shutdown()
-        print("self-test passed")
+        print(json.dumps(figures) if args.json else "self-test passed")
         return 0
 
     dirs = StandardDirs.from_platform()
@@ -142,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     CrashReporter(dirs.crash_log).install()
     prefs = Preferences(QSettings())
     window = build_main_window(prefs, dirs)
-    app.aboutToQuit.connect(window.shutdown)
+    app.aboutToQuit.connect(lambda: window.shutdown(QUIT_WAIT_MS))
     app.connect_file_opens(window.open_file)
     tray = None
     if QSystemTrayIcon.isSystemTrayAvailable():
@@ -151,27 +247,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         tray.show_window_requested.connect(window.show)
         tray.show_window_requested.connect(window.raise_)
         tray.quit_requested.connect(app.quit)
-        # -- issue 22: the "Local Server" switch (app/local_server.py); it serves whichever model is loaded.
-        from app.local_server import LocalServerController, install_local_server_menu
-
-        local_server = LocalServerController(parent=window)
-        install_local_server_menu(tray.contextMenu(), local_server)
-        window.client.worker.loaded.connect(local_server.on_model_loaded)
-        local_server.failed.connect(lambda message: tray.showMessage("MLoT Spark", message))
-        app.aboutToQuit.connect(local_server.stop)
-        # -- end issue 22
+        install_local_server_menu(tray.contextMenu(), window.local_server)
+        window.local_server.failed.connect(lambda message: tray.showMessage("MLoT Spark", message))
         tray.show()
     # With a menu-bar item the app lives on when its window closes (as on macOS); without one, closing quits.
     app.setQuitOnLastWindowClosed(tray is None)
     window.show()
     open_startup(window, args, prefs.last_model())
-    return app.exec()
+    code = app.exec()
+    if not window.workers_done:  # a model still loading: the conversation is stored; no need to wait for it
+        logging.getLogger(__name__).warning("quitting while a model still loads")
+        os._exit(code)
+    return code
 
 
 def open_startup(window: MainWindow, args: argparse.Namespace, last_model: Path | None) -> None:
     """Load the model (--model, else a model among the paths, else the last one used) and open the other paths
     (`.spark` files wait until the model is ready)."""
-    from app.main_window import is_model_path
+    from app.window.main_window import is_model_path
 
     models = [p for p in args.paths if is_model_path(p)]
     window.load_model(args.model or (models[0] if models else None) or last_model, args.backend)

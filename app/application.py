@@ -20,11 +20,9 @@ from PySide6.QtCore import QEvent, QObject, Signal, Slot
 from PySide6.QtGui import QFileOpenEvent
 from PySide6.QtWidgets import QApplication, QMessageBox
 
-from app.icons import app_icon
-from app.standarddirs import init_application_names
-from engine.paths import resources_dir
-
-STYLE_SHEET = "style/spark.qss"
+from app.misc import theme
+from app.misc.icons import app_icon
+from app.misc.standarddirs import init_application_names
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +34,22 @@ class SparkApplication(QApplication):
         init_application_names()
         super().__init__(argv)
         self.setWindowIcon(app_icon())
-        self.setStyleSheet((resources_dir() / STYLE_SHEET).read_text(encoding="utf-8"))
+        self.scheme = theme.apply(self)
+        # Follows the system's light/dark choice as it changes (unless a scheme was chosen with set_scheme).
+        self._fixed_scheme = False
+        self.styleHints().colorSchemeChanged.connect(self._on_scheme_changed)
         self.pending_files: list[Path] = []
         self._receiver_connected = False
+
+    def set_scheme(self, scheme: theme.Scheme) -> None:
+        """Use `scheme` whatever the system's (the screenshots show both)."""
+        self._fixed_scheme = True
+        self.scheme = theme.apply(self, scheme)
+
+    @Slot()
+    def _on_scheme_changed(self) -> None:
+        if not self._fixed_scheme:
+            self.scheme = theme.apply(self)
 
     def connect_file_opens(self, slot: Callable[[Path], None]) -> None:
         """Route FileOpen events to `slot`, first delivering those that arrived before anyone listened."""

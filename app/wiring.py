@@ -6,12 +6,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from app.client import ConversationClient
-from app.dialogs import Dialogs
-from app.hw_monitor import HardwareMonitor
-from app.main_window import MainWindow
-from app.preferences import Preferences
-from app.standarddirs import StandardDirs
+from app.inspector.hw_monitor import HardwareMonitor
+from app.misc.standarddirs import StandardDirs
+from app.server.local_server import LocalServerController
+from app.settings.preferences import Preferences
+from app.window.dialogs import Dialogs
+from app.window.main_window import MainWindow
+from app.worker.client import ConversationClient
 from engine.hw import HardwarePolicy, SystemMemorySource, ThermalSource, default_thermal_source
 
 
@@ -27,9 +28,10 @@ def build_main_window(
     client = ConversationClient("chat-worker", policy, dirs.cache, store=True, clock=clock)
     quick_client = ConversationClient("quick-prompt-worker", policy, dirs.cache)
     monitor = HardwareMonitor(policy, memory)
-    window = MainWindow(client, quick_client, monitor, prefs, dirs, dialogs)
+    local_server = LocalServerController()
+    window = MainWindow(client, quick_client, monitor, local_server, prefs, dirs, dialogs)
     # Parent the non-widget pieces to the window so they live exactly as long as it does.
-    for obj in (client, quick_client, monitor):
+    for obj in (client, quick_client, monitor, local_server):
         obj.setParent(window)
     monitor.start()
     return window

@@ -37,7 +37,7 @@ from engine.generation.loop import (
     PrefillProgress,
 )
 from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
-from engine.loading.model_files import DEFAULT_MODEL_NAME, default_model_path
+from engine.loading.model_files import DEFAULT_MODEL_NAME, default_model_path, display_name
 from engine.memory.cascade import CascadeStats, TierStats
 from engine.openai.client import RemoteClient, RemoteError, RemoteServer, RemoteSession
 from engine.session.engine import ChatMessage, Engine, LoadReport, Session, load, memory_factory_for
@@ -82,6 +82,7 @@ __all__ = [
     "__version__",
     "atomic_write",
     "default_model_path",
+    "display_name",
     "load",
     "load_session",
     "memory_factory_for",

@@ -1,6 +1,7 @@
-"""Render the app's main states to PNGs in this folder, under a real X server, at 1440×900 and 900×700.
+"""Render the app's main states to PNGs in this folder, under a real X server, at 1440×900, 900×700 and 1920×1080,
+in light and dark mode.
 
-    xvfb-run -a -s "-screen 0 1440x900x24" python docs/screenshots/make_screenshots.py [--model DIR|FILE.gguf]
+    xvfb-run -a -s "-screen 0 1920x1080x24" python docs/screenshots/make_screenshots.py [--model DIR|FILE.gguf]
 
 Scratch settings and data (nothing of the user's is touched); the model really runs, so the states show real
 numbers. The whole screen is grabbed, so menus and popups appear as a user sees them.
@@ -22,13 +23,13 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.application import SparkApplication
-from app.main_window import MainWindow
-from app.preferences import Preferences
-from app.signal_wait import wait_any
-from app.standarddirs import StandardDirs
+from app.misc.signal_wait import wait_any
+from app.misc.standarddirs import StandardDirs
+from app.misc.theme import Scheme
+from app.settings.preferences import Preferences
+from app.window.main_window import MainWindow
 from app.wiring import build_main_window
-from engine.generation.loop import GenerationSettings
-from engine.generation.sampling import SamplingSettings
+from engine import GenerationSettings, SamplingSettings
 
 WAIT_MS = 600_000
 LONG = (
@@ -43,19 +44,23 @@ def pump(ms: int) -> None:
     loop.exec()
 
 
+SIZES = ((1440, 900), (900, 700), (1920, 1080))
+SCHEME = [Scheme.LIGHT]  # the one being shot
+
+
 def shoot(window: MainWindow, name: str, size: tuple[int, int]) -> None:
     pump(300)
     screen = QApplication.primaryScreen()
     g = window.frameGeometry()
     image = screen.grabWindow(0, g.x(), g.y(), size[0], size[1])
-    out = HERE / f"{name}-{size[0]}x{size[1]}.png"
+    out = HERE / f"{name}-{SCHEME[0].value}-{size[0]}x{size[1]}.png"
     image.save(str(out))
     print(f"wrote {out.relative_to(ROOT)}")
 
 
 def say(window: MainWindow, text: str) -> None:
     sent: list[bool] = []
-    name, _ = wait_any({"finished": window.client.worker.finished}, WAIT_MS, lambda: sent.append(window.submit(text)))
+    name, _ = wait_any({"finished": window.client.finished}, WAIT_MS, lambda: sent.append(window.submit(text)))
     assert sent == [True] and name == "finished", (sent, name, window.notice.text())
 
 
@@ -69,22 +74,27 @@ def build(model: Path | None, workdir: Path, size: tuple[int, int]) -> MainWindo
     window.move(0, 0)
     window.show()
     name, value = wait_any(
-        {"loaded": window.client.worker.loaded, "error": window.client.worker.error},
+        {"loaded": window.client.loaded, "error": window.client.error},
         WAIT_MS,
         lambda: window.load_model(model, "auto"),
     )
     assert name == "loaded", value
-    if window.opening is not None:  # a relaunch reopens the last conversation first
-        wait_any({"restored": window.client.worker.restored, "error": window.client.worker.error}, WAIT_MS)
+    if window.state.opening is not None:  # a relaunch reopens the last conversation first
+        wait_any({"restored": window.client.restored, "error": window.client.error}, WAIT_MS)
     return window
 
 
 def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
+    window.menus.new_chat_action.trigger()
+    shoot(window, "empty", size)
     if first:
         for q in ("What is the capital of France?", "Give me three tips for a good night's sleep."):
             say(window, q)
             window.menus.new_chat_action.trigger()
         say(window, "Write a haiku about autumn leaves.")
+    else:
+        window.open_conversation(window.sidebar.ids()[0])
+        wait_any({"restored": window.client.restored, "error": window.client.error}, WAIT_MS)
     shoot(window, "chat", size)
 
     # Reading a long prompt: grabbed while the reading is under way.
@@ -96,9 +106,15 @@ def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
             shoot(window, "reading", size)
             window.client.stop()
 
-    window.client.worker.reading.connect(on_reading)
+    chat_id = window.state.current_id
+    window.menus.new_chat_action.trigger()  # read in a chat of its own, gone again after the shot
+    window.client.reading.connect(on_reading)
     say(window, LONG)
-    window.client.worker.reading.disconnect(on_reading)
+    window.client.reading.disconnect(on_reading)
+    window.commands.delete(window.state.current_id)
+    window.notice.hide()
+    window.open_conversation(chat_id)
+    wait_any({"restored": window.client.restored, "error": window.client.error}, WAIT_MS)
 
     window.menus.inspector_action.setChecked(True)
     window.inspector.details_button.setChecked(True)
@@ -120,11 +136,16 @@ def main() -> int:
     os.environ.setdefault("QT_QPA_PLATFORM", "xcb")
     app = SparkApplication([sys.argv[0]])
     with tempfile.TemporaryDirectory(prefix="spark-shots-") as tmp:
-        for i, size in enumerate(((1440, 900), (900, 700))):
-            window = build(args.model, Path(tmp), size)
-            states(window, size, first=i == 0)
-            window.shutdown()
-            window.close()
+        first = True
+        for scheme in (Scheme.LIGHT, Scheme.DARK):
+            app.set_scheme(scheme)
+            SCHEME[0] = scheme
+            for size in SIZES:
+                window = build(args.model, Path(tmp), size)
+                states(window, size, first=first)
+                first = False
+                window.shutdown()
+                window.close()
     app.quit()
     return 0
 

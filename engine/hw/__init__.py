@@ -5,7 +5,14 @@ generation to them. `this_machine_policy` wires the real sources; tests build `H
 from __future__ import annotations
 
 from engine.hw.chip import ChipInfo, ChipSource, default_chip_source, recommended_threads
-from engine.hw.memory import MemoryPressure, MemorySnapshot, MemorySource, SystemMemorySource, snapshot_cost_s
+from engine.hw.memory import (
+    MemoryPressure,
+    MemorySnapshot,
+    MemorySource,
+    SystemMemorySource,
+    format_bytes,
+    snapshot_cost_s,
+)
 from engine.hw.policy import DecisionKind, HardwarePolicy, Mode, PolicyConfig, PolicyDecision, PolicyState
 from engine.hw.thermal import ThermalReading, ThermalSource, ThermalState, default_thermal_source
 
@@ -41,6 +48,7 @@ __all__ = [
     "ThermalState",
     "default_chip_source",
     "default_thermal_source",
+    "format_bytes",
     "recommended_threads",
     "snapshot_cost_s",
     "this_machine_policy",

@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from engine.generation.batch import Completion
 from engine.openai import protocol
 from engine.openai.errors import ApiError, bad_key, bad_request, server_error, too_large, unknown_model
-from engine.openai.service import Job, ModelService
+from engine.openai.service import Job, ModelService, model_for_request
 
 log = logging.getLogger("engine.serve")
 Handler = Callable[[Request], Awaitable[Response]]
@@ -162,7 +162,9 @@ class Api:
 
     # -- generation --------------------------------------------------------------------------------------------
     async def generate(self, request: Request, req: protocol.ParsedRequest, *, chat: bool) -> Response:
-        self.check_model(req.model)
+        # Any name a client sends is served by the loaded model (one per server: nothing else can match), and
+        # the reply names the model that wrote it.
+        req.model = model_for_request(req.model, [self.config.model_id])
         job = await self.service.start(req)
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         if req.stream:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +38,12 @@ DEFAULT_SLOTS = 2048  # slots per row for a memory that does not say (full atten
 def served_name(model: Path) -> str:
     """The name clients send as "model" for a model folder or GGUF file: its folder name or file stem."""
     return model.stem if model.suffix == ".gguf" else model.name
+
+
+def model_for_request(requested: str, loaded: Sequence[str]) -> str:
+    """The loaded model a request names: the one whose name it sends, else the first loaded. Clients send
+    placeholders ("gpt-4o", "local-model", "x") that name nothing here; refusing them helps no one."""
+    return requested if requested in loaded else loaded[0]
 
 
 @dataclass(frozen=True)

@@ -270,22 +270,25 @@ class Session:
         return self._run(self._pending(), settings, should_stop, pacer, reply_to_messages=extend, extend_last=extend)
 
     # -- files ------------------------------------------------------------------------------------------------
-    def save(self, path: str | Path, *, compact: bool = False, compression: str = "zlib") -> int:
+    def save(self, path: str | Path, *, compact: bool = False, compression: str = "zlib", digest: bool = True) -> int:
         """Write the conversation and its memory to a .spark file (atomically); returns its size in bytes.
 
         `compact`: keep the transcript, token ids and the feed recipe instead of the KV (engine.session.replay); the memory
         is recomputed on open. When the recipe is not known (a memory restored from an older full file), the full
-        memory is written instead.
+        memory is written instead. `digest` (compact only): keep a hash of the memory so a restore can say whether
+        the rebuilt one is bit-identical; hashing the whole slot table takes a while, so a save in a hurry (Quit)
+        goes without.
         """
-        state = self.memory.state()
         extra: dict[str, Any] = {"known_text": self.known_text, "model": display_name(self.engine.model_dir)}
         schedule = self.feed_log.schedule_for(len(self.memory.tokens))
         token_ids = list(self.memory.tokens)
         if schedule is not None:
             extra["feed_schedule"] = schedule  # kept in full files too, so they can be re-saved compact
-        if compact and schedule is not None:
-            extra["recompute"] = {"version": 1, "digest": memory_digest(self.memory)}
-            state = ({"kind": RECOMPUTE_KIND}, {})
+        recompute = compact and schedule is not None
+        if recompute:
+            extra["recompute"] = {"version": 1, "digest": memory_digest(self.memory)} if digest else {"version": 1}
+        # A compact file holds no KV: the memory's state is copied out only for a full one.
+        state = ({"kind": RECOMPUTE_KIND}, {}) if recompute else self.memory.state()
         return save_session(
             path,
             fingerprint=self.backend.fingerprint,
@@ -323,7 +326,8 @@ class Session:
             runner = LockedBackend(fork, self.engine.step_lock)
             replay(backend_feed(runner, memory), memory, data.token_ids, schedule, on_progress)
             saved = data.extra.get("recompute")
-            digest_ok.append(isinstance(saved, dict) and saved.get("digest") == memory_digest(memory))
+            if not isinstance(saved, dict) or "digest" in saved:  # saved without one: nothing to compare
+                digest_ok.append(isinstance(saved, dict) and saved.get("digest") == memory_digest(memory))
 
         outcome = restore(
             path, fork, self.engine.memory_factory, tokenizer_hash=self.tokenizer.content_hash, recompute=recompute

@@ -199,3 +199,18 @@ def test_read_transcript_brings_memory_in_step_without_replying(engine: Engine) 
     held = list(b.memory.tokens)
     tokens(b.chat("second", GREEDY))
     assert b.memory.tokens[: len(held)] == held and len(b.memory.tokens) > len(held)  # extended, not re-read
+
+
+def test_a_compact_save_without_digest_restores_and_claims_nothing(engine: Engine, tmp_path: Path) -> None:
+    """`digest=False` (the app's save on Quit): the file restores exactly as with one, and the restore says
+    nothing about bit-identity (it has nothing to compare)."""
+    session = engine.new_session()
+    list(session.chat(LONG, GREEDY))
+    path = tmp_path / "quick.spark"
+    session.save(path, compact=True, digest=False)
+    again = engine.new_session()
+    report = again.load(path)
+    assert report.applied and list(again.memory.tokens) == list(session.memory.tokens)
+    assert again.restore_digest_ok is None
+    assert list(again.chat("Go on", GREEDY)) and list(session.chat("Go on", GREEDY))
+    assert again.messages[-1].content == session.messages[-1].content  # and it goes on the same way

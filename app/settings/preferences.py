@@ -1,0 +1,135 @@
+"""Typed access to the app's QSettings: window layout, models (last, recent, weight precision), generation
+settings, system prompt, the conversation open at quit, and view choices.
+
+Values that are not plain strings are stored as JSON, because QSettings' INI and plist back ends disagree on types
+(an INI file hands every number back as a string).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QSettings
+
+from engine import GenerationSettings, SamplingSettings
+
+DEFAULT_MAX_TOKENS = 512
+RECENT_MODELS = 8
+
+
+class Preferences:
+    def __init__(self, settings: QSettings) -> None:
+        self._s = settings
+
+    @property
+    def settings(self) -> QSettings:
+        """The settings file itself, for parts that keep their own keys in it (the remote server list)."""
+        return self._s
+
+    # -- window ------------------------------------------------------------------------------------------------------
+    def window_geometry(self) -> QByteArray | None:
+        value = self._s.value("window/geometry")
+        return value if isinstance(value, QByteArray) else None
+
+    def window_state(self) -> QByteArray | None:
+        """QMainWindow.saveState(): toolbar and dock (panel) placement and visibility."""
+        value = self._s.value("window/state")
+        return value if isinstance(value, QByteArray) else None
+
+    def set_window(self, geometry: QByteArray, state: QByteArray) -> None:
+        self._s.setValue("window/geometry", geometry)
+        self._s.setValue("window/state", state)
+
+    # -- model -------------------------------------------------------------------------------------------------------
+    def last_model(self) -> Path | None:
+        value = self._s.value("model/last_dir", "")
+        return Path(str(value)) if value else None
+
+    def set_last_model(self, path: Path | None) -> None:
+        """None: the default model (kept as such, so a later default follows the app, not an old path)."""
+        self._s.setValue("model/last_dir", str(path) if path else "")
+        if path is not None:
+            recent = [p for p in self.recent_models() if p != path]
+            self._s.setValue("model/recent", json.dumps([str(p) for p in [path, *recent][:RECENT_MODELS]]))
+
+    def last_remote(self) -> tuple[str, str] | None:
+        """(base URL, model) of the remote server chosen last, if the app was left with one."""
+        try:
+            raw = json.loads(str(self._s.value("model/last_remote", "") or "null"))
+        except json.JSONDecodeError:
+            return None
+        if isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, str) for x in raw):
+            return raw[0], raw[1]
+        return None
+
+    def set_last_remote(self, url: str | None, model: str = "") -> None:
+        self._s.setValue("model/last_remote", json.dumps([url, model]) if url else "")
+
+    def recent_models(self) -> list[Path]:
+        try:
+            raw = json.loads(str(self._s.value("model/recent", "[]")))
+        except ValueError:
+            return []
+        return [Path(p) for p in raw if isinstance(p, str) and p] if isinstance(raw, list) else []
+
+    def precision(self) -> str:
+        """The weight precision the Settings chose (engine QUANTIZE_CHOICES; "auto" by default)."""
+        return str(self._s.value("model/precision", "auto")) or "auto"
+
+    def set_precision(self, value: str) -> None:
+        self._s.setValue("model/precision", value)
+
+    # -- conversations -------------------------------------------------------------------------------------------------
+    def last_conversation(self) -> str:
+        return str(self._s.value("chat/last_conversation", ""))
+
+    def set_last_conversation(self, conversation_id: str) -> None:
+        self._s.setValue("chat/last_conversation", conversation_id)
+
+    def inspector_visible(self) -> bool:
+        return str(self._s.value("view/inspector", "true")).lower() == "true"
+
+    def set_inspector_visible(self, visible: bool) -> None:
+        self._s.setValue("view/inspector", "true" if visible else "false")
+
+    def sidebar_visible(self) -> bool:
+        return str(self._s.value("view/sidebar", "true")).lower() == "true"
+
+    def set_sidebar_visible(self, visible: bool) -> None:
+        self._s.setValue("view/sidebar", "true" if visible else "false")
+
+    # -- generation --------------------------------------------------------------------------------------------------
+    def generation(self) -> GenerationSettings:
+        raw = self._s.value("generation/settings", "")
+        try:
+            data = json.loads(str(raw)) if raw else {}
+            known = {f.name for f in fields(SamplingSettings)}
+            sampling = SamplingSettings(**{k: v for k, v in data.get("sampling", {}).items() if k in known})
+            sampling.validate()
+            return GenerationSettings(max_tokens=int(data.get("max_tokens", DEFAULT_MAX_TOKENS)), sampling=sampling)
+        except (ValueError, TypeError, AttributeError):  # a hand-edited or older file: fall back to the defaults
+            return GenerationSettings(max_tokens=DEFAULT_MAX_TOKENS)
+
+    def set_generation(self, settings: GenerationSettings) -> None:
+        self._s.setValue(
+            "generation/settings",
+            json.dumps({"max_tokens": settings.max_tokens, "sampling": asdict(settings.sampling)}),
+        )
+
+    def system_prompt(self) -> str:
+        return str(self._s.value("chat/system_prompt", ""))
+
+    def set_system_prompt(self, text: str) -> None:
+        self._s.setValue("chat/system_prompt", text)
+
+    def loaded_once(self) -> bool:
+        """A model was loaded before on this machine (the first load also prepares the CPU kernels: slower)."""
+        return bool(self._s.value("app/loadedOnce", False, type=bool))
+
+    def set_loaded_once(self) -> None:
+        self._s.setValue("app/loadedOnce", True)
+
+    def sync(self) -> None:
+        self._s.sync()

@@ -1,0 +1,165 @@
+"""Settings (⌘,): how replies are sampled (temperature, top-k/p, min-p, repetition penalty, seed, greedy, reply
+length), and the local server's switch."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from PySide6.QtCore import Slot
+from PySide6.QtGui import QAction
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine import GenerationSettings, InvalidSamplingSettings, SamplingSettings
+
+RANDOM_SEED = -1  # the spin box's special value shown as "Random"
+
+
+def _double(lo: float, hi: float, step: float, decimals: int = 2) -> QDoubleSpinBox:
+    box = QDoubleSpinBox()
+    box.setRange(lo, hi)
+    box.setSingleStep(step)
+    box.setDecimals(decimals)
+    return box
+
+
+class SettingsDialog(QDialog):
+    """The reply settings, and (given its switch) the local server. Each group is a method: a further setting is
+    one row in its group."""
+
+    def __init__(
+        self,
+        settings: GenerationSettings,
+        parent: QWidget | None = None,
+        server: tuple[QAction, QAction] | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Settings")
+        self.temperature = _double(0.0, 2.0, 0.05)
+        self.top_k = QSpinBox()
+        self.top_k.setRange(0, 1000)
+        self.top_k.setSpecialValueText("Off")
+        self.top_p = _double(0.01, 1.0, 0.05)
+        self.min_p = _double(0.0, 1.0, 0.01)
+        self.min_p.setSpecialValueText("Off")
+        self.repetition = _double(0.5, 2.0, 0.05)
+        self.seed = QSpinBox()
+        self.seed.setRange(RANDOM_SEED, 2**31 - 1)
+        self.seed.setSpecialValueText("Random")
+        self.greedy = QCheckBox("Always pick the most likely token")
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(1, 32768)
+        self.max_tokens.setSuffix(" tokens")
+        self.error = QLabel()
+        self.error.setObjectName("dialogError")
+        self.error.setWordWrap(True)
+        self.error.hide()
+
+        form = QFormLayout()
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.FieldsStayAtSizeHint)
+        form.addRow("Temperature:", self.temperature)
+        form.addRow("Top-k:", self.top_k)
+        form.addRow("Top-p:", self.top_p)
+        form.addRow("Min-p:", self.min_p)
+        form.addRow("Repetition penalty:", self.repetition)
+        form.addRow("Seed:", self.seed)
+        form.addRow("Greedy:", self.greedy)
+        form.addRow("Longest reply:", self.max_tokens)
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.RestoreDefaults
+            | QDialogButtonBox.StandardButton.Cancel
+            | QDialogButtonBox.StandardButton.Ok
+        )
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(self._on_restore_defaults)
+        self.greedy.toggled.connect(self._on_greedy_toggled)
+        layout = QVBoxLayout(self)
+        layout.addLayout(form)
+        self.serve: QCheckBox | None = None
+        if server is not None:
+            layout.addWidget(self._server_group(*server))
+        layout.addWidget(self.error)
+        layout.addWidget(buttons)
+        self._show(settings)
+
+    def _server_group(self, switch: QAction, copy: QAction) -> QGroupBox:
+        """The local server's switch (the Model menu's, mirrored) and its address to copy."""
+        group = QGroupBox("Local Server")
+        row = QHBoxLayout(group)
+        self.serve = QCheckBox(switch.text())
+        self.serve.setChecked(switch.isChecked())
+        self.serve.toggled.connect(switch.setChecked)
+        copy_button = QPushButton("Copy URL")
+        copy_button.setEnabled(copy.isEnabled())
+        copy_button.clicked.connect(copy.trigger)
+
+        def follow() -> None:  # the switch may refuse (no model) or change its text once serving
+            assert self.serve is not None
+            self.serve.blockSignals(True)
+            self.serve.setChecked(switch.isChecked())
+            self.serve.setText(switch.text())
+            self.serve.blockSignals(False)
+            copy_button.setEnabled(copy.isEnabled())
+
+        switch.changed.connect(follow)
+        copy.changed.connect(follow)
+        row.addWidget(self.serve, 1)
+        row.addWidget(copy_button)
+        return group
+
+    def value(self) -> GenerationSettings:
+        seed = self.seed.value()
+        sampling = SamplingSettings(
+            temperature=self.temperature.value(),
+            top_k=self.top_k.value(),
+            top_p=self.top_p.value(),
+            min_p=self.min_p.value(),
+            repetition_penalty=self.repetition.value(),
+            seed=None if seed == RANDOM_SEED else seed,
+            greedy=self.greedy.isChecked(),
+        )
+        return GenerationSettings(max_tokens=self.max_tokens.value(), sampling=sampling)
+
+    def accept(self) -> None:
+        try:
+            self.value().sampling.validate()
+        except InvalidSamplingSettings as exc:
+            self.error.setText(str(exc))
+            self.error.show()
+            return
+        super().accept()
+
+    def _show(self, settings: GenerationSettings) -> None:
+        s = settings.sampling
+        self.temperature.setValue(s.temperature)
+        self.top_k.setValue(s.top_k)
+        self.top_p.setValue(s.top_p)
+        self.min_p.setValue(s.min_p)
+        self.repetition.setValue(s.repetition_penalty)
+        self.seed.setValue(RANDOM_SEED if s.seed is None else s.seed)
+        self.greedy.setChecked(s.greedy)
+        self.max_tokens.setValue(settings.max_tokens)
+        self._on_greedy_toggled(s.greedy)
+
+    @Slot()
+    def _on_restore_defaults(self) -> None:
+        self._show(replace(GenerationSettings(), max_tokens=self.max_tokens.value()))
+
+    @Slot(bool)
+    def _on_greedy_toggled(self, greedy: bool) -> None:
+        # Greedy decoding ignores every sampling knob; greying them out says so.
+        for w in (self.temperature, self.top_k, self.top_p, self.min_p, self.seed):
+            w.setEnabled(not greedy)

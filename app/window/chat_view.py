@@ -1,0 +1,463 @@
+"""The transcript view: messages in a centred reading column, replies as Markdown, and a view that follows the stream.
+
+Streamed text is appended at the end of the document with a cursor (no re-layout of earlier messages); at most a
+few times a second, and when the reply ends, that one message is rendered again as Markdown (app.window.markdown:
+tables, lists, inline code, code blocks coloured, each with its own Copy link). Each message's header carries
+"Copy" and "Branch" links (anchors `copy:N` / `branch:N`, N = the message's index in the conversation); while a
+prompt is read, the reply bubble shows how far the reading got. The view stays at the newest text unless the user
+scrolled up; then a "↓ New text" pill says more came, and takes them back down. An empty conversation shows a
+greeting with example prompts (anchors `example:K`); a long paste shows its first lines and "Show all".
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Sequence
+
+from PySide6.QtCore import Qt, QUrl, Signal, Slot
+from PySide6.QtGui import (
+    QColor,
+    QDesktopServices,
+    QFont,
+    QFontDatabase,
+    QGuiApplication,
+    QPalette,
+    QResizeEvent,
+    QTextBlockFormat,
+    QTextCharFormat,
+    QTextCursor,
+    QTextFrame,
+    QTextFrameFormat,
+)
+from PySide6.QtWidgets import QPushButton, QTextBrowser, QWidget
+
+from app.window.markdown import MarkdownRenderer, Palette
+from app.worker.types import MessageView
+
+ROLE_LABELS = {"user": "You", "assistant": "Spark", "system": "System"}
+ROLE_PROPERTY = 0x100000  # QTextFormat.UserProperty: marks each message frame with its role
+INDEX_PROPERTY = 0x100001  # ...and with its index in the conversation
+COLUMN_MAX = 760  # px: the reading column's widest; wider windows centre it
+LIVE_RENDER_S = 0.25  # a streaming reply is rendered as Markdown at most this often
+PASTE_LINES = 14  # a user message longer than this (or PASTE_CHARS) shows its first lines and "Show all"
+PASTE_CHARS = 1500
+PASTE_PREVIEW_LINES = 6  # ...of which a collapsed paste shows this much
+PASTE_PREVIEW_CHARS = 480
+
+
+def _mix(a: QColor, b: QColor, t: float) -> QColor:
+    ca, cb = (a.redF(), a.greenF(), a.blueF()), (b.redF(), b.greenF(), b.blueF())
+    return QColor.fromRgbF(*(x + (y - x) * t for x, y in zip(ca, cb, strict=True)))
+
+
+class ChatView(QTextBrowser):
+    branch_requested = Signal(int)  # the message's index in the conversation
+    copied = Signal(int)
+    example_chosen = Signal(str)  # an example prompt from the greeting
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("chatView")
+        self.setOpenLinks(False)  # copy:/branch: are ours; web links go to the browser in _on_anchor
+        self.anchorClicked.connect(self._on_anchor)
+        self.setFrameShape(QTextBrowser.Shape.NoFrame)
+        self.document().setDocumentMargin(18)
+        self._reply: QTextFrame | None = None
+        self._reply_text: list[str] = []  # the streamed reply as received (the document would normalise it)
+        self._reading = False  # the reply bubble shows reading progress, not text yet
+        self._contents: dict[int, str] = {}  # message index -> its text as received (what Copy copies)
+        self._next_index = 0
+        self._mono = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
+        self._markdown = MarkdownRenderer()
+        self._code_blocks: dict[str, str] = {}  # "message.block" -> the code a block's Copy link copies
+        self._expanded: set[int] = set()  # long pastes the user opened in full
+        self._last_render = 0.0
+        self._greeting: tuple[str, tuple[str, ...]] = ("", ())  # (line, example prompts) while the chat is empty
+        self._empty = True
+        # Following the stream: on while the view is at the end; the user scrolling up turns it off.
+        self._follow = True
+        self._scrolling = False  # our own scroll, not the user's
+        bar = self.verticalScrollBar()
+        bar.rangeChanged.connect(self._on_range)
+        bar.valueChanged.connect(self._on_scrolled)
+        self.pill = QPushButton("↓ New text", self)
+        self.pill.setObjectName("newTextPill")
+        self.pill.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.pill.clicked.connect(self.scroll_to_end)
+        self.pill.hide()
+        self._place_column()
+
+    # -- the reading column and following the stream -----------------------------------------------------------------
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._place_column()
+        self._place_pill()
+
+    def _place_column(self) -> None:
+        """Wider than COLUMN_MAX, the text keeps that width and sits in the middle (as a page in a reader); the
+        greeting of an empty chat sits a quarter down."""
+        side = max(18, (self.viewport().width() - COLUMN_MAX) // 2)
+        top = max(18, self.viewport().height() // 4) if self._empty else 18
+        root = self.document().rootFrame()
+        fmt = root.frameFormat()
+        if int(fmt.leftMargin()) != side or int(fmt.topMargin()) != top:
+            fmt.setLeftMargin(side)
+            fmt.setRightMargin(side)
+            fmt.setTopMargin(top)
+            root.setFrameFormat(fmt)
+
+    def _place_pill(self) -> None:
+        self.pill.adjustSize()
+        vp = self.viewport().geometry()
+        self.pill.move(vp.center().x() - self.pill.width() // 2, vp.bottom() - self.pill.height() - 12)
+
+    def is_empty(self) -> bool:
+        """No message shown (the greeting, or nothing)."""
+        return self._empty
+
+    def following(self) -> bool:
+        return self._follow
+
+    @Slot()
+    def scroll_to_end(self) -> None:
+        self._follow = True
+        self.pill.hide()
+        self._scroll_bottom()
+
+    def _scroll_bottom(self) -> None:
+        bar = self.verticalScrollBar()
+        self._scrolling = True
+        bar.setValue(bar.maximum())
+        self._scrolling = False
+
+    @Slot(int, int)
+    def _on_range(self, _low: int, _high: int) -> None:
+        if self._follow:
+            self._scroll_bottom()  # the text grew: stay at its end
+
+    @Slot(int)
+    def _on_scrolled(self, value: int) -> None:
+        if self._scrolling:
+            return
+        bar = self.verticalScrollBar()
+        self._follow = value >= bar.maximum() - 4
+        if self._follow:
+            self.pill.hide()
+
+    def _more_text(self) -> None:
+        """New text arrived: followed, or announced by the pill when the user is reading further up."""
+        if self._follow:
+            self._scroll_bottom()
+        elif not self.pill.isVisible():
+            self._place_pill()
+            self.pill.show()
+            self.pill.raise_()
+
+    # -- the greeting --------------------------------------------------------------------------------------------------
+    def set_greeting(self, line: str, examples: Sequence[str]) -> None:
+        """What an empty conversation shows: `line`, then `examples` the user can click to send."""
+        self._greeting = (line, tuple(examples))
+        if self._empty:
+            self._show_greeting()
+
+    def _show_greeting(self) -> None:
+        self.clear()
+        self._place_column()
+        line, examples = self._greeting
+        if not line:
+            return
+        pal = self.palette()
+        dim = pal.color(QPalette.ColorRole.PlaceholderText).name()
+        link = pal.color(QPalette.ColorRole.Link).name()
+        items = "".join(
+            f'<p style="margin:6px 0"><a style="color:{link}; text-decoration:none" href="example:{k}">'
+            f"{html.escape(e)}</a></p>"
+            for k, e in enumerate(examples)
+        )
+        self.document().rootFrame().firstCursorPosition().insertHtml(
+            f'<div align="center"><p style="font-size:x-large">{html.escape(line)}</p>'
+            f'<p style="color:{dim}">Ask anything, or try one of these:</p>{items}</div>'
+        )
+
+    # -- public ------------------------------------------------------------------------------------------------------
+    def set_messages(self, messages: Sequence[MessageView], notes: dict[int, str] | None = None) -> None:
+        """Show a whole conversation; `notes` are the remarks that were shown under some of its messages."""
+        self._reply = None
+        self._reading = False
+        self._contents = {}
+        self._code_blocks = {}
+        self._expanded = set()
+        self._empty = not any(m.role != "system" for m in messages)
+        if self._empty:
+            self._show_greeting()
+            return
+        self.clear()
+        self._place_column()
+        for i, m in enumerate(messages):
+            if m.role != "system":
+                frame = self._add_message(m.role, m.content, i)
+                if notes and notes.get(i):
+                    self._add_note(frame, notes[i])
+        self._next_index = len(messages)
+        self.scroll_to_end()
+
+    def last_index(self) -> int:
+        """The index of the newest message shown (the reply that just ended)."""
+        return self._next_index - 1
+
+    def add_user_message(self, text: str) -> None:
+        if self._empty:  # the greeting goes with the first message
+            self._empty = False
+            self.clear()
+            self._place_column()
+        self._add_message("user", text, self._next_index)
+        self._next_index += 1
+        self.scroll_to_end()  # sending is a choice to see what comes
+
+    def begin_reply(self) -> None:
+        self._reply = self._add_message("assistant", "", self._next_index, links=False)
+        self._next_index += 1
+        self._reply_text = []
+        self._last_render = time.monotonic()
+        self._more_text()
+
+    def show_reading(self, text: str) -> None:
+        """While the prompt is read: `text` (tokens read, rate, time left) in the reply bubble, dimmed."""
+        if self._reply is None or self._reply_text:
+            return
+        self._clear_frame(self._reply)
+        self._fill(self._reply, "assistant", "", links=False)
+        self._reply.lastCursorPosition().insertText(text, self._note_format())
+        self._reading = True
+        self._more_text()
+
+    def append_reply(self, text: str) -> None:
+        if self._reply is None:
+            return
+        if self._reading:
+            self._clear_frame(self._reply)
+            self._fill(self._reply, "assistant", "", links=False)
+            self._reading = False
+        self._reply_text.append(text)
+        now = time.monotonic()
+        if now - self._last_render >= LIVE_RENDER_S:  # the reply so far as Markdown (a table, code, a list)
+            self._last_render = now
+            self._clear_frame(self._reply)
+            self._fill(self._reply, "assistant", "".join(self._reply_text), links=False)
+        else:  # between renders, the text as it comes (cheap: appended at the end)
+            self._reply.lastCursorPosition().insertText(text, self._body_format())
+        self._more_text()
+
+    def remove_last_reply(self) -> None:
+        """Regenerate: the last answer goes away before the new one streams in."""
+        frames = self._frames("assistant")
+        if not frames:
+            return
+        frame = frames[-1]
+        index = frame.frameFormat().property(INDEX_PROPERTY)
+        cursor = QTextCursor(self.document())
+        cursor.setPosition(frame.firstPosition() - 1)
+        cursor.setPosition(frame.lastPosition() + 1, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+        if isinstance(index, int):
+            self._contents.pop(index, None)
+            self._next_index = index
+
+    def end_reply(self, note: str = "") -> None:
+        """Re-render the finished reply with code formatting; `note` (e.g. "stopped") goes under it, dimmed."""
+        frame = self._reply
+        self._reply = None
+        self._reading = False
+        if frame is None:
+            return
+        text = "".join(self._reply_text)
+        if not text:  # nothing was written (stopped while reading, an error): no empty bubble, the note stays
+            self.remove_last_reply()  # the reply frame is the last assistant frame
+            frames = self._frames("assistant") + self._frames("user")
+            if not note or not frames:
+                return
+            frame = max(frames, key=lambda f: f.lastPosition())
+        else:
+            self._clear_frame(frame)
+            self._fill(frame, "assistant", text)
+            index = frame.frameFormat().property(INDEX_PROPERTY)
+            if isinstance(index, int):
+                self._contents[index] = text
+        if note:  # under the message, outside its frame: a remark about the turn, not part of the reply
+            self._add_note(frame, note)
+        self._more_text()
+
+    def _add_note(self, frame: QTextFrame, note: str) -> None:
+        after = QTextCursor(self.document())
+        after.setPosition(frame.lastPosition() + 1)
+        block = QTextBlockFormat()
+        block.setLeftMargin(10)
+        after.setBlockFormat(block)  # the empty block Qt keeps after every frame
+        after.insertText(note, self._note_format())
+
+    def reply_text(self) -> str:
+        """The text of the last assistant message as written (its Markdown source: what Copy copies); while it is
+        still coming, what the bubble shows."""
+        frames = self._frames("assistant")
+        if not frames:
+            return ""
+        frame = frames[-1]
+        index = frame.frameFormat().property(INDEX_PROPERTY)
+        if frame != self._reply and isinstance(index, int) and self._contents.get(index):
+            return self._contents[index]
+        return self._frame_body(frame)  # a reply still coming (or its reading progress): as shown
+
+    def code_block(self, key: str) -> str:
+        """The code of block `key` ("message.block"), as its Copy link copies it."""
+        return self._code_blocks.get(key, "")
+
+    def message_text(self, index: int) -> str:
+        return self._contents.get(index, "")
+
+    def copy_message(self, index: int) -> None:
+        QGuiApplication.clipboard().setText(self._contents.get(index, ""))
+        self.copied.emit(index)
+
+    @Slot(QUrl)
+    def _on_anchor(self, url: QUrl) -> None:
+        scheme, _, arg = url.toString().partition(":")
+        if scheme in ("copy", "branch") and arg.isdigit():
+            (self.copy_message if scheme == "copy" else self.branch_requested.emit)(int(arg))
+        elif scheme == "copycode" and arg in self._code_blocks:
+            QGuiApplication.clipboard().setText(self._code_blocks[arg])
+            self.copied.emit(int(arg.partition(".")[0]))
+        elif scheme == "example" and arg.isdigit() and int(arg) < len(self._greeting[1]):
+            self.example_chosen.emit(self._greeting[1][int(arg)])
+        elif scheme == "expand" and arg.isdigit():
+            self._expand(int(arg))
+        elif url.scheme() in ("http", "https"):
+            QDesktopServices.openUrl(url)
+
+    def _clear_frame(self, frame: QTextFrame) -> None:
+        cursor = frame.firstCursorPosition()
+        cursor.setPosition(frame.lastPosition(), QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+
+    def _frames(self, role: str) -> list[QTextFrame]:
+        return [f for f in self.document().rootFrame().childFrames() if f.frameFormat().property(ROLE_PROPERTY) == role]
+
+    # -- rendering ---------------------------------------------------------------------------------------------------
+    def _add_message(self, role: str, content: str, index: int, links: bool = True) -> QTextFrame:
+        cursor = QTextCursor(self.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        fmt = QTextFrameFormat()
+        fmt.setPadding(10)
+        fmt.setTopMargin(6)
+        fmt.setBottomMargin(6)
+        fmt.setBorder(0)
+        if role == "user":
+            pal = self.palette()
+            fmt.setBackground(_mix(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Highlight), 0.12))
+            fmt.setLeftMargin(48)
+        else:
+            fmt.setRightMargin(48)
+        fmt.setProperty(ROLE_PROPERTY, role)
+        fmt.setProperty(INDEX_PROPERTY, index)
+        frame = cursor.insertFrame(fmt)
+        self._fill(frame, role, content, links)
+        self._contents[index] = content
+        return frame
+
+    def _fill(self, frame: QTextFrame, role: str, content: str, links: bool = True) -> None:
+        cursor = frame.firstCursorPosition()
+        cursor.setBlockFormat(QTextBlockFormat())
+        cursor.insertText(ROLE_LABELS.get(role, role.title()), self._label_format())
+        index = frame.frameFormat().property(INDEX_PROPERTY)
+        if isinstance(index, int) and links:  # a streaming reply gets its links once it is finished
+            cursor.insertText("    ", self._label_format())
+            cursor.insertText("Copy", self._link_format(f"copy:{index}", "Copy this message"))
+            cursor.insertText("  ·  ", self._label_format())
+            cursor.insertText(
+                "Branch", self._link_format(f"branch:{index}", "A new conversation up to this message, with its memory")
+            )
+        cursor.insertBlock(QTextBlockFormat(), self._body_format())
+        if role == "assistant" and content:
+            rendered = self._markdown.render(content, self._palette(), f"{index}.")
+            for k, code in enumerate(rendered.code_blocks):
+                self._code_blocks[f"{index}.{k}"] = code
+            cursor.insertHtml(rendered.html)
+            return
+        if role == "user" and isinstance(index, int) and index not in self._expanded and _is_long(content):
+            lines = content.splitlines()
+            shown = "\n".join(lines[:PASTE_PREVIEW_LINES])
+            if len(shown) > PASTE_PREVIEW_CHARS:
+                shown = shown[:PASTE_PREVIEW_CHARS].rsplit(" ", 1)[0]
+            cursor.insertText(shown + " …", self._body_format())
+            cursor.insertBlock(QTextBlockFormat(), self._body_format())
+            n = len(lines)
+            rest = f"{n:,} line{'s' if n != 1 else ''}, {len(content):,} characters"
+            cursor.insertText(f"Show all ({rest})", self._link_format(f"expand:{index}", "Show the whole message"))
+            return
+        cursor.insertText(content, self._body_format())
+
+    def _expand(self, index: int) -> None:
+        """A collapsed paste, shown in full."""
+        self._expanded.add(index)
+        for frame in self._frames("user"):
+            if frame.frameFormat().property(INDEX_PROPERTY) == index:
+                self._clear_frame(frame)
+                self._fill(frame, "user", self._contents.get(index, ""))
+
+    def _palette(self) -> Palette:
+        pal = self.palette()
+        base = pal.color(QPalette.ColorRole.Base)
+        dark = base.lightnessF() < 0.5
+        code = _mix(base, pal.color(QPalette.ColorRole.Text), 0.06 if not dark else 0.10)
+        return Palette(
+            pal.color(QPalette.ColorRole.Text).name(),
+            pal.color(QPalette.ColorRole.PlaceholderText).name(),
+            pal.color(QPalette.ColorRole.Link).name(),
+            code.name(),
+            _mix(base, pal.color(QPalette.ColorRole.Text), 0.2).name(),
+            dark,
+        )
+
+    def _frame_body(self, frame: QTextFrame) -> str:
+        cursor = frame.firstCursorPosition()
+        cursor.setPosition(frame.lastPosition(), QTextCursor.MoveMode.KeepAnchor)
+        return cursor.selectedText().replace("\u2029", "\n").partition("\n")[2]
+
+    def _label_format(self) -> QTextCharFormat:
+        fmt = QTextCharFormat()
+        fmt.setFontWeight(QFont.Weight.DemiBold)
+        fmt.setFontPointSize(max(self.font().pointSizeF() - 1, 8))
+        fmt.setForeground(self.palette().color(QPalette.ColorRole.PlaceholderText))
+        return fmt
+
+    def _link_format(self, href: str, tip: str) -> QTextCharFormat:
+        fmt = self._label_format()
+        fmt.setFontWeight(QFont.Weight.Normal)
+        fmt.setAnchor(True)
+        fmt.setAnchorHref(href)
+        fmt.setToolTip(tip)
+        fmt.setForeground(self.palette().color(QPalette.ColorRole.Link))
+        return fmt
+
+    def _body_format(self) -> QTextCharFormat:
+        fmt = QTextCharFormat()
+        fmt.setFontWeight(QFont.Weight.Normal)
+        fmt.setFontPointSize(self.font().pointSizeF())
+        fmt.setForeground(self.palette().color(QPalette.ColorRole.Text))
+        return fmt
+
+    def _code_format(self) -> QTextCharFormat:
+        fmt = QTextCharFormat()
+        fmt.setFont(self._mono)
+        fmt.setForeground(self.palette().color(QPalette.ColorRole.Text))
+        return fmt
+
+    def _note_format(self) -> QTextCharFormat:
+        fmt = self._label_format()
+        fmt.setFontWeight(QFont.Weight.Normal)
+        fmt.setFontItalic(True)
+        return fmt
+
+
+def _is_long(text: str) -> bool:
+    return len(text) > PASTE_CHARS or text.count("\n") >= PASTE_LINES

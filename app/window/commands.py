@@ -1,0 +1,198 @@
+"""Conversation commands: new chat, undo, save a copy, open, rename, duplicate, branch, delete, export.
+
+Every conversation is already stored in the library, so none of these asks about unsaved work; New Chat and
+Delete can be undone (the stored conversation reopens with its memory). The commands read and write the window's
+`WindowState`, send requests through the client, and say what the window should show through their signals.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QObject, Signal, Slot
+
+from app.history.library import ConversationEntry, ConversationLibrary, export_json, export_markdown, new_id
+from app.window.dialogs import Dialogs
+from app.window.state import Notice, WindowState
+from app.worker.client import ConversationClient
+from engine import SESSION_SUFFIX, atomic_write, load_session
+
+
+@dataclass(frozen=True)
+class UndoStep:
+    label: str  # "New Chat" | "Delete" | "Branch"
+    reopen: str  # conversation id to open again
+    entry: ConversationEntry | None = None  # a deleted conversation's row, to put back
+
+
+class ConversationCommands(QObject):
+    """The commands on the window's conversations, and the undo stack they share."""
+
+    current_changed = Signal()  # state.current_id (or its title) changed: select it, retitle the window
+    chat_cleared = Signal()  # an empty conversation is open now: clear the chat and the panels
+    history_changed = Signal()  # rows were added, renamed or removed
+    open_requested = Signal(str)  # open this stored conversation
+    file_requested = Signal(Path)  # open this file
+    notice = Signal(Notice)
+    undo_changed = Signal(str)  # the label of what Undo would undo, "" when nothing
+
+    def __init__(
+        self,
+        state: WindowState,
+        library: ConversationLibrary,
+        client: ConversationClient,
+        dialogs: Dialogs,
+        documents: Path,
+        parent: QObject | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self._state = state
+        self._library = library
+        self._client = client
+        self._dialogs = dialogs
+        self._documents = documents
+        self._undo: list[UndoStep] = []
+
+    def title(self) -> str:
+        entry = self._library.get(self._state.current_id)
+        return entry.title if entry else "New Chat"
+
+    @Slot()
+    def new_chat(self) -> None:
+        self._client.stop()
+        if self._library.get(self._state.current_id):
+            self._push_undo(UndoStep("New Chat", self._state.current_id))
+        self.start_new()
+
+    def start_new(self) -> None:
+        self._state.current_id = new_id()
+        self._state.file = None
+        self._client.new_chat(self._library.path_for(self._state.current_id))
+        self.chat_cleared.emit()
+        self.current_changed.emit()
+
+    @Slot()
+    def undo(self) -> None:
+        if not self._undo:
+            return
+        step = self._undo.pop()
+        if step.entry is not None and not self._library.undelete(step.entry):
+            self.notice.emit(
+                Notice("The deleted conversation is no longer in the trash, so it cannot come back.", True)
+            )
+        elif self._library.get(step.reopen):
+            self.history_changed.emit()
+            self.open_requested.emit(step.reopen)
+        self._update_undo()
+
+    def _push_undo(self, step: UndoStep) -> None:
+        self._undo.append(step)
+        self._update_undo()
+
+    def _update_undo(self) -> None:
+        self.undo_changed.emit(self._undo[-1].label if self._undo else "")
+
+    def save(self, full_memory: bool = False) -> None:
+        start = self._state.file or self._documents_dir() / f"{_file_name(self.title())}{SESSION_SUFFIX}"
+        path = self._dialogs.save_path(start)
+        if path is not None:
+            self._client.save(path, full_memory)
+
+    @Slot()
+    def open_session(self) -> None:
+        path = self._dialogs.open_path(self._state.file.parent if self._state.file else self._documents_dir())
+        if path is not None:
+            self.file_requested.emit(path)
+
+    def _documents_dir(self) -> Path:
+        """Where file dialogs start: Documents, or the home folder where there is none (never the working folder)."""
+        return self._documents if self._documents.is_dir() else Path.home()
+
+    def rename(self, conversation_id: str, title: str) -> None:
+        """Give a stored conversation a title the user typed (inline in the sidebar)."""
+        title = " ".join(title.split())
+        if not title or self._library.get(conversation_id) is None:
+            return
+        self._library.rename(conversation_id, title)
+        self.history_changed.emit()
+        self.current_changed.emit()
+
+    @Slot(str)
+    def duplicate(self, conversation_id: str) -> None:
+        entry = self._library.get(conversation_id)
+        if entry is None:
+            return
+        copy_id = new_id()
+        try:
+            shutil.copyfile(self._library.path_for(conversation_id), self._library.path_for(copy_id))
+            messages = [(m.role, m.content) for m in load_session(self._library.path_for(copy_id)).messages]
+        except Exception as exc:  # one sentence; the original is untouched
+            self._library.path_for(copy_id).unlink(missing_ok=True)
+            self.notice.emit(Notice(f"The conversation could not be duplicated ({exc}).", True))
+            return
+        self._library.record(copy_id, messages, entry.model)
+        self._library.rename(copy_id, f"{entry.title} (copy)")
+        self.history_changed.emit()
+        self.open_requested.emit(copy_id)
+
+    @Slot(int)
+    def branch(self, index: int) -> None:
+        """A new conversation holding this one up to message `index`, with the memory of that point."""
+        entry = self._library.get(self._state.current_id)
+        if self._client.busy:
+            self.notice.emit(Notice("Wait for the reply to finish, then branch."))
+            return
+        if entry is None or not self._state.model_loaded:
+            return
+        source = self._library.path_for(self._state.current_id)
+        self._push_undo(UndoStep("Branch", self._state.current_id))
+        self._state.current_id = new_id()
+        self._state.titles_for_new[self._state.current_id] = f"{entry.title} (branch)"
+        self._client.branch(source, self._library.path_for(self._state.current_id), index)
+        self.chat_cleared.emit()
+        self.current_changed.emit()
+
+    @Slot(str)
+    def delete(self, conversation_id: str) -> None:
+        current = conversation_id == self._state.current_id
+        if self._client.busy and current:
+            self._client.stop()
+        entry = self._library.get(conversation_id)
+        if current:
+            self.start_new()  # an empty chat: deleting it is just clearing it
+        if entry is None:
+            return
+        self._library.delete(conversation_id)
+        self._push_undo(UndoStep("Delete", conversation_id, entry))
+        self.history_changed.emit()
+        self.notice.emit(Notice(f"Deleted “{entry.title}”.", False, ("Undo", self.undo)))
+
+    @Slot(str, str)
+    def export(self, conversation_id: str, kind: str) -> None:
+        entry = self._library.get(conversation_id)
+        if entry is None:
+            self.notice.emit(Notice("This conversation has no messages yet, so there is nothing to export."))
+            return
+        path = self._dialogs.export_path(self._documents_dir() / f"{_file_name(entry.title)}.{kind}", kind)
+        if path is None:
+            return
+        try:
+            messages = [(m.role, m.content) for m in load_session(self._library.path_for(conversation_id)).messages]
+            text = (
+                export_markdown(entry.title, messages)
+                if kind == "md"
+                else export_json(entry.title, messages, entry.model)
+            )
+            atomic_write(path, [text.encode("utf-8")])
+        except Exception as exc:  # one sentence, nothing lost
+            self.notice.emit(Notice(f"The conversation could not be exported to {path.name} ({exc}).", True))
+            return
+        self.notice.emit(Notice(f"Exported {path.name}."))
+
+
+def _file_name(title: str) -> str:
+    """A title as a file name: no path separators or characters Finder or Windows refuse."""
+    name = "".join(c if c not in '/\\:*?"<>|' and c.isprintable() else " " for c in title).strip(" .…")
+    return name[:80] or "Conversation"

@@ -1,0 +1,103 @@
+"""The modal questions the main window asks, behind one small class so tests can answer them without a human."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtGui import QAction
+from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
+
+import engine
+from app.settings.remote_servers import AddServerDialog
+from app.settings.settings_dialog import SettingsDialog
+from engine import GenerationSettings, RemoteServer
+from engine.paths import APP_NAME
+
+SESSION_FILTER = "Spark conversations (*.spark)"
+MODEL_FILTER = "GGUF models (*.gguf)"
+EXPORT_FILTERS = {"md": "Markdown (*.md)", "json": "JSON (*.json)"}
+HELP_TEXT = """<h3>Chatting</h3>
+<p>Type in the box at the bottom and press Return; Shift+Return starts a new line. While Spark writes, the Send
+button becomes Stop. A long message is read first: the reply shows how far the reading got.</p>
+<h3>Nothing is lost</h3>
+<p>Every conversation is stored as you chat, with the model's memory, and the app reopens where you left off.
+New Chat and Delete can be undone. The sidebar lists your conversations; search it, or right-click one to
+rename, duplicate, export or delete it. "Branch" on a message starts a new conversation up to that point.</p>
+<h3>Models</h3>
+<p>The Model button chooses the default model, a recent one, or opens a model folder or a .gguf file (you can
+also drop one on the window). "Add a Server…" chats with a model on an OpenAI-compatible server instead (vLLM,
+Ollama, llama.cpp, LM Studio); the server then keeps the memory and Spark stores the transcript. Weight Precision
+trades memory for faithfulness. The inspector says what runs where.</p>
+<h3>Keys</h3>"""
+
+
+class Dialogs:
+    def __init__(self, parent: QWidget | None = None) -> None:
+        self.parent = parent
+
+    def confirm(self, title: str, text: str, accept: str) -> bool:
+        box = QMessageBox(QMessageBox.Icon.Question, title, text, QMessageBox.StandardButton.Cancel, self.parent)
+        ok = box.addButton(accept, QMessageBox.ButtonRole.AcceptRole)
+        box.setDefaultButton(ok)
+        box.exec()
+        return box.clickedButton() is ok
+
+    def save_path(self, start: Path) -> Path | None:
+        name, _ = QFileDialog.getSaveFileName(self.parent, "Save a Copy", str(start), SESSION_FILTER)
+        if not name:
+            return None
+        path = Path(name)
+        return path if path.suffix == ".spark" else path.with_suffix(".spark")
+
+    def open_path(self, start: Path) -> Path | None:
+        name, _ = QFileDialog.getOpenFileName(self.parent, "Open", str(start), f"{SESSION_FILTER};;{MODEL_FILTER}")
+        return Path(name) if name else None
+
+    def model_file(self, start: Path) -> Path | None:
+        name, _ = QFileDialog.getOpenFileName(self.parent, "Open Model", str(start), MODEL_FILTER)
+        return Path(name) if name else None
+
+    def export_path(self, start: Path, kind: str) -> Path | None:
+        name, _ = QFileDialog.getSaveFileName(self.parent, "Export", str(start), EXPORT_FILTERS[kind])
+        if not name:
+            return None
+        path = Path(name)
+        return path if path.suffix == f".{kind}" else path.with_suffix(f".{kind}")
+
+    def ask_text(self, title: str, label: str, current: str) -> str | None:
+        text, ok = QInputDialog.getText(self.parent, title, label, text=current)
+        return text.strip() if ok and text.strip() else None
+
+    def about(self) -> None:
+        QMessageBox.about(
+            self.parent,
+            f"About {APP_NAME}",
+            f"<b>{APP_NAME}</b> {engine.__version__}<p>Chat with a local language model that remembers long "
+            "conversations at a flat cost per token. Everything runs on this computer; nothing is sent anywhere.</p>",
+        )
+
+    def help(self, keys: list[tuple[str, str]]) -> None:
+        rows = "".join(f"<tr><td>{name}</td><td>&nbsp;&nbsp;{key}</td></tr>" for name, key in keys if key)
+        box = QMessageBox(
+            QMessageBox.Icon.NoIcon,
+            f"{APP_NAME} Help",
+            HELP_TEXT + f"<table>{rows}</table>",
+            QMessageBox.StandardButton.Close,
+            self.parent,
+        )
+        box.exec()
+
+    def model_dir(self, start: Path) -> Path | None:
+        name = QFileDialog.getExistingDirectory(self.parent, "Open Model Folder", str(start))
+        return Path(name) if name else None
+
+    def add_server(self) -> RemoteServer | None:
+        dialog = AddServerDialog(self.parent)
+        return dialog.value() if dialog.exec() == AddServerDialog.DialogCode.Accepted else None
+
+    def edit_settings(
+        self, current: GenerationSettings, server: tuple[QAction, QAction] | None = None
+    ) -> GenerationSettings | None:
+        """The settings as edited (None: cancelled); `server`: the local server's switch and Copy URL actions."""
+        dialog = SettingsDialog(current, self.parent, server)
+        return dialog.value() if dialog.exec() == SettingsDialog.DialogCode.Accepted else None

@@ -1,0 +1,259 @@
+"""One open conversation, wherever its model runs: the protocol the worker speaks, with a local implementation (a
+`Session` on the loaded Engine, its memory ours) and a remote one (a transcript streamed through an OpenAI-compatible
+server, its memory the server's).
+
+The worker holds one `Conversation` and never asks which kind it is; what differs (memory figures, what a saved file
+holds, whether a branch re-reads its memory) differs inside these classes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from app.worker.types import MemoryReport, remote_name
+from engine import (
+    ChatMessage,
+    Engine,
+    GenerationEvent,
+    GenerationSettings,
+    PrefillProgress,
+    RemoteClient,
+    RemoteServer,
+    RemoteSession,
+    TierStats,
+    display_name,
+    load_session,
+)
+
+StopCheck = Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What opening a file into a conversation did."""
+
+    applied: bool  # False: another model's file, nothing changed (the caller may retry as transcript only)
+    note: str  # "" or a remark for the user ("transcript only: ...")
+    message: str = ""  # why it was not applied
+
+
+class Conversation(Protocol):
+    """The requests a worker makes of its conversation; each runs on the worker's thread."""
+
+    @property
+    def messages(self) -> list[tuple[str, str]]:
+        """The transcript as (role, content)."""
+        ...
+
+    @property
+    def system_prompt(self) -> str: ...
+
+    @system_prompt.setter
+    def system_prompt(self, text: str) -> None: ...
+
+    @property
+    def model_name(self) -> str:
+        """How the history names the model that wrote it."""
+        ...
+
+    def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]: ...
+
+    def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]: ...
+
+    def take_transcript(self, messages: list[tuple[str, str]], system_prompt: str, stop: StopCheck) -> None:
+        """Become these messages (a branch); a local memory reads them (Stop ends that early)."""
+        ...
+
+    def open(self, path: Path, transcript_only: bool, on_progress: Callable[[int, int], None]) -> Opened:
+        """Read a `.spark` file into this (fresh) conversation; raises SparkError/OSError, leaving it unchanged."""
+        ...
+
+    def save(self, path: Path, full_memory: bool, verify: bool = True) -> None:
+        """Write the conversation; `verify`: with what a restore needs to check the memory comes back exact (a
+        while on a large memory: a save in a hurry goes without)."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def fresh(self) -> Conversation:
+        """An empty conversation on the same model."""
+        ...
+
+    def memory_report(self) -> MemoryReport: ...
+
+    def begin_turn(self) -> None:
+        """A turn starts: remembered, to say later how far back a recall reached."""
+        ...
+
+    def recalled_turns_ago(self, hits_before: int) -> int:
+        """> 0 when the turn just ended used recalled memory: at least how many turns back it reached."""
+        ...
+
+    def recall_hits(self) -> int:
+        """Blocks the episodic tier has paged back so far (0 without one)."""
+        ...
+
+
+class LocalConversation:
+    """A `Session` on the loaded engine: its memory is ours to report, save and restore."""
+
+    def __init__(self, engine: Engine, on_prefill: Callable[[PrefillProgress], None] | None) -> None:
+        self._engine = engine
+        self._on_prefill = on_prefill
+        self.session = engine.new_session()
+        self.session.on_prefill = on_prefill
+        self._turn_starts: list[int] = []  # memory length when each turn began
+
+    @property
+    def messages(self) -> list[tuple[str, str]]:
+        return [(m.role, m.content) for m in self.session.messages]
+
+    @property
+    def system_prompt(self) -> str:
+        return self.session.system_prompt
+
+    @system_prompt.setter
+    def system_prompt(self, text: str) -> None:
+        self.session.system_prompt = text
+
+    @property
+    def model_name(self) -> str:
+        return display_name(self._engine.model_dir)
+
+    def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
+        return self.session.chat(text, settings, stop)
+
+    def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
+        return self.session.regenerate(settings, stop)
+
+    def take_transcript(self, messages: list[tuple[str, str]], system_prompt: str, stop: StopCheck) -> None:
+        now = time.time()
+        self.session.messages = [ChatMessage(role, content, now) for role, content in messages]
+        self.session.system_prompt = system_prompt
+        self.session.read_transcript(stop)
+
+    def open(self, path: Path, transcript_only: bool, on_progress: Callable[[int, int], None]) -> Opened:
+        report = self.session.load(path, accept_transcript_only=transcript_only, on_progress=on_progress)
+        if not report.applied:
+            return Opened(False, "", report.message)
+        note = "transcript only: the memory is re-read on the next turn" if report.transcript_only else ""
+        if self.session.restore_digest_ok is False:
+            note = "its memory was recomputed and differs slightly from the saved one (other numerics)"
+        return Opened(True, note)
+
+    def save(self, path: Path, full_memory: bool, verify: bool = True) -> None:
+        self.session.save(path, compact=not full_memory, digest=verify)
+
+    def reset(self) -> None:
+        self.session.reset()
+        self._turn_starts = []
+
+    def fresh(self) -> LocalConversation:
+        new = LocalConversation(self._engine, self._on_prefill)
+        new.system_prompt = self.system_prompt
+        return new
+
+    def memory_report(self) -> MemoryReport:
+        """The tiers of the memory (a memory without tiers is shown as one flat tier)."""
+        memory = self.session.memory
+        stats = self.session.stats()
+        if stats is not None:
+            return MemoryReport((stats.working, stats.episodic, stats.persistent), len(memory.tokens))
+        backend = self.session.backend
+        per_token = backend.kv_bytes_per_token()
+        n = len(memory.tokens)
+        row = TierStats("working", n, n * per_token, backend.num_slots * per_token, 0, 0, 0.0, 0)
+        return MemoryReport((row,), n)
+
+    def begin_turn(self) -> None:
+        self._turn_starts.append(len(self.session.memory.tokens))
+
+    def recall_hits(self) -> int:
+        stats = self.session.stats()
+        return stats.episodic.hits if stats is not None else 0
+
+    def recalled_turns_ago(self, hits_before: int) -> int:
+        """How many turns back the newest turn lies that has left the exact window (so a recall reached at least
+        that far); 1 when none has wholly left it yet; 0 when nothing was recalled this turn."""
+        stats = self.session.stats()
+        if stats is None or stats.episodic.hits <= hits_before:
+            return 0
+        evicted = stats.working.evictions
+        for back in range(1, len(self._turn_starts)):
+            if self._turn_starts[-back] <= evicted:  # turn -(back+1) ended where turn -back began: wholly evicted
+                return back
+        return 1
+
+
+class RemoteConversation:
+    """A transcript answered by a remote server: no memory of ours, so files hold the transcript only."""
+
+    def __init__(self, server: RemoteServer, client: RemoteClient | None = None) -> None:
+        self._client = client or RemoteClient(server)
+        self.remote = RemoteSession(self._client)
+
+    @property
+    def server(self) -> RemoteServer:
+        return self._client.server
+
+    @property
+    def messages(self) -> list[tuple[str, str]]:
+        return [(m["role"], m["content"]) for m in self.remote.messages]
+
+    @property
+    def system_prompt(self) -> str:
+        return self.remote.system_prompt
+
+    @system_prompt.setter
+    def system_prompt(self, text: str) -> None:
+        self.remote.system_prompt = text
+
+    @property
+    def model_name(self) -> str:
+        return remote_name(self.server)
+
+    def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
+        return self.remote.chat(text, settings, stop)
+
+    def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
+        return self.remote.regenerate(settings, stop)
+
+    def take_transcript(self, messages: list[tuple[str, str]], system_prompt: str, stop: StopCheck) -> None:
+        self.remote.messages = [{"role": r, "content": c} for r, c in messages]
+        self.remote.system_prompt = system_prompt
+
+    def open(self, path: Path, transcript_only: bool, on_progress: Callable[[int, int], None]) -> Opened:
+        """Any conversation opens as its transcript: the server re-reads it with the next message."""
+        data = load_session(path)
+        self.take_transcript([(m.role, m.content) for m in data.messages], data.system_prompt or "", lambda: False)
+        return Opened(True, "")
+
+    def save(self, path: Path, full_memory: bool, verify: bool = True) -> None:
+        self.remote.save(path)  # the server's memory is not ours: the transcript is all there is
+
+    def reset(self) -> None:
+        self.remote.reset()
+
+    def fresh(self) -> RemoteConversation:
+        new = RemoteConversation(self.server, self._client)
+        new.system_prompt = self.system_prompt
+        return new
+
+    def close(self) -> None:
+        self._client.close()
+
+    def memory_report(self) -> MemoryReport:
+        return MemoryReport((), 0, self.server.url)
+
+    def begin_turn(self) -> None:
+        pass  # no memory of ours: nothing is recalled
+
+    def recall_hits(self) -> int:
+        return 0
+
+    def recalled_turns_ago(self, hits_before: int) -> int:
+        return 0

@@ -1,0 +1,93 @@
+"""What crosses the worker's thread boundary: plain frozen dataclasses the worker emits and the GUI reads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+from engine import Engine, FinishReason, RemoteServer, TierStats
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: Path
+    backend: str
+    backend_detail: str  # BackendChoice.explain(): the backend, its weight precision and why faster ones were skipped
+    weight_bytes: int
+    kv_bytes_per_token: int
+    context_tokens: int = 0  # the model's trained context
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    engine: Engine  # handed to the quick prompt's worker; the GUI reads `info` and counts with `count_tokens`
+    info: ModelInfo
+    count_tokens: Callable[[str], int]  # a prompt's length in the model's tokens (thread-safe: the GUI calls it)
+
+
+@dataclass(frozen=True)
+class TurnProgress:
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_s: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    tiers: tuple[TierStats, ...]  # the cascade's own snapshot type: plain numbers, no tensors
+    tokens: int  # tokens this conversation's memory holds
+    remote: str = ""  # a remote server's URL: its memory is the server's, none of these numbers apply
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    reason: FinishReason | Literal["error"]
+    progress: TurnProgress
+    text: str
+    recalled_turns_ago: int = 0  # > 0: the reply used recalled (episodic) memory holding turns at least this old
+    memory_tokens: int = 0  # tokens the conversation's memory holds after the turn (a Stop while reading: part of it)
+
+
+@dataclass(frozen=True)
+class ReadProgress:
+    """A prompt (or a restored conversation's memory) being read: tokens done of total, rate, time left."""
+
+    kind: str  # "prompt" | "restore"
+    done: int
+    total: int
+    tokens_per_s: float
+    seconds_left: float
+
+
+@dataclass(frozen=True)
+class StoredConversation:
+    """The worker wrote its conversation to `path` (the library's file for it)."""
+
+    path: Path
+    messages: tuple[tuple[str, str], ...]  # (role, content)
+    model: str
+    cut_off: bool = False  # the last reply was stopped (Stop, Quit) before it ended
+
+
+@dataclass(frozen=True)
+class MessageView:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class SessionFileEvent:
+    kind: str  # "saved" | "restored"
+    path: Path
+    when: float  # seconds since the epoch
+    note: str = ""  # e.g. "transcript only: memory re-read on the next turn"
+
+
+def remote_name(server: RemoteServer) -> str:
+    """How a remote model is named in the window and the history: its name and the server's host."""
+    return f"{server.model} on {urlsplit(server.url).netloc}"

@@ -1,0 +1,454 @@
+"""The engine side of the app: a `ConversationWorker` (QObject) living in its own QThread owns one conversation.
+
+The GUI talks to it only through `app.worker.client.ConversationClient`, whose request signals are queued into the
+worker's thread and which re-emits the worker's results on the GUI thread. Generation runs inside a worker slot, so
+the GUI thread never waits on it; Stop sets a `threading.Event` that the generation loop polls between tokens and
+between the layers of a prompt being read (no queue round-trip, so it takes effect even though the worker's event
+loop is busy).
+
+Two clients exist in the app: the main chat (which also loads models) and the quick prompt (which attaches to the
+loaded engine and opens its own short-lived conversation). The engine's step lock interleaves their forwards.
+Everything crossing a thread boundary is plain data (dataclasses, strings) or an engine object handed over whole.
+
+The conversation is an `app.worker.conversation.Conversation`: local (a Session on the loaded engine) or remote (a
+server chosen as the model); the worker never asks which. The main chat's worker stores its conversation after every
+change (a compact `.spark`, atomically) in the file the GUI's conversation library assigned to it, and reports each
+store, so nothing typed or generated is ever only in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Literal
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from app.worker import session_files
+from app.worker.conversation import Conversation, LocalConversation, RemoteConversation
+from app.worker.engine_factory import load_engine
+from app.worker.types import (
+    LoadedModel,
+    MemoryReport,
+    MessageView,
+    ModelInfo,
+    ReadProgress,
+    SessionFileEvent,
+    StoredConversation,
+    TurnProgress,
+    TurnResult,
+)
+from engine import (
+    RECOMPUTE_KIND,
+    TRANSCRIPT_KIND,
+    Engine,
+    FinishReason,
+    GenerationEvent,
+    GenerationSettings,
+    PrefillProgress,
+    RemoteServer,
+    Session,
+    SparkError,
+    display_name,
+    load_session,
+)
+from engine.hw import HardwarePolicy, PolicyDecision
+
+log = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 0.1  # turn stats (tokens/s) at most 10 times a second
+MEMORY_INTERVAL_S = 0.25  # tier stats at most 4 times a second: the panels need no more
+READ_INTERVAL_S = 0.1  # reading progress at most 10 times a second
+PARKED_CONVERSATIONS = 3  # conversations left recently whose memory stays ready (Undo, switching back: no recompute)
+NO_PROGRESS = TurnProgress(0, 0, 0.0, 0.0)
+
+
+class ConversationWorker(QObject):
+    loading = Signal(str)  # model folder being loaded
+    loaded = Signal(LoadedModel)
+    load_cancelled = Signal()
+    delta = Signal(str)  # one token's text (coalesced by the GUI)
+    progress = Signal(TurnProgress)
+    memory = Signal(MemoryReport)
+    finished = Signal(TurnResult)
+    error = Signal(str)  # one user-facing sentence
+    conversation_shown = Signal(list)  # list[MessageView]: the transcript after a restore, undo or failed turn
+    saved = Signal(SessionFileEvent)
+    restored = Signal(SessionFileEvent)
+    foreign_session = Signal(str, str)  # path, why only the transcript can be restored
+    system_prompt = Signal(str)  # the restored session's system prompt
+    policy = Signal(PolicyDecision)
+    reading = Signal(ReadProgress)
+    stored = Signal(StoredConversation)
+    remote_ready = Signal(object)  # RemoteServer: replies now stream from it
+
+    def __init__(
+        self,
+        policy: HardwarePolicy | None,
+        cache_dir: Path,
+        store: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self._clock = clock  # paces the progress reports; the tests pass a fake
+        self._policy = policy
+        self._cache_dir = cache_dir
+        self._store_enabled = store  # the main chat stores every change; the quick prompt keeps nothing
+        self._store_path: Path | None = None  # this conversation's file in the library
+        self._engine: Engine | None = None
+        self.conversation: Conversation | None = None  # read by tests on this thread's behalf, never by the GUI
+        self._system_text = ""
+        self._parked: OrderedDict[Path, Conversation] = OrderedDict()  # store path -> a conversation left recently
+        self._read_t0 = 0.0
+        self._read_last = 0.0
+        # Decisions arrive on whichever thread made them; a signal carries them to the GUI safely.
+        self._unsubscribe = policy.subscribe(self.policy.emit) if policy is not None else None
+
+    @property
+    def session(self) -> Session | None:
+        """The local conversation's Session (None while a remote server is the model): for tests and checks."""
+        return self.conversation.session if isinstance(self.conversation, LocalConversation) else None
+
+    # -- model ---------------------------------------------------------------------------------------------------
+    @Slot(str, str, str, object)
+    def on_load(self, model_dir: str, backend: str, quantize: str, cancel: threading.Event) -> None:
+        self.loading.emit(model_dir)
+        try:
+            engine = load_engine(
+                Path(model_dir) if model_dir else None, backend, self._cache_dir, self._policy, quantize
+            )
+            if cancel.is_set():  # loading cannot be interrupted midway; a cancelled load is simply dropped
+                self.load_cancelled.emit()
+                return
+            conversation = LocalConversation(engine, self._on_prefill if self._store_enabled else None)
+        except SparkError as exc:
+            self.error.emit(str(exc))
+            return
+        except Exception as exc:
+            log.exception("model load failed")
+            self.error.emit(f"The model in {model_dir or 'the app bundle'} could not be loaded ({exc}).")
+            return
+        had_conversation = bool(self._messages())
+        self._close_all()  # their memory belongs to the previous model (or server)
+        self._engine = engine
+        conversation.system_prompt = self._system_text
+        self.conversation = conversation
+        b = engine.backend
+        info = ModelInfo(
+            display_name(engine.model_dir),
+            engine.model_dir,
+            b.name,
+            engine.choice.explain(),
+            b.weight_bytes,
+            b.kv_bytes_per_token(),
+            b.config.max_position_embeddings,
+        )
+        tokenizer = engine.tokenizer
+        self.loaded.emit(LoadedModel(engine, info, lambda text: len(tokenizer.encode(text, add_bos=False))))
+        self.memory.emit(conversation.memory_report())
+        if had_conversation and self._store_path is not None and self._store_path.is_file():
+            self._carry_over(self._store_path)
+
+    @Slot(object)
+    def on_attach(self, engine: Engine) -> None:
+        """Use an engine another worker loaded; the conversation opens lazily on the first prompt."""
+        self._engine, self.conversation = engine, None
+
+    @Slot(object)
+    def on_use_remote(self, server: RemoteServer) -> None:
+        """Chat with `server` from now on; the open conversation goes on there (its transcript is sent with the
+        next message). Nothing is contacted until then, so this never waits on the network."""
+        remote = RemoteConversation(server)
+        remote.take_transcript(self._messages(), self._system_text, lambda: False)
+        self._close_all()  # a local memory would go stale beside the remote transcript: freed
+        self.conversation = remote
+        self.remote_ready.emit(server)
+        self.memory.emit(remote.memory_report())
+
+    # -- conversation ----------------------------------------------------------------------------------------------
+    @Slot(str, object, object)
+    def on_send(self, text: str, settings: GenerationSettings, stop: threading.Event) -> None:
+        conversation = self._require()
+        if conversation is None:
+            self._finish_unstarted()
+            return
+        self._stream(conversation, lambda: conversation.chat(text, settings, stop.is_set))
+
+    @Slot(object, object)
+    def on_regenerate(self, settings: GenerationSettings, stop: threading.Event) -> None:
+        conversation = self._require()
+        if conversation is None:
+            self._finish_unstarted()
+            return
+        if not any(role == "user" for role, _ in conversation.messages):
+            self.error.emit("There is no prompt to answer again yet; send one first.")
+            self._finish_unstarted()
+            return
+        self._stream(conversation, lambda: conversation.regenerate(settings, stop.is_set))
+
+    @Slot(str)
+    def on_new_chat(self, store_path: str) -> None:
+        """Start an empty conversation stored at `store_path` (the previous one is already stored)."""
+        self._park()  # the GUI cleared its view itself: a late "empty" signal would erase what was typed since
+        self._store_path = Path(store_path) if store_path else None
+        if self.conversation is not None:
+            self.memory.emit(self.conversation.memory_report())
+
+    @Slot(str, str, int, object)
+    def on_branch(self, source: str, store_path: str, upto: int, stop: threading.Event) -> None:
+        """A new conversation with the messages of `source` up to index `upto` (inclusive), its memory read anew."""
+        conversation = self._require()
+        if conversation is None:
+            self._finish_unstarted()
+            return
+        try:
+            data = load_session(Path(source))
+        except (SparkError, OSError) as exc:
+            self.error.emit(f"The conversation could not be branched ({exc}).")
+            self._finish_unstarted()
+            return
+        messages = [(m.role, m.content) for m in data.messages[: upto + 1]]
+        self._park()
+        branch = self.conversation = conversation.fresh()
+        self._store_path = Path(store_path)
+        self._system_text = data.system_prompt or ""
+        self.system_prompt.emit(self._system_text)
+        self.conversation_shown.emit([MessageView(r, c) for r, c in messages])
+        self._start_reading()
+        try:
+            branch.take_transcript(messages, self._system_text, stop.is_set)
+        except Exception as exc:
+            log.exception("reading a branch failed")
+            self.error.emit(f"The branch's memory could not be read ({exc}); it is read on the next message instead.")
+        report = branch.memory_report()
+        self.memory.emit(report)
+        self._store()
+        self.finished.emit(TurnResult(FinishReason.STOP, TurnProgress(report.tokens, 0, 0.0, 0.0), ""))
+
+    @Slot()
+    def on_release(self) -> None:
+        """Drop the conversation (the quick prompt closed): its slot table is freed; the next prompt opens one."""
+        self.conversation = None
+
+    @Slot(str)
+    def on_system_prompt(self, text: str) -> None:
+        self._system_text = text
+        if self.conversation is not None:
+            self.conversation.system_prompt = text
+            self._store()
+
+    # -- session files -----------------------------------------------------------------------------------------------
+    @Slot(str, bool)
+    def on_save(self, path: str, full_memory: bool) -> None:
+        if self.conversation is None:
+            self.error.emit("There is no conversation to save yet; load a model first.")
+            return
+        try:
+            self.conversation.save(Path(path), full_memory)
+        except Exception as exc:
+            self.error.emit(session_files.save_error(Path(path), exc))
+            return
+        self.saved.emit(SessionFileEvent("saved", Path(path), time.time()))
+
+    @Slot(str, bool, str)
+    def on_restore(self, path: str, transcript_only: bool, store_path: str) -> None:
+        """Open `path`; from then on the conversation is stored at `store_path` (its own library file when it
+        came from the library, a new one for a file opened from elsewhere)."""
+        current = self._require()
+        if current is None:
+            return
+        source = Path(path)
+        target = Path(store_path) if store_path else None
+        parked = self._parked.pop(source, None) if not transcript_only and target == source else None
+        if parked is not None:  # left a moment ago: its memory is still there, nothing to recompute
+            self._park()
+            self.conversation, self._store_path = parked, target
+            self._opened(source, "")
+            return
+        # A compact file's memory takes a while to recompute: its words are shown at once (they are cheap to read).
+        peek = session_files.peek(source)
+        kind = peek.memory_meta.get("kind") if peek is not None else None
+        # A remote server's conversation holds no memory at all: taking its transcript loses nothing, so no question.
+        transcript_only = transcript_only or kind == TRANSCRIPT_KIND
+        preview = [MessageView(m.role, m.content) for m in peek.messages] if peek and kind == RECOMPUTE_KIND else []
+        if preview:
+            self.conversation_shown.emit(preview)
+        # Read into a fresh conversation: on any error (or another model's file) the open one is untouched.
+        fresh = current.fresh()
+        self._start_reading()
+        try:
+            opened = fresh.open(source, transcript_only, self._restore_progress)
+        except Exception as exc:  # the worker must answer every request; the chat stays as it was
+            self.error.emit(session_files.read_error(source, exc))
+            if preview:
+                self.conversation_shown.emit(self._transcript())  # back to the conversation that is still open
+            return
+        if not opened.applied:  # another model's file: nothing changed until the user accepts transcript-only
+            if preview:
+                self.conversation_shown.emit(self._transcript())
+            self.foreign_session.emit(path, opened.message)
+            return
+        self._park()
+        self.conversation, self._store_path = fresh, target
+        self._opened(source, opened.note)
+        if target is not None and target != source:
+            self._store()  # a file opened from elsewhere joins the library as a new conversation
+
+    def _carry_over(self, path: Path) -> None:
+        """Another model (or precision) was loaded: the open conversation continues on it. Its stored file comes
+        back exactly where the model and numerics match, else as a transcript that the next turn re-reads."""
+        assert self.conversation is not None
+        self._start_reading()
+        try:
+            opened = self.conversation.open(path, True, self._restore_progress)
+        except Exception as exc:  # the file stays; the user can reopen it from the history
+            log.exception("carrying the conversation over failed")
+            self.error.emit(
+                f"The conversation could not be carried over to the new model ({exc}); it is kept in the history."
+            )
+            self.conversation_shown.emit([])
+            return
+        note = "the new model re-reads it on the next message" if opened.note.startswith("transcript only") else ""
+        self._opened(path, note)
+
+    def _opened(self, path: Path, note: str) -> None:
+        conversation = self.conversation
+        assert conversation is not None
+        self._system_text = conversation.system_prompt
+        self.system_prompt.emit(self._system_text)
+        self.conversation_shown.emit(self._transcript())
+        self.memory.emit(conversation.memory_report())
+        self.restored.emit(SessionFileEvent("restored", path, time.time(), note))
+
+    @Slot()
+    def on_shutdown(self) -> None:
+        """Last request before the thread quits: store the conversation (the reply was already stopped)."""
+        try:
+            self._store(verify=False)  # in a hurry: the app is quitting
+            self._close_all()
+        finally:
+            if self._unsubscribe is not None:  # the policy outlives this worker: no decision may reach it after
+                self._unsubscribe()
+                self._unsubscribe = None
+            QThread.currentThread().quit()
+
+    # -- internals -------------------------------------------------------------------------------------------------
+    def _require(self) -> Conversation | None:
+        if self.conversation is None and self._engine is not None:
+            self.conversation = LocalConversation(self._engine, self._on_prefill if self._store_enabled else None)
+            self.conversation.system_prompt = self._system_text
+        if self.conversation is None:
+            self.error.emit("No model is loaded yet; open a model folder first.")
+        return self.conversation
+
+    def _park(self) -> None:
+        """Leave the current conversation: keep it (memory ready) among the parked ones and go on with a fresh
+        one; an empty conversation is just reset."""
+        current = self.conversation
+        if current is None:
+            return
+        if not current.messages or self._store_path is None:
+            current.reset()
+            return
+        self._parked[self._store_path] = current
+        self._parked.move_to_end(self._store_path)
+        while len(self._parked) > PARKED_CONVERSATIONS:
+            self._parked.popitem(last=False)  # its slot table is freed with it
+        self.conversation = current.fresh()
+
+    def _close_all(self) -> None:
+        """The model changes: every conversation of the previous one goes (a server's connections are closed)."""
+        for conversation in [self.conversation, *self._parked.values()]:
+            if isinstance(conversation, RemoteConversation):
+                conversation.close()
+        self._parked.clear()
+        self.conversation = None
+
+    def _start_reading(self) -> None:
+        """A file starts being read: its progress is timed from now, and reported at most every READ_INTERVAL_S."""
+        self._read_t0 = self._read_last = self._clock()
+
+    def _on_prefill(self, p: PrefillProgress) -> None:
+        self._report_reading("prompt", p.done, p.total, p.done - p.reused, p.elapsed_s)
+
+    def _restore_progress(self, done: int, total: int) -> None:
+        self._report_reading("restore", done, total, done, self._clock() - self._read_t0)
+
+    def _report_reading(self, kind: str, done: int, total: int, computed: int, elapsed: float) -> None:
+        now = self._clock()
+        if done < total and now - self._read_last < READ_INTERVAL_S:
+            return
+        self._read_last = now
+        rate = computed / elapsed if elapsed > 0 else 0.0
+        left = (total - done) / rate if rate > 0 else 0.0
+        self.reading.emit(ReadProgress(kind, done, total, rate, left))
+
+    def _store(self, cut_off: bool = False, verify: bool = True) -> None:
+        """Store the conversation now (compact, atomic) when it has any message; errors are shown, never raised.
+        `cut_off`: its last reply was stopped before it ended; `verify`: with the memory's hash (a while)."""
+        conversation = self.conversation
+        if not self._store_enabled or conversation is None or self._store_path is None or not conversation.messages:
+            return
+        try:
+            # A reply cut off (Stop, Quit) is stored at once: no hash of the memory to check a restore by.
+            conversation.save(self._store_path, full_memory=False, verify=verify and not cut_off)
+        except Exception as exc:
+            log.exception("storing the conversation failed")
+            self.error.emit(
+                f"The conversation could not be stored in the data folder ({exc}); it is still open, and will be stored on the next change."
+            )
+            return
+        self.stored.emit(
+            StoredConversation(self._store_path, tuple(conversation.messages), conversation.model_name, cut_off)
+        )
+
+    def _finish_unstarted(self) -> None:
+        """Every send/regenerate request ends with `finished`, so the GUI always leaves its busy state."""
+        self.finished.emit(TurnResult("error", NO_PROGRESS, ""))
+
+    def _messages(self) -> list[tuple[str, str]]:
+        return self.conversation.messages if self.conversation is not None else []
+
+    def _transcript(self) -> list[MessageView]:
+        return [MessageView(r, c) for r, c in self._messages()]
+
+    def _stream(self, conversation: Conversation, start: Callable[[], Iterator[GenerationEvent]]) -> None:
+        reason: FinishReason | Literal["error"] = "error"
+        text: list[str] = []
+        progress = NO_PROGRESS
+        last_progress = last_memory = self._read_t0 = self._clock()
+        self._read_last = 0.0  # the first reading report goes out at once
+        hits_before = conversation.recall_hits()
+        conversation.begin_turn()
+        try:
+            for ev in start():
+                if ev.text:
+                    text.append(ev.text)
+                    self.delta.emit(ev.text)
+                progress = TurnProgress(ev.prompt_tokens, ev.generated_tokens, ev.ttft_s, ev.tokens_per_s)
+                now = self._clock()
+                if now - last_progress >= PROGRESS_INTERVAL_S:
+                    last_progress = now
+                    self.progress.emit(progress)
+                if now - last_memory >= MEMORY_INTERVAL_S:
+                    last_memory = now
+                    self.memory.emit(conversation.memory_report())
+                if ev.finish_reason:
+                    reason = ev.finish_reason
+        except SparkError as exc:
+            self.error.emit(str(exc))
+            self.conversation_shown.emit(self._transcript())
+        except Exception as exc:
+            log.exception("generation failed")
+            self.error.emit(f"Generation failed ({type(exc).__name__}: {exc}); the conversation is kept, try again.")
+            self.conversation_shown.emit(self._transcript())
+        self.progress.emit(progress)
+        report = conversation.memory_report()
+        self.memory.emit(report)
+        recalled = conversation.recalled_turns_ago(hits_before)
+        self._store(cut_off=reason == FinishReason.CANCELLED)  # stored before `finished`: never only in memory
+        self.finished.emit(TurnResult(reason, progress, "".join(text), recalled, report.tokens))

@@ -1,0 +1,125 @@
+"""The inspector and its detail panels update while a reply streams, and show the engine's thermal decisions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from PySide6.QtWidgets import QLabel, QWidget
+
+from app.inspector.inspector import memory_words, model_line
+from app.misc.signal_wait import GuiRelay
+from app.window.main_window import MainWindow
+from app.wiring import build_main_window
+from app.worker.types import MemoryReport, ModelInfo
+from engine import TierStats
+from engine.hw import ThermalState
+from tests.helpers.app_window import WAIT_MS, ScriptedThermal, dispose, set_reply_tokens
+
+
+class StepClock:
+    """A clock that moves one second each time it is read: every report interval has passed at every token, so the
+    worker reports after each one, whatever the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.fixture
+def reporting_window(qtbot, tiny_model: Path, prefs, dirs, dialogs, thermal) -> Iterator[MainWindow]:  # type: ignore[no-untyped-def]
+    w = build_main_window(prefs, dirs, dialogs, thermal, clock=StepClock())
+    with qtbot.waitSignal(GuiRelay(w.client.loaded, parent=w).fired, timeout=WAIT_MS):
+        w.load_model(tiny_model, "cpu")
+    yield w
+    dispose(w)
+
+
+def shown(panel: QWidget) -> str:
+    """What a panel shows: its labels' text, in order."""
+    return "\n".join(label.text() for label in panel.findChildren(QLabel) if label.text())
+
+
+def test_panels_update_during_generation(qtbot, reporting_window: MainWindow, prefs) -> None:  # type: ignore[no-untyped-def]
+    window = reporting_window
+    set_reply_tokens(prefs, 16)
+    during: list[str] = []  # the cache and performance panels after each memory report of the streaming reply
+    reports = GuiRelay(window.client.memory, parent=window).fired  # queued after the inspector's own slot
+    reports.connect(
+        lambda _: (
+            during.append(shown(window.inspector.cache_panel) + shown(window.inspector.performance_panel))
+            if window.client.busy
+            else None
+        )
+    )
+    with qtbot.waitSignal(GuiRelay(window.client.finished, parent=window).fired, timeout=WAIT_MS):
+        window.submit("Fill the cache a little")
+    assert len(set(during)) >= 2, f"the panels did not change while the reply streamed: {during}"
+    cache = shown(window.inspector.cache_panel)
+    assert all(title in cache for title in ("Working (L1)", "Episodic (L2)", "Persistent (L3)"))
+    assert "generated" in window.inspector.performance_panel.tokens.text()
+    assert window.inspector.performance_panel.backend.text().startswith(
+        "cpu, q8_0 weights, native"
+    )  # the app's CPU default
+    assert "tokens/s" in window.inspector.performance_panel.speed.text()
+    assert "in memory" in window.inspector.session_panel.tokens.text()
+    assert window.inspector.memory_panel.model.text().endswith("kB")
+
+
+def test_thermal_panel_says_what_the_engine_does(qtbot, window: MainWindow, gui, thermal: ScriptedThermal) -> None:  # type: ignore[no-untyped-def]
+    thermal.change(ThermalState.SERIOUS)
+    with qtbot.waitSignal(gui(window.client.finished), timeout=WAIT_MS):
+        window.submit("Warm it up")
+    qtbot.waitUntil(
+        lambda: "throttled: thermal serious" in window.inspector.thermal_panel.action.text(), timeout=WAIT_MS
+    )
+    with qtbot.waitSignal(window.monitor.sampled, timeout=WAIT_MS):
+        pass
+    assert "Serious" in window.inspector.thermal_panel.state.text()
+    assert "pause per token" in window.inspector.thermal_panel.limits.text()
+    assert window.inspector.memory_panel.rss.text() != "—"
+
+
+def test_inspector_speaks_plainly_and_toggles(qtbot, window: MainWindow, gui, prefs) -> None:  # type: ignore[no-untyped-def]
+    window.show()
+    with qtbot.waitSignal(gui(window.client.finished), timeout=WAIT_MS):
+        window.submit("Hello")
+    insp = window.inspector
+    assert insp.memory.body.text().startswith("Remembers this whole conversation word for word (")
+    model = insp.model.body.text()
+    assert model.startswith("tiny-model0 runs on the CPU")  # where, in words; the weights are the Details'
+    assert "q8_0" not in model and "kernels" not in model
+    plain = model_line(
+        ModelInfo("m", Path("m"), "cpu", "cpu, q8_0 weights (skipped coreml: not a Mac; mps: no GPU)", 0, 0)
+    )
+    assert plain == "m runs on the CPU (the Neural Engine needs a Mac with Apple silicon)."
+    evicted = TierStats("working", 64, 640, 900, 0, 0, 0.0, 500)
+    recalled = TierStats("episodic", 3, 300, 900, 0, 0, 0.0, 0)
+    assert memory_words(MemoryReport((evicted, recalled), 564)).startswith(
+        "Remembers the last 64 tokens word for word and can recall 3 earlier passages when they matter"
+    )
+    assert insp.model.body.wordWrap()  # the whole line wraps instead of being cut off
+    assert not insp.details.isVisible()  # the jargon waits behind the disclosure
+    insp.details_button.click()
+    assert insp.details.isVisible() and insp.cache_panel.isVisible()
+    assert insp.isVisible()
+    window.menus.inspector_action.trigger()  # ⌘I / Ctrl+I
+    assert not insp.isVisible() and prefs.inspector_visible() is False
+    window.menus.inspector_action.trigger()
+    assert insp.isVisible()
+
+
+def test_a_narrow_window_folds_the_inspector_away_and_back(qtbot, window: MainWindow, prefs) -> None:  # type: ignore[no-untyped-def]
+    window.show()
+    window.resize(1400, 860)
+    qtbot.waitUntil(lambda: window.inspector.isVisible())
+    window.resize(900, 700)
+    qtbot.waitUntil(lambda: not window.inspector.isVisible())
+    assert prefs.inspector_visible() is True  # the user's choice is kept
+    qtbot.waitUntil(lambda: window.chat.width() >= 600, timeout=3000)  # the chat keeps the room at 900 px
+    window.resize(1400, 860)
+    qtbot.waitUntil(lambda: window.inspector.isVisible())
