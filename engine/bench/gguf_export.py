@@ -15,7 +15,7 @@ command line, with no download (the fp32 weights quantized once, never a quantiz
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +140,16 @@ def _write_tokenizer(w: Any, model_dir: Path, vocab_size: int) -> None:
         w.add_chat_template(template)
 
 
-def export_gguf(model_dir: Path, out: Path, dtype: str = "f32", *, quantizer: Quantizer | None = None) -> Path:
+def export_gguf(
+    model_dir: Path,
+    out: Path,
+    dtype: str = "f32",
+    *,
+    quantizer: Quantizer | None = None,
+    sampling: Mapping[str, float | int] | None = None,
+) -> Path:
+    """`sampling`: `general.sampling.*` keys to write (temp, top_p, top_k, min_p, penalty_repeat, ...), as
+    llama.cpp's converter writes a model's recommended sampling."""
     import gguf
 
     if dtype not in FILE_TYPES:
@@ -174,6 +183,11 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32", *, quantizer: Qu
         w.add_rope_scaling_factor(cfg.rope_scaling.factor)
     if cfg.sliding_window:
         w.add_sliding_window(cfg.sliding_window)  # Gemma 3's layer pattern and local rope base are llama.cpp's own
+    for key, value in (sampling or {}).items():
+        if isinstance(value, int):
+            w.add_int32(f"general.sampling.{key}", value)
+        else:
+            w.add_float32(f"general.sampling.{key}", value)
     file_type, qtype = FILE_TYPES[dtype]
     w.add_file_type(getattr(gguf.LlamaFileType, file_type))
     _write_tokenizer(w, model_dir, cfg.vocab_size)

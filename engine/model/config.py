@@ -323,31 +323,3 @@ def _check_sizes(d: dict[str, Any]) -> None:
     eps = d.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ModelLoadError(f"config.json gives rms_norm_eps = {str(eps)[:40]}, which is not a small positive number.")
-
-
-# generation_config.json key -> SamplingSettings field (the model author's defaults; CLI flags and the UI override)
-GENERATION_KEYS: dict[str, str] = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-}
-
-
-def generation_defaults(model_dir: Path) -> dict[str, Any]:
-    """Sampling defaults from the model's generation_config.json ({} when absent or unreadable: it is optional)."""
-    try:
-        data = json.loads((Path(model_dir) / "generation_config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    out: dict[str, Any] = {
-        field: data[key] for key, field in GENERATION_KEYS.items() if isinstance(data.get(key), (int, float))
-    }
-    if data.get("do_sample") is False:
-        out["greedy"] = True
-    if isinstance(data.get("max_new_tokens"), int):
-        out["max_tokens"] = data["max_new_tokens"]
-    return out
