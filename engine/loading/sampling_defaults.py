@@ -6,8 +6,10 @@ Per setting, the first source that gives it wins:
   3. the model catalog (resources/models/catalog.json, the library's curated list: a file of that name, or a folder
      whose config names the catalog's repo);
   4. our generic defaults (temperature 0.7, everything else off).
-A small model (under LOOP_GUARD_PARAMETERS) that no source gives a repetition penalty gets LOOP_GUARD: such models
-fall into loops ("la femme, la femme, les femmes…") at any temperature.
+A small model (under LOOP_GUARD_PARAMETERS) that no source gives a repetition penalty above 1 gets LOOP_GUARD: such
+models fall into loops ("la femme, la femme, les femmes…", "a leaf's beauty, a leaf's beauty…" from SmolLM2-135M
+at its recommended temperature 0.2, top-p 0.9), and an explicit 1.0 in a catalog or a converted file is the neutral
+value written by default, not a finding that the model needs none.
 
 Every source is optional and possibly hostile: a value of the wrong type or out of range is left out (the next
 source, or the generic default, gives that setting); nothing here raises.
@@ -188,8 +190,8 @@ def model_sampling(model_path: Path, catalog: Path | None = None) -> ModelSampli
             values.update(new)
             sources.append(source)
     small = config is not None and parameter_count(config) < LOOP_GUARD_PARAMETERS
-    if "repetition_penalty" not in values and small:
-        values.update({k: v for k, v in LOOP_GUARD.items() if k not in values})
+    if small and float(values.get("repetition_penalty", 1.0)) <= 1.0:
+        values.update(LOOP_GUARD)
         sources.append("loop_guard")
     v = {**GENERIC, **values}
     return ModelSampling(

@@ -58,9 +58,11 @@ def test_a_small_model_without_a_penalty_gets_the_loop_guard(tiny: Path, tmp_pat
     m = model_sampling(tiny, tmp_path / "no-catalog.json")  # the tiny model's generation_config: greedy only
     assert m.greedy and m.repetition_penalty == LOOP_GUARD["repetition_penalty"]
     assert m.sources == ("generation_config", "loop_guard")
-    g = export_gguf(tiny, tmp_path / "p.gguf", "f32", sampling={"penalty_repeat": 1.0})
-    given = model_sampling(g, tmp_path / "no-catalog.json")  # the model says no penalty: no guard added
-    assert given.repetition_penalty == 1.0 and "loop_guard" not in given.sources
+    neutral = export_gguf(tiny, tmp_path / "n.gguf", "f32", sampling={"penalty_repeat": 1.0})
+    assert model_sampling(neutral, tmp_path / "no-catalog.json").repetition_penalty == 1.1  # 1.0 is no finding
+    g = export_gguf(tiny, tmp_path / "p.gguf", "f32", sampling={"penalty_repeat": 1.3})
+    given = model_sampling(g, tmp_path / "no-catalog.json")  # the model names its own penalty: kept
+    assert given.repetition_penalty == pytest.approx(1.3) and "loop_guard" not in given.sources
 
 
 @pytest.mark.parametrize(
