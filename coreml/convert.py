@@ -92,6 +92,11 @@ def cache_key(fingerprint: str, geometry: Geometry, quantize: str, units: str = 
 
 def check_geometry(config: ModelConfig, geometry: Geometry) -> None:
     """Refuse, in one sentence, what the ANE rules or the function chunks make impossible."""
+    if not config.plain_llama:  # the ANE graph (coreml.wrapper) implements the Llama layer only
+        raise ConversionError(
+            f"The Core ML conversion runs the Llama layer; this {config.architecture}'s "
+            f"{', '.join(beyond_llama(config))} are not converted yet, so it runs on the cpu or mps backend."
+        )
     s, d = geometry.slots, config.head_dim
     biggest = max(t for _, t in geometry.functions)
     if s % ANE_STATE_ALIGN or s < biggest:
@@ -104,6 +109,19 @@ def check_geometry(config: ModelConfig, geometry: Geometry) -> None:
         )
     if 1 not in dict(geometry.functions).values():
         raise ConversionError("A Core ML bundle needs a single-token function to run every step.")
+
+
+def beyond_llama(config: ModelConfig) -> list[str]:
+    """What a model has beyond the Llama layer, in words."""
+    parts = (
+        (config.qk_norm, "per-head q/k norms"),
+        (config.sandwich_norms, "norms around attention and the MLP"),
+        (config.hidden_act != "silu", f"{config.hidden_act} gating"),
+        (config.scale_embeddings, "scaled embeddings"),
+        (config.query_scale is not None, "attention scale"),
+        (bool(config.sliding_window), "sliding-window layers"),
+    )
+    return [words for present, words in parts if present]
 
 
 def layer_shapes(config: ModelConfig) -> list[tuple[int, ...]]:

@@ -38,6 +38,7 @@ from engine.generation.loop import (
 )
 from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
 from engine.loading.model_files import DEFAULT_MODEL_NAME, default_model_path, display_name
+from engine.loading.sampling_defaults import ModelSampling
 from engine.memory.cascade import CascadeStats, TierStats
 from engine.openai.client import RemoteClient, RemoteError, RemoteServer, RemoteSession
 from engine.session.engine import ChatMessage, Engine, LoadReport, Session, load, memory_factory_for
@@ -69,6 +70,7 @@ __all__ = [
     "GenerationSettings",
     "InvalidSamplingSettings",
     "LoadReport",
+    "ModelSampling",
     "PrefillProgress",
     "RemoteClient",
     "RemoteError",

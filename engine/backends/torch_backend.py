@@ -248,7 +248,7 @@ class TorchBackend(Backend):
         head: nn.Module = self.model.lm_head  # swapped for a NativeBlockLinear when planned
         if isinstance(self.model.model.embed_tokens, BlockEmbedding) and isinstance(head, NativeBlockLinear):
             self.model.model.embed_tokens = NativeBlockEmbedding(kernels, head)  # the tied head's rows, natively
-        if self.native_steps:
+        if self.native_steps and self.config.plain_llama:  # its one-call step implements the Llama layer only
             self.decoder = NativeDecoder(kernels, self.model)
 
     @contextmanager

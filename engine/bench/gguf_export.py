@@ -15,7 +15,7 @@ command line, with no download (the fp32 weights quantized once, never a quantiz
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,14 @@ FILE_TYPES = {
     "q6_k": ("MOSTLY_Q6_K", "Q6_K"),
 }
 K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+GGUF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+}
 # (rows, cols) float32 -> (rows, bytes) uint8 blocks of the given gguf.GGMLQuantizationType
 Quantizer = Callable[[np.ndarray, Any], np.ndarray]
 
@@ -133,7 +140,16 @@ def _write_tokenizer(w: Any, model_dir: Path, vocab_size: int) -> None:
         w.add_chat_template(template)
 
 
-def export_gguf(model_dir: Path, out: Path, dtype: str = "f32", *, quantizer: Quantizer | None = None) -> Path:
+def export_gguf(
+    model_dir: Path,
+    out: Path,
+    dtype: str = "f32",
+    *,
+    quantizer: Quantizer | None = None,
+    sampling: Mapping[str, float | int] | None = None,
+) -> Path:
+    """`sampling`: `general.sampling.*` keys to write (temp, top_p, top_k, min_p, penalty_repeat, ...), as
+    llama.cpp's converter writes a model's recommended sampling."""
     import gguf
 
     if dtype not in FILE_TYPES:
@@ -146,6 +162,8 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32", *, quantizer: Qu
     if cfg.o_bias or cfg.mlp_bias:
         raise SparkError("The GGUF export covers Llama/Qwen2 shapes; this model has output or MLP biases.")
     arch = GGUF_ARCH[cfg.architecture]
+    if arch == "gemma3" and cfg.query_scale is not None:
+        raise SparkError("A Gemma 3 GGUF scales queries by head_dim**-0.5; this model's query_pre_attn_scalar differs.")
     permute = arch == "llama"
     w = gguf.GGUFWriter(str(out), arch)
     w.add_context_length(cfg.max_position_embeddings)
@@ -155,12 +173,21 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32", *, quantizer: Qu
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)  # Qwen3 and Gemma heads need not be hidden / heads wide
+    w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab_size)
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)  # Gemma 3's layer pattern and local rope base are llama.cpp's own
+    for key, value in (sampling or {}).items():
+        if isinstance(value, int):
+            w.add_int32(f"general.sampling.{key}", value)
+        else:
+            w.add_float32(f"general.sampling.{key}", value)
     file_type, qtype = FILE_TYPES[dtype]
     w.add_file_type(getattr(gguf.LlamaFileType, file_type))
     _write_tokenizer(w, model_dir, cfg.vocab_size)
@@ -182,6 +209,22 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32", *, quantizer: Qu
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"], keep_f32=True)
+        if cfg.qk_norm:
+            put(f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"], keep_f32=True)
+            put(f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"], keep_f32=True)
+        if cfg.sandwich_norms:  # Gemma's norms, holding 1 + w as llama.cpp's converter writes them
+            put(f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"], keep_f32=True)
+            put(f"blk.{i}.ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"], keep_f32=True)
+            put(f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"], keep_f32=True)
+        else:
+            put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"], keep_f32=True)
+        if arch == "phi3":  # fused, as Phi-3's own checkpoints and llama.cpp keep them
+            qkv = [sd[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"]
+            put(f"blk.{i}.attn_qkv.weight", torch.cat(qkv))
+            put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+            put(f"blk.{i}.ffn_up.weight", torch.cat((sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"])))
+            put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+            continue
         for short, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads), ("v", 0)):
             for part in ("weight", "bias"):
                 key = f"{p}self_attn.{short}_proj.{part}"
@@ -192,7 +235,6 @@ def export_gguf(model_dir: Path, out: Path, dtype: str = "f32", *, quantizer: Qu
                     t = torch.from_numpy(np.ascontiguousarray(permute_for_gguf(t.numpy(), heads)))
                 put(f"blk.{i}.attn_{short}.{part}", t)
         put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
-        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"], keep_f32=True)
         put(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
         put(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
         put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])

@@ -15,7 +15,7 @@ from engine.generation.loop import GenerationEvent, GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.hw import this_machine_policy, use_recommended_threads
 from engine.loading.model_files import resolve_model_path
-from engine.model.config import generation_defaults
+from engine.loading.sampling_defaults import model_sampling
 from engine.session.engine import Engine, Session, memory_factory_for
 
 
@@ -38,19 +38,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-# Our defaults where neither a flag nor the model's generation_config.json says otherwise.
-SAMPLING_DEFAULTS: dict[str, float] = {
-    "max_tokens": 128,
-    "temperature": 0.7,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-}
+# The sampling flags; where one is not given, the model's own defaults (engine.loading.sampling_defaults) decide.
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+DEFAULT_MAX_TOKENS = 128
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    # None = not given: the model's generation_config.json, then SAMPLING_DEFAULTS, decide.
+    # None = not given: the model's own defaults decide (its GGUF keys, generation_config.json, the catalog).
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--greedy", action="store_true", default=None, help="always take the most likely token")
     p.add_argument("--temperature", type=float, default=None)
@@ -63,11 +57,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationSettings:
-    """Flags first, then the model's generation_config.json, then SAMPLING_DEFAULTS."""
-    given = {k: getattr(args, k) for k in (*SAMPLING_DEFAULTS, "greedy") if getattr(args, k) is not None}
+    """Flags first, then the model's own sampling defaults (engine.loading.sampling_defaults)."""
+    given = {k: getattr(args, k) for k in (*SAMPLING_FLAGS, "greedy") if getattr(args, k) is not None}
     if any(k in given for k in ("temperature", "top_p", "top_k", "min_p")) and "greedy" not in given:
         given["greedy"] = False  # asking for sampling parameters means sampling, whatever the model's default
-    v = {**SAMPLING_DEFAULTS, "greedy": False, **generation_defaults(model_dir), **given}
+    model = model_sampling(model_dir)
+    v = {**vars(model), "max_tokens": model.max_tokens or DEFAULT_MAX_TOKENS, **given}
     check_max_tokens(v["max_tokens"])
     check_seed(args.seed)
     for stop in args.stop:
@@ -78,6 +73,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationS
         top_p=v["top_p"],
         min_p=v["min_p"],
         repetition_penalty=v["repetition_penalty"],
+        repetition_window=v["repetition_window"],
         seed=args.seed,
         greedy=v["greedy"],
     )

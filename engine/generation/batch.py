@@ -80,6 +80,7 @@ class RowBatcher:
         slot_positions = torch.zeros((b, live), dtype=torch.long)  # (B, S')
         mask = torch.zeros((b, 1, t, live), dtype=torch.bool)  # (B, 1, T, S')
         mask[:, :, :, 0] = True  # padding attends to the scratch slot only (cleared below for real tokens)
+        local = mask.clone() if any(p is not None and p.local_mask is not None for p in plans) else None
         weights = torch.zeros((b, t))  # (B, T) each row's real tokens share its query summary; padding has no say
         for r, plan in enumerate(plans):
             if plan is None:
@@ -93,7 +94,10 @@ class RowBatcher:
             mask[r, 0, off:, 1 : n + 1] = plan.mask
             mask[r, 0, off:, 0] = False
             weights[r, off:] = 1.0 / len(feeds[r])
-        batch = SlotBatch(positions, write_slots, slot_positions, mask, summary_weights=weights)
+            if local is not None:  # sliding-window layers' view (engine.model.slots.SlotBatch.local_mask)
+                local[r, 0, off:, 1 : n + 1] = plan.mask if plan.local_mask is None else plan.local_mask
+                local[r, 0, off:, 0] = False
+        batch = SlotBatch(positions, write_slots, slot_positions, mask, summary_weights=weights, local_mask=local)
         logits = self.backend.forward(tokens, batch, last_only=True)  # (b, 1, V)
         out = logits[:, -1]  # (b, V)
         if b < self.rows:  # callers index rows of the whole table; rows past b were fed nothing

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from engine.errors import SessionFileError, SparkError
+from engine.loading.sampling_defaults import ModelSampling
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -43,6 +44,20 @@ class SamplingSettings:
     repetition_window: int = 64  # how many recent tokens the penalty looks at; 0 = the whole history
     seed: int | None = None  # None = a fresh random seed
     greedy: bool = False
+
+    @classmethod
+    def from_model(cls, m: ModelSampling, seed: int | None = None) -> SamplingSettings:
+        """A model's own recommended sampling (engine.loading.sampling_defaults)."""
+        return cls(
+            temperature=m.temperature,
+            top_k=m.top_k,
+            top_p=m.top_p,
+            min_p=m.min_p,
+            repetition_penalty=m.repetition_penalty,
+            repetition_window=m.repetition_window,
+            seed=seed,
+            greedy=m.greedy,
+        )
 
     @property
     def is_greedy(self) -> bool:

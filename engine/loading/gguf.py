@@ -33,7 +33,15 @@ ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "llama": ("LlamaForCausalLM", True),
     "mistral": ("MistralForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
+    "phi3": ("Phi3ForCausalLM", False),
 }
+# llama.cpp's Gemma 3 constants, which its GGUFs do not store: every sixth layer global, the others sliding with
+# this rope base; the 62-layer (27B) model scales queries by (hidden / heads)**-0.5 instead of head_dim**-0.5.
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62
 
 # Tensor types we read: float types as is, block types dequantized here (or run as stored by a backend that can).
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -52,6 +60,28 @@ _LAYER_NAMES: dict[str, str] = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+_QK_NORM_NAMES: dict[str, str] = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Per architecture, names that differ from Llama's (Gemma's four norms keep their Hugging Face meanings; its GGUF
+# norms already hold the 1 + w they scale by, as engine.loading.weights.hf_family_state makes them).
+_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "qwen3": _QK_NORM_NAMES,
+    "gemma3": {
+        **_QK_NORM_NAMES,
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+}
+# Fused GGUF tensors (Phi-3) -> the Hugging Face tensors their rows hold, in order (split by _split_rows).
+_FUSED: dict[str, dict[str, tuple[str, ...]]] = {
+    "phi3": {
+        "attn_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    },
 }
 _GLOBAL_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -154,6 +184,7 @@ class GGUFModel:
                 "tie_word_embeddings": "output.weight" not in names,
                 "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
                 "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
+                **self._family_keys(hidden, heads, head_dim),
             }
         except (TypeError, ValueError):
             raise ModelLoadError(
@@ -169,6 +200,28 @@ class GGUFModel:
         if factors is not None:
             config = config.with_rope_freq_factors(factors)
         return config
+
+    def _family_keys(self, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+        """config.json keys of the architectures beyond Llama's (sliding windows, Gemma's activation and scale)."""
+        window = self._key("attention.sliding_window")
+        keys: dict[str, Any] = {}
+        if window is not None:
+            keys["sliding_window"] = int(window)
+        if self.architecture == "gemma3":
+            layers = int(self._key("block_count"))
+            keys |= {
+                "hidden_activation": "gelu_pytorch_tanh",
+                "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+                "sliding_window_pattern": GEMMA3_GLOBAL_EVERY,
+                "query_pre_attn_scalar": hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim,
+            }
+        elif self.architecture == "qwen3" and window is not None:
+            keys["use_sliding_window"] = False  # as transformers' Qwen3 by default: the window is not used
+        if self.architecture == "phi3" and any(
+            t.name in ("rope_factors_long.weight", "rope_factors_short.weight") for t in self._reader.tensors
+        ):
+            keys["rope_parameters"] = {"rope_type": "longrope"}  # refused in one sentence by ModelConfig
+        return keys
 
     def _rope_scaling(self) -> dict[str, Any]:
         kind = self._key("rope.scaling.type", "none")
@@ -194,12 +247,17 @@ class GGUFModel:
     def _tensors(self) -> Iterator[_Tensor]:
         permuted = ARCHITECTURES[self.architecture][1]
         cfg = self.config
+        layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(self.architecture, {})}
+        fused = _FUSED.get(self.architecture, {})
         for t in self._reader.tensors:
             if t.name in _IGNORED:
                 continue
             m = _LAYER_RE.fullmatch(t.name)
-            if m and m.group(2) in _LAYER_NAMES:
-                hf = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+            if m and m.group(2) in fused:
+                yield from self._split_rows(t, [f"model.layers.{m.group(1)}.{n}" for n in fused[m.group(2)]])
+                continue
+            if m and m.group(2) in layer_names:
+                hf = f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
             elif t.name in _GLOBAL_NAMES:
                 hf = _GLOBAL_NAMES[t.name]
             else:
@@ -219,6 +277,27 @@ class GGUFModel:
             elif permuted and (hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias")):
                 heads = cfg.num_key_value_heads
             yield _Tensor(hf, t.name, qtype, shape, t.data, heads)
+
+    def _split_rows(self, t: Any, hf_names: list[str]) -> Iterator[_Tensor]:
+        """A fused tensor's row ranges as the Hugging Face tensors they are (q, k, v or gate, up): views, no copy."""
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        rows = (q, kv, kv) if len(hf_names) == 3 else (cfg.intermediate_size,) * 2
+        shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
+        qtype = t.tensor_type.name
+        if (
+            len(shape) != 2
+            or shape[0] != sum(rows)
+            or t.data.shape[0] != sum(rows)
+            or qtype not in FLOAT_TYPES + BLOCK_TYPES
+        ):
+            raise ModelLoadError(
+                f"{self.path.name} has a fused tensor {t.name} of shape {shape} ({qtype}) that does not fit the model; the file is damaged."
+            )
+        start = 0
+        for name, n in zip(hf_names, rows, strict=True):
+            yield _Tensor(name, t.name, qtype, (n, shape[1]), t.data[start : start + n], 0)
+            start += n
 
     def stored_tensors(self) -> dict[str, StoredTensor]:
         """Every 2-D weight the file keeps in a block type, by Hugging Face name, rows in HF order."""

@@ -31,6 +31,9 @@ _QWEN2_REGEX = (
 )
 
 
+END_OF_TURN = frozenset(("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>"))
+
+
 def _split(regex: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(
         [
@@ -163,6 +166,9 @@ def tokenizer_parts(meta: dict[str, Any]) -> tuple[tokenizers.Tokenizer, dict[st
         for key in ("eos_token_id", "eot_token_id", "eom_token_id")
         if isinstance(i := meta.get(f"tokenizer.ggml.{key}"), int) and 0 <= i < len(tokens)
     }
+    # A turn ends at its end-of-turn marker even when the file names only the document's EOS (Gemma's
+    # <end_of_turn>, Qwen's <|im_end|>): llama.cpp ends generation at these control tokens by their text too.
+    eos.update(i for i, (t, kind) in enumerate(zip(tokens, types, strict=True)) if kind == CONTROL and t in END_OF_TURN)
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     digest = hashlib.sha256()
     for key in sorted(k for k in meta if k.startswith("tokenizer.")):

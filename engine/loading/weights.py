@@ -205,6 +205,29 @@ def _assign(
     model.setup_rope()
 
 
+def hf_family_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face checkpoint's tensors in the network's layout: Phi-3's fused q/k/v and gate/up split into the
+    Llama projections (views, no copy), and Gemma's norm weights w stored as the 1 + w they scale by (as llama.cpp's
+    converter stores them in a GGUF). Other families pass through."""
+    out: dict[str, torch.Tensor] = {}
+    q_rows = config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    for name, t in state.items():
+        if name.endswith("self_attn.qkv_proj.weight") and t.shape[0] == q_rows + 2 * kv_rows:
+            stem = name.removesuffix("qkv_proj.weight")
+            q, k, v = torch.split(t, [q_rows, kv_rows, kv_rows])
+            out.update({stem + "q_proj.weight": q, stem + "k_proj.weight": k, stem + "v_proj.weight": v})
+        elif name.endswith("mlp.gate_up_proj.weight") and t.shape[0] == 2 * config.intermediate_size:
+            stem = name.removesuffix("gate_up_proj.weight")
+            gate, up = t.chunk(2)
+            out.update({stem + "gate_proj.weight": gate, stem + "up_proj.weight": up})
+        elif config.sandwich_norms and name.endswith("norm.weight") and t.is_floating_point():
+            out[name] = t.float() + 1.0  # Gemma scales by (1 + w), computed in fp32 as transformers does
+        else:
+            out[name] = t
+    return out
+
+
 def model_fingerprint(model_path: Path) -> str:
     """The fingerprint `load_model` gives a model, from its file(s) alone (no weight is converted)."""
     if is_gguf_model(model_path):
@@ -270,6 +293,7 @@ def load_model(
     state: dict[str, torch.Tensor] = {}
     for f, table in zip(files, tables, strict=True):
         state.update(mmap_tensors(f, table))
+    state = hf_family_state(config, state)
     with torch.device("meta"):
         model = Transformer(config)
     _assign(model, config, state, device, dtype)

@@ -43,13 +43,33 @@ class RowPlan:
     mask: torch.Tensor
     frame: int = 0  # rotation frame of the slots from frame_start on (engine.model.network.SlotBatch)
     frame_start: int = 0
+    local_mask: torch.Tensor | None = None  # (T, S') what sliding-window layers see; None: the same as mask
 
     def as_batch(self) -> SlotBatch:
         """A B=1 SlotBatch: positions (1,T), write_slots (1,T), slot_positions (1,S), mask (1,1,T,S), frame (1,)."""
-        framed = (torch.tensor([self.frame]), torch.tensor([self.frame_start])) if self.frame else (None, None)
+        framed = self.frame != 0
         return SlotBatch(
-            self.positions[None], self.write_slots[None], self.slot_positions[None], self.mask[None, None], *framed
+            self.positions[None],
+            self.write_slots[None],
+            self.slot_positions[None],
+            self.mask[None, None],
+            torch.tensor([self.frame]) if framed else None,
+            torch.tensor([self.frame_start]) if framed else None,
+            local_mask=None if self.local_mask is None else self.local_mask[None, None],
         )
+
+
+def window_mask(
+    mask: torch.Tensor, slot_tokens: torch.Tensor, query_tokens: torch.Tensor, window: int
+) -> torch.Tensor | None:
+    """What a sliding-window layer's new tokens may attend to: mask (T, S'), slot_tokens (S',) the index in the
+    conversation of the token each slot holds (-1 for a retrieved block or an empty slot), query_tokens (T,) the new
+    tokens' indices -> (T, S') the slots of the last `window` tokens (each query's own included) that `mask` allows,
+    never a retrieved one; None when that is `mask` itself (nothing attended has left the window), or window 0."""
+    if not window:
+        return None
+    local = mask & (slot_tokens[None, :] > query_tokens[:, None] - window) & (slot_tokens[None, :] >= 0)
+    return None if torch.equal(local, mask) else local
 
 
 class Memory(Protocol):
@@ -140,7 +160,8 @@ class FullAttentionMemory:
         new = torch.arange(start, live)  # (T,)
         mask = self._slot_positions[None, :live] <= new[:, None]  # (T, S') causal
         self.tokens.extend(ids)
-        return RowPlan(new, new, self._slot_positions[:live], mask)
+        local = window_mask(mask, self._slot_positions[:live], new, self.backend.config.sliding_window)
+        return RowPlan(new, new, self._slot_positions[:live], mask, local_mask=local)
 
 
 def check_full_state(meta: Any, tensors: Mapping[str, torch.Tensor], target: StateTarget) -> None:

@@ -10,6 +10,7 @@ Shapes: B batch, T new tokens, S' attended slots, H query heads, Hkv key/value h
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Protocol
 
@@ -23,7 +24,7 @@ from engine.model.config import ModelConfig
 # context, and a slot table as large as that context can still slide its window in a frame.
 ROTARY_HEADROOM = 4096
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin (B, 1, N, D)
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin (B, 1, N, D); (K, B, 1, N, D) from a K-kind table
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -50,29 +51,60 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_llama)
 
 
+def layer_rope_kinds(cfg: ModelConfig) -> tuple[int | None, ...]:
+    """Which rope each layer rotates with: None for every layer of a one-rope model; else 0 (the model's rope) or 1
+    (the sliding-window layers' own base, Gemma 3): the index into a two-kind RotaryTable's lookups (pick_rope)."""
+    if cfg.rope_local_theta is None:
+        return (None,) * cfg.num_hidden_layers
+    return tuple(int(cfg.is_sliding(i)) for i in range(cfg.num_hidden_layers))
+
+
+def pick_rope(rope: Rope, kind: int | None) -> Rope:
+    """A layer's (B, 1, N, D) cos/sin out of a lookup: as is for a one-rope table, else its kind's."""
+    return rope if kind is None else (rope[0][kind], rope[1][kind])
+
+
+def _cos_sin(inv: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """inv (D/2,) -> cos, signed sin (P, D) fp32."""
+    pos = torch.arange(max_positions, dtype=torch.float32)  # (P,)
+    freqs = torch.outer(pos, inv)  # (P, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
+    sin = emb.sin()  # (P, D)
+    sin[:, : inv.shape[0]].neg_()
+    return emb.cos(), sin
+
+
 class RotaryTable:
     """cos/sin lookup by position: a precomputed table (P, D) indexed per step instead of recomputing trig.
 
     The sin table is stored *signed* (first half negated), so rotating is x*cos + roll(x)*sin: four kernels instead
-    of rotate-half's seven, and bit-identical (negating a factor is exact)."""
+    of rotate-half's seven, and bit-identical (negating a factor is exact).
+
+    A model whose sliding-window layers have their own rope base (Gemma 3) gets a two-kind table (K, P, D): its
+    lookups carry both kinds, and each layer picks its own (pick_rope, layer_rope_kinds)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str, dtype: torch.dtype) -> None:
-        inv = rope_inv_freq(cfg)  # (D/2,)
-        pos = torch.arange(max_positions, dtype=torch.float32)  # (P,)
-        freqs = torch.outer(pos, inv)  # (P, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
-        self.cos = emb.cos().to(device=device, dtype=dtype)  # (P, D)
-        sin = emb.sin()  # (P, D)
-        sin[:, : inv.shape[0]].neg_()
-        self.sin = sin.to(device=device, dtype=dtype)  # (P, D) signed: (-sin, +sin) halves
+        cos, sin = _cos_sin(rope_inv_freq(cfg), max_positions)  # (P, D) each
+        self.kinds = 1
+        if cfg.rope_local_theta is not None:
+            local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None, rope_freq_factors=None)
+            cos_l, sin_l = _cos_sin(rope_inv_freq(local), max_positions)
+            cos, sin, self.kinds = torch.stack((cos, cos_l)), torch.stack((sin, sin_l)), 2  # (2, P, D) each
+        self.cos = cos.to(device=device, dtype=dtype)  # (P, D) or (K, P, D)
+        self.sin = sin.to(device=device, dtype=dtype)  # (P, D) or (K, P, D), signed: (-sin, +sin) halves
 
     def lookup(self, positions: torch.Tensor) -> Rope:
-        """positions (B, N) long -> cos, signed sin (B, 1, N, D), broadcastable over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """positions (B, N) long -> cos, signed sin (B, 1, N, D), broadcastable over heads ((K, B, 1, N, D) for a
+        K-kind table)."""
+        if self.kinds == 1:
+            return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[:, positions].unsqueeze(2), self.sin[:, positions].unsqueeze(2)
 
     def leading(self, n: int) -> Rope:
-        """cos, signed sin (1, 1, n, D) of positions 0..n-1."""
-        return self.cos[:n][None, None], self.sin[:n][None, None]
+        """cos, signed sin (1, 1, n, D) of positions 0..n-1 ((K, 1, 1, n, D) for a K-kind table)."""
+        if self.kinds == 1:
+            return self.cos[:n][None, None], self.sin[:n][None, None]
+        return self.cos[:, :n][:, None, None], self.sin[:, :n][:, None, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -93,17 +125,28 @@ class StepAttention(Protocol):
 
 
 class CausalStep:
-    """A pass without a cache (training, scoring): tokens at positions 0..T-1, each attending to those before it."""
+    """A pass without a cache (training, scoring): tokens at positions 0..T-1, each attending to those before it
+    (within its window, in a sliding-window layer)."""
 
-    def __init__(self, rope: RotaryTable, tokens: int) -> None:
-        self.cos, self.sin = rope.leading(tokens)  # (1, 1, T, D)
+    def __init__(self, rope: RotaryTable, tokens: int, cfg: ModelConfig) -> None:
+        self.rope = rope.leading(tokens)  # cos, sin (1, 1, T, D) or (K, 1, 1, T, D)
+        self.kinds = layer_rope_kinds(cfg)
+        self.windows = cfg.layer_windows
+        pos = torch.arange(tokens, device=rope.cos.device)  # (T,)
+        self.local = {  # window -> (T, T) True where a query may attend
+            w: (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w) for w in set(self.windows) if w
+        }
 
     def record_queries(self, layer: int, q: torch.Tensor) -> None:
         pass  # no memory routes on a causal pass
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q = apply_rope(q, self.cos, self.sin)  # (B, H, T, D)
-        k = apply_rope(k, self.cos, self.sin)  # (B, Hkv, T, D)
+        cos, sin = pick_rope(self.rope, self.kinds[layer])
+        q = apply_rope(q, cos, sin)  # (B, H, T, D)
+        k = apply_rope(k, cos, sin)  # (B, Hkv, T, D)
+        window = self.windows[layer] if self.windows else 0
+        if window:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.local[window], enable_gqa=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, D)
 
 

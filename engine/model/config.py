@@ -1,4 +1,5 @@
-"""Model configuration read from a Hugging Face `config.json` (Llama family)."""
+"""Model configuration read from a Hugging Face `config.json`: the Llama family and its variants (Qwen3's per-head
+q/k norms, Gemma 3's sliding-window layers and sandwich norms, Phi-3's fused projections)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,22 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"qkv_bias": False},
     "MistralForCausalLM": {"qkv_bias": False},
     "Qwen2ForCausalLM": {"qkv_bias": True},
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "gemma": True},
+    "Phi3ForCausalLM": {"qkv_bias": False},
 }
 MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+# Gemma 3's sliding-window layers: every layer but each sixth, when config.json predates `layer_types`.
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -47,9 +58,10 @@ def read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         raise ModelLoadError(
             "config.json has a rope_parameters entry that is not an object; the model folder looks damaged."
         )
-    # transformers 5 may nest per-layer-type parameters ({"full_attention": {...}}); Llama-family models have one.
-    if params and "rope_theta" not in params and len(params) == 1 and isinstance(next(iter(params.values())), dict):
-        params = next(iter(params.values()))
+    # transformers 5 may nest per-layer-type parameters ({"full_attention": {...}, "sliding_attention": {...}}):
+    # the full-attention layers' are the model's rope; read_local_rope_theta reads the sliding layers' base.
+    if params and "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
+        params = params.get("full_attention", next(iter(params.values())))
     params = params or {}
     theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
     if not math.isfinite(theta) or theta <= 1.0:
@@ -83,6 +95,46 @@ def read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     raise ModelLoadError(f"The model's rope scaling type {rtype!r} is not supported (llama3 and linear are).")
 
 
+def read_local_rope_theta(d: dict[str, Any]) -> float:
+    """Gemma 3's rope base for its sliding-window layers (unscaled), in either config layout."""
+    params = d.get("rope_parameters")
+    local = params.get("sliding_attention") if isinstance(params, dict) else None
+    theta = local.get("rope_theta") if isinstance(local, dict) else d.get("rope_local_base_freq")
+    theta = float(theta if theta is not None else GEMMA3_LOCAL_ROPE_THETA)
+    if not math.isfinite(theta) or theta <= 1.0:
+        raise ModelLoadError(f"config.json gives a local rope base of {theta}, which is not a usable rotary base.")
+    return theta
+
+
+def read_layer_windows(d: dict[str, Any], arch: str, layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window in tokens (0: the layer attends globally), from `layer_types` or the older keys."""
+    window = d.get("sliding_window")
+    types = d.get("layer_types")
+    if arch == "Gemma3ForCausalLM" and types is None:
+        every = d.get("sliding_window_pattern") or GEMMA3_GLOBAL_EVERY
+        types = ["full_attention" if (i + 1) % int(every) == 0 else "sliding_attention" for i in range(layers)]
+    elif arch == "Phi3ForCausalLM" and types is None and window:
+        types = ["sliding_attention"] * layers  # transformers' Phi-3 slides every layer when sliding_window is set
+    elif arch != "Gemma3ForCausalLM" and (
+        not window or d.get("use_sliding_window") is False or arch in ("LlamaForCausalLM", "Qwen2ForCausalLM")
+    ):
+        return (0,) * layers  # Qwen2/3 slide only with use_sliding_window; older Mistral windows are ignored
+    if types is None:
+        return (0,) * layers
+    if (
+        not isinstance(types, list)
+        or len(types) != layers
+        or any(t not in ("full_attention", "sliding_attention") for t in types)
+    ):
+        raise ModelLoadError("config.json has layer_types that do not name each layer's attention; it looks damaged.")
+    if "sliding_attention" in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ModelLoadError(
+            f"config.json gives sliding_window = {str(window)[:40]}, which is not a whole number of tokens."
+        )
+    width = int(window) if isinstance(window, int) else 0
+    return tuple(width if t == "sliding_attention" else 0 for t in types)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -103,7 +155,34 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    hidden_act: str = "silu"  # the MLP gate's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotation (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms after attention and the MLP too, and a pre-MLP norm (Gemma 3)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    query_scale: float | None = None  # attention's score scale when not head_dim**-0.5 (Gemma's query_pre_attn_scalar)
+    # Per layer: its sliding window in tokens (a query sees the keys of the last `window` tokens, itself included),
+    # or 0 for global attention. Empty: every layer global.
+    layer_windows: tuple[int, ...] = ()
+    rope_local_theta: float | None = None  # the sliding-window layers' own (unscaled) rope base (Gemma 3)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_windows) and self.layer_windows[layer] > 0
+
+    @property
+    def sliding_window(self) -> int:
+        """The sliding layers' window (one size per model in every family we run), 0 when every layer is global."""
+        return max(self.layer_windows, default=0)
+
+    @property
+    def plain_llama(self) -> bool:
+        """Nothing beyond the Llama layer: what the native one-call decoding step and the Core ML graph implement."""
+        return (
+            not (
+                self.qk_norm or self.sandwich_norms or self.scale_embeddings or self.query_scale or self.sliding_window
+            )
+            and self.hidden_act == "silu"
+        )
 
     def with_rope_freq_factors(self, factors: tuple[float, ...]) -> ModelConfig:
         return dataclasses.replace(
@@ -123,33 +202,58 @@ class ModelConfig:
                 f"The model architecture {arch or d.get('model_type')!r} is not supported; "
                 f"MLoT Spark runs Llama-family models ({known})."
             )
-        act = d.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        family = SUPPORTED_ARCHITECTURES[arch]
+        gemma = family.get("gemma", False)
+        act = d.get("hidden_activation" if gemma else "hidden_act") or d.get("hidden_act") or "silu"
+        act = "silu" if act == "swish" else act
+        if act not in ACTIVATIONS or (act == "gelu_pytorch_tanh") != gemma:
             raise ModelLoadError(
-                f"The model uses activation {act!r}; only SwiGLU (silu) Llama-family models are supported."
+                f"The model uses activation {act!r}, which a {arch} does not; config.json looks damaged."
+            )
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if d.get(key) is not None:
+                raise ModelLoadError(f"The model caps its logits ({key}), which MLoT Spark does not run.")
+        if gemma and d.get("use_bidirectional_attention"):
+            raise ModelLoadError("The model attends bidirectionally (an embedding model); MLoT Spark runs causal ones.")
+        partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise ModelLoadError(
+                f"The model rotates {partial} of each head's channels; partial rotary models are not supported."
             )
         _check_sizes(d)
         try:
             n_heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
+            head_dim = int(d.get("head_dim") or hidden // n_heads)
             rope_theta, scaling = read_rope(d)
+            layers = int(d["num_hidden_layers"])
+            windows = read_layer_windows(d, arch, layers)
+            qpas = d.get("query_pre_attn_scalar")
+            query_scale = float(qpas) ** -0.5 if gemma and qpas is not None and float(qpas) != head_dim else None
             return cls(
                 architecture=arch,
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(d["intermediate_size"]),
-                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_hidden_layers=layers,
                 num_attention_heads=n_heads,
                 num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
-                head_dim=int(d.get("head_dim") or hidden // n_heads),
+                head_dim=head_dim,
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=scaling,
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                qkv_bias=SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or bool(d.get("attention_bias", False)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+                qkv_bias=family["qkv_bias"] or bool(d.get("attention_bias", False)),
                 o_bias=bool(d.get("attention_bias", False)),
                 mlp_bias=bool(d.get("mlp_bias", False)),
+                hidden_act=act,
+                qk_norm=family.get("qk_norm", False),
+                sandwich_norms=gemma,
+                scale_embeddings=gemma,
+                query_scale=query_scale,
+                layer_windows=windows if any(windows) else (),
+                rope_local_theta=read_local_rope_theta(d) if gemma else None,
                 raw=dict(d),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -219,31 +323,3 @@ def _check_sizes(d: dict[str, Any]) -> None:
     eps = d.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ModelLoadError(f"config.json gives rms_norm_eps = {str(eps)[:40]}, which is not a small positive number.")
-
-
-# generation_config.json key -> SamplingSettings field (the model author's defaults; CLI flags and the UI override)
-GENERATION_KEYS: dict[str, str] = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-}
-
-
-def generation_defaults(model_dir: Path) -> dict[str, Any]:
-    """Sampling defaults from the model's generation_config.json ({} when absent or unreadable: it is optional)."""
-    try:
-        data = json.loads((Path(model_dir) / "generation_config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    out: dict[str, Any] = {
-        field: data[key] for key, field in GENERATION_KEYS.items() if isinstance(data.get(key), (int, float))
-    }
-    if data.get("do_sample") is False:
-        out["greedy"] = True
-    if isinstance(data.get("max_new_tokens"), int):
-        out["max_tokens"] = data["max_new_tokens"]
-    return out

@@ -1,4 +1,7 @@
-"""One PyTorch implementation of the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM, TinyLlama): the network only.
+"""One PyTorch implementation of the Llama family (Llama 2/3, Mistral, Qwen2/3, SmolLM, TinyLlama, Phi-3, Gemma 3):
+the network only. The variants are per-layer options of the one Llama layer (ModelConfig): Qwen3's and Gemma 3's
+per-head q/k norms, Gemma 3's sandwich norms, GeGLU, scaled embeddings, query scale and sliding-window layers with
+their own rope base; Phi-3's fused projections are split on loading.
 
 The model attends over a slot table (engine.model.slots): the caller (the memory cascade) decides which token lives in
 which slot and at which position. Each layer's attention hands its projections to one interface
@@ -61,6 +64,10 @@ class Attention(nn.Module):
         super().__init__()
         h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = h, hkv, d
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # The kernels scale scores by D**-0.5; a model with another scale gets its queries pre-multiplied instead.
+        self.q_factor = None if cfg.query_scale is None else cfg.query_scale * d**0.5
         self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
@@ -78,7 +85,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, layer: int, step: StepAttention) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         b, t, _ = x.shape
         q, k, v = self.project(x)
-        step.record_queries(layer, q)  # pre-RoPE, after q_proj and its bias
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotation
+            q = self.q_norm(q.view(b, t, self.n_heads, self.head_dim)).view(b, t, -1)  # (B, T, H*D)
+            k = self.k_norm(k.view(b, t, self.n_kv_heads, self.head_dim)).view(b, t, -1)  # (B, T, Hkv*D)
+        if self.q_factor is not None:
+            q = q * self.q_factor
+        step.record_queries(layer, q)  # pre-RoPE, after q_proj, its bias and norm
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
@@ -94,13 +106,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up_proj: nn.Module | None = None  # gate and up stacked into one matrix by fuse_projections()
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I) each
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I) each
-        out: torch.Tensor = self.down_proj(F.silu(gate).mul_(up))
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        out: torch.Tensor = self.down_proj(act.mul_(up))
         return out
 
 
@@ -135,12 +149,29 @@ def fuse_projections(model: Transformer) -> None:
 
 
 class DecoderLayer(nn.Module):
+    """Llama's pre-norm layer: post_attention_layernorm is the norm before the MLP. With sandwich norms (Gemma 3,
+    its names) post_attention_layernorm normalizes attention's output, and pre/post_feedforward_layernorm wrap the
+    MLP."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norms
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, layer: int, step: StepAttention) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        if not self.sandwich:
+            x = x + self.self_attn(self.input_layernorm(x), layer, step)
+            y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+            return y
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), layer, step))
+        out: torch.Tensor = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return out
 
 
 class Backbone(nn.Module):
@@ -165,6 +196,7 @@ class Transformer(nn.Module):
             assert isinstance(self.model.embed_tokens, nn.Embedding)  # as built; backends swap it later
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
+        self.embed_scale = cfg.hidden_size**0.5 if cfg.scale_embeddings else None
 
     def decoder_layers(self) -> Sequence[DecoderLayer]:
         """The layers, typed (iterating an nn.ModuleList yields plain Modules)."""
@@ -190,15 +222,18 @@ class Transformer(nn.Module):
     def hidden_states(self, tokens: torch.Tensor, step: StepAttention) -> torch.Tensor:
         """tokens (B, T) -> final normed hidden states (B, T, C), each layer attending through `step`."""
         x = self.model.embed_tokens(tokens)  # (B, T, C)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # as transformers: the scale in the weights' dtype
         for i, layer in enumerate(self.decoder_layers()):
-            x = x + layer.self_attn(layer.input_layernorm(x), i, step)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer(x, i, step)
         h: torch.Tensor = self.model.norm(x)
         return h
 
     def forward_causal(self, tokens: torch.Tensor) -> torch.Tensor:
         """Training / scoring path without a cache: tokens (B, T) -> logits (B, T, V), causal, positions 0..T-1."""
-        logits: torch.Tensor = self.lm_head(self.hidden_states(tokens, CausalStep(self.rotary(), tokens.shape[1])))
+        logits: torch.Tensor = self.lm_head(
+            self.hidden_states(tokens, CausalStep(self.rotary(), tokens.shape[1], self.config))
+        )
         return logits
 
     def forward(

@@ -24,7 +24,9 @@ from engine.model.attention import (
     Rope,
     RotaryTable,
     apply_rope,
+    layer_rope_kinds,
     masked_attention,
+    pick_rope,
     small_step_attention,
     split_frame_attention,
 )
@@ -52,6 +54,9 @@ class SlotBatch:
                     blocks before it keep theirs. One-row small steps use it; others rotate at plain positions.
     summary_weights: (B, T) float or None: each token's weight in the query summary (rows summing to 1; padding 0);
                     None weighs a row's tokens equally.
+    local_mask:     (B, 1, T, S') bool or None: what a sliding-window layer's new tokens may attend to, a subset of
+                    `mask` (the slots of the last `window` tokens, never a retrieved block); None: the same as
+                    `mask` (everything attended is inside the window). Memories build it (engine.memory.base).
 
     Only the leading S' slots take part (S' = slot_positions.shape[1]): a memory that has filled 300 of 4096 slots
     pays for 300, and a backend with a fixed shape (Core ML) pads the plan to its S with masked-off slots.
@@ -64,6 +69,7 @@ class SlotBatch:
     frame: torch.Tensor | None = None
     frame_start: torch.Tensor | None = None
     summary_weights: torch.Tensor | None = None
+    local_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +106,7 @@ class StepReads:
                    [split, m) by queries in the frame (rope_q_framed); 0 without a frame
     rope_q_framed: cos, sin (1, 1, T, D) at the new tokens' positions in the frame, or None without one
     blocked:       (B, 1, 1, T, m) bool, True where a new token may NOT attend; None when nothing is
+    blocked_local: as `blocked`, for sliding-window layers when SlotBatch.local_mask hides more than `mask` does
     """
 
     rope_q: Rope
@@ -111,6 +118,7 @@ class StepReads:
     split: int = 0
     rope_q_framed: Rope | None = None
     blocked: torch.Tensor | None = None
+    blocked_local: torch.Tensor | None = None
 
 
 def summarize_queries(q: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -156,6 +164,8 @@ class KVCache(nn.Module):
         compute_dtype: torch.dtype,
     ) -> None:
         super().__init__()
+        self.rope_kinds = layer_rope_kinds(cfg)  # each layer's rope in a multi-kind RotaryTable's lookups
+        self.sliding = tuple(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))  # layers reading local_mask
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, num_slots, cfg.head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,S,D)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,S,D)
@@ -259,12 +269,16 @@ class KVCache(nn.Module):
             blocked = ~batch.mask.index_select(-1, attended).unsqueeze(1)  # (B, 1, 1, T, m)
             if not blocked.any():  # e.g. new tokens over exactly the slots each attends
                 blocked = None
+        blocked_local: torch.Tensor | None = None
+        if batch.local_mask is not None:
+            blocked_local = ~batch.local_mask.index_select(-1, attended).unsqueeze(1)  # (B, 1, 1, T, m)
         base: dict[str, Any] = {
             "rope_q": rope_q,
             "width": m,
             "split": split,
             "rope_q_framed": rope_q_framed,
             "blocked": blocked,
+            "blocked_local": blocked_local,
         }
         if n * 2 > m:  # most ranks moved (e.g. a sliding window without a frame re-numbers its slots): rewrite all
             return StepReads(**base, refresh=Refresh(slots=attended, ranks=None, rope=rope.lookup(positions)))
@@ -327,14 +341,17 @@ class KVCache(nn.Module):
         into the read copies at `ranks` (T,), instead of reading the keys back. Returns the rotated queries."""
         k, v = self.write(layer, slots, k, v)
         h = q.shape[1]
-        qk = apply_rope(torch.cat((q, k.to(q.dtype)), dim=1), *rope)  # (1, H + Hkv, T, D)
+        qk = apply_rope(
+            torch.cat((q, k.to(q.dtype)), dim=1), *pick_rope(rope, self.rope_kinds[layer])
+        )  # (1, H + Hkv, T, D)
         self.k_read[layer].index_copy_(2, ranks, qk[:, h:])
         self.v_read[layer].index_copy_(2, ranks, v.to(self.v_read.dtype))
         return qk[:, :h]
 
     def refresh(self, layer: int, r: Refresh) -> None:
         """Re-derive stale read copies of `layer` from the stored k, v."""
-        fresh_k = apply_rope(self.k[layer].index_select(2, r.slots).to(self.k_read.dtype), *r.rope)  # (B, Hkv, n, D)
+        rope = pick_rope(r.rope, self.rope_kinds[layer])
+        fresh_k = apply_rope(self.k[layer].index_select(2, r.slots).to(self.k_read.dtype), *rope)  # (B, Hkv, n, D)
         if r.ranks is None:
             n = r.slots.numel()
             self.k_read[layer][:, :, :n] = fresh_k
@@ -362,12 +379,16 @@ class SlotStep:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, batch, reads = self.cache, self.batch, self.reads
+        kind, local = cache.rope_kinds[layer], cache.sliding[layer]
+        rope_q = pick_rope(reads.rope_q, kind)
         if reads.rope_slots is not None:  # a large step: convert and rotate every live slot on read
             cache.write(layer, batch.write_slots, k, v)
             live = batch.slot_positions.shape[1]  # S'
-            keys = apply_rope(cache.k[layer][:, :, :live].to(q.dtype), *reads.rope_slots)  # (B, Hkv, S', D)
+            keys = apply_rope(cache.k[layer][:, :, :live].to(q.dtype), *pick_rope(reads.rope_slots, kind))
             values = cache.v[layer][:, :, :live].to(q.dtype)  # (B, Hkv, S', D)
-            return masked_attention(apply_rope(q, *reads.rope_q), keys, values, batch.mask)  # (B, H, T, D)
+            mask = batch.local_mask if local and batch.local_mask is not None else batch.mask
+            return masked_attention(apply_rope(q, *rope_q), keys, values, mask)  # (B, H, T, D)
+        blocked = reads.blocked_local if local and reads.blocked_local is not None else reads.blocked
         # New keys and the queries that score them share a rotation: in the frame when there is one.
         rope_new = reads.rope_q if reads.rope_q_framed is None else reads.rope_q_framed
         q_raw = q
@@ -378,10 +399,10 @@ class SlotStep:
         else:
             assert reads.refresh is not None  # KVCache.plan gives a small step one or the other
             cache.write(layer, batch.write_slots, k, v)
-            q = apply_rope(q, *rope_new)  # (B, H, T, D)
+            q = apply_rope(q, *pick_rope(rope_new, kind))  # (B, H, T, D)
             cache.refresh(layer, reads.refresh)
         m = reads.width
         keys, values = cache.k_read[layer][:, :, :m], cache.v_read[layer][:, :, :m]  # (B, Hkv, m, D) each
         if reads.rope_q_framed is None:
-            return small_step_attention(q, keys, values, reads.blocked)  # (B, H, T, D)
-        return split_frame_attention(apply_rope(q_raw, *reads.rope_q), q, keys, values, reads.split, reads.blocked)
+            return small_step_attention(q, keys, values, blocked)  # (B, H, T, D)
+        return split_frame_attention(apply_rope(q_raw, *rope_q), q, keys, values, reads.split, blocked)

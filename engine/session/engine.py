@@ -17,6 +17,7 @@ stay beside the state they move.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +38,7 @@ from engine.generation.loop import (
 from engine.generation.sampling import Sampler, SamplingSettings, make_sampler
 from engine.hw import HardwarePolicy
 from engine.loading.model_files import check_model_path, display_name, resolve_model_path
+from engine.loading.sampling_defaults import ModelSampling, model_sampling
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
 from engine.memory.cascade import CascadeStats
@@ -129,6 +131,20 @@ class Engine:
     @property
     def backend(self) -> Backend:
         return self.choice.backend
+
+    @functools.cached_property
+    def sampling_defaults(self) -> ModelSampling:
+        """The model's own recommended sampling (its GGUF keys, generation_config.json or the catalog, with a loop
+        guard for small models): what the app shows as "the model's defaults", each conversation may override."""
+        return model_sampling(self.model_dir)
+
+    def default_settings(self, seed: int | None = None) -> GenerationSettings:
+        """Generation settings at the model's own defaults."""
+        m = self.sampling_defaults
+        sampling = SamplingSettings.from_model(m, seed)
+        if m.max_tokens is None:
+            return GenerationSettings(sampling=sampling)
+        return GenerationSettings(max_tokens=m.max_tokens, sampling=sampling)
 
     def locked_fork(self) -> Backend:
         """A fork of the backend (its own slot table, shared weights) whose forwards take the step lock: for a

@@ -29,7 +29,7 @@ import torch
 
 from engine.backends.base import Backend
 from engine.errors import InputTooLarge, SessionFileError
-from engine.memory.base import RowPlan
+from engine.memory.base import RowPlan, window_mask
 from engine.memory.cascade.config import AUTO_WINDOW, CascadeConfig
 from engine.memory.cascade.episodic import EpisodicMemory
 from engine.memory.cascade.migrate import migrate_state
@@ -141,8 +141,12 @@ class CascadeMemory:
         # Only the leading slots up to the last one attended take part (SlotBatch's S'): a prefill's attention then
         # costs what the memory holds, not the whole table.
         live = int(mask.any(0).nonzero()[-1]) + 1
+        local = None
+        if self.backend.config.sliding_window:  # its sliding layers see only their window, nothing retrieved
+            queries = torch.arange(start, start + t)  # (T,)
+            local = window_mask(mask[:, :live], w.slot_tokens()[:live], queries, self.backend.config.sliding_window)
         return RowPlan(
-            w.slot_positions[ws], ws, w.slot_positions[:live].clone(), mask[:, :live], w.frame, w.window_start
+            w.slot_positions[ws], ws, w.slot_positions[:live].clone(), mask[:, :live], w.frame, w.window_start, local
         )
 
     def after_forward(self) -> None:

@@ -146,6 +146,17 @@ class WorkingMemory:
         oldest = (self.head - self.n_window) % self.window
         self._window_positions.copy_(self._ring).sub_(oldest).remainder_(self.window).add_(base)
 
+    def slot_tokens(self) -> torch.Tensor:
+        """(S,) the index in the conversation of the token each slot holds: sinks are the first tokens, the window
+        the latest (its positions run in token order from `base`); -1 for retrieval groups and empty slots (what
+        a sliding-window layer must never see, engine.memory.base.window_mask)."""
+        out = torch.full_like(self.slot_positions, -1)  # (S,)
+        out[: self.n_sink] = torch.arange(self.n_sink)
+        filled = self.recent_slots(self.n_window)  # (n_window,) newest first
+        base = self.sinks + self.resident_blocks * self.block
+        out[filled] = self.slot_positions[filled] - base + self.n_sink + self.evicted
+        return out
+
     @property
     def frame(self) -> int:
         return 1 + self.evicted % self.frame_period if self.frame_period > 0 else 0
