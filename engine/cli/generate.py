@@ -13,7 +13,7 @@ from engine.cli.checks import check_max_tokens, check_seed, check_text, check_th
 from engine.errors import SparkError
 from engine.generation.loop import GenerationEvent, GenerationSettings
 from engine.generation.sampling import SamplingSettings
-from engine.generation.speculative import Speculation
+from engine.generation.speculative import MAX_DRAFT, Speculation
 from engine.hw import this_machine_policy, use_recommended_threads
 from engine.loading.model_files import resolve_model_path
 from engine.model.config import generation_defaults
@@ -68,6 +68,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         help="speculative decoding: auto (prompt lookup where it pays), off, lookup, draft (needs --draft-model)",
     )
     p.add_argument(
+        "--draft-tokens", type=int, default=0, help="drafts per verify forward (default 0: adapted to what pays)"
+    )
+    p.add_argument(
         "--draft-model", type=Path, default=None, help="a smaller model of the same vocabulary drafting tokens"
     )
 
@@ -95,8 +98,15 @@ def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationS
     speculative = Speculation(getattr(args, "speculative", Speculation.AUTO))
     if speculative is Speculation.DRAFT and getattr(args, "draft_model", None) is None:
         raise SparkError("--speculative draft needs --draft-model M (a smaller model of the same vocabulary).")
+    draft_tokens = getattr(args, "draft_tokens", 0)
+    if not 0 <= draft_tokens <= MAX_DRAFT:
+        raise SparkError(f"--draft-tokens must be 0 (adaptive) to {MAX_DRAFT}, not {draft_tokens}.")
     return GenerationSettings(
-        max_tokens=v["max_tokens"], stop=tuple(args.stop), sampling=sampling, speculative=speculative
+        max_tokens=v["max_tokens"],
+        stop=tuple(args.stop),
+        sampling=sampling,
+        speculative=speculative,
+        draft_tokens=draft_tokens,
     )
 
 

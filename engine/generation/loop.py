@@ -43,6 +43,7 @@ class GenerationSettings:
     prefill_chunk: int = 256
     ignore_eos: bool = False  # benchmarks: always generate max_tokens (llama.cpp's --ignore-eos)
     speculative: Speculation = Speculation.AUTO  # engine.generation.speculative; draft needs a caller's Speculator
+    draft_tokens: int = 0  # drafts per verify forward: 0 adapts them to measured costs and acceptance
 
 
 @dataclass(frozen=True)
@@ -405,7 +406,13 @@ def speculator_for(settings: GenerationSettings, reply: Reply, given: Speculator
         return given
     if mode is Speculation.DRAFT:
         raise ValueError("draft speculation needs a Speculator with the draft model")
-    return Speculator(PromptLookup(), Controller())
+    return Speculator(PromptLookup(), controller_for(settings))
+
+
+def controller_for(settings: GenerationSettings) -> Controller:
+    """Adaptive, or a fixed number of drafts when the settings name one."""
+    n = settings.draft_tokens
+    return Controller(max_k=n, adaptive=False) if n > 0 else Controller()
 
 
 def speculative_step(

@@ -32,10 +32,11 @@ from engine.generation.loop import (
     GenerationSettings,
     Pacer,
     PrefillProgress,
+    controller_for,
     stream_generate,
 )
 from engine.generation.sampling import Sampler, SamplingSettings, make_sampler
-from engine.generation.speculative import Controller, DraftModel, Speculation, Speculator
+from engine.generation.speculative import DraftModel, Speculation, Speculator
 from engine.hw import HardwarePolicy
 from engine.loading.model_files import check_model_path, display_name, resolve_model_path
 from engine.loading.tokenizer import Tokenizer
@@ -453,7 +454,7 @@ class Session:
             raise SparkError("Draft speculation needs a draft model; load one with --draft-model.")
         if self._draft_backend is None:
             self._draft_backend = LockedBackend(self.engine.draft.fork(), self.engine.step_lock)
-        return Speculator(DraftModel(self._draft_backend, settings.sampling), Controller())
+        return Speculator(DraftModel(self._draft_backend, settings.sampling), controller_for(settings))
 
     def _run(
         self,
