@@ -21,7 +21,7 @@ plain decode step, so prompt lookup costs nothing where it does not apply: `auto
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple, Protocol
 
@@ -165,15 +165,17 @@ class Controller:
 
     With a per-draft acceptance rate a (drafts accepted in order until the first rejection), a verify forward of K
     drafts yields E(K) = (1 - a^(K+1)) / (1 - a) tokens for cost(K + 1) + K x draft cost; plain decoding yields one
-    token per decode step. K is the argmax of yield per second, 0 when nothing beats a decode step. Costs of widths
-    not measured yet are interpolated from those that were (a verify costs at least a decode step)."""
+    token per decode step. K is the argmax of yield per second, 0 when nothing beats a decode step. A verify's cost
+    is modelled as a decode step plus a measured extra per drafted token (free until measured: the first chance
+    speculates, and its measurement decides the next)."""
 
     max_k: int = MAX_DRAFT
     adaptive: bool = True  # False: always max_k (within the limit), whatever it costs (tests, measurements)
     accept_rate: float = 0.6  # prior, until drafts are verified
     decode_s: float | None = None  # a decode step
     draft_s: float = 0.0  # drafting one token (0 for lookup)
-    width_s: dict[int, float] = field(default_factory=dict)  # verify forward of width T -> seconds
+    extra_s: float = 0.0  # a verify forward's cost over a decode step's, per drafted token (prior: free)
+    verified: bool = False  # whether extra_s was measured yet
     passed: int = 0  # chances passed up at K = 0 since the last verify
     drafted: int = 0  # totals, for reports
     accepted: int = 0
@@ -187,7 +189,10 @@ class Controller:
         self.forwards += 1
 
     def record_verify(self, width: int, seconds: float, drafted: int, accepted: int) -> None:
-        self.width_s[width] = self._ema(self.width_s.get(width), seconds)
+        if self.decode_s is not None and width > 1:
+            extra = max(0.0, (seconds - self.decode_s) / (width - 1))
+            self.extra_s = self._ema(self.extra_s if self.verified else None, extra)
+            self.verified = True
         # Each draft kept is a success, the first rejected one a failure: the acceptance rate of this verify.
         trials = accepted + (1 if accepted < drafted else 0)
         if trials:
@@ -201,17 +206,21 @@ class Controller:
             self.draft_s = self._ema(self.draft_s or None, seconds / tokens)
 
     def cost(self, width: int) -> float:
-        """Estimated seconds of a verify forward of `width` tokens."""
+        """Estimated seconds of a verify forward of `width` tokens: a decode step plus the measured extra per token
+        (one slope from every verify measured, so a single verify informs every width)."""
         assert self.decode_s is not None
-        if width in self.width_s:
-            return self.width_s[width]
-        known = sorted(self.width_s.items())
-        lo = max(((w, s) for w, s in known if w < width), default=(1, self.decode_s))
-        hi = min(((w, s) for w, s in known if w > width), default=None)
-        if hi is None:  # beyond what was measured: grow as from decode to the widest known, at least 5% a token
-            slope = max((lo[1] - self.decode_s) / max(lo[0] - 1, 1), 0.05 * self.decode_s)
-            return lo[1] + slope * (width - lo[0])
-        return lo[1] + (hi[1] - lo[1]) * (width - lo[0]) / (hi[0] - lo[0])
+        return self.decode_s + self.extra_s * (width - 1)
+
+    def _best(self, limit: int, accept_rate: float) -> int:
+        """The K in [0, limit] of most tokens per second at this acceptance rate (0: plain decoding)."""
+        assert self.decode_s is not None
+        a = min(accept_rate, 0.999)
+        best_k, best = 0, 1.0 / self.decode_s
+        for k in range(1, limit + 1):
+            rate = ((1 - a ** (k + 1)) / (1 - a)) / (self.cost(k + 1) + k * self.draft_s)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
 
     def choose(self, limit: int) -> int:
         """K for the next forward, at most `limit` (what the memory, the budget and the drafter allow)."""
@@ -222,20 +231,17 @@ class Controller:
             return limit
         if self.decode_s is None:
             return 0  # measure a decode step first
-        a = min(self.accept_rate, 0.999)
-        best_k, best = 0, 1.0 / self.decode_s
-        for k in range(1, limit + 1):
-            rate = ((1 - a ** (k + 1)) / (1 - a)) / (self.cost(k + 1) + k * self.draft_s)
-            if rate > best:
-                best_k, best = k, rate
-        if best_k == 0:
-            self.passed += 1
-            if self.passed >= PROBE_EVERY:
-                self.passed = 0
-                return 1
-        else:
+        k = self._best(limit, self.accept_rate)
+        if k:
             self.passed = 0
-        return best_k
+            return k
+        # Passed up: now and then try one draft, in case acceptance has risen, unless the measured costs say no
+        # acceptance could pay (then probing would only lose).
+        self.passed += 1
+        if self.passed >= PROBE_EVERY and self._best(limit, 1.0):
+            self.passed = 0
+            return 1
+        return 0
 
     @property
     def accepted_per_forward(self) -> float:
