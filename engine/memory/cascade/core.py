@@ -95,6 +95,7 @@ class CascadeMemory:
         self.prefix.reset()
         self._last_fed = 0  # tokens of the last plan (its forward's query summary covers them)
         self._last_evicted = 0  # tokens the last plan pushed out of the window
+        self._taken_back = False  # rollback took tokens of the last plan back (its query summary covers them)
         self.reused_tokens = 0  # how many leading tokens the last reuse_prefix restored (for stats and benches)
 
     def reset(self) -> None:
@@ -127,6 +128,7 @@ class CascadeMemory:
         start = len(self.tokens)
         slots, evicted = self.working.assign(t)
         self._last_evicted = len(evicted)
+        self._taken_back = False
         if evicted:
             self.prefix.close()
             if self.cfg.retrieval_blocks:
@@ -148,7 +150,7 @@ class CascadeMemory:
         )
 
     def after_forward(self) -> None:
-        if self.cfg.retrieval_blocks:
+        if self.cfg.retrieval_blocks and not self._taken_back:  # a summary over rejected drafts is not kept
             self.retriever.remember_summary(self._last_fed)
         self.prefix.persist(len(self.tokens), self._read_prefix)
         if self.prefix.due(len(self.tokens)):
@@ -258,6 +260,7 @@ class CascadeMemory:
         del self.tokens[-n:]
         self.retriever.since_route -= n
         self._last_fed = kept
+        self._taken_back = True
 
     def stats(self) -> CascadeStats:
         persistent = self.store.stats() if self.store is not None else TierStats.make("persistent", 0, 0, 0, 0, 0, 0)

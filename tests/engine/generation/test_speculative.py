@@ -19,6 +19,7 @@ from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory, Memory
 from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
 from engine.session.engine import Engine, memory_factory_for
+from engine.session.replay import FeedLog, check_schedule
 from tests.helpers.tiny import make_tiny_model
 
 GREEDY = SamplingSettings(greedy=True)
@@ -169,10 +170,24 @@ def test_save_and_restore_continue_as_plain_decoding(tiny: tuple[Path, Tokenizer
     s = session("b").new_session()
     first = [e.token for e in s.complete(prompt, on)]
     s.save(tmp_path / "s.spark")
-    s2 = session("c").new_session()
-    s2.load(tmp_path / "s.spark")
-    rest = [e.token for e in s2.continue_reply(GenerationSettings(**{**vars(on), "max_tokens": 25}))]
-    assert first + rest == plain
+    s.save(tmp_path / "c.spark", compact=True)  # the feed recipe replays the verifies and what they took back
+    for name, file in (("c", "s.spark"), ("d", "c.spark")):
+        s2 = session(name).new_session()
+        s2.load(tmp_path / file)
+        if file == "c.spark":
+            assert s2.restore_digest_ok is True  # rebuilt bit for bit
+        rest = [e.token for e in s2.continue_reply(GenerationSettings(**{**vars(on), "max_tokens": 25}))]
+        assert first + rest == plain
+
+
+def test_the_feed_log_records_verifies_and_what_they_took_back() -> None:
+    log = FeedLog()
+    log.record_feed(10, 10)  # the prompt
+    log.record_feed(15, 5)  # a verify of 5: 2 drafts taken back after it
+    log.record_feed(14, 1)  # a decode step
+    log.record_feed(19, 5)  # a verify, 1 taken back, and the reply ends
+    assert log.schedule_for(18) == [["f", 10, 1], ["s", 5, 3], ["f", 1, 1], ["s", 5, 4]]
+    assert check_schedule(log.schedule_for(18), 18)
 
 
 def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
