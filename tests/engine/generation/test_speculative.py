@@ -20,6 +20,7 @@ from engine.memory.base import FullAttentionMemory, Memory
 from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
 from engine.session.engine import Engine, memory_factory_for
 from engine.session.replay import FeedLog, check_schedule
+from tests.helpers.default_model import default_model_dir
 from tests.helpers.tiny import make_tiny_model
 
 GREEDY = SamplingSettings(greedy=True)
@@ -253,3 +254,36 @@ def test_the_controller_decodes_plainly_where_verifying_does_not_pay() -> None:
     for _ in range(20):
         cheap.record_verify(5, 0.012, 4, 4)  # cheap verifies, every draft accepted
     assert cheap.choose(8) >= 4
+
+
+@pytest.fixture(scope="module")
+def default_model() -> tuple[Engine, list[int], list[int]]:
+    """The default model on the cascade, a code-editing prompt, and its plain greedy reply."""
+    d = default_model_dir()
+    engine = Engine.load(d, "cpu", memory_factory=memory_factory_for(d, prefix_cache=False), quantize="auto")
+    prompt = engine.tokenizer.encode_chat(
+        [
+            {
+                "role": "user",
+                "content": "Repeat this line exactly: def total(items):\n    return sum(i.price for i in items)",
+            }
+        ]
+    )
+    b = engine.backend
+    off = GenerationSettings(max_tokens=24, sampling=GREEDY, ignore_eos=True, speculative=Speculation.OFF)
+    reference = [e.token for e in run(b, engine.memory_factory(b), engine.tokenizer, prompt, off)]  # type: ignore[arg-type]
+    return engine, prompt, reference
+
+
+@pytest.mark.parametrize("wrong", [None, 0, 1, 2])
+def test_default_model_greedy_equals_plain_with_a_rejection_at_every_position(
+    default_model: tuple[Engine, list[int], list[int]], wrong: int | None
+) -> None:
+    engine, prompt, reference = default_model
+    b = engine.backend
+    memory = engine.memory_factory(b)
+    settings = GenerationSettings(max_tokens=24, sampling=GREEDY, ignore_eos=True)
+    spec = Speculator(Oracle(reference, len(prompt), wrong), Controller(max_k=3, adaptive=False))
+    events = run(b, memory, engine.tokenizer, prompt, settings, speculator=spec)  # type: ignore[arg-type]
+    assert [e.token for e in events] == reference
+    assert memory.tokens == prompt + reference[:-1]
