@@ -13,6 +13,7 @@ from engine.cli.checks import check_max_tokens, check_seed, check_text, check_th
 from engine.errors import SparkError
 from engine.generation.loop import GenerationEvent, GenerationSettings
 from engine.generation.sampling import SamplingSettings
+from engine.generation.speculative import MAX_DRAFT, Speculation
 from engine.hw import this_machine_policy, use_recommended_threads
 from engine.loading.model_files import resolve_model_path
 from engine.loading.sampling_defaults import model_sampling
@@ -54,6 +55,18 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--speculative",
+        default=Speculation.AUTO.value,
+        choices=[m.value for m in Speculation],
+        help="speculative decoding: auto (prompt lookup where it pays), off, lookup, draft (needs --draft-model)",
+    )
+    p.add_argument(
+        "--draft-tokens", type=int, default=0, help="drafts per verify forward (default 0: adapted to what pays)"
+    )
+    p.add_argument(
+        "--draft-model", type=Path, default=None, help="a smaller model of the same vocabulary drafting tokens"
+    )
 
 
 def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationSettings:
@@ -78,7 +91,19 @@ def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationS
         greedy=v["greedy"],
     )
     sampling.validate()
-    return GenerationSettings(max_tokens=v["max_tokens"], stop=tuple(args.stop), sampling=sampling)
+    speculative = Speculation(getattr(args, "speculative", Speculation.AUTO))
+    if speculative is Speculation.DRAFT and getattr(args, "draft_model", None) is None:
+        raise SparkError("--speculative draft needs --draft-model M (a smaller model of the same vocabulary).")
+    draft_tokens = getattr(args, "draft_tokens", 0)
+    if not 0 <= draft_tokens <= MAX_DRAFT:
+        raise SparkError(f"--draft-tokens must be 0 (adaptive) to {MAX_DRAFT}, not {draft_tokens}.")
+    return GenerationSettings(
+        max_tokens=v["max_tokens"],
+        stop=tuple(args.stop),
+        sampling=sampling,
+        speculative=speculative,
+        draft_tokens=draft_tokens,
+    )
 
 
 def open_engine(args: argparse.Namespace) -> Engine:
@@ -88,7 +113,14 @@ def open_engine(args: argparse.Namespace) -> Engine:
     factory = memory_factory_for(
         args.model, cache_dir=args.cache_dir, prefix_cache=not args.no_prefix_cache, policy=policy
     )
-    return Engine.load(args.model, args.backend, memory_factory=factory, policy=policy, quantize=args.quantize)
+    return Engine.load(
+        args.model,
+        args.backend,
+        memory_factory=factory,
+        policy=policy,
+        quantize=args.quantize,
+        draft_model=getattr(args, "draft_model", None),
+    )
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -145,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
             "backend_reason": engine.choice.explain(),
             "finish_reason": last.finish_reason if last else None,
         }
+        if settings.speculative is not Speculation.OFF and last is not None and last.forwards:
+            # Tokens per decode forward (the first token comes from the prompt's forward): 1.0 without gains.
+            out["accepted_per_forward"] = round((last.generated_tokens - 1) / last.forwards, 3)
         print(json.dumps(out, ensure_ascii=False), flush=True)
     if args.save_session is not None:  # after the reply is out: a failed save must not lose it
         try:

@@ -20,6 +20,7 @@ import torch
 
 from engine.backends.base import Backend
 from engine.generation.sampling import Sample, Sampler, SamplingSettings, make_logits_processors, make_sampler
+from engine.generation.speculative import Controller, PromptLookup, Speculation, Speculator
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
 
@@ -41,6 +42,8 @@ class GenerationSettings:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     prefill_chunk: int = 256
     ignore_eos: bool = False  # benchmarks: always generate max_tokens (llama.cpp's --ignore-eos)
+    speculative: Speculation = Speculation.AUTO  # engine.generation.speculative; draft needs a caller's Speculator
+    draft_tokens: int = 0  # drafts per verify forward: 0 adapts them to measured costs and acceptance
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class GenerationEvent:
     ttft_s: float  # time from the call to the first sampled token
     tokens_per_s: float  # decode speed so far (tokens after the first ÷ time since the first)
     finish_reason: FinishReason | None = None
+    forwards: int = 0  # decode forwards so far (with speculation one forward may give several tokens)
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,19 @@ class PromptFeed:
         return steps
 
 
+def verify_forward(backend: Backend, memory: Memory, piece: list[int]) -> torch.Tensor:
+    """Feed `piece` (the last sampled token and its drafts) in one forward: the logits (T, V) float32 at every
+    position. The memory hears `after_forward` only from `settle`, once the rejected drafts are taken back."""
+    plan = memory.plan(piece)
+    return backend.forward(torch.tensor([piece], dtype=torch.long), plan.as_batch())[0]  # (T, V)
+
+
+def settle(memory: Memory, taken_back: int) -> None:
+    """After a verify forward: take back its last `taken_back` tokens, then let the memory record the rest."""
+    memory.rollback(taken_back)
+    memory.after_forward()
+
+
 def decode_step(backend: Backend, memory: Memory, token: int) -> torch.Tensor:
     """Feed one token; returns its logits (V,) float32."""
     return feed_step(backend, memory, [token])
@@ -230,12 +247,33 @@ class Reply:
         self.finish_reason: FinishReason | None = None
         self.t0 = time.perf_counter() if t0 is None else t0
         self.t_first = self.t0
+        self.forwards = 0  # decode forwards (the caller counts them)
+
+    def process(self, logits: torch.Tensor, ahead: Sequence[int] = ()) -> torch.Tensor:
+        """logits (V,) through this request's processors, as if `ahead` had been accepted after the history."""
+        if not self.processors:
+            return logits
+        history = torch.tensor((self.history + list(ahead))[-self.window :], dtype=torch.long)
+        for proc in self.processors:
+            logits = proc(history, logits)
+        return logits
 
     def pick(self, logits: torch.Tensor) -> Sample:
         """logits (V,) -> the next token, through this request's processors and sampler."""
-        for proc in self.processors:
-            logits = proc(torch.tensor(self.history[-self.window :], dtype=torch.long), logits)
-        return self.sample(logits)
+        return self.sample(self.process(logits))
+
+    def verify(self, logits: torch.Tensor, drafts: Sequence[int], probs: torch.Tensor | None) -> list[Sample]:
+        """logits (K+1, V) of a verify forward over [last token, drafts] -> the tokens it gives: the drafts the
+        sampler's rule keeps, then one of its own (a correction, or a bonus after all K)."""
+        assert isinstance(self.sample, Sampler)  # speculation runs only with a Sampler (stream_generate)
+        out: list[Sample] = []
+        for j, d in enumerate(drafts):
+            got, kept = self.sample.verify(self.process(logits[j], drafts[:j]), d, None if probs is None else probs[j])
+            out.append(got)
+            if not kept:
+                return out
+        out.append(self.sample(self.process(logits[len(drafts)], drafts)))
+        return out
 
     def accept(self, token: int, logprob: float, should_stop: Callable[[], bool] = lambda: False) -> GenerationEvent:
         """Record a sampled token and return its event, final when the reply ends here. `should_stop` is asked only
@@ -275,7 +313,15 @@ class Reply:
             self.pieces.append(text)
         self.finish_reason = reason
         return GenerationEvent(
-            text, token, logprob, self.prompt_tokens, n, self.t_first - self.t0 if n else 0.0, rate, reason
+            text,
+            token,
+            logprob,
+            self.prompt_tokens,
+            n,
+            self.t_first - self.t0 if n else 0.0,
+            rate,
+            reason,
+            self.forwards,
         )
 
 
@@ -290,6 +336,7 @@ def stream_generate(
     should_stop: Callable[[], bool] = lambda: False,
     pacer: Pacer | None = None,
     on_prefill: Callable[[PrefillProgress], None] | None = None,
+    speculator: Speculator | None = None,
 ) -> Iterator[GenerationEvent]:
     """Prefill `prompt_ids` after what `memory` holds, then sample up to `settings.max_tokens` tokens, one event each.
 
@@ -297,11 +344,17 @@ def stream_generate(
     first. `should_stop` is polled before every prefill chunk and after every sampled token, so cancelling takes
     effect within one chunk or one token; a Stop while the prompt is read ends with one "cancelled" event and no
     token. `on_prefill` hears how far the prompt's reading got (called on the generating thread).
+
+    Speculation (`settings.speculative`, engine.generation.speculative): `speculator` drafts and picks how many
+    drafts each forward verifies; without one, `auto` and `lookup` speculate by prompt lookup. Tokens are the ones
+    plain decoding gives (greedy) or drawn from the same distribution (sampled); the memory never keeps a rejected
+    draft, nor a token after the one a reply ended on.
     """
     window = settings.sampling.repetition_window or MAX_PENALTY_HISTORY
     reply = Reply(
         tokenizer, len(prompt_ids), settings, list(memory.tokens[-window:]) + list(prompt_ids), sampler=sampler
     )
+    spec = speculator_for(settings, reply, speculator)
     chunk = pacer.prefill_chunk(settings.prefill_chunk) if pacer else settings.prefill_chunk
     if should_stop():
         yield reply.cancel()
@@ -312,15 +365,73 @@ def stream_generate(
         return
     if settings.max_tokens < 1:  # read the prompt only (a session bringing memory in step with a transcript)
         return
+    samples, fed = [reply.pick(logits)], 0  # fed: tokens the last forward fed beyond the one it started from
     while True:
-        token, logprob = reply.pick(logits)
-        event = reply.accept(token, logprob, should_stop)
-        yield event
-        if event.finish_reason is not None:
+        events = take(reply, samples, should_stop)
+        if fed:
+            settle(memory, fed + 1 - len(events))  # it holds the last token, then one per event but the final one
+        yield from events
+        if events[-1].finish_reason is not None:
             return
         if pacer:
             pacer.before_step(should_stop)  # may sleep (cool-down) or hold (thermal pause) until should_stop
             if should_stop():
                 yield reply.cancel()
                 return
-        logits = decode_step(backend, memory, token)
+        token = samples[-1].token
+        if spec is None:
+            samples, fed = [reply.pick(decode_step(backend, memory, token))], 0
+        else:
+            samples, fed = speculative_step(backend, memory, reply, token, spec)
+        reply.forwards += 1
+
+
+def take(reply: Reply, samples: list[Sample], should_stop: Callable[[], bool]) -> list[GenerationEvent]:
+    """The events of `samples` in order, up to the first final one."""
+    events: list[GenerationEvent] = []
+    for token, logprob in samples:
+        events.append(reply.accept(token, logprob, should_stop))
+        if events[-1].finish_reason is not None:
+            break
+    return events
+
+
+def speculator_for(settings: GenerationSettings, reply: Reply, given: Speculator | None) -> Speculator | None:
+    """The speculator a generation runs with: none when off, or when the sampler is not ours (the rejection rule
+    needs its distribution)."""
+    mode = Speculation(settings.speculative)
+    if mode is Speculation.OFF or not isinstance(reply.sample, Sampler):
+        return None
+    if given is not None:
+        return given
+    if mode is Speculation.DRAFT:
+        raise ValueError("draft speculation needs a Speculator with the draft model")
+    return Speculator(PromptLookup(), controller_for(settings))
+
+
+def controller_for(settings: GenerationSettings) -> Controller:
+    """Adaptive, or a fixed number of drafts when the settings name one."""
+    n = settings.draft_tokens
+    return Controller(max_k=n, adaptive=False) if n > 0 else Controller()
+
+
+def speculative_step(
+    backend: Backend, memory: Memory, reply: Reply, token: int, spec: Speculator
+) -> tuple[list[Sample], int]:
+    """Feed `token` with the drafts the controller asks for: the samples this forward gives, and how many drafts
+    it fed (the memory holds them until `settle`). Without drafts, a plain decode step."""
+    ctl = spec.controller
+    budget = reply.settings.max_tokens - len(reply.tokens) - 1  # a verify gives up to K + 1 tokens
+    k = ctl.choose(min(budget, memory.speculation_room() - 1))
+    t0 = time.perf_counter()
+    draft = spec.drafter.propose([*memory.tokens, token], k) if k > 0 else None
+    t1 = time.perf_counter()
+    if draft is None or not draft.tokens:
+        sample = reply.pick(decode_step(backend, memory, token))
+        ctl.record_decode(time.perf_counter() - t1)
+        return [sample], 0
+    ctl.record_draft(len(draft.tokens), t1 - t0)
+    logits = verify_forward(backend, memory, [token, *draft.tokens])  # (K+1, V)
+    samples = reply.verify(logits, draft.tokens, draft.probs)
+    ctl.record_verify(len(draft.tokens) + 1, time.perf_counter() - t1, len(draft.tokens), len(samples) - 1)
+    return samples, len(draft.tokens)

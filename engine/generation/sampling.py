@@ -205,6 +205,38 @@ class Sampler:
             token = int(torch.multinomial(probs.cpu(), 1, generator=self._generator)[0, 0])
         return Sample(token, float(logprobs[0, token]))
 
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (V,) -> (V,) float32: the probabilities this sampler draws from (one-hot on the argmax when
+        greedy), after its warpers."""
+        scores = logits.float().unsqueeze(0)  # (1, V)
+        if self._greedy:
+            return torch.nn.functional.one_hot(scores.argmax(dim=-1)[0], scores.shape[-1]).float()
+        return torch.softmax(self.warp(scores), dim=-1)[0]
+
+    def verify(self, logits: torch.Tensor, draft: int, draft_probs: torch.Tensor | None) -> tuple[Sample, bool]:
+        """Speculative sampling's rule for one drafted token (Leviathan et al. 2023, Chen et al. 2023): with p this
+        sampler's distribution over `logits` (V,) and q the drafter's (`draft_probs` (V,), or None for a drafter that
+        proposes one token for sure), keep `draft` with probability min(1, p/q), else draw from max(0, p - q)
+        normalised. The token that comes out is distributed as p exactly, whatever q was. Greedy keeps the draft
+        when it is the argmax, else gives the argmax: the token plain decoding takes. Returns (sample, kept)."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (V,)
+        if self._greedy:
+            token = int(logprobs.argmax())
+            return Sample(token, float(logprobs[token])), token == draft
+        p = self.distribution(logits)  # (V,)
+        q = draft_probs.float() if draft_probs is not None else None
+        q_draft = float(q[draft]) if q is not None else 1.0
+        u = float(torch.rand((), generator=self._generator))
+        if q_draft > 0.0 and u * q_draft < float(p[draft]):
+            return Sample(draft, float(logprobs[draft])), True
+        residual = (p - q).clamp_(min=0.0) if q is not None else p.clone()  # (V,)
+        if q is None:
+            residual[draft] = 0.0
+        if float(residual.sum()) <= 0.0:  # p == q to rounding: any draw from p will do
+            residual = p
+        token = int(torch.multinomial(residual[None], 1, generator=self._generator)[0, 0])
+        return Sample(token, float(logprobs[token])), False
+
     def warp(self, scores: torch.Tensor) -> torch.Tensor:
         """scores (B, V) float -> (B, V) float through this sampler's warpers, in order."""
         for warper in self._warpers:

@@ -99,6 +99,17 @@ class Memory(Protocol):
         """The most tokens one plan may take (prefill chunks are clamped to it)."""
         ...
 
+    def speculation_room(self) -> int:
+        """The most tokens the next plan may take and `rollback` then take back in part (a speculative verify: the
+        last sampled token and its drafts), each computed as if fed one by one; below 2, decode plainly."""
+        ...
+
+    def rollback(self, n: int) -> None:
+        """Take back the last `n` tokens of the last plan (drafts its verify rejected), after its forward and before
+        `after_forward`: as if they had never been fed — their slots free, no tier, digest or saved state sees them.
+        Only for a plan within `speculation_room()`."""
+        ...
+
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Everything needed to restore this memory exactly: (JSON-able meta, canonical fp16 host tensors)."""
         ...
@@ -132,6 +143,14 @@ class FullAttentionMemory:
 
     def after_forward(self) -> None:
         pass
+
+    def speculation_room(self) -> int:
+        return self.max_feed()
+
+    def rollback(self, n: int) -> None:
+        # The taken-back slots are written again by the next plan (which refreshes their read copies).
+        if n:
+            del self.tokens[-n:]
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         k, v = self.backend.read_kv(self.row, torch.arange(len(self.tokens)))  # (L, Hkv, N, D) each

@@ -33,9 +33,11 @@ from engine.generation.loop import (
     GenerationSettings,
     Pacer,
     PrefillProgress,
+    controller_for,
     stream_generate,
 )
 from engine.generation.sampling import Sampler, SamplingSettings, make_sampler
+from engine.generation.speculative import DraftModel, Speculation, Speculator
 from engine.hw import HardwarePolicy
 from engine.loading.model_files import check_model_path, display_name, resolve_model_path
 from engine.loading.sampling_defaults import ModelSampling, model_sampling
@@ -97,6 +99,7 @@ class Engine:
         model_dir: Path,
         memory_factory: MemoryFactory,
         policy: HardwarePolicy | None = None,
+        draft: Backend | None = None,
     ) -> None:
         self.policy = policy  # paces every session's generation (thermal throttling / pause) unless given another
         self.choice = choice
@@ -107,6 +110,7 @@ class Engine:
         # One forward at a time on shared weights: conversations on other threads queue per step, so the quick
         # prompt interleaves with a running chat token by token instead of waiting for the whole reply.
         self.step_lock = threading.Lock()
+        self.draft = draft  # the draft model's backend (speculative decoding), when one was loaded
 
     @classmethod
     def load(
@@ -117,16 +121,25 @@ class Engine:
         memory_factory: MemoryFactory,
         policy: HardwarePolicy | None = None,
         quantize: str = "none",
+        draft_model: str | Path | None = None,
+        draft_quantize: str = "auto",
     ) -> Engine:
         """Load a model (HF folder or GGUF; the default model when None); with a `policy`, refuse (one sentence) a
-        model this machine cannot hold, by the loaded backend's own figures."""
+        model this machine cannot hold, by the loaded backend's own figures. `draft_model`: a smaller model with the
+        same vocabulary, loaded on the same backend kind, for speculative decoding (`Speculation.DRAFT`)."""
         model_dir = resolve_model_path(model_dir)
         check_model_path(model_dir)
         tokenizer = Tokenizer.load(model_dir)
         choice = open_backend(model_dir, backend, quantize)
         if policy is not None:
             check_fits(policy, choice.backend, model_dir)
-        return cls(choice, tokenizer, model_dir, memory_factory, policy)
+        draft = None
+        if draft_model is not None:
+            draft_dir = resolve_model_path(draft_model)
+            check_model_path(draft_dir)
+            check_same_vocabulary(tokenizer, Tokenizer.load(draft_dir))
+            draft = open_backend(draft_dir, choice.backend.name, draft_quantize).backend
+        return cls(choice, tokenizer, model_dir, memory_factory, policy, draft)
 
     @property
     def backend(self) -> Backend:
@@ -174,6 +187,13 @@ def load(
     return Engine.load(model, backend, memory_factory=factory, policy=policy, quantize=quantize)
 
 
+def check_same_vocabulary(target: Tokenizer, draft: Tokenizer) -> None:
+    """SparkError (one sentence) unless the draft model's tokens are the target's, id for id."""
+    n = target.vocab_size
+    if draft.vocab_size != n or any(target.id_to_token(i) != draft.id_to_token(i) for i in range(n)):
+        raise SparkError("The draft model has another vocabulary than the model; choose one of the same family.")
+
+
 class Session:
     """One conversation: messages, its memory on its own slot table, the sampler, and the unfed last token."""
 
@@ -190,6 +210,7 @@ class Session:
         self.feed_log = FeedLog()  # how memory was fed since its last reset (a compact save's recipe)
         self.restore_digest_ok: bool | None = None  # after a compact restore: was the rebuilt memory bit-identical?
         self.on_prefill: Callable[[PrefillProgress], None] | None = None  # hears the reading of each prompt
+        self._draft_backend: Backend | None = None  # the draft model's slot table for this conversation
 
     # -- conversation ------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -444,6 +465,17 @@ class Session:
             self.sampler = make_sampler(s)
         return self.sampler
 
+    def _speculator_for(self, settings: GenerationSettings) -> Speculator | None:
+        """Draft speculation's speculator (the draft model's own slot table, made once per session); None lets
+        the loop decide (lookup, or off)."""
+        if Speculation(settings.speculative) is not Speculation.DRAFT:
+            return None
+        if self.engine.draft is None:
+            raise SparkError("Draft speculation needs a draft model; load one with --draft-model.")
+        if self._draft_backend is None:
+            self._draft_backend = LockedBackend(self.engine.draft.fork(), self.engine.step_lock)
+        return Speculator(DraftModel(self._draft_backend, settings.sampling), controller_for(settings))
+
     def _run(
         self,
         ids: list[int],
@@ -480,6 +512,7 @@ class Session:
                 should_stop=should_stop,
                 pacer=pacer,
                 on_prefill=self.on_prefill,
+                speculator=self._speculator_for(settings),
             )
             for ev in gen:
                 if ev.token is not None:

@@ -7,7 +7,10 @@ schedule; `replay` repeats it on a fresh memory. A digest of the memory's tensor
 tells on restore whether the rebuilt memory is bit for bit the one that was saved.
 
 Schedule (JSON): a list of `[op, size, count]` runs, op "f" = `count` feeds of `size` tokens each, op "r" = `size`
-tokens restored from the prefix cache (count 1). The sizes add up to the memory's token count.
+tokens restored from the prefix cache (count 1), op "s" = one speculative verify forward of `size` tokens of which
+the memory kept the first `count` (< size; the rest were rejected drafts, taken back). The kept tokens add up to the
+memory's token count. A replayed verify feeds filler after the kept tokens: under the causal mask, and with every
+row of a matrix product computed on its own, the kept tokens' KV does not depend on what follows them.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ import torch
 
 from engine.backends.base import Backend
 from engine.errors import SessionFileError
-from engine.generation.loop import feed_step  # the very step generation takes, so a replay computes what it computed
+from engine.generation.loop import (  # the very steps generation takes, so a replay computes what it computed
+    feed_step,
+    settle,
+    verify_forward,
+)
 from engine.memory.base import Memory
 
 Schedule = list[list[Any]]  # [[op ("f" | "r"), size, count], ...], as JSON holds it
@@ -42,8 +49,12 @@ class FeedLog:
 
     def record_feed(self, held_after_plan: int, n: int) -> None:
         """A forward of `n` tokens; `held_after_plan` is the memory's token count with those `n` included."""
+        back = self.accounted - (held_after_plan - n)
+        if back > 0:  # the last forward was a verify whose rejected drafts the memory took back
+            self.runs = self._taken_back(self.runs, back)
+            self.accounted -= back
         reused = held_after_plan - n - self.accounted
-        if reused < 0:
+        if reused < 0 or (not self.runs and back > 0):
             self.valid = False  # the memory was changed behind the log's back
             return
         if reused:
@@ -56,9 +67,23 @@ class FeedLog:
 
     def schedule_for(self, held: int) -> Schedule | None:
         """The schedule covering a memory that holds `held` tokens, or None when it does not add up."""
+        runs = [list(r) for r in self.runs]
+        if self.valid and self.accounted - held > 0:  # the last verify's rejected drafts were taken back
+            runs = self._taken_back(runs, self.accounted - held)
+            return runs if runs else None
         if not self.valid or self.accounted != held:
             return None
-        return [list(r) for r in self.runs]
+        return runs
+
+    @staticmethod
+    def _taken_back(runs: Schedule, back: int) -> Schedule:
+        """`runs` with their last feed turned into a verify that kept all but its last `back` tokens ([] when the
+        last run is not a feed that large)."""
+        if not runs or runs[-1][0] != "f" or runs[-1][1] <= back:
+            return []
+        op, size, count = runs[-1]
+        head = runs[:-1] + ([[op, size, count - 1]] if count > 1 else [])
+        return [*head, ["s", size, size - back]]
 
     def adopt(self, schedule: Schedule, held: int) -> None:
         """After a restore: continue the restored memory's schedule."""
@@ -72,14 +97,14 @@ def check_schedule(raw: object, tokens: int) -> Schedule:
         raise bad
     total, out = 0, []
     for run in raw:
-        if not (isinstance(run, list) and len(run) == 3 and run[0] in ("f", "r")):
+        if not (isinstance(run, list) and len(run) == 3 and run[0] in ("f", "r", "s")):
             raise bad
         op, size, count = run
         if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (size, count)) or (
-            op == "r" and count != 1
+            (op == "r" and count != 1) or (op == "s" and count >= size)
         ):
             raise bad
-        total += size * count
+        total += count if op == "s" else size * count
         if total > tokens:
             raise bad
         out.append([op, size, count])
@@ -103,7 +128,7 @@ def memory_digest(memory: Memory) -> str:
 
 
 def replay(
-    feed: Callable[[list[int]], None],
+    feed: Callable[[list[int], int], None],
     memory: Memory,
     ids: Sequence[int],
     schedule: Schedule,
@@ -111,7 +136,8 @@ def replay(
 ) -> None:
     """Rebuild a memory holding `ids` by repeating `schedule` on the empty `memory`.
 
-    `feed(piece)` runs one forward of `piece` (engine.generation.loop's step, through the session's backend). A prefix
+    `feed(piece, keep)` runs one forward of `piece` (engine.generation.loop's step, through the session's backend)
+    and keeps its first `keep` tokens (all but a verify's rejected drafts). A prefix
     that came from the persistent cache is taken from it again when it is still there, else computed in chunks
     of at most the memory's largest feed (then the digest check may report a difference).
     """
@@ -119,26 +145,34 @@ def replay(
     # A memory whose reuse_prefix takes a prompt (less its last token) restores exactly a known prefix by its own name.
     restore: Callable[[list[int]], int] = getattr(memory, "restore_prefix", memory.reuse_prefix)
     for op, size, count in schedule:
-        for _ in range(count):
+        for _ in range(1 if op == "s" else count):
             if op == "r":
                 got = min(restore(list(ids[at : at + size])), size)
                 step = max(1, memory.max_feed())
                 pos = at + got
                 while pos < at + size:
                     end = min(pos + step, at + size)
-                    feed(list(ids[pos:end]))
+                    feed(list(ids[pos:end]), end - pos)
                     pos = end
+            elif op == "s":
+                kept = list(ids[at : at + count])
+                feed(kept + [kept[-1]] * (size - count), count)  # filler where the rejected drafts were
             else:
-                feed(list(ids[at : at + size]))
-            at += size
+                feed(list(ids[at : at + size]), size)
+            at += count if op == "s" else size
             if on_progress is not None:
                 on_progress(at, total)
 
 
-def backend_feed(backend: Backend, memory: Memory) -> Callable[[list[int]], None]:
-    """One forward of a piece, exactly as generation does it."""
+def backend_feed(backend: Backend, memory: Memory) -> Callable[[list[int], int], None]:
+    """One forward of a piece keeping its first `keep` tokens, exactly as generation does it (a plain step, or a
+    speculative verify and the taking back of its rejected drafts)."""
 
-    def feed(piece: list[int]) -> None:
-        feed_step(backend, memory, piece)
+    def feed(piece: list[int], keep: int) -> None:
+        if keep == len(piece):
+            feed_step(backend, memory, piece)
+        else:
+            verify_forward(backend, memory, piece)
+            settle(memory, len(piece) - keep)
 
     return feed

@@ -94,6 +94,8 @@ class CascadeMemory:
         self.retriever.reset()
         self.prefix.reset()
         self._last_fed = 0  # tokens of the last plan (its forward's query summary covers them)
+        self._last_evicted = 0  # tokens the last plan pushed out of the window
+        self._taken_back = False  # rollback took tokens of the last plan back (its query summary covers them)
         self.reused_tokens = 0  # how many leading tokens the last reuse_prefix restored (for stats and benches)
 
     def reset(self) -> None:
@@ -125,6 +127,8 @@ class CascadeMemory:
             self.retriever.route(prefill=t > 1, answering=t <= TAIL_STEP)
         start = len(self.tokens)
         slots, evicted = self.working.assign(t)
+        self._last_evicted = len(evicted)
+        self._taken_back = False
         if evicted:
             self.prefix.close()
             if self.cfg.retrieval_blocks:
@@ -150,7 +154,7 @@ class CascadeMemory:
         )
 
     def after_forward(self) -> None:
-        if self.cfg.retrieval_blocks:
+        if self.cfg.retrieval_blocks and not self._taken_back:  # a summary over rejected drafts is not kept
             self.retriever.remember_summary(self._last_fed)
         self.prefix.persist(len(self.tokens), self._read_prefix)
         if self.prefix.due(len(self.tokens)):
@@ -239,6 +243,28 @@ class CascadeMemory:
 
     def max_feed(self) -> int:
         return self.cfg.window  # one plan's tokens must fit the window together
+
+    def speculation_room(self) -> int:
+        """Only until the window is full: a verify chunk that pushed tokens out would have its early drafts see
+        the window as it is after the whole chunk (see the module doc), not as one-by-one decoding sees it, and
+        taking back an eviction would mean un-forming episodic blocks and un-persisting prefix blocks."""
+        w = self.working
+        return min(self.cfg.window, (self.cfg.sink_tokens - w.n_sink) + (self.cfg.window - w.n_window))
+
+    def rollback(self, n: int) -> None:
+        if n == 0:
+            return
+        if n > self._last_fed or self._last_evicted:
+            raise ValueError("rollback takes back only tokens of the last plan, and only a plan that evicted nothing")
+        kept = self._last_fed - n
+        start = len(self.tokens) - self._last_fed
+        self.working.unassign(n)
+        self.working.refresh_positions()
+        self.prefix.take_back(self.tokens[start : start + kept], start)
+        del self.tokens[-n:]
+        self.retriever.since_route -= n
+        self._last_fed = kept
+        self._taken_back = True
 
     def stats(self) -> CascadeStats:
         persistent = self.store.stats() if self.store is not None else TierStats.make("persistent", 0, 0, 0, 0, 0, 0)

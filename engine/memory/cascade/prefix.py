@@ -83,6 +83,7 @@ class PrefixCache:
 
     def reset(self) -> None:
         self.hasher = hashlib.sha256()  # running digest of every token fed (content address of the prefix)
+        self._before_feed = self.hasher.copy()  # the digest before the last feed (take_back)
         self.prefix_digests: dict[int, str] = {}  # block-aligned end index -> prefix digest, until persisted
         self.open = True  # nothing has left the window yet: every KV so far equals full attention's
         self.persisted = 0  # tokens [0, persisted) are in L3 as exact prefix blocks
@@ -95,6 +96,7 @@ class PrefixCache:
         """Extend the running digest by ids (absolute indices start..), recording the digests at block-aligned
         ends that are still to be persisted (in the pure prefix, with a store)."""
         b, end = self.cfg.block_size, start + len(ids)
+        self._before_feed = self.hasher.copy()  # what take_back returns to
         data = token_bytes(ids)
         at = start
         if self.store is not None and self.open:
@@ -103,6 +105,15 @@ class PrefixCache:
                 at = e
                 self.prefix_digests[e] = self.hasher.copy().hexdigest()
         self.hasher.update(data[4 * (at - start) :])
+
+    def take_back(self, kept: list[int], start: int) -> None:
+        """The last feed (of ids from absolute index `start`) is to hold only its first tokens, `kept`: the digest
+        and the block digests to persist are as if only those were fed."""
+        self.hasher = self._before_feed
+        end = start + len(kept)
+        for e in [e for e in self.prefix_digests if e > end]:
+            del self.prefix_digests[e]
+        self.feed(kept, start)
 
     def close(self) -> None:
         """Something left the window: from here on no KV is full attention's."""

@@ -121,6 +121,18 @@ class WorkingMemory:
         self.valid[slots] = True
         return slots, evicted
 
+    def unassign(self, count: int) -> None:
+        """Undo `assign` of the last `count` tokens, when none of them pushed a token out: their slots are free again
+        (newest first: the window's before the sinks', the reverse of the order assign fills them)."""
+        for _ in range(count):
+            if self.n_window:
+                self.head = (self.head - 1) % self.window
+                self.n_window -= 1
+                self.valid[self.window_start + self.head] = False
+            else:
+                self.n_sink -= 1
+                self.valid[self.n_sink] = False
+
     def set_groups(self, groups: list[list[int]]) -> None:
         """Record which block each layer's retrieval groups [0, n) hold (the same n in every layer)."""
         if len({len(g) for g in groups}) > 1 or len(groups) != self.num_layers or len(groups[0]) > self.groups_n:

@@ -44,10 +44,12 @@ class Scripted:
 
     def forward(self, tokens: torch.Tensor, batch: Any, last_only: bool = False) -> torch.Tensor:
         out = self._inner.forward(tokens, batch, last_only=last_only).clone()  # (B, T, V)
-        for r, last in enumerate(tokens[:, -1].tolist()):  # left padding: the last column is each row's real token
-            if last in self.script:
-                out[r, -1] = 0.0
-                out[r, -1, self.script[last]] = 50.0
+        fed = tokens[:, -out.shape[1] :]  # the tokens whose logits came back (all of them for a verify forward)
+        for r, row in enumerate(fed.tolist()):
+            for t, token in enumerate(row):
+                if token in self.script:
+                    out[r, t] = 0.0
+                    out[r, t, self.script[token]] = 50.0
         return out
 
     def fork(self) -> Scripted:
