@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from engine.backends.base import Backend
+from engine.generation.constrained import Grammar, TokenMask
 from engine.generation.sampling import Sample, Sampler, SamplingSettings, make_logits_processors, make_sampler
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
@@ -41,6 +42,8 @@ class GenerationSettings:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     prefill_chunk: int = 256
     ignore_eos: bool = False  # benchmarks: always generate max_tokens (llama.cpp's --ignore-eos)
+    grammar: Grammar | None = None  # constrained output (engine.generation.constrained): JSON schema, Lark, GBNF
+    top_logprobs: int = 0  # each event carries the this many most likely tokens with their logprobs
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class GenerationEvent:
     ttft_s: float  # time from the call to the first sampled token
     tokens_per_s: float  # decode speed so far (tokens after the first ÷ time since the first)
     finish_reason: FinishReason | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first, when settings ask
 
 
 @dataclass(frozen=True)
@@ -217,11 +221,20 @@ class Reply:
         self.prompt_tokens = prompt_tokens
         self.sample = sampler or make_sampler(s)
         self.processors = make_logits_processors(s)
+        # A grammar masks each step's logits before the processors; its next mask is computed during the forward.
+        self.mask = TokenMask(settings.grammar, tokenizer) if settings.grammar is not None else None
+        self.top: tuple[tuple[int, float], ...] = ()  # the last pick's top logprobs (settings.top_logprobs)
         # The penalty looks at the last `repetition_window` tokens; 0 means "all", capped so cost stays flat per token.
         self.window = s.repetition_window or MAX_PENALTY_HISTORY
         self.history = list(history)
         # Greedy without processors: the same as a batched argmax (engine.generation.sampling.sample_greedy), which batches use.
-        self.plain_greedy = isinstance(self.sample, Sampler) and s.is_greedy and not self.processors
+        self.plain_greedy = (
+            isinstance(self.sample, Sampler)
+            and s.is_greedy
+            and not self.processors
+            and self.mask is None
+            and not settings.top_logprobs
+        )
         self.detok = tokenizer.stream_decoder()
         self.stops = StopMatcher(settings.stop)
         self.eos = frozenset() if settings.ignore_eos else tokenizer.eos_ids
@@ -232,9 +245,14 @@ class Reply:
         self.t_first = self.t0
 
     def pick(self, logits: torch.Tensor) -> Sample:
-        """logits (V,) -> the next token, through this request's processors and sampler."""
+        """logits (V,) -> the next token, through this request's grammar mask, processors and sampler."""
+        if self.mask is not None:
+            logits = self.mask.apply(logits)
         for proc in self.processors:
             logits = proc(torch.tensor(self.history[-self.window :], dtype=torch.long), logits)
+        if self.settings.top_logprobs:
+            top = torch.log_softmax(logits.float(), dim=-1).topk(self.settings.top_logprobs)  # (k,) values, ids
+            self.top = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
         return self.sample(logits)
 
     def accept(self, token: int, logprob: float, should_stop: Callable[[], bool] = lambda: False) -> GenerationEvent:
@@ -247,9 +265,13 @@ class Reply:
         self.history.append(token)
         if token in self.eos:
             return self._event(self._held(), token, logprob, FinishReason.STOP)
+        if self.mask is not None:
+            self.mask.advance(token)
         text, stopped = self.stops.push(self.detok.add(token))
         if stopped:
             return self._event(text, token, logprob, FinishReason.STOP)
+        if self.mask is not None and self.mask.finished:  # the grammar is complete: no need to sample EOS
+            return self._event(text + self._held(), token, logprob, FinishReason.STOP)
         if n >= self.settings.max_tokens:
             return self._event(text + self._held(), token, logprob, FinishReason.LENGTH)
         if should_stop():
@@ -274,8 +296,9 @@ class Reply:
         if text:
             self.pieces.append(text)
         self.finish_reason = reason
+        top = self.top if token is not None else ()
         return GenerationEvent(
-            text, token, logprob, self.prompt_tokens, n, self.t_first - self.t0 if n else 0.0, rate, reason
+            text, token, logprob, self.prompt_tokens, n, self.t_first - self.t0 if n else 0.0, rate, reason, top
         )
 
 
