@@ -194,6 +194,7 @@ class TokenMask:
         self.bits = torch.full((-(-self.vocab_size // 32),), -1, dtype=torch.int32)  # (W,)
         self.shifts = torch.arange(32, dtype=torch.int32)  # (32,)
         self.stats = MaskStats()
+        self.stopped = False
         self.pending: Future[None] | None = _executor.submit(self._fill)
 
     def _fill(self) -> None:
@@ -205,7 +206,7 @@ class TokenMask:
     @property
     def finished(self) -> bool:
         """The grammar is complete and allows nothing more: the reply ends here."""
-        return self.matcher.is_stopped()
+        return self.stopped
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (V',) -> (V',) with every token the grammar forbids at -inf. A matcher in error (it should not
@@ -228,7 +229,9 @@ class TokenMask:
         return out
 
     def advance(self, token: int) -> None:
-        """Record the sampled `token` and start computing the next mask (on the worker, while the forward runs)."""
+        """Record the sampled `token` and start computing the next mask (on the worker, while the forward runs).
+        The matcher is asked nothing while that runs (it is one object the worker borrows)."""
         self.matcher.consume_token(token)
-        if not self.matcher.is_stopped() and not self.matcher.is_error():
+        self.stopped = self.matcher.is_stopped()
+        if not self.stopped and not self.matcher.is_error():
             self.pending = _executor.submit(self._fill)
