@@ -2,7 +2,7 @@
 `GenerationEvent` (text delta, token id, logprob, timings, finish reason).
 
 Every path generates through the same two pieces: `PromptFeed` (which prompt ids go in the next forward, in chunks
-ending where the memory asks) and `Reply` (processors, sampler, detokenizer, stop strings, EOS, the token budget,
+ending where the memory asks) and `Reply` (grammar mask, processors, sampler, detokenizer, stop strings, EOS, the token budget,
 cancellation, the events). `stream_generate` drives one of each for a single request; the batch and the server's
 scheduler (`engine.generation.batch`, `engine.generation.scheduler`) drive one per row of a slot table, so a request
 produces the same events whichever path runs it.
@@ -43,7 +43,7 @@ class GenerationSettings:
     prefill_chunk: int = 256
     ignore_eos: bool = False  # benchmarks: always generate max_tokens (llama.cpp's --ignore-eos)
     grammar: Grammar | None = None  # constrained output (engine.generation.constrained): JSON schema, Lark, GBNF
-    top_logprobs: int = 0  # each event carries the this many most likely tokens with their logprobs
+    top_logprobs: int = 0  # each event carries this many most likely tokens with their logprobs
 
 
 @dataclass(frozen=True)
