@@ -30,6 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The public face (imported after the policy above, which must precede PyTorch's import).
 from engine.backends import AUTO_ORDER, QUANTIZE_CHOICES
 from engine.errors import SparkError
+from engine.generation.constrained import Grammar, GrammarError, json_schema_grammar
 from engine.generation.loop import (
     FinishReason,
     GenerationEvent,
@@ -67,6 +68,8 @@ __all__ = [
     "FinishReason",
     "GenerationEvent",
     "GenerationSettings",
+    "Grammar",
+    "GrammarError",
     "InvalidSamplingSettings",
     "LoadReport",
     "PrefillProgress",
@@ -82,6 +85,7 @@ __all__ = [
     "__version__",
     "atomic_write",
     "default_model_path",
+    "json_schema_grammar",
     "load",
     "load_session",
     "memory_factory_for",
