@@ -30,6 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The public face (imported after the policy above, which must precede PyTorch's import).
 from engine.backends import AUTO_ORDER, QUANTIZE_CHOICES
 from engine.errors import SparkError
+from engine.generation.constrained import Grammar, GrammarError, json_schema_grammar
 from engine.generation.loop import (
     FinishReason,
     GenerationEvent,
@@ -68,6 +69,8 @@ __all__ = [
     "FinishReason",
     "GenerationEvent",
     "GenerationSettings",
+    "Grammar",
+    "GrammarError",
     "InvalidSamplingSettings",
     "LoadReport",
     "ModelSampling",
@@ -85,6 +88,7 @@ __all__ = [
     "atomic_write",
     "default_model_path",
     "display_name",
+    "json_schema_grammar",
     "load",
     "load_session",
     "memory_factory_for",

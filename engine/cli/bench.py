@@ -24,6 +24,7 @@ SUITES: dict[str, str] = {
     "quant": "engine.bench.quant",
     "serve": "engine.bench.serve",
     "speculative": "engine.bench.speculative",
+    "structured": "engine.bench.structured",
 }
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from engine.backends import QUANTIZE_CHOICES
 from engine.cli.checks import check_max_tokens, check_seed, check_text, check_threads, read_text_file
 from engine.errors import SparkError
+from engine.generation.constrained import MAX_GRAMMAR_CHARS, Grammar, grammar_from_file_text, json_schema_grammar
 from engine.generation.loop import GenerationEvent, GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.generation.speculative import MAX_DRAFT, Speculation
@@ -138,7 +139,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--continue", dest="continue_", action="store_true", help="with --load-session: extend the last reply"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", type=Path, default=None, help="reply with JSON matching this JSON Schema file")
+    shape.add_argument("--grammar", type=Path, default=None, help="reply in this grammar (a Lark or GBNF file)")
     p.set_defaults(func=run)
+
+
+def read_grammar(args: argparse.Namespace) -> Grammar | None:
+    """The grammar of --json-schema or --grammar, checked before the model loads; None when neither is given."""
+    if args.json_schema is not None:
+        text = read_text_file(args.json_schema, "--json-schema", MAX_GRAMMAR_CHARS * 4)
+        try:
+            schema = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            raise SparkError(f"{args.json_schema} is not valid JSON; --json-schema needs a JSON Schema file.") from None
+        return json_schema_grammar(schema, f"JSON schema in {args.json_schema}")
+    if args.grammar is not None:
+        text = read_text_file(args.grammar, "--grammar", MAX_GRAMMAR_CHARS * 4)
+        return grammar_from_file_text(text, f"grammar in {args.grammar}")
+    return None
 
 
 def read_prompt(args: argparse.Namespace) -> str | None:
@@ -156,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     if prompt is None and not args.continue_:
         raise SparkError("Give a prompt with --prompt TEXT (or --load-session FILE --continue).")
     settings = settings_from_args(args, resolve_model_path(args.model))  # bad flags fail before any loading
+    settings.grammar = read_grammar(args)
     engine = open_engine(args)
     session = engine.new_session()
     if args.load_session is not None:

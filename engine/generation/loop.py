@@ -2,7 +2,7 @@
 `GenerationEvent` (text delta, token id, logprob, timings, finish reason).
 
 Every path generates through the same two pieces: `PromptFeed` (which prompt ids go in the next forward, in chunks
-ending where the memory asks) and `Reply` (processors, sampler, detokenizer, stop strings, EOS, the token budget,
+ending where the memory asks) and `Reply` (grammar mask, processors, sampler, detokenizer, stop strings, EOS, the token budget,
 cancellation, the events). `stream_generate` drives one of each for a single request; the batch and the server's
 scheduler (`engine.generation.batch`, `engine.generation.scheduler`) drive one per row of a slot table, so a request
 produces the same events whichever path runs it.
@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from engine.backends.base import Backend
+from engine.generation.constrained import Grammar, TokenMask
 from engine.generation.sampling import Sample, Sampler, SamplingSettings, make_logits_processors, make_sampler
 from engine.generation.speculative import Controller, PromptLookup, Speculation, Speculator
 from engine.loading.tokenizer import Tokenizer
@@ -44,6 +45,8 @@ class GenerationSettings:
     ignore_eos: bool = False  # benchmarks: always generate max_tokens (llama.cpp's --ignore-eos)
     speculative: Speculation = Speculation.AUTO  # engine.generation.speculative; draft needs a caller's Speculator
     draft_tokens: int = 0  # drafts per verify forward: 0 adapts them to measured costs and acceptance
+    grammar: Grammar | None = None  # constrained output (engine.generation.constrained): JSON schema, Lark, GBNF
+    top_logprobs: int = 0  # each event carries this many most likely tokens with their logprobs
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class GenerationEvent:
     tokens_per_s: float  # decode speed so far (tokens after the first ÷ time since the first)
     finish_reason: FinishReason | None = None
     forwards: int = 0  # decode forwards so far (with speculation one forward may give several tokens)
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first, when settings ask
 
 
 @dataclass(frozen=True)
@@ -234,11 +238,20 @@ class Reply:
         self.prompt_tokens = prompt_tokens
         self.sample = sampler or make_sampler(s)
         self.processors = make_logits_processors(s)
+        # A grammar masks each step's logits before the processors; its next mask is computed during the forward.
+        self.mask = TokenMask(settings.grammar, tokenizer) if settings.grammar is not None else None
+        self.top: tuple[tuple[int, float], ...] = ()  # the last pick's top logprobs (settings.top_logprobs)
         # The penalty looks at the last `repetition_window` tokens; 0 means "all", capped so cost stays flat per token.
         self.window = s.repetition_window or MAX_PENALTY_HISTORY
         self.history = list(history)
         # Greedy without processors: the same as a batched argmax (engine.generation.sampling.sample_greedy), which batches use.
-        self.plain_greedy = isinstance(self.sample, Sampler) and s.is_greedy and not self.processors
+        self.plain_greedy = (
+            isinstance(self.sample, Sampler)
+            and s.is_greedy
+            and not self.processors
+            and self.mask is None
+            and not settings.top_logprobs
+        )
         self.detok = tokenizer.stream_decoder()
         self.stops = StopMatcher(settings.stop)
         self.eos = frozenset() if settings.ignore_eos else tokenizer.eos_ids
@@ -259,12 +272,19 @@ class Reply:
         return logits
 
     def pick(self, logits: torch.Tensor) -> Sample:
-        """logits (V,) -> the next token, through this request's processors and sampler."""
-        return self.sample(self.process(logits))
+        """logits (V,) -> the next token, through this request's grammar mask, processors and sampler."""
+        if self.mask is not None:
+            logits = self.mask.apply(logits)
+        logits = self.process(logits)
+        if self.settings.top_logprobs:
+            top = torch.log_softmax(logits.float(), dim=-1).topk(self.settings.top_logprobs)  # (k,) values, ids
+            self.top = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        return self.sample(logits)
 
     def verify(self, logits: torch.Tensor, drafts: Sequence[int], probs: torch.Tensor | None) -> list[Sample]:
         """logits (K+1, V) of a verify forward over [last token, drafts] -> the tokens it gives: the drafts the
-        sampler's rule keeps, then one of its own (a correction, or a bonus after all K)."""
+        sampler's rule keeps, then one of its own (a correction, or a bonus after all K). Never with a grammar mask
+        or top logprobs (`speculator_for` turns speculation off for those)."""
         assert isinstance(self.sample, Sampler)  # speculation runs only with a Sampler (stream_generate)
         out: list[Sample] = []
         for j, d in enumerate(drafts):
@@ -285,9 +305,13 @@ class Reply:
         self.history.append(token)
         if token in self.eos:
             return self._event(self._held(), token, logprob, FinishReason.STOP)
+        if self.mask is not None:
+            self.mask.advance(token)
         text, stopped = self.stops.push(self.detok.add(token))
         if stopped:
             return self._event(text, token, logprob, FinishReason.STOP)
+        if self.mask is not None and self.mask.finished:  # the grammar is complete: no need to sample EOS
+            return self._event(text + self._held(), token, logprob, FinishReason.STOP)
         if n >= self.settings.max_tokens:
             return self._event(text + self._held(), token, logprob, FinishReason.LENGTH)
         if should_stop():
@@ -312,6 +336,7 @@ class Reply:
         if text:
             self.pieces.append(text)
         self.finish_reason = reason
+        top = self.top if token is not None else ()
         return GenerationEvent(
             text,
             token,
@@ -322,6 +347,7 @@ class Reply:
             rate,
             reason,
             self.forwards,
+            top,
         )
 
 
@@ -397,10 +423,13 @@ def take(reply: Reply, samples: list[Sample], should_stop: Callable[[], bool]) -
 
 
 def speculator_for(settings: GenerationSettings, reply: Reply, given: Speculator | None) -> Speculator | None:
-    """The speculator a generation runs with: none when off, or when the sampler is not ours (the rejection rule
-    needs its distribution)."""
+    """The speculator a generation runs with: none when off, when the sampler is not ours (the rejection rule
+    needs its distribution), or under a grammar or top logprobs (the mask and the alternatives follow each
+    accepted token, which a verify of several drafts does not)."""
     mode = Speculation(settings.speculative)
     if mode is Speculation.OFF or not isinstance(reply.sample, Sampler):
+        return None
+    if settings.grammar is not None or settings.top_logprobs:
         return None
     if given is not None:
         return given

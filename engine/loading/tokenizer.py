@@ -324,6 +324,10 @@ class Tokenizer:
     def stream_decoder(self, skip_special: bool = True) -> StreamingDetokenizer:
         return StreamingDetokenizer(self._backend, skip_special, self._special_ids)
 
+    def backend_json(self) -> str:
+        """The tokenizer as `tokenizers` serializes it (tokenizer.json's form; grammar engines read it)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

@@ -27,9 +27,11 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from engine.generation.batch import Completion
+from engine.generation.loop import GenerationEvent
 from engine.openai import protocol
 from engine.openai.errors import ApiError, bad_key, bad_request, server_error, too_large, unknown_model
 from engine.openai.service import Job, ModelService, model_for_request
+from engine.openai.tools import ToolCall, ToolCallReader, read_reply
 
 log = logging.getLogger("engine.serve")
 Handler = Callable[[Request], Awaitable[Response]]
@@ -56,11 +58,11 @@ async def read_json(request: Request, limit: int) -> Any:
 
 
 class SSEResponse(Response):
-    """Server-sent events from `chunks`; a client disconnect (or a send that fails) cancels `job`."""
+    """Server-sent events from `chunks`; a client disconnect (or a send that fails) cancels `jobs`."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncGenerator[str, None], job: Job) -> None:
+    def __init__(self, chunks: AsyncGenerator[str, None], jobs: list[Job]) -> None:
         self.status_code = 200
         self.background = None
         # No Content-Length: the body's length is unknown until the last event (chunked transfer).
@@ -69,13 +71,13 @@ class SSEResponse(Response):
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ]
-        self.chunks, self.job = chunks, job
+        self.chunks, self.jobs = chunks, jobs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
-            self.job.cancel_unless_done()
+            self.cancel()
 
         watcher = asyncio.create_task(watch())
         try:
@@ -86,9 +88,13 @@ class SSEResponse(Response):
         except OSError:  # the client went away mid-send
             pass
         finally:
-            self.job.cancel_unless_done()
+            self.cancel()
             watcher.cancel()
             await self.chunks.aclose()
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel_unless_done()
 
 
 def sse(obj: Any) -> str:
@@ -165,68 +171,121 @@ class Api:
         # Any name a client sends is served by the loaded model (one per server: nothing else can match), and
         # the reply names the model that wrote it.
         req.model = model_for_request(req.model, [self.config.model_id])
-        job = await self.service.start(req)
+        jobs = await self.service.start(req)
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
-            return SSEResponse(self.stream(job, req, rid, chat), job)
-        return await self.whole(request, job, req, rid, chat)
+            return SSEResponse(self.stream(jobs, req, rid, chat), jobs)
+        return await self.whole(request, jobs, req, rid, chat)
 
-    async def whole(self, request: Request, job: Job, req: protocol.ParsedRequest, rid: str, chat: bool) -> Response:
-        """A non-streaming reply; the client leaving while it waits cancels the job."""
+    def logprob(self, req: protocol.ParsedRequest, ev: GenerationEvent) -> protocol.TokenLogprob | None:
+        if not req.logprobs or ev.token is None or ev.logprob is None:
+            return None
+        top = tuple((self.service.token_text(t), lp) for t, lp in ev.top_logprobs)
+        return protocol.TokenLogprob(self.service.token_text(ev.token), ev.logprob, top)
+
+    async def whole(
+        self, request: Request, jobs: list[Job], req: protocol.ParsedRequest, rid: str, chat: bool
+    ) -> Response:
+        """A non-streaming reply; the client leaving while it waits cancels the jobs."""
 
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            job.cancel_unless_done()
+            for job in jobs:
+                job.cancel_unless_done()
+
+        async def collect(job: Job) -> list[protocol.TokenLogprob]:
+            entries = []
+            async for ev in job.events():
+                if (entry := self.logprob(req, ev)) is not None:
+                    entries.append(entry)
+            return entries
 
         watcher = asyncio.create_task(watch())
-        logprobs: list[tuple[str, float]] = []
         try:
-            async for ev in job.events():
-                if req.logprobs and ev.token is not None and ev.logprob is not None:
-                    logprobs.append((self.service.token_text(ev.token), ev.logprob))
+            logprobs = await asyncio.gather(*(collect(job) for job in jobs))
         finally:
             watcher.cancel()
-        c = self.finish(job)
+        cs = [self.finish(job) for job in jobs]
+        choices = []
+        for i, (c, lp) in enumerate(zip(cs, logprobs, strict=True)):
+            if not chat:
+                choices.append(protocol.completion_choice(i, c, lp if req.logprobs else None))
+                continue
+            content, calls = read_reply(c.text, req.tools) if req.tools and req.tools.active else (c.text, [])
+            choices.append(protocol.chat_choice(i, c, lp if req.logprobs else None, content, calls))
         shape = protocol.chat_response if chat else protocol.completion_response
-        return JSONResponse(shape(rid, req.model, c, logprobs if req.logprobs else None))
+        return JSONResponse(shape(rid, req.model, choices, cs))
 
-    async def stream(self, job: Job, req: protocol.ParsedRequest, rid: str, chat: bool) -> AsyncGenerator[str, None]:
+    async def stream(
+        self, jobs: list[Job], req: protocol.ParsedRequest, rid: str, chat: bool
+    ) -> AsyncGenerator[str, None]:
+        """Every choice's chunks as its events come (choices interleave, each chunk names its index), then each
+        choice's final chunk, the usage and [DONE]. Tool calls go out as whole `tool_calls` deltas once each call's
+        block has closed; the text around them as content."""
         created = int(time.time())
         model = req.model
-        offset = 0
+        queue: asyncio.Queue[tuple[int, GenerationEvent | None]] = asyncio.Queue()
+
+        async def pump(i: int, job: Job) -> None:
+            async with contextlib.aclosing(job.events()) as events:
+                async for ev in events:
+                    await queue.put((i, ev))
+            await queue.put((i, None))
+
         if chat:
-            yield sse(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-        async with contextlib.aclosing(job.events()) as events:
-            async for ev in events:
-                lp = None
-                if req.logprobs and ev.token is not None and ev.logprob is not None:
-                    entry = [(self.service.token_text(ev.token), ev.logprob)]
-                    lp = protocol.chat_logprobs(entry) if chat else protocol.completion_logprobs(entry, offset)
-                if not ev.text and lp is None:
-                    continue
-                offset += len(ev.text)
-                delta = {"content": ev.text}
-                yield sse(
-                    protocol.chat_chunk(rid, model, created, delta, None, lp)
-                    if chat
-                    else protocol.completion_chunk(rid, model, created, ev.text, None, lp)
-                )
+            for i in range(len(jobs)):
+                yield sse(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, index=i))
+        readers = [ToolCallReader(req.tools) if chat and req.tools and req.tools.active else None for _ in jobs]
+        offsets = [0] * len(jobs)
+        calls = [0] * len(jobs)
+        pumps = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
         try:
-            c = self.finish(job)
+            left = len(jobs)
+            while left:
+                i, ev = await queue.get()
+                if ev is None:
+                    left -= 1
+                    continue
+                entry = self.logprob(req, ev)
+                lp = None
+                if entry is not None:
+                    lp = protocol.chat_logprobs([entry]) if chat else protocol.completion_logprobs([entry], offsets[i])
+                text, new = ev.text, list[ToolCall]()
+                reader = readers[i]
+                if reader is not None:
+                    text, new = reader.push(ev.text)
+                    if ev.finish_reason is not None:
+                        text += reader.flush()
+                if text or lp is not None:
+                    offsets[i] += len(text)
+                    yield sse(
+                        protocol.chat_chunk(rid, model, created, {"content": text}, None, lp, i)
+                        if chat
+                        else protocol.completion_chunk(rid, model, created, text, None, lp, i)
+                    )
+                for call in new:
+                    delta = {"tool_calls": [call.as_openai(calls[i])]}
+                    calls[i] += 1
+                    yield sse(protocol.chat_chunk(rid, model, created, delta, index=i))
+        finally:
+            for task in pumps:
+                task.cancel()
+        try:
+            cs = [self.finish(job) for job in jobs]
         except ApiError as err:  # the status line is gone already: the error travels as an event
             yield sse(err.body())
             return
-        reason = protocol.finish_reason(c.finish_reason)
-        yield sse(
-            protocol.chat_chunk(rid, model, created, {}, reason)
-            if chat
-            else protocol.completion_chunk(rid, model, created, "", reason)
-        )
-        if req.include_usage:
+        for i, c in enumerate(cs):
+            reason = protocol.finish_reason(c.finish_reason, calls[i] > 0)
             yield sse(
-                protocol.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else "text_completion", c)
+                protocol.chat_chunk(rid, model, created, {}, reason, index=i)
+                if chat
+                else protocol.completion_chunk(rid, model, created, "", reason, index=i)
             )
+        if req.include_usage:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            yield sse(protocol.usage_chunk(rid, model, created, obj, cs))
         yield "data: [DONE]\n\n"
 
     def finish(self, job: Job) -> Completion:

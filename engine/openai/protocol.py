@@ -2,12 +2,13 @@
 
 Every body is hostile: each field is type- and range-checked here, before anything is tokenized or queued, and a
 bad one is a 400 naming the field. Fields OpenAI defines that change nothing here (user, metadata, store, ...) are
-ignored, as OpenAI-compatible servers do; fields whose meaning we cannot honour (n > 1, top_logprobs > 0, tools) are
-refused rather than silently dropped.
+ignored, as OpenAI-compatible servers do; fields whose meaning we cannot honour (images, `echo`, `best_of`) are
+refused rather than silently dropped. Tools, tool messages and `response_format` are read by engine.openai.tools.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -18,10 +19,13 @@ from engine.generation.batch import Completion
 from engine.generation.loop import FinishReason, GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.openai.errors import bad_request
+from engine.openai.tools import ToolCall, ToolSpec, parse_response_format, parse_tools, tool_grammar
 
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # each stop string is searched in every streamed piece: keep that cheap
-ROLES = ("system", "user", "assistant", "developer")
+ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_CHOICES = 8  # `n`: the choices are rows of one batch, so at most the server's batch
+MAX_TOP_LOGPROBS = 20  # as OpenAI (chat); completions' `logprobs` takes at most 5
 
 
 @dataclass(frozen=True)
@@ -35,12 +39,14 @@ class ParsedRequest:
     """A chat or completion request reduced to what the engine needs."""
 
     model: str
-    messages: list[dict[str, str]] | None  # chat: role/content pairs for the chat template
+    messages: list[dict[str, Any]] | None  # chat: role/content (+ tool_calls, tool_call_id) for the chat template
     prompt: str | list[int] | None  # completions: text, or token ids
     settings: GenerationSettings
     stream: bool
     include_usage: bool
     logprobs: bool
+    n: int = 1  # choices, each its own row with its own seed
+    tools: ToolSpec | None = None
 
 
 def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
@@ -112,16 +118,52 @@ def _content(value: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content")
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`: [{id, type: function, function: {name, arguments: JSON object text}}]."""
+    field = f"messages[{i}].tool_calls"
+    if not isinstance(value, list) or not value:
+        raise bad_request(f"{field} must be a non-empty list of function calls.", field)
+    calls = []
+    for c in value:
+        fn = c.get("function") if isinstance(c, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        parsed = None
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except (json.JSONDecodeError, RecursionError):
+                parsed = None
+        if not isinstance(name, str) or not name or not isinstance(parsed, dict):
+            raise bad_request(
+                f"Each of {field} needs a function 'name' and 'arguments' holding a JSON object as text.", field
+            )
+        call_id = c.get("id") if isinstance(c.get("id"), str) else ""
+        calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+    return calls
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("'messages' must be a non-empty list of {role, content} objects.", "messages")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise bad_request(f"messages[{i}] needs a 'role' of {', '.join(ROLES)}.", f"messages[{i}].role")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content(m.get("content"), i)})
+        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), i)}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise bad_request(
+                    f"messages[{i}] is a tool result and needs the 'tool_call_id' it answers.",
+                    f"messages[{i}].tool_call_id",
+                )
+            msg["tool_call_id"] = call_id
+        out.append(msg)
     return out
 
 
@@ -129,13 +171,6 @@ def _common(body: dict[str, Any], limits: Limits) -> tuple[str, GenerationSettin
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' must name the model to use (see GET /v1/models).", "model")
-    if body.get("n") not in (None, 1):
-        raise bad_request("'n' must be 1; this server returns one choice per request.", "n")
-    if body.get("tools"):
-        raise bad_request("'tools' are not supported by this server.", "tools")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("Only the 'text' response_format is supported by this server.", "response_format")
     max_tokens = _int(body, "max_completion_tokens", 1, limits.max_tokens_limit)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, limits.max_tokens_limit)
@@ -149,6 +184,7 @@ def _common(body: dict[str, Any], limits: Limits) -> tuple[str, GenerationSettin
         stop=_stops(body),
         sampling=sampling,
         ignore_eos=_bool(body, "ignore_eos"),
+        grammar=parse_response_format(body),
     )
     stream = _bool(body, "stream")
     options = body.get("stream_options")
@@ -164,11 +200,16 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
     model, settings, stream, include_usage = _common(body, limits)
     messages = _messages(body)
     logprobs = _bool(body, "logprobs")
-    if _int(body, "top_logprobs", 0, 20):
-        raise bad_request(
-            "'top_logprobs' above 0 is not supported; 'logprobs' gives each chosen token's logprob.", "top_logprobs"
-        )
-    return ParsedRequest(model, messages, None, settings, stream, include_usage, logprobs)
+    settings.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    if settings.top_logprobs and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+    tools = parse_tools(body)
+    if tools is not None and tools.active:
+        if settings.grammar is not None:
+            raise bad_request("Give either 'tools' or a JSON 'response_format' in one request, not both.", "tools")
+        settings.grammar = tool_grammar(tools)
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
+    return ParsedRequest(model, messages, None, settings, stream, include_usage, logprobs, n, tools)
 
 
 def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
@@ -188,9 +229,9 @@ def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
     if body.get("echo") or body.get("suffix") or body.get("best_of") not in (None, 1):
         raise bad_request("'echo', 'suffix' and 'best_of' are not supported by this server.")
     lp = _int(body, "logprobs", 0, 5)
-    if lp:
-        raise bad_request("'logprobs' above 0 is not supported; 0 gives each chosen token's logprob.", "logprobs")
-    return ParsedRequest(model, None, prompt, settings, stream, include_usage, lp is not None)
+    settings.top_logprobs = lp or 0
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
+    return ParsedRequest(model, None, prompt, settings, stream, include_usage, lp is not None, n)
 
 
 # -- responses ----------------------------------------------------------------------------------------------------
@@ -200,13 +241,14 @@ def new_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(c: Completion) -> dict[str, Any]:
-    n = len(c.tokens)
+def usage(cs: list[Completion]) -> dict[str, Any]:
+    """Usage of one request's choices: the prompt once (every choice reads the same one), the replies summed."""
+    n = sum(len(c.tokens) for c in cs)
     return {
-        "prompt_tokens": c.prompt_tokens,
+        "prompt_tokens": cs[0].prompt_tokens,
         "completion_tokens": n,
-        "total_tokens": c.prompt_tokens + n,
-        "prompt_tokens_details": {"cached_tokens": c.cached_tokens},
+        "total_tokens": cs[0].prompt_tokens + n,
+        "prompt_tokens_details": {"cached_tokens": cs[0].cached_tokens},
     }
 
 
@@ -219,9 +261,9 @@ OPENAI_FINISH_REASONS: dict[FinishReason, str] = {
 }
 
 
-def finish_reason(reason: FinishReason) -> str:
-    """The finish_reason a response carries for `reason`."""
-    return OPENAI_FINISH_REASONS[reason]
+def finish_reason(reason: FinishReason, calls: bool = False) -> str:
+    """The finish_reason a choice carries for `reason` ("tool_calls" when the reply ended in tool calls)."""
+    return "tool_calls" if calls and reason is FinishReason.STOP else OPENAI_FINISH_REASONS[reason]
 
 
 def parse_finish_reason(raw: object) -> FinishReason:
@@ -230,76 +272,103 @@ def parse_finish_reason(raw: object) -> FinishReason:
     return FinishReason.LENGTH if raw == "length" else FinishReason.STOP
 
 
-def chat_logprobs(entries: list[tuple[str, float]]) -> dict[str, Any]:
-    return {
-        "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []} for t, lp in entries
-        ]
-    }
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob and, when asked, the most likely alternatives at that step."""
+
+    text: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
-def completion_logprobs(entries: list[tuple[str, float]], offset: int = 0) -> dict[str, Any]:
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    def item(text: str, lp: float) -> dict[str, Any]:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e.text, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
     offsets, at = [], offset
-    for t, _ in entries:
+    for e in entries:
         offsets.append(at)
-        at += len(t)
+        at += len(e.text)
     return {
-        "tokens": [t for t, _ in entries],
-        "token_logprobs": [lp for _, lp in entries],
-        "top_logprobs": None,
+        "tokens": [e.text for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries] if any(e.top for e in entries) else None,
         "text_offset": offsets,
     }
 
 
-def chat_response(rid: str, model: str, c: Completion, logprobs: list[tuple[str, float]] | None) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": c.text},
+def chat_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
+    """The assistant message of a reply: its text, and its tool calls when it made any (then content may be null)."""
+    if not calls:
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content or None, "tool_calls": [c.as_openai() for c in calls]}
+
+
+def chat_choice(
+    index: int, c: Completion, logprobs: list[TokenLogprob] | None, content: str, calls: list[ToolCall]
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": chat_message(content, calls),
         "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
+        "finish_reason": finish_reason(c.finish_reason, bool(calls)),
+    }
+
+
+def completion_choice(index: int, c: Completion, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": c.text,
+        "logprobs": completion_logprobs(logprobs) if logprobs is not None else None,
         "finish_reason": finish_reason(c.finish_reason),
     }
+
+
+def chat_response(rid: str, model: str, choices: list[dict[str, Any]], cs: list[Completion]) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
-        "usage": usage(c),
+        "choices": choices,
+        "usage": usage(cs),
     }
 
 
-def completion_response(
-    rid: str, model: str, c: Completion, logprobs: list[tuple[str, float]] | None
-) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "text": c.text,
-        "logprobs": completion_logprobs(logprobs) if logprobs is not None else None,
-        "finish_reason": finish_reason(c.finish_reason),
-    }
+def completion_response(rid: str, model: str, choices: list[dict[str, Any]], cs: list[Completion]) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
-        "usage": usage(c),
+        "choices": choices,
+        "usage": usage(cs),
     }
 
 
 def chat_chunk(
-    rid: str, model: str, created: int, delta: dict[str, Any], reason: str | None = None, logprobs: Any = None
+    rid: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    reason: str | None = None,
+    logprobs: Any = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
 def completion_chunk(
-    rid: str, model: str, created: int, text: str, reason: str | None = None, logprobs: Any = None
+    rid: str, model: str, created: int, text: str, reason: str | None = None, logprobs: Any = None, index: int = 0
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(rid: str, model: str, created: int, obj: str, c: Completion) -> dict[str, Any]:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(c)}
+def usage_chunk(rid: str, model: str, created: int, obj: str, cs: list[Completion]) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(cs)}

@@ -17,7 +17,7 @@ import contextlib
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from engine.memory.base import Memory
 from engine.openai.errors import bad_request, busy, too_large, unavailable
 from engine.openai.metrics import Metrics
 from engine.openai.protocol import Limits, ParsedRequest
+from engine.openai.tools import chat_inputs
 
 DEFAULT_SLOTS = 2048  # slots per row for a memory that does not say (full attention)
 
@@ -142,7 +143,8 @@ class ModelService:
         if req.messages is not None:
             if tok.chat_template is None:
                 raise bad_request("This model has no chat template; use /v1/completions with a raw prompt.", "messages")
-            ids = tok.encode_chat(req.messages)
+            messages, extra = chat_inputs(req.messages, req.tools, tok.chat_template)
+            ids = tok.encode_chat(messages, **extra)
         elif isinstance(req.prompt, str):
             ids = tok.encode(req.prompt)
         else:
@@ -160,18 +162,28 @@ class ModelService:
             )
         return ids
 
-    async def start(self, req: ParsedRequest) -> Job:
-        """Tokenize (off the event loop) and queue `req`; ApiError when it is refused."""
+    async def start(self, req: ParsedRequest) -> list[Job]:
+        """Tokenize (off the event loop) and queue `req`'s `n` choices, each a request of its own (rows of one batch;
+        a seeded request's choice i draws with seed + i); ApiError when it is refused (then none is queued)."""
         try:
             ids = await asyncio.to_thread(self.prompt_ids, req)
         except SparkError as exc:  # e.g. a chat template that refuses these messages
             raise bad_request(str(exc)) from None
+        jobs: list[Job] = []
+        seed = req.settings.sampling.seed
         try:
-            return Job(self.scheduler, Request(ids, req.settings), asyncio.get_running_loop(), self._count)
-        except QueueFull:
-            raise busy(self.config.retry_after_s, self.config.max_queue) from None
-        except SchedulerClosed:
+            for i in range(req.n):
+                settings = req.settings
+                if i and seed is not None:
+                    settings = replace(settings, sampling=replace(settings.sampling, seed=seed + i))
+                jobs.append(Job(self.scheduler, Request(ids, settings), asyncio.get_running_loop(), self._count))
+        except (QueueFull, SchedulerClosed) as exc:
+            for job in jobs:
+                job.cancel_unless_done()
+            if isinstance(exc, QueueFull):
+                raise busy(self.config.retry_after_s, self.config.max_queue) from None
             raise unavailable("The server is shutting down; send the request to it again after it restarts.") from None
+        return jobs
 
     def _count(self, c: Completion) -> None:
         self.metrics.finished(

@@ -10,6 +10,13 @@ from engine.openai.errors import ApiError
 from engine.openai.protocol import Limits, ParsedRequest, parse_chat, parse_completion
 
 LIMITS = Limits()
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
@@ -30,6 +37,10 @@ fields = st.sampled_from(
         "logprobs",
         "n",
         "response_format",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
     ]
 )
 
@@ -81,11 +92,48 @@ def test_fields_reach_the_settings() -> None:
         ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": "s" * 1000}, "stop"),
         ({"model": "m", "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 99}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
         (
-            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
             "response_format",
+        ),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 3, "maximum": 1}},
+                },
+            },
+            "response_format",
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "code"}]}, "tools[0]"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], "tool_choice": "always"},
+            "tool_choice",
+        ),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "other"}},
+            },
+            "tool_choice",
+        ),
+        ({"model": "m", "messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1"}}]}],
+            },
+            "messages[0].tool_calls",
         ),
         ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
     ],
@@ -102,3 +150,29 @@ def test_completion_prompts() -> None:
     for bad in ([], [-1], [True], ["a", "b"], "", None):
         with pytest.raises(ApiError):
             parse_completion({"model": "m", "prompt": bad}, LIMITS)
+
+
+def test_structured_fields_reach_the_request() -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    r = parse_chat(
+        {**base, "n": 3, "logprobs": True, "top_logprobs": 20, "response_format": {"type": "json_object"}}, LIMITS
+    )
+    assert (r.n, r.settings.top_logprobs) == (3, 20) and r.settings.grammar is not None and r.tools is None
+    r = parse_chat({**base, "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}, LIMITS)
+    assert r.tools is not None and r.tools.active and not r.tools.parallel and r.settings.grammar is not None
+    assert parse_chat({**base, "tools": [TOOL], "tool_choice": "none"}, LIMITS).settings.grammar is None
+    convo = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ]
+    r = parse_chat({"model": "m", "messages": convo, "tools": [TOOL]}, LIMITS)
+    assert r.messages is not None and r.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert r.messages[2] == {"role": "tool", "content": "18 C", "tool_call_id": "c1"}
+    assert parse_completion({"model": "m", "prompt": "x", "logprobs": 5, "n": 2}, LIMITS).settings.top_logprobs == 5

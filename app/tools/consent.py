@@ -1,0 +1,50 @@
+"""Consent for tool calls: nothing runs unless the user allowed it, once or for every call to that server.
+
+The question is asked through an injected `Ask` (the window shows "Allow once / Always for this server / Deny";
+tests answer it directly), so the rule lives here and the dialog stays a view.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class Decision(StrEnum):
+    ALLOW_ONCE = "allow_once"
+    ALWAYS_FOR_SERVER = "always_for_server"
+    DENY = "deny"
+
+
+@dataclass(frozen=True)
+class PendingCall:
+    """A call the model asked for, as the user is shown it before anything runs."""
+
+    server: str
+    tool: str
+    arguments: dict[str, Any]
+
+    def summary(self) -> str:
+        return f"{self.server} → {self.tool}({json.dumps(self.arguments, ensure_ascii=False)[:500]})"
+
+
+Ask = Callable[[PendingCall], Decision]
+
+
+class ConsentGate:
+    """Asks `ask` for every call unless its server was allowed always (this run of the app)."""
+
+    def __init__(self, ask: Ask, always: frozenset[str] = frozenset()) -> None:
+        self._ask = ask
+        self.always = set(always)  # servers the user allowed for every call
+
+    def allows(self, call: PendingCall) -> bool:
+        if call.server in self.always:
+            return True
+        decision = self._ask(call)
+        if decision is Decision.ALWAYS_FOR_SERVER:
+            self.always.add(call.server)
+        return decision is not Decision.DENY

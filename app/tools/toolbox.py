@@ -1,0 +1,81 @@
+"""The tools a conversation offers the model: every configured MCP server's tools under one name each, in the
+shape the engine's chat template takes (OpenAI's `tools`), and `run` for a call the model made: consent first,
+then the server, the outcome as the text the transcript folds in.
+
+The small typed interface the conversation worker hooks into:
+    toolbox = Toolbox(McpHost(), ConsentGate(ask))
+    toolbox.start_servers(specs)            # -> one line per server that could not start
+    toolbox.openai_tools()                  # -> `tools` for the chat template
+    toolbox.run(name, arguments_json)       # -> ToolRun (shown in the chat, saved with the conversation)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from app.tools.consent import ConsentGate, PendingCall
+from app.tools.mcp_host import McpError, McpHost, McpServerSpec, McpTool, ToolOutcome
+
+MAX_NAME = 64  # OpenAI's bound on a function name (and Hermes templates')
+
+
+def exposed_name(tool: McpTool) -> str:
+    """`server__tool`, cut to the characters and length a function name may have."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", f"{tool.server}__{tool.name}")[:MAX_NAME]
+
+
+@dataclass(frozen=True)
+class ToolRun:
+    """One call the model made and what came of it (what the transcript shows and the session file keeps)."""
+
+    name: str
+    arguments: str  # JSON object text, as the model wrote it
+    allowed: bool
+    outcome: ToolOutcome
+
+
+class Toolbox:
+    def __init__(self, host: McpHost, gate: ConsentGate) -> None:
+        self.host = host
+        self.gate = gate
+        self._tools: dict[str, McpTool] = {}
+
+    def start_servers(self, specs: list[McpServerSpec]) -> list[str]:
+        """Start every server; one sentence per server that could not start (the others are used anyway)."""
+        problems = []
+        for spec in specs:
+            try:
+                for tool in self.host.start(spec):
+                    self._tools[exposed_name(tool)] = tool
+            except McpError as exc:
+                problems.append(str(exc))
+        return problems
+
+    def openai_tools(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "type": "function",
+                "function": {"name": name, "description": t.description, "parameters": t.input_schema},
+            }
+            for name, t in self._tools.items()
+        ]
+
+    def run(self, name: str, arguments: str) -> ToolRun:
+        tool = self._tools.get(name)
+        if tool is None:
+            return ToolRun(name, arguments, False, ToolOutcome(False, f"There is no tool named '{name}'."))
+        try:
+            args = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            args = None
+        if not isinstance(args, dict):
+            return ToolRun(name, arguments, False, ToolOutcome(False, "The call's arguments are not a JSON object."))
+        if not self.gate.allows(PendingCall(tool.server, tool.name, args)):
+            return ToolRun(name, arguments, False, ToolOutcome(False, "The user did not allow this call."))
+        return ToolRun(name, arguments, True, self.host.call(tool.server, tool.name, args))
+
+    def close(self) -> None:
+        self.host.close()
