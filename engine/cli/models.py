@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.library import Library
+    from engine.library.library import Library
 
     lib = Library.from_env()
     result: Any
@@ -79,7 +79,7 @@ def _list(lib: Any) -> dict[str, Any]:
 
 
 def _download(lib: Any, repo: str, file: str | None, *, quiet: bool) -> Any:
-    from engine.library import DownloadProgress, Phase
+    from engine.library.download import DownloadProgress, Phase
 
     bar: Any = None
     use_tqdm = not quiet and sys.stderr.isatty()
@@ -115,7 +115,7 @@ def _download(lib: Any, repo: str, file: str | None, *, quiet: bool) -> Any:
 
 
 def _recommend(lib: Any) -> dict[str, Any]:
-    from engine.library import recommend, this_machine
+    from engine.library.recommend import recommend, this_machine
 
     machine = this_machine()
     rows = recommend(lib.catalog, machine)

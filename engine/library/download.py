@@ -25,13 +25,14 @@ from pathlib import Path
 from engine.errors import ModelLoadError
 from engine.hw.memory import format_bytes
 from engine.library.catalog import Catalog
-from engine.library.hub import HubClient, HubFile, LibraryError, Problem, RepoFiles
+from engine.library.hub import HubClient, HubFile, LibraryError, Problem, RepoFiles, Stalled
 from engine.library.store import LocalModel, ModelSource, ModelStore
 from engine.loading.gguf import ARCHITECTURES, GGUFModel
 
 CHUNK_BYTES = 1 << 20
 DISK_MARGIN_BYTES = 256 << 20  # left free after the download, so the disk is not filled to the last byte
 PROGRESS_EVERY_S = 0.1
+STALL_LIMIT_S = 60.0  # no bytes for this long: the network is gone
 
 
 class Phase(enum.Enum):
@@ -150,6 +151,7 @@ class Downloader:
         free_space: FreeSpace = disk_free,
         supported: Collection[str] = tuple(ARCHITECTURES),
         clock: Callable[[], float] = time.monotonic,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self.hub = hub
         self.store = store
@@ -157,6 +159,7 @@ class Downloader:
         self.free_space = free_space
         self.supported = supported
         self.clock = clock
+        self.chunk_bytes = chunk_bytes
 
     def download(
         self,
@@ -208,35 +211,48 @@ class Downloader:
             have = 0
         self._check_space(source, have)
         report(DownloadProgress(source.repo, source.file, Phase.CONNECTING, have, source.size_bytes, 0.0, None))
-        if have == source.size_bytes:
-            return
-        control.check()
-        with self.hub.open_stream(source.repo, source.file, source.revision, have) as stream:
-            if stream.offset == 0 and have:
-                have = 0  # the server sent the whole file: overwrite the partial one
-            started, got, last = self.clock(), 0, 0.0
+        started, got, last = self.clock(), 0, 0.0
+        stalled_since: float | None = None
+        while have < source.size_bytes:
+            control.check()
+            before = have
             try:
-                with open(part, "r+b" if part.exists() else "wb") as out:
-                    out.seek(have)
-                    out.truncate()
-                    for chunk in stream.chunks(CHUNK_BYTES):
-                        out.write(chunk)
-                        have += len(chunk)
-                        got += len(chunk)
-                        if have > source.size_bytes:
-                            break
-                        now = self.clock()
-                        if now - last >= PROGRESS_EVERY_S or have == source.size_bytes:
-                            last = now
-                            out.flush()
-                            speed = got / max(now - started, 1e-6)
-                            eta = (source.size_bytes - have) / speed if speed > 0 else None
-                            report(
-                                DownloadProgress(
-                                    source.repo, source.file, Phase.DOWNLOADING, have, source.size_bytes, speed, eta
+                with self.hub.open_stream(source.repo, source.file, source.revision, have) as stream:
+                    if stream.complete:
+                        break
+                    have = stream.offset  # 0 when the server ignored the Range: the partial file is overwritten
+                    with open(part, "r+b" if part.exists() else "wb") as out:
+                        out.seek(have)
+                        out.truncate()
+                        for chunk in stream.chunks(self.chunk_bytes):
+                            out.write(chunk)
+                            have += len(chunk)
+                            got += len(chunk)
+                            stalled_since = None
+                            if have > source.size_bytes:
+                                break
+                            now = self.clock()
+                            if now - last >= PROGRESS_EVERY_S or have == source.size_bytes:
+                                last = now
+                                out.flush()
+                                speed = got / max(now - started, 1e-6)
+                                eta = (source.size_bytes - have) / speed if speed > 0 else None
+                                report(
+                                    DownloadProgress(
+                                        source.repo, source.file, Phase.DOWNLOADING, have, source.size_bytes, speed, eta
+                                    )
                                 )
-                            )
-                        control.check()
+                            control.check()
+            except Stalled:
+                now = self.clock()
+                stalled_since = stalled_since if stalled_since is not None else now
+                if now - stalled_since > STALL_LIMIT_S:
+                    raise LibraryError(
+                        Problem.NO_NETWORK,
+                        f"No data came from the Hub for {STALL_LIMIT_S:.0f} s: check the network, then download "
+                        "again; it resumes where it stopped.",
+                    ) from None
+                continue  # check for pause/cancel, then ask for the rest again
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise self._disk_full(source, 0) from None
@@ -244,6 +260,8 @@ class Downloader:
                     Problem.DISK_FULL,
                     f"Cannot write {part.parent} ({exc.strerror}); check that the models folder is writable.",
                 ) from None
+            if have <= before or have > source.size_bytes:
+                break  # the server ended a transfer without sending anything new (or sent too much)
         if have != source.size_bytes:
             self.store.discard_partial(source)
             raise LibraryError(

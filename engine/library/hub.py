@@ -33,6 +33,9 @@ from engine.errors import SparkError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 TIMEOUT_S = 20.0
+# A transfer waits this long for its next bytes before the downloader checks for pause/cancel and asks again, so a
+# pause is prompt even while the network stalls.
+READ_TIMEOUT_S = 2.0
 _SPLIT_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)  # one part of a split GGUF
 _REPO_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -160,7 +163,8 @@ class HubClient:
                 headers.pop("authorization", None)  # a CDN's signed URL carries its own authority
             if offset:
                 headers["Range"] = f"bytes={offset}-"
-            with get_session().stream("GET", location, headers=headers, timeout=TIMEOUT_S) as response:
+            timeout = httpx2.Timeout(TIMEOUT_S, read=READ_TIMEOUT_S)
+            with get_session().stream("GET", location, headers=headers, timeout=timeout) as response:
                 if response.status_code == 416:
                     yield ByteStream(response, offset, meta.etag, complete=True)
                     return
@@ -221,6 +225,10 @@ def _offline() -> NoReturn:
     )
 
 
+class Stalled(Exception):
+    """No bytes arrived for READ_TIMEOUT_S; the transfer can be asked for again from where it stopped."""
+
+
 @dataclass
 class ByteStream:
     response: Any  # the open httpx2 response
@@ -233,6 +241,8 @@ class ByteStream:
             return
         try:
             yield from self.response.iter_bytes(chunk_size=size)
+        except httpx2.ReadTimeout:
+            raise Stalled() from None
         except (httpx2.TransportError, ConnectionError, TimeoutError):
             raise LibraryError(
                 Problem.NO_NETWORK,

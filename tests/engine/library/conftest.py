@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.library import HubClient, HubSettings, Library, ModelStore, load_catalog
+from engine.library.catalog import load_catalog
+from engine.library.hub import HubClient, HubSettings
+from engine.library.library import Library
+from engine.library.store import ModelStore
 from tests.helpers.fake_hub import FakeHub, running_hub
 from tests.helpers.gguf_files import write_gguf
 from tests.helpers.tiny import make_tiny_model

@@ -9,23 +9,15 @@ import itertools
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from engine.library import (
-    DownloadControl,
-    DownloadProgress,
-    DownloadStopped,
-    HubClient,
-    HubSettings,
-    Library,
-    LibraryError,
-    Phase,
-    Problem,
-    StopReason,
-)
+from engine.library.download import DownloadControl, DownloadProgress, DownloadStopped, Phase, StopReason
+from engine.library.hub import HubClient, HubSettings, LibraryError, Problem
+from engine.library.library import Library
 from tests.engine.library.conftest import FILE, REPO, make_library
 from tests.helpers.fake_hub import FakeHub
 
@@ -92,6 +84,33 @@ def test_pause_keeps_the_partial_file_and_cancel_deletes_it(library: Library, hu
     with pytest.raises(DownloadStopped):
         library.downloader().download(REPO, control=cancel)
     assert library.store.partials() == [] and library.store.models() == []
+    assert library.downloader().download(REPO).path.read_bytes() == tiny_gguf
+
+
+def test_pause_is_prompt_while_the_network_stalls(library: Library, hub: FakeHub, tiny_gguf: bytes) -> None:
+    """The Hub sends 3 MiB, then nothing: a pause still stops the download, and the resumed one completes."""
+    hub.repos[REPO].files[FILE].hold_after = 3 << 20
+    control = DownloadControl()
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            library.downloader().download(REPO, control=control)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 120
+    while not any(p.done_bytes >= 1 << 20 for p in library.store.partials()):
+        assert time.monotonic() < deadline, "no bytes arrived"
+        time.sleep(0.05)
+    control.pause()
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    assert not hub._released.is_set()  # it stopped while the Hub still held the rest back
+    assert isinstance(outcome[0], DownloadStopped) and outcome[0].reason is StopReason.PAUSED
+    hub.release()
     assert library.downloader().download(REPO).path.read_bytes() == tiny_gguf
 
 

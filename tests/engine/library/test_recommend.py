@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from engine.library import Fit, Machine, load_catalog, recommend
+from engine.library.catalog import load_catalog
+from engine.library.recommend import Fit, Machine, recommend
 
 GB = 1 << 30
 
