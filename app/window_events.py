@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from PySide6.QtCore import QObject, QTimer, Slot
 
 from app.library import new_id
+from app.models import FIRST_LAUNCH_HINT
 from app.worker_types import (
     LoadedModel,
     MessageView,
@@ -95,6 +96,10 @@ class WorkerEvents(QObject):
     def _first_ready(self) -> None:
         """The first model (local or remote) is ready: the chat gets its file, and the app reopens where it was."""
         self._w.client.new_chat(self._w.library.path_for(self._w.current_id))
+        if not self._w.prefs.models_offer_shown():  # first launch: one line offering the model library
+            self._w.prefs.set_models_offer_shown()
+            get_models = ("Get Models…", self._w.menus.get_models_action.trigger)
+            self._w.notice.show_message(FIRST_LAUNCH_HINT, error=False, action=get_models, stay=True)
         if (
             self._w.startup_id and not self._w.pending_files
         ):  # reopen where the user left off, unless a file was asked for

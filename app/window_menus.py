@@ -12,6 +12,7 @@ from PySide6.QtCore import QObject, Qt, Slot
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import QApplication, QMenu, QSizePolicy, QToolBar, QToolButton, QWidget
 
+from app.models import downloaded_models, open_get_models
 from app.worker_types import remote_name
 from engine.backends import QUANTIZE_CHOICES
 from engine.loading.model_files import DEFAULT_MODEL_NAME
@@ -85,6 +86,9 @@ class WindowMenus(QObject):
             "Open Model…", self._on_open_model, [QKeySequence("Ctrl+Alt+O")], "Load a model folder or a .gguf file"
         )
         self.open_model_folder_action = self._action("Open Model Folder…", self._on_open_model_folder)
+        self.get_models_action = self._action(
+            "Get Models…", self._on_get_models, tip="Download Qwen3, Gemma 3, Llama or Phi models from Hugging Face"
+        )
         self.add_server_action = self._action(
             "Add a Server…", self._on_add_server, tip="Chat with a model on an OpenAI-compatible server"
         )
@@ -250,6 +254,14 @@ class WindowMenus(QObject):
                 a.setToolTip(str(p))
                 a.setCheckable(True)
                 a.setChecked(p == self._w.model_path and self._w.remote is None)
+        downloaded = downloaded_models(self._w.dirs.models)
+        if downloaded:
+            m.addSection("Downloaded")
+            for name, path in downloaded:
+                a = m.addAction(name, partial(self._w.load_model, path))
+                a.setToolTip(str(path))
+                a.setCheckable(True)
+                a.setChecked(path == self._w.model_path and self._w.remote is None)
         servers = self._w.remote_servers.all()
         if servers:
             m.addSection("Servers")
@@ -259,6 +271,7 @@ class WindowMenus(QObject):
                 a.setCheckable(True)
                 a.setChecked(s == self._w.remote)
         m.addSeparator()
+        m.addAction(self.get_models_action)
         m.addAction(self.open_model_action)
         m.addAction(self.open_model_folder_action)
         m.addAction(self.add_server_action)
@@ -280,6 +293,10 @@ class WindowMenus(QObject):
     def _model_start(self) -> Path:
         recent = self._w.prefs.recent_models()
         return recent[0].parent if recent else Path.home()
+
+    @Slot()
+    def _on_get_models(self) -> None:
+        self.get_models_dialog = open_get_models(self._w, self._w.dirs.models, self._w.load_model)
 
     @Slot()
     def _on_add_server(self) -> None:
