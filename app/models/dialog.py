@@ -44,7 +44,12 @@ from engine.library.hub import HubRepo, RepoFiles
 from engine.library.recommend import Fit, Machine, recommend
 from engine.library.store import LocalModel
 
-FIT_WORDS = {Fit.RUNS_WELL: "✓ Runs well", Fit.FITS: "✓ Fits this Mac", Fit.TOO_BIG: "✗ Too big for this Mac"}
+THIS_MACHINE = "this Mac" if sys.platform == "darwin" else "this computer"
+FIT_WORDS = {
+    Fit.RUNS_WELL: "✓ Runs well",
+    Fit.FITS: f"✓ Fits {THIS_MACHINE}",
+    Fit.TOO_BIG: f"✗ Too big for {THIS_MACHINE}",
+}
 REVEAL_WORDS = "Show in Finder" if sys.platform == "darwin" else "Show in Folder"
 
 
@@ -87,7 +92,7 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
-def _table(headers: list[str]) -> QTableWidget:
+def _table(headers: list[str], stretch: int = 0) -> QTableWidget:
     t = QTableWidget(0, len(headers))
     t.setHorizontalHeaderLabels(headers)
     t.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
@@ -97,9 +102,9 @@ def _table(headers: list[str]) -> QTableWidget:
     t.setAlternatingRowColors(True)
     t.setShowGrid(False)
     header = t.horizontalHeader()
-    header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-    for col in range(1, len(headers)):
-        header.setSectionResizeMode(col, QHeaderView.ResizeMode.ResizeToContents)
+    for col in range(len(headers)):
+        mode = QHeaderView.ResizeMode.Stretch if col == stretch else QHeaderView.ResizeMode.ResizeToContents
+        header.setSectionResizeMode(col, mode)
     return t
 
 
@@ -137,7 +142,7 @@ class GetModelsDialog(QDialog):
         layout = QVBoxLayout(self)
         backends = ", ".join(machine.backends) or "cpu"
         self.machine_label = QLabel(
-            f"This Mac: {format_bytes(machine.total_bytes)} of memory, runs on {backends}. Models that need up to "
+            f"{THIS_MACHINE.capitalize()}: {format_bytes(machine.total_bytes)} of memory, runs on {backends}. Models that need up to "
             f"{format_bytes(machine.budget_bytes)} fit; the default model keeps working without a network."
         )
         self.machine_label.setWordWrap(True)
@@ -159,13 +164,15 @@ class GetModelsDialog(QDialog):
         tasks.failed.connect(self._on_failed)
         self.fill_recommended()
         self.fill_downloaded()
-        self.resize(980, 640)
+        self.resize(1120, 660)
 
     # -- building ------------------------------------------------------------------------------------------------
     def _recommended_tab(self) -> QWidget:
         page = QWidget()
         v = QVBoxLayout(page)
-        self.recommended = _table(["Model", "File", "Download", "Memory needed", "On this Mac", "Licence"])
+        self.recommended = _table(
+            ["Model", "About", "Quant", "Download", "Memory needed", f"On {THIS_MACHINE}", "Licence"], stretch=1
+        )
         self.recommended.itemSelectionChanged.connect(self._update_buttons)
         self.recommended.itemDoubleClicked.connect(lambda _item: self._download_recommended())
         v.addWidget(self.recommended)
@@ -235,14 +242,14 @@ class GetModelsDialog(QDialog):
     def _download_strip(self) -> QWidget:
         strip = QWidget()
         strip.setObjectName("downloadStrip")
-        h = QHBoxLayout(strip)
-        h.setContentsMargins(0, 0, 0, 0)
-        self.status = QLabel("")
-        self.status.setWordWrap(True)
+        v = QVBoxLayout(strip)
+        v.setContentsMargins(0, 0, 0, 0)
         self.bar = QProgressBar()
         self.bar.setRange(0, 1000)
         self.bar.setTextVisible(False)
-        self.bar.setFixedWidth(220)
+        v.addWidget(self.bar)
+        h = QHBoxLayout()
+        self.status = QLabel("")
         self.pause_button = QPushButton("Pause")
         self.pause_button.clicked.connect(self._pause_or_resume)
         self.cancel_button = QPushButton("Cancel")
@@ -250,11 +257,11 @@ class GetModelsDialog(QDialog):
         self.close_button = QPushButton("Close")
         self.close_button.clicked.connect(self.close)
         h.addWidget(self.status, 1)
-        h.addWidget(self.bar)
         h.addWidget(self.pause_button)
         h.addWidget(self.cancel_button)
         h.addSpacing(12)
         h.addWidget(self.close_button)
+        v.addLayout(h)
         self._show_transfer(False)
         return strip
 
@@ -274,7 +281,8 @@ class GetModelsDialog(QDialog):
                 name.setFont(bold)
             size = ("~" if f.size_approximate else "") + format_bytes(f.size_bytes)
             memory = f"{format_bytes(f.memory_4k_bytes)} (4k) · {format_bytes(f.memory_32k_bytes)} (32k)"
-            cells = [name, _cell(f"{f.quantization}"), _cell("Downloaded" if have else size), _cell(memory)]
+            about = _cell(r.model.description, tip=r.model.description)
+            cells = [name, about, _cell(f.quantization), _cell("Downloaded" if have else size), _cell(memory)]
             cells += [_cell(fit), _cell(r.model.license)]
             if r.fit is Fit.TOO_BIG:
                 for c in cells:

@@ -73,7 +73,7 @@ def download(qtbot, d: GetModelsDialog, start: object) -> None:  # type: ignore[
 
 def test_recommendations_mark_what_fits_and_the_best_pick(dialog: GetModelsDialog) -> None:
     table = dialog.recommended
-    rows = {table.item(i, 0).text(): table.item(i, 4).text() for i in range(table.rowCount())}
+    rows = {table.item(i, 0).text(): table.item(i, 5).text() for i in range(table.rowCount())}
     assert len(rows) == sum(not m.bundled for m in load_catalog().models)
     assert rows["Qwen3 8B"] == "★ Best pick · " + FIT_WORDS[Fit.RUNS_WELL]  # a 16 GB Mac with its GPU
     assert sum(text.startswith("★") for text in rows.values()) == 1
