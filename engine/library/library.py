@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.library.catalog import Catalog, RecommendedSampling, load_catalog
+from engine.library.catalog import Catalog, load_catalog
 from engine.library.download import Downloader, FreeSpace, disk_free
 from engine.library.hub import HubClient
 from engine.library.store import ModelStore
@@ -27,8 +27,3 @@ class Library:
 
     def downloader(self) -> Downloader:
         return Downloader(self.hub, self.store, catalog=self.catalog, free_space=self.free_space)
-
-    def recommended_sampling(self, model_file: Path) -> RecommendedSampling | None:
-        """The catalog's sampling for a GGUF by its file name (a downloaded or the bundled model), if listed."""
-        entry = self.catalog.by_file(model_file.name)
-        return entry.sampling if entry else None

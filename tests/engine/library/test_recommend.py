@@ -19,9 +19,9 @@ def test_a_16gb_mac_with_the_gpu_picks_the_8b() -> None:
     assert "smollm2-135m" not in rows  # the bundled model is not a download
 
 
-def test_an_8gb_mac_fits_the_8b_but_picks_a_smaller_model() -> None:
+def test_an_8gb_mac_is_not_offered_the_8b() -> None:
     rows = _by_id(Machine(8 * GB, ("mps", "cpu")))
-    assert rows["qwen3-8b"][0] is Fit.FITS
+    assert rows["qwen3-8b"][0] is Fit.TOO_BIG and rows["qwen3-4b"][0] is not Fit.TOO_BIG
     first = [model for model, (_, pick, _) in rows.items() if pick]
     assert len(first) == 1 and rows[first[0]][0] is Fit.RUNS_WELL and first[0] != "qwen3-8b"
 
@@ -33,9 +33,9 @@ def test_a_cpu_only_machine_prefers_lighter_weights() -> None:
 
 
 def test_a_small_machine_gets_smaller_files_or_nothing() -> None:
-    rows = _by_id(Machine(2 * GB, ("cpu",)))
+    rows = _by_id(Machine(4 * GB, ("cpu",)))
     assert rows["qwen3-8b"][0] is Fit.TOO_BIG
-    picked = [model for model, (_, pick, _) in rows.items() if pick]
-    assert len(picked) == 1 and rows[picked[0]][2] == "Q4_K_M"  # a smaller file of the model where it fits better
-    nothing = _by_id(Machine(1 * GB, ("cpu",)))
+    assert rows["llama3.2-1b"][1:] == (False, "Q4_K_M")  # its Q8_0 is too big here, its Q4_K_M fits
+    assert sum(pick for _, pick, _ in rows.values()) == 1
+    nothing = _by_id(Machine(3 * GB, ("cpu",)))
     assert all(fit is Fit.TOO_BIG and not pick for fit, pick, _ in nothing.values())
