@@ -37,6 +37,7 @@ TIMEOUT_S = 20.0
 # pause is prompt even while the network stalls.
 READ_TIMEOUT_S = 2.0
 _SPLIT_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)  # one part of a split GGUF
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _REPO_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -140,7 +141,8 @@ class HubClient:
             size = s.lfs.size if s.lfs is not None else s.size
             sha = s.lfs.sha256 if s.lfs is not None else None
             if isinstance(size, int) and size >= 0:
-                files.append(HubFile(name, size, sha if isinstance(sha, str) else None))
+                # The sha256 names the partial download's file: only 64 hex digits are taken from the Hub.
+                files.append(HubFile(name, size, sha if isinstance(sha, str) and _SHA256_RE.fullmatch(sha) else None))
         arch = info.gguf.get("architecture") if isinstance(info.gguf, dict) else None
         return RepoFiles(
             repo=repo,

@@ -9,7 +9,7 @@
 Access as the Hub answers it: a private repo without the right token is 401 `RepoNotFound` (an invalid token: 401
 "Invalid credentials"), a missing repo 401/404 `RepoNotFound`, a missing file 404 `EntryNotFound`, a gated repo's
 file 401 `GatedRepo` (its info stays public). Faults the tests inject per file: `flip_byte_at` (serve a damaged
-byte; the metadata keeps the true sha256), `cut_after` (close the connection after that many body bytes),
+byte; the metadata keeps the true sha256), `advertised_sha256` (metadata that lies), `cut_after` (close the connection after that many body bytes),
 `hold_after` (send that many bytes, then wait until `release()`). Every request is logged for the tests to assert.
 """
 
@@ -34,10 +34,11 @@ class FakeFile:
     flip_byte_at: int | None = None
     cut_after: int | None = None
     hold_after: int | None = None
+    advertised_sha256: str | None = None  # what the metadata claims instead of the true sha256 (a hostile Hub)
 
     @property
     def sha256(self) -> str:
-        return hashlib.sha256(self.data).hexdigest()
+        return self.advertised_sha256 or hashlib.sha256(self.data).hexdigest()
 
     def served(self) -> bytes:
         if self.flip_byte_at is None:

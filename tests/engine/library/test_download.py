@@ -150,6 +150,12 @@ def test_flipped_byte_is_refused(library: Library, hub: FakeHub) -> None:
     assert library.store.models() == [] and library.store.partials() == []
 
 
+def test_a_sha256_that_is_not_one_is_refused(library: Library, hub: FakeHub, tmp_path: Path) -> None:
+    hub.repos[REPO].files[FILE].advertised_sha256 = "../../outside"  # it would name the partial file
+    _fails(Problem.BAD_FILE, lambda: library.downloader().download(REPO))
+    assert hub.downloads_of(FILE) == [] and not (tmp_path / "outside.part").exists()
+
+
 def test_a_file_that_is_not_a_gguf_is_not_listed(library: Library, hub: FakeHub) -> None:
     hub.add("spark-tests/junk-GGUF", {"junk.gguf": b"GGUF" + bytes(5000)})
     _fails(Problem.BAD_FILE, lambda: library.downloader().download("spark-tests/junk-GGUF"))
