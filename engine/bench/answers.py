@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["llamacpp_gain_recommended_over_old"] = _ratio(
                 theirs["recommended"]["acceptable"], theirs["old_app_defaults"]["acceptable"]
             )
-    result["first_question_first_seed"] = {"question": questions[0].question, **samples}
+    result["first_question_first_seed"] = {"question": questions[0].question, **{k: v for k, v in samples.items() if v}}
     if notes:
         result["notes"] = notes
     return result
