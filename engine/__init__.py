@@ -13,7 +13,8 @@ Packages, each with one concern, importing only those above it in this list (tes
 tokenizer, chat templates) → `backends` (the forward on a device; `native/` holds the CPU kernels) → `hw` (chip,
 thermal, memory policy) → `memory` (the memory protocol, full attention, the cascade) → `generation` (the loop,
 sampling, batches, the scheduler, the profiler) → `session` (Engine, Session, replay, `.spark` files) → `openai`
-(the shared protocol, the client of remote servers, the server) → `bench`, `cli`. `errors`, `fileio` and `paths`
+(the shared protocol, the client of remote servers, the server) → `library` (the model library: catalog,
+recommendation, Hub downloads, the store of models; the app's Get Models… imports it directly) → `bench`, `cli`. `errors`, `fileio` and `paths`
 are leaves every package may use.
 
 Importing it sets one process-wide policy before PyTorch loads its OpenMP runtime: OpenMP workers sleep when idle

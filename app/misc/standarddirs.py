@@ -38,6 +38,11 @@ class StandardDirs:
         return self.data / "conversations"
 
     @property
+    def models(self) -> Path:
+        """Downloaded models (the model library's store): engine.paths.models_dir() beside the platform's data."""
+        return paths.models_dir() if self.data == paths.default_data_dir() else self.data / "models"
+
+    @property
     def crash_log(self) -> Path:
         return self.data / "crash.log"
 

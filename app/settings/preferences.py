@@ -94,6 +94,13 @@ class Preferences:
     def set_inspector_visible(self, visible: bool) -> None:
         self._s.setValue("view/inspector", "true" if visible else "false")
 
+    def models_offer_shown(self) -> bool:
+        """Whether the first-launch line offering Get Models… was shown (it is shown once)."""
+        return str(self._s.value("models/offer_shown", "false")).lower() == "true"
+
+    def set_models_offer_shown(self) -> None:
+        self._s.setValue("models/offer_shown", "true")
+
     def sidebar_visible(self) -> bool:
         return str(self._s.value("view/sidebar", "true")).lower() == "true"
 

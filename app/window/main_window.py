@@ -36,6 +36,7 @@ from app.inspector.hw_monitor import HardwareMonitor
 from app.inspector.inspector import Inspector
 from app.misc.coalescer import TextCoalescer
 from app.misc.standarddirs import StandardDirs
+from app.models import FIRST_LAUNCH_HINT, downloaded_models, open_get_models
 from app.server.local_server import LocalServerController, local_server_actions
 from app.settings.preferences import Preferences
 from app.settings.remote_servers import RemoteServerList
@@ -118,8 +119,16 @@ class MainWindow(QMainWindow):
         self._build_central()
         self.commands = ConversationCommands(self.state, self.library, client, self.dialogs, dirs.documents, self)
         self.menus = WindowMenus(
-            self, self.state, prefs, self.remote_servers, self.dialogs, self.chat, self._window_menu_titles
+            self,
+            self.state,
+            prefs,
+            self.remote_servers,
+            self.dialogs,
+            self.chat,
+            self._window_menu_titles,
+            lambda: downloaded_models(dirs.models),
         )
+        self.get_models_dialog: QWidget | None = None
         self._build_status_bar()
         self.quick_panel = QuickPromptPanel(quick_client, self.generation_settings)
         self.quick_client = quick_client
@@ -293,6 +302,7 @@ class MainWindow(QMainWindow):
             action.toggled.connect(widget.setVisible)
         m.inspector_action.toggled.connect(self._remember_inspector)
         m.model_chosen.connect(self.load_model)
+        m.get_models_action.triggered.connect(self._on_get_models)
         m.model_path_chosen.connect(lambda path: self.handle_drop([path], 1))
         m.server_chosen.connect(self.use_remote)
         m.precision_changed.connect(self._on_precision)
@@ -560,9 +570,17 @@ class MainWindow(QMainWindow):
         last = self.prefs.last_remote()
         return next((s for s in self.remote_servers.all() if (s.url, s.model) == last), None)
 
+    @Slot()
+    def _on_get_models(self) -> None:
+        self.get_models_dialog = open_get_models(self, self.dirs.models, self.load_model)
+
     def _first_ready(self) -> None:
         """The first model (local or remote) is ready: the chat gets its file, and the app reopens where it was."""
         self.client.new_chat(self.library.path_for(self.state.current_id))
+        if not self.prefs.models_offer_shown():  # first launch: one line offering the model library
+            self.prefs.set_models_offer_shown()
+            get_models = ("Get Models…", self.menus.get_models_action.trigger)
+            self.notice.show_message(FIRST_LAUNCH_HINT, error=False, action=get_models, stay=True)
         if (
             self.startup_id and not self.state.pending_files
         ):  # reopen where the user left off, unless a file was asked for

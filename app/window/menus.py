@@ -76,6 +76,7 @@ class WindowMenus(QObject):
         dialogs: Dialogs,
         text_fallback: QWidget,
         titles: Callable[[], list[tuple[str, str]]],
+        downloaded: Callable[[], list[tuple[str, Path]]] = list,
     ) -> None:
         super().__init__(host)
         self._host = host
@@ -85,6 +86,7 @@ class WindowMenus(QObject):
         self._dialogs = dialogs
         self._text_fallback = text_fallback  # where Copy/Select All go when the focus holds no text
         self._titles = titles  # the conversations the Window menu lists: (id, title), newest first
+        self._downloaded = downloaded  # the model library's complete downloads: (name, GGUF path)
         self.model_menu_extras: list[QAction | None] = []  # entries added at the menu's end (None: a separator)
         self.server_actions: tuple[QAction, QAction] | None = None  # the local server's, shown in Settings too
         self._build_actions()
@@ -114,6 +116,9 @@ class WindowMenus(QObject):
         self.open_model_action.triggered.connect(self._on_open_model)
         self.open_model_folder_action = self._action("Open Model Folder…")
         self.open_model_folder_action.triggered.connect(self._on_open_model_folder)
+        self.get_models_action = self._action(
+            "Get Models…", tip="Download Qwen3, Gemma 3, Llama or Phi models from Hugging Face"
+        )
         self.add_server_action = self._action("Add a Server…", tip="Chat with a model on an OpenAI-compatible server")
         self.add_server_action.triggered.connect(self._on_add_server)
         self.close_action = self._action("Close Window", _keys(SK.Close, "Ctrl+W"))
@@ -271,6 +276,14 @@ class WindowMenus(QObject):
                 a.setToolTip(str(p))
                 a.setCheckable(True)
                 a.setChecked(p == st.model_path and st.remote is None)
+        downloaded = self._downloaded()
+        if downloaded:
+            m.addSection("Downloaded")
+            for name, path in downloaded:
+                a = m.addAction(name, partial(self.model_chosen.emit, path))
+                a.setToolTip(str(path))
+                a.setCheckable(True)
+                a.setChecked(path == st.model_path and st.remote is None)
         servers = self._servers.all()
         if servers:
             m.addSection("Servers")
@@ -280,6 +293,7 @@ class WindowMenus(QObject):
                 a.setCheckable(True)
                 a.setChecked(s == st.remote)
         m.addSeparator()
+        m.addAction(self.get_models_action)
         m.addAction(self.open_model_action)
         m.addAction(self.open_model_folder_action)
         m.addAction(self.add_server_action)

@@ -40,7 +40,10 @@ class NoticeBar(QFrame):
         parent.installEventFilter(self)
         self.hide()
 
-    def show_message(self, text: str, error: bool, action: tuple[str, Callable[[], None]] | None = None) -> None:
+    def show_message(
+        self, text: str, error: bool, action: tuple[str, Callable[[], None]] | None = None, stay: bool = False
+    ) -> None:
+        """Show `text` over the chat; an info message hides itself after a while unless it should `stay`."""
         self.setProperty("kind", "error" if error else "info")
         self.style().unpolish(self)
         self.style().polish(self)
@@ -51,7 +54,7 @@ class NoticeBar(QFrame):
         self._place()
         self.show()
         self.raise_()
-        if error:
+        if error or stay:
             self._timer.stop()
         else:
             self._timer.start(NOTICE_INFO_MS)

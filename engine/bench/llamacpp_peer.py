@@ -7,7 +7,8 @@ as it does on its own. The child runs this file as a script, so it never imports
 standard library, numpy and llama_cpp.
 
 Protocol: one JSON object per line each way. Requests: {"op": "load", "path", "n_ctx", "threads", "n_batch"},
-{"op": "measure", "ids", "n_decode"}, {"op": "last_logits", "ids"}; replies: {"ok": true, ...} or
+{"op": "measure", "ids", "n_decode"}, {"op": "last_logits", "ids"}, {"op": "generate", "ids", "max_tokens",
+"sampling", "seed", "stop_ids"} (`bench answers`: llama.cpp's own sampler chain at the given settings); replies: {"ok": true, ...} or
 {"ok": false, "error": "one sentence"}.
 """
 
@@ -72,6 +73,15 @@ class LlamaCppPeer:
         reply = self._ask({"op": "last_logits", "ids": ids})
         return np.frombuffer(base64.b64decode(reply["logits"]), dtype=np.float32).copy()
 
+    def generate(
+        self, ids: list[int], max_tokens: int, sampling: dict[str, Any], seed: int, stop_ids: list[int]
+    ) -> list[int]:
+        """Sample up to `max_tokens` after `ids` with llama.cpp's sampler (`sampling`: temperature, top_p, top_k,
+        min_p, repeat_penalty; temperature 0 is greedy), seeded; the ids before the first of `stop_ids`."""
+        request = {"op": "generate", "ids": ids, "max_tokens": max_tokens, "sampling": sampling, "seed": seed}
+        reply = self._ask({**request, "stop_ids": stop_ids})
+        return [int(t) for t in reply["tokens"]]
+
     def close(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
@@ -112,6 +122,29 @@ def _measure(llm: Any, ids: list[int], n_decode: int) -> dict[str, Any]:
     }
 
 
+def _generate(llm: Any, req: dict[str, Any]) -> dict[str, Any]:
+    s = req["sampling"]
+    stop = {int(t) for t in req["stop_ids"]}
+    llm.reset()
+    llm.set_seed(int(req["seed"]))
+    tokens: list[int] = []
+    for tok in llm.generate(
+        [int(i) for i in req["ids"]],
+        top_k=int(s["top_k"]),
+        top_p=float(s["top_p"]),
+        min_p=float(s["min_p"]),
+        temp=float(s["temperature"]),
+        repeat_penalty=float(s["repeat_penalty"]),
+        reset=True,
+    ):
+        if int(tok) in stop:
+            break
+        tokens.append(int(tok))
+        if len(tokens) >= int(req["max_tokens"]):
+            break
+    return {"tokens": tokens}
+
+
 def _serve() -> None:
     try:
         import llama_cpp
@@ -135,6 +168,8 @@ def _serve() -> None:
                 reply = {"version": llama_cpp.__version__}
             elif req["op"] == "measure":
                 reply = _measure(llm, [int(i) for i in req["ids"]], int(req["n_decode"]))
+            elif req["op"] == "generate":
+                reply = _generate(llm, req)
             elif req["op"] == "last_logits":
                 llm.reset()
                 llm.eval([int(i) for i in req["ids"]])

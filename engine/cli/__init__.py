@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, str] = {
     "hw": "engine.cli.hw",
     "serve": "engine.cli.serve",
     "bench": "engine.cli.bench",
+    "models": "engine.cli.models",
 }
 
 

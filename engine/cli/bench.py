@@ -23,6 +23,7 @@ SUITES: dict[str, str] = {
     "profile": "engine.bench.profile",
     "quant": "engine.bench.quant",
     "serve": "engine.bench.serve",
+    "answers": "engine.bench.answers",
     "speculative": "engine.bench.speculative",
     "structured": "engine.bench.structured",
 }

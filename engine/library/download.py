@@ -1,0 +1,310 @@
+"""Downloading one GGUF file from the Hub into the store: resumable, with progress, checked before it is listed.
+
+Steps: the repo's file list (size and LFS sha256, at one commit) → refuse an architecture the loader does not run
+→ enough free disk for what is left → a Range request from the end of the partial file → bytes appended in chunks,
+progress reported and pause/cancel checked between chunks → the sha256 of the whole file against the Hub's → the
+GGUF's header and tensor table read (`validate_gguf`) → moved into the store with its manifest.
+
+huggingface_hub's own `hf_hub_download` keeps no partial file across processes (since 1.x each attempt downloads to
+a file unique to it) and reads in 10 MB chunks, so a pause would wait for a whole chunk: this module reads the
+stream itself, in 1 MiB chunks, through huggingface_hub's session, headers and error mapping (engine.library.hub).
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import hashlib
+import shutil
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import ModelLoadError
+from engine.hw.memory import format_bytes
+from engine.library.catalog import Catalog
+from engine.library.hub import HubClient, HubFile, LibraryError, Problem, RepoFiles, Stalled
+from engine.library.store import LocalModel, ModelSource, ModelStore
+from engine.loading.gguf import ARCHITECTURES, GGUFModel
+
+CHUNK_BYTES = 1 << 20
+DISK_MARGIN_BYTES = 256 << 20  # left free after the download, so the disk is not filled to the last byte
+PROGRESS_EVERY_S = 0.1
+STALL_LIMIT_S = 60.0  # no bytes for this long: the network is gone
+
+
+class Phase(enum.Enum):
+    CONNECTING = "connecting"
+    DOWNLOADING = "downloading"
+    VERIFYING = "verifying"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class DownloadProgress:
+    repo: str
+    file: str
+    phase: Phase
+    done_bytes: int
+    total_bytes: int
+    bytes_per_s: float  # over this session's transfer (0 until bytes arrive)
+    eta_s: float | None  # None until a speed is known
+
+
+class StopReason(enum.Enum):
+    PAUSED = "paused"  # the partial file stays: downloading again resumes
+    CANCELLED = "cancelled"  # the partial file is deleted
+
+
+class DownloadStopped(Exception):
+    """The user paused or cancelled; not an error."""
+
+    def __init__(self, reason: StopReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+class DownloadControl:
+    """Pause or cancel a download from another thread; it stops at the next chunk (within ~1 MiB)."""
+
+    def __init__(self) -> None:
+        self._stop: StopReason | None = None
+        self._lock = threading.Lock()
+
+    def pause(self) -> None:
+        self._request(StopReason.PAUSED)
+
+    def cancel(self) -> None:
+        self._request(StopReason.CANCELLED)
+
+    def _request(self, reason: StopReason) -> None:
+        with self._lock:
+            if self._stop is not StopReason.CANCELLED:  # cancel wins over pause
+                self._stop = reason
+
+    def check(self) -> None:
+        with self._lock:
+            reason = self._stop
+        if reason is not None:
+            raise DownloadStopped(reason)
+
+
+ProgressCallback = Callable[[DownloadProgress], None]
+FreeSpace = Callable[[Path], int]
+
+
+def disk_free(path: Path) -> int:
+    """Free bytes on the disk holding `path` (its nearest existing parent)."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return shutil.disk_usage(p).free
+    return shutil.disk_usage(Path.cwd()).free
+
+
+def validate_gguf(path: Path) -> str:
+    """Read the file's GGUF header and tensor table with the loader's reader; return its architecture family.
+    Raises ModelLoadError (one sentence) for a file the engine cannot load."""
+    model = GGUFModel(path)
+    model.tensor_shapes()
+    return model.architecture
+
+
+def choose_file(files: RepoFiles, wanted: str | None, catalog: Catalog | None) -> HubFile:
+    """The file `--file` names, else the catalog's pick for a known repo, else the repo's only GGUF or its Q4_K_M."""
+    if wanted:
+        found = files.file(wanted)
+        if found is None:
+            raise LibraryError(Problem.NO_FILE, f"{files.repo} has no GGUF file {wanted}; {_choices(files)}")
+        return found
+    if not files.files:
+        raise LibraryError(
+            Problem.NO_FILE, f"{files.repo} holds no single-file GGUF model; choose a repo with GGUF files."
+        )
+    known = catalog.by_repo(files.repo) if catalog else None
+    if known is not None:
+        pick = files.file(known.file().file)
+        if pick is not None:
+            return pick
+    if len(files.files) == 1:
+        return files.files[0]
+    q4km = [f for f in files.files if "q4_k_m" in f.name.lower()]
+    if len(q4km) == 1:
+        return q4km[0]
+    raise LibraryError(Problem.CHOOSE_FILE, f"{files.repo} holds several GGUF files; {_choices(files)}")
+
+
+def _choices(files: RepoFiles) -> str:
+    listed = ", ".join(f"{f.name} ({format_bytes(f.size_bytes)})" for f in files.files[:12])
+    more = f" and {len(files.files) - 12} more" if len(files.files) > 12 else ""
+    return f"choose one with --file: {listed}{more}."
+
+
+class Downloader:
+    def __init__(
+        self,
+        hub: HubClient,
+        store: ModelStore,
+        *,
+        catalog: Catalog | None = None,
+        free_space: FreeSpace = disk_free,
+        supported: Collection[str] = tuple(ARCHITECTURES),
+        clock: Callable[[], float] = time.monotonic,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.hub = hub
+        self.store = store
+        self.catalog = catalog
+        self.free_space = free_space
+        self.supported = supported
+        self.clock = clock
+        self.chunk_bytes = chunk_bytes
+
+    def download(
+        self,
+        repo: str,
+        file: str | None = None,
+        *,
+        progress: ProgressCallback | None = None,
+        control: DownloadControl | None = None,
+    ) -> LocalModel:
+        files = self.hub.repo_files(repo)
+        chosen = choose_file(files, file, self.catalog)
+        if chosen.sha256 is None:
+            raise LibraryError(
+                Problem.BAD_FILE,
+                f"The Hub gives no sha256 for {chosen.name} (it is not stored in LFS), so it cannot be verified; "
+                "choose another file.",
+            )
+        if files.architecture and files.architecture not in self.supported:
+            raise LibraryError(
+                Problem.UNSUPPORTED,
+                f"{repo} holds {files.architecture!r} models, which this version of MLoT Spark does not run "
+                f"(it runs {', '.join(sorted(self.supported))}); choose another model.",
+            )
+        source = ModelSource(repo, chosen.name, files.revision, chosen.sha256, chosen.size_bytes)
+        existing = self.store.find(repo, chosen.name)
+        if existing is not None and existing.source.sha256 == source.sha256:
+            return existing
+        report = progress or (lambda _p: None)
+        control = control or DownloadControl()
+        part = self.store.partial_path(source)
+        try:
+            self._fetch(source, part, report, control)
+            report(DownloadProgress(repo, chosen.name, Phase.VERIFYING, source.size_bytes, source.size_bytes, 0.0, 0.0))
+            self._verify(source, part, control)
+            family = self._validate(part, source)
+        except DownloadStopped as stop:
+            if stop.reason is StopReason.CANCELLED:
+                self.store.discard_partial(source)
+            raise
+        model = self.store.install(part, source, family)
+        report(DownloadProgress(repo, chosen.name, Phase.DONE, source.size_bytes, source.size_bytes, 0.0, 0.0))
+        return model
+
+    # -- steps -----------------------------------------------------------------------------------------------------
+    def _fetch(self, source: ModelSource, part: Path, report: ProgressCallback, control: DownloadControl) -> None:
+        have = part.stat().st_size if part.exists() else 0
+        if have > source.size_bytes:  # not this file's bytes: start again
+            part.unlink()
+            have = 0
+        self._check_space(source, have)
+        report(DownloadProgress(source.repo, source.file, Phase.CONNECTING, have, source.size_bytes, 0.0, None))
+        started, got, last = self.clock(), 0, 0.0
+        stalled_since: float | None = None
+        while have < source.size_bytes:
+            control.check()
+            before = have
+            try:
+                with self.hub.open_stream(source.repo, source.file, source.revision, have) as stream:
+                    if stream.complete:
+                        break
+                    have = stream.offset  # 0 when the server ignored the Range: the partial file is overwritten
+                    with open(part, "r+b" if part.exists() else "wb") as out:
+                        out.seek(have)
+                        out.truncate()
+                        for chunk in stream.chunks(self.chunk_bytes):
+                            out.write(chunk)
+                            have += len(chunk)
+                            got += len(chunk)
+                            stalled_since = None
+                            if have > source.size_bytes:
+                                break
+                            now = self.clock()
+                            if now - last >= PROGRESS_EVERY_S or have == source.size_bytes:
+                                last = now
+                                out.flush()
+                                speed = got / max(now - started, 1e-6)
+                                eta = (source.size_bytes - have) / speed if speed > 0 else None
+                                report(
+                                    DownloadProgress(
+                                        source.repo, source.file, Phase.DOWNLOADING, have, source.size_bytes, speed, eta
+                                    )
+                                )
+                            control.check()
+            except Stalled:
+                now = self.clock()
+                stalled_since = stalled_since if stalled_since is not None else now
+                if now - stalled_since > STALL_LIMIT_S:
+                    raise LibraryError(
+                        Problem.NO_NETWORK,
+                        f"No data came from the Hub for {STALL_LIMIT_S:.0f} s: check the network, then download "
+                        "again; it resumes where it stopped.",
+                    ) from None
+                continue  # check for pause/cancel, then ask for the rest again
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise self._disk_full(source, 0) from None
+                raise LibraryError(
+                    Problem.DISK_FULL,
+                    f"Cannot write {part.parent} ({exc.strerror}); check that the models folder is writable.",
+                ) from None
+            if have <= before or have > source.size_bytes:
+                break  # the server ended a transfer without sending anything new (or sent too much)
+        if have != source.size_bytes:
+            self.store.discard_partial(source)
+            raise LibraryError(
+                Problem.BAD_HASH,
+                f"The Hub sent {have} bytes of {source.file} instead of {source.size_bytes}; the partial copy was "
+                "deleted: download it again.",
+            )
+
+    def _check_space(self, source: ModelSource, have: int) -> None:
+        needed = source.size_bytes - have + DISK_MARGIN_BYTES
+        if self.free_space(self.store.root) < needed:
+            raise self._disk_full(source, needed)
+
+    def _disk_full(self, source: ModelSource, needed: int) -> LibraryError:
+        free = self.free_space(self.store.root)
+        need = f"needs {format_bytes(needed)} but " if needed else ""
+        return LibraryError(
+            Problem.DISK_FULL,
+            f"{source.file} {need}only {format_bytes(free)} is free on the disk holding {self.store.root}: free some "
+            "space (or remove a model with `python -m engine models remove NAME`), then download again; it resumes "
+            "where it stopped.",
+        )
+
+    def _verify(self, source: ModelSource, part: Path, control: DownloadControl) -> None:
+        h = hashlib.sha256()
+        with open(part, "rb") as f:
+            while chunk := f.read(8 * CHUNK_BYTES):
+                h.update(chunk)
+                control.check()
+        if h.hexdigest() != source.sha256:
+            self.store.discard_partial(source)
+            raise LibraryError(
+                Problem.BAD_HASH,
+                f"The downloaded {source.file} does not match the Hub's sha256 (the copy was damaged on the way); it "
+                "was deleted: download it again.",
+            )
+
+    def _validate(self, part: Path, source: ModelSource) -> str:
+        try:
+            return validate_gguf(part)
+        except ModelLoadError as exc:
+            self.store.discard_partial(source)
+            raise LibraryError(
+                Problem.BAD_FILE,
+                f"{source.file} from {source.repo} is not a model MLoT Spark can open, so it was not added: {exc}",
+            ) from None

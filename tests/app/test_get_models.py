@@ -1,0 +1,173 @@
+"""Model ▸ Get Models… against the loopback Hub: recommendations for the machine, a Hub search with per-file sizes,
+a download on its own thread with pause, resume and cancel, delete and reveal, and a downloaded model that chats in
+the window and appears in its model menu."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import SignalInstance
+
+from app.main_window import MainWindow
+from app.models.dialog import FIT_WORDS, GetModelsDialog
+from app.models.tasks import LibraryTasks
+from app.signal_wait import GuiRelay
+from engine.library.catalog import load_catalog
+from engine.library.hub import HubClient, HubSettings
+from engine.library.library import Library
+from engine.library.recommend import Fit, Machine
+from engine.library.store import ModelStore
+from tests.app.conftest import WAIT_MS
+from tests.helpers.fake_hub import FakeHub, running_hub
+from tests.helpers.gguf_files import write_gguf
+
+REPO = "spark-tests/tiny-GGUF"
+FILE = "tiny-f32.gguf"
+
+
+@pytest.fixture
+def hub(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    data = write_gguf(tiny_model, tmp_path / FILE, "f32").read_bytes()
+    with running_hub() as fake:
+        fake.add(REPO, {FILE: data})
+        yield fake
+
+
+@pytest.fixture
+def dialog(qtbot, hub: FakeHub, tmp_path: Path) -> GetModelsDialog:  # type: ignore[no-untyped-def]
+    settings = HubSettings(endpoint=hub.endpoint, token=None, offline=False)
+    library = Library(ModelStore(tmp_path / "models"), HubClient(settings), load_catalog(), free_space=free_space)
+    d = GetModelsDialog(
+        LibraryTasks(library), Machine(16 << 30, ("mps", "cpu")), confirm=lambda _w, _n: True, reveal=REVEALED.append
+    )
+    qtbot.addWidget(d)
+    REVEALED.clear()
+    CHECKED_SPACE_ON.clear()
+    return d
+
+
+REVEALED: list[Path] = []
+CHECKED_SPACE_ON: list[str] = []  # the threads the downloads ran on
+
+
+def free_space(_path: Path) -> int:
+    CHECKED_SPACE_ON.append(threading.current_thread().name)
+    return 1 << 40
+
+
+def on_gui(d: GetModelsDialog, signal: SignalInstance) -> SignalInstance:
+    """A LibraryTasks signal re-emitted on the GUI thread (pytest-qt's waiter would otherwise run on the task's)."""
+    return GuiRelay(signal, parent=d).fired
+
+
+def download(qtbot, d: GetModelsDialog, start: object) -> None:  # type: ignore[no-untyped-def]
+    with qtbot.waitSignal(on_gui(d, d.tasks.downloaded), timeout=WAIT_MS):
+        start()  # type: ignore[operator]
+
+
+def test_recommendations_mark_what_fits_and_the_best_pick(dialog: GetModelsDialog) -> None:
+    table = dialog.recommended
+    rows = {table.item(i, 0).text(): table.item(i, 5).text() for i in range(table.rowCount())}
+    assert len(rows) == sum(not m.bundled for m in load_catalog().models)
+    assert rows["Qwen3 8B"] == "★ Best pick · " + FIT_WORDS[Fit.RUNS_WELL]  # a 16 GB Mac with its GPU
+    assert sum(text.startswith("★") for text in rows.values()) == 1
+    assert table.selectionModel().selectedRows()[0].row() == list(rows).index("Qwen3 8B")
+    assert dialog.get_button.isEnabled()
+
+
+def test_search_download_reveal_delete(qtbot, dialog: GetModelsDialog) -> None:  # type: ignore[no-untyped-def]
+    dialog.tabs.setCurrentIndex(1)
+    dialog.query.setText("tiny")
+    with qtbot.waitSignal(on_gui(dialog, dialog.tasks.search_done), timeout=WAIT_MS):
+        dialog.search_button.click()
+    assert dialog.repos.count() == 1
+    with qtbot.waitSignal(on_gui(dialog, dialog.tasks.files_ready), timeout=WAIT_MS):
+        dialog.repos.setCurrentRow(0)
+    assert dialog.files.rowCount() == 1 and dialog.files.item(0, 0).text() == FILE
+    assert dialog.files.item(0, 1).text().endswith("kB")  # its size, from the Hub's metadata
+    dialog.files.selectRow(0)
+    changed: list[bool] = []
+    dialog.models_changed.connect(lambda: changed.append(True))
+    download(qtbot, dialog, dialog.file_button.click)
+    assert CHECKED_SPACE_ON == ["models-download"]  # the download ran on its own thread, not the GUI's
+    assert dialog.tabs.currentIndex() == 2 and dialog.local.rowCount() == 1 and changed == [True]
+    assert "ready" in dialog.status.text()
+
+    dialog.local.selectRow(0)
+    dialog.reveal_button.click()
+    assert [dialog.tasks.library.store.models()[0].path] == REVEALED
+    chosen: list[Path] = []
+    dialog.model_chosen.connect(chosen.append)
+    with qtbot.waitSignal(on_gui(dialog, dialog.tasks.removed), timeout=WAIT_MS):
+        dialog.delete_button.click()
+    assert dialog.local.rowCount() == 0 and dialog.tasks.library.store.models() == [] and changed == [True, True]
+    assert chosen == []
+
+
+def test_pause_resume_and_cancel(qtbot, dialog: GetModelsDialog, hub: FakeHub) -> None:  # type: ignore[no-untyped-def]
+    hub.repos[REPO].files[FILE].hold_after = 50_000  # the Hub stalls after a few bytes until released
+    stopped = on_gui(dialog, dialog.tasks.stopped)
+    with qtbot.waitSignal(stopped, timeout=WAIT_MS) as paused:
+        dialog.start_download(REPO, FILE)
+        dialog.pause_button.click()
+    assert paused.args[0][2] == "paused" and dialog.pause_button.text() == "Resume"
+    assert dialog.tasks.library.store.models() == []
+    hub.release()
+    download(qtbot, dialog, dialog.pause_button.click)  # Resume
+    assert [m.source.file for m in dialog.tasks.library.store.models()] == [FILE]
+
+    hub.add("spark-tests/other-GGUF", {"other.gguf": hub.repos[REPO].files[FILE].data})
+    with qtbot.waitSignal(stopped, timeout=WAIT_MS) as cancelled:
+        dialog.start_download("spark-tests/other-GGUF", "other.gguf")
+        dialog.cancel_button.click()
+    assert cancelled.args[0][2] == "cancelled" and "nothing was kept" in dialog.status.text()
+    assert dialog.tasks.library.store.partials() == [] and len(dialog.tasks.library.store.models()) == 1
+
+
+def test_a_failure_is_one_sentence_in_the_dialog(qtbot, dialog: GetModelsDialog, hub: FakeHub) -> None:  # type: ignore[no-untyped-def]
+    hub.repos[REPO].gated = True
+    with qtbot.waitSignal(on_gui(dialog, dialog.tasks.failed), timeout=WAIT_MS):
+        dialog.start_download(REPO, FILE)
+    assert "gated" in dialog.status.text() and "\n" not in dialog.status.text()
+    assert not dialog.pause_button.isVisible()
+
+
+def test_a_downloaded_model_chats_in_the_window(
+    qtbot, window: MainWindow, gui, hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    window.menus.model_menu.aboutToShow.emit()
+    assert "Get Models…" in [a.text() for a in window.menus.model_menu.actions()]
+    window.menus.get_models_action.trigger()
+    d: GetModelsDialog = window.menus.get_models_dialog
+    assert d.isVisible()
+    download(qtbot, d, lambda: d.start_download(REPO, FILE))
+    window.menus.model_menu.aboutToShow.emit()  # the menu refills as it opens
+    assert "tiny-f32" in [a.text() for a in window.menus.model_menu.actions()]
+    d.local.selectRow(0)
+    with qtbot.waitSignal(gui(window.client.worker.loaded), timeout=WAIT_MS):
+        d.use_button.click()
+    assert window.model_path is not None and window.model_path.name == FILE
+    with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
+        assert window.submit("Hello")
+    assert window.chat.toPlainText().count("Hello") >= 1
+
+
+def test_first_launch_offers_the_library_once(window: MainWindow, prefs, dirs, dialogs, thermal) -> None:  # type: ignore[no-untyped-def]
+    from app.models import FIRST_LAUNCH_HINT
+    from app.wiring import build_main_window
+    from tests.app.conftest import dispose
+
+    assert prefs.models_offer_shown()
+    assert window.notice.text() == FIRST_LAUNCH_HINT and window.notice.action_button.text() == "Get Models…"
+    again = build_main_window(prefs, dirs, dialogs, thermal)
+    try:
+        assert again.notice.text() != FIRST_LAUNCH_HINT
+    finally:
+        dispose(again)
