@@ -34,6 +34,7 @@ from engine.memory.base import FullAttentionMemory
 MAX_DRAFT = 8  # drafts per verify: the verify chunk (1 + K tokens) stays a small step (engine.model.slots.SMALL_STEP)
 LOOKUP_NGRAMS = (4, 3, 2)  # n-gram sizes prompt lookup matches, longest first
 EMA = 0.15  # weight of the newest measurement in the controller's running figures
+PRIOR_EXTRA = 0.25  # until measured, a drafted token is assumed to add this share of a decode step to a verify
 PROBE_EVERY = 16  # after this many chances passed up at K = 0, try K = 1 once (acceptance may have changed)
 DRAFT_SLOTS = 4096  # the draft model's own full-attention slot table
 DRAFT_CHUNK = 256  # the draft model reads the context in chunks of this many tokens
@@ -166,15 +167,15 @@ class Controller:
     With a per-draft acceptance rate a (drafts accepted in order until the first rejection), a verify forward of K
     drafts yields E(K) = (1 - a^(K+1)) / (1 - a) tokens for cost(K + 1) + K x draft cost; plain decoding yields one
     token per decode step. K is the argmax of yield per second, 0 when nothing beats a decode step. A verify's cost
-    is modelled as a decode step plus a measured extra per drafted token (free until measured: the first chance
-    speculates, and its measurement decides the next)."""
+    is modelled as a decode step plus a measured extra per drafted token (PRIOR_EXTRA of a step until measured: the
+    first chance speculates with a small K, and its measurement decides the next)."""
 
     max_k: int = MAX_DRAFT
     adaptive: bool = True  # False: always max_k (within the limit), whatever it costs (tests, measurements)
     accept_rate: float = 0.6  # prior, until drafts are verified
     decode_s: float | None = None  # a decode step
     draft_s: float = 0.0  # drafting one token (0 for lookup)
-    extra_s: float = 0.0  # a verify forward's cost over a decode step's, per drafted token (prior: free)
+    extra_s: float = 0.0  # a verify forward's cost over a decode step's, per drafted token (measured)
     verified: bool = False  # whether extra_s was measured yet
     passed: int = 0  # chances passed up at K = 0 since the last verify
     drafted: int = 0  # totals, for reports
@@ -209,7 +210,8 @@ class Controller:
         """Estimated seconds of a verify forward of `width` tokens: a decode step plus the measured extra per token
         (one slope from every verify measured, so a single verify informs every width)."""
         assert self.decode_s is not None
-        return self.decode_s + self.extra_s * (width - 1)
+        extra = self.extra_s if self.verified else PRIOR_EXTRA * self.decode_s
+        return self.decode_s + extra * (width - 1)
 
     def _best(self, limit: int, accept_rate: float) -> int:
         """The K in [0, limit] of most tokens per second at this acceptance rate (0: plain decoding)."""

@@ -37,7 +37,7 @@ from engine.generation.loop import (
     stream_generate,
 )
 from engine.generation.sampling import Sampler, SamplingSettings, make_sampler
-from engine.generation.speculative import DraftModel, Speculation, Speculator
+from engine.generation.speculative import Controller, DraftModel, PromptLookup, Speculation, Speculator
 from engine.hw import HardwarePolicy
 from engine.loading.model_files import check_model_path, display_name, resolve_model_path
 from engine.loading.sampling_defaults import ModelSampling, model_sampling
@@ -211,6 +211,7 @@ class Session:
         self.restore_digest_ok: bool | None = None  # after a compact restore: was the rebuilt memory bit-identical?
         self.on_prefill: Callable[[PrefillProgress], None] | None = None  # hears the reading of each prompt
         self._draft_backend: Backend | None = None  # the draft model's slot table for this conversation
+        self._lookup_controller = Controller()  # prompt lookup's measured costs and acceptance, turn after turn
 
     # -- conversation ------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -466,10 +467,15 @@ class Session:
         return self.sampler
 
     def _speculator_for(self, settings: GenerationSettings) -> Speculator | None:
-        """Draft speculation's speculator (the draft model's own slot table, made once per session); None lets
-        the loop decide (lookup, or off)."""
-        if Speculation(settings.speculative) is not Speculation.DRAFT:
+        """The speculator of this turn: draft speculation's (the draft model's own slot table, made once per
+        session), or prompt lookup's with the session's adaptive controller (what it measured carries over from
+        turn to turn, so a machine where verifying does not pay stops paying for the measurement); None when off."""
+        mode = Speculation(settings.speculative)
+        if mode is Speculation.OFF:
             return None
+        if mode is not Speculation.DRAFT:
+            controller = self._lookup_controller if settings.draft_tokens == 0 else controller_for(settings)
+            return Speculator(PromptLookup(), controller)
         if self.engine.draft is None:
             raise SparkError("Draft speculation needs a draft model; load one with --draft-model.")
         if self._draft_backend is None:

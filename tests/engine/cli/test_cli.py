@@ -155,3 +155,23 @@ def test_a_subcommand_missing_from_the_build_says_so(
     monkeypatch.setitem(cli.SUBCOMMANDS, "bench", "engine.cli.not_in_this_build")
     assert cli.main(["bench", "decode", "--json"]) == 2
     assert "not available in this build" in capsys.readouterr().err
+
+
+def test_generate_speculates_with_the_same_greedy_tokens_and_reports_acceptance(model: Path, tmp_path: Path) -> None:
+    common = ["--model", str(model), "--prompt", "def main():\n    return 42\ndef main():\n", "--max-tokens", "16"]
+    runs = {
+        mode: engine_cli("generate", *common, "--greedy", "--json", *extra, cache=tmp_path)
+        for mode, extra in (
+            ("off", ["--speculative", "off"]),
+            ("lookup", ["--speculative", "lookup", "--draft-tokens", "3"]),
+            ("draft", ["--speculative", "draft", "--draft-model", str(model), "--draft-tokens", "2"]),
+        )
+    }
+    for r in runs.values():
+        assert r.returncode == 0, r.stderr
+    out = {mode: json.loads(r.stdout) for mode, r in runs.items()}
+    assert out["lookup"]["tokens"] == out["off"]["tokens"] == out["draft"]["tokens"]
+    assert "accepted_per_forward" not in out["off"]
+    assert out["draft"]["accepted_per_forward"] > 1.0  # the model drafting for itself: every draft accepted
+    bad = engine_cli("generate", *common, "--speculative", "draft", cache=tmp_path)
+    assert bad.returncode != 0 and "--draft-model" in bad.stderr and "Traceback" not in bad.stderr
