@@ -58,9 +58,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
         "--speculative",
-        default=Speculation.AUTO.value,
+        default=Speculation.OFF.value,
         choices=[m.value for m in Speculation],
-        help="speculative decoding: auto (prompt lookup where it pays), off, lookup, draft (needs --draft-model)",
+        help="speculative decoding: off (the default until it is measured never to lose), auto (prompt lookup where "
+        "it pays), lookup, draft (needs --draft-model)",
     )
     p.add_argument(
         "--draft-tokens", type=int, default=0, help="drafts per verify forward (default 0: adapted to what pays)"
@@ -92,7 +93,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationS
         greedy=v["greedy"],
     )
     sampling.validate()
-    speculative = Speculation(getattr(args, "speculative", Speculation.AUTO))
+    speculative = Speculation(getattr(args, "speculative", Speculation.OFF))
     if speculative is Speculation.DRAFT and getattr(args, "draft_model", None) is None:
         raise SparkError("--speculative draft needs --draft-model M (a smaller model of the same vocabulary).")
     draft_tokens = getattr(args, "draft_tokens", 0)
