@@ -271,9 +271,10 @@ class KVCache(nn.Module):
 
     @staticmethod
     def _grown(t: torch.Tensor, size: int) -> torch.Tensor:
-        """t (L, B, Hkv, C, D) -> (L, B, Hkv, size, D) holding t's slots first, zeros after."""
+        """t (L, B, Hkv, C, D) -> (L, B, Hkv, size, D) holding t's leading slots, zeros after."""
         out = t.new_zeros((*t.shape[:3], size, t.shape[4]))
-        out[:, :, :, : t.shape[3]] = t
+        kept = min(size, t.shape[3])
+        out[:, :, :, :kept] = t[:, :, :, :kept]
         return out
 
     def release(self) -> None:
