@@ -23,6 +23,8 @@ SUITES: dict[str, str] = {
     "profile": "engine.bench.profile",
     "quant": "engine.bench.quant",
     "serve": "engine.bench.serve",
+    "long-context": "engine.bench.long_context",
+    "memory": "engine.bench.memory",
 }
 
 
