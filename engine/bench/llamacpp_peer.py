@@ -51,7 +51,12 @@ class LlamaCppPeer:
         except OSError as exc:
             raise PeerError(f"the llama.cpp peer process stopped ({exc})") from None
         if not line:
-            raise PeerError(f"the llama.cpp peer process exited (code {self.proc.poll()})")
+            try:
+                code: int | None = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                code = None
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited (code {code})"
+            raise PeerError(f"the llama.cpp peer process {how}")
         reply: dict[str, Any] = json.loads(line)
         if not reply.get("ok"):
             raise PeerError(str(reply.get("error", "the llama.cpp peer failed")))
