@@ -151,3 +151,22 @@ def test_frames_change_nothing_but_rounding(model_dir: Path) -> None:
     framed, plain = outs
     assert not torch.equal(framed, plain)  # frames were really used past the window
     assert torch.allclose(framed, plain, atol=1e-4), (framed - plain).abs().max()
+
+
+def test_the_table_grows_in_blocks_keeping_its_contents_and_gives_them_back(model_dir: Path) -> None:
+    b = TorchBackend(model_dir, "cpu")
+    b.allocate(1, 2000)
+    c: KVCache = b.cache
+    assert c.num_slots == 2000 and c.capacity == 0 and c.k_read.numel() == 0
+    slots = torch.tensor([0, 7, 300])  # a restore writes past the first block: the table grows to hold it
+    k = torch.randn(2, 2, 3, 16).half()  # (L, Hkv, n, D) canonical fp16
+    b.write_kv(0, slots, k, -k)
+    assert c.capacity == 512  # 301 slots, rounded up to GROWTH_SLOTS
+    c.reserve(600)  # grows by half at least, in whole blocks
+    assert c.capacity == 768 and not c.reads_in_use
+    got_k, got_v = b.read_kv(0, slots)
+    assert torch.equal(got_k, k) and torch.equal(got_v, -k)  # fp16 in, the same bits out, across growths
+    with pytest.raises(IndexError):
+        c.reserve(2001)
+    b.release()
+    assert c.capacity == 0 and c.allocated_bytes() < 2000 * 8 * 3  # bookkeeping only
