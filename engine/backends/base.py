@@ -113,6 +113,15 @@ class Backend(ABC):
         (Core ML, a remote server) reports nothing and the profiler counts the whole call as one part."""
         return nullcontext()
 
+    def kv_resident_bytes(self) -> int:
+        """Bytes the slot table holds now. This default is a table allocated whole (Core ML's fixed-shape state);
+        a table that grows with the conversation (the PyTorch backends) reports what it has grown to."""
+        return self.batch * self.num_slots * self.slot_bytes_per_token()
+
+    def release(self) -> None:  # noqa: B027  # deliberately a no-op by default: a fixed-shape table stays
+        """Give the slot table's memory back while no conversation uses it (an idle row, a finished one); the
+        memory that used it must reset before the next forward. A fixed-shape table (Core ML) keeps its state."""
+
 
 class BackendWrapper(Backend):
     """Another backend with something around it (a lock, a timer, a hidden slot): every member goes to `inner`
@@ -163,3 +172,9 @@ class BackendWrapper(Backend):
 
     def timed_parts(self, timer: PartTimer) -> AbstractContextManager[None]:
         return self.inner.timed_parts(timer)
+
+    def kv_resident_bytes(self) -> int:
+        return self.inner.kv_resident_bytes()
+
+    def release(self) -> None:
+        self.inner.release()

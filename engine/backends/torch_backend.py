@@ -39,7 +39,7 @@ from engine.model.network import (
     replace_linears,
 )
 from engine.model.quant import BlockType, StoredTensor
-from engine.model.slots import StepReads
+from engine.model.slots import SMALL_STEP, DirectReads
 
 # Compute dtype per device: CPU kernels are fastest (and exact vs references) in fp32; GPUs run fp16.
 DEVICE_DTYPES: dict[str, torch.dtype] = {"cpu": torch.float32, "cuda": torch.float16, "mps": torch.float16}
@@ -287,15 +287,24 @@ class TorchBackend(Backend):
             if self.quantize == "none"
             else f"-w{self.quantize}" + (f"native-{activation_numerics(self.act_parts)}" if self.native_isa else "")
         )
-        return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}{weights}-kv{str(self.kv_dtype).removeprefix('torch.')}"
+        # "-r2": keys are read through fp16 copies or rotated inside the native attention (not fp32 copies), which
+        # changes the bits of every later token's KV, so prefix-cache entries of the earlier reads are not reused.
+        kv = str(self.kv_dtype).removeprefix("torch.")
+        return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}{weights}-kv{kv}-r2"
 
     @property
     def batch(self) -> int:
         return self.cache.batch
 
     def slot_bytes_per_token(self) -> int:
-        """k, v in the KV dtype plus their read copies in the compute dtype (engine.model.slots.KVCache)."""
-        return KVCache.bytes_per_slot(self.config, self.kv_dtype, self.dtype)
+        """k, v in the KV dtype, plus read copies as large where steps run through PyTorch (engine.model.slots)."""
+        return KVCache.bytes_per_slot(self.config, self.kv_dtype, self.decoder is None or self.cache.reads_in_use)
+
+    def kv_resident_bytes(self) -> int:
+        return self.cache.allocated_bytes()
+
+    def release(self) -> None:
+        self.cache.release()
 
     @property
     def num_slots(self) -> int:
@@ -327,31 +336,32 @@ class TorchBackend(Backend):
             # Rows outside the previous forward's view hold stale read copies: re-derive every row's this time.
             self.cache.forget()
             self._rows_run = rows
+        native = self.decoder is not None and tokens.shape == (1, 1) and self.decoder.accepts(self.cache)
+        # Grow the whole table (and its read copies where PyTorch will read them) before any view of it is taken.
+        self.cache.reserve_for(batch, read_copies=not native and tokens.shape[1] <= SMALL_STEP)
         cache = self.cache if rows == self.cache.batch else self.cache.leading_rows(rows)
-        reads = None
-        if self.decoder is not None and tokens.shape == (1, 1):
-            reads = cache.plan(batch, self.model.rotary())
-            if self.decoder.accepts(cache, reads):
-                return self._native_step(tokens, cache, batch, reads)
-        logits: torch.Tensor = self.model(tokens, cache, batch, last_only=last_only, reads=reads)
+        if native:
+            return self._native_step(tokens, cache, batch, cache.plan_direct(batch, self.model.rotary()))
+        logits: torch.Tensor = self.model(tokens, cache, batch, last_only=last_only)
         return logits.float().cpu() if dev.type != "cpu" or logits.dtype != torch.float32 else logits
 
-    def _native_step(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: StepReads) -> torch.Tensor:
+    def _native_step(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: DirectReads) -> torch.Tensor:
         """tokens (1, 1) -> logits (1, 1, V): the whole decoding step in one native call."""
         assert self.decoder is not None
-        if reads.pre is not None:  # stale copies besides the written one (a page-in): re-derived first, in PyTorch
-            cache.refresh_all_layers(reads.pre)
+        rope = self.model.rotary()
         x = self.model.model.embed_tokens(tokens)  # (1, 1, C)
         if self._native_span is None:
-            return self.decoder.decode(x, cache, batch, reads)
+            return self.decoder.decode(x, cache, batch, reads, rope)
         with self._native_span():
-            return self.decoder.decode(x, cache, batch, reads)
+            return self.decoder.decode(x, cache, batch, reads, rope)
 
     def query_summary(self) -> torch.Tensor:
         return self.cache.summary.transpose(0, 1).to("cpu", torch.float32).clone()  # (B, L, Hkv, D)
 
     @torch.inference_mode()
     def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if slots.numel():
+            self.cache.reserve(int(slots.max()) + 1)  # a slot not yet allocated reads as zeros, as one never written
         s = slots.to(self.device)
         k = self.cache.k[:, row].index_select(2, s)  # (L, Hkv, n, D)
         v = self.cache.v[:, row].index_select(2, s)  # (L, Hkv, n, D)
@@ -359,6 +369,8 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def write_kv(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if slots.numel():
+            self.cache.reserve(int(slots.max()) + 1)
         s = slots.to(self.device)
         self.cache.k[:, row].index_copy_(2, s, k.to(self.device, self.kv_dtype))
         self.cache.v[:, row].index_copy_(2, s, v.to(self.device, self.kv_dtype))

@@ -7,7 +7,7 @@ as it does on its own. The child runs this file as a script, so it never imports
 standard library, numpy and llama_cpp.
 
 Protocol: one JSON object per line each way. Requests: {"op": "load", "path", "n_ctx", "threads", "n_batch"},
-{"op": "measure", "ids", "n_decode"}, {"op": "last_logits", "ids"}, {"op": "generate", "ids", "max_tokens",
+{"op": "measure", "ids", "n_decode"}, {"op": "last_logits", "ids"}, {"op": "peak_rss"}, {"op": "generate", "ids", "max_tokens",
 "sampling", "seed", "stop_ids"} (`bench answers`: llama.cpp's own sampler chain at the given settings); replies: {"ok": true, ...} or
 {"ok": false, "error": "one sentence"}.
 """
@@ -52,7 +52,12 @@ class LlamaCppPeer:
         except OSError as exc:
             raise PeerError(f"the llama.cpp peer process stopped ({exc})") from None
         if not line:
-            raise PeerError(f"the llama.cpp peer process exited (code {self.proc.poll()})")
+            try:
+                code: int | None = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                code = None
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited (code {code})"
+            raise PeerError(f"the llama.cpp peer process {how}")
         reply: dict[str, Any] = json.loads(line)
         if not reply.get("ok"):
             raise PeerError(str(reply.get("error", "the llama.cpp peer failed")))
@@ -67,6 +72,10 @@ class LlamaCppPeer:
         """Prefill `ids`, then greedy-decode: {"prefill_tps", "decode_tps", "tokens"}."""
         reply = self._ask({"op": "measure", "ids": ids, "n_decode": n_decode})
         return {k: reply[k] for k in ("prefill_tps", "decode_tps", "tokens")}
+
+    def peak_rss_bytes(self) -> int:
+        """The peer process's peak resident set so far."""
+        return int(self._ask({"op": "peak_rss"})["bytes"])
 
     def last_logits(self, ids: list[int]) -> np.ndarray:
         """The logits (V,) float32 after reading `ids` from an empty context."""
@@ -175,6 +184,11 @@ def _serve() -> None:
                 llm.eval([int(i) for i in req["ids"]])
                 logits = np.asarray(_last_logits(llm), dtype=np.float32)
                 reply = {"logits": base64.b64encode(logits.tobytes()).decode("ascii")}
+            elif req["op"] == "peak_rss":
+                import resource  # ru_maxrss: KiB on Linux, bytes on macOS
+
+                peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                reply = {"bytes": peak if sys.platform == "darwin" else peak * 1024}
             else:
                 reply = {"ok": False, "error": f"unknown request {req['op']!r}"}
         except Exception as exc:  # any failure is one reply line; the parent decides

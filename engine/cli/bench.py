@@ -26,6 +26,8 @@ SUITES: dict[str, str] = {
     "answers": "engine.bench.answers",
     "speculative": "engine.bench.speculative",
     "structured": "engine.bench.structured",
+    "long-context": "engine.bench.long_context",
+    "memory": "engine.bench.memory",
 }
 
 

@@ -61,6 +61,9 @@ class SchedulerConfig:
     # Prompt tokens one step may take over all rows: when many requests arrive at once, the first ones start
     # replying after a step of this size instead of after everyone's prompt (the rest join while they decode).
     step_prompt_tokens: int = 512
+    # Seconds with no request running or waiting after which the rows give their slot table back (its memory
+    # returns to the system; the kept conversations are forgotten, their prefixes stay in the disk cache).
+    idle_release_s: float = 30.0
 
 
 _ids = itertools.count()
@@ -123,6 +126,8 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         self.tokenizer = tokenizer
         backend.allocate(self.config.max_batch, self.config.num_slots + 1)
+        self.backend = backend
+        self._released = False  # whether the table was given back and nothing ran since
         view = RowView(backend)
         self._memories = [memory_factory(view, r) for r in range(self.config.max_batch)]
         self._batcher = RowBatcher(backend)
@@ -255,7 +260,8 @@ class Scheduler:
             with self._cond:
                 self._admit()
                 while not any(self._rows) and not self._closing:
-                    self._cond.wait()
+                    if not self._cond.wait(self.config.idle_release_s) and not self._waiting:
+                        self._release()
                     self._admit()
                 if self._closing and not any(self._rows):
                     return
@@ -265,6 +271,15 @@ class Scheduler:
                 for r, a in enumerate(self._rows):
                     if a is not None:
                         self._retire(r, error=exc)
+
+    def _release(self) -> None:
+        """Idle: every row's memory forgets its conversation and the table is given back (caller holds the lock)."""
+        if self._released:
+            return  # nothing ran since the last release
+        for memory in self._memories:
+            memory.reset()
+        self.backend.release()
+        self._released = True
 
     def _admit(self) -> None:
         """Move the most urgent waiting requests into free rows (caller holds the lock)."""
@@ -283,6 +298,7 @@ class Scheduler:
                 continue
             free.remove(r)
             self._rows[r] = _Active(w, state)
+            self._released = False
 
     def _pick_row(self, free: list[int], ids: list[int]) -> int:
         """The free row for a prompt: one whose kept memory (a finished request's conversation) the prompt extends,

@@ -1,5 +1,6 @@
-"""The slot table: a preallocated, fixed-shape KV cache of S slots per layer, its read copies, and the planning of
-each step's reads — the one owner of the invariant that a read copy always equals its slot read and rotated afresh.
+"""The slot table: a KV cache of up to S slots per layer, allocated in blocks as a conversation fills it, its read
+copies, and the planning of each step's reads — the one owner of the invariant that a read copy always equals its
+slot read, rotated afresh and rounded to the table's dtype.
 
 The caller (the memory cascade) decides which token lives in which slot and at which position (`SlotBatch`), so
 the same forward serves full attention, StreamingLLM-style sink+window, paged-in episodic blocks, batching and
@@ -34,8 +35,12 @@ from engine.model.config import ModelConfig
 
 # Steps of at most this many new tokens (decoding, short chunks) read the slot table through its read copies;
 # larger steps (prefill chunks) convert and rotate every live slot on read, which their many queries amortize,
-# and attend with PyTorch's fused kernel.
+# and attend with PyTorch's fused kernel. A one-row decoding step on the native kernels reads neither: its
+# attention rotates the stored keys as it reads them (engine/backends/native/spark_attention.c).
 SMALL_STEP = 8
+# The table grows by at least this many slots at a time (and by half its size when larger): a fresh chat holds
+# the slots it uses, a long one re-allocates a few times, never per token.
+GROWTH_SLOTS = 256
 
 
 @dataclass
@@ -121,6 +126,24 @@ class StepReads:
     blocked_local: torch.Tensor | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class DirectReads:
+    """A one-row, one-token step whose attention reads the table itself (the native step), keys rotated on read.
+
+    rope_q:        cos, sin (1, 1, 1, D) at the new token's position
+    rope_q_framed: cos, sin (1, 1, 1, D) at its position in the rotation frame, or None without one
+    slots:         (m,) long, the attended slots in slot order
+    positions:     (m,) long, the position each attended key is rotated at (in the frame from rank `split` on)
+    split:         ranks [0, split) are scored by the query at its position, the rest by the framed one
+    """
+
+    rope_q: Rope
+    rope_q_framed: Rope | None
+    slots: torch.Tensor
+    positions: torch.Tensor
+    split: int
+
+
 def summarize_queries(q: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> None:
     """The query summary: q (B, T, H*D) pre-RoPE (after q_proj and its bias) -> out (B, Hkv, D) fp32, the mean over
     the step's tokens (weighted by `weights` (B, T) when given) and over the query heads of each KV-head group
@@ -135,15 +158,17 @@ def summarize_queries(q: torch.Tensor, weights: torch.Tensor | None, out: torch.
 
 
 class KVCache(nn.Module):
-    """Preallocated slot table: k, v (L, B, Hkv, S, D). Keys are stored unrotated (see module doc).
+    """The slot table: k, v (L, B, Hkv, C, D) for slots [0, C) of the S the memory may use (C <= S, the capacity,
+    grown in blocks as steps write further: `reserve`). Keys are stored unrotated (see module doc).
 
-    Beside it live *read copies* in the compute dtype, in read order rather than slot order: rank r of
-    `k_read`/`v_read` holds slot `read_slots[r]`, its key rotated at `read_positions[b, r]` and its value widened.
-    A step of few tokens attends to the slots it may see, ranked in slot order, so its keys and values are the
-    leading m ranks (no gather, even though a cascade's attended slots have gaps), and it re-derives only the ranks
-    whose slot, rotation or content changed: in plain decoding just the new token's (SlotBatch.frame keeps a
-    sliding window's rotations fixed; without it a sliding window re-rotates them all). The copies are always
-    derived from the stored k, v, so results are exactly those of converting and rotating on read.
+    Beside it, once a step through PyTorch reads them, live *read copies* in the table's dtype, in read order
+    rather than slot order: rank r of `k_read`/`v_read` holds slot `read_slots[r]`, its key rotated at
+    `read_positions[b, r]` (in the compute dtype, then rounded to the table's). A step of few tokens attends to
+    the slots it may see, ranked in slot order, so its keys and values are the leading m ranks (no gather, even
+    though a cascade's attended slots have gaps), and it re-derives only the ranks whose slot, rotation or content
+    changed: in plain decoding just the new token's (SlotBatch.frame keeps a sliding window's rotations fixed;
+    without it a sliding window re-rotates them all). The copies are always derived from the stored k, v. A
+    table only the native step reads (one row on the CPU) never allocates them.
     """
 
     k: torch.Tensor
@@ -166,15 +191,18 @@ class KVCache(nn.Module):
         super().__init__()
         self.rope_kinds = layer_rope_kinds(cfg)  # each layer's rope in a multi-kind RotaryTable's lookups
         self.sliding = tuple(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))  # layers reading local_mask
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, num_slots, cfg.head_dim)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,S,D)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,S,D)
+        self.max_slots = num_slots  # S: the slots the memory may address
+        self.compute_dtype = compute_dtype
+        self.reads_in_use = False  # whether the read copies are kept (a step through PyTorch has read them)
+        empty = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, 0, cfg.head_dim)
+        self.register_buffer("k", torch.zeros(empty, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,C,D)
+        self.register_buffer("v", torch.zeros(empty, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,C,D)
         self.register_buffer(
-            "k_read", torch.zeros(shape, device=device, dtype=compute_dtype), persistent=False
-        )  # (L,B,Hkv,S,D)
+            "k_read", torch.zeros(empty, device=device, dtype=dtype), persistent=False
+        )  # (L,B,Hkv,0|C,D)
         self.register_buffer(
-            "v_read", torch.zeros(shape, device=device, dtype=compute_dtype), persistent=False
-        )  # (L,B,Hkv,S,D)
+            "v_read", torch.zeros(empty, device=device, dtype=dtype), persistent=False
+        )  # (L,B,Hkv,0|C,D)
         self.register_buffer(
             "read_slots", torch.full((num_slots,), -1, device=device, dtype=torch.long), persistent=False
         )  # (S,)
@@ -188,24 +216,31 @@ class KVCache(nn.Module):
         )  # (L,B,Hkv,D)
 
     @staticmethod
-    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, compute_dtype: torch.dtype) -> int:
-        """Bytes one slot of one row takes: k, v in `dtype` and their read copies in `compute_dtype`, every layer."""
+    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, read_copies: bool) -> int:
+        """Bytes one slot of one row takes: k, v in `dtype`, every layer, and as much again for their read copies
+        when a step through PyTorch keeps them."""
         per_tensor = cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-        return 2 * per_tensor * (dtype.itemsize + compute_dtype.itemsize)
+        return 2 * per_tensor * dtype.itemsize * (2 if read_copies else 1)
 
     def slot_tensors(self) -> list[torch.Tensor]:
-        """Every (L, B, Hkv, S, D) buffer, for whole-row operations such as beam reordering."""
+        """Every (L, B, Hkv, C, D) buffer, for whole-row operations such as beam reordering (the read copies are
+        (L, B, Hkv, 0, D) until used)."""
         return [self.k, self.v, self.k_read, self.v_read]
+
+    def allocated_bytes(self) -> int:
+        """Bytes this table holds now: k, v and read copies as allocated (grown so far), bookkeeping included."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values() if t is not None)
 
     def leading_rows(self, n: int) -> KVCache:
         """This table's rows [0, n) as a KVCache sharing its storage and its read-copy bookkeeping (views).
 
         The read copies of rows left out are not kept up to date by forwards over the view: whoever switches
-        between views of different sizes must `forget()` the read copies first (TorchBackend.forward does)."""
+        between views of different sizes must `forget()` the read copies first (TorchBackend.forward does). A view
+        does not grow: `reserve` the whole table before taking one."""
         view = copy.copy(self)
         view._buffers = dict(self._buffers)  # a module's shallow copy would share (and so overwrite) the dict
         for name in ("k", "v", "k_read", "v_read"):
-            view._buffers[name] = self.get_buffer(name)[:, :n]  # (L, n, Hkv, S, D)
+            view._buffers[name] = self.get_buffer(name)[:, :n]  # (L, n, Hkv, C, D)
         view._buffers["read_positions"] = self.read_positions[:n]  # (n, S)
         view._buffers["summary"] = self.summary[:, :n]  # (L, n, Hkv, D): rows past n keep their last summary
         return view
@@ -216,7 +251,48 @@ class KVCache(nn.Module):
 
     @property
     def num_slots(self) -> int:
+        """S, the slots the memory may address (the table holds `capacity` of them so far)."""
+        return self.max_slots
+
+    @property
+    def capacity(self) -> int:
         return int(self.k.shape[3])
+
+    def reserve(self, slots: int, read_copies: bool = False) -> None:
+        """Hold at least slots [0, `slots`) (at most S), and the read copies too when `read_copies` (kept from then
+        on): grows by GROWTH_SLOTS or by half, keeping what the table holds. Slots never written read as zeros."""
+        if slots > self.max_slots:
+            raise IndexError(f"slot {slots - 1} is outside a table of {self.max_slots} slots")
+        if read_copies and not self.reads_in_use:
+            self.reads_in_use = True
+            self.k_read, self.v_read = self._grown(self.k_read, self.capacity), self._grown(self.v_read, self.capacity)
+        if slots <= self.capacity:
+            return
+        wanted = max(slots, self.capacity + self.capacity // 2)
+        size = min(self.max_slots, -(-wanted // GROWTH_SLOTS) * GROWTH_SLOTS)
+        self.k, self.v = self._grown(self.k, size), self._grown(self.v, size)
+        if self.reads_in_use:
+            self.k_read, self.v_read = self._grown(self.k_read, size), self._grown(self.v_read, size)
+
+    def reserve_for(self, batch: SlotBatch, read_copies: bool = False) -> None:
+        """`reserve` the slots a step reads (its S' live ones) and writes."""
+        written = int(batch.write_slots.max()) + 1 if batch.write_slots.numel() else 0
+        self.reserve(max(batch.slot_positions.shape[1], written), read_copies)
+
+    @staticmethod
+    def _grown(t: torch.Tensor, size: int) -> torch.Tensor:
+        """t (L, B, Hkv, C, D) -> (L, B, Hkv, size, D) holding t's leading slots, zeros after."""
+        out = t.new_zeros((*t.shape[:3], size, t.shape[4]))
+        kept = min(size, t.shape[3])
+        out[:, :, :, :kept] = t[:, :, :, :kept]
+        return out
+
+    def release(self) -> None:
+        """Give the whole table back (an idle row): capacity 0, no read copies; the memory that used it has reset."""
+        self.k, self.v = self._grown(self.k, 0), self._grown(self.v, 0)
+        self.k_read, self.v_read = self._grown(self.k_read, 0), self._grown(self.v_read, 0)
+        self.reads_in_use = False
+        self.forget()
 
     def write(
         self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -243,11 +319,33 @@ class KVCache(nn.Module):
         else:
             self.read_slots.masked_fill_(torch.isin(self.read_slots, slots), -1)
 
+    def plan_direct(self, batch: SlotBatch, rope: RotaryTable) -> DirectReads:
+        """A one-row, one-token step's reads for an attention that rotates keys as it reads them (the native step):
+        the attended slots and their rotation positions; the read copies of the written slot are dropped."""
+        self.reserve_for(batch)
+        self.forget(batch.write_slots.flatten())
+        attended = batch.mask.reshape(-1).nonzero().squeeze(1)  # (m,) the slots the token attends to
+        positions = batch.slot_positions[0].index_select(0, attended)  # (m,)
+        split, rope_q_framed = 0, None
+        if batch.frame is not None and batch.frame_start is not None and int(batch.frame[0]):
+            in_frame = attended >= batch.frame_start[0]  # (m,) a suffix
+            split = int(attended.numel() - in_frame.sum())
+            positions = positions + batch.frame[0] * in_frame
+            rope_q_framed = rope.lookup(batch.positions + batch.frame[:, None])
+        return DirectReads(
+            rope_q=rope.lookup(batch.positions),
+            rope_q_framed=rope_q_framed,
+            slots=attended,
+            positions=positions.contiguous(),
+            split=split,
+        )
+
     def plan(self, batch: SlotBatch, rope: RotaryTable) -> StepReads:
         """How this step reads the table; for small steps, moves the read bookkeeping to the attended slots (their
         copies are brought up to date by the forward that follows, layer by layer)."""
         rope_q = rope.lookup(batch.positions)
         b, t = batch.positions.shape
+        self.reserve_for(batch, read_copies=t <= SMALL_STEP)
         if t > SMALL_STEP:
             self.forget(batch.write_slots.flatten())
             return StepReads(rope_q=rope_q, width=0, rope_slots=rope.lookup(batch.slot_positions))
@@ -344,14 +442,16 @@ class KVCache(nn.Module):
         qk = apply_rope(
             torch.cat((q, k.to(q.dtype)), dim=1), *pick_rope(rope, self.rope_kinds[layer])
         )  # (1, H + Hkv, T, D)
-        self.k_read[layer].index_copy_(2, ranks, qk[:, h:])
-        self.v_read[layer].index_copy_(2, ranks, v.to(self.v_read.dtype))
+        self.k_read[layer].index_copy_(2, ranks, qk[:, h:].to(self.k_read.dtype))
+        self.v_read[layer].index_copy_(2, ranks, v)  # already in the table's dtype
         return qk[:, :h]
 
     def refresh(self, layer: int, r: Refresh) -> None:
         """Re-derive stale read copies of `layer` from the stored k, v."""
         rope = pick_rope(r.rope, self.rope_kinds[layer])
-        fresh_k = apply_rope(self.k[layer].index_select(2, r.slots).to(self.k_read.dtype), *rope)  # (B, Hkv, n, D)
+        fresh_k = apply_rope(self.k[layer].index_select(2, r.slots).to(self.compute_dtype), *rope).to(
+            self.k_read.dtype
+        )  # (B, Hkv, n, D)
         if r.ranks is None:
             n = r.slots.numel()
             self.k_read[layer][:, :, :n] = fresh_k
@@ -402,7 +502,8 @@ class SlotStep:
             q = apply_rope(q, *pick_rope(rope_new, kind))  # (B, H, T, D)
             cache.refresh(layer, reads.refresh)
         m = reads.width
-        keys, values = cache.k_read[layer][:, :, :m], cache.v_read[layer][:, :, :m]  # (B, Hkv, m, D) each
+        # (B, Hkv, m, D) each, widened to the compute dtype for the product (a no-op where they match)
+        keys, values = cache.k_read[layer][:, :, :m].to(q.dtype), cache.v_read[layer][:, :, :m].to(q.dtype)
         if reads.rope_q_framed is None:
             return small_step_attention(q, keys, values, blocked)  # (B, H, T, D)
         return split_frame_attention(apply_rope(q_raw, *rope_q), q, keys, values, reads.split, blocked)

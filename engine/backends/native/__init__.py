@@ -1,4 +1,5 @@
-"""Native CPU kernels (spark_kernels.c: GGUF block formats, a threaded decoding step): built on first use with the machine's C compiler, loaded with ctypes.
+"""Native CPU kernels (spark_kernels.c: GGUF block formats, a threaded decoding step; spark_attention.c: its
+attention over the slot table as stored): built on first use with the machine's C compiler, loaded with ctypes.
 
 The library is compiled once per source version, compiler and CPU into the cache dir (a few seconds), tuned for
 the CPU it runs on (-march=native on x86, -mcpu=native on Arm); a packaged app ships one built for its platform. Where no C compiler is found (a Mac without the
@@ -27,7 +28,8 @@ from engine.fileio import atomic_path
 from engine.paths import bundle_root, default_cache_dir
 
 SOURCE = Path(__file__).with_name("spark_kernels.c")
-INCLUDED = (Path(__file__).with_name("spark_kquants.c"),)  # what SOURCE includes: part of the library's identity
+# What SOURCE includes (one translation unit): part of the library's identity.
+INCLUDED = (Path(__file__).with_name("spark_kquants.c"), Path(__file__).with_name("spark_attention.c"))
 COMPILER_ENV = "CC"  # the compiler to use, as for any C build; else cc, clang, gcc in that order
 DISABLE_ENV = "MLOT_SPARK_NO_NATIVE"
 BUNDLED_DIR = "engine_native"  # where a packaged app keeps its prebuilt library  # set to 1 to run the PyTorch path (comparisons, troubleshooting)
@@ -69,20 +71,18 @@ class ModelDesc(ctypes.Structure):
 
 
 class CacheDesc(ctypes.Structure):
-    """spark_cache: one row of the slot table (engine.model.network.KVCache) and its read copies."""
+    """spark_cache: one row of the slot table (engine.model.slots.KVCache), keys unrotated."""
 
     _fields_ = [
         ("k", ctypes.c_void_p),
         ("v", ctypes.c_void_p),
-        ("k_read", ctypes.c_void_p),
-        ("v_read", ctypes.c_void_p),
-        ("num_slots", ctypes.c_int64),
+        ("capacity", ctypes.c_int64),
         ("half", ctypes.c_int32),
     ]
 
 
 class StepDesc(ctypes.Structure):
-    """spark_step: one decoding step's rotations and addresses."""
+    """spark_step: one decoding step's rotations and addresses (engine.model.slots.DirectReads)."""
 
     _fields_ = [
         ("cos_new", ctypes.c_void_p),
@@ -90,10 +90,39 @@ class StepDesc(ctypes.Structure):
         ("cos_plain", ctypes.c_void_p),
         ("sin_plain", ctypes.c_void_p),
         ("slot", ctypes.c_int64),
-        ("rank", ctypes.c_int64),
         ("width", ctypes.c_int32),
         ("split", ctypes.c_int32),
+        ("slots", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("cos_table", ctypes.c_void_p),
+        ("sin_table", ctypes.c_void_p),
         ("qsum", ctypes.c_void_p),
+    ]
+
+
+class AttnDesc(ctypes.Structure):
+    """spark_attn: one layer's attention of a decoding step over one row's table (spark_attention.c)."""
+
+    _fields_ = [
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("capacity", ctypes.c_int64),
+        ("half", ctypes.c_int32),
+        ("slots", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("width", ctypes.c_int32),
+        ("split", ctypes.c_int32),
+        ("q_new", ctypes.c_void_p),
+        ("q_plain", ctypes.c_void_p),
+        ("n_heads", ctypes.c_int32),
+        ("n_kv_heads", ctypes.c_int32),
+        ("d", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("chunk", ctypes.c_int32),
+        ("partial", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
     ]
 
 
@@ -218,6 +247,10 @@ def bind(path: Path) -> NativeKernels:
     lib.spark_dequant_rows.argtypes = [ctypes.POINTER(QMat), ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
     lib.spark_decode_scratch_floats.restype = ctypes.c_int64
     lib.spark_decode_scratch_floats.argtypes = [ctypes.POINTER(ModelDesc)]
+    lib.spark_attend_floats.restype = ctypes.c_int64
+    lib.spark_attend_floats.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+    lib.spark_attend.restype = None
+    lib.spark_attend.argtypes = [ctypes.POINTER(AttnDesc)]
     lib.spark_decode.restype = None
     lib.spark_decode.argtypes = [
         ctypes.POINTER(ModelDesc),

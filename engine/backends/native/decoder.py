@@ -2,10 +2,10 @@
 
 The CPU backend (engine.backends.torch_backend) replaces every linear layer with a NativeBlockLinear (GGUF blocks,
 engine.model.quant; any number of rows: prefill chunks and batches call it like nn.Linear) and decides per step whether
-a NativeDecoder runs it: the common decoding step, one new token in one row whose only stale read copy is its own
-(plain decoding, and the cascade between evictions). Every other step runs the PyTorch code over the same
-NativeBlockLinear layers, whose rows the kernel computes exactly as the decoding step does, so both paths share
-weights, arithmetic and the slot table.
+a NativeDecoder runs it: every decoding step of one row (one new token), whatever the memory changed before it; its
+attention (spark_attention.c) reads the table as stored, rotating keys as it reads them. Every other step runs the
+PyTorch code over the same NativeBlockLinear layers, whose rows the kernel computes exactly as the decoding step does,
+so both paths share weights, arithmetic and the slot table.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from torch import nn
 
 from engine.backends.blocks import BlockEmbedding, BlockWeights
 from engine.backends.native import CacheDesc, ModelDesc, NativeKernels, QMat, StepDesc
+from engine.model.attention import RotaryTable
 from engine.model.network import DecoderLayer, Transformer
-from engine.model.slots import KVCache, SlotBatch, StepReads
+from engine.model.slots import DirectReads, KVCache, SlotBatch
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -94,7 +95,7 @@ class _Work:
 
     residual: torch.Tensor  # (C,) the residual stream
     scratch: torch.Tensor  # (spark_decode_scratch_floats,) activations between the step's matrices
-    scores: torch.Tensor  # (>= H * m,) each head's attention weights
+    partial: torch.Tensor  # (>= spark_attend_floats,) the attention's per-chunk running softmax
 
 
 class NativeDecoder:
@@ -140,44 +141,40 @@ class NativeDecoder:
         self.scratch_floats = int(kernels.lib.spark_decode_scratch_floats(ctypes.byref(self.desc)))
         self._local = threading.local()  # each thread's _Work
 
-    def accepts(self, cache: KVCache, reads: StepReads) -> bool:
-        """The native step covers one row and one token whose only stale read copy is its own, nothing masked."""
+    def accepts(self, cache: KVCache) -> bool:
+        """The native step covers a table of one row in fp16 or fp32 (a step of one token: the caller checks)."""
         return (
             cache.batch == 1
             and cache.k.is_contiguous()  # not a view of one row of a bigger table (KVCache.leading_rows)
-            and reads.width > 0
-            and reads.write_ranks is not None
-            and reads.blocked is None
             and cache.k.dtype in (torch.float16, torch.float32)
-            and cache.k_read.dtype == torch.float32
         )
 
-    def decode(self, x: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: StepReads) -> torch.Tensor:
-        """x (1, 1, C) embedded token -> logits (1, 1, V); writes the token's k, v and read copies into `cache`."""
-        assert reads.write_ranks is not None
+    def decode(
+        self, x: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: DirectReads, rope: RotaryTable
+    ) -> torch.Tensor:
+        """x (1, 1, C) embedded token -> logits (1, 1, V); writes the token's k, v into `cache`. `rope` is the table
+        `reads` was planned with (its positions index it)."""
         cos_plain, sin_plain = (t.contiguous() for t in reads.rope_q)  # (1, 1, 1, D)
         cos_new, sin_new = (t.contiguous() for t in (reads.rope_q_framed or reads.rope_q))
+        slots, positions = reads.slots.contiguous(), reads.positions.contiguous()  # (m,) each
+        width = slots.numel()
         step = StepDesc(
             cos_new.data_ptr(),
             sin_new.data_ptr(),
             cos_plain.data_ptr(),
             sin_plain.data_ptr(),
             int(batch.write_slots[0, 0]),
-            int(reads.write_ranks[0]),
-            reads.width,
+            width,
             reads.split,
+            slots.data_ptr(),
+            positions.data_ptr(),
+            rope.cos.data_ptr(),  # (P, D) contiguous fp32
+            rope.sin.data_ptr(),
             cache.summary.data_ptr(),  # (L, 1, Hkv, D): the step's query summary, as the PyTorch path writes it
         )
-        table = CacheDesc(
-            cache.k.data_ptr(),
-            cache.v.data_ptr(),
-            cache.k_read.data_ptr(),
-            cache.v_read.data_ptr(),
-            cache.num_slots,
-            int(cache.k.dtype == torch.float16),
-        )
+        table = CacheDesc(cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, int(cache.k.dtype == torch.float16))
         logits = torch.empty(self.vocab)  # (V,) a new tensor each step: callers may keep it
-        work = self._work(self.desc.n_heads * reads.width)
+        work = self._work(int(self.kernels.lib.spark_attend_floats(self.desc.n_heads, self.desc.head_dim, width)))
         work.residual.copy_(x.reshape(-1))  # (C,) updated in place by the kernel
         self.kernels.use_threads(torch.get_num_threads())  # the hardware policy's count (engine.hw), or --threads
         self.kernels.lib.spark_decode(
@@ -187,16 +184,16 @@ class NativeDecoder:
             work.residual.data_ptr(),
             logits.data_ptr(),
             work.scratch.data_ptr(),
-            work.scores.data_ptr(),
+            work.partial.data_ptr(),
         )
         return logits.view(1, 1, -1)
 
-    def _work(self, score_floats: int) -> _Work:
-        """This thread's working buffers, grown to hold `score_floats` attention weights. Per thread, not per
+    def _work(self, partial_floats: int) -> _Work:
+        """This thread's working buffers, grown to hold `partial_floats` of the attention's partial sums. Per thread, not per
         decoder: forked backends share the model and its decoder, and ctypes lets their threads run at once."""
         work: _Work | None = getattr(self._local, "work", None)
-        if work is None or work.scores.numel() < score_floats:
-            grown = max(score_floats, 2 * work.scores.numel() if work is not None else 0)
+        if work is None or work.partial.numel() < partial_floats:
+            grown = max(partial_floats, 2 * work.partial.numel() if work is not None else 0)
             work = _Work(torch.empty(self.desc.hidden), torch.empty(self.scratch_floats), torch.empty(grown))
             self._local.work = work
         return work

@@ -1082,23 +1082,24 @@ typedef struct {
     const spark_qmat *lm_head;      /* (V, C) */
 } spark_model;
 
-/* The slot table (engine.model.network.KVCache) of one sequence row: canonical k, v (L, 1, Hkv, S, D) in fp16 or fp32,
- * and the fp32 read copies k_read, v_read of the same shape, in attention (rank) order. */
+/* The slot table (engine.model.slots.KVCache) of one sequence row: k, v (L, 1, Hkv, C, D) in fp16 or fp32, keys
+ * unrotated (spark_attention.c rotates them as it reads them). */
 typedef struct {
     void *k, *v;
-    float *k_read, *v_read;
-    int64_t num_slots;
-    int32_t half; /* 1: k, v are fp16; 0: fp32 */
+    int64_t capacity; /* C, the slots allocated so far */
+    int32_t half;     /* 1: k, v are fp16; 0: fp32 */
 } spark_cache;
 
-/* One decoding step's addressing (engine.model.network.StepReads for T = 1, one row, only the written slot stale). */
+/* One decoding step's addressing (engine.model.slots.DirectReads: T = 1, one row). */
 typedef struct {
-    const float *cos_new, *sin_new;     /* (D): rotation of the new key and of the queries scoring ranks >= split */
-    const float *cos_plain, *sin_plain; /* (D): rotation of the queries scoring ranks < split (split > 0 only) */
-    int64_t slot, rank;                 /* where the new k, v are stored, and the rank of its read copy */
+    const float *cos_new, *sin_new;     /* (D): rotation of the new query scoring ranks >= split */
+    const float *cos_plain, *sin_plain; /* (D): rotation of the query scoring ranks < split (split > 0 only) */
+    int64_t slot;                       /* where the new k, v are stored */
     int32_t width, split;               /* attend to ranks [0, width); ranks [0, split) score against q_plain */
+    const int64_t *slots, *positions;   /* (width,) each rank's slot and the position its key is rotated at */
+    const float *cos_table, *sin_table; /* (P, D) the rotary table the positions index */
     float *qsum;                        /* (L, Hkv, D) or NULL: per layer, the mean pre-RoPE query of each KV-head
-                                           group (engine.model.network: the query summary the cascade routes with) */
+                                           group (engine.model.slots: the query summary the cascade routes with) */
 } spark_step;
 
 static void rms_norm(const float *x, const float *w, int32_t c, float eps, float *out) {
@@ -1115,13 +1116,9 @@ static void rope(const float *x, const float *cos, const float *sin, int32_t d, 
     for (int32_t i = half; i < d; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
-static float round_kv(float x, int32_t half) {
-#if defined(__FLT16_MAX__)
-    return half ? (float)(_Float16)x : x;
-#else
+#if !defined(__FLT16_MAX__)
 #error "spark_kernels.c needs a compiler with _Float16 (GCC >= 12, Clang >= 15)"
 #endif
-}
 
 /* Eight independent partial sums: lets the compiler vectorize a float reduction without reassociating it. */
 /* e^x to ~1e-7 relative, branch-free so loops over it vectorize (libm's expf does not: ~8% of a decoded
@@ -1167,112 +1164,15 @@ int64_t spark_decode_scratch_floats(const spark_model *m) {
     return c + (hd + 2 * kv) + hd + hd + hd + 2 * (int64_t)m->intermediate + spark_act_bytes((int32_t)(widest_in + QK - 1) / QK * QK, 1) / 4 + 8;
 }
 
-/* One layer's attention for query heads [begin, end): softmax over ranks [0, width) of the read copies. */
-typedef struct {
-    const spark_step *step;
-    const float *q_new, *q_plain, *k_read, *v_read; /* k_read, v_read: this layer's (Hkv, S, D) */
-    float *att, *scores;                            /* att (H*D); scores (H, width) */
-    int64_t s;
-    int32_t d, g;
-    float scale;
-} attn_job;
-
-#define SPARK_KV_AHEAD 32 /* key or value rows asked for ahead (8 KiB at head dim 64) */
-#define SPARK_RUN_HEADS 8 /* query heads that share a key row's load, at most */
-/* attend_run's weighted sums of the value rows for nh (<= 4) heads of head dim 64, compiled per nh: each value
- * row read once for all of them, each head's sum taking the same operations in the same order as alone. */
-static inline __attribute__((always_inline)) void value_sums(const attn_job *j, int32_t h0, const int32_t nh, const float *total) {
-    const int32_t width = j->step->width;
-    const float *vh_read = j->v_read + (int64_t)(h0 / j->g) * j->s * 64;
-    float sum[4][64] = {{0}};
-    for (int32_t r = 0; r < width; r++) {
-        if (r + SPARK_KV_AHEAD < width) prefetch_bytes((const uint8_t *)(vh_read + (int64_t)(r + SPARK_KV_AHEAD) * 64), 64 * 4);
-        const float *vr = vh_read + (int64_t)r * 64;
-        for (int32_t u = 0; u < nh; u++) {
-            const float p = j->scores[(int64_t)(h0 + u) * width + r] / total[u];
-            for (int32_t i = 0; i < 64; i++) sum[u][i] += p * vr[i];
-        }
-    }
-    for (int32_t u = 0; u < nh; u++) memcpy(j->att + (int64_t)(h0 + u) * 64, sum[u], sizeof sum[u]);
-}
-
-/* Query heads [h0, h0 + nh) of one KV-head group: each key row is read once for all of them, then each head's
- * softmax and weighted sum of the value rows. Every head's numbers take the same operations in the same order as
- * for a head alone. */
-static inline __attribute__((always_inline)) void attend_run(const attn_job *j, int32_t h0, int32_t nh, const int32_t d) {
-    const spark_step *step = j->step;
-    const int32_t width = step->width;
-    const int64_t head_off = (int64_t)(h0 / j->g) * j->s * d;
-    const float *kh_read = j->k_read + head_off, *vh_read = j->v_read + head_off;
-    float mx[SPARK_RUN_HEADS], total[SPARK_RUN_HEADS];
-    for (int32_t u = 0; u < nh; u++) mx[u] = -INFINITY;
-    for (int32_t r = 0; r < width; r++) {
-        if (r + SPARK_KV_AHEAD < width) prefetch_bytes((const uint8_t *)(kh_read + (int64_t)(r + SPARK_KV_AHEAD) * d), (int64_t)d * 4);
-        const float *qv = (r < step->split ? j->q_plain : j->q_new) + (int64_t)h0 * d, *kr = kh_read + (int64_t)r * d;
-        for (int32_t u = 0; u < nh; u++) {
-            const float sc = dotf(qv + (int64_t)u * d, kr, d) * j->scale;
-            j->scores[(int64_t)(h0 + u) * width + r] = sc;
-            mx[u] = sc > mx[u] ? sc : mx[u];
-        }
-    }
-    for (int32_t u = 0; u < nh; u++) {
-        float *scores = j->scores + (int64_t)(h0 + u) * width;
-        for (int32_t r = 0; r < width; r++) scores[r] = exp_approx(scores[r] - mx[u]);
-        float part[8] = {0};
-        int32_t r = 0;
-        for (; r + 8 <= width; r += 8)
-            for (int32_t i = 0; i < 8; i++) part[i] += scores[r + i];
-        float t = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-        for (; r < width; r++) t += scores[r];
-        total[u] = t;
-    }
-    if (d == 64 && nh <= 4) {
-        switch (nh) { /* each value row read once for the run, the sums in registers */
-        case 1: value_sums(j, h0, 1, total); break;
-        case 2: value_sums(j, h0, 2, total); break;
-        case 3: value_sums(j, h0, 3, total); break;
-        default: value_sums(j, h0, 4, total); break;
-        }
-        return;
-    }
-    for (int32_t u = 0; u < nh; u++) {
-        const float *scores = j->scores + (int64_t)(h0 + u) * width;
-        float sum[SPARK_MAX_HEAD_DIM];
-        for (int32_t i = 0; i < d; i++) sum[i] = 0.0f;
-        for (int32_t r = 0; r < width; r++) {
-            /* the value rows come from memory for the run's first head */
-            if (u == 0 && r + SPARK_KV_AHEAD < width) prefetch_bytes((const uint8_t *)(vh_read + (int64_t)(r + SPARK_KV_AHEAD) * d), (int64_t)d * 4);
-            const float p = scores[r] / total[u];
-            const float *vr = vh_read + (int64_t)r * d;
-            for (int32_t i = 0; i < d; i++) sum[i] += p * vr[i];
-        }
-        memcpy(j->att + (int64_t)(h0 + u) * d, sum, sizeof(float) * (size_t)d);
-    }
-}
-
-/* One layer's attention for query heads [begin, end), in runs that share a KV head. */
-static void attend_heads(void *ctx, int32_t begin, int32_t end) {
-    const attn_job *j = ctx;
-    while (begin < end) {
-        int32_t stop = (begin / j->g + 1) * j->g;
-        stop = stop < end ? stop : end;
-        stop = stop - begin < SPARK_RUN_HEADS ? stop : begin + SPARK_RUN_HEADS;
-        if (j->d == 64) {
-            attend_run(j, begin, stop - begin, 64); /* SmolLM2's, Llama's and Qwen's head dim */
-        } else {
-            attend_run(j, begin, stop - begin, j->d);
-        }
-        begin = stop;
-    }
-}
+#include "spark_attention.c" /* a decoding step's attention over the table as stored: spark_attend */
 
 /* One token through every layer: x (C) is the token's embedding on entry and is updated in place (the residual
- * stream); writes its k, v into the cache; logits (V) = lm_head(final_norm(x)). scores: H * width floats. */
+ * stream); writes its k, v into the cache; logits (V) = lm_head(final_norm(x)). partial: spark_attend_floats floats. */
 void spark_decode(const spark_model *m, const spark_cache *cache, const spark_step *step, float *x, float *logits,
-                  float *scratch, float *scores) {
+                  float *scratch, float *partial) {
     const int32_t c = m->hidden, h = m->n_heads, hkv = m->n_kv_heads, d = m->head_dim, inter = m->intermediate;
     const int32_t g = h / hkv, hd = h * d, kvd = hkv * d;
-    const int64_t s = cache->num_slots;
+    const int64_t s = cache->capacity;
     const float scale = 1.0f / sqrtf((float)d);
     float *hbuf = scratch;                  /* (C) normed input */
     float *qkv = hbuf + c;                  /* (H*D + 2*Hkv*D) */
@@ -1292,29 +1192,25 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
         const int64_t layer_off = (int64_t)l * hkv * s * d;
         for (int32_t kh = 0; kh < hkv; kh++) {
             const int64_t slot_off = layer_off + (kh * s + step->slot) * d;
-            const int64_t rank_off = layer_off + (kh * s + step->rank) * d;
-            float kr[SPARK_MAX_HEAD_DIM];
             for (int32_t i = 0; i < d; i++) {
-                /* The read copies hold what the table stores, widened: round through the table's dtype first. */
-                float kv_k = round_kv(k[kh * d + i], cache->half), kv_v = round_kv(v[kh * d + i], cache->half);
                 if (cache->half) {
-                    ((_Float16 *)cache->k)[slot_off + i] = (_Float16)kv_k;
-                    ((_Float16 *)cache->v)[slot_off + i] = (_Float16)kv_v;
+                    ((_Float16 *)cache->k)[slot_off + i] = (_Float16)k[kh * d + i];
+                    ((_Float16 *)cache->v)[slot_off + i] = (_Float16)v[kh * d + i];
                 } else {
-                    ((float *)cache->k)[slot_off + i] = kv_k;
-                    ((float *)cache->v)[slot_off + i] = kv_v;
+                    ((float *)cache->k)[slot_off + i] = k[kh * d + i];
+                    ((float *)cache->v)[slot_off + i] = v[kh * d + i];
                 }
-                kr[i] = kv_k;
-                cache->v_read[rank_off + i] = kv_v;
             }
-            rope(kr, step->cos_new, step->sin_new, d, cache->k_read + rank_off);
         }
         for (int32_t qh = 0; qh < h; qh++) {
             rope(q + qh * d, step->cos_new, step->sin_new, d, q_new + qh * d);
             if (step->split > 0) rope(q + qh * d, step->cos_plain, step->sin_plain, d, q_plain + qh * d);
         }
-        attn_job aj = {step, q_new, q_plain, cache->k_read + layer_off, cache->v_read + layer_off, att, scores, s, d, g, scale};
-        parallel_for(attend_heads, &aj, h);
+        const size_t elem = cache->half ? 2 : 4;
+        spark_attn aj = {(const uint8_t *)cache->k + layer_off * elem, (const uint8_t *)cache->v + layer_off * elem, s, cache->half,
+                         step->slots, step->positions, step->cos_table, step->sin_table, step->width, step->split,
+                         q_new, q_plain, h, hkv, d, scale, 0, partial, att};
+        spark_attend(&aj);
         qgemv(&m->o[l], att, hd, hbuf, &xq);
         for (int32_t i = 0; i < c; i++) x[i] += hbuf[i];
 

@@ -1,6 +1,7 @@
-"""The slot table's read copies (rotated keys, widened values) always equal what rotating on read would give,
-whatever changed the table: decoding, a sliding window, restores, beam row copies. And the small-step attention
-equals PyTorch's SDPA."""
+"""The slot table's read copies (rotated keys, rounded to the table's dtype) always equal what rotating on read
+would give, whatever changed the table: decoding, a sliding window, restores, beam row copies. The table grows in
+blocks as it fills, never to the whole trained context up front. And the small-step attention equals PyTorch's
+SDPA."""
 
 from __future__ import annotations
 
@@ -27,18 +28,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def assert_read_copies_exact(b: TorchBackend, slot_positions: torch.Tensor) -> int:
     """slot_positions (B, S): every read rank holding a slot equals a fresh read of that slot's k, v, rotated at
-    the slot's current position. Returns how many ranks hold a slot."""
+    the slot's current position in the compute dtype and rounded to the table's. Returns how many ranks hold a
+    slot."""
     c: KVCache = b.cache
     assert b.model.rope is not None
     held = (c.read_slots >= 0).nonzero().squeeze(1)  # (m,) ranks
     slots = c.read_slots[held]
     assert torch.equal(c.read_positions[:, held], slot_positions[:, slots])
     cos, sin = b.model.rope.lookup(slot_positions[:, slots])  # (B, 1, m, D)
-    fresh_k = apply_rope(
-        c.k[:, :, :, slots].to(c.k_read.dtype), cos.unsqueeze(0), sin.unsqueeze(0)
+    fresh_k = apply_rope(c.k[:, :, :, slots].to(c.compute_dtype), cos.unsqueeze(0), sin.unsqueeze(0)).to(
+        c.k_read.dtype
     )  # (L, B, Hkv, m, D)
+    assert c.k_read.dtype == c.k.dtype  # no copy wider than the table
     assert torch.equal(c.k_read[:, :, :, held], fresh_k)
-    assert torch.equal(c.v_read[:, :, :, held], c.v[:, :, :, slots].to(c.v_read.dtype))
+    assert torch.equal(c.v_read[:, :, :, held], c.v[:, :, :, slots])
     return held.numel()
 
 
@@ -148,3 +151,22 @@ def test_frames_change_nothing_but_rounding(model_dir: Path) -> None:
     framed, plain = outs
     assert not torch.equal(framed, plain)  # frames were really used past the window
     assert torch.allclose(framed, plain, atol=1e-4), (framed - plain).abs().max()
+
+
+def test_the_table_grows_in_blocks_keeping_its_contents_and_gives_them_back(model_dir: Path) -> None:
+    b = TorchBackend(model_dir, "cpu")
+    b.allocate(1, 2000)
+    c: KVCache = b.cache
+    assert c.num_slots == 2000 and c.capacity == 0 and c.k_read.numel() == 0
+    slots = torch.tensor([0, 7, 300])  # a restore writes past the first block: the table grows to hold it
+    k = torch.randn(2, 2, 3, 16).half()  # (L, Hkv, n, D) canonical fp16
+    b.write_kv(0, slots, k, -k)
+    assert c.capacity == 512  # 301 slots, rounded up to GROWTH_SLOTS
+    c.reserve(600)  # grows by half at least, in whole blocks
+    assert c.capacity == 768 and not c.reads_in_use
+    got_k, got_v = b.read_kv(0, slots)
+    assert torch.equal(got_k, k) and torch.equal(got_v, -k)  # fp16 in, the same bits out, across growths
+    with pytest.raises(IndexError):
+        c.reserve(2001)
+    b.release()
+    assert c.capacity == 0 and c.allocated_bytes() < 2000 * 8 * 3  # bookkeeping only

@@ -199,3 +199,20 @@ def test_a_small_prompt_budget_per_step_changes_no_token(tiny: tuple[TorchBacken
     for (p, s), c in zip(jobs, done, strict=True):
         assert c.tokens == alone(backend, tok, p, s)
     assert sched.steps["prefill"] >= 3  # 39 prompt tokens at most 6 a step: the first steps take turns
+
+
+def test_idle_rows_give_their_table_back_and_serve_again(tiny: tuple[TorchBackend, Tokenizer]) -> None:
+    backend, tok = tiny
+    ids = tok.encode(TEXT)
+    want = alone(backend, tok, ids, settings(6))
+    row_backend = backend.fork()
+    with Scheduler(row_backend, tok, SchedulerConfig(max_batch=3, num_slots=64, idle_release_s=0.05)) as sched:
+        assert row_backend.cache.capacity == 0  # 3 rows of 64 slots declared, none held before a request
+        assert sched.submit(Request(ids, settings(6))).result(timeout=120).tokens == want
+        for _ in range(200):  # the scheduler thread releases after 0.05 s idle
+            if row_backend.cache.capacity == 0:
+                break
+            threading.Event().wait(0.05)
+        assert row_backend.cache.capacity == 0 and row_backend.kv_resident_bytes() < 64 * 3 * 2 * 2 * 16 * 2
+        assert sched.submit(Request(ids, settings(6))).result(timeout=120).tokens == want
+        assert row_backend.cache.capacity > 0

@@ -17,7 +17,7 @@ from engine.hw import HardwarePolicy
 from engine.hw.memory import MemoryPressure, MemorySnapshot, format_bytes
 from engine.hw.policy import PolicyConfig
 from engine.memory.cascade import CascadeConfig
-from engine.model.slots import KVCache
+from engine.model.slots import GROWTH_SLOTS, KVCache
 from engine.session.engine import Engine, memory_factory_for
 from engine.session.setup import MIN_SLOT_TABLE
 from tests.engine.hw.fakes import GB, FakeMemory, FakeThermal
@@ -118,18 +118,21 @@ def test_two_conversations_on_shared_weights_interleave_without_interference(eng
 
 def need_of(model: Path) -> tuple[int, int, int]:
     """The fit check's figures for `model` on the cpu backend, computed here from the backend's own reports and the
-    slot table the cascade builds (a budget too small for more gets the least table, MIN_SLOT_TABLE slots)."""
+    slot table the cascade builds (a budget too small for more gets the least table, MIN_SLOT_TABLE slots), grown
+    to every slot and read through PyTorch: the most a conversation's table may hold."""
     b = TorchBackend(model, "cpu")
     slots = CascadeConfig.for_model(model, b.config, max_slots=MIN_SLOT_TABLE).num_slots
-    table = KVCache(b.config, 1, slots, "cpu", torch.float16, torch.float32)  # what a conversation allocates
+    table = KVCache(b.config, 1, slots, "cpu", torch.float16, torch.float32)
+    table.reserve(slots, read_copies=True)
     kv = sum(t.numel() * t.element_size() for t in table.slot_tensors())
     return resident_weight_bytes(b.model), kv, slots
 
 
 def test_a_model_that_cannot_fit_is_refused_with_the_backends_own_figures(model: Path) -> None:
     weights, kv, slots = need_of(model)
-    # The tiny model: k and v of 2 layers x 2 KV heads x 16 dims per slot, fp16 plus fp32 read copies.
-    assert kv == slots * 2 * 2 * 2 * 16 * (2 + 4) and slots == MIN_SLOT_TABLE
+    # The tiny model (PyTorch steps: no native kernels for its fp32 weights): k and v of 2 layers x 2 KV heads x
+    # 16 dims per slot, fp16, and read copies in fp16 as well; no fp32 copy.
+    assert kv == slots * 2 * 2 * 2 * 16 * (2 + 2) and slots == MIN_SLOT_TABLE
     tiny_ram = FakeMemory(
         MemorySnapshot(rss_bytes=GB, total_bytes=64 * 1024, available_bytes=32 * 1024, pressure=MemoryPressure.NORMAL)
     )
@@ -166,11 +169,26 @@ def test_policy_sizes_the_episodic_tier(model: Path, tmp_path: Path) -> None:
         model, "cpu", memory_factory=memory_factory_for(model, cache_dir=tmp_path, policy=policy), policy=policy
     )
     s = engine.new_session()
-    working = (
-        sum(t.numel() * t.element_size() for t in s.backend.cache.slot_tensors()) // s.backend.batch
-    )  # one row's table
-    assert working == s.memory.cfg.num_slots * s.backend.slot_bytes_per_token()
+    working = s.memory.cfg.num_slots * s.backend.slot_bytes_per_token()  # the most one row's table may grow to
     assert s.memory.cfg.episodic_budget_bytes == policy.episodic_budget_bytes(s.backend.weight_bytes, working)
+
+
+def test_a_fresh_chat_holds_the_slots_it_uses_not_the_trained_context(model: Path, tmp_path: Path) -> None:
+    engine = Engine.load(model, "cpu", memory_factory=memory_factory_for(model, cache_dir=tmp_path))
+    s = engine.new_session()
+    cache = s.backend.cache
+    assert cache.num_slots >= 1024 and cache.capacity == 0  # the trained context is addressable, nothing held yet
+    reply(s.chat("hello there", GREEDY))
+    used = len(s.memory.tokens)
+    # Sinks, the (empty) retrieval groups and the window's first tokens, in one growth block: not num_slots.
+    last = s.memory.working.window_start + used
+    assert last <= cache.capacity < last + GROWTH_SLOTS and cache.capacity < cache.num_slots // 2
+    assert s.backend.kv_resident_bytes() == cache.allocated_bytes() < cache.num_slots * s.backend.slot_bytes_per_token()
+    # A long turn grows it in blocks, and what it held before is kept (the conversation goes on exactly).
+    before = cache.k[:, :, :, :used].clone()
+    reply(s.chat("word " * 300, GREEDY))
+    assert cache.capacity >= s.memory.working.window_start + len(s.memory.tokens) > last + GROWTH_SLOTS
+    assert torch.equal(cache.k[:, :, :, :used], before)
 
 
 def test_huge_prompt_is_refused_and_nothing_changes(engine: Engine) -> None:

@@ -225,7 +225,7 @@ def test_backend_uses_native_kernels_and_stays_close_to_fp32(qwen_dir: Path) -> 
     assert isinstance(b.model.lm_head, NativeBlockLinear) and not any(
         isinstance(m, nn.Linear) for m in b.model.modules()
     )
-    assert b.numerics == "torch-cpu-float32-wq8_0native-a16i-kvfloat16"
+    assert b.numerics == "torch-cpu-float32-wq8_0native-a16i-kvfloat16-r2"
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     outs = []
     for backend in (b, TorchBackend(qwen_dir, "cpu", quantize="none")):
@@ -271,26 +271,28 @@ def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(
     steps = NativeStepCounter()
     with native.timed_parts(steps):
         outs = [run_conversation(native, memory, ids)]
-    assert steps.native_steps >= 30  # most decoding steps ran natively (the rest re-derive stale copies in PyTorch)
+    assert steps.native_steps == len(ids) - 10  # every decoding step ran natively, page-ins and re-routes included
     stepwise = TorchBackend(llama_dir, "cpu", quantize="q4_1", kv_dtype=kv, native_steps=False)
     assert stepwise.decoder is None  # the same NativeBlockLinear weights, every step through PyTorch
     outs.append(run_conversation(stepwise, memory, ids))
     # Only float summation order differs (attention, norms): logits agree closely. Such a difference can move a
     # stored fp16 key or value by one ulp or an activation by one int16 step, which scales with the logits, hence a
-    # bound relative to the largest (measured on AVX2: 0.5e-4 to 1.2e-4 of it over these steps) ...
+    # bound relative to the largest (measured on AVX2: 0.5e-4 to 1.2e-4 of it over these steps). Over an fp16
+    # table the PyTorch path also rounds its rotated read copies to fp16 (as llama.cpp's f16 cache holds rotated
+    # keys), where the native attention rotates on read in fp32: one more fp16 rounding, 2^-11 (measured: up to
+    # 5.5e-4 of the largest logit) ...
     worst = (outs[0] - outs[1]).abs().max()
-    assert worst <= 2.5e-4 * outs[1].abs().max(), worst
-    # ... the read bookkeeping is the same, and the stored and read keys and values differ only by that rounding.
+    assert worst <= (1e-3 if kv == torch.float16 else 2.5e-4) * outs[1].abs().max(), worst
+    # ... the stored keys and values differ only by that rounding, and the native table keeps no read copies.
     a, b = native.cache, stepwise.cache
-    assert torch.equal(a.read_slots, b.read_slots) and torch.equal(a.read_positions, b.read_positions)
-    held = (a.read_slots >= 0).nonzero().squeeze(1)
-    slots = a.read_slots[held]
+    held = (b.read_slots >= 0).nonzero().squeeze(1)
+    slots = b.read_slots[held]
     torch.testing.assert_close(a.k[:, :, :, slots], b.k[:, :, :, slots], atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(a.v[:, :, :, slots], b.v[:, :, :, slots], atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(a.k_read[:, :, :, held], b.k_read[:, :, :, held], atol=2e-3, rtol=2e-3)
+    assert not a.reads_in_use and a.k_read.numel() == 0 and b.reads_in_use
 
 
-def test_native_steps_keep_the_read_copies_exact(llama_dir: Path) -> None:
+def test_native_steps_keep_no_read_copies_and_later_pytorch_steps_derive_them_exactly(llama_dir: Path) -> None:
     b = TorchBackend(llama_dir, "cpu", quantize="q8_0")
     steps = NativeStepCounter()
     b.allocate(1, 32)
@@ -299,8 +301,11 @@ def test_native_steps_keep_the_read_copies_exact(llama_dir: Path) -> None:
         prefill(b, mem, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], chunk=10)
         for t in [20, 21, 22, 23]:
             decode_step(b, mem, t)
-    assert steps.native_steps == 3  # the first step after a prefill derives every read copy, in PyTorch
-    assert assert_read_copies_exact(b, torch.arange(32)[None]) == 14
+    assert steps.native_steps == 4 and not b.cache.reads_in_use and b.cache.k_read.numel() == 0
+    prefill(b, mem, [30, 31], chunk=2)  # a small step of two tokens runs in PyTorch, through the read copies
+    assert assert_read_copies_exact(b, torch.arange(32)[None]) == 16
+    decode_step(b, mem, 24)  # native again: the written slot's copy is dropped, the others stay exact
+    assert assert_read_copies_exact(b, torch.arange(32)[None]) == 16
 
 
 def test_without_native_kernels_the_engine_says_why_and_runs_pytorch(
@@ -313,7 +318,7 @@ def test_without_native_kernels_the_engine_says_why_and_runs_pytorch(
     assert status.kernels is None and DISABLE_ENV in status.reason
     b = TorchBackend(qwen_dir, "cpu", quantize="q8_0")  # auto kernels: falls back to the dequantized blocks
     assert b.native_isa is None and isinstance(b.model.lm_head, KMajorLinear) and DISABLE_ENV in b.kernels_note
-    assert b.numerics == "torch-cpu-float32-wq8_0-kvfloat16"
+    assert b.numerics == "torch-cpu-float32-wq8_0-kvfloat16-r2"
     with pytest.raises(BackendUnavailable, match=r"native CPU kernels are unavailable.*turned off"):
         TorchBackend(qwen_dir, "cpu", quantize="q8_0", kernels="native")
     monkeypatch.delenv(DISABLE_ENV)
