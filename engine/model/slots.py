@@ -197,8 +197,12 @@ class KVCache(nn.Module):
         empty = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, 0, cfg.head_dim)
         self.register_buffer("k", torch.zeros(empty, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,C,D)
         self.register_buffer("v", torch.zeros(empty, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,C,D)
+        # Rotated keys are kept in the compute dtype: rounding them to the table's fp16 would give a step through
+        # PyTorch (a prefill chunk, a speculative verify) other bits than the native step, which rotates each key in
+        # fp32 as it reads it, and greedy tokens could then depend on how the tokens were fed. Values are not
+        # rotated, so their copies stay in the table's dtype.
         self.register_buffer(
-            "k_read", torch.zeros(empty, device=device, dtype=dtype), persistent=False
+            "k_read", torch.zeros(empty, device=device, dtype=compute_dtype), persistent=False
         )  # (L,B,Hkv,0|C,D)
         self.register_buffer(
             "v_read", torch.zeros(empty, device=device, dtype=dtype), persistent=False
