@@ -267,7 +267,7 @@ typedef struct {
 
 static int32_t block_bytes(int32_t type) { return type == SPARK_Q8_0 ? 34 : type == SPARK_Q4_1 ? 20 : 18; }
 
-static inline int kq_type(int32_t type);          /* spark_kquants.c: Q5_0, Q4_K, Q6_K */
+static inline int kq_type(int32_t type);          /* spark_kquants.c: Q5_0, Q5_1, the K-quants, IQ4_*, TQ*_0 */
 static inline int32_t kq_block_bytes(int32_t type);
 
 int32_t spark_block_bytes(int32_t type) {
@@ -719,7 +719,7 @@ static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32
 }
 #endif
 
-#include "spark_kquants.c" /* Q5_0, Q4_K, Q6_K: kq_gemm_rows */
+#include "spark_kquants.c" /* Q5_0, Q5_1, the K-quants, IQ4_NL/XS, TQ1_0/TQ2_0: kq_gemm_rows */
 
 #if defined(SPARK_ZMM)
 /* Prefill on AVX-512 with the tokens in the lanes: one 512-bit product adds a pair of weights (broadcast) times the
@@ -951,7 +951,7 @@ static int32_t lane_tokens(const spark_qmat *w, int32_t m) {
 #if defined(SPARK_TOKEN_LANES)
     int routed = w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1;
 #if defined(SPARK_ZMM)
-    routed = routed || kq_type(w->type);
+    routed = routed || kq_vec_type(w->type);
 #endif
     if (w->act_parts != 2 || !routed) return 0;
     return m % SPARK_LANES >= SPARK_LANES_MIN ? m : m - m % SPARK_LANES;

@@ -26,17 +26,53 @@
  */
 
 /* ggml type ids (gguf.GGMLQuantizationType) of the formats here. */
-enum { SPARK_Q5_0 = 6, SPARK_Q4_K = 12, SPARK_Q6_K = 14 };
+enum {
+    SPARK_Q5_0 = 6,
+    SPARK_Q5_1 = 7,
+    SPARK_Q2_K = 10,
+    SPARK_Q3_K = 11,
+    SPARK_Q4_K = 12,
+    SPARK_Q5_K = 13,
+    SPARK_Q6_K = 14,
+    SPARK_IQ4_NL = 20,
+    SPARK_IQ4_XS = 23,
+    SPARK_TQ1_0 = 34,
+    SPARK_TQ2_0 = 35,
+};
 #define QK_K 256
 
-static inline int kq_type(int32_t type) { return type == SPARK_Q5_0 || type == SPARK_Q4_K || type == SPARK_Q6_K; }
-
-/* Bytes of one block of the type: 32 weights for Q5_0, a super-block of 256 for the K-quants. */
-static inline int32_t kq_block_bytes(int32_t type) { return type == SPARK_Q5_0 ? 22 : type == SPARK_Q4_K ? 144 : 210; }
-
-static inline int64_t kq_row_bytes(int32_t type, int32_t k) {
-    return type == SPARK_Q5_0 ? (int64_t)(k / QK) * 22 : (int64_t)(k / QK_K) * kq_block_bytes(type);
+static inline int kq_type(int32_t type) {
+    switch (type) {
+    case SPARK_Q5_0: case SPARK_Q5_1: case SPARK_Q2_K: case SPARK_Q3_K: case SPARK_Q4_K: case SPARK_Q5_K:
+    case SPARK_Q6_K: case SPARK_IQ4_NL: case SPARK_IQ4_XS: case SPARK_TQ1_0: case SPARK_TQ2_0: return 1;
+    default: return 0;
+    }
 }
+
+/* The types with the x86 vector routes below (8 blocks per step; AVX-512's token lanes); the others take the
+ * block-by-block route on every ISA, their quants unpacked by kq_unpack_scalar. */
+static inline int kq_vec_type(int32_t type) { return type == SPARK_Q5_0 || type == SPARK_Q4_K || type == SPARK_Q6_K; }
+
+/* Bytes of one block of the type: 32 weights for Q5_0, Q5_1 and IQ4_NL, a super-block of 256 for the others. */
+static inline int32_t kq_block_bytes(int32_t type) {
+    switch (type) {
+    case SPARK_Q5_0: return 22;
+    case SPARK_Q5_1: return 24;
+    case SPARK_Q2_K: return 84;
+    case SPARK_Q3_K: return 110;
+    case SPARK_Q4_K: return 144;
+    case SPARK_Q5_K: return 176;
+    case SPARK_IQ4_NL: return 18;
+    case SPARK_IQ4_XS: return 136;
+    case SPARK_TQ1_0: return 54;
+    case SPARK_TQ2_0: return 66;
+    default: return 210; /* Q6_K */
+    }
+}
+
+static inline int32_t kq_block_weights(int32_t type) { return type == SPARK_Q5_0 || type == SPARK_Q5_1 || type == SPARK_IQ4_NL ? QK : QK_K; }
+
+static inline int64_t kq_row_bytes(int32_t type, int32_t k) { return (int64_t)(k / kq_block_weights(type)) * kq_block_bytes(type); }
 
 /* One unpacked weight block of 32: signed quants and the float factors of its term. */
 typedef struct {
@@ -45,8 +81,10 @@ typedef struct {
 #else
     int8_t w[QK];
 #endif
-    float dw, mw;   /* Q5_0: d; Q4_K: d * sc and -(dmin * m); Q6_K: d */
-    int32_t s0, s1; /* Q6_K: the two halves' int8 scales */
+    float dw, mw;   /* Q5_0, IQ4_NL, TQ*: d; Q4_K, Q5_K: d * sc and -(dmin * m); Q5_1: d and m; Q6_K, Q3_K: d;
+                       Q2_K: d and -dmin; IQ4_XS: d * (ls - 32) */
+    int32_t s0, s1; /* Q6_K, Q3_K, Q2_K: the two halves' scales */
+    int32_t m0, m1; /* Q2_K: the two halves' mins */
 } kq_block;
 
 /* Q4_K's scale and min of sub-block j (ggml's get_scale_min_k4). */
@@ -57,6 +95,95 @@ static inline void k4_scale_min(int32_t j, const uint8_t *q, int32_t *sc, int32_
     } else {
         *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
         *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl). */
+static const int8_t kq_iq4_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* Q3_K's 6-bit scale of sub-block i (of 16 weights), -32..31: the low 4 bits from the nibbles of bytes 0..7, the
+ * top 2 from the pairs of bytes 8..11. */
+static inline int32_t k3_scale(const uint8_t *sc, int32_t i) {
+    return (((sc[i & 7] >> (4 * (i >> 3))) & 0x0F) | (((sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3) << 4)) - 32;
+}
+
+/* Block b (of 32 weights) of a row of one of the types without a vector route here: its signed quants, one at a
+ * time in ggml's layouts (engine/model/quant.py spells them out), and its factors. Element e of sub-block j is
+ * weight p = 32 j + e of its super-block. */
+static void kq_unpack_scalar(int32_t type, const uint8_t *row, int32_t b, int8_t *w, kq_block *o) {
+    const int32_t j = b & 7;
+    o->mw = 0.0f;
+    o->s0 = o->s1 = o->m0 = o->m1 = 0;
+    if (type == SPARK_Q5_1 || type == SPARK_IQ4_NL) {
+        const uint8_t *blk = row + (int64_t)b * kq_block_bytes(type), *qs = blk + (type == SPARK_Q5_1 ? 8 : 2);
+        o->dw = f16_at(blk);
+        if (type == SPARK_IQ4_NL) {
+            for (int32_t e = 0; e < QK / 2; e++) w[e] = kq_iq4_levels[qs[e] & 0x0F], w[e + 16] = kq_iq4_levels[qs[e] >> 4];
+            return;
+        }
+        uint32_t qh;
+        memcpy(&qh, blk + 4, 4);
+        o->mw = f16_at(blk + 2);
+        for (int32_t e = 0; e < QK / 2; e++) {
+            w[e] = (int8_t)((qs[e] & 0x0F) | ((qh >> e) & 1) << 4);
+            w[e + 16] = (int8_t)((qs[e] >> 4) | ((qh >> (e + 16)) & 1) << 4);
+        }
+        return;
+    }
+    const uint8_t *blk = row + (int64_t)(b >> 3) * kq_block_bytes(type);
+    switch (type) {
+    case SPARK_Q2_K: { /* scales[16], qs[64] (2 bits: weight 128h + 32s + l at bits 2s of qs[32h + l]), d, dmin */
+        const uint8_t *qs = blk + 16 + 32 * (j >> 2);
+        o->dw = f16_at(blk + 80);
+        o->mw = -f16_at(blk + 82);
+        o->s0 = blk[2 * j] & 0x0F, o->m0 = blk[2 * j] >> 4;
+        o->s1 = blk[2 * j + 1] & 0x0F, o->m1 = blk[2 * j + 1] >> 4;
+        for (int32_t e = 0; e < QK; e++) w[e] = (int8_t)((qs[e] >> (2 * (j & 3))) & 3);
+        return;
+    }
+    case SPARK_Q3_K: { /* hmask[32] (bit j of byte e: weight 32 j + e), qs[64] as Q2_K's, scales[12], d */
+        const uint8_t *qs = blk + 32 + 32 * (j >> 2);
+        o->dw = f16_at(blk + 108);
+        o->s0 = k3_scale(blk + 96, 2 * j);
+        o->s1 = k3_scale(blk + 96, 2 * j + 1);
+        for (int32_t e = 0; e < QK; e++) w[e] = (int8_t)(((qs[e] >> (2 * (j & 3))) & 3) - (((blk[e] >> j) & 1) ? 0 : 4));
+        return;
+    }
+    case SPARK_Q5_K: { /* d, dmin, Q4_K's 12 scale bytes, qh[32] (bit j of byte e), qs[128] as Q4_K's */
+        const uint8_t *qs = blk + 48 + 32 * (j >> 1);
+        int32_t sc, m;
+        k4_scale_min(j, blk + 4, &sc, &m);
+        o->dw = f16_at(blk) * (float)sc;
+        o->mw = -(f16_at(blk + 2) * (float)m);
+        for (int32_t e = 0; e < QK; e++) w[e] = (int8_t)(((qs[e] >> (4 * (j & 1))) & 0x0F) | ((blk[16 + e] >> j) & 1) << 4);
+        return;
+    }
+    case SPARK_IQ4_XS: { /* d, scales_h (uint16: 2 bits per sub-block), scales_l[4] (a nibble each), qs[128] */
+        const uint8_t *qs = blk + 8 + 16 * j;
+        const int32_t high = ((blk[2] | blk[3] << 8) >> (2 * j)) & 3, ls = ((blk[4 + (j >> 1)] >> (4 * (j & 1))) & 0x0F) | high << 4;
+        o->dw = f16_at(blk) * (float)(ls - 32);
+        for (int32_t e = 0; e < QK / 2; e++) w[e] = kq_iq4_levels[qs[e] & 0x0F], w[e + 16] = kq_iq4_levels[qs[e] >> 4];
+        return;
+    }
+    case SPARK_TQ2_0: { /* qs[64] (2 bits as Q2_K's, value + 1), d */
+        const uint8_t *qs = blk + 32 * (j >> 2);
+        o->dw = f16_at(blk + 64);
+        for (int32_t e = 0; e < QK; e++) w[e] = (int8_t)(((qs[e] >> (2 * (j & 3))) & 3) - 1);
+        return;
+    }
+    default: { /* TQ1_0: qs[48] then qh[4], five (qs) or four (qh) trits a byte as a base-3 fraction, d */
+        o->dw = f16_at(blk + 52);
+        static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+        for (int32_t e = 0; e < QK; e++) {
+            const int32_t p = 32 * j + e;
+            uint8_t byte, mul;
+            if (p < 160) byte = blk[p & 31], mul = pow3[p >> 5];                     /* qs[0..32): weights 32 n + l */
+            else if (p < 240) byte = blk[32 + ((p - 160) & 15)], mul = pow3[(p - 160) >> 4]; /* qs[32..48) */
+            else byte = blk[48 + ((p - 240) & 3)], mul = pow3[(p - 240) >> 2];     /* qh */
+            w[e] = (int8_t)((((uint8_t)(byte * mul)) * 3 >> 8) - 1);
+        }
+        return;
+    }
     }
 }
 
@@ -72,8 +199,18 @@ static inline __m256i kq_bytes_from_bits(uint32_t x) {
 
 /* Block b (of 32 weights) of a row of the type. */
 static inline void kq_unpack(int32_t type, const uint8_t *row, int32_t b, kq_block *o) {
+    if (!kq_vec_type(type)) {
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+        int8_t w[QK];
+        kq_unpack_scalar(type, row, b, w, o);
+        o->w = _mm256_loadu_si256((const __m256i *)w);
+#else
+        kq_unpack_scalar(type, row, b, o->w, o);
+#endif
+        return;
+    }
     o->mw = 0.0f;
-    o->s0 = o->s1 = 0;
+    o->s0 = o->s1 = o->m0 = o->m1 = 0;
     if (type == SPARK_Q5_0) {
         const uint8_t *blk = row + (int64_t)b * 22;
         uint32_t qh;
@@ -184,9 +321,18 @@ static inline void kq_halves(const kq_block *o, const spark_act *a, int64_t at, 
 
 /* The block's float term (the formulas at the top of this file). */
 static inline float kq_term(int32_t type, const kq_block *o, int32_t h0, int32_t h1, const spark_act *a, int64_t at) {
-    if (type == SPARK_Q6_K) return (o->dw * a->d[at]) * ((float)(o->s0 * h0) + (float)(o->s1 * h1));
+    if (type == SPARK_Q6_K || type == SPARK_Q3_K) return (o->dw * a->d[at]) * ((float)(o->s0 * h0) + (float)(o->s1 * h1));
+    if (type == SPARK_Q2_K) {
+        int32_t x0 = 0; /* the activation block's first half's sum (the second: its whole sum less this) */
+        if (a->parts == 2)
+            for (int32_t i = 0; i < QK / 2; i++) x0 += a->q16[at * QK + i];
+        else
+            for (int32_t i = 0; i < QK / 2; i++) x0 += a->q8[at * QK + i];
+        const int32_t mins = o->m0 * x0 + o->m1 * (a->s[at] - x0);
+        return (o->dw * a->d[at]) * (float)(o->s0 * h0 + o->s1 * h1) + (o->mw * a->d[at]) * (float)mins;
+    }
     float t = (o->dw * a->d[at]) * (float)(h0 + h1);
-    if (type == SPARK_Q4_K) t += o->mw * a->ds[at];
+    if (type == SPARK_Q4_K || type == SPARK_Q5_K || type == SPARK_Q5_1) t += o->mw * a->ds[at];
     return t;
 }
 
@@ -416,7 +562,7 @@ static inline __attribute__((always_inline)) void kq_dot_rows_r(int32_t type, co
     float acc[KQ_ROWS][8] = {{0}};
     int32_t b = 0;
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
-    if (a->parts == 2) {
+    if (a->parts == 2 && kq_vec_type(type)) {
         __m256 vacc[KQ_ROWS];
         for (int32_t t = 0; t < r_count; t++) vacc[t] = _mm256_setzero_ps();
         for (; b + 8 <= nb; b += 8) {
@@ -469,7 +615,15 @@ static inline __attribute__((always_inline)) void kq_dot_rows_t(const int32_t ty
 static void kq_dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
     switch (type) {
     case SPARK_Q5_0: kq_dot_rows_t(SPARK_Q5_0, row, nb, a, b0, r_count, out); break;
+    case SPARK_Q5_1: kq_dot_rows_t(SPARK_Q5_1, row, nb, a, b0, r_count, out); break;
+    case SPARK_Q2_K: kq_dot_rows_t(SPARK_Q2_K, row, nb, a, b0, r_count, out); break;
+    case SPARK_Q3_K: kq_dot_rows_t(SPARK_Q3_K, row, nb, a, b0, r_count, out); break;
     case SPARK_Q4_K: kq_dot_rows_t(SPARK_Q4_K, row, nb, a, b0, r_count, out); break;
+    case SPARK_Q5_K: kq_dot_rows_t(SPARK_Q5_K, row, nb, a, b0, r_count, out); break;
+    case SPARK_IQ4_NL: kq_dot_rows_t(SPARK_IQ4_NL, row, nb, a, b0, r_count, out); break;
+    case SPARK_IQ4_XS: kq_dot_rows_t(SPARK_IQ4_XS, row, nb, a, b0, r_count, out); break;
+    case SPARK_TQ1_0: kq_dot_rows_t(SPARK_TQ1_0, row, nb, a, b0, r_count, out); break;
+    case SPARK_TQ2_0: kq_dot_rows_t(SPARK_TQ2_0, row, nb, a, b0, r_count, out); break;
     default: kq_dot_rows_t(SPARK_Q6_K, row, nb, a, b0, r_count, out); break;
     }
 }
