@@ -231,12 +231,16 @@ static void parallel_for(spark_job job, void *ctx, int32_t items) {
  * ------------------------------------------------------------------------------------------------------------- */
 
 /* One block-quantized matrix (N, K): N rows of K/32 GGUF blocks, row-major (the file's bytes, read in place). */
-typedef struct {
+typedef struct spark_qmat {
     const uint8_t *blocks; /* (N, K/32) blocks of block_bytes(type) */
     const float *bias;     /* (N,) or NULL */
     int32_t n, k;
-    int32_t type;      /* SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1 */
+    int32_t type;      /* a ggml type id: SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1, or one of spark_kquants.c's */
     int32_t act_parts; /* 1: activations as one int8 block (llama.cpp's Q8); 2: plus an int8 block of the residual */
+    /* A fused matrix whose parts are stored in different formats (a Q4_K_M file's q, k as Q4_K beside v as Q6_K):
+     * its further rows, whose outputs follow this part's, in `next` (same k and act_parts); NULL: no more. The
+     * decoding step (qgemv) follows the chain; spark_qgemm computes one part (its caller calls each). */
+    const struct spark_qmat *next;
 } spark_qmat;
 
 /* Activation rows quantized per block of 32 with one fp32 scale per block: as int8 (parts = 1, llama.cpp's Q8:
@@ -1045,7 +1049,8 @@ static void split_row(const spark_act *a, int32_t type, int32_t nb) {
 #endif
 }
 
-/* Entry point for Python's block linear layers: x (M, K) -> y (M, N); scratch holds spark_act_bytes(K, M). */
+/* Entry point for Python's block linear layers: x (M, K) -> y (M, N) for w's own N rows (a further part, w->next, is
+ * another call); scratch holds spark_act_bytes(K, M). */
 void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void *scratch) {
     spark_act a = act_in(scratch, w->k, m, w->act_parts);
     const int32_t nb = w->k / QK;
@@ -1063,9 +1068,11 @@ void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void 
 static void qgemv(const spark_qmat *w, const float *x, int32_t len, float *y, spark_act *a) {
     a->parts = w->act_parts;
     quantize_row(x, w->k, len, a, 0);
-    split_row(a, w->type, w->k / QK);
-    gemm_job g = {w, a, y, 1};
-    parallel_for(gemm_rows, &g, w->n);
+    for (; w != NULL; y += w->n, w = w->next) { /* each part of a fused matrix in its own format, outputs in order */
+        split_row(a, w->type, w->k / QK);
+        gemm_job g = {w, a, y, 1};
+        parallel_for(gemm_rows, &g, w->n);
+    }
 }
 
 /* The decoder's weights, one entry per layer in each array. */
