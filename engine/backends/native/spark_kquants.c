@@ -1,28 +1,38 @@
 /* MLoT Spark native CPU kernels, part two: the block formats that do not share Q8_0/Q4_0/Q4_1's shape of one fp16
- * scale and 32 plain quants per block: Q5_0 (a fifth bit per weight) and the K-quants Q4_K and Q6_K (super-blocks
- * of 256 weights with integer sub-block scales), the formats a Q4_K_M file holds (engine/model/quant.py has the layouts).
+ * scale and 32 plain quants per block: Q5_0 and Q5_1 (a fifth bit per weight), IQ4_NL (16 non-linear levels), the
+ * K-quants Q2_K..Q6_K and IQ4_XS (super-blocks of 256 weights with integer sub-block scales) and the ternary TQ1_0,
+ * TQ2_0 (BitNet b1.58's weights): every format of the files people download (engine/model/quant.py has the layouts).
  *
  * Included by spark_kernels.c after its block formats (one translation unit, so the row loops inline these and the
  * Arm checker, which includes spark_kernels.c, covers them too); it uses that file's spark_qmat, spark_act, QK,
- * f16_at and the ISA macros. The only hooks in spark_kernels.c are the type dispatch points: spark_block_bytes and
- * gemm_rows, which hands these types to kq_gemm_rows below.
+ * f16_at and the ISA macros. The only hooks in spark_kernels.c are the type dispatch points: spark_block_bytes,
+ * lane_tokens and gemm_rows, which hands these types to kq_gemm_rows below.
  *
  * Numerics, as spark_kernels.c's: activations quantized per block of 32 (int16 with one scale, or llama.cpp's int8);
- * each weight block of 32 (a K-quant super-block is 8 of them) is unpacked to signed 8-bit quants, its products with
- * the two halves of the activation block (16 weights each: Q6_K's sub-blocks) are exact int32 sums, and the block's
- * float term is formed in one fixed way and added into partial sum b % 8, then the same fixed tree. Every instruction
- * set reaches the same integers by its own route, so every ISA, the prefill path and the decoding step give the same
- * bits. Per block of 32 (h0, h1 the halves' sums, d_x the activation scale, ds = d_x * sum(xq)):
- *   Q5_0: term = (d * d_x) * (h0 + h1)                               w = d * (q5 - 16)
- *   Q4_K: term = ((d * sc) * d_x) * (h0 + h1) + (-(dmin * m)) * ds   w = d * sc * q4 - dmin * m (sc, m: 6 bits)
- *   Q6_K: term = (d * d_x) * ((float)(sc0 * h0) + (float)(sc1 * h1)) w = d * sc * (q6 - 32)   (sc: int8 per 16)
+ * each weight block of 32 (a super-block is 8 of them) is unpacked to signed 8-bit quants, its products with the
+ * two halves of the activation block (16 weights each: the sub-blocks of Q6_K, Q3_K, Q2_K) are exact int32 sums,
+ * and the block's float term is formed in one fixed way and added into partial sum b % 8, then the same fixed
+ * tree. Every instruction set reaches the same integers by its own route, so every ISA, the prefill path and the
+ * decoding step give the same bits. Per block of 32 (h0, h1 the halves' sums, x0, x1 the halves' activation sums,
+ * d_x the activation scale, ds = d_x * (x0 + x1)):
+ *   Q5_0, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0: term = (dw * d_x) * (h0 + h1)
+ *       dw = d (IQ4_XS: d * (ls - 32)); w = dw * q, q = q5 - 16, a level, or a trit -1..1
+ *   Q4_K, Q5_K, Q5_1: term = (dw * d_x) * (h0 + h1) + mw * ds
+ *       Q4_K, Q5_K: dw = d * sc, mw = -(dmin * m) (sc, m: 6 bits); Q5_1: dw = d, mw = m; w = dw * q + mw
+ *   Q6_K, Q3_K: term = (d * d_x) * ((float)(sc0 * h0) + (float)(sc1 * h1))   w = d * sc * q  (sc: per 16)
+ *   Q2_K: term = (d * d_x) * (float)(sc0 * h0 + sc1 * h1) + (-dmin * d_x) * (float)(m0 * x0 + m1 * x1)
+ *       w = d * sc * q2 - dmin * m  (sc, m: 4 bits per 16)
  * d * sc and dmin * m are exact in fp32 (an fp16 times an integer of at most 8 bits); |sc * h| <= 128 * 16 * 32 *
- * 32767 < 2^31 is an exact int32 (their sum might not be, hence two conversions).
- * On x86 the int16-activation path (the default) takes 8 blocks at once (a K-quant super-block): the 8 blocks' sums
- * fill the 8 lanes of a vector, lane j being partial sum j, so the same float operations run lane by lane.
+ * 32767 < 2^31 is an exact int32 (Q6_K's sum of two might not be, hence two conversions; Q2_K's, at most
+ * 2 * 15 * 3 * 16 * 32767, is).
+ * On x86 the int16-activation path (the default) takes 8 blocks at once (a K-quant super-block) for Q5_0, Q4_K and
+ * Q6_K (kq_vec_type): the 8 blocks' sums fill the 8 lanes of a vector, lane j being partial sum j, so the same
+ * float operations run lane by lane. The other formats go block by block on every ISA (kq_unpack_scalar unpacks
+ * their quants; the products are vector code).
  * Routes: AVX-512 with BW and VNNI (one 512-bit product per block; a prefill: spark_kernels.c's token-lane route,
- * kq_tokens_in_lanes below), AVX2, Arm's NEON dot product, portable C; each
- * checked bit for bit by tests/engine/backends/native/kquant_check.c (the Arm ones under qemu) and the Python tests.
+ * kq_tokens_in_lanes below, for kq_vec_type), AVX2, Arm's NEON dot product, portable C; each
+ * checked bit for bit by tests/engine/backends/native/native/kquant_check.c (the Arm ones under qemu) and the
+ * Python tests.
  */
 
 /* ggml type ids (gguf.GGMLQuantizationType) of the formats here. */
