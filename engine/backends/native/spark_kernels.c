@@ -941,8 +941,15 @@ static int32_t lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int
     case SPARK_Q4_0: lanes_gemm_t(SPARK_Q4_0, w, a, y, m, begin, end); break;
     case SPARK_Q4_1: lanes_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
     case SPARK_Q5_0: lanes_gemm_t(SPARK_Q5_0, w, a, y, m, begin, end); break;
+    case SPARK_Q5_1: lanes_gemm_t(SPARK_Q5_1, w, a, y, m, begin, end); break;
+    case SPARK_Q3_K: lanes_gemm_t(SPARK_Q3_K, w, a, y, m, begin, end); break;
     case SPARK_Q4_K: lanes_gemm_t(SPARK_Q4_K, w, a, y, m, begin, end); break;
-    default: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break;
+    case SPARK_Q5_K: lanes_gemm_t(SPARK_Q5_K, w, a, y, m, begin, end); break;
+    case SPARK_IQ4_NL: lanes_gemm_t(SPARK_IQ4_NL, w, a, y, m, begin, end); break;
+    case SPARK_IQ4_XS: lanes_gemm_t(SPARK_IQ4_XS, w, a, y, m, begin, end); break;
+    case SPARK_TQ1_0: lanes_gemm_t(SPARK_TQ1_0, w, a, y, m, begin, end); break;
+    case SPARK_TQ2_0: lanes_gemm_t(SPARK_TQ2_0, w, a, y, m, begin, end); break;
+    default: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break; /* kq_vec_type: no Q2_K here (lane_tokens) */
     }
     return 1;
 #endif
