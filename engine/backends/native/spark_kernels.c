@@ -949,7 +949,7 @@ static int32_t lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int
     case SPARK_IQ4_XS: lanes_gemm_t(SPARK_IQ4_XS, w, a, y, m, begin, end); break;
     case SPARK_TQ1_0: lanes_gemm_t(SPARK_TQ1_0, w, a, y, m, begin, end); break;
     case SPARK_TQ2_0: lanes_gemm_t(SPARK_TQ2_0, w, a, y, m, begin, end); break;
-    default: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break; /* kq_vec_type: no Q2_K here (lane_tokens) */
+    default: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break; /* kq_lane_type: no Q2_K here (lane_tokens) */
     }
     return 1;
 #endif
@@ -962,7 +962,7 @@ static int32_t lane_tokens(const spark_qmat *w, int32_t m) {
 #if defined(SPARK_TOKEN_LANES)
     int routed = w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1;
 #if defined(SPARK_ZMM)
-    routed = routed || kq_vec_type(w->type);
+    routed = routed || kq_lane_type(w->type);
 #endif
     if (w->act_parts != 2 || !routed) return 0;
     return m % SPARK_LANES >= SPARK_LANES_MIN ? m : m - m % SPARK_LANES;

@@ -59,9 +59,11 @@ static inline int kq_type(int32_t type) {
     }
 }
 
-/* The types with the x86 vector routes below (8 blocks per step; AVX-512's token lanes): all but Q2_K, whose min
- * term needs each half's activation sum; it takes the block-by-block route, as every type does elsewhere. */
-static inline int kq_vec_type(int32_t type) { return kq_type(type) && type != SPARK_Q2_K; }
+/* The types with the x86 vector route below (8 blocks per step): all; elsewhere every type goes block by block.
+ * A prefill on AVX-512 takes the token-lane route (kq_tokens_in_lanes) for all but Q2_K, whose min term needs each
+ * half's activation sum. */
+static inline int kq_vec_type(int32_t type) { return kq_type(type); }
+static inline int kq_lane_type(int32_t type) { return kq_type(type) && type != SPARK_Q2_K; }
 
 /* Bytes of one block of the type: 32 weights for Q5_0, Q5_1 and IQ4_NL, a super-block of 256 for the others. */
 static inline int32_t kq_block_bytes(int32_t type) {
@@ -287,7 +289,7 @@ static inline __m256i kq_quants_vec(int32_t type, const uint8_t *row, int32_t b)
 #endif
 
 /* The types whose halves of 16 weights have their own scales, and those with a min term (w = scale * q + mw). */
-static inline int kq_half_scaled(int32_t type) { return type == SPARK_Q6_K || type == SPARK_Q3_K; }
+static inline int kq_half_scaled(int32_t type) { return type == SPARK_Q6_K || type == SPARK_Q3_K || type == SPARK_Q2_K; }
 static inline int kq_has_min(int32_t type) { return type == SPARK_Q4_K || type == SPARK_Q5_K || type == SPARK_Q5_1; }
 
 /* Block b (of 32 weights) of a row of the type. */
@@ -496,14 +498,25 @@ static inline __m512i kq_unpack512(int32_t type, const uint8_t *row, int32_t b) 
 /* Eight blocks' weight factors (lane j: block b + j): dw, mw and Q6_K's half scales. */
 typedef struct {
     __m256 dw, mw;
-    __m256i s0, s1;
+    __m256i s0, s1, m0, m1; /* m0, m1: Q2_K's halves' mins */
 } kq_factors;
 
 static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int32_t b) {
     kq_factors f;
     f.mw = _mm256_setzero_ps();
-    f.s0 = f.s1 = _mm256_setzero_si256();
-    if (type == SPARK_Q5_0 || type == SPARK_Q5_1 || type == SPARK_IQ4_NL) { /* 8 blocks of 32, each its own d */
+    f.s0 = f.s1 = f.m0 = f.m1 = _mm256_setzero_si256();
+    if (type == SPARK_Q2_K) { /* 16 bytes of scale (low nibble) and min (high), per half: block j's are 2j, 2j + 1 */
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 84;
+        const __m128i sm = _mm_loadu_si128((const __m128i *)blk), m4 = _mm_set1_epi8(0x0F);
+        const __m128i split = _mm_shuffle_epi8(sm, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        const __m128i sc = _mm_and_si128(split, m4), mn = _mm_and_si128(_mm_srli_epi16(split, 4), m4);
+        f.s0 = _mm256_cvtepu8_epi32(sc);
+        f.s1 = _mm256_cvtepu8_epi32(_mm_srli_si128(sc, 8));
+        f.m0 = _mm256_cvtepu8_epi32(mn);
+        f.m1 = _mm256_cvtepu8_epi32(_mm_srli_si128(mn, 8));
+        f.dw = _mm256_set1_ps(f16_at(blk + 80));
+        f.mw = _mm256_set1_ps(-f16_at(blk + 82));
+    } else if (type == SPARK_Q5_0 || type == SPARK_Q5_1 || type == SPARK_IQ4_NL) { /* 8 blocks of 32, each its own d */
         const int32_t bb = kq_block_bytes(type);
         const uint8_t *blk = row + (int64_t)b * bb;
         uint16_t h[8], m[8];
@@ -566,20 +579,39 @@ static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int3
     return f;
 }
 
-/* The 8 blocks' terms for one int16 activation row from its block `at`: lanes as kq_term computes each. */
-static inline __m256 kq_group_terms(int32_t type, const kq_factors *f, __m256i h0, __m256i h1, const spark_act *a, int64_t at) {
-    const __m256 scale = _mm256_mul_ps(f->dw, _mm256_loadu_ps(a->d + at));
-    if (kq_half_scaled(type))
-        return _mm256_mul_ps(scale, _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s0, h0)), _mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s1, h1))));
-    __m256 t = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(h0)); /* h0: the whole block's sum here */
-    if (kq_has_min(type)) t = _mm256_add_ps(t, _mm256_mul_ps(f->mw, _mm256_loadu_ps(a->ds + at)));
-    return t;
-}
 /* Lane j = the sum of block j's lanes, from the pairwise sums p[i] = hadd(lanes 2i, lanes 2i + 1) (the first
  * step of a horizontal sum, taken as the blocks come; integer adds, exact in any order). */
 static inline __m256i kq_hsum8_pairs(const __m256i *p) {
     const __m256i u0 = _mm256_hadd_epi32(p[0], p[1]), u1 = _mm256_hadd_epi32(p[2], p[3]);
     return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* Lane j = the sum of the first 16 int16 activation quants of block at + j (Q2_K's mins meet them). */
+static inline __m256i kq_first_halves(const spark_act *a, int64_t at) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i p[4];
+    for (int32_t u = 0; u < 8; u += 2) {
+        const __m256i l0 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->q16 + (at + u) * QK)), ones);
+        const __m256i l1 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->q16 + (at + u + 1) * QK)), ones);
+        p[u / 2] = _mm256_hadd_epi32(l0, l1);
+    }
+    return kq_hsum8_pairs(p);
+}
+
+/* The 8 blocks' terms for one int16 activation row from its block `at`: lanes as kq_term computes each. */
+static inline __m256 kq_group_terms(int32_t type, const kq_factors *f, __m256i h0, __m256i h1, const spark_act *a, int64_t at) {
+    const __m256 d = _mm256_loadu_ps(a->d + at), scale = _mm256_mul_ps(f->dw, d);
+    if (type == SPARK_Q2_K) { /* the mins against the halves' activation sums x0 and s - x0 */
+        const __m256i x0 = kq_first_halves(a, at), x1 = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(a->s + at)), x0);
+        const __m256i mins = _mm256_add_epi32(_mm256_mullo_epi32(f->m0, x0), _mm256_mullo_epi32(f->m1, x1));
+        const __m256 t = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_mullo_epi32(f->s0, h0), _mm256_mullo_epi32(f->s1, h1))));
+        return _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(f->mw, d), _mm256_cvtepi32_ps(mins)));
+    }
+    if (kq_half_scaled(type))
+        return _mm256_mul_ps(scale, _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s0, h0)), _mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s1, h1))));
+    __m256 t = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(h0)); /* h0: the whole block's sum here */
+    if (kq_has_min(type)) t = _mm256_add_ps(t, _mm256_mul_ps(f->mw, _mm256_loadu_ps(a->ds + at)));
+    return t;
 }
 
 /* Block b's int16 products with activation block b0[t] + b of each row t: 8 int32 lanes into l0[t][i] (weights
