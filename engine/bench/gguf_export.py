@@ -41,8 +41,12 @@ FILE_TYPES = {
     "q4_k": ("MOSTLY_Q4_K_M", "Q4_K"),
     "q5_k": ("MOSTLY_Q5_K_M", "Q5_K"),
     "q6_k": ("MOSTLY_Q6_K", "Q6_K"),
+    "iq4_nl": ("MOSTLY_IQ4_NL", "IQ4_NL"),
+    "iq4_xs": ("MOSTLY_IQ4_XS", "IQ4_XS"),
+    "tq1_0": ("MOSTLY_TQ1_0", "TQ1_0"),
+    "tq2_0": ("MOSTLY_TQ2_0", "TQ2_0"),
 }
-K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")  # no quantizer in the gguf package
 GGUF_ARCH = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -58,10 +62,16 @@ _GPT2_PRE = "default"
 # --dtype name -> llama.cpp's file type (llama_cpp.LLAMA_FTYPE_*): its quantizer picks each tensor's type, falling
 # back to Q5_0/Q5_1/Q8_0 for rows that are no multiple of 256 (SmolLM2's hidden size, 576).
 LLAMACPP_TYPES = {
+    "q2_k": "MOSTLY_Q2_K",
+    "q3_k_m": "MOSTLY_Q3_K_M",
     "q4_k_m": "MOSTLY_Q4_K_M",
     "q4_k_s": "MOSTLY_Q4_K_S",
     "q5_k_m": "MOSTLY_Q5_K_M",
     "q6_k_llamacpp": "MOSTLY_Q6_K",
+    "iq4_nl": "MOSTLY_IQ4_NL",
+    "iq4_xs": "MOSTLY_IQ4_XS",
+    "tq1_0": "MOSTLY_TQ1_0",
+    "tq2_0": "MOSTLY_TQ2_0",
 }
 
 

@@ -9,10 +9,11 @@ divergence, same top token, perplexity. Headline `kld_ratio_vs_llamacpp` (ours /
 also run with llama.cpp's int8 (Q8) activations (`ours_q8_act_*`) and with fp32 activations (`ours_fp32_act_*`), which
 is how the default was chosen.
 
-K-quant files (Q4_K_M and the like, whose tensors mix Q4_K, Q6_K, Q5_0 and Q8_0) have no quantizer here: build one
-from the folder's fp32 weights with llama.cpp's quantizer (no download, quantized once) and pass it as --gguf:
-    python -m engine.bench.gguf_export MODEL_DIR /tmp/m-q4_k_m.gguf --dtype q4_k_m
-    python -m engine bench quant --model MODEL_DIR --gguf /tmp/m-q4_k_m.gguf --json
+The formats with no quantizer here (the K-quant mixes, IQ4_NL/IQ4_XS, TQ1_0/TQ2_0) are written from the folder's fp32
+weights by llama.cpp's own quantizer when llama-cpp-python is installed (LLAMACPP_FILES: a file as downloads have
+it, e.g. a Q4_K_M's tensors mix Q4_K, Q6_K and, where a row is no multiple of 256, Q5_0 and Q8_0), and both
+engines run that file. Any other file: --gguf FILE (quantized from float weights, as
+`python -m engine.bench.gguf_export MODEL_DIR OUT.gguf --dtype q4_k_m` writes it).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from engine.model.quant import BlockType, StoredTensor
 TOKENS = 2048
 QUICK_TOKENS = 256
 TYPES = tuple(t.name.lower() for t in BlockType if t.quantizable)
+# Files llama.cpp's quantizer writes (engine.bench.gguf_export.LLAMACPP_TYPES): every other format we run as stored.
+LLAMACPP_FILES = ("q2_k", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k_llamacpp", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0")
 
 
 def held_out_ids(tokenizer: Tokenizer, n: int) -> list[int]:
@@ -114,21 +117,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["notes"] = ["llama-cpp-python is not installed (pip install -e '.[bench]'); llama.cpp was not measured"]
     tmp = tempfile.TemporaryDirectory(prefix="spark-quant-")
     files: dict[str, Path] = {}
+    for name in TYPES:
+        files[name] = export_gguf(model, Path(tmp.name) / f"model-{name}.gguf", name)
     if have_llamacpp:
+        from engine.bench.gguf_export import quantize_with_llamacpp
+
         f32 = export_gguf(model, Path(tmp.name) / "model-f32.gguf", "f32")
         result["llamacpp_f32"] = _rounded(
             compare(fp32, llamacpp_logits(f32, inputs, threads), targets), "llamacpp"
         )  # the peers agree at fp32
+        for name in LLAMACPP_FILES:  # from the fp32 weights our reference runs (a quantized model's, dequantized)
+            files[name] = quantize_with_llamacpp(f32, Path(tmp.name) / f"model-{name}.gguf", name, threads)
         f32.unlink()
-    for name in TYPES:
-        files[name] = export_gguf(model, Path(tmp.name) / f"model-{name}.gguf", name)
     if args.gguf:
         files["gguf"] = Path(args.gguf)
     elif is_gguf_model(model):
         files["gguf"] = model  # the file as it is: its own blocks, as stored, in both engines
     for name, path in files.items():
         stored: dict[str, StoredTensor] = gguf_model(path).stored_tensors()
-        row: dict[str, Any] = {"file": str(path) if name == "gguf" else f"{name} export of the model folder"}
+        made = "llama.cpp's quantizer" if name in LLAMACPP_FILES else "export"
+        row: dict[str, Any] = {"file": str(path) if name == "gguf" else f"{name} {made} of the model's fp32 weights"}
+        row["formats"] = sorted({t.qtype for t in stored.values()})
         ours = TorchBackend(model, "cpu", quantize="auto", stored=stored)
         row["ours_weights"] = ours.numerics
         row.update(_rounded(compare(fp32, our_logits(ours, inputs), targets), "ours"))

@@ -45,7 +45,10 @@ GEMMA3_27B_LAYERS = 62
 
 # Tensor types we read: float types as is, block types dequantized here (or run as stored by a backend that can).
 FLOAT_TYPES = ("F32", "F16", "BF16")
-BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+BLOCK_TYPES = (
+    *("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
+    *("IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0"),
+)
 
 _LAYER_NAMES: dict[str, str] = {
     "attn_norm.weight": "input_layernorm.weight",

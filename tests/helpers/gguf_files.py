@@ -10,13 +10,15 @@ import numpy as np
 
 from engine.bench.gguf_export import K_TYPES, export_gguf
 
-# Byte offsets of each K-quant block's fp16 scale fields (llama.cpp's block_q*_K structs): (d, dmin or None).
+# Byte offsets of each block's fp16 scale fields (llama.cpp's block_q*_K, block_iq4_* structs): (d, dmin or None).
 K_SCALE_OFFSETS: dict[str, tuple[int, int | None]] = {
     "Q2_K": (80, 82),
     "Q3_K": (108, None),
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208, None),
+    "IQ4_NL": (0, None),
+    "IQ4_XS": (0, None),
 }
 
 

@@ -36,16 +36,19 @@ BUNDLED_DIR = "engine_native"  # where a packaged app keeps its prebuilt library
 
 
 class QMat(ctypes.Structure):
-    """spark_qmat: a block-quantized matrix (N, K) in a GGUF layout (engine.model.quant) with an optional bias."""
+    """spark_qmat: a block-quantized matrix (N, K) in a GGUF layout (engine.model.quant) with an optional bias, and
+    the next part of a fused matrix whose parts differ in format (NULL: none)."""
 
-    _fields_ = [
-        ("blocks", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("n", ctypes.c_int32),
-        ("k", ctypes.c_int32),
-        ("type", ctypes.c_int32),
-        ("act_parts", ctypes.c_int32),  # 1: int8 activations per block of 32 (llama.cpp's Q8); 2: int16
-    ]
+
+QMat._fields_ = [
+    ("blocks", ctypes.c_void_p),
+    ("bias", ctypes.c_void_p),
+    ("n", ctypes.c_int32),
+    ("k", ctypes.c_int32),
+    ("type", ctypes.c_int32),
+    ("act_parts", ctypes.c_int32),  # 1: int8 activations per block of 32 (llama.cpp's Q8); 2: int16
+    ("next", ctypes.POINTER(QMat)),  # the decoding step follows it; spark_qgemm computes this part only
+]
 
 
 class ModelDesc(ctypes.Structure):

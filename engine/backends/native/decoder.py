@@ -11,6 +11,7 @@ so both paths share weights, arithmetic and the slot table.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,8 +48,20 @@ class NativeBlockLinear(nn.Module):
             "bias", None if bias is None else bias.detach().float().contiguous(), persistent=False
         )  # (N,)
         self.desc = QMat(_ptr(self.blocks), _ptr(self.bias), self.out_features, self.padded, w.qtype.ggml_id, act_parts)
+        # A fused matrix of parts in different formats: one layer per part, their descriptors chained from the first.
+        starts = list(itertools.accumulate((p.shape[0] for p in w.parts), initial=0))
+        biases = [None if bias is None else bias[a:b] for a, b in itertools.pairwise(starts)]
+        self.parts = nn.ModuleList(
+            NativeBlockLinear(kernels, p, b, act_parts) for p, b in zip(w.parts, biases, strict=True)
+        )
+        descs = [p.desc for p in self.parts if isinstance(p, NativeBlockLinear)]
+        for first, then in itertools.pairwise(descs):
+            first.next = ctypes.pointer(then)
+        self.desc = descs[0] if descs else self.desc
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) float32 -> (..., N) float32
+        if len(self.parts):
+            return torch.cat([p(x) for p in self.parts], dim=-1)
         rows = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
         if self.padded != self.in_features:
             rows = torch.nn.functional.pad(rows, (0, self.padded - self.in_features))  # (M, padded) zero columns

@@ -231,12 +231,16 @@ static void parallel_for(spark_job job, void *ctx, int32_t items) {
  * ------------------------------------------------------------------------------------------------------------- */
 
 /* One block-quantized matrix (N, K): N rows of K/32 GGUF blocks, row-major (the file's bytes, read in place). */
-typedef struct {
+typedef struct spark_qmat {
     const uint8_t *blocks; /* (N, K/32) blocks of block_bytes(type) */
     const float *bias;     /* (N,) or NULL */
     int32_t n, k;
-    int32_t type;      /* SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1 */
+    int32_t type;      /* a ggml type id: SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1, or one of spark_kquants.c's */
     int32_t act_parts; /* 1: activations as one int8 block (llama.cpp's Q8); 2: plus an int8 block of the residual */
+    /* A fused matrix whose parts are stored in different formats (a Q4_K_M file's q, k as Q4_K beside v as Q6_K):
+     * its further rows, whose outputs follow this part's, in `next` (same k and act_parts); NULL: no more. The
+     * decoding step (qgemv) follows the chain; spark_qgemm computes one part (its caller calls each). */
+    const struct spark_qmat *next;
 } spark_qmat;
 
 /* Activation rows quantized per block of 32 with one fp32 scale per block: as int8 (parts = 1, llama.cpp's Q8:
@@ -267,7 +271,7 @@ typedef struct {
 
 static int32_t block_bytes(int32_t type) { return type == SPARK_Q8_0 ? 34 : type == SPARK_Q4_1 ? 20 : 18; }
 
-static inline int kq_type(int32_t type);          /* spark_kquants.c: Q5_0, Q4_K, Q6_K */
+static inline int kq_type(int32_t type);          /* spark_kquants.c: Q5_0, Q5_1, the K-quants, IQ4_*, TQ*_0 */
 static inline int32_t kq_block_bytes(int32_t type);
 
 int32_t spark_block_bytes(int32_t type) {
@@ -719,7 +723,7 @@ static void dot_pair16(int32_t type, const uint8_t *ra, const uint8_t *rb, int32
 }
 #endif
 
-#include "spark_kquants.c" /* Q5_0, Q4_K, Q6_K: kq_gemm_rows */
+#include "spark_kquants.c" /* Q5_0, Q5_1, the K-quants, IQ4_NL/XS, TQ1_0/TQ2_0: kq_gemm_rows */
 
 #if defined(SPARK_ZMM)
 /* Prefill on AVX-512 with the tokens in the lanes: one 512-bit product adds a pair of weights (broadcast) times the
@@ -937,8 +941,15 @@ static int32_t lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int
     case SPARK_Q4_0: lanes_gemm_t(SPARK_Q4_0, w, a, y, m, begin, end); break;
     case SPARK_Q4_1: lanes_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
     case SPARK_Q5_0: lanes_gemm_t(SPARK_Q5_0, w, a, y, m, begin, end); break;
+    case SPARK_Q5_1: lanes_gemm_t(SPARK_Q5_1, w, a, y, m, begin, end); break;
+    case SPARK_Q3_K: lanes_gemm_t(SPARK_Q3_K, w, a, y, m, begin, end); break;
     case SPARK_Q4_K: lanes_gemm_t(SPARK_Q4_K, w, a, y, m, begin, end); break;
-    default: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break;
+    case SPARK_Q5_K: lanes_gemm_t(SPARK_Q5_K, w, a, y, m, begin, end); break;
+    case SPARK_IQ4_NL: lanes_gemm_t(SPARK_IQ4_NL, w, a, y, m, begin, end); break;
+    case SPARK_IQ4_XS: lanes_gemm_t(SPARK_IQ4_XS, w, a, y, m, begin, end); break;
+    case SPARK_TQ1_0: lanes_gemm_t(SPARK_TQ1_0, w, a, y, m, begin, end); break;
+    case SPARK_TQ2_0: lanes_gemm_t(SPARK_TQ2_0, w, a, y, m, begin, end); break;
+    default: lanes_gemm_t(SPARK_Q6_K, w, a, y, m, begin, end); break; /* kq_lane_type: no Q2_K here (lane_tokens) */
     }
     return 1;
 #endif
@@ -951,7 +962,7 @@ static int32_t lane_tokens(const spark_qmat *w, int32_t m) {
 #if defined(SPARK_TOKEN_LANES)
     int routed = w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1;
 #if defined(SPARK_ZMM)
-    routed = routed || kq_type(w->type);
+    routed = routed || kq_lane_type(w->type);
 #endif
     if (w->act_parts != 2 || !routed) return 0;
     return m % SPARK_LANES >= SPARK_LANES_MIN ? m : m - m % SPARK_LANES;
@@ -1045,7 +1056,8 @@ static void split_row(const spark_act *a, int32_t type, int32_t nb) {
 #endif
 }
 
-/* Entry point for Python's block linear layers: x (M, K) -> y (M, N); scratch holds spark_act_bytes(K, M). */
+/* Entry point for Python's block linear layers: x (M, K) -> y (M, N) for w's own N rows (a further part, w->next, is
+ * another call); scratch holds spark_act_bytes(K, M). */
 void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void *scratch) {
     spark_act a = act_in(scratch, w->k, m, w->act_parts);
     const int32_t nb = w->k / QK;
@@ -1063,9 +1075,11 @@ void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void 
 static void qgemv(const spark_qmat *w, const float *x, int32_t len, float *y, spark_act *a) {
     a->parts = w->act_parts;
     quantize_row(x, w->k, len, a, 0);
-    split_row(a, w->type, w->k / QK);
-    gemm_job g = {w, a, y, 1};
-    parallel_for(gemm_rows, &g, w->n);
+    for (; w != NULL; y += w->n, w = w->next) { /* each part of a fused matrix in its own format, outputs in order */
+        split_row(a, w->type, w->k / QK);
+        gemm_job g = {w, a, y, 1};
+        parallel_for(gemm_rows, &g, w->n);
+    }
 }
 
 /* The decoder's weights, one entry per layer in each array. */

@@ -1,42 +1,90 @@
 /* MLoT Spark native CPU kernels, part two: the block formats that do not share Q8_0/Q4_0/Q4_1's shape of one fp16
- * scale and 32 plain quants per block: Q5_0 (a fifth bit per weight) and the K-quants Q4_K and Q6_K (super-blocks
- * of 256 weights with integer sub-block scales), the formats a Q4_K_M file holds (engine/model/quant.py has the layouts).
+ * scale and 32 plain quants per block: Q5_0 and Q5_1 (a fifth bit per weight), IQ4_NL (16 non-linear levels), the
+ * K-quants Q2_K..Q6_K and IQ4_XS (super-blocks of 256 weights with integer sub-block scales) and the ternary TQ1_0,
+ * TQ2_0 (BitNet b1.58's weights): every format of the files people download (engine/model/quant.py has the layouts).
  *
  * Included by spark_kernels.c after its block formats (one translation unit, so the row loops inline these and the
  * Arm checker, which includes spark_kernels.c, covers them too); it uses that file's spark_qmat, spark_act, QK,
- * f16_at and the ISA macros. The only hooks in spark_kernels.c are the type dispatch points: spark_block_bytes and
- * gemm_rows, which hands these types to kq_gemm_rows below.
+ * f16_at and the ISA macros. The only hooks in spark_kernels.c are the type dispatch points: spark_block_bytes,
+ * lane_tokens and gemm_rows, which hands these types to kq_gemm_rows below.
  *
  * Numerics, as spark_kernels.c's: activations quantized per block of 32 (int16 with one scale, or llama.cpp's int8);
- * each weight block of 32 (a K-quant super-block is 8 of them) is unpacked to signed 8-bit quants, its products with
- * the two halves of the activation block (16 weights each: Q6_K's sub-blocks) are exact int32 sums, and the block's
- * float term is formed in one fixed way and added into partial sum b % 8, then the same fixed tree. Every instruction
- * set reaches the same integers by its own route, so every ISA, the prefill path and the decoding step give the same
- * bits. Per block of 32 (h0, h1 the halves' sums, d_x the activation scale, ds = d_x * sum(xq)):
- *   Q5_0: term = (d * d_x) * (h0 + h1)                               w = d * (q5 - 16)
- *   Q4_K: term = ((d * sc) * d_x) * (h0 + h1) + (-(dmin * m)) * ds   w = d * sc * q4 - dmin * m (sc, m: 6 bits)
- *   Q6_K: term = (d * d_x) * ((float)(sc0 * h0) + (float)(sc1 * h1)) w = d * sc * (q6 - 32)   (sc: int8 per 16)
+ * each weight block of 32 (a super-block is 8 of them) is unpacked to signed 8-bit quants, its products with the
+ * two halves of the activation block (16 weights each: the sub-blocks of Q6_K, Q3_K, Q2_K) are exact int32 sums,
+ * and the block's float term is formed in one fixed way and added into partial sum b % 8, then the same fixed
+ * tree. Every instruction set reaches the same integers by its own route, so every ISA, the prefill path and the
+ * decoding step give the same bits. Per block of 32 (h0, h1 the halves' sums, x0, x1 the halves' activation sums,
+ * d_x the activation scale, ds = d_x * (x0 + x1)):
+ *   Q5_0, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0: term = (dw * d_x) * (h0 + h1)
+ *       dw = d (IQ4_XS: d * (ls - 32)); w = dw * q, q = q5 - 16, a level, or a trit -1..1
+ *   Q4_K, Q5_K, Q5_1: term = (dw * d_x) * (h0 + h1) + mw * ds
+ *       Q4_K, Q5_K: dw = d * sc, mw = -(dmin * m) (sc, m: 6 bits); Q5_1: dw = d, mw = m; w = dw * q + mw
+ *   Q6_K, Q3_K: term = (d * d_x) * ((float)(sc0 * h0) + (float)(sc1 * h1))   w = d * sc * q  (sc: per 16)
+ *   Q2_K: term = (d * d_x) * (float)(sc0 * h0 + sc1 * h1) + (-dmin * d_x) * (float)(m0 * x0 + m1 * x1)
+ *       w = d * sc * q2 - dmin * m  (sc, m: 4 bits per 16)
  * d * sc and dmin * m are exact in fp32 (an fp16 times an integer of at most 8 bits); |sc * h| <= 128 * 16 * 32 *
- * 32767 < 2^31 is an exact int32 (their sum might not be, hence two conversions).
- * On x86 the int16-activation path (the default) takes 8 blocks at once (a K-quant super-block): the 8 blocks' sums
- * fill the 8 lanes of a vector, lane j being partial sum j, so the same float operations run lane by lane.
+ * 32767 < 2^31 is an exact int32 (Q6_K's sum of two might not be, hence two conversions; Q2_K's, at most
+ * 2 * 15 * 3 * 16 * 32767, is).
+ * On x86 the int16-activation path (the default) takes 8 blocks at once (a K-quant super-block) for Q5_0, Q4_K and
+ * Q6_K (kq_vec_type): the 8 blocks' sums fill the 8 lanes of a vector, lane j being partial sum j, so the same
+ * float operations run lane by lane. The other formats go block by block on every ISA (kq_unpack_scalar unpacks
+ * their quants; the products are vector code).
  * Routes: AVX-512 with BW and VNNI (one 512-bit product per block; a prefill: spark_kernels.c's token-lane route,
- * kq_tokens_in_lanes below), AVX2, Arm's NEON dot product, portable C; each
- * checked bit for bit by tests/engine/backends/native/kquant_check.c (the Arm ones under qemu) and the Python tests.
+ * kq_tokens_in_lanes below, for kq_vec_type), AVX2, Arm's NEON dot product, portable C; each
+ * checked bit for bit by tests/engine/backends/native/native/kquant_check.c (the Arm ones under qemu) and the
+ * Python tests.
  */
 
 /* ggml type ids (gguf.GGMLQuantizationType) of the formats here. */
-enum { SPARK_Q5_0 = 6, SPARK_Q4_K = 12, SPARK_Q6_K = 14 };
+enum {
+    SPARK_Q5_0 = 6,
+    SPARK_Q5_1 = 7,
+    SPARK_Q2_K = 10,
+    SPARK_Q3_K = 11,
+    SPARK_Q4_K = 12,
+    SPARK_Q5_K = 13,
+    SPARK_Q6_K = 14,
+    SPARK_IQ4_NL = 20,
+    SPARK_IQ4_XS = 23,
+    SPARK_TQ1_0 = 34,
+    SPARK_TQ2_0 = 35,
+};
 #define QK_K 256
 
-static inline int kq_type(int32_t type) { return type == SPARK_Q5_0 || type == SPARK_Q4_K || type == SPARK_Q6_K; }
-
-/* Bytes of one block of the type: 32 weights for Q5_0, a super-block of 256 for the K-quants. */
-static inline int32_t kq_block_bytes(int32_t type) { return type == SPARK_Q5_0 ? 22 : type == SPARK_Q4_K ? 144 : 210; }
-
-static inline int64_t kq_row_bytes(int32_t type, int32_t k) {
-    return type == SPARK_Q5_0 ? (int64_t)(k / QK) * 22 : (int64_t)(k / QK_K) * kq_block_bytes(type);
+static inline int kq_type(int32_t type) {
+    switch (type) {
+    case SPARK_Q5_0: case SPARK_Q5_1: case SPARK_Q2_K: case SPARK_Q3_K: case SPARK_Q4_K: case SPARK_Q5_K:
+    case SPARK_Q6_K: case SPARK_IQ4_NL: case SPARK_IQ4_XS: case SPARK_TQ1_0: case SPARK_TQ2_0: return 1;
+    default: return 0;
+    }
 }
+
+/* The types with the x86 vector route below (8 blocks per step): all; elsewhere every type goes block by block.
+ * A prefill on AVX-512 takes the token-lane route (kq_tokens_in_lanes) for all but Q2_K, whose min term needs each
+ * half's activation sum. */
+static inline int kq_vec_type(int32_t type) { return kq_type(type); }
+static inline int kq_lane_type(int32_t type) { return kq_type(type) && type != SPARK_Q2_K; }
+
+/* Bytes of one block of the type: 32 weights for Q5_0, Q5_1 and IQ4_NL, a super-block of 256 for the others. */
+static inline int32_t kq_block_bytes(int32_t type) {
+    switch (type) {
+    case SPARK_Q5_0: return 22;
+    case SPARK_Q5_1: return 24;
+    case SPARK_Q2_K: return 84;
+    case SPARK_Q3_K: return 110;
+    case SPARK_Q4_K: return 144;
+    case SPARK_Q5_K: return 176;
+    case SPARK_IQ4_NL: return 18;
+    case SPARK_IQ4_XS: return 136;
+    case SPARK_TQ1_0: return 54;
+    case SPARK_TQ2_0: return 66;
+    default: return 210; /* Q6_K */
+    }
+}
+
+static inline int32_t kq_block_weights(int32_t type) { return type == SPARK_Q5_0 || type == SPARK_Q5_1 || type == SPARK_IQ4_NL ? QK : QK_K; }
+
+static inline int64_t kq_row_bytes(int32_t type, int32_t k) { return (int64_t)(k / kq_block_weights(type)) * kq_block_bytes(type); }
 
 /* One unpacked weight block of 32: signed quants and the float factors of its term. */
 typedef struct {
@@ -45,8 +93,10 @@ typedef struct {
 #else
     int8_t w[QK];
 #endif
-    float dw, mw;   /* Q5_0: d; Q4_K: d * sc and -(dmin * m); Q6_K: d */
-    int32_t s0, s1; /* Q6_K: the two halves' int8 scales */
+    float dw, mw;   /* Q5_0, IQ4_NL, TQ*: d; Q4_K, Q5_K: d * sc and -(dmin * m); Q5_1: d and m; Q6_K, Q3_K: d;
+                       Q2_K: d and -dmin; IQ4_XS: d * (ls - 32) */
+    int32_t s0, s1; /* Q6_K, Q3_K, Q2_K: the two halves' scales */
+    int32_t m0, m1; /* Q2_K: the two halves' mins */
 } kq_block;
 
 /* Q4_K's scale and min of sub-block j (ggml's get_scale_min_k4). */
@@ -60,6 +110,101 @@ static inline void k4_scale_min(int32_t j, const uint8_t *q, int32_t *sc, int32_
     }
 }
 
+/* IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl). */
+static const int8_t kq_iq4_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* Q3_K's 6-bit scale of sub-block i (of 16 weights), -32..31: the low 4 bits from the nibbles of bytes 0..7, the
+ * top 2 from the pairs of bytes 8..11. */
+static inline int32_t k3_scale(const uint8_t *sc, int32_t i) {
+    return (((sc[i & 7] >> (4 * (i >> 3))) & 0x0F) | (((sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3) << 4)) - 32;
+}
+
+/* Block b (of 32 weights) of a row of one of the types added after Q5_0, Q4_K and Q6_K: its factors and (w not
+ * NULL) its signed quants, one at a time in ggml's layouts (engine/model/quant.py spells them out; x86 unpacks
+ * them with kq_quants_vec). Element e of sub-block j is weight p = 32 j + e of its super-block. */
+static void kq_unpack_scalar(int32_t type, const uint8_t *row, int32_t b, int8_t *w, kq_block *o) {
+    const int32_t j = b & 7;
+    o->mw = 0.0f;
+    o->s0 = o->s1 = o->m0 = o->m1 = 0;
+    if (type == SPARK_Q5_1 || type == SPARK_IQ4_NL) {
+        const uint8_t *blk = row + (int64_t)b * kq_block_bytes(type), *qs = blk + (type == SPARK_Q5_1 ? 8 : 2);
+        o->dw = f16_at(blk);
+        if (type == SPARK_IQ4_NL) {
+            if (w != NULL)
+                for (int32_t e = 0; e < QK / 2; e++) w[e] = kq_iq4_levels[qs[e] & 0x0F], w[e + 16] = kq_iq4_levels[qs[e] >> 4];
+            return;
+        }
+        uint32_t qh;
+        memcpy(&qh, blk + 4, 4);
+        o->mw = f16_at(blk + 2);
+        for (int32_t e = 0; w != NULL && e < QK / 2; e++) {
+            w[e] = (int8_t)((qs[e] & 0x0F) | ((qh >> e) & 1) << 4);
+            w[e + 16] = (int8_t)((qs[e] >> 4) | ((qh >> (e + 16)) & 1) << 4);
+        }
+        return;
+    }
+    const uint8_t *blk = row + (int64_t)(b >> 3) * kq_block_bytes(type);
+    switch (type) {
+    case SPARK_Q2_K: { /* scales[16], qs[64] (2 bits: weight 128h + 32s + l at bits 2s of qs[32h + l]), d, dmin */
+        const uint8_t *qs = blk + 16 + 32 * (j >> 2);
+        o->dw = f16_at(blk + 80);
+        o->mw = -f16_at(blk + 82);
+        o->s0 = blk[2 * j] & 0x0F, o->m0 = blk[2 * j] >> 4;
+        o->s1 = blk[2 * j + 1] & 0x0F, o->m1 = blk[2 * j + 1] >> 4;
+        if (w != NULL)
+            for (int32_t e = 0; e < QK; e++) w[e] = (int8_t)((qs[e] >> (2 * (j & 3))) & 3);
+        return;
+    }
+    case SPARK_Q3_K: { /* hmask[32] (bit j of byte e: weight 32 j + e), qs[64] as Q2_K's, scales[12], d */
+        const uint8_t *qs = blk + 32 + 32 * (j >> 2);
+        o->dw = f16_at(blk + 108);
+        o->s0 = k3_scale(blk + 96, 2 * j);
+        o->s1 = k3_scale(blk + 96, 2 * j + 1);
+        if (w != NULL)
+            for (int32_t e = 0; e < QK; e++) w[e] = (int8_t)(((qs[e] >> (2 * (j & 3))) & 3) - (((blk[e] >> j) & 1) ? 0 : 4));
+        return;
+    }
+    case SPARK_Q5_K: { /* d, dmin, Q4_K's 12 scale bytes, qh[32] (bit j of byte e), qs[128] as Q4_K's */
+        const uint8_t *qs = blk + 48 + 32 * (j >> 1);
+        int32_t sc, m;
+        k4_scale_min(j, blk + 4, &sc, &m);
+        o->dw = f16_at(blk) * (float)sc;
+        o->mw = -(f16_at(blk + 2) * (float)m);
+        if (w != NULL)
+            for (int32_t e = 0; e < QK; e++) w[e] = (int8_t)(((qs[e] >> (4 * (j & 1))) & 0x0F) | ((blk[16 + e] >> j) & 1) << 4);
+        return;
+    }
+    case SPARK_IQ4_XS: { /* d, scales_h (uint16: 2 bits per sub-block), scales_l[4] (a nibble each), qs[128] */
+        const uint8_t *qs = blk + 8 + 16 * j;
+        const int32_t high = ((blk[2] | blk[3] << 8) >> (2 * j)) & 3, ls = ((blk[4 + (j >> 1)] >> (4 * (j & 1))) & 0x0F) | high << 4;
+        o->dw = f16_at(blk) * (float)(ls - 32);
+        if (w != NULL)
+            for (int32_t e = 0; e < QK / 2; e++) w[e] = kq_iq4_levels[qs[e] & 0x0F], w[e + 16] = kq_iq4_levels[qs[e] >> 4];
+        return;
+    }
+    case SPARK_TQ2_0: { /* qs[64] (2 bits as Q2_K's, value + 1), d */
+        const uint8_t *qs = blk + 32 * (j >> 2);
+        o->dw = f16_at(blk + 64);
+        if (w != NULL)
+            for (int32_t e = 0; e < QK; e++) w[e] = (int8_t)(((qs[e] >> (2 * (j & 3))) & 3) - 1);
+        return;
+    }
+    default: { /* TQ1_0: qs[48] then qh[4], five (qs) or four (qh) trits a byte as a base-3 fraction, d */
+        o->dw = f16_at(blk + 52);
+        static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+        for (int32_t e = 0; w != NULL && e < QK; e++) {
+            const int32_t p = 32 * j + e;
+            uint8_t byte, mul;
+            if (p < 160) byte = blk[p & 31], mul = pow3[p >> 5];                     /* qs[0..32): weights 32 n + l */
+            else if (p < 240) byte = blk[32 + ((p - 160) & 15)], mul = pow3[(p - 160) >> 4]; /* qs[32..48) */
+            else byte = blk[48 + ((p - 240) & 3)], mul = pow3[(p - 240) >> 2];     /* qh */
+            w[e] = (int8_t)((((uint8_t)(byte * mul)) * 3 >> 8) - 1);
+        }
+        return;
+    }
+    }
+}
+
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
 /* 32 bytes, 0xFF where bit i of x is set (llama.cpp's bytes_from_bits_32). */
 static inline __m256i kq_bytes_from_bits(uint32_t x) {
@@ -68,12 +213,98 @@ static inline __m256i kq_bytes_from_bits(uint32_t x) {
     bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
     return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
 }
+
+/* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones (the 32-blocks' element order). */
+static inline __m256i kq_nibbles(const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+}
+
+/* Bit `j` of each of 32 bytes, as 0 or 1 per byte (a 16-bit shift moves each byte's own bit j to its bit 0). */
+static inline __m256i kq_bit(const uint8_t *bytes, int32_t j) {
+    return _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)bytes), _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+}
+
+/* The 2-bit fields at bits 2s of 32 bytes. */
+static inline __m256i kq_pairs(const uint8_t *bytes, int32_t s) {
+    return _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)bytes), _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
+}
+
+/* TQ1_0's trits: byte * 3^n (mod 256), then the top of times 3 / 256, less 1, for 32 bytes and their powers. */
+static inline __m256i kq_trits(__m256i bytes, __m256i pows) {
+    const __m256i lo8 = _mm256_set1_epi16(0xFF), three = _mm256_set1_epi16(3);
+    const __m256i even = _mm256_and_si256(_mm256_mullo_epi16(_mm256_and_si256(bytes, lo8), _mm256_and_si256(pows, lo8)), lo8);
+    const __m256i odd = _mm256_and_si256(_mm256_mullo_epi16(_mm256_srli_epi16(bytes, 8), _mm256_srli_epi16(pows, 8)), lo8);
+    const __m256i te = _mm256_srli_epi16(_mm256_mullo_epi16(even, three), 8), to = _mm256_srli_epi16(_mm256_mullo_epi16(odd, three), 8);
+    return _mm256_sub_epi8(_mm256_or_si256(te, _mm256_slli_epi16(to, 8)), _mm256_set1_epi8(1));
+}
+
+/* kq_unpack_scalar's quants of block b, 32 at once (the types after Q5_0, Q4_K and Q6_K). */
+static inline __m256i kq_quants_vec(int32_t type, const uint8_t *row, int32_t b) {
+    const int32_t j = b & 7;
+    const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kq_iq4_levels));
+    if (type == SPARK_Q5_1) {
+        const uint8_t *blk = row + (int64_t)b * 24;
+        uint32_t qh;
+        memcpy(&qh, blk + 4, 4);
+        return _mm256_or_si256(kq_nibbles(blk + 8), _mm256_and_si256(kq_bytes_from_bits(qh), _mm256_set1_epi8(0x10)));
+    }
+    if (type == SPARK_IQ4_NL) return _mm256_shuffle_epi8(levels, kq_nibbles(row + (int64_t)b * 18 + 2));
+    const uint8_t *blk = row + (int64_t)(b >> 3) * kq_block_bytes(type);
+    switch (type) {
+    case SPARK_Q2_K: return kq_pairs(blk + 16 + 32 * (j >> 2), j & 3);
+    case SPARK_Q3_K: /* low - 4 where the high bit is clear */
+        return _mm256_sub_epi8(kq_pairs(blk + 32 + 32 * (j >> 2), j & 3), _mm256_slli_epi16(_mm256_xor_si256(kq_bit(blk, j), _mm256_set1_epi8(1)), 2));
+    case SPARK_Q5_K: {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * (j >> 1)));
+        const __m256i low = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
+        return _mm256_or_si256(low, _mm256_slli_epi16(kq_bit(blk + 16, j), 4));
+    }
+    case SPARK_IQ4_XS: return _mm256_shuffle_epi8(levels, kq_nibbles(blk + 8 + 16 * j));
+    case SPARK_TQ2_0: return _mm256_sub_epi8(kq_pairs(blk + 32 * (j >> 2), j & 3), _mm256_set1_epi8(1));
+    default: { /* TQ1_0: blocks 0..4 are trit j of qs[0..32); 5, 6 trits 2j - 10, 2j - 9 of qs[32..48); 7 trit 4 of
+                * those, then the four of qh[0..4) */
+        static const uint8_t pows[8][32] = {
+            {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+            {3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+            {9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9},
+            {27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27},
+            {81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81},
+            {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+            {9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27, 27},
+            {81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 81, 1, 1, 1, 1, 3, 3, 3, 3, 9, 9, 9, 9, 27, 27, 27, 27},
+        };
+        __m256i bytes;
+        if (j < 5) bytes = _mm256_loadu_si256((const __m256i *)blk);
+        else if (j < 7) bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 32)));
+        else {
+            uint32_t qh;
+            memcpy(&qh, blk + 48, 4);
+            bytes = _mm256_set_m128i(_mm_set1_epi32((int32_t)qh), _mm_loadu_si128((const __m128i *)(blk + 32)));
+        }
+        return kq_trits(bytes, _mm256_loadu_si256((const __m256i *)pows[j]));
+    }
+    }
+}
 #endif
+
+/* The types whose halves of 16 weights have their own scales, and those with a min term (w = scale * q + mw). */
+static inline int kq_half_scaled(int32_t type) { return type == SPARK_Q6_K || type == SPARK_Q3_K || type == SPARK_Q2_K; }
+static inline int kq_has_min(int32_t type) { return type == SPARK_Q4_K || type == SPARK_Q5_K || type == SPARK_Q5_1; }
 
 /* Block b (of 32 weights) of a row of the type. */
 static inline void kq_unpack(int32_t type, const uint8_t *row, int32_t b, kq_block *o) {
+    if (type != SPARK_Q5_0 && type != SPARK_Q4_K && type != SPARK_Q6_K) {
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+        kq_unpack_scalar(type, row, b, NULL, o);
+        o->w = kq_quants_vec(type, row, b);
+#else
+        kq_unpack_scalar(type, row, b, o->w, o);
+#endif
+        return;
+    }
     o->mw = 0.0f;
-    o->s0 = o->s1 = 0;
+    o->s0 = o->s1 = o->m0 = o->m1 = 0;
     if (type == SPARK_Q5_0) {
         const uint8_t *blk = row + (int64_t)b * 22;
         uint32_t qh;
@@ -184,9 +415,18 @@ static inline void kq_halves(const kq_block *o, const spark_act *a, int64_t at, 
 
 /* The block's float term (the formulas at the top of this file). */
 static inline float kq_term(int32_t type, const kq_block *o, int32_t h0, int32_t h1, const spark_act *a, int64_t at) {
-    if (type == SPARK_Q6_K) return (o->dw * a->d[at]) * ((float)(o->s0 * h0) + (float)(o->s1 * h1));
+    if (type == SPARK_Q6_K || type == SPARK_Q3_K) return (o->dw * a->d[at]) * ((float)(o->s0 * h0) + (float)(o->s1 * h1));
+    if (type == SPARK_Q2_K) {
+        int32_t x0 = 0; /* the activation block's first half's sum (the second: its whole sum less this) */
+        if (a->parts == 2)
+            for (int32_t i = 0; i < QK / 2; i++) x0 += a->q16[at * QK + i];
+        else
+            for (int32_t i = 0; i < QK / 2; i++) x0 += a->q8[at * QK + i];
+        const int32_t mins = o->m0 * x0 + o->m1 * (a->s[at] - x0);
+        return (o->dw * a->d[at]) * (float)(o->s0 * h0 + o->s1 * h1) + (o->mw * a->d[at]) * (float)mins;
+    }
     float t = (o->dw * a->d[at]) * (float)(h0 + h1);
-    if (type == SPARK_Q4_K) t += o->mw * a->ds[at];
+    if (type == SPARK_Q4_K || type == SPARK_Q5_K || type == SPARK_Q5_1) t += o->mw * a->ds[at];
     return t;
 }
 
@@ -194,11 +434,17 @@ static inline float kq_term(int32_t type, const kq_block *o, int32_t h0, int32_t
 /* Block b's signed quants widened to int16 (w0: weights 0..15, w1: 16..31): Q5_0 widens kq_unpack's 32 int8 (its
  * fifth bits spread once per byte, cheaper on AVX2 than per int16 lane); the K-quants unpack 16 weights at a time. */
 static inline void kq_unpack16(int32_t type, const uint8_t *row, int32_t b, __m256i *w0, __m256i *w1) {
-    if (type == SPARK_Q5_0) {
-        kq_block o;
-        kq_unpack(type, row, b, &o);
-        *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(o.w));
-        *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(o.w, 1));
+    if (type != SPARK_Q4_K && type != SPARK_Q6_K) {
+        __m256i q;
+        if (type == SPARK_Q5_0) {
+            kq_block o;
+            kq_unpack(type, row, b, &o);
+            q = o.w;
+        } else {
+            q = kq_quants_vec(type, row, b);
+        }
+        *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+        *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
         return;
     }
     const int32_t j = b & 7; /* the block within its super-block */
@@ -242,6 +488,7 @@ static inline __m512i kq_unpack512(int32_t type, const uint8_t *row, int32_t b) 
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(row + (int64_t)(b >> 3) * 144 + 16 + 32 * (j >> 1)));
         return _mm512_cvtepu8_epi16(_mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F)));
     }
+    if (type != SPARK_Q6_K) return _mm512_cvtepi8_epi16(kq_quants_vec(type, row, b));
     kq_block o;
     kq_unpack(type, row, b, &o);
     return _mm512_cvtepi8_epi16(o.w);
@@ -251,21 +498,50 @@ static inline __m512i kq_unpack512(int32_t type, const uint8_t *row, int32_t b) 
 /* Eight blocks' weight factors (lane j: block b + j): dw, mw and Q6_K's half scales. */
 typedef struct {
     __m256 dw, mw;
-    __m256i s0, s1;
+    __m256i s0, s1, m0, m1; /* m0, m1: Q2_K's halves' mins */
 } kq_factors;
 
 static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int32_t b) {
     kq_factors f;
     f.mw = _mm256_setzero_ps();
-    f.s0 = f.s1 = _mm256_setzero_si256();
-    if (type == SPARK_Q5_0) {
-        const uint8_t *blk = row + (int64_t)b * 22;
-        uint16_t h[8];
-        for (int32_t j = 0; j < 8; j++) memcpy(&h[j], blk + j * 22, 2);
+    f.s0 = f.s1 = f.m0 = f.m1 = _mm256_setzero_si256();
+    if (type == SPARK_Q2_K) { /* 16 bytes of scale (low nibble) and min (high), per half: block j's are 2j, 2j + 1 */
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 84;
+        const __m128i sm = _mm_loadu_si128((const __m128i *)blk), m4 = _mm_set1_epi8(0x0F);
+        const __m128i split = _mm_shuffle_epi8(sm, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        const __m128i sc = _mm_and_si128(split, m4), mn = _mm_and_si128(_mm_srli_epi16(split, 4), m4);
+        f.s0 = _mm256_cvtepu8_epi32(sc);
+        f.s1 = _mm256_cvtepu8_epi32(_mm_srli_si128(sc, 8));
+        f.m0 = _mm256_cvtepu8_epi32(mn);
+        f.m1 = _mm256_cvtepu8_epi32(_mm_srli_si128(mn, 8));
+        f.dw = _mm256_set1_ps(f16_at(blk + 80));
+        f.mw = _mm256_set1_ps(-f16_at(blk + 82));
+    } else if (type == SPARK_Q5_0 || type == SPARK_Q5_1 || type == SPARK_IQ4_NL) { /* 8 blocks of 32, each its own d */
+        const int32_t bb = kq_block_bytes(type);
+        const uint8_t *blk = row + (int64_t)b * bb;
+        uint16_t h[8], m[8];
+        for (int32_t j = 0; j < 8; j++) memcpy(&h[j], blk + j * bb, 2), memcpy(&m[j], blk + j * bb + 2, 2);
         /* built in registers: a vector load of just-stored scalars would stall on store forwarding */
         f.dw = _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5], (short)h[6], (short)h[7]));
-    } else if (type == SPARK_Q4_K) {
-        const uint8_t *blk = row + (int64_t)(b >> 3) * 144;
+        if (type == SPARK_Q5_1) /* Q5_1's m follows its d */
+            f.mw = _mm256_cvtph_ps(_mm_setr_epi16((short)m[0], (short)m[1], (short)m[2], (short)m[3], (short)m[4], (short)m[5], (short)m[6], (short)m[7]));
+    } else if (type == SPARK_TQ1_0 || type == SPARK_TQ2_0) { /* one d per super-block */
+        f.dw = _mm256_set1_ps(f16_at(row + (int64_t)(b >> 3) * kq_block_bytes(type) + (type == SPARK_TQ1_0 ? 52 : 64)));
+    } else if (type == SPARK_IQ4_XS) {
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 136;
+        const int32_t high = blk[2] | blk[3] << 8;
+        int32_t ls[8];
+        for (int32_t j = 0; j < 8; j++) ls[j] = (((blk[4 + (j >> 1)] >> (4 * (j & 1))) & 0x0F) | ((high >> (2 * j)) & 3) << 4) - 32;
+        f.dw = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), _mm256_cvtepi32_ps(_mm256_setr_epi32(ls[0], ls[1], ls[2], ls[3], ls[4], ls[5], ls[6], ls[7])));
+    } else if (type == SPARK_Q3_K) {
+        const uint8_t *blk = row + (int64_t)(b >> 3) * 110;
+        int32_t sc[16];
+        for (int32_t i = 0; i < 16; i++) sc[i] = k3_scale(blk + 96, i);
+        f.s0 = _mm256_setr_epi32(sc[0], sc[2], sc[4], sc[6], sc[8], sc[10], sc[12], sc[14]);
+        f.s1 = _mm256_setr_epi32(sc[1], sc[3], sc[5], sc[7], sc[9], sc[11], sc[13], sc[15]);
+        f.dw = _mm256_set1_ps(f16_at(blk + 108));
+    } else if (type == SPARK_Q4_K || type == SPARK_Q5_K) { /* Q5_K's d, dmin and scales are Q4_K's */
+        const uint8_t *blk = row + (int64_t)(b >> 3) * kq_block_bytes(type);
         /* the 12 scale bytes to 8 scales then 8 mins, one byte each (llama.cpp's mask trick: get_scale_min_k4 for
          * all 8 sub-blocks at once) */
         uint32_t u[4];
@@ -280,6 +556,18 @@ static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int3
         f.dw = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
         const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
         f.mw = _mm256_xor_ps(mins, _mm256_set1_ps(-0.0f)); /* -(dmin * m), exactly */
+    } else if (type != SPARK_Q6_K) { /* the later types: each block's factors as kq_unpack_scalar finds them */
+        float dw[8], mw[8];
+        int32_t s0[8], s1[8];
+        for (int32_t u = 0; u < 8; u++) {
+            kq_block o;
+            kq_unpack_scalar(type, row, b + u, NULL, &o);
+            dw[u] = o.dw, mw[u] = o.mw, s0[u] = o.s0, s1[u] = o.s1;
+        }
+        f.dw = _mm256_loadu_ps(dw);
+        f.mw = _mm256_loadu_ps(mw);
+        f.s0 = _mm256_loadu_si256((const __m256i *)s0);
+        f.s1 = _mm256_loadu_si256((const __m256i *)s1);
     } else {
         const uint8_t *blk = row + (int64_t)(b >> 3) * 210;
         const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192)); /* s0, s1 of block 0, then block 1, ... */
@@ -291,20 +579,39 @@ static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int3
     return f;
 }
 
-/* The 8 blocks' terms for one int16 activation row from its block `at`: lanes as kq_term computes each. */
-static inline __m256 kq_group_terms(int32_t type, const kq_factors *f, __m256i h0, __m256i h1, const spark_act *a, int64_t at) {
-    const __m256 scale = _mm256_mul_ps(f->dw, _mm256_loadu_ps(a->d + at));
-    if (type == SPARK_Q6_K)
-        return _mm256_mul_ps(scale, _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s0, h0)), _mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s1, h1))));
-    __m256 t = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(h0)); /* h0: the whole block's sum here */
-    if (type == SPARK_Q4_K) t = _mm256_add_ps(t, _mm256_mul_ps(f->mw, _mm256_loadu_ps(a->ds + at)));
-    return t;
-}
 /* Lane j = the sum of block j's lanes, from the pairwise sums p[i] = hadd(lanes 2i, lanes 2i + 1) (the first
  * step of a horizontal sum, taken as the blocks come; integer adds, exact in any order). */
 static inline __m256i kq_hsum8_pairs(const __m256i *p) {
     const __m256i u0 = _mm256_hadd_epi32(p[0], p[1]), u1 = _mm256_hadd_epi32(p[2], p[3]);
     return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* Lane j = the sum of the first 16 int16 activation quants of block at + j (Q2_K's mins meet them). */
+static inline __m256i kq_first_halves(const spark_act *a, int64_t at) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i p[4];
+    for (int32_t u = 0; u < 8; u += 2) {
+        const __m256i l0 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->q16 + (at + u) * QK)), ones);
+        const __m256i l1 = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->q16 + (at + u + 1) * QK)), ones);
+        p[u / 2] = _mm256_hadd_epi32(l0, l1);
+    }
+    return kq_hsum8_pairs(p);
+}
+
+/* The 8 blocks' terms for one int16 activation row from its block `at`: lanes as kq_term computes each. */
+static inline __m256 kq_group_terms(int32_t type, const kq_factors *f, __m256i h0, __m256i h1, const spark_act *a, int64_t at) {
+    const __m256 d = _mm256_loadu_ps(a->d + at), scale = _mm256_mul_ps(f->dw, d);
+    if (type == SPARK_Q2_K) { /* the mins against the halves' activation sums x0 and s - x0 */
+        const __m256i x0 = kq_first_halves(a, at), x1 = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(a->s + at)), x0);
+        const __m256i mins = _mm256_add_epi32(_mm256_mullo_epi32(f->m0, x0), _mm256_mullo_epi32(f->m1, x1));
+        const __m256 t = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_mullo_epi32(f->s0, h0), _mm256_mullo_epi32(f->s1, h1))));
+        return _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(f->mw, d), _mm256_cvtepi32_ps(mins)));
+    }
+    if (kq_half_scaled(type))
+        return _mm256_mul_ps(scale, _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s0, h0)), _mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s1, h1))));
+    __m256 t = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(h0)); /* h0: the whole block's sum here */
+    if (kq_has_min(type)) t = _mm256_add_ps(t, _mm256_mul_ps(f->mw, _mm256_loadu_ps(a->ds + at)));
+    return t;
 }
 
 /* Block b's int16 products with activation block b0[t] + b of each row t: 8 int32 lanes into l0[t][i] (weights
@@ -316,7 +623,7 @@ static inline __attribute__((always_inline)) void kq_block_lanes(const int32_t t
         const __m512i l = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->q16 + (b0[t] + b) * QK));
         l0[t][i] = _mm512_castsi512_si256(l);
         l1[t][i] = _mm512_extracti64x4_epi64(l, 1);
-        if (type != SPARK_Q6_K) l1[t][i] = _mm256_add_epi32(l0[t][i], l1[t][i]);
+        if (!kq_half_scaled(type)) l1[t][i] = _mm256_add_epi32(l0[t][i], l1[t][i]);
     }
 #else
     __m256i w0, w1; /* the block's weights as int16: 0..15, 16..31 */
@@ -326,11 +633,11 @@ static inline __attribute__((always_inline)) void kq_block_lanes(const int32_t t
 #if defined(SPARK_AVX512VNNI)
         const __m256i z = _mm256_setzero_si256();
         l0[t][i] = _mm256_dpwssd_epi32(z, w0, _mm256_loadu_si256((const __m256i *)x));
-        l1[t][i] = _mm256_dpwssd_epi32(type == SPARK_Q6_K ? z : l0[t][i], w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+        l1[t][i] = _mm256_dpwssd_epi32(kq_half_scaled(type) ? z : l0[t][i], w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
 #else
         l0[t][i] = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x));
         l1[t][i] = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
-        if (type != SPARK_Q6_K) l1[t][i] = _mm256_add_epi32(l0[t][i], l1[t][i]);
+        if (!kq_half_scaled(type)) l1[t][i] = _mm256_add_epi32(l0[t][i], l1[t][i]);
 #endif
     }
 #endif
@@ -350,6 +657,8 @@ static inline void kq_factors_of(const int32_t type, const uint8_t *row, int32_t
         k4_scale_min(b & 7, blk + 4, &sc, &m);
         o->dw = f16_at(blk) * (float)sc;
         o->mw = -(f16_at(blk + 2) * (float)m);
+    } else if (type != SPARK_Q6_K) {
+        kq_unpack_scalar(type, row, b, NULL, o);
     } else {
         const uint8_t *blk = row + (int64_t)(b >> 3) * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
@@ -392,12 +701,12 @@ static inline __attribute__((always_inline)) void kq_tokens_in_lanes(const int32
                 const kq_block *o = &f[r][u];
                 const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(o->dw), d);
                 __m512 t;
-                if (type == SPARK_Q6_K) {
+                if (kq_half_scaled(type)) {
                     const __m512 lo = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_set1_epi32(o->s0), h[r][0]));
                     t = _mm512_mul_ps(scale, _mm512_add_ps(lo, _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_set1_epi32(o->s1), h[r][1]))));
                 } else {
                     t = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(h[r][0], h[r][1])));
-                    if (type == SPARK_Q4_K) t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(o->mw), _mm512_loadu_ps(a->tds + at)));
+                    if (kq_has_min(type)) t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(o->mw), _mm512_loadu_ps(a->tds + at)));
                 }
                 acc[r][u] = _mm512_add_ps(acc[r][u], t);
             }
@@ -416,7 +725,7 @@ static inline __attribute__((always_inline)) void kq_dot_rows_r(int32_t type, co
     float acc[KQ_ROWS][8] = {{0}};
     int32_t b = 0;
 #if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
-    if (a->parts == 2) {
+    if (a->parts == 2 && kq_vec_type(type)) {
         __m256 vacc[KQ_ROWS];
         for (int32_t t = 0; t < r_count; t++) vacc[t] = _mm256_setzero_ps();
         for (; b + 8 <= nb; b += 8) {
@@ -428,13 +737,13 @@ static inline __attribute__((always_inline)) void kq_dot_rows_r(int32_t type, co
                 for (int32_t i = 0; i < 2; i++) kq_block_lanes(type, row, b + j + i, a, b0, r_count, l0, l1, i);
                 for (int32_t t = 0; t < r_count; t++) {
                     p1[t][j / 2] = _mm256_hadd_epi32(l1[t][0], l1[t][1]);
-                    if (type == SPARK_Q6_K) p0[t][j / 2] = _mm256_hadd_epi32(l0[t][0], l0[t][1]);
+                    if (kq_half_scaled(type)) p0[t][j / 2] = _mm256_hadd_epi32(l0[t][0], l0[t][1]);
                 }
             }
             const kq_factors f = kq_group_factors(type, row, b);
             for (int32_t t = 0; t < r_count; t++) {
                 const __m256i h1 = kq_hsum8_pairs(p1[t]);
-                const __m256i h0 = type == SPARK_Q6_K ? kq_hsum8_pairs(p0[t]) : h1; /* Q5_0, Q4_K: the block's sum */
+                const __m256i h0 = kq_half_scaled(type) ? kq_hsum8_pairs(p0[t]) : h1; /* else the block's sum */
                 vacc[t] = _mm256_add_ps(vacc[t], kq_group_terms(type, &f, h0, h1, a, b0[t] + b));
             }
         }
@@ -469,7 +778,15 @@ static inline __attribute__((always_inline)) void kq_dot_rows_t(const int32_t ty
 static void kq_dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
     switch (type) {
     case SPARK_Q5_0: kq_dot_rows_t(SPARK_Q5_0, row, nb, a, b0, r_count, out); break;
+    case SPARK_Q5_1: kq_dot_rows_t(SPARK_Q5_1, row, nb, a, b0, r_count, out); break;
+    case SPARK_Q2_K: kq_dot_rows_t(SPARK_Q2_K, row, nb, a, b0, r_count, out); break;
+    case SPARK_Q3_K: kq_dot_rows_t(SPARK_Q3_K, row, nb, a, b0, r_count, out); break;
     case SPARK_Q4_K: kq_dot_rows_t(SPARK_Q4_K, row, nb, a, b0, r_count, out); break;
+    case SPARK_Q5_K: kq_dot_rows_t(SPARK_Q5_K, row, nb, a, b0, r_count, out); break;
+    case SPARK_IQ4_NL: kq_dot_rows_t(SPARK_IQ4_NL, row, nb, a, b0, r_count, out); break;
+    case SPARK_IQ4_XS: kq_dot_rows_t(SPARK_IQ4_XS, row, nb, a, b0, r_count, out); break;
+    case SPARK_TQ1_0: kq_dot_rows_t(SPARK_TQ1_0, row, nb, a, b0, r_count, out); break;
+    case SPARK_TQ2_0: kq_dot_rows_t(SPARK_TQ2_0, row, nb, a, b0, r_count, out); break;
     default: kq_dot_rows_t(SPARK_Q6_K, row, nb, a, b0, r_count, out); break;
     }
 }

@@ -194,8 +194,8 @@ def test_bad_gguf_files_each_give_one_sentence(tiny256: Path, tmp_path: Path) ->
 def test_an_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path / "m", "llama", hidden=256, intermediate=512, heads=4, kv_heads=2, layers=1)
     good = write_gguf(folder, tmp_path / "good.gguf", "q8_0")
-    odd = _rewrite(good, tmp_path / "iq.gguf", tensor_type="IQ4_NL")
-    with pytest.raises(ModelLoadError, match="IQ4_NL, a type MLoT Spark does not read"):
+    odd = _rewrite(good, tmp_path / "iq.gguf", tensor_type="IQ2_XXS")
+    with pytest.raises(ModelLoadError, match="IQ2_XXS, a type MLoT Spark does not read"):
         load_model(odd)
 
 

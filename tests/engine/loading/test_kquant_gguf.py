@@ -1,5 +1,6 @@
-"""A Q4_K_M file as llama.cpp's quantizer writes it (from a tiny fp32 checkpoint shaped like SmolLM2: a hidden size
-that is no multiple of 256, so its quantizer falls back to Q5_0 and Q8_0 for those rows) runs as stored on the
+"""K-quant files as llama.cpp's quantizer writes them. A Q4_K_M file (from a tiny fp32 checkpoint shaped like
+SmolLM2: a hidden size that is no multiple of 256, so its quantizer falls back to Q5_0 and Q8_0 for those rows)
+runs as stored on the
 native kernels: each matrix holds the file's bytes (q/k/v of mixed formats widened to Q8_0 without loss), the
 logits match the same blocks dequantized with fp32 activations, stay within the bound the weights' rounding
 implies against fp32, and the native decoding step agrees with the PyTorch step over the same layers."""
@@ -93,15 +94,18 @@ def test_q4_k_m_logits_match_the_dequantized_blocks_and_stay_near_fp32(q4_k_m: t
     assert rel(native, fp32) < 9 * worst + 0.01
 
 
-def test_a_file_mixing_runnable_and_unrunnable_formats_runs_in_fp32_and_says_why(
-    q4_k_m: tuple[Path, Path], tmp_path: Path
-) -> None:
-    """A Q5_K_M file holds Q5_K (and Q5_1) beside Q6_K and Q8_0: a fused q/k/v may mix a format with a kernel and
-    one without. The whole model is read in fp32 (the same logits as --quantize none), and the backend says why."""
-    folder = q4_k_m[0]
-    path = quantize_with_llamacpp(folder, tmp_path / "m-q5_k_m.gguf", "q5_k_m")
-    kinds = {t.qtype for t in gguf_model(path).stored_tensors().values()}
-    assert "Q5_K" in kinds and kinds & {"Q6_K", "Q8_0"}, kinds
-    auto = TorchBackend(path, "cpu", quantize="auto")
-    assert auto.quantize == "none" and "no block kernel" in auto.kernels_note
-    assert torch.equal(logits_of(auto, IDS), logits_of(TorchBackend(path, "cpu", quantize="none"), IDS))
+@pytest.mark.parametrize("dtype,kind", [("q5_k_m", "Q5_K"), ("q3_k_m", "Q3_K"), ("q2_k", "Q2_K")])
+def test_the_other_k_quant_mixes_run_as_stored(tmp_path: Path, dtype: str, kind: str) -> None:
+    """Q5_K_M, Q3_K_M and Q2_K files as llama.cpp writes them from a checkpoint whose every row is a multiple of
+    256 (so no fallbacks: Q5_K, Q3_K, Q2_K rows beside the Q4_K, Q5_K and Q6_K each mix promotes some tensors to;
+    a fused q/k/v then mixes formats): nothing is read in fp32, and the logits are those of the same blocks
+    dequantized, within int16 activation rounding."""
+    folder = make_tiny_model(tmp_path / "hf", "llama", hidden=256, heads=4, kv_heads=2, intermediate=512, tie=True)
+    path = quantize_with_llamacpp(folder, tmp_path / f"m-{dtype}.gguf", dtype)
+    stored = gguf_model(path).stored_tensors()
+    assert kind in {t.qtype for t in stored.values()}
+    auto = TorchBackend(path, "cpu", quantize="auto", stored=stored)
+    assert auto.quantize != "none" and auto.kernels_note.startswith("native")
+    native = logits_of(auto, IDS)
+    dequantized = logits_of(TorchBackend(path, "cpu", quantize="auto", stored=stored, kernels="torch"), IDS)
+    assert float(((native - dequantized).norm(dim=-1) / dequantized.norm(dim=-1)).max()) < 1e-3

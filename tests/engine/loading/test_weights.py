@@ -206,23 +206,21 @@ def with_tensor_as(path: Path, out: Path, name: str, kind: Any) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["q2_k", "mixed"])
-def test_gguf_blocks_that_cannot_run_as_stored_are_read_in_fp32_after_all(
-    tiny256: Path, tmp_path: Path, kind: str
-) -> None:
+def test_gguf_blocks_of_every_kernel_format_run_as_stored_even_mixed(tiny256: Path, tmp_path: Path, kind: str) -> None:
+    """Q2_K has its kernel; a fused q/k/v of two formats (Q4_1 beside Q8_0) keeps a run of rows per format. Nothing
+    is read in fp32, and the logits are those of the same blocks dequantized, within int16 activation rounding."""
     import gguf
 
-    if kind == "q2_k":  # no block kernel: nothing is left undecoded
-        path, why = write_gguf(tiny256, tmp_path / "k.gguf", "q2_k"), "Q2_K"
-    else:  # Q4_1 blocks left undecoded, then found unable to run (a fused q/k/v of two types): read again in fp32
+    if kind == "q2_k":
+        path = write_gguf(tiny256, tmp_path / "k.gguf", "q2_k")
+    else:
         q41 = write_gguf(tiny256, tmp_path / "a.gguf", "q4_1")
-        path, why = (
-            with_tensor_as(q41, tmp_path / "mixed.gguf", "blk.0.attn_k.weight", gguf.GGMLQuantizationType.Q8_0),
-            "cannot run as one matrix",
-        )
+        path = with_tensor_as(q41, tmp_path / "mixed.gguf", "blk.0.attn_k.weight", gguf.GGMLQuantizationType.Q8_0)
     auto = TorchBackend(path, "cpu", quantize="auto")
-    assert auto.quantize == "none" and why in auto.kernels_note
+    assert auto.quantize != "none" and auto.kernels_note.startswith("native")
     assert not any(p.is_meta for p in auto.model.parameters())
-    assert torch.equal(cpu_logits(auto), cpu_logits(TorchBackend(path, "cpu", quantize="none")))
+    native, dequantized = cpu_logits(auto), cpu_logits(TorchBackend(path, "cpu", quantize="auto", kernels="torch"))
+    assert float(((native - dequantized).norm(dim=-1) / dequantized.norm(dim=-1)).max()) < 1e-3
 
 
 def test_a_nan_block_scale_is_refused_in_one_sentence(tiny256: Path, tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ def test_stored_tensors_are_checked_in_one_sentence() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         check_stored(StoredTensor("Q4_0", (4, 50), np.zeros(4 * 18, np.uint8)), "w")
     with pytest.raises(ValueError, match="not a block format here"):
-        check_stored(StoredTensor("Q2_K", (4, 256), np.zeros(4 * 84, np.uint8)), "w")
+        check_stored(StoredTensor("IQ2_XXS", (4, 256), np.zeros(4 * 66, np.uint8)), "w")
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,9 @@ def test_quantize_choices_and_their_errors(qwen_dir: Path, tmp_path: Path) -> No
     assert TorchBackend(qwen_dir, "cpu", quantize="auto").quantize == "q8_0"  # an HF folder: the faithful type
     with pytest.raises(BackendUnavailable, match="int8 weights are a Core ML conversion"):
         TorchBackend(qwen_dir, "cpu", quantize="int8")
-    with pytest.raises(BackendUnavailable, match="Unknown weight quantization 'q2_k'"):
+    with pytest.raises(BackendUnavailable, match="Unknown weight quantization 'iq2_xxs'"):
+        TorchBackend(qwen_dir, "cpu", quantize="iq2_xxs")
+    with pytest.raises(BackendUnavailable, match="there is no Q2_K quantizer here"):
         TorchBackend(qwen_dir, "cpu", quantize="q2_k")
     with pytest.raises(BackendUnavailable, match="there is no Q4_K quantizer here"):  # runs only as a file stores it
         TorchBackend(qwen_dir, "cpu", quantize="q4_k")
@@ -210,12 +212,12 @@ def test_a_stored_file_runs_as_stored_or_says_why(llama_dir: Path, tmp_path: Pat
     stored = gguf_model(export_gguf(llama_dir, tmp_path / "m.gguf", "q4_1")).stored_tensors()
     with pytest.raises(BackendUnavailable, match="stores Q4_1 weights, which run as stored: choose --quantize auto"):
         TorchBackend(llama_dir, "cpu", quantize="q8_0", stored=stored)
-    # A format without a block kernel (Q2_K): auto runs the model's fp32 weights and says why.
+    # A format without a block kernel (IQ2_XXS): auto runs the model's fp32 weights and says why.
     kq = dict(stored)
-    kq["model.layers.0.mlp.down_proj.weight"] = StoredTensor("Q2_K", (64, 128), np.zeros(64 * 42, np.uint8))
+    kq["model.layers.0.mlp.down_proj.weight"] = StoredTensor("IQ2_XXS", (64, 128), np.zeros(64 * 33, np.uint8))
     b = TorchBackend(llama_dir, "cpu", quantize="auto", stored=kq)
-    assert b.quantize == "none" and "Q2_K" in b.kernels_note and "no block kernel" in b.kernels_note
-    with pytest.raises(BackendUnavailable, match=r"cannot run as q4_1: .*Q2_K"):
+    assert b.quantize == "none" and "IQ2_XXS" in b.kernels_note and "no block kernel" in b.kernels_note
+    with pytest.raises(BackendUnavailable, match=r"cannot run as q4_1: .*IQ2_XXS"):
         TorchBackend(llama_dir, "cpu", quantize="q4_1", stored=kq)
 
 

@@ -1,4 +1,4 @@
-"""The block formats beyond Q8_0/Q4_0/Q4_1 (Q5_0, Q4_K, Q6_K): our dequantization equals the gguf package's on
+"""The block formats beyond Q8_0/Q4_0/Q4_1 (Q5_0, Q5_1, the K-quants, IQ4_NL/XS, TQ1_0/TQ2_0): our dequantization equals the gguf package's on
 the same bytes, Q5_0's quantizer writes ggml's reference bytes, and a stored tensor's float fields are checked."""
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ import pytest
 
 from engine.model.quant import BlockType, StoredTensor, check_stored, dequantize, quantize, scales_finite
 
-NEW = [BlockType.Q5_0, BlockType.Q4_K, BlockType.Q6_K]
+NEW = [t for t in BlockType if t.name not in ("Q8_0", "Q4_0", "Q4_1")]
+# Where each format's fp16 fields lie in its block: d, then dmin (or Q5_1's m) where it has one.
+FLOATS = {"Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,), "TQ1_0": (52,), "TQ2_0": (64,), "Q4_K": (0, 2)}
+FLOATS |= {"Q5_K": (0, 2), "Q5_1": (0, 2)}
 
 
 def random_blocks(qtype: BlockType, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -20,12 +23,8 @@ def random_blocks(qtype: BlockType, n: int, k: int, seed: int = 0) -> np.ndarray
     def scale(m: int) -> np.ndarray:  # (m, 2) uint8: fp16 scales
         return (rng.uniform(-1, 1, size=(m, 1)) * 0.01).astype(np.float16).view(np.uint8)
 
-    if qtype is BlockType.Q6_K:
-        b[:, 208:210] = scale(len(b))
-    else:
-        b[:, 0:2] = scale(len(b))
-        if qtype is BlockType.Q4_K:
-            b[:, 2:4] = scale(len(b))
+    for at in FLOATS.get(qtype.name, (0,)):
+        b[:, at : at + 2] = scale(len(b))
     return b.reshape(n, -1)
 
 
@@ -54,7 +53,7 @@ def test_q5_0_quantizer_writes_ggmls_reference_bytes() -> None:
     assert np.all(np.abs(back - w).reshape(-1, 32) <= d * (1 + 16 * 2**-11) + 1e-7)
 
 
-@pytest.mark.parametrize("qtype", [BlockType.Q4_K, BlockType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [t for t in NEW if t is not BlockType.Q5_0], ids=lambda t: t.name)
 def test_k_quants_have_no_quantizer_and_say_so(qtype: BlockType) -> None:
     assert not qtype.quantizable
     with pytest.raises(ValueError, match="runs only as a GGUF file stores it"):
@@ -69,7 +68,7 @@ def test_stored_k_quants_check_their_shape_and_float_fields(qtype: BlockType) ->
     with pytest.raises(ValueError, match="cannot hold"):
         check_stored(StoredTensor(qtype.gguf_name, (3 * 256 // 224, 224) if qtype.elements == 256 else (3, 250), data))
     bad = data.reshape(-1, qtype.block_bytes).copy()
-    at = 208 if qtype is BlockType.Q6_K else (2 if qtype is BlockType.Q4_K else 0)  # Q4_K: its dmin
+    at = FLOATS.get(qtype.name, (0,))[-1]  # the last float field: a K-quant's dmin
     bad[1, at : at + 2] = np.array([np.inf], np.float16).view(np.uint8)
     assert not scales_finite(StoredTensor(qtype.gguf_name, (3, 256), bad.reshape(-1)))
 

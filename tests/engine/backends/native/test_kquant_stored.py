@@ -1,5 +1,6 @@
 """K-quant files run as stored without llama.cpp's quantizer (so CI, which has no llama-cpp-python, covers them):
-a tiny model whose every matrix is Q4_K, or Q6_K, holding random but valid blocks (small finite scales) written with
+a tiny model whose every matrix is of one format (Q4_K, Q6_K, every other K-quant, IQ4_NL/XS, Q5_1, TQ1_0, TQ2_0),
+or whose fused q/k/v mixes two, holding random but valid blocks (small finite scales) written with
 the GGUF export's quantizer hook. Each matrix holds the file's bytes, the native kernels give the logits of the same
 blocks dequantized with fp32 activations, and the native decoding step agrees with the PyTorch step."""
 
@@ -14,10 +15,12 @@ import torch
 
 from engine.backends.native.decoder import NativeBlockLinear
 from engine.backends.torch_backend import TorchBackend
-from engine.bench.gguf_export import export_gguf
+from engine.bench.gguf_export import FILE_TYPES, export_gguf
 from engine.loading.model_files import gguf_model
 from engine.model.quant import BlockType
+from tests.engine.loading.test_weights import with_tensor_as
 from tests.engine.model.test_quant import IDS, logits_of
+from tests.helpers.gguf_files import write_gguf
 from tests.helpers.tiny import make_tiny_model
 
 SUPER = 256  # weights per K-quant super-block
@@ -44,11 +47,44 @@ def random_blocks(a: np.ndarray, kind: Any) -> np.ndarray:
 def test_a_k_quant_file_runs_its_blocks_as_stored(tmp_path: Path, dtype: str, qtype: BlockType) -> None:
     folder = make_tiny_model(tmp_path / "hf", "llama", hidden=256, heads=4, kv_heads=2, intermediate=512, tie=True)
     path = export_gguf(folder, tmp_path / f"m-{dtype}.gguf", dtype, quantizer=random_blocks)
+    runs_as_stored(path, qtype)
+
+
+# The other formats a download may hold: random valid blocks (tests.helpers.gguf_files) where the gguf package has
+# no quantizer, its own quantizer's bytes otherwise (Q5_1, the ternary TQ1_0 and TQ2_0).
+OTHERS = ["q2_k", "q3_k", "q5_k", "iq4_xs", "iq4_nl", "q5_1", "tq1_0", "tq2_0"]
+
+
+@pytest.mark.parametrize("dtype", OTHERS)
+def test_every_other_format_runs_its_blocks_as_stored(tmp_path: Path, dtype: str) -> None:
+    folder = make_tiny_model(tmp_path / "hf", "llama", hidden=256, heads=4, kv_heads=2, intermediate=512, tie=True)
+    runs_as_stored(write_gguf(folder, tmp_path / f"m-{dtype}.gguf", dtype), BlockType.named(FILE_TYPES[dtype][1]))
+
+
+def test_a_fused_matrix_of_mixed_formats_runs_each_part_as_stored(tmp_path: Path) -> None:
+    """q, k as Q4_K beside v as Q5_1 (as a Q4_K_M file's v is Q6_K in some layers): no format holds them all, so
+    the fused q/k/v keeps a run of rows per format, and the decoding step follows the parts in order."""
+    import gguf
+
+    folder = make_tiny_model(tmp_path / "hf", "llama", hidden=256, heads=4, kv_heads=2, intermediate=512, tie=True)
+    q4k = export_gguf(folder, tmp_path / "m-q4_k.gguf", "q4_k", quantizer=random_blocks)
+    path = with_tensor_as(q4k, tmp_path / "mixed.gguf", "blk.1.attn_v.weight", gguf.GGMLQuantizationType.Q5_1)
+    b = runs_as_stored(path, None)
+    qkv = b.model.get_submodule("model.layers.1.self_attn.qkv_proj")
+    assert isinstance(qkv, NativeBlockLinear)
+    assert [(p.qtype, p.out_features) for p in qkv.parts] == [(BlockType.Q4_K, 256 + 128), (BlockType.Q5_1, 128)]
+    assert not len(b.model.get_submodule("model.layers.0.self_attn.qkv_proj").parts)  # one format: one matrix
+
+
+def runs_as_stored(path: Path, qtype: BlockType | None) -> TorchBackend:
+    """The file's matrices hold its bytes (of `qtype` throughout, unless None), the native logits match the same
+    blocks dequantized with fp32 activations, and the native decoding step agrees with the PyTorch step."""
     stored = gguf_model(path).stored_tensors()
     b = TorchBackend(path, "cpu", quantize="auto", stored=stored)
     assert b.native_isa is not None and b.kernels_note.startswith("native")
     layers = {name: m for name, m in b.model.named_modules() if isinstance(m, NativeBlockLinear)}
-    assert {m.qtype for m in layers.values()} == {qtype}
+    if qtype is not None:
+        assert {m.qtype for m in layers.values()} == {qtype}
     down = layers["model.layers.0.mlp.down_proj"]
     t = stored["model.layers.0.mlp.down_proj.weight"]
     assert np.array_equal(down.blocks.numpy(), np.asarray(t.data, dtype=np.uint8).reshape(t.shape[0], -1))
@@ -63,3 +99,4 @@ def test_a_k_quant_file_runs_its_blocks_as_stored(tmp_path: Path, dtype: str, qt
 
     assert rel(native, dequantized) < 1e-3  # int16 activations per block of 32 against fp32 ones, same weights
     assert rel(stepwise, native) < 1e-3  # the PyTorch step over the same layers
+    return b
