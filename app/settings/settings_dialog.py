@@ -1,5 +1,5 @@
 """Settings (⌘,): how replies are sampled (temperature, top-k/p, min-p, repetition penalty, seed, greedy, reply
-length), and the local server's switch."""
+length), whether replies are sped up by speculation, and the local server's switch."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine import GenerationSettings, InvalidSamplingSettings, SamplingSettings
+from engine import GenerationSettings, InvalidSamplingSettings, SamplingSettings, Speculation
 
 RANDOM_SEED = -1  # the spin box's special value shown as "Random"
 
@@ -62,6 +62,8 @@ class SettingsDialog(QDialog):
         self.max_tokens = QSpinBox()
         self.max_tokens.setRange(1, 32768)
         self.max_tokens.setSuffix(" tokens")
+        # Prompt lookup, adaptive (Speculation.AUTO): greedy replies are the same, sampled ones keep their odds.
+        self.speculative = QCheckBox("Speed up replies by reusing text from the conversation (speculative decoding)")
         self.error = QLabel()
         self.error.setObjectName("dialogError")
         self.error.setWordWrap(True)
@@ -77,6 +79,7 @@ class SettingsDialog(QDialog):
         form.addRow("Seed:", self.seed)
         form.addRow("Greedy:", self.greedy)
         form.addRow("Longest reply:", self.max_tokens)
+        form.addRow("Speed:", self.speculative)
         buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.RestoreDefaults
             | QDialogButtonBox.StandardButton.Cancel
@@ -131,7 +134,8 @@ class SettingsDialog(QDialog):
             seed=None if seed == RANDOM_SEED else seed,
             greedy=self.greedy.isChecked(),
         )
-        return GenerationSettings(max_tokens=self.max_tokens.value(), sampling=sampling)
+        speculative = Speculation.AUTO if self.speculative.isChecked() else Speculation.OFF
+        return GenerationSettings(max_tokens=self.max_tokens.value(), sampling=sampling, speculative=speculative)
 
     def accept(self) -> None:
         try:
@@ -152,6 +156,7 @@ class SettingsDialog(QDialog):
         self.seed.setValue(RANDOM_SEED if s.seed is None else s.seed)
         self.greedy.setChecked(s.greedy)
         self.max_tokens.setValue(settings.max_tokens)
+        self.speculative.setChecked(settings.speculative != Speculation.OFF)
         self._on_greedy_toggled(s.greedy)
 
     @Slot()

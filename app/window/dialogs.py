@@ -8,6 +8,7 @@ from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
 
 import engine
+from app.settings.json_reply import SchemaDialog
 from app.settings.remote_servers import AddServerDialog
 from app.settings.settings_dialog import SettingsDialog
 from engine import GenerationSettings, RemoteServer
@@ -101,3 +102,8 @@ class Dialogs:
         """The settings as edited (None: cancelled); `server`: the local server's switch and Copy URL actions."""
         dialog = SettingsDialog(current, self.parent, server)
         return dialog.value() if dialog.exec() == SettingsDialog.DialogCode.Accepted else None
+
+    def edit_schema(self, current: str) -> str | None:
+        """The JSON schema replies follow, as edited and checked (None: cancelled)."""
+        dialog = SchemaDialog(current, self.parent)
+        return dialog.value() if dialog.exec() == SchemaDialog.DialogCode.Accepted else None

@@ -38,6 +38,7 @@ from app.misc.coalescer import TextCoalescer
 from app.misc.standarddirs import StandardDirs
 from app.models import FIRST_LAUNCH_HINT, downloaded_models, open_get_models
 from app.server.local_server import LocalServerController, local_server_actions
+from app.settings.json_reply import schema_grammar
 from app.settings.preferences import Preferences
 from app.settings.remote_servers import RemoteServerList
 from app.tray.quick_prompt import QuickPromptPanel
@@ -60,7 +61,15 @@ from app.worker.types import (
     TurnResult,
     remote_name,
 )
-from engine import SESSION_SUFFIX, FinishReason, GenerationSettings, RemoteServer, SparkError, default_model_path
+from engine import (
+    SESSION_SUFFIX,
+    FinishReason,
+    GenerationSettings,
+    GrammarError,
+    RemoteServer,
+    SparkError,
+    default_model_path,
+)
 from engine.paths import APP_NAME
 
 INTERACTIVE_PREFILL_CHUNK = 32  # tokens per forward while the user waits (see generation_settings)
@@ -377,7 +386,7 @@ class MainWindow(QMainWindow):
         self.chat.add_user_message(text)
         self.chat.begin_reply()
         self.chat.show_reading("Reading…")
-        self.client.send(text, self.generation_settings())
+        self.client.send(text, self.reply_settings())
         return True
 
     @Slot(Path)
@@ -478,7 +487,7 @@ class MainWindow(QMainWindow):
             return
         self.chat.remove_last_reply()
         self.chat.begin_reply()
-        self.client.regenerate(self.generation_settings())
+        self.client.regenerate(self.reply_settings())
 
     @Slot()
     def _on_system_prompt_edited(self) -> None:
@@ -505,6 +514,18 @@ class MainWindow(QMainWindow):
         one keeps Stop (and Quit) prompt while a long paste is read, at a small cost in reading speed."""
         settings = self.prefs.generation()
         return replace(settings, prefill_chunk=min(settings.prefill_chunk, INTERACTIVE_PREFILL_CHUNK))
+
+    def reply_settings(self) -> GenerationSettings:
+        """The main chat's settings: the user's, constrained to the "Reply as JSON" schema when that is on (a schema
+        edited by hand into the settings file and refused by the engine is said, and the reply goes unconstrained)."""
+        settings = self.generation_settings()
+        if not self.prefs.reply_as_json():
+            return settings
+        try:
+            return replace(settings, grammar=schema_grammar(self.prefs.reply_schema()))
+        except GrammarError as exc:
+            self.notice.show_message(f"Reply as JSON is off for this reply: {exc}", error=True)
+            return settings
 
     def title(self) -> str:
         entry = self.library.get(self.state.current_id)

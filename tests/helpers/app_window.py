@@ -32,6 +32,7 @@ class ScriptedDialogs(Dialogs):
     answer_text: str | None = None
     export_to: Path | None = None
     server_to_add: RemoteServer | None = None
+    schema: str | None = None  # what the "Reply as JSON" schema dialog returns (None: cancelled)
     asked: list[str] = field(default_factory=list)
     save_starts: list[Path] = field(default_factory=list)
 
@@ -83,6 +84,10 @@ class ScriptedDialogs(Dialogs):
     ) -> GenerationSettings | None:
         self.asked.append("settings")
         return self.new_settings
+
+    def edit_schema(self, current: str) -> str | None:
+        self.asked.append("schema")
+        return self.schema
 
 
 class ScriptedThermal:
