@@ -1,0 +1,80 @@
+"""A turn that may call tools: the reply streams; the `<tool_call>` blocks it wrote are read back (the engine's
+reader), each is run through the toolbox (the user's consent first), the results go back to the model as a message
+and the reply continues, at most MAX_TOOL_ROUNDS times a turn.
+
+The conversation carries tools the way the engine documents for templates that do not know them (the fallback of
+engine.openai.tools): the tools are listed in the system prompt, a call is the reply's own text, a result is a
+`<tool_response>` message. That is plain messages, so the conversation's file keeps them and restores them exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from app.tools.toolbox import Toolbox, ToolRun
+from engine import GenerationEvent
+from engine.openai.tools import Tool, ToolChoice, ToolSpec, chat_inputs, read_reply
+
+MAX_TOOL_ROUNDS = 4  # a model that keeps calling tools still ends its turn
+FOLDED_CHARS = 300  # a result is shown folded to this many characters in the chat (the model gets it whole)
+
+
+def tool_spec(openai_tools: list[dict[str, Any]]) -> ToolSpec:
+    tools = tuple(
+        Tool(t["function"]["name"], t["function"]["description"], t["function"]["parameters"]) for t in openai_tools
+    )
+    return ToolSpec(tools, ToolChoice.AUTO)
+
+
+def tools_note(spec: ToolSpec) -> str:
+    """The system prompt's part that lists the tools and shows how to call them ("" without tools)."""
+    if not spec.active:
+        return ""
+    messages, _ = chat_inputs([], spec, None)
+    return str(messages[0]["content"])
+
+
+def folded(run: ToolRun) -> str:
+    """How a call and its result show in the reply: one quoted line, the result cut short."""
+    if not run.allowed:
+        return f"\n\n> Tool {run.name} did not run: {run.outcome.text}\n\n"
+    text = " ".join(run.outcome.text.split())
+    text = text if len(text) <= FOLDED_CHARS else text[:FOLDED_CHARS] + "…"
+    status = "" if run.outcome.ok else " (the tool reported an error)"
+    return f"\n\n> Tool {run.name}({run.arguments}){status} → {text}\n\n"
+
+
+def response_message(run: ToolRun) -> str:
+    return f"<tool_response>\n{json.dumps({'name': run.name, 'content': run.outcome.text}, ensure_ascii=False)}\n</tool_response>"
+
+
+def with_tools(
+    first: Iterator[GenerationEvent],
+    follow: Callable[[str], Iterator[GenerationEvent]],
+    toolbox: Toolbox,
+    spec: ToolSpec,
+    on_run: Callable[[ToolRun], None],
+    stop: Callable[[], bool],
+) -> Iterator[GenerationEvent]:
+    """The events of the whole turn: `first` reply, then after each round of calls `follow(results message)`."""
+    events = first
+    for round_ in range(MAX_TOOL_ROUNDS + 1):
+        text: list[str] = []
+        for ev in events:
+            text.append(ev.text)
+            yield ev
+        if stop() or round_ == MAX_TOOL_ROUNDS:
+            return
+        _, calls = read_reply("".join(text), spec)
+        if not calls:
+            return
+        responses = []
+        for call in calls:
+            if stop():
+                return
+            run = toolbox.run(call.name, call.arguments)
+            on_run(run)
+            responses.append(response_message(run))
+        events = follow("\n".join(responses))
