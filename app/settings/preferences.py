@@ -13,6 +13,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings
 
+from app.tools.mcp_host import McpServerSpec
 from engine import GenerationSettings, SamplingSettings, Speculation
 
 DEFAULT_MAX_TOKENS = 512
@@ -153,6 +154,26 @@ class Preferences:
 
     def set_reply_as_json(self, on: bool) -> None:
         self._s.setValue("chat/reply_json", "true" if on else "false")
+
+    def tool_servers(self) -> list[McpServerSpec]:
+        """The MCP stdio servers whose tools the model may call (none by default)."""
+        try:
+            raw = json.loads(str(self._s.value("tools/servers", "[]")))
+        except ValueError:
+            return []
+        out = []
+        for entry in raw if isinstance(raw, list) else []:
+            if not isinstance(entry, dict):
+                continue
+            name, command, args = entry.get("name"), entry.get("command"), entry.get("args", [])
+            if isinstance(name, str) and isinstance(command, str) and isinstance(args, list):
+                out.append(McpServerSpec(name, command, tuple(str(a) for a in args)))
+        return out
+
+    def set_tool_servers(self, specs: list[McpServerSpec]) -> None:
+        self._s.setValue(
+            "tools/servers", json.dumps([{"name": s.name, "command": s.command, "args": list(s.args)} for s in specs])
+        )
 
     def loaded_once(self) -> bool:
         """A model was loaded before on this machine (the first load also prepares the CPU kernels: slower)."""

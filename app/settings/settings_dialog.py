@@ -1,5 +1,6 @@
 """Settings (⌘,): how replies are sampled (temperature, top-k/p, min-p, repetition penalty, seed, greedy, reply
-length), whether replies are sped up by speculation, and the local server's switch."""
+length), whether replies are sped up by speculation, the MCP servers whose tools the model may call, and the local
+server's switch."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ from PySide6.QtWidgets import (
     QGroupBox,
     QHBoxLayout,
     QLabel,
+    QPlainTextEdit,
     QPushButton,
     QSpinBox,
     QVBoxLayout,
     QWidget,
 )
 
+from app.settings.tool_servers import ToolServerError, parse_servers, servers_text
+from app.tools.mcp_host import McpServerSpec
 from engine import GenerationSettings, InvalidSamplingSettings, SamplingSettings, Speculation
 
 RANDOM_SEED = -1  # the spin box's special value shown as "Random"
@@ -44,6 +48,7 @@ class SettingsDialog(QDialog):
         settings: GenerationSettings,
         parent: QWidget | None = None,
         server: tuple[QAction, QAction] | None = None,
+        tool_servers: list[McpServerSpec] | None = None,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("Settings")
@@ -94,6 +99,8 @@ class SettingsDialog(QDialog):
         self.serve: QCheckBox | None = None
         if server is not None:
             layout.addWidget(self._server_group(*server))
+        self.tools = QPlainTextEdit(servers_text(tool_servers or []))
+        layout.addWidget(self._tools_group())
         layout.addWidget(self.error)
         layout.addWidget(buttons)
         self._show(settings)
@@ -123,6 +130,24 @@ class SettingsDialog(QDialog):
         row.addWidget(copy_button)
         return group
 
+    def _tools_group(self) -> QGroupBox:
+        """MCP stdio servers, one a line; every call the model makes is shown and asked about before it runs."""
+        group = QGroupBox("Tool Servers (MCP)")
+        box = QVBoxLayout(group)
+        hint = QLabel(
+            "One server a line, as name: command arguments (e.g. files: npx -y @modelcontextprotocol/server-filesystem ~/Notes). Spark asks before each call runs."
+        )
+        hint.setWordWrap(True)
+        self.tools.setPlaceholderText("name: command arguments")
+        self.tools.setMaximumHeight(80)
+        box.addWidget(hint)
+        box.addWidget(self.tools)
+        return group
+
+    def tool_servers(self) -> list[McpServerSpec]:
+        """The servers as edited; raises ToolServerError naming a line that cannot be read."""
+        return parse_servers(self.tools.toPlainText())
+
     def value(self) -> GenerationSettings:
         seed = self.seed.value()
         sampling = SamplingSettings(
@@ -140,7 +165,8 @@ class SettingsDialog(QDialog):
     def accept(self) -> None:
         try:
             self.value().sampling.validate()
-        except InvalidSamplingSettings as exc:
+            self.tool_servers()
+        except (InvalidSamplingSettings, ToolServerError) as exc:
             self.error.setText(str(exc))
             self.error.show()
             return

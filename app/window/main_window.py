@@ -41,6 +41,7 @@ from app.server.local_server import LocalServerController, local_server_actions
 from app.settings.json_reply import schema_grammar
 from app.settings.preferences import Preferences
 from app.settings.remote_servers import RemoteServerList
+from app.tools.consent import ConsentRequest
 from app.tray.quick_prompt import QuickPromptPanel
 from app.window.chat_view import ChatView
 from app.window.commands import ConversationCommands
@@ -256,6 +257,7 @@ class MainWindow(QMainWindow):
         c.reading.connect(self._on_reading)
         c.stored.connect(self._on_stored)
         c.remote_ready.connect(self._on_remote_ready)
+        c.consent_needed.connect(self._on_consent_needed)
         self.coalescer.flushed.connect(self.chat.append_reply)
         self.monitor.sampled.connect(self.inspector.on_sample)
         self.prompt.submitted.connect(self.submit)
@@ -315,6 +317,8 @@ class MainWindow(QMainWindow):
         m.model_path_chosen.connect(lambda path: self.handle_drop([path], 1))
         m.server_chosen.connect(self.use_remote)
         m.precision_changed.connect(self._on_precision)
+        m.tool_servers_changed.connect(self._on_tool_servers)
+        self._on_tool_servers()
         m.conversation_chosen.connect(self.open_conversation)
         switch, copy = local_server_actions(self.local_server, self)
         self.server_switch, self.server_copy = switch, copy
@@ -669,6 +673,15 @@ class MainWindow(QMainWindow):
         self.chat.end_reply(note)
         if note:  # kept with the conversation, so reopening it (Undo, relaunch) shows it again
             self.library.set_note(self.state.current_id, self.chat.last_index(), note)
+
+    @Slot()
+    def _on_tool_servers(self) -> None:
+        self.client.set_tool_servers(self.prefs.tool_servers())
+
+    @Slot(object)
+    def _on_consent_needed(self, request: ConsentRequest) -> None:
+        """A tool call waits for the user: asked in a dialog (the worker waits; this thread keeps running)."""
+        request.answer(self.dialogs.ask_tool_consent(request.call))
 
     @Slot(str)
     def _on_error(self, message: str) -> None:

@@ -66,6 +66,7 @@ class WindowMenus(QObject):
     server_chosen = Signal(RemoteServer)
     precision_changed = Signal(str)
     conversation_chosen = Signal(str)  # an id from the Window menu
+    tool_servers_changed = Signal()  # Settings changed the MCP servers (kept in the preferences)
 
     def __init__(
         self,
@@ -373,9 +374,13 @@ class WindowMenus(QObject):
 
     @Slot()
     def _on_settings(self) -> None:
-        edited = self._dialogs.edit_settings(self._prefs.generation(), self.server_actions)
+        edited = self._dialogs.edit_settings(self._prefs.generation(), self.server_actions, self._prefs.tool_servers())
         if edited is not None:
-            self._prefs.set_generation(edited)
+            settings, servers = edited
+            self._prefs.set_generation(settings)
+            if servers != self._prefs.tool_servers():
+                self._prefs.set_tool_servers(servers)
+                self.tool_servers_changed.emit()
 
     @Slot(bool)
     def _on_reply_json(self, on: bool) -> None:
