@@ -56,6 +56,7 @@ from engine import (
     RemoteServer,
     Session,
     SparkError,
+    Speculation,
     display_name,
     load_session,
 )
@@ -184,10 +185,12 @@ class ConversationWorker(QObject):
         if conversation is None:
             self._finish_unstarted()
             return
-        if isinstance(conversation, LocalConversation) and self._tool_servers:
-            self._stream(conversation, lambda: self._tool_turn(conversation, text, settings, stop))
-            return
-        self._stream(conversation, lambda: conversation.chat(text, settings, stop.is_set))
+        if isinstance(conversation, LocalConversation):
+            if self._tool_servers:
+                self._stream(conversation, lambda: self._tool_turn(conversation, text, settings, stop), settings)
+                return
+            conversation.set_tools_note("")  # the servers were removed: the model is no longer told of tools
+        self._stream(conversation, lambda: conversation.chat(text, settings, stop.is_set), settings)
 
     @Slot(object, object)
     def on_regenerate(self, settings: GenerationSettings, stop: threading.Event) -> None:
@@ -199,7 +202,7 @@ class ConversationWorker(QObject):
             self.error.emit("There is no prompt to answer again yet; send one first.")
             self._finish_unstarted()
             return
-        self._stream(conversation, lambda: conversation.regenerate(settings, stop.is_set))
+        self._stream(conversation, lambda: conversation.regenerate(settings, stop.is_set), settings)
 
     @Slot(str)
     def on_new_chat(self, store_path: str) -> None:
@@ -474,7 +477,10 @@ class ConversationWorker(QObject):
     def _transcript(self) -> list[MessageView]:
         return [MessageView(r, c) for r, c in self._messages()]
 
-    def _stream(self, conversation: Conversation, start: Callable[[], Iterator[GenerationEvent]]) -> None:
+    def _stream(
+        self, conversation: Conversation, start: Callable[[], Iterator[GenerationEvent]], settings: GenerationSettings
+    ) -> None:
+        speculating = settings.speculative != Speculation.OFF
         reason: FinishReason | Literal["error"] = "error"
         text: list[str] = []
         progress = NO_PROGRESS
@@ -487,7 +493,8 @@ class ConversationWorker(QObject):
                 if ev.text:
                     text.append(ev.text)
                     self.delta.emit(ev.text)
-                progress = TurnProgress(ev.prompt_tokens, ev.generated_tokens, ev.ttft_s, ev.tokens_per_s)
+                per_forward = (ev.generated_tokens - 1) / ev.forwards if speculating and ev.forwards else 0.0
+                progress = TurnProgress(ev.prompt_tokens, ev.generated_tokens, ev.ttft_s, ev.tokens_per_s, per_forward)
                 now = self._clock()
                 if now - last_progress >= PROGRESS_INTERVAL_S:
                     last_progress = now
