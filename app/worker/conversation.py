@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from app.worker import tool_turns
 from app.worker.types import MemoryReport, remote_name
 from engine import (
     ChatMessage,
@@ -116,10 +117,7 @@ class LocalConversation:
     @property
     def system_prompt(self) -> str:
         """The user's system prompt (without the tools' listing)."""
-        text, note = self.session.system_prompt, self._tools_note
-        if note and text == note:
-            return ""
-        return text[: -len(note) - 2] if note and text.endswith(f"\n\n{note}") else text
+        return tool_turns.without_tools_note(self.session.system_prompt)
 
     @system_prompt.setter
     def system_prompt(self, text: str) -> None:

@@ -15,9 +15,10 @@ from typing import Any
 
 from app.tools.toolbox import Toolbox, ToolRun
 from engine import GenerationEvent
-from engine.openai.tools import Tool, ToolChoice, ToolSpec, chat_inputs, read_reply
+from engine.openai.tools import FALLBACK_SYSTEM, Tool, ToolChoice, ToolSpec, chat_inputs, read_reply
 
 MAX_TOOL_ROUNDS = 4  # a model that keeps calling tools still ends its turn
+NOTE_START = FALLBACK_SYSTEM.split("{tools}")[0]  # how the tools' listing in a system prompt begins
 FOLDED_CHARS = 300  # a result is shown folded to this many characters in the chat (the model gets it whole)
 
 
@@ -34,6 +35,14 @@ def tools_note(spec: ToolSpec) -> str:
         return ""
     messages, _ = chat_inputs([], spec, None)
     return str(messages[0]["content"])
+
+
+def without_tools_note(system_prompt: str) -> str:
+    """The user's system prompt without a tools' listing after it (one saved in a file with tools on included)."""
+    if system_prompt.startswith(NOTE_START):
+        return ""
+    at = system_prompt.find(f"\n\n{NOTE_START}")
+    return system_prompt[:at] if at >= 0 else system_prompt
 
 
 def folded(run: ToolRun) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 from app.tools.consent import ConsentRequest, Decision
 from app.tools.mcp_host import McpServerSpec
 from app.tools.toolbox import ToolRun
-from app.worker.tool_turns import MAX_TOOL_ROUNDS, tools_note
+from app.worker.tool_turns import MAX_TOOL_ROUNDS, tools_note, without_tools_note
 from app.worker.types import TurnResult
 from engine import GenerationSettings, SamplingSettings
 from engine.openai.tools import Tool, ToolChoice, ToolSpec, tool_grammar
@@ -79,3 +79,11 @@ def test_a_tool_call_runs_only_with_consent_and_its_result_continues_the_reply(
         responses = [m.content for m in session.messages if m.content.startswith("<tool_response>")]
         assert len(responses) == MAX_TOOL_ROUNDS and session.messages[-1].role == "assistant"
         assert str(runs[0].outcome.text.strip()) in responses[0]
+        assert client.worker.conversation is not None and client.worker.conversation.system_prompt == ""
+
+
+def test_the_tools_listing_is_never_taken_for_the_users_system_prompt() -> None:
+    note = tools_note(ToolSpec((ADD,), ToolChoice.AUTO))
+    assert without_tools_note(note) == ""
+    assert without_tools_note(f"Be brief.\n\n{note}") == "Be brief."
+    assert without_tools_note("Be brief.") == "Be brief."
