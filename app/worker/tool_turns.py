@@ -19,6 +19,7 @@ from engine.openai.tools import FALLBACK_SYSTEM, Tool, ToolChoice, ToolSpec, cha
 
 MAX_TOOL_ROUNDS = 4  # a model that keeps calling tools still ends its turn
 NOTE_START = FALLBACK_SYSTEM.split("{tools}")[0]  # how the tools' listing in a system prompt begins
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"  # the fallback's form of a tool result
 FOLDED_CHARS = 300  # a result is shown folded to this many characters in the chat (the model gets it whole)
 
 
@@ -55,8 +56,30 @@ def folded(run: ToolRun) -> str:
     return f"\n\n> Tool {run.name}({run.arguments}){status} → {text}\n\n"
 
 
+def folded_response(message: str) -> str | None:
+    """A tool result message (as `response_message` wrote it) as the chat shows it folded; None for any other."""
+    if not message.startswith(RESPONSE_OPEN) or not message.endswith(RESPONSE_CLOSE):
+        return None
+    parts = []
+    for block in message.split(RESPONSE_CLOSE):
+        body = block.strip().removeprefix(RESPONSE_OPEN).strip()
+        if not body:
+            continue
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        text = " ".join(str(data.get("content", "")).split())
+        text = text if len(text) <= FOLDED_CHARS else text[:FOLDED_CHARS] + "…"
+        parts.append(f"Tool {data.get('name', '?')} → {text}")
+    return "\n".join(parts) or None
+
+
 def response_message(run: ToolRun) -> str:
-    return f"<tool_response>\n{json.dumps({'name': run.name, 'content': run.outcome.text}, ensure_ascii=False)}\n</tool_response>"
+    body = json.dumps({"name": run.name, "content": run.outcome.text}, ensure_ascii=False)
+    return f"{RESPONSE_OPEN}\n{body}\n{RESPONSE_CLOSE}"
 
 
 def with_tools(
