@@ -39,6 +39,7 @@ from engine.generation.loop import (
     PrefillProgress,
 )
 from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
+from engine.generation.speculative import Speculation
 from engine.loading.model_files import DEFAULT_MODEL_NAME, default_model_path, display_name
 from engine.loading.sampling_defaults import ModelSampling
 from engine.memory.cascade import CascadeStats, TierStats
@@ -84,6 +85,7 @@ __all__ = [
     "Session",
     "SessionData",
     "SparkError",
+    "Speculation",
     "TierStats",
     "__version__",
     "atomic_write",

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from engine import GenerationSettings, SamplingSettings
+from app.tools.mcp_host import McpServerSpec
+from engine import GenerationSettings, SamplingSettings, Speculation
 
 DEFAULT_MAX_TOKENS = 512
 RECENT_MODELS = 8
@@ -115,14 +116,24 @@ class Preferences:
             known = {f.name for f in fields(SamplingSettings)}
             sampling = SamplingSettings(**{k: v for k, v in data.get("sampling", {}).items() if k in known})
             sampling.validate()
-            return GenerationSettings(max_tokens=int(data.get("max_tokens", DEFAULT_MAX_TOKENS)), sampling=sampling)
+            return GenerationSettings(
+                max_tokens=int(data.get("max_tokens", DEFAULT_MAX_TOKENS)),
+                sampling=sampling,
+                speculative=Speculation(data.get("speculative", Speculation.OFF)),
+            )
         except (ValueError, TypeError, AttributeError):  # a hand-edited or older file: fall back to the defaults
             return GenerationSettings(max_tokens=DEFAULT_MAX_TOKENS)
 
     def set_generation(self, settings: GenerationSettings) -> None:
         self._s.setValue(
             "generation/settings",
-            json.dumps({"max_tokens": settings.max_tokens, "sampling": asdict(settings.sampling)}),
+            json.dumps(
+                {
+                    "max_tokens": settings.max_tokens,
+                    "sampling": asdict(settings.sampling),
+                    "speculative": settings.speculative.value,
+                }
+            ),
         )
 
     def system_prompt(self) -> str:
@@ -130,6 +141,39 @@ class Preferences:
 
     def set_system_prompt(self, text: str) -> None:
         self._s.setValue("chat/system_prompt", text)
+
+    def reply_schema(self) -> str:
+        """The JSON schema replies follow when "Reply as JSON" is on ("" when none was given yet)."""
+        return str(self._s.value("chat/json_schema", ""))
+
+    def set_reply_schema(self, text: str) -> None:
+        self._s.setValue("chat/json_schema", text)
+
+    def reply_as_json(self) -> bool:
+        return str(self._s.value("chat/reply_json", "false")).lower() == "true"
+
+    def set_reply_as_json(self, on: bool) -> None:
+        self._s.setValue("chat/reply_json", "true" if on else "false")
+
+    def tool_servers(self) -> list[McpServerSpec]:
+        """The MCP stdio servers whose tools the model may call (none by default)."""
+        try:
+            raw = json.loads(str(self._s.value("tools/servers", "[]")))
+        except ValueError:
+            return []
+        out = []
+        for entry in raw if isinstance(raw, list) else []:
+            if not isinstance(entry, dict):
+                continue
+            name, command, args = entry.get("name"), entry.get("command"), entry.get("args", [])
+            if isinstance(name, str) and isinstance(command, str) and isinstance(args, list):
+                out.append(McpServerSpec(name, command, tuple(str(a) for a in args)))
+        return out
+
+    def set_tool_servers(self, specs: list[McpServerSpec]) -> None:
+        self._s.setValue(
+            "tools/servers", json.dumps([{"name": s.name, "command": s.command, "args": list(s.args)} for s in specs])
+        )
 
     def loaded_once(self) -> bool:
         """A model was loaded before on this machine (the first load also prepares the CPU kernels: slower)."""

@@ -1,5 +1,6 @@
 """Settings (⌘,): how replies are sampled (temperature, top-k/p, min-p, repetition penalty, seed, greedy, reply
-length), and the local server's switch."""
+length), whether replies are sped up by speculation, the MCP servers whose tools the model may call, and the local
+server's switch."""
 
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ from PySide6.QtWidgets import (
     QGroupBox,
     QHBoxLayout,
     QLabel,
+    QPlainTextEdit,
     QPushButton,
     QSpinBox,
     QVBoxLayout,
     QWidget,
 )
 
-from engine import GenerationSettings, InvalidSamplingSettings, SamplingSettings
+from app.settings.tool_servers import ToolServerError, parse_servers, servers_text
+from app.tools.mcp_host import McpServerSpec
+from engine import GenerationSettings, InvalidSamplingSettings, SamplingSettings, Speculation
 
 RANDOM_SEED = -1  # the spin box's special value shown as "Random"
 
@@ -44,6 +48,7 @@ class SettingsDialog(QDialog):
         settings: GenerationSettings,
         parent: QWidget | None = None,
         server: tuple[QAction, QAction] | None = None,
+        tool_servers: list[McpServerSpec] | None = None,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("Settings")
@@ -62,6 +67,8 @@ class SettingsDialog(QDialog):
         self.max_tokens = QSpinBox()
         self.max_tokens.setRange(1, 32768)
         self.max_tokens.setSuffix(" tokens")
+        # Prompt lookup, adaptive (Speculation.AUTO): greedy replies are the same, sampled ones keep their odds.
+        self.speculative = QCheckBox("Speed up replies by reusing text from the conversation (speculative decoding)")
         self.error = QLabel()
         self.error.setObjectName("dialogError")
         self.error.setWordWrap(True)
@@ -77,6 +84,7 @@ class SettingsDialog(QDialog):
         form.addRow("Seed:", self.seed)
         form.addRow("Greedy:", self.greedy)
         form.addRow("Longest reply:", self.max_tokens)
+        form.addRow("Speed:", self.speculative)
         buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.RestoreDefaults
             | QDialogButtonBox.StandardButton.Cancel
@@ -91,6 +99,8 @@ class SettingsDialog(QDialog):
         self.serve: QCheckBox | None = None
         if server is not None:
             layout.addWidget(self._server_group(*server))
+        self.tools = QPlainTextEdit(servers_text(tool_servers or []))
+        layout.addWidget(self._tools_group())
         layout.addWidget(self.error)
         layout.addWidget(buttons)
         self._show(settings)
@@ -120,6 +130,24 @@ class SettingsDialog(QDialog):
         row.addWidget(copy_button)
         return group
 
+    def _tools_group(self) -> QGroupBox:
+        """MCP stdio servers, one a line; every call the model makes is shown and asked about before it runs."""
+        group = QGroupBox("Tool Servers (MCP)")
+        box = QVBoxLayout(group)
+        hint = QLabel(
+            "One server a line, as name: command arguments (e.g. files: npx -y @modelcontextprotocol/server-filesystem ~/Notes). Spark asks before each call runs."
+        )
+        hint.setWordWrap(True)
+        self.tools.setPlaceholderText("name: command arguments")
+        self.tools.setMaximumHeight(80)
+        box.addWidget(hint)
+        box.addWidget(self.tools)
+        return group
+
+    def tool_servers(self) -> list[McpServerSpec]:
+        """The servers as edited; raises ToolServerError naming a line that cannot be read."""
+        return parse_servers(self.tools.toPlainText())
+
     def value(self) -> GenerationSettings:
         seed = self.seed.value()
         sampling = SamplingSettings(
@@ -131,12 +159,14 @@ class SettingsDialog(QDialog):
             seed=None if seed == RANDOM_SEED else seed,
             greedy=self.greedy.isChecked(),
         )
-        return GenerationSettings(max_tokens=self.max_tokens.value(), sampling=sampling)
+        speculative = Speculation.AUTO if self.speculative.isChecked() else Speculation.OFF
+        return GenerationSettings(max_tokens=self.max_tokens.value(), sampling=sampling, speculative=speculative)
 
     def accept(self) -> None:
         try:
             self.value().sampling.validate()
-        except InvalidSamplingSettings as exc:
+            self.tool_servers()
+        except (InvalidSamplingSettings, ToolServerError) as exc:
             self.error.setText(str(exc))
             self.error.show()
             return
@@ -152,6 +182,7 @@ class SettingsDialog(QDialog):
         self.seed.setValue(RANDOM_SEED if s.seed is None else s.seed)
         self.greedy.setChecked(s.greedy)
         self.max_tokens.setValue(settings.max_tokens)
+        self.speculative.setChecked(settings.speculative != Speculation.OFF)
         self._on_greedy_toggled(s.greedy)
 
     @Slot()

@@ -7,6 +7,7 @@ tests answer it directly), so the rule lives here and the dialog stays a view.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -48,3 +49,17 @@ class ConsentGate:
         if decision is Decision.ALWAYS_FOR_SERVER:
             self.always.add(call.server)
         return decision is not Decision.DENY
+
+
+class ConsentRequest:
+    """A question crossing from the worker's thread to the GUI's: the worker waits on `answered` (checking Stop
+    while it waits); the GUI calls `answer` once the user chose."""
+
+    def __init__(self, call: PendingCall) -> None:
+        self.call = call
+        self.decision = Decision.DENY
+        self.answered = threading.Event()
+
+    def answer(self, decision: Decision) -> None:
+        self.decision = decision
+        self.answered.set()

@@ -33,6 +33,7 @@ from PySide6.QtGui import (
 from PySide6.QtWidgets import QPushButton, QTextBrowser, QWidget
 
 from app.window.markdown import MarkdownRenderer, Palette
+from app.worker.tool_turns import folded_response
 from app.worker.types import MessageView
 
 ROLE_LABELS = {"user": "You", "assistant": "Spark", "system": "System"}
@@ -194,11 +195,17 @@ class ChatView(QTextBrowser):
             return
         self.clear()
         self._place_column()
+        frame: QTextFrame | None = None
         for i, m in enumerate(messages):
-            if m.role != "system":
-                frame = self._add_message(m.role, m.content, i)
-                if notes and notes.get(i):
-                    self._add_note(frame, notes[i])
+            if m.role == "system":
+                continue
+            tool_result = folded_response(m.content) if m.role == "user" else None
+            if frame is not None and tool_result is not None:  # a tool's result: folded under the call's reply
+                self._add_note(frame, tool_result)
+                continue
+            frame = self._add_message(m.role, m.content, i)
+            if notes and notes.get(i):
+                self._add_note(frame, notes[i])
         self._next_index = len(messages)
         self.scroll_to_end()
 

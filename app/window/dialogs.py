@@ -8,8 +8,11 @@ from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
 
 import engine
+from app.settings.json_reply import SchemaDialog
 from app.settings.remote_servers import AddServerDialog
 from app.settings.settings_dialog import SettingsDialog
+from app.tools.consent import Decision, PendingCall
+from app.tools.mcp_host import McpServerSpec
 from engine import GenerationSettings, RemoteServer
 from engine.paths import APP_NAME
 
@@ -96,8 +99,43 @@ class Dialogs:
         return dialog.value() if dialog.exec() == AddServerDialog.DialogCode.Accepted else None
 
     def edit_settings(
-        self, current: GenerationSettings, server: tuple[QAction, QAction] | None = None
-    ) -> GenerationSettings | None:
-        """The settings as edited (None: cancelled); `server`: the local server's switch and Copy URL actions."""
-        dialog = SettingsDialog(current, self.parent, server)
-        return dialog.value() if dialog.exec() == SettingsDialog.DialogCode.Accepted else None
+        self,
+        current: GenerationSettings,
+        server: tuple[QAction, QAction] | None = None,
+        tool_servers: list[McpServerSpec] | None = None,
+    ) -> tuple[GenerationSettings, list[McpServerSpec]] | None:
+        """The settings and tool servers as edited (None: cancelled); `server`: the local server's switch and Copy
+        URL actions."""
+        dialog = SettingsDialog(current, self.parent, server, tool_servers)
+        if dialog.exec() != SettingsDialog.DialogCode.Accepted:
+            return None
+        return dialog.value(), dialog.tool_servers()
+
+    def ask_tool_consent(self, call: PendingCall) -> Decision:
+        """Allow once / Always for this server / Deny, for a call the model made (closing the box denies)."""
+        box = QMessageBox(
+            QMessageBox.Icon.Question,
+            "Run a Tool?",
+            f"The model wants to call a tool:\n\n{call.summary()}",
+            QMessageBox.StandardButton.NoButton,
+            self.parent,
+        )
+        once = box.addButton("Allow Once", QMessageBox.ButtonRole.AcceptRole)
+        always = box.addButton(f"Always for {call.server}", QMessageBox.ButtonRole.AcceptRole)
+        deny = box.addButton("Deny", QMessageBox.ButtonRole.RejectRole)
+        box.setDefaultButton(deny)
+        box.setEscapeButton(deny)
+        box.exec()
+        clicked = box.clickedButton()
+        return (
+            Decision.ALLOW_ONCE
+            if clicked is once
+            else Decision.ALWAYS_FOR_SERVER
+            if clicked is always
+            else Decision.DENY
+        )
+
+    def edit_schema(self, current: str) -> str | None:
+        """The JSON schema replies follow, as edited and checked (None: cancelled)."""
+        dialog = SchemaDialog(current, self.parent)
+        return dialog.value() if dialog.exec() == SchemaDialog.DialogCode.Accepted else None

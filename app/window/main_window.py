@@ -38,8 +38,10 @@ from app.misc.coalescer import TextCoalescer
 from app.misc.standarddirs import StandardDirs
 from app.models import FIRST_LAUNCH_HINT, downloaded_models, open_get_models
 from app.server.local_server import LocalServerController, local_server_actions
+from app.settings.json_reply import schema_grammar
 from app.settings.preferences import Preferences
 from app.settings.remote_servers import RemoteServerList
+from app.tools.consent import ConsentRequest
 from app.tray.quick_prompt import QuickPromptPanel
 from app.window.chat_view import ChatView
 from app.window.commands import ConversationCommands
@@ -60,7 +62,15 @@ from app.worker.types import (
     TurnResult,
     remote_name,
 )
-from engine import SESSION_SUFFIX, FinishReason, GenerationSettings, RemoteServer, SparkError, default_model_path
+from engine import (
+    SESSION_SUFFIX,
+    FinishReason,
+    GenerationSettings,
+    GrammarError,
+    RemoteServer,
+    SparkError,
+    default_model_path,
+)
 from engine.paths import APP_NAME
 
 INTERACTIVE_PREFILL_CHUNK = 32  # tokens per forward while the user waits (see generation_settings)
@@ -247,6 +257,7 @@ class MainWindow(QMainWindow):
         c.reading.connect(self._on_reading)
         c.stored.connect(self._on_stored)
         c.remote_ready.connect(self._on_remote_ready)
+        c.consent_needed.connect(self._on_consent_needed)
         self.coalescer.flushed.connect(self.chat.append_reply)
         self.monitor.sampled.connect(self.inspector.on_sample)
         self.prompt.submitted.connect(self.submit)
@@ -306,6 +317,8 @@ class MainWindow(QMainWindow):
         m.model_path_chosen.connect(lambda path: self.handle_drop([path], 1))
         m.server_chosen.connect(self.use_remote)
         m.precision_changed.connect(self._on_precision)
+        m.tool_servers_changed.connect(self._on_tool_servers)
+        self._on_tool_servers()
         m.conversation_chosen.connect(self.open_conversation)
         switch, copy = local_server_actions(self.local_server, self)
         self.server_switch, self.server_copy = switch, copy
@@ -377,7 +390,7 @@ class MainWindow(QMainWindow):
         self.chat.add_user_message(text)
         self.chat.begin_reply()
         self.chat.show_reading("Reading…")
-        self.client.send(text, self.generation_settings())
+        self.client.send(text, self.reply_settings())
         return True
 
     @Slot(Path)
@@ -478,7 +491,7 @@ class MainWindow(QMainWindow):
             return
         self.chat.remove_last_reply()
         self.chat.begin_reply()
-        self.client.regenerate(self.generation_settings())
+        self.client.regenerate(self.reply_settings())
 
     @Slot()
     def _on_system_prompt_edited(self) -> None:
@@ -505,6 +518,18 @@ class MainWindow(QMainWindow):
         one keeps Stop (and Quit) prompt while a long paste is read, at a small cost in reading speed."""
         settings = self.prefs.generation()
         return replace(settings, prefill_chunk=min(settings.prefill_chunk, INTERACTIVE_PREFILL_CHUNK))
+
+    def reply_settings(self) -> GenerationSettings:
+        """The main chat's settings: the user's, constrained to the "Reply as JSON" schema when that is on (a schema
+        edited by hand into the settings file and refused by the engine is said, and the reply goes unconstrained)."""
+        settings = self.generation_settings()
+        if not self.prefs.reply_as_json():
+            return settings
+        try:
+            return replace(settings, grammar=schema_grammar(self.prefs.reply_schema()))
+        except GrammarError as exc:
+            self.notice.show_message(f"Reply as JSON is off for this reply: {exc}", error=True)
+            return settings
 
     def title(self) -> str:
         entry = self.library.get(self.state.current_id)
@@ -648,6 +673,15 @@ class MainWindow(QMainWindow):
         self.chat.end_reply(note)
         if note:  # kept with the conversation, so reopening it (Undo, relaunch) shows it again
             self.library.set_note(self.state.current_id, self.chat.last_index(), note)
+
+    @Slot()
+    def _on_tool_servers(self) -> None:
+        self.client.set_tool_servers(self.prefs.tool_servers())
+
+    @Slot(object)
+    def _on_consent_needed(self, request: ConsentRequest) -> None:
+        """A tool call waits for the user: asked in a dialog (the worker waits; this thread keeps running)."""
+        request.answer(self.dialogs.ask_tool_consent(request.call))
 
     @Slot(str)
     def _on_error(self, message: str) -> None:

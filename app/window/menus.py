@@ -66,6 +66,7 @@ class WindowMenus(QObject):
     server_chosen = Signal(RemoteServer)
     precision_changed = Signal(str)
     conversation_chosen = Signal(str)  # an id from the Window menu
+    tool_servers_changed = Signal()  # Settings changed the MCP servers (kept in the preferences)
 
     def __init__(
         self,
@@ -143,6 +144,11 @@ class WindowMenus(QObject):
         self.settings_action.triggered.connect(self._on_settings)
         self.stop_action = self._action("Stop", [QKeySequence("Ctrl+.")], "Stop the reply")
         self.regenerate_action = self._action("Regenerate", [QKeySequence("Ctrl+R")], "Answer the last prompt again")
+        self.reply_json_action = self._toggle("Reply as JSON", self._prefs.reply_as_json(), None)
+        self.reply_json_action.setToolTip("Replies are JSON matching a schema you give")
+        self.reply_json_action.toggled.connect(self._on_reply_json)
+        self.json_schema_action = self._action("JSON Schema…", tip="The schema replies follow when Reply as JSON is on")
+        self.json_schema_action.triggered.connect(self._on_json_schema)
         self.quick_action = self._action("Quick Prompt…", [QKeySequence("Ctrl+Shift+K")])
         self.minimize_action = self._action("Minimize", [QKeySequence("Ctrl+M")])
         self.minimize_action.triggered.connect(self._host.showMinimized)
@@ -232,7 +238,9 @@ class WindowMenus(QObject):
                 self.settings_action,
             ],
         )
-        self.chat_menu = menu("&Chat", [self.stop_action, self.regenerate_action])
+        self.chat_menu = menu(
+            "&Chat", [self.stop_action, self.regenerate_action, None, self.reply_json_action, self.json_schema_action]
+        )
         bar.addMenu(self.model_menu)
         self.view_menu = menu("&View", [self.sidebar_action, self.inspector_action, self.system_prompt_action])
         self.window_menu = menu("&Window", [self.minimize_action, self.zoom_action, None, self.quick_action, None])
@@ -366,9 +374,29 @@ class WindowMenus(QObject):
 
     @Slot()
     def _on_settings(self) -> None:
-        edited = self._dialogs.edit_settings(self._prefs.generation(), self.server_actions)
+        edited = self._dialogs.edit_settings(self._prefs.generation(), self.server_actions, self._prefs.tool_servers())
         if edited is not None:
-            self._prefs.set_generation(edited)
+            settings, servers = edited
+            self._prefs.set_generation(settings)
+            if servers != self._prefs.tool_servers():
+                self._prefs.set_tool_servers(servers)
+                self.tool_servers_changed.emit()
+
+    @Slot(bool)
+    def _on_reply_json(self, on: bool) -> None:
+        """Turned on without a schema yet: ask for one (cancelled: it stays off)."""
+        if on and not self._prefs.reply_schema() and not self._on_json_schema():
+            self.reply_json_action.setChecked(False)
+            return
+        self._prefs.set_reply_as_json(on)
+
+    @Slot()
+    def _on_json_schema(self) -> bool:
+        schema = self._dialogs.edit_schema(self._prefs.reply_schema())
+        if schema is None:
+            return False
+        self._prefs.set_reply_schema(schema)
+        return True
 
     @Slot()
     def _on_undo(self) -> None:

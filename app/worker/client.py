@@ -11,6 +11,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
+from app.tools.mcp_host import McpServerSpec
 from app.worker.types import (
     LoadedModel,
     MemoryReport,
@@ -40,6 +41,7 @@ class ConversationClient(QObject):
     _save = Signal(str, bool)
     _restore = Signal(str, bool, str)
     _shutdown = Signal()
+    _tool_servers = Signal(list)
 
     # Results, on the GUI thread (the worker's signals of the same names, see app.worker.worker).
     loading = Signal(str)
@@ -59,6 +61,8 @@ class ConversationClient(QObject):
     reading = Signal(ReadProgress)
     stored = Signal(StoredConversation)
     remote_ready = Signal(object)
+    consent_needed = Signal(object)  # ConsentRequest: answer it (the worker waits, the GUI does not)
+    tool_ran = Signal(object)  # ToolRun
     busy_changed = Signal(bool)  # a reply is being generated
     stopping = Signal()  # Stop was asked while a reply was being generated (it ends with `finished`)
 
@@ -91,6 +95,7 @@ class ConversationClient(QObject):
             (self._save, w.on_save),
             (self._restore, w.on_restore),
             (self._shutdown, w.on_shutdown),
+            (self._tool_servers, w.on_tool_servers),
         ):
             request.connect(slot)  # auto connection: queued, since the worker lives in another thread
         for result, own in (
@@ -110,6 +115,8 @@ class ConversationClient(QObject):
             (w.reading, self.reading),
             (w.stored, self.stored),
             (w.remote_ready, self.remote_ready),
+            (w.consent_needed, self.consent_needed),
+            (w.tool_ran, self.tool_ran),
         ):
             result.connect(own)  # queued into the GUI thread: the client lives there
         w.finished.connect(self._on_finished)
@@ -161,6 +168,10 @@ class ConversationClient(QObject):
 
     def set_system_prompt(self, text: str) -> None:
         self._set_system_prompt.emit(text)
+
+    def set_tool_servers(self, specs: list[McpServerSpec]) -> None:
+        """MCP servers whose tools the model may call (after the user's consent) from the next turn on."""
+        self._tool_servers.emit(list(specs))
 
     def save(self, path: Path, full_memory: bool = False) -> None:
         self._save.emit(str(path), full_memory)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from app.worker import tool_turns
 from app.worker.types import MemoryReport, remote_name
 from engine import (
     ChatMessage,
@@ -107,6 +108,7 @@ class LocalConversation:
         self.session = engine.new_session()
         self.session.on_prefill = on_prefill
         self._turn_starts: list[int] = []  # memory length when each turn began
+        self._tools_note = ""  # the tools' listing (app.worker.tool_turns), after the user's system prompt
 
     @property
     def messages(self) -> list[tuple[str, str]]:
@@ -114,11 +116,24 @@ class LocalConversation:
 
     @property
     def system_prompt(self) -> str:
-        return self.session.system_prompt
+        """The user's system prompt (without the tools' listing)."""
+        return tool_turns.without_tools_note(self.session.system_prompt)
 
     @system_prompt.setter
     def system_prompt(self, text: str) -> None:
-        self.session.system_prompt = text
+        note = self._tools_note
+        self.session.system_prompt = (f"{text}\n\n{note}" if text else note) if note else text
+
+    def set_tools_note(self, note: str) -> None:
+        """List tools to the model after the system prompt ("": none)."""
+        user = self.system_prompt
+        self._tools_note = note
+        self.system_prompt = user
+
+    def follow(self, message: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
+        """Continue the turn after tool results (`message`, a user message the template shows as the tools')."""
+        self.session.messages.append(ChatMessage("user", message, time.time()))
+        return self.session.submit(self.session.messages, settings, stop)
 
     @property
     def model_name(self) -> str:
@@ -154,6 +169,7 @@ class LocalConversation:
 
     def fresh(self) -> LocalConversation:
         new = LocalConversation(self._engine, self._on_prefill)
+        new.set_tools_note(self._tools_note)
         new.system_prompt = self.system_prompt
         return new
 

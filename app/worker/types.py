@@ -35,6 +35,7 @@ class TurnProgress:
     generated_tokens: int
     ttft_s: float
     tokens_per_s: float
+    tokens_per_forward: float = 0.0  # speculation on: tokens each decode forward gave (0: off, or none yet)
 
 
 @dataclass(frozen=True)

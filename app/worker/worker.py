@@ -28,7 +28,10 @@ from typing import Literal
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from app.worker import session_files
+from app.tools.consent import ConsentGate, ConsentRequest, Decision, PendingCall
+from app.tools.mcp_host import McpHost, McpServerSpec
+from app.tools.toolbox import Toolbox, ToolRun
+from app.worker import session_files, tool_turns
 from app.worker.conversation import Conversation, LocalConversation, RemoteConversation
 from app.worker.engine_factory import load_engine
 from app.worker.types import (
@@ -53,6 +56,7 @@ from engine import (
     RemoteServer,
     Session,
     SparkError,
+    Speculation,
     display_name,
     load_session,
 )
@@ -85,6 +89,8 @@ class ConversationWorker(QObject):
     reading = Signal(ReadProgress)
     stored = Signal(StoredConversation)
     remote_ready = Signal(object)  # RemoteServer: replies now stream from it
+    consent_needed = Signal(object)  # ConsentRequest: the GUI asks the user and answers it
+    tool_ran = Signal(object)  # ToolRun: a call the model made, and what came of it
 
     def __init__(
         self,
@@ -105,6 +111,9 @@ class ConversationWorker(QObject):
         self._parked: OrderedDict[Path, Conversation] = OrderedDict()  # store path -> a conversation left recently
         self._read_t0 = 0.0
         self._read_last = 0.0
+        self._tool_servers: list[McpServerSpec] = []
+        self._toolbox: Toolbox | None = None  # started on the first turn that has servers configured
+        self._turn_stop: threading.Event | None = None  # the current turn's Stop (a consent question waits on it too)
         # Decisions arrive on whichever thread made them; a signal carries them to the GUI safely.
         self._unsubscribe = policy.subscribe(self.policy.emit) if policy is not None else None
 
@@ -176,7 +185,12 @@ class ConversationWorker(QObject):
         if conversation is None:
             self._finish_unstarted()
             return
-        self._stream(conversation, lambda: conversation.chat(text, settings, stop.is_set))
+        if isinstance(conversation, LocalConversation):
+            if self._tool_servers:
+                self._stream(conversation, lambda: self._tool_turn(conversation, text, settings, stop), settings)
+                return
+            conversation.set_tools_note("")  # the servers were removed: the model is no longer told of tools
+        self._stream(conversation, lambda: conversation.chat(text, settings, stop.is_set), settings)
 
     @Slot(object, object)
     def on_regenerate(self, settings: GenerationSettings, stop: threading.Event) -> None:
@@ -188,7 +202,7 @@ class ConversationWorker(QObject):
             self.error.emit("There is no prompt to answer again yet; send one first.")
             self._finish_unstarted()
             return
-        self._stream(conversation, lambda: conversation.regenerate(settings, stop.is_set))
+        self._stream(conversation, lambda: conversation.regenerate(settings, stop.is_set), settings)
 
     @Slot(str)
     def on_new_chat(self, store_path: str) -> None:
@@ -228,6 +242,52 @@ class ConversationWorker(QObject):
         self.memory.emit(report)
         self._store()
         self.finished.emit(TurnResult(FinishReason.STOP, TurnProgress(report.tokens, 0, 0.0, 0.0), ""))
+
+    @Slot(list)
+    def on_tool_servers(self, specs: list[McpServerSpec]) -> None:
+        """Use these MCP servers as tools from the next turn on (started then; none: no tools)."""
+        if specs == self._tool_servers:
+            return
+        self._close_toolbox()
+        self._tool_servers = list(specs)
+
+    def _tool_turn(
+        self, conversation: LocalConversation, text: str, settings: GenerationSettings, stop: threading.Event
+    ) -> Iterator[GenerationEvent]:
+        if self._toolbox is None:
+            self._toolbox = Toolbox(McpHost(), ConsentGate(self._ask_consent))
+            for problem in self._toolbox.start_servers(self._tool_servers):
+                self.error.emit(problem)
+        spec = tool_turns.tool_spec(self._toolbox.openai_tools())
+        conversation.set_tools_note(tool_turns.tools_note(spec))
+        self._turn_stop = stop
+        return tool_turns.with_tools(
+            conversation.chat(text, settings, stop.is_set),
+            lambda message: conversation.follow(message, settings, stop.is_set),
+            self._toolbox,
+            spec,
+            self._on_tool_ran,
+            stop.is_set,
+        )
+
+    def _on_tool_ran(self, run: ToolRun) -> None:
+        self.delta.emit(tool_turns.folded(run))  # in the reply's stream, so it shows where the call was made
+        self.tool_ran.emit(run)
+
+    def _ask_consent(self, call: PendingCall) -> Decision:
+        """On this thread: ask the GUI and wait for the answer (Stop, or the app quitting, answers Deny)."""
+        request = ConsentRequest(call)
+        self.consent_needed.emit(request)
+        stop = self._turn_stop
+        while not request.answered.wait(0.05):
+            if stop is None or stop.is_set():
+                return Decision.DENY
+        return request.decision
+
+    def _close_toolbox(self) -> None:
+        if self._toolbox is not None:
+            self._toolbox.close()
+            self._toolbox = None
 
     @Slot()
     def on_release(self) -> None:
@@ -330,6 +390,7 @@ class ConversationWorker(QObject):
         try:
             self._store(verify=False)  # in a hurry: the app is quitting
             self._close_all()
+            self._close_toolbox()
         finally:
             if self._unsubscribe is not None:  # the policy outlives this worker: no decision may reach it after
                 self._unsubscribe()
@@ -416,7 +477,10 @@ class ConversationWorker(QObject):
     def _transcript(self) -> list[MessageView]:
         return [MessageView(r, c) for r, c in self._messages()]
 
-    def _stream(self, conversation: Conversation, start: Callable[[], Iterator[GenerationEvent]]) -> None:
+    def _stream(
+        self, conversation: Conversation, start: Callable[[], Iterator[GenerationEvent]], settings: GenerationSettings
+    ) -> None:
+        speculating = settings.speculative != Speculation.OFF
         reason: FinishReason | Literal["error"] = "error"
         text: list[str] = []
         progress = NO_PROGRESS
@@ -429,7 +493,8 @@ class ConversationWorker(QObject):
                 if ev.text:
                     text.append(ev.text)
                     self.delta.emit(ev.text)
-                progress = TurnProgress(ev.prompt_tokens, ev.generated_tokens, ev.ttft_s, ev.tokens_per_s)
+                per_forward = (ev.generated_tokens - 1) / ev.forwards if speculating and ev.forwards else 0.0
+                progress = TurnProgress(ev.prompt_tokens, ev.generated_tokens, ev.ttft_s, ev.tokens_per_s, per_forward)
                 now = self._clock()
                 if now - last_progress >= PROGRESS_INTERVAL_S:
                     last_progress = now

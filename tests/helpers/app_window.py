@@ -11,6 +11,8 @@ from pathlib import Path
 from PySide6.QtCore import QCoreApplication, QEvent
 
 from app.settings.preferences import Preferences
+from app.tools.consent import Decision, PendingCall
+from app.tools.mcp_host import McpServerSpec
 from app.window.dialogs import Dialogs
 from app.window.main_window import MainWindow
 from engine import GenerationSettings, RemoteServer, SamplingSettings
@@ -32,6 +34,9 @@ class ScriptedDialogs(Dialogs):
     answer_text: str | None = None
     export_to: Path | None = None
     server_to_add: RemoteServer | None = None
+    new_tool_servers: list[McpServerSpec] | None = None  # None: Settings keeps the servers it was shown
+    tool_decisions: list[Decision] = field(default_factory=list)  # answers to "Run a Tool?" in turn (then Deny)
+    schema: str | None = None  # what the "Reply as JSON" schema dialog returns (None: cancelled)
     asked: list[str] = field(default_factory=list)
     save_starts: list[Path] = field(default_factory=list)
 
@@ -79,10 +84,23 @@ class ScriptedDialogs(Dialogs):
         return self.server_to_add
 
     def edit_settings(
-        self, current: GenerationSettings, server: tuple[object, object] | None = None
-    ) -> GenerationSettings | None:
+        self,
+        current: GenerationSettings,
+        server: tuple[object, object] | None = None,
+        tool_servers: list[McpServerSpec] | None = None,
+    ) -> tuple[GenerationSettings, list[McpServerSpec]] | None:
         self.asked.append("settings")
-        return self.new_settings
+        if self.new_settings is None:
+            return None
+        return self.new_settings, self.new_tool_servers if self.new_tool_servers is not None else tool_servers or []
+
+    def ask_tool_consent(self, call: PendingCall) -> Decision:
+        self.asked.append(f"tool {call.server} {call.tool}")
+        return self.tool_decisions.pop(0) if self.tool_decisions else Decision.DENY
+
+    def edit_schema(self, current: str) -> str | None:
+        self.asked.append("schema")
+        return self.schema
 
 
 class ScriptedThermal:

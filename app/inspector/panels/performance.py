@@ -1,4 +1,5 @@
-"""Performance panel: the backend in use and why faster ones were skipped, time to first token, tokens/s."""
+"""Performance panel: the backend in use and why faster ones were skipped, time to first token, tokens/s, and with
+speculation on the tokens each decode forward gave."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class PerformancePanel(Panel):
         self.ttft = self.value_row("First token")
         self.speed = self.value_row("Speed")
         self.tokens = self.value_row("Tokens")
+        self.per_forward = self.value_row("Per forward")  # speculation: tokens one decode forward gave
 
     @Slot(ModelInfo)
     def on_model(self, info: ModelInfo) -> None:
@@ -30,7 +32,7 @@ class PerformancePanel(Panel):
 
     def reset(self) -> None:
         """A new conversation: its figures are not the previous one's."""
-        for row in (self.ttft, self.speed, self.tokens):
+        for row in (self.ttft, self.speed, self.tokens, self.per_forward):
             row.setText(PLACEHOLDER)
 
     @Slot(TurnProgress)
@@ -39,3 +41,6 @@ class PerformancePanel(Panel):
             self.ttft.setText(f"{p.ttft_s * 1000:.0f} ms")
             self.speed.setText(f"{p.tokens_per_s:.1f} tokens/s")
         self.tokens.setText(f"{p.prompt_tokens:,} prompt · {p.generated_tokens:,} generated")
+        self.per_forward.setText(
+            f"{p.tokens_per_forward:.2f} tokens (speculative decoding)" if p.tokens_per_forward else "speculation off"
+        )

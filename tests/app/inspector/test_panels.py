@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from app.misc.signal_wait import GuiRelay
 from app.window.main_window import MainWindow
 from app.wiring import build_main_window
 from app.worker.types import MemoryReport, ModelInfo
-from engine import TierStats
+from engine import Speculation, TierStats
 from engine.hw import ThermalState
 from tests.helpers.app_window import WAIT_MS, ScriptedThermal, dispose, set_reply_tokens
 
@@ -123,3 +124,16 @@ def test_a_narrow_window_folds_the_inspector_away_and_back(qtbot, window: MainWi
     qtbot.waitUntil(lambda: window.chat.width() >= 600, timeout=3000)  # the chat keeps the room at 900 px
     window.resize(1400, 860)
     qtbot.waitUntil(lambda: window.inspector.isVisible())
+
+
+def test_tokens_per_forward_show_when_speculation_is_on(qtbot, window: MainWindow, prefs) -> None:  # type: ignore[no-untyped-def]
+    panel = window.inspector.performance_panel
+    set_reply_tokens(prefs, 16)
+    with qtbot.waitSignal(GuiRelay(window.client.finished, parent=window).fired, timeout=WAIT_MS):
+        window.submit("one two three one two three one two three")
+    assert panel.per_forward.text() == "speculation off"
+    prefs.set_generation(replace(prefs.generation(), speculative=Speculation.AUTO))
+    with qtbot.waitSignal(GuiRelay(window.client.finished, parent=window).fired, timeout=WAIT_MS):
+        window.submit("one two three one two three one two three")
+    value, _, words = panel.per_forward.text().partition(" ")
+    assert words == "tokens (speculative decoding)" and float(value) >= 1.0  # a forward gives one token or more

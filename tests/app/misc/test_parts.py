@@ -13,6 +13,7 @@ from app.settings.settings_dialog import SettingsDialog
 from app.worker.client import ConversationClient
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
+from engine.generation.speculative import Speculation
 from engine.hw import DecisionKind, HardwarePolicy, PolicyDecision, SystemMemorySource, ThermalState
 from tests.helpers.app_window import ScriptedThermal
 
@@ -34,7 +35,12 @@ def test_coalescer_repaints_at_most_once_per_frame(qtbot) -> None:  # type: igno
 def test_preferences_round_trip_and_survive_garbage(tmp_path: Path) -> None:
     s = QSettings(str(tmp_path / "p.ini"), QSettings.Format.IniFormat)
     prefs = Preferences(s)
-    g = GenerationSettings(max_tokens=99, sampling=SamplingSettings(temperature=0.0, top_p=0.5, seed=None, greedy=True))
+    g = GenerationSettings(
+        max_tokens=99,
+        sampling=SamplingSettings(temperature=0.0, top_p=0.5, seed=None, greedy=True),
+        speculative=Speculation.AUTO,
+    )
+    assert prefs.generation().speculative == Speculation.OFF  # off until the user turns it on
     prefs.set_generation(g)
     assert Preferences(QSettings(str(tmp_path / "p.ini"), QSettings.Format.IniFormat)).generation() == g
     s.setValue("generation/settings", '{"sampling": {"temperature": -3}}')
@@ -49,6 +55,10 @@ def test_settings_dialog_edits_and_validates(qtbot) -> None:  # type: ignore[no-
     d.greedy.setChecked(True)
     assert d.value().sampling.seed is None and d.value().sampling.greedy
     assert not d.temperature.isEnabled()
+    assert d.value().speculative == Speculation.OFF
+    d.speculative.setChecked(True)
+    assert d.value().speculative == Speculation.AUTO
+    assert SettingsDialog(d.value()).speculative.isChecked()
 
 
 def test_icons_exist_and_draw(qtbot) -> None:  # type: ignore[no-untyped-def]

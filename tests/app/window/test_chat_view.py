@@ -114,3 +114,21 @@ def test_an_empty_conversation_greets_with_example_prompts(qtbot) -> None:  # ty
     assert chosen == ["Write a haiku."]
     view.add_user_message("Hello")
     assert "Ready." not in view.toPlainText()  # the greeting goes with the first message
+
+
+def test_a_tool_result_shows_folded_under_the_reply_that_called_it(qtbot) -> None:  # type: ignore[no-untyped-def]
+    view = _view(qtbot)
+    long = "x" * 1000
+    result = '<tool_response>\n{"name": "demo__add", "content": "' + long + '"}\n</tool_response>'
+    view.set_messages(
+        [
+            MessageView("user", "Add 1 and 2."),
+            MessageView("assistant", "Calling the tool."),
+            MessageView("user", result),
+            MessageView("assistant", "It is 3."),
+        ]
+    )
+    text = view.toPlainText()
+    assert "<tool_response>" not in text and "Tool demo__add → xxx" in text
+    assert long not in text  # folded: the chat shows the start of it, the model had it whole
+    assert text.index("Calling the tool.") < text.index("Tool demo__add") < text.index("It is 3.")
