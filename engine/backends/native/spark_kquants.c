@@ -31,7 +31,7 @@
  * their quants; the products are vector code).
  * Routes: AVX-512 with BW and VNNI (one 512-bit product per block; a prefill: spark_kernels.c's token-lane route,
  * kq_tokens_in_lanes below, for kq_vec_type), AVX2, Arm's NEON dot product, portable C; each
- * checked bit for bit by tests/engine/backends/native/native/kquant_check.c (the Arm ones under qemu) and the
+ * checked bit for bit by tests/engine/backends/native/kquant_check.c (the Arm ones under qemu) and the
  * Python tests.
  */
 

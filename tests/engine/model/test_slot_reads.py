@@ -27,9 +27,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def assert_read_copies_exact(b: TorchBackend, slot_positions: torch.Tensor) -> int:
-    """slot_positions (B, S): every read rank holding a slot equals a fresh read of that slot's k, v, rotated at
-    the slot's current position in the compute dtype and rounded to the table's. Returns how many ranks hold a
-    slot."""
+    """slot_positions (B, S): every read rank holding a slot equals a fresh read of that slot's k, v: the key
+    rotated at the slot's current position in the compute dtype (and kept so), the value as the table holds it.
+    Returns how many ranks hold a slot."""
     c: KVCache = b.cache
     assert b.model.rope is not None
     held = (c.read_slots >= 0).nonzero().squeeze(1)  # (m,) ranks
@@ -39,7 +39,7 @@ def assert_read_copies_exact(b: TorchBackend, slot_positions: torch.Tensor) -> i
     fresh_k = apply_rope(c.k[:, :, :, slots].to(c.compute_dtype), cos.unsqueeze(0), sin.unsqueeze(0)).to(
         c.k_read.dtype
     )  # (L, B, Hkv, m, D)
-    assert c.k_read.dtype == c.k.dtype  # no copy wider than the table
+    assert c.k_read.dtype == c.compute_dtype and c.v_read.dtype == c.v.dtype  # values: no copy wider than the table
     assert torch.equal(c.k_read[:, :, :, held], fresh_k)
     assert torch.equal(c.v_read[:, :, :, held], c.v[:, :, :, slots])
     return held.numel()

@@ -355,7 +355,7 @@ def test_arm_kernels_compute_the_exact_block_products(tmp_path: Path, arch: str,
     from engine.backends.native import SOURCE
 
     exe = tmp_path / f"arm-check-{isa}"
-    check = Path(__file__).parent / "native" / "arm_check.c"
+    check = Path(__file__).with_name("arm_check.c")
     build = [
         str(ARM_CC),
         "-O3",
@@ -395,7 +395,7 @@ def test_the_arm_checker_itself_passes_on_this_machine(tmp_path: Path, kernels: 
         "-ffp-contract=off",
         *tune,
         f"-I{SOURCE.parent}",
-        str(Path(__file__).parent / "native" / "arm_check.c"),
+        str(Path(__file__).with_name("arm_check.c")),
         "-o",
         str(exe),
         "-lm",

@@ -210,7 +210,7 @@ def test_every_instruction_set_variant_computes_the_same_bits(
 
 
 ARM_CC, QEMU_ARM = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
-CHECKER = Path(__file__).parent / "native" / "kquant_check.c"
+CHECKER = Path(__file__).with_name("kquant_check.c")
 
 
 def run_checker(cc: str, flags: list[str], exe: Path, runner: list[str]) -> list[str]:
