@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
+from engine.loading.gguf_header import read_header, tensor_view
+from engine.loading.gguf_validate import check_metadata, check_tensors
 from engine.model.config import ModelConfig
 from engine.model.quant import StoredTensor
 
@@ -94,24 +96,24 @@ class GGUFModel:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        if not is_gguf_file(self.path):
-            raise ModelLoadError(f"{self.path.name} is not a GGUF file (it does not start with GGUF's signature).")
-        import gguf  # the GGUF reader is only needed for GGUF models
-
+        # Every count, length and offset checked against the file before anything is allocated for them.
+        self.header = read_header(self.path)
         try:
-            self._reader = gguf.GGUFReader(str(self.path), "c")  # copy-on-write: tensors are writable views
-        except Exception as exc:  # the reader raises ValueError, struct/IndexError... for a damaged file
-            raise ModelLoadError(
-                f"{self.path.name} is truncated or corrupt ({exc.__class__.__name__}: {str(exc)[:120]}); download it again."
-            ) from None
-        self.metadata: dict[str, Any] = {}
-        for name, field in self._reader.fields.items():
-            try:
-                self.metadata[name] = field.contents()
-            except Exception:  # a field the reader cannot decode: treat as absent; required ones are checked below
-                continue
+            # copy-on-write: tensors are writable views that never write back
+            self._mapping: np.ndarray = np.memmap(self.path, dtype=np.uint8, mode="c")
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{self.path.name} cannot be mapped ({exc.__class__.__name__}).") from None
+        self.metadata: dict[str, Any] = dict(self.header.metadata)
         self.architecture = str(self.metadata.get("general.architecture", ""))
         self.config = self._config()
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, list) and len(tokens) > self.config.vocab_size:
+            raise ModelLoadError(
+                f"{self.path.name} has {len(tokens):,} tokens in tokenizer.ggml.tokens but embeds only {self.config.vocab_size:,}."
+            )
+        check_tensors(
+            self.path.name, ((t.gguf_name, t.hf_name, t.shape) for t in self._tensors()), self.config, self.architecture
+        )
 
     # -- metadata ----------------------------------------------------------------------------------------------
     def _key(self, suffix: str, default: Any = None) -> Any:
@@ -120,7 +122,7 @@ class GGUFModel:
     def _config(self) -> ModelConfig:
         arch = self.architecture
         if arch not in ARCHITECTURES:
-            if not arch and not self._reader.tensors:
+            if not arch and not self.header.tensors:
                 raise ModelLoadError(
                     f"{self.path.name} holds no model (it is a vocabulary-only GGUF); choose a GGUF with weights."
                 )
@@ -128,11 +130,12 @@ class GGUFModel:
             raise ModelLoadError(
                 f"{self.path.name} is a {arch or 'unknown'!r} model; MLoT Spark runs GGUF models of the {known} families."
             )
-        if not self._reader.tensors:
+        if not self.header.tensors:
             raise ModelLoadError(
                 f"{self.path.name} holds no tensors (a vocabulary-only GGUF); choose a GGUF with weights."
             )
-        names = {t.name for t in self._reader.tensors}
+        names = {t.name for t in self.header.tensors}
+        check_metadata(self.path.name, self.metadata, arch)
         try:
             hidden = int(self._key("embedding_length"))
             heads = int(self._key("attention.head_count"))
@@ -180,9 +183,13 @@ class GGUFModel:
 
     def _rope_freq_factors(self, config: ModelConfig) -> tuple[float, ...] | None:
         """Llama 3's rope scaling, which llama.cpp's converter stores as a (D/2,) `rope_freqs` tensor."""
-        for t in self._reader.tensors:
+        for t in self.header.tensors:
             if t.name == "rope_freqs.weight":
-                values = np.asarray(t.data, dtype=np.float32).reshape(-1)
+                if t.type_name != "F32":
+                    raise ModelLoadError(
+                        f"{self.path.name} stores rope_freqs as {t.type_name}, not F32; the file is damaged."
+                    )
+                values = np.asarray(tensor_view(self._mapping, self.header, t), dtype=np.float32).reshape(-1)
                 if values.shape[0] != config.head_dim // 2 or not np.all(np.isfinite(values)) or np.any(values <= 0):
                     raise ModelLoadError(
                         f"{self.path.name} has a rope_freqs tensor that does not fit the model; the file is damaged."
@@ -194,7 +201,7 @@ class GGUFModel:
     def _tensors(self) -> Iterator[_Tensor]:
         permuted = ARCHITECTURES[self.architecture][1]
         cfg = self.config
-        for t in self._reader.tensors:
+        for t in self.header.tensors:
             if t.name in _IGNORED:
                 continue
             m = _LAYER_RE.fullmatch(t.name)
@@ -206,19 +213,19 @@ class GGUFModel:
                 raise ModelLoadError(
                     f"{self.path.name} has a tensor {t.name!r} that a {self.architecture} model does not use; the file is not a plain {self.architecture} model."
                 )
-            qtype = t.tensor_type.name
+            qtype = t.type_name
             if qtype not in FLOAT_TYPES + BLOCK_TYPES:
                 raise ModelLoadError(
                     f"{self.path.name} stores {t.name} as {qtype}, a type MLoT Spark does not read "
                     f"(it reads {', '.join(FLOAT_TYPES + BLOCK_TYPES)}); choose another quantization of the model."
                 )
-            shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
+            shape = tuple(reversed(t.dims))
             heads = 0
             if permuted and (hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias")):
                 heads = cfg.num_attention_heads
             elif permuted and (hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias")):
                 heads = cfg.num_key_value_heads
-            yield _Tensor(hf, t.name, qtype, shape, t.data, heads)
+            yield _Tensor(hf, t.name, qtype, shape, tensor_view(self._mapping, self.header, t), heads)
 
     def stored_tensors(self) -> dict[str, StoredTensor]:
         """Every 2-D weight the file keeps in a block type, by Hugging Face name, rows in HF order."""
@@ -261,11 +268,13 @@ class GGUFModel:
 
     def tokenizer_fields(self) -> list[tuple[str, Any, list[Any]]]:
         """(name, value, gguf value types) of every tokenizer.* field, for writing them into another GGUF."""
-        out = []
-        for name, field in self._reader.fields.items():
-            if name.startswith("tokenizer.") and name in self.metadata:
-                out.append((name, self.metadata[name], list(field.types)))
-        return out
+        import gguf
+
+        return [
+            (name, value, [gguf.GGUFValueType(t) for t in self.header.value_types[name]])
+            for name, value in self.metadata.items()
+            if name.startswith("tokenizer.")
+        ]
 
     def tensor_shapes(self) -> list[_Tensor]:
         """Every tensor the network uses, with its torch-order shape (nothing is read)."""
