@@ -4,7 +4,7 @@ The `gguf` reader trusts the file: an array count of 2^40 makes it loop, a tenso
 header, an unaligned offset is read shifted. This reader walks the same layout (magic, version, counts, key/value
 pairs, tensor infos) with every count, length and offset checked against the bytes that remain and against limits
 far beyond any real model, and returns the metadata and tensor table, or raises one `ModelLoadError` sentence
-naming the key or tensor at fault. It reads through one buffered file handle; a value is only materialised once its
+naming the key or tensor at fault. It reads from a read-only mapping of the file; a value is only materialised once its
 size has been checked against the file.
 
 Layout (little-endian; GGUF v2/v3): "GGUF", u32 version, u64 tensor count, u64 key/value count; each pair a string
@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -92,11 +93,11 @@ class GGUFHeader:
 
 
 class _Bounded:
-    """Reads from a file that is `size` bytes long, refusing any read past its end before making it."""
+    """Reads from a file's bytes (a read-only mapping), refusing any read past its end before making it."""
 
-    def __init__(self, f: BinaryIO, size: int, name: str) -> None:
-        self.f = f
-        self.size = size
+    def __init__(self, data: mmap.mmap | bytes, name: str) -> None:
+        self.data = data
+        self.size = len(data)
         self.pos = 0
         self.name = name
 
@@ -109,14 +110,16 @@ class _Bounded:
 
     def take(self, n: int, what: str) -> bytes:
         self.need(n, what)
-        data = self.f.read(n)
-        if len(data) != n:
-            raise ModelLoadError(f"{self.name} is truncated: {what} could not be read.")
+        data = self.data[self.pos : self.pos + n]
         self.pos += n
         return data
 
     def unpack(self, fmt: str, what: str) -> Any:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+        size = struct.calcsize(fmt)
+        self.need(size, what)
+        value = struct.unpack_from(fmt, self.data, self.pos)[0]
+        self.pos += size
+        return value
 
     def string(self, what: str, limit: int = MAX_STRING_BYTES) -> str:
         n = self.unpack("<Q", what)
@@ -169,11 +172,14 @@ def read_header(path: Path) -> GGUFHeader:
     name = Path(path).name
     try:
         with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(0)
-            return _read(_Bounded(f, size, name))
-    except OSError as exc:
-        raise ModelLoadError(f"{name} cannot be read ({exc.strerror or exc.__class__.__name__}).") from None
+            if f.seek(0, 2) == 0:
+                return _read(_Bounded(b"", name))
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                return _read(_Bounded(data, name))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"{name} cannot be read ({getattr(exc, 'strerror', None) or exc.__class__.__name__})."
+        ) from None
 
 
 def _read(r: _Bounded) -> GGUFHeader:
@@ -204,9 +210,7 @@ def _read(r: _Bounded) -> GGUFHeader:
         metadata[key] = _value(r, vtype, key)
         value_types[key] = (vtype,)
         if vtype == ARRAY:
-            r.f.seek(start)
-            value_types[key] = (vtype, struct.unpack("<I", r.f.read(4))[0])
-            r.f.seek(r.pos)
+            value_types[key] = (vtype, struct.unpack_from("<I", r.data, start)[0])
 
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if (

@@ -28,7 +28,16 @@ from starlette.types import Receive, Scope, Send
 
 from engine.generation.batch import Completion
 from engine.openai import protocol
-from engine.openai.errors import ApiError, bad_key, bad_request, server_error, too_large, unknown_model
+from engine.openai.errors import (
+    CLIENT_CLOSED,
+    ApiError,
+    bad_key,
+    bad_request,
+    client_gone,
+    server_error,
+    too_large,
+    unknown_model,
+)
 from engine.openai.service import Job, ModelService
 
 log = logging.getLogger("engine.serve")
@@ -50,9 +59,13 @@ async def read_json(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise too_large(f"The request body is larger than the {limit:,} bytes this server accepts.")
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise bad_request("The request body is not valid JSON.") from None
+    except ValueError:  # an integer literal past Python's int-string limit (4,300 digits)
+        raise bad_request("The request body holds a number too long to be read.") from None
+    protocol.check_text(parsed)
+    return parsed
 
 
 class SSEResponse(Response):
@@ -60,7 +73,7 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncGenerator[str, None], job: Job) -> None:
+    def __init__(self, chunks: AsyncGenerator[str, None], job: Job, on_disconnect: Callable[[], None]) -> None:
         self.status_code = 200
         self.background = None
         # No Content-Length: the body's length is unknown until the last event (chunked transfer).
@@ -69,12 +82,16 @@ class SSEResponse(Response):
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ]
-        self.chunks, self.job = chunks, job
+        self.chunks, self.job, self.on_disconnect = chunks, job, on_disconnect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        finished = False
+
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
+            if not finished:
+                self.on_disconnect()
             self.job.cancel_unless_done()
 
         watcher = asyncio.create_task(watch())
@@ -83,8 +100,9 @@ class SSEResponse(Response):
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finished = True
         except OSError:  # the client went away mid-send
-            pass
+            self.on_disconnect()
         finally:
             self.job.cancel_unless_done()
             watcher.cancel()
@@ -113,6 +131,8 @@ class Api:
                 response = await handler(request)
             except ApiError as err:
                 response = error_response(err)
+                if err.status == CLIENT_CLOSED:
+                    self.metrics.disconnected(endpoint)
             except Exception:  # a bug must not leak a traceback to the client; the log keeps it
                 log.exception("request to %s failed", endpoint)
                 response = error_response(server_error("The server failed on this request; see its log."))
@@ -166,15 +186,19 @@ class Api:
         job = await self.service.start(req)
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
-            return SSEResponse(self.stream(job, req, rid, chat), job)
+            endpoint = "chat" if chat else "completions"
+            return SSEResponse(self.stream(job, req, rid, chat), job, lambda: self.metrics.disconnected(endpoint))
         return await self.whole(request, job, req, rid, chat)
 
     async def whole(self, request: Request, job: Job, req: protocol.ParsedRequest, rid: str, chat: bool) -> Response:
         """A non-streaming reply; the client leaving while it waits cancels the job."""
 
+        gone = asyncio.Event()
+
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
+            gone.set()
             job.cancel_unless_done()
 
         watcher = asyncio.create_task(watch())
@@ -185,6 +209,8 @@ class Api:
                     logprobs.append((self.service.token_text(ev.token), ev.logprob))
         finally:
             watcher.cancel()
+        if gone.is_set():  # nobody will read a reply: counted as a disconnect, not as the server's failure
+            raise client_gone()
         c = self.finish(job)
         shape = protocol.chat_response if chat else protocol.completion_response
         return JSONResponse(shape(rid, req.model, c, logprobs if req.logprobs else None))
