@@ -59,6 +59,8 @@ def _worker(conn: Connection, cache: str, cap: int) -> None:
                 path = conn.recv()
             except EOFError:
                 return
+            eng = session = None
+            _forget()  # the previous file's mapping and model: each file starts from the same address space
             try:
                 try:
                     validate_gguf(path)
@@ -83,10 +85,22 @@ def _worker(conn: Connection, cache: str, cap: int) -> None:
             except MemoryError:
                 conn.send(("over memory cap", "MemoryError"))
             except Exception as exc:
+                if isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc):  # torch's allocator
+                    conn.send(("over memory cap", f"RuntimeError: {str(exc)[:120]}"))
+                    continue
                 site = traceback.extract_tb(exc.__traceback__)[-1]
                 conn.send(
                     ("traceback", f"{type(exc).__name__} at {Path(site.filename).name}:{site.lineno}: {str(exc)[:120]}")
                 )
+
+
+def _forget() -> None:
+    import gc
+
+    from engine.loading.model_files import _open_gguf
+
+    _open_gguf.cache_clear()
+    gc.collect()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,11 +140,21 @@ def main(argv: list[str] | None = None) -> int:
                 files = upcoming.result()
                 if start + batch < args.files:
                     upcoming = maker.submit(make, start + batch)
-                results += pool.run(files, args.time_limit)
+                checked = pool.run(files, args.time_limit)
+                for outcome, what, detail in checked:
+                    if outcome not in OUTCOMES[:2]:  # each defect as it happens: a long run can be read while it runs
+                        print(f"  {outcome}: {detail} ({what})", file=sys.stderr, flush=True)
+                results += checked
                 for path, _ in files:
                     path.unlink(missing_ok=True)
-                if len(results) % 100 < batch:
-                    print(f"  {len(results)} files, {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+                if len(results) // 100 > (len(results) - len(checked)) // 100:
+                    so_far = Counter(outcome for outcome, _, _ in results)
+                    print(
+                        f"  {len(results)} files, {time.monotonic() - started:.0f} s: "
+                        + ", ".join(f"{o} {so_far[o]}" for o in OUTCOMES),
+                        file=sys.stderr,
+                        flush=True,
+                    )
     finally:
         pool.close()
     changed = sorted(set(_outside(root).items()) ^ set(before.items()))

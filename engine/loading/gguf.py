@@ -25,7 +25,7 @@ from engine.errors import ModelLoadError
 from engine.loading.gguf_header import read_header, tensor_view
 from engine.loading.gguf_validate import check_metadata, check_tensors
 from engine.model.config import ModelConfig
-from engine.model.quant import StoredTensor
+from engine.model.quant import BlockType, StoredTensor, check_stored, scales_finite
 
 GGUF_MAGIC = b"GGUF"
 GGUF_SUFFIX = ".gguf"
@@ -265,6 +265,31 @@ class GGUFModel:
                 values = unpermute_rows(values, t.heads)
             tensor = torch.from_numpy(np.ascontiguousarray(values))
             yield t.hf_name, tensor if tensor.dtype == torch.float32 else tensor.float()
+
+    def check_data(self) -> None:
+        """Every tensor's values finite, as loading checks them (a block's float scales, a float tensor's values),
+        one tensor at a time: a type changed in the header makes other bytes the scales, often NaN."""
+        import gguf
+
+        for t in self._tensors():
+            if t.qtype in BlockType.__members__ and len(t.shape) == 2:
+                blocks = StoredTensor(t.qtype, (t.shape[0], t.shape[1]), t.data)
+                try:
+                    check_stored(blocks, t.gguf_name)
+                except ValueError as exc:
+                    raise ModelLoadError(f"{self.path.name}: {exc}; the file is damaged.") from None
+                finite = scales_finite(blocks)
+            elif t.qtype == "BF16":  # exponent bits all set: infinity or NaN
+                finite = not bool(((np.asarray(t.data).view(np.uint16) & 0x7F80) == 0x7F80).any())
+            elif t.qtype in FLOAT_TYPES:
+                finite = bool(np.isfinite(t.data).all())
+            else:  # a block type without a kernel: decoded, as loading decodes it
+                values = gguf.quants.dequantize(t.data, getattr(gguf.GGMLQuantizationType, t.qtype))
+                finite = bool(np.isfinite(values).all())
+            if not finite:
+                raise ModelLoadError(
+                    f"{self.path.name}: tensor {t.gguf_name} holds NaN or infinite values; the file is damaged."
+                )
 
     def tokenizer_fields(self) -> list[tuple[str, Any, list[Any]]]:
         """(name, value, gguf value types) of every tokenizer.* field, for writing them into another GGUF."""

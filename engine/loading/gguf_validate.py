@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from engine.errors import ModelLoadError
@@ -143,63 +143,57 @@ def _check_vocabulary(name: str, meta: dict[str, Any]) -> None:
             )
 
 
-# Hugging Face name (after the layer prefix) -> its torch-order shape, from the config. A tensor whose name is not
-# here is checked for layout only; an architecture that adds tensors adds their shapes here.
-_SHAPES: dict[str, Callable[[ModelConfig], tuple[int, ...]]] = {
-    "model.embed_tokens.weight": lambda c: (c.vocab_size, c.hidden_size),
-    "lm_head.weight": lambda c: (c.vocab_size, c.hidden_size),
-    "model.norm.weight": lambda c: (c.hidden_size,),
-    "input_layernorm.weight": lambda c: (c.hidden_size,),
-    "post_attention_layernorm.weight": lambda c: (c.hidden_size,),
-    "self_attn.q_proj.weight": lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size),
-    "self_attn.k_proj.weight": lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size),
-    "self_attn.v_proj.weight": lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size),
-    "self_attn.o_proj.weight": lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim),
-    "self_attn.q_proj.bias": lambda c: (c.num_attention_heads * c.head_dim,),
-    "self_attn.k_proj.bias": lambda c: (c.num_key_value_heads * c.head_dim,),
-    "self_attn.v_proj.bias": lambda c: (c.num_key_value_heads * c.head_dim,),
-    "self_attn.o_proj.bias": lambda c: (c.hidden_size,),
-    "mlp.gate_proj.weight": lambda c: (c.intermediate_size, c.hidden_size),
-    "mlp.up_proj.weight": lambda c: (c.intermediate_size, c.hidden_size),
-    "mlp.down_proj.weight": lambda c: (c.hidden_size, c.intermediate_size),
-}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _layer_of(hf_name: str) -> int:
+    m = _LAYER.fullmatch(hf_name)
+    return int(m.group(1)) if m else -1
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter the network for `config` has, by Hugging Face name, with its shape: the network built on the
+    meta device (no memory), so an architecture that adds tensors adds them here by adding them to the network."""
+    import torch
+
+    from engine.model.network import Transformer
+
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in Transformer(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
 
 
 def check_tensors(
     name: str, tensors: Iterable[tuple[str, str, tuple[int, ...]]], config: ModelConfig, arch: str
 ) -> None:
-    """(GGUF name, Hugging Face name, torch-order shape) of every tensor the network uses: each known tensor has
-    the shape the config implies, and the layers are exactly 0 .. block_count - 1, each with the same tensors."""
-    layers: dict[int, set[str]] = {}
-    first: dict[int, str] = {}
-    for gguf_name, hf_name, shape in tensors:
-        m = _LAYER.fullmatch(hf_name)
-        suffix = m.group(2) if m else hf_name
-        if m:
-            index = int(m.group(1))
-            if index >= config.num_hidden_layers:
-                raise ModelLoadError(
-                    f"{name} has a tensor {gguf_name} for layer {index}, but {arch}.block_count declares {config.num_hidden_layers} layers."
-                )
-            layers.setdefault(index, set()).add(suffix)
-            first.setdefault(index, gguf_name)
-        rule = _SHAPES.get(suffix)
-        if rule is not None and tuple(shape) != rule(config):
-            want = list(reversed(rule(config)))
-            raise ModelLoadError(
-                f"{name} has a tensor {gguf_name} of shape {list(reversed(shape))} where its metadata implies {want}."
-            )
-    expected = layers.get(0, set())
-    for index in range(config.num_hidden_layers):
-        have = layers.get(index, set())
-        if have != expected:
-            missing = sorted(expected - have) or sorted(have - expected)
-            raise ModelLoadError(
-                f"{name} declares {config.num_hidden_layers} layers in {arch}.block_count, but layer {index} "
-                f"{'lacks' if expected - have else 'adds'} {missing[0]} that layer 0 {'has' if expected - have else 'does not have'}."
-            )
+    """(GGUF name, Hugging Face name, torch-order shape) of every tensor the network uses: each is a parameter of the
+    network the config describes, with its shape, and every parameter is there; layers past `block_count` and
+    layers without their tensors are named as such."""
     if config.head_dim % 2:
         raise ModelLoadError(
             f"{name} gives {config.head_dim} channels per head, an odd number rotary embedding cannot use."
         )
+    expected = expected_shapes(config)
+    layers = config.num_hidden_layers
+    seen: set[str] = set()
+    for gguf_name, hf_name, shape in tensors:
+        m = _LAYER.fullmatch(hf_name)
+        if m and int(m.group(1)) >= layers:
+            raise ModelLoadError(
+                f"{name} has a tensor {gguf_name} for layer {m.group(1)}, but {arch}.block_count declares {layers} layers."
+            )
+        want = expected.get(hf_name)
+        if want is None:
+            raise ModelLoadError(f"{name} has a tensor {gguf_name} that its {arch} configuration does not use.")
+        if tuple(shape) != want:
+            raise ModelLoadError(
+                f"{name} has a tensor {gguf_name} of shape {list(reversed(shape))} where its metadata implies {list(reversed(want))}."
+            )
+        seen.add(hf_name)
+    missing = sorted(set(expected) - seen, key=lambda n: (_layer_of(n), n))
+    if missing:
+        index = _layer_of(missing[0])
+        where = f" (layer {index} of the {layers} that {arch}.block_count declares)" if index >= 0 else ""
+        raise ModelLoadError(f"{name} lacks the tensor for {missing[0]}{where}; the file is incomplete.")

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from engine.generation.loop import GenerationEvent, GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.openai.client import RemoteClient, RemoteError, RemoteServer, ReplyLimits
+from tests.helpers.fuzz import fuzz_examples
 from tests.helpers.http_clients import closed_after_test
 
 GREEDY = GenerationSettings(max_tokens=12, sampling=SamplingSettings(greedy=True))
@@ -159,7 +160,7 @@ PIECES = st.sampled_from(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=fuzz_examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     pieces=st.lists(PIECES, max_size=12),
     raw=st.binary(max_size=64),
