@@ -1,6 +1,6 @@
 """`make fuzz`: mutated GGUF files through `validate_gguf` and, when it accepts one, a real load and a reply.
 
-    python -m tests.fuzz_models [--files 2000] [--seed 0] [--workers 2] [--time-limit 60] [--memory-cap-mb 3072]
+    python -m tests.fuzz_models [--files 2000] [--seed 0] [--workers 2] [--time-limit 120] [--memory-cap-mb 3072]
 
 Each file is a structure-aware mutation of the default model's GGUF (tests/engine/loading/gguf_fuzzing.py), its
 tensor data kept. Worker processes run `engine.loading.validate.validate_gguf`; a file it accepts is loaded on the
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=2_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per file")
+    parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per file")
     parser.add_argument("--memory-cap-mb", type=int, default=3072, help="address space a worker may add per file")
     args = parser.parse_args(argv)
 
