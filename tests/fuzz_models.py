@@ -38,7 +38,7 @@ OUTCOMES = ("clean refusal", "loaded", "missed", "traceback", "hang", "over memo
 
 def _one_sentence(exc: BaseException) -> bool:
     text = str(exc)
-    return bool(text) and "\n" not in text and text.rstrip().endswith((".", "?", "!"))
+    return bool(text) and "\n" not in text and len(text) <= 600 and text.rstrip().endswith((".", "?", "!"))
 
 
 def _worker(conn: Connection, cache: str, cap: int) -> None:

@@ -286,5 +286,6 @@ def _render_bounded(compiled: jinja2.Template, limits: RenderLimits, **context: 
 
 
 def _clause(message: str | None) -> str:
-    """An error message as a clause inside our one sentence: one line, no trailing period."""
-    return " ".join((message or "unknown error").split()).rstrip(".")
+    """An error message as a clause inside our one sentence: one line, bounded, no trailing period."""
+    flat = " ".join((message or "unknown error").split())
+    return (flat[:200] + "…" if len(flat) > 200 else flat).rstrip(".")

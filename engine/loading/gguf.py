@@ -128,7 +128,7 @@ class GGUFModel:
                 )
             known = ", ".join(ARCHITECTURES)
             raise ModelLoadError(
-                f"{self.path.name} is a {arch or 'unknown'!r} model; MLoT Spark runs GGUF models of the {known} families."
+                f"{self.path.name} is a {arch[:40] or 'unknown'!r} model; MLoT Spark runs GGUF models of the {known} families."
             )
         if not self.header.tensors:
             raise ModelLoadError(

@@ -33,7 +33,7 @@ DEFAULT_ALIGNMENT = 32
 # Limits far beyond any real model (the largest vocabularies are ~260k tokens, merges ~300k, tensors ~3k).
 MAX_TENSORS = 1 << 16
 MAX_KEYS = 1 << 16
-MAX_KEY_BYTES = 1 << 16  # the spec's own limit for a key
+MAX_KEY_BYTES = 256  # real keys are under 64 bytes (the spec allows 65,535); a key is named in our sentences
 MAX_NAME_BYTES = 256  # llama.cpp's own is 64
 MAX_STRING_BYTES = 1 << 26
 MAX_ARRAY_ITEMS = 1 << 22

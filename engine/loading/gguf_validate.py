@@ -21,6 +21,7 @@ from engine.model.config import SIZE_LIMITS, ModelConfig
 MAX_VOCAB = 1 << 20  # the largest real vocabularies hold ~260k tokens
 MAX_MERGES_PER_TOKEN = 4  # Llama 3 has ~2.2 merges per token
 MAX_TOKEN_CHARS = 256
+MAX_NAME_CHARS = 64  # a tokenizer kind or pre-tokenizer name ("gpt2", "llama-bpe")
 MAX_VOCAB_CHARS = 1 << 23
 TOKEN_TYPES = range(0, 8)  # llama.cpp's: undefined, normal, unknown, control, user-defined, unused, byte
 
@@ -123,7 +124,7 @@ def _check_vocabulary(name: str, meta: dict[str, Any]) -> None:
                 f"{name} gives {key} = {str(value)[:40]}, which is not a token id of its {n:,}-token vocabulary."
             )
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
-        if key in meta and not isinstance(meta[key], str):
+        if key in meta and (not isinstance(meta[key], str) or len(meta[key]) > MAX_NAME_CHARS):
             raise ModelLoadError(f"{name} gives {key} = {str(meta[key])[:40]}, which is not a name.")
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:

@@ -164,7 +164,7 @@ def test_fuzz_gguf_mutations(seed: Seed, tmp_path: Path, rng: random.Random) -> 
     try:
         validate_gguf(path)
     except SparkError as exc:
-        assert "\n" not in str(exc) and str(exc).endswith("."), str(exc)
+        assert "\n" not in str(exc) and str(exc).endswith(".") and len(str(exc)) <= 600, str(exc)[:1000]
         return
     model = GGUFModel(path)  # what validation accepted loads: every tensor decodes to its declared shape
     for name, tensor in model.dequantized_state():
