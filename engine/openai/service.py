@@ -102,6 +102,11 @@ class Job:
 SLOT_TABLE_SHARE = 0.5  # of what is allocatable: the rest is for activations, the cascade's tiers, the tokenizer
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed: Python's MemoryError, or torch's allocator's RuntimeError ("can't allocate")."""
+    return isinstance(exc, MemoryError) or "can't allocate memory" in str(exc) or "out of memory" in str(exc)
+
+
 def fit_rows(wanted: int, bytes_per_row: int, allocatable: int) -> int:
     """How many rows of the slot table to allocate: `wanted`, or fewer when they do not fit in the share of
     `allocatable` memory a slot table may take; InsufficientMemory (one sentence) when not even one fits."""
@@ -129,7 +134,15 @@ class ModelService:
         self.config = config
         self.tokenizer = tokenizer
         self.memories: list[Memory] = []
-        probe = memory_factory(backend, 0)  # a cascade sizes the slot table itself (batch 1); read its size off it
+        try:
+            probe = memory_factory(backend, 0)  # a cascade sizes the slot table itself (batch 1); read its size off it
+        except (MemoryError, RuntimeError) as exc:
+            if not out_of_memory(exc):
+                raise
+            raise InsufficientMemory(
+                "The server cannot allocate the slot table for one request in the memory this process may take "
+                "(its memory limit included); free memory or raise the limit."
+            ) from None
         num_slots = getattr(getattr(probe, "cfg", None), "num_slots", DEFAULT_SLOTS)
         self._lock = threading.Lock()
 
@@ -143,8 +156,8 @@ class ModelService:
         sched_cfg = SchedulerConfig(max_batch=self.rows, num_slots=num_slots, max_queue=config.max_queue)
         try:
             self.scheduler = Scheduler(backend, tokenizer, sched_cfg, factory)
-        except (MemoryError, RuntimeError) as exc:  # torch's allocator raises RuntimeError when it cannot allocate
-            if not isinstance(exc, MemoryError) and "allocate" not in str(exc):
+        except (MemoryError, RuntimeError) as exc:
+            if not out_of_memory(exc):
                 raise
             raise InsufficientMemory(
                 f"The server cannot allocate its slot table for {self.rows} request(s) of {num_slots:,} slots; "

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.errors import InsufficientMemory
-from engine.openai.service import fit_rows
+from engine.openai.service import fit_rows, out_of_memory
 from tests.engine.openai.conftest import KEY, Served
 from tests.helpers.fuzz import fuzz_examples
 
@@ -89,6 +89,23 @@ def test_a_disconnect_is_counted_as_one_not_as_a_500(served: Served) -> None:
         time.sleep(0.05)
     assert metric(served, "spark_client_disconnects_total") == before_gone + 1
     assert metric(served, 'spark_requests_total{endpoint="completions",status="500"}') == before_500
+
+
+def test_a_stream_left_mid_reply_is_counted_as_a_disconnect(served: Served) -> None:
+    before = metric(served, 'spark_client_disconnects_total{endpoint="completions"}')
+    body = {"model": "tiny", "prompt": "The quick", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", served.url + "/completions", json=body, headers=AUTH, timeout=120) as r:
+        next(line for line in r.iter_lines() if line.startswith("data:"))
+    deadline = time.monotonic() + 60  # a bound on waiting, not a speed requirement
+    while metric(served, 'spark_client_disconnects_total{endpoint="completions"}') == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_an_allocation_failure_is_told_from_other_errors() -> None:
+    assert out_of_memory(MemoryError())
+    assert out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
+    assert not out_of_memory(RuntimeError("shape mismatch"))
 
 
 def test_the_slot_table_takes_the_rows_that_fit_or_says_why_not() -> None:
