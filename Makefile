@@ -60,9 +60,14 @@ app: dev
 	$(if $(filter Darwin,$(shell uname -s)),$(PY) packaging/build_coreml.py,)
 	$(PY) -m PyInstaller --noconfirm --clean --distpath dist --workpath build packaging/spark.spec
 
-# >= 10,000 mutated .spark files through verify and restore, each under a memory cap and a time limit.
+# >= 10,000 mutated .spark files through verify and restore, 2,000 mutated GGUFs through validate and load, each
+# under a memory cap and a time limit; then the hypothesis fuzz targets of every door at length.
 fuzz: dev
 	$(PY) -m tests.fuzz_sessions --files 10000
+	$(PY) -m tests.fuzz_models --files 2000
+	SPARK_FUZZ_EXAMPLES=2000 QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -p no:cacheprovider -k fuzz \
+		tests/engine/loading/test_gguf_hostile.py tests/engine/openai/test_remote_hostile.py \
+		tests/engine/openai/test_server_hostile.py
 
 bench: dev
 	$(PY) -m engine bench decode --json

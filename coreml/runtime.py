@@ -33,6 +33,7 @@ from coreml.bundle import HEAD, Bundle
 from coreml.convert import ANE_MAX_SLOTS, Progress, cached_bundle
 from coreml.errors import CoreMLError, PackageError
 from coreml.host import PackageBackend
+from coreml.watchdog import Watchdog
 from engine.backends.base import BackendProbe
 from engine.errors import BackendUnavailable
 from engine.fileio import atomic_dir
@@ -156,6 +157,7 @@ class CoreMLBackend(PackageBackend):
         cache_dir: str | Path | None = None,
         progress: Progress | None = None,
         loader: Loader = core_ml_loader,
+        watchdog: Watchdog | None = None,
     ) -> None:
         from engine.loading.weights import model_fingerprint, stored_weight_bytes
 
@@ -168,6 +170,8 @@ class CoreMLBackend(PackageBackend):
         self.cache_dir = cache_dir
         self.progress = progress
         self.loader = loader
+        self.watchdog = watchdog or Watchdog()  # loads and predictions that never return are abandoned
+        self._plan: dict[str, dict[str, float]] | None = None
         # Identity without loading the weights: the bundle is what runs.
         self.config = read_config(self.model_dir)
         self.fingerprint = model_fingerprint(self.model_dir)
@@ -211,15 +215,18 @@ class CoreMLBackend(PackageBackend):
         if bundle.provenance.get("fingerprint") != self.fingerprint:
             raise PackageError(f"The Core ML bundle {path.name} was converted from other weights; delete it and retry.")
         self._setup_host(bundle)
+        load = self.loader
         self.programs = {
-            (p, f): self.loader(bundle, p, f, self.units) for p in bundle.program_names for f in self.functions
+            (p, f): self.watchdog.load(lambda p=p, f=f: load(bundle, p, f, self.units))  # type: ignore[misc]
+            for p in bundle.program_names
+            for f in self.functions
         }
         self.path = path
         self.weight_bytes = bundle.total_bytes()
 
     def _new_row(self) -> dict[str, State]:
         # All functions of a chunk declare the same states; a state made by one is used by all (see module doc).
-        return {c: self.programs[(c, "decode")].make_state() for c in self.chunks}
+        return {c: self.watchdog.predict(self.programs[(c, "decode")].make_state) for c in self.chunks}
 
     def allocate(self, batch: int, num_slots: int) -> None:
         with self.lock:
@@ -233,6 +240,7 @@ class CoreMLBackend(PackageBackend):
         with self.lock:
             twin = copy.copy(self)  # shares the loaded programs (weights)
             twin.lock = threading.Lock()
+            twin.watchdog = self.watchdog.fork()
             twin.states = [self._new_row() for _ in range(self.batch)]
             return twin
 
@@ -242,21 +250,36 @@ class CoreMLBackend(PackageBackend):
 
     def _predict(self, row: int, program: str, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self._require_states()
+        fn = self.programs[(program, function)]
         with self.lock:
             if program == HEAD:
-                return self.programs[(program, function)].predict(inputs)
-            return self.programs[(program, function)].predict(inputs, state=self.states[row][program])
+                return self.watchdog.predict(lambda: fn.predict(inputs))
+            state = self.states[row][program]
+            return self.watchdog.predict(lambda: fn.predict(inputs, state=state))
 
     def _read_state(self, row: int, program: str, name: str) -> np.ndarray:
         self._require_states()
+        state = self.states[row][program]
         with self.lock:
-            return np.asarray(self.states[row][program].read_state(name)).astype(np.float16)
+            return np.asarray(self.watchdog.predict(lambda: state.read_state(name))).astype(np.float16)
 
     def _write_state(self, row: int, program: str, name: str, value: np.ndarray) -> None:
         self._require_states()
         wide = np.ascontiguousarray(value, dtype=np.float32)  # the bridge takes float32, not float16; exact
+        state = self.states[row][program]
         with self.lock:
-            self.states[row][program].write_state(name, wide)
+            self.watchdog.predict(lambda: state.write_state(name, wide))
+
+    def compute_devices(self) -> dict[str, dict[str, float]] | None:
+        """program:function -> {compute device: share of the estimated cost}, from the compute plan Core ML made
+        for the loaded bundle (which units really run it: `ALL` has been seen to leave the Neural Engine idle);
+        None where the OS gives no compute plan (before macOS 14.4) or nothing is loaded yet. Read once."""
+        if self._plan is None and self.path is not None:
+            try:
+                self._plan = compute_plan_share(self.path, self.units)
+            except (ImportError, AttributeError, OSError, PackageError):
+                return None
+        return self._plan
 
 
 def compute_plan_share(bundle_path: str | Path, units: str = "CPU_AND_NE") -> dict[str, dict[str, float]]:

@@ -42,6 +42,7 @@ from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
 from engine.generation.speculative import Speculation
 from engine.loading.model_files import DEFAULT_MODEL_NAME, default_model_path, display_name
 from engine.loading.sampling_defaults import ModelSampling
+from engine.loading.validate import validate_gguf
 from engine.memory.cascade import CascadeStats, TierStats
 from engine.openai.client import RemoteClient, RemoteError, RemoteServer, RemoteSession
 from engine.session.engine import ChatMessage, Engine, LoadReport, Session, load, memory_factory_for
@@ -95,4 +96,5 @@ __all__ = [
     "load",
     "load_session",
     "memory_factory_for",
+    "validate_gguf",
 ]

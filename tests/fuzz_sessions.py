@@ -26,6 +26,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -104,14 +105,15 @@ def _worker(conn: Connection, model: str, store_root: str, cap: int) -> None:
 class _Pool:
     """Worker processes, each answering one file at a time; a hung or dead worker is replaced."""
 
-    def __init__(self, n: int, args: tuple) -> None:
+    def __init__(self, n: int, args: tuple, target: Callable[..., None] | None = None) -> None:
         self.ctx = mp.get_context("spawn")
         self.args = args
+        self.target = target or _worker
         self.workers = [self._start() for _ in range(n)]
 
     def _start(self) -> tuple[mp.process.BaseProcess, Connection]:
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_worker, args=(child, *self.args), daemon=True)
+        proc = self.ctx.Process(target=self.target, args=(child, *self.args), daemon=True)
         proc.start()
         child.close()
         return proc, parent

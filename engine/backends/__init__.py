@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.backends.base import Backend, BackendProbe
+from engine.backends.memo import BackendMemo
 from engine.errors import BackendUnavailable
+from engine.paths import default_cache_dir
 
 AUTO_ORDER: tuple[str, ...] = ("coreml", "mps", "cuda", "cpu")
 
@@ -48,14 +50,21 @@ def _probe_torch(name: str) -> Callable[[], BackendProbe]:
     return probe
 
 
-def _open_coreml(model_dir: Path, quantize: str) -> Backend:
+def _open_coreml(model_dir: Path, quantize: str, on_hang: Callable[[str], None]) -> Backend:
     from coreml.runtime import CoreMLBackend
+    from coreml.watchdog import Health, Watchdog
 
-    return CoreMLBackend(model_dir, quantize=None if quantize == "none" else quantize)
+    backend = CoreMLBackend(
+        model_dir, quantize=None if quantize == "none" else quantize, watchdog=Watchdog(Health(on_hang=on_hang))
+    )
+    # Loaded now, under the watchdog, so a load that never returns falls back here rather than hanging the first
+    # reply; the cascade asks for this slot count (the one `make app` converts for).
+    backend.allocate(1, backend.max_slots)
+    return backend
 
 
-def _open_torch(name: str) -> Callable[[Path, str], Backend]:
-    def open_(model_dir: Path, quantize: str) -> Backend:
+def _open_torch(name: str) -> Callable[[Path, str, Callable[[str], None]], Backend]:
+    def open_(model_dir: Path, quantize: str, on_hang: Callable[[str], None]) -> Backend:
         from engine.backends.torch_backend import TorchBackend
 
         return TorchBackend(model_dir, device=name, quantize=quantize)
@@ -66,7 +75,8 @@ def _open_torch(name: str) -> Callable[[Path, str], Backend]:
 @dataclass(frozen=True)
 class BackendEntry:
     probe: Callable[[], BackendProbe]
-    open: Callable[[Path, str], Backend]  # (model folder, weight quantization) -> loaded backend
+    # (model folder, weight quantization, what to call when the runtime hangs) -> loaded backend
+    open: Callable[[Path, str, Callable[[str], None]], Backend]
 
 
 REGISTRY: dict[str, BackendEntry] = {
@@ -94,28 +104,45 @@ class BackendChoice:
         return f"{self.backend.name}{weights}" + (f" (skipped {why})" if why else "")
 
 
-def open_backend(model_dir: str | Path, name: str = "auto", quantize: str = "none") -> BackendChoice:
+def open_backend(
+    model_dir: str | Path,
+    name: str = "auto",
+    quantize: str = "none",
+    memo: BackendMemo | None = None,
+    registry: Mapping[str, BackendEntry] = REGISTRY,
+) -> BackendChoice:
     """Open `name`, or with `auto` the first backend in AUTO_ORDER that probes available and loads.
 
     `quantize` (QUANTIZE_CHOICES; "int8" runs on Core ML and the CPU) picks the weight storage; a backend that
-    cannot run it says so, and the `auto` backend passes over it with that reason."""
+    cannot run it says so, and the `auto` backend passes over it with that reason. A runtime that hangs (Core ML's
+    watchdog, coreml.watchdog) is remembered in `memo` (by default in the app's cache dir) for this model, and
+    `auto` passes over it at the next load with the remembered reason."""
     model_dir = Path(model_dir).expanduser()
+    memo = memo if memo is not None else BackendMemo(default_cache_dir())
+
+    def on_hang(backend: str) -> Callable[[str], None]:
+        return lambda reason: memo.avoid(model_dir, backend, reason)
+
     if name != "auto":
-        if name not in REGISTRY:
-            raise BackendUnavailable(f"Unknown backend {name!r}; choose one of auto, {', '.join(REGISTRY)}.")
-        probe = REGISTRY[name].probe()
+        if name not in registry:
+            raise BackendUnavailable(f"Unknown backend {name!r}; choose one of auto, {', '.join(registry)}.")
+        probe = registry[name].probe()
         if not probe.available:
             raise BackendUnavailable(probe.reason)
-        return BackendChoice(REGISTRY[name].open(model_dir, resolve_quantize(name, quantize)), ())
+        return BackendChoice(registry[name].open(model_dir, resolve_quantize(name, quantize), on_hang(name)), ())
     skipped: list[BackendProbe] = []
+    avoided = memo.avoided(model_dir)
     for candidate in AUTO_ORDER:
-        probe = REGISTRY[candidate].probe()
+        probe = registry[candidate].probe()
+        if probe.available and candidate in avoided:
+            probe = BackendProbe(candidate, False, f"earlier on this model: {avoided[candidate]}")
         if not probe.available:
             skipped.append(probe)
             continue
         try:
             return BackendChoice(
-                REGISTRY[candidate].open(model_dir, resolve_quantize(candidate, quantize)), tuple(skipped)
+                registry[candidate].open(model_dir, resolve_quantize(candidate, quantize), on_hang(candidate)),
+                tuple(skipped),
             )
         except BackendUnavailable as exc:  # e.g. a Core ML conversion that failed: fall through, keep the reason
             skipped.append(BackendProbe(candidate, False, str(exc)))

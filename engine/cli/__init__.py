@@ -61,6 +61,9 @@ def _one_line_warning(message: Warning | str, category: type[Warning], *_: objec
     return f"warning: {message}\n"
 
 
+OUT_OF_MEMORY = "error: MLoT Spark ran out of memory (the memory limit of this process included); free memory, raise the limit or choose a smaller model."
+
+
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """Run a subcommand the way every MLoT Spark CLI does: a SparkError is one line on stderr and exit 2, Ctrl-C is
     exit 130, never a traceback for either; a warning (e.g. the cache turning itself off) is one line too."""
@@ -69,6 +72,14 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         return int(func(args) or 0)
     except SparkError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError:  # numpy's too; torch's allocator raises RuntimeError("... can't allocate memory ...")
+        print(OUT_OF_MEMORY, file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        if "can't allocate memory" not in str(exc):
+            raise
+        print(OUT_OF_MEMORY, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

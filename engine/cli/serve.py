@@ -71,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
             "warning: listening beyond this machine without --api-key; anyone who can reach it may use it.",
             file=sys.stderr,
         )
+    if server.service.rows < config.max_batch:
+        print(
+            f"note: {server.service.rows} request(s) generate at once, not {config.max_batch}: that is what this process's memory holds.",
+            file=sys.stderr,
+        )
     print(f"serving {config.model_id} at {server.url} (backend: {engine.choice.explain()})", file=sys.stderr)
     server.serve_forever()
     return 0

@@ -34,6 +34,20 @@ class InvalidSamplingSettings(SparkError, ValueError):
     """A sampling setting is out of range (e.g. a negative temperature)."""
 
 
+MIN_TEMPERATURE = 1e-6  # fp32 logits (~1e4 at most) stay finite when divided by it; below, use 0 (greedy)
+MAX_TEMPERATURE = 100.0  # already uniform noise
+MIN_PENALTY, MAX_PENALTY = 1e-3, 1e3
+MAX_TOP_K = 1 << 24
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_whole(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class SamplingSettings:
     temperature: float = 0.7
@@ -64,23 +78,35 @@ class SamplingSettings:
         return self.greedy or self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise InvalidSamplingSettings (one sentence) for a value that cannot be used."""
+        """Raise InvalidSamplingSettings (one sentence) for a value that cannot be used: the one check the CLI, the
+        app, the server and session files share. Bounds are where the arithmetic stays finite in fp32: logits
+        divided by a temperature of 5e-324 (a denormal) are infinite, and their softmax NaN."""
+        num, whole = _is_number, _is_whole
         checks = (
             (
-                math.isfinite(self.temperature) and self.temperature >= 0.0,
-                f"temperature must be 0 or more, not {self.temperature}",
-            ),
-            (self.top_k >= 0, f"top-k must be 0 (off) or a positive number of tokens, not {self.top_k}"),
-            (0.0 < self.top_p <= 1.0, f"top-p must be in (0, 1], not {self.top_p}"),
-            (0.0 <= self.min_p <= 1.0, f"min-p must be in [0, 1], not {self.min_p}"),
-            (
-                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
-                f"repetition penalty must be a positive number, not {self.repetition_penalty}",
+                num(self.temperature)
+                and (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE),
+                f"temperature must be 0 (greedy) or from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}, not {self.temperature}",
             ),
             (
-                self.repetition_window >= 0,
+                whole(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
+                f"top-k must be 0 (off) or a positive number of tokens, not {self.top_k}",
+            ),
+            (num(self.top_p) and 0.0 < self.top_p <= 1.0, f"top-p must be in (0, 1], not {self.top_p}"),
+            (num(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min-p must be in [0, 1], not {self.min_p}"),
+            (
+                num(self.repetition_penalty) and MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY,
+                f"repetition penalty must be from {MIN_PENALTY:g} to {MAX_PENALTY:g}, not {self.repetition_penalty}",
+            ),
+            (
+                whole(self.repetition_window) and 0 <= self.repetition_window <= MAX_TOP_K,
                 f"repetition window must be 0 (whole history) or more, not {self.repetition_window}",
             ),
+            (
+                self.seed is None or (whole(self.seed) and -(2**63) <= self.seed < 2**64),
+                f"seed must be a whole number that fits in 64 bits, not {str(self.seed)[:40]}",
+            ),
+            (isinstance(self.greedy, bool), f"greedy must be true or false, not {str(self.greedy)[:40]}"),
         )
         for ok, message in checks:
             if not ok:

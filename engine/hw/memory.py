@@ -228,3 +228,18 @@ def format_bytes(n: int) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+def allocatable_bytes(virtual_memory: Callable[[], Any] = psutil.virtual_memory) -> int:
+    """What this process may still allocate: the system's available memory or, under an address-space limit
+    (`ulimit -v`, RLIMIT_AS), what the limit leaves above the address space already mapped, whichever is less."""
+    free = int(virtual_memory().available)
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            free = min(free, max(0, soft - int(psutil.Process().memory_info().vms)))
+    except (ImportError, OSError, ValueError):  # no rlimits (Windows) or no process figures: available memory only
+        pass
+    return free

@@ -28,6 +28,7 @@ from engine.library.catalog import Catalog
 from engine.library.hub import HubClient, HubFile, LibraryError, Problem, RepoFiles, Stalled
 from engine.library.store import LocalModel, ModelSource, ModelStore
 from engine.loading.gguf import ARCHITECTURES, GGUFModel
+from engine.loading.validate import validate_gguf as check_gguf
 
 CHUNK_BYTES = 1 << 20
 DISK_MARGIN_BYTES = 256 << 20  # left free after the download, so the disk is not filled to the last byte
@@ -104,11 +105,11 @@ def disk_free(path: Path) -> int:
 
 
 def validate_gguf(path: Path) -> str:
-    """Read the file's GGUF header and tensor table with the loader's reader; return its architecture family.
-    Raises ModelLoadError (one sentence) for a file the engine cannot load."""
-    model = GGUFModel(path)
-    model.tensor_shapes()
-    return model.architecture
+    """Every check loading makes (engine.loading.validate: header, metadata, tensors against the network, finite
+    scales, tokenizer and chat template), then the file's architecture family. Raises one sentence (ModelLoadError,
+    TokenizerError) for a file the engine cannot load."""
+    check_gguf(path)
+    return GGUFModel(path).architecture
 
 
 def choose_file(files: RepoFiles, wanted: str | None, catalog: Catalog | None) -> HubFile:

@@ -30,9 +30,11 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.errors import TokenizerError
+from engine.errors import InputTooLarge, TokenizerError
 from engine.loading.template_limits import (
+    MAX_INPUT_CHARS,
     MAX_RENDER_CHARS,
+    MAX_TEMPLATE_CHARS,
     Deadline,
     RenderLimits,
     TemplateLimitExceeded,
@@ -95,7 +97,41 @@ def _tojson(
     x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
 ) -> str:
     # Jinja's own `tojson` HTML-escapes `<`, `>`, `&` and `'`, which would change the prompt; transformers' does not.
+    _check_json_size(x, MAX_RENDER_CHARS)
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _check_json_size(x: Any, limit: int) -> None:
+    """Refuse a value whose JSON would pass `limit` characters before encoding it: a list holding the same list
+    twice, sixty levels deep, is a few bytes in memory and 2^60 items as text. Shared values are sized once."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(v: Any, depth: int) -> int:
+        if isinstance(v, str):
+            return len(v) + 2
+        if not isinstance(v, (list, tuple, dict)):
+            return len(str(v)) if isinstance(v, (int, float)) else 4
+        key = id(v)
+        if key in sizes:
+            return sizes[key]
+        if key in active or depth > 200:
+            raise TemplateLimitExceeded("it asked tojson for a value nested without end")
+        active.add(key)
+        total = 2
+        for item in v.items() if isinstance(v, dict) else v:
+            total += (
+                (size(item[0], depth + 1) + size(item[1], depth + 1) + 4)
+                if isinstance(v, dict)
+                else size(item, depth + 1) + 2
+            )
+            if total > limit:
+                raise TemplateLimitExceeded(f"it asked tojson for a text of over {limit:,} characters")
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    size(x, 0)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -154,13 +190,19 @@ def _environment() -> ImmutableSandboxedEnvironment:
 @lru_cache(maxsize=16)
 def compile_template(template: str) -> jinja2.Template:
     """Parse a chat template once; a session renders the same template for every turn."""
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise TokenizerError(
+            f"The model's chat template is {len(template):,} characters long, over the {MAX_TEMPLATE_CHARS:,} a chat template may have."
+        )
     try:
         return _environment().from_string(template)
     except jinja2.TemplateSyntaxError as exc:
         raise TokenizerError(
             f"The model's chat template is not valid Jinja (line {exc.lineno}: {_clause(exc.message)}); "
-            "fix chat_template in tokenizer_config.json."
+            "fix the model's chat template."
         ) from None
+    except (RecursionError, MemoryError, SyntaxError):  # nesting deeper than Jinja's parser or Python's compiler
+        raise TokenizerError("The model's chat template nests its blocks too deeply to be compiled.") from None
 
 
 def render_chat(
@@ -183,6 +225,11 @@ def render_chat(
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    size = sum(len(m["content"]) for m in chat if isinstance(m.get("content"), str))
+    if size > MAX_INPUT_CHARS:
+        raise InputTooLarge(
+            f"The conversation holds {size:,} characters, more than the {MAX_INPUT_CHARS:,} a prompt may have; shorten it."
+        )
     final = ""
     if continue_final_message:
         if not chat or not isinstance(chat[-1].get("content"), str):
@@ -203,7 +250,7 @@ def render_chat(
         )
     except TemplateLimitExceeded as exc:
         raise TokenizerError(
-            f"The model's chat template was stopped because {exc}; fix chat_template in tokenizer_config.json."
+            f"The model's chat template was stopped because {exc}; the template, not the conversation, is at fault."
         ) from None
     except jinja2.TemplateError as exc:  # includes the template's own raise_exception(...) and sandbox refusals
         raise TokenizerError(
@@ -239,5 +286,6 @@ def _render_bounded(compiled: jinja2.Template, limits: RenderLimits, **context: 
 
 
 def _clause(message: str | None) -> str:
-    """An error message as a clause inside our one sentence: one line, no trailing period."""
-    return " ".join((message or "unknown error").split()).rstrip(".")
+    """An error message as a clause inside our one sentence: one line, bounded, no trailing period."""
+    flat = " ".join((message or "unknown error").split())
+    return (flat[:200] + "…" if len(flat) > 200 else flat).rstrip(".")

@@ -22,8 +22,10 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
+from engine.loading.gguf_header import TensorInfo, read_header, tensor_view
+from engine.loading.gguf_validate import check_metadata, check_tensors
 from engine.model.config import ModelConfig
-from engine.model.quant import StoredTensor
+from engine.model.quant import BlockType, StoredTensor, check_stored, scales_finite
 
 GGUF_MAGIC = b"GGUF"
 GGUF_SUFFIX = ".gguf"
@@ -127,30 +129,24 @@ class GGUFModel:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        if not is_gguf_file(self.path):
-            raise ModelLoadError(f"{self.path.name} is not a GGUF file (it does not start with GGUF's signature).")
-        import gguf  # the GGUF reader is only needed for GGUF models
-
+        # Every count, length and offset checked against the file before anything is allocated for them.
+        self.header = read_header(self.path)
         try:
-            self._reader = gguf.GGUFReader(str(self.path), "c")  # copy-on-write: tensors are writable views
-        except Exception as exc:  # the reader raises ValueError, struct/IndexError... for a damaged file
-            raise ModelLoadError(
-                f"{self.path.name} is truncated or corrupt ({exc.__class__.__name__}: {str(exc)[:120]}); download it again."
-            ) from None
-        self.metadata: dict[str, Any] = {}
-        self._field_types: dict[str, list[Any]] = {}  # tokenizer.* fields' gguf value types (tokenizer_fields)
-        for name, field in self._reader.fields.items():
-            try:
-                self.metadata[name] = field.contents()
-            except Exception:  # a field the reader cannot decode: treat as absent; required ones are checked below
-                continue
-            if name.startswith("tokenizer."):
-                self._field_types[name] = list(field.types)
-        # The reader keeps a numpy view per part of every field (~250k for a 49k-token vocabulary, ~90 MB held
-        # for as long as the model is open): decoded above, they are no longer needed.
-        self._reader.fields.clear()
+            # copy-on-write: tensors are writable views that never write back
+            self._mapping: np.ndarray = np.memmap(self.path, dtype=np.uint8, mode="c")
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{self.path.name} cannot be mapped ({exc.__class__.__name__}).") from None
+        self.metadata: dict[str, Any] = dict(self.header.metadata)
         self.architecture = str(self.metadata.get("general.architecture", ""))
         self.config = self._config()
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, list) and len(tokens) > self.config.vocab_size:
+            raise ModelLoadError(
+                f"{self.path.name} has {len(tokens):,} tokens in tokenizer.ggml.tokens but embeds only {self.config.vocab_size:,}."
+            )
+        check_tensors(
+            self.path.name, ((t.gguf_name, t.hf_name, t.shape) for t in self._tensors()), self.config, self.architecture
+        )
 
     # -- metadata ----------------------------------------------------------------------------------------------
     def _key(self, suffix: str, default: Any = None) -> Any:
@@ -159,19 +155,20 @@ class GGUFModel:
     def _config(self) -> ModelConfig:
         arch = self.architecture
         if arch not in ARCHITECTURES:
-            if not arch and not self._reader.tensors:
+            if not arch and not self.header.tensors:
                 raise ModelLoadError(
                     f"{self.path.name} holds no model (it is a vocabulary-only GGUF); choose a GGUF with weights."
                 )
             known = ", ".join(ARCHITECTURES)
             raise ModelLoadError(
-                f"{self.path.name} is a {arch or 'unknown'!r} model; MLoT Spark runs GGUF models of the {known} families."
+                f"{self.path.name} is a {arch[:40] or 'unknown'!r} model; MLoT Spark runs GGUF models of the {known} families."
             )
-        if not self._reader.tensors:
+        if not self.header.tensors:
             raise ModelLoadError(
                 f"{self.path.name} holds no tensors (a vocabulary-only GGUF); choose a GGUF with weights."
             )
-        names = {t.name for t in self._reader.tensors}
+        names = {t.name for t in self.header.tensors}
+        check_metadata(self.path.name, self.metadata, arch)
         try:
             hidden = int(self._key("embedding_length"))
             heads = int(self._key("attention.head_count"))
@@ -227,7 +224,7 @@ class GGUFModel:
         elif self.architecture == "qwen3" and window is not None:
             keys["use_sliding_window"] = False  # as transformers' Qwen3 by default: the window is not used
         if self.architecture == "phi3" and any(
-            t.name in ("rope_factors_long.weight", "rope_factors_short.weight") for t in self._reader.tensors
+            t.name in ("rope_factors_long.weight", "rope_factors_short.weight") for t in self.header.tensors
         ):
             keys["rope_parameters"] = {"rope_type": "longrope"}  # refused in one sentence by ModelConfig
         return keys
@@ -242,9 +239,13 @@ class GGUFModel:
 
     def _rope_freq_factors(self, config: ModelConfig) -> tuple[float, ...] | None:
         """Llama 3's rope scaling, which llama.cpp's converter stores as a (D/2,) `rope_freqs` tensor."""
-        for t in self._reader.tensors:
+        for t in self.header.tensors:
             if t.name == "rope_freqs.weight":
-                values = np.asarray(t.data, dtype=np.float32).reshape(-1)
+                if t.type_name != "F32":
+                    raise ModelLoadError(
+                        f"{self.path.name} stores rope_freqs as {t.type_name}, not F32; the file is damaged."
+                    )
+                values = np.asarray(tensor_view(self._mapping, self.header, t), dtype=np.float32).reshape(-1)
                 if values.shape[0] != config.head_dim // 2 or not np.all(np.isfinite(values)) or np.any(values <= 0):
                     raise ModelLoadError(
                         f"{self.path.name} has a rope_freqs tensor that does not fit the model; the file is damaged."
@@ -258,7 +259,7 @@ class GGUFModel:
         cfg = self.config
         layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(self.architecture, {})}
         fused = _FUSED.get(self.architecture, {})
-        for t in self._reader.tensors:
+        for t in self.header.tensors:
             if t.name in _IGNORED:
                 continue
             m = _LAYER_RE.fullmatch(t.name)
@@ -273,31 +274,32 @@ class GGUFModel:
                 raise ModelLoadError(
                     f"{self.path.name} has a tensor {t.name!r} that a {self.architecture} model does not use; the file is not a plain {self.architecture} model."
                 )
-            qtype = t.tensor_type.name
+            qtype = t.type_name
             if qtype not in FLOAT_TYPES + BLOCK_TYPES:
                 raise ModelLoadError(
                     f"{self.path.name} stores {t.name} as {qtype}, a type MLoT Spark does not read "
                     f"(it reads {', '.join(FLOAT_TYPES + BLOCK_TYPES)}); choose another quantization of the model."
                 )
-            shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
+            shape = tuple(reversed(t.dims))
             heads = 0
             if permuted and (hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias")):
                 heads = cfg.num_attention_heads
             elif permuted and (hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias")):
                 heads = cfg.num_key_value_heads
-            yield _Tensor(hf, t.name, qtype, shape, t.data, heads)
+            yield _Tensor(hf, t.name, qtype, shape, tensor_view(self._mapping, self.header, t), heads)
 
-    def _split_rows(self, t: Any, hf_names: list[str]) -> Iterator[_Tensor]:
+    def _split_rows(self, t: TensorInfo, hf_names: list[str]) -> Iterator[_Tensor]:
         """A fused tensor's row ranges as the Hugging Face tensors they are (q, k, v or gate, up): views, no copy."""
         cfg = self.config
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         rows = (q, kv, kv) if len(hf_names) == 3 else (cfg.intermediate_size,) * 2
-        shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
-        qtype = t.tensor_type.name
+        shape = tuple(int(s) for s in reversed(t.dims))
+        qtype = t.type_name
+        data = tensor_view(self._mapping, self.header, t)
         if (
             len(shape) != 2
             or shape[0] != sum(rows)
-            or t.data.shape[0] != sum(rows)
+            or data.shape[0] != sum(rows)
             or qtype not in FLOAT_TYPES + BLOCK_TYPES
         ):
             raise ModelLoadError(
@@ -305,7 +307,7 @@ class GGUFModel:
             )
         start = 0
         for name, n in zip(hf_names, rows, strict=True):
-            yield _Tensor(name, t.name, qtype, (n, shape[1]), t.data[start : start + n], 0)
+            yield _Tensor(name, t.name, qtype, (n, shape[1]), data[start : start + n], 0)
             start += n
 
     def stored_tensors(self) -> dict[str, StoredTensor]:
@@ -347,9 +349,40 @@ class GGUFModel:
             tensor = torch.from_numpy(np.ascontiguousarray(values))
             yield t.hf_name, tensor if tensor.dtype == torch.float32 else tensor.float()
 
+    def check_data(self) -> None:
+        """Every tensor's values finite, as loading checks them (a block's float scales, a float tensor's values),
+        one tensor at a time: a type changed in the header makes other bytes the scales, often NaN."""
+        import gguf
+
+        for t in self._tensors():
+            if t.qtype in BlockType.__members__ and len(t.shape) == 2:
+                blocks = StoredTensor(t.qtype, (t.shape[0], t.shape[1]), t.data)
+                try:
+                    check_stored(blocks, t.gguf_name)
+                except ValueError as exc:
+                    raise ModelLoadError(f"{self.path.name}: {exc}; the file is damaged.") from None
+                finite = scales_finite(blocks)
+            elif t.qtype == "BF16":  # exponent bits all set: infinity or NaN
+                finite = not bool(((np.asarray(t.data).view(np.uint16) & 0x7F80) == 0x7F80).any())
+            elif t.qtype in FLOAT_TYPES:
+                finite = bool(np.isfinite(t.data).all())
+            else:  # a block type without a kernel: decoded, as loading decodes it
+                values = gguf.quants.dequantize(t.data, getattr(gguf.GGMLQuantizationType, t.qtype))
+                finite = bool(np.isfinite(values).all())
+            if not finite:
+                raise ModelLoadError(
+                    f"{self.path.name}: tensor {t.gguf_name} holds NaN or infinite values; the file is damaged."
+                )
+
     def tokenizer_fields(self) -> list[tuple[str, Any, list[Any]]]:
         """(name, value, gguf value types) of every tokenizer.* field, for writing them into another GGUF."""
-        return [(name, self.metadata[name], types) for name, types in self._field_types.items()]
+        import gguf
+
+        return [
+            (name, value, [gguf.GGUFValueType(t) for t in self.header.value_types[name]])
+            for name, value in self.metadata.items()
+            if name.startswith("tokenizer.")
+        ]
 
     def tensor_shapes(self) -> list[_Tensor]:
         """Every tensor the network uses, with its torch-order shape (nothing is read)."""

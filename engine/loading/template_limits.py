@@ -21,6 +21,8 @@ from types import FrameType
 from typing import Any, Self
 
 MAX_RENDER_CHARS = 4_000_000  # 4x the largest prompt accepted (engine.session.engine.MAX_PROMPT_CHARS)
+MAX_INPUT_CHARS = MAX_RENDER_CHARS // 4  # the conversation itself (engine.session.engine.MAX_PROMPT_CHARS)
+MAX_TEMPLATE_CHARS = 1 << 17  # real chat templates are a few kB; tool-calling ones up to ~30 kB
 MAX_RENDER_SECONDS = 5.0  # real templates render in milliseconds
 TEMPLATE_FILENAME = "<template>"  # what Jinja names the code of a template compiled from a string
 

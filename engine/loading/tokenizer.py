@@ -220,8 +220,15 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any]) -> Tokenizer:
         """The tokenizer a GGUF file carries in its metadata (vocabulary, merges or scores, specials, template)."""
-        backend, special_tokens, eos_ids, add_bos, content_hash = tokenizer_parts(metadata)
-        cls._install_bos_eos(backend, special_tokens, add_bos, False)
+        try:
+            backend, special_tokens, eos_ids, add_bos, content_hash = tokenizer_parts(metadata)
+            cls._install_bos_eos(backend, special_tokens, add_bos, False)
+        except TokenizerError:
+            raise
+        except Exception as exc:  # tokenizers raises bare Exceptions for a vocabulary it cannot build
+            raise TokenizerError(
+                f"The GGUF's tokenizer cannot be built ({_first_line(exc)}); the file is damaged."
+            ) from None
         template = metadata.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
             raise TokenizerError("The GGUF's chat template is not text; the file looks damaged.")

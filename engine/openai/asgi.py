@@ -29,7 +29,16 @@ from starlette.types import Receive, Scope, Send
 from engine.generation.batch import Completion
 from engine.generation.loop import GenerationEvent
 from engine.openai import protocol
-from engine.openai.errors import ApiError, bad_key, bad_request, server_error, too_large, unknown_model
+from engine.openai.errors import (
+    CLIENT_CLOSED,
+    ApiError,
+    bad_key,
+    bad_request,
+    client_gone,
+    server_error,
+    too_large,
+    unknown_model,
+)
 from engine.openai.service import Job, ModelService, model_for_request
 from engine.openai.tools import ToolCall, ToolCallReader, read_reply
 
@@ -52,9 +61,13 @@ async def read_json(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise too_large(f"The request body is larger than the {limit:,} bytes this server accepts.")
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise bad_request("The request body is not valid JSON.") from None
+    except ValueError:  # an integer literal past Python's int-string limit (4,300 digits)
+        raise bad_request("The request body holds a number too long to be read.") from None
+    protocol.check_text(parsed)
+    return parsed
 
 
 class SSEResponse(Response):
@@ -62,7 +75,7 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncGenerator[str, None], jobs: list[Job]) -> None:
+    def __init__(self, chunks: AsyncGenerator[str, None], jobs: list[Job], on_disconnect: Callable[[], None]) -> None:
         self.status_code = 200
         self.background = None
         # No Content-Length: the body's length is unknown until the last event (chunked transfer).
@@ -71,12 +84,16 @@ class SSEResponse(Response):
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ]
-        self.chunks, self.jobs = chunks, jobs
+        self.chunks, self.jobs, self.on_disconnect = chunks, jobs, on_disconnect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        finished = False
+
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
+            if not finished:
+                self.on_disconnect()
             self.cancel()
 
         watcher = asyncio.create_task(watch())
@@ -85,8 +102,9 @@ class SSEResponse(Response):
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finished = True
         except OSError:  # the client went away mid-send
-            pass
+            self.on_disconnect()
         finally:
             self.cancel()
             watcher.cancel()
@@ -119,6 +137,8 @@ class Api:
                 response = await handler(request)
             except ApiError as err:
                 response = error_response(err)
+                if err.status == CLIENT_CLOSED:
+                    self.metrics.disconnected(endpoint)
             except Exception:  # a bug must not leak a traceback to the client; the log keeps it
                 log.exception("request to %s failed", endpoint)
                 response = error_response(server_error("The server failed on this request; see its log."))
@@ -174,7 +194,8 @@ class Api:
         jobs = await self.service.start(req)
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
-            return SSEResponse(self.stream(jobs, req, rid, chat), jobs)
+            endpoint = "chat" if chat else "completions"
+            return SSEResponse(self.stream(jobs, req, rid, chat), jobs, lambda: self.metrics.disconnected(endpoint))
         return await self.whole(request, jobs, req, rid, chat)
 
     def logprob(self, req: protocol.ParsedRequest, ev: GenerationEvent) -> protocol.TokenLogprob | None:
@@ -188,9 +209,12 @@ class Api:
     ) -> Response:
         """A non-streaming reply; the client leaving while it waits cancels the jobs."""
 
+        gone = asyncio.Event()
+
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
+            gone.set()
             for job in jobs:
                 job.cancel_unless_done()
 
@@ -206,6 +230,8 @@ class Api:
             logprobs = await asyncio.gather(*(collect(job) for job in jobs))
         finally:
             watcher.cancel()
+        if gone.is_set():  # nobody will read a reply: counted as a disconnect, not as the server's failure
+            raise client_gone()
         cs = [self.finish(job) for job in jobs]
         choices = []
         for i, (c, lp) in enumerate(zip(cs, logprobs, strict=True)):

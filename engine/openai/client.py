@@ -27,14 +27,58 @@ import httpx
 
 from engine.errors import SparkError
 from engine.generation.loop import FinishReason, GenerationEvent, GenerationSettings
+from engine.hw.memory import format_bytes
 from engine.openai.protocol import parse_finish_reason
 from engine.session.file import TRANSCRIPT_KIND, Message, save_session
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 300.0  # between two chunks of a stream (a big model's first token can take a while)
+
+
+@dataclass(frozen=True)
+class ReplyLimits:
+    """Deadlines and sizes a server's reply must keep to: past one, the reply ends with one sentence saying which."""
+
+    first_byte_s: float = 300.0  # request sent -> first line (a big model reading a long prompt)
+    reply_s: float = 3600.0  # request sent -> the whole reply
+    line_bytes: int = 1 << 20  # one SSE line (a chunk of a few tokens is ~300 bytes)
+    reply_bytes: int = 64 << 20  # the whole reply
+    error_bytes: int = 64 << 10  # an error body, read for its message only
+    list_bytes: int = 8 << 20  # a model list
+
+
+MAX_RETRY_AFTER_S = 86_400  # a Retry-After past a day is not advice worth passing on
 STOP_POLL_S = 0.05  # how often a silent stream checks for Stop
 QUEUED_LINES = 1024  # lines read ahead of the consumer; the reader waits beyond that (a flooding server is held back)
 _END = object()
+
+
+def _clause(text: str, limit: int = 200) -> str:
+    """A server's own text as a clause of our sentence: printable, one line, bounded, no trailing period."""
+    flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return (flat[:limit] + "…" if len(flat) > limit else flat).rstrip(".")
+
+
+def _read_capped(response: httpx.Response, limit: int) -> bytes | None:
+    """The body, or None when it passes `limit` bytes (nothing past the limit is read)."""
+    body = bytearray()
+    for chunk in response.iter_bytes():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
+def _loads(data: bytes | str) -> Any:
+    """JSON, or None for anything that is not (bad syntax, bad UTF-8, nesting or digits past the parser's limits)."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):  # JSONDecodeError and the int-digit limit are ValueErrors
+        return None
+
+
+def _whole(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else None
 
 
 class RemoteError(SparkError):
@@ -61,26 +105,26 @@ class RemoteServer:
         return self.base_url.rstrip("/")
 
 
-def _error_message(response: httpx.Response) -> str:
-    """The server's own error sentence from an OpenAI error body, if it sent one."""
-    try:
-        body = json.loads(response.read() or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return ""
+def _error_message(response: httpx.Response, limit: int) -> str:
+    """The server's own error sentence from an OpenAI error body, if it sent one (as a clause)."""
+    raw = _read_capped(response, limit)
+    body = _loads(raw) if raw else None
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict) and isinstance(err.get("message"), str):
-        message: str = err["message"]
-        return message[:300]
+        return _clause(err["message"])
     if isinstance(err, str):
-        return err[:300]
+        return _clause(err)
     return ""
 
 
 class RemoteClient:
     """Talks to one remote server. `transport` is for tests (httpx's mock transport); None uses the network."""
 
-    def __init__(self, server: RemoteServer, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self, server: RemoteServer, transport: httpx.BaseTransport | None = None, limits: ReplyLimits = ReplyLimits()
+    ) -> None:
         self.server = server
+        self.limits = limits
         headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
         timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
         self._http = httpx.Client(headers=headers, timeout=timeout, transport=transport, follow_redirects=False)
@@ -90,20 +134,34 @@ class RemoteClient:
 
     def _fail(self, response: httpx.Response) -> RemoteError:
         where = self.server.url
-        detail = _error_message(response)
-        if response.status_code == 401 or response.status_code == 403:
+        status = response.status_code
+        if status in (401, 403):
             return RemoteError(f"The server at {where} refused the API key; check the key in the server's settings.")
-        if response.status_code == 404 and detail:
-            return RemoteError(f"The server at {where} says: {detail}")
-        if response.status_code == 404:
+        if 300 <= status < 400:
+            target = urlsplit(response.headers.get("location", ""))
+            elsewhere = target.netloc and target.netloc != urlsplit(where).netloc
+            return RemoteError(
+                f"The server at {where} redirects to {_clause(target.netloc, 80) if elsewhere else 'another address'}; "
+                "give the address it redirects to, if you trust it."
+            )
+        detail = _error_message(response, self.limits.error_bytes)
+        if status == 404 and detail:
+            return RemoteError(f"The server at {where} says: {detail}.")
+        if status == 404:
             return RemoteError(
                 f"The server at {where} has no OpenAI-compatible API there; check the address (it usually ends in /v1)."
             )
-        if response.status_code in (429, 503):
-            wait = response.headers.get("retry-after")
-            return RemoteError(f"The server at {where} is busy; try again{f' in {wait} s' if wait else ' shortly'}.")
+        if status in (429, 503):
+            wait = response.headers.get("retry-after", "").strip()
+            seconds = int(wait) if wait.isascii() and wait.isdigit() and len(wait) <= 6 else None
+            when = f" in {seconds} s" if seconds is not None and seconds <= MAX_RETRY_AFTER_S else " later"
+            return RemoteError(f"The server at {where} is busy; try again{when}.")
+        if status >= 500:
+            return RemoteError(
+                f"The server at {where} failed on this request ({status}{': ' + detail if detail else ''}); try again or check the server."
+            )
         return RemoteError(
-            f"The server at {where} answered {response.status_code}: {detail or response.reason_phrase}."
+            f"The server at {where} answered {status}: {detail or _clause(response.reason_phrase) or 'no reason given'}."
         )
 
     def _unreachable(self, exc: httpx.HTTPError) -> RemoteError:
@@ -118,18 +176,17 @@ class RemoteClient:
     def list_models(self) -> list[str]:
         """The model names the server offers (GET /models)."""
         try:
-            response = self._http.get(self.server.url + "/models")
+            with self._http.stream("GET", self.server.url + "/models") as response:
+                if response.status_code != 200:
+                    raise self._fail(response)
+                raw = _read_capped(response, self.limits.list_bytes)
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
-        if response.status_code != 200:
-            raise self._fail(response)
-        try:
-            data = response.json().get("data")
-            return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
-        except (json.JSONDecodeError, AttributeError, TypeError):
-            raise RemoteError(
-                f"The server at {self.server.url} sent a model list that is not OpenAI's format."
-            ) from None
+        body = _loads(raw) if raw is not None else None
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            raise RemoteError(f"The server at {self.server.url} sent a model list that is not OpenAI's format.")
+        return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
     def stream_chat(
         self,
@@ -162,7 +219,7 @@ class RemoteClient:
         reader = threading.Thread(target=self._read, args=(body, lines, done), name="remote-stream", daemon=True)
         reader.start()
         try:
-            yield from self._events(self._lines(lines, should_stop), t0, should_stop)
+            yield from self._events(self._lines(lines, time.monotonic()), t0, should_stop)
         finally:
             done.set()
 
@@ -178,14 +235,26 @@ class RemoteClient:
                     continue
             return False
 
+        where = self.server.url
         try:
-            with self._http.stream("POST", self.server.url + "/chat/completions", json=body) as response:
+            with self._http.stream("POST", where + "/chat/completions", json=body) as response:
                 if response.status_code != 200:
                     put(self._fail(response))
                     return
-                for line in response.iter_lines():
+                kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+                if kind == "text/html":
+                    put(
+                        RemoteError(
+                            f"The server at {where} answered with a web page, not OpenAI's API; check the address."
+                        )
+                    )
+                    return
+                for line in self._capped_lines(response):
                     if not put(line):
                         return  # leaving the `with` closes the connection: the server cancels the generation
+        except RemoteError as exc:
+            put(exc)
+            return
         except httpx.HTTPError as exc:
             put(self._unreachable(exc))
             return
@@ -198,14 +267,60 @@ class RemoteClient:
             return
         put(_END)
 
-    def _lines(self, lines: queue.Queue[object], should_stop: Callable[[], bool]) -> Iterator[str | None]:
-        """The stream's lines as they come; None whenever it is silent for STOP_POLL_S, so Stop is seen at once."""
+    def _capped_lines(self, response: httpx.Response) -> Iterator[str]:
+        """The body's lines (\\n, \\r\\n or \\r), refusing a line or a body past the limits before buffering it."""
+        lim, where = self.limits, self.server.url
+        pending = b""
+        total = 0
+        for chunk in response.iter_bytes():  # decoded: the caps hold for a compressed body too
+            total += len(chunk)
+            if total > lim.reply_bytes:
+                raise RemoteError(
+                    f"The server at {where} sent more than {format_bytes(lim.reply_bytes)} for one reply; it was cut off."
+                )
+            pending += chunk
+            if b"\n" not in chunk and b"\r" not in chunk:  # no line ended: only the pending line grew
+                if len(pending) > lim.line_bytes:
+                    raise RemoteError(
+                        f"The server at {where} sent a line longer than {format_bytes(lim.line_bytes)}; it is not OpenAI's streaming format."
+                    )
+                continue
+            *complete, pending = pending.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+            if len(pending) > lim.line_bytes or any(len(line) > lim.line_bytes for line in complete):
+                raise RemoteError(
+                    f"The server at {where} sent a line longer than {format_bytes(lim.line_bytes)}; it is not OpenAI's streaming format."
+                )
+            for line in complete:
+                yield self._text(line)
+        if pending:
+            yield self._text(pending)
+
+    def _text(self, line: bytes) -> str:
+        try:
+            return line.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RemoteError(f"The server at {self.server.url} sent text that is not UTF-8.") from None
+
+    def _lines(self, lines: queue.Queue[object], started: float) -> Iterator[str | None]:
+        """The stream's lines as they come; None whenever it is silent for STOP_POLL_S, so Stop is seen at once.
+        The first line must come within the first-byte deadline and the last within the whole reply's."""
+        lim, first = self.limits, True
         while True:
+            waited = time.monotonic() - started
+            if first and waited > lim.first_byte_s:
+                raise RemoteError(
+                    f"The server at {self.server.url} did not start its reply within {lim.first_byte_s:g} s; it may be overloaded."
+                )
+            if waited > lim.reply_s:
+                raise RemoteError(
+                    f"The server at {self.server.url} did not finish its reply within {lim.reply_s:g} s; it was cut off."
+                )
             try:
                 item = lines.get(timeout=STOP_POLL_S)
             except queue.Empty:
                 yield None
                 continue
+            first = False
             if item is _END:
                 return
             if isinstance(item, RemoteError):
@@ -215,7 +330,7 @@ class RemoteClient:
     def _events(
         self, lines: Iterator[str | None], t0: float, should_stop: Callable[[], bool]
     ) -> Iterator[GenerationEvent]:
-        n, prompt_tokens, t_first, reason = 0, 0, t0, None
+        n, prompt_tokens, t_first, reason, chunks = 0, 0, t0, None, 0
 
         def event(text: str, final: FinishReason | None) -> GenerationEvent:
             now = time.perf_counter()
@@ -232,34 +347,42 @@ class RemoteClient:
             if data == "[DONE]":
                 break
             chunk = self._parse(data)
+            chunks += 1
             usage = chunk.get("usage")
             if isinstance(usage, dict):
-                prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                n = int(usage.get("completion_tokens") or n)
-            for choice in chunk.get("choices") or []:
+                prompt_tokens = _whole(usage.get("prompt_tokens")) or prompt_tokens
+                n = _whole(usage.get("completion_tokens")) or n
+            choices = chunk.get("choices") or []
+            if not isinstance(choices, list):
+                raise RemoteError(
+                    f"The server at {self.server.url} sent a reply that is not OpenAI's streaming format."
+                )
+            for choice in choices:
                 if not isinstance(choice, dict):
                     continue
                 delta = choice.get("delta") or {}
                 text = delta.get("content") if isinstance(delta, dict) else None
                 reason = choice.get("finish_reason") or reason
                 if isinstance(text, str) and text:
+                    text = text.encode("utf-8", "replace").decode("utf-8")  # a lone surrogate (JSON's \\ud800) as "?"
                     n += 1
                     if n == 1:
                         t_first = time.perf_counter()
                     yield event(text, None)
+        if not chunks:  # a 200 with no event at all (an empty body, a page, plain text): not an empty answer
+            raise RemoteError(
+                f"The server at {self.server.url} sent no reply in OpenAI's streaming format; check the address."
+            )
         yield event("", parse_finish_reason(reason))
 
     def _parse(self, data: str) -> dict[str, Any]:
-        try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError:
-            chunk = None
+        chunk = _loads(data)
         if not isinstance(chunk, dict):
             raise RemoteError(f"The server at {self.server.url} sent a reply that is not OpenAI's streaming format.")
         if "error" in chunk:
             err = chunk["error"]
             message = err.get("message") if isinstance(err, dict) else err
-            raise RemoteError(f"The server at {self.server.url} stopped with an error: {str(message)[:300]}")
+            raise RemoteError(f"The server at {self.server.url} stopped with an error: {_clause(str(message))}.")
         return chunk
 
 

@@ -56,6 +56,13 @@ def busy(retry_after_s: int, max_queue: int) -> ApiError:
     )
 
 
+CLIENT_CLOSED = 499  # nginx's "client closed request": recorded, never sent (nobody is there to read it)
+
+
+def client_gone() -> ApiError:
+    return ApiError(CLIENT_CLOSED, "The client closed the connection before the reply.", code="client_closed")
+
+
 def unavailable(message: str) -> ApiError:
     return ApiError(503, message, type="server_error", code="unavailable", headers={"Retry-After": "5"})
 

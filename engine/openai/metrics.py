@@ -48,6 +48,7 @@ class Metrics:
 
     def __init__(self, sources: dict[str, Callable[[], float]] | None = None) -> None:
         self.requests: dict[tuple[str, int], int] = {}
+        self.disconnects: dict[str, int] = {}  # by endpoint: clients that left before their reply ended
         self.reasons: dict[FinishReason, int] = {}  # finished generations by finish reason (cancelled: the client left)
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -58,6 +59,9 @@ class Metrics:
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
+
+    def disconnected(self, endpoint: str) -> None:
+        self.disconnects[endpoint] = self.disconnects.get(endpoint, 0) + 1
 
     def finished(
         self,
@@ -84,6 +88,12 @@ class Metrics:
         ]
         for (endpoint, status), n in sorted(self.requests.items()):
             out.append(f'spark_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+        out += [
+            "# HELP spark_client_disconnects_total Clients that left before their reply ended, by endpoint.",
+            "# TYPE spark_client_disconnects_total counter",
+        ]
+        for endpoint, n in sorted(self.disconnects.items()):
+            out.append(f'spark_client_disconnects_total{{endpoint="{endpoint}"}} {n}')
         out += [
             "# HELP spark_generations_total Generations finished, by reason.",
             "# TYPE spark_generations_total counter",

@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.generation.batch import Completion
 from engine.generation.loop import FinishReason, GenerationSettings
-from engine.generation.sampling import SamplingSettings
+from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
 from engine.openai.errors import bad_request
 from engine.openai.tools import ToolCall, ToolSpec, parse_response_format, parse_tools, tool_grammar
 
@@ -49,10 +49,31 @@ class ParsedRequest:
     tools: ToolSpec | None = None
 
 
+def check_text(body: Any) -> None:
+    """Every string in a parsed body, keys included, is text that UTF-8 can carry: JSON's `\\ud800` escapes decode
+    to lone surrogates, which no tokenizer, log or response can encode."""
+    stack = [body]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = v[exc.start : exc.start + 1].encode("unicode_escape").decode()
+                raise bad_request(f"The request holds a lone surrogate ({bad}), which is not text.") from None
+
+
 def _num(body: dict[str, Any], name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
     v = body.get(name)
     if v is None:
         return default
+    if isinstance(v, int) and not isinstance(v, bool) and not -(2**53) <= v <= 2**53:
+        raise bad_request(f"'{name}' must be at least {lo} and at most {hi}.", name)  # beyond any float's exactness
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise bad_request(f"'{name}' must be a number.", name)
     if v > hi or v < lo or (lo_open and v == lo):
@@ -97,6 +118,27 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
             "stop",
         )
     return tuple(s for s in stops if s)
+
+
+def _logit_bias(body: dict[str, Any]) -> None:
+    """OpenAI's shape ({"token id": bias from -100 to 100}) checked, then refused when non-empty: biases change the
+    reply, and this server does not apply them."""
+    v = body.get("logit_bias")
+    if v is None:
+        return
+    if not isinstance(v, dict) or not all(
+        isinstance(k, str)
+        and k.isascii()
+        and k.isdigit()
+        and len(k) <= 10
+        and not isinstance(b, bool)
+        and isinstance(b, (int, float))
+        and -100 <= b <= 100
+        for k, b in v.items()
+    ):
+        raise bad_request("'logit_bias' must map token ids to biases from -100 to 100.", "logit_bias")
+    if v:
+        raise bad_request("'logit_bias' is not supported by this server.", "logit_bias")
 
 
 def _content(value: Any, i: int) -> str:
@@ -177,7 +219,15 @@ def _common(body: dict[str, Any], limits: Limits) -> tuple[str, GenerationSettin
     temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     seed = _int(body, "seed", -(2**63), 2**63 - 1)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _num(body, name, 0.0, -2.0, 2.0) != 0.0:
+            raise bad_request(f"'{name}' other than 0 is not supported by this server.", name)
+    _logit_bias(body)
     sampling = SamplingSettings(temperature=temperature, top_p=top_p, seed=seed, greedy=temperature == 0.0)
+    try:
+        sampling.validate()  # the one check the CLI, the app and sessions share (denormal temperatures...)
+    except InvalidSamplingSettings as exc:
+        raise bad_request(str(exc)) from None
     # ignore_eos: vLLM's and llama.cpp's extension (benchmarks want a fixed reply length).
     settings = GenerationSettings(
         max_tokens=max_tokens or limits.max_tokens_default,

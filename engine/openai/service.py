@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.backends.base import Backend
-from engine.errors import SparkError
+from engine.errors import InputTooLarge, InsufficientMemory, SparkError
 from engine.generation.batch import Completion, RowMemoryFactory
 from engine.generation.loop import GenerationEvent
 from engine.generation.scheduler import QueueFull, Request, Scheduler, SchedulerClosed, SchedulerConfig
+from engine.hw.memory import allocatable_bytes, format_bytes
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
 from engine.openai.errors import bad_request, busy, too_large, unavailable
@@ -105,6 +106,27 @@ class Job:
         return self.future.result(timeout=0)
 
 
+SLOT_TABLE_SHARE = 0.5  # of what is allocatable: the rest is for activations, the cascade's tiers, the tokenizer
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed: Python's MemoryError, or torch's allocator's RuntimeError ("can't allocate")."""
+    return isinstance(exc, MemoryError) or "can't allocate memory" in str(exc) or "out of memory" in str(exc)
+
+
+def fit_rows(wanted: int, bytes_per_row: int, allocatable: int) -> int:
+    """How many rows of the slot table to allocate: `wanted`, or fewer when they do not fit in the share of
+    `allocatable` memory a slot table may take; InsufficientMemory (one sentence) when not even one fits."""
+    rows = min(wanted, int(allocatable * SLOT_TABLE_SHARE) // max(1, bytes_per_row))
+    if rows < 1:
+        raise InsufficientMemory(
+            f"The server needs {format_bytes(bytes_per_row)} for one request's slots, more than half of the "
+            f"{format_bytes(allocatable)} this process can still allocate (its memory limit included); "
+            "free memory or raise the limit."
+        )
+    return rows
+
+
 class ModelService:
     """Owns the scheduler over `backend` (a fork of its own) and the model's tokenizer. `memory_factory` is called
     as factory(backend, row), as engine.session.engine.memory_factory_for's factories take it."""
@@ -119,7 +141,15 @@ class ModelService:
         self.config = config
         self.tokenizer = tokenizer
         self.memories: list[Memory] = []
-        probe = memory_factory(backend, 0)  # a cascade sizes the slot table itself (batch 1); read its size off it
+        try:
+            probe = memory_factory(backend, 0)  # a cascade sizes the slot table itself (batch 1); read its size off it
+        except (MemoryError, RuntimeError) as exc:
+            if not out_of_memory(exc):
+                raise
+            raise InsufficientMemory(
+                "The server cannot allocate the slot table for one request in the memory this process may take "
+                "(its memory limit included); free memory or raise the limit."
+            ) from None
         num_slots = getattr(getattr(probe, "cfg", None), "num_slots", DEFAULT_SLOTS)
         self._lock = threading.Lock()
 
@@ -129,8 +159,17 @@ class ModelService:
                 self.memories.append(m)
             return m
 
-        sched_cfg = SchedulerConfig(max_batch=config.max_batch, num_slots=num_slots, max_queue=config.max_queue)
-        self.scheduler = Scheduler(backend, tokenizer, sched_cfg, factory)
+        self.rows = fit_rows(config.max_batch, backend.slot_bytes_per_token() * (num_slots + 1), allocatable_bytes())
+        sched_cfg = SchedulerConfig(max_batch=self.rows, num_slots=num_slots, max_queue=config.max_queue)
+        try:
+            self.scheduler = Scheduler(backend, tokenizer, sched_cfg, factory)
+        except (MemoryError, RuntimeError) as exc:
+            if not out_of_memory(exc):
+                raise
+            raise InsufficientMemory(
+                f"The server cannot allocate its slot table for {self.rows} request(s) of {num_slots:,} slots; "
+                "free memory or raise the memory limit."
+            ) from None
         self.metrics = Metrics(self.gauges())
 
     def close(self) -> None:
@@ -167,6 +206,8 @@ class ModelService:
         a seeded request's choice i draws with seed + i); ApiError when it is refused (then none is queued)."""
         try:
             ids = await asyncio.to_thread(self.prompt_ids, req)
+        except InputTooLarge as exc:  # the request is the problem, whatever the template
+            raise too_large(str(exc), "messages" if req.messages is not None else "prompt") from None
         except SparkError as exc:  # e.g. a chat template that refuses these messages
             raise bad_request(str(exc)) from None
         jobs: list[Job] = []

@@ -11,6 +11,8 @@ Rules enforced (coremltools 9, macOS 15):
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from coreml.bundle import Bundle
@@ -75,3 +77,29 @@ class FakeLoader:
             self.interpreters[program] = Interpreter(bundle.package(program))
         self.loaded.append((program, function, units))
         return FakeProgram(self.interpreters[program], program, function)
+
+
+class HangingLoader(FakeLoader):
+    """A runtime that never answers (Core ML's `CPU_AND_NE` deadlock of the Neural Engine daemon): loads, or
+    predictions once `hang_predict` is set, block until `release` is set (the test sets it when it is done, so no
+    thread outlives it)."""
+
+    def __init__(self, hang_load: bool = True) -> None:
+        super().__init__()
+        self.hang_load = hang_load
+        self.hang_predict = False
+        self.release = threading.Event()
+
+    def __call__(self, bundle: Bundle, program: str, function: str, units: str) -> FakeProgram:
+        if self.hang_load:
+            self.release.wait()
+        program_ = super().__call__(bundle, program, function, units)
+        real = program_.predict
+
+        def predict(data: dict[str, np.ndarray], state: FakeMLState | None = None) -> dict[str, np.ndarray]:
+            if self.hang_predict:
+                self.release.wait()
+            return real(data, state)
+
+        program_.predict = predict  # type: ignore[method-assign]
+        return program_

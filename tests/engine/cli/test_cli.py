@@ -102,6 +102,9 @@ def test_chat_mode_uses_the_template(model: Path, tmp_path: Path) -> None:
     [
         (["generate", "--model", "/nonexistent/model", "--prompt", "x"], "does not exist"),
         (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
+        (["generate", "--prompt", "x", "--temperature", "5e-324"], "temperature"),
+        (["generate", "--prompt", "x", "--temperature", "1e308"], "temperature"),
+        (["generate", "--prompt", "x", "--top-p", "0"], "top-p"),
         (["generate", "--continue"], "--continue needs --load-session"),
         (["generate", "--max-tokens", "0", "--prompt", "x"], "--max-tokens"),
     ],

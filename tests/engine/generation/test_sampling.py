@@ -20,6 +20,7 @@ from transformers.generation.logits_process import (
 
 from engine.errors import SessionFileError, SparkError
 from engine.generation.sampling import (
+    InvalidSamplingSettings,
     Sample,
     SamplingSettings,
     make_logits_processors,
@@ -177,3 +178,36 @@ def test_invalid_settings_are_one_sentence_errors(bad: dict) -> None:
         with pytest.raises(SparkError) as err:
             build(s)
         assert "\n" not in str(err.value) and str(err.value).endswith(".")
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"temperature": 5e-324},
+        {"temperature": 2.0e-310},
+        {"temperature": 1e-7},
+        {"temperature": 1e308},
+        {"temperature": float("nan")},
+        {"top_p": 0.0},
+        {"top_p": 1.0000001},
+        {"min_p": -1e-300},
+        {"min_p": float("inf")},
+        {"top_k": -1},
+        {"top_k": 2.5},
+        {"repetition_penalty": 1e-300},
+        {"seed": 2**64},
+        {"greedy": "yes"},
+    ],
+)
+def test_values_whose_arithmetic_breaks_are_refused_in_one_sentence(values: dict) -> None:
+    with pytest.raises(InvalidSamplingSettings) as e:
+        SamplingSettings(**values).validate()
+    assert "\n" not in str(e.value) and str(e.value).endswith(".")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-6, 0.7, 2.0, 100.0])
+def test_temperatures_in_range_sample_finite_probabilities(temperature: float) -> None:
+    s = SamplingSettings(temperature=temperature, seed=0)
+    s.validate()
+    sample = make_sampler(s)(torch.tensor([30.0, -30.0, 0.0, 29.9]))
+    assert sample.token in (0, 1, 2, 3) and math.isfinite(sample.logprob)
