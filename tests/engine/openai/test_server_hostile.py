@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from engine.errors import InsufficientMemory
 from engine.openai.service import fit_rows, out_of_memory
-from tests.engine.openai.conftest import KEY, Served
+from tests.helpers.server import KEY, Served
 from tests.helpers.fuzz import fuzz_examples
 
 AUTH = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import SignalInstance
 
-from app.main_window import MainWindow
+from app.window.main_window import MainWindow
 from app.models.dialog import FIT_WORDS, GetModelsDialog
 from app.models.tasks import LibraryTasks
-from app.signal_wait import GuiRelay
+from app.misc.signal_wait import GuiRelay
 from engine.library.catalog import load_catalog
 from engine.library.hub import HubClient, HubSettings
 from engine.library.library import Library
 from engine.library.recommend import Fit, Machine
 from engine.library.store import ModelStore
-from tests.app.conftest import WAIT_MS
+from tests.helpers.app_window import WAIT_MS, dispose
 from tests.helpers.fake_hub import FakeHub, running_hub
 from tests.helpers.gguf_files import write_gguf
 
@@ -145,16 +145,17 @@ def test_a_downloaded_model_chats_in_the_window(
     window.menus.model_menu.aboutToShow.emit()
     assert "Get Models…" in [a.text() for a in window.menus.model_menu.actions()]
     window.menus.get_models_action.trigger()
-    d: GetModelsDialog = window.menus.get_models_dialog
+    d = window.get_models_dialog
+    assert isinstance(d, GetModelsDialog)
     assert d.isVisible()
     download(qtbot, d, lambda: d.start_download(REPO, FILE))
     window.menus.model_menu.aboutToShow.emit()  # the menu refills as it opens
     assert "tiny-f32" in [a.text() for a in window.menus.model_menu.actions()]
     d.local.selectRow(0)
-    with qtbot.waitSignal(gui(window.client.worker.loaded), timeout=WAIT_MS):
+    with qtbot.waitSignal(gui(window.client.loaded), timeout=WAIT_MS):
         d.use_button.click()
-    assert window.model_path is not None and window.model_path.name == FILE
-    with qtbot.waitSignal(gui(window.client.worker.finished), timeout=WAIT_MS):
+    assert window.state.model_path is not None and window.state.model_path.name == FILE
+    with qtbot.waitSignal(gui(window.client.finished), timeout=WAIT_MS):
         assert window.submit("Hello")
     assert window.chat.toPlainText().count("Hello") >= 1
 
@@ -162,7 +163,6 @@ def test_a_downloaded_model_chats_in_the_window(
 def test_first_launch_offers_the_library_once(window: MainWindow, prefs, dirs, dialogs, thermal) -> None:  # type: ignore[no-untyped-def]
     from app.models import FIRST_LAUNCH_HINT
     from app.wiring import build_main_window
-    from tests.app.conftest import dispose
 
     assert prefs.models_offer_shown()
     assert window.notice.text() == FIRST_LAUNCH_HINT and window.notice.action_button.text() == "Get Models…"
