@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import SignalInstance
 
-from app.window.main_window import MainWindow
+from app.misc.signal_wait import GuiRelay
 from app.models.dialog import FIT_WORDS, GetModelsDialog
 from app.models.tasks import LibraryTasks
-from app.misc.signal_wait import GuiRelay
+from app.window.main_window import MainWindow
 from engine.library.catalog import load_catalog
 from engine.library.hub import HubClient, HubSettings
 from engine.library.library import Library

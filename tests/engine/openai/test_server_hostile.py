@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from engine.errors import InsufficientMemory
 from engine.openai.service import fit_rows, out_of_memory
-from tests.helpers.server import KEY, Served
 from tests.helpers.fuzz import fuzz_examples
+from tests.helpers.server import KEY, Served
 
 AUTH = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
 CHAT = '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": %s}]%s}'
