@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -25,6 +25,7 @@ from engine import (
     RemoteClient,
     RemoteServer,
     RemoteSession,
+    SamplingSettings,
     TierStats,
     display_name,
     load_session,
@@ -133,17 +134,24 @@ class LocalConversation:
     def follow(self, message: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
         """Continue the turn after tool results (`message`, a user message the template shows as the tools')."""
         self.session.messages.append(ChatMessage("user", message, time.time()))
-        return self.session.submit(self.session.messages, settings, stop)
+        return self.session.submit(self.session.messages, self.with_model_sampling(settings), stop)
+
+    def with_model_sampling(self, settings: GenerationSettings) -> GenerationSettings:
+        """`settings` with the model's own recommended sampling where the user kept the generic defaults (a small
+        model at a generic temperature 0.7 and no loop guard rambles; its own settings answer)."""
+        if settings.sampling != SamplingSettings():
+            return settings
+        return replace(settings, sampling=self._engine.default_settings().sampling)
 
     @property
     def model_name(self) -> str:
         return display_name(self._engine.model_dir)
 
     def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
-        return self.session.chat(text, settings, stop)
+        return self.session.chat(text, self.with_model_sampling(settings), stop)
 
     def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
-        return self.session.regenerate(settings, stop)
+        return self.session.regenerate(self.with_model_sampling(settings), stop)
 
     def take_transcript(self, messages: list[tuple[str, str]], system_prompt: str, stop: StopCheck) -> None:
         now = time.time()
