@@ -13,8 +13,7 @@ from coreml.convert import convert
 from coreml.errors import ConversionError
 from coreml.reference import InterpreterBackend
 from engine.backends.torch_backend import TorchBackend
-from tests.coreml.conftest import SLOTS
-from tests.coreml.helpers import prompt_ids
+from tests.coreml.helpers import SLOTS, prompt_ids
 from tests.coreml.test_parity import assert_parity
 from tests.helpers.tiny_families import make_tiny_family
 

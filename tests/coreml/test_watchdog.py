@@ -17,9 +17,8 @@ from engine.backends import REGISTRY, BackendEntry, open_backend
 from engine.backends.base import Backend, BackendProbe
 from engine.backends.memo import MEMO_NAME, BackendMemo
 from engine.memory.base import FullAttentionMemory
-from tests.coreml.conftest import SLOTS
 from tests.coreml.fake_coreml import HangingLoader
-from tests.coreml.helpers import feed, prompt_ids
+from tests.coreml.helpers import SLOTS, feed, prompt_ids
 
 BOUND = 0.2  # seconds a call may take before it counts as hung (the fake hangs until released)
 

@@ -4,7 +4,8 @@ ends a window (its worker threads first). The fixtures in tests/app/conftest.py 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from app.tools.consent import Decision, PendingCall
 from app.tools.mcp_host import McpServerSpec
 from app.window.dialogs import Dialogs
 from app.window.main_window import MainWindow
+from app.worker.client import ConversationClient
+from app.worker.types import LoadedModel
 from engine import GenerationSettings, RemoteServer, SamplingSettings
 from engine.hw import ThermalReading, ThermalState
 
@@ -138,3 +141,20 @@ def dispose(w: MainWindow) -> None:
 
 def set_reply_tokens(prefs: Preferences, n: int) -> None:
     prefs.set_generation(GenerationSettings(max_tokens=n, sampling=SamplingSettings(seed=0)))
+
+
+@contextmanager
+def running_client(qtbot, cache: Path, model: Path, backend: str = "cpu") -> Iterator[ConversationClient]:  # type: ignore[no-untyped-def]
+    """A conversation client with `model` loaded on its worker; shut down and deleted after the block."""
+    gc.collect()  # earlier tests' Qt wrappers go here, on the GUI thread, not later on this worker's
+    client = ConversationClient("test-worker", None, cache, store=True)  # the main chat's kind: it reports reading
+    try:
+        with qtbot.waitSignal(client.loaded, timeout=300_000) as blocker:
+            client.load(model, backend)
+        assert isinstance(blocker.args[0], LoadedModel)
+        yield client
+    finally:
+        assert client.shutdown()
+        client.deleteLater()
+        QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+        gc.collect()

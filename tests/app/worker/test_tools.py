@@ -15,8 +15,7 @@ from app.worker.tool_turns import MAX_TOOL_ROUNDS, tools_note, without_tools_not
 from app.worker.types import TurnResult
 from engine import GenerationSettings, SamplingSettings
 from engine.openai.tools import Tool, ToolChoice, ToolSpec, tool_grammar
-from tests.app.worker.test_worker import _client
-from tests.helpers.app_window import WAIT_MS
+from tests.helpers.app_window import WAIT_MS, running_client
 
 SERVER = str(Path(__file__).resolve().parents[2] / "helpers" / "mcp_demo_server.py")
 DEMO = McpServerSpec("demo", sys.executable, (SERVER,))
@@ -46,7 +45,7 @@ def test_a_tool_call_runs_only_with_consent_and_its_result_continues_the_reply(
     asked: list[ConsentRequest] = []
     runs: list[ToolRun] = []
     deltas: list[str] = []
-    with _client(qtbot, tmp_path, tiny_model) as client:
+    with running_client(qtbot, tmp_path, tiny_model) as client:
 
         def consent(request: ConsentRequest) -> None:  # on the GUI thread, as the window's dialog answers
             asked.append(request)

@@ -3,42 +3,22 @@ the memory holding exactly a prefix of what the transcript says (the rest is rea
 
 from __future__ import annotations
 
-import gc
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from PySide6.QtCore import QCoreApplication, QEvent, Qt
+from PySide6.QtCore import Qt
 
-from app.worker.client import ConversationClient
-from app.worker.types import LoadedModel, ReadProgress, TurnResult
+from app.worker.types import ReadProgress, TurnResult
 from engine import GenerationSettings, SamplingSettings
-from tests.helpers.app_window import WAIT_MS
+from tests.helpers.app_window import WAIT_MS, running_client
 from tests.helpers.default_model import default_model_dir
 
 GREEDY = GenerationSettings(max_tokens=24, sampling=SamplingSettings(greedy=True))
 LONG = "A long prompt is read in chunks, and Stop may come between any two of them. " * 60
 
 
-@contextmanager
-def _client(qtbot, cache: Path, model: Path, backend: str = "cpu") -> Iterator[ConversationClient]:  # type: ignore[no-untyped-def]
-    gc.collect()  # earlier tests' Qt wrappers go here, on the GUI thread, not later on this worker's
-    client = ConversationClient("test-worker", None, cache, store=True)  # the main chat's kind: it reports reading
-    try:
-        with qtbot.waitSignal(client.loaded, timeout=300_000) as blocker:
-            client.load(model, backend)
-        assert isinstance(blocker.args[0], LoadedModel)
-        yield client
-    finally:
-        assert client.shutdown()
-        client.deleteLater()
-        QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
-        gc.collect()
-
-
 def test_the_default_model_answers_paris_through_the_worker(qtbot, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    with _client(qtbot, tmp_path, default_model_dir(), "auto") as client:
+    with running_client(qtbot, tmp_path, default_model_dir(), "auto") as client:
         with qtbot.waitSignal(client.finished, timeout=WAIT_MS * 4) as blocker:
             client.send("What is the capital of France?", GREEDY)
         result: TurnResult = blocker.args[0]
@@ -47,7 +27,7 @@ def test_the_default_model_answers_paris_through_the_worker(qtbot, tmp_path: Pat
 
 
 def test_stop_while_reading_leaves_memory_equal_to_the_transcript(qtbot, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
-    with _client(qtbot, tmp_path, tiny_model) as client:
+    with running_client(qtbot, tmp_path, tiny_model) as client:
         asked = threading.Event()
 
         def on_reading(p: ReadProgress) -> None:  # on the worker thread (direct): Stop while the prompt is read

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -12,8 +13,6 @@ from safetensors.torch import load_file
 from engine.bench.gguf_export import FILE_TYPES, K_TYPES, export_gguf, permute_for_gguf
 from engine.errors import SparkError
 from tests.helpers.tiny import make_tiny_model
-
-gguf = pytest.importorskip("gguf")
 
 
 @pytest.fixture(scope="module")

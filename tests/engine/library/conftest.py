@@ -8,16 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.library.catalog import load_catalog
-from engine.library.hub import HubClient, HubSettings
 from engine.library.library import Library
-from engine.library.store import ModelStore
+from tests.engine.library.helpers import FILE, REPO, make_library
 from tests.helpers.fake_hub import FakeHub, running_hub
 from tests.helpers.gguf_files import write_gguf
 from tests.helpers.tiny import make_tiny_model
-
-REPO = "spark-tests/tiny-GGUF"
-FILE = "tiny-f32.gguf"
 
 
 @pytest.fixture(scope="session")
@@ -36,11 +31,6 @@ def hub(tiny_gguf: bytes, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> It
     with running_hub() as fake:
         fake.add(REPO, {FILE: tiny_gguf, "README.md": b"# tiny\n"})
         yield fake
-
-
-def make_library(hub: FakeHub, root: Path, token: str | None = None, free: int = 1 << 40) -> Library:
-    settings = HubSettings(endpoint=hub.endpoint, token=token, offline=False)
-    return Library(ModelStore(root), HubClient(settings), load_catalog(), free_space=lambda _path: free)
 
 
 @pytest.fixture

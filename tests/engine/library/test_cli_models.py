@@ -9,7 +9,7 @@ import pytest
 
 from engine.cli import main
 from engine.loading.model_files import DEFAULT_MODEL_NAME, resolve_model_path
-from tests.engine.library.conftest import FILE, REPO
+from tests.engine.library.helpers import FILE, REPO
 from tests.helpers.fake_hub import FakeHub
 
 

@@ -18,7 +18,7 @@ import pytest
 from engine.library.download import DownloadControl, DownloadProgress, DownloadStopped, Phase, StopReason
 from engine.library.hub import HubClient, HubSettings, LibraryError, Problem
 from engine.library.library import Library
-from tests.engine.library.conftest import FILE, REPO, make_library
+from tests.engine.library.helpers import FILE, REPO, make_library
 from tests.helpers.fake_hub import FakeHub
 
 ROOT = Path(__file__).resolve().parents[3]

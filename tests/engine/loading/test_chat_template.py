@@ -7,13 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import transformers
 
 from engine.errors import TokenizerError
 from engine.loading.chat_template import FALLBACK_TEMPLATE, render_chat
 from engine.loading.tokenizer import Tokenizer
 from tests.helpers.tiny import make_tiny_model
-
-transformers = pytest.importorskip("transformers")
 
 # Real-world template styles, as published in their models' tokenizer_config.json.
 CHATML_QWEN2 = (

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from engine.backends.torch_backend import TorchBackend
 from engine.bench.gguf_export import permute_for_gguf
@@ -24,9 +25,6 @@ from engine.loading.weights import load_model
 from engine.memory.base import FullAttentionMemory
 from tests.helpers.gguf_files import write_gguf
 from tests.helpers.tiny import make_tiny_model
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
 
 TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 ATOL = 5e-5
