@@ -297,8 +297,9 @@ class TorchBackend(Backend):
         return self.cache.batch
 
     def slot_bytes_per_token(self) -> int:
-        """k, v in the KV dtype, plus read copies as large where steps run through PyTorch (engine.model.slots)."""
-        return KVCache.bytes_per_slot(self.config, self.kv_dtype, self.decoder is None or self.cache.reads_in_use)
+        """k, v in the KV dtype, plus read copies where steps run through PyTorch (engine.model.slots)."""
+        reads = self.decoder is None or self.cache.reads_in_use
+        return KVCache.bytes_per_slot(self.config, self.kv_dtype, reads, self.cache.compute_dtype)
 
     def kv_resident_bytes(self) -> int:
         return self.cache.allocated_bytes()

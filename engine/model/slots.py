@@ -220,11 +220,12 @@ class KVCache(nn.Module):
         )  # (L,B,Hkv,D)
 
     @staticmethod
-    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, read_copies: bool) -> int:
-        """Bytes one slot of one row takes: k, v in `dtype`, every layer, and as much again for their read copies
-        when a step through PyTorch keeps them."""
+    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, read_copies: bool, compute_dtype: torch.dtype) -> int:
+        """Bytes one slot of one row takes: k, v in `dtype`, every layer, and their read copies when a step through
+        PyTorch keeps them (rotated keys in `compute_dtype`, values in `dtype`)."""
         per_tensor = cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-        return 2 * per_tensor * dtype.itemsize * (2 if read_copies else 1)
+        copies = compute_dtype.itemsize + dtype.itemsize if read_copies else 0
+        return per_tensor * (2 * dtype.itemsize + copies)
 
     def slot_tensors(self) -> list[torch.Tensor]:
         """Every (L, B, Hkv, C, D) buffer, for whole-row operations such as beam reordering (the read copies are

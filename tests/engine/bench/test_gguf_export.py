@@ -21,7 +21,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("gguf"), "llama")
 
 
-@pytest.mark.parametrize("dtype", [t for t in FILE_TYPES if t not in K_TYPES])
+# TQ1_0 and TQ2_0 blocks are 256 weights wide, wider than this model's rows (their bytes are checked against
+# gguf's dequantizer in tests/engine/model/test_quant_types.py).
+@pytest.mark.parametrize("dtype", [t for t in FILE_TYPES if t not in K_TYPES and t not in ("tq1_0", "tq2_0")])
 def test_export_writes_each_type_with_the_same_values(model_dir: Path, tmp_path: Path, dtype: str) -> None:
     path = export_gguf(model_dir, tmp_path / f"m-{dtype}.gguf", dtype)
     reader = gguf.GGUFReader(str(path))

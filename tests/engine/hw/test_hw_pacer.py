@@ -6,6 +6,7 @@ from pathlib import Path
 
 from engine.backends.torch_backend import TorchBackend
 from engine.generation.loop import GenerationSettings, stream_generate
+from engine.generation.sampling import Sample
 from engine.hw.policy import HardwarePolicy, Mode
 from engine.hw.thermal import ThermalState
 from engine.loading.tokenizer import Tokenizer
@@ -39,7 +40,7 @@ def test_serious_state_shrinks_prefill_chunks_and_paces_decode(tmp_path: Path) -
             Tokenizer.from_dir(model_dir),
             list(range(1, 151)),
             settings,
-            sampler=lambda logits: (7, 0.0),
+            sampler=lambda logits: Sample(7, 0.0),
             pacer=policy,
         )
     )

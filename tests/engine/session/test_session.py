@@ -131,8 +131,8 @@ def need_of(model: Path) -> tuple[int, int, int]:
 def test_a_model_that_cannot_fit_is_refused_with_the_backends_own_figures(model: Path) -> None:
     weights, kv, slots = need_of(model)
     # The tiny model (PyTorch steps: no native kernels for its fp32 weights): k and v of 2 layers x 2 KV heads x
-    # 16 dims per slot, fp16, and read copies in fp16 as well; no fp32 copy.
-    assert kv == slots * 2 * 2 * 2 * 16 * (2 + 2) and slots == MIN_SLOT_TABLE
+    # 16 dims per slot, fp16, and read copies: rotated keys in fp32, values in fp16 (no fp32 copy of the values).
+    assert kv == slots * 2 * 2 * 16 * (2 + 2 + 4 + 2) and slots == MIN_SLOT_TABLE
     tiny_ram = FakeMemory(
         MemorySnapshot(rss_bytes=GB, total_bytes=64 * 1024, available_bytes=32 * 1024, pressure=MemoryPressure.NORMAL)
     )
