@@ -20,7 +20,6 @@ goal is only the first two outcomes and no such writes. Exit status 0 when that 
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
@@ -32,6 +31,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
+
+from tests.helpers import fuzz_campaign as campaign
 
 OUTCOMES = ("clean refusal", "loaded", "missed", "traceback", "hang", "over memory cap")
 
@@ -104,25 +105,20 @@ def _forget() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.fuzz_models", description=__doc__.splitlines()[0])
-    parser.add_argument("--files", type=int, default=2_000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per file")
-    parser.add_argument("--memory-cap-mb", type=int, default=3072, help="address space a worker may add per file")
-    args = parser.parse_args(argv)
+    args = campaign.parse_args(
+        "python -m tests.fuzz_models", __doc__ or "", argv, files=2_000, time_limit=120.0, memory_cap_mb=3072
+    )
 
     from engine.loading.model_files import default_model_path
     from tests.engine.loading.gguf_fuzzing import Seed, mutated_file
-    from tests.fuzz_sessions import _Pool
 
     root = Path(tempfile.mkdtemp(prefix="spark-fuzz-models-"))
     (root / "files").mkdir()
     seed = Seed.read(default_model_path())
     started = time.monotonic()
-    pool = _Pool(args.workers, (str(root / "cache"), args.memory_cap_mb << 20), target=_worker)
-    before = _outside(root)
-    results: list[tuple[str, str, str]] = []
+    pool = campaign.WorkerPool(args.workers, _worker, (str(root / "cache"), args.memory_cap_mb << 20))
+    before = campaign.files_outside(root, ("cache", "files"))
+    results: list[campaign.Result] = []
     batch = 4 * max(1, args.workers)
 
     def make(start: int) -> list[tuple[Path, str]]:
@@ -157,33 +153,18 @@ def main(argv: list[str] | None = None) -> int:
                     )
     finally:
         pool.close()
-    changed = sorted(set(_outside(root).items()) ^ set(before.items()))
-    counts = Counter(outcome for outcome, _, _ in results)
-    print(
-        f"{len(results)} mutated GGUF files of the default model (seed {args.seed}; {time.monotonic() - started:.0f} s, "
-        f"{args.workers} workers, {args.time_limit:g} s and +{args.memory_cap_mb} MB per file)"
-    )
-    print(f"{'outcome':<18}{'files':>8}")
-    for outcome in OUTCOMES:
-        print(f"{outcome:<18}{counts[outcome]:>8}")
-    defects = Counter((outcome, detail) for outcome, _, detail in results if outcome not in OUTCOMES[:2])
-    example = {(outcome, detail): what for outcome, what, detail in results}
-    for (outcome, detail), n in defects.most_common(20):
-        print(f"  {n:>5} x {outcome}: {detail} (e.g. {example[outcome, detail]})")
+    changed = sorted(p for p, _ in set(campaign.files_outside(root, ("cache", "files")).items()) ^ set(before.items()))
     shutil.rmtree(root, ignore_errors=True)
-    print(f"files written outside the cache: {len(changed)}" + "".join(f"\n  {p}" for p, _ in changed[:10]))
-    by_kind = Counter((what.split(":")[0], outcome) for outcome, what, _ in results)
-    print("by mutation: " + ", ".join(f"{k}/{o} {n}" for (k, o), n in sorted(by_kind.items())))
-    return 0 if not defects and not changed else 1
-
-
-def _outside(root: Path) -> dict[str, int]:
-    """Every file under the run's folder but the cache and the mutated files, with its mtime."""
-    return {
-        str(p): p.stat().st_mtime_ns
-        for p in root.rglob("*")
-        if p.is_file() and p.relative_to(root).parts[0] not in ("cache", "files")
-    }
+    return campaign.report(
+        f"{len(results)} mutated GGUF files of the default model (seed {args.seed}; "
+        f"{time.monotonic() - started:.0f} s, {args.workers} workers, {args.time_limit:g} s and "
+        f"+{args.memory_cap_mb} MB per file)",
+        OUTCOMES,
+        2,
+        results,
+        changed,
+        "the cache",
+    )
 
 
 if __name__ == "__main__":

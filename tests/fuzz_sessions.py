@@ -18,17 +18,15 @@ The goal is only the first two. Exit status 0 when that holds, 1 otherwise.
 
 from __future__ import annotations
 
-import argparse
-import multiprocessing as mp
 import random
 import sys
 import tempfile
 import time
 import traceback
-from collections import Counter
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+
+from tests.helpers import fuzz_campaign as campaign
 
 OUTCOMES = ("clean rejection", "accepted", "traceback", "hang", "over memory cap")
 
@@ -102,82 +100,10 @@ def _worker(conn: Connection, model: str, store_root: str, cap: int) -> None:
                 )
 
 
-class _Pool:
-    """Worker processes, each answering one file at a time; a hung or dead worker is replaced."""
-
-    def __init__(self, n: int, args: tuple, target: Callable[..., None] | None = None) -> None:
-        self.ctx = mp.get_context("spawn")
-        self.args = args
-        self.target = target or _worker
-        self.workers = [self._start() for _ in range(n)]
-
-    def _start(self) -> tuple[mp.process.BaseProcess, Connection]:
-        parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=self.target, args=(child, *self.args), daemon=True)
-        proc.start()
-        child.close()
-        return proc, parent
-
-    def run(
-        self, files: list[tuple[Path, str]], time_limit: float, startup: float = 180.0
-    ) -> list[tuple[str, str, str]]:
-        results: list[tuple[str, str, str]] = []
-        pending = list(reversed(files))
-        busy: dict[int, tuple[Path, str, float]] = {}
-        fresh = set(range(len(self.workers)))  # still importing torch: the first file's clock starts later
-        while pending or busy:
-            for i, (_proc, conn) in enumerate(self.workers):
-                if i not in busy and pending:
-                    path, what = pending.pop()
-                    conn.send(str(path))
-                    busy[i] = (path, what, time.monotonic() + (startup if i in fresh else time_limit))
-            for i in list(busy):
-                proc, conn = self.workers[i]
-                path, what, deadline = busy[i]
-                if conn.poll(0.01):
-                    try:
-                        outcome, detail = conn.recv()
-                    except (EOFError, OSError):
-                        outcome, detail = "over memory cap", f"worker died (exit {proc.exitcode})"
-                        self._replace(i)
-                    fresh.discard(i)
-                    results.append((outcome, what, detail))
-                    del busy[i]
-                elif not proc.is_alive():
-                    results.append(("over memory cap", what, f"worker died (exit {proc.exitcode})"))
-                    self._replace(i)
-                    fresh.add(i)
-                    del busy[i]
-                elif time.monotonic() > deadline:
-                    results.append(("hang", what, f"over {time_limit:g} s"))
-                    self._replace(i)
-                    fresh.add(i)
-                    del busy[i]
-        return results
-
-    def _replace(self, i: int) -> None:
-        proc, conn = self.workers[i]
-        proc.kill()
-        proc.join()
-        conn.close()
-        self.workers[i] = self._start()
-
-    def close(self) -> None:
-        for proc, conn in self.workers:
-            conn.close()
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.fuzz_sessions", description=__doc__.splitlines()[0])
-    parser.add_argument("--files", type=int, default=10_000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per file")
-    parser.add_argument("--memory-cap-mb", type=int, default=1024, help="address space a worker may add per file")
-    args = parser.parse_args(argv)
+    args = campaign.parse_args(
+        "python -m tests.fuzz_sessions", __doc__ or "", argv, files=10_000, time_limit=20.0, memory_cap_mb=1024
+    )
 
     from tests.engine.session.session_fuzzing import World, mutated_file
 
@@ -190,38 +116,23 @@ def main(argv: list[str] | None = None) -> int:
         path.parent.mkdir(exist_ok=True)
         files.append((path, mutated_file(world, random.Random(args.seed * 1_000_003 + i), path)))
     made = time.monotonic() - started
-    pool = _Pool(args.workers, (str(world.model), str(root / "l3"), args.memory_cap_mb << 20))
-    before = _outside_the_store(root)
+    pool = campaign.WorkerPool(args.workers, _worker, (str(world.model), str(root / "l3"), args.memory_cap_mb << 20))
+    before = campaign.files_outside(root, ("l3", "files"))
     try:
         results = pool.run(files, args.time_limit)
     finally:
         pool.close()
-    changed = sorted(set(_outside_the_store(root).items()) ^ set(before.items()))
-    counts = Counter(outcome for outcome, _, _ in results)
-    print(
-        f"{len(results)} mutated session files (seed {args.seed}; made in {made:.0f} s, checked in {time.monotonic() - started - made:.0f} s, "
-        f"{args.workers} workers, {args.time_limit:g} s and +{args.memory_cap_mb} MB per file)"
+    changed = sorted(p for p, _ in set(campaign.files_outside(root, ("l3", "files")).items()) ^ set(before.items()))
+    return campaign.report(
+        f"{len(results)} mutated session files (seed {args.seed}; made in {made:.0f} s, "
+        f"checked in {time.monotonic() - started - made:.0f} s, {args.workers} workers, "
+        f"{args.time_limit:g} s and +{args.memory_cap_mb} MB per file)",
+        OUTCOMES,
+        2,
+        results,
+        changed,
+        "the stores",
     )
-    print(f"{'outcome':<18}{'files':>8}")
-    for outcome in OUTCOMES:
-        print(f"{outcome:<18}{counts[outcome]:>8}")
-    defects = Counter((outcome, detail) for outcome, _, detail in results if outcome not in OUTCOMES[:2])
-    example = {(outcome, detail): what for outcome, what, detail in results}
-    for (outcome, detail), n in defects.most_common(20):
-        print(f"  {n:>5} x {outcome}: {detail} (e.g. {example[outcome, detail]})")
-    print(f"files written outside the stores: {len(changed)}" + "".join(f"\n  {p}" for p, _ in changed[:10]))
-    by_kind = Counter((what.split(":")[0], outcome) for outcome, what, _ in results)
-    print("by mutation: " + ", ".join(f"{k}/{o} {n}" for (k, o), n in sorted(by_kind.items())))
-    return 0 if not defects and not changed else 1
-
-
-def _outside_the_store(root: Path) -> dict[str, int]:
-    """Every file under the fuzz folder but the stores and the mutated files themselves, with its mtime."""
-    return {
-        str(p): p.stat().st_mtime_ns
-        for p in root.rglob("*")
-        if p.is_file() and p.relative_to(root).parts[0] not in ("l3", "files")
-    }
 
 
 if __name__ == "__main__":
