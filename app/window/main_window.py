@@ -73,7 +73,9 @@ from engine import (
 )
 from engine.paths import APP_NAME
 
-INTERACTIVE_PREFILL_CHUNK = 32  # tokens per forward while the user waits (see generation_settings)
+# Tokens per forward while the user waits (see generation_settings): Stop is checked between layers, so a chunk
+# costs Stop one layer of it; 128 read the default model's prompts ~1.3x faster than 32 (64: ~1.3x, 256: ~1.2x).
+INTERACTIVE_PREFILL_CHUNK = 128
 NARROW_WIDTH = 1100  # px: below it the inspector folds away so the chat keeps most of the window
 RUNS_ON = {  # the status bar's words for where the model runs (the details are in the tooltip and the inspector)
     "coreml": "runs on the Neural Engine",
@@ -514,8 +516,8 @@ class MainWindow(QMainWindow):
             self.speed_label.setText("")
 
     def generation_settings(self) -> GenerationSettings:
-        """The user's settings, with the prompt read in small chunks: Stop is checked between chunks, so a small
-        one keeps Stop (and Quit) prompt while a long paste is read, at a small cost in reading speed."""
+        """The user's settings, with the prompt read in chunks of at most INTERACTIVE_PREFILL_CHUNK: Stop (and
+        Quit) acts between two layers of a chunk, so a long paste stops within one layer's time of a chunk."""
         settings = self.prefs.generation()
         return replace(settings, prefill_chunk=min(settings.prefill_chunk, INTERACTIVE_PREFILL_CHUNK))
 
