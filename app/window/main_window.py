@@ -77,6 +77,7 @@ from engine.paths import APP_NAME
 # costs Stop one layer of it; 128 read the default model's prompts ~1.3x faster than 32 (64: ~1.3x, 256: ~1.2x).
 INTERACTIVE_PREFILL_CHUNK = 128
 NARROW_WIDTH = 1100  # px: below it the inspector folds away so the chat keeps most of the window
+SIDEBAR_WIDE, SIDEBAR_NARROW = 230, 190  # px: the sidebar's width above and below NARROW_WIDTH
 RUNS_ON = {  # the status bar's words for where the model runs (the details are in the tooltip and the inspector)
     "coreml": "runs on the Neural Engine",
     "mps": "runs on the Mac's graphics processor",
@@ -207,6 +208,16 @@ class MainWindow(QMainWindow):
             self.auto_layout = True
             self.menus.inspector_action.setChecked(self.prefs.inspector_visible() and not narrow)
             self.auto_layout = False
+            self._fit_sidebar()
+
+    def _fit_sidebar(self) -> None:
+        """The sidebar as wide as the window allows (a window made wide again gets back room for its titles); the
+        chat column takes the difference."""
+        sizes = self.splitter.sizes()
+        side = SIDEBAR_NARROW if self._narrow else SIDEBAR_WIDE
+        sizes[1] = max(0, sizes[1] + sizes[0] - side)
+        sizes[0] = side
+        self.splitter.setSizes(sizes)
 
     def _build_status_bar(self) -> None:
         status = self.statusBar()
@@ -336,7 +347,7 @@ class MainWindow(QMainWindow):
         state = self.prefs.window_state()
         if state is not None:
             self.restoreState(state)
-        side = 230 if self.width() >= NARROW_WIDTH else 190
+        side = SIDEBAR_WIDE if self.width() >= NARROW_WIDTH else SIDEBAR_NARROW
         self.splitter.setSizes([side, max(400, self.width() - side - 280), 280])
 
     def load_model(self, model: Path | None, backend: str = "auto") -> None:
