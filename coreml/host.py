@@ -13,6 +13,7 @@ step's tokens and the query heads of each KV group (what the cascade's retrieval
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,7 @@ from coreml.errors import PackageError
 from coreml.wrapper import MASK_MIN
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend
 from engine.model.config import ModelConfig
-from engine.model.network import SlotBatch, rope_inv_freq
+from engine.model.network import ForwardCancelled, SlotBatch, rope_inv_freq
 
 STATE_NAMES = ("k_cache", "v_cache")
 
@@ -122,9 +123,16 @@ class PackageBackend(Backend):
         return self.slots
 
     def _layers(
-        self, tokens: torch.Tensor, batch: SlotBatch, row: int, call: Call, k_rope: tuple[np.ndarray, np.ndarray]
+        self,
+        tokens: torch.Tensor,
+        batch: SlotBatch,
+        row: int,
+        call: Call,
+        k_rope: tuple[np.ndarray, np.ndarray],
+        should_stop: Callable[[], bool] | None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Run every chunk for one call: -> hidden (1, C, 1, T) fp16 and qsum (L, Hkv, D) fp32 (mean over T)."""
+        """Run every chunk for one call: -> hidden (1, C, 1, T) fp16 and qsum (L, Hkv, D) fp32 (mean over T).
+        `should_stop` is polled before every chunk but the forward's first (Backend.forward)."""
         rows = slice(call.row0, call.row0 + call.size)
         q_cos, q_sin = self.rope(batch.positions[row, rows])  # (T, D) each
         write, keep = write_matrix(batch.write_slots[row, rows].tolist(), self.slots)
@@ -140,7 +148,9 @@ class PackageBackend(Backend):
             "keep": keep,
         }
         summaries = []
-        for chunk in self.chunks:
+        for i, chunk in enumerate(self.chunks):
+            if (i or call.row0) and should_stop is not None and should_stop():
+                raise ForwardCancelled
             out = self._predict(row, chunk, call.function, {"hidden": hidden, **fixed})
             hidden = np.asarray(out["hidden_out"], dtype=np.float16)
             summaries.append(np.asarray(out["qsum"], dtype=np.float32)[0])  # (L_chunk, Hkv, D)
@@ -159,7 +169,13 @@ class PackageBackend(Backend):
             )
         return np.concatenate(out, axis=0).astype(np.float32)
 
-    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: SlotBatch,
+        last_only: bool = False,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
         b, t = tokens.shape
         if b != self.batch:
             raise ValueError(f"forward got {b} rows but the slot table has {self.batch}")
@@ -185,7 +201,7 @@ class PackageBackend(Backend):
                 ),
             )
             for call in plan_calls(t, self.functions):
-                h, q = self._layers(tokens, batch, row, call, k_rope)
+                h, q = self._layers(tokens, batch, row, call, k_rope, should_stop)
                 hidden.append(h[0, :, 0, :].T)  # (T_call, C)
                 qsum += q * (call.size / t)
             final = np.concatenate(hidden, axis=0)  # (T, C)

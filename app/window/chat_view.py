@@ -398,7 +398,7 @@ class ChatView(QTextBrowser):
             cursor.insertText(shown + " …", self._body_format())
             cursor.insertBlock(QTextBlockFormat(), self._body_format())
             n = len(lines)
-            rest = f"{n:,} line{'s' if n != 1 else ''}, {len(content):,} characters"
+            rest = f"{n:,} lines, {len(content):,} characters" if n > 1 else f"{len(content):,} characters"
             cursor.insertText(f"Show all ({rest})", self._link_format(f"expand:{index}", "Show the whole message"))
             return
         cursor.insertText(content, self._body_format())

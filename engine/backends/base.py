@@ -8,6 +8,7 @@ scheduler never know which one runs. KV crosses the boundary in one canonical la
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
@@ -77,10 +78,19 @@ class Backend(ABC):
         """A backend sharing these weights with its own empty slot table (another conversation, same model)."""
 
     @abstractmethod
-    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: SlotBatch,
+        last_only: bool = False,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
         """tokens (B, T) long -> logits float32 on the host, (B, T, V) or (B, 1, V) with `last_only`.
 
         Writes the new tokens' K/V into `batch.write_slots` before attending (see engine.model.slots.SlotBatch).
+        `should_stop` is polled between layers (or between the pieces of a forward that runs as a few opaque calls);
+        when it turns true the forward raises engine.model.network.ForwardCancelled, having written some layers'
+        K/V into the write slots: the caller takes the step back (engine.memory.base.Memory.rollback).
         """
 
     @abstractmethod
@@ -152,8 +162,14 @@ class BackendWrapper(Backend):
     def fork(self) -> Backend:
         return self.inner.fork()
 
-    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
-        return self.inner.forward(tokens, batch, last_only)
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: SlotBatch,
+        last_only: bool = False,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
+        return self.inner.forward(tokens, batch, last_only, should_stop)
 
     def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.read_kv(row, slots)

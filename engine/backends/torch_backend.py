@@ -32,6 +32,7 @@ from engine.errors import BackendUnavailable
 from engine.loading.weights import load_model
 from engine.model.config import ModelConfig
 from engine.model.network import (
+    ForwardCancelled,
     KVCache,
     SlotBatch,
     Transformer,
@@ -323,7 +324,13 @@ class TorchBackend(Backend):
         return twin
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: SlotBatch,
+        last_only: bool = False,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
         dev = self.device
         if dev.type != "cpu":
             tokens = tokens.to(dev, non_blocking=True)
@@ -343,7 +350,12 @@ class TorchBackend(Backend):
         cache = self.cache if rows == self.cache.batch else self.cache.leading_rows(rows)
         if native:
             return self._native_step(tokens, cache, batch, cache.plan_direct(batch, self.model.rotary()))
-        logits: torch.Tensor = self.model(tokens, cache, batch, last_only=last_only)
+        try:
+            logits: torch.Tensor = self.model(tokens, cache, batch, last_only=last_only, should_stop=should_stop)
+        except ForwardCancelled:
+            # The step's plan marked its read copies fresh for every layer; only the layers before the stop made them.
+            self.cache.forget()
+            raise
         return logits.float().cpu() if dev.type != "cpu" or logits.dtype != torch.float32 else logits
 
     def _native_step(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: DirectReads) -> torch.Tensor:

@@ -24,6 +24,7 @@ from engine.generation.sampling import Sample, Sampler, SamplingSettings, make_l
 from engine.generation.speculative import Controller, PromptLookup, Speculation, Speculator
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
+from engine.model.network import ForwardCancelled
 
 MAX_PENALTY_HISTORY = 4096
 
@@ -93,13 +94,15 @@ def prefill(
     on_progress: Callable[[PrefillProgress], None] | None = None,
 ) -> torch.Tensor | None:
     """Feed `ids` in chunks of at most `chunk` tokens; returns the last token's logits (V,) float32, or None when
-    `should_stop` turned true between two chunks (the chunks already fed stay in memory).
+    `should_stop` turned true (the chunks fed before stay in memory; the one it stopped is taken back whole).
 
     Tokens that the memory can restore from its prefix cache are not recomputed (the last one always is, since its
     logits are needed). A memory with the optional `prefill_cut(ids, start)` (the cascade: to snapshot its state
     for later prompts, and to route a prompt's last tokens with the queries just before them) may name indices of
     `ids` where chunks must end; chunks after a cut count from there.
-    `should_stop` is polled before every chunk, so a Stop while a long prompt is read acts within one chunk.
+    `should_stop` is polled before every chunk and between the layers of each (Backend.forward), so a Stop while a
+    long prompt is read acts within one layer; the chunk it interrupts is rolled back (Memory.rollback), so the
+    memory holds exactly the chunks before it.
     """
     ids = list(ids)
     if not ids:
@@ -114,7 +117,9 @@ def prefill(
     while not feed.done:
         if should_stop():
             return None
-        logits = feed_step(backend, memory, feed.next(chunk))
+        logits = feed_step(backend, memory, feed.next(chunk), should_stop)
+        if logits is None:
+            return None
         if on_progress is not None:
             on_progress(PrefillProgress(feed.at, len(ids), start, time.perf_counter() - t0))
     assert logits is not None
@@ -174,13 +179,24 @@ def settle(memory: Memory, taken_back: int) -> None:
 
 def decode_step(backend: Backend, memory: Memory, token: int) -> torch.Tensor:
     """Feed one token; returns its logits (V,) float32."""
-    return feed_step(backend, memory, [token])
+    logits = feed_step(backend, memory, [token])
+    assert logits is not None  # nothing can stop it midway
+    return logits
 
 
-def feed_step(backend: Backend, memory: Memory, piece: list[int]) -> torch.Tensor:
-    """One step: place `piece` in memory, run it, let memory record it; the last token's logits (V,) float32."""
+def feed_step(
+    backend: Backend, memory: Memory, piece: list[int], should_stop: Callable[[], bool] | None = None
+) -> torch.Tensor | None:
+    """One step: place `piece` in memory, run it, let memory record it; the last token's logits (V,) float32.
+    None when `should_stop` stopped the forward between two layers: the step is taken back whole."""
     plan = memory.plan(piece)
-    logits = backend.forward(torch.tensor([piece], dtype=torch.long), plan.as_batch(), last_only=True)  # (1, 1, V)
+    try:
+        logits = backend.forward(
+            torch.tensor([piece], dtype=torch.long), plan.as_batch(), last_only=True, should_stop=should_stop
+        )  # (1, 1, V)
+    except ForwardCancelled:
+        memory.rollback(len(piece))
+        return None
     memory.after_forward()
     return logits[0, -1]
 

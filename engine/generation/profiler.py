@@ -256,9 +256,15 @@ class _TimedBackend(BackendWrapper):
         super().__init__(inner)
         self._profiler = profiler
 
-    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: SlotBatch,
+        last_only: bool = False,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
         with self._profiler.span("backend"):
-            return self.inner.forward(tokens, batch, last_only)
+            return self.inner.forward(tokens, batch, last_only, should_stop)
 
 
 class _Timed:

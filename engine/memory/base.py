@@ -107,7 +107,8 @@ class Memory(Protocol):
     def rollback(self, n: int) -> None:
         """Take back the last `n` tokens of the last plan (drafts its verify rejected), after its forward and before
         `after_forward`: as if they had never been fed — their slots free, no tier, digest or saved state sees them.
-        Only for a plan within `speculation_room()`."""
+        Part of a plan only within `speculation_room()`; the whole of any plan (a forward stopped midway, which
+        wrote some layers' K/V: what the plan pushed out of the memory's slots is put back)."""
         ...
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -34,6 +34,7 @@ from engine.model.slots import KVCache, SlotBatch, SlotStep, StepReads
 # ROTARY_HEADROOM, SlotBatch and rope_inv_freq are re-exported: the cascade, batching and Core ML import them here.
 __all__ = [
     "ROTARY_HEADROOM",
+    "ForwardCancelled",
     "KVCache",
     "SlotBatch",
     "Transformer",
@@ -184,6 +185,11 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class ForwardCancelled(Exception):
+    """A forward's `should_stop` turned true between two layers: the step stopped midway, with some layers' K/V of
+    its tokens written into their slots; the caller takes the step back (engine.memory.base.Memory.rollback)."""
+
+
 class Transformer(nn.Module):
     """Llama-family causal LM over a slot-table KV cache."""
 
@@ -219,12 +225,17 @@ class Transformer(nn.Module):
         p = self.model.norm.weight  # any parameter gives device and compute dtype; the norm is never swapped
         return KVCache(self.config, batch, num_slots, p.device, dtype or p.dtype, p.dtype)
 
-    def hidden_states(self, tokens: torch.Tensor, step: StepAttention) -> torch.Tensor:
-        """tokens (B, T) -> final normed hidden states (B, T, C), each layer attending through `step`."""
+    def hidden_states(
+        self, tokens: torch.Tensor, step: StepAttention, should_stop: Callable[[], bool] | None = None
+    ) -> torch.Tensor:
+        """tokens (B, T) -> final normed hidden states (B, T, C), each layer attending through `step`.
+        `should_stop` is polled before every layer after the first; when true, raises ForwardCancelled."""
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # as transformers: the scale in the weights' dtype
         for i, layer in enumerate(self.decoder_layers()):
+            if i and should_stop is not None and should_stop():  # a long prefill chunk stops within one layer
+                raise ForwardCancelled
             x = layer(x, i, step)
         h: torch.Tensor = self.model.norm(x)
         return h
@@ -243,11 +254,13 @@ class Transformer(nn.Module):
         batch: SlotBatch,
         last_only: bool = False,
         reads: StepReads | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last token only when `last_only`; writes this
-        step's K/V into `cache`. `reads`: the step's plan when the caller already made it (KVCache.plan)."""
+        step's K/V into `cache`. `reads`: the step's plan when the caller already made it (KVCache.plan).
+        `should_stop`: polled between layers (see hidden_states)."""
         reads = reads or cache.plan(batch, self.rotary())
-        h = self.hidden_states(tokens, SlotStep(cache, batch, reads))
+        h = self.hidden_states(tokens, SlotStep(cache, batch, reads), should_stop)
         if last_only:
             h = h[:, -1:, :]
         logits: torch.Tensor = self.lm_head(h)

@@ -99,9 +99,15 @@ class LockedBackend(BackendWrapper):
         super().__init__(inner)
         self._lock, self._log, self._memory = lock, log, memory
 
-    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: SlotBatch,
+        last_only: bool = False,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
         with self._lock:
-            out = self.inner.forward(tokens, batch, last_only)
+            out = self.inner.forward(tokens, batch, last_only, should_stop)  # a cancelled one is not logged
         if self._log is not None and self._memory is not None:
             self._log.record_feed(len(self._memory.tokens), int(tokens.shape[-1]))  # tokens: (1, n)
         return out

@@ -10,7 +10,8 @@ Per plan (before each forward), in this order:
   1. route (Retriever.route): each layer's retrieval groups get its most relevant blocks, when the routing
      strategy says so;
   2. assign slots to the new tokens; tokens pushed out of the window are read (read_kv) *before* the forward
-     overwrites them and appended to the current partial episodic block;
+     overwrites them; once the forward is done (after_forward) they join the current partial episodic block, and
+     a forward stopped midway (rollback of the whole plan) writes them back into their slots instead;
   3. positions and the mask come from the working memory's preallocated tables.
 A plan may hold at most `window` tokens: with more, a new token would overwrite one fed in the same forward,
 whose KV does not exist yet. Within one chunk that wraps the window, earlier tokens of the chunk see the window
@@ -95,6 +96,8 @@ class CascadeMemory:
         self.prefix.reset()
         self._last_fed = 0  # tokens of the last plan (its forward's query summary covers them)
         self._last_evicted = 0  # tokens the last plan pushed out of the window
+        # Their slots (e,) and KV (L, Hkv, e, D) each, read before the forward overwrote them, until after_forward
+        self._evicted_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._taken_back = False  # rollback took tokens of the last plan back (its query summary covers them)
         self.reused_tokens = 0  # how many leading tokens the last reuse_prefix restored (for stats and benches)
 
@@ -129,11 +132,10 @@ class CascadeMemory:
         slots, evicted = self.working.assign(t)
         self._last_evicted = len(evicted)
         self._taken_back = False
-        if evicted:
-            self.prefix.close()
-            if self.cfg.retrieval_blocks:
-                k, v = self.backend.read_kv(self.row, torch.tensor(evicted))  # (L, Hkv, e, D) each, before overwrite
-                self.episodic.append(k, v)
+        self._evicted_kv = None
+        if evicted:  # read before the forward overwrites them: episodic memory's, or put back by a rollback
+            gone = torch.tensor(evicted)
+            self._evicted_kv = (gone, *self.backend.read_kv(self.row, gone))
         self.prefix.feed(ids, start)
         self.tokens.extend(ids)
         self.retriever.since_route += t
@@ -154,6 +156,12 @@ class CascadeMemory:
         )
 
     def after_forward(self) -> None:
+        if self._evicted_kv is not None:  # the forward is done: what it pushed out of the window is history now
+            _, k, v = self._evicted_kv
+            self._evicted_kv = None
+            self.prefix.close()
+            if self.cfg.retrieval_blocks:
+                self.episodic.append(k, v)
         if self.cfg.retrieval_blocks and not self._taken_back:  # a summary over rejected drafts is not kept
             self.retriever.remember_summary(self._last_fed)
         self.prefix.persist(len(self.tokens), self._read_prefix)
@@ -252,13 +260,23 @@ class CascadeMemory:
         return min(self.cfg.window, (self.cfg.sink_tokens - w.n_sink) + (self.cfg.window - w.n_window))
 
     def rollback(self, n: int) -> None:
+        """Part of a plan that evicted nothing (speculation), or the whole of any plan before its after_forward (a
+        forward stopped midway): the tokens it pushed out of the window go back into their slots."""
         if n == 0:
             return
-        if n > self._last_fed or self._last_evicted:
-            raise ValueError("rollback takes back only tokens of the last plan, and only a plan that evicted nothing")
+        whole = n == self._last_fed and self._evicted_kv is not None
+        if n > self._last_fed or (self._last_evicted and not whole):
+            raise ValueError(
+                "rollback takes back only tokens of the last plan, and part of one only when it evicted nothing"
+            )
         kept = self._last_fed - n
         start = len(self.tokens) - self._last_fed
-        self.working.unassign(n)
+        self.working.unassign(n, self._last_evicted)
+        if self._evicted_kv is not None:
+            gone, k, v = self._evicted_kv
+            self.backend.write_kv(self.row, gone, k, v)  # over what the stopped forward's first layers wrote
+            self._evicted_kv = None
+            self._last_evicted = 0
         self.working.refresh_positions()
         self.prefix.take_back(self.tokens[start : start + kept], start)
         del self.tokens[-n:]

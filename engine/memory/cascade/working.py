@@ -121,11 +121,15 @@ class WorkingMemory:
         self.valid[slots] = True
         return slots, evicted
 
-    def unassign(self, count: int) -> None:
-        """Undo `assign` of the last `count` tokens, when none of them pushed a token out: their slots are free again
-        (newest first: the window's before the sinks', the reverse of the order assign fills them)."""
-        for _ in range(count):
-            if self.n_window:
+    def unassign(self, count: int, evicted: int = 0) -> None:
+        """Undo `assign` of the last `count` tokens, the last `evicted` of which pushed a token out (the caller
+        writes those tokens' KV back): their slots are free again, or hold the pushed-out tokens again (newest
+        first: the window's before the sinks', the reverse of the order assign fills them)."""
+        self.evicted -= evicted
+        for i in range(count):
+            if i < evicted:  # it took a full window's oldest slot: the slot holds that token again
+                self.head = (self.head - 1) % self.window
+            elif self.n_window:
                 self.head = (self.head - 1) % self.window
                 self.n_window -= 1
                 self.valid[self.window_start + self.head] = False

@@ -101,6 +101,8 @@ def test_a_long_paste_is_collapsed_until_show_all(qtbot) -> None:  # type: ignor
     assert "row 199" in view.toPlainText() and "Show all" not in view.toPlainText()
     view.copy_message(0)
     assert QGuiApplication.clipboard().text() == paste
+    view.add_user_message("word " * 1200)  # one long line: counted in characters only
+    assert "Show all (6,000 characters)" in view.toPlainText()
 
 
 def test_an_empty_conversation_greets_with_example_prompts(qtbot) -> None:  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ token sequence on every path, including byte tokens that split a character (held
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,10 @@ class Scripted:
         self._inner = inner
         self.script = script
 
-    def forward(self, tokens: torch.Tensor, batch: Any, last_only: bool = False) -> torch.Tensor:
-        out = self._inner.forward(tokens, batch, last_only=last_only).clone()  # (B, T, V)
+    def forward(
+        self, tokens: torch.Tensor, batch: Any, last_only: bool = False, should_stop: Callable[[], bool] | None = None
+    ) -> torch.Tensor:
+        out = self._inner.forward(tokens, batch, last_only=last_only, should_stop=should_stop).clone()  # (B, T, V)
         fed = tokens[:, -out.shape[1] :]  # the tokens whose logits came back (all of them for a verify forward)
         for r, row in enumerate(fed.tolist()):
             for t, token in enumerate(row):

@@ -120,9 +120,9 @@ class _RecordingBackend:
         self._inner = inner
         self.rows_run: list[int] = []
 
-    def forward(self, tokens: torch.Tensor, batch, last_only: bool = False) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def forward(self, tokens: torch.Tensor, batch, last_only: bool = False, should_stop=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
         self.rows_run.append(tokens.shape[0])
-        return self._inner.forward(tokens, batch, last_only=last_only)
+        return self._inner.forward(tokens, batch, last_only=last_only, should_stop=should_stop)
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self._inner, name)

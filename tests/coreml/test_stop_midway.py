@@ -1,0 +1,46 @@
+"""A Core ML bundle's forward polls `should_stop` between its layer chunks (run here by the reference interpreter):
+a Stop while a prompt is read takes the stopped chunk back whole, and reading on gives what an uninterrupted read
+gives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from coreml.reference import InterpreterBackend
+from engine.generation.loop import prefill
+from engine.memory.base import FullAttentionMemory
+from tests.coreml.helpers import prompt_ids
+
+CHUNK = 16
+
+
+class StopAt:
+    """A `should_stop` that turns true at its `n`-th poll (and stays true)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.polls = n, 0
+
+    def __call__(self) -> bool:
+        self.polls += 1
+        return self.polls >= self.n
+
+
+def test_a_stop_between_layer_chunks_takes_the_chunk_back(package: Callable[[str], Path]) -> None:
+    pkg = package("none")  # two layer chunks
+    ids = prompt_ids(64, InterpreterBackend(pkg).config.vocab_size, seed=3)
+
+    interp = InterpreterBackend(pkg)
+    memory = FullAttentionMemory(interp)
+    first = prefill(interp, memory, ids[:CHUNK], CHUNK)
+    stop = StopAt(2)  # the poll before the chunk, then the one before its second layer chunk
+    assert first is not None and prefill(interp, memory, ids[CHUNK : 2 * CHUNK], CHUNK, should_stop=stop) is None
+    assert stop.polls == 2 and memory.tokens == ids[:CHUNK]
+    got = prefill(interp, memory, ids[CHUNK:], CHUNK)
+
+    whole = InterpreterBackend(pkg)
+    want = prefill(whole, FullAttentionMemory(whole), ids, CHUNK)
+    assert got is not None and want is not None
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
