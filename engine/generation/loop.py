@@ -167,7 +167,8 @@ def verify_forward(backend: Backend, memory: Memory, piece: list[int]) -> torch.
 
 
 def settle(memory: Memory, taken_back: int) -> None:
-    """After a verify forward: take back its last `taken_back` tokens, then let the memory record the rest."""
+    """After a verify forward: take back its last `taken_back` tokens (0 too: the memory hears it was a verify), then
+    let the memory record the rest."""
     memory.rollback(taken_back)
     memory.after_forward()
 

@@ -107,7 +107,8 @@ class Memory(Protocol):
     def rollback(self, n: int) -> None:
         """Take back the last `n` tokens of the last plan (drafts its verify rejected), after its forward and before
         `after_forward`: as if they had never been fed — their slots free, no tier, digest or saved state sees them.
-        Only for a plan within `speculation_room()`."""
+        Only for a plan within `speculation_room()`. Called after every verify, with 0 when it kept every token:
+        the memory then records the plan's tokens as if fed one by one (the cascade's routing query)."""
         ...
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

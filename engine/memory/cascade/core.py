@@ -95,6 +95,7 @@ class CascadeMemory:
         self.prefix.reset()
         self._last_fed = 0  # tokens of the last plan (its forward's query summary covers them)
         self._last_evicted = 0  # tokens the last plan pushed out of the window
+        self._verified = False  # the last plan was a speculative verify (rollback heard of it, maybe with 0)
         self._taken_back = False  # rollback took tokens of the last plan back (its query summary covers them)
         self.reused_tokens = 0  # how many leading tokens the last reuse_prefix restored (for stats and benches)
 
@@ -128,7 +129,7 @@ class CascadeMemory:
         start = len(self.tokens)
         slots, evicted = self.working.assign(t)
         self._last_evicted = len(evicted)
-        self._taken_back = False
+        self._verified = self._taken_back = False
         if evicted:
             self.prefix.close()
             if self.cfg.retrieval_blocks:
@@ -154,8 +155,11 @@ class CascadeMemory:
         )
 
     def after_forward(self) -> None:
-        if self.cfg.retrieval_blocks and not self._taken_back:  # a summary over rejected drafts is not kept
-            self.retriever.remember_summary(self._last_fed)
+        if self.cfg.retrieval_blocks:
+            if self._verified:  # the accepted tokens' summaries, as decoding them one by one records them
+                self.retriever.remember_tokens(self._last_fed, whole=not self._taken_back)
+            else:
+                self.retriever.remember_summary(self._last_fed)
         self.prefix.persist(len(self.tokens), self._read_prefix)
         if self.prefix.due(len(self.tokens)):
             self.prefix.put_snapshot(self.episodic, self.state)
@@ -252,6 +256,7 @@ class CascadeMemory:
         return min(self.cfg.window, (self.cfg.sink_tokens - w.n_sink) + (self.cfg.window - w.n_window))
 
     def rollback(self, n: int) -> None:
+        self._verified = True  # even with nothing taken back: the routing query is kept token by token
         if n == 0:
             return
         if n > self._last_fed or self._last_evicted:
