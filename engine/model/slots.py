@@ -38,6 +38,9 @@ from engine.model.config import ModelConfig
 # and attend with PyTorch's fused kernel. A one-row decoding step on the native kernels reads neither: its
 # attention rotates the stored keys as it reads them (engine/backends/native/spark_attention.c).
 SMALL_STEP = 8
+# One-row steps of at most this many tokens keep each token's query summary (KVCache.token_summaries): a speculative
+# verify (engine.generation.speculative.MAX_DRAFT + 1 tokens) keeps those of the tokens it accepts.
+TOKEN_SUMMARY_STEP = 16
 # The table grows by at least this many slots at a time (and by half its size when larger): a fresh chat holds
 # the slots it uses, a long one re-allocates a few times, never per token.
 GROWTH_SLOTS = 256
@@ -196,7 +199,7 @@ class KVCache(nn.Module):
         self.max_slots = num_slots  # S: the slots the memory may address
         self.compute_dtype = compute_dtype
         self.reads_in_use = False  # whether the read copies are kept (a step through PyTorch has read them)
-        # A one-row small step's per-token query summaries, (T, Hkv, D) fp32 per layer (SlotStep.record_queries):
+        # A one-row short step's per-token query summaries, (T, Hkv, D) fp32 per layer (SlotStep.record_queries):
         # a speculative verify keeps those of the tokens it accepts. Shared by leading_rows views; the backend
         # clears it before each forward.
         self.token_summaries: list[torch.Tensor] = []
@@ -487,7 +490,7 @@ class SlotStep:
 
     def record_queries(self, layer: int, q: torch.Tensor) -> None:
         per_token = summarize_queries(q, self.batch.summary_weights, self.cache.summary[layer])  # (B, T, Hkv, D)
-        if per_token.shape[0] == 1 and per_token.shape[1] <= SMALL_STEP:  # a one-row small step (a verify)
+        if per_token.shape[0] == 1 and per_token.shape[1] <= TOKEN_SUMMARY_STEP:  # one row, a few tokens (a verify)
             self.cache.token_summaries.append(per_token[0])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

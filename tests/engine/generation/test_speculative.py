@@ -305,6 +305,22 @@ def test_the_controller_decodes_plainly_where_verifying_does_not_pay() -> None:
     assert cheap.choose(8) >= 4
 
 
+def test_the_controller_keeps_a_cost_per_width() -> None:
+    """A verify's cost is not linear in its width (the CPU kernels' token lanes): a wide verify measured cheaper
+    than a narrower one is chosen where acceptance is high, and passed up where it is low."""
+    c = Controller(max_k=15)
+    c.record_decode(0.010)
+    for _ in range(20):
+        c.record_verify(3, 0.025, 2, 2)  # 3 tokens: 2.5 decode steps
+        c.record_verify(16, 0.028, 15, 15)  # 16 tokens in one lane group: 2.8
+    assert c.cost(3) == pytest.approx(0.025) and c.cost(16) == pytest.approx(0.028)
+    assert c.cost(8) == pytest.approx(0.025 + 5 * 0.25 * 0.010)  # not measured: a guess from width 3 up
+    c.accept_rate = 0.75  # 16 tokens give 3.96 for 2.8 steps; 3 tokens 2.31 for 2.5 (a slope from them: never)
+    assert c.choose(15) == 15
+    c.accept_rate = 0.2  # not even the cheapest guess (width 2, 1.25 steps) pays
+    assert c.choose(15) == 0
+
+
 @pytest.fixture(scope="module")
 def default_model() -> tuple[Engine, list[int], list[int]]:
     """The default model on the cascade, a code-editing prompt, and its plain greedy reply."""
