@@ -14,7 +14,7 @@ import torch
 from engine.backends.torch_backend import TorchBackend
 from engine.generation.loop import FinishReason, GenerationEvent, GenerationSettings, stream_generate
 from engine.generation.sampling import Sampler, SamplingSettings
-from engine.generation.speculative import Controller, Draft, PromptLookup, Speculation, Speculator
+from engine.generation.speculative import MAX_DRAFT, Controller, Draft, PromptLookup, Speculation, Speculator
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory, Memory
 from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
@@ -73,11 +73,12 @@ def cascade(backend: TorchBackend, tmp: Path) -> CascadeMemory:
 
 
 @pytest.mark.parametrize(
-    ("kind", "wrong"),
-    [("full", w) for w in (None, 0, 1, 2, 3)] + [("cascade", w) for w in (None, 0, 1, 2, 3)],
+    ("kind", "wrong", "k"),
+    [(kind, w, 4) for kind in ("full", "cascade") for w in (None, 0, 1, 2, 3)]
+    + [(kind, w, MAX_DRAFT) for kind in ("full", "cascade") for w in (None, 9)],  # verifies wider than a small step
 )
 def test_greedy_equals_plain_with_a_rejection_at_every_position(
-    tiny: tuple[Path, Tokenizer], tmp_path: Path, wrong: int | None, kind: str
+    tiny: tuple[Path, Tokenizer], tmp_path: Path, wrong: int | None, kind: str, k: int
 ) -> None:
     d, tok = tiny
     prompt = tok.encode("def main():\n    return 42\n")
@@ -98,7 +99,7 @@ def test_greedy_equals_plain_with_a_rejection_at_every_position(
     b2 = TorchBackend(d)
     mem = memory(b2, tmp_path / "spec")
     oracle = Oracle(reference, len(prompt), wrong)
-    spec = Speculator(oracle, Controller(max_k=4, adaptive=False))
+    spec = Speculator(oracle, Controller(max_k=k, adaptive=False))
     events = run(b2, mem, tok, prompt, settings, speculator=spec)
     assert [e.token for e in events] == reference
     assert mem.tokens == plain_mem.tokens  # no rejected draft, no token past the last sampled one
