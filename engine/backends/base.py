@@ -108,6 +108,13 @@ class Backend(ABC):
         that does not produce one (the cascade then routes with a key proxy)."""
         return None
 
+    def token_summaries(self) -> torch.Tensor | None:
+        """Per token, the last forward's query summary when it ran one row of a few tokens (a speculative verify):
+        (T, L, Hkv, D) float32 on the host, token t's as `query_summary` gives a forward of that token alone. A
+        verify keeps the summaries of the tokens it accepts, as decoding them one by one would. None from a backend
+        that does not produce them (the cascade then keeps a verify's summary only when it accepted every draft)."""
+        return None
+
     def kv_bytes_per_token(self) -> int:
         """Bytes of one token's k and v in the canonical layout: what the memory tiers, L3 and session files hold."""
         c = self.config
@@ -179,6 +186,9 @@ class BackendWrapper(Backend):
 
     def query_summary(self) -> torch.Tensor | None:
         return self.inner.query_summary()
+
+    def token_summaries(self) -> torch.Tensor | None:
+        return self.inner.token_summaries()
 
     def kv_bytes_per_token(self) -> int:
         return self.inner.kv_bytes_per_token()

@@ -189,6 +189,7 @@ class TorchBackend(Backend):
         self.native_steps = native_steps
         self.decoder: NativeDecoder | None = None  # runs the decoding steps it accepts (see forward)
         self._native_span: Callable[[], AbstractContextManager[object]] | None = None  # see timed_parts
+        self._one_token = False  # whether the last forward fed one row one token (token_summaries)
         self.kernels_note = ""  # which kernels run the block weights, and why those (the backend explanation)
         self.act_parts = act_parts
         stored = loaded.stored if stored is None else stored  # a GGUF's blocks, as the loader found them
@@ -345,6 +346,8 @@ class TorchBackend(Backend):
             self.cache.forget()
             self._rows_run = rows
         native = self.decoder is not None and tokens.shape == (1, 1) and self.decoder.accepts(self.cache)
+        self.cache.token_summaries.clear()
+        self._one_token = tokens.shape == (1, 1)
         # Grow the whole table (and its read copies where PyTorch will read them) before any view of it is taken.
         self.cache.reserve_for(batch, read_copies=not native and tokens.shape[1] <= SMALL_STEP)
         cache = self.cache if rows == self.cache.batch else self.cache.leading_rows(rows)
@@ -370,6 +373,14 @@ class TorchBackend(Backend):
 
     def query_summary(self) -> torch.Tensor:
         return self.cache.summary.transpose(0, 1).to("cpu", torch.float32).clone()  # (B, L, Hkv, D)
+
+    def token_summaries(self) -> torch.Tensor | None:
+        per_layer = self.cache.token_summaries  # L x (T, Hkv, D), or empty after the native step or a large one
+        if per_layer:
+            return torch.stack(per_layer, dim=1).to("cpu", torch.float32)  # (T, L, Hkv, D)
+        if self._one_token:  # the native step: one token, whose summary is the step's
+            return self.cache.summary[:, :1].transpose(0, 1).to("cpu", torch.float32).clone()  # (1, L, Hkv, D)
+        return None
 
     @torch.inference_mode()
     def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,8 +44,9 @@ class GenerationSettings:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     prefill_chunk: int = 256
     ignore_eos: bool = False  # benchmarks: always generate max_tokens (llama.cpp's --ignore-eos)
-    # engine.generation.speculative; off by default: on the CPU a verify forward still costs several decode steps
-    # (docs/BENCHMARKS.md), so speculation does not yet pay everywhere. Draft needs a caller's Speculator.
+    # engine.generation.speculative; off by default: on the CPU a verify forward of 2-12 tokens still costs 1.7-4.5
+    # decode steps (the native kernels' row route costs about a decode step's product per token below 8 tokens), so
+    # speculation does not yet pay everywhere. Draft needs a caller's Speculator.
     speculative: Speculation = Speculation.OFF
     draft_tokens: int = 0  # drafts per verify forward: 0 adapts them to measured costs and acceptance
     grammar: Grammar | None = None  # constrained output (engine.generation.constrained): JSON schema, Lark, GBNF
@@ -172,7 +173,8 @@ def verify_forward(backend: Backend, memory: Memory, piece: list[int]) -> torch.
 
 
 def settle(memory: Memory, taken_back: int) -> None:
-    """After a verify forward: take back its last `taken_back` tokens, then let the memory record the rest."""
+    """After a verify forward: take back its last `taken_back` tokens (0 too: the memory hears it was a verify), then
+    let the memory record the rest."""
     memory.rollback(taken_back)
     memory.after_forward()
 

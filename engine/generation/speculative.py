@@ -14,14 +14,17 @@ Drafters:
 
 Adaptive K (`Controller`): it measures the cost of a decode step and of a verify forward of each width, and the
 rate at which drafts are accepted, and picks the K that maximizes expected tokens per second — K = 0 (plain
-decoding) wherever no K beats a decode step. With a drafter that proposes nothing (no n-gram match) the step is a
+decoding) wherever no K beats a decode step. Costs are kept per width, not as a slope: on the CPU a verify's matrix
+products take the native kernels' row route below 8 tokens (each token costing about a decode step's product) and
+their token-lane route from 8 (16 lanes at a time on AVX-512: a 16-token verify cost about 2.8 decode steps where a
+2-token one cost 1.7 and a 12-token one 4.5, on the default model), so cost is not linear in the width. With a drafter that proposes nothing (no n-gram match) the step is a
 plain decode step, so prompt lookup costs nothing where it does not apply: `auto` speculates by lookup.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple, Protocol
 
@@ -30,8 +33,9 @@ import torch
 from engine.backends.base import Backend
 from engine.generation.sampling import Sampler, SamplingSettings
 from engine.memory.base import FullAttentionMemory
+from engine.model.slots import TOKEN_SUMMARY_STEP
 
-MAX_DRAFT = 8  # drafts per verify: the verify chunk (1 + K tokens) stays a small step (engine.model.slots.SMALL_STEP)
+MAX_DRAFT = TOKEN_SUMMARY_STEP - 1  # drafts per verify: a chunk of 1 + K tokens keeps per-token query summaries
 LOOKUP_NGRAMS = (4, 3, 2)  # n-gram sizes prompt lookup matches, longest first
 EMA = 0.15  # weight of the newest measurement in the controller's running figures
 PRIOR_EXTRA = 0.25  # until measured, a drafted token is assumed to add this share of a decode step to a verify
@@ -167,16 +171,16 @@ class Controller:
     With a per-draft acceptance rate a (drafts accepted in order until the first rejection), a verify forward of K
     drafts yields E(K) = (1 - a^(K+1)) / (1 - a) tokens for cost(K + 1) + K x draft cost; plain decoding yields one
     token per decode step. K is the argmax of yield per second, 0 when nothing beats a decode step. A verify's cost
-    is modelled as a decode step plus a measured extra per drafted token (PRIOR_EXTRA of a step until measured: the
-    first chance speculates with a small K, and its measurement decides the next)."""
+    is measured per width (a running figure each); a width not measured yet is guessed from the widest measured one
+    below it (a decode step for width 1) plus PRIOR_EXTRA of a decode step per further token, and its first
+    verify measures it: wide verifies are tried where the acceptance measured so far makes them likely to pay."""
 
     max_k: int = MAX_DRAFT
     adaptive: bool = True  # False: always max_k (within the limit), whatever it costs (tests, measurements)
     accept_rate: float = 0.6  # prior, until drafts are verified
     decode_s: float | None = None  # a decode step
     draft_s: float = 0.0  # drafting one token (0 for lookup)
-    extra_s: float = 0.0  # a verify forward's cost over a decode step's, per drafted token (measured)
-    verified: bool = False  # whether extra_s was measured yet
+    verify_s: dict[int, float] = field(default_factory=dict)  # width -> a verify forward's seconds (measured)
     passed: int = 0  # chances passed up at K = 0 since the last verify
     drafted: int = 0  # totals, for reports
     accepted: int = 0
@@ -190,10 +194,7 @@ class Controller:
         self.forwards += 1
 
     def record_verify(self, width: int, seconds: float, drafted: int, accepted: int) -> None:
-        if self.decode_s is not None and width > 1:
-            extra = max(0.0, (seconds - self.decode_s) / (width - 1))
-            self.extra_s = self._ema(self.extra_s if self.verified else None, extra)
-            self.verified = True
+        self.verify_s[width] = self._ema(self.verify_s.get(width), seconds)
         # Each draft kept is a success, the first rejected one a failure: the acceptance rate of this verify.
         trials = accepted + (1 if accepted < drafted else 0)
         if trials:
@@ -207,11 +208,13 @@ class Controller:
             self.draft_s = self._ema(self.draft_s or None, seconds / tokens)
 
     def cost(self, width: int) -> float:
-        """Estimated seconds of a verify forward of `width` tokens: a decode step plus the measured extra per token
-        (one slope from every verify measured, so a single verify informs every width)."""
+        """Estimated seconds of a verify forward of `width` tokens (see the class doc)."""
         assert self.decode_s is not None
-        extra = self.extra_s if self.verified else PRIOR_EXTRA * self.decode_s
-        return self.decode_s + extra * (width - 1)
+        if width in self.verify_s:
+            return self.verify_s[width]
+        base = max((w for w in self.verify_s if w < width), default=1)
+        known = self.verify_s.get(base, self.decode_s)
+        return known + PRIOR_EXTRA * self.decode_s * (width - base)
 
     def _best(self, limit: int, accept_rate: float) -> int:
         """The K in [0, limit] of most tokens per second at this acceptance rate (0: plain decoding)."""

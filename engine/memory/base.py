@@ -108,7 +108,10 @@ class Memory(Protocol):
         """Take back the last `n` tokens of the last plan (drafts its verify rejected), after its forward and before
         `after_forward`: as if they had never been fed — their slots free, no tier, digest or saved state sees them.
         Part of a plan only within `speculation_room()`; the whole of any plan (a forward stopped midway, which
-        wrote some layers' K/V: what the plan pushed out of the memory's slots is put back)."""
+        wrote some layers' K/V: what the plan pushed out of the memory's slots is put back).
+
+        Called after every verify, with 0 when it kept every token: the memory then records the plan's tokens as if
+        fed one by one (the cascade's routing query)."""
         ...
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

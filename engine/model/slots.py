@@ -38,6 +38,9 @@ from engine.model.config import ModelConfig
 # and attend with PyTorch's fused kernel. A one-row decoding step on the native kernels reads neither: its
 # attention rotates the stored keys as it reads them (engine/backends/native/spark_attention.c).
 SMALL_STEP = 8
+# One-row steps of at most this many tokens keep each token's query summary (KVCache.token_summaries): a speculative
+# verify (engine.generation.speculative.MAX_DRAFT + 1 tokens) keeps those of the tokens it accepts.
+TOKEN_SUMMARY_STEP = 16
 # The table grows by at least this many slots at a time (and by half its size when larger): a fresh chat holds
 # the slots it uses, a long one re-allocates a few times, never per token.
 GROWTH_SLOTS = 256
@@ -144,10 +147,11 @@ class DirectReads:
     split: int
 
 
-def summarize_queries(q: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> None:
+def summarize_queries(q: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """The query summary: q (B, T, H*D) pre-RoPE (after q_proj and its bias) -> out (B, Hkv, D) fp32, the mean over
     the step's tokens (weighted by `weights` (B, T) when given) and over the query heads of each KV-head group
-    (heads of a group are adjacent). Computed in the forward that makes q, never in a pass of its own."""
+    (heads of a group are adjacent). Computed in the forward that makes q, never in a pass of its own. Returns
+    each token's own summary, (B, T, Hkv, D) fp32."""
     b, t, hd = q.shape
     hkv, d = out.shape[1], out.shape[2]
     per_group = q.reshape(b, t, hkv, hd // (hkv * d), d).float().mean(dim=3)  # (B, T, Hkv, D)
@@ -155,6 +159,7 @@ def summarize_queries(q: torch.Tensor, weights: torch.Tensor | None, out: torch.
         out.copy_(per_group.mean(dim=1))
     else:
         out.copy_(torch.einsum("bt,btkd->bkd", weights.float(), per_group))
+    return per_group
 
 
 class KVCache(nn.Module):
@@ -194,6 +199,10 @@ class KVCache(nn.Module):
         self.max_slots = num_slots  # S: the slots the memory may address
         self.compute_dtype = compute_dtype
         self.reads_in_use = False  # whether the read copies are kept (a step through PyTorch has read them)
+        # A one-row short step's per-token query summaries, (T, Hkv, D) fp32 per layer (SlotStep.record_queries):
+        # a speculative verify keeps those of the tokens it accepts. Shared by leading_rows views; the backend
+        # clears it before each forward.
+        self.token_summaries: list[torch.Tensor] = []
         empty = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, 0, cfg.head_dim)
         self.register_buffer("k", torch.zeros(empty, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,C,D)
         self.register_buffer("v", torch.zeros(empty, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,C,D)
@@ -480,7 +489,9 @@ class SlotStep:
         self.cache, self.batch, self.reads = cache, batch, reads
 
     def record_queries(self, layer: int, q: torch.Tensor) -> None:
-        summarize_queries(q, self.batch.summary_weights, self.cache.summary[layer])
+        per_token = summarize_queries(q, self.batch.summary_weights, self.cache.summary[layer])  # (B, T, Hkv, D)
+        if per_token.shape[0] == 1 and per_token.shape[1] <= TOKEN_SUMMARY_STEP:  # one row, a few tokens (a verify)
+            self.cache.token_summaries.append(per_token[0])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, batch, reads = self.cache, self.batch, self.reads

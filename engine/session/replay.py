@@ -8,7 +8,9 @@ tells on restore whether the rebuilt memory is bit for bit the one that was save
 
 Schedule (JSON): a list of `[op, size, count]` runs, op "f" = `count` feeds of `size` tokens each, op "r" = `size`
 tokens restored from the prefix cache (count 1), op "s" = one speculative verify forward of `size` tokens of which
-the memory kept the first `count` (< size; the rest were rejected drafts, taken back). The kept tokens add up to the
+the memory kept the first `count` (<= size; the rest were rejected drafts, taken back). A verify that kept every
+token is not a feed of the same tokens: the memory records a verify's tokens as if fed one by one (the cascade's
+routing query, engine.memory.base `rollback`). The kept tokens add up to the
 memory's token count. A replayed verify feeds filler after the kept tokens: under the causal mask, and with every
 row of a matrix product computed on its own, the kept tokens' KV does not depend on what follows them.
 """
@@ -47,8 +49,9 @@ class FeedLog:
     def clear(self) -> None:
         self.runs, self.accounted, self.valid = [], 0, True
 
-    def record_feed(self, held_after_plan: int, n: int) -> None:
-        """A forward of `n` tokens; `held_after_plan` is the memory's token count with those `n` included."""
+    def record_feed(self, held_after_plan: int, n: int, verify: bool = False) -> None:
+        """A forward of `n` tokens (`verify`: a speculative verify, engine.generation.loop.verify_forward);
+        `held_after_plan` is the memory's token count with those `n` included."""
         back = self.accounted - (held_after_plan - n)
         if back > 0:  # the last forward was a verify whose rejected drafts the memory took back
             self.runs = self._taken_back(self.runs, back)
@@ -59,7 +62,9 @@ class FeedLog:
             return
         if reused:
             self.runs.append(["r", reused, 1])
-        if self.runs and self.runs[-1][0] == "f" and self.runs[-1][1] == n:
+        if verify:
+            self.runs.append(["s", n, n])  # kept whole until a later feed shows what was taken back
+        elif self.runs and self.runs[-1][0] == "f" and self.runs[-1][1] == n:
             self.runs[-1][2] += 1
         else:
             self.runs.append(["f", n, 1])
@@ -77,13 +82,11 @@ class FeedLog:
 
     @staticmethod
     def _taken_back(runs: Schedule, back: int) -> Schedule:
-        """`runs` with their last feed turned into a verify that kept all but its last `back` tokens ([] when the
-        last run is not a feed that large)."""
-        if not runs or runs[-1][0] != "f" or runs[-1][1] <= back:
+        """`runs` with their last verify keeping all but its last `back` tokens ([] when the last run is not a
+        verify that kept that many)."""
+        if not runs or runs[-1][0] != "s" or runs[-1][2] != runs[-1][1] or runs[-1][1] <= back:
             return []
-        op, size, count = runs[-1]
-        head = runs[:-1] + ([[op, size, count - 1]] if count > 1 else [])
-        return [*head, ["s", size, size - back]]
+        return [*runs[:-1], ["s", runs[-1][1], runs[-1][1] - back]]
 
     def adopt(self, schedule: Schedule, held: int) -> None:
         """After a restore: continue the restored memory's schedule."""
@@ -101,7 +104,7 @@ def check_schedule(raw: object, tokens: int) -> Schedule:
             raise bad
         op, size, count = run
         if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (size, count)) or (
-            (op == "r" and count != 1) or (op == "s" and count >= size)
+            (op == "r" and count != 1) or (op == "s" and count > size)
         ):
             raise bad
         total += count if op == "s" else size * count
@@ -128,7 +131,7 @@ def memory_digest(memory: Memory) -> str:
 
 
 def replay(
-    feed: Callable[[list[int], int], None],
+    feed: Callable[[list[int], int, bool], None],
     memory: Memory,
     ids: Sequence[int],
     schedule: Schedule,
@@ -136,8 +139,9 @@ def replay(
 ) -> None:
     """Rebuild a memory holding `ids` by repeating `schedule` on the empty `memory`.
 
-    `feed(piece, keep)` runs one forward of `piece` (engine.generation.loop's step, through the session's backend)
-    and keeps its first `keep` tokens (all but a verify's rejected drafts). A prefix
+    `feed(piece, keep, verify)` runs one forward of `piece` (engine.generation.loop's step, through the session's
+    backend; a speculative verify when `verify`) and keeps its first `keep` tokens (all but a verify's rejected
+    drafts). A prefix
     that came from the persistent cache is taken from it again when it is still there, else computed in chunks
     of at most the memory's largest feed (then the digest check may report a difference).
     """
@@ -152,24 +156,24 @@ def replay(
                 pos = at + got
                 while pos < at + size:
                     end = min(pos + step, at + size)
-                    feed(list(ids[pos:end]), end - pos)
+                    feed(list(ids[pos:end]), end - pos, False)
                     pos = end
             elif op == "s":
                 kept = list(ids[at : at + count])
-                feed(kept + [kept[-1]] * (size - count), count)  # filler where the rejected drafts were
+                feed(kept + [kept[-1]] * (size - count), count, True)  # filler where the rejected drafts were
             else:
-                feed(list(ids[at : at + size]), size)
+                feed(list(ids[at : at + size]), size, False)
             at += count if op == "s" else size
             if on_progress is not None:
                 on_progress(at, total)
 
 
-def backend_feed(backend: Backend, memory: Memory) -> Callable[[list[int], int], None]:
+def backend_feed(backend: Backend, memory: Memory) -> Callable[[list[int], int, bool], None]:
     """One forward of a piece keeping its first `keep` tokens, exactly as generation does it (a plain step, or a
     speculative verify and the taking back of its rejected drafts)."""
 
-    def feed(piece: list[int], keep: int) -> None:
-        if keep == len(piece):
+    def feed(piece: list[int], keep: int, verify: bool) -> None:
+        if not verify:
             feed_step(backend, memory, piece)
         else:
             verify_forward(backend, memory, piece)

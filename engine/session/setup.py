@@ -109,5 +109,7 @@ class LockedBackend(BackendWrapper):
         with self._lock:
             out = self.inner.forward(tokens, batch, last_only, should_stop)  # a cancelled one is not logged
         if self._log is not None and self._memory is not None:
-            self._log.record_feed(len(self._memory.tokens), int(tokens.shape[-1]))  # tokens: (1, n)
+            # Only a speculative verify asks for every position's logits (engine.generation.loop.verify_forward).
+            verify = not last_only and int(tokens.shape[-1]) > 1
+            self._log.record_feed(len(self._memory.tokens), int(tokens.shape[-1]), verify)  # tokens: (1, n)
         return out

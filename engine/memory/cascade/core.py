@@ -98,6 +98,7 @@ class CascadeMemory:
         self._last_evicted = 0  # tokens the last plan pushed out of the window
         # Their slots (e,) and KV (L, Hkv, e, D) each, read before the forward overwrote them, until after_forward
         self._evicted_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._verified = False  # the last plan was a speculative verify (rollback heard of it, maybe with 0)
         self._taken_back = False  # rollback took tokens of the last plan back (its query summary covers them)
         self.reused_tokens = 0  # how many leading tokens the last reuse_prefix restored (for stats and benches)
 
@@ -131,7 +132,7 @@ class CascadeMemory:
         start = len(self.tokens)
         slots, evicted = self.working.assign(t)
         self._last_evicted = len(evicted)
-        self._taken_back = False
+        self._verified = self._taken_back = False
         self._evicted_kv = None
         if evicted:  # read before the forward overwrites them: episodic memory's, or put back by a rollback
             gone = torch.tensor(evicted)
@@ -162,8 +163,11 @@ class CascadeMemory:
             self.prefix.close()
             if self.cfg.retrieval_blocks:
                 self.episodic.append(k, v)
-        if self.cfg.retrieval_blocks and not self._taken_back:  # a summary over rejected drafts is not kept
-            self.retriever.remember_summary(self._last_fed)
+        if self.cfg.retrieval_blocks:
+            if self._verified:  # the accepted tokens' summaries, as decoding them one by one records them
+                self.retriever.remember_tokens(self._last_fed, whole=not self._taken_back)
+            else:
+                self.retriever.remember_summary(self._last_fed)
         self.prefix.persist(len(self.tokens), self._read_prefix)
         if self.prefix.due(len(self.tokens)):
             self.prefix.put_snapshot(self.episodic, self.state)
@@ -262,6 +266,7 @@ class CascadeMemory:
     def rollback(self, n: int) -> None:
         """Part of a plan that evicted nothing (speculation), or the whole of any plan before its after_forward (a
         forward stopped midway): the tokens it pushed out of the window go back into their slots."""
+        self._verified = True  # even with nothing taken back: the routing query is kept token by token
         if n == 0:
             return
         whole = n == self._last_fed and self._evicted_kv is not None

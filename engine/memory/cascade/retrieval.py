@@ -88,7 +88,24 @@ class Retriever:
         summary = self.backend.query_summary()  # (B, L, Hkv, D) or None
         if summary is None:
             return
-        self.recent.append((summary[self.row].float().clone(), tokens))
+        self._keep(summary[self.row].float().clone(), tokens)
+
+    def remember_tokens(self, kept: int, whole: bool) -> None:
+        """After a speculative verify whose first `kept` tokens stay (`whole`: all of them): keep their summaries
+        one by one, as decoding them step by step would have, so routing never depends on how a reply was
+        drafted. A backend without per-token summaries: the forward's summary, only when it covers exactly the
+        kept tokens."""
+        per_token = self.backend.token_summaries()  # (T, L, Hkv, D) or None
+        if per_token is None or per_token.shape[0] < kept:
+            if whole:
+                self.remember_summary(kept)
+            return
+        for t in range(kept):
+            self._keep(per_token[t].float().clone(), 1)
+
+    def _keep(self, summary: torch.Tensor, tokens: int) -> None:
+        """summary (L, Hkv, D) of a forward of `tokens` tokens: the newest of the recent ones (proxy_tokens)."""
+        self.recent.append((summary, tokens))
         while len(self.recent) > 1 and sum(n for _, n in self.recent[1:]) >= self.cfg.proxy_tokens:
             self.recent.pop(0)
 
