@@ -511,6 +511,7 @@ def beam_generate(
     search = BeamSearch(settings.beam, reply.eos, settings.max_tokens)
     forks = BeamForks(backend, view)
     step, stopped = search.step(logits[None]), False  # the prompt's logits are the one beam's
+    t_first = time.perf_counter()  # the first token is chosen: the search's time to first token
     while not search.done:
         if should_stop():
             stopped = True
@@ -527,6 +528,10 @@ def beam_generate(
             break
     # A hypothesis ends on EOS or the budget, a stopped search's beam on the stop: its last event is final.
     assert events[-1].finish_reason is not None
+    # The events come after the search: their timings are the search's (its first token, then its steps' rate).
+    n, took = len(events), time.perf_counter() - t_first
+    timed = {"ttft_s": t_first - reply.t0, "tokens_per_s": (n - 1) / took if n > 1 and took > 0 else 0.0}
+    events = [replace(e, **timed) for e in events]
     events[-1] = replace(events[-1], beams=tuple(best))
     fed, chunk = reply.tokens[:-1], max(1, min(settings.prefill_chunk, memory.max_feed()))
     for at in range(0, len(fed), chunk):  # the forks are gone: the memory takes the reply as a prompt would
