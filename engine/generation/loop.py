@@ -530,8 +530,8 @@ def beam_generate(
     assert events[-1].finish_reason is not None
     # The events come after the search: their timings are the search's (its first token, then its steps' rate).
     n, took = len(events), time.perf_counter() - t_first
-    timed = {"ttft_s": t_first - reply.t0, "tokens_per_s": (n - 1) / took if n > 1 and took > 0 else 0.0}
-    events = [replace(e, **timed) for e in events]
+    ttft, rate = t_first - reply.t0, (n - 1) / took if n > 1 and took > 0 else 0.0
+    events = [replace(e, ttft_s=ttft, tokens_per_s=rate) for e in events]
     events[-1] = replace(events[-1], beams=tuple(best))
     fed, chunk = reply.tokens[:-1], max(1, min(settings.prefill_chunk, memory.max_feed()))
     for at in range(0, len(fed), chunk):  # the forks are gone: the memory takes the reply as a prompt would
