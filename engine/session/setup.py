@@ -99,6 +99,9 @@ class LockedBackend(BackendWrapper):
         super().__init__(inner)
         self._lock, self._log, self._memory = lock, log, memory
 
+    def fork(self) -> Backend:
+        return LockedBackend(self.inner.fork(), self._lock)  # a fork steps under the same lock (no feed log)
+
     def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
         with self._lock:
             out = self.inner.forward(tokens, batch, last_only)
