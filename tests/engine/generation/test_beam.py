@@ -22,6 +22,7 @@ from engine.memory.cascade import CascadeConfig, CascadeMemory
 from engine.model.slots import ForkTable, KVCache
 from tests.helpers.real_model import real_model_dir
 from tests.helpers.tiny import make_tiny_model
+from tests.helpers.tiny_families import make_tiny_family
 
 HF_EARLY = {EarlyStopping.HEURISTIC: False, EarlyStopping.DONE: True, EarlyStopping.NEVER: "never"}
 
@@ -128,6 +129,20 @@ def test_beams_without_an_end_token_equal_transformers(tiny_dir: Path, n: int) -
     events = beam_run(backend, FullAttentionMemory(backend), tok, prompt, settings)
     assert [e.token for e in events] == hf_beams(tiny_dir, prompt, n, 12, None, length_penalty=0.0)[0]
     assert events[-1].finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_beams_equal_transformers_on_other_families(tmp_path: Path, family: str) -> None:
+    """Gemma 3's sliding layers (a window of 8, shorter than prompt and reply) see only their window in every beam."""
+    d = make_tiny_family(tmp_path / family, family)
+    tok = Tokenizer.from_dir(d)
+    prompt = tok.encode("Python is a programming language.")
+    backend = fp32_backend(d)
+    settings = beam_settings(3, 12, returned=3)
+    settings.ignore_eos = True
+    events = beam_run(backend, FullAttentionMemory(backend), tok, prompt, settings)
+    ref = hf_beams(d, prompt, 3, 12, None, 3, length_penalty=0.0)
+    assert [list(h.tokens) for h in events[-1].beams] == ref
 
 
 def test_beams_on_the_default_model_equal_transformers() -> None:
