@@ -36,6 +36,7 @@ from enum import StrEnum
 import torch
 
 from engine.backends.base import Backend
+from engine.errors import InputTooLarge
 from engine.memory.base import ForkView, RowPlan, window_mask
 from engine.model.slots import ForkTable
 
@@ -162,7 +163,6 @@ class BeamForks:
         self.backend, self.view = backend, view
         self.table = ForkTable(view.slot_positions.numel())
         self.nodes = [ForkTable.ROOT]  # the node each running beam continues from
-        self.peak = 0  # the most slots the forks held at once
 
     def feed(self, step: Step) -> torch.Tensor:
         """Move the forks to `step`'s beams and feed their new tokens: logits (R, V) float32."""
@@ -173,7 +173,6 @@ class BeamForks:
         for node in old:
             t.drop(node)
         self.nodes = t.write(parents)  # each beam's reference moves to its new token's node
-        self.peak = max(self.peak, t.held)
         plan = self._plan()
         if plan.slot_positions.numel() > self.backend.num_slots:
             self.backend.widen(plan.slot_positions.numel())
@@ -203,10 +202,13 @@ class BeamForks:
         return RowPlan(positions, write, slot_positions, mask, v.frame, v.frame_start, local)
 
 
-def check_room(view: ForkView, settings: BeamSettings, max_tokens: int) -> None:
+def check_room(view: ForkView, max_tokens: int) -> None:
     """Beams may add at most `view.max_depth` tokens (their positions must stay in the model's rotary table)."""
     if max_tokens > view.max_depth:
-        raise ValueError(f"beam search can add at most {view.max_depth} tokens to this conversation, not {max_tokens}")
+        raise InputTooLarge(
+            f"Beam search can add at most {view.max_depth} tokens to this conversation, not {max_tokens}; "
+            "ask for fewer tokens or start a new conversation."
+        )
 
 
 def beams_summary(hypotheses: Sequence[Hypothesis]) -> list[dict[str, object]]:

@@ -507,7 +507,7 @@ def beam_generate(
     if settings.max_tokens < 1:
         return
     view = memory.fork_view()
-    check_room(view, settings.beam, settings.max_tokens)
+    check_room(view, settings.max_tokens)
     search = BeamSearch(settings.beam, reply.eos, settings.max_tokens)
     forks = BeamForks(backend, view)
     step, stopped = search.step(logits[None]), False  # the prompt's logits are the one beam's

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from engine.backends.torch_backend import TorchBackend
+from engine.errors import InputTooLarge
 from engine.generation.beam import BeamForks, BeamSearch, BeamSettings, EarlyStopping, Step
 from engine.generation.loop import FinishReason, GenerationEvent, GenerationSettings, prefill, stream_generate
 from engine.generation.sampling import SamplingSettings
@@ -251,3 +252,12 @@ def test_search_rules_stop_on_done_once_n_finished() -> None:
     assert not search.done and len(search.finished) == 1 and step.tokens == (1, 2)
     step = search.step(torch.tensor([[0.0, -5, -5, -5, -5], [0.0, -5, -5, -5, -5]]))
     assert search.done and len(search.finished) == 2 and step.tokens == ()
+
+
+def test_beams_past_the_rotary_table_are_one_sentence(tiny_dir: Path) -> None:
+    tok = Tokenizer.from_dir(tiny_dir)
+    backend = fp32_backend(tiny_dir)
+    memory = FullAttentionMemory(backend)
+    room = memory.fork_view().max_depth
+    with pytest.raises(InputTooLarge, match="Beam search can add at most"):
+        beam_run(backend, memory, tok, tok.encode("The quick"), beam_settings(2, room + 1))
