@@ -2,7 +2,7 @@
 forward that feeds every running beam's next token at once over forks of one memory (`BeamForks`). The loop that
 drives them is `engine.generation.loop.beam_generate`.
 
-The rules are transformers' (`generate(num_beams=N, do_sample=False)`, its `_beam_search` since 4.50), so our
+The rules are transformers' (`generate(num_beams=N, do_sample=False)`, its `_beam_search` as of version 5), so our
 beams equal its output token for token:
   - each step ranks the running beams' continuations by their summed log-probabilities and keeps the top
     K = max(2, 1 + number of end-of-reply tokens) * N of them; the best N that did not end keep running;
@@ -23,8 +23,9 @@ plus the distinct tokens of their tree. Each step feeds the running beams' token
 token masked to its own beam. On the cascade, forks see the memory as the next token would (engine.memory.base.
 ForkView); once the window is full, decoding one by one would also push the window's oldest tokens out as each
 beam grows, which beams sharing one window cannot do, so they keep seeing them (at most `max_tokens` more than
-plain decoding sees). When the search ends the forks are dropped and the chosen reply is fed to the memory as
-plain decoding would have fed it.
+plain decoding sees). When the search ends the forks are dropped and the chosen reply (but its last token, as
+after plain decoding) is fed to the memory in chunks, as a prompt is: the memory's bookkeeping (window, episodic
+blocks, prefix cache) then follows the reply as it follows any text.
 """
 
 from __future__ import annotations
