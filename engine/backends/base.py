@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from engine.errors import SparkError
 from engine.model.config import ModelConfig
 from engine.model.slots import SlotBatch
 
@@ -72,6 +73,11 @@ class Backend(ABC):
     @abstractmethod
     def allocate(self, batch: int, num_slots: int) -> None:
         """(Re)create an empty slot table with `batch` rows of `num_slots` slots."""
+
+    def widen(self, num_slots: int) -> None:
+        """Let rows address up to `num_slots` slots, keeping what the table holds (beam search's forks write past
+        their memory's slots: engine.model.slots.ForkTable). A fixed-shape table (Core ML) cannot."""
+        raise SparkError(f"The {self.name} backend's slot table has a fixed shape, so it cannot run beam search.")
 
     @abstractmethod
     def fork(self) -> Backend:
@@ -165,6 +171,9 @@ class BackendWrapper(Backend):
 
     def allocate(self, batch: int, num_slots: int) -> None:
         self.inner.allocate(batch, num_slots)
+
+    def widen(self, num_slots: int) -> None:
+        self.inner.widen(num_slots)
 
     def fork(self) -> Backend:
         return self.inner.fork()

@@ -319,6 +319,9 @@ class TorchBackend(Backend):
         self.cache = self.model.new_cache(batch, num_slots, self.kv_dtype)
         self._rows_run = self.cache.batch
 
+    def widen(self, num_slots: int) -> None:
+        self.cache.widen(num_slots)
+
     def fork(self) -> TorchBackend:
         twin = copy.copy(self)  # shares self.model (weights) by reference
         twin.cache = self.model.new_cache(self.batch, self.num_slots, self.kv_dtype)

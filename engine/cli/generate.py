@@ -11,6 +11,7 @@ from pathlib import Path
 from engine.backends import QUANTIZE_CHOICES
 from engine.cli.checks import check_max_tokens, check_seed, check_text, check_threads, read_text_file
 from engine.errors import SparkError
+from engine.generation.beam import MAX_BEAMS, BeamSettings, EarlyStopping, beams_summary
 from engine.generation.constrained import MAX_GRAMMAR_CHARS, Grammar, grammar_from_file_text, json_schema_grammar
 from engine.generation.loop import GenerationEvent, GenerationSettings
 from engine.generation.sampling import SamplingSettings
@@ -105,7 +106,20 @@ def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationS
         sampling=sampling,
         speculative=speculative,
         draft_tokens=draft_tokens,
+        beam=beam_from_args(args),
     )
+
+
+def beam_from_args(args: argparse.Namespace) -> BeamSettings:
+    """--beams N (every beam reported with --json), --length-penalty, --early-stopping; one beam without them."""
+    beams = getattr(args, "beams", 1)
+    if not 1 <= beams <= MAX_BEAMS:
+        raise SparkError(f"--beams must be 1 to {MAX_BEAMS}, not {beams}.")
+    penalty = getattr(args, "length_penalty", 0.0)
+    if not -10.0 <= penalty <= 10.0:
+        raise SparkError(f"--length-penalty must be between -10 and 10, not {penalty}.")
+    early = EarlyStopping(getattr(args, "early_stopping", EarlyStopping.HEURISTIC))
+    return BeamSettings(beams, penalty, early, returned=beams)
 
 
 def open_engine(args: argparse.Namespace) -> Engine:
@@ -140,6 +154,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--continue", dest="continue_", action="store_true", help="with --load-session: extend the last reply"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--beams", type=int, default=1, help="beam search over N beams (deterministic; default 1: off)")
+    p.add_argument(
+        "--length-penalty",
+        type=float,
+        default=0.0,
+        help="beam scores: sum of logprobs / length ** this (default 0: the plain sum; transformers' default is 1)",
+    )
+    p.add_argument(
+        "--early-stopping",
+        default=EarlyStopping.HEURISTIC.value,
+        choices=[e.value for e in EarlyStopping],
+        help="when beam search stops once N beams finished (transformers' False, True, 'never')",
+    )
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", type=Path, default=None, help="reply with JSON matching this JSON Schema file")
     shape.add_argument("--grammar", type=Path, default=None, help="reply in this grammar (a Lark or GBNF file)")
@@ -177,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
         raise SparkError("Give a prompt with --prompt TEXT (or --load-session FILE --continue).")
     settings = settings_from_args(args, resolve_model_path(args.model))  # bad flags fail before any loading
     settings.grammar = read_grammar(args)
+    if settings.grammar is not None and settings.beam.beams > 1:
+        raise SparkError("--beams does not combine with --json-schema or --grammar; give one or the other.")
     engine = open_engine(args)
     session = engine.new_session()
     if args.load_session is not None:
@@ -201,6 +230,11 @@ def run(args: argparse.Namespace) -> int:
         if settings.speculative is not Speculation.OFF and last is not None and last.forwards:
             # Tokens per decode forward (the first token comes from the prompt's forward): 1.0 without gains.
             out["accepted_per_forward"] = round((last.generated_tokens - 1) / last.forwards, 3)
+        if last is not None and last.beams:  # every beam, best first: its text, tokens, logprob and score
+            out["beams"] = [
+                {"text": engine.tokenizer.decode(list(h.tokens)), **b}
+                for h, b in zip(last.beams, beams_summary(last.beams), strict=True)
+            ]
         print(json.dumps(out, ensure_ascii=False), flush=True)
     if args.save_session is not None:  # after the reply is out: a failed save must not lose it
         try:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
 import torch
 
 from engine.backends.base import Backend
+from engine.generation.beam import BeamForks, BeamSearch, BeamSettings, Hypothesis, check_room
 from engine.generation.constrained import Grammar, TokenMask
 from engine.generation.sampling import Sample, Sampler, SamplingSettings, make_logits_processors, make_sampler
 from engine.generation.speculative import Controller, PromptLookup, Speculation, Speculator
@@ -51,6 +52,7 @@ class GenerationSettings:
     draft_tokens: int = 0  # drafts per verify forward: 0 adapts them to measured costs and acceptance
     grammar: Grammar | None = None  # constrained output (engine.generation.constrained): JSON schema, Lark, GBNF
     top_logprobs: int = 0  # each event carries this many most likely tokens with their logprobs
+    beam: BeamSettings = field(default_factory=BeamSettings)  # beams > 1: beam search (engine.generation.beam)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class GenerationEvent:
     finish_reason: FinishReason | None = None
     forwards: int = 0  # decode forwards so far (with speculation one forward may give several tokens)
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first, when settings ask
+    beams: tuple[Hypothesis, ...] = ()  # beam search's final event: the best hypotheses, best first
 
 
 @dataclass(frozen=True)
@@ -396,6 +399,11 @@ def stream_generate(
     plain decoding gives (greedy) or drawn from the same distribution (sampled); the memory never keeps a rejected
     draft, nor a token after the one a reply ended on.
     """
+    if settings.beam.beams > 1:
+        yield from beam_generate(
+            backend, memory, tokenizer, prompt_ids, settings, should_stop=should_stop, on_prefill=on_prefill
+        )
+        return
     window = settings.sampling.repetition_window or MAX_PENALTY_HISTORY
     reply = Reply(
         tokenizer, len(prompt_ids), settings, list(memory.tokens[-window:]) + list(prompt_ids), sampler=sampler
@@ -484,3 +492,66 @@ def speculative_step(
     samples = reply.verify(logits, draft.tokens, draft.probs)
     ctl.record_verify(len(draft.tokens) + 1, time.perf_counter() - t1, len(draft.tokens), len(samples) - 1)
     return samples, len(draft.tokens)
+
+
+def beam_generate(
+    backend: Backend,
+    memory: Memory,
+    tokenizer: Tokenizer,
+    prompt_ids: Sequence[int],
+    settings: GenerationSettings,
+    *,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_prefill: Callable[[PrefillProgress], None] | None = None,
+) -> Iterator[GenerationEvent]:
+    """Beam search (engine.generation.beam): prefill as `stream_generate` does, then one forward per step feeds every
+    running beam's token over forks of `memory`. The best reply's events come once the search ends (the final one
+    carries the best `settings.beam.returned` hypotheses); then the memory holds the reply but its last token, as
+    after `stream_generate`. `should_stop` is polled before every chunk and every step: a stopped search replies
+    with its best beam so far, "cancelled"."""
+    if settings.grammar is not None:
+        raise ValueError("beam search does not run under a grammar")
+    window = settings.sampling.repetition_window or MAX_PENALTY_HISTORY
+    reply = Reply(tokenizer, len(prompt_ids), settings, list(memory.tokens[-window:]) + list(prompt_ids))
+    if should_stop():
+        yield reply.cancel()
+        return
+    logits = prefill(
+        backend, memory, prompt_ids, settings.prefill_chunk, should_stop=should_stop, on_progress=on_prefill
+    )
+    if logits is None:
+        yield reply.cancel()
+        return
+    if settings.max_tokens < 1:
+        return
+    view = memory.fork_view()
+    check_room(view, settings.max_tokens)
+    search = BeamSearch(settings.beam, reply.eos, settings.max_tokens)
+    forks = BeamForks(backend, view)
+    step, stopped = search.step(logits[None]), False  # the prompt's logits are the one beam's
+    t_first = time.perf_counter()  # the first token is chosen: the search's time to first token
+    while not search.done:
+        if should_stop():
+            stopped = True
+            break
+        step = search.step(forks.feed(step))  # (R, V) logits of the running beams
+        reply.forwards += 1
+    best = search.best()[: settings.beam.returned]
+    events: list[GenerationEvent] = []
+    chosen = best[0]
+    for i, (token, logprob) in enumerate(zip(chosen.tokens, chosen.logprobs, strict=True)):
+        cancel = stopped and i == len(chosen.tokens) - 1  # a stopped search ends on its best beam so far
+        events.append(reply.accept(token, logprob, lambda cancel=cancel: cancel))  # type: ignore[misc]
+        if events[-1].finish_reason is not None:
+            break
+    # A hypothesis ends on EOS or the budget, a stopped search's beam on the stop: its last event is final.
+    assert events[-1].finish_reason is not None
+    # The events come after the search: their timings are the search's (its first token, then its steps' rate).
+    n, took = len(events), time.perf_counter() - t_first
+    ttft, rate = t_first - reply.t0, (n - 1) / took if n > 1 and took > 0 else 0.0
+    events = [replace(e, ttft_s=ttft, tokens_per_s=rate) for e in events]
+    events[-1] = replace(events[-1], beams=tuple(best))
+    fed, chunk = reply.tokens[:-1], max(1, min(settings.prefill_chunk, memory.max_feed()))
+    for at in range(0, len(fed), chunk):  # the forks are gone: the memory takes the reply as a prompt would
+        feed_step(backend, memory, fed[at : at + chunk])
+    yield from events

@@ -27,7 +27,7 @@ from engine.memory.values import (
     memory_kind,
     tokens_in_vocab,
 )
-from engine.model.network import SlotBatch
+from engine.model.network import ROTARY_HEADROOM, SlotBatch
 
 
 @dataclass
@@ -57,6 +57,29 @@ class RowPlan:
             torch.tensor([self.frame_start]) if framed else None,
             local_mask=None if self.local_mask is None else self.local_mask[None, None],
         )
+
+
+@dataclass(frozen=True)
+class ForkView:
+    """What the next token of a memory would see, for forks that write past the memory's own slots (beam search:
+    engine.generation.beam, engine.model.slots.ForkTable) and never change the memory itself.
+
+    slot_positions (S0,) long, visible (S0,) bool, slot_tokens (S0,) long over the memory's own slots [0, S0): each
+    slot's position, whether the next token attends to it, and the index in the conversation of its token (-1 for
+    a retrieved block or an empty slot: engine.memory.base.window_mask). A fork's token at depth d (1 for the next
+    token) takes position `position + d - 1` and conversation index `index + d - 1`; slots from `frame_start` on,
+    the forks' own included, are rotated in `frame` (engine.model.slots.SlotBatch). `max_depth`: the most tokens a
+    fork may add with its positions inside the model's rotary table.
+    """
+
+    position: int
+    index: int
+    slot_positions: torch.Tensor
+    visible: torch.Tensor
+    slot_tokens: torch.Tensor
+    max_depth: int
+    frame: int = 0
+    frame_start: int = 0
 
 
 def window_mask(
@@ -114,6 +137,11 @@ class Memory(Protocol):
         fed one by one (the cascade's routing query)."""
         ...
 
+    def fork_view(self) -> ForkView:
+        """What the next token would see, changing nothing: forks (beam search) share this memory's slots by mask
+        and write their own tokens past them."""
+        ...
+
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Everything needed to restore this memory exactly: (JSON-able meta, canonical fp16 host tensors)."""
         ...
@@ -156,6 +184,12 @@ class FullAttentionMemory:
         if n:
             del self.tokens[-n:]
 
+    def fork_view(self) -> ForkView:
+        n, c = len(self.tokens), self.backend.config
+        held = torch.arange(n)  # (n,) token i in slot i at position i
+        table = c.max_position_embeddings + ROTARY_HEADROOM
+        return ForkView(n, n, held, torch.ones(n, dtype=torch.bool), held, max_depth=table - n)
+
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         k, v = self.backend.read_kv(self.row, torch.arange(len(self.tokens)))  # (L, Hkv, N, D) each
         return {"kind": "full", "tokens": list(self.tokens)}, {"k": k, "v": v}
@@ -180,6 +214,8 @@ class FullAttentionMemory:
         if start + t > s:
             raise InputTooLarge(f"The conversation ({start + t} tokens) exceeds the {s}-token full-attention cache.")
         live = start + t  # only the filled slots take part (see SlotBatch)
+        if live > self._slot_positions.numel():  # the table was widened (Backend.widen) since this memory was made
+            self._slot_positions = torch.arange(s)
         new = torch.arange(start, live)  # (T,)
         mask = self._slot_positions[None, :live] <= new[:, None]  # (T, S') causal
         self.tokens.extend(ids)

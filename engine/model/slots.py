@@ -15,6 +15,7 @@ heads, D head dim.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,6 +289,18 @@ class KVCache(nn.Module):
         if self.reads_in_use:
             self.k_read, self.v_read = self._grown(self.k_read, size), self._grown(self.v_read, size)
 
+    def widen(self, num_slots: int) -> None:
+        """Address up to `num_slots` slots from now on (the forks of a row's memory write past its own: ForkTable),
+        keeping everything the table holds; what is allocated still grows only as steps write."""
+        extra = num_slots - self.max_slots
+        if extra <= 0:
+            return
+        self.read_slots = torch.cat((self.read_slots, self.read_slots.new_full((extra,), -1)))  # (S,)
+        self.read_positions = torch.cat(
+            (self.read_positions, self.read_positions.new_full((self.batch, extra), -1)), dim=1
+        )  # (B, S)
+        self.max_slots = num_slots
+
     def reserve_for(self, batch: SlotBatch, read_copies: bool = False) -> None:
         """`reserve` the slots a step reads (its S' live ones) and writes."""
         written = int(batch.write_slots.max()) + 1 if batch.write_slots.numel() else 0
@@ -523,3 +536,73 @@ class SlotStep:
         if reads.rope_q_framed is None:
             return small_step_attention(q, keys, values, blocked)  # (B, H, T, D)
         return split_frame_attention(apply_rope(q_raw, *rope_q), q, keys, values, reads.split, blocked)
+
+
+class ForkTable:
+    """Copy-on-write forks of one row's memory (beam search, engine.generation.beam): which slots each fork's tokens
+    live in, past the `base` slots the memory itself owns.
+
+    A fork is a node: the token it last wrote and its parent. Forking never copies KV: every fork of a node sees
+    the node's whole chain (and the memory's slots) by mask, and a fork's next token is written to a slot of its own
+    (KV is written once and never rewritten, so a shared slot needs no copy-on-write of its contents; what is
+    shared is the slot). A node lives while a fork or a child holds it; when the last one lets go its slot is free
+    for the next write. So N beams hold the memory's slots once plus the distinct tokens of their tree, not N
+    copies of everything.
+    """
+
+    ROOT = -1  # the node every fork starts from: the memory's own slots, no token of a fork
+
+    def __init__(self, base: int) -> None:
+        self.base = base  # first slot past the memory's own: forks write in [base, base + high_water)
+        self.parent: dict[int, int] = {}  # node -> parent node (ROOT for the first token after the memory)
+        self.slot: dict[int, int] = {}  # node -> the slot its token's KV is in
+        self.depth: dict[int, int] = {}  # node -> tokens on its chain (1 for a child of ROOT)
+        self.refs: dict[int, int] = {}  # node -> forks and children holding it
+        self.free: list[int] = []  # slots given back, reused before the table grows
+        self.high_water = 0  # slots past `base` ever used: what the table had to grow by
+        self._next = 0
+
+    @property
+    def held(self) -> int:
+        """Slots the forks hold now (the distinct tokens of their tree)."""
+        return len(self.slot)
+
+    def write(self, parents: Sequence[int]) -> list[int]:
+        """One new node under each of `parents` (ROOT or a held node): their ids, each holding one fresh slot and
+        one reference (the fork's). Each parent loses the reference its fork held (the fork moved on) and gains
+        one from its child; the caller `hold`s a parent first for every extra fork that shares it."""
+        nodes = []
+        for p in parents:
+            node, self._next = self._next, self._next + 1
+            if self.free:
+                slot = self.free.pop()
+            else:
+                slot, self.high_water = self.base + self.high_water, self.high_water + 1
+            self.parent[node], self.slot[node], self.refs[node] = p, slot, 1
+            self.depth[node] = 1 if p == self.ROOT else self.depth[p] + 1
+            nodes.append(node)
+        return nodes
+
+    def hold(self, node: int) -> None:
+        """One more fork shares `node`."""
+        if node != self.ROOT:
+            self.refs[node] += 1
+
+    def drop(self, node: int) -> None:
+        """A fork lets go of `node`: nodes no fork or child holds free their slots, up the chain."""
+        while node != self.ROOT:
+            self.refs[node] -= 1
+            if self.refs[node]:
+                return
+            parent = self.parent.pop(node)
+            self.free.append(self.slot.pop(node))
+            del self.refs[node], self.depth[node]
+            node = parent
+
+    def chain(self, node: int) -> list[int]:
+        """The slots of `node`'s tokens, oldest first (empty for ROOT)."""
+        slots: list[int] = []
+        while node != self.ROOT:
+            slots.append(self.slot[node])
+            node = self.parent[node]
+        return slots[::-1]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.generation.batch import Completion
+from engine.generation.beam import MAX_BEAMS, BeamSettings, EarlyStopping
 from engine.generation.loop import FinishReason, GenerationSettings
 from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
 from engine.openai.errors import bad_request
@@ -259,6 +260,7 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
             raise bad_request("Give either 'tools' or a JSON 'response_format' in one request, not both.", "tools")
         settings.grammar = tool_grammar(tools)
     n = _int(body, "n", 1, MAX_CHOICES) or 1
+    settings.beam = _beam(body, settings, n)
     return ParsedRequest(model, messages, None, settings, stream, include_usage, logprobs, n, tools)
 
 
@@ -281,7 +283,30 @@ def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
     lp = _int(body, "logprobs", 0, 5)
     settings.top_logprobs = lp or 0
     n = _int(body, "n", 1, MAX_CHOICES) or 1
+    settings.beam = _beam(body, settings, n)
     return ParsedRequest(model, None, prompt, settings, stream, include_usage, lp is not None, n)
+
+
+EARLY_STOPPING = {False: EarlyStopping.HEURISTIC, True: EarlyStopping.DONE, "never": EarlyStopping.NEVER}
+
+
+def _beam(body: dict[str, Any], settings: GenerationSettings, n: int) -> BeamSettings:
+    """Beam search (`beam_width` > 1, with vLLM's `length_penalty` and `early_stopping`): its `n` best beams are the
+    choices. Deterministic, so sampling fields do not apply; not under a grammar (tools, a JSON response_format)."""
+    width = _int(body, "beam_width", 1, MAX_BEAMS) or 1
+    if width == 1:
+        return BeamSettings()
+    if n > width:
+        raise bad_request(f"'n' ({n}) must be at most 'beam_width' ({width}): the choices are the best beams.", "n")
+    if settings.grammar is not None:
+        raise bad_request("'beam_width' does not combine with tools or a JSON 'response_format'.", "beam_width")
+    if settings.top_logprobs:
+        raise bad_request("'beam_width' does not combine with 'top_logprobs'.", "beam_width")
+    early = body.get("early_stopping", False)
+    if not any(early is k for k in EARLY_STOPPING if isinstance(k, bool)) and early != "never":
+        raise bad_request("'early_stopping' must be true, false or \"never\".", "early_stopping")
+    penalty = _num(body, "length_penalty", 0.0, -10.0, 10.0)
+    return BeamSettings(width, penalty, EARLY_STOPPING[early], returned=n)
 
 
 # -- responses ----------------------------------------------------------------------------------------------------

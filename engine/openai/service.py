@@ -29,6 +29,7 @@ from engine.generation.scheduler import QueueFull, Request, Scheduler, Scheduler
 from engine.hw.memory import allocatable_bytes, format_bytes
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
+from engine.openai.beams import BeamRunner, StepLocked
 from engine.openai.errors import bad_request, busy, too_large, unavailable
 from engine.openai.metrics import Metrics
 from engine.openai.protocol import Limits, ParsedRequest
@@ -106,6 +107,35 @@ class Job:
         return self.future.result(timeout=0)
 
 
+class BeamChoice(Job):
+    """One choice of a beam request (engine.openai.beams): a Job the search delivers rather than the scheduler."""
+
+    def __init__(
+        self, request: Request, loop: asyncio.AbstractEventLoop, on_done: Callable[[Completion], None]
+    ) -> None:
+        self.request = request
+        self._queue = asyncio.Queue()
+        self.future = Future()
+        self._loop, self._on_done = loop, on_done
+
+    def deliver(self, events: Sequence[GenerationEvent], completion: Completion) -> None:
+        """On the search's thread: resolve the choice (its reader asks for the result once the events end), then
+        hand the events to the event loop and count it."""
+        self.future.set_result(completion)
+        with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody listens any more
+            for ev in [*events, None]:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, ev)
+            self._loop.call_soon_threadsafe(self._on_done, completion)
+
+    def fail(self, exc: BaseException) -> None:
+        self.future.set_exception(exc)
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
 SLOT_TABLE_SHARE = 0.5  # of what is allocatable: the rest is for activations, the cascade's tiers, the tokenizer
 
 
@@ -161,8 +191,13 @@ class ModelService:
 
         self.rows = fit_rows(config.max_batch, backend.slot_bytes_per_token() * (num_slots + 1), allocatable_bytes())
         sched_cfg = SchedulerConfig(max_batch=self.rows, num_slots=num_slots, max_queue=config.max_queue)
+        # Beam searches run beside the scheduler on a fork of their own; the model runs one forward at a time.
+        step = threading.Lock()
+        beam_backend = StepLocked(backend.fork(), step)
+        beam_backend.allocate(1, num_slots)
+        self.beams = BeamRunner(beam_backend, tokenizer, memory_factory)
         try:
-            self.scheduler = Scheduler(backend, tokenizer, sched_cfg, factory)
+            self.scheduler = Scheduler(StepLocked(backend, step), tokenizer, sched_cfg, factory)
         except (MemoryError, RuntimeError) as exc:
             if not out_of_memory(exc):
                 raise
@@ -173,6 +208,7 @@ class ModelService:
         self.metrics = Metrics(self.gauges())
 
     def close(self) -> None:
+        self.beams.close()
         self.scheduler.close()
 
     # -- requests ----------------------------------------------------------------------------------------------
@@ -210,6 +246,12 @@ class ModelService:
             raise too_large(str(exc), "messages" if req.messages is not None else "prompt") from None
         except SparkError as exc:  # e.g. a chat template that refuses these messages
             raise bad_request(str(exc)) from None
+        if req.settings.beam.beams > 1:  # one search; its best beams are the choices (engine.openai.beams)
+            choices = [
+                BeamChoice(Request(ids, req.settings), asyncio.get_running_loop(), self._count) for _ in range(req.n)
+            ]
+            self.beams.start(ids, req.settings, choices)
+            return list(choices)
         jobs: list[Job] = []
         seed = req.settings.sampling.seed
         try:

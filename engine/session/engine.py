@@ -529,6 +529,8 @@ class Session:
                     self.messages[-1].content += ev.text
                 yield ev
         finally:
+            if settings.beam.beams > 1:  # the beams' forks ran forwards the feed log cannot attribute
+                self.feed_log.valid = False  # recipe unknown: later compact saves keep the full memory
             # Whatever was sampled (even on cancel) is now part of the conversation's known text.
             self.known_text += self.tokenizer.decode(tokens, skip_special=False)
             if not tokens and len(self.memory.tokens) < held_before + len(ids):

@@ -99,6 +99,9 @@ class LockedBackend(BackendWrapper):
         super().__init__(inner)
         self._lock, self._log, self._memory = lock, log, memory
 
+    def fork(self) -> Backend:
+        return LockedBackend(self.inner.fork(), self._lock)  # a fork steps under the same lock (no feed log)
+
     def forward(
         self,
         tokens: torch.Tensor,

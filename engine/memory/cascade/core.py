@@ -30,7 +30,7 @@ import torch
 
 from engine.backends.base import Backend
 from engine.errors import InputTooLarge, SessionFileError
-from engine.memory.base import RowPlan, window_mask
+from engine.memory.base import ForkView, RowPlan, window_mask
 from engine.memory.cascade.config import AUTO_WINDOW, CascadeConfig
 from engine.memory.cascade.episodic import EpisodicMemory
 from engine.memory.cascade.migrate import migrate_state
@@ -288,6 +288,30 @@ class CascadeMemory:
         self.retriever.since_route -= n
         self._last_fed = kept
         self._taken_back = True
+
+    def fork_view(self) -> ForkView:
+        """Forks (beam search) see what the next token would see before the window slides for it: the sinks, the
+        retrieved blocks and the whole window, with positions continuing after the window's newest. While the forks'
+        tokens fit the window's free slots this is exactly what decoding them one by one sees; past that, one by one
+        would push the window's oldest tokens out as each fork grows, which forks sharing one window cannot do, so
+        they keep seeing them (documented in engine.generation.beam)."""
+        w = self.working
+        position = (
+            w.n_sink
+            if w.n_sink < self.cfg.sink_tokens
+            else self.cfg.sink_tokens + w.resident_blocks * w.block + w.n_window
+        )
+        table = self.backend.config.max_position_embeddings + ROTARY_HEADROOM
+        return ForkView(
+            position,
+            len(self.tokens),
+            w.slot_positions.clone(),
+            w.valid.clone(),
+            w.slot_tokens(),
+            max_depth=table - position - w.frame,
+            frame=w.frame,
+            frame_start=w.window_start,
+        )
 
     def stats(self) -> CascadeStats:
         persistent = self.store.stats() if self.store is not None else TierStats.make("persistent", 0, 0, 0, 0, 0, 0)
