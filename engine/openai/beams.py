@@ -17,28 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
 
-import torch
-
-from engine.backends.base import Backend, BackendWrapper
+from engine.backends.base import Backend
 from engine.generation.batch import Completion
 from engine.generation.beam import Hypothesis
 from engine.generation.loop import GenerationEvent, GenerationSettings, Reply, stream_generate
 from engine.generation.scheduler import Request
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
-from engine.model.slots import SlotBatch
-
-
-class StepLocked(BackendWrapper):
-    """A backend whose every forward holds `lock` (shared by the scheduler's backend and the searches' fork)."""
-
-    def __init__(self, inner: Backend, lock: threading.Lock) -> None:
-        super().__init__(inner)
-        self._lock = lock
-
-    def forward(self, tokens: torch.Tensor, batch: SlotBatch, last_only: bool = False) -> torch.Tensor:
-        with self._lock:
-            return self.inner.forward(tokens, batch, last_only)
 
 
 class Choice(Protocol):

@@ -29,11 +29,12 @@ from engine.generation.scheduler import QueueFull, Request, Scheduler, Scheduler
 from engine.hw.memory import allocatable_bytes, format_bytes
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
-from engine.openai.beams import BeamRunner, StepLocked
+from engine.openai.beams import BeamRunner
 from engine.openai.errors import bad_request, busy, too_large, unavailable
 from engine.openai.metrics import Metrics
 from engine.openai.protocol import Limits, ParsedRequest
 from engine.openai.tools import chat_inputs
+from engine.session.setup import LockedBackend
 
 DEFAULT_SLOTS = 2048  # slots per row for a memory that does not say (full attention)
 
@@ -193,11 +194,11 @@ class ModelService:
         sched_cfg = SchedulerConfig(max_batch=self.rows, num_slots=num_slots, max_queue=config.max_queue)
         # Beam searches run beside the scheduler on a fork of their own; the model runs one forward at a time.
         step = threading.Lock()
-        beam_backend = StepLocked(backend.fork(), step)
+        beam_backend = LockedBackend(backend.fork(), step)
         beam_backend.allocate(1, num_slots)
         self.beams = BeamRunner(beam_backend, tokenizer, memory_factory)
         try:
-            self.scheduler = Scheduler(StepLocked(backend, step), tokenizer, sched_cfg, factory)
+            self.scheduler = Scheduler(LockedBackend(backend, step), tokenizer, sched_cfg, factory)
         except (MemoryError, RuntimeError) as exc:
             if not out_of_memory(exc):
                 raise
