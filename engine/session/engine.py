@@ -86,7 +86,7 @@ class LoadReport:
 
 @dataclass
 class ChatMessage:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool" (a tool's result, app.worker.tool_turns)
     content: str
     timestamp: float = field(default_factory=time.time)
 
