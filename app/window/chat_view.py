@@ -34,8 +34,10 @@ from PySide6.QtWidgets import QPushButton, QTextBrowser, QWidget
 
 from app.window.markdown import MarkdownRenderer, Palette
 from app.window.tool_cards import Card, card_html, segments
-from app.worker.tool_turns import display_messages
+from app.worker.tool_turns import RESPONSE_CLOSE, display_messages
 from app.worker.types import MessageView
+from engine.openai.tools import CLOSE as TOOL_CALL_CLOSE
+from engine.openai.tools import OPEN as TOOL_CALL_OPEN
 
 ROLE_LABELS = {"user": "You", "assistant": "Spark", "system": "System"}
 ROLE_PROPERTY = 0x100000  # QTextFormat.UserProperty: marks each message frame with its role
@@ -244,11 +246,15 @@ class ChatView(QTextBrowser):
             self._reading = False
         self._reply_text.append(text)
         now = time.monotonic()
-        if now - self._last_render >= LIVE_RENDER_S:  # the reply so far as Markdown (a table, code, a list)
+        so_far = "".join(self._reply_text)
+        # A tool call or result that just closed shows as its card at once (the consent question waits on it);
+        # the text of a call still being written is not shown raw between renders.
+        card_closed = so_far.rstrip().endswith((TOOL_CALL_CLOSE, RESPONSE_CLOSE))
+        if now - self._last_render >= LIVE_RENDER_S or card_closed:  # the reply so far as Markdown (a table, code)
             self._last_render = now
             self._clear_frame(self._reply)
-            self._fill(self._reply, "assistant", "".join(self._reply_text), links=False)
-        else:  # between renders, the text as it comes (cheap: appended at the end)
+            self._fill(self._reply, "assistant", so_far, links=False)
+        elif so_far.rfind(TOOL_CALL_OPEN) <= so_far.rfind(TOOL_CALL_CLOSE):  # between renders, the text as it comes
             self._reply.lastCursorPosition().insertText(text, self._body_format())
         self._more_text()
 

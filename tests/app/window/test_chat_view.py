@@ -148,8 +148,10 @@ def test_a_tool_call_shows_as_a_card_restored_and_live_alike(qtbot) -> None:  # 
     view.set_messages(messages[:1])
     view.begin_reply()
     view.append_reply("Calling the tool.\n" + CALL[:20])
-    assert "Calling a tool…" in view.toPlainText() or "<tool_call>" in view.toPlainText()
-    for piece in (CALL[20:], response_block(result), CALL, response_block(denied), "It is 3."):
+    assert "<tool_call>" not in view.toPlainText()  # a call being written is never shown raw
+    view.append_reply(CALL[20:])
+    assert "Waiting for your answer…" in view.toPlainText()  # closed: its card shows at once, while consent is asked
+    for piece in (response_block(result), CALL, response_block(denied), "It is 3."):
         view.append_reply(piece)
     view.end_reply("", 5)
     assert view.toPlainText() == restored and view.last_index() == 5
