@@ -35,6 +35,7 @@ class ToolRun:
     arguments: str  # JSON object text, as the model wrote it
     allowed: bool
     outcome: ToolOutcome
+    denied: bool = False  # the user said no (else `allowed` False means the call could not be made)
 
 
 class Toolbox:
@@ -74,7 +75,7 @@ class Toolbox:
         if not isinstance(args, dict):
             return ToolRun(name, arguments, False, ToolOutcome(False, "The call's arguments are not a JSON object."))
         if not self.gate.allows(PendingCall(tool.server, tool.name, args)):
-            return ToolRun(name, arguments, False, ToolOutcome(False, "The user did not allow this call."))
+            return ToolRun(name, arguments, False, ToolOutcome(False, "The user did not allow this call."), denied=True)
         return ToolRun(name, arguments, True, self.host.call(tool.server, tool.name, args))
 
     def close(self) -> None:

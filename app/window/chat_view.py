@@ -33,8 +33,11 @@ from PySide6.QtGui import (
 from PySide6.QtWidgets import QPushButton, QTextBrowser, QWidget
 
 from app.window.markdown import MarkdownRenderer, Palette
-from app.worker.tool_turns import folded_response
+from app.window.tool_cards import Card, card_html, segments
+from app.worker.tool_turns import RESPONSE_CLOSE, display_messages
 from app.worker.types import MessageView
+from engine.openai.tools import CLOSE as TOOL_CALL_CLOSE
+from engine.openai.tools import OPEN as TOOL_CALL_OPEN
 
 ROLE_LABELS = {"user": "You", "assistant": "Spark", "system": "System"}
 ROLE_PROPERTY = 0x100000  # QTextFormat.UserProperty: marks each message frame with its role
@@ -195,13 +198,8 @@ class ChatView(QTextBrowser):
             return
         self.clear()
         self._place_column()
-        frame: QTextFrame | None = None
-        for i, m in enumerate(messages):
+        for i, m in display_messages(list(messages)):  # a reply with its tool calls and results is one message
             if m.role == "system":
-                continue
-            tool_result = folded_response(m.content) if m.role == "user" else None
-            if frame is not None and tool_result is not None:  # a tool's result: folded under the call's reply
-                self._add_note(frame, tool_result)
                 continue
             frame = self._add_message(m.role, m.content, i)
             if notes and notes.get(i):
@@ -248,11 +246,15 @@ class ChatView(QTextBrowser):
             self._reading = False
         self._reply_text.append(text)
         now = time.monotonic()
-        if now - self._last_render >= LIVE_RENDER_S:  # the reply so far as Markdown (a table, code, a list)
+        so_far = "".join(self._reply_text)
+        # A tool call or result that just closed shows as its card at once (the consent question waits on it);
+        # the text of a call still being written is not shown raw between renders.
+        card_closed = so_far.rstrip().endswith((TOOL_CALL_CLOSE, RESPONSE_CLOSE))
+        if now - self._last_render >= LIVE_RENDER_S or card_closed:  # the reply so far as Markdown (a table, code)
             self._last_render = now
             self._clear_frame(self._reply)
-            self._fill(self._reply, "assistant", "".join(self._reply_text), links=False)
-        else:  # between renders, the text as it comes (cheap: appended at the end)
+            self._fill(self._reply, "assistant", so_far, links=False)
+        elif so_far.rfind(TOOL_CALL_OPEN) <= so_far.rfind(TOOL_CALL_CLOSE):  # between renders, the text as it comes
             self._reply.lastCursorPosition().insertText(text, self._body_format())
         self._more_text()
 
@@ -271,9 +273,15 @@ class ChatView(QTextBrowser):
             self._contents.pop(index, None)
             self._next_index = index
 
-    def end_reply(self, note: str = "") -> None:
-        """Re-render the finished reply with code formatting; `note` (e.g. "stopped") goes under it, dimmed."""
+    def end_reply(self, note: str = "", index: int | None = None) -> None:
+        """Re-render the finished reply with code formatting; `note` (e.g. "stopped") goes under it, dimmed.
+        `index`: the reply's last message in the conversation (a turn that called tools holds several)."""
         frame = self._reply
+        if frame is not None and index is not None and index >= 0:
+            fmt = frame.frameFormat()
+            fmt.setProperty(INDEX_PROPERTY, index)
+            frame.setFrameFormat(fmt)
+            self._next_index = index + 1
         self._reply = None
         self._reading = False
         if frame is None:
@@ -385,10 +393,16 @@ class ChatView(QTextBrowser):
             )
         cursor.insertBlock(QTextBlockFormat(), self._body_format())
         if role == "assistant" and content:
-            rendered = self._markdown.render(content, self._palette(), f"{index}.")
-            for k, code in enumerate(rendered.code_blocks):
-                self._code_blocks[f"{index}.{k}"] = code
-            cursor.insertHtml(rendered.html)
+            palette = self._palette()
+            for n, part in enumerate(segments(content)):  # Markdown, and a card for each tool call
+                if isinstance(part, Card):
+                    cursor.insertHtml(card_html(part, palette))
+                    continue
+                prefix = f"{index}." if n == 0 else f"{index}.{n}."
+                rendered = self._markdown.render(part, palette, prefix)
+                for k, code in enumerate(rendered.code_blocks):
+                    self._code_blocks[f"{prefix}{k}"] = code
+                cursor.insertHtml(rendered.html)
             return
         if role == "user" and isinstance(index, int) and index not in self._expanded and _is_long(content):
             lines = content.splitlines()

@@ -683,7 +683,7 @@ class MainWindow(QMainWindow):
             n = result.recalled_turns_ago
             notes.append(f"↺ Recalled from {n} turn{'s' if n != 1 else ''} ago.")
         note = " ".join(n for n in notes if n)
-        self.chat.end_reply(note)
+        self.chat.end_reply(note, result.messages - 1 if result.messages else None)
         if note:  # kept with the conversation, so reopening it (Undo, relaunch) shows it again
             self.library.set_note(self.state.current_id, self.chat.last_index(), note)
 

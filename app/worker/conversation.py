@@ -30,6 +30,7 @@ from engine import (
     display_name,
     load_session,
 )
+from engine.openai.tools import ToolSpec
 
 StopCheck = Callable[[], bool]
 
@@ -109,7 +110,7 @@ class LocalConversation:
         self.session = engine.new_session()
         self.session.on_prefill = on_prefill
         self._turn_starts: list[int] = []  # memory length when each turn began
-        self._tools_note = ""  # the tools' listing (app.worker.tool_turns), after the user's system prompt
+        self.set_tools(None)
 
     @property
     def messages(self) -> list[tuple[str, str]]:
@@ -117,23 +118,21 @@ class LocalConversation:
 
     @property
     def system_prompt(self) -> str:
-        """The user's system prompt (without the tools' listing)."""
-        return tool_turns.without_tools_note(self.session.system_prompt)
+        return self.session.system_prompt
 
     @system_prompt.setter
     def system_prompt(self, text: str) -> None:
-        note = self._tools_note
-        self.session.system_prompt = (f"{text}\n\n{note}" if text else note) if note else text
+        self.session.system_prompt = text
 
-    def set_tools_note(self, note: str) -> None:
-        """List tools to the model after the system prompt ("": none)."""
-        user = self.system_prompt
-        self._tools_note = note
-        self.system_prompt = user
+    def set_tools(self, spec: ToolSpec | None) -> None:
+        """Offer these tools to the model from the next turn on (None: none; earlier calls still render)."""
+        self._tools = spec
+        self.session.template_inputs = tool_turns.template_inputs(spec, self._engine.tokenizer.chat_template)
 
-    def follow(self, message: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
-        """Continue the turn after tool results (`message`, a user message the template shows as the tools')."""
-        self.session.messages.append(ChatMessage("user", message, time.time()))
+    def follow(self, results: list[str], settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
+        """Continue the turn after tool calls: their results (`tool` messages' contents, in the calls' order)."""
+        now = time.time()
+        self.session.messages += [ChatMessage(tool_turns.TOOL_ROLE, content, now) for content in results]
         return self.session.submit(self.session.messages, self.with_model_sampling(settings), stop)
 
     def with_model_sampling(self, settings: GenerationSettings) -> GenerationSettings:
@@ -151,6 +150,10 @@ class LocalConversation:
         return self.session.chat(text, self.with_model_sampling(settings), stop)
 
     def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
+        """Answer the last user message again: the whole last turn goes, its tool calls and results included."""
+        messages = self.session.messages
+        while messages and messages[-1].role in ("assistant", tool_turns.TOOL_ROLE):
+            messages.pop()
         return self.session.regenerate(self.with_model_sampling(settings), stop)
 
     def take_transcript(self, messages: list[tuple[str, str]], system_prompt: str, stop: StopCheck) -> None:
@@ -177,7 +180,7 @@ class LocalConversation:
 
     def fresh(self) -> LocalConversation:
         new = LocalConversation(self._engine, self._on_prefill)
-        new.set_tools_note(self._tools_note)
+        new.set_tools(self._tools)
         new.system_prompt = self.system_prompt
         return new
 

@@ -1,26 +1,42 @@
 """A turn that may call tools: the reply streams; the `<tool_call>` blocks it wrote are read back (the engine's
-reader), each is run through the toolbox (the user's consent first), the results go back to the model as a message
-and the reply continues, at most MAX_TOOL_ROUNDS times a turn.
+reader), each is run through the toolbox (the user's consent first), the results go back to the model as `tool`
+messages and the reply continues, at most MAX_TOOL_ROUNDS times a turn. Send and Regenerate both run it.
 
-The conversation carries tools the way the engine documents for templates that do not know them (the fallback of
-engine.openai.tools): the tools are listed in the system prompt, a call is the reply's own text, a result is a
-`<tool_response>` message. That is plain messages, so the conversation's file keeps them and restores them exactly.
+The conversation keeps tools as plain messages, so its `.spark` file holds them and restores them exactly: a call
+is the assistant's own text (the `<tool_call>` block it wrote), a result is a `tool` message whose content is a
+small JSON object (`name`, `status`, `content`). What the model sees of them is its chat template's business: the
+session renders its messages through `template_inputs`, engine.openai.tools' conversion, as the server does, so a
+template that knows tools gets its own `tools` variable, assistant `tool_calls` and `tool` messages, and any other
+gets the documented fallback (the tools listed in the system prompt, results as `<tool_response>` turns).
+
+In the chat a turn is one reply (`display_messages`): its messages joined, each result as a `<tool_response>` block
+after the call it answers, which app.tools.cards shows as a card. The live stream carries the same text.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from enum import StrEnum
 from typing import Any
 
 from app.tools.toolbox import Toolbox, ToolRun
+from app.worker.types import MessageView
 from engine import GenerationEvent
-from engine.openai.tools import FALLBACK_SYSTEM, Tool, ToolChoice, ToolSpec, chat_inputs, read_reply
+from engine.openai.tools import Tool, ToolChoice, ToolSpec, chat_inputs, read_reply, template_knows_tools
 
 MAX_TOOL_ROUNDS = 4  # a model that keeps calling tools still ends its turn
-NOTE_START = FALLBACK_SYSTEM.split("{tools}")[0]  # how the tools' listing in a system prompt begins
-RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"  # the fallback's form of a tool result
-FOLDED_CHARS = 300  # a result is shown folded to this many characters in the chat (the model gets it whole)
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+TOOL_ROLE = "tool"
+
+
+class ToolStatus(StrEnum):
+    OK = "ok"  # allowed, ran, and the tool reported success
+    ERROR = "error"  # allowed (or attempted), and it failed or reported an error
+    DENIED = "denied"  # the user did not allow it: nothing ran
+
+
+TemplateInputs = Callable[[list[dict[str, str]]], tuple[list[dict[str, Any]], dict[str, Any]]]
 
 
 def tool_spec(openai_tools: list[dict[str, Any]]) -> ToolSpec:
@@ -30,67 +46,65 @@ def tool_spec(openai_tools: list[dict[str, Any]]) -> ToolSpec:
     return ToolSpec(tools, ToolChoice.AUTO)
 
 
-def tools_note(spec: ToolSpec) -> str:
-    """The system prompt's part that lists the tools and shows how to call them ("" without tools)."""
-    if not spec.active:
-        return ""
-    messages, _ = chat_inputs([], spec, None)
-    return str(messages[0]["content"])
+def template_inputs(spec: ToolSpec | None, template: str | None) -> TemplateInputs:
+    """The session's messages -> the chat template's messages and variables, tools included (`spec`; None: no tools
+    offered, though earlier calls and results still render)."""
+    knows = template_knows_tools(template)
+
+    def convert(messages: list[dict[str, str]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            if m["role"] == "assistant" and knows and spec is not None and spec.tools:
+                content, calls = read_reply(m["content"], spec)  # the template writes the calls its own way
+                out.append({"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]})
+            else:
+                out.append({"role": m["role"], "content": m["content"]})
+        return chat_inputs(out, spec, template)
+
+    return convert
 
 
-def without_tools_note(system_prompt: str) -> str:
-    """The user's system prompt without a tools' listing after it (one saved in a file with tools on included)."""
-    if system_prompt.startswith(NOTE_START):
-        return ""
-    at = system_prompt.find(f"\n\n{NOTE_START}")
-    return system_prompt[:at] if at >= 0 else system_prompt
+def status_of(run: ToolRun) -> ToolStatus:
+    if run.denied:
+        return ToolStatus.DENIED
+    return ToolStatus.OK if run.allowed and run.outcome.ok else ToolStatus.ERROR
 
 
-def folded(run: ToolRun) -> str:
-    """How a call and its result show in the reply: one quoted line, the result cut short."""
-    if not run.allowed:
-        return f"\n\n> Tool {run.name} did not run: {run.outcome.text}\n\n"
-    text = " ".join(run.outcome.text.split())
-    text = text if len(text) <= FOLDED_CHARS else text[:FOLDED_CHARS] + "…"
-    status = "" if run.outcome.ok else " (the tool reported an error)"
-    return f"\n\n> Tool {run.name}({run.arguments}){status} → {text}\n\n"
+def result_content(run: ToolRun) -> str:
+    """The `tool` message's content for `run` (what the model reads, and what the file keeps)."""
+    return json.dumps({"name": run.name, "status": status_of(run), "content": run.outcome.text}, ensure_ascii=False)
 
 
-def folded_response(message: str) -> str | None:
-    """A tool result message (as `response_message` wrote it) as the chat shows it folded; None for any other."""
-    if not message.startswith(RESPONSE_OPEN) or not message.endswith(RESPONSE_CLOSE):
-        return None
-    parts = []
-    for block in message.split(RESPONSE_CLOSE):
-        body = block.strip().removeprefix(RESPONSE_OPEN).strip()
-        if not body:
-            continue
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, RecursionError):
-            return None
-        if not isinstance(data, dict):
-            return None
-        text = " ".join(str(data.get("content", "")).split())
-        text = text if len(text) <= FOLDED_CHARS else text[:FOLDED_CHARS] + "…"
-        parts.append(f"Tool {data.get('name', '?')} → {text}")
-    return "\n".join(parts) or None
+def response_block(content: str) -> str:
+    """A result as the chat shows it inside a reply (after the call it answers)."""
+    return f"\n{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}\n"
 
 
-def response_message(run: ToolRun) -> str:
-    body = json.dumps({"name": run.name, "content": run.outcome.text}, ensure_ascii=False)
-    return f"{RESPONSE_OPEN}\n{body}\n{RESPONSE_CLOSE}"
+def display_messages(messages: list[MessageView]) -> list[tuple[int, MessageView]]:
+    """The transcript as the chat shows it, with each message's index: a reply and the tool results and replies
+    after it, up to the next user message, are one reply (indexed by its last message), as they streamed."""
+    out: list[tuple[int, MessageView]] = []
+    for i, m in enumerate(messages):
+        if m.role in ("assistant", TOOL_ROLE) and out and out[-1][1].role == "assistant":
+            part = response_block(m.content) if m.role == TOOL_ROLE else m.content
+            out[-1] = (i, MessageView("assistant", out[-1][1].content + part))
+        elif m.role == TOOL_ROLE:  # a result with no reply before it (a hand-made file): shown as a reply
+            out.append((i, MessageView("assistant", response_block(m.content))))
+        else:
+            out.append((i, m))
+    return out
 
 
 def with_tools(
     first: Iterator[GenerationEvent],
-    follow: Callable[[str], Iterator[GenerationEvent]],
+    follow: Callable[[list[str]], Iterator[GenerationEvent]],
     toolbox: Toolbox,
     spec: ToolSpec,
     on_run: Callable[[ToolRun], None],
     stop: Callable[[], bool],
 ) -> Iterator[GenerationEvent]:
-    """The events of the whole turn: `first` reply, then after each round of calls `follow(results message)`."""
+    """The events of the whole turn: `first` reply, then after each round of calls `follow(results)`, the results
+    being the `tool` messages' contents in the order of the calls."""
     events = first
     for round_ in range(MAX_TOOL_ROUNDS + 1):
         text: list[str] = []
@@ -102,11 +116,11 @@ def with_tools(
         _, calls = read_reply("".join(text), spec)
         if not calls:
             return
-        responses = []
+        results = []
         for call in calls:
             if stop():
                 return
             run = toolbox.run(call.name, call.arguments)
             on_run(run)
-            responses.append(response_message(run))
-        events = follow("\n".join(responses))
+            results.append(result_content(run))
+        events = follow(results)

@@ -52,6 +52,7 @@ class TurnResult:
     text: str
     recalled_turns_ago: int = 0  # > 0: the reply used recalled (episodic) memory holding turns at least this old
     memory_tokens: int = 0  # tokens the conversation's memory holds after the turn (a Stop while reading: part of it)
+    messages: int = 0  # messages the conversation holds after the turn (one turn that called tools adds several)
 
 
 @dataclass(frozen=True)

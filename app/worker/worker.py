@@ -185,12 +185,7 @@ class ConversationWorker(QObject):
         if conversation is None:
             self._finish_unstarted()
             return
-        if isinstance(conversation, LocalConversation):
-            if self._tool_servers:
-                self._stream(conversation, lambda: self._tool_turn(conversation, text, settings, stop), settings)
-                return
-            conversation.set_tools_note("")  # the servers were removed: the model is no longer told of tools
-        self._stream(conversation, lambda: conversation.chat(text, settings, stop.is_set), settings)
+        self._turn(conversation, lambda: conversation.chat(text, settings, stop.is_set), settings, stop)
 
     @Slot(object, object)
     def on_regenerate(self, settings: GenerationSettings, stop: threading.Event) -> None:
@@ -202,7 +197,23 @@ class ConversationWorker(QObject):
             self.error.emit("There is no prompt to answer again yet; send one first.")
             self._finish_unstarted()
             return
-        self._stream(conversation, lambda: conversation.regenerate(settings, stop.is_set), settings)
+        self._turn(conversation, lambda: conversation.regenerate(settings, stop.is_set), settings, stop)
+
+    def _turn(
+        self,
+        conversation: Conversation,
+        first: Callable[[], Iterator[GenerationEvent]],
+        settings: GenerationSettings,
+        stop: threading.Event,
+    ) -> None:
+        """Stream a turn whose reply starts with `first()` (Send or Regenerate): with the configured MCP servers'
+        tools on a local model (calls run and the reply continues), else the reply alone."""
+        if isinstance(conversation, LocalConversation):
+            if self._tool_servers:
+                self._stream(conversation, lambda: self._tool_turn(conversation, first, settings, stop), settings)
+                return
+            conversation.set_tools(None)  # the servers were removed: the model is no longer offered tools
+        self._stream(conversation, first, settings)
 
     @Slot(str)
     def on_new_chat(self, store_path: str) -> None:
@@ -252,18 +263,22 @@ class ConversationWorker(QObject):
         self._tool_servers = list(specs)
 
     def _tool_turn(
-        self, conversation: LocalConversation, text: str, settings: GenerationSettings, stop: threading.Event
+        self,
+        conversation: LocalConversation,
+        first: Callable[[], Iterator[GenerationEvent]],
+        settings: GenerationSettings,
+        stop: threading.Event,
     ) -> Iterator[GenerationEvent]:
         if self._toolbox is None:
             self._toolbox = Toolbox(McpHost(), ConsentGate(self._ask_consent))
             for problem in self._toolbox.start_servers(self._tool_servers):
                 self.error.emit(problem)
         spec = tool_turns.tool_spec(self._toolbox.openai_tools())
-        conversation.set_tools_note(tool_turns.tools_note(spec))
+        conversation.set_tools(spec)
         self._turn_stop = stop
         return tool_turns.with_tools(
-            conversation.chat(text, settings, stop.is_set),
-            lambda message: conversation.follow(message, settings, stop.is_set),
+            first(),
+            lambda results: conversation.follow(results, settings, stop.is_set),
             self._toolbox,
             spec,
             self._on_tool_ran,
@@ -271,7 +286,8 @@ class ConversationWorker(QObject):
         )
 
     def _on_tool_ran(self, run: ToolRun) -> None:
-        self.delta.emit(tool_turns.folded(run))  # in the reply's stream, so it shows where the call was made
+        # In the reply's stream, after the call it answers: the chat shows the call and its result as one card.
+        self.delta.emit(tool_turns.response_block(tool_turns.result_content(run)))
         self.tool_ran.emit(run)
 
     def _ask_consent(self, call: PendingCall) -> Decision:
@@ -516,4 +532,6 @@ class ConversationWorker(QObject):
         self.memory.emit(report)
         recalled = conversation.recalled_turns_ago(hits_before)
         self._store(cut_off=reason == FinishReason.CANCELLED)  # stored before `finished`: never only in memory
-        self.finished.emit(TurnResult(reason, progress, "".join(text), recalled, report.tokens))
+        self.finished.emit(
+            TurnResult(reason, progress, "".join(text), recalled, report.tokens, len(conversation.messages))
+        )

@@ -194,6 +194,11 @@ class TokenMask:
             raise GrammarError(f"The grammar cannot be used: {self.matcher.get_error()[:300]}.")
         self.bits = torch.full((-(-self.vocab_size // 32),), -1, dtype=torch.int32)  # (W,)
         self.bytes = self.bits.numpy().view(np.uint8)  # (W * 4,) the same memory, little-endian words
+        # Per-step buffers, sized on the first `apply` (the logits' rows and dtype): no tensor is allocated per token
+        # but the one row numpy's unpackbits returns.
+        self.allowed = torch.zeros(0, dtype=torch.bool)  # (V',)
+        self.out = torch.empty(0)  # (V',) the masked logits
+        self.forbidden = torch.tensor(-torch.inf)  # () the value a forbidden token's logit gets
         self.stats = MaskStats()
         self.stopped = False
         self.pending: Future[None] | None = _executor.submit(self._fill)
@@ -211,24 +216,29 @@ class TokenMask:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (V',) -> (V',) with every token the grammar forbids at -inf. A matcher in error (it should not
-        happen: the sampled token was allowed) allows only EOS, so the reply ends instead of sampling from nothing."""
+        happen: the sampled token was allowed) allows only EOS, so the reply ends instead of sampling from nothing.
+        The result is this mask's own buffer, overwritten by the next `apply`."""
         if self.pending is not None:
             t0 = time.perf_counter()
             self.pending.result()
             self.pending = None
             self.stats.wait_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        allowed = np.zeros(logits.shape[-1], dtype=np.bool_)  # (V',)
+        if self.out.shape != logits.shape or self.out.dtype != logits.dtype or self.out.device != logits.device:
+            self.allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)  # rows past the vocabulary stay False
+            self.out = torch.empty_like(logits)
+            self.forbidden = torch.tensor(-torch.inf, dtype=logits.dtype, device=logits.device)
+        allowed = self.allowed.numpy()
         if self.matcher.is_error():
+            allowed[:] = False
             allowed[self.eos] = True
         else:
             n = min(self.vocab_size, logits.shape[-1])
-            allowed[:n] = np.unpackbits(self.bytes, bitorder="little", count=n).view(
-                np.bool_
-            )  # bit i of word w: id 32w+i
-        out = torch.where(torch.from_numpy(allowed).to(logits.device), logits, -torch.inf)
+            # bit i of word w: id 32w+i (words are little-endian)
+            allowed[:n] = np.unpackbits(self.bytes, bitorder="little", count=n).view(np.bool_)
+        torch.where(self.allowed.to(logits.device), logits, self.forbidden, out=self.out)
         self.stats.apply_s += time.perf_counter() - t0
-        return out
+        return self.out
 
     def advance(self, token: int) -> None:
         """Record the sampled `token` and start computing the next mask (on the worker, while the forward runs).

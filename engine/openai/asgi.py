@@ -1,8 +1,9 @@
 """The ASGI application (Starlette): OpenAI's routes over a `ModelService`.
 
-Routes: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions.
-Every failure is OpenAI's error object with its status (see engine.openai.errors); nothing else — no traceback,
-no HTML — ever reaches the client. A client that goes away (disconnect, or a failed send) cancels its request, so
+Routes: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions, and
+Ollama's POST /api/chat (engine.openai.ollama). Every failure is OpenAI's error object with its status (see
+engine.openai.errors; Ollama's `{"error": ...}` on its route); nothing else — no traceback, no HTML — ever reaches
+the client. A client that goes away (disconnect, or a failed send) cancels its request, so
 its row is free for the next one at the next step. CORS is off unless origins are named.
 """
 
@@ -28,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine.generation.batch import Completion
 from engine.generation.loop import GenerationEvent
-from engine.openai import protocol
+from engine.openai import ollama, protocol
 from engine.openai.errors import (
     CLIENT_CLOSED,
     ApiError,
@@ -48,6 +49,10 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def ollama_error(err: ApiError) -> JSONResponse:
+    return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -75,12 +80,18 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncGenerator[str, None], jobs: list[Job], on_disconnect: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        chunks: AsyncGenerator[str, None],
+        jobs: list[Job],
+        on_disconnect: Callable[[], None],
+        content_type: bytes = b"text/event-stream; charset=utf-8",  # Ollama's route streams JSON lines instead
+    ) -> None:
         self.status_code = 200
         self.background = None
         # No Content-Length: the body's length is unknown until the last event (chunked transfer).
         self.raw_headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"content-type", content_type),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ]
@@ -129,19 +140,26 @@ class Api:
         self.created = int(time.time())
 
     # -- plumbing ----------------------------------------------------------------------------------------------
-    def route(self, endpoint: str, handler: Handler, *, auth: bool = True) -> Handler:
+    def route(
+        self,
+        endpoint: str,
+        handler: Handler,
+        *,
+        auth: bool = True,
+        errors: Callable[[ApiError], JSONResponse] = error_response,
+    ) -> Handler:
         async def wrapped(request: Request) -> Response:
             try:
                 if auth:
                     self.check_key(request)
                 response = await handler(request)
             except ApiError as err:
-                response = error_response(err)
+                response = errors(err)
                 if err.status == CLIENT_CLOSED:
                     self.metrics.disconnected(endpoint)
             except Exception:  # a bug must not leak a traceback to the client; the log keeps it
                 log.exception("request to %s failed", endpoint)
-                response = error_response(server_error("The server failed on this request; see its log."))
+                response = errors(server_error("The server failed on this request; see its log."))
             self.metrics.request(endpoint, response.status_code)
             return response
 
@@ -185,6 +203,46 @@ class Api:
     async def completions(self, request: Request) -> Response:
         req = protocol.parse_completion(await read_json(request, self.config.max_body_bytes), self.config.limits)
         return await self.generate(request, req, chat=False)
+
+    async def ollama_chat(self, request: Request) -> Response:
+        """Ollama's /api/chat: one choice, streamed as JSON lines unless `stream` is false."""
+        t0 = time.perf_counter_ns()
+        req = ollama.parse_chat(await read_json(request, self.config.max_body_bytes), self.config.limits)
+        req.model = model_for_request(req.model, [self.config.model_id])
+        jobs = await self.service.start(req)
+        if req.stream:
+            lines = self.ollama_lines(jobs[0], req.model, t0)
+            return SSEResponse(lines, jobs, lambda: self.metrics.disconnected("ollama_chat"), b"application/x-ndjson")
+        gone = asyncio.Event()
+
+        async def watch() -> None:  # the client leaving while it waits cancels the job
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+            jobs[0].cancel_unless_done()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for _ in jobs[0].events():
+                pass
+        finally:
+            watcher.cancel()
+        if gone.is_set():
+            raise client_gone()
+        c = self.finish(jobs[0])
+        return JSONResponse(ollama.final(req.model, c, c.text, time.perf_counter_ns() - t0))
+
+    async def ollama_lines(self, job: Job, model: str, t0: int) -> AsyncGenerator[str, None]:
+        async with contextlib.aclosing(job.events()) as events:
+            async for ev in events:
+                if ev.text:
+                    yield json.dumps(ollama.chunk(model, ev.text), ensure_ascii=False) + "\n"
+        try:
+            c = self.finish(job)
+        except ApiError as err:  # the status line is gone already: the error travels as a line
+            yield json.dumps({"error": err.message}) + "\n"
+            return
+        yield json.dumps(ollama.final(model, c, "", time.perf_counter_ns() - t0)) + "\n"
 
     # -- generation --------------------------------------------------------------------------------------------
     async def generate(self, request: Request, req: protocol.ParsedRequest, *, chat: bool) -> Response:
@@ -338,6 +396,7 @@ def create_app(service: ModelService) -> Starlette:
         Route("/v1/models/{model:path}", api.route("models", api.model), methods=["GET"]),
         Route("/v1/chat/completions", api.route("chat", api.chat), methods=["POST"]),
         Route("/v1/completions", api.route("completions", api.completions), methods=["POST"]),
+        Route("/api/chat", api.route("ollama_chat", api.ollama_chat, errors=ollama_error), methods=["POST"]),
     ]
     middleware = []
     if service.config.allow_origins:

@@ -55,6 +55,11 @@ from engine.session.file import (
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
 from engine.session.setup import LockedBackend, MemoryFactory, check_fits, memory_factory_for
 
+# The conversation's messages (role/content, the system prompt first) -> the chat template's messages and extra
+# variables. The app passes engine.openai.tools' conversion, so tool calls and results reach the model the way its
+# template knows (its own `tools`, or the documented fallback); without one, the messages go as they are.
+TemplateInputs = Callable[[list[dict[str, str]]], tuple[list[dict[str, Any]], dict[str, Any]]]
+
 MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pasted file), not a prompt
 
 __all__ = [
@@ -81,7 +86,7 @@ class LoadReport:
 
 @dataclass
 class ChatMessage:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool" (a tool's result, app.worker.tool_turns)
     content: str
     timestamp: float = field(default_factory=time.time)
 
@@ -210,6 +215,7 @@ class Session:
         self.feed_log = FeedLog()  # how memory was fed since its last reset (a compact save's recipe)
         self.restore_digest_ok: bool | None = None  # after a compact restore: was the rebuilt memory bit-identical?
         self.on_prefill: Callable[[PrefillProgress], None] | None = None  # hears the reading of each prompt
+        self.template_inputs: TemplateInputs | None = None  # how messages reach the chat template (None: as they are)
         self._draft_backend: Backend | None = None  # the draft model's slot table for this conversation
         self._lookup_controller = Controller()  # prompt lookup's measured costs and acceptance, turn after turn
 
@@ -246,7 +252,7 @@ class Session:
         msgs = [m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"]) for m in messages]
         if self.messages is not messages:
             self.messages = list(msgs)
-        rendered = self.tokenizer.apply_chat_template(self._template_messages(), add_generation_prompt=True)
+        rendered = self._render(add_generation_prompt=True)
         self._check_size(rendered)  # what the template made of the text, not only what was typed
         ids = self._ids_for_text(rendered)
         return self._run(ids, settings, should_stop, pacer, reply_to_messages=True)
@@ -255,7 +261,7 @@ class Session:
         """Bring memory in step with `messages` without replying (a branch): feeds what memory does not hold yet."""
         if not self.messages:
             return
-        rendered = self.tokenizer.apply_chat_template(self._template_messages(), add_generation_prompt=False)
+        rendered = self._render(add_generation_prompt=False)
         ids = self._ids_for_text(rendered)
         if ids:
             for _ in self._run(ids, GenerationSettings(max_tokens=0), should_stop, None, reply_to_messages=False):
@@ -428,6 +434,11 @@ class Session:
         if self.system_prompt and not (msgs and msgs[0]["role"] == "system"):
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
         return msgs
+
+    def _render(self, add_generation_prompt: bool) -> str:
+        messages = self._template_messages()
+        msgs, extra = self.template_inputs(messages) if self.template_inputs is not None else (messages, {})
+        return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
 
     def _pending(self) -> list[int]:
         return [self.pending_token] if self.pending_token is not None else []

@@ -1,13 +1,17 @@
 """The chat view on its own: it follows a streaming reply unless the user scrolled up (then the "↓ New text" pill),
-renders Markdown (inline code, highlighted code blocks with Copy, tables), collapses long pastes, and greets an
-empty conversation with example prompts."""
+renders Markdown (inline code, highlighted code blocks with Copy, tables), collapses long pastes, greets an
+empty conversation with example prompts, and shows tool calls as cards."""
 
 from __future__ import annotations
+
+import json
 
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication, QTextCharFormat
 
 from app.window.chat_view import ChatView
+from app.window.tool_cards import Card, segments
+from app.worker.tool_turns import TOOL_ROLE, ToolStatus, response_block
 from app.worker.types import MessageView
 
 
@@ -118,19 +122,45 @@ def test_an_empty_conversation_greets_with_example_prompts(qtbot) -> None:  # ty
     assert "Ready." not in view.toPlainText()  # the greeting goes with the first message
 
 
-def test_a_tool_result_shows_folded_under_the_reply_that_called_it(qtbot) -> None:  # type: ignore[no-untyped-def]
+CALL = '<tool_call>\n{"name": "demo__add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+def test_a_tool_call_shows_as_a_card_restored_and_live_alike(qtbot) -> None:  # type: ignore[no-untyped-def]
     view = _view(qtbot)
     long = "x" * 1000
-    result = '<tool_response>\n{"name": "demo__add", "content": "' + long + '"}\n</tool_response>'
-    view.set_messages(
-        [
-            MessageView("user", "Add 1 and 2."),
-            MessageView("assistant", "Calling the tool."),
-            MessageView("user", result),
-            MessageView("assistant", "It is 3."),
-        ]
-    )
-    text = view.toPlainText()
-    assert "<tool_response>" not in text and "Tool demo__add → xxx" in text
-    assert long not in text  # folded: the chat shows the start of it, the model had it whole
-    assert text.index("Calling the tool.") < text.index("Tool demo__add") < text.index("It is 3.")
+    result = json.dumps({"name": "demo__add", "status": ToolStatus.OK, "content": long})
+    denied = json.dumps({"name": "demo__add", "status": ToolStatus.DENIED, "content": "The user did not allow it."})
+    messages = [
+        MessageView("user", "Add 1 and 2."),
+        MessageView("assistant", f"Calling the tool.\n{CALL}"),
+        MessageView(TOOL_ROLE, result),
+        MessageView("assistant", CALL),
+        MessageView(TOOL_ROLE, denied),
+        MessageView("assistant", "It is 3."),
+    ]
+    view.set_messages(messages)
+    restored = view.toPlainText()
+    assert "<tool_call>" not in restored and "<tool_response>" not in restored and '"status"' not in restored
+    assert restored.count("Tool · demo__add") == 2 and '"a": 1,\n  "b": 2' in restored  # arguments pretty-printed
+    assert "Allowed · ran" in restored and "Denied · did not run" in restored
+    assert "Result: xxx" in restored and long not in restored  # folded: the model had it whole
+    assert restored.index("Calling the tool.") < restored.index("Allowed · ran") < restored.index("It is 3.")
+    assert restored.count("Spark") == 1 and view.last_index() == 5  # one reply, indexed by its last message
+    # Live: the same text streams (a result block after each call), and ends indexed as the file has it.
+    view.set_messages(messages[:1])
+    view.begin_reply()
+    view.append_reply("Calling the tool.\n" + CALL[:20])
+    assert "<tool_call>" not in view.toPlainText()  # a call being written is never shown raw
+    view.append_reply(CALL[20:])
+    assert "Waiting for your answer…" in view.toPlainText()  # closed: its card shows at once, while consent is asked
+    for piece in (response_block(result), CALL, response_block(denied), "It is 3."):
+        view.append_reply(piece)
+    view.end_reply("", 5)
+    assert view.toPlainText() == restored and view.last_index() == 5
+
+
+def test_a_call_waiting_for_consent_and_a_call_that_is_not_one() -> None:
+    parts = segments(f"{CALL}\n<tool_call>\nnot json\n</tool_call>")
+    assert parts[0] == Card("demo__add", '{\n  "a": 1,\n  "b": 2\n}')  # no result yet: waiting
+    assert parts[1:] == ["\n<tool_call>\nnot json\n</tool_call>"]  # left as the model wrote it
+    assert segments('<tool_call>\n{"na') == [Card("", "")]  # still being written

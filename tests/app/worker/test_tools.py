@@ -1,20 +1,24 @@
 """MCP tools in a conversation, through the worker's client: the demo stdio server's tools are offered, a call the
 model writes is run only with the user's consent (answered on the GUI thread, injected here), its result goes back
-to the model and the reply continues; a denied call runs nothing; the rounds of calls in one turn are bounded."""
+to the model as a `tool` message and the reply continues; a denied call runs nothing; the rounds of calls in one turn
+are bounded; Regenerate runs the tools like Send; a template that knows tools gets them as its own variables; the
+calls and results come back exactly from the conversation's file."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 from app.tools.consent import ConsentRequest, Decision
 from app.tools.mcp_host import McpServerSpec
 from app.tools.toolbox import ToolRun
-from app.worker.tool_turns import MAX_TOOL_ROUNDS, tools_note, without_tools_note
+from app.worker.client import ConversationClient
+from app.worker.tool_turns import MAX_TOOL_ROUNDS, RESPONSE_OPEN, TOOL_ROLE, ToolStatus
 from app.worker.types import TurnResult
-from engine import GenerationSettings, SamplingSettings
-from engine.openai.tools import Tool, ToolChoice, ToolSpec, tool_grammar
+from engine import GenerationSettings, SamplingSettings, load_session
+from engine.openai.tools import FALLBACK_SYSTEM, Tool, ToolChoice, ToolSpec, tool_grammar
 from tests.helpers.app_window import WAIT_MS, running_client
 
 SERVER = str(Path(__file__).resolve().parents[2] / "helpers" / "mcp_demo_server.py")
@@ -32,6 +36,35 @@ ADD = Tool(
         "additionalProperties": False,
     },
 )
+# The tiny random model is made to call `add` every round (the settings' grammar: tool_choice "required"), so a turn
+# goes the whole bounded number of rounds.
+FORCED = GenerationSettings(
+    max_tokens=160,
+    sampling=SamplingSettings(seed=0),
+    grammar=tool_grammar(ToolSpec((ADD,), ToolChoice.REQUIRED, parallel=False)),
+)
+# A chat template that writes Hermes-style calls itself: tools, assistant tool_calls and tool messages are its own.
+TOOLS_TEMPLATE = (
+    "{# writes <tool_call> blocks its own way #}{{ bos_token }}{% if tools %}<|system|>\n<tools>"
+    "{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}</tools><|end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|user|>\n<tool_response>{{ m['content'] }}</tool_response>"
+    "<|end|>\n{% elif m['role'] == 'assistant' and m['tool_calls'] is defined and m['tool_calls'] %}<|assistant|>\n"
+    "{{ m['content'] }}{% for c in m['tool_calls'] %}<call name=\"{{ c['function']['name'] }}\">"
+    "{{ c['function']['arguments'] | tojson }}</call>{% endfor %}<|end|>\n{% else %}<|{{ m['role'] }}|>\n"
+    "{{ m['content'] }}<|end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def answering(client: ConversationClient, answers: list[Decision]) -> list[ConsentRequest]:
+    """Answer consent questions on the GUI thread, as the window's dialog does: `answers` in turn, the last after."""
+    asked: list[ConsentRequest] = []
+
+    def consent(request: ConsentRequest) -> None:
+        asked.append(request)
+        request.answer(answers[min(len(asked), len(answers)) - 1])
+
+    client.consent_needed.connect(consent)
+    return asked
 
 
 def test_a_tool_call_runs_only_with_consent_and_its_result_continues_the_reply(
@@ -39,26 +72,17 @@ def test_a_tool_call_runs_only_with_consent_and_its_result_continues_the_reply(
 ) -> None:  # type: ignore[no-untyped-def]
     # The tiny random model is made to call `add` every round (the settings' grammar: tool_choice "required"), so
     # the turn goes the whole bounded number of rounds: allowed once, denied, then allowed for the server.
-    forced = tool_grammar(ToolSpec((ADD,), ToolChoice.REQUIRED, parallel=False))
-    settings = GenerationSettings(max_tokens=160, sampling=SamplingSettings(seed=0), grammar=forced)
-    answers = [Decision.ALLOW_ONCE, Decision.DENY, Decision.ALWAYS_FOR_SERVER]
-    asked: list[ConsentRequest] = []
     runs: list[ToolRun] = []
     deltas: list[str] = []
     with running_client(qtbot, tmp_path, tiny_model) as client:
-
-        def consent(request: ConsentRequest) -> None:  # on the GUI thread, as the window's dialog answers
-            asked.append(request)
-            request.answer(answers[min(len(asked), len(answers)) - 1])
-
-        client.consent_needed.connect(consent)
+        asked = answering(client, [Decision.ALLOW_ONCE, Decision.DENY, Decision.ALWAYS_FOR_SERVER])
         client.tool_ran.connect(runs.append)
         client.delta.connect(deltas.append)
         errors: list[str] = []
         client.error.connect(errors.append)
         client.set_tool_servers([DEMO])
         with qtbot.waitSignal(client.finished, timeout=WAIT_MS * 4) as blocker:
-            client.send("Add two numbers.", settings)
+            client.send("Add two numbers.", FORCED)
         result: TurnResult = blocker.args[0]
         assert errors == []  # the server started
         qtbot.waitUntil(lambda: len(runs) == MAX_TOOL_ROUNDS, timeout=WAIT_MS)
@@ -70,19 +94,70 @@ def test_a_tool_call_runs_only_with_consent_and_its_result_continues_the_reply(
             args = json.loads(run.arguments)
             assert run.outcome.ok and run.outcome.text.strip() == str(args["a"] + args["b"])
         assert runs[1].outcome.text == "The user did not allow this call."
-        assert any(d.startswith("\n\n> Tool demo__add") for d in deltas)  # each call is shown in the reply
+        assert sum(d.startswith(f"\n{RESPONSE_OPEN}") for d in deltas) == MAX_TOOL_ROUNDS  # each result is shown
         session = client.worker.session
         assert session is not None
-        # The model was told the tools, and got each result back as a message before it went on.
-        assert tools_note(ToolSpec((ADD,), ToolChoice.AUTO)).split("\n")[0] in session.system_prompt
-        responses = [m.content for m in session.messages if m.content.startswith("<tool_response>")]
-        assert len(responses) == MAX_TOOL_ROUNDS and session.messages[-1].role == "assistant"
-        assert str(runs[0].outcome.text.strip()) in responses[0]
+        # The model was told the tools (this template does not know them: the documented fallback), and got each
+        # result back as a `tool` message before it went on.
+        assert FALLBACK_SYSTEM.split("\n")[0] in session.known_text and "demo__add" in session.known_text
+        results = [json.loads(m.content) for m in session.messages if m.role == TOOL_ROLE]
+        assert [r["status"] for r in results] == [ToolStatus.OK, ToolStatus.DENIED, ToolStatus.OK, ToolStatus.OK]
+        assert results[0]["content"] == runs[0].outcome.text and session.messages[-1].role == "assistant"
+        assert f"{RESPONSE_OPEN}\n{session.messages[2].content}" in session.known_text  # as the fallback words it
         assert client.worker.conversation is not None and client.worker.conversation.system_prompt == ""
 
 
-def test_the_tools_listing_is_never_taken_for_the_users_system_prompt() -> None:
-    note = tools_note(ToolSpec((ADD,), ToolChoice.AUTO))
-    assert without_tools_note(note) == ""
-    assert without_tools_note(f"Be brief.\n\n{note}") == "Be brief."
-    assert without_tools_note("Be brief.") == "Be brief."
+def test_regenerate_runs_the_tools_again_and_the_file_restores_the_calls_exactly(
+    qtbot, tmp_path: Path, tiny_model: Path
+) -> None:  # type: ignore[no-untyped-def]
+    runs: list[ToolRun] = []
+    with running_client(qtbot, tmp_path, tiny_model) as client:
+        answering(client, [Decision.ALWAYS_FOR_SERVER])
+        client.tool_ran.connect(runs.append)
+        client.set_tool_servers([DEMO])
+        with qtbot.waitSignal(client.finished, timeout=WAIT_MS * 4):
+            client.send("Add two numbers.", FORCED)
+        qtbot.waitUntil(lambda: len(runs) == MAX_TOOL_ROUNDS, timeout=WAIT_MS)
+        with qtbot.waitSignal(client.finished, timeout=WAIT_MS * 4) as blocker:
+            client.regenerate(FORCED)
+        qtbot.waitUntil(lambda: len(runs) == 2 * MAX_TOOL_ROUNDS, timeout=WAIT_MS)  # the regenerated reply called too
+        conversation = client.worker.conversation
+        assert conversation is not None
+        roles = [r for r, _ in conversation.messages]
+        # One turn, not two: the first turn's calls and results went with its reply.
+        assert roles == ["user"] + ["assistant", TOOL_ROLE] * MAX_TOOL_ROUNDS + ["assistant"]
+        result: TurnResult = blocker.args[0]
+        assert result.messages == len(roles)
+        before = list(conversation.messages)
+        path = tmp_path / "tools.spark"
+        with qtbot.waitSignal(client.saved, timeout=WAIT_MS):
+            client.save(path)
+    data = load_session(path)
+    assert [(m.role, m.content) for m in data.messages] == before
+    with running_client(qtbot, tmp_path, tiny_model) as again:
+        with qtbot.waitSignal(again.restored, timeout=WAIT_MS * 4):
+            again.restore(path)
+        assert again.worker.conversation is not None and again.worker.conversation.messages == before
+
+
+def test_a_template_that_knows_tools_gets_them_as_its_own(qtbot, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    runs: list[ToolRun] = []
+    with running_client(qtbot, tmp_path, model) as client:
+        answering(client, [Decision.ALWAYS_FOR_SERVER])
+        client.tool_ran.connect(runs.append)
+        client.set_tool_servers([DEMO])
+        with qtbot.waitSignal(client.finished, timeout=WAIT_MS * 4):
+            client.send("Add two numbers.", FORCED)
+        qtbot.waitUntil(lambda: len(runs) == MAX_TOOL_ROUNDS, timeout=WAIT_MS)
+        session = client.worker.session
+        assert session is not None
+        prompt = session.known_text
+        assert "[demo__add]" in prompt.partition("<tools>")[2].partition("</tools>")[0]  # the template's own listing
+        assert f'<call name="demo__add">{runs[0].arguments}</call>' in prompt  # the call, as the template writes it
+        assert FALLBACK_SYSTEM.split("\n")[0] not in prompt  # ...not the fallback's
+        first_result = next(m.content for m in session.messages if m.role == TOOL_ROLE)
+        assert f"<|user|>\n<tool_response>{first_result}</tool_response>" in prompt  # the template's tool turn

@@ -110,6 +110,25 @@ def test_mask_reports_its_cost(eng: engine.Engine) -> None:
     assert mask.stats.masks == 1 and mask.stats.ms_per_token > 0
 
 
+def test_the_mask_reuses_its_buffers_and_leaves_the_logits_alone(eng: engine.Engine) -> None:
+    import torch
+
+    mask = TokenMask(json_schema_grammar({"enum": ["yes", "no"]}), eng.tokenizer)
+    logits = torch.randn(eng.tokenizer.vocab_size + 64)  # (V',)
+    before = logits.clone()
+    first = mask.apply(logits)
+    assert torch.equal(logits, before)  # the model's row is not written to
+    kept = torch.isfinite(first)
+    assert torch.equal(first[kept], logits[kept]) and 0 < int(kept.sum()) < eng.tokenizer.vocab_size
+    token = int(torch.argmax(first))
+    mask.advance(token)
+    second = mask.apply(logits)
+    assert second.data_ptr() == first.data_ptr()  # the same buffer, step after step
+    allowed = {eng.tokenizer.decode([int(i)]) for i in torch.nonzero(torch.isfinite(second)).flatten().tolist()}
+    text = eng.tokenizer.decode([token])
+    assert allowed and all(any(w.startswith(text + t) for w in ('"yes"', '"no"')) for t in allowed)
+
+
 def deep_schema(levels: int) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "string"}
     for _ in range(levels):
