@@ -349,7 +349,8 @@ ARM_CC, QEMU_ARM = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aar
 )
 @pytest.mark.parametrize("arch,isa", [("armv8.2-a+dotprod", "neon-dotprod"), ("armv8-a", "portable")])
 def test_arm_kernels_compute_the_exact_block_products(tmp_path: Path, arch: str, isa: str) -> None:
-    """Apple Silicon runs the NEON dot-product kernel: compiled for Arm, run under emulation, checked exactly."""
+    """Apple Silicon runs the NEON dot-product kernel: compiled for Arm, run under emulation, checked exactly (the
+    decoding attention within float rounding)."""
     import subprocess
 
     from engine.backends.native import SOURCE
