@@ -291,8 +291,10 @@ class TorchBackend(Backend):
         )
         # "-r2": keys are read through fp16 copies or rotated inside the native attention (not fp32 copies), which
         # changes the bits of every later token's KV, so prefix-cache entries of the earlier reads are not reused.
+        # "-r3": the native decoding attention scores and sums on vectors with fused multiply-adds (other bits).
         kv = str(self.kv_dtype).removeprefix("torch.")
-        return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}{weights}-kv{kv}-r2"
+        reads = "-r3" if self.decoder is not None else "-r2"
+        return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}{weights}-kv{kv}{reads}"
 
     @property
     def batch(self) -> int:

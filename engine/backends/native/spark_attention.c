@@ -8,16 +8,111 @@
  * whose partial results are merged at the end by their maxima: the pool's threads share a long window evenly
  * whatever the number of KV heads.
  *
- * Numerics: a key is widened to fp32 and rotated as engine.model.attention.apply_rope does (x * cos + roll(x) * sin,
- * no contraction), so the rotated key equals PyTorch's bit for bit; scores, exponentials and sums run in fp32 in
- * another order than PyTorch's softmax: results agree within float rounding (tests/engine/backends/native).
+ * Every row operation runs on the machine's float vectors (spark_vf below: 16 lanes on AVX-512, 8 on AVX2, 4 on
+ * NEON, one elsewhere): fp16 rows widened by the conversion instructions, rotation, dot products and the weighted
+ * sum of values; the exponentials of a tile run as vectors too.
  *
- * Included by spark_kernels.c after its helpers (one translation unit: it uses parallel_for, exp_approx, dotf and
+ * Numerics: a key is widened to fp32 and rotated as engine.model.attention.apply_rope does (x * cos + roll(x) * sin,
+ * a multiply and an add, never fused), so the rotated key equals PyTorch's bit for bit on every instruction set;
+ * scores and the weighted sums use fused multiply-adds where the machine has them and run in another order than
+ * PyTorch's softmax: results agree within float rounding (tests/engine/backends/native).
+ *
+ * Included by spark_kernels.c after its helpers (one translation unit: it uses parallel_for, exp_approx and
  * SPARK_MAX_HEAD_DIM); spark_decode calls spark_attend for each layer.
  */
 
 #define SPARK_ATTN_TILE 16      /* keys rotated and scored together, kept in L1 */
 #define SPARK_ATTN_MIN_CHUNK 64 /* the fewest keys a work item takes when the pool splits a window */
+
+/* ---- float vectors: the few operations the attention needs, per instruction set ---- */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SPARK_VW 16
+typedef __m512 spark_vf;
+static inline spark_vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline spark_vf vf_load_h(const _Float16 *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p)); }
+static inline void vf_store(float *p, spark_vf v) { _mm512_storeu_ps(p, v); }
+static inline spark_vf vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline spark_vf vf_fma(spark_vf a, spark_vf b, spark_vf c) { return _mm512_fmadd_ps(a, b, c); } /* a*b + c */
+static inline float vf_sum(spark_vf v) { return _mm512_reduce_add_ps(v); }
+static inline spark_vf vf_min(spark_vf a, spark_vf b) { return _mm512_min_ps(a, b); }
+static inline spark_vf vf_max(spark_vf a, spark_vf b) { return _mm512_max_ps(a, b); }
+/* 2^n for integral n in the normal range, built in the exponent bits */
+static inline spark_vf vf_pow2i(spark_vf n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPARK_VW 8
+typedef __m256 spark_vf;
+static inline spark_vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline spark_vf vf_load_h(const _Float16 *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p)); }
+static inline void vf_store(float *p, spark_vf v) { _mm256_storeu_ps(p, v); }
+static inline spark_vf vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline spark_vf vf_fma(spark_vf a, spark_vf b, spark_vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vf_sum(spark_vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline spark_vf vf_min(spark_vf a, spark_vf b) { return _mm256_min_ps(a, b); }
+static inline spark_vf vf_max(spark_vf a, spark_vf b) { return _mm256_max_ps(a, b); }
+static inline spark_vf vf_pow2i(spark_vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define SPARK_VW 4
+typedef float32x4_t spark_vf;
+static inline spark_vf vf_load(const float *p) { return vld1q_f32(p); }
+static inline spark_vf vf_load_h(const _Float16 *p) {
+    float16x4_t h;
+    memcpy(&h, p, sizeof h);
+    return vcvt_f32_f16(h);
+}
+static inline void vf_store(float *p, spark_vf v) { vst1q_f32(p, v); }
+static inline spark_vf vf_set1(float x) { return vdupq_n_f32(x); }
+static inline spark_vf vf_fma(spark_vf a, spark_vf b, spark_vf c) { return vfmaq_f32(c, a, b); }
+static inline float vf_sum(spark_vf v) { return vaddvq_f32(v); }
+static inline spark_vf vf_min(spark_vf a, spark_vf b) { return vminq_f32(a, b); }
+static inline spark_vf vf_max(spark_vf a, spark_vf b) { return vmaxq_f32(a, b); }
+static inline spark_vf vf_pow2i(spark_vf n) {
+    return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23));
+}
+#else /* portable: one lane, plain C (the compiler may still vectorize the loops around it) */
+#define SPARK_VW 1
+typedef float spark_vf;
+static inline spark_vf vf_load(const float *p) { return *p; }
+static inline spark_vf vf_load_h(const _Float16 *p) { return (float)*p; }
+static inline void vf_store(float *p, spark_vf v) { *p = v; }
+static inline spark_vf vf_set1(float x) { return x; }
+static inline spark_vf vf_fma(spark_vf a, spark_vf b, spark_vf c) { return a * b + c; }
+static inline float vf_sum(spark_vf v) { return v; }
+static inline spark_vf vf_min(spark_vf a, spark_vf b) { return a < b ? a : b; }
+static inline spark_vf vf_max(spark_vf a, spark_vf b) { return a > b ? a : b; }
+static inline spark_vf vf_pow2i(spark_vf n) {
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+#endif
+
+/* exp_approx (spark_kernels.c) on a vector: the same operations in the same order, so the same bits per lane. */
+static inline spark_vf vf_exp(spark_vf x) {
+    x = vf_max(vf_min(x, vf_set1(88.0f)), vf_set1(-87.0f));
+    const spark_vf magic = vf_set1(12582912.0f);
+    const spark_vf n = (x * vf_set1(1.44269504f) + magic) - magic;
+    const spark_vf r = (x - n * vf_set1(0.693145751953125f)) - n * vf_set1(1.428606765330187e-06f);
+    spark_vf p = vf_set1(1.0f / 720);
+    p = vf_set1(1.0f / 120) + r * p;
+    p = vf_set1(1.0f / 24) + r * p;
+    p = vf_set1(1.0f / 6) + r * p;
+    p = vf_set1(0.5f) + r * p;
+    p = vf_set1(1.0f) + r * p;
+    p = vf_set1(1.0f) + r * p;
+    return p * vf_pow2i(n);
+}
 
 /* One layer's attention for one decoding step. */
 typedef struct {
@@ -42,64 +137,106 @@ int64_t spark_attend_floats(int32_t n_heads, int32_t head_dim, int32_t width) {
     return chunks * n_heads * (int64_t)(head_dim + 2);
 }
 
+/* out[i] = x[i] * cos[i] + x[i + off] * sin[i] for i in [0, n): one half of a rotation (off = +-D/2), a multiply
+ * and an add per element as apply_rope's. x is fp16 when half. */
+static inline __attribute__((always_inline)) void rotate_half(const void *x, int32_t half, int32_t off, const float *cs, const float *sn, const int32_t n, float *out) {
+    int32_t i = 0;
+    if (half) {
+        const _Float16 *p = x;
+        for (; i + SPARK_VW <= n; i += SPARK_VW) vf_store(out + i, vf_load_h(p + i) * vf_load(cs + i) + vf_load_h(p + i + off) * vf_load(sn + i));
+        for (; i < n; i++) out[i] = (float)p[i] * cs[i] + (float)p[i + off] * sn[i];
+    } else {
+        const float *p = x;
+        for (; i + SPARK_VW <= n; i += SPARK_VW) vf_store(out + i, vf_load(p + i) * vf_load(cs + i) + vf_load(p + i + off) * vf_load(sn + i));
+        for (; i < n; i++) out[i] = p[i] * cs[i] + p[i + off] * sn[i];
+    }
+}
+
 /* Row `slot` of KV head `kh` widened to fp32. */
 static inline __attribute__((always_inline)) void load_row(const void *base, int32_t half, int64_t capacity, int32_t kh, int64_t slot, const int32_t d, float *out) {
     const int64_t off = ((int64_t)kh * capacity + slot) * d;
     if (half) {
         const _Float16 *p = (const _Float16 *)base + off;
-        for (int32_t i = 0; i < d; i++) out[i] = (float)p[i];
+        int32_t i = 0;
+        for (; i + SPARK_VW <= d; i += SPARK_VW) vf_store(out + i, vf_load_h(p + i));
+        for (; i < d; i++) out[i] = (float)p[i];
     } else {
         memcpy(out, (const float *)base + off, sizeof(float) * (size_t)d);
     }
 }
 
+/* s[t] = q . kt[t] * scale for keys [t0, t1) of a tile: the query held in vectors across them. */
+static inline __attribute__((always_inline)) void tile_scores(const float *q, float (*kt)[SPARK_MAX_HEAD_DIM], int32_t t0, int32_t t1, const int32_t d, float scale, float *s) {
+    enum { MAXV = SPARK_MAX_HEAD_DIM / SPARK_VW };
+    spark_vf qv[MAXV];
+    const int32_t nv = d / SPARK_VW;
+    for (int32_t j = 0; j < nv; j++) qv[j] = vf_load(q + j * SPARK_VW);
+    for (int32_t t = t0; t < t1; t++) {
+        spark_vf acc = qv[0] * vf_load(kt[t]);
+        for (int32_t j = 1; j < nv; j++) acc = vf_fma(qv[j], vf_load(kt[t] + j * SPARK_VW), acc);
+        float dot = vf_sum(acc);
+        for (int32_t i = nv * SPARK_VW; i < d; i++) dot += q[i] * kt[t][i];
+        s[t] = dot * scale;
+    }
+}
+
 /* Keys [r0, r1) of one chunk, for every KV head and its query heads: the chunk's partial softmax. */
 static inline __attribute__((always_inline)) void attend_chunk(const spark_attn *a, int32_t c, int32_t r0, int32_t r1, const int32_t d) {
-    const int32_t g = a->n_heads / a->n_kv_heads, stride = d + 2, hd = d / 2;
+    enum { MAXV = SPARK_MAX_HEAD_DIM / SPARK_VW };
+    const int32_t g = a->n_heads / a->n_kv_heads, stride = d + 2, hd = d / 2, nv = d / SPARK_VW;
+    const size_t elem = a->half ? 2 : 4;
     float *part = a->partial + (int64_t)c * a->n_heads * stride;
     for (int32_t h = 0; h < a->n_heads; h++) {
         part[h * stride] = -INFINITY;
         part[h * stride + 1] = 0.0f;
         memset(part + h * stride + 2, 0, sizeof(float) * (size_t)d);
     }
-    float kt[SPARK_ATTN_TILE][SPARK_MAX_HEAD_DIM], vt[SPARK_ATTN_TILE][SPARK_MAX_HEAD_DIM], raw[SPARK_MAX_HEAD_DIM];
-    float s[SPARK_ATTN_TILE];
+    _Alignas(64) float kt[SPARK_ATTN_TILE][SPARK_MAX_HEAD_DIM], vt[SPARK_ATTN_TILE][SPARK_MAX_HEAD_DIM];
+    _Alignas(64) float s[SPARK_ATTN_TILE], p[SPARK_ATTN_TILE];
     for (int32_t t0 = r0; t0 < r1; t0 += SPARK_ATTN_TILE) {
         const int32_t n = r1 - t0 < SPARK_ATTN_TILE ? r1 - t0 : SPARK_ATTN_TILE;
+        /* ranks below the split are scored by q_plain: keys [0, sp) of this tile */
+        const int32_t sp = a->split <= t0 ? 0 : (a->split - t0 < n ? a->split - t0 : n);
         for (int32_t kh = 0; kh < a->n_kv_heads; kh++) {
             for (int32_t t = 0; t < n; t++) {
                 const int64_t slot = a->slots[t0 + t];
                 const float *cs = a->cos + a->positions[t0 + t] * d, *sn = a->sin + a->positions[t0 + t] * d;
-                load_row(a->k, a->half, a->capacity, kh, slot, d, raw);
-                for (int32_t i = 0; i < hd; i++) kt[t][i] = raw[i] * cs[i] + raw[i + hd] * sn[i];
-                for (int32_t i = hd; i < d; i++) kt[t][i] = raw[i] * cs[i] + raw[i - hd] * sn[i];
+                const uint8_t *row = (const uint8_t *)a->k + (((int64_t)kh * a->capacity + slot) * d) * elem;
+                rotate_half(row, a->half, hd, cs, sn, hd, kt[t]);
+                rotate_half(row + hd * elem, a->half, -hd, cs + hd, sn + hd, d - hd, kt[t] + hd);
                 load_row(a->v, a->half, a->capacity, kh, slot, d, vt[t]);
             }
             for (int32_t u = 0; u < g; u++) {
                 const int32_t h = kh * g + u;
                 float *st = part + h * stride, *acc = st + 2;
+                tile_scores(a->q_plain + (int64_t)h * d, kt, 0, sp, d, a->scale, s);
+                tile_scores(a->q_new + (int64_t)h * d, kt, sp, n, d, a->scale, s);
                 float mx = st[0];
-                for (int32_t t = 0; t < n; t++) {
-                    const float *q = (t0 + t < a->split ? a->q_plain : a->q_new) + (int64_t)h * d;
-                    s[t] = dotf(q, kt[t], d) * a->scale;
-                    mx = s[t] > mx ? s[t] : mx;
-                }
+                for (int32_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+                for (int32_t t = n; t < SPARK_ATTN_TILE; t++) s[t] = mx; /* the tile's unused lanes: e^0, never summed */
                 if (mx > st[0]) { /* a new maximum: rescale what the chunk summed so far */
                     const float corr = exp_approx(st[0] - mx);
                     st[1] *= corr;
                     for (int32_t i = 0; i < d; i++) acc[i] *= corr;
                     st[0] = mx;
                 }
+                const spark_vf vmx = vf_set1(mx);
+                for (int32_t t = 0; t < SPARK_ATTN_TILE; t += SPARK_VW) vf_store(p + t, vf_exp(vf_load(s + t) - vmx));
+                float total = 0.0f;
+                for (int32_t t = 0; t < n; t++) total += p[t];
+                st[1] += total;
+                spark_vf av[MAXV];
+                for (int32_t j = 0; j < nv; j++) av[j] = vf_load(acc + j * SPARK_VW);
                 for (int32_t t = 0; t < n; t++) {
-                    const float p = exp_approx(s[t] - mx);
-                    st[1] += p;
-                    for (int32_t i = 0; i < d; i++) acc[i] += p * vt[t][i];
+                    const spark_vf pv = vf_set1(p[t]);
+                    for (int32_t j = 0; j < nv; j++) av[j] = vf_fma(pv, vf_load(vt[t] + j * SPARK_VW), av[j]);
+                    for (int32_t i = nv * SPARK_VW; i < d; i++) acc[i] += p[t] * vt[t][i];
                 }
+                for (int32_t j = 0; j < nv; j++) vf_store(acc + j * SPARK_VW, av[j]);
             }
         }
     }
 }
-
 static void attend_chunks(void *ctx, int32_t begin, int32_t end) {
     const spark_attn *a = ctx;
     for (int32_t c = begin; c < end; c++) {

@@ -5,11 +5,13 @@ keys) and chunk (64 keys) edges, on one thread and on two (chunks merged by thei
 from __future__ import annotations
 
 import ctypes
+import platform
+from pathlib import Path
 
 import pytest
 import torch
 
-from engine.backends.native import AttnDesc, NativeKernels, load_kernels
+from engine.backends.native import AttnDesc, NativeKernels, bind, build_library, load_kernels
 from engine.model.attention import apply_rope
 
 
@@ -82,12 +84,7 @@ def native(
     return out
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("width", [1, 15, 16, 17, 63, 64, 65, 129, 300, 1031])
-@pytest.mark.parametrize("d", [64, 32])  # the compiled-for-64 route and the general one
-def test_native_attention_equals_pytorch_over_the_fp16_table(
-    kernels: NativeKernels, threads: int, width: int, d: int
-) -> None:
+def check_against_pytorch(kernels: NativeKernels, threads: int, width: int, d: int) -> None:
     g = torch.Generator().manual_seed(width * 7 + d)
     h, hkv, capacity = 6, 2, 1100 + width
     k = (torch.randn(hkv, capacity, d, generator=g) * 2).half()  # (Hkv, C, D) unrotated, as the table holds them
@@ -108,3 +105,24 @@ def test_native_attention_equals_pytorch_over_the_fp16_table(
         kernels.use_threads(torch.get_num_threads())
     # fp32 throughout on both sides, summed in other orders: far inside an fp16 rounding of the values.
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 63, 64, 65, 129, 300, 1031])
+@pytest.mark.parametrize("d", [64, 32, 40])  # the compiled-for-64 route, the general one, one with vector tails
+def test_native_attention_equals_pytorch_over_the_fp16_table(
+    kernels: NativeKernels, threads: int, width: int, d: int
+) -> None:
+    check_against_pytorch(kernels, threads, width, d)
+
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@pytest.mark.skipif(not X86, reason="instruction-set variants of x86")
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")], ids=["avx2", "portable"])
+def test_every_instruction_set_variant_attends_as_pytorch(tmp_path: Path, flags: tuple[str, ...]) -> None:
+    """The 8-lane (AVX2) and one-lane (portable) routes of the attention; NEON's runs under qemu (arm_check.c)."""
+    variant = bind(build_library(tmp_path, extra_flags=flags))
+    for width, d in ((17, 64), (300, 64), (65, 40)):
+        check_against_pytorch(variant, 1, width, d)
