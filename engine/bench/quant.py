@@ -1,8 +1,8 @@
 """`bench quant`: how faithful each block format is to our fp32 path, beside llama.cpp on the same text and bytes.
 
-For every type (Q8_0, Q4_0, Q4_1, Q5_0, and `--gguf FILE` as stored) both engines run the very same GGUF: the model
+For every type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and `--gguf FILE` as stored) both engines run the very same GGUF: the model
 folder's fp32 weights exported at that type (engine.bench.gguf_export; our own quantizer writes identical bytes),
-read back as StoredTensor (engine.loading.gguf) for us and loaded by llama.cpp (llama-cpp-python, logits for every
+(Q5_1 by the gguf package's quantizer), read back as StoredTensor (engine.loading.gguf) for us and loaded by llama.cpp (llama-cpp-python, logits for every
 token). Over >= 2,048 tokens of held-out text, each is compared with our fp32 logits: mean and 99th-percentile KL
 divergence, same top token, perplexity. Headline `kld_ratio_vs_llamacpp` (ours / theirs) per type and worst; goal
 <= 1.0. Our kernels quantize activations per block of 32 as int16 with one scale (`ours_*`); the same weights
@@ -12,7 +12,10 @@ is how the default was chosen.
 The formats with no quantizer here (the K-quant mixes, IQ4_NL/IQ4_XS, TQ1_0/TQ2_0) are written from the folder's fp32
 weights by llama.cpp's own quantizer when llama-cpp-python is installed (LLAMACPP_FILES: a file as downloads have
 it, e.g. a Q4_K_M's tensors mix Q4_K, Q6_K and, where a row is no multiple of 256, Q5_0 and Q8_0), and both
-engines run that file. Any other file: --gguf FILE (quantized from float weights, as
+engines run that file. On a model whose rows are no multiple of 256 (the default model's 576) llama.cpp's Q2_K file
+holds Q3_K and Q4_0 only, so its Q2_K_S (Q2_K in most feed-forward down projections) is measured too.
+`by_block_type` names, for every block type the engine runs as stored, the file holding most of its tensors and
+both engines' figures on that file; `block_types_missing` lists any type no file held. Any other file: --gguf FILE (quantized from float weights, as
 `python -m engine.bench.gguf_export MODEL_DIR OUT.gguf --dtype q4_k_m` writes it).
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +40,10 @@ from engine.model.quant import BlockType, StoredTensor
 
 TOKENS = 2048
 QUICK_TOKENS = 256
-TYPES = tuple(t.name.lower() for t in BlockType if t.quantizable)
+# Files the export writes (our quantizer's formats, and Q5_1 from the gguf package's).
+TYPES = (*(t.name.lower() for t in BlockType if t.quantizable), "q5_1")
 # Files llama.cpp's quantizer writes (engine.bench.gguf_export.LLAMACPP_TYPES): every other format we run as stored.
-LLAMACPP_FILES = ("q2_k", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k_llamacpp", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0")
+LLAMACPP_FILES = ("q2_k", "q2_k_s", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k_llamacpp", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0")
 
 
 def held_out_ids(tokenizer: Tokenizer, n: int) -> list[int]:
@@ -94,6 +99,19 @@ def _rounded(d: dict[str, Any], prefix: str) -> dict[str, Any]:
     return {f"{prefix}_{k}": round(v, 6) for k, v in d.items()}
 
 
+def by_block_type(rows: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """rows: file name -> its row (with `tensor_counts`). Each block type -> the row of the file holding most of its
+    tensors (which file, how many, both engines' mean KLD and same-top rate there); and the types no file held."""
+    figures = ("ours_mean_kld", "llamacpp_mean_kld", "ours_same_top", "llamacpp_same_top", "kld_ratio_vs_llamacpp")
+    out: dict[str, dict[str, Any]] = {}
+    for qtype in (t.gguf_name for t in BlockType):
+        held = [(row["tensor_counts"].get(qtype, 0), name) for name, row in rows.items()]
+        count, name = max(held, default=(0, ""))
+        if count:
+            out[qtype] = {"file": name, "tensors": count} | {k: rows[name][k] for k in figures if k in rows[name]}
+    return out, [t.gguf_name for t in BlockType if t.gguf_name not in out]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = resolve_model_path(args.model)  # its fp32 weights (a GGUF's, dequantized) are the reference
     threads = args.threads or torch.get_num_threads()
@@ -138,6 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         made = "llama.cpp's quantizer" if name in LLAMACPP_FILES else "export"
         row: dict[str, Any] = {"file": str(path) if name == "gguf" else f"{name} {made} of the model's fp32 weights"}
         row["formats"] = sorted({t.qtype for t in stored.values()})
+        row["tensor_counts"] = dict(Counter(t.qtype for t in stored.values()))
         ours = TorchBackend(model, "cpu", quantize="auto", stored=stored)
         row["ours_weights"] = ours.numerics
         row.update(_rounded(compare(fp32, our_logits(ours, inputs), targets), "ours"))
@@ -157,6 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if f"{who}_ppl" in row:
                 row[f"{who}_ppl_delta_pct"] = round(100 * (row[f"{who}_ppl"] / result["ours_fp32_ppl"] - 1), 3)
         result["types"][name] = row
+    result["by_block_type"], result["block_types_missing"] = by_block_type(result["types"])
     ratios = [r["kld_ratio_vs_llamacpp"] for r in result["types"].values() if "kld_ratio_vs_llamacpp" in r]
     if ratios:
         result["kld_ratio_vs_llamacpp"] = {name: r["kld_ratio_vs_llamacpp"] for name, r in result["types"].items()}

@@ -1,0 +1,38 @@
+"""`bench quant`'s summary by block type: every type the engine runs as stored, on the file that holds it most."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.bench.quant import LLAMACPP_FILES, TYPES, by_block_type
+from engine.model.quant import BlockType
+
+
+def _row(counts: dict[str, int], kld: float) -> dict[str, Any]:
+    return {
+        "tensor_counts": counts,
+        "ours_mean_kld": kld,
+        "llamacpp_mean_kld": 2 * kld,
+        "ours_same_top": 0.9,
+        "llamacpp_same_top": 0.8,
+        "kld_ratio_vs_llamacpp": 0.5,
+    }
+
+
+def test_each_type_is_reported_on_the_file_holding_most_of_its_tensors() -> None:
+    rows = {"q2_k": _row({"Q3_K": 30, "Q4_0": 180}, 0.3), "q3_k_m": _row({"Q3_K": 2, "Q4_K": 29}, 0.1)}
+    summary, missing = by_block_type(rows)
+    assert summary["Q3_K"] == {"file": "q2_k", "tensors": 30} | {
+        k: v for k, v in rows["q2_k"].items() if k != "tensor_counts"
+    }
+    assert summary["Q4_K"]["file"] == "q3_k_m"
+    assert set(summary) == {"Q3_K", "Q4_0", "Q4_K"}
+    assert set(missing) == {t.gguf_name for t in BlockType} - set(summary)
+
+
+def test_the_files_cover_every_block_type_the_engine_runs() -> None:
+    # Written by the export (its own types) or by llama.cpp's quantizer (the rest): no type is left unmeasured.
+    direct = {name.upper() for name in TYPES}
+    from_llamacpp = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0"}
+    assert {t.gguf_name for t in BlockType} <= direct | from_llamacpp
+    assert {"q2_k_s", "iq4_xs", "tq1_0", "tq2_0", "q5_k_m"} <= set(LLAMACPP_FILES)
