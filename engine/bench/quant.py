@@ -15,7 +15,13 @@ it, e.g. a Q4_K_M's tensors mix Q4_K, Q6_K and, where a row is no multiple of 25
 engines run that file. On a model whose rows are no multiple of 256 (the default model's 576) llama.cpp's Q2_K file
 holds Q3_K and Q4_0 only, so its Q2_K_S (Q2_K in most feed-forward down projections) is measured too.
 `by_block_type` names, for every block type the engine runs as stored, the file holding most of its tensors and
-both engines' figures on that file; `block_types_missing` lists any type no file held. Any other file: --gguf FILE (quantized from float weights, as
+both engines' figures on that file; `block_types_missing` lists any type no file held.
+
+`--kv-type q8_0` measures the KV cache type instead: the model's weights as stored (the default model's GGUF, or
+`--gguf`) read the held-out text through the slot table with q8_0 keys and values, against the same with fp16 ones
+(`kv_q8_0_*`: mean and p99 KLD, same top token, perplexity), and llama.cpp likewise with its type_k/type_v q8_0
+against its f16 cache (flash attention on in both, as llama.cpp needs it for a quantized V cache); `kv_kld_ratio_vs_llamacpp`
+is ours over theirs. Any other file: --gguf FILE (quantized from float weights, as
 `python -m engine.bench.gguf_export MODEL_DIR OUT.gguf --dtype q4_k_m` writes it).
 """
 
@@ -36,6 +42,8 @@ from engine.errors import SparkError
 from engine.heldout.docs import held_out_text
 from engine.loading.model_files import gguf_model, is_gguf_model, resolve_model_path
 from engine.loading.tokenizer import Tokenizer
+from engine.memory.base import FullAttentionMemory
+from engine.model.kv_types import KVType
 from engine.model.quant import BlockType, StoredTensor
 
 TOKENS = 2048
@@ -76,9 +84,25 @@ def our_logits(backend: TorchBackend, ids: list[int]) -> torch.Tensor:
         return backend.model.forward_causal(torch.tensor([ids]))[0].float()  # (T, V)
 
 
-def llamacpp_logits(path: Path, ids: list[int], threads: int) -> torch.Tensor:
+def slot_table_logits(backend: TorchBackend, ids: list[int]) -> torch.Tensor:
+    """ids through the slot table in one step (keys and values written, then read back as the table holds them,
+    so its KV type takes part) -> logits (T, V)."""
+    backend.allocate(1, len(ids))
+    memory = FullAttentionMemory(backend)
+    with torch.inference_mode():
+        logits = backend.forward(torch.tensor([ids]), memory.plan(ids).as_batch())
+    return logits[0].float()  # (T, V)
+
+
+def llamacpp_logits(path: Path, ids: list[int], threads: int, kv_type: KVType | None = None) -> torch.Tensor:
+    """llama.cpp's logits (T, V); with a `kv_type`, its cache in that type under flash attention (which a quantized
+    V cache needs; the f16 reference takes it too, so that only the cache type differs)."""
     import llama_cpp
 
+    cache: dict[str, Any] = {}
+    if kv_type is not None:  # ggml's type ids
+        ggml = llama_cpp.GGML_TYPE_Q8_0 if kv_type is KVType.Q8_0 else llama_cpp.GGML_TYPE_F16
+        cache = {"type_k": ggml, "type_v": ggml, "flash_attn": True}
     llm = llama_cpp.Llama(
         str(path),
         n_ctx=len(ids) + 8,
@@ -88,6 +112,7 @@ def llamacpp_logits(path: Path, ids: list[int], threads: int) -> torch.Tensor:
         n_threads=threads,
         n_threads_batch=threads,
         verbose=False,
+        **cache,
     )
     llm.eval(ids)
     out = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))  # (T, V)
@@ -113,6 +138,8 @@ def by_block_type(rows: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if KVType(getattr(args, "kv_type", "f16")) is KVType.Q8_0:
+        return run_kv(args)
     model = resolve_model_path(args.model)  # its fp32 weights (a GGUF's, dequantized) are the reference
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -183,4 +210,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["worst_kld_ratio_vs_llamacpp"] = max(ratios)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     tmp.cleanup()
+    return result
+
+
+def run_kv(args: argparse.Namespace) -> dict[str, Any]:
+    """`--kv-type q8_0`: q8_0 keys and values against fp16 ones, ours and llama.cpp's, on the same weights."""
+    model = resolve_model_path(args.model)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    n = QUICK_TOKENS if args.quick else TOKENS
+    ids = held_out_ids(Tokenizer.load(model), n)
+    inputs, targets = ids[:-1], torch.tensor(ids[1:])
+    path = Path(args.gguf) if args.gguf else (gguf_model(model).path if is_gguf_model(model) else None)
+    stored = gguf_model(path).stored_tensors() if path is not None else None
+    result: dict[str, Any] = {"model": str(model), "tokens": len(inputs), "threads": threads, "kv_type": "q8_0"}
+    t0 = time.perf_counter()
+    runs = {}
+    for kv in (KVType.F16, KVType.Q8_0):
+        backend = TorchBackend(model, "cpu", quantize="auto", stored=stored, kv_type=kv)
+        result["ours_weights"] = backend.numerics
+        runs[kv] = slot_table_logits(backend, inputs)
+        del backend
+    result.update(_rounded(compare(runs[KVType.F16], runs[KVType.Q8_0], targets), "kv_q8_0"))
+    if path is None:
+        result["notes"] = ["llama.cpp was not measured: the model is no GGUF (pass --gguf FILE of its weights)"]
+    else:
+        try:
+            import llama_cpp
+
+            result["llamacpp_version"] = llama_cpp.__version__
+            f16 = llamacpp_logits(path, inputs, threads, KVType.F16)
+            q8 = llamacpp_logits(path, inputs, threads, KVType.Q8_0)
+            result.update(_rounded(compare(f16, q8, targets), "llamacpp_kv_q8_0"))
+            result["kv_kld_ratio_vs_llamacpp"] = round(
+                result["kv_q8_0_mean_kld"] / result["llamacpp_kv_q8_0_mean_kld"], 3
+            )
+        except ImportError:
+            result["notes"] = [
+                "llama-cpp-python is not installed (pip install -e '.[bench]'); llama.cpp was not measured"
+            ]
+    result["seconds"] = round(time.perf_counter() - t0, 1)
     return result
