@@ -1,11 +1,18 @@
-"""`bench quant`'s summary by block type: every type the engine runs as stored, on the file that holds it most."""
+"""`bench quant`'s summary by block type (every type the engine runs as stored, on the file that holds it most) and
+its KV-type run's logits through the slot table."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from engine.bench.quant import LLAMACPP_FILES, TYPES, by_block_type
+import torch
+
+from engine.backends.torch_backend import TorchBackend
+from engine.bench.quant import LLAMACPP_FILES, TYPES, by_block_type, slot_table_logits
+from engine.model.kv_types import KVType
 from engine.model.quant import BlockType
+from tests.helpers.tiny import make_tiny_model
 
 
 def _row(counts: dict[str, int], kld: float) -> dict[str, Any]:
@@ -36,3 +43,15 @@ def test_the_files_cover_every_block_type_the_engine_runs() -> None:
     from_llamacpp = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0"}
     assert {t.gguf_name for t in BlockType} <= direct | from_llamacpp
     assert {"q2_k_s", "iq4_xs", "tq1_0", "tq2_0", "q5_k_m"} <= set(LLAMACPP_FILES)
+
+
+def test_slot_table_logits_hold_every_token_and_feel_the_kv_type(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "m", heads=2, kv_heads=1)  # head dim 32: q8_0 fits
+    ids = list(range(3, 40))
+    f16 = slot_table_logits(TorchBackend(model), ids)
+    reference = TorchBackend(model).model.forward_causal(torch.tensor([ids]))[0].detach()  # (T, V) fp32 KV
+    assert f16.shape == reference.shape
+    torch.testing.assert_close(f16, reference, atol=2e-2, rtol=0)  # fp16 keys and values only
+    q8 = slot_table_logits(TorchBackend(model, kv_type=KVType.Q8_0), ids)
+    assert not torch.equal(q8, f16)
+    torch.testing.assert_close(q8, f16, atol=5e-2, rtol=0)
