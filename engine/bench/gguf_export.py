@@ -63,7 +63,6 @@ _GPT2_PRE = "default"
 # back to Q5_0/Q5_1/Q8_0 for rows that are no multiple of 256 (SmolLM2's hidden size, 576).
 LLAMACPP_TYPES = {
     "q2_k": "MOSTLY_Q2_K",
-    "q2_k_s": "MOSTLY_Q2_K_S",
     "q3_k_m": "MOSTLY_Q3_K_M",
     "q4_k_m": "MOSTLY_Q4_K_M",
     "q4_k_s": "MOSTLY_Q4_K_S",

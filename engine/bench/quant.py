@@ -13,15 +13,17 @@ The formats with no quantizer here (the K-quant mixes, IQ4_NL/IQ4_XS, TQ1_0/TQ2_
 weights by llama.cpp's own quantizer when llama-cpp-python is installed (LLAMACPP_FILES: a file as downloads have
 it, e.g. a Q4_K_M's tensors mix Q4_K, Q6_K and, where a row is no multiple of 256, Q5_0 and Q8_0), and both
 engines run that file. On a model whose rows are no multiple of 256 (the default model's 576) llama.cpp's Q2_K file
-holds Q3_K and Q4_0 only, so its Q2_K_S (Q2_K in most feed-forward down projections) is measured too.
-`by_block_type` names, for every block type the engine runs as stored, the file holding most of its tensors and
-both engines' figures on that file; `block_types_missing` lists any type no file held.
+holds Q3_K and Q4_0 only (its Q2_K_S, which keeps Q2_K in the down projections, needs an importance matrix that
+llama-cpp-python cannot pass), so Q2_K is measured only on models whose rows allow it. A file llama.cpp's
+quantizer refuses is named in `notes` and the others still run. `by_block_type` names, for every block type the
+engine runs as stored, the file holding most of its tensors and both engines' figures on that file;
+`block_types_missing` lists any type no file held.
 
 `--kv-type q8_0` measures the KV cache type instead: the model's weights as stored (the default model's GGUF, or
 `--gguf`) read the held-out text through the slot table with q8_0 keys and values, against the same with fp16 ones
 (`kv_q8_0_*`: mean and p99 KLD, same top token, perplexity), and llama.cpp likewise with its type_k/type_v q8_0
-against its f16 cache (flash attention on in both, as llama.cpp needs it for a quantized V cache); `kv_kld_ratio_vs_llamacpp`
-is ours over theirs. Any other file: --gguf FILE (quantized from float weights, as
+against its f16 cache (flash attention on in both, as llama.cpp needs it for a quantized V cache);
+`kv_kld_ratio_vs_llamacpp` is ours over theirs. Any other file: --gguf FILE (quantized from float weights, as
 `python -m engine.bench.gguf_export MODEL_DIR OUT.gguf --dtype q4_k_m` writes it).
 """
 
@@ -51,7 +53,7 @@ QUICK_TOKENS = 256
 # Files the export writes (our quantizer's formats, and Q5_1 from the gguf package's).
 TYPES = (*(t.name.lower() for t in BlockType if t.quantizable), "q5_1")
 # Files llama.cpp's quantizer writes (engine.bench.gguf_export.LLAMACPP_TYPES): every other format we run as stored.
-LLAMACPP_FILES = ("q2_k", "q2_k_s", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k_llamacpp", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0")
+LLAMACPP_FILES = ("q2_k", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k_llamacpp", "iq4_nl", "iq4_xs", "tq1_0", "tq2_0")
 
 
 def held_out_ids(tokenizer: Tokenizer, n: int) -> list[int]:
@@ -172,7 +174,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             compare(fp32, llamacpp_logits(f32, inputs, threads), targets), "llamacpp"
         )  # the peers agree at fp32
         for name in LLAMACPP_FILES:  # from the fp32 weights our reference runs (a quantized model's, dequantized)
-            files[name] = quantize_with_llamacpp(f32, Path(tmp.name) / f"model-{name}.gguf", name, threads)
+            try:
+                files[name] = quantize_with_llamacpp(f32, Path(tmp.name) / f"model-{name}.gguf", name, threads)
+            except SparkError as exc:
+                result.setdefault("notes", []).append(f"{name} was not measured: {exc}")
         f32.unlink()
     if args.gguf:
         files["gguf"] = Path(args.gguf)

@@ -42,7 +42,7 @@ def test_the_files_cover_every_block_type_the_engine_runs() -> None:
     direct = {name.upper() for name in TYPES}
     from_llamacpp = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0"}
     assert {t.gguf_name for t in BlockType} <= direct | from_llamacpp
-    assert {"q2_k_s", "iq4_xs", "tq1_0", "tq2_0", "q5_k_m"} <= set(LLAMACPP_FILES)
+    assert {"q2_k", "iq4_xs", "tq1_0", "tq2_0", "q5_k_m"} <= set(LLAMACPP_FILES)
 
 
 def test_slot_table_logits_hold_every_token_and_feel_the_kv_type(tmp_path: Path) -> None:
