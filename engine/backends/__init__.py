@@ -10,6 +10,7 @@ from pathlib import Path
 from engine.backends.base import Backend, BackendProbe
 from engine.backends.memo import BackendMemo
 from engine.errors import BackendUnavailable
+from engine.model.kv_types import KVType
 from engine.paths import default_cache_dir
 
 AUTO_ORDER: tuple[str, ...] = ("coreml", "mps", "cuda", "cpu")
@@ -110,18 +111,26 @@ def open_backend(
     quantize: str = "none",
     memo: BackendMemo | None = None,
     registry: Mapping[str, BackendEntry] = REGISTRY,
+    kv_type: KVType = KVType.F16,
 ) -> BackendChoice:
     """Open `name`, or with `auto` the first backend in AUTO_ORDER that probes available and loads.
 
     `quantize` (QUANTIZE_CHOICES; "int8" runs on Core ML and the CPU) picks the weight storage; a backend that
     cannot run it says so, and the `auto` backend passes over it with that reason. A runtime that hangs (Core ML's
     watchdog, coreml.watchdog) is remembered in `memo` (by default in the app's cache dir) for this model, and
-    `auto` passes over it at the next load with the remembered reason."""
+    `auto` passes over it at the next load with the remembered reason. `kv_type` (engine.model.kv_types): what
+    the slot table holds keys and values in; a backend that holds only fp16 is passed over by `auto` for q8_0."""
     model_dir = Path(model_dir).expanduser()
     memo = memo if memo is not None else BackendMemo(default_cache_dir())
 
     def on_hang(backend: str) -> Callable[[str], None]:
         return lambda reason: memo.avoid(model_dir, backend, reason)
+
+    def opened(name: str) -> Backend:
+        backend = registry[name].open(model_dir, resolve_quantize(name, quantize), on_hang(name))
+        if kv_type is not KVType.F16:
+            backend.set_kv_type(kv_type)
+        return backend
 
     if name != "auto":
         if name not in registry:
@@ -129,7 +138,7 @@ def open_backend(
         probe = registry[name].probe()
         if not probe.available:
             raise BackendUnavailable(probe.reason)
-        return BackendChoice(registry[name].open(model_dir, resolve_quantize(name, quantize), on_hang(name)), ())
+        return BackendChoice(opened(name), ())
     skipped: list[BackendProbe] = []
     avoided = memo.avoided(model_dir)
     for candidate in AUTO_ORDER:
@@ -140,10 +149,7 @@ def open_backend(
             skipped.append(probe)
             continue
         try:
-            return BackendChoice(
-                registry[candidate].open(model_dir, resolve_quantize(candidate, quantize), on_hang(candidate)),
-                tuple(skipped),
-            )
+            return BackendChoice(opened(candidate), tuple(skipped))
         except BackendUnavailable as exc:  # e.g. a Core ML conversion that failed: fall through, keep the reason
             skipped.append(BackendProbe(candidate, False, str(exc)))
     raise BackendUnavailable("No compute backend is available on this machine.")

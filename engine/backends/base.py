@@ -15,8 +15,9 @@ from typing import Protocol
 
 import torch
 
-from engine.errors import SparkError
+from engine.errors import BackendUnavailable, SparkError
 from engine.model.config import ModelConfig
+from engine.model.kv_types import KVType
 from engine.model.slots import SlotBatch
 
 CANONICAL_KV_DTYPE = torch.float16
@@ -56,6 +57,8 @@ class Backend(ABC):
     # The largest slot table this backend runs (None: any). The cascade fits its geometry to it, as to the memory
     # budget: Core ML runs a fixed-shape program converted for one slot count (coreml.convert.ANE_MAX_SLOTS).
     max_slots: int | None = None
+    # What the slot table holds keys and values in (engine.model.kv_types): fp16 unless the backend offers q8_0.
+    kv_type: KVType = KVType.F16
 
     @property
     @abstractmethod
@@ -65,6 +68,14 @@ class Backend(ABC):
     @property
     @abstractmethod
     def batch(self) -> int: ...
+
+    def set_kv_type(self, kv_type: KVType) -> None:
+        """Hold keys and values as `kv_type` (a backend just opened, its table empty). BackendUnavailable, in one
+        sentence, where this backend cannot."""
+        if kv_type is not KVType.F16:
+            raise BackendUnavailable(
+                f"The {self.name} backend holds keys and values in fp16 only, not {kv_type.value}."
+            )
 
     @property
     @abstractmethod
@@ -156,6 +167,7 @@ class BackendWrapper(Backend):
         self.name, self.config, self.fingerprint = inner.name, inner.config, inner.fingerprint
         self.weight_bytes, self.quantize, self.kernels_note = inner.weight_bytes, inner.quantize, inner.kernels_note
         self.runs_leading_rows, self.max_slots = inner.runs_leading_rows, inner.max_slots
+        self.kv_type = inner.kv_type
 
     @property
     def numerics(self) -> str:
@@ -164,6 +176,10 @@ class BackendWrapper(Backend):
     @property
     def batch(self) -> int:
         return self.inner.batch
+
+    def set_kv_type(self, kv_type: KVType) -> None:
+        self.inner.set_kv_type(kv_type)
+        self.kv_type = self.inner.kv_type
 
     @property
     def num_slots(self) -> int:

@@ -31,6 +31,7 @@ from engine.backends.native.decoder import NativeBlockEmbedding, NativeBlockLine
 from engine.errors import BackendUnavailable
 from engine.loading.weights import load_model
 from engine.model.config import ModelConfig
+from engine.model.kv_types import KVType
 from engine.model.network import (
     ForwardCancelled,
     KVCache,
@@ -139,6 +140,7 @@ class TorchBackend(Backend):
         stored: Mapping[str, StoredTensor] | None = None,
         act_parts: int = 2,
         native_steps: bool = True,
+        kv_type: KVType = KVType.F16,
     ) -> None:
         """`quantize` (CPU only): "none" keeps fp32; "q8_0", "q4_0", "q4_1" hold every linear layer in that GGUF block
         format (engine.model.quant), activations quantized per block of 32 as llama.cpp's dot products do; "auto" runs
@@ -157,6 +159,9 @@ class TorchBackend(Backend):
 
         `kernels` picks what runs block weights: "native" our compiled CPU kernels (engine.backends.native; an error when
         they cannot be built), "torch" PyTorch over the dequantized matrices, "auto" native when available.
+
+        `kv_type` q8_0 holds keys and values as llama.cpp's q8_0 blocks (engine.model.kv_types), read as fp16;
+        the native decoding step reads fp16 or fp32 tables only, so a q8_0 table's steps run through PyTorch.
 
         `native_steps`: with the native kernels, let a decoding step they cover run as one native call (the default);
         False runs every step through the PyTorch code over the same native layers (comparisons in tests)."""
@@ -202,6 +207,7 @@ class TorchBackend(Backend):
         self.weight_bytes = resident_weight_bytes(self.model)  # as finally held: fused, transposed or in blocks
         self.kv_dtype = kv_dtype
         self.cache: KVCache = self.model.new_cache(1, 32, kv_dtype)
+        self.set_kv_type(kv_type)
 
     def _block_weights(self, quantize: str, kernels: str, stored: Mapping[str, StoredTensor] | None) -> str:
         """Swap the linear layers for block-quantized ones; returns the format now held ("none": fp32 kept)."""
@@ -292,7 +298,7 @@ class TorchBackend(Backend):
         # "-r2": keys are read through fp16 copies or rotated inside the native attention (not fp32 copies), which
         # changes the bits of every later token's KV, so prefix-cache entries of the earlier reads are not reused.
         # "-r3": the native decoding attention scores and sums on vectors with fused multiply-adds (other bits).
-        kv = str(self.kv_dtype).removeprefix("torch.")
+        kv = str(self.kv_dtype).removeprefix("torch.") if self.kv_type is KVType.F16 else self.kv_type.value
         reads = "-r3" if self.decoder is not None else "-r2"
         return f"torch-{self.device.type}-{str(self.dtype).removeprefix('torch.')}{weights}-kv{kv}{reads}"
 
@@ -300,10 +306,17 @@ class TorchBackend(Backend):
     def batch(self) -> int:
         return self.cache.batch
 
+    def set_kv_type(self, kv_type: KVType) -> None:
+        why_not = kv_type.fits(self.config.head_dim)
+        if why_not is not None:
+            raise BackendUnavailable(f"This model cannot hold its KV as {kv_type.value}: {why_not}.")
+        self.kv_type = kv_type
+        self.cache = self.model.new_cache(self.batch, self.num_slots, self.kv_dtype, kv_type)
+
     def slot_bytes_per_token(self) -> int:
         """k, v in the KV dtype, plus read copies where steps run through PyTorch (engine.model.slots)."""
         reads = self.decoder is None or self.cache.reads_in_use
-        return KVCache.bytes_per_slot(self.config, self.kv_dtype, reads, self.cache.compute_dtype)
+        return KVCache.bytes_per_slot(self.config, self.kv_dtype, reads, self.cache.compute_dtype, self.kv_type)
 
     def kv_resident_bytes(self) -> int:
         return self.cache.allocated_bytes()
@@ -318,7 +331,7 @@ class TorchBackend(Backend):
     runs_leading_rows = True
 
     def allocate(self, batch: int, num_slots: int) -> None:
-        self.cache = self.model.new_cache(batch, num_slots, self.kv_dtype)
+        self.cache = self.model.new_cache(batch, num_slots, self.kv_dtype, self.kv_type)
         self._rows_run = self.cache.batch
 
     def widen(self, num_slots: int) -> None:
@@ -326,7 +339,7 @@ class TorchBackend(Backend):
 
     def fork(self) -> TorchBackend:
         twin = copy.copy(self)  # shares self.model (weights) by reference
-        twin.cache = self.model.new_cache(self.batch, self.num_slots, self.kv_dtype)
+        twin.cache = self.model.new_cache(self.batch, self.num_slots, self.kv_dtype, self.kv_type)
         return twin
 
     @torch.inference_mode()
@@ -391,9 +404,7 @@ class TorchBackend(Backend):
     def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if slots.numel():
             self.cache.reserve(int(slots.max()) + 1)  # a slot not yet allocated reads as zeros, as one never written
-        s = slots.to(self.device)
-        k = self.cache.k[:, row].index_select(2, s)  # (L, Hkv, n, D)
-        v = self.cache.v[:, row].index_select(2, s)  # (L, Hkv, n, D)
+        k, v = self.cache.read_rows(row, slots.to(self.device))  # (L, Hkv, n, D) each
         return k.to("cpu", CANONICAL_KV_DTYPE), v.to("cpu", CANONICAL_KV_DTYPE)
 
     @torch.inference_mode()
@@ -401,6 +412,5 @@ class TorchBackend(Backend):
         if slots.numel():
             self.cache.reserve(int(slots.max()) + 1)
         s = slots.to(self.device)
-        self.cache.k[:, row].index_copy_(2, s, k.to(self.device, self.kv_dtype))
-        self.cache.v[:, row].index_copy_(2, s, v.to(self.device, self.kv_dtype))
+        self.cache.write_rows(row, s, k.to(self.device), v.to(self.device))
         self.cache.forget(s)

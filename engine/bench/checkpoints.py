@@ -39,6 +39,28 @@ GEOMETRIES: dict[str, dict[str, object]] = {
 }
 
 
+def byte_level_vocabulary(size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE vocabulary of exactly `size` tokens (the model's embedding rows, as llama.cpp requires):
+    the specials, the 256 byte symbols, then pieces made by merges, first every pair of bytes, then each pair
+    followed by a byte, in a fixed order. Every merged piece is in the vocabulary, so both engines load it."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    base = BENCH_VOCAB_SPECIALS + alphabet
+    if size < len(base):
+        raise ValueError(f"a byte-level vocabulary needs at least {len(base)} tokens, not {size}")
+    vocab = {tok: i for i, tok in enumerate(base)}
+    merges: list[tuple[str, str]] = []
+    pairs = (a + b for a in alphabet for b in alphabet)
+    triples = ((a + b, c) for a in alphabet for b in alphabet for c in alphabet)
+    while len(vocab) < size:
+        pair = next(pairs, None)
+        left, right = (pair[0], pair[1]) if pair is not None else next(triples)
+        vocab[left + right] = len(vocab)
+        merges.append((left, right))
+    return vocab, merges
+
+
 def write_random_checkpoint(out: Path, config: dict[str, object], seed: int = 0) -> Path:
     """A model folder with `config` and random weights (std 0.02, norms 1), plus a byte-level tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -53,9 +75,8 @@ def write_random_checkpoint(out: Path, config: dict[str, object], seed: int = 0)
             continue
         state[name] = torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * 0.02
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    # A byte-level vocabulary: 256 byte tokens + specials; ids beyond it exist in the model but are never typed.
-    vocab = {tok: i for i, tok in enumerate(BENCH_VOCAB_SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    vocab, merges = byte_level_vocabulary(int(config["vocab_size"]))  # type: ignore[call-overload]  # JSON ints
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(BENCH_VOCAB_SPECIALS)

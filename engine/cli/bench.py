@@ -57,6 +57,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--peer-gguf", type=Path, default=None, help="`serve`: the GGUF of the same weights for llama.cpp's server"
     )
+    p.add_argument(
+        "--kv-type",
+        default="f16",
+        choices=["f16", "q8_0"],
+        help="`quant`: measure q8_0 keys and values against fp16 ones (ours and llama.cpp's) instead of weight types",
+    )
     p.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke runs)")
     p.add_argument(
         "--window", type=int, default=None, help="`passkey`, `long-ppl`: force the cascade's window (tokens)"

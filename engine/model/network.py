@@ -29,6 +29,7 @@ from engine.model.attention import (
     rope_inv_freq,
 )
 from engine.model.config import ModelConfig
+from engine.model.kv_types import KVType
 from engine.model.slots import KVCache, SlotBatch, SlotStep, StepReads
 
 # ROTARY_HEADROOM, SlotBatch and rope_inv_freq are re-exported: the cascade, batching and Core ML import them here.
@@ -220,10 +221,12 @@ class Transformer(nn.Module):
         assert self.rope is not None
         return self.rope
 
-    def new_cache(self, batch: int, num_slots: int, dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(
+        self, batch: int, num_slots: int, dtype: torch.dtype | None = None, kv_type: KVType = KVType.F16
+    ) -> KVCache:
         """A slot table on the weights' device; `dtype` defaults to the compute dtype."""
         p = self.model.norm.weight  # any parameter gives device and compute dtype; the norm is never swapped
-        return KVCache(self.config, batch, num_slots, p.device, dtype or p.dtype, p.dtype)
+        return KVCache(self.config, batch, num_slots, p.device, dtype or p.dtype, p.dtype, kv_type)
 
     def hidden_states(
         self, tokens: torch.Tensor, step: StepAttention, should_stop: Callable[[], bool] | None = None

@@ -33,6 +33,7 @@ from engine.model.attention import (
     split_frame_attention,
 )
 from engine.model.config import ModelConfig
+from engine.model.kv_types import Q8_BLOCK, KVType, dequantize_q8_0, quantize_q8_0
 
 # Steps of at most this many new tokens (decoding, short chunks) read the slot table through its read copies;
 # larger steps (prefill chunks) convert and rotate every live slot on read, which their many queries amortize,
@@ -165,7 +166,9 @@ def summarize_queries(q: torch.Tensor, weights: torch.Tensor | None, out: torch.
 
 class KVCache(nn.Module):
     """The slot table: k, v (L, B, Hkv, C, D) for slots [0, C) of the S the memory may use (C <= S, the capacity,
-    grown in blocks as steps write further: `reserve`). Keys are stored unrotated (see module doc).
+    grown in blocks as steps write further: `reserve`). Keys are stored unrotated (see module doc). With
+    `kv_type` q8_0, k and v hold int8 codes and `k_scale`, `v_scale` (L, B, Hkv, C, D/32) their fp16 scales
+    (engine.model.kv_types); every read dequantizes to the fp16 values the table stands for.
 
     Beside it, once a step through PyTorch reads them, live *read copies* in the table's dtype, in read order
     rather than slot order: rank r of `k_read`/`v_read` holds slot `read_slots[r]`, its key rotated at
@@ -179,6 +182,8 @@ class KVCache(nn.Module):
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
     k_read: torch.Tensor
     v_read: torch.Tensor
     read_slots: torch.Tensor
@@ -193,8 +198,16 @@ class KVCache(nn.Module):
         device: torch.device | str,
         dtype: torch.dtype,
         compute_dtype: torch.dtype,
+        kv_type: KVType = KVType.F16,
     ) -> None:
+        """`dtype`: what k, v hold (fp16 or fp32) or, with `kv_type` q8_0, the dtype they read as (fp16)."""
         super().__init__()
+        why_not = kv_type.fits(cfg.head_dim)
+        if why_not is not None:
+            raise ValueError(why_not)
+        self.kv_type = kv_type
+        self.value_dtype = dtype  # what a read of k, v gives
+        stored = torch.int8 if kv_type is KVType.Q8_0 else dtype
         self.rope_kinds = layer_rope_kinds(cfg)  # each layer's rope in a multi-kind RotaryTable's lookups
         self.sliding = tuple(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))  # layers reading local_mask
         self.max_slots = num_slots  # S: the slots the memory may address
@@ -205,8 +218,16 @@ class KVCache(nn.Module):
         # clears it before each forward.
         self.token_summaries: list[torch.Tensor] = []
         empty = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, 0, cfg.head_dim)
-        self.register_buffer("k", torch.zeros(empty, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,C,D)
-        self.register_buffer("v", torch.zeros(empty, device=device, dtype=dtype), persistent=False)  # (L,B,Hkv,C,D)
+        self.register_buffer("k", torch.zeros(empty, device=device, dtype=stored), persistent=False)  # (L,B,Hkv,C,D)
+        self.register_buffer("v", torch.zeros(empty, device=device, dtype=stored), persistent=False)  # (L,B,Hkv,C,D)
+        blocks = cfg.head_dim // Q8_BLOCK if kv_type is KVType.Q8_0 else 0  # no scales for an fp16 table
+        scales = (*empty[:4], blocks)
+        self.register_buffer(
+            "k_scale", torch.zeros(scales, device=device, dtype=torch.float16), persistent=False
+        )  # (L,B,Hkv,C,D/32)
+        self.register_buffer(
+            "v_scale", torch.zeros(scales, device=device, dtype=torch.float16), persistent=False
+        )  # (L,B,Hkv,C,D/32)
         # Rotated keys are kept in the compute dtype: rounding them to the table's fp16 would give a step through
         # PyTorch (a prefill chunk, a speculative verify) other bits than the native step, which rotates each key in
         # fp32 as it reads it, and greedy tokens could then depend on how the tokens were fed. Values are not
@@ -230,17 +251,54 @@ class KVCache(nn.Module):
         )  # (L,B,Hkv,D)
 
     @staticmethod
-    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, read_copies: bool, compute_dtype: torch.dtype) -> int:
-        """Bytes one slot of one row takes: k, v in `dtype`, every layer, and their read copies when a step through
-        PyTorch keeps them (rotated keys in `compute_dtype`, values in `dtype`)."""
+    def bytes_per_slot(
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        read_copies: bool,
+        compute_dtype: torch.dtype,
+        kv_type: KVType = KVType.F16,
+    ) -> int:
+        """Bytes one slot of one row takes: k, v in `dtype` (or q8_0 blocks), every layer, and their read copies
+        when a step through PyTorch keeps them (rotated keys in `compute_dtype`, values in `dtype`)."""
         per_tensor = cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
         copies = compute_dtype.itemsize + dtype.itemsize if read_copies else 0
-        return per_tensor * (2 * dtype.itemsize + copies)
+        stored = kv_type.bytes_per_value() if kv_type is KVType.Q8_0 else dtype.itemsize
+        return int(per_tensor * (2 * stored + copies))
 
     def slot_tensors(self) -> list[torch.Tensor]:
-        """Every (L, B, Hkv, C, D) buffer, for whole-row operations such as beam reordering (the read copies are
-        (L, B, Hkv, 0, D) until used)."""
-        return [self.k, self.v, self.k_read, self.v_read]
+        """Every (L, B, Hkv, C, *) buffer, for whole-row operations such as beam reordering (the read copies are
+        (L, B, Hkv, 0, D) until used, the scales (L, B, Hkv, C, 0) in an fp16 table)."""
+        return [self.k, self.v, self.k_scale, self.v_scale, self.k_read, self.v_read]
+
+    def read(self, layer: int, name: str, slots: torch.Tensor | slice) -> torch.Tensor:
+        """`name` ("k" or "v") of `layer` at `slots` (index (n,) or a slice) -> (B, Hkv, n, D) in the value dtype."""
+        codes = self.get_buffer(name)[layer]  # (B, Hkv, C, D)
+        if self.kv_type is KVType.F16:
+            return codes.index_select(2, slots) if isinstance(slots, torch.Tensor) else codes[:, :, slots]
+        scales = self.get_buffer(f"{name}_scale")[layer]  # (B, Hkv, C, D/32)
+        if isinstance(slots, torch.Tensor):
+            return dequantize_q8_0(codes.index_select(2, slots), scales.index_select(2, slots))
+        return dequantize_q8_0(codes[:, :, slots], scales[:, :, slots])
+
+    def read_rows(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s k, v at `slots` (n,), every layer -> (L, Hkv, n, D) each in the value dtype."""
+        out = []
+        for name in ("k", "v"):
+            codes = self.get_buffer(name)[:, row].index_select(2, slots)  # (L, Hkv, n, D)
+            if self.kv_type is KVType.Q8_0:
+                codes = dequantize_q8_0(codes, self.get_buffer(f"{name}_scale")[:, row].index_select(2, slots))
+            out.append(codes)
+        return out[0], out[1]
+
+    def write_rows(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (L, Hkv, n, D) at row `row`'s `slots` (n,), every layer (paging in, restoring)."""
+        for name, x in (("k", k), ("v", v)):
+            if self.kv_type is KVType.Q8_0:
+                codes, scales = quantize_q8_0(x)
+                self.get_buffer(name)[:, row].index_copy_(2, slots, codes)
+                self.get_buffer(f"{name}_scale")[:, row].index_copy_(2, slots, scales)
+            else:
+                self.get_buffer(name)[:, row].index_copy_(2, slots, x.to(self.value_dtype))
 
     def allocated_bytes(self) -> int:
         """Bytes this table holds now: k, v and read copies as allocated (grown so far), bookkeeping included."""
@@ -254,8 +312,8 @@ class KVCache(nn.Module):
         does not grow: `reserve` the whole table before taking one."""
         view = copy.copy(self)
         view._buffers = dict(self._buffers)  # a module's shallow copy would share (and so overwrite) the dict
-        for name in ("k", "v", "k_read", "v_read"):
-            view._buffers[name] = self.get_buffer(name)[:, :n]  # (L, n, Hkv, C, D)
+        for name in ("k", "v", "k_scale", "v_scale", "k_read", "v_read"):
+            view._buffers[name] = self.get_buffer(name)[:, :n]  # (L, n, Hkv, C, *)
         view._buffers["read_positions"] = self.read_positions[:n]  # (n, S)
         view._buffers["summary"] = self.summary[:, :n]  # (L, n, Hkv, D): rows past n keep their last summary
         return view
@@ -286,6 +344,7 @@ class KVCache(nn.Module):
         wanted = max(slots, self.capacity + self.capacity // 2)
         size = min(self.max_slots, -(-wanted // GROWTH_SLOTS) * GROWTH_SLOTS)
         self.k, self.v = self._grown(self.k, size), self._grown(self.v, size)
+        self.k_scale, self.v_scale = self._grown(self.k_scale, size), self._grown(self.v_scale, size)
         if self.reads_in_use:
             self.k_read, self.v_read = self._grown(self.k_read, size), self._grown(self.v_read, size)
 
@@ -308,7 +367,7 @@ class KVCache(nn.Module):
 
     @staticmethod
     def _grown(t: torch.Tensor, size: int) -> torch.Tensor:
-        """t (L, B, Hkv, C, D) -> (L, B, Hkv, size, D) holding t's leading slots, zeros after."""
+        """t (L, B, Hkv, C, X) -> (L, B, Hkv, size, X) holding t's leading slots, zeros after."""
         out = t.new_zeros((*t.shape[:3], size, t.shape[4]))
         kept = min(size, t.shape[3])
         out[:, :, :, :kept] = t[:, :, :, :kept]
@@ -317,6 +376,7 @@ class KVCache(nn.Module):
     def release(self) -> None:
         """Give the whole table back (an idle row): capacity 0, no read copies; the memory that used it has reset."""
         self.k, self.v = self._grown(self.k, 0), self._grown(self.v, 0)
+        self.k_scale, self.v_scale = self._grown(self.k_scale, 0), self._grown(self.v_scale, 0)
         self.k_read, self.v_read = self._grown(self.k_read, 0), self._grown(self.v_read, 0)
         self.reads_in_use = False
         self.forget()
@@ -325,7 +385,9 @@ class KVCache(nn.Module):
         self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """slots (B, T); k, v (B, Hkv, T, D) -> stored at [layer, b, :, slots[b]]. Returns k, v as stored (in the
-        table's dtype)."""
+        table's value dtype: a q8_0 table's dequantized values)."""
+        if self.kv_type is KVType.Q8_0:
+            return self._write_q8_0(layer, slots, k, v)
         k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         if slots.shape[0] == 1:
             # One sequence: a plain index_copy_ is the cheapest write.
@@ -336,6 +398,23 @@ class KVCache(nn.Module):
         self.k[layer].scatter_(2, idx, k)
         self.v[layer].scatter_(2, idx, v)
         return k, v
+
+    def _write_q8_0(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for name, x in (("k", k), ("v", v)):
+            codes, scales = quantize_q8_0(x)  # (B, Hkv, T, D) int8, (B, Hkv, T, D/32) fp16
+            for buffer, part in (
+                (self.get_buffer(name)[layer], codes),
+                (self.get_buffer(f"{name}_scale")[layer], scales),
+            ):
+                if slots.shape[0] == 1:
+                    buffer.index_copy_(2, slots[0], part)
+                else:
+                    buffer.scatter_(2, slots[:, None, :, None].expand(-1, part.shape[1], -1, part.shape[3]), part)
+            out.append(dequantize_q8_0(codes, scales))
+        return out[0], out[1]
 
     def forget(self, slots: torch.Tensor | None = None) -> None:
         """Drop the read copies of `slots` (all when None) after their k, v changed: restores, paging in, writes."""
@@ -476,17 +555,17 @@ class KVCache(nn.Module):
     def refresh(self, layer: int, r: Refresh) -> None:
         """Re-derive stale read copies of `layer` from the stored k, v."""
         rope = pick_rope(r.rope, self.rope_kinds[layer])
-        fresh_k = apply_rope(self.k[layer].index_select(2, r.slots).to(self.compute_dtype), *rope).to(
+        fresh_k = apply_rope(self.read(layer, "k", r.slots).to(self.compute_dtype), *rope).to(
             self.k_read.dtype
         )  # (B, Hkv, n, D)
         if r.ranks is None:
             n = r.slots.numel()
             self.k_read[layer][:, :, :n] = fresh_k
-            self.v_read[layer][:, :, :n] = self.v[layer].index_select(2, r.slots)
+            self.v_read[layer][:, :, :n] = self.read(layer, "v", r.slots)
             return
         self.k_read[layer].index_copy_(2, r.ranks, fresh_k)
         if r.value_ranks is not None and r.value_slots is not None and r.value_ranks.numel():
-            fresh_v = self.v[layer].index_select(2, r.value_slots).to(self.v_read.dtype)  # (B, Hkv, n_v, D)
+            fresh_v = self.read(layer, "v", r.value_slots).to(self.v_read.dtype)  # (B, Hkv, n_v, D)
             self.v_read[layer].index_copy_(2, r.value_ranks, fresh_v)
 
     def refresh_all_layers(self, r: Refresh) -> None:
@@ -513,8 +592,8 @@ class SlotStep:
         if reads.rope_slots is not None:  # a large step: convert and rotate every live slot on read
             cache.write(layer, batch.write_slots, k, v)
             live = batch.slot_positions.shape[1]  # S'
-            keys = apply_rope(cache.k[layer][:, :, :live].to(q.dtype), *pick_rope(reads.rope_slots, kind))
-            values = cache.v[layer][:, :, :live].to(q.dtype)  # (B, Hkv, S', D)
+            keys = apply_rope(cache.read(layer, "k", slice(0, live)).to(q.dtype), *pick_rope(reads.rope_slots, kind))
+            values = cache.read(layer, "v", slice(0, live)).to(q.dtype)  # (B, Hkv, S', D)
             mask = batch.local_mask if local and batch.local_mask is not None else batch.mask
             return masked_attention(apply_rope(q, *rope_q), keys, values, mask)  # (B, H, T, D)
         blocked = reads.blocked_local if local and reads.blocked_local is not None else reads.blocked

@@ -44,6 +44,7 @@ from engine.loading.sampling_defaults import ModelSampling, model_sampling
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
 from engine.memory.cascade import CascadeStats
+from engine.model.kv_types import KVType
 from engine.session.file import (
     RECOMPUTE_KIND,
     ForeignModelSession,
@@ -128,6 +129,7 @@ class Engine:
         quantize: str = "none",
         draft_model: str | Path | None = None,
         draft_quantize: str = "auto",
+        kv_type: KVType = KVType.F16,
     ) -> Engine:
         """Load a model (HF folder or GGUF; the default model when None); with a `policy`, refuse (one sentence) a
         model this machine cannot hold, by the loaded backend's own figures. `draft_model`: a smaller model with the
@@ -135,7 +137,7 @@ class Engine:
         model_dir = resolve_model_path(model_dir)
         check_model_path(model_dir)
         tokenizer = Tokenizer.load(model_dir)
-        choice = open_backend(model_dir, backend, quantize)
+        choice = open_backend(model_dir, backend, quantize, kv_type=kv_type)
         if policy is not None:
             check_fits(policy, choice.backend, model_dir)
         draft = None
@@ -184,12 +186,13 @@ def load(
     cache_dir: Path | None = None,
     prefix_cache: bool = True,
     policy: HardwarePolicy | None = None,
+    kv_type: KVType = KVType.F16,
 ) -> Engine:
     """The engine's front door: a model (HF folder, GGUF file, or the default model when None) on `backend`, each
     conversation's memory the cascade over a persistent prefix cache under `cache_dir` (the app's cache dir when
     None). With a `policy`, a model this machine cannot hold is refused in one sentence."""
     factory = memory_factory_for(model, cache_dir=cache_dir, prefix_cache=prefix_cache, policy=policy)
-    return Engine.load(model, backend, memory_factory=factory, policy=policy, quantize=quantize)
+    return Engine.load(model, backend, memory_factory=factory, policy=policy, quantize=quantize, kv_type=kv_type)
 
 
 def check_same_vocabulary(target: Tokenizer, draft: Tokenizer) -> None:
@@ -346,6 +349,7 @@ class Session:
             extra=extra,
             token_ids=token_ids,
             compression=compression,
+            kv_type=self.backend.kv_type.value,
         )
 
     def load(

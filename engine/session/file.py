@@ -205,6 +205,7 @@ def inspect_session(path: str | Path) -> dict[str, JSONValue]:
         "current_format_version": FORMAT_VERSION,
         "app_version": fields["app_version"],
         "model_fingerprint": fields["fingerprint"],
+        "kv_type": fields["kv_type"],
         "tokenizer_hash": fields["tokenizer_hash"],
         "created": fields["created"],
         "saved": fields["saved"],
@@ -252,6 +253,12 @@ def restore(
         return ForeignModelSession(
             data,
             f"{path.name} was saved with a different tokenizer; its transcript can be restored and re-read, but not its memory.",
+        )
+    if data.kv_type != backend.kv_type.value:  # same values would continue on other numerics: not this memory
+        return ForeignModelSession(
+            data,
+            f"{path.name} was saved with {data.kv_type} keys and values, and this engine holds "
+            f"{backend.kv_type.value}; its transcript can be restored and re-read, but not its memory.",
         )
     memory = memory_factory(backend)
     if data.memory_meta.get("kind") == RECOMPUTE_KIND:

@@ -64,6 +64,7 @@ def save_session(
     token_ids: Sequence[int] | None = None,
     created: float | None = None,
     compression: str = "zlib",
+    kv_type: str = "f16",
     fs: FileSystem = SYSTEM,
 ) -> int:
     """Atomically write a session file; returns its size in bytes.
@@ -72,7 +73,8 @@ def save_session(
     pending_token is the last sampled token not yet fed; sampler_state the sampler's JSON-able RNG state;
     created is the conversation's first save time (kept across autosaves; now when None). compression: "zlib"
     (byte-shuffled, level 1: about a third smaller for real KV, fast), "lzma" (a little smaller, ~10x slower) or
-    "none"; a codec that saves under 5% is dropped and the tensors stored raw.
+    "none"; a codec that saves under 5% is dropped and the tensors stored raw. kv_type: what the slot table held
+    keys and values in (engine.model.kv_types), so a restore continues on the same numerics.
     On failure (full disk, no permission) raises SessionFileError and the previous file is untouched.
     """
     memory_meta, tensors = memory_state
@@ -83,6 +85,7 @@ def save_session(
         "format_version": FORMAT_VERSION,
         "app_version": __version__,
         "model_fingerprint": fingerprint,
+        "kv_type": kv_type,
         "tokenizer_hash": tokenizer_hash,
         "created": saved if created is None else created,
         "saved": saved,

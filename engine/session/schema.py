@@ -13,6 +13,7 @@ import torch
 
 from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
 from engine.memory.values import SchemaError, finite_number
+from engine.model.kv_types import KVType
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_DEPTH = 32  # the deepest a session's JSON nests is ~5; deeper is a hostile file
@@ -140,6 +141,10 @@ def check_session_meta(meta: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(extra.get("known_text", ""), str):
         raise SchemaError("has a malformed 'extra.known_text' field")
     pending = meta.get("pending_token")
+    kv_type = meta.get("kv_type", KVType.F16.value)  # files from before KV types held fp16
+    if not isinstance(kv_type, str) or kv_type not in {t.value for t in KVType}:
+        shown = kv_type[:MAX_ID_CHARS] if isinstance(kv_type, str) else type(kv_type).__name__
+        raise SchemaError(f"holds keys and values of a type this version does not know ({shown!r})")
     return {
         "app_version": _short_text(meta, "app_version"),
         "fingerprint": _short_text(meta, "model_fingerprint"),
@@ -154,6 +159,7 @@ def check_session_meta(meta: dict[str, Any]) -> dict[str, Any]:
         "sampler_state": meta.get("sampler_state"),
         "memory_meta": _meta_field(meta, "memory", dict),
         "extra": extra,
+        "kv_type": kv_type,
     }
 
 

@@ -19,7 +19,7 @@ from engine.backends.base import Backend, BackendWrapper
 from engine.hw import HardwarePolicy
 from engine.loading.model_files import resolve_model_path, settings_dir
 from engine.memory.base import Memory
-from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
+from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore, SharedBudget
 from engine.model.slots import SlotBatch
 from engine.paths import default_cache_dir
 from engine.session.replay import FeedLog
@@ -56,12 +56,16 @@ def memory_factory_for(
     cache_dir: Path | None = None,
     prefix_cache: bool = True,
     policy: HardwarePolicy | None = None,
+    shared_budget: SharedBudget | None = None,
     **cascade_overrides: Any,
 ) -> MemoryFactory:
     """Each conversation's memory: the cascade laid out per the model's cascade.json, over one persistent
     (L3) store per model + backend numerics under `cache_dir` (default: the platform cache dir). With a `policy`,
-    the slot table and the episodic tier get their share of the machine's memory budget instead of the defaults."""
+    the slot table and the episodic tier get their share of the machine's memory budget instead of the defaults.
+    Every memory it makes (the app's conversations, the server's rows) shares one episodic budget: `shared_budget`,
+    else one of the first memory's episodic budget, so many conversations hold no more episodic KV than one may."""
     model_path = resolve_model_path(model_dir)
+    shared: list[SharedBudget] = [shared_budget] if shared_budget is not None else []
     stores: dict[tuple[str, str], PersistentStore] = {}
     stores_lock = threading.Lock()
 
@@ -84,7 +88,10 @@ def memory_factory_for(
         if policy is not None and "episodic_budget_bytes" not in cascade_overrides:
             working = config.num_slots * backend.slot_bytes_per_token()
             config = replace(config, episodic_budget_bytes=policy.episodic_budget_bytes(backend.weight_bytes, working))
-        return CascadeMemory(backend, config, row=row, store=store_for(backend, config))
+        with stores_lock:
+            if not shared:
+                shared.append(SharedBudget(config.episodic_budget_bytes))
+        return CascadeMemory(backend, config, row=row, store=store_for(backend, config), shared_budget=shared[0])
 
     return make
 

@@ -46,6 +46,7 @@ class SessionData:
     extra: dict[str, JSONValue]
     compression: str
     file_bytes: int
+    kv_type: str = "f16"  # what the slot table held keys and values in (engine.model.kv_types)
 
     @property
     def memory_state(self) -> tuple[dict[str, JSONValue], dict[str, torch.Tensor]]:

@@ -31,6 +31,7 @@ import torch
 from engine.backends.base import Backend
 from engine.errors import InputTooLarge, SessionFileError
 from engine.memory.base import ForkView, RowPlan, window_mask
+from engine.memory.cascade.budget import SharedBudget
 from engine.memory.cascade.config import AUTO_WINDOW, CascadeConfig
 from engine.memory.cascade.episodic import EpisodicMemory
 from engine.memory.cascade.migrate import migrate_state
@@ -54,13 +55,21 @@ class CascadeMemory:
     """The memory of one sequence: row `row` of the backend's slot table, laid out per `config`."""
 
     def __init__(
-        self, backend: Backend, config: CascadeConfig, row: int = 0, store: PersistentStore | None = None
+        self,
+        backend: Backend,
+        config: CascadeConfig,
+        row: int = 0,
+        store: PersistentStore | None = None,
+        shared_budget: SharedBudget | None = None,
     ) -> None:
+        """`shared_budget`: the episodic budget this memory shares with the others of its owner (a server's rows,
+        an app's conversations), on top of its own (engine.memory.cascade.budget)."""
         if config.window == AUTO_WINDOW:
             raise ValueError("resolve the automatic window first (CascadeConfig.fit_to or for_model)")
         self.backend = backend
         self.row = row
         self.store = store
+        self.shared_budget = shared_budget
         self.kv_token_bytes = backend.kv_bytes_per_token()
         self._layout(config)
 
@@ -80,7 +89,11 @@ class CascadeMemory:
         self.working = WorkingMemory(
             config, c.num_hidden_layers, frame_period=max(0, min(table - config.num_slots, FRAME_PERIOD_MAX))
         )
-        self.episodic = EpisodicMemory(config, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), self.store)
+        kv_shape = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        laid_out: EpisodicMemory | None = getattr(self, "episodic", None)
+        if self.shared_budget is not None and laid_out is not None:  # laid out again: the old store stops counting
+            self.shared_budget.leave(laid_out)
+        self.episodic = EpisodicMemory(config, kv_shape, self.store, self.shared_budget)
         self.retriever = Retriever(backend, self.row, config, self.working, self.episodic)
         self.prefix = PrefixCache(self.store, config)
         self.tokens: list[int] = []

@@ -14,7 +14,9 @@ Budget: resident KV + bounds <= `episodic_budget_bytes`. Over budget, the reside
 priority (last access tick + FREQUENCY_WEIGHT x uses: LRU weighted by access frequency) spills to L3 and stays
 routable as a stub (its bounds and its L3 key); stubs may use at most a quarter of the budget, beyond which the
 lowest-priority stub is forgotten. Without a persistent store, evicted blocks are simply dropped. A state restored
-under a smaller budget (another machine) is brought within it the same way as soon as it is loaded.
+under a smaller budget (another machine) is brought within it the same way as soon as it is loaded. With a
+`SharedBudget` (engine.memory.cascade.budget) the complete blocks of every memory sharing it stay within its limit
+too: a memory over it evicts its own blocks the same way.
 
 A spilled block's L3 key is its content address (sha256 of its fp16 k, v bytes): whatever the block's KV depended
 on (the geometry, the routing, which blocks earlier budgets kept), the key names exactly those bytes, so a stub can
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from engine.backends.base import CANONICAL_KV_DTYPE
+from engine.memory.cascade.budget import SharedBudget
 from engine.memory.cascade.config import CascadeConfig
 from engine.memory.cascade.persistent import PersistentStore
 from engine.memory.cascade.stats import Counters, TierStats
@@ -87,9 +90,11 @@ class EpisodicMemory:
         cfg: CascadeConfig,
         kv_shape: tuple[int, int, int],  # (L, Hkv, D)
         store: PersistentStore | None,
+        shared: SharedBudget | None = None,
     ) -> None:
         self.cfg = cfg
         self.store = store
+        self.shared = shared
         L, hkv, d = kv_shape
         self.kv_shape = kv_shape
         b = cfg.block_size
@@ -101,6 +106,8 @@ class EpisodicMemory:
         self.max_rows = budget // (self.block_bytes + self.rep_bytes) + stub_rows
         self.counters = Counters()
         self.reset()
+        if shared is not None:
+            shared.join(self)
 
     def reset(self) -> None:
         L, hkv, d = self.kv_shape
@@ -160,9 +167,14 @@ class EpisodicMemory:
     # -- budget -------------------------------------------------------------------------------------------------
 
     @property
+    def charged_bytes(self) -> int:
+        """What a shared budget counts: complete blocks, resident KV and every block's key bounds."""
+        return self.resident * self.block_bytes + len(self.blocks) * self.rep_bytes
+
+    @property
     def bytes(self) -> int:
         partial = 2 * self.partial_k.numel() * self.partial_k.element_size()
-        return self.resident * self.block_bytes + len(self.blocks) * self.rep_bytes + partial
+        return self.charged_bytes + partial
 
     def _enforce_budget(self, protect: tuple[int, ...]) -> None:
         budget = self.cfg.episodic_budget_bytes
@@ -180,6 +192,16 @@ class EpisodicMemory:
             if not stubs:
                 break
             self._forget(min(stubs, key=lambda b: b.priority))
+        while self.shared is not None and self.shared.over():  # the memories sharing it hold too much together
+            resident = [b for b in self.blocks.values() if b.k is not None and b.id not in protect]
+            stubs = [b for b in self.blocks.values() if b.k is None]
+            if resident:  # a stub only while stubs stay within their quarter of the shared limit
+                keep_stub = self.stubs * self.rep_bytes + self.rep_bytes <= self.shared.limit_bytes // 4
+                self._evict(min(resident, key=lambda b: b.priority), keep_stub=keep_stub)
+            elif stubs:
+                self._forget(min(stubs, key=lambda b: b.priority))
+            else:  # only blocks in retrieval slots are left here, as above
+                break
 
     def content_key(self, block: Block) -> str:
         """The resident block's L3 key (its content address), computed once."""
