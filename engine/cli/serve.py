@@ -1,5 +1,5 @@
-"""`python -m engine serve [--model M] [--host 127.0.0.1] [--port 8080] [--api-key K]` — the OpenAI-compatible
-server (engine.openai) on the loaded model, continuous batching through the scheduler."""
+"""`python -m engine serve [--model M] [--host 127.0.0.1] [--port 8080] [--api-key K] [--speculative MODE]` — the
+OpenAI-compatible server (engine.openai) on the loaded model, continuous batching through the scheduler."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 from engine.cli.generate import add_model_args, open_engine
 from engine.errors import SparkError
+from engine.generation.speculative import Speculation
 from engine.openai.server import LOOPBACK, LocalServer, bind
 from engine.openai.service import ModelService, ServeConfig, served_name
 
@@ -37,6 +38,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=[],
         help="allow browser requests from this origin (CORS; off by default)",
     )
+    p.add_argument(
+        "--speculative",
+        default=Speculation.OFF.value,
+        choices=[m.value for m in Speculation if m is not Speculation.DRAFT],
+        help='speculative decoding for requests that do not send "speculative": off (default), auto (prompt lookup '
+        "where it pays), lookup",
+    )
     p.set_defaults(func=run)
 
 
@@ -60,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_prompt_tokens=args.max_prompt_tokens,
         allow_origins=tuple(args.allow_origin),
+        speculative=Speculation(args.speculative),
     )
     server = LocalServer(
         ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, config),

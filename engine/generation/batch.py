@@ -133,13 +133,10 @@ class Completion:
     tokens_per_s: float
     cached_tokens: int = 0  # leading prompt tokens not computed: kept in the row's memory or restored from L3
     forwards: int = 0  # decode forwards (verifies included): the tokens after the first came from these
+    speculated: bool = False  # the request ran with a speculator (drafts where its controller found they pay)
     drafted_tokens: int = 0  # speculation: drafts verified, and how many of them the target accepted
     accepted_tokens: int = 0
-
-    @property
-    def accepted_per_forward(self) -> float:
-        """Tokens a decode forward gave on average (1.0 without speculation's gains; 0 before any decode)."""
-        return (len(self.tokens) - 1) / self.forwards if self.forwards else 0.0
+    verify_forwards: int = 0  # of `forwards`, those that verified drafts
 
 
 class RowState:
@@ -185,6 +182,7 @@ class RowState:
         self.probs: torch.Tensor | None = None  # (K, V) their drafter's distributions (None: proposed for sure)
         self.drafted = 0
         self.accepted = 0
+        self.verifies = 0
 
     @property
     def prefilling(self) -> bool:
@@ -245,6 +243,7 @@ class RowState:
         self.spec.controller.record_verify(len(drafts) + 1, seconds, len(drafts), len(samples) - 1)
         self.drafted += len(drafts)
         self.accepted += len(samples) - 1
+        self.verifies += 1
         self.drafts, self.probs = [], None
         return events
 
@@ -267,8 +266,10 @@ class RowState:
             last.tokens_per_s,
             self.cached_tokens,
             reply.forwards,
+            self.spec is not None,
             self.drafted,
             self.accepted,
+            self.verifies,
         )
 
 

@@ -26,6 +26,7 @@ from engine.errors import InputTooLarge, InsufficientMemory, SparkError
 from engine.generation.batch import Completion, RowMemoryFactory
 from engine.generation.loop import GenerationEvent
 from engine.generation.scheduler import QueueFull, Request, Scheduler, SchedulerClosed, SchedulerConfig
+from engine.generation.speculative import Speculation
 from engine.hw.memory import allocatable_bytes, format_bytes
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
@@ -61,6 +62,23 @@ class ServeConfig:
     retry_after_s: int = 2
     limits: Limits = field(default_factory=Limits)
     allow_origins: tuple[str, ...] = ()  # CORS is off unless origins are named
+    speculative: Speculation = Speculation.OFF  # for requests that do not send "speculative" (where it combines)
+
+
+def request_speculation(req: ParsedRequest, default: Speculation) -> Speculation:
+    """How `req` speculates: as it asks (the protocol refused what does not combine), else the server's default
+    where it combines (not under beams, a grammar or top logprobs: those run plainly). Draft speculation needs a
+    draft model on every row, which the server does not load: refused in one sentence."""
+    mode = req.speculative
+    if mode is None:
+        s = req.settings
+        plain = s.beam.beams > 1 or s.grammar is not None or s.top_logprobs > 0
+        mode = Speculation.OFF if plain else default
+    if mode is Speculation.DRAFT:
+        raise bad_request(
+            'This server speculates by prompt lookup only; send "speculative": "auto" or "lookup".', "speculative"
+        )
+    return mode
 
 
 class Job:
@@ -241,6 +259,7 @@ class ModelService:
     async def start(self, req: ParsedRequest) -> list[Job]:
         """Tokenize (off the event loop) and queue `req`'s `n` choices, each a request of its own (rows of one batch;
         a seeded request's choice i draws with seed + i); ApiError when it is refused (then none is queued)."""
+        req.settings = replace(req.settings, speculative=request_speculation(req, self.config.speculative))
         try:
             ids = await asyncio.to_thread(self.prompt_ids, req)
         except InputTooLarge as exc:  # the request is the problem, whatever the template
@@ -273,6 +292,8 @@ class ModelService:
         self.metrics.finished(
             c.finish_reason, c.prompt_tokens, c.cached_tokens, len(c.tokens), c.ttft_s, c.tokens_per_s
         )
+        if c.speculated:
+            self.metrics.speculated(c.drafted_tokens, c.accepted_tokens, c.verify_forwards, c.forwards, len(c.tokens))
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special=False)
