@@ -41,9 +41,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--speculative",
         default=Speculation.OFF.value,
-        choices=[m.value for m in Speculation if m is not Speculation.DRAFT],
+        choices=[m.value for m in Speculation],
         help='speculative decoding for requests that do not send "speculative": off (default), auto (prompt lookup '
-        "where it pays), lookup",
+        "where it pays), lookup (draft is not served: rows have no draft model)",
     )
     p.set_defaults(func=run)
 
@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value < 1:
             raise SparkError(f"{flag} must be at least 1, not {value}.")
+    if args.speculative == Speculation.DRAFT:
+        raise SparkError("The server speculates by prompt lookup only; use --speculative auto or lookup.")
     key = args.api_key if args.api_key is not None else os.environ.get("MLOT_SPARK_API_KEY") or None
     bind(args.host, args.port).close()  # a taken port fails now, not after the model has loaded
     engine = open_engine(args)
