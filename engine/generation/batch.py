@@ -44,7 +44,7 @@ from engine.generation.loop import (
     speculator_for,
 )
 from engine.generation.sampling import sample_greedy
-from engine.generation.speculative import Controller, PromptLookup, Speculator
+from engine.generation.speculative import Speculator
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory, Memory, RowPlan
 from engine.model.network import SlotBatch
@@ -148,9 +148,9 @@ class RowState:
 
     Speculation (`settings.speculative`, as in engine.generation.loop's `speculative_step`): a decoding row feeds
     its last token with the drafts its controller asks for, a verify of that row inside the shared step; the memory
-    hears `after_forward` only once the rejected drafts are taken back (`verify`). `controller`: the row's adaptive
-    controller, kept by the caller so that costs measured on one reply carry over to the next; prompt lookup
-    drafts. Rows that do not speculate feed one token per step.
+    hears `after_forward` only once the rejected drafts are taken back (`verify`). `speculator`: the row's drafter
+    and controller, kept by the caller so that costs measured on one reply carry over to the next (without one,
+    prompt lookup with a controller of its own). Rows that do not speculate feed one token per step.
     """
 
     def __init__(
@@ -161,7 +161,7 @@ class RowState:
         memory: Memory,
         t0: float,
         skip: int = 0,
-        controller: Controller | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.settings = settings
         self.memory = memory
@@ -175,8 +175,7 @@ class RowState:
         self.reply = Reply(tokenizer, len(ids), settings, ids, t0=t0)  # what memory holds is a prefix of the prompt
         self.skip = skip
         self.last: int | None = None  # sampled last, fed on the next step
-        given = Speculator(PromptLookup(), controller) if controller is not None and not settings.draft_tokens else None
-        self.spec = speculator_for(settings, self.reply, given)
+        self.spec = speculator_for(settings, self.reply, speculator)
         self.decoding = False  # this step feeds the last sampled token (a decode step or a verify)
         self.drafts: list[int] = []  # this step's drafts, fed after the last token
         self.probs: torch.Tensor | None = None  # (K, V) their drafter's distributions (None: proposed for sure)

@@ -44,10 +44,12 @@ from engine.generation.batch import (
     sample_rows,
     step_tail,
 )
-from engine.generation.loop import GenerationEvent, GenerationSettings
-from engine.generation.speculative import Controller
+from engine.generation.loop import GenerationEvent, GenerationSettings, controller_for
+from engine.generation.speculative import Controller, Drafter, PromptLookup, Speculation, Speculator
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory, RowPlan
+
+DrafterFactory = Callable[[int, GenerationSettings], Drafter]  # (row, a request's settings) -> its draft model
 
 
 class QueueFull(SparkError):
@@ -134,16 +136,20 @@ class Scheduler:
         tokenizer: Tokenizer,
         config: SchedulerConfig | None = None,
         memory_factory: RowMemoryFactory = FullAttentionMemory,
+        drafters: DrafterFactory | None = None,
     ) -> None:
+        """`drafters`: where draft-model speculation is served, each row's draft model for a request."""
         self.config = config or SchedulerConfig()
+        self._drafters = drafters
         self.tokenizer = tokenizer
         backend.allocate(self.config.max_batch, self.config.num_slots + 1)
         self.backend = backend
         self._released = False  # whether the table was given back and nothing ran since
         view = RowView(backend)
         self._memories = [memory_factory(view, r) for r in range(self.config.max_batch)]
-        # Each row's speculation controller: its measured costs per verify width outlive the requests.
+        # Each row's speculation controllers (prompt lookup's, a draft model's): measured costs outlive requests.
         self.controllers = [Controller() for _ in range(self.config.max_batch)]
+        self.draft_controllers = [Controller() for _ in range(self.config.max_batch)]
         self._batcher = RowBatcher(backend)
         self._rows: list[_Active | None] = [None] * self.config.max_batch
         self._waiting: list[_Waiting] = []  # heap: most urgent, oldest first
@@ -305,9 +311,8 @@ class Scheduler:
                 continue  # cancelled through its future while waiting
             r = self._pick_row(free, w.ids)
             try:
-                state = RowState(
-                    self.tokenizer, w.ids, w.request.settings, self._memories[r], w.t0, controller=self.controllers[r]
-                )
+                spec = self._speculator(r, w.request.settings)
+                state = RowState(self.tokenizer, w.ids, w.request.settings, self._memories[r], w.t0, speculator=spec)
             except Exception as exc:  # bad settings: this request fails, the row stays free
                 self._memories[r].reset()
                 w.future.set_exception(exc)
@@ -315,6 +320,19 @@ class Scheduler:
             free.remove(r)
             self._rows[r] = _Active(w, state)
             self._released = False
+
+    def _speculator(self, r: int, settings: GenerationSettings) -> Speculator | None:
+        """Row `r`'s drafter and controller for a request (None when it does not speculate)."""
+        mode = Speculation(settings.speculative)
+        if mode is Speculation.OFF:
+            return None
+        draft = mode is Speculation.DRAFT
+        if draft and self._drafters is None:
+            raise ValueError("draft speculation needs a draft model, and this scheduler has none")
+        held = (self.draft_controllers if draft else self.controllers)[r]
+        controller = controller_for(settings) if settings.draft_tokens else held
+        drafter = self._drafters(r, settings) if draft and self._drafters is not None else PromptLookup()
+        return Speculator(drafter, controller)
 
     def _pick_row(self, free: list[int], ids: list[int]) -> int:
         """The free row for a prompt: one whose kept memory (a finished request's conversation) the prompt extends,

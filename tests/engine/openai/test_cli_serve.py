@@ -21,7 +21,7 @@ def test_bad_flags_are_one_line(capsys: pytest.CaptureFixture[str], tiny_dir: Pa
     assert err == [
         "error: --port must be between 0 and 65535, not 70000.",
         "error: --max-batch must be at least 1, not 0.",
-        "error: The server speculates by prompt lookup only; use --speculative auto or lookup.",
+        "error: --speculative draft needs --draft-model M (a smaller model of the same vocabulary).",
     ]
 
 

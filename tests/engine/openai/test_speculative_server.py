@@ -22,8 +22,8 @@ PROMPT = "one two three four one two three four one two three four five six seve
 
 @pytest.fixture(scope="module")
 def speculating(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """A server whose default is `--speculative auto`."""
-    s = start_server(tiny_dir, tmp_path_factory.mktemp("kv-spec"), speculative=Speculation.AUTO)
+    """A server whose default is `--speculative auto`, with the model drafting for itself for "draft" requests."""
+    s = start_server(tiny_dir, tmp_path_factory.mktemp("kv-spec"), draft=tiny_dir, speculative=Speculation.AUTO)
     yield s
     s.server.stop()
 
@@ -41,7 +41,7 @@ def complete(served: Served, **extra: Any) -> openai.types.Completion:
 def test_greedy_replies_equal_plain_decoding_and_report_acceptance(speculating: Served) -> None:
     plain = complete(speculating, speculative="off")
     assert plain.usage is not None and "accepted_per_forward" not in (plain.usage.model_extra or {})
-    for mode in ("lookup", None):  # asked for, and the server's default
+    for mode in ("lookup", "draft", None):  # asked for, and the server's default
         got = complete(speculating, **({"speculative": mode} if mode else {}))
         assert got.choices[0].text == plain.choices[0].text
         assert got.usage is not None
@@ -89,7 +89,7 @@ def test_streamed_chat_speculates_as_asked(served: Served) -> None:
         {"speculative": "lookup", "beam_width": 2},
         {"speculative": "auto", "response_format": {"type": "json_object"}},
         {"speculative": "lookup", "logprobs": True, "top_logprobs": 2},
-        {"speculative": "draft"},  # no draft model on this server
+        {"speculative": "draft"},  # this server has no draft model
     ],
 )
 def test_speculation_that_cannot_run_is_400(served: Served, extra: dict[str, object]) -> None:
