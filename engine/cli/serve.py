@@ -1,14 +1,16 @@
-"""`python -m engine serve [--model M] [--host 127.0.0.1] [--port 8080] [--api-key K]` — the OpenAI-compatible
-server (engine.openai) on the loaded model, continuous batching through the scheduler."""
+"""`python -m engine serve [--model M] [--host 127.0.0.1] [--port 8080] [--api-key K] [--speculative MODE]
+[--draft-model M]`: the OpenAI-compatible server (engine.openai) on the loaded model, continuous batching through the scheduler."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from engine.cli.generate import add_model_args, open_engine
 from engine.errors import SparkError
+from engine.generation.speculative import Speculation
 from engine.openai.server import LOOPBACK, LocalServer, bind
 from engine.openai.service import ModelService, ServeConfig, served_name
 
@@ -37,6 +39,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=[],
         help="allow browser requests from this origin (CORS; off by default)",
     )
+    p.add_argument(
+        "--speculative",
+        default=Speculation.OFF.value,
+        choices=[m.value for m in Speculation],
+        help='speculative decoding for requests that do not send "speculative": off (default), auto (prompt lookup '
+        "where it pays), lookup, draft (needs --draft-model)",
+    )
+    p.add_argument(
+        "--draft-model",
+        type=Path,
+        default=None,
+        help='a smaller model of the same vocabulary, for requests speculating with "draft"',
+    )
     p.set_defaults(func=run)
 
 
@@ -50,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value < 1:
             raise SparkError(f"{flag} must be at least 1, not {value}.")
+    if args.speculative == Speculation.DRAFT and args.draft_model is None:
+        raise SparkError("--speculative draft needs --draft-model M (a smaller model of the same vocabulary).")
     key = args.api_key if args.api_key is not None else os.environ.get("MLOT_SPARK_API_KEY") or None
     bind(args.host, args.port).close()  # a taken port fails now, not after the model has loaded
     engine = open_engine(args)
@@ -60,9 +77,10 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_prompt_tokens=args.max_prompt_tokens,
         allow_origins=tuple(args.allow_origin),
+        speculative=Speculation(args.speculative),
     )
     server = LocalServer(
-        ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, config),
+        ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, config, engine.draft),
         args.host,
         args.port,
     )

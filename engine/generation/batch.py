@@ -33,8 +33,18 @@ from functools import partial
 import torch
 
 from engine.backends.base import Backend, BackendWrapper
-from engine.generation.loop import FinishReason, GenerationEvent, GenerationSettings, PromptFeed, Reply, prefill_cuts
+from engine.generation.loop import (
+    FinishReason,
+    GenerationEvent,
+    GenerationSettings,
+    PromptFeed,
+    Reply,
+    prefill_cuts,
+    settle,
+    speculator_for,
+)
 from engine.generation.sampling import sample_greedy
+from engine.generation.speculative import Speculator
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory, Memory, RowPlan
 from engine.model.network import SlotBatch
@@ -69,6 +79,11 @@ class RowBatcher:
 
         Returns the last real token's logits per row, (B, V) float32 (rows fed nothing hold padding logits).
         """
+        return self.forward_tail(feeds, plans, 1)[:, 0]
+
+    def forward_tail(self, feeds: Sequence[Sequence[int]], plans: Sequence[RowPlan | None], tail: int) -> torch.Tensor:
+        """As `forward`, with the logits of each row's last `tail` positions, (B, tail, V) float32: a speculating
+        row's verify needs them at every token it fed (feeds are left-padded, so they are the row's last ones)."""
         b = self.rows
         if getattr(self.backend, "runs_leading_rows", False):  # rows past the last busy one cost nothing
             b = 1 + max((r for r, p in enumerate(plans) if p is not None), default=0)
@@ -98,10 +113,11 @@ class RowBatcher:
                 local[r, 0, off:, 1 : n + 1] = plan.mask if plan.local_mask is None else plan.local_mask
                 local[r, 0, off:, 0] = False
         batch = SlotBatch(positions, write_slots, slot_positions, mask, summary_weights=weights, local_mask=local)
-        logits = self.backend.forward(tokens, batch, last_only=True)  # (b, 1, V)
-        out = logits[:, -1]  # (b, V)
+        tail = min(tail, t)
+        logits = self.backend.forward(tokens, batch, last_only=tail == 1)  # (b, 1, V) or (b, T, V)
+        out = logits[:, -tail:]  # (b, tail, V)
         if b < self.rows:  # callers index rows of the whole table; rows past b were fed nothing
-            out = torch.cat((out, out.new_zeros(self.rows - b, out.shape[1])))
+            out = torch.cat((out, out.new_zeros(self.rows - b, *out.shape[1:])))
         return out
 
 
@@ -116,6 +132,11 @@ class Completion:
     ttft_s: float
     tokens_per_s: float
     cached_tokens: int = 0  # leading prompt tokens not computed: kept in the row's memory or restored from L3
+    forwards: int = 0  # decode forwards (verifies included): the tokens after the first came from these
+    speculated: bool = False  # the request ran with a speculator (drafts where its controller found they pay)
+    drafted_tokens: int = 0  # speculation: drafts verified, and how many of them the target accepted
+    accepted_tokens: int = 0
+    verify_forwards: int = 0  # of `forwards`, those that verified drafts
 
 
 class RowState:
@@ -124,6 +145,12 @@ class RowState:
 
     The row's memory may hold a finished request's conversation: when this prompt extends it, only the new ids
     are fed; otherwise the memory is reset. Leading ids the prefix cache restores are not fed either.
+
+    Speculation (`settings.speculative`, as in engine.generation.loop's `speculative_step`): a decoding row feeds
+    its last token with the drafts its controller asks for, a verify of that row inside the shared step; the memory
+    hears `after_forward` only once the rejected drafts are taken back (`verify`). `speculator`: the row's drafter
+    and controller, kept by the caller so that costs measured on one reply carry over to the next (without one,
+    prompt lookup with a controller of its own). Rows that do not speculate feed one token per step.
     """
 
     def __init__(
@@ -134,8 +161,10 @@ class RowState:
         memory: Memory,
         t0: float,
         skip: int = 0,
+        speculator: Speculator | None = None,
     ) -> None:
         self.settings = settings
+        self.memory = memory
         ids = list(prompt_ids)
         held = len(memory.tokens)
         if held and (held >= len(ids) or ids[:held] != memory.tokens):
@@ -146,6 +175,13 @@ class RowState:
         self.reply = Reply(tokenizer, len(ids), settings, ids, t0=t0)  # what memory holds is a prefix of the prompt
         self.skip = skip
         self.last: int | None = None  # sampled last, fed on the next step
+        self.spec = speculator_for(settings, self.reply, speculator)
+        self.decoding = False  # this step feeds the last sampled token (a decode step or a verify)
+        self.drafts: list[int] = []  # this step's drafts, fed after the last token
+        self.probs: torch.Tensor | None = None  # (K, V) their drafter's distributions (None: proposed for sure)
+        self.drafted = 0
+        self.accepted = 0
+        self.verifies = 0
 
     @property
     def prefilling(self) -> bool:
@@ -160,7 +196,55 @@ class RowState:
                 return []
             return self.feed.next(chunk)
         assert self.last is not None
-        return [self.last]
+        self.decoding = True
+        self.drafts, self.probs = self._draft(self.last) if self.spec is not None else ([], None)
+        return [self.last, *self.drafts]
+
+    def _draft(self, last: int) -> tuple[list[int], torch.Tensor | None]:
+        """The drafts the controller asks for after `last` (none: a plain decode step)."""
+        assert self.spec is not None
+        ctl = self.spec.controller
+        budget = self.settings.max_tokens - len(self.reply.tokens) - 1  # a verify gives up to K + 1 tokens
+        k = ctl.choose(min(budget, self.memory.speculation_room() - 1))
+        if k <= 0:
+            return [], None
+        t0 = time.perf_counter()
+        draft = self.spec.drafter.propose([*self.memory.tokens, last], k)
+        ctl.record_draft(len(draft.tokens), time.perf_counter() - t0)
+        return draft.tokens, draft.probs
+
+    @property
+    def verifying(self) -> bool:
+        """This step feeds drafts: the caller leaves `after_forward` to `verify`."""
+        return bool(self.drafts)
+
+    def stepped(self, seconds: float) -> None:
+        """A decode step (not a verify) of this row ran in `seconds`: count it, and let the controller learn."""
+        if not self.decoding:
+            return  # the prompt's last chunk: its logits give the first token
+        self.reply.forwards += 1
+        if self.spec is not None:
+            self.spec.controller.record_decode(seconds)
+
+    def verify(self, logits: torch.Tensor, seconds: float, should_stop: Callable[[], bool]) -> list[GenerationEvent]:
+        """logits (K+1, V) of this row's verify, which ran in `seconds` -> the events of the tokens it gives, up to
+        a final one; the memory keeps the last token and the accepted drafts the reply goes on after."""
+        assert self.spec is not None
+        drafts = self.drafts
+        samples = self.reply.verify(logits, drafts, self.probs)
+        events: list[GenerationEvent] = []
+        self.reply.forwards += 1
+        for token, logprob in samples:
+            events.append(self.accept(token, logprob, should_stop))
+            if events[-1].finish_reason is not None:
+                break
+        settle(self.memory, len(drafts) + 1 - len(events))
+        self.spec.controller.record_verify(len(drafts) + 1, seconds, len(drafts), len(samples) - 1)
+        self.drafted += len(drafts)
+        self.accepted += len(samples) - 1
+        self.verifies += 1
+        self.drafts, self.probs = [], None
+        return events
 
     def accept(self, token: int, logprob: float, should_stop: Callable[[], bool]) -> GenerationEvent:
         self.last = token
@@ -180,6 +264,11 @@ class RowState:
             last.ttft_s,
             last.tokens_per_s,
             self.cached_tokens,
+            reply.forwards,
+            self.spec is not None,
+            self.drafted,
+            self.accepted,
+            self.verifies,
         )
 
 
@@ -188,19 +277,33 @@ def sample_rows(
     rows: Sequence[int],
     logits: torch.Tensor,
     should_stop: Callable[[int], bool] = lambda r: False,
-) -> list[GenerationEvent]:
-    """Sample the given rows of `logits` (B, V) and return one event per row, in `rows` order; `should_stop(row)`
-    says whether that row's request was cancelled meanwhile (asked as `Reply.accept` asks)."""
+    seconds: float = 0.0,
+) -> list[list[GenerationEvent]]:
+    """Sample the given rows of `logits` (B, P, V: each row's last P positions, P covering every verify) and
+    return each row's events, in `rows` order: one, or a verifying row's accepted drafts and its own token, up to
+    a final event. `should_stop(row)` says whether that row's request was cancelled meanwhile (asked as
+    `Reply.accept` asks); `seconds`: what the step's forward took (the rows' controllers learn from it)."""
     active = {r: st for r in rows if (st := states[r]) is not None}
     assert len(active) == len(rows)
-    greedy = [r for r in rows if active[r].reply.plain_greedy]
-    picked = dict(zip(greedy, sample_greedy(logits[greedy]), strict=True)) if greedy else {}
-    events = []
+    last = logits[:, -1]  # (B, V)
+    plain = [r for r in rows if not active[r].verifying]
+    greedy = [r for r in plain if active[r].reply.plain_greedy]
+    picked = dict(zip(greedy, sample_greedy(last[greedy]), strict=True)) if greedy else {}
+    events: list[list[GenerationEvent]] = []
     for r in rows:
         st = active[r]
-        token, logprob = picked[r] if r in picked else st.reply.pick(logits[r])
-        events.append(st.accept(token, logprob, partial(should_stop, r)))
+        if st.verifying:
+            events.append(st.verify(logits[r, -(len(st.drafts) + 1) :], seconds, partial(should_stop, r)))
+            continue
+        st.stepped(seconds)
+        token, logprob = picked[r] if r in picked else st.reply.pick(last[r])
+        events.append([st.accept(token, logprob, partial(should_stop, r))])
     return events
+
+
+def step_tail(states: Sequence[RowState | None]) -> int:
+    """How many trailing positions' logits a step needs: the widest verify's, else the last token's."""
+    return max((len(st.drafts) + 1 for st in states if st is not None and st.verifying), default=1)
 
 
 @dataclass
@@ -256,15 +359,18 @@ def generate_batch(
         while any(st is not None for st in states):
             feeds = [st.next_feed(chunk) if st is not None else [] for st in states]
             plans = [memories[r].plan(f) if f else None for r, f in enumerate(feeds)]
-            logits = batcher.forward(feeds, plans)  # (B, V)
+            t_step = time.perf_counter()
+            logits = batcher.forward_tail(feeds, plans, step_tail(states))  # (B, P, V)
+            seconds = time.perf_counter() - t_step
             for r, plan in enumerate(plans):
-                if plan is not None:
+                row = states[r]
+                if plan is not None and not (row is not None and row.verifying):  # a verify settles after sampling
                     memories[r].after_forward()
             ready = [r for r, st in enumerate(states) if st is not None and feeds[r] and not st.prefilling]
-            for r, ev in zip(ready, sample_rows(states, ready, logits), strict=True):
+            for r, evs in zip(ready, sample_rows(states, ready, logits, seconds=seconds), strict=True):
                 done_row = states[r]
-                if ev.finish_reason is not None and done_row is not None:
-                    results[group.indices[r]] = done_row.completion(ev)
+                if evs[-1].finish_reason is not None and done_row is not None:
+                    results[group.indices[r]] = done_row.completion(evs[-1])
                     states[r] = None
     done = [c for c in results if c is not None]
     assert len(done) == len(results)

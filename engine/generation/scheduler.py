@@ -10,6 +10,9 @@ engine.generation.batch). Every step it
      `mixed_chunk` tokens, because every row is padded to the longest feed: a long chunk would make each
      decoding row pay for it and stall the replies already streaming;
   3. samples the rows whose prompt is in, delivers one `GenerationEvent` each, and retires finished rows.
+A request that speculates (`settings.speculative`) feeds its last token with drafts while decoding: a verify of
+its row in the same step, giving it one or more events (engine.generation.batch.RowState). Each row keeps its
+adaptive controller across requests, so costs measured on one reply carry over to the next.
 
 Front: `submit(request) -> Future[Completion]` and `async for ev in scheduler.stream(request)`, both safe from any
 thread. The waiting queue is bounded: when full, a more urgent request takes the place of the least urgent,
@@ -32,10 +35,21 @@ from enum import IntEnum
 
 from engine.backends.base import Backend
 from engine.errors import SparkError
-from engine.generation.batch import Completion, RowBatcher, RowMemoryFactory, RowState, RowView, sample_rows
-from engine.generation.loop import GenerationEvent, GenerationSettings
+from engine.generation.batch import (
+    Completion,
+    RowBatcher,
+    RowMemoryFactory,
+    RowState,
+    RowView,
+    sample_rows,
+    step_tail,
+)
+from engine.generation.loop import GenerationEvent, GenerationSettings, controller_for
+from engine.generation.speculative import Controller, Drafter, PromptLookup, Speculation, Speculator
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory, RowPlan
+
+DrafterFactory = Callable[[int, GenerationSettings], Drafter]  # (row, a request's settings) -> its draft model
 
 
 class QueueFull(SparkError):
@@ -122,14 +136,20 @@ class Scheduler:
         tokenizer: Tokenizer,
         config: SchedulerConfig | None = None,
         memory_factory: RowMemoryFactory = FullAttentionMemory,
+        drafters: DrafterFactory | None = None,
     ) -> None:
+        """`drafters`: where draft-model speculation is served, each row's draft model for a request."""
         self.config = config or SchedulerConfig()
+        self._drafters = drafters
         self.tokenizer = tokenizer
         backend.allocate(self.config.max_batch, self.config.num_slots + 1)
         self.backend = backend
         self._released = False  # whether the table was given back and nothing ran since
         view = RowView(backend)
         self._memories = [memory_factory(view, r) for r in range(self.config.max_batch)]
+        # Each row's speculation controllers (prompt lookup's, a draft model's): measured costs outlive requests.
+        self.controllers = [Controller() for _ in range(self.config.max_batch)]
+        self.draft_controllers = [Controller() for _ in range(self.config.max_batch)]
         self._batcher = RowBatcher(backend)
         self._rows: list[_Active | None] = [None] * self.config.max_batch
         self._waiting: list[_Waiting] = []  # heap: most urgent, oldest first
@@ -291,7 +311,8 @@ class Scheduler:
                 continue  # cancelled through its future while waiting
             r = self._pick_row(free, w.ids)
             try:
-                state = RowState(self.tokenizer, w.ids, w.request.settings, self._memories[r], w.t0)
+                spec = self._speculator(r, w.request.settings)
+                state = RowState(self.tokenizer, w.ids, w.request.settings, self._memories[r], w.t0, speculator=spec)
             except Exception as exc:  # bad settings: this request fails, the row stays free
                 self._memories[r].reset()
                 w.future.set_exception(exc)
@@ -299,6 +320,19 @@ class Scheduler:
             free.remove(r)
             self._rows[r] = _Active(w, state)
             self._released = False
+
+    def _speculator(self, r: int, settings: GenerationSettings) -> Speculator | None:
+        """Row `r`'s drafter and controller for a request (None when it does not speculate)."""
+        mode = Speculation(settings.speculative)
+        if mode is Speculation.OFF:
+            return None
+        draft = mode is Speculation.DRAFT
+        if draft and self._drafters is None:
+            raise ValueError("draft speculation needs a draft model, and this scheduler has none")
+        held = (self.draft_controllers if draft else self.controllers)[r]
+        controller = controller_for(settings) if settings.draft_tokens else held
+        drafter = self._drafters(r, settings) if draft and self._drafters is not None else PromptLookup()
+        return Speculator(drafter, controller)
 
     def _pick_row(self, free: list[int], ids: list[int]) -> int:
         """The free row for a prompt: one whose kept memory (a finished request's conversation) the prompt extends,
@@ -351,18 +385,24 @@ class Scheduler:
             plans.append(plan)
         if all(p is None for p in plans):
             return
-        logits = self._batcher.forward(feeds, plans)  # (B, V)
-        for r, plan in enumerate(plans):
-            if plan is not None:
-                self._memories[r].after_forward()
         states = [a.state if a is not None else None for a in rows]
+        t_step = time.perf_counter()
+        logits = self._batcher.forward_tail(feeds, plans, step_tail(states))  # (B, P, V)
+        seconds = time.perf_counter() - t_step
+        for r, (plan, st) in enumerate(zip(plans, states, strict=True)):
+            if plan is not None and not (st is not None and st.verifying):  # a verify settles after sampling
+                self._memories[r].after_forward()
         ready = [
             r
             for r, (p, st) in enumerate(zip(plans, states, strict=True))
             if p is not None and st is not None and not st.prefilling
         ]
-        for r, ev in zip(ready, sample_rows(states, ready, logits, self._cancelled), strict=True):
-            self._deliver(r, ev)
+        for r, evs in zip(ready, sample_rows(states, ready, logits, self._cancelled, seconds), strict=True):
+            active = rows[r]
+            for ev in evs:
+                if rows[r] is not active:
+                    break  # retired by its listener's failure
+                self._deliver(r, ev)
 
     def _cancelled(self, r: int) -> bool:
         a = self._rows[r]

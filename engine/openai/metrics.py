@@ -55,6 +55,13 @@ class Metrics:
         self.completion_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tokens_per_s = Histogram(RATE_BUCKETS)
+        # Speculation (requests that ran with a speculator): drafts verified and accepted, verify forwards, and
+        # the decode forwards and the tokens after the first they gave (accepted per forward).
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
+        self.verify_forwards = 0
+        self.speculative_forwards = 0
+        self.speculative_tokens = 0
         self.sources = sources or {}  # gauge name -> reader (help text is the name's own description below)
 
     def request(self, endpoint: str, status: int) -> None:
@@ -80,6 +87,14 @@ class Metrics:
             self.ttft.observe(ttft_s)
         if completion_tokens > 1:
             self.tokens_per_s.observe(tokens_per_s)
+
+    def speculated(self, drafted: int, accepted: int, verifies: int, forwards: int, completion_tokens: int) -> None:
+        """A finished request that ran with a speculator: its drafts, verifies and decode forwards."""
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.verify_forwards += verifies
+        self.speculative_forwards += forwards
+        self.speculative_tokens += max(0, completion_tokens - 1)  # the first token comes from the prompt's forward
 
     def render(self) -> str:
         out = [
@@ -108,6 +123,9 @@ class Metrics:
                 "Prompt tokens restored from memory instead of computed.",
             ),
             ("spark_completion_tokens_total", self.completion_tokens, "Tokens generated."),
+            ("spark_speculative_drafted_tokens_total", self.drafted_tokens, "Drafted tokens verified."),
+            ("spark_speculative_accepted_tokens_total", self.accepted_tokens, "Drafted tokens the model accepted."),
+            ("spark_speculative_verify_forwards_total", self.verify_forwards, "Forwards that verified drafts."),
         ):
             out += [f"# HELP {name} {text}", f"# TYPE {name} counter", f"{name} {value}"]
         out += [
@@ -117,6 +135,12 @@ class Metrics:
         out.append(
             f"spark_prompt_cache_hit_ratio {self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0:.6g}"
         )
+        per_forward = self.speculative_tokens / self.speculative_forwards if self.speculative_forwards else 0.0
+        out += [
+            "# HELP spark_speculative_accepted_per_forward Tokens a decode forward gave, in speculating requests.",
+            "# TYPE spark_speculative_accepted_per_forward gauge",
+            f"spark_speculative_accepted_per_forward {per_forward:.6g}",
+        ]
         out += [
             "# HELP spark_ttft_seconds Time from arrival to the first token.",
             "# TYPE spark_ttft_seconds histogram",

@@ -19,6 +19,7 @@ from engine.generation.batch import Completion
 from engine.generation.beam import MAX_BEAMS, BeamSettings, EarlyStopping
 from engine.generation.loop import FinishReason, GenerationSettings
 from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
+from engine.generation.speculative import Speculation
 from engine.openai.errors import bad_request
 from engine.openai.tools import ToolCall, ToolSpec, parse_response_format, parse_tools, tool_grammar
 
@@ -48,6 +49,7 @@ class ParsedRequest:
     logprobs: bool
     n: int = 1  # choices, each its own row with its own seed
     tools: ToolSpec | None = None
+    speculative: Speculation | None = None  # the request's own "speculative" (None: the server's default decides)
 
 
 def check_text(body: Any) -> None:
@@ -261,7 +263,8 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
         settings.grammar = tool_grammar(tools)
     n = _int(body, "n", 1, MAX_CHOICES) or 1
     settings.beam = _beam(body, settings, n)
-    return ParsedRequest(model, messages, None, settings, stream, include_usage, logprobs, n, tools)
+    spec = _speculative(body, settings)
+    return ParsedRequest(model, messages, None, settings, stream, include_usage, logprobs, n, tools, spec)
 
 
 def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
@@ -284,7 +287,8 @@ def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
     settings.top_logprobs = lp or 0
     n = _int(body, "n", 1, MAX_CHOICES) or 1
     settings.beam = _beam(body, settings, n)
-    return ParsedRequest(model, None, prompt, settings, stream, include_usage, lp is not None, n)
+    spec = _speculative(body, settings)
+    return ParsedRequest(model, None, prompt, settings, stream, include_usage, lp is not None, n, speculative=spec)
 
 
 EARLY_STOPPING = {False: EarlyStopping.HEURISTIC, True: EarlyStopping.DONE, "never": EarlyStopping.NEVER}
@@ -309,6 +313,31 @@ def _beam(body: dict[str, Any], settings: GenerationSettings, n: int) -> BeamSet
     return BeamSettings(width, penalty, EARLY_STOPPING[early], returned=n)
 
 
+def _speculative(body: dict[str, Any], settings: GenerationSettings) -> Speculation | None:
+    """Our extension `"speculative"`: "auto", "off", "lookup" or "draft" (engine.generation.speculative); None when
+    not sent. Refused where it cannot combine: a beam search, a grammar (tools, a JSON response_format) and top
+    logprobs follow each token, which a verify of several drafts does not."""
+    raw = body.get("speculative")
+    if raw is None:
+        return None
+    modes = [m.value for m in Speculation]
+    if not isinstance(raw, str) or raw not in modes:
+        raise bad_request("'speculative' must be one of " + ", ".join(f'"{m}"' for m in modes) + ".", "speculative")
+    mode = Speculation(raw)
+    if mode is not Speculation.OFF:
+        if settings.beam.beams > 1:
+            raise bad_request("'speculative' does not combine with 'beam_width'; send one of them.", "speculative")
+        if settings.grammar is not None:
+            raise bad_request(
+                "'speculative' does not combine with tools or a JSON 'response_format'; send one of them.",
+                "speculative",
+            )
+        if settings.top_logprobs:
+            raise bad_request("'speculative' does not combine with top logprobs; send one of them.", "speculative")
+    settings.speculative = mode
+    return mode
+
+
 # -- responses ----------------------------------------------------------------------------------------------------
 
 
@@ -319,12 +348,19 @@ def new_id(kind: str) -> str:
 def usage(cs: list[Completion]) -> dict[str, Any]:
     """Usage of one request's choices: the prompt once (every choice reads the same one), the replies summed."""
     n = sum(len(c.tokens) for c in cs)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": cs[0].prompt_tokens,
         "completion_tokens": n,
         "total_tokens": cs[0].prompt_tokens + n,
         "prompt_tokens_details": {"cached_tokens": cs[0].cached_tokens},
     }
+    if any(c.speculated for c in cs):  # our extension: what speculation gave (tokens per decode forward)
+        forwards = sum(c.forwards for c in cs)
+        out["drafted_tokens"] = sum(c.drafted_tokens for c in cs)
+        out["accepted_tokens"] = sum(c.accepted_tokens for c in cs)
+        out["verify_forwards"] = sum(c.verify_forwards for c in cs)
+        out["accepted_per_forward"] = round(sum(len(c.tokens) - 1 for c in cs) / forwards, 3) if forwards else 0.0
+    return out
 
 
 # OpenAI's finish_reason for ours. A cancelled reply only reaches a client that is still there when the server

@@ -24,8 +24,9 @@ from typing import Any
 from engine.backends.base import Backend
 from engine.errors import InputTooLarge, InsufficientMemory, SparkError
 from engine.generation.batch import Completion, RowMemoryFactory
-from engine.generation.loop import GenerationEvent
+from engine.generation.loop import GenerationEvent, GenerationSettings
 from engine.generation.scheduler import QueueFull, Request, Scheduler, SchedulerClosed, SchedulerConfig
+from engine.generation.speculative import Drafter, DraftModel, Speculation
 from engine.hw.memory import allocatable_bytes, format_bytes
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
@@ -61,6 +62,23 @@ class ServeConfig:
     retry_after_s: int = 2
     limits: Limits = field(default_factory=Limits)
     allow_origins: tuple[str, ...] = ()  # CORS is off unless origins are named
+    speculative: Speculation = Speculation.OFF  # for requests that do not send "speculative" (where it combines)
+
+
+def request_speculation(req: ParsedRequest, default: Speculation, has_draft: bool) -> Speculation:
+    """How `req` speculates: as it asks (the protocol refused what does not combine), else the server's default
+    where it combines (not under beams, a grammar or top logprobs: those run plainly). Draft speculation only
+    where the server was started with a draft model (refused in one sentence otherwise)."""
+    mode = req.speculative
+    if mode is None:
+        s = req.settings
+        plain = s.beam.beams > 1 or s.grammar is not None or s.top_logprobs > 0
+        mode = Speculation.OFF if plain else default
+    if mode is Speculation.DRAFT and not has_draft:
+        raise bad_request(
+            'This server was started without a draft model; send "speculative": "auto" or "lookup".', "speculative"
+        )
+    return mode
 
 
 class Job:
@@ -168,8 +186,12 @@ class ModelService:
         tokenizer: Tokenizer,
         memory_factory: RowMemoryFactory | Callable[..., Memory],
         config: ServeConfig,
+        draft: Backend | None = None,
     ) -> None:
+        """`draft`: a draft model's backend (same vocabulary), for requests speculating with "draft"; each row
+        drafts on a fork of its own, made when a row first needs it."""
         self.config = config
+        self.draft = draft
         self.tokenizer = tokenizer
         self.memories: list[Memory] = []
         try:
@@ -197,8 +219,18 @@ class ModelService:
         beam_backend = LockedBackend(backend.fork(), step)
         beam_backend.allocate(1, num_slots)
         self.beams = BeamRunner(beam_backend, tokenizer, memory_factory)
+        drafts: dict[int, Backend] = {}  # row -> its draft model's slot table (kept: it follows the row's context)
+
+        def drafter(row: int, settings: GenerationSettings) -> Drafter:
+            assert draft is not None
+            if row not in drafts:
+                drafts[row] = LockedBackend(draft.fork(), step)
+            return DraftModel(drafts[row], settings.sampling)
+
         try:
-            self.scheduler = Scheduler(LockedBackend(backend, step), tokenizer, sched_cfg, factory)
+            self.scheduler = Scheduler(
+                LockedBackend(backend, step), tokenizer, sched_cfg, factory, drafter if draft is not None else None
+            )
         except (MemoryError, RuntimeError) as exc:
             if not out_of_memory(exc):
                 raise
@@ -241,6 +273,8 @@ class ModelService:
     async def start(self, req: ParsedRequest) -> list[Job]:
         """Tokenize (off the event loop) and queue `req`'s `n` choices, each a request of its own (rows of one batch;
         a seeded request's choice i draws with seed + i); ApiError when it is refused (then none is queued)."""
+        mode = request_speculation(req, self.config.speculative, self.draft is not None)
+        req.settings = replace(req.settings, speculative=mode)
         try:
             ids = await asyncio.to_thread(self.prompt_ids, req)
         except InputTooLarge as exc:  # the request is the problem, whatever the template
@@ -273,6 +307,8 @@ class ModelService:
         self.metrics.finished(
             c.finish_reason, c.prompt_tokens, c.cached_tokens, len(c.tokens), c.ttft_s, c.tokens_per_s
         )
+        if c.speculated:
+            self.metrics.speculated(c.drafted_tokens, c.accepted_tokens, c.verify_forwards, c.forwards, len(c.tokens))
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special=False)

@@ -220,7 +220,8 @@ class Session:
         self.on_prefill: Callable[[PrefillProgress], None] | None = None  # hears the reading of each prompt
         self.template_inputs: TemplateInputs | None = None  # how messages reach the chat template (None: as they are)
         self._draft_backend: Backend | None = None  # the draft model's slot table for this conversation
-        self._lookup_controller = Controller()  # prompt lookup's measured costs and acceptance, turn after turn
+        # Adaptive controllers by drafter (auto shares lookup's): measured costs and acceptance, turn after turn.
+        self.controllers = {Speculation.LOOKUP: Controller(), Speculation.DRAFT: Controller()}
 
     # -- conversation ------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -483,19 +484,21 @@ class Session:
 
     def _speculator_for(self, settings: GenerationSettings) -> Speculator | None:
         """The speculator of this turn: draft speculation's (the draft model's own slot table, made once per
-        session), or prompt lookup's with the session's adaptive controller (what it measured carries over from
-        turn to turn, so a machine where verifying does not pay stops paying for the measurement); None when off."""
+        session), or prompt lookup's, each with the session's adaptive controller for its drafter (what it measured
+        carries over from turn to turn, so a machine where verifying does not pay stops paying for the
+        measurement); None when off."""
         mode = Speculation(settings.speculative)
         if mode is Speculation.OFF:
             return None
+        drafter = Speculation.DRAFT if mode is Speculation.DRAFT else Speculation.LOOKUP
+        controller = self.controllers[drafter] if settings.draft_tokens == 0 else controller_for(settings)
         if mode is not Speculation.DRAFT:
-            controller = self._lookup_controller if settings.draft_tokens == 0 else controller_for(settings)
             return Speculator(PromptLookup(), controller)
         if self.engine.draft is None:
             raise SparkError("Draft speculation needs a draft model; load one with --draft-model.")
         if self._draft_backend is None:
             self._draft_backend = LockedBackend(self.engine.draft.fork(), self.engine.step_lock)
-        return Speculator(DraftModel(self._draft_backend, settings.sampling), controller_for(settings))
+        return Speculator(DraftModel(self._draft_backend, settings.sampling), controller)
 
     def _run(
         self,

@@ -30,10 +30,12 @@ class Served:
         return self.server.url
 
 
-def start_server(model_dir: Path, cache_dir: Path, **config: object) -> Served:
+def start_server(model_dir: Path, cache_dir: Path, *, draft: Path | None = None, **config: object) -> Served:
+    """`draft`: a draft model for "speculative": "draft" requests."""
     backend = TorchBackend(model_dir)
     tok = Tokenizer.from_dir(model_dir)
     factory = memory_factory_for(model_dir, cache_dir=cache_dir, **CASCADE)
     settings = {"model_id": "tiny", "api_key": KEY, "max_batch": 4, "max_queue": 8, "max_prompt_tokens": 600, **config}
-    service = ModelService(backend.fork(), tok, factory, ServeConfig(**settings))  # type: ignore[arg-type]
+    drafts = None if draft is None else TorchBackend(draft)
+    service = ModelService(backend.fork(), tok, factory, ServeConfig(**settings), drafts)  # type: ignore[arg-type]
     return Served(LocalServer(service, port=0).start(), service, tok, backend, model_dir, cache_dir)

@@ -16,10 +16,12 @@ from engine.errors import SparkError
 def test_bad_flags_are_one_line(capsys: pytest.CaptureFixture[str], tiny_dir: Path) -> None:
     assert main(["serve", "--model", str(tiny_dir), "--port", "70000"]) == 2
     assert main(["serve", "--model", str(tiny_dir), "--max-batch", "0"]) == 2
+    assert main(["serve", "--model", str(tiny_dir), "--speculative", "draft"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "error: --port must be between 0 and 65535, not 70000.",
         "error: --max-batch must be at least 1, not 0.",
+        "error: --speculative draft needs --draft-model M (a smaller model of the same vocabulary).",
     ]
 
 
