@@ -172,9 +172,12 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q, fl
     const int32_t nv = d / SPARK_VW;
     for (int32_t j = 0; j < nv; j++) qv[j] = vf_load(q + j * SPARK_VW);
     for (int32_t t = t0; t < t1; t++) {
-        spark_vf acc = qv[0] * vf_load(kt[t]);
-        for (int32_t j = 1; j < nv; j++) acc = vf_fma(qv[j], vf_load(kt[t] + j * SPARK_VW), acc);
-        float dot = vf_sum(acc);
+        float dot = 0.0f; /* a head narrower than one vector (nv = 0) is all tail */
+        if (nv > 0) {
+            spark_vf acc = qv[0] * vf_load(kt[t]);
+            for (int32_t j = 1; j < nv; j++) acc = vf_fma(qv[j], vf_load(kt[t] + j * SPARK_VW), acc);
+            dot = vf_sum(acc);
+        }
         for (int32_t i = nv * SPARK_VW; i < d; i++) dot += q[i] * kt[t][i];
         s[t] = dot * scale;
     }

@@ -109,7 +109,8 @@ def check_against_pytorch(kernels: NativeKernels, threads: int, width: int, d: i
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("width", [1, 15, 16, 17, 63, 64, 65, 129, 300, 1031])
-@pytest.mark.parametrize("d", [64, 32, 40])  # the compiled-for-64 route, the general one, one with vector tails
+# d: the compiled-for-64 route, the general one, vector tails, a head narrower than one vector
+@pytest.mark.parametrize("d", [64, 32, 40, 12])
 def test_native_attention_equals_pytorch_over_the_fp16_table(
     kernels: NativeKernels, threads: int, width: int, d: int
 ) -> None:
