@@ -13,7 +13,7 @@ step's tokens and the query heads of each KV group (what the cascade's retrieval
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ import torch
 from coreml.bundle import HEAD, Bundle, chunk_name
 from coreml.embedding import HostEmbedding
 from coreml.errors import PackageError
-from coreml.wrapper import MASK_MIN
+from coreml.wrapper import MASK_MIN, has_local_inputs
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend
 from engine.model.config import ModelConfig
 from engine.model.network import SlotBatch, rope_inv_freq
@@ -57,9 +57,12 @@ def plan_calls(n: int, functions: dict[str, int]) -> list[Call]:
 
 
 class RopeHost:
-    """cos/sin of arbitrary positions, computed exactly as engine.model.network.RotaryTable does (fp32, then fp16)."""
+    """cos/sin of arbitrary positions, computed exactly as engine.model.network.RotaryTable does (fp32, then fp16);
+    `local`: the sliding-window layers' own rope (Gemma 3's unscaled local base), as RotaryTable's second kind."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, local: bool = False) -> None:
+        if local and config.rope_local_theta is not None:
+            config = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None, rope_freq_factors=None)
         self.inv = rope_inv_freq(config)  # (D/2,) fp32
 
     def __call__(self, positions: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -101,7 +104,10 @@ class PackageBackend(Backend):
         self.chunks = [chunk_name(i) for i in range(len(bundle.chunks))]
         self.chunk_layers = [b - a for a, b in bundle.chunks]
         self.rope = RopeHost(self.config)
+        self.local_rope = RopeHost(self.config, local=True) if has_local_inputs(self.config) else None
         self.embedding = HostEmbedding(bundle)
+        # Gemma 3 scales its embeddings by sqrt(C) in the weights' dtype (engine.model.network.Transformer)
+        self.embed_scale = np.float16(self.config.hidden_size**0.5) if self.config.scale_embeddings else None
 
     # -------------------------------------------------------------- what a subclass provides
     @abstractmethod
@@ -122,14 +128,35 @@ class PackageBackend(Backend):
         return self.slots
 
     def _layers(
-        self, tokens: torch.Tensor, batch: SlotBatch, row: int, call: Call, k_rope: tuple[np.ndarray, np.ndarray]
+        self,
+        tokens: torch.Tensor,
+        batch: SlotBatch,
+        row: int,
+        call: Call,
+        k_rope: tuple[np.ndarray, np.ndarray],
+        k_rope_l: tuple[np.ndarray, np.ndarray] | None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Run every chunk for one call: -> hidden (1, C, 1, T) fp16 and qsum (L, Hkv, D) fp32 (mean over T)."""
         rows = slice(call.row0, call.row0 + call.size)
         q_cos, q_sin = self.rope(batch.positions[row, rows])  # (T, D) each
         write, keep = write_matrix(batch.write_slots[row, rows].tolist(), self.slots)
         mask = batch.mask[row, 0, rows].numpy()  # (T, S) bool
-        hidden = np.ascontiguousarray(self.embedding(tokens[row, rows].numpy()).T[None, :, None, :])  # (1, C, 1, T)
+        embedded = self.embedding(tokens[row, rows].numpy())  # (T, C) fp16
+        if self.embed_scale is not None:
+            embedded = embedded * self.embed_scale  # fp16 times fp16, rounded to fp16 as torch does
+        hidden = np.ascontiguousarray(embedded.T[None, :, None, :])  # (1, C, 1, T)
+        local: dict[str, np.ndarray] = {}
+        if self.local_rope is not None and k_rope_l is not None:
+            q_cos_l, q_sin_l = self.local_rope(batch.positions[row, rows])  # (T, D) each
+            # a sliding layer sees its window only (SlotBatch.local_mask; None: the same as the mask)
+            mask_l = mask if batch.local_mask is None else batch.local_mask[row, 0, rows].numpy()  # (T, S) bool
+            local = {
+                "q_cos_l": q_cos_l[None, None],
+                "q_sin_l": q_sin_l[None, None],  # (1, 1, T, D)
+                "k_cos_l": k_rope_l[0][None, None],
+                "k_sin_l": k_rope_l[1][None, None],  # (1, 1, S, D)
+                "mask_l": np.where(mask_l, 0.0, MASK_MIN).astype(np.float16)[None, None],  # (1, 1, T, S)
+            }
         fixed = {
             "q_cos": q_cos[None, None],
             "q_sin": q_sin[None, None],  # (1, 1, T, D)
@@ -138,6 +165,7 @@ class PackageBackend(Backend):
             "mask": np.where(mask, 0.0, MASK_MIN).astype(np.float16)[None, None],  # (1, 1, T, S) additive
             "write": write,
             "keep": keep,
+            **local,
         }
         summaries = []
         for chunk in self.chunks:
@@ -174,10 +202,14 @@ class PackageBackend(Backend):
                 batch.write_slots,
                 torch.nn.functional.pad(batch.slot_positions, (0, pad)),
                 torch.nn.functional.pad(batch.mask, (0, pad), value=False),
+                local_mask=None
+                if batch.local_mask is None
+                else torch.nn.functional.pad(batch.local_mask, (0, pad), value=False),
             )
         rows_out, summaries = [], []
         for row in range(b):
             k_rope = self.rope(batch.slot_positions[row])  # (S, D) each, once per step
+            k_rope_l = self.local_rope(batch.slot_positions[row]) if self.local_rope is not None else None
             hidden, qsum = (
                 [],
                 np.zeros(
@@ -185,7 +217,7 @@ class PackageBackend(Backend):
                 ),
             )
             for call in plan_calls(t, self.functions):
-                h, q = self._layers(tokens, batch, row, call, k_rope)
+                h, q = self._layers(tokens, batch, row, call, k_rope, k_rope_l)
                 hidden.append(h[0, :, 0, :].T)  # (T_call, C)
                 qsum += q * (call.size / t)
             final = np.concatenate(hidden, axis=0)  # (T, C)
