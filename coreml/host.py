@@ -23,8 +23,9 @@ from coreml.embedding import HostEmbedding
 from coreml.errors import PackageError
 from coreml.wrapper import MASK_MIN, has_local_inputs
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend
+from engine.model.attention import rope_cos_sin
 from engine.model.config import ModelConfig
-from engine.model.network import SlotBatch, rope_inv_freq
+from engine.model.network import SlotBatch
 
 STATE_NAMES = ("k_cache", "v_cache")
 
@@ -63,13 +64,12 @@ class RopeHost:
     def __init__(self, config: ModelConfig, local: bool = False) -> None:
         if local and config.rope_local_theta is not None:
             config = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None, rope_freq_factors=None)
-        self.inv = rope_inv_freq(config)  # (D/2,) fp32
+        self.config = config
 
     def __call__(self, positions: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """positions (N,) long -> cos, sin (N, D) fp16."""
-        freqs = torch.outer(positions.to(torch.float32), self.inv)  # (N, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (N, D)
-        return emb.cos().to(torch.float16).numpy(), emb.sin().to(torch.float16).numpy()
+        cos, sin = rope_cos_sin(self.config, positions)  # (N, D) fp32 each
+        return cos.to(torch.float16).numpy(), sin.to(torch.float16).numpy()
 
 
 def write_matrix(slots: list[int], num_slots: int) -> tuple[np.ndarray, np.ndarray]:
