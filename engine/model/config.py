@@ -298,6 +298,10 @@ class ModelConfig:
                     )
             layers = int(d["num_hidden_layers"])
             windows = read_layer_windows(d, arch, layers)
+            # A window as long as the trained context hides nothing (positions stay inside it): global attention.
+            # Phi-4-mini's config slides every layer over 262,144 tokens of a 131,072-token context.
+            max_positions = int(d.get("max_position_embeddings", 2048))
+            windows = tuple(0 if w >= max_positions else w for w in windows)
             qpas = d.get("query_pre_attn_scalar")
             query_scale = float(qpas) ** -0.5 if gemma and qpas is not None and float(qpas) != head_dim else None
             return cls(

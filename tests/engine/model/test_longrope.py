@@ -101,3 +101,13 @@ def test_damaged_longrope_is_one_sentence(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="longrope factors are not 6 each") as err:
         ModelConfig.from_file(d / "config.json")
     assert "\n" not in str(err.value)
+
+
+def test_a_window_past_the_trained_context_is_global_attention(tmp_path: Path) -> None:
+    import json
+
+    d = longrope_phi3(tmp_path / "phi3", 32)
+    raw = json.loads((d / "config.json").read_text())
+    raw["sliding_window"] = 2 * raw["max_position_embeddings"]  # as Phi-4-mini's config: 262,144 of 131,072
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.layer_windows == () and cfg.plain_llama  # the native step and the Core ML graph's plain layer
