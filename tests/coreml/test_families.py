@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from coreml.bundle import Bundle
 from coreml.check import run_checks
 from coreml.convert import convert
+from coreml.interpreter import OPS
 from coreml.reference import InterpreterBackend
 from coreml.wrapper import has_local_inputs
 from engine.backends.torch_backend import TorchBackend
 from tests.coreml.helpers import SLOTS, prompt_ids
+from tests.coreml.test_ane_rules import op_types
 from tests.coreml.test_parity import assert_parity
 from tests.helpers.tiny_families import make_tiny_family
 
@@ -40,6 +43,8 @@ def test_qwen3_and_gemma3_convert_and_match_the_torch_engine(family: str, tmp_pa
     assert all(line.ok for line in run_checks(bundle, smoke=False))
     interp = InterpreterBackend(bundle)
     assert (family == "gemma3") == has_local_inputs(interp.config)
+    used = set(op_types(Bundle.open(bundle))) - {"const"}
+    assert used <= set(OPS) and ("gelu" in used) == (family == "gemma3")  # every op runs in the interpreter
     reference = TorchBackend(d, device="cpu", dtype=torch.float16)
     reference.allocate(1, interp.num_slots)
     ref_tokens, got_tokens = assert_parity(reference, interp, prompt_ids(75, interp.config.vocab_size), steps=16)
