@@ -14,7 +14,7 @@ import torch
 
 from coreml import ane_rules
 from coreml.bundle import HEAD, Bundle
-from coreml.convert import CHUNK_INPUTS, STATE_NAMES, expected_bytes
+from coreml.convert import STATE_NAMES, chunk_inputs, expected_bytes
 from coreml.errors import CoreMLError
 
 SMOKE_DECODE_STEPS = 3
@@ -40,7 +40,7 @@ def _structure(bundle: Bundle) -> CheckLine:
             return CheckLine("structure", False, f"{name} lacks the function {missing[0]!r}")
         if not pkg.weights_path.is_file():
             return CheckLine("structure", False, f"{name} lacks weights/weight.bin")
-        needed = ("hidden",) if name == HEAD else (*CHUNK_INPUTS, *STATE_NAMES)
+        needed = ("hidden",) if name == HEAD else (*chunk_inputs(bundle.config), *STATE_NAMES)
         for fname, fn in pkg.spec.mlProgram.functions.items():
             names = {nv.name for nv in fn.inputs}
             lacking = [n for n in needed if n not in names]

@@ -36,7 +36,16 @@ from torch import nn
 from coreml import compress
 from coreml.bundle import EMBED_FILE, FORMAT_VERSION, HEAD, MANIFEST, Bundle, chunk_name
 from coreml.errors import ConversionCancelled, ConversionError, PackageError
-from coreml.wrapper import ANE_STATE_ALIGN, FUNCTIONS, MAX_CHUNK_BYTES, Head, LayerChunk, vocab_pieces
+from coreml.wrapper import (
+    ANE_STATE_ALIGN,
+    FUNCTIONS,
+    LOCAL_INPUTS,
+    MAX_CHUNK_BYTES,
+    Head,
+    LayerChunk,
+    has_local_inputs,
+    vocab_pieces,
+)
 from engine import fileio
 from engine.loading.model_files import read_config
 from engine.model.config import ModelConfig
@@ -48,7 +57,7 @@ DEFAULT_SLOTS = 512  # only when the model's cascade geometry is unknown; conver
 # grows with S past the weights' own on SmolLM2-135M's 8192-position context (figures: the README's Core ML
 # section). The engine fits its cascade to it through Backend.max_slots (CoreMLBackend.max_slots).
 ANE_MAX_SLOTS = 2048
-CHUNK_INPUTS = ("hidden", "q_cos", "q_sin", "k_cos", "k_sin", "mask", "write", "keep")
+CHUNK_INPUTS = ("hidden", "q_cos", "q_sin", "k_cos", "k_sin", "mask", "write", "keep")  # + LOCAL_INPUTS (wrapper)
 STATE_NAMES = ("k_cache", "v_cache")
 # Peak memory of one program's conversion in multiples of its fp16 weight bytes (measured ~10x: README).
 CONVERT_PEAK_FACTOR = 12
@@ -92,11 +101,6 @@ def cache_key(fingerprint: str, geometry: Geometry, quantize: str, units: str = 
 
 def check_geometry(config: ModelConfig, geometry: Geometry) -> None:
     """Refuse, in one sentence, what the ANE rules or the function chunks make impossible."""
-    if not config.plain_llama:  # the ANE graph (coreml.wrapper) implements the Llama layer only
-        raise ConversionError(
-            f"The Core ML conversion runs the Llama layer; this {config.architecture}'s "
-            f"{', '.join(beyond_llama(config))} are not converted yet, so it runs on the cpu or mps backend."
-        )
     s, d = geometry.slots, config.head_dim
     biggest = max(t for _, t in geometry.functions)
     if s % ANE_STATE_ALIGN or s < biggest:
@@ -109,19 +113,6 @@ def check_geometry(config: ModelConfig, geometry: Geometry) -> None:
         )
     if 1 not in dict(geometry.functions).values():
         raise ConversionError("A Core ML bundle needs a single-token function to run every step.")
-
-
-def beyond_llama(config: ModelConfig) -> list[str]:
-    """What a model has beyond the Llama layer, in words."""
-    parts = (
-        (config.qk_norm, "per-head q/k norms"),
-        (config.sandwich_norms, "norms around attention and the MLP"),
-        (config.hidden_act != "silu", f"{config.hidden_act} gating"),
-        (config.scale_embeddings, "scaled embeddings"),
-        (config.query_scale is not None, "attention scale"),
-        (bool(config.sliding_window), "sliding-window layers"),
-    )
-    return [words for present, words in parts if present]
 
 
 def layer_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
@@ -150,6 +141,10 @@ def layer_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
         shapes.append((c,))
     if config.mlp_bias:
         shapes += [(i,), (i,), (c,)]
+    if config.sandwich_norms:
+        shapes += [(c,), (c,)]
+    if config.qk_norm:
+        shapes += [(d,), (d,)]
     return shapes
 
 
@@ -216,8 +211,20 @@ def provenance(
     }
 
 
+def chunk_inputs(config: ModelConfig) -> tuple[str, ...]:
+    """The layer chunks' input names: CHUNK_INPUTS, and LOCAL_INPUTS for a model with sliding-window layers."""
+    return (*CHUNK_INPUTS, *LOCAL_INPUTS) if has_local_inputs(config) else CHUNK_INPUTS
+
+
 def chunk_example(config: ModelConfig, slots: int, t: int) -> tuple[torch.Tensor, ...]:
     d, h = config.head_dim, torch.float16
+    local = (
+        torch.ones(1, 1, t, d, dtype=h),  # q_cos_l
+        torch.zeros(1, 1, t, d, dtype=h),  # q_sin_l
+        torch.ones(1, 1, slots, d, dtype=h),  # k_cos_l
+        torch.zeros(1, 1, slots, d, dtype=h),  # k_sin_l
+        torch.zeros(1, 1, t, slots, dtype=h),  # mask_l
+    )
     return (
         torch.zeros(1, config.hidden_size, 1, t, dtype=h),  # hidden
         torch.ones(1, 1, t, d, dtype=h),  # q_cos
@@ -227,6 +234,7 @@ def chunk_example(config: ModelConfig, slots: int, t: int) -> tuple[torch.Tensor
         torch.zeros(1, 1, t, slots, dtype=h),  # mask
         torch.zeros(1, 1, slots, t, dtype=h),  # write
         torch.ones(1, 1, slots, 1, dtype=h),  # keep
+        *(local if has_local_inputs(config) else ()),
     )
 
 
@@ -316,7 +324,8 @@ def build_bundle(
         return lambda t: LayerChunk(model, a, b, geometry.slots, t)
 
     programs: list[tuple[str, Callable[[int], torch.nn.Module], tuple[str, ...], list[str]]] = [
-        (chunk_name(i), layer_chunk(a, b), CHUNK_INPUTS, ["hidden_out", "qsum"]) for i, (a, b) in enumerate(chunks)
+        (chunk_name(i), layer_chunk(a, b), chunk_inputs(config), ["hidden_out", "qsum"])
+        for i, (a, b) in enumerate(chunks)
     ]
     programs.append(
         (HEAD, lambda t: Head(model), ("hidden",), [f"logits_{i}" for i in range(len(vocab_pieces(config.vocab_size)))])
@@ -330,7 +339,7 @@ def build_bundle(
                 module = make(t).eval()
                 example = (
                     chunk_example(config, geometry.slots, t)
-                    if input_names == CHUNK_INPUTS
+                    if name != HEAD
                     else (chunk_example(config, geometry.slots, t)[0],)
                 )
                 parts[fname] = Path(work) / f"{name}-{fname}.mlpackage"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -22,10 +22,11 @@ import torch
 from coreml.bundle import HEAD, Bundle, chunk_name
 from coreml.embedding import HostEmbedding
 from coreml.errors import PackageError
-from coreml.wrapper import MASK_MIN
+from coreml.wrapper import MASK_MIN, has_local_inputs
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend
+from engine.model.attention import rope_cos_sin
 from engine.model.config import ModelConfig
-from engine.model.network import ForwardCancelled, SlotBatch, rope_inv_freq
+from engine.model.network import ForwardCancelled, SlotBatch
 
 STATE_NAMES = ("k_cache", "v_cache")
 
@@ -58,16 +59,18 @@ def plan_calls(n: int, functions: dict[str, int]) -> list[Call]:
 
 
 class RopeHost:
-    """cos/sin of arbitrary positions, computed exactly as engine.model.network.RotaryTable does (fp32, then fp16)."""
+    """cos/sin of arbitrary positions, computed exactly as engine.model.network.RotaryTable does (fp32, then fp16);
+    `local`: the sliding-window layers' own rope (Gemma 3's unscaled local base), as RotaryTable's second kind."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        self.inv = rope_inv_freq(config)  # (D/2,) fp32
+    def __init__(self, config: ModelConfig, local: bool = False) -> None:
+        if local and config.rope_local_theta is not None:
+            config = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None, rope_freq_factors=None)
+        self.config = config
 
     def __call__(self, positions: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """positions (N,) long -> cos, sin (N, D) fp16."""
-        freqs = torch.outer(positions.to(torch.float32), self.inv)  # (N, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (N, D)
-        return emb.cos().to(torch.float16).numpy(), emb.sin().to(torch.float16).numpy()
+        cos, sin = rope_cos_sin(self.config, positions)  # (N, D) fp32 each
+        return cos.to(torch.float16).numpy(), sin.to(torch.float16).numpy()
 
 
 def write_matrix(slots: list[int], num_slots: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,7 +105,10 @@ class PackageBackend(Backend):
         self.chunks = [chunk_name(i) for i in range(len(bundle.chunks))]
         self.chunk_layers = [b - a for a, b in bundle.chunks]
         self.rope = RopeHost(self.config)
+        self.local_rope = RopeHost(self.config, local=True) if has_local_inputs(self.config) else None
         self.embedding = HostEmbedding(bundle)
+        # Gemma 3 scales its embeddings by sqrt(C) in the weights' dtype (engine.model.network.Transformer)
+        self.embed_scale = np.float16(self.config.hidden_size**0.5) if self.config.scale_embeddings else None
 
     # -------------------------------------------------------------- what a subclass provides
     @abstractmethod
@@ -129,6 +135,7 @@ class PackageBackend(Backend):
         row: int,
         call: Call,
         k_rope: tuple[np.ndarray, np.ndarray],
+        k_rope_l: tuple[np.ndarray, np.ndarray] | None,
         should_stop: Callable[[], bool] | None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Run every chunk for one call: -> hidden (1, C, 1, T) fp16 and qsum (L, Hkv, D) fp32 (mean over T).
@@ -137,7 +144,22 @@ class PackageBackend(Backend):
         q_cos, q_sin = self.rope(batch.positions[row, rows])  # (T, D) each
         write, keep = write_matrix(batch.write_slots[row, rows].tolist(), self.slots)
         mask = batch.mask[row, 0, rows].numpy()  # (T, S) bool
-        hidden = np.ascontiguousarray(self.embedding(tokens[row, rows].numpy()).T[None, :, None, :])  # (1, C, 1, T)
+        embedded = self.embedding(tokens[row, rows].numpy())  # (T, C) fp16
+        if self.embed_scale is not None:
+            embedded = embedded * self.embed_scale  # fp16 times fp16, rounded to fp16 as torch does
+        hidden = np.ascontiguousarray(embedded.T[None, :, None, :])  # (1, C, 1, T)
+        local: dict[str, np.ndarray] = {}
+        if self.local_rope is not None and k_rope_l is not None:
+            q_cos_l, q_sin_l = self.local_rope(batch.positions[row, rows])  # (T, D) each
+            # a sliding layer sees its window only (SlotBatch.local_mask; None: the same as the mask)
+            mask_l = mask if batch.local_mask is None else batch.local_mask[row, 0, rows].numpy()  # (T, S) bool
+            local = {
+                "q_cos_l": q_cos_l[None, None],
+                "q_sin_l": q_sin_l[None, None],  # (1, 1, T, D)
+                "k_cos_l": k_rope_l[0][None, None],
+                "k_sin_l": k_rope_l[1][None, None],  # (1, 1, S, D)
+                "mask_l": np.where(mask_l, 0.0, MASK_MIN).astype(np.float16)[None, None],  # (1, 1, T, S)
+            }
         fixed = {
             "q_cos": q_cos[None, None],
             "q_sin": q_sin[None, None],  # (1, 1, T, D)
@@ -146,6 +168,7 @@ class PackageBackend(Backend):
             "mask": np.where(mask, 0.0, MASK_MIN).astype(np.float16)[None, None],  # (1, 1, T, S) additive
             "write": write,
             "keep": keep,
+            **local,
         }
         summaries = []
         for i, chunk in enumerate(self.chunks):
@@ -190,10 +213,14 @@ class PackageBackend(Backend):
                 batch.write_slots,
                 torch.nn.functional.pad(batch.slot_positions, (0, pad)),
                 torch.nn.functional.pad(batch.mask, (0, pad), value=False),
+                local_mask=None
+                if batch.local_mask is None
+                else torch.nn.functional.pad(batch.local_mask, (0, pad), value=False),
             )
         rows_out, summaries = [], []
         for row in range(b):
             k_rope = self.rope(batch.slot_positions[row])  # (S, D) each, once per step
+            k_rope_l = self.local_rope(batch.slot_positions[row]) if self.local_rope is not None else None
             hidden, qsum = (
                 [],
                 np.zeros(
@@ -201,7 +228,7 @@ class PackageBackend(Backend):
                 ),
             )
             for call in plan_calls(t, self.functions):
-                h, q = self._layers(tokens, batch, row, call, k_rope, should_stop)
+                h, q = self._layers(tokens, batch, row, call, k_rope, k_rope_l, should_stop)
                 hidden.append(h[0, :, 0, :].T)  # (T_call, C)
                 qsum += q * (call.size / t)
             final = np.concatenate(hidden, axis=0)  # (T, C)

@@ -7,6 +7,7 @@ fp16-accumulation helpers; the table is one unit (tests check it equals the set 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -410,6 +411,18 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return np.asarray(x / (1.0 + np.exp(-x)))
 
 
+def _gelu(a: _Args) -> list[np.ndarray]:
+    """MIL gelu: EXACT (erf) or TANH_APPROXIMATION (Gemma 3's gating, torch's approximate="tanh")."""
+    a.only({"x", "mode"})
+    x = _f(a.a("x"))
+    mode = str(a.opt("mode", np.array("EXACT")))
+    if mode == "TANH_APPROXIMATION":
+        return [0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))]
+    if mode == "EXACT":
+        return [0.5 * x * (1.0 + np.vectorize(math.erf)(x / np.sqrt(2.0)).astype(F32))]
+    raise UnsupportedOp(f"The program uses gelu in mode {mode!r}, which the interpreter does not implement.")
+
+
 OPS: dict[str, Callable[[_Args], list[np.ndarray]]] = {
     "abs": _unary(np.abs),
     "add": _binary(np.add),
@@ -419,6 +432,7 @@ OPS: dict[str, Callable[[_Args], list[np.ndarray]]] = {
     "constexpr_lut_to_dense": _lut_to_dense,
     "conv": _conv,
     "expand_dims": _expand_dims,
+    "gelu": _gelu,
     "inverse": _with_epsilon(lambda x: 1.0 / x, 1e-4),
     "layer_norm": _layer_norm,
     "matmul": _matmul,

@@ -15,6 +15,9 @@ LayerChunk inputs (B = 1; T = chunk; S = slots; C = hidden; D = head dim; every 
     write       (1, 1, S, T)      one-hot: write[s, t] = 1 when token t's K/V go to slot s (a column of zeros
                                   writes nothing, so a call may carry padding rows)
     keep        (1, 1, S, 1)      1 - (row sums of write): 1 where a slot keeps its content
+  and only for a model with sliding-window layers (Gemma 3; LOCAL_INPUTS):
+    q_cos_l .. k_sin_l            as q_cos .. k_sin, at the sliding layers' own rope base
+    mask_l      (1, 1, T, S)      what a sliding layer's tokens may attend (its window; never a retrieved block)
 States:
     k_cache, v_cache (L_chunk, Hkv, S, D) fp16   the chunk's layers of one sequence's slot table; keys unrotated
 Outputs:
@@ -41,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.attention import layer_rope_kinds
 from engine.model.config import ModelConfig
 from engine.model.network import DecoderLayer, Transformer
 
@@ -59,6 +63,13 @@ FP16_MAX = float(torch.finfo(torch.float16).max)
 # Additive mask value: exp() of it is 0 in any precision, and score + MASK_MIN stays finite in fp16 for any score
 # above -35504 (fp16's own minimum overflowed to -inf on SmolLM2's real scores: ANE lint "no fp16 overflow").
 MASK_MIN = -30000.0
+# The chunk inputs a model with sliding-window layers adds (module doc).
+LOCAL_INPUTS = ("q_cos_l", "q_sin_l", "k_cos_l", "k_sin_l", "mask_l")
+
+
+def has_local_inputs(config: ModelConfig) -> bool:
+    """Whether the model's chunks take LOCAL_INPUTS: some layer attends only within a sliding window."""
+    return any(config.is_sliding(i) for i in range(config.num_hidden_layers))
 
 
 def vocab_pieces(vocab: int) -> list[tuple[int, int]]:
@@ -119,17 +130,47 @@ class ChannelRMSNorm(nn.Module):
         return normed.permute(0, 3, 2, 1) * self.weight
 
 
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over the last axis of (1, heads, T, D) (Qwen3's and Gemma 3's per-head q/k norms), in
+    ChannelRMSNorm's fp16-safe LayerNorm form; the axis is already last, so no transposes."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        d = weight.numel()
+        fold = math.sqrt(d / (d + 1))
+        self.weight = nn.Parameter((weight.detach().float() * fold).half().clone(), requires_grad=False)  # (D,)
+        self.c_num = math.sqrt(d * eps)
+        self.dim = d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (1, N, T, D) -> (1, N, T, D)
+        m = torch.clamp(x.abs().amax(dim=-1, keepdim=True), min=1.0, max=FP16_MAX)  # (1, N, T, 1)
+        y = x / m
+        c = self.c_num / m  # (1, N, T, 1)
+        doubled = torch.cat((y, -y, c, -c), dim=-1)  # (1, N, T, 2D + 2)
+        return F.layer_norm(doubled, (2 * self.dim + 2,), eps=0.0)[..., : self.dim] * self.weight
+
+
 def rotate_half(x: torch.Tensor, half: int) -> torch.Tensor:
     """(-x2, x1) for x = (x1, x2) on the last axis; `half` is a Python int (a traced shape would become an op)."""
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Layer(nn.Module):
+    """One decoder layer's weights in the ANE layout. Beyond Llama's: per-head q/k norms (Qwen3, Gemma 3) and
+    sandwich norms (Gemma 3: post_norm then normalizes attention's output, ff_pre_norm / ff_post_norm wrap the MLP),
+    each None where the model has none."""
+
     def __init__(self, layer: DecoderLayer, eps: float) -> None:
         super().__init__()
         a, m = layer.self_attn, layer.mlp
         self.input_norm = ChannelRMSNorm(layer.input_layernorm.weight, eps)
         self.post_norm = ChannelRMSNorm(layer.post_attention_layernorm.weight, eps)
+        self.q_norm = HeadRMSNorm(a.q_norm.weight, eps) if a.q_norm is not None else None
+        self.k_norm = HeadRMSNorm(a.k_norm.weight, eps) if a.k_norm is not None else None
+        self.ff_pre_norm = self.ff_post_norm = None
+        if layer.sandwich:
+            self.ff_pre_norm = ChannelRMSNorm(layer.pre_feedforward_layernorm.weight, eps)
+            self.ff_post_norm = ChannelRMSNorm(layer.post_feedforward_layernorm.weight, eps)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
             ConvProj(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
         )
@@ -148,7 +189,14 @@ class LayerChunk(nn.Module):
         self.chunk = chunk
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.groups = cfg.num_kv_groups
-        self.scale = cfg.head_dim**-0.5
+        # Gemma 3 scales scores by query_pre_attn_scalar**-0.5; the engine records its queries pre-multiplied by
+        # q_factor (query_scale * sqrt(D)), so the summary is too.
+        self.scale = cfg.head_dim**-0.5 if cfg.query_scale is None else cfg.query_scale
+        self.q_factor = 1.0 if cfg.query_scale is None else cfg.query_scale * cfg.head_dim**0.5
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+        kinds = layer_rope_kinds(cfg)
+        self.local_rope = tuple(kinds[i] == 1 for i in range(first, last))  # rotates at the sliding layers' base
+        self.sliding = tuple(cfg.is_sliding(i) for i in range(first, last))  # reads mask_l
         self.layers = nn.ModuleList(
             Layer(cast(DecoderLayer, model.model.layers[i]), cfg.rms_norm_eps) for i in range(first, last)
         )
@@ -177,11 +225,17 @@ class LayerChunk(nn.Module):
         mask: torch.Tensor,  # (1, 1, T, S) additive
         write: torch.Tensor,  # (1, 1, S, T) one-hot
         keep: torch.Tensor,  # (1, 1, S, 1)
+        q_cos_l: torch.Tensor | None = None,  # (1, 1, T, D) LOCAL_INPUTS: only a model with sliding layers
+        q_sin_l: torch.Tensor | None = None,  # (1, 1, T, D)
+        k_cos_l: torch.Tensor | None = None,  # (1, 1, S, D)
+        k_sin_l: torch.Tensor | None = None,  # (1, 1, S, D)
+        mask_l: torch.Tensor | None = None,  # (1, 1, T, S) additive
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t, h, hkv, d, g = self.chunk, self.n_heads, self.n_kv, self.head_dim, self.groups
         # GQA without repeating K/V: query heads kv*G .. kv*G+G-1 share KV head kv, so queries are grouped as
         # (1, Hkv, G*T, D) and the mask tiled to (1, 1, G*T, S) once for all layers.
         mask_g = mask.repeat(1, 1, g, 1) if g > 1 else mask
+        local_g = mask_l.repeat(1, 1, g, 1) if mask_l is not None and g > 1 else mask_l
         x = hidden
         summaries = []
         for i, module in enumerate(self.layers):
@@ -190,20 +244,31 @@ class LayerChunk(nn.Module):
             q = layer.q_proj(hn).view(1, h, d, t).transpose(2, 3)  # (1, H, T, D)
             k = layer.k_proj(hn).view(1, hkv, d, t).transpose(2, 3)  # (1, Hkv, T, D)
             v = layer.v_proj(hn).view(1, hkv, d, t).transpose(2, 3)  # (1, Hkv, T, D)
-            summaries.append(q.reshape(1, hkv, g * t, d).mean(dim=2))  # (1, Hkv, D) pre-RoPE, per KV group
+            if layer.q_norm is not None and layer.k_norm is not None:  # per head, before the rotation
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            summary = q.reshape(1, hkv, g * t, d).mean(dim=2)  # (1, Hkv, D) pre-RoPE, per KV group
+            summaries.append(summary * self.q_factor if self.q_factor != 1.0 else summary)
             keys = self.store(self.k_cache, i, k, write, keep)  # (1, Hkv, S, D) unrotated
             values = self.store(self.v_cache, i, v, write, keep)
-            q = (
-                q * q_cos + rotate_half(q, d // 2) * q_sin
-            ) * self.scale  # (1, H, T, D), scaled before the matmul: T < S
-            keys = keys * k_cos + rotate_half(keys, d // 2) * k_sin
-            scores = torch.matmul(q.reshape(1, hkv, g * t, d), keys.transpose(2, 3)) + mask_g  # (1, Hkv, G*T, S)
+            rope = (q_cos_l, q_sin_l, k_cos_l, k_sin_l) if self.local_rope[i] else (q_cos, q_sin, k_cos, k_sin)
+            qc, qs, kc, ks = (cast(torch.Tensor, r) for r in rope)
+            q = (q * qc + rotate_half(q, d // 2) * qs) * self.scale  # (1, H, T, D), scaled before the matmul: T < S
+            keys = keys * kc + rotate_half(keys, d // 2) * ks
+            m = cast(torch.Tensor, local_g) if self.sliding[i] else mask_g
+            scores = torch.matmul(q.reshape(1, hkv, g * t, d), keys.transpose(2, 3)) + m  # (1, Hkv, G*T, S)
             probs = torch.softmax(scores, dim=-1)
             o = torch.matmul(probs, values)  # (1, Hkv, G*T, D)
             o = o.reshape(1, h, t, d).transpose(2, 3).reshape(1, h * d, 1, t)  # (1, H*D, 1, T)
-            x = x + layer.o_proj(o)
-            hn = layer.post_norm(x)
-            x = x + layer.down_proj(F.silu(layer.gate_proj(hn)) * layer.up_proj(hn))
+            attn = layer.o_proj(o)  # (1, C, 1, T)
+            if layer.ff_pre_norm is None or layer.ff_post_norm is None:
+                x = x + attn
+                hn = layer.post_norm(x)
+            else:  # sandwich norms (Gemma 3)
+                x = x + layer.post_norm(attn)
+                hn = layer.ff_pre_norm(x)
+            gate = layer.gate_proj(hn)
+            mlp = layer.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * layer.up_proj(hn))
+            x = x + (layer.ff_post_norm(mlp) if layer.ff_post_norm is not None else mlp)
         return x, torch.stack(summaries, dim=1)  # (1, C, 1, T), (1, L_chunk, Hkv, D)
 
 
@@ -240,6 +305,8 @@ _PROJ_MODULE = {
     "down_proj": "mlp",
 }
 _NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+_SANDWICH_NORMS = {"ff_pre_norm": "pre_feedforward_layernorm", "ff_post_norm": "post_feedforward_layernorm"}
+_HEAD_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 
 
 def strip_var_suffix(var: str) -> str:
@@ -290,7 +357,9 @@ def engine_state_dict(
         n = len({k.split("_")[1] for k in t if k.startswith("layers_")})
         for j in range(n):
             i = first + j
-            for short, full in _NORMS.items():
+            norms = {**_NORMS, **(_SANDWICH_NORMS if config.sandwich_norms else {})}
+            norms.update(_HEAD_NORMS if config.qk_norm else {})
+            for short, full in norms.items():
                 out[f"model.layers.{i}.{full}.weight"] = unfold_norm(take(t, f"layers_{j}_{short}_weight"))
             for proj, module in _PROJ_MODULE.items():
                 out[f"model.layers.{i}.{module}.{proj}.weight"] = torch.from_numpy(

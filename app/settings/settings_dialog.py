@@ -1,5 +1,5 @@
-"""Settings (⌘,): how replies are sampled (temperature, top-k/p, min-p, repetition penalty, seed, greedy, reply
-length), whether replies are sped up by speculation, the MCP servers whose tools the model may call, and the local
+"""Settings (⌘,): how replies are sampled (the model's own defaults, shown with where they came from, or the user's
+override: temperature, top-k/p, min-p, repetition penalty; seed, greedy, reply length), whether replies are sped up by speculation, the MCP servers whose tools the model may call, and the local
 server's switch."""
 
 from __future__ import annotations
@@ -26,9 +26,29 @@ from PySide6.QtWidgets import (
 
 from app.settings.tool_servers import ToolServerError, parse_servers, servers_text
 from app.tools.mcp_host import McpServerSpec
-from engine import GenerationSettings, InvalidSamplingSettings, SamplingSettings, Speculation
+from engine import GenerationSettings, InvalidSamplingSettings, ModelSampling, SamplingSettings, Speculation
 
 RANDOM_SEED = -1  # the spin box's special value shown as "Random"
+
+
+def uses_model_defaults(sampling: SamplingSettings) -> bool:
+    """Whether `sampling` asks for the model's own defaults: the generic settings in every knob the model's defaults
+    give (seed and greedy are the user's own either way). app.worker.conversation substitutes the model's."""
+    return replace(sampling, seed=None, greedy=False) == SamplingSettings()
+
+
+def describe(m: ModelSampling) -> str:
+    """The model's defaults in one line, with where they came from."""
+    knobs = [
+        "greedy" if m.greedy else f"temperature {m.temperature:g}",
+        f"top-p {m.top_p:g}" if m.top_p < 1.0 else "top-p off",
+        f"top-k {m.top_k}" if m.top_k else "top-k off",
+        f"min-p {m.min_p:g}" if m.min_p else "min-p off",
+        f"repetition penalty {m.repetition_penalty:g} over {m.repetition_window} tokens"
+        if m.repetition_penalty != 1.0
+        else "no repetition penalty",
+    ]
+    return f"{', '.join(knobs)} (from {m.described})."
 
 
 def _double(lo: float, hi: float, step: float, decimals: int = 2) -> QDoubleSpinBox:
@@ -49,9 +69,18 @@ class SettingsDialog(QDialog):
         parent: QWidget | None = None,
         server: tuple[QAction, QAction] | None = None,
         tool_servers: list[McpServerSpec] | None = None,
+        model_defaults: ModelSampling | None = None,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("Settings")
+        self._model_defaults = model_defaults  # None: no local model loaded (a server's model, or none yet)
+        self.use_model_defaults = QCheckBox("Use the model's defaults")
+        self.model_defaults_note = QLabel(
+            describe(model_defaults)
+            if model_defaults is not None
+            else "No local model is loaded: its own defaults apply once one is."
+        )
+        self.model_defaults_note.setWordWrap(True)
         self.temperature = _double(0.0, 2.0, 0.05)
         self.top_k = QSpinBox()
         self.top_k.setRange(0, 1000)
@@ -76,6 +105,8 @@ class SettingsDialog(QDialog):
 
         form = QFormLayout()
         form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.FieldsStayAtSizeHint)
+        form.addRow("Sampling:", self.use_model_defaults)
+        form.addRow("", self.model_defaults_note)
         form.addRow("Temperature:", self.temperature)
         form.addRow("Top-k:", self.top_k)
         form.addRow("Top-p:", self.top_p)
@@ -94,6 +125,7 @@ class SettingsDialog(QDialog):
         buttons.rejected.connect(self.reject)
         buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(self._on_restore_defaults)
         self.greedy.toggled.connect(self._on_greedy_toggled)
+        self.use_model_defaults.toggled.connect(self._on_model_defaults_toggled)
         layout = QVBoxLayout(self)
         layout.addLayout(form)
         self.serve: QCheckBox | None = None
@@ -149,16 +181,20 @@ class SettingsDialog(QDialog):
         return parse_servers(self.tools.toPlainText())
 
     def value(self) -> GenerationSettings:
-        seed = self.seed.value()
-        sampling = SamplingSettings(
-            temperature=self.temperature.value(),
-            top_k=self.top_k.value(),
-            top_p=self.top_p.value(),
-            min_p=self.min_p.value(),
-            repetition_penalty=self.repetition.value(),
-            seed=None if seed == RANDOM_SEED else seed,
-            greedy=self.greedy.isChecked(),
-        )
+        seed = None if self.seed.value() == RANDOM_SEED else self.seed.value()
+        if self.use_model_defaults.isChecked():  # the generic knobs stand for "the model's own" (uses_model_defaults)
+            sampling = SamplingSettings(seed=seed, greedy=self.greedy.isChecked())
+        else:
+            sampling = SamplingSettings(
+                temperature=self.temperature.value(),
+                top_k=self.top_k.value(),
+                top_p=self.top_p.value(),
+                min_p=self.min_p.value(),
+                repetition_penalty=self.repetition.value(),
+                repetition_window=self._model_defaults.repetition_window if self._model_defaults else 64,
+                seed=seed,
+                greedy=self.greedy.isChecked(),
+            )
         speculative = Speculation.AUTO if self.speculative.isChecked() else Speculation.OFF
         return GenerationSettings(max_tokens=self.max_tokens.value(), sampling=sampling, speculative=speculative)
 
@@ -174,23 +210,45 @@ class SettingsDialog(QDialog):
 
     def _show(self, settings: GenerationSettings) -> None:
         s = settings.sampling
+        self.seed.setValue(RANDOM_SEED if s.seed is None else s.seed)
+        self.greedy.setChecked(s.greedy)
+        self.max_tokens.setValue(settings.max_tokens)
+        self.speculative.setChecked(settings.speculative != Speculation.OFF)
+        own = uses_model_defaults(s)
+        self.use_model_defaults.setChecked(own)
+        self._show_knobs(self._defaults_shown() if own else s)
+        self._enable_knobs()
+
+    def _defaults_shown(self) -> SamplingSettings:
+        """The knobs' values while the model's defaults are in use: the model's own (the generic without a model)."""
+        return SamplingSettings.from_model(self._model_defaults) if self._model_defaults else SamplingSettings()
+
+    def _show_knobs(self, s: SamplingSettings) -> None:
         self.temperature.setValue(s.temperature)
         self.top_k.setValue(s.top_k)
         self.top_p.setValue(s.top_p)
         self.min_p.setValue(s.min_p)
         self.repetition.setValue(s.repetition_penalty)
-        self.seed.setValue(RANDOM_SEED if s.seed is None else s.seed)
-        self.greedy.setChecked(s.greedy)
-        self.max_tokens.setValue(settings.max_tokens)
-        self.speculative.setChecked(settings.speculative != Speculation.OFF)
-        self._on_greedy_toggled(s.greedy)
+
+    def _enable_knobs(self) -> None:
+        # Greedy decoding ignores every sampling knob, and the model's defaults are not edited here: greyed out.
+        greedy, own = self.greedy.isChecked(), self.use_model_defaults.isChecked()
+        for w in (self.temperature, self.top_k, self.top_p, self.min_p):
+            w.setEnabled(not greedy and not own)
+        self.repetition.setEnabled(not own)
+        self.seed.setEnabled(not greedy)
 
     @Slot()
     def _on_restore_defaults(self) -> None:
         self._show(replace(GenerationSettings(), max_tokens=self.max_tokens.value()))
 
     @Slot(bool)
-    def _on_greedy_toggled(self, greedy: bool) -> None:
-        # Greedy decoding ignores every sampling knob; greying them out says so.
-        for w in (self.temperature, self.top_k, self.top_p, self.min_p, self.seed):
-            w.setEnabled(not greedy)
+    def _on_greedy_toggled(self, _greedy: bool) -> None:
+        self._enable_knobs()
+
+    @Slot(bool)
+    def _on_model_defaults_toggled(self, own: bool) -> None:
+        # Back to the model's own: its values reappear. Overriding starts from them, so one knob changes at a time.
+        if own:
+            self._show_knobs(self._defaults_shown())
+        self._enable_knobs()

@@ -13,7 +13,7 @@ from app.settings.remote_servers import AddServerDialog
 from app.settings.settings_dialog import SettingsDialog
 from app.tools.consent import Decision, PendingCall
 from app.tools.mcp_host import McpServerSpec
-from engine import GenerationSettings, RemoteServer
+from engine import GenerationSettings, ModelSampling, RemoteServer
 from engine.paths import APP_NAME
 
 SESSION_FILTER = "Spark conversations (*.spark)"
@@ -103,10 +103,11 @@ class Dialogs:
         current: GenerationSettings,
         server: tuple[QAction, QAction] | None = None,
         tool_servers: list[McpServerSpec] | None = None,
+        model_defaults: ModelSampling | None = None,
     ) -> tuple[GenerationSettings, list[McpServerSpec]] | None:
         """The settings and tool servers as edited (None: cancelled); `server`: the local server's switch and Copy
         URL actions."""
-        dialog = SettingsDialog(current, self.parent, server, tool_servers)
+        dialog = SettingsDialog(current, self.parent, server, tool_servers, model_defaults)
         if dialog.exec() != SettingsDialog.DialogCode.Accepted:
             return None
         return dialog.value(), dialog.tool_servers()

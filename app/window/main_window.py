@@ -585,6 +585,7 @@ class MainWindow(QMainWindow):
         self._end_loading()
         resume = self._last_remote() if first else None
         self.state.model_path = None if _is_default(info.path) else info.path
+        self.state.model_sampling = info.sampling
         self.model_label.setText(f"{info.name} · {RUNS_ON.get(info.backend, info.backend)}")
         self.model_label.setToolTip(f"{info.path}\n{info.backend_detail}")  # the expert's details, on hover
         self.chat.set_greeting(*greeting(info.name, info.weight_bytes))

@@ -374,7 +374,10 @@ class WindowMenus(QObject):
 
     @Slot()
     def _on_settings(self) -> None:
-        edited = self._dialogs.edit_settings(self._prefs.generation(), self.server_actions, self._prefs.tool_servers())
+        own = self._state.model_sampling if self._state.remote is None else None  # a server samples as it likes
+        edited = self._dialogs.edit_settings(
+            self._prefs.generation(), self.server_actions, self._prefs.tool_servers(), own
+        )
         if edited is not None:
             settings, servers = edited
             self._prefs.set_generation(settings)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.history.library import new_id
-from engine import RemoteServer
+from engine import ModelSampling, RemoteServer
 
 
 @dataclass
@@ -17,6 +17,7 @@ class WindowState:
     file: Path | None = None  # the file outside the library it was last saved to / opened from
     model_loaded: bool = False
     model_path: Path | None = None  # None: the default model
+    model_sampling: ModelSampling | None = None  # the loaded local model's own sampling defaults
     remote: RemoteServer | None = None  # the server replies stream from, when one is the model
     opening: str | None = None  # the conversation id a restore in flight will become
     pending_files: list[Path] = field(default_factory=list)  # opened before the model was ready

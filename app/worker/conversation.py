@@ -137,10 +137,13 @@ class LocalConversation:
 
     def with_model_sampling(self, settings: GenerationSettings) -> GenerationSettings:
         """`settings` with the model's own recommended sampling where the user kept the generic defaults (a small
-        model at a generic temperature 0.7 and no loop guard rambles; its own settings answer)."""
-        if settings.sampling != SamplingSettings():
+        model at a generic temperature 0.7 and no loop guard rambles; its own settings answer). The seed and the
+        greedy switch stay the user's (Settings' "Use the model's defaults" leaves them to the user)."""
+        s = settings.sampling
+        if replace(s, seed=None, greedy=False) != SamplingSettings():
             return settings
-        return replace(settings, sampling=self._engine.default_settings().sampling)
+        own = self._engine.default_settings(s.seed).sampling
+        return replace(settings, sampling=replace(own, greedy=own.greedy or s.greedy))
 
     @property
     def model_name(self) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from engine import Engine, FinishReason, RemoteServer, TierStats
+from engine import Engine, FinishReason, ModelSampling, RemoteServer, TierStats
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class ModelInfo:
     weight_bytes: int
     kv_bytes_per_token: int
     context_tokens: int = 0  # the model's trained context
+    sampling: ModelSampling | None = None  # the model's own sampling defaults (Settings shows them)
 
 
 @dataclass(frozen=True)

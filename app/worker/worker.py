@@ -155,6 +155,7 @@ class ConversationWorker(QObject):
             b.weight_bytes,
             b.kv_bytes_per_token(),
             b.config.max_position_embeddings,
+            engine.sampling_defaults,
         )
         tokenizer = engine.tokenizer
         self.loaded.emit(LoadedModel(engine, info, lambda text: len(tokenizer.encode(text, add_bos=False))))

@@ -7,9 +7,11 @@ through the model's chat template once; both engines sample from those ids until
 with its own sampler and seeded generator (llama.cpp applies temperature after its truncations, we before, as
 transformers does), so the comparison is of answer quality at equal settings, not of equal tokens.
 
-Two settings are measured: the model's recommended sampling (the catalog's, resources/models/catalog.json) and the
-app's old defaults (temperature 0.7, top-p off). Headlines: `ratio_vs_llamacpp` (acceptable answers, ours ÷ theirs,
-at the recommended settings) and `gain_recommended_over_old` (ours, recommended ÷ old defaults).
+Two settings are measured: the model's own defaults (what the app answers with: `Engine.sampling_defaults`, from the
+GGUF's sampling keys, generation_config.json or the catalog, with the loop guard for small models; the penalty window
+is llama-cpp-python's fixed 64 tokens for both) and the app's old defaults (temperature 0.7, top-p off). Headlines:
+`ratio_vs_llamacpp` (acceptable answers, ours ÷ theirs, at the model's defaults) and `gain_recommended_over_old`
+(ours, the model's defaults ÷ the old defaults).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from engine.bench.llamacpp_peer import LlamaCppPeer, PeerError, peer_environment
 from engine.errors import SparkError
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
-from engine.library.catalog import load_catalog
 from engine.loading.model_files import display_name, gguf_file_of, resolve_model_path
+from engine.loading.sampling_defaults import ModelSampling
 from engine.loading.tokenizer import Tokenizer
 from engine.session.engine import Session
 from engine.session.engine import load as load_engine
@@ -67,6 +69,11 @@ class Sampling:
             repetition_window=64,  # llama-cpp-python's penalty window (last_n_tokens_size)
             seed=seed,
         )
+
+    @classmethod
+    def of_model(cls, m: ModelSampling) -> Sampling:
+        temperature = 0.0 if m.greedy else m.temperature  # llama.cpp: temperature 0 is greedy
+        return cls(temperature, m.top_p, m.top_k, m.min_p, m.repetition_penalty)
 
 
 OLD_APP_DEFAULTS = Sampling(temperature=0.7, top_p=1.0, top_k=0, min_p=0.0, repeat_penalty=1.0)
@@ -123,14 +130,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = load_engine(model, args.backend, quantize=args.quantize, prefix_cache=False)  # the app's cascade
     tokenizer = engine.tokenizer
     eos = tokenizer.eos_ids
-    entry = load_catalog().by_file(gguf.name) if gguf is not None else None
-    settings: dict[str, Sampling] = {"old_app_defaults": OLD_APP_DEFAULTS}
+    defaults = engine.sampling_defaults
+    settings = {"recommended": Sampling.of_model(defaults), "old_app_defaults": OLD_APP_DEFAULTS}
     notes: list[str] = []
-    if entry is not None:
-        s = entry.sampling
-        settings = {"recommended": Sampling(s.temperature, s.top_p, s.top_k, s.min_p, s.repeat_penalty), **settings}
-    else:
-        notes.append("the catalog lists no recommended sampling for this model; only the old defaults were measured")
     result: dict[str, Any] = {
         "model": display_name(model),
         "backend": engine.choice.explain(),
@@ -139,9 +141,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seeds": len(seeds),
         "max_tokens": MAX_TOKENS,
         "settings": {name: asdict(s) for name, s in settings.items()},
+        "recommended_source": defaults.described,
     }
-    if entry is not None:
-        result["recommended_source"] = entry.sampling.source
     ids = {q.question: prompt_ids(tokenizer, q.question) for q in questions}
 
     session = engine.new_session()
@@ -197,14 +198,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["ratio_vs_llamacpp_old_defaults"] = _ratio(
             ours["old_app_defaults"]["acceptable"], theirs["old_app_defaults"]["acceptable"]
         )
-    if "recommended" in settings:
-        result["gain_recommended_over_old"] = _ratio(
-            ours["recommended"]["acceptable"], ours["old_app_defaults"]["acceptable"]
+    result["gain_recommended_over_old"] = _ratio(
+        ours["recommended"]["acceptable"], ours["old_app_defaults"]["acceptable"]
+    )
+    if theirs:
+        result["llamacpp_gain_recommended_over_old"] = _ratio(
+            theirs["recommended"]["acceptable"], theirs["old_app_defaults"]["acceptable"]
         )
-        if theirs:
-            result["llamacpp_gain_recommended_over_old"] = _ratio(
-                theirs["recommended"]["acceptable"], theirs["old_app_defaults"]["acceptable"]
-            )
     result["first_question_first_seed"] = {"question": questions[0].question, **{k: v for k, v in samples.items() if v}}
     if notes:
         result["notes"] = notes

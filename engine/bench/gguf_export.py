@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.errors import SparkError
+from engine.loading.rotary_rows import reorder_rows
 from engine.loading.weights import load_model
 from engine.model.network import rope_inv_freq
 
@@ -180,7 +181,7 @@ def export_gguf(
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.rope_dim)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(cfg.head_dim)  # Qwen3 and Gemma heads need not be hidden / heads wide
@@ -212,6 +213,17 @@ def export_gguf(
             kind = getattr(gguf.GGMLQuantizationType, qtype)
             w.add_tensor(name, quantize(a, kind), raw_dtype=kind)
 
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "longrope":  # as llama.cpp's converter
+        sc = cfg.rope_scaling
+        w.add_rope_scaling_attn_factors(sc.attention_factor)
+        w.add_rope_scaling_orig_ctx_len(sc.original_max_position_embeddings)
+        put("rope_factors_long.weight", torch.tensor(sc.long_factors), keep_f32=True)
+        put("rope_factors_short.weight", torch.tensor(sc.short_factors), keep_f32=True)
+    if cfg.rotary_dims:  # q/k rows back in transformers' order (engine.loading.rotary_rows)
+        for i in range(cfg.num_hidden_layers):
+            for short, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads)):
+                key = f"model.layers.{i}.self_attn.{short}_proj.weight"
+                sd[key] = reorder_rows(sd[key], heads, cfg.head_dim, cfg.rotary_dims, back=True)
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3":
         base = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
         put("rope_freqs.weight", base / rope_inv_freq(cfg), keep_f32=True)  # (D/2,) divisors, as llama.cpp stores them

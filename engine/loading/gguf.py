@@ -11,6 +11,7 @@ the weights exists.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Container, Iterator
@@ -24,6 +25,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.loading.gguf_header import TensorInfo, read_header, tensor_view
 from engine.loading.gguf_validate import check_metadata, check_tensors
+from engine.loading.rotary_rows import reorder_rows
 from engine.model.config import ModelConfig
 from engine.model.quant import BlockType, StoredTensor, check_stored, scales_finite
 
@@ -197,10 +199,12 @@ class GGUFModel:
                 f"{self.path.name} lacks or garbles {arch} metadata (sizes, heads, context); the file is incomplete."
             ) from None
         rope_dims = self._key("rope.dimension_count", head_dim)
-        if int(rope_dims) != head_dim:
+        if not isinstance(rope_dims, int) or not 0 < rope_dims <= head_dim:
             raise ModelLoadError(
-                f"{self.path.name} rotates {rope_dims} of {head_dim} channels per head; partial rotary models are not supported."
+                f"{self.path.name} rotates {rope_dims} of {head_dim} channels per head; the file is damaged."
             )
+        if rope_dims != head_dim:  # partial rotary (Phi-4-mini)
+            d["rope_parameters"]["partial_rotary_factor"] = rope_dims / head_dim
         config = ModelConfig.from_dict(d)
         factors = self._rope_freq_factors(config)
         if factors is not None:
@@ -226,8 +230,37 @@ class GGUFModel:
         if self.architecture == "phi3" and any(
             t.name in ("rope_factors_long.weight", "rope_factors_short.weight") for t in self.header.tensors
         ):
-            keys["rope_parameters"] = {"rope_type": "longrope"}  # refused in one sentence by ModelConfig
+            keys["rope_parameters"] = self._longrope()
         return keys
+
+    def _longrope(self) -> dict[str, Any]:
+        """Phi-3/Phi-4's LongRoPE as llama.cpp's converter stores it: the short and long divisors as F32 tensors,
+        the original context and the attention factor as keys; in config.json's words (ModelConfig checks them)."""
+        factors: dict[str, list[float]] = {}
+        for t in self.header.tensors:
+            if t.name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+                if t.type_name != "F32" or len(t.dims) != 1 or not 0 < t.dims[0] <= 1 << 16:
+                    raise ModelLoadError(
+                        f"{self.path.name} stores {t.name} in a shape or type it cannot have; the file is damaged."
+                    )
+                values = np.asarray(tensor_view(self._mapping, self.header, t), dtype=np.float32).reshape(-1)
+                factors[t.name.split(".")[0].removeprefix("rope_factors_")] = [float(v) for v in values]
+        original = self._key("rope.scaling.original_context_length")
+        if set(factors) != {"long", "short"} or not isinstance(original, int):
+            raise ModelLoadError(
+                f"{self.path.name} has LongRoPE factors without both sets or its original context; the file is incomplete."
+            )
+        params: dict[str, Any] = {
+            "rope_type": "longrope",
+            "rope_theta": float(self._key("rope.freq_base", 10000.0)),
+            "long_factor": factors["long"],
+            "short_factor": factors["short"],
+            "original_max_position_embeddings": original,
+        }
+        attn = self._key("rope.scaling.attn_factor")
+        if attn is not None:
+            params["attention_factor"] = float(attn)
+        return params
 
     def _rope_scaling(self) -> dict[str, Any]:
         kind = self._key("rope.scaling.type", "none")
@@ -286,7 +319,17 @@ class GGUFModel:
                 heads = cfg.num_attention_heads
             elif permuted and (hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias")):
                 heads = cfg.num_key_value_heads
-            yield _Tensor(hf, t.name, qtype, shape, tensor_view(self._mapping, self.header, t), heads)
+            yield self._rotary_order(
+                _Tensor(hf, t.name, qtype, shape, tensor_view(self._mapping, self.header, t), heads)
+            )
+
+    def _rotary_order(self, t: _Tensor) -> _Tensor:
+        """A partial-rotary model's q/k rows in the engine's order (engine.loading.rotary_rows); others as they are."""
+        cfg = self.config
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(t.hf_name.split(".")[-2], 0)
+        if not cfg.rotary_dims or not heads or "self_attn" not in t.hf_name or t.data.shape[0] != t.shape[0]:
+            return t
+        return dataclasses.replace(t, data=reorder_rows(t.data, heads, cfg.head_dim, cfg.rotary_dims))
 
     def _split_rows(self, t: TensorInfo, hf_names: list[str]) -> Iterator[_Tensor]:
         """A fused tensor's row ranges as the Hugging Face tensors they are (q, k, v or gate, up): views, no copy."""
@@ -307,7 +350,7 @@ class GGUFModel:
             )
         start = 0
         for name, n in zip(hf_names, rows, strict=True):
-            yield _Tensor(name, t.name, qtype, (n, shape[1]), data[start : start + n], 0)
+            yield self._rotary_order(_Tensor(name, t.name, qtype, (n, shape[1]), data[start : start + n], 0))
             start += n
 
     def stored_tensors(self) -> dict[str, StoredTensor]:

@@ -27,6 +27,7 @@ from engine.fileio import (
     read_header_file,
 )
 from engine.loading.model_files import check_model_path, file_sha256, gguf_model, is_gguf_model
+from engine.loading.rotary_rows import reorder_rows
 from engine.model.config import ModelConfig
 from engine.model.network import Transformer
 from engine.model.quant import BlockType, StoredTensor, check_stored, scales_finite
@@ -207,8 +208,9 @@ def _assign(
 
 def hf_family_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Hugging Face checkpoint's tensors in the network's layout: Phi-3's fused q/k/v and gate/up split into the
-    Llama projections (views, no copy), and Gemma's norm weights w stored as the 1 + w they scale by (as llama.cpp's
-    converter stores them in a GGUF). Other families pass through."""
+    Llama projections (views, no copy), Gemma's norm weights w stored as the 1 + w they scale by (as llama.cpp's
+    converter stores them in a GGUF), and a partial-rotary model's q/k rows reordered (engine.loading.rotary_rows).
+    Other families pass through."""
     out: dict[str, torch.Tensor] = {}
     q_rows = config.num_attention_heads * config.head_dim
     kv_rows = config.num_key_value_heads * config.head_dim
@@ -225,7 +227,21 @@ def hf_family_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict
             out[name] = t.float() + 1.0  # Gemma scales by (1 + w), computed in fp32 as transformers does
         else:
             out[name] = t
+    if config.rotary_dims:
+        for name, t in out.items():
+            heads = _qk_heads(config, name)
+            if heads:
+                out[name] = reorder_rows(t, heads, config.head_dim, config.rotary_dims)
     return out
+
+
+def _qk_heads(config: ModelConfig, name: str) -> int:
+    """The heads of a q or k projection's weight or bias (rows to reorder for partial rotary), else 0."""
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        return config.num_attention_heads
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+        return config.num_key_value_heads
+    return 0
 
 
 def model_fingerprint(model_path: Path) -> str:

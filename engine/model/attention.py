@@ -28,9 +28,37 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin (B, 1, N, D); (K, B,
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (D/2,) including Llama 3 / linear `rope_scaling`, as transformers computes them."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # (D/2,)
+    """Inverse frequencies (D/2,) including Llama 3 / linear / LongRoPE scaling, as transformers computes them. A
+    partial-rotary model (R < D rotated channels) has R/2 frequencies, then zeros: its pass-through pairs, which
+    loading moved to (i, i + D/2) for i >= R/2 (ModelConfig.rotary_dims), rotate by angle 0."""
+    r = cfg.rope_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))  # (R/2,)
+    return F.pad(_scaled_inv_freq(cfg, inv), (0, (cfg.head_dim - r) // 2))  # (D/2,)
+
+
+def rope_attention_factors(cfg: ModelConfig) -> torch.Tensor:
+    """(D/2,) factors on each pair's cos and sin: LongRoPE's attention factor on the rotated pairs, 1 elsewhere."""
+    out = torch.ones(cfg.head_dim // 2)
+    sc = cfg.rope_scaling
+    if sc is not None and sc.rope_type == "longrope":
+        out[: cfg.rope_dim // 2] = sc.attention_factor
+    return out
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (N,) -> cos, sin (N, D) fp32 (unsigned), attention factors included: what RotaryTable holds and
+    what a Core ML host feeds."""
+    freqs = torch.outer(positions.to(torch.float32), rope_inv_freq(cfg))  # (N, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (N, D)
+    factors = rope_attention_factors(cfg)
+    if bool((factors == 1.0).all()):
+        return emb.cos(), emb.sin()
+    scale = torch.cat((factors, factors))  # (D,)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def _scaled_inv_freq(cfg: ModelConfig, inv: torch.Tensor) -> torch.Tensor:
+    """inv (R/2,) with the model's rope scaling applied."""
     if cfg.rope_freq_factors is not None:
         return inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     sc = cfg.rope_scaling
@@ -38,6 +66,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         return inv
     if sc.rope_type == "linear":
         return inv / sc.factor
+    if sc.rope_type == "longrope":
+        return inv / torch.tensor(sc.long_factors if cfg.long_rope else sc.short_factors, dtype=torch.float32)
     # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth blend in between.
     low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
     high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
@@ -64,14 +94,11 @@ def pick_rope(rope: Rope, kind: int | None) -> Rope:
     return rope if kind is None else (rope[0][kind], rope[1][kind])
 
 
-def _cos_sin(inv: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """inv (D/2,) -> cos, signed sin (P, D) fp32."""
-    pos = torch.arange(max_positions, dtype=torch.float32)  # (P,)
-    freqs = torch.outer(pos, inv)  # (P, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
-    sin = emb.sin()  # (P, D)
-    sin[:, : inv.shape[0]].neg_()
-    return emb.cos(), sin
+def _cos_sin(cfg: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, signed sin (P, D) fp32 of positions 0..P-1."""
+    cos, sin = rope_cos_sin(cfg, torch.arange(max_positions))  # (P, D) each
+    sin[:, : cfg.head_dim // 2].neg_()
+    return cos, sin
 
 
 class RotaryTable:
@@ -84,11 +111,11 @@ class RotaryTable:
     lookups carry both kinds, and each layer picks its own (pick_rope, layer_rope_kinds)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str, dtype: torch.dtype) -> None:
-        cos, sin = _cos_sin(rope_inv_freq(cfg), max_positions)  # (P, D) each
+        cos, sin = _cos_sin(cfg, max_positions)  # (P, D) each
         self.kinds = 1
         if cfg.rope_local_theta is not None:
             local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None, rope_freq_factors=None)
-            cos_l, sin_l = _cos_sin(rope_inv_freq(local), max_positions)
+            cos_l, sin_l = _cos_sin(local, max_positions)
             cos, sin, self.kinds = torch.stack((cos, cos_l)), torch.stack((sin, sin_l)), 2  # (2, P, D) each
         self.cos = cos.to(device=device, dtype=dtype)  # (P, D) or (K, P, D)
         self.sin = sin.to(device=device, dtype=dtype)  # (P, D) or (K, P, D), signed: (-sin, +sin) halves

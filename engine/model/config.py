@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,17 +38,53 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """`rope_scaling` of Llama 3.x (`rope_type: llama3`) or linear position interpolation."""
+    """`rope_scaling` of Llama 3.x (`rope_type: llama3`), linear position interpolation, or Phi-3/Phi-4's LongRoPE
+    (`longrope`: per-frequency divisors, short or long, and a factor on cos and sin)."""
 
-    rope_type: str  # "llama3" | "linear"
+    rope_type: str  # "llama3" | "linear" | "longrope"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    long_factors: tuple[float, ...] = ()  # longrope: (R/2,) divisors past the original context
+    short_factors: tuple[float, ...] = ()  # longrope: (R/2,) divisors within it
+    attention_factor: float = 1.0  # longrope: cos and sin are scaled by it (so scores by its square)
 
 
 # rope types whose frequencies we compute; the others change attention in ways the model does not implement
-UNSUPPORTED_ROPE_TYPES = ("yarn", "dynamic", "longrope", "su", "ntk")
+UNSUPPORTED_ROPE_TYPES = ("yarn", "dynamic", "su", "ntk")
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32: a GGUF stores rope factors so, and a folder's config then equals its GGUF's."""
+    return float(struct.unpack("<f", struct.pack("<f", x))[0])
+
+
+def _longrope(rs: dict[str, Any], d: dict[str, Any]) -> RopeScaling:
+    """Phi-3/Phi-4's LongRoPE, as transformers' _compute_longrope_parameters reads it."""
+    original = int(rs.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or 0)
+    long_f, short_f = rs.get("long_factor"), rs.get("short_factor")
+    if original <= 0 or not isinstance(long_f, list) or not isinstance(short_f, list):
+        raise ModelLoadError("config.json's longrope scaling lacks its factors or original context; it looks damaged.")
+    factors = [_f32(float(x)) for x in (*long_f, *short_f)]
+    if not all(math.isfinite(x) and x > 0 for x in factors):
+        raise ModelLoadError("config.json's longrope factors are not all positive numbers; it looks damaged.")
+    factor = rs.get("factor")
+    factor = float(factor) if factor is not None else int(d.get("max_position_embeddings", original)) / original
+    attention = rs.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if not math.isfinite(float(attention)) or float(attention) <= 0:
+        raise ModelLoadError("config.json's longrope attention factor is not a positive number; it looks damaged.")
+    n = len(long_f)
+    return RopeScaling(
+        "longrope",
+        factor,
+        original_max_position_embeddings=original,
+        long_factors=tuple(factors[:n]),
+        short_factors=tuple(factors[n:]),
+        attention_factor=_f32(float(attention)),
+    )
 
 
 def read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -88,11 +125,27 @@ def read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         )
     if rtype == "linear":
         return theta, RopeScaling("linear", float(rs["factor"]))
+    if rtype == "longrope":
+        return theta, _longrope(rs, d)
     if rtype in UNSUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
-            f"The model uses {rtype} rope scaling, which MLoT Spark does not run yet (llama3 and linear are supported)."
+            f"The model uses {rtype} rope scaling, which MLoT Spark does not run yet (llama3, linear and longrope are supported)."
         )
-    raise ModelLoadError(f"The model's rope scaling type {rtype!r} is not supported (llama3 and linear are).")
+    raise ModelLoadError(f"The model's rope scaling type {rtype!r} is not supported (llama3, linear and longrope are).")
+
+
+def read_rotary_dims(d: dict[str, Any], head_dim: int) -> int:
+    """The rotated channels per head of a partial-rotary model (`partial_rotary_factor` < 1), else 0 (all)."""
+    params = d.get("rope_parameters")
+    partial = (params if isinstance(params, dict) else {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    if partial is None or float(partial) == 1.0:
+        return 0
+    dims = int(head_dim * float(partial))  # as transformers: int(head_dim * partial_rotary_factor)
+    if not 0.0 < float(partial) < 1.0 or dims < 2 or dims % 2:
+        raise ModelLoadError(
+            f"config.json's partial_rotary_factor {partial} does not give an even number of rotated channels."
+        )
+    return dims
 
 
 def read_local_rope_theta(d: dict[str, Any]) -> float:
@@ -164,7 +217,22 @@ class ModelConfig:
     # or 0 for global attention. Empty: every layer global.
     layer_windows: tuple[int, ...] = ()
     rope_local_theta: float | None = None  # the sliding-window layers' own (unscaled) rope base (Gemma 3)
+    # Partial rotary (Phi-4-mini: 0.75 of each head): the rotated channels R < head_dim; 0 = all of them. Loading
+    # reorders q/k rows so the rotated pairs sit at (i, i + D/2) for i < R/2 (engine.loading.rotary_rows).
+    rotary_dims: int = 0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels of each head that rotate (R)."""
+        return self.rotary_dims or self.head_dim
+
+    @property
+    def long_rope(self) -> bool:
+        """LongRoPE's choice of divisors, as llama.cpp makes it for a context of the trained length: the long
+        factors when the trained context exceeds the original one (our positions span up to the trained context)."""
+        sc = self.rope_scaling
+        return sc is not None and self.max_position_embeddings > sc.original_max_position_embeddings
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_windows) and self.layer_windows[layer] > 0
@@ -215,19 +283,25 @@ class ModelConfig:
                 raise ModelLoadError(f"The model caps its logits ({key}), which MLoT Spark does not run.")
         if gemma and d.get("use_bidirectional_attention"):
             raise ModelLoadError("The model attends bidirectionally (an embedding model); MLoT Spark runs causal ones.")
-        partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):
-            raise ModelLoadError(
-                f"The model rotates {partial} of each head's channels; partial rotary models are not supported."
-            )
         _check_sizes(d)
         try:
             n_heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
             head_dim = int(d.get("head_dim") or hidden // n_heads)
             rope_theta, scaling = read_rope(d)
+            rotary = read_rotary_dims(d, head_dim)
+            if scaling is not None and scaling.rope_type == "longrope":
+                half = (rotary or head_dim) // 2
+                if len(scaling.long_factors) != half or len(scaling.short_factors) != half:
+                    raise ModelLoadError(
+                        f"config.json's longrope factors are not {half} each (half the rotated channels); it looks damaged."
+                    )
             layers = int(d["num_hidden_layers"])
             windows = read_layer_windows(d, arch, layers)
+            # A window as long as the trained context hides nothing (positions stay inside it): global attention.
+            # Phi-4-mini's config slides every layer over 262,144 tokens of a 131,072-token context.
+            max_positions = int(d.get("max_position_embeddings", 2048))
+            windows = tuple(0 if w >= max_positions else w for w in windows)
             qpas = d.get("query_pre_attn_scalar")
             query_scale = float(qpas) ** -0.5 if gemma and qpas is not None and float(qpas) != head_dim else None
             return cls(
@@ -254,6 +328,7 @@ class ModelConfig:
                 query_scale=query_scale,
                 layer_windows=windows if any(windows) else (),
                 rope_local_theta=read_local_rope_theta(d) if gemma else None,
+                rotary_dims=rotary,
                 raw=dict(d),
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -58,8 +58,10 @@ def test_rope_parameters_by_hand_linear_and_refusals() -> None:
         ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}}).rope_scaling
         is None
     )
-    for kind in ("yarn", "dynamic", "longrope"):
+    for kind in ("yarn", "dynamic"):
         with pytest.raises(ModelLoadError, match=f"{kind} rope scaling"):
             ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": kind, "rope_theta": 1e4, "factor": 4.0}})
+    with pytest.raises(ModelLoadError, match="longrope scaling lacks its factors"):  # LongRoPE: tests/.../test_longrope
+        ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}})
     with pytest.raises(ModelLoadError, match="rotary base"):
         ModelConfig.from_dict({**base, "rope_theta": -1})
