@@ -26,6 +26,7 @@ from app.application import SparkApplication
 from app.misc.signal_wait import wait_any
 from app.misc.standarddirs import StandardDirs
 from app.misc.theme import Scheme
+from app.models.dialog import GetModelsDialog
 from app.settings.preferences import Preferences
 from app.window.main_window import MainWindow
 from app.wiring import build_main_window
@@ -66,7 +67,8 @@ def say(window: MainWindow, text: str) -> None:
 
 def build(model: Path | None, workdir: Path, size: tuple[int, int]) -> MainWindow:
     prefs = Preferences(QSettings(str(workdir / "settings.ini"), QSettings.Format.IniFormat))
-    prefs.set_generation(GenerationSettings(max_tokens=60, sampling=SamplingSettings(greedy=True)))
+    # The model's own sampling defaults (what a user gets), seeded so the shots are the same run to run.
+    prefs.set_generation(GenerationSettings(max_tokens=200, sampling=SamplingSettings(seed=7)))
     dirs = StandardDirs(cache=workdir / "cache", data=workdir / "data", documents=workdir)
     dirs.ensure()
     window = build_main_window(prefs, dirs)
@@ -129,6 +131,45 @@ def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
     window.sidebar.search.setText("")
 
 
+def get_models(window: MainWindow, size: tuple[int, int]) -> None:
+    """Model ▸ Get Models… against the tests' loopback Hub serving the default model's GGUF as the catalog's
+    SmolLM2 file: the recommendations, a download held halfway, the downloaded model, and a chat with it."""
+    from engine.loading.model_files import default_model_path
+    from tests.helpers.fake_hub import FakeHub
+
+    data = default_model_path().read_bytes()
+    hub = FakeHub().start()
+    repo, file = "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"
+    hub.add(repo, {file: data}).files[file].hold_after = len(data) // 2
+    os.environ["HF_ENDPOINT"] = hub.endpoint
+    try:
+        window.menus.get_models_action.trigger()
+        dialog = window.get_models_dialog
+        assert isinstance(dialog, GetModelsDialog)
+        dialog.move(window.frameGeometry().center() - dialog.rect().center())
+        shoot(window, "get-models", size)
+        dialog.start_download(repo, file)
+        for _ in range(600):  # until the held half has arrived
+            pump(50)
+            if dialog.bar.value() >= 450:
+                break
+        shoot(window, "get-models-downloading", size)
+        wait_any({"downloaded": dialog.tasks.downloaded, "failed": dialog.tasks.failed}, WAIT_MS, hub.release)
+        shoot(window, "get-models-downloaded", size)
+        name, value = wait_any(
+            {"loaded": window.client.loaded, "error": window.client.error}, WAIT_MS, dialog.use_button.click
+        )
+        assert name == "loaded", value
+        if window.state.opening is not None:  # the open conversation is carried over to the new model first
+            wait_any({"restored": window.client.restored, "error": window.client.error}, WAIT_MS)
+        window.menus.new_chat_action.trigger()
+        say(window, "What is the capital of France?")
+        shoot(window, "downloaded-model-chat", size)
+    finally:
+        hub.stop()
+        os.environ.pop("HF_ENDPOINT", None)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", type=Path, default=None, help="default: the default model")
@@ -143,6 +184,8 @@ def main() -> int:
             for size in SIZES:
                 window = build(args.model, Path(tmp), size)
                 states(window, size, first=first)
+                if first:
+                    get_models(window, size)
                 first = False
                 window.shutdown()
                 window.close()

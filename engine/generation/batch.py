@@ -172,7 +172,7 @@ class RowState:
             held = 0
         self.cached_tokens = held or memory.reuse_prefix(ids[:-1])
         self.feed = PromptFeed(ids, self.cached_tokens, prefill_cuts(memory, ids, self.cached_tokens))
-        self.reply = Reply(tokenizer, len(ids), settings, ids, t0=t0)  # what memory holds is a prefix of the prompt
+        self.reply = Reply(tokenizer, len(ids), settings, t0=t0)  # what memory holds is a prefix of the prompt
         self.skip = skip
         self.last: int | None = None  # sampled last, fed on the next step
         self.spec = speculator_for(settings, self.reply, speculator)

@@ -243,7 +243,9 @@ class Reply:
     Applies the request's processors and sampler (`pick`), and ends the reply on EOS or a stop string ("stop"),
     after `max_tokens` ("length"), or when cancelled ("cancelled"). Every final event carries all the text still
     held back (the stop matcher's tail and the detokenizer's incomplete characters), whichever way it ended.
-    `history`: the tokens before the reply the repetition penalty may look at (it keeps the last window of them).
+    The repetition penalty looks at the reply's own last `repetition_window` tokens, as llama.cpp's sampler does
+    (it accepts only sampled tokens): a loop guard for the reply. Penalising the prompt too (transformers' way)
+    pushes a small model off the question's own words and off the end-of-turn token its template is full of.
     """
 
     def __init__(
@@ -251,7 +253,6 @@ class Reply:
         tokenizer: Tokenizer,
         prompt_tokens: int,
         settings: GenerationSettings,
-        history: Sequence[int],
         *,
         sampler: Callable[[torch.Tensor], Sample] | None = None,
         t0: float | None = None,
@@ -266,7 +267,6 @@ class Reply:
         self.top: tuple[tuple[int, float], ...] = ()  # the last pick's top logprobs (settings.top_logprobs)
         # The penalty looks at the last `repetition_window` tokens; 0 means "all", capped so cost stays flat per token.
         self.window = s.repetition_window or MAX_PENALTY_HISTORY
-        self.history = list(history)
         # Greedy without processors: the same as a batched argmax (engine.generation.sampling.sample_greedy), which batches use.
         self.plain_greedy = (
             isinstance(self.sample, Sampler)
@@ -286,10 +286,10 @@ class Reply:
         self.forwards = 0  # decode forwards (the caller counts them)
 
     def process(self, logits: torch.Tensor, ahead: Sequence[int] = ()) -> torch.Tensor:
-        """logits (V,) through this request's processors, as if `ahead` had been accepted after the history."""
+        """logits (V,) through this request's processors, as if `ahead` had been accepted after the reply so far."""
         if not self.processors:
             return logits
-        history = torch.tensor((self.history + list(ahead))[-self.window :], dtype=torch.long)
+        history = torch.tensor((self.tokens + list(ahead))[-self.window :], dtype=torch.long)
         for proc in self.processors:
             logits = proc(history, logits)
         return logits
@@ -325,7 +325,6 @@ class Reply:
         if n == 1:
             self.t_first = time.perf_counter()
         self.tokens.append(token)
-        self.history.append(token)
         if token in self.eos:
             return self._event(self._held(), token, logprob, FinishReason.STOP)
         if self.mask is not None:
@@ -404,10 +403,7 @@ def stream_generate(
             backend, memory, tokenizer, prompt_ids, settings, should_stop=should_stop, on_prefill=on_prefill
         )
         return
-    window = settings.sampling.repetition_window or MAX_PENALTY_HISTORY
-    reply = Reply(
-        tokenizer, len(prompt_ids), settings, list(memory.tokens[-window:]) + list(prompt_ids), sampler=sampler
-    )
+    reply = Reply(tokenizer, len(prompt_ids), settings, sampler=sampler)
     spec = speculator_for(settings, reply, speculator)
     chunk = pacer.prefill_chunk(settings.prefill_chunk) if pacer else settings.prefill_chunk
     if should_stop():
@@ -511,8 +507,7 @@ def beam_generate(
     with its best beam so far, "cancelled"."""
     if settings.grammar is not None:
         raise ValueError("beam search does not run under a grammar")
-    window = settings.sampling.repetition_window or MAX_PENALTY_HISTORY
-    reply = Reply(tokenizer, len(prompt_ids), settings, list(memory.tokens[-window:]) + list(prompt_ids))
+    reply = Reply(tokenizer, len(prompt_ids), settings)
     if should_stop():
         yield reply.cancel()
         return

@@ -87,7 +87,7 @@ class BeamRunner:
         timings); none when the search found fewer hypotheses than choices (stopped early)."""
         if hyp is None:
             return [replace(final, text="", token=None, logprob=None, generated_tokens=0, beams=())]
-        reply = Reply(self.tokenizer, len(ids), settings, ids)
+        reply = Reply(self.tokenizer, len(ids), settings)
         events = []
         for token, logprob in zip(hyp.tokens, hyp.logprobs, strict=True):
             events.append(reply.accept(token, logprob))

@@ -202,10 +202,26 @@ def test_reply_asks_should_stop_only_when_nothing_else_ended_it(
     model: tuple[Scripted, Tokenizer, dict[str, int]],
 ) -> None:
     _, tok, ids = model
-    reply = Reply(tok, 1, GenerationSettings(max_tokens=1, sampling=GREEDY), [ids["q"]])
+    reply = Reply(tok, 1, GenerationSettings(max_tokens=1, sampling=GREEDY))
     asked: list[bool] = []
     ev = reply.accept(ids["d"], -0.1, lambda: asked.append(True) or True)  # type: ignore[func-returns-value]  # records, then True
     assert ev.finish_reason is FinishReason.LENGTH and not asked
+
+
+def test_the_repetition_penalty_looks_at_the_reply_only(model: tuple[Scripted, Tokenizer, dict[str, int]]) -> None:
+    """The loop guard penalises what the reply said, never the prompt (the question's words, the template's
+    end-of-turn token), as llama.cpp's sampler does."""
+    _, tok, ids = model
+    penalty = SamplingSettings(temperature=0.2, repetition_penalty=2.0, repetition_window=4)
+    reply = Reply(tok, 12, GenerationSettings(max_tokens=8, sampling=penalty))
+    logits = torch.ones(tok.vocab_size)  # (V,)
+    assert torch.equal(reply.process(logits), logits)  # nothing said yet: nothing penalised, whatever the prompt
+    reply.accept(ids["a"], -0.1)
+    out = reply.process(logits, ahead=[ids["b"]])  # a draft ahead counts as said
+    assert out[ids["a"]] == out[ids["b"]] == 0.5 and out[ids["c"]] == 1.0
+    for t in ("c", "d", "q", "p"):
+        reply.accept(ids[t], -0.1)
+    assert reply.process(logits)[ids["a"]] == 1.0  # out of the 4-token window again
 
 
 def test_finish_reasons_are_the_api_words() -> None:
