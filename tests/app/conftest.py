@@ -19,9 +19,14 @@ from app.misc.standarddirs import StandardDirs
 from app.settings.preferences import Preferences
 from app.window.main_window import MainWindow
 from app.wiring import build_main_window
-from engine.generation.loop import GenerationSettings
-from engine.generation.sampling import SamplingSettings
-from tests.helpers.app_window import REPLY_TOKENS, WAIT_MS, ScriptedDialogs, ScriptedThermal, dispose
+from tests.helpers.app_window import (
+    REPLY_TOKENS,
+    WAIT_MS,
+    ScriptedDialogs,
+    ScriptedThermal,
+    dispose,
+    set_reply_tokens,
+)
 from tests.helpers.tiny import make_tiny_model
 
 
@@ -50,7 +55,7 @@ def settings_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def prefs(settings_file: Path) -> Preferences:
     p = Preferences(QSettings(str(settings_file), QSettings.Format.IniFormat))
-    p.set_generation(GenerationSettings(max_tokens=REPLY_TOKENS, sampling=SamplingSettings(seed=0)))
+    set_reply_tokens(p, REPLY_TOKENS)
     return p
 
 

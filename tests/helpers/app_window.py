@@ -18,7 +18,7 @@ from app.window.dialogs import Dialogs
 from app.window.main_window import MainWindow
 from app.worker.client import ConversationClient
 from app.worker.types import LoadedModel
-from engine import GenerationSettings, RemoteServer, SamplingSettings
+from engine import GenerationSettings, ModelSampling, RemoteServer, SamplingSettings
 from engine.hw import ThermalReading, ThermalState
 
 WAIT_MS = 30_000
@@ -91,6 +91,7 @@ class ScriptedDialogs(Dialogs):
         current: GenerationSettings,
         server: tuple[object, object] | None = None,
         tool_servers: list[McpServerSpec] | None = None,
+        model_defaults: ModelSampling | None = None,
     ) -> tuple[GenerationSettings, list[McpServerSpec]] | None:
         self.asked.append("settings")
         if self.new_settings is None:
@@ -140,7 +141,9 @@ def dispose(w: MainWindow) -> None:
 
 
 def set_reply_tokens(prefs: Preferences, n: int) -> None:
-    prefs.set_generation(GenerationSettings(max_tokens=n, sampling=SamplingSettings(seed=0)))
+    """Replies of `n` tokens at the user's own sampling (not the model's defaults: the tiny random model's loop
+    guard pushes it onto its template's special tokens, which a transcript does not show)."""
+    prefs.set_generation(GenerationSettings(max_tokens=n, sampling=SamplingSettings(seed=0, temperature=0.8)))
 
 
 @contextmanager
