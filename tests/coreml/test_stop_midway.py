@@ -13,19 +13,9 @@ from coreml.reference import InterpreterBackend
 from engine.generation.loop import prefill
 from engine.memory.base import FullAttentionMemory
 from tests.coreml.helpers import prompt_ids
+from tests.helpers.stopping import StopAt
 
 CHUNK = 16
-
-
-class StopAt:
-    """A `should_stop` that turns true at its `n`-th poll (and stays true)."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.polls = n, 0
-
-    def __call__(self) -> bool:
-        self.polls += 1
-        return self.polls >= self.n
 
 
 def test_a_stop_between_layer_chunks_takes_the_chunk_back(package: Callable[[str], Path]) -> None:

@@ -17,6 +17,7 @@ from engine.memory.cascade import CascadeConfig, CascadeMemory
 from engine.model.network import ForwardCancelled
 from engine.model.slots import SlotBatch
 from tests.engine.memory.cascade.helpers import random_ids
+from tests.helpers.stopping import StopAt
 from tests.helpers.tiny import make_tiny_model
 
 LAYERS = 4
@@ -30,17 +31,6 @@ SMALL = CascadeConfig(sink_tokens=4, window=24, block_size=8, retrieval_blocks=2
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("stop") / "tiny", layers=LAYERS, max_positions=512)
-
-
-class StopAt:
-    """A `should_stop` that turns true at its `n`-th poll (and stays true)."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.polls = n, 0
-
-    def __call__(self) -> bool:
-        self.polls += 1
-        return self.polls >= self.n
 
 
 class LayerCounting:
