@@ -22,9 +22,9 @@ def test_serious_state_shrinks_prefill_chunks_and_paces_decode(tmp_path: Path) -
     chunks: list[int] = []
     forward = backend.forward
 
-    def recording_forward(tokens, batch, last_only=False):  # type: ignore[no-untyped-def]
+    def recording_forward(tokens, batch, last_only=False, should_stop=None):  # type: ignore[no-untyped-def]
         chunks.append(tokens.shape[1])
-        return forward(tokens, batch, last_only)
+        return forward(tokens, batch, last_only, should_stop)
 
     backend.forward = recording_forward  # type: ignore[method-assign]
     t = FakeTime()
