@@ -67,6 +67,16 @@ def answering(client: ConversationClient, answers: list[Decision]) -> list[Conse
     return asked
 
 
+def forced_turn(qtbot, client: ConversationClient, runs: list[ToolRun]) -> None:  # type: ignore[no-untyped-def]
+    """One turn that calls the demo server's `add` every round, each call allowed for the server; `runs` gets them."""
+    answering(client, [Decision.ALWAYS_FOR_SERVER])
+    client.tool_ran.connect(runs.append)
+    client.set_tool_servers([DEMO])
+    with qtbot.waitSignal(client.finished, timeout=WAIT_MS * 4):
+        client.send("Add two numbers.", FORCED)
+    qtbot.waitUntil(lambda: len(runs) == MAX_TOOL_ROUNDS, timeout=WAIT_MS)
+
+
 def test_a_tool_call_runs_only_with_consent_and_its_result_continues_the_reply(
     qtbot, tmp_path: Path, tiny_model: Path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -112,12 +122,7 @@ def test_regenerate_runs_the_tools_again_and_the_file_restores_the_calls_exactly
 ) -> None:  # type: ignore[no-untyped-def]
     runs: list[ToolRun] = []
     with running_client(qtbot, tmp_path, tiny_model) as client:
-        answering(client, [Decision.ALWAYS_FOR_SERVER])
-        client.tool_ran.connect(runs.append)
-        client.set_tool_servers([DEMO])
-        with qtbot.waitSignal(client.finished, timeout=WAIT_MS * 4):
-            client.send("Add two numbers.", FORCED)
-        qtbot.waitUntil(lambda: len(runs) == MAX_TOOL_ROUNDS, timeout=WAIT_MS)
+        forced_turn(qtbot, client, runs)
         with qtbot.waitSignal(client.finished, timeout=WAIT_MS * 4) as blocker:
             client.regenerate(FORCED)
         qtbot.waitUntil(lambda: len(runs) == 2 * MAX_TOOL_ROUNDS, timeout=WAIT_MS)  # the regenerated reply called too
@@ -147,12 +152,7 @@ def test_a_template_that_knows_tools_gets_them_as_its_own(qtbot, tmp_path: Path,
     (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
     runs: list[ToolRun] = []
     with running_client(qtbot, tmp_path, model) as client:
-        answering(client, [Decision.ALWAYS_FOR_SERVER])
-        client.tool_ran.connect(runs.append)
-        client.set_tool_servers([DEMO])
-        with qtbot.waitSignal(client.finished, timeout=WAIT_MS * 4):
-            client.send("Add two numbers.", FORCED)
-        qtbot.waitUntil(lambda: len(runs) == MAX_TOOL_ROUNDS, timeout=WAIT_MS)
+        forced_turn(qtbot, client, runs)
         session = client.worker.session
         assert session is not None
         prompt = session.known_text
