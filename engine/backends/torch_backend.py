@@ -29,6 +29,7 @@ from engine.backends.blocks import (
 from engine.backends.native import NativeKernels, NativeStatus, activation_numerics, load_kernels
 from engine.backends.native.decoder import NativeBlockEmbedding, NativeBlockLinear, NativeDecoder
 from engine.errors import BackendUnavailable
+from engine.loading.model_files import release_file_pages
 from engine.loading.weights import load_model
 from engine.model.config import ModelConfig
 from engine.model.kv_types import KVType
@@ -205,6 +206,7 @@ class TorchBackend(Backend):
         if self.quantize == "none" and self.device.type == "cpu":
             use_k_major_linears(self.model)
         self.weight_bytes = resident_weight_bytes(self.model)  # as finally held: fused, transposed or in blocks
+        release_file_pages(model_dir)  # the blocks and fused matrices are copies: the file's pages would count twice
         self.kv_dtype = kv_dtype
         self.cache: KVCache = self.model.new_cache(1, 32, kv_dtype)
         self.set_kv_type(kv_type)

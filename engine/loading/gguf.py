@@ -11,8 +11,10 @@ the weights exists.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import mmap
 import re
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
@@ -135,9 +137,11 @@ class GGUFModel:
         self.header = read_header(self.path)
         try:
             # copy-on-write: tensors are writable views that never write back
-            self._mapping: np.ndarray = np.memmap(self.path, dtype=np.uint8, mode="c")
+            with self.path.open("rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"{self.path.name} cannot be mapped ({exc.__class__.__name__}).") from None
+        self._mapping: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)
         self.metadata: dict[str, Any] = dict(self.header.metadata)
         self.architecture = str(self.metadata.get("general.architecture", ""))
         self.config = self._config()
@@ -149,6 +153,33 @@ class GGUFModel:
         check_tensors(
             self.path.name, ((t.gguf_name, t.hf_name, t.shape) for t in self._tensors()), self.config, self.architecture
         )
+
+    def release_pages(self) -> None:
+        """Give back the pages of the file this process has read, once a backend holds its own copy of the weights:
+        without this the weights count twice in the resident set, once as the backend's copy and once as the
+        mapping's pages. Views stay valid; a later read faults its pages back in from the file.
+
+        Only the ranges of tensors that are never used in place: every type but F32, which the loader decodes or
+        the backend copies (an F32 tensor may be a model parameter viewing the mapping, and dropping a page of this
+        copy-on-write mapping would drop a write to it). Whole pages inside those ranges only."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)  # Linux drops them; Darwin deactivates them
+        if advice is None:
+            return
+        page = mmap.PAGESIZE
+        ranges: list[list[int]] = []
+        for t in sorted(self.header.tensors, key=lambda t: t.offset):
+            start, end = self.header.data_offset + t.offset, self.header.data_offset + t.offset + t.nbytes
+            if t.type_name == "F32":
+                continue
+            if ranges and ranges[-1][1] == start:  # adjacent: one range (tensors align to 32 bytes, not pages)
+                ranges[-1][1] = end
+            else:
+                ranges.append([start, end])
+        for start, end in ranges:
+            first, last = -(-start // page) * page, end // page * page
+            if last > first:
+                with contextlib.suppress(OSError):
+                    self._mmap.madvise(advice, first, last - first)
 
     # -- metadata ----------------------------------------------------------------------------------------------
     def _key(self, suffix: str, default: Any = None) -> Any:

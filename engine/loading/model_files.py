@@ -135,6 +135,13 @@ def gguf_model(path: str | Path) -> GGUFModel:
     return _open_gguf(str(file.resolve()), st.st_size, st.st_mtime_ns)
 
 
+def release_file_pages(path: str | Path) -> None:
+    """Once a backend holds its own copy of a GGUF's weights: give back the file's pages this process has read
+    (GGUFModel.release_pages); nothing for a model folder, whose weights the backend views in place."""
+    if is_gguf_model(path):
+        gguf_model(path).release_pages()
+
+
 def read_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of any model path."""
     if is_gguf_model(path):

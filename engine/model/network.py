@@ -120,14 +120,22 @@ class MLP(nn.Module):
         return out
 
 
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat along rows; for meta tensors (weights a backend holds in its own format) only the shape, since
+    torch.cat on meta runs through torch._refs, whose import pulls in torch._dynamo (~70 MB resident)."""
+    if any(p.is_meta for p in parts):
+        return torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], device="meta", dtype=parts[0].dtype)
+    return torch.cat(parts)
+
+
 def _stacked(linears: list[nn.Linear]) -> nn.Linear:
     """One nn.Linear whose output is the given linears' outputs side by side."""
-    w = torch.cat([lin.weight.detach() for lin in linears])  # (sum out, in)
+    w = _cat_rows([lin.weight.detach() for lin in linears])  # (sum out, in)
     out = nn.Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, device="meta")
     out.weight = nn.Parameter(w, requires_grad=False)
     if out.bias is not None:
         out.bias = nn.Parameter(
-            torch.cat([lin.bias.detach() for lin in linears if lin.bias is not None]), requires_grad=False
+            _cat_rows([lin.bias.detach() for lin in linears if lin.bias is not None]), requires_grad=False
         )
     return out
 
@@ -181,7 +189,13 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if torch.get_default_device().type == "meta":
+            # Built to have its weights assigned: no initialisation. (nn.Embedding's normal_ on a meta tensor runs
+            # through torch._refs, whose import pulls in torch._dynamo: ~70 MB resident for nothing.)
+            weight = torch.empty(cfg.vocab_size, cfg.hidden_size)  # (V, C) on meta
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -1,0 +1,64 @@
+"""The weights are resident once: after a backend has copied a GGUF's blocks, the file's mapping gives its pages
+back, and loading never imports torch._dynamo (torch.cat or init on meta tensors would: ~70 MB)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.loading.gguf import GGUFModel
+from tests.helpers.real_model import real_gguf
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+
+
+def _mapped_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of `path`."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+                inside = len(head) >= 6 and head[5] == str(path)
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1])
+    return total
+
+
+def test_release_pages_gives_back_the_blocks_and_keeps_every_byte() -> None:
+    path = real_gguf().resolve()
+    gm = GGUFModel(path)
+    stored = gm.stored_tensors()
+    before = {name: np.array(t.data, copy=True) for name, t in stored.items()}  # reads every block: resident
+    floats = [t for t in gm.header.tensors if t.type_name == "F32"]
+    assert floats, "the default model keeps its norms in F32"
+    norm = next(iter(gm.dequantized_state(skip=stored)))[1]  # a parameter-to-be viewing the mapping
+    norm[0] = 12345.0  # a write to the copy-on-write mapping must survive the release
+    resident = _mapped_kib(path)
+    assert resident * 1024 > 0.9 * sum(b.nbytes for b in before.values())
+
+    gm.release_pages()
+
+    float_kib = sum(t.nbytes for t in floats) // 1024 + 8 * len(gm.header.tensors)  # F32 ranges + partial pages
+    assert _mapped_kib(path) <= float_kib + 1024
+    assert float(norm[0]) == 12345.0
+    for name, t in stored.items():  # faulted back in from the file, unchanged
+        assert np.array_equal(np.asarray(t.data), before[name]), name
+
+
+def test_loading_the_default_model_does_not_import_dynamo() -> None:
+    code = (
+        "import sys, torch\n"
+        "from engine.backends.torch_backend import TorchBackend\n"
+        f"TorchBackend({str(real_gguf())!r}, device='cpu', quantize='auto')\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"
