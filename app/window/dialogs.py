@@ -8,9 +8,11 @@ from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
 
 import engine
+from app.settings.conversation_sampling import ConversationSamplingDialog, SamplingEdit
 from app.settings.json_reply import SchemaDialog
 from app.settings.remote_servers import AddServerDialog
-from app.settings.settings_dialog import SettingsDialog
+from app.settings.sampling_choice import SamplingChoice
+from app.settings.settings_dialog import EditedSettings, SettingsDialog
 from app.tools.consent import Decision, PendingCall
 from app.tools.mcp_host import McpServerSpec
 from engine import GenerationSettings, ModelSampling, RemoteServer
@@ -101,16 +103,26 @@ class Dialogs:
     def edit_settings(
         self,
         current: GenerationSettings,
+        use_model_defaults: bool,
         server: tuple[QAction, QAction] | None = None,
         tool_servers: list[McpServerSpec] | None = None,
         model_defaults: ModelSampling | None = None,
-    ) -> tuple[GenerationSettings, list[McpServerSpec]] | None:
+    ) -> EditedSettings | None:
         """The settings and tool servers as edited (None: cancelled); `server`: the local server's switch and Copy
         URL actions."""
-        dialog = SettingsDialog(current, self.parent, server, tool_servers, model_defaults)
+        dialog = SettingsDialog(current, self.parent, server, tool_servers, model_defaults, use_model_defaults)
         if dialog.exec() != SettingsDialog.DialogCode.Accepted:
             return None
-        return dialog.value(), dialog.tool_servers()
+        return dialog.edited()
+
+    def edit_conversation_sampling(
+        self, current: SamplingChoice | None, app: SamplingChoice, model_defaults: ModelSampling | None
+    ) -> SamplingEdit | None:
+        """The conversation's own sampling as edited (None: cancelled)."""
+        dialog = ConversationSamplingDialog(current, app, model_defaults, self.parent)
+        if dialog.exec() != ConversationSamplingDialog.DialogCode.Accepted:
+            return None
+        return dialog.edit()
 
     def ask_tool_consent(self, call: PendingCall) -> Decision:
         """Allow once / Always for this server / Deny, for a call the model made (closing the box denies)."""
