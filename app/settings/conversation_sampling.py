@@ -40,15 +40,15 @@ class ConversationSamplingDialog(QDialog):
         self.setWindowTitle("Sampling for This Conversation")
         self._model_defaults = model_defaults
         self._own = (current or app).own  # the values shown to edit under "Use these settings"
-        self._editing_own = False  # the knobs show this conversation's own values, editable
+        self._app_values = resolve(app, None, model_defaults).sampling  # what following the app gives now
+        self._shown: QRadioButton | None = None  # the choice the form shows values for
         self.follow_app = QRadioButton("Use the app's setting")
         self.model = QRadioButton("Use the model's defaults")
         self.custom = QRadioButton("Use these settings for this conversation:")
-        app_note = QLabel(
-            f"Now {resolved_words(resolve(app, None, model_defaults)).removeprefix('the app setting: ')}."
-        )
+        app_words = resolved_words(resolve(app, None, model_defaults)).removeprefix("the app setting: ")
+        app_note = QLabel(f"As in Settings: {app_words}.")
         model_note = QLabel(
-            f"{knob_words(model_defaults)} (from {model_defaults.described})."
+            f"{knob_words(model_defaults).capitalize()} (from {model_defaults.described})."
             if model_defaults is not None
             else "No local model is loaded: a server's model gets the values below."
         )
@@ -73,7 +73,6 @@ class ConversationSamplingDialog(QDialog):
         for w in (intro, self.follow_app, app_note, self.model, model_note, self.custom, self.form, self.error):
             layout.addWidget(w)
         layout.addWidget(buttons)
-        self.form.show_values(self._own)
         (self.follow_app if current is None else self.model if current.use_model_defaults else self.custom).setChecked(
             True
         )
@@ -102,13 +101,17 @@ class ConversationSamplingDialog(QDialog):
 
     @Slot()
     def _on_mode(self) -> None:
-        # The knobs show what a reply would use: the model's values (greyed) or this conversation's own (to edit);
-        # following the app, nothing here applies.
-        if self._editing_own:
+        # The form shows what a reply would use: the app's values or the model's (greyed), or this conversation's
+        # own (to edit). Edits made under the previous choice are kept to come back to.
+        if self._shown is self.custom:
             self._own = self.form.value()
-        if self.model.isChecked() and self._model_defaults is not None:
-            self.form.show_knobs(SamplingSettings.from_model(self._model_defaults))
+        elif self._shown is self.model:
+            self._own = self.form.with_seed_and_greedy(self._own)
+        if self.follow_app.isChecked():
+            self.form.show_values(self._app_values)
         else:
-            self.form.show_knobs(self._own)
-        self._editing_own = self.custom.isChecked()
-        self.form.set_editable(knobs=self._editing_own, seed_and_greedy=not self.follow_app.isChecked())
+            self.form.show_values(self._own)
+            if self.model.isChecked() and self._model_defaults is not None:
+                self.form.show_knobs(SamplingSettings.from_model(self._model_defaults))
+        self._shown = self.custom if self.custom.isChecked() else self.model if self.model.isChecked() else None
+        self.form.set_editable(knobs=self.custom.isChecked(), seed_and_greedy=not self.follow_app.isChecked())

@@ -38,7 +38,8 @@ class SamplingForm(QWidget):
         self.greedy = QCheckBox("Always pick the most likely token")
         self._window = SamplingSettings().repetition_window  # not shown: kept from the values shown last
         self._knobs_editable = self._seed_editable = True
-        form = QFormLayout(self)
+        # Public: an owner adds its own rows here, so every label lines up in one column.
+        self.rows = form = QFormLayout(self)
         form.setContentsMargins(0, 0, 0, 0)
         form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.FieldsStayAtSizeHint)
         form.addRow("Temperature:", self.temperature)

@@ -13,7 +13,6 @@ from PySide6.QtWidgets import (
     QCheckBox,
     QDialog,
     QDialogButtonBox,
-    QFormLayout,
     QGroupBox,
     QHBoxLayout,
     QLabel,
@@ -83,11 +82,9 @@ class SettingsDialog(QDialog):
         self.error.setWordWrap(True)
         self.error.hide()
 
-        form = QFormLayout()
-        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.FieldsStayAtSizeHint)
-        form.addRow("Sampling:", self.use_model_defaults)
-        form.addRow("", self.model_defaults_note)
-        form.addRow(self.form)
+        form = self.form.rows
+        form.insertRow(0, "Sampling:", self.use_model_defaults)
+        form.insertRow(1, "", self.model_defaults_note)
         form.addRow("Longest reply:", self.max_tokens)
         form.addRow("Speed:", self.speculative)
         buttons = QDialogButtonBox(
@@ -100,7 +97,7 @@ class SettingsDialog(QDialog):
         buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(self._on_restore_defaults)
         self.use_model_defaults.toggled.connect(self._on_model_defaults_toggled)
         layout = QVBoxLayout(self)
-        layout.addLayout(form)
+        layout.addWidget(self.form)
         self.serve: QCheckBox | None = None
         if server is not None:
             layout.addWidget(self._server_group(*server))
