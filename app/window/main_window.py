@@ -68,6 +68,7 @@ from engine import (
     FinishReason,
     GenerationSettings,
     GrammarError,
+    ModelSampling,
     RemoteServer,
     SparkError,
     default_model_path,
@@ -541,9 +542,11 @@ class MainWindow(QMainWindow):
         )
 
     def resolved_sampling(self, override: SamplingChoice | None) -> ResolvedSampling:
+        return resolve(self.prefs.sampling_choice(), override, self._model_sampling())
+
+    def _model_sampling(self) -> ModelSampling | None:
         # A server's model samples as the user's values say: its own defaults are the server's business.
-        model = self.state.model_sampling if self.state.remote is None else None
-        return resolve(self.prefs.sampling_choice(), override, model)
+        return self.state.model_sampling if self.state.remote is None else None
 
     @Slot()
     def show_sampling(self) -> None:
@@ -554,9 +557,8 @@ class MainWindow(QMainWindow):
     @Slot()
     def edit_conversation_sampling(self) -> None:
         cid = self.state.current_id
-        model = self.state.model_sampling if self.state.remote is None else None
         edit = self.dialogs.edit_conversation_sampling(
-            self.library.sampling_for(cid), self.prefs.sampling_choice(), model
+            self.library.sampling_for(cid), self.prefs.sampling_choice(), self._model_sampling()
         )
         if edit is not None:
             self.library.set_sampling(cid, edit.choice)

@@ -88,3 +88,14 @@ def test_it_survives_a_relaunch(
         assert used(again) == MINE
     finally:
         dispose(again)
+
+
+def test_a_duplicate_samples_as_the_original(qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs) -> None:  # type: ignore[no-untyped-def]
+    say(qtbot, gui, window, "copy me")
+    original = window.state.current_id
+    dialogs.conversation_sampling = SamplingEdit(SamplingChoice(False, MINE))
+    window.menus.conversation_sampling_action.trigger()
+    before = {e.id for e in window.library.entries()}
+    window.commands.duplicate(original)
+    (copy,) = {e.id for e in window.library.entries()} - before
+    assert window.library.sampling_for(copy) == SamplingChoice(False, MINE)
