@@ -33,6 +33,7 @@ class ResolvedSampling:
     sampling: SamplingSettings  # what the sampler gets
     source: SamplingSource
     model_defaults: bool  # the model's own recommended values answered
+    defaults_unknown: bool = False  # the choice asked for the model's defaults, but none are known (a server's model)
 
 
 def resolve(app: SamplingChoice, conversation: SamplingChoice | None, model: ModelSampling | None) -> ResolvedSampling:
@@ -45,7 +46,7 @@ def resolve(app: SamplingChoice, conversation: SamplingChoice | None, model: Mod
     if choice.use_model_defaults and model is not None:
         theirs = SamplingSettings.from_model(model, own.seed)
         return ResolvedSampling(replace(theirs, greedy=theirs.greedy or own.greedy), source, True)
-    return ResolvedSampling(own, source, False)
+    return ResolvedSampling(own, source, False, choice.use_model_defaults)
 
 
 def knob_words(s: SamplingSettings | ModelSampling) -> str:
@@ -67,6 +68,8 @@ def resolved_words(r: ResolvedSampling) -> str:
     app = r.source is SamplingSource.APP
     whose = "the app setting" if app else "this conversation's setting"
     what = "the model's defaults" if r.model_defaults else "the values chosen in Settings" if app else "its own values"
+    if r.defaults_unknown:
+        what += ", as the model's own defaults are not known here"
     return f"{whose}: {what} ({knob_words(r.sampling)})"
 
 

@@ -33,6 +33,9 @@ rename, duplicate, export or delete it. "Branch" on a message starts a new conve
 also drop one on the window). "Add a Server…" chats with a model on an OpenAI-compatible server instead (vLLM,
 Ollama, llama.cpp, LM Studio); the server then keeps the memory and Spark stores the transcript. Weight Precision
 trades memory for faithfulness. The inspector says what runs where.</p>
+<h3>How replies are sampled</h3>
+<p>Replies use the model's own recommended settings unless Settings says otherwise. Chat ▸ Sampling for This
+Conversation… gives one conversation settings of its own; the inspector says which settings a reply used.</p>
 <h3>Keys</h3>"""
 
 

@@ -54,7 +54,9 @@ def test_a_conversations_override_wins_and_a_server_model_gets_the_users_values(
     theirs = resolve(SamplingChoice(False, MINE), SamplingChoice(True, MINE), MODEL)
     assert theirs.sampling == SamplingSettings.from_model(MODEL, 3)
     assert resolved_words(theirs).startswith("this conversation's setting: the model's defaults")
-    assert resolve(SamplingChoice(True, MINE), None, None).sampling == MINE  # no local model's defaults to use
+    remote = resolve(SamplingChoice(True, MINE), None, None)  # a server's model: no defaults of its own known here
+    assert remote.sampling == MINE and not remote.model_defaults
+    assert "the values chosen in Settings, as the model's own defaults are not known here" in resolved_words(remote)
 
 
 def test_the_switch_round_trips_and_keeps_the_users_own_values(tmp_path: Path) -> None:
