@@ -46,7 +46,8 @@ def resolve(app: SamplingChoice, conversation: SamplingChoice | None, model: Mod
     if choice.use_model_defaults and model is not None:
         theirs = SamplingSettings.from_model(model, own.seed)
         return ResolvedSampling(replace(theirs, greedy=theirs.greedy or own.greedy), source, True)
-    return ResolvedSampling(own, source, False, choice.use_model_defaults)
+    # A copy: the settings go to the worker's thread, the choice stays with the window.
+    return ResolvedSampling(replace(own), source, False, choice.use_model_defaults)
 
 
 def knob_words(s: SamplingSettings | ModelSampling) -> str:
