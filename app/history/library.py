@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from engine import atomic_write, load_session
+from app.settings.sampling_choice import SamplingChoice, choice_from_json
+from engine import InvalidSamplingSettings, atomic_write, load_session
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class ConversationEntry:
     renamed: bool = False  # the user chose the title: the first message no longer sets it
     messages: int = 0
     notes: tuple[tuple[int, str], ...] = ()  # (message index, remark shown under it: "Stopped.", "↺ Recalled…")
+    sampling: SamplingChoice | None = None  # the conversation's own sampling; None: it follows the app's setting
 
 
 def _entry(raw: object) -> ConversationEntry | None:
@@ -84,6 +86,17 @@ def _entry(raw: object) -> ConversationEntry | None:
     return e if _ID.match(e.id) else None
 
 
+def _stored_sampling(raw: dict[str, object]) -> tuple[SamplingChoice | None, str]:
+    """A row's own sampling, checked: (the choice, "") or (None, why it cannot be used)."""
+    value = raw.get("sampling")
+    if value is None:
+        return None, ""
+    try:
+        return choice_from_json(value), ""
+    except (InvalidSamplingSettings, TypeError, ValueError) as exc:
+        return None, str(exc)
+
+
 class ConversationLibrary:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -91,6 +104,7 @@ class ConversationLibrary:
         self._entries: dict[str, ConversationEntry] = {}
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="library-index")
         self._closed = False
+        self._pending_sampling: dict[str, SamplingChoice | None] = {}  # set before the conversation was first stored
         self.load_error = ""  # one sentence when the index could not be read (the files are still there)
 
     # -- storage -----------------------------------------------------------------------------------------------------
@@ -109,10 +123,16 @@ class ConversationLibrary:
                     f"The list of conversations could not be read ({exc}); it was rebuilt from the stored files."
                 )
                 rows = []
+            refused: list[tuple[str, str]] = []  # (title, why) of rows whose own sampling cannot be used
             for row in rows if isinstance(rows, list) else []:
                 e = _entry(row)
                 if e is not None and self.path_for(e.id).is_file():
-                    self._entries[e.id] = e
+                    choice, problem = _stored_sampling(row)
+                    if problem:
+                        refused.append((e.title, problem))
+                    self._entries[e.id] = replace(e, sampling=choice)
+            if refused and not self.load_error:
+                self.load_error = _sampling_refused(refused)
         # Files without an index row (an index write lost in a crash) come back titled by their first question.
         for f in self.folder.glob("*.spark"):
             if _ID.match(f.stem) and f.stem not in self._entries:
@@ -148,6 +168,11 @@ class ConversationLibrary:
     def get(self, conversation_id: str) -> ConversationEntry | None:
         return self._entries.get(conversation_id)
 
+    def sampling_for(self, conversation_id: str) -> SamplingChoice | None:
+        """The conversation's own sampling (None: it follows the app's setting)."""
+        e = self._entries.get(conversation_id)
+        return e.sampling if e is not None else self._pending_sampling.get(conversation_id)
+
     # -- changes -----------------------------------------------------------------------------------------------------
     def record(
         self, conversation_id: str, messages: list[tuple[str, str]], model: str, cut_off: bool = False
@@ -174,6 +199,7 @@ class ConversationLibrary:
             bool(old and old.renamed),
             len(messages),
             notes,
+            old.sampling if old else self._pending_sampling.pop(conversation_id, None),
         )
         self._entries[conversation_id] = e
         self.save()
@@ -196,6 +222,16 @@ class ConversationLibrary:
             return
         notes = tuple((i, t) for i, t in e.notes if i != index) + (((index, note),) if note else ())
         self._entries[conversation_id] = replace(e, notes=notes)
+        self.save()
+
+    def set_sampling(self, conversation_id: str, choice: SamplingChoice | None) -> None:
+        """Give the conversation its own sampling (None: back to the app's setting); one not stored yet gets it
+        when it first is."""
+        e = self._entries.get(conversation_id)
+        if e is None:
+            self._pending_sampling[conversation_id] = choice
+            return
+        self._entries[conversation_id] = replace(e, sampling=choice)
         self.save()
 
     def rename(self, conversation_id: str, title: str) -> None:
@@ -237,6 +273,18 @@ class ConversationLibrary:
         self._closed = True
         self._writer.shutdown(wait=True)
         shutil.rmtree(self.trash, ignore_errors=True)
+
+
+def _sampling_refused(refused: list[tuple[str, str]]) -> str:
+    title, why = refused[0]
+    why = why.rstrip(".")
+    why = why[:1].lower() + why[1:]
+    if len(refused) == 1:
+        return f"The sampling stored with “{title}” could not be used ({why}); it follows the app's setting now."
+    return (
+        f"The sampling stored with {len(refused)} conversations could not be used (“{title}”: {why}); "
+        "they follow the app's setting now."
+    )
 
 
 def _recovered(path: Path) -> ConversationEntry:

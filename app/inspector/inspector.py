@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import sys
 
-from PySide6.QtCore import Qt, Slot
+from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import (
     QFrame,
     QLabel,
+    QPushButton,
     QScrollArea,
     QToolButton,
     QVBoxLayout,
@@ -88,9 +89,12 @@ class _Section(QWidget):
         self.body.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         layout.addWidget(heading)
         layout.addWidget(self.body)
+        self.box = layout  # a section may add a control under its words
 
 
 class Inspector(QScrollArea):
+    sampling_requested = Signal()  # "Change…" under Sampling: the conversation's own sampling sheet
+
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("inspector")
@@ -105,9 +109,15 @@ class Inspector(QScrollArea):
         self.model = _Section("Model")
         self.memory = _Section("Memory")
         self.speed = _Section("Speed")
+        self.sampling = _Section("Sampling")
+        self.sampling_button = QPushButton("Change for This Conversation…")
+        self.sampling_button.setObjectName("inspectorLink")
+        self.sampling_button.setFlat(True)
+        self.sampling_button.clicked.connect(self.sampling_requested)
+        self.sampling.box.addWidget(self.sampling_button, 0, Qt.AlignmentFlag.AlignLeft)
         self.machine = _Section("This Mac" if sys.platform == "darwin" else "This computer")
         self.conversation = _Section("Conversation")
-        for s in (self.model, self.memory, self.speed, self.machine, self.conversation):
+        for s in (self.model, self.memory, self.speed, self.sampling, self.machine, self.conversation):
             layout.addWidget(s)
         self.details_button = QToolButton()
         self.details_button.setObjectName("disclosure")
@@ -193,6 +203,10 @@ class Inspector(QScrollArea):
         self.conversation.body.setText("Stored automatically as you chat.")
         self.performance_panel.reset()
         self.session_panel.show_untitled(None)
+
+    def show_sampling(self, text: str) -> None:
+        """Which settings replies use (or the last reply used), and whose choice they are."""
+        self.sampling.body.setText(text)
 
     def show_stored(self, text: str) -> None:
         self.conversation.body.setText(text)

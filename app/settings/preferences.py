@@ -8,11 +8,12 @@ Values that are not plain strings are stored as JSON, because QSettings' INI and
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings
 
+from app.settings.sampling_choice import SamplingChoice
 from app.tools.mcp_host import McpServerSpec
 from engine import GenerationSettings, SamplingSettings, Speculation
 
@@ -135,6 +136,21 @@ class Preferences:
                 }
             ),
         )
+
+    def use_model_defaults(self) -> bool:
+        """Whether replies use the model's own recommended sampling (Settings' switch; on by default)."""
+        raw = str(self._s.value("generation/use_model_defaults", "")).lower()
+        if raw in ("true", "false"):
+            return raw == "true"
+        # A file from before the switch: there the generic knobs stood for "the model's own" (seed, greedy aside).
+        return replace(self.generation().sampling, seed=None, greedy=False) == SamplingSettings()
+
+    def set_use_model_defaults(self, on: bool) -> None:
+        self._s.setValue("generation/use_model_defaults", "true" if on else "false")
+
+    def sampling_choice(self) -> SamplingChoice:
+        """The app's sampling: the switch, and the user's own values (kept while the model's defaults answer)."""
+        return SamplingChoice(self.use_model_defaults(), self.generation().sampling)
 
     def system_prompt(self) -> str:
         return str(self._s.value("chat/system_prompt", ""))

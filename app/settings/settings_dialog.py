@@ -1,10 +1,11 @@
 """Settings (⌘,): how replies are sampled (the model's own defaults, shown with where they came from, or the user's
-override: temperature, top-k/p, min-p, repetition penalty; seed, greedy, reply length), whether replies are sped up by speculation, the MCP servers whose tools the model may call, and the local
-server's switch."""
+own values: temperature, top-k/p, min-p, repetition penalty; seed, greedy, reply length), whether replies are sped
+up by speculation, the MCP servers whose tools the model may call, and the local server's switch. A conversation may
+override the sampling (app.settings.conversation_sampling)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from PySide6.QtCore import Slot
 from PySide6.QtGui import QAction
@@ -12,8 +13,6 @@ from PySide6.QtWidgets import (
     QCheckBox,
     QDialog,
     QDialogButtonBox,
-    QDoubleSpinBox,
-    QFormLayout,
     QGroupBox,
     QHBoxLayout,
     QLabel,
@@ -24,39 +23,23 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.settings.sampling_choice import knob_words
+from app.settings.sampling_form import SamplingForm
 from app.settings.tool_servers import ToolServerError, parse_servers, servers_text
 from app.tools.mcp_host import McpServerSpec
 from engine import GenerationSettings, InvalidSamplingSettings, ModelSampling, SamplingSettings, Speculation
 
-RANDOM_SEED = -1  # the spin box's special value shown as "Random"
-
-
-def uses_model_defaults(sampling: SamplingSettings) -> bool:
-    """Whether `sampling` asks for the model's own defaults: the generic settings in every knob the model's defaults
-    give (seed and greedy are the user's own either way). app.worker.conversation substitutes the model's."""
-    return replace(sampling, seed=None, greedy=False) == SamplingSettings()
-
 
 def describe(m: ModelSampling) -> str:
     """The model's defaults in one line, with where they came from."""
-    knobs = [
-        "greedy" if m.greedy else f"temperature {m.temperature:g}",
-        f"top-p {m.top_p:g}" if m.top_p < 1.0 else "top-p off",
-        f"top-k {m.top_k}" if m.top_k else "top-k off",
-        f"min-p {m.min_p:g}" if m.min_p else "min-p off",
-        f"repetition penalty {m.repetition_penalty:g} over {m.repetition_window} tokens"
-        if m.repetition_penalty != 1.0
-        else "no repetition penalty",
-    ]
-    return f"{', '.join(knobs)} (from {m.described})."
+    return f"{knob_words(m)} (from {m.described})."
 
 
-def _double(lo: float, hi: float, step: float, decimals: int = 2) -> QDoubleSpinBox:
-    box = QDoubleSpinBox()
-    box.setRange(lo, hi)
-    box.setSingleStep(step)
-    box.setDecimals(decimals)
-    return box
+@dataclass(frozen=True)
+class EditedSettings:
+    generation: GenerationSettings  # its sampling: the user's own values, kept while the model's defaults answer
+    use_model_defaults: bool
+    tool_servers: list[McpServerSpec]
 
 
 class SettingsDialog(QDialog):
@@ -70,10 +53,13 @@ class SettingsDialog(QDialog):
         server: tuple[QAction, QAction] | None = None,
         tool_servers: list[McpServerSpec] | None = None,
         model_defaults: ModelSampling | None = None,
+        use_model_defaults: bool = True,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self._model_defaults = model_defaults  # None: no local model loaded (a server's model, or none yet)
+        self._own = settings.sampling  # the user's own values: shown when the model's defaults are switched off
+        self._showing_own = False  # the knobs show (and edit) the user's own values, not the model's
         self.use_model_defaults = QCheckBox("Use the model's defaults")
         self.model_defaults_note = QLabel(
             describe(model_defaults)
@@ -81,18 +67,11 @@ class SettingsDialog(QDialog):
             else "No local model is loaded: its own defaults apply once one is."
         )
         self.model_defaults_note.setWordWrap(True)
-        self.temperature = _double(0.0, 2.0, 0.05)
-        self.top_k = QSpinBox()
-        self.top_k.setRange(0, 1000)
-        self.top_k.setSpecialValueText("Off")
-        self.top_p = _double(0.01, 1.0, 0.05)
-        self.min_p = _double(0.0, 1.0, 0.01)
-        self.min_p.setSpecialValueText("Off")
-        self.repetition = _double(0.5, 2.0, 0.05)
-        self.seed = QSpinBox()
-        self.seed.setRange(RANDOM_SEED, 2**31 - 1)
-        self.seed.setSpecialValueText("Random")
-        self.greedy = QCheckBox("Always pick the most likely token")
+        self.form = SamplingForm()
+        # The form's rows, by the names Settings always had (tests and callers read them).
+        f = self.form
+        self.temperature, self.top_k, self.top_p, self.min_p = f.temperature, f.top_k, f.top_p, f.min_p
+        self.repetition, self.seed, self.greedy = f.repetition, f.seed, f.greedy
         self.max_tokens = QSpinBox()
         self.max_tokens.setRange(1, 32768)
         self.max_tokens.setSuffix(" tokens")
@@ -103,17 +82,9 @@ class SettingsDialog(QDialog):
         self.error.setWordWrap(True)
         self.error.hide()
 
-        form = QFormLayout()
-        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.FieldsStayAtSizeHint)
-        form.addRow("Sampling:", self.use_model_defaults)
-        form.addRow("", self.model_defaults_note)
-        form.addRow("Temperature:", self.temperature)
-        form.addRow("Top-k:", self.top_k)
-        form.addRow("Top-p:", self.top_p)
-        form.addRow("Min-p:", self.min_p)
-        form.addRow("Repetition penalty:", self.repetition)
-        form.addRow("Seed:", self.seed)
-        form.addRow("Greedy:", self.greedy)
+        form = self.form.rows
+        form.insertRow(0, "Sampling:", self.use_model_defaults)
+        form.insertRow(1, "", self.model_defaults_note)
         form.addRow("Longest reply:", self.max_tokens)
         form.addRow("Speed:", self.speculative)
         buttons = QDialogButtonBox(
@@ -124,10 +95,9 @@ class SettingsDialog(QDialog):
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
         buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(self._on_restore_defaults)
-        self.greedy.toggled.connect(self._on_greedy_toggled)
         self.use_model_defaults.toggled.connect(self._on_model_defaults_toggled)
         layout = QVBoxLayout(self)
-        layout.addLayout(form)
+        layout.addWidget(self.form)
         self.serve: QCheckBox | None = None
         if server is not None:
             layout.addWidget(self._server_group(*server))
@@ -135,7 +105,7 @@ class SettingsDialog(QDialog):
         layout.addWidget(self._tools_group())
         layout.addWidget(self.error)
         layout.addWidget(buttons)
-        self._show(settings)
+        self._show(settings, use_model_defaults)
 
     def _server_group(self, switch: QAction, copy: QAction) -> QGroupBox:
         """The local server's switch (the Model menu's, mirrored) and its address to copy."""
@@ -181,22 +151,14 @@ class SettingsDialog(QDialog):
         return parse_servers(self.tools.toPlainText())
 
     def value(self) -> GenerationSettings:
-        seed = None if self.seed.value() == RANDOM_SEED else self.seed.value()
-        if self.use_model_defaults.isChecked():  # the generic knobs stand for "the model's own" (uses_model_defaults)
-            sampling = SamplingSettings(seed=seed, greedy=self.greedy.isChecked())
-        else:
-            sampling = SamplingSettings(
-                temperature=self.temperature.value(),
-                top_k=self.top_k.value(),
-                top_p=self.top_p.value(),
-                min_p=self.min_p.value(),
-                repetition_penalty=self.repetition.value(),
-                repetition_window=self._model_defaults.repetition_window if self._model_defaults else 64,
-                seed=seed,
-                greedy=self.greedy.isChecked(),
-            )
+        """The settings as edited; their sampling is the user's own values, kept while the model's defaults answer
+        (see `edited`)."""
+        own = self.form.with_seed_and_greedy(self._own) if self.use_model_defaults.isChecked() else self.form.value()
         speculative = Speculation.AUTO if self.speculative.isChecked() else Speculation.OFF
-        return GenerationSettings(max_tokens=self.max_tokens.value(), sampling=sampling, speculative=speculative)
+        return GenerationSettings(max_tokens=self.max_tokens.value(), sampling=own, speculative=speculative)
+
+    def edited(self) -> EditedSettings:
+        return EditedSettings(self.value(), self.use_model_defaults.isChecked(), self.tool_servers())
 
     def accept(self) -> None:
         try:
@@ -208,47 +170,33 @@ class SettingsDialog(QDialog):
             return
         super().accept()
 
-    def _show(self, settings: GenerationSettings) -> None:
-        s = settings.sampling
-        self.seed.setValue(RANDOM_SEED if s.seed is None else s.seed)
-        self.greedy.setChecked(s.greedy)
+    def _show(self, settings: GenerationSettings, use_model_defaults: bool) -> None:
+        self._own, self._showing_own = settings.sampling, False
+        self.form.show_values(settings.sampling)
         self.max_tokens.setValue(settings.max_tokens)
         self.speculative.setChecked(settings.speculative != Speculation.OFF)
-        own = uses_model_defaults(s)
-        self.use_model_defaults.setChecked(own)
-        self._show_knobs(self._defaults_shown() if own else s)
-        self._enable_knobs()
+        self.use_model_defaults.blockSignals(True)
+        self.use_model_defaults.setChecked(use_model_defaults)
+        self.use_model_defaults.blockSignals(False)
+        self._on_model_defaults_toggled(use_model_defaults)
 
     def _defaults_shown(self) -> SamplingSettings:
         """The knobs' values while the model's defaults are in use: the model's own (the generic without a model)."""
         return SamplingSettings.from_model(self._model_defaults) if self._model_defaults else SamplingSettings()
 
-    def _show_knobs(self, s: SamplingSettings) -> None:
-        self.temperature.setValue(s.temperature)
-        self.top_k.setValue(s.top_k)
-        self.top_p.setValue(s.top_p)
-        self.min_p.setValue(s.min_p)
-        self.repetition.setValue(s.repetition_penalty)
-
-    def _enable_knobs(self) -> None:
-        # Greedy decoding ignores every sampling knob, and the model's defaults are not edited here: greyed out.
-        greedy, own = self.greedy.isChecked(), self.use_model_defaults.isChecked()
-        for w in (self.temperature, self.top_k, self.top_p, self.min_p):
-            w.setEnabled(not greedy and not own)
-        self.repetition.setEnabled(not own)
-        self.seed.setEnabled(not greedy)
-
     @Slot()
     def _on_restore_defaults(self) -> None:
-        self._show(replace(GenerationSettings(), max_tokens=self.max_tokens.value()))
+        self._show(replace(GenerationSettings(), max_tokens=self.max_tokens.value()), True)
 
     @Slot(bool)
-    def _on_greedy_toggled(self, _greedy: bool) -> None:
-        self._enable_knobs()
-
-    @Slot(bool)
-    def _on_model_defaults_toggled(self, own: bool) -> None:
-        # Back to the model's own: its values reappear. Overriding starts from them, so one knob changes at a time.
-        if own:
-            self._show_knobs(self._defaults_shown())
-        self._enable_knobs()
+    def _on_model_defaults_toggled(self, model: bool) -> None:
+        # On: the model's values are shown, greyed (the user's edits so far are kept to come back to). Off: the
+        # user's own values come back, to edit.
+        if model:
+            if self._showing_own:
+                self._own = self.form.value()
+            self.form.show_knobs(self._defaults_shown())
+        else:
+            self.form.show_knobs(self._own)
+        self._showing_own = not model
+        self.form.set_editable(knobs=not model, seed_and_greedy=True)

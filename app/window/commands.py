@@ -132,6 +132,7 @@ class ConversationCommands(QObject):
             self._library.path_for(copy_id).unlink(missing_ok=True)
             self.notice.emit(Notice(f"The conversation could not be duplicated ({exc}).", True))
             return
+        self._library.set_sampling(copy_id, entry.sampling)  # a copy samples as the original does
         self._library.record(copy_id, messages, entry.model)
         self._library.rename(copy_id, f"{entry.title} (copy)")
         self.history_changed.emit()
@@ -150,6 +151,7 @@ class ConversationCommands(QObject):
         self._push_undo(UndoStep("Branch", self._state.current_id))
         self._state.current_id = new_id()
         self._state.titles_for_new[self._state.current_id] = f"{entry.title} (branch)"
+        self._library.set_sampling(self._state.current_id, entry.sampling)
         self._client.branch(source, self._library.path_for(self._state.current_id), index)
         self.chat_cleared.emit()
         self.current_changed.emit()

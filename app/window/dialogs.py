@@ -8,9 +8,11 @@ from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
 
 import engine
+from app.settings.conversation_sampling import ConversationSamplingDialog, SamplingEdit
 from app.settings.json_reply import SchemaDialog
 from app.settings.remote_servers import AddServerDialog
-from app.settings.settings_dialog import SettingsDialog
+from app.settings.sampling_choice import SamplingChoice
+from app.settings.settings_dialog import EditedSettings, SettingsDialog
 from app.tools.consent import Decision, PendingCall
 from app.tools.mcp_host import McpServerSpec
 from engine import GenerationSettings, ModelSampling, RemoteServer
@@ -31,6 +33,9 @@ rename, duplicate, export or delete it. "Branch" on a message starts a new conve
 also drop one on the window). "Add a Server…" chats with a model on an OpenAI-compatible server instead (vLLM,
 Ollama, llama.cpp, LM Studio); the server then keeps the memory and Spark stores the transcript. Weight Precision
 trades memory for faithfulness. The inspector says what runs where.</p>
+<h3>How replies are sampled</h3>
+<p>Replies use the model's own recommended settings unless Settings says otherwise. Chat ▸ Sampling for This
+Conversation… gives one conversation settings of its own; the inspector says which settings a reply used.</p>
 <h3>Keys</h3>"""
 
 
@@ -101,16 +106,26 @@ class Dialogs:
     def edit_settings(
         self,
         current: GenerationSettings,
+        use_model_defaults: bool,
         server: tuple[QAction, QAction] | None = None,
         tool_servers: list[McpServerSpec] | None = None,
         model_defaults: ModelSampling | None = None,
-    ) -> tuple[GenerationSettings, list[McpServerSpec]] | None:
+    ) -> EditedSettings | None:
         """The settings and tool servers as edited (None: cancelled); `server`: the local server's switch and Copy
         URL actions."""
-        dialog = SettingsDialog(current, self.parent, server, tool_servers, model_defaults)
+        dialog = SettingsDialog(current, self.parent, server, tool_servers, model_defaults, use_model_defaults)
         if dialog.exec() != SettingsDialog.DialogCode.Accepted:
             return None
-        return dialog.value(), dialog.tool_servers()
+        return dialog.edited()
+
+    def edit_conversation_sampling(
+        self, current: SamplingChoice | None, app: SamplingChoice, model_defaults: ModelSampling | None
+    ) -> SamplingEdit | None:
+        """The conversation's own sampling as edited (None: cancelled)."""
+        dialog = ConversationSamplingDialog(current, app, model_defaults, self.parent)
+        if dialog.exec() != ConversationSamplingDialog.DialogCode.Accepted:
+            return None
+        return dialog.edit()
 
     def ask_tool_consent(self, call: PendingCall) -> Decision:
         """Allow once / Always for this server / Deny, for a call the model made (closing the box denies)."""

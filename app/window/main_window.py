@@ -41,6 +41,7 @@ from app.server.local_server import LocalServerController, local_server_actions
 from app.settings.json_reply import schema_grammar
 from app.settings.preferences import Preferences
 from app.settings.remote_servers import RemoteServerList
+from app.settings.sampling_choice import ResolvedSampling, SamplingChoice, resolve, resolved_words
 from app.tools.consent import ConsentRequest
 from app.tray.quick_prompt import QuickPromptPanel
 from app.window.chat_view import ChatView
@@ -67,6 +68,7 @@ from engine import (
     FinishReason,
     GenerationSettings,
     GrammarError,
+    ModelSampling,
     RemoteServer,
     SparkError,
     default_model_path,
@@ -331,6 +333,9 @@ class MainWindow(QMainWindow):
         m.server_chosen.connect(self.use_remote)
         m.precision_changed.connect(self._on_precision)
         m.tool_servers_changed.connect(self._on_tool_servers)
+        m.sampling_changed.connect(self.show_sampling)
+        m.conversation_sampling_action.triggered.connect(self.edit_conversation_sampling)
+        self.inspector.sampling_requested.connect(self.edit_conversation_sampling)
         self._on_tool_servers()
         m.conversation_chosen.connect(self.open_conversation)
         switch, copy = local_server_actions(self.local_server, self)
@@ -526,16 +531,46 @@ class MainWindow(QMainWindow):
         if not busy:
             self.speed_label.setText("")
 
-    def generation_settings(self) -> GenerationSettings:
-        """The user's settings, with the prompt read in chunks of at most INTERACTIVE_PREFILL_CHUNK: Stop (and
-        Quit) acts between two layers of a chunk, so a long paste stops within one layer's time of a chunk."""
+    def generation_settings(self, override: SamplingChoice | None = None) -> GenerationSettings:
+        """The user's settings with the sampling they resolve to (`override`: a conversation's own), and the prompt
+        read in chunks of at most INTERACTIVE_PREFILL_CHUNK: Stop (and Quit) acts between two layers of a chunk, so
+        a long paste stops within one layer's time of a chunk."""
         settings = self.prefs.generation()
-        return replace(settings, prefill_chunk=min(settings.prefill_chunk, INTERACTIVE_PREFILL_CHUNK))
+        sampling = self.resolved_sampling(override).sampling
+        return replace(
+            settings, sampling=sampling, prefill_chunk=min(settings.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
+        )
+
+    def resolved_sampling(self, override: SamplingChoice | None) -> ResolvedSampling:
+        return resolve(self.prefs.sampling_choice(), override, self._model_sampling())
+
+    def _model_sampling(self) -> ModelSampling | None:
+        # A server's model samples as the user's values say: its own defaults are the server's business.
+        return self.state.model_sampling if self.state.remote is None else None
+
+    @Slot()
+    def show_sampling(self) -> None:
+        """The inspector says which settings the open conversation's replies use, and whose choice they are."""
+        resolved = self.resolved_sampling(self.library.sampling_for(self.state.current_id))
+        self.inspector.show_sampling(f"Replies use {resolved_words(resolved)}.")
+
+    @Slot()
+    def edit_conversation_sampling(self) -> None:
+        cid = self.state.current_id
+        edit = self.dialogs.edit_conversation_sampling(
+            self.library.sampling_for(cid), self.prefs.sampling_choice(), self._model_sampling()
+        )
+        if edit is not None:
+            self.library.set_sampling(cid, edit.choice)
+            self.show_sampling()
 
     def reply_settings(self) -> GenerationSettings:
         """The main chat's settings: the user's, constrained to the "Reply as JSON" schema when that is on (a schema
-        edited by hand into the settings file and refused by the engine is said, and the reply goes unconstrained)."""
-        settings = self.generation_settings()
+        edited by hand into the settings file and refused by the engine is said, and the reply goes unconstrained).
+        The conversation's own sampling, where it has one, wins over the app's; the inspector says which was used."""
+        override = self.library.sampling_for(self.state.current_id)
+        settings = self.generation_settings(override)
+        self.inspector.show_sampling(f"The last reply used {resolved_words(self.resolved_sampling(override))}.")
         if not self.prefs.reply_as_json():
             return settings
         try:
@@ -597,6 +632,7 @@ class MainWindow(QMainWindow):
         self.client.set_system_prompt(self.system_prompt.text().strip())
         self.inspector.on_model(info)
         self.monitor.on_model(info)
+        self.show_sampling()
         self.show_busy(self.client.busy)
         if resume is not None:  # the app was left chatting with a server: back to it (queued before the reopening)
             self.use_remote(resume)
@@ -637,6 +673,7 @@ class MainWindow(QMainWindow):
         self.model_label.setToolTip(server.url)
         self.menus.model_button.setText(f"Model: {server.model}")
         self.inspector.show_remote(server)
+        self.show_sampling()
         self.chat.set_greeting(*greeting(server.model, 0, remote=True))
         self.composer.set_counter(None, 0)
         self.show_busy(self.client.busy)
@@ -754,6 +791,7 @@ class MainWindow(QMainWindow):
             self.notice.hide()
         self.sidebar.set_current(self.state.current_id)
         self.update_title()
+        self.show_sampling()
 
     @Slot(str, str)
     def _on_foreign_session(self, path: str, reason: str) -> None:
@@ -775,6 +813,7 @@ class MainWindow(QMainWindow):
     def _on_current_changed(self) -> None:
         self.sidebar.set_current(self.state.current_id)
         self.update_title()
+        self.show_sampling()
 
     @Slot()
     def _clear_chat(self) -> None:

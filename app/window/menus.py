@@ -67,6 +67,7 @@ class WindowMenus(QObject):
     precision_changed = Signal(str)
     conversation_chosen = Signal(str)  # an id from the Window menu
     tool_servers_changed = Signal()  # Settings changed the MCP servers (kept in the preferences)
+    sampling_changed = Signal()  # Settings were accepted: the app's sampling may have changed
 
     def __init__(
         self,
@@ -144,6 +145,9 @@ class WindowMenus(QObject):
         self.settings_action.triggered.connect(self._on_settings)
         self.stop_action = self._action("Stop", [QKeySequence("Ctrl+.")], "Stop the reply")
         self.regenerate_action = self._action("Regenerate", [QKeySequence("Ctrl+R")], "Answer the last prompt again")
+        self.conversation_sampling_action = self._action(
+            "Sampling for This Conversation…", tip="Give this conversation its own sampling settings"
+        )
         self.reply_json_action = self._toggle("Reply as JSON", self._prefs.reply_as_json(), None)
         self.reply_json_action.setToolTip("Replies are JSON matching a schema you give")
         self.reply_json_action.toggled.connect(self._on_reply_json)
@@ -239,7 +243,15 @@ class WindowMenus(QObject):
             ],
         )
         self.chat_menu = menu(
-            "&Chat", [self.stop_action, self.regenerate_action, None, self.reply_json_action, self.json_schema_action]
+            "&Chat",
+            [
+                self.stop_action,
+                self.regenerate_action,
+                None,
+                self.conversation_sampling_action,
+                self.reply_json_action,
+                self.json_schema_action,
+            ],
         )
         bar.addMenu(self.model_menu)
         self.view_menu = menu("&View", [self.sidebar_action, self.inspector_action, self.system_prompt_action])
@@ -376,13 +388,18 @@ class WindowMenus(QObject):
     def _on_settings(self) -> None:
         own = self._state.model_sampling if self._state.remote is None else None  # a server samples as it likes
         edited = self._dialogs.edit_settings(
-            self._prefs.generation(), self.server_actions, self._prefs.tool_servers(), own
+            self._prefs.generation(),
+            self._prefs.use_model_defaults(),
+            self.server_actions,
+            self._prefs.tool_servers(),
+            own,
         )
         if edited is not None:
-            settings, servers = edited
-            self._prefs.set_generation(settings)
-            if servers != self._prefs.tool_servers():
-                self._prefs.set_tool_servers(servers)
+            self._prefs.set_generation(edited.generation)
+            self._prefs.set_use_model_defaults(edited.use_model_defaults)
+            self.sampling_changed.emit()
+            if edited.tool_servers != self._prefs.tool_servers():
+                self._prefs.set_tool_servers(edited.tool_servers)
                 self.tool_servers_changed.emit()
 
     @Slot(bool)

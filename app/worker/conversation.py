@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -25,7 +25,6 @@ from engine import (
     RemoteClient,
     RemoteServer,
     RemoteSession,
-    SamplingSettings,
     TierStats,
     display_name,
     load_session,
@@ -133,31 +132,21 @@ class LocalConversation:
         """Continue the turn after tool calls: their results (`tool` messages' contents, in the calls' order)."""
         now = time.time()
         self.session.messages += [ChatMessage(tool_turns.TOOL_ROLE, content, now) for content in results]
-        return self.session.submit(self.session.messages, self.with_model_sampling(settings), stop)
-
-    def with_model_sampling(self, settings: GenerationSettings) -> GenerationSettings:
-        """`settings` with the model's own recommended sampling where the user kept the generic defaults (a small
-        model at a generic temperature 0.7 and no loop guard rambles; its own settings answer). The seed and the
-        greedy switch stay the user's (Settings' "Use the model's defaults" leaves them to the user)."""
-        s = settings.sampling
-        if replace(s, seed=None, greedy=False) != SamplingSettings():
-            return settings
-        own = self._engine.default_settings(s.seed).sampling
-        return replace(settings, sampling=replace(own, greedy=own.greedy or s.greedy))
+        return self.session.submit(self.session.messages, settings, stop)
 
     @property
     def model_name(self) -> str:
         return display_name(self._engine.model_dir)
 
     def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
-        return self.session.chat(text, self.with_model_sampling(settings), stop)
+        return self.session.chat(text, settings, stop)
 
     def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
         """Answer the last user message again: the whole last turn goes, its tool calls and results included."""
         messages = self.session.messages
         while messages and messages[-1].role in ("assistant", tool_turns.TOOL_ROLE):
             messages.pop()
-        return self.session.regenerate(self.with_model_sampling(settings), stop)
+        return self.session.regenerate(settings, stop)
 
     def take_transcript(self, messages: list[tuple[str, str]], system_prompt: str, stop: StopCheck) -> None:
         now = time.time()

@@ -11,7 +11,10 @@ from pathlib import Path
 
 from PySide6.QtCore import QCoreApplication, QEvent
 
+from app.settings.conversation_sampling import SamplingEdit
 from app.settings.preferences import Preferences
+from app.settings.sampling_choice import SamplingChoice
+from app.settings.settings_dialog import EditedSettings
 from app.tools.consent import Decision, PendingCall
 from app.tools.mcp_host import McpServerSpec
 from app.window.dialogs import Dialogs
@@ -34,6 +37,8 @@ class ScriptedDialogs(Dialogs):
     open_from: Path | None = None
     model_from: Path | None = None
     new_settings: GenerationSettings | None = None
+    new_use_model_defaults: bool | None = None  # None: Settings keeps the switch as it was shown
+    conversation_sampling: SamplingEdit | None = None  # the Sampling sheet's answer (None: cancelled)
     answer_text: str | None = None
     export_to: Path | None = None
     server_to_add: RemoteServer | None = None
@@ -89,14 +94,23 @@ class ScriptedDialogs(Dialogs):
     def edit_settings(
         self,
         current: GenerationSettings,
+        use_model_defaults: bool,
         server: tuple[object, object] | None = None,
         tool_servers: list[McpServerSpec] | None = None,
         model_defaults: ModelSampling | None = None,
-    ) -> tuple[GenerationSettings, list[McpServerSpec]] | None:
+    ) -> EditedSettings | None:
         self.asked.append("settings")
         if self.new_settings is None:
             return None
-        return self.new_settings, self.new_tool_servers if self.new_tool_servers is not None else tool_servers or []
+        servers = self.new_tool_servers if self.new_tool_servers is not None else tool_servers or []
+        flag = use_model_defaults if self.new_use_model_defaults is None else self.new_use_model_defaults
+        return EditedSettings(self.new_settings, flag, servers)
+
+    def edit_conversation_sampling(
+        self, current: SamplingChoice | None, app: SamplingChoice, model_defaults: ModelSampling | None
+    ) -> SamplingEdit | None:
+        self.asked.append("conversation sampling")
+        return self.conversation_sampling
 
     def ask_tool_consent(self, call: PendingCall) -> Decision:
         self.asked.append(f"tool {call.server} {call.tool}")

@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 
 from app.application import SparkApplication
 from app.misc import theme
+from app.settings.sampling_choice import SamplingChoice
 from app.tools.consent import PendingCall
 from app.window.dialogs import Dialogs
 from engine import GenerationSettings
@@ -95,7 +96,8 @@ def test_no_dialog_button_has_an_icon(qapp: SparkApplication, icon_style: None) 
         "about": d.about,
         "help": lambda: d.help([("New Chat", "Ctrl+N")]),
         "add_server": d.add_server,
-        "settings": lambda: d.edit_settings(GenerationSettings()),
+        "settings": lambda: d.edit_settings(GenerationSettings(), True),
+        "conversation sampling": lambda: d.edit_conversation_sampling(None, SamplingChoice(), None),
         "tool consent": lambda: d.ask_tool_consent(PendingCall("files", "read", {"path": "a.txt"})),
         "schema": lambda: d.edit_schema('{"type": "object"}'),
         "a message box": lambda: QMessageBox.question(None, "Quit?", "Quit now?"),
