@@ -156,6 +156,10 @@ class Backend(ABC):
         """Give the slot table's memory back while no conversation uses it (an idle row, a finished one); the
         memory that used it must reset before the next forward. A fixed-shape table (Core ML) keeps its state."""
 
+    def expect(self, slots: int) -> None:  # noqa: B027  # a hint: nothing to do for a table allocated whole
+        """A prompt about to be read will use the slots [0, `slots`) (Memory.slots_after): a table that grows with
+        the conversation grows once for them rather than step by step (each growth holds two tables at once)."""
+
 
 class BackendWrapper(Backend):
     """Another backend with something around it (a lock, a timer, a hidden slot): every member goes to `inner`
@@ -229,3 +233,6 @@ class BackendWrapper(Backend):
 
     def release(self) -> None:
         self.inner.release()
+
+    def expect(self, slots: int) -> None:
+        self.inner.expect(slots)

@@ -42,7 +42,7 @@ from engine.model.network import (
     replace_linears,
 )
 from engine.model.quant import BlockType, StoredTensor
-from engine.model.slots import SMALL_STEP, DirectReads
+from engine.model.slots import DirectReads
 
 # Compute dtype per device: CPU kernels are fastest (and exact vs references) in fp32; GPUs run fp16.
 DEVICE_DTYPES: dict[str, torch.dtype] = {"cpu": torch.float32, "cuda": torch.float16, "mps": torch.float16}
@@ -326,6 +326,9 @@ class TorchBackend(Backend):
     def release(self) -> None:
         self.cache.release()
 
+    def expect(self, slots: int) -> None:
+        self.cache.reserve_ahead(slots)
+
     @property
     def num_slots(self) -> int:
         return self.cache.num_slots
@@ -369,7 +372,7 @@ class TorchBackend(Backend):
         self.cache.token_summaries.clear()
         self._one_token = tokens.shape == (1, 1)
         # Grow the whole table (and its read copies where PyTorch will read them) before any view of it is taken.
-        self.cache.reserve_for(batch, read_copies=not native and tokens.shape[1] <= SMALL_STEP)
+        self.cache.reserve_for(batch, read_copies=not native and self.cache.reads_pay(tokens.shape[1]))
         cache = self.cache if rows == self.cache.batch else self.cache.leading_rows(rows)
         if native:
             return self._native_step(tokens, cache, batch, cache.plan_direct(batch, self.model.rotary()))

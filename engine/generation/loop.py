@@ -113,6 +113,7 @@ def prefill(
         raise ValueError("prefill needs at least one token")
     t0 = time.perf_counter()
     start = memory.reuse_prefix(ids[:-1])
+    backend.expect(memory.slots_after(len(ids) - start))  # the table grows once for the whole prompt
     chunk = max(1, min(chunk, memory.max_feed()))
     feed = PromptFeed(ids, start, prefill_cuts(memory, ids, start))
     logits = None

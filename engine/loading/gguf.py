@@ -16,7 +16,7 @@ import dataclasses
 import math
 import mmap
 import re
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,27 +159,36 @@ class GGUFModel:
         without this the weights count twice in the resident set, once as the backend's copy and once as the
         mapping's pages. Views stay valid; a later read faults its pages back in from the file.
 
-        Only the ranges of tensors that are never used in place: every type but F32, which the loader decodes or
-        the backend copies (an F32 tensor may be a model parameter viewing the mapping, and dropping a page of this
-        copy-on-write mapping would drop a write to it). Whole pages inside those ranges only."""
-        advice = getattr(mmap, "MADV_DONTNEED", None)  # Linux drops them; Darwin deactivates them
-        if advice is None:
-            return
-        page = mmap.PAGESIZE
+        Only the ranges of tensors that are never used in place: all but F32 matrices, which may be model
+        parameters viewing the mapping (dropping a page of this copy-on-write mapping would drop a write to it);
+        the loader copies the rest (dequantized_state) or the backend does."""
         ranges: list[list[int]] = []
         for t in sorted(self.header.tensors, key=lambda t: t.offset):
             start, end = self.header.data_offset + t.offset, self.header.data_offset + t.offset + t.nbytes
-            if t.type_name == "F32":
+            if t.type_name == "F32" and len(t.dims) > 1:
                 continue
             if ranges and ranges[-1][1] == start:  # adjacent: one range (tensors align to 32 bytes, not pages)
                 ranges[-1][1] = end
             else:
                 ranges.append([start, end])
         for start, end in ranges:
-            first, last = -(-start // page) * page, end // page * page
-            if last > first:
-                with contextlib.suppress(OSError):
-                    self._mmap.madvise(advice, first, last - first)
+            self._release(start, end)
+
+    def _release(self, start: int, end: int) -> None:
+        """Drop the whole pages of the mapping inside bytes [start, end) from this process's resident set."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)  # Linux drops them; Darwin deactivates them
+        page = mmap.PAGESIZE
+        first, last = -(-start // page) * page, end // page * page
+        if advice is not None and last > first:
+            with contextlib.suppress(OSError):
+                self._mmap.madvise(advice, first, last - first)
+
+    def _releaser(self, view: np.ndarray) -> Callable[[], None] | None:
+        """For a block tensor's bytes viewed in place (not a reordered copy): what gives its pages back."""
+        if not view.flags.c_contiguous or not np.shares_memory(view, self._mapping):
+            return None
+        start = view.ctypes.data - self._mapping.ctypes.data
+        return lambda: self._release(start, start + view.nbytes)
 
     # -- metadata ----------------------------------------------------------------------------------------------
     def _key(self, suffix: str, default: Any = None) -> Any:
@@ -390,7 +399,7 @@ class GGUFModel:
         for t in self._tensors():
             if t.qtype in BLOCK_TYPES and len(t.shape) == 2:
                 data = unpermute_rows(t.data, t.heads) if t.heads else t.data
-                out[t.hf_name] = StoredTensor(t.qtype, (t.shape[0], t.shape[1]), data)
+                out[t.hf_name] = StoredTensor(t.qtype, (t.shape[0], t.shape[1]), data, self._releaser(data))
         return out
 
     def dequantized_state(self, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
@@ -411,6 +420,11 @@ class GGUFModel:
                     ) from None
             elif t.qtype == "BF16":
                 values = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+            elif len(t.shape) == 1:
+                # A norm or a bias: copied (a few kB), so that no page of the mapping is touched while the model
+                # runs. Where the page cache holds the file in large folios, touching one byte of a page maps in
+                # megabytes of the weights around it, which the backend holds as its own copy already.
+                values = np.array(t.data)
             else:
                 values = np.asarray(t.data)
             if math.prod(values.shape) != math.prod(t.shape):

@@ -122,6 +122,11 @@ class Memory(Protocol):
         """The most tokens one plan may take (prefill chunks are clamped to it)."""
         ...
 
+    def slots_after(self, tokens: int) -> int:
+        """The slots [0, n) of the backend's table this memory's row will use once `tokens` more are fed (a hint
+        for the table's growth, Backend.expect)."""
+        ...
+
     def speculation_room(self) -> int:
         """The most tokens the next plan may take and `rollback` then take back in part (a speculative verify: the
         last sampled token and its drafts), each computed as if fed one by one; below 2, decode plainly."""
@@ -172,6 +177,9 @@ class FullAttentionMemory:
 
     def max_feed(self) -> int:
         return self.backend.num_slots - len(self.tokens)
+
+    def slots_after(self, tokens: int) -> int:
+        return min(self.backend.num_slots, len(self.tokens) + tokens)
 
     def after_forward(self) -> None:
         pass

@@ -37,7 +37,8 @@ Leaf module: numpy only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -99,6 +100,9 @@ class StoredTensor:
     qtype: str
     shape: tuple[int, int]
     data: np.ndarray
+    # Gives back the file pages `data` views, once whoever needed them has its own copy (GGUFModel.release_pages);
+    # None where `data` is no view of a file.
+    release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
 # Byte ranges of each block's float fields (d, and Q4_1's m or a K-quant's dmin); the other formats' d is bytes 0..2.

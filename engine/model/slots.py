@@ -35,8 +35,8 @@ from engine.model.attention import (
 from engine.model.config import ModelConfig
 from engine.model.kv_types import Q8_BLOCK, KVType, dequantize_q8_0, quantize_q8_0
 
-# Steps of at most this many new tokens (decoding, short chunks) read the slot table through its read copies;
-# larger steps (prefill chunks) convert and rotate every live slot on read, which their many queries amortize,
+# Steps of at most this many new tokens (decoding, short chunks: KVCache.reads_pay) read the slot table through its
+# read copies; larger steps (prefill chunks) convert and rotate every live slot on read, which their many queries amortize,
 # and attend with PyTorch's fused kernel. A one-row decoding step on the native kernels reads neither: its
 # attention rotates the stored keys as it reads them (engine/backends/native/spark_attention.c).
 SMALL_STEP = 8
@@ -331,9 +331,10 @@ class KVCache(nn.Module):
     def capacity(self) -> int:
         return int(self.k.shape[3])
 
-    def reserve(self, slots: int, read_copies: bool = False) -> None:
+    def reserve(self, slots: int, read_copies: bool = False, exact: bool = False) -> None:
         """Hold at least slots [0, `slots`) (at most S), and the read copies too when `read_copies` (kept from then
-        on): grows by GROWTH_SLOTS or by half, keeping what the table holds. Slots never written read as zeros."""
+        on): grows by GROWTH_SLOTS or by half (`exact`: to `slots` in whole GROWTH_SLOTS), keeping what the table
+        holds. Slots never written read as zeros."""
         if slots > self.max_slots:
             raise IndexError(f"slot {slots - 1} is outside a table of {self.max_slots} slots")
         if read_copies and not self.reads_in_use:
@@ -341,7 +342,7 @@ class KVCache(nn.Module):
             self.k_read, self.v_read = self._grown(self.k_read, self.capacity), self._grown(self.v_read, self.capacity)
         if slots <= self.capacity:
             return
-        wanted = max(slots, self.capacity + self.capacity // 2)
+        wanted = slots if exact else max(slots, self.capacity + self.capacity // 2)
         size = min(self.max_slots, -(-wanted // GROWTH_SLOTS) * GROWTH_SLOTS)
         self.k, self.v = self._grown(self.k, size), self._grown(self.v, size)
         self.k_scale, self.v_scale = self._grown(self.k_scale, size), self._grown(self.v_scale, size)
@@ -364,6 +365,11 @@ class KVCache(nn.Module):
         """`reserve` the slots a step reads (its S' live ones) and writes."""
         written = int(batch.write_slots.max()) + 1 if batch.write_slots.numel() else 0
         self.reserve(max(batch.slot_positions.shape[1], written), read_copies)
+
+    def reserve_ahead(self, slots: int) -> None:
+        """Grow once for the slots [0, `slots`) a prompt about to be read will use, and the start of the reply
+        after them (GROWTH_SLOTS more): no step-by-step growth, each of which holds two tables at once."""
+        self.reserve(min(self.max_slots, slots + GROWTH_SLOTS), exact=True)
 
     @staticmethod
     def _grown(t: torch.Tensor, size: int) -> torch.Tensor:
@@ -446,13 +452,21 @@ class KVCache(nn.Module):
             split=split,
         )
 
+    def reads_pay(self, tokens: int) -> bool:
+        """Whether a step of `tokens` new tokens per row reads through the read copies: a decoding step through
+        PyTorch (one token: a batch, a GPU, a q8_0 table), and any small step once the copies are kept anyway. A lone
+        short chunk (a short message after a long conversation, a prompt's piece before a cut) rotates the live
+        slots on read instead: the copies of a long table would cost more bytes than the table, for one step."""
+        return tokens == 1 or (tokens <= SMALL_STEP and self.reads_in_use)
+
     def plan(self, batch: SlotBatch, rope: RotaryTable) -> StepReads:
         """How this step reads the table; for small steps, moves the read bookkeeping to the attended slots (their
         copies are brought up to date by the forward that follows, layer by layer)."""
         rope_q = rope.lookup(batch.positions)
         b, t = batch.positions.shape
-        self.reserve_for(batch, read_copies=t <= SMALL_STEP)
-        if t > SMALL_STEP:
+        small = self.reads_pay(t)
+        self.reserve_for(batch, read_copies=small)
+        if not small:
             self.forget(batch.write_slots.flatten())
             return StepReads(rope_q=rope_q, width=0, rope_slots=rope.lookup(batch.slot_positions))
         one_query = batch.mask.shape[:-1].numel() == 1  # one row, one token: it attends to exactly `attended`

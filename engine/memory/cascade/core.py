@@ -269,6 +269,9 @@ class CascadeMemory:
     def max_feed(self) -> int:
         return self.cfg.window  # one plan's tokens must fit the window together
 
+    def slots_after(self, tokens: int) -> int:
+        return self.working.slots_after(tokens)
+
     def speculation_room(self) -> int:
         """Only until the window is full: a verify chunk that pushed tokens out would have its early drafts see
         the window as it is after the whole chunk (see the module doc), not as one-by-one decoding sees it, and

@@ -83,6 +83,12 @@ class WorkingMemory:
         """Slot of absolute token `index` while nothing has been evicted (the pure-prefix phase)."""
         return index if index < self.sinks else self.window_start + (index - self.sinks)
 
+    def slots_after(self, n: int) -> int:
+        """Slots [0, k) in use once `n` more tokens are assigned: the sinks, then (past them) the retrieval groups
+        and the window as far as it fills."""
+        total = self.n_sink + self.n_window + n
+        return total if total <= self.sinks else self.window_start + min(self.window, total - self.sinks)
+
     def recent_slots(self, n: int) -> torch.Tensor:
         """(m,) slots of the m = min(n, window fill) most recent window tokens, newest first."""
         m = min(n, self.n_window)
