@@ -198,7 +198,8 @@ def small_step_attention(
     if t == 1 and blocked is None:
         # One token, nothing masked: each KV head's G query heads are G query rows of plain attention, which
         # PyTorch's fused kernel does faster than the matmuls below.
-        return F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), keys, values).view(b, h, t, d)
+        # reshape, not view: CUDA's fused kernels may hand back (or take) a transposed layout
+        return F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), keys, values).reshape(b, h, t, d)
     qg = q.reshape(b, hkv, h // hkv * t, d)  # (B, Hkv, G*T, D)
     scores = (qg @ keys.transpose(-1, -2)).mul_(d**-0.5).view(b, hkv, h // hkv, t, live)  # (B, Hkv, G, T, S')
     if blocked is not None:

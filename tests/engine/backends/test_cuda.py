@@ -150,12 +150,13 @@ def test_a_stop_between_layers_on_cuda_takes_the_chunk_back(tiny: Path, kind: st
     assert mem.tokens == whole.tokens
 
 
-def test_a_q8_0_table_on_cuda_reads_as_on_the_cpu(tiny: Path) -> None:
-    tok = Tokenizer.from_dir(tiny)
+def test_a_q8_0_table_on_cuda_reads_as_on_the_cpu(tmp_path: Path) -> None:
+    d = make_tiny_model(tmp_path / "m", heads=2, kv_heads=1)  # head dim 32: one q8_0 block per head row
+    tok = Tokenizer.from_dir(d)
     prompt = tok.encode("The quick brown fox jumps over the lazy dog.")
     out = []
     for device in ("cpu", "cuda"):
-        b = TorchBackend(tiny, device, dtype=torch.float32, kv_type=KVType.Q8_0)
+        b = TorchBackend(d, device, dtype=torch.float32, kv_type=KVType.Q8_0)
         b.allocate(1, 256)
         logits = prefill(b, FullAttentionMemory(b), prompt, 4)
         assert logits is not None
