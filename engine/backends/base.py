@@ -157,8 +157,9 @@ class Backend(ABC):
         memory that used it must reset before the next forward. A fixed-shape table (Core ML) keeps its state."""
 
     def expect(self, slots: int) -> None:  # noqa: B027  # a hint: nothing to do for a table allocated whole
-        """A prompt about to be read will use the slots [0, `slots`) (Memory.slots_after): a table that grows with
-        the conversation grows once for them rather than step by step (each growth holds two tables at once)."""
+        """A prompt about to be read and its reply will use the slots [0, `slots`) (Memory.slots_after): a table
+        that grows with the conversation grows once for them rather than step by step (each growth holds two
+        tables at once)."""
 
 
 class BackendWrapper(Backend):

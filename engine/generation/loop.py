@@ -96,9 +96,11 @@ def prefill(
     *,
     should_stop: Callable[[], bool] = lambda: False,
     on_progress: Callable[[PrefillProgress], None] | None = None,
+    reply_tokens: int = 0,
 ) -> torch.Tensor | None:
     """Feed `ids` in chunks of at most `chunk` tokens; returns the last token's logits (V,) float32, or None when
     `should_stop` turned true (the chunks fed before stay in memory; the one it stopped is taken back whole).
+    The slot table grows once, before the first chunk, for the prompt and the `reply_tokens` that may follow it.
 
     Tokens that the memory can restore from its prefix cache are not recomputed (the last one always is, since its
     logits are needed). A memory with the optional `prefill_cut(ids, start)` (the cascade: to snapshot its state
@@ -113,7 +115,7 @@ def prefill(
         raise ValueError("prefill needs at least one token")
     t0 = time.perf_counter()
     start = memory.reuse_prefix(ids[:-1])
-    backend.expect(memory.slots_after(len(ids) - start))  # the table grows once for the whole prompt
+    backend.expect(memory.slots_after(len(ids) - start + reply_tokens))
     chunk = max(1, min(chunk, memory.max_feed()))
     feed = PromptFeed(ids, start, prefill_cuts(memory, ids, start))
     logits = None
@@ -410,7 +412,15 @@ def stream_generate(
     if should_stop():
         yield reply.cancel()
         return
-    logits = prefill(backend, memory, prompt_ids, chunk, should_stop=should_stop, on_progress=on_prefill)
+    logits = prefill(
+        backend,
+        memory,
+        prompt_ids,
+        chunk,
+        should_stop=should_stop,
+        on_progress=on_prefill,
+        reply_tokens=max(0, settings.max_tokens),
+    )
     if logits is None:
         yield reply.cancel()
         return

@@ -35,11 +35,10 @@ from engine.model.attention import (
 from engine.model.config import ModelConfig
 from engine.model.kv_types import Q8_BLOCK, KVType, dequantize_q8_0, quantize_q8_0
 
-# Steps of at most this many new tokens (decoding, short chunks: KVCache.reads_pay) read the slot table through its
-# read copies; larger steps (prefill chunks) convert and rotate every live slot on read, which their many queries amortize,
-# and attend with PyTorch's fused kernel. A one-row decoding step on the native kernels reads neither: its
-# attention rotates the stored keys as it reads them (engine/backends/native/spark_attention.c).
-SMALL_STEP = 8
+# Decoding steps through PyTorch (one token per row: KVCache.reads_pay) read the slot table through its read copies;
+# chunks of several tokens convert and rotate every live slot on read, which their many queries amortize, and attend
+# with PyTorch's fused kernel. A one-row decoding step on the native kernels reads neither: its attention rotates
+# the stored keys as it reads them (engine/backends/native/spark_attention.c).
 # One-row steps of at most this many tokens keep each token's query summary (KVCache.token_summaries): a speculative
 # verify (engine.generation.speculative.MAX_DRAFT + 1 tokens) keeps those of the tokens it accepts.
 TOKEN_SUMMARY_STEP = 16
@@ -367,9 +366,9 @@ class KVCache(nn.Module):
         self.reserve(max(batch.slot_positions.shape[1], written), read_copies)
 
     def reserve_ahead(self, slots: int) -> None:
-        """Grow once for the slots [0, `slots`) a prompt about to be read will use, and the start of the reply
-        after them (GROWTH_SLOTS more): no step-by-step growth, each of which holds two tables at once."""
-        self.reserve(min(self.max_slots, slots + GROWTH_SLOTS), exact=True)
+        """Grow once, in whole GROWTH_SLOTS, for the slots [0, `slots`) a prompt about to be read and its reply
+        will use: no step-by-step growth, each of which holds two tables at once."""
+        self.reserve(min(self.max_slots, slots), exact=True)
 
     @staticmethod
     def _grown(t: torch.Tensor, size: int) -> torch.Tensor:
@@ -454,10 +453,12 @@ class KVCache(nn.Module):
 
     def reads_pay(self, tokens: int) -> bool:
         """Whether a step of `tokens` new tokens per row reads through the read copies: a decoding step through
-        PyTorch (one token: a batch, a GPU, a q8_0 table), and any small step once the copies are kept anyway. A lone
-        short chunk (a short message after a long conversation, a prompt's piece before a cut) rotates the live
-        slots on read instead: the copies of a long table would cost more bytes than the table, for one step."""
-        return tokens == 1 or (tokens <= SMALL_STEP and self.reads_in_use)
+        PyTorch (one token: a batch, a GPU, a q8_0 table), which repeats. A chunk of several tokens (a short
+        message after a long conversation, a prompt's piece before a cut, a speculative verify) rotates the live
+        slots on read instead: the copies of a long table cost more bytes than the table. By the step's shape
+        alone, so that a conversation fed again on the same schedule (a compact session's restore) takes the
+        same paths and gets the same bits."""
+        return tokens == 1
 
     def plan(self, batch: SlotBatch, rope: RotaryTable) -> StepReads:
         """How this step reads the table; for small steps, moves the read bookkeeping to the attended slots (their

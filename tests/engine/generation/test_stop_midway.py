@@ -49,6 +49,9 @@ class LayerCounting:
             self.cancelled += 1
             raise
 
+    def expect(self, slots: int) -> None:
+        self.inner.expect(slots)
+
 
 def memory_for(kind: str, backend: TorchBackend) -> Memory:
     if kind == "full":

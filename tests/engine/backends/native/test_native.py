@@ -27,7 +27,6 @@ from engine.memory.base import FullAttentionMemory
 from engine.memory.cascade.config import CascadeConfig
 from engine.memory.cascade.core import CascadeMemory
 from engine.model.quant import BlockType, quantize
-from tests.engine.model.test_slot_reads import assert_read_copies_exact
 from tests.helpers.timers import NativeStepCounter
 from tests.helpers.tiny import make_tiny_model
 
@@ -290,7 +289,7 @@ def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(
     assert not a.reads_in_use and a.k_read.numel() == 0 and b.reads_in_use
 
 
-def test_native_steps_keep_no_read_copies_and_later_pytorch_steps_derive_them_exactly(llama_dir: Path) -> None:
+def test_native_steps_and_chunks_keep_no_read_copies(llama_dir: Path) -> None:
     b = TorchBackend(llama_dir, "cpu", quantize="q8_0")
     steps = NativeStepCounter()
     b.allocate(1, 32)
@@ -300,10 +299,13 @@ def test_native_steps_keep_no_read_copies_and_later_pytorch_steps_derive_them_ex
         for t in [20, 21, 22, 23]:
             decode_step(b, mem, t)
     assert steps.native_steps == 4 and not b.cache.reads_in_use and b.cache.k_read.numel() == 0
-    prefill(b, mem, [30, 31], chunk=2)  # a small step of two tokens runs in PyTorch, through the read copies
-    assert assert_read_copies_exact(b, torch.arange(32)[None]) == 16
-    decode_step(b, mem, 24)  # native again: the written slot's copy is dropped, the others stay exact
-    assert assert_read_copies_exact(b, torch.arange(32)[None]) == 16
+    # A chunk of two tokens runs in PyTorch and rotates the live slots as it reads them: copies of the whole table
+    # for one step would cost more than the table.
+    prefill(b, mem, [30, 31], chunk=2)
+    assert not b.cache.reads_in_use and b.cache.k_read.numel() == 0
+    with b.timed_parts(steps):
+        decode_step(b, mem, 24)  # native again
+    assert steps.native_steps == 5 and not b.cache.reads_in_use
 
 
 def test_without_native_kernels_the_engine_says_why_and_runs_pytorch(
