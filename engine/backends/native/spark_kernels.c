@@ -1242,6 +1242,141 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
     qgemv(m->lm_head, hbuf, c, logits, &xq);
 }
 
+/* ---------------------------------------------------------------------------------------------------------------
+ * A step of T consecutive tokens of one row (a speculative verify, a short chunk), 1 < T <= SPARK_MAX_STEP_ROWS:
+ * every matrix reads its weights once for the T rows (spark_qgemm's routes, whose rows equal one-row products bit
+ * for bit), each token attends over its own addressing (spark_step: its slots, positions, rotations: the table and
+ * the chunk's earlier tokens), so each row equals what T spark_decode calls give.
+ * ------------------------------------------------------------------------------------------------------------- */
+
+#define SPARK_MAX_STEP_ROWS 16
+
+static int32_t round_qk(int32_t k) { return (k + QK - 1) / QK * QK; }
+
+/* A matrix's total outputs over its chained parts, and the widest chained matrix (whose parts go through a copy). */
+static int32_t chain_n(const spark_qmat *w) {
+    int32_t n = 0;
+    for (; w != NULL; w = w->next) n += w->n;
+    return n;
+}
+static int32_t chained_widest(const spark_model *m) {
+    int32_t widest = m->lm_head->next ? chain_n(m->lm_head) : 0;
+    for (int32_t l = 0; l < m->n_layers; l++) {
+        const spark_qmat *ws[4] = {&m->qkv[l], &m->o[l], &m->gate_up[l], &m->down[l]};
+        for (int32_t i = 0; i < 4; i++)
+            if (ws[i]->next && chain_n(ws[i]) > widest) widest = chain_n(ws[i]);
+    }
+    return widest;
+}
+
+/* Scratch floats spark_decode_rows needs for t rows of a model. */
+int64_t spark_decode_rows_scratch_floats(const spark_model *m, int32_t t) {
+    const int64_t cp = round_qk(m->hidden), hd = (int64_t)m->n_heads * m->head_dim, hdp = round_qk((int32_t)hd);
+    const int64_t kv = (int64_t)m->n_kv_heads * m->head_dim, ip = round_qk(m->intermediate);
+    const int64_t widest = cp > ip ? (cp > hdp ? cp : hdp) : (ip > hdp ? ip : hdp);
+    /* h, qkv, attn out, gate_up, the MLP's product, projections, the parts' copy; q_new, q_plain; quantized activations */
+    return t * (cp + hd + 2 * kv + hdp + 2 * (int64_t)m->intermediate + ip + m->hidden + chained_widest(m)) + 2 * hd +
+           spark_act_bytes((int32_t)widest, t) / 4 + 16;
+}
+
+/* y (t, N) = x (t, K) W^T over every part of a chained matrix (x rows of w->k, padding zero): spark_qgemm per part,
+ * a fused matrix's parts through `tmp` into their columns. */
+static void qgemm_chain(const spark_qmat *w, const float *x, int32_t t, float *y, float *tmp, void *act) {
+    if (w->next == NULL) {
+        spark_qgemm(w, x, t, y, act);
+        return;
+    }
+    const int32_t n = chain_n(w);
+    for (int32_t col = 0; w != NULL; col += w->n, w = w->next) {
+        spark_qgemm(w, x, t, tmp, act);
+        for (int32_t r = 0; r < t; r++) memcpy(y + (int64_t)r * n + col, tmp + (int64_t)r * w->n, sizeof(float) * (size_t)w->n);
+    }
+}
+
+/* T tokens through every layer: x (T, C) their embeddings on entry, the residual streams on return; writes each
+ * token's k, v at steps[t].slot; logits (T, V); steps[t].qsum (when set) gets token t's query summaries. partial:
+ * spark_attend_floats for the widest step. Returns 0, doing nothing, for T outside [1, SPARK_MAX_STEP_ROWS]. */
+int32_t spark_decode_rows(const spark_model *m, const spark_cache *cache, const spark_step *steps, int32_t t_count,
+                          float *x, float *logits, float *scratch, float *partial) {
+    if (t_count < 1 || t_count > SPARK_MAX_STEP_ROWS) return 0;
+    const int32_t c = m->hidden, h = m->n_heads, hkv = m->n_kv_heads, d = m->head_dim, inter = m->intermediate;
+    const int32_t g = h / hkv, hd = h * d, kvd = hkv * d, nqkv = hd + 2 * kvd;
+    const int32_t cp = round_qk(c), hdp = round_qk(hd), ip = round_qk(inter), t_n = t_count;
+    const int64_t s = cache->capacity;
+    const float scale = 1.0f / sqrtf((float)d);
+    float *hbuf = scratch;                          /* (T, Cp) normed inputs, padding zero */
+    float *qkv = hbuf + (int64_t)t_n * cp;          /* (T, H*D + 2*Hkv*D) */
+    float *att = qkv + (int64_t)t_n * nqkv;         /* (T, HDp) attention outputs, padding zero */
+    float *gu = att + (int64_t)t_n * hdp;           /* (T, 2*I) gate, up */
+    float *act = gu + (int64_t)t_n * 2 * inter;     /* (T, Ip) silu(gate) * up, padding zero */
+    float *proj = act + (int64_t)t_n * ip;          /* (T, C) the o and down projections */
+    float *tmp = proj + (int64_t)t_n * c;           /* (T, widest chained N) */
+    float *q_new = tmp + (int64_t)t_n * chained_widest(m); /* (H*D) one token's rotated queries */
+    float *q_plain = q_new + hd;                    /* (H*D) */
+    void *xq = q_plain + hd;                        /* quantized activations */
+    memset(hbuf, 0, sizeof(float) * (size_t)t_n * cp);
+    memset(att, 0, sizeof(float) * (size_t)t_n * hdp);
+    memset(act, 0, sizeof(float) * (size_t)t_n * ip);
+    const size_t elem = cache->half ? 2 : 4;
+
+    for (int32_t l = 0; l < m->n_layers; l++) {
+        /* Attention block: every token's k, v stored first (a token attends to the chunk's earlier ones). */
+        for (int32_t r = 0; r < t_n; r++) rms_norm(x + (int64_t)r * c, m->attn_norm[l], c, m->eps, hbuf + (int64_t)r * cp);
+        qgemm_chain(&m->qkv[l], hbuf, t_n, qkv, tmp, xq);
+        const int64_t layer_off = (int64_t)l * hkv * s * d;
+        for (int32_t r = 0; r < t_n; r++) {
+            const float *k = qkv + (int64_t)r * nqkv + hd, *v = k + kvd;
+            for (int32_t kh = 0; kh < hkv; kh++) {
+                const int64_t slot_off = layer_off + (kh * s + steps[r].slot) * d;
+                for (int32_t i = 0; i < d; i++) {
+                    if (cache->half) {
+                        ((_Float16 *)cache->k)[slot_off + i] = (_Float16)k[kh * d + i];
+                        ((_Float16 *)cache->v)[slot_off + i] = (_Float16)v[kh * d + i];
+                    } else {
+                        ((float *)cache->k)[slot_off + i] = k[kh * d + i];
+                        ((float *)cache->v)[slot_off + i] = v[kh * d + i];
+                    }
+                }
+            }
+        }
+        for (int32_t r = 0; r < t_n; r++) {
+            const spark_step *st = &steps[r];
+            const float *q = qkv + (int64_t)r * nqkv;
+            if (st->qsum) query_summary(q, hkv, g, d, st->qsum + (int64_t)l * kvd);
+            for (int32_t qh = 0; qh < h; qh++) {
+                rope(q + qh * d, st->cos_new, st->sin_new, d, q_new + qh * d);
+                if (st->split > 0) rope(q + qh * d, st->cos_plain, st->sin_plain, d, q_plain + qh * d);
+            }
+            spark_attn aj = {(const uint8_t *)cache->k + layer_off * elem, (const uint8_t *)cache->v + layer_off * elem, s, cache->half,
+                             st->slots, st->positions, st->cos_table, st->sin_table, st->width, st->split,
+                             q_new, q_plain, h, hkv, d, scale, 0, partial, att + (int64_t)r * hdp};
+            spark_attend(&aj);
+        }
+        qgemm_chain(&m->o[l], att, t_n, proj, tmp, xq);
+        for (int32_t r = 0; r < t_n; r++)
+            for (int32_t i = 0; i < c; i++) x[(int64_t)r * c + i] += proj[(int64_t)r * c + i];
+
+        /* MLP block. */
+        for (int32_t r = 0; r < t_n; r++) rms_norm(x + (int64_t)r * c, m->mlp_norm[l], c, m->eps, hbuf + (int64_t)r * cp);
+        qgemm_chain(&m->gate_up[l], hbuf, t_n, gu, tmp, xq);
+        for (int32_t r = 0; r < t_n; r++) {
+            const float *gr = gu + (int64_t)r * 2 * inter;
+            float *ar = act + (int64_t)r * ip;
+            for (int32_t i = 0; i < inter; i++) {
+                const float gate = gr[i];
+                ar[i] = gate / (1.0f + exp_approx(-gate)) * gr[inter + i];
+            }
+        }
+        qgemm_chain(&m->down[l], act, t_n, proj, tmp, xq);
+        for (int32_t r = 0; r < t_n; r++)
+            for (int32_t i = 0; i < c; i++) x[(int64_t)r * c + i] += proj[(int64_t)r * c + i];
+    }
+    for (int32_t r = 0; r < t_n; r++) rms_norm(x + (int64_t)r * c, m->final_norm, c, m->eps, hbuf + (int64_t)r * cp);
+    qgemm_chain(m->lm_head, hbuf, t_n, logits, tmp, xq);
+    return 1;
+}
+
+
 /* Rows `ids` (n) of a block matrix (N, K) as float32, out (n, K): the float operations of engine.model.quant.dequantize
  * (Q8_0: q * d; Q4_0: d * (nib - 8); Q4_1: d * nib + m), for the embedding a tied LM head shares. Returns 1; 0 for
  * a type these do not cover (the caller dequantizes in Python); -1, with nothing written, for an id outside [0, N). */

@@ -271,7 +271,8 @@ def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(
     steps = NativeStepCounter()
     with native.timed_parts(steps):
         outs = [run_conversation(native, memory, ids)]
-    assert steps.native_steps == len(ids) - 10  # every decoding step ran natively, page-ins and re-routes included
+    # Every step ran natively, page-ins and re-routes included: the 10-token prefill in one call, then each token.
+    assert steps.native_steps == len(ids) - 10 + 1
     stepwise = TorchBackend(llama_dir, "cpu", quantize="q4_1", kv_dtype=kv, native_steps=False)
     assert stepwise.decoder is None  # the same NativeBlockLinear weights, every step through PyTorch
     outs.append(run_conversation(stepwise, memory, ids))
@@ -291,7 +292,7 @@ def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(
 
 
 def test_native_steps_keep_no_read_copies_and_later_pytorch_steps_derive_them_exactly(llama_dir: Path) -> None:
-    b = TorchBackend(llama_dir, "cpu", quantize="q8_0")
+    b = TorchBackend(llama_dir, "cpu", quantize="q8_0", native_chunks=False)
     steps = NativeStepCounter()
     b.allocate(1, 32)
     mem = FullAttentionMemory(b)
@@ -300,7 +301,7 @@ def test_native_steps_keep_no_read_copies_and_later_pytorch_steps_derive_them_ex
         for t in [20, 21, 22, 23]:
             decode_step(b, mem, t)
     assert steps.native_steps == 4 and not b.cache.reads_in_use and b.cache.k_read.numel() == 0
-    prefill(b, mem, [30, 31], chunk=2)  # a small step of two tokens runs in PyTorch, through the read copies
+    prefill(b, mem, [30, 31], chunk=2)  # without native_chunks, a step of two tokens runs in PyTorch: read copies
     assert assert_read_copies_exact(b, torch.arange(32)[None]) == 16
     decode_step(b, mem, 24)  # native again: the written slot's copy is dropped, the others stay exact
     assert assert_read_copies_exact(b, torch.arange(32)[None]) == 16
