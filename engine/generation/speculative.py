@@ -39,6 +39,7 @@ MAX_DRAFT = TOKEN_SUMMARY_STEP - 1  # drafts per verify: a chunk of 1 + K tokens
 LOOKUP_NGRAMS = (4, 3, 2)  # n-gram sizes prompt lookup matches, longest first
 EMA = 0.15  # weight of the newest measurement in the controller's running figures
 PRIOR_EXTRA = 0.25  # until measured, a drafted token is assumed to add this share of a decode step to a verify
+RUN_PRIOR = 0.9  # until measured, the acceptance of drafts right after a verify that kept every draft (see Controller)
 PROBE_EVERY = 16  # after this many chances passed up at K = 0, try K = 1 once (acceptance may have changed)
 DRAFT_SLOTS = 4096  # the draft model's own full-attention slot table
 DRAFT_CHUNK = 256  # the draft model reads the context in chunks of this many tokens
@@ -173,11 +174,18 @@ class Controller:
     token per decode step. K is the argmax of yield per second, 0 when nothing beats a decode step. A verify's cost
     is measured per width (a running figure each); a width not measured yet is guessed from the widest measured one
     below it (a decode step for width 1) plus PRIOR_EXTRA of a decode step per further token, and its first
-    verify measures it: wide verifies are tried where the acceptance measured so far makes them likely to pay."""
+    verify measures it: wide verifies are tried where the acceptance measured so far makes them likely to pay.
+
+    Acceptance is kept in two states, because drafts come in runs: right after a verify that kept every draft (a
+    reply copying its context, where the next lookup continues the same passage: `run_rate`), and otherwise (a
+    fresh match, or after a rejection or a plain step: `accept_rate`). A copying run then verifies wide, where a
+    verify's cost per token is lowest, while stray matches in free text stay narrow or off."""
 
     max_k: int = MAX_DRAFT
     adaptive: bool = True  # False: always max_k (within the limit), whatever it costs (tests, measurements)
-    accept_rate: float = 0.6  # prior, until drafts are verified
+    accept_rate: float = 0.6  # prior, until drafts are verified (after a rejection or a plain step)
+    run_rate: float = RUN_PRIOR  # the same right after a verify that kept every draft
+    in_run: bool = False  # whether the last forward was a verify that kept every draft
     decode_s: float | None = None  # a decode step
     draft_s: float = 0.0  # drafting one token (0 for lookup)
     verify_s: dict[int, float] = field(default_factory=dict)  # width -> a verify forward's seconds (measured)
@@ -192,13 +200,17 @@ class Controller:
     def record_decode(self, seconds: float) -> None:
         self.decode_s = self._ema(self.decode_s, seconds)
         self.forwards += 1
+        self.in_run = False
 
     def record_verify(self, width: int, seconds: float, drafted: int, accepted: int) -> None:
         self.verify_s[width] = self._ema(self.verify_s.get(width), seconds)
         # Each draft kept is a success, the first rejected one a failure: the acceptance rate of this verify.
         trials = accepted + (1 if accepted < drafted else 0)
-        if trials:
+        if trials and self.in_run:
+            self.run_rate = self._ema(self.run_rate, accepted / trials)
+        elif trials:
             self.accept_rate = self._ema(self.accept_rate, accepted / trials)
+        self.in_run = drafted > 0 and accepted == drafted
         self.drafted += drafted
         self.accepted += accepted
         self.forwards += 1
@@ -236,7 +248,7 @@ class Controller:
             return limit
         if self.decode_s is None:
             return 0  # measure a decode step first
-        k = self._best(limit, self.accept_rate)
+        k = self._best(limit, self.run_rate if self.in_run else self.accept_rate)
         if k:
             self.passed = 0
             return k
