@@ -411,7 +411,7 @@ class TorchBackend(Backend):
         return self.cache.summary.transpose(0, 1).to("cpu", torch.float32).clone()  # (B, L, Hkv, D)
 
     def token_summaries(self) -> torch.Tensor | None:
-        per_layer = self.cache.token_summaries  # L x (T, Hkv, D), or empty after the native step or a large one
+        per_layer = self.cache.token_summaries  # L x (T, Hkv, D); empty after a one-token native step or a large one
         if per_layer:
             return torch.stack(per_layer, dim=1).to("cpu", torch.float32)  # (T, L, Hkv, D)
         if self._one_token:  # the native step: one token, whose summary is the step's

@@ -14,11 +14,12 @@ Drafters:
 
 Adaptive K (`Controller`): it measures the cost of a decode step and of a verify forward of each width, and the
 rate at which drafts are accepted, and picks the K that maximizes expected tokens per second — K = 0 (plain
-decoding) wherever no K beats a decode step. Costs are kept per width, not as a slope: on the CPU a verify's matrix
-products take the native kernels' row route below 8 tokens (each token costing about a decode step's product) and
-their token-lane route from 8 (16 lanes at a time on AVX-512: a 16-token verify cost about 2.8 decode steps where a
-2-token one cost 1.7 and a 12-token one 4.5, on the default model), so cost is not linear in the width. With a drafter that proposes nothing (no n-gram match) the step is a
-plain decode step, so prompt lookup costs nothing where it does not apply: `auto` speculates by lookup.
+decoding) wherever no K beats a decode step. Costs are kept per width, not as a slope: on the CPU a verify of up to
+16 tokens is one native call (engine.backends.native, spark_decode_rows) whose matrix products take the kernels' row
+route below 8 tokens (each token costing nearly a decode step's product) and their token-lane route from 8 (16 lanes
+at a time on AVX-512), so cost is not linear in the width: on the default model at one thread a verify of 2, 4, 8,
+12, 16 tokens cost 1.8, 2.9, 3.6, 4.0, 4.4 decode steps. With a drafter that proposes nothing (no n-gram match) the
+step is a plain decode step, so prompt lookup costs nothing where it does not apply: `auto` speculates by lookup.
 """
 
 from __future__ import annotations
