@@ -38,6 +38,7 @@ from engine.model.slots import TOKEN_SUMMARY_STEP
 
 MAX_DRAFT = TOKEN_SUMMARY_STEP - 1  # drafts per verify: a chunk of 1 + K tokens keeps per-token query summaries
 LOOKUP_NGRAMS = (4, 3, 2)  # n-gram sizes prompt lookup matches, longest first
+LOOKUP_KEEP = 4  # latest occurrences kept per n-gram: an earlier one may have a longer continuation
 EMA = 0.15  # weight of the newest measurement in the controller's running figures
 PRIOR_EXTRA = 0.25  # until measured, a drafted token is assumed to add this share of a decode step to a verify
 RUN_PRIOR = 0.9  # until measured, the acceptance of drafts right after a verify that kept every draft (see Controller)
@@ -67,12 +68,15 @@ class Drafter(Protocol):
 class PromptLookup:
     """Drafts by n-gram lookup in the context itself (llama.cpp's lookup decoding, mlx-lm's prompt lookup).
 
-    An index maps each n-gram to the position after its latest occurrence; it grows with the context (which only
-    ever extends between calls), so a step costs O(new tokens), not O(context)."""
+    An index maps each n-gram to the positions after its latest few occurrences; it grows with the context (which
+    only ever extends between calls), so a step costs O(new tokens), not O(context). The draft continues the latest
+    occurrence of the longest n-gram that matches, or an earlier one where the latest's continuation is cut short
+    by the end of the context (a phrase the reply repeated a few tokens ago, while it copies a passage that goes on
+    further back)."""
 
     def __init__(self, ngrams: Sequence[int] = LOOKUP_NGRAMS) -> None:
         self.ngrams = tuple(sorted(ngrams, reverse=True))
-        self.index: dict[tuple[int, ...], int] = {}
+        self.index: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its latest LOOKUP_KEEP ends, oldest first
         self.seen: list[int] = []  # the context indexed so far
         self.next_end = 0  # n-grams ending before this position (with a token after them) are indexed
 
@@ -85,7 +89,9 @@ class PromptLookup:
         for end in range(self.next_end, len(ctx)):  # an n-gram ctx[end-n:end] followed by ctx[end]
             for n in self.ngrams:
                 if end >= n:
-                    self.index[tuple(ctx[end - n : end])] = end
+                    ends = self.index.setdefault(tuple(ctx[end - n : end]), [])
+                    ends.append(end)
+                    del ends[:-LOOKUP_KEEP]
         self.next_end = len(ctx)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
@@ -96,8 +102,10 @@ class PromptLookup:
         for n in self.ngrams:
             if len(ctx) < n:
                 continue
-            at = self.index.get(tuple(ctx[-n:]))
-            if at is not None:
+            ends = self.index.get(tuple(ctx[-n:]))
+            if ends:
+                # the latest whose continuation is k tokens long, else the longest (max keeps the first: the latest)
+                at = max(reversed(ends), key=lambda e: min(len(ctx) - e, k))
                 return Draft(list(ctx[at : at + k]), None)
         return Draft([], None)
 

@@ -288,8 +288,14 @@ def test_prompt_lookup_drafts_the_continuation_of_the_latest_longest_match() -> 
     assert lookup.propose(ctx, 3).tokens == [4, 5, 9]  # "1 2 3" (longest) before 4 5 9, not "2 3" before 7 8
     lookup2 = PromptLookup()
     assert lookup2.propose([1, 2, 3, 1, 2], 2).tokens == [3, 1]
-    assert lookup2.propose([1, 2, 3, 1, 2, 3, 1, 2], 4).tokens == [3, 1, 2]
+    assert lookup2.propose([1, 2, 3, 1, 2, 3, 1, 2], 4).tokens == [3, 1, 2]  # "2 3 1 2", the longest, once
     assert PromptLookup().propose([5, 6, 7], 4).tokens == []
+
+
+def test_prompt_lookup_continues_a_copied_passage_past_a_phrase_the_reply_repeated() -> None:
+    passage = list(range(10, 40))  # a pasted document
+    reply = [10, 11, 12, 13, 14, 15, 12, 13]  # copying it, with "12 13" said twice: its latest match is 2 back
+    assert PromptLookup().propose([*passage, 99, *reply], 6).tokens == [14, 15, 16, 17, 18, 19]
 
 
 def test_the_controller_decodes_plainly_where_verifying_does_not_pay() -> None:
