@@ -636,20 +636,34 @@ static inline __attribute__((always_inline)) void dot_rows_r(int32_t type, const
     }
 }
 
+/* dot_rows_r compiled per type and row count, so its branches on the type fold away as dot_pair16's do. */
+#define SPARK_DOT_ROWS_T(TYPE)                                                                                          \
+    static void dot_rows_##TYPE(const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) { \
+        switch (r_count) {                                                                                              \
+        case 1: dot_rows_r(TYPE, row, nb, a, b0, 1, out); break;                                                        \
+        case 2: dot_rows_r(TYPE, row, nb, a, b0, 2, out); break;                                                        \
+        case 3: dot_rows_r(TYPE, row, nb, a, b0, 3, out); break;                                                        \
+        case 4: dot_rows_r(TYPE, row, nb, a, b0, 4, out); break;                                                        \
+        case 5: dot_rows_r(TYPE, row, nb, a, b0, 5, out); break;                                                        \
+        case 6: dot_rows_r(TYPE, row, nb, a, b0, 6, out); break;                                                        \
+        case 7: dot_rows_r(TYPE, row, nb, a, b0, 7, out); break;                                                        \
+        case 8: dot_rows_r(TYPE, row, nb, a, b0, 8, out); break;                                                        \
+        case 9: dot_rows_r(TYPE, row, nb, a, b0, 9, out); break;                                                        \
+        case 10: dot_rows_r(TYPE, row, nb, a, b0, 10, out); break;                                                      \
+        case 11: dot_rows_r(TYPE, row, nb, a, b0, 11, out); break;                                                      \
+        default: dot_rows_r(TYPE, row, nb, a, b0, SPARK_ROWS, out); break;                                              \
+        }                                                                                                               \
+    }
+SPARK_DOT_ROWS_T(SPARK_Q8_0)
+SPARK_DOT_ROWS_T(SPARK_Q4_0)
+SPARK_DOT_ROWS_T(SPARK_Q4_1)
+#undef SPARK_DOT_ROWS_T
+
 static void dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
-    switch (r_count) {
-    case 1: dot_rows_r(type, row, nb, a, b0, 1, out); break;
-    case 2: dot_rows_r(type, row, nb, a, b0, 2, out); break;
-    case 3: dot_rows_r(type, row, nb, a, b0, 3, out); break;
-    case 4: dot_rows_r(type, row, nb, a, b0, 4, out); break;
-    case 5: dot_rows_r(type, row, nb, a, b0, 5, out); break;
-    case 6: dot_rows_r(type, row, nb, a, b0, 6, out); break;
-    case 7: dot_rows_r(type, row, nb, a, b0, 7, out); break;
-    case 8: dot_rows_r(type, row, nb, a, b0, 8, out); break;
-    case 9: dot_rows_r(type, row, nb, a, b0, 9, out); break;
-    case 10: dot_rows_r(type, row, nb, a, b0, 10, out); break;
-    case 11: dot_rows_r(type, row, nb, a, b0, 11, out); break;
-    default: dot_rows_r(type, row, nb, a, b0, SPARK_ROWS, out); break;
+    switch (type) {
+    case SPARK_Q8_0: dot_rows_SPARK_Q8_0(row, nb, a, b0, r_count, out); break;
+    case SPARK_Q4_0: dot_rows_SPARK_Q4_0(row, nb, a, b0, r_count, out); break;
+    default: dot_rows_SPARK_Q4_1(row, nb, a, b0, r_count, out); break;
     }
 }
 
