@@ -18,7 +18,7 @@ decoding) wherever no K beats a decode step. Costs are kept per width, not as a 
 16 tokens is one native call (engine.backends.native, spark_decode_rows) whose matrix products take the kernels' row
 route below 8 tokens (each token costing nearly a decode step's product) and their token-lane route from 8 (16 lanes
 at a time on AVX-512), so cost is not linear in the width: on the default model at one thread a verify of 2, 4, 8,
-12, 16 tokens cost 1.7, 2.6, 3.5, 3.8, 4.3 decode steps. With a drafter that proposes nothing (no n-gram match) the
+12, 16 tokens cost 1.5, 2.4, 3.6, 4.0, 4.4 decode steps. With a drafter that proposes nothing (no n-gram match) the
 step is a plain decode step, so prompt lookup costs nothing where it does not apply: `auto` speculates by lookup.
 """
 

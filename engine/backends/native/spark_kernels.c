@@ -26,7 +26,8 @@
  * Routes to those integers: a decoding step (one activation row) takes the weight rows in pairs with 256-bit
  * products (AVX2; AVX-512 VNNI), one row from each half of a thread's range; a prefill puts 16 tokens in the
  * lanes of one 512-bit product on AVX-512 (tokens_in_lanes, every block type), on AVX2 8 weight rows in the
- * lanes of a 256-bit one against each token broadcast (rows_in_lanes_t: Q8_0, Q4_0, Q4_1); elsewhere it passes
+ * lanes of a 256-bit one against each token broadcast (rows_in_lanes_t: Q8_0, Q4_0, Q4_1); a few tokens (a verify) take
+ * pairs of weight rows over them (dot_rows2); elsewhere it passes
  * each weight row over 12 tokens (dot_rows_r).
  */
 
@@ -636,6 +637,71 @@ static inline __attribute__((always_inline)) void dot_rows_r(int32_t type, const
     }
 }
 
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+/* dot_rows_r over two weight rows at once for a few int16 activation rows (a verify's): two independent chains per
+ * token for the core to overlap, as dot_pair16 has for one. Each output takes dot_rows_r's steps: the same bits. */
+static inline __attribute__((always_inline)) void dot_rows2_r(const int32_t type, const uint8_t *ra, const uint8_t *rb, int32_t nb, const spark_act *a, const int64_t *b0, const int32_t r_count, float *out_a, float *out_b) {
+    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
+    __m128 cur[2][4], next[2][4];
+    for (int32_t t = 0; t < r_count; t++) cur[0][t] = next[0][t] = cur[1][t] = next[1][t] = _mm_setzero_ps();
+    int32_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        const uint8_t *pa = ra + (int64_t)b * bb, *pb = rb + (int64_t)b * bb;
+        __m128 dwa, mwa = _mm_setzero_ps(), dwb, mwb = _mm_setzero_ps();
+        block_scales4(type, pa, bb, &dwa, &mwa);
+        block_scales4(type, pb, bb, &dwb, &mwb);
+        const spark_w16 a0 = load_w16(type, pa + off), a1 = load_w16(type, pa + bb + off), a2 = load_w16(type, pa + 2 * bb + off), a3 = load_w16(type, pa + 3 * bb + off);
+        const spark_w16 c0 = load_w16(type, pb + off), c1 = load_w16(type, pb + bb + off), c2 = load_w16(type, pb + 2 * bb + off), c3 = load_w16(type, pb + 3 * bb + off);
+        for (int32_t t = 0; t < r_count; t++) {
+            const int16_t *q = a->q16 + (b0[t] + b) * QK;
+            const __m128i ia = hsum4(block_lanes16(a0, q), block_lanes16(a1, q + QK), block_lanes16(a2, q + 2 * QK), block_lanes16(a3, q + 3 * QK));
+            const __m128i ib = hsum4(block_lanes16(c0, q), block_lanes16(c1, q + QK), block_lanes16(c2, q + 2 * QK), block_lanes16(c3, q + 3 * QK));
+            const __m128 sa = _mm_add_ps(cur[0][t], block_terms4(type, dwa, mwa, ia, a, b0[t] + b));
+            const __m128 sb = _mm_add_ps(cur[1][t], block_terms4(type, dwb, mwb, ib, a, b0[t] + b));
+            cur[0][t] = next[0][t], next[0][t] = sa, cur[1][t] = next[1][t], next[1][t] = sb;
+        }
+    }
+    const int32_t odd = (b >> 2) & 1;
+    for (int32_t r = 0; r < 2; r++) {
+        const uint8_t *row = r ? rb : ra;
+        float *out = r ? out_b : out_a;
+        for (int32_t t = 0; t < r_count; t++) {
+            float ac[8];
+            _mm_storeu_ps(ac + (odd ? 4 : 0), cur[r][t]);
+            _mm_storeu_ps(ac + (odd ? 0 : 4), next[r][t]);
+            for (int32_t c = b; c < nb; c++) {
+                const uint8_t *p = row + (int64_t)c * bb;
+                ac[c & 7] += block_term(type, p, block_dot(type, p + off, a, b0[t] + c), a, b0[t] + c);
+            }
+            out[t] = ((ac[0] + ac[4]) + (ac[1] + ac[5])) + ((ac[2] + ac[6]) + (ac[3] + ac[7]));
+        }
+    }
+}
+#define SPARK_DOT_ROWS2_T(TYPE)                                                                                         \
+    static void dot_rows2_##TYPE(const uint8_t *ra, const uint8_t *rb, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *oa, float *ob) { \
+        switch (r_count) {                                                                                              \
+        case 1: dot_rows2_r(TYPE, ra, rb, nb, a, b0, 1, oa, ob); break;                                                 \
+        case 2: dot_rows2_r(TYPE, ra, rb, nb, a, b0, 2, oa, ob); break;                                                 \
+        case 3: dot_rows2_r(TYPE, ra, rb, nb, a, b0, 3, oa, ob); break;                                                 \
+        default: dot_rows2_r(TYPE, ra, rb, nb, a, b0, 4, oa, ob); break;                                                \
+        }                                                                                                               \
+    }
+SPARK_DOT_ROWS2_T(SPARK_Q8_0)
+SPARK_DOT_ROWS2_T(SPARK_Q4_0)
+SPARK_DOT_ROWS2_T(SPARK_Q4_1)
+#undef SPARK_DOT_ROWS2_T
+/* Two weight rows against r_count <= 4 int16 activation rows; 0 where this build or format has no such route. */
+static int32_t dot_rows2(int32_t type, const uint8_t *ra, const uint8_t *rb, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *oa, float *ob) {
+    if (a->parts != 2 || r_count > 4) return 0;
+    switch (type) {
+    case SPARK_Q8_0: dot_rows2_SPARK_Q8_0(ra, rb, nb, a, b0, r_count, oa, ob); return 1;
+    case SPARK_Q4_0: dot_rows2_SPARK_Q4_0(ra, rb, nb, a, b0, r_count, oa, ob); return 1;
+    case SPARK_Q4_1: dot_rows2_SPARK_Q4_1(ra, rb, nb, a, b0, r_count, oa, ob); return 1;
+    default: return 0;
+    }
+}
+#endif
+
 /* dot_rows_r compiled per type and row count, so its branches on the type fold away as dot_pair16's do. */
 #define SPARK_DOT_ROWS_T(TYPE)                                                                                          \
     static void dot_rows_##TYPE(const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) { \
@@ -1033,7 +1099,24 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
         const int32_t rc = g->m - r < SPARK_ROWS ? g->m - r : SPARK_ROWS;
         int64_t b0[SPARK_ROWS];
         for (int32_t t = 0; t < rc; t++) b0[t] = (int64_t)(r + t) * nb;
-        for (int32_t j = begin; j < end; j++) {
+        int32_t j = begin;
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+        /* A few rows (a verify): weight rows in pairs, each half of the range a sequential run (see above). */
+        const int32_t half = (end - begin) / 2;
+        float oa[4], ob[4];
+        if (half > 0 && dot_rows2(w->type, w->blocks + begin * row_bytes, w->blocks + (begin + half) * row_bytes, nb, g->a, b0, rc, oa, ob)) {
+            for (int32_t i = 0; i < half; i++) {
+                const int32_t ja = begin + i, jb = begin + half + i;
+                if (i > 0) dot_rows2(w->type, w->blocks + ja * row_bytes, w->blocks + jb * row_bytes, nb, g->a, b0, rc, oa, ob);
+                for (int32_t t = 0; t < rc; t++) {
+                    g->y[(int64_t)(r + t) * n + ja] = oa[t] + (w->bias ? w->bias[ja] : 0.0f);
+                    g->y[(int64_t)(r + t) * n + jb] = ob[t] + (w->bias ? w->bias[jb] : 0.0f);
+                }
+            }
+            j = begin + 2 * half; /* an odd range's last row: the loop below */
+        }
+#endif
+        for (; j < end; j++) {
             float out[SPARK_ROWS];
             dot_rows(w->type, w->blocks + j * row_bytes, nb, g->a, b0, rc, out);
             const float bias = w->bias ? w->bias[j] : 0.0f;
