@@ -26,8 +26,8 @@
  * Routes to those integers: a decoding step (one activation row) takes the weight rows in pairs with 256-bit
  * products (AVX2; AVX-512 VNNI), one row from each half of a thread's range; a prefill puts 16 tokens in the
  * lanes of one 512-bit product on AVX-512 (tokens_in_lanes, every block type), on AVX2 8 weight rows in the
- * lanes of a 256-bit one against each token broadcast (rows_in_lanes_t: Q8_0, Q4_0, Q4_1); a few tokens (a verify) take
- * pairs of weight rows over them (dot_rows2); elsewhere it passes
+ * lanes of a 256-bit one against each token broadcast (rows_in_lanes_t: Q8_0, Q4_0, Q4_1); up to 4 tokens (a
+ * verify) take pairs of weight rows over them (dot_rows2); elsewhere it passes
  * each weight row over 12 tokens (dot_rows_r).
  */
 
