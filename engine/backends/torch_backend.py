@@ -7,7 +7,7 @@ import dataclasses
 import os
 import platform
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,13 @@ from engine.backends.blocks import (
     use_stored_embedding,
 )
 from engine.backends.native import NativeKernels, NativeStatus, activation_numerics, load_kernels
-from engine.backends.native.decoder import NativeBlockEmbedding, NativeBlockLinear, NativeDecoder
+from engine.backends.native.decoder import (
+    MAX_ROWS,
+    NativeBlockEmbedding,
+    NativeBlockLinear,
+    NativeDecoder,
+    plan_rows,
+)
 from engine.errors import BackendUnavailable
 from engine.loading.model_files import release_file_pages
 from engine.loading.weights import load_model
@@ -142,6 +148,7 @@ class TorchBackend(Backend):
         act_parts: int = 2,
         native_steps: bool = True,
         kv_type: KVType = KVType.F16,
+        native_chunks: bool = True,
     ) -> None:
         """`quantize` (CPU only): "none" keeps fp32; "q8_0", "q4_0", "q4_1" hold every linear layer in that GGUF block
         format (engine.model.quant), activations quantized per block of 32 as llama.cpp's dot products do; "auto" runs
@@ -165,7 +172,9 @@ class TorchBackend(Backend):
         the native decoding step reads fp16 or fp32 tables only, so a q8_0 table's steps run through PyTorch.
 
         `native_steps`: with the native kernels, let a decoding step they cover run as one native call (the default);
-        False runs every step through the PyTorch code over the same native layers (comparisons in tests)."""
+        False runs every step through the PyTorch code over the same native layers (comparisons in tests).
+        `native_chunks`: steps of 2 to MAX_ROWS tokens of one row (a speculative verify, a short chunk) in one native
+        call too (the default); False runs them through PyTorch (tests of its read copies)."""
         if device == "mps":
             # Ops MPS lacks fall back to CPU instead of failing mid-conversation.
             os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
@@ -193,6 +202,7 @@ class TorchBackend(Backend):
         fuse_projections(self.model)
         self.native_isa: str | None = None  # the native kernels' instruction set when they run this model
         self.native_steps = native_steps
+        self.native_chunks = native_chunks  # steps of 2 to MAX_ROWS tokens of one row natively too (a verify)
         self.decoder: NativeDecoder | None = None  # runs the decoding steps it accepts (see forward)
         self._native_span: Callable[[], AbstractContextManager[object]] | None = None  # see timed_parts
         self._one_token = False  # whether the last forward fed one row one token (token_summaries)
@@ -368,14 +378,20 @@ class TorchBackend(Backend):
             # Rows outside the previous forward's view hold stale read copies: re-derive every row's this time.
             self.cache.forget()
             self._rows_run = rows
-        native = self.decoder is not None and tokens.shape == (1, 1) and self.decoder.accepts(self.cache)
+        native = (
+            self.decoder is not None
+            and rows == 1
+            and tokens.shape[1] <= (MAX_ROWS if self.native_chunks else 1)
+            and self.decoder.accepts(self.cache)
+        )
         self.cache.token_summaries.clear()
         self._one_token = tokens.shape == (1, 1)
         # Grow the whole table (and its read copies where PyTorch will read them) before any view of it is taken.
         self.cache.reserve_for(batch, read_copies=not native and self.cache.reads_pay(tokens.shape[1]))
         cache = self.cache if rows == self.cache.batch else self.cache.leading_rows(rows)
         if native:
-            return self._native_step(tokens, cache, batch, cache.plan_direct(batch, self.model.rotary()))
+            out = self._native_step(tokens, cache, batch)  # (1, T, V)
+            return out[:, -1:] if last_only else out
         try:
             logits: torch.Tensor = self.model(tokens, cache, batch, last_only=last_only, should_stop=should_stop)
         except ForwardCancelled:
@@ -384,21 +400,23 @@ class TorchBackend(Backend):
             raise
         return logits.float().cpu() if dev.type != "cpu" or logits.dtype != torch.float32 else logits
 
-    def _native_step(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: DirectReads) -> torch.Tensor:
-        """tokens (1, 1) -> logits (1, 1, V): the whole decoding step in one native call."""
-        assert self.decoder is not None
+    def _native_step(self, tokens: torch.Tensor, cache: KVCache, batch: SlotBatch) -> torch.Tensor:
+        """tokens (1, T), T <= MAX_ROWS -> logits (1, T, V): the whole step in one native call."""
+        decoder = self.decoder
+        assert decoder is not None
         rope = self.model.rotary()
-        x = self.model.model.embed_tokens(tokens)  # (1, 1, C)
-        if self._native_span is None:
-            return self.decoder.decode(x, cache, batch, reads, rope)
-        with self._native_span():
-            return self.decoder.decode(x, cache, batch, reads, rope)
+        x = self.model.model.embed_tokens(tokens)  # (1, T, C)
+        reads = cache.plan_direct(batch, rope) if tokens.shape[1] == 1 else plan_rows(cache, batch, rope)
+        with nullcontext() if self._native_span is None else self._native_span():
+            if isinstance(reads, DirectReads):
+                return decoder.decode(x, cache, batch, reads, rope)
+            return decoder.decode_rows(x, cache, batch, reads, rope)
 
     def query_summary(self) -> torch.Tensor:
         return self.cache.summary.transpose(0, 1).to("cpu", torch.float32).clone()  # (B, L, Hkv, D)
 
     def token_summaries(self) -> torch.Tensor | None:
-        per_layer = self.cache.token_summaries  # L x (T, Hkv, D), or empty after the native step or a large one
+        per_layer = self.cache.token_summaries  # L x (T, Hkv, D); empty after a one-token native step or a large one
         if per_layer:
             return torch.stack(per_layer, dim=1).to("cpu", torch.float32)  # (T, L, Hkv, D)
         if self._one_token:  # the native step: one token, whose summary is the step's

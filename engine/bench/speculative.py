@@ -124,8 +124,8 @@ def document() -> str:
 TASKS: dict[str, str] = {
     "code_edit": f"Here is a Python file:\n\n```python\n{CODE}```\n\nRename the function grand_total to sum_total "
     "everywhere and print the whole updated file.",
-    "quote": f"{document()}\n\nQuote, word for word, the paragraph of this document about the lighthouse and the "
-    "paragraph about the bakery.",
+    # Asked for one paragraph verbatim, the default model copies the document at length (greedy): what this measures.
+    "quote": f"{document()}\n\nRepeat the paragraph about the lighthouse word for word.",
     "open_chat": "Tell me a short story about a fox who learns to play the violin.",
 }
 

@@ -14,11 +14,12 @@ Drafters:
 
 Adaptive K (`Controller`): it measures the cost of a decode step and of a verify forward of each width, and the
 rate at which drafts are accepted, and picks the K that maximizes expected tokens per second — K = 0 (plain
-decoding) wherever no K beats a decode step. Costs are kept per width, not as a slope: on the CPU a verify's matrix
-products take the native kernels' row route below 8 tokens (each token costing about a decode step's product) and
-their token-lane route from 8 (16 lanes at a time on AVX-512: a 16-token verify cost about 2.8 decode steps where a
-2-token one cost 1.7 and a 12-token one 4.5, on the default model), so cost is not linear in the width. With a drafter that proposes nothing (no n-gram match) the step is a
-plain decode step, so prompt lookup costs nothing where it does not apply: `auto` speculates by lookup.
+decoding) wherever no K beats a decode step. Costs are kept per width, not as a slope: on the CPU a verify of up to
+16 tokens is one native call (engine.backends.native, spark_decode_rows) whose matrix products take the kernels' row
+route below 8 tokens (each token costing nearly a decode step's product) and their token-lane route from 8 (16 lanes
+at a time on AVX-512), so cost is not linear in the width: on the default model at one thread a verify of 2, 4, 8,
+12, 16 tokens cost 1.5, 2.4, 3.6, 4.0, 4.4 decode steps. With a drafter that proposes nothing (no n-gram match) the
+step is a plain decode step, so prompt lookup costs nothing where it does not apply: `auto` speculates by lookup.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ from engine.model.slots import TOKEN_SUMMARY_STEP
 
 MAX_DRAFT = TOKEN_SUMMARY_STEP - 1  # drafts per verify: a chunk of 1 + K tokens keeps per-token query summaries
 LOOKUP_NGRAMS = (4, 3, 2)  # n-gram sizes prompt lookup matches, longest first
+LOOKUP_KEEP = 4  # latest occurrences kept per n-gram: an earlier one may have a longer continuation
 EMA = 0.15  # weight of the newest measurement in the controller's running figures
 PRIOR_EXTRA = 0.25  # until measured, a drafted token is assumed to add this share of a decode step to a verify
+RUN_PRIOR = 0.9  # until measured, the acceptance of drafts right after a verify that kept every draft (see Controller)
 PROBE_EVERY = 16  # after this many chances passed up at K = 0, try K = 1 once (acceptance may have changed)
 DRAFT_SLOTS = 4096  # the draft model's own full-attention slot table
 DRAFT_CHUNK = 256  # the draft model reads the context in chunks of this many tokens
@@ -65,12 +68,15 @@ class Drafter(Protocol):
 class PromptLookup:
     """Drafts by n-gram lookup in the context itself (llama.cpp's lookup decoding, mlx-lm's prompt lookup).
 
-    An index maps each n-gram to the position after its latest occurrence; it grows with the context (which only
-    ever extends between calls), so a step costs O(new tokens), not O(context)."""
+    An index maps each n-gram to the positions after its latest few occurrences; it grows with the context (which
+    only ever extends between calls), so a step costs O(new tokens), not O(context). The draft continues the latest
+    occurrence of the longest n-gram that matches, or an earlier one where the latest's continuation is cut short
+    by the end of the context (a phrase the reply repeated a few tokens ago, while it copies a passage that goes on
+    further back)."""
 
     def __init__(self, ngrams: Sequence[int] = LOOKUP_NGRAMS) -> None:
         self.ngrams = tuple(sorted(ngrams, reverse=True))
-        self.index: dict[tuple[int, ...], int] = {}
+        self.index: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its latest LOOKUP_KEEP ends, oldest first
         self.seen: list[int] = []  # the context indexed so far
         self.next_end = 0  # n-grams ending before this position (with a token after them) are indexed
 
@@ -83,7 +89,9 @@ class PromptLookup:
         for end in range(self.next_end, len(ctx)):  # an n-gram ctx[end-n:end] followed by ctx[end]
             for n in self.ngrams:
                 if end >= n:
-                    self.index[tuple(ctx[end - n : end])] = end
+                    ends = self.index.setdefault(tuple(ctx[end - n : end]), [])
+                    ends.append(end)
+                    del ends[:-LOOKUP_KEEP]
         self.next_end = len(ctx)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
@@ -94,8 +102,10 @@ class PromptLookup:
         for n in self.ngrams:
             if len(ctx) < n:
                 continue
-            at = self.index.get(tuple(ctx[-n:]))
-            if at is not None:
+            ends = self.index.get(tuple(ctx[-n:]))
+            if ends:
+                # the latest whose continuation is k tokens long, else the longest (max keeps the first: the latest)
+                at = max(reversed(ends), key=lambda e: min(len(ctx) - e, k))
                 return Draft(list(ctx[at : at + k]), None)
         return Draft([], None)
 
@@ -173,11 +183,18 @@ class Controller:
     token per decode step. K is the argmax of yield per second, 0 when nothing beats a decode step. A verify's cost
     is measured per width (a running figure each); a width not measured yet is guessed from the widest measured one
     below it (a decode step for width 1) plus PRIOR_EXTRA of a decode step per further token, and its first
-    verify measures it: wide verifies are tried where the acceptance measured so far makes them likely to pay."""
+    verify measures it: wide verifies are tried where the acceptance measured so far makes them likely to pay.
+
+    Acceptance is kept in two states, because drafts come in runs: right after a verify that kept every draft (a
+    reply copying its context, where the next lookup continues the same passage: `run_rate`), and otherwise (a
+    fresh match, or after a rejection or a plain step: `accept_rate`). A copying run then verifies wide, where a
+    verify's cost per token is lowest, while stray matches in free text stay narrow or off."""
 
     max_k: int = MAX_DRAFT
     adaptive: bool = True  # False: always max_k (within the limit), whatever it costs (tests, measurements)
-    accept_rate: float = 0.6  # prior, until drafts are verified
+    accept_rate: float = 0.6  # prior, until drafts are verified (after a rejection or a plain step)
+    run_rate: float = RUN_PRIOR  # the same right after a verify that kept every draft
+    in_run: bool = False  # whether the last forward was a verify that kept every draft
     decode_s: float | None = None  # a decode step
     draft_s: float = 0.0  # drafting one token (0 for lookup)
     verify_s: dict[int, float] = field(default_factory=dict)  # width -> a verify forward's seconds (measured)
@@ -192,13 +209,17 @@ class Controller:
     def record_decode(self, seconds: float) -> None:
         self.decode_s = self._ema(self.decode_s, seconds)
         self.forwards += 1
+        self.in_run = False
 
     def record_verify(self, width: int, seconds: float, drafted: int, accepted: int) -> None:
         self.verify_s[width] = self._ema(self.verify_s.get(width), seconds)
         # Each draft kept is a success, the first rejected one a failure: the acceptance rate of this verify.
         trials = accepted + (1 if accepted < drafted else 0)
-        if trials:
+        if trials and self.in_run:
+            self.run_rate = self._ema(self.run_rate, accepted / trials)
+        elif trials:
             self.accept_rate = self._ema(self.accept_rate, accepted / trials)
+        self.in_run = drafted > 0 and accepted == drafted
         self.drafted += drafted
         self.accepted += accepted
         self.forwards += 1
@@ -236,7 +257,7 @@ class Controller:
             return limit
         if self.decode_s is None:
             return 0  # measure a decode step first
-        k = self._best(limit, self.accept_rate)
+        k = self._best(limit, self.run_rate if self.in_run else self.accept_rate)
         if k:
             self.passed = 0
             return k

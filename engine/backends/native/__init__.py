@@ -1,5 +1,6 @@
-"""Native CPU kernels (spark_kernels.c: GGUF block formats, a threaded decoding step; spark_attention.c: its
-attention over the slot table as stored): built on first use with the machine's C compiler, loaded with ctypes.
+"""Native CPU kernels (spark_kernels.c: GGUF block formats, a threaded decoding step of one token or a few;
+spark_attention.c: its attention over the slot table as stored): built on first use with the machine's C compiler,
+loaded with ctypes.
 
 The library is compiled once per source version, compiler and CPU into the cache dir (a few seconds), tuned for
 the CPU it runs on (-march=native on x86, -mcpu=native on Arm); a packaged app ships one built for its platform. Where no C compiler is found (a Mac without the
@@ -85,7 +86,7 @@ class CacheDesc(ctypes.Structure):
 
 
 class StepDesc(ctypes.Structure):
-    """spark_step: one decoding step's rotations and addresses (engine.model.slots.DirectReads)."""
+    """spark_step: one token's rotations and addresses in a decoding step (engine.model.slots.DirectReads)."""
 
     _fields_ = [
         ("cos_new", ctypes.c_void_p),
@@ -259,6 +260,19 @@ def bind(path: Path) -> NativeKernels:
         ctypes.POINTER(ModelDesc),
         ctypes.POINTER(CacheDesc),
         ctypes.POINTER(StepDesc),
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
+    lib.spark_decode_rows_scratch_floats.restype = ctypes.c_int64
+    lib.spark_decode_rows_scratch_floats.argtypes = [ctypes.POINTER(ModelDesc), ctypes.c_int32]
+    lib.spark_decode_rows.restype = ctypes.c_int32
+    lib.spark_decode_rows.argtypes = [
+        ctypes.POINTER(ModelDesc),
+        ctypes.POINTER(CacheDesc),
+        ctypes.POINTER(StepDesc),  # (T,) one per token
+        ctypes.c_int32,
         ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_void_p,

@@ -2,8 +2,9 @@
 
 The CPU backend (engine.backends.torch_backend) replaces every linear layer with a NativeBlockLinear (GGUF blocks,
 engine.model.quant; any number of rows: prefill chunks and batches call it like nn.Linear) and decides per step whether
-a NativeDecoder runs it: every decoding step of one row (one new token), whatever the memory changed before it; its
-attention (spark_attention.c) reads the table as stored, rotating keys as it reads them. Every other step runs the
+a NativeDecoder runs it: every decoding step of one row (one new token, or a few: MAX_ROWS, a speculative verify),
+whatever the memory changed before it; its attention (spark_attention.c) reads the table as stored, rotating keys as
+it reads them, each token over its own addressing. Every other step runs the
 PyTorch code over the same NativeBlockLinear layers, whose rows the kernel computes exactly as the decoding step does,
 so both paths share weights, arithmetic and the slot table.
 """
@@ -11,6 +12,7 @@ so both paths share weights, arithmetic and the slot table.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import threading
 from collections.abc import Callable
@@ -24,6 +26,8 @@ from engine.backends.native import CacheDesc, ModelDesc, NativeKernels, QMat, St
 from engine.model.attention import RotaryTable
 from engine.model.network import DecoderLayer, Transformer
 from engine.model.slots import DirectReads, KVCache, SlotBatch
+
+MAX_ROWS = 16  # the most tokens one native step takes (spark_kernels.c's SPARK_MAX_STEP_ROWS)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -112,7 +116,8 @@ class _Work:
 
 
 class NativeDecoder:
-    """One decoding step of a fused, NativeBlockLinear model in a single native call (spark_decode)."""
+    """One decoding step of a fused, NativeBlockLinear model in a single native call: one token (spark_decode) or a
+    few (spark_decode_rows: each matrix's weights read once for all of them, as a verify wants)."""
 
     def __init__(self, kernels: NativeKernels, model: Transformer) -> None:
         cfg = model.config
@@ -167,32 +172,16 @@ class NativeDecoder:
     ) -> torch.Tensor:
         """x (1, 1, C) embedded token -> logits (1, 1, V); writes the token's k, v into `cache`. `rope` is the table
         `reads` was planned with (its positions index it)."""
-        cos_plain, sin_plain = (t.contiguous() for t in reads.rope_q)  # (1, 1, 1, D)
-        cos_new, sin_new = (t.contiguous() for t in (reads.rope_q_framed or reads.rope_q))
-        slots, positions = reads.slots.contiguous(), reads.positions.contiguous()  # (m,) each
-        width = slots.numel()
-        step = StepDesc(
-            cos_new.data_ptr(),
-            sin_new.data_ptr(),
-            cos_plain.data_ptr(),
-            sin_plain.data_ptr(),
-            int(batch.write_slots[0, 0]),
-            width,
-            reads.split,
-            slots.data_ptr(),
-            positions.data_ptr(),
-            rope.cos.data_ptr(),  # (P, D) contiguous fp32
-            rope.sin.data_ptr(),
-            cache.summary.data_ptr(),  # (L, 1, Hkv, D): the step's query summary, as the PyTorch path writes it
-        )
-        table = CacheDesc(cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, int(cache.k.dtype == torch.float16))
+        held: list[torch.Tensor] = []  # the tensors the step's pointers point into, alive until the call returns
+        # the step's query summary, as the PyTorch path writes it: (L, 1, Hkv, D)
+        step = self._step(reads, int(batch.write_slots[0, 0]), rope, cache.summary.data_ptr(), held)
         logits = torch.empty(self.vocab)  # (V,) a new tensor each step: callers may keep it
-        work = self._work(int(self.kernels.lib.spark_attend_floats(self.desc.n_heads, self.desc.head_dim, width)))
+        work = self._work(int(self.kernels.lib.spark_attend_floats(self.desc.n_heads, self.desc.head_dim, step.width)))
         work.residual.copy_(x.reshape(-1))  # (C,) updated in place by the kernel
         self.kernels.use_threads(torch.get_num_threads())  # the hardware policy's count (engine.hw), or --threads
         self.kernels.lib.spark_decode(
             ctypes.byref(self.desc),
-            ctypes.byref(table),
+            ctypes.byref(self._table(cache)),
             ctypes.byref(step),
             work.residual.data_ptr(),
             logits.data_ptr(),
@@ -200,6 +189,72 @@ class NativeDecoder:
             work.partial.data_ptr(),
         )
         return logits.view(1, 1, -1)
+
+    def decode_rows(
+        self, x: torch.Tensor, cache: KVCache, batch: SlotBatch, reads: list[DirectReads], rope: RotaryTable
+    ) -> torch.Tensor:
+        """x (1, T, C) embedded tokens, 1 <= T <= MAX_ROWS, with each token's reads (plan_rows) -> logits (1, T, V);
+        writes their k, v into `cache`, its query summary and each token's (cache.token_summaries). Row t equals what the t-th of T
+        one-token `decode` calls gives: the same products (the kernels' rows agree bit for bit) and attention."""
+        t = len(reads)
+        assert x.shape[1] == t and 1 <= t <= MAX_ROWS, (x.shape, t)
+        cfg = self.model.config
+        summaries = torch.empty(t, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)  # (T, L, Hkv, D)
+        held: list[torch.Tensor] = []
+        steps = (StepDesc * t)(
+            *[
+                self._step(r, int(batch.write_slots[0, i]), rope, summaries[i].data_ptr(), held)
+                for i, r in enumerate(reads)
+            ]
+        )
+        widest = max(s.width for s in steps)
+        partial = torch.empty(int(self.kernels.lib.spark_attend_floats(self.desc.n_heads, self.desc.head_dim, widest)))
+        scratch = torch.empty(int(self.kernels.lib.spark_decode_rows_scratch_floats(ctypes.byref(self.desc), t)))
+        residual = x.reshape(t, -1).float().clone()  # (T, C) updated in place by the kernel
+        logits = torch.empty(t, self.vocab)  # (T, V)
+        self.kernels.use_threads(torch.get_num_threads())
+        done = self.kernels.lib.spark_decode_rows(
+            ctypes.byref(self.desc),
+            ctypes.byref(self._table(cache)),
+            steps,
+            t,
+            residual.data_ptr(),
+            logits.data_ptr(),
+            scratch.data_ptr(),
+            partial.data_ptr(),
+        )
+        assert done == 1, t  # t is within [1, MAX_ROWS], checked above
+        # The step's query summary and each token's, as the PyTorch path records them (SlotStep.record_queries).
+        weights = torch.full((t,), 1.0 / t) if batch.summary_weights is None else batch.summary_weights[0].float()
+        cache.summary[:, 0] = torch.einsum("t,tlkd->lkd", weights, summaries)
+        cache.token_summaries[:] = list(summaries.unbind(1))  # L x (T, Hkv, D)
+        return logits.view(1, t, -1)
+
+    @staticmethod
+    def _table(cache: KVCache) -> CacheDesc:
+        return CacheDesc(cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, int(cache.k.dtype == torch.float16))
+
+    @staticmethod
+    def _step(reads: DirectReads, slot: int, rope: RotaryTable, qsum: int, held: list[torch.Tensor]) -> StepDesc:
+        """One token's StepDesc; the tensors it points into are appended to `held` (the caller keeps them alive)."""
+        cos_plain, sin_plain = (t.contiguous() for t in reads.rope_q)  # (1, 1, 1, D)
+        cos_new, sin_new = (t.contiguous() for t in (reads.rope_q_framed or reads.rope_q))
+        slots, positions = reads.slots.contiguous(), reads.positions.contiguous()  # (m,) each
+        held += [cos_plain, sin_plain, cos_new, sin_new, slots, positions]
+        return StepDesc(
+            cos_new.data_ptr(),
+            sin_new.data_ptr(),
+            cos_plain.data_ptr(),
+            sin_plain.data_ptr(),
+            slot,
+            slots.numel(),
+            reads.split,
+            slots.data_ptr(),
+            positions.data_ptr(),
+            rope.cos.data_ptr(),  # (P, D) contiguous fp32
+            rope.sin.data_ptr(),
+            qsum,
+        )
 
     def _work(self, partial_floats: int) -> _Work:
         """This thread's working buffers, grown to hold `partial_floats` of the attention's partial sums. Per thread, not per
@@ -210,3 +265,21 @@ class NativeDecoder:
             work = _Work(torch.empty(self.desc.hidden), torch.empty(self.scratch_floats), torch.empty(grown))
             self._local.work = work
         return work
+
+
+def plan_rows(cache: KVCache, batch: SlotBatch, rope: RotaryTable) -> list[DirectReads]:
+    """The reads of each token of a one-row step of T tokens (decode_rows): token t attends to the slots its row of
+    the mask lets it see (the table and the step's earlier tokens), as a one-token step would."""
+    return [
+        cache.plan_direct(
+            dataclasses.replace(
+                batch,
+                positions=batch.positions[:, i : i + 1],  # (1, 1)
+                write_slots=batch.write_slots[:, i : i + 1],  # (1, 1)
+                mask=batch.mask[:, :, i : i + 1],  # (1, 1, 1, S')
+                summary_weights=None,
+            ),
+            rope,
+        )
+        for i in range(batch.positions.shape[1])
+    ]

@@ -26,7 +26,8 @@
  * Routes to those integers: a decoding step (one activation row) takes the weight rows in pairs with 256-bit
  * products (AVX2; AVX-512 VNNI), one row from each half of a thread's range; a prefill puts 16 tokens in the
  * lanes of one 512-bit product on AVX-512 (tokens_in_lanes, every block type), on AVX2 8 weight rows in the
- * lanes of a 256-bit one against each token broadcast (rows_in_lanes_t: Q8_0, Q4_0, Q4_1); elsewhere it passes
+ * lanes of a 256-bit one against each token broadcast (rows_in_lanes_t: Q8_0, Q4_0, Q4_1); up to 4 tokens (a
+ * verify) take pairs of weight rows over them (dot_rows2); elsewhere it passes
  * each weight row over 12 tokens (dot_rows_r).
  */
 
@@ -636,20 +637,99 @@ static inline __attribute__((always_inline)) void dot_rows_r(int32_t type, const
     }
 }
 
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+/* dot_rows_r over two weight rows at once for a few int16 activation rows (a verify's): two independent chains per
+ * token for the core to overlap, as dot_pair16 has for one. Each output takes dot_rows_r's steps: the same bits. */
+static inline __attribute__((always_inline)) void dot_rows2_r(const int32_t type, const uint8_t *ra, const uint8_t *rb, int32_t nb, const spark_act *a, const int64_t *b0, const int32_t r_count, float *out_a, float *out_b) {
+    const int32_t bb = block_bytes(type), off = type == SPARK_Q4_1 ? 4 : 2;
+    __m128 cur[2][4], next[2][4];
+    for (int32_t t = 0; t < r_count; t++) cur[0][t] = next[0][t] = cur[1][t] = next[1][t] = _mm_setzero_ps();
+    int32_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        const uint8_t *pa = ra + (int64_t)b * bb, *pb = rb + (int64_t)b * bb;
+        __m128 dwa, mwa = _mm_setzero_ps(), dwb, mwb = _mm_setzero_ps();
+        block_scales4(type, pa, bb, &dwa, &mwa);
+        block_scales4(type, pb, bb, &dwb, &mwb);
+        const spark_w16 a0 = load_w16(type, pa + off), a1 = load_w16(type, pa + bb + off), a2 = load_w16(type, pa + 2 * bb + off), a3 = load_w16(type, pa + 3 * bb + off);
+        const spark_w16 c0 = load_w16(type, pb + off), c1 = load_w16(type, pb + bb + off), c2 = load_w16(type, pb + 2 * bb + off), c3 = load_w16(type, pb + 3 * bb + off);
+        for (int32_t t = 0; t < r_count; t++) {
+            const int16_t *q = a->q16 + (b0[t] + b) * QK;
+            const __m128i ia = hsum4(block_lanes16(a0, q), block_lanes16(a1, q + QK), block_lanes16(a2, q + 2 * QK), block_lanes16(a3, q + 3 * QK));
+            const __m128i ib = hsum4(block_lanes16(c0, q), block_lanes16(c1, q + QK), block_lanes16(c2, q + 2 * QK), block_lanes16(c3, q + 3 * QK));
+            const __m128 sa = _mm_add_ps(cur[0][t], block_terms4(type, dwa, mwa, ia, a, b0[t] + b));
+            const __m128 sb = _mm_add_ps(cur[1][t], block_terms4(type, dwb, mwb, ib, a, b0[t] + b));
+            cur[0][t] = next[0][t], next[0][t] = sa, cur[1][t] = next[1][t], next[1][t] = sb;
+        }
+    }
+    const int32_t odd = (b >> 2) & 1;
+    for (int32_t r = 0; r < 2; r++) {
+        const uint8_t *row = r ? rb : ra;
+        float *out = r ? out_b : out_a;
+        for (int32_t t = 0; t < r_count; t++) {
+            float ac[8];
+            _mm_storeu_ps(ac + (odd ? 4 : 0), cur[r][t]);
+            _mm_storeu_ps(ac + (odd ? 0 : 4), next[r][t]);
+            for (int32_t c = b; c < nb; c++) {
+                const uint8_t *p = row + (int64_t)c * bb;
+                ac[c & 7] += block_term(type, p, block_dot(type, p + off, a, b0[t] + c), a, b0[t] + c);
+            }
+            out[t] = ((ac[0] + ac[4]) + (ac[1] + ac[5])) + ((ac[2] + ac[6]) + (ac[3] + ac[7]));
+        }
+    }
+}
+#define SPARK_DOT_ROWS2_T(TYPE)                                                                                         \
+    static void dot_rows2_##TYPE(const uint8_t *ra, const uint8_t *rb, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *oa, float *ob) { \
+        switch (r_count) {                                                                                              \
+        case 1: dot_rows2_r(TYPE, ra, rb, nb, a, b0, 1, oa, ob); break;                                                 \
+        case 2: dot_rows2_r(TYPE, ra, rb, nb, a, b0, 2, oa, ob); break;                                                 \
+        case 3: dot_rows2_r(TYPE, ra, rb, nb, a, b0, 3, oa, ob); break;                                                 \
+        default: dot_rows2_r(TYPE, ra, rb, nb, a, b0, 4, oa, ob); break;                                                \
+        }                                                                                                               \
+    }
+SPARK_DOT_ROWS2_T(SPARK_Q8_0)
+SPARK_DOT_ROWS2_T(SPARK_Q4_0)
+SPARK_DOT_ROWS2_T(SPARK_Q4_1)
+#undef SPARK_DOT_ROWS2_T
+/* Two weight rows against r_count <= 4 int16 activation rows; 0 where this build or format has no such route. */
+static int32_t dot_rows2(int32_t type, const uint8_t *ra, const uint8_t *rb, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *oa, float *ob) {
+    if (a->parts != 2 || r_count > 4) return 0;
+    switch (type) {
+    case SPARK_Q8_0: dot_rows2_SPARK_Q8_0(ra, rb, nb, a, b0, r_count, oa, ob); return 1;
+    case SPARK_Q4_0: dot_rows2_SPARK_Q4_0(ra, rb, nb, a, b0, r_count, oa, ob); return 1;
+    case SPARK_Q4_1: dot_rows2_SPARK_Q4_1(ra, rb, nb, a, b0, r_count, oa, ob); return 1;
+    default: return 0;
+    }
+}
+#endif
+
+/* dot_rows_r compiled per type and row count, so its branches on the type fold away as dot_pair16's do. */
+#define SPARK_DOT_ROWS_T(TYPE)                                                                                          \
+    static void dot_rows_##TYPE(const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) { \
+        switch (r_count) {                                                                                              \
+        case 1: dot_rows_r(TYPE, row, nb, a, b0, 1, out); break;                                                        \
+        case 2: dot_rows_r(TYPE, row, nb, a, b0, 2, out); break;                                                        \
+        case 3: dot_rows_r(TYPE, row, nb, a, b0, 3, out); break;                                                        \
+        case 4: dot_rows_r(TYPE, row, nb, a, b0, 4, out); break;                                                        \
+        case 5: dot_rows_r(TYPE, row, nb, a, b0, 5, out); break;                                                        \
+        case 6: dot_rows_r(TYPE, row, nb, a, b0, 6, out); break;                                                        \
+        case 7: dot_rows_r(TYPE, row, nb, a, b0, 7, out); break;                                                        \
+        case 8: dot_rows_r(TYPE, row, nb, a, b0, 8, out); break;                                                        \
+        case 9: dot_rows_r(TYPE, row, nb, a, b0, 9, out); break;                                                        \
+        case 10: dot_rows_r(TYPE, row, nb, a, b0, 10, out); break;                                                      \
+        case 11: dot_rows_r(TYPE, row, nb, a, b0, 11, out); break;                                                      \
+        default: dot_rows_r(TYPE, row, nb, a, b0, SPARK_ROWS, out); break;                                              \
+        }                                                                                                               \
+    }
+SPARK_DOT_ROWS_T(SPARK_Q8_0)
+SPARK_DOT_ROWS_T(SPARK_Q4_0)
+SPARK_DOT_ROWS_T(SPARK_Q4_1)
+#undef SPARK_DOT_ROWS_T
+
 static void dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) {
-    switch (r_count) {
-    case 1: dot_rows_r(type, row, nb, a, b0, 1, out); break;
-    case 2: dot_rows_r(type, row, nb, a, b0, 2, out); break;
-    case 3: dot_rows_r(type, row, nb, a, b0, 3, out); break;
-    case 4: dot_rows_r(type, row, nb, a, b0, 4, out); break;
-    case 5: dot_rows_r(type, row, nb, a, b0, 5, out); break;
-    case 6: dot_rows_r(type, row, nb, a, b0, 6, out); break;
-    case 7: dot_rows_r(type, row, nb, a, b0, 7, out); break;
-    case 8: dot_rows_r(type, row, nb, a, b0, 8, out); break;
-    case 9: dot_rows_r(type, row, nb, a, b0, 9, out); break;
-    case 10: dot_rows_r(type, row, nb, a, b0, 10, out); break;
-    case 11: dot_rows_r(type, row, nb, a, b0, 11, out); break;
-    default: dot_rows_r(type, row, nb, a, b0, SPARK_ROWS, out); break;
+    switch (type) {
+    case SPARK_Q8_0: dot_rows_SPARK_Q8_0(row, nb, a, b0, r_count, out); break;
+    case SPARK_Q4_0: dot_rows_SPARK_Q4_0(row, nb, a, b0, r_count, out); break;
+    default: dot_rows_SPARK_Q4_1(row, nb, a, b0, r_count, out); break;
     }
 }
 
@@ -1019,7 +1099,24 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
         const int32_t rc = g->m - r < SPARK_ROWS ? g->m - r : SPARK_ROWS;
         int64_t b0[SPARK_ROWS];
         for (int32_t t = 0; t < rc; t++) b0[t] = (int64_t)(r + t) * nb;
-        for (int32_t j = begin; j < end; j++) {
+        int32_t j = begin;
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+        /* A few rows (a verify): weight rows in pairs, each half of the range a sequential run (see above). */
+        const int32_t half = (end - begin) / 2;
+        float oa[4], ob[4];
+        if (half > 0 && dot_rows2(w->type, w->blocks + begin * row_bytes, w->blocks + (begin + half) * row_bytes, nb, g->a, b0, rc, oa, ob)) {
+            for (int32_t i = 0; i < half; i++) {
+                const int32_t ja = begin + i, jb = begin + half + i;
+                if (i > 0) dot_rows2(w->type, w->blocks + ja * row_bytes, w->blocks + jb * row_bytes, nb, g->a, b0, rc, oa, ob);
+                for (int32_t t = 0; t < rc; t++) {
+                    g->y[(int64_t)(r + t) * n + ja] = oa[t] + (w->bias ? w->bias[ja] : 0.0f);
+                    g->y[(int64_t)(r + t) * n + jb] = ob[t] + (w->bias ? w->bias[jb] : 0.0f);
+                }
+            }
+            j = begin + 2 * half; /* an odd range's last row: the loop below */
+        }
+#endif
+        for (; j < end; j++) {
             float out[SPARK_ROWS];
             dot_rows(w->type, w->blocks + j * row_bytes, nb, g->a, b0, rc, out);
             const float bias = w->bias ? w->bias[j] : 0.0f;
@@ -1241,6 +1338,141 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
     rms_norm(x, m->final_norm, c, m->eps, hbuf);
     qgemv(m->lm_head, hbuf, c, logits, &xq);
 }
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * A step of T consecutive tokens of one row (a speculative verify, a short chunk), 1 < T <= SPARK_MAX_STEP_ROWS:
+ * every matrix reads its weights once for the T rows (spark_qgemm's routes, whose rows equal one-row products bit
+ * for bit), each token attends over its own addressing (spark_step: its slots, positions, rotations: the table and
+ * the chunk's earlier tokens), so each row equals what T spark_decode calls give.
+ * ------------------------------------------------------------------------------------------------------------- */
+
+#define SPARK_MAX_STEP_ROWS 16
+
+static int32_t round_qk(int32_t k) { return (k + QK - 1) / QK * QK; }
+
+/* A matrix's total outputs over its chained parts, and the widest chained matrix (whose parts go through a copy). */
+static int32_t chain_n(const spark_qmat *w) {
+    int32_t n = 0;
+    for (; w != NULL; w = w->next) n += w->n;
+    return n;
+}
+static int32_t chained_widest(const spark_model *m) {
+    int32_t widest = m->lm_head->next ? chain_n(m->lm_head) : 0;
+    for (int32_t l = 0; l < m->n_layers; l++) {
+        const spark_qmat *ws[4] = {&m->qkv[l], &m->o[l], &m->gate_up[l], &m->down[l]};
+        for (int32_t i = 0; i < 4; i++)
+            if (ws[i]->next && chain_n(ws[i]) > widest) widest = chain_n(ws[i]);
+    }
+    return widest;
+}
+
+/* Scratch floats spark_decode_rows needs for t rows of a model. */
+int64_t spark_decode_rows_scratch_floats(const spark_model *m, int32_t t) {
+    const int64_t cp = round_qk(m->hidden), hd = (int64_t)m->n_heads * m->head_dim, hdp = round_qk((int32_t)hd);
+    const int64_t kv = (int64_t)m->n_kv_heads * m->head_dim, ip = round_qk(m->intermediate);
+    const int64_t widest = cp > ip ? (cp > hdp ? cp : hdp) : (ip > hdp ? ip : hdp);
+    /* h, qkv, attn out, gate_up, the MLP's product, projections, the parts' copy; q_new, q_plain; quantized activations */
+    return t * (cp + hd + 2 * kv + hdp + 2 * (int64_t)m->intermediate + ip + m->hidden + chained_widest(m)) + 2 * hd +
+           spark_act_bytes((int32_t)widest, t) / 4 + 16;
+}
+
+/* y (t, N) = x (t, K) W^T over every part of a chained matrix (x rows of w->k, padding zero): spark_qgemm per part,
+ * a fused matrix's parts through `tmp` into their columns. */
+static void qgemm_chain(const spark_qmat *w, const float *x, int32_t t, float *y, float *tmp, void *act) {
+    if (w->next == NULL) {
+        spark_qgemm(w, x, t, y, act);
+        return;
+    }
+    const int32_t n = chain_n(w);
+    for (int32_t col = 0; w != NULL; col += w->n, w = w->next) {
+        spark_qgemm(w, x, t, tmp, act);
+        for (int32_t r = 0; r < t; r++) memcpy(y + (int64_t)r * n + col, tmp + (int64_t)r * w->n, sizeof(float) * (size_t)w->n);
+    }
+}
+
+/* T tokens through every layer: x (T, C) their embeddings on entry, the residual streams on return; writes each
+ * token's k, v at steps[t].slot; logits (T, V); steps[t].qsum (when set) gets token t's query summaries. partial:
+ * spark_attend_floats for the widest step. Returns 0, doing nothing, for T outside [1, SPARK_MAX_STEP_ROWS]. */
+int32_t spark_decode_rows(const spark_model *m, const spark_cache *cache, const spark_step *steps, int32_t t_count,
+                          float *x, float *logits, float *scratch, float *partial) {
+    if (t_count < 1 || t_count > SPARK_MAX_STEP_ROWS) return 0;
+    const int32_t c = m->hidden, h = m->n_heads, hkv = m->n_kv_heads, d = m->head_dim, inter = m->intermediate;
+    const int32_t g = h / hkv, hd = h * d, kvd = hkv * d, nqkv = hd + 2 * kvd;
+    const int32_t cp = round_qk(c), hdp = round_qk(hd), ip = round_qk(inter), t_n = t_count;
+    const int64_t s = cache->capacity;
+    const float scale = 1.0f / sqrtf((float)d);
+    float *hbuf = scratch;                          /* (T, Cp) normed inputs, padding zero */
+    float *qkv = hbuf + (int64_t)t_n * cp;          /* (T, H*D + 2*Hkv*D) */
+    float *att = qkv + (int64_t)t_n * nqkv;         /* (T, HDp) attention outputs, padding zero */
+    float *gu = att + (int64_t)t_n * hdp;           /* (T, 2*I) gate, up */
+    float *act = gu + (int64_t)t_n * 2 * inter;     /* (T, Ip) silu(gate) * up, padding zero */
+    float *proj = act + (int64_t)t_n * ip;          /* (T, C) the o and down projections */
+    float *tmp = proj + (int64_t)t_n * c;           /* (T, widest chained N) */
+    float *q_new = tmp + (int64_t)t_n * chained_widest(m); /* (H*D) one token's rotated queries */
+    float *q_plain = q_new + hd;                    /* (H*D) */
+    void *xq = q_plain + hd;                        /* quantized activations */
+    memset(hbuf, 0, sizeof(float) * (size_t)t_n * cp);
+    memset(att, 0, sizeof(float) * (size_t)t_n * hdp);
+    memset(act, 0, sizeof(float) * (size_t)t_n * ip);
+    const size_t elem = cache->half ? 2 : 4;
+
+    for (int32_t l = 0; l < m->n_layers; l++) {
+        /* Attention block: every token's k, v stored first (a token attends to the chunk's earlier ones). */
+        for (int32_t r = 0; r < t_n; r++) rms_norm(x + (int64_t)r * c, m->attn_norm[l], c, m->eps, hbuf + (int64_t)r * cp);
+        qgemm_chain(&m->qkv[l], hbuf, t_n, qkv, tmp, xq);
+        const int64_t layer_off = (int64_t)l * hkv * s * d;
+        for (int32_t r = 0; r < t_n; r++) {
+            const float *k = qkv + (int64_t)r * nqkv + hd, *v = k + kvd;
+            for (int32_t kh = 0; kh < hkv; kh++) {
+                const int64_t slot_off = layer_off + (kh * s + steps[r].slot) * d;
+                for (int32_t i = 0; i < d; i++) {
+                    if (cache->half) {
+                        ((_Float16 *)cache->k)[slot_off + i] = (_Float16)k[kh * d + i];
+                        ((_Float16 *)cache->v)[slot_off + i] = (_Float16)v[kh * d + i];
+                    } else {
+                        ((float *)cache->k)[slot_off + i] = k[kh * d + i];
+                        ((float *)cache->v)[slot_off + i] = v[kh * d + i];
+                    }
+                }
+            }
+        }
+        for (int32_t r = 0; r < t_n; r++) {
+            const spark_step *st = &steps[r];
+            const float *q = qkv + (int64_t)r * nqkv;
+            if (st->qsum) query_summary(q, hkv, g, d, st->qsum + (int64_t)l * kvd);
+            for (int32_t qh = 0; qh < h; qh++) {
+                rope(q + qh * d, st->cos_new, st->sin_new, d, q_new + qh * d);
+                if (st->split > 0) rope(q + qh * d, st->cos_plain, st->sin_plain, d, q_plain + qh * d);
+            }
+            spark_attn aj = {(const uint8_t *)cache->k + layer_off * elem, (const uint8_t *)cache->v + layer_off * elem, s, cache->half,
+                             st->slots, st->positions, st->cos_table, st->sin_table, st->width, st->split,
+                             q_new, q_plain, h, hkv, d, scale, 0, partial, att + (int64_t)r * hdp};
+            spark_attend(&aj);
+        }
+        qgemm_chain(&m->o[l], att, t_n, proj, tmp, xq);
+        for (int32_t r = 0; r < t_n; r++)
+            for (int32_t i = 0; i < c; i++) x[(int64_t)r * c + i] += proj[(int64_t)r * c + i];
+
+        /* MLP block. */
+        for (int32_t r = 0; r < t_n; r++) rms_norm(x + (int64_t)r * c, m->mlp_norm[l], c, m->eps, hbuf + (int64_t)r * cp);
+        qgemm_chain(&m->gate_up[l], hbuf, t_n, gu, tmp, xq);
+        for (int32_t r = 0; r < t_n; r++) {
+            const float *gr = gu + (int64_t)r * 2 * inter;
+            float *ar = act + (int64_t)r * ip;
+            for (int32_t i = 0; i < inter; i++) {
+                const float gate = gr[i];
+                ar[i] = gate / (1.0f + exp_approx(-gate)) * gr[inter + i];
+            }
+        }
+        qgemm_chain(&m->down[l], act, t_n, proj, tmp, xq);
+        for (int32_t r = 0; r < t_n; r++)
+            for (int32_t i = 0; i < c; i++) x[(int64_t)r * c + i] += proj[(int64_t)r * c + i];
+    }
+    for (int32_t r = 0; r < t_n; r++) rms_norm(x + (int64_t)r * c, m->final_norm, c, m->eps, hbuf + (int64_t)r * cp);
+    qgemm_chain(m->lm_head, hbuf, t_n, logits, tmp, xq);
+    return 1;
+}
+
 
 /* Rows `ids` (n) of a block matrix (N, K) as float32, out (n, K): the float operations of engine.model.quant.dequantize
  * (Q8_0: q * d; Q4_0: d * (nib - 8); Q4_1: d * nib + m), for the embedding a tied LM head shares. Returns 1; 0 for

@@ -288,8 +288,14 @@ def test_prompt_lookup_drafts_the_continuation_of_the_latest_longest_match() -> 
     assert lookup.propose(ctx, 3).tokens == [4, 5, 9]  # "1 2 3" (longest) before 4 5 9, not "2 3" before 7 8
     lookup2 = PromptLookup()
     assert lookup2.propose([1, 2, 3, 1, 2], 2).tokens == [3, 1]
-    assert lookup2.propose([1, 2, 3, 1, 2, 3, 1, 2], 4).tokens == [3, 1, 2]
+    assert lookup2.propose([1, 2, 3, 1, 2, 3, 1, 2], 4).tokens == [3, 1, 2]  # "2 3 1 2", the longest, once
     assert PromptLookup().propose([5, 6, 7], 4).tokens == []
+
+
+def test_prompt_lookup_continues_a_copied_passage_past_a_phrase_the_reply_repeated() -> None:
+    passage = list(range(10, 40))  # a pasted document
+    reply = [10, 11, 12, 13, 14, 15, 12, 13]  # copying it, with "12 13" said twice: its latest match is 2 back
+    assert PromptLookup().propose([*passage, 99, *reply], 6).tokens == [14, 15, 16, 17, 18, 19]
 
 
 def test_the_controller_decodes_plainly_where_verifying_does_not_pay() -> None:
@@ -316,10 +322,30 @@ def test_the_controller_keeps_a_cost_per_width() -> None:
         c.record_verify(16, 0.028, 15, 15)  # 16 tokens in one lane group: 2.8
     assert c.cost(3) == pytest.approx(0.025) and c.cost(16) == pytest.approx(0.028)
     assert c.cost(8) == pytest.approx(0.025 + 5 * 0.25 * 0.010)  # not measured: a guess from width 3 up
-    c.accept_rate = 0.75  # 16 tokens give 3.96 for 2.8 steps; 3 tokens 2.31 for 2.5 (a slope from them: never)
+    assert c.in_run  # the last verify kept every draft: the run's acceptance applies
+    c.run_rate = 0.75  # 16 tokens give 3.96 for 2.8 steps; 3 tokens 2.31 for 2.5 (a slope from them: never)
     assert c.choose(15) == 15
-    c.accept_rate = 0.2  # not even the cheapest guess (width 2, 1.25 steps) pays
+    c.run_rate = 0.2  # not even the cheapest guess (width 2, 1.25 steps) pays
     assert c.choose(15) == 0
+
+
+def test_the_controller_verifies_wide_inside_a_copying_run_and_narrow_outside_it() -> None:
+    """Drafts come in runs: after a verify that kept every draft the next one is judged by the acceptance measured in
+    such runs, after a rejection or a plain step by the acceptance of fresh matches."""
+    c = Controller(max_k=15)
+    c.record_decode(0.010)
+    for _ in range(20):
+        for _ in range(3):
+            c.record_verify(8, 0.030, 7, 0)  # fresh matches: rejected at once
+        c.record_verify(2, 0.018, 1, 1)  # kept: a run begins
+        c.record_verify(16, 0.040, 15, 15)  # inside the run: every draft kept
+        c.record_decode(0.010)  # the run ends
+    assert c.accept_rate < 0.5 and c.run_rate > 0.99
+    assert not c.in_run and c.choose(15) == 0
+    c.record_verify(2, 0.018, 1, 1)
+    assert c.in_run and c.choose(15) == 15
+    c.record_verify(16, 0.040, 15, 3)  # a rejection ends the run
+    assert not c.in_run and c.choose(15) == 0
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 /* Checks spark_kernels.c's block products bit for bit against a plain C reference (exact integer block sums, the
- * float terms in the kernel's documented order), and its decoding attention within float rounding of a double one, compiled for Arm and run under qemu by tests/engine/backends/native/test_native.py
+ * float terms in the kernel's documented order), its decoding attention within float rounding of a double one, and
+ * its step of several tokens bit for bit against one-token steps, compiled for Arm and run under qemu by tests/engine/backends/native/test_native.py
  * (Apple Silicon's NEON dot-product kernel, off a Mac); the same file compiled natively checks the checker. */
 #include "spark_kernels.c"
 
@@ -116,6 +117,74 @@ static int attention_mismatches(void) {
     return bad;
 }
 
+/* A random two-layer model: T tokens in one spark_decode_rows call against T spark_decode calls, which must agree
+ * bit for bit (logits, stored k, v, query summaries); widths by rows and (AVX-512) in the token lanes. */
+static float random_float(float scale) { return (float)((int)((next() >> 16) % 2001u) - 1000) / 1000.0f * scale; }
+static spark_qmat random_qmat(int32_t type, int32_t n, int32_t k) {
+    uint8_t *w = malloc((size_t)n * (k / QK) * block_bytes(type));
+    for (int32_t j = 0; j < n * (k / QK); j++) random_block(type, w + (int64_t)j * block_bytes(type));
+    spark_qmat mat = {w, NULL, n, k, type, 2, NULL};
+    return mat;
+}
+static int rows_mismatches(void) {
+    enum { L = 2, C = 64, H = 2, HKV = 1, D = 32, I = 96, V = 50, CAP = 64, P0 = 20, NPOS = 64 };
+    const float *attn_norm[L], *mlp_norm[L];
+    spark_qmat qkv[L], o[L], gate_up[L], down[L];
+    float *norms = malloc(4 * (size_t)(2 * L + 1) * C);
+    for (int32_t i = 0; i < (2 * L + 1) * C; i++) norms[i] = 1.0f + random_float(0.2f);
+    for (int32_t l = 0; l < L; l++) {
+        attn_norm[l] = norms + 2 * l * C, mlp_norm[l] = norms + (2 * l + 1) * C;
+        qkv[l] = random_qmat(SPARK_Q4_1, H * D + 2 * HKV * D, C), o[l] = random_qmat(SPARK_Q8_0, C, H * D);
+        gate_up[l] = random_qmat(SPARK_Q4_0, 2 * I, C), down[l] = random_qmat(SPARK_Q4_1, C, I);
+    }
+    spark_qmat head = random_qmat(SPARK_Q8_0, V, C);
+    const spark_model m = {L, C, H, HKV, D, I, 1e-5f, (const float *const *)attn_norm, (const float *const *)mlp_norm, qkv, o, gate_up, down, norms + 2 * L * C, &head};
+    float *cs = malloc(4 * (size_t)NPOS * D), *sn = malloc(4 * (size_t)NPOS * D);
+    for (int32_t p = 0; p < NPOS; p++)
+        for (int32_t i = 0; i < D / 2; i++) {
+            const double ang = p * pow(10000.0, -2.0 * i / D);
+            cs[p * D + i] = cs[p * D + i + D / 2] = (float)cos(ang);
+            sn[p * D + i] = -(float)sin(ang), sn[p * D + i + D / 2] = (float)sin(ang);
+        }
+    int64_t slots[CAP];
+    for (int32_t r = 0; r < CAP; r++) slots[r] = r;
+    const size_t table = 2 * (size_t)L * HKV * CAP * D;
+    _Float16 *k0 = malloc(table), *v0 = malloc(table), *k1 = malloc(table), *v1 = malloc(table);
+    for (size_t i = 0; i < table / 2; i++) k0[i] = (_Float16)random_float(2.0f), v0[i] = (_Float16)random_float(1.0f);
+    int bad = 0;
+    const int32_t counts[] = {2, 5, 12, 16};
+    for (int32_t ci = 0; ci < 4; ci++) {
+        const int32_t t = counts[ci];
+        memcpy(k1, k0, table), memcpy(v1, v0, table);
+        spark_cache one = {k0, v0, CAP, 1}, many = {k1, v1, CAP, 1};
+        float *x = malloc(4 * (size_t)t * C), *x1 = malloc(4 * (size_t)t * C), *want = malloc(4 * (size_t)t * V), *got = malloc(4 * (size_t)t * V);
+        float *qs_one = malloc(4 * (size_t)t * L * HKV * D), *qs_many = malloc(4 * (size_t)t * L * HKV * D);
+        for (int32_t i = 0; i < t * C; i++) x[i] = x1[i] = random_float(1.0f);
+        spark_step steps[16];
+        for (int32_t r = 0; r < t; r++) {
+            const int32_t pos = P0 + r;
+            spark_step st = {cs + pos * D, sn + pos * D, cs + pos * D, sn + pos * D, pos, pos + 1, 0, slots, slots, cs, sn, qs_many + (int64_t)r * L * HKV * D};
+            steps[r] = st;
+        }
+        float *scratch = malloc(4 * (size_t)spark_decode_rows_scratch_floats(&m, t)), *partial = malloc(4 * (size_t)spark_attend_floats(H, D, CAP));
+        float *scratch1 = malloc(4 * (size_t)spark_decode_scratch_floats(&m));
+        for (int32_t r = 0; r < t; r++) {
+            spark_step st = steps[r];
+            st.qsum = qs_one + (int64_t)r * L * HKV * D;
+            spark_decode(&m, &one, &st, x + (int64_t)r * C, want + (int64_t)r * V, scratch1, partial);
+        }
+        if (spark_decode_rows(&m, &many, steps, t, x1, got, scratch, partial) != 1) bad++;
+        bad += memcmp(want, got, 4 * (size_t)t * V) != 0;
+        bad += memcmp(qs_one, qs_many, 4 * (size_t)t * L * HKV * D) != 0;
+        bad += memcmp(k0, k1, table) != 0 || memcmp(v0, v1, table) != 0;
+        free(x), free(x1), free(want), free(got), free(qs_one), free(qs_many), free(scratch), free(partial), free(scratch1);
+    }
+    if (spark_decode_rows(&m, &(spark_cache){k1, v1, CAP, 1}, NULL, 17, NULL, NULL, NULL, NULL) != 0) bad++; /* too many */
+    for (int32_t l = 0; l < L; l++) free((void *)qkv[l].blocks), free((void *)o[l].blocks), free((void *)gate_up[l].blocks), free((void *)down[l].blocks);
+    free((void *)head.blocks), free(norms), free(cs), free(sn), free(k0), free(v0), free(k1), free(v1);
+    return bad;
+}
+
 int main(void) {
     const int32_t widths[] = {32, 128, 160, 576}, types[] = {SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1};
     int bad = 0;
@@ -148,8 +217,10 @@ int main(void) {
         }
     }
     bad += attention_mismatches(); /* on two threads: chunks merged by their maxima */
+    bad += rows_mismatches();
     spark_set_threads(1);
     bad += attention_mismatches();
+    bad += rows_mismatches();
     printf("%d mismatches\n", bad);
     return bad != 0;
 }

@@ -270,7 +270,8 @@ def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(
     steps = NativeStepCounter()
     with native.timed_parts(steps):
         outs = [run_conversation(native, memory, ids)]
-    assert steps.native_steps == len(ids) - 10  # every decoding step ran natively, page-ins and re-routes included
+    # Every step ran natively, page-ins and re-routes included: the 10-token prefill in one call, then each token.
+    assert steps.native_steps == len(ids) - 10 + 1
     stepwise = TorchBackend(llama_dir, "cpu", quantize="q4_1", kv_dtype=kv, native_steps=False)
     assert stepwise.decoder is None  # the same NativeBlockLinear weights, every step through PyTorch
     outs.append(run_conversation(stepwise, memory, ids))
@@ -290,7 +291,7 @@ def test_native_decode_step_equals_the_pytorch_path_over_the_same_weights(
 
 
 def test_native_steps_and_chunks_keep_no_read_copies(llama_dir: Path) -> None:
-    b = TorchBackend(llama_dir, "cpu", quantize="q8_0")
+    b = TorchBackend(llama_dir, "cpu", quantize="q8_0", native_chunks=False)
     steps = NativeStepCounter()
     b.allocate(1, 32)
     mem = FullAttentionMemory(b)
@@ -299,8 +300,8 @@ def test_native_steps_and_chunks_keep_no_read_copies(llama_dir: Path) -> None:
         for t in [20, 21, 22, 23]:
             decode_step(b, mem, t)
     assert steps.native_steps == 4 and not b.cache.reads_in_use and b.cache.k_read.numel() == 0
-    # A chunk of two tokens runs in PyTorch and rotates the live slots as it reads them: copies of the whole table
-    # for one step would cost more than the table.
+    # Without native chunks, a chunk of two tokens runs in PyTorch and rotates the live slots as it reads them:
+    # copies of the whole table for one step would cost more than the table.
     prefill(b, mem, [30, 31], chunk=2)
     assert not b.cache.reads_in_use and b.cache.k_read.numel() == 0
     with b.timed_parts(steps):
