@@ -45,9 +45,9 @@ class GenerationSettings:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     prefill_chunk: int = 256
     ignore_eos: bool = False  # benchmarks: always generate max_tokens (llama.cpp's --ignore-eos)
-    # engine.generation.speculative; off by default: on the CPU a verify forward of 2-12 tokens still costs 1.7-4.5
-    # decode steps (the native kernels' row route costs about a decode step's product per token below 8 tokens), so
-    # speculation does not yet pay everywhere. Draft needs a caller's Speculator.
+    # engine.generation.speculative; off by default: on the CPU a verify of 2-16 tokens (one native call) still costs
+    # 1.5-4.4 decode steps (below 8 tokens the block products cost nearly a decode step's product per token), so
+    # speculation does not pay in open chat. Draft needs a caller's Speculator.
     speculative: Speculation = Speculation.OFF
     draft_tokens: int = 0  # drafts per verify forward: 0 adapts them to measured costs and acceptance
     grammar: Grammar | None = None  # constrained output (engine.generation.constrained): JSON schema, Lark, GBNF
