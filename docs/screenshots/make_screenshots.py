@@ -123,6 +123,15 @@ def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
     shoot(window, "inspector-details", size)
     window.inspector.details_button.setChecked(False)
 
+    def sampling_sheet() -> None:  # Chat ▸ Sampling for This Conversation…, shot and cancelled
+        shoot(window, "conversation-sampling", size)
+        sheet = QApplication.activeModalWidget()
+        if sheet is not None:
+            sheet.close()
+
+    QTimer.singleShot(400, sampling_sheet)
+    window.menus.conversation_sampling_action.trigger()
+
     QTimer.singleShot(400, lambda: (shoot(window, "model-menu", size), window.menus.model_menu.close()))
     window.menus.model_button.showMenu()
 

@@ -8,18 +8,10 @@ from dataclasses import replace
 from PySide6.QtWidgets import QDialogButtonBox
 
 from app.settings.settings_dialog import SettingsDialog, describe
-from engine import GenerationSettings, ModelSampling, SamplingSettings
+from engine import GenerationSettings, SamplingSettings
+from tests.helpers.sampling import model_sampling
 
-OWN = ModelSampling(
-    temperature=0.2,
-    top_p=0.9,
-    top_k=40,
-    min_p=0.05,
-    repetition_penalty=1.1,
-    repetition_window=64,
-    greedy=False,
-    sources=("catalog", "loop_guard"),
-)
+OWN = model_sampling("catalog", "loop_guard")
 
 
 def test_the_models_defaults_are_shown_with_their_source(qtbot) -> None:  # type: ignore[no-untyped-def]

@@ -18,18 +18,10 @@ from app.settings.sampling_choice import (
     resolve,
     resolved_words,
 )
-from engine import GenerationSettings, InvalidSamplingSettings, ModelSampling, SamplingSettings
+from engine import GenerationSettings, InvalidSamplingSettings, SamplingSettings
+from tests.helpers.sampling import model_sampling
 
-MODEL = ModelSampling(
-    temperature=0.2,
-    top_p=0.9,
-    top_k=40,
-    min_p=0.05,
-    repetition_penalty=1.1,
-    repetition_window=64,
-    greedy=False,
-    sources=("catalog",),
-)
+MODEL = model_sampling("catalog")
 MINE = SamplingSettings(temperature=0.5, top_k=7, seed=3)
 
 
