@@ -1277,6 +1277,23 @@ int64_t spark_decode_scratch_floats(const spark_model *m) {
 
 #include "spark_attention.c" /* a decoding step's attention over the table as stored: spark_attend */
 
+/* One token's k, v (Hkv, D) into `slot` of the layer at element offset `layer_off` of the table (fp16 or fp32). */
+static void store_kv(const spark_cache *cache, int64_t layer_off, int32_t hkv, int32_t d, int64_t slot, const float *k,
+                     const float *v) {
+    for (int32_t kh = 0; kh < hkv; kh++) {
+        const int64_t slot_off = layer_off + (kh * cache->capacity + slot) * d;
+        for (int32_t i = 0; i < d; i++) {
+            if (cache->half) {
+                ((_Float16 *)cache->k)[slot_off + i] = (_Float16)k[kh * d + i];
+                ((_Float16 *)cache->v)[slot_off + i] = (_Float16)v[kh * d + i];
+            } else {
+                ((float *)cache->k)[slot_off + i] = k[kh * d + i];
+                ((float *)cache->v)[slot_off + i] = v[kh * d + i];
+            }
+        }
+    }
+}
+
 /* One token through every layer: x (C) is the token's embedding on entry and is updated in place (the residual
  * stream); writes its k, v into the cache; logits (V) = lm_head(final_norm(x)). partial: spark_attend_floats floats. */
 void spark_decode(const spark_model *m, const spark_cache *cache, const spark_step *step, float *x, float *logits,
@@ -1301,18 +1318,7 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
         const float *q = qkv, *k = qkv + hd, *v = qkv + hd + kvd;
         if (step->qsum) query_summary(q, hkv, g, d, step->qsum + (int64_t)l * kvd);
         const int64_t layer_off = (int64_t)l * hkv * s * d;
-        for (int32_t kh = 0; kh < hkv; kh++) {
-            const int64_t slot_off = layer_off + (kh * s + step->slot) * d;
-            for (int32_t i = 0; i < d; i++) {
-                if (cache->half) {
-                    ((_Float16 *)cache->k)[slot_off + i] = (_Float16)k[kh * d + i];
-                    ((_Float16 *)cache->v)[slot_off + i] = (_Float16)v[kh * d + i];
-                } else {
-                    ((float *)cache->k)[slot_off + i] = k[kh * d + i];
-                    ((float *)cache->v)[slot_off + i] = v[kh * d + i];
-                }
-            }
-        }
+        store_kv(cache, layer_off, hkv, d, step->slot, k, v);
         for (int32_t qh = 0; qh < h; qh++) {
             rope(q + qh * d, step->cos_new, step->sin_new, d, q_new + qh * d);
             if (step->split > 0) rope(q + qh * d, step->cos_plain, step->sin_plain, d, q_plain + qh * d);
@@ -1423,18 +1429,7 @@ int32_t spark_decode_rows(const spark_model *m, const spark_cache *cache, const 
         const int64_t layer_off = (int64_t)l * hkv * s * d;
         for (int32_t r = 0; r < t_n; r++) {
             const float *k = qkv + (int64_t)r * nqkv + hd, *v = k + kvd;
-            for (int32_t kh = 0; kh < hkv; kh++) {
-                const int64_t slot_off = layer_off + (kh * s + steps[r].slot) * d;
-                for (int32_t i = 0; i < d; i++) {
-                    if (cache->half) {
-                        ((_Float16 *)cache->k)[slot_off + i] = (_Float16)k[kh * d + i];
-                        ((_Float16 *)cache->v)[slot_off + i] = (_Float16)v[kh * d + i];
-                    } else {
-                        ((float *)cache->k)[slot_off + i] = k[kh * d + i];
-                        ((float *)cache->v)[slot_off + i] = v[kh * d + i];
-                    }
-                }
-            }
+            store_kv(cache, layer_off, hkv, d, steps[r].slot, k, v);
         }
         for (int32_t r = 0; r < t_n; r++) {
             const spark_step *st = &steps[r];

@@ -205,7 +205,9 @@ def test_input_sizes_that_are_no_multiple_of_32_run_with_zero_columns(tmp_path: 
     stepwise = TorchBackend(
         odd, "cpu", quantize="auto", native_steps=False
     )  # the same layers, every step through PyTorch
-    assert torch.allclose(logits_of(stepwise, IDS), quant, atol=2e-4, rtol=1e-4)
+    # The prompt's chunk runs natively on `b` too (one call for up to 16 tokens) and through PyTorch here: fp32
+    # attention and norms in two implementations; a padding column that counted would be off by far more.
+    assert torch.allclose(logits_of(stepwise, IDS), quant, atol=1e-3, rtol=1e-3)
 
 
 def test_a_stored_file_runs_as_stored_or_says_why(llama_dir: Path, tmp_path: Path) -> None:
