@@ -425,9 +425,9 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if slots.numel():
-            self.cache.reserve(int(slots.max()) + 1)  # a slot not yet allocated reads as zeros, as one never written
-        k, v = self.cache.read_rows(row, slots.to(self.device))  # (L, Hkv, n, D) each
+        if slots.numel() and int(slots.max()) >= self.cache.num_slots:
+            raise IndexError(f"slot {int(slots.max())} is outside a table of {self.cache.num_slots} slots")
+        k, v = self.cache.read_rows(row, slots.to(self.device))  # (L, Hkv, n, D) each; unallocated slots read as 0
         return k.to("cpu", CANONICAL_KV_DTYPE), v.to("cpu", CANONICAL_KV_DTYPE)
 
     @torch.inference_mode()

@@ -280,12 +280,20 @@ class KVCache(nn.Module):
         return dequantize_q8_0(codes[:, :, slots], scales[:, :, slots])
 
     def read_rows(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row `row`'s k, v at `slots` (n,), every layer -> (L, Hkv, n, D) each in the value dtype."""
+        """Row `row`'s k, v at `slots` (n,), every layer -> (L, Hkv, n, D) each in the value dtype. A slot the table
+        has not grown to reads as zeros, as one never written: reading the whole addressable range (a memory's
+        state, its digest) must not grow the table to the trained context."""
+        held = slots < self.capacity  # (n,)
+        inside = slots if bool(held.all()) else slots[held]
         out = []
         for name in ("k", "v"):
-            codes = self.get_buffer(name)[:, row].index_select(2, slots)  # (L, Hkv, n, D)
+            codes = self.get_buffer(name)[:, row].index_select(2, inside)  # (L, Hkv, n', D)
             if self.kv_type is KVType.Q8_0:
-                codes = dequantize_q8_0(codes, self.get_buffer(f"{name}_scale")[:, row].index_select(2, slots))
+                codes = dequantize_q8_0(codes, self.get_buffer(f"{name}_scale")[:, row].index_select(2, inside))
+            if inside is not slots:
+                full = codes.new_zeros((codes.shape[0], codes.shape[1], slots.numel(), codes.shape[3]))
+                full[:, :, held] = codes
+                codes = full  # (L, Hkv, n, D)
             out.append(codes)
         return out[0], out[1]
 

@@ -184,6 +184,10 @@ def test_a_fresh_chat_holds_the_slots_it_uses_not_the_trained_context(model: Pat
     last = s.memory.working.window_start + used
     assert last <= cache.capacity < last + GROWTH_SLOTS and cache.capacity < cache.num_slots // 2
     assert s.backend.kv_resident_bytes() == cache.allocated_bytes() < cache.num_slots * s.backend.slot_bytes_per_token()
+    # Saving reads the memory's whole state (every addressable slot, for its digest): the table does not grow.
+    held = cache.capacity
+    s.save(tmp_path / "fresh.spark", compact=True, digest=True)
+    assert cache.capacity == held
     # A long turn grows it in blocks, and what it held before is kept (the conversation goes on exactly).
     before = cache.k[:, :, :, :used].clone()
     reply(s.chat("word " * 300, GREEDY))
