@@ -19,10 +19,10 @@ import os
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from mcp import ClientSession, StdioServerParameters
-from mcp.client.stdio import stdio_client
+if TYPE_CHECKING:
+    from mcp import ClientSession
 
 START_TIMEOUT_S = 20.0
 CALL_TIMEOUT_S = 60.0
@@ -74,6 +74,10 @@ class _Connection:
         self.task: asyncio.Task[None] | None = None
 
     async def serve(self, ready: asyncio.Future[None]) -> None:
+        # The SDK (and pydantic under it: ~37 MB resident) loads when a server first starts, not with the app.
+        from mcp import ClientSession, StdioServerParameters
+        from mcp.client.stdio import stdio_client
+
         params = StdioServerParameters(command=self.spec.command, args=list(self.spec.args), env=dict(self.spec.env))
         try:
             with open(os.devnull, "w") as devnull:
