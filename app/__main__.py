@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
 from PySide6.QtCore import QSettings
 
 from engine import AUTO_ORDER, GenerationSettings, SamplingSettings
@@ -223,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             say: Callable[[str], None] = (lambda _s: None) if args.json else print
             try:
                 figures = self_test(window, args.model, args.backend, workdir, say)
+                # What the app holds after its replies and stops (the inspector's "Spark uses" figure).
+                figures["rss_mb"] = round(psutil.Process().memory_info().rss / 2**20, 1)
+                say(f"Memory held: {figures['rss_mb']} MB")
                 figures["quit_while_streaming_ms"] = time_quit_while_streaming(window, dirs.conversations)
                 say(f"Quit while a reply streams: {figures['quit_while_streaming_ms']} ms, the reply so far stored")
             except SelfTestFailure as exc:
