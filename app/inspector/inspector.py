@@ -75,6 +75,10 @@ def memory_words(report: MemoryReport) -> str:
     )
 
 
+NO_REPLY_YET = "No reply yet."
+NOT_MEASURED_SINCE_OPENED = "Measured as Spark answers: no reply since this conversation was opened."
+
+
 class _Section(QWidget):
     def __init__(self, title: str) -> None:
         super().__init__()
@@ -142,7 +146,8 @@ class Inspector(QScrollArea):
         layout.addWidget(self.details)
         layout.addStretch(1)
         self.setWidget(body)
-        self.speed.body.setText("No reply yet.")
+        self._measured = False  # a reply's speed is shown (on_progress) since the conversation was opened
+        self.speed.body.setText(NO_REPLY_YET)
         self.conversation.body.setText("Stored automatically as you chat.")
 
     @property
@@ -179,10 +184,17 @@ class Inspector(QScrollArea):
         self.memory_panel.on_memory(report)
         self.session_panel.on_memory(report)
 
+    def show_transcript(self, replies: int) -> None:
+        """A conversation's transcript is shown (opened, or back after an undo): with replies from before but none
+        measured since it was opened, say so instead of "no reply yet"."""
+        if not self._measured:
+            self.speed.body.setText(NOT_MEASURED_SINCE_OPENED if replies else NO_REPLY_YET)
+
     @Slot(TurnProgress)
     def on_progress(self, p: TurnProgress) -> None:
         self.performance_panel.on_progress(p)
         if p.generated_tokens:
+            self._measured = True
             self.speed.body.setText(
                 f"{p.tokens_per_s:.0f} tokens a second; the first came {p.ttft_s * 1000:,.0f} ms after sending ({p.prompt_tokens:,} tokens read)."
             )
@@ -199,7 +211,8 @@ class Inspector(QScrollArea):
 
     def reset_conversation(self) -> None:
         """A new, empty conversation: nothing said about the previous one stays (its speed, its message count)."""
-        self.speed.body.setText("No reply yet.")
+        self._measured = False
+        self.speed.body.setText(NO_REPLY_YET)
         self.conversation.body.setText("Stored automatically as you chat.")
         self.performance_panel.reset()
         self.session_panel.show_untitled(None)

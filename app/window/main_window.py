@@ -751,6 +751,7 @@ class MainWindow(QMainWindow):
         self.coalescer.discard()
         entry = self.library.get(self.state.opening or self.state.current_id)
         self.chat.set_messages(messages, dict(entry.notes) if entry else None)
+        self.inspector.show_transcript(sum(1 for m in messages if m.role == "assistant"))
         self.show_busy(self.client.busy)
 
     @Slot(StoredConversation)

@@ -137,3 +137,20 @@ def test_tokens_per_forward_show_when_speculation_is_on(qtbot, window: MainWindo
         window.submit("one two three one two three one two three")
     value, _, words = panel.per_forward.text().partition(" ")
     assert words == "tokens (speculative decoding)" and float(value) >= 1.0  # a forward gives one token or more
+
+
+def test_the_speed_line_says_why_a_reopened_conversation_has_no_figure(qtbot: object) -> None:
+    from app.inspector.inspector import NO_REPLY_YET, NOT_MEASURED_SINCE_OPENED, Inspector
+    from app.worker.types import TurnProgress
+
+    inspector = Inspector()
+    inspector.show_transcript(replies=2)  # opened: replies from before, none measured yet
+    assert inspector.speed.body.text() == NOT_MEASURED_SINCE_OPENED
+    inspector.on_progress(TurnProgress(prompt_tokens=12, generated_tokens=5, ttft_s=0.2, tokens_per_s=30.0))
+    measured = inspector.speed.body.text()
+    assert measured.startswith("30 tokens a second")
+    inspector.show_transcript(replies=3)  # back after an undo: the measured figure stays
+    assert inspector.speed.body.text() == measured
+    inspector.reset_conversation()  # a new chat
+    inspector.show_transcript(replies=0)
+    assert inspector.speed.body.text() == NO_REPLY_YET
