@@ -1294,6 +1294,22 @@ static void store_kv(const spark_cache *cache, int64_t layer_off, int32_t hkv, i
     }
 }
 
+/* One token's attention in the layer at element offset `layer_off` of the table: its queries q (H*D) rotated like
+ * its key (q_new) and, for ranks below the step's split, at plain positions (q_plain), then out (H*D) = attention over
+ * the ranks the step addresses (spark_attend; `partial` its scratch). */
+static void attend_token(const spark_cache *cache, int64_t layer_off, const spark_step *st, const float *q, int32_t h,
+                         int32_t hkv, int32_t d, float *q_new, float *q_plain, float *partial, float *out) {
+    for (int32_t qh = 0; qh < h; qh++) {
+        rope(q + qh * d, st->cos_new, st->sin_new, d, q_new + qh * d);
+        if (st->split > 0) rope(q + qh * d, st->cos_plain, st->sin_plain, d, q_plain + qh * d);
+    }
+    const size_t elem = cache->half ? 2 : 4;
+    spark_attn aj = {(const uint8_t *)cache->k + layer_off * elem, (const uint8_t *)cache->v + layer_off * elem,
+                     cache->capacity, cache->half, st->slots, st->positions, st->cos_table, st->sin_table, st->width,
+                     st->split, q_new, q_plain, h, hkv, d, 1.0f / sqrtf((float)d), 0, partial, out};
+    spark_attend(&aj);
+}
+
 /* One token through every layer: x (C) is the token's embedding on entry and is updated in place (the residual
  * stream); writes its k, v into the cache; logits (V) = lm_head(final_norm(x)). partial: spark_attend_floats floats. */
 void spark_decode(const spark_model *m, const spark_cache *cache, const spark_step *step, float *x, float *logits,
@@ -1301,7 +1317,6 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
     const int32_t c = m->hidden, h = m->n_heads, hkv = m->n_kv_heads, d = m->head_dim, inter = m->intermediate;
     const int32_t g = h / hkv, hd = h * d, kvd = hkv * d;
     const int64_t s = cache->capacity;
-    const float scale = 1.0f / sqrtf((float)d);
     float *hbuf = scratch;                  /* (C) normed input */
     float *qkv = hbuf + c;                  /* (H*D + 2*Hkv*D) */
     float *q_new = qkv + hd + 2 * kvd;      /* (H*D) queries rotated like the new key */
@@ -1319,15 +1334,7 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
         if (step->qsum) query_summary(q, hkv, g, d, step->qsum + (int64_t)l * kvd);
         const int64_t layer_off = (int64_t)l * hkv * s * d;
         store_kv(cache, layer_off, hkv, d, step->slot, k, v);
-        for (int32_t qh = 0; qh < h; qh++) {
-            rope(q + qh * d, step->cos_new, step->sin_new, d, q_new + qh * d);
-            if (step->split > 0) rope(q + qh * d, step->cos_plain, step->sin_plain, d, q_plain + qh * d);
-        }
-        const size_t elem = cache->half ? 2 : 4;
-        spark_attn aj = {(const uint8_t *)cache->k + layer_off * elem, (const uint8_t *)cache->v + layer_off * elem, s, cache->half,
-                         step->slots, step->positions, step->cos_table, step->sin_table, step->width, step->split,
-                         q_new, q_plain, h, hkv, d, scale, 0, partial, att};
-        spark_attend(&aj);
+        attend_token(cache, layer_off, step, q, h, hkv, d, q_new, q_plain, partial, att);
         qgemv(&m->o[l], att, hd, hbuf, &xq);
         for (int32_t i = 0; i < c; i++) x[i] += hbuf[i];
 
@@ -1406,7 +1413,6 @@ int32_t spark_decode_rows(const spark_model *m, const spark_cache *cache, const 
     const int32_t g = h / hkv, hd = h * d, kvd = hkv * d, nqkv = hd + 2 * kvd;
     const int32_t cp = round_qk(c), hdp = round_qk(hd), ip = round_qk(inter), t_n = t_count;
     const int64_t s = cache->capacity;
-    const float scale = 1.0f / sqrtf((float)d);
     float *hbuf = scratch;                          /* (T, Cp) normed inputs, padding zero */
     float *qkv = hbuf + (int64_t)t_n * cp;          /* (T, H*D + 2*Hkv*D) */
     float *att = qkv + (int64_t)t_n * nqkv;         /* (T, HDp) attention outputs, padding zero */
@@ -1420,7 +1426,6 @@ int32_t spark_decode_rows(const spark_model *m, const spark_cache *cache, const 
     memset(hbuf, 0, sizeof(float) * (size_t)t_n * cp);
     memset(att, 0, sizeof(float) * (size_t)t_n * hdp);
     memset(act, 0, sizeof(float) * (size_t)t_n * ip);
-    const size_t elem = cache->half ? 2 : 4;
 
     for (int32_t l = 0; l < m->n_layers; l++) {
         /* Attention block: every token's k, v stored first (a token attends to the chunk's earlier ones). */
@@ -1435,14 +1440,7 @@ int32_t spark_decode_rows(const spark_model *m, const spark_cache *cache, const 
             const spark_step *st = &steps[r];
             const float *q = qkv + (int64_t)r * nqkv;
             if (st->qsum) query_summary(q, hkv, g, d, st->qsum + (int64_t)l * kvd);
-            for (int32_t qh = 0; qh < h; qh++) {
-                rope(q + qh * d, st->cos_new, st->sin_new, d, q_new + qh * d);
-                if (st->split > 0) rope(q + qh * d, st->cos_plain, st->sin_plain, d, q_plain + qh * d);
-            }
-            spark_attn aj = {(const uint8_t *)cache->k + layer_off * elem, (const uint8_t *)cache->v + layer_off * elem, s, cache->half,
-                             st->slots, st->positions, st->cos_table, st->sin_table, st->width, st->split,
-                             q_new, q_plain, h, hkv, d, scale, 0, partial, att + (int64_t)r * hdp};
-            spark_attend(&aj);
+            attend_token(cache, layer_off, st, q, h, hkv, d, q_new, q_plain, partial, att + (int64_t)r * hdp);
         }
         qgemm_chain(&m->o[l], att, t_n, proj, tmp, xq);
         for (int32_t r = 0; r < t_n; r++)
