@@ -531,12 +531,12 @@ class MainWindow(QMainWindow):
         if not busy:
             self.speed_label.setText("")
 
-    def generation_settings(self, override: SamplingChoice | None = None) -> GenerationSettings:
-        """The user's settings with the sampling they resolve to (`override`: a conversation's own), and the prompt
-        read in chunks of at most INTERACTIVE_PREFILL_CHUNK: Stop (and Quit) acts between two layers of a chunk, so
-        a long paste stops within one layer's time of a chunk."""
+    def generation_settings(self, resolved: ResolvedSampling | None = None) -> GenerationSettings:
+        """The user's settings with the sampling `resolved` (default: the app's choice, as the quick prompt uses), and
+        the prompt read in chunks of at most INTERACTIVE_PREFILL_CHUNK: Stop (and Quit) acts between two layers of a
+        chunk, so a long paste stops within one layer's time of a chunk."""
         settings = self.prefs.generation()
-        sampling = self.resolved_sampling(override).sampling
+        sampling = (resolved or self.resolved_sampling(None)).sampling
         return replace(
             settings, sampling=sampling, prefill_chunk=min(settings.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
         )
@@ -568,9 +568,9 @@ class MainWindow(QMainWindow):
         """The main chat's settings: the user's, constrained to the "Reply as JSON" schema when that is on (a schema
         edited by hand into the settings file and refused by the engine is said, and the reply goes unconstrained).
         The conversation's own sampling, where it has one, wins over the app's; the inspector says which was used."""
-        override = self.library.sampling_for(self.state.current_id)
-        settings = self.generation_settings(override)
-        self.inspector.show_sampling(f"The last reply used {resolved_words(self.resolved_sampling(override))}.")
+        resolved = self.resolved_sampling(self.library.sampling_for(self.state.current_id))
+        settings = self.generation_settings(resolved)
+        self.inspector.show_sampling(f"The last reply used {resolved_words(resolved)}.")
         if not self.prefs.reply_as_json():
             return settings
         try:
