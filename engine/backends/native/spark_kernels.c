@@ -265,6 +265,7 @@ typedef struct {
     int8_t *xh;
     uint8_t *xl;
     int32_t *xc;
+    int32_t *xs; /* per half block of 16, sum(q): for a Q6_K decoding step's split route (spark_kquants.c) */
     /* One row only, AVX2 (in xh's place): its int16 quants for a Q4_0 or Q4_1 decoding step, each block's
      * elements in the order of block_lanes_nib's vectors: 0, 2, .., 14, 1, 3, .., 15, 16, 18, .., 30, 17, .., 31. */
     int16_t *xp;
@@ -310,7 +311,7 @@ static int64_t lane_rows(int32_t m) {
 /* Bytes of activation scratch for m rows of k (spark_qgemm's `scratch`): the rows, then their token-lane copy, or
  * for one row its split bytes. */
 int64_t spark_act_bytes(int32_t k, int32_t m) {
-    return ((int64_t)m + lane_rows(m)) * (2 * k + 12 * (k / QK)) + 128 + (m == 1 ? 2 * k + 4 * (k / QK) + 64 : 0);
+    return ((int64_t)m + lane_rows(m)) * (2 * k + 12 * (k / QK)) + 128 + (m == 1 ? 2 * k + 12 * (k / QK) + 64 : 0);
 }
 
 static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
@@ -327,11 +328,12 @@ static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
     a.td = (float *)(a.tq + tb * QK / 2);
     a.tds = a.td + tb;
     a.ts = (int32_t *)(a.tds + tb);
-    a.xh = NULL, a.xl = NULL, a.xc = NULL, a.xp = NULL;
+    a.xh = NULL, a.xl = NULL, a.xc = NULL, a.xs = NULL, a.xp = NULL;
     if (m == 1) {
         a.xh = (int8_t *)(((uintptr_t)(a.ts + tb) + 63) & ~(uintptr_t)63);
         a.xl = (uint8_t *)(a.xh + k);
         a.xc = (int32_t *)(a.xl + k);
+        a.xs = a.xc + k / QK;
         a.xp = (int16_t *)a.xh;
     }
     return a;
@@ -1125,20 +1127,22 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     }
 }
 
-/* One row's int16 quants as a->xh, xl, xc (spark_act), for a Q8_0 decoding step's block_lanes_split (AVX-512), or
- * as a->xp for a Q4 one's block_lanes_nib (AVX2). */
+/* One row's int16 quants as a->xh, xl, xc, xs (spark_act), for a Q8_0 decoding step's block_lanes_split or a Q4_K
+ * or Q6_K one's kq_split_dot (AVX-512), or as a->xp for a Q4 one's block_lanes_nib (AVX2). */
 static void split_row(const spark_act *a, int32_t type, int32_t nb) {
 #if defined(SPARK_AVX512VNNI)
-    if (type != SPARK_Q8_0 || a->parts != 2 || a->xh == NULL) return;
+    if ((type != SPARK_Q8_0 && !kq_split_type(type)) || a->parts != 2 || a->xh == NULL) return;
     for (int32_t b = 0; b < nb; b++) {
-        int32_t high = 0;
+        int32_t high = 0, half[2] = {0, 0};
         for (int32_t i = 0; i < QK; i++) {
             const int16_t q = a->q16[b * QK + i];
             a->xh[b * QK + i] = (int8_t)(q >> 8);
             a->xl[b * QK + i] = (uint8_t)(q & 0xFF);
             high += q >> 8;
+            half[i / 16] += q;
         }
         a->xc[b] = high * 32768;
+        a->xs[2 * b] = half[0], a->xs[2 * b + 1] = half[1];
     }
 #elif defined(SPARK_AVX2)
     if (type == SPARK_Q8_0 || a->parts != 2 || a->xp == NULL) return;

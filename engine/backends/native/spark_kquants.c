@@ -791,10 +791,111 @@ static void kq_dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spar
     }
 }
 
+/* The types with a decoding step's split route below (AVX-512): every Q4_K_M and Q6_K file's bulk. */
+static inline int kq_split_type(int32_t type) { return type == SPARK_Q4_K || type == SPARK_Q6_K; }
+
+#if defined(SPARK_ZMM)
+/* 16 int32 lanes, lane i = sum(w x) over bytes 4i..4i+3 of 64 unsigned quants w (0..63) against elements e..e+63 of
+ * the split activation row: x = 256 xh + xl (spark_kernels.c's split_row), so two byte products (VNNI's unsigned by
+ * signed) replace the int16 widening of w. Exact: |256 * 4 * 63 * 128| + 4 * 255 * 63 < 2^31. */
+static inline __m512i kq_split_lanes(__m512i w, const spark_act *a, int64_t e) {
+    const __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->xh + e));
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(hi, 8), _mm512_loadu_si512(a->xl + e), w);
+}
+
+/* Lane i = lanes 2i and 2i + 1 of the 32 lanes of u then v, summed (one step of a horizontal sum; exact integers). */
+static inline __m512i kq_pair_sums(__m512i u, __m512i v) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(u, even, v), _mm512_permutex2var_epi32(u, odd, v));
+}
+
+/* Weight rows rows[0..count) (count <= 2), Q4_K or Q6_K, times a decoding step's activation row (block 0 on), through
+ * the split row: a super-block's quants stay bytes (no int16 widening), four 512-bit product pairs cover its 256
+ * weights, and three (Q6_K: two) steps of pairwise sums leave block j's sum in lane j (Q6_K: each half's). The same
+ * exact sums as kq_block_lanes', then kq_group_terms' float steps lane by lane: the same bits as kq_dot_rows_r. Two
+ * rows at once keep two weight streams in flight. */
+static inline __attribute__((always_inline)) void kq_split_dot(const int32_t type, const uint8_t *const *rows, const int32_t count, int32_t nb, const spark_act *a, float *out) {
+    __m256 vacc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+    for (int32_t b = 0; b + 8 <= nb; b += 8) {
+        const int64_t e = (int64_t)b * QK;
+        for (int32_t r = 0; r < count; r++) {
+            __m512i l[4];
+            __m256i h0, h1;
+            if (type == SPARK_Q4_K) { /* 32 bytes per pair of blocks: block 2g's low nibbles, block 2g + 1's high */
+                const uint8_t *qs = rows[r] + (int64_t)(b >> 3) * 144 + 16;
+                const __m512i shift = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+                for (int32_t g = 0; g < 4; g++) {
+                    const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * g)));
+                    l[g] = kq_split_lanes(_mm512_and_si512(_mm512_srlv_epi64(raw, shift), m4), a, e + 64 * g);
+                }
+                const __m512i q = kq_pair_sums(kq_pair_sums(l[0], l[1]), kq_pair_sums(l[2], l[3])); /* lanes 2j, 2j+1 */
+                h0 = h1 = _mm512_cvtepi64_epi32(_mm512_add_epi64(q, _mm512_srli_epi64(q, 32)));
+            } else { /* Q6_K, per half of 128: ql's low nibbles are blocks 0, 1, its high ones 2, 3; qh's bit pairs */
+                const uint8_t *blk = rows[r] + (int64_t)(b >> 3) * 210;
+                for (int32_t n = 0; n < 2; n++) {
+                    const __m512i ql = _mm512_loadu_si512(blk + 64 * n);
+                    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+                    const __m512i lo_hi = _mm512_slli_epi64(_mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), m2), 4);
+                    const __m512i hi_hi = _mm512_slli_epi64(_mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6)), m2), 4);
+                    l[2 * n] = kq_split_lanes(_mm512_or_si512(_mm512_and_si512(ql, m4), lo_hi), a, e + 128 * n);
+                    l[2 * n + 1] = kq_split_lanes(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(ql, 4), m4), hi_hi), a, e + 128 * n + 64);
+                }
+                /* lane 2j + h: block j's half h, as unsigned quants q + 32: less 32 times that half's activation sum */
+                const __m512i q = _mm512_sub_epi32(kq_pair_sums(kq_pair_sums(l[0], l[1]), kq_pair_sums(l[2], l[3])),
+                                                   _mm512_slli_epi32(_mm512_loadu_si512(a->xs + 2 * (int64_t)b), 5));
+                h0 = _mm512_cvtepi64_epi32(q);
+                h1 = _mm512_cvtepi64_epi32(_mm512_srli_epi64(q, 32));
+            }
+            const kq_factors f = kq_group_factors(type, rows[r], b);
+            vacc[r] = _mm256_add_ps(vacc[r], kq_group_terms(type, &f, h0, h1, a, b));
+        }
+    }
+    for (int32_t r = 0; r < count; r++) {
+        float ac[8];
+        _mm256_storeu_ps(ac, vacc[r]);
+        out[r] = ((ac[0] + ac[4]) + (ac[1] + ac[5])) + ((ac[2] + ac[6]) + (ac[3] + ac[7]));
+    }
+}
+
+/* kq_split_dot inlined per type and row count (its branches fold away in each copy). */
+static void kq_split_dots(const int32_t type, const uint8_t *const *rows, const int32_t count, int32_t nb, const spark_act *a, float *out) {
+    if (type == SPARK_Q4_K) {
+        if (count == 2) kq_split_dot(SPARK_Q4_K, rows, 2, nb, a, out);
+        else kq_split_dot(SPARK_Q4_K, rows, 1, nb, a, out);
+    } else {
+        if (count == 2) kq_split_dot(SPARK_Q6_K, rows, 2, nb, a, out);
+        else kq_split_dot(SPARK_Q6_K, rows, 1, nb, a, out);
+    }
+}
+#endif
+
 /* Weight rows [begin, end) of w times activation rows [first, m): y (M, N), as spark_kernels.c's gemm_rows. */
 static void kq_gemm_rows(const spark_qmat *w, const spark_act *a, float *y, int32_t first, int32_t m, int32_t begin, int32_t end) {
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t rb = kq_row_bytes(w->type, w->k);
+#if defined(SPARK_ZMM)
+    if (m - first == 1 && a->xh != NULL && a->parts == 2 && kq_split_type(w->type) && nb % 8 == 0) { /* split_row's */
+        /* row i of the range's first half with row i of its second: two long sequential streams (gemm_rows' Q8_0) */
+        const int32_t half = (end - begin) / 2;
+        for (int32_t i = 0; i < half; i++) {
+            const int32_t ja = begin + i, jb = begin + half + i;
+            const uint8_t *rows[2] = {w->blocks + ja * rb, w->blocks + jb * rb};
+            float out[2];
+            kq_split_dots(w->type, rows, 2, nb, a, out);
+            y[(int64_t)first * n + ja] = out[0] + (w->bias ? w->bias[ja] : 0.0f);
+            y[(int64_t)first * n + jb] = out[1] + (w->bias ? w->bias[jb] : 0.0f);
+        }
+        for (int32_t j = begin + 2 * half; j < end; j++) { /* an odd range's last row */
+            const uint8_t *rows[1] = {w->blocks + j * rb};
+            float out[1];
+            kq_split_dots(w->type, rows, 1, nb, a, out);
+            y[(int64_t)first * n + j] = out[0] + (w->bias ? w->bias[j] : 0.0f);
+        }
+        return;
+    }
+#endif
     for (int32_t r = first; r < m; r += KQ_ROWS) {
         const int32_t rc = m - r < KQ_ROWS ? m - r : KQ_ROWS;
         int64_t b0[KQ_ROWS];
