@@ -30,7 +30,8 @@
  * float operations run lane by lane. The other formats go block by block on every ISA (kq_unpack_scalar unpacks
  * their quants; the products are vector code).
  * Routes: AVX-512 with BW and VNNI (one 512-bit product per block; a prefill: spark_kernels.c's token-lane route,
- * kq_tokens_in_lanes below, for kq_vec_type), AVX2, Arm's NEON dot product, portable C; each
+ * kq_tokens_in_lanes below, for kq_vec_type; a decoding step's Q4_K and Q6_K rows: kq_split_dot, byte products
+ * against the activation row split into its high and low bytes), AVX2, Arm's NEON dot product, portable C; each
  * checked bit for bit by tests/engine/backends/native/kquant_check.c (the Arm ones under qemu) and the
  * Python tests.
  */
