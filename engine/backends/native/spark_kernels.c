@@ -484,15 +484,6 @@ static inline __m256i block_lanes_split(const uint8_t *qs, const spark_act *a, i
     const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, _mm256_loadu_si256((const __m256i *)(a->xh + at)));
     return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), _mm256_loadu_si256((const __m256i *)(a->xl + at)), w);
 }
-/* block_lanes16 of a Q4 block for a decoding step in two byte products against the split row, as block_lanes_split
- * (the nibbles are unsigned already: no offset to take off): the 16 bytes in both halves, shifted by 0 and 4 within
- * 64-bit lanes and masked, are the 32 elements in order. */
-static inline __m256i block_lanes_nib_split(const uint8_t *qs, const spark_act *a, int64_t at) {
-    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
-    const __m256i nib = _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
-    const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), nib, _mm256_loadu_si256((const __m256i *)(a->xh + at)));
-    return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), _mm256_loadu_si256((const __m256i *)(a->xl + at)), nib);
-}
 #endif
 #if defined(SPARK_AVX2)
 /* block_lanes16 of a Q4 block for a decoding step, against a->xp: the nibbles widened to int16 by shifts of the
@@ -754,36 +745,33 @@ static inline __attribute__((always_inline)) void dot_pair16_t(const int32_t typ
     int32_t b = 0;
     for (; b + 4 <= nb; b += 4) {
         const uint8_t *pa = ra + (int64_t)b * bb, *pb = rb + (int64_t)b * bb;
+        const int16_t *q = a->q16 + (int64_t)b * QK;
         __m256i la[4], lb[4];
         __m128i split = _mm_setzero_si128(); /* what block_lanes_split's sums carry over the products */
-#if defined(SPARK_AVX512VNNI) /* every type in byte products against the split row */
+#if defined(SPARK_AVX512VNNI)
         if (type == SPARK_Q8_0) {
             for (int32_t j = 0; j < 4; j++) {
                 la[j] = block_lanes_split(pa + j * bb + off, a, (int64_t)(b + j) * QK);
                 lb[j] = block_lanes_split(pb + j * bb + off, a, (int64_t)(b + j) * QK);
             }
             split = _mm_loadu_si128((const __m128i *)(a->xc + b));
-        } else {
-            for (int32_t j = 0; j < 4; j++) {
-                la[j] = block_lanes_nib_split(pa + j * bb + off, a, (int64_t)(b + j) * QK);
-                lb[j] = block_lanes_nib_split(pb + j * bb + off, a, (int64_t)(b + j) * QK);
-            }
-        }
-#else
+        } else
+#endif
+#if defined(SPARK_AVX2)
         if (type != SPARK_Q8_0) {
             for (int32_t j = 0; j < 4; j++) {
                 la[j] = block_lanes_nib(pa + j * bb + off, a->xp + (int64_t)(b + j) * QK);
                 lb[j] = block_lanes_nib(pb + j * bb + off, a->xp + (int64_t)(b + j) * QK);
             }
-        } else {
-            const int16_t *q = a->q16 + (int64_t)b * QK;
+        } else
+#endif
+        {
             for (int32_t j = 0; j < 4; j++) {
                 const spark_w16 wa = load_w16(type, pa + j * bb + off), wb = load_w16(type, pb + j * bb + off);
                 la[j] = block_lanes16(wa, q + j * QK);
                 lb[j] = block_lanes16(wb, q + j * QK);
             }
         }
-#endif
         __m128 dwa, mwa = _mm_setzero_ps(), dwb, mwb = _mm_setzero_ps();
         block_scales4(type, pa, bb, &dwa, &mwa);
         block_scales4(type, pb, bb, &dwb, &mwb);
@@ -1144,7 +1132,7 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
  * or Q6_K one's kq_split_dot (AVX-512), or as a->xp for a Q4 one's block_lanes_nib (AVX2). */
 static void split_row(const spark_act *a, int32_t type, int32_t nb) {
 #if defined(SPARK_AVX512VNNI)
-    if ((type != SPARK_Q8_0 && type != SPARK_Q4_0 && type != SPARK_Q4_1 && !kq_split_type(type)) || a->parts != 2 || a->xh == NULL) return;
+    if ((type != SPARK_Q8_0 && !kq_split_type(type)) || a->parts != 2 || a->xh == NULL) return;
     for (int32_t b = 0; b < nb; b++) {
         int32_t high = 0, half[2] = {0, 0};
         for (int32_t i = 0; i < QK; i++) {
