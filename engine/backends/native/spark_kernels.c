@@ -262,7 +262,7 @@ typedef struct {
     int32_t *ts;
     /* One row only (a decoding step; NULL otherwise): its int16 quants as two bytes each, xh = q >> 8 (signed) and
      * xl = q & 255 (unsigned), and per block xc = 32768 * sum(xh): split_row below, for the byte-product routes
-     * (block_lanes_split, block_lanes_nib_split, spark_kquants.c's kq_split_dot). */
+     * (block_lanes_split, spark_kquants.c's kq_split_dot). */
     int8_t *xh;
     uint8_t *xl;
     int32_t *xc;
