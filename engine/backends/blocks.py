@@ -118,22 +118,15 @@ def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockW
                     last = runs.pop()
                     d = np.concatenate([last.blocks.numpy(), d])
                 runs.append(BlockWeights(t, (d.shape[0], shape[1]), torch.from_numpy(np.array(d, dtype=np.uint8))))
-            _release(parts)
+            for p in parts:  # held as copies now: loading never holds a model's weights twice
+                p.release()
             return BlockWeights(runs[0].qtype, shape, torch.empty(0, dtype=torch.uint8), parts=tuple(runs))
         qtype = BlockType.Q8_0
         data = [widen_to_q8_0(d, t) for d, t in zip(data, types, strict=True)]
     rows = np.concatenate(data)  # a new array: the parts' bytes copied once
-    held = BlockWeights(qtype, shape, torch.from_numpy(rows))
-    _release(parts)
-    return held
-
-
-def _release(parts: list[StoredTensor]) -> None:
-    """The file pages of weights now held as copies: given back (StoredTensor.release), so that loading never
-    holds a model's weights twice."""
-    for p in parts:
-        if p.release is not None:
-            p.release()
+    for p in parts:  # copied: loading never holds a model's weights twice
+        p.release()
+    return BlockWeights(qtype, shape, torch.from_numpy(rows))
 
 
 def plan_blocks(
@@ -208,7 +201,7 @@ def use_stored_embedding(model: Transformer, stored: Mapping[str, StoredTensor] 
     model.model.embed_tokens = BlockEmbedding(
         BlockWeights(qtype, t.shape, torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(t.shape[0], -1)))
     )
-    _release([t])
+    t.release()
 
 
 def dequantized_linear(w: BlockWeights, bias: torch.Tensor | None) -> nn.Linear:

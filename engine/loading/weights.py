@@ -276,8 +276,7 @@ def _load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype, leave
             raise ModelLoadError(
                 f"Tensor {name} holds NaN or infinite values; the model file is corrupt, download it again."
             )
-        if blocks.release is not None:  # the check read every block: not resident until the backend copies it
-            blocks.release()
+        blocks.release()  # the check read every block: not resident until the backend copies it
     with torch.device("meta"):
         model = Transformer(gm.config)
     state: dict[str, torch.Tensor] = {}

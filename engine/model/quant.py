@@ -100,9 +100,14 @@ class StoredTensor:
     qtype: str
     shape: tuple[int, int]
     data: np.ndarray
-    # Gives back the file pages `data` views, once whoever needed them has its own copy (GGUFModel.release_pages);
-    # None where `data` is no view of a file.
-    release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    # Gives back the file pages `data` views (GGUFModel.release_pages); None where `data` is no view of a file.
+    releaser: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+
+    def release(self) -> None:
+        """Give back the file pages `data` views, once whoever needed them has its own copy (nothing where `data`
+        is no view of a file); a later read of `data` faults them back in."""
+        if self.releaser is not None:
+            self.releaser()
 
 
 # Byte ranges of each block's float fields (d, and Q4_1's m or a K-quant's dmin); the other formats' d is bytes 0..2.
