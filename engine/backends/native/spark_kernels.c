@@ -260,6 +260,10 @@ typedef struct {
     int32_t *tq;
     float *td, *tds;
     int32_t *ts;
+    /* With int8 rows (parts = 1, spark_kquants.c's Q4_K and Q6_K): tq (G, K/32, 8, L) int32, lane t of vector
+     * (g, b, i) = elements 4i..4i+3 of token Lg + t's block b, and th (G, K/32, L) the sums of each block's first
+     * 16 quants (Q6_K's halves take their activation sums), in tq's second half. */
+    int32_t *th;
     /* One row only (a decoding step; NULL otherwise): its int16 quants as two bytes each, xh = q >> 8 (signed) and
      * xl = q & 255 (unsigned), and per block xc = 32768 * sum(xh): split_row below, for the byte-product routes
      * (block_lanes_split, spark_kquants.c's kq_split_dot). */
@@ -290,6 +294,7 @@ int32_t spark_block_bytes(int32_t type) {
 #define SPARK_ZMM 1 /* the 512-bit token-lane route, every block type */
 #define SPARK_LANES 16
 #define SPARK_LANES_MIN 8
+#define SPARK_LANES_MIN_A8 2 /* int8 rows of Q4_K and Q6_K: their row route costs more than a group from 2 tokens */
 #else
 #define SPARK_LANES 8
 #define SPARK_LANES_MIN 6
@@ -298,11 +303,11 @@ int32_t spark_block_bytes(int32_t type) {
 #define SPARK_TOKEN_LANES 1 /* a prefill takes a lane route (AVX2: Q8_0, Q4_0, Q4_1, by rows_in_lanes_t) */
 #endif
 
-/* Rows rounded up to whole groups of SPARK_LANES tokens: the token-lane copy's (a prefill's on AVX-512; none for
- * one row, nor where that route is not built). */
+/* Rows rounded up to whole groups of SPARK_LANES tokens: the token-lane copy's (a prefill's or a verify's on
+ * AVX-512, from the fewest any type takes in lanes; none for one row, nor where that route is not built). */
 static int64_t lane_rows(int32_t m) {
 #if defined(SPARK_ZMM)
-    return m >= SPARK_LANES_MIN ? ((int64_t)m + SPARK_LANES - 1) / SPARK_LANES * SPARK_LANES : 0;
+    return m >= SPARK_LANES_MIN_A8 ? ((int64_t)m + SPARK_LANES - 1) / SPARK_LANES * SPARK_LANES : 0;
 #else
     (void)m;
     return 0;
@@ -329,6 +334,7 @@ static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
     a.td = (float *)(a.tq + tb * QK / 2);
     a.tds = a.td + tb;
     a.ts = (int32_t *)(a.tds + tb);
+    a.th = a.tq + tb * (QK / 4);
     a.xh = NULL, a.xl = NULL, a.xc = NULL, a.xs = NULL, a.xp = NULL;
     if (m == 1) {
         a.xh = (int8_t *)(((uintptr_t)(a.ts + tb) + 63) & ~(uintptr_t)63);
@@ -823,12 +829,24 @@ static void lanes_in(spark_act *a, int32_t m, int32_t nb) {
             for (int32_t b = 0; b < nb; b++) {
                 const int64_t at = (g * nb + b) * SPARK_LANES + t; /* lane t of block b's scalars */
                 int32_t *q = a->tq + (g * nb + b) * (QK / 2) * SPARK_LANES + t;
-                if (tok < m) {
+                if (a->parts == 1) { /* int8: four elements a lane, and the first half's sum */
+                    int32_t *q8 = a->tq + (g * nb + b) * (QK / 4) * SPARK_LANES + t, half = 0;
+                    const int8_t *x = tok < m ? a->q8 + (tok * nb + b) * QK : NULL;
+                    for (int32_t i = 0; i < QK / 4; i++) {
+                        q8[i * SPARK_LANES] = 0;
+                        if (x != NULL) memcpy(&q8[i * SPARK_LANES], x + 4 * i, 4);
+                    }
+                    for (int32_t i = 0; x != NULL && i < QK / 2; i++) half += x[i];
+                    a->th[at] = half;
+                } else if (tok < m) {
                     const int16_t *x = a->q16 + (tok * nb + b) * QK;
                     for (int32_t i = 0; i < QK / 2; i++) memcpy(&q[i * SPARK_LANES], x + 2 * i, 4);
-                    a->td[at] = a->d[tok * nb + b], a->tds[at] = a->ds[tok * nb + b], a->ts[at] = a->s[tok * nb + b];
                 } else {
                     for (int32_t i = 0; i < QK / 2; i++) q[i * SPARK_LANES] = 0;
+                }
+                if (tok < m) {
+                    a->td[at] = a->d[tok * nb + b], a->tds[at] = a->ds[tok * nb + b], a->ts[at] = a->s[tok * nb + b];
+                } else {
                     a->td[at] = a->tds[at] = 0.0f, a->ts[at] = 0;
                 }
             }
@@ -975,29 +993,39 @@ static inline __attribute__((always_inline)) void rows_in_lanes_t(const int32_t 
 #endif
 
 #if defined(SPARK_ZMM)
-/* Weight rows [begin, end) times every token group: y (M, N) (+ bias), rows two at a time. */
+/* Weight rows [begin, end) times every token group: y (M, N) (+ bias), rows two at a time, in tiles of rows whose
+ * bytes stay in cache while every token group passes them (a matrix larger than the cache is read from memory
+ * once, not once per group). */
+#define LANE_TILE_BYTES 65536
 static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t row_bytes = kq_type(type) ? kq_row_bytes(type, w->k) : (int64_t)nb * block_bytes(type);
-    for (int64_t g = 0; g * SPARK_LANES < m; g++) {
-        const int32_t count = m - g * SPARK_LANES < SPARK_LANES ? (int32_t)(m - g * SPARK_LANES) : SPARK_LANES;
-        for (int32_t j = begin; j < end; j += 2) {
-            const int32_t R = end - j >= 2 ? 2 : 1;
-            const uint8_t *rows[2] = {w->blocks + j * row_bytes, w->blocks + (j + 1) * row_bytes};
-            __m512 out[2];
-            if (kq_type(type)) {
-                if (R == 2) kq_tokens_in_lanes(type, rows, 2, nb, a, g, out);
-                else kq_tokens_in_lanes(type, rows, 1, nb, a, g, out);
-            } else if (R == 2) {
-                tokens_in_lanes(type, rows, 2, nb, a, g, out);
-            } else {
-                tokens_in_lanes(type, rows, 1, nb, a, g, out);
-            }
-            for (int32_t r = 0; r < R; r++) {
-                float lanes[SPARK_LANES];
-                _mm512_storeu_ps(lanes, out[r]);
-                const float bias = w->bias ? w->bias[j + r] : 0.0f;
-                for (int32_t t = 0; t < count; t++) y[(g * SPARK_LANES + t) * n + j + r] = lanes[t] + bias;
+    const int32_t tile = row_bytes >= LANE_TILE_BYTES / 2 ? 2 : (int32_t)(LANE_TILE_BYTES / row_bytes) & ~1;
+    for (int32_t first = begin; first < end; first += tile) {
+        const int32_t last = end - first < tile ? end : first + tile;
+        for (int64_t g = 0; g * SPARK_LANES < m; g++) {
+            const int32_t count = m - g * SPARK_LANES < SPARK_LANES ? (int32_t)(m - g * SPARK_LANES) : SPARK_LANES;
+            for (int32_t j = first; j < last; j += 2) {
+                const int32_t R = last - j >= 2 ? 2 : 1;
+                const uint8_t *rows[2] = {w->blocks + j * row_bytes, w->blocks + (j + 1) * row_bytes};
+                __m512 out[2];
+                if (kq_split_type(type) && a->parts == 1) { /* int8 rows: lane_tokens lets only these types here */
+                    if (R == 2) kq_tokens_in_lanes(type, rows, 2, nb, a, g, out, 1);
+                    else kq_tokens_in_lanes(type, rows, 1, nb, a, g, out, 1);
+                } else if (kq_type(type)) {
+                    if (R == 2) kq_tokens_in_lanes(type, rows, 2, nb, a, g, out, 0);
+                    else kq_tokens_in_lanes(type, rows, 1, nb, a, g, out, 0);
+                } else if (R == 2) {
+                    tokens_in_lanes(type, rows, 2, nb, a, g, out);
+                } else {
+                    tokens_in_lanes(type, rows, 1, nb, a, g, out);
+                }
+                for (int32_t r = 0; r < R; r++) {
+                    float lanes[SPARK_LANES];
+                    _mm512_storeu_ps(lanes, out[r]);
+                    const float bias = w->bias ? w->bias[j + r] : 0.0f;
+                    for (int32_t t = 0; t < count; t++) y[(g * SPARK_LANES + t) * n + j + r] = lanes[t] + bias;
+                }
             }
         }
     }
@@ -1040,15 +1068,20 @@ static int32_t lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int
 #endif
 
 /* How many of a prefill's m activation rows over w take the lane route (on AVX-512 its copy built by spark_qgemm),
- * the first ones; the rest take the row routes: whole groups, and a last partial one of at least SPARK_LANES_MIN. */
+ * the first ones; the rest take the row routes: whole groups, and a last partial one of at least SPARK_LANES_MIN.
+ * Int16 rows for every routed type; int8 rows for Q4_K and Q6_K (their default, engine.backends.native). */
 static int32_t lane_tokens(const spark_qmat *w, int32_t m) {
 #if defined(SPARK_TOKEN_LANES)
     int routed = w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1;
 #if defined(SPARK_ZMM)
-    routed = routed || kq_lane_type(w->type);
+    routed = w->act_parts == 1 ? kq_split_type(w->type) : routed || kq_lane_type(w->type); /* int8: Q4_K, Q6_K */
+    const int32_t least = w->act_parts == 1 ? SPARK_LANES_MIN_A8 : SPARK_LANES_MIN;
+#else
+    routed = routed && w->act_parts == 2;
+    const int32_t least = SPARK_LANES_MIN;
 #endif
-    if (w->act_parts != 2 || !routed) return 0;
-    return m % SPARK_LANES >= SPARK_LANES_MIN ? m : m - m % SPARK_LANES;
+    if (!routed) return 0;
+    return m % SPARK_LANES >= least ? m : m - m % SPARK_LANES;
 #else
     (void)w, (void)m;
     return 0;
@@ -1129,9 +1162,18 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
 }
 
 /* One row's int16 quants as a->xh, xl, xc, xs (spark_act), for a Q8_0 decoding step's block_lanes_split or a Q4_K
- * or Q6_K one's kq_split_dot (AVX-512), or as a->xp for a Q4 one's block_lanes_nib (AVX2). */
+ * or Q6_K one's kq_split_dot (AVX-512), or as a->xp for a Q4 one's block_lanes_nib (AVX2); an int8 row's halves'
+ * sums as a->xs, for a Q4_K or Q6_K step's kq_split_dot, which reads the int8 quants as they are. */
 static void split_row(const spark_act *a, int32_t type, int32_t nb) {
 #if defined(SPARK_AVX512VNNI)
+    if (a->parts == 1 && kq_split_type(type) && a->xh != NULL) { /* int8: the halves' sums only (Q6_K's) */
+        for (int32_t b = 0; b < nb; b++) {
+            int32_t half[2] = {0, 0};
+            for (int32_t i = 0; i < QK; i++) half[i / 16] += a->q8[b * QK + i];
+            a->xs[2 * b] = half[0], a->xs[2 * b + 1] = half[1];
+        }
+        return;
+    }
     if ((type != SPARK_Q8_0 && !kq_split_type(type)) || a->parts != 2 || a->xh == NULL) return;
     for (int32_t b = 0; b < nb; b++) {
         int32_t high = 0, half[2] = {0, 0};

@@ -29,9 +29,12 @@
  * Q6_K (kq_vec_type): the 8 blocks' sums fill the 8 lanes of a vector, lane j being partial sum j, so the same
  * float operations run lane by lane. The other formats go block by block on every ISA (kq_unpack_scalar unpacks
  * their quants; the products are vector code).
+ * On AVX-512 VNNI, Q4_K and Q6_K matrices take int8 activations by default (engine.backends.native.activation_parts),
+ * the rest int16: their quants stay bytes against the int8 rows (64 products an instruction).
  * Routes: AVX-512 with BW and VNNI (one 512-bit product per block; a prefill: spark_kernels.c's token-lane route,
- * kq_tokens_in_lanes below, for kq_vec_type; a decoding step's Q4_K and Q6_K rows: kq_split_dot, byte products
- * against the activation row split into its high and low bytes), AVX2, Arm's NEON dot product, portable C; each
+ * kq_tokens_in_lanes below, for kq_vec_type, with int8 rows for Q4_K and Q6_K; a decoding step's Q4_K and Q6_K rows:
+ * kq_split_dot, byte products against the int8 row, or the int16 row split into its high and low bytes), AVX2,
+ * Arm's NEON dot product, portable C; each
  * checked bit for bit by tests/engine/backends/native/kquant_check.c (the Arm ones under qemu) and the
  * Python tests.
  */
@@ -646,6 +649,31 @@ static inline __attribute__((always_inline)) void kq_block_lanes(const int32_t t
 #endif
 
 #if defined(SPARK_ZMM)
+/* Super-block s of a Q4_K or Q6_K row as unsigned quants, one byte each: v[g] = blocks 2g and 2g + 1 (64 bytes),
+ * Q4_K's q (0..15) and Q6_K's q + 32 (0..63). Q4_K: 32 bytes per pair of blocks, block 2g's in the low nibbles, 2g + 1's
+ * in the high. Q6_K, per half of 128: ql's low nibbles are blocks 0, 1, its high ones 2, 3; qh's bit pairs above. */
+static inline void kq_super_bytes(const int32_t type, const uint8_t *row, int32_t s, __m512i *v) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+    if (type == SPARK_Q4_K) {
+        const uint8_t *qs = row + (int64_t)s * 144 + 16;
+        const __m512i shift = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+        for (int32_t g = 0; g < 4; g++) {
+            const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * g)));
+            v[g] = _mm512_and_si512(_mm512_srlv_epi64(raw, shift), m4);
+        }
+        return;
+    }
+    const uint8_t *blk = row + (int64_t)s * 210;
+    for (int32_t n = 0; n < 2; n++) {
+        const __m512i ql = _mm512_loadu_si512(blk + 64 * n);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+        const __m512i lo_hi = _mm512_slli_epi64(_mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), m2), 4);
+        const __m512i hi_hi = _mm512_slli_epi64(_mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6)), m2), 4);
+        v[2 * n] = _mm512_or_si512(_mm512_and_si512(ql, m4), lo_hi);
+        v[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(ql, 4), m4), hi_hi);
+    }
+}
+
 /* The weight factors of block b (kq_unpack's dw, mw, s0, s1) without its quants. */
 static inline void kq_factors_of(const int32_t type, const uint8_t *row, int32_t b, kq_block *o) {
     o->mw = 0.0f;
@@ -670,44 +698,80 @@ static inline void kq_factors_of(const int32_t type, const uint8_t *row, int32_t
 }
 
 /* spark_kernels.c's token-lane prefill (tokens_in_lanes) for these types: out[r] (16 token lanes) = weight row
- * rows[r] (r < R) times token group g. Per block and row, 16 products of a broadcast weight pair with the 16
- * tokens' pair: pairs 0..7 sum to h0, 8..15 to h1, one lane per token; the terms as kq_term, lane by lane. */
-static inline __attribute__((always_inline)) void kq_tokens_in_lanes(const int32_t type, const uint8_t *const *rows, const int32_t R, int32_t nb, const spark_act *a, int64_t g, __m512 *out) {
+ * rows[r] (r < R) times token group g. Per block and row, the products of broadcast weights with the 16 tokens'
+ * elements: int16 rows (a8 = 0) take 16 pair products (pairs 0..7 sum to h0, 8..15 to h1), int8 rows (a8, Q4_K and
+ * Q6_K) 8 products of four bytes (0..3 to h0, 4..7 to h1) against the unsigned quants (kq_super_bytes; Q6_K's
+ * halves then less 32 times their activation sums); one lane per token, the terms as kq_term's, lane by lane. */
+#define KQ_AHEAD 4 /* super-blocks of each weight row asked for ahead of the token-lane route's reads */
+static inline __attribute__((always_inline)) void kq_tokens_in_lanes(const int32_t type, const uint8_t *const *rows, const int32_t R, int32_t nb, const spark_act *a, int64_t g, __m512 *out, const int a8) {
     __m512 acc[2][8];
     for (int32_t r = 0; r < R; r++)
         for (int32_t u = 0; u < 8; u++) acc[r][u] = _mm512_setzero_ps();
     for (int32_t b8 = 0; b8 < nb; b8 += 8) {
         const int32_t count = nb - b8 < 8 ? nb - b8 : 8;
         int32_t wide[2][8][QK / 2] __attribute__((aligned(64))); /* int16 pairs: block u's weights 2i, 2i+1 */
-        kq_block f[2][8];
-        for (int32_t r = 0; r < R; r++)
-            for (int32_t u = 0; u < count; u++) {
-                _mm512_store_si512(wide[r][u], kq_unpack512(type, rows[r], b8 + u));
-                kq_factors_of(type, rows[r], b8 + u, &f[r][u]);
+        int32_t bytes[2][8][QK / 4] __attribute__((aligned(64))); /* a8: block u's weights 4i..4i+3 */
+        float dw[2][8], mw[2][8];
+        int32_t s0[2][8], s1[2][8];
+        for (int32_t r = 0; r < R; r++) {
+            const int64_t sb = kq_block_weights(type) == QK ? 8 * (int64_t)kq_block_bytes(type) : kq_block_bytes(type);
+            prefetch_bytes(rows[r] + ((b8 >> 3) + KQ_AHEAD) * sb, sb); /* these 8 blocks' bytes: sb */
+            if (a8) {
+                __m512i v[4];
+                kq_super_bytes(type, rows[r], b8 >> 3, v);
+                for (int32_t i = 0; i < 4; i++) _mm512_store_si512(bytes[r][2 * i], v[i]);
             }
+            for (int32_t u = 0; u < count && !a8; u++) _mm512_store_si512(wide[r][u], kq_unpack512(type, rows[r], b8 + u));
+            if (count == 8) { /* the 8 blocks' factors at once (kq_factors_of's values) */
+                const kq_factors f = kq_group_factors(type, rows[r], b8);
+                _mm256_storeu_ps(dw[r], f.dw), _mm256_storeu_ps(mw[r], f.mw);
+                _mm256_storeu_si256((__m256i *)s0[r], f.s0), _mm256_storeu_si256((__m256i *)s1[r], f.s1);
+            } else {
+                for (int32_t u = 0; u < count; u++) {
+                    kq_block o;
+                    kq_factors_of(type, rows[r], b8 + u, &o);
+                    dw[r][u] = o.dw, mw[r][u] = o.mw, s0[r][u] = o.s0, s1[r][u] = o.s1;
+                }
+            }
+        }
 #pragma GCC unroll 8
         for (int32_t u = 0; u < 8; u++) {
             if (u >= count) break;
             const int64_t at = (g * nb + b8 + u) * SPARK_LANES;
-            const int32_t *xq = a->tq + at * (QK / 2);
             __m512i h[2][2];
             for (int32_t r = 0; r < R; r++) h[r][0] = h[r][1] = _mm512_setzero_si512();
+            if (a8) {
+                const int32_t *xq = a->tq + at * (QK / 4);
+#pragma GCC unroll 8
+                for (int32_t i = 0; i < QK / 4; i++) {
+                    const __m512i x = _mm512_load_si512(xq + i * SPARK_LANES);
+                    for (int32_t r = 0; r < R; r++) h[r][i >> 2] = _mm512_dpbusd_epi32(h[r][i >> 2], _mm512_set1_epi32(bytes[r][u][i]), x);
+                }
+                if (type == SPARK_Q6_K) { /* unsigned q + 32: less 32 times each half's activation sum */
+                    const __m512i x0 = _mm512_loadu_si512(a->th + at), x1 = _mm512_sub_epi32(_mm512_loadu_si512(a->ts + at), x0);
+                    for (int32_t r = 0; r < R; r++) {
+                        h[r][0] = _mm512_sub_epi32(h[r][0], _mm512_slli_epi32(x0, 5));
+                        h[r][1] = _mm512_sub_epi32(h[r][1], _mm512_slli_epi32(x1, 5));
+                    }
+                }
+            } else {
+                const int32_t *xq = a->tq + at * (QK / 2);
 #pragma GCC unroll 16
-            for (int32_t i = 0; i < QK / 2; i++) {
-                const __m512i x = _mm512_load_si512(xq + i * SPARK_LANES);
-                for (int32_t r = 0; r < R; r++) h[r][i >> 3] = _mm512_dpwssd_epi32(h[r][i >> 3], x, _mm512_set1_epi32(wide[r][u][i]));
+                for (int32_t i = 0; i < QK / 2; i++) {
+                    const __m512i x = _mm512_load_si512(xq + i * SPARK_LANES);
+                    for (int32_t r = 0; r < R; r++) h[r][i >> 3] = _mm512_dpwssd_epi32(h[r][i >> 3], x, _mm512_set1_epi32(wide[r][u][i]));
+                }
             }
             const __m512 d = _mm512_loadu_ps(a->td + at);
             for (int32_t r = 0; r < R; r++) {
-                const kq_block *o = &f[r][u];
-                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(o->dw), d);
+                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dw[r][u]), d);
                 __m512 t;
                 if (kq_half_scaled(type)) {
-                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_set1_epi32(o->s0), h[r][0]));
-                    t = _mm512_mul_ps(scale, _mm512_add_ps(lo, _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_set1_epi32(o->s1), h[r][1]))));
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_set1_epi32(s0[r][u]), h[r][0]));
+                    t = _mm512_mul_ps(scale, _mm512_add_ps(lo, _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_set1_epi32(s1[r][u]), h[r][1]))));
                 } else {
                     t = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(h[r][0], h[r][1])));
-                    if (kq_has_min(type)) t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(o->mw), _mm512_loadu_ps(a->tds + at)));
+                    if (kq_has_min(type)) t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_set1_ps(mw[r][u]), _mm512_loadu_ps(a->tds + at)));
                 }
                 acc[r][u] = _mm512_add_ps(acc[r][u], t);
             }
@@ -797,9 +861,11 @@ static inline int kq_split_type(int32_t type) { return type == SPARK_Q4_K || typ
 
 #if defined(SPARK_ZMM)
 /* 16 int32 lanes, lane i = sum(w x) over bytes 4i..4i+3 of 64 unsigned quants w (0..63) against elements e..e+63 of
- * the split activation row: x = 256 xh + xl (spark_kernels.c's split_row), so two byte products (VNNI's unsigned by
- * signed) replace the int16 widening of w. Exact: |256 * 4 * 63 * 128| + 4 * 255 * 63 < 2^31. */
-static inline __m512i kq_split_lanes(__m512i w, const spark_act *a, int64_t e) {
+ * a decoding step's activation row: int8 rows (parts 1) in one VNNI byte product (unsigned by signed); int16 rows
+ * through their split (spark_kernels.c's split_row): x = 256 xh + xl, so two byte products replace the int16
+ * widening of w. Exact: |256 * 4 * 63 * 128| + 4 * 255 * 63 < 2^31. */
+static inline __m512i kq_split_lanes(__m512i w, const spark_act *a, int64_t e, const int a8) {
+    if (a8) return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->q8 + e));
     const __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->xh + e));
     return _mm512_dpbusd_epi32(_mm512_slli_epi32(hi, 8), _mm512_loadu_si512(a->xl + e), w);
 }
@@ -811,41 +877,25 @@ static inline __m512i kq_pair_sums(__m512i u, __m512i v) {
     return _mm512_add_epi32(_mm512_permutex2var_epi32(u, even, v), _mm512_permutex2var_epi32(u, odd, v));
 }
 
-/* Weight rows rows[0..count) (count <= 2), Q4_K or Q6_K, times a decoding step's activation row (block 0 on), through
- * the split row: a super-block's quants stay bytes (no int16 widening), four 512-bit product pairs cover its 256
- * weights, and three (Q6_K: two) steps of pairwise sums leave block j's sum in lane j (Q6_K: each half's). The same
- * exact sums as kq_block_lanes', then kq_group_terms' float steps lane by lane: the same bits as kq_dot_rows_r. Two
- * rows at once keep two weight streams in flight. */
-static inline __attribute__((always_inline)) void kq_split_dot(const int32_t type, const uint8_t *const *rows, const int32_t count, int32_t nb, const spark_act *a, float *out) {
+/* Weight rows rows[0..count) (count <= 2), Q4_K or Q6_K, times a decoding step's activation row (block 0 on), int8
+ * (a8) or int16 through its split: a super-block's quants stay bytes (no int16 widening), four 512-bit products
+ * (int16: pairs) cover its 256 weights, and three (Q6_K: two) steps of pairwise sums leave block j's sum in lane j
+ * (Q6_K: each half's). The same exact sums as kq_block_lanes' and kq_halves', then kq_group_terms' float steps lane
+ * by lane: the same bits as kq_dot_rows_r. Two rows at once keep two weight streams in flight. */
+static inline __attribute__((always_inline)) void kq_split_dot(const int32_t type, const uint8_t *const *rows, const int32_t count, int32_t nb, const spark_act *a, float *out, const int a8) {
     __m256 vacc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
     for (int32_t b = 0; b + 8 <= nb; b += 8) {
         const int64_t e = (int64_t)b * QK;
         for (int32_t r = 0; r < count; r++) {
-            __m512i l[4];
+            __m512i v[4], l[4];
             __m256i h0, h1;
-            if (type == SPARK_Q4_K) { /* 32 bytes per pair of blocks: block 2g's low nibbles, block 2g + 1's high */
-                const uint8_t *qs = rows[r] + (int64_t)(b >> 3) * 144 + 16;
-                const __m512i shift = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
-                for (int32_t g = 0; g < 4; g++) {
-                    const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * g)));
-                    l[g] = kq_split_lanes(_mm512_and_si512(_mm512_srlv_epi64(raw, shift), m4), a, e + 64 * g);
-                }
-                const __m512i q = kq_pair_sums(kq_pair_sums(l[0], l[1]), kq_pair_sums(l[2], l[3])); /* lanes 2j, 2j+1 */
+            kq_super_bytes(type, rows[r], b >> 3, v);
+            for (int32_t g = 0; g < 4; g++) l[g] = kq_split_lanes(v[g], a, e + 64 * g, a8);
+            __m512i q = kq_pair_sums(kq_pair_sums(l[0], l[1]), kq_pair_sums(l[2], l[3])); /* lanes 2j, 2j + 1 */
+            if (type == SPARK_Q4_K) {
                 h0 = h1 = _mm512_cvtepi64_epi32(_mm512_add_epi64(q, _mm512_srli_epi64(q, 32)));
-            } else { /* Q6_K, per half of 128: ql's low nibbles are blocks 0, 1, its high ones 2, 3; qh's bit pairs */
-                const uint8_t *blk = rows[r] + (int64_t)(b >> 3) * 210;
-                for (int32_t n = 0; n < 2; n++) {
-                    const __m512i ql = _mm512_loadu_si512(blk + 64 * n);
-                    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
-                    const __m512i lo_hi = _mm512_slli_epi64(_mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), m2), 4);
-                    const __m512i hi_hi = _mm512_slli_epi64(_mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6)), m2), 4);
-                    l[2 * n] = kq_split_lanes(_mm512_or_si512(_mm512_and_si512(ql, m4), lo_hi), a, e + 128 * n);
-                    l[2 * n + 1] = kq_split_lanes(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(ql, 4), m4), hi_hi), a, e + 128 * n + 64);
-                }
-                /* lane 2j + h: block j's half h, as unsigned quants q + 32: less 32 times that half's activation sum */
-                const __m512i q = _mm512_sub_epi32(kq_pair_sums(kq_pair_sums(l[0], l[1]), kq_pair_sums(l[2], l[3])),
-                                                   _mm512_slli_epi32(_mm512_loadu_si512(a->xs + 2 * (int64_t)b), 5));
+            } else { /* lane 2j + h: block j's half h, as unsigned quants q + 32: less 32 times that half's activation sum */
+                q = _mm512_sub_epi32(q, _mm512_slli_epi32(_mm512_loadu_si512(a->xs + 2 * (int64_t)b), 5));
                 h0 = _mm512_cvtepi64_epi32(q);
                 h1 = _mm512_cvtepi64_epi32(_mm512_srli_epi64(q, 32));
             }
@@ -862,12 +912,13 @@ static inline __attribute__((always_inline)) void kq_split_dot(const int32_t typ
 
 /* kq_split_dot inlined per type and row count (its branches fold away in each copy). */
 static void kq_split_dots(const int32_t type, const uint8_t *const *rows, const int32_t count, int32_t nb, const spark_act *a, float *out) {
+    const int a8 = a->parts == 1;
     if (type == SPARK_Q4_K) {
-        if (count == 2) kq_split_dot(SPARK_Q4_K, rows, 2, nb, a, out);
-        else kq_split_dot(SPARK_Q4_K, rows, 1, nb, a, out);
+        if (a8) count == 2 ? kq_split_dot(SPARK_Q4_K, rows, 2, nb, a, out, 1) : kq_split_dot(SPARK_Q4_K, rows, 1, nb, a, out, 1);
+        else count == 2 ? kq_split_dot(SPARK_Q4_K, rows, 2, nb, a, out, 0) : kq_split_dot(SPARK_Q4_K, rows, 1, nb, a, out, 0);
     } else {
-        if (count == 2) kq_split_dot(SPARK_Q6_K, rows, 2, nb, a, out);
-        else kq_split_dot(SPARK_Q6_K, rows, 1, nb, a, out);
+        if (a8) count == 2 ? kq_split_dot(SPARK_Q6_K, rows, 2, nb, a, out, 1) : kq_split_dot(SPARK_Q6_K, rows, 1, nb, a, out, 1);
+        else count == 2 ? kq_split_dot(SPARK_Q6_K, rows, 2, nb, a, out, 0) : kq_split_dot(SPARK_Q6_K, rows, 1, nb, a, out, 0);
     }
 }
 #endif
@@ -877,7 +928,7 @@ static void kq_gemm_rows(const spark_qmat *w, const spark_act *a, float *y, int3
     const int32_t nb = w->k / QK, n = w->n;
     const int64_t rb = kq_row_bytes(w->type, w->k);
 #if defined(SPARK_ZMM)
-    if (m - first == 1 && a->xh != NULL && a->parts == 2 && kq_split_type(w->type) && nb % 8 == 0) { /* split_row's */
+    if (m - first == 1 && a->xh != NULL && kq_split_type(w->type) && nb % 8 == 0) { /* split_row's */
         /* row i of the range's first half with row i of its second: two long sequential streams (gemm_rows' Q8_0) */
         const int32_t half = (end - begin) / 2;
         for (int32_t i = 0; i < half; i++) {
