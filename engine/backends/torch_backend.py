@@ -145,7 +145,7 @@ class TorchBackend(Backend):
         quantize: str = "none",
         kernels: str = "auto",
         stored: Mapping[str, StoredTensor] | None = None,
-        act_parts: int = 2,
+        act_parts: int | None = None,
         native_steps: bool = True,
         kv_type: KVType = KVType.F16,
         native_chunks: bool = True,
@@ -163,7 +163,9 @@ class TorchBackend(Backend):
         references at fp32 tolerance.
 
         `act_parts` (native kernels): activations quantized per block of 32 as int8 (1: llama.cpp's Q8 dot
-        products) or int16 (2, the default) with one scale per block; bench quant measures both.
+        products) or int16 (2) with one scale per block; None (the default) by each matrix's format and the kernels'
+        build: int8 for Q4_K and Q6_K on AVX-512 VNNI, int16 for the rest (engine.backends.native.activation_parts).
+        bench quant measures the choices.
 
         `kernels` picks what runs block weights: "native" our compiled CPU kernels (engine.backends.native; an error when
         they cannot be built), "torch" PyTorch over the dequantized matrices, "auto" native when available.
@@ -208,6 +210,7 @@ class TorchBackend(Backend):
         self._one_token = False  # whether the last forward fed one row one token (token_summaries)
         self.kernels_note = ""  # which kernels run the block weights, and why those (the backend explanation)
         self.act_parts = act_parts
+        self.act_formats: set[int] = set()  # the activation formats the native layers take (numerics)
         stored = loaded.stored if stored is None else stored  # a GGUF's blocks, as the loader found them
         self.quantize = self._block_weights(quantize, kernels, stored) if device == "cpu" else "none"
         if any(p.is_meta for p in self.model.parameters()):  # the stored blocks cannot all run: read them in fp32
@@ -265,6 +268,7 @@ class TorchBackend(Backend):
         and a one-call decoding step over them when `native_steps`."""
         act_parts = self.act_parts
         swap_linears(self.model, blocks, lambda w, bias: NativeBlockLinear(kernels, w, bias, act_parts))
+        self.act_formats = {m.desc.act_parts for m in self.model.modules() if isinstance(m, NativeBlockLinear)}
         head: nn.Module = self.model.lm_head  # swapped for a NativeBlockLinear when planned
         if isinstance(self.model.model.embed_tokens, BlockEmbedding) and isinstance(head, NativeBlockLinear):
             self.model.model.embed_tokens = NativeBlockEmbedding(kernels, head)  # the tied head's rows, natively
@@ -305,7 +309,7 @@ class TorchBackend(Backend):
         weights = (
             ""
             if self.quantize == "none"
-            else f"-w{self.quantize}" + (f"native-{activation_numerics(self.act_parts)}" if self.native_isa else "")
+            else f"-w{self.quantize}" + (f"native-{activation_numerics(self.act_formats)}" if self.native_isa else "")
         )
         # "-r2": keys are read through fp16 copies or rotated inside the native attention (not fp32 copies), which
         # changes the bits of every later token's KV, so prefix-cache entries of the earlier reads are not reused.

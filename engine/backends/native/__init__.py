@@ -20,7 +20,7 @@ import platform
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -130,11 +130,30 @@ class AttnDesc(ctypes.Structure):
     ]
 
 
-def activation_numerics(act_parts: int) -> str:
-    """The label of QMat.act_parts's activation format, for a backend's numerics string (which keys the disk prefix
-    cache): "a8" is llama.cpp's int8 blocks; "a16i" int16 blocks with one scale, which replaced two int8 parts
-    ("a16") and computes slightly different bits, so caches written by the old kernels are not reused."""
-    return "a8" if act_parts == 1 else "a16i"
+# Block formats whose matrices take int8 activations on AVX-512 VNNI unless told otherwise (ggml ids of Q4_K and
+# Q6_K, the bulk of every Q4_K_M, Q5_K_M and Q6_K file): there the kernels multiply their quants by int8 rows byte
+# by byte (64 products an instruction, where int16 activations take 32), as llama.cpp does with its q8_K
+# activations, and the divergence stays below llama.cpp's on the same file (docs/BENCHMARKS.md, bench quant). The
+# other builds keep int16 for them: AVX2's and NEON's int8 routes for these formats go block by block (on AVX2 2 to
+# 5 times slower than their int16 routes; NEON's is not measured).
+INT8_ACTIVATION_TYPES = frozenset({12, 14})
+INT8_ACTIVATION_ISAS = frozenset({"avx512-vnni"})
+
+
+def activation_parts(ggml_ids: Sequence[int], isa: str) -> int:
+    """QMat.act_parts for a matrix whose parts are in these block formats, on kernels of `isa`: 1 (int8) where
+    every part is one of INT8_ACTIVATION_TYPES on one of INT8_ACTIVATION_ISAS, else 2 (int16): a fused matrix's
+    parts share one quantization of its input."""
+    return 1 if isa in INT8_ACTIVATION_ISAS and all(i in INT8_ACTIVATION_TYPES for i in ggml_ids) else 2
+
+
+def activation_numerics(act_parts: Collection[int]) -> str:
+    """The label of the activation formats (QMat.act_parts) a model's matrices take, for a backend's numerics string
+    (which keys the disk prefix cache): "a8" llama.cpp's int8 blocks everywhere; "a16i" int16 blocks with one scale
+    everywhere (which replaced two int8 parts, "a16", computing slightly different bits); "a16ik8" both, by format
+    (activation_parts): the Q4_K and Q6_K matrices' bits changed when they moved to int8, so caches written before
+    are not reused."""
+    return "a8" if set(act_parts) == {1} else "a16i" if set(act_parts) <= {2} else "a16ik8"
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.backends.blocks import BlockEmbedding, BlockWeights
-from engine.backends.native import CacheDesc, ModelDesc, NativeKernels, QMat, StepDesc
+from engine.backends.native import CacheDesc, ModelDesc, NativeKernels, QMat, StepDesc, activation_parts
 from engine.model.attention import RotaryTable
 from engine.model.network import DecoderLayer, Transformer
 from engine.model.slots import DirectReads, KVCache, SlotBatch
@@ -36,13 +36,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 class NativeBlockLinear(nn.Module):
     """y = x @ W^T + b with W in a GGUF block format and x quantized per block of 32 at call time, in one int8
-    part (llama.cpp's Q8 activations) or 2 (int16 blocks with one scale)."""
+    part (llama.cpp's Q8 activations) or 2 (int16 blocks with one scale); `act_parts` None: by W's formats
+    (engine.backends.native.activation_parts)."""
 
     blocks: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, kernels: NativeKernels, w: BlockWeights, bias: torch.Tensor | None, act_parts: int = 2) -> None:
+    def __init__(
+        self, kernels: NativeKernels, w: BlockWeights, bias: torch.Tensor | None, act_parts: int | None = None
+    ) -> None:
         super().__init__()
+        if act_parts is None:
+            act_parts = activation_parts([p.qtype.ggml_id for p in w.parts] or [w.qtype.ggml_id], kernels.isa)
         self.kernels = kernels
         self.qtype = w.qtype
         self.out_features, self.in_features = w.shape[0], w.inputs
