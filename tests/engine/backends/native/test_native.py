@@ -18,7 +18,15 @@ import torch
 from torch import nn
 
 from engine.backends.blocks import BlockEmbedding, BlockWeights
-from engine.backends.native import DISABLE_ENV, NativeKernels, bind, build_library, load_kernels
+from engine.backends.native import (
+    DISABLE_ENV,
+    NativeKernels,
+    activation_numerics,
+    activation_parts,
+    bind,
+    build_library,
+    load_kernels,
+)
 from engine.backends.native.decoder import NativeBlockEmbedding, NativeBlockLinear
 from engine.backends.torch_backend import TorchBackend
 from engine.errors import BackendUnavailable
@@ -443,3 +451,14 @@ def test_the_native_embedding_rows_equal_the_python_dequantization(kernels: Nati
     for bad in (40, -1):
         with pytest.raises(IndexError):
             native(torch.tensor([[1, bad]]))
+
+
+def test_q4_k_and_q6_k_take_int8_activations_only_where_their_byte_routes_are_built() -> None:
+    q4_k, q6_k, q8_0, q5_k = 12, 14, 8, 13
+    assert activation_parts([q4_k], "avx512-vnni") == 1
+    assert activation_parts([q4_k, q6_k], "avx512-vnni") == 1  # a fused q/k/v of both: one int8 row
+    assert activation_parts([q4_k, q8_0], "avx512-vnni") == 2  # a part of another format: int16 for all
+    assert activation_parts([q5_k], "avx512-vnni") == 2
+    for isa in ("avx2", "neon-dotprod", "portable"):  # their int8 routes for these go block by block
+        assert activation_parts([q4_k], isa) == 2
+    assert [activation_numerics(f) for f in ({1}, {2}, {1, 2})] == ["a8", "a16i", "a16ik8"]
