@@ -714,8 +714,9 @@ static inline __attribute__((always_inline)) void kq_tokens_in_lanes(const int32
         float dw[2][8], mw[2][8];
         int32_t s0[2][8], s1[2][8];
         for (int32_t r = 0; r < R; r++) {
+            /* the bytes of 8 blocks of 32 (a super-block), KQ_AHEAD such steps ahead */
             const int64_t sb = kq_block_weights(type) == QK ? 8 * (int64_t)kq_block_bytes(type) : kq_block_bytes(type);
-            prefetch_bytes(rows[r] + ((b8 >> 3) + KQ_AHEAD) * sb, sb); /* these 8 blocks' bytes: sb */
+            prefetch_bytes(rows[r] + ((b8 >> 3) + KQ_AHEAD) * sb, sb);
             if (a8) {
                 __m512i v[4];
                 kq_super_bytes(type, rows[r], b8 >> 3, v);
