@@ -110,23 +110,22 @@ def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockW
     data = [np.asarray(p.data, dtype=np.uint8).reshape(p.shape[0], -1) for p in parts]
     qtype = types[0]
     shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
-    if len(kinds) != 1:
-        if not all(k in WIDENS_TO_Q8_0 for k in kinds):
-            runs: list[BlockWeights] = []  # consecutive parts of one format stacked, in order
-            for t, d in zip(types, data, strict=True):
-                if runs and runs[-1].qtype is t:
-                    last = runs.pop()
-                    d = np.concatenate([last.blocks.numpy(), d])
-                runs.append(BlockWeights(t, (d.shape[0], shape[1]), torch.from_numpy(np.array(d, dtype=np.uint8))))
-            for p in parts:  # held as copies now: loading never holds a model's weights twice
-                p.release()
-            return BlockWeights(runs[0].qtype, shape, torch.empty(0, dtype=torch.uint8), parts=tuple(runs))
-        qtype = BlockType.Q8_0
-        data = [widen_to_q8_0(d, t) for d, t in zip(data, types, strict=True)]
-    rows = np.concatenate(data)  # a new array: the parts' bytes copied once
-    for p in parts:  # copied: loading never holds a model's weights twice
+    if len(kinds) != 1 and not all(k in WIDENS_TO_Q8_0 for k in kinds):
+        runs: list[BlockWeights] = []  # consecutive parts of one format stacked, in order
+        for t, d in zip(types, data, strict=True):
+            if runs and runs[-1].qtype is t:
+                last = runs.pop()
+                d = np.concatenate([last.blocks.numpy(), d])
+            runs.append(BlockWeights(t, (d.shape[0], shape[1]), torch.from_numpy(np.array(d, dtype=np.uint8))))
+        held = BlockWeights(runs[0].qtype, shape, torch.empty(0, dtype=torch.uint8), parts=tuple(runs))
+    else:
+        if len(kinds) != 1:
+            qtype = BlockType.Q8_0
+            data = [widen_to_q8_0(d, t) for d, t in zip(data, types, strict=True)]
+        held = BlockWeights(qtype, shape, torch.from_numpy(np.concatenate(data)))  # the parts' bytes copied once
+    for p in parts:  # held as copies now: loading never holds a model's weights twice
         p.release()
-    return BlockWeights(qtype, shape, torch.from_numpy(rows))
+    return held
 
 
 def plan_blocks(
