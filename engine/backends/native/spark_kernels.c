@@ -833,8 +833,8 @@ static void lanes_in(spark_act *a, int32_t m, int32_t nb) {
                     int32_t *q8 = a->tq + (g * nb + b) * (QK / 4) * SPARK_LANES + t, half = 0;
                     const int8_t *x = tok < m ? a->q8 + (tok * nb + b) * QK : NULL;
                     for (int32_t i = 0; i < QK / 4; i++) {
-                        q8[i * SPARK_LANES] = 0;
                         if (x != NULL) memcpy(&q8[i * SPARK_LANES], x + 4 * i, 4);
+                        else q8[i * SPARK_LANES] = 0;
                     }
                     for (int32_t i = 0; x != NULL && i < QK / 2; i++) half += x[i];
                     a->th[at] = half;
@@ -1163,10 +1163,10 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
 
 /* One row's int16 quants as a->xh, xl, xc, xs (spark_act), for a Q8_0 decoding step's block_lanes_split or a Q4_K
  * or Q6_K one's kq_split_dot (AVX-512), or as a->xp for a Q4 one's block_lanes_nib (AVX2); an int8 row's halves'
- * sums as a->xs, for a Q4_K or Q6_K step's kq_split_dot, which reads the int8 quants as they are. */
+ * sums as a->xs, for a Q6_K step's kq_split_dot (which reads the int8 quants as they are; a Q4_K step needs none). */
 static void split_row(const spark_act *a, int32_t type, int32_t nb) {
 #if defined(SPARK_AVX512VNNI)
-    if (a->parts == 1 && kq_split_type(type) && a->xh != NULL) { /* int8: the halves' sums only (Q6_K's) */
+    if (a->parts == 1 && type == SPARK_Q6_K && a->xh != NULL) { /* int8: the halves' sums, which Q6_K's route reads */
         for (int32_t b = 0; b < nb; b++) {
             int32_t half[2] = {0, 0};
             for (int32_t i = 0; i < QK; i++) half[i / 16] += a->q8[b * QK + i];
