@@ -124,3 +124,18 @@ def test_retrieved_blocks_sit_retrieval_near_tokens_back_in_a_long_window(tiny_m
         got = w.slot_positions[w.retrieval_start : w.window_start]  # (R*B,)
         back = min(near, window) + n * block - 1 - torch.arange(n * block)  # (R*B,) tokens before the newest
         assert torch.equal(newest - got, back)
+
+
+def test_window_bounds_grow_with_the_blocks_they_bound(tiny_model: Path) -> None:
+    """A memory that never routes holds no bounds; once it does, only the rows of the blocks bounded so far."""
+    b = SteeredBackend(tiny_model)
+    m = CascadeMemory(b, GATED)
+    wb = m.retriever.window_bounds
+    assert wb.kmin.shape[0] == 0 and wb.rows == GATED.window // GATED.block_size + 1
+    feed(b, m, random_ids(20, seed=1))  # 2 whole blocks in the window, nothing evicted yet
+    wb.scores(_steer(b, 0)[0])
+    assert 2 <= wb.kmin.shape[0] == wb.kmax.shape[0] < wb.rows
+    for at in range(0, 120, 12):
+        feed(b, m, random_ids(12, seed=at))
+        wb.scores(_steer(b, 0)[0])
+    assert wb.kmin.shape[0] == wb.rows  # the ring wrapped: every row in use
