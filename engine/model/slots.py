@@ -15,6 +15,8 @@ heads, D head dim.
 from __future__ import annotations
 
 import copy
+import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +47,20 @@ TOKEN_SUMMARY_STEP = 16
 # The table grows by at least this many slots at a time (and by half its size when larger): a fresh chat holds
 # the slots it uses, a long one re-allocates a few times, never per token.
 GROWTH_SLOTS = 256
+# A CPU table's buffers from this size on are fresh anonymous pages, which the OS zero-fills when first written:
+# the slots a step has not reached yet (the retrieval groups before anything is evicted, the reserve for the reply)
+# hold no memory, where zeros written up front would.
+LAZY_ZERO_BYTES = 1 << 20
+
+
+def lazy_zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Zeros of `shape` in `like`'s dtype and device; on the CPU from LAZY_ZERO_BYTES on, pages of their own that
+    hold memory only once written (the tensor keeps its mapping alive, and unmaps it when freed)."""
+    nbytes = math.prod(shape) * like.element_size()
+    if like.device.type != "cpu" or nbytes < LAZY_ZERO_BYTES:
+        return like.new_zeros(shape)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private: a forked process does not share it
+    return torch.frombuffer(pages, dtype=like.dtype).view(shape)
 
 
 @dataclass
@@ -79,6 +95,16 @@ class SlotBatch:
     frame_start: torch.Tensor | None = None
     summary_weights: torch.Tensor | None = None
     local_mask: torch.Tensor | None = None
+
+    def position_bound(self) -> int:
+        """One past the largest position this step rotates a query or key at, frames included: what the rotary
+        table must hold for it (RotaryTable.cover)."""
+        top = int(self.positions.max()) if self.positions.numel() else -1
+        if self.slot_positions.numel():
+            top = max(top, int(self.slot_positions.max()))
+        if self.frame is not None and self.frame.numel():
+            top += max(int(self.frame.max()), 0)
+        return top + 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -381,7 +407,7 @@ class KVCache(nn.Module):
     @staticmethod
     def _grown(t: torch.Tensor, size: int) -> torch.Tensor:
         """t (L, B, Hkv, C, X) -> (L, B, Hkv, size, X) holding t's leading slots, zeros after."""
-        out = t.new_zeros((*t.shape[:3], size, t.shape[4]))
+        out = lazy_zeros((*t.shape[:3], size, t.shape[4]), t)
         kept = min(size, t.shape[3])
         out[:, :, :, :kept] = t[:, :, :, :kept]
         return out

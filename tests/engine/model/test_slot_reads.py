@@ -5,6 +5,9 @@ SDPA."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from engine.memory.base import FullAttentionMemory
 from engine.memory.cascade.config import CascadeConfig
 from engine.memory.cascade.core import CascadeMemory
 from engine.model.attention import apply_rope, small_step_attention, split_frame_attention
+from engine.model.config import ModelConfig
 from engine.model.slots import KVCache
 from tests.helpers.tiny import make_tiny_model
 
@@ -170,3 +174,44 @@ def test_the_table_grows_in_blocks_keeping_its_contents_and_gives_them_back(mode
         c.reserve(2001)
     b.release()
     assert c.capacity == 0 and c.allocated_bytes() < 2000 * 8 * 3  # bookkeeping only
+
+
+def _resident_pages(t: torch.Tensor) -> int:
+    """How many of the pages under `t`'s storage are resident (mincore)."""
+    page = mmap.PAGESIZE
+    begin = t.untyped_storage().data_ptr()
+    start = begin // page * page
+    n = -(-(begin + t.untyped_storage().nbytes() - start) // page)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="mincore is POSIX")
+def test_slots_not_yet_written_hold_no_memory() -> None:
+    """A grown table's slots hold memory once written, not when reserved: the retrieval groups before anything is
+    evicted and the reserve for a reply cost nothing until used."""
+    cfg = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "num_hidden_layers": 2,
+            "intermediate_size": 512,
+            "vocab_size": 64,
+            "max_position_embeddings": 8192,
+        }
+    )
+    cache = KVCache(cfg, 1, 8192, "cpu", torch.float16, torch.float32)
+    cache.reserve(8192, exact=True)  # 2 x 4 x 8192 x 64 fp16: 8 MiB for each of k and v
+    assert torch.equal(cache.k[:, :, :, ::997], torch.zeros_like(cache.k[:, :, :, ::997]))  # zeros, as reserved
+    written = torch.arange(100)
+    k = torch.ones(1, 4, 100, 64)
+    for layer in range(2):
+        cache.write(layer, written[None], k, 2 * k)
+    # Written: 100 slots x 128 bytes in each of the 8 (layer, head) rows, a few pages each; and the zeros read above.
+    pages = cache.k.numel() * 2 // mmap.PAGESIZE
+    assert _resident_pages(cache.k) <= 8 * (-(-100 * 128 // mmap.PAGESIZE) + 1 + 9) < pages // 10
+    assert torch.equal(cache.v[1, 0, :, :100], 2 * k[0].half()) and not cache.k[:, :, :, 100:].any()
