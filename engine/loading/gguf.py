@@ -51,6 +51,13 @@ GEMMA3_27B_LAYERS = 62
 
 # Tensor types we read: float types as is, block types dequantized here (or run as stored by a backend that can).
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# The tokenizer's per-token arrays: GGUFModel.tokenizer_metadata hands them over instead of keeping them.
+VOCABULARY_KEYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.merges",
+)
 BLOCK_TYPES = (
     *("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
     *("IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0"),
@@ -153,6 +160,26 @@ class GGUFModel:
         check_tensors(
             self.path.name, ((t.gguf_name, t.hf_name, t.shape) for t in self._tensors()), self.config, self.architecture
         )
+        # The vocabulary's arrays leave the kept metadata (tokenizer_metadata): about 14 MB of Python objects on a
+        # 49k vocabulary, which nothing reads once the tokenizer is built.
+        self._vocabulary: dict[str, Any] | None = {
+            key: self.metadata.pop(key) for key in VOCABULARY_KEYS if key in self.metadata
+        }
+        for key in VOCABULARY_KEYS:
+            self.header.metadata.pop(key, None)
+
+    def tokenizer_metadata(self) -> dict[str, Any]:
+        """Every `tokenizer.*` key of the file, the vocabulary's arrays included (for building its tokenizer). The
+        first call hands over the arrays read when the file was opened; later ones read the header again, held to
+        the vocabulary the opened file embeds."""
+        vocabulary, self._vocabulary = self._vocabulary, None
+        if vocabulary is None:
+            again = read_header(self.path).metadata
+            vocabulary = {key: again[key] for key in VOCABULARY_KEYS if key in again}
+            tokens = vocabulary.get("tokenizer.ggml.tokens")
+            if isinstance(tokens, list) and len(tokens) > self.config.vocab_size:
+                raise ModelLoadError(f"{self.path.name} changed on disk while open; open it again.")
+        return {**{k: v for k, v in self.metadata.items() if k.startswith("tokenizer.")}, **vocabulary}
 
     def release_pages(self) -> None:
         """Give back the pages of the file this process has read, once a backend holds its own copy of the weights:
@@ -468,8 +495,7 @@ class GGUFModel:
 
         return [
             (name, value, [gguf.GGUFValueType(t) for t in self.header.value_types[name]])
-            for name, value in self.metadata.items()
-            if name.startswith("tokenizer.")
+            for name, value in self.tokenizer_metadata().items()
         ]
 
     def tensor_shapes(self) -> list[_Tensor]:

@@ -244,7 +244,7 @@ class Tokenizer:
     def load(cls, model_path: str | Path) -> Tokenizer:
         """The tokenizer of any model path: a Hugging Face folder, a .gguf file, or a folder holding one."""
         if is_gguf_model(model_path):
-            return cls.from_gguf(gguf_model(model_path).metadata)
+            return cls.from_gguf(gguf_model(model_path).tokenizer_metadata())
         return cls.from_dir(model_path)
 
     @staticmethod

@@ -22,5 +22,5 @@ def validate_gguf(path: str | Path) -> None:
     tensor's scales or values (not the weights' decoding)."""
     model = GGUFModel(Path(path))
     model.check_data()
-    tokenizer = Tokenizer.from_gguf(model.metadata)
+    tokenizer = Tokenizer.from_gguf(model.tokenizer_metadata())
     tokenizer.apply_chat_template(_TRIAL, add_generation_prompt=True)

@@ -18,7 +18,8 @@ import transformers
 from engine.backends.torch_backend import TorchBackend
 from engine.bench.gguf_export import permute_for_gguf
 from engine.errors import ModelLoadError, TokenizerError
-from engine.loading.gguf import unpermute_rows
+from engine.loading.gguf import VOCABULARY_KEYS, GGUFModel, unpermute_rows
+from engine.loading.gguf_header import read_header
 from engine.loading.model_files import read_config, verify_model_file
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import load_model
@@ -120,6 +121,24 @@ def test_gguf_tokenizer_encodes_like_the_original_tokenizer_json(tmp_path: Path,
     assert ours.special_ids == original.special_ids and ours.bos_id == original.bos_id
     msgs = [{"role": "user", "content": "hello"}]
     assert ours.encode_chat(msgs) == original.encode_chat(msgs)
+
+
+def test_an_opened_gguf_hands_its_vocabulary_over_instead_of_keeping_it(tmp_path: Path) -> None:
+    """The per-token arrays leave the opened file's metadata: the first tokenizer takes those read at open, a later
+    one reads them again, the same; the tokenizers built from either encode alike."""
+    path = write_gguf(make_tiny_model(tmp_path / "m", "llama"), tmp_path / "t.gguf", "f32")
+    model = GGUFModel(path)
+    assert not any(key in model.metadata or key in model.header.metadata for key in VOCABULARY_KEYS)
+    assert "tokenizer.ggml.model" in model.metadata and "general.architecture" in model.metadata
+    first, again = model.tokenizer_metadata(), model.tokenizer_metadata()
+    written = {k: v for k, v in read_header(path).metadata.items() if k.startswith("tokenizer.")}
+    assert first == again == written and "tokenizer.ggml.tokens" in first and "tokenizer.ggml.merges" in first
+    text = "The quick brown fox 🙂 jumps"
+    assert (
+        Tokenizer.from_gguf(first).encode(text)
+        == Tokenizer.from_gguf(again).encode(text)
+        == Tokenizer.load(path).encode(text)
+    )
 
 
 def test_a_folder_holding_one_gguf_is_that_model(tiny256: Path, tmp_path: Path) -> None:
