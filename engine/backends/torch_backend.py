@@ -370,6 +370,7 @@ class TorchBackend(Backend):
         should_stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         dev = self.device
+        self.model.rotary().cover(batch.position_bound())  # on the host, before the batch moves to the device
         if dev.type != "cpu":
             tokens = tokens.to(dev, non_blocking=True)
             fields = {

@@ -23,6 +23,8 @@ from engine.model.config import ModelConfig
 # use it: a frame adds the same offset to queries and keys, so attention still sees distances inside the trained
 # context, and a slot table as large as that context can still slide its window in a frame.
 ROTARY_HEADROOM = 4096
+# Positions a rotary table first holds, and the least it grows by (RotaryTable.cover).
+ROTARY_GROWTH = 4096
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin (B, 1, N, D); (K, B, 1, N, D) from a K-kind table
 
@@ -94,9 +96,9 @@ def pick_rope(rope: Rope, kind: int | None) -> Rope:
     return rope if kind is None else (rope[0][kind], rope[1][kind])
 
 
-def _cos_sin(cfg: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, signed sin (P, D) fp32 of positions 0..P-1."""
-    cos, sin = rope_cos_sin(cfg, torch.arange(max_positions))  # (P, D) each
+def _cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (N,) -> cos, signed sin (N, D) fp32."""
+    cos, sin = rope_cos_sin(cfg, positions)  # (N, D) each
     sin[:, : cfg.head_dim // 2].neg_()
     return cos, sin
 
@@ -108,27 +110,57 @@ class RotaryTable:
     of rotate-half's seven, and bit-identical (negating a factor is exact).
 
     A model whose sliding-window layers have their own rope base (Gemma 3) gets a two-kind table (K, P, D): its
-    lookups carry both kinds, and each layer picks its own (pick_rope, layer_rope_kinds)."""
+    lookups carry both kinds, and each layer picks its own (pick_rope, layer_rope_kinds).
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device | str, dtype: torch.dtype) -> None:
-        cos, sin = _cos_sin(cfg, max_positions)  # (P, D) each
-        self.kinds = 1
-        if cfg.rope_local_theta is not None:
-            local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None, rope_freq_factors=None)
-            cos_l, sin_l = _cos_sin(local, max_positions)
-            cos, sin, self.kinds = torch.stack((cos, cos_l)), torch.stack((sin, sin_l)), 2  # (2, P, D) each
-        self.cos = cos.to(device=device, dtype=dtype)  # (P, D) or (K, P, D)
-        self.sin = sin.to(device=device, dtype=dtype)  # (P, D) or (K, P, D), signed: (-sin, +sin) halves
+    The table holds the positions steps have reached (`cover`, by the backend before each forward), up to `limit`:
+    a long-context model's whole range is large (Gemma 3 270M's, two kinds of 36,864 positions of 256 channels, is
+    144 MB) while a conversation's positions stay within its memory's slots. Each row depends only on its position,
+    so a grown table holds the bits one built whole would."""
+
+    def __init__(self, cfg: ModelConfig, limit: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.limit = limit  # positions it may grow to
+        self.kinds = 1 if cfg.rope_local_theta is None else 2
+        self.cos, self.sin = self._rows(0, min(limit, ROTARY_GROWTH), device, dtype)  # (P, D) or (K, P, D) each
+
+    def _rows(self, start: int, stop: int, device: torch.device | str, dtype: torch.dtype) -> Rope:
+        """cos, signed sin of positions [start, stop): (N, D) each, or (K, N, D)."""
+        positions = torch.arange(start, stop)  # (N,)
+        cos, sin = _cos_sin(self.cfg, positions)
+        if self.kinds == 2:
+            assert self.cfg.rope_local_theta is not None
+            local = dataclasses.replace(
+                self.cfg, rope_theta=self.cfg.rope_local_theta, rope_scaling=None, rope_freq_factors=None
+            )
+            cos_l, sin_l = _cos_sin(local, positions)
+            cos, sin = torch.stack((cos, cos_l)), torch.stack((sin, sin_l))  # (2, N, D) each
+        return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+    @property
+    def size(self) -> int:
+        """Positions [0, size) are held."""
+        return int(self.cos.shape[-2])
+
+    def cover(self, n: int) -> None:
+        """Hold positions [0, n): grown to at least twice the size (at most `limit`). IndexError past `limit`."""
+        if n <= self.size:
+            return
+        if n > self.limit:
+            raise IndexError(f"position {n - 1} is outside the rotary table's {self.limit} positions")
+        stop = min(self.limit, max(n, 2 * self.size, ROTARY_GROWTH))
+        cos, sin = self._rows(self.size, stop, self.cos.device, self.cos.dtype)
+        self.cos, self.sin = torch.cat((self.cos, cos), dim=-2), torch.cat((self.sin, sin), dim=-2)
 
     def lookup(self, positions: torch.Tensor) -> Rope:
-        """positions (B, N) long -> cos, signed sin (B, 1, N, D), broadcastable over heads ((K, B, 1, N, D) for a
-        K-kind table)."""
+        """positions (B, N) long, each below `size` -> cos, signed sin (B, 1, N, D), broadcastable over heads
+        ((K, B, 1, N, D) for a K-kind table)."""
         if self.kinds == 1:
             return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         return self.cos[:, positions].unsqueeze(2), self.sin[:, positions].unsqueeze(2)
 
     def leading(self, n: int) -> Rope:
         """cos, signed sin (1, 1, n, D) of positions 0..n-1 ((K, 1, 1, n, D) for a K-kind table)."""
+        self.cover(n)
         if self.kinds == 1:
             return self.cos[:n][None, None], self.sin[:n][None, None]
         return self.cos[:, :n][:, None, None], self.sin[:, :n][:, None, None]
