@@ -149,7 +149,8 @@ class Backend(ABC):
 
     def kv_resident_bytes(self) -> int:
         """Bytes the slot table holds now. This default is a table allocated whole (Core ML's fixed-shape state);
-        a table that grows with the conversation (the PyTorch backends) reports what it has grown to."""
+        a table that grows with the conversation (the PyTorch backends) reports what it has grown to, of which the
+        CPU's keeps resident only the pages steps have written (engine.model.slots.lazy_zeros)."""
         return self.batch * self.num_slots * self.slot_bytes_per_token()
 
     def release(self) -> None:  # noqa: B027  # deliberately a no-op by default: a fixed-shape table stays
