@@ -122,7 +122,14 @@ def _from_stored(names: list[str], stored: Mapping[str, StoredTensor]) -> BlockW
         if len(kinds) != 1:
             qtype = BlockType.Q8_0
             data = [widen_to_q8_0(d, t) for d, t in zip(data, types, strict=True)]
-        held = BlockWeights(qtype, shape, torch.from_numpy(np.concatenate(data)))  # the parts' bytes copied once
+            copy = np.concatenate(data)
+        else:  # the parts' bytes copied once
+            copy = np.empty((shape[0], data[0].shape[1]), dtype=np.uint8)  # (N, row bytes)
+            at = 0
+            for p in parts:
+                _copy_releasing(p, copy[at : at + p.shape[0]])
+                at += p.shape[0]
+        held = BlockWeights(qtype, shape, torch.from_numpy(copy))
     for p in parts:  # held as copies now: loading never holds a model's weights twice
         p.release()
     return held
@@ -197,10 +204,19 @@ def use_stored_embedding(model: Transformer, stored: Mapping[str, StoredTensor] 
     if t is None or model.config.tie_word_embeddings or t.qtype not in BlockType.__members__:
         return
     qtype = check_stored(t, EMBEDDING)
-    model.model.embed_tokens = BlockEmbedding(
-        BlockWeights(qtype, t.shape, torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(t.shape[0], -1)))
-    )
-    t.release()
+    copy = np.empty((t.shape[0], t.data.nbytes // t.shape[0]), dtype=np.uint8)  # (V, row bytes)
+    _copy_releasing(t, copy)
+    model.model.embed_tokens = BlockEmbedding(BlockWeights(qtype, t.shape, torch.from_numpy(copy)))
+
+
+def _copy_releasing(t: StoredTensor, out: np.ndarray) -> None:
+    """out (N, row bytes) = t's rows, chunk by chunk, each chunk's file pages given back once copied: the file's
+    pages and the copy are never both resident whole (a 262k-token embedding is 170 MB)."""
+    rows = np.asarray(t.data, dtype=np.uint8).reshape(t.shape[0], -1)  # (N, row bytes)
+    for a, b in t.row_chunks():
+        out[a:b] = rows[a:b]
+        t.release((a, b))
+    t.release()  # the pages that straddle two chunks
 
 
 def dequantized_linear(w: BlockWeights, bias: torch.Tensor | None) -> nn.Linear:

@@ -210,12 +210,13 @@ class GGUFModel:
             with contextlib.suppress(OSError):
                 self._mmap.madvise(advice, first, last - first)
 
-    def _releaser(self, view: np.ndarray) -> Callable[[], None] | None:
-        """For a block tensor's bytes viewed in place (not a reordered copy): what gives its pages back."""
+    def _releaser(self, view: np.ndarray) -> Callable[[int, int], None] | None:
+        """For a block tensor's bytes viewed in place (not a reordered copy): what gives the pages of its bytes
+        [lo, hi) back."""
         if not view.flags.c_contiguous or not np.shares_memory(view, self._mapping):
             return None
         start = view.ctypes.data - self._mapping.ctypes.data
-        return lambda: self._release(start, start + view.nbytes)
+        return lambda lo, hi: self._release(start + lo, start + hi)
 
     # -- metadata ----------------------------------------------------------------------------------------------
     def _key(self, suffix: str, default: Any = None) -> Any:

@@ -272,11 +272,13 @@ def _load_gguf(path: Path, device: str | torch.device, dtype: torch.dtype, leave
             check_stored(blocks, name)
         except ValueError as exc:
             raise ModelLoadError(f"{path.name}: {exc}; the file is damaged.") from None
-        if not scales_finite(blocks):
-            raise ModelLoadError(
-                f"Tensor {name} holds NaN or infinite values; the model file is corrupt, download it again."
-            )
-        blocks.release()  # the check read every block: not resident until the backend copies it
+        for rows in blocks.row_chunks():  # each chunk's pages given back once read: never the whole file at once
+            if not scales_finite(blocks, rows):
+                raise ModelLoadError(
+                    f"Tensor {name} holds NaN or infinite values; the model file is corrupt, download it again."
+                )
+            blocks.release(rows)
+        blocks.release()  # the pages that straddle two chunks
     with torch.device("meta"):
         model = Transformer(gm.config)
     state: dict[str, torch.Tensor] = {}

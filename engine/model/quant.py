@@ -37,7 +37,7 @@ Leaf module: numpy only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -45,6 +45,7 @@ import numpy as np
 
 BLOCK = 32  # weights per block of the legacy formats, and per activation block of every kernel
 SUPER = 256  # weights per K-quant super-block
+RELEASE_CHUNK_BYTES = 8 << 20  # StoredTensor.row_chunks
 
 
 class BlockType(Enum):
@@ -100,14 +101,25 @@ class StoredTensor:
     qtype: str
     shape: tuple[int, int]
     data: np.ndarray
-    # Gives back the file pages `data` views (GGUFModel.release_pages); None where `data` is no view of a file.
-    releaser: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    # Gives back the file pages of `data`'s bytes [lo, hi) (GGUFModel.release_pages); None where `data` is no view
+    # of a file.
+    releaser: Callable[[int, int], None] | None = field(default=None, compare=False, repr=False)
 
-    def release(self) -> None:
-        """Give back the file pages `data` views, once whoever needed them has its own copy (nothing where `data`
-        is no view of a file); a later read of `data` faults them back in."""
+    def release(self, rows: tuple[int, int] | None = None) -> None:
+        """Give back the file pages `data` views (those of rows [a, b) with `rows`), once whoever needed them has
+        its own copy (nothing where `data` is no view of a file); a later read of `data` faults them back in."""
         if self.releaser is not None:
-            self.releaser()
+            a, b = rows or (0, self.shape[0])
+            row = self.data.nbytes // self.shape[0]
+            self.releaser(a * row, b * row)
+
+    def row_chunks(self) -> Iterator[tuple[int, int]]:
+        """Row ranges [a, b) of about RELEASE_CHUNK_BYTES each: what a reader copying or checking a large matrix
+        releases as it goes, so that the file's pages and its copy are not both resident whole (a 262k-token
+        embedding is 170 MB)."""
+        step = max(1, RELEASE_CHUNK_BYTES // max(1, self.data.nbytes // self.shape[0]))
+        for a in range(0, self.shape[0], step):
+            yield a, min(self.shape[0], a + step)
 
 
 # Byte ranges of each block's float fields (d, and Q4_1's m or a K-quant's dmin); the other formats' d is bytes 0..2.
@@ -143,12 +155,15 @@ def check_stored(t: StoredTensor, name: str = "weight") -> BlockType:
     return qtype
 
 
-def scales_finite(t: StoredTensor) -> bool:
-    """Whether every block's scale (and Q4_1's minimum, Q4_K's dmin) is finite: a block's only float fields (the
-    K-quants' sub-block scales are integers), so the matrix holds NaN or infinity exactly when one of them does.
-    `t` has passed check_stored."""
+def scales_finite(t: StoredTensor, rows: tuple[int, int] | None = None) -> bool:
+    """Whether every block's scale (and Q4_1's minimum, Q4_K's dmin) is finite, of rows [a, b) with `rows`: a
+    block's only float fields (the K-quants' sub-block scales are integers), so the matrix holds NaN or infinity
+    exactly when one of them does. `t` has passed check_stored."""
     qtype = BlockType.named(t.qtype)
-    b = np.asarray(t.data, dtype=np.uint8).reshape(-1, qtype.block_bytes)  # (blocks, bytes)
+    a, z = rows or (0, t.shape[0])
+    per_row = t.data.nbytes // t.shape[0]
+    data = np.asarray(t.data, dtype=np.uint8).reshape(-1)[a * per_row : z * per_row]
+    b = data.reshape(-1, qtype.block_bytes)  # (blocks, bytes)
     lo, hi = _FLOAT_FIELDS.get(qtype.name, (0, 2))
     fields = np.ascontiguousarray(b[:, lo:hi]).view(np.float16)  # (blocks, 1 or 2)
     return bool(np.isfinite(fields).all())

@@ -47,6 +47,26 @@ def test_release_pages_gives_back_the_blocks_and_keeps_every_byte() -> None:
         assert np.array_equal(np.asarray(t.data), before[name]), name
 
 
+def test_a_matrix_gives_its_pages_back_chunk_by_chunk() -> None:
+    """Copying or checking a large matrix releases each chunk of rows once read (StoredTensor.row_chunks): the
+    file's pages and the copy are never both resident whole."""
+    path = real_gguf().resolve()
+    gm = GGUFModel(path)
+    emb = gm.stored_tensors()["model.embed_tokens.weight"]  # 28 MB of Q8_0
+    chunks = list(emb.row_chunks())
+    assert len(chunks) >= 3 and chunks[0][0] == 0 and chunks[-1][1] == emb.shape[0]
+    assert all(b == a for (_, b), (a, _) in zip(chunks, chunks[1:], strict=False))  # rows covered once, in order
+    gm.release_pages()
+    held = np.array(emb.data, copy=True)  # every page resident again
+    row_kib = emb.data.nbytes / emb.shape[0] / 1024
+    for a, b in chunks:
+        before = _mapped_kib(path)
+        emb.release((a, b))
+        assert abs((before - _mapped_kib(path)) - (b - a) * row_kib) <= 8  # that chunk's pages, whole pages only
+    emb.release()
+    assert _mapped_kib(path) <= 1024 and np.array_equal(np.asarray(emb.data), held)
+
+
 def test_a_loaded_model_reads_no_page_of_its_file_while_it_runs() -> None:
     """The backend runs its own copy: neither loading nor a forward leaves the file's pages resident (a norm read
     in place once mapped in megabytes of the weights around it, where the page cache holds large folios)."""
