@@ -3,6 +3,7 @@ back, and loading never imports torch._dynamo (torch.cat or init on meta tensors
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -55,7 +56,7 @@ def test_a_matrix_gives_its_pages_back_chunk_by_chunk() -> None:
     emb = gm.stored_tensors()["model.embed_tokens.weight"]  # 28 MB of Q8_0
     chunks = list(emb.row_chunks())
     assert len(chunks) >= 3 and chunks[0][0] == 0 and chunks[-1][1] == emb.shape[0]
-    assert all(b == a for (_, b), (a, _) in zip(chunks, chunks[1:], strict=False))  # rows covered once, in order
+    assert all(b == a for (_, b), (a, _) in itertools.pairwise(chunks))  # rows covered once, in order
     gm.release_pages()
     held = np.array(emb.data, copy=True)  # every page resident again
     row_kib = emb.data.nbytes / emb.shape[0] / 1024
