@@ -204,19 +204,20 @@ def use_stored_embedding(model: Transformer, stored: Mapping[str, StoredTensor] 
     if t is None or model.config.tie_word_embeddings or t.qtype not in BlockType.__members__:
         return
     qtype = check_stored(t, EMBEDDING)
-    copy = np.empty((t.shape[0], t.data.nbytes // t.shape[0]), dtype=np.uint8)  # (V, row bytes)
+    copy = np.empty((t.shape[0], t.row_bytes), dtype=np.uint8)  # (V, row bytes)
     _copy_releasing(t, copy)
+    t.release()  # the pages that straddle two chunks
     model.model.embed_tokens = BlockEmbedding(BlockWeights(qtype, t.shape, torch.from_numpy(copy)))
 
 
 def _copy_releasing(t: StoredTensor, out: np.ndarray) -> None:
     """out (N, row bytes) = t's rows, chunk by chunk, each chunk's file pages given back once copied: the file's
-    pages and the copy are never both resident whole (a 262k-token embedding is 170 MB)."""
+    pages and the copy are never both resident whole (a 262k-token embedding is 170 MB). The pages that straddle
+    two chunks stay until the caller's `t.release()`."""
     rows = np.asarray(t.data, dtype=np.uint8).reshape(t.shape[0], -1)  # (N, row bytes)
     for a, b in t.row_chunks():
         out[a:b] = rows[a:b]
         t.release((a, b))
-    t.release()  # the pages that straddle two chunks
 
 
 def dequantized_linear(w: BlockWeights, bias: torch.Tensor | None) -> nn.Linear:

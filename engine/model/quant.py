@@ -110,14 +110,18 @@ class StoredTensor:
         its own copy (nothing where `data` is no view of a file); a later read of `data` faults them back in."""
         if self.releaser is not None:
             a, b = rows or (0, self.shape[0])
-            row = self.data.nbytes // self.shape[0]
-            self.releaser(a * row, b * row)
+            self.releaser(a * self.row_bytes, b * self.row_bytes)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of `data`."""
+        return self.data.nbytes // self.shape[0]
 
     def row_chunks(self) -> Iterator[tuple[int, int]]:
         """Row ranges [a, b) of about RELEASE_CHUNK_BYTES each: what a reader copying or checking a large matrix
         releases as it goes, so that the file's pages and its copy are not both resident whole (a 262k-token
         embedding is 170 MB)."""
-        step = max(1, RELEASE_CHUNK_BYTES // max(1, self.data.nbytes // self.shape[0]))
+        step = max(1, RELEASE_CHUNK_BYTES // max(1, self.row_bytes))
         for a in range(0, self.shape[0], step):
             yield a, min(self.shape[0], a + step)
 
@@ -161,8 +165,7 @@ def scales_finite(t: StoredTensor, rows: tuple[int, int] | None = None) -> bool:
     exactly when one of them does. `t` has passed check_stored."""
     qtype = BlockType.named(t.qtype)
     a, z = rows or (0, t.shape[0])
-    per_row = t.data.nbytes // t.shape[0]
-    data = np.asarray(t.data, dtype=np.uint8).reshape(-1)[a * per_row : z * per_row]
+    data = np.asarray(t.data, dtype=np.uint8).reshape(-1)[a * t.row_bytes : z * t.row_bytes]
     b = data.reshape(-1, qtype.block_bytes)  # (blocks, bytes)
     lo, hi = _FLOAT_FIELDS.get(qtype.name, (0, 2))
     fields = np.ascontiguousarray(b[:, lo:hi]).view(np.float16)  # (blocks, 1 or 2)
