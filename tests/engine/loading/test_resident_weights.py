@@ -85,7 +85,8 @@ def test_a_matrix_gives_its_pages_back_chunk_by_chunk() -> None:
         assert before - after >= (b - a) * row_kib - 8
         assert after >= (emb.shape[0] - b) * row_kib - 2 * 2048
     emb.release()
-    assert _kib_at(at) <= 1024 and np.array_equal(np.asarray(emb.data), held)
+    # What stays is at most the huge pages the matrix shares with its neighbours at either end (faulted in whole).
+    assert _kib_at(at) <= 2 * 2048 + 64 and np.array_equal(np.asarray(emb.data), held)
 
 
 def test_a_loaded_model_reads_no_page_of_its_file_while_it_runs() -> None:
