@@ -9,7 +9,17 @@ from typing import Any
 import torch
 
 from engine.backends.torch_backend import TorchBackend
-from engine.bench.quant import LLAMACPP_FILES, TYPES, by_block_type, slot_table_logits
+from engine.bench.gguf_export import export_gguf
+from engine.bench.quant import (
+    LLAMACPP_FILES,
+    OWN_REFERENCE,
+    TYPES,
+    by_block_type,
+    file_logits,
+    our_logits,
+    slot_table_logits,
+)
+from engine.loading.model_files import gguf_model
 from engine.model.kv_types import KVType
 from engine.model.quant import BlockType
 from tests.helpers.tiny import make_tiny_model
@@ -43,6 +53,21 @@ def test_the_files_cover_every_block_type_the_engine_runs() -> None:
     from_llamacpp = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0"}
     assert {t.gguf_name for t in BlockType} <= direct | from_llamacpp
     assert {"q2_k", "iq4_xs", "tq1_0", "tq2_0", "q5_k_m"} <= set(LLAMACPP_FILES)
+
+
+def test_a_ternary_file_is_measured_against_its_own_weights(tmp_path: Path) -> None:
+    # BitNet's ternary weights are the model: the reference is what the file's blocks say at fp32, which is what
+    # our block kernels compute from the same bytes (fp32 activations: equal to float rounding), not the folder's
+    # fp32 weights, from which a Q4_0 file is visibly far.
+    assert set(OWN_REFERENCE) == {"tq1_0", "tq2_0"} and set(OWN_REFERENCE) <= set(LLAMACPP_FILES)
+    model = make_tiny_model(tmp_path / "m")
+    path = export_gguf(model, tmp_path / "m.gguf", "q4_0")
+    ids = list(range(3, 30))
+    own = file_logits(path, ids)
+    folder = our_logits(TorchBackend(model, "cpu", quantize="none"), ids)
+    blocks = TorchBackend(model, "cpu", quantize="auto", stored=gguf_model(path).stored_tensors(), kernels="torch")
+    torch.testing.assert_close(own, our_logits(blocks, ids), atol=1e-4, rtol=1e-4)
+    assert (own - folder).abs().max() > 1e-2
 
 
 def test_slot_table_logits_hold_every_token_and_feel_the_kv_type(tmp_path: Path) -> None:
