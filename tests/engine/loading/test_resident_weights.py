@@ -58,7 +58,8 @@ def test_release_pages_gives_back_the_blocks_and_keeps_every_byte() -> None:
 
     gm.release_pages()
 
-    assert _mapped_kib(path) <= 1024
+    # What stays is at most a huge page at either end (the header's tail is faulted in with the first tensor).
+    assert _mapped_kib(path) <= 2 * 2048 + 64
     for name, t in stored.items():  # faulted back in from the file, unchanged
         assert np.array_equal(np.asarray(t.data), before[name]), name
 
