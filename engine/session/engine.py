@@ -39,6 +39,7 @@ from engine.generation.loop import (
 from engine.generation.sampling import Sampler, SamplingSettings, make_sampler
 from engine.generation.speculative import Controller, DraftModel, PromptLookup, Speculation, Speculator
 from engine.hw import HardwarePolicy
+from engine.hw.memory import release_code_pages
 from engine.loading.model_files import check_model_path, display_name, resolve_model_path
 from engine.loading.sampling_defaults import ModelSampling, model_sampling
 from engine.loading.tokenizer import Tokenizer
@@ -134,6 +135,9 @@ class Engine:
         """Load a model (HF folder or GGUF; the default model when None); with a `policy`, refuse (one sentence) a
         model this machine cannot hold, by the loaded backend's own figures. `draft_model`: a smaller model with the
         same vocabulary, loaded on the same backend kind, for speculative decoding (`Speculation.DRAFT`)."""
+        # The code that only ran while importing (torch's operator registrations) gives its pages back before the
+        # weights come in, and the loader's own code after: the process holds the model, not its start-up.
+        release_code_pages()
         model_dir = resolve_model_path(model_dir)
         check_model_path(model_dir)
         tokenizer = Tokenizer.load(model_dir)
@@ -146,6 +150,7 @@ class Engine:
             check_model_path(draft_dir)
             check_same_vocabulary(tokenizer, Tokenizer.load(draft_dir))
             draft = open_backend(draft_dir, choice.backend.name, draft_quantize).backend
+        release_code_pages()
         return cls(choice, tokenizer, model_dir, memory_factory, policy, draft)
 
     @property

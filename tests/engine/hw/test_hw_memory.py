@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -11,10 +14,12 @@ from engine.hw.memory import (
     MemoryPressure,
     MemorySnapshot,
     SystemMemorySource,
+    code_ranges,
     format_bytes,
     parse_psi,
     pressure_from_available,
     read_device_memory,
+    release_code_pages,
     snapshot_cost_s,
 )
 
@@ -125,3 +130,81 @@ def test_format_bytes() -> None:
     assert format_bytes(16 * GB) == "16.0 GB"
     assert format_bytes(640 * 2**20) == "640.0 MB"
     assert format_bytes(512) == "512 B"
+
+
+SMAPS = """\
+7f0000000000-7f0000100000 r-xp 00000000 08:01 11 /usr/lib/libcode.so
+Size:               1024 kB
+Rss:                 400 kB
+Anonymous:             0 kB
+7f0000100000-7f0000200000 r-xp 00100000 08:01 12 /usr/lib/libpatched.so
+Rss:                 300 kB
+Anonymous:             8 kB
+7f0000200000-7f0000300000 r--p 00000000 08:01 11 /usr/lib/libcode.so
+Rss:                 200 kB
+Anonymous:             0 kB
+7f0000300000-7f0000400000 rw-p 00000000 08:01 11 /usr/lib/libcode.so
+Rss:                 100 kB
+Anonymous:             0 kB
+7f0000400000-7f0000500000 r-xp 00000000 00:00 0 [vdso]
+Rss:                   4 kB
+Anonymous:             0 kB
+7f0000500000-7f0000600000 r-xp 00000000 00:00 0
+Rss:                  64 kB
+Anonymous:             0 kB
+7f0000600000-7f0000700000 r-xp 00000000 08:01 13 /opt/a dir/libspaced.so
+Rss:                  12 kB
+Anonymous:             0 kB
+7f0000700000-7f0000800000 r-xp 00000000 08:01 14 /usr/lib/libcold.so
+Rss:                   0 kB
+Anonymous:             0 kB
+7f0000800000-7f0000900000 r-xp 00000000 08:01 15 /usr/lib/libodd.so
+Rss:                  16 kB
+Anonymous:           ??? kB
+"""
+
+
+def test_only_clean_file_backed_code_is_given_back() -> None:
+    # Code pages a process wrote (Anonymous > 0), data, writable, anonymous and special mappings, and a mapping
+    # whose private pages cannot be read are all left alone: only pages equal to their file's bytes qualify.
+    assert code_ranges(SMAPS) == [
+        (0x7F0000000000, 0x7F0000100000, 400 * 1024),
+        (0x7F0000600000, 0x7F0000700000, 12 * 1024),
+    ]
+
+
+def _resident_code_bytes() -> int:
+    return sum(rss for _, _, rss in code_ranges(Path("/proc/self/smaps").read_text(errors="replace")))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc/self/smaps and MADV_DONTNEED")
+def test_released_code_pages_leave_the_process_and_it_runs_on() -> None:
+    import torch
+
+    before = _resident_code_bytes()
+    released = release_code_pages()
+    after = _resident_code_bytes()
+    assert released > before // 2 > 0
+    assert after < before // 2  # what ran since (this test, the smaps read) faulted back in; the rest stayed out
+    assert float(torch.arange(5.0).square().sum()) == 30.0  # torch's code comes back as it runs
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc/self/smaps and MADV_DONTNEED")
+def test_a_code_mapping_the_process_wrote_keeps_its_bytes(tmp_path: Path) -> None:
+    # A private mapping whose pages were written, then made executable (as a loader relocating code would): its
+    # pages differ from the file's, so giving them back would lose them. They must survive a release.
+    path = tmp_path / "code.bin"
+    path.write_bytes(bytes(mmap.PAGESIZE * 4))
+    with path.open("r+b") as f:
+        mapped = mmap.mmap(f.fileno(), mmap.PAGESIZE * 4, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mapped[:5] = b"spark"
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.mprotect(address, mmap.PAGESIZE * 4, mmap.PROT_READ | mmap.PROT_EXEC) != 0:
+        pytest.skip("this file system does not allow executable mappings")
+    try:
+        release_code_pages()
+        assert ctypes.string_at(address, 5) == b"spark"
+    finally:
+        libc.mprotect(address, mmap.PAGESIZE * 4, mmap.PROT_READ | mmap.PROT_WRITE)
