@@ -238,28 +238,26 @@ MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
 
 def code_ranges(smaps: str) -> list[tuple[int, int, int]]:
     """(start, end, resident bytes) of each mapping in `smaps` (/proc/<pid>/smaps) that holds only a file's own
-    code: private, readable, executable, not writable, file-backed, and with no anonymous (copy-on-write) page,
-    so every resident page of it is the file's own bytes, read back from the file if it is touched again."""
-    found: list[tuple[int, int, int]] = []
-    current: list[int] | None = None  # [start, end, rss bytes, anonymous bytes] of a mapping that qualifies so far
+    code: private, readable, executable, not writable, file-backed, and with no anonymous (copy-on-write) page in
+    memory or in swap, so every resident page of it is the file's own bytes, read back if it is touched again."""
+    mappings: list[list[int]] = []  # [start, end, rss bytes, written bytes] of each executable file mapping
+    current: list[int] | None = None
     for line in smaps.splitlines():
         header = _SMAPS_HEADER.match(line)
         if header:
-            if current is not None and current[3] == 0 and current[2] > 0:
-                found.append((current[0], current[1], current[2]))
             start, end, perms, path = header.groups()
             current = [int(start, 16), int(end, 16), 0, 0] if perms == "r-xp" and path.startswith("/") else None
+            if current is not None:
+                mappings.append(current)
         elif current is not None:
             key, _, value = line.partition(":")
             kib = value.split()[:1]
             size = int(kib[0]) * 1024 if kib and kib[0].isdigit() else None
             if key == "Rss":
                 current[2] = size or 0
-            elif key == "Anonymous":
-                current[3] = 1 if size is None else size  # unreadable: assume a private page, leave the mapping be
-    if current is not None and current[3] == 0 and current[2] > 0:
-        found.append((current[0], current[1], current[2]))
-    return found
+            elif key in ("Anonymous", "Swap"):  # a written page, in memory or swapped out
+                current[3] += 1 if size is None else size  # unreadable: assume one, leave the mapping be
+    return [(start, end, rss) for start, end, rss, written in mappings if written == 0 and rss > 0]
 
 
 def release_code_pages() -> int:

@@ -161,11 +161,15 @@ Anonymous:             0 kB
 7f0000800000-7f0000900000 r-xp 00000000 08:01 15 /usr/lib/libodd.so
 Rss:                  16 kB
 Anonymous:           ??? kB
+7f0000900000-7f0000a00000 r-xp 00000000 08:01 16 /usr/lib/libswapped.so
+Rss:                  20 kB
+Anonymous:             0 kB
+Swap:                  4 kB
 """
 
 
 def test_only_clean_file_backed_code_is_given_back() -> None:
-    # Code pages a process wrote (Anonymous > 0), data, writable, anonymous and special mappings, and a mapping
+    # Code pages a process wrote (Anonymous > 0, or swapped out), data, writable, anonymous and special mappings, and a mapping
     # whose private pages cannot be read are all left alone: only pages equal to their file's bytes qualify.
     assert code_ranges(SMAPS) == [
         (0x7F0000000000, 0x7F0000100000, 400 * 1024),
