@@ -236,28 +236,52 @@ _SMAPS_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ \S+ *(.*)$
 MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
 
 
-def code_ranges(smaps: str) -> list[tuple[int, int, int]]:
-    """(start, end, resident bytes) of each mapping in `smaps` (/proc/<pid>/smaps) that holds only a file's own
-    code: private, readable, executable, not writable, file-backed, and with no anonymous (copy-on-write) page in
-    memory or in swap, so every resident page of it is the file's own bytes, read back if it is touched again."""
-    mappings: list[list[int]] = []  # [start, end, rss bytes, written bytes] of each executable file mapping
-    current: list[int] | None = None
-    for line in smaps.splitlines():
+@dataclass(frozen=True)
+class MappedRange:
+    """One mapping of a process, as /proc/<pid>/smaps lists it."""
+
+    start: int
+    end: int
+    perms: str  # "r-xp": readable, not writable, executable, private
+    path: str  # the mapped file, a "[tag]" (heap, stack, vdso), or "" (anonymous)
+    sizes: dict[str, int | None]  # each "<key>: <n> kB" line in bytes ("Rss", "Anonymous", ...); None if unreadable
+
+
+def parse_smaps(text: str) -> list[MappedRange]:
+    """The mappings /proc/<pid>/smaps lists, in its order."""
+    mappings: list[MappedRange] = []
+    for line in text.splitlines():
         header = _SMAPS_HEADER.match(line)
         if header:
             start, end, perms, path = header.groups()
-            current = [int(start, 16), int(end, 16), 0, 0] if perms == "r-xp" and path.startswith("/") else None
-            if current is not None:
-                mappings.append(current)
-        elif current is not None:
+            mappings.append(MappedRange(int(start, 16), int(end, 16), perms, path, {}))
+        elif mappings:
             key, _, value = line.partition(":")
-            kib = value.split()[:1]
-            size = int(kib[0]) * 1024 if kib and kib[0].isdigit() else None
-            if key == "Rss":
-                current[2] = size or 0
-            elif key in ("Anonymous", "Swap"):  # a written page, in memory or swapped out
-                current[3] += 1 if size is None else size  # unreadable: assume one, leave the mapping be
-    return [(start, end, rss) for start, end, rss, written in mappings if written == 0 and rss > 0]
+            words = value.split()
+            if words and words[-1] == "kB":
+                mappings[-1].sizes[key] = int(words[0]) * 1024 if words[0].isdigit() else None
+    return mappings
+
+
+def own_mappings() -> list[MappedRange]:
+    """This process's mappings (Linux; OSError elsewhere)."""
+    with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
+        return parse_smaps(f.read())
+
+
+def code_ranges(mappings: list[MappedRange]) -> list[tuple[int, int, int]]:
+    """(start, end, resident bytes) of each mapping that holds only a file's own code: private, readable,
+    executable, not writable, file-backed, and with no anonymous (copy-on-write) page in memory or in swap, so every
+    resident page of it is the file's own bytes, read back if it is touched again. An unreadable count is taken for
+    a written page: the mapping is left be."""
+    return [
+        (m.start, m.end, m.sizes.get("Rss") or 0)
+        for m in mappings
+        if m.perms == "r-xp"
+        and m.path.startswith("/")
+        and all(m.sizes.get(key, 0) == 0 for key in ("Anonymous", "Swap"))
+        and m.sizes.get("Rss")
+    ]
 
 
 def release_code_pages() -> int:
@@ -270,8 +294,7 @@ def release_code_pages() -> int:
     if not sys.platform.startswith("linux"):
         return 0
     try:
-        with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
-            ranges = code_ranges(f.read())
+        ranges = code_ranges(own_mappings())
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return 0

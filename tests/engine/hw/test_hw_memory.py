@@ -3,6 +3,7 @@ from __future__ import annotations
 import ctypes
 import json
 import mmap
+import os
 import subprocess
 import sys
 from collections import namedtuple
@@ -19,6 +20,7 @@ from engine.hw.memory import (
     code_ranges,
     format_bytes,
     parse_psi,
+    parse_smaps,
     pressure_from_available,
     read_device_memory,
     release_code_pages,
@@ -174,7 +176,7 @@ def test_only_clean_file_backed_code_is_given_back() -> None:
     # Code pages a process wrote (Anonymous > 0, or swapped out), data, writable, anonymous and special mappings,
     # and a mapping whose private pages cannot be read are all left alone: only pages equal to their file's bytes
     # qualify.
-    assert code_ranges(SMAPS) == [
+    assert code_ranges(parse_smaps(SMAPS)) == [
         (0x7F0000000000, 0x7F0000100000, 400 * 1024),
         (0x7F0000600000, 0x7F0000700000, 12 * 1024),
     ]
@@ -182,11 +184,10 @@ def test_only_clean_file_backed_code_is_given_back() -> None:
 
 RELEASE_IN_A_FRESH_PROCESS = """
 import json
-from pathlib import Path
 import torch
-from engine.hw.memory import code_ranges, release_code_pages
+from engine.hw.memory import code_ranges, own_mappings, release_code_pages
 def resident():
-    return sum(rss for _, _, rss in code_ranges(Path("/proc/self/smaps").read_text(errors="replace")))
+    return sum(rss for _, _, rss in code_ranges(own_mappings()))
 before = resident()
 released = release_code_pages()
 after = resident()
@@ -198,7 +199,11 @@ print(json.dumps([before, released, after, float(torch.arange(5.0).square().sum(
 def test_released_code_pages_leave_the_process_and_it_runs_on() -> None:
     # A fresh process, so what earlier tests released or touched does not count: torch's import alone leaves tens
     # of MB of code resident.
-    out = subprocess.run([sys.executable, "-c", RELEASE_IN_A_FRESH_PROCESS], capture_output=True, text=True, check=True)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    out = subprocess.run(
+        [sys.executable, "-c", RELEASE_IN_A_FRESH_PROCESS], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
     before, released, after, computed = json.loads(out.stdout)
     assert before > 20 * 2**20 and released > before // 2
     assert after < before // 4  # what ran since (the smaps read, the sum) faulted back in; the rest stayed out

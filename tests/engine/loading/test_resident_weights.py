@@ -14,6 +14,7 @@ import pytest
 
 from engine.backends.torch_backend import TorchBackend
 from engine.generation.loop import prefill
+from engine.hw.memory import own_mappings
 from engine.loading.gguf import GGUFModel
 from engine.memory.base import FullAttentionMemory
 from tests.helpers.real_model import real_gguf
@@ -23,30 +24,14 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 def _mapped_kib(path: Path) -> int:
     """Resident KiB of this process's mappings of `path`."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if head and "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
-                inside = len(head) >= 6 and head[5] == str(path)
-            elif inside and line.startswith("Rss:"):
-                total += int(head[1])
-    return total
+    return sum(m.sizes.get("Rss") or 0 for m in own_mappings() if m.path == str(path)) // 1024
 
 
 def _kib_at(address: int) -> int:
     """Resident KiB of the one mapping of this process that holds `address` (not of every mapping of its file:
     another test's GGUFModel of the same file may be unmapped meanwhile)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if head and "-" in head[0] and all(c in "0123456789abcdef-" for c in head[0]):
-                lo, hi = (int(x, 16) for x in head[0].split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("Rss:"):
-                return int(head[1])
-    raise AssertionError("no mapping holds the address")
+    held = next(m for m in own_mappings() if m.start <= address < m.end)
+    return (held.sizes.get("Rss") or 0) // 1024
 
 
 def test_release_pages_gives_back_the_blocks_and_keeps_every_byte() -> None:
