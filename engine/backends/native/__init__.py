@@ -127,6 +127,9 @@ class AttnDesc(ctypes.Structure):
         ("chunk", ctypes.c_int32),
         ("partial", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
+        ("rotated", ctypes.c_void_p),  # keys rotated for several tokens (spark_decode_rows); NULL: rotate on read
+        ("rank_of", ctypes.c_void_p),
+        ("rotated_width", ctypes.c_int64),
     ]
 
 
@@ -167,6 +170,11 @@ class NativeKernels:
     def use_threads(self, n: int) -> int:
         """Size the library's persistent thread pool (the caller counts as one); cheap when unchanged."""
         return int(self.lib.spark_set_threads(max(1, n)))
+
+    def use_amx(self, use: bool) -> bool:
+        """Let the products of a few or many rows use AMX tiles where the CPU has them (the default) or not (to
+        compare routes: their bits are the same); returns whether they now do."""
+        return bool(self.lib.spark_use_amx(1 if use else 0))
 
 
 @dataclass(frozen=True)
@@ -260,6 +268,8 @@ def bind(path: Path) -> NativeKernels:
     lib.spark_set_threads.restype = ctypes.c_int32
     lib.spark_set_threads.argtypes = [ctypes.c_int32]
     lib.spark_threads.restype = ctypes.c_int32
+    lib.spark_use_amx.restype = ctypes.c_int32
+    lib.spark_use_amx.argtypes = [ctypes.c_int32]
     lib.spark_block_bytes.restype = ctypes.c_int32
     lib.spark_block_bytes.argtypes = [ctypes.c_int32]
     lib.spark_act_bytes.restype = ctypes.c_int64

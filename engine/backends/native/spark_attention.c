@@ -17,6 +17,12 @@
  * scores and the weighted sums use fused multiply-adds where the machine has them and run in another order than
  * PyTorch's softmax: results agree within float rounding (tests/engine/backends/native).
  *
+ * A step of several tokens (spark_decode_rows, a speculative verify) rotates each attended key once for all of them
+ * (rotate_ranks) and, where every token's keys are the first ranks of the last one's (a chunk appended to the
+ * table), runs their attentions as one job that reads each tile of keys and values once for every token it holds
+ * (attend_prefix_chunk); each token's tiles, chunks and operations stay those of its own decoding step, so its
+ * bits are too.
+ *
  * Included by spark_kernels.c after its helpers (one translation unit: it uses parallel_for, exp_approx and
  * SPARK_MAX_HEAD_DIM); spark_decode calls spark_attend for each layer.
  */
@@ -129,6 +135,11 @@ typedef struct {
     int32_t chunk;  /* keys per work item */
     float *partial; /* (chunks, H, D + 2): per chunk and head, the running max, the sum, then the output (D) */
     float *out;     /* (H, D) */
+    /* Keys already rotated, for the tokens of a step of several (spark_decode_rows rotates each attended key once
+     * for all of them): (Hkv, rotated_width, D) fp32, this token's rank i at rank rank_of[i]; NULL: rotate as read. */
+    const float *rotated;
+    const int32_t *rank_of;
+    int64_t rotated_width;
 } spark_attn;
 
 /* Floats of `partial` an attention over `width` keys may use (callers allocate this many). */
@@ -165,8 +176,39 @@ static inline __attribute__((always_inline)) void load_row(const void *base, int
     }
 }
 
+/* Row `slot` of KV head `kh`'s keys rotated at the position whose table rows are cs, sn: out (D). */
+static inline __attribute__((always_inline)) void rotate_key(const void *k, int32_t half, int64_t capacity, int32_t kh, int64_t slot, const float *cs, const float *sn, const int32_t d, float *out) {
+    const size_t elem = half ? 2 : 4;
+    const int32_t hd = d / 2;
+    const uint8_t *row = (const uint8_t *)k + (((int64_t)kh * capacity + slot) * d) * elem;
+    rotate_half(row, half, hd, cs, sn, hd, out);
+    rotate_half(row + hd * elem, half, -hd, cs + hd, sn + hd, d - hd, out + hd);
+}
+
+/* Every key of an addressing (slots, positions: width ranks) rotated once, for all the tokens of a step that
+ * attend to them: out (Hkv, width, D). A parallel_for job over ranks. */
+typedef struct {
+    const void *k;
+    int32_t half, n_kv_heads, d;
+    int64_t capacity, width;
+    const int64_t *slots, *positions;
+    const float *cos, *sin;
+    float *out;
+} spark_rotation;
+
+static void rotate_ranks(void *ctx, int32_t begin, int32_t end) {
+    const spark_rotation *r = ctx;
+    for (int32_t kh = 0; kh < r->n_kv_heads; kh++)
+        for (int32_t i = begin; i < end; i++) {
+            float *out = r->out + ((int64_t)kh * r->width + i) * r->d;
+            const float *cs = r->cos + r->positions[i] * r->d, *sn = r->sin + r->positions[i] * r->d;
+            if (r->d == 64) rotate_key(r->k, r->half, r->capacity, kh, r->slots[i], cs, sn, 64, out);
+            else rotate_key(r->k, r->half, r->capacity, kh, r->slots[i], cs, sn, r->d, out);
+        }
+}
+
 /* s[t] = q . kt[t] * scale for keys [t0, t1) of a tile: the query held in vectors across them. */
-static inline __attribute__((always_inline)) void tile_scores(const float *q, float (*kt)[SPARK_MAX_HEAD_DIM], int32_t t0, int32_t t1, const int32_t d, float scale, float *s) {
+static inline __attribute__((always_inline)) void tile_scores(const float *q, const float *const *kt, int32_t t0, int32_t t1, const int32_t d, float scale, float *s) {
     enum { MAXV = SPARK_MAX_HEAD_DIM / SPARK_VW };
     spark_vf qv[MAXV];
     const int32_t nv = d / SPARK_VW;
@@ -183,60 +225,111 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q, fl
     }
 }
 
-/* Keys [r0, r1) of one chunk, for every KV head and its query heads: the chunk's partial softmax. */
-static inline __attribute__((always_inline)) void attend_chunk(const spark_attn *a, int32_t c, int32_t r0, int32_t r1, const int32_t d) {
-    enum { MAXV = SPARK_MAX_HEAD_DIM / SPARK_VW };
-    const int32_t g = a->n_heads / a->n_kv_heads, stride = d + 2, hd = d / 2, nv = d / SPARK_VW;
-    const size_t elem = a->half ? 2 : 4;
+#if SPARK_VW == 16
+/* tile_scores for a whole tile of 16 keys (ranks below sp scored by qp, the rest by qn) with D a multiple of 16: the
+ * same products per key, and each key's 16 lanes summed by _mm512_reduce_add_ps's tree (lane i + lane i + 8, then
+ * i + i + 4, then i + i + 2, then the two), two to four keys' sums per vector add: the same bits as tile_scores. */
+static inline __attribute__((always_inline)) void tile_scores16(const float *qp, const float *qn, const float *const *kt, int32_t sp, const int32_t d, float scale, float *s) {
+    enum { MAXV = SPARK_MAX_HEAD_DIM / 16 };
+    const int32_t nv = d / 16;
+    __m512 v[16], a[8], b[4], c[2];
+    for (int32_t t = 0; t < 16; t++) {
+        const float *q = t < sp ? qp : qn;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kt[t]));
+        for (int32_t j = 1; j < nv; j++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * 16), _mm512_loadu_ps(kt[t] + j * 16), acc);
+        v[t] = acc;
+    }
+    for (int32_t i = 0; i < 8; i++) /* keys 2i, 2i + 1: their halves' sums (8 lanes each) */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int32_t i = 0; i < 4; i++) /* keys 4i..4i + 3, one per 128-bit lane: their quarters' sums */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int32_t i = 0; i < 2; i++) /* per 128-bit lane l: keys 8i + l, 8i + 4 + l, two sums each */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    /* element 4l + m holds key 4m + l */
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_store_ps(s, _mm512_mul_ps(_mm512_permutexvar_ps(order, r), _mm512_set1_ps(scale)));
+}
+#endif
+
+/* Chunk c of a starts: its heads' running max, sum and output cleared. */
+static inline void chunk_start(const spark_attn *a, int32_t c, int32_t d) {
+    const int32_t stride = d + 2;
     float *part = a->partial + (int64_t)c * a->n_heads * stride;
     for (int32_t h = 0; h < a->n_heads; h++) {
         part[h * stride] = -INFINITY;
         part[h * stride + 1] = 0.0f;
         memset(part + h * stride + 2, 0, sizeof(float) * (size_t)d);
     }
-    _Alignas(64) float kt[SPARK_ATTN_TILE][SPARK_MAX_HEAD_DIM], vt[SPARK_ATTN_TILE][SPARK_MAX_HEAD_DIM];
+}
+
+/* Keys [t0, t0 + n) of chunk c, KV head kh (rotated keys kr[t], values vt[t]), for that head's query heads of a:
+ * scores, the chunk's running softmax, the weighted values. */
+static inline __attribute__((always_inline)) void tile_heads(const spark_attn *a, int32_t c, int32_t kh, int32_t t0, int32_t n, const float *const *kt, float (*vt)[SPARK_MAX_HEAD_DIM], const int32_t d) {
+    enum { MAXV = SPARK_MAX_HEAD_DIM / SPARK_VW };
+    const int32_t g = a->n_heads / a->n_kv_heads, stride = d + 2, nv = d / SPARK_VW;
+    float *part = a->partial + (int64_t)c * a->n_heads * stride;
+    /* ranks below the split are scored by q_plain: keys [0, sp) of this tile */
+    const int32_t sp = a->split <= t0 ? 0 : (a->split - t0 < n ? a->split - t0 : n);
     _Alignas(64) float s[SPARK_ATTN_TILE], p[SPARK_ATTN_TILE];
+    const float *kr[SPARK_ATTN_TILE];
+    for (int32_t t = 0; t < SPARK_ATTN_TILE; t++) kr[t] = kt[t < n ? t : 0]; /* past n: scored, never used */
+    for (int32_t u = 0; u < g; u++) {
+        const int32_t h = kh * g + u;
+        float *st = part + h * stride, *acc = st + 2;
+#if SPARK_VW == 16
+        if (d % 16 == 0) {
+            tile_scores16(a->q_plain + (int64_t)h * d, a->q_new + (int64_t)h * d, kr, sp, d, a->scale, s);
+        } else
+#endif
+        {
+            tile_scores(a->q_plain + (int64_t)h * d, kr, 0, sp, d, a->scale, s);
+            tile_scores(a->q_new + (int64_t)h * d, kr, sp, n, d, a->scale, s);
+        }
+        float mx = st[0];
+        for (int32_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+        for (int32_t t = n; t < SPARK_ATTN_TILE; t++) s[t] = mx; /* the tile's unused lanes: e^0, never summed */
+        if (mx > st[0]) { /* a new maximum: rescale what the chunk summed so far */
+            const float corr = exp_approx(st[0] - mx);
+            st[1] *= corr;
+            for (int32_t i = 0; i < d; i++) acc[i] *= corr;
+            st[0] = mx;
+        }
+        const spark_vf vmx = vf_set1(mx);
+        for (int32_t t = 0; t < SPARK_ATTN_TILE; t += SPARK_VW) vf_store(p + t, vf_exp(vf_load(s + t) - vmx));
+        float total = 0.0f;
+        for (int32_t t = 0; t < n; t++) total += p[t];
+        st[1] += total;
+        spark_vf av[MAXV];
+        for (int32_t j = 0; j < nv; j++) av[j] = vf_load(acc + j * SPARK_VW);
+        for (int32_t t = 0; t < n; t++) {
+            const spark_vf pv = vf_set1(p[t]);
+            for (int32_t j = 0; j < nv; j++) av[j] = vf_fma(pv, vf_load(vt[t] + j * SPARK_VW), av[j]);
+            for (int32_t i = nv * SPARK_VW; i < d; i++) acc[i] += p[t] * vt[t][i];
+        }
+        for (int32_t j = 0; j < nv; j++) vf_store(acc + j * SPARK_VW, av[j]);
+    }
+}
+
+/* Keys [r0, r1) of one chunk, for every KV head and its query heads: the chunk's partial softmax. */
+static inline __attribute__((always_inline)) void attend_chunk(const spark_attn *a, int32_t c, int32_t r0, int32_t r1, const int32_t d) {
+    chunk_start(a, c, d);
+    _Alignas(64) float kt[SPARK_ATTN_TILE][SPARK_MAX_HEAD_DIM], vt[SPARK_ATTN_TILE][SPARK_MAX_HEAD_DIM];
     for (int32_t t0 = r0; t0 < r1; t0 += SPARK_ATTN_TILE) {
         const int32_t n = r1 - t0 < SPARK_ATTN_TILE ? r1 - t0 : SPARK_ATTN_TILE;
-        /* ranks below the split are scored by q_plain: keys [0, sp) of this tile */
-        const int32_t sp = a->split <= t0 ? 0 : (a->split - t0 < n ? a->split - t0 : n);
         for (int32_t kh = 0; kh < a->n_kv_heads; kh++) {
+            const float *kr[SPARK_ATTN_TILE]; /* the tile's rotated keys */
             for (int32_t t = 0; t < n; t++) {
                 const int64_t slot = a->slots[t0 + t];
-                const float *cs = a->cos + a->positions[t0 + t] * d, *sn = a->sin + a->positions[t0 + t] * d;
-                const uint8_t *row = (const uint8_t *)a->k + (((int64_t)kh * a->capacity + slot) * d) * elem;
-                rotate_half(row, a->half, hd, cs, sn, hd, kt[t]);
-                rotate_half(row + hd * elem, a->half, -hd, cs + hd, sn + hd, d - hd, kt[t] + hd);
+                if (a->rotated != NULL) {
+                    kr[t] = a->rotated + ((int64_t)kh * a->rotated_width + a->rank_of[t0 + t]) * d;
+                } else {
+                    rotate_key(a->k, a->half, a->capacity, kh, slot, a->cos + a->positions[t0 + t] * d, a->sin + a->positions[t0 + t] * d, d, kt[t]);
+                    kr[t] = kt[t];
+                }
                 load_row(a->v, a->half, a->capacity, kh, slot, d, vt[t]);
             }
-            for (int32_t u = 0; u < g; u++) {
-                const int32_t h = kh * g + u;
-                float *st = part + h * stride, *acc = st + 2;
-                tile_scores(a->q_plain + (int64_t)h * d, kt, 0, sp, d, a->scale, s);
-                tile_scores(a->q_new + (int64_t)h * d, kt, sp, n, d, a->scale, s);
-                float mx = st[0];
-                for (int32_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
-                for (int32_t t = n; t < SPARK_ATTN_TILE; t++) s[t] = mx; /* the tile's unused lanes: e^0, never summed */
-                if (mx > st[0]) { /* a new maximum: rescale what the chunk summed so far */
-                    const float corr = exp_approx(st[0] - mx);
-                    st[1] *= corr;
-                    for (int32_t i = 0; i < d; i++) acc[i] *= corr;
-                    st[0] = mx;
-                }
-                const spark_vf vmx = vf_set1(mx);
-                for (int32_t t = 0; t < SPARK_ATTN_TILE; t += SPARK_VW) vf_store(p + t, vf_exp(vf_load(s + t) - vmx));
-                float total = 0.0f;
-                for (int32_t t = 0; t < n; t++) total += p[t];
-                st[1] += total;
-                spark_vf av[MAXV];
-                for (int32_t j = 0; j < nv; j++) av[j] = vf_load(acc + j * SPARK_VW);
-                for (int32_t t = 0; t < n; t++) {
-                    const spark_vf pv = vf_set1(p[t]);
-                    for (int32_t j = 0; j < nv; j++) av[j] = vf_fma(pv, vf_load(vt[t] + j * SPARK_VW), av[j]);
-                    for (int32_t i = nv * SPARK_VW; i < d; i++) acc[i] += p[t] * vt[t][i];
-                }
-                for (int32_t j = 0; j < nv; j++) vf_store(acc + j * SPARK_VW, av[j]);
-            }
+            tile_heads(a, c, kh, t0, n, kr, vt, d);
         }
     }
 }
@@ -252,12 +345,10 @@ static void attend_chunks(void *ctx, int32_t begin, int32_t end) {
     }
 }
 
-/* out (H, D) = softmax(q k^T * scale) v over the attended keys, the chunks split over the pool's threads. Exported
- * too (engine.backends.native.AttnDesc), so it is checked on its own against PyTorch. */
-void spark_attend(spark_attn *a) {
-    const int32_t threads = pool.n_threads, d = a->d, stride = d + 2;
-    /* One chunk on one thread; else about four per thread, never under SPARK_ATTN_MIN_CHUNK keys (the bound
-     * spark_attend_floats allocates for). */
+/* How many keys a work item of a's attention takes (a->chunk), and how many items: one chunk on one thread; else
+ * about four per thread, never under SPARK_ATTN_MIN_CHUNK keys (the bound spark_attend_floats allocates for). */
+static int32_t attend_split(spark_attn *a) {
+    const int32_t threads = pool.n_threads;
     int32_t chunk = a->width;
     if (threads > 1 && a->width > SPARK_ATTN_MIN_CHUNK) {
         chunk = (a->width + 4 * threads - 1) / (4 * threads);
@@ -265,8 +356,12 @@ void spark_attend(spark_attn *a) {
         chunk = chunk < SPARK_ATTN_MIN_CHUNK ? SPARK_ATTN_MIN_CHUNK : chunk;
     }
     a->chunk = chunk > 0 ? chunk : 1;
-    const int32_t chunks = (a->width + a->chunk - 1) / a->chunk;
-    parallel_for(attend_chunks, a, chunks);
+    return (a->width + a->chunk - 1) / a->chunk;
+}
+
+/* a->out from its chunks' partial results, merged by their maxima. */
+static void attend_merge(const spark_attn *a) {
+    const int32_t d = a->d, stride = d + 2, chunks = (a->width + a->chunk - 1) / a->chunk;
     for (int32_t h = 0; h < a->n_heads; h++) {
         float mx = -INFINITY;
         for (int32_t c = 0; c < chunks; c++) {
@@ -283,4 +378,85 @@ void spark_attend(spark_attn *a) {
         }
         for (int32_t i = 0; i < d; i++) a->out[(int64_t)h * d + i] = sum[i] / total;
     }
+}
+
+/* out (H, D) = softmax(q k^T * scale) v over the attended keys, the chunks split over the pool's threads. Exported
+ * too (engine.backends.native.AttnDesc), so it is checked on its own against PyTorch. */
+void spark_attend(spark_attn *a) {
+    parallel_for(attend_chunks, a, attend_split(a));
+    attend_merge(a);
+}
+
+/* The attentions of a step's T tokens (each its own addressing, queries and partial results) as one job: every
+ * token's chunks, as spark_attend splits them, shared over the pool at once, then every token's merge. */
+typedef struct {
+    spark_attn *a;
+    int32_t count;
+    int32_t first[SPARK_MAX_STEP_ROWS + 1]; /* token t's chunks are items [first[t], first[t + 1]) */
+} spark_attend_many;
+
+static void attend_many_chunks(void *ctx, int32_t begin, int32_t end) {
+    const spark_attend_many *j = ctx;
+    int32_t t = 0;
+    for (int32_t item = begin; item < end; item++) {
+        while (item >= j->first[t + 1]) t++;
+        attend_chunks(&j->a[t], item - j->first[t], item - j->first[t] + 1);
+    }
+}
+
+static void attend_many_merge(void *ctx, int32_t begin, int32_t end) {
+    const spark_attend_many *j = ctx;
+    for (int32_t t = begin; t < end; t++) attend_merge(&j->a[t]);
+}
+
+/* Chunk c of every token whose addressing is a prefix of the last token's (a[count - 1], whose rotated keys they
+ * all read at their own ranks): each tile of keys and values read once, for every token whose chunk c holds it, so
+ * a tile stays in L1 while all of them use it; each token's tiles in its own order: its bits as spark_attend's. */
+static inline __attribute__((always_inline)) void attend_prefix_chunk(const spark_attend_many *j, int32_t c, const int32_t d) {
+    const spark_attn *u = &j->a[j->count - 1];
+    int32_t lo = INT32_MAX, hi = 0, from[SPARK_MAX_STEP_ROWS], to[SPARK_MAX_STEP_ROWS];
+    for (int32_t t = 0; t < j->count; t++) {
+        const spark_attn *a = &j->a[t];
+        from[t] = c * a->chunk, to[t] = from[t] + a->chunk < a->width ? from[t] + a->chunk : a->width;
+        if (from[t] >= to[t]) continue; /* no chunk c */
+        chunk_start(a, c, d);
+        lo = from[t] < lo ? from[t] : lo, hi = to[t] > hi ? to[t] : hi;
+    }
+    _Alignas(64) float vt[SPARK_ATTN_TILE][SPARK_MAX_HEAD_DIM];
+    for (int32_t t0 = lo; t0 < hi; t0 += SPARK_ATTN_TILE) { /* chunk edges are whole tiles: every token's tiles */
+        const int32_t n = hi - t0 < SPARK_ATTN_TILE ? hi - t0 : SPARK_ATTN_TILE;
+        for (int32_t kh = 0; kh < u->n_kv_heads; kh++) {
+            const float *kr[SPARK_ATTN_TILE];
+            for (int32_t i = 0; i < n; i++) {
+                kr[i] = u->rotated + ((int64_t)kh * u->rotated_width + t0 + i) * d;
+                load_row(u->v, u->half, u->capacity, kh, u->slots[t0 + i], d, vt[i]);
+            }
+            for (int32_t t = 0; t < j->count; t++)
+                if (t0 >= from[t] && t0 < to[t]) tile_heads(&j->a[t], c, kh, t0, to[t] - t0 < n ? to[t] - t0 : n, kr, vt, d);
+        }
+    }
+}
+
+static void attend_prefix_chunks(void *ctx, int32_t begin, int32_t end) {
+    const spark_attend_many *j = ctx;
+    for (int32_t c = begin; c < end; c++) {
+        if (j->a[0].d == 64) attend_prefix_chunk(j, c, 64);
+        else attend_prefix_chunk(j, c, j->a[0].d);
+    }
+}
+
+/* The attentions of `count` tokens; `prefix`: each token's addressing is the first ranks of the last one's, whose
+ * keys a[t].rotated holds (rank_of the identity). */
+static void attend_many(spark_attn *a, int32_t count, int prefix) {
+    spark_attend_many j;
+    j.a = a, j.count = count, j.first[0] = 0;
+    int32_t chunks = 0;
+    for (int32_t t = 0; t < count; t++) {
+        const int32_t n = attend_split(&a[t]);
+        j.first[t + 1] = j.first[t] + n;
+        chunks = n > chunks ? n : chunks;
+    }
+    if (prefix) parallel_for(attend_prefix_chunks, &j, chunks);
+    else parallel_for(attend_many_chunks, &j, j.first[count]);
+    parallel_for(attend_many_merge, &j, count);
 }

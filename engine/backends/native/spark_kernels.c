@@ -28,7 +28,9 @@
  * lanes of one 512-bit product on AVX-512 (tokens_in_lanes, every block type), on AVX2 8 weight rows in the
  * lanes of a 256-bit one against each token broadcast (rows_in_lanes_t: Q8_0, Q4_0, Q4_1); up to 4 tokens (a
  * verify) take pairs of weight rows over them (dot_rows2); elsewhere it passes
- * each weight row over 12 tokens (dot_rows_r).
+ * each weight row over 12 tokens (dot_rows_r). Where the CPU has AMX (Sapphire Rapids on), 2 tokens or more of
+ * Q8_0, Q4_0 and Q4_1 take its tiles instead (amx_gemm_t: 16 weight rows by up to 16 tokens a block product), so a
+ * verify of a few tokens costs little more than a decoding step.
  */
 
 #include <math.h>
@@ -1067,6 +1069,227 @@ static int32_t lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int
 }
 #endif
 
+#if defined(SPARK_ZMM) && defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__linux__)
+#define SPARK_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+/* A verify or prefill of Q8_0, Q4_0 or Q4_1 rows with int16 activations on AMX (Sapphire Rapids and later): the
+ * tile unit's byte products give each block's exact int32 sums for 16 weight rows and up to 16 tokens at once, and
+ * the float terms then run as tokens_in_lanes' (same operations, same order: the same bits as every other route).
+ * An int16 activation x = 256 hi + lo (hi signed, lo unsigned bytes) takes two products per block, one per byte;
+ * the weights' 16 rows are gathered into the tile's layout (4 bytes of a row per 32-bit column). A tile's result
+ * goes through memory, so each block's terms are added while the next block's products run. Linux asks the kernel
+ * for the tile state once (arch_prctl); where it refuses, or the CPU lacks AMX, the lane route runs instead. */
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+static int amx_state = -1; /* -1 not asked yet, 0 unavailable or switched off, 1 in use */
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static void amx_probe(void) {
+    uint32_t a, b, c, d, lo, hi;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    const int cpu = (d >> 24 & 1) && (d >> 25 & 1); /* AMX-TILE, AMX-INT8 */
+    int os = 0;
+    if (cpu) {
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        os = (lo & 0x60000) == 0x60000 && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    }
+    amx_state = cpu && os;
+}
+static int amx_on(void) {
+    pthread_once(&amx_once, amx_probe);
+    return amx_state == 1;
+}
+#else
+static int amx_on(void) { return 0; }
+#endif
+
+/* Whether products use the AMX route where it applies; `use` 0 switches it off (comparisons), 1 back on where the
+ * machine has it. Returns the state in effect. */
+int32_t spark_use_amx(int32_t use) {
+#if defined(SPARK_AMX)
+    pthread_once(&amx_once, amx_probe);
+    static int available = -1;
+    if (available < 0) available = amx_state;
+    amx_state = use && available;
+    return amx_state;
+#else
+    (void)use;
+    return 0;
+#endif
+}
+
+/* Whether spark_qgemm takes w's m rows by AMX. */
+static int amx_route(const spark_qmat *w, int32_t m) {
+    return m >= 2 && w->act_parts == 2 && (w->type == SPARK_Q8_0 || w->type == SPARK_Q4_0 || w->type == SPARK_Q4_1) && amx_on();
+}
+
+#if defined(SPARK_AMX)
+/* Groups of up to this many tokens take one product a block: their high bytes (offset to unsigned), low bytes and
+ * a row of ones as the rows of one tile (2 T + 1 <= 16), whose one result then holds both sums and the weights'. */
+#define AMX_ONE_TILE 7
+
+/* a's m int16 rows as the tiles' operands, in the token-lane copy's memory (the same bytes): per group g of 16
+ * tokens and block b, 1024 bytes: hi (16 tokens x 32, signed) then lo (unsigned); a last group's tiles have only
+ * its tokens' rows (amx_gemm_t configures them so), the rest of its bytes unused. A group of T <= AMX_ONE_TILE
+ * tokens: T rows of hi + 128 (unsigned), T of lo, then one of ones. */
+static void amx_in(const spark_act *a, int32_t m, int32_t nb) {
+    uint8_t *xa = (uint8_t *)a->tq;
+    for (int64_t g = 0; g * 16 < m; g++) {
+        const int32_t T = m - g * 16 < 16 ? (int32_t)(m - g * 16) : 16, one = T <= AMX_ONE_TILE;
+        for (int32_t b = 0; b < nb; b++) {
+            uint8_t *hi = xa + (g * nb + b) * 1024, *lo = hi + (one ? 32 * T : 512);
+            for (int32_t t = 0; t < T; t++) {
+                const __m512i v = _mm512_loadu_si512(a->q16 + ((g * 16 + t) * nb + b) * QK);
+                __m256i h = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8));
+                if (one) h = _mm256_xor_si256(h, _mm256_set1_epi8((char)0x80)); /* + 128 */
+                _mm256_storeu_si256((__m256i *)(hi + t * 32), h);
+                _mm256_storeu_si256((__m256i *)(lo + t * 32), _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xFF))));
+            }
+            if (one) _mm256_storeu_si256((__m256i *)(lo + T * 32), _mm256_set1_epi8(1));
+        }
+    }
+}
+
+/* Block `blk` of 16 weight rows (byte offsets idx) in the tile layout bt (8 rows of 16 x 4 bytes: element 4i + j of
+ * row r at bt[i][4r + j]), and the rows' first four bytes (the fp16 scale, and Q4_1's min) in *dm. */
+static inline __attribute__((always_inline)) void amx_weights(const int32_t type, const uint8_t *blk, __m512i idx, uint8_t (*bt)[64], __m512i *dm) {
+    *dm = _mm512_i32gather_epi32(idx, blk, 1);
+    if (type == SPARK_Q8_0) {
+        for (int32_t i = 0; i < 8; i++) _mm512_store_si512(bt[i], _mm512_i32gather_epi32(idx, blk + 2 + 4 * i, 1));
+        return;
+    }
+    const int32_t off = type == SPARK_Q4_1 ? 4 : 2;
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    for (int32_t i = 0; i < 4; i++) { /* byte e holds element e (low nibble) and e + 16 (high) */
+        const __m512i q = _mm512_i32gather_epi32(idx, blk + off + 4 * i, 1);
+        _mm512_store_si512(bt[i], _mm512_and_si512(q, mask));
+        _mm512_store_si512(bt[i + 4], _mm512_and_si512(_mm512_srli_epi32(q, 4), mask));
+    }
+}
+
+/* Tiles: C0, C1 (hi, lo sums) for even blocks, C2, C3 for odd ones; A4, A5 the tokens' hi and lo; B6 the weights.
+ * Q8_0's weights are signed, the nibbles unsigned. A small group (AMX_ONE_TILE): C0 or C2 and A4 only. */
+#define AMX_PRODUCTS(type, c_hi, c_lo, xb, bt)                                                                          \
+    do {                                                                                                               \
+        _tile_zero(c_hi);                                                                                              \
+        _tile_zero(c_lo);                                                                                              \
+        _tile_loadd(4, xb, 32);                                                                                        \
+        _tile_loadd(5, (xb) + 512, 32);                                                                                \
+        _tile_loadd(6, bt, 64);                                                                                        \
+        if (type == SPARK_Q8_0) {                                                                                      \
+            _tile_dpbssd(c_hi, 4, 6);                                                                                  \
+            _tile_dpbusd(c_lo, 5, 6);                                                                                  \
+        } else {                                                                                                       \
+            _tile_dpbsud(c_hi, 4, 6);                                                                                  \
+            _tile_dpbuud(c_lo, 5, 6);                                                                                  \
+        }                                                                                                              \
+    } while (0)
+
+/* The same with one tile of 2 T + 1 rows (A4: AMX_ONE_TILE's layout): unsigned activations by either sign of weight. */
+#define AMX_PRODUCTS_ONE(type, c, xb, bt)                                                                              \
+    do {                                                                                                               \
+        _tile_zero(c);                                                                                                 \
+        _tile_loadd(4, xb, 32);                                                                                        \
+        _tile_loadd(6, bt, 64);                                                                                        \
+        if (type == SPARK_Q8_0) _tile_dpbusd(c, 4, 6);                                                                 \
+        else _tile_dpbuud(c, 4, 6);                                                                                    \
+    } while (0)
+
+/* Block b's terms for tokens [16 g, 16 g + T) into acc[t][b % 8] (16 weight-row lanes): block_term's operations. */
+static inline __attribute__((always_inline)) void amx_terms(const int32_t type, const spark_act *a, int64_t g, int32_t nb, int32_t b, int32_t T, const int32_t (*c)[16], __m512i dm, __m512 (*acc)[8], const int one) {
+    const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+    const __m512 mw = type == SPARK_Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))) : _mm512_setzero_ps();
+    for (int32_t t = 0; t < T; t++) {
+        const int64_t at = (g * 16 + t) * nb + b;
+        /* x = 256 hi + lo; one tile: hi + 128 in place of hi, so less 2^15 times the weights' sum (its last row) */
+        __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[t]), 8), _mm512_load_si512(c[(one ? T : 16) + t]));
+        if (one) isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(_mm512_load_si512(c[2 * T]), 15));
+        if (type == SPARK_Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(a->s[at] * 8));
+        __m512 term = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a->d[at])), _mm512_cvtepi32_ps(isum));
+        if (type == SPARK_Q4_1) term = _mm512_add_ps(term, _mm512_mul_ps(mw, _mm512_set1_ps(a->ds[at])));
+        acc[t][b & 7] = _mm512_add_ps(acc[t][b & 7], term);
+    }
+}
+
+/* Weight rows [begin, end) times every group of 16 tokens: y (M, N) (+ bias). */
+static inline __attribute__((always_inline)) void amx_gemm_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
+    const int32_t nb = w->k / QK, n = w->n, bb = block_bytes(type);
+    const int64_t row_bytes = (int64_t)nb * bb;
+    const uint8_t *xa = (const uint8_t *)a->tq;
+    _Alignas(64) int32_t c[2][32][16]; /* a block's hi sums (rows 0..15), then its lo sums */
+    _Alignas(64) uint8_t bt[2][8][64];
+    _Alignas(64) __m512 acc[16][8];
+    __m512i dm[2];
+    for (int64_t g = 0; g * 16 < m; g++) {
+        const int32_t T = m - g * 16 < 16 ? (int32_t)(m - g * 16) : 16, one = T <= AMX_ONE_TILE, rows = one ? 2 * T + 1 : T;
+        amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int32_t i = 0; i < 4; i++) cfg.rows[i] = (uint8_t)rows, cfg.colsb[i] = 64;
+        cfg.rows[4] = cfg.rows[5] = (uint8_t)rows, cfg.colsb[4] = cfg.colsb[5] = 32;
+        cfg.rows[6] = 8, cfg.colsb[6] = 64;
+        _tile_loadconfig(&cfg);
+        const uint8_t *xg = xa + g * nb * 1024;
+        for (int32_t j = begin; j < end; j += 16) {
+            const int32_t R = end - j < 16 ? end - j : 16;
+            /* rows past the range repeat its last one (their lanes are not stored) */
+            const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            const __m512i idx = _mm512_mullo_epi32(_mm512_min_epi32(lane, _mm512_set1_epi32(R - 1)), _mm512_set1_epi32((int32_t)row_bytes));
+            const uint8_t *base = w->blocks + (int64_t)j * row_bytes;
+            for (int32_t t = 0; t < T; t++)
+                for (int32_t u = 0; u < 8; u++) acc[t][u] = _mm512_setzero_ps();
+            amx_weights(type, base, idx, bt[0], &dm[0]);
+            /* the next 16 rows' bytes (one contiguous run) asked for in equal parts over this group's blocks: the
+             * 16 rows the gathers read at once are more streams than the hardware prefetcher follows */
+            const int64_t ahead = j + 16 < end ? ((16 * row_bytes + nb - 1) / nb + 63) & ~(int64_t)63 : 0;
+            for (int32_t b = 0; b < nb; b++) {
+                if (ahead > 0) prefetch_bytes(base + 16 * row_bytes + b * ahead, ahead);
+                const uint8_t *xb = xg + (int64_t)b * 1024;
+                if (one && (b & 1)) {
+                    AMX_PRODUCTS_ONE(type, 2, xb, bt[1]);
+                    _tile_stored(2, c[1][0], 64);
+                } else if (one) {
+                    AMX_PRODUCTS_ONE(type, 0, xb, bt[0]);
+                    _tile_stored(0, c[0][0], 64);
+                } else if (b & 1) {
+                    AMX_PRODUCTS(type, 2, 3, xb, bt[1]);
+                    _tile_stored(2, c[1][0], 64);
+                    _tile_stored(3, c[1][16], 64);
+                } else {
+                    AMX_PRODUCTS(type, 0, 1, xb, bt[0]);
+                    _tile_stored(0, c[0][0], 64);
+                    _tile_stored(1, c[0][16], 64);
+                }
+                if (b > 0) amx_terms(type, a, g, nb, b - 1, T, c[(b - 1) & 1], dm[(b - 1) & 1], acc, one);
+                if (b + 1 < nb) amx_weights(type, base + (int64_t)(b + 1) * bb, idx, bt[(b + 1) & 1], &dm[(b + 1) & 1]);
+            }
+            amx_terms(type, a, g, nb, nb - 1, T, c[(nb - 1) & 1], dm[(nb - 1) & 1], acc, one);
+            const __mmask16 keep = (__mmask16)((1u << R) - 1);
+            for (int32_t t = 0; t < T; t++) {
+                __m512 o = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][4]), _mm512_add_ps(acc[t][1], acc[t][5])),
+                                         _mm512_add_ps(_mm512_add_ps(acc[t][2], acc[t][6]), _mm512_add_ps(acc[t][3], acc[t][7])));
+                if (w->bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(keep, w->bias + j));
+                _mm512_mask_storeu_ps(y + (g * 16 + t) * n + j, keep, o);
+            }
+        }
+    }
+    _tile_release(); /* the thread's tile state is saved on every switch while it holds it */
+}
+
+static void amx_gemm(const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
+    switch (w->type) {
+    case SPARK_Q8_0: amx_gemm_t(SPARK_Q8_0, w, a, y, m, begin, end); break;
+    case SPARK_Q4_0: amx_gemm_t(SPARK_Q4_0, w, a, y, m, begin, end); break;
+    default: amx_gemm_t(SPARK_Q4_1, w, a, y, m, begin, end); break;
+    }
+}
+#endif
+
 /* How many of a prefill's m activation rows over w take the lane route (on AVX-512 its copy built by spark_qgemm),
  * the first ones; the rest take the row routes: whole groups, and a last partial one of at least SPARK_LANES_MIN.
  * Int16 rows for every routed type; int8 rows for Q4_K and Q6_K (their default, engine.backends.native). */
@@ -1101,6 +1324,12 @@ typedef struct {
 static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     const gemm_job *g = ctx;
     const spark_qmat *w = g->w;
+#if defined(SPARK_AMX)
+    if (amx_route(w, g->m)) {
+        amx_gemm(w, g->a, g->y, g->m, begin, end);
+        return;
+    }
+#endif
     int32_t lanes = lane_tokens(w, g->m); /* tokens [0, lanes) in the lanes, the rest by rows */
 #if defined(SPARK_TOKEN_LANES)
     if (lanes > 0 && !lanes_gemm(w, g->a, g->y, lanes, begin, end)) lanes = 0; /* no memory for its copy: by rows */
@@ -1207,9 +1436,15 @@ void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void 
     const int32_t nb = w->k / QK;
     for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * w->k, w->k, w->k, &a, (int64_t)r * nb);
     if (m == 1) split_row(&a, w->type, nb);
+#if defined(SPARK_AMX)
+    if (amx_route(w, m)) amx_in(&a, m, nb);
+    else
+#endif
 #if defined(SPARK_ZMM)
-    const int32_t lanes = lane_tokens(w, m);
-    if (lanes > 0) lanes_in(&a, lanes, nb);
+    {
+        const int32_t lanes = lane_tokens(w, m);
+        if (lanes > 0) lanes_in(&a, lanes, nb);
+    }
 #endif
     gemm_job g = {w, &a, y, m};
     parallel_for(gemm_rows, &g, w->n);
@@ -1322,6 +1557,7 @@ int64_t spark_decode_scratch_floats(const spark_model *m) {
     return c + (hd + 2 * kv) + hd + hd + hd + 2 * (int64_t)m->intermediate + spark_act_bytes((int32_t)(widest_in + QK - 1) / QK * QK, 1) / 4 + 8;
 }
 
+#define SPARK_MAX_STEP_ROWS 16 /* tokens of a step of several (spark_decode_rows) */
 #include "spark_attention.c" /* a decoding step's attention over the table as stored: spark_attend */
 
 /* One token's k, v (Hkv, D) into `slot` of the layer at element offset `layer_off` of the table (fp16 or fp32). */
@@ -1342,10 +1578,12 @@ static void store_kv(const spark_cache *cache, int64_t layer_off, int32_t hkv, i
 }
 
 /* One token's attention in the layer at element offset `layer_off` of the table: its queries q (H*D) rotated like
- * its key (q_new) and, for ranks below the step's split, at plain positions (q_plain), then out (H*D) = attention over
- * the ranks the step addresses (spark_attend; `partial` its scratch). */
-static void attend_token(const spark_cache *cache, int64_t layer_off, const spark_step *st, const float *q, int32_t h,
-                         int32_t hkv, int32_t d, float *q_new, float *q_plain, float *partial, float *out) {
+ * its key (q_new) and, for ranks below the step's split, at plain positions (q_plain); the attention over the ranks
+ * the step addresses into out (H*D), `partial` its scratch, keys rotated as read or taken from `rotated` (rank_of:
+ * spark_attn). Returns the description spark_attend (or attend_many) runs. */
+static spark_attn token_attention(const spark_cache *cache, int64_t layer_off, const spark_step *st, const float *q,
+                                  int32_t h, int32_t hkv, int32_t d, float *q_new, float *q_plain, float *partial,
+                                  float *out, const float *rotated, const int32_t *rank_of, int64_t rotated_width) {
     for (int32_t qh = 0; qh < h; qh++) {
         rope(q + qh * d, st->cos_new, st->sin_new, d, q_new + qh * d);
         if (st->split > 0) rope(q + qh * d, st->cos_plain, st->sin_plain, d, q_plain + qh * d);
@@ -1353,8 +1591,9 @@ static void attend_token(const spark_cache *cache, int64_t layer_off, const spar
     const size_t elem = cache->half ? 2 : 4;
     spark_attn aj = {(const uint8_t *)cache->k + layer_off * elem, (const uint8_t *)cache->v + layer_off * elem,
                      cache->capacity, cache->half, st->slots, st->positions, st->cos_table, st->sin_table, st->width,
-                     st->split, q_new, q_plain, h, hkv, d, 1.0f / sqrtf((float)d), 0, partial, out};
-    spark_attend(&aj);
+                     st->split, q_new, q_plain, h, hkv, d, 1.0f / sqrtf((float)d), 0, partial, out,
+                     rank_of != NULL ? rotated : NULL, rank_of, rotated_width};
+    return aj;
 }
 
 /* One token through every layer: x (C) is the token's embedding on entry and is updated in place (the residual
@@ -1381,7 +1620,8 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
         if (step->qsum) query_summary(q, hkv, g, d, step->qsum + (int64_t)l * kvd);
         const int64_t layer_off = (int64_t)l * hkv * s * d;
         store_kv(cache, layer_off, hkv, d, step->slot, k, v);
-        attend_token(cache, layer_off, step, q, h, hkv, d, q_new, q_plain, partial, att);
+        spark_attn aj = token_attention(cache, layer_off, step, q, h, hkv, d, q_new, q_plain, partial, att, NULL, NULL, 0);
+        spark_attend(&aj);
         qgemv(&m->o[l], att, hd, hbuf, &xq);
         for (int32_t i = 0; i < c; i++) x[i] += hbuf[i];
 
@@ -1406,7 +1646,6 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
  * the chunk's earlier tokens), so each row equals what T spark_decode calls give.
  * ------------------------------------------------------------------------------------------------------------- */
 
-#define SPARK_MAX_STEP_ROWS 16
 
 static int32_t round_qk(int32_t k) { return (k + QK - 1) / QK * QK; }
 
@@ -1450,6 +1689,44 @@ static void qgemm_chain(const spark_qmat *w, const float *x, int32_t t, float *y
     }
 }
 
+/* The keys a step's tokens share: token r's rank i is rank rank_of[r][i] of the last token's addressing (the table
+ * and the step's tokens, a superset of every earlier token's), each key at one position for all. A token whose
+ * addressing is not such a subset (NULL) rotates its keys as it reads them. width 0: nothing shared. */
+typedef struct {
+    int64_t width;
+    const int32_t *rank_of[SPARK_MAX_STEP_ROWS];
+    int32_t *maps;
+    int prefix; /* every token's addressing is the first ranks of the last one's (a chunk appended to the table) */
+} shared_keys;
+
+static shared_keys share_keys(const spark_step *steps, int32_t t_n) {
+    shared_keys sh;
+    memset(&sh, 0, sizeof sh);
+    if (t_n < 2) return sh;
+    const spark_step *u = &steps[t_n - 1];
+    int64_t total = 0;
+    for (int32_t r = 0; r < t_n; r++) total += steps[r].width;
+    sh.maps = malloc(sizeof(int32_t) * (size_t)(total > 0 ? total : 1));
+    if (sh.maps == NULL) return sh;
+    int32_t *map = sh.maps;
+    for (int32_t r = 0; r < t_n; r++) {
+        const spark_step *st = &steps[r];
+        int64_t j = 0, i = 0;
+        for (; i < st->width; i++) { /* both in slot order */
+            while (j < u->width && u->slots[j] < st->slots[i]) j++;
+            if (j == u->width || u->slots[j] != st->slots[i] || u->positions[j] != st->positions[i]) break;
+            map[i] = (int32_t)j++;
+        }
+        if (i == st->width) sh.rank_of[r] = map, map += st->width;
+    }
+    sh.prefix = 1;
+    for (int32_t r = 0; r < t_n && sh.prefix; r++)
+        for (int64_t i = 0; sh.rank_of[r] != NULL && i < steps[r].width; i++) sh.prefix = sh.prefix && sh.rank_of[r][i] == i;
+    for (int32_t r = 0; r < t_n; r++) sh.prefix = sh.prefix && sh.rank_of[r] != NULL;
+    sh.width = u->width;
+    return sh;
+}
+
 /* T tokens through every layer: x (T, C) their embeddings on entry, the residual streams on return; writes each
  * token's k, v at steps[t].slot; logits (T, V); steps[t].qsum (when set) gets token t's query summaries. partial:
  * spark_attend_floats for the widest step. Returns 0, doing nothing, for T outside [1, SPARK_MAX_STEP_ROWS]. */
@@ -1473,6 +1750,14 @@ int32_t spark_decode_rows(const spark_model *m, const spark_cache *cache, const 
     memset(hbuf, 0, sizeof(float) * (size_t)t_n * cp);
     memset(att, 0, sizeof(float) * (size_t)t_n * hdp);
     memset(act, 0, sizeof(float) * (size_t)t_n * ip);
+    const shared_keys shared = share_keys(steps, t_n);
+    float *rotated = shared.width > 0 ? malloc(sizeof(float) * (size_t)(hkv * shared.width * d)) : NULL;
+    /* Every token's queries and partial results at once, so their attentions run as one job (attend_many); without
+     * the memory, one token after another in the caller's scratch. */
+    int32_t widest = 0;
+    for (int32_t r = 0; r < t_n; r++) widest = steps[r].width > widest ? steps[r].width : widest;
+    const int64_t per_token = 2 * (int64_t)hd + spark_attend_floats(h, d, widest);
+    float *many = t_n > 1 ? malloc(sizeof(float) * (size_t)(t_n * per_token)) : NULL;
 
     for (int32_t l = 0; l < m->n_layers; l++) {
         /* Attention block: every token's k, v stored first (a token attends to the chunk's earlier ones). */
@@ -1483,12 +1768,25 @@ int32_t spark_decode_rows(const spark_model *m, const spark_cache *cache, const 
             const float *k = qkv + (int64_t)r * nqkv + hd, *v = k + kvd;
             store_kv(cache, layer_off, hkv, d, steps[r].slot, k, v);
         }
+        if (rotated != NULL) { /* the last token's keys, a superset of every other's: each rotated once */
+            const spark_step *u = &steps[t_n - 1];
+            const size_t elem = cache->half ? 2 : 4;
+            spark_rotation job = {(const uint8_t *)cache->k + layer_off * elem, cache->half, hkv, d, s, shared.width,
+                                  u->slots, u->positions, u->cos_table, u->sin_table, rotated};
+            parallel_for(rotate_ranks, &job, (int32_t)shared.width);
+        }
+        spark_attn aj[SPARK_MAX_STEP_ROWS];
         for (int32_t r = 0; r < t_n; r++) {
             const spark_step *st = &steps[r];
             const float *q = qkv + (int64_t)r * nqkv;
             if (st->qsum) query_summary(q, hkv, g, d, st->qsum + (int64_t)l * kvd);
-            attend_token(cache, layer_off, st, q, h, hkv, d, q_new, q_plain, partial, att + (int64_t)r * hdp);
+            float *mine = many != NULL ? many + r * per_token : NULL;
+            aj[r] = token_attention(cache, layer_off, st, q, h, hkv, d, mine ? mine : q_new, mine ? mine + hd : q_plain,
+                                    mine ? mine + 2 * hd : partial, att + (int64_t)r * hdp, rotated, shared.rank_of[r],
+                                    shared.width);
+            if (many == NULL) spark_attend(&aj[r]);
         }
+        if (many != NULL) attend_many(aj, t_n, rotated != NULL && shared.prefix);
         qgemm_chain(&m->o[l], att, t_n, proj, tmp, xq);
         for (int32_t r = 0; r < t_n; r++)
             for (int32_t i = 0; i < c; i++) x[(int64_t)r * c + i] += proj[(int64_t)r * c + i];
@@ -1510,6 +1808,9 @@ int32_t spark_decode_rows(const spark_model *m, const spark_cache *cache, const 
     }
     for (int32_t r = 0; r < t_n; r++) rms_norm(x + (int64_t)r * c, m->final_norm, c, m->eps, hbuf + (int64_t)r * cp);
     qgemm_chain(m->lm_head, hbuf, t_n, logits, tmp, xq);
+    free(many);
+    free(rotated);
+    free(shared.maps);
     return 1;
 }
 

@@ -6,7 +6,7 @@
  *      tests/engine/backends/native/qgemm_timing.c -o /tmp/qgemm_timing -lm
  *   taskset -c 1 /tmp/qgemm_timing TYPE M REPS [HEAD]   (TYPE: ggml id, 8 Q8_0, 3 Q4_1, 2 Q4_0, 6 Q5_0)
  * With HOT=1 in the environment every layer shares layer 0's weights (they stay in cache: compute alone); with
- * THREADS=N the products run on N threads (the kernels' pool). */
+ * THREADS=N the products run on N threads (the kernels' pool); with NOAMX=1 they leave AMX's tiles unused. */
 #include "spark_kernels.c"
 
 #include <stdio.h>
@@ -63,6 +63,7 @@ int main(int argc, char **argv) {
     for (int64_t i = 0; i < (int64_t)m * 1536; i++) x[i] = (float)((int)((next() >> 16) % 2001u) - 1000) / 300.0f;
     void *scratch = malloc((size_t)spark_act_bytes(1536, m));
     if (getenv("THREADS")) spark_set_threads(atoi(getenv("THREADS")));
+    if (getenv("NOAMX")) spark_use_amx(0);
     double best = 1e9, sink = 0.0;
     for (int32_t r = 0; r < reps; r++) {
         const double t0 = now();

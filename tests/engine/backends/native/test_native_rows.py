@@ -92,6 +92,24 @@ def test_a_chunk_in_a_cascade_equals_one_token_steps(head64_dir: Path, width: in
     assert torch.equal(summaries, ref_summaries)
 
 
+@pytest.mark.parametrize("width", [4, MAX_ROWS])
+def test_a_chunk_on_two_threads_equals_one_token_steps(head64_dir: Path, width: int) -> None:
+    """Two threads split each token's attention into chunks of its own (a long enough table): the chunk's tokens
+    share their rotated keys and run their attentions as one job, yet each equals its one-token step."""
+    chunked = TorchBackend(head64_dir, "cpu", quantize="q4_1")
+    single = chunked.fork()
+    context = [3 + (i * 7) % 200 for i in range(300)]
+    piece = [5 + (i * 11) % 200 for i in range(width)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        (logits, summaries), (ref_logits, ref_summaries) = rows_and_singles(chunked, single, "full", context, piece)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(summaries, ref_summaries)
+
+
 def test_the_step_summary_weighs_each_token_as_the_pytorch_path_does(head64_dir: Path) -> None:
     native = TorchBackend(head64_dir, "cpu", quantize="q8_0", kv_dtype=torch.float32)
     stepwise = TorchBackend(head64_dir, "cpu", quantize="q8_0", kv_dtype=torch.float32, native_chunks=False)

@@ -157,3 +157,36 @@ def test_activations_quantize_as_the_scalar_loop_even_when_hostile(kernels: Nati
             theirs = NativeBlockLinear(avx2, lin_weights(ours), ours.bias, parts)
             for rows in (x, x[1:2], x[2:3]):
                 assert torch.equal(ours(rows).view(torch.int32), theirs(rows).view(torch.int32)), (qtype, parts)
+
+
+def has_amx() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f in flags for f in ("amx_tile", "amx_int8", "avx512_vnni"))
+
+
+@pytest.mark.parametrize("qtype", LEGACY, ids=lambda t: t.name)
+def test_amx_tiles_compute_the_lane_routes_bits(kernels: NativeKernels, qtype: BlockType) -> None:
+    """Where the CPU has AMX, a verify's or a prefill's products of int16 rows run on its tiles (16 weight rows by up
+    to 16 tokens a block); switched off, the lane and row routes run: every output the same bits, whatever the
+    token count, with a partial group of weight rows and a thread split inside one."""
+    if not (X86 and has_amx()):
+        pytest.skip("no AMX on this machine")
+    lin = block_linear(kernels, qtype, 37, 576, 2, seed=11)
+    x = activations(576)
+    assert kernels.use_amx(True)
+    try:
+        tiles = {m: lin(x[:m]) for m in (2, 3, 7, 16, 17, 40)}
+        kernels.use_threads(2)  # 18 and 19 rows: each thread's range ends inside a group of 16
+        torch.set_num_threads(2)
+        split = lin(x)
+        assert not kernels.use_amx(False)
+        for m, y in tiles.items():
+            assert torch.equal(y, lin(x[:m])), m
+        assert torch.equal(split, lin(x))
+    finally:
+        kernels.use_amx(True)
+        kernels.use_threads(1)
+        torch.set_num_threads(1)
