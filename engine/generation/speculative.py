@@ -43,6 +43,10 @@ EMA = 0.15  # weight of the newest measurement in the controller's running figur
 PRIOR_EXTRA = 0.25  # until measured, a drafted token is assumed to add this share of a decode step to a verify
 RUN_PRIOR = 0.9  # until measured, the acceptance of drafts right after a verify that kept every draft (see Controller)
 PROBE_EVERY = 16  # after this many chances passed up at K = 0, try K = 1 once (acceptance may have changed)
+# An unmeasured width's further tokens are guessed at this share of what they cost in the widest measured verify:
+# a guess that errs low costs one verify (which measures the width), one that errs high keeps the width from ever
+# being tried, and a verify's cost per token falls the wider it is (its weights are read once).
+OPTIMISM = 0.5
 DRAFT_SLOTS = 4096  # the draft model's own full-attention slot table
 DRAFT_CHUNK = 256  # the draft model reads the context in chunks of this many tokens
 
@@ -182,8 +186,9 @@ class Controller:
     drafts yields E(K) = (1 - a^(K+1)) / (1 - a) tokens for cost(K + 1) + K x draft cost; plain decoding yields one
     token per decode step. K is the argmax of yield per second, 0 when nothing beats a decode step. A verify's cost
     is measured per width (a running figure each); a width not measured yet is guessed from the widest measured one
-    below it (a decode step for width 1) plus PRIOR_EXTRA of a decode step per further token, and its first
-    verify measures it: wide verifies are tried where the acceptance measured so far makes them likely to pay.
+    below it, each further token at a share (OPTIMISM) of that verify's cost per token past the first (before any
+    verify: a decode step plus PRIOR_EXTRA of one per further token), and its first verify measures it: wide
+    verifies are tried where the acceptance measured so far makes them likely to pay.
 
     Acceptance is kept in two states, because drafts come in runs: right after a verify that kept every draft (a
     reply copying its context, where the next lookup continues the same passage: `run_rate`), and otherwise (a
@@ -234,8 +239,12 @@ class Controller:
         if width in self.verify_s:
             return self.verify_s[width]
         base = max((w for w in self.verify_s if w < width), default=1)
-        known = self.verify_s.get(base, self.decode_s)
-        return known + PRIOR_EXTRA * self.decode_s * (width - base)
+        if base == 1:
+            return self.decode_s * (1 + PRIOR_EXTRA * (width - 1))
+        # Each further token at OPTIMISM times what the tokens past the first cost in the widest measured verify, or
+        # PRIOR_EXTRA of a decode step where that is less (a narrow verify's cost per token is the highest).
+        per_token = max(self.verify_s[base] - self.decode_s, 0.0) / (base - 1)
+        return self.verify_s[base] + OPTIMISM * min(per_token, PRIOR_EXTRA * self.decode_s) * (width - base)
 
     def _best(self, limit: int, accept_rate: float) -> int:
         """The K in [0, limit] of most tokens per second at this acceptance rate (0: plain decoding)."""

@@ -321,12 +321,27 @@ def test_the_controller_keeps_a_cost_per_width() -> None:
         c.record_verify(3, 0.025, 2, 2)  # 3 tokens: 2.5 decode steps
         c.record_verify(16, 0.028, 15, 15)  # 16 tokens in one lane group: 2.8
     assert c.cost(3) == pytest.approx(0.025) and c.cost(16) == pytest.approx(0.028)
-    assert c.cost(8) == pytest.approx(0.025 + 5 * 0.25 * 0.010)  # not measured: a guess from width 3 up
+    # not measured: from width 3 up, each token at half the prior (width 3's own 0.75 steps a token is higher)
+    assert c.cost(8) == pytest.approx(0.025 + 5 * 0.5 * 0.25 * 0.010)
     assert c.in_run  # the last verify kept every draft: the run's acceptance applies
     c.run_rate = 0.75  # 16 tokens give 3.96 for 2.8 steps; 3 tokens 2.31 for 2.5 (a slope from them: never)
     assert c.choose(15) == 15
     c.run_rate = 0.2  # not even the cheapest guess (width 2, 1.25 steps) pays
     assert c.choose(15) == 0
+
+
+def test_an_unmeasured_width_is_guessed_from_the_widest_measured_one() -> None:
+    """Where the widest measured verify costs less a token than the prior, a wider one is guessed at half that
+    (a verify's cost per token falls with its width): tried, and then known."""
+    c = Controller(max_k=15)
+    c.record_decode(0.010)
+    assert c.cost(5) == pytest.approx(0.010 * (1 + 4 * 0.25))  # nothing measured: the prior
+    c.record_verify(8, 0.017, 7, 7)  # 0.1 of a decode step a token past the first
+    assert c.cost(16) == pytest.approx(0.017 + 8 * 0.5 * 0.001)
+    c.run_rate = 0.97
+    assert c.choose(15) == 15  # the guess makes the widest pay inside a run
+    c.record_verify(16, 0.040, 15, 15)  # measured dearer than guessed
+    assert c.cost(16) == pytest.approx(0.040)
 
 
 def test_the_controller_verifies_wide_inside_a_copying_run_and_narrow_outside_it() -> None:
