@@ -121,6 +121,10 @@ def document() -> str:
     return "A short history of Westbrook\n\n" + "\n\n".join(paragraphs)
 
 
+# Up to this many tokens a reply: the whole edited file, the quoted paragraph and a short story fit; a reply cut
+# shorter would leave out most of what the first two tasks ask for.
+REPLY_TOKENS = 256
+
 TASKS: dict[str, str] = {
     "code_edit": f"Here is a Python file:\n\n```python\n{CODE}```\n\nRename the function grand_total to sum_total "
     "everywhere and print the whole updated file.",
@@ -183,7 +187,7 @@ def compare(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = resolve_model_path(args.model)
     repeats = 1 if args.quick else 3
-    max_tokens = 32 if args.quick else 64
+    max_tokens = 32 if args.quick else REPLY_TOKENS
     tok = Tokenizer.load(model)
     factory = memory_factory_for(model, prefix_cache=False)
     backend = open_backend(model, args.backend, args.quantize).backend
