@@ -1,11 +1,13 @@
 """`bench speculative`: decode speed with speculative decoding ÷ without, greedy, on three chat tasks — editing a
 ~60-line code file the prompt contains, answering by quoting a pasted ~1,500-token document, open chat — and the
-same with a draft model. Headline `tasks` -> {name: {speedup, same_tokens, acceptance}}.
+same with a draft model: replies of up to REPLY_TOKENS tokens. Headline `tasks` -> {name: {speedup, same_tokens,
+acceptance}}.
 
 Per task, each repeat runs the prompt twice on fresh memories of the product's geometry (no prefix cache): plain,
 then with speculation (`auto`: prompt lookup, adaptive K); `speedup` is the median over repeats of tokens/s (decode,
 after the first token) with ÷ without, `same_tokens` the share of repeats whose greedy tokens were identical, and
-`acceptance` the share of drafted tokens accepted (with `accepted_per_forward`, tokens per decode forward).
+`acceptance` the share of drafted tokens accepted (with `accepted_per_forward`, tokens per decode forward, and
+`verify_decode_steps`, what a verify of each width it tried cost in decode steps, as the controller measured it).
 
 `draft`: the model held in fp32 (its GGUF blocks dequantized: `--quantize none`) drafted for by the same model as
 stored (the GGUF's Q4_1), on the code-editing task: the same figures.
@@ -160,6 +162,7 @@ def compare(
     speculator: Callable[[], Speculator],
 ) -> dict[str, Any]:
     ratios, same, drafted, accepted, forwards, tokens = [], 0, 0, 0, 0, 0
+    steps: dict[int, list[float]] = {}
     for _ in range(repeats):
         plain, plain_rate = run_once(backend, new_memory(), tok, prompt, max_tokens, None)
         spec = speculator()
@@ -167,6 +170,10 @@ def compare(
         ratios.append(fast_rate / plain_rate if plain_rate else 0.0)
         same += fast == plain
         c = spec.controller
+        decode_s = c.decode_s
+        if decode_s:
+            for width, seconds in c.verify_s.items():
+                steps.setdefault(width, []).append(seconds / decode_s)
         drafted, accepted, forwards, tokens = (
             drafted + c.drafted,
             accepted + c.accepted,
@@ -180,6 +187,8 @@ def compare(
         "accepted_per_forward": round(tokens / forwards, 3) if forwards else 0.0,
         "drafted": drafted,
         "speedups": [round(r, 3) for r in ratios],
+        # what a verify of each width the controller tried cost, in decode steps (its running figures, medians)
+        "verify_decode_steps": {w: round(statistics.median(v), 2) for w, v in sorted(steps.items())},
         "generated_tokens": len(fast),
     }
 
