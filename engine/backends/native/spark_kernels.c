@@ -1221,7 +1221,7 @@ static inline __attribute__((always_inline)) void amx_gemm_t(const int32_t type,
     const int32_t nb = w->k / QK, n = w->n, bb = block_bytes(type);
     const int64_t row_bytes = (int64_t)nb * bb;
     const uint8_t *xa = (const uint8_t *)a->tq;
-    _Alignas(64) int32_t c[2][32][16]; /* a block's hi sums (rows 0..15), then its lo sums */
+    _Alignas(64) int32_t c[2][32][16]; /* a block's hi sums (rows 0..15), then its lo sums; one tile: rows 0..2T */
     _Alignas(64) uint8_t bt[2][8][64];
     _Alignas(64) __m512 acc[16][8];
     __m512i dm[2];
@@ -1646,7 +1646,6 @@ void spark_decode(const spark_model *m, const spark_cache *cache, const spark_st
  * the chunk's earlier tokens), so each row equals what T spark_decode calls give.
  * ------------------------------------------------------------------------------------------------------------- */
 
-
 static int32_t round_qk(int32_t k) { return (k + QK - 1) / QK * QK; }
 
 /* A matrix's total outputs over its chained parts, and the widest chained matrix (whose parts go through a copy). */
@@ -1691,7 +1690,9 @@ static void qgemm_chain(const spark_qmat *w, const float *x, int32_t t, float *y
 
 /* The keys a step's tokens share: token r's rank i is rank rank_of[r][i] of the last token's addressing (the table
  * and the step's tokens, a superset of every earlier token's), each key at one position for all. A token whose
- * addressing is not such a subset (NULL) rotates its keys as it reads them. width 0: nothing shared. */
+ * addressing is not such a subset (NULL) rotates its keys as it reads them. width 0: nothing shared (none is, or
+ * the rotated keys would take more than SPARK_SHARED_KEYS_BYTES). */
+#define SPARK_SHARED_KEYS_BYTES (32 << 20)
 typedef struct {
     int64_t width;
     const int32_t *rank_of[SPARK_MAX_STEP_ROWS];
@@ -1699,11 +1700,11 @@ typedef struct {
     int prefix; /* every token's addressing is the first ranks of the last one's (a chunk appended to the table) */
 } shared_keys;
 
-static shared_keys share_keys(const spark_step *steps, int32_t t_n) {
+static shared_keys share_keys(const spark_step *steps, int32_t t_n, int64_t key_bytes) {
     shared_keys sh;
     memset(&sh, 0, sizeof sh);
-    if (t_n < 2) return sh;
     const spark_step *u = &steps[t_n - 1];
+    if (t_n < 2 || u->width * key_bytes > SPARK_SHARED_KEYS_BYTES) return sh;
     int64_t total = 0;
     for (int32_t r = 0; r < t_n; r++) total += steps[r].width;
     sh.maps = malloc(sizeof(int32_t) * (size_t)(total > 0 ? total : 1));
@@ -1722,8 +1723,9 @@ static shared_keys share_keys(const spark_step *steps, int32_t t_n) {
     sh.prefix = 1;
     for (int32_t r = 0; r < t_n && sh.prefix; r++)
         for (int64_t i = 0; sh.rank_of[r] != NULL && i < steps[r].width; i++) sh.prefix = sh.prefix && sh.rank_of[r][i] == i;
-    for (int32_t r = 0; r < t_n; r++) sh.prefix = sh.prefix && sh.rank_of[r] != NULL;
-    sh.width = u->width;
+    int any = 0;
+    for (int32_t r = 0; r < t_n; r++) sh.prefix = sh.prefix && sh.rank_of[r] != NULL, any = any || sh.rank_of[r] != NULL;
+    sh.width = any ? u->width : 0;
     return sh;
 }
 
@@ -1750,7 +1752,7 @@ int32_t spark_decode_rows(const spark_model *m, const spark_cache *cache, const 
     memset(hbuf, 0, sizeof(float) * (size_t)t_n * cp);
     memset(att, 0, sizeof(float) * (size_t)t_n * hdp);
     memset(act, 0, sizeof(float) * (size_t)t_n * ip);
-    const shared_keys shared = share_keys(steps, t_n);
+    const shared_keys shared = share_keys(steps, t_n, (int64_t)hkv * d * (int64_t)sizeof(float));
     float *rotated = shared.width > 0 ? malloc(sizeof(float) * (size_t)(hkv * shared.width * d)) : NULL;
     /* Every token's queries and partial results at once, so their attentions run as one job (attend_many); without
      * the memory, one token after another in the caller's scratch. */

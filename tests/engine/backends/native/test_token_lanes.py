@@ -23,12 +23,12 @@ from tests.engine.backends.native.test_native_kquants import integer_reference a
 TOKENS = 40  # two whole groups of 16 and a partial one; five of 8
 
 
-def has_avx512_vnni() -> bool:
+def has_cpu_flags(*names: str) -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return all(f in flags for f in ("avx512bw", "avx512vl", "avx512_vnni"))
+    return all(f in flags for f in names)
 
 
 def activations(k: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ def activations(k: int) -> torch.Tensor:
 def test_this_machine_builds_the_512_bit_route(kernels: NativeKernels) -> None:
     """Where the CPU has AVX-512 BW and VNNI the native build is the AVX-512 one, so the tests below run the
     token-lane route (elsewhere they check the build's own route)."""
-    if not (X86 and has_avx512_vnni()):
+    if not (X86 and has_cpu_flags("avx512bw", "avx512vl", "avx512_vnni")):
         pytest.skip("no AVX-512 VNNI on this machine")
     assert kernels.isa == "avx512-vnni"
 
@@ -159,20 +159,12 @@ def test_activations_quantize_as_the_scalar_loop_even_when_hostile(kernels: Nati
                 assert torch.equal(ours(rows).view(torch.int32), theirs(rows).view(torch.int32)), (qtype, parts)
 
 
-def has_amx() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f in flags for f in ("amx_tile", "amx_int8", "avx512_vnni"))
-
-
 @pytest.mark.parametrize("qtype", LEGACY, ids=lambda t: t.name)
 def test_amx_tiles_compute_the_lane_routes_bits(kernels: NativeKernels, qtype: BlockType) -> None:
     """Where the CPU has AMX, a verify's or a prefill's products of int16 rows run on its tiles (16 weight rows by up
     to 16 tokens a block); switched off, the lane and row routes run: every output the same bits, whatever the
     token count, with a partial group of weight rows and a thread split inside one."""
-    if not (X86 and has_amx()):
+    if not (X86 and has_cpu_flags("amx_tile", "amx_int8", "avx512_vnni")):
         pytest.skip("no AMX on this machine")
     lin = block_linear(kernels, qtype, 37, 576, 2, seed=11)
     x = activations(576)
