@@ -230,7 +230,6 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q, co
  * same products per key, and each key's 16 lanes summed by _mm512_reduce_add_ps's tree (lane i + lane i + 8, then
  * i + i + 4, then i + i + 2, then the two), two to four keys' sums per vector add: the same bits as tile_scores. */
 static inline __attribute__((always_inline)) void tile_scores16(const float *qp, const float *qn, const float *const *kt, int32_t sp, const int32_t d, float scale, float *s) {
-    enum { MAXV = SPARK_MAX_HEAD_DIM / 16 };
     const int32_t nv = d / 16;
     __m512 v[16], a[8], b[4], c[2];
     for (int32_t t = 0; t < 16; t++) {

@@ -1087,7 +1087,7 @@ typedef struct {
     uint8_t rows[16];
 } amx_config;
 
-static int amx_state = -1; /* -1 not asked yet, 0 unavailable or switched off, 1 in use */
+static int amx_available, amx_state; /* what the CPU and OS allow; whether products use it (set by amx_probe) */
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 static void amx_probe(void) {
     uint32_t a, b, c, d, lo, hi;
@@ -1098,7 +1098,7 @@ static void amx_probe(void) {
         __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
         os = (lo & 0x60000) == 0x60000 && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
     }
-    amx_state = cpu && os;
+    amx_available = amx_state = cpu && os;
 }
 static int amx_on(void) {
     pthread_once(&amx_once, amx_probe);
@@ -1113,9 +1113,7 @@ static int amx_on(void) { return 0; }
 int32_t spark_use_amx(int32_t use) {
 #if defined(SPARK_AMX)
     pthread_once(&amx_once, amx_probe);
-    static int available = -1;
-    if (available < 0) available = amx_state;
-    amx_state = use && available;
+    amx_state = use && amx_available;
     return amx_state;
 #else
     (void)use;
@@ -1710,21 +1708,20 @@ static shared_keys share_keys(const spark_step *steps, int32_t t_n, int64_t key_
     sh.maps = malloc(sizeof(int32_t) * (size_t)(total > 0 ? total : 1));
     if (sh.maps == NULL) return sh;
     int32_t *map = sh.maps;
+    int any = 0, prefix = 1;
     for (int32_t r = 0; r < t_n; r++) {
         const spark_step *st = &steps[r];
         int64_t j = 0, i = 0;
         for (; i < st->width; i++) { /* both in slot order */
             while (j < u->width && u->slots[j] < st->slots[i]) j++;
             if (j == u->width || u->slots[j] != st->slots[i] || u->positions[j] != st->positions[i]) break;
+            prefix = prefix && j == i;
             map[i] = (int32_t)j++;
         }
-        if (i == st->width) sh.rank_of[r] = map, map += st->width;
+        if (i == st->width) sh.rank_of[r] = map, map += st->width, any = 1;
+        else prefix = 0;
     }
-    sh.prefix = 1;
-    for (int32_t r = 0; r < t_n && sh.prefix; r++)
-        for (int64_t i = 0; sh.rank_of[r] != NULL && i < steps[r].width; i++) sh.prefix = sh.prefix && sh.rank_of[r][i] == i;
-    int any = 0;
-    for (int32_t r = 0; r < t_n; r++) sh.prefix = sh.prefix && sh.rank_of[r] != NULL, any = any || sh.rank_of[r] != NULL;
+    sh.prefix = prefix;
     sh.width = any ? u->width : 0;
     return sh;
 }
