@@ -18,6 +18,14 @@ from app.tools.mcp_host import McpServerSpec
 from engine import GenerationSettings, SamplingSettings, Speculation
 
 DEFAULT_MAX_TOKENS = 512
+
+
+def default_generation() -> GenerationSettings:
+    """What replies run with until the user changes Settings: speculation where it pays (Speculation.AUTO: greedy
+    replies are the same tokens, sampled ones keep their odds; where verifying does not pay, plain decoding)."""
+    return GenerationSettings(max_tokens=DEFAULT_MAX_TOKENS, speculative=Speculation.AUTO)
+
+
 RECENT_MODELS = 8
 
 
@@ -120,10 +128,10 @@ class Preferences:
             return GenerationSettings(
                 max_tokens=int(data.get("max_tokens", DEFAULT_MAX_TOKENS)),
                 sampling=sampling,
-                speculative=Speculation(data.get("speculative", Speculation.OFF)),
+                speculative=Speculation(data.get("speculative", Speculation.AUTO)),
             )
         except (ValueError, TypeError, AttributeError):  # a hand-edited or older file: fall back to the defaults
-            return GenerationSettings(max_tokens=DEFAULT_MAX_TOKENS)
+            return default_generation()
 
     def set_generation(self, settings: GenerationSettings) -> None:
         self._s.setValue(

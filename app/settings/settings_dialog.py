@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.settings.preferences import default_generation
 from app.settings.sampling_choice import knob_words
 from app.settings.sampling_form import SamplingForm
 from app.settings.tool_servers import ToolServerError, parse_servers, servers_text
@@ -75,8 +76,14 @@ class SettingsDialog(QDialog):
         self.max_tokens = QSpinBox()
         self.max_tokens.setRange(1, 32768)
         self.max_tokens.setSuffix(" tokens")
-        # Prompt lookup, adaptive (Speculation.AUTO): greedy replies are the same, sampled ones keep their odds.
-        self.speculative = QCheckBox("Speed up replies by reusing text from the conversation (speculative decoding)")
+        # Prompt lookup, adaptive, where verifying pays (Speculation.AUTO): greedy replies are the same, sampled ones
+        # keep their odds.
+        self.speculative = QCheckBox("Speed up replies where this computer gains from it (speculative decoding)")
+        self.speculative.setToolTip(
+            "Drafts the next words from text already in the conversation and checks several in one step. It changes "
+            "how fast replies come, not what the model would write. Where checking costs this computer more than it "
+            "saves, replies are written one word at a time."
+        )
         self.error = QLabel()
         self.error.setObjectName("dialogError")
         self.error.setWordWrap(True)
@@ -186,7 +193,7 @@ class SettingsDialog(QDialog):
 
     @Slot()
     def _on_restore_defaults(self) -> None:
-        self._show(replace(GenerationSettings(), max_tokens=self.max_tokens.value()), True)
+        self._show(replace(default_generation(), max_tokens=self.max_tokens.value()), True)
 
     @Slot(bool)
     def _on_model_defaults_toggled(self, model: bool) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
@@ -30,13 +31,22 @@ class LoadedModel:
     count_tokens: Callable[[str], int]  # a prompt's length in the model's tokens (thread-safe: the GUI calls it)
 
 
+class Speculating(Enum):
+    """Whether a reply speculates (engine.generation.speculative)."""
+
+    OFF = "off"  # the settings turn speculation off
+    UNUSED = "unused"  # the settings ask for it where it pays, and this reply decodes plainly (it does not pay here)
+    ON = "on"
+
+
 @dataclass(frozen=True)
 class TurnProgress:
     prompt_tokens: int
     generated_tokens: int
     ttft_s: float
     tokens_per_s: float
-    tokens_per_forward: float = 0.0  # speculation on: tokens each decode forward gave (0: off, or none yet)
+    tokens_per_forward: float = 0.0  # speculating: tokens each decode forward gave (0: none yet)
+    speculating: Speculating = Speculating.OFF
 
 
 @dataclass(frozen=True)

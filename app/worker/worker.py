@@ -41,6 +41,7 @@ from app.worker.types import (
     ModelInfo,
     ReadProgress,
     SessionFileEvent,
+    Speculating,
     StoredConversation,
     TurnProgress,
     TurnResult,
@@ -497,7 +498,7 @@ class ConversationWorker(QObject):
     def _stream(
         self, conversation: Conversation, start: Callable[[], Iterator[GenerationEvent]], settings: GenerationSettings
     ) -> None:
-        speculating = settings.speculative != Speculation.OFF
+        asked = settings.speculative != Speculation.OFF
         reason: FinishReason | Literal["error"] = "error"
         text: list[str] = []
         progress = NO_PROGRESS
@@ -510,8 +511,11 @@ class ConversationWorker(QObject):
                 if ev.text:
                     text.append(ev.text)
                     self.delta.emit(ev.text)
-                per_forward = (ev.generated_tokens - 1) / ev.forwards if speculating and ev.forwards else 0.0
-                progress = TurnProgress(ev.prompt_tokens, ev.generated_tokens, ev.ttft_s, ev.tokens_per_s, per_forward)
+                per_forward = (ev.generated_tokens - 1) / ev.forwards if ev.speculating and ev.forwards else 0.0
+                speculating = Speculating.ON if ev.speculating else Speculating.UNUSED if asked else Speculating.OFF
+                progress = TurnProgress(
+                    ev.prompt_tokens, ev.generated_tokens, ev.ttft_s, ev.tokens_per_s, per_forward, speculating
+                )
                 now = self._clock()
                 if now - last_progress >= PROGRESS_INTERVAL_S:
                     last_progress = now

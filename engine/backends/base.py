@@ -69,6 +69,13 @@ class Backend(ABC):
     @abstractmethod
     def batch(self) -> int: ...
 
+    @property
+    def verify_pays(self) -> bool:
+        """Whether a speculative verify of a few tokens costs well under that many decoding steps here, as
+        `bench speculative` measured it: `auto` speculation drafts only where it does (engine.generation.speculative
+        `resolve`). This default: not measured to."""
+        return False
+
     def set_kv_type(self, kv_type: KVType) -> None:
         """Hold keys and values as `kv_type` (a backend just opened, its table empty). BackendUnavailable, in one
         sentence, where this backend cannot."""
@@ -178,6 +185,10 @@ class BackendWrapper(Backend):
     @property
     def numerics(self) -> str:
         return self.inner.numerics
+
+    @property
+    def verify_pays(self) -> bool:
+        return self.inner.verify_pays
 
     @property
     def batch(self) -> int:

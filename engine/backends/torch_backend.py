@@ -26,7 +26,7 @@ from engine.backends.blocks import (
     swap_linears,
     use_stored_embedding,
 )
-from engine.backends.native import NativeKernels, NativeStatus, activation_numerics, load_kernels
+from engine.backends.native import VERIFY_PAYS_ISAS, NativeKernels, NativeStatus, activation_numerics, load_kernels
 from engine.backends.native.decoder import (
     MAX_ROWS,
     NativeBlockEmbedding,
@@ -303,6 +303,12 @@ class TorchBackend(Backend):
             self._native_span = before
             for h in handles:
                 h.remove()
+
+    @property
+    def verify_pays(self) -> bool:
+        """Where a verify runs as one native call on kernels measured to make it pay (VERIFY_PAYS_ISAS). Through
+        PyTorch on the CPU a verify's products cost nearly a decode step per token; MPS and CUDA are not measured."""
+        return self.decoder is not None and self.native_chunks and self.native_isa in VERIFY_PAYS_ISAS
 
     @property
     def numerics(self) -> str:

@@ -4,10 +4,15 @@ same with a draft model: replies of up to REPLY_TOKENS tokens. Headline `tasks` 
 acceptance}}.
 
 Per task, each repeat runs the prompt twice on fresh memories of the product's geometry (no prefix cache): plain,
-then with speculation (`auto`: prompt lookup, adaptive K); `speedup` is the median over repeats of tokens/s (decode,
+then with speculation (prompt lookup, adaptive K); `speedup` is the median over repeats of tokens/s (decode,
 after the first token) with ÷ without, `same_tokens` the share of repeats whose greedy tokens were identical, and
 `acceptance` the share of drafted tokens accepted (with `accepted_per_forward`, tokens per decode forward, and
 `verify_decode_steps`, what a verify of each width it tried cost in decode steps, as the controller measured it).
+
+`sampled_tasks`: the same three tasks at the model's own sampling defaults (what the app and `generate` use unless
+told otherwise), each repeat with its own seed for both replies; the replies differ, so no `same_tokens`.
+`verify_pays`: whether `auto` (the app's and `generate`'s default) speculates on this backend
+(engine.generation.speculative `resolve`); the figures are prompt lookup's either way.
 
 `draft`: the model held in fp32 (its GGUF blocks dequantized: `--quantize none`) drafted for by the same model as
 stored (the GGUF's Q4_1), on the code-editing task: the same figures.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from engine.backends import open_backend
@@ -26,6 +32,7 @@ from engine.generation.loop import GenerationSettings, stream_generate
 from engine.generation.sampling import SamplingSettings
 from engine.generation.speculative import Controller, DraftModel, PromptLookup, Speculation, Speculator
 from engine.loading.model_files import display_name, resolve_model_path
+from engine.loading.sampling_defaults import model_sampling
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
 from engine.session.setup import memory_factory_for
@@ -136,18 +143,22 @@ TASKS: dict[str, str] = {
 }
 
 
+GREEDY = SamplingSettings(greedy=True)
+
+
 def run_once(
     backend: Backend,
     memory: Memory,
     tok: Tokenizer,
     prompt: str,
     max_tokens: int,
+    sampling: SamplingSettings,
     speculator: Speculator | None,
 ) -> tuple[list[int], float]:
-    """Greedy tokens and decode tokens/s of one reply."""
+    """The tokens and decode tokens/s of one reply."""
     ids = tok.encode_chat([{"role": "user", "content": prompt}])
-    mode = Speculation.OFF if speculator is None else Speculation.AUTO
-    settings = GenerationSettings(max_tokens=max_tokens, sampling=SamplingSettings(greedy=True), speculative=mode)
+    mode = Speculation.OFF if speculator is None else Speculation.LOOKUP  # the speculator's drafter runs
+    settings = GenerationSettings(max_tokens=max_tokens, sampling=sampling, speculative=mode)
     events = list(stream_generate(backend, memory, tok, ids, settings, speculator=speculator))
     return [e.token for e in events if e.token is not None], events[-1].tokens_per_s
 
@@ -160,13 +171,16 @@ def compare(
     max_tokens: int,
     repeats: int,
     speculator: Callable[[], Speculator],
+    sampling: Callable[[int], SamplingSettings] = lambda repeat: GREEDY,
 ) -> dict[str, Any]:
+    """`sampling(repeat)`: the settings both of a repeat's replies use."""
     ratios, same, drafted, accepted, forwards, tokens = [], 0, 0, 0, 0, 0
     steps: dict[int, list[float]] = {}
-    for _ in range(repeats):
-        plain, plain_rate = run_once(backend, new_memory(), tok, prompt, max_tokens, None)
+    for repeat in range(repeats):
+        settings = sampling(repeat)
+        plain, plain_rate = run_once(backend, new_memory(), tok, prompt, max_tokens, settings, None)
         spec = speculator()
-        fast, fast_rate = run_once(backend, new_memory(), tok, prompt, max_tokens, spec)
+        fast, fast_rate = run_once(backend, new_memory(), tok, prompt, max_tokens, settings, spec)
         ratios.append(fast_rate / plain_rate if plain_rate else 0.0)
         same += fast == plain
         c = spec.controller
@@ -193,6 +207,10 @@ def compare(
     }
 
 
+def new_lookup() -> Speculator:
+    return Speculator(PromptLookup(), Controller())
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = resolve_model_path(args.model)
     repeats = 1 if args.quick else 3
@@ -201,6 +219,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     factory = memory_factory_for(model, prefix_cache=False)
     backend = open_backend(model, args.backend, args.quantize).backend
     tasks = {
+        name: compare(backend, lambda: factory(backend), tok, prompt, max_tokens, repeats, new_lookup)
+        for name, prompt in TASKS.items()
+    }
+    defaults = model_sampling(model)
+    sampled = {
         name: compare(
             backend,
             lambda: factory(backend),
@@ -208,13 +231,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             prompt,
             max_tokens,
             repeats,
-            lambda: Speculator(PromptLookup(), Controller()),
+            new_lookup,
+            lambda repeat: SamplingSettings.from_model(defaults, seed=repeat),
         )
         for name, prompt in TASKS.items()
     }
+    for figures in sampled.values():
+        del figures["same_tokens"]  # sampled replies with and without speculation draw different numbers
     target = open_backend(model, args.backend, "none").backend  # the same weights in fp32
     drafter_backend = backend.fork()
-    sampling = SamplingSettings(greedy=True)
     draft = compare(
         target,
         lambda: factory(target),
@@ -222,7 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         TASKS["code_edit"],
         max_tokens,
         repeats,
-        lambda: Speculator(DraftModel(drafter_backend, sampling), Controller()),
+        lambda: Speculator(DraftModel(drafter_backend, GREEDY), Controller()),
     )
     return {
         "model": display_name(model),
@@ -230,6 +255,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "quantize": backend.quantize,
         "max_tokens": max_tokens,
         "repeats": repeats,
+        "verify_pays": backend.verify_pays,
         "tasks": tasks,
+        "sampling": asdict(SamplingSettings.from_model(defaults)),
+        "sampled_tasks": sampled,
         "draft": {"target_quantize": target.quantize, "draft_quantize": backend.quantize, "code_edit": draft},
     }

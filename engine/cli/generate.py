@@ -66,10 +66,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
         "--speculative",
-        default=Speculation.OFF.value,
+        default=Speculation.AUTO.value,
         choices=[m.value for m in Speculation],
-        help="speculative decoding: off (the default until it is measured never to lose), auto (prompt lookup where "
-        "it pays), lookup, draft (needs --draft-model)",
+        help="speculative decoding: auto (the default: prompt lookup where verifying is measured to pay, plain "
+        "decoding elsewhere), off, lookup (always), draft (needs --draft-model)",
     )
     p.add_argument(
         "--draft-tokens", type=int, default=0, help="drafts per verify forward (default 0: adapted to what pays)"
@@ -101,7 +101,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationS
         greedy=v["greedy"],
     )
     sampling.validate()
-    speculative = Speculation(getattr(args, "speculative", Speculation.OFF))
+    speculative = Speculation(getattr(args, "speculative", Speculation.AUTO))
     if speculative is Speculation.DRAFT and getattr(args, "draft_model", None) is None:
         raise SparkError("--speculative draft needs --draft-model M (a smaller model of the same vocabulary).")
     draft_tokens = getattr(args, "draft_tokens", 0)
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
             "backend_reason": engine.choice.explain(),
             "finish_reason": last.finish_reason if last else None,
         }
-        if settings.speculative is not Speculation.OFF and last is not None and last.forwards:
+        if last is not None and last.speculating and last.forwards:
             # Tokens per decode forward (the first token comes from the prompt's forward): 1.0 without gains.
             out["accepted_per_forward"] = round((last.generated_tokens - 1) / last.forwards, 3)
         if last is not None and last.beams:  # every beam, best first: its text, tokens, logprob and score

@@ -150,7 +150,8 @@ class RowState:
     its last token with the drafts its controller asks for, a verify of that row inside the shared step; the memory
     hears `after_forward` only once the rejected drafts are taken back (`verify`). `speculator`: the row's drafter
     and controller, kept by the caller so that costs measured on one reply carry over to the next (without one,
-    prompt lookup with a controller of its own). Rows that do not speculate feed one token per step.
+    prompt lookup with a controller of its own); `backend`, the one the row's memory runs on, decides where `auto`
+    speculates. Rows that do not speculate feed one token per step.
     """
 
     def __init__(
@@ -159,6 +160,7 @@ class RowState:
         prompt_ids: Sequence[int],
         settings: GenerationSettings,
         memory: Memory,
+        backend: Backend,
         t0: float,
         skip: int = 0,
         speculator: Speculator | None = None,
@@ -175,7 +177,8 @@ class RowState:
         self.reply = Reply(tokenizer, len(ids), settings, t0=t0)  # what memory holds is a prefix of the prompt
         self.skip = skip
         self.last: int | None = None  # sampled last, fed on the next step
-        self.spec = speculator_for(settings, self.reply, speculator)
+        self.spec = speculator_for(settings, self.reply, speculator, backend)
+        self.reply.speculating = self.spec is not None
         self.decoding = False  # this step feeds the last sampled token (a decode step or a verify)
         self.drafts: list[int] = []  # this step's drafts, fed after the last token
         self.probs: torch.Tensor | None = None  # (K, V) their drafter's distributions (None: proposed for sure)
@@ -351,7 +354,7 @@ def generate_batch(
         # Right alignment: a row needing fewer prefill steps than the longest waits that many steps first, so all
         # rows feed their last prompt chunk in the same step and then decode in lockstep. Whole steps, not tokens:
         # each row keeps the chunk boundaries of a lone run (the cascade's result depends on them).
-        rows = [RowState(tokenizer, p, settings, m, t0) for p, m in zip(group.prompts, memories, strict=True)]
+        rows = [RowState(tokenizer, p, settings, m, backend, t0) for p, m in zip(group.prompts, memories, strict=True)]
         steps = [st.feed.steps(chunk) for st in rows]
         for st, n in zip(rows, steps, strict=True):
             st.skip = max(steps) - n

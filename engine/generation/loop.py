@@ -22,7 +22,7 @@ from engine.backends.base import Backend
 from engine.generation.beam import BeamForks, BeamSearch, BeamSettings, Hypothesis, check_room
 from engine.generation.constrained import Grammar, TokenMask
 from engine.generation.sampling import Sample, Sampler, SamplingSettings, make_logits_processors, make_sampler
-from engine.generation.speculative import Controller, PromptLookup, Speculation, Speculator
+from engine.generation.speculative import Controller, PromptLookup, Speculation, Speculator, resolve
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
 from engine.model.network import ForwardCancelled
@@ -45,9 +45,9 @@ class GenerationSettings:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     prefill_chunk: int = 256
     ignore_eos: bool = False  # benchmarks: always generate max_tokens (llama.cpp's --ignore-eos)
-    # engine.generation.speculative; off by default: on the CPU a verify of 2-16 tokens (one native call) still costs
-    # 1.5-4.4 decode steps (below 8 tokens the block products cost nearly a decode step's product per token), so
-    # speculation does not pay in open chat. Draft needs a caller's Speculator.
+    # engine.generation.speculative. Off unless asked for: the app and `generate` ask for `auto`, which speculates
+    # only where the backend's verifies pay; the server asks as its requests and `serve --speculative` say. Draft
+    # needs a caller's Speculator.
     speculative: Speculation = Speculation.OFF
     draft_tokens: int = 0  # drafts per verify forward: 0 adapts them to measured costs and acceptance
     grammar: Grammar | None = None  # constrained output (engine.generation.constrained): JSON schema, Lark, GBNF
@@ -68,6 +68,7 @@ class GenerationEvent:
     forwards: int = 0  # decode forwards so far (with speculation one forward may give several tokens)
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first, when settings ask
     beams: tuple[Hypothesis, ...] = ()  # beam search's final event: the best hypotheses, best first
+    speculating: bool = False  # this reply verifies drafts (its settings ask for it and it pays here)
 
 
 @dataclass(frozen=True)
@@ -287,6 +288,7 @@ class Reply:
         self.t0 = time.perf_counter() if t0 is None else t0
         self.t_first = self.t0
         self.forwards = 0  # decode forwards (the caller counts them)
+        self.speculating = False  # the caller verifies drafts (GenerationEvent.speculating)
 
     def process(self, logits: torch.Tensor, ahead: Sequence[int] = ()) -> torch.Tensor:
         """logits (V,) through this request's processors, as if `ahead` had been accepted after the reply so far."""
@@ -373,6 +375,7 @@ class Reply:
             reason,
             self.forwards,
             top,
+            speculating=self.speculating,
         )
 
 
@@ -407,7 +410,8 @@ def stream_generate(
         )
         return
     reply = Reply(tokenizer, len(prompt_ids), settings, sampler=sampler)
-    spec = speculator_for(settings, reply, speculator)
+    spec = speculator_for(settings, reply, speculator, backend)
+    reply.speculating = spec is not None
     chunk = pacer.prefill_chunk(settings.prefill_chunk) if pacer else settings.prefill_chunk
     if should_stop():
         yield reply.cancel()
@@ -457,11 +461,14 @@ def take(reply: Reply, samples: list[Sample], should_stop: Callable[[], bool]) -
     return events
 
 
-def speculator_for(settings: GenerationSettings, reply: Reply, given: Speculator | None) -> Speculator | None:
-    """The speculator a generation runs with: none when off, when the sampler is not ours (the rejection rule
-    needs its distribution), or under a grammar or top logprobs (the mask and the alternatives follow each
-    accepted token, which a verify of several drafts does not)."""
-    mode = Speculation(settings.speculative)
+def speculator_for(
+    settings: GenerationSettings, reply: Reply, given: Speculator | None, backend: Backend
+) -> Speculator | None:
+    """The speculator a generation on `backend` runs with: none when off (`auto` where verifying does not pay
+    there: engine.generation.speculative `resolve`), when the sampler is not ours (the rejection rule needs its
+    distribution), or under a grammar or top logprobs (the mask and the alternatives follow each accepted token,
+    which a verify of several drafts does not)."""
+    mode = resolve(Speculation(settings.speculative), backend, settings.sampling)
     if mode is Speculation.OFF or not isinstance(reply.sample, Sampler):
         return None
     if settings.grammar is not None or settings.top_logprobs:

@@ -312,7 +312,9 @@ class Scheduler:
             r = self._pick_row(free, w.ids)
             try:
                 spec = self._speculator(r, w.request.settings)
-                state = RowState(self.tokenizer, w.ids, w.request.settings, self._memories[r], w.t0, speculator=spec)
+                state = RowState(
+                    self.tokenizer, w.ids, w.request.settings, self._memories[r], self.backend, w.t0, speculator=spec
+                )
             except Exception as exc:  # bad settings: this request fails, the row stays free
                 self._memories[r].reset()
                 w.future.set_exception(exc)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from PySide6.QtCore import QCoreApplication, QEvent
 
 from app.settings.conversation_sampling import SamplingEdit
-from app.settings.preferences import Preferences
+from app.settings.preferences import Preferences, default_generation
 from app.settings.sampling_choice import SamplingChoice
 from app.settings.settings_dialog import EditedSettings
 from app.tools.consent import Decision, PendingCall
@@ -157,7 +157,9 @@ def dispose(w: MainWindow) -> None:
 def set_reply_tokens(prefs: Preferences, n: int) -> None:
     """Replies of `n` tokens at the user's own sampling (not the model's defaults: the tiny random model's loop
     guard pushes it onto its template's special tokens, which a transcript does not show)."""
-    prefs.set_generation(GenerationSettings(max_tokens=n, sampling=SamplingSettings(seed=0, temperature=0.8)))
+    prefs.set_generation(
+        replace(default_generation(), max_tokens=n, sampling=SamplingSettings(seed=0, temperature=0.8))
+    )
 
 
 @contextmanager

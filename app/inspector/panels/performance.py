@@ -7,7 +7,7 @@ from PySide6.QtCore import Slot
 from PySide6.QtWidgets import QWidget
 
 from app.inspector.panels.base import PLACEHOLDER, Panel
-from app.worker.types import ModelInfo, TurnProgress
+from app.worker.types import ModelInfo, Speculating, TurnProgress
 
 
 class PerformancePanel(Panel):
@@ -41,6 +41,10 @@ class PerformancePanel(Panel):
             self.ttft.setText(f"{p.ttft_s * 1000:.0f} ms")
             self.speed.setText(f"{p.tokens_per_s:.1f} tokens/s")
         self.tokens.setText(f"{p.prompt_tokens:,} prompt · {p.generated_tokens:,} generated")
-        self.per_forward.setText(
-            f"{p.tokens_per_forward:.2f} tokens (speculative decoding)" if p.tokens_per_forward else "speculation off"
-        )
+        if p.speculating is Speculating.ON:
+            per_forward = f"{p.tokens_per_forward:.2f} tokens (speculative decoding)" if p.tokens_per_forward else ""
+        elif p.speculating is Speculating.UNUSED:
+            per_forward = "1 token (speculation would not speed up this reply here)"
+        else:
+            per_forward = "speculation off"
+        self.per_forward.setText(per_forward or PLACEHOLDER)

@@ -141,6 +141,10 @@ class AttnDesc(ctypes.Structure):
 # 5 times slower than their int16 routes; NEON's is not measured).
 INT8_ACTIVATION_TYPES = frozenset({12, 14})
 INT8_ACTIVATION_ISAS = frozenset({"avx512-vnni"})
+# Kernels on which a speculative verify in one native call (spark_decode_rows) is measured to pay in greedy open chat
+# (bench speculative, docs/BENCHMARKS.md): 1.07-1.26x on two AVX-512 VNNI CPUs, with AMX tiles or without. The AVX2
+# build gave 1.01x (0.97-1.21 over repeats): no gain to count on. NEON is not measured on a Mac.
+VERIFY_PAYS_ISAS = frozenset({"avx512-vnni"})
 
 
 def activation_parts(ggml_ids: Sequence[int], isa: str) -> int:

@@ -15,6 +15,7 @@ from app.window.main_window import MainWindow
 from app.wiring import build_main_window
 from app.worker.types import MemoryReport, ModelInfo
 from engine import Speculation, TierStats
+from engine.backends import open_backend
 from engine.hw import ThermalState
 from tests.helpers.app_window import WAIT_MS, ScriptedThermal, dispose, set_reply_tokens
 
@@ -126,16 +127,29 @@ def test_a_narrow_window_folds_the_inspector_away_and_back(qtbot, window: MainWi
     qtbot.waitUntil(lambda: window.inspector.isVisible())
 
 
-def test_tokens_per_forward_show_when_speculation_is_on(qtbot, window: MainWindow, prefs) -> None:  # type: ignore[no-untyped-def]
+def test_tokens_per_forward_show_whether_and_how_a_reply_speculated(
+    qtbot, window: MainWindow, prefs, tiny_model
+) -> None:  # type: ignore[no-untyped-def]
     panel = window.inspector.performance_panel
     set_reply_tokens(prefs, 16)
-    with qtbot.waitSignal(GuiRelay(window.client.finished, parent=window).fired, timeout=WAIT_MS):
-        window.submit("one two three one two three one two three")
-    assert panel.per_forward.text() == "speculation off"
-    prefs.set_generation(replace(prefs.generation(), speculative=Speculation.AUTO))
-    with qtbot.waitSignal(GuiRelay(window.client.finished, parent=window).fired, timeout=WAIT_MS):
-        window.submit("one two three one two three one two three")
-    value, _, words = panel.per_forward.text().partition(" ")
+
+    def reply() -> str:
+        with qtbot.waitSignal(GuiRelay(window.client.finished, parent=window).fired, timeout=WAIT_MS):
+            window.submit("one two three one two three one two three")
+        return panel.per_forward.text()
+
+    # The default speculates for greedy replies where verifying pays (the native AVX-512 VNNI kernels); otherwise
+    # the reply decodes plainly and the panel says speculation gave nothing.
+    assert prefs.generation().speculative == Speculation.AUTO
+    greedy = window.generation_settings().sampling.is_greedy
+    if greedy and open_backend(tiny_model, "cpu", prefs.precision()).backend.verify_pays:
+        assert reply().endswith(" tokens (speculative decoding)")
+    else:
+        assert reply() == "1 token (speculation would not speed up this reply here)"
+    prefs.set_generation(replace(prefs.generation(), speculative=Speculation.OFF))
+    assert reply() == "speculation off"
+    prefs.set_generation(replace(prefs.generation(), speculative=Speculation.LOOKUP))  # always, where it runs
+    value, _, words = reply().partition(" ")
     assert words == "tokens (speculative decoding)" and float(value) >= 1.0  # a forward gives one token or more
 
 

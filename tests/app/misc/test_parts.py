@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt
+from PySide6.QtWidgets import QDialogButtonBox
 
 from app.misc.coalescer import TextCoalescer
 from app.misc.icons import app_icon, draw_app_icon, tray_icon
@@ -38,9 +39,9 @@ def test_preferences_round_trip_and_survive_garbage(tmp_path: Path) -> None:
     g = GenerationSettings(
         max_tokens=99,
         sampling=SamplingSettings(temperature=0.0, top_p=0.5, seed=None, greedy=True),
-        speculative=Speculation.AUTO,
+        speculative=Speculation.OFF,
     )
-    assert prefs.generation().speculative == Speculation.OFF  # off until the user turns it on
+    assert prefs.generation().speculative == Speculation.AUTO  # on where it pays, until the user turns it off
     prefs.set_generation(g)
     assert Preferences(QSettings(str(tmp_path / "p.ini"), QSettings.Format.IniFormat)).generation() == g
     s.setValue("generation/settings", '{"sampling": {"temperature": -3}}')
@@ -55,10 +56,13 @@ def test_settings_dialog_edits_and_validates(qtbot) -> None:  # type: ignore[no-
     d.greedy.setChecked(True)
     assert d.value().sampling.seed is None and d.value().sampling.greedy
     assert not d.temperature.isEnabled()
-    assert d.value().speculative == Speculation.OFF
+    assert d.value().speculative == Speculation.OFF  # as the settings it was opened with say
     d.speculative.setChecked(True)
     assert d.value().speculative == Speculation.AUTO
     assert SettingsDialog(d.value()).speculative.isChecked()
+    d.speculative.setChecked(False)
+    d.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.RestoreDefaults).click()
+    assert d.value().speculative == Speculation.AUTO and d.value().max_tokens == 33  # the app's default back
 
 
 def test_icons_exist_and_draw(qtbot) -> None:  # type: ignore[no-untyped-def]

@@ -109,7 +109,7 @@ def test_speculation_on_cuda_equals_plain_decoding(tiny: Path, kind: str, wrong:
     spec_backend = backend(tiny, "cuda")
     spec_mem = memory(kind, spec_backend)
     speculator = Speculator(Reference(reference, len(prompt), wrong), Controller(max_k=4, adaptive=False))
-    spec_settings = GenerationSettings(**{**vars(settings), "speculative": Speculation.AUTO})
+    spec_settings = GenerationSettings(**{**vars(settings), "speculative": Speculation.LOOKUP})
     got = [
         e.token
         for e in stream_generate(spec_backend, spec_mem, tok, prompt, spec_settings, speculator=speculator)

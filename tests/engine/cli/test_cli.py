@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.backends import open_backend
 from tests.helpers.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -165,6 +166,7 @@ def test_generate_speculates_with_the_same_greedy_tokens_and_reports_acceptance(
     runs = {
         mode: engine_cli("generate", *common, "--greedy", "--json", *extra, cache=tmp_path)
         for mode, extra in (
+            ("default", []),
             ("off", ["--speculative", "off"]),
             ("lookup", ["--speculative", "lookup", "--draft-tokens", "3"]),
             ("draft", ["--speculative", "draft", "--draft-model", str(model), "--draft-tokens", "2"]),
@@ -173,8 +175,11 @@ def test_generate_speculates_with_the_same_greedy_tokens_and_reports_acceptance(
     for r in runs.values():
         assert r.returncode == 0, r.stderr
     out = {mode: json.loads(r.stdout) for mode, r in runs.items()}
-    assert out["lookup"]["tokens"] == out["off"]["tokens"] == out["draft"]["tokens"]
+    assert out["lookup"]["tokens"] == out["off"]["tokens"] == out["draft"]["tokens"] == out["default"]["tokens"]
     assert "accepted_per_forward" not in out["off"]
+    # The default, auto, speculates greedy replies where verifying is measured to pay (native AVX-512 VNNI kernels).
+    pays = open_backend(model, "cpu", "auto").backend.verify_pays
+    assert ("accepted_per_forward" in out["default"]) is pays
     assert out["draft"]["accepted_per_forward"] > 1.0  # the model drafting for itself: every draft accepted
     bad = engine_cli("generate", *common, "--speculative", "draft", cache=tmp_path)
     assert bad.returncode != 0 and "--draft-model" in bad.stderr and "Traceback" not in bad.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.backends.base import BackendWrapper
 from engine.backends.torch_backend import TorchBackend
 from engine.generation.loop import FinishReason, GenerationEvent, GenerationSettings, stream_generate
 from engine.generation.sampling import Sampler, SamplingSettings
@@ -82,7 +83,7 @@ def test_greedy_equals_plain_with_a_rejection_at_every_position(
 ) -> None:
     d, tok = tiny
     prompt = tok.encode("def main():\n    return 42\n")
-    settings = GenerationSettings(speculative=Speculation.AUTO, max_tokens=40, sampling=GREEDY, ignore_eos=True)
+    settings = GenerationSettings(speculative=Speculation.LOOKUP, max_tokens=40, sampling=GREEDY, ignore_eos=True)
 
     def memory(b: TorchBackend, tmp: Path) -> Memory:
         if kind == "full":
@@ -125,7 +126,7 @@ def test_the_routing_query_after_verifies_is_plain_decodings(
     d, tok = tiny
     prompt = tok.encode("def main():\n    return 42\n")
     fill = 4 + 24 - len(prompt)  # reply tokens that fill sinks + window (the last one sampled, not fed)
-    settings = GenerationSettings(speculative=Speculation.AUTO, max_tokens=fill + 1, sampling=GREEDY, ignore_eos=True)
+    settings = GenerationSettings(speculative=Speculation.LOOKUP, max_tokens=fill + 1, sampling=GREEDY, ignore_eos=True)
     b = TorchBackend(d)
     plain_mem = cascade(b, tmp_path / "plain")
     off = GenerationSettings(**{**vars(settings), "speculative": Speculation.OFF})
@@ -177,13 +178,13 @@ def test_stop_strings_eos_and_the_budget_inside_an_accepted_run(tiny: tuple[Path
     text = tok.decode(reference[:12])
     if case == "stop":  # a stop string that ends inside the 9th token's text
         settings = GenerationSettings(
-            speculative=Speculation.AUTO, max_tokens=30, sampling=GREEDY, stop=(text[-3:],), ignore_eos=True
+            speculative=Speculation.LOOKUP, max_tokens=30, sampling=GREEDY, stop=(text[-3:],), ignore_eos=True
         )
     elif case == "eos":  # a model whose EOS is the 7th token it says
         tok = EosAt(tok, reference[6])  # type: ignore[assignment]  # a Tokenizer stand-in
-        settings = GenerationSettings(speculative=Speculation.AUTO, max_tokens=30, sampling=GREEDY)
+        settings = GenerationSettings(speculative=Speculation.LOOKUP, max_tokens=30, sampling=GREEDY)
     else:
-        settings = GenerationSettings(speculative=Speculation.AUTO, max_tokens=10, sampling=GREEDY, ignore_eos=True)
+        settings = GenerationSettings(speculative=Speculation.LOOKUP, max_tokens=10, sampling=GREEDY, ignore_eos=True)
     plain_mem = FullAttentionMemory(b)
     plain = run(b, plain_mem, tok, prompt, GenerationSettings(**{**vars(settings), "speculative": Speculation.OFF}))
     b2 = TorchBackend(d)
@@ -208,7 +209,7 @@ def test_save_and_restore_continue_as_plain_decoding(tiny: tuple[Path, Tokenizer
     plain = [e.token for e in session("a").new_session().complete(prompt, off)]
 
     on = GenerationSettings(
-        speculative=Speculation.AUTO, max_tokens=15, sampling=GREEDY, ignore_eos=True, draft_tokens=4
+        speculative=Speculation.LOOKUP, max_tokens=15, sampling=GREEDY, ignore_eos=True, draft_tokens=4
     )
     s = session("b").new_session()
     first = [e.token for e in s.complete(prompt, on)]
@@ -296,6 +297,43 @@ def test_prompt_lookup_continues_a_copied_passage_past_a_phrase_the_reply_repeat
     passage = list(range(10, 40))  # a pasted document
     reply = [10, 11, 12, 13, 14, 15, 12, 13]  # copying it, with "12 13" said twice: its latest match is 2 back
     assert PromptLookup().propose([*passage, 99, *reply], 6).tokens == [14, 15, 16, 17, 18, 19]
+
+
+class VerifyPays(BackendWrapper):
+    """A backend said to verify cheaply (Backend.verify_pays), to see `auto` follow that signal."""
+
+    @property
+    def verify_pays(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("pays", "sampling", "speculates"),
+    [
+        (False, GREEDY, False),  # verifying is not measured to pay (fp32 PyTorch): plain decoding
+        (True, GREEDY, True),
+        (True, SamplingSettings(temperature=0.8), False),  # sampled replies accept too few lookup drafts
+        (True, SamplingSettings(temperature=0.0), True),  # greedy by its temperature
+    ],
+)
+def test_auto_speculates_only_where_verifying_pays(
+    tiny: tuple[Path, Tokenizer], pays: bool, sampling: SamplingSettings, speculates: bool
+) -> None:
+    d, tok = tiny
+    inner = TorchBackend(d)
+    backend = VerifyPays(inner) if pays else inner
+    backend.allocate(1, 256)
+    prompt = tok.encode("one two three one two three one two three")
+    oracle = Oracle(list(range(5, 60)), len(prompt), None)  # proposes whatever it is asked for
+    spec = Speculator(oracle, Controller(max_k=3, adaptive=False))
+    settings = GenerationSettings(speculative=Speculation.AUTO, max_tokens=12, sampling=sampling, ignore_eos=True)
+    events = list(stream_generate(backend, FullAttentionMemory(backend), tok, prompt, settings, speculator=spec))
+    assert (oracle.proposed > 0) is speculates
+    assert {e.speculating for e in events} == {speculates}
+    lookup = Speculator(Oracle(list(range(5, 60)), len(prompt), None), Controller(max_k=3, adaptive=False))
+    forced = GenerationSettings(**{**vars(settings), "speculative": Speculation.LOOKUP})  # lookup: always
+    events = list(stream_generate(inner, FullAttentionMemory(inner), tok, prompt, forced, speculator=lookup))
+    assert events[-1].speculating
 
 
 def test_the_controller_decodes_plainly_where_verifying_does_not_pay() -> None:
@@ -389,7 +427,7 @@ def test_default_model_greedy_equals_plain_with_a_rejection_at_every_position(
     engine, prompt, reference = default_model
     b = engine.backend
     memory = engine.memory_factory(b)
-    settings = GenerationSettings(speculative=Speculation.AUTO, max_tokens=24, sampling=GREEDY, ignore_eos=True)
+    settings = GenerationSettings(speculative=Speculation.LOOKUP, max_tokens=24, sampling=GREEDY, ignore_eos=True)
     spec = Speculator(Oracle(reference, len(prompt), wrong), Controller(max_k=3, adaptive=False))
     events = run(b, memory, engine.tokenizer, prompt, settings, speculator=spec)  # type: ignore[arg-type]
     assert [e.token for e in events] == reference

@@ -71,7 +71,7 @@ def test_scheduler_mixes_speculating_and_plain_rows(tiny: tuple[TorchBackend, To
 def test_a_rows_controller_keeps_what_it_measured_for_the_next_reply(tiny: tuple[TorchBackend, Tokenizer]) -> None:
     backend, tok = tiny
     ids = tok.encode(TEXT)
-    adaptive = GenerationSettings(max_tokens=24, sampling=GREEDY, prefill_chunk=4, speculative=Speculation.AUTO)
+    adaptive = GenerationSettings(max_tokens=24, sampling=GREEDY, prefill_chunk=4, speculative=Speculation.LOOKUP)
     with Scheduler(backend.fork(), tok, SchedulerConfig(max_batch=1, num_slots=128)) as sched:
         first = sched.submit(Request(ids, adaptive)).result(timeout=120)
         ctl = sched.controllers[0]

@@ -16,7 +16,7 @@ from tests.helpers.tiny import make_tiny_model
 PROMPT = "one two three four one two three four one two three four five six seven one two three"
 
 
-@pytest.mark.parametrize("mode", [Speculation.AUTO, Speculation.DRAFT])
+@pytest.mark.parametrize("mode", [Speculation.LOOKUP, Speculation.DRAFT])
 def test_a_second_reply_starts_with_the_first_replys_measurements(tmp_path: Path, mode: Speculation) -> None:
     model = make_tiny_model(tmp_path / "m", layers=2)
     factory = memory_factory_for(model, cache_dir=tmp_path / "kv")

@@ -146,3 +146,15 @@ def test_the_default_model_chunk_equals_one_token_steps() -> None:
         assert torch.equal(logits, ref_logits)
         assert torch.equal(summaries, ref_summaries)
         assert_tables_equal(chunked, single, len(context) + width)
+
+
+def test_verify_pays_where_a_verify_is_one_call_of_kernels_measured_to_make_it_pay(head64_dir: Path) -> None:
+    """`auto` speculation's signal (Backend.verify_pays): a verify in one native call (spark_decode_rows) on the
+    AVX-512 VNNI kernels; not where a verify runs through PyTorch, not on fp32 PyTorch."""
+    kernels = load_kernels().kernels
+    assert kernels is not None
+    assert not TorchBackend(head64_dir).verify_pays
+    assert not TorchBackend(head64_dir, quantize="q8_0", kernels="native", native_chunks=False).verify_pays
+    assert not TorchBackend(head64_dir, quantize="q8_0", kernels="native", native_steps=False).verify_pays
+    native = TorchBackend(head64_dir, quantize="q8_0", kernels="native")
+    assert native.verify_pays is (kernels.isa == "avx512-vnni")
