@@ -21,8 +21,8 @@ DEFAULT_MAX_TOKENS = 512
 
 
 def default_generation() -> GenerationSettings:
-    """What replies run with until the user changes Settings: speculation where it pays (Speculation.AUTO: greedy
-    replies are the same tokens, sampled ones keep their odds; where verifying does not pay, plain decoding)."""
+    """What replies run with until the user changes Settings: speculation where it is measured to pay
+    (Speculation.AUTO: greedy replies on a backend whose verifies are cheap, the same tokens as plain decoding)."""
     return GenerationSettings(max_tokens=DEFAULT_MAX_TOKENS, speculative=Speculation.AUTO)
 
 

@@ -76,13 +76,13 @@ class SettingsDialog(QDialog):
         self.max_tokens = QSpinBox()
         self.max_tokens.setRange(1, 32768)
         self.max_tokens.setSuffix(" tokens")
-        # Prompt lookup, adaptive, where verifying pays (Speculation.AUTO): greedy replies are the same, sampled ones
-        # keep their odds.
+        # Prompt lookup, adaptive, where it is measured to pay (Speculation.AUTO; engine.generation.speculative
+        # `resolve`): greedy replies are the same tokens.
         self.speculative = QCheckBox("Speed up replies where this computer gains from it (speculative decoding)")
         self.speculative.setToolTip(
             "Drafts the next words from text already in the conversation and checks several in one step. It changes "
-            "how fast replies come, not what the model would write. Where checking costs this computer more than it "
-            "saves, replies are written one word at a time."
+            "how fast replies come, not what the model writes. It runs where it is measured to pay: replies without "
+            "randomness (Greedy) on a processor whose checks are cheap; other replies are written one word at a time."
         )
         self.error = QLabel()
         self.error.setObjectName("dialogError")

@@ -35,7 +35,7 @@ class Speculating(Enum):
     """Whether a reply speculates (engine.generation.speculative)."""
 
     OFF = "off"  # the settings turn speculation off
-    UNUSED = "unused"  # the settings ask for it where it pays, and this reply decodes plainly (it does not pay here)
+    UNUSED = "unused"  # the settings ask for it where it pays, and this reply decodes plainly (it would not pay)
     ON = "on"
 
 

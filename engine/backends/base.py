@@ -71,9 +71,9 @@ class Backend(ABC):
 
     @property
     def verify_pays(self) -> bool:
-        """Whether a speculative verify of a few tokens costs well under that many decoding steps here, as
-        `bench speculative` measured it: `auto` speculation drafts only where it does (engine.generation.speculative
-        `resolve`). This default: not measured to."""
+        """Whether a speculative verify of a few tokens costs so little against as many decoding steps here that
+        prompt lookup speeds up greedy replies, open chat included, as `bench speculative` measured: `auto`
+        speculation drafts only where it does (engine.generation.speculative `resolve`). This default: not measured."""
         return False
 
     def set_kv_type(self, kv_type: KVType) -> None:

@@ -68,8 +68,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         "--speculative",
         default=Speculation.AUTO.value,
         choices=[m.value for m in Speculation],
-        help="speculative decoding: auto (the default: prompt lookup where verifying is measured to pay, plain "
-        "decoding elsewhere), off, lookup (always), draft (needs --draft-model)",
+        help="speculative decoding: auto (the default: prompt lookup for greedy replies where verifying is measured "
+        "to pay, plain decoding otherwise), off, lookup (always), draft (needs --draft-model)",
     )
     p.add_argument(
         "--draft-tokens", type=int, default=0, help="drafts per verify forward (default 0: adapted to what pays)"

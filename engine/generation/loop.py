@@ -45,8 +45,8 @@ class GenerationSettings:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     prefill_chunk: int = 256
     ignore_eos: bool = False  # benchmarks: always generate max_tokens (llama.cpp's --ignore-eos)
-    # engine.generation.speculative. Off unless asked for: the app and `generate` ask for `auto`, which speculates
-    # only where the backend's verifies pay; the server asks as its requests and `serve --speculative` say. Draft
+    # engine.generation.speculative. Off unless asked for: the app and `generate` ask for `auto`, which speculates greedy
+    # replies where the backend's verifies pay; the server asks as its requests and `serve --speculative` say. Draft
     # needs a caller's Speculator.
     speculative: Speculation = Speculation.OFF
     draft_tokens: int = 0  # drafts per verify forward: 0 adapts them to measured costs and acceptance
