@@ -546,19 +546,20 @@ static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int3
         f.dw = _mm256_set1_ps(f16_at(blk + 108));
     } else if (type == SPARK_Q4_K || type == SPARK_Q5_K) { /* Q5_K's d, dmin and scales are Q4_K's */
         const uint8_t *blk = row + (int64_t)(b >> 3) * kq_block_bytes(type);
-        /* the 12 scale bytes to 8 scales then 8 mins, one byte each (llama.cpp's mask trick: get_scale_min_k4 for
-         * all 8 sub-blocks at once) */
-        uint32_t u[4];
-        memcpy(u, blk + 4, 12);
-        const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-        u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-        const uint32_t mins_lo = u[1] & k1;
-        u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-        u[2] = mins_lo;
-        u[0] &= k1;
-        const __m128i packed = _mm_setr_epi32((int32_t)u[0], (int32_t)u[1], (int32_t)u[2], (int32_t)u[3]);
-        f.dw = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
-        const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
+        /* The 16 bytes d, dmin, q[0..11] to 8 scales then 8 mins, one byte each (get_scale_min_k4 for all 8
+         * sub-blocks at once, in one register: the scalar form and its four inserts cost a decoding step more than
+         * the block's products). Sub-block j < 4: scale q[j] & 63, min q[j + 4] & 63; j >= 4: scale
+         * q[j + 4] & 15 | (q[j - 4] >> 6) << 4, min q[j + 4] >> 4 | (q[j] >> 6) << 4. */
+        const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
+        const __m128i low = _mm_shuffle_epi8(raw, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+        const __m128i top = _mm_shuffle_epi8(raw, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+        const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+        const __m128i nib = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));
+        const __m128i packed = _mm_or_si128(_mm_or_si128(_mm_and_si128(low, keep), nib), high);
+        const __m128 dmin = _mm_cvtph_ps(raw); /* lanes 0, 1: d and dmin (exact widenings) */
+        f.dw = _mm256_mul_ps(_mm256_broadcastss_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
+        const __m256 mins = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dmin)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
         f.mw = _mm256_xor_ps(mins, _mm256_set1_ps(-0.0f)); /* -(dmin * m), exactly */
     } else if (type != SPARK_Q6_K) { /* the later types: each block's factors as kq_unpack_scalar finds them */
         float dw[8], mw[8];
