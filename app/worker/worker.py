@@ -498,7 +498,8 @@ class ConversationWorker(QObject):
     def _stream(
         self, conversation: Conversation, start: Callable[[], Iterator[GenerationEvent]], settings: GenerationSettings
     ) -> None:
-        asked = settings.speculative != Speculation.OFF
+        # A remote server decodes as it is set up to: the app's setting asks nothing of it.
+        asked = settings.speculative != Speculation.OFF and not isinstance(conversation, RemoteConversation)
         reason: FinishReason | Literal["error"] = "error"
         text: list[str] = []
         progress = NO_PROGRESS
