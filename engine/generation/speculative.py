@@ -67,7 +67,7 @@ def resolve(mode: Speculation, backend: Backend, sampling: SamplingSettings) -> 
     cost 1.6-1.8 decode steps for 2 tokens (the AVX2 kernels), greedy open chat gained nothing to count on. Sampled
     replies at the default model's own settings (temperature 0.2, a repetition penalty) accept few lookup drafts
     (a quarter to a half: the penalty steers a reply away from copying), and gained nothing either: open chat
-    0.90-0.98x, code editing 0.96-1.02x (bench speculative's `sampled_tasks`)."""
+    0.90-0.98x, code editing 0.95-1.03x (bench speculative's `sampled_tasks`)."""
     if mode is not Speculation.AUTO:
         return mode
     return Speculation.LOOKUP if backend.verify_pays and sampling.is_greedy else Speculation.OFF
