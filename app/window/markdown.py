@@ -42,6 +42,10 @@ class Rendered:
 
 
 MONO = "font-family:'SF Mono','Menlo','DejaVu Sans Mono',monospace"
+# Code keeps its spaces and line breaks, and a line wider than the chat wraps: Qt's rich text has no scrolling box
+# of its own, so an unwrapped line would widen the whole conversation and scroll it sideways. Copy gives the lines
+# as written.
+PRE = MONO + "; white-space:pre-wrap"
 LIGHT_STYLE = "default"
 DARK_STYLE = "monokai"
 
@@ -79,7 +83,7 @@ class _Renderer(RendererHTML):
         )
         block = (
             f'<table width="100%" cellspacing="0" cellpadding="10" bgcolor="{p.code_background}" '
-            f'style="margin-bottom:8px"><tr><td><pre style="{MONO}; margin:0">{body}</pre></td></tr></table>'
+            f'style="margin-bottom:8px"><tr><td><pre style="{PRE}; margin:0">{body}</pre></td></tr></table>'
         )
         return head + block
 
@@ -122,7 +126,7 @@ def _style(body: str, p: Palette) -> str:
         "<th>": f'<th bgcolor="{p.code_background}">',
         "<blockquote>": f'<blockquote style="color:{p.dim}; margin-left:12px">',
         "<a href=": f'<a style="color:{p.link}" href=',
-        "<pre>": f'<pre style="{mono}">',
+        "<pre>": f'<pre style="{PRE}">',
     }
     for tag, styled in replacements.items():
         body = body.replace(tag, styled)

@@ -85,6 +85,16 @@ def test_markdown_inline_code_code_blocks_and_tables(qtbot) -> None:  # type: ig
     assert QGuiApplication.clipboard().text() == "def compute_total(items):\n    return sum(items)"
 
 
+def test_a_long_code_line_wraps_inside_the_chat_and_copies_as_written(qtbot) -> None:  # type: ignore[no-untyped-def]
+    view = _view(qtbot)
+    line = "total = " + " + ".join(f"item_{i}.price" for i in range(30))  # far wider than the view
+    view.set_messages([MessageView("user", "Sum them"), MessageView("assistant", f"```python\n{line}\n```\n")])
+    assert view.horizontalScrollBar().maximum() == 0  # the conversation does not scroll sideways
+    assert view.document().size().width() <= view.viewport().width()
+    view.anchorClicked.emit(QUrl("copycode:1.0"))
+    assert QGuiApplication.clipboard().text() == line  # one line, as written
+
+
 def test_streamed_reply_is_rendered_when_it_ends(qtbot) -> None:  # type: ignore[no-untyped-def]
     view = _view(qtbot)
     view.add_user_message("Code please")
