@@ -178,7 +178,6 @@ class RowState:
         self.skip = skip
         self.last: int | None = None  # sampled last, fed on the next step
         self.spec = speculator_for(settings, self.reply, speculator, backend)
-        self.reply.speculating = self.spec is not None
         self.decoding = False  # this step feeds the last sampled token (a decode step or a verify)
         self.drafts: list[int] = []  # this step's drafts, fed after the last token
         self.probs: torch.Tensor | None = None  # (K, V) their drafter's distributions (None: proposed for sure)

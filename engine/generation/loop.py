@@ -411,7 +411,6 @@ def stream_generate(
         return
     reply = Reply(tokenizer, len(prompt_ids), settings, sampler=sampler)
     spec = speculator_for(settings, reply, speculator, backend)
-    reply.speculating = spec is not None
     chunk = pacer.prefill_chunk(settings.prefill_chunk) if pacer else settings.prefill_chunk
     if should_stop():
         yield reply.cancel()
@@ -464,20 +463,23 @@ def take(reply: Reply, samples: list[Sample], should_stop: Callable[[], bool]) -
 def speculator_for(
     settings: GenerationSettings, reply: Reply, given: Speculator | None, backend: Backend
 ) -> Speculator | None:
-    """The speculator a generation on `backend` runs with: none when off (`auto` where verifying does not pay
-    there: engine.generation.speculative `resolve`), when the sampler is not ours (the rejection rule needs its
-    distribution), or under a grammar or top logprobs (the mask and the alternatives follow each accepted token,
-    which a verify of several drafts does not)."""
+    """The speculator a generation on `backend` runs with, which `reply` records (GenerationEvent.speculating): none
+    when off (`auto` where verifying does not pay there: engine.generation.speculative `resolve`), when the sampler
+    is not ours (the rejection rule needs its distribution), or under a grammar or top logprobs (the mask and the
+    alternatives follow each accepted token, which a verify of several drafts does not)."""
     mode = resolve(Speculation(settings.speculative), backend, settings.sampling)
-    if mode is Speculation.OFF or not isinstance(reply.sample, Sampler):
-        return None
-    if settings.grammar is not None or settings.top_logprobs:
-        return None
-    if given is not None:
-        return given
-    if mode is Speculation.DRAFT:
+    spec: Speculator | None
+    ours = isinstance(reply.sample, Sampler)
+    if mode is Speculation.OFF or not ours or settings.grammar is not None or settings.top_logprobs:
+        spec = None
+    elif given is not None:
+        spec = given
+    elif mode is Speculation.DRAFT:
         raise ValueError("draft speculation needs a Speculator with the draft model")
-    return Speculator(PromptLookup(), controller_for(settings))
+    else:
+        spec = Speculator(PromptLookup(), controller_for(settings))
+    reply.speculating = spec is not None
+    return spec
 
 
 def controller_for(settings: GenerationSettings) -> Controller:
