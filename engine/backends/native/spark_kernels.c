@@ -268,11 +268,13 @@ typedef struct {
     int32_t *th;
     /* One row only (a decoding step; NULL otherwise): its int16 quants as two bytes each, xh = q >> 8 (signed) and
      * xl = q & 255 (unsigned), and per block xc = 32768 * sum(xh): split_row below, for the byte-product routes
-     * (block_lanes_split, spark_kquants.c's kq_split_dot). */
+     * (block_lanes_split; spark_kquants.c's kq_split_dot, which reads xh and xl, or an int8 row's quants as xv, in
+     * the order of its lanes, and xs, per half block of 16 sum(q) in that order: kq_split_act). */
     int8_t *xh;
     uint8_t *xl;
     int32_t *xc;
-    int32_t *xs; /* per half block of 16, sum(q): for a Q6_K decoding step's split route (spark_kquants.c) */
+    int32_t *xs;
+    int8_t *xv; /* in xh's place */
     /* One row only, AVX2 (in xh's place): its int16 quants for a Q4_0 or Q4_1 decoding step, each block's
      * elements in the order of block_lanes_nib's vectors: 0, 2, .., 14, 1, 3, .., 15, 16, 18, .., 30, 17, .., 31. */
     int16_t *xp;
@@ -337,12 +339,13 @@ static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
     a.tds = a.td + tb;
     a.ts = (int32_t *)(a.tds + tb);
     a.th = a.tq + tb * (QK / 4);
-    a.xh = NULL, a.xl = NULL, a.xc = NULL, a.xs = NULL, a.xp = NULL;
+    a.xh = NULL, a.xl = NULL, a.xc = NULL, a.xs = NULL, a.xv = NULL, a.xp = NULL;
     if (m == 1) {
         a.xh = (int8_t *)(((uintptr_t)(a.ts + tb) + 63) & ~(uintptr_t)63);
         a.xl = (uint8_t *)(a.xh + k);
         a.xc = (int32_t *)(a.xl + k);
         a.xs = a.xc + k / QK;
+        a.xv = a.xh;
         a.xp = (int16_t *)a.xh;
     }
     return a;
@@ -1388,31 +1391,27 @@ static void gemm_rows(void *ctx, int32_t begin, int32_t end) {
     }
 }
 
-/* One row's int16 quants as a->xh, xl, xc, xs (spark_act), for a Q8_0 decoding step's block_lanes_split or a Q4_K
- * or Q6_K one's kq_split_dot (AVX-512), or as a->xp for a Q4 one's block_lanes_nib (AVX2); an int8 row's halves'
- * sums as a->xs, for a Q6_K step's kq_split_dot (which reads the int8 quants as they are; a Q4_K step needs none). */
+/* One row's quants for a decoding step's byte-product routes: a Q4_K or Q6_K one's kq_split_dot (AVX-512, int8 or
+ * int16 rows, kq_split_act), a Q8_0 one's block_lanes_split (int16 rows as a->xh, xl, xc), or as a->xp for a Q4
+ * one's block_lanes_nib (AVX2). */
 static void split_row(const spark_act *a, int32_t type, int32_t nb) {
 #if defined(SPARK_AVX512VNNI)
-    if (a->parts == 1 && type == SPARK_Q6_K && a->xh != NULL) { /* int8: the halves' sums, which Q6_K's route reads */
-        for (int32_t b = 0; b < nb; b++) {
-            int32_t half[2] = {0, 0};
-            for (int32_t i = 0; i < QK; i++) half[i / 16] += a->q8[b * QK + i];
-            a->xs[2 * b] = half[0], a->xs[2 * b + 1] = half[1];
-        }
+#if defined(SPARK_ZMM)
+    if (kq_split_type(type) && a->xh != NULL && nb % 8 == 0) {
+        kq_split_act(a, nb);
         return;
     }
-    if ((type != SPARK_Q8_0 && !kq_split_type(type)) || a->parts != 2 || a->xh == NULL) return;
+#endif
+    if (type != SPARK_Q8_0 || a->parts != 2 || a->xh == NULL) return;
     for (int32_t b = 0; b < nb; b++) {
-        int32_t high = 0, half[2] = {0, 0};
+        int32_t high = 0;
         for (int32_t i = 0; i < QK; i++) {
             const int16_t q = a->q16[b * QK + i];
             a->xh[b * QK + i] = (int8_t)(q >> 8);
             a->xl[b * QK + i] = (uint8_t)(q & 0xFF);
             high += q >> 8;
-            half[i / 16] += q;
         }
         a->xc[b] = high * 32768;
-        a->xs[2 * b] = half[0], a->xs[2 * b + 1] = half[1];
     }
 #elif defined(SPARK_AVX2)
     if (type == SPARK_Q8_0 || a->parts != 2 || a->xp == NULL) return;

@@ -33,7 +33,8 @@
  * the rest int16: their quants stay bytes against the int8 rows (64 products an instruction).
  * Routes: AVX-512 with BW and VNNI (one 512-bit product per block; a prefill: spark_kernels.c's token-lane route,
  * kq_tokens_in_lanes below, for kq_vec_type, with int8 rows for Q4_K and Q6_K; a decoding step's Q4_K and Q6_K rows:
- * kq_split_dot, byte products against the int8 row, or the int16 row split into its high and low bytes), AVX2,
+ * kq_split_dot, byte products against the int8 row, or the int16 row split into its high and low bytes, in lanes
+ * that each gather one half-block's weights), AVX2,
  * Arm's NEON dot product, portable C; each
  * checked bit for bit by tests/engine/backends/native/kquant_check.c (the Arm ones under qemu) and the
  * Python tests.
@@ -505,7 +506,55 @@ typedef struct {
     __m256i s0, s1, m0, m1; /* m0, m1: Q2_K's halves' mins */
 } kq_factors;
 
-static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int32_t b) {
+/* Lane p of the split route's factors (kq_split_dot): block kq_lane_block[p] of the super-block. Pairs of lanes that
+ * share a 64-bit word are blocks 4 apart, so each word holds one kind of quant (Q4_K: low or high nibbles, Q6_K: one
+ * quarter's bits), and the terms' fixed tree over blocks (0 + 4, 1 + 5, ...) is a tree over neighbouring lanes. */
+static const int32_t kq_lane_block[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+/* Q4_K's and Q5_K's scale unpacking (kq_group_factors) for blocks in natural order [0] or the split route's lanes [1]:
+ * shuffles of the 16 bytes d, dmin, q[0..11] (low, top), the bits each keeps, and where a high nibble serves. */
+static const int8_t kq_k4_unpack[2][4][16] = {
+    {{4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15},
+     {-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11},
+     {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0},
+     {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15}},
+    {{4, 12, 5, 13, 6, 14, 7, 15, 8, 12, 9, 13, 10, 14, 11, 15},
+     {-1, 4, -1, 5, -1, 6, -1, 7, -1, 8, -1, 9, -1, 10, -1, 11},
+     {63, 15, 63, 15, 63, 15, 63, 15, 63, 0, 63, 0, 63, 0, 63, 0},
+     {0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 0, 15, 0, 15, 0, 15}},
+};
+/* Q6_K's 16 half-block scales split into the first halves' then the second halves', in either order. */
+static const int8_t kq_k6_halves[2][16] = {{0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15},
+                                           {0, 8, 2, 10, 4, 12, 6, 14, 1, 9, 3, 11, 5, 13, 7, 15}};
+
+/* Q4_K's and Q5_K's factors (kq_group_factors') of `count` (1 or 2) super-blocks at once, whose first 16 bytes d,
+ * dmin, q[0..11] are the 128-bit halves of raw: to 8 scales then 8 mins, one byte each (get_scale_min_k4 for all 8
+ * sub-blocks in one register: the scalar form and its four inserts made a 1B Q4_K_M decoding step 6 % slower on
+ * AVX-512; a decoding step unpacks two rows' at once). Sub-block j < 4: scale q[j] & 63, min q[j + 4] & 63; j >= 4:
+ * scale q[j + 4] & 15 | (q[j - 4] >> 6) << 4, min q[j + 4] >> 4 | (q[j] >> 6) << 4. */
+static inline void kq_k4_factors(__m256i raw, const int lanes, const int count, kq_factors *f) {
+    const int8_t(*u)[16] = kq_k4_unpack[lanes];
+    const __m256i low = _mm256_shuffle_epi8(raw, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)u[0])));
+    const __m256i top = _mm256_shuffle_epi8(raw, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)u[1])));
+    const __m256i keep = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)u[2]));
+    const __m256i nib = _mm256_and_si256(_mm256_srli_epi16(low, 4), _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)u[3])));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(top, 2), _mm256_set1_epi8(0x30));
+    const __m256i packed = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(low, keep), nib), high);
+    const __m128i first = _mm256_castsi256_si128(raw);
+    /* d, dmin of each (exact widenings) */
+    const __m256 dm = _mm256_castps128_ps256(_mm_cvtph_ps(count == 2 ? _mm_unpacklo_epi32(first, _mm256_extracti128_si256(raw, 1)) : first));
+    for (int32_t i = 0; i < count; i++) {
+        const __m128i p = i ? _mm256_extracti128_si256(packed, 1) : _mm256_castsi256_si128(packed);
+        const __m256 d = _mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(2 * i)), dmin = _mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(2 * i + 1));
+        f[i].s0 = f[i].s1 = f[i].m0 = f[i].m1 = _mm256_setzero_si256();
+        f[i].dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p)));
+        const __m256 mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(p, 8))));
+        f[i].mw = _mm256_xor_ps(mins, _mm256_set1_ps(-0.0f)); /* -(dmin * m), exactly */
+    }
+}
+
+/* Eight blocks' factors, lane j block b + j, or (`lanes`, Q4_K and Q6_K only) block b + kq_lane_block[j]. */
+static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int32_t b, const int lanes) {
     kq_factors f;
     f.mw = _mm256_setzero_ps();
     f.s0 = f.s1 = f.m0 = f.m1 = _mm256_setzero_si256();
@@ -546,21 +595,7 @@ static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int3
         f.dw = _mm256_set1_ps(f16_at(blk + 108));
     } else if (type == SPARK_Q4_K || type == SPARK_Q5_K) { /* Q5_K's d, dmin and scales are Q4_K's */
         const uint8_t *blk = row + (int64_t)(b >> 3) * kq_block_bytes(type);
-        /* The 16 bytes d, dmin, q[0..11] to 8 scales then 8 mins, one byte each (get_scale_min_k4 for all 8
-         * sub-blocks at once, in one register: the scalar form and its four inserts made a 1B Q4_K_M decoding step
-         * 6 % slower on AVX-512). Sub-block j < 4: scale q[j] & 63, min q[j + 4] & 63; j >= 4: scale
-         * q[j + 4] & 15 | (q[j - 4] >> 6) << 4, min q[j + 4] >> 4 | (q[j] >> 6) << 4. */
-        const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
-        const __m128i low = _mm_shuffle_epi8(raw, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
-        const __m128i top = _mm_shuffle_epi8(raw, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
-        const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
-        const __m128i nib = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
-        const __m128i high = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30));
-        const __m128i packed = _mm_or_si128(_mm_or_si128(_mm_and_si128(low, keep), nib), high);
-        const __m128 dmin = _mm_cvtph_ps(raw); /* lanes 0, 1: d and dmin (exact widenings) */
-        f.dw = _mm256_mul_ps(_mm256_broadcastss_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
-        const __m256 mins = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dmin)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
-        f.mw = _mm256_xor_ps(mins, _mm256_set1_ps(-0.0f)); /* -(dmin * m), exactly */
+        kq_k4_factors(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)blk)), lanes, 1, &f);
     } else if (type != SPARK_Q6_K) { /* the later types: each block's factors as kq_unpack_scalar finds them */
         float dw[8], mw[8];
         int32_t s0[8], s1[8];
@@ -576,7 +611,7 @@ static inline kq_factors kq_group_factors(int32_t type, const uint8_t *row, int3
     } else {
         const uint8_t *blk = row + (int64_t)(b >> 3) * 210;
         const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192)); /* s0, s1 of block 0, then block 1, ... */
-        const __m128i split = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        const __m128i split = _mm_shuffle_epi8(sc, _mm_loadu_si128((const __m128i *)kq_k6_halves[lanes]));
         f.s0 = _mm256_cvtepi8_epi32(split);
         f.s1 = _mm256_cvtepi8_epi32(_mm_srli_si128(split, 8));
         f.dw = _mm256_set1_ps(f16_at(blk + 208));
@@ -603,9 +638,10 @@ static inline __m256i kq_first_halves(const spark_act *a, int64_t at) {
     return kq_hsum8_pairs(p);
 }
 
-/* The 8 blocks' terms for one int16 activation row from its block `at`: lanes as kq_term computes each. */
-static inline __m256 kq_group_terms(int32_t type, const kq_factors *f, __m256i h0, __m256i h1, const spark_act *a, int64_t at) {
-    const __m256 d = _mm256_loadu_ps(a->d + at), scale = _mm256_mul_ps(f->dw, d);
+/* The 8 blocks' terms for one activation row from its block `at`, whose scales d and d * s the lanes meet (in the
+ * factors' order): lanes as kq_term computes each. */
+static inline __m256 kq_group_terms(int32_t type, const kq_factors *f, __m256i h0, __m256i h1, __m256 d, __m256 ds, const spark_act *a, int64_t at) {
+    const __m256 scale = _mm256_mul_ps(f->dw, d);
     if (type == SPARK_Q2_K) { /* the mins against the halves' activation sums x0 and s - x0 */
         const __m256i x0 = kq_first_halves(a, at), x1 = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(a->s + at)), x0);
         const __m256i mins = _mm256_add_epi32(_mm256_mullo_epi32(f->m0, x0), _mm256_mullo_epi32(f->m1, x1));
@@ -615,7 +651,7 @@ static inline __m256 kq_group_terms(int32_t type, const kq_factors *f, __m256i h
     if (kq_half_scaled(type))
         return _mm256_mul_ps(scale, _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s0, h0)), _mm256_cvtepi32_ps(_mm256_mullo_epi32(f->s1, h1))));
     __m256 t = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(h0)); /* h0: the whole block's sum here */
-    if (kq_has_min(type)) t = _mm256_add_ps(t, _mm256_mul_ps(f->mw, _mm256_loadu_ps(a->ds + at)));
+    if (kq_has_min(type)) t = _mm256_add_ps(t, _mm256_mul_ps(f->mw, ds));
     return t;
 }
 
@@ -725,7 +761,7 @@ static inline __attribute__((always_inline)) void kq_tokens_in_lanes(const int32
             }
             for (int32_t u = 0; u < count && !a8; u++) _mm512_store_si512(wide[r][u], kq_unpack512(type, rows[r], b8 + u));
             if (count == 8) { /* the 8 blocks' factors at once (kq_factors_of's values) */
-                const kq_factors f = kq_group_factors(type, rows[r], b8);
+                const kq_factors f = kq_group_factors(type, rows[r], b8, 0);
                 _mm256_storeu_ps(dw[r], f.dw), _mm256_storeu_ps(mw[r], f.mw);
                 _mm256_storeu_si256((__m256i *)s0[r], f.s0), _mm256_storeu_si256((__m256i *)s1[r], f.s1);
             } else {
@@ -807,11 +843,12 @@ static inline __attribute__((always_inline)) void kq_dot_rows_r(int32_t type, co
                     if (kq_half_scaled(type)) p0[t][j / 2] = _mm256_hadd_epi32(l0[t][0], l0[t][1]);
                 }
             }
-            const kq_factors f = kq_group_factors(type, row, b);
+            const kq_factors f = kq_group_factors(type, row, b, 0);
             for (int32_t t = 0; t < r_count; t++) {
                 const __m256i h1 = kq_hsum8_pairs(p1[t]);
                 const __m256i h0 = kq_half_scaled(type) ? kq_hsum8_pairs(p0[t]) : h1; /* else the block's sum */
-                vacc[t] = _mm256_add_ps(vacc[t], kq_group_terms(type, &f, h0, h1, a, b0[t] + b));
+                const int64_t at = b0[t] + b;
+                vacc[t] = _mm256_add_ps(vacc[t], kq_group_terms(type, &f, h0, h1, _mm256_loadu_ps(a->d + at), _mm256_loadu_ps(a->ds + at), a, at));
             }
         }
         for (int32_t t = 0; t < r_count; t++) _mm256_storeu_ps(acc[t], vacc[t]);
@@ -862,53 +899,132 @@ static void kq_dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spar
 static inline int kq_split_type(int32_t type) { return type == SPARK_Q4_K || type == SPARK_Q6_K; }
 
 #if defined(SPARK_ZMM)
-/* 16 int32 lanes, lane i = sum(w x) over bytes 4i..4i+3 of 64 unsigned quants w (0..63) against elements e..e+63 of
- * a decoding step's activation row: int8 rows (parts 1) in one VNNI byte product (unsigned by signed); int16 rows
- * through their split (spark_kernels.c's split_row): x = 256 xh + xl, so two byte products replace the int16
- * widening of w. Exact: |256 * 4 * 63 * 128| + 4 * 255 * 63 < 2^31. */
-static inline __m512i kq_split_lanes(__m512i w, const spark_act *a, int64_t e, const int a8) {
-    if (a8) return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->q8 + e));
-    const __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a->xh + e));
-    return _mm512_dpbusd_epi32(_mm512_slli_epi32(hi, 8), _mm512_loadu_si512(a->xl + e), w);
+/* The split route's lanes. A super-block's 256 products are four 512-bit byte products (registers g = 0..3), and lane
+ * l (0..15) of each holds weights of one half-block: elements 4g..4g+3 of half l >> 3 of block kq_lane_block[l & 7].
+ * So the four products add up in place to the 16 half-blocks' sums, without horizontal sums: the weights' bytes move
+ * to their lanes (one permute per register), and the activation row's bytes were put in the same order once per step
+ * (kq_split_act). */
+
+/* One step's activation row in the split route's order: per super-block s, byte 4 l + i of register g (at
+ * 256 s + 64 g + 4 l + i) is element 32 kq_lane_block[l & 7] + 16 (l >> 3) + 4 g + i of the super-block; int8
+ * quants (parts 1) as xv, int16 ones as xh and xl (their high and low bytes); xs the half-blocks' sums of q in lane
+ * order (Q6_K's quants are read unsigned, q + 32, and take 32 of them off). */
+static void kq_split_act(const spark_act *a, int32_t nb) {
+    for (int32_t s = 0; s < nb / 8; s++)
+        for (int32_t l = 0; l < 16; l++) {
+            const int64_t from = 256 * (int64_t)s + 32 * kq_lane_block[l & 7] + 16 * (l >> 3);
+            int32_t sum = 0;
+            for (int32_t g = 0; g < 4; g++)
+                for (int32_t i = 0; i < 4; i++) {
+                    const int64_t to = 256 * (int64_t)s + 64 * g + 4 * l + i;
+                    const int32_t q = a->parts == 1 ? a->q8[from + 4 * g + i] : a->q16[from + 4 * g + i];
+                    sum += q;
+                    if (a->parts == 1) a->xv[to] = (int8_t)q;
+                    else a->xh[to] = (int8_t)(q >> 8), a->xl[to] = (uint8_t)(q & 0xFF);
+                }
+            a->xs[16 * s + l] = sum;
+        }
 }
 
-/* Lane i = lanes 2i and 2i + 1 of the 32 lanes of u then v, summed (one step of a horizontal sum; exact integers). */
-static inline __m512i kq_pair_sums(__m512i u, __m512i v) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    return _mm512_add_epi32(_mm512_permutex2var_epi32(u, even, v), _mm512_permutex2var_epi32(u, odd, v));
+/* The 8 x 8 bit matrix (one 64-bit word of a GF(2^8) affine product) whose output bit `out` is input bit `in`. */
+#define KQ_BIT(out, in) ((int64_t)(1u << (in)) << (8 * (7 - (out))))
+#define KQ_NIBBLE(shift) (KQ_BIT(0, shift) | KQ_BIT(1, (shift) + 1) | KQ_BIT(2, (shift) + 2) | KQ_BIT(3, (shift) + 3))
+#define KQ_TOP2(t) (KQ_BIT(4, 2 * (t)) | KQ_BIT(5, 2 * (t) + 1)) /* Q6_K's bits 2t, 2t + 1 of qh as bits 4, 5 */
+
+/* Register g of a super-block's unsigned quants in the split route's lanes (Q4_K q, 0..15; Q6_K q + 32, 0..63), from
+ * its quant bytes: Q4_K's qs in r[0..2) (blocks 2m, 2m + 1 in the low and high nibbles of qs[32m..32m + 32));
+ * Q6_K's ql in r[0..2), qh in r[2] (block 4h + t: the nibbles of ql[64h + 32 (t & 1) + e], high from t = 2, and bits
+ * 2t of qh[32h + e]). Each 64-bit word is one kind of quant (kq_lane_block), so one affine product (GFNI) or a
+ * shift picks its bits. */
+static inline __m512i kq_split_quants(const int32_t type, const __m512i *r, int32_t g) {
+    const __m512i gv = _mm512_set1_epi32(g);
+#if !defined(__GFNI__)
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+#endif
+    if (type == SPARK_Q4_K) { /* lane l: dword 8 (b >> 1) + 4 (l >> 3) + g of qs, b = kq_lane_block[l & 7] */
+        const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 16, 0, 16, 8, 24, 8, 24, 4, 20, 4, 20, 12, 28, 12, 28), gv);
+        const __m512i v = _mm512_permutex2var_epi32(r[0], idx, r[1]);
+#if defined(__GFNI__)
+        return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set_epi64(KQ_NIBBLE(4), KQ_NIBBLE(0), KQ_NIBBLE(4), KQ_NIBBLE(0), KQ_NIBBLE(4), KQ_NIBBLE(0), KQ_NIBBLE(4), KQ_NIBBLE(0)), 0);
+#else
+        return _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_setr_epi64(0, 4, 0, 4, 0, 4, 0, 4)), m4);
+#endif
+    }
+    /* Q6_K, lane l: block j = 4h + t = kq_lane_block[l & 7]; dword 16h + 8 (t & 1) + 4 (l >> 3) + g of ql, 8h +
+     * 4 (l >> 3) + g of qh */
+    const __m512i il = _mm512_add_epi32(_mm512_setr_epi32(0, 16, 8, 24, 0, 16, 8, 24, 4, 20, 12, 28, 4, 20, 12, 28), gv);
+    const __m512i ih = _mm512_add_epi32(_mm512_setr_epi32(0, 8, 0, 8, 0, 8, 0, 8, 4, 12, 4, 12, 4, 12, 4, 12), gv);
+    const __m512i low = _mm512_permutex2var_epi32(r[0], il, r[1]), high = _mm512_permutexvar_epi32(ih, r[2]);
+#if defined(__GFNI__)
+    const __m512i lo_m = _mm512_set_epi64(KQ_NIBBLE(4), KQ_NIBBLE(4), KQ_NIBBLE(0), KQ_NIBBLE(0), KQ_NIBBLE(4), KQ_NIBBLE(4), KQ_NIBBLE(0), KQ_NIBBLE(0));
+    const __m512i hi_m = _mm512_set_epi64(KQ_TOP2(3), KQ_TOP2(2), KQ_TOP2(1), KQ_TOP2(0), KQ_TOP2(3), KQ_TOP2(2), KQ_TOP2(1), KQ_TOP2(0));
+    return _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(low, lo_m, 0), _mm512_gf2p8affine_epi64_epi8(high, hi_m, 0));
+#else
+    /* the nibble by a right shift, bits 2t, 2t + 1 to bits 4, 5 by a left rotation of 4 - 2t (mod 64) */
+    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi64(low, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), m4);
+    const __m512i hi = _mm512_and_si512(_mm512_rolv_epi64(high, _mm512_setr_epi64(4, 2, 0, 62, 4, 2, 0, 62)), _mm512_set1_epi8(0x30));
+    return _mm512_or_si512(lo, hi);
+#endif
+}
+
+/* Lane l = the exact sum of w x over half-block l of super-block s (the split route's lanes) of a Q4_K or Q6_K row
+ * (unsigned quants) and the step's activation row: int8 rows (a8) in one VNNI byte product per register; int16 rows
+ * through their split x = 256 xh + xl, two byte products in place of the int16 widening of w. Exact: the high
+ * products' lanes are at most 16 * 63 * 128 (times 256 under 2^25), the low ones' 16 * 63 * 255. */
+static inline __m512i kq_split_sums(const int32_t type, const uint8_t *row, int32_t s, const spark_act *a, const int a8) {
+    __m512i r[3];
+    const uint8_t *q = type == SPARK_Q4_K ? row + (int64_t)s * 144 + 16 : row + (int64_t)s * 210;
+    r[0] = _mm512_loadu_si512(q), r[1] = _mm512_loadu_si512(q + 64);
+    if (type == SPARK_Q6_K) r[2] = _mm512_loadu_si512(q + 128);
+    const int64_t e = 256 * (int64_t)s;
+    __m512i hi = _mm512_setzero_si512(), lo = _mm512_setzero_si512();
+    for (int32_t g = 0; g < 4; g++) {
+        const __m512i w = kq_split_quants(type, r, g);
+        if (a8) {
+            hi = _mm512_dpbusd_epi32(hi, w, _mm512_loadu_si512(a->xv + e + 64 * g));
+        } else {
+            hi = _mm512_dpbusd_epi32(hi, w, _mm512_loadu_si512(a->xh + e + 64 * g));
+            lo = _mm512_dpbusd_epi32(lo, _mm512_loadu_si512(a->xl + e + 64 * g), w);
+        }
+    }
+    return a8 ? hi : _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
 }
 
 /* Weight rows rows[0..count) (count <= 2), Q4_K or Q6_K, times a decoding step's activation row (block 0 on), int8
- * (a8) or int16 through its split: a super-block's quants stay bytes (no int16 widening), four 512-bit products
- * (int16: pairs) cover its 256 weights, and three (Q6_K: two) steps of pairwise sums leave block j's sum in lane j
- * (Q6_K: each half's). The same exact sums as kq_block_lanes' and kq_halves', then kq_group_terms' float steps lane
- * by lane: the same bits as kq_dot_rows_r. Two rows at once keep two weight streams in flight. */
+ * (a8) or int16 through its split: per super-block, the 16 half-blocks' exact sums (kq_split_sums; Q4_K adds each
+ * block's two, Q6_K takes its 32s off), then kq_group_terms' float steps lane by lane with the factors and activation
+ * scales in the lanes' block order, and the fixed tree over blocks: the same bits as kq_dot_rows_r. Two rows at once
+ * keep two weight streams in flight. */
 static inline __attribute__((always_inline)) void kq_split_dot(const int32_t type, const uint8_t *const *rows, const int32_t count, int32_t nb, const spark_act *a, float *out, const int a8) {
+    const __m256i order = _mm256_loadu_si256((const __m256i *)kq_lane_block);
     __m256 vacc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int32_t b = 0; b + 8 <= nb; b += 8) {
-        const int64_t e = (int64_t)b * QK;
+        const __m256 d = _mm256_permutexvar_ps(order, _mm256_loadu_ps(a->d + b));
+        const __m256 ds = _mm256_permutexvar_ps(order, _mm256_loadu_ps(a->ds + b));
+        kq_factors f[2];
+        if (type == SPARK_Q4_K && count == 2) {
+            const int64_t at = (int64_t)(b >> 3) * 144;
+            kq_k4_factors(_mm256_loadu2_m128i((const __m128i *)(rows[1] + at), (const __m128i *)(rows[0] + at)), 1, 2, f);
+        } else {
+            for (int32_t r = 0; r < count; r++) f[r] = kq_group_factors(type, rows[r], b, 1);
+        }
         for (int32_t r = 0; r < count; r++) {
-            __m512i v[4], l[4];
+            __m512i q = kq_split_sums(type, rows[r], b >> 3, a, a8);
             __m256i h0, h1;
-            kq_super_bytes(type, rows[r], b >> 3, v);
-            for (int32_t g = 0; g < 4; g++) l[g] = kq_split_lanes(v[g], a, e + 64 * g, a8);
-            __m512i q = kq_pair_sums(kq_pair_sums(l[0], l[1]), kq_pair_sums(l[2], l[3])); /* lanes 2j, 2j + 1 */
             if (type == SPARK_Q4_K) {
-                h0 = h1 = _mm512_cvtepi64_epi32(_mm512_add_epi64(q, _mm512_srli_epi64(q, 32)));
-            } else { /* lane 2j + h: block j's half h, as unsigned quants q + 32: less 32 times that half's activation sum */
+                h0 = h1 = _mm256_add_epi32(_mm512_castsi512_si256(q), _mm512_extracti64x4_epi64(q, 1));
+            } else {
                 q = _mm512_sub_epi32(q, _mm512_slli_epi32(_mm512_loadu_si512(a->xs + 2 * (int64_t)b), 5));
-                h0 = _mm512_cvtepi64_epi32(q);
-                h1 = _mm512_cvtepi64_epi32(_mm512_srli_epi64(q, 32));
+                h0 = _mm512_castsi512_si256(q);
+                h1 = _mm512_extracti64x4_epi64(q, 1);
             }
-            const kq_factors f = kq_group_factors(type, rows[r], b);
-            vacc[r] = _mm256_add_ps(vacc[r], kq_group_terms(type, &f, h0, h1, a, b));
+            vacc[r] = _mm256_add_ps(vacc[r], kq_group_terms(type, &f[r], h0, h1, d, ds, a, b));
         }
     }
-    for (int32_t r = 0; r < count; r++) {
+    for (int32_t r = 0; r < count; r++) { /* lanes 2i, 2i + 1 hold blocks i, i + 4 */
         float ac[8];
         _mm256_storeu_ps(ac, vacc[r]);
-        out[r] = ((ac[0] + ac[4]) + (ac[1] + ac[5])) + ((ac[2] + ac[6]) + (ac[3] + ac[7]));
+        out[r] = ((ac[0] + ac[1]) + (ac[2] + ac[3])) + ((ac[4] + ac[5]) + (ac[6] + ac[7]));
     }
 }
 

@@ -39,6 +39,17 @@ from tests.helpers.timers import NativeStepCounter
 from tests.helpers.tiny import make_tiny_model
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def has_cpu_flags(*names: str) -> bool:
+    """Whether /proc/cpuinfo (Linux) lists every one of these CPU feature flags."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f in flags.split() for f in names)
+
+
 LEGACY = [
     BlockType.Q8_0,
     BlockType.Q4_0,

@@ -18,7 +18,7 @@ from engine.backends.blocks import BlockWeights
 from engine.backends.native import SOURCE, NativeKernels, _compiler, bind, build_library, compile_flags
 from engine.backends.native.decoder import NativeBlockLinear
 from engine.model.quant import LEVELS, BlockType, k3_scales, k4_scales, k6_quants, tq1_trits
-from tests.engine.backends.native.test_native import X86, quantize_activation
+from tests.engine.backends.native.test_native import X86, has_cpu_flags, quantize_activation
 from tests.engine.model.test_quant_types import random_blocks
 
 F32 = np.float32
@@ -232,6 +232,19 @@ def native_check(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 def test_the_c_checker_agrees_with_its_reference_here(native_check: list[str], kernels: NativeKernels) -> None:
     assert native_check[:2] == [f"isa {kernels.isa}", "0 mismatches"]
+
+
+def test_avx512_without_gfni_computes_the_same_bits(
+    native_check: list[str], kernels: NativeKernels, tmp_path: Path
+) -> None:
+    """AVX-512 CPUs without GFNI (Cascade Lake) pick a decoding step's Q4_K and Q6_K quants by shifts instead of
+    affine byte products: exact against the reference, and every output's bits as this machine's."""
+    if kernels.isa != "avx512-vnni" or not has_cpu_flags("gfni"):
+        pytest.skip("needs an AVX-512 VNNI CPU with GFNI, to build without it")
+    cc = _compiler()
+    assert cc is not None
+    tune = [f for f in compile_flags() if f.startswith("-m")]
+    assert run_checker(cc, [*tune, "-mno-gfni"], tmp_path / "check", []) == native_check
 
 
 @pytest.mark.skipif(

@@ -15,20 +15,19 @@ import torch
 from engine.backends.native import NativeKernels, bind, build_library
 from engine.backends.native.decoder import NativeBlockLinear
 from engine.model.quant import BlockType
-from tests.engine.backends.native.test_native import LEGACY, X86, block_linear, integer_reference, lin_weights
+from tests.engine.backends.native.test_native import (
+    LEGACY,
+    X86,
+    block_linear,
+    has_cpu_flags,
+    integer_reference,
+    lin_weights,
+)
 from tests.engine.backends.native.test_native_kquants import TYPES as KQUANTS
 from tests.engine.backends.native.test_native_kquants import bias_of, kquant_linear
 from tests.engine.backends.native.test_native_kquants import integer_reference as kquant_reference
 
 TOKENS = 40  # two whole groups of 16 and a partial one; five of 8
-
-
-def has_cpu_flags(*names: str) -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f in flags for f in names)
 
 
 def activations(k: int) -> torch.Tensor:
