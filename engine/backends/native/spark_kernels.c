@@ -1814,12 +1814,19 @@ int32_t spark_decode_rows(const spark_model *m, const spark_cache *cache, const 
 
 
 /* Rows `ids` (n) of a block matrix (N, K) as float32, out (n, K): the float operations of engine.model.quant.dequantize
- * (Q8_0: q * d; Q4_0: d * (nib - 8); Q4_1: d * nib + m), for the embedding a tied LM head shares. Returns 1; 0 for
- * a type these do not cover (the caller dequantizes in Python); -1, with nothing written, for an id outside [0, N). */
+ * (Q8_0: q * d; Q4_0: d * (nib - 8); Q4_1: d * nib + m; Q4_K, Q6_K: kq_dequant_block), for the embedding a tied LM
+ * head shares. Returns 1; 0 for a type these do not cover (the caller dequantizes in Python); -1, with nothing
+ * written, for an id outside [0, N). */
 int32_t spark_dequant_rows(const spark_qmat *w, const int64_t *ids, int32_t n, float *out) {
-    if (w->type != SPARK_Q8_0 && w->type != SPARK_Q4_0 && w->type != SPARK_Q4_1) return 0;
+    if (w->type != SPARK_Q8_0 && w->type != SPARK_Q4_0 && w->type != SPARK_Q4_1 && !kq_dequant_type(w->type)) return 0;
     for (int32_t r = 0; r < n; r++)
         if (ids[r] < 0 || ids[r] >= w->n) return -1;
+    if (kq_dequant_type(w->type)) {
+        const int64_t rb = kq_row_bytes(w->type, w->k);
+        for (int32_t r = 0; r < n; r++)
+            for (int32_t b = 0; b < w->k / QK; b++) kq_dequant_block(w->type, w->blocks + ids[r] * rb, b, out + (int64_t)r * w->k + (int64_t)b * QK);
+        return 1;
+    }
     const int32_t nb = w->k / QK, bb = block_bytes(w->type);
     for (int32_t r = 0; r < n; r++) {
         const uint8_t *row = w->blocks + ids[r] * (int64_t)nb * bb;

@@ -1041,6 +1041,31 @@ static void kq_split_dots(const int32_t type, const uint8_t *const *rows, const 
 }
 #endif
 
+/* The types whose rows spark_dequant_rows gives (the tied embedding of most K-quant files: its head is Q6_K). */
+static inline int kq_dequant_type(int32_t type) { return type == SPARK_Q4_K || type == SPARK_Q6_K; }
+
+/* Block b (of 32 weights) of a Q4_K or Q6_K row as float32, with engine.model.quant's float operations (_q4_k:
+ * (d * sc) * q - dmin * m; _q6_k: (d * sc) * q, sc per 16 weights). */
+static void kq_dequant_block(int32_t type, const uint8_t *row, int32_t b, float *o) {
+    const int32_t j = b & 7;
+    const uint8_t *blk = row + (int64_t)(b >> 3) * kq_block_bytes(type);
+    if (type == SPARK_Q4_K) {
+        int32_t sc, m;
+        k4_scale_min(j, blk + 4, &sc, &m);
+        const float scale = f16_at(blk) * (float)sc, low = f16_at(blk + 2) * (float)m;
+        const uint8_t *qs = blk + 16 + 32 * (j >> 1);
+        for (int32_t i = 0; i < QK; i++) o[i] = scale * (float)(j & 1 ? qs[i] >> 4 : qs[i] & 0x0F) - low;
+        return;
+    }
+    const int32_t h = j >> 2, t = j & 3; /* as kq_unpack's Q6_K */
+    const uint8_t *ql = blk + 64 * h + 32 * (t & 1), *qh = blk + 128 + 32 * h;
+    const float d = f16_at(blk + 208);
+    for (int32_t i = 0; i < QK; i++) {
+        const int32_t low = t >= 2 ? ql[i] >> 4 : ql[i] & 0x0F, q = (low | ((qh[i] >> (2 * t)) & 3) << 4) - 32;
+        o[i] = (d * (float)((const int8_t *)(blk + 192))[2 * j + i / 16]) * (float)q;
+    }
+}
+
 /* Weight rows [begin, end) of w times activation rows [first, m): y (M, N), as spark_kernels.c's gemm_rows. */
 static void kq_gemm_rows(const spark_qmat *w, const spark_act *a, float *y, int32_t first, int32_t m, int32_t begin, int32_t end) {
     const int32_t nb = w->k / QK, n = w->n;

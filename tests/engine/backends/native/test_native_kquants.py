@@ -6,6 +6,7 @@ portable) run a C checker with its own reference under qemu, and must hash every
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.backends.blocks import BlockWeights
+from engine.backends.blocks import BlockEmbedding, BlockWeights
 from engine.backends.native import SOURCE, NativeKernels, _compiler, bind, build_library, compile_flags
-from engine.backends.native.decoder import NativeBlockLinear
+from engine.backends.native.decoder import NativeBlockEmbedding, NativeBlockLinear
 from engine.model.quant import LEVELS, BlockType, k3_scales, k4_scales, k6_quants, tq1_trits
 from tests.engine.backends.native.test_native import X86, has_cpu_flags, quantize_activation
 from tests.engine.model.test_quant_types import random_blocks
@@ -191,6 +192,22 @@ def test_blocks_of_32_run_at_widths_of_any_multiple_of_32(kernels: NativeKernels
     for i in range(6):
         want = integer_reference(qtype, lin.blocks.numpy(), bias_of(lin), x[i].numpy(), 2)
         assert np.array_equal(many[i].numpy(), want), i
+
+
+@pytest.mark.parametrize("qtype", [BlockType.Q4_K, BlockType.Q6_K], ids=lambda t: t.name)
+def test_the_kernels_give_k_quant_embedding_rows_as_python_dequantizes_them(
+    kernels: NativeKernels, qtype: BlockType
+) -> None:
+    """A tied head of Q4_K or Q6_K (most K-quant files' is Q6_K) serves the next token's embedding from the kernels,
+    not Python's dequantization, with the same bits."""
+    head = kquant_linear(kernels, qtype, 40, 512, 2)
+    ids = torch.tensor([[0, 39, 7], [7, 1, 20]])
+    flat = ids.reshape(-1).contiguous()
+    out = torch.empty(flat.numel(), 512)
+    assert kernels.lib.spark_dequant_rows(ctypes.byref(head.desc), flat.data_ptr(), flat.numel(), out.data_ptr()) == 1
+    python = BlockEmbedding(BlockWeights(qtype, (40, 512), head.blocks, 512))
+    assert torch.equal(out.reshape(2, 3, 512), python(ids))
+    assert torch.equal(NativeBlockEmbedding(kernels, head)(ids), python(ids))
 
 
 @pytest.mark.skipif(not X86, reason="x86 instruction-set variants")
