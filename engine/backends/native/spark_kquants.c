@@ -927,7 +927,7 @@ static void kq_split_act(const spark_act *a, int32_t nb) {
 }
 
 /* The 8 x 8 bit matrix (one 64-bit word of a GF(2^8) affine product) whose output bit `out` is input bit `in`. */
-#define KQ_BIT(out, in) ((int64_t)(1u << (in)) << (8 * (7 - (out))))
+#define KQ_BIT(out, in) ((long long)((uint64_t)(1u << (in)) << (8 * (7 - (out)))))
 #define KQ_NIBBLE(shift) (KQ_BIT(0, shift) | KQ_BIT(1, (shift) + 1) | KQ_BIT(2, (shift) + 2) | KQ_BIT(3, (shift) + 3))
 #define KQ_TOP2(t) (KQ_BIT(4, 2 * (t)) | KQ_BIT(5, 2 * (t) + 1)) /* Q6_K's bits 2t, 2t + 1 of qh as bits 4, 5 */
 
