@@ -1045,25 +1045,19 @@ static void kq_split_dots(const int32_t type, const uint8_t *const *rows, const 
 static inline int kq_dequant_type(int32_t type) { return type == SPARK_Q4_K || type == SPARK_Q6_K; }
 
 /* Block b (of 32 weights) of a Q4_K or Q6_K row as float32, with engine.model.quant's float operations (_q4_k:
- * (d * sc) * q - dmin * m; _q6_k: (d * sc) * q, sc per 16 weights). */
+ * (d * sc) * q - dmin * m, here dw * q + mw; _q6_k: (d * sc) * q, sc per 16 weights), from kq_unpack's quants and
+ * factors. */
 static void kq_dequant_block(int32_t type, const uint8_t *row, int32_t b, float *o) {
-    const int32_t j = b & 7;
-    const uint8_t *blk = row + (int64_t)(b >> 3) * kq_block_bytes(type);
-    if (type == SPARK_Q4_K) {
-        int32_t sc, m;
-        k4_scale_min(j, blk + 4, &sc, &m);
-        const float scale = f16_at(blk) * (float)sc, low = f16_at(blk + 2) * (float)m;
-        const uint8_t *qs = blk + 16 + 32 * (j >> 1);
-        for (int32_t i = 0; i < QK; i++) o[i] = scale * (float)(j & 1 ? qs[i] >> 4 : qs[i] & 0x0F) - low;
-        return;
-    }
-    const int32_t h = j >> 2, t = j & 3; /* as kq_unpack's Q6_K */
-    const uint8_t *ql = blk + 64 * h + 32 * (t & 1), *qh = blk + 128 + 32 * h;
-    const float d = f16_at(blk + 208);
-    for (int32_t i = 0; i < QK; i++) {
-        const int32_t low = t >= 2 ? ql[i] >> 4 : ql[i] & 0x0F, q = (low | ((qh[i] >> (2 * t)) & 3) << 4) - 32;
-        o[i] = (d * (float)((const int8_t *)(blk + 192))[2 * j + i / 16]) * (float)q;
-    }
+    kq_block u;
+    kq_unpack(type, row, b, &u);
+    int8_t q[QK];
+#if defined(SPARK_AVX512VNNI) || defined(SPARK_AVX2)
+    _mm256_storeu_si256((__m256i *)q, u.w);
+#else
+    memcpy(q, u.w, QK);
+#endif
+    for (int32_t i = 0; i < QK; i++)
+        o[i] = type == SPARK_Q4_K ? u.dw * (float)q[i] + u.mw : (u.dw * (float)(i < QK / 2 ? u.s0 : u.s1)) * (float)q[i];
 }
 
 /* Weight rows [begin, end) of w times activation rows [first, m): y (M, N), as spark_kernels.c's gemm_rows. */
