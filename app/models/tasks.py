@@ -58,13 +58,19 @@ class LibraryTasks(QObject):
             self.progress.emit(p)
 
         def run() -> None:
+            outcome: LocalModel | DownloadStopped
             try:
-                model: LocalModel = self.library.downloader().download(repo, file, progress=report, control=control)
-                self.downloaded.emit(model)
+                outcome = self.library.downloader().download(repo, file, progress=report, control=control)
             except DownloadStopped as stop:
-                self.stopped.emit(repo, file or "", stop.reason.value)
+                outcome = stop
             finally:
+                # Cleared before the outcome is told: a Resume clicked on hearing "paused" must start a new download,
+                # not pause this finished one.
                 self._control = None
+            if isinstance(outcome, DownloadStopped):
+                self.stopped.emit(repo, file or "", outcome.reason.value)
+            else:
+                self.downloaded.emit(outcome)
 
         self._start("download", run)
         return True
