@@ -1014,12 +1014,9 @@ static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t typ
                 const int32_t R = last - j >= 2 ? 2 : 1;
                 const uint8_t *rows[2] = {w->blocks + j * row_bytes, w->blocks + (j + 1) * row_bytes};
                 __m512 out[2];
-                if (kq_split_type(type) && a->parts == 1) { /* int8 rows: lane_tokens lets only these types here */
-                    if (R == 2) kq_tokens_in_lanes(type, rows, 2, nb, a, g, out, 1);
-                    else kq_tokens_in_lanes(type, rows, 1, nb, a, g, out, 1);
-                } else if (kq_type(type)) {
-                    if (R == 2) kq_tokens_in_lanes(type, rows, 2, nb, a, g, out, 0);
-                    else kq_tokens_in_lanes(type, rows, 1, nb, a, g, out, 0);
+                if (kq_type(type)) {
+                    if (R == 2) kq_tokens_in_lanes(type, rows, 2, nb, a, g, out);
+                    else kq_tokens_in_lanes(type, rows, 1, nb, a, g, out);
                 } else if (R == 2) {
                     tokens_in_lanes(type, rows, 2, nb, a, g, out);
                 } else {
@@ -1052,6 +1049,7 @@ static int32_t lanes_gemm(const spark_qmat *w, const spark_act *a, float *y, int
     free(wt);
     return 1;
 #else
+    if (a->parts == 1) return kq_lanes_gemm_a8(w, a, y, m, begin, end); /* lane_tokens: int8 rows are Q4_K's, Q6_K's */
     switch (w->type) {
     case SPARK_Q8_0: lanes_gemm_t(SPARK_Q8_0, w, a, y, m, begin, end); break;
     case SPARK_Q4_0: lanes_gemm_t(SPARK_Q4_0, w, a, y, m, begin, end); break;

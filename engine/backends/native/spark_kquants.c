@@ -32,12 +32,10 @@
  * On AVX-512 VNNI, Q4_K and Q6_K matrices take int8 activations by default (engine.backends.native.activation_parts),
  * the rest int16: their quants stay bytes against the int8 rows (64 products an instruction).
  * Routes: AVX-512 with BW and VNNI (one 512-bit product per block; a prefill: spark_kernels.c's token-lane route,
- * kq_tokens_in_lanes below, for kq_vec_type, with int8 rows for Q4_K and Q6_K; a decoding step's Q4_K and Q6_K rows:
- * kq_split_dot, byte products against the int8 row, or the int16 row split into its high and low bytes, in lanes
- * that each gather one half-block's weights), AVX2,
- * Arm's NEON dot product, portable C; each
- * checked bit for bit by tests/engine/backends/native/kquant_check.c (the Arm ones under qemu) and the
- * Python tests.
+ * kq_tokens_in_lanes below, for kq_vec_type, and kq_lanes_a8 for int8 rows of Q4_K and Q6_K; a decoding step's Q4_K
+ * and Q6_K rows: kq_split_dot, byte products against the int8 row, or the int16 row split into its high and low
+ * bytes, in lanes that each gather one half-block's weights), AVX2, Arm's NEON dot product, portable C; each checked
+ * bit for bit by tests/engine/backends/native/kquant_check.c (the Arm ones under qemu) and the Python tests.
  */
 
 /* ggml type ids (gguf.GGMLQuantizationType) of the formats here. */
@@ -734,32 +732,25 @@ static inline void kq_factors_of(const int32_t type, const uint8_t *row, int32_t
     }
 }
 
-/* spark_kernels.c's token-lane prefill (tokens_in_lanes) for these types: out[r] (16 token lanes) = weight row
- * rows[r] (r < R) times token group g. Per block and row, the products of broadcast weights with the 16 tokens'
- * elements: int16 rows (a8 = 0) take 16 pair products (pairs 0..7 sum to h0, 8..15 to h1), int8 rows (a8, Q4_K and
- * Q6_K) 8 products of four bytes (0..3 to h0, 4..7 to h1) against the unsigned quants (kq_super_bytes; Q6_K's
- * halves then less 32 times their activation sums); one lane per token, the terms as kq_term's, lane by lane. */
+/* spark_kernels.c's token-lane prefill (tokens_in_lanes) for these types with int16 rows: out[r] (16 token lanes) =
+ * weight row rows[r] (r < R) times token group g. Per block and row, 16 pair products of broadcast weights with the
+ * 16 tokens' elements (pairs 0..7 sum to h0, 8..15 to h1); one lane per token, the terms as kq_term's, lane by lane.
+ * Int8 rows of Q4_K and Q6_K take kq_lanes_a8 below. */
 #define KQ_AHEAD 4 /* super-blocks of each weight row asked for ahead of the token-lane route's reads */
-static inline __attribute__((always_inline)) void kq_tokens_in_lanes(const int32_t type, const uint8_t *const *rows, const int32_t R, int32_t nb, const spark_act *a, int64_t g, __m512 *out, const int a8) {
+static inline __attribute__((always_inline)) void kq_tokens_in_lanes(const int32_t type, const uint8_t *const *rows, const int32_t R, int32_t nb, const spark_act *a, int64_t g, __m512 *out) {
     __m512 acc[2][8];
     for (int32_t r = 0; r < R; r++)
         for (int32_t u = 0; u < 8; u++) acc[r][u] = _mm512_setzero_ps();
     for (int32_t b8 = 0; b8 < nb; b8 += 8) {
         const int32_t count = nb - b8 < 8 ? nb - b8 : 8;
         int32_t wide[2][8][QK / 2] __attribute__((aligned(64))); /* int16 pairs: block u's weights 2i, 2i+1 */
-        int32_t bytes[2][8][QK / 4] __attribute__((aligned(64))); /* a8: block u's weights 4i..4i+3 */
         float dw[2][8], mw[2][8];
         int32_t s0[2][8], s1[2][8];
         for (int32_t r = 0; r < R; r++) {
             /* the bytes of 8 blocks of 32 (a super-block), KQ_AHEAD such steps ahead */
             const int64_t sb = kq_block_weights(type) == QK ? 8 * (int64_t)kq_block_bytes(type) : kq_block_bytes(type);
             prefetch_bytes(rows[r] + ((b8 >> 3) + KQ_AHEAD) * sb, sb);
-            if (a8) {
-                __m512i v[4];
-                kq_super_bytes(type, rows[r], b8 >> 3, v);
-                for (int32_t i = 0; i < 4; i++) _mm512_store_si512(bytes[r][2 * i], v[i]);
-            }
-            for (int32_t u = 0; u < count && !a8; u++) _mm512_store_si512(wide[r][u], kq_unpack512(type, rows[r], b8 + u));
+            for (int32_t u = 0; u < count; u++) _mm512_store_si512(wide[r][u], kq_unpack512(type, rows[r], b8 + u));
             if (count == 8) { /* the 8 blocks' factors at once (kq_factors_of's values) */
                 const kq_factors f = kq_group_factors(type, rows[r], b8, 0);
                 _mm256_storeu_ps(dw[r], f.dw), _mm256_storeu_ps(mw[r], f.mw);
@@ -778,27 +769,11 @@ static inline __attribute__((always_inline)) void kq_tokens_in_lanes(const int32
             const int64_t at = (g * nb + b8 + u) * SPARK_LANES;
             __m512i h[2][2];
             for (int32_t r = 0; r < R; r++) h[r][0] = h[r][1] = _mm512_setzero_si512();
-            if (a8) {
-                const int32_t *xq = a->tq + at * (QK / 4);
-#pragma GCC unroll 8
-                for (int32_t i = 0; i < QK / 4; i++) {
-                    const __m512i x = _mm512_load_si512(xq + i * SPARK_LANES);
-                    for (int32_t r = 0; r < R; r++) h[r][i >> 2] = _mm512_dpbusd_epi32(h[r][i >> 2], _mm512_set1_epi32(bytes[r][u][i]), x);
-                }
-                if (type == SPARK_Q6_K) { /* unsigned q + 32: less 32 times each half's activation sum */
-                    const __m512i x0 = _mm512_loadu_si512(a->th + at), x1 = _mm512_sub_epi32(_mm512_loadu_si512(a->ts + at), x0);
-                    for (int32_t r = 0; r < R; r++) {
-                        h[r][0] = _mm512_sub_epi32(h[r][0], _mm512_slli_epi32(x0, 5));
-                        h[r][1] = _mm512_sub_epi32(h[r][1], _mm512_slli_epi32(x1, 5));
-                    }
-                }
-            } else {
-                const int32_t *xq = a->tq + at * (QK / 2);
+            const int32_t *xq = a->tq + at * (QK / 2);
 #pragma GCC unroll 16
-                for (int32_t i = 0; i < QK / 2; i++) {
-                    const __m512i x = _mm512_load_si512(xq + i * SPARK_LANES);
-                    for (int32_t r = 0; r < R; r++) h[r][i >> 3] = _mm512_dpwssd_epi32(h[r][i >> 3], x, _mm512_set1_epi32(wide[r][u][i]));
-                }
+            for (int32_t i = 0; i < QK / 2; i++) {
+                const __m512i x = _mm512_load_si512(xq + i * SPARK_LANES);
+                for (int32_t r = 0; r < R; r++) h[r][i >> 3] = _mm512_dpwssd_epi32(h[r][i >> 3], x, _mm512_set1_epi32(wide[r][u][i]));
             }
             const __m512 d = _mm512_loadu_ps(a->td + at);
             for (int32_t r = 0; r < R; r++) {
@@ -818,6 +793,153 @@ static inline __attribute__((always_inline)) void kq_tokens_in_lanes(const int32
     for (int32_t r = 0; r < R; r++)
         out[r] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][4]), _mm512_add_ps(acc[r][1], acc[r][5])),
                                _mm512_add_ps(_mm512_add_ps(acc[r][2], acc[r][6]), _mm512_add_ps(acc[r][3], acc[r][7])));
+}
+
+/* A prefill's Q4_K and Q6_K rows against int8 activation rows (their default on AVX-512 VNNI): KQ_A8_ROWS weight
+ * rows at a time, each unpacked once (kq_a8_unpack) into its blocks' unsigned quants (kq_super_bytes; Q6_K's q + 32)
+ * and factors, which every token group then passes, KQ_A8_GROUPS groups at a time. Each loaded activation vector
+ * serves 4 rows and each broadcast weight word 2 groups: a route taking 2 rows and 1 group per step loaded 2 words
+ * and 2 vectors for every 2 byte products, and unpacked each row again for every group (qgemm_timing: 1.4x slower
+ * over Llama 3.2 1B's Q4_K matrices). Per block, row and group: 8 products of four bytes (0..3 to h0, 4..7 to h1;
+ * Q4_K's into one sum), Q6_K's halves less 32 times their activation sums, the terms as kq_term's, lane by lane.
+ * Partial sum u of a row and token (blocks u, u + 8, ...) is taken whole, in block order, before the next, so one
+ * register per row and group holds it and the bits are every other route's. */
+#define KQ_A8_ROWS 4
+#define KQ_A8_GROUPS 2
+
+typedef struct {
+    uint8_t *q;       /* (KQ_A8_ROWS, nb, 32): each block's unsigned quants */
+    float *dw, *mw;   /* (KQ_A8_ROWS, nb): kq_factors_of's */
+    int32_t *s0, *s1; /* (KQ_A8_ROWS, nb): Q6_K's half scales */
+} kq_a8_rows;
+
+static int64_t kq_a8_bytes(int32_t nb) { return (int64_t)KQ_A8_ROWS * nb * (QK + 16); }
+
+static inline void kq_a8_unpack(const int32_t type, const uint8_t *row, int32_t nb, const kq_a8_rows *w, int32_t r) {
+    for (int32_t s = 0; s < nb / 8; s++) {
+        const int64_t at = (int64_t)r * nb + 8 * s;
+        __m512i v[4];
+        kq_super_bytes(type, row, s, v);
+        for (int32_t i = 0; i < 4; i++) _mm512_store_si512(w->q + at * QK + 64 * i, v[i]);
+        const kq_factors f = kq_group_factors(type, row, 8 * s, 0);
+        _mm256_storeu_ps(w->dw + at, f.dw), _mm256_storeu_ps(w->mw + at, f.mw);
+        _mm256_storeu_si256((__m256i *)(w->s0 + at), f.s0), _mm256_storeu_si256((__m256i *)(w->s1 + at), f.s1);
+    }
+}
+
+/* out[r * G + c] (16 token lanes) = unpacked row r times token group g[c]. */
+static inline __attribute__((always_inline)) void kq_lanes_a8(const int32_t type, const kq_a8_rows *w, const int32_t G, int32_t nb, const spark_act *a, const int64_t *g, __m512 *out) {
+    enum { R = KQ_A8_ROWS };
+    const int six = type == SPARK_Q6_K;
+    __m512 part[8][R][KQ_A8_GROUPS];
+    for (int32_t u = 0; u < 8; u++) {
+        __m512 acc[R][KQ_A8_GROUPS];
+        for (int32_t r = 0; r < R; r++)
+            for (int32_t c = 0; c < G; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int32_t b = u; b < nb; b += 8) {
+            int64_t at[KQ_A8_GROUPS];
+            const int32_t *xq[KQ_A8_GROUPS];
+            for (int32_t c = 0; c < G; c++) at[c] = (g[c] * nb + b) * SPARK_LANES, xq[c] = a->tq + at[c] * (QK / 4);
+            const int32_t *wq[R];
+            for (int32_t r = 0; r < R; r++) wq[r] = (const int32_t *)(w->q + ((int64_t)r * nb + b) * QK);
+            __m512i h[R][KQ_A8_GROUPS][2];
+            for (int32_t r = 0; r < R; r++)
+                for (int32_t c = 0; c < G; c++) h[r][c][0] = h[r][c][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int32_t i = 0; i < QK / 4; i++) {
+                __m512i x[KQ_A8_GROUPS];
+                for (int32_t c = 0; c < G; c++) {
+                    x[c] = _mm512_load_si512(xq[c] + i * SPARK_LANES);
+                    __asm__("" : "+v"(x[c])); /* in a register: GCC would fold a load of it into each row's product */
+                }
+                for (int32_t r = 0; r < R; r++) {
+                    const __m512i wv = _mm512_set1_epi32(wq[r][i]);
+                    for (int32_t c = 0; c < G; c++) h[r][c][six & (i >> 2)] = _mm512_dpbusd_epi32(h[r][c][six & (i >> 2)], wv, x[c]);
+                }
+            }
+            for (int32_t c = 0; c < G; c++) {
+                const __m512 d = _mm512_loadu_ps(a->td + at[c]);
+                __m512i x0 = _mm512_setzero_si512(), x1 = x0; /* Q6_K: 32 times each half's activation sum */
+                __m512 ds = _mm512_setzero_ps();
+                if (six) {
+                    const __m512i first = _mm512_loadu_si512(a->th + at[c]);
+                    x1 = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_loadu_si512(a->ts + at[c]), first), 5);
+                    x0 = _mm512_slli_epi32(first, 5);
+                } else {
+                    ds = _mm512_loadu_ps(a->tds + at[c]);
+                }
+                for (int32_t r = 0; r < R; r++) {
+                    const int64_t f = (int64_t)r * nb + b;
+                    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(w->dw[f]), d);
+                    __m512 t;
+                    if (six) {
+                        const __m512i h0 = _mm512_sub_epi32(h[r][c][0], x0), h1 = _mm512_sub_epi32(h[r][c][1], x1);
+                        const __m512 lo = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_set1_epi32(w->s0[f]), h0));
+                        t = _mm512_mul_ps(scale, _mm512_add_ps(lo, _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_set1_epi32(w->s1[f]), h1))));
+                    } else {
+                        t = _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(h[r][c][0])), _mm512_mul_ps(_mm512_set1_ps(w->mw[f]), ds));
+                    }
+                    acc[r][c] = _mm512_add_ps(acc[r][c], t);
+                }
+            }
+        }
+        for (int32_t r = 0; r < R; r++)
+            for (int32_t c = 0; c < G; c++) part[u][r][c] = acc[r][c];
+    }
+    for (int32_t r = 0; r < R; r++)
+        for (int32_t c = 0; c < G; c++)
+            out[r * G + c] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(part[0][r][c], part[4][r][c]), _mm512_add_ps(part[1][r][c], part[5][r][c])),
+                                           _mm512_add_ps(_mm512_add_ps(part[2][r][c], part[6][r][c]), _mm512_add_ps(part[3][r][c], part[7][r][c])));
+}
+
+/* Weight rows [begin, end) of a Q4_K or Q6_K matrix times token groups of int8 rows (m tokens): y (M, N) (+ bias).
+ * A last short set of rows repeats its last row and a last odd group runs alone: computed, never stored. */
+static inline __attribute__((always_inline)) void kq_lanes_gemm_a8_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end, const kq_a8_rows *u) {
+    const int32_t nb = w->k / QK, n = w->n;
+    const int64_t row_bytes = kq_row_bytes(type, w->k), groups = ((int64_t)m + SPARK_LANES - 1) / SPARK_LANES;
+    for (int32_t j = begin; j < end; j += KQ_A8_ROWS) {
+        const int32_t rc = end - j < KQ_A8_ROWS ? end - j : KQ_A8_ROWS;
+        for (int32_t r = 0; r < KQ_A8_ROWS; r++) kq_a8_unpack(type, w->blocks + (int64_t)(j + (r < rc ? r : rc - 1)) * row_bytes, nb, u, r);
+        if (j + KQ_A8_ROWS < end) { /* the next rows, on their way to L2 while every group passes these */
+            const int32_t next = end - j - KQ_A8_ROWS < KQ_A8_ROWS ? end - j - KQ_A8_ROWS : KQ_A8_ROWS;
+            const uint8_t *p = w->blocks + (int64_t)(j + KQ_A8_ROWS) * row_bytes;
+            for (int64_t at = 0; at < next * row_bytes; at += 64) __builtin_prefetch(p + at, 0, 2);
+        }
+        for (int64_t g0 = 0; g0 < groups; g0 += KQ_A8_GROUPS) {
+            const int32_t gc = groups - g0 < KQ_A8_GROUPS ? (int32_t)(groups - g0) : KQ_A8_GROUPS;
+            const int64_t g[KQ_A8_GROUPS] = {g0, g0 + 1};
+            __m512 out[KQ_A8_ROWS * KQ_A8_GROUPS];
+            if (gc == KQ_A8_GROUPS) kq_lanes_a8(type, u, KQ_A8_GROUPS, nb, a, g, out);
+            else kq_lanes_a8(type, u, 1, nb, a, g, out);
+            for (int32_t c = 0; c < gc; c++) {
+                const int32_t count = m - g[c] * SPARK_LANES < SPARK_LANES ? (int32_t)(m - g[c] * SPARK_LANES) : SPARK_LANES;
+                for (int32_t r = 0; r < rc; r++) {
+                    float lanes[SPARK_LANES];
+                    _mm512_storeu_ps(lanes, out[r * gc + c]);
+                    const float bias = w->bias ? w->bias[j + r] : 0.0f;
+                    for (int32_t t = 0; t < count; t++) y[(g[c] * SPARK_LANES + t) * n + j + r] = lanes[t] + bias;
+                }
+            }
+        }
+    }
+}
+
+/* Returns 0, having computed nothing, where the memory for the unpacked rows was not to be had. */
+static int32_t kq_lanes_gemm_a8(const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
+    const int32_t nb = w->k / QK;
+    uint8_t *mem = aligned_alloc(64, (size_t)((kq_a8_bytes(nb) + 63) / 64 * 64));
+    if (mem == NULL) return 0;
+    const int64_t cells = (int64_t)KQ_A8_ROWS * nb;
+    kq_a8_rows u;
+    u.q = mem;
+    u.dw = (float *)(mem + cells * QK);
+    u.mw = u.dw + cells;
+    u.s0 = (int32_t *)(u.mw + cells);
+    u.s1 = u.s0 + cells;
+    if (w->type == SPARK_Q4_K) kq_lanes_gemm_a8_t(SPARK_Q4_K, w, a, y, m, begin, end, &u);
+    else kq_lanes_gemm_a8_t(SPARK_Q6_K, w, a, y, m, begin, end, &u);
+    free(mem);
+    return 1;
 }
 #endif
 

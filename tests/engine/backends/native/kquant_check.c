@@ -174,7 +174,9 @@ int main(void) {
             const int32_t k = (const int32_t[]){256, 1536, 576}[wi];
             if (k % kq_block_weights(types[ti])) continue;
             for (int32_t parts = 1; parts <= 2; parts++) {
-                const int32_t type = types[ti], n = 37, m = 20; /* AVX-512: 16 tokens in lanes, 4 by rows */
+                /* AVX-512: int16 rows 32 tokens in lanes, 4 by rows; int8 rows three groups in lanes, two together, then
+                 * the last four tokens alone; n: each thread's rows end in a short set */
+                const int32_t type = types[ti], n = 37, m = 36;
                 const int64_t rb = kq_row_bytes(type, k);
                 const int32_t per = kq_block_weights(type);
                 uint8_t *w = malloc((size_t)(n * rb));
