@@ -799,7 +799,7 @@ static inline __attribute__((always_inline)) void kq_tokens_in_lanes(const int32
  * rows at a time, each unpacked once (kq_a8_unpack) into its blocks' unsigned quants (kq_super_bytes; Q6_K's q + 32)
  * and factors, which every token group then passes, KQ_A8_GROUPS groups at a time. Each loaded activation vector
  * serves 4 rows and each broadcast weight word 2 groups: a route taking 2 rows and 1 group per step loaded 2 words
- * and 2 vectors for every 2 byte products, and unpacked each row again for every group (qgemm_timing: 1.4x slower
+ * and 2 vectors for every 2 byte products, and unpacked each row again for every group (qgemm_timing: 1.2-1.35x slower
  * over Llama 3.2 1B's Q4_K matrices). Per block, row and group: 8 products of four bytes (0..3 to h0, 4..7 to h1;
  * Q4_K's into one sum), Q6_K's halves less 32 times their activation sums, the terms as kq_term's, lane by lane.
  * Partial sum u of a row and token (blocks u, u + 8, ...) is taken whole, in block order, before the next, so one
