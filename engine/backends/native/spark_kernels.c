@@ -318,6 +318,18 @@ static int64_t lane_rows(int32_t m) {
 #endif
 }
 
+#if defined(SPARK_ZMM)
+/* Token group g's 16 lanes of output column j into y (M, N) (+ bias): the tokens of the group below m (a last
+ * group's other lanes are computed, never stored). */
+static inline void lanes_store(__m512 v, const struct spark_qmat *w, float *y, int32_t m, int64_t g, int32_t j) {
+    const int32_t count = m - g * SPARK_LANES < SPARK_LANES ? (int32_t)(m - g * SPARK_LANES) : SPARK_LANES;
+    float lanes[SPARK_LANES];
+    _mm512_storeu_ps(lanes, v);
+    const float bias = w->bias ? w->bias[j] : 0.0f;
+    for (int32_t t = 0; t < count; t++) y[(g * SPARK_LANES + t) * w->n + j] = lanes[t] + bias;
+}
+#endif
+
 /* Bytes of activation scratch for m rows of k (spark_qgemm's `scratch`): the rows, then their token-lane copy, or
  * for one row its split bytes. */
 int64_t spark_act_bytes(int32_t k, int32_t m) {
@@ -1003,13 +1015,12 @@ static inline __attribute__((always_inline)) void rows_in_lanes_t(const int32_t 
  * once, not once per group). */
 #define LANE_TILE_BYTES 65536
 static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end) {
-    const int32_t nb = w->k / QK, n = w->n;
+    const int32_t nb = w->k / QK;
     const int64_t row_bytes = kq_type(type) ? kq_row_bytes(type, w->k) : (int64_t)nb * block_bytes(type);
     const int32_t tile = row_bytes >= LANE_TILE_BYTES / 2 ? 2 : (int32_t)(LANE_TILE_BYTES / row_bytes) & ~1;
     for (int32_t first = begin; first < end; first += tile) {
         const int32_t last = end - first < tile ? end : first + tile;
         for (int64_t g = 0; g * SPARK_LANES < m; g++) {
-            const int32_t count = m - g * SPARK_LANES < SPARK_LANES ? (int32_t)(m - g * SPARK_LANES) : SPARK_LANES;
             for (int32_t j = first; j < last; j += 2) {
                 const int32_t R = last - j >= 2 ? 2 : 1;
                 const uint8_t *rows[2] = {w->blocks + j * row_bytes, w->blocks + (j + 1) * row_bytes};
@@ -1022,12 +1033,7 @@ static inline __attribute__((always_inline)) void lanes_gemm_t(const int32_t typ
                 } else {
                     tokens_in_lanes(type, rows, 1, nb, a, g, out);
                 }
-                for (int32_t r = 0; r < R; r++) {
-                    float lanes[SPARK_LANES];
-                    _mm512_storeu_ps(lanes, out[r]);
-                    const float bias = w->bias ? w->bias[j + r] : 0.0f;
-                    for (int32_t t = 0; t < count; t++) y[(g * SPARK_LANES + t) * n + j + r] = lanes[t] + bias;
-                }
+                for (int32_t r = 0; r < R; r++) lanes_store(out[r], w, y, m, g, j + r);
             }
         }
     }

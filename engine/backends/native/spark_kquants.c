@@ -895,7 +895,7 @@ static inline __attribute__((always_inline)) void kq_lanes_a8(const int32_t type
 /* Weight rows [begin, end) of a Q4_K or Q6_K matrix times token groups of int8 rows (m tokens): y (M, N) (+ bias).
  * A last short set of rows repeats its last row and a last odd group runs alone: computed, never stored. */
 static inline __attribute__((always_inline)) void kq_lanes_gemm_a8_t(const int32_t type, const spark_qmat *w, const spark_act *a, float *y, int32_t m, int32_t begin, int32_t end, const kq_a8_rows *u) {
-    const int32_t nb = w->k / QK, n = w->n;
+    const int32_t nb = w->k / QK;
     const int64_t row_bytes = kq_row_bytes(type, w->k), groups = ((int64_t)m + SPARK_LANES - 1) / SPARK_LANES;
     for (int32_t j = begin; j < end; j += KQ_A8_ROWS) {
         const int32_t rc = end - j < KQ_A8_ROWS ? end - j : KQ_A8_ROWS;
@@ -911,15 +911,8 @@ static inline __attribute__((always_inline)) void kq_lanes_gemm_a8_t(const int32
             __m512 out[KQ_A8_ROWS * KQ_A8_GROUPS];
             if (gc == KQ_A8_GROUPS) kq_lanes_a8(type, u, KQ_A8_GROUPS, nb, a, g, out);
             else kq_lanes_a8(type, u, 1, nb, a, g, out);
-            for (int32_t c = 0; c < gc; c++) {
-                const int32_t count = m - g[c] * SPARK_LANES < SPARK_LANES ? (int32_t)(m - g[c] * SPARK_LANES) : SPARK_LANES;
-                for (int32_t r = 0; r < rc; r++) {
-                    float lanes[SPARK_LANES];
-                    _mm512_storeu_ps(lanes, out[r * gc + c]);
-                    const float bias = w->bias ? w->bias[j + r] : 0.0f;
-                    for (int32_t t = 0; t < count; t++) y[(g[c] * SPARK_LANES + t) * n + j + r] = lanes[t] + bias;
-                }
-            }
+            for (int32_t c = 0; c < gc; c++)
+                for (int32_t r = 0; r < rc; r++) lanes_store(out[r * gc + c], w, y, m, g[c], j + r);
         }
     }
 }
