@@ -44,10 +44,10 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 def has_cpu_flags(*names: str) -> bool:
     """Whether /proc/cpuinfo (Linux) lists every one of these CPU feature flags."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return False
-    return all(f in flags.split() for f in names)
+    return all(f in flags for f in names)
 
 
 LEGACY = [
