@@ -1,4 +1,4 @@
-"""`.spark` session files: one conversation and its memory in one self-checking file (DESIGN.md, "Session files").
+"""`.spark` session files: one conversation and its memory in one self-checking file (docs/DESIGN.md, "Session files").
 
 This module reads, verifies and restores them, and is where callers import the whole API from:
 
