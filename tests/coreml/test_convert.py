@@ -25,9 +25,11 @@ from engine.backends.coreml.bundle import MANIFEST, REQUIRED, Bundle
 from engine.backends.coreml.cache import Geometry, cache_key
 from engine.backends.coreml.errors import ConversionError, PackageError
 from engine.backends.coreml.programs import DEFAULT_QUANTIZE, resolve
+from engine.backends.coreml.runtime import CoreMLBackend
 from engine.loading.weights import load_model
 from engine.model.config import ModelConfig
 from tests.helpers.coreml_fixtures import SLOTS
+from tests.helpers.fake_coreml import FakeLoader
 
 
 def test_provenance_is_in_the_manifest(coreml_tiny_dir: Path, coreml_bundle: Callable[[str], Path]) -> None:
@@ -226,3 +228,23 @@ def test_check_passes_a_sound_bundle(coreml_bundle: Callable[[str], Path], capsy
         and "ok   size" in out
         and out.strip().endswith("sound")
     )
+
+
+def test_convert_without_out_fills_the_cache_the_runtime_reads(
+    coreml_tied_dir: Path,
+    default_bundle: Path,
+    coreml_cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`python -m coreml convert` without --out answers with the bundle the runtime (which converts nothing) then
+    finds by itself: here the session's default bundle, already in a cache laid out as the app's."""
+    (tmp_path / "coreml").symlink_to(coreml_cache)
+    monkeypatch.setenv("MLOT_SPARK_CACHE_DIR", str(tmp_path))
+    assert main(["convert", "--model", str(coreml_tied_dir), "--slots", str(SLOTS)]) == 0
+    made = Path(capsys.readouterr().out.strip())
+    assert made == tmp_path / "coreml" / default_bundle.name
+    backend = CoreMLBackend(coreml_tied_dir, loader=FakeLoader())
+    backend.allocate(1, SLOTS)
+    assert backend.path == made
