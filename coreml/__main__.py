@@ -1,4 +1,5 @@
-"""`python -m coreml convert --model DIR --out BUNDLE [--quantize ...] [--units ...] [--slots S]`,
+"""`python -m coreml convert --model DIR [--out BUNDLE] [--quantize ...] [--units ...] [--slots S]` (without `--out`
+into the conversion cache the Core ML backend reads, engine.backends.coreml.cache),
 `python -m coreml check BUNDLE` and `python -m coreml faithfulness --model DIR`.
 
 Errors the user can act on print one line on stderr and exit 2 (as `python -m engine` does); a bundle that
@@ -14,7 +15,7 @@ from engine.cli import run_command
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from coreml.convert import convert
+    from coreml.convert import cached_bundle, convert
 
     def progress(stage: str, fraction: float) -> None:
         print(f"[{fraction * 100:5.1f}%] {stage}", file=sys.stderr, flush=True)
@@ -23,7 +24,12 @@ def _convert(args: argparse.Namespace) -> int:
 
     model = resolve_model_path(args.model)
     try:
-        out = convert(model, args.out, quantize=args.quantize, units=args.units, slots=args.slots, progress=progress)
+        if args.out is None:
+            out = cached_bundle(model, slots=args.slots, quantize=args.quantize, units=args.units, progress=progress)
+        else:
+            out = convert(
+                model, args.out, quantize=args.quantize, units=args.units, slots=args.slots, progress=progress
+            )
     except KeyboardInterrupt:
         print("error: the Core ML conversion was cancelled; nothing was written.", file=sys.stderr)
         return 130
@@ -60,7 +66,7 @@ def _faithfulness(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from coreml.compress import COMPUTE_UNITS, DEFAULT_UNITS, QUANTIZATIONS
+    from engine.backends.coreml.programs import COMPUTE_UNITS, DEFAULT_UNITS, QUANTIZATIONS
 
     parser = argparse.ArgumentParser(prog="python -m coreml", description="MLoT Spark Core ML conversion and checks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -68,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
         "convert", help="convert a model folder to a Core ML bundle (layer chunks + head, multifunction)"
     )
     c.add_argument("--model", default=None, help="Hugging Face model folder or .gguf (default: the default model)")
-    c.add_argument("--out", required=True, help="the bundle folder to write")
+    c.add_argument(
+        "--out",
+        default=None,
+        help="the bundle folder to write (default: the conversion cache the Core ML backend reads)",
+    )
     c.add_argument(
         "--quantize",
         choices=("auto", *QUANTIZATIONS),

@@ -27,11 +27,10 @@ from dataclasses import dataclass
 
 from coremltools.proto import MIL_pb2, Model_pb2
 
-from coreml.bundle import Bundle
-from coreml.compress import has_gpu
-from coreml.milblob import BlobFile
-from coreml.package import Package
-from coreml.wrapper import ANE_MAX_DIM, ANE_STATE_ALIGN, MAX_CHUNK_BYTES
+from engine.backends.coreml.bundle import Bundle
+from engine.backends.coreml.milblob import BlobFile
+from engine.backends.coreml.package import Package
+from engine.backends.coreml.programs import ANE_MAX_DIM, ANE_STATE_ALIGN, MAX_CHUNK_BYTES, has_gpu
 
 FLOAT_TYPES = {"FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16", "FLOAT8E4M3FN", "FLOAT8E5M2"}
 # Ops the ANE does not execute (Core ML places them on the CPU): lookups, integer/boolean logic, casts, and

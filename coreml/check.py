@@ -13,9 +13,10 @@ import numpy as np
 import torch
 
 from coreml import ane_rules
-from coreml.bundle import HEAD, Bundle
-from coreml.convert import STATE_NAMES, chunk_inputs, expected_bytes
-from coreml.errors import CoreMLError
+from coreml.convert import chunk_inputs, expected_bytes
+from engine.backends.coreml.bundle import HEAD, Bundle
+from engine.backends.coreml.errors import CoreMLError
+from engine.backends.coreml.programs import STATE_NAMES
 
 SMOKE_DECODE_STEPS = 3
 SIZE_TOLERANCE = 1.05  # a bundle may exceed its weights' bytes at its compression by at most 5 %
@@ -135,7 +136,7 @@ def run_checks(path: str | Path, smoke: bool = True) -> Iterator[CheckLine]:
         except CoreMLError as exc:
             yield CheckLine("reference run", False, str(exc))
     if platform.system() == "Darwin" and platform.machine() == "arm64":
-        from coreml.runtime import compute_plan_share
+        from engine.backends.coreml.runtime import compute_plan_share
 
         for where, share in compute_plan_share(bundle.path, bundle.units).items():
             yield CheckLine(f"compute plan {where}", True, ", ".join(f"{d}: {s:.1%}" for d, s in sorted(share.items())))

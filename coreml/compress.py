@@ -8,7 +8,7 @@
   the ANE those convs fall back to the CPU, so it is refused unless the compute units include the GPU.
 - `none`: fp16.
 
-`auto` is DEFAULT_QUANTIZE, the most faithful Neural Engine choice as measured against fp32 (coreml/README.md,
+`auto` is DEFAULT_QUANTIZE (the names and `resolve` are engine.backends.coreml.programs': the runtime keys its cache by them), the most faithful Neural Engine choice as measured against fp32 (coreml/README.md,
 "Compression"): fp16. int8 per channel is the most faithful compressed choice, but coremltools emits it as
 constexpr_blockwise_shift_scale, which a CPU_AND_NE bundle is meant to be free of until a Mac's compute plan shows
 the ANE runs it; the grouped-channel LUTs measured far less faithful on SmolLM2-135M. The palette is a deterministic numpy k-means: every function of a package compresses the same
@@ -25,36 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from coreml.errors import ConversionError
-
-QUANTIZATIONS = ("none", "int8", "int4", "lut4", "lut6", "lut8")
-DEFAULT_QUANTIZE = "none"  # measured: the most faithful Neural Engine choice (README "Core ML compression")
-COMPUTE_UNITS = ("CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY", "ALL")
-DEFAULT_UNITS = "CPU_AND_NE"
 # Weights smaller than this stay fp16: compressing them saves nothing and costs accuracy.
 QUANT_MIN_WEIGHT = 1024
 INT4_BLOCK = 32
 LUT_GROUP = 16  # output channels sharing one palette (iOS18 grouped-channel palettization)
 LUT_BITS = {"lut4": 4, "lut6": 6, "lut8": 8}
 KMEANS_ITERS = 16
-
-
-def has_gpu(units: str) -> bool:
-    return units in ("CPU_AND_GPU", "ALL")
-
-
-def resolve(quantize: str | None, units: str) -> str:
-    """The quantization to convert with for these compute units; refuses in one sentence what would not run."""
-    if units not in COMPUTE_UNITS:
-        raise ConversionError(f"Unknown Core ML compute units {units!r}; choose one of {', '.join(COMPUTE_UNITS)}.")
-    q = DEFAULT_QUANTIZE if quantize in (None, "auto") else quantize
-    if q not in QUANTIZATIONS:
-        raise ConversionError(f"Unknown quantization {q!r}; choose one of auto, {', '.join(QUANTIZATIONS)}.")
-    if q == "int4" and not has_gpu(units):
-        raise ConversionError(
-            f"int4 per-block weights run only on the GPU, so {units} would run them on the CPU; use int8, lut4 or lut6, or compute units with the GPU."
-        )
-    return q
 
 
 _LUT_MEMO: dict[

@@ -17,7 +17,6 @@ already live in their own modules).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -25,7 +24,6 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,31 +32,30 @@ import torch
 from torch import nn
 
 from coreml import compress
-from coreml.bundle import EMBED_FILE, FORMAT_VERSION, HEAD, MANIFEST, Bundle, chunk_name
-from coreml.errors import ConversionCancelled, ConversionError, PackageError
-from coreml.wrapper import (
+from coreml.errors import ConversionCancelled
+from coreml.wrapper import Head, LayerChunk
+from engine import fileio
+from engine.backends.coreml.bundle import EMBED_FILE, FORMAT_VERSION, HEAD, MANIFEST, Bundle, chunk_name
+from engine.backends.coreml.cache import Geometry, cache_key, cached, default_cache_root, tool_versions
+from engine.backends.coreml.errors import ConversionError
+from engine.backends.coreml.programs import (
+    ANE_MAX_SLOTS,
     ANE_STATE_ALIGN,
-    FUNCTIONS,
+    DEFAULT_UNITS,
     LOCAL_INPUTS,
     MAX_CHUNK_BYTES,
-    Head,
-    LayerChunk,
+    STATE_NAMES,
     has_local_inputs,
+    resolve,
     vocab_pieces,
 )
-from engine import fileio
 from engine.loading.model_files import read_config
 from engine.model.config import ModelConfig
 from engine.model.network import Transformer
 
 DEFAULT_SLOTS = 512  # only when the model's cascade geometry is unknown; convert() uses the model's own
-# The slot table a Core ML program is converted for: the cascade's geometry fitted to at most this many slots.
-# Every decode step reads, rewrites and rotates the whole KV state and attends over all S slots, so that work
-# grows with S past the weights' own on SmolLM2-135M's 8192-position context (figures: the README's Core ML
-# section). The engine fits its cascade to it through Backend.max_slots (CoreMLBackend.max_slots).
-ANE_MAX_SLOTS = 2048
-CHUNK_INPUTS = ("hidden", "q_cos", "q_sin", "k_cos", "k_sin", "mask", "write", "keep")  # + LOCAL_INPUTS (wrapper)
-STATE_NAMES = ("k_cache", "v_cache")
+DEFAULT_GEOMETRY = Geometry(DEFAULT_SLOTS)
+CHUNK_INPUTS = ("hidden", "q_cos", "q_sin", "k_cos", "k_sin", "mask", "write", "keep")  # + LOCAL_INPUTS (programs)
 # Peak memory of one program's conversion in multiples of its fp16 weight bytes (measured ~10x: README).
 CONVERT_PEAK_FACTOR = 12
 
@@ -67,36 +64,6 @@ Progress = Callable[[str, float], None]  # (stage sentence, fraction done 0..1)
 
 def _no_progress(stage: str, fraction: float) -> None:
     pass
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """What a bundle is specialised for besides the weights."""
-
-    slots: int
-    functions: tuple[tuple[str, int], ...] = tuple(FUNCTIONS.items())
-    max_chunk_bytes: int = MAX_CHUNK_BYTES
-
-
-def tool_versions() -> dict[str, str]:
-    import coremltools as ct
-
-    return {"coremltools": ct.__version__, "torch": torch.__version__}
-
-
-def cache_key(fingerprint: str, geometry: Geometry, quantize: str, units: str = compress.DEFAULT_UNITS) -> str:
-    """Everything that changes the bundle's bytes: model, geometry, compression, units, format, tool versions."""
-    ident = {
-        "format": FORMAT_VERSION,
-        "fingerprint": fingerprint,
-        "slots": geometry.slots,
-        "functions": list(geometry.functions),
-        "max_chunk_bytes": geometry.max_chunk_bytes,
-        "quantize": quantize,
-        "units": units,
-        **tool_versions(),
-    }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def check_geometry(config: ModelConfig, geometry: Geometry) -> None:
@@ -301,8 +268,8 @@ def build_bundle(
     out: Path,
     *,
     quantize: str | None = None,
-    units: str = compress.DEFAULT_UNITS,
-    geometry: Geometry = Geometry(DEFAULT_SLOTS),
+    units: str = DEFAULT_UNITS,
+    geometry: Geometry = DEFAULT_GEOMETRY,
     progress: Progress = _no_progress,
     cancel: Callable[[], bool] | None = None,
     available_memory: int | None = None,
@@ -312,7 +279,7 @@ def build_bundle(
 
     from coreml import ane_rules
 
-    quantize = compress.resolve(quantize, units)
+    quantize = resolve(quantize, units)
     config = model.config
     check_geometry(config, geometry)
     chunks = plan_chunks(config, quantize, geometry.max_chunk_bytes)
@@ -395,7 +362,7 @@ def convert(
     out: str | Path,
     *,
     quantize: str | None = None,
-    units: str = compress.DEFAULT_UNITS,
+    units: str = DEFAULT_UNITS,
     slots: int | None = None,
     max_chunk_bytes: int = MAX_CHUNK_BYTES,
     progress: Progress = _no_progress,
@@ -431,18 +398,12 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         yield tmp
 
 
-def default_cache_root() -> Path:
-    from engine.paths import default_cache_dir
-
-    return default_cache_dir() / "coreml"
-
-
 def cached_bundle(
     model_dir: str | Path,
     *,
     slots: int | None = None,
     quantize: str | None = None,
-    units: str = compress.DEFAULT_UNITS,
+    units: str = DEFAULT_UNITS,
     cache_dir: str | Path | None = None,
     progress: Progress = _no_progress,
     cancel: Callable[[], bool] | None = None,
@@ -453,18 +414,14 @@ def cached_bundle(
     model_dir = Path(model_dir).expanduser()
     config = read_config(model_dir)
     fp = model_fingerprint(model_dir)
-    quantize = compress.resolve(quantize, units)
+    quantize = resolve(quantize, units)
     geometry = Geometry(slots if slots is not None else default_slots(model_dir, config))
     check_geometry(config, geometry)
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_root()
     path = root / cache_key(fp, geometry, quantize, units)
-    if path.is_dir():
-        try:
-            if Bundle.open(path).provenance.get("cache_key") == path.name:
-                progress("Using the cached Core ML model", 1.0)
-                return path
-        except PackageError:
-            pass  # an unreadable cache entry is rebuilt (atomically replaced), never trusted
+    if cached(path):  # an unreadable cache entry is rebuilt (atomically replaced), never trusted
+        progress("Using the cached Core ML model", 1.0)
+        return path
     model, _ = load_for_conversion(model_dir)
     return build_bundle(
         model, fp, path, quantize=quantize, units=units, geometry=geometry, progress=progress, cancel=cancel

@@ -1,20 +1,9 @@
-"""Core ML errors: each is a `SparkError`, so the CLI and the app show its one sentence as is."""
+"""The converter's own errors; the ones the runtime shares (`CoreMLError`, `ConversionError`, `PackageError`) are in
+engine.backends.coreml.errors."""
 
 from __future__ import annotations
 
-from engine.errors import SparkError
-
-
-class CoreMLError(SparkError):
-    """Base of every Core ML problem the user can act on."""
-
-
-class ConversionError(CoreMLError):
-    """The model cannot be converted (unsupported architecture, op or geometry), or conversion failed."""
-
-
-class PackageError(CoreMLError):
-    """A .mlpackage is missing, malformed, lacks provenance or breaks an ANE rule."""
+from engine.backends.coreml.errors import CoreMLError
 
 
 class UnsupportedOp(CoreMLError):

@@ -20,16 +20,17 @@ from pathlib import Path
 import numpy as np
 from coremltools.proto import MIL_pb2
 
-from coreml.errors import PackageError, UnsupportedOp
+from coreml.errors import UnsupportedOp
 from coreml.mil_ops import OPS, Op, VarType, execute
-from coreml.milblob import (
+from engine.backends.coreml.errors import PackageError
+from engine.backends.coreml.milblob import (
     NUMPY_DTYPES,
     BlobFile,
     dtype_name,
     immediate_value,
     tensor_shape,
 )
-from coreml.package import Package
+from engine.backends.coreml.package import Package
 
 ACCUMULATIONS = ("fp32", "fp16")
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coreml.errors import PackageError, UnsupportedOp
-from coreml.milblob import NUMPY_DTYPES
+from coreml.errors import UnsupportedOp
+from engine.backends.coreml.errors import PackageError
+from engine.backends.coreml.milblob import NUMPY_DTYPES
 
 F32 = np.float32
 F16 = np.float16

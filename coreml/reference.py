@@ -1,6 +1,6 @@
 """`InterpreterBackend`: the engine's Backend protocol over the reference interpreter.
 
-It drives a converted bundle exactly as CoreMLBackend drives Core ML (same host code, coreml.host), but executes
+It drives a converted bundle exactly as CoreMLBackend drives Core ML (same host code, engine.backends.coreml.host), but executes
 the programs with coreml.interpreter, so the cascade, generation and sessions can run against the converted
 programs on any OS. Used by the parity tests and by `python -m coreml check`'s smoke run.
 """
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from coreml.bundle import HEAD, Bundle
-from coreml.errors import PackageError
-from coreml.host import PackageBackend
 from coreml.interpreter import Interpreter
+from engine.backends.coreml.bundle import HEAD, Bundle
+from engine.backends.coreml.errors import PackageError
+from engine.backends.coreml.host import PackageBackend
 
 
 class InterpreterBackend(PackageBackend):

@@ -1,6 +1,7 @@
 """The torch modules traced and converted to Core ML: the engine's Transformer re-expressed for the ANE, in pieces.
 
-A converted model is a bundle of programs (see coreml.bundle): the embedding is looked up on the host, the
+A converted model is a bundle of programs (see engine.backends.coreml.bundle; the constants named below are
+engine.backends.coreml.programs'): the embedding is looked up on the host, the
 decoder layers run in chunks (`LayerChunk`, each ≤ ~1 GB of weights, one package per chunk), and the final norm
 plus LM head run in a separate package (`Head`). Every package has one function per token count T
 (FUNCTIONS: prefill T=64, prefill_8 T=8, decode T=1), all traced from the same weights, so `save_multifunction`
@@ -44,37 +45,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.backends.coreml.programs import strip_var_suffix, vocab_pieces
 from engine.model.attention import layer_rope_kinds
 from engine.model.config import ModelConfig
 from engine.model.network import DecoderLayer, Transformer
 
-# ANE rule: no tensor dimension may exceed 16384 (larger ones fall back to CPU or fail to compile), so a large
-# vocabulary is split for the LM head into pieces of at most this many rows.
-ANE_MAX_DIM = 16384
-# ANE rule: state dimensions are multiples of 32 (the slot axis and head dim tile without padding).
-ANE_STATE_ALIGN = 32
-# ANE rule: Anemll keeps each ANE program at 1-2 GB; coremltools #2758 saw a 667 MB program fail ANE compilation
-# silently. The converter splits layers into chunks of at most this many weight bytes and the lint checks it.
-MAX_CHUNK_BYTES = 1 << 30
-# function name -> tokens per call. 64 amortises the weights over many tokens; 8 and 1 cover the remainder of a
-# run in at most 7 + 7 calls instead of 63 single-token calls.
-FUNCTIONS: dict[str, int] = {"prefill": 64, "prefill_8": 8, "decode": 1}
 FP16_MAX = float(torch.finfo(torch.float16).max)
-# Additive mask value: exp() of it is 0 in any precision, and score + MASK_MIN stays finite in fp16 for any score
-# above -35504 (fp16's own minimum overflowed to -inf on SmolLM2's real scores: ANE lint "no fp16 overflow").
-MASK_MIN = -30000.0
-# The chunk inputs a model with sliding-window layers adds (module doc).
-LOCAL_INPUTS = ("q_cos_l", "q_sin_l", "k_cos_l", "k_sin_l", "mask_l")
-
-
-def has_local_inputs(config: ModelConfig) -> bool:
-    """Whether the model's chunks take LOCAL_INPUTS: some layer attends only within a sliding window."""
-    return any(config.is_sliding(i) for i in range(config.num_hidden_layers))
-
-
-def vocab_pieces(vocab: int) -> list[tuple[int, int]]:
-    """[start, end) row ranges of the LM head, each at most ANE_MAX_DIM rows."""
-    return [(a, min(a + ANE_MAX_DIM, vocab)) for a in range(0, vocab, ANE_MAX_DIM)]
 
 
 def conv_weight(linear: nn.Linear) -> nn.Parameter:
@@ -293,8 +269,6 @@ class Head(nn.Module):
         return tuple(F.conv2d(hn, w).squeeze(2).transpose(1, 2) for w in self.lm_head)  # each (1, T, V_i)
 
 
-# Suffixes coremltools appends to a weight's var name (fp16 cast, compression) after the traced parameter name.
-_VAR_SUFFIXES = ("_quantized", "_palettized", "_promoted_to_fp16", "_to_fp16", "_promoted")
 _PROJ_MODULE = {
     "q_proj": "self_attn",
     "k_proj": "self_attn",
@@ -307,12 +281,6 @@ _PROJ_MODULE = {
 _NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
 _SANDWICH_NORMS = {"ff_pre_norm": "pre_feedforward_layernorm", "ff_post_norm": "post_feedforward_layernorm"}
 _HEAD_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
-
-
-def strip_var_suffix(var: str) -> str:
-    for suffix in _VAR_SUFFIXES:
-        var = var.removesuffix(suffix)
-    return var
 
 
 def unfold_norm(weight: np.ndarray) -> torch.Tensor:

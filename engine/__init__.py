@@ -8,147 +8,107 @@ The public face the app, scripts and tests use (mlx-lm's shape: `load`, then gen
     for event in session.chat("What is the capital of France?", engine.GenerationSettings()):
         print(event.text, end="")
 
-Packages, each with one concern, importing only those above it in this list (tests/import_graph.py checks it):
-`model` (config, network, attention, slot table, block quantization) → `loading` (model paths, safetensors, GGUF,
-tokenizer, chat templates) → `backends` (the forward on a device; `native/` holds the CPU kernels) → `hw` (chip,
-thermal, memory policy) → `memory` (the memory protocol, full attention, the cascade) → `generation` (the loop,
-sampling, batches, the scheduler, the profiler) → `session` (Engine, Session, replay, `.spark` files) → `openai`
-(the shared protocol, the client of remote servers, the server) → `library` (the model library: catalog,
-recommendation, Hub downloads, the store of models; the app's Get Models… imports it directly) → `bench`, `cli`. `errors`, `fileio` and `paths`
-are leaves every package may use.
+Packages, each with one concern, importing only those below it (docs/DESIGN.md, "engine/"; tests/import_graph.py
+checks the order).
 
-Importing it sets one process-wide policy before PyTorch loads its OpenMP runtime: OpenMP workers sleep when idle
-(OMP_WAIT_POLICY=PASSIVE) instead of spinning. The native kernels' thread pool runs every matrix product; PyTorch's
-workers, left spinning after each of its own operations (attention, norms), took the cores the pool's workers and
-the GUI thread need (a 2-thread prefill ran slower than a 1-thread one). A user's own setting wins.
+The face is listed once, as the imports under `_deferred()` below: mypy and readers see plain imports, while at run
+time each name is only recorded there and imported on its first use (PEP 562), so a process that needs one part of
+the engine (the CLI's generate, a benchmark's child, the server) does not load the rest, such as the remote client's
+HTTP stack. The first use also sets the process-wide settings the engine runs under (engine.process).
 """
 
+from __future__ import annotations
+
+import builtins
 import importlib
-import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
-USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")  # as the user gave it (bench peers get it back)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from engine.process import prepare_process
 
-# The public face, each name imported on its first use (PEP 562): a process that needs one part of the engine (the
-# CLI's generate, a benchmark's child, the server) does not load the rest, such as the remote client's HTTP stack.
-_PUBLIC: dict[str, tuple[str, str]] = {  # name -> (module, name there)
-    "AUTO_ORDER": ("engine.backends", "AUTO_ORDER"),
-    "QUANTIZE_CHOICES": ("engine.backends", "QUANTIZE_CHOICES"),
-    "SparkError": ("engine.errors", "SparkError"),
-    "Grammar": ("engine.generation.constrained", "Grammar"),
-    "GrammarError": ("engine.generation.constrained", "GrammarError"),
-    "json_schema_grammar": ("engine.generation.constrained", "json_schema_grammar"),
-    "FinishReason": ("engine.generation.loop", "FinishReason"),
-    "GenerationEvent": ("engine.generation.loop", "GenerationEvent"),
-    "GenerationSettings": ("engine.generation.loop", "GenerationSettings"),
-    "PrefillProgress": ("engine.generation.loop", "PrefillProgress"),
-    "InvalidSamplingSettings": ("engine.generation.sampling", "InvalidSamplingSettings"),
-    "SamplingSettings": ("engine.generation.sampling", "SamplingSettings"),
-    "Speculation": ("engine.generation.speculative", "Speculation"),
-    "DEFAULT_MODEL_NAME": ("engine.loading.model_files", "DEFAULT_MODEL_NAME"),
-    "default_model_path": ("engine.loading.model_files", "default_model_path"),
-    "display_name": ("engine.loading.model_files", "display_name"),
-    "ModelSampling": ("engine.loading.sampling_defaults", "ModelSampling"),
-    "validate_gguf": ("engine.loading.validate", "validate_gguf"),
-    "CascadeStats": ("engine.memory.cascade", "CascadeStats"),
-    "TierStats": ("engine.memory.cascade", "TierStats"),
-    "RemoteClient": ("engine.openai.client", "RemoteClient"),
-    "RemoteError": ("engine.openai.client", "RemoteError"),
-    "RemoteServer": ("engine.openai.client", "RemoteServer"),
-    "RemoteSession": ("engine.openai.client", "RemoteSession"),
-    "ChatMessage": ("engine.session.engine", "ChatMessage"),
-    "Engine": ("engine.session.engine", "Engine"),
-    "LoadReport": ("engine.session.engine", "LoadReport"),
-    "Session": ("engine.session.engine", "Session"),
-    "load": ("engine.session.engine", "load"),
-    "memory_factory_for": ("engine.session.engine", "memory_factory_for"),
-    "RECOMPUTE_KIND": ("engine.session.file", "RECOMPUTE_KIND"),
-    "TRANSCRIPT_KIND": ("engine.session.file", "TRANSCRIPT_KIND"),
-    "SessionData": ("engine.session.file", "SessionData"),
-    "atomic_write": ("engine.session.file", "atomic_write"),
-    "load_session": ("engine.session.file", "load_session"),
-    "SESSION_SUFFIX": ("engine.session.file", "SUFFIX"),
-    "__version__": ("engine.version", "__version__"),
-}
+_PUBLIC: dict[str, tuple[str, str]] = {}  # name -> (module, name there), recorded from the imports below
 
-if TYPE_CHECKING:
-    from engine.backends import AUTO_ORDER, QUANTIZE_CHOICES
-    from engine.errors import SparkError
-    from engine.generation.constrained import Grammar, GrammarError, json_schema_grammar
-    from engine.generation.loop import (
-        FinishReason,
-        GenerationEvent,
-        GenerationSettings,
-        PrefillProgress,
-    )
-    from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
-    from engine.generation.speculative import Speculation
-    from engine.loading.model_files import DEFAULT_MODEL_NAME, default_model_path, display_name
-    from engine.loading.sampling_defaults import ModelSampling
-    from engine.loading.validate import validate_gguf
-    from engine.memory.cascade import CascadeStats, TierStats
-    from engine.openai.client import RemoteClient, RemoteError, RemoteServer, RemoteSession
-    from engine.session.engine import ChatMessage, Engine, LoadReport, Session, load, memory_factory_for
-    from engine.session.file import (
-        RECOMPUTE_KIND,
-        TRANSCRIPT_KIND,
-        SessionData,
-        atomic_write,
-        load_session,
-    )
-    from engine.session.file import (
-        SUFFIX as SESSION_SUFFIX,
-    )
-    from engine.version import __version__
+
+class _Where:
+    """What an import under `_deferred()` binds at run time: where a name lives, not its value."""
+
+    def __init__(self, module: str, name: str = "") -> None:
+        self.module, self.name = module, name
+
+    def __getattr__(self, name: str) -> _Where:
+        return _Where(self.module, name)
+
+
+@contextmanager
+def _deferred() -> Iterator[None]:
+    """Imports from this module's body inside the block record where each name lives and import nothing."""
+    real = builtins.__import__
+    here = globals()
+
+    def record(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+        if globals is not here or level or not fromlist:  # another module's import, on any thread
+            return real(name, globals, locals, fromlist, level)
+        return _Where(name)
+
+    builtins.__import__ = record
+    try:
+        yield
+    finally:
+        builtins.__import__ = real
+    for name, value in list(here.items()):
+        if isinstance(value, _Where):
+            _PUBLIC[name] = (value.module, value.name)
+            del here[name]
+
+
+with _deferred():
+    from engine.backends import AUTO_ORDER as AUTO_ORDER
+    from engine.backends import QUANTIZE_CHOICES as QUANTIZE_CHOICES
+    from engine.errors import SparkError as SparkError
+    from engine.fileio import atomic_write as atomic_write
+    from engine.generation.constrained import Grammar as Grammar
+    from engine.generation.constrained import GrammarError as GrammarError
+    from engine.generation.constrained import json_schema_grammar as json_schema_grammar
+    from engine.generation.loop import FinishReason as FinishReason
+    from engine.generation.loop import GenerationEvent as GenerationEvent
+    from engine.generation.loop import GenerationSettings as GenerationSettings
+    from engine.generation.loop import PrefillProgress as PrefillProgress
+    from engine.generation.sampling import InvalidSamplingSettings as InvalidSamplingSettings
+    from engine.generation.sampling import SamplingSettings as SamplingSettings
+    from engine.generation.speculative import Speculation as Speculation
+    from engine.loading.model_files import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
+    from engine.loading.model_files import default_model_path as default_model_path
+    from engine.loading.model_files import display_name as display_name
+    from engine.loading.sampling_defaults import ModelSampling as ModelSampling
+    from engine.loading.validate import validate_gguf as validate_gguf
+    from engine.memory.cascade import CascadeStats as CascadeStats
+    from engine.memory.cascade import TierStats as TierStats
+    from engine.openai.client import RemoteClient as RemoteClient
+    from engine.openai.client import RemoteError as RemoteError
+    from engine.openai.client import RemoteServer as RemoteServer
+    from engine.openai.client import RemoteSession as RemoteSession
+    from engine.session.engine import ChatMessage as ChatMessage
+    from engine.session.engine import Engine as Engine
+    from engine.session.engine import LoadReport as LoadReport
+    from engine.session.engine import Session as Session
+    from engine.session.engine import load as load
+    from engine.session.engine import memory_factory_for as memory_factory_for
+    from engine.session.file import RECOMPUTE_KIND as RECOMPUTE_KIND
+    from engine.session.file import SESSION_SUFFIX as SESSION_SUFFIX
+    from engine.session.file import TRANSCRIPT_KIND as TRANSCRIPT_KIND
+    from engine.session.file import SessionData as SessionData
+    from engine.session.file import load_session as load_session
+    from engine.version import __version__ as __version__
+
+__all__ = ["prepare_process", *_PUBLIC]
 
 
 def __getattr__(name: str) -> Any:
     where = _PUBLIC.get(name)
     if where is None:
         raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    prepare_process()  # the engine starts running here: before the part asked for loads PyTorch
     value = getattr(importlib.import_module(where[0]), where[1])
     globals()[name] = value  # later lookups find it directly
     return value
-
-
-__all__ = [
-    "AUTO_ORDER",
-    "DEFAULT_MODEL_NAME",
-    "QUANTIZE_CHOICES",
-    "RECOMPUTE_KIND",
-    "SESSION_SUFFIX",
-    "TRANSCRIPT_KIND",
-    "USER_OMP_WAIT_POLICY",
-    "CascadeStats",
-    "ChatMessage",
-    "Engine",
-    "FinishReason",
-    "GenerationEvent",
-    "GenerationSettings",
-    "Grammar",
-    "GrammarError",
-    "InvalidSamplingSettings",
-    "LoadReport",
-    "ModelSampling",
-    "PrefillProgress",
-    "RemoteClient",
-    "RemoteError",
-    "RemoteServer",
-    "RemoteSession",
-    "SamplingSettings",
-    "Session",
-    "SessionData",
-    "SparkError",
-    "Speculation",
-    "TierStats",
-    "__version__",
-    "atomic_write",
-    "default_model_path",
-    "display_name",
-    "json_schema_grammar",
-    "load",
-    "load_session",
-    "memory_factory_for",
-    "validate_gguf",
-]

@@ -2,11 +2,11 @@
 
     python packaging/build_coreml.py [--model DIR] [--out build/coreml]
 
-The geometry is the model's cascade fitted to coreml.convert.ANE_MAX_SLOTS (coreml.convert.default_slots), which
+The geometry is the model's cascade fitted to engine.backends.coreml.programs.ANE_MAX_SLOTS (coreml.convert.default_slots), which
 is what the engine lays out over a CoreMLBackend (its max_slots), so both name the same slot count.
 Writes `<out>/<cache key>/` (coreml.convert.cached_bundle: the key is the one CoreMLBackend looks up, so the app
 finds it under resources/coreml/ and a Mac user never waits for a conversion), then on macOS compiles every
-program to `.mlmodelc` beside its package (coreml.runtime.compile_program) and checks the bundle
+program to `.mlmodelc` beside its package (engine.backends.coreml.runtime.compile_program) and checks the bundle
 (`python -m coreml check`). Off macOS it converts and checks but cannot compile: it says so and exits 1, so a
 bundle without compiled programs is never shipped. spark.spec picks `<out>` up as resources/coreml.
 """
@@ -24,9 +24,9 @@ DEFAULT_OUT = ROOT / "build" / "coreml"
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
-    from coreml.bundle import Bundle
     from coreml.check import run_checks
     from coreml.convert import cached_bundle
+    from engine.backends.coreml.bundle import Bundle
     from engine.cli import run_command
 
     parser = argparse.ArgumentParser(prog="packaging/build_coreml.py", description=__doc__.splitlines()[0])
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        from coreml.runtime import compile_program
+        from engine.backends.coreml.runtime import compile_program
 
         bundle = Bundle.open(path)
         for name in bundle.program_names:

@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers.http_clients import close_all
 
-pytest_plugins = ["tests.helpers.fixtures"]
+pytest_plugins = ["tests.helpers.fixtures", "tests.helpers.coreml_fixtures"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

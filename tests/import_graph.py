@@ -1,14 +1,17 @@
-"""No import circles: `python -m tests.import_graph` (run by `make lint`) exits 1 naming each circle it finds.
+"""Arrows one way: `python -m tests.import_graph` (run by `make lint`) exits 1 naming each wrong import it finds.
 
-Two graphs per top-level package (engine, app, coreml), built from every import statement in the source — at module
-level, inside functions and under `if TYPE_CHECKING:` alike, since each is an arrow a reader has to follow:
+One graph of every module of `engine`, `coreml` and `app`, built from every import statement in the source — at
+module level, inside functions and under `if TYPE_CHECKING:` alike, since each is an arrow a reader has to follow:
 
-- modules: `engine.memory.cascade.core` → `engine.memory.base`; a circle here is a real import-order hazard;
-- packages: the first component under the top level (`engine.memory` → `engine.backends`); a circle here means the
-  arrows between concerns run both ways. The package's own `__init__` counts as the package.
+- no circle between modules (`engine.memory.cascade.core` → `engine.memory.base`), nor between packages;
+- no arrow up: LAYERS is the package order docs/DESIGN.md states, lowest first. A module's package is the longest
+  name in LAYERS it falls under (`engine.backends.coreml.host` is in `engine.backends`); it may import its own
+  package and those of earlier layers, never a later one nor another package of its own layer;
+- the tools above the engine reach into it only through the packages FACES names for them (docs/DESIGN.md,
+  "Top level").
 
-Imports that cross top levels (the backend registry's lazy `coreml` import, the app's engine imports) are the
-layering DESIGN.md fixes and are not part of either graph.
+To add a package, put its name in the layer where it sits (a package under one of these names, such as a new
+backend under `engine.backends`, needs no entry).
 """
 
 from __future__ import annotations
@@ -19,11 +22,46 @@ from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOPS = ("engine", "app", "coreml")
+TOPS = ("engine", "coreml", "app")
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("engine.errors", "engine.fileio", "engine.paths", "engine.process", "engine.version"),  # leaves
+    ("engine.model",),
+    ("engine.loading",),
+    ("engine.backends",),  # native/, coreml/ and every backend inside it
+    ("engine.hw",),
+    ("engine.memory",),
+    ("engine.generation",),
+    ("engine.session",),
+    ("engine.openai",),
+    ("engine.library",),
+    ("engine.heldout",),
+    ("engine",),  # the public face, engine/__init__.py
+    ("engine.bench", "engine.cli"),
+    ("engine.__main__",),
+    ("coreml", "app"),  # tools above the engine, neither importing the other
+)
+
+# What the tools above the engine may import of it: the face and the packages docs/DESIGN.md documents for them.
+FACES: dict[str, tuple[str, ...]] = {
+    "app": ("engine", "engine.hw", "engine.openai", "engine.paths", "engine.library"),
+    "coreml": (
+        "engine",
+        "engine.backends.coreml",  # the bundle format the converter writes and the runtime reads
+        "engine.model",
+        "engine.loading",
+        "engine.memory.base",
+        "engine.memory.cascade",
+        "engine.fileio",
+        "engine.paths",
+        "engine.heldout",
+        "engine.cli",
+    ),
+}
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -47,25 +85,74 @@ def imported(tree: ast.AST, here: str, is_package: bool, modules: Iterable[str])
                 yield f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
 
 
-def graphs(top: str) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    files = {module_name(p): p for p in (ROOT / top).rglob("*.py")}
-    modules: dict[str, set[str]] = {name: set() for name in files}
-    packages: dict[str, set[str]] = {}
+def module_graph(root: Path = ROOT, tops: Iterable[str] = TOPS) -> dict[str, set[str]]:
+    """module -> the modules (of `tops`) it imports."""
+    files = {module_name(p, root): p for top in tops for p in (root / top).rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
         for target in imported(tree, name, path.name == "__init__.py", files):
-            if target in files and target != name:
-                modules[name].add(target)
-        own = _package(name)
-        packages.setdefault(own, set())
-        for target in modules[name]:
-            if _package(target) != own:
-                packages[own].add(_package(target))
-    return modules, packages
+            if target not in files:  # `import engine.x.y` names engine.x.y; a name in a module names the module
+                target = next((t for t in _prefixes(target) if t in files), "")
+            if target and target != name:
+                graph[name].add(target)
+    return graph
 
 
-def _package(module: str) -> str:
+def _prefixes(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def package_of(module: str, layers: tuple[tuple[str, ...], ...] = LAYERS) -> str:
+    """The longest name in `layers` that `module` is or falls under; a top-level name with packages of its own in
+    `layers` (`engine`, the face) is only itself. A module under none is its first package (`engine.documents`)."""
+    known = {p for layer in layers for p in layer}
+    split = {p for p in known if "." not in p and any(k.startswith(p + ".") for k in known)}
+    for prefix in _prefixes(module):
+        if prefix in known and (prefix == module or prefix not in split):
+            return prefix
     return ".".join(module.split(".")[:2])
+
+
+def package_graph(modules: dict[str, set[str]], layers: tuple[tuple[str, ...], ...] = LAYERS) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = {}
+    for name, targets in modules.items():
+        own = package_of(name, layers)
+        packages.setdefault(own, set())
+        packages[own] |= {package_of(t, layers) for t in targets} - {own}
+    return packages
+
+
+def upward(
+    modules: dict[str, set[str]],
+    layers: tuple[tuple[str, ...], ...] = LAYERS,
+    faces: dict[str, tuple[str, ...]] = FACES,
+) -> list[str]:
+    """Each import that runs against the order: to a later layer, across one layer, or from a tool above the
+    engine past the packages it may use."""
+    rank = {p: i for i, layer in enumerate(layers) for p in layer}
+    found = []
+    for name in sorted(modules):
+        own = package_of(name, layers)
+        for target in sorted(modules[name]):
+            there = package_of(target, layers)
+            if there == own:
+                continue
+            if own not in rank or there not in rank:
+                found.append(f"{name} -> {target}: {own if own not in rank else there} is in no layer of LAYERS")
+            elif rank[there] > rank[own]:
+                found.append(f"{name} -> {target}: {there} sits above {own}")
+            elif rank[there] == rank[own]:
+                found.append(f"{name} -> {target}: {there} and {own} are one layer and may not import each other")
+            elif own in faces and not any(_covers(p, target) for p in faces[own]):
+                found.append(f"{name} -> {target}: {own} may import of the engine only {', '.join(faces[own])}")
+    return found
+
+
+def _covers(allowed: str, module: str) -> bool:
+    """`engine` is the face alone; a package covers its modules."""
+    return module == allowed or ("." in allowed and module.startswith(allowed + "."))
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -128,19 +215,18 @@ def _closed_path(graph: dict[str, set[str]], component: set[str]) -> list[str]:
     raise AssertionError("a strongly connected component always closes")
 
 
-def all_circles() -> list[str]:
-    lines = []
-    for top in TOPS:
-        modules, packages = graphs(top)
-        for kind, graph in (("modules", modules), ("packages", packages)):
-            lines += [f"{top} {kind}: {' -> '.join(c)}" for c in circles(graph)]
+def problems(root: Path = ROOT) -> list[str]:
+    modules = module_graph(root)
+    lines = [f"import circle in modules: {' -> '.join(c)}" for c in circles(modules)]
+    lines += [f"import circle in packages: {' -> '.join(c)}" for c in circles(package_graph(modules))]
+    lines += [f"import against the order: {line}" for line in upward(modules)]
     return lines
 
 
 def main() -> int:
-    found = all_circles()
+    found = problems()
     for line in found:
-        print(f"import circle in {line}", file=sys.stderr)
+        print(line, file=sys.stderr)
     return 1 if found else 0
 
 

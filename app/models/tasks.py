@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal
 
-from engine.errors import SparkError
+from engine import SparkError
 from engine.library.download import DownloadControl, DownloadProgress, DownloadStopped
 from engine.library.hub import RepoFiles
 from engine.library.library import Library

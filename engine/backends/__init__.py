@@ -28,7 +28,7 @@ def resolve_quantize(backend: str, quantize: str) -> str:
 
 
 def _probe_coreml() -> BackendProbe:
-    # coreml/ is imported only here and only on a Mac (DESIGN: app and engine reach Core ML through this registry).
+    # The Core ML runtime (engine.backends.coreml) is imported only here and only on a Mac: it imports coremltools.
     if platform.system() != "Darwin" or platform.machine() != "arm64":
         return BackendProbe(
             "coreml",
@@ -36,7 +36,7 @@ def _probe_coreml() -> BackendProbe:
             f"Core ML needs macOS 15+ on Apple Silicon; this is {platform.system()} {platform.machine()}.",
         )
     try:
-        from coreml.runtime import probe
+        from engine.backends.coreml.runtime import probe
     except ImportError as exc:
         return BackendProbe("coreml", False, f"The Core ML runtime could not be imported ({exc}).")
     return probe()
@@ -52,8 +52,8 @@ def _probe_torch(name: str) -> Callable[[], BackendProbe]:
 
 
 def _open_coreml(model_dir: Path, quantize: str, on_hang: Callable[[str], None]) -> Backend:
-    from coreml.runtime import CoreMLBackend
-    from coreml.watchdog import Health, Watchdog
+    from engine.backends.coreml.runtime import CoreMLBackend
+    from engine.backends.coreml.watchdog import Health, Watchdog
 
     backend = CoreMLBackend(
         model_dir, quantize=None if quantize == "none" else quantize, watchdog=Watchdog(Health(on_hang=on_hang))

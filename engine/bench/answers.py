@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from engine import USER_OMP_WAIT_POLICY
 from engine.bench.llamacpp_peer import LlamaCppPeer, PeerError, peer_environment
 from engine.errors import SparkError
 from engine.generation.loop import GenerationSettings
@@ -35,6 +34,7 @@ from engine.generation.sampling import SamplingSettings
 from engine.loading.model_files import display_name, gguf_file_of, resolve_model_path
 from engine.loading.sampling_defaults import ModelSampling
 from engine.loading.tokenizer import Tokenizer
+from engine.process import user_omp_wait_policy
 from engine.session.engine import Session
 from engine.session.engine import load as load_engine
 
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         notes.append("llama-cpp-python is not installed (pip install -e '.[bench]'); llama.cpp was not measured")
     else:
         try:
-            peer = LlamaCppPeer(peer_environment(USER_OMP_WAIT_POLICY))
+            peer = LlamaCppPeer(peer_environment(user_omp_wait_policy()))
             longest = max(len(v) for v in ids.values())
             result["llamacpp_version"] = peer.load(gguf, n_ctx=longest + MAX_TOKENS + 8, threads=threads, n_batch=512)
             for name, sampling in settings.items():

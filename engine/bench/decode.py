@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from engine import USER_OMP_WAIT_POLICY
 from engine.backends import BackendChoice
 from engine.backends.base import Backend
 from engine.backends.torch_backend import TorchBackend
@@ -39,6 +38,7 @@ from engine.generation.sampling import SamplingSettings
 from engine.loading.model_files import display_name, gguf_model, is_gguf_model, resolve_model_path
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory, Memory
+from engine.process import user_omp_wait_policy
 from engine.session.engine import Engine, MemoryFactory, Session
 
 # Our precision -> the GGUF tensor type llama.cpp runs for the same comparison.
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 gguf_path = export_gguf(model_dir, Path(tmp.name) / f"model-{gguf_type}.gguf", gguf_type)
                 result["llamacpp_gguf_type"] = gguf_type
-            peer = LlamaCppPeer(peer_environment(USER_OMP_WAIT_POLICY))
+            peer = LlamaCppPeer(peer_environment(user_omp_wait_policy()))
             result["llamacpp_version"] = peer.load(
                 gguf_path, n_ctx=len(ids) + n_decode + 8, threads=threads, n_batch=len(ids)
             )

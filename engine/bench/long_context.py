@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from engine import USER_OMP_WAIT_POLICY
 from engine.bench.decode import prompt_ids
 from engine.bench.llamacpp_peer import LlamaCppPeer, PeerError, peer_environment
 from engine.bench.memory import peak_rss_bytes
 from engine.errors import SparkError
 from engine.loading.model_files import display_name, gguf_model, is_gguf_model, resolve_model_path
+from engine.process import user_omp_wait_policy
 
 LENGTHS = (2048, 6144, 8000)  # ~2k, ~6k, ~8k: the last leaves room for the reply inside an 8k trained context
 DECODE_TOKENS = 64
@@ -70,7 +70,7 @@ def _ours(model: Path, tokens: int, n_decode: int, vocab: int, threads: int) -> 
 
 
 def _theirs(gguf: Path, tokens: int, n_decode: int, vocab: int, threads: int) -> dict[str, Any]:
-    peer = LlamaCppPeer(peer_environment(USER_OMP_WAIT_POLICY))
+    peer = LlamaCppPeer(peer_environment(user_omp_wait_policy()))
     try:
         peer.load(gguf, n_ctx=tokens + n_decode + 8, threads=threads, n_batch=512)
         got = peer.measure(prompt_ids(vocab, tokens), n_decode)

@@ -1,4 +1,4 @@
-"""`python -m engine` — the command-line contract of DESIGN.md.
+"""`python -m engine` — the command-line contract of docs/DESIGN.md.
 
 Each subcommand is a module exposing `register(subparsers)` (adds its parser, sets `func`) and is listed
 explicitly in `SUBCOMMANDS`: no dynamic discovery. Errors the user can act on (`SparkError`) print one line on

@@ -12,7 +12,7 @@ from engine.backends import QUANTIZE_CHOICES
 from engine.cli.checks import check_threads
 from engine.errors import SparkError
 
-# suite name -> module exposing `run(args) -> dict[str, object]` (headline keys per DESIGN.md)
+# suite name -> module exposing `run(args) -> dict[str, object]` (headline keys: docs/DESIGN.md, "Command-line contract")
 SUITES: dict[str, str] = {
     "decode": "engine.bench.decode",
     "cascade": "engine.bench.cascade",

@@ -1,4 +1,4 @@
-"""`python -m engine generate` and the shared model/sampling arguments of the CLI (see DESIGN.md's contract)."""
+"""`python -m engine generate` and the shared model/sampling arguments of the CLI (docs/DESIGN.md, "Command-line contract")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The `python -m engine hw` report: one dict of plain values (the JSON contract of DESIGN.md) and its summary."""
+"""The `python -m engine hw` report: one dict of plain values (docs/DESIGN.md, "Command-line contract") and its summary."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Serving many requests on the one loaded model: `batch` (rows of one slot table, each running the generation loop
-of engine.generation.loop), `scheduler` (continuous batching: requests join and leave the running batch), and the
-OpenAI-compatible HTTP server (`python -m engine serve`) on top: `protocol` parses and shapes the JSON, `service`
-runs requests on the scheduler, `metrics` counts them, `app` is the ASGI application, `server` runs it with uvicorn.
-Only `app` and `server` import the ASGI stack."""
+"""The OpenAI-compatible side of the engine, both directions. Serving (`python -m engine serve`) runs on
+engine.generation's batch and scheduler: `protocol` parses and shapes OpenAI's JSON (shared with the client),
+`tools` puts tool definitions into the chat template and takes tool calls out of a reply, `service` runs requests
+on the scheduler, `beams` runs beam requests beside it, `ollama` answers Ollama's `/api/chat` over the same service,
+`metrics` counts them, `errors` words failures, `asgi` is the ASGI application and `server` runs it with uvicorn.
+`client` talks to remote OpenAI-compatible servers as a chat backend. Only `asgi` and `server` import the ASGI
+stack."""

@@ -59,7 +59,7 @@ from engine.fileio import (
 
 MAGIC = b"SPARK\x00"
 FORMAT_VERSION = 2
-SUFFIX = ".spark"
+SESSION_SUFFIX = ".spark"
 
 # Limits: a file may be large (KV), but no header field may make the reader allocate more than the file holds.
 MAX_FILE_BYTES = 16 * 1024**3  # read whole into memory: far above any cascade's working + episodic budget
@@ -141,7 +141,7 @@ def read_checked(path: Path) -> tuple[Preamble, bytes, bytes, int]:
     except OSError as exc:
         raise SessionFileError(f"Cannot read the session file {path}: {exc.strerror or exc}.") from None
     if stat.S_ISDIR(st.st_mode):
-        raise SessionFileError(f"{path} is a folder, not a session file; choose a {SUFFIX} file.")
+        raise SessionFileError(f"{path} is a folder, not a session file; choose a {SESSION_SUFFIX} file.")
     if not stat.S_ISREG(st.st_mode):
         raise SessionFileError(f"{path} is not a regular file, so it cannot be a session file.")
     size = st.st_size
@@ -154,7 +154,7 @@ def read_checked(path: Path) -> tuple[Preamble, bytes, bytes, int]:
             head = f.read(max(n for n, _ in PREAMBLES.values()))
             if head[: len(MAGIC)] != MAGIC[: len(head)]:
                 raise SessionFileError(
-                    f"{path.name} is not an MLoT Spark session file (it does not start with the {SUFFIX} signature)."
+                    f"{path.name} is not an MLoT Spark session file (it does not start with the {SESSION_SUFFIX} signature)."
                 )
             if len(head) < 8:
                 raise bad(path, f"is truncated ({size} bytes)")

@@ -1,10 +1,10 @@
-"""`.spark` session files: one conversation and its memory in one self-checking file (DESIGN.md, "Session files").
+"""`.spark` session files: one conversation and its memory in one self-checking file (docs/DESIGN.md, "Session files").
 
 This module reads, verifies and restores them, and is where callers import the whole API from:
 
 - engine.session.container: the byte layout (preamble, checksum, compression, tensor table) and its limits;
 - engine.session.types: what a file holds once read (`SessionData`, `Message`) and what restoring gives;
-- engine.session.save: writing (`save_session`, `atomic_write`);
+- engine.session.save: writing (`save_session`);
 - engine.memory.states and engine.session.schema: every value checked before anything is allocated.
 
 Older format versions stay readable: their metadata is migrated (`_MIGRATIONS`) in a chain up to
@@ -36,7 +36,7 @@ from engine.session.container import (
     MAX_FILE_BYTES,
     MAX_META_BYTES,
     MAX_TENSORS,
-    SUFFIX,
+    SESSION_SUFFIX,
     Preamble,
     bad,
     decode_tensors,
@@ -44,7 +44,7 @@ from engine.session.container import (
     read_checked,
     tensor_table,
 )
-from engine.session.save import atomic_write, remove_stale_temps, save_session
+from engine.session.save import remove_stale_temps, save_session
 from engine.session.schema import check_session_meta, check_vocab
 from engine.session.types import (
     RECOMPUTE_KIND,
@@ -63,14 +63,13 @@ __all__ = [
     "MAX_META_BYTES",
     "MAX_TENSORS",
     "RECOMPUTE_KIND",
-    "SUFFIX",
+    "SESSION_SUFFIX",
     "TRANSCRIPT_KIND",
     "ForeignModelSession",
     "JSONValue",
     "Message",
     "RestoredSession",
     "SessionData",
-    "atomic_write",
     "inspect_session",
     "load_session",
     "remove_stale_temps",

@@ -114,7 +114,7 @@ def save_session(
             f"The memory has {len(tensors)} tensors, over the {MAX_TENSORS} a session file holds, so it cannot be saved."
         )
     chunks = pack(meta_bytes, st_save(_host_copies(tensors)), compression)
-    atomic_write(Path(path).expanduser(), chunks, fs=fs)
+    write_session_file(Path(path).expanduser(), chunks, fs=fs)
     return sum(map(len, chunks))
 
 
@@ -179,10 +179,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def atomic_write(path: Path, chunks: Sequence[bytes], fs: FileSystem = SYSTEM) -> None:
-    """Write `chunks` to `path` durably (engine.fileio.atomic_write): old or new, never half. Refuses a target
-    that is not a regular file; first removes temp files of earlier saves that were killed. Errors are one
-    SessionFileError sentence."""
+def write_session_file(path: Path, chunks: Sequence[bytes], fs: FileSystem = SYSTEM) -> None:
+    """Write a session file's `chunks` to `path` durably (engine.fileio.atomic_write): old or new, never half.
+    Refuses a target that is not a regular file; first removes temp files of earlier saves that were killed. Errors
+    are one SessionFileError sentence."""
     _check_target(path)
     remove_stale_temps(path)
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,20 +13,12 @@ from coremltools.proto import MIL_pb2
 
 from coreml import ane_rules
 from coreml.__main__ import main
-from coreml.bundle import MANIFEST, Bundle
-from coreml.convert import Geometry, check_geometry
-from coreml.errors import ConversionError
+from coreml.convert import check_geometry
+from engine.backends.coreml.bundle import MANIFEST, Bundle
+from engine.backends.coreml.cache import Geometry
+from engine.backends.coreml.errors import ConversionError
 from engine.model.config import ModelConfig
-
-
-def op_types(bundle: Bundle) -> Counter[str]:
-    return Counter(
-        op.type
-        for name in bundle.program_names
-        for fn in bundle.package(name).spec.mlProgram.functions.values()
-        for b in fn.block_specializations.values()
-        for op in b.operations
-    )
+from tests.helpers.coreml_bundles import op_types
 
 
 def broken_copy(src: Path, dst: Path) -> Bundle:
@@ -40,8 +31,8 @@ def rules(bundle: Bundle) -> set[str]:
 
 
 @pytest.mark.parametrize("variant", ["none", "int8", "int4", "lut6"])
-def test_converted_bundles_lint_clean(variant: str, package: Callable[[str], Path]) -> None:
-    assert rules(Bundle.open(package(variant))) == set()
+def test_converted_bundles_lint_clean(variant: str, coreml_bundle: Callable[[str], Path]) -> None:
+    assert rules(Bundle.open(coreml_bundle(variant))) == set()
 
 
 def test_default_neural_engine_bundle_has_no_cpu_ops_and_no_per_block_weights(default_bundle: Path) -> None:
@@ -54,12 +45,12 @@ def test_default_neural_engine_bundle_has_no_cpu_ops_and_no_per_block_weights(de
     assert not [f for f in warnings if f.rule in ("cpu-census", "fp16-overflow")]
 
 
-def test_big_vocabulary_bundle_lints_clean(big_vocab) -> None:
-    assert rules(Bundle.open(big_vocab[1])) == set()
+def test_big_vocabulary_bundle_lints_clean(coreml_big_vocab) -> None:
+    assert rules(Bundle.open(coreml_big_vocab[1])) == set()
 
 
-def test_catches_fp32_oversized_misaligned_and_dynamic(package: Callable[[str], Path], tmp_path: Path) -> None:
-    bundle = broken_copy(package("none"), tmp_path / "broken")
+def test_catches_fp32_oversized_misaligned_and_dynamic(coreml_bundle: Callable[[str], Path], tmp_path: Path) -> None:
+    bundle = broken_copy(coreml_bundle("none"), tmp_path / "broken")
     pkg = bundle.package("chunk_0")
     fn = pkg.spec.mlProgram.functions["decode"]
     ops = list(fn.block_specializations[fn.opset].operations)
@@ -75,8 +66,8 @@ def test_catches_fp32_oversized_misaligned_and_dynamic(package: Callable[[str], 
     assert main(["check", str(bundle.path)]) == 1
 
 
-def test_catches_cpu_ops_squares_and_oversized_programs(package: Callable[[str], Path], tmp_path: Path) -> None:
-    bundle = broken_copy(package("none"), tmp_path / "broken")
+def test_catches_cpu_ops_squares_and_oversized_programs(coreml_bundle: Callable[[str], Path], tmp_path: Path) -> None:
+    bundle = broken_copy(coreml_bundle("none"), tmp_path / "broken")
     pkg = bundle.package("chunk_0")
     fn = pkg.spec.mlProgram.functions["decode"]
     ops = list(fn.block_specializations[fn.opset].operations)
@@ -92,23 +83,23 @@ def test_catches_cpu_ops_squares_and_oversized_programs(package: Callable[[str],
     assert any(f.rule == "fp16-overflow" and "1 squares" in f.detail for f in findings)
 
 
-def test_catches_a_tensor_stored_twice(package: Callable[[str], Path], tmp_path: Path) -> None:
-    bundle = broken_copy(package("none"), tmp_path / "twice")
+def test_catches_a_tensor_stored_twice(coreml_bundle: Callable[[str], Path], tmp_path: Path) -> None:
+    bundle = broken_copy(coreml_bundle("none"), tmp_path / "twice")
     shutil.rmtree(bundle.package_path("chunk_1"))
     shutil.copytree(bundle.package_path("chunk_0"), bundle.package_path("chunk_1"))  # layer 0's weights again
     assert "duplicate" in rules(bundle)
 
 
-def test_per_block_weights_are_an_error_without_the_gpu(package: Callable[[str], Path], tmp_path: Path) -> None:
-    bundle = broken_copy(package("int4"), tmp_path / "int4-ane")
+def test_per_block_weights_are_an_error_without_the_gpu(coreml_bundle: Callable[[str], Path], tmp_path: Path) -> None:
+    bundle = broken_copy(coreml_bundle("int4"), tmp_path / "int4-ane")
     assert rules(bundle) == set()  # made for CPU_AND_GPU
     manifest = json.loads((bundle.path / MANIFEST).read_text())
     (bundle.path / MANIFEST).write_text(json.dumps({**manifest, "units": "CPU_AND_NE"}))
     assert rules(Bundle.open(bundle.path)) == {"granularity"}
 
 
-def test_build_refuses_geometries_that_break_a_rule(tiny_dir: Path) -> None:
-    config = ModelConfig.from_file(tiny_dir / "config.json")
+def test_build_refuses_geometries_that_break_a_rule(coreml_tiny_dir: Path) -> None:
+    config = ModelConfig.from_file(coreml_tiny_dir / "config.json")
     with pytest.raises(ConversionError, match="multiple of 32"):
         check_geometry(config, Geometry(100))
     odd = ModelConfig.from_dict({**config.raw, "hidden_size": 64, "num_attention_heads": 4})  # head dim 16

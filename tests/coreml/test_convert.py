@@ -12,28 +12,31 @@ import pytest
 
 from coreml import convert as conv
 from coreml.__main__ import main
-from coreml.bundle import MANIFEST, REQUIRED, Bundle
-from coreml.compress import DEFAULT_QUANTIZE, resolve
 from coreml.convert import (
-    Geometry,
     atomic_dir,
     build_bundle,
-    cache_key,
     cached_bundle,
     expected_bytes,
     plan_chunks,
 )
-from coreml.errors import ConversionCancelled, ConversionError, PackageError
+from coreml.errors import ConversionCancelled
+from engine.backends.coreml import cache
+from engine.backends.coreml.bundle import MANIFEST, REQUIRED, Bundle
+from engine.backends.coreml.cache import Geometry, cache_key
+from engine.backends.coreml.errors import ConversionError, PackageError
+from engine.backends.coreml.programs import DEFAULT_QUANTIZE, resolve
+from engine.backends.coreml.runtime import CoreMLBackend
 from engine.loading.weights import load_model
 from engine.model.config import ModelConfig
-from tests.coreml.helpers import SLOTS
+from tests.helpers.coreml_fixtures import SLOTS
+from tests.helpers.fake_coreml import FakeLoader
 
 
-def test_provenance_is_in_the_manifest(tiny_dir: Path, package: Callable[[str], Path]) -> None:
-    b = Bundle.open(package("none"))
+def test_provenance_is_in_the_manifest(coreml_tiny_dir: Path, coreml_bundle: Callable[[str], Path]) -> None:
+    b = Bundle.open(coreml_bundle("none"))
     prov = b.provenance
     assert set(REQUIRED) <= set(prov)
-    assert prov["fingerprint"] == load_model(tiny_dir).fingerprint
+    assert prov["fingerprint"] == load_model(coreml_tiny_dir).fingerprint
     assert prov["quantize"] == "none" and prov["slots"] == SLOTS and prov["units"] == "CPU_AND_NE"
     assert prov["functions"] == {"prefill": 64, "prefill_8": 8, "decode": 1}
     assert prov["chunks"] == [[0, 1], [1, 2]] and prov["tied"] is False
@@ -74,15 +77,15 @@ def test_compression_follows_the_compute_units() -> None:
         resolve("q4_k", "CPU_AND_NE")
 
 
-def test_memory_is_checked_before_any_work(tied_dir: Path, tmp_path: Path) -> None:
-    model = load_model(tied_dir, dtype=__import__("torch").float16).model
+def test_memory_is_checked_before_any_work(coreml_tied_dir: Path, tmp_path: Path) -> None:
+    model = load_model(coreml_tied_dir, dtype=__import__("torch").float16).model
     with pytest.raises(ConversionError, match=r"needs about .* GB of free memory and 0.0 GB are available"):
         build_bundle(model, "fp", tmp_path / "out", quantize="none", geometry=Geometry(SLOTS), available_memory=1000)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_progress_is_monotone_and_cancel_leaves_nothing(tied_dir: Path, tmp_path: Path) -> None:
-    model = load_model(tied_dir, dtype=__import__("torch").float16).model
+def test_progress_is_monotone_and_cancel_leaves_nothing(coreml_tied_dir: Path, tmp_path: Path) -> None:
+    model = load_model(coreml_tied_dir, dtype=__import__("torch").float16).model
     seen: list[tuple[str, float]] = []
 
     def cancel() -> bool:
@@ -113,13 +116,13 @@ def test_cache_key_changes_with_everything_that_changes_the_bytes(monkeypatch: p
         cache_key("fp", Geometry(256), "none", "CPU_AND_GPU"),
         cache_key("fp", Geometry(256, max_chunk_bytes=1 << 20), "none"),
     }
-    monkeypatch.setattr(conv, "tool_versions", lambda: {"coremltools": "9.1", "torch": "2.13.0"})
+    monkeypatch.setattr(cache, "tool_versions", lambda: {"coremltools": "9.1", "torch": "2.13.0"})
     others.add(cache_key("fp", Geometry(256), "none"))
     assert base not in others and len(others) == 7
 
 
 def test_cache_converts_once_and_rebuilds_a_corrupt_entry(
-    tied_dir: Path, default_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    coreml_tied_dir: Path, default_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     key = default_bundle.name
     shutil.copytree(default_bundle, tmp_path / key)
@@ -127,12 +130,12 @@ def test_cache_converts_once_and_rebuilds_a_corrupt_entry(
     monkeypatch.setattr(conv, "build_bundle", lambda model, fp, out, **kw: builds.append(out) or out)
     stages: list[str] = []
     assert (
-        cached_bundle(tied_dir, slots=SLOTS, cache_dir=tmp_path, progress=lambda s, f: stages.append(s))
+        cached_bundle(coreml_tied_dir, slots=SLOTS, cache_dir=tmp_path, progress=lambda s, f: stages.append(s))
         == tmp_path / key
     )
     assert builds == [] and stages == ["Using the cached Core ML model"]
     (tmp_path / key / MANIFEST).write_text("{")  # a damaged entry is never trusted
-    cached_bundle(tied_dir, slots=SLOTS, cache_dir=tmp_path)
+    cached_bundle(coreml_tied_dir, slots=SLOTS, cache_dir=tmp_path)
     assert builds == [tmp_path / key]
 
 
@@ -149,10 +152,10 @@ def test_cache_converts_once_and_rebuilds_a_corrupt_entry(
     ],
 )
 def test_a_hostile_manifest_is_refused_in_one_sentence(
-    package: Callable[[str], Path], tmp_path: Path, edit, message: str
+    coreml_bundle: Callable[[str], Path], tmp_path: Path, edit, message: str
 ) -> None:
     bad = tmp_path / "bad"
-    shutil.copytree(package("none"), bad)
+    shutil.copytree(coreml_bundle("none"), bad)
     manifest = json.loads((bad / MANIFEST).read_text())
     changed = edit(manifest)
     (bad / MANIFEST).write_text(changed if isinstance(changed, str) else json.dumps(changed))
@@ -184,7 +187,7 @@ def test_replacing_a_bundle_is_atomic(tmp_path: Path) -> None:
 
 
 def test_conversion_failure_in_coremltools_is_one_sentence_and_leaves_nothing(
-    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    coreml_tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import coremltools as ct
 
@@ -193,29 +196,31 @@ def test_conversion_failure_in_coremltools_is_one_sentence_and_leaves_nothing(
 
     monkeypatch.setattr(ct, "convert", refuse)
     with pytest.raises(ConversionError, match="cannot convert the op 'fancy_attention'"):
-        conv.convert(tiny_dir, tmp_path / "out", slots=128)
+        conv.convert(coreml_tiny_dir, tmp_path / "out", slots=128)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_errors_are_one_line_on_stderr(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_errors_are_one_line_on_stderr(
+    coreml_tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     gpt2 = tmp_path / "gpt2"
-    shutil.copytree(tiny_dir, gpt2)
+    shutil.copytree(coreml_tiny_dir, gpt2)
     cfg = json.loads((gpt2 / "config.json").read_text())
     (gpt2 / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     assert main(["convert", "--model", str(gpt2), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "GPT2LMHeadModel" in err[0] and "not supported" in err[0]
-    assert main(["convert", "--model", str(tiny_dir), "--out", str(tmp_path / "y"), "--slots", "100"]) == 2
+    assert main(["convert", "--model", str(coreml_tiny_dir), "--out", str(tmp_path / "y"), "--slots", "100"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "multiple of 32" in err[0]
-    assert main(["convert", "--model", str(tiny_dir), "--out", str(tmp_path / "z"), "--quantize", "int4"]) == 2
+    assert main(["convert", "--model", str(coreml_tiny_dir), "--out", str(tmp_path / "z"), "--quantize", "int4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "only on the GPU" in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"]
 
 
-def test_check_passes_a_sound_bundle(package: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", str(package("lut4"))]) == 0
+def test_check_passes_a_sound_bundle(coreml_bundle: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(coreml_bundle("lut4"))]) == 0
     out = capsys.readouterr().out
     assert (
         "ok   ANE lint: no errors" in out
@@ -223,3 +228,23 @@ def test_check_passes_a_sound_bundle(package: Callable[[str], Path], capsys: pyt
         and "ok   size" in out
         and out.strip().endswith("sound")
     )
+
+
+def test_convert_without_out_fills_the_cache_the_runtime_reads(
+    coreml_tied_dir: Path,
+    default_bundle: Path,
+    coreml_cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`python -m coreml convert` without --out answers with the bundle the runtime (which converts nothing) then
+    finds by itself: here the session's default bundle, already in a cache laid out as the app's."""
+    (tmp_path / "coreml").symlink_to(coreml_cache)
+    monkeypatch.setenv("MLOT_SPARK_CACHE_DIR", str(tmp_path))
+    assert main(["convert", "--model", str(coreml_tied_dir), "--slots", str(SLOTS)]) == 0
+    made = Path(capsys.readouterr().out.strip())
+    assert made == tmp_path / "coreml" / default_bundle.name
+    backend = CoreMLBackend(coreml_tied_dir, loader=FakeLoader())
+    backend.allocate(1, SLOTS)
+    assert backend.path == made

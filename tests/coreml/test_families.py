@@ -11,16 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from coreml.bundle import Bundle
 from coreml.check import run_checks
 from coreml.convert import convert
 from coreml.interpreter import OPS
 from coreml.reference import InterpreterBackend
-from coreml.wrapper import has_local_inputs
+from engine.backends.coreml.bundle import Bundle
+from engine.backends.coreml.programs import has_local_inputs
 from engine.backends.torch_backend import TorchBackend
-from tests.coreml.helpers import SLOTS, prompt_ids
-from tests.coreml.test_ane_rules import op_types
-from tests.coreml.test_parity import assert_parity
+from tests.helpers.coreml_bundles import assert_parity, op_types, prompt_ids
+from tests.helpers.coreml_fixtures import SLOTS
 from tests.helpers.tiny_families import make_tiny_family
 
 # head_dim 32: the ANE state rule

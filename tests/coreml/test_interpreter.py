@@ -12,14 +12,14 @@ import pytest
 from coremltools import libmilstoragepython
 
 from coreml.__main__ import main
-from coreml.bundle import Bundle
 from coreml.errors import UnsupportedOp
 from coreml.interpreter import OPS, Interpreter
-from coreml.milblob import BlobFile, dtype_name, tensor_shape
-from coreml.package import Package
+from engine.backends.coreml.bundle import Bundle
+from engine.backends.coreml.milblob import BlobFile, dtype_name, tensor_shape
+from engine.backends.coreml.package import Package
 from engine.model.network import Transformer
-from tests.coreml.helpers import VARIANTS
-from tests.coreml.test_ane_rules import op_types
+from tests.helpers.coreml_bundles import op_types
+from tests.helpers.coreml_fixtures import VARIANTS
 
 # Ops only another family's bundle emits (Gemma 3's tanh-GELU gating): tests/coreml/test_families.py checks them.
 FAMILY_OPS = {"gelu"}
@@ -54,8 +54,10 @@ def blob_values(pkg: Package):
 
 
 @pytest.mark.parametrize("variant", [*VARIANTS, "default"])
-def test_blob_reader_matches_coremltools(variant: str, package: Callable[[str], Path], default_bundle: Path) -> None:
-    bundle = Bundle.open(default_bundle if variant == "default" else package(variant))
+def test_blob_reader_matches_coremltools(
+    variant: str, coreml_bundle: Callable[[str], Path], default_bundle: Path
+) -> None:
+    bundle = Bundle.open(default_bundle if variant == "default" else coreml_bundle(variant))
     seen = set()
     for name in bundle.program_names:
         pkg = bundle.package(name)
@@ -82,24 +84,24 @@ def test_blob_reader_matches_coremltools(variant: str, package: Callable[[str], 
 
 
 def test_every_emitted_op_is_implemented_and_every_implemented_op_is_emitted(
-    package: Callable[[str], Path], default_bundle: Path, big_vocab: tuple[Transformer, Path]
+    coreml_bundle: Callable[[str], Path], default_bundle: Path, coreml_big_vocab: tuple[Transformer, Path]
 ) -> None:
-    used = op_types(Bundle.open(default_bundle)) + op_types(Bundle.open(big_vocab[1]))
+    used = op_types(Bundle.open(default_bundle)) + op_types(Bundle.open(coreml_big_vocab[1]))
     for variant in VARIANTS:
-        used += op_types(Bundle.open(package(variant)))
+        used += op_types(Bundle.open(coreml_bundle(variant)))
     used.pop("const")
     ops = set(OPS) - FAMILY_OPS
     assert set(used) == ops, f"unimplemented: {set(used) - ops}; never emitted: {ops - set(used)}"
 
 
-def _broken(package: Callable[[str], Path], tmp_path: Path) -> tuple[Bundle, Package]:
-    shutil.copytree(package("none"), tmp_path / "broken")
+def _broken(coreml_bundle: Callable[[str], Path], tmp_path: Path) -> tuple[Bundle, Package]:
+    shutil.copytree(coreml_bundle("none"), tmp_path / "broken")
     bundle = Bundle.open(tmp_path / "broken")
     return bundle, bundle.package("chunk_0")
 
 
-def test_an_unknown_op_fails_loudly(package: Callable[[str], Path], tmp_path: Path) -> None:
-    bundle, pkg = _broken(package, tmp_path)
+def test_an_unknown_op_fails_loudly(coreml_bundle: Callable[[str], Path], tmp_path: Path) -> None:
+    bundle, pkg = _broken(coreml_bundle, tmp_path)
     fn = pkg.spec.mlProgram.functions["decode"]
     op = next(op for op in fn.block_specializations[fn.opset].operations if op.type == "silu")
     op.type = "gelu_tanh_custom"
@@ -109,8 +111,10 @@ def test_an_unknown_op_fails_loudly(package: Callable[[str], Path], tmp_path: Pa
     assert main(["check", str(bundle.path)]) == 1
 
 
-def test_an_unsupported_variant_of_a_known_op_fails_loudly(package: Callable[[str], Path], tmp_path: Path) -> None:
-    _, pkg = _broken(package, tmp_path)
+def test_an_unsupported_variant_of_a_known_op_fails_loudly(
+    coreml_bundle: Callable[[str], Path], tmp_path: Path
+) -> None:
+    _, pkg = _broken(coreml_bundle, tmp_path)
     fn = pkg.spec.mlProgram.functions["decode"]
     ops = list(fn.block_specializations[fn.opset].operations)
     concat = next(op for op in ops if op.type == "concat")
@@ -124,9 +128,9 @@ def test_an_unsupported_variant_of_a_known_op_fails_loudly(package: Callable[[st
         interp.run("decode", inputs, interp.new_state())
 
 
-def test_fp16_overflow_is_recorded(package: Callable[[str], Path]) -> None:
+def test_fp16_overflow_is_recorded(coreml_bundle: Callable[[str], Path]) -> None:
     """A finite result that does not fit fp16 is recorded (check's smoke run fails on it), never silently inf."""
-    interp = Interpreter(Bundle.open(package("none")).package("chunk_0"))
+    interp = Interpreter(Bundle.open(coreml_bundle("none")).package("chunk_0"))
     fn = interp.functions["decode"]
     inputs = {n: np.zeros(t.shape, np.float16) for n, t in fn.inputs.items()}
     interp.run("decode", inputs, interp.new_state())

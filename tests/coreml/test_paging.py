@@ -12,14 +12,16 @@ from coreml.reference import InterpreterBackend
 from engine.backends.torch_backend import TorchBackend
 from engine.memory.base import FullAttentionMemory
 from engine.memory.cascade import CascadeConfig, CascadeMemory
-from tests.coreml.helpers import feed, prompt_ids, run_greedy
+from tests.helpers.coreml_bundles import feed, prompt_ids, run_greedy
 
 ATOL = 3e-2
 
 
-def test_read_kv_is_canonical_and_write_kv_round_trips(tiny_dir: Path, package: Callable[[str], Path]) -> None:
-    interp = InterpreterBackend(package("none"))
-    torch_be = TorchBackend(tiny_dir, device="cpu", dtype=torch.float16)
+def test_read_kv_is_canonical_and_write_kv_round_trips(
+    coreml_tiny_dir: Path, coreml_bundle: Callable[[str], Path]
+) -> None:
+    interp = InterpreterBackend(coreml_bundle("none"))
+    torch_be = TorchBackend(coreml_tiny_dir, device="cpu", dtype=torch.float16)
     torch_be.allocate(1, interp.num_slots)
     ids = prompt_ids(40, interp.config.vocab_size)
     feed(interp, FullAttentionMemory(interp), ids)
@@ -43,10 +45,10 @@ def test_read_kv_is_canonical_and_write_kv_round_trips(tiny_dir: Path, package: 
     assert torch.equal(after_v[:, :, untouched], before_v[:, :, untouched])
 
 
-def test_moved_kv_continues_the_conversation(tiny_dir: Path, package: Callable[[str], Path]) -> None:
+def test_moved_kv_continues_the_conversation(coreml_tiny_dir: Path, coreml_bundle: Callable[[str], Path]) -> None:
     """A conversation saved from one slot table (read_kv) and restored into a fresh one (write_kv) continues with
     the same logits as if it had never left: what session save/restore and paging rely on."""
-    interp = InterpreterBackend(package("none"))
+    interp = InterpreterBackend(coreml_bundle("none"))
     memory = FullAttentionMemory(interp)
     ids = prompt_ids(70, interp.config.vocab_size, seed=3)
     feed(interp, memory, ids)
@@ -58,9 +60,9 @@ def test_moved_kv_continues_the_conversation(tiny_dir: Path, package: Callable[[
     torch.testing.assert_close(feed(twin, restored, [7]), expected, atol=0, rtol=0)
 
 
-def test_cascade_pages_blocks_through_the_package(tiny_dir: Path, package: Callable[[str], Path]) -> None:
-    interp = InterpreterBackend(package("none"))
-    torch_be = TorchBackend(tiny_dir, device="cpu", dtype=torch.float16)
+def test_cascade_pages_blocks_through_the_package(coreml_tiny_dir: Path, coreml_bundle: Callable[[str], Path]) -> None:
+    interp = InterpreterBackend(coreml_bundle("none"))
+    torch_be = TorchBackend(coreml_tiny_dir, device="cpu", dtype=torch.float16)
     # 4 sinks + 3 retrieval blocks of 16 + a 96-token window = 148 slots -> 160, the shared packages' size.
     cfg = CascadeConfig(sink_tokens=4, window=96, block_size=16, retrieval_blocks=3, routing="hybrid")
     assert cfg.num_slots == interp.num_slots

@@ -14,49 +14,21 @@ import numpy as np
 import pytest
 import torch
 
-from coreml.bundle import Bundle
 from coreml.reference import InterpreterBackend
 from coreml.wrapper import ChannelRMSNorm
-from engine.backends.base import Backend
+from engine.backends.coreml.bundle import Bundle
 from engine.backends.torch_backend import TorchBackend
 from engine.loading.weights import load_model
 from engine.memory.base import FullAttentionMemory
 from engine.model.network import SlotBatch, Transformer
-from tests.coreml.helpers import (
-    feed,
-    model_dir_of,
-    prompt_ids,
-    run_greedy,
-    torch_fp16_with_package_weights,
-)
-
-DECODE_STEPS = 64
-ATOL = 3e-2  # logits are O(3); fp16 carries ~3 significant digits, and the program's op order differs from torch's
+from tests.helpers.coreml_bundles import ATOL, assert_parity, feed, prompt_ids, torch_fp16_with_package_weights
+from tests.helpers.coreml_fixtures import model_dir_of
 
 
-def assert_parity(
-    reference: Backend, candidate: Backend, prompt: list[int], steps: int = DECODE_STEPS
-) -> tuple[list[int], list[int]]:
-    """The torch engine decodes greedily; the candidate is fed the same tokens. Every step's logits agree within
-    ATOL, and the candidate picks the same token wherever the reference's top-2 margin exceeds 2 * ATOL (a closer
-    call is a tie at fp16 precision)."""
-    ref_logits, ref_tokens = run_greedy(reference, FullAttentionMemory(reference), prompt, steps)
-    got_logits, got_tokens = run_greedy(candidate, FullAttentionMemory(candidate), prompt, steps, forced=ref_tokens)
-    assert len(got_logits) == len(ref_logits)
-    for r, g in zip(ref_logits, got_logits, strict=True):
-        assert g.shape == r.shape
-        torch.testing.assert_close(g, r.float(), atol=ATOL, rtol=0)
-    for step, (r, ref_tok, got_tok) in enumerate(zip(ref_logits[:-1], ref_tokens, got_tokens, strict=True)):
-        top2 = r[-1].float().topk(2).values
-        if float(top2[0] - top2[1]) > 2 * ATOL:
-            assert got_tok == ref_tok, f"decode step {step}: {got_tok} != {ref_tok}"
-    return ref_tokens, got_tokens
-
-
-def test_fp16_parity_across_two_layer_chunks(tiny_dir: Path, package: Callable[[str], Path]) -> None:
-    interp = InterpreterBackend(package("none"))
+def test_fp16_parity_across_two_layer_chunks(coreml_tiny_dir: Path, coreml_bundle: Callable[[str], Path]) -> None:
+    interp = InterpreterBackend(coreml_bundle("none"))
     assert len(interp.bundle.chunks) == 2  # the hidden state crosses the host between the chunks
-    torch_be = TorchBackend(tiny_dir, device="cpu", dtype=torch.float16)
+    torch_be = TorchBackend(coreml_tiny_dir, device="cpu", dtype=torch.float16)
     torch_be.allocate(1, interp.num_slots)
     ref_tokens, got_tokens = assert_parity(torch_be, interp, prompt_ids(75, interp.config.vocab_size))
     assert got_tokens == ref_tokens  # the unquantized bundle reproduces all 64 greedy tokens
@@ -64,10 +36,10 @@ def test_fp16_parity_across_two_layer_chunks(tiny_dir: Path, package: Callable[[
 
 @pytest.mark.parametrize("variant", ["int8", "int4", "lut4", "lut6"])
 def test_quantized_parity_against_dequantized_weights(
-    variant: str, tiny_dir: Path, tied_dir: Path, package: Callable[[str], Path], tmp_path: Path
+    variant: str, coreml_tiny_dir: Path, coreml_tied_dir: Path, coreml_bundle: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    pkg = package(variant)
-    model_dir = model_dir_of(variant, tiny_dir, tied_dir)
+    pkg = coreml_bundle(variant)
+    model_dir = model_dir_of(variant, coreml_tiny_dir, coreml_tied_dir)
     interp = InterpreterBackend(pkg)
     assert interp.bundle.tied  # the host embedding decodes rows of the compressed head
     torch_be = torch_fp16_with_package_weights(pkg, tmp_path / "dequantized")
@@ -80,8 +52,8 @@ def test_quantized_parity_against_dequantized_weights(
     assert_parity(torch_be, interp, prompt_ids(75, interp.config.vocab_size, seed=1))  # ... and computed right
 
 
-def test_prefill_runs_the_head_only_for_the_used_row(package: Callable[[str], Path]) -> None:
-    interp = InterpreterBackend(package("none"))
+def test_prefill_runs_the_head_only_for_the_used_row(coreml_bundle: Callable[[str], Path]) -> None:
+    interp = InterpreterBackend(coreml_bundle("none"))
     memory = FullAttentionMemory(interp)
     ids = prompt_ids(72, interp.config.vocab_size, seed=2)
     full = interp.forward(torch.tensor([ids]), memory.plan(ids).as_batch())
@@ -92,10 +64,12 @@ def test_prefill_runs_the_head_only_for_the_used_row(package: Callable[[str], Pa
     torch.testing.assert_close(last[0, 0], full[0, -1], atol=0, rtol=0)
 
 
-def test_query_summary_is_the_mean_pre_rope_query_per_kv_group(tiny_dir: Path, package: Callable[[str], Path]) -> None:
+def test_query_summary_is_the_mean_pre_rope_query_per_kv_group(
+    coreml_tiny_dir: Path, coreml_bundle: Callable[[str], Path]
+) -> None:
     """(B, L, Hkv, D): per layer, q_proj(input_norm(x)) (+ bias) averaged over the step's tokens and the query heads
     of each KV group, across calls of different sizes (64 + 8 + 3 x 1) and across layer chunks."""
-    interp = InterpreterBackend(package("none"))
+    interp = InterpreterBackend(coreml_bundle("none"))
     c = interp.config
     ids = prompt_ids(75, c.vocab_size, seed=4)
     memory = FullAttentionMemory(interp)
@@ -106,7 +80,7 @@ def test_query_summary_is_the_mean_pre_rope_query_per_kv_group(tiny_dir: Path, p
         and got.shape == (1, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
         and got.dtype == torch.float32
     )
-    model = load_model(tiny_dir, dtype=torch.float32).model
+    model = load_model(coreml_tiny_dir, dtype=torch.float32).model
     normed: list[torch.Tensor] = []
     hooks = [
         layer.input_layernorm.register_forward_hook(lambda m, i, o: normed.append(o)) for layer in model.model.layers
@@ -115,7 +89,7 @@ def test_query_summary_is_the_mean_pre_rope_query_per_kv_group(tiny_dir: Path, p
         model.forward_causal(torch.tensor([ids]))
     for h in hooks:
         h.remove()
-    sd = load_model(tiny_dir, dtype=torch.float32).model.state_dict()
+    sd = load_model(coreml_tiny_dir, dtype=torch.float32).model.state_dict()
     for i, hn in enumerate(normed):
         q = hn[0] @ sd[f"model.layers.{i}.self_attn.q_proj.weight"].T  # (T, H*D)
         if c.qkv_bias:
@@ -141,9 +115,9 @@ def test_rmsnorm_in_layernorm_form_is_exact_and_does_not_overflow() -> None:
         torch.testing.assert_close(got16, want, atol=2e-2, rtol=2e-2)
 
 
-def test_fp16_accumulation_mode_drifts_but_stays_bounded(package: Callable[[str], Path]) -> None:
+def test_fp16_accumulation_mode_drifts_but_stays_bounded(coreml_bundle: Callable[[str], Path]) -> None:
     """The ANE-pessimistic interpreter (fp16 sums) differs from the default one, within a stated bound."""
-    pkg = package("none")
+    pkg = coreml_bundle("none")
     wide, narrow = InterpreterBackend(pkg), InterpreterBackend(pkg, accumulate="fp16")
     ids = prompt_ids(72, wide.config.vocab_size, seed=6)
     a = feed(wide, FullAttentionMemory(wide), ids)
@@ -153,10 +127,10 @@ def test_fp16_accumulation_mode_drifts_but_stays_bounded(package: Callable[[str]
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
-def test_large_vocabulary_is_split_below_the_ane_limit(big_vocab: tuple[Transformer, Path]) -> None:
+def test_large_vocabulary_is_split_below_the_ane_limit(coreml_big_vocab: tuple[Transformer, Path]) -> None:
     """V = 16384 + 616: the LM head is split in two pieces (logits_0, logits_1) and the tied matrix is stored once,
     in the head, where the host embedding reads rows on both sides of the split."""
-    model, pkg = big_vocab
+    model, pkg = coreml_big_vocab
     backend = InterpreterBackend(pkg)
     assert list(backend.bundle.vocab_pieces) == [(0, 16384), (16384, 17000)]
     assert Bundle.open(pkg).tied and not (pkg / "embed.bin").exists()

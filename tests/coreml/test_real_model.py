@@ -10,18 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from coreml.bundle import Bundle
 from coreml.check import run_checks
-from coreml.compress import DEFAULT_QUANTIZE
-from coreml.convert import ANE_MAX_SLOTS, cached_bundle, expected_bytes
+from coreml.convert import cached_bundle, expected_bytes
 from coreml.reference import InterpreterBackend
-from coreml.runtime import CoreMLBackend
+from engine.backends.coreml.bundle import Bundle
+from engine.backends.coreml.programs import ANE_MAX_SLOTS, DEFAULT_QUANTIZE
+from engine.backends.coreml.runtime import CoreMLBackend
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.cascade import CascadeConfig, CascadeMemory
 from engine.session.engine import memory_factory_for
-from tests.coreml.fake_coreml import FakeLoader
-from tests.coreml.helpers import run_greedy, torch_fp16_with_package_weights
-from tests.coreml.test_ane_rules import op_types
+from tests.helpers.coreml_bundles import op_types, run_greedy, torch_fp16_with_package_weights
+from tests.helpers.fake_coreml import FakeLoader
 
 # Slow: each interpreter step copies the whole (30, 3, 2048, 64) KV state per layer (slice_update), so 3 prompts
 # x 32 tokens took over 10 minutes on a loaded 2-core machine.
@@ -35,17 +34,17 @@ TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def real_bundle(real_model_dir: Path) -> Path:
+def real_bundle(real_gguf_model: Path) -> Path:
     # What packaging/build_coreml.py ships: default compression, units and geometry; converted once per cache.
-    return cached_bundle(real_model_dir)
+    return cached_bundle(real_gguf_model)
 
 
 @pytest.fixture(scope="module")
-def cascade(real_model_dir: Path, real_bundle: Path) -> CascadeConfig:
+def cascade(real_gguf_model: Path, real_bundle: Path) -> CascadeConfig:
     """The cascade the engine lays out over a CoreMLBackend of the default model (engine.session.engine's factory), after
     checking that the backend finds the bundle build_coreml.py makes: same slot count, no second conversion."""
-    backend = CoreMLBackend(real_model_dir, cache_dir=real_bundle.parent, loader=FakeLoader())
-    memory = memory_factory_for(real_model_dir, prefix_cache=False)(backend)
+    backend = CoreMLBackend(real_gguf_model, cache_dir=real_bundle.parent, loader=FakeLoader())
+    memory = memory_factory_for(real_gguf_model, prefix_cache=False)(backend)
     assert isinstance(memory, CascadeMemory) and backend.path == real_bundle
     bundle = Bundle.open(real_bundle)
     assert memory.cfg.num_slots == bundle.slots == ANE_MAX_SLOTS < bundle.config.max_position_embeddings
@@ -67,7 +66,7 @@ def _greedy_tokens(backend, ids: list[int], config: CascadeConfig, forced: list[
 
 
 def test_interpreter_greedy_tokens_equal_the_torch_fp16_path(
-    real_model_dir: Path, real_bundle: Path, cascade: CascadeConfig, tmp_path: Path
+    real_gguf_model: Path, real_bundle: Path, cascade: CascadeConfig, tmp_path: Path
 ) -> None:
     """32 greedy tokens per prompt: the interpreter, teacher-forced on the torch fp16 path's tokens (the bundle's own
     dequantized weights), picks the same token at every step where torch's top-2 margin exceeds TIE; the steps
@@ -75,7 +74,7 @@ def test_interpreter_greedy_tokens_equal_the_torch_fp16_path(
     interp = InterpreterBackend(real_bundle)
     torch_be = torch_fp16_with_package_weights(real_bundle, tmp_path / "dequantized")
     torch_be.allocate(1, cascade.num_slots)
-    tok = Tokenizer.load(real_model_dir)
+    tok = Tokenizer.load(real_gguf_model)
     for prompt in PROMPTS:
         ids = tok.encode_chat([{"role": "user", "content": prompt}])
         ref_logits, want = _greedy_tokens(torch_be, ids, cascade)
@@ -93,11 +92,11 @@ def test_interpreter_greedy_tokens_equal_the_torch_fp16_path(
 TIE = 0.1  # logits; a top-2 margin below this is a tie at fp16 precision (the logits span ~[-20, 30])
 
 
-def test_fp16_accumulation_bounds_the_drift(real_model_dir: Path, real_bundle: Path, cascade: CascadeConfig) -> None:
+def test_fp16_accumulation_bounds_the_drift(real_gguf_model: Path, real_bundle: Path, cascade: CascadeConfig) -> None:
     """The ANE-pessimistic interpreter (fp16 sums) teacher-forced on the default path's tokens: the logits drift by
     at most DRIFT and the top token agrees on nearly every step."""
     wide, narrow = InterpreterBackend(real_bundle), InterpreterBackend(real_bundle, accumulate="fp16")
-    ids = Tokenizer.load(real_model_dir).encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    ids = Tokenizer.load(real_gguf_model).encode_chat([{"role": "user", "content": PROMPTS[0]}])
     ref_logits, ref_tokens = _greedy_tokens(wide, ids, cascade)
     got_logits, _ = _greedy_tokens(narrow, ids, cascade, forced=ref_tokens)
     drift = max(float((g[-1] - r[-1]).abs().max()) for g, r in zip(got_logits, ref_logits, strict=True))

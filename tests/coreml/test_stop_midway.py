@@ -12,14 +12,14 @@ import torch
 from coreml.reference import InterpreterBackend
 from engine.generation.loop import prefill
 from engine.memory.base import FullAttentionMemory
-from tests.coreml.helpers import prompt_ids
+from tests.helpers.coreml_bundles import prompt_ids
 from tests.helpers.stopping import StopAt
 
 CHUNK = 16
 
 
-def test_a_stop_between_layer_chunks_takes_the_chunk_back(package: Callable[[str], Path]) -> None:
-    pkg = package("none")  # two layer chunks
+def test_a_stop_between_layer_chunks_takes_the_chunk_back(coreml_bundle: Callable[[str], Path]) -> None:
+    pkg = coreml_bundle("none")  # two layer chunks
     ids = prompt_ids(64, InterpreterBackend(pkg).config.vocab_size, seed=3)
 
     interp = InterpreterBackend(pkg)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+from functools import cached_property
+from pathlib import Path
 
 import pytest
 
@@ -22,8 +24,22 @@ def kernels() -> NativeKernels:
     return status.kernels
 
 
+class TinyModel:
+    """A tiny random checkpoint: its folder, and the CPU backend and tokenizer over it, each made on first use."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @cached_property
+    def backend(self) -> TorchBackend:
+        return TorchBackend(self.path)
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_dir(self.path)
+
+
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[TorchBackend, Tokenizer]:
-    """A 2-layer random Llama on the CPU backend, with its tokenizer."""
-    d = make_tiny_model(tmp_path_factory.mktemp("tiny"), layers=2)
-    return TorchBackend(d), Tokenizer.from_dir(d)
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """A 2-layer random Llama (tests/helpers/tiny.py), one per test module."""
+    return TinyModel(make_tiny_model(tmp_path_factory.mktemp("tiny"), layers=2))

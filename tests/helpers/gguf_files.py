@@ -40,3 +40,28 @@ def random_blocks(a: np.ndarray, kind: Any, seed: int = 0) -> np.ndarray:
 
 def write_gguf(model_dir: Path, out: Path, dtype: str) -> Path:
     return export_gguf(model_dir, out, dtype, quantizer=random_blocks if dtype in K_TYPES else None)
+
+
+def with_tensor_as(path: Path, out: Path, name: str, kind: Any) -> Path:
+    """A copy of the GGUF at `path` with tensor `name` re-quantized to `kind` (a gguf.GGMLQuantizationType)."""
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    w = gguf.GGUFWriter(str(out), str(r.fields["general.architecture"].contents()))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # written by the writer itself
+        vtype = f.types[0]
+        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if t.name == name:
+            w.add_tensor(
+                t.name, gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind), raw_dtype=kind
+            )
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

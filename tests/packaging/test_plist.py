@@ -6,7 +6,7 @@ import plistlib
 import tomllib
 
 from engine.paths import APP_NAME
-from engine.session.file import SUFFIX
+from engine.session.file import SESSION_SUFFIX
 from tests.packaging.loader import REPO, load
 
 plist = load("plist")
@@ -40,7 +40,7 @@ def test_session_document_type_matches_exported_uti() -> None:
     assert doc["CFBundleTypeRole"] == "Editor"
     assert "public.data" in uti["UTTypeConformsTo"]
     # The extension Finder maps to our UTI is the one the engine writes.
-    assert uti["UTTypeTagSpecification"]["public.filename-extension"] == [SUFFIX.lstrip(".")]
+    assert uti["UTTypeTagSpecification"]["public.filename-extension"] == [SESSION_SUFFIX.lstrip(".")]
     assert doc["CFBundleTypeIconFile"] == uti["UTTypeIconFile"] == info["CFBundleIconFile"]
 
 

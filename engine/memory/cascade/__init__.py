@@ -1,5 +1,5 @@
 """The memory cascade: working (L1) sinks + window + retrieval slots, episodic (L2) host blocks, persistent (L3)
-content-addressed disk blocks. See DESIGN.md, "The memory cascade", and engine.memory.cascade.core."""
+content-addressed disk blocks. See docs/DESIGN.md, "The memory cascade", and engine.memory.cascade.core."""
 
 from engine.memory.cascade.budget import SharedBudget
 from engine.memory.cascade.config import CascadeConfig, CascadeConfigError

@@ -30,7 +30,7 @@ SMALL = CascadeConfig(sink_tokens=4, window=24, block_size=8, retrieval_blocks=2
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def four_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("cuda") / "tiny", layers=4, max_positions=512)
 
 
@@ -53,8 +53,8 @@ def tokens(b: TorchBackend, mem: Memory, tok: Tokenizer, prompt: list[int], sett
 
 
 @pytest.mark.parametrize("family", ["llama", *FAMILIES])
-def test_logits_and_greedy_tokens_equal_the_cpus(tmp_path: Path, tiny: Path, family: str) -> None:
-    d = tiny if family == "llama" else make_tiny_family(tmp_path / family, family)
+def test_logits_and_greedy_tokens_equal_the_cpus(tmp_path: Path, four_layers: Path, family: str) -> None:
+    d = four_layers if family == "llama" else make_tiny_family(tmp_path / family, family)
     tok = Tokenizer.from_dir(d)
     prompt = tok.encode("The quick brown fox jumps over the lazy dog. " * 3)
     cpu, gpu = backend(d, "cpu", 256), backend(d, "cuda", 256)
@@ -70,11 +70,11 @@ def test_logits_and_greedy_tokens_equal_the_cpus(tmp_path: Path, tiny: Path, fam
         assert tokens(g, memory(kind, g), tok, prompt, settings) == tokens(c, memory(kind, c), tok, prompt, settings)
 
 
-def test_fp16_on_cuda_stays_close_to_fp32(tiny: Path) -> None:
-    tok = Tokenizer.from_dir(tiny)
+def test_fp16_on_cuda_stays_close_to_fp32(four_layers: Path) -> None:
+    tok = Tokenizer.from_dir(four_layers)
     prompt = tok.encode("def main():\n    return 42\n")
-    cpu = backend(tiny, "cpu", 256)
-    gpu = TorchBackend(tiny, "cuda")  # the device's own dtype (fp16)
+    cpu = backend(four_layers, "cpu", 256)
+    gpu = TorchBackend(four_layers, "cuda")  # the device's own dtype (fp16)
     gpu.allocate(1, 256)
     want = prefill(cpu, FullAttentionMemory(cpu), prompt, 8)
     got = prefill(gpu, FullAttentionMemory(gpu), prompt, 8)
@@ -99,14 +99,14 @@ class Reference:
 
 @pytest.mark.parametrize("kind", ["full", "cascade"])
 @pytest.mark.parametrize("wrong", [None, 0, 2])
-def test_speculation_on_cuda_equals_plain_decoding(tiny: Path, kind: str, wrong: int | None) -> None:
-    tok = Tokenizer.from_dir(tiny)
+def test_speculation_on_cuda_equals_plain_decoding(four_layers: Path, kind: str, wrong: int | None) -> None:
+    tok = Tokenizer.from_dir(four_layers)
     prompt = tok.encode("def main():\n    return 42\n")
     settings = GenerationSettings(max_tokens=40, sampling=GREEDY, ignore_eos=True)
-    plain_backend = backend(tiny, "cuda")
+    plain_backend = backend(four_layers, "cuda")
     plain_mem = memory(kind, plain_backend)
     reference = tokens(plain_backend, plain_mem, tok, prompt, settings)
-    spec_backend = backend(tiny, "cuda")
+    spec_backend = backend(four_layers, "cuda")
     spec_mem = memory(kind, spec_backend)
     speculator = Speculator(Reference(reference, len(prompt), wrong), Controller(max_k=4, adaptive=False))
     spec_settings = GenerationSettings(**{**vars(settings), "speculative": Speculation.LOOKUP})
@@ -119,30 +119,30 @@ def test_speculation_on_cuda_equals_plain_decoding(tiny: Path, kind: str, wrong:
     assert spec_mem.tokens == plain_mem.tokens  # no rejected draft kept
 
 
-def test_beams_on_cuda_equal_the_cpus(tiny: Path) -> None:
-    tok = Tokenizer.from_dir(tiny)
+def test_beams_on_cuda_equal_the_cpus(four_layers: Path) -> None:
+    tok = Tokenizer.from_dir(four_layers)
     prompt = tok.encode("The quick brown fox")
     settings = GenerationSettings(
         max_tokens=12, sampling=GREEDY, ignore_eos=True, beam=BeamSettings(beams=4, returned=4)
     )
     results = []
     for device in ("cpu", "cuda"):
-        b = backend(tiny, device, 256)
+        b = backend(four_layers, device, 256)
         events = list(stream_generate(b, FullAttentionMemory(b), tok, prompt, settings))
         results.append([list(h.tokens) for h in events[-1].beams])
     assert results[0] == results[1]
 
 
 @pytest.mark.parametrize("kind", ["full", "cascade"])
-def test_a_stop_between_layers_on_cuda_takes_the_chunk_back(tiny: Path, kind: str) -> None:
+def test_a_stop_between_layers_on_cuda_takes_the_chunk_back(four_layers: Path, kind: str) -> None:
     ids = list(range(5, 77))
-    b = backend(tiny, "cuda")
+    b = backend(four_layers, "cuda")
     mem = memory(kind, b)
     # one poll before each chunk, then before layers 1..3: stop before layer 2 of the sixth chunk
     assert prefill(b, mem, ids, 8, should_stop=StopAt(5 * 4 + 1 + 2)) is None
     assert mem.tokens == ids[:40]
     rest = prefill(b, mem, ids[40:], 8)  # reading on gives what one uninterrupted read gives
-    whole_backend = backend(tiny, "cuda")
+    whole_backend = backend(four_layers, "cuda")
     whole = memory(kind, whole_backend)
     want = prefill(whole_backend, whole, ids, 8)
     assert rest is not None and want is not None

@@ -12,16 +12,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import engine
 from engine.bench.gguf_export import export_gguf
 from engine.bench.llamacpp_peer import LlamaCppPeer, PeerError, peer_environment
+from engine.process import user_omp_wait_policy
 from tests.helpers.tiny import make_tiny_model
 
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 
-def test_importing_the_engine_makes_openmp_workers_sleep_unless_the_user_chose() -> None:
-    probe = "import engine, os; print(os.environ['OMP_WAIT_POLICY'], engine.USER_OMP_WAIT_POLICY)"
+def test_the_engine_makes_openmp_workers_sleep_when_it_starts_unless_the_user_chose() -> None:
+    probe = (
+        "import os; from engine.process import prepare_process, user_omp_wait_policy; prepare_process(); "
+        "print(os.environ['OMP_WAIT_POLICY'], user_omp_wait_policy())"
+    )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["PASSIVE", "None"]
@@ -31,7 +34,6 @@ def test_importing_the_engine_makes_openmp_workers_sleep_unless_the_user_chose()
 
 
 def test_the_peer_gets_the_users_environment_back() -> None:
-    assert os.environ["OMP_WAIT_POLICY"] == (engine.USER_OMP_WAIT_POLICY or "PASSIVE")
     assert "OMP_WAIT_POLICY" not in peer_environment(None)
     assert peer_environment("ACTIVE")["OMP_WAIT_POLICY"] == "ACTIVE"
     assert peer_environment(None)["PATH"] == os.environ["PATH"]
@@ -59,7 +61,7 @@ def test_the_peer_answers_as_llama_cpp_in_our_process(tmp_path: Path) -> None:
 
     path = export_gguf(make_tiny_model(tmp_path / "m", "llama"), tmp_path / "m.gguf", "q8_0")
     ids = [5, 17, 42, 7, 99, 3]
-    peer = LlamaCppPeer(peer_environment(engine.USER_OMP_WAIT_POLICY))
+    peer = LlamaCppPeer(peer_environment(user_omp_wait_policy()))
     try:
         assert peer.load(path, n_ctx=32, threads=1, n_batch=len(ids)) == llama_cpp.__version__
         theirs = peer.last_logits(ids)

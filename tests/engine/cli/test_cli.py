@@ -1,4 +1,4 @@
-"""The command-line contract of DESIGN.md, run as a user would (subprocesses)."""
+"""The command-line contract of docs/DESIGN.md, run as a user would (subprocesses)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ LAYERS = 3
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[TorchBackend, Tokenizer]:
+def three_layers(tmp_path_factory: pytest.TempPathFactory) -> tuple[TorchBackend, Tokenizer]:
     d = make_tiny_model(tmp_path_factory.mktemp("tiny"), layers=LAYERS)
     return TorchBackend(d), Tokenizer.from_dir(d)
 
@@ -66,8 +66,8 @@ def test_sum_error_is_the_share_no_part_covers() -> None:
     assert Breakdown("decode", 0, 0.0, {}).sum_error == 0.0
 
 
-def test_parts_add_up_and_cover_every_category(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_parts_add_up_and_cover_every_category(three_layers: tuple[TorchBackend, Tokenizer]) -> None:
+    backend, tok = three_layers
     prof = Profiler()
     tokens, waits = timed_run(backend, tok, prof)
     assert tokens == run(backend, tok, None)  # profiling changes no result
@@ -100,8 +100,8 @@ def test_parts_add_up_and_cover_every_category(tiny: tuple[TorchBackend, Tokeniz
     assert prof.bottlenecks(1)[0] == prof.breakdown("decode").bottlenecks(1)[0]
 
 
-def test_zero_cost_when_off(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_zero_cost_when_off(three_layers: tuple[TorchBackend, Tokenizer]) -> None:
+    backend, tok = three_layers
     before = hooks(backend)
     prof = Profiler()
     gen = prof.stream_generate(backend.fork(), FullAttentionMemory(backend), tok, [5, 6, 7], SETTINGS)
@@ -111,8 +111,8 @@ def test_zero_cost_when_off(tiny: tuple[TorchBackend, Tokenizer]) -> None:
     assert hooks(backend) == before
 
 
-def test_chrome_trace(tiny: tuple[TorchBackend, Tokenizer], tmp_path: Path) -> None:
-    backend, tok = tiny
+def test_chrome_trace(three_layers: tuple[TorchBackend, Tokenizer], tmp_path: Path) -> None:
+    backend, tok = three_layers
     prof = Profiler()
     run(backend, tok, prof)
     data = json.loads(prof.export_chrome_trace(tmp_path / "trace.json").read_text())

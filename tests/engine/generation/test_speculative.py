@@ -22,7 +22,7 @@ from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
 from engine.session.engine import Engine, memory_factory_for
 from engine.session.replay import FeedLog, check_schedule
 from tests.helpers.default_model import default_model_dir
-from tests.helpers.tiny import make_tiny_model
+from tests.helpers.fixtures import TinyModel
 
 GREEDY = SamplingSettings(greedy=True)
 
@@ -54,12 +54,6 @@ class EosAt:
         return getattr(self.tok, name)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Tokenizer]:
-    d = make_tiny_model(tmp_path_factory.mktemp("tiny"))
-    return d, Tokenizer.from_dir(d)
-
-
 def run(
     backend: TorchBackend, memory: Memory, tok: Tokenizer, prompt: list[int], settings: GenerationSettings, **kw: object
 ) -> list[GenerationEvent]:
@@ -79,9 +73,9 @@ def cascade(backend: TorchBackend, tmp: Path) -> CascadeMemory:
     + [(kind, w, MAX_DRAFT) for kind in ("full", "cascade") for w in (None, 9)],  # verifies wider than a small step
 )
 def test_greedy_equals_plain_with_a_rejection_at_every_position(
-    tiny: tuple[Path, Tokenizer], tmp_path: Path, wrong: int | None, kind: str, k: int
+    tiny: TinyModel, tmp_path: Path, wrong: int | None, kind: str, k: int
 ) -> None:
-    d, tok = tiny
+    d, tok = tiny.path, tiny.tokenizer
     prompt = tok.encode("def main():\n    return 42\n")
     settings = GenerationSettings(speculative=Speculation.LOOKUP, max_tokens=40, sampling=GREEDY, ignore_eos=True)
 
@@ -117,13 +111,13 @@ def test_greedy_equals_plain_with_a_rejection_at_every_position(
 
 @pytest.mark.parametrize("wrong", [None, 1])
 def test_the_routing_query_after_verifies_is_plain_decodings(
-    tiny: tuple[Path, Tokenizer], tmp_path: Path, wrong: int | None
+    tiny: TinyModel, tmp_path: Path, wrong: int | None
 ) -> None:
     """Verifies fill the window to its last slot, then plain steps evict and route: the routing query they route with
     (the query summaries of the last proxy_tokens tokens) is the one one-by-one decoding builds. A verify used to
     drop its summary when it took drafts back and keep one summary for all its tokens otherwise, so the first
     routing after the window filled used another query and the reply drifted."""
-    d, tok = tiny
+    d, tok = tiny.path, tiny.tokenizer
     prompt = tok.encode("def main():\n    return 42\n")
     fill = 4 + 24 - len(prompt)  # reply tokens that fill sinks + window (the last one sampled, not fed)
     settings = GenerationSettings(speculative=Speculation.LOOKUP, max_tokens=fill + 1, sampling=GREEDY, ignore_eos=True)
@@ -150,8 +144,8 @@ def test_the_routing_query_after_verifies_is_plain_decodings(
     assert mem.tokens == plain_mem.tokens
 
 
-def test_cascade_never_verifies_a_chunk_that_would_evict(tiny: tuple[Path, Tokenizer], tmp_path: Path) -> None:
-    d, _tok = tiny
+def test_cascade_never_verifies_a_chunk_that_would_evict(tiny: TinyModel, tmp_path: Path) -> None:
+    d = tiny.path
     b = TorchBackend(d)
     mem = cascade(b, tmp_path)
     assert mem.speculation_room() == 24  # at most a window per plan
@@ -168,8 +162,8 @@ def test_cascade_never_verifies_a_chunk_that_would_evict(tiny: tuple[Path, Token
 
 
 @pytest.mark.parametrize("case", ["stop", "eos", "length"])
-def test_stop_strings_eos_and_the_budget_inside_an_accepted_run(tiny: tuple[Path, Tokenizer], case: str) -> None:
-    d, tok = tiny
+def test_stop_strings_eos_and_the_budget_inside_an_accepted_run(tiny: TinyModel, case: str) -> None:
+    d, tok = tiny.path, tiny.tokenizer
     prompt = tok.encode("The quick brown fox")
     b = TorchBackend(d)
     b.allocate(1, 256)
@@ -197,8 +191,8 @@ def test_stop_strings_eos_and_the_budget_inside_an_accepted_run(tiny: tuple[Path
     assert mem.tokens == plain_mem.tokens
 
 
-def test_save_and_restore_continue_as_plain_decoding(tiny: tuple[Path, Tokenizer], tmp_path: Path) -> None:
-    d, _tok = tiny
+def test_save_and_restore_continue_as_plain_decoding(tiny: TinyModel, tmp_path: Path) -> None:
+    d = tiny.path
     prompt = "def main():\n    return 42\ndef main():\n"
 
     def session(name: str) -> Engine:
@@ -317,9 +311,9 @@ class VerifyPays(BackendWrapper):
     ],
 )
 def test_auto_speculates_only_where_verifying_pays(
-    tiny: tuple[Path, Tokenizer], pays: bool, sampling: SamplingSettings, speculates: bool
+    tiny: TinyModel, pays: bool, sampling: SamplingSettings, speculates: bool
 ) -> None:
-    d, tok = tiny
+    d, tok = tiny.path, tiny.tokenizer
     inner = TorchBackend(d)
     backend = VerifyPays(inner) if pays else inner
     backend.allocate(1, 256)

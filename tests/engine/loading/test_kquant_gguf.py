@@ -20,7 +20,7 @@ from engine.backends.torch_backend import TorchBackend
 from engine.bench.gguf_export import quantize_with_llamacpp
 from engine.loading.model_files import gguf_model
 from engine.model.quant import BlockType, StoredTensor, dequantize, widen_to_q8_0
-from tests.engine.model.test_quant import IDS, logits_of
+from tests.helpers.quant_blocks import IDS, logits_of
 from tests.helpers.tiny import make_tiny_model
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python writes the K-quant file (the bench extra)")

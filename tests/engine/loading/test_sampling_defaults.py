@@ -17,12 +17,7 @@ from engine.loading.sampling_defaults import GENERIC, LOOP_GUARD, gguf_sampling,
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory
 from engine.session.engine import Engine
-from tests.helpers.tiny import make_tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("s") / "model")
+from tests.helpers.fixtures import TinyModel
 
 
 def catalog(path: Path, file: str, sampling: object, repo: str = "someone/model-GGUF") -> Path:
@@ -31,8 +26,8 @@ def catalog(path: Path, file: str, sampling: object, repo: str = "someone/model-
     return path
 
 
-def test_gguf_keys_come_first_then_the_catalog(tiny: Path, tmp_path: Path) -> None:
-    g = export_gguf(tiny, tmp_path / "m.gguf", "f32", sampling={"temp": 0.6, "top_k": 20, "penalty_last_n": 32})
+def test_gguf_keys_come_first_then_the_catalog(tiny: TinyModel, tmp_path: Path) -> None:
+    g = export_gguf(tiny.path, tmp_path / "m.gguf", "f32", sampling={"temp": 0.6, "top_k": 20, "penalty_last_n": 32})
     cat = catalog(tmp_path / "catalog.json", "m.gguf", {"temperature": 1.5, "top_p": 0.95, "repeat_penalty": 1.05})
     m = model_sampling(g, cat)
     assert (m.temperature, m.top_k, m.repetition_window) == (pytest.approx(0.6), 20, 32)  # the file's own
@@ -40,10 +35,10 @@ def test_gguf_keys_come_first_then_the_catalog(tiny: Path, tmp_path: Path) -> No
     assert m.sources == ("gguf", "catalog") and "GGUF" in m.described and "catalog" in m.described
 
 
-def test_generation_config_then_catalog_by_repo(tiny: Path, tmp_path: Path) -> None:
+def test_generation_config_then_catalog_by_repo(tiny: TinyModel, tmp_path: Path) -> None:
     d = tmp_path / "folder"
     d.mkdir()
-    for f in tiny.iterdir():
+    for f in tiny.path.iterdir():
         (d / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "org/model"}))
@@ -54,13 +49,13 @@ def test_generation_config_then_catalog_by_repo(tiny: Path, tmp_path: Path) -> N
     assert m.sources[:2] == ("generation_config", "catalog")
 
 
-def test_a_small_model_without_a_penalty_gets_the_loop_guard(tiny: Path, tmp_path: Path) -> None:
-    m = model_sampling(tiny, tmp_path / "no-catalog.json")  # the tiny model's generation_config: greedy only
+def test_a_small_model_without_a_penalty_gets_the_loop_guard(tiny: TinyModel, tmp_path: Path) -> None:
+    m = model_sampling(tiny.path, tmp_path / "no-catalog.json")  # the tiny model's generation_config: greedy only
     assert m.greedy and m.repetition_penalty == LOOP_GUARD["repetition_penalty"]
     assert m.sources == ("generation_config", "loop_guard")
-    neutral = export_gguf(tiny, tmp_path / "n.gguf", "f32", sampling={"penalty_repeat": 1.0})
+    neutral = export_gguf(tiny.path, tmp_path / "n.gguf", "f32", sampling={"penalty_repeat": 1.0})
     assert model_sampling(neutral, tmp_path / "no-catalog.json").repetition_penalty == 1.1  # 1.0 is no finding
-    g = export_gguf(tiny, tmp_path / "p.gguf", "f32", sampling={"penalty_repeat": 1.3})
+    g = export_gguf(tiny.path, tmp_path / "p.gguf", "f32", sampling={"penalty_repeat": 1.3})
     given = model_sampling(g, tmp_path / "no-catalog.json")  # the model names its own penalty: kept
     assert given.repetition_penalty == pytest.approx(1.3) and "loop_guard" not in given.sources
 
@@ -75,14 +70,14 @@ def test_hostile_values_are_left_out(bad: dict[str, float]) -> None:
 
 
 @pytest.mark.parametrize("text", ["not json", "[]", '{"models": 3}', '{"models": [1, {"files": 2}]}'])
-def test_a_broken_catalog_is_no_catalog(tiny: Path, tmp_path: Path, text: str) -> None:
+def test_a_broken_catalog_is_no_catalog(tiny: TinyModel, tmp_path: Path, text: str) -> None:
     (tmp_path / "catalog.json").write_text(text)
-    m = model_sampling(tiny, tmp_path / "catalog.json")
+    m = model_sampling(tiny.path, tmp_path / "catalog.json")
     assert m.temperature == GENERIC["temperature"] and "catalog" not in m.sources
 
 
-def test_the_engine_answers_with_the_models_defaults(tiny: Path, tmp_path: Path) -> None:
-    g = export_gguf(tiny, tmp_path / "e.gguf", "f32", sampling={"temp": 0.25, "top_p": 0.9, "penalty_repeat": 1.2})
+def test_the_engine_answers_with_the_models_defaults(tiny: TinyModel, tmp_path: Path) -> None:
+    g = export_gguf(tiny.path, tmp_path / "e.gguf", "f32", sampling={"temp": 0.25, "top_p": 0.9, "penalty_repeat": 1.2})
     b = TorchBackend(g, "cpu")
     b.allocate(1, 64)
     engine = Engine(BackendChoice(b, ()), Tokenizer.load(g), g, FullAttentionMemory)

@@ -15,7 +15,8 @@ from tokenizers import decoders, models, normalizers, processors, trainers
 
 from engine.errors import SparkError, TokenizerError
 from engine.loading.tokenizer import StreamingDetokenizer, Tokenizer
-from tests.helpers.tiny import SPECIAL, TOKENIZER_TEXT, make_tiny_model
+from tests.helpers.fixtures import TinyModel
+from tests.helpers.tiny import SPECIAL, TOKENIZER_TEXT
 
 TEXTS = [
     "",
@@ -30,18 +31,8 @@ HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[He
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_dir: Path):
-    return transformers.AutoTokenizer.from_pretrained(str(tiny_dir))
+def hf_tiny(tiny: TinyModel):
+    return transformers.AutoTokenizer.from_pretrained(str(tiny.path))
 
 
 def make_byte_fallback_dir(out: Path) -> Path:
@@ -95,14 +86,17 @@ def fallback(fallback_dir: Path) -> Tokenizer:
 # --- loading and properties -----------------------------------------------------------------------------------
 
 
-def test_properties(tiny_dir: Path, tiny: Tokenizer, hf_tiny) -> None:
-    assert tiny.bos_id == hf_tiny.bos_token_id == tiny.token_to_id("<|bos|>")
+def test_properties(tiny: TinyModel, hf_tiny) -> None:
+    assert tiny.tokenizer.bos_id == hf_tiny.bos_token_id == tiny.tokenizer.token_to_id("<|bos|>")
     # tokenizer_config eos "<|end|>" ∪ generation_config / config.json [<|eos|>, <|end|>]
-    assert tiny.eos_ids == {tiny.token_to_id("<|eos|>"), tiny.token_to_id("<|end|>")}
-    assert tiny.vocab_size == len(hf_tiny)
-    assert tiny.chat_template is not None and "messages" in tiny.chat_template
-    assert tiny.special_ids == {tiny.token_to_id(t) for t in SPECIAL}
-    assert len(tiny.content_hash) == 64 and tiny.content_hash == Tokenizer.from_dir(tiny_dir).content_hash
+    assert tiny.tokenizer.eos_ids == {tiny.tokenizer.token_to_id("<|eos|>"), tiny.tokenizer.token_to_id("<|end|>")}
+    assert tiny.tokenizer.vocab_size == len(hf_tiny)
+    assert tiny.tokenizer.chat_template is not None and "messages" in tiny.tokenizer.chat_template
+    assert tiny.tokenizer.special_ids == {tiny.tokenizer.token_to_id(t) for t in SPECIAL}
+    assert (
+        len(tiny.tokenizer.content_hash) == 64
+        and tiny.tokenizer.content_hash == Tokenizer.from_dir(tiny.path).content_hash
+    )
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -110,8 +104,8 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_eos_union_and_dict_tokens(tiny_dir: Path, tmp_path: Path) -> None:
-    d = _copy(tiny_dir, tmp_path / "m")
+def test_eos_union_and_dict_tokens(tiny: TinyModel, tmp_path: Path) -> None:
+    d = _copy(tiny.path, tmp_path / "m")
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["eos_token"] = {"content": "<|system|>", "lstrip": False, "__type": "AddedToken"}
     cfg["bos_token"] = {"content": "<|bos|>"}
@@ -121,11 +115,11 @@ def test_eos_union_and_dict_tokens(tiny_dir: Path, tmp_path: Path) -> None:
     tok = Tokenizer.from_dir(d)
     assert tok.eos_ids == {1, 2, 5, tok.token_to_id("<|system|>")}
     assert tok.eos_token == "<|system|>" and tok.bos_id == tok.token_to_id("<|bos|>")
-    assert tok.content_hash != Tokenizer.from_dir(tiny_dir).content_hash
+    assert tok.content_hash != Tokenizer.from_dir(tiny.path).content_hash
 
 
-def test_chat_template_sources(tiny_dir: Path, tmp_path: Path) -> None:
-    d = _copy(tiny_dir, tmp_path / "m")
+def test_chat_template_sources(tiny: TinyModel, tmp_path: Path) -> None:
+    d = _copy(tiny.path, tmp_path / "m")
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -156,8 +150,8 @@ def _one_sentence(err: SparkError) -> None:
         "bad_generation_config",
     ],
 )
-def test_bad_files_raise_tokenizer_error(tiny_dir: Path, tmp_path: Path, damage: str) -> None:
-    d = _copy(tiny_dir, tmp_path / "m")
+def test_bad_files_raise_tokenizer_error(tiny: TinyModel, tmp_path: Path, damage: str) -> None:
+    d = _copy(tiny.path, tmp_path / "m")
     if damage == "no_folder":
         d = tmp_path / "missing"
     elif damage == "no_tokenizer_json":
@@ -180,18 +174,18 @@ def test_bad_files_raise_tokenizer_error(tiny_dir: Path, tmp_path: Path, damage:
         assert "tokenizer.json" in str(err.value) and "SentencePiece" in str(err.value)
 
 
-def test_tokenizer_json_wins_over_sentencepiece(tiny_dir: Path, tmp_path: Path) -> None:
-    d = _copy(tiny_dir, tmp_path / "m")
+def test_tokenizer_json_wins_over_sentencepiece(tiny: TinyModel, tmp_path: Path) -> None:
+    d = _copy(tiny.path, tmp_path / "m")
     (d / "tokenizer.model").write_bytes(b"never read")
-    assert Tokenizer.from_dir(d).encode("hello", add_bos=False) == Tokenizer.from_dir(tiny_dir).encode(
+    assert Tokenizer.from_dir(d).encode("hello", add_bos=False) == Tokenizer.from_dir(tiny.path).encode(
         "hello", add_bos=False
     )
 
 
-def test_missing_optional_files_are_fine(tiny_dir: Path, tmp_path: Path) -> None:
+def test_missing_optional_files_are_fine(tiny: TinyModel, tmp_path: Path) -> None:
     d = tmp_path / "m"
     d.mkdir()
-    shutil.copy(tiny_dir / "tokenizer.json", d / "tokenizer.json")
+    shutil.copy(tiny.path / "tokenizer.json", d / "tokenizer.json")
     tok = Tokenizer.from_dir(d)
     assert tok.bos_id is None and tok.eos_ids == frozenset() and tok.chat_template is None
     assert tok.encode("hi") == tok.encode("hi", add_bos=True) == tok.encode("hi", add_bos=False)
@@ -202,9 +196,9 @@ def test_missing_optional_files_are_fine(tiny_dir: Path, tmp_path: Path) -> None
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_matches_transformers(
-    tiny: Tokenizer, hf_tiny, fallback: Tokenizer, fallback_dir: Path, text: str
+    tiny: TinyModel, hf_tiny, fallback: Tokenizer, fallback_dir: Path, text: str
 ) -> None:
-    assert tiny.encode(text, add_bos=False) == hf_tiny.encode(text, add_special_tokens=False)
+    assert tiny.tokenizer.encode(text, add_bos=False) == hf_tiny.encode(text, add_special_tokens=False)
     hf_fallback = transformers.AutoTokenizer.from_pretrained(str(fallback_dir))
     assert fallback.encode(text, add_bos=False) == hf_fallback.encode(text, add_special_tokens=False)
     if not text.startswith("<s>"):
@@ -214,17 +208,17 @@ def test_encode_matches_transformers(
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_add_bos_token_from_config(tiny: Tokenizer, hf_tiny, text: str) -> None:
+def test_add_bos_token_from_config(tiny: TinyModel, hf_tiny, text: str) -> None:
     # tiny's tokenizer_config says add_bos_token=true while its tokenizer.json has no post-processor; the config
     # flag decides (transformers 5 would follow the post-processor here and add nothing).
     plain = hf_tiny.encode(text, add_special_tokens=False)
-    expected = plain if plain[:1] == [tiny.bos_id] else [tiny.bos_id, *plain]
-    assert tiny.adds_bos
-    assert tiny.encode(text) == expected == tiny.encode(text, add_bos=True)
+    expected = plain if plain[:1] == [tiny.tokenizer.bos_id] else [tiny.tokenizer.bos_id, *plain]
+    assert tiny.tokenizer.adds_bos
+    assert tiny.tokenizer.encode(text) == expected == tiny.tokenizer.encode(text, add_bos=True)
 
 
-def test_bos_is_never_doubled(tiny: Tokenizer, fallback: Tokenizer) -> None:
-    for tok, bos in ((tiny, "<|bos|>"), (fallback, "<s>")):
+def test_bos_is_never_doubled(tiny: TinyModel, fallback: Tokenizer) -> None:
+    for tok, bos in ((tiny.tokenizer, "<|bos|>"), (fallback, "<s>")):
         once = tok.encode(f"{bos}hi")
         assert once[0] == tok.bos_id and once[1] != tok.bos_id
         assert tok.encode(f"{bos}hi", add_bos=True) == once
@@ -243,8 +237,8 @@ def test_add_bos_token_false_overrides_post_processor(fallback_dir: Path, tmp_pa
 
 @HYPOTHESIS
 @given(ids=st.lists(st.integers(0, 319), max_size=40), skip=st.booleans())
-def test_decode_matches_transformers(tiny: Tokenizer, hf_tiny, ids: list[int], skip: bool) -> None:
-    assert tiny.decode(ids, skip_special=skip) == hf_tiny.decode(ids, skip_special_tokens=skip)
+def test_decode_matches_transformers(tiny: TinyModel, hf_tiny, ids: list[int], skip: bool) -> None:
+    assert tiny.tokenizer.decode(ids, skip_special=skip) == hf_tiny.decode(ids, skip_special_tokens=skip)
 
 
 # --- streaming detokenizer ------------------------------------------------------------------------------------
@@ -260,8 +254,8 @@ def _stream(tok: Tokenizer, ids: list[int], skip: bool) -> list[str]:
 
 @HYPOTHESIS
 @given(ids=st.lists(st.integers(0, 319), max_size=60), skip=st.booleans())
-def test_stream_equals_decode_random_ids(tiny: Tokenizer, ids: list[int], skip: bool) -> None:
-    assert "".join(_stream(tiny, ids, skip)) == tiny.decode(ids, skip_special=skip)
+def test_stream_equals_decode_random_ids(tiny: TinyModel, ids: list[int], skip: bool) -> None:
+    assert "".join(_stream(tiny.tokenizer, ids, skip)) == tiny.tokenizer.decode(ids, skip_special=skip)
 
 
 def _byte_token_ids(tok: Tokenizer) -> dict[int, int]:
@@ -292,19 +286,19 @@ TEXT_ALPHABET = st.sampled_from(
 
 @HYPOTHESIS
 @given(parts=st.lists(TEXT_ALPHABET, max_size=40))
-def test_stream_never_emits_half_a_character(tiny: Tokenizer, fallback: Tokenizer, parts: list[str]) -> None:
+def test_stream_never_emits_half_a_character(tiny: TinyModel, fallback: Tokenizer, parts: list[str]) -> None:
     text = "".join(parts)
-    for tok in (tiny, fallback):
+    for tok in (tiny.tokenizer, fallback):
         ids = tok.encode(text, add_bos=False)
         chunks = _stream(tok, ids, skip=False)
         assert all("\ufffd" not in c for c in chunks)
         assert "".join(chunks) == tok.decode(ids, skip_special=False)
     # ByteLevel round-trips exactly; emoji and CJK arrive whole even though they span several byte tokens.
-    assert "".join(_stream(tiny, tiny.encode(text, add_bos=False), skip=False)) == text
+    assert "".join(_stream(tiny.tokenizer, tiny.tokenizer.encode(text, add_bos=False), skip=False)) == text
 
 
-def test_emoji_waits_for_its_last_byte(tiny: Tokenizer, fallback: Tokenizer) -> None:
-    for tok in (tiny, fallback):
+def test_emoji_waits_for_its_last_byte(tiny: TinyModel, fallback: Tokenizer) -> None:
+    for tok in (tiny.tokenizer, fallback):
         ids = tok.encode("🙂", add_bos=False)
         assert len(ids) > 1  # split over byte tokens
         decoder = tok.stream_decoder()
@@ -312,15 +306,15 @@ def test_emoji_waits_for_its_last_byte(tiny: Tokenizer, fallback: Tokenizer) -> 
         assert decoder.flush() == ""
 
 
-def test_incomplete_character_is_flushed_as_replacement(tiny: Tokenizer) -> None:
-    ids = tiny.encode("ok🙂", add_bos=False)[:-1]
-    decoder = tiny.stream_decoder()
+def test_incomplete_character_is_flushed_as_replacement(tiny: TinyModel) -> None:
+    ids = tiny.tokenizer.encode("ok🙂", add_bos=False)[:-1]
+    decoder = tiny.tokenizer.stream_decoder()
     emitted = "".join(decoder.add(i) for i in ids)
     assert emitted == "ok"
-    assert emitted + decoder.flush() == tiny.decode(ids)
+    assert emitted + decoder.flush() == tiny.tokenizer.decode(ids)
 
 
-def test_stream_work_per_token_is_bounded(tiny: Tokenizer) -> None:
+def test_stream_work_per_token_is_bounded(tiny: TinyModel) -> None:
     """Each add() decodes a small window, never the whole history (the reply here is ~3000 tokens)."""
 
     class CountingBackend:
@@ -332,9 +326,9 @@ def test_stream_work_per_token_is_bounded(tiny: Tokenizer) -> None:
             self.longest = max(self.longest, len(ids))
             return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    ids = tiny.encode(TOKENIZER_TEXT * 3, add_bos=False)
-    backend = CountingBackend(tiny._backend)
-    decoder = StreamingDetokenizer(backend, True, tiny.special_ids)  # type: ignore[arg-type]
+    ids = tiny.tokenizer.encode(TOKENIZER_TEXT * 3, add_bos=False)
+    backend = CountingBackend(tiny.tokenizer._backend)
+    decoder = StreamingDetokenizer(backend, True, tiny.tokenizer.special_ids)  # type: ignore[arg-type]
     text = "".join(decoder.add(i) for i in ids) + decoder.flush()
-    assert len(ids) > 2000 and text == tiny.decode(ids)
+    assert len(ids) > 2000 and text == tiny.tokenizer.decode(ids)
     assert backend.longest <= 8

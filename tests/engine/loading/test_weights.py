@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -16,13 +15,9 @@ from engine.backends.torch_backend import TorchBackend
 from engine.errors import ModelLoadError
 from engine.loading.weights import load_model, read_safetensors_header
 from engine.memory.base import FullAttentionMemory
-from tests.helpers.gguf_files import write_gguf
+from tests.helpers.fixtures import TinyModel
+from tests.helpers.gguf_files import with_tensor_as, write_gguf
 from tests.helpers.tiny import make_tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("m"))
 
 
 def copy_model(src: Path, dst: Path) -> Path:
@@ -38,24 +33,24 @@ def one_sentence(exc: BaseException) -> str:
     return msg
 
 
-def test_fp32_weights_are_views_of_the_file_not_copies(tiny: Path) -> None:
-    loaded = load_model(tiny)
-    table = {t.name: t for t in read_safetensors_header(tiny / "model.safetensors")}
+def test_fp32_weights_are_views_of_the_file_not_copies(tiny: TinyModel) -> None:
+    loaded = load_model(tiny.path)
+    table = {t.name: t for t in read_safetensors_header(tiny.path / "model.safetensors")}
     state = loaded.model.state_dict()
     a, b = "model.embed_tokens.weight", "model.norm.weight"
     # Both tensors live in one mapping of the file: their addresses differ exactly by their file offsets.
     assert state[b].data_ptr() - state[a].data_ptr() == table[b].start - table[a].start
 
 
-def test_fingerprint_is_stable_and_content_sensitive(tiny: Path, tmp_path: Path) -> None:
-    assert load_model(tiny).fingerprint == load_model(tiny).fingerprint
+def test_fingerprint_is_stable_and_content_sensitive(tiny: TinyModel, tmp_path: Path) -> None:
+    assert load_model(tiny.path).fingerprint == load_model(tiny.path).fingerprint
     other = make_tiny_model(tmp_path / "other", seed=1)  # same shapes, other weights
-    assert load_model(other).fingerprint != load_model(tiny).fingerprint
+    assert load_model(other).fingerprint != load_model(tiny.path).fingerprint
 
 
-def test_sharded_checkpoint_loads(tiny: Path, tmp_path: Path) -> None:
-    d = copy_model(tiny, tmp_path / "sharded")
-    state = load_model(tiny).model.state_dict()
+def test_sharded_checkpoint_loads(tiny: TinyModel, tmp_path: Path) -> None:
+    d = copy_model(tiny.path, tmp_path / "sharded")
+    state = load_model(tiny.path).model.state_dict()
     names = sorted(state)
     halves = [names[: len(names) // 2], names[len(names) // 2 :]]
     weight_map = {}
@@ -65,7 +60,7 @@ def test_sharded_checkpoint_loads(tiny: Path, tmp_path: Path) -> None:
         weight_map.update({n: fname for n in part})
     (d / "model.safetensors").unlink()
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    a, b = load_model(d).model, load_model(tiny).model
+    a, b = load_model(d).model, load_model(tiny.path).model
     assert all(torch.equal(a.state_dict()[n], b.state_dict()[n]) for n in names)
 
 
@@ -86,16 +81,18 @@ def test_sharded_checkpoint_loads(tiny: Path, tmp_path: Path) -> None:
         ("missing_shard", "missing shard"),
     ],
 )
-def test_bad_model_folders_give_one_clear_sentence(tiny: Path, tmp_path: Path, breakage: str, expected: str) -> None:
+def test_bad_model_folders_give_one_clear_sentence(
+    tiny: TinyModel, tmp_path: Path, breakage: str, expected: str
+) -> None:
     target = tmp_path / "model"
     if breakage == "missing_folder":
         pass
     elif breakage == "file_not_folder":
         target.write_text("hello")
     else:
-        copy_model(tiny, target)
+        copy_model(tiny.path, target)
         st = target / "model.safetensors"
-        state = load_model(tiny).model.state_dict()
+        state = load_model(tiny.path).model.state_dict()
         if breakage == "no_config":
             (target / "config.json").unlink()
         elif breakage == "bad_config_json":
@@ -130,8 +127,8 @@ def test_bad_model_folders_give_one_clear_sentence(tiny: Path, tmp_path: Path, b
     assert expected in one_sentence(err.value)
 
 
-def test_pickle_files_are_never_opened(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    d = copy_model(tiny, tmp_path / "both")
+def test_pickle_files_are_never_opened(tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = copy_model(tiny.path, tmp_path / "both")
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04malicious")
     import pickle
 
@@ -144,7 +141,7 @@ def test_pickle_files_are_never_opened(tiny: Path, tmp_path: Path, monkeypatch: 
     load_model(d)  # safetensors wins; the .bin is ignored
 
 
-def test_header_reader_rejects_offsets_past_the_end(tiny: Path, tmp_path: Path) -> None:
+def test_header_reader_rejects_offsets_past_the_end(tiny: TinyModel, tmp_path: Path) -> None:
     st = tmp_path / "x.safetensors"
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     st.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
@@ -178,31 +175,6 @@ def test_gguf_block_matrices_run_as_stored_without_an_fp32_copy(tiny256: Path, t
     after_fp32 = TorchBackend(path, "cpu", quantize="auto", stored=load_model(path).stored)
     assert torch.equal(cpu_logits(direct), cpu_logits(after_fp32))
     assert direct.weight_bytes == after_fp32.weight_bytes
-
-
-def with_tensor_as(path: Path, out: Path, name: str, kind: Any) -> Path:
-    """A copy of the GGUF at `path` with tensor `name` re-quantized to `kind` (a gguf.GGMLQuantizationType)."""
-    import gguf
-
-    r = gguf.GGUFReader(path)
-    w = gguf.GGUFWriter(str(out), str(r.fields["general.architecture"].contents()))
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue  # written by the writer itself
-        vtype = f.types[0]
-        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    for t in r.tensors:
-        if t.name == name:
-            w.add_tensor(
-                t.name, gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind), raw_dtype=kind
-            )
-        else:
-            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 @pytest.mark.parametrize("kind", ["q2_k", "mixed"])

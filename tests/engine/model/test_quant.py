@@ -22,9 +22,9 @@ from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.loading.gguf import unpermute_rows
 from engine.loading.model_files import gguf_model
-from engine.memory.base import FullAttentionMemory
 from engine.model.quant import BlockType, StoredTensor, check_stored, dequantize, quantize
 from engine.session.engine import Engine
+from tests.helpers.quant_blocks import IDS, logits_of
 from tests.helpers.real_model import real_gguf, real_model_dir
 from tests.helpers.tiny import make_tiny_model
 
@@ -79,18 +79,6 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("quant-qwen"), "qwen2", tie=True)  # q/k/v biases, tied head
-
-
-def logits_of(b: TorchBackend, ids: list[int]) -> torch.Tensor:
-    """Prefill 24 tokens in chunks, then decode the rest one at a time (the native step): (n, V)."""
-    from engine.generation.loop import decode_step, prefill
-
-    b.allocate(1, 64)
-    mem = FullAttentionMemory(b)
-    return torch.stack([prefill(b, mem, ids[:24], chunk=8)] + [decode_step(b, mem, t) for t in ids[24:]])
-
-
-IDS = [3 + (i * 37) % 290 for i in range(40)]
 
 
 @pytest.fixture(scope="module")

@@ -35,15 +35,11 @@ from engine.session.file import (
     verify_session,
 )
 from tests.engine.session.session_helpers import decode, feed, greedy, seeded, v1_meta, write_v1
+from tests.helpers.fixtures import TinyModel
 from tests.helpers.tiny import make_tiny_model
 
 SLOTS = 96
 PROMPT = [1, 17, 42, 99, 7, 250, 3, 64, 128, 5]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -218,21 +214,21 @@ def _continue_equals_uninterrupted(
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-def test_restore_and_continue_is_exact_on_fp16_kv(tiny: Path, tmp_path: Path, sampled: bool) -> None:
+def test_restore_and_continue_is_exact_on_fp16_kv(tiny: TinyModel, tmp_path: Path, sampled: bool) -> None:
     # An fp16 slot table (as on Core ML and MPS) round-trips through the canonical fp16 file bit for bit.
-    reference, resumed = _continue_equals_uninterrupted(tiny, tmp_path, torch.float16, sampled)
+    reference, resumed = _continue_equals_uninterrupted(tiny.path, tmp_path, torch.float16, sampled)
     assert resumed == reference
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-def test_restore_and_continue_on_fp32_cpu(tiny: Path, tmp_path: Path, sampled: bool) -> None:
+def test_restore_and_continue_on_fp32_cpu(tiny: TinyModel, tmp_path: Path, sampled: bool) -> None:
     # The CPU backend computes KV in fp32 and the file keeps canonical fp16, so continuation equality holds only up
     # to fp16 rounding of the cached KV; this tiny model has no near-ties within that tolerance.
-    reference, resumed = _continue_equals_uninterrupted(tiny, tmp_path, torch.float32, sampled)
+    reference, resumed = _continue_equals_uninterrupted(tiny.path, tmp_path, torch.float32, sampled)
     assert resumed == reference
 
 
-def test_restore_and_continue_with_the_engine_sampler(tiny: Path, tmp_path: Path) -> None:
+def test_restore_and_continue_with_the_engine_sampler(tiny: TinyModel, tmp_path: Path) -> None:
     """Seeded sampling through engine.generation.sampling: its get_state() goes into the file, set_state() resumes the stream."""
     from engine.generation.sampling import SamplingSettings, make_sampler
 
@@ -241,11 +237,11 @@ def test_restore_and_continue_with_the_engine_sampler(tiny: Path, tmp_path: Path
     def pick_with(sampler) -> Callable[[torch.Tensor], int]:  # type: ignore[no-untyped-def]
         return lambda logits: int(sampler(logits)[0])
 
-    ref_backend = open_cpu(tiny, torch.float16)
+    ref_backend = open_cpu(tiny.path, torch.float16)
     ref_mem = FullAttentionMemory(ref_backend)
     reference = decode(ref_backend, ref_mem, feed(ref_backend, ref_mem, PROMPT), 14, pick_with(make_sampler(settings)))
 
-    backend = open_cpu(tiny, torch.float16)
+    backend = open_cpu(tiny.path, torch.float16)
     memory = FullAttentionMemory(backend)
     sampler = make_sampler(settings)
     first = decode(backend, memory, feed(backend, memory, PROMPT), 6, pick_with(sampler))
@@ -258,7 +254,7 @@ def test_restore_and_continue_with_the_engine_sampler(tiny: Path, tmp_path: Path
         sampler_state=sampler.get_state(),
     )
 
-    fresh = open_cpu(tiny, torch.float16)
+    fresh = open_cpu(tiny.path, torch.float16)
     restored = restore(path, fresh, FullAttentionMemory)
     assert isinstance(restored, RestoredSession)
     resumed = make_sampler(
@@ -269,8 +265,8 @@ def test_restore_and_continue_with_the_engine_sampler(tiny: Path, tmp_path: Path
     assert first + rest == reference
 
 
-def test_foreign_model_is_reported_and_nothing_applied(tiny: Path, other_tiny: Path, tmp_path: Path) -> None:
-    backend = open_cpu(tiny)
+def test_foreign_model_is_reported_and_nothing_applied(tiny: TinyModel, other_tiny: Path, tmp_path: Path) -> None:
+    backend = open_cpu(tiny.path)
     memory = FullAttentionMemory(backend)
     feed(backend, memory, PROMPT)
     path = tmp_path / "chat.spark"
@@ -286,8 +282,8 @@ def test_foreign_model_is_reported_and_nothing_applied(tiny: Path, other_tiny: P
     assert isinstance(outcome, ForeignModelSession) and "tokenizer" in outcome.reason
 
 
-def test_restore_refuses_kv_of_another_shape_before_touching_anything(tiny: Path, tmp_path: Path) -> None:
-    backend = open_cpu(tiny)
+def test_restore_refuses_kv_of_another_shape_before_touching_anything(tiny: TinyModel, tmp_path: Path) -> None:
+    backend = open_cpu(tiny.path)
     path = tmp_path / "chat.spark"
     meta, _ = kv_state(4)
     bad = {"k": torch.zeros(3, 2, 4, 16, dtype=torch.float16), "v": torch.zeros(3, 2, 4, 16, dtype=torch.float16)}
@@ -298,8 +294,8 @@ def test_restore_refuses_kv_of_another_shape_before_touching_anything(tiny: Path
     assert torch.equal(backend.cache.k, before[0]) and torch.equal(backend.cache.v, before[1])
 
 
-def test_restore_of_a_conversation_too_long_for_the_cache_is_one_clear_error(tiny: Path, tmp_path: Path) -> None:
-    backend = open_cpu(tiny)
+def test_restore_of_a_conversation_too_long_for_the_cache_is_one_clear_error(tiny: TinyModel, tmp_path: Path) -> None:
+    backend = open_cpu(tiny.path)
     path = tmp_path / "chat.spark"
     tokens = [5] * (SLOTS + 4)
     kv = torch.zeros(2, 2, len(tokens), 16, dtype=torch.float16)
@@ -313,10 +309,10 @@ def test_restore_of_a_conversation_too_long_for_the_cache_is_one_clear_error(tin
 # -- older versions ------------------------------------------------------------------------------------------------
 
 
-def test_v1_file_opens_migrated_and_continues(tiny: Path, tmp_path: Path) -> None:
-    backend = open_cpu(tiny)
+def test_v1_file_opens_migrated_and_continues(tiny: TinyModel, tmp_path: Path) -> None:
+    backend = open_cpu(tiny.path)
     memory = FullAttentionMemory(backend)
-    reference_backend = open_cpu(tiny)
+    reference_backend = open_cpu(tiny.path)
     reference_memory = FullAttentionMemory(reference_backend)
     reference = decode(
         reference_backend, reference_memory, feed(reference_backend, reference_memory, PROMPT), 10, greedy
@@ -333,7 +329,7 @@ def test_v1_file_opens_migrated_and_continues(tiny: Path, tmp_path: Path) -> Non
     assert data.sampler_state == SAMPLER_STATE and data.system_prompt == "Be brief."
     assert inspect_session(path)["format_version"] == 1
 
-    fresh = open_cpu(tiny)
+    fresh = open_cpu(tiny.path)
     restored = restore(path, fresh, FullAttentionMemory)
     assert isinstance(restored, RestoredSession)
     rest = decode(fresh, restored.memory, feed(fresh, restored.memory, [first[-1]]), 6, greedy)
@@ -401,8 +397,8 @@ def test_directory_empty_and_missing_files_are_named(tmp_path: Path) -> None:
         save_small(tmp_path)
 
 
-def test_corrupt_file_leaves_the_live_conversation_alone(tiny: Path, tmp_path: Path) -> None:
-    backend = open_cpu(tiny)
+def test_corrupt_file_leaves_the_live_conversation_alone(tiny: TinyModel, tmp_path: Path) -> None:
+    backend = open_cpu(tiny.path)
     live = FullAttentionMemory(backend)
     feed(backend, live, PROMPT)
     snapshot = (backend.cache.k.clone(), backend.cache.v.clone(), list(live.tokens))

@@ -18,9 +18,8 @@ from engine.backends.torch_backend import TorchBackend
 from engine.bench.gguf_export import FILE_TYPES, export_gguf
 from engine.loading.model_files import gguf_model
 from engine.model.quant import BlockType
-from tests.engine.loading.test_weights import with_tensor_as
-from tests.engine.model.test_quant import IDS, logits_of
-from tests.helpers.gguf_files import write_gguf
+from tests.helpers.gguf_files import with_tensor_as, write_gguf
+from tests.helpers.quant_blocks import IDS, logits_of
 from tests.helpers.tiny import make_tiny_model
 
 SUPER = 256  # weights per K-quant super-block

@@ -20,7 +20,7 @@ from engine.backends.native import SOURCE, NativeKernels, _compiler, bind, build
 from engine.backends.native.decoder import NativeBlockEmbedding, NativeBlockLinear
 from engine.model.quant import LEVELS, BlockType, k3_scales, k4_scales, k6_quants, tq1_trits
 from tests.engine.backends.native.test_native import X86, has_cpu_flags, quantize_activation
-from tests.engine.model.test_quant_types import random_blocks
+from tests.helpers.quant_blocks import random_blocks
 
 F32 = np.float32
 TYPES = [t for t in BlockType if t.name not in ("Q8_0", "Q4_0", "Q4_1")]

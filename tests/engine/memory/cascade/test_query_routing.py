@@ -18,19 +18,11 @@ from engine.memory.cascade import CascadeConfig, CascadeMemory
 from engine.memory.cascade.core import TAIL_STEP, TAIL_STEPS
 from engine.model.config import ModelConfig
 from tests.engine.memory.cascade.helpers import feed, greedy, random_ids
+from tests.helpers.steered import SteeredBackend
 from tests.helpers.timers import NativeStepCounter
 from tests.helpers.tiny import make_tiny_model
 
 DATA = Path(__file__).parent / "data"
-
-
-class SteeredBackend(TorchBackend):
-    """A test double whose query summary is set by the test (None: the real one)."""
-
-    steer: torch.Tensor | None = None  # (1, L, Hkv, D)
-
-    def query_summary(self) -> torch.Tensor:
-        return self.steer.clone() if self.steer is not None else super().query_summary()
 
 
 def test_summary_is_the_mean_pre_rope_query_of_each_kv_group(tiny_model: Path) -> None:

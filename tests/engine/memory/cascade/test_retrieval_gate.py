@@ -11,7 +11,7 @@ import torch
 from engine.memory.cascade import CascadeConfig, CascadeMemory
 from engine.memory.cascade.episodic import bound_scores, key_bounds
 from tests.engine.memory.cascade.helpers import feed, random_ids
-from tests.engine.memory.cascade.test_query_routing import SteeredBackend
+from tests.helpers.steered import SteeredBackend
 
 GATED = CascadeConfig(sink_tokens=4, window=32, block_size=8, retrieval_blocks=2, routing="token", proxy_tokens=1)
 

@@ -4,7 +4,7 @@
     BUNDLE/chunk_<i>.mlpackage    decoder layers [first, last) of chunk i (multifunction: prefill/prefill_8/decode)
     BUNDLE/head.mlpackage         final norm + LM head split ≤ 16384 classes (same functions)
     BUNDLE/embed.bin              the input embedding, raw fp16 (V, C), only when it is not tied to the LM head
-    BUNDLE/<name>.mlmodelc        compiled programs, made once on a Mac (coreml.runtime) or shipped by `make app`
+    BUNDLE/<name>.mlmodelc        compiled programs, made once on a Mac (runtime) or shipped by `make app`
 
 File names are fixed: nothing read from bundle.json becomes a path.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coreml.errors import PackageError
-from coreml.package import Package
+from engine.backends.coreml.errors import PackageError
+from engine.backends.coreml.package import Package
 from engine.model.config import ModelConfig
 
 MANIFEST = "bundle.json"

@@ -1,6 +1,6 @@
 """A runtime that never answers: a Core ML load or prediction past its bound is abandoned with one sentence, the
 registry falls back to the next backend saying why, and remembers it for that model. Off-Mac through a fake
-runtime that hangs (tests/coreml/fake_coreml.py); the compute plan, which only macOS provides, in `mac` tests."""
+runtime that hangs (tests/helpers/fake_coreml.py); the compute plan, which only macOS provides, in `mac` tests."""
 
 from __future__ import annotations
 
@@ -11,14 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from coreml.runtime import CoreMLBackend
-from coreml.watchdog import Health, RuntimeHung, Watchdog
+from coreml.convert import cached_bundle
 from engine.backends import REGISTRY, BackendEntry, open_backend
 from engine.backends.base import Backend, BackendProbe
+from engine.backends.coreml.runtime import CoreMLBackend
+from engine.backends.coreml.watchdog import Health, RuntimeHung, Watchdog
 from engine.backends.memo import MEMO_NAME, BackendMemo
 from engine.memory.base import FullAttentionMemory
-from tests.coreml.fake_coreml import HangingLoader
-from tests.coreml.helpers import SLOTS, feed, prompt_ids
+from tests.helpers.coreml_bundles import feed, prompt_ids
+from tests.helpers.coreml_fixtures import SLOTS
+from tests.helpers.fake_coreml import HangingLoader
 
 BOUND = 0.2  # seconds a call may take before it counts as hung (the fake hangs until released)
 
@@ -53,12 +55,12 @@ def test_a_call_past_its_bound_is_abandoned_and_the_runtime_refuses_after(releas
 
 
 def test_a_core_ml_load_that_never_returns_is_refused_in_one_sentence(
-    tied_dir: Path, default_bundle: Path, cache_root: Path
+    coreml_tied_dir: Path, default_bundle: Path, coreml_cache: Path
 ) -> None:
     loader = HangingLoader(hang_load=True)
     try:
         backend = CoreMLBackend(
-            tied_dir, cache_dir=cache_root, loader=loader, watchdog=Watchdog(load_s=BOUND, predict_s=BOUND)
+            coreml_tied_dir, cache_dir=coreml_cache, loader=loader, watchdog=Watchdog(load_s=BOUND, predict_s=BOUND)
         )
         with pytest.raises(RuntimeHung) as e:
             backend.allocate(1, SLOTS)
@@ -68,14 +70,17 @@ def test_a_core_ml_load_that_never_returns_is_refused_in_one_sentence(
 
 
 def test_a_prediction_that_never_returns_is_refused_and_remembered(
-    tied_dir: Path, default_bundle: Path, cache_root: Path, tmp_path: Path
+    coreml_tied_dir: Path, default_bundle: Path, coreml_cache: Path, tmp_path: Path
 ) -> None:
     loader = HangingLoader(hang_load=False)
     memo = BackendMemo(tmp_path)
-    health = Health(on_hang=lambda reason: memo.avoid(tied_dir, "coreml", reason))
+    health = Health(on_hang=lambda reason: memo.avoid(coreml_tied_dir, "coreml", reason))
     try:
         backend = CoreMLBackend(
-            tied_dir, cache_dir=cache_root, loader=loader, watchdog=Watchdog(health, load_s=60, predict_s=BOUND)
+            coreml_tied_dir,
+            cache_dir=coreml_cache,
+            loader=loader,
+            watchdog=Watchdog(health, load_s=60, predict_s=BOUND),
         )
         backend.allocate(1, SLOTS)
         ids = prompt_ids(8, backend.config.vocab_size)
@@ -84,13 +89,13 @@ def test_a_prediction_that_never_returns_is_refused_and_remembered(
         with pytest.raises(RuntimeHung) as e:
             feed(backend, FullAttentionMemory(backend), ids)
         assert "a prediction" in one_sentence(e.value)
-        assert memo.avoided(tied_dir) == {"coreml": str(e.value)}
+        assert memo.avoided(coreml_tied_dir) == {"coreml": str(e.value)}
     finally:
         loader.release.set()
 
 
 def test_auto_falls_back_past_a_hung_runtime_and_remembers_it_for_the_model(
-    tied_dir: Path, tmp_path: Path, release: threading.Event
+    coreml_tied_dir: Path, tmp_path: Path, release: threading.Event
 ) -> None:
     opened: list[str] = []
 
@@ -101,26 +106,26 @@ def test_auto_falls_back_past_a_hung_runtime_and_remembers_it_for_the_model(
 
     registry = {**REGISTRY, "coreml": BackendEntry(lambda: BackendProbe("coreml", True, ""), hanging_open)}
     memo = BackendMemo(tmp_path)
-    first = open_backend(tied_dir, "auto", memo=memo, registry=registry)
+    first = open_backend(coreml_tied_dir, "auto", memo=memo, registry=registry)
     assert first.backend.name == "cpu" and opened == ["coreml"]
     assert "coreml: Core ML did not finish loading the model" in first.explain()
     assert (tmp_path / MEMO_NAME).is_file()
-    second = open_backend(tied_dir, "auto", memo=memo, registry=registry)
+    second = open_backend(coreml_tied_dir, "auto", memo=memo, registry=registry)
     assert second.backend.name == "cpu" and opened == ["coreml"]  # not tried again: no second hang
     assert "earlier on this model: Core ML did not finish loading" in second.explain()
 
 
-def test_a_damaged_memo_is_no_memo(tmp_path: Path, tied_dir: Path) -> None:
+def test_a_damaged_memo_is_no_memo(tmp_path: Path, coreml_tied_dir: Path) -> None:
     for text in ("{not json", "[1, 2]", '{"x": 5}', "[" * 100_000):
         (tmp_path / MEMO_NAME).write_text(text)
-        assert BackendMemo(tmp_path).avoided(tied_dir) == {}
-    BackendMemo(tmp_path).avoid(tied_dir, "coreml", "why")
-    assert BackendMemo(tmp_path).avoided(tied_dir) == {"coreml": "why"}
+        assert BackendMemo(tmp_path).avoided(coreml_tied_dir) == {}
+    BackendMemo(tmp_path).avoid(coreml_tied_dir, "coreml", "why")
+    assert BackendMemo(tmp_path).avoided(coreml_tied_dir) == {"coreml": "why"}
 
 
 @pytest.mark.mac
-def test_the_compute_plan_says_which_units_run_the_model(tied_dir: Path, cache_root: Path) -> None:
-    backend = CoreMLBackend(tied_dir, cache_dir=cache_root)
+def test_the_compute_plan_says_which_units_run_the_model(coreml_tied_dir: Path, coreml_cache: Path) -> None:
+    backend = CoreMLBackend(coreml_tied_dir, cache_dir=coreml_cache, convert=cached_bundle)
     backend.allocate(1, SLOTS)
     plan = backend.compute_devices()
     assert plan is not None and plan
@@ -128,5 +133,5 @@ def test_the_compute_plan_says_which_units_run_the_model(tied_dir: Path, cache_r
         assert abs(sum(shares.values()) - 1.0) < 1e-6
 
 
-def test_without_a_loaded_bundle_there_is_no_compute_plan(tied_dir: Path) -> None:
-    assert CoreMLBackend(tied_dir, loader=HangingLoader()).compute_devices() is None
+def test_without_a_loaded_bundle_there_is_no_compute_plan(coreml_tied_dir: Path) -> None:
+    assert CoreMLBackend(coreml_tied_dir, loader=HangingLoader()).compute_devices() is None

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 from coremltools.proto import MIL_pb2
 
-from coreml.bundle import EMBED_FILE, HEAD, Bundle
-from coreml.errors import PackageError
-from coreml.milblob import (
+from engine.backends.coreml.bundle import EMBED_FILE, HEAD, Bundle
+from engine.backends.coreml.errors import PackageError
+from engine.backends.coreml.milblob import (
     SUB_BYTE_BITS,
     BlobFile,
     dtype_name,
@@ -22,7 +22,7 @@ from coreml.milblob import (
     tensor_shape,
     unpack_bits,
 )
-from coreml.wrapper import strip_var_suffix
+from engine.backends.coreml.programs import strip_var_suffix
 
 
 @dataclass

@@ -15,9 +15,9 @@ import threading
 
 import numpy as np
 
-from coreml.bundle import Bundle
 from coreml.interpreter import Interpreter
-from coreml.runtime import BRIDGE_STATE_DTYPES
+from engine.backends.coreml.bundle import Bundle
+from engine.backends.coreml.runtime import BRIDGE_STATE_DTYPES
 
 
 class BridgeError(RuntimeError):

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from coremltools.proto import MIL_pb2
 
-from coreml.errors import PackageError
+from engine.backends.coreml.errors import PackageError
 
 BLOB_SENTINEL = 0xDEADBEEF
 BLOB_VERSION = 2

@@ -12,6 +12,7 @@ from engine.generation.loop import GenerationSettings, stream_generate
 from engine.generation.sampling import SamplingSettings
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory
+from tests.helpers.fixtures import TinyModel
 from tests.helpers.tiny import make_tiny_model
 
 GREEDY = SamplingSettings(greedy=True)
@@ -29,8 +30,8 @@ def prompts(tok: Tokenizer) -> list[list[int]]:
     return [ids[:n] for n in (1, 3, 7, 12, len(ids), 5, 2, 9)]
 
 
-def test_batched_equals_alone_greedy(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_batched_equals_alone_greedy(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     settings = GenerationSettings(max_tokens=12, sampling=GREEDY, prefill_chunk=4)
     ps = prompts(tok)
     got = generate_batch(backend.fork(), tok, ps, settings, max_batch=8)
@@ -40,8 +41,8 @@ def test_batched_equals_alone_greedy(tiny: tuple[TorchBackend, Tokenizer]) -> No
         assert c.finish_reason in ("stop", "length")
 
 
-def test_bucketed_groups_and_text_prompts(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_bucketed_groups_and_text_prompts(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     settings = GenerationSettings(max_tokens=6, sampling=GREEDY, prefill_chunk=256)
     texts = ["Memory cascade", "def main():", "The quick brown fox jumps over", "Python"]
     got = generate_batch(backend.fork(), tok, texts, settings, max_batch=3)  # two buckets: 3 + 1 rows
@@ -49,17 +50,17 @@ def test_bucketed_groups_and_text_prompts(tiny: tuple[TorchBackend, Tokenizer]) 
     assert [c.text for c in got] == [tok.decode(c.tokens) for c in got]
 
 
-def test_seeded_rows_draw_their_own_streams(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_seeded_rows_draw_their_own_streams(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     settings = GenerationSettings(max_tokens=8, sampling=SamplingSettings(temperature=1.5, seed=7), prefill_chunk=3)
     ps = prompts(tok)[:4]
     got = generate_batch(backend.fork(), tok, ps, settings)
     assert [c.tokens for c in got] == [alone(backend, tok, p, settings) for p in ps]
 
 
-def test_padding_is_harmless(tiny: tuple[TorchBackend, Tokenizer]) -> None:
+def test_padding_is_harmless(tiny: TinyModel) -> None:
     """Rows fed nothing or fewer tokens stay finite and leave other rows' logits unchanged."""
-    backend, _tok = tiny
+    backend = tiny.backend
     b = backend.fork()
     b.allocate(3, 17)
     view = RowView(b)
@@ -76,12 +77,12 @@ def test_padding_is_harmless(tiny: tuple[TorchBackend, Tokenizer]) -> None:
     torch.testing.assert_close(logits[1], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_batched_cascade_equals_alone(tiny: tuple[TorchBackend, Tokenizer]) -> None:
+def test_batched_cascade_equals_alone(tiny: TinyModel) -> None:
     """Each row's own cascade (evicting, paging episodic blocks) gives the tokens of a lone cascade run."""
     from engine.memory.cascade.config import CascadeConfig
     from engine.memory.cascade.core import CascadeMemory
 
-    backend, tok = tiny
+    backend, tok = tiny.backend, tiny.tokenizer
     cfg = CascadeConfig(
         sink_tokens=2, window=16, block_size=4, retrieval_blocks=2, routing="hybrid", proxy_tokens=4, reroute_every=4
     )
@@ -128,8 +129,8 @@ class _RecordingBackend:
         return getattr(self._inner, name)
 
 
-def test_forwards_run_only_up_to_the_last_busy_row(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_forwards_run_only_up_to_the_last_busy_row(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     b = backend.fork()
     b.allocate(4, 65)
     view = RowView(b)

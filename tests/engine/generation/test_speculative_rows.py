@@ -11,6 +11,7 @@ from engine.generation.scheduler import Request, Scheduler, SchedulerConfig
 from engine.generation.speculative import Speculation
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory
+from tests.helpers.fixtures import TinyModel
 
 GREEDY = SamplingSettings(greedy=True)
 # Repeats, so that prompt lookup finds n-grams to draft from (the tiny model's greedy replies repeat too).
@@ -38,8 +39,8 @@ def alone(backend: TorchBackend, tok: Tokenizer, ids: list[int], s: GenerationSe
     ]
 
 
-def test_batch_rows_speculate_and_give_plain_tokens(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_batch_rows_speculate_and_give_plain_tokens(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     ids = tok.encode(TEXT)
     ps = [ids, ids[:9], ids[-7:]]
     s = speculating(24)
@@ -54,8 +55,8 @@ def test_batch_rows_speculate_and_give_plain_tokens(tiny: tuple[TorchBackend, To
         assert c.forwards + c.accepted_tokens == len(c.tokens) - 1 or c.finish_reason == "stop"
 
 
-def test_scheduler_mixes_speculating_and_plain_rows(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_scheduler_mixes_speculating_and_plain_rows(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     ids = tok.encode(TEXT)
     jobs = [(ids, speculating(20)), (ids[:11], plain(20)), (ids[-9:], speculating(16, drafts=7))]
     with Scheduler(backend.fork(), tok, SchedulerConfig(max_batch=3, num_slots=128)) as sched:
@@ -68,8 +69,8 @@ def test_scheduler_mixes_speculating_and_plain_rows(tiny: tuple[TorchBackend, To
     assert done[0].drafted_tokens + done[2].drafted_tokens > 0
 
 
-def test_a_rows_controller_keeps_what_it_measured_for_the_next_reply(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_a_rows_controller_keeps_what_it_measured_for_the_next_reply(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     ids = tok.encode(TEXT)
     adaptive = GenerationSettings(max_tokens=24, sampling=GREEDY, prefill_chunk=4, speculative=Speculation.LOOKUP)
     with Scheduler(backend.fork(), tok, SchedulerConfig(max_batch=1, num_slots=128)) as sched:

@@ -1,5 +1,5 @@
-"""Shared converted bundles: conversion is the slow part, so each variant is converted once per session and every
-test reads the same bundle. Tiny checkpoints only (tests/helpers/tiny.py); the real-model tests are in
+"""Shared converted bundles (loaded by the root conftest, `pytest_plugins`): conversion is the slow part, so each
+variant is converted once per session and every test reads the same bundle. Tiny checkpoints only (tests/helpers/tiny.py); the real-model tests are in
 test_real_model.py."""
 
 from __future__ import annotations
@@ -12,9 +12,26 @@ import torch
 
 from engine.model.config import ModelConfig
 from engine.model.network import Transformer
-from tests.coreml.helpers import SLOTS, VARIANTS
 from tests.helpers.real_model import real_gguf
 from tests.helpers.tiny import make_tiny_model
+
+# Slot table of the shared bundles: full-attention parity (75-token prompt + 64 decode steps) fits, and so does
+# the cascade geometry used by the paging test (4 sinks + 3x16 retrieval + 96 window = 148 -> 160).
+SLOTS = 160
+# Forces the fp16 bundle of the 2-layer tiny model into two layer chunks (one layer is ~295 KB of fp16 weights).
+TWO_CHUNKS = 300_000
+# variant -> (quantize, compute units, tied embeddings, max chunk bytes)
+VARIANTS: dict[str, tuple[str, str, bool, int | None]] = {
+    "none": ("none", "CPU_AND_NE", False, TWO_CHUNKS),
+    "int8": ("int8", "CPU_AND_NE", True, None),
+    "int4": ("int4", "CPU_AND_GPU", True, None),
+    "lut4": ("lut4", "CPU_AND_NE", True, None),
+    "lut6": ("lut6", "CPU_AND_NE", True, None),
+}
+
+
+def model_dir_of(variant: str, tiny_dir: Path, tied_dir: Path) -> Path:
+    return tied_dir if VARIANTS[variant][2] else tiny_dir
 
 
 def _tiny(root: Path, tie: bool) -> Path:
@@ -23,33 +40,35 @@ def _tiny(root: Path, tie: bool) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def coreml_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny(tmp_path_factory.mktemp("coreml") / "tiny", tie=False)
 
 
 @pytest.fixture(scope="session")
-def tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def coreml_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny(tmp_path_factory.mktemp("coreml") / "tied", tie=True)
 
 
 @pytest.fixture(scope="session")
-def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def coreml_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("coreml-cache")
 
 
 @pytest.fixture(scope="session")
-def default_bundle(tied_dir: Path, cache_root: Path) -> Path:
+def default_bundle(coreml_tied_dir: Path, coreml_cache: Path) -> Path:
     """The tied tiny model converted with every default (auto compression, CPU_AND_NE) into the session cache."""
     from coreml.convert import cached_bundle
 
-    return cached_bundle(tied_dir, slots=SLOTS, cache_dir=cache_root)
+    return cached_bundle(coreml_tied_dir, slots=SLOTS, cache_dir=coreml_cache)
 
 
 @pytest.fixture(scope="session")
-def package(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, tied_dir: Path) -> Callable[[str], Path]:
+def coreml_bundle(
+    tmp_path_factory: pytest.TempPathFactory, coreml_tiny_dir: Path, coreml_tied_dir: Path
+) -> Callable[[str], Path]:
     """package(variant) -> a converted bundle of a tiny model (converted on first request); see VARIANTS."""
     from coreml.convert import convert
-    from coreml.wrapper import MAX_CHUNK_BYTES
+    from engine.backends.coreml.programs import MAX_CHUNK_BYTES
 
     made: dict[str, Path] = {}
     root = tmp_path_factory.mktemp("bundles")
@@ -58,7 +77,7 @@ def package(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, tied_dir: 
         if variant not in made:
             quantize, units, tied, max_bytes = VARIANTS[variant]
             made[variant] = convert(
-                tied_dir if tied else tiny_dir,
+                coreml_tied_dir if tied else coreml_tiny_dir,
                 root / f"tiny-{variant}",
                 quantize=quantize,
                 units=units,
@@ -71,9 +90,10 @@ def package(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, tied_dir: 
 
 
 @pytest.fixture(scope="session")
-def big_vocab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, Path]:
+def coreml_big_vocab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, Path]:
     """A 1-layer fp16 tied model with 17000 > 16384 classes and its decode-only bundle (the LM head is split)."""
-    from coreml.convert import Geometry, build_bundle
+    from coreml.convert import build_bundle
+    from engine.backends.coreml.cache import Geometry
 
     cfg = ModelConfig.from_dict(
         {
@@ -99,6 +119,6 @@ def big_vocab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, Pa
 
 
 @pytest.fixture(scope="session")
-def real_model_dir() -> Path:
+def real_gguf_model() -> Path:
     """The real default model (the shipped SmolLM2-135M-Instruct GGUF)"""
     return real_gguf()

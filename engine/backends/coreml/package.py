@@ -3,7 +3,7 @@
 Layout (what coremltools writes and Core ML reads):
     PKG/Manifest.json                              item list; rootModelIdentifier names the model spec
     PKG/Data/com.apple.CoreML/model.mlmodel        Model protobuf (coremltools.proto.Model_pb2)
-    PKG/Data/com.apple.CoreML/weights/weight.bin   blob storage (see coreml.milblob)
+    PKG/Data/com.apple.CoreML/weights/weight.bin   blob storage (see milblob)
 Reading uses only the protobuf classes, so it works on any OS.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from coremltools.proto import Model_pb2
 
-from coreml.errors import PackageError
+from engine.backends.coreml.errors import PackageError
 
 PROVENANCE_PREFIX = "spark."
 

@@ -16,6 +16,7 @@ from engine.generation.sampling import SamplingSettings
 from engine.generation.scheduler import Priority, QueueFull, Request, Scheduler, SchedulerConfig
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory
+from tests.helpers.fixtures import TinyModel
 
 GREEDY = SamplingSettings(greedy=True)
 TEXT = "The quick brown fox jumps over the lazy dog. Python is a programming language. def main(): return 42"
@@ -31,13 +32,13 @@ def alone(backend: TorchBackend, tok: Tokenizer, ids: list[int], s: GenerationSe
     return [ev.token for ev in stream_generate(b, FullAttentionMemory(b), tok, ids, s) if ev.token is not None]
 
 
-def scheduler(tiny: tuple[TorchBackend, Tokenizer], **cfg: int) -> Scheduler:
-    backend, tok = tiny
+def scheduler(tiny: TinyModel, **cfg: int) -> Scheduler:
+    backend, tok = tiny.backend, tiny.tokenizer
     return Scheduler(backend.fork(), tok, SchedulerConfig(**{"max_batch": 3, "num_slots": 64, **cfg}))
 
 
-def test_continuous_batching_equals_alone(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_continuous_batching_equals_alone(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     ids = tok.encode(TEXT)
     jobs = [(ids[:n], settings(m)) for n, m in ((3, 10), (17, 4), (1, 12), (9, 6), (25, 3), (5, 9), (12, 1))]
     with scheduler(tiny) as sched:
@@ -49,8 +50,8 @@ def test_continuous_batching_equals_alone(tiny: tuple[TorchBackend, Tokenizer]) 
     assert sched.steps["mixed"] > 0 and sched.steps["decode"] > 0  # requests joined while others decoded
 
 
-def test_cancel_one_leaves_others_intact(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_cancel_one_leaves_others_intact(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     ids = tok.encode(TEXT)
     jobs = [(ids[:4], settings(14)), (ids[:9], settings(14)), (ids[:2], settings(14))]
     victim = Request(jobs[1][0], jobs[1][1])
@@ -64,8 +65,8 @@ def test_cancel_one_leaves_others_intact(tiny: tuple[TorchBackend, Tokenizer]) -
         assert done[i].tokens == alone(backend, tok, *jobs[i])
 
 
-def test_priorities_hold_under_a_full_queue(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    _, tok = tiny
+def test_priorities_hold_under_a_full_queue(tiny: TinyModel) -> None:
+    tok = tiny.tokenizer
     ids = tok.encode(TEXT)
     gate, started = threading.Event(), threading.Event()
     order: list[str] = []
@@ -99,16 +100,16 @@ def test_priorities_hold_under_a_full_queue(tiny: tuple[TorchBackend, Tokenizer]
     assert order == ["chat", "bg0", "bg1"]
 
 
-def test_blocking_submit_waits_for_space(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    _, tok = tiny
+def test_blocking_submit_waits_for_space(tiny: TinyModel) -> None:
+    tok = tiny.tokenizer
     ids = tok.encode(TEXT)
     with scheduler(tiny, max_batch=1, max_queue=1, block_when_full=True) as sched:
         futures = [sched.submit(Request(ids[:4], settings(3))) for _ in range(4)]  # never raises: waits for space
         assert all(f.result(timeout=60).finish_reason in ("stop", "length") for f in futures)
 
 
-def test_failed_request_leaves_others_intact(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_failed_request_leaves_others_intact(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     ids = tok.encode(TEXT)
     with scheduler(tiny, num_slots=16) as sched:
         ok = sched.submit(Request(ids[:4], settings(8)))
@@ -118,8 +119,8 @@ def test_failed_request_leaves_others_intact(tiny: tuple[TorchBackend, Tokenizer
         assert ok.result(timeout=60).tokens == alone(backend, tok, ids[:4], settings(8))
 
 
-def test_stream_from_any_thread_and_early_exit_cancels(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_stream_from_any_thread_and_early_exit_cancels(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     ids = tok.encode(TEXT)
     results: dict[str, object] = {}
 
@@ -146,12 +147,12 @@ def test_stream_from_any_thread_and_early_exit_cancels(tiny: tuple[TorchBackend,
     assert results["quitter_cancelled"] is True
 
 
-def test_continuous_batching_with_cascade_rows(tiny: tuple[TorchBackend, Tokenizer]) -> None:
+def test_continuous_batching_with_cascade_rows(tiny: TinyModel) -> None:
     """Each request gets its own cascade on its row; rows are reset between requests (same tokens as alone)."""
     from engine.memory.cascade.config import CascadeConfig
     from engine.memory.cascade.core import CascadeMemory
 
-    backend, tok = tiny
+    backend, tok = tiny.backend, tiny.tokenizer
     cfg = CascadeConfig(
         sink_tokens=2, window=16, block_size=4, retrieval_blocks=2, routing="hybrid", proxy_tokens=4, reroute_every=4
     )
@@ -168,8 +169,8 @@ def test_continuous_batching_with_cascade_rows(tiny: tuple[TorchBackend, Tokeniz
         ]
 
 
-def test_a_request_extending_a_finished_one_continues_its_row(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_a_request_extending_a_finished_one_continues_its_row(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     ids = tok.encode(TEXT)
     gate = threading.Event()
     with scheduler(tiny) as sched:
@@ -189,8 +190,8 @@ def test_a_request_extending_a_finished_one_continues_its_row(tiny: tuple[TorchB
     assert again.tokens == alone(backend, tok, extended, settings(5))  # continued exactly
 
 
-def test_a_small_prompt_budget_per_step_changes_no_token(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_a_small_prompt_budget_per_step_changes_no_token(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     ids = tok.encode(TEXT)
     jobs = [(ids[:n], settings(m, chunk=8)) for n, m in ((13, 5), (17, 4), (9, 6))]
     with scheduler(tiny, step_prompt_tokens=6) as sched:
@@ -201,8 +202,8 @@ def test_a_small_prompt_budget_per_step_changes_no_token(tiny: tuple[TorchBacken
     assert sched.steps["prefill"] >= 3  # 39 prompt tokens at most 6 a step: the first steps take turns
 
 
-def test_idle_rows_give_their_table_back_and_serve_again(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    backend, tok = tiny
+def test_idle_rows_give_their_table_back_and_serve_again(tiny: TinyModel) -> None:
+    backend, tok = tiny.backend, tiny.tokenizer
     ids = tok.encode(TEXT)
     want = alone(backend, tok, ids, settings(6))
     row_backend = backend.fork()

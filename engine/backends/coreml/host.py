@@ -19,16 +19,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from coreml.bundle import HEAD, Bundle, chunk_name
-from coreml.embedding import HostEmbedding
-from coreml.errors import PackageError
-from coreml.wrapper import MASK_MIN, has_local_inputs
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend
+from engine.backends.coreml.bundle import HEAD, Bundle, chunk_name
+from engine.backends.coreml.embedding import HostEmbedding
+from engine.backends.coreml.errors import PackageError
+from engine.backends.coreml.programs import MASK_MIN, STATE_NAMES, has_local_inputs
 from engine.model.attention import rope_cos_sin
 from engine.model.config import ModelConfig
 from engine.model.network import ForwardCancelled, SlotBatch
-
-STATE_NAMES = ("k_cache", "v_cache")
 
 
 @dataclass(frozen=True)

@@ -1,40 +1,24 @@
-"""Drive a backend greedily and build torch references from a package's own (dequantized) weights."""
+"""Core ML test helpers: drive a backend greedily, build torch references from a bundle's own (dequantized)
+weights, compare the two, count a bundle's op types."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from coreml.bundle import HEAD, Bundle, chunk_name
-from coreml.embedding import HostEmbedding
 from coreml.interpreter import Interpreter
 from coreml.wrapper import engine_state_dict
 from engine.backends.base import Backend
+from engine.backends.coreml.bundle import HEAD, Bundle, chunk_name
+from engine.backends.coreml.embedding import HostEmbedding
 from engine.backends.torch_backend import TorchBackend
-from engine.memory.base import Memory
+from engine.memory.base import FullAttentionMemory, Memory
 from engine.model.config import ModelConfig
-
-# Slot table of the shared bundles: full-attention parity (75-token prompt + 64 decode steps) fits, and so does
-# the cascade geometry used by the paging test (4 sinks + 3x16 retrieval + 96 window = 148 -> 160).
-SLOTS = 160
-# Forces the fp16 bundle of the 2-layer tiny model into two layer chunks (one layer is ~295 KB of fp16 weights).
-TWO_CHUNKS = 300_000
-# variant -> (quantize, compute units, tied embeddings, max chunk bytes)
-VARIANTS: dict[str, tuple[str, str, bool, int | None]] = {
-    "none": ("none", "CPU_AND_NE", False, TWO_CHUNKS),
-    "int8": ("int8", "CPU_AND_NE", True, None),
-    "int4": ("int4", "CPU_AND_GPU", True, None),
-    "lut4": ("lut4", "CPU_AND_NE", True, None),
-    "lut6": ("lut6", "CPU_AND_NE", True, None),
-}
-
-
-def model_dir_of(variant: str, tiny_dir: Path, tied_dir: Path) -> Path:
-    return tied_dir if VARIANTS[variant][2] else tiny_dir
 
 
 def feed(backend: Backend, memory: Memory, ids: list[int]) -> torch.Tensor:
@@ -89,3 +73,36 @@ def torch_fp16_with_package_weights(package: Path, out: Path) -> TorchBackend:
 
 def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def op_types(bundle: Bundle) -> Counter[str]:
+    return Counter(
+        op.type
+        for name in bundle.program_names
+        for fn in bundle.package(name).spec.mlProgram.functions.values()
+        for b in fn.block_specializations.values()
+        for op in b.operations
+    )
+
+
+DECODE_STEPS = 64
+ATOL = 3e-2  # logits are O(3); fp16 carries ~3 significant digits, and the program's op order differs from torch's
+
+
+def assert_parity(
+    reference: Backend, candidate: Backend, prompt: list[int], steps: int = DECODE_STEPS
+) -> tuple[list[int], list[int]]:
+    """The torch engine decodes greedily; the candidate is fed the same tokens. Every step's logits agree within
+    ATOL, and the candidate picks the same token wherever the reference's top-2 margin exceeds 2 * ATOL (a closer
+    call is a tie at fp16 precision)."""
+    ref_logits, ref_tokens = run_greedy(reference, FullAttentionMemory(reference), prompt, steps)
+    got_logits, got_tokens = run_greedy(candidate, FullAttentionMemory(candidate), prompt, steps, forced=ref_tokens)
+    assert len(got_logits) == len(ref_logits)
+    for r, g in zip(ref_logits, got_logits, strict=True):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g, r.float(), atol=ATOL, rtol=0)
+    for step, (r, ref_tok, got_tok) in enumerate(zip(ref_logits[:-1], ref_tokens, got_tokens, strict=True)):
+        top2 = r[-1].float().topk(2).values
+        if float(top2[0] - top2[1]) > 2 * ATOL:
+            assert got_tok == ref_tok, f"decode step {step}: {got_tok} != {ref_tok}"
+    return ref_tokens, got_tokens

@@ -2,10 +2,12 @@
 
 Importable everywhere (the engine's registry imports it only on a Mac); everything that needs the Core ML
 framework is imported inside functions. Exercised by the tests marked `mac`, and off-Mac through a fake loader
-that enforces the coremltools bridge's rules (tests/coreml/fake_coreml.py).
+that enforces the coremltools bridge's rules (tests/helpers/fake_coreml.py).
 
-- The bundle comes from the app (shipped, compiled, by `make app`) or the conversion cache
-  (coreml.convert.cached_bundle), converted on first use for the slot count the memory asks for.
+- The bundle comes from the app (shipped, compiled, by `make app`) or the conversion cache (engine.backends.coreml.
+  cache), for the slot count the memory asks for. The runtime converts nothing itself: the converter (`coreml/`)
+  sits above the engine, so a caller that may use it passes it in (`convert`); without one a missing bundle is
+  refused in one sentence naming `python -m coreml convert`, and `auto` moves on to the next backend.
 - Each program is compiled once to `<name>.mlmodelc` beside its package and loaded with `CompiledMLModel`
   once per function (no recompilation per function or per launch).
 - Each row of the slot table holds one MLState per layer chunk, shared by the chunk's functions (they declare
@@ -28,13 +30,13 @@ from typing import Protocol
 
 import numpy as np
 
-from coreml import compress
-from coreml.bundle import HEAD, Bundle
-from coreml.convert import ANE_MAX_SLOTS, Progress, cached_bundle
-from coreml.errors import CoreMLError, PackageError
-from coreml.host import PackageBackend
-from coreml.watchdog import Watchdog
 from engine.backends.base import BackendProbe
+from engine.backends.coreml.bundle import HEAD, Bundle
+from engine.backends.coreml.cache import Geometry, cache_key, cached, default_cache_root
+from engine.backends.coreml.errors import CoreMLError, PackageError
+from engine.backends.coreml.host import PackageBackend
+from engine.backends.coreml.programs import ANE_MAX_SLOTS, COMPUTE_UNITS, DEFAULT_UNITS, resolve
+from engine.backends.coreml.watchdog import Watchdog
 from engine.errors import BackendUnavailable
 from engine.fileio import atomic_dir
 from engine.loading.model_files import read_config
@@ -80,11 +82,9 @@ def probe() -> BackendProbe:
 
 
 def compute_units_name(requested: str | None) -> str:
-    name = (requested or os.environ.get(UNITS_ENV) or compress.DEFAULT_UNITS).upper()
-    if name not in compress.COMPUTE_UNITS:
-        raise BackendUnavailable(
-            f"Unknown Core ML compute units {name!r}; choose one of {', '.join(compress.COMPUTE_UNITS)}."
-        )
+    name = (requested or os.environ.get(UNITS_ENV) or DEFAULT_UNITS).upper()
+    if name not in COMPUTE_UNITS:
+        raise BackendUnavailable(f"Unknown Core ML compute units {name!r}; choose one of {', '.join(COMPUTE_UNITS)}.")
     return name
 
 
@@ -105,6 +105,12 @@ class Program(Protocol):
 
 
 Loader = Callable[[Bundle, str, str, str], Program]  # (bundle, program, function, compute units) -> Program
+
+
+class Converter(Protocol):
+    """Makes the bundle for a model into the conversion cache and returns its path (coreml.convert.cached_bundle)."""
+
+    def __call__(self, model_dir: Path, *, slots: int, quantize: str, units: str, cache_dir: Path | None) -> Path: ...
 
 
 def compile_program(bundle: Bundle, name: str) -> Path:
@@ -146,7 +152,7 @@ def shipped_root() -> Path:
 
 class CoreMLBackend(PackageBackend):
     name = "coreml"
-    max_slots = ANE_MAX_SLOTS  # the cascade fits to the slot count `make app` converts for (coreml.convert)
+    max_slots = ANE_MAX_SLOTS  # the cascade fits to the slot count `make app` converts for (programs)
 
     def __init__(
         self,
@@ -155,7 +161,7 @@ class CoreMLBackend(PackageBackend):
         compute_units: str | None = None,
         quantize: str | None = None,
         cache_dir: str | Path | None = None,
-        progress: Progress | None = None,
+        convert: Converter | None = None,
         loader: Loader = core_ml_loader,
         watchdog: Watchdog | None = None,
     ) -> None:
@@ -164,11 +170,11 @@ class CoreMLBackend(PackageBackend):
         self.model_dir = Path(model_dir).expanduser()
         self.units = compute_units_name(compute_units)
         try:
-            self.quantize = compress.resolve(quantize or os.environ.get(QUANT_ENV), self.units)
+            self.quantize = resolve(quantize or os.environ.get(QUANT_ENV), self.units)
         except CoreMLError as exc:
             raise BackendUnavailable(str(exc)) from None
-        self.cache_dir = cache_dir
-        self.progress = progress
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else None
+        self.convert = convert
         self.loader = loader
         self.watchdog = watchdog or Watchdog()  # loads and predictions that never return are abandoned
         self._plan: dict[str, dict[str, float]] | None = None
@@ -191,22 +197,17 @@ class CoreMLBackend(PackageBackend):
         return len(self.states) or 1
 
     def _find(self, slots: int) -> Path:
-        from coreml.convert import Geometry, cache_key
-
-        shipped = shipped_root() / cache_key(self.fingerprint, Geometry(slots), self.quantize, self.units)
-        if shipped.is_dir():
-            return shipped
-        if self.progress is None:
-            return cached_bundle(
-                self.model_dir, slots=slots, quantize=self.quantize, units=self.units, cache_dir=self.cache_dir
+        key = cache_key(self.fingerprint, Geometry(slots), self.quantize, self.units)
+        for path in (shipped_root() / key, (self.cache_dir or default_cache_root()) / key):
+            if cached(path):
+                return path
+        if self.convert is None:
+            raise BackendUnavailable(
+                f"This model has no Core ML conversion for {slots} slots yet; "
+                f"`python -m coreml convert --model {self.model_dir} --slots {slots}` makes one."
             )
-        return cached_bundle(
-            self.model_dir,
-            slots=slots,
-            quantize=self.quantize,
-            units=self.units,
-            cache_dir=self.cache_dir,
-            progress=self.progress,
+        return self.convert(
+            self.model_dir, slots=slots, quantize=self.quantize, units=self.units, cache_dir=self.cache_dir
         )
 
     def _load(self, slots: int) -> None:

@@ -11,18 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from coreml.convert import ANE_MAX_SLOTS, default_slots
+from coreml.convert import cached_bundle, default_slots
 from coreml.reference import InterpreterBackend
-from coreml.runtime import CoreMLBackend, compute_units_name, probe
+from engine.backends.coreml.programs import ANE_MAX_SLOTS
+from engine.backends.coreml.runtime import CoreMLBackend, compute_units_name, probe
 from engine.backends.torch_backend import TorchBackend
 from engine.errors import BackendUnavailable
 from engine.loading.model_files import read_config
 from engine.memory.base import FullAttentionMemory
 from engine.memory.cascade import CascadeMemory
 from engine.session.engine import memory_factory_for
-from tests.coreml.fake_coreml import BridgeError, FakeLoader, FakeMLState
-from tests.coreml.helpers import SLOTS, feed, prompt_ids, run_greedy
-from tests.coreml.test_parity import assert_parity
+from tests.helpers.coreml_bundles import assert_parity, feed, prompt_ids, run_greedy
+from tests.helpers.coreml_fixtures import SLOTS
+from tests.helpers.fake_coreml import BridgeError, FakeLoader, FakeMLState
 from tests.helpers.tiny import make_tiny_model
 
 
@@ -43,9 +44,9 @@ def test_compute_units_come_from_argument_or_environment(monkeypatch: pytest.Mon
         compute_units_name("GPU_ONLY")
 
 
-def test_int4_on_the_neural_engine_is_refused_in_one_sentence(tied_dir: Path) -> None:
+def test_int4_on_the_neural_engine_is_refused_in_one_sentence(coreml_tied_dir: Path) -> None:
     with pytest.raises(BackendUnavailable, match="int4 per-block weights run only on the GPU"):
-        CoreMLBackend(tied_dir, compute_units="CPU_AND_NE", quantize="int4", loader=FakeLoader())
+        CoreMLBackend(coreml_tied_dir, compute_units="CPU_AND_NE", quantize="int4", loader=FakeLoader())
 
 
 def test_the_fake_bridge_refuses_fp16_state_writes() -> None:
@@ -74,10 +75,27 @@ def test_the_engine_lays_its_cascade_out_in_the_slot_count_make_app_converts_for
     assert isinstance(unlimited, CascadeMemory) and unlimited.cfg.num_slots == 4096  # elsewhere: the trained context
 
 
+def test_a_missing_bundle_is_converted_only_by_a_converter_passed_in(coreml_tied_dir: Path, tmp_path: Path) -> None:
+    """The runtime sits below the converter: without one it names the command that makes the bundle; with one
+    (coreml.convert.cached_bundle's signature) it asks for exactly the bundle it looks up."""
+    empty = tmp_path / "empty-cache"
+    with pytest.raises(BackendUnavailable, match=r"no Core ML conversion for 64 slots.*python -m coreml convert"):
+        CoreMLBackend(coreml_tied_dir, cache_dir=empty, loader=FakeLoader()).allocate(1, 64)
+    asked: list[tuple[Path, int, str, str, Path | None]] = []
+
+    def convert(model_dir: Path, *, slots: int, quantize: str, units: str, cache_dir: Path | None) -> Path:
+        asked.append((model_dir, slots, quantize, units, cache_dir))
+        raise BackendUnavailable("converter called")
+
+    with pytest.raises(BackendUnavailable, match="converter called"):
+        CoreMLBackend(coreml_tied_dir, cache_dir=empty, loader=FakeLoader(), convert=convert).allocate(1, 64)
+    assert asked == [(coreml_tied_dir, 64, "none", "CPU_AND_NE", empty)]
+
+
 @pytest.fixture()
-def fake_backend(tied_dir: Path, default_bundle: Path, cache_root: Path) -> tuple[CoreMLBackend, FakeLoader]:
+def fake_backend(coreml_tied_dir: Path, default_bundle: Path, coreml_cache: Path) -> tuple[CoreMLBackend, FakeLoader]:
     loader = FakeLoader()
-    backend = CoreMLBackend(tied_dir, cache_dir=cache_root, loader=loader)
+    backend = CoreMLBackend(coreml_tied_dir, cache_dir=coreml_cache, loader=loader)
     backend.allocate(1, SLOTS)  # finds the session's default bundle in the cache (no conversion)
     assert backend.path == default_bundle
     return backend, loader
@@ -106,9 +124,9 @@ def test_runtime_host_code_through_the_bridge_rules(
 
 
 @pytest.fixture(scope="module")
-def coreml_backend(tied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> CoreMLBackend:
+def coreml_backend(coreml_tied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> CoreMLBackend:
     cache = tmp_path_factory.mktemp("coreml-cache")
-    backend = CoreMLBackend(tied_dir, cache_dir=cache)
+    backend = CoreMLBackend(coreml_tied_dir, cache_dir=cache, convert=cached_bundle)
     backend.allocate(1, SLOTS)  # converts into the cache, compiles each program once, loads every function
     return backend
 
@@ -121,11 +139,13 @@ def test_probe_is_available_on_this_mac() -> None:
 @pytest.mark.mac
 @pytest.mark.parametrize("units", ["CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"])
 def test_core_ml_matches_the_torch_engine(
-    units: str, tied_dir: Path, coreml_backend: CoreMLBackend, tmp_path: Path
+    units: str, coreml_tied_dir: Path, coreml_backend: CoreMLBackend, tmp_path: Path
 ) -> None:
-    from tests.coreml.helpers import torch_fp16_with_package_weights
+    from tests.helpers.coreml_bundles import torch_fp16_with_package_weights
 
-    backend = CoreMLBackend(tied_dir, compute_units=units, cache_dir=coreml_backend.cache_dir)
+    backend = CoreMLBackend(
+        coreml_tied_dir, compute_units=units, cache_dir=coreml_backend.cache_dir, convert=cached_bundle
+    )
     backend.allocate(1, SLOTS)
     assert backend.path is not None
     torch_be = torch_fp16_with_package_weights(backend.path, tmp_path / "dequantized")
@@ -162,20 +182,20 @@ def test_compiled_once_beside_the_bundle(coreml_backend: CoreMLBackend) -> None:
 
 @pytest.mark.mac
 def test_neural_engine_share_of_the_default_model(
-    real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    real_gguf_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """≥ 90 % of the estimated cost of every program function on the Neural Engine (MLComputePlan), and decode
     tokens/s of Core ML on CPU_AND_NE against the torch CPU backend in the same run."""
-    from coreml.runtime import compute_plan_share
+    from engine.backends.coreml.runtime import compute_plan_share
 
-    backend = CoreMLBackend(real_model_dir, cache_dir=tmp_path_factory.mktemp("real-cache"))
+    backend = CoreMLBackend(real_gguf_model, cache_dir=tmp_path_factory.mktemp("real-cache"), convert=cached_bundle)
     backend.allocate(1, backend.bundle.slots if backend.path else 800)
     assert backend.path is not None
     for where, share in compute_plan_share(backend.path).items():
         ane = sum(s for d, s in share.items() if "NeuralEngine" in d)
         assert ane >= 0.9, f"{where}: {share}"
     rates = {}
-    for name, b in (("coreml", backend), ("cpu", TorchBackend(real_model_dir, device="cpu", dtype=torch.float32))):
+    for name, b in (("coreml", backend), ("cpu", TorchBackend(real_gguf_model, device="cpu", dtype=torch.float32))):
         b.allocate(1, backend.num_slots)
         t0 = time.perf_counter()
         run_greedy(b, FullAttentionMemory(b), prompt_ids(8, b.config.vocab_size), 32, chunk=8)
