@@ -9,6 +9,7 @@ engine.backends.mlx.backend, imported only when opened (the registry, engine.bac
 from __future__ import annotations
 
 import platform
+from importlib.metadata import PackageNotFoundError, version
 
 from engine.backends.base import BackendProbe
 
@@ -28,7 +29,11 @@ def probe_mlx() -> BackendProbe:
     except ImportError as exc:
         extra = "mlx" if platform.system() == "Darwin" else "mlx-cpu"
         return BackendProbe("mlx", False, f"MLX is not installed ({exc}); pip install '{extra}' adds it.")
+    try:
+        release = version("mlx")
+    except PackageNotFoundError:  # a build from source without its metadata
+        release = "(unknown version)"
     if mx.metal.is_available():
-        return BackendProbe("mlx", True, f"MLX {mx.__version__} on the Apple GPU (Metal)")
+        return BackendProbe("mlx", True, f"MLX {release} on the Apple GPU (Metal)")
     name = str(mx.device_info().get("device_name", platform.machine()))
-    return BackendProbe("mlx", True, f"MLX {mx.__version__} on the CPU ({name}; a correctness path, not a fast one)")
+    return BackendProbe("mlx", True, f"MLX {release} on the CPU ({name}; a correctness path, not a fast one)")

@@ -43,9 +43,7 @@ class MLXBackend(Backend):
     def __init__(self, model_dir: str | Path, quantize: str = "auto", device: str | None = None) -> None:
         """`device` "cpu" or "gpu" (default: the GPU where Metal is available)."""
         if quantize not in QUANTIZATIONS:
-            raise BackendUnavailable(
-                f"The mlx backend runs {', '.join(QUANTIZATIONS)} weights, not {quantize!r}."
-            )
+            raise BackendUnavailable(f"The mlx backend runs {', '.join(QUANTIZATIONS)} weights, not {quantize!r}.")
         self.device = device or ("gpu" if mx.metal.is_available() else "cpu")
         if self.device == "gpu" and not mx.metal.is_available():
             raise BackendUnavailable("MLX has no Metal device here; run the mlx backend on its cpu device.")
@@ -68,7 +66,9 @@ class MLXBackend(Backend):
         params = dict(loaded.model.state_dict())
         if self.config.tie_word_embeddings:
             params.pop("lm_head.weight", None)
-        weights, self.quantize, self.kernels_note = convert(params, stored, self.config.num_hidden_layers, self.dtype, blocks)
+        weights, self.quantize, self.kernels_note = convert(
+            params, stored, self.config.num_hidden_layers, self.dtype, blocks
+        )
         if self.config.tie_word_embeddings:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
         del loaded, params

@@ -16,9 +16,10 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from engine.backends.mlx.weights import BLOCK, QuantWeight, Weight
+from engine.backends.mlx.weights import QuantWeight, Weight
 from engine.model.config import ModelConfig
 from engine.model.network import ForwardCancelled
+from engine.model.quant import BLOCK
 
 
 class Attend(Protocol):
@@ -58,8 +59,7 @@ class MLXNetwork:
             y = mx.quantized_matmul(x, w.packed, w.scales, w.biases, transpose=True, group_size=BLOCK, bits=w.bits)
         else:
             y = x @ w.T
-        bias = self.w.get(name + ".bias")
-        return y if bias is None else y + bias
+        return y if name + ".bias" not in self.w else y + self._dense(name + ".bias")
 
     def norm(self, name: str, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, self._dense(name + ".weight"), self.cfg.rms_norm_eps)
@@ -102,7 +102,9 @@ class MLXNetwork:
             x = x + self.attention(i, self.norm(p + "input_layernorm", x), step)
             return x + self.mlp(i, self.norm(p + "post_attention_layernorm", x))
         x = x + self.norm(p + "post_attention_layernorm", self.attention(i, self.norm(p + "input_layernorm", x), step))
-        return x + self.norm(p + "post_feedforward_layernorm", self.mlp(i, self.norm(p + "pre_feedforward_layernorm", x)))
+        return x + self.norm(
+            p + "post_feedforward_layernorm", self.mlp(i, self.norm(p + "pre_feedforward_layernorm", x))
+        )
 
     def forward(
         self,

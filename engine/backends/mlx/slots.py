@@ -121,7 +121,7 @@ class RopeTables:
 def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """x (B, heads, N, D) by cos and signed sin (B, 1, N, D): Hugging Face's half-split pairs, as apply_rope."""
     half = x.shape[-1] // 2
-    return x * cos + mx.concatenate((x[..., half:], x[..., :half]), axis=-1) * sin
+    return x * cos + mx.concatenate([x[..., half:], x[..., :half]], axis=-1) * sin
 
 
 class MLXStep:

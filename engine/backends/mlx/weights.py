@@ -40,9 +40,7 @@ class QuantWeight:
 
     def rows(self, ids: mx.array) -> mx.array:
         """The dequantized rows `ids` (an embedding lookup through a quantized table): ids (...) -> (..., in)."""
-        return mx.dequantize(
-            self.packed[ids], self.scales[ids], self.biases[ids], group_size=BLOCK, bits=self.bits
-        )
+        return mx.dequantize(self.packed[ids], self.scales[ids], self.biases[ids], group_size=BLOCK, bits=self.bits)
 
 
 Weight = mx.array | QuantWeight
@@ -57,9 +55,8 @@ def _pack(values: np.ndarray, bits: int) -> np.ndarray:
     """(rows, in) integers in [0, 2**bits) -> (rows, in * bits / 32) uint32 as MLX packs them: element 0 in the low
     bits of the first word."""
     v = values.astype(np.uint8)
-    if bits == 4:
-        v = v[:, 0::2] | (v[:, 1::2] << 4)  # two elements a byte, the first in the low half
-    return np.ascontiguousarray(v).view("<u4")
+    packed = v[:, 0::2] | (v[:, 1::2] << 4) if bits == 4 else v  # 4 bits: two elements a byte, the first low
+    return np.ascontiguousarray(packed).view("<u4")
 
 
 def repack(t: StoredTensor, dtype: mx.Dtype) -> QuantWeight:
