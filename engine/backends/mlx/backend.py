@@ -10,6 +10,7 @@ beside the file's pages.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,9 +19,10 @@ import numpy as np
 import torch
 
 from engine.backends.base import CANONICAL_KV_DTYPE, Backend
+from engine.backends.mlx.folders import folder_quantization, load_mlx_folder
 from engine.backends.mlx.network import MLXNetwork
 from engine.backends.mlx.slots import MLXSlotTable, MLXStep, RopeTables
-from engine.backends.mlx.weights import MLX_BITS, convert, weight_bytes
+from engine.backends.mlx.weights import MLX_BITS, Weight, convert, weight_bytes
 from engine.errors import BackendUnavailable
 from engine.loading.model_files import release_file_pages
 from engine.loading.weights import load_model
@@ -49,6 +51,26 @@ class MLXBackend(Backend):
             raise BackendUnavailable("MLX has no Metal device here; run the mlx backend on its cpu device.")
         mx.set_default_device(mx.gpu if self.device == "gpu" else mx.cpu)
         self.dtype = DEVICE_DTYPES[self.device]
+        folder = Path(model_dir).expanduser()
+        quant = folder_quantization(folder)
+        if quant is not None:  # an MLX-quantized folder: its weights run as it stores them
+            if quantize not in ("auto", "none"):
+                raise BackendUnavailable(
+                    f"This MLX folder stores {quant.bits}-bit weights, which run as stored: choose --quantize auto."
+                )
+            self.config, self.fingerprint, weights, self.kernels_note = load_mlx_folder(folder, quant, self.dtype)
+            self.quantize = f"mlx{quant.bits}g{quant.group_size}"
+        else:
+            weights = self._load(folder, quantize)
+        self.weight_bytes = weight_bytes(weights)
+        self.net = MLXNetwork(self.config, weights, self.dtype)
+        self.rope = RopeTables(self.config, self.config.max_position_embeddings + ROTARY_HEADROOM, self.dtype)
+        self.table = MLXSlotTable(self.config, 1, 32)
+        self._summary = np.zeros(self._summary_shape(1), np.float32)  # (B, L, Hkv, D)
+        self._token_summaries: np.ndarray | None = None
+
+    def _load(self, model_dir: Path, quantize: str) -> dict[str, Weight]:
+        """A GGUF or HF folder through our loader, its matrices as `quantize` asks (see QUANTIZATIONS)."""
         loaded = load_model(model_dir, "cpu", torch.float32, leave_stored=quantize != "none")
         self.config, self.fingerprint = loaded.config, loaded.fingerprint
         stored = loaded.stored
@@ -57,11 +79,10 @@ class MLXBackend(Backend):
             blocks = AUTO_BLOCKS
         elif quantize != "none":
             blocks = BlockType.named(quantize)
-            kinds = {t.qtype for t in stored.values()}
-            if stored and kinds != {blocks.name}:
+            held = Counter(t.qtype for t in stored.values()).most_common(1)[0][0] if stored else blocks.name
+            if held != blocks.name:
                 raise BackendUnavailable(
-                    f"This file stores {', '.join(sorted(kinds))} weights, which run as stored: choose --quantize "
-                    "auto (or none)."
+                    f"This file stores {held} weights, which run as stored: choose --quantize auto (or none)."
                 )
         params = dict(loaded.model.state_dict())
         if self.config.tie_word_embeddings:
@@ -74,12 +95,7 @@ class MLXBackend(Backend):
         del loaded, params
         release_file_pages(model_dir)
         mx.eval([w for w in weights.values() if isinstance(w, mx.array)])
-        self.weight_bytes = weight_bytes(weights)
-        self.net = MLXNetwork(self.config, weights, self.dtype)
-        self.rope = RopeTables(self.config, self.config.max_position_embeddings + ROTARY_HEADROOM, self.dtype)
-        self.table = MLXSlotTable(self.config, 1, 32)
-        self._summary = np.zeros(self._summary_shape(1), np.float32)  # (B, L, Hkv, D)
-        self._token_summaries: np.ndarray | None = None
+        return weights
 
     def _summary_shape(self, batch: int) -> tuple[int, int, int, int]:
         c = self.config

@@ -19,7 +19,6 @@ import mlx.core as mx
 from engine.backends.mlx.weights import QuantWeight, Weight
 from engine.model.config import ModelConfig
 from engine.model.network import ForwardCancelled
-from engine.model.quant import BLOCK
 
 
 class Attend(Protocol):
@@ -56,7 +55,9 @@ class MLXNetwork:
         """x (..., in) @ the matrix `name`.weight (out, in) transposed, plus `name`.bias where it has one."""
         w = self.w[name + ".weight"]
         if isinstance(w, QuantWeight):
-            y = mx.quantized_matmul(x, w.packed, w.scales, w.biases, transpose=True, group_size=BLOCK, bits=w.bits)
+            y = mx.quantized_matmul(
+                x, w.packed, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
+            )
         else:
             y = x @ w.T
         return y if name + ".bias" not in self.w else y + self._dense(name + ".bias")

@@ -27,12 +27,13 @@ MLX_BITS: dict[BlockType, int] = {BlockType.Q8_0: 8, BlockType.Q4_0: 4, BlockTyp
 @dataclass(frozen=True)
 class QuantWeight:
     """A matrix (out, in) in MLX's affine quantization: `packed` (out, in * bits / 32) uint32, `scales` and
-    `biases` (out, in / 32) in the compute dtype."""
+    `biases` (out, in / group_size) in the compute dtype."""
 
     packed: mx.array
     scales: mx.array
     biases: mx.array
     bits: int
+    group_size: int = BLOCK
 
     @property
     def nbytes(self) -> int:
@@ -40,7 +41,9 @@ class QuantWeight:
 
     def rows(self, ids: mx.array) -> mx.array:
         """The dequantized rows `ids` (an embedding lookup through a quantized table): ids (...) -> (..., in)."""
-        return mx.dequantize(self.packed[ids], self.scales[ids], self.biases[ids], group_size=BLOCK, bits=self.bits)
+        return mx.dequantize(
+            self.packed[ids], self.scales[ids], self.biases[ids], group_size=self.group_size, bits=self.bits
+        )
 
 
 Weight = mx.array | QuantWeight

@@ -21,7 +21,7 @@ from engine.backends.mlx import probe_mlx
 from engine.backends.mlx.backend import MLXBackend
 from engine.backends.mlx.weights import repack
 from engine.backends.torch_backend import TorchBackend
-from engine.errors import BackendUnavailable
+from engine.errors import BackendUnavailable, ModelLoadError
 from engine.generation.loop import GenerationSettings, prefill, stream_generate
 from engine.generation.sampling import SamplingSettings
 from engine.generation.speculative import Controller, Draft, Speculation, Speculator
@@ -266,3 +266,60 @@ def test_what_the_backend_cannot_run_is_one_sentence(tiny: Path) -> None:
         MLXBackend(tiny, quantize="int8")
     choice = open_backend(tiny, "mlx", "none")
     assert choice.backend.name == "mlx" and choice.explain().startswith("mlx")
+
+
+def mlx_folder(src: Path, out: Path, group: int, bits: int) -> tuple[Path, Path]:
+    """An MLX-quantized folder of `src` written as mlx-lm writes one (mlx's own quantize; uint32 words, scales,
+    biases), and an HF folder of the very weights it stands for (dequantized, fp32), the reference's."""
+    import json
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    quantized, plain = out / "mlx", out / "plain"
+    for d in (quantized, plain):
+        d.mkdir(parents=True)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(src / f, d / f)
+    config = json.loads((src / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps(config))
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": group, "bits": bits}}))
+    mlx_state: dict[str, mx.array] = {}
+    dense: dict[str, np.ndarray] = {}
+    for name, w in mx.load(str(src / "model.safetensors")).items():
+        if w.ndim == 2:
+            q, s, b = mx.quantize(w, group_size=group, bits=bits)
+            stem = name.removesuffix(".weight")
+            mlx_state.update({name: q, stem + ".scales": s, stem + ".biases": b})
+            dense[name] = np.array(mx.dequantize(q, s, b, group_size=group, bits=bits))
+        else:
+            mlx_state[name] = w
+            dense[name] = np.array(w)
+    mx.save_safetensors(str(quantized / "model.safetensors"), mlx_state, metadata={"format": "mlx"})
+    save_file(dense, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    return quantized, plain
+
+
+def test_an_mlx_quantized_folder_runs_as_stored(tiny: Path, tmp_path: Path) -> None:
+    quantized, plain = mlx_folder(tiny, tmp_path, group=64, bits=4)
+    tok = Tokenizer.from_dir(tiny)
+    prompt = tok.encode(PROMPT)
+    ours, ref = MLXBackend(quantized), TorchBackend(plain)
+    assert ours.quantize == "mlx4g64" and "4-bit affine groups of 64" in ours.kernels_note
+    assert ours.weight_bytes < MLXBackend(plain, quantize="none").weight_bytes / 4
+    ours.allocate(1, 256)
+    ref.allocate(1, 256)
+    got = prefill(ours, FullAttentionMemory(ours), prompt, 16)
+    want = prefill(ref, FullAttentionMemory(ref), prompt, 16)
+    assert got is not None and want is not None
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(BackendUnavailable, match="run as stored"):
+        MLXBackend(quantized, quantize="q8_0")
+
+
+def test_a_damaged_mlx_folder_is_refused_in_one_sentence(tiny: Path, tmp_path: Path) -> None:
+    quantized, _ = mlx_folder(tiny, tmp_path, group=64, bits=4)
+    f = quantized / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])  # truncated: the last tensor's span passes the end
+    with pytest.raises(ModelLoadError, match="inconsistent sizes"):
+        MLXBackend(quantized)
