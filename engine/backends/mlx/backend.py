@@ -32,9 +32,9 @@ from engine.model.slots import SlotBatch
 
 # Compute dtype where MLX runs: fp32 on the CPU (exact against the torch backend's fp32), fp16 on Metal (as MPS).
 DEVICE_DTYPES: dict[str, mx.Dtype] = {"cpu": mx.float32, "gpu": mx.float16}
-# --quantize choices here: "none" dense weights; "auto" a GGUF's Q8_0/Q4_0/Q4_1 as stored, an HF folder's as
-# AUTO_BLOCKS; q8_0, q4_0, q4_1 as MLX affine groups of 32 (exact repackings of GGUF's blocks).
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", *(t.name.lower() for t in MLX_BITS))
+# --quantize choices here: "none" dense weights; "auto" a GGUF's blocks as stored where MLX runs them (MLX_BITS), an
+# HF folder's as AUTO_BLOCKS; q8_0, q5_0, q4_0, q4_1: an HF folder quantized by our GGUF quantizers, then repacked.
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", *(t.name.lower() for t in MLX_BITS if t.quantizable))
 AUTO_BLOCKS = BlockType.Q8_0  # as the CPU backend's auto (bench quant: mean KLD 0.0011 from fp32 on SmolLM2-135M)
 
 

@@ -1,10 +1,12 @@
-"""A loaded model's weights as MLX arrays: dense matrices in the compute dtype, or GGUF's Q8_0, Q4_0 and Q4_1 blocks
-repacked, bit for bit, as MLX's affine quantization (groups of 32: w = scale * q + bias).
+"""A loaded model's weights as MLX arrays: dense matrices in the compute dtype, or GGUF's Q8_0, Q4_0, Q4_1 and Q4_K
+blocks repacked, bit for bit, as MLX's affine quantization (groups of 32: w = scale * q + bias).
 
-Those three formats are affine per block of 32, so the repacking is exact: Q8_0's w = d * q (q signed) is MLX's
-8 bits with scale d and bias -128 d over q + 128; Q4_0's w = d * (q - 8) is 4 bits, bias -8 d; Q4_1's is 4 bits
-as stored (scale d, bias m). The other block formats (K-quants, Q5_0, IQ4, ternary) have no exact MLX form: they
-arrive here dequantized to the compute dtype (the loader's fp32 decode). An HF folder's matrices are quantized by
+Those formats are affine per block of 32, so the repacking is exact: Q8_0's w = d * q (q signed) is MLX's 8 bits
+with scale d and bias -128 d over q + 128; Q4_0's w = d * (q - 8) is 4 bits, bias -8 d; Q4_1's is 4 bits as stored
+(scale d, bias m); Q5_0 and Q5_1 are 5 bits likewise (bias -16 d, or m). Q4_K is affine too, per sub-block of 32:
+scale d * sc, bias -dmin * m (exact in fp32; in fp16, on the GPU, d * sc rounds to 11 bits). The other block formats
+(Q6_K's scales per 16 weights, Q2_K/Q3_K's too, Q5_K, IQ4's non-uniform levels, ternary) have no MLX form here: they
+arrive dequantized to the compute dtype (the loader's fp32 decode). An HF folder's matrices are quantized by
 our own GGUF quantizers (engine.model.quant, the bytes llama.cpp's converter writes) when asked, then repacked.
 """
 
@@ -18,10 +20,17 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from engine.model.quant import BLOCK, BlockType, StoredTensor, dequantize, quantize
+from engine.model.quant import BLOCK, BlockType, StoredTensor, dequantize, k4_scales, quantize
 
 # The block formats MLX runs as they are stored: its bits per weight.
-MLX_BITS: dict[BlockType, int] = {BlockType.Q8_0: 8, BlockType.Q4_0: 4, BlockType.Q4_1: 4}
+MLX_BITS: dict[BlockType, int] = {
+    BlockType.Q8_0: 8,
+    BlockType.Q4_0: 4,
+    BlockType.Q4_1: 4,
+    BlockType.Q4_K: 4,
+    BlockType.Q5_0: 5,
+    BlockType.Q5_1: 5,
+}
 
 
 @dataclass(frozen=True)
@@ -55,22 +64,46 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 
 def _pack(values: np.ndarray, bits: int) -> np.ndarray:
-    """(rows, in) integers in [0, 2**bits) -> (rows, in * bits / 32) uint32 as MLX packs them: element 0 in the low
-    bits of the first word."""
+    """(rows, in) integers in [0, 2**bits) -> (rows, in * bits / 32) uint32 as MLX packs them: a little-endian bit
+    stream, element i in bits [i * bits, (i + 1) * bits)."""
     v = values.astype(np.uint8)
-    packed = v[:, 0::2] | (v[:, 1::2] << 4) if bits == 4 else v  # 4 bits: two elements a byte, the first low
+    if bits == 8:
+        return np.ascontiguousarray(v).view("<u4")
+    if bits == 4:  # two elements a byte, the first low (the bit stream, without unpacking it)
+        return np.ascontiguousarray(v[:, 0::2] | (v[:, 1::2] << 4)).view("<u4")
+    stream = np.unpackbits(v[..., None], axis=-1, bitorder="little")[..., :bits]  # (rows, in, bits)
+    packed = np.packbits(stream.reshape(v.shape[0], -1), axis=-1, bitorder="little")  # (rows, in * bits / 8)
     return np.ascontiguousarray(packed).view("<u4")
 
 
 def repack(t: StoredTensor, dtype: mx.Dtype) -> QuantWeight:
-    """A GGUF matrix in Q8_0, Q4_0 or Q4_1 -> the same numbers as MLX's affine quantization (exact)."""
+    """A GGUF matrix in a format of MLX_BITS -> the same numbers as MLX's affine quantization (exact in fp32)."""
     qtype = BlockType.named(t.qtype)
     n, k = t.shape
-    b = np.asarray(t.data, dtype=np.uint8).reshape(n * k // BLOCK, qtype.block_bytes)  # (blocks, bytes)
+    b = np.asarray(t.data, dtype=np.uint8).reshape(n * k // qtype.elements, qtype.block_bytes)  # (blocks, bytes)
     d = _f16(b[:, 0:2])  # (blocks,)
+    if qtype is BlockType.Q4_K:  # 8 sub-blocks of 32, each its own scale d * sc and bias -dmin * m
+        sc, mn = k4_scales(b[:, 4:16])  # (blocks, 8) each
+        scales = d[:, None] * sc.astype(np.float32)  # exact in fp32: an fp16 times a 6-bit integer
+        low = -_f16(b[:, 2:4])[:, None] * mn.astype(np.float32)
+        pairs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = pairs & 0x0F  # (blocks, 4, 2, 32): sub-block 2j in the low halves of pair j, 2j + 1 in the high
+        return QuantWeight(
+            packed=mx.array(_pack(q.reshape(n, k), 4)),
+            scales=mx.array(scales.reshape(n, k // BLOCK)).astype(dtype),
+            biases=mx.array(low.reshape(n, k // BLOCK)).astype(dtype),
+            bits=4,
+        )
     if qtype is BlockType.Q8_0:
         q = b[:, 2:].view(np.int8).astype(np.int16) + 128  # (blocks, 32) in [0, 256)
         bias = -128.0 * d
+    elif qtype in (BlockType.Q5_0, BlockType.Q5_1):  # nibbles as Q4's, bit i of qh element i's fifth bit
+        at = 4 if qtype is BlockType.Q5_1 else 2
+        qh = np.ascontiguousarray(b[:, at : at + 4]).view("<u4")  # (blocks, 1)
+        hi = ((qh >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # (blocks, 32)
+        nib = b[:, at + 4 :]
+        q = np.concatenate((nib & 0x0F, nib >> 4), axis=1) | hi
+        bias = _f16(b[:, 2:4]) if qtype is BlockType.Q5_1 else -16.0 * d
     else:
         nib = b[:, 4:] if qtype is BlockType.Q4_1 else b[:, 2:]  # (blocks, 16)
         q = np.concatenate((nib & 0x0F, nib >> 4), axis=1)  # (blocks, 32): byte i holds elements i and i + 16

@@ -19,7 +19,7 @@ from engine.backends import REGISTRY, open_backend
 from engine.backends.base import Backend
 from engine.backends.mlx import probe_mlx
 from engine.backends.mlx.backend import MLXBackend
-from engine.backends.mlx.weights import repack
+from engine.backends.mlx.weights import MLX_BITS, repack
 from engine.backends.torch_backend import TorchBackend
 from engine.errors import BackendUnavailable, ModelLoadError
 from engine.generation.loop import GenerationSettings, prefill, stream_generate
@@ -34,6 +34,7 @@ from engine.model.slots import SlotBatch
 from engine.session.file import RestoredSession, restore
 from engine.session.save import save_session
 from tests.helpers.default_model import default_model_dir
+from tests.helpers.gguf_files import random_blocks
 from tests.helpers.stopping import StopAt
 from tests.helpers.tiny import make_tiny_model
 from tests.helpers.tiny_families import FAMILIES, make_tiny_family
@@ -68,13 +69,22 @@ def test_the_probe_says_mlx_runs_and_where() -> None:
     assert "mlx" in REGISTRY
 
 
-@pytest.mark.parametrize("qtype", [BlockType.Q8_0, BlockType.Q4_0, BlockType.Q4_1])
+@pytest.mark.parametrize("qtype", sorted(MLX_BITS, key=lambda t: t.name))
 def test_gguf_blocks_repack_into_mlx_groups_exactly(qtype: BlockType) -> None:
-    w = np.random.default_rng(0).normal(0, 0.1, (6, 96)).astype(np.float32)
-    raw = quantize(w, qtype)
-    q = repack(StoredTensor(qtype.name, (6, 96), raw), mx.float32)
+    import gguf
+
+    w = np.random.default_rng(0).normal(0, 0.1, (6, 512)).astype(np.float32)
+    if qtype.quantizable:
+        raw = quantize(w, qtype)
+    elif qtype is BlockType.Q5_1:  # no quantizer here: random bits under small, finite d and m
+        blocks = np.random.default_rng(1).integers(0, 256, (6, 16, qtype.block_bytes), dtype=np.uint8)
+        blocks[:, :, 0:4] = np.array([0.004, -0.05], np.float16).view(np.uint8)
+        raw = blocks.reshape(6, -1)
+    else:  # no quantizer here: random valid blocks, their scales' top bits included
+        raw = random_blocks(w, gguf.GGMLQuantizationType[qtype.name])
+    q = repack(StoredTensor(qtype.name, (6, 512), raw), mx.float32)
     got = np.array(mx.dequantize(q.packed, q.scales, q.biases, group_size=32, bits=q.bits))
-    np.testing.assert_array_equal(got, dequantize(raw, qtype, (6, 96)))
+    np.testing.assert_array_equal(got, dequantize(raw, qtype, (6, 512)))
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", *FAMILIES])
