@@ -333,3 +333,32 @@ def test_a_damaged_mlx_folder_is_refused_in_one_sentence(tiny: Path, tmp_path: P
     f.write_bytes(f.read_bytes()[:-100])  # truncated: the last tensor's span passes the end
     with pytest.raises(ModelLoadError, match="inconsistent sizes"):
         MLXBackend(quantized)
+
+
+def test_a_compact_session_is_recomputed_on_other_numerics_and_identical_on_the_same(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """Today's numerics rule: a compact file's memory is fed again on open, and its digest says whether the result
+    is the saved memory itself (the same numerics) or a near copy (MLX's file opened on torch)."""
+    from engine.session.engine import Engine, memory_factory_for
+
+    settings = GenerationSettings(max_tokens=8, sampling=GREEDY, ignore_eos=True)
+
+    def engine(backend: str) -> Engine:
+        factory = memory_factory_for(tiny, cache_dir=tmp_path / backend, prefix_cache=False)
+        return Engine.load(tiny, backend, memory_factory=factory)
+
+    mlx = engine("mlx").new_session()
+    list(mlx.chat("The quick brown fox", settings))
+    compact, full = tmp_path / "compact.spark", tmp_path / "full.spark"
+    mlx.save(compact, compact=True, digest=True)
+    mlx.save(full)
+    same = engine("mlx").new_session().load(compact)
+    assert same.applied and not same.transcript_only and "(recomputed, identical)" in same.message
+    other = engine("cpu").new_session()
+    moved = other.load(compact)
+    assert moved.applied and not moved.transcript_only and "differs slightly" in moved.message
+    kept = engine("cpu").new_session()
+    report = kept.load(full)
+    assert report.applied and "recomputed" not in report.message  # the saved KV itself, reused
+    assert [e.token for e in kept.chat("jumps over", settings) if e.token is not None]
