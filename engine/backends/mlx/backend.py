@@ -71,7 +71,10 @@ class MLXBackend(Backend):
 
     def _load(self, model_dir: Path, quantize: str) -> dict[str, Weight]:
         """A GGUF or HF folder through our loader, its matrices as `quantize` asks (see QUANTIZATIONS)."""
-        loaded = load_model(model_dir, "cpu", torch.float32, leave_stored=quantize != "none")
+        # Read in fp32 for fp32 compute, else in fp16 (an fp16 HF folder then stays a view of its file until each
+        # matrix is copied into MLX, never a whole fp32 copy of a large model).
+        read_as = torch.float32 if self.dtype == mx.float32 else torch.float16
+        loaded = load_model(model_dir, "cpu", read_as, leave_stored=quantize != "none")
         self.config, self.fingerprint = loaded.config, loaded.fingerprint
         stored = loaded.stored
         blocks: BlockType | None = None

@@ -362,3 +362,19 @@ def test_a_compact_session_is_recomputed_on_other_numerics_and_identical_on_the_
     report = kept.load(full)
     assert report.applied and "recomputed" not in report.message  # the saved KV itself, reused
     assert [e.token for e in kept.chat("jumps over", settings) if e.token is not None]
+
+
+def test_beams_equal_the_torch_backends(tiny: Path) -> None:
+    from engine.generation.beam import BeamSettings
+
+    tok = Tokenizer.from_dir(tiny)
+    prompt = tok.encode("The quick brown fox")
+    settings = GenerationSettings(
+        max_tokens=12, sampling=GREEDY, ignore_eos=True, beam=BeamSettings(beams=4, returned=4)
+    )
+    results = []
+    for b in (MLXBackend(tiny, quantize="none"), TorchBackend(tiny)):
+        b.allocate(1, 256)
+        events = list(stream_generate(b, FullAttentionMemory(b), tok, prompt, settings))
+        results.append([list(h.tokens) for h in events[-1].beams])
+    assert results[0] == results[1]
