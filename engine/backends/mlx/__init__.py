@@ -26,9 +26,8 @@ def mlx_device() -> str | None:
 def probe_mlx() -> BackendProbe:
     try:
         import mlx.core as mx
-    except ImportError as exc:
-        extra = "mlx" if platform.system() == "Darwin" else "mlx-cpu"
-        return BackendProbe("mlx", False, f"MLX is not installed ({exc}); pip install '{extra}' adds it.")
+    except ImportError:
+        return BackendProbe("mlx", False, "MLX is not installed (pip install -e '.[mlx]' adds it).")
     try:
         release = version("mlx")
     except PackageNotFoundError:  # a build from source without its metadata

@@ -69,6 +69,14 @@ def test_the_probe_says_mlx_runs_and_where() -> None:
     assert "mlx" in REGISTRY
 
 
+def test_without_mlx_the_probe_says_how_to_add_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mlx.core", None)  # `import mlx.core` now raises ImportError
+    probe = probe_mlx()
+    assert not probe.available and probe.reason == "MLX is not installed (pip install -e '.[mlx]' adds it)."
+
+
 @pytest.mark.parametrize("qtype", sorted(MLX_BITS, key=lambda t: t.name))
 def test_gguf_blocks_repack_into_mlx_groups_exactly(qtype: BlockType) -> None:
     import gguf
