@@ -27,6 +27,7 @@ from engine.errors import BackendUnavailable
 from engine.loading.model_files import release_file_pages
 from engine.loading.weights import load_model
 from engine.model.attention import ROTARY_HEADROOM
+from engine.model.kv_types import KVType
 from engine.model.quant import BlockType
 from engine.model.slots import SlotBatch
 
@@ -65,6 +66,7 @@ class MLXBackend(Backend):
         self.weight_bytes = weight_bytes(weights)
         self.net = MLXNetwork(self.config, weights, self.dtype)
         self.rope = RopeTables(self.config, self.config.max_position_embeddings + ROTARY_HEADROOM, self.dtype)
+        self.kv_type = KVType.F16
         self.table = MLXSlotTable(self.config, 1, 32)
         self._summary = np.zeros(self._summary_shape(1), np.float32)  # (B, L, Hkv, D)
         self._token_summaries: np.ndarray | None = None
@@ -107,7 +109,20 @@ class MLXBackend(Backend):
     @property
     def numerics(self) -> str:
         weights = "" if self.quantize == "none" else f"-w{self.quantize}"
-        return f"mlx-{self.device}-{str(self.dtype).removeprefix('mlx.core.')}{weights}-kvfloat16"
+        kv = "float16" if self.kv_type is KVType.F16 else self.kv_type.value
+        return f"mlx-{self.device}-{str(self.dtype).removeprefix('mlx.core.')}{weights}-kv{kv}"
+
+    def set_kv_type(self, kv_type: KVType) -> None:
+        why_not = kv_type.fits(self.config.head_dim)
+        if why_not is not None:
+            raise BackendUnavailable(f"This model cannot hold its KV as {kv_type.value}: {why_not}.")
+        self.kv_type = kv_type
+        self.table = MLXSlotTable(self.config, self.batch, self.num_slots, kv_type)
+
+    def slot_bytes_per_token(self) -> int:
+        """k and v as the table holds them (fp16, or q8_0's 34 bytes per 32 values), no read copies."""
+        c = self.config
+        return int(2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.kv_type.bytes_per_value())
 
     @property
     def batch(self) -> int:
@@ -118,7 +133,7 @@ class MLXBackend(Backend):
         return self.table.max_slots
 
     def allocate(self, batch: int, num_slots: int) -> None:
-        self.table = MLXSlotTable(self.config, batch, num_slots)
+        self.table = MLXSlotTable(self.config, batch, num_slots, self.kv_type)
         self._summary = np.zeros(self._summary_shape(batch), np.float32)
 
     def widen(self, num_slots: int) -> None:
@@ -126,7 +141,7 @@ class MLXBackend(Backend):
 
     def fork(self) -> MLXBackend:
         twin = copy.copy(self)  # shares the network (weights) and the rotary tables
-        twin.table = MLXSlotTable(self.config, self.batch, self.num_slots)
+        twin.table = MLXSlotTable(self.config, self.batch, self.num_slots, self.kv_type)
         twin._summary = np.zeros_like(self._summary)
         twin._token_summaries = None
         return twin
@@ -157,12 +172,12 @@ class MLXBackend(Backend):
         ids = mx.array(tokens.to(torch.int32).numpy())
 
         def settle(x: mx.array) -> None:
-            mx.eval(x, self.table.k, self.table.v)
+            mx.eval(x, self.table.buffers())
 
         self._token_summaries = None
         logits = self.net.forward(ids, step, last_only, should_stop, settle).astype(mx.float32)
         summary = mx.stack(step.summaries, axis=1)  # (B', L, Hkv, D)
-        mx.eval(logits, summary, self.table.k, self.table.v, step.token_summaries)
+        mx.eval(logits, summary, self.table.buffers(), step.token_summaries)
         self._summary[:rows] = np.array(summary)
         if step.token_summaries:
             self._token_summaries = np.array(mx.stack(step.token_summaries, axis=1))  # (T, L, Hkv, D)

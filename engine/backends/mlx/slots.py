@@ -1,6 +1,6 @@
 """The slot table as MLX arrays, and one forward's attention over it (engine.backends.mlx.network.Attend).
 
-Per layer, k and v are (B, C, Hkv, D) fp16 for slots [0, C) of the S the memory may address, grown as steps write
+Per layer, k and v are (B, C, Hkv, D) fp16 (or llama.cpp's q8_0 blocks, as the torch table's) for slots [0, C) of the S the memory may address, grown as steps write
 further (as engine.model.slots.KVCache grows, by the same GROWTH_SLOTS): keys unrotated, so the canonical host
 layout (L, Hkv, n, D) fp16 is a transpose away and the cascade, sessions and the prefix cache see the same bytes as
 on any backend. A step writes its new k, v first, then reads the live slots [0, S') back, rotates the keys at their
@@ -18,6 +18,7 @@ import torch
 
 from engine.model.attention import RotaryTable, layer_rope_kinds
 from engine.model.config import ModelConfig
+from engine.model.kv_types import Q8_BLOCK, KVType
 from engine.model.slots import GROWTH_SLOTS, TOKEN_SUMMARY_STEP, SlotBatch
 
 KV_DTYPE = mx.float16  # what the table holds: the canonical KV dtype, so reads and writes convert nothing
@@ -27,33 +28,102 @@ def host(t: torch.Tensor) -> mx.array:
     return mx.array(t.detach().to("cpu").numpy())
 
 
-class MLXSlotTable:
-    """k, v per layer (B, C, Hkv, D) fp16, C the capacity grown so far (at most `max_slots`)."""
+def _round(x: mx.array) -> mx.array:
+    """Half away from zero, as C's roundf (llama.cpp's quantizer)."""
+    return mx.sign(x) * mx.floor(mx.abs(x) + 0.5)
 
-    def __init__(self, cfg: ModelConfig, batch: int, num_slots: int) -> None:
+
+def quantize_q8_0(x: mx.array) -> tuple[mx.array, mx.array]:
+    """x (..., D) -> codes (..., D) int8 and scales (..., D/32) fp16: engine.model.kv_types.quantize_q8_0 in MLX
+    ops, step for step (llama.cpp's quantizer, with its snapping of a block's own fp16 reading to the scale that
+    reproduces it), so a q8_0 table here holds what the torch backend's would for the same values."""
+    xb = x.astype(mx.float32).reshape(*x.shape[:-1], x.shape[-1] // Q8_BLOCK, Q8_BLOCK)  # (..., n, 32)
+    tiny = float(np.finfo(np.float32).tiny)
+    d32 = mx.abs(xb).max(axis=-1) / 127  # (..., n)
+    inv = mx.where(d32 > 0, 1 / mx.maximum(d32, tiny), 0.0)
+    q = _round(xb * inv[..., None])
+    d = d32.astype(mx.float16)
+
+    def exact(scale: mx.array, codes: mx.array) -> mx.array:
+        return ((scale.astype(mx.float32)[..., None] * codes).astype(mx.float16).astype(mx.float32) == xb).all(-1)
+
+    done = exact(d, q)
+    bits = d.view(mx.int16)  # d >= 0: its neighbours are the bit patterns one down and one up
+    below = mx.where(bits > 0, bits - 1, bits).view(mx.float16)
+    above = mx.where(bits < 0x7BFF, bits + 1, bits).view(mx.float16)
+    for scale in (d, below, above):
+        sc = scale.astype(mx.float32)[..., None]
+        codes = mx.clip(mx.where(sc > 0, _round(xb / mx.maximum(sc, tiny)), 0.0), -127, 127)
+        take = mx.logical_and(mx.logical_not(done), exact(scale, codes))
+        d = mx.where(take, scale, d)
+        q = mx.where(take[..., None], codes, q)
+        done = mx.logical_or(done, take)
+    return q.astype(mx.int8).reshape(x.shape), d
+
+
+def dequantize_q8_0(codes: mx.array, scales: mx.array) -> mx.array:
+    """codes (..., D) int8, scales (..., D/32) fp16 -> (..., D) fp16: fp16(d * q)."""
+    qb = codes.astype(mx.float32).reshape(*codes.shape[:-1], -1, Q8_BLOCK)
+    return (qb * scales.astype(mx.float32)[..., None]).astype(mx.float16).reshape(codes.shape)
+
+
+class MLXSlotTable:
+    """k, v per layer (B, C, Hkv, D) fp16, C the capacity grown so far (at most `max_slots`). With `kv_type` q8_0,
+    k and v hold int8 codes and `k_scale`, `v_scale` (B, C, Hkv, D/32) their fp16 scales (engine.model.kv_types);
+    every read gives the fp16 values they stand for."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, num_slots: int, kv_type: KVType = KVType.F16) -> None:
         self.cfg = cfg
         self.batch = batch
         self.max_slots = num_slots
+        self.kv_type = kv_type
         self.k: list[mx.array] = []
         self.v: list[mx.array] = []
+        self.k_scale: list[mx.array] = []
+        self.v_scale: list[mx.array] = []
         self._resize(0)
 
     @property
     def capacity(self) -> int:
         return int(self.k[0].shape[1])
 
+    def buffers(self) -> list[mx.array]:
+        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
+
     def _resize(self, size: int) -> None:
         c = self.cfg
         kept = 0 if not self.k else min(size, self.capacity)
-        old_k, old_v = self.k, self.v
+        old = (self.k, self.v, self.k_scale, self.v_scale)
+        q8 = self.kv_type is KVType.Q8_0
         shape = (self.batch, size, c.num_key_value_heads, c.head_dim)
-        self.k = [mx.zeros(shape, dtype=KV_DTYPE) for _ in range(c.num_hidden_layers)]
-        self.v = [mx.zeros(shape, dtype=KV_DTYPE) for _ in range(c.num_hidden_layers)]
+        scales = (*shape[:3], c.head_dim // Q8_BLOCK if q8 else 0)
+        layers = range(c.num_hidden_layers)
+        self.k = [mx.zeros(shape, dtype=mx.int8 if q8 else KV_DTYPE) for _ in layers]
+        self.v = [mx.zeros(shape, dtype=mx.int8 if q8 else KV_DTYPE) for _ in layers]
+        self.k_scale = [mx.zeros(scales, dtype=mx.float16) for _ in layers]
+        self.v_scale = [mx.zeros(scales, dtype=mx.float16) for _ in layers]
         if kept:
-            for i in range(c.num_hidden_layers):
-                self.k[i][:, :kept] = old_k[i][:, :kept]
-                self.v[i][:, :kept] = old_v[i][:, :kept]
-        mx.eval(self.k, self.v)
+            for new, was in zip((self.k, self.v, self.k_scale, self.v_scale), old, strict=True):
+                for i in layers:
+                    new[i][:, :kept] = was[i][:, :kept]
+        mx.eval(self.buffers())
+
+    def store(self, layer: int, rows: mx.array | int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+        """k, v (..., Hkv, D) into `layer` at [rows, slots] (index arrays broadcasting to k's leading dims)."""
+        if self.kv_type is KVType.Q8_0:
+            (kc, ks), (vc, vs) = quantize_q8_0(k), quantize_q8_0(v)
+            self.k[layer][rows, slots], self.k_scale[layer][rows, slots] = kc, ks
+            self.v[layer][rows, slots], self.v_scale[layer][rows, slots] = vc, vs
+            return
+        self.k[layer][rows, slots] = k.astype(KV_DTYPE)
+        self.v[layer][rows, slots] = v.astype(KV_DTYPE)
+
+    def values(self, layer: int, name: str, rows: slice | int, slots: slice | mx.array) -> mx.array:
+        """`name` ("k" or "v") of `layer` at [rows, slots] as the fp16 values the table holds."""
+        codes = (self.k if name == "k" else self.v)[layer][rows, slots]
+        if self.kv_type is KVType.F16:
+            return codes
+        return dequantize_q8_0(codes, (self.k_scale if name == "k" else self.v_scale)[layer][rows, slots])
 
     def reserve(self, slots: int, exact: bool = False) -> None:
         """Hold slots [0, `slots`): grown by GROWTH_SLOTS or by half (`exact`: to `slots` in whole GROWTH_SLOTS)."""
@@ -68,15 +138,16 @@ class MLXSlotTable:
         self._resize(0)
 
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in (*self.k, *self.v))
+        return sum(int(a.nbytes) for a in self.buffers())
 
     def read_rows(self, row: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Row `row`'s k, v at `slots` (n,) -> (L, Hkv, n, D) fp16 each; slots past the capacity read as zeros."""
         held = slots < self.capacity
         idx = mx.array(np.where(held, slots, 0).astype(np.int32))
         out = []
-        for table in (self.k, self.v):
-            x = mx.stack([t[row][idx] for t in table]).transpose(0, 2, 1, 3)  # (L, Hkv, n, D)
+        for name in ("k", "v"):
+            layers = range(self.cfg.num_hidden_layers)
+            x = mx.stack([self.values(i, name, row, idx) for i in layers]).transpose(0, 2, 1, 3)  # (L, Hkv, n, D)
             a = np.array(x)
             a[:, :, ~held] = 0
             out.append(a)
@@ -87,9 +158,8 @@ class MLXSlotTable:
         idx = mx.array(slots.astype(np.int32))
         kt, vt = mx.array(k).transpose(0, 2, 1, 3), mx.array(v).transpose(0, 2, 1, 3)  # (L, n, Hkv, D)
         for i in range(self.cfg.num_hidden_layers):
-            self.k[i][row, idx] = kt[i]
-            self.v[i][row, idx] = vt[i]
-        mx.eval(self.k, self.v)
+            self.store(i, row, idx, kt[i], vt[i])
+        mx.eval(self.buffers())
 
 
 class RopeTables:
@@ -163,12 +233,10 @@ class MLXStep:
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
         table = self.table
-        kt, vt = k.transpose(0, 2, 1, 3).astype(KV_DTYPE), v.transpose(0, 2, 1, 3).astype(KV_DTYPE)  # (B, T, Hkv, D)
-        table.k[layer][self.row_idx, self.write_slots] = kt
-        table.v[layer][self.row_idx, self.write_slots] = vt
-        b, s = self.rows, self.live
-        keys = table.k[layer][:b, :s].transpose(0, 2, 1, 3).astype(self.dtype)  # (B, Hkv, S', D)
-        values = table.v[layer][:b, :s].transpose(0, 2, 1, 3).astype(self.dtype)  # (B, Hkv, S', D)
+        table.store(layer, self.row_idx, self.write_slots, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+        b, s = slice(0, self.rows), slice(0, self.live)
+        keys = table.values(layer, "k", b, s).transpose(0, 2, 1, 3).astype(self.dtype)  # (B, Hkv, S', D)
+        values = table.values(layer, "v", b, s).transpose(0, 2, 1, 3).astype(self.dtype)  # (B, Hkv, S', D)
         cos_k, sin_k = self.rope.lookup(self.slot_positions, layer)
         cos_q, sin_q = self.rope.lookup(self.positions, layer)
         keys = rotate(keys, cos_k, sin_k)

@@ -277,8 +277,8 @@ def test_speculative_verifies_equal_plain_decoding(tiny: Path, wrong: int | None
 
 
 def test_what_the_backend_cannot_run_is_one_sentence(tiny: Path) -> None:
-    b = MLXBackend(tiny, quantize="none")
-    with pytest.raises(BackendUnavailable, match="fp16 only"):
+    b = MLXBackend(tiny, quantize="none")  # head dim 16: no whole q8_0 block per head row
+    with pytest.raises(BackendUnavailable, match="multiple of 32"):
         b.set_kv_type(KVType.Q8_0)
     with pytest.raises(BackendUnavailable, match="not 'int8'"):
         MLXBackend(tiny, quantize="int8")
@@ -386,3 +386,41 @@ def test_beams_equal_the_torch_backends(tiny: Path) -> None:
         events = list(stream_generate(b, FullAttentionMemory(b), tok, prompt, settings))
         results.append([list(h.tokens) for h in events[-1].beams])
     assert results[0] == results[1]
+
+
+def test_mlx_quantizes_q8_0_kv_as_the_torch_backend_does() -> None:
+    from engine.backends.mlx.slots import dequantize_q8_0, quantize_q8_0
+    from engine.model.kv_types import dequantize_q8_0 as torch_dequantize
+    from engine.model.kv_types import quantize_q8_0 as torch_quantize
+
+    x = torch.randn(3, 5, 64) * torch.logspace(-3, 1, 64)  # blocks of very different ranges
+    for values in (x, torch_dequantize(*torch_quantize(x))):  # fresh values, and a table's own reading
+        codes, scales = quantize_q8_0(mx.array(values.numpy()))
+        want_codes, want_scales = torch_quantize(values)
+        assert torch.equal(torch.from_numpy(np.array(codes)), want_codes)
+        assert torch.equal(torch.from_numpy(np.array(scales)), want_scales)
+        got = torch.from_numpy(np.array(dequantize_q8_0(codes, scales)))
+        assert torch.equal(got, torch_dequantize(want_codes, want_scales))
+
+
+def test_a_q8_0_table_reads_as_the_torch_backends(tmp_path: Path) -> None:
+    d = make_tiny_model(tmp_path / "m", heads=2, kv_heads=1)  # head dim 32: one q8_0 block per head row
+    tok = Tokenizer.from_dir(d)
+    prompt = tok.encode(PROMPT)
+    ours, ref = MLXBackend(d, quantize="none"), TorchBackend(d, kv_type=KVType.Q8_0)
+    ours.set_kv_type(KVType.Q8_0)
+    assert ours.numerics.endswith("-kvq8_0") and ours.slot_bytes_per_token() == ref.kv_bytes_per_token() * 34 // 64
+    got = prefill(ours, memory("full", ours), prompt, 16)
+    want = prefill(ref, memory("full", ref), prompt, 16)
+    assert got is not None and want is not None
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    n = torch.arange(len(prompt))
+    k, v = ours.read_kv(0, n)
+    twin = ours.fork()
+    twin.allocate(1, 256)
+    twin.write_kv(0, n, k, v)  # a q8_0 reading written back holds the same blocks
+    k2, v2 = twin.read_kv(0, n)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    o, r = MLXBackend(d, quantize="none"), TorchBackend(d, kv_type=KVType.Q8_0)
+    o.set_kv_type(KVType.Q8_0)
+    assert tokens(o, memory("cascade", o), tok, prompt, 32) == tokens(r, memory("cascade", r), tok, prompt, 32)
