@@ -122,7 +122,7 @@ def test_the_default_models_gguf_gives_our_greedy_tokens() -> None:
     tok = Tokenizer.load(path)
     ours = MLXBackend(path)  # its Q4_1 and Q8_0 blocks as MLX affine groups, exactly
     assert ours.quantize == "q4_1" and "4-bit affine" in ours.kernels_note
-    ref = TorchBackend(path, quantize="auto", kernels="torch")  # the same blocks, fp32 products
+    ref = TorchBackend(path, quantize="auto")  # what users run: the same blocks on our native kernels
     for text in ("The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"):
         prompt = tok.encode(text)
         got = tokens(ours, memory("full", ours), tok, prompt, 32)
