@@ -424,3 +424,28 @@ def test_a_q8_0_table_reads_as_the_torch_backends(tmp_path: Path) -> None:
     o, r = MLXBackend(d, quantize="none"), TorchBackend(d, kv_type=KVType.Q8_0)
     o.set_kv_type(KVType.Q8_0)
     assert tokens(o, memory("cascade", o), tok, prompt, 32) == tokens(r, memory("cascade", r), tok, prompt, 32)
+
+
+def test_the_cascade_of_a_small_cascade_json_slides_and_pages_as_on_torch(tiny: Path, tmp_path: Path) -> None:
+    """The engine's own set-up (a model folder's cascade.json, the persistent prefix cache) on MLX: a conversation
+    past its window evicts tokens and pages blocks back in, and answers with the torch backend's tokens."""
+    import json
+    import shutil
+
+    from engine.session.engine import Engine, memory_factory_for
+
+    model = tmp_path / "small"
+    shutil.copytree(tiny, model)
+    (model / "cascade.json").write_text(json.dumps({"window": 32, "block_size": 8, "retrieval_blocks": 2}))
+    settings = GenerationSettings(max_tokens=24, sampling=GREEDY, ignore_eos=True)
+    replies, stats = [], []
+    for backend in ("mlx", "cpu"):
+        factory = memory_factory_for(model, cache_dir=tmp_path / backend)
+        session = Engine.load(model, backend, memory_factory=factory).new_session()
+        got = [e.token for e in session.chat(PROMPT * 2, settings) if e.token is not None]
+        got += [e.token for e in session.chat("and the dog?", settings) if e.token is not None]
+        replies.append(got)
+        stats.append(session.stats())
+    assert replies[0] == replies[1]
+    working = stats[0].working if stats[0] is not None else None
+    assert working is not None and working.evictions > 0 and working.hits + working.misses > 0
