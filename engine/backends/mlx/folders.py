@@ -3,9 +3,9 @@ entry (group_size, bits) and safetensors whose quantized matrices are three tens
 in * bits / 32) uint32, `X.scales` and `X.biases` (out, in / group_size) — beside plain norms and biases. Read
 directly into the MLX backend's weights, quantized as they are stored.
 
-The Llama layout only (Llama, SmolLM, Mistral, Qwen2, Qwen3: unfused projections under Hugging Face's names);
-other families' MLX folders store their own layouts (Gemma's raw norm weights and multimodal prefixes, Phi-3's fused
-projections) and are refused in one sentence. Every header is checked before MLX reads a byte of data, and every
+mlx-lm's text-model layouts: Hugging Face's names, Phi-3's fused projections (split here by rows), Gemma's raw norm
+weights (held as the 1 + w they scale by, as our loaders hold them); a partial-rotary model is refused in one
+sentence. Every header is checked before MLX reads a byte of data, and every
 tensor's shape against the configuration, so a damaged or hostile folder is refused, never allocated for.
 """
 
@@ -15,7 +15,6 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import torch
@@ -100,11 +99,78 @@ def _header(path: Path) -> list[TensorInfo]:
 
 
 def _check_family(config: ModelConfig, path: Path) -> None:
-    if config.sandwich_norms or config.rotary_dims or config.architecture.startswith("Phi3"):
+    if config.rotary_dims:
         raise ModelLoadError(
-            f"{path.name} is an MLX-quantized {config.architecture} folder, whose layout is not read here (only the "
-            "Llama layout: Llama, SmolLM, Mistral, Qwen2, Qwen3); open its GGUF or Hugging Face folder instead."
+            f"{path.name} is an MLX-quantized {config.architecture} folder with partial rotary embeddings, whose "
+            "layout is not read here; open its GGUF or Hugging Face folder instead."
         )
+
+
+def _tensors(
+    files: list[Path], tables: list[list[TensorInfo]], quant: Quantization, dtype: mx.Dtype
+) -> dict[str, Weight]:
+    """Every tensor of the folder, its quantized matrices as QuantWeight (each checked: uint32 words, scales and
+    biases matching them), the rest in `dtype`."""
+    arrays: dict[str, mx.array] = {}
+    for f in files:
+        loaded = mx.load(str(f))  # the headers are checked above: MLX reads spans inside each file
+        assert isinstance(loaded, dict)  # a .safetensors file loads as a dict of arrays
+        arrays.update(loaded)
+    g, bits = quant.group_size, quant.bits
+    out: dict[str, Weight] = {}
+    for name, a in arrays.items():
+        stem = name.removesuffix(".weight")
+        if (
+            name.endswith((".scales", ".biases"))
+            and stem.removesuffix(".scales").removesuffix(".biases") + ".weight" in arrays
+        ):
+            continue
+        if name.endswith(".weight") and stem + ".scales" in arrays:
+            scales, biases = arrays[stem + ".scales"], arrays.get(stem + ".biases")
+            rows, words = (a.shape[0], a.shape[1]) if a.ndim == 2 else (0, 0)
+            if a.dtype != mx.uint32 or biases is None or (words * 32) % bits:
+                raise ModelLoadError(
+                    f"Tensor {name} is not stored as MLX's quantized matrices are; the folder is damaged."
+                )
+            cols = words * 32 // bits
+            if cols % g or scales.shape != (rows, cols // g) or biases.shape != scales.shape:
+                raise ModelLoadError(f"Tensor {stem}.scales does not match {name}'s {cols} columns in groups of {g}.")
+            out[name] = QuantWeight(a, scales.astype(dtype), biases.astype(dtype), bits, g)
+        elif a.dtype == mx.uint32:
+            raise ModelLoadError(f"Tensor {name} is stored as uint32 words without scales; the folder is damaged.")
+        else:
+            out[name] = a.astype(dtype)
+    return out
+
+
+def _rows(w: Weight, a: int, b: int) -> Weight:
+    if isinstance(w, QuantWeight):
+        return QuantWeight(w.packed[a:b], w.scales[a:b], w.biases[a:b], w.bits, w.group_size)
+    return w[a:b]
+
+
+def _family_layout(config: ModelConfig, tensors: dict[str, Weight]) -> dict[str, Weight]:
+    """mlx-lm's layouts into the network's: Phi-3's fused q/k/v and gate/up split by rows (a quantized matrix's rows
+    are independent), Gemma's norm weights w as the 1 + w they scale by (as our loaders hold them)."""
+    q_rows = config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    out: dict[str, Weight] = {}
+    for name, w in tensors.items():
+        shape = (w.packed if isinstance(w, QuantWeight) else w).shape
+        if name.endswith("self_attn.qkv_proj.weight") and shape[0] == q_rows + 2 * kv_rows:
+            stem = name.removesuffix("qkv_proj.weight")
+            out[stem + "q_proj.weight"] = _rows(w, 0, q_rows)
+            out[stem + "k_proj.weight"] = _rows(w, q_rows, q_rows + kv_rows)
+            out[stem + "v_proj.weight"] = _rows(w, q_rows + kv_rows, q_rows + 2 * kv_rows)
+        elif name.endswith("mlp.gate_up_proj.weight") and shape[0] == 2 * config.intermediate_size:
+            stem = name.removesuffix("gate_up_proj.weight")
+            out[stem + "gate_proj.weight"] = _rows(w, 0, config.intermediate_size)
+            out[stem + "up_proj.weight"] = _rows(w, config.intermediate_size, 2 * config.intermediate_size)
+        elif config.sandwich_norms and name.endswith("norm.weight") and not isinstance(w, QuantWeight):
+            out[name] = w.astype(mx.float32) + 1.0  # Gemma scales by (1 + w), computed in fp32 as transformers does
+        else:
+            out[name] = w
+    return out
 
 
 def load_mlx_folder(
@@ -115,50 +181,26 @@ def load_mlx_folder(
     _check_family(config, model_dir)
     files = weight_files(model_dir)
     tables = [_header(f) for f in files]
-    shapes = {t.name: t.shape for table in tables for t in table}
+    tensors = _family_layout(config, _tensors(files, tables, quant, dtype))
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    g, bits = quant.group_size, quant.bits
-    arrays: dict[str, Any] = {}
-    for f in files:
-        loaded = mx.load(str(f))  # the headers are checked above: MLX reads spans inside each file
-        assert isinstance(loaded, dict)  # a .safetensors file loads as a dict of arrays
-        arrays.update(loaded)
     weights: dict[str, Weight] = {}
-    quantized = 0
     for name, shape in expected.items():
-        stem = name.removesuffix(".weight")
-        if stem + ".scales" in shapes and name.endswith(".weight") and len(shape) == 2:
-            out, k = shape
-            if k % g or (k * bits) % 32:
-                raise ModelLoadError(f"{name} has {k} columns, which groups of {g} do not divide.")
-            want = {name: (out, k * bits // 32), stem + ".scales": (out, k // g), stem + ".biases": (out, k // g)}
-            for part, part_shape in want.items():
-                if shapes.get(part) != part_shape:
-                    raise ModelLoadError(
-                        f"Tensor {part} has shape {shapes.get(part)} but the configuration implies {part_shape}."
-                    )
-            if arrays[name].dtype != mx.uint32:
-                raise ModelLoadError(f"Tensor {name} is quantized but not stored as uint32 words.")
-            weights[name] = QuantWeight(
-                arrays[name], arrays[stem + ".scales"].astype(dtype), arrays[stem + ".biases"].astype(dtype), bits, g
-            )
-            quantized += 1
-            continue
-        if shapes.get(name) != shape:
-            got = "nothing" if name not in shapes else f"shape {shapes[name]}"
-            raise ModelLoadError(f"Tensor {name}: the folder holds {got}, the configuration implies {shape}.")
-        a = arrays[name]
-        if a.dtype == mx.uint32:
-            raise ModelLoadError(f"Tensor {name} is stored as uint32 words without scales; the folder is damaged.")
-        weights[name] = a.astype(dtype)
+        w = tensors.get(name)
+        if w is None:
+            raise ModelLoadError(f"The folder lacks {name}; it does not match its configuration.")
+        got = (w.packed.shape[0], w.scales.shape[1] * w.group_size) if isinstance(w, QuantWeight) else w.shape
+        if tuple(got) != shape:
+            raise ModelLoadError(f"Tensor {name} has shape {tuple(got)} but the configuration implies {shape}.")
+        weights[name] = w.astype(dtype) if isinstance(w, mx.array) else w
     if config.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     for w in weights.values():
         finite = mx.isfinite(w.scales if isinstance(w, QuantWeight) else w).all()
         if not bool(finite.item()):
             raise ModelLoadError("The folder holds NaN or infinite values; the model is corrupt, download it again.")
-    note = f"MLX: {quantized} matrices as the folder stores them, {bits}-bit affine groups of {g}"
+    quantized = len({id(w) for w in weights.values() if isinstance(w, QuantWeight)})  # a tied head once
+    note = f"MLX: {quantized} matrices as the folder stores them, {quant.bits}-bit affine groups of {quant.group_size}"
     return config, fingerprint(config, files, tables), weights, note

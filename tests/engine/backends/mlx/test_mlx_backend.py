@@ -318,13 +318,18 @@ def mlx_folder(src: Path, out: Path, group: int, bits: int) -> tuple[Path, Path]
     return quantized, plain
 
 
-def test_an_mlx_quantized_folder_runs_as_stored(tiny: Path, tmp_path: Path) -> None:
-    quantized, plain = mlx_folder(tiny, tmp_path, group=64, bits=4)
-    tok = Tokenizer.from_dir(tiny)
+@pytest.mark.parametrize(
+    ("family", "group", "bits"), [("llama", 64, 4), ("qwen3", 32, 8), *((f, 32, 4) for f in ("gemma3", "phi3"))]
+)
+def test_an_mlx_quantized_folder_runs_as_stored(tiny: Path, tmp_path: Path, family: str, group: int, bits: int) -> None:
+    """mlx-lm's layouts (Phi-3's fused projections, Gemma's raw norms) give the logits of the weights they hold."""
+    src = tiny if family == "llama" else make_tiny_family(tmp_path / family, family)
+    quantized, plain = mlx_folder(src, tmp_path / "out", group=group, bits=bits)
+    tok = Tokenizer.from_dir(src)
     prompt = tok.encode(PROMPT)
     ours, ref = MLXBackend(quantized), TorchBackend(plain)
-    assert ours.quantize == "mlx4g64" and "4-bit affine groups of 64" in ours.kernels_note
-    assert ours.weight_bytes < MLXBackend(plain, quantize="none").weight_bytes / 4
+    assert ours.quantize == f"mlx{bits}g{group}" and f"{bits}-bit affine groups of {group}" in ours.kernels_note
+    assert ours.weight_bytes < MLXBackend(plain, quantize="none").weight_bytes / 2
     ours.allocate(1, 256)
     ref.allocate(1, 256)
     got = prefill(ours, FullAttentionMemory(ours), prompt, 16)
@@ -333,6 +338,7 @@ def test_an_mlx_quantized_folder_runs_as_stored(tiny: Path, tmp_path: Path) -> N
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(BackendUnavailable, match="run as stored"):
         MLXBackend(quantized, quantize="q8_0")
+    assert tokens(ours, memory("full", ours), tok, prompt, 16) == tokens(ref, memory("full", ref), tok, prompt, 16)
 
 
 def test_a_damaged_mlx_folder_is_refused_in_one_sentence(tiny: Path, tmp_path: Path) -> None:
