@@ -43,15 +43,18 @@ class MLXBackend(Backend):
     name = "mlx"
     runs_leading_rows = True
 
-    def __init__(self, model_dir: str | Path, quantize: str = "auto", device: str | None = None) -> None:
-        """`device` "cpu" or "gpu" (default: the GPU where Metal is available)."""
+    def __init__(
+        self, model_dir: str | Path, quantize: str = "auto", device: str | None = None, dtype: mx.Dtype | None = None
+    ) -> None:
+        """`device` "cpu" or "gpu" (default: the GPU where Metal is available); `dtype` the compute dtype (default:
+        the device's, DEVICE_DTYPES; tests run the GPU's fp16 on the CPU)."""
         if quantize not in QUANTIZATIONS:
             raise BackendUnavailable(f"The mlx backend runs {', '.join(QUANTIZATIONS)} weights, not {quantize!r}.")
         self.device = device or ("gpu" if mx.metal.is_available() else "cpu")
         if self.device == "gpu" and not mx.metal.is_available():
             raise BackendUnavailable("MLX has no Metal device here; run the mlx backend on its cpu device.")
         mx.set_default_device(mx.gpu if self.device == "gpu" else mx.cpu)
-        self.dtype = DEVICE_DTYPES[self.device]
+        self.dtype = dtype or DEVICE_DTYPES[self.device]
         folder = Path(model_dir).expanduser()
         quant = folder_quantization(folder)
         if quant is not None:  # an MLX-quantized folder: its weights run as it stores them

@@ -206,9 +206,10 @@ class MLXStep:
         self.write_slots = host(batch.write_slots).astype(mx.int32)  # (B, T)
         self.positions = host(batch.positions).astype(mx.int32)  # (B, T)
         self.slot_positions = host(batch.slot_positions).astype(mx.int32)  # (B, S')
-        low = mx.array(mx.finfo(dtype).min, dtype=dtype)
-        # Additive masks, a blocked score the dtype's lowest finite value (not -inf): a padding row with nothing to
-        # attend to stays finite rather than turning into NaN, as the torch backend's small steps do.
+        # Additive masks, a blocked score half the dtype's lowest finite value (not -inf, and not the lowest, which an
+        # fp16 score added to it could overflow): a padding row with nothing to attend to stays finite rather than
+        # turning into NaN, as the torch backend's small steps do.
+        low = mx.array(mx.finfo(dtype).min / 2, dtype=dtype)
         self.mask = mx.where(host(batch.mask), mx.array(0.0, dtype=dtype), low)  # (B, 1, T, S')
         self.local = (
             None if batch.local_mask is None else mx.where(host(batch.local_mask), mx.array(0.0, dtype=dtype), low)

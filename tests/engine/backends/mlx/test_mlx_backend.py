@@ -455,3 +455,17 @@ def test_the_cascade_of_a_small_cascade_json_slides_and_pages_as_on_torch(tiny: 
     assert replies[0] == replies[1]
     working = stats[0].working if stats[0] is not None else None
     assert working is not None and working.evictions > 0 and working.hits + working.misses > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_fp16_compute_as_on_metal_stays_close_to_fp32(tmp_path: Path, tiny: Path, family: str) -> None:
+    """The Apple GPU's compute dtype, run here on the CPU: finite, the same top token, close logits."""
+    d = tiny if family == "llama" else make_tiny_family(tmp_path / family, family)
+    prompt = Tokenizer.from_dir(d).encode(PROMPT)
+    half, ref = MLXBackend(d, quantize="none", dtype=mx.float16), TorchBackend(d)
+    assert "float16" in half.numerics
+    got = prefill(half, memory("full", half), prompt, 16)
+    want = prefill(ref, memory("full", ref), prompt, 16)
+    assert got is not None and want is not None and bool(torch.isfinite(got).all())
+    assert int(got.argmax()) == int(want.argmax())
+    torch.testing.assert_close(got, want, rtol=0.0, atol=5e-2)
