@@ -469,3 +469,17 @@ def test_fp16_compute_as_on_metal_stays_close_to_fp32(tmp_path: Path, tiny: Path
     assert got is not None and want is not None and bool(torch.isfinite(got).all())
     assert int(got.argmax()) == int(want.argmax())
     torch.testing.assert_close(got, want, rtol=0.0, atol=5e-2)
+
+
+def test_a_three_row_batch_through_the_batcher_gives_each_prompts_lone_tokens(tiny: Path) -> None:
+    from engine.generation.batch import generate_batch
+
+    tok = Tokenizer.from_dir(tiny)
+    prompts = ["The quick brown fox", "def main():\n    return 42\n", PROMPT]  # of different lengths: padded rows
+    settings = GenerationSettings(max_tokens=16, sampling=GREEDY, ignore_eos=True)
+    batched = generate_batch(MLXBackend(tiny, quantize="none"), tok, prompts, settings)
+    for text, done in zip(prompts, batched, strict=True):
+        alone = MLXBackend(tiny, quantize="none")
+        assert list(done.tokens) == tokens(alone, memory("full", alone), tok, tok.encode(text), 16)
+        ref = TorchBackend(tiny)
+        assert list(done.tokens) == tokens(ref, memory("full", ref), tok, tok.encode(text), 16)
