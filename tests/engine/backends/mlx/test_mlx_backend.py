@@ -113,6 +113,9 @@ def test_logits_and_32_greedy_tokens_equal_the_torch_backends(tmp_path: Path, ti
     assert got is not None and want is not None
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ours.query_summary(), ref.query_summary(), rtol=1e-4, atol=1e-4)
+    per_token = ours.token_summaries()  # the last chunk's tokens (at most 16), each as it alone would give
+    assert per_token is not None and per_token.shape[0] == (len(prompt) - 1) % 16 + 1
+    torch.testing.assert_close(per_token, ref.token_summaries(), rtol=1e-4, atol=1e-4)
     o, r = MLXBackend(d, quantize="none"), TorchBackend(d)
     assert tokens(o, memory("full", o), tok, prompt, 32) == tokens(r, memory("full", r), tok, prompt, 32)
 
