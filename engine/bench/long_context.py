@@ -36,7 +36,7 @@ DECODE_TOKENS = 64
 MB = 1024 * 1024
 
 
-def _ours_child(model: str, tokens: int, n_decode: int, vocab: int) -> dict[str, Any]:
+def _ours_child(model: str, tokens: int, n_decode: int, vocab: int, backend: str = "cpu") -> dict[str, Any]:
     from engine.generation.loop import GenerationSettings
     from engine.generation.sampling import SamplingSettings
     from engine.hw import this_machine_policy
@@ -45,7 +45,7 @@ def _ours_child(model: str, tokens: int, n_decode: int, vocab: int) -> dict[str,
     policy = this_machine_policy()
     with tempfile.TemporaryDirectory(prefix="spark-bench-long-") as cache:
         factory = memory_factory_for(model, cache_dir=Path(cache), policy=policy)
-        engine = Engine.load(model, "cpu", memory_factory=factory, policy=policy, quantize="auto")
+        engine = Engine.load(model, backend, memory_factory=factory, policy=policy, quantize="auto")
         session = engine.new_session()
         settings = GenerationSettings(max_tokens=n_decode, sampling=SamplingSettings(greedy=True), ignore_eos=True)
         events = list(session.complete_ids(prompt_ids(vocab, tokens), settings))
@@ -58,9 +58,10 @@ def _ours_child(model: str, tokens: int, n_decode: int, vocab: int) -> dict[str,
         }
 
 
-def _ours(model: Path, tokens: int, n_decode: int, vocab: int, threads: int) -> dict[str, Any]:
+def _ours(model: Path, tokens: int, n_decode: int, vocab: int, threads: int, backend: str) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "engine.bench.long_context", "--child", str(model)]
     cmd += ["--tokens", str(tokens), "--decode", str(n_decode), "--vocab", str(vocab), "--threads", str(threads)]
+    cmd += ["--backend", backend]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     repeats = 1 if args.quick else 3
     n_decode = 16 if args.quick else DECODE_TOKENS
     model_dir = resolve_model_path(args.model)
+    backend = getattr(args, "backend", None) or "cpu"  # ours on --backend (bench's default: cpu), llama.cpp on the CPU
     if not is_gguf_model(model_dir):
         raise SparkError("bench long-context compares both engines on one GGUF: pass --model FILE.gguf.")
     gguf = gguf_model(model_dir)
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for _ in range(repeats):
             for n in LENGTHS:  # interleaved: a moment's load hits both engines alike
-                runs[n]["ours"].append(_ours(model_dir, n, n_decode, vocab, threads))
+                runs[n]["ours"].append(_ours(model_dir, n, n_decode, vocab, threads, backend))
                 runs[n]["llamacpp"].append(_theirs(gguf.path, n, n_decode, vocab, threads))
     except PeerError as exc:
         raise SparkError(f"llama.cpp failed: {exc}") from None
@@ -139,11 +141,12 @@ def _main() -> None:
     p.add_argument("--decode", type=int, required=True)
     p.add_argument("--vocab", type=int, required=True)
     p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--backend", default="cpu")
     a = p.parse_args()
     from engine.hw import use_recommended_threads
 
     use_recommended_threads(a.threads)
-    print(json.dumps(_ours_child(a.child, a.tokens, a.decode, a.vocab)))
+    print(json.dumps(_ours_child(a.child, a.tokens, a.decode, a.vocab, a.backend)))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         help="model folder or .gguf (default: the default model, or the suite's own)",
     )
-    p.add_argument("--backend", default="cpu", choices=["auto", "coreml", "mps", "cuda", "cpu"])
+    p.add_argument("--backend", default="cpu", choices=["auto", "coreml", "mlx", "mps", "cuda", "cpu"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads for us and every peer (default: all cores)")
     p.add_argument(
         "--quantize",

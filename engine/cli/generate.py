@@ -30,7 +30,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct, the installed default model)",
     )
-    p.add_argument("--backend", default="auto", choices=["auto", "coreml", "mps", "cuda", "cpu"])
+    p.add_argument("--backend", default="auto", choices=["auto", "coreml", "mlx", "mps", "cuda", "cpu"])
     p.add_argument("--cache-dir", type=Path, default=None, help="persistent (L3) prefix cache folder")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not read or write the persistent prefix cache")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: performance cores, or all but one)")

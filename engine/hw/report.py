@@ -7,12 +7,26 @@ from dataclasses import asdict
 from typing import Any
 
 from engine.backends.base import BackendProbe
+from engine.backends.mlx import mlx_device
 from engine.hw.chip import ChipSource
 from engine.hw.memory import MemorySource, format_bytes
 from engine.hw.thermal import ThermalSource
 
 # What each backend runs on, for the readable summary.
-_BACKEND_HARDWARE = {"coreml": "Apple Neural Engine", "mps": "Apple GPU", "cuda": "NVIDIA GPU", "cpu": "CPU"}
+_BACKEND_HARDWARE = {
+    "coreml": "Apple Neural Engine",
+    "mlx": "MLX",
+    "mps": "Apple GPU",
+    "cuda": "NVIDIA GPU",
+    "cpu": "CPU",
+}
+
+
+def _backend_entry(name: str, probe: BackendProbe) -> dict[str, Any]:
+    entry: dict[str, Any] = {"available": probe.available, "reason": probe.reason}
+    if name == "mlx":  # MLX runs on the Apple GPU or the CPU: which one, "gpu" | "cpu" (None: not installed)
+        entry["device"] = mlx_device()
+    return entry
 
 
 def hardware_report(
@@ -36,7 +50,7 @@ def hardware_report(
         "total_bytes": snap.total_bytes,
         "memory_pressure": snap.pressure.value,
         "device_memory": asdict(snap.device) if snap.device else None,
-        "backends": {name: {"available": p.available, "reason": p.reason} for name, p in probes().items()},
+        "backends": {name: _backend_entry(name, p) for name, p in probes().items()},
     }
 
 

@@ -14,10 +14,12 @@ def test_hw_json_has_the_contract_keys_and_types(capsys: pytest.CaptureFixture[s
     assert report["thermal_state"] in {"nominal", "fair", "serious", "critical", "unknown"}
     assert isinstance(report["rss_bytes"], int) and report["rss_bytes"] > 0
     assert isinstance(report["available_bytes"], int) and 0 < report["available_bytes"] <= report["total_bytes"]
-    assert set(report["backends"]) == {"coreml", "mps", "cuda", "cpu"}
+    assert set(report["backends"]) == {"coreml", "mlx", "mps", "cuda", "cpu"}
     for probe in report["backends"].values():
         assert isinstance(probe["available"], bool) and isinstance(probe["reason"], str) and probe["reason"]
     assert report["backends"]["cpu"]["available"] is True
+    mlx = report["backends"]["mlx"]
+    assert mlx["device"] in ({"gpu", "cpu"} if mlx["available"] else {None})
 
 
 def test_hw_summary_is_readable(capsys: pytest.CaptureFixture[str]) -> None:
