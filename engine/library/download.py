@@ -253,7 +253,8 @@ class Downloader:
         stall = _StallWatch(self.clock, self.stall_window_s, self.stall_min_bytes)
         while have < source.size_bytes:
             control.check()
-            before = have
+            # What lies at `part` now may not be what this loop wrote (replaced, or a link put there): from its start.
+            have = before = min(have, self.store.partial_size(part))
             try:
                 with self.hub.open_stream(source.repo, source.file, source.revision, have) as stream:
                     if stream.complete:
