@@ -13,6 +13,7 @@ import json
 import re
 from dataclasses import dataclass, replace
 
+from app.tools.display import shown
 from app.window.markdown import MONO, Palette
 from app.worker.tool_turns import RESPONSE_CLOSE, RESPONSE_OPEN, ToolStatus
 from engine.openai.tools import CLOSE, OPEN
@@ -99,7 +100,7 @@ def card_html(card: Card, palette: Palette) -> str:
         head = f'<span style="color:{palette.dim}">Calling a tool…</span>'
     else:
         state = STATUS_TEXT[card.status] if card.status is not None else "Waiting for your answer…"
-        head = f'<b>Tool · {e(card.name)}</b> <span style="color:{palette.dim}">— {e(state)}</span>'
+        head = f'<b>Tool · {e(shown(card.name, 64))}</b> <span style="color:{palette.dim}">— {e(state)}</span>'
     rows = [f"<p>{head}</p>"]
     if card.arguments and card.arguments != "{}":
         rows.append(f'<pre style="{MONO}">{e(card.arguments)}</pre>')

@@ -1,0 +1,145 @@
+"""MCP tool servers that misbehave (tests/helpers/mcp_hostile_server.py): a banner fails the start at once in the
+server's own words; 100,000 tools neither stall the GUI thread nor pass the cap; a server that exits mid-call or
+writes junk is started again for the next call; a result that is huge, not UTF-8 or holds the chat's markup is
+bounded and escaped; hostile tool names are escaped in the consent question and the cards, and cannot shadow
+another server's tool; nothing a server started — a child in its group, a `setsid` daemon — outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from app.misc.gap_meter import GapMeter
+from app.tools.consent import ConsentGate, Decision, PendingCall
+from app.tools.mcp_host import MAX_TOOLS, McpHost, McpServerSpec
+from app.tools.toolbox import Toolbox
+from app.window.markdown import Palette
+from app.window.tool_cards import Card, card_html, segments
+from app.worker.tool_turns import ToolStatus, response_block
+from tests.app.tools.test_mcp import on_worker
+
+HOSTILE = str(Path(__file__).resolve().parents[2] / "helpers" / "mcp_hostile_server.py")
+GUI_STALL_S = 0.1  # the GUI heartbeat's longest gap the brief allows while a server is started
+
+
+def spec(name: str, *args: str) -> McpServerSpec:
+    return McpServerSpec(name, sys.executable, (HOSTILE, *args))
+
+
+@pytest.fixture
+def host() -> Iterator[McpHost]:
+    h = McpHost()
+    yield h
+    h.close()
+
+
+def test_a_banner_fails_the_start_at_once_quoting_it(host: McpHost) -> None:
+    problems = on_worker(
+        lambda: Toolbox(host, ConsentGate(lambda c: Decision.DENY)).start_servers([spec("chatty", "banner")])
+    )
+    assert len(problems) == 1 and "\n" not in problems[0]
+    assert "not MCP" in problems[0] and "Hostile server v1.0 starting" in problems[0]
+
+
+def test_a_hundred_thousand_tools_do_not_stall_the_gui_thread(qtbot, host: McpHost) -> None:  # type: ignore[no-untyped-def]
+    box = Toolbox(host, ConsentGate(lambda c: Decision.DENY))
+    done: list[list[str]] = []
+    meter = GapMeter()
+    meter.start()
+    worker = threading.Thread(target=lambda: done.append(box.start_servers([spec("many", "many", "100000")])))
+    worker.start()
+    qtbot.waitUntil(lambda: bool(done), timeout=60_000)
+    longest = meter.stop()
+    worker.join()
+    print(f"longest GUI gap while a 100k-tool server started: {longest * 1000:.1f} ms over {meter.ticks} ticks")
+    assert meter.ticks >= 2
+    assert longest < GUI_STALL_S
+    assert len(box.openai_tools()) <= MAX_TOOLS
+    assert all("\n" not in p for p in done[0])
+
+
+def test_a_list_under_the_size_cap_is_cut_to_max_tools(host: McpHost) -> None:
+    tools = on_worker(lambda: host.start(spec("some", "many", "5000")))
+    assert len(tools) == MAX_TOOLS
+
+
+def test_a_server_that_exits_mid_call_is_one_line_and_restarted(host: McpHost) -> None:
+    on_worker(lambda: host.start(spec("crashy", "exit")))
+    first = on_worker(lambda: host.call("crashy", "echo", {"text": "hi"}))
+    assert not first.ok and "\n" not in first.text and "exited" in first.text and "boom" in first.text
+    second = on_worker(lambda: host.call("crashy", "echo", {"text": "hi"}))  # started again, then crashes again
+    assert not second.ok and "exited" in second.text
+
+
+@pytest.mark.parametrize("mode", ["garbage", "huge"])
+def test_a_wedged_or_flooded_session_fails_its_call_and_the_next_call_works(host: McpHost, mode: str) -> None:
+    on_worker(lambda: host.start(spec("wedge", "ok")))
+    bad = on_worker(lambda: host.call("wedge", "echo", {"mode": mode}, timeout=30))
+    assert not bad.ok and "\n" not in bad.text and len(bad.text) < 400
+    good = on_worker(lambda: host.call("wedge", "echo", {"text": "still here"}, timeout=30))
+    assert good.ok and good.text == "still here"
+
+
+def test_invalid_utf8_and_markup_in_a_result_are_escaped(host: McpHost) -> None:
+    on_worker(lambda: host.start(spec("odd", "ok")))
+    bad = on_worker(lambda: host.call("odd", "echo", {"mode": "badutf8"}))
+    assert bad.ok and "\ufffd" in bad.text
+    marked = on_worker(lambda: host.call("odd", "echo", {"mode": "markup"}))
+    assert marked.ok and "</tool_response>" not in marked.text and "<tool_call>" not in marked.text
+    content = json.dumps({"name": "odd__echo", "status": "ok", "content": marked.text})
+    reply = '<tool_call>\n{"name": "odd__echo", "arguments": {}}\n</tool_call>' + response_block(content)
+    cards = [s for s in segments(reply) if isinstance(s, Card)]
+    assert len(cards) == 1 and cards[0].status is ToolStatus.OK  # the card is answered, not left waiting
+
+
+def test_hostile_tool_names_are_left_out_or_escaped(host: McpHost) -> None:
+    tools = on_worker(lambda: host.start(spec("names", "names")))
+    assert [t.name for t in tools] == ["echo"]  # names with controls, bidi or 10k characters are not offered
+    question = PendingCall(
+        "srv\u202eexe", "read\n\n(really: delete_all_files)" + "x" * 10_000, {"k": "\x1b[2J"}
+    ).summary()
+    assert "\n" not in question and "\u202e" not in question and "\x1b" not in question and len(question) < 800
+    html = card_html(
+        Card("bell\x1b[2J\x07" + "n" * 10_000, "{}", ToolStatus.OK, "r"),
+        Palette("#1d1d1f", "#6e6e73", "#0a66d9", "#f5f5f7", "#d2d2d7", False),
+    )
+    assert "\x1b" not in html and "\x07" not in html and len(html) < 3000
+
+
+def test_a_tool_cannot_shadow_another_servers(host: McpHost) -> None:
+    box = Toolbox(host, ConsentGate(lambda c: Decision.DENY))
+    problems = on_worker(lambda: box.start_servers([spec("my_files", "ok"), spec("my.files", "ok")]))
+    assert len(problems) == 1 and "left out" in problems[0] and "my_files__echo" in problems[0]
+    assert [t["function"]["name"] for t in box.openai_tools()] == ["my_files__echo"]
+    assert box._tools["my_files__echo"].server == "my_files"  # the first in the list keeps its name
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != b"Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the subreaper and /proc are Linux's")
+def test_nothing_a_server_started_outlives_it(host: McpHost, tmp_path: Path) -> None:
+    pidfile = tmp_path / "pids"
+    on_worker(lambda: host.start(spec("forky", "fork", str(pidfile))))
+    for _ in range(200):
+        if pidfile.exists() and pidfile.read_text().endswith("\n"):
+            break
+        time.sleep(0.05)
+    child, daemon = (int(p) for p in pidfile.read_text().split())
+    assert _running(child) and _running(daemon)
+    assert os.getsid(daemon) != os.getsid(child)  # the daemon left the server's session and group
+    on_worker(lambda: host.stop("forky"))
+    assert not _running(child) and not _running(daemon)
+    assert not Path(f"/proc/{daemon}").exists() or not _running(daemon)
