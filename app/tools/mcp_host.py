@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import json
 import os
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,7 @@ MAX_DESCRIPTION = 2000
 MAX_STDERR_BYTES = 4096
 MAX_PAGES = 8  # tools/list pages
 PROTOCOL_VERSION = "2025-06-18"
+EXIT_WORDS_S = 1.0  # after a server's output ends, how long its exit status and stderr are waited for
 # What the chat's markup reads as a block boundary: escaped in a result, so a tool cannot close its own card.
 _MARKUP = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
@@ -101,8 +103,9 @@ class _Session:
         self._broken: _Broken | None = None
         self._stderr = bytearray()
         self.tools: list[McpTool] = []
+        self._err_reader = threading.Thread(target=self._read_stderr, name=f"mcp-{spec.name[:16]}-err", daemon=True)
+        self._err_reader.start()
         threading.Thread(target=self._read_stdout, name=f"mcp-{spec.name[:16]}-out", daemon=True).start()
-        threading.Thread(target=self._read_stderr, name=f"mcp-{spec.name[:16]}-err", daemon=True).start()
 
     # -- reading -------------------------------------------------------------------------------------------------
     def _read_stdout(self) -> None:
@@ -129,6 +132,10 @@ class _Session:
                         buf, skipping = bytearray(), False
         except OSError:
             pass
+        # The output ended: the server is exiting. A moment for its status and its last words on stderr.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.popen.wait(EXIT_WORDS_S)
+        self._err_reader.join(EXIT_WORDS_S)
         self._break(_Broken(self._exit_words()))
 
     def _read_stderr(self) -> None:

@@ -6,6 +6,8 @@ protocol). `python tests/helpers/mcp_hostile_server.py MODE [ARG]`:
 - `many N`: lists N tools in one message;
 - `names`: tools with hostile names (10,000 characters, newlines, U+202E, ESC) besides `echo`;
 - `exit`: a call makes the server exit (status 3) after a line on stderr;
+- `die`: writes an import error on stderr and exits (status 1) before answering anything;
+- `stderr`: writes 16 MB on stderr first, then serves;
 - `fork PIDFILE`: starts a child in its group that sleeps, and a `setsid` double-forked daemon, writing their pids;
 - results: `echo` with `{"mode": "markup"}` answers text holding `</tool_response>`, `"badutf8"` invalid UTF-8,
   `"huge"` a 32 MB message, `"garbage"` a line that is not JSON (then nothing).
@@ -120,6 +122,12 @@ def main() -> None:
         out.flush()
     if MODE == "fork":
         fork_children(ARG)
+    if MODE == "die":
+        sys.stderr.write("Traceback (most recent call last):\nModuleNotFoundError: No module named 'mcp_tools_x'\n")
+        sys.exit(1)
+    if MODE == "stderr":
+        sys.stderr.buffer.write(b"log line\n" * (2 << 20))
+        sys.stderr.flush()
     for line in sys.stdin.buffer:
         if line.strip():
             answer(json.loads(line))

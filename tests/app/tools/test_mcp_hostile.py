@@ -48,6 +48,14 @@ def test_a_banner_fails_the_start_at_once_quoting_it(host: McpHost) -> None:
     assert "not MCP" in problems[0] and "Hostile server v1.0 starting" in problems[0]
 
 
+def test_a_server_that_dies_at_start_is_quoted_and_a_stderr_flood_is_drained(host: McpHost) -> None:
+    box = Toolbox(host, ConsentGate(lambda c: Decision.DENY))
+    problems = on_worker(lambda: box.start_servers([spec("dies", "die"), spec("loud", "stderr")]))
+    assert len(problems) == 1 and "\n" not in problems[0]
+    assert "exited (status 1)" in problems[0] and "No module named 'mcp_tools_x'" in problems[0]
+    assert [t["function"]["name"] for t in box.openai_tools()] == ["loud__echo"]  # 16 MB of stderr did not block it
+
+
 def test_a_hundred_thousand_tools_do_not_stall_the_gui_thread(qtbot, host: McpHost) -> None:  # type: ignore[no-untyped-def]
     box = Toolbox(host, ConsentGate(lambda c: Decision.DENY))
     done: list[list[str]] = []
