@@ -56,21 +56,27 @@ def test_a_server_that_dies_at_start_is_quoted_and_a_stderr_flood_is_drained(hos
     assert [t["function"]["name"] for t in box.openai_tools()] == ["loud__echo"]  # 16 MB of stderr did not block it
 
 
-def test_a_hundred_thousand_tools_do_not_stall_the_gui_thread(qtbot, host: McpHost) -> None:  # type: ignore[no-untyped-def]
-    box = Toolbox(host, ConsentGate(lambda c: Decision.DENY))
-    done: list[list[str]] = []
+def test_a_hundred_thousand_tools_and_a_huge_result_do_not_stall_the_gui_thread(qtbot, host: McpHost) -> None:  # type: ignore[no-untyped-def]
+    box = Toolbox(host, ConsentGate(lambda c: Decision.ALLOW_ONCE))
+    done: list[tuple[list[str], str]] = []
+
+    def work() -> None:
+        problems = box.start_servers([spec("many", "many", "100000"), spec("big", "ok")])
+        done.append((problems, box.run("big__echo", '{"mode": "huge"}').outcome.text))
+
     meter = GapMeter()
     meter.start()
-    worker = threading.Thread(target=lambda: done.append(box.start_servers([spec("many", "many", "100000")])))
+    worker = threading.Thread(target=work)
     worker.start()
     qtbot.waitUntil(lambda: bool(done), timeout=60_000)
     longest = meter.stop()
     worker.join()
-    print(f"longest GUI gap while a 100k-tool server started: {longest * 1000:.1f} ms over {meter.ticks} ticks")
+    print(f"longest GUI gap while a 100k-tool server started and a 32 MB result came: {longest * 1000:.1f} ms")
     assert meter.ticks >= 2
     assert longest < GUI_STALL_S
-    assert len(box.openai_tools()) <= MAX_TOOLS
-    assert all("\n" not in p for p in done[0])
+    problems, huge = done[0]
+    assert len(box.openai_tools()) <= MAX_TOOLS and all("\n" not in p for p in problems)
+    assert "larger than" in huge and "\n" not in huge
 
 
 def test_a_list_under_the_size_cap_is_cut_to_max_tools(host: McpHost) -> None:
