@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import json
 import os
+import select
 import subprocess
 import threading
 import time
@@ -45,6 +46,7 @@ MAX_DESCRIPTION = 2000
 MAX_STDERR_BYTES = 4096
 MAX_PAGES = 8  # tools/list pages
 PROTOCOL_VERSION = "2025-06-18"
+REPLY_S = 5.0  # answering a server's own request (a ping)
 EXIT_WORDS_S = 1.0  # after a server's output ends, how long its exit status and stderr are waited for
 # What the chat's markup reads as a block boundary: escaped in a result, so a tool cannot close its own card.
 _MARKUP = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -102,6 +104,10 @@ class _Session:
         self._pending: dict[int, list[Any]] = {}  # id -> [event, message or _Broken]
         self._broken: _Broken | None = None
         self._stderr = bytearray()
+        self._write_lock = threading.Lock()
+        assert self.process.popen.stdin is not None
+        self._stdin = self.process.popen.stdin.fileno()
+        os.set_blocking(self._stdin, False)
         self.tools: list[McpTool] = []
         self._err_reader = threading.Thread(target=self._read_stderr, name=f"mcp-{spec.name[:16]}-err", daemon=True)
         self._err_reader.start()
@@ -162,8 +168,8 @@ class _Session:
                     reply["result"] = {}
                 else:
                     reply["error"] = {"code": -32601, "message": "not supported by this client"}
-                with contextlib.suppress(_Broken):
-                    self._send(reply)
+                with contextlib.suppress(_Broken, TimeoutError):
+                    self._send(reply, time.monotonic() + REPLY_S)
             return  # a notification (logging, progress, list changed): nothing to do
         rid = message.get("id")
         with self._lock:
@@ -191,20 +197,29 @@ class _Session:
     def _exit_words(self) -> str:
         code = self.process.popen.poll()
         said = _one_line(self._stderr.decode("utf-8", errors="replace")[-400:], 200)
-        ended = "exited" if code is None else f"exited (status {code})"
+        ended = "closed its end of the pipes" if code is None else f"exited (status {code})"
         return f"{ended}{': ' + repr(said) if said else ''}"
 
     # -- writing -------------------------------------------------------------------------------------------------
-    def _send(self, message: dict[str, Any]) -> None:
-        data = (json.dumps(message, ensure_ascii=False) + "\n").encode()
-        stdin = self.process.popen.stdin
+    def _send(self, message: dict[str, Any], deadline: float) -> None:
+        """Write one message by the deadline: the pipe is non-blocking, so a server that stops reading its input
+        costs the caller its timeout, never a thread stuck in `write`."""
+        view = memoryview((json.dumps(message, ensure_ascii=False) + "\n").encode())
+        if not self._write_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError
         try:
-            assert stdin is not None
-            with self._lock:
-                stdin.write(data)
-                stdin.flush()
-        except (OSError, ValueError):
+            while view:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([], [self._stdin], [], left)[1]:
+                    raise TimeoutError
+                with contextlib.suppress(BlockingIOError):  # select saw room for less than the rest
+                    view = view[os.write(self._stdin, view) :]
+        except TimeoutError:
+            raise
+        except (OSError, ValueError):  # a closed pipe (TimeoutError is an OSError too: re-raised above)
             raise _Broken(self._exit_words()) from None
+        finally:
+            self._write_lock.release()
 
     def request(self, method: str, params: dict[str, Any], deadline: float) -> dict[str, Any]:
         """The result of one request; McpError (the server's error, a message too large, the deadline), or
@@ -216,7 +231,7 @@ class _Session:
                 raise self._broken
             self._pending[rid] = waiting
         try:
-            self._send({"jsonrpc": "2.0", "id": rid, "method": method, "params": params})
+            self._send({"jsonrpc": "2.0", "id": rid, "method": method, "params": params}, deadline)
             if not waiting[0].wait(max(0.0, deadline - time.monotonic())):
                 raise TimeoutError
         finally:
@@ -232,8 +247,8 @@ class _Session:
         result = got.get("result")
         return result if isinstance(result, dict) else {}
 
-    def notify(self, method: str) -> None:
-        self._send({"jsonrpc": "2.0", "method": method})
+    def notify(self, method: str, deadline: float) -> None:
+        self._send({"jsonrpc": "2.0", "method": method}, deadline)
 
     def open(self, deadline: float) -> None:
         self.request(
@@ -245,7 +260,7 @@ class _Session:
             },
             deadline,
         )
-        self.notify("notifications/initialized")
+        self.notify("notifications/initialized", deadline)
         tools: list[McpTool] = []
         cursor: str | None = None
         for _ in range(MAX_PAGES):

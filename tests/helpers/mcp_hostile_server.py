@@ -8,6 +8,7 @@ protocol). `python tests/helpers/mcp_hostile_server.py MODE [ARG]`:
 - `exit`: a call makes the server exit (status 3) after a line on stderr;
 - `die`: writes an import error on stderr and exits (status 1) before answering anything;
 - `stderr`: writes 16 MB on stderr first, then serves;
+- `deaf`: stops reading its input once its tools are listed;
 - `fork PIDFILE`: starts a child in its group that sleeps, and a `setsid` double-forked daemon, writing their pids;
 - results: `echo` with `{"mode": "markup"}` answers text holding `</tool_response>`, `"badutf8"` invalid UTF-8,
   `"huge"` a 32 MB message, `"garbage"` a line that is not JSON (then nothing).
@@ -76,6 +77,8 @@ def answer(request: dict[str, object]) -> None:
         )
     elif method == "tools/list":
         send({"jsonrpc": "2.0", "id": rid, "result": {"tools": tools()}})
+        if MODE == "deaf":
+            time.sleep(600)
     elif method == "tools/call":
         args = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
         assert isinstance(args, dict)

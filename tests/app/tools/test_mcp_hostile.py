@@ -101,6 +101,12 @@ def test_a_wedged_or_flooded_session_fails_its_call_and_the_next_call_works(host
     assert good.ok and good.text == "still here"
 
 
+def test_a_server_that_stops_reading_costs_the_call_its_timeout(host: McpHost) -> None:
+    on_worker(lambda: host.start(spec("deaf", "deaf")))
+    stuck = on_worker(lambda: host.call("deaf", "echo", {"text": "z" * (4 << 20)}, timeout=2))
+    assert not stuck.ok and "did not answer within 2 seconds" in stuck.text
+
+
 def test_invalid_utf8_and_markup_in_a_result_are_escaped(host: McpHost) -> None:
     on_worker(lambda: host.start(spec("odd", "ok")))
     bad = on_worker(lambda: host.call("odd", "echo", {"mode": "badutf8"}))
