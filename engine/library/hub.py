@@ -282,16 +282,20 @@ class HubClient:
         if offset:
             headers["Range"] = f"bytes={offset}-"
         deadline = time.monotonic() + self.limits.deadline_s  # for the headers; the body has the stall rule
-        with self._errors(repo, file), _client() as http:
-            response = self._send(http, "GET", url, {}, headers, deadline)
+        with _client() as http:
+            with self._errors(repo, file):
+                response = self._send(http, "GET", url, {}, headers, deadline)
             try:
                 if response.status_code == 416:
-                    yield ByteStream(response, offset, complete=True)
-                    return
-                if response.status_code not in (200, 206):
-                    self._raise_status(response, repo, file)
-                start = offset if response.status_code == 206 else 0  # a server that ignores Range sends it all
-                yield ByteStream(response, start, complete=False)
+                    stream = ByteStream(response, offset, complete=True)
+                elif response.status_code in (200, 206):
+                    start = offset if response.status_code == 206 else 0  # a server that ignores Range sends it all
+                    stream = ByteStream(response, start, complete=False)
+                else:
+                    with self._errors(repo, file):
+                        self._raise_status(response, repo, file)
+                # Outside `_errors`: what the reader of the stream raises (a full disk, a pause) is its own.
+                yield stream
             finally:
                 response.close()
 

@@ -4,12 +4,15 @@ refused or escaped, downloads never write through a link, and `models list` neit
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -269,3 +272,26 @@ def test_list_passes_over_fifos_links_and_deep_manifests(library: Library, tmp_p
     os.mkfifo(root / ".downloads" / f"{'a' * 64}.json")
     assert _listed_in_time(library.store) == [good.name]
     assert library.store.partials() == []
+
+
+def test_a_disk_that_fills_mid_download_is_said_to_be_full(library: Library, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error of the disk while the Hub's stream is open is the disk's, not reported as the network's."""
+    real = ModelStore.open_partial
+
+    class Full:
+        def __init__(self, f: Any) -> None:
+            self.f = f
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.f, name)
+
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    @contextlib.contextmanager
+    def full(self: ModelStore, part: Path) -> Iterator[Full]:
+        with real(self, part) as f:
+            yield Full(f)
+
+    monkeypatch.setattr(ModelStore, "open_partial", full)
+    assert "free" in _fails(Problem.DISK_FULL, lambda: library.downloader().download(REPO))
