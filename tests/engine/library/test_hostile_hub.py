@@ -295,3 +295,13 @@ def test_a_disk_that_fills_mid_download_is_said_to_be_full(library: Library, mon
 
     monkeypatch.setattr(ModelStore, "open_partial", full)
     assert "free" in _fails(Problem.DISK_FULL, lambda: library.downloader().download(REPO))
+
+
+def test_a_slow_but_moving_download_is_not_a_stall(hub: FakeHub, tmp_path: Path) -> None:
+    """200 bytes, one every 5 ms: above the stall rule's floor (10 bytes per 0.2 s), so the transfer completes and
+    only then is the file judged (it is not a GGUF)."""
+    hub.add("spark-tests/slow-GGUF", {"slow.gguf": bytes(range(200))})
+    hub.repos["spark-tests/slow-GGUF"].files["slow.gguf"].drip_s = 0.005
+    library = make_library(hub, tmp_path / "m", limits=QUICK)
+    slow = Downloader(library.hub, library.store, free_space=lambda _p: 1 << 40, stall_window_s=0.2, stall_min_bytes=10)
+    _fails(Problem.BAD_FILE, lambda: slow.download("spark-tests/slow-GGUF"))
