@@ -84,7 +84,7 @@ class HubLimits:
     max_json_depth: int = 32  # the Hub's replies nest about 5 deep
     max_redirects: int = 5
     max_pages: int = 10
-    offline_hold_s: float = 30.0
+    offline_hold_s: float = 10.0  # after a failed connection, calls fail at once for this long
 
 
 @dataclass(frozen=True)
