@@ -109,6 +109,7 @@ class _Session:
         self._stdin = self.process.popen.stdin.fileno()
         os.set_blocking(self._stdin, False)
         self.tools: list[McpTool] = []
+        self.left_out = 0  # listed tools not kept: past MAX_TOOLS, or a name or schema refused
         self._err_reader = threading.Thread(target=self._read_stderr, name=f"mcp-{spec.name[:16]}-err", daemon=True)
         self._err_reader.start()
         threading.Thread(target=self._read_stdout, name=f"mcp-{spec.name[:16]}-out", daemon=True).start()
@@ -266,9 +267,14 @@ class _Session:
         for _ in range(MAX_PAGES):
             result = self.request("tools/list", {"cursor": cursor} if cursor else {}, deadline)
             listed = result.get("tools")
-            for raw in (listed if isinstance(listed, list) else [])[: MAX_TOOLS - len(tools)]:  # cut before reading
+            listed = listed if isinstance(listed, list) else []
+            kept = listed[: MAX_TOOLS - len(tools)]  # cut before anything in them is read
+            self.left_out += len(listed) - len(kept)
+            for raw in kept:
                 tool = _tool(self.spec.name, raw)
-                if tool is not None:
+                if tool is None:
+                    self.left_out += 1
+                else:
                     tools.append(tool)
             cursor = result.get("nextCursor") if isinstance(result.get("nextCursor"), str) else None
             if cursor is None or len(tools) >= MAX_TOOLS:
@@ -385,6 +391,12 @@ class McpHost:
             session.close()
             raise McpError(f"{who} could not be started: it {exc}.") from None
         return session
+
+    def left_out(self, name: str) -> int:
+        """How many of the server's listed tools were not kept (past MAX_TOOLS, or a name or schema refused)."""
+        with self._lock:
+            session = self._servers.get(name)
+        return session.left_out if session is not None else 0
 
     def tools(self) -> list[McpTool]:
         with self._lock:

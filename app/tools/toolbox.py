@@ -18,7 +18,7 @@ from typing import Any
 
 from app.tools.consent import ConsentGate, PendingCall
 from app.tools.display import shown
-from app.tools.mcp_host import McpError, McpHost, McpServerSpec, McpTool, ToolOutcome
+from app.tools.mcp_host import MAX_TOOL_NAME, MAX_TOOLS, McpError, McpHost, McpServerSpec, McpTool, ToolOutcome
 
 MAX_NAME = 64  # OpenAI's bound on a function name (and Hermes templates')
 MAX_ARGUMENTS = 1 << 20  # a call's arguments as the model wrote them
@@ -55,6 +55,12 @@ class Toolbox:
             if isinstance(started, McpError):
                 problems.append(str(started))
                 continue
+            if left_out := self.host.left_out(spec.name):
+                problems.append(
+                    f"The MCP server '{shown(spec.name, 64)}' lists {left_out:,} tools that were left out (past the "
+                    f"first {MAX_TOOLS}, or with a name of control characters or over {MAX_TOOL_NAME} characters, or "
+                    "a schema too large or too deep)."
+                )
             for tool in started:
                 name = exposed_name(tool)
                 taken = self._tools.get(name)

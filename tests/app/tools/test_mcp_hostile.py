@@ -120,17 +120,21 @@ def test_invalid_utf8_and_markup_in_a_result_are_escaped(host: McpHost) -> None:
 
 
 def test_hostile_tool_names_are_left_out_or_escaped(host: McpHost) -> None:
-    tools = on_worker(lambda: host.start(spec("names", "names")))
-    assert [t.name for t in tools] == ["echo"]  # names with controls, bidi or 10k characters are not offered
+    box = Toolbox(host, ConsentGate(lambda c: Decision.DENY))
+    problems = on_worker(lambda: box.start_servers([spec("names", "names")]))
+    # names with controls, bidi or 10k characters are not offered, and the user is told so in one line
+    assert [t["function"]["name"] for t in box.openai_tools()] == ["names__echo"]
+    assert len(problems) == 1 and "lists 4 tools that were left out" in problems[0] and "\n" not in problems[0]
     question = PendingCall(
-        "srv\u202eexe", "read\n\n(really: delete_all_files)" + "x" * 10_000, {"k": "\x1b[2J"}
+        "srv\u202eexe", "read\n\n(really: delete_all_files)" + "x" * 10_000, {"k": "\x1b[2J\u202e"}
     ).summary()
     assert "\n" not in question and "\u202e" not in question and "\x1b" not in question and len(question) < 800
+    arguments = json.dumps({"path": "evil\u202etxt.exe"}, indent=2, ensure_ascii=False)
     html = card_html(
-        Card("bell\x1b[2J\x07" + "n" * 10_000, "{}", ToolStatus.OK, "r"),
+        Card("bell\x1b[2J\x07" + "n" * 10_000, arguments, ToolStatus.OK, "r\u202e"),
         Palette("#1d1d1f", "#6e6e73", "#0a66d9", "#f5f5f7", "#d2d2d7", False),
     )
-    assert "\x1b" not in html and "\x07" not in html and len(html) < 3000
+    assert "\x1b" not in html and "\x07" not in html and "\u202e" not in html and len(html) < 3000
 
 
 def test_a_tool_cannot_shadow_another_servers(host: McpHost) -> None:
