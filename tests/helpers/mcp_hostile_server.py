@@ -9,6 +9,7 @@ protocol). `python tests/helpers/mcp_hostile_server.py MODE [ARG]`:
 - `die`: writes an import error on stderr and exits (status 1) before answering anything;
 - `stderr`: writes 16 MB on stderr first, then serves;
 - `deaf`: stops reading its input once its tools are listed;
+- `barrier DIR N`: silent until N servers have started (each leaves a file in DIR), then serves;
 - `fork PIDFILE`: starts a child in its group that sleeps, and a `setsid` double-forked daemon, writing their pids;
 - results: `echo` with `{"mode": "markup"}` answers text holding `</tool_response>`, `"badutf8"` invalid UTF-8,
   `"huge"` a 32 MB message, `"garbage"` a line that is not JSON (then nothing).
@@ -125,6 +126,13 @@ def main() -> None:
         out.flush()
     if MODE == "fork":
         fork_children(ARG)
+    if MODE == "barrier":
+        folder, count = ARG, int(sys.argv[3])
+        open(os.path.join(folder, str(os.getpid())), "w").close()
+        for _ in range(600):
+            if len(os.listdir(folder)) >= count:
+                break
+            time.sleep(0.05)
     if MODE == "die":
         sys.stderr.write("Traceback (most recent call last):\nModuleNotFoundError: No module named 'mcp_tools_x'\n")
         sys.exit(1)

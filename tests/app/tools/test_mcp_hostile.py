@@ -48,6 +48,14 @@ def test_a_banner_fails_the_start_at_once_quoting_it(host: McpHost) -> None:
     assert "not MCP" in problems[0] and "Hostile server v1.0 starting" in problems[0]
 
 
+def test_servers_start_in_parallel(host: McpHost, tmp_path: Path) -> None:
+    """Three servers that each stay silent until all three have started: one after another, the first would wait
+    out its timeout; together, all three start."""
+    specs = [McpServerSpec(f"b{i}", sys.executable, (HOSTILE, "barrier", str(tmp_path), "3")) for i in range(3)]
+    started = on_worker(lambda: host.start_all(specs, timeout=20))
+    assert all(isinstance(tools, list) and [t.name for t in tools] == ["echo"] for tools in started), started
+
+
 def test_a_server_that_dies_at_start_is_quoted_and_a_stderr_flood_is_drained(host: McpHost) -> None:
     box = Toolbox(host, ConsentGate(lambda c: Decision.DENY))
     problems = on_worker(lambda: box.start_servers([spec("dies", "die"), spec("loud", "stderr")]))
