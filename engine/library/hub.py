@@ -79,7 +79,8 @@ class HubLimits:
 
     deadline_s: float = 30.0  # one whole call: every request, page and redirect of a search or a model info
     connect_s: float = 10.0
-    read_s: float = 2.0  # a transfer waits this long for its next bytes (the downloader then checks pause/cancel)
+    read_s: float = 2.0  # a file's transfer waits this long for its next bytes (then the downloader checks pause,
+    # cancel and its stall rule, and asks again); an API call's reads have what is left of its deadline
     max_json_bytes: int = 32 << 20  # a repo with thousands of files is a few MB
     max_json_depth: int = 32  # the Hub's replies nest about 5 deep
     max_redirects: int = 5
@@ -284,7 +285,7 @@ class HubClient:
         deadline = time.monotonic() + self.limits.deadline_s  # for the headers; the body has the stall rule
         with _client() as http:
             with self._errors(repo, file):
-                response = self._send(http, "GET", url, {}, headers, deadline)
+                response = self._send(http, "GET", url, {}, headers, deadline, self.limits.read_s)
             try:
                 if response.status_code == 416:
                     stream = ByteStream(response, offset, complete=True)
@@ -308,9 +309,11 @@ class HubClient:
         params: Mapping[str, str],
         headers: Mapping[str, str],
         deadline: float,
+        read_s: float | None = None,
     ) -> httpx2.Response:
         """One request, its redirects followed by hand: the token only to the endpoint's origin, at most
-        `max_redirects` hops, each under what is left of `deadline`. Returns the streamed response, open."""
+        `max_redirects` hops, each under what is left of `deadline` (and each read under `read_s` when given: a
+        file's transfer, whose stalls the downloader handles). Returns the streamed response, open."""
         self._check_reachable()
         for _ in range(self.limits.max_redirects + 1):
             if urlsplit(url).scheme.lower() not in ("http", "https"):
@@ -321,7 +324,7 @@ class HubClient:
             if self._token and same_origin(url, self.settings.endpoint):
                 sent["Authorization"] = f"Bearer {self._token}"
             request = http.build_request(
-                method, url, params=params or None, headers=sent, timeout=self._timeout(deadline)
+                method, url, params=params or None, headers=sent, timeout=self._timeout(deadline, read_s)
             )
             try:
                 response = http.send(request, stream=True)
@@ -364,11 +367,11 @@ class HubClient:
         except ValueError:
             raise _bad_reply(what) from None
 
-    def _timeout(self, deadline: float) -> httpx2.Timeout:
+    def _timeout(self, deadline: float, read_s: float | None) -> httpx2.Timeout:
         left = deadline - time.monotonic()
         if left <= 0:
             raise httpx2.ReadTimeout("deadline")
-        return httpx2.Timeout(min(left, self.limits.read_s), connect=min(left, self.limits.connect_s))
+        return httpx2.Timeout(min(left, read_s or left), connect=min(left, self.limits.connect_s))
 
     def _check_reachable(self) -> None:
         with self._lock:
@@ -518,7 +521,7 @@ class ByteStream:
         if self.complete:
             return
         try:
-            yield from self.response.iter_raw()
+            yield from self.response.iter_bytes()  # as they arrive (no chunk size: nothing waits to fill one)
         except httpx2.ReadTimeout:
             raise Stalled() from None
         except (httpx2.HTTPError, httpx2.StreamError, OSError):
