@@ -30,6 +30,15 @@ GRACE_S = 2.0  # after stdin closes, a server has this long to exit before its g
 _subreaper = False
 
 
+# What a server inherits of the app's environment (as other MCP clients do): a token or key in the app's
+# environment is not every tool server's; the server's own `env` entry adds what it needs.
+INHERITED = ("HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER", "LANG", "LC_ALL", "TMPDIR")
+
+
+def inherited_environment() -> dict[str, str]:
+    return {k: v for k in INHERITED if (v := os.environ.get(k)) is not None and not v.startswith("()")}
+
+
 def become_subreaper() -> bool:
     """Make this process adopt its descendants' orphans (Linux); False where that is not available."""
     global _subreaper
@@ -47,7 +56,7 @@ class ServerProcess:
     def __init__(self, command: str, args: Sequence[str], env: Mapping[str, str]) -> None:
         become_subreaper()
         self.marker = uuid.uuid4().hex
-        full_env = {**os.environ, **env, MARKER: self.marker}
+        full_env = {**inherited_environment(), **env, MARKER: self.marker}
         self.popen = subprocess.Popen(
             [command, *args],
             stdin=subprocess.PIPE,

@@ -175,3 +175,15 @@ def test_nothing_a_server_started_outlives_it(host: McpHost, tmp_path: Path) -> 
     on_worker(lambda: host.stop("forky"))
     assert not _running(child) and not _running(daemon)
     assert not Path(f"/proc/{daemon}").exists() or not _running(daemon)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's environment from /proc")
+def test_a_server_inherits_only_the_safe_part_of_the_environment(
+    host: McpHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_marker")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    on_worker(lambda: host.start(McpServerSpec("envy", sys.executable, (HOSTILE, "ok"), {"MINE": "given"})))
+    session = host._servers["envy"]
+    environ = Path(f"/proc/{session.process.pid}/environ").read_bytes().split(b"\0")
+    assert b"MINE=given" in environ and not any(b"secret" in e for e in environ)
