@@ -16,14 +16,17 @@ from typing import Any
 
 import httpx2
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.errors import SparkError
 from engine.library.download import Downloader
-from engine.library.hub import HubClient, HubLimits, HubSettings, LibraryError, Problem
+from engine.library.hub import HubClient, HubLimits, HubSettings, LibraryError, Problem, file_name_problem
 from engine.library.library import Library
 from engine.library.store import MANIFEST, ModelStore
 from tests.engine.library.helpers import FILE, REPO, make_library
 from tests.helpers.fake_hub import FakeHub, running_hub
+from tests.helpers.fuzz import fuzz_examples
 
 QUICK = HubLimits(deadline_s=2.0, connect_s=2.0, read_s=0.3, max_pages=4, max_redirects=3)
 MARKER = "hf_marker_token"
@@ -305,3 +308,39 @@ def test_a_slow_but_moving_download_is_not_a_stall(hub: FakeHub, tmp_path: Path)
     library = make_library(hub, tmp_path / "m", limits=QUICK)
     slow = Downloader(library.hub, library.store, free_space=lambda _p: 1 << 40, stall_window_s=0.2, stall_min_bytes=10)
     _fails(Problem.BAD_FILE, lambda: slow.download("spark-tests/slow-GGUF"))
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=30,
+)
+SIBLING = st.fixed_dictionaries(
+    {"rfilename": st.text(max_size=40) | st.sampled_from([FILE, "../x.gguf", "a\x00.gguf"])},
+    optional={"size": JSON_VALUES | st.integers(), "lfs": JSON_VALUES},
+)
+
+
+@settings(
+    max_examples=fuzz_examples(40),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    body=JSON_VALUES
+    | st.fixed_dictionaries(
+        {"siblings": st.lists(SIBLING, max_size=5)}, optional={"sha": JSON_VALUES, "gguf": JSON_VALUES}
+    )
+)
+def test_fuzz_hub_replies(library: Library, hub: FakeHub, body: object) -> None:
+    """Whatever JSON a Hub answers, a search and a file list are a result or one sentence; a file offered has a
+    name that passed the checks and a size that is a whole number."""
+    hub.hostile.body = json.dumps(body).encode()
+    for call in (lambda: library.hub.search("x"), lambda: library.hub.repo_files(REPO)):
+        try:
+            result = call()
+        except LibraryError as exc:
+            assert str(exc).isprintable() and str(exc).endswith(".")
+            continue
+        if not isinstance(result, list):
+            assert all(file_name_problem(f.name) is None and f.size_bytes >= 0 for f in result.files)
