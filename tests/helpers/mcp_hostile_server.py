@@ -9,6 +9,7 @@ protocol). `python tests/helpers/mcp_hostile_server.py MODE [ARG]`:
 - `die`: writes an import error on stderr and exits (status 1) before answering anything;
 - `stderr`: writes 16 MB on stderr first, then serves;
 - `deaf`: stops reading its input once its tools are listed;
+- `lines FILE`: writes FILE's bytes as they are before answering `initialize` (a fuzz target's output);
 - `barrier DIR N`: silent until N servers have started (each leaves a file in DIR), then serves;
 - `fork PIDFILE`: starts a child in its group that sleeps, and a `setsid` double-forked daemon, writing their pids;
 - results: `echo` with `{"mode": "markup"}` answers text holding `</tool_response>`, `"badutf8"` invalid UTF-8,
@@ -64,6 +65,10 @@ def answer(request: dict[str, object]) -> None:
     rid, method = request.get("id"), request.get("method")
     params = request.get("params") if isinstance(request.get("params"), dict) else {}
     assert isinstance(params, dict)
+    if method == "initialize" and MODE == "lines":
+        with open(ARG, "rb") as f:
+            out.write(f.read())
+        out.flush()
     if method == "initialize":
         send(
             {

@@ -15,15 +15,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from app.misc.gap_meter import GapMeter
 from app.tools.consent import ConsentGate, Decision, PendingCall
-from app.tools.mcp_host import MAX_TOOLS, McpHost, McpServerSpec
+from app.tools.mcp_host import MAX_TOOLS, McpError, McpHost, McpServerSpec, McpTool
 from app.tools.toolbox import Toolbox
 from app.window.markdown import Palette
 from app.window.tool_cards import Card, card_html, segments
 from app.worker.tool_turns import ToolStatus, response_block
 from tests.app.tools.test_mcp import on_worker
+from tests.helpers.fuzz import fuzz_examples
 
 HOSTILE = str(Path(__file__).resolve().parents[2] / "helpers" / "mcp_hostile_server.py")
 GUI_STALL_S = 0.1  # the GUI heartbeat's longest gap the brief allows while a server is started
@@ -187,3 +190,46 @@ def test_a_server_inherits_only_the_safe_part_of_the_environment(
     session = host._servers["envy"]
     environ = Path(f"/proc/{session.process.pid}/environ").read_bytes().split(b"\0")
     assert b"MINE=given" in environ and not any(b"secret" in e for e in environ)
+
+
+RPC_LINES = st.lists(
+    st.binary(max_size=80)
+    | st.sampled_from(
+        [
+            b'{"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info"}}',
+            b'{"jsonrpc": "2.0", "id": 99, "method": "ping"}',
+            b'{"jsonrpc": "2.0", "id": 1, "result": 7}',
+            b'{"jsonrpc": "2.0", "id": 1, "error": {"message": "no\\n\\u001b[2J"}}',
+            b'{"jsonrpc": "1.0"}',
+            b"[" * 5000,
+            b'{"jsonrpc": "2.0", "id": "1"}',
+        ]
+    ),
+    max_size=4,
+)
+
+
+@settings(
+    max_examples=fuzz_examples(25),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(lines=RPC_LINES)
+def test_fuzz_what_a_server_writes_at_start(host: McpHost, tmp_path: Path, lines: list[bytes]) -> None:
+    """Whatever a server writes before its first answer, the start gives tools or one sentence, and no thread or
+    process is left waiting on it."""
+    script = tmp_path / "lines.bin"
+    script.write_bytes(b"\n".join(lines) + b"\n")
+
+    def start() -> list[McpTool] | McpError:
+        try:
+            return host.start(spec("fuzz", "lines", str(script)), timeout=10)
+        except McpError as exc:
+            return exc
+
+    started = on_worker(start)
+    if isinstance(started, McpError):
+        assert "\n" not in str(started) and str(started).endswith(".")
+    else:
+        assert [t.name for t in started] == ["echo"]
+    host.stop("fuzz")
