@@ -14,7 +14,7 @@ import unicodedata
 from typing import Any
 
 MAX_SHOWN_CHARS = 120
-# Possessive: a run of plain characters is taken whole and never backtracked into (25× faster on long strings, and
+# Possessive: a run of plain characters is taken whole and never backtracked into (fast on long strings, and
 # linear on an unclosed one).
 _STRING_RE = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
 _BRACKET_RE = re.compile(r"[\[\]{}]")
