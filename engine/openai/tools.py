@@ -196,7 +196,7 @@ def tool_grammar(spec: ToolSpec) -> Grammar | None:
         return None
     tools = tuple(t for t in spec.tools if spec.named in (None, t.name))
     try:
-        for t in tools:  # each on its own first, so the sentence names the tool and its `$ref`s resolve as written
+        for t in tools:  # each on its own first, so the sentence names the tool whose schema is refused
             check_schema(t.parameters, f"parameter schema of the tool {t.name[:64]!r}")
     except GrammarError as exc:
         raise bad_request(str(exc), "tools") from None
