@@ -36,17 +36,14 @@ from huggingface_hub import constants as hf_constants
 from huggingface_hub import get_token
 
 from engine.errors import SparkError
-from engine.untrusted import is_unsafe_char, loads_bounded, shown
+from engine.library.names import file_name_problem, repo_id_problem
+from engine.untrusted import loads_bounded, shown
 from engine.version import __version__
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _SPLIT_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)  # one part of a split GGUF
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _REVISION_RE = re.compile(r"[0-9a-f]{40}")
-_REPO_PART_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-MAX_REPO_CHARS = 96  # the Hub's own limit on owner/name
-MAX_FILE_CHARS = 1000
-MAX_SEGMENT_CHARS = 200  # one folder or file name: leaves room for the store's own prefixes under NAME_MAX
 _REDIRECTS = {301, 302, 303, 307, 308}
 
 
@@ -131,48 +128,12 @@ class RepoFiles:
 # -- names ---------------------------------------------------------------------------------------------------------
 
 
-def repo_id_problem(repo: str) -> str | None:
-    """Why `repo` is not a Hub repo id (owner/name in letters, digits, `.`, `_` and `-`), or None."""
-    if len(repo) > MAX_REPO_CHARS:
-        return f"is longer than {MAX_REPO_CHARS} characters"
-    parts = repo.split("/")
-    if len(parts) != 2 or not all(_REPO_PART_RE.fullmatch(p) for p in parts):
-        return "is not written as owner/name"
-    if any(".." in p or p.endswith(".") for p in parts):
-        return "is not written as owner/name"
-    return None
-
-
 def check_repo_id(repo: str) -> None:
     problem = repo_id_problem(repo)
     if problem is not None:
         raise LibraryError(
             Problem.NOT_FOUND, f"{shown(repo)!r} {problem}, so it is not a Hub repo id; write it as owner/name."
         )
-
-
-def file_name_problem(name: str) -> str | None:
-    """Why `name` cannot be a repo file MLoT Spark downloads (it becomes a URL path and a file in the models
-    folder), or None: bounded length, no NUL, control, bidi or zero-width characters, no backslash, no empty, `.`,
-    `..` or hidden segment, no leading or trailing separator."""
-    if not name:
-        return "is empty"
-    if len(name) > MAX_FILE_CHARS:
-        return f"is longer than {MAX_FILE_CHARS} characters"
-    if any(is_unsafe_char(ch) for ch in name):
-        return "holds control, bidi or invisible characters"
-    if "\\" in name or ":" in name:
-        return "holds a backslash or a colon"
-    for segment in name.split("/"):
-        if not segment:
-            return "has an empty folder part"
-        if segment.startswith("."):
-            return "has a part that starts with a dot"
-        if len(segment) > MAX_SEGMENT_CHARS or len(segment.encode("utf-8")) > MAX_SEGMENT_CHARS:
-            return f"has a part longer than {MAX_SEGMENT_CHARS} characters"
-        if segment != segment.strip():
-            return "has a part that starts or ends with a space"
-    return None
 
 
 def check_file_name(name: str) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 
 from engine.errors import SparkError
 from engine.fileio import atomic_dir, atomic_write
-from engine.library.hub import file_name_problem, repo_id_problem
+from engine.library.names import file_name_problem, repo_id_problem
 from engine.untrusted import loads_bounded, shown
 
 MANIFEST = "spark-model.json"

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from engine.errors import SparkError
 from engine.library.download import Downloader
-from engine.library.hub import HubClient, HubLimits, HubSettings, LibraryError, Problem, file_name_problem
+from engine.library.hub import HubClient, HubLimits, HubSettings, LibraryError, Problem
 from engine.library.library import Library
+from engine.library.names import file_name_problem
 from engine.library.store import MANIFEST, ModelStore
 from tests.engine.library.helpers import FILE, REPO, make_library
 from tests.helpers.fake_hub import FakeHub, running_hub
