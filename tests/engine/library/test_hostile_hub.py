@@ -345,3 +345,13 @@ def test_fuzz_hub_replies(library: Library, hub: FakeHub, body: object) -> None:
             continue
         if not isinstance(result, list):
             assert all(file_name_problem(f.name) is None and f.size_bytes >= 0 for f in result.files)
+
+
+def test_the_store_stays_light() -> None:
+    """The store (read by the app's model menu at start-up) checks names without importing the network stack."""
+    import subprocess
+    import sys
+
+    code = "import sys, engine.library.store; print(sorted({'httpx2', 'huggingface_hub'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
