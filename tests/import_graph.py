@@ -25,7 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent
 TOPS = ("engine", "coreml", "app")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("engine.errors", "engine.fileio", "engine.paths", "engine.process", "engine.version"),  # leaves
+    (
+        "engine.errors",
+        "engine.fileio",
+        "engine.paths",
+        "engine.process",
+        "engine.untrusted",
+        "engine.version",
+    ),  # leaves
     ("engine.model",),
     ("engine.loading",),
     ("engine.backends",),  # native/, coreml/ and every backend inside it

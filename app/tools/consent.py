@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from app.tools.display import shown
+
 
 class Decision(StrEnum):
     ALLOW_ONCE = "allow_once"
@@ -29,7 +31,10 @@ class PendingCall:
     arguments: dict[str, Any]
 
     def summary(self) -> str:
-        return f"{self.server} → {self.tool}({json.dumps(self.arguments, ensure_ascii=False)[:500]})"
+        """The call as the question shows it: names and arguments escaped and bounded (app.tools.display), so a
+        name cannot hide what it does behind newlines, bidi overrides or ten thousand characters."""
+        arguments = json.dumps(self.arguments, ensure_ascii=False)
+        return f"{shown(self.server, 64)} → {shown(self.tool, 64)}({shown(arguments, 500)})"
 
 
 Ask = Callable[[PendingCall], Decision]

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.tools.consent import ConsentGate, PendingCall
-from app.tools.mcp_host import McpError, McpHost, McpServerSpec, McpTool, ToolOutcome
+from app.tools.display import shown
+from app.tools.mcp_host import MAX_TOOL_NAME, MAX_TOOLS, McpError, McpHost, McpServerSpec, McpTool, ToolOutcome
 
 MAX_NAME = 64  # OpenAI's bound on a function name (and Hermes templates')
+MAX_ARGUMENTS = 1 << 20  # a call's arguments as the model wrote them
 
 
 def exposed_name(tool: McpTool) -> str:
@@ -45,14 +47,30 @@ class Toolbox:
         self._tools: dict[str, McpTool] = {}
 
     def start_servers(self, specs: list[McpServerSpec]) -> list[str]:
-        """Start every server; one sentence per server that could not start (the others are used anyway)."""
+        """Start every server at once; one sentence per server that could not start (the others are used anyway)
+        and per tool left out because its exposed name is another's (the first server in the list keeps it: a
+        server cannot shadow another's tool)."""
         problems = []
-        for spec in specs:
-            try:
-                for tool in self.host.start(spec):
-                    self._tools[exposed_name(tool)] = tool
-            except McpError as exc:
-                problems.append(str(exc))
+        for spec, started in zip(specs, self.host.start_all(specs), strict=True):
+            if isinstance(started, McpError):
+                problems.append(str(started))
+                continue
+            if left_out := self.host.left_out(spec.name):
+                problems.append(
+                    f"The MCP server '{shown(spec.name, 64)}' lists {left_out:,} tools that were left out (past the "
+                    f"first {MAX_TOOLS}, or with a name of control characters or over {MAX_TOOL_NAME} characters, or "
+                    "a schema too large or too deep)."
+                )
+            for tool in started:
+                name = exposed_name(tool)
+                taken = self._tools.get(name)
+                if taken is not None:
+                    problems.append(
+                        f"The tool '{shown(tool.name, 64)}' of MCP server '{shown(spec.name, 64)}' was left out: its "
+                        f"name {name} is already the tool '{shown(taken.name, 64)}' of '{shown(taken.server, 64)}'."
+                    )
+                    continue
+                self._tools[name] = tool
         return problems
 
     def openai_tools(self) -> list[dict[str, Any]]:
@@ -67,10 +85,10 @@ class Toolbox:
     def run(self, name: str, arguments: str) -> ToolRun:
         tool = self._tools.get(name)
         if tool is None:
-            return ToolRun(name, arguments, False, ToolOutcome(False, f"There is no tool named '{name}'."))
+            return ToolRun(name, arguments, False, ToolOutcome(False, f"There is no tool named '{shown(name, 64)}'."))
         try:
-            args = json.loads(arguments)
-        except (json.JSONDecodeError, RecursionError):
+            args = json.loads(arguments) if len(arguments) <= MAX_ARGUMENTS else None
+        except (ValueError, RecursionError):
             args = None
         if not isinstance(args, dict):
             return ToolRun(name, arguments, False, ToolOutcome(False, "The call's arguments are not a JSON object."))

@@ -13,11 +13,13 @@ import json
 import re
 from dataclasses import dataclass, replace
 
+from app.tools.display import shown
 from app.window.markdown import MONO, Palette
 from app.worker.tool_turns import RESPONSE_CLOSE, RESPONSE_OPEN, ToolStatus
 from engine.openai.tools import CLOSE, OPEN
 
 FOLDED_CHARS = 300  # of a result, in the card (the model got it whole)
+MAX_ARGUMENT_LINE = 2000  # characters of one line of a call's arguments, in the card
 BLOCK = re.compile(
     f"{re.escape(OPEN)}(.*?){re.escape(CLOSE)}|{re.escape(RESPONSE_OPEN)}(.*?){re.escape(RESPONSE_CLOSE)}"
     f"|{re.escape(OPEN)}(.*)$",  # a call still being written (the stream has not closed it yet)
@@ -99,12 +101,15 @@ def card_html(card: Card, palette: Palette) -> str:
         head = f'<span style="color:{palette.dim}">Calling a tool…</span>'
     else:
         state = STATUS_TEXT[card.status] if card.status is not None else "Waiting for your answer…"
-        head = f'<b>Tool · {e(card.name)}</b> <span style="color:{palette.dim}">— {e(state)}</span>'
+        head = f'<b>Tool · {e(shown(card.name, 64))}</b> <span style="color:{palette.dim}">— {e(state)}</span>'
     rows = [f"<p>{head}</p>"]
     if card.arguments and card.arguments != "{}":
-        rows.append(f'<pre style="{MONO}">{e(card.arguments)}</pre>')
+        # Line by line: bidi and invisible characters escaped (JSON already escapes controls), the layout kept.
+        arguments = "\n".join(shown(line, MAX_ARGUMENT_LINE) for line in card.arguments.splitlines())
+        rows.append(f'<pre style="{MONO}">{e(arguments)}</pre>')
     if card.status is not None and card.status is not ToolStatus.DENIED:
-        rows.append(f'<p style="color:{palette.dim}">Result: {e(folded(card.result)) or "(empty)"}</p>')
+        result = shown(folded(card.result), FOLDED_CHARS + 1)
+        rows.append(f'<p style="color:{palette.dim}">Result: {e(result) or "(empty)"}</p>')
     return (
         f'<table width="100%" cellspacing="0" cellpadding="8" border="1" '
         f'style="border-color:{palette.border}; border-style:solid; background-color:{palette.code_background}">'

@@ -14,6 +14,9 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from engine.errors import SparkError
+from engine.untrusted import shown
+
+MAX_ERROR_CHARS = 2000
 
 # name -> module under engine.cli (imported lazily so `hw` never pays for torch-heavy imports it doesn't need)
 SUBCOMMANDS: dict[str, str] = {
@@ -58,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _one_line_warning(message: Warning | str, category: type[Warning], *_: object, **__: object) -> str:
-    return f"warning: {message}\n"
+    return f"warning: {shown(str(message), MAX_ERROR_CHARS)}\n"
 
 
 OUT_OF_MEMORY = "error: MLoT Spark ran out of memory (the memory limit of this process included); free memory, raise the limit or choose a smaller model."
@@ -71,7 +74,8 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     try:
         return int(func(args) or 0)
     except SparkError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # A name from a file or a server may sit in the sentence: escaped, it cannot split the line or drive the terminal.
+        print(f"error: {shown(str(exc), MAX_ERROR_CHARS)}", file=sys.stderr)
         return 2
     except MemoryError:  # numpy's too; torch's allocator raises RuntimeError("... can't allocate memory ...")
         print(OUT_OF_MEMORY, file=sys.stderr)

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from engine.hw.memory import format_bytes
+from engine.untrusted import shown
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -95,17 +96,19 @@ def _download(lib: Any, repo: str, file: str | None, *, quiet: bool) -> Any:
             if not started:
                 started = True
                 resumed = f", resuming at {format_bytes(resumed_at)}" if resumed_at else ""
-                print(f"downloading {p.file} ({format_bytes(p.total_bytes)}{resumed})", file=sys.stderr)
+                print(f"downloading {shown(p.file)} ({format_bytes(p.total_bytes)}{resumed})", file=sys.stderr)
             if use_tqdm:
                 if bar is None:
                     from tqdm import tqdm
 
-                    bar = tqdm(total=p.total_bytes, initial=resumed_at, unit="B", unit_scale=True, desc=p.file)
+                    bar = tqdm(
+                        total=p.total_bytes, initial=resumed_at, unit="B", unit_scale=True, desc=shown(p.file, 40)
+                    )
                 bar.update(p.done_bytes - bar.n)
         elif p.phase is Phase.VERIFYING and not quiet:
             if bar is not None:
                 bar.close()
-            print(f"verifying {p.file} (sha256, GGUF header)…", file=sys.stderr)
+            print(f"verifying {shown(p.file)} (sha256, GGUF header)…", file=sys.stderr)
 
     try:
         return lib.downloader().download(repo, file, progress=progress)
@@ -132,22 +135,23 @@ def _print(action: str, result: dict[str, Any]) -> None:
     if action == "list":
         for m in result["models"]:
             mark = " (default)" if m.get("default") else ""
-            print(f"{m['name']:<40} {format_bytes(m['size_bytes']):>9}  {m['family']}{mark}")
+            print(f"{shown(m['name']):<40} {format_bytes(m['size_bytes']):>9}  {shown(m['family'])}{mark}")
         for p in result["partial_downloads"]:
             print(
-                f"  partial: {p['repo']} {p['file']} {format_bytes(p['done_bytes'])} of {format_bytes(p['size_bytes'])}"
+                f"  partial: {shown(p['repo'])} {shown(p['file'])} {format_bytes(p['done_bytes'])} of "
+                f"{format_bytes(p['size_bytes'])}"
             )
     elif action == "search":
         for r in result["repos"]:
             gated = "  (gated)" if r["gated"] else ""
-            print(f"{r['id']:<60} {r['downloads']:>10} downloads{gated}")
+            print(f"{shown(r['id']):<60} {r['downloads']:>10} downloads{gated}")
         if not result["repos"]:
-            print(f"No GGUF repos match {result['query']!r}.")
+            print(f"No GGUF repos match {shown(result['query'])!r}.")
     elif action == "download":
         m = result["model"]
-        print(f"{m['name']} is ready ({format_bytes(m['size_bytes'])}): --model {m['name']}")
+        print(f"{shown(m['name'])} is ready ({format_bytes(m['size_bytes'])}): --model {shown(m['name'])}")
     elif action == "remove":
-        print(f"removed {result['removed']['name']}")
+        print(f"removed {shown(result['removed']['name'])}")
     else:
         print(f"memory {format_bytes(result['total_bytes'])}, backends {', '.join(result['backends'])}")
         for m in result["models"]:

@@ -21,6 +21,7 @@ words of the bit mask.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import weakref
@@ -95,6 +96,143 @@ def _schema_depth(value: Any) -> int:
     return deepest
 
 
+_SCALAR_TYPES = {"string", "number", "integer", "boolean", "null"}
+_FINITE_PASSES = 64  # a ref chain resolves one link per pass at worst; a schema needing more is not refused here
+
+
+def _subschemas(node: dict[str, Any]) -> list[Any]:
+    """The schemas directly inside `node` (the keywords a compiler descends into)."""
+    out: list[Any] = []
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        v = node.get(key)
+        if isinstance(v, dict):
+            out.extend(v.values())
+    for key in ("allOf", "anyOf", "oneOf", "prefixItems"):
+        v = node.get(key)
+        if isinstance(v, list):
+            out.extend(v)
+    for key in ("items", "additionalProperties", "not", "if", "then", "else", "contains"):
+        if key in node:
+            out.append(node[key])
+    return out
+
+
+def _resolve(root: Any, ref: Any) -> Any:
+    """The schema a local `$ref` ("#", "#/$defs/a", any JSON pointer into the document) names, or None."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    node = root
+    for raw in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _has_finite_instance(root: Any) -> bool:
+    """Whether some finite JSON value can match `root`, as far as `$ref` cycles decide it: a least fixpoint over
+    the schema's nodes, where a node is finite when it admits a scalar, a constant, an object whose required
+    properties are all finite, or an array whose required items are. A cycle every instance must walk round (a
+    required property that `$ref`s its own schema) is never finite; the rest (ranges, patterns, allOf clashes) is the
+    compiler's to judge."""
+    nodes: list[dict[str, Any]] = []
+    stack, seen = [root], set()
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict) and id(v) not in seen:
+            seen.add(id(v))
+            nodes.append(v)
+            stack.extend(_subschemas(v))
+    finite: set[int] = set()
+
+    def ok(v: Any) -> bool:
+        if isinstance(v, bool):
+            return v
+        return (isinstance(v, dict) and id(v) in finite) or not isinstance(v, dict)
+
+    def node_ok(n: dict[str, Any]) -> bool:
+        if "$ref" in n:
+            target = _resolve(root, n["$ref"])
+            if target is not None and not ok(target):
+                return False
+        if isinstance(n.get("allOf"), list) and not all(ok(x) for x in n["allOf"]):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(n.get(key), list) and n[key] and not any(ok(x) for x in n[key]):
+                return False
+        if "const" in n or "enum" in n:
+            return True
+        kind = n.get("type")
+        kinds = set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else set()
+        if not kinds:
+            if any(k in n for k in ("properties", "required", "additionalProperties")):
+                kinds = {"object"}
+            elif any(k in n for k in ("items", "prefixItems", "minItems")):
+                kinds = {"array"}
+            else:
+                return True
+        if kinds & _SCALAR_TYPES or not kinds <= {*_SCALAR_TYPES, "object", "array"}:
+            return True  # a scalar ends it; an unknown type is the compiler's to name
+        if "object" in kinds and _object_ok(n, ok):
+            return True
+        return "array" in kinds and _array_ok(n, ok)
+
+    for _ in range(_FINITE_PASSES):
+        changed = False
+        for n in reversed(nodes):  # children before parents: one pass settles everything but ref chains
+            if id(n) not in finite and node_ok(n):
+                finite.add(id(n))
+                changed = True
+        if not changed:
+            return ok(root)
+    return True
+
+
+def _object_ok(n: dict[str, Any], ok: Any) -> bool:
+    props: dict[str, Any] = n["properties"] if isinstance(n.get("properties"), dict) else {}
+    extra = n.get("additionalProperties", True)
+    required: list[Any] = n["required"] if isinstance(n.get("required"), list) else []
+    return all(ok(props.get(r, extra)) for r in required if isinstance(r, str))
+
+
+def _array_ok(n: dict[str, Any], ok: Any) -> bool:
+    least = n.get("minItems", 0)
+    least = least if isinstance(least, int) and not isinstance(least, bool) else 0
+    if least <= 0:
+        return True
+    prefix: list[Any] = n["prefixItems"] if isinstance(n.get("prefixItems"), list) else []
+    items = n.get("items", True)
+    return all(ok(prefix[i] if i < len(prefix) else items) for i in range(min(least, len(prefix) + 1)))
+
+
+def check_schema(schema: Any, what: str = "JSON schema") -> str:
+    """A parsed JSON schema checked before it is compiled: an object (or a boolean), plain JSON, at most
+    MAX_GRAMMAR_CHARS as text and MAX_SCHEMA_DEPTH deep, and with some finite instance (a `$ref` cycle through
+    required properties has none: a reply could never close). Returns the schema as JSON text; raises GrammarError."""
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise GrammarError(f"The {what} must be a JSON object.")
+    if _schema_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"The {what} nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it.")
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError, RecursionError):
+        raise GrammarError(f"The {what} is not plain JSON.") from None
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"The {what} is larger than {MAX_GRAMMAR_CHARS:,} characters; simplify it.")
+    if not _has_finite_instance(schema):
+        raise GrammarError(
+            f"The {what} cannot be satisfied: it requires itself without end (a $ref cycle through required "
+            "properties or items), so no finite JSON matches it."
+        )
+    return text
+
+
 def _validated(kind: GrammarKind, source: str, what: str) -> Grammar:
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, None, limits=LIMITS)
     if failed:
@@ -105,23 +243,54 @@ def _validated(kind: GrammarKind, source: str, what: str) -> Grammar:
 
 def json_schema_grammar(schema: Any, what: str = "JSON schema") -> Grammar:
     """A grammar for JSON matching `schema` (a parsed JSON Schema object)."""
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
-    if not isinstance(schema, dict):
-        raise GrammarError(f"The {what} must be a JSON object.")
-    try:
-        text = json.dumps(schema)
-    except (TypeError, ValueError, RecursionError):
-        raise GrammarError(f"The {what} is not plain JSON.") from None
-    if len(text) > MAX_GRAMMAR_CHARS:
-        raise GrammarError(f"The {what} is larger than {MAX_GRAMMAR_CHARS:,} characters; simplify it.")
-    if _schema_depth(schema) > MAX_SCHEMA_DEPTH:
-        raise GrammarError(f"The {what} nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it.")
+    text = check_schema(schema, what)
     try:
         source = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
     except ValueError as exc:
         raise GrammarError(f"The {what} cannot be read: {str(exc)[:200]}.") from None
     return _validated(GrammarKind.JSON_SCHEMA, source, what)
+
+
+_JSON_DIRECTIVE = re.compile(r"%json\s*")
+
+
+def _embedded_json(text: str, start: int) -> tuple[int, int]:
+    """The end of the JSON value starting at `text[start]` and its nesting depth, found by counting brackets
+    outside strings (no parser recursion: the value may be built to be deep). End is len(text) if it never closes."""
+    depth = deepest = 0
+    i, n = start, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1, deepest
+        i += 1
+    return n, deepest
+
+
+def check_lark_schemas(text: str, what: str) -> None:
+    """Every `%json {...}` schema inside a Lark grammar gets the checks a schema given alone gets (depth first, so a
+    deep one never reaches the parser or the compiler)."""
+    for m in _JSON_DIRECTIVE.finditer(text):
+        start = m.end()
+        if start >= len(text) or text[start] not in "{[":
+            continue
+        end, depth = _embedded_json(text, start)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"A %json schema in the {what} nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten it.")
+        try:
+            schema = json.loads(text[start:end])
+        except ValueError:
+            continue  # not JSON: the grammar's compiler names the error
+        check_schema(schema, f"%json schema in the {what}")
 
 
 def json_object_grammar() -> Grammar:
@@ -140,6 +309,7 @@ def text_grammar(text: str, kind: GrammarKind, what: str = "grammar") -> Grammar
             raise GrammarError(f"The GBNF {what} cannot be read: {str(exc)[:200]}.") from None
     elif kind is not GrammarKind.LARK:
         raise ValueError(f"not a text grammar kind: {kind}")
+    check_lark_schemas(text, what)
     return _validated(kind, llguidance.LLMatcher.grammar_from_lark(text), what)
 
 

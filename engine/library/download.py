@@ -25,15 +25,28 @@ from pathlib import Path
 from engine.errors import ModelLoadError
 from engine.hw.memory import format_bytes
 from engine.library.catalog import Catalog
-from engine.library.hub import HubClient, HubFile, LibraryError, Problem, RepoFiles, Stalled
+from engine.library.hub import (
+    HubClient,
+    HubFile,
+    LibraryError,
+    Problem,
+    RepoFiles,
+    Stalled,
+    check_file_name,
+    check_repo_id,
+)
 from engine.library.store import LocalModel, ModelSource, ModelStore
 from engine.loading.gguf import ARCHITECTURES, GGUFModel
 from engine.loading.validate import validate_gguf as check_gguf
+from engine.untrusted import shown
 
 CHUNK_BYTES = 1 << 20
 DISK_MARGIN_BYTES = 256 << 20  # left free after the download, so the disk is not filled to the last byte
 PROGRESS_EVERY_S = 0.1
-STALL_LIMIT_S = 60.0  # no bytes for this long: the network is gone
+# Slow but moving is fine; less than this many bytes in this long is a stalled transfer (a drip of a byte a second
+# would otherwise hold the download open for ever).
+STALL_WINDOW_S = 60.0
+STALL_MIN_BYTES = 64 * 1024
 
 
 class Phase(enum.Enum):
@@ -117,7 +130,7 @@ def choose_file(files: RepoFiles, wanted: str | None, catalog: Catalog | None) -
     if wanted:
         found = files.file(wanted)
         if found is None:
-            raise LibraryError(Problem.NO_FILE, f"{files.repo} has no GGUF file {wanted}; {_choices(files)}")
+            raise LibraryError(Problem.NO_FILE, f"{files.repo} has no GGUF file {shown(wanted)}; {_choices(files)}")
         return found
     if not files.files:
         raise LibraryError(
@@ -137,9 +150,29 @@ def choose_file(files: RepoFiles, wanted: str | None, catalog: Catalog | None) -
 
 
 def _choices(files: RepoFiles) -> str:
-    listed = ", ".join(f"{f.name} ({format_bytes(f.size_bytes)})" for f in files.files[:12])
+    listed = ", ".join(f"{shown(f.name)} ({format_bytes(f.size_bytes)})" for f in files.files[:12])
     more = f" and {len(files.files) - 12} more" if len(files.files) > 12 else ""
     return f"choose one with --file: {listed}{more}."
+
+
+class _StallWatch:
+    """Less than `min_bytes` over any `window_s`: the transfer is stalled, and the download stops with one sentence."""
+
+    def __init__(self, clock: Callable[[], float], window_s: float, min_bytes: int) -> None:
+        self.window_s, self.min_bytes = window_s, min_bytes
+        self.since, self.bytes = clock(), 0
+
+    def moved(self, n: int, now: float) -> None:
+        self.bytes += n
+        if now - self.since < self.window_s:
+            return
+        if self.bytes < self.min_bytes:
+            raise LibraryError(
+                Problem.NO_NETWORK,
+                f"The Hub sent less than {format_bytes(self.min_bytes)} in {self.window_s:.0f} s: check the network, "
+                "then download again; it resumes where it stopped.",
+            )
+        self.since, self.bytes = now, 0
 
 
 class Downloader:
@@ -152,7 +185,8 @@ class Downloader:
         free_space: FreeSpace = disk_free,
         supported: Collection[str] = tuple(ARCHITECTURES),
         clock: Callable[[], float] = time.monotonic,
-        chunk_bytes: int = CHUNK_BYTES,
+        stall_window_s: float = STALL_WINDOW_S,
+        stall_min_bytes: int = STALL_MIN_BYTES,
     ) -> None:
         self.hub = hub
         self.store = store
@@ -160,7 +194,8 @@ class Downloader:
         self.free_space = free_space
         self.supported = supported
         self.clock = clock
-        self.chunk_bytes = chunk_bytes
+        self.stall_window_s = stall_window_s
+        self.stall_min_bytes = stall_min_bytes
 
     def download(
         self,
@@ -170,6 +205,9 @@ class Downloader:
         progress: ProgressCallback | None = None,
         control: DownloadControl | None = None,
     ) -> LocalModel:
+        check_repo_id(repo)
+        if file is not None:
+            check_file_name(file)
         files = self.hub.repo_files(repo)
         chosen = choose_file(files, file, self.catalog)
         if chosen.sha256 is None:
@@ -206,33 +244,34 @@ class Downloader:
 
     # -- steps -----------------------------------------------------------------------------------------------------
     def _fetch(self, source: ModelSource, part: Path, report: ProgressCallback, control: DownloadControl) -> None:
-        have = part.stat().st_size if part.exists() else 0
+        have = self.store.partial_size(part)
         if have > source.size_bytes:  # not this file's bytes: start again
-            part.unlink()
             have = 0
         self._check_space(source, have)
         report(DownloadProgress(source.repo, source.file, Phase.CONNECTING, have, source.size_bytes, 0.0, None))
         started, got, last = self.clock(), 0, 0.0
-        stalled_since: float | None = None
+        stall = _StallWatch(self.clock, self.stall_window_s, self.stall_min_bytes)
         while have < source.size_bytes:
             control.check()
-            before = have
+            # What lies at `part` now may not be what this loop wrote (replaced, or a link put there): from its start.
+            have = before = min(have, self.store.partial_size(part))
             try:
                 with self.hub.open_stream(source.repo, source.file, source.revision, have) as stream:
                     if stream.complete:
                         break
                     have = stream.offset  # 0 when the server ignored the Range: the partial file is overwritten
-                    with open(part, "r+b" if part.exists() else "wb") as out:
+                    # Opened again on every resume: what lies at `part` now is checked, not what lay there before.
+                    with self.store.open_partial(part) as out:
                         out.seek(have)
                         out.truncate()
-                        for chunk in stream.chunks(self.chunk_bytes):
-                            out.write(chunk)
-                            have += len(chunk)
-                            got += len(chunk)
-                            stalled_since = None
+                        for piece in stream.chunks():
+                            out.write(piece)
+                            have += len(piece)
+                            got += len(piece)
                             if have > source.size_bytes:
                                 break
                             now = self.clock()
+                            stall.moved(len(piece), now)
                             if now - last >= PROGRESS_EVERY_S or have == source.size_bytes:
                                 last = now
                                 out.flush()
@@ -245,14 +284,7 @@ class Downloader:
                                 )
                             control.check()
             except Stalled:
-                now = self.clock()
-                stalled_since = stalled_since if stalled_since is not None else now
-                if now - stalled_since > STALL_LIMIT_S:
-                    raise LibraryError(
-                        Problem.NO_NETWORK,
-                        f"No data came from the Hub for {STALL_LIMIT_S:.0f} s: check the network, then download "
-                        "again; it resumes where it stopped.",
-                    ) from None
+                stall.moved(0, self.clock())
                 continue  # check for pause/cancel, then ask for the rest again
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -267,8 +299,8 @@ class Downloader:
             self.store.discard_partial(source)
             raise LibraryError(
                 Problem.BAD_HASH,
-                f"The Hub sent {have} bytes of {source.file} instead of {source.size_bytes}; the partial copy was "
-                "deleted: download it again.",
+                f"The Hub sent {have} bytes of {shown(source.file)} instead of {source.size_bytes}; the partial copy "
+                "was deleted: download it again.",
             )
 
     def _check_space(self, source: ModelSource, have: int) -> None:
@@ -281,14 +313,14 @@ class Downloader:
         need = f"needs {format_bytes(needed)} but " if needed else ""
         return LibraryError(
             Problem.DISK_FULL,
-            f"{source.file} {need}only {format_bytes(free)} is free on the disk holding {self.store.root}: free some "
+            f"{shown(source.file)} {need}only {format_bytes(free)} is free on the disk holding {self.store.root}: free some "
             "space (or remove a model with `python -m engine models remove NAME`), then download again; it resumes "
             "where it stopped.",
         )
 
     def _verify(self, source: ModelSource, part: Path, control: DownloadControl) -> None:
         h = hashlib.sha256()
-        with open(part, "rb") as f:
+        with self.store.read_partial(part) as f:
             while chunk := f.read(8 * CHUNK_BYTES):
                 h.update(chunk)
                 control.check()
@@ -296,7 +328,7 @@ class Downloader:
             self.store.discard_partial(source)
             raise LibraryError(
                 Problem.BAD_HASH,
-                f"The downloaded {source.file} does not match the Hub's sha256 (the copy was damaged on the way); it "
+                f"The downloaded {shown(source.file)} does not match the Hub's sha256 (the copy was damaged on the way); it "
                 "was deleted: download it again.",
             )
 
@@ -307,5 +339,6 @@ class Downloader:
             self.store.discard_partial(source)
             raise LibraryError(
                 Problem.BAD_FILE,
-                f"{source.file} from {source.repo} is not a model MLoT Spark can open, so it was not added: {exc}",
+                f"{shown(source.file)} from {source.repo} is not a model MLoT Spark can open, so it was not added: "
+                f"{shown(str(exc), 400)}",
             ) from None

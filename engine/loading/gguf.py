@@ -397,6 +397,8 @@ class GGUFModel:
         heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(t.hf_name.split(".")[-2], 0)
         if not cfg.rotary_dims or not heads or "self_attn" not in t.hf_name or t.data.shape[0] != t.shape[0]:
             return t
+        if t.shape[0] != heads * cfg.head_dim:
+            return t  # not the rows the metadata implies: check_tensors refuses it by its shape, nothing reshaped
         return dataclasses.replace(t, data=reorder_rows(t.data, heads, cfg.head_dim, cfg.rotary_dims))
 
     def _split_rows(self, t: TensorInfo, hf_names: list[str]) -> Iterator[_Tensor]:

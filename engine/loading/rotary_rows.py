@@ -15,6 +15,8 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from engine.errors import ModelLoadError
+
 Rows = TypeVar("Rows", np.ndarray, torch.Tensor)
 
 
@@ -28,6 +30,12 @@ def partial_rotary_order(head_dim: int, rotary_dims: int) -> list[int]:
 def reorder_rows(w: Rows, n_head: int, head_dim: int, rotary_dims: int, back: bool = False) -> Rows:
     """Rows (n_head*D, ...) of q or k (weights, biases, or rows of quantization blocks) in the engine's order
     (`back`: from the engine's order to transformers', as a GGUF keeps them)."""
+    if w.shape[0] != n_head * head_dim or not 0 < rotary_dims <= head_dim:
+        # Callers check shapes first; this guards the reshape itself against a file whose sizes disagree.
+        raise ModelLoadError(
+            f"A q or k projection holds {w.shape[0]} rows where {n_head} heads of {head_dim} channels need "
+            f"{n_head * head_dim}; the model's files disagree with its configuration."
+        )
     order = partial_rotary_order(head_dim, rotary_dims)
     if back:
         order = [order.index(j) for j in range(head_dim)]

@@ -42,8 +42,10 @@ from engine.openai.errors import (
 )
 from engine.openai.service import Job, ModelService, model_for_request
 from engine.openai.tools import ToolCall, ToolCallReader, read_reply
+from engine.untrusted import JsonTooDeep, loads_bounded
 
 log = logging.getLogger("engine.serve")
+MAX_BODY_DEPTH = 256  # a request's JSON nests ~10 deep; a schema in it is held to 48 (engine.generation.constrained)
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -66,8 +68,10 @@ async def read_json(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise too_large(f"The request body is larger than the {limit:,} bytes this server accepts.")
     try:
-        parsed = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        parsed = loads_bounded(bytes(body), max_bytes=limit, max_depth=MAX_BODY_DEPTH)
+    except JsonTooDeep:
+        raise bad_request(f"The request body nests deeper than {MAX_BODY_DEPTH} levels; flatten it.") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
         raise bad_request("The request body is not valid JSON.") from None
     except ValueError:  # an integer literal past Python's int-string limit (4,300 digits)
         raise bad_request("The request body holds a number too long to be read.") from None

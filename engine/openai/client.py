@@ -45,6 +45,7 @@ class ReplyLimits:
     reply_bytes: int = 64 << 20  # the whole reply
     error_bytes: int = 64 << 10  # an error body, read for its message only
     list_bytes: int = 8 << 20  # a model list
+    list_s: float = 15.0  # a model list, whole: connect, headers and body (a silent server fails in seconds)
 
 
 MAX_RETRY_AFTER_S = 86_400  # a Retry-After past a day is not advice worth passing on
@@ -59,13 +60,16 @@ def _clause(text: str, limit: int = 200) -> str:
     return (flat[:limit] + "…" if len(flat) > limit else flat).rstrip(".")
 
 
-def _read_capped(response: httpx.Response, limit: int) -> bytes | None:
-    """The body, or None when it passes `limit` bytes (nothing past the limit is read)."""
+def _read_capped(response: httpx.Response, limit: int, deadline: float | None = None) -> bytes | None:
+    """The body, or None when it passes `limit` bytes (nothing past the limit is read); past `deadline`
+    (monotonic) a ReadTimeout, so a server dripping its body cannot hold the call."""
     body = bytearray()
     for chunk in response.iter_bytes():
         body += chunk
         if len(body) > limit:
             return None
+        if deadline is not None and time.monotonic() > deadline:
+            raise httpx.ReadTimeout("the reply took too long", request=response.request)
     return bytes(body)
 
 
@@ -174,12 +178,15 @@ class RemoteClient:
         )
 
     def list_models(self) -> list[str]:
-        """The model names the server offers (GET /models)."""
+        """The model names the server offers (GET /models), under a deadline of `limits.list_s` for the whole call
+        (the chat stream's long first-byte wait is for a model reading a prompt; a list has no such excuse)."""
+        deadline = time.monotonic() + self.limits.list_s
+        timeout = httpx.Timeout(self.limits.list_s, connect=min(CONNECT_TIMEOUT_S, self.limits.list_s))
         try:
-            with self._http.stream("GET", self.server.url + "/models") as response:
+            with self._http.stream("GET", self.server.url + "/models", timeout=timeout) as response:
                 if response.status_code != 200:
                     raise self._fail(response)
-                raw = _read_capped(response, self.limits.list_bytes)
+                raw = _read_capped(response, self.limits.list_bytes, deadline)
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
         body = _loads(raw) if raw is not None else None

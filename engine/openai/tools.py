@@ -33,6 +33,7 @@ from engine.generation.constrained import (
     Grammar,
     GrammarError,
     GrammarKind,
+    check_schema,
     json_object_grammar,
     json_schema_grammar,
     text_grammar,
@@ -194,6 +195,11 @@ def tool_grammar(spec: ToolSpec) -> Grammar | None:
     if not spec.active:
         return None
     tools = tuple(t for t in spec.tools if spec.named in (None, t.name))
+    try:
+        for t in tools:  # each on its own first, so the sentence names the tool whose schema is refused
+            check_schema(t.parameters, f"parameter schema of the tool {t.name[:64]!r}")
+    except GrammarError as exc:
+        raise bad_request(str(exc), "tools") from None
     body = f'%json {json.dumps(_call_schema(tools))} "\\n{CLOSE}"'
     if spec.choice is ToolChoice.AUTO:  # free text; a started <tool_call> must be completed as a valid call
         lark = f'start: call* TEXT\ncall: trigger "\\n" {body}\ntrigger[lazy]: TEXT "{OPEN}"\nTEXT: /(.|\\n)*/\n'

@@ -10,7 +10,13 @@ Access as the Hub answers it: a private repo without the right token is 401 `Rep
 "Invalid credentials"), a missing repo 401/404 `RepoNotFound`, a missing file 404 `EntryNotFound`, a gated repo's
 file 401 `GatedRepo` (its info stays public). Faults the tests inject per file: `flip_byte_at` (serve a damaged
 byte; the metadata keeps the true sha256), `advertised_sha256` (metadata that lies), `cut_after` (close the connection after that many body bytes),
-`hold_after` (send that many bytes, then wait until `release()`). Every request is logged for the tests to assert.
+`hold_after` (send that many bytes, then wait until `release()`), `drip_s` (one byte at a time, this long apart).
+Every request is logged for the tests to assert.
+
+A hostile Hub (`hub.hostile`, a `Hostile`): the API routes (search, model info) answer a raw body (HTML, a dict
+where a list belongs, JSON nested thousands deep), stall after their headers or drip their body, answer 429 with any
+Retry-After, send `Link: rel="next"` to any URL (another origin, or an endless chain), redirect in a loop; the info
+lists extra sibling names (NUL, ANSI escapes, U+202E, 10,000 characters, `../`); a file redirects to another origin.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class FakeFile:
     cut_after: int | None = None
     hold_after: int | None = None
     advertised_sha256: str | None = None  # what the metadata claims instead of the true sha256 (a hostile Hub)
+    drip_s: float | None = None  # send the body one byte at a time, this long apart
 
     @property
     def sha256(self) -> str:
@@ -57,6 +64,21 @@ class FakeRepo:
     downloads: int = 100
 
 
+@dataclass
+class Hostile:
+    """How the API routes (`/api/...`) misbehave; all off by default."""
+
+    body: bytes | None = None  # answered instead of the real JSON
+    status: int | None = None  # answered instead of 200 (with `retry_after` when set)
+    retry_after: str | None = None
+    stall_after_headers: bool = False  # headers, then nothing until `release()`
+    drip_s: float | None = None  # the body a byte at a time
+    link_next: str | None = None  # `Link: <...>; rel="next"` on every search page ("{n}" is the page's number)
+    redirect_loop: bool = False  # every API request is 302 to itself
+    siblings: list[str] = field(default_factory=list)  # extra file names in every model info (a GGUF each)
+    file_redirect: str | None = None  # a file's GET is 302 to this URL (another origin)
+
+
 @dataclass(frozen=True)
 class Request:
     method: str
@@ -70,6 +92,7 @@ class FakeHub:
     def __init__(self) -> None:
         self.repos: dict[str, FakeRepo] = {}
         self.requests: list[Request] = []
+        self.hostile = Hostile()
         self._released = threading.Event()
         self._server = _QuietServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -142,6 +165,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             hub.requests.append(
                 Request(method, path, self.headers.get("Range"), self.headers.get("Authorization"), query)
             )
+            if path.startswith("/api/") and self._misbehave():
+                return None
             if path == "/api/models" and method == "GET":
                 return self._search(query)
             m = _INFO_RE.match(path)
@@ -153,13 +178,56 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             self._error(404, "NotFound", "no such route")
 
         # -- answers ---------------------------------------------------------------------------------------------
-        def _json(self, body: object, status: int = 200) -> None:
-            raw = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+        def _misbehave(self) -> bool:
+            """Answer as the hostile Hub would, or return False for the real answer."""
+            h = hub.hostile
+            if h.redirect_loop:
+                self.send_response(302)
+                self.send_header("Location", self.path)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return True
+            if h.status is not None:
+                self.send_response(h.status)
+                if h.retry_after is not None:
+                    self.send_header("Retry-After", h.retry_after)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return True
+            if h.stall_after_headers:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.flush()
+                hub._released.wait(timeout=120)
+                return True
+            if h.body is not None:
+                self._send_body(h.body, "text/html")
+                return True
+            return False
+
+        def _send_body(self, raw: bytes, kind: str = "application/json") -> None:
+            h = hub.hostile
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(raw)))
+            if h.link_next is not None:
+                n = len([r for r in hub.requests if r.path == "/api/models"])
+                self.send_header("Link", f'<{h.link_next.replace("{n}", str(n))}>; rel="next"')
             self.end_headers()
-            self.wfile.write(raw)
+            if h.drip_s is None:
+                self.wfile.write(raw)
+                return
+            for i in range(len(raw)):
+                if hub._released.is_set():
+                    return
+                self.wfile.write(raw[i : i + 1])
+                self.wfile.flush()
+                hub._released.wait(h.drip_s)
+
+        def _json(self, body: object, status: int = 200) -> None:
+            self._send_body(json.dumps(body).encode())
 
         def _error(self, status: int, code: str | None, message: str) -> None:
             raw = json.dumps({"error": message}).encode()
@@ -210,6 +278,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     "lfs": {"sha256": f.sha256, "size": len(f.data), "pointerSize": 134},
                 }
                 for name, f in repo.files.items()
+            ] + [
+                {"rfilename": name, "size": 4, "lfs": {"sha256": "0" * 64, "size": 4}} for name in hub.hostile.siblings
             ]
             body: dict[str, object] = {
                 "_id": repo_id,
@@ -233,6 +303,12 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 return
             if repo.gated and self.headers.get("Authorization") is None:
                 return self._error(401, "GatedRepo", "Access to this model is restricted")
+            if hub.hostile.file_redirect is not None:
+                self.send_response(302)
+                self.send_header("Location", hub.hostile.file_redirect)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
             f = repo.files.get(name)
             if f is None:
                 return self._error(404, "EntryNotFound", "Entry not found")
@@ -270,6 +346,14 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(body[: f.cut_after])
                 self.wfile.flush()
                 self.close_connection = True
+                return
+            if f.drip_s is not None:
+                for i in range(len(body)):
+                    if hub._released.is_set():
+                        return
+                    self.wfile.write(body[i : i + 1])
+                    self.wfile.flush()
+                    hub._released.wait(f.drip_s)
                 return
             self.wfile.write(body)
 

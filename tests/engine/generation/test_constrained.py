@@ -158,3 +158,55 @@ def test_malformed_grammars_are_refused_in_one_sentence() -> None:
         with pytest.raises(GrammarError) as err:
             text_grammar(text, kind)
         assert "\n" not in str(err.value)
+
+
+RECURSIVE = [
+    {
+        "$defs": {
+            "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+            "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]},
+        },
+        "$ref": "#/$defs/a",
+    },
+    {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]},
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 2},
+    {
+        "allOf": [{"$ref": "#/definitions/x"}],
+        "definitions": {"x": {"required": ["y"], "properties": {"y": {"$ref": "#"}}}},
+    },
+]
+FINITE = [
+    {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}}},
+    {"type": "object", "properties": {"next": {"$ref": "#"}}},  # optional: {} ends it
+    {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}]},
+    {
+        "type": "object",
+        "properties": {"n": {"type": ["object", "null"], "properties": {"m": {"$ref": "#"}}}},
+        "required": ["n"],
+    },
+]
+
+
+@pytest.mark.parametrize("schema", RECURSIVE)
+def test_a_schema_that_requires_itself_without_end_is_refused(schema: Any) -> None:
+    with pytest.raises(GrammarError) as err:
+        json_schema_grammar(schema)
+    message = str(err.value)
+    assert "cannot be satisfied" in message and message.endswith(".") and "\n" not in message
+
+
+@pytest.mark.parametrize("schema", FINITE)
+def test_recursive_schemas_with_a_way_out_are_kept(schema: Any) -> None:
+    json_schema_grammar(schema)
+
+
+def test_a_lark_json_directive_gets_the_schema_checks() -> None:
+    deep = json.dumps(deep_schema(MAX_SCHEMA_DEPTH + 12))
+    with pytest.raises(GrammarError) as err:
+        text_grammar(f'start: "x" %json {deep}', GrammarKind.LARK)
+    assert "nests deeper than" in str(err.value)
+    looping = json.dumps(RECURSIVE[1])
+    with pytest.raises(GrammarError) as err:
+        text_grammar(f'start: "x" %json {looping}', GrammarKind.LARK)
+    assert "cannot be satisfied" in str(err.value)
+    text_grammar(f'start: "x" %json {json.dumps(FINITE[0])}', GrammarKind.LARK)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.library.catalog import load_catalog
-from engine.library.hub import HubClient, HubSettings
+from engine.library.hub import HubClient, HubLimits, HubSettings
 from engine.library.library import Library
 from engine.library.store import ModelStore
 from tests.helpers.fake_hub import FakeHub
@@ -14,6 +14,8 @@ REPO = "spark-tests/tiny-GGUF"
 FILE = "tiny-f32.gguf"
 
 
-def make_library(hub: FakeHub, root: Path, token: str | None = None, free: int = 1 << 40) -> Library:
+def make_library(
+    hub: FakeHub, root: Path, token: str | None = None, free: int = 1 << 40, limits: HubLimits | None = None
+) -> Library:
     settings = HubSettings(endpoint=hub.endpoint, token=token, offline=False)
-    return Library(ModelStore(root), HubClient(settings), load_catalog(), free_space=lambda _path: free)
+    return Library(ModelStore(root), HubClient(settings, limits), load_catalog(), free_space=lambda _path: free)

@@ -87,3 +87,19 @@ def test_a_name_resolves_to_a_stored_model(tmp_path: Path, monkeypatch: pytest.M
     assert resolve_model_path(DEFAULT_MODEL_NAME).name.endswith(".gguf")
     (tmp_path / "some-model").mkdir()
     assert resolve_model_path("some-model") == Path("some-model")  # a path here wins over a stored name
+
+
+def test_hostile_names_and_a_failing_hub_print_one_escaped_line(cli: Cli, hub: FakeHub) -> None:
+    for args in (
+        ["models", "download", REPO, "--file", "a\x1b[2Jb\nc\u202e.gguf"],
+        ["models", "download", REPO, "--file", "nul\x00.gguf"],
+        ["models", "download", "owner/" + "n" * 10_000],
+        ["models", "remove", "x\x1b]0;title\x07"],
+    ):
+        code, _, err = cli(*args)
+        assert code == 2, args
+        assert err.startswith("error: ") and err.count("\n") == 1 and err[:-1].isprintable(), repr(err)
+        assert len(err) < 1000
+    hub.hostile.status = 500
+    code, _, err = cli("models", "download", REPO)
+    assert code == 2 and err.count("\n") == 1 and "500" in err  # no retry warnings before the one line

@@ -169,3 +169,16 @@ def test_fuzz_gguf_mutations(seed: Seed, tmp_path: Path, rng: random.Random) -> 
     model = GGUFModel(path)  # what validation accepted loads: every tensor decodes to its declared shape
     for name, tensor in model.dequantized_state():
         assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32, name
+
+
+@pytest.mark.parametrize(("key_length", "rope_dims"), [(128, 8), (128, 64), (8, 4), (32, 16)])
+def test_a_head_size_the_tensors_do_not_hold_is_refused_before_any_reshape(
+    seed: Seed, tmp_path: Path, key_length: int, rope_dims: int
+) -> None:
+    """`attention.key_length` says one size per head where q and k hold another (16 here), with a partial rotary
+    width so that loading would reorder the rows per head: refused by shape, not a numpy reshape error."""
+    s = seed.copy()
+    s.set(f"{s.arch}.attention.key_length", (U32,), key_length)
+    s.set(f"{s.arch}.rope.dimension_count", (U32,), rope_dims)
+    text = refused(s, tmp_path)
+    assert "attn_q" in text or "attn_k" in text or "attention" in text or "shape" in text, text

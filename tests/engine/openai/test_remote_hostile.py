@@ -179,3 +179,33 @@ def test_fuzz_remote_replies(pieces: list[bytes], raw: bytes, status: int, kind:
     assert status == 200 and kind != "text/html"
     assert events[-1].finish_reason is not None
     "".join(e.text for e in events).encode("utf-8")  # text that can be shown and saved
+
+
+def test_a_silent_server_fails_the_model_list_within_its_deadline() -> None:
+    """A loopback socket that takes the connection and never answers: the list fails with one sentence after
+    `list_s`, not after the chat stream's first-byte wait."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        port = silent.getsockname()[1]
+        limits = ReplyLimits(first_byte_s=3600.0, list_s=0.5)
+        client = closed_after_test(RemoteClient(RemoteServer(f"http://127.0.0.1:{port}/v1", "m"), None, limits))
+        with pytest.raises(RemoteError) as info:
+            client.list_models()
+    assert "did not answer in time" in one_sentence(info.value)
+
+
+def test_a_dripping_model_list_meets_its_deadline() -> None:
+    import time
+
+    def drip() -> Iterator[bytes]:
+        for _ in range(10_000):
+            time.sleep(0.01)
+            yield b" "
+
+    client = client_for(lambda r: httpx.Response(200, content=drip()), ReplyLimits(list_s=0.3))
+    with pytest.raises(RemoteError) as info:
+        client.list_models()
+    assert "did not answer in time" in one_sentence(info.value)

@@ -178,3 +178,49 @@ def test_fuzz_request_bodies(served: Served, fields: dict[str, str], path: str) 
     assert r.status_code != 500, r.text
     if r.status_code != 200:
         refusal(r, r.status_code)
+
+
+def _deep_schema(levels: int) -> dict[str, object]:
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+RECURSIVE_SCHEMAS = [
+    {
+        "$defs": {
+            "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+            "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]},
+        },
+        "$ref": "#/$defs/a",
+    },
+    {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]},
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+]
+
+
+def test_valid_json_that_is_merely_too_deep_is_said_to_be_too_deep(served: Served) -> None:
+    body = CHAT % ('"hi"', ', "metadata": ' + "[" * 5000 + "]" * 5000)
+    assert "nests deeper than" in refusal(post(served, body))
+
+
+@pytest.mark.parametrize("schema", RECURSIVE_SCHEMAS)
+def test_a_schema_no_finite_reply_can_match_is_400_on_every_door(served: Served, schema: object) -> None:
+    fmt = json.dumps({"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+    assert "cannot be satisfied" in refusal(post(served, CHAT % ('"hi"', f', "response_format": {fmt}')))
+    ollama = json.dumps(
+        {"model": "tiny", "stream": False, "messages": [{"role": "user", "content": "hi"}], "format": schema}
+    )
+    root = served.url.removesuffix("/v1")
+    answer = httpx.post(root + "/api/chat", content=ollama, headers=AUTH, timeout=120)
+    assert answer.status_code == 400 and "cannot be satisfied" in answer.json()["error"]  # Ollama's error shape
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    tools = f', "tools": {json.dumps([tool])}, "tool_choice": "required"'
+    assert "cannot be satisfied" in refusal(post(served, CHAT % ('"hi"', tools)))
+
+
+def test_a_deep_tool_schema_meets_the_depth_check(served: Served) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": _deep_schema(60)}}
+    tools = f', "tools": {json.dumps([tool])}, "tool_choice": "required"'
+    assert "nests deeper than" in refusal(post(served, CHAT % ('"hi"', tools)))
