@@ -61,6 +61,13 @@ class Composer(QWidget):
         self.count = QLabel("")
         self.count.setObjectName("tokenCount")
         self.count.setAlignment(Qt.AlignmentFlag.AlignRight)
+        # Says in the chat itself that this conversation's replies are JSON (Chat ▸ Reply as JSON); a click ends it.
+        self.json_chip = QPushButton("{ }  Replies are JSON  ✕")
+        self.json_chip.setObjectName("modeChip")
+        self.json_chip.setToolTip("Replies in this conversation follow its JSON schema. Click to turn this off.")
+        self.json_chip.setAccessibleName("Replies are JSON in this conversation; turn off")
+        self.json_chip.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.json_chip.hide()
         row = QHBoxLayout()
         row.setSpacing(10)
         row.addWidget(self.prompt, 1)
@@ -69,7 +76,10 @@ class Composer(QWidget):
         layout.setContentsMargins(16, 10, 16, 8)
         layout.setSpacing(4)
         layout.addLayout(row)
-        layout.addWidget(self.count)
+        below = QHBoxLayout()
+        below.addWidget(self.json_chip, 0, Qt.AlignmentFlag.AlignLeft)
+        below.addWidget(self.count, 1)
+        layout.addLayout(below)
         self._counter: Callable[[str], int] | None = None
         self._context = 0
         self._timer = QTimer(self)

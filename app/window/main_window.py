@@ -152,6 +152,7 @@ class MainWindow(QMainWindow):
         self.sidebar.set_current(self.state.current_id)
         self.update_title()
         self.show_busy(False)
+        self.show_reply_json()
         if self.library.load_error:
             self.notice.show_message(self.library.load_error, error=True)
 
@@ -335,6 +336,9 @@ class MainWindow(QMainWindow):
         m.tool_servers_changed.connect(self._on_tool_servers)
         m.sampling_changed.connect(self.show_sampling)
         m.conversation_sampling_action.triggered.connect(self.edit_conversation_sampling)
+        m.reply_json_toggled.connect(self.set_reply_json)
+        m.json_schema_requested.connect(self.edit_reply_schema)
+        self.composer.json_chip.clicked.connect(lambda: self.set_reply_json(False))
         self.inspector.sampling_requested.connect(self.edit_conversation_sampling)
         self._on_tool_servers()
         m.conversation_chosen.connect(self.open_conversation)
@@ -564,6 +568,38 @@ class MainWindow(QMainWindow):
             self.library.set_sampling(cid, edit.choice)
             self.show_sampling()
 
+    @Slot(bool)
+    def set_reply_json(self, on: bool) -> None:
+        """Reply as JSON, on or off in the open conversation only (kept with it in the library). Turned on where
+        it has no schema yet: asked for one, starting from the last one given (cancelled: it stays off)."""
+        cid = self.state.current_id
+        schema = ""
+        if on:
+            schema = self.library.reply_schema(cid) or self._ask_schema(self.prefs.last_reply_schema())
+        self.library.set_reply_schema(cid, schema)
+        self.show_reply_json()
+
+    @Slot()
+    def edit_reply_schema(self) -> None:
+        """Chat ▸ JSON Schema…: the open conversation's schema; accepting it turns Reply as JSON on there."""
+        cid = self.state.current_id
+        schema = self._ask_schema(self.library.reply_schema(cid) or self.prefs.last_reply_schema())
+        if schema:
+            self.library.set_reply_schema(cid, schema)
+        self.show_reply_json()
+
+    def _ask_schema(self, start: str) -> str:
+        schema = self.dialogs.edit_schema(start) or ""
+        if schema:
+            self.prefs.set_last_reply_schema(schema)
+        return schema
+
+    def show_reply_json(self) -> None:
+        """The menu's tick and the composer's "JSON replies" chip follow the open conversation."""
+        on = bool(self.library.reply_schema(self.state.current_id))
+        self.menus.reply_json_action.setChecked(on)
+        self.composer.json_chip.setVisible(on)
+
     def reply_settings(self) -> GenerationSettings:
         """The main chat's settings: the user's, constrained to the "Reply as JSON" schema when that is on (a schema
         edited by hand into the settings file and refused by the engine is said, and the reply goes unconstrained).
@@ -571,10 +607,11 @@ class MainWindow(QMainWindow):
         resolved = self.resolved_sampling(self.library.sampling_for(self.state.current_id))
         settings = self.generation_settings(resolved)
         self.inspector.show_sampling(f"The last reply used {resolved_words(resolved)}.")
-        if not self.prefs.reply_as_json():
+        schema = self.library.reply_schema(self.state.current_id)
+        if not schema:
             return settings
         try:
-            return replace(settings, grammar=schema_grammar(self.prefs.reply_schema()))
+            return replace(settings, grammar=schema_grammar(schema))
         except GrammarError as exc:
             self.notice.show_message(f"Reply as JSON is off for this reply: {exc}", error=True)
             return settings
@@ -793,6 +830,7 @@ class MainWindow(QMainWindow):
         self.sidebar.set_current(self.state.current_id)
         self.update_title()
         self.show_sampling()
+        self.show_reply_json()
 
     @Slot(str, str)
     def _on_foreign_session(self, path: str, reason: str) -> None:
@@ -815,6 +853,7 @@ class MainWindow(QMainWindow):
         self.sidebar.set_current(self.state.current_id)
         self.update_title()
         self.show_sampling()
+        self.show_reply_json()
 
     @Slot()
     def _clear_chat(self) -> None:

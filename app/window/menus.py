@@ -68,6 +68,8 @@ class WindowMenus(QObject):
     conversation_chosen = Signal(str)  # an id from the Window menu
     tool_servers_changed = Signal()  # Settings changed the MCP servers (kept in the preferences)
     sampling_changed = Signal()  # Settings were accepted: the app's sampling may have changed
+    reply_json_toggled = Signal(bool)  # Chat ▸ Reply as JSON, for the open conversation (the window keeps it)
+    json_schema_requested = Signal()  # Chat ▸ JSON Schema…
 
     def __init__(
         self,
@@ -148,11 +150,15 @@ class WindowMenus(QObject):
         self.conversation_sampling_action = self._action(
             "Sampling for This Conversation…", tip="Give this conversation its own sampling settings"
         )
-        self.reply_json_action = self._toggle("Reply as JSON", self._prefs.reply_as_json(), None)
-        self.reply_json_action.setToolTip("Replies are JSON matching a schema you give")
-        self.reply_json_action.toggled.connect(self._on_reply_json)
-        self.json_schema_action = self._action("JSON Schema…", tip="The schema replies follow when Reply as JSON is on")
-        self.json_schema_action.triggered.connect(self._on_json_schema)
+        self.reply_json_action = self._toggle("Reply as JSON", False, None)
+        self.reply_json_action.setToolTip("This conversation's replies are JSON matching a schema you give")
+        self.reply_json_action.triggered.connect(
+            lambda on: self.reply_json_toggled.emit(bool(on))
+        )  # the user's, not set_reply_json's
+        self.json_schema_action = self._action(
+            "JSON Schema…", tip="The schema this conversation's replies follow when Reply as JSON is on"
+        )
+        self.json_schema_action.triggered.connect(lambda: self.json_schema_requested.emit())
         self.quick_action = self._action("Quick Prompt…", [QKeySequence("Ctrl+Shift+K")])
         self.minimize_action = self._action("Minimize", [QKeySequence("Ctrl+M")])
         self.minimize_action.triggered.connect(self._host.showMinimized)
@@ -401,22 +407,6 @@ class WindowMenus(QObject):
             if edited.tool_servers != self._prefs.tool_servers():
                 self._prefs.set_tool_servers(edited.tool_servers)
                 self.tool_servers_changed.emit()
-
-    @Slot(bool)
-    def _on_reply_json(self, on: bool) -> None:
-        """Turned on without a schema yet: ask for one (cancelled: it stays off)."""
-        if on and not self._prefs.reply_schema() and not self._on_json_schema():
-            self.reply_json_action.setChecked(False)
-            return
-        self._prefs.set_reply_as_json(on)
-
-    @Slot()
-    def _on_json_schema(self) -> bool:
-        schema = self._dialogs.edit_schema(self._prefs.reply_schema())
-        if schema is None:
-            return False
-        self._prefs.set_reply_schema(schema)
-        return True
 
     @Slot()
     def _on_undo(self) -> None:
