@@ -15,7 +15,7 @@ import html
 import time
 from collections.abc import Sequence
 
-from PySide6.QtCore import Qt, QUrl, Signal, Slot
+from PySide6.QtCore import Qt, QTimer, QUrl, Signal, Slot
 from PySide6.QtGui import (
     QColor,
     QDesktopServices,
@@ -32,7 +32,7 @@ from PySide6.QtGui import (
 )
 from PySide6.QtWidgets import QPushButton, QTextBrowser, QWidget
 
-from app.window.markdown import MarkdownRenderer, Palette
+from app.window.markdown import MarkdownRenderer, Palette, open_fence
 from app.window.tool_cards import Card, card_html, segments
 from app.worker.tool_turns import RESPONSE_CLOSE, display_messages
 from app.worker.types import MessageView
@@ -48,6 +48,8 @@ PASTE_LINES = 14  # a user message longer than this (or PASTE_CHARS) shows its f
 PASTE_CHARS = 1500
 PASTE_PREVIEW_LINES = 6  # ...of which a collapsed paste shows this much
 PASTE_PREVIEW_CHARS = 480
+COPIED_MS = 1500  # a Copy link reads "Copied ✓" this long after a click
+COPIED = "Copied ✓"
 
 
 def _mix(a: QColor, b: QColor, t: float) -> QColor:
@@ -254,7 +256,9 @@ class ChatView(QTextBrowser):
             self._last_render = now
             self._clear_frame(self._reply)
             self._fill(self._reply, "assistant", so_far, links=False)
-        elif so_far.rfind(TOOL_CALL_OPEN) <= so_far.rfind(TOOL_CALL_CLOSE):  # between renders, the text as it comes
+        elif so_far.rfind(TOOL_CALL_OPEN) <= so_far.rfind(TOOL_CALL_CLOSE) and not open_fence(so_far):
+            # Between renders, the text as it comes; inside a code block it waits for the next render (appended
+            # here it would show as plain text under the block).
             self._reply.lastCursorPosition().insertText(text, self._body_format())
         self._more_text()
 
@@ -332,7 +336,30 @@ class ChatView(QTextBrowser):
 
     def copy_message(self, index: int) -> None:
         QGuiApplication.clipboard().setText(self._contents.get(index, ""))
+        self._flash_copied(f"copy:{index}")
         self.copied.emit(index)
+
+    def _flash_copied(self, href: str) -> None:
+        """The clicked Copy link says "Copied ✓" for a moment where the user is looking, then "Copy" again."""
+        if self._set_link_text(href, COPIED):
+            QTimer.singleShot(COPIED_MS, self, lambda: self._set_link_text(href, "Copy"))
+
+    def _set_link_text(self, href: str, text: str) -> bool:
+        block = self.document().begin()
+        while block.isValid():
+            it = block.begin()
+            while not it.atEnd():
+                fragment = it.fragment()
+                fmt = fragment.charFormat()
+                if fragment.isValid() and fmt.isAnchor() and fmt.anchorHref() == href:
+                    cursor = QTextCursor(self.document())
+                    cursor.setPosition(fragment.position())
+                    cursor.setPosition(fragment.position() + fragment.length(), QTextCursor.MoveMode.KeepAnchor)
+                    cursor.insertText(text, fmt)
+                    return True
+                it += 1
+            block = block.next()
+        return False
 
     @Slot(QUrl)
     def _on_anchor(self, url: QUrl) -> None:
@@ -341,6 +368,7 @@ class ChatView(QTextBrowser):
             (self.copy_message if scheme == "copy" else self.branch_requested.emit)(int(arg))
         elif scheme == "copycode" and arg in self._code_blocks:
             QGuiApplication.clipboard().setText(self._code_blocks[arg])
+            self._flash_copied(url.toString())
             self.copied.emit(int(arg.partition(".")[0]))
         elif scheme == "example" and arg.isdigit() and int(arg) < len(self._greeting[1]):
             self.example_chosen.emit(self._greeting[1][int(arg)])

@@ -284,7 +284,6 @@ class MainWindow(QMainWindow):
         self.inspector.session_panel.restore_requested.connect(self.commands.open_session)
         self.chat.branch_requested.connect(self.commands.branch)
         self.chat.example_chosen.connect(self.submit)
-        self.chat.copied.connect(lambda _: self.notice.show_message("Copied.", error=False))
         self.sidebar.open_requested.connect(self.open_conversation)
         self.sidebar.renamed.connect(self.commands.rename)
         self.sidebar.duplicate_requested.connect(self.commands.duplicate)
