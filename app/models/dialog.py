@@ -37,6 +37,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.misc.words import counted
 from app.models.tasks import LibraryTasks
 from engine.hw.memory import format_bytes
 from engine.library.download import DownloadProgress, Phase
@@ -392,8 +393,9 @@ class GetModelsDialog(QDialog):
             item = QListWidgetItem(f"{r.id}\n{r.downloads:,} downloads{gated}")
             item.setData(Qt.ItemDataRole.UserRole, r.id)
             self.repos.addItem(item)
-        found = f"{len(repos)} GGUF repos" if repos else "No GGUF repos"
-        self.search_status.setText(f"{found} match {query!r}; choose one to see its files.")
+        found = counted(len(repos), "GGUF repository", "GGUF repositories") if repos else "No GGUF repositories"
+        verb = "matches" if len(repos) == 1 else "match"
+        self.search_status.setText(f"{found} {verb} {query!r}; choose one to see its files.")
 
     @Slot(QListWidgetItem, QListWidgetItem)
     def _on_repo_chosen(self, current: QListWidgetItem | None, _previous: QListWidgetItem | None) -> None:

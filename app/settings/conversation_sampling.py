@@ -39,7 +39,10 @@ class ConversationSamplingDialog(QDialog):
         super().__init__(parent)
         self.setWindowTitle("Sampling for This Conversation")
         self._model_defaults = model_defaults
-        self._own = (current or app).own  # the values shown to edit under "Use these settings"
+        # The values shown to edit under "Use these settings": the conversation's own, else the ones its replies use
+        # now (the model's defaults where those answer), so editing starts from where it is, not from 1.0.
+        custom = current is not None and not current.use_model_defaults
+        self._own = current.own if current is not None and custom else resolve(app, current, model_defaults).sampling
         self._app_values = resolve(app, None, model_defaults).sampling  # what following the app gives now
         self._shown: QRadioButton | None = None  # the choice the form shows values for
         self.follow_app = QRadioButton("Use the app's setting")

@@ -181,9 +181,11 @@ class ChatView(QTextBrowser):
             f"{html.escape(e)}</a></p>"
             for k, e in enumerate(examples)
         )
+        # While the model loads there are no examples yet: no invitation to "try one of these" with none below.
+        invite = "Ask anything, or try one of these:" if examples else ""
         self.document().rootFrame().firstCursorPosition().insertHtml(
             f'<div align="center"><p style="font-size:x-large">{html.escape(line)}</p>'
-            f'<p style="color:{dim}">Ask anything, or try one of these:</p>{items}</div>'
+            f'<p style="color:{dim}">{invite}</p>{items}</div>'
         )
 
     # -- public ------------------------------------------------------------------------------------------------------

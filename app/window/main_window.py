@@ -36,6 +36,7 @@ from app.inspector.hw_monitor import HardwareMonitor
 from app.inspector.inspector import Inspector
 from app.misc.coalescer import TextCoalescer
 from app.misc.standarddirs import StandardDirs
+from app.misc.words import counted
 from app.models import FIRST_LAUNCH_HINT, downloaded_models, open_get_models
 from app.server.local_server import LocalServerController, local_server_actions
 from app.settings.json_reply import schema_grammar
@@ -80,6 +81,7 @@ from engine.paths import APP_NAME
 INTERACTIVE_PREFILL_CHUNK = 128
 NARROW_WIDTH = 1100  # px: below it the inspector folds away so the chat keeps most of the window
 SIDEBAR_WIDE, SIDEBAR_NARROW = 230, 190  # px: the sidebar's width above and below NARROW_WIDTH
+INSPECTOR_WIDTH = 280  # px: the inspector's width when it opens
 RUNS_ON = {  # the status bar's words for where the model runs (the details are in the tooltip and the inspector)
     "coreml": "runs on the Neural Engine",
     "mps": "runs on the Mac's graphics processor",
@@ -187,7 +189,7 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.chat, 1)
         layout.addWidget(_separator())
         layout.addWidget(composer)
-        self.notice = NoticeBar(column)
+        self.notice = NoticeBar(self.chat)  # over the chat's top, never over the System field
         self.inspector = Inspector()
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
         self.splitter.setObjectName("mainSplitter")
@@ -220,6 +222,10 @@ class MainWindow(QMainWindow):
         side = SIDEBAR_NARROW if self._narrow else SIDEBAR_WIDE
         sizes[1] = max(0, sizes[1] + sizes[0] - side)
         sizes[0] = side
+        if not self._narrow and self.inspector.isVisibleTo(self) and sizes[2] < INSPECTOR_WIDTH:
+            # Shown again after a narrow spell: the splitter would hand it its minimum, cutting its text off.
+            sizes[1] = max(0, sizes[1] + sizes[2] - INSPECTOR_WIDTH)
+            sizes[2] = INSPECTOR_WIDTH
         self.splitter.setSizes(sizes)
 
     def _build_status_bar(self) -> None:
@@ -356,7 +362,7 @@ class MainWindow(QMainWindow):
         if state is not None:
             self.restoreState(state)
         side = SIDEBAR_WIDE if self.width() >= NARROW_WIDTH else SIDEBAR_NARROW
-        self.splitter.setSizes([side, max(400, self.width() - side - 280), 280])
+        self.splitter.setSizes([side, max(400, self.width() - side - INSPECTOR_WIDTH), INSPECTOR_WIDTH])
 
     def load_model(self, model: Path | None, backend: str = "auto") -> None:
         if self.state.model_loaded and self.library.get(self.state.current_id):
@@ -755,7 +761,7 @@ class MainWindow(QMainWindow):
             ]
         if result.recalled_turns_ago:
             n = result.recalled_turns_ago
-            notes.append(f"↺ Recalled from {n} turn{'s' if n != 1 else ''} ago.")
+            notes.append(f"↺ Recalled from {counted(n, 'turn')} ago.")
         note = " ".join(n for n in notes if n)
         self.chat.end_reply(note, result.messages - 1 if result.messages else None)
         if note:  # kept with the conversation, so reopening it (Undo, relaunch) shows it again
@@ -800,7 +806,7 @@ class MainWindow(QMainWindow):
         if title:
             self.library.rename(cid, title)
         self.sidebar.refresh()
-        self.inspector.show_stored(f"Stored automatically ({len(stored.messages)} messages).")
+        self.inspector.show_stored(f"Stored automatically ({counted(len(stored.messages), 'message')}).")
         self.update_title()
 
     @Slot(SessionFileEvent)

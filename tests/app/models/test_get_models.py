@@ -87,6 +87,7 @@ def test_search_download_reveal_delete(qtbot, dialog: GetModelsDialog) -> None: 
     with qtbot.waitSignal(on_gui(dialog, dialog.tasks.search_done), timeout=WAIT_MS):
         dialog.search_button.click()
     assert dialog.repos.count() == 1
+    assert dialog.search_status.text().startswith("1 GGUF repository matches ")  # one, not "1 … repos"
     with qtbot.waitSignal(on_gui(dialog, dialog.tasks.files_ready), timeout=WAIT_MS):
         dialog.repos.setCurrentRow(0)
     assert dialog.files.rowCount() == 1 and dialog.files.item(0, 0).text() == FILE

@@ -227,3 +227,9 @@ def test_a_stray_closing_fence_closes_the_code_before_it() -> None:
     assert r.render("Hello\n```", palette).code_blocks == ()
     assert r.render("```py\nx = 1\n```\nok", palette).code_blocks == ("x = 1",)
     assert r.render("```py\nx = 1", palette).code_blocks == ("x = 1",)  # still streaming: open to the end
+
+
+def test_a_greeting_without_examples_offers_none(qtbot) -> None:  # type: ignore[no-untyped-def]
+    view = _view(qtbot)
+    view.set_greeting("Loading the default model…", ())
+    assert "Loading the default model" in view.toPlainText() and "try one of these" not in view.toPlainText()
