@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.history.library import ConversationLibrary, new_id
+from app.history.library import ConversationLibrary, file_origin, new_id
 from app.history.sidebar import HistorySidebar
 from app.inspector.hw_monitor import HardwareMonitor
 from app.inspector.inspector import Inspector
@@ -439,9 +439,24 @@ class MainWindow(QMainWindow):
         if not self.state.model_loaded or self.state.opening is not None:
             self.state.pending_files.append(path)  # opened once the model is ready (or the conversation opening now is)
             return
+        known = self._in_history(path)
+        if known is not None:  # already in the history: selected there, not copied into it again
+            self.open_conversation(known)
+            return
         self.client.stop()
         self.state.opening = new_id()
+        self.library.set_origin(self.state.opening, file_origin(path))
         self.client.restore(path, store_path=self.library.path_for(self.state.opening))
+
+    def _in_history(self, path: Path) -> str | None:
+        """The history's conversation this file is: one of its own stored files, or a file opened before and
+        unchanged since."""
+        try:
+            if path.resolve().parent == self.library.folder.resolve() and self.library.get(path.stem):
+                return path.stem
+            return self.library.find_origin(file_origin(path))
+        except OSError:
+            return None
 
     @Slot()
     def open_quick_prompt(self) -> None:
