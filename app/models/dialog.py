@@ -1,4 +1,4 @@
-"""Model ▸ "Get Models…": the recommended models for this Mac, a Hub search, the downloaded models, and one
+"""Model ▸ "Get Models…": the recommended models for this computer, a Hub search, the downloaded models, and one
 download at a time with progress, pause and cancel.
 
 Self-contained: it takes a `LibraryTasks` (the slow work, off the GUI thread), this machine's `Machine`, and how to
@@ -45,10 +45,11 @@ from engine.library.hub import HubRepo, RepoFiles
 from engine.library.recommend import Fit, Machine, recommend
 from engine.library.store import LocalModel
 
-THIS_MACHINE = "this Mac" if sys.platform == "darwin" else "this computer"
+THIS_MACHINE = "this computer"
 FIT_WORDS = {
     Fit.RUNS_WELL: "✓ Runs well",
     Fit.FITS: f"✓ Fits {THIS_MACHINE}",
+    Fit.SLOW: "Slow here",
     Fit.TOO_BIG: f"✗ Too big for {THIS_MACHINE}",
 }
 REVEAL_WORDS = "Show in Finder" if sys.platform == "darwin" else "Show in Folder"
@@ -64,7 +65,7 @@ def reveal_in_file_manager(path: Path) -> None:
 
 def confirm_delete(parent: QWidget, name: str) -> bool:
     answer = QMessageBox.question(
-        parent, "Delete Model", f"Delete {name}? Its file is removed from this Mac; you can download it again."
+        parent, "Delete Model", f"Delete {name}? Its file is removed from this computer; you can download it again."
     )
     return answer == QMessageBox.StandardButton.Yes
 
@@ -141,10 +142,15 @@ class GetModelsDialog(QDialog):
         self._last: tuple[str, str | None] | None = None  # the download to resume
 
         layout = QVBoxLayout(self)
-        backends = ", ".join(machine.backends) or "cpu"
+        speed = (
+            "measured on the loaded model"
+            if machine.measured is not None
+            and machine.bytes_per_s == machine.measured.weight_bytes * machine.measured.tokens_per_s
+            else "estimated from its processors"
+        )
         self.machine_label = QLabel(
-            f"{THIS_MACHINE.capitalize()}: {format_bytes(machine.total_bytes)} of memory, runs on {backends}. Models that need up to "
-            f"{format_bytes(machine.budget_bytes)} fit; the default model keeps working without a network."
+            f"{THIS_MACHINE.capitalize()}: {format_bytes(machine.total_bytes)} of memory, {machine.processors}. Models that need up to "
+            f"{format_bytes(machine.budget_bytes)} fit; speeds are {speed}. The default model keeps working without a network."
         )
         self.machine_label.setWordWrap(True)
         layout.addWidget(self.machine_label)
@@ -254,7 +260,7 @@ class GetModelsDialog(QDialog):
         self.pause_button = QPushButton("Pause")
         self.pause_button.clicked.connect(self._pause_or_resume)
         self.cancel_button = QPushButton("Cancel")
-        self.cancel_button.clicked.connect(self.tasks.cancel)
+        self.cancel_button.clicked.connect(self._cancel)
         self.close_button = QPushButton("Close")
         self.close_button.clicked.connect(self.close)
         h.addWidget(self.status, 1)
@@ -355,6 +361,13 @@ class GetModelsDialog(QDialog):
             self.start_download(*self._last)
 
     @Slot()
+    def _cancel(self) -> None:
+        if self.tasks.downloading:
+            self.tasks.cancel()
+        elif self._last is not None:  # paused: its partial file goes
+            self.tasks.discard(*self._last)
+
+    @Slot()
     def _search(self) -> None:
         query = self.query.text().strip()
         if not query:
@@ -444,7 +457,6 @@ class GetModelsDialog(QDialog):
         if reason == "paused":
             self.status.setText(f"Paused {file or repo}; Resume continues where it stopped.")
             self.pause_button.setText("Resume")
-            self.cancel_button.setEnabled(False)
             self.bar.setRange(0, 1000)
         else:
             self._show_transfer(False)

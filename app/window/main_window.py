@@ -81,6 +81,7 @@ from engine.paths import APP_NAME
 INTERACTIVE_PREFILL_CHUNK = 128
 NARROW_WIDTH = 1100  # px: below it the inspector folds away so the chat keeps most of the window
 SIDEBAR_WIDE, SIDEBAR_NARROW = 230, 190  # px: the sidebar's width above and below NARROW_WIDTH
+MEASURED_TOKENS = 16  # a reply this long gives a decoding speed worth recommending models by
 INSPECTOR_WIDTH = 280  # px: the inspector's width when it opens
 RUNS_ON = {  # the status bar's words for where the model runs (the details are in the tooltip and the inspector)
     "coreml": "runs on the Neural Engine",
@@ -129,6 +130,8 @@ class MainWindow(QMainWindow):
         self.workers_done = False  # set by shutdown: both worker threads ended
         self._narrow = False
         self.auto_layout = False
+        self.measured_decode: tuple[int, float] | None = None  # the local model's (weight bytes, tokens/s) here
+        self._weight_bytes = 0
 
         self.setObjectName("mainWindow")
         self.setAcceptDrops(True)
@@ -678,6 +681,9 @@ class MainWindow(QMainWindow):
         resume = self._last_remote() if first else None
         self.state.model_path = None if _is_default(info.path) else info.path
         self.state.model_sampling = info.sampling
+        if self._weight_bytes != info.weight_bytes:
+            self.measured_decode = None  # another model: its speed is measured anew
+        self._weight_bytes = info.weight_bytes
         self.model_label.setText(f"{info.name} · {RUNS_ON.get(info.backend, info.backend)}")
         self.model_label.setToolTip(f"{info.path}\n{info.backend_detail}")  # the expert's details, on hover
         self.chat.set_greeting(*greeting(info.name, info.weight_bytes))
@@ -704,7 +710,7 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def _on_get_models(self) -> None:
-        self.get_models_dialog = open_get_models(self, self.dirs.models, self.load_model)
+        self.get_models_dialog = open_get_models(self, self.dirs.models, self.load_model, self.measured_decode)
 
     def _first_ready(self) -> None:
         """The first model (local or remote) is ready: the chat gets its file, and the app reopens where it was."""
@@ -768,6 +774,8 @@ class MainWindow(QMainWindow):
     def _on_finished(self, result: TurnResult) -> None:
         if self._shut_down:  # Quit cut the reply off: the worker stored it with a note saying so
             return
+        if self.state.remote is None and self._weight_bytes and result.progress.generated_tokens >= MEASURED_TOKENS:
+            self.measured_decode = (self._weight_bytes, result.progress.tokens_per_s)  # Get Models… weighs speed by it
         self.coalescer.flush()  # text queued before `finished` is shown before the reply is closed
         notes = [FINISH_NOTES.get(result.reason, "")]
         if result.reason == FinishReason.CANCELLED and not result.progress.generated_tokens:

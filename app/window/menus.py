@@ -294,7 +294,9 @@ class WindowMenus(QObject):
         default = m.addAction(f"Default Model ({DEFAULT_MODEL_NAME})", lambda: self.model_chosen.emit(None))
         default.setCheckable(True)
         default.setChecked(st.model_loaded and st.model_path is None and st.remote is None)
-        recent = self._prefs.recent_models()
+        downloaded = self._downloaded()
+        # A downloaded model is listed once, under Downloaded, even when it was also used recently.
+        recent = [p for p in self._prefs.recent_models() if p not in {path for _, path in downloaded}]
         if recent:
             m.addSection("Recent")
             for p in recent:
@@ -302,7 +304,6 @@ class WindowMenus(QObject):
                 a.setToolTip(str(p))
                 a.setCheckable(True)
                 a.setChecked(p == st.model_path and st.remote is None)
-        downloaded = self._downloaded()
         if downloaded:
             m.addSection("Downloaded")
             for name, path in downloaded:

@@ -4,6 +4,7 @@ the window and appears in its model menu."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from engine.library.catalog import load_catalog
 from engine.library.hub import HubClient, HubSettings
 from engine.library.library import Library
 from engine.library.recommend import Fit, Machine
-from engine.library.store import ModelStore
+from engine.library.store import DOWNLOADS, ModelStore
 from tests.helpers.app_window import WAIT_MS, dispose
 from tests.helpers.fake_hub import FakeHub, running_hub
 from tests.helpers.gguf_files import write_gguf
@@ -135,6 +136,40 @@ def test_pause_resume_and_cancel(qtbot, dialog: GetModelsDialog, hub: FakeHub) -
     assert cancelled.args[0][2] == "cancelled" and "nothing was kept" in dialog.status.text()
     assert dialog.tasks.library.store.partials() == [] and len(dialog.tasks.library.store.models()) == 1
     assert busy_when_told == [False, False, False]  # paused, downloaded, cancelled
+
+
+def test_cancel_while_paused_discards_what_was_kept(qtbot, dialog: GetModelsDialog, hub: FakeHub) -> None:  # type: ignore[no-untyped-def]
+    hub.repos[REPO].files[FILE].hold_after = 50_000
+    stopped = on_gui(dialog, dialog.tasks.stopped)
+    kept = dialog.tasks.library.store.root / DOWNLOADS
+    dialog.start_download(REPO, FILE)
+    qtbot.waitUntil(lambda: any(kept.glob("*.part")), timeout=WAIT_MS)  # the partial file is begun
+    with qtbot.waitSignal(stopped, timeout=WAIT_MS):
+        dialog.pause_button.click()
+    assert any(kept.glob("*.part")) and dialog.cancel_button.isEnabled()  # not greyed out while paused
+    with qtbot.waitSignal(stopped, timeout=WAIT_MS) as cancelled:
+        dialog.cancel_button.click()
+    assert cancelled.args[0][2] == "cancelled" and "nothing was kept" in dialog.status.text()
+    assert not any(kept.iterdir()) and not dialog.pause_button.isVisible()
+    hub.release()
+
+
+def test_offline_search_fails_at_once_in_one_sentence(qtbot, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as s:  # a port nobody listens on: the Hub is unreachable
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = HubSettings(endpoint=f"http://127.0.0.1:{port}", token=None, offline=False)
+    library = Library(ModelStore(tmp_path / "models"), HubClient(settings), load_catalog(), free_space=free_space)
+    asked: list[str] = []
+    library.hub.search = lambda query, limit=20: asked.append(query) or []  # type: ignore[method-assign]
+    d = GetModelsDialog(LibraryTasks(library), Machine(16 << 30, ("cpu",)), confirm=lambda _w, _n: True)
+    qtbot.addWidget(d)
+    d.query.setText("qwen")
+    with qtbot.waitSignal(on_gui(d, d.tasks.failed), timeout=WAIT_MS):
+        d.search_button.click()
+    assert asked == []  # the Hub client (and its retries) was never asked
+    text = d.search_status.text()
+    assert text.startswith("Cannot reach the Hugging Face Hub") and "\n" not in text and d.search_button.isEnabled()
 
 
 def test_a_failure_is_one_sentence_in_the_dialog(qtbot, dialog: GetModelsDialog, hub: FakeHub) -> None:  # type: ignore[no-untyped-def]

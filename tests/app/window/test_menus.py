@@ -97,3 +97,13 @@ def test_window_menu_lists_conversations_by_title_and_esc_clears_search(qtbot, w
     # Edit has the text commands, and the conversation's own Undo apart from them.
     edit = [a.text() for a in window.menus.edit_menu.actions() if a.text()]
     assert edit[:6] == ["Undo", "Redo", "Cut", "Copy", "Paste", "Select All"]
+
+
+def test_a_downloaded_model_used_recently_is_listed_once(window: MainWindow, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "SmolLM2-135M-Instruct-Q8_0.gguf"
+    window.menus._downloaded = lambda: [("SmolLM2 135M Instruct Q8_0", path)]
+    window.prefs.set_last_model(path)  # recent too
+    window.state.model_path = path
+    window.menus._fill_model_menu()
+    listed = [a for a in window.menus.model_menu.actions() if a.toolTip() == str(path)]
+    assert len(listed) == 1 and listed[0].isChecked()
