@@ -249,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dirs.ensure()
     CrashReporter(dirs.crash_log).install()
     prefs = Preferences(QSettings())
+    app.set_appearance(prefs.appearance())
     window = build_main_window(prefs, dirs)
     app.aboutToQuit.connect(lambda: window.shutdown(QUIT_WAIT_MS))
     app.connect_file_opens(window.open_file)

@@ -111,6 +111,14 @@ class Preferences:
     def set_models_offer_shown(self) -> None:
         self._s.setValue("models/offer_shown", "true")
 
+    def appearance(self) -> str:
+        """View ▸ Appearance: "system" (the default: the desktop's light or dark), "light" or "dark"."""
+        value = str(self._s.value("view/appearance", "system"))
+        return value if value in ("system", "light", "dark") else "system"
+
+    def set_appearance(self, value: str) -> None:
+        self._s.setValue("view/appearance", value)
+
     def sidebar_visible(self) -> bool:
         return str(self._s.value("view/sidebar", "true")).lower() == "true"
 

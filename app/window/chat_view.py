@@ -211,6 +211,23 @@ class ChatView(QTextBrowser):
         self._next_index = len(messages)
         self.scroll_to_end()
 
+    def restyle(self) -> None:
+        """Draw the shown messages again in the palette's colours (the appearance changed); a reply still
+        streaming keeps its frame and takes them at its next render."""
+        if self._empty:
+            self._show_greeting()
+            return
+        for frame in self.document().rootFrame().childFrames():
+            fmt = frame.frameFormat()
+            role, index = fmt.property(ROLE_PROPERTY), fmt.property(INDEX_PROPERTY)
+            if frame == self._reply or not isinstance(role, str) or not isinstance(index, int):
+                continue
+            if role == "user":
+                fmt.setBackground(self._bubble_colour())
+                frame.setFrameFormat(fmt)
+            self._clear_frame(frame)
+            self._fill(frame, role, self._contents.get(index, ""))
+
     def last_index(self) -> int:
         """The index of the newest message shown (the reply that just ended)."""
         return self._next_index - 1
@@ -397,8 +414,7 @@ class ChatView(QTextBrowser):
         fmt.setBottomMargin(6)
         fmt.setBorder(0)
         if role == "user":
-            pal = self.palette()
-            fmt.setBackground(_mix(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Highlight), 0.12))
+            fmt.setBackground(self._bubble_colour())
             fmt.setLeftMargin(48)
         else:
             fmt.setRightMargin(48)
@@ -454,6 +470,10 @@ class ChatView(QTextBrowser):
             if frame.frameFormat().property(INDEX_PROPERTY) == index:
                 self._clear_frame(frame)
                 self._fill(frame, "user", self._contents.get(index, ""))
+
+    def _bubble_colour(self) -> QColor:
+        pal = self.palette()
+        return _mix(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Highlight), 0.12)
 
     def _palette(self) -> Palette:
         pal = self.palette()

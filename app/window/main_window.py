@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.application import SparkApplication
 from app.history.library import ConversationLibrary, file_origin, new_id
 from app.history.sidebar import HistorySidebar
 from app.inspector.hw_monitor import HardwareMonitor
@@ -345,6 +346,7 @@ class MainWindow(QMainWindow):
         m.sampling_changed.connect(self.show_sampling)
         m.conversation_sampling_action.triggered.connect(self.edit_conversation_sampling)
         m.reply_json_toggled.connect(self.set_reply_json)
+        m.appearance_chosen.connect(self._on_appearance)
         m.json_schema_requested.connect(self.edit_reply_schema)
         self.composer.json_chip.clicked.connect(lambda: self.set_reply_json(False))
         self.inspector.sampling_requested.connect(self.edit_conversation_sampling)
@@ -937,6 +939,13 @@ class MainWindow(QMainWindow):
     def _on_server_link(self, _href: str) -> None:
         QGuiApplication.clipboard().setText(self.local_server.url)
         self.notice.show_message(f"Copied {self.local_server.url}.", error=False)
+
+    @Slot(str)
+    def _on_appearance(self, choice: str) -> None:
+        app = QApplication.instance()
+        if isinstance(app, SparkApplication):
+            app.set_appearance(choice)
+        self.chat.restyle()  # its HTML holds the colours it was drawn with
 
     @Slot()
     def _on_quit(self) -> None:

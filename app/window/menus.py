@@ -48,6 +48,9 @@ if sys.platform == "darwin":  # int8 weights run on the Neural Engine: offered o
     PRECISION_WORDS["int8"] = "8-bit for the Neural Engine (int8)"
 
 
+APPEARANCE_WORDS = {"system": "System", "light": "Light", "dark": "Dark"}
+
+
 def shortcut_text(action: QAction) -> str:
     """The action's shortcut as this platform writes it (⌘N on macOS, Ctrl+N elsewhere)."""
     return action.shortcut().toString(QKeySequence.SequenceFormat.NativeText)
@@ -70,6 +73,7 @@ class WindowMenus(QObject):
     sampling_changed = Signal()  # Settings were accepted: the app's sampling may have changed
     reply_json_toggled = Signal(bool)  # Chat ▸ Reply as JSON, for the open conversation (the window keeps it)
     json_schema_requested = Signal()  # Chat ▸ JSON Schema…
+    appearance_chosen = Signal(str)  # View ▸ Appearance: "system", "light" or "dark" (kept in the preferences)
 
     def __init__(
         self,
@@ -260,7 +264,11 @@ class WindowMenus(QObject):
             ],
         )
         bar.addMenu(self.model_menu)
-        self.view_menu = menu("&View", [self.sidebar_action, self.inspector_action, self.system_prompt_action])
+        self.appearance_menu = self._appearance_menu()
+        self.view_menu = menu(
+            "&View",
+            [self.sidebar_action, self.inspector_action, self.system_prompt_action, None, self.appearance_menu],
+        )
         self.window_menu = menu("&Window", [self.minimize_action, self.zoom_action, None, self.quick_action, None])
         self.window_menu.aboutToShow.connect(self._fill_window_menu)
         self._fill_window_menu()
@@ -286,6 +294,27 @@ class WindowMenus(QObject):
         tools.addAction(self.settings_action)
         self.toolbar = tools
         self._host.addToolBar(tools)
+
+    def _appearance_menu(self) -> QMenu:
+        """System (follows the desktop's light or dark, where Qt can read it), Light or Dark."""
+        m = QMenu("Appearance", self._host)
+        group = QActionGroup(self._host)
+        self.appearance_actions: dict[str, QAction] = {}
+        for value, text in APPEARANCE_WORDS.items():
+            a = m.addAction(text)
+            a.setCheckable(True)
+            a.setChecked(value == self._prefs.appearance())
+            a.setData(value)
+            group.addAction(a)
+            self.appearance_actions[value] = a
+        group.triggered.connect(self._on_appearance)
+        return m
+
+    @Slot(QAction)
+    def _on_appearance(self, action: QAction) -> None:
+        value = str(action.data())
+        self._prefs.set_appearance(value)
+        self.appearance_chosen.emit(value)
 
     def _fill_model_menu(self) -> None:
         m = self.model_menu
