@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QUrl, Signal, Slot
-from PySide6.QtGui import QDesktopServices, QFont
+from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QDialog,
@@ -38,6 +38,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.misc.words import counted
+from app.models.cards import ModelCards
 from app.models.tasks import LibraryTasks
 from engine.hw.memory import format_bytes
 from engine.library.download import DownloadProgress, Phase
@@ -177,11 +178,9 @@ class GetModelsDialog(QDialog):
     def _recommended_tab(self) -> QWidget:
         page = QWidget()
         v = QVBoxLayout(page)
-        self.recommended = _table(
-            ["Model", "About", "Quant", "Download", "Memory needed", f"On {THIS_MACHINE}", "Licence"], stretch=1
-        )
-        self.recommended.itemSelectionChanged.connect(self._update_buttons)
-        self.recommended.itemDoubleClicked.connect(lambda _item: self._download_recommended())
+        self.recommended = ModelCards()
+        self.recommended.currentRowChanged.connect(lambda _row: self._update_buttons())
+        self.recommended.itemActivated.connect(lambda _item: self._download_recommended())
         v.addWidget(self.recommended)
         row = QHBoxLayout()
         note = QLabel("Sizes marked ~ are estimates; the Hub's exact size and checksum are used when downloading.")
@@ -276,29 +275,10 @@ class GetModelsDialog(QDialog):
     def fill_recommended(self) -> None:
         store = self.tasks.library.store
         rows = recommend(self.tasks.library.catalog, self.machine)
-        self.recommended.setRowCount(len(rows))
-        for i, r in enumerate(rows):
-            f = r.file
-            have = store.find(r.model.repo, f.file) is not None
-            fit = ("★ Best pick · " if r.first_pick else "") + FIT_WORDS[r.fit]
-            name = _cell(r.model.name, (r.model.repo, f.file), f"{r.model.description}\n{r.model.repo}")
-            if r.first_pick:
-                bold = QFont(name.font())
-                bold.setBold(True)
-                name.setFont(bold)
-            size = ("~" if f.size_approximate else "") + format_bytes(f.size_bytes)
-            memory = f"{format_bytes(f.memory_4k_bytes)} (4k) · {format_bytes(f.memory_32k_bytes)} (32k)"
-            about = _cell(r.model.description, tip=r.model.description)
-            cells = [name, about, _cell(f.quantization), _cell("Downloaded" if have else size), _cell(memory)]
-            cells += [_cell(fit), _cell(r.model.license)]
-            if r.fit is Fit.TOO_BIG:
-                for c in cells:
-                    c.setForeground(self.palette().placeholderText())
-            for col, c in enumerate(cells):
-                self.recommended.setItem(i, col, c)
+        self.recommended.fill([(r, FIT_WORDS[r.fit], store.find(r.model.repo, r.file.file) is not None) for r in rows])
         pick = next((i for i, r in enumerate(rows) if r.first_pick), None)
         if pick is not None:
-            self.recommended.selectRow(pick)
+            self.recommended.setCurrentRow(pick)
         self._update_buttons()
 
     def fill_downloaded(self) -> None:
@@ -322,7 +302,7 @@ class GetModelsDialog(QDialog):
 
     def _update_buttons(self) -> None:
         busy = self.tasks.downloading
-        self.get_button.setEnabled(not busy and self._selected(self.recommended) is not None)
+        self.get_button.setEnabled(not busy and self.recommended.chosen() is not None)
         self.file_button.setEnabled(not busy and self._selected(self.files) is not None)
         chosen = self._selected(self.local) is not None
         for b in (self.reveal_button, self.delete_button, self.use_button):
@@ -330,9 +310,9 @@ class GetModelsDialog(QDialog):
 
     @Slot()
     def _download_recommended(self) -> None:
-        chosen = self._selected(self.recommended)
-        if isinstance(chosen, tuple):
-            self.start_download(chosen[0], chosen[1])
+        chosen = self.recommended.chosen()
+        if chosen is not None:
+            self.start_download(*chosen)
 
     @Slot()
     def _download_file(self) -> None:

@@ -293,6 +293,7 @@ class MainWindow(QMainWindow):
         self.inspector.session_panel.save_requested.connect(self.commands.save)
         self.inspector.session_panel.restore_requested.connect(self.commands.open_session)
         self.chat.branch_requested.connect(self.commands.branch)
+        self.chat.regenerate_requested.connect(self.regenerate)
         self.chat.example_chosen.connect(self.submit)
         self.sidebar.open_requested.connect(self.open_conversation)
         self.sidebar.renamed.connect(self.commands.rename)

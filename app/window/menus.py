@@ -13,7 +13,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Qt, Signal, Slot
+from PySide6.QtCore import QObject, QSize, Qt, Signal, Slot
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.misc.ui_icons import icon
 from app.settings.preferences import Preferences
 from app.settings.remote_servers import RemoteServerList
 from app.window.dialogs import Dialogs
@@ -48,7 +49,21 @@ if sys.platform == "darwin":  # int8 weights run on the Neural Engine: offered o
     PRECISION_WORDS["int8"] = "8-bit for the Neural Engine (int8)"
 
 
+TOOLBAR_ICONS = {  # action attribute -> icon (resources/icons/ui)
+    "sidebar_action": "sidebar",
+    "new_chat_action": "new-chat",
+    "regenerate_action": "regenerate",
+    "stop_action": "stop",
+    "inspector_action": "inspector",
+    "settings_action": "settings",
+}
 APPEARANCE_WORDS = {"system": "System", "light": "Light", "dark": "Dark"}
+
+
+def _spacer() -> QWidget:
+    spacer = QWidget()
+    spacer.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+    return spacer
 
 
 def shortcut_text(action: QAction) -> str:
@@ -277,21 +292,27 @@ class WindowMenus(QObject):
         tools = QToolBar("Chat")
         tools.setObjectName("chatToolbar")
         tools.setMovable(False)
-        tools.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
-        for a in (self.sidebar_action, self.new_chat_action, self.regenerate_action, self.stop_action):
+        # One bar of line icons (their names are the actions', for tooltips and screen readers), the model centred.
+        tools.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonIconOnly)
+        tools.setIconSize(QSize(20, 20))
+        for action, name in TOOLBAR_ICONS.items():
+            a = getattr(self, action)
+            a.setIcon(icon(name))
+            a.setIconVisibleInMenu(False)  # menus stay words, as on a Mac
+        for a in (self.sidebar_action, self.new_chat_action):
             tools.addAction(a)
-        spacer = QWidget()
-        spacer.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
-        tools.addWidget(spacer)
+        tools.addWidget(_spacer())
         self.model_button = QToolButton()
         self.model_button.setObjectName("modelButton")
         self.model_button.setText("Model: loading…")
         self.model_button.setMenu(self.model_menu)
         self.model_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self.model_button.setToolTip("Choose the model")
+        self.model_button.setAccessibleName("Model")
         tools.addWidget(self.model_button)
-        tools.addAction(self.inspector_action)
-        tools.addAction(self.settings_action)
+        tools.addWidget(_spacer())
+        for a in (self.regenerate_action, self.stop_action, self.inspector_action, self.settings_action):
+            tools.addAction(a)
         self.toolbar = tools
         self._host.addToolBar(tools)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from PySide6.QtCore import Qt, SignalInstance
+from PySide6.QtWidgets import QLabel
 
 from app.misc.signal_wait import GuiRelay
 from app.models.dialog import FIT_WORDS, GetModelsDialog
@@ -73,13 +74,16 @@ def download(qtbot, d: GetModelsDialog, start: object) -> None:  # type: ignore[
 
 
 def test_recommendations_mark_what_fits_and_the_best_pick(dialog: GetModelsDialog) -> None:
-    table = dialog.recommended
-    rows = {table.item(i, 0).text(): table.item(i, 5).text() for i in range(table.rowCount())}
+    cards = dialog.recommended
+    rows = {cards.card(i).name_label.text(): cards.card(i).fit_words for i in range(cards.count())}
     assert len(rows) == sum(not m.bundled for m in load_catalog().models)
-    assert rows["Qwen3 8B"] == "★ Best pick · " + FIT_WORDS[Fit.RUNS_WELL]  # a 16 GB Mac with its GPU
+    assert rows["Qwen3 8B"] == "★ Best pick · " + FIT_WORDS[Fit.RUNS_WELL]  # 16 GB with a graphics processor
     assert sum(text.startswith("★") for text in rows.values()) == 1
-    assert table.selectionModel().selectedRows()[0].row() == list(rows).index("Qwen3 8B")
+    assert cards.currentRow() == list(rows).index("Qwen3 8B") and cards.card(cards.currentRow()).property("selected")
     assert dialog.get_button.isEnabled()
+    badges = [b.text() for b in cards.card(cards.currentRow()).findChildren(QLabel, "badge")]
+    assert "Thinks" in badges and any("tokens/s here" in b for b in badges)  # Qwen3 reasons first; its speed here
+    assert all(cards.card(i).accessibleName() for i in range(cards.count()))
 
 
 def test_search_download_reveal_delete(qtbot, dialog: GetModelsDialog) -> None:  # type: ignore[no-untyped-def]

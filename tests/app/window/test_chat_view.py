@@ -9,7 +9,7 @@ import json
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication, QTextCharFormat
 
-from app.window import chat_view
+from app.window import chat_view, message_actions
 from app.window.chat_view import ChatView
 from app.window.markdown import MarkdownRenderer, Palette
 from app.window.tool_cards import Card, segments
@@ -194,15 +194,39 @@ def _link_texts(view: ChatView, href: str) -> list[str]:
 
 def test_copy_says_copied_where_it_was_clicked_then_copy_again(qtbot, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(chat_view, "COPIED_MS", 10)
+    monkeypatch.setattr(message_actions, "COPIED_MS", 10)
     view = _view(qtbot)
     view.set_messages([MessageView("user", "Show me"), MessageView("assistant", "Sure:\n\n```sh\necho hi\n```\n")])
+    bar = view.actions_bar
     view.anchorClicked.emit(QUrl("copy:1"))
     assert QGuiApplication.clipboard().text().startswith("Sure:")
-    assert _link_texts(view, "copy:1") == [chat_view.COPIED] and _link_texts(view, "copy:0") == ["Copy"]
-    qtbot.waitUntil(lambda: _link_texts(view, "copy:1") == ["Copy"])
+    assert bar.copied_shown() and bar.copy_button.toolTip() == "Copied"  # the icon's name says it
+    qtbot.waitUntil(lambda: not bar.copied_shown())
     view.anchorClicked.emit(QUrl("copycode:1.0"))
     assert QGuiApplication.clipboard().text() == "echo hi" and _link_texts(view, "copycode:1.0") == [chat_view.COPIED]
     qtbot.waitUntil(lambda: _link_texts(view, "copycode:1.0") == ["Copy"])
+
+
+def test_a_messages_actions_show_as_icons_under_the_pointer(qtbot) -> None:  # type: ignore[no-untyped-def]
+    view = _view(qtbot)
+    view.set_messages([MessageView("user", "Hello there"), MessageView("assistant", "Hi! How can I help?")])
+    assert "Copy" not in view.toPlainText() and "You" not in view.toPlainText()  # no header of words
+    frames = view.document().rootFrame().childFrames()
+    user, reply = (view._frame_rect(f) for f in frames)
+    assert user.left() > reply.left() and user.width() < reply.width()  # a bubble on the right, as wide as its text
+    view._hover(reply.center().toPoint())
+    bar = view.actions_bar
+    assert bar.isVisible() and bar.index == 1 and bar.regenerate_button.isVisibleTo(bar)  # the last reply
+    names = [b.accessibleName() for b in (bar.copy_button, bar.branch_button, bar.regenerate_button)]
+    assert all(names) and names[0] == "Copy message"
+    asked: list[int] = []
+    view.branch_requested.connect(asked.append)
+    bar.branch_button.click()
+    assert asked == [1]
+    view._hover(user.center().toPoint())
+    assert bar.index == 0 and not bar.regenerate_button.isVisibleTo(bar)
+    view.begin_reply()  # a reply still coming offers nothing yet
+    assert not view.message_actions_for(2) and view.message_actions_for(1)
 
 
 def test_a_streaming_code_blocks_last_line_stays_inside_the_block(qtbot) -> None:  # type: ignore[no-untyped-def]
