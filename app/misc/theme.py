@@ -45,7 +45,7 @@ class Colours:
     accent: str  # links, focus, the send button
     accent_text: str  # text on the accent
     selection: str  # the sidebar's selected row
-    bubble: str  # the user's messages: base with 12 % of the accent (the chat mixes it from the palette)
+    bubble: str  # the user's messages: base with 16 % of the accent (the chat mixes it from the palette)
     bubble_text: str
     code: str  # code blocks, inline code
     border: str
@@ -63,7 +63,7 @@ LIGHT = Colours(
     accent="#0a66d9",
     accent_text="#ffffff",
     selection="#dce6f7",
-    bubble="#e2edfa",
+    bubble="#d8e6f9",
     bubble_text="#1d1d1f",
     code="#f4f4f6",
     border="#d9d9de",
@@ -80,7 +80,7 @@ DARK = Colours(
     accent="#4c9bff",
     accent_text="#0b1a2e",
     selection="#2f3f58",
-    bubble="#212a38",
+    bubble="#233041",
     bubble_text="#ececf0",
     code="#2a2a2e",
     border="#3a3a3f",

@@ -51,6 +51,7 @@ ROLE_PROPERTY = 0x100000  # QTextFormat.UserProperty: marks each message frame w
 INDEX_PROPERTY = 0x100001  # ...and with its index in the conversation
 COLUMN_MAX = theme.READING_COLUMN_PX  # px: the reading column's widest; wider windows centre it
 BUBBLE_PADDING = 12  # px inside a message
+BUBBLE_TINT = 0.16  # of the accent in a user's bubble
 BUBBLE_SHARE = 0.8  # of the column: the widest a user's bubble grows
 MESSAGE_GAP = 12  # px above and below each message (24 between two)
 LIVE_RENDER_S = 0.25  # a streaming reply is rendered as Markdown at most this often
@@ -560,7 +561,7 @@ class ChatView(QTextBrowser):
     def _bubble_colour(self) -> QColor:
         """The accent washed into the page (theme.Colours.bubble holds the same mix, for the contrast check)."""
         pal = self.palette()
-        return _mix(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Highlight), 0.12)
+        return _mix(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Highlight), BUBBLE_TINT)
 
     def _palette(self) -> Palette:
         pal = self.palette()

@@ -3,7 +3,7 @@ last reply. Copy answers in place: its icon becomes a tick and its name "Copied"
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSize, QTimer, Signal
+from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QToolButton, QWidget
 
 from app.misc.ui_icons import icon
@@ -59,6 +59,9 @@ class MessageActions(QFrame):
 
     def flash_copied(self) -> None:
         self.copy_button.setIcon(icon("check"))
+        self.copy_button.setText(COPIED_WORDS)
+        self.copy_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.adjustSize()
         self.copy_button.setToolTip(COPIED_WORDS)
         self.copy_button.setAccessibleName(COPIED_WORDS)
         self._restore.start(COPIED_MS)
@@ -69,5 +72,7 @@ class MessageActions(QFrame):
     def _copy_again(self) -> None:
         self._restore.stop()
         self.copy_button.setIcon(icon("copy"))
+        self.copy_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonIconOnly)
+        self.adjustSize()
         self.copy_button.setToolTip(COPY_WORDS)
         self.copy_button.setAccessibleName(COPY_WORDS)
