@@ -3,7 +3,8 @@ again, both get their room back (the inspector its own width, not its minimum)."
 
 from __future__ import annotations
 
-from PySide6.QtCore import QPoint, QRect
+from PySide6.QtCore import QPoint, QRect, Qt
+from PySide6.QtWidgets import QApplication, QToolButton
 
 from app.window.main_window import INSPECTOR_WIDTH, SIDEBAR_NARROW, SIDEBAR_WIDE, MainWindow
 
@@ -28,3 +29,20 @@ def test_a_notice_never_covers_the_system_field(qtbot, window: MainWindow) -> No
     assert window.system_prompt.isVisible() and window.notice.isVisible()
     field, notice = (QRect(w.mapTo(window, QPoint(0, 0)), w.size()) for w in (window.system_prompt, window.notice))
     assert not field.intersects(notice)
+
+
+def test_keyboard_order_and_names_survive_the_icons(qtbot, window: MainWindow) -> None:  # type: ignore[no-untyped-def]
+    window.show()
+    qtbot.waitExposed(window)
+    window.activateWindow()
+    window.prompt.setFocus()
+    qtbot.waitUntil(window.prompt.hasFocus)
+    qtbot.keyClick(window.prompt, Qt.Key.Key_Tab)  # the prompt, then its Send button
+    assert QApplication.focusWidget() is window.send_button
+    assert window.send_button.accessibleName() == "Send" and window.prompt.accessibleName() == "Message"
+    bar = window.menus.toolbar
+    for action in bar.actions():
+        widget = bar.widgetForAction(action)
+        if isinstance(widget, QToolButton) and action.isVisible():
+            assert widget.text() or widget.accessibleName(), action  # icon-only, still named for screen readers
+    assert window.menus.model_button.accessibleName() == "Model"
