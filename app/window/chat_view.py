@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from PySide6.QtCore import QEvent, QPoint, QRectF, Qt, QTimer, QUrl, Signal, Slot
 from PySide6.QtGui import (
     QColor,
+    QContextMenuEvent,
     QDesktopServices,
     QFont,
     QFontDatabase,
@@ -35,7 +36,7 @@ from PySide6.QtGui import (
     QTextFrame,
     QTextFrameFormat,
 )
-from PySide6.QtWidgets import QPushButton, QTextBrowser, QWidget
+from PySide6.QtWidgets import QMenu, QPushButton, QTextBrowser, QWidget
 
 from app.misc import theme
 from app.window.markdown import MarkdownRenderer, Palette, open_fence
@@ -184,25 +185,50 @@ class ChatView(QTextBrowser):
             self.actions_bar.hide()
         return super().event(e)
 
-    def _hover(self, pos: QPoint) -> None:
-        """The message under the pointer shows its actions at its lower corner (none on a reply still coming)."""
+    def contextMenuEvent(self, event: QContextMenuEvent) -> None:
+        """The text's own menu, and the message's actions for whoever cannot hover (the keyboard's menu key)."""
+        menu = self.context_menu(event.pos())
+        menu.exec(event.globalPos())
+        menu.deleteLater()
+
+    def context_menu(self, pos: QPoint) -> QMenu:
+        menu = self.createStandardContextMenu(pos)
+        found = self._message_at(pos)
+        if found is not None:
+            frame, role, index = found
+            menu.addSeparator()
+            menu.addAction("Copy Message", lambda: self.copy_message(index))
+            menu.addAction("Branch From Here", lambda: self.branch_requested.emit(index))
+            replies = self._frames("assistant")
+            if role == "assistant" and replies and frame == replies[-1]:
+                menu.addAction("Regenerate", self.regenerate_requested.emit)
+        return menu
+
+    def _message_at(self, pos: QPoint) -> tuple[QTextFrame, str, int] | None:
+        """The finished message at `pos` on the viewport: (its frame, role, index)."""
         for frame in self.document().rootFrame().childFrames():
             fmt = frame.frameFormat()
             role, index = fmt.property(ROLE_PROPERTY), fmt.property(INDEX_PROPERTY)
-            rect = self._frame_rect(frame)
-            if not isinstance(index, int) or not rect.adjusted(0, 0, 0, MESSAGE_GAP).contains(pos.toPointF()):
+            if not isinstance(index, int) or not isinstance(role, str):
                 continue
-            if frame == self._reply or role not in ("user", "assistant"):
-                break
-            replies = self._frames("assistant")
-            last = role == "assistant" and bool(replies) and frame == replies[-1]
-            bar = self.actions_bar
-            bar.show_for(index, last)
-            x = rect.right() - bar.width() if role == "user" else rect.left()
-            bar.move(int(x), int(rect.bottom() - bar.height() / 2))
+            if self._frame_rect(frame).adjusted(0, 0, 0, MESSAGE_GAP).contains(pos.toPointF()):
+                return None if frame == self._reply or role not in ("user", "assistant") else (frame, role, index)
+        return None
+
+    def _hover(self, pos: QPoint) -> None:
+        """The message under the pointer shows its actions at its lower corner (none on a reply still coming)."""
+        found = self._message_at(pos)
+        bar = self.actions_bar
+        if found is None:
+            if not bar.underMouse():
+                bar.hide()
             return
-        if not self.actions_bar.underMouse():
-            self.actions_bar.hide()
+        frame, role, index = found
+        replies = self._frames("assistant")
+        bar.show_for(index, role == "assistant" and bool(replies) and frame == replies[-1])
+        rect = self._frame_rect(frame)
+        x = rect.right() - bar.width() if role == "user" else rect.left()
+        bar.move(int(x), int(rect.bottom() - bar.height() / 2))
 
     def message_actions_for(self, index: int) -> bool:
         """Whether message `index` offers its actions now (a reply still coming does not)."""

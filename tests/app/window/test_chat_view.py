@@ -257,3 +257,12 @@ def test_a_greeting_without_examples_offers_none(qtbot) -> None:  # type: ignore
     view = _view(qtbot)
     view.set_greeting("Loading the default model…", ())
     assert "Loading the default model" in view.toPlainText() and "try one of these" not in view.toPlainText()
+
+
+def test_the_context_menu_offers_a_messages_actions(qtbot) -> None:  # type: ignore[no-untyped-def]
+    view = _view(qtbot)
+    view.set_messages([MessageView("user", "Hello there"), MessageView("assistant", "Hi! How can I help?")])
+    user, reply = (view._frame_rect(f).center().toPoint() for f in view.document().rootFrame().childFrames())
+    texts = [a.text() for a in view.context_menu(reply).actions()]
+    assert texts[-3:] == ["Copy Message", "Branch From Here", "Regenerate"]  # for the keyboard's menu key too
+    assert [a.text() for a in view.context_menu(user).actions()][-2:] == ["Copy Message", "Branch From Here"]
