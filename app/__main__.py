@@ -205,12 +205,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from app.application import CrashReporter, SparkApplication
     from app.misc.icons import tray_icon
+    from app.misc.single_instance import InstanceServer, hand_over, socket_path
     from app.misc.standarddirs import StandardDirs
     from app.server.local_server import install_local_server_menu
     from app.settings.preferences import Preferences
     from app.tray.quick_prompt import QuickPromptTray
     from app.wiring import build_main_window
 
+    if not args.self_test:  # a second launch hands its files to the running app, which opens them, and ends here
+        files = [p.expanduser().resolve() for p in args.paths]
+        if args.model is None and hand_over(socket_path(StandardDirs.from_platform().cache), files):
+            print(
+                "MLoT Spark is already running; " + ("it opens them there." if files else "its window comes forward.")
+            )
+            return 0
     app = SparkApplication([sys.argv[0], *args.qt_args])
     if args.self_test:
         with tempfile.TemporaryDirectory(prefix="spark-self-test-") as tmp:
@@ -241,9 +249,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     dirs.ensure()
     CrashReporter(dirs.crash_log).install()
     prefs = Preferences(QSettings())
+    app.set_appearance(prefs.appearance())
     window = build_main_window(prefs, dirs)
     app.aboutToQuit.connect(lambda: window.shutdown(QUIT_WAIT_MS))
     app.connect_file_opens(window.open_file)
+    instance = InstanceServer(socket_path(dirs.cache), app)
+    instance.listen()  # when it cannot, this app still runs; later launches start apps of their own
+    instance.files_requested.connect(lambda files: bring_forward(window, files))
+    app.aboutToQuit.connect(instance.close)
     tray = None
     if QSystemTrayIcon.isSystemTrayAvailable():
         tray = QuickPromptTray(tray_icon(), window)
@@ -263,6 +276,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(__name__).warning("quitting while a model still loads")
         os._exit(code)
     return code
+
+
+def bring_forward(window: MainWindow, files: list[Path]) -> None:
+    """Another launch's files: the window comes forward and opens them (a model loads; a conversation already in the
+    history is selected there)."""
+    window.show()
+    window.raise_()
+    window.activateWindow()
+    for path in files:
+        window.open_file(path)
 
 
 def open_startup(window: MainWindow, args: argparse.Namespace, last_model: Path | None) -> None:

@@ -46,6 +46,14 @@ class SparkApplication(QApplication):
         self._fixed_scheme = True
         self.scheme = theme.apply(self, scheme)
 
+    def set_appearance(self, choice: str) -> None:
+        """View ▸ Appearance: "light" or "dark" whatever the system's, or "system" to follow it again."""
+        if choice in ("light", "dark"):
+            self.set_scheme(theme.Scheme(choice))
+        else:
+            self._fixed_scheme = False
+            self.scheme = theme.apply(self)
+
     @Slot()
     def _on_scheme_changed(self) -> None:
         if not self._fixed_scheme:

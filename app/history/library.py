@@ -31,6 +31,8 @@ INDEX_VERSION = 1
 TITLE_CHARS = 48
 SEARCH_CHARS = 4000  # of each conversation's text kept in the index for search
 MAX_INDEX_BYTES = 64 << 20
+MAX_SCHEMA_CHARS = 64_000
+MAX_ORIGIN_CHARS = 8192
 _ID = re.compile(r"^[0-9a-f]{16}$")
 
 
@@ -63,6 +65,8 @@ class ConversationEntry:
     messages: int = 0
     notes: tuple[tuple[int, str], ...] = ()  # (message index, remark shown under it: "Stopped.", "↺ Recalled…")
     sampling: SamplingChoice | None = None  # the conversation's own sampling; None: it follows the app's setting
+    reply_schema: str = ""  # "Reply as JSON" in this conversation: the schema its replies follow ("": off)
+    origin: str = ""  # the file it was opened from, as `file_origin` names it ("": begun here)
 
 
 def _entry(raw: object) -> ConversationEntry | None:
@@ -80,10 +84,25 @@ def _entry(raw: object) -> ConversationEntry | None:
             renamed=bool(raw.get("renamed", False)),
             messages=int(raw.get("messages", 0)),
             notes=tuple((int(i), str(t)[:500]) for i, t in raw.get("notes", [])[:10_000]),
+            reply_schema=_schema_text(raw.get("reply_schema", "")),
+            origin=str(raw.get("origin", ""))[:MAX_ORIGIN_CHARS],
         )
     except (KeyError, TypeError, ValueError):
         return None
     return e if _ID.match(e.id) else None
+
+
+def file_origin(path: Path) -> str:
+    """What names an opened file for "already in the history": where it is, its size and when it last changed (an
+    edited file opens as a new conversation; the same file again selects the one it became)."""
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _schema_text(value: object) -> str:
+    """A row's JSON-reply schema: a string of bounded size, else off (the engine checks it again before a reply
+    uses it, and says so if it refuses it)."""
+    return value if isinstance(value, str) and len(value) <= MAX_SCHEMA_CHARS else ""
 
 
 def _stored_sampling(raw: dict[str, object]) -> tuple[SamplingChoice | None, str]:
@@ -105,6 +124,8 @@ class ConversationLibrary:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="library-index")
         self._closed = False
         self._pending_sampling: dict[str, SamplingChoice | None] = {}  # set before the conversation was first stored
+        self._pending_schema: dict[str, str] = {}  # likewise, "Reply as JSON"
+        self._pending_origin: dict[str, str] = {}  # likewise, the file a conversation being opened comes from
         self.load_error = ""  # one sentence when the index could not be read (the files are still there)
 
     # -- storage -----------------------------------------------------------------------------------------------------
@@ -173,6 +194,15 @@ class ConversationLibrary:
         e = self._entries.get(conversation_id)
         return e.sampling if e is not None else self._pending_sampling.get(conversation_id)
 
+    def reply_schema(self, conversation_id: str) -> str:
+        """The schema this conversation's replies follow ("": "Reply as JSON" is off in it)."""
+        e = self._entries.get(conversation_id)
+        return e.reply_schema if e is not None else self._pending_schema.get(conversation_id, "")
+
+    def find_origin(self, origin: str) -> str | None:
+        """The conversation opened from the file `origin` names (file_origin), if the history still has it."""
+        return next((e.id for e in self._entries.values() if origin and e.origin == origin), None)
+
     # -- changes -----------------------------------------------------------------------------------------------------
     def record(
         self, conversation_id: str, messages: list[tuple[str, str]], model: str, cut_off: bool = False
@@ -200,6 +230,8 @@ class ConversationLibrary:
             len(messages),
             notes,
             old.sampling if old else self._pending_sampling.pop(conversation_id, None),
+            old.reply_schema if old else self._pending_schema.pop(conversation_id, ""),
+            old.origin if old else self._pending_origin.pop(conversation_id, ""),
         )
         self._entries[conversation_id] = e
         self.save()
@@ -233,6 +265,20 @@ class ConversationLibrary:
             return
         self._entries[conversation_id] = replace(e, sampling=choice)
         self.save()
+
+    def set_reply_schema(self, conversation_id: str, schema: str) -> None:
+        """Turn "Reply as JSON" on in this conversation with `schema` ("": off); one not stored yet gets it when it
+        first is."""
+        e = self._entries.get(conversation_id)
+        if e is None:
+            self._pending_schema[conversation_id] = schema
+            return
+        self._entries[conversation_id] = replace(e, reply_schema=schema)
+        self.save()
+
+    def set_origin(self, conversation_id: str, origin: str) -> None:
+        """The conversation about to be stored as `conversation_id` comes from the file `origin` names."""
+        self._pending_origin[conversation_id] = origin
 
     def rename(self, conversation_id: str, title: str) -> None:
         e = self._entries.get(conversation_id)

@@ -28,17 +28,24 @@ def downloaded_models(models_root: Path) -> list[tuple[str, Path]]:
     return [(m.name, m.path) for m in ModelStore(models_root).models()]
 
 
-def open_get_models(parent: QWidget, models_root: Path, open_model: Callable[[Path], None]) -> GetModelsDialog:
-    """Show the dialog (modeless); "Chat with It" calls `open_model` with the downloaded GGUF."""
+def open_get_models(
+    parent: QWidget,
+    models_root: Path,
+    open_model: Callable[[Path], None],
+    measured: tuple[int, float] | None = None,
+) -> GetModelsDialog:
+    """Show the dialog (modeless); "Chat with It" calls `open_model` with the downloaded GGUF. `measured`: the loaded
+    model's weight bytes and decoding tokens/s on this computer, where a reply has measured them."""
     # Imported here: the dialog brings huggingface_hub, which the window's start need not pay for.
     from app.models.dialog import GetModelsDialog
     from app.models.tasks import LibraryTasks
     from engine.library.library import Library
-    from engine.library.recommend import this_machine
+    from engine.library.recommend import Measured, this_machine
 
     library = Library.from_env(models_root)
     tasks = LibraryTasks(library)
-    dialog = GetModelsDialog(tasks, this_machine(), parent=parent)
+    machine = this_machine(Measured(*measured) if measured is not None else None)
+    dialog = GetModelsDialog(tasks, machine, parent=parent)
     tasks.setParent(dialog)
     dialog.model_chosen.connect(open_model)
     dialog.finished.connect(lambda _code: tasks.wait(5.0))  # a running download stops, kept to resume later

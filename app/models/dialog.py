@@ -1,4 +1,4 @@
-"""Model ▸ "Get Models…": the recommended models for this Mac, a Hub search, the downloaded models, and one
+"""Model ▸ "Get Models…": the recommended models for this computer, a Hub search, the downloaded models, and one
 download at a time with progress, pause and cancel.
 
 Self-contained: it takes a `LibraryTasks` (the slow work, off the GUI thread), this machine's `Machine`, and how to
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QUrl, Signal, Slot
-from PySide6.QtGui import QDesktopServices, QFont
+from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QDialog,
@@ -37,6 +37,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.misc.words import counted
+from app.models.cards import ModelCards
 from app.models.tasks import LibraryTasks
 from engine.hw.memory import format_bytes
 from engine.library.download import DownloadProgress, Phase
@@ -44,10 +46,11 @@ from engine.library.hub import HubRepo, RepoFiles
 from engine.library.recommend import Fit, Machine, recommend
 from engine.library.store import LocalModel
 
-THIS_MACHINE = "this Mac" if sys.platform == "darwin" else "this computer"
+THIS_MACHINE = "this computer"
 FIT_WORDS = {
     Fit.RUNS_WELL: "✓ Runs well",
     Fit.FITS: f"✓ Fits {THIS_MACHINE}",
+    Fit.SLOW: "Slow here",
     Fit.TOO_BIG: f"✗ Too big for {THIS_MACHINE}",
 }
 REVEAL_WORDS = "Show in Finder" if sys.platform == "darwin" else "Show in Folder"
@@ -63,7 +66,7 @@ def reveal_in_file_manager(path: Path) -> None:
 
 def confirm_delete(parent: QWidget, name: str) -> bool:
     answer = QMessageBox.question(
-        parent, "Delete Model", f"Delete {name}? Its file is removed from this Mac; you can download it again."
+        parent, "Delete Model", f"Delete {name}? Its file is removed from this computer; you can download it again."
     )
     return answer == QMessageBox.StandardButton.Yes
 
@@ -140,10 +143,15 @@ class GetModelsDialog(QDialog):
         self._last: tuple[str, str | None] | None = None  # the download to resume
 
         layout = QVBoxLayout(self)
-        backends = ", ".join(machine.backends) or "cpu"
+        speed = (
+            "measured on the loaded model"
+            if machine.measured is not None
+            and machine.bytes_per_s == machine.measured.weight_bytes * machine.measured.tokens_per_s
+            else "estimated from its processors"
+        )
         self.machine_label = QLabel(
-            f"{THIS_MACHINE.capitalize()}: {format_bytes(machine.total_bytes)} of memory, runs on {backends}. Models that need up to "
-            f"{format_bytes(machine.budget_bytes)} fit; the default model keeps working without a network."
+            f"{THIS_MACHINE.capitalize()}: {format_bytes(machine.total_bytes)} of memory, {machine.processors}. Models that need up to "
+            f"{format_bytes(machine.budget_bytes)} fit; speeds are {speed}. The default model keeps working without a network."
         )
         self.machine_label.setWordWrap(True)
         layout.addWidget(self.machine_label)
@@ -170,11 +178,9 @@ class GetModelsDialog(QDialog):
     def _recommended_tab(self) -> QWidget:
         page = QWidget()
         v = QVBoxLayout(page)
-        self.recommended = _table(
-            ["Model", "About", "Quant", "Download", "Memory needed", f"On {THIS_MACHINE}", "Licence"], stretch=1
-        )
-        self.recommended.itemSelectionChanged.connect(self._update_buttons)
-        self.recommended.itemDoubleClicked.connect(lambda _item: self._download_recommended())
+        self.recommended = ModelCards()
+        self.recommended.currentRowChanged.connect(lambda _row: self._update_buttons())
+        self.recommended.itemActivated.connect(lambda _item: self._download_recommended())
         v.addWidget(self.recommended)
         row = QHBoxLayout()
         note = QLabel("Sizes marked ~ are estimates; the Hub's exact size and checksum are used when downloading.")
@@ -253,7 +259,7 @@ class GetModelsDialog(QDialog):
         self.pause_button = QPushButton("Pause")
         self.pause_button.clicked.connect(self._pause_or_resume)
         self.cancel_button = QPushButton("Cancel")
-        self.cancel_button.clicked.connect(self.tasks.cancel)
+        self.cancel_button.clicked.connect(self._cancel)
         self.close_button = QPushButton("Close")
         self.close_button.clicked.connect(self.close)
         h.addWidget(self.status, 1)
@@ -269,29 +275,10 @@ class GetModelsDialog(QDialog):
     def fill_recommended(self) -> None:
         store = self.tasks.library.store
         rows = recommend(self.tasks.library.catalog, self.machine)
-        self.recommended.setRowCount(len(rows))
-        for i, r in enumerate(rows):
-            f = r.file
-            have = store.find(r.model.repo, f.file) is not None
-            fit = ("★ Best pick · " if r.first_pick else "") + FIT_WORDS[r.fit]
-            name = _cell(r.model.name, (r.model.repo, f.file), f"{r.model.description}\n{r.model.repo}")
-            if r.first_pick:
-                bold = QFont(name.font())
-                bold.setBold(True)
-                name.setFont(bold)
-            size = ("~" if f.size_approximate else "") + format_bytes(f.size_bytes)
-            memory = f"{format_bytes(f.memory_4k_bytes)} (4k) · {format_bytes(f.memory_32k_bytes)} (32k)"
-            about = _cell(r.model.description, tip=r.model.description)
-            cells = [name, about, _cell(f.quantization), _cell("Downloaded" if have else size), _cell(memory)]
-            cells += [_cell(fit), _cell(r.model.license)]
-            if r.fit is Fit.TOO_BIG:
-                for c in cells:
-                    c.setForeground(self.palette().placeholderText())
-            for col, c in enumerate(cells):
-                self.recommended.setItem(i, col, c)
+        self.recommended.fill([(r, FIT_WORDS[r.fit], store.find(r.model.repo, r.file.file) is not None) for r in rows])
         pick = next((i for i, r in enumerate(rows) if r.first_pick), None)
         if pick is not None:
-            self.recommended.selectRow(pick)
+            self.recommended.setCurrentRow(pick)
         self._update_buttons()
 
     def fill_downloaded(self) -> None:
@@ -315,7 +302,7 @@ class GetModelsDialog(QDialog):
 
     def _update_buttons(self) -> None:
         busy = self.tasks.downloading
-        self.get_button.setEnabled(not busy and self._selected(self.recommended) is not None)
+        self.get_button.setEnabled(not busy and self.recommended.chosen() is not None)
         self.file_button.setEnabled(not busy and self._selected(self.files) is not None)
         chosen = self._selected(self.local) is not None
         for b in (self.reveal_button, self.delete_button, self.use_button):
@@ -323,9 +310,9 @@ class GetModelsDialog(QDialog):
 
     @Slot()
     def _download_recommended(self) -> None:
-        chosen = self._selected(self.recommended)
-        if isinstance(chosen, tuple):
-            self.start_download(chosen[0], chosen[1])
+        chosen = self.recommended.chosen()
+        if chosen is not None:
+            self.start_download(*chosen)
 
     @Slot()
     def _download_file(self) -> None:
@@ -352,6 +339,13 @@ class GetModelsDialog(QDialog):
             self.pause_button.setEnabled(False)  # until the download says it stopped
         elif self._last is not None:
             self.start_download(*self._last)
+
+    @Slot()
+    def _cancel(self) -> None:
+        if self.tasks.downloading:
+            self.tasks.cancel()
+        elif self._last is not None:  # paused: its partial file goes
+            self.tasks.discard(*self._last)
 
     @Slot()
     def _search(self) -> None:
@@ -392,8 +386,9 @@ class GetModelsDialog(QDialog):
             item = QListWidgetItem(f"{r.id}\n{r.downloads:,} downloads{gated}")
             item.setData(Qt.ItemDataRole.UserRole, r.id)
             self.repos.addItem(item)
-        found = f"{len(repos)} GGUF repos" if repos else "No GGUF repos"
-        self.search_status.setText(f"{found} match {query!r}; choose one to see its files.")
+        found = counted(len(repos), "GGUF repository", "GGUF repositories") if repos else "No GGUF repositories"
+        verb = "matches" if len(repos) == 1 else "match"
+        self.search_status.setText(f"{found} {verb} {query!r}; choose one to see its files.")
 
     @Slot(QListWidgetItem, QListWidgetItem)
     def _on_repo_chosen(self, current: QListWidgetItem | None, _previous: QListWidgetItem | None) -> None:
@@ -442,7 +437,6 @@ class GetModelsDialog(QDialog):
         if reason == "paused":
             self.status.setText(f"Paused {file or repo}; Resume continues where it stopped.")
             self.pause_button.setText("Resume")
-            self.cancel_button.setEnabled(False)
             self.bar.setRange(0, 1000)
         else:
             self._show_transfer(False)

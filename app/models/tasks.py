@@ -7,16 +7,23 @@ download checks between 1 MiB chunks, so the GUI never waits on it; at most one 
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from PySide6.QtCore import QObject, Signal
 
 from engine import SparkError
 from engine.library.download import DownloadControl, DownloadProgress, DownloadStopped
-from engine.library.hub import RepoFiles
+from engine.library.hub import LibraryError, Problem, RepoFiles
 from engine.library.library import Library
 from engine.library.store import LocalModel
+
+REACH_TIMEOUT_S = 5.0
+# The Hub client's retry warnings: a failure is told once, in the dialog, in one sentence.
+logging.getLogger("huggingface_hub.utils._http").setLevel(logging.ERROR)
 
 
 class LibraryTasks(QObject):
@@ -39,10 +46,15 @@ class LibraryTasks(QObject):
         return self._control is not None
 
     def search(self, query: str) -> None:
-        self._start("search", lambda: self.search_done.emit(query, self.library.hub.search(query)))
+        def run() -> None:
+            self._reachable()
+            self.search_done.emit(query, self.library.hub.search(query))
+
+        self._start("search", run)
 
     def list_files(self, repo: str) -> None:
         def run() -> None:
+            self._reachable()
             files: RepoFiles = self.library.hub.repo_files(repo)
             self.files_ready.emit(files)
 
@@ -83,6 +95,18 @@ class LibraryTasks(QObject):
         if self._control is not None:
             self._control.cancel()
 
+    def discard(self, repo: str, file: str | None) -> None:
+        """Cancel a paused download: its partial file goes (told as "cancelled", as a running one's cancel is)."""
+
+        def run() -> None:
+            store = self.library.store
+            for partial in store.partials():
+                if partial.source.repo == repo and (file is None or partial.source.file == file):
+                    store.discard_partial(partial.source)
+            self.stopped.emit(repo, file or "", "cancelled")
+
+        self._start("download", run)
+
     def remove(self, name: str) -> None:
         self._start("remove", lambda: self.removed.emit(self.library.store.remove(name).name))
 
@@ -91,6 +115,21 @@ class LibraryTasks(QObject):
         self.pause()
         for t in self._threads:
             t.join(timeout_s)
+
+    def _reachable(self) -> None:
+        """Offline, say so at once: one connection attempt to the Hub's host, not the Hub client's retries (about
+        23 s of them, each a warning on the terminal)."""
+        endpoint = self.library.hub.settings.endpoint
+        url = urlsplit(endpoint)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            socket.create_connection((url.hostname or "", port), timeout=REACH_TIMEOUT_S).close()
+        except (OSError, ValueError):
+            raise LibraryError(
+                Problem.NO_NETWORK,
+                f"Cannot reach the Hugging Face Hub at {endpoint}: check the network connection (and HF_ENDPOINT if "
+                "you set it), then try again.",
+            ) from None
 
     def _start(self, what: str, body: Callable[[], None]) -> None:
         def run() -> None:

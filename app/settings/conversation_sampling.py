@@ -40,6 +40,10 @@ class ConversationSamplingDialog(QDialog):
         self.setWindowTitle("Sampling for This Conversation")
         self._model_defaults = model_defaults
         self._own = (current or app).own  # the values shown to edit under "Use these settings"
+        # A conversation without values of its own starts "Use these settings" from the ones its replies use now
+        # (the model's defaults where those answer), not from the generic 1.0s.
+        custom = current is not None and not current.use_model_defaults
+        self._in_use = None if custom else resolve(app, current, model_defaults).sampling
         self._app_values = resolve(app, None, model_defaults).sampling  # what following the app gives now
         self._shown: QRadioButton | None = None  # the choice the form shows values for
         self.follow_app = QRadioButton("Use the app's setting")
@@ -107,6 +111,8 @@ class ConversationSamplingDialog(QDialog):
             self._own = self.form.value()
         elif self._shown is self.model:
             self._own = self.form.with_seed_and_greedy(self._own)
+        if self.custom.isChecked() and self._in_use is not None:
+            self._own, self._in_use = self._in_use, None
         if self.follow_app.isChecked():
             self.form.show_values(self._app_values)
         else:

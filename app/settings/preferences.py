@@ -111,6 +111,14 @@ class Preferences:
     def set_models_offer_shown(self) -> None:
         self._s.setValue("models/offer_shown", "true")
 
+    def appearance(self) -> str:
+        """View ▸ Appearance: "system" (the default: the desktop's light or dark), "light" or "dark"."""
+        value = str(self._s.value("view/appearance", "system"))
+        return value if value in ("system", "light", "dark") else "system"
+
+    def set_appearance(self, value: str) -> None:
+        self._s.setValue("view/appearance", value)
+
     def sidebar_visible(self) -> bool:
         return str(self._s.value("view/sidebar", "true")).lower() == "true"
 
@@ -166,18 +174,13 @@ class Preferences:
     def set_system_prompt(self, text: str) -> None:
         self._s.setValue("chat/system_prompt", text)
 
-    def reply_schema(self) -> str:
-        """The JSON schema replies follow when "Reply as JSON" is on ("" when none was given yet)."""
+    def last_reply_schema(self) -> str:
+        """The JSON schema given last ("" when none was): where the schema dialog of another conversation starts.
+        Whether replies are JSON is each conversation's own (the library keeps it), never the app's."""
         return str(self._s.value("chat/json_schema", ""))
 
-    def set_reply_schema(self, text: str) -> None:
+    def set_last_reply_schema(self, text: str) -> None:
         self._s.setValue("chat/json_schema", text)
-
-    def reply_as_json(self) -> bool:
-        return str(self._s.value("chat/reply_json", "false")).lower() == "true"
-
-    def set_reply_as_json(self, on: bool) -> None:
-        self._s.setValue("chat/reply_json", "true" if on else "false")
 
     def tool_servers(self) -> list[McpServerSpec]:
         """The MCP stdio servers whose tools the model may call (none by default)."""

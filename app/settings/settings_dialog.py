@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from PySide6.QtCore import Slot
-from PySide6.QtGui import QAction
+from PySide6.QtGui import QAction, QShowEvent
 from PySide6.QtWidgets import (
     QCheckBox,
     QDialog,
@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.misc.fit import fit_wrapped_text
 from app.settings.preferences import default_generation
 from app.settings.sampling_choice import knob_words
 from app.settings.sampling_form import SamplingForm
@@ -113,6 +114,10 @@ class SettingsDialog(QDialog):
         layout.addWidget(self.error)
         layout.addWidget(buttons)
         self._show(settings, use_model_defaults)
+
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        fit_wrapped_text(self)  # the model's defaults and the hints in full at the default size
 
     def _server_group(self, switch: QAction, copy: QAction) -> QGroupBox:
         """The local server's switch (the Model menu's, mirrored) and its address to copy."""

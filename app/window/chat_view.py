@@ -2,9 +2,11 @@
 
 Streamed text is appended at the end of the document with a cursor (no re-layout of earlier messages); at most a
 few times a second, and when the reply ends, that one message is rendered again as Markdown (app.window.markdown:
-tables, lists, inline code, code blocks coloured, each with its own Copy link). Each message's header carries
-"Copy" and "Branch" links (anchors `copy:N` / `branch:N`, N = the message's index in the conversation); while a
-prompt is read, the reply bubble shows how far the reading got. The view stays at the newest text unless the user
+tables, lists, inline code, code blocks coloured, each with its own Copy link). The user's messages sit on the right
+in soft rounded bubbles (painted under the text: Qt's rich text has no rounded frames), as wide as their text;
+replies run the column's width under a small "Spark". Copy, Branch and (on the last reply) Regenerate show as icons
+while the pointer is over a message (app.window.message_actions); the anchors `copy:N` / `branch:N` (N = the
+message's index in the conversation) do the same. While a prompt is read, the reply shows how far the reading got. The view stays at the newest text unless the user
 scrolled up; then a "↓ New text" pill says more came, and takes them back down. An empty conversation shows a
 greeting with example prompts (anchors `example:K`); a long paste shows its first lines and "Show all".
 """
@@ -15,13 +17,17 @@ import html
 import time
 from collections.abc import Sequence
 
-from PySide6.QtCore import Qt, QUrl, Signal, Slot
+from PySide6.QtCore import QEvent, QPoint, QRectF, Qt, QTimer, QUrl, Signal, Slot
 from PySide6.QtGui import (
     QColor,
+    QContextMenuEvent,
     QDesktopServices,
     QFont,
     QFontDatabase,
     QGuiApplication,
+    QMouseEvent,
+    QPainter,
+    QPaintEvent,
     QPalette,
     QResizeEvent,
     QTextBlockFormat,
@@ -30,9 +36,11 @@ from PySide6.QtGui import (
     QTextFrame,
     QTextFrameFormat,
 )
-from PySide6.QtWidgets import QPushButton, QTextBrowser, QWidget
+from PySide6.QtWidgets import QMenu, QPushButton, QTextBrowser, QWidget
 
-from app.window.markdown import MarkdownRenderer, Palette
+from app.misc import theme
+from app.window.markdown import MarkdownRenderer, Palette, open_fence
+from app.window.message_actions import MessageActions
 from app.window.tool_cards import Card, card_html, segments
 from app.worker.tool_turns import RESPONSE_CLOSE, display_messages
 from app.worker.types import MessageView
@@ -42,12 +50,18 @@ from engine.openai.tools import OPEN as TOOL_CALL_OPEN
 ROLE_LABELS = {"user": "You", "assistant": "Spark", "system": "System"}
 ROLE_PROPERTY = 0x100000  # QTextFormat.UserProperty: marks each message frame with its role
 INDEX_PROPERTY = 0x100001  # ...and with its index in the conversation
-COLUMN_MAX = 760  # px: the reading column's widest; wider windows centre it
+COLUMN_MAX = theme.READING_COLUMN_PX  # px: the reading column's widest; wider windows centre it
+BUBBLE_PADDING = 12  # px inside a message
+BUBBLE_TINT = 0.16  # of the accent in a user's bubble
+BUBBLE_SHARE = 0.8  # of the column: the widest a user's bubble grows
+MESSAGE_GAP = 12  # px above and below each message (24 between two)
 LIVE_RENDER_S = 0.25  # a streaming reply is rendered as Markdown at most this often
 PASTE_LINES = 14  # a user message longer than this (or PASTE_CHARS) shows its first lines and "Show all"
 PASTE_CHARS = 1500
 PASTE_PREVIEW_LINES = 6  # ...of which a collapsed paste shows this much
 PASTE_PREVIEW_CHARS = 480
+COPIED_MS = 1500  # a Copy link reads "Copied ✓" this long after a click
+COPIED = "Copied ✓"
 
 
 def _mix(a: QColor, b: QColor, t: float) -> QColor:
@@ -57,6 +71,7 @@ def _mix(a: QColor, b: QColor, t: float) -> QColor:
 
 class ChatView(QTextBrowser):
     branch_requested = Signal(int)  # the message's index in the conversation
+    regenerate_requested = Signal()  # the last reply's Regenerate icon
     copied = Signal(int)
     example_chosen = Signal(str)  # an example prompt from the greeting
 
@@ -67,6 +82,15 @@ class ChatView(QTextBrowser):
         self.anchorClicked.connect(self._on_anchor)
         self.setFrameShape(QTextBrowser.Shape.NoFrame)
         self.document().setDocumentMargin(18)
+        body = QFont(self.font())
+        body.setPointSizeF(theme.points(self, theme.BODY_PX))
+        self.setFont(body)
+        self.document().setDefaultFont(body)
+        self.actions_bar = MessageActions(self.viewport())
+        self.actions_bar.copy_clicked.connect(self.copy_message)
+        self.actions_bar.branch_clicked.connect(self.branch_requested.emit)
+        self.actions_bar.regenerate_clicked.connect(self.regenerate_requested.emit)
+        self.viewport().setMouseTracking(True)
         self._reply: QTextFrame | None = None
         self._reply_text: list[str] = []  # the streamed reply as received (the document would normalise it)
         self._reading = False  # the reply bubble shows reading progress, not text yet
@@ -110,6 +134,108 @@ class ChatView(QTextBrowser):
             fmt.setRightMargin(side)
             fmt.setTopMargin(top)
             root.setFrameFormat(fmt)
+            for frame in self._frames("user"):
+                self._fit_bubble(frame)
+
+    def _column_width(self) -> float:
+        root = self.document().rootFrame().frameFormat()
+        return max(120.0, self.viewport().width() - root.leftMargin() - root.rightMargin())
+
+    def _fit_bubble(self, frame: QTextFrame) -> None:
+        """A user's bubble as wide as its text (at most BUBBLE_SHARE of the column), against the column's right."""
+        index = frame.frameFormat().property(INDEX_PROPERTY)
+        text = self._contents.get(index, "") if isinstance(index, int) else ""
+        metrics = self.fontMetrics()
+        lines = text.splitlines()[:PASTE_LINES] or [""]
+        natural = max(metrics.horizontalAdvance(line) for line in lines) + 2 * BUBBLE_PADDING + 8
+        column = self._column_width()
+        width = min(max(natural, 48.0), column * BUBBLE_SHARE)
+        fmt = frame.frameFormat()
+        fmt.setLeftMargin(max(0.0, column - width))
+        frame.setFrameFormat(fmt)
+
+    def _frame_rect(self, frame: QTextFrame) -> QRectF:
+        """The frame's box (inside its margins) on the viewport."""
+        f = frame.frameFormat()
+        rect = self.document().documentLayout().frameBoundingRect(frame)
+        rect = rect.adjusted(f.leftMargin(), f.topMargin(), -f.rightMargin(), -f.bottomMargin())
+        return rect.translated(-self.horizontalScrollBar().value(), -self.verticalScrollBar().value())
+
+    def paintEvent(self, event: QPaintEvent) -> None:
+        """The user's bubbles, rounded, under the text the document then draws."""
+        frames = self._frames("user")
+        if frames:
+            p = QPainter(self.viewport())
+            p.setRenderHint(QPainter.RenderHint.Antialiasing)
+            p.setPen(Qt.PenStyle.NoPen)
+            p.setBrush(self._bubble_colour())
+            for frame in frames:
+                rect = self._frame_rect(frame)
+                if rect.intersects(QRectF(event.rect())):
+                    p.drawRoundedRect(rect, theme.RADIUS_BUBBLE, theme.RADIUS_BUBBLE)
+            p.end()
+        super().paintEvent(event)
+
+    def mouseMoveEvent(self, event: QMouseEvent) -> None:
+        super().mouseMoveEvent(event)
+        self._hover(event.position().toPoint())
+
+    def event(self, e: QEvent) -> bool:
+        if e.type() == QEvent.Type.Leave and not self.actions_bar.underMouse():
+            self.actions_bar.hide()
+        return super().event(e)
+
+    def contextMenuEvent(self, event: QContextMenuEvent) -> None:
+        """The text's own menu, and the message's actions for whoever cannot hover (the keyboard's menu key)."""
+        menu = self.context_menu(event.pos())
+        menu.exec(event.globalPos())
+        menu.deleteLater()
+
+    def context_menu(self, pos: QPoint) -> QMenu:
+        menu = self.createStandardContextMenu(pos)
+        found = self._message_at(pos)
+        if found is not None:
+            frame, role, index = found
+            menu.addSeparator()
+            menu.addAction("Copy Message", lambda: self.copy_message(index))
+            menu.addAction("Branch From Here", lambda: self.branch_requested.emit(index))
+            replies = self._frames("assistant")
+            if role == "assistant" and replies and frame == replies[-1]:
+                menu.addAction("Regenerate", self.regenerate_requested.emit)
+        return menu
+
+    def _message_at(self, pos: QPoint) -> tuple[QTextFrame, str, int] | None:
+        """The finished message at `pos` on the viewport: (its frame, role, index)."""
+        for frame in self.document().rootFrame().childFrames():
+            fmt = frame.frameFormat()
+            role, index = fmt.property(ROLE_PROPERTY), fmt.property(INDEX_PROPERTY)
+            if not isinstance(index, int) or not isinstance(role, str):
+                continue
+            if self._frame_rect(frame).adjusted(0, 0, 0, MESSAGE_GAP).contains(pos.toPointF()):
+                return None if frame == self._reply or role not in ("user", "assistant") else (frame, role, index)
+        return None
+
+    def _hover(self, pos: QPoint) -> None:
+        """The message under the pointer shows its actions at its lower corner (none on a reply still coming)."""
+        found = self._message_at(pos)
+        bar = self.actions_bar
+        if found is None:
+            if not bar.underMouse():
+                bar.hide()
+            return
+        frame, role, index = found
+        replies = self._frames("assistant")
+        bar.show_for(index, role == "assistant" and bool(replies) and frame == replies[-1])
+        rect = self._frame_rect(frame)
+        x = rect.right() - bar.width() if role == "user" else rect.left()
+        bar.move(int(x), int(rect.bottom() - bar.height() / 2))
+
+    def message_actions_for(self, index: int) -> bool:
+        """Whether message `index` offers its actions now (a reply still coming does not)."""
+        for frame in self.document().rootFrame().childFrames():
+            if frame.frameFormat().property(INDEX_PROPERTY) == index:
+                return frame != self._reply
+        return False
 
     def _place_pill(self) -> None:
         self.pill.adjustSize()
@@ -179,9 +305,11 @@ class ChatView(QTextBrowser):
             f"{html.escape(e)}</a></p>"
             for k, e in enumerate(examples)
         )
+        # While the model loads there are no examples yet: no invitation to "try one of these" with none below.
+        invite = "Ask anything, or try one of these:" if examples else ""
         self.document().rootFrame().firstCursorPosition().insertHtml(
             f'<div align="center"><p style="font-size:x-large">{html.escape(line)}</p>'
-            f'<p style="color:{dim}">Ask anything, or try one of these:</p>{items}</div>'
+            f'<p style="color:{dim}">{invite}</p>{items}</div>'
         )
 
     # -- public ------------------------------------------------------------------------------------------------------
@@ -207,6 +335,20 @@ class ChatView(QTextBrowser):
         self._next_index = len(messages)
         self.scroll_to_end()
 
+    def restyle(self) -> None:
+        """Draw the shown messages again in the palette's colours (the appearance changed); a reply still
+        streaming keeps its frame and takes them at its next render."""
+        if self._empty:
+            self._show_greeting()
+            return
+        for frame in self.document().rootFrame().childFrames():
+            fmt = frame.frameFormat()
+            role, index = fmt.property(ROLE_PROPERTY), fmt.property(INDEX_PROPERTY)
+            if frame == self._reply or not isinstance(role, str) or not isinstance(index, int):
+                continue
+            self._clear_frame(frame)
+            self._fill(frame, role, self._contents.get(index, ""))
+
     def last_index(self) -> int:
         """The index of the newest message shown (the reply that just ended)."""
         return self._next_index - 1
@@ -221,7 +363,7 @@ class ChatView(QTextBrowser):
         self.scroll_to_end()  # sending is a choice to see what comes
 
     def begin_reply(self) -> None:
-        self._reply = self._add_message("assistant", "", self._next_index, links=False)
+        self._reply = self._add_message("assistant", "", self._next_index)
         self._next_index += 1
         self._reply_text = []
         self._last_render = time.monotonic()
@@ -232,7 +374,7 @@ class ChatView(QTextBrowser):
         if self._reply is None or self._reply_text:
             return
         self._clear_frame(self._reply)
-        self._fill(self._reply, "assistant", "", links=False)
+        self._fill(self._reply, "assistant", "")
         self._reply.lastCursorPosition().insertText(text, self._note_format())
         self._reading = True
         self._more_text()
@@ -242,7 +384,7 @@ class ChatView(QTextBrowser):
             return
         if self._reading:
             self._clear_frame(self._reply)
-            self._fill(self._reply, "assistant", "", links=False)
+            self._fill(self._reply, "assistant", "")
             self._reading = False
         self._reply_text.append(text)
         now = time.monotonic()
@@ -253,8 +395,10 @@ class ChatView(QTextBrowser):
         if now - self._last_render >= LIVE_RENDER_S or card_closed:  # the reply so far as Markdown (a table, code)
             self._last_render = now
             self._clear_frame(self._reply)
-            self._fill(self._reply, "assistant", so_far, links=False)
-        elif so_far.rfind(TOOL_CALL_OPEN) <= so_far.rfind(TOOL_CALL_CLOSE):  # between renders, the text as it comes
+            self._fill(self._reply, "assistant", so_far)
+        elif so_far.rfind(TOOL_CALL_OPEN) <= so_far.rfind(TOOL_CALL_CLOSE) and not open_fence(so_far):
+            # Between renders, the text as it comes; inside a code block it waits for the next render (appended
+            # here it would show as plain text under the block).
             self._reply.lastCursorPosition().insertText(text, self._body_format())
         self._more_text()
 
@@ -332,7 +476,31 @@ class ChatView(QTextBrowser):
 
     def copy_message(self, index: int) -> None:
         QGuiApplication.clipboard().setText(self._contents.get(index, ""))
+        self.actions_bar.index = index
+        self.actions_bar.flash_copied()  # "Copied" where it was clicked
         self.copied.emit(index)
+
+    def _flash_copied(self, href: str) -> None:
+        """The clicked Copy link says "Copied ✓" for a moment where the user is looking, then "Copy" again."""
+        if self._set_link_text(href, COPIED):
+            QTimer.singleShot(COPIED_MS, self, lambda: self._set_link_text(href, "Copy"))
+
+    def _set_link_text(self, href: str, text: str) -> bool:
+        block = self.document().begin()
+        while block.isValid():
+            it = block.begin()
+            while not it.atEnd():
+                fragment = it.fragment()
+                fmt = fragment.charFormat()
+                if fragment.isValid() and fmt.isAnchor() and fmt.anchorHref() == href:
+                    cursor = QTextCursor(self.document())
+                    cursor.setPosition(fragment.position())
+                    cursor.setPosition(fragment.position() + fragment.length(), QTextCursor.MoveMode.KeepAnchor)
+                    cursor.insertText(text, fmt)
+                    return True
+                it += 1
+            block = block.next()
+        return False
 
     @Slot(QUrl)
     def _on_anchor(self, url: QUrl) -> None:
@@ -341,6 +509,7 @@ class ChatView(QTextBrowser):
             (self.copy_message if scheme == "copy" else self.branch_requested.emit)(int(arg))
         elif scheme == "copycode" and arg in self._code_blocks:
             QGuiApplication.clipboard().setText(self._code_blocks[arg])
+            self._flash_copied(url.toString())
             self.copied.emit(int(arg.partition(".")[0]))
         elif scheme == "example" and arg.isdigit() and int(arg) < len(self._greeting[1]):
             self.example_chosen.emit(self._greeting[1][int(arg)])
@@ -358,40 +527,30 @@ class ChatView(QTextBrowser):
         return [f for f in self.document().rootFrame().childFrames() if f.frameFormat().property(ROLE_PROPERTY) == role]
 
     # -- rendering ---------------------------------------------------------------------------------------------------
-    def _add_message(self, role: str, content: str, index: int, links: bool = True) -> QTextFrame:
+    def _add_message(self, role: str, content: str, index: int) -> QTextFrame:
         cursor = QTextCursor(self.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
         fmt = QTextFrameFormat()
-        fmt.setPadding(10)
-        fmt.setTopMargin(6)
-        fmt.setBottomMargin(6)
+        fmt.setPadding(BUBBLE_PADDING if role == "user" else 2)
+        fmt.setTopMargin(MESSAGE_GAP)
+        fmt.setBottomMargin(MESSAGE_GAP)
         fmt.setBorder(0)
-        if role == "user":
-            pal = self.palette()
-            fmt.setBackground(_mix(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Highlight), 0.12))
-            fmt.setLeftMargin(48)
-        else:
-            fmt.setRightMargin(48)
         fmt.setProperty(ROLE_PROPERTY, role)
         fmt.setProperty(INDEX_PROPERTY, index)
         frame = cursor.insertFrame(fmt)
-        self._fill(frame, role, content, links)
         self._contents[index] = content
+        self._fill(frame, role, content)
+        if role == "user":
+            self._fit_bubble(frame)
         return frame
 
-    def _fill(self, frame: QTextFrame, role: str, content: str, links: bool = True) -> None:
+    def _fill(self, frame: QTextFrame, role: str, content: str) -> None:
         cursor = frame.firstCursorPosition()
         cursor.setBlockFormat(QTextBlockFormat())
-        cursor.insertText(ROLE_LABELS.get(role, role.title()), self._label_format())
         index = frame.frameFormat().property(INDEX_PROPERTY)
-        if isinstance(index, int) and links:  # a streaming reply gets its links once it is finished
-            cursor.insertText("    ", self._label_format())
-            cursor.insertText("Copy", self._link_format(f"copy:{index}", "Copy this message"))
-            cursor.insertText("  ·  ", self._label_format())
-            cursor.insertText(
-                "Branch", self._link_format(f"branch:{index}", "A new conversation up to this message, with its memory")
-            )
-        cursor.insertBlock(QTextBlockFormat(), self._body_format())
+        if role != "user":  # the user's bubble needs no name; a reply is headed by a small "Spark"
+            cursor.insertText(ROLE_LABELS.get(role, role.title()), self._label_format())
+            cursor.insertBlock(QTextBlockFormat(), self._body_format())
         if role == "assistant" and content:
             palette = self._palette()
             for n, part in enumerate(segments(content)):  # Markdown, and a card for each tool call
@@ -425,6 +584,11 @@ class ChatView(QTextBrowser):
                 self._clear_frame(frame)
                 self._fill(frame, "user", self._contents.get(index, ""))
 
+    def _bubble_colour(self) -> QColor:
+        """The accent washed into the page (theme.Colours.bubble holds the same mix, for the contrast check)."""
+        pal = self.palette()
+        return _mix(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Highlight), BUBBLE_TINT)
+
     def _palette(self) -> Palette:
         pal = self.palette()
         base = pal.color(QPalette.ColorRole.Base)
@@ -442,7 +606,8 @@ class ChatView(QTextBrowser):
     def _frame_body(self, frame: QTextFrame) -> str:
         cursor = frame.firstCursorPosition()
         cursor.setPosition(frame.lastPosition(), QTextCursor.MoveMode.KeepAnchor)
-        return cursor.selectedText().replace("\u2029", "\n").partition("\n")[2]
+        text = cursor.selectedText().replace("\u2029", "\n")
+        return text if frame.frameFormat().property(ROLE_PROPERTY) == "user" else text.partition("\n")[2]
 
     def _label_format(self) -> QTextCharFormat:
         fmt = QTextCharFormat()

@@ -1,16 +1,48 @@
-"""The composer: the prompt box (Return sends, Shift+Return a new line) that grows with its text up to a third of
-the window, the Send/Stop button, and a live count of the prompt's tokens against the model's context."""
+"""The composer: a rounded box holding the prompt (Return sends, Shift+Return a new line; it grows with its text up
+to a third of the window) and a round icon button that sends, or stops a reply being written; under it the JSON
+mode's chip and a live count of the prompt's tokens against the model's context."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from PySide6.QtCore import Qt, QTimer, Signal, Slot
-from PySide6.QtGui import QKeyEvent
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtCore import QEvent, QObject, QSize, Qt, QTimer, Signal, Slot
+from PySide6.QtGui import QKeyEvent, QPalette
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
+
+from app.misc import theme
+from app.misc.ui_icons import icon
 
 COUNT_DELAY_MS = 150  # the count follows typing after this pause (a 20,000-character paste counts once)
-MIN_LINES = 3
+MIN_LINES = 2
+SEND_WORDS = {  # the button's state (its text, as the window sets it) -> icon, tooltip
+    "Send": ("send", "Send (Return)"),
+    "Stop": ("stop", "Stop the reply"),
+    "Stopping…": ("stop", "Stopping…"),
+}
+
+
+class SendButton(QPushButton):
+    """Send, or Stop while a reply is written: an icon in a round button. The window sets its state as text
+    ("Send", "Stop", "Stopping…"); the text is its accessible name and tooltip, the icon is what is drawn."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._state = ""
+        self.setIconSize(QSize(18, 18))
+        self.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.setText("Send")
+
+    def setText(self, text: str) -> None:
+        self._state = text
+        name, tip = SEND_WORDS.get(text, ("send", text))
+        self.setIcon(icon(name, QPalette.ColorRole.HighlightedText))
+        self.setToolTip(tip)
+        self.setAccessibleName(text)
+        super().setText("")
+
+    def text(self) -> str:
+        return self._state
 
 
 class PromptEdit(QPlainTextEdit):
@@ -22,7 +54,10 @@ class PromptEdit(QPlainTextEdit):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("promptEdit")
-        self.setPlaceholderText("Message Spark…  (Return to send, Shift+Return for a new line)")
+        self.setPlaceholderText("Message Spark…")
+        self.setAccessibleName("Message")
+        self.setToolTip("Return sends; Shift+Return starts a new line")
+        self.setFrameShape(QFrame.Shape.NoFrame)
         self.setTabChangesFocus(True)
         self.max_height = 10_000  # the window sets a third of its height
         self.document().documentLayout().documentSizeChanged.connect(lambda _s: self.fit())
@@ -48,28 +83,49 @@ class PromptEdit(QPlainTextEdit):
 
 
 class Composer(QWidget):
-    """The prompt box, the Send button and the token count under them."""
+    """The rounded box (prompt and Send/Stop), the JSON chip and the token count under it."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("composer")
         self.prompt = PromptEdit()
-        self.send_button = QPushButton("Send")
+        self.send_button = SendButton()
         self.send_button.setObjectName("sendButton")
         self.send_button.setDefault(True)
-        self.send_button.setMinimumWidth(84)
         self.count = QLabel("")
         self.count.setObjectName("tokenCount")
         self.count.setAlignment(Qt.AlignmentFlag.AlignRight)
-        row = QHBoxLayout()
-        row.setSpacing(10)
+        # Says in the chat itself that this conversation's replies are JSON (Chat ▸ Reply as JSON); a click ends it.
+        self.json_chip = QPushButton("{ }  Replies are JSON  ✕")
+        self.json_chip.setObjectName("modeChip")
+        self.json_chip.setToolTip("Replies in this conversation follow its JSON schema. Click to turn this off.")
+        self.json_chip.setAccessibleName("Replies are JSON in this conversation; turn off")
+        self.json_chip.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.json_chip.hide()
+        self.box = QFrame()
+        self.box.setObjectName("composerBox")
+        row = QHBoxLayout(self.box)
+        row.setContentsMargins(14, 8, 8, 8)
+        row.setSpacing(8)
         row.addWidget(self.prompt, 1)
         row.addWidget(self.send_button, 0, Qt.AlignmentFlag.AlignBottom)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(16, 10, 16, 8)
-        layout.setSpacing(4)
-        layout.addLayout(row)
-        layout.addWidget(self.count)
+        self.prompt.installEventFilter(self)  # the box's border shows the prompt's focus
+        self.column = QWidget()  # the reading column's width, centred like the chat's text
+        self.column.setMaximumWidth(theme.READING_COLUMN_PX + 2 * 24)
+        inner = QVBoxLayout(self.column)
+        inner.setContentsMargins(0, 0, 0, 0)
+        inner.setSpacing(4)
+        inner.addWidget(self.box)
+        below = QHBoxLayout()
+        below.setContentsMargins(8, 0, 8, 0)
+        below.addWidget(self.json_chip, 0, Qt.AlignmentFlag.AlignLeft)
+        below.addWidget(self.count, 1)
+        inner.addLayout(below)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(24, 8, 24, 12)
+        layout.addStretch(1)
+        layout.addWidget(self.column, 1000)  # up to its widest; the stretches centre it
+        layout.addStretch(1)
         self._counter: Callable[[str], int] | None = None
         self._context = 0
         self._timer = QTimer(self)
@@ -77,6 +133,13 @@ class Composer(QWidget):
         self._timer.setInterval(COUNT_DELAY_MS)
         self._timer.timeout.connect(self._update_count)
         self.prompt.textChanged.connect(self._timer.start)
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if watched is self.prompt and event.type() in (QEvent.Type.FocusIn, QEvent.Type.FocusOut):
+            self.box.setProperty("focused", event.type() == QEvent.Type.FocusIn)
+            self.box.style().unpolish(self.box)
+            self.box.style().polish(self.box)
+        return False
 
     def set_counter(self, counter: Callable[[str], int] | None, context_tokens: int) -> None:
         """How the loaded model counts tokens, and its context; None (a remote model): no count is shown."""

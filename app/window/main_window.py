@@ -30,12 +30,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.history.library import ConversationLibrary, new_id
+from app.application import SparkApplication
+from app.history.library import ConversationLibrary, file_origin, new_id
 from app.history.sidebar import HistorySidebar
 from app.inspector.hw_monitor import HardwareMonitor
 from app.inspector.inspector import Inspector
 from app.misc.coalescer import TextCoalescer
 from app.misc.standarddirs import StandardDirs
+from app.misc.words import counted
 from app.models import FIRST_LAUNCH_HINT, downloaded_models, open_get_models
 from app.server.local_server import LocalServerController, local_server_actions
 from app.settings.json_reply import schema_grammar
@@ -80,6 +82,8 @@ from engine.paths import APP_NAME
 INTERACTIVE_PREFILL_CHUNK = 128
 NARROW_WIDTH = 1100  # px: below it the inspector folds away so the chat keeps most of the window
 SIDEBAR_WIDE, SIDEBAR_NARROW = 230, 190  # px: the sidebar's width above and below NARROW_WIDTH
+MEASURED_TOKENS = 16  # a reply this long gives a decoding speed worth recommending models by
+INSPECTOR_WIDTH = 280  # px: the inspector's width when it opens
 RUNS_ON = {  # the status bar's words for where the model runs (the details are in the tooltip and the inspector)
     "coreml": "runs on the Neural Engine",
     "mlx": "runs on the Mac's graphics processor (MLX)",
@@ -128,6 +132,8 @@ class MainWindow(QMainWindow):
         self.workers_done = False  # set by shutdown: both worker threads ended
         self._narrow = False
         self.auto_layout = False
+        self.measured_decode: tuple[int, float] | None = None  # the local model's (weight bytes, tokens/s) here
+        self._weight_bytes = 0
 
         self.setObjectName("mainWindow")
         self.setAcceptDrops(True)
@@ -153,6 +159,7 @@ class MainWindow(QMainWindow):
         self.sidebar.set_current(self.state.current_id)
         self.update_title()
         self.show_busy(False)
+        self.show_reply_json()
         if self.library.load_error:
             self.notice.show_message(self.library.load_error, error=True)
 
@@ -187,7 +194,7 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.chat, 1)
         layout.addWidget(_separator())
         layout.addWidget(composer)
-        self.notice = NoticeBar(column)
+        self.notice = NoticeBar(self.chat)  # over the chat's top, never over the System field
         self.inspector = Inspector()
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
         self.splitter.setObjectName("mainSplitter")
@@ -220,6 +227,10 @@ class MainWindow(QMainWindow):
         side = SIDEBAR_NARROW if self._narrow else SIDEBAR_WIDE
         sizes[1] = max(0, sizes[1] + sizes[0] - side)
         sizes[0] = side
+        if not self._narrow and self.inspector.isVisibleTo(self) and sizes[2] < INSPECTOR_WIDTH:
+            # Shown again after a narrow spell: the splitter would hand it its minimum, cutting its text off.
+            sizes[1] = max(0, sizes[1] + sizes[2] - INSPECTOR_WIDTH)
+            sizes[2] = INSPECTOR_WIDTH
         self.splitter.setSizes(sizes)
 
     def _build_status_bar(self) -> None:
@@ -283,8 +294,8 @@ class MainWindow(QMainWindow):
         self.inspector.session_panel.save_requested.connect(self.commands.save)
         self.inspector.session_panel.restore_requested.connect(self.commands.open_session)
         self.chat.branch_requested.connect(self.commands.branch)
+        self.chat.regenerate_requested.connect(self.regenerate)
         self.chat.example_chosen.connect(self.submit)
-        self.chat.copied.connect(lambda _: self.notice.show_message("Copied.", error=False))
         self.sidebar.open_requested.connect(self.open_conversation)
         self.sidebar.renamed.connect(self.commands.rename)
         self.sidebar.duplicate_requested.connect(self.commands.duplicate)
@@ -336,6 +347,10 @@ class MainWindow(QMainWindow):
         m.tool_servers_changed.connect(self._on_tool_servers)
         m.sampling_changed.connect(self.show_sampling)
         m.conversation_sampling_action.triggered.connect(self.edit_conversation_sampling)
+        m.reply_json_toggled.connect(self.set_reply_json)
+        m.appearance_chosen.connect(self._on_appearance)
+        m.json_schema_requested.connect(self.edit_reply_schema)
+        self.composer.json_chip.clicked.connect(lambda: self.set_reply_json(False))
         self.inspector.sampling_requested.connect(self.edit_conversation_sampling)
         self._on_tool_servers()
         m.conversation_chosen.connect(self.open_conversation)
@@ -354,7 +369,7 @@ class MainWindow(QMainWindow):
         if state is not None:
             self.restoreState(state)
         side = SIDEBAR_WIDE if self.width() >= NARROW_WIDTH else SIDEBAR_NARROW
-        self.splitter.setSizes([side, max(400, self.width() - side - 280), 280])
+        self.splitter.setSizes([side, max(400, self.width() - side - INSPECTOR_WIDTH), INSPECTOR_WIDTH])
 
     def load_model(self, model: Path | None, backend: str = "auto") -> None:
         if self.state.model_loaded and self.library.get(self.state.current_id):
@@ -431,9 +446,24 @@ class MainWindow(QMainWindow):
         if not self.state.model_loaded or self.state.opening is not None:
             self.state.pending_files.append(path)  # opened once the model is ready (or the conversation opening now is)
             return
+        known = self._in_history(path)
+        if known is not None:  # already in the history: selected there, not copied into it again
+            self.open_conversation(known)
+            return
         self.client.stop()
         self.state.opening = new_id()
+        self.library.set_origin(self.state.opening, file_origin(path))
         self.client.restore(path, store_path=self.library.path_for(self.state.opening))
+
+    def _in_history(self, path: Path) -> str | None:
+        """The history's conversation this file is: one of its own stored files, or a file opened before and
+        unchanged since."""
+        try:
+            if path.resolve().parent == self.library.folder.resolve() and self.library.get(path.stem):
+                return path.stem
+            return self.library.find_origin(file_origin(path))
+        except OSError:
+            return None
 
     @Slot()
     def open_quick_prompt(self) -> None:
@@ -565,6 +595,38 @@ class MainWindow(QMainWindow):
             self.library.set_sampling(cid, edit.choice)
             self.show_sampling()
 
+    @Slot(bool)
+    def set_reply_json(self, on: bool) -> None:
+        """Reply as JSON, on or off in the open conversation only (kept with it in the library). Turned on where
+        it has no schema yet: asked for one, starting from the last one given (cancelled: it stays off)."""
+        cid = self.state.current_id
+        schema = ""
+        if on:
+            schema = self.library.reply_schema(cid) or self._ask_schema(self.prefs.last_reply_schema())
+        self.library.set_reply_schema(cid, schema)
+        self.show_reply_json()
+
+    @Slot()
+    def edit_reply_schema(self) -> None:
+        """Chat ▸ JSON Schema…: the open conversation's schema; accepting it turns Reply as JSON on there."""
+        cid = self.state.current_id
+        schema = self._ask_schema(self.library.reply_schema(cid) or self.prefs.last_reply_schema())
+        if schema:
+            self.library.set_reply_schema(cid, schema)
+        self.show_reply_json()
+
+    def _ask_schema(self, start: str) -> str:
+        schema = self.dialogs.edit_schema(start) or ""
+        if schema:
+            self.prefs.set_last_reply_schema(schema)
+        return schema
+
+    def show_reply_json(self) -> None:
+        """The menu's tick and the composer's "JSON replies" chip follow the open conversation."""
+        on = bool(self.library.reply_schema(self.state.current_id))
+        self.menus.reply_json_action.setChecked(on)
+        self.composer.json_chip.setVisible(on)
+
     def reply_settings(self) -> GenerationSettings:
         """The main chat's settings: the user's, constrained to the "Reply as JSON" schema when that is on (a schema
         edited by hand into the settings file and refused by the engine is said, and the reply goes unconstrained).
@@ -572,10 +634,11 @@ class MainWindow(QMainWindow):
         resolved = self.resolved_sampling(self.library.sampling_for(self.state.current_id))
         settings = self.generation_settings(resolved)
         self.inspector.show_sampling(f"The last reply used {resolved_words(resolved)}.")
-        if not self.prefs.reply_as_json():
+        schema = self.library.reply_schema(self.state.current_id)
+        if not schema:
             return settings
         try:
-            return replace(settings, grammar=schema_grammar(self.prefs.reply_schema()))
+            return replace(settings, grammar=schema_grammar(schema))
         except GrammarError as exc:
             self.notice.show_message(f"Reply as JSON is off for this reply: {exc}", error=True)
             return settings
@@ -622,6 +685,9 @@ class MainWindow(QMainWindow):
         resume = self._last_remote() if first else None
         self.state.model_path = None if _is_default(info.path) else info.path
         self.state.model_sampling = info.sampling
+        if self._weight_bytes != info.weight_bytes:
+            self.measured_decode = None  # another model: its speed is measured anew
+        self._weight_bytes = info.weight_bytes
         self.model_label.setText(f"{info.name} · {RUNS_ON.get(info.backend, info.backend)}")
         self.model_label.setToolTip(f"{info.path}\n{info.backend_detail}")  # the expert's details, on hover
         self.chat.set_greeting(*greeting(info.name, info.weight_bytes))
@@ -648,7 +714,7 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def _on_get_models(self) -> None:
-        self.get_models_dialog = open_get_models(self, self.dirs.models, self.load_model)
+        self.get_models_dialog = open_get_models(self, self.dirs.models, self.load_model, self.measured_decode)
 
     def _first_ready(self) -> None:
         """The first model (local or remote) is ready: the chat gets its file, and the app reopens where it was."""
@@ -712,6 +778,8 @@ class MainWindow(QMainWindow):
     def _on_finished(self, result: TurnResult) -> None:
         if self._shut_down:  # Quit cut the reply off: the worker stored it with a note saying so
             return
+        if self.state.remote is None and self._weight_bytes and result.progress.generated_tokens >= MEASURED_TOKENS:
+            self.measured_decode = (self._weight_bytes, result.progress.tokens_per_s)  # Get Models… weighs speed by it
         self.coalescer.flush()  # text queued before `finished` is shown before the reply is closed
         notes = [FINISH_NOTES.get(result.reason, "")]
         if result.reason == FinishReason.CANCELLED and not result.progress.generated_tokens:
@@ -720,7 +788,7 @@ class MainWindow(QMainWindow):
             ]
         if result.recalled_turns_ago:
             n = result.recalled_turns_ago
-            notes.append(f"↺ Recalled from {n} turn{'s' if n != 1 else ''} ago.")
+            notes.append(f"↺ Recalled from {counted(n, 'turn')} ago.")
         note = " ".join(n for n in notes if n)
         self.chat.end_reply(note, result.messages - 1 if result.messages else None)
         if note:  # kept with the conversation, so reopening it (Undo, relaunch) shows it again
@@ -765,7 +833,7 @@ class MainWindow(QMainWindow):
         if title:
             self.library.rename(cid, title)
         self.sidebar.refresh()
-        self.inspector.show_stored(f"Stored automatically ({len(stored.messages)} messages).")
+        self.inspector.show_stored(f"Stored automatically ({counted(len(stored.messages), 'message')}).")
         self.update_title()
 
     @Slot(SessionFileEvent)
@@ -794,6 +862,7 @@ class MainWindow(QMainWindow):
         self.sidebar.set_current(self.state.current_id)
         self.update_title()
         self.show_sampling()
+        self.show_reply_json()
 
     @Slot(str, str)
     def _on_foreign_session(self, path: str, reason: str) -> None:
@@ -816,6 +885,7 @@ class MainWindow(QMainWindow):
         self.sidebar.set_current(self.state.current_id)
         self.update_title()
         self.show_sampling()
+        self.show_reply_json()
 
     @Slot()
     def _clear_chat(self) -> None:
@@ -871,6 +941,13 @@ class MainWindow(QMainWindow):
     def _on_server_link(self, _href: str) -> None:
         QGuiApplication.clipboard().setText(self.local_server.url)
         self.notice.show_message(f"Copied {self.local_server.url}.", error=False)
+
+    @Slot(str)
+    def _on_appearance(self, choice: str) -> None:
+        app = QApplication.instance()
+        if isinstance(app, SparkApplication):
+            app.set_appearance(choice)
+        self.chat.restyle()  # its HTML holds the colours it was drawn with
 
     @Slot()
     def _on_quit(self) -> None:

@@ -9,6 +9,7 @@ beside the HTML so the view can put exactly that on the clipboard.
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +47,12 @@ MONO = "font-family:'SF Mono','Menlo','DejaVu Sans Mono',monospace"
 # of its own, so an unwrapped line would widen the whole conversation and scroll it sideways. Copy gives the lines
 # as written.
 PRE = MONO + "; white-space:pre-wrap"
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)")
+# Lines that begin code a model wrote without an opening fence (it then "closes" one it never opened).
+CODE_START = re.compile(
+    r"^\s*(def |class |async def |import |from \S+ import |@\w|#include|#!|function |const |let |var |fn |func |"
+    r"package |public |private |SELECT |CREATE |<\?|<!DOCTYPE|<html)"
+)
 LIGHT_STYLE = "default"
 DARK_STYLE = "monokai"
 
@@ -88,6 +95,46 @@ class _Renderer(RendererHTML):
         return head + block
 
 
+def _unclosed_fence(lines: list[str]) -> int | None:
+    """The line index of a code fence left open at the end of `lines` (None: every fence is closed)."""
+    opened: tuple[int, str, int] | None = None  # (line, fence character, fence length)
+    for i, line in enumerate(lines):
+        m = FENCE.match(line)
+        if m is None:
+            continue
+        mark = m.group(1)
+        if opened is None:
+            opened = (i, mark[0], len(mark))
+        elif mark[0] == opened[1] and len(mark) >= opened[2] and not m.group(2) and not line.strip(mark[0] + " \t"):
+            opened = None
+    return None if opened is None else opened[0]
+
+
+def open_fence(text: str) -> bool:
+    """Whether `text` ends inside a code block (a streaming reply's code, not yet closed)."""
+    return _unclosed_fence(text.splitlines()) is not None
+
+
+def mend_fences(text: str) -> str:
+    """A reply's stray closing fence mended: a bare fence that opens nothing but the end of the reply closes code
+    written without its opening fence, so that code (from its first line that reads as code) becomes the block; with
+    no such line the fence goes. Otherwise Markdown would join the code's lines into one paragraph and show an empty
+    code block after it. A fence still open with text after it (code streaming in) is left as it is."""
+    lines = text.splitlines()
+    i = _unclosed_fence(lines)
+    if i is None or FENCE.match(lines[i]).group(2) or any(line.strip() for line in lines[i + 1 :]):  # type: ignore[union-attr]
+        return text
+    start = 0
+    for k in range(i - 1, -1, -1):  # the code may only begin after the last fenced block
+        if FENCE.match(lines[k]):
+            start = k + 1
+            break
+    code = next((k for k in range(start, i) if CODE_START.match(lines[k])), None)
+    if code is None:
+        return "\n".join(lines[:i])
+    return "\n".join([*lines[:code], lines[i].strip(), *lines[code : i + 1]])
+
+
 def _lexer(code: str, language: str) -> Lexer:
     lexer: Lexer = TextLexer()
     try:
@@ -112,7 +159,7 @@ class MarkdownRenderer:
     def render(self, text: str, palette: Palette, block_prefix: str = "") -> Rendered:
         r = self._renderer
         r.palette, r.blocks, r.prefix = palette, [], block_prefix
-        body = self._md.render(text)
+        body = self._md.render(mend_fences(text))
         return Rendered(_style(body, palette), tuple(r.blocks))
 
 

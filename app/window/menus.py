@@ -13,7 +13,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Qt, Signal, Slot
+from PySide6.QtCore import QObject, QSize, Qt, Signal, Slot
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.misc.ui_icons import icon
 from app.settings.preferences import Preferences
 from app.settings.remote_servers import RemoteServerList
 from app.window.dialogs import Dialogs
@@ -46,6 +47,23 @@ PRECISION_WORDS = {
 }
 if sys.platform == "darwin":  # int8 weights run on the Neural Engine: offered only where there is one
     PRECISION_WORDS["int8"] = "8-bit for the Neural Engine (int8)"
+
+
+TOOLBAR_ICONS = {  # action attribute -> icon (resources/icons/ui)
+    "sidebar_action": "sidebar",
+    "new_chat_action": "new-chat",
+    "regenerate_action": "regenerate",
+    "stop_action": "stop",
+    "inspector_action": "inspector",
+    "settings_action": "settings",
+}
+APPEARANCE_WORDS = {"system": "System", "light": "Light", "dark": "Dark"}
+
+
+def _spacer() -> QWidget:
+    spacer = QWidget()
+    spacer.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+    return spacer
 
 
 def shortcut_text(action: QAction) -> str:
@@ -68,6 +86,9 @@ class WindowMenus(QObject):
     conversation_chosen = Signal(str)  # an id from the Window menu
     tool_servers_changed = Signal()  # Settings changed the MCP servers (kept in the preferences)
     sampling_changed = Signal()  # Settings were accepted: the app's sampling may have changed
+    reply_json_toggled = Signal(bool)  # Chat ▸ Reply as JSON, for the open conversation (the window keeps it)
+    json_schema_requested = Signal()  # Chat ▸ JSON Schema…
+    appearance_chosen = Signal(str)  # View ▸ Appearance: "system", "light" or "dark" (kept in the preferences)
 
     def __init__(
         self,
@@ -148,11 +169,15 @@ class WindowMenus(QObject):
         self.conversation_sampling_action = self._action(
             "Sampling for This Conversation…", tip="Give this conversation its own sampling settings"
         )
-        self.reply_json_action = self._toggle("Reply as JSON", self._prefs.reply_as_json(), None)
-        self.reply_json_action.setToolTip("Replies are JSON matching a schema you give")
-        self.reply_json_action.toggled.connect(self._on_reply_json)
-        self.json_schema_action = self._action("JSON Schema…", tip="The schema replies follow when Reply as JSON is on")
-        self.json_schema_action.triggered.connect(self._on_json_schema)
+        self.reply_json_action = self._toggle("Reply as JSON", False, None)
+        self.reply_json_action.setToolTip("This conversation's replies are JSON matching a schema you give")
+        self.reply_json_action.triggered.connect(
+            lambda on: self.reply_json_toggled.emit(bool(on))
+        )  # the user's, not set_reply_json's
+        self.json_schema_action = self._action(
+            "JSON Schema…", tip="The schema this conversation's replies follow when Reply as JSON is on"
+        )
+        self.json_schema_action.triggered.connect(lambda: self.json_schema_requested.emit())
         self.quick_action = self._action("Quick Prompt…", [QKeySequence("Ctrl+Shift+K")])
         self.minimize_action = self._action("Minimize", [QKeySequence("Ctrl+M")])
         self.minimize_action.triggered.connect(self._host.showMinimized)
@@ -254,7 +279,11 @@ class WindowMenus(QObject):
             ],
         )
         bar.addMenu(self.model_menu)
-        self.view_menu = menu("&View", [self.sidebar_action, self.inspector_action, self.system_prompt_action])
+        self.appearance_menu = self._appearance_menu()
+        self.view_menu = menu(
+            "&View",
+            [self.sidebar_action, self.inspector_action, self.system_prompt_action, None, self.appearance_menu],
+        )
         self.window_menu = menu("&Window", [self.minimize_action, self.zoom_action, None, self.quick_action, None])
         self.window_menu.aboutToShow.connect(self._fill_window_menu)
         self._fill_window_menu()
@@ -263,23 +292,50 @@ class WindowMenus(QObject):
         tools = QToolBar("Chat")
         tools.setObjectName("chatToolbar")
         tools.setMovable(False)
-        tools.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
-        for a in (self.sidebar_action, self.new_chat_action, self.regenerate_action, self.stop_action):
+        # One bar of line icons (their names are the actions', for tooltips and screen readers), the model centred.
+        tools.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonIconOnly)
+        tools.setIconSize(QSize(20, 20))
+        for action, name in TOOLBAR_ICONS.items():
+            a = getattr(self, action)
+            a.setIcon(icon(name))
+            a.setIconVisibleInMenu(False)  # menus stay words, as on a Mac
+        for a in (self.sidebar_action, self.new_chat_action):
             tools.addAction(a)
-        spacer = QWidget()
-        spacer.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
-        tools.addWidget(spacer)
+        tools.addWidget(_spacer())
         self.model_button = QToolButton()
         self.model_button.setObjectName("modelButton")
         self.model_button.setText("Model: loading…")
         self.model_button.setMenu(self.model_menu)
         self.model_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self.model_button.setToolTip("Choose the model")
+        self.model_button.setAccessibleName("Model")
         tools.addWidget(self.model_button)
-        tools.addAction(self.inspector_action)
-        tools.addAction(self.settings_action)
+        tools.addWidget(_spacer())
+        for a in (self.regenerate_action, self.stop_action, self.inspector_action, self.settings_action):
+            tools.addAction(a)
         self.toolbar = tools
         self._host.addToolBar(tools)
+
+    def _appearance_menu(self) -> QMenu:
+        """System (follows the desktop's light or dark, where Qt can read it), Light or Dark."""
+        m = QMenu("Appearance", self._host)
+        group = QActionGroup(self._host)
+        self.appearance_actions: dict[str, QAction] = {}
+        for value, text in APPEARANCE_WORDS.items():
+            a = m.addAction(text)
+            a.setCheckable(True)
+            a.setChecked(value == self._prefs.appearance())
+            a.setData(value)
+            group.addAction(a)
+            self.appearance_actions[value] = a
+        group.triggered.connect(self._on_appearance)
+        return m
+
+    @Slot(QAction)
+    def _on_appearance(self, action: QAction) -> None:
+        value = str(action.data())
+        self._prefs.set_appearance(value)
+        self.appearance_chosen.emit(value)
 
     def _fill_model_menu(self) -> None:
         m = self.model_menu
@@ -288,7 +344,9 @@ class WindowMenus(QObject):
         default = m.addAction(f"Default Model ({DEFAULT_MODEL_NAME})", lambda: self.model_chosen.emit(None))
         default.setCheckable(True)
         default.setChecked(st.model_loaded and st.model_path is None and st.remote is None)
-        recent = self._prefs.recent_models()
+        downloaded = self._downloaded()
+        # A downloaded model is listed once, under Downloaded, even when it was also used recently.
+        recent = [p for p in self._prefs.recent_models() if p not in {path for _, path in downloaded}]
         if recent:
             m.addSection("Recent")
             for p in recent:
@@ -296,7 +354,6 @@ class WindowMenus(QObject):
                 a.setToolTip(str(p))
                 a.setCheckable(True)
                 a.setChecked(p == st.model_path and st.remote is None)
-        downloaded = self._downloaded()
         if downloaded:
             m.addSection("Downloaded")
             for name, path in downloaded:
@@ -401,22 +458,6 @@ class WindowMenus(QObject):
             if edited.tool_servers != self._prefs.tool_servers():
                 self._prefs.set_tool_servers(edited.tool_servers)
                 self.tool_servers_changed.emit()
-
-    @Slot(bool)
-    def _on_reply_json(self, on: bool) -> None:
-        """Turned on without a schema yet: ask for one (cancelled: it stays off)."""
-        if on and not self._prefs.reply_schema() and not self._on_json_schema():
-            self.reply_json_action.setChecked(False)
-            return
-        self._prefs.set_reply_as_json(on)
-
-    @Slot()
-    def _on_json_schema(self) -> bool:
-        schema = self._dialogs.edit_schema(self._prefs.reply_schema())
-        if schema is None:
-            return False
-        self._prefs.set_reply_schema(schema)
-        return True
 
     @Slot()
     def _on_undo(self) -> None:

@@ -1,10 +1,17 @@
-"""Render the app's main states to PNGs in this folder, under a real X server, at 1440×900, 900×700 and 1920×1080,
-in light and dark mode.
+"""Render the app's states to PNGs in this folder, under a real X server, at 1440×900 and 900×700, in light and
+dark mode.
 
     xvfb-run -a -s "-screen 0 1920x1080x24" python docs/screenshots/make_screenshots.py [--model DIR|FILE.gguf]
+        [--sizes 1440x900 ...] [--schemes light dark]
 
 Scratch settings and data (nothing of the user's is touched); the model really runs, so the states show real
-numbers. The whole screen is grabbed, so menus and popups appear as a user sees them.
+numbers, except the streaming code block, whose text is fed to the chat view as a reply would stream it (the default
+model rarely writes code). The whole screen is grabbed, so menus and popups appear as a user sees them.
+
+States: empty, chat, reading, inspector-details, conversation-sampling, model-menu, search, code-streaming, copied,
+json-on and json-off (one conversation replies as JSON, the other does not), handed-over (a second launch handed a
+.spark to the running app); once, at the first size: get-models (cards), -downloading, -downloaded and a chat with
+the downloaded model.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ def pump(ms: int) -> None:
     loop.exec()
 
 
-SIZES = ((1440, 900), (900, 700), (1920, 1080))
+SIZES = ((1440, 900), (900, 700))
 SCHEME = [Scheme.LIGHT]  # the one being shot
 
 
@@ -139,6 +146,74 @@ def states(window: MainWindow, size: tuple[int, int], first: bool) -> None:
     shoot(window, "search", size)
     window.sidebar.search.setText("")
 
+    extra_states(window, size)
+
+
+CODE_REPLY = (
+    "Here is a function that adds two numbers:\n\n```python\ndef add(a: int, b: int) -> int:\n"
+    '    """The sum of a and b."""\n    return a + b\n\n\nprint(add(2, 3))\n'
+)
+
+
+def extra_states(window: MainWindow, size: tuple[int, int]) -> None:
+    """Code streaming, Copy's answer, JSON on in one conversation and off in another, a second launch's file."""
+    from app.misc.single_instance import InstanceServer, hand_over, socket_path
+
+    chat = window.chat
+    window.menus.new_chat_action.trigger()
+    chat.add_user_message("Write a Python function that adds two numbers.")
+    chat.begin_reply()
+    for k in range(0, len(CODE_REPLY), 12):  # as a reply streams: pieces, renders between them
+        chat._last_render = 0.0 if k % 48 == 0 else chat._last_render
+        chat.append_reply(CODE_REPLY[k : k + 12])
+    shoot(window, "code-streaming", size)
+    chat.end_reply("", 1)
+
+    frames = chat.document().rootFrame().childFrames()
+    point = chat._frame_rect(frames[-1]).center().toPoint()
+    chat._hover(point)
+    chat.actions_bar.copy_button.click()
+    shoot(window, "copied", size)
+    chat.actions_bar.hide()
+
+    plain_id = window.sidebar.ids()[0]
+    window.menus.new_chat_action.trigger()
+    json_id = window.state.current_id
+    window.library.set_reply_schema(
+        window.state.current_id, '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
+    )
+    window.show_reply_json()
+    say(window, "Which city is the Eiffel Tower in?")
+    window.menus.model_menu.close()
+    shoot(window, "json-on", size)
+    window.open_conversation(plain_id)
+    wait_any({"restored": window.client.restored, "error": window.client.error}, WAIT_MS)
+    shoot(window, "json-off", size)
+
+    talk = Path(window.dirs.documents) / "from-a-friend.spark"
+    window.client.save(talk)
+    wait_any({"saved": window.client.saved, "error": window.client.error}, WAIT_MS)
+    window.menus.new_chat_action.trigger()
+    server = InstanceServer(socket_path(window.dirs.cache / f"shots-{size[0]}"))
+    server.listen()
+    from app.__main__ import bring_forward
+
+    server.files_requested.connect(lambda files: bring_forward(window, files))
+    took: list[bool] = []
+    import threading
+
+    threading.Thread(target=lambda: took.append(hand_over(server.path, [talk])), daemon=True).start()
+    wait_any({"restored": window.client.restored, "error": window.client.error}, WAIT_MS)
+    shoot(window, "handed-over", size)
+    server.close()
+    for _ in range(200):  # until the opened copy is stored in the history, so it can go again
+        if window.library.get(window.state.current_id) is not None:
+            break
+        pump(50)
+    for cid in (json_id, window.state.current_id):  # the next size starts from the same history
+        window.commands.delete(cid)
+    window.notice.hide()
+
 
 def get_models(window: MainWindow, size: tuple[int, int]) -> None:
     """Model ▸ Get Models… against the tests' loopback Hub serving the default model's GGUF as the catalog's
@@ -174,6 +249,8 @@ def get_models(window: MainWindow, size: tuple[int, int]) -> None:
         window.menus.new_chat_action.trigger()
         say(window, "What is the capital of France?")
         shoot(window, "downloaded-model-chat", size)
+        window.commands.delete(window.state.current_id)  # the other sizes' history stays as the first one's
+        window.notice.hide()
     finally:
         hub.stop()
         os.environ.pop("HF_ENDPOINT", None)
@@ -182,18 +259,22 @@ def get_models(window: MainWindow, size: tuple[int, int]) -> None:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", type=Path, default=None, help="default: the default model")
+    p.add_argument("--sizes", nargs="*", default=[f"{w}x{h}" for w, h in SIZES], help="e.g. 1440x900")
+    p.add_argument("--schemes", nargs="*", default=["light", "dark"], choices=["light", "dark"])
+    p.add_argument("--no-get-models", action="store_true", help="leave out the Get Models… states")
     args = p.parse_args()
+    sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes]
     os.environ.setdefault("QT_QPA_PLATFORM", "xcb")
     app = SparkApplication([sys.argv[0]])
     with tempfile.TemporaryDirectory(prefix="spark-shots-") as tmp:
         first = True
-        for scheme in (Scheme.LIGHT, Scheme.DARK):
+        for scheme in (Scheme(s) for s in args.schemes):
             app.set_scheme(scheme)
             SCHEME[0] = scheme
-            for size in SIZES:
+            for size in sizes:  # type: ignore[assignment]
                 window = build(args.model, Path(tmp), size)
                 states(window, size, first=first)
-                if first:
+                if first and not args.no_get_models:
                     get_models(window, size)
                 first = False
                 window.shutdown()

@@ -266,3 +266,28 @@ def test_rows_say_when_in_relative_words_and_repeated_questions_read_apart(tmp_p
         library.record(cid, [("user", "What is the capital of France?"), ("assistant", reply)], "m")
     assert library.get(first).title == "What is the capital of France?"
     assert library.get(second).title.startswith("What is the capital of France? — The capital of")
+
+
+def test_opening_a_file_already_in_the_history_selects_it(
+    qtbot, window: MainWindow, gui, dialogs: ScriptedDialogs, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    say(qtbot, gui, window, "Keep me once")
+    talk = tmp_path / "once.spark"
+    dialogs.save_to = talk
+    with qtbot.waitSignal(gui(window.client.saved), timeout=WAIT_MS):
+        window.menus.save_action.trigger()
+    first = window.state.current_id
+    window.commands.new_chat()
+    with qtbot.waitSignal(gui(window.client.restored), timeout=WAIT_MS):
+        window.open_file(talk)  # opened from the file manager: a new conversation from the file
+    copy = window.state.current_id
+    qtbot.waitUntil(lambda: len(window.library.entries()) == 2)  # stored into the history
+    assert copy != first and window.library.get(copy).origin
+    window.commands.new_chat()
+    with qtbot.waitSignal(gui(window.client.restored), timeout=WAIT_MS):
+        window.open_file(talk)  # again: the conversation it became is selected, not a third copy
+    assert window.state.current_id == copy and len(window.library.entries()) == 2
+    window.commands.new_chat()
+    with qtbot.waitSignal(gui(window.client.restored), timeout=WAIT_MS):
+        window.open_file(window.library.path_for(first))  # one of the history's own files: that conversation
+    assert window.state.current_id == first and len(window.library.entries()) == 2

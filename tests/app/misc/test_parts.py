@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt
-from PySide6.QtWidgets import QDialogButtonBox
+from PySide6.QtWidgets import QDialogButtonBox, QLabel
 
 from app.misc.coalescer import TextCoalescer
 from app.misc.icons import app_icon, draw_app_icon, tray_icon
+from app.misc.words import counted
+from app.settings.conversation_sampling import ConversationSamplingDialog
 from app.settings.preferences import Preferences
+from app.settings.sampling_choice import SamplingChoice
 from app.settings.settings_dialog import SettingsDialog
 from app.worker.client import ConversationClient
 from engine.generation.loop import GenerationSettings
@@ -17,6 +20,7 @@ from engine.generation.sampling import SamplingSettings
 from engine.generation.speculative import Speculation
 from engine.hw import DecisionKind, HardwarePolicy, PolicyDecision, SystemMemorySource, ThermalState
 from tests.helpers.app_window import ScriptedThermal
+from tests.helpers.sampling import model_sampling
 
 
 def test_coalescer_repaints_at_most_once_per_frame(qtbot) -> None:  # type: ignore[no-untyped-def]
@@ -87,3 +91,33 @@ def test_a_shut_down_worker_no_longer_hears_the_policy(qtbot, tmp_path: Path) ->
     thermal.change(ThermalState.CRITICAL)
     policy.refresh()  # a pause is decided; the worker that was shut down is no longer told
     assert heard == before
+
+
+def test_settings_show_their_wrapped_text_whole_at_the_default_size(qtbot) -> None:  # type: ignore[no-untyped-def]
+    d = SettingsDialog(
+        GenerationSettings(), model_defaults=model_sampling("generation_config", "catalog", "loop_guard")
+    )
+    qtbot.addWidget(d)
+    d.show()
+    qtbot.waitExposed(d)
+    wrapped = [w for w in d.findChildren(QLabel) if w.wordWrap() and w.isVisible() and w.text()]
+    assert wrapped
+    for label in wrapped:
+        assert label.height() >= label.heightForWidth(label.width()), label.text()
+
+
+def test_the_conversation_sampling_sheet_starts_from_the_values_in_use(qtbot) -> None:  # type: ignore[no-untyped-def]
+    model = model_sampling("generation_config")
+    d = ConversationSamplingDialog(None, SamplingChoice(True, SamplingSettings()), model)
+    qtbot.addWidget(d)
+    d.custom.setChecked(True)  # "Use these settings": from the model's top-p 0.9 and penalty 1.1, not 1.0
+    assert d.form.top_p.value() == 0.9 and d.form.repetition.value() == 1.1
+    own = SamplingSettings(top_p=0.5)
+    d2 = ConversationSamplingDialog(SamplingChoice(False, own), SamplingChoice(True, SamplingSettings()), model)
+    qtbot.addWidget(d2)
+    assert d2.form.top_p.value() == 0.5  # a conversation's own values stay its own
+
+
+def test_counted_nouns() -> None:
+    assert counted(1, "message") == "1 message" and counted(2, "message") == "2 messages"
+    assert counted(1, "repository", "repositories") == "1 repository" and counted(0, "turn") == "0 turns"

@@ -4,12 +4,14 @@ the window and appears in its model menu."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from PySide6.QtCore import Qt, SignalInstance
+from PySide6.QtWidgets import QLabel
 
 from app.misc.signal_wait import GuiRelay
 from app.models.dialog import FIT_WORDS, GetModelsDialog
@@ -19,7 +21,7 @@ from engine.library.catalog import load_catalog
 from engine.library.hub import HubClient, HubSettings
 from engine.library.library import Library
 from engine.library.recommend import Fit, Machine
-from engine.library.store import ModelStore
+from engine.library.store import DOWNLOADS, ModelStore
 from tests.helpers.app_window import WAIT_MS, dispose
 from tests.helpers.fake_hub import FakeHub, running_hub
 from tests.helpers.gguf_files import write_gguf
@@ -72,13 +74,16 @@ def download(qtbot, d: GetModelsDialog, start: object) -> None:  # type: ignore[
 
 
 def test_recommendations_mark_what_fits_and_the_best_pick(dialog: GetModelsDialog) -> None:
-    table = dialog.recommended
-    rows = {table.item(i, 0).text(): table.item(i, 5).text() for i in range(table.rowCount())}
+    cards = dialog.recommended
+    rows = {cards.card(i).name_label.text(): cards.card(i).fit_words for i in range(cards.count())}
     assert len(rows) == sum(not m.bundled for m in load_catalog().models)
-    assert rows["Qwen3 8B"] == "★ Best pick · " + FIT_WORDS[Fit.RUNS_WELL]  # a 16 GB Mac with its GPU
+    assert rows["Qwen3 8B"] == "★ Best pick · " + FIT_WORDS[Fit.RUNS_WELL]  # 16 GB with a graphics processor
     assert sum(text.startswith("★") for text in rows.values()) == 1
-    assert table.selectionModel().selectedRows()[0].row() == list(rows).index("Qwen3 8B")
+    assert cards.currentRow() == list(rows).index("Qwen3 8B") and cards.card(cards.currentRow()).property("selected")
     assert dialog.get_button.isEnabled()
+    badges = [b.text() for b in cards.card(cards.currentRow()).findChildren(QLabel, "badge")]
+    assert "Thinks" in badges and any("tokens/s here" in b for b in badges)  # Qwen3 reasons first; its speed here
+    assert all(cards.card(i).accessibleName() for i in range(cards.count()))
 
 
 def test_search_download_reveal_delete(qtbot, dialog: GetModelsDialog) -> None:  # type: ignore[no-untyped-def]
@@ -87,6 +92,7 @@ def test_search_download_reveal_delete(qtbot, dialog: GetModelsDialog) -> None: 
     with qtbot.waitSignal(on_gui(dialog, dialog.tasks.search_done), timeout=WAIT_MS):
         dialog.search_button.click()
     assert dialog.repos.count() == 1
+    assert dialog.search_status.text().startswith("1 GGUF repository matches ")  # one, not "1 … repos"
     with qtbot.waitSignal(on_gui(dialog, dialog.tasks.files_ready), timeout=WAIT_MS):
         dialog.repos.setCurrentRow(0)
     assert dialog.files.rowCount() == 1 and dialog.files.item(0, 0).text() == FILE
@@ -134,6 +140,40 @@ def test_pause_resume_and_cancel(qtbot, dialog: GetModelsDialog, hub: FakeHub) -
     assert cancelled.args[0][2] == "cancelled" and "nothing was kept" in dialog.status.text()
     assert dialog.tasks.library.store.partials() == [] and len(dialog.tasks.library.store.models()) == 1
     assert busy_when_told == [False, False, False]  # paused, downloaded, cancelled
+
+
+def test_cancel_while_paused_discards_what_was_kept(qtbot, dialog: GetModelsDialog, hub: FakeHub) -> None:  # type: ignore[no-untyped-def]
+    hub.repos[REPO].files[FILE].hold_after = 50_000
+    stopped = on_gui(dialog, dialog.tasks.stopped)
+    kept = dialog.tasks.library.store.root / DOWNLOADS
+    dialog.start_download(REPO, FILE)
+    qtbot.waitUntil(lambda: any(kept.glob("*.part")), timeout=WAIT_MS)  # the partial file is begun
+    with qtbot.waitSignal(stopped, timeout=WAIT_MS):
+        dialog.pause_button.click()
+    assert any(kept.glob("*.part")) and dialog.cancel_button.isEnabled()  # not greyed out while paused
+    with qtbot.waitSignal(stopped, timeout=WAIT_MS) as cancelled:
+        dialog.cancel_button.click()
+    assert cancelled.args[0][2] == "cancelled" and "nothing was kept" in dialog.status.text()
+    assert not any(kept.iterdir()) and not dialog.pause_button.isVisible()
+    hub.release()
+
+
+def test_offline_search_fails_at_once_in_one_sentence(qtbot, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as s:  # a port nobody listens on: the Hub is unreachable
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = HubSettings(endpoint=f"http://127.0.0.1:{port}", token=None, offline=False)
+    library = Library(ModelStore(tmp_path / "models"), HubClient(settings), load_catalog(), free_space=free_space)
+    asked: list[str] = []
+    library.hub.search = lambda query, limit=20: asked.append(query) or []  # type: ignore[method-assign]
+    d = GetModelsDialog(LibraryTasks(library), Machine(16 << 30, ("cpu",)), confirm=lambda _w, _n: True)
+    qtbot.addWidget(d)
+    d.query.setText("qwen")
+    with qtbot.waitSignal(on_gui(d, d.tasks.failed), timeout=WAIT_MS):
+        d.search_button.click()
+    assert asked == []  # the Hub client (and its retries) was never asked
+    text = d.search_status.text()
+    assert text.startswith("Cannot reach the Hugging Face Hub") and "\n" not in text and d.search_button.isEnabled()
 
 
 def test_a_failure_is_one_sentence_in_the_dialog(qtbot, dialog: GetModelsDialog, hub: FakeHub) -> None:  # type: ignore[no-untyped-def]

@@ -108,11 +108,13 @@ def test_the_sheet_offers_the_apps_setting_the_models_defaults_or_its_own(qtbot)
     assert d.form.temperature.value() == 0.2 and not d.form.temperature.isEnabled() and d.form.seed.isEnabled()
     assert d.edit().choice == SamplingChoice(True, SamplingSettings())
     d.custom.setChecked(True)
-    assert d.form.temperature.isEnabled() and d.form.temperature.value() == 0.7  # its own values, to edit
+    # Its own values, to edit, starting from those in use (the model's), not the generic ones.
+    assert d.form.temperature.isEnabled() and d.form.temperature.value() == 0.2 and d.form.top_p.value() == 0.9
     d.form.temperature.setValue(0.4)
     d.model.setChecked(True)  # back and forth: the edit is kept
     d.custom.setChecked(True)
-    assert d.edit().choice == SamplingChoice(False, replace(SamplingSettings(), temperature=0.4))
+    in_use = resolve(app, None, MODEL).sampling
+    assert d.edit().choice == SamplingChoice(False, replace(in_use, temperature=0.4))
     reopened = ConversationSamplingDialog(SamplingChoice(False, MINE), app, MODEL)
     qtbot.addWidget(reopened)
     assert reopened.custom.isChecked() and reopened.form.temperature.value() == 0.5 and reopened.form.top_k.value() == 7

@@ -9,7 +9,9 @@ import json
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication, QTextCharFormat
 
+from app.window import chat_view, message_actions
 from app.window.chat_view import ChatView
+from app.window.markdown import MarkdownRenderer, Palette
 from app.window.tool_cards import Card, segments
 from app.worker.tool_turns import TOOL_ROLE, ToolStatus, response_block
 from app.worker.types import MessageView
@@ -174,3 +176,93 @@ def test_a_call_waiting_for_consent_and_a_call_that_is_not_one() -> None:
     assert parts[0] == Card("demo__add", '{\n  "a": 1,\n  "b": 2\n}')  # no result yet: waiting
     assert parts[1:] == ["\n<tool_call>\nnot json\n</tool_call>"]  # left as the model wrote it
     assert segments('<tool_call>\n{"na') == [Card("", "")]  # still being written
+
+
+def _link_texts(view: ChatView, href: str) -> list[str]:
+    out = []
+    block = view.document().begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            f = it.fragment()
+            if f.charFormat().isAnchor() and f.charFormat().anchorHref() == href:
+                out.append(f.text())
+            it += 1
+        block = block.next()
+    return out
+
+
+def test_copy_says_copied_where_it_was_clicked_then_copy_again(qtbot, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(chat_view, "COPIED_MS", 10)
+    monkeypatch.setattr(message_actions, "COPIED_MS", 10)
+    view = _view(qtbot)
+    view.set_messages([MessageView("user", "Show me"), MessageView("assistant", "Sure:\n\n```sh\necho hi\n```\n")])
+    bar = view.actions_bar
+    view.anchorClicked.emit(QUrl("copy:1"))
+    assert QGuiApplication.clipboard().text().startswith("Sure:")
+    assert bar.copied_shown() and bar.copy_button.toolTip() == "Copied"  # the icon's name says it
+    qtbot.waitUntil(lambda: not bar.copied_shown())
+    view.anchorClicked.emit(QUrl("copycode:1.0"))
+    assert QGuiApplication.clipboard().text() == "echo hi" and _link_texts(view, "copycode:1.0") == [chat_view.COPIED]
+    qtbot.waitUntil(lambda: _link_texts(view, "copycode:1.0") == ["Copy"])
+
+
+def test_a_messages_actions_show_as_icons_under_the_pointer(qtbot) -> None:  # type: ignore[no-untyped-def]
+    view = _view(qtbot)
+    view.set_messages([MessageView("user", "Hello there"), MessageView("assistant", "Hi! How can I help?")])
+    assert "Copy" not in view.toPlainText() and "You" not in view.toPlainText()  # no header of words
+    frames = view.document().rootFrame().childFrames()
+    user, reply = (view._frame_rect(f) for f in frames)
+    assert user.left() > reply.left() and user.width() < reply.width()  # a bubble on the right, as wide as its text
+    view._hover(reply.center().toPoint())
+    bar = view.actions_bar
+    assert bar.isVisible() and bar.index == 1 and bar.regenerate_button.isVisibleTo(bar)  # the last reply
+    names = [b.accessibleName() for b in (bar.copy_button, bar.branch_button, bar.regenerate_button)]
+    assert all(names) and names[0] == "Copy message"
+    asked: list[int] = []
+    view.branch_requested.connect(asked.append)
+    bar.branch_button.click()
+    assert asked == [1]
+    view._hover(user.center().toPoint())
+    assert bar.index == 0 and not bar.regenerate_button.isVisibleTo(bar)
+    view.begin_reply()  # a reply still coming offers nothing yet
+    assert not view.message_actions_for(2) and view.message_actions_for(1)
+
+
+def test_a_streaming_code_blocks_last_line_stays_inside_the_block(qtbot) -> None:  # type: ignore[no-untyped-def]
+    view = _view(qtbot)
+    view.add_user_message("Code please")
+    view.begin_reply()
+    view._last_render = 0.0  # this piece renders as Markdown at once
+    view.append_reply("Here:\n\n```python\nprint(1)\n")
+    view.append_reply("print(2)")  # between two renders
+    body = view.toPlainText().split("Here:", 1)[1]
+    assert "print(2)" not in body  # not as plain text under the block: it shows with the next render
+    view._last_render = 0.0
+    view.append_reply("\n")
+    assert view.code_block("1.0") == "print(1)\nprint(2)"
+
+
+def test_a_stray_closing_fence_closes_the_code_before_it() -> None:
+    palette = Palette("#000000", "#666666", "#0000ff", "#eeeeee", "#cccccc", False)
+    r = MarkdownRenderer()
+    code = r.render("Here you go:\n\ndef add(a, b):\n    return a + b\n```\n", palette)
+    assert code.code_blocks == ("def add(a, b):\n    return a + b",)  # its lines kept, and no empty block after
+    assert r.render("Hello\n```", palette).code_blocks == ()
+    assert r.render("```py\nx = 1\n```\nok", palette).code_blocks == ("x = 1",)
+    assert r.render("```py\nx = 1", palette).code_blocks == ("x = 1",)  # still streaming: open to the end
+
+
+def test_a_greeting_without_examples_offers_none(qtbot) -> None:  # type: ignore[no-untyped-def]
+    view = _view(qtbot)
+    view.set_greeting("Loading the default model…", ())
+    assert "Loading the default model" in view.toPlainText() and "try one of these" not in view.toPlainText()
+
+
+def test_the_context_menu_offers_a_messages_actions(qtbot) -> None:  # type: ignore[no-untyped-def]
+    view = _view(qtbot)
+    view.set_messages([MessageView("user", "Hello there"), MessageView("assistant", "Hi! How can I help?")])
+    user, reply = (view._frame_rect(f).center().toPoint() for f in view.document().rootFrame().childFrames())
+    texts = [a.text() for a in view.context_menu(reply).actions()]
+    assert texts[-3:] == ["Copy Message", "Branch From Here", "Regenerate"]  # for the keyboard's menu key too
+    assert [a.text() for a in view.context_menu(user).actions()][-2:] == ["Copy Message", "Branch From Here"]

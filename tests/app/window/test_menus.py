@@ -1,12 +1,15 @@
-"""Keyboard shortcuts reach their actions (Ctrl is ⌘ on macOS)."""
+"""Keyboard shortcuts reach their actions (Ctrl is ⌘ on macOS); the Model menu lists a model once; View ▸
+Appearance chooses light, dark or the system's."""
 
 from __future__ import annotations
 
 import pytest
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QKeySequence
+from PySide6.QtGui import QKeySequence, QPalette
 from PySide6.QtWidgets import QApplication
 
+from app.application import SparkApplication
+from app.misc import theme
 from app.window.main_window import MainWindow
 from tests.helpers.app_window import WAIT_MS, ScriptedDialogs
 
@@ -97,3 +100,30 @@ def test_window_menu_lists_conversations_by_title_and_esc_clears_search(qtbot, w
     # Edit has the text commands, and the conversation's own Undo apart from them.
     edit = [a.text() for a in window.menus.edit_menu.actions() if a.text()]
     assert edit[:6] == ["Undo", "Redo", "Cut", "Copy", "Paste", "Select All"]
+
+
+def test_a_downloaded_model_used_recently_is_listed_once(window: MainWindow, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "SmolLM2-135M-Instruct-Q8_0.gguf"
+    window.menus._downloaded = lambda: [("SmolLM2 135M Instruct Q8_0", path)]
+    window.prefs.set_last_model(path)  # recent too
+    window.state.model_path = path
+    window.menus._fill_model_menu()
+    listed = [a for a in window.menus.model_menu.actions() if a.toolTip() == str(path)]
+    assert len(listed) == 1 and listed[0].isChecked()
+
+
+def test_appearance_light_dark_or_the_systems(qtbot, window: MainWindow, prefs) -> None:  # type: ignore[no-untyped-def]
+    app = QApplication.instance()
+    assert isinstance(app, SparkApplication) and prefs.appearance() == "system"
+    try:
+        window.menus.appearance_actions["dark"].trigger()
+        assert prefs.appearance() == "dark" and app.scheme is theme.Scheme.DARK
+        assert app.palette().color(QPalette.ColorRole.Base).name() == theme.DARK.base
+        window.menus.appearance_actions["light"].trigger()
+        assert (
+            app.scheme is theme.Scheme.LIGHT and app.palette().color(QPalette.ColorRole.Base).name() == theme.LIGHT.base
+        )
+    finally:
+        window.menus.appearance_actions["system"].trigger()
+    assert prefs.appearance() == "system" and app.scheme is theme.system_scheme()
+    assert "Appearance" in [a.text() for a in window.menus.view_menu.actions()]

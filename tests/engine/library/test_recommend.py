@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.library.catalog import load_catalog
-from engine.library.recommend import Fit, Machine, recommend
+from engine.library.recommend import Fit, Machine, Measured, recommend
 
 GB = 1 << 30
 
@@ -39,3 +39,21 @@ def test_a_small_machine_gets_smaller_files_or_nothing() -> None:
     assert sum(pick for _, pick, _ in rows.values()) == 1
     nothing = _by_id(Machine(3 * GB, ("cpu",)))
     assert all(fit is Fit.TOO_BIG and not pick for fit, pick, _ in nothing.values())
+
+
+def test_a_two_core_cpu_is_not_told_to_fetch_what_it_cannot_run_at_a_chatting_pace() -> None:
+    machine = Machine(16 * GB, ("cpu",), threads=1)  # 2 cores: 1 decoding thread (one is left to the window)
+    rows = _by_id(machine)
+    assert rows["qwen3-8b"][0] is Fit.SLOW and not rows["qwen3-4b"][1]  # memory alone said "fits" and "best pick"
+    pick = next(r for r in recommend(load_catalog(), machine) if r.first_pick)
+    assert pick.fit is Fit.RUNS_WELL and pick.tokens_per_s >= 10
+    assert machine.processors == "1 CPU thread"
+
+
+def test_the_loaded_models_measured_speed_is_this_computers() -> None:
+    fast = Machine(16 * GB, ("cpu",), threads=1, measured=Measured(800 << 20, 40.0))  # 32 GB/s read
+    slow = Machine(16 * GB, ("cpu",), threads=15, measured=Measured(800 << 20, 2.0))  # many cores, measured slow
+    assert _by_id(fast)["qwen3-8b"][0] is Fit.FITS and _by_id(slow)["qwen3-8b"][0] is Fit.SLOW
+    tiny = Machine(16 * GB, ("cpu",), threads=1, measured=Measured(100 << 20, 60.0))  # overhead-bound: not used
+    assert tiny.bytes_per_s == Machine(16 * GB, ("cpu",), threads=1).bytes_per_s
+    assert "graphics processor" in Machine(16 * GB, ("mps", "cpu"), threads=8).processors
