@@ -56,8 +56,14 @@ DEFAULT_MAX_TOKENS = 128
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     # None = not given: the model's own defaults decide (its GGUF keys, generation_config.json, the catalog).
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--greedy", action="store_true", default=None, help="always take the most likely token")
-    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument(
+        "--greedy",
+        action="store_true",
+        default=None,
+        help="always take the most likely token: no repetition penalty either (the model's default one included) "
+        "unless --repetition-penalty is given too; --temperature 0 means the same",
+    )
+    p.add_argument("--temperature", type=float, default=None, help="0: greedy (see --greedy)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)
@@ -84,6 +90,10 @@ def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationS
     given = {k: getattr(args, k) for k in (*SAMPLING_FLAGS, "greedy") if getattr(args, k) is not None}
     if any(k in given for k in ("temperature", "top_p", "top_k", "min_p")) and "greedy" not in given:
         given["greedy"] = False  # asking for sampling parameters means sampling, whatever the model's default
+    if (given.get("greedy") or given.get("temperature") == 0.0) and "repetition_penalty" not in given:
+        # Greedy asked for means the argmax of the model's own logits (transformers' and llama.cpp's greedy): a
+        # model's default penalty (the loop guard of small models) would change the tokens behind the user's back.
+        given["repetition_penalty"] = 1.0
     model = model_sampling(model_dir)
     v = {**vars(model), "max_tokens": model.max_tokens or DEFAULT_MAX_TOKENS, **given}
     check_max_tokens(v["max_tokens"])

@@ -3,8 +3,8 @@ written for Ollama (its own Python and JavaScript libraries, editors that speak 
 
 Read: `model`, `messages` (role and content; images are refused), `stream` (Ollama's default: true), `format`
 ("json", or a JSON schema: constrained as `response_format` is), and of `options` `temperature`, `num_predict`
-(-1 or -2: the server's default budget), `top_p`, `seed`, `stop`; other options are ignored, as Ollama ignores the
-ones a model does not use. The reply is one JSON object, or newline-delimited JSON chunks (`message.content`
+(-1 or -2: the server's default budget), `top_p`, `seed`, `stop`, `repeat_penalty` (none unless sent); other
+options are ignored, as Ollama ignores the ones a model does not use. The reply is one JSON object, or newline-delimited JSON chunks (`message.content`
 pieces, then a last chunk with `done: true`, `done_reason` and the token counts). A failure is Ollama's
 `{"error": message}` with its status.
 """
@@ -18,7 +18,14 @@ from engine.generation.batch import Completion
 from engine.openai import protocol
 from engine.openai.errors import bad_request
 
-OPTIONS = {"temperature": "temperature", "num_predict": "max_tokens", "top_p": "top_p", "seed": "seed", "stop": "stop"}
+OPTIONS = {
+    "temperature": "temperature",
+    "num_predict": "max_tokens",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+    "repeat_penalty": "repetition_penalty",
+}
 
 
 def openai_body(body: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 from engine.generation.batch import Completion
 from engine.generation.beam import MAX_BEAMS, BeamSettings, EarlyStopping
 from engine.generation.loop import FinishReason, GenerationSettings
-from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
+from engine.generation.sampling import MAX_PENALTY, MIN_PENALTY, InvalidSamplingSettings, SamplingSettings
 from engine.generation.speculative import Speculation
 from engine.openai.errors import bad_request
 from engine.openai.tools import ToolCall, ToolSpec, parse_response_format, parse_tools, tool_grammar
@@ -226,7 +226,11 @@ def _common(body: dict[str, Any], limits: Limits) -> tuple[str, GenerationSettin
         if _num(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise bad_request(f"'{name}' other than 0 is not supported by this server.", name)
     _logit_bias(body)
-    sampling = SamplingSettings(temperature=temperature, top_p=top_p, seed=seed, greedy=temperature == 0.0)
+    # vLLM's extension; none unless the request sends one, so temperature 0 is the argmax of the model's logits.
+    penalty = _num(body, "repetition_penalty", 1.0, MIN_PENALTY, MAX_PENALTY)
+    sampling = SamplingSettings(
+        temperature=temperature, top_p=top_p, seed=seed, greedy=temperature == 0.0, repetition_penalty=penalty
+    )
     try:
         sampling.validate()  # the one check the CLI, the app and sessions share (denormal temperatures...)
     except InvalidSamplingSettings as exc:

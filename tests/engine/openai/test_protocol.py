@@ -176,3 +176,16 @@ def test_structured_fields_reach_the_request() -> None:
     assert r.messages is not None and r.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert r.messages[2] == {"role": "tool", "content": "18 C", "tool_call_id": "c1"}
     assert parse_completion({"model": "m", "prompt": "x", "logprobs": 5, "n": 2}, LIMITS).settings.top_logprobs == 5
+
+
+def test_temperature_zero_is_the_argmax_with_no_penalty_unless_the_request_sets_one() -> None:
+    from engine.openai import ollama
+
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    s = parse_chat(base, LIMITS).settings.sampling
+    assert s.is_greedy and s.repetition_penalty == 1.0
+    assert parse_chat({**base, "repetition_penalty": 1.2}, LIMITS).settings.sampling.repetition_penalty == 1.2
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "options": {"repeat_penalty": 1.3}}
+    assert ollama.parse_chat(body, LIMITS).settings.sampling.repetition_penalty == 1.3
+    with pytest.raises(ApiError):
+        parse_chat({**base, "repetition_penalty": 0}, LIMITS)
