@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.backends.torch_backend import TorchBackend
 from engine.generation.loop import GenerationSettings, Reply
 from engine.generation.reasoning import (
     ReasoningFormat,
@@ -21,7 +22,6 @@ from engine.generation.reasoning import (
 )
 from engine.generation.sampling import SamplingSettings
 from engine.loading.tokenizer import Tokenizer
-from engine.backends.torch_backend import TorchBackend
 
 
 @pytest.mark.parametrize(
