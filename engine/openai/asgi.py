@@ -230,13 +230,13 @@ class Api:
         if gone.is_set():
             raise client_gone()
         c = self.finish(jobs[0])
-        return JSONResponse(ollama.final(req.model, c, c.text, time.perf_counter_ns() - t0))
+        return JSONResponse(ollama.final(req.model, c, c.text, time.perf_counter_ns() - t0, c.reasoning))
 
     async def ollama_lines(self, job: Job, model: str, t0: int) -> AsyncGenerator[str, None]:
         async with contextlib.aclosing(job.events()) as events:
             async for ev in events:
-                if ev.text:
-                    yield json.dumps(ollama.chunk(model, ev.text), ensure_ascii=False) + "\n"
+                if ev.text or ev.reasoning:
+                    yield json.dumps(ollama.chunk(model, ev.text, ev.reasoning), ensure_ascii=False) + "\n"
         try:
             c = self.finish(job)
         except ApiError as err:  # the status line is gone already: the error travels as a line
@@ -341,6 +341,8 @@ class Api:
                     text, new = reader.push(ev.text)
                     if ev.finish_reason is not None:
                         text += reader.flush()
+                if chat and ev.reasoning:  # the think block, apart from the answer (llama.cpp's and vLLM's delta)
+                    yield sse(protocol.chat_chunk(rid, model, created, {"reasoning_content": ev.reasoning}, index=i))
                 if text or lp is not None:
                     offsets[i] += len(text)
                     yield sse(

@@ -1,12 +1,13 @@
 """Ollama's `POST /api/chat` over the same service: a thin translation to and from the OpenAI request, so clients
 written for Ollama (its own Python and JavaScript libraries, editors that speak only Ollama) get replies here.
 
-Read: `model`, `messages` (role and content; images are refused), `stream` (Ollama's default: true), `format`
-("json", or a JSON schema: constrained as `response_format` is), and of `options` `temperature`, `num_predict`
-(-1 or -2: the server's default budget), `top_p`, `seed`, `stop`, `repeat_penalty` (none unless sent); other
-options are ignored, as Ollama ignores the ones a model does not use. The reply is one JSON object, or newline-delimited JSON chunks (`message.content`
-pieces, then a last chunk with `done: true`, `done_reason` and the token counts). A failure is Ollama's
-`{"error": message}` with its status.
+Read: `model`, `messages` (role, content and an assistant's `thinking`; images are refused), `think` (the model's
+thinking on or off; Ollama's "low"/"medium"/"high" mean on), `stream` (Ollama's default: true), `format` ("json",
+or a JSON schema: constrained as `response_format` is), and of `options` `temperature`, `num_predict` (-1 or -2:
+the server's default budget), `top_p`, `seed`, `stop`, `repeat_penalty` (none unless sent); other options are
+ignored, as Ollama ignores the ones a model does not use. The reply is one JSON object, or newline-delimited JSON
+chunks (`message.content` pieces and `message.thinking` ones, then a last chunk with `done: true`, `done_reason`
+and the token counts). A failure is Ollama's `{"error": message}` with its status.
 """
 
 from __future__ import annotations
@@ -41,9 +42,15 @@ def openai_body(body: Any) -> dict[str, Any]:
             raise bad_request(f"messages[{i}] must be an object with 'role' and 'content'.", f"messages[{i}]")
         if m.get("images"):
             raise bad_request(f"messages[{i}] has images; this model reads text only.", f"messages[{i}].images")
-        out.append({"role": m.get("role"), "content": m.get("content", "")})
+        msg = {"role": m.get("role"), "content": m.get("content", "")}
+        if m.get("role") == "assistant" and m.get("thinking") is not None:  # an earlier turn's thinking
+            msg["reasoning_content"] = m["thinking"]
+        out.append(msg)
     stream = body.get("stream", True)  # Ollama streams unless told not to
     request: dict[str, Any] = {"model": body.get("model"), "messages": out, "stream": stream}
+    if body.get("think") is not None:  # Ollama's switch: true/false (its "low"/"medium"/"high" mean on)
+        think = body["think"]
+        request["think"] = True if think in ("low", "medium", "high") else think
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise bad_request("'options' must be an object.", "options")
@@ -70,18 +77,26 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
-def chunk(model: str, text: str) -> dict[str, Any]:
+def message(text: str, thinking: str = "") -> dict[str, Any]:
+    """The reply's message: its answer, and its reasoning as Ollama's `thinking` when it thought."""
+    out = {"role": "assistant", "content": text}
+    if thinking:
+        out["thinking"] = thinking
+    return out
+
+
+def chunk(model: str, text: str, thinking: str = "") -> dict[str, Any]:
     """One streamed piece of the reply."""
-    return {"model": model, "created_at": _now(), "message": {"role": "assistant", "content": text}, "done": False}
+    return {"model": model, "created_at": _now(), "message": message(text, thinking), "done": False}
 
 
-def final(model: str, c: Completion, text: str, total_ns: int) -> dict[str, Any]:
+def final(model: str, c: Completion, text: str, total_ns: int, thinking: str = "") -> dict[str, Any]:
     """The last chunk of a stream (`text` ""), or the whole reply: the reason it ended and the counts."""
     decode_ns = int((len(c.tokens) - 1) / c.tokens_per_s * 1e9) if c.tokens_per_s > 0 and len(c.tokens) > 1 else 0
     return {
         "model": model,
         "created_at": _now(),
-        "message": {"role": "assistant", "content": text},
+        "message": message(text, thinking),
         "done": True,
         "done_reason": protocol.finish_reason(c.finish_reason),
         "total_duration": total_ns,

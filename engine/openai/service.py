@@ -25,6 +25,7 @@ from engine.backends.base import Backend
 from engine.errors import InputTooLarge, InsufficientMemory, SparkError
 from engine.generation.batch import Completion, RowMemoryFactory
 from engine.generation.loop import GenerationEvent, GenerationSettings
+from engine.generation.reasoning import ReasoningFormat, history, opens_in_prompt, reasoning_style, switched
 from engine.generation.scheduler import QueueFull, Request, Scheduler, SchedulerClosed, SchedulerConfig
 from engine.generation.speculative import Drafter, DraftModel, Speculation
 from engine.hw.memory import allocatable_bytes, format_bytes
@@ -193,6 +194,7 @@ class ModelService:
         self.config = config
         self.draft = draft
         self.tokenizer = tokenizer
+        self.reasoning = reasoning_style(tokenizer.chat_template)  # does the model think, and how it is switched
         self.memories: list[Memory] = []
         try:
             probe = memory_factory(backend, 0)  # a cascade sizes the slot table itself (batch 1); read its size off it
@@ -246,13 +248,22 @@ class ModelService:
 
     # -- requests ----------------------------------------------------------------------------------------------
     def prompt_ids(self, req: ParsedRequest) -> list[int]:
-        """Prompt ids for a chat (through the chat template) or a completion (raw text, or ids as given)."""
+        """Prompt ids for a chat (through the chat template) or a completion (raw text, or ids as given). A chat
+        with a model that reasons gets its thinking switch applied and its reply split (`req.settings.reasoning`)."""
         tok = self.tokenizer
         if req.messages is not None:
             if tok.chat_template is None:
                 raise bad_request("This model has no chat template; use /v1/completions with a raw prompt.", "messages")
-            messages, extra = chat_inputs(req.messages, req.tools, tok.chat_template)
-            ids = tok.encode_chat(messages, **extra)
+            style = self.reasoning
+            messages, extra = chat_inputs(history(style, req.messages), req.tools, tok.chat_template)
+            messages, extra = switched(style, req.settings.think, messages, extra)
+            rendered = tok.apply_chat_template(messages, **extra)
+            ids = tok.encode(rendered, add_bos=False)
+            inside = opens_in_prompt(rendered)
+            # A grammar shapes the reply from its first token: under one, a prompt that opened a think block gets
+            # no split (its constrained answer is not reasoning).
+            if style.reasons and not (inside and req.settings.grammar is not None):
+                req.settings = replace(req.settings, reasoning=ReasoningFormat(inside))
         elif isinstance(req.prompt, str):
             ids = tok.encode(req.prompt)
         else:
