@@ -1,9 +1,10 @@
 """The ASGI application (Starlette): OpenAI's routes over a `ModelService`.
 
-Routes: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions, and
-Ollama's POST /api/chat (engine.openai.ollama). Every failure is OpenAI's error object with its status (see
-engine.openai.errors; Ollama's `{"error": ...}` on its route); nothing else — no traceback, no HTML — ever reaches
-the client. A client that goes away (disconnect, or a failed send) cancels its request, so
+Routes: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions,
+Ollama's POST /api/chat (engine.openai.ollama), and Anthropic's POST /v1/messages and /v1/messages/count_tokens
+(engine.openai.anthropic). Every failure is OpenAI's error object with its status (see engine.openai.errors;
+Ollama's `{"error": ...}` and Anthropic's `{"type": "error", ...}` on their routes); nothing else — no traceback,
+no HTML — ever reaches the client. The key is taken as `Authorization: Bearer` or as Anthropic's `x-api-key`. A client that goes away (disconnect, or a failed send) cancels its request, so
 its row is free for the next one at the next step. CORS is off unless origins are named.
 """
 
@@ -27,9 +28,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from engine.errors import SparkError
 from engine.generation.batch import Completion
 from engine.generation.loop import GenerationEvent
-from engine.openai import ollama, protocol
+from engine.openai import anthropic, ollama, protocol
 from engine.openai.errors import (
     CLIENT_CLOSED,
     ApiError,
@@ -53,6 +55,10 @@ def error_response(err: ApiError) -> JSONResponse:
 
 def ollama_error(err: ApiError) -> JSONResponse:
     return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
+
+
+def anthropic_error(err: ApiError) -> JSONResponse:
+    return JSONResponse(anthropic.error_body(err), status_code=err.status, headers=err.headers)
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -171,6 +177,7 @@ class Api:
             return
         given = request.headers.get("authorization", "")
         token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        token = token or request.headers.get("x-api-key", "").strip()  # Anthropic's header
         if not hmac.compare_digest(token.encode(), key.encode()):
             raise bad_key()
 
@@ -243,6 +250,68 @@ class Api:
             yield json.dumps({"error": err.message}) + "\n"
             return
         yield json.dumps(ollama.final(model, c, "", time.perf_counter_ns() - t0)) + "\n"
+
+    async def anthropic_messages(self, request: Request) -> Response:
+        """Anthropic's /v1/messages (engine.openai.anthropic): one reply, streamed as its events when asked."""
+        req = anthropic.parse_messages(await read_json(request, self.config.max_body_bytes), self.config.limits)
+        chat = req.chat
+        chat.model = model_for_request(chat.model, [self.config.model_id])
+        jobs = await self.service.start(chat)
+        rid = anthropic.new_id()
+        if chat.stream:
+            events = self.anthropic_events(jobs[0], req, rid)
+            return SSEResponse(events, jobs, lambda: self.metrics.disconnected("anthropic_messages"))
+        gone = asyncio.Event()
+
+        async def watch() -> None:  # the client leaving while it waits cancels the job
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+            jobs[0].cancel_unless_done()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for _ in jobs[0].events():
+                pass
+        finally:
+            watcher.cancel()
+        if gone.is_set():
+            raise client_gone()
+        c = self.finish(jobs[0])
+        raw = self.service.tokenizer.decode(c.tokens, skip_special=False)
+        return JSONResponse(anthropic.message(rid, chat.model, req, c, raw))
+
+    async def anthropic_events(self, job: Job, req: anthropic.MessagesRequest, rid: str) -> AsyncGenerator[str, None]:
+        writer: anthropic.StreamWriter | None = None
+        async with contextlib.aclosing(job.events()) as events:
+            async for ev in events:
+                if writer is None:
+                    writer = anthropic.StreamWriter(rid, req.chat.model, req, ev.prompt_tokens)
+                    for out in writer.start():
+                        yield out
+                for out in writer.event(ev):
+                    yield out
+        try:
+            c = self.finish(job)
+        except ApiError as err:  # the status line is gone already: the error travels as an event
+            yield anthropic.sse("error", anthropic.error_body(err))
+            return
+        if writer is None:
+            writer = anthropic.StreamWriter(rid, req.chat.model, req, c.prompt_tokens)
+            for out in writer.start():
+                yield out
+        for out in writer.end(c, self.service.tokenizer.decode(c.tokens, skip_special=False)):
+            yield out
+
+    async def anthropic_count_tokens(self, request: Request) -> Response:
+        """Anthropic's /v1/messages/count_tokens: the prompt's tokens as the chat template renders it."""
+        body = await read_json(request, self.config.max_body_bytes)
+        req = anthropic.parse_messages(body, self.config.limits, counting=True)
+        try:
+            ids = await asyncio.to_thread(self.service.prompt_ids, req.chat)
+        except SparkError as exc:
+            raise bad_request(str(exc)) from None
+        return JSONResponse({"input_tokens": len(ids)})
 
     # -- generation --------------------------------------------------------------------------------------------
     async def generate(self, request: Request, req: protocol.ParsedRequest, *, chat: bool) -> Response:
@@ -399,6 +468,16 @@ def create_app(service: ModelService) -> Starlette:
         Route("/v1/chat/completions", api.route("chat", api.chat), methods=["POST"]),
         Route("/v1/completions", api.route("completions", api.completions), methods=["POST"]),
         Route("/api/chat", api.route("ollama_chat", api.ollama_chat, errors=ollama_error), methods=["POST"]),
+        Route(
+            "/v1/messages",
+            api.route("anthropic_messages", api.anthropic_messages, errors=anthropic_error),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/messages/count_tokens",
+            api.route("anthropic_count_tokens", api.anthropic_count_tokens, errors=anthropic_error),
+            methods=["POST"],
+        ),
     ]
     middleware = []
     if service.config.allow_origins:

@@ -189,3 +189,39 @@ def test_temperature_zero_is_the_argmax_with_no_penalty_unless_the_request_sets_
     assert ollama.parse_chat(body, LIMITS).settings.sampling.repetition_penalty == 1.3
     with pytest.raises(ApiError):
         parse_chat({**base, "repetition_penalty": 0}, LIMITS)
+
+
+anthropic_fields = st.sampled_from(
+    ["model", "max_tokens", "system", "messages", "tools", "tool_choice", "stop_sequences", "temperature",
+     "top_p", "top_k", "stream", "thinking", "output_config", "metadata"]
+)  # fmt: skip
+anthropic_blocks = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "x"])},
+    optional={"text": json_values, "id": json_values, "name": json_values, "input": json_values,
+              "tool_use_id": json_values, "content": json_values, "thinking": json_values},
+)  # fmt: skip
+anthropic_turns = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system"]),
+            "content": st.text(max_size=8) | st.lists(anthropic_blocks, max_size=3),
+        }
+    ),
+    max_size=3,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(anthropic_fields, json_values, max_size=8)
+    | st.fixed_dictionaries({"model": st.just("m"), "max_tokens": st.just(8), "messages": anthropic_turns})
+    | json_values
+)
+def test_any_anthropic_body_parses_or_is_a_400(body: object) -> None:
+    from engine.openai.anthropic import MessagesRequest, parse_messages
+
+    for counting in (False, True):
+        try:
+            assert isinstance(parse_messages(body, LIMITS, counting=counting), MessagesRequest)
+        except ApiError as err:
+            assert err.status == 400 and err.message.endswith(".")

@@ -106,3 +106,29 @@ def test_the_remote_client_hears_reasoning_apart(served: Served, monkeypatch: py
     remote = closed_after_test(RemoteClient(RemoteServer(served.url, "tiny", KEY)))
     events = list(remote.stream_chat(ASK, GenerationSettings(max_tokens=64)))
     assert ("".join(e.reasoning for e in events), "".join(e.text for e in events)) == (THOUGHT, ANSWER)
+
+
+def test_anthropic_thinking_blocks(served: Served) -> None:
+    import anthropic
+
+    forced = {"format": {"type": "json_schema", "schema": {"type": "object"}}}  # stands for the grammar, as above
+    with anthropic.Anthropic(base_url=served.url.removesuffix("/v1"), api_key=KEY, max_retries=0) as c:
+        r = c.messages.create(
+            model="tiny", max_tokens=64, messages=ASK, output_config=forced,  # type: ignore[arg-type,typeddict-item]
+            thinking={"type": "enabled", "budget_tokens": 1024},
+        )  # fmt: skip
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in r.content] == [
+            ("thinking", THOUGHT),
+            ("text", ANSWER),
+        ]
+        with c.messages.stream(model="tiny", max_tokens=64, messages=ASK, output_config=forced) as stream:  # type: ignore[arg-type,typeddict-item]
+            final = stream.get_final_message()
+        assert [b.type for b in final.content] == ["thinking", "text"]
+        assert final.content[0].thinking == THOUGHT and final.content[1].text == ANSWER  # type: ignore[union-attr]
+        # A thinking block sent back is the turn's reasoning; the request is read, not refused.
+        turns = [
+            *ASK,
+            {"role": "assistant", "content": [b.model_dump() for b in r.content]},
+            {"role": "user", "content": "More?"},
+        ]
+        assert c.messages.count_tokens(model="tiny", messages=turns).input_tokens > 0  # type: ignore[arg-type]
