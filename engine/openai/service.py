@@ -46,12 +46,6 @@ def served_name(model: Path) -> str:
     return model.stem if model.suffix == ".gguf" else model.name
 
 
-def model_for_request(requested: str, loaded: Sequence[str]) -> str:
-    """The loaded model a request names: the one whose name it sends, else the first loaded. Clients send
-    placeholders ("gpt-4o", "local-model", "x") that name nothing here; refusing them helps no one."""
-    return requested if requested in loaded else loaded[0]
-
-
 @dataclass(frozen=True)
 class ServeConfig:
     model_id: str  # the name clients send as "model"
@@ -188,9 +182,11 @@ class ModelService:
         memory_factory: RowMemoryFactory | Callable[..., Memory],
         config: ServeConfig,
         draft: Backend | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """`draft`: a draft model's backend (same vocabulary), for requests speculating with "draft"; each row
-        drafts on a fork of its own, made when a row first needs it."""
+        drafts on a fork of its own, made when a row first needs it. `metrics`: where finished requests are counted
+        (a server of several models shares one; None: this service's own)."""
         self.config = config
         self.draft = draft
         self.tokenizer = tokenizer
@@ -240,7 +236,7 @@ class ModelService:
                 f"The server cannot allocate its slot table for {self.rows} request(s) of {num_slots:,} slots; "
                 "free memory or raise the memory limit."
             ) from None
-        self.metrics = Metrics(self.gauges())
+        self.metrics = metrics if metrics is not None else Metrics(self.gauges())
 
     def close(self) -> None:
         self.beams.close()
