@@ -43,6 +43,8 @@ _PUBLIC: dict[str, tuple[str, str]] = {  # name -> (module, name there)
     "GenerationEvent": ("engine.generation.loop", "GenerationEvent"),
     "GenerationSettings": ("engine.generation.loop", "GenerationSettings"),
     "PrefillProgress": ("engine.generation.loop", "PrefillProgress"),
+    "ReasoningStyle": ("engine.generation.reasoning", "ReasoningStyle"),
+    "Think": ("engine.generation.reasoning", "Think"),
     "InvalidSamplingSettings": ("engine.generation.sampling", "InvalidSamplingSettings"),
     "SamplingSettings": ("engine.generation.sampling", "SamplingSettings"),
     "Speculation": ("engine.generation.speculative", "Speculation"),
@@ -82,6 +84,7 @@ if TYPE_CHECKING:
         GenerationSettings,
         PrefillProgress,
     )
+    from engine.generation.reasoning import ReasoningStyle, Think
     from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
     from engine.generation.speculative import Speculation
     from engine.loading.model_files import DEFAULT_MODEL_NAME, default_model_path, display_name
@@ -132,6 +135,7 @@ __all__ = [
     "LoadReport",
     "ModelSampling",
     "PrefillProgress",
+    "ReasoningStyle",
     "RemoteClient",
     "RemoteError",
     "RemoteServer",
@@ -141,6 +145,7 @@ __all__ = [
     "SessionData",
     "SparkError",
     "Speculation",
+    "Think",
     "TierStats",
     "__version__",
     "atomic_write",
