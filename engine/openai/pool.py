@@ -16,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from engine.openai.service import ModelService, ServeConfig
 
 FOREVER = None  # keep_alive: never unloaded for idleness
 SWEEP_S = 0.25  # how often idle models are checked against their keep-alive
+LOAD_NICENESS = 10  # the loading thread yields the CPU to the threads serving resident models
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,9 @@ class ModelPool:
         self.loading: dict[str, asyncio.Future[None]] = {}
         self._changed: asyncio.Event | None = None  # set whenever a lease ends or a model leaves
         self._sweeper: asyncio.Task[None] | None = None
+        # One load at a time, on a thread of lower priority: two loads would only share the disk and the cores, and
+        # the rows of resident models generate while it runs.
+        self._loads = ThreadPoolExecutor(1, "spark-model-load", initializer=_lower_priority)
         self.metrics.sources.update(self.gauges())
 
     @classmethod
@@ -170,7 +177,7 @@ class ModelPool:
         try:
             while True:
                 try:
-                    service = await asyncio.to_thread(loader, servable, config, self.metrics)
+                    service = await loop.run_in_executor(self._loads, loader, servable, config, self.metrics)
                     break
                 except InsufficientMemory:
                     if not await self._unload_idle():  # nothing left to give back: the refusal stands
@@ -234,6 +241,7 @@ class ModelPool:
     def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+        self._loads.shutdown(wait=False, cancel_futures=True)
         for r in list(self.residents.values()):
             r.service.close()
         self.residents.clear()
@@ -265,6 +273,12 @@ class ModelPool:
             await asyncio.sleep(SWEEP_S)
             with contextlib.suppress(Exception):  # a failed close must not end the sweeping
                 await self.sweep()
+
+
+def _lower_priority() -> None:
+    """This thread's niceness raised (Linux: per thread); elsewhere it keeps the process's priority."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICENESS)
 
 
 def _close(service: ModelService) -> None:
