@@ -17,6 +17,7 @@ in the answer is dropped, and whitespace around the block's edges belongs to nei
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -65,6 +66,11 @@ def reasoning_style(template: str | None, vocabulary: frozenset[str] = frozenset
     if not reasons:
         return NOT_REASONING
     return ReasoningStyle(True, switch, "reasoning_content" in t)
+
+
+def think_tokens(token_to_id: Callable[[str], int | None]) -> frozenset[str]:
+    """The think tags a vocabulary holds as tokens of their own (metadata that says a model reasons)."""
+    return frozenset(tag for tag in (OPEN, CLOSE) if token_to_id(tag) is not None)
 
 
 def switched(

@@ -240,7 +240,8 @@ class ModelPool:
 
     def close(self) -> None:
         if self._sweeper is not None:
-            self._sweeper.cancel()
+            with contextlib.suppress(RuntimeError):  # its loop already ended (and ended it)
+                self._sweeper.cancel()
         self._loads.shutdown(wait=False, cancel_futures=True)
         for r in list(self.residents.values()):
             r.service.close()

@@ -25,7 +25,14 @@ from engine.backends.base import Backend
 from engine.errors import InputTooLarge, InsufficientMemory, SparkError
 from engine.generation.batch import Completion, RowMemoryFactory
 from engine.generation.loop import GenerationEvent, GenerationSettings
-from engine.generation.reasoning import ReasoningFormat, history, opens_in_prompt, reasoning_style, switched
+from engine.generation.reasoning import (
+    ReasoningFormat,
+    history,
+    opens_in_prompt,
+    reasoning_style,
+    switched,
+    think_tokens,
+)
 from engine.generation.scheduler import QueueFull, Request, Scheduler, SchedulerClosed, SchedulerConfig
 from engine.generation.speculative import Drafter, DraftModel, Speculation
 from engine.hw.memory import allocatable_bytes, format_bytes
@@ -190,7 +197,8 @@ class ModelService:
         self.config = config
         self.draft = draft
         self.tokenizer = tokenizer
-        self.reasoning = reasoning_style(tokenizer.chat_template)  # does the model think, and how it is switched
+        # Does the model think, and how is it switched (its template, and think tags in its vocabulary)
+        self.reasoning = reasoning_style(tokenizer.chat_template, think_tokens(tokenizer.token_to_id))
         self.memories: list[Memory] = []
         try:
             probe = memory_factory(backend, 0)  # a cascade sizes the slot table itself (batch 1); read its size off it

@@ -44,6 +44,7 @@ from engine.generation.reasoning import (
     opens_in_prompt,
     reasoning_style,
     switched,
+    think_tokens,
 )
 from engine.generation.sampling import Sampler, SamplingSettings, make_sampler
 from engine.generation.speculative import Controller, DraftModel, PromptLookup, Speculation, Speculator
@@ -172,7 +173,7 @@ class Engine:
     @functools.cached_property
     def reasoning(self) -> ReasoningStyle:
         """Whether the model thinks before it answers and how that is switched, from its chat template."""
-        return reasoning_style(self.tokenizer.chat_template)
+        return reasoning_style(self.tokenizer.chat_template, think_tokens(self.tokenizer.token_to_id))
 
     @functools.cached_property
     def sampling_defaults(self) -> ModelSampling:

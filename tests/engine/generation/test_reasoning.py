@@ -19,6 +19,7 @@ from engine.generation.reasoning import (
     reasoning_style,
     split_text,
     switched,
+    think_tokens,
 )
 from engine.generation.sampling import SamplingSettings
 from engine.loading.tokenizer import Tokenizer
@@ -107,6 +108,8 @@ def test_templates_say_how_a_model_thinks() -> None:
     assert reasoning_style(r1) == ReasoningStyle(True, ThinkSwitch.NONE)
     assert not reasoning_style("{{ messages }}").reasons and not reasoning_style(None).reasons
     assert reasoning_style("{{ messages }}", frozenset({"<think>", "</think>"})).reasons
+    assert think_tokens({"<think>": 5, "</think>": 6}.get) == frozenset({"<think>", "</think>"})
+    assert think_tokens({}.get) == frozenset()
     assert opens_in_prompt("<｜Assistant｜><think>\n") and not opens_in_prompt("<think>\n\n</think>\n\n")
     msgs = [{"role": "user", "content": "hi"}]
     flag = reasoning_style(qwen3)

@@ -119,6 +119,7 @@ def test_think_tokens_of_the_vocabulary_split_as_spelled_ones(tmp_path: Path) ->
     tok = engine.tokenizer
     script = tok.encode(f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}", add_bos=False) + [*tok.eos_ids][:1]
     assert tok.encode("<think>", add_bos=False) == [tok.token_to_id("<think>")]
+    assert engine.reasoning.reasons  # the template says so, and so does the vocabulary
     session = engine.new_session()
     steps = iter(script)
     session._sampler_for = lambda s: lambda logits: Sample(next(steps), 0.0)  # type: ignore[method-assign,assignment,misc]
