@@ -350,8 +350,16 @@ class StreamWriter:
 
     def start(self) -> Iterator[str]:
         usage0 = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
-        shell: dict[str, Any] = {"id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                 "stop_reason": None, "stop_sequence": None, "usage": usage0}  # fmt: skip
+        shell: dict[str, Any] = {
+            "id": self.rid,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage0,
+        }
         yield sse("message_start", {"type": "message_start", "message": shell})
         yield sse("ping", {"type": "ping"})
 

@@ -1,11 +1,14 @@
-"""The ASGI application (Starlette): OpenAI's routes over a `ModelService`.
+"""The ASGI application (Starlette): OpenAI's routes over the served models (engine.openai.pool: one loaded model,
+or every servable model by name).
 
 Routes: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions,
-Ollama's POST /api/chat (engine.openai.ollama), and Anthropic's POST /v1/messages and /v1/messages/count_tokens
-(engine.openai.anthropic). Every failure is OpenAI's error object with its status (see engine.openai.errors;
-Ollama's `{"error": ...}` and Anthropic's `{"type": "error", ...}` on their routes); nothing else — no traceback,
-no HTML — ever reaches the client. The key is taken as `Authorization: Bearer` or as Anthropic's `x-api-key`. A client that goes away (disconnect, or a failed send) cancels its request, so
-its row is free for the next one at the next step. CORS is off unless origins are named.
+Ollama's POST /api/chat, /api/generate, /api/show, GET /api/tags, /api/ps (engine.openai.ollama), and Anthropic's
+POST /v1/messages and /v1/messages/count_tokens (engine.openai.anthropic). Every failure is OpenAI's error object
+with its status (see engine.openai.errors; Ollama's `{"error": ...}` and Anthropic's `{"type": "error", ...}` on
+their routes); nothing else — no traceback, no HTML — ever reaches the client. The key is taken as `Authorization:
+Bearer` or as Anthropic's `x-api-key`. A request holds a lease on its model until its reply is over. A client that
+goes away (disconnect, or a failed send) cancels its request, so its row is free for the next one at the next
+step. CORS is off unless origins are named.
 """
 
 from __future__ import annotations
@@ -142,7 +145,7 @@ def sse(obj: Any) -> str:
 
 
 class Api:
-    """The route handlers, bound to one service and its metrics."""
+    """The route handlers, bound to the pool of served models and its metrics."""
 
     def __init__(self, pool: ModelPool) -> None:
         self.pool = pool
