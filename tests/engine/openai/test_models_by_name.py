@@ -105,6 +105,10 @@ def test_ollama_lists_shows_and_unloads_by_keep_alive(one_at_a_time: tuple[Local
         r = c.generate(model="qwen", prompt="Hi", options={"num_predict": 2, "temperature": 0})
         assert r.done and r.model == "qwen"
         assert [m.model for m in c.ps().models] == ["qwen"]
+        raw = c.generate(model="qwen", prompt="The quick", raw=True, options={"num_predict": 2})  # no template
+        pool = server.service
+        assert isinstance(pool, ModelPool)
+        assert raw.done and raw.prompt_eval_count == len(pool.residents["qwen"].service.tokenizer.encode("The quick"))
         c.chat(model="llama", messages=ASK, options={"num_predict": 2}, keep_alive=0)  # unload once idle
         deadline = time.monotonic() + 30
         while c.ps().models and time.monotonic() < deadline:
