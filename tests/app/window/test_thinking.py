@@ -12,7 +12,8 @@ from PySide6.QtGui import QGuiApplication
 
 from app.window.chat_view import ChatView
 from app.window.think_switch import ThinkSwitch
-from engine.generation.reasoning import ReasoningStyle, Think, ThinkSwitch as Switch
+from engine.generation.reasoning import ReasoningStyle, Think
+from engine.generation.reasoning import ThinkSwitch as Switch
 
 THOUGHT = "The user greets me. A short, friendly answer will do."
 ANSWER = "Hello! How can I help?"
