@@ -74,6 +74,8 @@ with _deferred():
     from engine.generation.loop import GenerationEvent as GenerationEvent
     from engine.generation.loop import GenerationSettings as GenerationSettings
     from engine.generation.loop import PrefillProgress as PrefillProgress
+    from engine.generation.reasoning import ReasoningStyle as ReasoningStyle
+    from engine.generation.reasoning import Think as Think
     from engine.generation.sampling import InvalidSamplingSettings as InvalidSamplingSettings
     from engine.generation.sampling import SamplingSettings as SamplingSettings
     from engine.generation.speculative import Speculation as Speculation

@@ -41,6 +41,7 @@ from PySide6.QtWidgets import QMenu, QPushButton, QTextBrowser, QWidget
 from app.misc import theme
 from app.window.markdown import MarkdownRenderer, Palette, open_fence
 from app.window.message_actions import MessageActions
+from app.window.thinking import Thoughts
 from app.window.tool_cards import Card, card_html, segments
 from app.worker.tool_turns import RESPONSE_CLOSE, display_messages
 from app.worker.types import MessageView
@@ -100,6 +101,7 @@ class ChatView(QTextBrowser):
         self._markdown = MarkdownRenderer()
         self._code_blocks: dict[str, str] = {}  # "message.block" -> the code a block's Copy link copies
         self._expanded: set[int] = set()  # long pastes the user opened in full
+        self.thoughts = Thoughts()  # each reply's thinking (a reasoning model), folded above its answer
         self._last_render = 0.0
         self._greeting: tuple[str, tuple[str, ...]] = ("", ())  # (line, example prompts) while the chat is empty
         self._empty = True
@@ -320,6 +322,7 @@ class ChatView(QTextBrowser):
         self._contents = {}
         self._code_blocks = {}
         self._expanded = set()
+        self.thoughts = Thoughts()  # a transcript shown again carries answers only
         self._empty = not any(m.role != "system" for m in messages)
         if self._empty:
             self._show_greeting()
@@ -379,9 +382,25 @@ class ChatView(QTextBrowser):
         self._reading = True
         self._more_text()
 
+    def append_reasoning(self, text: str) -> None:
+        """The reply's thinking as it comes: shown folded above the answer, rendered at most every LIVE_RENDER_S."""
+        frame = self._reply
+        index = frame.frameFormat().property(INDEX_PROPERTY) if frame is not None else None
+        if frame is None or not isinstance(index, int) or self._reply_text:
+            return
+        first = index not in self.thoughts.texts
+        self.thoughts.add(index, text)
+        if first or time.monotonic() - self._last_render >= LIVE_RENDER_S:
+            self._last_render = time.monotonic()
+            self._reading = True  # the bubble holds no answer yet: the first answer text replaces it
+            self._clear_frame(frame)
+            self._fill(frame, "assistant", "")
+            self._more_text()
+
     def append_reply(self, text: str) -> None:
         if self._reply is None:
             return
+        self.thoughts.stop(self._reply.frameFormat().property(INDEX_PROPERTY))
         if self._reading:
             self._clear_frame(self._reply)
             self._fill(self._reply, "assistant", "")
@@ -415,13 +434,17 @@ class ChatView(QTextBrowser):
         cursor.removeSelectedText()
         if isinstance(index, int):
             self._contents.pop(index, None)
+            self.thoughts.forget(index)
             self._next_index = index
 
     def end_reply(self, note: str = "", index: int | None = None) -> None:
         """Re-render the finished reply with code formatting; `note` (e.g. "stopped") goes under it, dimmed.
         `index`: the reply's last message in the conversation (a turn that called tools holds several)."""
         frame = self._reply
+        if frame is not None:
+            self.thoughts.stop(frame.frameFormat().property(INDEX_PROPERTY))
         if frame is not None and index is not None and index >= 0:
+            self.thoughts.renumber(frame.frameFormat().property(INDEX_PROPERTY), index)
             fmt = frame.frameFormat()
             fmt.setProperty(INDEX_PROPERTY, index)
             frame.setFrameFormat(fmt)
@@ -515,6 +538,8 @@ class ChatView(QTextBrowser):
             self.example_chosen.emit(self._greeting[1][int(arg)])
         elif scheme == "expand" and arg.isdigit():
             self._expand(int(arg))
+        elif scheme == "think" and arg.isdigit():
+            self._toggle_thought(int(arg))
         elif url.scheme() in ("http", "https"):
             QDesktopServices.openUrl(url)
 
@@ -551,6 +576,8 @@ class ChatView(QTextBrowser):
         if role != "user":  # the user's bubble needs no name; a reply is headed by a small "Spark"
             cursor.insertText(ROLE_LABELS.get(role, role.title()), self._label_format())
             cursor.insertBlock(QTextBlockFormat(), self._body_format())
+        if role == "assistant" and isinstance(index, int):
+            self.thoughts.insert(cursor, index, self._link_format, self._note_format())
         if role == "assistant" and content:
             palette = self._palette()
             for n, part in enumerate(segments(content)):  # Markdown, and a card for each tool call
@@ -575,6 +602,16 @@ class ChatView(QTextBrowser):
             cursor.insertText(f"Show all ({rest})", self._link_format(f"expand:{index}", "Show the whole message"))
             return
         cursor.insertText(content, self._body_format())
+
+    def _toggle_thought(self, index: int) -> None:
+        """Open or fold a reply's thinking."""
+        self.thoughts.toggle(index)
+        for frame in self._frames("assistant"):
+            if frame.frameFormat().property(INDEX_PROPERTY) == index:
+                live = frame == self._reply
+                self._clear_frame(frame)
+                content = "".join(self._reply_text) if live else self._contents.get(index, "")
+                self._fill(frame, "assistant", content)
 
     def _expand(self, index: int) -> None:
         """A collapsed paste, shown in full."""

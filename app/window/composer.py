@@ -116,7 +116,7 @@ class Composer(QWidget):
         inner.setContentsMargins(0, 0, 0, 0)
         inner.setSpacing(4)
         inner.addWidget(self.box)
-        below = QHBoxLayout()
+        self._below = below = QHBoxLayout()
         below.setContentsMargins(8, 0, 8, 0)
         below.addWidget(self.json_chip, 0, Qt.AlignmentFlag.AlignLeft)
         below.addWidget(self.count, 1)
@@ -140,6 +140,10 @@ class Composer(QWidget):
             self.box.style().unpolish(self.box)
             self.box.style().polish(self.box)
         return False
+
+    def add_control(self, widget: QWidget) -> None:
+        """A switch of the conversation's (Think) under the prompt, left of the token count."""
+        self._below.insertWidget(self._below.indexOf(self.count), widget, 0, Qt.AlignmentFlag.AlignLeft)
 
     def set_counter(self, counter: Callable[[str], int] | None, context_tokens: int) -> None:
         """How the loaded model counts tokens, and its context; None (a remote model): no count is shown."""

@@ -54,6 +54,7 @@ from app.window.empty_state import greeting
 from app.window.menus import WindowMenus, shortcut_text
 from app.window.notice_bar import NoticeBar
 from app.window.state import Notice, WindowState
+from app.window.think_switch import ThinkSwitch
 from app.worker.client import ConversationClient
 from app.worker.types import (
     LoadedModel,
@@ -194,6 +195,8 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.chat, 1)
         layout.addWidget(_separator())
         layout.addWidget(composer)
+        self.think_switch = ThinkSwitch()
+        composer.add_control(self.think_switch)  # under the prompt, by the token count
         self.notice = NoticeBar(self.chat)  # over the chat's top, never over the System field
         self.inspector = Inspector()
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
@@ -264,6 +267,7 @@ class MainWindow(QMainWindow):
     def _connect(self) -> None:
         c = self.client
         c.delta.connect(self.coalescer.push)
+        c.reasoning.connect(self.chat.append_reasoning)
         c.progress.connect(self.inspector.on_progress)
         c.progress.connect(self._on_progress)
         c.memory.connect(self.inspector.on_memory)
@@ -569,7 +573,10 @@ class MainWindow(QMainWindow):
         settings = self.prefs.generation()
         sampling = (resolved or self.resolved_sampling(None)).sampling
         return replace(
-            settings, sampling=sampling, prefill_chunk=min(settings.prefill_chunk, INTERACTIVE_PREFILL_CHUNK)
+            settings,
+            sampling=sampling,
+            prefill_chunk=min(settings.prefill_chunk, INTERACTIVE_PREFILL_CHUNK),
+            think=self.think_switch.think(),
         )
 
     def resolved_sampling(self, override: SamplingChoice | None) -> ResolvedSampling:
@@ -692,6 +699,7 @@ class MainWindow(QMainWindow):
         self.model_label.setToolTip(f"{info.path}\n{info.backend_detail}")  # the expert's details, on hover
         self.chat.set_greeting(*greeting(info.name, info.weight_bytes))
         self.composer.set_counter(loaded.count_tokens, info.context_tokens)
+        self.think_switch.set_model(loaded.engine.reasoning)
         self.menus.model_button.setText(f"Model: {info.name}")
         self.prefs.set_last_model(self.state.model_path)
         self.prefs.set_loaded_once()

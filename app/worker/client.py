@@ -48,6 +48,7 @@ class ConversationClient(QObject):
     loaded = Signal(LoadedModel)
     load_cancelled = Signal()
     delta = Signal(str)
+    reasoning = Signal(str)
     progress = Signal(TurnProgress)
     memory = Signal(MemoryReport)
     finished = Signal(TurnResult)
@@ -103,6 +104,7 @@ class ConversationClient(QObject):
             (w.loaded, self.loaded),
             (w.load_cancelled, self.load_cancelled),
             (w.delta, self.delta),
+            (w.reasoning, self.reasoning),
             (w.progress, self.progress),
             (w.memory, self.memory),
             (w.error, self.error),

@@ -77,6 +77,7 @@ class ConversationWorker(QObject):
     loaded = Signal(LoadedModel)
     load_cancelled = Signal()
     delta = Signal(str)  # one token's text (coalesced by the GUI)
+    reasoning = Signal(str)  # the reply's thinking as it comes (engine.generation.reasoning), apart from `delta`
     progress = Signal(TurnProgress)
     memory = Signal(MemoryReport)
     finished = Signal(TurnResult)
@@ -509,6 +510,8 @@ class ConversationWorker(QObject):
         conversation.begin_turn()
         try:
             for ev in start():
+                if ev.reasoning:
+                    self.reasoning.emit(ev.reasoning)
                 if ev.text:
                     text.append(ev.text)
                     self.delta.emit(ev.text)

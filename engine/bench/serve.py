@@ -8,6 +8,11 @@ template, with a fixed reply length (our `ignore_eos`, llama.cpp's `min_tokens`)
 of tokens. Our persistent prefix cache is off (`--no-prefix-cache`): distinct cold prompts, as llama.cpp's server
 runs with its cache off by default. Throughput = tokens streamed / wall time of the level; TTFT is measured by the
 client from sending to the first content chunk.
+
+Our server also serves a second model by name (`--second-model`, default the same weights under another name, so
+loading it costs what loading the first did), at most two resident. `switch_ms` is the time to the first token of a
+request for the resident model sent while the second one loads (a request names it just before): what a client of
+one model waits while another model comes in; `switch_load_ms` is that loading request's own time to first token.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ import httpx
 
 from engine.errors import SparkError
 from engine.loading.model_files import resolve_model_path
+from engine.openai.service import served_name
 
 LEVELS = (1, 8, 32)
 TOPICS = ("a lighthouse", "a red bicycle", "the moon", "a library", "a small robot", "the ocean", "a garden", "a train")
 START_TIMEOUT_S = 600.0
+SWITCH_DELAY_S = 0.05  # between the request that loads the second model and the one for the resident model
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -132,6 +139,20 @@ async def _stream(client: httpx.AsyncClient, peer: Peer, body: dict[str, Any], t
     return (ttft if ttft is not None else time.perf_counter() - t0), (usage if usage is not None else chunks)
 
 
+async def switch(resident: Peer, loading: Peer, first: int) -> dict[str, Any]:
+    """A request for `loading` (not resident: it loads), then one for `resident` while it loads; their TTFTs."""
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+        load = asyncio.create_task(one_request(client, loading, first, 4))
+        await asyncio.sleep(SWITCH_DELAY_S)  # the load has begun
+        ttft, _ = await one_request(client, resident, first + 1, 4)
+        load_ttft, _ = await load
+    return {
+        "switch_ms": round(ttft * 1000, 1),
+        "switch_load_ms": round(load_ttft * 1000, 1),
+        "served_while_loading": ttft + SWITCH_DELAY_S < load_ttft,
+    }
+
+
 async def level(peer: Peer, clients: int, per_client: int, max_tokens: int, first: int) -> dict[str, Any]:
     """`clients` concurrent clients, each sending `per_client` requests one after another."""
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
@@ -168,6 +189,15 @@ def find_peer_gguf(args: argparse.Namespace, model: Path) -> Path | None:
     return found[0] if found else None
 
 
+def second_model(given: Path | None, model: Path, folder: Path) -> Path:
+    """The second model our server serves: the one given, else `model`'s weights linked under another name."""
+    if given is not None:
+        return resolve_model_path(given)
+    link = folder / ("second" + (".gguf" if model.is_file() else ""))
+    link.symlink_to(model.resolve())
+    return link
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = resolve_model_path(args.model)
     threads = args.threads or os.cpu_count() or 1
@@ -188,6 +218,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if note:
         out["note"] = note
+    logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))  # the servers' logs stay for a failed run
+    second = second_model(getattr(args, "second_model", None), model, logs)
+    out["second_model"] = str(second)
     ports = {"ours": free_port(), "llamacpp": free_port()}
     ours_cmd = [
         sys.executable,
@@ -211,9 +244,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "--max-batch",
         "32",
         "--no-prefix-cache",
+        "--add-model",
+        str(second),
+        "--max-models",
+        "2",
     ]
     peers = [Peer("ours", f"http://127.0.0.1:{ports['ours']}/v1", "bench", {"ignore_eos": True}, True)]
-    logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))  # the servers' logs stay for a failed run
+    second_peer = Peer("ours", peers[0].url, served_name(second), {"ignore_eos": True}, True)
     with contextlib.ExitStack() as stack:
         stack.enter_context(server_process(ours_cmd, f"http://127.0.0.1:{ports['ours']}/health", logs / "ours.log"))
         if gguf is not None:
@@ -264,6 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 row["ttft_p50_ratio_vs_llamacpp"] = round(row["ours"]["ttft_p50_s"] / row["llamacpp"]["ttft_p50_s"], 3)
             levels[str(c)] = row
+        out.update(asyncio.run(switch(peers[0], second_peer, 100_000)))
     out["levels"] = levels
     out["throughput_tps"] = {c: levels[c]["ours"]["throughput_tps"] for c in levels}
     out["ttft_p50_s"] = {c: levels[c]["ours"]["ttft_p50_s"] for c in levels}

@@ -58,6 +58,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--peer-gguf", type=Path, default=None, help="`serve`: the GGUF of the same weights for llama.cpp's server"
     )
     p.add_argument(
+        "--second-model",
+        type=Path,
+        default=None,
+        help="`serve`: the second model served by name, for switch_ms (default: --model's weights under another name)",
+    )
+    p.add_argument(
         "--kv-type",
         default="f16",
         choices=["f16", "q8_0"],

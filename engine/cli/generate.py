@@ -14,6 +14,7 @@ from engine.errors import SparkError
 from engine.generation.beam import MAX_BEAMS, BeamSettings, EarlyStopping, beams_summary
 from engine.generation.constrained import MAX_GRAMMAR_CHARS, Grammar, grammar_from_file_text, json_schema_grammar
 from engine.generation.loop import GenerationEvent, GenerationSettings
+from engine.generation.reasoning import ReasoningStyle, Think, ThinkSwitch
 from engine.generation.sampling import SamplingSettings
 from engine.generation.speculative import MAX_DRAFT, Speculation
 from engine.hw import this_machine_policy, use_recommended_threads
@@ -56,8 +57,14 @@ DEFAULT_MAX_TOKENS = 128
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     # None = not given: the model's own defaults decide (its GGUF keys, generation_config.json, the catalog).
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--greedy", action="store_true", default=None, help="always take the most likely token")
-    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument(
+        "--greedy",
+        action="store_true",
+        default=None,
+        help="always take the most likely token: no repetition penalty either (the model's default one included) "
+        "unless --repetition-penalty is given too; --temperature 0 means the same",
+    )
+    p.add_argument("--temperature", type=float, default=None, help="0: greedy (see --greedy)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)
@@ -84,6 +91,10 @@ def settings_from_args(args: argparse.Namespace, model_dir: Path) -> GenerationS
     given = {k: getattr(args, k) for k in (*SAMPLING_FLAGS, "greedy") if getattr(args, k) is not None}
     if any(k in given for k in ("temperature", "top_p", "top_k", "min_p")) and "greedy" not in given:
         given["greedy"] = False  # asking for sampling parameters means sampling, whatever the model's default
+    if (given.get("greedy") or given.get("temperature") == 0.0) and "repetition_penalty" not in given:
+        # Greedy asked for means the argmax of the model's own logits (transformers' and llama.cpp's greedy): a
+        # model's default penalty (the loop guard of small models) would change the tokens behind the user's back.
+        given["repetition_penalty"] = 1.0
     model = model_sampling(model_dir)
     v = {**vars(model), "max_tokens": model.max_tokens or DEFAULT_MAX_TOKENS, **given}
     check_max_tokens(v["max_tokens"])
@@ -153,6 +164,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--prompt", default=None, help="prompt text (raw completion unless --chat)")
     p.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from a file")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument(
+        "--think",
+        default=Think.AUTO.value,
+        choices=[t.value for t in Think],
+        help="with --chat, for a model that reasons: think before answering (on), answer directly (off), or the "
+        "model's default (auto). Its reasoning is printed on stderr, or under `reasoning` with --json",
+    )
     add_sampling_args(p)
     p.add_argument(
         "--save-session", type=Path, default=None, help="save the conversation and its memory to a .spark file"
@@ -212,9 +230,13 @@ def run(args: argparse.Namespace) -> int:
         raise SparkError("Give a prompt with --prompt TEXT (or --load-session FILE --continue).")
     settings = settings_from_args(args, resolve_model_path(args.model))  # bad flags fail before any loading
     settings.grammar = read_grammar(args)
+    settings.think = Think(args.think)
+    if settings.think is not Think.AUTO and not args.chat:
+        raise SparkError("--think applies to a chat turn; add --chat.")
     if settings.grammar is not None and settings.beam.beams > 1:
         raise SparkError("--beams does not combine with --json-schema or --grammar; give one or the other.")
     engine = open_engine(args)
+    check_think(engine.reasoning, settings.think)
     session = engine.new_session()
     if args.load_session is not None:
         report = session.load(args.load_session)
@@ -223,10 +245,11 @@ def run(args: argparse.Namespace) -> int:
     events = pick_stream(session, prompt, args, settings)
     if not args.json:
         print(f"backend: {engine.choice.explain()}", file=sys.stderr)
-    text, tokens, last = stream(events, echo=not args.json)
+    text, reasoning, tokens, last = stream(events, echo=not args.json)
     if args.json:
         out = {
             "text": text,
+            "reasoning": reasoning,  # the think block, apart from `text` ("" for a model that does not reason)
             "tokens": tokens,
             "prompt_tokens": last.prompt_tokens if last else 0,
             "ttft_s": last.ttft_s if last else 0.0,
@@ -262,18 +285,35 @@ def pick_stream(
     return session.complete(prompt, settings)
 
 
-def stream(events: Iterable[GenerationEvent], echo: bool) -> tuple[str, list[int], GenerationEvent | None]:
+def check_think(style: ReasoningStyle, think: Think) -> None:
+    """--think on/off where the model can do it, one sentence otherwise."""
+    if think is Think.AUTO:
+        return
+    if not style.reasons:
+        raise SparkError(f"--think {think.value}: this model does not reason (its chat template has no thinking).")
+    if think is Think.OFF and style.switch is ThinkSwitch.NONE:
+        raise SparkError("--think off: this model always thinks; its chat template has no switch.")
+
+
+def stream(events: Iterable[GenerationEvent], echo: bool) -> tuple[str, str, list[int], GenerationEvent | None]:
+    """(answer, reasoning, token ids, last event); with `echo` the answer goes to stdout as it comes and the
+    reasoning to stderr."""
     text: list[str] = []
+    reasoning: list[str] = []
     tokens: list[int] = []
     last: GenerationEvent | None = None
     for ev in events:
         if ev.token is not None:
             tokens.append(ev.token)
         text.append(ev.text)
+        reasoning.append(ev.reasoning)
+        if echo and ev.reasoning:
+            sys.stderr.write(ev.reasoning)
+            sys.stderr.flush()
         if echo and ev.text:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
         last = ev
     if echo:
         sys.stdout.write("\n")
-    return "".join(text), tokens, last
+    return "".join(text), "".join(reasoning), tokens, last

@@ -1,18 +1,30 @@
 """`python -m engine serve [--model M] [--host 127.0.0.1] [--port 8080] [--api-key K] [--speculative MODE]
-[--draft-model M]`: the OpenAI-compatible server (engine.openai) on the loaded model, continuous batching through the scheduler."""
+[--draft-model M] [--add-model M ...] [--max-models N] [--keep-alive SECONDS]`: the OpenAI-compatible server
+(engine.openai), continuous batching through the scheduler, over every model it can serve by name: `--model` (loaded
+at start), each `--add-model`, and every model of the library, loaded when a request names it
+(engine.openai.pool)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.cli.generate import add_model_args, open_engine
 from engine.errors import SparkError
 from engine.generation.speculative import Speculation
+from engine.hw import this_machine_policy
+from engine.library.store import ModelStore
+from engine.loading.model_files import check_model_path, resolve_model_path
+from engine.model.kv_types import KVType
+from engine.openai.metrics import Metrics
+from engine.openai.pool import ModelPool, Servable
 from engine.openai.server import LOOPBACK, LocalServer, bind
 from engine.openai.service import ModelService, ServeConfig, served_name
+from engine.paths import models_dir
+from engine.session.engine import Engine, memory_factory_for
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,6 +64,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         help='a smaller model of the same vocabulary, for requests speculating with "draft"',
     )
+    p.add_argument(
+        "--add-model",
+        type=Path,
+        action="append",
+        default=[],
+        help="another model to serve by its name (folder, .gguf or library name; repeatable); the library's "
+        "downloaded models are served too",
+    )
+    p.add_argument(
+        "--max-models", type=int, default=1, help="models resident at once (default 1; fewer when memory says so)"
+    )
+    p.add_argument(
+        "--keep-alive",
+        type=float,
+        default=-1.0,
+        help="unload a model after this many idle seconds (default -1: keep it; Ollama's keep_alive per request)",
+    )
     p.set_defaults(func=run)
 
 
@@ -67,7 +96,12 @@ def run(args: argparse.Namespace) -> int:
             raise SparkError(f"{flag} must be at least 1, not {value}.")
     if args.speculative == Speculation.DRAFT and args.draft_model is None:
         raise SparkError("--speculative draft needs --draft-model M (a smaller model of the same vocabulary).")
+    if args.max_models < 1:
+        raise SparkError(f"--max-models must be at least 1, not {args.max_models}.")
     key = args.api_key if args.api_key is not None else os.environ.get("MLOT_SPARK_API_KEY") or None
+    extra = [resolve_model_path(m) for m in args.add_model]
+    for path in extra:
+        check_model_path(path)  # a wrong path fails now, not when a request names it
     bind(args.host, args.port).close()  # a taken port fails now, not after the model has loaded
     engine = open_engine(args)
     config = ServeConfig(
@@ -79,21 +113,66 @@ def run(args: argparse.Namespace) -> int:
         allow_origins=tuple(args.allow_origin),
         speculative=Speculation(args.speculative),
     )
-    server = LocalServer(
-        ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, config, engine.draft),
-        args.host,
-        args.port,
+    default = Servable(config.model_id, engine.model_dir, _size(engine.model_dir))
+    servable = servable_models(default, extra)
+    keep_alive = None if args.keep_alive < 0 else args.keep_alive
+    pool = ModelPool(servable, config, loader_for(args), max_models=args.max_models, keep_alive_s=keep_alive)
+    first = ModelService(
+        engine.locked_fork(), engine.tokenizer, engine.memory_factory, config, engine.draft, pool.metrics
     )
+    pool.adopt(config.model_id, first)
+    server = LocalServer(pool, args.host, args.port)
     if args.host not in (LOOPBACK, "localhost", "::1") and key is None:
         print(
             "warning: listening beyond this machine without --api-key; anyone who can reach it may use it.",
             file=sys.stderr,
         )
-    if server.service.rows < config.max_batch:
+    if first.rows < config.max_batch:
         print(
-            f"note: {server.service.rows} request(s) generate at once, not {config.max_batch}: that is what this process's memory holds.",
+            f"note: {first.rows} request(s) generate at once, not {config.max_batch}: that is what this process's memory holds.",
             file=sys.stderr,
         )
-    print(f"serving {config.model_id} at {server.url} (backend: {engine.choice.explain()})", file=sys.stderr)
+    others = f" and {len(servable) - 1} more by name" if len(servable) > 1 else ""
+    print(f"serving {config.model_id}{others} at {server.url} (backend: {engine.choice.explain()})", file=sys.stderr)
     server.serve_forever()
     return 0
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    except OSError:
+        return 0
+
+
+def servable_models(default: Servable, extra: list[Path]) -> list[Servable]:
+    """The default model first, then each --add-model, then the library's models (a name given twice: the first)."""
+    out = {default.name: default}
+    for path in extra:
+        out.setdefault(served_name(path), Servable(served_name(path), path, _size(path)))
+    for m in ModelStore(models_dir()).models():
+        out.setdefault(m.name, Servable(m.name, m.path.parent, m.size_bytes))
+    return list(out.values())
+
+
+def loader_for(args: argparse.Namespace) -> Callable[[Servable, ServeConfig, Metrics], ModelService]:
+    """Loads a model the way the first was loaded (backend, weights, KV type, prefix cache), refusing one the
+    machine's memory cannot hold (InsufficientMemory: the pool gives back an idle model and tries again)."""
+
+    def load(servable: Servable, config: ServeConfig, metrics: Metrics) -> ModelService:
+        assert servable.path is not None
+        policy = this_machine_policy()
+        factory = memory_factory_for(
+            servable.path, cache_dir=args.cache_dir, prefix_cache=not args.no_prefix_cache, policy=policy
+        )
+        engine = Engine.load(
+            servable.path,
+            args.backend,
+            memory_factory=factory,
+            policy=policy,
+            quantize=args.quantize,
+            kv_type=KVType(args.kv_type),
+        )
+        return ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, config, None, metrics)
+
+    return load

@@ -137,6 +137,7 @@ class Completion:
     drafted_tokens: int = 0  # speculation: drafts verified, and how many of them the target accepted
     accepted_tokens: int = 0
     verify_forwards: int = 0  # of `forwards`, those that verified drafts
+    reasoning: str = ""  # the reply's think block (settings.reasoning), apart from `text`, its answer
 
 
 class RowState:
@@ -271,6 +272,7 @@ class RowState:
             self.drafted,
             self.accepted,
             self.verifies,
+            "".join(reply.reasoning_pieces),
         )
 
 

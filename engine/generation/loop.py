@@ -21,6 +21,7 @@ import torch
 from engine.backends.base import Backend
 from engine.generation.beam import BeamForks, BeamSearch, BeamSettings, Hypothesis, check_room
 from engine.generation.constrained import Grammar, TokenMask
+from engine.generation.reasoning import ReasoningFormat, ReasoningSplitter, Think
 from engine.generation.sampling import Sample, Sampler, SamplingSettings, make_logits_processors, make_sampler
 from engine.generation.speculative import Controller, PromptLookup, Speculation, Speculator, resolve
 from engine.loading.tokenizer import Tokenizer
@@ -53,11 +54,15 @@ class GenerationSettings:
     grammar: Grammar | None = None  # constrained output (engine.generation.constrained): JSON schema, Lark, GBNF
     top_logprobs: int = 0  # each event carries this many most likely tokens with their logprobs
     beam: BeamSettings = field(default_factory=BeamSettings)  # beams > 1: beam search (engine.generation.beam)
+    # engine.generation.reasoning: the thinking asked for (read where the prompt is rendered), and how the reply is
+    # split into reasoning and answer (None: all of it is the answer; set by whoever rendered the prompt).
+    think: Think = Think.AUTO
+    reasoning: ReasoningFormat | None = None
 
 
 @dataclass(frozen=True)
 class GenerationEvent:
-    text: str  # new text since the previous event (may be "" while a multi-byte character or stop string is pending)
+    text: str  # new answer text since the previous event ("" while a multi-byte character, a stop string or a tag is pending)
     token: int | None  # the sampled id (None on a final event that carries no token)
     logprob: float | None
     prompt_tokens: int
@@ -69,6 +74,7 @@ class GenerationEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first, when settings ask
     beams: tuple[Hypothesis, ...] = ()  # beam search's final event: the best hypotheses, best first
     speculating: bool = False  # this reply verifies drafts (its settings ask for it and it pays here)
+    reasoning: str = ""  # new reasoning text since the previous event (settings.reasoning: the think block's)
 
 
 @dataclass(frozen=True)
@@ -283,7 +289,9 @@ class Reply:
         self.stops = StopMatcher(settings.stop)
         self.eos = frozenset() if settings.ignore_eos else tokenizer.eos_ids
         self.tokens: list[int] = []
-        self.pieces: list[str] = []  # the text emitted so far, event by event
+        self.pieces: list[str] = []  # the answer text emitted so far, event by event
+        self.reasoning_pieces: list[str] = []  # and the reasoning text
+        self.splitter = ReasoningSplitter(settings.reasoning) if settings.reasoning is not None else None
         self.finish_reason: FinishReason | None = None
         self.t0 = time.perf_counter() if t0 is None else t0
         self.t_first = self.t0
@@ -360,8 +368,16 @@ class Reply:
         now = time.perf_counter()
         n = len(self.tokens)
         rate = (n - 1) / (now - self.t_first) if n > 1 and now > self.t_first else 0.0
+        reasoning = ""
+        if self.splitter is not None:  # stop strings and EOS were found in the whole text; the split comes after
+            reasoning, text = self.splitter.push(text)
+            if reason is not None:
+                more_reasoning, more_text = self.splitter.flush()
+                reasoning, text = reasoning + more_reasoning, text + more_text
         if text:
             self.pieces.append(text)
+        if reasoning:
+            self.reasoning_pieces.append(reasoning)
         self.finish_reason = reason
         top = self.top if token is not None else ()
         return GenerationEvent(
@@ -376,6 +392,7 @@ class Reply:
             self.forwards,
             top,
             speculating=self.speculating,
+            reasoning=reasoning,
         )
 
 

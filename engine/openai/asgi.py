@@ -1,10 +1,14 @@
-"""The ASGI application (Starlette): OpenAI's routes over a `ModelService`.
+"""The ASGI application (Starlette): OpenAI's routes over the served models (engine.openai.pool: one loaded model,
+or every servable model by name).
 
-Routes: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions, and
-Ollama's POST /api/chat (engine.openai.ollama). Every failure is OpenAI's error object with its status (see
-engine.openai.errors; Ollama's `{"error": ...}` on its route); nothing else — no traceback, no HTML — ever reaches
-the client. A client that goes away (disconnect, or a failed send) cancels its request, so
-its row is free for the next one at the next step. CORS is off unless origins are named.
+Routes: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions,
+Ollama's POST /api/chat, /api/generate, /api/show, GET /api/tags, /api/ps (engine.openai.ollama), and Anthropic's
+POST /v1/messages and /v1/messages/count_tokens (engine.openai.anthropic). Every failure is OpenAI's error object
+with its status (see engine.openai.errors; Ollama's `{"error": ...}` and Anthropic's `{"type": "error", ...}` on
+their routes); nothing else — no traceback, no HTML — ever reaches the client. The key is taken as `Authorization:
+Bearer` or as Anthropic's `x-api-key`. A request holds a lease on its model until its reply is over. A client that
+goes away (disconnect, or a failed send) cancels its request, so its row is free for the next one at the next
+step. CORS is off unless origins are named.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from engine.errors import SparkError
 from engine.generation.batch import Completion
 from engine.generation.loop import GenerationEvent
-from engine.openai import ollama, protocol
+from engine.generation.reasoning import reasoning_style
+from engine.loading.tokenizer import Tokenizer
+from engine.openai import anthropic, ollama, protocol
 from engine.openai.errors import (
     CLIENT_CLOSED,
     ApiError,
@@ -40,8 +47,9 @@ from engine.openai.errors import (
     too_large,
     unknown_model,
 )
-from engine.openai.service import Job, ModelService, model_for_request
-from engine.openai.tools import ToolCall, ToolCallReader, read_reply
+from engine.openai.pool import Lease, ModelPool
+from engine.openai.service import Job, ModelService
+from engine.openai.tools import ToolCall, ToolCallReader, read_reply, template_knows_tools
 from engine.untrusted import JsonTooDeep, loads_bounded
 
 log = logging.getLogger("engine.serve")
@@ -55,6 +63,10 @@ def error_response(err: ApiError) -> JSONResponse:
 
 def ollama_error(err: ApiError) -> JSONResponse:
     return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
+
+
+def anthropic_error(err: ApiError) -> JSONResponse:
+    return JSONResponse(anthropic.error_body(err), status_code=err.status, headers=err.headers)
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -90,6 +102,7 @@ class SSEResponse(Response):
         jobs: list[Job],
         on_disconnect: Callable[[], None],
         content_type: bytes = b"text/event-stream; charset=utf-8",  # Ollama's route streams JSON lines instead
+        on_close: Callable[[], None] = lambda: None,  # once the response is over, however it ended (a lease)
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -99,7 +112,7 @@ class SSEResponse(Response):
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ]
-        self.chunks, self.jobs, self.on_disconnect = chunks, jobs, on_disconnect
+        self.chunks, self.jobs, self.on_disconnect, self.on_close = chunks, jobs, on_disconnect, on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         finished = False
@@ -124,6 +137,7 @@ class SSEResponse(Response):
             self.cancel()
             watcher.cancel()
             await self.chunks.aclose()
+            self.on_close()
 
     def cancel(self) -> None:
         for job in self.jobs:
@@ -135,12 +149,12 @@ def sse(obj: Any) -> str:
 
 
 class Api:
-    """The route handlers, bound to one service and its metrics."""
+    """The route handlers, bound to the pool of served models and its metrics."""
 
-    def __init__(self, service: ModelService) -> None:
-        self.service = service
-        self.config = service.config
-        self.metrics = service.metrics
+    def __init__(self, pool: ModelPool) -> None:
+        self.pool = pool
+        self.config = pool.config
+        self.metrics = pool.metrics
         self.created = int(time.time())
 
     # -- plumbing ----------------------------------------------------------------------------------------------
@@ -175,30 +189,38 @@ class Api:
             return
         given = request.headers.get("authorization", "")
         token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        token = token or request.headers.get("x-api-key", "").strip()  # Anthropic's header
         if not hmac.compare_digest(token.encode(), key.encode()):
             raise bad_key()
 
     def check_model(self, name: str) -> None:
-        if name != self.config.model_id:
-            raise unknown_model(name, self.config.model_id)
+        if name not in self.pool.servable:
+            raise unknown_model(name, self.pool.names)
 
-    def model_card(self) -> dict[str, Any]:
-        return {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "mlot-spark"}
+    def model_card(self, name: str) -> dict[str, Any]:
+        """A servable model; `loaded` (ours, as LM Studio's): whether it is resident now."""
+        loaded = self.pool.loaded(name)
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "mlot-spark", "loaded": loaded}
+
+    async def lease(self, requested: str, keep_alive_s: float | bool | None = False) -> Lease:
+        return await self.pool.acquire(requested, keep_alive_s)
 
     # -- routes ------------------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        s = self.service.scheduler
-        return JSONResponse({"status": "ok", "model": self.config.model_id, "running": s.running, "waiting": s.waiting})
+        running = sum(r.service.scheduler.running for r in self.pool.residents.values())
+        waiting = sum(r.service.scheduler.waiting for r in self.pool.residents.values())
+        body = {"status": "ok", "model": self.config.model_id, "running": running, "waiting": waiting}
+        return JSONResponse({**body, "loaded": list(self.pool.residents)})
 
     async def metrics_text(self, request: Request) -> Response:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self.model_card()]})
+        return JSONResponse({"object": "list", "data": [self.model_card(n) for n in self.pool.names]})
 
     async def model(self, request: Request) -> Response:
         self.check_model(request.path_params["model"])
-        return JSONResponse(self.model_card())
+        return JSONResponse(self.model_card(request.path_params["model"]))
 
     async def chat(self, request: Request) -> Response:
         req = protocol.parse_chat(await read_json(request, self.config.max_body_bytes), self.config.limits)
@@ -211,12 +233,57 @@ class Api:
     async def ollama_chat(self, request: Request) -> Response:
         """Ollama's /api/chat: one choice, streamed as JSON lines unless `stream` is false."""
         t0 = time.perf_counter_ns()
-        req = ollama.parse_chat(await read_json(request, self.config.max_body_bytes), self.config.limits)
-        req.model = model_for_request(req.model, [self.config.model_id])
-        jobs = await self.service.start(req)
+        body = await read_json(request, self.config.max_body_bytes)
+        return await self.ollama_reply(request, ollama.parse_chat(body, self.config.limits), body, t0, generate=False)
+
+    async def ollama_generate(self, request: Request) -> Response:
+        """Ollama's /api/generate: the prompt as the user's turn (as it is with `raw`); an empty prompt only loads
+        the model (unloads it with `keep_alive` 0), as Ollama's does."""
+        t0 = time.perf_counter_ns()
+        body = await read_json(request, self.config.max_body_bytes)
+        chat_body, raw = ollama.generate_body(body)
+        if not chat_body["messages"][-1]["content"]:
+            keep = ollama.keep_alive(body)
+            lease = await self.lease(str(body.get("model") or ""), keep)
+            lease.release()
+            unload = keep is not False and keep == 0  # False: not sent (False == 0 in Python)
+            if unload:
+                await self.pool.unload(lease.name)
+            reason = "unload" if unload else "load"
+            done = {"model": lease.name, "created_at": ollama.now(), "response": "", "done": True}
+            return JSONResponse({**done, "done_reason": reason})
+        openai_body = ollama.openai_body(chat_body)
+        if raw:
+            prompt = chat_body["messages"][-1]["content"]
+            openai_body = {k: v for k, v in openai_body.items() if k != "messages"} | {"prompt": prompt}
+            req = protocol.parse_completion(openai_body, self.config.limits)
+        else:
+            req = protocol.parse_chat(openai_body, self.config.limits)
+        return await self.ollama_reply(request, req, body, t0, generate=True)
+
+    async def ollama_reply(
+        self, request: Request, req: protocol.ParsedRequest, body: Any, t0: int, *, generate: bool
+    ) -> Response:
+        lease = await self.lease(req.model, ollama.keep_alive(body))
+        req.model = lease.name
+        try:
+            jobs = await lease.service.start(req)
+        except BaseException:
+            lease.release()
+            raise
         if req.stream:
-            lines = self.ollama_lines(jobs[0], req.model, t0)
-            return SSEResponse(lines, jobs, lambda: self.metrics.disconnected("ollama_chat"), b"application/x-ndjson")
+            lines = self.ollama_lines(jobs[0], req.model, t0, generate)
+            endpoint = "ollama_generate" if generate else "ollama_chat"
+            disconnected = lambda: self.metrics.disconnected(endpoint)  # noqa: E731
+            return SSEResponse(lines, jobs, disconnected, b"application/x-ndjson", lease.release)
+        try:
+            return await self.ollama_whole(request, req, jobs, t0, generate)
+        finally:
+            lease.release()
+
+    async def ollama_whole(
+        self, request: Request, req: protocol.ParsedRequest, jobs: list[Job], t0: int, generate: bool
+    ) -> Response:
         gone = asyncio.Event()
 
         async def watch() -> None:  # the client leaving while it waits cancels the job
@@ -234,40 +301,177 @@ class Api:
         if gone.is_set():
             raise client_gone()
         c = self.finish(jobs[0])
-        return JSONResponse(ollama.final(req.model, c, c.text, time.perf_counter_ns() - t0))
+        shape = ollama.generate_final if generate else ollama.final
+        return JSONResponse(shape(req.model, c, c.text, time.perf_counter_ns() - t0, c.reasoning))
 
-    async def ollama_lines(self, job: Job, model: str, t0: int) -> AsyncGenerator[str, None]:
+    async def ollama_lines(self, job: Job, model: str, t0: int, generate: bool) -> AsyncGenerator[str, None]:
+        piece = ollama.generate_chunk if generate else ollama.chunk
         async with contextlib.aclosing(job.events()) as events:
             async for ev in events:
-                if ev.text:
-                    yield json.dumps(ollama.chunk(model, ev.text), ensure_ascii=False) + "\n"
+                if ev.text or ev.reasoning:
+                    yield json.dumps(piece(model, ev.text, ev.reasoning), ensure_ascii=False) + "\n"
         try:
             c = self.finish(job)
         except ApiError as err:  # the status line is gone already: the error travels as a line
             yield json.dumps({"error": err.message}) + "\n"
             return
-        yield json.dumps(ollama.final(model, c, "", time.perf_counter_ns() - t0)) + "\n"
+        last = ollama.generate_final if generate else ollama.final
+        yield json.dumps(last(model, c, "", time.perf_counter_ns() - t0)) + "\n"
+
+    async def ollama_tags(self, request: Request) -> Response:
+        """Ollama's /api/tags: every servable model."""
+        models = [ollama.model_entry(s.name, s.size_bytes) for s in self.pool.servable.values()]
+        return JSONResponse({"models": models})
+
+    async def ollama_ps(self, request: Request) -> Response:
+        """Ollama's /api/ps: the models resident now, and when each unloads for idleness."""
+        models = []
+        for name in self.pool.residents:
+            servable = self.pool.servable.get(name)
+            entry = ollama.model_entry(name, servable.size_bytes if servable else 0)
+            models.append({**entry, "expires_at": ollama.expires_at(self.pool.expires_in(name)), "size_vram": 0})
+        return JSONResponse({"models": models})
+
+    async def ollama_show(self, request: Request) -> Response:
+        """Ollama's /api/show: a model's chat template and capabilities, read without loading its weights."""
+        body = await read_json(request, self.config.max_body_bytes)
+        requested = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
+        if not isinstance(requested, str):
+            raise bad_request("'model' must name a model (see GET /api/tags).", "model")
+        name = self.pool.resolve(requested)
+        resident = self.pool.residents.get(name)
+        if resident is not None:
+            template = resident.service.tokenizer.chat_template
+        else:
+            path = self.pool.servable[name].path
+            try:
+                template = (await asyncio.to_thread(Tokenizer.load, path)).chat_template if path else None
+            except SparkError as exc:
+                raise bad_request(str(exc), "model") from None
+        capabilities = ["completion"]
+        capabilities += ["tools"] if template_knows_tools(template) else []
+        capabilities += ["thinking"] if reasoning_style(template).reasons else []
+        return JSONResponse(ollama.show(name, template, capabilities, self.config.max_prompt_tokens))
+
+    async def anthropic_messages(self, request: Request) -> Response:
+        """Anthropic's /v1/messages (engine.openai.anthropic): one reply, streamed as its events when asked."""
+        req = anthropic.parse_messages(await read_json(request, self.config.max_body_bytes), self.config.limits)
+        chat = req.chat
+        lease = await self.lease(chat.model)
+        chat.model = lease.name
+        try:
+            jobs = await lease.service.start(chat)
+        except BaseException:
+            lease.release()
+            raise
+        rid = anthropic.new_id()
+        if chat.stream:
+            events = self.anthropic_events(jobs[0], req, rid, lease.service)
+            disconnected = lambda: self.metrics.disconnected("anthropic_messages")  # noqa: E731
+            return SSEResponse(events, jobs, disconnected, on_close=lease.release)
+        try:
+            return await self.anthropic_whole(request, req, jobs, rid, lease.service)
+        finally:
+            lease.release()
+
+    async def anthropic_whole(
+        self, request: Request, req: anthropic.MessagesRequest, jobs: list[Job], rid: str, service: ModelService
+    ) -> Response:
+        chat = req.chat
+        gone = asyncio.Event()
+
+        async def watch() -> None:  # the client leaving while it waits cancels the job
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+            jobs[0].cancel_unless_done()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for _ in jobs[0].events():
+                pass
+        finally:
+            watcher.cancel()
+        if gone.is_set():
+            raise client_gone()
+        c = self.finish(jobs[0])
+        raw = service.tokenizer.decode(c.tokens, skip_special=False)
+        return JSONResponse(anthropic.message(rid, chat.model, req, c, raw))
+
+    async def anthropic_events(
+        self, job: Job, req: anthropic.MessagesRequest, rid: str, service: ModelService
+    ) -> AsyncGenerator[str, None]:
+        writer: anthropic.StreamWriter | None = None
+        async with contextlib.aclosing(job.events()) as events:
+            async for ev in events:
+                if writer is None:
+                    writer = anthropic.StreamWriter(rid, req.chat.model, req, ev.prompt_tokens)
+                    for out in writer.start():
+                        yield out
+                for out in writer.event(ev):
+                    yield out
+        try:
+            c = self.finish(job)
+        except ApiError as err:  # the status line is gone already: the error travels as an event
+            yield anthropic.sse("error", anthropic.error_body(err))
+            return
+        if writer is None:
+            writer = anthropic.StreamWriter(rid, req.chat.model, req, c.prompt_tokens)
+            for out in writer.start():
+                yield out
+        for out in writer.end(c, service.tokenizer.decode(c.tokens, skip_special=False)):
+            yield out
+
+    async def anthropic_count_tokens(self, request: Request) -> Response:
+        """Anthropic's /v1/messages/count_tokens: the prompt's tokens as the chat template renders it."""
+        body = await read_json(request, self.config.max_body_bytes)
+        req = anthropic.parse_messages(body, self.config.limits, counting=True)
+        lease = await self.lease(req.chat.model)
+        try:
+            ids = await asyncio.to_thread(lease.service.prompt_ids, req.chat)
+        except SparkError as exc:
+            raise bad_request(str(exc)) from None
+        finally:
+            lease.release()
+        return JSONResponse({"input_tokens": len(ids)})
 
     # -- generation --------------------------------------------------------------------------------------------
     async def generate(self, request: Request, req: protocol.ParsedRequest, *, chat: bool) -> Response:
-        # Any name a client sends is served by the loaded model (one per server: nothing else can match), and
-        # the reply names the model that wrote it.
-        req.model = model_for_request(req.model, [self.config.model_id])
-        jobs = await self.service.start(req)
+        # The model the request names (engine.openai.pool), loaded first when it is not resident; the reply names
+        # the model that wrote it.
+        lease = await self.lease(req.model)
+        req.model = lease.name
+        try:
+            jobs = await lease.service.start(req)
+        except BaseException:
+            lease.release()
+            raise
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
             endpoint = "chat" if chat else "completions"
-            return SSEResponse(self.stream(jobs, req, rid, chat), jobs, lambda: self.metrics.disconnected(endpoint))
-        return await self.whole(request, jobs, req, rid, chat)
+            chunks = self.stream(jobs, req, rid, chat, lease.service)
+            return SSEResponse(chunks, jobs, lambda: self.metrics.disconnected(endpoint), on_close=lease.release)
+        try:
+            return await self.whole(request, jobs, req, rid, chat, lease.service)
+        finally:
+            lease.release()
 
-    def logprob(self, req: protocol.ParsedRequest, ev: GenerationEvent) -> protocol.TokenLogprob | None:
+    def logprob(
+        self, req: protocol.ParsedRequest, ev: GenerationEvent, service: ModelService
+    ) -> protocol.TokenLogprob | None:
         if not req.logprobs or ev.token is None or ev.logprob is None:
             return None
-        top = tuple((self.service.token_text(t), lp) for t, lp in ev.top_logprobs)
-        return protocol.TokenLogprob(self.service.token_text(ev.token), ev.logprob, top)
+        top = tuple((service.token_text(t), lp) for t, lp in ev.top_logprobs)
+        return protocol.TokenLogprob(service.token_text(ev.token), ev.logprob, top)
 
     async def whole(
-        self, request: Request, jobs: list[Job], req: protocol.ParsedRequest, rid: str, chat: bool
+        self,
+        request: Request,
+        jobs: list[Job],
+        req: protocol.ParsedRequest,
+        rid: str,
+        chat: bool,
+        service: ModelService,
     ) -> Response:
         """A non-streaming reply; the client leaving while it waits cancels the jobs."""
 
@@ -283,7 +487,7 @@ class Api:
         async def collect(job: Job) -> list[protocol.TokenLogprob]:
             entries = []
             async for ev in job.events():
-                if (entry := self.logprob(req, ev)) is not None:
+                if (entry := self.logprob(req, ev, service)) is not None:
                     entries.append(entry)
             return entries
 
@@ -306,7 +510,7 @@ class Api:
         return JSONResponse(shape(rid, req.model, choices, cs))
 
     async def stream(
-        self, jobs: list[Job], req: protocol.ParsedRequest, rid: str, chat: bool
+        self, jobs: list[Job], req: protocol.ParsedRequest, rid: str, chat: bool, service: ModelService
     ) -> AsyncGenerator[str, None]:
         """Every choice's chunks as its events come (choices interleave, each chunk names its index), then each
         choice's final chunk, the usage and [DONE]. Tool calls go out as whole `tool_calls` deltas once each call's
@@ -335,7 +539,7 @@ class Api:
                 if ev is None:
                     left -= 1
                     continue
-                entry = self.logprob(req, ev)
+                entry = self.logprob(req, ev, service)
                 lp = None
                 if entry is not None:
                     lp = protocol.chat_logprobs([entry]) if chat else protocol.completion_logprobs([entry], offsets[i])
@@ -345,6 +549,8 @@ class Api:
                     text, new = reader.push(ev.text)
                     if ev.finish_reason is not None:
                         text += reader.flush()
+                if chat and ev.reasoning:  # the think block, apart from the answer (llama.cpp's and vLLM's delta)
+                    yield sse(protocol.chat_chunk(rid, model, created, {"reasoning_content": ev.reasoning}, index=i))
                 if text or lp is not None:
                     offsets[i] += len(text)
                     yield sse(
@@ -385,8 +591,10 @@ class Api:
         return c
 
 
-def create_app(service: ModelService) -> Starlette:
-    api = Api(service)
+def create_app(served: ModelService | ModelPool) -> Starlette:
+    """The app over one loaded model, or over a pool of every servable model (engine.openai.pool)."""
+    pool = served if isinstance(served, ModelPool) else ModelPool.single(served)
+    api = Api(pool)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 404
@@ -401,13 +609,29 @@ def create_app(service: ModelService) -> Starlette:
         Route("/v1/chat/completions", api.route("chat", api.chat), methods=["POST"]),
         Route("/v1/completions", api.route("completions", api.completions), methods=["POST"]),
         Route("/api/chat", api.route("ollama_chat", api.ollama_chat, errors=ollama_error), methods=["POST"]),
+        Route(
+            "/api/generate", api.route("ollama_generate", api.ollama_generate, errors=ollama_error), methods=["POST"]
+        ),
+        Route("/api/tags", api.route("ollama_tags", api.ollama_tags, errors=ollama_error), methods=["GET"]),
+        Route("/api/ps", api.route("ollama_ps", api.ollama_ps, errors=ollama_error), methods=["GET"]),
+        Route("/api/show", api.route("ollama_show", api.ollama_show, errors=ollama_error), methods=["POST"]),
+        Route(
+            "/v1/messages",
+            api.route("anthropic_messages", api.anthropic_messages, errors=anthropic_error),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/messages/count_tokens",
+            api.route("anthropic_count_tokens", api.anthropic_count_tokens, errors=anthropic_error),
+            methods=["POST"],
+        ),
     ]
     middleware = []
-    if service.config.allow_origins:
+    if pool.config.allow_origins:
         middleware.append(
             Middleware(
                 CORSMiddleware,
-                allow_origins=list(service.config.allow_origins),
+                allow_origins=list(pool.config.allow_origins),
                 allow_methods=["GET", "POST"],
                 allow_headers=["*"],
             )

@@ -339,10 +339,12 @@ class RemoteClient:
     ) -> Iterator[GenerationEvent]:
         n, prompt_tokens, t_first, reason, chunks = 0, 0, t0, None, 0
 
-        def event(text: str, final: FinishReason | None) -> GenerationEvent:
+        def event(text: str, final: FinishReason | None, reasoning: str = "") -> GenerationEvent:
             now = time.perf_counter()
             rate = (n - 1) / (now - t_first) if n > 1 and now > t_first else 0.0
-            return GenerationEvent(text, None, None, prompt_tokens, n, t_first - t0 if n else 0.0, rate, final)
+            return GenerationEvent(
+                text, None, None, prompt_tokens, n, t_first - t0 if n else 0.0, rate, final, reasoning=reasoning
+            )
 
         for line in lines:
             if should_stop():
@@ -369,13 +371,23 @@ class RemoteClient:
                     continue
                 delta = choice.get("delta") or {}
                 text = delta.get("content") if isinstance(delta, dict) else None
+                # llama.cpp's and vLLM's `reasoning_content` (some servers say `reasoning`): the think block
+                thought = (
+                    (delta.get("reasoning_content") or delta.get("reasoning")) if isinstance(delta, dict) else None
+                )
                 reason = choice.get("finish_reason") or reason
-                if isinstance(text, str) and text:
-                    text = text.encode("utf-8", "replace").decode("utf-8")  # a lone surrogate (JSON's \\ud800) as "?"
+                text = text if isinstance(text, str) else ""
+                thought = thought if isinstance(thought, str) else ""
+                if text or thought:
                     n += 1
                     if n == 1:
                         t_first = time.perf_counter()
-                    yield event(text, None)
+                    # a lone surrogate (JSON's \\ud800) as "?"
+                    yield event(
+                        text.encode("utf-8", "replace").decode("utf-8"),
+                        None,
+                        thought.encode("utf-8", "replace").decode("utf-8"),
+                    )
         if not chunks:  # a 200 with no event at all (an empty body, a page, plain text): not an empty answer
             raise RemoteError(
                 f"The server at {self.server.url} sent no reply in OpenAI's streaming format; check the address."

@@ -3,6 +3,7 @@ OpenAI-compatible clients act on (400 bad request, 401 key, 404 model, 413 too l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +34,11 @@ def bad_key() -> ApiError:
     )
 
 
-def unknown_model(name: str, served: str) -> ApiError:
+def unknown_model(name: str, served: Sequence[str]) -> ApiError:
+    listed = ", ".join(repr(n) for n in served[:20]) + (" and more" if len(served) > 20 else "")
     return ApiError(
         404,
-        f"The model {name!r} does not exist here; this server serves {served!r}.",
+        f"The model {name!r} is not here; this server serves {listed} (see GET /v1/models).",
         param="model",
         code="model_not_found",
     )

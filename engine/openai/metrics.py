@@ -63,6 +63,10 @@ class Metrics:
         self.speculative_forwards = 0
         self.speculative_tokens = 0
         self.sources = sources or {}  # gauge name -> reader (help text is the name's own description below)
+        # Models loaded and unloaded by name (engine.openai.pool), and the seconds each load took.
+        self.loads: dict[str, int] = {}
+        self.unloads: dict[str, int] = {}
+        self.load_seconds: dict[str, float] = {}
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
@@ -95,6 +99,13 @@ class Metrics:
         self.verify_forwards += verifies
         self.speculative_forwards += forwards
         self.speculative_tokens += max(0, completion_tokens - 1)  # the first token comes from the prompt's forward
+
+    def model_loaded(self, model: str, seconds: float) -> None:
+        self.loads[model] = self.loads.get(model, 0) + 1
+        self.load_seconds[model] = self.load_seconds.get(model, 0.0) + seconds
+
+    def model_unloaded(self, model: str) -> None:
+        self.unloads[model] = self.unloads.get(model, 0) + 1
 
     def render(self) -> str:
         out = [
@@ -151,6 +162,23 @@ class Metrics:
             "# TYPE spark_decode_tokens_per_second histogram",
         ]
         out += self.tokens_per_s.render("spark_decode_tokens_per_second")
+        for name, values, text, kind in (
+            ("spark_model_loads_total", self.loads, "Models loaded, by name.", "counter"),
+            (
+                "spark_model_unloads_total",
+                self.unloads,
+                "Models unloaded (idle, least recently used), by name.",
+                "counter",
+            ),
+            ("spark_model_load_seconds_total", self.load_seconds, "Seconds spent loading each model.", "counter"),
+        ):
+            out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            out += [f'{name}{{model="{_label(model)}"}} {value:.6g}' for model, value in sorted(values.items())]
         for name, read in sorted(self.sources.items()):
             out += [f"# TYPE {name} gauge", f"{name} {read():.6g}"]
         return "\n".join(out) + "\n"
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value: backslash, quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -18,7 +18,8 @@ from typing import Any
 from engine.generation.batch import Completion
 from engine.generation.beam import MAX_BEAMS, BeamSettings, EarlyStopping
 from engine.generation.loop import FinishReason, GenerationSettings
-from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
+from engine.generation.reasoning import Think
+from engine.generation.sampling import MAX_PENALTY, MIN_PENALTY, InvalidSamplingSettings, SamplingSettings
 from engine.generation.speculative import Speculation
 from engine.openai.errors import bad_request
 from engine.openai.tools import ToolCall, ToolSpec, parse_response_format, parse_tools, tool_grammar
@@ -200,6 +201,12 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), i)}
         if role == "assistant" and m.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "assistant" and m.get("reasoning_content") is not None:  # llama.cpp's and vLLM's field
+            if not isinstance(m["reasoning_content"], str):
+                raise bad_request(
+                    f"messages[{i}].reasoning_content must be a string.", f"messages[{i}].reasoning_content"
+                )
+            msg["reasoning_content"] = m["reasoning_content"]
         if role == "tool":
             call_id = m.get("tool_call_id")
             if not isinstance(call_id, str):
@@ -226,7 +233,11 @@ def _common(body: dict[str, Any], limits: Limits) -> tuple[str, GenerationSettin
         if _num(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise bad_request(f"'{name}' other than 0 is not supported by this server.", name)
     _logit_bias(body)
-    sampling = SamplingSettings(temperature=temperature, top_p=top_p, seed=seed, greedy=temperature == 0.0)
+    # vLLM's extension; none unless the request sends one, so temperature 0 is the argmax of the model's logits.
+    penalty = _num(body, "repetition_penalty", 1.0, MIN_PENALTY, MAX_PENALTY)
+    sampling = SamplingSettings(
+        temperature=temperature, top_p=top_p, seed=seed, greedy=temperature == 0.0, repetition_penalty=penalty
+    )
     try:
         sampling.validate()  # the one check the CLI, the app and sessions share (denormal temperatures...)
     except InvalidSamplingSettings as exc:
@@ -247,10 +258,38 @@ def _common(body: dict[str, Any], limits: Limits) -> tuple[str, GenerationSettin
     return model, settings, stream, include_usage
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _think(body: dict[str, Any]) -> Think:
+    """The thinking a chat request asks for, for a model that reasons: OpenAI's `reasoning_effort` ("none": off,
+    any other effort: on; the model has no finer dial), vLLM's `chat_template_kwargs.enable_thinking`, or our
+    `think` (true/false, as Ollama's); none of them: the model's default."""
+    effort = body.get("reasoning_effort")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
+    flags = [("think", body.get("think")), ("chat_template_kwargs", (kwargs or {}).get("enable_thinking"))]
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}.", "reasoning_effort")
+        flags.append(("reasoning_effort", effort != "none"))
+    asked = {name: v for name, v in flags if v is not None}
+    for name, v in asked.items():
+        if not isinstance(v, bool):
+            raise bad_request(f"'{name}' must turn thinking on or off with true or false.", name)
+    if len(set(asked.values())) > 1:
+        raise bad_request("The request asks for thinking both on and off; send one switch.", next(iter(asked)))
+    if not asked:
+        return Think.AUTO
+    return Think.ON if next(iter(asked.values())) else Think.OFF
+
+
 def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     model, settings, stream, include_usage = _common(body, limits)
+    settings.think = _think(body)
     messages = _messages(body)
     logprobs = _bool(body, "logprobs")
     settings.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
@@ -412,11 +451,16 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[st
     }
 
 
-def chat_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
-    """The assistant message of a reply: its text, and its tool calls when it made any (then content may be null)."""
-    if not calls:
-        return {"role": "assistant", "content": content}
-    return {"role": "assistant", "content": content or None, "tool_calls": [c.as_openai() for c in calls]}
+def chat_message(content: str, calls: list[ToolCall], reasoning: str = "") -> dict[str, Any]:
+    """The assistant message of a reply: its text, its reasoning (`reasoning_content`, as llama.cpp and vLLM return
+    it) when it thought, and its tool calls when it made any (then content may be null)."""
+    out: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    if calls:
+        out["content"] = content or None
+        out["tool_calls"] = [c.as_openai() for c in calls]
+    return out
 
 
 def chat_choice(
@@ -424,7 +468,7 @@ def chat_choice(
 ) -> dict[str, Any]:
     return {
         "index": index,
-        "message": chat_message(content, calls),
+        "message": chat_message(content, calls, c.reasoning),
         "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
         "finish_reason": finish_reason(c.finish_reason, bool(calls)),
     }

@@ -12,6 +12,7 @@ import uvicorn
 
 from engine.errors import SparkError
 from engine.openai.asgi import create_app
+from engine.openai.pool import ModelPool
 from engine.openai.service import ModelService
 
 LOOPBACK = "127.0.0.1"
@@ -42,7 +43,7 @@ def bind(host: str, port: int) -> socket.socket:
 class LocalServer:
     """The server for `service` on host:port. `start()` runs it on a thread; `stop()` ends it and the scheduler."""
 
-    service: ModelService
+    service: ModelService | ModelPool  # one loaded model, or every servable model by name
     host: str = LOOPBACK
     port: int = 8080
 

@@ -25,6 +25,14 @@ from engine.backends.base import Backend
 from engine.errors import InputTooLarge, InsufficientMemory, SparkError
 from engine.generation.batch import Completion, RowMemoryFactory
 from engine.generation.loop import GenerationEvent, GenerationSettings
+from engine.generation.reasoning import (
+    ReasoningFormat,
+    history,
+    opens_in_prompt,
+    reasoning_style,
+    switched,
+    think_tokens,
+)
 from engine.generation.scheduler import QueueFull, Request, Scheduler, SchedulerClosed, SchedulerConfig
 from engine.generation.speculative import Drafter, DraftModel, Speculation
 from engine.hw.memory import allocatable_bytes, format_bytes
@@ -43,12 +51,6 @@ DEFAULT_SLOTS = 2048  # slots per row for a memory that does not say (full atten
 def served_name(model: Path) -> str:
     """The name clients send as "model" for a model folder or GGUF file: its folder name or file stem."""
     return model.stem if model.suffix == ".gguf" else model.name
-
-
-def model_for_request(requested: str, loaded: Sequence[str]) -> str:
-    """The loaded model a request names: the one whose name it sends, else the first loaded. Clients send
-    placeholders ("gpt-4o", "local-model", "x") that name nothing here; refusing them helps no one."""
-    return requested if requested in loaded else loaded[0]
 
 
 @dataclass(frozen=True)
@@ -187,12 +189,16 @@ class ModelService:
         memory_factory: RowMemoryFactory | Callable[..., Memory],
         config: ServeConfig,
         draft: Backend | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """`draft`: a draft model's backend (same vocabulary), for requests speculating with "draft"; each row
-        drafts on a fork of its own, made when a row first needs it."""
+        drafts on a fork of its own, made when a row first needs it. `metrics`: where finished requests are counted
+        (a server of several models shares one; None: this service's own)."""
         self.config = config
         self.draft = draft
         self.tokenizer = tokenizer
+        # Does the model think, and how is it switched (its template, and think tags in its vocabulary)
+        self.reasoning = reasoning_style(tokenizer.chat_template, think_tokens(tokenizer.token_to_id))
         self.memories: list[Memory] = []
         try:
             probe = memory_factory(backend, 0)  # a cascade sizes the slot table itself (batch 1); read its size off it
@@ -238,7 +244,7 @@ class ModelService:
                 f"The server cannot allocate its slot table for {self.rows} request(s) of {num_slots:,} slots; "
                 "free memory or raise the memory limit."
             ) from None
-        self.metrics = Metrics(self.gauges())
+        self.metrics = metrics if metrics is not None else Metrics(self.gauges())
 
     def close(self) -> None:
         self.beams.close()
@@ -246,13 +252,22 @@ class ModelService:
 
     # -- requests ----------------------------------------------------------------------------------------------
     def prompt_ids(self, req: ParsedRequest) -> list[int]:
-        """Prompt ids for a chat (through the chat template) or a completion (raw text, or ids as given)."""
+        """Prompt ids for a chat (through the chat template) or a completion (raw text, or ids as given). A chat
+        with a model that reasons gets its thinking switch applied and its reply split (`req.settings.reasoning`)."""
         tok = self.tokenizer
         if req.messages is not None:
             if tok.chat_template is None:
                 raise bad_request("This model has no chat template; use /v1/completions with a raw prompt.", "messages")
-            messages, extra = chat_inputs(req.messages, req.tools, tok.chat_template)
-            ids = tok.encode_chat(messages, **extra)
+            style = self.reasoning
+            messages, extra = chat_inputs(history(style, req.messages), req.tools, tok.chat_template)
+            messages, extra = switched(style, req.settings.think, messages, extra)
+            rendered = tok.apply_chat_template(messages, **extra)
+            ids = tok.encode(rendered, add_bos=False)
+            inside = opens_in_prompt(rendered)
+            # A grammar shapes the reply from its first token: under one, a prompt that opened a think block gets
+            # no split (its constrained answer is not reasoning).
+            if style.reasons and not (inside and req.settings.grammar is not None):
+                req.settings = replace(req.settings, reasoning=ReasoningFormat(inside))
         elif isinstance(req.prompt, str):
             ids = tok.encode(req.prompt)
         else:

@@ -21,7 +21,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,16 @@ from engine.generation.loop import (
     PrefillProgress,
     controller_for,
     stream_generate,
+)
+from engine.generation.reasoning import (
+    ReasoningFormat,
+    ReasoningStyle,
+    Think,
+    history,
+    opens_in_prompt,
+    reasoning_style,
+    switched,
+    think_tokens,
 )
 from engine.generation.sampling import Sampler, SamplingSettings, make_sampler
 from engine.generation.speculative import Controller, DraftModel, PromptLookup, Speculation, Speculator
@@ -89,10 +99,13 @@ class LoadReport:
 @dataclass
 class ChatMessage:
     role: str  # "system" | "user" | "assistant" | "tool" (a tool's result, app.worker.tool_turns)
-    content: str
+    content: str  # an assistant's answer, without its thinking
     timestamp: float = field(default_factory=time.time)
+    reasoning: str = ""  # an assistant's think block (engine.generation.reasoning), kept apart from the answer
 
     def as_template_dict(self) -> dict[str, str]:
+        if self.reasoning:  # OpenAI-style (llama.cpp, vLLM): templates that want earlier thinking read this key
+            return {"role": self.role, "content": self.content, "reasoning_content": self.reasoning}
         return {"role": self.role, "content": self.content}
 
 
@@ -156,6 +169,11 @@ class Engine:
     @property
     def backend(self) -> Backend:
         return self.choice.backend
+
+    @functools.cached_property
+    def reasoning(self) -> ReasoningStyle:
+        """Whether the model thinks before it answers and how that is switched, from its chat template."""
+        return reasoning_style(self.tokenizer.chat_template, think_tokens(self.tokenizer.token_to_id))
 
     @functools.cached_property
     def sampling_defaults(self) -> ModelSampling:
@@ -258,13 +276,18 @@ class Session:
         pacer: Pacer | None = None,
     ) -> Iterator[GenerationEvent]:
         """Stream a reply to `messages` (the whole conversation so far, last one from the user)."""
-        msgs = [m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"]) for m in messages]
+        msgs = [
+            m
+            if isinstance(m, ChatMessage)
+            else ChatMessage(m["role"], m["content"], reasoning=m.get("reasoning_content", ""))
+            for m in messages
+        ]
         if self.messages is not messages:
             self.messages = list(msgs)
-        rendered = self._render(add_generation_prompt=True)
+        rendered = self._render(add_generation_prompt=True, think=settings.think)
         self._check_size(rendered)  # what the template made of the text, not only what was typed
         ids = self._ids_for_text(rendered)
-        return self._run(ids, settings, should_stop, pacer, reply_to_messages=True)
+        return self._run(ids, self._split(settings, rendered), should_stop, pacer, reply_to_messages=True)
 
     def read_transcript(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Bring memory in step with `messages` without replying (a branch): feeds what memory does not hold yet."""
@@ -320,6 +343,8 @@ class Session:
         if self.pending_token is None:
             raise InputTooLarge("There is no reply to continue; send a prompt first.")
         extend = bool(self.messages) and self.messages[-1].role == "assistant"
+        if extend:  # a reply cut short inside its thinking goes on thinking
+            settings = self._split(settings, self.known_text)
         return self._run(self._pending(), settings, should_stop, pacer, reply_to_messages=extend, extend_last=extend)
 
     # -- files ------------------------------------------------------------------------------------------------
@@ -346,7 +371,7 @@ class Session:
             path,
             fingerprint=self.backend.fingerprint,
             tokenizer_hash=self.tokenizer.content_hash,
-            messages=[Message(m.role, m.content, m.timestamp) for m in self.messages],
+            messages=[Message(m.role, m.content, m.timestamp, m.reasoning) for m in self.messages],
             system_prompt=self.system_prompt,
             settings={"sampling": asdict(self.sampler.settings)},
             memory_state=state,
@@ -387,7 +412,7 @@ class Session:
             path, fork, self.engine.memory_factory, tokenizer_hash=self.tokenizer.content_hash, recompute=recompute
         )
         data = outcome.data
-        messages = [ChatMessage(m.role, m.content, m.timestamp or time.time()) for m in data.messages]
+        messages = [ChatMessage(m.role, m.content, m.timestamp or time.time(), m.reasoning) for m in data.messages]
         if isinstance(outcome, ForeignModelSession):
             if not accept_transcript_only:
                 return LoadReport(False, True, False, len(messages), 0, outcome.reason)
@@ -445,10 +470,18 @@ class Session:
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
         return msgs
 
-    def _render(self, add_generation_prompt: bool) -> str:
-        messages = self._template_messages()
+    def _render(self, add_generation_prompt: bool, think: Think = Think.AUTO) -> str:
+        style = self.engine.reasoning
+        messages = history(style, self._template_messages())  # earlier thinking only where the template reads it
         msgs, extra = self.template_inputs(messages) if self.template_inputs is not None else (messages, {})
+        msgs, extra = switched(style, think, msgs, extra)
         return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
+
+    def _split(self, settings: GenerationSettings, rendered: str) -> GenerationSettings:
+        """`settings` with the reply's split into reasoning and answer, for a model that reasons."""
+        if not self.engine.reasoning.reasons or settings.reasoning is not None:
+            return settings
+        return replace(settings, reasoning=ReasoningFormat(inside=opens_in_prompt(rendered)))
 
     def _pending(self) -> list[int]:
         return [self.pending_token] if self.pending_token is not None else []
@@ -550,6 +583,7 @@ class Session:
                 reply += ev.text
                 if reply_to_messages:
                     self.messages[-1].content += ev.text
+                    self.messages[-1].reasoning += ev.reasoning
                 yield ev
         finally:
             if settings.beam.beams > 1:  # the beams' forks ran forwards the feed log cannot attribute
@@ -561,5 +595,6 @@ class Session:
                 # next turn feeds the rest (or re-reads, when the partial text is not a clean prefix).
                 self.known_text = self.tokenizer.decode(list(self.memory.tokens), skip_special=False)
                 self.pending_token = None
-            if reply_to_messages and not extend_last and not self.messages[-1].content and not tokens:
+            last = self.messages[-1] if reply_to_messages and not extend_last else None
+            if last is not None and not last.content and not last.reasoning and not tokens:
                 self.messages.pop()

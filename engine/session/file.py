@@ -209,7 +209,11 @@ def inspect_session(path: str | Path) -> dict[str, JSONValue]:
         "created": fields["created"],
         "saved": fields["saved"],
         "system_prompt": fields["system_prompt"],
-        "messages": [{"role": m.role, "content": m.content, "timestamp": m.timestamp} for m in fields["messages"]],
+        "messages": [
+            {"role": m.role, "content": m.content, "timestamp": m.timestamp}
+            | ({"reasoning": m.reasoning} if m.reasoning else {})
+            for m in fields["messages"]
+        ],
         "token_count": len(fields["token_ids"]) + (fields["pending_token"] is not None),
         "pending_token": fields["pending_token"],
         "memory_kind": fields["memory_meta"].get("kind"),

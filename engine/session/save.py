@@ -33,7 +33,15 @@ def _message_json(m: Message | Mapping[str, Any] | Any) -> dict[str, JSONValue]:
     # Accepts engine.session.types.Message, engine.session.engine.ChatMessage (same attributes) or a plain mapping.
     get = m.get if isinstance(m, Mapping) else lambda k, d=None: getattr(m, k, d)
     ts = get("timestamp")
-    return {"role": str(get("role")), "content": str(get("content")), "timestamp": None if ts is None else float(ts)}
+    out: dict[str, JSONValue] = {
+        "role": str(get("role")),
+        "content": str(get("content")),
+        "timestamp": None if ts is None else float(ts),
+    }
+    reasoning = get("reasoning") or ""
+    if reasoning:  # kept apart from the answer; a file without reasoning stays as older versions wrote it
+        out["reasoning"] = str(reasoning)
+    return out
 
 
 def _host_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

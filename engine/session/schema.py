@@ -123,14 +123,18 @@ def check_sampler_state(value: Any) -> None:
 
 def check_session_meta(meta: dict[str, Any]) -> dict[str, Any]:
     """The current-version metadata checked field by field -> SessionData's fields (minus tensors; messages as
-    (role, content, timestamp) tuples). One line per field."""
+    (role, content, timestamp, reasoning) tuples). One line per field."""
     check_json_values(meta)
     messages = []
     for m in _meta_field(meta, "messages", list):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise SchemaError("has a malformed message")
         ts = m.get("timestamp")
-        messages.append((m["role"], m["content"], None if ts is None else timestamp(ts, "message timestamp")))
+        reasoning = m.get("reasoning", "")  # added later: files without it are read as they were
+        if not isinstance(reasoning, str):
+            raise SchemaError("has a malformed message reasoning (not text)")
+        when = None if ts is None else timestamp(ts, "message timestamp")
+        messages.append((m["role"], m["content"], when, reasoning))
     system_prompt = meta.get("system_prompt")
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise SchemaError("has a malformed 'system_prompt' field")

@@ -23,6 +23,7 @@ class Message:
     role: str  # "system" | "user" | "assistant" (kept as written; the chat template decides what it accepts)
     content: str
     timestamp: float | None = None  # seconds since the epoch; None when the file's format version did not keep it
+    reasoning: str = ""  # an assistant message's think block, apart from its answer ("" when none or not kept)
 
 
 @dataclass

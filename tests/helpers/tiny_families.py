@@ -54,14 +54,28 @@ def family_config(family: str, vocab: int, bos: int, eos: int, **extra: Any) -> 
     return cfg
 
 
-def make_tiny_family(out: Path, family: str, *, seed: int = 0, **extra: Any) -> Path:
-    """A transformers-written folder of `family` with random weights (norms near their identity), and its tokenizer."""
+def make_tiny_family(
+    out: Path,
+    family: str,
+    *,
+    seed: int = 0,
+    chat_template: str = CHAT_TEMPLATE,
+    eos_token: str = "<|end|>",
+    special_tokens: tuple[str, ...] = (),
+    added_tokens: tuple[str, ...] = (),
+    add_bos: bool = True,
+    **extra: Any,
+) -> Path:
+    """A transformers-written folder of `family` with random weights (norms near their identity), and its tokenizer
+    (with `special_tokens` and plain `added_tokens` added to its vocabulary)."""
     import transformers
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
-    bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|end|>")
+    tok.add_special_tokens(list(special_tokens))
+    tok.add_tokens(list(added_tokens))
+    bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id(eos_token)
     cfg = family_config(family, tok.get_vocab_size(), bos, eos, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -77,11 +91,32 @@ def make_tiny_family(out: Path, family: str, *, seed: int = 0, **extra: Any) -> 
         json.dumps(
             {
                 "bos_token": "<|bos|>",
-                "eos_token": "<|end|>",
-                "add_bos_token": True,
-                "chat_template": CHAT_TEMPLATE,
+                "eos_token": eos_token,
+                "add_bos_token": add_bos,
+                "chat_template": chat_template,
                 "tokenizer_class": "PreTrainedTokenizerFast",
             }
         )
     )
     return out
+
+
+QWEN3_CHAT_TEMPLATE = (Path(__file__).parent / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
+"""Qwen3's published chat template (Qwen/Qwen3-0.6B's tokenizer_config.json): `enable_thinking`, earlier turns'
+thinking dropped before the last user query, `reasoning_content` read where given."""
+
+
+def make_tiny_qwen3(out: Path, *, seed: int = 0, think_tokens: bool = True) -> Path:
+    """A tiny random Qwen3 with Qwen3's chat template and its chat tokens in the vocabulary, and its think tokens
+    unless `think_tokens` is false (then the tags are spelled in several tokens, which a grammar can force: llguidance
+    takes added tokens for special ones)."""
+    return make_tiny_family(
+        out,
+        "qwen3",
+        seed=seed,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        special_tokens=("<|im_start|>", "<|im_end|>"),
+        added_tokens=("<think>", "</think>") if think_tokens else (),
+        add_bos=False,  # as Qwen3's tokenizer: no BOS
+    )

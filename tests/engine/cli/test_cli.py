@@ -183,3 +183,36 @@ def test_generate_speculates_with_the_same_greedy_tokens_and_reports_acceptance(
     assert out["draft"]["accepted_per_forward"] > 1.0  # the model drafting for itself: every draft accepted
     bad = engine_cli("generate", *common, "--speculative", "draft", cache=tmp_path)
     assert bad.returncode != 0 and "--draft-model" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_greedy_takes_the_argmax_without_the_models_default_penalty(model: Path, tmp_path: Path) -> None:
+    import argparse
+
+    from engine.cli.generate import add_sampling_args, settings_from_args
+
+    p = argparse.ArgumentParser()
+    add_sampling_args(p)
+    assert settings_from_args(p.parse_args([]), model).sampling.repetition_penalty == 1.1  # the tiny model's loop guard
+    for flags in (["--greedy"], ["--temperature", "0"]):
+        s = settings_from_args(p.parse_args(flags), model).sampling
+        assert s.is_greedy and s.repetition_penalty == 1.0, flags
+    s = settings_from_args(p.parse_args(["--greedy", "--repetition-penalty", "1.3"]), model).sampling
+    assert s.is_greedy and s.repetition_penalty == 1.3
+    assert "no repetition penalty" in " ".join(p.format_help().split())
+
+
+def test_greedy_generate_runs_without_the_default_penalty(model: Path, tmp_path: Path) -> None:
+    """`generate --greedy` gives the tokens of greedy with the penalty explicitly off, not those of the loop guard
+    (a random tiny model repeats itself, so a penalty changes its greedy tokens)."""
+    common = ["generate", "--model", str(model), "--prompt", "the the the", "--max-tokens", "24", "--json"]
+    runs = [
+        engine_cli(*common, *flags, cache=tmp_path)
+        for flags in (
+            ["--greedy"],
+            ["--greedy", "--repetition-penalty", "1"],
+            ["--greedy", "--repetition-penalty", "1.1"],
+        )
+    ]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    plain, off, guard = (json.loads(r.stdout)["tokens"] for r in runs)
+    assert plain == off and off != guard

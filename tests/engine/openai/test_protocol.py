@@ -176,3 +176,52 @@ def test_structured_fields_reach_the_request() -> None:
     assert r.messages is not None and r.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert r.messages[2] == {"role": "tool", "content": "18 C", "tool_call_id": "c1"}
     assert parse_completion({"model": "m", "prompt": "x", "logprobs": 5, "n": 2}, LIMITS).settings.top_logprobs == 5
+
+
+def test_temperature_zero_is_the_argmax_with_no_penalty_unless_the_request_sets_one() -> None:
+    from engine.openai import ollama
+
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    s = parse_chat(base, LIMITS).settings.sampling
+    assert s.is_greedy and s.repetition_penalty == 1.0
+    assert parse_chat({**base, "repetition_penalty": 1.2}, LIMITS).settings.sampling.repetition_penalty == 1.2
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "options": {"repeat_penalty": 1.3}}
+    assert ollama.parse_chat(body, LIMITS).settings.sampling.repetition_penalty == 1.3
+    with pytest.raises(ApiError):
+        parse_chat({**base, "repetition_penalty": 0}, LIMITS)
+
+
+anthropic_fields = st.sampled_from(
+    ["model", "max_tokens", "system", "messages", "tools", "tool_choice", "stop_sequences", "temperature",
+     "top_p", "top_k", "stream", "thinking", "output_config", "metadata"]
+)  # fmt: skip
+anthropic_blocks = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "x"])},
+    optional={"text": json_values, "id": json_values, "name": json_values, "input": json_values,
+              "tool_use_id": json_values, "content": json_values, "thinking": json_values},
+)  # fmt: skip
+anthropic_turns = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system"]),
+            "content": st.text(max_size=8) | st.lists(anthropic_blocks, max_size=3),
+        }
+    ),
+    max_size=3,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(anthropic_fields, json_values, max_size=8)
+    | st.fixed_dictionaries({"model": st.just("m"), "max_tokens": st.just(8), "messages": anthropic_turns})
+    | json_values
+)
+def test_any_anthropic_body_parses_or_is_a_400(body: object) -> None:
+    from engine.openai.anthropic import MessagesRequest, parse_messages
+
+    for counting in (False, True):
+        try:
+            assert isinstance(parse_messages(body, LIMITS, counting=counting), MessagesRequest)
+        except ApiError as err:
+            assert err.status == 400 and err.message.endswith(".")

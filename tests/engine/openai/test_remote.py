@@ -16,7 +16,6 @@ from engine.generation.loop import GenerationEvent, GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.memory.base import FullAttentionMemory
 from engine.openai.client import RemoteClient, RemoteError, RemoteServer, RemoteSession
-from engine.openai.service import model_for_request
 from engine.session.file import ForeignModelSession, restore
 from tests.helpers.http_clients import closed_after_test
 from tests.helpers.server import KEY, Served
@@ -127,5 +126,11 @@ def test_stop_takes_effect_while_the_server_is_silent() -> None:
 def test_any_model_name_a_client_sends_is_served_by_the_loaded_model(served: Served) -> None:
     events = list(remote(served, model="gpt-4o").stream_chat([{"role": "user", "content": "hi"}], GREEDY))
     assert events and events[-1].finish_reason in ("stop", "length")
-    assert model_for_request("gpt-4o", ["tiny", "other"]) == "tiny"  # a placeholder: the first loaded model
-    assert model_for_request("other", ["tiny", "other"]) == "other"  # a loaded model it names: that one
+    from engine.openai.errors import ApiError
+    from engine.openai.pool import ModelPool, Servable
+
+    pool = ModelPool([Servable("tiny"), Servable("other")], served.service.config, None)
+    assert pool.resolve("other") == "other"  # a model it serves: that one
+    with pytest.raises(ApiError) as info:  # serving several, a placeholder names none of them
+        pool.resolve("gpt-4o")
+    assert info.value.status == 404 and "'tiny', 'other'" in info.value.message

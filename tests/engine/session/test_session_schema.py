@@ -46,6 +46,7 @@ CASES: dict[str, tuple[list[Any], Any]] = {
     "slot outside the table": (["memory", "routing", "last_slots"], [10**6]),
     "group naming a block never formed": (["memory", "working", "groups", 0], 10**6),
     "timestamp past year 9999": (["messages", 0, "timestamp"], 10**15),
+    "reasoning not text": (["messages", 0, "reasoning"], ["a thought"]),
     "created negative": (["created"], -1e18),
     "geometry changed": (["memory", "config", "window"], 64),
     "ring head out of range": (["memory", "working", "head"], 10**6),
