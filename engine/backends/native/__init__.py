@@ -29,8 +29,7 @@ from engine.fileio import atomic_path
 from engine.paths import bundle_root, default_cache_dir
 
 SOURCE = Path(__file__).with_name("spark_kernels.c")
-# What SOURCE includes (one translation unit): part of the library's identity.
-INCLUDED = (Path(__file__).with_name("spark_kquants.c"), Path(__file__).with_name("spark_attention.c"))
+HEADER = Path(__file__).with_name("spark_kernels.h")  # the structs mirrored below, and the entry points
 COMPILER_ENV = "CC"  # the compiler to use, as for any C build; else cc, clang, gcc in that order
 DISABLE_ENV = "MLOT_SPARK_NO_NATIVE"
 BUNDLED_DIR = "engine_native"  # where a packaged app keeps its prebuilt library  # set to 1 to run the PyTorch path (comparisons, troubleshooting)
@@ -225,9 +224,16 @@ def _compiler_identity(cc: str) -> str:
         return cc
 
 
+def source_files() -> list[Path]:
+    """Every file the library is built from (C sources and headers, in every instruction-set folder): its identity."""
+    root = SOURCE.parent
+    return sorted(p for p in root.rglob("*") if p.suffix in (".c", ".h") and p.is_file())
+
+
 def library_path(cache_root: Path, cc: str, flags: Sequence[str]) -> Path:
-    """Where the library for this source, compiler, flags and machine lives in the cache."""
-    sources = [SOURCE.read_text(), *(p.read_text() for p in INCLUDED)]
+    """Where the library for these sources, compiler, flags and machine lives in the cache."""
+    root = SOURCE.parent
+    sources = [f"{p.relative_to(root).as_posix()}\n{p.read_text()}" for p in source_files()]
     ident = "|".join([*sources, _compiler_identity(cc), " ".join(flags), platform.machine(), sys.platform])
     digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
     suffix = ".dylib" if sys.platform == "darwin" else ".so"
@@ -235,7 +241,7 @@ def library_path(cache_root: Path, cc: str, flags: Sequence[str]) -> Path:
 
 
 def build_library(cache_root: Path | None = None, extra_flags: Sequence[str] = (), portable: bool = False) -> Path:
-    """Compile spark_kernels.c into the cache (once) and return the library's path. Raises RuntimeError with a
+    """Compile the kernels into the cache (once) and return the library's path. Raises RuntimeError with a
     sentence naming what is missing or what the compiler said. `extra_flags` follow the tuning flags (e.g.
     -mno-avx512f builds the AVX2 kernel on an AVX-512 machine, which the tests compare); `portable` builds for
     distribution (packaging/spark.spec) instead of for this CPU."""
@@ -263,9 +269,40 @@ def build_library(cache_root: Path | None = None, extra_flags: Sequence[str] = (
     return out
 
 
+# Each ABI struct's ctypes mirror, by the name of its size export (spark_sizeof_<name>) in spark_kernels.h.
+MIRRORS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
+    ("qmat", QMat),
+    ("model", ModelDesc),
+    ("cache", CacheDesc),
+    ("step", StepDesc),
+    ("attn", AttnDesc),
+)
+
+
+def check_mirrors(lib: ctypes.CDLL) -> None:
+    """Raise RuntimeError, in one sentence, where a struct's size in the library differs from its ctypes mirror's
+    (a field added or changed on one side only): every call would misread it."""
+    for name, mirror in MIRRORS:
+        try:
+            size_of = getattr(lib, f"spark_sizeof_{name}")
+        except AttributeError:
+            raise RuntimeError(
+                f"the native kernels library exports no spark_sizeof_{name}: it was built from another version"
+            ) from None
+        size_of.restype = ctypes.c_int64
+        size_of.argtypes = []
+        size, mirrored = int(size_of()), ctypes.sizeof(mirror)
+        if size != mirrored:
+            raise RuntimeError(
+                f"the native kernels' spark_{name} is {size} bytes but its ctypes mirror {mirror.__name__} is "
+                f"{mirrored}: spark_kernels.h and engine/backends/native/__init__.py disagree"
+            )
+
+
 def bind(path: Path) -> NativeKernels:
-    """Load a built library and declare its entry points."""
+    """Load a built library, check its structs against their mirrors and declare its entry points."""
     lib = ctypes.CDLL(str(path))
+    check_mirrors(lib)
     lib.spark_isa.restype = ctypes.c_char_p
     lib.spark_max_head_dim.restype = ctypes.c_int32
     lib.spark_max_threads.restype = ctypes.c_int32

@@ -120,27 +120,6 @@ static inline spark_vf vf_exp(spark_vf x) {
     return p * vf_pow2i(n);
 }
 
-/* One layer's attention for one decoding step. */
-typedef struct {
-    const void *k, *v;            /* this layer's (Hkv, C, D) of the row: fp16 when half, else fp32; keys unrotated */
-    int64_t capacity;             /* C, the table's allocated slots */
-    int32_t half;                 /* 1: fp16 table */
-    const int64_t *slots;         /* (m,) the attended slots, in slot order */
-    const int64_t *positions;     /* (m,) the position each key is rotated at */
-    const float *cos, *sin;       /* (P, D) the rotary table (signed sin: engine.model.attention.RotaryTable) */
-    int32_t width, split;         /* m; ranks [0, split) are scored by q_plain, the rest by q_new */
-    const float *q_new, *q_plain; /* (H, D) rotated queries */
-    int32_t n_heads, n_kv_heads, d;
-    float scale;
-    int32_t chunk;  /* keys per work item */
-    float *partial; /* (chunks, H, D + 2): per chunk and head, the running max, the sum, then the output (D) */
-    float *out;     /* (H, D) */
-    /* Keys already rotated, for the tokens of a step of several (spark_decode_rows rotates each attended key once
-     * for all of them): (Hkv, rotated_width, D) fp32, this token's rank i at rank rank_of[i]; NULL: rotate as read. */
-    const float *rotated;
-    const int32_t *rank_of;
-    int64_t rotated_width;
-} spark_attn;
 
 /* Floats of `partial` an attention over `width` keys may use (callers allocate this many). */
 int64_t spark_attend_floats(int32_t n_heads, int32_t head_dim, int32_t width) {

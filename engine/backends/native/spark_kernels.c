@@ -43,16 +43,15 @@
 #include <string.h>
 #include <time.h>
 
-/* Largest head dim spark_decode supports (the Python side checks before using it). */
-#define SPARK_MAX_HEAD_DIM 512
-#define SPARK_MAX_THREADS 64
-#define QK 32
-
-/* ggml type ids (gguf.GGMLQuantizationType) of the block formats the kernels run. */
-enum { SPARK_Q4_0 = 2, SPARK_Q4_1 = 3, SPARK_Q8_0 = 8 };
+#include "spark_kernels.h"
 
 int32_t spark_max_head_dim(void) { return SPARK_MAX_HEAD_DIM; }
 int32_t spark_max_threads(void) { return SPARK_MAX_THREADS; }
+int64_t spark_sizeof_qmat(void) { return (int64_t)sizeof(spark_qmat); }
+int64_t spark_sizeof_model(void) { return (int64_t)sizeof(spark_model); }
+int64_t spark_sizeof_cache(void) { return (int64_t)sizeof(spark_cache); }
+int64_t spark_sizeof_step(void) { return (int64_t)sizeof(spark_step); }
+int64_t spark_sizeof_attn(void) { return (int64_t)sizeof(spark_attn); }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SPARK_AVX512VNNI 1
@@ -233,18 +232,6 @@ static void parallel_for(spark_job job, void *ctx, int32_t items) {
  * Block formats.
  * ------------------------------------------------------------------------------------------------------------- */
 
-/* One block-quantized matrix (N, K): N rows of K/32 GGUF blocks, row-major (the file's bytes, read in place). */
-typedef struct spark_qmat {
-    const uint8_t *blocks; /* (N, K/32) blocks of block_bytes(type) */
-    const float *bias;     /* (N,) or NULL */
-    int32_t n, k;
-    int32_t type;      /* a ggml type id: SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1, or one of spark_kquants.c's */
-    int32_t act_parts; /* 1: activations as one int8 block (llama.cpp's Q8); 2: plus an int8 block of the residual */
-    /* A fused matrix whose parts are stored in different formats (a Q4_K_M file's q, k as Q4_K beside v as Q6_K):
-     * its further rows, whose outputs follow this part's, in `next` (same k and act_parts); NULL: no more. The
-     * decoding step (qgemv) follows the chain; spark_qgemm computes one part (its caller calls each). */
-    const struct spark_qmat *next;
-} spark_qmat;
 
 /* Activation rows quantized per block of 32 with one fp32 scale per block: as int8 (parts = 1, llama.cpp's Q8:
  * q = rint(x * 127 / amax), d = amax / 127) or as int16 (parts = 2, q = rint(x * 32767 / amax), d = amax / 32767:
@@ -1462,39 +1449,8 @@ static void qgemv(const spark_qmat *w, const float *x, int32_t len, float *y, sp
     }
 }
 
-/* The decoder's weights, one entry per layer in each array. */
-typedef struct {
-    int32_t n_layers, hidden, n_heads, n_kv_heads, head_dim, intermediate;
-    float eps;
-    const float *const *attn_norm;  /* (L) of (C,) */
-    const float *const *mlp_norm;   /* (L) of (C,) */
-    const spark_qmat *qkv;          /* (L): (H*D + 2*Hkv*D, C) */
-    const spark_qmat *o;            /* (L): (C, H*D) */
-    const spark_qmat *gate_up;      /* (L): (2*I, C) */
-    const spark_qmat *down;         /* (L): (C, I) */
-    const float *final_norm;        /* (C,) */
-    const spark_qmat *lm_head;      /* (V, C) */
-} spark_model;
 
-/* The slot table (engine.model.slots.KVCache) of one sequence row: k, v (L, 1, Hkv, C, D) in fp16 or fp32, keys
- * unrotated (spark_attention.c rotates them as it reads them). */
-typedef struct {
-    void *k, *v;
-    int64_t capacity; /* C, the slots allocated so far */
-    int32_t half;     /* 1: k, v are fp16; 0: fp32 */
-} spark_cache;
 
-/* One decoding step's addressing (engine.model.slots.DirectReads: T = 1, one row). */
-typedef struct {
-    const float *cos_new, *sin_new;     /* (D): rotation of the new query scoring ranks >= split */
-    const float *cos_plain, *sin_plain; /* (D): rotation of the query scoring ranks < split (split > 0 only) */
-    int64_t slot;                       /* where the new k, v are stored */
-    int32_t width, split;               /* attend to ranks [0, width); ranks [0, split) score against q_plain */
-    const int64_t *slots, *positions;   /* (width,) each rank's slot and the position its key is rotated at */
-    const float *cos_table, *sin_table; /* (P, D) the rotary table the positions index */
-    float *qsum;                        /* (L, Hkv, D) or NULL: per layer, the mean pre-RoPE query of each KV-head
-                                           group (engine.model.slots: the query summary the cascade routes with) */
-} spark_step;
 
 static void rms_norm(const float *x, const float *w, int32_t c, float eps, float *out) {
     double ss = 0.0;
@@ -1558,7 +1514,6 @@ int64_t spark_decode_scratch_floats(const spark_model *m) {
     return c + (hd + 2 * kv) + hd + hd + hd + 2 * (int64_t)m->intermediate + spark_act_bytes((int32_t)(widest_in + QK - 1) / QK * QK, 1) / 4 + 8;
 }
 
-#define SPARK_MAX_STEP_ROWS 16 /* tokens of a step of several (spark_decode_rows) */
 #include "spark_attention.c" /* a decoding step's attention over the table as stored: spark_attend */
 
 /* One token's k, v (Hkv, D) into `slot` of the layer at element offset `layer_off` of the table (fp16 or fp32). */

@@ -38,21 +38,6 @@
  * bit for bit by tests/engine/backends/native/kquant_check.c (the Arm ones under qemu) and the Python tests.
  */
 
-/* ggml type ids (gguf.GGMLQuantizationType) of the formats here. */
-enum {
-    SPARK_Q5_0 = 6,
-    SPARK_Q5_1 = 7,
-    SPARK_Q2_K = 10,
-    SPARK_Q3_K = 11,
-    SPARK_Q4_K = 12,
-    SPARK_Q5_K = 13,
-    SPARK_Q6_K = 14,
-    SPARK_IQ4_NL = 20,
-    SPARK_IQ4_XS = 23,
-    SPARK_TQ1_0 = 34,
-    SPARK_TQ2_0 = 35,
-};
-#define QK_K 256
 
 static inline int kq_type(int32_t type) {
     switch (type) {

@@ -362,6 +362,29 @@ def test_a_failing_build_names_the_compiler_error(tmp_path: Path) -> None:
     assert not list((tmp_path / "native").glob("*"))  # nothing half-built is left behind
 
 
+def test_a_struct_mirror_of_another_size_fails_the_load_in_one_sentence(
+    kernels: NativeKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bind() compares each ABI struct's size in the library (spark_sizeof_*) with its ctypes mirror: the mirrors
+    agree here, and one with a field the library lacks is refused before any call could misread it."""
+    import ctypes
+
+    from engine.backends import native
+
+    native.check_mirrors(kernels.lib)  # every mirror agrees with the built library
+
+    class LongerStep(ctypes.Structure):
+        _fields_ = [*native.StepDesc._fields_, ("extra", ctypes.c_int64)]
+
+    mirrors = tuple((name, LongerStep if name == "step" else m) for name, m in native.MIRRORS)
+    monkeypatch.setattr(native, "MIRRORS", mirrors)
+    with pytest.raises(
+        RuntimeError, match=r"^the native kernels' spark_step is \d+ bytes but its ctypes mirror LongerStep is \d+: "
+    ) as err:
+        native.check_mirrors(kernels.lib)
+    assert "\n" not in str(err.value)
+
+
 ARM_CC, QEMU_ARM = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
 
 
