@@ -1,14 +1,15 @@
 """Native CPU kernels (spark_kernels.c: GGUF block formats, a threaded decoding step of one token or a few;
-spark_attention.c: its attention over the slot table as stored): built on first use with the machine's C compiler,
-loaded with ctypes.
+spark_attention.c: its attention over the slot table as stored; the block products per instruction-set family in
+ref/, x86/ and arm/, spark_blocks.h says how): built on first use with the machine's C compiler, loaded with ctypes.
 
 The library is compiled once per source version, compiler and CPU into the cache dir (a few seconds), tuned for
 the CPU it runs on (-march=native on x86, -mcpu=native on Arm); a packaged app ships one built for its platform. Where no C compiler is found (a Mac without the
 Xcode Command Line Tools) or the build fails, `load_kernels()` returns None with the reason, and the engine runs
 its PyTorch path. Nothing here executes code from a model file: the library is built from our own source.
 
-The ABI is plain C structs of pointers, mirrored below with ctypes; every tensor passed must stay alive and
-unmoved while the library holds its pointer (the modules here keep them as buffers).
+The ABI is plain C structs of pointers (spark_kernels.h), mirrored below with ctypes and checked by size when the
+library is bound; every tensor passed must stay alive and unmoved while the library holds its pointer (the modules
+here keep them as buffers).
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ from pathlib import Path
 from engine.fileio import atomic_path
 from engine.paths import bundle_root, default_cache_dir
 
-SOURCE = Path(__file__).with_name("spark_kernels.c")
-HEADER = Path(__file__).with_name("spark_kernels.h")  # the structs mirrored below, and the entry points
+NATIVE_DIR = Path(__file__).parent
+# The library's translation units: the common part, the attention, and one file per instruction-set family (a family
+# the compiler does not target compiles to an empty registration, so every build compiles the same list).
+SOURCES = tuple(
+    NATIVE_DIR / name
+    for name in ("spark_kernels.c", "spark_attention.c", "ref/quants.c", "x86/quants.c", "arm/quants.c")
+)
 COMPILER_ENV = "CC"  # the compiler to use, as for any C build; else cc, clang, gcc in that order
 DISABLE_ENV = "MLOT_SPARK_NO_NATIVE"
 BUNDLED_DIR = "engine_native"  # where a packaged app keeps its prebuilt library  # set to 1 to run the PyTorch path (comparisons, troubleshooting)
@@ -226,14 +232,12 @@ def _compiler_identity(cc: str) -> str:
 
 def source_files() -> list[Path]:
     """Every file the library is built from (C sources and headers, in every instruction-set folder): its identity."""
-    root = SOURCE.parent
-    return sorted(p for p in root.rglob("*") if p.suffix in (".c", ".h") and p.is_file())
+    return sorted(p for p in NATIVE_DIR.rglob("*") if p.suffix in (".c", ".h") and p.is_file())
 
 
 def library_path(cache_root: Path, cc: str, flags: Sequence[str]) -> Path:
     """Where the library for these sources, compiler, flags and machine lives in the cache."""
-    root = SOURCE.parent
-    sources = [f"{p.relative_to(root).as_posix()}\n{p.read_text()}" for p in source_files()]
+    sources = [f"{p.relative_to(NATIVE_DIR).as_posix()}\n{p.read_text()}" for p in source_files()]
     ident = "|".join([*sources, _compiler_identity(cc), " ".join(flags), platform.machine(), sys.platform])
     digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
     suffix = ".dylib" if sys.platform == "darwin" else ".so"
@@ -261,7 +265,7 @@ def build_library(cache_root: Path | None = None, extra_flags: Sequence[str] = (
     # Build beside the target and rename: a concurrent process or an interrupted build never leaves half a file.
     with atomic_path(out, prefix=out.stem + "-", suffix=out.suffix) as tmp:
         done = subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True, timeout=300
+            [cc, *flags, *map(str, SOURCES), "-o", str(tmp), "-lm"], capture_output=True, text=True, timeout=300
         )
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["(no message)"])[0]

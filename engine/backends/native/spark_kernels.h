@@ -18,7 +18,7 @@
 /* ggml type ids (gguf.GGMLQuantizationType) of the block formats the kernels run. */
 enum { SPARK_Q4_0 = 2, SPARK_Q4_1 = 3, SPARK_Q8_0 = 8 }; /* spark_kernels.c's own */
 
-enum { /* spark_kquants.c's */
+enum { /* spark_kquants.h's */
     SPARK_Q5_0 = 6,
     SPARK_Q5_1 = 7,
     SPARK_Q2_K = 10,
@@ -37,7 +37,7 @@ typedef struct spark_qmat {
     const uint8_t *blocks; /* (N, K/32) blocks of block_bytes(type) */
     const float *bias;     /* (N,) or NULL */
     int32_t n, k;
-    int32_t type;      /* a ggml type id: SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1, or one of spark_kquants.c's */
+    int32_t type;      /* a ggml type id: SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1, or one of spark_kquants.h's */
     int32_t act_parts; /* 1: activations as one int8 block (llama.cpp's Q8); 2: plus an int8 block of the residual */
     /* A fused matrix whose parts are stored in different formats (a Q4_K_M file's q, k as Q4_K beside v as Q6_K):
      * its further rows, whose outputs follow this part's, in `next` (same k and act_parts); NULL: no more. The

@@ -398,7 +398,7 @@ def test_arm_kernels_compute_the_exact_block_products(tmp_path: Path, arch: str,
     decoding attention within float rounding)."""
     import subprocess
 
-    from engine.backends.native import SOURCE
+    from engine.backends.native import NATIVE_DIR, SOURCES
 
     exe = tmp_path / f"arm-check-{isa}"
     check = Path(__file__).with_name("arm_check.c")
@@ -410,8 +410,9 @@ def test_arm_kernels_compute_the_exact_block_products(tmp_path: Path, arch: str,
         "-ffp-contract=off",
         f"-march={arch}",
         "-static",
-        f"-I{SOURCE.parent}",
+        f"-I{NATIVE_DIR}",
         str(check),
+        *map(str, SOURCES),
         "-o",
         str(exe),
         "-lm",
@@ -429,7 +430,7 @@ def test_the_arm_checker_itself_passes_on_this_machine(tmp_path: Path, kernels: 
     so a mismatch under qemu points at the Arm kernel, not at the checker."""
     import subprocess
 
-    from engine.backends.native import SOURCE, _compiler, compile_flags
+    from engine.backends.native import NATIVE_DIR, SOURCES, _compiler, compile_flags
 
     exe = tmp_path / "check"
     tune = [f for f in compile_flags() if f.startswith("-m")]
@@ -440,8 +441,9 @@ def test_the_arm_checker_itself_passes_on_this_machine(tmp_path: Path, kernels: 
         "-pthread",
         "-ffp-contract=off",
         *tune,
-        f"-I{SOURCE.parent}",
+        f"-I{NATIVE_DIR}",
         str(Path(__file__).with_name("arm_check.c")),
+        *map(str, SOURCES),
         "-o",
         str(exe),
         "-lm",

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.backends.blocks import BlockEmbedding, BlockWeights
-from engine.backends.native import SOURCE, NativeKernels, _compiler, bind, build_library, compile_flags
+from engine.backends.native import NATIVE_DIR, SOURCES, NativeKernels, _compiler, bind, build_library, compile_flags
 from engine.backends.native.decoder import NativeBlockEmbedding, NativeBlockLinear
 from engine.model.quant import LEVELS, BlockType, k3_scales, k4_scales, k6_quants, tq1_trits
 from tests.engine.backends.native.test_native import X86, has_cpu_flags, quantize_activation
@@ -231,8 +231,9 @@ CHECKER = Path(__file__).with_name("kquant_check.c")
 
 
 def run_checker(cc: str, flags: list[str], exe: Path, runner: list[str]) -> list[str]:
-    """Build kquant_check.c (spark_kernels.c included) and run it: its lines 'isa X', 'N mismatches', 'hash H'."""
-    build = [cc, "-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", *flags, f"-I{SOURCE.parent}", str(CHECKER)]
+    """Build kquant_check.c with the kernels' sources and run it: its lines 'isa X', 'N mismatches', 'hash H'."""
+    build = [cc, "-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", *flags, f"-I{NATIVE_DIR}", str(CHECKER)]
+    build += map(str, SOURCES)
     subprocess.run([*build, "-o", str(exe), "-lm"], check=True, capture_output=True, timeout=300)
     out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
