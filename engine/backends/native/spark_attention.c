@@ -56,7 +56,6 @@ static inline spark_vf vf_exp(spark_vf x) {
     return p * vf_pow2i(n);
 }
 
-
 /* Floats of `partial` an attention over `width` keys may use (callers allocate this many). */
 int64_t spark_attend_floats(int32_t n_heads, int32_t head_dim, int32_t width) {
     const int64_t chunks = width > SPARK_ATTN_MIN_CHUNK ? (width + SPARK_ATTN_MIN_CHUNK - 1) / SPARK_ATTN_MIN_CHUNK : 1;

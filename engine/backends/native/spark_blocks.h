@@ -23,6 +23,23 @@
 
 #if !defined(__FLT16_MAX__)
 #error "the native kernels need a compiler with _Float16 (GCC >= 12, Clang >= 15)"
+/* Quantize one row x (K, of which the first `valid` values are given: the rest are zeros, a matrix whose input
+ * size is no multiple of 32 being padded with zero columns) into block `b0` onwards of a, each block of 32 by the
+ * family's quantize_block (inlined: a decoding step quantizes ~100 rows). */
+static inline __attribute__((always_inline)) void quantize_row_with(spark_quantize_block_fn quantize_block, const float *x, int32_t k, int32_t valid, spark_act *a, int64_t b0) {
+    for (int32_t b = 0; b < k / QK; b++) {
+        float padded[QK];
+        const float *xb = x + b * QK;
+        if ((b + 1) * QK > valid) {
+            for (int32_t i = 0; i < QK; i++) padded[i] = b * QK + i < valid ? xb[i] : 0.0f;
+            xb = padded;
+        }
+        const int64_t at = b0 + b;
+        a->d[at] = quantize_block(xb, a->parts, a->q8 + at * QK, a->q16 + at * QK, &a->s[at]);
+        a->ds[at] = a->d[at] * (float)a->s[at];
+    }
+}
+
 #endif
 
 /* Shared between the library's files, not exported from it. */
@@ -92,12 +109,17 @@ typedef struct {
     spark_prep_fn amx_in;
 } spark_type_traits;
 
+/* One block of 32: q = rint(x * qmax / amax) into q8 (qmax 127, parts 1) or q16 (qmax 32767, parts 2); returns
+ * d = amax / qmax (0 for an all-zero block) and sets q's sum. */
+typedef float (*spark_quantize_block_fn)(const float *x, int32_t parts, int8_t *q8, int16_t *q16, int32_t *sum);
+typedef void (*spark_quantize_row_fn)(const float *x, int32_t k, int32_t valid, spark_act *a, int64_t b0);
+
 /* What the build's family sets for every type. */
 typedef struct {
     const char *isa;                /* spark_isa(): the dot-product kernel's name */
     int32_t lanes;                  /* tokens a token-lane group holds */
     int32_t lane_copy_min;          /* the fewest rows spark_qgemm copies into token lanes (0: no route copies) */
-    float (*quantize_block)(const float *x, int32_t parts, int8_t *q8, int16_t *q16, int32_t *sum);
+    spark_quantize_row_fn quantize_row; /* activations into blocks (quantize_row_with below) */
     int32_t (*use_amx)(int32_t use); /* spark_use_amx, where AMX is built (else NULL) */
     int (*amx_on)(void);             /* whether products take AMX's tiles now */
 } spark_isa_ops;
@@ -234,5 +256,21 @@ static inline float exp_approx(float x) {
     return p * two_n;
 }
 
+/* Quantize one row x (K, of which the first `valid` values are given: the rest are zeros, a matrix whose input
+ * size is no multiple of 32 being padded with zero columns) into block `b0` onwards of a, each block of 32 by the
+ * family's quantize_block (inlined: a decoding step quantizes ~100 rows). */
+static inline __attribute__((always_inline)) void quantize_row_with(spark_quantize_block_fn quantize_block, const float *x, int32_t k, int32_t valid, spark_act *a, int64_t b0) {
+    for (int32_t b = 0; b < k / QK; b++) {
+        float padded[QK];
+        const float *xb = x + b * QK;
+        if ((b + 1) * QK > valid) {
+            for (int32_t i = 0; i < QK; i++) padded[i] = b * QK + i < valid ? xb[i] : 0.0f;
+            xb = padded;
+        }
+        const int64_t at = b0 + b;
+        a->d[at] = quantize_block(xb, a->parts, a->q8 + at * QK, a->q16 + at * QK, &a->s[at]);
+        a->ds[at] = a->d[at] * (float)a->s[at];
+    }
+}
 
 #endif

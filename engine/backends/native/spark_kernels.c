@@ -263,22 +263,6 @@ static spark_act act_in(void *scratch, int32_t k, int32_t m, int32_t parts) {
     return a;
 }
 
-/* Quantize one row x (K, of which the first `valid` values are given: the rest are zeros, a matrix whose input
- * size is no multiple of 32 being padded with zero columns) into block `b0` onwards of a. */
-static void quantize_row(const float *x, int32_t k, int32_t valid, spark_act *a, int64_t b0) {
-    for (int32_t b = 0; b < k / QK; b++) {
-        float padded[QK];
-        const float *xb = x + b * QK;
-        if ((b + 1) * QK > valid) {
-            for (int32_t i = 0; i < QK; i++) padded[i] = b * QK + i < valid ? xb[i] : 0.0f;
-            xb = padded;
-        }
-        const int64_t at = b0 + b;
-        a->d[at] = ops.quantize_block(xb, a->parts, a->q8 + at * QK, a->q16 + at * QK, &a->s[at]);
-        a->ds[at] = a->d[at] * (float)a->s[at];
-    }
-}
-
 /* How many of a prefill's m activation rows over w take its type's token-lane route, the first ones; the rest take
  * the row routes: whole groups, and a last partial one of at least the route's fewest. */
 static int32_t lane_tokens(const spark_qmat *w, int32_t m) {
@@ -325,7 +309,7 @@ void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void 
     if (t == NULL) return;
     spark_act a = act_in(scratch, w->k, m, w->act_parts);
     const int32_t nb = w->k / QK;
-    for (int32_t r = 0; r < m; r++) quantize_row(x + (int64_t)r * w->k, w->k, w->k, &a, (int64_t)r * nb);
+    for (int32_t r = 0; r < m; r++) ops.quantize_row(x + (int64_t)r * w->k, w->k, w->k, &a, (int64_t)r * nb);
     if (m == 1 && t->split) t->split(&a, w->type, nb);
     gemm_job g = {w, &a, y, m, 0, amx_route(w, m)};
     if (g.amx) {
@@ -340,7 +324,7 @@ void spark_qgemm(const spark_qmat *w, const float *x, int32_t m, float *y, void 
 /* One row through one matrix: y (N) = W x for x of `len` values (W's K rounded up to 32), quantized into a. */
 static void qgemv(const spark_qmat *w, const float *x, int32_t len, float *y, spark_act *a) {
     a->parts = w->act_parts;
-    quantize_row(x, w->k, len, a, 0);
+    ops.quantize_row(x, w->k, len, a, 0);
     for (; w != NULL; y += w->n, w = w->next) { /* each part of a fused matrix in its own format, outputs in order */
         const spark_type_traits *t = traits_of(w->type);
         if (t == NULL) continue;
@@ -349,9 +333,6 @@ static void qgemv(const spark_qmat *w, const float *x, int32_t len, float *y, sp
         parallel_for(gemm_rows, &g, w->n);
     }
 }
-
-
-
 
 static void rms_norm(const float *x, const float *w, int32_t c, float eps, float *out) {
     double ss = 0.0;
@@ -366,7 +347,6 @@ static void rope(const float *x, const float *cos, const float *sin, int32_t d, 
     for (int32_t i = 0; i < half; i++) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
     for (int32_t i = half; i < d; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
-
 
 /* Eight independent partial sums: lets the compiler vectorize a float reduction without reassociating it. */
 static float dotf(const float *a, const float *b, int32_t n) {
@@ -396,7 +376,6 @@ int64_t spark_decode_scratch_floats(const spark_model *m) {
     /* h, qkv, q_new, q_plain, attn out, gate_up, quantized activations (scores: per head, passed separately) */
     return c + (hd + 2 * kv) + hd + hd + hd + 2 * (int64_t)m->intermediate + spark_act_bytes((int32_t)(widest_in + QK - 1) / QK * QK, 1) / 4 + 8;
 }
-
 
 /* One token's k, v (Hkv, D) into `slot` of the layer at element offset `layer_off` of the table (fp16 or fp32). */
 static void store_kv(const spark_cache *cache, int64_t layer_off, int32_t hkv, int32_t d, int64_t slot, const float *k,
@@ -652,7 +631,6 @@ int32_t spark_decode_rows(const spark_model *m, const spark_cache *cache, const 
     free(shared.maps);
     return 1;
 }
-
 
 /* Rows `ids` (n) of a block matrix (N, K) as float32, out (n, K): the float operations of engine.model.quant.dequantize
  * (Q8_0: q * d; Q4_0: d * (nib - 8); Q4_1: d * nib + m; Q4_K, Q6_K: spark_kq_dequant_block), for the embedding a tied LM

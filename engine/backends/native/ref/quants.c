@@ -58,6 +58,10 @@ static float quantize_block(const float *x, int32_t parts, int8_t *q8, int16_t *
     return amax / qmax;
 }
 
+static void quantize_row(const float *x, int32_t k, int32_t valid, spark_act *a, int64_t b0) {
+    quantize_row_with(quantize_block, x, k, valid, a, b0);
+}
+
 /* Block b (of 32 weights) of a Q4_K or Q6_K row as float32, with engine.model.quant's float operations (_q4_k:
  * (d * sc) * q - dmin * m, here dw * q + mw; _q6_k: (d * sc) * q, sc per 16 weights), from kq_unpack's quants and
  * factors. */
@@ -73,7 +77,7 @@ void spark_kq_dequant_block(int32_t type, const uint8_t *row, int32_t b, float *
 void spark_register_ref(spark_type_traits *traits, spark_isa_ops *ops) {
     ops->isa = "portable";
     ops->lanes = 8;
-    ops->quantize_block = quantize_block;
+    ops->quantize_row = quantize_row;
     static const int32_t q[] = {SPARK_Q8_0, SPARK_Q4_0, SPARK_Q4_1};
     for (int32_t i = 0; i < 3; i++) traits[q[i]].block_bytes = block_bytes(q[i]), traits[q[i]].block_weights = QK;
     for (int32_t type = 0; type < SPARK_TYPES; type++)

@@ -64,7 +64,6 @@ static inline __attribute__((always_inline)) void dot_rows_r(int32_t type, const
     }
 }
 
-
 /* dot_rows_r compiled per type and row count, so its branches on the type fold away as dot_pair16's do. */
 #define SPARK_DOT_ROWS_T(TYPE)                                                                                          \
     static void dot_rows_##TYPE(const uint8_t *row, int32_t nb, const spark_act *a, const int64_t *b0, int32_t r_count, float *out) { \
@@ -95,7 +94,6 @@ static void dot_rows(int32_t type, const uint8_t *row, int32_t nb, const spark_a
     default: dot_rows_SPARK_Q4_1(row, nb, a, b0, r_count, out); break;
     }
 }
-
 
 /* Block b (of 32 weights) of a row of the type. */
 static inline void kq_unpack(int32_t type, const uint8_t *row, int32_t b, kq_block *o) {
@@ -204,7 +202,6 @@ static void kq_gemm_rows(const spark_qmat *w, const spark_act *a, float *y, int3
         }
     }
 }
-
 
 /* Rows [first, m) of Q8_0, Q4_0 and Q4_1: tokens in groups of SPARK_ROWS, and within a group every row of this
  * thread's range, so the group's activations stay in L1 while the weight rows stream past once per group. */

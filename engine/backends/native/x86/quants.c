@@ -107,6 +107,10 @@ static float quantize_block(const float *x, int32_t parts, int8_t *q8, int16_t *
 #endif
 }
 
+static void quantize_row(const float *x, int32_t k, int32_t valid, spark_act *a, int64_t b0) {
+    quantize_row_with(quantize_block, x, k, valid, a, b0);
+}
+
 /* Exact int32 products of one block: Q8_0 sum(wq * xq); Q4 sum(nib * xq), nibbles unsigned (0..15): byte i holds
  * element i in its low half and element i + 16 in its high half. `qs` points at the block's quants. Integer sums
  * are exact in any order, so each instruction set takes its own fastest route to the same number. */
@@ -1351,7 +1355,6 @@ static void kq_gemm_rows(const spark_qmat *w, const spark_act *a, float *y, int3
     }
 }
 
-
 #if defined(SPARK_ZMM)
 /* Prefill on AVX-512 with the tokens in the lanes: one 512-bit product adds a pair of weights (broadcast) times the
  * same pair of 16 tokens' activations, so 16 products give 16 tokens' exact block sums, one per lane, with no
@@ -1893,7 +1896,7 @@ void spark_register_x86(spark_type_traits *traits, spark_isa_ops *ops) {
     ops->isa = "avx2";
 #endif
     ops->lanes = SPARK_LANES;
-    ops->quantize_block = quantize_block;
+    ops->quantize_row = quantize_row;
 #if defined(SPARK_ZMM)
     ops->lane_copy_min = SPARK_LANES_MIN_A8;
 #endif

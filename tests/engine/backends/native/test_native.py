@@ -69,7 +69,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def quantize_activation(x: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
-    """x (nb, 32) float32 -> (q (nb, 32) int64, d (nb,) float32), as spark_kernels.c's quantize_row: one scale per
+    """x (nb, 32) float32 -> (q (nb, 32) int64, d (nb,) float32), as the kernels' quantize_row: one scale per
     block, int8 for parts = 1 (llama.cpp's Q8), int16 for parts = 2."""
     qmax = F32(32767 if parts == 2 else 127)
     amax = np.abs(x).max(axis=1)  # (nb,)
@@ -360,6 +360,29 @@ def test_a_failing_build_names_the_compiler_error(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"did not compile with .*error"):
         build_library(tmp_path, extra_flags=("-include", "/nonexistent/header.h"))
     assert not list((tmp_path / "native").glob("*"))  # nothing half-built is left behind
+
+
+def test_the_library_is_built_from_every_source_and_keyed_by_every_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every C file beside the kernels (each instruction-set family's too) is compiled, and a change to any source
+    or header (ref/rows.h, a family's vec.h) gives the library another name in the cache, so a stale one is never
+    loaded."""
+    from engine.backends import native
+
+    assert set(native.SOURCES) == {p for p in native.source_files() if p.suffix == ".c"}
+    assert {p.relative_to(native.NATIVE_DIR).parts[0] for p in native.SOURCES} >= {"ref", "x86", "arm"}
+    copy = tmp_path / "native"
+    shutil.copytree(native.NATIVE_DIR, copy, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(native, "NATIVE_DIR", copy)
+    cc = native._compiler()
+    assert cc is not None
+    names = {native.library_path(tmp_path, cc, ["-O3"]).name}
+    for header in ("spark_kernels.h", "ref/rows.h", "x86/vec.h"):
+        with (copy / header).open("a") as f:
+            f.write("\n")
+        names.add(native.library_path(tmp_path, cc, ["-O3"]).name)
+    assert len(names) == 4
 
 
 def test_a_struct_mirror_of_another_size_fails_the_load_in_one_sentence(

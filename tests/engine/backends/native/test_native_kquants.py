@@ -1,4 +1,4 @@
-"""The native kernels of spark_kquants.c (Q5_0, Q5_1, the K-quants, IQ4_NL/XS, TQ1_0/TQ2_0: every GGUF format but
+"""The native kernels of spark_kquants.h's formats (Q5_0, Q5_1, the K-quants, IQ4_NL/XS, TQ1_0/TQ2_0: every GGUF format but
 the legacy three): every instruction-set
 variant computes each product bit for bit as the integer reference below, a prefill's rows equal one-row decodes,
 and the reference itself is the plain product of the dequantized weights. The Arm builds (NEON dot product and
@@ -44,7 +44,7 @@ def _bits(qh: np.ndarray) -> np.ndarray:  # (blocks, 32) -> (blocks, 8, 32): bit
 
 def block_factors(qtype: BlockType, raw: np.ndarray) -> tuple[np.ndarray, ...]:
     """raw (N, row bytes) -> per block of 32: signed quants (N, nb, 32) int64, dw, mw (N, nb) float32, the halves'
-    scales s0, s1 and (Q2_K) mins m0, m1 (N, nb) int64, as spark_kquants.c's kq_unpack."""
+    scales s0, s1 and (Q2_K) mins m0, m1 (N, nb) int64, as the kernels' kq_unpack."""
     n = raw.shape[0]
     b = raw.reshape(-1, qtype.block_bytes)
     per = qtype.elements // 32  # blocks of 32 per block of the format
@@ -106,7 +106,7 @@ def block_factors(qtype: BlockType, raw: np.ndarray) -> tuple[np.ndarray, ...]:
 
 def integer_reference(qtype: BlockType, raw: np.ndarray, bias: np.ndarray, x: np.ndarray, parts: int) -> np.ndarray:
     """One activation row x (K,) through raw (N, row bytes): exact integer half-block sums, then the float terms of
-    spark_kquants.c in its fixed order (block b into partial sum b % 8, then a fixed tree)."""
+    the kernels in their fixed order (block b into partial sum b % 8, then a fixed tree)."""
     q, dw, mw, s0, s1, m0, m1 = block_factors(qtype, raw)
     n, nb = dw.shape
     xq, d = quantize_activation(x.reshape(nb, 32).astype(F32), parts)
