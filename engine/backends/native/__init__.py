@@ -1,14 +1,15 @@
 """Native CPU kernels (spark_kernels.c: GGUF block formats, a threaded decoding step of one token or a few;
-spark_attention.c: its attention over the slot table as stored): built on first use with the machine's C compiler,
-loaded with ctypes.
+spark_attention.c: its attention over the slot table as stored; the block products per instruction-set family in
+ref/, x86/ and arm/, spark_blocks.h says how): built on first use with the machine's C compiler, loaded with ctypes.
 
 The library is compiled once per source version, compiler and CPU into the cache dir (a few seconds), tuned for
 the CPU it runs on (-march=native on x86, -mcpu=native on Arm); a packaged app ships one built for its platform. Where no C compiler is found (a Mac without the
 Xcode Command Line Tools) or the build fails, `load_kernels()` returns None with the reason, and the engine runs
 its PyTorch path. Nothing here executes code from a model file: the library is built from our own source.
 
-The ABI is plain C structs of pointers, mirrored below with ctypes; every tensor passed must stay alive and
-unmoved while the library holds its pointer (the modules here keep them as buffers).
+The ABI is plain C structs of pointers (spark_kernels.h), mirrored below with ctypes and checked by size when the
+library is bound; every tensor passed must stay alive and unmoved while the library holds its pointer (the modules
+here keep them as buffers).
 """
 
 from __future__ import annotations
@@ -28,9 +29,13 @@ from pathlib import Path
 from engine.fileio import atomic_path
 from engine.paths import bundle_root, default_cache_dir
 
-SOURCE = Path(__file__).with_name("spark_kernels.c")
-# What SOURCE includes (one translation unit): part of the library's identity.
-INCLUDED = (Path(__file__).with_name("spark_kquants.c"), Path(__file__).with_name("spark_attention.c"))
+NATIVE_DIR = Path(__file__).parent
+# The library's translation units: the common part, the attention, and one file per instruction-set family (a family
+# the compiler does not target compiles to an empty registration, so every build compiles the same list).
+SOURCES = tuple(
+    NATIVE_DIR / name
+    for name in ("spark_kernels.c", "spark_attention.c", "ref/quants.c", "x86/quants.c", "arm/quants.c")
+)
 COMPILER_ENV = "CC"  # the compiler to use, as for any C build; else cc, clang, gcc in that order
 DISABLE_ENV = "MLOT_SPARK_NO_NATIVE"
 BUNDLED_DIR = "engine_native"  # where a packaged app keeps its prebuilt library  # set to 1 to run the PyTorch path (comparisons, troubleshooting)
@@ -225,9 +230,14 @@ def _compiler_identity(cc: str) -> str:
         return cc
 
 
+def source_files() -> list[Path]:
+    """Every file the library is built from (C sources and headers, in every instruction-set folder): its identity."""
+    return sorted(p for p in NATIVE_DIR.rglob("*") if p.suffix in (".c", ".h") and p.is_file())
+
+
 def library_path(cache_root: Path, cc: str, flags: Sequence[str]) -> Path:
-    """Where the library for this source, compiler, flags and machine lives in the cache."""
-    sources = [SOURCE.read_text(), *(p.read_text() for p in INCLUDED)]
+    """Where the library for these sources, compiler, flags and machine lives in the cache."""
+    sources = [f"{p.relative_to(NATIVE_DIR).as_posix()}\n{p.read_text()}" for p in source_files()]
     ident = "|".join([*sources, _compiler_identity(cc), " ".join(flags), platform.machine(), sys.platform])
     digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
     suffix = ".dylib" if sys.platform == "darwin" else ".so"
@@ -235,7 +245,7 @@ def library_path(cache_root: Path, cc: str, flags: Sequence[str]) -> Path:
 
 
 def build_library(cache_root: Path | None = None, extra_flags: Sequence[str] = (), portable: bool = False) -> Path:
-    """Compile spark_kernels.c into the cache (once) and return the library's path. Raises RuntimeError with a
+    """Compile the kernels into the cache (once) and return the library's path. Raises RuntimeError with a
     sentence naming what is missing or what the compiler said. `extra_flags` follow the tuning flags (e.g.
     -mno-avx512f builds the AVX2 kernel on an AVX-512 machine, which the tests compare); `portable` builds for
     distribution (packaging/spark.spec) instead of for this CPU."""
@@ -255,7 +265,7 @@ def build_library(cache_root: Path | None = None, extra_flags: Sequence[str] = (
     # Build beside the target and rename: a concurrent process or an interrupted build never leaves half a file.
     with atomic_path(out, prefix=out.stem + "-", suffix=out.suffix) as tmp:
         done = subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True, timeout=300
+            [cc, *flags, *map(str, SOURCES), "-o", str(tmp), "-lm"], capture_output=True, text=True, timeout=300
         )
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["(no message)"])[0]
@@ -263,9 +273,40 @@ def build_library(cache_root: Path | None = None, extra_flags: Sequence[str] = (
     return out
 
 
+# Each ABI struct's ctypes mirror, by the name of its size export (spark_sizeof_<name>) in spark_kernels.h.
+MIRRORS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
+    ("qmat", QMat),
+    ("model", ModelDesc),
+    ("cache", CacheDesc),
+    ("step", StepDesc),
+    ("attn", AttnDesc),
+)
+
+
+def check_mirrors(lib: ctypes.CDLL) -> None:
+    """Raise RuntimeError, in one sentence, where a struct's size in the library differs from its ctypes mirror's
+    (a field added or changed on one side only): every call would misread it."""
+    for name, mirror in MIRRORS:
+        try:
+            size_of = getattr(lib, f"spark_sizeof_{name}")
+        except AttributeError:
+            raise RuntimeError(
+                f"the native kernels library exports no spark_sizeof_{name}: it was built from another version"
+            ) from None
+        size_of.restype = ctypes.c_int64
+        size_of.argtypes = []
+        size, mirrored = int(size_of()), ctypes.sizeof(mirror)
+        if size != mirrored:
+            raise RuntimeError(
+                f"the native kernels' spark_{name} is {size} bytes but its ctypes mirror {mirror.__name__} is "
+                f"{mirrored}: spark_kernels.h and engine/backends/native/__init__.py disagree"
+            )
+
+
 def bind(path: Path) -> NativeKernels:
-    """Load a built library and declare its entry points."""
+    """Load a built library, check its structs against their mirrors and declare its entry points."""
     lib = ctypes.CDLL(str(path))
+    check_mirrors(lib)
     lib.spark_isa.restype = ctypes.c_char_p
     lib.spark_max_head_dim.restype = ctypes.c_int32
     lib.spark_max_threads.restype = ctypes.c_int32

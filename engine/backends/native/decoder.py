@@ -27,7 +27,7 @@ from engine.model.attention import RotaryTable
 from engine.model.network import DecoderLayer, Transformer
 from engine.model.slots import DirectReads, KVCache, SlotBatch
 
-MAX_ROWS = 16  # the most tokens one native step takes (spark_kernels.c's SPARK_MAX_STEP_ROWS)
+MAX_ROWS = 16  # the most tokens one native step takes (spark_kernels.h's SPARK_MAX_STEP_ROWS)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -23,85 +23,21 @@
  * (attend_prefix_chunk); each token's tiles, chunks and operations stay those of its own decoding step, so its
  * bits are too.
  *
- * Included by spark_kernels.c after its helpers (one translation unit: it uses parallel_for, exp_approx and
- * SPARK_MAX_HEAD_DIM); spark_decode calls spark_attend for each layer.
+ * spark_decode calls spark_attend for each layer; spark_decode_rows rotate_ranks and attend_many (spark_blocks.h).
  */
 
 #define SPARK_ATTN_TILE 16      /* keys rotated and scored together, kept in L1 */
 #define SPARK_ATTN_MIN_CHUNK 64 /* the fewest keys a work item takes when the pool splits a window */
 
-/* ---- float vectors: the few operations the attention needs, per instruction set ---- */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define SPARK_VW 16
-typedef __m512 spark_vf;
-static inline spark_vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline spark_vf vf_load_h(const _Float16 *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p)); }
-static inline void vf_store(float *p, spark_vf v) { _mm512_storeu_ps(p, v); }
-static inline spark_vf vf_set1(float x) { return _mm512_set1_ps(x); }
-static inline spark_vf vf_fma(spark_vf a, spark_vf b, spark_vf c) { return _mm512_fmadd_ps(a, b, c); } /* a*b + c */
-static inline float vf_sum(spark_vf v) { return _mm512_reduce_add_ps(v); }
-static inline spark_vf vf_min(spark_vf a, spark_vf b) { return _mm512_min_ps(a, b); }
-static inline spark_vf vf_max(spark_vf a, spark_vf b) { return _mm512_max_ps(a, b); }
-/* 2^n for integral n in the normal range, built in the exponent bits */
-static inline spark_vf vf_pow2i(spark_vf n) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
-}
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#include <immintrin.h>
-#define SPARK_VW 8
-typedef __m256 spark_vf;
-static inline spark_vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
-static inline spark_vf vf_load_h(const _Float16 *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p)); }
-static inline void vf_store(float *p, spark_vf v) { _mm256_storeu_ps(p, v); }
-static inline spark_vf vf_set1(float x) { return _mm256_set1_ps(x); }
-static inline spark_vf vf_fma(spark_vf a, spark_vf b, spark_vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vf_sum(spark_vf v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-static inline spark_vf vf_min(spark_vf a, spark_vf b) { return _mm256_min_ps(a, b); }
-static inline spark_vf vf_max(spark_vf a, spark_vf b) { return _mm256_max_ps(a, b); }
-static inline spark_vf vf_pow2i(spark_vf n) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
-}
+#include "spark_blocks.h"
+
+/* ---- float vectors: the few operations the attention needs, from the build's family ---- */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
+#include "x86/vec.h"
 #elif defined(__aarch64__) && defined(__ARM_NEON)
-#include <arm_neon.h>
-#define SPARK_VW 4
-typedef float32x4_t spark_vf;
-static inline spark_vf vf_load(const float *p) { return vld1q_f32(p); }
-static inline spark_vf vf_load_h(const _Float16 *p) {
-    float16x4_t h;
-    memcpy(&h, p, sizeof h);
-    return vcvt_f32_f16(h);
-}
-static inline void vf_store(float *p, spark_vf v) { vst1q_f32(p, v); }
-static inline spark_vf vf_set1(float x) { return vdupq_n_f32(x); }
-static inline spark_vf vf_fma(spark_vf a, spark_vf b, spark_vf c) { return vfmaq_f32(c, a, b); }
-static inline float vf_sum(spark_vf v) { return vaddvq_f32(v); }
-static inline spark_vf vf_min(spark_vf a, spark_vf b) { return vminq_f32(a, b); }
-static inline spark_vf vf_max(spark_vf a, spark_vf b) { return vmaxq_f32(a, b); }
-static inline spark_vf vf_pow2i(spark_vf n) {
-    return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23));
-}
-#else /* portable: one lane, plain C (the compiler may still vectorize the loops around it) */
-#define SPARK_VW 1
-typedef float spark_vf;
-static inline spark_vf vf_load(const float *p) { return *p; }
-static inline spark_vf vf_load_h(const _Float16 *p) { return (float)*p; }
-static inline void vf_store(float *p, spark_vf v) { *p = v; }
-static inline spark_vf vf_set1(float x) { return x; }
-static inline spark_vf vf_fma(spark_vf a, spark_vf b, spark_vf c) { return a * b + c; }
-static inline float vf_sum(spark_vf v) { return v; }
-static inline spark_vf vf_min(spark_vf a, spark_vf b) { return a < b ? a : b; }
-static inline spark_vf vf_max(spark_vf a, spark_vf b) { return a > b ? a : b; }
-static inline spark_vf vf_pow2i(spark_vf n) {
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
+#include "arm/vec.h"
+#else
+#include "ref/vec.h"
 #endif
 
 /* exp_approx (spark_kernels.c) on a vector: the same operations in the same order, so the same bits per lane. */
@@ -119,28 +55,6 @@ static inline spark_vf vf_exp(spark_vf x) {
     p = vf_set1(1.0f) + r * p;
     return p * vf_pow2i(n);
 }
-
-/* One layer's attention for one decoding step. */
-typedef struct {
-    const void *k, *v;            /* this layer's (Hkv, C, D) of the row: fp16 when half, else fp32; keys unrotated */
-    int64_t capacity;             /* C, the table's allocated slots */
-    int32_t half;                 /* 1: fp16 table */
-    const int64_t *slots;         /* (m,) the attended slots, in slot order */
-    const int64_t *positions;     /* (m,) the position each key is rotated at */
-    const float *cos, *sin;       /* (P, D) the rotary table (signed sin: engine.model.attention.RotaryTable) */
-    int32_t width, split;         /* m; ranks [0, split) are scored by q_plain, the rest by q_new */
-    const float *q_new, *q_plain; /* (H, D) rotated queries */
-    int32_t n_heads, n_kv_heads, d;
-    float scale;
-    int32_t chunk;  /* keys per work item */
-    float *partial; /* (chunks, H, D + 2): per chunk and head, the running max, the sum, then the output (D) */
-    float *out;     /* (H, D) */
-    /* Keys already rotated, for the tokens of a step of several (spark_decode_rows rotates each attended key once
-     * for all of them): (Hkv, rotated_width, D) fp32, this token's rank i at rank rank_of[i]; NULL: rotate as read. */
-    const float *rotated;
-    const int32_t *rank_of;
-    int64_t rotated_width;
-} spark_attn;
 
 /* Floats of `partial` an attention over `width` keys may use (callers allocate this many). */
 int64_t spark_attend_floats(int32_t n_heads, int32_t head_dim, int32_t width) {
@@ -185,18 +99,8 @@ static inline __attribute__((always_inline)) void rotate_key(const void *k, int3
     rotate_half(row + hd * elem, half, -hd, cs + hd, sn + hd, d - hd, out + hd);
 }
 
-/* Every key of an addressing (slots, positions: width ranks) rotated once, for all the tokens of a step that
- * attend to them: out (Hkv, width, D). A parallel_for job over ranks. */
-typedef struct {
-    const void *k;
-    int32_t half, n_kv_heads, d;
-    int64_t capacity, width;
-    const int64_t *slots, *positions;
-    const float *cos, *sin;
-    float *out;
-} spark_rotation;
-
-static void rotate_ranks(void *ctx, int32_t begin, int32_t end) {
+/* Every key of an addressing rotated once (spark_rotation, spark_blocks.h): a parallel_for job over ranks. */
+void rotate_ranks(void *ctx, int32_t begin, int32_t end) {
     const spark_rotation *r = ctx;
     for (int32_t kh = 0; kh < r->n_kv_heads; kh++)
         for (int32_t i = begin; i < end; i++) {
@@ -347,7 +251,7 @@ static void attend_chunks(void *ctx, int32_t begin, int32_t end) {
 /* How many keys a work item of a's attention takes (a->chunk), and how many items: one chunk on one thread; else
  * about four per thread, never under SPARK_ATTN_MIN_CHUNK keys (the bound spark_attend_floats allocates for). */
 static int32_t attend_split(spark_attn *a) {
-    const int32_t threads = pool.n_threads;
+    const int32_t threads = spark_threads();
     int32_t chunk = a->width;
     if (threads > 1 && a->width > SPARK_ATTN_MIN_CHUNK) {
         chunk = (a->width + 4 * threads - 1) / (4 * threads);
@@ -446,7 +350,7 @@ static void attend_prefix_chunks(void *ctx, int32_t begin, int32_t end) {
 
 /* The attentions of `count` tokens; `prefix`: each token's addressing is the first ranks of the last one's, whose
  * keys a[t].rotated holds (rank_of the identity). */
-static void attend_many(spark_attn *a, int32_t count, int prefix) {
+void attend_many(spark_attn *a, int32_t count, int prefix) {
     spark_attend_many j;
     j.a = a, j.count = count, j.first[0] = 0;
     int32_t chunks = 0;

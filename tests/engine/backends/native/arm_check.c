@@ -1,8 +1,8 @@
-/* Checks spark_kernels.c's block products bit for bit against a plain C reference (exact integer block sums, the
+/* Checks the kernels' block products of Q8_0, Q4_0 and Q4_1 bit for bit against a plain C reference (exact integer block sums, the
  * float terms in the kernel's documented order), its decoding attention within float rounding of a double one, and
  * its step of several tokens bit for bit against one-token steps, compiled for Arm and run under qemu by tests/engine/backends/native/test_native.py
  * (Apple Silicon's NEON dot-product kernel, off a Mac); the same file compiled natively checks the checker. */
-#include "spark_kernels.c"
+#include "spark_blocks.h"
 
 #include <stdio.h>
 

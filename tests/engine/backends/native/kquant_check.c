@@ -1,8 +1,8 @@
-/* Checks spark_kquants.c's products (Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0) bit for bit against a plain C reference that decodes each
+/* Checks the products of spark_kquants.h's formats (Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0) bit for bit against a plain C reference that decodes each
  * weight from ggml's layouts one element at a time (exact integer half-block sums, then the float terms in the
  * kernel's documented order). Compiled natively and for Arm (run under qemu) by tests/engine/backends/native/test_native_kquants.py;
  * it prints the ISA, the mismatch count and a hash of every output, which must be equal on every ISA. */
-#include "spark_kernels.c"
+#include "spark_blocks.h"
 
 #include <stdio.h>
 

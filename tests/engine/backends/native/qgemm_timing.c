@@ -2,14 +2,15 @@
  * random weights (so a decoding step's rows stream from memory as in the model), m activation rows, fastest of
  * `reps` passes over all 120 matrices (plus, with `head` = 1, the 49152 x 576 LM head). Timings only: the bits are
  * checked by the tests. Pin it to a core and compare builds in the same session:
- *   cc -O3 -std=gnu11 -pthread -ffp-contract=off -fno-math-errno -march=native -I engine/backends/native \
- *      tests/engine/backends/native/qgemm_timing.c -o /tmp/qgemm_timing -lm
+ *   N=engine/backends/native; cc -O3 -std=gnu11 -pthread -ffp-contract=off -fno-math-errno -march=native -I $N \
+ *      tests/engine/backends/native/qgemm_timing.c $N/spark_kernels.c $N/spark_attention.c $N/ref/quants.c \
+ *      $N/x86/quants.c $N/arm/quants.c -o /tmp/qgemm_timing -lm
  *   taskset -c 1 /tmp/qgemm_timing TYPE M REPS [HEAD]   (TYPE: ggml id, 8 Q8_0, 3 Q4_1, 2 Q4_0, 6 Q5_0, 12 Q4_K, 14 Q6_K)
  * With HOT=1 in the environment every layer shares layer 0's weights (they stay in cache: compute alone); with
  * THREADS=N the products run on N threads (the kernels' pool); with NOAMX=1 they leave AMX's tiles unused; with
  * MODEL=1b the shapes are Llama 3.2 1B's (16 layers of 2048 wide, MLP 8192; head 128256 x 2048); with PARTS=1 the
  * activations are int8 blocks (the Q4_K and Q6_K default on AVX-512 VNNI) instead of int16. */
-#include "spark_kernels.c"
+#include "spark_blocks.h"
 
 #include <stdio.h>
 #include <time.h>

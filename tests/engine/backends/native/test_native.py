@@ -69,7 +69,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def quantize_activation(x: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
-    """x (nb, 32) float32 -> (q (nb, 32) int64, d (nb,) float32), as spark_kernels.c's quantize_row: one scale per
+    """x (nb, 32) float32 -> (q (nb, 32) int64, d (nb,) float32), as the kernels' quantize_row: one scale per
     block, int8 for parts = 1 (llama.cpp's Q8), int16 for parts = 2."""
     qmax = F32(32767 if parts == 2 else 127)
     amax = np.abs(x).max(axis=1)  # (nb,)
@@ -362,6 +362,52 @@ def test_a_failing_build_names_the_compiler_error(tmp_path: Path) -> None:
     assert not list((tmp_path / "native").glob("*"))  # nothing half-built is left behind
 
 
+def test_the_library_is_built_from_every_source_and_keyed_by_every_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every C file beside the kernels (each instruction-set family's too) is compiled, and a change to any source
+    or header (ref/rows.h, a family's vec.h) gives the library another name in the cache, so a stale one is never
+    loaded."""
+    from engine.backends import native
+
+    assert set(native.SOURCES) == {p for p in native.source_files() if p.suffix == ".c"}
+    assert {p.relative_to(native.NATIVE_DIR).parts[0] for p in native.SOURCES} >= {"ref", "x86", "arm"}
+    copy = tmp_path / "native"
+    shutil.copytree(native.NATIVE_DIR, copy, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(native, "NATIVE_DIR", copy)
+    cc = native._compiler()
+    assert cc is not None
+    names = {native.library_path(tmp_path, cc, ["-O3"]).name}
+    for header in ("spark_kernels.h", "ref/rows.h", "x86/vec.h"):
+        with (copy / header).open("a") as f:
+            f.write("\n")
+        names.add(native.library_path(tmp_path, cc, ["-O3"]).name)
+    assert len(names) == 4
+
+
+def test_a_struct_mirror_of_another_size_fails_the_load_in_one_sentence(
+    kernels: NativeKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bind() compares each ABI struct's size in the library (spark_sizeof_*) with its ctypes mirror: the mirrors
+    agree here, and one with a field the library lacks is refused before any call could misread it."""
+    import ctypes
+
+    from engine.backends import native
+
+    native.check_mirrors(kernels.lib)  # every mirror agrees with the built library
+
+    class LongerStep(ctypes.Structure):
+        _fields_ = [*native.StepDesc._fields_, ("extra", ctypes.c_int64)]
+
+    mirrors = tuple((name, LongerStep if name == "step" else m) for name, m in native.MIRRORS)
+    monkeypatch.setattr(native, "MIRRORS", mirrors)
+    with pytest.raises(
+        RuntimeError, match=r"^the native kernels' spark_step is \d+ bytes but its ctypes mirror LongerStep is \d+: "
+    ) as err:
+        native.check_mirrors(kernels.lib)
+    assert "\n" not in str(err.value)
+
+
 ARM_CC, QEMU_ARM = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
 
 
@@ -375,7 +421,7 @@ def test_arm_kernels_compute_the_exact_block_products(tmp_path: Path, arch: str,
     decoding attention within float rounding)."""
     import subprocess
 
-    from engine.backends.native import SOURCE
+    from engine.backends.native import NATIVE_DIR, SOURCES
 
     exe = tmp_path / f"arm-check-{isa}"
     check = Path(__file__).with_name("arm_check.c")
@@ -387,8 +433,9 @@ def test_arm_kernels_compute_the_exact_block_products(tmp_path: Path, arch: str,
         "-ffp-contract=off",
         f"-march={arch}",
         "-static",
-        f"-I{SOURCE.parent}",
+        f"-I{NATIVE_DIR}",
         str(check),
+        *map(str, SOURCES),
         "-o",
         str(exe),
         "-lm",
@@ -406,7 +453,7 @@ def test_the_arm_checker_itself_passes_on_this_machine(tmp_path: Path, kernels: 
     so a mismatch under qemu points at the Arm kernel, not at the checker."""
     import subprocess
 
-    from engine.backends.native import SOURCE, _compiler, compile_flags
+    from engine.backends.native import NATIVE_DIR, SOURCES, _compiler, compile_flags
 
     exe = tmp_path / "check"
     tune = [f for f in compile_flags() if f.startswith("-m")]
@@ -417,8 +464,9 @@ def test_the_arm_checker_itself_passes_on_this_machine(tmp_path: Path, kernels: 
         "-pthread",
         "-ffp-contract=off",
         *tune,
-        f"-I{SOURCE.parent}",
+        f"-I{NATIVE_DIR}",
         str(Path(__file__).with_name("arm_check.c")),
+        *map(str, SOURCES),
         "-o",
         str(exe),
         "-lm",

@@ -1,4 +1,4 @@
-"""The native kernels of spark_kquants.c (Q5_0, Q5_1, the K-quants, IQ4_NL/XS, TQ1_0/TQ2_0: every GGUF format but
+"""The native kernels of spark_kquants.h's formats (Q5_0, Q5_1, the K-quants, IQ4_NL/XS, TQ1_0/TQ2_0: every GGUF format but
 the legacy three): every instruction-set
 variant computes each product bit for bit as the integer reference below, a prefill's rows equal one-row decodes,
 and the reference itself is the plain product of the dequantized weights. The Arm builds (NEON dot product and
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.backends.blocks import BlockEmbedding, BlockWeights
-from engine.backends.native import SOURCE, NativeKernels, _compiler, bind, build_library, compile_flags
+from engine.backends.native import NATIVE_DIR, SOURCES, NativeKernels, _compiler, bind, build_library, compile_flags
 from engine.backends.native.decoder import NativeBlockEmbedding, NativeBlockLinear
 from engine.model.quant import LEVELS, BlockType, k3_scales, k4_scales, k6_quants, tq1_trits
 from tests.engine.backends.native.test_native import X86, has_cpu_flags, quantize_activation
@@ -44,7 +44,7 @@ def _bits(qh: np.ndarray) -> np.ndarray:  # (blocks, 32) -> (blocks, 8, 32): bit
 
 def block_factors(qtype: BlockType, raw: np.ndarray) -> tuple[np.ndarray, ...]:
     """raw (N, row bytes) -> per block of 32: signed quants (N, nb, 32) int64, dw, mw (N, nb) float32, the halves'
-    scales s0, s1 and (Q2_K) mins m0, m1 (N, nb) int64, as spark_kquants.c's kq_unpack."""
+    scales s0, s1 and (Q2_K) mins m0, m1 (N, nb) int64, as the kernels' kq_unpack."""
     n = raw.shape[0]
     b = raw.reshape(-1, qtype.block_bytes)
     per = qtype.elements // 32  # blocks of 32 per block of the format
@@ -106,7 +106,7 @@ def block_factors(qtype: BlockType, raw: np.ndarray) -> tuple[np.ndarray, ...]:
 
 def integer_reference(qtype: BlockType, raw: np.ndarray, bias: np.ndarray, x: np.ndarray, parts: int) -> np.ndarray:
     """One activation row x (K,) through raw (N, row bytes): exact integer half-block sums, then the float terms of
-    spark_kquants.c in its fixed order (block b into partial sum b % 8, then a fixed tree)."""
+    the kernels in their fixed order (block b into partial sum b % 8, then a fixed tree)."""
     q, dw, mw, s0, s1, m0, m1 = block_factors(qtype, raw)
     n, nb = dw.shape
     xq, d = quantize_activation(x.reshape(nb, 32).astype(F32), parts)
@@ -231,8 +231,9 @@ CHECKER = Path(__file__).with_name("kquant_check.c")
 
 
 def run_checker(cc: str, flags: list[str], exe: Path, runner: list[str]) -> list[str]:
-    """Build kquant_check.c (spark_kernels.c included) and run it: its lines 'isa X', 'N mismatches', 'hash H'."""
-    build = [cc, "-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", *flags, f"-I{SOURCE.parent}", str(CHECKER)]
+    """Build kquant_check.c with the kernels' sources and run it: its lines 'isa X', 'N mismatches', 'hash H'."""
+    build = [cc, "-O3", "-std=gnu11", "-pthread", "-ffp-contract=off", *flags, f"-I{NATIVE_DIR}", str(CHECKER)]
+    build += map(str, SOURCES)
     subprocess.run([*build, "-o", str(exe), "-lm"], check=True, capture_output=True, timeout=300)
     out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stdout + out.stderr

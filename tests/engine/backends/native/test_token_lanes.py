@@ -1,4 +1,4 @@
-"""A prefill's lane routes of spark_kernels.c and spark_kquants.c: on AVX-512 16 tokens in the lanes of a vector,
+"""A prefill's lane routes of x86/quants.c: on AVX-512 16 tokens in the lanes of a vector,
 weight rows in pairs, for every block type; on AVX2 8 weight rows in the lanes and the tokens broadcast, for Q8_0,
 Q4_0 and Q4_1 (the tests below run the route of the machine's build). At token counts across group boundaries and
 widths with a partial group of 8 blocks, every output equals the integer reference bit for bit and the same row
