@@ -100,8 +100,7 @@ def decode_bytes(data: bytes, name: str = "The image") -> DecodedImage:
             img.seek(0)  # an animation: its first frame
             img.load()
             _check_dimensions(img.size, name)
-            img = ImageOps.exif_transpose(img)
-            rgb = _to_srgb(_to_rgb(img))
+            rgb = _to_srgb(_to_rgb(ImageOps.exif_transpose(img)))
         except ImageError:
             raise
         except UnidentifiedImageError:
