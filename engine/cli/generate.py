@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from engine.backends import QUANTIZE_CHOICES
@@ -21,6 +21,7 @@ from engine.loading.model_files import resolve_model_path
 from engine.loading.sampling_defaults import model_sampling
 from engine.model.kv_types import KVType
 from engine.session.engine import Engine, Session, memory_factory_for
+from engine.vision.images import DecodedImage, decode_file
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -153,6 +154,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--prompt", default=None, help="prompt text (raw completion unless --chat)")
     p.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from a file")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument(
+        "--image",
+        type=Path,
+        action="append",
+        default=[],
+        help="a PNG, JPEG, WebP or GIF the prompt is about (repeatable; placed at the prompt's <image> markers, else "
+        "before its text)",
+    )
     add_sampling_args(p)
     p.add_argument(
         "--save-session", type=Path, default=None, help="save the conversation and its memory to a .spark file"
@@ -210,6 +219,9 @@ def run(args: argparse.Namespace) -> int:
         raise SparkError("--continue needs --load-session FILE (the conversation to continue).")
     if prompt is None and not args.continue_:
         raise SparkError("Give a prompt with --prompt TEXT (or --load-session FILE --continue).")
+    if args.image and prompt is None:
+        raise SparkError("--image needs a prompt (--prompt TEXT) to ask about the picture.")
+    images = [decode_file(path) for path in args.image]  # a bad picture fails before any loading
     settings = settings_from_args(args, resolve_model_path(args.model))  # bad flags fail before any loading
     settings.grammar = read_grammar(args)
     if settings.grammar is not None and settings.beam.beams > 1:
@@ -220,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         report = session.load(args.load_session)
         if report.foreign_model:
             print(f"note: {report.message}", file=sys.stderr)
-    events = pick_stream(session, prompt, args, settings)
+    events = pick_stream(session, prompt, args, settings, images)
     if not args.json:
         print(f"backend: {engine.choice.explain()}", file=sys.stderr)
     text, tokens, last = stream(events, echo=not args.json)
@@ -253,13 +265,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def pick_stream(
-    session: Session, prompt: str | None, args: argparse.Namespace, settings: GenerationSettings
+    session: Session,
+    prompt: str | None,
+    args: argparse.Namespace,
+    settings: GenerationSettings,
+    images: Sequence[DecodedImage] = (),
 ) -> Iterator[GenerationEvent]:
     if prompt is None:
         return session.continue_reply(settings)
     if args.chat:
-        return session.chat(prompt, settings)
-    return session.complete(prompt, settings)
+        return session.chat(prompt, settings, images=images)
+    return session.complete(prompt, settings, images=images)
 
 
 def stream(events: Iterable[GenerationEvent], echo: bool) -> tuple[str, list[int], GenerationEvent | None]:

@@ -183,10 +183,25 @@ class VisionModel:
             start += count
         return out
 
-    def encode_prompt(self, text: str, images: Sequence[DecodedImage]) -> list[int]:
-        """A rendered prompt holding one `<image>` per picture -> its token ids, pictures included."""
+    def encode_prompt(self, text: str, images: Sequence[DecodedImage], add_bos: bool | None = None) -> list[int]:
+        """A rendered prompt holding one `<image>` per picture -> its token ids, pictures included (`add_bos` as
+        Tokenizer.encode's)."""
         expanded, frames = self.prompt_text(text, images)
-        return self.image_ids(self.tokenizer.encode(expanded), images, frames)
+        return self.image_ids(self.tokenizer.encode(expanded, add_bos=add_bos), images, frames)
+
+
+def attach_vision(folder: Path, tokenizer: Tokenizer, backend: object) -> VisionModel | None:
+    """The image path of a vision-language folder, wrapped around `backend`'s text model; None for a text model."""
+    if not is_vision_folder(folder):
+        return None
+    model = getattr(backend, "model", None)
+    if not isinstance(model, Transformer):
+        raise ModelLoadError(
+            f"{folder.name} sees images only on the CPU, CUDA or MPS backends; choose one of them with --backend."
+        )
+    vision = load_vision(folder, tokenizer, model.config.hidden_size, model.config.vocab_size)
+    vision.attach(model)
+    return vision
 
 
 def load_vision(folder: Path, tokenizer: Tokenizer, text_hidden_size: int, vocab_size: int) -> VisionModel:
