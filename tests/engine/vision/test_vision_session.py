@@ -156,3 +156,31 @@ def test_generate_image_flag(folder: Path, tmp_path: Path) -> None:
         home=tmp_path,
     )
     assert r.returncode != 0 and b"reads text only" in r.stderr and b"Traceback" not in r.stderr
+
+
+def test_chat_image_command(folder: Path, tmp_path: Path) -> None:
+    (tmp_path / "a.png").write_bytes(png(40, 24, 4))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path)}
+    lines = f"/image {tmp_path / 'a.png'}\nWhat is it?\n/image {tmp_path / 'missing.png'}\n/quit\n"
+    common = ["--backend", "cpu", "--no-prefix-cache", "--greedy", "--max-tokens", "4"]
+    r = subprocess.run(
+        [sys.executable, "-m", "engine", "chat", "--model", str(folder), *common],
+        input=lines.encode(),
+        capture_output=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"(image a.png attached to the next message)" in r.stdout
+    assert b"missing.png cannot be read" in r.stderr and b"Traceback" not in r.stderr
+    text_model = make_tiny_model(tmp_path / "text")
+    r = subprocess.run(
+        [sys.executable, "-m", "engine", "chat", "--model", str(text_model), *common],
+        input=f"/image {tmp_path / 'a.png'}\n/quit\n".encode(),
+        capture_output=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert r.returncode == 0 and b"reads text only" in r.stderr
