@@ -80,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
         speculative=Speculation(args.speculative),
     )
     server = LocalServer(
-        ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, config, engine.draft),
+        ModelService(
+            engine.locked_fork(), engine.tokenizer, engine.memory_factory, config, engine.draft, vision=engine.vision
+        ),
         args.host,
         args.port,
     )

@@ -1,7 +1,7 @@
 """Ollama's `POST /api/chat` over the same service: a thin translation to and from the OpenAI request, so clients
 written for Ollama (its own Python and JavaScript libraries, editors that speak only Ollama) get replies here.
 
-Read: `model`, `messages` (role and content; images are refused), `stream` (Ollama's default: true), `format`
+Read: `model`, `messages` (role, content and `images`, base64 pictures placed before the text), `stream` (Ollama's default: true), `format`
 ("json", or a JSON schema: constrained as `response_format` is), and of `options` `temperature`, `num_predict`
 (-1 or -2: the server's default budget), `top_p`, `seed`, `stop`; other options are ignored, as Ollama ignores the
 ones a model does not use. The reply is one JSON object, or newline-delimited JSON chunks (`message.content`
@@ -32,9 +32,14 @@ def openai_body(body: Any) -> dict[str, Any]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object with 'role' and 'content'.", f"messages[{i}]")
-        if m.get("images"):
-            raise bad_request(f"messages[{i}] has images; this model reads text only.", f"messages[{i}].images")
-        out.append({"role": m.get("role"), "content": m.get("content", "")})
+        images = m.get("images") or []
+        if not isinstance(images, list) or not all(isinstance(b, str) for b in images):
+            raise bad_request(f"messages[{i}].images must be a list of base64 strings.", f"messages[{i}].images")
+        content = m.get("content", "")
+        if images:  # OpenAI's image_url parts, pictures before the text as Ollama places them
+            parts = [{"type": "image_url", "image_url": {"url": f"data:image/*;base64,{b}"}} for b in images]
+            content = [*parts, {"type": "text", "text": content}] if isinstance(content, str) else content
+        out.append({"role": m.get("role"), "content": content})
     stream = body.get("stream", True)  # Ollama streams unless told not to
     request: dict[str, Any] = {"model": body.get("model"), "messages": out, "stream": stream}
     options = body.get("options") or {}

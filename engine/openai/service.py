@@ -36,6 +36,8 @@ from engine.openai.metrics import Metrics
 from engine.openai.protocol import Limits, ParsedRequest
 from engine.openai.tools import chat_inputs
 from engine.session.setup import LockedBackend
+from engine.vision.images import decode_base64
+from engine.vision.model import VisionModel
 
 DEFAULT_SLOTS = 2048  # slots per row for a memory that does not say (full attention)
 
@@ -187,10 +189,13 @@ class ModelService:
         memory_factory: RowMemoryFactory | Callable[..., Memory],
         config: ServeConfig,
         draft: Backend | None = None,
+        vision: VisionModel | None = None,
     ) -> None:
         """`draft`: a draft model's backend (same vocabulary), for requests speculating with "draft"; each row
-        drafts on a fork of its own, made when a row first needs it."""
+        drafts on a fork of its own, made when a row first needs it. `vision`: the model's image path (attached to
+        `backend`'s model), None for a model that reads text only."""
         self.config = config
+        self.vision = vision
         self.draft = draft
         self.tokenizer = tokenizer
         self.memories: list[Memory] = []
@@ -252,7 +257,11 @@ class ModelService:
             if tok.chat_template is None:
                 raise bad_request("This model has no chat template; use /v1/completions with a raw prompt.", "messages")
             messages, extra = chat_inputs(req.messages, req.tools, tok.chat_template)
-            ids = tok.encode_chat(messages, **extra)
+            urls = [u for m in req.messages for u in m.get("images", ())]
+            if urls:
+                ids = self._image_prompt_ids(tok.apply_chat_template(messages, **extra), urls)
+            else:
+                ids = tok.encode_chat(messages, **extra)
         elif isinstance(req.prompt, str):
             ids = tok.encode(req.prompt)
         else:
@@ -269,6 +278,16 @@ class ModelService:
                 "messages" if req.messages is not None else "prompt",
             )
         return ids
+
+    def _image_prompt_ids(self, rendered: str, urls: list[str]) -> list[int]:
+        """A rendered chat with pictures (data URLs, in the order of its markers) -> prompt ids."""
+        if self.vision is None:
+            raise bad_request("This model reads text only; send text, or serve a model that sees images.", "messages")
+        try:
+            images = [decode_base64(u, f"Image {n + 1}") for n, u in enumerate(urls)]
+            return self.vision.encode_prompt(rendered, images, add_bos=False)
+        except SparkError as exc:
+            raise bad_request(str(exc), "messages") from None
 
     async def start(self, req: ParsedRequest) -> list[Job]:
         """Tokenize (off the event loop) and queue `req`'s `n` choices, each a request of its own (rows of one batch;
