@@ -31,6 +31,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help='the name clients send as "model" (default: the model\'s folder or file name)',
     )
     p.add_argument("--max-batch", type=int, default=8, help="requests generating at once")
+    p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs in requests (default: only inline data: URLs are read)",
+    )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (more get 429)")
     p.add_argument("--max-prompt-tokens", type=int, default=16384, help="longer prompts get 413")
     p.add_argument(
@@ -78,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         allow_origins=tuple(args.allow_origin),
         speculative=Speculation(args.speculative),
+        allow_image_urls=args.allow_image_urls,
     )
     server = LocalServer(
         ModelService(

@@ -149,8 +149,8 @@ IMAGE_MARKER = "<image>"  # where a picture sits in a message's text (engine.vis
 
 def _content(value: Any, i: int, images: list[str] | None = None) -> str:
     """A message's content: a string, or a list of text parts and, when `images` collects them, `image_url` parts
-    with `data:` URLs (each becomes a marker in the text; its URL is decoded later, off the event loop). Remote
-    URLs and audio are refused."""
+    (each becomes a marker in the text; its data: or http(s) URL is read later, off the event loop). Audio is
+    refused."""
     if isinstance(value, str):
         return value
     if value is None:
@@ -176,9 +176,9 @@ def _image_url(value: Any, i: int) -> str:
     field = f"messages[{i}].content"
     if not isinstance(url, str):
         raise bad_request(f"{field} has an image_url part without a 'url' string.", field)
-    if not url.startswith("data:"):
-        raise bad_request(f"{field} has a remote image URL; send the picture inline as a data: URL.", field)
-    return url
+    if not url.startswith(("data:", "http://", "https://")):
+        raise bad_request(f"{field} has an image URL that is neither data: nor http(s).", field)
+    return url  # a remote one is fetched only where the server allows it (engine.openai.service)
 
 
 def _tool_calls(value: Any, i: int) -> list[dict[str, Any]]:

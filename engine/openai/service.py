@@ -36,6 +36,7 @@ from engine.openai.metrics import Metrics
 from engine.openai.protocol import Limits, ParsedRequest
 from engine.openai.tools import chat_inputs
 from engine.session.setup import LockedBackend
+from engine.vision.fetch import fetch_image
 from engine.vision.images import decode_base64
 from engine.vision.model import VisionModel
 
@@ -65,6 +66,7 @@ class ServeConfig:
     limits: Limits = field(default_factory=Limits)
     allow_origins: tuple[str, ...] = ()  # CORS is off unless origins are named
     speculative: Speculation = Speculation.OFF  # for requests that do not send "speculative" (where it combines)
+    allow_image_urls: bool = False  # fetch http(s) image_url parts (else only data: URLs are read)
 
 
 def request_speculation(req: ParsedRequest, default: Speculation, has_draft: bool) -> Speculation:
@@ -283,8 +285,18 @@ class ModelService:
         """A rendered chat with pictures (data URLs, in the order of its markers) -> prompt ids."""
         if self.vision is None:
             raise bad_request("This model reads text only; send text, or serve a model that sees images.", "messages")
+        remote = [u for u in urls if u.startswith(("http://", "https://"))]
+        if remote and not self.config.allow_image_urls:
+            raise bad_request(
+                "The request has a remote image URL; send the picture inline as a data: URL (or start the server "
+                "with --allow-image-urls).",
+                "messages",
+            )
         try:
-            images = [decode_base64(u, f"Image {n + 1}") for n, u in enumerate(urls)]
+            images = [
+                fetch_image(u, f"Image {n + 1}") if u in remote else decode_base64(u, f"Image {n + 1}")
+                for n, u in enumerate(urls)
+            ]
             return self.vision.encode_prompt(rendered, images, add_bos=False)
         except SparkError as exc:
             raise bad_request(str(exc), "messages") from None
