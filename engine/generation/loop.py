@@ -118,7 +118,8 @@ def prefill(
     start = memory.reuse_prefix(ids[:-1])
     backend.expect(memory.slots_after(len(ids) - start + reply_tokens))
     chunk = max(1, min(chunk, memory.max_feed()))
-    feed = PromptFeed(ids, start, prefill_cuts(memory, ids, start), image_from=backend.config.vocab_size)
+    config = getattr(backend, "config", None)  # Backend declares it; a stand-in without one feeds no pictures
+    feed = PromptFeed(ids, start, prefill_cuts(memory, ids, start), image_from=getattr(config, "vocab_size", None))
     logits = None
     if on_progress is not None:
         on_progress(PrefillProgress(feed.at, len(ids), start, 0.0))
