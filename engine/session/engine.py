@@ -237,6 +237,7 @@ class Session:
     def reset(self) -> None:
         """New chat: forget messages and memory."""
         self.messages = []
+        self.images = []
         self.memory.reset()
         self.feed_log.clear()
         self.pending_token = None
