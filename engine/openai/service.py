@@ -38,6 +38,7 @@ from engine.openai.tools import chat_inputs
 from engine.session.setup import LockedBackend
 from engine.vision.fetch import fetch_image
 from engine.vision.images import decode_base64
+from engine.vision.messages import template_messages
 from engine.vision.model import VisionModel
 
 DEFAULT_SLOTS = 2048  # slots per row for a memory that does not say (full attention)
@@ -259,6 +260,8 @@ class ModelService:
             if tok.chat_template is None:
                 raise bad_request("This model has no chat template; use /v1/completions with a raw prompt.", "messages")
             messages, extra = chat_inputs(req.messages, req.tools, tok.chat_template)
+            if self.vision is not None:  # a template that reads content parts gets them
+                messages = template_messages(messages, tok.chat_template)
             urls = [u for m in req.messages for u in m.get("images", ())]
             if urls:
                 ids = self._image_prompt_ids(tok.apply_chat_template(messages, **extra), urls)

@@ -58,6 +58,7 @@ from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_
 from engine.session.setup import LockedBackend, MemoryFactory, check_fits, memory_factory_for
 from engine.vision.idefics3 import IMAGE_TOKEN
 from engine.vision.images import DecodedImage
+from engine.vision.messages import template_messages
 from engine.vision.model import ImageInputError, attach_vision
 
 # The conversation's messages (role/content, the system prompt first) -> the chat template's messages and extra
@@ -461,6 +462,8 @@ class Session:
 
     def _render(self, add_generation_prompt: bool) -> str:
         messages = self._template_messages()
+        if self.engine.vision is not None:  # a template that reads content parts gets them
+            messages = template_messages(messages, self.tokenizer.chat_template)
         msgs, extra = self.template_inputs(messages) if self.template_inputs is not None else (messages, {})
         return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
 

@@ -187,3 +187,33 @@ def test_chat_image_command(folder: Path, tmp_path: Path) -> None:
         timeout=600,
     )
     assert r.returncode == 0 and b"reads text only" in r.stderr
+
+
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def test_a_template_that_reads_content_parts(tmp_path: Path) -> None:
+    folder = make_tiny_idefics3(tmp_path / "smolvlm")
+    (folder / "chat_template.jinja").write_text(SMOLVLM_TEMPLATE)
+    pic = picture(40, 24, 6)
+    engine = load(folder, "cpu", prefix_cache=False)
+    session = engine.new_session()
+    tokens, _ = ask(session, "What is it?", [pic])
+    assert session._render(add_generation_prompt=False).startswith("<|im_start|>User:<image>What is it?")
+
+    model = transformers.Idefics3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=prompt, images=[pic.image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(
+            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert tokens == out[0, inputs["input_ids"].shape[1] :].tolist()
