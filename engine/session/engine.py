@@ -487,6 +487,8 @@ class Session:
     def _place_images(self, text: str, images: Sequence[DecodedImage]) -> str:
         """`text` with one <image> marker per picture (before the text unless it places them), the pictures kept."""
         if not images:
+            if self._has_images(text):
+                raise ImageInputError(f"The text holds {IMAGE_TOKEN}, which marks where a picture goes; attach one.")
             return text
         if self.engine.vision is None:
             raise ImageInputError(

@@ -113,6 +113,8 @@ def test_marker_count_must_match_and_images_block_saving(folder: Path, tmp_path:
     with pytest.raises(ImageInputError, match="places 1 images but 2 were given"):
         session.chat("<image> and?", GREEDY, images=[picture(8, 8, 0), picture(9, 8, 0)])
     ask(session, "<image> what is it?", [picture(8, 8, 0)])
+    with pytest.raises(ImageInputError, match="marks where a picture goes"):
+        session.chat("and this <image>?", GREEDY)
     with pytest.raises(SessionFileError, match="images cannot be saved"):
         session.save(tmp_path / "x.spark")
     session.reset()  # a new chat lets go of the pictures
