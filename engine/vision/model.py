@@ -3,11 +3,12 @@ tokens.
 
 An image enters the prompt as ordinary token ids, so the generation loop, the memory cascade and the prefix cache
 need no image type of their own: each of the image's token positions gets an id above the vocabulary derived from
-the picture's content hash and its index (`image_token_ids`), and `ImageEmbedding` — wrapped around the text
+the picture's content hash and its index (`ImageEmbedding.register`), and `ImageEmbedding` — wrapped around the text
 model's embedding lookup — gives those ids the vision tower's output rows. The encoder runs lazily, the first time
 one of an image's ids is embedded: tokens the prefix cache restores are never embedded, so a second question about
-the same picture encodes nothing and reads none of its tokens again. The same picture gives the same ids in every
-process, so the persistent prefix cache keys on its content; two pictures sharing a prefix would need every one of
+the same picture reads none of the tokens the restored prefix covers, and in this process encodes nothing again. The same picture gives the same ids in every
+process (the hash covers the preprocessing's settings too; the model's fingerprint keys the cache on the tower's
+weights), so the persistent prefix cache keys on its content; two pictures sharing a prefix would need every one of
 their ids to coincide (a 31-bit hash each).
 """
 
@@ -60,9 +61,10 @@ class ImageEmbedding(nn.Module):
     """The text model's embedding lookup with image rows: ids below the vocabulary go to `inner`, ids of a
     registered picture to the vision tower's rows for it (encoded on first use, then kept)."""
 
-    def __init__(self, inner: nn.Module, vocab_size: int, tower: VisionTower) -> None:
+    def __init__(self, inner: nn.Module, vocab_size: int, tower: VisionTower, salt: str = "") -> None:
         super().__init__()
         self.inner = inner
+        self.salt = salt  # the preprocessing's settings: other settings, other features, other ids
         self.vocab_size = vocab_size
         self.tower = tower
         self.rows: dict[int, tuple[str, int]] = {}  # id -> (picture hash, its row)
@@ -79,7 +81,7 @@ class ImageEmbedding(nn.Module):
             self.rows = {i: r for i, r in self.rows.items() if r[0] != gone}
         ids = []
         for k in range(count):
-            i = _image_token_id(image.sha256, k, self.vocab_size)
+            i = _image_token_id(self.salt + image.sha256, k, self.vocab_size)
             while self.rows.get(i, (image.sha256, k)) != (image.sha256, k):  # another picture's: the next free id
                 i = self.vocab_size + (i - self.vocab_size + 1) % (ID_CEILING - self.vocab_size)
             self.rows[i] = (image.sha256, k)
@@ -149,7 +151,8 @@ class VisionModel:
         """Wrap `model`'s embedding lookup (whatever the backend installed) so image ids embed as pictures."""
         backbone = model.model
         if not isinstance(backbone.embed_tokens, ImageEmbedding):
-            backbone.embed_tokens = ImageEmbedding(backbone.embed_tokens, self.vocab_size, self.tower)
+            salt = hashlib.sha256(repr(self.preprocessing).encode()).hexdigest()[:16]
+            backbone.embed_tokens = ImageEmbedding(backbone.embed_tokens, self.vocab_size, self.tower, salt)
         embedding = backbone.embed_tokens
         assert isinstance(embedding, ImageEmbedding)
         self.embedding = embedding

@@ -16,7 +16,7 @@ from PIL import Image
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import load_model
 from engine.vision.images import DecodedImage, decode_bytes
-from engine.vision.model import VisionModel, load_vision
+from engine.vision.model import ImageEmbedding, VisionModel, load_vision
 from tests.engine.vision.tiny_idefics3 import make_tiny_idefics3
 
 transformers = pytest.importorskip("transformers")
@@ -97,3 +97,12 @@ def test_same_picture_same_ids_other_picture_other_ids(ours: tuple[Any, VisionMo
     b = vision.encode_prompt(text, [picture(40, 24, 0)])
     c = vision.encode_prompt(text, [picture(40, 24, 1)])
     assert a == b and a != c and len(a) == len(c)
+
+
+def test_other_preprocessing_other_ids(ours: tuple[Any, VisionModel]) -> None:
+    _, vision = ours
+    pic = picture(40, 24, 0)
+    frames = vision.preprocessing.frames(pic.image)
+    a = ImageEmbedding(torch.nn.Embedding(4, 4), 360, vision.tower, "settings a").register(pic, frames, 4)
+    b = ImageEmbedding(torch.nn.Embedding(4, 4), 360, vision.tower, "settings b").register(pic, frames, 4)
+    assert len(set(a)) == 4 and not set(a) & set(b) and min(a + b) >= 360
