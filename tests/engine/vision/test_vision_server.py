@@ -4,6 +4,7 @@ own session does; a remote URL, a damaged picture and a text-only model are one-
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.server
 import threading
 from collections.abc import Iterator
@@ -62,7 +63,8 @@ class Pictures(http.server.BaseHTTPRequestHandler):
         self.send_response(200 if self.path in ("/a.png", "/big") else 404)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a client stops reading what it refuses
+            self.wfile.write(body)
 
     def log_message(self, *args: object) -> None:
         pass
