@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),  # leaves
     ("engine.model",),
     ("engine.loading",),
+    ("engine.vision",),  # images in: decoding, a model's processor and encoder
     ("engine.backends",),  # native/, coreml/ and every backend inside it
     ("engine.hw",),
     ("engine.memory",),

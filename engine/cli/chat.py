@@ -1,6 +1,7 @@
 """`python -m engine chat` — a terminal chat over the same Session the app uses.
 
-Commands inside the chat: /new (forget the conversation), /system TEXT, /save FILE, /load FILE, /quit.
+Commands inside the chat: /new (forget the conversation), /system TEXT, /image FILE (a picture the next message is
+about, on a model that sees images), /save FILE, /load FILE, /quit.
 Ctrl-C stops the reply being generated; Ctrl-D (or /quit) leaves.
 """
 
@@ -17,6 +18,7 @@ from engine.cli.generate import add_model_args, add_sampling_args, open_engine, 
 from engine.errors import SparkError
 from engine.loading.model_files import display_name, resolve_model_path
 from engine.session.engine import Session
+from engine.vision.images import DecodedImage, decode_file
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -27,8 +29,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
-def handle_command(session: Session, line: str) -> bool:
-    """Run a /command; returns False when the chat should end."""
+def handle_command(session: Session, line: str, images: list[DecodedImage] | None = None) -> bool:
+    """Run a /command; returns False when the chat should end. `/image FILE` adds to `images`, the pictures the next
+    message is about."""
     cmd, _, arg = line.partition(" ")
     if cmd == "/quit":
         return False
@@ -44,8 +47,15 @@ def handle_command(session: Session, line: str) -> bool:
     elif cmd == "/load" and arg:
         report = session.load(Path(arg))
         print(f"({report.message})")
+    elif cmd == "/image" and arg and images is not None:
+        if session.engine.vision is None:
+            raise SparkError(
+                f"{display_name(session.engine.model_dir)} reads text only; choose a model that sees images."
+            )
+        images.append(decode_file(Path(arg)))
+        print(f"(image {Path(arg).name} attached to the next message)")
     else:
-        print("commands: /new, /system TEXT, /save FILE, /load FILE, /quit")
+        print("commands: /new, /system TEXT, /image FILE, /save FILE, /load FILE, /quit")
     return True
 
 
@@ -55,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     session = engine.new_session()
     check_text(args.system, "--system")
     session.system_prompt = args.system
+    images: list[DecodedImage] = []  # attached with /image, sent with the next message
     print(
         f"MLoT Spark — {display_name(engine.model_dir)} on {engine.choice.explain()}. /quit to leave.", file=sys.stderr
     )
@@ -71,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         try:
             if line.startswith("/"):
-                if not handle_command(session, line):
+                if not handle_command(session, line, images):
                     return 0
                 continue
             stop = threading.Event()
@@ -79,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
             # conversation's memory stays consistent for the next turn.
             previous = signal.signal(signal.SIGINT, lambda *_, flag=stop: flag.set())  # this turn's flag, bound now
             try:
-                for ev in session.chat(line, settings, should_stop=stop.is_set):
+                sent, images[:] = list(images), []
+                for ev in session.chat(line, settings, should_stop=stop.is_set, images=sent):
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
             finally:

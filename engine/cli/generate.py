@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from engine.backends import QUANTIZE_CHOICES
@@ -22,6 +22,7 @@ from engine.loading.model_files import resolve_model_path
 from engine.loading.sampling_defaults import model_sampling
 from engine.model.kv_types import KVType
 from engine.session.engine import Engine, Session, memory_factory_for
+from engine.vision.images import DecodedImage, decode_file
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -171,6 +172,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="with --chat, for a model that reasons: think before answering (on), answer directly (off), or the "
         "model's default (auto). Its reasoning is printed on stderr, or under `reasoning` with --json",
     )
+    p.add_argument(
+        "--image",
+        type=Path,
+        action="append",
+        default=[],
+        help="a PNG, JPEG, WebP or GIF the prompt is about (repeatable; placed at the prompt's <image> markers, else "
+        "before its text)",
+    )
     add_sampling_args(p)
     p.add_argument(
         "--save-session", type=Path, default=None, help="save the conversation and its memory to a .spark file"
@@ -228,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
         raise SparkError("--continue needs --load-session FILE (the conversation to continue).")
     if prompt is None and not args.continue_:
         raise SparkError("Give a prompt with --prompt TEXT (or --load-session FILE --continue).")
+    if args.image and prompt is None:
+        raise SparkError("--image needs a prompt (--prompt TEXT) to ask about the picture.")
+    images = [decode_file(path) for path in args.image]  # a bad picture fails before any loading
     settings = settings_from_args(args, resolve_model_path(args.model))  # bad flags fail before any loading
     settings.grammar = read_grammar(args)
     settings.think = Think(args.think)
@@ -242,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         report = session.load(args.load_session)
         if report.foreign_model:
             print(f"note: {report.message}", file=sys.stderr)
-    events = pick_stream(session, prompt, args, settings)
+    events = pick_stream(session, prompt, args, settings, images)
     if not args.json:
         print(f"backend: {engine.choice.explain()}", file=sys.stderr)
     text, reasoning, tokens, last = stream(events, echo=not args.json)
@@ -276,13 +288,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def pick_stream(
-    session: Session, prompt: str | None, args: argparse.Namespace, settings: GenerationSettings
+    session: Session,
+    prompt: str | None,
+    args: argparse.Namespace,
+    settings: GenerationSettings,
+    images: Sequence[DecodedImage] = (),
 ) -> Iterator[GenerationEvent]:
     if prompt is None:
         return session.continue_reply(settings)
     if args.chat:
-        return session.chat(prompt, settings)
-    return session.complete(prompt, settings)
+        return session.chat(prompt, settings, images=images)
+    return session.complete(prompt, settings, images=images)
 
 
 def check_think(style: ReasoningStyle, think: Think) -> None:

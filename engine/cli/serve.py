@@ -43,6 +43,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help='the name clients send as "model" (default: the model\'s folder or file name)',
     )
     p.add_argument("--max-batch", type=int, default=8, help="requests generating at once")
+    p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs in requests (default: only inline data: URLs are read)",
+    )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (more get 429)")
     p.add_argument("--max-prompt-tokens", type=int, default=16384, help="longer prompts get 413")
     p.add_argument(
@@ -112,13 +117,20 @@ def run(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         allow_origins=tuple(args.allow_origin),
         speculative=Speculation(args.speculative),
+        allow_image_urls=args.allow_image_urls,
     )
     default = Servable(config.model_id, engine.model_dir, _size(engine.model_dir))
     servable = servable_models(default, extra)
     keep_alive = None if args.keep_alive < 0 else args.keep_alive
     pool = ModelPool(servable, config, loader_for(args), max_models=args.max_models, keep_alive_s=keep_alive)
     first = ModelService(
-        engine.locked_fork(), engine.tokenizer, engine.memory_factory, config, engine.draft, pool.metrics
+        engine.locked_fork(),
+        engine.tokenizer,
+        engine.memory_factory,
+        config,
+        engine.draft,
+        pool.metrics,
+        vision=engine.vision,
     )
     pool.adopt(config.model_id, first)
     server = LocalServer(pool, args.host, args.port)
@@ -173,6 +185,8 @@ def loader_for(args: argparse.Namespace) -> Callable[[Servable, ServeConfig, Met
             quantize=args.quantize,
             kv_type=KVType(args.kv_type),
         )
-        return ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, config, None, metrics)
+        return ModelService(
+            engine.locked_fork(), engine.tokenizer, engine.memory_factory, config, None, metrics, vision=engine.vision
+        )
 
     return load

@@ -124,7 +124,8 @@ def prefill(
     start = memory.reuse_prefix(ids[:-1])
     backend.expect(memory.slots_after(len(ids) - start + reply_tokens))
     chunk = max(1, min(chunk, memory.max_feed()))
-    feed = PromptFeed(ids, start, prefill_cuts(memory, ids, start))
+    config = getattr(backend, "config", None)  # Backend declares it; a stand-in without one feeds no pictures
+    feed = PromptFeed(ids, start, prefill_cuts(memory, ids, start), image_from=getattr(config, "vocab_size", None))
     logits = None
     if on_progress is not None:
         on_progress(PrefillProgress(feed.at, len(ids), start, 0.0))
@@ -150,12 +151,15 @@ def prefill_cuts(memory: Memory, ids: list[int], start: int) -> list[int]:
 
 class PromptFeed:
     """The prompt ids still to feed, handed out in chunks of at most `chunk` that also end at every cut (so a
-    chunk boundary falls where the memory asked, whoever drives the feed)."""
+    chunk boundary falls where the memory asked, whoever drives the feed). With `image_from` (the vocabulary size:
+    a picture's tokens are the ids from there up, engine.vision), a chunk that the size limit would end inside a
+    picture's run of ids ends before the run instead, unless the run began the chunk; cuts stay where they are."""
 
-    def __init__(self, ids: Sequence[int], start: int, cuts: Sequence[int]) -> None:
+    def __init__(self, ids: Sequence[int], start: int, cuts: Sequence[int], image_from: int | None = None) -> None:
         self.pending = list(ids[start:])  # prompt ids not fed yet
         self.at = start  # index in the prompt of pending[0]
         self.cuts = sorted(cuts)
+        self.image_from = image_from
 
     @property
     def done(self) -> bool:
@@ -163,12 +167,25 @@ class PromptFeed:
 
     def next(self, chunk: int) -> list[int]:
         n = min([chunk, *(c - self.at for c in self.cuts if c > self.at)])
+        if n == chunk and self.image_from is not None and n < len(self.pending):
+            n = self._before_image_run(n)
         piece, self.pending = self.pending[:n], self.pending[n:]
         self.at += len(piece)
         return piece
 
+    def _before_image_run(self, n: int) -> int:
+        """n, or where the picture run that n would cut begins (when that is inside the chunk)."""
+        first = self.image_from
+        assert first is not None
+        if self.pending[n] < first or self.pending[n - 1] < first:
+            return n
+        begin = n
+        while begin > 0 and self.pending[begin - 1] >= first:
+            begin -= 1
+        return begin or n
+
     def steps(self, chunk: int) -> int:
-        """How many `next(chunk)` calls feed the rest."""
+        """How many `next(chunk)` calls feed the rest (a feed without `image_from`: the batch scheduler's)."""
         end = self.at + len(self.pending)
         bounds = sorted({end, *(c for c in self.cuts if self.at < c < end)})
         at, steps = self.at, 0

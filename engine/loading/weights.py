@@ -235,6 +235,20 @@ def hf_family_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict
     return out
 
 
+TEXT_MODEL_PREFIX = "model.text_model."
+
+
+def text_model_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A vision-language checkpoint's text model under the network's names (`model.text_model.` -> `model.`); its
+    vision tower and connector are engine.vision's. A text-only checkpoint passes through."""
+    if not any(name.startswith(TEXT_MODEL_PREFIX) for name in state):
+        return state
+    out = {"model." + n.removeprefix(TEXT_MODEL_PREFIX): t for n, t in state.items() if n.startswith(TEXT_MODEL_PREFIX)}
+    if "lm_head.weight" in state:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    return out
+
+
 def _qk_heads(config: ModelConfig, name: str) -> int:
     """The heads of a q or k projection's weight or bias (rows to reorder for partial rotary), else 0."""
     if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
@@ -312,7 +326,7 @@ def load_model(
     state: dict[str, torch.Tensor] = {}
     for f, table in zip(files, tables, strict=True):
         state.update(mmap_tensors(f, table))
-    state = hf_family_state(config, state)
+    state = hf_family_state(config, text_model_state(state))
     with torch.device("meta"):
         model = Transformer(config)
     _assign(model, config, state, device, dtype)

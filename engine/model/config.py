@@ -30,6 +30,9 @@ MODEL_TYPES: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
+# Vision-language folders whose text model is one of the above (its config under `text_config`, its weights under
+# `model.text_model.`); engine.vision reads the rest.
+VISION_ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
 # Gemma 3's sliding-window layers: every layer but each sixth, when config.json predates `layer_types`.
 GEMMA3_GLOBAL_EVERY = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -264,6 +267,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         arch = (d.get("architectures") or [None])[0] or MODEL_TYPES.get(str(d.get("model_type")), "")
+        if arch in VISION_ARCHITECTURES:  # a vision-language folder: this is its text model's config
+            text = d.get("text_config")
+            if not isinstance(text, dict):
+                raise ModelLoadError(f"config.json of a {arch} has no text_config object; it looks damaged.")
+            return cls.from_dict(text)
         if arch not in SUPPORTED_ARCHITECTURES:
             known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise ModelLoadError(

@@ -1,13 +1,13 @@
 """Ollama's `POST /api/chat` over the same service: a thin translation to and from the OpenAI request, so clients
 written for Ollama (its own Python and JavaScript libraries, editors that speak only Ollama) get replies here.
 
-Read: `model`, `messages` (role, content and an assistant's `thinking`; images are refused), `think` (the model's
-thinking on or off; Ollama's "low"/"medium"/"high" mean on), `stream` (Ollama's default: true), `format` ("json",
-or a JSON schema: constrained as `response_format` is), and of `options` `temperature`, `num_predict` (-1 or -2:
-the server's default budget), `top_p`, `seed`, `stop`, `repeat_penalty` (none unless sent); other options are
-ignored, as Ollama ignores the ones a model does not use. The reply is one JSON object, or newline-delimited JSON
-chunks (`message.content` pieces and `message.thinking` ones, then a last chunk with `done: true`, `done_reason`
-and the token counts). A failure is Ollama's `{"error": message}` with its status.
+Read: `model`, `messages` (role, content, `images` — base64 pictures placed before the text — and an assistant's
+`thinking`), `think` (the model's thinking on or off; Ollama's "low"/"medium"/"high" mean on), `stream` (Ollama's
+default: true), `format` ("json", or a JSON schema: constrained as `response_format` is), and of `options`
+`temperature`, `num_predict` (-1 or -2: the server's default budget), `top_p`, `seed`, `stop`, `repeat_penalty` (none
+unless sent); other options are ignored, as Ollama ignores the ones a model does not use. The reply is one JSON
+object, or newline-delimited JSON chunks (`message.content` pieces and `message.thinking` ones, then a last chunk
+with `done: true`, `done_reason` and the token counts). A failure is Ollama's `{"error": message}` with its status.
 """
 
 from __future__ import annotations
@@ -41,9 +41,14 @@ def openai_body(body: Any) -> dict[str, Any]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object with 'role' and 'content'.", f"messages[{i}]")
-        if m.get("images"):
-            raise bad_request(f"messages[{i}] has images; this model reads text only.", f"messages[{i}].images")
-        msg = {"role": m.get("role"), "content": m.get("content", "")}
+        images = m.get("images") or []
+        if not isinstance(images, list) or not all(isinstance(b, str) for b in images):
+            raise bad_request(f"messages[{i}].images must be a list of base64 strings.", f"messages[{i}].images")
+        content = m.get("content", "")
+        if images:  # OpenAI's image_url parts, pictures before the text as Ollama places them
+            parts = [{"type": "image_url", "image_url": {"url": f"data:image/*;base64,{b}"}} for b in images]
+            content = [*parts, {"type": "text", "text": content}] if isinstance(content, str) else content
+        msg = {"role": m.get("role"), "content": content}
         if m.get("role") == "assistant" and m.get("thinking") is not None:  # an earlier turn's thinking
             msg["reasoning_content"] = m["thinking"]
         out.append(msg)

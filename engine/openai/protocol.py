@@ -2,7 +2,7 @@
 
 Every body is hostile: each field is type- and range-checked here, before anything is tokenized or queued, and a
 bad one is a 400 naming the field. Fields OpenAI defines that change nothing here (user, metadata, store, ...) are
-ignored, as OpenAI-compatible servers do; fields whose meaning we cannot honour (images, `echo`, `best_of`) are
+ignored, as OpenAI-compatible servers do; fields whose meaning we cannot honour (remote images, `echo`, `best_of`) are
 refused rather than silently dropped. Tools, tool messages and `response_format` are read by engine.openai.tools.
 """
 
@@ -145,8 +145,13 @@ def _logit_bias(body: dict[str, Any]) -> None:
         raise bad_request("'logit_bias' is not supported by this server.", "logit_bias")
 
 
-def _content(value: Any, i: int) -> str:
-    """A message's content: a string, or a list of text parts (images and audio are refused)."""
+IMAGE_MARKER = "<image>"  # where a picture sits in a message's text (engine.vision places it)
+
+
+def _content(value: Any, i: int, images: list[str] | None = None) -> str:
+    """A message's content: a string, or a list of text parts and, when `images` collects them, `image_url` parts
+    (each becomes a marker in the text; its data: or http(s) URL is read later, off the event loop). Audio is
+    refused."""
     if isinstance(value, str):
         return value
     if value is None:
@@ -154,14 +159,27 @@ def _content(value: Any, i: int) -> str:
     if isinstance(value, list):
         parts = []
         for part in value:
+            if images is not None and isinstance(part, dict) and part.get("type") == "image_url":
+                parts.append(IMAGE_MARKER)
+                images.append(_image_url(part.get("image_url"), i))
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(
-                    f"messages[{i}].content may only hold text parts; this model reads text only.",
-                    f"messages[{i}].content",
+                    f"messages[{i}].content may only hold text and image_url parts.", f"messages[{i}].content"
                 )
             parts.append(part["text"])
         return "".join(parts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content")
+
+
+def _image_url(value: Any, i: int) -> str:
+    url = value.get("url") if isinstance(value, dict) else value
+    field = f"messages[{i}].content"
+    if not isinstance(url, str):
+        raise bad_request(f"{field} has an image_url part without a 'url' string.", field)
+    if not url.startswith(("data:", "http://", "https://")):
+        raise bad_request(f"{field} has an image URL that is neither data: nor http(s).", field)
+    return url  # a remote one is fetched only where the server allows it (engine.openai.service)
 
 
 def _tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
@@ -198,7 +216,13 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise bad_request(f"messages[{i}] needs a 'role' of {', '.join(ROLES)}.", f"messages[{i}].role")
         role = "system" if m["role"] == "developer" else m["role"]
-        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), i)}
+        images: list[str] = []
+        msg: dict[str, Any] = {
+            "role": role,
+            "content": _content(m.get("content"), i, images if role == "user" else None),
+        }
+        if images:
+            msg["images"] = images  # data URLs, decoded by the service (engine.vision.images)
         if role == "assistant" and m.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
         if role == "assistant" and m.get("reasoning_content") is not None:  # llama.cpp's and vLLM's field

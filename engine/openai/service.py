@@ -44,6 +44,10 @@ from engine.openai.metrics import Metrics
 from engine.openai.protocol import Limits, ParsedRequest
 from engine.openai.tools import chat_inputs
 from engine.session.setup import LockedBackend
+from engine.vision.fetch import fetch_image
+from engine.vision.images import decode_base64
+from engine.vision.messages import template_messages
+from engine.vision.model import VisionModel
 
 DEFAULT_SLOTS = 2048  # slots per row for a memory that does not say (full attention)
 
@@ -65,6 +69,7 @@ class ServeConfig:
     limits: Limits = field(default_factory=Limits)
     allow_origins: tuple[str, ...] = ()  # CORS is off unless origins are named
     speculative: Speculation = Speculation.OFF  # for requests that do not send "speculative" (where it combines)
+    allow_image_urls: bool = False  # fetch http(s) image_url parts (else only data: URLs are read)
 
 
 def request_speculation(req: ParsedRequest, default: Speculation, has_draft: bool) -> Speculation:
@@ -190,11 +195,14 @@ class ModelService:
         config: ServeConfig,
         draft: Backend | None = None,
         metrics: Metrics | None = None,
+        vision: VisionModel | None = None,
     ) -> None:
         """`draft`: a draft model's backend (same vocabulary), for requests speculating with "draft"; each row
         drafts on a fork of its own, made when a row first needs it. `metrics`: where finished requests are counted
-        (a server of several models shares one; None: this service's own)."""
+        (a server of several models shares one; None: this service's own). `vision`: the model's image path
+        (attached to `backend`'s model), None for a model that reads text only."""
         self.config = config
+        self.vision = vision
         self.draft = draft
         self.tokenizer = tokenizer
         # Does the model think, and how is it switched (its template, and think tags in its vocabulary)
@@ -261,8 +269,11 @@ class ModelService:
             style = self.reasoning
             messages, extra = chat_inputs(history(style, req.messages), req.tools, tok.chat_template)
             messages, extra = switched(style, req.settings.think, messages, extra)
+            if self.vision is not None:  # a template that reads content parts gets them
+                messages = template_messages(messages, tok.chat_template)
             rendered = tok.apply_chat_template(messages, **extra)
-            ids = tok.encode(rendered, add_bos=False)
+            urls = [u for m in req.messages for u in m.get("images", ())]
+            ids = self._image_prompt_ids(rendered, urls) if urls else tok.encode(rendered, add_bos=False)
             inside = opens_in_prompt(rendered)
             # A grammar shapes the reply from its first token: under one, a prompt that opened a think block gets
             # no split (its constrained answer is not reasoning).
@@ -284,6 +295,26 @@ class ModelService:
                 "messages" if req.messages is not None else "prompt",
             )
         return ids
+
+    def _image_prompt_ids(self, rendered: str, urls: list[str]) -> list[int]:
+        """A rendered chat with pictures (data URLs, in the order of its markers) -> prompt ids."""
+        if self.vision is None:
+            raise bad_request("This model reads text only; send text, or serve a model that sees images.", "messages")
+        remote = [u for u in urls if u.startswith(("http://", "https://"))]
+        if remote and not self.config.allow_image_urls:
+            raise bad_request(
+                "The request has a remote image URL; send the picture inline as a data: URL (or start the server "
+                "with --allow-image-urls).",
+                "messages",
+            )
+        try:
+            images = [
+                fetch_image(u, f"Image {n + 1}") if u in remote else decode_base64(u, f"Image {n + 1}")
+                for n, u in enumerate(urls)
+            ]
+            return self.vision.encode_prompt(rendered, images, add_bos=False)
+        except SparkError as exc:
+            raise bad_request(str(exc), "messages") from None
 
     async def start(self, req: ParsedRequest) -> list[Job]:
         """Tokenize (off the event loop) and queue `req`'s `n` choices, each a request of its own (rows of one batch;

@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.backends import BackendChoice, open_backend
 from engine.backends.base import Backend
-from engine.errors import InputTooLarge, SparkError
+from engine.errors import InputTooLarge, SessionFileError, SparkError
 from engine.generation.loop import (
     GenerationEvent,
     GenerationSettings,
@@ -66,6 +66,10 @@ from engine.session.file import (
 )
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
 from engine.session.setup import LockedBackend, MemoryFactory, check_fits, memory_factory_for
+from engine.vision.idefics3 import IMAGE_TOKEN
+from engine.vision.images import DecodedImage
+from engine.vision.messages import template_messages
+from engine.vision.model import ImageInputError, attach_vision
 
 # The conversation's messages (role/content, the system prompt first) -> the chat template's messages and extra
 # variables. The app passes engine.openai.tools' conversion, so tool calls and results reach the model the way its
@@ -131,6 +135,7 @@ class Engine:
         # prompt interleaves with a running chat token by token instead of waiting for the whole reply.
         self.step_lock = threading.Lock()
         self.draft = draft  # the draft model's backend (speculative decoding), when one was loaded
+        self.vision = attach_vision(model_dir, tokenizer, choice.backend)  # None: the model reads text only
 
     @classmethod
     def load(
@@ -241,6 +246,7 @@ class Session:
         self.feed_log = FeedLog()  # how memory was fed since its last reset (a compact save's recipe)
         self.restore_digest_ok: bool | None = None  # after a compact restore: was the rebuilt memory bit-identical?
         self.on_prefill: Callable[[PrefillProgress], None] | None = None  # hears the reading of each prompt
+        self.images: list[DecodedImage] = []  # the transcript's pictures, in the order of its <image> markers
         self.template_inputs: TemplateInputs | None = None  # how messages reach the chat template (None: as they are)
         self._draft_backend: Backend | None = None  # the draft model's slot table for this conversation
         # Adaptive controllers by drafter (auto shares lookup's): measured costs and acceptance, turn after turn.
@@ -250,6 +256,7 @@ class Session:
     def reset(self) -> None:
         """New chat: forget messages and memory."""
         self.messages = []
+        self.images = []
         self.memory.reset()
         self.feed_log.clear()
         self.pending_token = None
@@ -262,9 +269,12 @@ class Session:
         settings: GenerationSettings,
         should_stop: Callable[[], bool] = lambda: False,
         pacer: Pacer | None = None,
+        images: Sequence[DecodedImage] = (),
     ) -> Iterator[GenerationEvent]:
-        """Append a user message and stream the assistant's reply (appended to `messages` when it ends)."""
+        """Append a user message and stream the assistant's reply (appended to `messages` when it ends).
+        `images`: pictures the message is about, placed where its text says `<image>` (else before the text)."""
         self._check_size(user_text)
+        user_text = self._place_images(user_text, images)
         self.messages.append(ChatMessage("user", user_text))
         return self.submit(self.messages, settings, should_stop, pacer)
 
@@ -313,14 +323,17 @@ class Session:
         settings: GenerationSettings,
         should_stop: Callable[[], bool] = lambda: False,
         pacer: Pacer | None = None,
+        images: Sequence[DecodedImage] = (),
     ) -> Iterator[GenerationEvent]:
-        """Raw completion: the prompt text as is (BOS where the tokenizer adds one), appended to what came before."""
+        """Raw completion: the prompt text as is (BOS where the tokenizer adds one), appended to what came before.
+        `images`: as chat's."""
         self._check_size(prompt)
+        prompt = self._place_images(prompt, images)
         if not self.memory.tokens and self.pending_token is None:
-            ids = self.tokenizer.encode(prompt)
-            self.known_text = self.tokenizer.decode(ids, skip_special=False)
+            ids = self._encode(prompt)
+            self.known_text = prompt if IMAGE_TOKEN in prompt else self.tokenizer.decode(ids, skip_special=False)
         else:
-            ids = self._pending() + self.tokenizer.encode(prompt, add_bos=False)
+            ids = self._pending() + self._encode(prompt, add_bos=False)
             self.known_text += prompt
         return self._run(ids, settings, should_stop, pacer, reply_to_messages=False)
 
@@ -357,6 +370,8 @@ class Session:
         the rebuilt one is bit-identical; hashing the whole slot table takes a while, so a save in a hurry (Quit)
         goes without.
         """
+        if self.images:
+            raise SessionFileError("A conversation with images cannot be saved to a file yet.")
         extra: dict[str, Any] = {"known_text": self.known_text, "model": display_name(self.engine.model_dir)}
         schedule = self.feed_log.schedule_for(len(self.memory.tokens))
         token_ids = list(self.memory.tokens)
@@ -473,6 +488,8 @@ class Session:
     def _render(self, add_generation_prompt: bool, think: Think = Think.AUTO) -> str:
         style = self.engine.reasoning
         messages = history(style, self._template_messages())  # earlier thinking only where the template reads it
+        if self.engine.vision is not None:  # a template that reads content parts gets them
+            messages = template_messages(messages, self.tokenizer.chat_template)
         msgs, extra = self.template_inputs(messages) if self.template_inputs is not None else (messages, {})
         msgs, extra = switched(style, think, msgs, extra)
         return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
@@ -491,17 +508,43 @@ class Session:
         if self.known_text and rendered.startswith(self.known_text):
             suffix = rendered[len(self.known_text) :]
             self.known_text = rendered
-            return self._pending() + self.tokenizer.encode(suffix, add_bos=False)
+            return self._pending() + self._encode(suffix, add_bos=False)
         self.memory.reset()
         self.feed_log.clear()
         self.pending_token = None
-        ids = (
-            self.tokenizer.encode(rendered, add_bos=False)
-            if self._template_has_bos(rendered)
-            else self.tokenizer.encode(rendered)
-        )
-        self.known_text = self.tokenizer.decode(ids, skip_special=False)
+        ids = self._encode(rendered, add_bos=False) if self._template_has_bos(rendered) else self._encode(rendered)
+        # A picture's ids decode to nothing: memory then holds the rendered text, its <image> markers included.
+        self.known_text = rendered if self._has_images(rendered) else self.tokenizer.decode(ids, skip_special=False)
         return ids
+
+    def _place_images(self, text: str, images: Sequence[DecodedImage]) -> str:
+        """`text` with one <image> marker per picture (before the text unless it places them), the pictures kept."""
+        if not images:
+            if self._has_images(text):
+                raise ImageInputError(f"The text holds {IMAGE_TOKEN}, which marks where a picture goes; attach one.")
+            return text
+        if self.engine.vision is None:
+            raise ImageInputError(
+                f"{display_name(self.engine.model_dir)} reads text only; choose a model that sees images (SmolVLM)."
+            )
+        marked = text if text.count(IMAGE_TOKEN) == len(images) else IMAGE_TOKEN * len(images) + text
+        if marked.count(IMAGE_TOKEN) != len(images):
+            raise ImageInputError(f"The text places {text.count(IMAGE_TOKEN)} images but {len(images)} were given.")
+        self.images.extend(images)
+        return marked
+
+    def _has_images(self, text: str) -> bool:
+        return self.engine.vision is not None and IMAGE_TOKEN in text
+
+    def _encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; on a model that sees images, its <image> markers are the last pictures given."""
+        vision = self.engine.vision
+        if vision is None or IMAGE_TOKEN not in text:
+            return self.tokenizer.encode(text, add_bos=add_bos)
+        n = text.count(IMAGE_TOKEN)
+        if n > len(self.images):
+            raise ImageInputError(f"The text places {n} images but the conversation holds {len(self.images)}.")
+        return vision.encode_prompt(text, self.images[len(self.images) - n :], add_bos=add_bos)
 
     def _template_has_bos(self, rendered: str) -> bool:
         bos = self.tokenizer.bos_id

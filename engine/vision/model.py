@@ -1,0 +1,234 @@
+"""A vision-language model's image path: its vision tower loaded from the folder, and pictures turned into prompt
+tokens.
+
+An image enters the prompt as ordinary token ids, so the generation loop, the memory cascade and the prefix cache
+need no image type of their own: each of the image's token positions gets an id above the vocabulary derived from
+the picture's content hash and its index (`ImageEmbedding.register`), and `ImageEmbedding` — wrapped around the text
+model's embedding lookup — gives those ids the vision tower's output rows. The encoder runs lazily, the first time
+one of an image's ids is embedded: tokens the prefix cache restores are never embedded, so a second question about
+the same picture reads none of the tokens the restored prefix covers, and in this process encodes nothing again. The same picture gives the same ids in every
+process (the hash covers the preprocessing's settings too; the model's fingerprint keys the cache on the tower's
+weights), so the persistent prefix cache keys on its content; two pictures sharing a prefix would need every one of
+their ids to coincide (a 31-bit hash each).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.errors import ModelLoadError, SparkError
+from engine.loading.tokenizer import Tokenizer
+from engine.loading.weights import mmap_tensors, read_safetensors_header, weight_files
+from engine.model.config import VISION_ARCHITECTURES
+from engine.model.network import Transformer
+from engine.vision.idefics3 import IMAGE_TOKEN, Frames, Idefics3Preprocessing
+from engine.vision.images import DecodedImage
+from engine.vision.siglip import VisionConfig, VisionTower
+
+TOWER_PREFIXES = ("model.vision_model.", "model.connector.")
+MAX_HELD_IMAGES = 16  # pictures whose frames or features are held for embedding, most recent first
+ID_CEILING = 2**31 - 1  # prefix digests hash ids as int32
+
+
+class ImageInputError(SparkError):
+    """Images given to a model that cannot take them, or in a number its prompt does not place."""
+
+
+def is_vision_folder(path: Path) -> bool:
+    """Whether `path` is a Hugging Face folder of a vision-language model engine.vision runs."""
+    try:
+        d = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(d, dict) and (d.get("architectures") or [None])[0] in VISION_ARCHITECTURES
+
+
+@dataclass
+class _Held:
+    frames: Frames | None
+    features: torch.Tensor | None  # (tokens, C), once encoded
+
+
+class ImageEmbedding(nn.Module):
+    """The text model's embedding lookup with image rows: ids below the vocabulary go to `inner`, ids of a
+    registered picture to the vision tower's rows for it (encoded on first use, then kept)."""
+
+    def __init__(self, inner: nn.Module, vocab_size: int, tower: VisionTower, salt: str = "") -> None:
+        super().__init__()
+        self.inner = inner
+        self.salt = salt  # the preprocessing's settings: other settings, other features, other ids
+        self.vocab_size = vocab_size
+        self.tower = tower
+        self.rows: dict[int, tuple[str, int]] = {}  # id -> (picture hash, its row)
+        self.held: OrderedDict[str, _Held] = OrderedDict()
+        self.encoded_frames = 0  # frames run through the tower since load: what tests and benchmarks count
+
+    def register(self, image: DecodedImage, frames: Frames, count: int) -> list[int]:
+        """The `count` ids of `image`'s tokens (the same ids for the same bytes in every process)."""
+        if image.sha256 not in self.held:
+            self.held[image.sha256] = _Held(frames, None)
+        self.held.move_to_end(image.sha256)
+        while len(self.held) > MAX_HELD_IMAGES:
+            gone, _ = self.held.popitem(last=False)
+            self.rows = {i: r for i, r in self.rows.items() if r[0] != gone}
+        ids = []
+        for k in range(count):
+            i = _image_token_id(self.salt + image.sha256, k, self.vocab_size)
+            while self.rows.get(i, (image.sha256, k)) != (image.sha256, k):  # another picture's: the next free id
+                i = self.vocab_size + (i - self.vocab_size + 1) % (ID_CEILING - self.vocab_size)
+            self.rows[i] = (image.sha256, k)
+            ids.append(i)
+        return ids
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C)
+        mask = ids >= self.vocab_size
+        if not bool(mask.any()):
+            out: torch.Tensor = self.inner(ids)
+            return out
+        out = self.inner(torch.where(mask, torch.zeros_like(ids), ids))
+        at = mask.nonzero(as_tuple=False)
+        picked = [self._row(int(ids[b, t])) for b, t in at.tolist()]
+        out[at[:, 0], at[:, 1]] = torch.stack(picked).to(device=out.device, dtype=out.dtype)
+        return out
+
+    def _row(self, token_id: int) -> torch.Tensor:
+        where = self.rows.get(token_id)
+        if where is None:
+            raise ImageInputError("The prompt holds an image token whose picture is no longer held; attach it again.")
+        sha, k = where
+        held = self.held[sha]
+        if held.features is None:
+            assert held.frames is not None  # held until encoded
+            p = next(self.tower.parameters())
+            with torch.no_grad():
+                pixels = torch.from_numpy(held.frames.pixels).to(device=p.device, dtype=p.dtype)
+                held.features = self.tower(pixels)
+            self.encoded_frames += int(held.frames.pixels.shape[0])
+            held.frames = None
+        return held.features[k]
+
+
+def _image_token_id(sha256: str, index: int, vocab_size: int) -> int:
+    h = int.from_bytes(hashlib.sha256(f"{sha256}:{index}".encode()).digest()[:8], "little")
+    return vocab_size + h % (ID_CEILING - vocab_size)
+
+
+class VisionModel:
+    """SmolVLM / Idefics3's image path for a loaded text model: the preprocessing, the tower, and the prompt."""
+
+    def __init__(
+        self, preprocessing: Idefics3Preprocessing, tower: VisionTower, tokenizer: Tokenizer, vocab_size: int
+    ) -> None:
+        self.preprocessing = preprocessing
+        self.tower = tower
+        self.tokenizer = tokenizer
+        image_id = tokenizer.token_to_id(IMAGE_TOKEN)
+        if image_id is None:
+            raise ModelLoadError(f"The model's tokenizer has no {IMAGE_TOKEN} token; its folder looks damaged.")
+        self.image_token_id = image_id
+        self.vocab_size = vocab_size
+        self.embedding: ImageEmbedding | None = None
+        if preprocessing.image_seq_len != tower.config.tokens_per_frame:
+            raise ModelLoadError(
+                f"The processor gives {preprocessing.image_seq_len} image tokens a frame but the vision encoder "
+                f"{tower.config.tokens_per_frame}; the model folder does not fit together."
+            )
+        if preprocessing.frame != tower.config.image_size:
+            raise ModelLoadError(
+                f"The processor cuts {preprocessing.frame}-pixel frames but the vision encoder takes "
+                f"{tower.config.image_size}; the model folder does not fit together."
+            )
+
+    def attach(self, model: Transformer) -> ImageEmbedding:
+        """Wrap `model`'s embedding lookup (whatever the backend installed) so image ids embed as pictures."""
+        backbone = model.model
+        if not isinstance(backbone.embed_tokens, ImageEmbedding):
+            salt = hashlib.sha256(repr(self.preprocessing).encode()).hexdigest()[:16]
+            backbone.embed_tokens = ImageEmbedding(backbone.embed_tokens, self.vocab_size, self.tower, salt)
+        embedding = backbone.embed_tokens
+        assert isinstance(embedding, ImageEmbedding)
+        self.embedding = embedding
+        return embedding
+
+    def prompt_text(self, text: str, images: Sequence[DecodedImage]) -> tuple[str, list[Frames]]:
+        """`text` with each `<image>` (one per picture, in order) expanded as the processor does, and the frames."""
+        if text.count(IMAGE_TOKEN) != len(images):
+            raise ImageInputError(f"The prompt places {text.count(IMAGE_TOKEN)} images but {len(images)} were given.")
+        frames = [self.preprocessing.frames(img.image) for img in images]
+        pieces = text.split(IMAGE_TOKEN)
+        out = [pieces[0]]
+        for f, rest in zip(frames, pieces[1:], strict=True):
+            out += [self.preprocessing.prompt_text(f.rows, f.cols), rest]
+        return "".join(out), frames
+
+    def image_ids(self, ids: Sequence[int], images: Sequence[DecodedImage], frames: Sequence[Frames]) -> list[int]:
+        """Token ids of an expanded prompt with each picture's `<image>` runs replaced by its own ids."""
+        if self.embedding is None:
+            raise ImageInputError("The vision model is not attached to a loaded text model.")
+        out = list(ids)
+        at = [i for i, t in enumerate(out) if t == self.image_token_id]
+        need = sum(int(f.pixels.shape[0]) for f in frames) * self.preprocessing.image_seq_len
+        if len(at) != need:
+            raise ImageInputError(f"The prompt holds {len(at)} image tokens where its pictures need {need}.")
+        start = 0
+        for img, f in zip(images, frames, strict=True):
+            count = int(f.pixels.shape[0]) * self.preprocessing.image_seq_len
+            for i, token in zip(at[start : start + count], self.embedding.register(img, f, count), strict=True):
+                out[i] = token
+            start += count
+        return out
+
+    def encode_prompt(self, text: str, images: Sequence[DecodedImage], add_bos: bool | None = None) -> list[int]:
+        """A rendered prompt holding one `<image>` per picture -> its token ids, pictures included (`add_bos` as
+        Tokenizer.encode's)."""
+        expanded, frames = self.prompt_text(text, images)
+        return self.image_ids(self.tokenizer.encode(expanded, add_bos=add_bos), images, frames)
+
+
+def attach_vision(folder: Path, tokenizer: Tokenizer, backend: object) -> VisionModel | None:
+    """The image path of a vision-language folder, wrapped around `backend`'s text model; None for a text model."""
+    if not is_vision_folder(folder):
+        return None
+    model = getattr(backend, "model", None)
+    if not isinstance(model, Transformer):
+        raise ModelLoadError(
+            f"{folder.name} sees images only on the CPU, CUDA or MPS backends; choose one of them with --backend."
+        )
+    vision = load_vision(folder, tokenizer, model.config.hidden_size, model.config.vocab_size)
+    vision.attach(model)
+    return vision
+
+
+def load_vision(folder: Path, tokenizer: Tokenizer, text_hidden_size: int, vocab_size: int) -> VisionModel:
+    """The vision tower of a Hugging Face SmolVLM / Idefics3 folder, fp32 on the CPU, and its preprocessing."""
+    d = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    cfg = VisionConfig.from_dict(d, text_hidden_size)
+    state: dict[str, torch.Tensor] = {}
+    for f in weight_files(folder):
+        table = [t for t in read_safetensors_header(f) if t.name.startswith(TOWER_PREFIXES)]
+        state.update({n.removeprefix("model."): t for n, t in mmap_tensors(f, table).items()})
+    with torch.device("meta"):
+        tower = VisionTower(cfg)
+    expected = tower.state_dict()
+    for name, ref in expected.items():
+        t = state.get(name)
+        if t is None:
+            raise ModelLoadError(f"The vision weights lack model.{name}; they do not match the model's configuration.")
+        if tuple(t.shape) != tuple(ref.shape) or not t.is_floating_point():
+            raise ModelLoadError(
+                f"Vision tensor model.{name} has shape {tuple(t.shape)} but the configuration implies "
+                f"{tuple(ref.shape)}."
+            )
+        if not bool(torch.isfinite(t.float().sum())):
+            raise ModelLoadError(f"Vision tensor model.{name} holds NaN or infinite values; the file is corrupt.")
+    tower.load_state_dict({n: state[n].float() for n in expected}, strict=True, assign=True)
+    tower.eval().requires_grad_(False)
+    return VisionModel(Idefics3Preprocessing.from_folder(folder), tower, tokenizer, vocab_size)

@@ -1,0 +1,97 @@
+"""A tiny random SmolVLM / Idefics3 checkpoint written by transformers itself (`save_pretrained` of the model and its
+processor): SigLIP encoder, pixel shuffle, connector and a Llama text model, with the tiny BPE tokenizer of
+tests.helpers.tiny plus Idefics3's image tokens. Frames of 16 pixels, patches of 4: 16 patches, 4 image tokens each."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.helpers.tiny import CHAT_TEMPLATE, build_tokenizer
+
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
+]
+FRAME = 16  # the vision encoder's square input, pixels
+LONGEST_EDGE = 2 * FRAME  # the processor's first resize: up to 2 x 2 tiles plus the global view
+
+
+def make_tiny_idefics3(out: Path, *, seed: int = 0, splitting: bool = True) -> Path:
+    import transformers
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    tok.add_special_tokens(IMAGE_TOKENS)
+    tok_dir = out / "_tok"
+    tok_dir.mkdir(exist_ok=True)
+    tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|bos|>",
+                "eos_token": "<|end|>",
+                "add_bos_token": True,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    vocab = tok.get_vocab_size()
+    bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|end|>")
+    text: dict[str, Any] = {
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
+    vision: dict[str, Any] = {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": FRAME,
+        "patch_size": 4,
+    }
+    cfg = transformers.Idefics3Config(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=2,
+        image_token_id=tok.token_to_id("<image>"),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Idefics3ForConditionalGeneration(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("weight") and p.dim() == 1:  # the norms: near their identity
+                torch.nn.init.normal_(p, 1.0, 0.1)
+            else:
+                torch.nn.init.normal_(p, 0.0, 0.08 if p.dim() > 1 else 0.02)
+    model.save_pretrained(out, safe_serialization=True)
+    processor = transformers.Idefics3Processor(
+        image_processor=transformers.Idefics3ImageProcessorPil(
+            size={"longest_edge": LONGEST_EDGE},
+            max_image_size={"longest_edge": FRAME},
+            do_image_splitting=splitting,
+        ),
+        tokenizer=hf_tok,
+        image_seq_len=(FRAME // 4) ** 2 // 4,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    shutil.rmtree(tok_dir)
+    return out
