@@ -69,6 +69,9 @@ _PUBLIC: dict[str, tuple[str, str]] = {  # name -> (module, name there)
     "atomic_write": ("engine.session.file", "atomic_write"),
     "load_session": ("engine.session.file", "load_session"),
     "SESSION_SUFFIX": ("engine.session.file", "SUFFIX"),
+    "DEFAULT_KEPT_BUDGET_BYTES": ("engine.session.kept", "DEFAULT_KEPT_BUDGET_BYTES"),
+    "KeptMemory": ("engine.session.kept", "KeptMemory"),
+    "KeptUsage": ("engine.session.kept", "KeptUsage"),
     "__version__": ("engine.version", "__version__"),
 }
 
@@ -100,6 +103,7 @@ if TYPE_CHECKING:
     from engine.session.file import (
         SUFFIX as SESSION_SUFFIX,
     )
+    from engine.session.kept import DEFAULT_KEPT_BUDGET_BYTES, KeptMemory, KeptUsage
     from engine.version import __version__
 
 
@@ -114,6 +118,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AUTO_ORDER",
+    "DEFAULT_KEPT_BUDGET_BYTES",
     "DEFAULT_MODEL_NAME",
     "QUANTIZE_CHOICES",
     "RECOMPUTE_KIND",
@@ -129,6 +134,8 @@ __all__ = [
     "Grammar",
     "GrammarError",
     "InvalidSamplingSettings",
+    "KeptMemory",
+    "KeptUsage",
     "LoadReport",
     "ModelSampling",
     "PrefillProgress",
