@@ -100,3 +100,15 @@ def test_settings_shows_the_kept_memory_and_clear_loses_no_conversation(qtbot, w
         window.open_conversation(first)
     assert window.client.worker.session.memory_source == "recomputed" and recomputing
     assert "Keep me" in window.chat.toPlainText()
+
+
+def test_the_inspector_says_where_the_memory_came_from_in_plain_words() -> None:
+    from app.inspector.inspector import kept_words
+    from engine import TierStats
+
+    working = TierStats("working", 40, 400, 900, 0, 0, 0.0, 0)
+    assert kept_words(MemoryReport((working,), 40, "", MemoryHeld.RAM)).startswith("It stayed in RAM")
+    disk = kept_words(MemoryReport((working,), 40, "", MemoryHeld.DISK, 2048))
+    assert "read back from the memory kept on disk" in disk and "A copy is kept on disk (2" in disk
+    assert "recomputed" in kept_words(MemoryReport((working,), 40, "", MemoryHeld.RECOMPUTED))
+    assert kept_words(MemoryReport((), 0, "http://server")) == ""
