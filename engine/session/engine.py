@@ -54,7 +54,7 @@ from engine.session.file import (
     restore,
     save_session,
 )
-from engine.session.kept import KeptMemory, entry_estimate
+from engine.session.kept import KeptMemory, entry_estimate, trim_slots
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
 from engine.session.setup import LockedBackend, MemoryFactory, TokenCounter, check_fits, memory_factory_for
 
@@ -368,6 +368,7 @@ class Session:
             kept.discard(conversation)
             return False
         meta, tensors = self.memory.state()
+        trim_slots(tensors)  # the slots a conversation shorter than the window never wrote are not kept
         state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         extra: dict[str, Any] = {"numerics": self.backend.numerics}
 

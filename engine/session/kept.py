@@ -23,10 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.backends.base import Backend
 from engine.errors import SparkError
 from engine.memory.base import Memory
-from engine.session.file import RECOMPUTE_KIND, TRANSCRIPT_KIND, SessionData, load_session
+from engine.session.file import RECOMPUTE_KIND, TRANSCRIPT_KIND, SessionData, read_unchecked_state
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +138,18 @@ class KeptMemory:
         if not entry.is_file():
             return False
         try:
-            kept = load_session(entry, memory.state_target())  # every value checked, nothing allocated before
+            kept = read_unchecked_state(entry)  # the container and metadata checked; the state by load_state below
         except (SparkError, OSError) as exc:
             log.info("kept memory for %s ignored (%s)", conversation.name, exc)
             entry.unlink(missing_ok=True)
             return False
         if not _matches(kept, record, backend):
             return False  # stale (the conversation went on elsewhere) or another model: rewritten or evicted later
-        try:
+        target = memory.state_target().cascade
+        if target is not None and not pad_slots(kept.tensors, target.num_slots):
+            entry.unlink(missing_ok=True)
+            return False
+        try:  # checks every value of the state before anything is written
             memory.load_state(kept.memory_meta, kept.tensors)
         except SparkError as exc:
             memory.reset()
@@ -169,3 +175,37 @@ def _matches(kept: SessionData, record: SessionData, backend: Backend) -> bool:
         and kept.token_ids == record.token_ids
         and kept.pending_token == record.pending_token
     )
+
+
+# The working tier's slot table (engine.memory.cascade.core's state: "wk.k", "wk.v", (L, Hkv, S, D)) is kept without
+# its trailing slots that hold nothing (all bits zero: never written), so a conversation shorter than the window
+# keeps only what it wrote; reading pads them back, the same bits.
+SLOT_TENSORS = ("wk.k", "wk.v")
+
+
+def trim_slots(tensors: dict[str, torch.Tensor]) -> None:
+    """Drop the trailing all-zero slots the working tensors share (in place)."""
+    if not all(name in tensors and tensors[name].ndim == 4 for name in SLOT_TENSORS):
+        return
+    used = 0
+    for name in SLOT_TENSORS:
+        t = tensors[name]
+        bits = t.contiguous().view(torch.uint8).reshape(t.shape[0] * t.shape[1], t.shape[2], -1)
+        written = torch.nonzero(bits.any(dim=2).any(dim=0))
+        used = max(used, int(written[-1]) + 1 if written.numel() else 0)
+    for name in SLOT_TENSORS:
+        tensors[name] = tensors[name][:, :, :used].contiguous()
+
+
+def pad_slots(tensors: dict[str, torch.Tensor], num_slots: int) -> bool:
+    """Pad trimmed working tensors back to this memory's `num_slots` (in place); False when they hold more."""
+    for name in SLOT_TENSORS:
+        t = tensors.get(name)
+        if t is None or t.ndim != 4:
+            return True  # not a cascade state: load_state's check names what is wrong
+        if t.shape[2] > num_slots:
+            return False
+        if t.shape[2] < num_slots:
+            pad = torch.zeros((*t.shape[:2], num_slots - t.shape[2], t.shape[3]), dtype=t.dtype)
+            tensors[name] = torch.cat([t, pad], dim=2)
+    return True

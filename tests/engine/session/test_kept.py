@@ -135,3 +135,17 @@ def test_the_budget_evicts_whole_least_recently_used_conversations_and_clearing_
     c = engine.new_session()
     c.load(records[0], kept=kept)  # the conversation is whole: it recomputes
     assert c.memory_source == "recomputed" and c.memory.tokens == a.memory.tokens
+
+
+def test_a_saved_state_with_a_non_finite_value_is_refused_whatever_its_dtype() -> None:
+    import torch
+
+    from engine.memory.values import all_finite
+
+    for dtype in (torch.float16, torch.float32, torch.bfloat16):
+        t = torch.full((4096,), 60000.0 if dtype == torch.float16 else 1e30, dtype=dtype)
+        assert all_finite(t)
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            u = t.clone()
+            u[1234] = bad
+            assert not all_finite(u)
