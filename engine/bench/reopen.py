@@ -66,7 +66,7 @@ def open_engine(model: Path, backend: str, cache: Path) -> Engine:
 def build(engine: Engine, tokens: int) -> Session:
     """A conversation of about `tokens` tokens: one long message and a short greedy reply."""
     per = len(engine.tokenizer.encode(PASSAGE, add_bos=False))
-    text = PASSAGE * max(1, (tokens - REPLY_TOKENS - 16) // per)
+    text = PASSAGE * (tokens // per + 1)  # at least `tokens` with the template and the reply
     session = engine.new_session()
     for _ in session.chat(text, GREEDY):
         pass
