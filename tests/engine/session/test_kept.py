@@ -149,3 +149,24 @@ def test_a_saved_state_with_a_non_finite_value_is_refused_whatever_its_dtype() -
             u = t.clone()
             u[1234] = bad
             assert not all_finite(u)
+
+
+def test_the_default_model_continues_from_kept_memory_as_from_a_replay_and_as_never_left(tmp_path: Path) -> None:
+    from tests.helpers.default_model import default_model_dir
+
+    model = default_model_dir()
+    engine = Engine.load(model, "cpu", memory_factory=memory_factory_for(model, prefix_cache=False))
+    settings = GenerationSettings(max_tokens=8, sampling=SamplingSettings(greedy=True), ignore_eos=True)
+    a = engine.new_session()
+    tokens(a.chat("Name three things a lighthouse keeper writes in the log.", settings))
+    record = tmp_path / "c.spark"
+    a.save(record, compact=True)
+    kept = KeptMemory(tmp_path / "kept")
+    assert a.keep(kept, record)
+    from_kept, replayed = engine.new_session(), engine.new_session()
+    from_kept.load(record, kept=kept)
+    replayed.load(record)
+    assert from_kept.memory_source == "kept" and replayed.memory_source == "recomputed"
+    never_left = tokens(a.chat("And the weather?", settings))
+    assert tokens(from_kept.chat("And the weather?", settings)) == never_left
+    assert tokens(replayed.chat("And the weather?", settings)) == never_left
