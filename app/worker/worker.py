@@ -364,7 +364,7 @@ class ConversationWorker(QObject):
                 parked.held = MemoryHeld.RAM
             self.conversation, self._store_path = parked, target
             self._opened(source, "")
-            self._keep_left(left)  # after the switch was shown: writing the one left takes a moment
+            self._keep_left(left)
             return
         # A compact file's memory takes a while to recompute: its words are shown at once (they are cheap to read).
         peek = session_files.peek(source)
@@ -429,6 +429,8 @@ class ConversationWorker(QObject):
         try:
             self._store(verify=False)  # in a hurry: the app is quitting
             self._keep_current()  # usually already kept after the last turn; else now, for the relaunch
+            for path, parked in list(self._parked.items()):
+                self._keep(path, parked)  # a no-op for those kept when they were left
             self._close_all()
             self._close_toolbox()
         finally:
@@ -474,17 +476,21 @@ class ConversationWorker(QObject):
 
     def _trim_parked(self) -> None:
         """Drop the least recently left conversations until the rest fit the budget (their slot tables are freed
-        with them; their memory was kept on disk when they were left)."""
+        with them), keeping each on disk first unless its kept copy is current."""
         budget = self._parked_budget()
         held = {path: c.resident_bytes() for path, c in self._parked.items()}
         while self._parked and sum(held.values()) > budget:
-            path, _ = self._parked.popitem(last=False)
+            path, conversation = self._parked.popitem(last=False)
             held.pop(path)
+            if self._kept is not None:
+                self._keep(path, conversation)
 
     def _keep_left(self, left: tuple[Path, Conversation] | None) -> None:
-        """Keep the memory of the conversation just left on disk (a no-op when its kept copy is current)."""
+        """Keep the memory of the conversation just left on disk (a no-op when its kept copy is current), once the
+        worker has been idle a moment: a request queued now (switching straight back) does not wait for the write."""
         if left is not None and self._kept is not None:
-            self._keep(*left)
+            path, conversation = left
+            QTimer.singleShot(KEEP_DELAY_MS, lambda: self._keep(path, conversation))
 
     def _keep_soon(self) -> None:
         """Keep the open conversation's memory on disk once the worker has been idle a moment (after a turn)."""
