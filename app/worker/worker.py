@@ -236,8 +236,7 @@ class ConversationWorker(QObject):
         """Start an empty conversation stored at `store_path` (the previous one is already stored)."""
         left = self._park()  # the GUI cleared its view itself: a late "empty" signal would erase what was typed since
         self._store_path = Path(store_path) if store_path else None
-        if self.conversation is not None:
-            self.memory.emit(self._report(self.conversation))
+        self.memory.emit(self._report(self.conversation) if self.conversation is not None else MemoryReport((), 0))
         self._keep_left(left)
 
     @Slot(str, str, int, object)
@@ -338,11 +337,11 @@ class ConversationWorker(QObject):
     # -- session files -----------------------------------------------------------------------------------------------
     @Slot(str, bool)
     def on_save(self, path: str, full_memory: bool) -> None:
-        if self.conversation is None:
-            self.error.emit("There is no conversation to save yet; load a model first.")
+        conversation = self._require()  # says why when there is no model
+        if conversation is None:
             return
         try:
-            self.conversation.save(Path(path), full_memory)
+            conversation.save(Path(path), full_memory)
         except Exception as exc:
             self.error.emit(session_files.save_error(Path(path), exc))
             return
@@ -352,9 +351,6 @@ class ConversationWorker(QObject):
     def on_restore(self, path: str, transcript_only: bool, store_path: str) -> None:
         """Open `path`; from then on the conversation is stored at `store_path` (its own library file when it
         came from the library, a new one for a file opened from elsewhere)."""
-        current = self._require()
-        if current is None:
-            return
         source = Path(path)
         target = Path(store_path) if store_path else None
         parked = self._parked.pop(source, None) if not transcript_only and target == source else None
@@ -365,6 +361,9 @@ class ConversationWorker(QObject):
             self.conversation, self._store_path = parked, target
             self._opened(source, "")
             self._keep_left(left)
+            return
+        current = self._require()
+        if current is None:
             return
         # A compact file's memory takes a while to recompute: its words are shown at once (they are cheap to read).
         peek = session_files.peek(source)
@@ -462,7 +461,8 @@ class ConversationWorker(QObject):
         self._parked[self._store_path] = current
         self._parked.move_to_end(self._store_path)
         left = (self._store_path, current)
-        self.conversation = current.fresh()
+        # A local conversation opens on first use (`_require`): a new slot table is not allocated for a switch.
+        self.conversation = None if isinstance(current, LocalConversation) else current.fresh()
         self._trim_parked()
         return left
 
