@@ -3,8 +3,10 @@ headless smoke run. PATHs are opened as Finder would: `.spark` conversations, mo
 
 --self-test loads the model, streams a reply while timing the GUI thread (the longest gap of a 10 ms timer; the
 goal is under 50 ms), saves and restores the session, times Stop while a long prompt is read and while a reply is
-written, and Quit while a reply streams (the reply so far must be stored), and exits 0; on failure it prints one
-line to stderr and exits 1. With --json it prints one JSON object of what it measured instead of sentences.
+written, switching back to a conversation of over 4,000 tokens and reopening it in a new app process until its first
+reply token (its memory kept, not recomputed), and Quit while a reply streams (the reply so far must be stored), and
+exits 0; on failure it prints one line to stderr and exits 1. With --json it prints one JSON object of what it
+measured instead of sentences.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ SELF_TEST_TOKENS = 48
 LONG_PROMPT = "Summarise this note. " + "The lighthouse keeper logs the weather, the ships and the lamp. " * 120
 GAP_GOAL_S = 0.050
 STEP_TIMEOUT_MS = 300_000
+KEPT_SENTENCE = (
+    "The harbour town woke early: fishing boats went out before dawn, the baker opened at six, and the ferry to the "
+    "islands left at half past seven, whatever the weather. "
+)
+KEPT_TOKENS = 4000  # the conversation switched back to and reopened is at least this long
 QUIT_WAIT_MS = 800  # Quit waits this long for the workers (a reply stops within one step and is stored)  # a cold bundled-model load on a slow disk may take a while
 
 
@@ -51,6 +58,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=("auto", *AUTO_ORDER), help="compute backend (default: auto)")
     p.add_argument("--self-test", action="store_true", help="headless smoke run: load, stream, save, restore, exit")
     p.add_argument("--json", action="store_true", help="with --self-test: print one JSON object of the figures")
+    # The self-test's second app process: reopen conversation ID of WORKDIR's data folder, print what it measured.
+    p.add_argument("--reopen-probe", nargs=2, metavar=("WORKDIR", "ID"), help=argparse.SUPPRESS)
     # Qt's own options (-style, -platform ...) pass through to QApplication.
     args, qt_args = p.parse_known_args(argv)
     args.qt_args = qt_args
@@ -72,6 +81,7 @@ def self_test(
     if name != "loaded" or not isinstance(value, LoadedModel):
         raise SelfTestFailure(f"the model did not load: {value or 'timed out'}")
     say(f"model: {value.info.name} on {value.info.backend_detail}")
+    count_tokens = value.count_tokens
     figures: dict[str, float | int | str] = {"model": value.info.name, "backend": value.info.backend}
 
     meter = GapMeter()
@@ -117,7 +127,102 @@ def self_test(
     say(f"Stop while a long prompt is read: the turn ended {figures['stop_while_reading_ms']} ms later")
     figures["stop_while_decoding_ms"] = _time_stop(window, reading=False)
     say(f"Stop while a reply is written: the turn ended {figures['stop_while_decoding_ms']} ms later")
+    figures |= time_kept_memory(window, count_tokens, model, backend, workdir)
+    say(
+        f"switching back to a {figures['kept_conversation_tokens']:,}-token conversation: {figures['switch_back_ms']} ms; "
+        f"reopening it in a new app process: {figures['reopen_after_relaunch_ms']} ms to the first reply token, "
+        f"{figures['reopen_tokens']} tokens recomputed"
+    )
     return figures
+
+
+def time_kept_memory(
+    window: MainWindow, count_tokens: Callable[[str], int], model: Path | None, backend: str, workdir: Path
+) -> dict[str, float | int | str]:
+    """A conversation of over KEPT_TOKENS tokens: away and back (ms until it is shown with its memory), then opened
+    by a new app process over the same data and cache folders (ms from asking until the first reply token, and the
+    tokens it recomputed first)."""
+    import subprocess
+
+    from app.misc.signal_wait import wait_any
+    from app.worker.types import TurnResult
+
+    w = window.client
+    per = count_tokens(KEPT_SENTENCE)
+    window.prefs.set_generation(GenerationSettings(max_tokens=8, sampling=SamplingSettings(seed=0)))
+    window.commands.new_chat()
+    prompt = KEPT_SENTENCE * (KEPT_TOKENS * 11 // 10 // max(1, per) + 2)  # sentences merge a little when joined
+    name, result = wait_any({"finished": w.finished, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.submit(prompt))
+    if name != "finished" or not isinstance(result, TurnResult) or result.memory_tokens < KEPT_TOKENS:
+        raise SelfTestFailure(f"the {KEPT_TOKENS:,}-token conversation was not written: {result or name}")
+    first = window.state.current_id
+    window.commands.new_chat()  # away: the conversation's memory is kept (in RAM, and on disk)
+    recomputed: list[object] = []
+    window.client.reading.connect(lambda p: recomputed.append(p) if p.kind == "restore" else None)
+    t0 = time.perf_counter()
+    name, value = wait_any(
+        {"restored": w.restored, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.open_conversation(first)
+    )
+    switch = (time.perf_counter() - t0) * 1000
+    if name != "restored" or recomputed:
+        raise SelfTestFailure(f"switching back did not hand the memory back: {value or name}")
+    cmd = [sys.executable, "-m", "app", "--reopen-probe", str(workdir), first, "--backend", backend]
+    if model is not None:
+        cmd += ["--model", str(model)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=STEP_TIMEOUT_MS / 1000, check=False)
+    if proc.returncode != 0:
+        raise SelfTestFailure(f"the reopening app process failed: {proc.stderr.strip()[-300:]}")
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {
+        "kept_conversation_tokens": result.memory_tokens,
+        "switch_back_ms": round(switch, 1),
+        "reopen_after_relaunch_ms": probe["reopen_after_relaunch_ms"],
+        "reopen_tokens": probe["reopen_tokens"],
+        "reopen_memory": probe["memory"],
+    }
+
+
+def reopen_probe(model: Path | None, backend: str, workdir: Path, conversation_id: str) -> dict[str, float | int | str]:
+    """The self-test's new app process: a window over `workdir`'s data and cache folders (its own settings), the
+    model loaded, then conversation `conversation_id` opened and a message sent: ms from opening to the first reply
+    token, and the tokens the model recomputed to open it."""
+    from app.misc.signal_wait import wait_any
+    from app.misc.standarddirs import StandardDirs
+    from app.settings.preferences import Preferences
+    from app.wiring import build_main_window
+    from app.worker.types import LoadedModel
+
+    prefs = Preferences(QSettings(str(workdir / "probe-settings.ini"), QSettings.Format.IniFormat))
+    prefs.set_generation(GenerationSettings(max_tokens=4, sampling=SamplingSettings(seed=0)))
+    window = build_main_window(prefs, StandardDirs(cache=workdir / "cache", data=workdir / "data", documents=workdir))
+    w = window.client
+    try:
+        name, value = wait_any(
+            {"loaded": w.loaded, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.load_model(model, backend)
+        )
+        if name != "loaded" or not isinstance(value, LoadedModel):
+            raise SelfTestFailure(f"the model did not load: {value or name}")
+        t0 = time.perf_counter()
+        name, value = wait_any(
+            {"restored": w.restored, "error": w.error},
+            STEP_TIMEOUT_MS,
+            lambda: window.open_conversation(conversation_id),
+        )
+        if name != "restored":
+            raise SelfTestFailure(f"the conversation did not reopen: {value or name}")
+        session = window.client.worker.session  # idle now: read between requests
+        if session is None:
+            raise SelfTestFailure("the reopened conversation has no local memory")
+        computed, memory = session.computed.count, session.memory_source
+        name, value = wait_any(
+            {"delta": w.delta, "error": w.error}, STEP_TIMEOUT_MS, lambda: window.submit("And then?")
+        )
+        took = (time.perf_counter() - t0) * 1000
+        if name != "delta":
+            raise SelfTestFailure(f"the reopened conversation did not answer: {value or name}")
+        return {"reopen_after_relaunch_ms": round(took, 1), "reopen_tokens": computed, "memory": memory}
+    finally:
+        window.shutdown()
 
 
 def _time_stop(window: MainWindow, reading: bool) -> float:
@@ -198,7 +303,7 @@ def time_quit_while_streaming(window: MainWindow, library_folder: Path) -> float
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.self_test:
+    if args.self_test or args.reopen_probe:
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
     from PySide6.QtWidgets import QSystemTrayIcon
@@ -220,6 +325,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 0
     app = SparkApplication([sys.argv[0], *args.qt_args])
+    if args.reopen_probe:
+        try:
+            probe = reopen_probe(args.model, args.backend, Path(args.reopen_probe[0]), args.reopen_probe[1])
+        except SelfTestFailure as exc:
+            print(f"reopen probe failed: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps(probe))
+        return 0
     if args.self_test:
         with tempfile.TemporaryDirectory(prefix="spark-self-test-") as tmp:
             workdir = Path(tmp)

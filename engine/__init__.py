@@ -101,6 +101,9 @@ with _deferred():
     from engine.session.file import TRANSCRIPT_KIND as TRANSCRIPT_KIND
     from engine.session.file import SessionData as SessionData
     from engine.session.file import load_session as load_session
+    from engine.session.kept import DEFAULT_KEPT_BUDGET_BYTES as DEFAULT_KEPT_BUDGET_BYTES
+    from engine.session.kept import KeptMemory as KeptMemory
+    from engine.session.kept import KeptUsage as KeptUsage
     from engine.version import __version__ as __version__
 
 __all__ = ["prepare_process", *_PUBLIC]

@@ -26,7 +26,7 @@ from app.inspector.panels import (
     ThermalPanel,
 )
 from app.inspector.panels.base import bytes_text
-from app.worker.types import MemoryReport, ModelInfo, TurnProgress, remote_name
+from app.worker.types import MemoryHeld, MemoryReport, ModelInfo, ReadProgress, TurnProgress, remote_name
 from engine import RemoteServer
 
 REMOTE_MEMORY = "Does not apply to a remote model: the server keeps its own memory; Spark stores the transcript only."
@@ -74,6 +74,25 @@ def memory_words(report: MemoryReport) -> str:
     return " ".join(
         p for p in (f"Remembers the last {working.entries:,} tokens word for word", recall, f"({used}).") if p
     )
+
+
+HELD_WORDS = {
+    MemoryHeld.RAM: "It stayed in RAM while you were elsewhere, so coming back read nothing.",
+    MemoryHeld.DISK: "It was read back from the memory kept on disk, so nothing was recomputed.",
+    MemoryHeld.RECOMPUTED: "It was recomputed from the conversation's record (no kept copy matched).",
+}
+
+
+def kept_words(report: MemoryReport) -> str:
+    """Where this conversation's memory came from and whether a copy is kept on disk, in plain words."""
+    if report.remote or not report.tokens:
+        return ""
+    parts = [HELD_WORDS.get(report.held, "")]
+    if report.kept_bytes:
+        parts.append(
+            f"A copy is kept on disk ({bytes_text(report.kept_bytes)}), so reopening it after a restart is instant."
+        )
+    return " ".join(p for p in parts if p)
 
 
 NO_REPLY_YET = "No reply yet."
@@ -180,10 +199,18 @@ class Inspector(QScrollArea):
 
     @Slot(MemoryReport)
     def on_memory(self, report: MemoryReport) -> None:
-        self.memory.body.setText(memory_words(report))
+        self.memory.body.setText(" ".join(p for p in (memory_words(report), kept_words(report)) if p))
         self.cache_panel.on_memory(report)
         self.memory_panel.on_memory(report)
         self.session_panel.on_memory(report)
+
+    @Slot(ReadProgress)
+    def on_reading(self, p: ReadProgress) -> None:
+        """A conversation's memory is being recomputed (no kept copy matched its record): say so while it lasts."""
+        if p.kind == "restore" and p.done < p.total:
+            self.memory.body.setText(
+                f"Being recomputed from the conversation's record: {p.done:,} of {p.total:,} tokens (no kept copy matched)."
+            )
 
     def show_transcript(self, replies: int) -> None:
         """A conversation's transcript is shown (opened, or back after an undo): with replies from before but none

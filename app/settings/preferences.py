@@ -1,5 +1,5 @@
 """Typed access to the app's QSettings: window layout, models (last, recent, weight precision), generation
-settings, system prompt, the conversation open at quit, and view choices.
+settings, system prompt, the conversation open at quit, the kept memory's disk budget, and view choices.
 
 Values that are not plain strings are stored as JSON, because QSettings' INI and plist back ends disagree on types
 (an INI file hands every number back as a string).
@@ -15,7 +15,7 @@ from PySide6.QtCore import QByteArray, QSettings
 
 from app.settings.sampling_choice import SamplingChoice
 from app.tools.mcp_host import McpServerSpec
-from engine import GenerationSettings, SamplingSettings, Speculation
+from engine import DEFAULT_KEPT_BUDGET_BYTES, GenerationSettings, SamplingSettings, Speculation
 
 DEFAULT_MAX_TOKENS = 512
 
@@ -92,6 +92,17 @@ class Preferences:
         self._s.setValue("model/precision", value)
 
     # -- conversations -------------------------------------------------------------------------------------------------
+    def kept_budget_bytes(self) -> int:
+        """The disk the kept memory may use (engine.session.kept), as Settings set it; a few GB by default."""
+        try:
+            value = int(str(self._s.value("memory/kept_budget_bytes", DEFAULT_KEPT_BUDGET_BYTES)))
+        except ValueError:
+            return DEFAULT_KEPT_BUDGET_BYTES
+        return value if value >= 0 else DEFAULT_KEPT_BUDGET_BYTES
+
+    def set_kept_budget_bytes(self, value: int) -> None:
+        self._s.setValue("memory/kept_budget_bytes", str(max(0, value)))
+
     def last_conversation(self) -> str:
         return str(self._s.value("chat/last_conversation", ""))
 

@@ -1,6 +1,7 @@
 """Settings (⌘,): how replies are sampled (the model's own defaults, shown with where they came from, or the user's
 own values: temperature, top-k/p, min-p, repetition penalty; seed, greedy, reply length), whether replies are sped
-up by speculation, the MCP servers whose tools the model may call, and the local server's switch. A conversation may
+up by speculation, the MCP servers whose tools the model may call, the local server's switch, and the kept
+memory's disk (app.settings.kept_memory). A conversation may
 override the sampling (app.settings.conversation_sampling)."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.misc.fit import fit_wrapped_text
+from app.settings.kept_memory import KeptMemoryControl, KeptMemoryGroup
 from app.settings.preferences import default_generation
 from app.settings.sampling_choice import knob_words
 from app.settings.sampling_form import SamplingForm
@@ -56,6 +58,7 @@ class SettingsDialog(QDialog):
         tool_servers: list[McpServerSpec] | None = None,
         model_defaults: ModelSampling | None = None,
         use_model_defaults: bool = True,
+        kept: KeptMemoryControl | None = None,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("Settings")
@@ -111,6 +114,9 @@ class SettingsDialog(QDialog):
             layout.addWidget(self._server_group(*server))
         self.tools = QPlainTextEdit(servers_text(tool_servers or []))
         layout.addWidget(self._tools_group())
+        self.kept = KeptMemoryGroup(kept) if kept is not None else None
+        if self.kept is not None:
+            layout.addWidget(self.kept)
         layout.addWidget(self.error)
         layout.addWidget(buttons)
         self._show(settings, use_model_defaults)
@@ -180,6 +186,8 @@ class SettingsDialog(QDialog):
             self.error.setText(str(exc))
             self.error.show()
             return
+        if self.kept is not None:
+            self.kept.apply()
         super().accept()
 
     def _show(self, settings: GenerationSettings, use_model_defaults: bool) -> None:

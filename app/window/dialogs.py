@@ -10,6 +10,7 @@ from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
 import engine
 from app.settings.conversation_sampling import ConversationSamplingDialog, SamplingEdit
 from app.settings.json_reply import SchemaDialog
+from app.settings.kept_memory import KeptMemoryControl
 from app.settings.remote_servers import AddServerDialog
 from app.settings.sampling_choice import SamplingChoice
 from app.settings.settings_dialog import EditedSettings, SettingsDialog
@@ -42,6 +43,7 @@ Conversation… gives one conversation settings of its own; the inspector says w
 class Dialogs:
     def __init__(self, parent: QWidget | None = None) -> None:
         self.parent = parent
+        self.kept: KeptMemoryControl | None = None  # Settings shows the kept memory's disk when given (app.wiring)
 
     def confirm(self, title: str, text: str, accept: str) -> bool:
         box = QMessageBox(QMessageBox.Icon.Question, title, text, QMessageBox.StandardButton.Cancel, self.parent)
@@ -113,7 +115,9 @@ class Dialogs:
     ) -> EditedSettings | None:
         """The settings and tool servers as edited (None: cancelled); `server`: the local server's switch and Copy
         URL actions."""
-        dialog = SettingsDialog(current, self.parent, server, tool_servers, model_defaults, use_model_defaults)
+        dialog = SettingsDialog(
+            current, self.parent, server, tool_servers, model_defaults, use_model_defaults, self.kept
+        )
         if dialog.exec() != SettingsDialog.DialogCode.Accepted:
             return None
         return dialog.edited()

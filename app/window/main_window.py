@@ -271,6 +271,7 @@ class MainWindow(QMainWindow):
         c.progress.connect(self.inspector.on_progress)
         c.progress.connect(self._on_progress)
         c.memory.connect(self.inspector.on_memory)
+        c.reading.connect(self.inspector.on_reading)
         c.memory.connect(self.monitor.on_memory)
         c.policy.connect(self.inspector.thermal_panel.on_decision)
         c.busy_changed.connect(self.show_busy)

@@ -22,7 +22,7 @@ from app.worker.types import (
     TurnResult,
 )
 from app.worker.worker import ConversationWorker
-from engine import Engine, GenerationSettings, RemoteServer
+from engine import Engine, GenerationSettings, KeptMemory, RemoteServer
 from engine.hw import HardwarePolicy, PolicyDecision
 
 
@@ -75,11 +75,12 @@ class ConversationClient(QObject):
         store: bool = False,
         parent: QObject | None = None,
         clock: Callable[[], float] = time.monotonic,
+        kept: KeptMemory | None = None,
     ) -> None:
         super().__init__(parent)
         self._thread = QThread(self)
         self._thread.setObjectName(name)
-        self.worker = ConversationWorker(policy, cache_dir, store, clock)
+        self.worker = ConversationWorker(policy, cache_dir, store, clock, kept)
         self.worker.moveToThread(self._thread)
         self._thread.finished.connect(self.worker.deleteLater)
         w = self.worker

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Protocol
 
 from app.worker import tool_turns
-from app.worker.types import MemoryReport, remote_name
+from app.worker.types import MemoryHeld, MemoryReport, remote_name
 from engine import (
     ChatMessage,
     Engine,
     GenerationEvent,
     GenerationSettings,
+    KeptMemory,
     PrefillProgress,
     RemoteClient,
     RemoteServer,
@@ -81,6 +82,23 @@ class Conversation(Protocol):
 
     def reset(self) -> None: ...
 
+    def keep(self, path: Path) -> bool:
+        """Keep the memory on disk for the conversation stored at `path`, unless that copy is already current;
+        False when no copy is kept (nothing to keep, over the budget, a remote memory)."""
+        ...
+
+    def resident_bytes(self) -> int:
+        """Bytes this conversation's memory holds in RAM (its slot table and episodic blocks)."""
+        ...
+
+    def kept_bytes(self, path: Path | None) -> int:
+        """The size of the current copy of this memory kept on disk for `path` (0: none)."""
+        ...
+
+    def computed_tokens(self) -> int:
+        """Tokens the model has computed for this conversation so far (replays included)."""
+        ...
+
     def fresh(self) -> Conversation:
         """An empty conversation on the same model."""
         ...
@@ -103,9 +121,17 @@ class Conversation(Protocol):
 class LocalConversation:
     """A `Session` on the loaded engine: its memory is ours to report, save and restore."""
 
-    def __init__(self, engine: Engine, on_prefill: Callable[[PrefillProgress], None] | None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        on_prefill: Callable[[PrefillProgress], None] | None,
+        kept: KeptMemory | None = None,
+    ) -> None:
         self._engine = engine
         self._on_prefill = on_prefill
+        self._kept = kept  # memories kept on disk: opening reads one back instead of recomputing it
+        self._kept_as: tuple[Path, int, int | None, int] | None = None  # what the kept copy holds (keep's check)
+        self.held = MemoryHeld.NEW
         self.session = engine.new_session()
         self.session.on_prefill = on_prefill
         self._turn_starts: list[int] = []  # memory length when each turn began
@@ -155,9 +181,15 @@ class LocalConversation:
         self.session.read_transcript(stop)
 
     def open(self, path: Path, transcript_only: bool, on_progress: Callable[[int, int], None]) -> Opened:
-        report = self.session.load(path, accept_transcript_only=transcript_only, on_progress=on_progress)
+        report = self.session.load(
+            path, accept_transcript_only=transcript_only, on_progress=on_progress, kept=self._kept
+        )
         if not report.applied:
             return Opened(False, "", report.message)
+        source = self.session.memory_source
+        self.held = {"kept": MemoryHeld.DISK, "recomputed": MemoryHeld.RECOMPUTED}.get(source, MemoryHeld.FILE)
+        if source == "kept":
+            self._kept_as = (path, *self._signature())  # the copy on disk is this memory: nothing to write
         note = "transcript only: the memory is re-read on the next turn" if report.transcript_only else ""
         if self.session.restore_digest_ok is False:
             note = "its memory was recomputed and differs slightly from the saved one (other numerics)"
@@ -169,9 +201,40 @@ class LocalConversation:
     def reset(self) -> None:
         self.session.reset()
         self._turn_starts = []
+        self.held = MemoryHeld.NEW
+
+    def _signature(self) -> tuple[int, int | None, int]:
+        s = self.session
+        return len(s.memory.tokens), s.pending_token, s.computed.count
+
+    def keep(self, path: Path) -> bool:
+        if self._kept is None:
+            return False
+        if self._kept_as == (path, *self._signature()):
+            return True
+        done = self.session.keep(self._kept, path)
+        self._kept_as = (path, *self._signature()) if done else None
+        return done
+
+    def kept_bytes(self, path: Path | None) -> int:
+        """The size of this conversation's copy on disk, when it is current (0 otherwise)."""
+        if self._kept is None or path is None or self._kept_as != (path, *self._signature()):
+            return 0
+        try:
+            return self._kept.entry_path(path).stat().st_size
+        except OSError:
+            return 0
+
+    def resident_bytes(self) -> int:
+        stats = self.session.stats()
+        episodic = stats.episodic.bytes if stats is not None else 0
+        return self.session.backend.kv_resident_bytes() + episodic
+
+    def computed_tokens(self) -> int:
+        return self.session.computed.count
 
     def fresh(self) -> LocalConversation:
-        new = LocalConversation(self._engine, self._on_prefill)
+        new = LocalConversation(self._engine, self._on_prefill, self._kept)
         new.set_tools(self._tools)
         new.system_prompt = self.system_prompt
         return new
@@ -181,12 +244,12 @@ class LocalConversation:
         memory = self.session.memory
         stats = self.session.stats()
         if stats is not None:
-            return MemoryReport((stats.working, stats.episodic, stats.persistent), len(memory.tokens))
+            return MemoryReport((stats.working, stats.episodic, stats.persistent), len(memory.tokens), "", self.held)
         backend = self.session.backend
         per_token = backend.kv_bytes_per_token()
         n = len(memory.tokens)
         row = TierStats("working", n, n * per_token, backend.num_slots * per_token, 0, 0, 0.0, 0)
-        return MemoryReport((row,), n)
+        return MemoryReport((row,), n, "", self.held)
 
     def begin_turn(self) -> None:
         self._turn_starts.append(len(self.session.memory.tokens))
@@ -256,6 +319,18 @@ class RemoteConversation:
 
     def reset(self) -> None:
         self.remote.reset()
+
+    def keep(self, path: Path) -> bool:
+        return False  # the server's memory is not ours to keep
+
+    def resident_bytes(self) -> int:
+        return 0
+
+    def kept_bytes(self, path: Path | None) -> int:
+        return 0
+
+    def computed_tokens(self) -> int:
+        return 0
 
     def fresh(self) -> RemoteConversation:
         new = RemoteConversation(self.server, self._client)

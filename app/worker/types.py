@@ -49,11 +49,23 @@ class TurnProgress:
     speculating: Speculating = Speculating.OFF
 
 
+class MemoryHeld(Enum):
+    """How the open conversation's memory came to be there (the inspector says it in words)."""
+
+    NEW = "new"  # read as the conversation was written
+    RAM = "ram"  # handed back from RAM: it stayed resident while the user looked elsewhere
+    DISK = "disk"  # read back from the kept memory on disk (engine.session.kept)
+    RECOMPUTED = "recomputed"  # recomputed from the conversation's compact record
+    FILE = "file"  # restored from a file that holds its memory
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     tiers: tuple[TierStats, ...]  # the cascade's own snapshot type: plain numbers, no tensors
     tokens: int  # tokens this conversation's memory holds
     remote: str = ""  # a remote server's URL: its memory is the server's, none of these numbers apply
+    held: MemoryHeld = MemoryHeld.NEW
+    kept_bytes: int = 0  # the copy of this memory kept on disk (0: none yet)
 
 
 @dataclass(frozen=True)

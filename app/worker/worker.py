@@ -13,7 +13,10 @@ Everything crossing a thread boundary is plain data (dataclasses, strings) or an
 The conversation is an `app.worker.conversation.Conversation`: local (a Session on the loaded engine) or remote (a
 server chosen as the model); the worker never asks which. The main chat's worker stores its conversation after every
 change (a compact `.spark`, atomically) in the file the GUI's conversation library assigned to it, and reports each
-store, so nothing typed or generated is ever only in memory.
+store, so nothing typed or generated is ever only in memory. Its memory is kept too: in RAM for the conversations
+left recently (within the hardware policy's budget), and on disk (engine.session.kept) once the worker is idle after
+a turn, when it is left, and at quit; opening a conversation reads that back and recomputes only when no kept copy
+matches its record.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from PySide6.QtCore import QObject, QThread, Signal, Slot
+from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from app.tools.consent import ConsentGate, ConsentRequest, Decision, PendingCall
 from app.tools.mcp_host import McpHost, McpServerSpec
@@ -36,6 +40,7 @@ from app.worker.conversation import Conversation, LocalConversation, RemoteConve
 from app.worker.engine_factory import load_engine
 from app.worker.types import (
     LoadedModel,
+    MemoryHeld,
     MemoryReport,
     MessageView,
     ModelInfo,
@@ -53,6 +58,7 @@ from engine import (
     FinishReason,
     GenerationEvent,
     GenerationSettings,
+    KeptMemory,
     PrefillProgress,
     RemoteServer,
     Session,
@@ -68,7 +74,13 @@ log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.1  # turn stats (tokens/s) at most 10 times a second
 MEMORY_INTERVAL_S = 0.25  # tier stats at most 4 times a second: the panels need no more
 READ_INTERVAL_S = 0.1  # reading progress at most 10 times a second
-PARKED_CONVERSATIONS = 3  # conversations left recently whose memory stays ready (Undo, switching back: no recompute)
+# Conversations left recently keep their memory in RAM (switching back, Undo: nothing to read) within this share of
+# what the hardware policy's budget leaves beside the weights (the rest is the open conversation's and the episodic
+# tier's), or within PARKED_BYTES_UNBOUNDED without a policy. Beyond it the least recently used are dropped: their
+# memory is kept on disk (engine.session.kept), so they read it back instead of recomputing.
+PARKED_SHARE = 0.5
+PARKED_BYTES_UNBOUNDED = 1024**3
+KEEP_DELAY_MS = 1500  # after a turn, the memory is kept on disk once the worker has been idle this long
 NO_PROGRESS = TurnProgress(0, 0, 0.0, 0.0)
 
 
@@ -100,6 +112,7 @@ class ConversationWorker(QObject):
         cache_dir: Path,
         store: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        kept: KeptMemory | None = None,
     ) -> None:
         super().__init__()
         self._clock = clock  # paces the progress reports; the tests pass a fake
@@ -111,6 +124,7 @@ class ConversationWorker(QObject):
         self.conversation: Conversation | None = None  # read by tests on this thread's behalf, never by the GUI
         self._system_text = ""
         self._parked: OrderedDict[Path, Conversation] = OrderedDict()  # store path -> a conversation left recently
+        self._kept = kept if store else None  # memories kept on disk for the stored conversations
         self._read_t0 = 0.0
         self._read_last = 0.0
         self._tool_servers: list[McpServerSpec] = []
@@ -135,7 +149,7 @@ class ConversationWorker(QObject):
             if cancel.is_set():  # loading cannot be interrupted midway; a cancelled load is simply dropped
                 self.load_cancelled.emit()
                 return
-            conversation = LocalConversation(engine, self._on_prefill if self._store_enabled else None)
+            conversation = LocalConversation(engine, self._on_prefill if self._store_enabled else None, self._kept)
         except SparkError as exc:
             self.error.emit(str(exc))
             return
@@ -161,7 +175,7 @@ class ConversationWorker(QObject):
         )
         tokenizer = engine.tokenizer
         self.loaded.emit(LoadedModel(engine, info, lambda text: len(tokenizer.encode(text, add_bos=False))))
-        self.memory.emit(conversation.memory_report())
+        self.memory.emit(self._report(conversation))
         if had_conversation and self._store_path is not None and self._store_path.is_file():
             self._carry_over(self._store_path)
 
@@ -179,7 +193,7 @@ class ConversationWorker(QObject):
         self._close_all()  # a local memory would go stale beside the remote transcript: freed
         self.conversation = remote
         self.remote_ready.emit(server)
-        self.memory.emit(remote.memory_report())
+        self.memory.emit(self._report(remote))
 
     # -- conversation ----------------------------------------------------------------------------------------------
     @Slot(str, object, object)
@@ -221,10 +235,10 @@ class ConversationWorker(QObject):
     @Slot(str)
     def on_new_chat(self, store_path: str) -> None:
         """Start an empty conversation stored at `store_path` (the previous one is already stored)."""
-        self._park()  # the GUI cleared its view itself: a late "empty" signal would erase what was typed since
+        left = self._park()  # the GUI cleared its view itself: a late "empty" signal would erase what was typed since
         self._store_path = Path(store_path) if store_path else None
-        if self.conversation is not None:
-            self.memory.emit(self.conversation.memory_report())
+        self.memory.emit(self._report(self.conversation) if self.conversation is not None else MemoryReport((), 0))
+        self._keep_left(left)
 
     @Slot(str, str, int, object)
     def on_branch(self, source: str, store_path: str, upto: int, stop: threading.Event) -> None:
@@ -252,9 +266,10 @@ class ConversationWorker(QObject):
         except Exception as exc:
             log.exception("reading a branch failed")
             self.error.emit(f"The branch's memory could not be read ({exc}); it is read on the next message instead.")
-        report = branch.memory_report()
+        report = self._report(branch)
         self.memory.emit(report)
         self._store()
+        self._keep_soon()
         self.finished.emit(TurnResult(FinishReason.STOP, TurnProgress(report.tokens, 0, 0.0, 0.0), ""))
 
     @Slot(list)
@@ -323,11 +338,11 @@ class ConversationWorker(QObject):
     # -- session files -----------------------------------------------------------------------------------------------
     @Slot(str, bool)
     def on_save(self, path: str, full_memory: bool) -> None:
-        if self.conversation is None:
-            self.error.emit("There is no conversation to save yet; load a model first.")
+        conversation = self._require()  # says why when there is no model
+        if conversation is None:
             return
         try:
-            self.conversation.save(Path(path), full_memory)
+            conversation.save(Path(path), full_memory)
         except Exception as exc:
             self.error.emit(session_files.save_error(Path(path), exc))
             return
@@ -337,16 +352,19 @@ class ConversationWorker(QObject):
     def on_restore(self, path: str, transcript_only: bool, store_path: str) -> None:
         """Open `path`; from then on the conversation is stored at `store_path` (its own library file when it
         came from the library, a new one for a file opened from elsewhere)."""
-        current = self._require()
-        if current is None:
-            return
         source = Path(path)
         target = Path(store_path) if store_path else None
         parked = self._parked.pop(source, None) if not transcript_only and target == source else None
         if parked is not None:  # left a moment ago: its memory is still there, nothing to recompute
-            self._park()
+            left = self._park()
+            if isinstance(parked, LocalConversation):
+                parked.held = MemoryHeld.RAM
             self.conversation, self._store_path = parked, target
             self._opened(source, "")
+            self._keep_left(left)
+            return
+        current = self._require()
+        if current is None:
             return
         # A compact file's memory takes a while to recompute: its words are shown at once (they are cheap to read).
         peek = session_files.peek(source)
@@ -371,11 +389,13 @@ class ConversationWorker(QObject):
                 self.conversation_shown.emit(self._transcript())
             self.foreign_session.emit(path, opened.message)
             return
-        self._park()
+        left = self._park()
         self.conversation, self._store_path = fresh, target
         self._opened(source, opened.note)
         if target is not None and target != source:
             self._store()  # a file opened from elsewhere joins the library as a new conversation
+        self._keep_left(left)
+        self._keep_soon()  # a recomputed memory is kept, so the next relaunch reads it
 
     def _carry_over(self, path: Path) -> None:
         """Another model (or precision) was loaded: the open conversation continues on it. Its stored file comes
@@ -400,7 +420,7 @@ class ConversationWorker(QObject):
         self._system_text = conversation.system_prompt
         self.system_prompt.emit(self._system_text)
         self.conversation_shown.emit(self._transcript())
-        self.memory.emit(conversation.memory_report())
+        self.memory.emit(self._report(conversation))
         self.restored.emit(SessionFileEvent("restored", path, time.time(), note))
 
     @Slot()
@@ -408,6 +428,9 @@ class ConversationWorker(QObject):
         """Last request before the thread quits: store the conversation (the reply was already stopped)."""
         try:
             self._store(verify=False)  # in a hurry: the app is quitting
+            self._keep_current()  # usually already kept after the last turn; else now, for the relaunch
+            for path, parked in list(self._parked.items()):
+                self._keep(path, parked)  # a no-op for those kept when they were left
             self._close_all()
             self._close_toolbox()
         finally:
@@ -419,26 +442,77 @@ class ConversationWorker(QObject):
     # -- internals -------------------------------------------------------------------------------------------------
     def _require(self) -> Conversation | None:
         if self.conversation is None and self._engine is not None:
-            self.conversation = LocalConversation(self._engine, self._on_prefill if self._store_enabled else None)
+            self.conversation = LocalConversation(
+                self._engine, self._on_prefill if self._store_enabled else None, self._kept
+            )
             self.conversation.system_prompt = self._system_text
         if self.conversation is None:
             self.error.emit("No model is loaded yet; open a model folder first.")
         return self.conversation
 
-    def _park(self) -> None:
+    def _park(self) -> tuple[Path, Conversation] | None:
         """Leave the current conversation: keep it (memory ready) among the parked ones and go on with a fresh
-        one; an empty conversation is just reset."""
+        one; an empty conversation is just reset. Returns the one left (for `_keep_left`)."""
         current = self.conversation
         if current is None:
-            return
+            return None
         if not current.messages or self._store_path is None:
             current.reset()
-            return
+            return None
         self._parked[self._store_path] = current
         self._parked.move_to_end(self._store_path)
-        while len(self._parked) > PARKED_CONVERSATIONS:
-            self._parked.popitem(last=False)  # its slot table is freed with it
-        self.conversation = current.fresh()
+        left = (self._store_path, current)
+        # A local conversation opens on first use (`_require`): a new slot table is not allocated for a switch.
+        self.conversation = None if isinstance(current, LocalConversation) else current.fresh()
+        self._trim_parked()
+        return left
+
+    def _parked_budget(self) -> int:
+        """Bytes the parked conversations may hold in RAM (see PARKED_SHARE)."""
+        if self._policy is None or self._engine is None:
+            return PARKED_BYTES_UNBOUNDED
+        spare = self._policy.budget_bytes() - self._engine.backend.weight_bytes
+        current = self.conversation.resident_bytes() if self.conversation is not None else 0
+        return max(0, int(spare * PARKED_SHARE) - current)
+
+    def _trim_parked(self) -> None:
+        """Drop the least recently left conversations until the rest fit the budget (their slot tables are freed
+        with them), keeping each on disk first unless its kept copy is current."""
+        budget = self._parked_budget()
+        held = {path: c.resident_bytes() for path, c in self._parked.items()}
+        while self._parked and sum(held.values()) > budget:
+            path, conversation = self._parked.popitem(last=False)
+            held.pop(path)
+            if self._kept is not None:
+                self._keep(path, conversation)
+
+    def _keep_left(self, left: tuple[Path, Conversation] | None) -> None:
+        """Keep the memory of the conversation just left on disk (a no-op when its kept copy is current), once the
+        worker has been idle a moment: a request queued now (switching straight back) does not wait for the write."""
+        if left is not None and self._kept is not None:
+            path, conversation = left
+            QTimer.singleShot(KEEP_DELAY_MS, lambda: self._keep(path, conversation))
+
+    def _keep_soon(self) -> None:
+        """Keep the open conversation's memory on disk once the worker has been idle a moment (after a turn)."""
+        if self._kept is not None:
+            QTimer.singleShot(KEEP_DELAY_MS, self._keep_current)
+
+    def _keep_current(self) -> None:
+        conversation, path = self.conversation, self._store_path
+        if self._kept is not None and conversation is not None and path is not None and conversation.messages:
+            self._keep(path, conversation)
+            self.memory.emit(self._report(conversation))
+
+    def _keep(self, path: Path, conversation: Conversation) -> None:
+        try:
+            conversation.keep(path)
+        except Exception:  # an accelerator only: the compact record is stored, a failed copy costs a recompute
+            log.exception("keeping the memory on disk failed")
+
+    def _report(self, conversation: Conversation) -> MemoryReport:
+        """The conversation's memory figures, with the size of its copy kept on disk."""
+        return replace(conversation.memory_report(), kept_bytes=conversation.kept_bytes(self._store_path))
 
     def _close_all(self) -> None:
         """The model changes: every conversation of the previous one goes (a server's connections are closed)."""
@@ -526,7 +600,7 @@ class ConversationWorker(QObject):
                     self.progress.emit(progress)
                 if now - last_memory >= MEMORY_INTERVAL_S:
                     last_memory = now
-                    self.memory.emit(conversation.memory_report())
+                    self.memory.emit(self._report(conversation))
                 if ev.finish_reason:
                     reason = ev.finish_reason
         except SparkError as exc:
@@ -537,10 +611,11 @@ class ConversationWorker(QObject):
             self.error.emit(f"Generation failed ({type(exc).__name__}: {exc}); the conversation is kept, try again.")
             self.conversation_shown.emit(self._transcript())
         self.progress.emit(progress)
-        report = conversation.memory_report()
+        report = self._report(conversation)
         self.memory.emit(report)
         recalled = conversation.recalled_turns_ago(hits_before)
         self._store(cut_off=reason == FinishReason.CANCELLED)  # stored before `finished`: never only in memory
+        self._keep_soon()
         self.finished.emit(
             TurnResult(reason, progress, "".join(text), recalled, report.tokens, len(conversation.messages))
         )

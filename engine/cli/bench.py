@@ -28,6 +28,7 @@ SUITES: dict[str, str] = {
     "structured": "engine.bench.structured",
     "long-context": "engine.bench.long_context",
     "memory": "engine.bench.memory",
+    "reopen": "engine.bench.reopen",
 }
 
 
@@ -76,6 +77,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--depths", default=None, help="`passkey`: comma-separated key depths (default 0.1,0.3,0.5,0.7,0.9)")
     p.add_argument(
         "--max-length", type=int, default=None, help="`passkey`: the longest prompt (default 4x the trained context)"
+    )
+    p.add_argument(
+        "--sizes", default=None, help="`reopen`: conversation sizes in tokens, comma-separated (default 4000,32000)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

@@ -21,7 +21,9 @@ from engine.hw import this_machine_policy, use_recommended_threads
 from engine.loading.model_files import resolve_model_path
 from engine.loading.sampling_defaults import model_sampling
 from engine.model.kv_types import KVType
+from engine.paths import default_cache_dir
 from engine.session.engine import Engine, Session, memory_factory_for
+from engine.session.kept import KeptMemory
 from engine.vision.images import DecodedImage, decode_file
 
 
@@ -251,7 +253,9 @@ def run(args: argparse.Namespace) -> int:
     check_think(engine.reasoning, settings.think)
     session = engine.new_session()
     if args.load_session is not None:
-        report = session.load(args.load_session)
+        # A compact file the app kept the memory of reads it back instead of recomputing it (engine.session.kept).
+        kept_dir = (args.cache_dir or default_cache_dir()) / "kept"
+        report = session.load(args.load_session, kept=None if args.no_prefix_cache else KeptMemory(kept_dir))
         if report.foreign_model:
             print(f"note: {report.message}", file=sys.stderr)
     events = pick_stream(session, prompt, args, settings, images)
@@ -269,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
             "backend": engine.backend.name,
             "backend_reason": engine.choice.explain(),
             "finish_reason": last.finish_reason if last else None,
+            "read_tokens": session.computed.count,  # every token the model computed in this run (replays too)
         }
         if last is not None and last.speculating and last.forwards:
             # Tokens per decode forward (the first token comes from the prompt's forward): 1.0 without gains.

@@ -64,8 +64,9 @@ from engine.session.file import (
     restore,
     save_session,
 )
+from engine.session.kept import KeptMemory, entry_estimate, trim_slots
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
-from engine.session.setup import LockedBackend, MemoryFactory, check_fits, memory_factory_for
+from engine.session.setup import LockedBackend, MemoryFactory, TokenCounter, check_fits, memory_factory_for
 from engine.vision.idefics3 import IMAGE_TOKEN
 from engine.vision.images import DecodedImage
 from engine.vision.messages import template_messages
@@ -245,6 +246,8 @@ class Session:
         self.sampler = make_sampler(SamplingSettings())  # its .settings are this conversation's sampling settings
         self.feed_log = FeedLog()  # how memory was fed since its last reset (a compact save's recipe)
         self.restore_digest_ok: bool | None = None  # after a compact restore: was the rebuilt memory bit-identical?
+        self.memory_source = "new"  # where the memory came from: "new", "kept" (read back), "recomputed", "file"
+        self.computed = TokenCounter()  # tokens this session's forwards computed (replays included)
         self.on_prefill: Callable[[PrefillProgress], None] | None = None  # hears the reading of each prompt
         self.images: list[DecodedImage] = []  # the transcript's pictures, in the order of its <image> markers
         self.template_inputs: TemplateInputs | None = None  # how messages reach the chat template (None: as they are)
@@ -398,26 +401,63 @@ class Session:
             kv_type=self.backend.kv_type.value,
         )
 
+    def keep(self, kept: KeptMemory, conversation: Path) -> bool:
+        """Keep this conversation's whole memory on disk for `conversation` (its compact file), so reopening it
+        reads instead of recomputing (engine.session.kept); False when nothing was kept (no memory, over budget)."""
+        if not self.memory.tokens:
+            kept.discard(conversation)
+            return False
+        meta, tensors = self.memory.state()
+        trim_slots(tensors)  # the slots a conversation shorter than the window never wrote are not kept
+        state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        extra: dict[str, Any] = {"numerics": self.backend.numerics}
+
+        def write(path: Path) -> int:
+            return save_session(
+                path,
+                fingerprint=self.backend.fingerprint,
+                tokenizer_hash=self.tokenizer.content_hash,
+                messages=[],  # the compact file holds the transcript; this entry only the memory
+                system_prompt=None,
+                settings={},
+                memory_state=(meta, tensors),
+                pending_token=self.pending_token,
+                sampler_state=None,
+                extra=extra,
+                token_ids=list(self.memory.tokens),
+                compression="none",  # read back at the speed of a copy
+                kv_type=self.backend.kv_type.value,
+            )
+
+        return kept.write(conversation, entry_estimate(state_bytes, len(self.memory.tokens)), write)
+
     def load(
         self,
         path: str | Path,
         *,
         accept_transcript_only: bool = False,
         on_progress: Callable[[int, int], None] | None = None,
+        kept: KeptMemory | None = None,
     ) -> LoadReport:
         """Restore a .spark file into this session, or leave it untouched on any error.
 
         The memory is restored into a fresh slot table and swapped in only when everything checked out. A file
         from another model changes nothing unless `accept_transcript_only`, in which case its messages come back
-        and are re-read on the next turn.
+        and are re-read on the next turn. A compact file's memory is read back from `kept` when an entry there
+        matches it exactly (engine.session.kept), else recomputed.
         """
         fork = self.backend.fork()
         digest_ok: list[bool] = []
+        sources: list[str] = []
 
         def recompute(memory: Memory, data: SessionData) -> None:
             # A compact file: feed its tokens again exactly as they were fed (see engine.session.replay), then compare.
             schedule = check_schedule(data.extra.get("feed_schedule"), len(data.token_ids))
-            runner = LockedBackend(fork, self.engine.step_lock)
+            if kept is not None and kept.read_into(Path(path), data, memory, fork):
+                sources.append("kept")  # read back as it was when the conversation was left: nothing to compute
+                return
+            sources.append("recomputed")
+            runner = LockedBackend(fork, self.engine.step_lock, counter=self.computed)
             replay(backend_feed(runner, memory), memory, data.token_ids, schedule, on_progress)
             saved = data.extra.get("recompute")
             if not isinstance(saved, dict) or "digest" in saved:  # saved without one: nothing to compare
@@ -443,6 +483,7 @@ class Session:
             )
         self.backend, self.memory = fork, outcome.memory
         self.restore_digest_ok = digest_ok[0] if digest_ok else None
+        self.memory_source = sources[0] if sources else "file"
         try:
             self.feed_log.adopt(
                 check_schedule(data.extra.get("feed_schedule"), len(self.memory.tokens)), len(self.memory.tokens)
@@ -463,7 +504,9 @@ class Session:
                 self.sampler = make_sampler(SamplingSettings())  # unusable settings: fresh sampler, memory still exact
         n = len(self.memory.tokens)
         how = (
-            ""
+            " (read back from the kept memory)"
+            if self.memory_source == "kept"
+            else ""
             if self.restore_digest_ok is None
             else " (recomputed, identical)"
             if self.restore_digest_ok
@@ -606,7 +649,7 @@ class Session:
         self.pending_token = None
         try:
             pacer = pacer or self.engine.policy
-            runner = LockedBackend(self.backend, self.engine.step_lock, self.feed_log, self.memory)
+            runner = LockedBackend(self.backend, self.engine.step_lock, self.feed_log, self.memory, self.computed)
             gen = stream_generate(
                 runner,
                 self.memory,

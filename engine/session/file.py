@@ -72,6 +72,7 @@ __all__ = [
     "SessionData",
     "inspect_session",
     "load_session",
+    "read_unchecked_state",
     "remove_stale_temps",
     "restore",
     "save_session",
@@ -125,6 +126,16 @@ def _open(path: Path) -> tuple[Preamble, dict[str, Any], bytes, int]:
     fields = _parse_meta(path, pre, meta_raw)
     section = decompress(path, pre, stored)
     return pre, fields, section, size
+
+
+def read_unchecked_state(path: Path) -> SessionData:
+    """Read a `.spark` file with every container and metadata check but without checking its memory state: for
+    a caller that checks the state itself before using it (engine.session.kept: the memory's `load_state` does)."""
+    pre, fields, section, size = _open(path)
+    tensors = decode_tensors(path, section)
+    return SessionData(
+        format_version=pre.version, tensors=tensors, compression=pre.compression, file_bytes=size, **fields
+    )
 
 
 def load_session(path: str | Path, target: StateTarget | None = None) -> SessionData:

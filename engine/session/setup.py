@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,18 +96,32 @@ def memory_factory_for(
     return make
 
 
+@dataclass
+class TokenCounter:
+    """Tokens a session's forwards computed (prompts, replays, decoding steps): `read_tokens` in `generate --json`,
+    and how the tests see that a conversation handed back its memory computed nothing."""
+
+    count: int = 0
+
+
 class LockedBackend(BackendWrapper):
     """A backend whose every forward takes the engine's step lock (the lock is held for one step only), and
-    records each forward's size in the session's feed log (what a compact session file replays)."""
+    records each forward's size in the session's feed log (what a compact session file replays) and its counter."""
 
     def __init__(
-        self, inner: Backend, lock: threading.Lock, log: FeedLog | None = None, memory: Memory | None = None
+        self,
+        inner: Backend,
+        lock: threading.Lock,
+        log: FeedLog | None = None,
+        memory: Memory | None = None,
+        counter: TokenCounter | None = None,
     ) -> None:
         super().__init__(inner)
-        self._lock, self._log, self._memory = lock, log, memory
+        self._lock, self._log, self._memory, self._counter = lock, log, memory, counter
 
     def fork(self) -> Backend:
-        return LockedBackend(self.inner.fork(), self._lock)  # a fork steps under the same lock (no feed log)
+        # A fork (a beam) steps under the same lock and counts for the same session (no feed log).
+        return LockedBackend(self.inner.fork(), self._lock, counter=self._counter)
 
     def forward(
         self,
@@ -118,6 +132,8 @@ class LockedBackend(BackendWrapper):
     ) -> torch.Tensor:
         with self._lock:
             out = self.inner.forward(tokens, batch, last_only, should_stop)  # a cancelled one is not logged
+        if self._counter is not None:
+            self._counter.count += int(tokens.numel())
         if self._log is not None and self._memory is not None:
             # Only a speculative verify asks for every position's logits (engine.generation.loop.verify_forward).
             verify = not last_only and int(tokens.shape[-1]) > 1

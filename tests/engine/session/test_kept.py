@@ -1,0 +1,172 @@
+"""Kept memory (engine.session.kept): a compact conversation reopens by reading its memory back, exactly as if it had
+never been left and exactly as a replay rebuilds it; a damaged or mismatched entry is ignored; the budget holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
+from engine.session.engine import Engine, Session, memory_factory_for
+from engine.session.kept import KeptMemory
+from tests.helpers.tiny import make_tiny_model
+
+GREEDY = GenerationSettings(max_tokens=16, sampling=SamplingSettings(greedy=True), ignore_eos=True, prefill_chunk=16)
+LONG = "The memory cascade keeps sinks, a window and recalled blocks. " * 6
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("kept") / "m")
+
+
+@pytest.fixture
+def engine(model: Path, tmp_path: Path) -> Engine:
+    # A small window: the conversation overflows it, so episodic blocks and routing state are kept too.
+    factory = memory_factory_for(model, cache_dir=tmp_path / "l3", window=64, block_size=16, retrieval_blocks=2)
+    return Engine.load(model, "cpu", memory_factory=factory)
+
+
+def tokens(events) -> list[int]:  # type: ignore[no-untyped-def]
+    return [e.token for e in events if e.token is not None]
+
+
+def talk(engine: Engine) -> Session:
+    s = engine.new_session()
+    for text in (LONG, "And then?", LONG[:90]):
+        tokens(s.chat(text, GREEDY))
+    assert s.stats().episodic.entries > 0  # type: ignore[union-attr]
+    return s
+
+
+def test_kept_memory_reopens_without_computing_and_continues_as_replay_and_never_left(
+    engine: Engine, tmp_path: Path
+) -> None:
+    kept = KeptMemory(tmp_path / "kept")
+    a = talk(engine)
+    record = tmp_path / "c.spark"
+    a.save(record, compact=True)
+    assert a.keep(kept, record) and kept.usage().entries == 1
+    from_kept, replayed = engine.new_session(), engine.new_session()
+    report = from_kept.load(record, kept=kept)
+    assert from_kept.memory_source == "kept" and from_kept.computed.count == 0 and "kept" in report.message
+    replayed.load(record)
+    assert replayed.memory_source == "recomputed" and replayed.computed.count == len(a.memory.tokens)
+    assert from_kept.memory.tokens == replayed.memory.tokens == a.memory.tokens
+    never_left = tokens(a.chat("One more?", GREEDY))
+    assert tokens(from_kept.chat("One more?", GREEDY)) == never_left
+    assert tokens(replayed.chat("One more?", GREEDY)) == never_left
+
+
+def test_a_damaged_entry_is_ignored_and_the_memory_recomputed(engine: Engine, tmp_path: Path) -> None:
+    kept = KeptMemory(tmp_path / "kept")
+    a = talk(engine)
+    record = tmp_path / "c.spark"
+    a.save(record, compact=True)
+    a.keep(kept, record)
+    entry = kept.entry_path(record)
+    raw = bytearray(entry.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    entry.write_bytes(bytes(raw))
+    b = engine.new_session()
+    b.load(record, kept=kept)
+    assert b.memory_source == "recomputed" and b.restore_digest_ok is True
+    assert not entry.exists()  # a damaged entry is deleted, never trusted
+    assert tokens(b.chat("One more?", GREEDY)) == tokens(a.chat("One more?", GREEDY))
+
+
+def test_an_entry_that_no_longer_matches_its_conversation_is_ignored(engine: Engine, tmp_path: Path) -> None:
+    kept = KeptMemory(tmp_path / "kept")
+    a = talk(engine)
+    record = tmp_path / "c.spark"
+    a.keep(kept, record)  # kept, then the conversation went on without keeping again
+    tokens(a.chat("Later words.", GREEDY))
+    a.save(record, compact=True)
+    b = engine.new_session()
+    b.load(record, kept=kept)
+    assert b.memory_source == "recomputed" and b.memory.tokens == a.memory.tokens
+    other = tmp_path / "other.spark"  # another conversation's entry is another file: nothing to read
+    a.save(other, compact=True)
+    c = engine.new_session()
+    c.load(other, kept=kept)
+    assert c.memory_source == "recomputed"
+
+
+def test_an_entry_of_other_numerics_is_ignored(engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kept = KeptMemory(tmp_path / "kept")
+    a = talk(engine)
+    record = tmp_path / "c.spark"
+    a.save(record, compact=True)
+    a.keep(kept, record)
+    b = engine.new_session()
+    monkeypatch.setattr(type(b.backend), "numerics", property(lambda self: "other-numerics"), raising=False)
+    b.load(record, kept=kept)
+    assert b.memory_source == "recomputed"
+
+
+def test_the_budget_evicts_whole_least_recently_used_conversations_and_clearing_loses_none(
+    engine: Engine, tmp_path: Path
+) -> None:
+    a = talk(engine)
+    probe = KeptMemory(tmp_path / "probe")
+    a.keep(probe, tmp_path / "probe.spark")
+    one = probe.usage().bytes
+    kept = KeptMemory(tmp_path / "kept", one * 5 // 2)  # room for two entries, not three
+    records = [tmp_path / f"{i}.spark" for i in range(3)]
+    for r in records[:2]:
+        a.save(r, compact=True)
+        assert a.keep(kept, r)
+        assert kept.usage().bytes <= kept.budget_bytes
+    b = engine.new_session()
+    b.load(records[0], kept=kept)  # used: the first is now the most recent
+    assert b.memory_source == "kept"
+    a.save(records[2], compact=True)
+    assert a.keep(kept, records[2])
+    assert kept.usage().entries == 2 and kept.usage().bytes <= kept.budget_bytes
+    assert kept.entry_path(records[0]).exists() and not kept.entry_path(records[1]).exists()
+    kept.set_budget(one // 2)  # smaller than one entry: nothing fits, nothing is written
+    assert kept.usage().entries == 0 and not a.keep(kept, records[0])
+    assert kept.usage().bytes == 0
+    kept.set_budget(10 * one)
+    a.keep(kept, records[0])
+    assert kept.clear() > 0 and kept.usage().entries == 0
+    c = engine.new_session()
+    c.load(records[0], kept=kept)  # the conversation is whole: it recomputes
+    assert c.memory_source == "recomputed" and c.memory.tokens == a.memory.tokens
+
+
+def test_a_saved_state_with_a_non_finite_value_is_refused_whatever_its_dtype() -> None:
+    import torch
+
+    from engine.memory.values import all_finite
+
+    for dtype in (torch.float16, torch.float32, torch.bfloat16):
+        t = torch.full((4096,), 60000.0 if dtype == torch.float16 else 1e30, dtype=dtype)
+        assert all_finite(t)
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            u = t.clone()
+            u[1234] = bad
+            assert not all_finite(u)
+
+
+def test_the_default_model_continues_from_kept_memory_as_from_a_replay_and_as_never_left(tmp_path: Path) -> None:
+    from tests.helpers.default_model import default_model_dir
+
+    model = default_model_dir()
+    engine = Engine.load(model, "cpu", memory_factory=memory_factory_for(model, prefix_cache=False))
+    settings = GenerationSettings(max_tokens=8, sampling=SamplingSettings(greedy=True), ignore_eos=True)
+    a = engine.new_session()
+    tokens(a.chat("Name three things a lighthouse keeper writes in the log.", settings))
+    record = tmp_path / "c.spark"
+    a.save(record, compact=True)
+    kept = KeptMemory(tmp_path / "kept")
+    assert a.keep(kept, record)
+    from_kept, replayed = engine.new_session(), engine.new_session()
+    from_kept.load(record, kept=kept)
+    replayed.load(record)
+    assert from_kept.memory_source == "kept" and replayed.memory_source == "recomputed"
+    never_left = tokens(a.chat("And the weather?", settings))
+    assert tokens(from_kept.chat("And the weather?", settings)) == never_left
+    assert tokens(replayed.chat("And the weather?", settings)) == never_left
