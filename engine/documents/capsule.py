@@ -33,6 +33,7 @@ CAPSULE_VERSION = 1
 READ_WINDOW = 1024  # what each token of a capsule sees while it is read (besides the sinks): the cost is linear
 READ_CHUNK = 256
 READ_SINKS = 4
+READ_LEAD = 32  # pad tokens read first and dropped: the reader's sinks and the start of its window
 MAX_CAPSULE_TOKENS = 1 << 20
 
 
@@ -59,8 +60,8 @@ class Capsule:
         return self.token_map.cite(block * b, (block + 1) * b, text)
 
 
-def capsule_key(store: PersistentStore, ids: list[int], block_size: int) -> str:
-    h = hashlib.sha256(f"capsule/{CAPSULE_VERSION}/{READ_SINKS}/{READ_WINDOW}/{block_size}/".encode())
+def capsule_key(store: PersistentStore, ids: list[int], block_size: int, pad: int) -> str:
+    h = hashlib.sha256(f"capsule/{CAPSULE_VERSION}/{READ_SINKS}/{READ_LEAD}/{READ_WINDOW}/{block_size}/{pad}/".encode())
     h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
     return store.key(h.hexdigest(), "capsule")
 
@@ -81,7 +82,7 @@ def load_or_read(
             f"{token_map.source} is {len(ids):,} tokens, more than the {MAX_CAPSULE_TOKENS:,} one attachment may be."
         )
     ids = ids + [pad] * (-len(ids) % block_size)
-    key = capsule_key(store, ids, block_size)
+    key = capsule_key(store, ids, block_size, pad)
     c = backend.config
     shape = (c.num_hidden_layers, c.num_key_value_heads * c.head_dim)
     got = store.get_state(key)
@@ -90,7 +91,7 @@ def load_or_read(
         if found is not None:
             return found
         store.discard(key)
-    capsule = read(backend, store, ids, token_map, block_size, on_progress)
+    capsule = read(backend, store, ids, token_map, block_size, pad, on_progress)
     meta = {"version": CAPSULE_VERSION, "block_size": block_size, "ids": ids, "keys": capsule.keys,
             "map": token_map.to_json()}  # fmt: skip
     store.put_state(key, meta, {"kmin": capsule.kmin, "kmax": capsule.kmax})
@@ -136,13 +137,18 @@ def read(
     ids: list[int],
     token_map: TokenMap,
     block_size: int,
+    pad: int,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> Capsule:
-    """Read `ids` (whole blocks) through the model on a slot table of its own; each block stored in `store`."""
+    """Read `ids` (whole blocks) through the model on a slot table of its own; each block stored in `store`.
+    READ_SINKS `pad` tokens go first and are not kept: the model's attention sinks (the first tokens, whose keys
+    every later token leans on) would otherwise sit in block 0 and outscore every block for any question."""
     fork = backend.fork()
     cfg = CascadeConfig(sink_tokens=READ_SINKS, window=READ_WINDOW, block_size=block_size, retrieval_blocks=0)
     reader = CascadeMemory(fork, cfg)
-    fork.expect(reader.slots_after(len(ids)))
+    lead = [pad] * READ_LEAD
+    fork.expect(reader.slots_after(len(lead) + len(ids)))
+    skip = len(lead)
     keys: list[str] = []
     kmins: list[torch.Tensor] = []
     kmaxs: list[torch.Tensor] = []
@@ -150,15 +156,17 @@ def read(
     pending_v: list[torch.Tensor] = []
     held = 0
     disk = 0
-    for at in range(0, len(ids), READ_CHUNK):
-        piece = ids[at : at + READ_CHUNK]
+    feed = lead + ids
+    for at in range(0, len(feed), READ_CHUNK):
+        piece = feed[at : at + READ_CHUNK]
         plan = reader.plan(piece)
         fork.forward(torch.tensor([piece], dtype=torch.long), plan.as_batch(), last_only=True)
         reader.after_forward()
-        k, v = fork.read_kv(0, plan.write_slots)  # (L, Hkv, t, D): this chunk's tokens, as the model wrote them
+        k, v = fork.read_kv(0, plan.write_slots[skip:])  # (L, Hkv, t, D): the chunk's tokens, as the model wrote them
         pending_k.append(k)
         pending_v.append(v)
-        held += len(piece)
+        held += len(piece) - skip
+        skip = 0
         whole = held - held % block_size
         if whole:
             ks, vs = torch.cat(pending_k, dim=2), torch.cat(pending_v, dim=2)
@@ -175,7 +183,7 @@ def read(
                 keys.append(key)
                 disk += store.entry_bytes(key)
         if on_progress is not None:
-            on_progress(min(at + READ_CHUNK, len(ids)), len(ids))
+            on_progress(min(at + READ_CHUNK, len(feed)) - len(lead), len(ids))
     fork.release()
     if store.disabled or any(k not in store for k in keys):
         raise SparkError(

@@ -27,6 +27,11 @@ class Citation:
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "start": self.start, "end": self.end, "page": self.page, "text": self.text}
 
+    def label(self) -> str:
+        """Where it is, as a reader says it: "notes.md, l. 12-20", "paper.pdf, p. 3, l. 4"."""
+        lines = f"l. {self.start}" if self.end == self.start else f"l. {self.start}-{self.end}"
+        return f"{self.source}, p. {self.page}, {lines}" if self.page else f"{self.source}, {lines}"
+
 
 @dataclass(frozen=True)
 class TokenMap:
