@@ -1,6 +1,7 @@
 """`python -m engine chat` — a terminal chat over the same Session the app uses.
 
-Commands inside the chat: /new (forget the conversation), /system TEXT, /save FILE, /load FILE, /quit.
+Commands inside the chat: /new (forget the conversation), /system TEXT, /save FILE, /load FILE, /attach FILE (a
+document the model may draw on), /recall FILE (an earlier conversation, likewise), /quit.
 Ctrl-C stops the reply being generated; Ctrl-D (or /quit) leaves.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from engine.cli.checks import check_text
 from engine.cli.generate import add_model_args, add_sampling_args, open_engine, settings_from_args
+from engine.documents.attach import Attachments
 from engine.errors import SparkError
 from engine.loading.model_files import display_name, resolve_model_path
 from engine.session.engine import Session
@@ -27,9 +29,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
-def handle_command(session: Session, line: str) -> bool:
+class Chat:
+    """The session and what it has attached (kept with the memory it joined: a /load starts them afresh)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.attachments: Attachments | None = None
+
+    def attached(self) -> Attachments:
+        if self.attachments is None or self.attachments.memory is not self.session.memory:
+            self.attachments = Attachments(self.session.memory, self.session.tokenizer)
+        return self.attachments
+
+
+def handle_command(session: Session, line: str, chat: Chat | None = None) -> bool:
     """Run a /command; returns False when the chat should end."""
     cmd, _, arg = line.partition(" ")
+    arg = arg.strip()
     if cmd == "/quit":
         return False
     if cmd == "/new":
@@ -44,8 +60,14 @@ def handle_command(session: Session, line: str) -> bool:
     elif cmd == "/load" and arg:
         report = session.load(Path(arg))
         print(f"({report.message})")
+    elif cmd in ("/attach", "/recall") and arg and chat is not None:
+        attachments = chat.attached()
+        item = (attachments.attach_file if cmd == "/attach" else attachments.recall_session)(Path(arg))
+        cap = item.capsule
+        how = f"read {cap.read_tokens:,} tokens" if cap.read_tokens else "read before: nothing to read"
+        print(f"({cap.name}: {cap.tokens:,} tokens attached, {how})")
     else:
-        print("commands: /new, /system TEXT, /save FILE, /load FILE, /quit")
+        print("commands: /new, /system TEXT, /save FILE, /load FILE, /attach FILE, /recall FILE, /quit")
     return True
 
 
@@ -55,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     session = engine.new_session()
     check_text(args.system, "--system")
     session.system_prompt = args.system
+    chat = Chat(session)
     print(
         f"MLoT Spark — {display_name(engine.model_dir)} on {engine.choice.explain()}. /quit to leave.", file=sys.stderr
     )
@@ -71,19 +94,26 @@ def run(args: argparse.Namespace) -> int:
             continue
         try:
             if line.startswith("/"):
-                if not handle_command(session, line):
+                if not handle_command(session, line, chat):
                     return 0
                 continue
             stop = threading.Event()
             # Ctrl-C during a reply only sets the flag: the loop stops between tokens, never mid-step, so the
             # conversation's memory stays consistent for the next turn.
             previous = signal.signal(signal.SIGINT, lambda *_, flag=stop: flag.set())  # this turn's flag, bound now
+            attachments = chat.attachments
+            if attachments is None or not attachments.items or attachments.memory is not session.memory:
+                attachments = None
             try:
-                for ev in session.chat(line, settings, should_stop=stop.is_set):
+                for i, ev in enumerate(session.chat(line, settings, should_stop=stop.is_set)):
+                    if i == 0 and attachments is not None:
+                        attachments.observe()
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
             finally:
                 signal.signal(signal.SIGINT, previous)
             print(" [stopped]" if stop.is_set() else "")
+            if attachments is not None and attachments.recalled:
+                print("(recalled: " + "; ".join(c.label() for c in attachments.recalled) + ")", file=sys.stderr)
         except SparkError as exc:  # a bad command or file must not end the chat
             print(f"error: {exc}", file=sys.stderr)
