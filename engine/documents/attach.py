@@ -26,6 +26,7 @@ from engine.memory.base import Memory
 from engine.memory.cascade import CascadeMemory
 
 MAX_ATTACHMENTS = 32
+HEADER: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class Attachments:
     ) -> Attached:
         if len(self.items) >= MAX_ATTACHMENTS:
             raise DocumentError(f"A conversation holds at most {MAX_ATTACHMENTS} attachments; {doc.name} is one more.")
-        ids, token_map = tokenize(self.tokenizer, doc, f"The {what} {doc.name}:\n")
+        ids, token_map = tokenize(self.tokenizer, doc, HEADER.get(what, ""))
         store = self.memory.store
         if store is None:
             raise SparkError("Attaching needs the persistent cache; run without --no-prefix-cache.")
