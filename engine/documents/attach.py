@@ -26,7 +26,6 @@ from engine.memory.base import Memory
 from engine.memory.cascade import CascadeMemory
 
 MAX_ATTACHMENTS = 32
-HEADER: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ class Attachments:
     ) -> Attached:
         if len(self.items) >= MAX_ATTACHMENTS:
             raise DocumentError(f"A conversation holds at most {MAX_ATTACHMENTS} attachments; {doc.name} is one more.")
-        ids, token_map = tokenize(self.tokenizer, doc, HEADER.get(what, ""))
+        ids, token_map = tokenize(self.tokenizer, doc, f"The {what} {doc.name}:\n")
         store = self.memory.store
         if store is None:
             raise SparkError("Attaching needs the persistent cache; run without --no-prefix-cache.")
