@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.memory",),
     ("engine.generation",),
     ("engine.session",),
+    ("engine.documents",),  # documents and earlier conversations read into capsules
     ("engine.openai",),
     ("engine.library",),
     ("engine.heldout",),

@@ -28,6 +28,7 @@ SUITES: dict[str, str] = {
     "structured": "engine.bench.structured",
     "long-context": "engine.bench.long_context",
     "memory": "engine.bench.memory",
+    "documents": "engine.bench.documents",
     "reopen": "engine.bench.reopen",
 }
 

@@ -1,7 +1,8 @@
 """`python -m engine chat` — a terminal chat over the same Session the app uses.
 
 Commands inside the chat: /new (forget the conversation), /system TEXT, /image FILE (a picture the next message is
-about, on a model that sees images), /save FILE, /load FILE, /quit.
+about, on a model that sees images), /attach FILE (a document the model may draw on), /recall FILE (an earlier
+conversation, likewise), /save FILE, /load FILE, /quit.
 Ctrl-C stops the reply being generated; Ctrl-D (or /quit) leaves.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from engine.cli.checks import check_text
 from engine.cli.generate import add_model_args, add_sampling_args, open_engine, settings_from_args
+from engine.documents.attach import Attachments
 from engine.errors import SparkError
 from engine.loading.model_files import display_name, resolve_model_path
 from engine.session.engine import Session
@@ -29,10 +31,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
-def handle_command(session: Session, line: str, images: list[DecodedImage] | None = None) -> bool:
-    """Run a /command; returns False when the chat should end. `/image FILE` adds to `images`, the pictures the next
-    message is about."""
+class Chat:
+    """The session, what it has attached (kept with the memory it joined: a /load starts them afresh) and the
+    pictures the next message is about (/image)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.attachments: Attachments | None = None
+        self.images: list[DecodedImage] = []
+
+    def attached(self) -> Attachments:
+        if self.attachments is None or self.attachments.memory is not self.session.memory:
+            self.attachments = Attachments(self.session.memory, self.session.tokenizer)
+        return self.attachments
+
+
+def handle_command(session: Session, line: str, chat: Chat | None = None) -> bool:
+    """Run a /command; returns False when the chat should end."""
     cmd, _, arg = line.partition(" ")
+    arg = arg.strip()
     if cmd == "/quit":
         return False
     if cmd == "/new":
@@ -47,15 +64,21 @@ def handle_command(session: Session, line: str, images: list[DecodedImage] | Non
     elif cmd == "/load" and arg:
         report = session.load(Path(arg))
         print(f"({report.message})")
-    elif cmd == "/image" and arg and images is not None:
+    elif cmd == "/image" and arg and chat is not None:
         if session.engine.vision is None:
             raise SparkError(
                 f"{display_name(session.engine.model_dir)} reads text only; choose a model that sees images."
             )
-        images.append(decode_file(Path(arg)))
+        chat.images.append(decode_file(Path(arg)))
         print(f"(image {Path(arg).name} attached to the next message)")
+    elif cmd in ("/attach", "/recall") and arg and chat is not None:
+        attachments = chat.attached()
+        item = (attachments.attach_file if cmd == "/attach" else attachments.recall_session)(Path(arg))
+        cap = item.capsule
+        how = f"read {cap.read_tokens:,} tokens" if cap.read_tokens else "read before: nothing to read"
+        print(f"({cap.name}: {cap.tokens:,} tokens attached, {how})")
     else:
-        print("commands: /new, /system TEXT, /image FILE, /save FILE, /load FILE, /quit")
+        print("commands: /new, /system TEXT, /image FILE, /attach FILE, /recall FILE, /save FILE, /load FILE, /quit")
     return True
 
 
@@ -65,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     session = engine.new_session()
     check_text(args.system, "--system")
     session.system_prompt = args.system
-    images: list[DecodedImage] = []  # attached with /image, sent with the next message
+    chat = Chat(session)
     print(
         f"MLoT Spark — {display_name(engine.model_dir)} on {engine.choice.explain()}. /quit to leave.", file=sys.stderr
     )
@@ -82,20 +105,27 @@ def run(args: argparse.Namespace) -> int:
             continue
         try:
             if line.startswith("/"):
-                if not handle_command(session, line, images):
+                if not handle_command(session, line, chat):
                     return 0
                 continue
             stop = threading.Event()
             # Ctrl-C during a reply only sets the flag: the loop stops between tokens, never mid-step, so the
             # conversation's memory stays consistent for the next turn.
             previous = signal.signal(signal.SIGINT, lambda *_, flag=stop: flag.set())  # this turn's flag, bound now
+            attachments = chat.attachments
+            if attachments is None or not attachments.items or attachments.memory is not session.memory:
+                attachments = None
             try:
-                sent, images[:] = list(images), []
-                for ev in session.chat(line, settings, should_stop=stop.is_set, images=sent):
+                sent, chat.images[:] = list(chat.images), []
+                for i, ev in enumerate(session.chat(line, settings, should_stop=stop.is_set, images=sent)):
+                    if i == 0 and attachments is not None:
+                        attachments.observe()
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
             finally:
                 signal.signal(signal.SIGINT, previous)
             print(" [stopped]" if stop.is_set() else "")
+            if attachments is not None and attachments.recalled:
+                print("(recalled: " + "; ".join(c.label() for c in attachments.recalled) + ")", file=sys.stderr)
         except SparkError as exc:  # a bad command or file must not end the chat
             print(f"error: {exc}", file=sys.stderr)

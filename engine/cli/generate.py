@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from engine.backends import QUANTIZE_CHOICES
 from engine.cli.checks import check_max_tokens, check_seed, check_text, check_threads, read_text_file
+from engine.documents.attach import Attachments
 from engine.errors import SparkError
 from engine.generation.beam import MAX_BEAMS, BeamSettings, EarlyStopping, beams_summary
 from engine.generation.constrained import MAX_GRAMMAR_CHARS, Grammar, grammar_from_file_text, json_schema_grammar
@@ -204,6 +205,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=[e.value for e in EarlyStopping],
         help="when beam search stops once N beams finished (transformers' False, True, 'never')",
     )
+    p.add_argument(
+        "--attach",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a document (text, Markdown, code, HTML, PDF) the model may draw on, read once and kept (repeatable)",
+    )
+    p.add_argument(
+        "--recall-session",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an earlier conversation (.spark) the model may draw on, as an attached document (repeatable)",
+    )
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", type=Path, default=None, help="reply with JSON matching this JSON Schema file")
     shape.add_argument("--grammar", type=Path, default=None, help="reply in this grammar (a Lark or GBNF file)")
@@ -258,10 +275,16 @@ def run(args: argparse.Namespace) -> int:
         report = session.load(args.load_session, kept=None if args.no_prefix_cache else KeptMemory(kept_dir))
         if report.foreign_model:
             print(f"note: {report.message}", file=sys.stderr)
+    attachments = attach_all(session, args)
     events = pick_stream(session, prompt, args, settings, images)
+    if attachments is not None:
+        events = observing(events, attachments)
     if not args.json:
         print(f"backend: {engine.choice.explain()}", file=sys.stderr)
     text, reasoning, tokens, last = stream(events, echo=not args.json)
+    if attachments is not None and not args.json:
+        for c in attachments.recalled:
+            print(f"recalled: {c.label()}", file=sys.stderr)
     if args.json:
         out = {
             "text": text,
@@ -275,6 +298,9 @@ def run(args: argparse.Namespace) -> int:
             "finish_reason": last.finish_reason if last else None,
             "read_tokens": session.computed.count,  # every token the model computed in this run (replays too)
         }
+        if attachments is not None:
+            out["document_tokens"] = attachments.document_tokens
+            out["recalled"] = [c.to_dict() for c in attachments.recalled]
         if last is not None and last.speculating and last.forwards:
             # Tokens per decode forward (the first token comes from the prompt's forward): 1.0 without gains.
             out["accepted_per_forward"] = round((last.generated_tokens - 1) / last.forwards, 3)
@@ -290,6 +316,40 @@ def run(args: argparse.Namespace) -> int:
         except SparkError as exc:
             raise SparkError(f"The reply was printed but not saved: {exc}") from None
     return 0
+
+
+def attach_all(session: Session, args: argparse.Namespace) -> Attachments | None:
+    """--attach and --recall-session, in that order, each read once (a capsule already on disk reads nothing)."""
+    if not args.attach and not args.recall_session:
+        return None
+    attachments = Attachments(session.memory, session.tokenizer)
+    for path in args.attach:
+        attachments.attach_file(path, progress(path, args.json))
+    for path in args.recall_session:
+        attachments.recall_session(path, progress(path, args.json))
+    return attachments
+
+
+def progress(path: Path, quiet: bool) -> Callable[[int, int], None] | None:
+    """Reading an attachment's progress on stderr (a terminal's line rewritten in place), unless `quiet`."""
+    if quiet or not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        end = "\n" if done >= total else ""
+        print(f"\rreading {path.name}: {done:,} of {total:,} tokens", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+def observing(events: Iterable[GenerationEvent], attachments: Attachments) -> Iterator[GenerationEvent]:
+    """The events as they come; at the first, what the prompt routed the reply to is recorded as recalled."""
+    first = True
+    for ev in events:
+        if first:
+            attachments.observe()
+            first = False
+        yield ev
 
 
 def pick_stream(

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from engine.backends.base import Backend
-from engine.errors import InputTooLarge, SessionFileError
+from engine.errors import InputTooLarge, SessionFileError, SparkError
 from engine.memory.base import ForkView, RowPlan, window_mask
 from engine.memory.cascade.budget import SharedBudget
 from engine.memory.cascade.config import AUTO_WINDOW, CascadeConfig
-from engine.memory.cascade.episodic import EpisodicMemory
+from engine.memory.cascade.episodic import ADOPTED_BASE, EpisodicMemory
 from engine.memory.cascade.migrate import migrate_state
 from engine.memory.cascade.persistent import PersistentStore
 from engine.memory.cascade.prefix import PrefixCache
@@ -71,6 +71,9 @@ class CascadeMemory:
         self.store = store
         self.shared_budget = shared_budget
         self.kv_token_bytes = backend.kv_bytes_per_token()
+        # Blocks read elsewhere and attached (engine.documents): (first block id, key bounds min, max, L3 keys).
+        # They outlive a reset (a new chat, an edited transcript), as the attachment does.
+        self.attachments: list[tuple[int, torch.Tensor, torch.Tensor, list[str]]] = []
         self._layout(config)
 
     def _layout(self, config: CascadeConfig) -> None:
@@ -105,6 +108,8 @@ class CascadeMemory:
         self.tokens = []
         self.working.reset()
         self.episodic.reset()
+        for first, kmin, kmax, keys in self.attachments:
+            self.episodic.adopt(first, kmin, kmax, keys)
         self.retriever.reset()
         self.prefix.reset()
         self._last_fed = 0  # tokens of the last plan (its forward's query summary covers them)
@@ -117,6 +122,21 @@ class CascadeMemory:
 
     def reset(self) -> None:
         self._reset_state()
+
+    def attach(self, kmin: torch.Tensor, kmax: torch.Tensor, keys: list[str]) -> int:
+        """Blocks read elsewhere (a document's capsule, engine.documents) join episodic memory as pinned stubs:
+        kmin, kmax (n, L, F) their key bounds, keys their KV's L3 entries. Returns the first block's id (the
+        others follow). While anything is attached, the prefix cache is neither read nor written: this memory's
+        KV depends on more than its tokens."""
+        if self.store is None or not self.cfg.retrieval_blocks:
+            raise SparkError("Attaching needs the cascade's retrieval and its persistent cache (no --no-prefix-cache).")
+        want = (len(keys), *self.episodic.kmin.shape[1:])
+        if tuple(kmin.shape) != want or tuple(kmax.shape) != want:
+            raise SparkError("The attached memory was read by another model geometry; read it again.")
+        first = ADOPTED_BASE + sum(len(a[3]) for a in self.attachments)
+        self.attachments.append((first, kmin, kmax, list(keys)))
+        self.episodic.adopt(first, kmin, kmax, list(keys))
+        return first
 
     def invalidate(self, tier: str | None = None) -> None:
         """Drop a tier's contents ('working' forgets the conversation, as reset(); None: every tier)."""
@@ -181,6 +201,8 @@ class CascadeMemory:
                 self.retriever.remember_tokens(self._last_fed, whole=not self._taken_back)
             else:
                 self.retriever.remember_summary(self._last_fed)
+        if self.attachments:  # its KV depends on the attachments, not only on its tokens: never cached as a prefix
+            return
         self.prefix.persist(len(self.tokens), self._read_prefix)
         if self.prefix.due(len(self.tokens)):
             self.prefix.put_snapshot(self.episodic, self.state)
@@ -202,7 +224,7 @@ class CascadeMemory:
 
     def _reuse(self, ids: list[int], last: int) -> int:
         """Restore the longest prefix of ids the store has, a snapshot ending at most at `last`; its length."""
-        if self.tokens or self.store is None:
+        if self.tokens or self.store is None or self.attachments:
             return 0
         n = self._reuse_snapshot(ids, last) or self._reuse_exact(ids)
         if n:
@@ -253,7 +275,7 @@ class CascadeMemory:
         base = len(self.tokens) - start  # absolute index of ids[0]
         end = base + len(ids)
         cuts: set[int] = set()
-        if self.cfg.retrieval_blocks and end > self.cfg.sink_tokens + self.cfg.window:
+        if self.cfg.retrieval_blocks and (end > self.cfg.sink_tokens + self.cfg.window or self.attachments):
             cuts.update(
                 c - base
                 for c in range(end - TAIL_STEP, end - TAIL_STEP * TAIL_STEPS - 1, -TAIL_STEP)

@@ -38,6 +38,9 @@ from engine.memory.cascade.persistent import PersistentStore
 from engine.memory.cascade.stats import Counters, TierStats
 
 FREQUENCY_WEIGHT = 8  # one past access is worth this many routing rounds of recency
+# Ids of adopted blocks (attached documents and recalled conversations, engine.documents) start here: after any
+# conversation's own blocks, so the two never share an id and conversation order puts the attachments last.
+ADOPTED_BASE = 1 << 40
 
 
 @dataclass
@@ -125,6 +128,7 @@ class EpisodicMemory:
         self.free_rows: list[int] = []
         self.resident = 0
         self.stubs = 0
+        self.pinned: set[int] = set()  # adopted blocks: paged out to L3 under pressure, never forgotten
 
     # -- intake -------------------------------------------------------------------------------------------------
 
@@ -154,6 +158,22 @@ class EpisodicMemory:
         self.resident += 1
         self._enforce_budget(protect=())
 
+    def adopt(self, first_id: int, kmin: torch.Tensor, kmax: torch.Tensor, keys: list[str]) -> None:
+        """Blocks read elsewhere (engine.documents' capsules) join as pinned stubs: their key bounds (n, L, F) are
+        routable at once, their KV (in L3 under `keys`, one per block) is paged in only when retrieval picks them.
+        Ids first_id, first_id + 1, ...; a pinned block is never forgotten by the budgets, only paged out."""
+        for j, key in enumerate(keys):
+            row = self._take_row()
+            self.kmin[row], self.kmax[row] = kmin[j], kmax[j]
+            self.row_block[row] = first_id + j
+            self.blocks[first_id + j] = Block(first_id + j, row, None, None, key, self.tick, 0)
+            self.pinned.add(first_id + j)
+            self.stubs += 1
+
+    def _loose_stubs(self) -> list[Block]:
+        """Stubs the budgets may forget (every stub but the pinned ones)."""
+        return [b for b in self.blocks.values() if b.k is None and b.id not in self.pinned]
+
     def _take_row(self) -> int:
         if not self.free_rows:
             n = self.kmin.shape[0]
@@ -178,8 +198,8 @@ class EpisodicMemory:
 
     def _enforce_budget(self, protect: tuple[int, ...]) -> None:
         budget = self.cfg.episodic_budget_bytes
-        while self.stubs and self.stubs * self.rep_bytes > budget // 4:
-            self._forget(min((b for b in self.blocks.values() if b.k is None), key=lambda b: b.priority))
+        while (loose := self._loose_stubs()) and len(loose) * self.rep_bytes > budget // 4:
+            self._forget(min(loose, key=lambda b: b.priority))
         while self.bytes > budget:
             candidates = [b for b in self.blocks.values() if b.k is not None and b.id not in protect]
             if candidates:
@@ -188,13 +208,13 @@ class EpisodicMemory:
                 continue
             # Every resident block sits in a retrieval group (per-layer picks can hold R x layers of them): the
             # stubs' bounds give way, so only the blocks the slots need can ever exceed the budget.
-            stubs = [b for b in self.blocks.values() if b.k is None]
+            stubs = self._loose_stubs()
             if not stubs:
                 break
             self._forget(min(stubs, key=lambda b: b.priority))
         while self.shared is not None and self.shared.over():  # the memories sharing it hold too much together
             resident = [b for b in self.blocks.values() if b.k is not None and b.id not in protect]
-            stubs = [b for b in self.blocks.values() if b.k is None]
+            stubs = self._loose_stubs()
             if resident:  # a stub only while stubs stay within their quarter of the shared limit
                 keep_stub = self.stubs * self.rep_bytes + self.rep_bytes <= self.shared.limit_bytes // 4
                 self._evict(min(resident, key=lambda b: b.priority), keep_stub=keep_stub)
@@ -214,6 +234,7 @@ class EpisodicMemory:
         """Take a resident block's KV out of host memory: to L3 as a stub (still routable, pages back from disk)
         when `keep_stub` and there is a store, else forgotten."""
         self.counters.evictions += 1
+        keep_stub = keep_stub or block.id in self.pinned
         if keep_stub and self.store is not None and block.k is not None and block.v is not None:
             self.store.put(self.content_key(block), block.k, block.v, self.cfg.block_size)
             block.k = block.v = None
@@ -224,6 +245,7 @@ class EpisodicMemory:
 
     def _forget(self, block: Block) -> None:
         del self.blocks[block.id]
+        self.pinned.discard(block.id)
         self.row_block[block.row] = -1
         self.free_rows.append(block.row)
         if block.k is None:
@@ -244,6 +266,7 @@ class EpisodicMemory:
         so block ids keep mapping to the same token ranges (and L3 keys) afterwards."""
         self.counters.evictions += len(self.blocks)
         self.blocks.clear()
+        self.pinned.clear()
         self.kmin.zero_()
         self.kmax.zero_()
         self.row_block.fill_(-1)

@@ -166,6 +166,11 @@ class PersistentStore:
     def __contains__(self, key: str) -> bool:
         return not self.disabled and key in self._index
 
+    def entry_bytes(self, key: str) -> int:
+        """What the entry takes on disk (0 when absent)."""
+        e = self._index.get(key)
+        return e.bytes if e is not None and not self.disabled else 0
+
     def put(self, key: str, k: torch.Tensor, v: torch.Tensor, tokens: int) -> None:
         """k, v (L, Hkv, n, D) canonical fp16 -> one entry (when the key is already stored: only marks it used now,
         since whoever puts it again, e.g. a new snapshot referencing the block, still needs it)."""

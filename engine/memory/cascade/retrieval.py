@@ -133,6 +133,8 @@ class Retriever:
         # A decoding step never empties a group: a step that changes how many are filled re-rotates the whole
         # window's read copies (engine.model.slots), so within a reply the gate may only add groups.
         keep = 0 if prefill else self.working.resident_blocks
+        if self.episodic.pinned:  # attached documents are there to be consulted: the gate never shuts them out
+            keep = self.cfg.retrieval_blocks
         while True:
             chosen = self.episodic.select(query, self.cfg.retrieval_blocks, beat, keep)  # (L, n) ids per layer
             n = len(chosen[0])

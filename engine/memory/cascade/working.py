@@ -55,6 +55,7 @@ class WorkingMemory:
         # a step costs the same before and after the window fills. A period of 0 disables it.
         self.frame_period = frame_period
         self._block_offsets = torch.arange(self.block)  # (B,)
+        self._group_offsets = torch.arange(self.groups_n * self.block)  # (R*B,)
         self.counters = Counters()  # a routed block already sat in its retrieval group / had to be paged in
         self.reset()
 
@@ -152,10 +153,6 @@ class WorkingMemory:
         end = self.retrieval_start + self.groups_n * self.block
         self.valid[self.retrieval_start : end] = False
         self.valid[self.retrieval_start : self.retrieval_start + n * self.block] = True
-        near = min(self.window, self.cfg.retrieval_near)
-        self.slot_positions[self.retrieval_start : end] = torch.arange(self.groups_n * self.block) + (
-            self.sinks + self.window - near
-        )
         self.refresh_positions()
 
     def group_slots(self, g: int) -> torch.Tensor:
@@ -167,6 +164,13 @@ class WorkingMemory:
         base = self.sinks + self.resident_blocks * self.block
         oldest = (self.head - self.n_window) % self.window
         self._window_positions.copy_(self._ring).sub_(oldest).remainder_(self.window).add_(base)
+        # Retrieved blocks sit `retrieval_near` tokens before the newest, or right after the sinks while the window
+        # holds fewer (blocks attached to a conversation that has not filled its window, engine.documents): a
+        # block placed past the newest token would be read from the future.
+        near = min(self.window, self.cfg.retrieval_near)
+        end = self.retrieval_start + self.groups_n * self.block
+        start = self.sinks + max(0, self.n_window - near)
+        self.slot_positions[self.retrieval_start : end] = self._group_offsets + start
 
     def slot_tokens(self) -> torch.Tensor:
         """(S,) the index in the conversation of the token each slot holds: sinks are the first tokens, the window

@@ -1,0 +1,164 @@
+"""`bench documents`: questions about attached documents (engine.documents) against full attention and truncation.
+
+The corpus: DOCUMENTS generated text files (the passkey bench's filler, engine.bench.passkey) of about
+`tokens / DOCUMENTS` tokens each, every one with FACTS_PER_DOCUMENT facts ("The pass key of the red harbour is
+48213. ...") planted at known depths. Each question asks for one fact as raw text ("What is the pass key of the red
+harbour? The pass key of the red harbour is") and is right when the greedy answer holds the key.
+
+- `accuracy`: a conversation with every document attached (capsules in a fresh persistent store), reset between
+  questions (attachments stay);
+- `accuracy_full_attention`: the whole corpus then the question, under full attention, where that fits the
+  model's trained context; else null;
+- `accuracy_truncated`: what a peer does with a corpus too long for it: the corpus's last trained-context's worth
+  (less the question and answer) then the question, under full attention;
+- `second_question_ttft_ratio`: the first question's time to first token (reading every document included) over a
+  second question's in another conversation attaching the same documents (found on disk);
+- `disk_bytes_per_token`: what the capsules take in the persistent store per document token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.bench.passkey import FILLER
+from engine.documents.attach import Attachments
+from engine.documents.extract import extract
+from engine.generation.loop import GenerationSettings, decode_step, prefill
+from engine.generation.sampling import SamplingSettings
+from engine.loading.model_files import resolve_model_path
+from engine.memory.base import FullAttentionMemory
+from engine.session.engine import Engine, Session, memory_factory_for
+
+DOCUMENTS = 4
+FACTS_PER_DOCUMENT = 3
+TOKENS = 32_000
+QUICK_TOKENS = 6_000
+ANSWER_TOKENS = 6
+COLOURS = ("red", "blue", "green", "silver", "amber", "violet", "black", "white", "golden", "grey", "orange", "pink")
+PLACES = ("harbour", "library", "tower", "garden", "bridge", "market", "mill", "chapel", "station", "farm", "gate")
+FACT = "The pass key of the {name} is {key}. Remember it. {key} is the pass key of the {name}. "
+QUESTION = "\nWhat is the pass key of the {name}? The pass key of the {name} is"
+CHUNK = 256
+
+
+def corpus(tokens: int, seed: int = 0) -> tuple[list[tuple[str, str]], list[tuple[str, str, float]]]:
+    """(file name, text) per document and (name, key, depth) per fact; about `tokens` tokens in all (the filler
+    is ~22 tokens a sentence group on the default model's tokenizer)."""
+    rng = random.Random(seed)
+    names = [f"{c} {p}" for c in COLOURS for p in PLACES]
+    rng.shuffle(names)
+    groups = max(FACTS_PER_DOCUMENT + 1, tokens // DOCUMENTS // 22)
+    docs, facts = [], []
+    for d in range(DOCUMENTS):
+        lines = [FILLER] * groups
+        for f in range(FACTS_PER_DOCUMENT):
+            depth = (f + 0.5) / FACTS_PER_DOCUMENT
+            name, key = names[d * FACTS_PER_DOCUMENT + f], str(rng.randrange(10000, 100000))
+            lines.insert(round(depth * groups) + f, FACT.format(name=name, key=key))
+            facts.append((name, key, depth))
+        docs.append((f"notes-{d + 1}.txt", "\n".join(lines)))
+    return docs, facts
+
+
+def greedy(backend: Any, memory: Any, tok: Any, ids: list[int]) -> str:
+    logits = prefill(backend, memory, ids, CHUNK)
+    assert logits is not None
+    out: list[int] = []
+    for _ in range(ANSWER_TOKENS):
+        out.append(int(logits.argmax()))
+        logits = decode_step(backend, memory, out[-1])
+    return str(tok.decode(out))
+
+
+def full_attention(engine: Engine, context: list[int], facts: list[tuple[str, str, float]]) -> float:
+    """The context read once under full attention; each question after it, taken back before the next."""
+    tok = engine.tokenizer
+    backend = engine.backend.fork()
+    questions = [tok.encode(QUESTION.format(name=n), add_bos=False) for n, _, _ in facts]
+    backend.allocate(1, len(context) + max(map(len, questions)) + ANSWER_TOKENS)
+    memory = FullAttentionMemory(backend)
+    prefill(backend, memory, context, CHUNK)
+    right = 0
+    for (_, key, _), q in zip(facts, questions, strict=True):
+        got = greedy(backend, memory, tok, q)
+        right += key in got
+        del memory.tokens[len(context) :]  # FullAttentionMemory: slot i holds token i; the next plan overwrites
+    return right / len(facts)
+
+
+def ask(session: Session, attachments: Attachments, name: str) -> tuple[str, float]:
+    """The answer to one question in `session` (reset first) and its time to first token."""
+    session.reset()
+    settings = GenerationSettings(max_tokens=ANSWER_TOKENS, sampling=SamplingSettings(greedy=True))
+    t0 = time.perf_counter()
+    first = 0.0
+    text = []
+    for ev in session.complete(FILLER + QUESTION.format(name=name), settings):
+        if not first:
+            first = time.perf_counter() - t0
+            attachments.observe()
+        text.append(ev.text)
+    return "".join(text), first
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    model = resolve_model_path(args.model)
+    tokens = QUICK_TOKENS if getattr(args, "quick", False) else TOKENS
+    docs, facts = corpus(tokens)
+    with tempfile.TemporaryDirectory(prefix="spark-bench-documents-") as cache:
+        factory = memory_factory_for(model, cache_dir=Path(cache))
+        engine = Engine.load(model, args.backend or "cpu", memory_factory=factory, quantize=args.quantize)
+        tok = engine.tokenizer
+        trained = engine.backend.config.max_position_embeddings
+        session = engine.new_session()
+        attachments = Attachments(session.memory, tok)
+        t0 = time.perf_counter()
+        for name, text in docs:
+            attachments.attach_document(extract(name, text.encode()))
+        read_s = time.perf_counter() - t0
+        trials: list[dict[str, Any]] = []
+        for i, (name, key, depth) in enumerate(facts):
+            got, ttft = ask(session, attachments, name)
+            if i == 0:
+                ttft += read_s
+            cited = [c.label() for c in attachments.recalled]
+            trials.append({"name": name, "key": key, "depth": depth, "answer": got, "ok": key in got,
+                           "ttft_s": round(ttft, 3), "recalled": cited})  # fmt: skip
+        second = engine.new_session()  # another conversation: its capsules are found on disk
+        t1 = time.perf_counter()
+        again = Attachments(second.memory, tok)
+        for name, text in docs:
+            again.attach_document(extract(name, text.encode()))
+        attach_again_s = time.perf_counter() - t1
+        _, ttft2 = ask(second, again, facts[1][0])
+        ttft2 += attach_again_s
+        doc_tokens = attachments.document_tokens
+        disk = sum(a.capsule.disk_bytes for a in attachments.items)
+        corpus_ids = tok.encode("\n".join(text for _, text in docs))
+        room = trained - 64 - ANSWER_TOKENS
+        full = full_attention(engine, corpus_ids, facts) if len(corpus_ids) <= room else None
+        truncated = full_attention(engine, corpus_ids[-room:], facts)
+    return {
+        "accuracy": sum(t["ok"] for t in trials) / len(trials),
+        "accuracy_full_attention": full,
+        "accuracy_truncated": truncated,
+        "second_question_ttft_ratio": round(trials[0]["ttft_s"] / ttft2, 2) if ttft2 else None,
+        "disk_bytes_per_token": round(disk / doc_tokens, 1),
+        "document_tokens": doc_tokens,
+        "corpus_vs_trained_context": round(len(corpus_ids) / trained, 2),
+        "first_question_ttft_s": trials[0]["ttft_s"],
+        "second_question_ttft_s": round(ttft2, 3),
+        "read_tokens_per_s": round(attachments.read_tokens / read_s, 1),
+        "model": str(model),
+        "numerics": engine.backend.numerics,
+        "trials": trials,
+    }
