@@ -6,7 +6,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.backends.torch_backend import TorchBackend
 from engine.generation.loop import GenerationSettings, Reply
 from engine.generation.reasoning import (
     ReasoningFormat,
@@ -23,6 +22,7 @@ from engine.generation.reasoning import (
 )
 from engine.generation.sampling import SamplingSettings
 from engine.loading.tokenizer import Tokenizer
+from tests.helpers.fixtures import TinyModel
 
 
 @pytest.mark.parametrize(
@@ -72,8 +72,8 @@ def _events(tokenizer: Tokenizer, text: str, settings: GenerationSettings) -> tu
     return "".join(e.reasoning for e in events), answer, [e.text for e in events]
 
 
-def test_scripted_token_streams_split_with_tags_across_tokens(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    _, tok = tiny
+def test_scripted_token_streams_split_with_tags_across_tokens(tiny: TinyModel) -> None:
+    tok = tiny.tokenizer
     text = "<think>\nThe quick fox.\n</think>\n\nPython is a language."
     assert len(tok.encode("<think>", add_bos=False)) > 1  # the tiny vocabulary has no tag token: it spans several
     settings = GenerationSettings(max_tokens=500, sampling=SamplingSettings(greedy=True), reasoning=ReasoningFormat())
@@ -89,8 +89,8 @@ def test_scripted_token_streams_split_with_tags_across_tokens(tiny: tuple[TorchB
     assert _events(tok, text, plain)[:2] == ("", text)
 
 
-def test_stop_strings_are_found_in_the_whole_text(tiny: tuple[TorchBackend, Tokenizer]) -> None:
-    _, tok = tiny
+def test_stop_strings_are_found_in_the_whole_text(tiny: TinyModel) -> None:
+    tok = tiny.tokenizer
     settings = GenerationSettings(
         max_tokens=500, stop=("lazy",), sampling=SamplingSettings(greedy=True), reasoning=ReasoningFormat(True)
     )

@@ -46,7 +46,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def four_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 layers (the shared `tiny` has 2): a cascade past its window needs room for sinks, window and groups."""
     return make_tiny_model(tmp_path_factory.mktemp("mlx") / "tiny", layers=4, max_positions=512)
 
 
@@ -96,9 +97,9 @@ def test_gguf_blocks_repack_into_mlx_groups_exactly(qtype: BlockType) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", *FAMILIES])
-def test_logits_and_32_greedy_tokens_equal_the_torch_backends(tmp_path: Path, tiny: Path, family: str) -> None:
+def test_logits_and_32_greedy_tokens_equal_the_torch_backends(tmp_path: Path, four_layers: Path, family: str) -> None:
     if family == "llama":
-        d = tiny
+        d = four_layers
     elif family in ("mistral", "qwen2"):
         d = make_tiny_model(tmp_path / family, family, layers=2, max_positions=512)
     else:
@@ -132,11 +133,11 @@ def test_the_default_models_gguf_gives_our_greedy_tokens() -> None:
         assert got == tokens(ref, memory("full", ref), tok, prompt, 32), text
 
 
-def test_an_hf_folder_as_q8_0_runs_the_blocks_the_cpu_backend_runs(tiny: Path) -> None:
-    tok = Tokenizer.from_dir(tiny)
+def test_an_hf_folder_as_q8_0_runs_the_blocks_the_cpu_backend_runs(four_layers: Path) -> None:
+    tok = Tokenizer.from_dir(four_layers)
     prompt = tok.encode(PROMPT)
-    ours, ref = MLXBackend(tiny, quantize="q8_0"), TorchBackend(tiny, quantize="q8_0", kernels="torch")
-    assert ours.quantize == "q8_0" and ours.numerics != MLXBackend(tiny, quantize="none").numerics
+    ours, ref = MLXBackend(four_layers, quantize="q8_0"), TorchBackend(four_layers, quantize="q8_0", kernels="torch")
+    assert ours.quantize == "q8_0" and ours.numerics != MLXBackend(four_layers, quantize="none").numerics
     ours.allocate(1, 256)
     ref.allocate(1, 256)
     got = prefill(ours, FullAttentionMemory(ours), prompt, 16)
@@ -145,10 +146,10 @@ def test_an_hf_folder_as_q8_0_runs_the_blocks_the_cpu_backend_runs(tiny: Path) -
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_the_cascade_past_its_window_gives_the_torch_backends_tokens(tiny: Path) -> None:
-    tok = Tokenizer.from_dir(tiny)
+def test_the_cascade_past_its_window_gives_the_torch_backends_tokens(four_layers: Path) -> None:
+    tok = Tokenizer.from_dir(four_layers)
     prompt = tok.encode(PROMPT)
-    o, r = MLXBackend(tiny, quantize="none"), TorchBackend(tiny)
+    o, r = MLXBackend(four_layers, quantize="none"), TorchBackend(four_layers)
     mo, mr = CascadeMemory(o, SMALL), CascadeMemory(r, SMALL)
     got = tokens(o, mo, tok, prompt, 40)
     assert len(mo.tokens) > SMALL.sink_tokens + SMALL.window  # past the window: blocks evicted and paged back
@@ -157,17 +158,17 @@ def test_the_cascade_past_its_window_gives_the_torch_backends_tokens(tiny: Path)
 
 @pytest.mark.parametrize(("saver", "opener"), [("mlx", "torch"), ("torch", "mlx")])
 def test_a_session_saved_on_one_backend_continues_on_the_other(
-    tiny: Path, tmp_path: Path, saver: str, opener: str
+    four_layers: Path, tmp_path: Path, saver: str, opener: str
 ) -> None:
     """The canonical fp16 KV crosses unchanged: the memory is reused (not recomputed) and the reply continues as it
     would have on the saving backend. The numerics differ, so their prefix caches stay apart."""
 
     def make(kind: str) -> Backend:
-        b: Backend = MLXBackend(tiny, quantize="none") if kind == "mlx" else TorchBackend(tiny)
+        b: Backend = MLXBackend(four_layers, quantize="none") if kind == "mlx" else TorchBackend(four_layers)
         b.allocate(1, 256)
         return b
 
-    tok = Tokenizer.from_dir(tiny)
+    tok = Tokenizer.from_dir(four_layers)
     prompt = tok.encode(PROMPT)
     whole = make(saver)
     reference = tokens(whole, FullAttentionMemory(whole), tok, prompt, 24)
@@ -204,15 +205,15 @@ def test_a_session_saved_on_one_backend_continues_on_the_other(
 
 
 @pytest.mark.parametrize("kind", ["full", "cascade"])
-def test_a_stop_between_layers_takes_the_chunk_back(tiny: Path, kind: str) -> None:
+def test_a_stop_between_layers_takes_the_chunk_back(four_layers: Path, kind: str) -> None:
     ids = list(range(5, 77))
-    b = MLXBackend(tiny, quantize="none")
+    b = MLXBackend(four_layers, quantize="none")
     mem = memory(kind, b)
     # one poll before each chunk, then before layers 1..3: stop before layer 2 of the sixth chunk
     assert prefill(b, mem, ids, 8, should_stop=StopAt(5 * 4 + 1 + 2)) is None
     assert mem.tokens == ids[:40]
     rest = prefill(b, mem, ids[40:], 8)
-    w = MLXBackend(tiny, quantize="none")
+    w = MLXBackend(four_layers, quantize="none")
     whole = memory(kind, w)
     want = prefill(w, whole, ids, 8)
     assert rest is not None and want is not None
@@ -220,20 +221,20 @@ def test_a_stop_between_layers_takes_the_chunk_back(tiny: Path, kind: str) -> No
     assert mem.tokens == whole.tokens
 
 
-def test_three_rows_in_one_forward_equal_each_row_alone_and_the_torch_backend(tiny: Path) -> None:
+def test_three_rows_in_one_forward_equal_each_row_alone_and_the_torch_backend(four_layers: Path) -> None:
     rows = [[3, 17, 40, 41, 9, 88], [5, 5, 6, 200, 7, 12], [250, 1, 2, 3, 4, 99]]
     n = len(rows[0])
     pos = torch.arange(n).repeat(3, 1)  # (3, T)
     slots = torch.arange(n).repeat(3, 1)  # (3, S')
     mask = slots[:, None, None, :] <= pos[:, None, :, None]  # (3, 1, T, S') causal
     batch = SlotBatch(positions=pos, write_slots=pos.clone(), slot_positions=slots, mask=mask)
-    ours, ref = MLXBackend(tiny, quantize="none"), TorchBackend(tiny)
+    ours, ref = MLXBackend(four_layers, quantize="none"), TorchBackend(four_layers)
     ours.allocate(4, 64)  # a fourth row idle: the forward runs the leading three
     ref.allocate(4, 64)
     got = ours.forward(torch.tensor(rows), batch)
     torch.testing.assert_close(got, ref.forward(torch.tensor(rows), batch), rtol=1e-4, atol=1e-4)
     assert ours.query_summary().shape[0] == 4
-    alone = MLXBackend(tiny, quantize="none")
+    alone = MLXBackend(four_layers, quantize="none")
     alone.allocate(1, 64)
     one = SlotBatch(positions=pos[:1], write_slots=pos[:1], slot_positions=slots[:1], mask=mask[:1])
     for r, ids in enumerate(rows):
@@ -259,14 +260,14 @@ class Reference:
 
 
 @pytest.mark.parametrize("wrong", [None, 1])
-def test_speculative_verifies_equal_plain_decoding(tiny: Path, wrong: int | None) -> None:
-    tok = Tokenizer.from_dir(tiny)
+def test_speculative_verifies_equal_plain_decoding(four_layers: Path, wrong: int | None) -> None:
+    tok = Tokenizer.from_dir(four_layers)
     prompt = tok.encode("def main():\n    return 42\n")
     settings = GenerationSettings(max_tokens=24, sampling=GREEDY, ignore_eos=True)
-    plain = MLXBackend(tiny, quantize="none")
+    plain = MLXBackend(four_layers, quantize="none")
     plain_mem = memory("cascade", plain)
     reference = [e.token for e in stream_generate(plain, plain_mem, tok, prompt, settings) if e.token is not None]
-    spec = MLXBackend(tiny, quantize="none")
+    spec = MLXBackend(four_layers, quantize="none")
     spec_mem = memory("cascade", spec)
     speculator = Speculator(Reference(reference, len(prompt), wrong), Controller(max_k=4, adaptive=False))
     spec_settings = GenerationSettings(**{**vars(settings), "speculative": Speculation.LOOKUP})
@@ -279,13 +280,13 @@ def test_speculative_verifies_equal_plain_decoding(tiny: Path, wrong: int | None
     assert spec_mem.tokens == plain_mem.tokens
 
 
-def test_what_the_backend_cannot_run_is_one_sentence(tiny: Path) -> None:
-    b = MLXBackend(tiny, quantize="none")  # head dim 16: no whole q8_0 block per head row
+def test_what_the_backend_cannot_run_is_one_sentence(four_layers: Path) -> None:
+    b = MLXBackend(four_layers, quantize="none")  # head dim 16: no whole q8_0 block per head row
     with pytest.raises(BackendUnavailable, match="multiple of 32"):
         b.set_kv_type(KVType.Q8_0)
     with pytest.raises(BackendUnavailable, match="not 'int8'"):
-        MLXBackend(tiny, quantize="int8")
-    choice = open_backend(tiny, "mlx", "none")
+        MLXBackend(four_layers, quantize="int8")
+    choice = open_backend(four_layers, "mlx", "none")
     assert choice.backend.name == "mlx" and choice.explain().startswith("mlx")
 
 
@@ -324,9 +325,11 @@ def mlx_folder(src: Path, out: Path, group: int, bits: int) -> tuple[Path, Path]
 @pytest.mark.parametrize(
     ("family", "group", "bits"), [("llama", 64, 4), ("qwen3", 32, 8), *((f, 32, 4) for f in ("gemma3", "phi3"))]
 )
-def test_an_mlx_quantized_folder_runs_as_stored(tiny: Path, tmp_path: Path, family: str, group: int, bits: int) -> None:
+def test_an_mlx_quantized_folder_runs_as_stored(
+    four_layers: Path, tmp_path: Path, family: str, group: int, bits: int
+) -> None:
     """mlx-lm's layouts (Phi-3's fused projections, Gemma's raw norms) give the logits of the weights they hold."""
-    src = tiny if family == "llama" else make_tiny_family(tmp_path / family, family)
+    src = four_layers if family == "llama" else make_tiny_family(tmp_path / family, family)
     quantized, plain = mlx_folder(src, tmp_path / "out", group=group, bits=bits)
     tok = Tokenizer.from_dir(src)
     prompt = tok.encode(PROMPT)
@@ -344,8 +347,8 @@ def test_an_mlx_quantized_folder_runs_as_stored(tiny: Path, tmp_path: Path, fami
     assert tokens(ours, memory("full", ours), tok, prompt, 16) == tokens(ref, memory("full", ref), tok, prompt, 16)
 
 
-def test_a_damaged_mlx_folder_is_refused_in_one_sentence(tiny: Path, tmp_path: Path) -> None:
-    quantized, _ = mlx_folder(tiny, tmp_path, group=64, bits=4)
+def test_a_damaged_mlx_folder_is_refused_in_one_sentence(four_layers: Path, tmp_path: Path) -> None:
+    quantized, _ = mlx_folder(four_layers, tmp_path, group=64, bits=4)
     f = quantized / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-100])  # truncated: the last tensor's span passes the end
     with pytest.raises(ModelLoadError, match="inconsistent sizes"):
@@ -353,7 +356,7 @@ def test_a_damaged_mlx_folder_is_refused_in_one_sentence(tiny: Path, tmp_path: P
 
 
 def test_a_compact_session_is_recomputed_on_other_numerics_and_identical_on_the_same(
-    tiny: Path, tmp_path: Path
+    four_layers: Path, tmp_path: Path
 ) -> None:
     """Today's numerics rule: a compact file's memory is fed again on open, and its digest says whether the result
     is the saved memory itself (the same numerics) or a near copy (MLX's file opened on torch)."""
@@ -362,8 +365,8 @@ def test_a_compact_session_is_recomputed_on_other_numerics_and_identical_on_the_
     settings = GenerationSettings(max_tokens=8, sampling=GREEDY, ignore_eos=True)
 
     def engine(backend: str) -> Engine:
-        factory = memory_factory_for(tiny, cache_dir=tmp_path / backend, prefix_cache=False)
-        return Engine.load(tiny, backend, memory_factory=factory)
+        factory = memory_factory_for(four_layers, cache_dir=tmp_path / backend, prefix_cache=False)
+        return Engine.load(four_layers, backend, memory_factory=factory)
 
     mlx = engine("mlx").new_session()
     list(mlx.chat("The quick brown fox", settings))
@@ -381,16 +384,16 @@ def test_a_compact_session_is_recomputed_on_other_numerics_and_identical_on_the_
     assert [e.token for e in kept.chat("jumps over", settings) if e.token is not None]
 
 
-def test_beams_equal_the_torch_backends(tiny: Path) -> None:
+def test_beams_equal_the_torch_backends(four_layers: Path) -> None:
     from engine.generation.beam import BeamSettings
 
-    tok = Tokenizer.from_dir(tiny)
+    tok = Tokenizer.from_dir(four_layers)
     prompt = tok.encode("The quick brown fox")
     settings = GenerationSettings(
         max_tokens=12, sampling=GREEDY, ignore_eos=True, beam=BeamSettings(beams=4, returned=4)
     )
     results = []
-    for b in (MLXBackend(tiny, quantize="none"), TorchBackend(tiny)):
+    for b in (MLXBackend(four_layers, quantize="none"), TorchBackend(four_layers)):
         b.allocate(1, 256)
         events = list(stream_generate(b, FullAttentionMemory(b), tok, prompt, settings))
         results.append([list(h.tokens) for h in events[-1].beams])
@@ -435,7 +438,7 @@ def test_a_q8_0_table_reads_as_the_torch_backends(tmp_path: Path) -> None:
     assert tokens(o, memory("cascade", o), tok, prompt, 32) == tokens(r, memory("cascade", r), tok, prompt, 32)
 
 
-def test_the_cascade_of_a_small_cascade_json_slides_and_pages_as_on_torch(tiny: Path, tmp_path: Path) -> None:
+def test_the_cascade_of_a_small_cascade_json_slides_and_pages_as_on_torch(four_layers: Path, tmp_path: Path) -> None:
     """The engine's own set-up (a model folder's cascade.json, the persistent prefix cache) on MLX: a conversation
     past its window evicts tokens and pages blocks back in, and answers with the torch backend's tokens."""
     import json
@@ -444,7 +447,7 @@ def test_the_cascade_of_a_small_cascade_json_slides_and_pages_as_on_torch(tiny: 
     from engine.session.engine import Engine, memory_factory_for
 
     model = tmp_path / "small"
-    shutil.copytree(tiny, model)
+    shutil.copytree(four_layers, model)
     (model / "cascade.json").write_text(json.dumps({"window": 32, "block_size": 8, "retrieval_blocks": 2}))
     settings = GenerationSettings(max_tokens=24, sampling=GREEDY, ignore_eos=True)
     replies, stats = [], []
@@ -461,9 +464,9 @@ def test_the_cascade_of_a_small_cascade_json_slides_and_pages_as_on_torch(tiny: 
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_fp16_compute_as_on_metal_stays_close_to_fp32(tmp_path: Path, tiny: Path, family: str) -> None:
+def test_fp16_compute_as_on_metal_stays_close_to_fp32(tmp_path: Path, four_layers: Path, family: str) -> None:
     """The Apple GPU's compute dtype, run here on the CPU: finite, the same top token, close logits."""
-    d = tiny if family == "llama" else make_tiny_family(tmp_path / family, family)
+    d = four_layers if family == "llama" else make_tiny_family(tmp_path / family, family)
     prompt = Tokenizer.from_dir(d).encode(PROMPT)
     half, ref = MLXBackend(d, quantize="none", dtype=mx.float16), TorchBackend(d)
     assert "float16" in half.numerics
@@ -474,15 +477,15 @@ def test_fp16_compute_as_on_metal_stays_close_to_fp32(tmp_path: Path, tiny: Path
     torch.testing.assert_close(got, want, rtol=0.0, atol=5e-2)
 
 
-def test_a_three_row_batch_through_the_batcher_gives_each_prompts_lone_tokens(tiny: Path) -> None:
+def test_a_three_row_batch_through_the_batcher_gives_each_prompts_lone_tokens(four_layers: Path) -> None:
     from engine.generation.batch import generate_batch
 
-    tok = Tokenizer.from_dir(tiny)
+    tok = Tokenizer.from_dir(four_layers)
     prompts = ["The quick brown fox", "def main():\n    return 42\n", PROMPT]  # of different lengths: padded rows
     settings = GenerationSettings(max_tokens=16, sampling=GREEDY, ignore_eos=True)
-    batched = generate_batch(MLXBackend(tiny, quantize="none"), tok, prompts, settings)
+    batched = generate_batch(MLXBackend(four_layers, quantize="none"), tok, prompts, settings)
     for text, done in zip(prompts, batched, strict=True):
-        alone = MLXBackend(tiny, quantize="none")
+        alone = MLXBackend(four_layers, quantize="none")
         assert list(done.tokens) == tokens(alone, memory("full", alone), tok, tok.encode(text), 16)
-        ref = TorchBackend(tiny)
+        ref = TorchBackend(four_layers)
         assert list(done.tokens) == tokens(ref, memory("full", ref), tok, tok.encode(text), 16)
