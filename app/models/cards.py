@@ -41,6 +41,8 @@ class ModelCard(QFrame):
             _badge("Downloaded" if downloaded else f"{size} · {f.quantization}"),
         ]
         badges.append(_badge(f"needs {format_bytes(f.memory_4k_bytes)} at 4k tokens"))
+        if r.model.vision:
+            badges.append(_badge("Sees images"))
         if r.model.family in THINKING_FAMILIES:
             badges.append(_badge("Thinks"))
         badges.append(_badge(r.model.license))

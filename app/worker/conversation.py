@@ -164,6 +164,11 @@ class LocalConversation:
     def model_name(self) -> str:
         return display_name(self._engine.model_dir)
 
+    @property
+    def reasons(self) -> bool:
+        """The model writes a think block before its answer (engine.generation.reasoning)."""
+        return self._engine.reasoning.reasons
+
     def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
         return self.session.chat(text, settings, stop)
 

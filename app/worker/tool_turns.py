@@ -17,13 +17,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from enum import StrEnum
 from typing import Any
 
 from app.tools.toolbox import Toolbox, ToolRun
 from app.worker.types import MessageView
-from engine import GenerationEvent
-from engine.openai.tools import Tool, ToolChoice, ToolSpec, chat_inputs, read_reply, template_knows_tools
+from engine import GenerationEvent, GenerationSettings
+from engine.openai.errors import ApiError
+from engine.openai.tools import (
+    Tool,
+    ToolChoice,
+    ToolSpec,
+    chat_inputs,
+    read_reply,
+    template_knows_tools,
+    tool_grammar,
+)
 
 MAX_TOOL_ROUNDS = 4  # a model that keeps calling tools still ends its turn
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -44,6 +54,21 @@ def tool_spec(openai_tools: list[dict[str, Any]]) -> ToolSpec:
         Tool(t["function"]["name"], t["function"]["description"], t["function"]["parameters"]) for t in openai_tools
     )
     return ToolSpec(tools, ToolChoice.AUTO)
+
+
+def constrained(settings: GenerationSettings, spec: ToolSpec, reasons: bool) -> GenerationSettings:
+    """The turn's settings with a tool call the model starts held to its tools' schemas: the grammar the server uses
+    for `tool_choice: auto` (free text, and a started `<tool_call>` completed as a valid call), so a small model's
+    call parses. Left as they are where the reply already has a grammar (Reply as JSON), where the model thinks in
+    think tokens (a grammar cannot emit those special tokens: its thinking would be cut), or where a tool's schema
+    admits no grammar (the call is then read as written, as before)."""
+    if settings.grammar is not None or reasons:
+        return settings
+    try:
+        grammar = tool_grammar(spec)
+    except ApiError:
+        return settings
+    return replace(settings, grammar=grammar)
 
 
 def template_inputs(spec: ToolSpec | None, template: str | None) -> TemplateInputs:

@@ -202,7 +202,7 @@ class ConversationWorker(QObject):
         if conversation is None:
             self._finish_unstarted()
             return
-        self._turn(conversation, lambda: conversation.chat(text, settings, stop.is_set), settings, stop)
+        self._turn(conversation, lambda s: conversation.chat(text, s, stop.is_set), settings, stop)
 
     @Slot(object, object)
     def on_regenerate(self, settings: GenerationSettings, stop: threading.Event) -> None:
@@ -214,23 +214,23 @@ class ConversationWorker(QObject):
             self.error.emit("There is no prompt to answer again yet; send one first.")
             self._finish_unstarted()
             return
-        self._turn(conversation, lambda: conversation.regenerate(settings, stop.is_set), settings, stop)
+        self._turn(conversation, lambda s: conversation.regenerate(s, stop.is_set), settings, stop)
 
     def _turn(
         self,
         conversation: Conversation,
-        first: Callable[[], Iterator[GenerationEvent]],
+        first: Callable[[GenerationSettings], Iterator[GenerationEvent]],
         settings: GenerationSettings,
         stop: threading.Event,
     ) -> None:
-        """Stream a turn whose reply starts with `first()` (Send or Regenerate): with the configured MCP servers'
-        tools on a local model (calls run and the reply continues), else the reply alone."""
+        """Stream a turn whose reply starts with `first(settings)` (Send or Regenerate): with the configured MCP
+        servers' tools on a local model (calls run and the reply continues), else the reply alone."""
         if isinstance(conversation, LocalConversation):
             if self._tool_servers:
                 self._stream(conversation, lambda: self._tool_turn(conversation, first, settings, stop), settings)
                 return
             conversation.set_tools(None)  # the servers were removed: the model is no longer offered tools
-        self._stream(conversation, first, settings)
+        self._stream(conversation, lambda: first(settings), settings)
 
     @Slot(str)
     def on_new_chat(self, store_path: str) -> None:
@@ -283,7 +283,7 @@ class ConversationWorker(QObject):
     def _tool_turn(
         self,
         conversation: LocalConversation,
-        first: Callable[[], Iterator[GenerationEvent]],
+        first: Callable[[GenerationSettings], Iterator[GenerationEvent]],
         settings: GenerationSettings,
         stop: threading.Event,
     ) -> Iterator[GenerationEvent]:
@@ -294,8 +294,9 @@ class ConversationWorker(QObject):
         spec = tool_turns.tool_spec(self._toolbox.openai_tools())
         conversation.set_tools(spec)
         self._turn_stop = stop
+        settings = tool_turns.constrained(settings, spec, conversation.reasons)
         return tool_turns.with_tools(
-            first(),
+            first(settings),
             lambda results: conversation.follow(results, settings, stop.is_set),
             self._toolbox,
             spec,

@@ -113,6 +113,7 @@ class CatalogModel:
     default_quantization: str
     sampling: RecommendedSampling
     bundled: bool = False  # the default model ships with the app (nothing to download)
+    vision: bool = False  # takes pictures as well as text (engine.vision): the catalog's "sees images" mark
 
     def file(self, quantization: str | None = None) -> CatalogFile:
         wanted = quantization or self.default_quantization
@@ -266,6 +267,7 @@ def _model(entry: Any) -> CatalogModel:
         default_quantization=_typed(entry, "default_quantization", str),
         sampling=sampling,
         bundled=_typed(entry, "bundled", bool, False),
+        vision=_typed(entry, "vision", bool, False),
     )
     model.file()  # the default quantization must be one of the files
     return model
@@ -288,6 +290,7 @@ def catalog_entry_json(model: CatalogModel, quantization: str) -> dict[str, Any]
         "memory_32k_bytes": f.memory_32k_bytes,
         "license": model.license,
         "bundled": model.bundled,
+        "vision": model.vision,
         "sampling": {
             "temperature": model.sampling.temperature,
             "top_p": model.sampling.top_p,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,13 +15,14 @@ from PySide6.QtCore import Qt, SignalInstance
 from PySide6.QtWidgets import QLabel
 
 from app.misc.signal_wait import GuiRelay
+from app.models.cards import ModelCard
 from app.models.dialog import FIT_WORDS, GetModelsDialog
 from app.models.tasks import LibraryTasks
 from app.window.main_window import MainWindow
 from engine.library.catalog import load_catalog
 from engine.library.hub import HubClient, HubSettings
 from engine.library.library import Library
-from engine.library.recommend import Fit, Machine
+from engine.library.recommend import Fit, Machine, Recommendation
 from engine.library.store import DOWNLOADS, ModelStore
 from tests.helpers.app_window import WAIT_MS, dispose
 from tests.helpers.fake_hub import FakeHub, running_hub
@@ -217,3 +219,17 @@ def test_first_launch_offers_the_library_once(window: MainWindow, prefs, dirs, d
         assert again.notice.text() != FIRST_LAUNCH_HINT
     finally:
         dispose(again)
+
+
+def test_a_model_that_sees_images_says_so_on_its_card(qtbot) -> None:  # type: ignore[no-untyped-def]
+    # The catalog's `vision` flag (no catalog model has it yet: vision models come as folders, not one GGUF) is the
+    # card's "Sees images" badge and `models recommend --json`'s `vision`; a text model's card has no such badge.
+    base = next(m for m in load_catalog().models if not m.bundled)
+    sees = replace(base, vision=True)
+    for model, expected in ((base, False), (sees, True)):
+        r = Recommendation(model, model.file(), Fit.RUNS_WELL, False, 20.0)
+        card = ModelCard(r, FIT_WORDS[Fit.RUNS_WELL], downloaded=False)
+        qtbot.addWidget(card)
+        badges = [b.text() for b in card.findChildren(QLabel, "badge")]
+        assert ("Sees images" in badges) is expected
+        assert r.as_json()["vision"] is expected

@@ -15,7 +15,7 @@ from app.tools.consent import ConsentRequest, Decision
 from app.tools.mcp_host import McpServerSpec
 from app.tools.toolbox import ToolRun
 from app.worker.client import ConversationClient
-from app.worker.tool_turns import MAX_TOOL_ROUNDS, RESPONSE_OPEN, TOOL_ROLE, ToolStatus
+from app.worker.tool_turns import MAX_TOOL_ROUNDS, RESPONSE_OPEN, TOOL_ROLE, ToolStatus, constrained
 from app.worker.types import TurnResult
 from engine import GenerationSettings, SamplingSettings, load_session
 from engine.openai.tools import FALLBACK_SYSTEM, Tool, ToolChoice, ToolSpec, tool_grammar
@@ -161,3 +161,18 @@ def test_a_template_that_knows_tools_gets_them_as_its_own(qtbot, tmp_path: Path,
         assert FALLBACK_SYSTEM.split("\n")[0] not in prompt  # ...not the fallback's
         first_result = next(m.content for m in session.messages if m.role == TOOL_ROLE)
         assert f"<|user|>\n<tool_response>{first_result}</tool_response>" in prompt  # the template's tool turn
+
+
+def test_a_tool_turn_holds_a_call_the_model_starts_to_its_tools_schemas() -> None:
+    # The grammar the server uses for tool_choice "auto": free text passes, and a started <tool_call> must be a valid
+    # call of an offered tool (so a small model's call parses), unless the reply already has a grammar or the
+    # model thinks in special tokens a grammar cannot emit.
+    spec = ToolSpec((ADD,), ToolChoice.AUTO)
+    plain = GenerationSettings(max_tokens=32)
+    turn = constrained(plain, spec, reasons=False)
+    assert turn.grammar is not None and plain.grammar is None  # the user's settings object is left as it was
+    lazy = tool_grammar(spec)
+    assert turn.grammar == lazy
+    as_json = GenerationSettings(grammar=FORCED.grammar)
+    assert constrained(as_json, spec, reasons=False) is as_json  # Reply as JSON keeps its own schema
+    assert constrained(plain, spec, reasons=True) is plain  # a thinking model's think tokens stay reachable
