@@ -40,6 +40,7 @@ from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
 from engine.openai.beams import BeamRunner
 from engine.openai.errors import bad_request, busy, too_large, unavailable
+from engine.openai.files import FileLimits
 from engine.openai.metrics import Metrics
 from engine.openai.protocol import Limits, ParsedRequest
 from engine.openai.tools import chat_inputs
@@ -70,6 +71,7 @@ class ServeConfig:
     allow_origins: tuple[str, ...] = ()  # CORS is off unless origins are named
     speculative: Speculation = Speculation.OFF  # for requests that do not send "speculative" (where it combines)
     allow_image_urls: bool = False  # fetch http(s) image_url parts (else only data: URLs are read)
+    files: FileLimits = field(default_factory=FileLimits)  # POST /v1/files (engine.openai.files)
 
 
 def request_speculation(req: ParsedRequest, default: Speculation, has_draft: bool) -> Speculation:
