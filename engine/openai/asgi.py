@@ -147,6 +147,12 @@ class SSEResponse(Response):
             job.cancel_unless_done()
 
 
+def recalled(job: Job) -> list[dict[str, Any]]:
+    """The extension field `recalled` of a reply that attached files: the passages its prompt drew on."""
+    docs = job.documents
+    return [c.to_dict() for c in docs.recalled] if docs is not None else []
+
+
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -501,10 +507,12 @@ class Api:
     async def generate(self, request: Request, req: protocol.ParsedRequest, *, chat: bool) -> Response:
         # The model the request names (engine.openai.pool), loaded first when it is not resident; the reply names
         # the model that wrote it.
+        # Unknown file ids fail before the model is leased; the files are read off the event loop.
+        documents = [await asyncio.to_thread(self.files.document, f) for f in req.files] if chat else None
         lease = await self.lease(req.model)
         req.model = lease.name
         try:
-            jobs = await lease.service.start(req)
+            jobs = await lease.service.start(req, documents)
         except BaseException:
             lease.release()
             raise
@@ -567,7 +575,10 @@ class Api:
                 choices.append(protocol.completion_choice(i, c, lp if req.logprobs else None))
                 continue
             content, calls = read_reply(c.text, req.tools) if req.tools and req.tools.active else (c.text, [])
-            choices.append(protocol.chat_choice(i, c, lp if req.logprobs else None, content, calls))
+            choice = protocol.chat_choice(i, c, lp if req.logprobs else None, content, calls)
+            if jobs[i].documents is not None:
+                choice["message"]["recalled"] = recalled(jobs[i])
+            choices.append(choice)
         shape = protocol.chat_response if chat else protocol.completion_response
         return JSONResponse(shape(rid, req.model, choices, cs))
 
@@ -634,8 +645,9 @@ class Api:
             return
         for i, c in enumerate(cs):
             reason = protocol.finish_reason(c.finish_reason, calls[i] > 0)
+            last: dict[str, Any] = {} if jobs[i].documents is None else {"recalled": recalled(jobs[i])}
             yield sse(
-                protocol.chat_chunk(rid, model, created, {}, reason, index=i)
+                protocol.chat_chunk(rid, model, created, last, reason, index=i)
                 if chat
                 else protocol.completion_chunk(rid, model, created, "", reason, index=i)
             )
