@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -113,7 +114,7 @@ def metric(s: Served, name: str) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
-def ask(file_id: str | None, question: str = "What is the cat's name?") -> list[dict[str, object]]:
+def ask(file_id: str | None, question: str = "What is the cat's name?") -> Any:
     parts: list[dict[str, object]] = [{"type": "text", "text": question}]
     if file_id is not None:
         parts.append({"type": "file", "file": {"file_id": file_id}})
@@ -124,7 +125,7 @@ def test_chat_attaches_a_file_reads_it_once_and_says_what_it_recalled(served: Se
     c = client(served)
     f = c.files.create(file=("harbour.txt", DOC), purpose="user_data")
     read0, tokens0 = metric(served, "spark_document_read_tokens_total"), metric(served, "spark_document_tokens_total")
-    r = c.chat.completions.create(model="tiny", messages=ask(f.id), max_tokens=3, temperature=0)  # type: ignore[arg-type]
+    r = c.chat.completions.create(model="tiny", messages=ask(f.id), max_tokens=3, temperature=0)
     recalled = (r.choices[0].message.model_extra or {})["recalled"]
     assert recalled and all(p["source"] == "harbour.txt" and 1 <= p["start"] <= p["end"] <= 81 for p in recalled)
     first_read = metric(served, "spark_document_read_tokens_total") - read0
@@ -134,7 +135,7 @@ def test_chat_attaches_a_file_reads_it_once_and_says_what_it_recalled(served: Se
     # The second question (streamed) finds the capsule in the persistent store: nothing is read again.
     stream = c.chat.completions.create(
         model="tiny",
-        messages=ask(f.id, "And the tide?"),  # type: ignore[arg-type]
+        messages=ask(f.id, "And the tide?"),
         max_tokens=3,
         temperature=0,
         stream=True,
@@ -147,7 +148,7 @@ def test_chat_attaches_a_file_reads_it_once_and_says_what_it_recalled(served: Se
     assert metric(served, "spark_document_tokens_total") - tokens0 == 2 * tokens
 
     # A request without the file: no attachments are left on the rows, and no extension field.
-    plain = c.chat.completions.create(model="tiny", messages=ask(None), max_tokens=2, temperature=0)  # type: ignore[arg-type]
+    plain = c.chat.completions.create(model="tiny", messages=ask(None), max_tokens=2, temperature=0)
     assert "recalled" not in (plain.choices[0].message.model_extra or {})
     for memory in served.service.memories:
         assert not getattr(memory, "attachments", [])
@@ -157,16 +158,18 @@ def test_chat_attaches_a_file_reads_it_once_and_says_what_it_recalled(served: Se
 def test_file_parts_that_cannot_be_attached(served: Served) -> None:
     c = client(served)
     with pytest.raises(openai.NotFoundError, match="No such file"):
-        c.chat.completions.create(model="tiny", messages=ask("file-" + "0" * 24), max_tokens=1)  # type: ignore[arg-type]
+        c.chat.completions.create(model="tiny", messages=ask("file-" + "0" * 24), max_tokens=1)
     with pytest.raises(openai.NotFoundError, match="No such file"):
-        c.chat.completions.create(model="tiny", messages=ask("/etc/passwd"), max_tokens=1)  # type: ignore[arg-type]
-    inline = [{"role": "user", "content": [{"type": "file", "file": {"file_data": "data:text/plain;base64,eA=="}}]}]
+        c.chat.completions.create(model="tiny", messages=ask("/etc/passwd"), max_tokens=1)
+    inline: Any = [
+        {"role": "user", "content": [{"type": "file", "file": {"file_data": "data:text/plain;base64,eA=="}}]}
+    ]
     with pytest.raises(openai.BadRequestError, match="POST /v1/files"):
-        c.chat.completions.create(model="tiny", messages=inline, max_tokens=1)  # type: ignore[arg-type]
+        c.chat.completions.create(model="tiny", messages=inline, max_tokens=1)
     f = c.files.create(file=("a.txt", FACT), purpose="user_data")
-    as_system = [{"role": "system", "content": [{"type": "file", "file": {"file_id": f.id}}]}]
+    as_system: Any = [{"role": "system", "content": [{"type": "file", "file": {"file_id": f.id}}]}]
     with pytest.raises(openai.BadRequestError, match="text parts"):
-        c.chat.completions.create(model="tiny", messages=as_system, max_tokens=1)  # type: ignore[arg-type]
+        c.chat.completions.create(model="tiny", messages=as_system, max_tokens=1)
     c.files.delete(f.id)
 
 
