@@ -659,6 +659,8 @@ class Api:
     def finish(self, job: Job) -> Completion:
         try:
             c = job.result()
+        except ApiError:  # the request's own problem found on the scheduler thread (e.g. a file that will not attach)
+            raise
         except Exception as exc:  # the scheduler ended the request with an error (e.g. a failed forward)
             log.error("generation failed: %s", exc)
             raise server_error(f"Generation failed: {exc}") from None

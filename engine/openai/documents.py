@@ -50,9 +50,9 @@ class RowDocuments:
         try:
             for doc in self.documents:
                 self._attach(attachments, doc)
-        except SparkError:
+        except SparkError as exc:  # the request's files, not the server, are the problem
             self.detach()
-            raise
+            raise bad_request(str(exc), "messages") from None
         self.read_tokens = attachments.read_tokens
         self.document_tokens = attachments.document_tokens
         return self

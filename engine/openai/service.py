@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.backends.base import Backend
+from engine.documents.attach import MAX_ATTACHMENTS
 from engine.documents.extract import Document
 from engine.errors import InputTooLarge, InsufficientMemory, SparkError
 from engine.generation.batch import Completion, RowMemoryFactory
@@ -335,6 +336,8 @@ class ModelService:
             raise bad_request("File parts are read on /v1/chat/completions only.", "messages")
         if documents:
             check_attachable(self.memories[0] if self.memories else None)
+            if len(documents) > MAX_ATTACHMENTS:
+                raise bad_request(f"A request attaches at most {MAX_ATTACHMENTS} files.", "messages")
             if req.settings.beam.beams > 1:
                 raise bad_request(
                     "Beam search does not attach files; send file parts without 'beam_width'.", "messages"

@@ -170,7 +170,12 @@ def test_file_parts_that_cannot_be_attached(served: Served) -> None:
     as_system: Any = [{"role": "system", "content": [{"type": "file", "file": {"file_id": f.id}}]}]
     with pytest.raises(openai.BadRequestError, match="text parts"):
         c.chat.completions.create(model="tiny", messages=as_system, max_tokens=1)
-    c.files.delete(f.id)
+    many = [c.files.create(file=(f"{i}.txt", FACT), purpose="user_data") for i in range(33)]
+    parts: Any = [{"type": "file", "file": {"file_id": g.id}} for g in many]
+    with pytest.raises(openai.BadRequestError, match="at most 32 files"):
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=1)
+    for g in [f, *many]:
+        c.files.delete(g.id)
 
 
 def test_a_memory_without_the_cascade_cannot_attach() -> None:
