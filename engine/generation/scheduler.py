@@ -12,7 +12,9 @@ engine.generation.batch). Every step it
   3. samples the rows whose prompt is in, delivers one `GenerationEvent` each, and retires finished rows.
 A request that speculates (`settings.speculative`) feeds its last token with drafts while decoding: a verify of
 its row in the same step, giving it one or more events (engine.generation.batch.RowState). Each row keeps its
-adaptive controller across requests, so costs measured on one reply carry over to the next.
+adaptive controller across requests, so costs measured on one reply carry over to the next. A request may bring an
+`attach` hook (the server's uploaded documents): run with its row's memory, afresh, at admission, told at its first
+event, and detached when it retires, the row's memory then forgotten.
 
 Front: `submit(request) -> Future[Completion]` and `async for ev in scheduler.stream(request)`, both safe from any
 thread. The waiting queue is bounded: when full, a more urgent request takes the place of the least urgent,
@@ -455,9 +457,9 @@ class Scheduler:
         self._rows[r] = None
         if a.attached is not None:  # the next request on this row must not see this one's attachments
             a.attached.detach()
+        if error is not None or a.attached is not None:
             self._memories[r].reset()
         if error is not None:
-            self._memories[r].reset()
             a.waiting.future.set_exception(error)
         else:
             assert result is not None
