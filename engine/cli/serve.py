@@ -13,12 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.cli.generate import add_model_args, open_engine
+from engine.documents.extract import MAX_FILE_BYTES
 from engine.errors import SparkError
 from engine.generation.speculative import Speculation
 from engine.hw import this_machine_policy
 from engine.library.store import ModelStore
 from engine.loading.model_files import check_model_path, resolve_model_path
 from engine.model.kv_types import KVType
+from engine.openai.files import FileLimits
 from engine.openai.metrics import Metrics
 from engine.openai.pool import ModelPool, Servable
 from engine.openai.server import LOOPBACK, LocalServer, bind
@@ -50,6 +52,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (more get 429)")
     p.add_argument("--max-prompt-tokens", type=int, default=16384, help="longer prompts get 413")
+    limits = FileLimits()
+    p.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=limits.max_file_bytes,
+        help=f"largest upload to /v1/files (default and most: {MAX_FILE_BYTES:,}); larger ones get 413",
+    )
+    p.add_argument("--max-files", type=int, default=limits.max_files, help="uploaded files held at once (more get 413)")
+    p.add_argument(
+        "--max-files-bytes",
+        type=int,
+        default=limits.max_total_bytes,
+        help="bytes of uploaded files held at once (an upload past it gets 413; delete files to make room)",
+    )
     p.add_argument(
         "--allow-origin",
         action="append",
@@ -96,9 +112,14 @@ def run(args: argparse.Namespace) -> int:
         ("--max-batch", args.max_batch),
         ("--max-queue", args.max_queue),
         ("--max-prompt-tokens", args.max_prompt_tokens),
+        ("--max-file-bytes", args.max_file_bytes),
+        ("--max-files", args.max_files),
+        ("--max-files-bytes", args.max_files_bytes),
     ):
         if value < 1:
             raise SparkError(f"{flag} must be at least 1, not {value}.")
+    if args.max_file_bytes > MAX_FILE_BYTES:
+        raise SparkError(f"--max-file-bytes may be at most {MAX_FILE_BYTES:,}, the most a document may weigh.")
     if args.speculative == Speculation.DRAFT and args.draft_model is None:
         raise SparkError("--speculative draft needs --draft-model M (a smaller model of the same vocabulary).")
     if args.max_models < 1:
@@ -118,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         allow_origins=tuple(args.allow_origin),
         speculative=Speculation(args.speculative),
         allow_image_urls=args.allow_image_urls,
+        files=FileLimits(args.max_file_bytes, args.max_files, args.max_files_bytes),
     )
     default = Servable(config.model_id, engine.model_dir, _size(engine.model_dir))
     servable = servable_models(default, extra)

@@ -12,7 +12,9 @@ engine.generation.batch). Every step it
   3. samples the rows whose prompt is in, delivers one `GenerationEvent` each, and retires finished rows.
 A request that speculates (`settings.speculative`) feeds its last token with drafts while decoding: a verify of
 its row in the same step, giving it one or more events (engine.generation.batch.RowState). Each row keeps its
-adaptive controller across requests, so costs measured on one reply carry over to the next.
+adaptive controller across requests, so costs measured on one reply carry over to the next. A request may bring an
+`attach` hook (the server's uploaded documents): run with its row's memory, afresh, at admission, told at its first
+event, and detached when it retires, the row's memory then forgotten.
 
 Front: `submit(request) -> Future[Completion]` and `async for ev in scheduler.stream(request)`, both safe from any
 thread. The waiting queue is bounded: when full, a more urgent request takes the place of the least urgent,
@@ -32,6 +34,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Protocol
 
 from engine.backends.base import Backend
 from engine.errors import SparkError
@@ -47,9 +50,21 @@ from engine.generation.batch import (
 from engine.generation.loop import GenerationEvent, GenerationSettings, controller_for
 from engine.generation.speculative import Controller, Drafter, PromptLookup, Speculation, Speculator
 from engine.loading.tokenizer import Tokenizer
-from engine.memory.base import FullAttentionMemory, RowPlan
+from engine.memory.base import FullAttentionMemory, Memory, RowPlan
 
 DrafterFactory = Callable[[int, GenerationSettings], Drafter]  # (row, a request's settings) -> its draft model
+
+
+class RowAttachment(Protocol):
+    """What a request joined to its row's memory (engine.openai's documents): told when the prompt has routed the
+    reply's first token, and removed once the request is over, so the row's next request sees none of it."""
+
+    def observe(self) -> None: ...
+
+    def detach(self) -> None: ...
+
+
+Attacher = Callable[[Memory], RowAttachment]  # runs on the scheduler thread with the row's memory, at admission
 
 
 class QueueFull(SparkError):
@@ -94,6 +109,7 @@ class Request:
     settings: GenerationSettings = field(default_factory=GenerationSettings)
     priority: Priority = Priority.INTERACTIVE
     on_event: Callable[[GenerationEvent], None] | None = None
+    attach: Attacher | None = None  # joins memory (documents) to the row's, for this request only
     id: int = field(default_factory=lambda: next(_ids))
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -125,6 +141,8 @@ def _fail(future: Future[Completion], exc: BaseException) -> None:
 class _Active:
     waiting: _Waiting
     state: RowState
+    attached: RowAttachment | None = None
+    observed: bool = False
 
 
 class Scheduler:
@@ -310,17 +328,24 @@ class Scheduler:
             if not w.future.set_running_or_notify_cancel():
                 continue  # cancelled through its future while waiting
             r = self._pick_row(free, w.ids)
+            attached = None
             try:
+                if w.request.attach is not None:
+                    # The row's kept conversation is not this one's with attachments: start it afresh.
+                    self._memories[r].reset()
+                    attached = w.request.attach(self._memories[r])
                 spec = self._speculator(r, w.request.settings)
                 state = RowState(
                     self.tokenizer, w.ids, w.request.settings, self._memories[r], self.backend, w.t0, speculator=spec
                 )
-            except Exception as exc:  # bad settings: this request fails, the row stays free
+            except Exception as exc:  # bad settings, an attachment refused: this request fails, the row stays free
+                if attached is not None:
+                    attached.detach()
                 self._memories[r].reset()
                 w.future.set_exception(exc)
                 continue
             free.remove(r)
-            self._rows[r] = _Active(w, state)
+            self._rows[r] = _Active(w, state, attached)
             self._released = False
 
     def _speculator(self, r: int, settings: GenerationSettings) -> Speculator | None:
@@ -413,6 +438,9 @@ class Scheduler:
     def _deliver(self, r: int, ev: GenerationEvent) -> None:
         a = self._rows[r]
         assert a is not None
+        if a.attached is not None and not a.observed:  # the prompt has routed the first token
+            a.observed = True
+            a.attached.observe()
         callback = a.waiting.request.on_event
         if callback is not None:
             try:
@@ -427,8 +455,11 @@ class Scheduler:
         a = self._rows[r]
         assert a is not None
         self._rows[r] = None
-        if error is not None:
+        if a.attached is not None:  # the next request on this row must not see this one's attachments
+            a.attached.detach()
+        if error is not None or a.attached is not None:
             self._memories[r].reset()
+        if error is not None:
             a.waiting.future.set_exception(error)
         else:
             assert result is not None

@@ -2,6 +2,7 @@
 or every servable model by name).
 
 Routes: GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions,
+OpenAI's files (POST, GET /v1/files, GET and DELETE /v1/files/{id}: engine.openai.files),
 Ollama's POST /api/chat, /api/generate, /api/show, GET /api/tags, /api/ps (engine.openai.ollama), and Anthropic's
 POST /v1/messages and /v1/messages/count_tokens (engine.openai.anthropic). Every failure is OpenAI's error object
 with its status (see engine.openai.errors; Ollama's `{"error": ...}` and Anthropic's `{"type": "error", ...}` on
@@ -47,12 +48,14 @@ from engine.openai.errors import (
     too_large,
     unknown_model,
 )
+from engine.openai.files import PURPOSES, FileStore
 from engine.openai.pool import Lease, ModelPool
 from engine.openai.service import Job, ModelService
 from engine.openai.tools import ToolCall, ToolCallReader, read_reply, template_knows_tools
 from engine.untrusted import JsonTooDeep, loads_bounded
 
 log = logging.getLogger("engine.serve")
+MULTIPART_SLACK = 64 * 1024  # an upload's form around its file: boundaries, headers, purpose
 MAX_BODY_DEPTH = 256  # a request's JSON nests ~10 deep; a schema in it is held to 48 (engine.generation.constrained)
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -144,6 +147,12 @@ class SSEResponse(Response):
             job.cancel_unless_done()
 
 
+def recalled(job: Job) -> list[dict[str, Any]]:
+    """The extension field `recalled` of a reply that attached files: the passages its prompt drew on."""
+    docs = job.documents
+    return [c.to_dict() for c in docs.recalled] if docs is not None else []
+
+
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -156,6 +165,7 @@ class Api:
         self.config = pool.config
         self.metrics = pool.metrics
         self.created = int(time.time())
+        self.files = FileStore(pool.config.files)
 
     # -- plumbing ----------------------------------------------------------------------------------------------
     def route(
@@ -435,14 +445,74 @@ class Api:
             lease.release()
         return JSONResponse({"input_tokens": len(ids)})
 
+    # -- files (engine.openai.files) -----------------------------------------------------------------------------
+    async def file_upload(self, request: Request) -> Response:
+        """OpenAI's POST /v1/files: multipart `file` and `purpose`. The body is read within the upload limit first
+        (declared length, then as it streams), so the form parser never sees more than that."""
+        limit = self.config.files.max_file_bytes + MULTIPART_SLACK
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large(f"The upload is larger than the {self.config.files.max_file_bytes:,} bytes a file may be.")
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise bad_request("Upload a file as multipart/form-data with fields 'file' and 'purpose'.")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large(
+                    f"The upload is larger than the {self.config.files.max_file_bytes:,} bytes a file may be."
+                )
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        form_request = Request(request.scope, replay)
+        try:
+            form = await form_request.form(max_files=1, max_fields=4, max_part_size=4096)
+        except HTTPException as exc:  # starlette's limits (too many parts, a field too large)
+            raise bad_request(f"The upload's form is not accepted: {exc.detail}") from None
+        except Exception:  # a malformed multipart body
+            raise bad_request("The upload is not a readable multipart form.") from None
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(purpose, str) or not purpose:
+                raise bad_request("'purpose' must name the file's purpose (e.g. \"user_data\").", "purpose")
+            if purpose not in PURPOSES:
+                raise bad_request(f"'purpose' must be one of {', '.join(PURPOSES)}.", "purpose")
+            if upload is None or isinstance(upload, str):
+                raise bad_request("'file' must be the uploaded file's part of the form.", "file")
+            data = await upload.read()
+            stored = await asyncio.to_thread(self.files.add, upload.filename, purpose, data)
+        finally:
+            await form.close()
+        return JSONResponse(stored.as_openai())
+
+    async def file_list(self, request: Request) -> Response:
+        data = [f.as_openai() for f in self.files.listing()]
+        return JSONResponse({"object": "list", "data": data, "has_more": False})
+
+    async def file_get(self, request: Request) -> Response:
+        return JSONResponse(self.files.get(request.path_params["file_id"]).as_openai())
+
+    async def file_delete(self, request: Request) -> Response:
+        stored = self.files.delete(request.path_params["file_id"])
+        return JSONResponse({"id": stored.id, "object": "file", "deleted": True})
+
     # -- generation --------------------------------------------------------------------------------------------
     async def generate(self, request: Request, req: protocol.ParsedRequest, *, chat: bool) -> Response:
         # The model the request names (engine.openai.pool), loaded first when it is not resident; the reply names
         # the model that wrote it.
+        # Unknown file ids fail before the model is leased; the files are read off the event loop.
+        documents = [await asyncio.to_thread(self.files.document, f) for f in req.files] if chat else None
         lease = await self.lease(req.model)
         req.model = lease.name
         try:
-            jobs = await lease.service.start(req)
+            jobs = await lease.service.start(req, documents)
         except BaseException:
             lease.release()
             raise
@@ -505,7 +575,10 @@ class Api:
                 choices.append(protocol.completion_choice(i, c, lp if req.logprobs else None))
                 continue
             content, calls = read_reply(c.text, req.tools) if req.tools and req.tools.active else (c.text, [])
-            choices.append(protocol.chat_choice(i, c, lp if req.logprobs else None, content, calls))
+            choice = protocol.chat_choice(i, c, lp if req.logprobs else None, content, calls)
+            if jobs[i].documents is not None:
+                choice["message"]["recalled"] = recalled(jobs[i])
+            choices.append(choice)
         shape = protocol.chat_response if chat else protocol.completion_response
         return JSONResponse(shape(rid, req.model, choices, cs))
 
@@ -572,8 +645,9 @@ class Api:
             return
         for i, c in enumerate(cs):
             reason = protocol.finish_reason(c.finish_reason, calls[i] > 0)
+            last: dict[str, Any] = {} if jobs[i].documents is None else {"recalled": recalled(jobs[i])}
             yield sse(
-                protocol.chat_chunk(rid, model, created, {}, reason, index=i)
+                protocol.chat_chunk(rid, model, created, last, reason, index=i)
                 if chat
                 else protocol.completion_chunk(rid, model, created, "", reason, index=i)
             )
@@ -585,6 +659,8 @@ class Api:
     def finish(self, job: Job) -> Completion:
         try:
             c = job.result()
+        except ApiError:  # the request's own problem found on the scheduler thread (e.g. a file that will not attach)
+            raise
         except Exception as exc:  # the scheduler ended the request with an error (e.g. a failed forward)
             log.error("generation failed: %s", exc)
             raise server_error(f"Generation failed: {exc}") from None
@@ -608,6 +684,10 @@ def create_app(served: ModelService | ModelPool) -> Starlette:
         Route("/v1/models/{model:path}", api.route("models", api.model), methods=["GET"]),
         Route("/v1/chat/completions", api.route("chat", api.chat), methods=["POST"]),
         Route("/v1/completions", api.route("completions", api.completions), methods=["POST"]),
+        Route("/v1/files", api.route("files", api.file_upload), methods=["POST"]),
+        Route("/v1/files", api.route("files", api.file_list), methods=["GET"]),
+        Route("/v1/files/{file_id}", api.route("files", api.file_get), methods=["GET"]),
+        Route("/v1/files/{file_id}", api.route("files", api.file_delete), methods=["DELETE"]),
         Route("/api/chat", api.route("ollama_chat", api.ollama_chat, errors=ollama_error), methods=["POST"]),
         Route(
             "/api/generate", api.route("ollama_generate", api.ollama_generate, errors=ollama_error), methods=["POST"]
@@ -632,7 +712,7 @@ def create_app(served: ModelService | ModelPool) -> Starlette:
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(pool.config.allow_origins),
-                allow_methods=["GET", "POST"],
+                allow_methods=["GET", "POST", "DELETE"],
                 allow_headers=["*"],
             )
         )

@@ -62,6 +62,10 @@ class Metrics:
         self.verify_forwards = 0
         self.speculative_forwards = 0
         self.speculative_tokens = 0
+        # Files attached to chat requests (engine.openai.documents): their tokens, and those the model computed to
+        # read them (capsules found in the persistent store cost none).
+        self.document_tokens = 0
+        self.document_read_tokens = 0
         self.sources = sources or {}  # gauge name -> reader (help text is the name's own description below)
         # Models loaded and unloaded by name (engine.openai.pool), and the seconds each load took.
         self.loads: dict[str, int] = {}
@@ -100,6 +104,10 @@ class Metrics:
         self.speculative_forwards += forwards
         self.speculative_tokens += max(0, completion_tokens - 1)  # the first token comes from the prompt's forward
 
+    def documents(self, tokens: int, read_tokens: int) -> None:
+        self.document_tokens += tokens
+        self.document_read_tokens += read_tokens
+
     def model_loaded(self, model: str, seconds: float) -> None:
         self.loads[model] = self.loads.get(model, 0) + 1
         self.load_seconds[model] = self.load_seconds.get(model, 0.0) + seconds
@@ -137,6 +145,12 @@ class Metrics:
             ("spark_speculative_drafted_tokens_total", self.drafted_tokens, "Drafted tokens verified."),
             ("spark_speculative_accepted_tokens_total", self.accepted_tokens, "Drafted tokens the model accepted."),
             ("spark_speculative_verify_forwards_total", self.verify_forwards, "Forwards that verified drafts."),
+            ("spark_document_tokens_total", self.document_tokens, "Tokens of the files chat requests attached."),
+            (
+                "spark_document_read_tokens_total",
+                self.document_read_tokens,
+                "Tokens the model computed to read attached files (none for a file read before).",
+            ),
         ):
             out += [f"# HELP {name} {text}", f"# TYPE {name} counter", f"{name} {value}"]
         out += [

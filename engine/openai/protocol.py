@@ -12,7 +12,7 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.generation.batch import Completion
@@ -22,6 +22,7 @@ from engine.generation.reasoning import Think
 from engine.generation.sampling import MAX_PENALTY, MIN_PENALTY, InvalidSamplingSettings, SamplingSettings
 from engine.generation.speculative import Speculation
 from engine.openai.errors import bad_request
+from engine.openai.files import check_id
 from engine.openai.tools import ToolCall, ToolSpec, parse_response_format, parse_tools, tool_grammar
 
 MAX_STOPS = 4  # as OpenAI
@@ -51,6 +52,7 @@ class ParsedRequest:
     n: int = 1  # choices, each its own row with its own seed
     tools: ToolSpec | None = None
     speculative: Speculation | None = None  # the request's own "speculative" (None: the server's default decides)
+    files: list[str] = field(default_factory=list)  # uploaded files' ids its user messages attach, in order
 
 
 def check_text(body: Any) -> None:
@@ -148,9 +150,10 @@ def _logit_bias(body: dict[str, Any]) -> None:
 IMAGE_MARKER = "<image>"  # where a picture sits in a message's text (engine.vision places it)
 
 
-def _content(value: Any, i: int, images: list[str] | None = None) -> str:
+def _content(value: Any, i: int, images: list[str] | None = None, files: list[str] | None = None) -> str:
     """A message's content: a string, or a list of text parts and, when `images` collects them, `image_url` parts
-    (each becomes a marker in the text; its data: or http(s) URL is read later, off the event loop). Audio is
+    (each becomes a marker in the text; its data: or http(s) URL is read later, off the event loop), and when
+    `files` collects them, `file` parts naming an uploaded file (no text: the file joins the memory). Audio is
     refused."""
     if isinstance(value, str):
         return value
@@ -163,13 +166,28 @@ def _content(value: Any, i: int, images: list[str] | None = None) -> str:
                 parts.append(IMAGE_MARKER)
                 images.append(_image_url(part.get("image_url"), i))
                 continue
+            if files is not None and isinstance(part, dict) and part.get("type") == "file":
+                file_id = _file_id(part.get("file"), i)
+                if file_id not in files:
+                    files.append(file_id)
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(
-                    f"messages[{i}].content may only hold text and image_url parts.", f"messages[{i}].content"
-                )
+                kinds = "text, image_url and file parts" if files is not None else "text parts"
+                raise bad_request(f"messages[{i}].content may only hold {kinds}.", f"messages[{i}].content")
             parts.append(part["text"])
         return "".join(parts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content")
+
+
+def _file_id(value: Any, i: int) -> str:
+    """A file part's uploaded file: its `file_id` (404 when it cannot be one of ours); inline `file_data` is refused."""
+    field = f"messages[{i}].content"
+    file_id = value.get("file_id") if isinstance(value, dict) else None
+    if not isinstance(file_id, str):
+        raise bad_request(
+            f"{field} has a file part without a 'file_id'; upload the file with POST /v1/files and send its id.", field
+        )
+    return check_id(file_id)
 
 
 def _image_url(value: Any, i: int) -> str:
@@ -207,7 +225,8 @@ def _tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
     return calls
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _messages(body: dict[str, Any], files: list[str] | None = None) -> list[dict[str, Any]]:
+    """The messages for the chat template; `files` collects the ids of the files user messages attach."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("'messages' must be a non-empty list of {role, content} objects.", "messages")
@@ -217,9 +236,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise bad_request(f"messages[{i}] needs a 'role' of {', '.join(ROLES)}.", f"messages[{i}].role")
         role = "system" if m["role"] == "developer" else m["role"]
         images: list[str] = []
+        user = role == "user"
         msg: dict[str, Any] = {
             "role": role,
-            "content": _content(m.get("content"), i, images if role == "user" else None),
+            "content": _content(m.get("content"), i, images if user else None, files if user else None),
         }
         if images:
             msg["images"] = images  # data URLs, decoded by the service (engine.vision.images)
@@ -314,7 +334,8 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
         raise bad_request("The request body must be a JSON object.")
     model, settings, stream, include_usage = _common(body, limits)
     settings.think = _think(body)
-    messages = _messages(body)
+    files: list[str] = []
+    messages = _messages(body, files)
     logprobs = _bool(body, "logprobs")
     settings.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     if settings.top_logprobs and not logprobs:
@@ -327,7 +348,7 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
     n = _int(body, "n", 1, MAX_CHOICES) or 1
     settings.beam = _beam(body, settings, n)
     spec = _speculative(body, settings)
-    return ParsedRequest(model, messages, None, settings, stream, include_usage, logprobs, n, tools, spec)
+    return ParsedRequest(model, messages, None, settings, stream, include_usage, logprobs, n, tools, spec, files)
 
 
 def parse_completion(body: Any, limits: Limits) -> ParsedRequest:

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.backends.base import Backend
+from engine.documents.attach import MAX_ATTACHMENTS
+from engine.documents.extract import Document
 from engine.errors import InputTooLarge, InsufficientMemory, SparkError
 from engine.generation.batch import Completion, RowMemoryFactory
 from engine.generation.loop import GenerationEvent, GenerationSettings
@@ -39,7 +41,9 @@ from engine.hw.memory import allocatable_bytes, format_bytes
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
 from engine.openai.beams import BeamRunner
+from engine.openai.documents import RowDocuments, check_attachable
 from engine.openai.errors import bad_request, busy, too_large, unavailable
+from engine.openai.files import FileLimits
 from engine.openai.metrics import Metrics
 from engine.openai.protocol import Limits, ParsedRequest
 from engine.openai.tools import chat_inputs
@@ -70,6 +74,7 @@ class ServeConfig:
     allow_origins: tuple[str, ...] = ()  # CORS is off unless origins are named
     speculative: Speculation = Speculation.OFF  # for requests that do not send "speculative" (where it combines)
     allow_image_urls: bool = False  # fetch http(s) image_url parts (else only data: URLs are read)
+    files: FileLimits = field(default_factory=FileLimits)  # POST /v1/files (engine.openai.files)
 
 
 def request_speculation(req: ParsedRequest, default: Speculation, has_draft: bool) -> Speculation:
@@ -97,8 +102,10 @@ class Job:
         request: Request,
         loop: asyncio.AbstractEventLoop,
         on_done: Callable[[Completion], None],
+        documents: RowDocuments | None = None,
     ) -> None:
         self.request = request
+        self.documents = documents  # what the request attached, and what its reply recalled
         self._queue: asyncio.Queue[GenerationEvent | None] = asyncio.Queue()
 
         def put(item: GenerationEvent | None) -> None:
@@ -140,6 +147,7 @@ class BeamChoice(Job):
         self, request: Request, loop: asyncio.AbstractEventLoop, on_done: Callable[[Completion], None]
     ) -> None:
         self.request = request
+        self.documents = None
         self._queue = asyncio.Queue()
         self.future = Future()
         self._loop, self._on_done = loop, on_done
@@ -232,6 +240,9 @@ class ModelService:
         step = threading.Lock()
         beam_backend = LockedBackend(backend.fork(), step)
         beam_backend.allocate(1, num_slots)
+        # Documents' capsules are read on forks of this one-row table (a cascade resizes a one-row table only).
+        self.reader = LockedBackend(backend.fork(), step)
+        self.reader.allocate(1, 1)
         self.beams = BeamRunner(beam_backend, tokenizer, memory_factory)
         drafts: dict[int, Backend] = {}  # row -> its draft model's slot table (kept: it follows the row's context)
 
@@ -316,9 +327,21 @@ class ModelService:
         except SparkError as exc:
             raise bad_request(str(exc), "messages") from None
 
-    async def start(self, req: ParsedRequest) -> list[Job]:
+    async def start(self, req: ParsedRequest, documents: list[Document] | None = None) -> list[Job]:
         """Tokenize (off the event loop) and queue `req`'s `n` choices, each a request of its own (rows of one batch;
-        a seeded request's choice i draws with seed + i); ApiError when it is refused (then none is queued)."""
+        a seeded request's choice i draws with seed + i); ApiError when it is refused (then none is queued).
+        `documents`: the files `req` attaches, read from the file store (engine.openai.documents); each choice's row
+        attaches them for that request only (`Job.documents` then says what its reply recalled)."""
+        if req.files and documents is None:
+            raise bad_request("File parts are read on /v1/chat/completions only.", "messages")
+        if documents:
+            check_attachable(self.memories[0] if self.memories else None)
+            if len(documents) > MAX_ATTACHMENTS:
+                raise bad_request(f"A request attaches at most {MAX_ATTACHMENTS} files.", "messages")
+            if req.settings.beam.beams > 1:
+                raise bad_request(
+                    "Beam search does not attach files; send file parts without 'beam_width'.", "messages"
+                )
         mode = request_speculation(req, self.config.speculative, self.draft is not None)
         req.settings = replace(req.settings, speculative=mode)
         try:
@@ -340,7 +363,10 @@ class ModelService:
                 settings = req.settings
                 if i and seed is not None:
                     settings = replace(settings, sampling=replace(settings.sampling, seed=seed + i))
-                jobs.append(Job(self.scheduler, Request(ids, settings), asyncio.get_running_loop(), self._count))
+                attach = RowDocuments(documents, self.tokenizer, self.reader) if documents else None
+                request = Request(ids, settings, attach=attach)
+                done = self._count if attach is None else self._counter(attach)
+                jobs.append(Job(self.scheduler, request, asyncio.get_running_loop(), done, attach))
         except (QueueFull, SchedulerClosed) as exc:
             for job in jobs:
                 job.cancel_unless_done()
@@ -355,6 +381,13 @@ class ModelService:
         )
         if c.speculated:
             self.metrics.speculated(c.drafted_tokens, c.accepted_tokens, c.verify_forwards, c.forwards, len(c.tokens))
+
+    def _counter(self, docs: RowDocuments) -> Callable[[Completion], None]:
+        def count(c: Completion) -> None:
+            self._count(c)
+            self.metrics.documents(docs.document_tokens, docs.read_tokens)
+
+        return count
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special=False)

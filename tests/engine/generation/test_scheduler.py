@@ -15,7 +15,7 @@ from engine.generation.loop import GenerationEvent, GenerationSettings, stream_g
 from engine.generation.sampling import SamplingSettings
 from engine.generation.scheduler import Priority, QueueFull, Request, Scheduler, SchedulerConfig
 from engine.loading.tokenizer import Tokenizer
-from engine.memory.base import FullAttentionMemory
+from engine.memory.base import FullAttentionMemory, Memory
 from tests.helpers.fixtures import TinyModel
 
 GREEDY = SamplingSettings(greedy=True)
@@ -217,3 +217,45 @@ def test_idle_rows_give_their_table_back_and_serve_again(tiny: TinyModel) -> Non
         assert row_backend.cache.capacity == 0 and row_backend.kv_resident_bytes() < 64 * 3 * 2 * 2 * 16 * 2
         assert sched.submit(Request(ids, settings(6))).result(timeout=120).tokens == want
         assert row_backend.cache.capacity > 0
+
+
+class Recorder:
+    """A RowAttachment that records what the scheduler told it, and the events its request had by then."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.log: list[str] = []
+        self.memory: Memory | None = None
+        self.events_at_observe = -1
+        self.events: list[GenerationEvent] = []
+
+    def __call__(self, memory: Memory) -> Recorder:
+        self.memory = memory
+        self.log.append("attach")
+        if self.fail:
+            raise ValueError("this file will not attach")
+        return self
+
+    def observe(self) -> None:
+        self.log.append("observe")
+        self.events_at_observe = len(self.events)
+
+    def detach(self) -> None:
+        self.log.append("detach")
+
+
+def test_attach_hook_runs_at_admission_observes_before_the_first_event_and_detaches_at_the_end(
+    tiny: TinyModel,
+) -> None:
+    ids = tiny.tokenizer.encode(TEXT)
+    hook, failing = Recorder(), Recorder(fail=True)
+    with scheduler(tiny) as sched:
+        c = sched.submit(Request(ids[:12], settings(3), attach=hook, on_event=hook.events.append)).result(timeout=120)
+        assert len(c.tokens) == 3
+        assert hook.log == ["attach", "observe", "detach"] and hook.events_at_observe == 0
+        assert hook.memory is not None and not hook.memory.tokens  # the row forgot the request with attachments
+        with pytest.raises(ValueError, match="will not attach"):
+            sched.submit(Request(ids[:5], settings(2), attach=failing)).result(timeout=120)
+        assert failing.log == ["attach"]
+        plain = sched.submit(Request(ids[:12], settings(3))).result(timeout=120)  # the rows still serve
+    assert plain.tokens == c.tokens

@@ -17,11 +17,15 @@ def test_bad_flags_are_one_line(capsys: pytest.CaptureFixture[str], tiny_dir: Pa
     assert main(["serve", "--model", str(tiny_dir), "--port", "70000"]) == 2
     assert main(["serve", "--model", str(tiny_dir), "--max-batch", "0"]) == 2
     assert main(["serve", "--model", str(tiny_dir), "--speculative", "draft"]) == 2
+    assert main(["serve", "--model", str(tiny_dir), "--max-files", "0"]) == 2
+    assert main(["serve", "--model", str(tiny_dir), "--max-file-bytes", str(64 * 1024**2)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "error: --port must be between 0 and 65535, not 70000.",
         "error: --max-batch must be at least 1, not 0.",
         "error: --speculative draft needs --draft-model M (a smaller model of the same vocabulary).",
+        "error: --max-files must be at least 1, not 0.",
+        "error: --max-file-bytes may be at most 33,554,432, the most a document may weigh.",
     ]
 
 
