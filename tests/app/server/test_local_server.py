@@ -15,12 +15,11 @@ from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QMenu
 
 from app.misc.gap_meter import GapMeter
-from app.server import local_server
 from app.server.local_server import LibraryServing, LocalServerController, install_local_server_menu, switch_text
 from app.settings.remote_servers import AddServerDialog, RemoteServerList
 from engine.library.store import ModelSource, ModelStore
 from engine.openai.client import RemoteServer
-from engine.openai.models import LoadSettings
+from engine.openai.models import LoadSettings, loader_for
 from engine.openai.pool import Loader
 from engine.session.engine import Engine, memory_factory_for
 from tests.helpers.gguf_files import write_gguf
@@ -73,10 +72,9 @@ def test_library_models_are_served_by_name_loaded_off_the_gui_thread(  # type: i
     source = ModelSource("test/tiny-qwen3", "tiny-qwen3.gguf", "0" * 40, "0" * 64, part.stat().st_size)
     other = ModelStore(tmp_path / "data" / "models").install(part, source, "qwen3").name
     load_threads: list[str] = []
-    real_loader_for = local_server.loader_for
 
     def recording_loader_for(settings: LoadSettings) -> Loader:
-        load_model = real_loader_for(settings)
+        load_model = loader_for(settings)
 
         def load_recorded(*args: Any) -> Any:
             load_threads.append(threading.current_thread().name)
@@ -84,7 +82,7 @@ def test_library_models_are_served_by_name_loaded_off_the_gui_thread(  # type: i
 
         return load_recorded
 
-    monkeypatch.setattr(local_server, "loader_for", recording_loader_for)
+    monkeypatch.setattr("app.server.local_server.loader_for", recording_loader_for)
     library = LibraryServing(tmp_path / "data" / "models", lambda: LoadSettings(backend="cpu", cache_dir=tmp_path))
     controller = LocalServerController(port=0, library=library)
     controller.attach(load(tiny_model, tmp_path))
