@@ -144,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         )
     others = f" and {len(servable) - 1} more by name" if len(servable) > 1 else ""
     print(f"serving {config.model_id}{others} at {server.url} (backend: {engine.choice.explain()})", file=sys.stderr)
+    # From here the pool alone holds the first model: unloading it (--max-models, --keep-alive) frees its weights.
+    del engine, first
     server.serve_forever()
     return 0
 
