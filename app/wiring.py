@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from app.inspector.hw_monitor import HardwareMonitor
 from app.misc.standarddirs import StandardDirs
-from app.server.local_server import LocalServerController
+from app.server.local_server import LibraryServing, LocalServerController
 from app.settings.kept_memory import KeptMemoryControl
 from app.settings.preferences import Preferences
 from app.window.dialogs import Dialogs
@@ -16,6 +16,7 @@ from app.window.main_window import MainWindow
 from app.worker.client import ConversationClient
 from engine import KeptMemory
 from engine.hw import HardwarePolicy, SystemMemorySource, ThermalSource, default_thermal_source
+from engine.openai.models import LoadSettings
 
 
 def build_main_window(
@@ -32,7 +33,12 @@ def build_main_window(
     client = ConversationClient("chat-worker", policy, dirs.cache, store=True, clock=clock, kept=kept)
     quick_client = ConversationClient("quick-prompt-worker", policy, dirs.cache)
     monitor = HardwareMonitor(policy, memory)
-    local_server = LocalServerController()
+
+    # The Local Server serves the library's models too, loaded as the chat's are (its cache, policy and precision).
+    def settings() -> LoadSettings:
+        return LoadSettings(quantize=prefs.precision(), cache_dir=dirs.cache / "kv", policy=policy)
+
+    local_server = LocalServerController(library=LibraryServing(dirs.models, settings))
     window = MainWindow(client, quick_client, monitor, local_server, prefs, dirs, dialogs)
     window.dialogs.kept = KeptMemoryControl(kept, prefs)
     # Parent the non-widget pieces to the window so they live exactly as long as it does.

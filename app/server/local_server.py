@@ -1,23 +1,46 @@
 """The local server: serves the loaded model over the OpenAI-compatible API (engine.openai) on 127.0.0.1, beside
 the app's own conversations (the scheduler's forwards take the engine's step lock, so a chat and API requests
-interleave step by step). Its switch and "Copy Server URL" sit in the window's Model menu and in the menu-bar item.
+interleave step by step), and every model of the library by the name a request sends, loaded just in time through
+the same pool as `serve` (engine.openai.pool), on the pool's loading thread, never the GUI's. Its switch and "Copy
+Server URL" sit in the window's Model menu and in the menu-bar item.
 
 `LocalServerController` owns the server; `install_local_server_menu` adds the two actions to a QMenu. The
-controller is told about the loaded engine through `attach(engine)`; switching models restarts the server on the
-new one. The server binds loopback only: nothing beyond this machine can reach it.
+controller is told about the loaded engine through `attach(engine)`: it is shared with the window (never loaded
+twice) and pinned; switching models restarts the server on the new one. The server binds loopback only: nothing
+beyond this machine can reach it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal, Slot
 from PySide6.QtGui import QAction, QGuiApplication
 from PySide6.QtWidgets import QMenu
 
-from engine import Engine, SparkError
+from engine import AUTO_ORDER, Engine, SparkError
+from engine.library.store import ModelStore
+from engine.openai.models import LoadSettings, loader_for, model_size, servable_models
+from engine.openai.pool import ModelPool, Servable
 from engine.openai.server import LOOPBACK, LocalServer
 from engine.openai.service import ModelService, ServeConfig, served_name
 
 DEFAULT_PORT = 8080
+MAX_MODELS = 2  # the loaded model and one more; fewer when the hardware policy's budget refuses a load
+KEEP_ALIVE_S = 300.0  # a library model idle this long is unloaded (the loaded one stays: the window uses it)
+
+
+@dataclass(frozen=True)
+class LibraryServing:
+    """Serving the library's models beside the loaded one: where they are and how they load (read at each start,
+    so the Settings' weight precision of the moment applies)."""
+
+    models_dir: Path
+    settings: Callable[[], LoadSettings]
+    max_models: int = MAX_MODELS
+    keep_alive_s: float | None = KEEP_ALIVE_S
 
 
 class LocalServerController(QObject):
@@ -26,9 +49,13 @@ class LocalServerController(QObject):
     state_changed = Signal(bool, str)  # running, URL (empty when stopped)
     failed = Signal(str)  # one user-facing sentence
 
-    def __init__(self, port: int = DEFAULT_PORT, parent: QObject | None = None) -> None:
+    def __init__(
+        self, port: int = DEFAULT_PORT, library: LibraryServing | None = None, parent: QObject | None = None
+    ) -> None:
+        """`library` None: the loaded model only."""
         super().__init__(parent)
         self.port = port
+        self.library = library
         self._engine: Engine | None = None
         self._server: LocalServer | None = None
 
@@ -68,14 +95,10 @@ class LocalServerController(QObject):
             return
         engine = self._engine
         try:
-            service = ModelService(
-                engine.locked_fork(),
-                engine.tokenizer,
-                engine.memory_factory,
-                ServeConfig(model_id=served_name(engine.model_dir)),
-            )
+            config = ServeConfig(model_id=served_name(engine.model_dir))
+            service = ModelService(engine.locked_fork(), engine.tokenizer, engine.memory_factory, config)
             try:
-                self._server = LocalServer(service, LOOPBACK, self.port).start()
+                self._server = LocalServer(self._pool(engine, service), LOOPBACK, self.port).start()
             except BaseException:
                 service.close()
                 raise
@@ -84,6 +107,28 @@ class LocalServerController(QObject):
             self.state_changed.emit(False, "")
             return
         self.state_changed.emit(True, self._server.url)
+
+    def _pool(self, engine: Engine, service: ModelService) -> ModelPool:
+        """The loaded model (adopted and pinned: the window holds it) and, with a library, its models by name."""
+        if self.library is None:
+            return ModelPool.single(service)
+        config = service.config
+        default = Servable(config.model_id, engine.model_dir, model_size(engine.model_dir))
+        servable = servable_models(default, [], ModelStore(self.library.models_dir).models())
+        settings = self.library.settings()
+        backend = engine.backend.name
+        if settings.backend == "auto" and backend in AUTO_ORDER:
+            settings = replace(settings, backend=backend)  # the others run where the loaded one runs
+        pool = ModelPool(
+            servable,
+            config,
+            loader_for(settings),
+            max_models=self.library.max_models,
+            keep_alive_s=self.library.keep_alive_s,
+            metrics=service.metrics,
+        )
+        pool.adopt(config.model_id, service, pinned=True)
+        return pool
 
     def stop(self) -> None:
         if self._server is None:

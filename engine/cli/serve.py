@@ -9,24 +9,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from engine.cli.generate import add_model_args, open_engine
 from engine.documents.extract import MAX_FILE_BYTES
 from engine.errors import SparkError
 from engine.generation.speculative import Speculation
-from engine.hw import this_machine_policy
 from engine.library.store import ModelStore
 from engine.loading.model_files import check_model_path, resolve_model_path
 from engine.model.kv_types import KVType
 from engine.openai.files import FileLimits
-from engine.openai.metrics import Metrics
+from engine.openai.models import LoadSettings, loader_for, model_size, servable_models
 from engine.openai.pool import ModelPool, Servable
 from engine.openai.server import LOOPBACK, LocalServer, bind
 from engine.openai.service import ModelService, ServeConfig, served_name
 from engine.paths import models_dir
-from engine.session.engine import Engine, memory_factory_for
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -141,10 +138,11 @@ def run(args: argparse.Namespace) -> int:
         allow_image_urls=args.allow_image_urls,
         files=FileLimits(args.max_file_bytes, args.max_files, args.max_files_bytes),
     )
-    default = Servable(config.model_id, engine.model_dir, _size(engine.model_dir))
-    servable = servable_models(default, extra)
+    default = Servable(config.model_id, engine.model_dir, model_size(engine.model_dir))
+    servable = servable_models(default, extra, ModelStore(models_dir()).models())
     keep_alive = None if args.keep_alive < 0 else args.keep_alive
-    pool = ModelPool(servable, config, loader_for(args), max_models=args.max_models, keep_alive_s=keep_alive)
+    loader = loader_for(load_settings(args))
+    pool = ModelPool(servable, config, loader, max_models=args.max_models, keep_alive_s=keep_alive)
     first = ModelService(
         engine.locked_fork(),
         engine.tokenizer,
@@ -168,47 +166,18 @@ def run(args: argparse.Namespace) -> int:
         )
     others = f" and {len(servable) - 1} more by name" if len(servable) > 1 else ""
     print(f"serving {config.model_id}{others} at {server.url} (backend: {engine.choice.explain()})", file=sys.stderr)
+    # From here the pool alone holds the first model: unloading it (--max-models, --keep-alive) frees its weights.
+    del engine, first
     server.serve_forever()
     return 0
 
 
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    except OSError:
-        return 0
-
-
-def servable_models(default: Servable, extra: list[Path]) -> list[Servable]:
-    """The default model first, then each --add-model, then the library's models (a name given twice: the first)."""
-    out = {default.name: default}
-    for path in extra:
-        out.setdefault(served_name(path), Servable(served_name(path), path, _size(path)))
-    for m in ModelStore(models_dir()).models():
-        out.setdefault(m.name, Servable(m.name, m.path.parent, m.size_bytes))
-    return list(out.values())
-
-
-def loader_for(args: argparse.Namespace) -> Callable[[Servable, ServeConfig, Metrics], ModelService]:
-    """Loads a model the way the first was loaded (backend, weights, KV type, prefix cache), refusing one the
-    machine's memory cannot hold (InsufficientMemory: the pool gives back an idle model and tries again)."""
-
-    def load(servable: Servable, config: ServeConfig, metrics: Metrics) -> ModelService:
-        assert servable.path is not None
-        policy = this_machine_policy()
-        factory = memory_factory_for(
-            servable.path, cache_dir=args.cache_dir, prefix_cache=not args.no_prefix_cache, policy=policy
-        )
-        engine = Engine.load(
-            servable.path,
-            args.backend,
-            memory_factory=factory,
-            policy=policy,
-            quantize=args.quantize,
-            kv_type=KVType(args.kv_type),
-        )
-        return ModelService(
-            engine.locked_fork(), engine.tokenizer, engine.memory_factory, config, None, metrics, vision=engine.vision
-        )
-
-    return load
+def load_settings(args: argparse.Namespace) -> LoadSettings:
+    """The model flags as the loader of every further model takes them (the first was loaded by them too)."""
+    return LoadSettings(
+        backend=args.backend,
+        quantize=args.quantize,
+        kv_type=KVType(args.kv_type),
+        cache_dir=args.cache_dir,
+        prefix_cache=not args.no_prefix_cache,
+    )

@@ -6,7 +6,7 @@ A request holds a `Lease` on its model from before it is queued until its last e
 a model resident. Loading runs on a worker thread, so requests to models already resident go on while another loads.
 Pool state is touched from the event loop only (the load and the unload themselves run on threads).
 
-A server of one model (`ModelPool.single`, the app's Local Server, tests) answers any name with it, as before:
+A server of one model (`ModelPool.single`, tests) answers any name with it, as before:
 clients send placeholders ("gpt-4o", "local-model"). Serving several, a name that is none of them is a 404 that
 lists them.
 """

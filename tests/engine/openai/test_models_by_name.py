@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import ollama
 import openai
+import psutil
 import pytest
 
 from engine.backends.torch_backend import TorchBackend
@@ -26,6 +28,7 @@ from engine.openai.pool import ModelPool, Servable, parse_keep_alive
 from engine.openai.server import LocalServer
 from engine.openai.service import ModelService, ServeConfig
 from engine.session.engine import memory_factory_for
+from tests.helpers.default_model import default_model_dir
 from tests.helpers.http_clients import closed_after_test
 from tests.helpers.server import CASCADE, KEY
 from tests.helpers.tiny import make_tiny_model
@@ -209,3 +212,52 @@ def test_serve_serves_added_models_by_name(models: dict[str, Path], tmp_path: Pa
     finally:
         proc.terminate()
         proc.communicate(timeout=30)  # reads what is left and closes the pipe
+
+
+def serving(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    """`serve` started, and its URL (read from its "serving …" line)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if line.startswith("serving "):
+            return proc, line.split(" at ")[1].split(" ")[0]
+    proc.communicate(timeout=30)
+    raise AssertionError("the server did not start")
+
+
+def rss_growth_on_switch(models: tuple[Path, Path], max_models: int, tmp_path: Path) -> int:
+    """Bytes the serving process's RSS grew by when a request named the second model, after one to the first."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLOT_SPARK_MODELS_DIR": str(tmp_path / "lib"),
+           "XDG_CACHE_HOME": str(tmp_path / "cache"), "MLOT_SPARK_API_KEY": KEY}  # fmt: skip
+    cmd = [sys.executable, "-m", "engine", "serve", "--model", str(models[0]), "--add-model", str(models[1]),
+           "--max-models", str(max_models), "--port", "0", "--backend", "cpu", "--no-prefix-cache",
+           "--max-batch", "1"]  # fmt: skip
+    proc, url = serving(cmd, env)
+    try:
+        process = psutil.Process(proc.pid)
+        client = closed_after_test(openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=300))
+        rss = []
+        for path in models:
+            r = client.chat.completions.create(model=path.stem, messages=ASK, max_tokens=2)  # type: ignore[arg-type]
+            assert r.model == path.stem
+            rss.append(process.memory_info().rss)
+        return int(rss[1] - rss[0])
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+@pytest.mark.slow  # four loads of a ~100 MB model in two servers: 97 s on the 2-core VM
+def test_max_models_1_keeps_one_model_resident_as_rss_shows(tmp_path: Path) -> None:
+    # The default model's GGUF (~100 MB) and a copy of it under another name: big enough for RSS to show.
+    gguf = default_model_dir()
+    models = (tmp_path / "a" / "smol-a.gguf", tmp_path / "b" / "smol-b.gguf")
+    for path in models:
+        path.parent.mkdir()
+        shutil.copyfile(gguf, path)
+    size = gguf.stat().st_size
+    both = rss_growth_on_switch(models, 2, tmp_path / "two")
+    one = rss_growth_on_switch(models, 1, tmp_path / "one")
+    print(f"RSS growth on switching to a second ~{size >> 20} MiB model: max 2 {both >> 20} MiB, max 1 {one >> 20} MiB")
+    assert both > size // 2  # two resident: the second's weights on top of the first's (what RSS can see)
+    assert one < size // 2  # one resident: the first's weights went before the second's came
