@@ -365,6 +365,7 @@ def _matches(kept: SessionData, record: SessionData, backend: Backend) -> bool:
 # its trailing slots that hold nothing (all bits zero: never written), so a conversation shorter than the window
 # keeps only what it wrote; reading pads them back, the same bits.
 SLOT_TENSORS = ("wk.k", "wk.v")
+SLOT_SCAN_CHUNK = 64
 
 
 def snapshot_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -380,16 +381,26 @@ def snapshot_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def _used_slots(tensors: dict[str, torch.Tensor]) -> int | None:
-    """How many leading slots of the working tensors were ever written (None: not a cascade state)."""
+    """How many leading slots of the working tensors were ever written (None: not a cascade state). Scanned from the
+    end, a chunk of slots at a time: a full window (a long conversation) is answered by its last chunk."""
     if not all(name in tensors and tensors[name].ndim == 4 for name in SLOT_TENSORS):
         return None
-    used = 0
-    for name in SLOT_TENSORS:
-        t = tensors[name]
-        bits = t.contiguous().view(torch.uint8).reshape(t.shape[0] * t.shape[1], t.shape[2], -1)
-        written = torch.nonzero(bits.any(dim=2).any(dim=0))
-        used = max(used, int(written[-1]) + 1 if written.numel() else 0)
-    return used
+    slots = min(tensors[name].shape[2] for name in SLOT_TENSORS)
+    end = slots
+    while end > 0:
+        start = max(0, end - SLOT_SCAN_CHUNK)
+        written = None
+        for name in SLOT_TENSORS:
+            part = tensors[name][:, :, start:end].contiguous()
+            bits = part.view(torch.uint8).reshape(part.shape[0] * part.shape[1], end - start, -1)
+            hit = bits.any(dim=2).any(dim=0)
+            written = hit if written is None else written | hit
+        assert written is not None
+        found = torch.nonzero(written)
+        if found.numel():
+            return start + int(found[-1]) + 1
+        end = start
+    return 0
 
 
 def pad_slots(tensors: dict[str, torch.Tensor], num_slots: int) -> bool:
