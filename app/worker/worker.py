@@ -83,7 +83,7 @@ READ_INTERVAL_S = 0.1  # reading progress at most 10 times a second
 PARKED_SHARE = 0.5
 PARKED_BYTES_UNBOUNDED = 1024**3
 KEEP_DELAY_MS = 1500  # after a turn, the memory is kept on disk once the worker has been idle this long
-KEEP_QUIT_WAIT_S = 0.4  # quit waits this long for the kept copies still being written, then abandons them
+KEEP_QUIT_WAIT_S = 0.4  # quit waits until this long after it began for the kept copies, then abandons them
 NO_PROGRESS = TurnProgress(0, 0, 0.0, 0.0)
 
 
@@ -442,13 +442,15 @@ class ConversationWorker(QObject):
     @Slot()
     def on_shutdown(self) -> None:
         """Last request before the thread quits: store the conversation (the reply was already stopped)."""
+        began = time.monotonic()
         try:
             self._store(verify=False)  # in a hurry: the app is quitting
             self._keep_current()  # usually already kept after the last turn; else now, for the relaunch
             for path, parked in list(self._parked.items()):
                 self._keep(path, parked)  # a no-op for those kept when they were left
             if self._kept is not None:
-                self._kept.close(KEEP_QUIT_WAIT_S)  # a write not done by then is abandoned, its temp file removed
+                # Until KEEP_QUIT_WAIT_S after quit began; a write not done by then is abandoned, its temp file removed.
+                self._kept.close(max(0.0, KEEP_QUIT_WAIT_S - (time.monotonic() - began)))
             self._close_all()
             self._close_toolbox()
         finally:
