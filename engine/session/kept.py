@@ -365,7 +365,6 @@ def _matches(kept: SessionData, record: SessionData, backend: Backend) -> bool:
 # its trailing slots that hold nothing (all bits zero: never written), so a conversation shorter than the window
 # keeps only what it wrote; reading pads them back, the same bits.
 SLOT_TENSORS = ("wk.k", "wk.v")
-SLOT_SCAN_CHUNK = 64
 
 
 def snapshot_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -381,26 +380,24 @@ def snapshot_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def _used_slots(tensors: dict[str, torch.Tensor]) -> int | None:
-    """How many leading slots of the working tensors were ever written (None: not a cascade state). Scanned from the
-    end, a chunk of slots at a time: a full window (a long conversation) is answered by its last chunk."""
+    """How many leading slots of the working tensors were ever written (None: not a cascade state)."""
     if not all(name in tensors and tensors[name].ndim == 4 for name in SLOT_TENSORS):
         return None
     slots = min(tensors[name].shape[2] for name in SLOT_TENSORS)
-    end = slots
-    while end > 0:
-        start = max(0, end - SLOT_SCAN_CHUNK)
-        written = None
-        for name in SLOT_TENSORS:
-            part = tensors[name][:, :, start:end].contiguous()
-            bits = part.view(torch.uint8).reshape(part.shape[0] * part.shape[1], end - start, -1)
-            hit = bits.any(dim=2).any(dim=0)
-            written = hit if written is None else written | hit
-        assert written is not None
-        found = torch.nonzero(written)
-        if found.numel():
-            return start + int(found[-1]) + 1
-        end = start
-    return 0
+    written = _written(tensors[SLOT_TENSORS[0]][:, :, :slots]) | _written(tensors[SLOT_TENSORS[1]][:, :, :slots])
+    found = torch.nonzero(written)
+    return int(found[-1]) + 1 if found.numel() else 0
+
+
+def _written(part: torch.Tensor) -> torch.Tensor:
+    """(slots,) bool: which slots of an (L, Hkv, slots, D) tensor hold any nonzero bit. Read as 8-byte words in
+    place where the rows allow it (no copy, an eighth of the comparisons), else as bytes; one reduction (a chain of
+    them costs several times as much on a busy machine)."""
+    if part.stride(-1) == 1 and (part.shape[-1] * part.element_size()) % 8 == 0:
+        words = part.view(torch.int64)
+    else:
+        words = part.contiguous().view(torch.uint8)
+    return words.ne(0).to(torch.uint8).amax(dim=(0, 1, 3)).bool()
 
 
 def pad_slots(tensors: dict[str, torch.Tensor], num_slots: int) -> bool:
