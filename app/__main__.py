@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QCoreApplication, QSettings
 
-from engine import AUTO_ORDER, GenerationSettings, SamplingSettings
+from engine import AUTO_ORDER, GenerationSettings, KeptMemory, SamplingSettings
 
 if TYPE_CHECKING:
     from app.window.main_window import MainWindow
@@ -166,6 +166,8 @@ def time_kept_memory(
     switch = (time.perf_counter() - t0) * 1000
     if name != "restored" or recomputed:
         raise SelfTestFailure(f"switching back did not hand the memory back: {value or name}")
+    if window.dialogs.kept is not None:  # as after a quit: its copy on disk has landed before the relaunch reads it
+        wait_kept(window.dialogs.kept.kept, window.library.path_for(first))
     cmd = [sys.executable, "-m", "app", "--reopen-probe", str(workdir), first, "--backend", backend]
     if model is not None:
         cmd += ["--model", str(model)]
@@ -180,6 +182,16 @@ def time_kept_memory(
         "reopen_tokens": probe["reopen_tokens"],
         "reopen_memory": probe["memory"],
     }
+
+
+def wait_kept(kept: KeptMemory, conversation: Path) -> None:
+    """Until `conversation`'s memory is on disk (its write is queued once the worker has been idle a moment)."""
+    deadline = time.monotonic() + STEP_TIMEOUT_MS / 1000
+    while kept.pending(conversation) is not None or not kept.entry_path(conversation).is_file():
+        if time.monotonic() > deadline:
+            raise SelfTestFailure("the conversation's memory was not kept on disk")
+        QCoreApplication.processEvents()
+        time.sleep(0.05)
 
 
 def reopen_probe(model: Path | None, backend: str, workdir: Path, conversation_id: str) -> dict[str, float | int | str]:

@@ -1,7 +1,8 @@
 """Conversation commands: new chat, undo, save a copy, open, rename, duplicate, branch, delete, export.
 
 Every conversation is already stored in the library, so none of these asks about unsaved work; New Chat and
-Delete can be undone (the stored conversation reopens with its memory). The commands read and write the window's
+Delete can be undone (the stored conversation reopens: after New Chat with its memory; after Delete, whose memory,
+in RAM and on disk, goes with it, by recomputing). The commands read and write the window's
 `WindowState`, send requests through the client, and say what the window should show through their signals.
 """
 
@@ -167,6 +168,7 @@ class ConversationCommands(QObject):
         if entry is None:
             return
         self._library.delete(conversation_id)
+        self._client.forget(self._library.path_for(conversation_id))  # its kept memory goes with it
         self._push_undo(UndoStep("Delete", conversation_id, entry))
         self.history_changed.emit()
         self.notice.emit(Notice(f"Deleted “{entry.title}”.", False, ("Undo", self.undo)))

@@ -40,6 +40,7 @@ class ConversationClient(QObject):
     _set_system_prompt = Signal(str)
     _save = Signal(str, bool)
     _restore = Signal(str, bool, str)
+    _forget = Signal(str)
     _shutdown = Signal()
     _tool_servers = Signal(list)
 
@@ -96,6 +97,7 @@ class ConversationClient(QObject):
             (self._set_system_prompt, w.on_system_prompt),
             (self._save, w.on_save),
             (self._restore, w.on_restore),
+            (self._forget, w.on_forget),
             (self._shutdown, w.on_shutdown),
             (self._tool_servers, w.on_tool_servers),
         ):
@@ -181,6 +183,10 @@ class ConversationClient(QObject):
 
     def restore(self, path: Path, transcript_only: bool = False, store_path: Path | None = None) -> None:
         self._restore.emit(str(path), transcript_only, str(store_path) if store_path else "")
+
+    def forget(self, store_path: Path) -> None:
+        """The conversation stored at `store_path` was deleted: its memory is kept no more (RAM and disk)."""
+        self._forget.emit(str(store_path))
 
     def shutdown(self, timeout_ms: int = 30_000) -> bool:
         """Stop any reply, store the conversation, end the thread; False when it is still busy after `timeout_ms`."""

@@ -217,7 +217,8 @@ class LocalConversation:
             return False
         if self._kept_as == (path, *self._signature()):
             return True
-        done = self.session.keep(self._kept, path)
+        # A snapshot now, written by the kept memory's background writer: this thread never waits for the disk.
+        done = self.session.keep(self._kept, path, later=True)
         self._kept_as = (path, *self._signature()) if done else None
         return done
 

@@ -16,7 +16,9 @@ change (a compact `.spark`, atomically) in the file the GUI's conversation libra
 store, so nothing typed or generated is ever only in memory. Its memory is kept too: in RAM for the conversations
 left recently (within the hardware policy's budget), and on disk (engine.session.kept) once the worker is idle after
 a turn, when it is left, and at quit; opening a conversation reads that back and recomputes only when no kept copy
-matches its record.
+matches its record. The worker only takes a snapshot of the memory; the kept memory's own thread writes it, so a
+switch or a send never waits for the disk, and quit waits for it at most KEEP_QUIT_WAIT_S. A deleted conversation's
+memory is forgotten in RAM and on disk (Undo reopens it by recomputing).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ READ_INTERVAL_S = 0.1  # reading progress at most 10 times a second
 PARKED_SHARE = 0.5
 PARKED_BYTES_UNBOUNDED = 1024**3
 KEEP_DELAY_MS = 1500  # after a turn, the memory is kept on disk once the worker has been idle this long
+KEEP_QUIT_WAIT_S = 0.4  # quit waits until this long after it began for the kept copies, then abandons them
 NO_PROGRESS = TurnProgress(0, 0, 0.0, 0.0)
 
 
@@ -125,6 +128,7 @@ class ConversationWorker(QObject):
         self._system_text = ""
         self._parked: OrderedDict[Path, Conversation] = OrderedDict()  # store path -> a conversation left recently
         self._kept = kept if store else None  # memories kept on disk for the stored conversations
+        self._forgotten: set[Path] = set()  # deleted conversations: nothing of their memory is kept again
         self._read_t0 = 0.0
         self._read_last = 0.0
         self._tool_servers: list[McpServerSpec] = []
@@ -355,6 +359,8 @@ class ConversationWorker(QObject):
         came from the library, a new one for a file opened from elsewhere)."""
         source = Path(path)
         target = Path(store_path) if store_path else None
+        if target is not None:
+            self._forgotten.discard(target)  # Undo of a delete: kept again from now on
         parked = self._parked.pop(source, None) if not transcript_only and target == source else None
         if parked is not None:  # left a moment ago: its memory is still there, nothing to recompute
             left = self._park()
@@ -424,14 +430,28 @@ class ConversationWorker(QObject):
         self.memory.emit(self._report(conversation))
         self.restored.emit(SessionFileEvent("restored", path, time.time(), note))
 
+    @Slot(str)
+    def on_forget(self, path: str) -> None:
+        """The conversation stored at `path` was deleted: its memory leaves RAM and the disk (a write of it queued or
+        in flight included)."""
+        store_path = Path(path)
+        self._forgotten.add(store_path)
+        self._parked.pop(store_path, None)
+        if self._kept is not None:
+            self._kept.discard(store_path)
+
     @Slot()
     def on_shutdown(self) -> None:
         """Last request before the thread quits: store the conversation (the reply was already stopped)."""
+        began = time.monotonic()
         try:
             self._store(verify=False)  # in a hurry: the app is quitting
             self._keep_current()  # usually already kept after the last turn; else now, for the relaunch
             for path, parked in list(self._parked.items()):
                 self._keep(path, parked)  # a no-op for those kept when they were left
+            if self._kept is not None:
+                # Until KEEP_QUIT_WAIT_S after quit began; a write not done by then is abandoned, its temp file removed.
+                self._kept.close(max(0.0, KEEP_QUIT_WAIT_S - (time.monotonic() - began)))
             self._close_all()
             self._close_toolbox()
         finally:
@@ -506,6 +526,8 @@ class ConversationWorker(QObject):
             self.memory.emit(self._report(conversation))
 
     def _keep(self, path: Path, conversation: Conversation) -> None:
+        if path in self._forgotten:
+            return
         try:
             conversation.keep(path)
         except Exception:  # an accelerator only: the compact record is stored, a failed copy costs a recompute

@@ -17,6 +17,7 @@ stay beside the state they move.
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 import time
@@ -28,6 +29,7 @@ from typing import Any
 from engine.backends import BackendChoice, open_backend
 from engine.backends.base import Backend
 from engine.errors import InputTooLarge, SessionFileError, SparkError
+from engine.fileio import FileSystem
 from engine.generation.loop import (
     GenerationEvent,
     GenerationSettings,
@@ -64,7 +66,7 @@ from engine.session.file import (
     restore,
     save_session,
 )
-from engine.session.kept import KeptMemory, entry_estimate, trim_slots
+from engine.session.kept import KeptMemory, entry_estimate, snapshot_tensors
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
 from engine.session.setup import LockedBackend, MemoryFactory, TokenCounter, check_fits, memory_factory_for
 from engine.vision.idefics3 import IMAGE_TOKEN
@@ -401,35 +403,44 @@ class Session:
             kv_type=self.backend.kv_type.value,
         )
 
-    def keep(self, kept: KeptMemory, conversation: Path) -> bool:
+    def keep(self, kept: KeptMemory, conversation: Path, *, later: bool = False) -> bool:
         """Keep this conversation's whole memory on disk for `conversation` (its compact file), so reopening it
-        reads instead of recomputing (engine.session.kept); False when nothing was kept (no memory, over budget)."""
+        reads instead of recomputing (engine.session.kept); False when nothing was kept (no memory, over budget).
+        With `later`, a snapshot (a copy of the state) is taken now and written by the kept memory's background
+        writer: True once queued."""
         if not self.memory.tokens:
             kept.discard(conversation)
             return False
         meta, tensors = self.memory.state()
-        trim_slots(tensors)  # the slots a conversation shorter than the window never wrote are not kept
+        meta = copy.deepcopy(meta)
+        tensors = snapshot_tensors(tensors)  # trimmed of never-written slots, and no longer the live memory's
         state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         extra: dict[str, Any] = {"numerics": self.backend.numerics}
+        fingerprint, tokenizer_hash = self.backend.fingerprint, self.tokenizer.content_hash
+        kv_type, pending, token_ids = self.backend.kv_type.value, self.pending_token, list(self.memory.tokens)
 
-        def write(path: Path) -> int:
+        def write(path: Path, fs: FileSystem) -> int:
             return save_session(
                 path,
-                fingerprint=self.backend.fingerprint,
-                tokenizer_hash=self.tokenizer.content_hash,
+                fingerprint=fingerprint,
+                tokenizer_hash=tokenizer_hash,
                 messages=[],  # the compact file holds the transcript; this entry only the memory
                 system_prompt=None,
                 settings={},
                 memory_state=(meta, tensors),
-                pending_token=self.pending_token,
+                pending_token=pending,
                 sampler_state=None,
                 extra=extra,
-                token_ids=list(self.memory.tokens),
+                token_ids=token_ids,
                 compression="none",  # read back at the speed of a copy
-                kv_type=self.backend.kv_type.value,
+                kv_type=kv_type,
+                fs=fs,
             )
 
-        return kept.write(conversation, entry_estimate(state_bytes, len(self.memory.tokens)), write)
+        estimate = entry_estimate(state_bytes, len(token_ids))
+        if later:
+            return kept.write_later(conversation, estimate, write)
+        return kept.write(conversation, estimate, write)
 
     def load(
         self,

@@ -112,3 +112,19 @@ def test_the_inspector_says_where_the_memory_came_from_in_plain_words() -> None:
     assert "read back from the memory kept on disk" in disk and "A copy is kept on disk (2" in disk
     assert "recomputed" in kept_words(MemoryReport((working,), 40, "", MemoryHeld.RECOMPUTED))
     assert kept_words(MemoryReport((), 0, "http://server")) == ""
+
+
+def test_deleting_a_conversation_deletes_its_kept_memory(  # type: ignore[no-untyped-def]
+    qtbot, window: MainWindow, gui, prefs, dirs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(worker_module, "KEEP_DELAY_MS", 0)  # kept as soon as the worker is idle
+    set_reply_tokens(prefs, 8)
+    say(qtbot, gui, window, "Forget me")
+    first = window.state.current_id
+    assert window.dialogs.kept is not None
+    kept, path = window.dialogs.kept.kept, window.library.path_for(first)
+    qtbot.waitUntil(lambda: kept.pending(path) is None and kept.entry_path(path).is_file(), timeout=WAIT_MS)
+    window.commands.delete(first)
+    qtbot.waitUntil(lambda: not kept.entry_path(path).exists() and kept.pending(path) is None, timeout=WAIT_MS)
+    window.shutdown()  # quit keeps the conversations left in RAM: the deleted one is no longer among them
+    assert kept.usage().entries == 0

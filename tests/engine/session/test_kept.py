@@ -3,10 +3,12 @@ never been left and exactly as a replay rebuilds it; a damaged or mismatched ent
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 
+from engine.fileio import FileSystem
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.session.engine import Engine, Session, memory_factory_for
@@ -170,3 +172,102 @@ def test_the_default_model_continues_from_kept_memory_as_from_a_replay_and_as_ne
     never_left = tokens(a.chat("And the weather?", settings))
     assert tokens(from_kept.chat("And the weather?", settings)) == never_left
     assert tokens(replayed.chat("And the weather?", settings)) == never_left
+
+
+class HeldWrites(FileSystem):
+    """Writes that wait for `release` (set by the test): a kept copy stays in flight as long as the test likes."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def write(self, fd: int, data: memoryview) -> int:
+        self.started.set()
+        assert self.release.wait(60)
+        return super().write(fd, data)
+
+
+def files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+def test_a_background_write_keeps_the_snapshot_taken_while_the_conversation_goes_on(
+    engine: Engine, tmp_path: Path
+) -> None:
+    held = HeldWrites()
+    kept = KeptMemory(tmp_path / "kept", fs=held)
+    a = talk(engine)
+    record = tmp_path / "c.spark"
+    a.save(record, compact=True)
+    snapshot = list(a.memory.tokens)
+    assert a.keep(kept, record, later=True)
+    assert held.started.wait(60)  # the write is in flight, held; the conversation goes on meanwhile
+    tokens(a.chat("Meanwhile, more.", GREEDY))
+    assert list(a.memory.tokens) != snapshot
+    held.release.set()
+    assert kept.flush(60)
+    from_kept, replayed = engine.new_session(), engine.new_session()
+    from_kept.load(record, kept=kept)
+    replayed.load(record)
+    assert from_kept.memory_source == "kept" and from_kept.computed.count == 0
+    assert list(from_kept.memory.tokens) == list(replayed.memory.tokens) == snapshot
+    assert tokens(from_kept.chat("One more?", GREEDY)) == tokens(replayed.chat("One more?", GREEDY))
+
+
+def test_close_abandons_a_write_in_flight_and_leaves_no_temp_file(engine: Engine, tmp_path: Path) -> None:
+    held = HeldWrites()
+    kept = KeptMemory(tmp_path / "kept", fs=held)
+    a = talk(engine)
+    record = tmp_path / "c.spark"
+    assert a.keep(kept, record, later=True)
+    assert held.started.wait(60)
+    assert any(name.endswith(".tmp") for name in files(kept.folder))  # the temp file being written
+    assert not kept.close(0.05)
+    assert files(kept.folder) == []  # abandoned at once: its temp file is gone while the writer is still held
+    held.release.set()
+    assert kept.flush(60)  # the writer stops at its next call
+    assert files(kept.folder) == [] and not a.keep(kept, record, later=True)  # closed: nothing more is queued
+
+
+def test_a_write_in_flight_counts_against_the_budget_and_a_discarded_one_leaves_nothing(
+    engine: Engine, tmp_path: Path
+) -> None:
+    a = talk(engine)
+    probe = KeptMemory(tmp_path / "probe")
+    a.keep(probe, tmp_path / "probe.spark")
+    one = probe.usage().bytes
+    held = HeldWrites()
+    kept = KeptMemory(tmp_path / "kept", one * 5 // 2, fs=held)
+    first, second = tmp_path / "1.spark", tmp_path / "2.spark"
+    held.release.set()
+    assert a.keep(kept, first)
+    held.release.clear()
+    held.started.clear()
+    assert a.keep(kept, second, later=True)
+    assert held.started.wait(60)
+    kept.set_budget(one * 3 // 2)  # the entry on disk and the one being written no longer fit together
+    assert not kept.entry_path(first).exists()
+    kept.discard(second)  # deleted while being written
+    held.release.set()
+    assert kept.flush(60)
+    assert kept.usage().entries == 0 and not any(name.endswith(".tmp") for name in files(kept.folder))
+
+
+def test_a_newer_snapshot_of_a_conversation_replaces_its_queued_one(engine: Engine, tmp_path: Path) -> None:
+    held = HeldWrites()
+    kept = KeptMemory(tmp_path / "kept", fs=held)
+    a = talk(engine)
+    other, record = tmp_path / "other.spark", tmp_path / "c.spark"
+    assert a.keep(kept, other, later=True)
+    assert held.started.wait(60)  # the writer is busy with another conversation
+    assert a.keep(kept, record, later=True)
+    queued = kept.pending(record)
+    tokens(a.chat("Later.", GREEDY))
+    a.save(record, compact=True)
+    assert a.keep(kept, record, later=True)
+    assert kept.pending(record) is not queued
+    held.release.set()
+    assert kept.flush(60)
+    b = engine.new_session()
+    b.load(record, kept=kept)  # the entry holds the newer memory, which matches the record
+    assert b.memory_source == "kept" and list(b.memory.tokens) == list(a.memory.tokens)
