@@ -8,6 +8,9 @@ prompt is read, each layer's groups hold its own picks; while answering (a decod
 tokens, which route the reply) the blocks the layers rank highest together fill the first groups in every layer
 and each layer's best others its last `layer_blocks` groups (consensus_groups).
 Only the (layer, group) pairs whose block changed are paged in (read from host memory, or back from L3).
+While documents are attached (pinned blocks), the recent summaries are kept per token where the backend gives them,
+blocks rank by their best bound over those tokens' queries, and the consensus votes over each layer's top
+ATTACHED_DEPTH.
 """
 
 from __future__ import annotations
