@@ -80,6 +80,15 @@ def blocks_key_bounds(k: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.
     return kmin, kmax
 
 
+def token_bound_scores(kmin: torch.Tensor, kmax: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """kmin, kmax (rows, L, F); queries (T, L, Hkv, D) -> (rows, L): per layer, each block's best upper bound over
+    the T queries (a block holding the key any one query token asks for scores high)."""
+    best = bound_scores(kmin, kmax, queries[0])
+    for q in queries[1:]:
+        best = torch.maximum(best, bound_scores(kmin, kmax, q))
+    return best
+
+
 def bound_scores(kmin: torch.Tensor, kmax: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """kmin, kmax (rows, L, F); query (L, Hkv, D) -> (rows, L): each block's upper bound on q . k per layer."""
     q = query.float().reshape(query.shape[0], -1)  # (L, F)
@@ -276,19 +285,30 @@ class EpisodicMemory:
     # -- routing ------------------------------------------------------------------------------------------------
 
     def select(
-        self, query: torch.Tensor, k: int, beat: torch.Tensor | None = None, at_least: int = 0
+        self,
+        query: torch.Tensor,
+        k: int,
+        beat: torch.Tensor | None = None,
+        at_least: int = 0,
+        tokens: torch.Tensor | None = None,
+        depth: int = 0,
     ) -> list[list[int]]:
         """query (L, Hkv, D) -> per layer, ids of its n most relevant blocks, best first, n = min(k, blocks).
         The retrieval gate: with `beat` (L,), n is at most how many blocks outscore beat[layer] in the median
-        layer (every layer holds the same number of blocks, engine.memory.cascade.working), but never below `at_least`."""
+        layer (every layer holds the same number of blocks, engine.memory.cascade.working), but never below `at_least`.
+        With `tokens` (T, L, Hkv, D), the recent tokens' own queries, blocks rank by their best score over those
+        (token_bound_scores) instead of by the mean query; with `depth`, each layer lists that many (at least n)."""
         self.tick += 1
         n = min(k, len(self.blocks))
         if n == 0:
             return [[] for _ in range(query.shape[0])]
-        scores = bound_scores(self.kmin, self.kmax, query)  # (rows, L)
+        scores = (  # (rows, L)
+            bound_scores(self.kmin, self.kmax, query) if tokens is None else token_bound_scores(self.kmin, self.kmax, tokens)
+        )
         scores.masked_fill_((self.row_block < 0)[:, None], float("-inf"))
         if beat is not None:
             n = min(n, max(at_least, int((scores > beat).sum(0).median())))
+        n = max(n, min(depth, len(self.blocks)))
         top = scores.topk(n, dim=0).indices  # (n, L)
         return self.row_block[top].t().tolist()  # (L, n)
 

@@ -8,6 +8,9 @@ prompt is read, each layer's groups hold its own picks; while answering (a decod
 tokens, which route the reply) the blocks the layers rank highest together fill the first groups in every layer
 and each layer's best others its last `layer_blocks` groups (consensus_groups).
 Only the (layer, group) pairs whose block changed are paged in (read from host memory, or back from L3).
+While documents are attached (pinned blocks), the recent summaries are kept per token where the backend gives them,
+blocks rank by their best bound over those tokens' queries, and the consensus votes over each layer's top
+ATTACHED_DEPTH.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from engine.memory.cascade.window_bounds import WindowBounds
 from engine.memory.cascade.working import WorkingMemory
 
 
-def consensus_groups(chosen: list[list[int]], shared: int) -> list[list[int]]:
+def consensus_groups(chosen: list[list[int]], shared: int, n: int = 0) -> list[list[int]]:
     """Per layer, its n chosen blocks (best first) -> the blocks its n retrieval groups hold, in group order.
 
     Groups [0, shared) hold, in every layer alike, the `shared` blocks the layers rank highest together (Borda
@@ -36,13 +39,17 @@ def consensus_groups(chosen: list[list[int]], shared: int) -> list[list[int]]:
     n * block_size apart from one layer to the next, and on the default model a passkey retrieved by every layer
     was still misread (bench passkey); blocks in conversation order read a fact split over blocks j, j + 1 whole.
     """
-    n = len(chosen[0]) if chosen else 0
+    depth = len(chosen[0]) if chosen else 0
+    n = n or depth  # `chosen` may rank deeper than the n groups (attachments: ATTACHED_DEPTH), every block voting
     votes: dict[int, int] = {}
     for pick in chosen:
         for rank, b in enumerate(pick):
-            votes[b] = votes.get(b, 0) + n - rank
+            votes[b] = votes.get(b, 0) + depth - rank
     common = sorted(sorted(votes, key=lambda b: (-votes[b], b))[:shared])
     return [common + sorted([b for b in pick if b not in common][: n - len(common)]) for pick in chosen]
+
+
+ATTACHED_DEPTH = 32  # with attachments, how deep each layer's ranking votes in the consensus
 
 
 class Retriever:
@@ -85,6 +92,12 @@ class Retriever:
 
     def remember_summary(self, tokens: int) -> None:
         """After a forward of `tokens` tokens: keep its query summary for the next routing query."""
+        if self.episodic.pinned:  # attachments route by each recent token's query (route): keep them one by one
+            per_token = self.backend.token_summaries()  # (T, L, Hkv, D) or None
+            if per_token is not None and per_token.shape[0] == tokens:
+                for t in range(tokens):
+                    self._keep(per_token[t].float().clone(), 1)
+                return
         summary = self.backend.query_summary()  # (B, L, Hkv, D) or None
         if summary is None:
             return
@@ -135,11 +148,16 @@ class Retriever:
         keep = 0 if prefill else self.working.resident_blocks
         if self.episodic.pinned:  # attached documents are there to be consulted: the gate never shuts them out
             keep = self.cfg.retrieval_blocks
+        # With attachments, blocks rank by their best score over the recent tokens' own queries and the layers
+        # vote over their top ATTACHED_DEPTH (bench documents): the mean query and each layer's top few could not
+        # tell look-alike facts apart.
+        tokens = torch.stack([q for q, _ in self.recent]) if self.episodic.pinned and self.recent else None
+        depth = ATTACHED_DEPTH if self.episodic.pinned else 0
         while True:
-            chosen = self.episodic.select(query, self.cfg.retrieval_blocks, beat, keep)  # (L, n) ids per layer
-            n = len(chosen[0])
+            chosen = self.episodic.select(query, self.cfg.retrieval_blocks, beat, keep, tokens, depth)  # (L, >= n)
+            n = min(len(chosen[0]), self.cfg.retrieval_blocks)
             shared = n - min(n, self.cfg.layer_blocks) if answering else 0
-            if self._page_in(consensus_groups(chosen, shared)):
+            if self._page_in(consensus_groups(chosen, shared, n)):
                 return
 
     def _page_in(self, new: list[list[int]]) -> bool:

@@ -153,3 +153,25 @@ def test_consensus_groups_share_the_blocks_layers_agree_on_and_keep_each_layers_
     assert consensus_groups(chosen, 3) == [[3, 4, 9]] * 3
     assert consensus_groups([[1, 2], [2, 1]], 1) == [[1, 2], [1, 2]]  # a tie goes to the older block
     assert consensus_groups(chosen, 0) == [[2, 4, 9], [4, 7, 9], [3, 4, 9]]  # each layer's own, in order
+
+
+def test_per_token_queries_find_the_block_one_token_asks_for_where_their_mean_does_not() -> None:
+    ep, dirs = _blocks_with_directions(4)
+    # Two question tokens that agree on block 1 a little and disagree on block 0 strongly: their mean asks for
+    # block 1, while token a alone asks for block 0 (look-alike facts blur in the mean; attached documents).
+    a = (2 * dirs[0] + 0.5 * dirs[1]).expand(L, HKV, D)
+    b = (-2 * dirs[0] + 0.5 * dirs[1]).expand(L, HKV, D)
+    tokens = torch.stack([a, b])  # (T, L, Hkv, D)
+    assert ep.select(tokens.mean(0), 1) == [[1]] * L
+    assert ep.select(tokens.mean(0), 1, tokens=tokens) == [[0]] * L
+    assert ep.select(tokens.mean(0), 1, tokens=tokens, depth=3)[0][0] == 0  # ranked deeper, best still first
+    assert len(ep.select(tokens.mean(0), 1, tokens=tokens, depth=3)[0]) == 3
+
+
+def test_consensus_votes_over_rankings_deeper_than_the_groups() -> None:
+    # Each layer's own top 1 differs, but block 5 sits second everywhere: voting over the top 3, it is shared.
+    chosen = [[1, 5, 7], [2, 5, 8], [3, 5, 9]]
+    assert consensus_groups(chosen, 1, n=2) == [[5, 1], [5, 2], [5, 3]]
+    assert consensus_groups([pick[:2] for pick in chosen], 1) == [[5, 1], [5, 2], [5, 3]]
+    assert consensus_groups([pick[:1] for pick in chosen], 1) == [[1]] * 3  # the top 1 alone: no agreement seen
+    assert consensus_groups(chosen, 0, n=2) == [[1, 5], [2, 5], [3, 5]]  # each layer's own top 2
