@@ -303,7 +303,9 @@ class EpisodicMemory:
         if n == 0:
             return [[] for _ in range(query.shape[0])]
         scores = (  # (rows, L)
-            bound_scores(self.kmin, self.kmax, query) if tokens is None else token_bound_scores(self.kmin, self.kmax, tokens)
+            bound_scores(self.kmin, self.kmax, query)
+            if tokens is None
+            else token_bound_scores(self.kmin, self.kmax, tokens)
         )
         scores.masked_fill_((self.row_block < 0)[:, None], float("-inf"))
         if beat is not None:
