@@ -129,6 +129,15 @@ class ConversationWorker(QObject):
         self._parked: OrderedDict[Path, Conversation] = OrderedDict()  # store path -> a conversation left recently
         self._kept = kept if store else None  # memories kept on disk for the stored conversations
         self._forgotten: set[Path] = set()  # deleted conversations: nothing of their memory is kept again
+        # Keeping on disk waits until the worker has been idle KEEP_DELAY_MS: one timer, restarted by every request
+        # that asks for a keep, so timers that fell due during a long turn do not run ahead of the switch queued
+        # behind it. What is due: conversations left (path -> conversation) and, when flagged, the open one.
+        self._keep_timer = QTimer(self)
+        self._keep_timer.setSingleShot(True)
+        self._keep_timer.setInterval(KEEP_DELAY_MS)
+        self._keep_timer.timeout.connect(self._keep_due)
+        self._left_due: dict[Path, Conversation] = {}
+        self._current_due = False
         self._read_t0 = 0.0
         self._read_last = 0.0
         self._tool_servers: list[McpServerSpec] = []
@@ -437,6 +446,7 @@ class ConversationWorker(QObject):
         store_path = Path(path)
         self._forgotten.add(store_path)
         self._parked.pop(store_path, None)
+        self._left_due.pop(store_path, None)
         if self._kept is not None:
             self._kept.discard(store_path)
 
@@ -512,12 +522,23 @@ class ConversationWorker(QObject):
         worker has been idle a moment: a request queued now (switching straight back) does not wait for the write."""
         if left is not None and self._kept is not None:
             path, conversation = left
-            QTimer.singleShot(KEEP_DELAY_MS, lambda: self._keep(path, conversation))
+            self._left_due[path] = conversation
+            self._keep_timer.start()  # (re)started: the keep waits for a quiet moment after this request
 
     def _keep_soon(self) -> None:
         """Keep the open conversation's memory on disk once the worker has been idle a moment (after a turn)."""
         if self._kept is not None:
-            QTimer.singleShot(KEEP_DELAY_MS, self._keep_current)
+            self._current_due = True
+            self._keep_timer.start()
+
+    def _keep_due(self) -> None:
+        """The worker has been idle KEEP_DELAY_MS since the last request that asked for a keep: keep what is due."""
+        due, self._left_due = self._left_due, {}
+        for path, conversation in due.items():
+            self._keep(path, conversation)  # a no-op where its copy is current
+        if self._current_due:
+            self._current_due = False
+            self._keep_current()
 
     def _keep_current(self) -> None:
         conversation, path = self.conversation, self._store_path
