@@ -3,29 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from engine.backends import open_backend
+from tests.helpers.engine_cli import engine_cli
 from tests.helpers.tiny import make_tiny_model
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("cli"))
-
-
-def engine_cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "MLOT_SPARK_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "engine", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
-    )
 
 
 def test_generate_json_has_the_contract_fields(model: Path, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from engine.cli.generate import open_engine
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.session.kept import KeptMemory
-from tests.engine.cli.test_cli import engine_cli
+from tests.helpers.engine_cli import engine_cli
 from tests.helpers.tiny import make_tiny_model
 
 

@@ -15,8 +15,8 @@ from engine.generation.constrained import grammar_from_file_text
 from engine.generation.reasoning import Think
 from engine.openai import protocol
 from engine.openai.errors import ApiError
-from tests.engine.session.test_reasoning_turns import ANSWER, THINKING_REPLY, THOUGHT
 from tests.helpers.http_clients import closed_after_test
+from tests.helpers.reasoning import ANSWER, THINKING_REPLY, THOUGHT
 from tests.helpers.server import KEY, Served, start_server
 from tests.helpers.tiny_families import make_tiny_qwen3
 

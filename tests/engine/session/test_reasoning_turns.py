@@ -15,11 +15,8 @@ from engine.generation.loop import GenerationSettings
 from engine.generation.reasoning import Think, ThinkSwitch
 from engine.generation.sampling import SamplingSettings
 from engine.session.engine import Engine, memory_factory_for
+from tests.helpers.reasoning import ANSWER, THINKING_REPLY, THOUGHT
 from tests.helpers.tiny_families import make_tiny_qwen3
-
-THOUGHT, ANSWER = "The quick brown fox.", "Python is a language."
-# The model's reply, forced by a grammar: a random tiny model would never close a think block by itself.
-THINKING_REPLY = f'start: "<think>\\n{THOUGHT}\\n</think>\\n\\n{ANSWER}"'
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +91,7 @@ def test_the_transcript_keeps_reasoning_apart_and_the_next_turn_renders_as_trans
 
 
 def test_generate_think_and_json_reasoning(qwen3: Path, tmp_path: Path) -> None:
-    from tests.engine.cli.test_cli import engine_cli
+    from tests.helpers.engine_cli import engine_cli
 
     grammar = tmp_path / "reply.lark"
     grammar.write_text(THINKING_REPLY)

@@ -4,7 +4,6 @@ model refuses in one sentence, and `generate --image` does the same from the com
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -12,35 +11,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from engine.errors import SessionFileError
 from engine.generation.loop import GenerationSettings, PrefillProgress
 from engine.generation.sampling import SamplingSettings
 from engine.session.engine import Engine, Session, load
-from engine.vision.images import DecodedImage, decode_bytes
+from engine.vision.images import DecodedImage
 from engine.vision.model import ImageEmbedding, ImageInputError
 from tests.engine.vision.tiny_idefics3 import make_tiny_idefics3
+from tests.helpers.pictures import picture, png
 from tests.helpers.tiny import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 24
 GREEDY = GenerationSettings(max_tokens=STEPS, ignore_eos=True, sampling=SamplingSettings(temperature=0.0))
-
-
-def png(w: int, h: int, seed: int) -> bytes:
-    a = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(a, "RGB").save(buf, "PNG")
-    return buf.getvalue()
-
-
-def picture(w: int, h: int, seed: int) -> DecodedImage:
-    return decode_bytes(png(w, h, seed))
 
 
 @pytest.fixture(scope="module")
