@@ -6,7 +6,6 @@ keeps the slot table's read copies exact), and without a compiler the engine say
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import sys
 import time
@@ -35,27 +34,16 @@ from engine.memory.base import FullAttentionMemory
 from engine.memory.cascade.config import CascadeConfig
 from engine.memory.cascade.core import CascadeMemory
 from engine.model.quant import BlockType, quantize
+from tests.helpers.native_refs import (
+    F32,
+    LEGACY,
+    X86,
+    block_linear,
+    legacy_reference,
+    lin_weights,
+)
 from tests.helpers.timers import NativeStepCounter
 from tests.helpers.tiny import make_tiny_model
-
-X86 = platform.machine().lower() in ("x86_64", "amd64")
-
-
-def has_cpu_flags(*names: str) -> bool:
-    """Whether /proc/cpuinfo (Linux) lists every one of these CPU feature flags."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return all(f in flags for f in names)
-
-
-LEGACY = [
-    BlockType.Q8_0,
-    BlockType.Q4_0,
-    BlockType.Q4_1,
-]  # spark_kernels.c's own formats (the rest: test_native_kquants)
-F32 = np.float32
 
 
 @pytest.fixture(scope="module")
@@ -68,55 +56,6 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("native-llama"), "llama")  # untied head, no biases
 
 
-def quantize_activation(x: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
-    """x (nb, 32) float32 -> (q (nb, 32) int64, d (nb,) float32), as the kernels' quantize_row: one scale per
-    block, int8 for parts = 1 (llama.cpp's Q8), int16 for parts = 2."""
-    qmax = F32(32767 if parts == 2 else 127)
-    amax = np.abs(x).max(axis=1)  # (nb,)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax == 0, F32(0), qmax / amax).astype(F32)
-    q = np.rint(x * inv[:, None]).astype(np.int64)
-    return q, (amax / qmax).astype(F32)
-
-
-def integer_reference(w: BlockWeights, bias: np.ndarray | None, x: np.ndarray, parts: int) -> np.ndarray:
-    """What the kernel must compute for one activation row x (K,): exact integer block sums, then the float terms
-    in spark_kernels.c's fixed order (block b into partial sum b % 8, then a fixed tree)."""
-    n, k = w.shape
-    nb = k // 32
-    raw = w.blocks.numpy().reshape(n, nb, w.qtype.block_bytes)
-    dw = raw[:, :, :2].copy().view(np.float16)[..., 0].astype(F32)  # (N, nb)
-    if w.qtype is BlockType.Q8_0:
-        wq = raw[:, :, 2:].view(np.int8).astype(np.int64)  # (N, nb, 32)
-    else:
-        qs = raw[:, :, 4:] if w.qtype is BlockType.Q4_1 else raw[:, :, 2:]
-        wq = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int64)  # unsigned nibbles
-    q, d = quantize_activation(x.reshape(nb, 32).astype(F32), parts)
-    isum = (wq * q[None]).sum(axis=2)  # (N, nb) exact
-    assert np.abs(isum).max(initial=0) < 2**31  # what the kernel's int32 lanes hold
-    if w.qtype is BlockType.Q4_0:
-        isum = isum - 8 * q.sum(axis=1)[None]
-    term = ((dw * d[None]).astype(F32) * isum.astype(F32)).astype(F32)
-    if w.qtype is BlockType.Q4_1:
-        mw = raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(F32)
-        ds = (d * q.sum(axis=1).astype(F32)).astype(F32)  # Q4_1's min term
-        term = (term + mw * ds[None]).astype(F32)
-    acc = np.zeros((n, 8), F32)
-    for b in range(nb):
-        acc[:, b % 8] = (acc[:, b % 8] + term[:, b]).astype(F32)
-    y = ((acc[:, 0] + acc[:, 4]) + (acc[:, 1] + acc[:, 5])) + ((acc[:, 2] + acc[:, 6]) + (acc[:, 3] + acc[:, 7]))
-    return y if bias is None else (y + bias).astype(F32)
-
-
-def block_linear(
-    kernels: NativeKernels, qtype: BlockType, n: int, k: int, parts: int, seed: int = 0
-) -> NativeBlockLinear:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # (N, K), rows of differing scale
-    bw = BlockWeights(qtype, (n, k), torch.from_numpy(quantize(w.numpy(), qtype)))
-    return NativeBlockLinear(kernels, bw, torch.randn(n, generator=g), parts)
-
-
 def test_the_integer_reference_takes_the_products_it_claims() -> None:
     """The reference's block sums, with fp32 rounding taken out, are the plain product of the dequantized
     matrices (guards the reference itself against a mixed-up nibble or sign)."""
@@ -126,7 +65,7 @@ def test_the_integer_reference_takes_the_products_it_claims() -> None:
         bw = BlockWeights(qtype, (5, 64), torch.from_numpy(quantize(w.numpy(), qtype)))
         x = np.random.default_rng(0).standard_normal(64).astype(F32)
         want = bw.dequantized().double().numpy() @ x.astype(np.float64)
-        assert np.allclose(integer_reference(bw, None, x, 2), want, rtol=1e-4, atol=1e-4)  # int16: ~16 bits
+        assert np.allclose(legacy_reference(bw, None, x, 2), want, rtol=1e-4, atol=1e-4)  # int16: ~16 bits
 
 
 @pytest.mark.parametrize("parts", [1, 2])
@@ -142,15 +81,11 @@ def test_block_products_equal_the_integer_reference_bit_for_bit(
     many = lin(x)  # (15, 37): the prefill path, rows in a group of 12 and a remainder of 3
     assert torch.equal(lin(x[:7]), many[:7])  # a group of 7
     for i in range(15):
-        want = integer_reference(lin_weights(lin), lin.bias.numpy(), x[i].numpy(), parts)
+        want = legacy_reference(lin_weights(lin), lin.bias.numpy(), x[i].numpy(), parts)
         assert np.array_equal(many[i].numpy(), want), i
         assert torch.equal(lin(x[i : i + 1]), many[i : i + 1])  # one row (decode) = the same row of a prefill
     assert torch.equal(many[3], lin.bias)
     assert torch.equal(lin(x.view(5, 3, k)), many.view(5, 3, 37))  # leading dims fold into rows
-
-
-def lin_weights(lin: NativeBlockLinear) -> BlockWeights:
-    return BlockWeights(lin.qtype, (lin.out_features, lin.padded), lin.blocks, lin.in_features)
 
 
 def test_q8_0_decoding_products_hold_at_the_extreme_quants(kernels: NativeKernels) -> None:
@@ -169,7 +104,7 @@ def test_q8_0_decoding_products_hold_at_the_extreme_quants(kernels: NativeKernel
     x[2] = torch.tensor([edges[i % 16] if i % 32 else 32767 for i in range(k)], dtype=torch.float32)
     x[3] = -x[2]
     for i in range(4):
-        want = integer_reference(lin_weights(lin), lin.bias.numpy(), x[i].numpy(), 2)
+        want = legacy_reference(lin_weights(lin), lin.bias.numpy(), x[i].numpy(), 2)
         assert np.array_equal(lin(x[i : i + 1])[0].numpy(), want), i
 
 

@@ -17,139 +17,20 @@ import torch
 
 from engine.backends.blocks import BlockEmbedding, BlockWeights
 from engine.backends.native import NATIVE_DIR, SOURCES, NativeKernels, _compiler, bind, build_library, compile_flags
-from engine.backends.native.decoder import NativeBlockEmbedding, NativeBlockLinear
-from engine.model.quant import LEVELS, BlockType, k3_scales, k4_scales, k6_quants, tq1_trits
-from tests.engine.backends.native.test_native import X86, has_cpu_flags, quantize_activation
+from engine.backends.native.decoder import NativeBlockEmbedding
+from engine.model.quant import BlockType
+from tests.helpers.native_refs import (
+    TYPES,
+    X86,
+    activations,
+    bias_of,
+    has_cpu_flags,
+    kquant_linear,
+    kquant_reference,
+)
 from tests.helpers.quant_blocks import random_blocks
 
 F32 = np.float32
-TYPES = [t for t in BlockType if t.name not in ("Q8_0", "Q4_0", "Q4_1")]
-HALF_SCALED = (BlockType.Q6_K, BlockType.Q3_K, BlockType.Q2_K)  # a scale per 16 weights
-WITH_MIN = (BlockType.Q4_K, BlockType.Q5_K, BlockType.Q5_1)  # w = scale * q + mw, mw per block of 32
-
-
-def _f16(b: np.ndarray) -> np.ndarray:  # (..., 2) uint8 -> (...) float32
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(F32)
-
-
-def _pairs(qs: np.ndarray) -> np.ndarray:  # (blocks, 64) 2-bit fields -> (blocks, 8, 32): weight 128h + 32s + l
-    return ((qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(
-        -1, 8, 32
-    )
-
-
-def _bits(qh: np.ndarray) -> np.ndarray:  # (blocks, 32) -> (blocks, 8, 32): bit j of byte e
-    return (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
-
-
-def block_factors(qtype: BlockType, raw: np.ndarray) -> tuple[np.ndarray, ...]:
-    """raw (N, row bytes) -> per block of 32: signed quants (N, nb, 32) int64, dw, mw (N, nb) float32, the halves'
-    scales s0, s1 and (Q2_K) mins m0, m1 (N, nb) int64, as the kernels' kq_unpack."""
-    n = raw.shape[0]
-    b = raw.reshape(-1, qtype.block_bytes)
-    per = qtype.elements // 32  # blocks of 32 per block of the format
-    zero = np.zeros((len(b), per), np.int64)
-    s0, s1, m0, m1 = zero, zero, zero, zero
-    mw = np.zeros((len(b), per), F32)
-    if qtype in (BlockType.Q5_0, BlockType.Q5_1):
-        off = 2 if qtype is BlockType.Q5_0 else 4
-        qh = b[:, off : off + 4].copy().view("<u4").astype(np.uint32)
-        hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64) << 4
-        q = np.concatenate([b[:, off + 4 :] & 0x0F, b[:, off + 4 :] >> 4], axis=1).astype(np.int64) | hi
-        q = q - 16 if qtype is BlockType.Q5_0 else q
-        dw = _f16(b[:, 0:2])[:, None]
-        if qtype is BlockType.Q5_1:
-            mw = _f16(b[:, 2:4])[:, None]
-    elif qtype is BlockType.IQ4_NL:
-        q = LEVELS[np.concatenate([b[:, 2:] & 0x0F, b[:, 2:] >> 4], axis=1)].astype(np.int64)
-        dw = _f16(b[:, 0:2])[:, None]
-    elif qtype in (BlockType.Q4_K, BlockType.Q5_K):
-        sc, mn = k4_scales(b[:, 4:16])  # (blocks, 8)
-        at = 16 if qtype is BlockType.Q4_K else 48
-        qs = b[:, at:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        q = (qs & 0x0F).reshape(-1, 8, 32).astype(np.int64)
-        if qtype is BlockType.Q5_K:
-            q = q | (_bits(b[:, 16:48]).astype(np.int64) << 4)
-        dw = (_f16(b[:, 0:2])[:, None] * sc.astype(F32)).astype(F32)
-        mw = -(_f16(b[:, 2:4])[:, None] * mn.astype(F32)).astype(F32)
-    elif qtype is BlockType.Q6_K:
-        q = k6_quants(b).astype(np.int64).reshape(-1, 8, 32)
-        sc = b[:, 192:208].copy().view(np.int8).astype(np.int64).reshape(-1, 8, 2)
-        dw = np.repeat(_f16(b[:, 208:210])[:, None], 8, axis=1)
-        s0, s1 = sc[..., 0], sc[..., 1]
-    elif qtype is BlockType.Q3_K:
-        q = _pairs(b[:, 32:96]).astype(np.int64) - 4 * (1 - _bits(b[:, :32]).astype(np.int64))
-        sc = k3_scales(b[:, 96:108]).astype(np.int64).reshape(-1, 8, 2)
-        dw = np.repeat(_f16(b[:, 108:110])[:, None], 8, axis=1)
-        s0, s1 = sc[..., 0], sc[..., 1]
-    elif qtype is BlockType.Q2_K:
-        q = _pairs(b[:, 16:80]).astype(np.int64)
-        sc = b[:, :16].astype(np.int64).reshape(-1, 8, 2)
-        dw = np.repeat(_f16(b[:, 80:82])[:, None], 8, axis=1)
-        mw = np.repeat(-_f16(b[:, 82:84])[:, None], 8, axis=1)
-        s0, s1, m0, m1 = sc[..., 0] & 15, sc[..., 1] & 15, sc[..., 0] >> 4, sc[..., 1] >> 4
-    elif qtype is BlockType.IQ4_XS:
-        high = (b[:, 2:4].copy().view("<u2").astype(np.int64) >> (2 * np.arange(8))) & 3
-        low = (b[:, 4:8].astype(np.int64)[:, :, None] >> np.array([0, 4])).reshape(-1, 8) & 15
-        dw = (_f16(b[:, 0:2])[:, None] * ((low | high << 4) - 32).astype(F32)).astype(F32)
-        qs = b[:, 8:].reshape(-1, 8, 16)
-        q = LEVELS[np.concatenate([qs & 0x0F, qs >> 4], axis=2)].astype(np.int64)
-    elif qtype is BlockType.TQ2_0:
-        q = _pairs(b[:, :64]).astype(np.int64) - 1
-        dw = np.repeat(_f16(b[:, 64:66])[:, None], 8, axis=1)
-    else:  # TQ1_0
-        q = tq1_trits(b).astype(np.int64).reshape(-1, 8, 32)
-        dw = np.repeat(_f16(b[:, 52:54])[:, None], 8, axis=1)
-    factors = (dw.astype(F32), mw.astype(F32), s0, s1, m0, m1)
-    return (q.reshape(n, -1, 32), *(np.broadcast_to(f, (len(b), per)).reshape(n, -1) for f in factors))
-
-
-def integer_reference(qtype: BlockType, raw: np.ndarray, bias: np.ndarray, x: np.ndarray, parts: int) -> np.ndarray:
-    """One activation row x (K,) through raw (N, row bytes): exact integer half-block sums, then the float terms of
-    the kernels in their fixed order (block b into partial sum b % 8, then a fixed tree)."""
-    q, dw, mw, s0, s1, m0, m1 = block_factors(qtype, raw)
-    n, nb = dw.shape
-    xq, d = quantize_activation(x.reshape(nb, 32).astype(F32), parts)
-    h0 = (q[:, :, :16] * xq[None, :, :16]).sum(axis=2)  # (N, nb) exact
-    h1 = (q[:, :, 16:] * xq[None, :, 16:]).sum(axis=2)
-    assert max(np.abs(h0).max(), np.abs(h1).max()) < 2**31  # what the kernel's int32 lanes hold
-    scale = (dw * d[None]).astype(F32)
-    if qtype is BlockType.Q2_K:  # one int32 sum of the halves' products, and the mins against the halves' sums
-        x0, x1 = xq[:, :16].sum(axis=1), xq[:, 16:].sum(axis=1)  # (nb,)
-        term = (scale * (s0 * h0 + s1 * h1).astype(F32)).astype(F32)
-        term = (term + (mw * d[None]).astype(F32) * (m0 * x0[None] + m1 * x1[None]).astype(F32)).astype(F32)
-    elif qtype in HALF_SCALED:
-        halves = ((s0 * h0).astype(F32) + (s1 * h1).astype(F32)).astype(F32)  # each product an exact int32
-        term = (scale * halves).astype(F32)
-    else:
-        term = (scale * (h0 + h1).astype(F32)).astype(F32)
-    if qtype in WITH_MIN:
-        ds = (d * xq.sum(axis=1).astype(F32)).astype(F32)
-        term = (term + mw * ds[None]).astype(F32)
-    acc = np.zeros((n, 8), F32)
-    for b in range(nb):
-        acc[:, b % 8] = (acc[:, b % 8] + term[:, b]).astype(F32)
-    y = ((acc[:, 0] + acc[:, 4]) + (acc[:, 1] + acc[:, 5])) + ((acc[:, 2] + acc[:, 6]) + (acc[:, 3] + acc[:, 7]))
-    out: np.ndarray = (y + bias).astype(F32)
-    return out
-
-
-def kquant_linear(kernels: NativeKernels, qtype: BlockType, n: int, k: int, parts: int) -> NativeBlockLinear:
-    raw = random_blocks(qtype, n, k, seed=k + qtype.ggml_id)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
-    return NativeBlockLinear(kernels, BlockWeights(qtype, (n, k), torch.from_numpy(raw)), bias, parts)
-
-
-def bias_of(lin: NativeBlockLinear) -> np.ndarray:
-    assert lin.bias is not None
-    return lin.bias.numpy()
-
-
-def activations(k: int) -> torch.Tensor:
-    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))  # (6, K)
-    x[3] = 0  # an all-zero row quantizes to zeros with scale 0: just the bias
-    x[4, :32] *= 1e4  # an outlier block
-    return x
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -160,7 +41,7 @@ def test_the_integer_reference_takes_the_products_it_claims(qtype: BlockType) ->
     bw = BlockWeights(qtype, (5, 512), torch.from_numpy(raw))
     x = np.random.default_rng(0).standard_normal(512).astype(F32)
     want = bw.dequantized().double().numpy() @ x.astype(np.float64)
-    got = integer_reference(qtype, raw, np.zeros(5, F32), x, 2)
+    got = kquant_reference(qtype, raw, np.zeros(5, F32), x, 2)
     assert np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())  # int16 activations: ~16 bits
 
 
@@ -178,7 +59,7 @@ def test_products_equal_the_integer_reference_bit_for_bit(
     many = lin(x)  # (6, 37): the prefill path, rows in groups of 4 and a remainder
     raw = lin.blocks.numpy()
     for i in range(6):
-        want = integer_reference(qtype, raw, bias_of(lin), x[i].numpy(), parts)
+        want = kquant_reference(qtype, raw, bias_of(lin), x[i].numpy(), parts)
         assert np.array_equal(many[i].numpy(), want), i
         assert torch.equal(lin(x[i : i + 1]), many[i : i + 1])  # one row (decode) = the same row of a prefill
     assert torch.equal(many[3], torch.from_numpy(bias_of(lin)))
@@ -190,7 +71,7 @@ def test_blocks_of_32_run_at_widths_of_any_multiple_of_32(kernels: NativeKernels
     x = activations(576)
     many = lin(x)
     for i in range(6):
-        want = integer_reference(qtype, lin.blocks.numpy(), bias_of(lin), x[i].numpy(), 2)
+        want = kquant_reference(qtype, lin.blocks.numpy(), bias_of(lin), x[i].numpy(), 2)
         assert np.array_equal(many[i].numpy(), want), i
 
 

@@ -15,17 +15,18 @@ import torch
 from engine.backends.native import NativeKernels, bind, build_library
 from engine.backends.native.decoder import NativeBlockLinear
 from engine.model.quant import BlockType
-from tests.engine.backends.native.test_native import (
+from tests.helpers.native_refs import (
     LEGACY,
     X86,
+    bias_of,
     block_linear,
     has_cpu_flags,
-    integer_reference,
+    kquant_linear,
+    kquant_reference,
+    legacy_reference,
     lin_weights,
 )
-from tests.engine.backends.native.test_native_kquants import TYPES as KQUANTS
-from tests.engine.backends.native.test_native_kquants import bias_of, kquant_linear
-from tests.engine.backends.native.test_native_kquants import integer_reference as kquant_reference
+from tests.helpers.native_refs import TYPES as KQUANTS
 
 TOKENS = 40  # two whole groups of 16 and a partial one; five of 8
 
@@ -56,7 +57,7 @@ def test_prefill_across_token_groups_equals_the_integer_reference(
     many = lin(x)  # (TOKENS, 37)
     w, bias = lin_weights(lin), bias_of(lin)
     for i in range(TOKENS):
-        assert np.array_equal(many[i].numpy(), integer_reference(w, bias, x[i].numpy(), 2)), i
+        assert np.array_equal(many[i].numpy(), legacy_reference(w, bias, x[i].numpy(), 2)), i
         assert torch.equal(lin(x[i : i + 1]), many[i : i + 1]), i  # a decoding step = the same prefill row
     for m in (2, 5, 7, 8, 13, 15, 16, 17, 20, 24, 33):  # by rows; a group, whole or partial; groups and rows after
         assert torch.equal(lin(x[:m]), many[:m]), m
@@ -67,7 +68,7 @@ def test_a_single_output_row_and_odd_thread_splits_change_no_bit(kernels: Native
     x = activations(576)
     for qtype in LEGACY:
         one = block_linear(kernels, qtype, 1, 576, 2, seed=5)  # no pair at all
-        want = integer_reference(lin_weights(one), bias_of(one), x[5].numpy(), 2)
+        want = legacy_reference(lin_weights(one), bias_of(one), x[5].numpy(), 2)
         assert np.array_equal(one(x)[5].numpy(), want)
         lin = block_linear(kernels, qtype, 45, 576, 2, seed=6)
         single = lin(x)
