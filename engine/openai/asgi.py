@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -155,6 +155,37 @@ def recalled(job: Job) -> list[dict[str, Any]]:
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+T = TypeVar("T")
+
+
+async def drain(job: Job) -> None:
+    """Wait for a job's end, its events unread (a whole reply reads the job's result)."""
+    async for _ in job.events():
+        pass
+
+
+async def run_watched(request: Request, jobs: list[Job], work: Awaitable[T]) -> T:
+    """Await `work` over `jobs`; the client leaving meanwhile cancels them, and then nobody will read a reply:
+    ClientGone (counted as a disconnect, not as the server's failure)."""
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+        for job in jobs:
+            job.cancel_unless_done()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        result = await work
+    finally:
+        watcher.cancel()
+    if gone.is_set():
+        raise client_gone()
+    return result
 
 
 class Api:
@@ -294,22 +325,7 @@ class Api:
     async def ollama_whole(
         self, request: Request, req: protocol.ParsedRequest, jobs: list[Job], t0: int, generate: bool
     ) -> Response:
-        gone = asyncio.Event()
-
-        async def watch() -> None:  # the client leaving while it waits cancels the job
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-            jobs[0].cancel_unless_done()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            async for _ in jobs[0].events():
-                pass
-        finally:
-            watcher.cancel()
-        if gone.is_set():
-            raise client_gone()
+        await run_watched(request, jobs[:1], drain(jobs[0]))
         c = self.finish(jobs[0])
         shape = ollama.generate_final if generate else ollama.final
         return JSONResponse(shape(req.model, c, c.text, time.perf_counter_ns() - t0, c.reasoning))
@@ -388,22 +404,7 @@ class Api:
         self, request: Request, req: anthropic.MessagesRequest, jobs: list[Job], rid: str, service: ModelService
     ) -> Response:
         chat = req.chat
-        gone = asyncio.Event()
-
-        async def watch() -> None:  # the client leaving while it waits cancels the job
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-            jobs[0].cancel_unless_done()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            async for _ in jobs[0].events():
-                pass
-        finally:
-            watcher.cancel()
-        if gone.is_set():
-            raise client_gone()
+        await run_watched(request, jobs[:1], drain(jobs[0]))
         c = self.finish(jobs[0])
         raw = service.tokenizer.decode(c.tokens, skip_special=False)
         return JSONResponse(anthropic.message(rid, chat.model, req, c, raw))
@@ -545,15 +546,6 @@ class Api:
     ) -> Response:
         """A non-streaming reply; the client leaving while it waits cancels the jobs."""
 
-        gone = asyncio.Event()
-
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-            for job in jobs:
-                job.cancel_unless_done()
-
         async def collect(job: Job) -> list[protocol.TokenLogprob]:
             entries = []
             async for ev in job.events():
@@ -561,13 +553,7 @@ class Api:
                     entries.append(entry)
             return entries
 
-        watcher = asyncio.create_task(watch())
-        try:
-            logprobs = await asyncio.gather(*(collect(job) for job in jobs))
-        finally:
-            watcher.cancel()
-        if gone.is_set():  # nobody will read a reply: counted as a disconnect, not as the server's failure
-            raise client_gone()
+        logprobs = await run_watched(request, jobs, asyncio.gather(*(collect(job) for job in jobs)))
         cs = [self.finish(job) for job in jobs]
         choices = []
         for i, (c, lp) in enumerate(zip(cs, logprobs, strict=True)):
