@@ -13,6 +13,8 @@ from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.session.engine import Engine, Session, memory_factory_for
 from engine.session.kept import KeptMemory
+from tests.helpers.small_window import event_tokens as tokens
+from tests.helpers.small_window import small_window_engine
 from tests.helpers.tiny import make_tiny_model
 
 GREEDY = GenerationSettings(max_tokens=16, sampling=SamplingSettings(greedy=True), ignore_eos=True, prefill_chunk=16)
@@ -26,13 +28,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def engine(model: Path, tmp_path: Path) -> Engine:
-    # A small window: the conversation overflows it, so episodic blocks and routing state are kept too.
-    factory = memory_factory_for(model, cache_dir=tmp_path / "l3", window=64, block_size=16, retrieval_blocks=2)
-    return Engine.load(model, "cpu", memory_factory=factory)
-
-
-def tokens(events) -> list[int]:  # type: ignore[no-untyped-def]
-    return [e.token for e in events if e.token is not None]
+    return small_window_engine(model, tmp_path / "l3")  # episodic blocks and routing state are kept too
 
 
 def talk(engine: Engine) -> Session:

@@ -11,9 +11,11 @@ import torch
 from engine.errors import SessionFileError
 from engine.generation.loop import GenerationSettings, PrefillProgress, stream_generate
 from engine.generation.sampling import SamplingSettings
-from engine.session.engine import Engine, memory_factory_for
+from engine.session.engine import Engine
 from engine.session.file import inspect_session, load_session, restore
 from engine.session.replay import FeedLog, check_schedule, memory_digest
+from tests.helpers.small_window import event_tokens as tokens
+from tests.helpers.small_window import small_window_engine
 from tests.helpers.tiny import make_tiny_model
 
 GREEDY = GenerationSettings(max_tokens=24, sampling=SamplingSettings(greedy=True), ignore_eos=True, prefill_chunk=16)
@@ -30,14 +32,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def engine(model: Path, tmp_path: Path) -> Engine:
-    # A small window so the conversation below overflows it: episodic blocks and routing state are part of what a
-    # compact file must rebuild.
-    factory = memory_factory_for(model, cache_dir=tmp_path / "l3", window=64, block_size=16, retrieval_blocks=2)
-    return Engine.load(model, "cpu", memory_factory=factory)
-
-
-def tokens(events) -> list[int]:  # type: ignore[no-untyped-def]
-    return [e.token for e in events if e.token is not None]
+    return small_window_engine(
+        model, tmp_path / "l3"
+    )  # episodic blocks and routing state: a compact file rebuilds them
 
 
 @pytest.mark.parametrize("settings", [GREEDY, SEEDED], ids=["greedy", "seeded"])

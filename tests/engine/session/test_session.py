@@ -21,6 +21,8 @@ from engine.model.slots import GROWTH_SLOTS, KVCache
 from engine.session.engine import Engine, memory_factory_for
 from engine.session.setup import MIN_SLOT_TABLE
 from tests.engine.hw.fakes import GB, FakeMemory, FakeThermal
+from tests.helpers.small_window import event_tokens as reply
+from tests.helpers.small_window import small_window_engine
 from tests.helpers.tiny import make_tiny_model
 
 GREEDY = GenerationSettings(max_tokens=12, sampling=SamplingSettings(greedy=True), ignore_eos=True)
@@ -33,12 +35,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def engine(model: Path, tmp_path: Path) -> Engine:
-    factory = memory_factory_for(model, cache_dir=tmp_path / "l3", window=64, block_size=16, retrieval_blocks=2)
-    return Engine.load(model, "cpu", memory_factory=factory)
-
-
-def reply(events) -> list[int]:  # type: ignore[no-untyped-def]
-    return [e.token for e in events if e.token is not None]
+    return small_window_engine(model, tmp_path / "l3")
 
 
 def test_turns_are_fed_incrementally_and_equal_a_full_recompute(engine: Engine) -> None:

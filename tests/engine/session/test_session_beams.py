@@ -11,6 +11,7 @@ from engine.generation.beam import BeamSettings
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.session.engine import Engine, memory_factory_for
+from tests.helpers.small_window import event_tokens as tokens
 from tests.helpers.tiny import make_tiny_model
 
 GREEDY = GenerationSettings(max_tokens=8, sampling=SamplingSettings(greedy=True), ignore_eos=True)
@@ -22,10 +23,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     d = make_tiny_model(tmp_path_factory.mktemp("sess-beams") / "m")
     factory = memory_factory_for(d, cache_dir=tmp_path_factory.mktemp("l3"), window=64, block_size=16)
     return Engine.load(d, "cpu", memory_factory=factory)
-
-
-def tokens(events) -> list[int]:  # type: ignore[no-untyped-def]
-    return [e.token for e in events if e.token is not None]
 
 
 @pytest.mark.parametrize("compact", [False, True])
