@@ -14,11 +14,12 @@ from engine.backends.torch_backend import TorchBackend
 from engine.generation.beam import BeamSettings
 from engine.generation.loop import GenerationSettings, prefill, stream_generate
 from engine.generation.sampling import SamplingSettings
-from engine.generation.speculative import Controller, Draft, Speculation, Speculator
+from engine.generation.speculative import Controller, Speculation, Speculator
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory, Memory
 from engine.memory.cascade import CascadeConfig, CascadeMemory
 from engine.model.kv_types import KVType
+from tests.helpers.drafts import Reference
 from tests.helpers.stopping import StopAt
 from tests.helpers.tiny import make_tiny_model
 from tests.helpers.tiny_families import FAMILIES, make_tiny_family
@@ -81,20 +82,6 @@ def test_fp16_on_cuda_stays_close_to_fp32(four_layers: Path) -> None:
     assert want is not None and got is not None
     assert int(got.float().cpu().argmax()) == int(want.argmax())
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=0.0, atol=5e-2)
-
-
-class Reference:
-    """Drafts the reference continuation, wrong at one position of each draft (None: always right)."""
-
-    def __init__(self, reference: list[int], prompt_len: int, wrong: int | None) -> None:
-        self.reference, self.prompt_len, self.wrong = reference, prompt_len, wrong
-
-    def propose(self, context: list[int], k: int) -> Draft:
-        at = len(context) - self.prompt_len
-        draft = self.reference[at : at + k]
-        if self.wrong is not None and self.wrong < len(draft):
-            draft[self.wrong] = (draft[self.wrong] + 1) % 300
-        return Draft(draft, None)
 
 
 @pytest.mark.parametrize("kind", ["full", "cascade"])

@@ -24,7 +24,7 @@ from engine.backends.torch_backend import TorchBackend
 from engine.errors import BackendUnavailable, ModelLoadError
 from engine.generation.loop import GenerationSettings, prefill, stream_generate
 from engine.generation.sampling import SamplingSettings
-from engine.generation.speculative import Controller, Draft, Speculation, Speculator
+from engine.generation.speculative import Controller, Speculation, Speculator
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory, Memory
 from engine.memory.cascade import CascadeConfig, CascadeMemory
@@ -34,6 +34,7 @@ from engine.model.slots import SlotBatch
 from engine.session.file import RestoredSession, restore
 from engine.session.save import save_session
 from tests.helpers.default_model import default_model_dir
+from tests.helpers.drafts import Reference
 from tests.helpers.gguf_files import random_blocks
 from tests.helpers.stopping import StopAt
 from tests.helpers.tiny import make_tiny_model
@@ -243,20 +244,6 @@ def test_three_rows_in_one_forward_equal_each_row_alone_and_the_torch_backend(fo
         k_batch, _ = ours.read_kv(r, torch.arange(n))
         k_alone, _ = alone.read_kv(0, torch.arange(n))
         assert torch.equal(k_batch, k_alone)
-
-
-class Reference:
-    """Drafts the reference continuation, wrong at one position of each draft (None: always right)."""
-
-    def __init__(self, reference: list[int], prompt_len: int, wrong: int | None) -> None:
-        self.reference, self.prompt_len, self.wrong = reference, prompt_len, wrong
-
-    def propose(self, context: list[int], k: int) -> Draft:
-        at = len(context) - self.prompt_len
-        draft = self.reference[at : at + k]
-        if self.wrong is not None and self.wrong < len(draft):
-            draft[self.wrong] = (draft[self.wrong] + 1) % 300
-        return Draft(draft, None)
 
 
 @pytest.mark.parametrize("wrong", [None, 1])
