@@ -11,14 +11,17 @@ from pathlib import Path
 
 from PySide6.QtCore import QCoreApplication, QEvent
 
+from app.misc.signal_wait import GuiRelay
 from app.settings.conversation_sampling import SamplingEdit
 from app.settings.preferences import Preferences, default_generation
 from app.settings.sampling_choice import SamplingChoice
 from app.settings.settings_dialog import EditedSettings
 from app.tools.consent import Decision, PendingCall
 from app.tools.mcp_host import McpServerSpec
+from app.window.chat_view import ChatView
 from app.window.dialogs import Dialogs
 from app.window.main_window import MainWindow
+from app.wiring import build_main_window
 from app.worker.client import ConversationClient
 from app.worker.types import LoadedModel
 from engine import GenerationSettings, ModelSampling, RemoteServer, SamplingSettings
@@ -177,3 +180,29 @@ def running_client(qtbot, cache: Path, model: Path, backend: str = "cpu") -> Ite
         client.deleteLater()
         QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
         gc.collect()
+
+
+def say(qtbot, gui, window: MainWindow, text: str):  # type: ignore[no-untyped-def]
+    with qtbot.waitSignal(gui(window.client.finished), timeout=WAIT_MS) as blocker:
+        assert window.submit(text)
+    return blocker.args[0]
+
+
+def relaunch(qtbot, prefs, dirs, dialogs, tiny_model: Path, seen: list[str]) -> MainWindow:  # type: ignore[no-untyped-def]
+    """A new window over the same settings and data folder, as the next launch of the app would build it."""
+    again = build_main_window(prefs, dirs, dialogs)
+    for name in ("conversation_shown", "restored"):
+        getattr(again.client, name).connect(lambda _v, name=name: seen.append(name))
+    with qtbot.waitSignal(GuiRelay(again.client.restored, parent=again).fired, timeout=WAIT_MS):
+        again.load_model(tiny_model, "cpu")
+    return again
+
+
+def shown_chat_view(qtbot) -> ChatView:  # type: ignore[no-untyped-def]
+    """A chat view on its own, 700 × 400, exposed."""
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.resize(700, 400)
+    view.show()
+    qtbot.waitExposed(view)
+    return view

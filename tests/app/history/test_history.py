@@ -17,23 +17,7 @@ from app.misc.signal_wait import GuiRelay
 from app.window.main_window import MainWindow
 from app.wiring import build_main_window
 from engine.session.file import inspect_session, load_session
-from tests.helpers.app_window import WAIT_MS, ScriptedDialogs, dispose
-
-
-def say(qtbot, gui, window: MainWindow, text: str):  # type: ignore[no-untyped-def]
-    with qtbot.waitSignal(gui(window.client.finished), timeout=WAIT_MS) as blocker:
-        assert window.submit(text)
-    return blocker.args[0]
-
-
-def relaunch(qtbot, prefs, dirs, dialogs, tiny_model: Path, seen: list[str]) -> MainWindow:  # type: ignore[no-untyped-def]
-    """A new window over the same settings and data folder, as the next launch of the app would build it."""
-    again = build_main_window(prefs, dirs, dialogs)
-    for name in ("conversation_shown", "restored"):
-        getattr(again.client, name).connect(lambda _v, name=name: seen.append(name))
-    with qtbot.waitSignal(GuiRelay(again.client.restored, parent=again).fired, timeout=WAIT_MS):
-        again.load_model(tiny_model, "cpu")
-    return again
+from tests.helpers.app_window import WAIT_MS, ScriptedDialogs, dispose, relaunch, say
 
 
 def test_quit_with_unsaved_work_loses_nothing_and_relaunch_restores_it(

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -16,20 +15,11 @@ import pytest
 from app.tools.consent import ConsentGate, Decision, PendingCall
 from app.tools.mcp_host import McpHost, McpServerSpec
 from app.tools.toolbox import Toolbox
+from tests.helpers.threads import on_worker
 
 SERVER = str(Path(__file__).resolve().parents[2] / "helpers" / "mcp_demo_server.py")
 DEMO = McpServerSpec("demo", sys.executable, (SERVER,))
 T = TypeVar("T")
-
-
-def on_worker(fn: Callable[[], T]) -> T:
-    """Run `fn` on another thread, as the conversation worker would (the GUI thread never calls the toolbox)."""
-    out: list[T] = []
-    thread = threading.Thread(target=lambda: out.append(fn()))
-    thread.start()
-    thread.join(120)
-    assert out, "the worker did not finish"
-    return out[0]
 
 
 class Answers:

@@ -25,8 +25,8 @@ from app.tools.toolbox import Toolbox
 from app.window.markdown import Palette
 from app.window.tool_cards import Card, card_html, segments
 from app.worker.tool_turns import ToolStatus, response_block
-from tests.app.tools.test_mcp import on_worker
 from tests.helpers.fuzz import fuzz_examples
+from tests.helpers.threads import on_worker
 
 HOSTILE = str(Path(__file__).resolve().parents[2] / "helpers" / "mcp_hostile_server.py")
 GUI_STALL_S = 0.1  # the GUI heartbeat's longest gap the brief allows while a server is started

@@ -15,15 +15,7 @@ from app.window.markdown import MarkdownRenderer, Palette
 from app.window.tool_cards import Card, segments
 from app.worker.tool_turns import TOOL_ROLE, ToolStatus, response_block
 from app.worker.types import MessageView
-
-
-def _view(qtbot) -> ChatView:  # type: ignore[no-untyped-def]
-    view = ChatView()
-    qtbot.addWidget(view)
-    view.resize(700, 400)
-    view.show()
-    qtbot.waitExposed(view)
-    return view
+from tests.helpers.app_window import shown_chat_view
 
 
 def _stream(view: ChatView, lines: int) -> None:
@@ -32,7 +24,7 @@ def _stream(view: ChatView, lines: int) -> None:
 
 
 def test_follows_the_stream_until_the_user_scrolls_up(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     view.add_user_message("Tell me a long story")
     view.begin_reply()
     _stream(view, 80)
@@ -59,7 +51,7 @@ def _fonts_of(view: ChatView, word: str) -> QTextCharFormat:
 
 
 def test_markdown_inline_code_code_blocks_and_tables(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     reply = (
         "Call `compute_total` first.\n\n"
         "```python\ndef compute_total(items):\n    return sum(items)\n```\n\n"
@@ -88,7 +80,7 @@ def test_markdown_inline_code_code_blocks_and_tables(qtbot) -> None:  # type: ig
 
 
 def test_a_long_code_line_wraps_inside_the_chat_and_copies_as_written(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     line = "total = " + " + ".join(f"item_{i}.price" for i in range(30))  # far wider than the view
     view.set_messages([MessageView("user", "Sum them"), MessageView("assistant", f"```python\n{line}\n```\n")])
     assert view.horizontalScrollBar().maximum() == 0  # the conversation does not scroll sideways
@@ -98,7 +90,7 @@ def test_a_long_code_line_wraps_inside_the_chat_and_copies_as_written(qtbot) -> 
 
 
 def test_streamed_reply_is_rendered_when_it_ends(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     view.add_user_message("Code please")
     view.begin_reply()
     for piece in ["Here: `x", " = 1`", "\n\n```sh\necho hi\n", "```\n"]:
@@ -109,7 +101,7 @@ def test_streamed_reply_is_rendered_when_it_ends(qtbot) -> None:  # type: ignore
 
 
 def test_a_long_paste_is_collapsed_until_show_all(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     paste = "\n".join(f"row {i}" for i in range(200))
     view.add_user_message(paste)
     assert "row 199" not in view.toPlainText() and "Show all (200 lines" in view.toPlainText()
@@ -122,7 +114,7 @@ def test_a_long_paste_is_collapsed_until_show_all(qtbot) -> None:  # type: ignor
 
 
 def test_an_empty_conversation_greets_with_example_prompts(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     view.set_greeting("Ready.", ["What is the capital of France?", "Write a haiku."])
     view.set_messages([])
     assert "Ready." in view.toPlainText() and "Write a haiku." in view.toPlainText()
@@ -138,7 +130,7 @@ CALL = '<tool_call>\n{"name": "demo__add", "arguments": {"a": 1, "b": 2}}\n</too
 
 
 def test_a_tool_call_shows_as_a_card_restored_and_live_alike(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     long = "x" * 1000
     result = json.dumps({"name": "demo__add", "status": ToolStatus.OK, "content": long})
     denied = json.dumps({"name": "demo__add", "status": ToolStatus.DENIED, "content": "The user did not allow it."})
@@ -195,7 +187,7 @@ def _link_texts(view: ChatView, href: str) -> list[str]:
 def test_copy_says_copied_where_it_was_clicked_then_copy_again(qtbot, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(chat_view, "COPIED_MS", 10)
     monkeypatch.setattr(message_actions, "COPIED_MS", 10)
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     view.set_messages([MessageView("user", "Show me"), MessageView("assistant", "Sure:\n\n```sh\necho hi\n```\n")])
     bar = view.actions_bar
     view.anchorClicked.emit(QUrl("copy:1"))
@@ -208,7 +200,7 @@ def test_copy_says_copied_where_it_was_clicked_then_copy_again(qtbot, monkeypatc
 
 
 def test_a_messages_actions_show_as_icons_under_the_pointer(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     view.set_messages([MessageView("user", "Hello there"), MessageView("assistant", "Hi! How can I help?")])
     assert "Copy" not in view.toPlainText() and "You" not in view.toPlainText()  # no header of words
     frames = view.document().rootFrame().childFrames()
@@ -230,7 +222,7 @@ def test_a_messages_actions_show_as_icons_under_the_pointer(qtbot) -> None:  # t
 
 
 def test_a_streaming_code_blocks_last_line_stays_inside_the_block(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     view.add_user_message("Code please")
     view.begin_reply()
     view._last_render = 0.0  # this piece renders as Markdown at once
@@ -254,13 +246,13 @@ def test_a_stray_closing_fence_closes_the_code_before_it() -> None:
 
 
 def test_a_greeting_without_examples_offers_none(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     view.set_greeting("Loading the default model…", ())
     assert "Loading the default model" in view.toPlainText() and "try one of these" not in view.toPlainText()
 
 
 def test_the_context_menu_offers_a_messages_actions(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     view.set_messages([MessageView("user", "Hello there"), MessageView("assistant", "Hi! How can I help?")])
     user, reply = (view._frame_rect(f).center().toPoint() for f in view.document().rootFrame().childFrames())
     texts = [a.text() for a in view.context_menu(reply).actions()]

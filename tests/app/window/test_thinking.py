@@ -14,18 +14,10 @@ from app.window.chat_view import ChatView
 from app.window.think_switch import ThinkSwitch
 from engine.generation.reasoning import ReasoningStyle, Think
 from engine.generation.reasoning import ThinkSwitch as Switch
+from tests.helpers.app_window import shown_chat_view
 
 THOUGHT = "The user greets me. A short, friendly answer will do."
 ANSWER = "Hello! How can I help?"
-
-
-def _view(qtbot) -> ChatView:  # type: ignore[no-untyped-def]
-    view = ChatView()
-    qtbot.addWidget(view)
-    view.resize(700, 400)
-    view.show()
-    qtbot.waitExposed(view)
-    return view
 
 
 def _shot(view: ChatView, name: str) -> None:
@@ -36,7 +28,7 @@ def _shot(view: ChatView, name: str) -> None:
 
 
 def test_thinking_streams_folds_opens_and_copy_takes_the_answer_only(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     view.add_user_message("Hi")
     view.begin_reply()
     for word in THOUGHT.split(" "):
@@ -62,7 +54,7 @@ def test_thinking_streams_folds_opens_and_copy_takes_the_answer_only(qtbot) -> N
 
 
 def test_a_reply_without_thinking_has_no_block_and_regenerate_drops_the_old_one(qtbot) -> None:  # type: ignore[no-untyped-def]
-    view = _view(qtbot)
+    view = shown_chat_view(qtbot)
     view.add_user_message("Hi")
     view.begin_reply()
     view.append_reasoning("hmm")

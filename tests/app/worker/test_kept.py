@@ -10,8 +10,7 @@ import pytest
 from app.window.main_window import MainWindow
 from app.worker import worker as worker_module
 from app.worker.types import MemoryHeld, MemoryReport
-from tests.app.history.test_history import relaunch, say
-from tests.helpers.app_window import WAIT_MS, ScriptedDialogs, dispose, set_reply_tokens
+from tests.helpers.app_window import WAIT_MS, ScriptedDialogs, dispose, relaunch, say, set_reply_tokens
 
 
 def restores(window: MainWindow, gui) -> list[object]:  # type: ignore[no-untyped-def]

@@ -5,7 +5,6 @@ cannot wait for and leaves no temp file; a deleted conversation's kept memory go
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,22 +18,8 @@ from app.window.main_window import MainWindow
 from app.worker import worker as worker_module
 from app.worker.types import MemoryHeld
 from engine import KeptMemory
-from engine.fileio import FileSystem
-from tests.app.history.test_history import say
-from tests.helpers.app_window import WAIT_MS, ScriptedDialogs, ScriptedThermal, dispose, set_reply_tokens
-
-
-class HeldWrites(FileSystem):
-    """Every write waits for `release`: a kept copy stays in flight as long as the test likes."""
-
-    def __init__(self) -> None:
-        self.started = threading.Event()
-        self.release = threading.Event()
-
-    def write(self, fd: int, data: memoryview) -> int:
-        self.started.set()
-        self.release.wait(60)
-        return super().write(fd, data)
+from tests.helpers.app_window import WAIT_MS, ScriptedDialogs, ScriptedThermal, dispose, say, set_reply_tokens
+from tests.helpers.held_writes import HeldWrites
 
 
 @pytest.fixture

@@ -3,16 +3,15 @@ never been left and exactly as a replay rebuilds it; a damaged or mismatched ent
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 
-from engine.fileio import FileSystem
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.session.engine import Engine, Session, memory_factory_for
 from engine.session.kept import KeptMemory
+from tests.helpers.held_writes import HeldWrites
 from tests.helpers.small_window import event_tokens as tokens
 from tests.helpers.small_window import small_window_engine
 from tests.helpers.tiny import make_tiny_model
@@ -168,19 +167,6 @@ def test_the_default_model_continues_from_kept_memory_as_from_a_replay_and_as_ne
     never_left = tokens(a.chat("And the weather?", settings))
     assert tokens(from_kept.chat("And the weather?", settings)) == never_left
     assert tokens(replayed.chat("And the weather?", settings)) == never_left
-
-
-class HeldWrites(FileSystem):
-    """Writes that wait for `release` (set by the test): a kept copy stays in flight as long as the test likes."""
-
-    def __init__(self) -> None:
-        self.started = threading.Event()
-        self.release = threading.Event()
-
-    def write(self, fd: int, data: memoryview) -> int:
-        self.started.set()
-        assert self.release.wait(60)
-        return super().write(fd, data)
 
 
 def files(folder: Path) -> list[str]:
