@@ -17,7 +17,7 @@ from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import load_model
 from engine.vision.images import DecodedImage, decode_bytes
 from engine.vision.model import ImageEmbedding, VisionModel, load_vision
-from tests.engine.vision.tiny_idefics3 import make_tiny_idefics3
+from tests.helpers.tiny_idefics3 import make_tiny_idefics3
 
 transformers = pytest.importorskip("transformers")
 STEPS = 24

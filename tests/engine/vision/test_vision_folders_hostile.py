@@ -14,7 +14,7 @@ import pytest
 from engine.errors import ModelLoadError
 from engine.loading.tokenizer import Tokenizer
 from engine.vision.model import is_vision_folder, load_vision
-from tests.engine.vision.tiny_idefics3 import make_tiny_idefics3
+from tests.helpers.tiny_idefics3 import make_tiny_idefics3
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,8 @@ from engine.session.engine import load, memory_factory_for
 from engine.vision.fetch import fetch_image
 from engine.vision.images import MAX_IMAGE_BYTES, ImageError
 from engine.vision.model import attach_vision
-from tests.engine.vision.tiny_idefics3 import make_tiny_idefics3
 from tests.helpers.pictures import picture, png
+from tests.helpers.tiny_idefics3 import make_tiny_idefics3
 
 KEY = "sk-test-key"
 

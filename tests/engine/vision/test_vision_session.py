@@ -20,9 +20,9 @@ from engine.generation.sampling import SamplingSettings
 from engine.session.engine import Engine, Session, load
 from engine.vision.images import DecodedImage
 from engine.vision.model import ImageEmbedding, ImageInputError
-from tests.engine.vision.tiny_idefics3 import make_tiny_idefics3
 from tests.helpers.pictures import picture, png
 from tests.helpers.tiny import make_tiny_model
+from tests.helpers.tiny_idefics3 import make_tiny_idefics3
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[3]
