@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.backends.base import Backend
 from engine.documents.capsule import Capsule, load_or_read
 from engine.documents.extract import Document, DocumentError, Kind, Segment, read_file
 from engine.documents.provenance import Citation, tokenize
@@ -58,8 +59,15 @@ class Attachments:
         return self.attach_document(read_file(path), on_progress)
 
     def attach_document(
-        self, doc: Document, on_progress: Callable[[int, int], None] | None = None, what: str = "document"
+        self,
+        doc: Document,
+        on_progress: Callable[[int, int], None] | None = None,
+        what: str = "document",
+        reader: Backend | None = None,
     ) -> Attached:
+        """`doc` joins the memory; its capsule, when not yet on disk, is read by `reader` (default: the memory's own
+        backend; the server's rows pass a reader of their own, since their slot table is shared and a capsule's
+        reading must not resize it)."""
         if len(self.items) >= MAX_ATTACHMENTS:
             raise DocumentError(f"A conversation holds at most {MAX_ATTACHMENTS} attachments; {doc.name} is one more.")
         ids, token_map = tokenize(self.tokenizer, doc, f"The {what} {doc.name}:\n")
@@ -67,7 +75,9 @@ class Attachments:
         if store is None:
             raise SparkError("Attaching needs the persistent cache; run without --no-prefix-cache.")
         pad = self.tokenizer.encode("\n", add_bos=False)[-1]
-        capsule = load_or_read(self.memory.backend, store, ids, token_map, self.memory.cfg.block_size, pad, on_progress)
+        capsule = load_or_read(
+            reader or self.memory.backend, store, ids, token_map, self.memory.cfg.block_size, pad, on_progress
+        )
         first = self.memory.attach(capsule.kmin, capsule.kmax, capsule.keys)
         item = Attached(capsule, first)
         self.items.append(item)

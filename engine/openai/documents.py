@@ -10,10 +10,9 @@ none of them.
 from __future__ import annotations
 
 from engine.backends.base import Backend
-from engine.documents.attach import MAX_ATTACHMENTS, Attached, Attachments
-from engine.documents.capsule import load_or_read
-from engine.documents.extract import Document, DocumentError
-from engine.documents.provenance import Citation, tokenize
+from engine.documents.attach import Attachments
+from engine.documents.extract import Document
+from engine.documents.provenance import Citation
 from engine.errors import SparkError
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
@@ -49,27 +48,13 @@ class RowDocuments:
         self.attachments = attachments
         try:
             for doc in self.documents:
-                self._attach(attachments, doc)
+                attachments.attach_document(doc, reader=self.reader)
         except SparkError as exc:  # the request's files, not the server, are the problem
             self.detach()
             raise bad_request(str(exc), "messages") from None
         self.read_tokens = attachments.read_tokens
         self.document_tokens = attachments.document_tokens
         return self
-
-    def _attach(self, attachments: Attachments, doc: Document) -> None:
-        """As Attachments.attach_document, with the capsule read by `reader`: a row's memory sits on the shared
-        slot table of the server's rows, which a capsule's reading must not resize."""
-        if len(attachments.items) >= MAX_ATTACHMENTS:
-            raise DocumentError(f"A request attaches at most {MAX_ATTACHMENTS} files; {doc.name} is one more.")
-        memory = attachments.memory
-        ids, token_map = tokenize(self.tokenizer, doc, f"The document {doc.name}:\n")
-        store = memory.store
-        if store is None:
-            raise SparkError("Attaching needs the persistent cache.")
-        pad = self.tokenizer.encode("\n", add_bos=False)[-1]
-        capsule = load_or_read(self.reader, store, ids, token_map, memory.cfg.block_size, pad)
-        attachments.items.append(Attached(capsule, memory.attach(capsule.kmin, capsule.kmax, capsule.keys)))
 
     def observe(self) -> None:
         if self.attachments is not None:
