@@ -22,6 +22,7 @@ from engine.tools.calls import Tool, ToolChoice, ToolSpec
 from engine.tools.grammar import tool_grammar
 from engine.tools.template import FALLBACK_SYSTEM, TOOL_ROLE
 from tests.helpers.app_window import WAIT_MS, running_client
+from tests.helpers.default_model import default_model_dir
 
 SERVER = str(Path(__file__).resolve().parents[2] / "helpers" / "mcp_demo_server.py")
 DEMO = McpServerSpec("demo", sys.executable, (SERVER,))
@@ -164,3 +165,32 @@ def test_a_template_that_knows_tools_gets_them_as_its_own(qtbot, tmp_path: Path,
         assert FALLBACK_SYSTEM.split("\n")[0] not in prompt  # ...not the fallback's
         first_result = next(m.content for m in session.messages if m.role == TOOL_ROLE)
         assert f"<|user|>\n<tool_response>{first_result}</tool_response>" in prompt  # the template's tool turn
+
+
+def test_the_default_model_answers_through_the_worker_with_a_tool_server_attached(qtbot, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # The real default model (SmolLM2-135M-Instruct, whose template does not know tools: the documented fallback),
+    # offered the demo server's tools with tool_choice "auto": it answers, and whatever call it starts is held to
+    # the tools' schemas, so each call it makes parses and runs.
+    runs: list[ToolRun] = []
+    deltas: list[str] = []
+    errors: list[str] = []
+    greedy = GenerationSettings(max_tokens=96, sampling=SamplingSettings(greedy=True))
+    with running_client(qtbot, tmp_path, default_model_dir()) as client:
+        answering(client, [Decision.ALWAYS_FOR_SERVER])
+        client.tool_ran.connect(runs.append)
+        client.delta.connect(deltas.append)
+        client.error.connect(errors.append)
+        client.set_tool_servers([DEMO])
+        with qtbot.waitSignal(client.finished, timeout=WAIT_MS * 8) as blocker:
+            client.send("What is 17 plus 25? Use the demo__add tool.", greedy)
+        result: TurnResult = blocker.args[0]
+        session = client.worker.session
+        assert session is not None
+        reply = "".join(deltas)
+        print(f"\nthe default model's turn ({result.reason}): {reply!r}")
+        assert errors == [] and reply.strip()
+        assert "demo__add" in session.known_text  # the tools were offered
+        for run in runs:  # every call it made parsed as a call of an offered tool, and ran
+            assert run.name == "demo__add" and run.allowed and set(json.loads(run.arguments)) <= {"a", "b"}
+        results = [m for m in session.messages if m.role == TOOL_ROLE]
+        assert len(results) == len(runs) and session.messages[-1].role == "assistant"
