@@ -69,7 +69,7 @@ from engine.session.file import (
 from engine.session.kept import KeptMemory, entry_estimate, snapshot_tensors
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
 from engine.session.setup import LockedBackend, MemoryFactory, TokenCounter, check_fits, memory_factory_for
-from engine.tools.calls import ChatEvent, ToolSpec, finish_with_calls, read_reply
+from engine.tools.calls import ChatEvent, ToolChoice, ToolSpec, finish_with_calls, read_reply
 from engine.tools.grammar import tool_settings
 from engine.tools.template import TOOL_ROLE, transcript_inputs
 from engine.vision.idefics3 import IMAGE_TOKEN
@@ -317,17 +317,19 @@ class Session:
         settings: GenerationSettings,
         should_stop: Callable[[], bool] = lambda: False,
         pacer: Pacer | None = None,
+        *,
+        choice: ToolChoice = ToolChoice.AUTO,
     ) -> Iterator[ChatEvent]:
         """Continue a reply that ended in tool calls: `results` are the `tool` messages' contents, in the order of
         the calls (the caller's own form: the transcript, and so the `.spark` file, keeps them as given); the reply
-        goes on under the same tools."""
+        goes on offering the same tools, as `choice` says (`auto` by default: a forced choice would call again)."""
         if self.tools is None or not self.messages or self.messages[-1].role not in ("assistant", TOOL_ROLE):
             raise SparkError("There are no tool calls to answer; offer tools to a reply first.")
         if not results:
             raise SparkError("There are no tool results to hand back; give one per call.")
         now = time.time()
         self.messages += [ChatMessage(TOOL_ROLE, content, now) for content in results]
-        return self._answer(settings, should_stop, pacer, self.tools)
+        return self._answer(settings, should_stop, pacer, replace(self.tools, choice=choice))
 
     def submit(
         self,

@@ -18,6 +18,7 @@ from engine.session.engine import Engine, Session, memory_factory_for
 from engine.tools.calls import Tool, ToolCalls, ToolChoice, ToolSpec
 from engine.tools.grammar import tool_grammar, tool_settings
 from engine.tools.template import FALLBACK_SYSTEM, TOOL_ROLE
+from tests.helpers.default_model import default_model_dir
 from tests.helpers.fixtures import TinyModel
 
 ADD = Tool(
@@ -33,6 +34,7 @@ ADD = Tool(
         "additionalProperties": False,
     },
 )
+INTS = {"a": {"type": "integer"}, "b": {"type": "integer"}}  # unbounded: what the model picks is its own
 FORCED = ToolSpec((ADD,), ToolChoice.REQUIRED, parallel=False)  # a random model calls `add`, once per reply
 SETTINGS = GenerationSettings(max_tokens=160, sampling=SamplingSettings(seed=0))
 
@@ -67,7 +69,7 @@ def test_a_forced_call_parses_and_its_result_continues_the_reply(session: Sessio
     computed = session.computed.count
 
     result = json.dumps({"sum": args["a"] + args["b"]})
-    more_replies, more_calls = split(list(session.tool_results([result], SETTINGS)))
+    more_replies, more_calls = split(list(session.tool_results([result], SETTINGS, choice=ToolChoice.REQUIRED)))
     assert [m.role for m in session.messages] == ["user", "assistant", TOOL_ROLE, "assistant"]
     assert session.messages[2].content == result  # as given: the file keeps the caller's own form
     assert f"<tool_response>\n{result}\n</tool_response>" in session.known_text  # the fallback's tool turn
@@ -79,6 +81,7 @@ def test_a_forced_call_parses_and_its_result_continues_the_reply(session: Sessio
 def test_regenerate_drops_the_turns_calls_and_results(session: Session) -> None:
     list(session.chat("Add two numbers.", SETTINGS, tools=FORCED))
     list(session.tool_results(['{"sum": 1}'], SETTINGS))
+    assert session.tools is not None and session.tools.choice is ToolChoice.AUTO  # results go back under `auto`
     events = list(session.regenerate(SETTINGS, tools=FORCED))
     assert [m.role for m in session.messages] == ["user", "assistant"]
     assert isinstance(events[-1], ToolCalls)
@@ -113,3 +116,18 @@ def test_a_reply_offering_tools_is_held_to_their_schemas_unless_it_has_its_own_g
     assert tool_settings(plain, ToolSpec((bad,), ToolChoice.AUTO), reasons=False) is plain
     with pytest.raises(SparkError, match="'deep'"):
         tool_settings(plain, ToolSpec((bad,), ToolChoice.REQUIRED), reasons=False)
+
+
+def test_the_default_model_calls_a_forced_tool_with_the_numbers_asked(tmp_path: Path) -> None:
+    model = default_model_dir()
+    engine = Engine.load(model, "cpu", memory_factory=memory_factory_for(model, cache_dir=tmp_path / "l3"))
+    session = engine.new_session()
+    add = ToolSpec((Tool("add", "Add two integers.", {**ADD.parameters, "properties": INTS}),), ToolChoice.REQUIRED)
+    greedy = GenerationSettings(max_tokens=64, sampling=SamplingSettings(greedy=True))
+    events = list(session.chat("What is 17 plus 25?", greedy, tools=add))
+    assert isinstance(events[-1], ToolCalls)
+    (call,) = events[-1].calls
+    assert call.name == "add" and json.loads(call.arguments) == {"a": 17, "b": 25}
+    replies, _ = split(list(session.tool_results(["42"], greedy)))
+    assert replies[-1].finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)
+    assert session.messages[-1].role == "assistant" and session.messages[-1].content  # it answered
