@@ -630,7 +630,7 @@ class ConversationWorker(QObject):
         conversation.begin_turn()
         try:
             for ev in start():
-                if isinstance(ev, ToolCalls):  # without tool servers nothing runs them: the reply is its text
+                if isinstance(ev, ToolCalls):  # a turn's calls are tool_turns' to run; here only what streams
                     continue
                 if ev.reasoning:
                     self.reasoning.emit(ev.reasoning)

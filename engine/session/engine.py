@@ -304,8 +304,9 @@ class Session:
     ) -> Iterator[GenerationEvent] | Iterator[ChatEvent]:
         """Append a user message and stream the assistant's reply (appended to `messages` when it ends).
         `images`: pictures the message is about, placed where its text says `<image>` (else before the text).
-        `tools`: the tools this turn offers (see `_answer`); a reply that calls them ends in FinishReason.TOOL_CALLS
-        and a ToolCalls event, and `tool_results` hands their results back."""
+        `tools`: the tools this turn offers, under their grammar (engine.tools; kept in `tools` for later renders of
+        the transcript; None: none); a reply that calls them ends in FinishReason.TOOL_CALLS and a ToolCalls event,
+        and `tool_results` hands their results back."""
         self._check_size(user_text)
         user_text = self._place_images(user_text, images)
         self.messages.append(ChatMessage("user", user_text))
