@@ -643,8 +643,9 @@ class Session:
 
     @staticmethod
     def _read_calls(events: Iterator[GenerationEvent], spec: ToolSpec) -> Iterator[ChatEvent]:
-        """The reply's events, its calls read back once it has ended (and the transcript holds it): the final event
-        ends in FinishReason.TOOL_CALLS and a ToolCalls event follows when the reply made calls."""
+        """The reply's events, its calls read back once it has ended (and the transcript holds it): when it made
+        calls a ToolCalls event follows its final event, which then ends in FinishReason.TOOL_CALLS if the reply
+        ended by itself (one cut at max_tokens keeps LENGTH; its complete calls still come)."""
         text: list[str] = []
         final: GenerationEvent | None = None
         for ev in events:

@@ -75,7 +75,7 @@ class ToolCall:
 @dataclass(frozen=True)
 class ToolCalls:
     """A reply read as content and calls; `Session.chat(..., tools=)` yields one after a reply that made calls
-    (whose final GenerationEvent then ends in FinishReason.TOOL_CALLS)."""
+    (whose final GenerationEvent then ends in FinishReason.TOOL_CALLS, unless it was cut short)."""
 
     content: str  # the reply's text outside its calls
     calls: tuple[ToolCall, ...]
