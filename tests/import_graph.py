@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.hw",),
     ("engine.memory",),
     ("engine.generation",),
+    ("engine.tools",),  # tool calling: the session's and the server's
     ("engine.session",),
     ("engine.documents",),  # documents and earlier conversations read into capsules
     ("engine.openai",),
@@ -53,7 +54,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 # What the tools above the engine may import of it: the face and the packages docs/DESIGN.md documents for them.
 FACES: dict[str, tuple[str, ...]] = {
-    "app": ("engine", "engine.hw", "engine.openai", "engine.paths", "engine.library"),
+    "app": ("engine", "engine.hw", "engine.openai", "engine.paths", "engine.library", "engine.tools"),
     "coreml": (
         "engine",
         "engine.backends.coreml",  # the bundle format the converter writes and the runtime reads

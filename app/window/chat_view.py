@@ -45,8 +45,8 @@ from app.window.thinking import Thoughts
 from app.window.tool_cards import Card, card_html, segments
 from app.worker.tool_turns import RESPONSE_CLOSE, display_messages
 from app.worker.types import MessageView
-from engine.openai.tools import CLOSE as TOOL_CALL_CLOSE
-from engine.openai.tools import OPEN as TOOL_CALL_OPEN
+from engine.tools.calls import CLOSE as TOOL_CALL_CLOSE
+from engine.tools.calls import OPEN as TOOL_CALL_OPEN
 
 ROLE_LABELS = {"user": "You", "assistant": "Spark", "system": "System"}
 ROLE_PROPERTY = 0x100000  # QTextFormat.UserProperty: marks each message frame with its role

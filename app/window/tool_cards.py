@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from app.tools.display import shown
 from app.window.markdown import MONO, Palette
 from app.worker.tool_turns import RESPONSE_CLOSE, RESPONSE_OPEN, ToolStatus
-from engine.openai.tools import CLOSE, OPEN
+from engine.tools.calls import CLOSE, OPEN
 
 FOLDED_CHARS = 300  # of a result, in the card (the model got it whole)
 MAX_ARGUMENT_LINE = 2000  # characters of one line of a call's arguments, in the card

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from app.worker import tool_turns
 from app.worker.types import MemoryHeld, MemoryReport, remote_name
 from engine import (
     ChatMessage,
@@ -30,7 +29,7 @@ from engine import (
     display_name,
     load_session,
 )
-from engine.openai.tools import ToolSpec
+from engine.tools.calls import ChatEvent, ToolSpec
 
 StopCheck = Callable[[], bool]
 
@@ -63,9 +62,12 @@ class Conversation(Protocol):
         """How the history names the model that wrote it."""
         ...
 
-    def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]: ...
+    def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]:
+        """The reply's events; a local conversation offered tools (`set_tools`) ends a reply that calls them in a
+        ToolCalls event."""
+        ...
 
-    def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]: ...
+    def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]: ...
 
     def take_transcript(self, messages: list[tuple[str, str]], system_prompt: str, stop: StopCheck) -> None:
         """Become these messages (a branch); a local memory reads them (Stop ends that early)."""
@@ -151,33 +153,22 @@ class LocalConversation:
 
     def set_tools(self, spec: ToolSpec | None) -> None:
         """Offer these tools to the model from the next turn on (None: none; earlier calls still render)."""
-        self._tools = spec
-        self.session.template_inputs = tool_turns.template_inputs(spec, self._engine.tokenizer.chat_template)
+        self._tools = self.session.tools = spec
 
-    def follow(self, results: list[str], settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
+    def follow(self, results: list[str], settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]:
         """Continue the turn after tool calls: their results (`tool` messages' contents, in the calls' order)."""
-        now = time.time()
-        self.session.messages += [ChatMessage(tool_turns.TOOL_ROLE, content, now) for content in results]
-        return self.session.submit(self.session.messages, settings, stop)
+        return self.session.tool_results(results, settings, stop)
 
     @property
     def model_name(self) -> str:
         return display_name(self._engine.model_dir)
 
-    @property
-    def reasons(self) -> bool:
-        """The model writes a think block before its answer (engine.generation.reasoning)."""
-        return self._engine.reasoning.reasons
+    def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]:
+        return self.session.chat(text, settings, stop, tools=self._tools)
 
-    def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
-        return self.session.chat(text, settings, stop)
-
-    def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
+    def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]:
         """Answer the last user message again: the whole last turn goes, its tool calls and results included."""
-        messages = self.session.messages
-        while messages and messages[-1].role in ("assistant", tool_turns.TOOL_ROLE):
-            messages.pop()
-        return self.session.regenerate(settings, stop)
+        return self.session.regenerate(settings, stop, tools=self._tools)
 
     def take_transcript(self, messages: list[tuple[str, str]], system_prompt: str, stop: StopCheck) -> None:
         now = time.time()

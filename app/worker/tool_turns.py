@@ -1,13 +1,12 @@
-"""A turn that may call tools: the reply streams; the `<tool_call>` blocks it wrote are read back (the engine's
-reader), each is run through the toolbox (the user's consent first), the results go back to the model as `tool`
-messages and the reply continues, at most MAX_TOOL_ROUNDS times a turn. Send and Regenerate both run it.
+"""A turn that may call tools, as a thin loop over the session's tool calling (`Session.chat(..., tools=)`): the
+reply streams under the tools' grammar; when it ends in tool calls (a ToolCalls event) each is run through the
+toolbox (the user's consent first), the results go back (`Session.tool_results`) and the reply continues, at most
+MAX_TOOL_ROUNDS times a turn. Send and Regenerate both run it.
 
 The conversation keeps tools as plain messages, so its `.spark` file holds them and restores them exactly: a call
 is the assistant's own text (the `<tool_call>` block it wrote), a result is a `tool` message whose content is a
-small JSON object (`name`, `status`, `content`). What the model sees of them is its chat template's business: the
-session renders its messages through `template_inputs`, engine.openai.tools' conversion, as the server does, so a
-template that knows tools gets its own `tools` variable, assistant `tool_calls` and `tool` messages, and any other
-gets the documented fallback (the tools listed in the system prompt, results as `<tool_response>` turns).
+small JSON object (`name`, `status`, `content`). What the model sees of them is the session's business
+(engine.tools.template, as the server renders them).
 
 In the chat a turn is one reply (`display_messages`): its messages joined, each result as a `<tool_response>` block
 after the call it answers, which app.tools.cards shows as a card. The live stream carries the same text.
@@ -17,27 +16,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from enum import StrEnum
 from typing import Any
 
 from app.tools.toolbox import Toolbox, ToolRun
 from app.worker.types import MessageView
-from engine import GenerationEvent, GenerationSettings
-from engine.openai.errors import ApiError
-from engine.openai.tools import (
-    Tool,
-    ToolChoice,
-    ToolSpec,
-    chat_inputs,
-    read_reply,
-    template_knows_tools,
-    tool_grammar,
-)
+from engine import GenerationEvent
+from engine.tools.calls import ChatEvent, Tool, ToolCall, ToolCalls, ToolChoice, ToolSpec
+from engine.tools.template import TOOL_ROLE
 
 MAX_TOOL_ROUNDS = 4  # a model that keeps calling tools still ends its turn
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
-TOOL_ROLE = "tool"
 
 
 class ToolStatus(StrEnum):
@@ -46,47 +35,12 @@ class ToolStatus(StrEnum):
     DENIED = "denied"  # the user did not allow it: nothing ran
 
 
-TemplateInputs = Callable[[list[dict[str, str]]], tuple[list[dict[str, Any]], dict[str, Any]]]
-
-
 def tool_spec(openai_tools: list[dict[str, Any]]) -> ToolSpec:
+    """The toolbox's tools as the session offers them: the model calls them when it likes (`auto`)."""
     tools = tuple(
         Tool(t["function"]["name"], t["function"]["description"], t["function"]["parameters"]) for t in openai_tools
     )
     return ToolSpec(tools, ToolChoice.AUTO)
-
-
-def constrained(settings: GenerationSettings, spec: ToolSpec, reasons: bool) -> GenerationSettings:
-    """The turn's settings with a tool call the model starts held to its tools' schemas: the grammar the server uses
-    for `tool_choice: auto` (free text, and a started `<tool_call>` completed as a valid call), so a small model's
-    call parses. Left as they are where the reply already has a grammar (Reply as JSON), where the model thinks in
-    think tokens (a grammar cannot emit those special tokens: its thinking would be cut), or where a tool's schema
-    admits no grammar (the call is then read as written, as before)."""
-    if settings.grammar is not None or reasons:
-        return settings
-    try:
-        grammar = tool_grammar(spec)
-    except ApiError:
-        return settings
-    return replace(settings, grammar=grammar)
-
-
-def template_inputs(spec: ToolSpec | None, template: str | None) -> TemplateInputs:
-    """The session's messages -> the chat template's messages and variables, tools included (`spec`; None: no tools
-    offered, though earlier calls and results still render)."""
-    knows = template_knows_tools(template)
-
-    def convert(messages: list[dict[str, str]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for m in messages:
-            if m["role"] == "assistant" and knows and spec is not None and spec.tools:
-                content, calls = read_reply(m["content"], spec)  # the template writes the calls its own way
-                out.append({"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]})
-            else:
-                out.append({"role": m["role"], "content": m["content"]})
-        return chat_inputs(out, spec, template)
-
-    return convert
 
 
 def status_of(run: ToolRun) -> ToolStatus:
@@ -121,10 +75,9 @@ def display_messages(messages: list[MessageView]) -> list[tuple[int, MessageView
 
 
 def with_tools(
-    first: Iterator[GenerationEvent],
-    follow: Callable[[list[str]], Iterator[GenerationEvent]],
+    first: Iterator[ChatEvent],
+    follow: Callable[[list[str]], Iterator[ChatEvent]],
     toolbox: Toolbox,
-    spec: ToolSpec,
     on_run: Callable[[ToolRun], None],
     stop: Callable[[], bool],
 ) -> Iterator[GenerationEvent]:
@@ -132,14 +85,13 @@ def with_tools(
     being the `tool` messages' contents in the order of the calls."""
     events = first
     for round_ in range(MAX_TOOL_ROUNDS + 1):
-        text: list[str] = []
+        calls: tuple[ToolCall, ...] = ()
         for ev in events:
-            text.append(ev.text)
-            yield ev
-        if stop() or round_ == MAX_TOOL_ROUNDS:
-            return
-        _, calls = read_reply("".join(text), spec)
-        if not calls:
+            if isinstance(ev, ToolCalls):
+                calls = ev.calls
+            else:
+                yield ev
+        if stop() or round_ == MAX_TOOL_ROUNDS or not calls:
             return
         results = []
         for call in calls:

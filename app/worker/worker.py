@@ -70,6 +70,7 @@ from engine import (
     load_session,
 )
 from engine.hw import HardwarePolicy, PolicyDecision
+from engine.tools.calls import ChatEvent, ToolCalls
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ class ConversationWorker(QObject):
     def _turn(
         self,
         conversation: Conversation,
-        first: Callable[[GenerationSettings], Iterator[GenerationEvent]],
+        first: Callable[[GenerationSettings], Iterator[ChatEvent]],
         settings: GenerationSettings,
         stop: threading.Event,
     ) -> None:
@@ -296,10 +297,13 @@ class ConversationWorker(QObject):
     def _tool_turn(
         self,
         conversation: LocalConversation,
-        first: Callable[[GenerationSettings], Iterator[GenerationEvent]],
+        first: Callable[[GenerationSettings], Iterator[ChatEvent]],
         settings: GenerationSettings,
         stop: threading.Event,
     ) -> Iterator[GenerationEvent]:
+        """The turn as a thin loop over the session's tool calling (app.worker.tool_turns): the session offers the
+        toolbox's tools under their grammar and reads the calls back; here the user is asked, the toolbox runs
+        them and the results go back."""
         if self._toolbox is None:
             self._toolbox = Toolbox(McpHost(), ConsentGate(self._ask_consent))
             for problem in self._toolbox.start_servers(self._tool_servers):
@@ -307,12 +311,10 @@ class ConversationWorker(QObject):
         spec = tool_turns.tool_spec(self._toolbox.openai_tools())
         conversation.set_tools(spec)
         self._turn_stop = stop
-        settings = tool_turns.constrained(settings, spec, conversation.reasons)
         return tool_turns.with_tools(
             first(settings),
             lambda results: conversation.follow(results, settings, stop.is_set),
             self._toolbox,
-            spec,
             self._on_tool_ran,
             stop.is_set,
         )
@@ -615,7 +617,7 @@ class ConversationWorker(QObject):
         return [MessageView(r, c) for r, c in self._messages()]
 
     def _stream(
-        self, conversation: Conversation, start: Callable[[], Iterator[GenerationEvent]], settings: GenerationSettings
+        self, conversation: Conversation, start: Callable[[], Iterator[ChatEvent]], settings: GenerationSettings
     ) -> None:
         # A remote server decodes as it is set up to: the app's setting asks nothing of it.
         asked = settings.speculative != Speculation.OFF and not isinstance(conversation, RemoteConversation)
@@ -628,6 +630,8 @@ class ConversationWorker(QObject):
         conversation.begin_turn()
         try:
             for ev in start():
+                if isinstance(ev, ToolCalls):  # a turn's calls are tool_turns' to run; here only what streams
+                    continue
                 if ev.reasoning:
                     self.reasoning.emit(ev.reasoning)
                 if ev.text:

@@ -37,6 +37,7 @@ class FinishReason(StrEnum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens generated
     CANCELLED = "cancelled"  # the caller stopped it
+    TOOL_CALLS = "tool_calls"  # ended by itself after tool calls (engine.tools: read back by whoever offered tools)
 
 
 @dataclass

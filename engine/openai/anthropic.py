@@ -32,7 +32,7 @@ from engine.generation.loop import FinishReason, GenerationEvent
 from engine.generation.reasoning import Think
 from engine.openai import protocol
 from engine.openai.errors import ApiError, bad_request
-from engine.openai.tools import ToolCall, ToolCallReader, read_reply
+from engine.tools.calls import ToolCall, ToolCallReader, finish_with_calls, read_reply
 
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_K = 1 << 20
@@ -279,7 +279,7 @@ def new_id(kind: str = "msg") -> str:
 
 def stop_details(c: Completion, stops: tuple[str, ...], raw_text: str, calls: bool) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finished reply; `raw_text` is its tokens' text, the stop string included."""
-    if calls and c.finish_reason is FinishReason.STOP:
+    if finish_with_calls(c.finish_reason, calls) is FinishReason.TOOL_CALLS:
         return "tool_use", None
     if c.finish_reason is FinishReason.LENGTH:
         return "max_tokens", None
@@ -310,7 +310,8 @@ def usage(c: Completion) -> dict[str, Any]:
 def message(rid: str, model: str, req: MessagesRequest, c: Completion, raw_text: str) -> dict[str, Any]:
     """The whole reply as Anthropic's message object."""
     spec = req.chat.tools
-    content, calls = read_reply(c.text, spec) if spec is not None and spec.active else (c.text, [])
+    reply = read_reply(c.text, spec) if spec is not None and spec.active else None
+    content, calls = (reply.content, list(reply.calls)) if reply is not None else (c.text, [])
     blocks: list[dict[str, Any]] = []
     if c.reasoning:
         blocks.append({"type": "thinking", "thinking": c.reasoning, "signature": ""})

@@ -51,7 +51,8 @@ from engine.openai.errors import (
 from engine.openai.files import PURPOSES, FileStore
 from engine.openai.pool import Lease, ModelPool
 from engine.openai.service import Job, ModelService
-from engine.openai.tools import ToolCall, ToolCallReader, read_reply, template_knows_tools
+from engine.tools.calls import ToolCall, ToolCallReader, read_reply
+from engine.tools.template import template_knows_tools
 from engine.untrusted import JsonTooDeep, loads_bounded
 
 log = logging.getLogger("engine.serve")
@@ -560,7 +561,8 @@ class Api:
             if not chat:
                 choices.append(protocol.completion_choice(i, c, lp if req.logprobs else None))
                 continue
-            content, calls = read_reply(c.text, req.tools) if req.tools and req.tools.active else (c.text, [])
+            reply = read_reply(c.text, req.tools) if req.tools and req.tools.active else None
+            content, calls = (reply.content, list(reply.calls)) if reply is not None else (c.text, [])
             choice = protocol.chat_choice(i, c, lp if req.logprobs else None, content, calls)
             if jobs[i].documents is not None:
                 choice["message"]["recalled"] = recalled(jobs[i])

@@ -3,7 +3,7 @@
 Every body is hostile: each field is type- and range-checked here, before anything is tokenized or queued, and a
 bad one is a 400 naming the field. Fields OpenAI defines that change nothing here (user, metadata, store, ...) are
 ignored, as OpenAI-compatible servers do; fields whose meaning we cannot honour (remote images, `echo`, `best_of`) are
-refused rather than silently dropped. Tools, tool messages and `response_format` are read by engine.openai.tools.
+refused rather than silently dropped. Tools, tool messages and `response_format` are read by engine.openai.tools (over engine.tools).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from engine.generation.sampling import MAX_PENALTY, MIN_PENALTY, InvalidSampling
 from engine.generation.speculative import Speculation
 from engine.openai.errors import bad_request
 from engine.openai.files import check_id
-from engine.openai.tools import ToolCall, ToolSpec, parse_response_format, parse_tools, tool_grammar
+from engine.openai.tools import grammar_for, parse_response_format, parse_tools
+from engine.tools.calls import ToolCall, ToolSpec, finish_with_calls
 
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # each stop string is searched in every streamed piece: keep that cheap
@@ -344,7 +345,7 @@ def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
     if tools is not None and tools.active:
         if settings.grammar is not None:
             raise bad_request("Give either 'tools' or a JSON 'response_format' in one request, not both.", "tools")
-        settings.grammar = tool_grammar(tools)
+        settings.grammar = grammar_for(tools)
     n = _int(body, "n", 1, MAX_CHOICES) or 1
     settings.beam = _beam(body, settings, n)
     spec = _speculative(body, settings)
@@ -453,17 +454,18 @@ OPENAI_FINISH_REASONS: dict[FinishReason, str] = {
     FinishReason.STOP: "stop",
     FinishReason.LENGTH: "length",
     FinishReason.CANCELLED: "stop",
+    FinishReason.TOOL_CALLS: "tool_calls",
 }
 
 
 def finish_reason(reason: FinishReason, calls: bool = False) -> str:
     """The finish_reason a choice carries for `reason` ("tool_calls" when the reply ended in tool calls)."""
-    return "tool_calls" if calls and reason is FinishReason.STOP else OPENAI_FINISH_REASONS[reason]
+    return OPENAI_FINISH_REASONS[finish_with_calls(reason, calls)]
 
 
 def parse_finish_reason(raw: object) -> FinishReason:
     """Ours for a finish_reason an OpenAI-compatible server sent (engine.openai.client): anything but "length" (including
-    "content_filter", "tool_calls", or nothing) ends the reply as a plain stop."""
+    "content_filter", "tool_calls", or nothing) ends the reply as a plain stop (the client offers no tools)."""
     return FinishReason.LENGTH if raw == "length" else FinishReason.STOP
 
 

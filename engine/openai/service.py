@@ -46,8 +46,8 @@ from engine.openai.errors import bad_request, busy, too_large, unavailable
 from engine.openai.files import FileLimits
 from engine.openai.metrics import Metrics
 from engine.openai.protocol import Limits, ParsedRequest
-from engine.openai.tools import chat_inputs
 from engine.session.setup import LockedBackend
+from engine.tools.template import chat_inputs
 from engine.vision.fetch import fetch_image
 from engine.vision.images import decode_base64
 from engine.vision.messages import template_messages

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from engine.backends import BackendChoice, open_backend
 from engine.backends.base import Backend
@@ -69,15 +69,13 @@ from engine.session.file import (
 from engine.session.kept import KeptMemory, entry_estimate, snapshot_tensors
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
 from engine.session.setup import LockedBackend, MemoryFactory, TokenCounter, check_fits, memory_factory_for
+from engine.tools.calls import ChatEvent, ToolChoice, ToolSpec, finish_with_calls, read_reply
+from engine.tools.grammar import tool_settings
+from engine.tools.template import TOOL_ROLE, transcript_inputs
 from engine.vision.idefics3 import IMAGE_TOKEN
 from engine.vision.images import DecodedImage
 from engine.vision.messages import template_messages
 from engine.vision.model import ImageInputError, attach_vision
-
-# The conversation's messages (role/content, the system prompt first) -> the chat template's messages and extra
-# variables. The app passes engine.openai.tools' conversion, so tool calls and results reach the model the way its
-# template knows (its own `tools`, or the documented fallback); without one, the messages go as they are.
-TemplateInputs = Callable[[list[dict[str, str]]], tuple[list[dict[str, Any]], dict[str, Any]]]
 
 MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pasted file), not a prompt
 
@@ -105,7 +103,7 @@ class LoadReport:
 
 @dataclass
 class ChatMessage:
-    role: str  # "system" | "user" | "assistant" | "tool" (a tool's result, app.worker.tool_turns)
+    role: str  # "system" | "user" | "assistant" | "tool" (a tool's result: Session.tool_results)
     content: str  # an assistant's answer, without its thinking
     timestamp: float = field(default_factory=time.time)
     reasoning: str = ""  # an assistant's think block (engine.generation.reasoning), kept apart from the answer
@@ -252,7 +250,9 @@ class Session:
         self.computed = TokenCounter()  # tokens this session's forwards computed (replays included)
         self.on_prefill: Callable[[PrefillProgress], None] | None = None  # hears the reading of each prompt
         self.images: list[DecodedImage] = []  # the transcript's pictures, in the order of its <image> markers
-        self.template_inputs: TemplateInputs | None = None  # how messages reach the chat template (None: as they are)
+        # The tools the last turn offered (engine.tools): described in the prompt, their calls read back; the
+        # transcript's earlier calls and results render through engine.tools.template whether or not any are offered.
+        self.tools: ToolSpec | None = None
         self._draft_backend: Backend | None = None  # the draft model's slot table for this conversation
         # Adaptive controllers by drafter (auto shares lookup's): measured costs and acceptance, turn after turn.
         self.controllers = {Speculation.LOOKUP: Controller(), Speculation.DRAFT: Controller()}
@@ -268,6 +268,30 @@ class Session:
         self.known_text = ""
         self.sampler = make_sampler(self.sampler.settings)  # a new chat restarts a seeded stream
 
+    @overload
+    def chat(
+        self,
+        user_text: str,
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = ...,
+        pacer: Pacer | None = ...,
+        images: Sequence[DecodedImage] = ...,
+        *,
+        tools: None = None,
+    ) -> Iterator[GenerationEvent]: ...
+
+    @overload
+    def chat(
+        self,
+        user_text: str,
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = ...,
+        pacer: Pacer | None = ...,
+        images: Sequence[DecodedImage] = ...,
+        *,
+        tools: ToolSpec | None,
+    ) -> Iterator[ChatEvent]: ...
+
     def chat(
         self,
         user_text: str,
@@ -275,13 +299,38 @@ class Session:
         should_stop: Callable[[], bool] = lambda: False,
         pacer: Pacer | None = None,
         images: Sequence[DecodedImage] = (),
-    ) -> Iterator[GenerationEvent]:
+        *,
+        tools: ToolSpec | None = None,
+    ) -> Iterator[GenerationEvent] | Iterator[ChatEvent]:
         """Append a user message and stream the assistant's reply (appended to `messages` when it ends).
-        `images`: pictures the message is about, placed where its text says `<image>` (else before the text)."""
+        `images`: pictures the message is about, placed where its text says `<image>` (else before the text).
+        `tools`: the tools this turn offers, under their grammar (engine.tools; kept in `tools` for later renders of
+        the transcript; None: none); a reply that calls them ends in FinishReason.TOOL_CALLS and a ToolCalls event,
+        and `tool_results` hands their results back."""
         self._check_size(user_text)
         user_text = self._place_images(user_text, images)
         self.messages.append(ChatMessage("user", user_text))
-        return self.submit(self.messages, settings, should_stop, pacer)
+        return self._answer(settings, should_stop, pacer, tools)
+
+    def tool_results(
+        self,
+        results: Sequence[str],
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        pacer: Pacer | None = None,
+        *,
+        choice: ToolChoice = ToolChoice.AUTO,
+    ) -> Iterator[ChatEvent]:
+        """Continue a reply that ended in tool calls: `results` are the `tool` messages' contents, in the order of
+        the calls (the caller's own form: the transcript, and so the `.spark` file, keeps them as given); the reply
+        goes on offering the same tools, as `choice` says (`auto` by default: a forced choice would call again)."""
+        if self.tools is None or not self.messages or self.messages[-1].role not in ("assistant", TOOL_ROLE):
+            raise SparkError("There are no tool calls to answer; offer tools to a reply first.")
+        if not results:
+            raise SparkError("There are no tool results to hand back; give one per call.")
+        now = time.time()
+        self.messages += [ChatMessage(TOOL_ROLE, content, now) for content in results]
+        return self._answer(settings, should_stop, pacer, replace(self.tools, choice=choice))
 
     def submit(
         self,
@@ -314,13 +363,38 @@ class Session:
             for _ in self._run(ids, GenerationSettings(max_tokens=0), should_stop, None, reply_to_messages=False):
                 pass
 
+    @overload
     def regenerate(
-        self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False, pacer: Pacer | None = None
-    ) -> Iterator[GenerationEvent]:
-        """Drop the last assistant reply and answer the last user message again."""
-        while self.messages and self.messages[-1].role == "assistant":
+        self,
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = ...,
+        pacer: Pacer | None = ...,
+        *,
+        tools: None = None,
+    ) -> Iterator[GenerationEvent]: ...
+
+    @overload
+    def regenerate(
+        self,
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = ...,
+        pacer: Pacer | None = ...,
+        *,
+        tools: ToolSpec | None,
+    ) -> Iterator[ChatEvent]: ...
+
+    def regenerate(
+        self,
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        pacer: Pacer | None = None,
+        *,
+        tools: ToolSpec | None = None,
+    ) -> Iterator[GenerationEvent] | Iterator[ChatEvent]:
+        """Drop the last reply (its tool calls and results included) and answer the last user message again."""
+        while self.messages and self.messages[-1].role in ("assistant", TOOL_ROLE):
             self.messages.pop()
-        return self.submit(self.messages, settings, should_stop, pacer)
+        return self._answer(settings, should_stop, pacer, tools)
 
     def complete(
         self,
@@ -544,9 +618,48 @@ class Session:
         messages = history(style, self._template_messages())  # earlier thinking only where the template reads it
         if self.engine.vision is not None:  # a template that reads content parts gets them
             messages = template_messages(messages, self.tokenizer.chat_template)
-        msgs, extra = self.template_inputs(messages) if self.template_inputs is not None else (messages, {})
+        if self.tools is not None or any(m["role"] == TOOL_ROLE for m in messages):
+            msgs, extra = transcript_inputs(messages, self.tools, self.tokenizer.chat_template)
+        else:
+            msgs, extra = list(messages), {}
         msgs, extra = switched(style, think, msgs, extra)
         return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
+
+    def _answer(
+        self,
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool],
+        pacer: Pacer | None,
+        tools: ToolSpec | None,
+    ) -> Iterator[GenerationEvent] | Iterator[ChatEvent]:
+        """Stream a reply to the transcript offering `tools` (kept for later renders of it; None: none)."""
+        self.tools = tools
+        if tools is None or not tools.active:
+            return self.submit(self.messages, settings, should_stop, pacer)
+        events = self.submit(
+            self.messages, tool_settings(settings, tools, self.engine.reasoning.reasons), should_stop, pacer
+        )
+        return self._read_calls(events, tools)
+
+    @staticmethod
+    def _read_calls(events: Iterator[GenerationEvent], spec: ToolSpec) -> Iterator[ChatEvent]:
+        """The reply's events, its calls read back once it has ended (and the transcript holds it): when it made
+        calls a ToolCalls event follows its final event, which then ends in FinishReason.TOOL_CALLS if the reply
+        ended by itself (one cut at max_tokens keeps LENGTH; its complete calls still come)."""
+        text: list[str] = []
+        final: GenerationEvent | None = None
+        for ev in events:
+            text.append(ev.text)
+            if ev.finish_reason is None:
+                yield ev
+            else:
+                final = ev
+        if final is None or final.finish_reason is None:
+            return
+        reply = read_reply("".join(text), spec)
+        yield replace(final, finish_reason=finish_with_calls(final.finish_reason, bool(reply.calls)))
+        if reply.calls:
+            yield reply
 
     def _split(self, settings: GenerationSettings, rendered: str) -> GenerationSettings:
         """`settings` with the reply's split into reasoning and answer, for a model that reasons."""

@@ -15,11 +15,14 @@ from app.tools.consent import ConsentRequest, Decision
 from app.tools.mcp_host import McpServerSpec
 from app.tools.toolbox import ToolRun
 from app.worker.client import ConversationClient
-from app.worker.tool_turns import MAX_TOOL_ROUNDS, RESPONSE_OPEN, TOOL_ROLE, ToolStatus, constrained
+from app.worker.tool_turns import MAX_TOOL_ROUNDS, RESPONSE_OPEN, ToolStatus
 from app.worker.types import TurnResult
-from engine import GenerationSettings, SamplingSettings, load_session
-from engine.openai.tools import FALLBACK_SYSTEM, Tool, ToolChoice, ToolSpec, tool_grammar
+from engine import FinishReason, GenerationSettings, SamplingSettings, load_session
+from engine.tools.calls import Tool, ToolChoice, ToolSpec
+from engine.tools.grammar import tool_grammar
+from engine.tools.template import FALLBACK_SYSTEM, TOOL_ROLE
 from tests.helpers.app_window import WAIT_MS, running_client
+from tests.helpers.default_model import default_model_dir
 
 SERVER = str(Path(__file__).resolve().parents[2] / "helpers" / "mcp_demo_server.py")
 DEMO = McpServerSpec("demo", sys.executable, (SERVER,))
@@ -96,7 +99,8 @@ def test_a_tool_call_runs_only_with_consent_and_its_result_continues_the_reply(
         result: TurnResult = blocker.args[0]
         assert errors == []  # the server started
         qtbot.waitUntil(lambda: len(runs) == MAX_TOOL_ROUNDS, timeout=WAIT_MS)
-        assert result.reason in ("stop", "length")
+        # The last round's reply called again, beyond the turn's bound: the turn ends in calls nothing ran.
+        assert result.reason in (FinishReason.TOOL_CALLS, FinishReason.LENGTH)
         # Asked for every call until "Always for this server"; after that, never again.
         assert len(asked) == 3 and all(r.call.server == "demo" and r.call.tool == "add" for r in asked)
         assert [r.allowed for r in runs] == [True, False, True, True]
@@ -163,16 +167,30 @@ def test_a_template_that_knows_tools_gets_them_as_its_own(qtbot, tmp_path: Path,
         assert f"<|user|>\n<tool_response>{first_result}</tool_response>" in prompt  # the template's tool turn
 
 
-def test_a_tool_turn_holds_a_call_the_model_starts_to_its_tools_schemas() -> None:
-    # The grammar the server uses for tool_choice "auto": free text passes, and a started <tool_call> must be a valid
-    # call of an offered tool (so a small model's call parses), unless the reply already has a grammar or the
-    # model thinks in special tokens a grammar cannot emit.
-    spec = ToolSpec((ADD,), ToolChoice.AUTO)
-    plain = GenerationSettings(max_tokens=32)
-    turn = constrained(plain, spec, reasons=False)
-    assert turn.grammar is not None and plain.grammar is None  # the user's settings object is left as it was
-    lazy = tool_grammar(spec)
-    assert turn.grammar == lazy
-    as_json = GenerationSettings(grammar=FORCED.grammar)
-    assert constrained(as_json, spec, reasons=False) is as_json  # Reply as JSON keeps its own schema
-    assert constrained(plain, spec, reasons=True) is plain  # a thinking model's think tokens stay reachable
+def test_the_default_model_answers_through_the_worker_with_a_tool_server_attached(qtbot, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # The real default model (SmolLM2-135M-Instruct, whose template does not know tools: the documented fallback),
+    # offered the demo server's tools with tool_choice "auto": it answers, and whatever call it starts is held to
+    # the tools' schemas, so each call it makes parses and runs.
+    runs: list[ToolRun] = []
+    deltas: list[str] = []
+    errors: list[str] = []
+    greedy = GenerationSettings(max_tokens=96, sampling=SamplingSettings(greedy=True))
+    with running_client(qtbot, tmp_path, default_model_dir()) as client:
+        answering(client, [Decision.ALWAYS_FOR_SERVER])
+        client.tool_ran.connect(runs.append)
+        client.delta.connect(deltas.append)
+        client.error.connect(errors.append)
+        client.set_tool_servers([DEMO])
+        with qtbot.waitSignal(client.finished, timeout=WAIT_MS * 8) as blocker:
+            client.send("What is 17 plus 25? Use the demo__add tool.", greedy)
+        result: TurnResult = blocker.args[0]
+        session = client.worker.session
+        assert session is not None
+        reply = "".join(deltas)
+        print(f"\nthe default model's turn ({result.reason}): {reply!r}")
+        assert errors == [] and reply.strip()
+        assert "demo__add" in session.known_text  # the tools were offered
+        for run in runs:  # every call it made parsed as a call of an offered tool, and ran
+            assert run.name == "demo__add" and run.allowed and set(json.loads(run.arguments)) <= {"a", "b"}
+        results = [m for m in session.messages if m.role == TOOL_ROLE]
+        assert len(results) == len(runs) and session.messages[-1].role == "assistant"

@@ -227,7 +227,7 @@ def test_the_repetition_penalty_looks_at_the_reply_only(model: tuple[Scripted, T
 def test_finish_reasons_are_the_api_words() -> None:
     from engine.openai.protocol import finish_reason, parse_finish_reason
 
-    assert [finish_reason(r) for r in FinishReason] == ["stop", "length", "stop"]
+    assert [finish_reason(r) for r in FinishReason] == ["stop", "length", "stop", "tool_calls"]
     assert [parse_finish_reason(w) for w in ("stop", "length", "content_filter", None)] == [
         FinishReason.STOP,
         FinishReason.LENGTH,

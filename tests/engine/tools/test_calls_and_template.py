@@ -6,16 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.openai.tools import (
-    FALLBACK_SYSTEM,
-    Tool,
-    ToolCallReader,
-    ToolChoice,
-    ToolSpec,
-    chat_inputs,
-    read_reply,
-    template_knows_tools,
-)
+from engine.tools.calls import Tool, ToolCallReader, ToolCalls, ToolChoice, ToolSpec, read_reply
+from engine.tools.template import FALLBACK_SYSTEM, chat_inputs, template_knows_tools
 
 SPEC = ToolSpec(
     (Tool("get_weather", "weather", {"type": "object"}), Tool("get_time", "", {"type": "object"})), ToolChoice.AUTO
@@ -37,7 +29,8 @@ def test_calls_are_read_whatever_the_pieces() -> None:
             assert "<tool" not in text  # a block's start is never shown as content
         content += reader.flush()
         assert content.rstrip() == "Let me look." and names == ["get_weather", "get_time"]
-    content, calls = read_reply(TWO_CALLS, SPEC)
+    reply = read_reply(TWO_CALLS, SPEC)
+    content, calls = reply.content, reply.calls
     assert content == "Let me look."
     assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}, {}]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
@@ -51,7 +44,7 @@ def test_blocks_that_are_not_calls_stay_content() -> None:
         '<tool_call>\n{"name": "get_time"',  # cut off by max_tokens
         "a < b and <tool",
     ):
-        assert read_reply(text, SPEC) == (text, [])
+        assert read_reply(text, SPEC) == ToolCalls(text, ())
 
 
 CONVO: list[dict[str, Any]] = [
