@@ -1,13 +1,14 @@
-"""The conversation side of the window: what the user sends and what comes back, the open conversation (opening,
-storing, saving, files and drops) and its own settings (sampling, Reply as JSON, the system prompt).
+"""The conversation side of the window: what the user sends and what comes back, and the open conversation —
+opening, storing, saving, files and drops, its title and notes.
 
 It hears the client's conversation signals and the commands' signals, writes the shared `WindowState`, and drives
-the widgets through `WindowViews`; the window connects the widgets' requests to its slots.
+the widgets through `WindowViews`; the window connects the widgets' requests to its slots. The settings a reply is
+sent with come from the `SettingsPresenter` (`reply_settings`).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
@@ -16,9 +17,7 @@ from app.history.library import ConversationLibrary, file_origin, new_id
 from app.misc.coalescer import TextCoalescer
 from app.misc.words import counted
 from app.models import FIRST_LAUNCH_HINT
-from app.settings.json_reply import schema_grammar
 from app.settings.preferences import Preferences
-from app.settings.sampling_choice import ResolvedSampling, SamplingChoice, resolve, resolved_words
 from app.tools.consent import ConsentRequest
 from app.window.dialogs import Dialogs
 from app.window.menus import shortcut_text
@@ -26,11 +25,8 @@ from app.window.state import Notice, WindowState
 from app.window.views import WindowViews
 from app.worker.client import ConversationClient
 from app.worker.types import MessageView, ReadProgress, SessionFileEvent, StoredConversation, TurnResult
-from engine import SESSION_SUFFIX, FinishReason, GenerationSettings, GrammarError, ModelSampling
+from engine import SESSION_SUFFIX, FinishReason, GenerationSettings
 
-# Tokens per forward while the user waits (see generation_settings): Stop is checked between layers, so a chunk
-# costs Stop one layer of it; 128 read the default model's prompts ~1.3x faster than 32 (64: ~1.3x, 256: ~1.2x).
-INTERACTIVE_PREFILL_CHUNK = 128
 FINISH_NOTES: dict[FinishReason | str, str] = {
     FinishReason.CANCELLED: "Stopped.",
     FinishReason.LENGTH: "Reached the reply length limit; Settings can raise it.",
@@ -46,6 +42,7 @@ def is_model_path(path: Path) -> bool:
 
 class ConversationPresenter(QObject):
     title_changed = Signal(str, str)  # the open conversation's title; the file outside the library it is ("" none)
+    current_shown = Signal()  # another conversation is open now (its settings follow)
     model_requested = Signal(Path)  # a model was opened (dropped, from the command line): load it
 
     def __init__(
@@ -56,6 +53,7 @@ class ConversationPresenter(QObject):
         prefs: Preferences,
         dialogs: Dialogs,
         views: WindowViews,
+        reply_settings: Callable[[], GenerationSettings],
         parent: QObject | None = None,
     ) -> None:
         super().__init__(parent)
@@ -65,6 +63,7 @@ class ConversationPresenter(QObject):
         self._prefs = prefs
         self._dialogs = dialogs
         self._views = views
+        self._reply_settings = reply_settings  # what the next reply is sent with
         self.coalescer = TextCoalescer(parent=self)  # deltas shown at most once per frame
         self._startup_id = prefs.last_conversation() if library.get(prefs.last_conversation()) else ""
         self._shut_down = False
@@ -79,7 +78,6 @@ class ConversationPresenter(QObject):
         c.saved.connect(self._on_saved)
         c.restored.connect(self._on_restored)
         c.foreign_session.connect(self._on_foreign_session)
-        c.system_prompt.connect(self._on_restored_system_prompt)
         c.reading.connect(self._on_reading)
         c.stored.connect(self._on_stored)
         c.consent_needed.connect(self._on_consent_needed)
@@ -90,7 +88,6 @@ class ConversationPresenter(QObject):
         self._views.sidebar.set_current(self._state.current_id)
         self.update_title()
         self.show_busy(False)
-        self.show_reply_json()
         if self._library.load_error:
             self._views.notice.show_message(self._library.load_error, error=True)
 
@@ -127,7 +124,7 @@ class ConversationPresenter(QObject):
         chat.add_user_message(text)
         chat.begin_reply()
         chat.show_reading("Reading…")
-        self._client.send(text, self.reply_settings())
+        self._client.send(text, self._reply_settings())
         return True
 
     @Slot()
@@ -150,7 +147,7 @@ class ConversationPresenter(QObject):
             return
         self._views.chat.remove_last_reply()
         self._views.chat.begin_reply()
-        self._client.regenerate(self.reply_settings())
+        self._client.regenerate(self._reply_settings())
 
     @Slot(str)
     def open_conversation(self, conversation_id: str) -> None:
@@ -224,105 +221,7 @@ class ConversationPresenter(QObject):
             return
         self.open_file(path)
 
-    @Slot()
-    def system_prompt_edited(self) -> None:
-        self._client.set_system_prompt(self._views.system_prompt.text().strip())
-
-    @Slot(str)
-    def system_prompt_typed(self, text: str) -> None:
-        self._prefs.set_system_prompt(text.strip())  # a cleared prompt stays cleared after a restart
-        if not text:  # the clear button emits no editingFinished
-            self._client.set_system_prompt("")
-
-    @Slot()
-    def apply_tool_servers(self) -> None:
-        self._client.set_tool_servers(self._prefs.tool_servers())
-
-    # -- the open conversation's settings ---------------------------------------------------------------------------
-    def generation_settings(self, resolved: ResolvedSampling | None = None) -> GenerationSettings:
-        """The user's settings with the sampling `resolved` (default: the app's choice, as the quick prompt uses), and
-        the prompt read in chunks of at most INTERACTIVE_PREFILL_CHUNK: Stop (and Quit) acts between two layers of a
-        chunk, so a long paste stops within one layer's time of a chunk."""
-        settings = self._prefs.generation()
-        sampling = (resolved or self.resolved_sampling(None)).sampling
-        return replace(
-            settings,
-            sampling=sampling,
-            prefill_chunk=min(settings.prefill_chunk, INTERACTIVE_PREFILL_CHUNK),
-            think=self._views.think_switch.think(),
-        )
-
-    def resolved_sampling(self, override: SamplingChoice | None) -> ResolvedSampling:
-        return resolve(self._prefs.sampling_choice(), override, self._model_sampling())
-
-    def _model_sampling(self) -> ModelSampling | None:
-        # A server's model samples as the user's values say: its own defaults are the server's business.
-        return self._state.model_sampling if self._state.remote is None else None
-
-    @Slot()
-    def show_sampling(self) -> None:
-        """The inspector says which settings the open conversation's replies use, and whose choice they are."""
-        resolved = self.resolved_sampling(self._library.sampling_for(self._state.current_id))
-        self._views.inspector.show_sampling(f"Replies use {resolved_words(resolved)}.")
-
-    @Slot()
-    def edit_conversation_sampling(self) -> None:
-        cid = self._state.current_id
-        edit = self._dialogs.edit_conversation_sampling(
-            self._library.sampling_for(cid), self._prefs.sampling_choice(), self._model_sampling()
-        )
-        if edit is not None:
-            self._library.set_sampling(cid, edit.choice)
-            self.show_sampling()
-
-    @Slot(bool)
-    def set_reply_json(self, on: bool) -> None:
-        """Reply as JSON, on or off in the open conversation only (kept with it in the library). Turned on where
-        it has no schema yet: asked for one, starting from the last one given (cancelled: it stays off)."""
-        cid = self._state.current_id
-        schema = ""
-        if on:
-            schema = self._library.reply_schema(cid) or self._ask_schema(self._prefs.last_reply_schema())
-        self._library.set_reply_schema(cid, schema)
-        self.show_reply_json()
-
-    @Slot()
-    def edit_reply_schema(self) -> None:
-        """Chat ▸ JSON Schema…: the open conversation's schema; accepting it turns Reply as JSON on there."""
-        cid = self._state.current_id
-        schema = self._ask_schema(self._library.reply_schema(cid) or self._prefs.last_reply_schema())
-        if schema:
-            self._library.set_reply_schema(cid, schema)
-        self.show_reply_json()
-
-    def _ask_schema(self, start: str) -> str:
-        schema = self._dialogs.edit_schema(start) or ""
-        if schema:
-            self._prefs.set_last_reply_schema(schema)
-        return schema
-
-    def show_reply_json(self) -> None:
-        """The menu's tick and the composer's "JSON replies" chip follow the open conversation."""
-        on = bool(self._library.reply_schema(self._state.current_id))
-        self._views.menus.reply_json_action.setChecked(on)
-        self._views.composer.json_chip.setVisible(on)
-
-    def reply_settings(self) -> GenerationSettings:
-        """The main chat's settings: the user's, constrained to the "Reply as JSON" schema when that is on (a schema
-        edited by hand into the settings file and refused by the engine is said, and the reply goes unconstrained).
-        The conversation's own sampling, where it has one, wins over the app's; the inspector says which was used."""
-        resolved = self.resolved_sampling(self._library.sampling_for(self._state.current_id))
-        settings = self.generation_settings(resolved)
-        self._views.inspector.show_sampling(f"The last reply used {resolved_words(resolved)}.")
-        schema = self._library.reply_schema(self._state.current_id)
-        if not schema:
-            return settings
-        try:
-            return replace(settings, grammar=schema_grammar(schema))
-        except GrammarError as exc:
-            self._views.notice.show_message(f"Reply as JSON is off for this reply: {exc}", error=True)
-            return settings
-
+    # -- what the views show of it ----------------------------------------------------------------------------------
     def title(self) -> str:
         entry = self._library.get(self._state.current_id)
         return entry.title if entry else "New Chat"
@@ -346,7 +245,6 @@ class ConversationPresenter(QObject):
     # -- the model presenter's signals ------------------------------------------------------------------------------
     @Slot()
     def on_model_shown(self) -> None:
-        self.show_sampling()
         self.show_busy(self._client.busy)
 
     @Slot()
@@ -474,20 +372,12 @@ class ConversationPresenter(QObject):
         else:
             self._state.opening = None
 
-    @Slot(str)
-    def _on_restored_system_prompt(self, text: str) -> None:
-        field = self._views.system_prompt
-        field.blockSignals(True)  # the conversation's own prompt, not an edit to send back
-        field.setText(text)
-        field.blockSignals(False)
-
     # -- the commands' signals --------------------------------------------------------------------------------------
     @Slot()
     def on_current_changed(self) -> None:
         self._views.sidebar.set_current(self._state.current_id)
         self.update_title()
-        self.show_sampling()
-        self.show_reply_json()
+        self.current_shown.emit()
 
     @Slot()
     def clear_chat(self) -> None:

@@ -49,6 +49,7 @@ from app.window.dialogs import Dialogs
 from app.window.menus import WindowMenus
 from app.window.model_presenter import ModelPresenter
 from app.window.notice_bar import NoticeBar
+from app.window.settings_presenter import SettingsPresenter
 from app.window.state import WindowState
 from app.window.status_items import StatusItems
 from app.window.think_switch import ThinkSwitch
@@ -122,8 +123,9 @@ class MainWindow(QMainWindow):
         self.model = ModelPresenter(
             client, quick_client, monitor, self.state, views, prefs, self.library, self.remote_servers, self
         )
+        self.settings = settings = SettingsPresenter(client, self.state, self.library, prefs, self.dialogs, views, self)
         self.conversation = conv = ConversationPresenter(
-            client, self.state, self.library, prefs, self.dialogs, views, self
+            client, self.state, self.library, prefs, self.dialogs, views, settings.reply_settings, self
         )
         self.coalescer = conv.coalescer
         # The window's verbs, as the command line, a second launch, the screenshots and the tests call them.
@@ -133,16 +135,17 @@ class MainWindow(QMainWindow):
         self.open_conversation = conv.open_conversation
         self.open_file = conv.open_file
         self.handle_drop = conv.handle_drop
-        self.reply_settings = conv.reply_settings
-        self.generation_settings = conv.generation_settings
-        self.show_reply_json = conv.show_reply_json
+        self.reply_settings = settings.reply_settings
+        self.generation_settings = settings.generation_settings
+        self.show_reply_json = settings.show_reply_json
         self.title = conv.title
         self.load_model = self.model.load_model
         self.use_remote = self.model.use_remote
-        self.quick_panel = QuickPromptPanel(quick_client, conv.generation_settings)
+        self.quick_panel = QuickPromptPanel(quick_client, settings.generation_settings)
         self._connect_signals()
         self._restore_layout()
         conv.show_current()
+        settings.show_reply_json()
 
     def _build_central(self) -> None:
         self.sidebar = HistorySidebar(self.library)
@@ -192,8 +195,10 @@ class MainWindow(QMainWindow):
     def _connect_signals(self) -> None:
         """Every connection between the widgets, the helpers and the presenters (each presenter connects the client's
         signals it hears itself)."""
-        conv, model, cmd, m = self.conversation, self.model, self.commands, self.menus
+        conv, settings, model, cmd, m = self.conversation, self.settings, self.model, self.commands, self.menus
+        model.model_shown.connect(settings.show_sampling)
         model.model_shown.connect(conv.on_model_shown)
+        conv.current_shown.connect(settings.show_current)
         model.first_ready.connect(conv.on_first_ready)
         conv.model_requested.connect(model.load_model)
         conv.title_changed.connect(self._show_title)
@@ -202,8 +207,8 @@ class MainWindow(QMainWindow):
         self.monitor.sampled.connect(self.inspector.on_sample)
         self.prompt.submitted.connect(conv.submit)
         self.send_button.clicked.connect(conv.send_or_stop)
-        self.system_prompt.editingFinished.connect(conv.system_prompt_edited)
-        self.system_prompt.textChanged.connect(conv.system_prompt_typed)
+        self.system_prompt.editingFinished.connect(settings.system_prompt_edited)
+        self.system_prompt.textChanged.connect(settings.system_prompt_typed)
         self.inspector.session_panel.save_requested.connect(cmd.save)
         self.inspector.session_panel.restore_requested.connect(cmd.open_session)
         self.chat.branch_requested.connect(cmd.branch)
@@ -255,15 +260,15 @@ class MainWindow(QMainWindow):
         m.model_path_chosen.connect(lambda path: conv.handle_drop([path], 1))
         m.server_chosen.connect(model.use_remote)
         m.precision_changed.connect(model.on_precision)
-        m.tool_servers_changed.connect(conv.apply_tool_servers)
-        m.sampling_changed.connect(conv.show_sampling)
-        m.conversation_sampling_action.triggered.connect(conv.edit_conversation_sampling)
-        m.reply_json_toggled.connect(conv.set_reply_json)
+        m.tool_servers_changed.connect(settings.apply_tool_servers)
+        m.sampling_changed.connect(settings.show_sampling)
+        m.conversation_sampling_action.triggered.connect(settings.edit_conversation_sampling)
+        m.reply_json_toggled.connect(settings.set_reply_json)
         m.appearance_chosen.connect(self._on_appearance)
-        m.json_schema_requested.connect(conv.edit_reply_schema)
-        self.composer.json_chip.clicked.connect(lambda: conv.set_reply_json(False))
-        self.inspector.sampling_requested.connect(conv.edit_conversation_sampling)
-        conv.apply_tool_servers()
+        m.json_schema_requested.connect(settings.edit_reply_schema)
+        self.composer.json_chip.clicked.connect(lambda: settings.set_reply_json(False))
+        self.inspector.sampling_requested.connect(settings.edit_conversation_sampling)
+        settings.apply_tool_servers()
         m.conversation_chosen.connect(conv.open_conversation)
         switch, copy = local_server_actions(self.local_server, self)
         self.server_switch, self.server_copy = switch, copy
