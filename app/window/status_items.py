@@ -4,6 +4,7 @@ Server's address. They own their text and the loading clock; the presenters say 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import QLabel, QProgressBar, QPushButton, QStatusBar
@@ -13,8 +14,11 @@ class StatusItems(QObject):
     cancel_requested = Signal()  # the load's Cancel
     copy_requested = Signal()  # the server address's "Copy" link
 
-    def __init__(self, bar: QStatusBar, parent: QObject | None = None) -> None:
+    def __init__(
+        self, bar: QStatusBar, parent: QObject | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__(parent)
+        self._clock = clock
         self._model = QLabel("No model")
         self._speed = QLabel()
         self._progress = QProgressBar()
@@ -44,7 +48,7 @@ class StatusItems(QObject):
     def show_loading(self, text: str) -> None:
         """`text` with the seconds since it began, counting, and Cancel beside it."""
         self._loading_text = text
-        self._loading_since = time.monotonic()
+        self._loading_since = self._clock()
         self._model.setText(text)
         self._progress.show()
         self._cancel.show()
@@ -52,7 +56,7 @@ class StatusItems(QObject):
 
     @Slot()
     def _tick(self) -> None:
-        seconds = int(time.monotonic() - self._loading_since)
+        seconds = int(self._clock() - self._loading_since)
         self._model.setText(f"{self._loading_text} ({seconds} s)")
 
     def end_loading(self) -> None:
