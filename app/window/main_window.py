@@ -121,7 +121,16 @@ class MainWindow(QMainWindow):
         )
         # The model's presenter hears the client first: its reports reach the inspector before the chat's reading.
         self.model = ModelPresenter(
-            client, quick_client, monitor, self.state, views, prefs, self.library, self.remote_servers, self
+            client,
+            quick_client,
+            monitor,
+            local_server,
+            self.state,
+            views,
+            prefs,
+            self.library,
+            self.remote_servers,
+            self,
         )
         self.settings = settings = SettingsPresenter(client, self.state, self.library, prefs, self.dialogs, views, self)
         self.conversation = conv = ConversationPresenter(
@@ -202,7 +211,7 @@ class MainWindow(QMainWindow):
         model.first_ready.connect(conv.on_first_ready)
         conv.model_requested.connect(model.load_model)
         conv.title_changed.connect(self._show_title)
-        self.status.cancel_requested.connect(self.client.cancel_load)
+        self.status.cancel_requested.connect(model.cancel_load)
         self.status.copy_requested.connect(self._copy_server_url)
         self.monitor.sampled.connect(self.inspector.on_sample)
         self.prompt.submitted.connect(conv.submit)
@@ -273,7 +282,6 @@ class MainWindow(QMainWindow):
         switch, copy = local_server_actions(self.local_server, self)
         self.server_switch, self.server_copy = switch, copy
         m.add_server_actions(switch, copy)
-        self.client.loaded.connect(self.local_server.on_model_loaded)
         self.local_server.state_changed.connect(self.status.show_server)
         self.local_server.failed.connect(lambda text: self.notice.show_message(text, error=True))
 

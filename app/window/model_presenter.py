@@ -1,6 +1,6 @@
 """The model side of the window: loading (its words and seconds in the status bar), the local model or remote server
 that replies and what the panels show of it, its measured decoding speed, and the client's reports on memory, speed
-and the hardware policy, passed to the inspector and the monitor."""
+and the hardware policy, passed to the inspector and the monitor; the Local Server adopts each loaded model."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from PySide6.QtCore import QObject, Signal, Slot
 
 from app.history.library import ConversationLibrary
 from app.inspector.hw_monitor import HardwareMonitor
+from app.server.local_server import LocalServerController
 from app.settings.preferences import Preferences
 from app.settings.remote_servers import RemoteServerList
 from app.window.empty_state import greeting
@@ -38,6 +39,7 @@ class ModelPresenter(QObject):
         client: ConversationClient,
         quick_client: ConversationClient,
         monitor: HardwareMonitor,
+        local_server: LocalServerController,
         state: WindowState,
         views: WindowViews,
         prefs: Preferences,
@@ -69,6 +71,11 @@ class ModelPresenter(QObject):
         c.finished.connect(self._on_finished)
         c.error.connect(self._on_error)
         c.remote_ready.connect(self._on_remote_ready)
+        c.loaded.connect(local_server.on_model_loaded)  # the Local Server adopts it (after the window has shown it)
+
+    @Slot()
+    def cancel_load(self) -> None:
+        self._client.cancel_load()
 
     def load_model(self, model: Path | None, backend: str = "auto") -> None:
         if self._state.model_loaded and self._library.get(self._state.current_id):
