@@ -1,10 +1,14 @@
 """The status bar's items: a load shows its words with the seconds counting and Cancel, which asks to cancel; the
-model's words replace them; the server's address shows only while it serves, and its link asks to copy it."""
+model's words replace them; the server's address shows only while it serves, and its link asks to copy it. In the
+window, the model presenter says the client's loading and cancelling there."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from PySide6.QtWidgets import QLabel, QMainWindow, QProgressBar, QPushButton
 
+from app.window.main_window import MainWindow
 from app.window.status_items import StatusItems
 
 
@@ -52,3 +56,15 @@ def test_the_server_address_shows_while_it_serves_and_its_link_asks_to_copy(qtbo
         server.linkActivated.emit("copy")
     items.show_server(False, "http://127.0.0.1:8080/v1")
     assert not server.isVisible()
+
+
+def test_the_window_says_a_load_and_its_cancelling_in_the_status_bar(window: MainWindow, tiny_model: Path) -> None:
+    bar = window.statusBar()
+    model = next(label for label in bar.findChildren(QLabel) if label.text().endswith(" · runs on the CPU"))
+    cancel = bar.findChild(QPushButton)
+    assert not cancel.isVisibleTo(window)
+    window.client.loading.emit(str(tiny_model))  # as the worker says a load began
+    assert model.text() == f"Loading {tiny_model.name}…" and cancel.isVisibleTo(window)
+    window.client.load_cancelled.emit()
+    assert model.text() == "Model loading cancelled" and not cancel.isVisibleTo(window)
+    assert window.state.opening is None
