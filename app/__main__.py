@@ -416,7 +416,7 @@ def bring_forward(window: MainWindow, files: list[Path]) -> None:
 def open_startup(window: MainWindow, args: argparse.Namespace, last_model: Path | None) -> None:
     """Load the model (--model, else a model among the paths, else the last one used) and open the other paths
     (`.spark` files wait until the model is ready)."""
-    from app.window.main_window import is_model_path
+    from app.window.conversation_presenter import is_model_path
 
     models = [p for p in args.paths if is_model_path(p)]
     window.load_model(args.model or (models[0] if models else None) or last_model, args.backend)
