@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import psutil
 from PySide6.QtCore import QCoreApplication, QSettings
 
-from engine import AUTO_ORDER, GenerationSettings, KeptMemory, SamplingSettings
+from engine import AUTO_ORDER, GenerationSettings, KeptMemory, SamplingSettings, exit_process
 
 if TYPE_CHECKING:
     from app.window.main_window import MainWindow
@@ -426,4 +426,4 @@ def open_startup(window: MainWindow, args: argparse.Namespace, last_model: Path 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from engine.process import prepare_process
+from engine.process import exit_process, prepare_process
 
 _PUBLIC: dict[str, tuple[str, str]] = {}  # name -> (module, name there), recorded from the imports below
 
@@ -106,7 +106,7 @@ with _deferred():
     from engine.session.kept import KeptUsage as KeptUsage
     from engine.version import __version__ as __version__
 
-__all__ = ["prepare_process", *_PUBLIC]
+__all__ = ["exit_process", "prepare_process", *_PUBLIC]
 
 
 def __getattr__(name: str) -> Any:

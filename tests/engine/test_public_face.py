@@ -29,7 +29,7 @@ def test_every_exported_name_resolves_to_the_import_that_lists_it() -> None:
         if node.module.startswith("engine.")
     }
     assert listed == engine._PUBLIC
-    assert set(engine.__all__) == set(listed) | {"prepare_process"}
+    assert set(engine.__all__) == set(listed) | {"exit_process", "prepare_process"}
     for name, (module, there) in engine._PUBLIC.items():
         assert getattr(engine, name) is getattr(importlib.import_module(module), there), name
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
