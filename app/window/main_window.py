@@ -51,6 +51,7 @@ from app.window.commands import ConversationCommands
 from app.window.composer import Composer
 from app.window.dialogs import Dialogs
 from app.window.empty_state import greeting
+from app.window.memory_controls import AttachmentRecord, MemoryControls
 from app.window.menus import WindowMenus, shortcut_text
 from app.window.notice_bar import NoticeBar
 from app.window.state import Notice, WindowState
@@ -156,6 +157,7 @@ class MainWindow(QMainWindow):
         self.quick_panel = QuickPromptPanel(quick_client, self.generation_settings)
         self.quick_client = quick_client
         self._connect()
+        self._connect_memory()
         self._restore_layout()
         self.sidebar.set_current(self.state.current_id)
         self.update_title()
@@ -263,6 +265,22 @@ class MainWindow(QMainWindow):
         self.server_label.linkActivated.connect(self._on_server_link)
         status.addPermanentWidget(self.server_label)
         self.server_label.hide()
+
+    def _connect_memory(self) -> None:
+        """Documents and earlier conversations as memory: chips, drops, recall, citations (app.window.memory_controls)."""
+        self.memory_controls = MemoryControls(
+            self,
+            self.client,
+            self.composer,
+            self.chat,
+            self.sidebar,
+            self.library,
+            lambda: self.state.current_id,
+            lambda text: self.notice.show_message(text, error=True),
+            AttachmentRecord(self.dirs.data / "attachments.json"),
+            self.dirs.documents,
+            self.menus.chat_menu,
+        )
 
     def _connect(self) -> None:
         c = self.client

@@ -83,6 +83,12 @@ class Attachments:
         self.items.append(item)
         return item
 
+    def detach(self, item: Attached) -> None:
+        """`item` leaves the memory (the conversation goes on; its capsule stays on disk for a later attach)."""
+        self.items.remove(item)
+        self.memory.detach(item.first_id)
+        self.recalled = [c for c in self.recalled if c.source != item.capsule.name]
+
     def recall_session(self, path: Path, on_progress: Callable[[int, int], None] | None = None) -> Attached:
         """An earlier conversation (.spark) joins as a capsule of its transcript, one line per message line."""
         return self.attach_document(transcript_document(path), on_progress, "earlier conversation")
