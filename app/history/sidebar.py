@@ -1,5 +1,5 @@
 """The history sidebar: the library's conversations (title over date and model), a search field (Esc clears it),
-rename in place, and a context menu to duplicate, export, recall or delete one ("Recall in This Conversation": its
+rename in place, and a context menu to duplicate, export, recall or delete one ("Recall in Current Conversation": its
 memory joins the open conversation's, as an attached document does). It only shows the library and asks; the window
 acts."""
 
@@ -220,7 +220,7 @@ class HistorySidebar(QWidget):
         menu.addAction("Export as Markdown…", lambda: self.export_requested.emit(cid, "md"))
         menu.addAction("Export as JSON…", lambda: self.export_requested.emit(cid, "json"))
         menu.addSeparator()
-        recall = menu.addAction("Recall in This Conversation", lambda: self.recall_requested.emit(cid))
+        recall = menu.addAction("Recall in Current Conversation", lambda: self.recall_requested.emit(cid))
         recall.setToolTip("The open conversation may draw on what was said in this one")
         recall.setEnabled(cid != self.current_id)  # a conversation is its own memory already
         menu.addSeparator()

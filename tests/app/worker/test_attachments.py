@@ -35,7 +35,9 @@ def _refused(qtbot, client, path: Path) -> str:  # type: ignore[no-untyped-def]
     return why
 
 
-def test_a_document_attaches_once_and_a_second_conversation_reads_nothing(qtbot, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_document_attaches_once_and_a_second_conversation_reads_nothing(
+    qtbot, tmp_path: Path, tiny_model: Path
+) -> None:  # type: ignore[no-untyped-def]
     doc = tmp_path / "notes.md"
     doc.write_text(NOTES, encoding="utf-8")
     with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
