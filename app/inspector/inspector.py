@@ -169,7 +169,7 @@ class Inspector(QScrollArea):
         layout.setSpacing(6)
         self.model = _Section("Model")
         self.memory = _Section("Memory")
-        self.attached = _Section("Documents and Recalled Conversations")
+        self.attached = _Section("Attached")  # short: a heading does not wrap, and sets the pane's width
         self.attached.body.setText(NOTHING_ATTACHED)
         self.speed = _Section("Speed")
         self.sampling = _Section("Sampling")

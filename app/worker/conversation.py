@@ -342,6 +342,8 @@ class LocalConversation:
         if stats is None or stats.episodic.hits <= hits_before:
             return 0
         evicted = stats.working.evictions
+        if not evicted:  # nothing of the conversation left the window: what was paged in is an attachment's
+            return 0
         for back in range(1, len(self._turn_starts)):
             if self._turn_starts[-back] <= evicted:  # turn -(back+1) ended where turn -back began: wholly evicted
                 return back

@@ -149,3 +149,4 @@ def test_the_default_model_cites_the_passage_it_drew_on(qtbot, tmp_path: Path) -
         assert result.recalled, result.text
         assert any("48213" in c.text for c in result.recalled)
         assert all(c.label.startswith("filler.txt, l. ") for c in result.recalled)
+        assert result.recalled_turns_ago == 0  # drawn from the document: no earlier turn of the chat was recalled
