@@ -103,17 +103,18 @@ class Attachments:
         for item in self.items:
             n = len(item.capsule.keys)
             blocks = sorted(b - item.first_id for b in agreed if 0 <= b - item.first_id < n)
+            cites = {j: item.capsule.cite(j, self.tokenizer) for j in blocks}
             runs: list[list[int]] = []
-            for j in blocks:
-                if runs and runs[-1][-1] == j - 1:
+            for j in blocks:  # a passage is consecutive blocks of one page (its label names one page)
+                if runs and runs[-1][-1] == j - 1 and cites[runs[-1][-1]].page == cites[j].page:
                     runs[-1].append(j)
                 else:
                     runs.append([j])
             for run in runs:
-                first, last = item.capsule.cite(run[0], self.tokenizer), item.capsule.cite(run[-1], self.tokenizer)
-                text = " ".join(item.capsule.cite(j, self.tokenizer).text for j in run)
-                end = last.end if last.page == first.page else first.end
-                passages.append(Citation(first.source, first.page, first.start, end, text))
+                first, last = cites[run[0]], cites[run[-1]]
+                size = item.capsule.block_size  # the run's tokens decoded at once: no seam inside a word
+                text = self.tokenizer.decode(item.capsule.ids[run[0] * size : (run[-1] + 1) * size]).strip()
+                passages.append(Citation(first.source, first.page, first.start, last.end, text))
         self.recalled = passages
         return passages
 
