@@ -81,12 +81,15 @@ class AttachmentChip(QFrame):
 
     def show_reading(self, done: int, total: int) -> None:
         share = f" {done * 100 // total}%" if total else "…"
+        # As wide as "reading 100%" from the start: the chip does not jitter as the share grows.
+        self.label.setMinimumWidth(self.label.fontMetrics().horizontalAdvance(f"{self.name} · reading 100%"))
         self.label.setText(f"{self.name} · reading{share}")
         self.remove.setToolTip(f"Stop reading {self.name}")
         self.remove.setAccessibleName(f"Stop reading {self.name}")
 
     def show_attached(self, view: AttachmentView) -> None:
         self.name = view.shown
+        self.label.setMinimumWidth(0)
         what = "conversation" if view.kind == AttachKind.CONVERSATION else "document"
         self.label.setText(f"{view.shown} · {tokens_text(view.tokens)}")
         self.setToolTip(
