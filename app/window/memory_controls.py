@@ -139,7 +139,7 @@ class MemoryControls(QObject):
         self.notify = notify
         self.record = record
         self.documents_dir = documents_dir
-        self.passages: list[QWidget] = []  # the passage windows opened (tests read the last)
+        self.passage: QWidget | None = None  # the passage window opened last
         self._attached: dict[Path, Attachment] = {}  # the open conversation's, as the worker last reported them
         self._asked: dict[Path, Attachment] = {}  # asked for, not yet reported
         self.drops = DocumentDrops(self.bar.request, self)
@@ -190,7 +190,7 @@ class MemoryControls(QObject):
 
     @Slot(object)
     def open_passage(self, citation: CitationView) -> None:
-        self.passages.append(show_passage(self.window, citation))
+        self.passage = show_passage(self.window, citation)
 
     def _ask(self, item: Attachment) -> None:
         self._asked[item.path] = item

@@ -160,7 +160,7 @@ def test_the_window_shows_a_replys_citations_and_opens_the_passage(qtbot, window
         and "Drew on: notes.md, l. 3-5" in window.chat.toPlainText()
     )
     window.chat._on_anchor(QUrl("cite:0"))
-    dialog = window.memory_controls.passages[-1]
+    dialog = window.memory_controls.passage
     assert isinstance(dialog, PassageDialog) and dialog.isVisible() and dialog.text.toPlainText() == CITED.text
     dialog.close()
 
