@@ -275,7 +275,7 @@ class MainWindow(QMainWindow):
             self.chat,
             self.sidebar,
             self.library,
-            lambda: self.state.current_id,
+            lambda: self.state.opening or self.state.current_id,  # a restore in flight: the one it opens
             lambda text: self.notice.show_message(text, error=True),
             AttachmentRecord(self.dirs.data / "attachments.json"),
             self.dirs.documents,

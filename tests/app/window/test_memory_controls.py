@@ -230,3 +230,50 @@ def test_the_composer_offers_the_paperclip_with_a_name(qtbot) -> None:  # type: 
     qtbot.addWidget(composer)
     assert composer.attach_button.accessibleName() == "Attach Documents"
     assert not composer.attach_button.icon().isNull()
+
+
+def test_each_conversation_keeps_its_own_documents_when_the_user_switches(
+    qtbot, window: MainWindow, gui, prefs, dirs, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    set_reply_tokens(prefs, 4)
+    garden, kitchen = tmp_path / "garden.md", tmp_path / "kitchen.md"
+    garden.write_text(NOTES, encoding="utf-8")
+    kitchen.write_text(NOTES.replace("garden", "kitchen"), encoding="utf-8")
+    _attached_report(qtbot, window, lambda: window.composer.attachments.request([garden]), garden)
+    say(qtbot, gui, window, "Where is the garden meeting?")
+    first = window.state.current_id
+    window.menus.new_chat_action.trigger()
+    qtbot.waitUntil(lambda: _chips(window) == [], timeout=WAIT_MS)  # a new chat starts with nothing attached
+    _attached_report(qtbot, window, lambda: window.composer.attachments.request([kitchen]), kitchen)
+    say(qtbot, gui, window, "And the kitchen one?")
+    second = window.state.current_id
+    with qtbot.waitSignal(gui(window.client.restored), timeout=WAIT_MS):
+        window.open_conversation(first)
+    qtbot.waitUntil(lambda: [c.split(" · ")[0] for c in _chips(window)] == ["garden.md"], timeout=WAIT_MS)
+    assert window.inspector.attached.body.text().startswith("garden.md: ")
+    record = read_record(dirs.data / "attachments.json")
+    assert {cid: [a.path for a in got] for cid, got in record.items()} == {first: [garden], second: [kitchen]}
+
+
+def test_chat_recall_from_picks_an_earlier_conversation(
+    qtbot, window: MainWindow, gui, prefs, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    set_reply_tokens(prefs, 4)
+    monkeypatch.setattr(memory_controls.QInputDialog, "getItem", lambda *_a: ("", False))
+    window.memory_controls.recall_action.trigger()
+    assert window.notice.text() == "There is no earlier conversation to recall yet."
+    say(qtbot, gui, window, "The fence is blue.")
+    earlier = window.state.current_id
+    title = window.library.get(earlier).title
+    window.menus.new_chat_action.trigger()
+    offered: list[list[str]] = []
+
+    def pick(_parent, _title, _label, titles, *_rest):  # type: ignore[no-untyped-def]
+        offered.append(list(titles))
+        return title, True
+
+    monkeypatch.setattr(memory_controls.QInputDialog, "getItem", pick)
+    report = _attached_report(
+        qtbot, window, window.memory_controls.recall_action.trigger, window.library.path_for(earlier)
+    )
+    assert offered == [[title]] and [v.shown for v in report.attachments] == [title]
