@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 from PySide6.QtCore import Qt
 
 from app.worker.types import AttachKind, AttachProgress, MemoryReport, TurnResult
@@ -150,3 +151,16 @@ def test_the_default_model_cites_the_passage_it_drew_on(qtbot, tmp_path: Path) -
         assert any("48213" in c.text for c in result.recalled)
         assert all(c.label.startswith("filler.txt, l. ") for c in result.recalled)
         assert result.recalled_turns_ago == 0  # drawn from the document: no earlier turn of the chat was recalled
+
+
+def test_a_remote_model_refuses_attachments_in_one_sentence(tmp_path: Path) -> None:
+    from app.worker.conversation import RemoteConversation
+    from engine import RemoteServer, SparkError
+
+    remote = RemoteConversation(RemoteServer("http://127.0.0.1:9/v1", "far"))  # nothing is contacted
+    try:
+        with pytest.raises(SparkError, match=r"^notes\.md was not attached: a remote model reads only"):
+            remote.attach(tmp_path / "notes.md", AttachKind.DOCUMENT, "", lambda _d, _t: None)
+        assert remote.attachments() == () and remote.recalled() == ()
+    finally:
+        remote.close()
