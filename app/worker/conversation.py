@@ -125,7 +125,8 @@ class Conversation(Protocol):
         self, path: Path, kind: AttachKind, title: str, on_progress: Callable[[int, int], None]
     ) -> AttachmentView:
         """`path` (a document, or an earlier conversation's .spark) joins this conversation's memory, read through
-        the model the first time, named `title` in citations ("": its file name); raises SparkError (one sentence), the memory left as it was."""
+        the model the first time, named `title` in citations ("": its file name); raises SparkError (one
+        sentence), the memory left as it was."""
         ...
 
     def detach(self, path: Path) -> None:
