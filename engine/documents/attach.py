@@ -12,6 +12,7 @@ the reply (the blocks the layers agree on), merged into passages per source, in 
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,11 +113,20 @@ class Attachments:
                     runs.append([j])
             for run in runs:
                 first, last = cites[run[0]], cites[run[-1]]
-                size = item.capsule.block_size  # the run's tokens decoded at once: no seam inside a word
-                text = self.tokenizer.decode(item.capsule.ids[run[0] * size : (run[-1] + 1) * size]).strip()
+                text = self._passage(item.capsule, run)
                 passages.append(Citation(first.source, first.page, first.start, last.end, text))
         self.recalled = passages
         return passages
+
+    def _passage(self, capsule: Capsule, run: list[int]) -> str:
+        """The text of blocks `run` as the document has it: decoded at once (no seam inside a word), without the
+        header the model was told the text with, and ending where the page its first line is on ends."""
+        size, where, starts = capsule.block_size, capsule.token_map.where, capsule.token_map.starts
+        lo, hi = max(run[0] * size, starts[0]), (run[-1] + 1) * size
+        first = bisect.bisect_right(starts, lo) - 1
+        page = where[first][0]
+        turn = next((starts[i] for i in range(first + 1, len(starts)) if where[i][0] != page), hi)
+        return self.tokenizer.decode(capsule.ids[lo : min(hi, turn)]).strip()
 
 
 def transcript_document(path: Path) -> Document:

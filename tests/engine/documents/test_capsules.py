@@ -121,3 +121,5 @@ def test_a_recalled_passage_keeps_to_one_page_and_reads_as_the_text(engine: Engi
     assert recalled[0].end == 6 and recalled[1].end == 6
     assert "Page one, line 3: the meeting moved to room 3." in recalled[0].text  # one decode: no seam in a word
     assert "Page two, line 6: the seed swap is on day 6." in recalled[1].text
+    assert recalled[0].text.startswith("Page one, line 1:")  # not the header the model was told the text with
+    assert "Page two" not in recalled[0].text  # a passage ends where its page ends
