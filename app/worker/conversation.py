@@ -244,7 +244,7 @@ class LocalConversation:
         self, path: Path, kind: AttachKind, title: str, on_progress: Callable[[int, int], None]
     ) -> AttachmentView:
         if any(view.path == path for view, _item in self._attached):
-            raise SparkError(f"{path.name} is already attached to this conversation.")
+            raise SparkError(f"{title or path.name} is already attached to this conversation.")
         if self._attachments is None or self._attachments.memory is not self.session.memory:
             self._attachments = Attachments(self.session.memory, self.session.tokenizer)
         attachments = self._attachments
@@ -430,7 +430,7 @@ class RemoteConversation:
         self, path: Path, kind: AttachKind, title: str, on_progress: Callable[[int, int], None]
     ) -> AttachmentView:
         raise SparkError(
-            f"{path.name} was not attached: a remote model reads only the conversation's text; load a local model to attach it."
+            f"{title or path.name} was not attached: a remote model reads only the conversation's text; load a local model to attach it."
         )
 
     def detach(self, path: Path) -> None:
