@@ -65,6 +65,10 @@ def _deferred() -> Iterator[None]:
 with _deferred():
     from engine.backends import AUTO_ORDER as AUTO_ORDER
     from engine.backends import QUANTIZE_CHOICES as QUANTIZE_CHOICES
+    from engine.documents.attach import Attached as Attached
+    from engine.documents.attach import Attachments as Attachments
+    from engine.documents.extract import DocumentError as DocumentError
+    from engine.documents.provenance import Citation as Citation
     from engine.errors import SparkError as SparkError
     from engine.fileio import atomic_write as atomic_write
     from engine.generation.constrained import Grammar as Grammar

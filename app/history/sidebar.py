@@ -1,6 +1,7 @@
 """The history sidebar: the library's conversations (title over date and model), a search field (Esc clears it),
-rename in place, and a context menu to duplicate, export or delete one. It only shows the library and asks; the
-window acts."""
+rename in place, and a context menu to duplicate, export, recall or delete one ("Recall in Current Conversation": its
+memory joins the open conversation's, as an attached document does). It only shows the library and asks; the window
+acts."""
 
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ class HistorySidebar(QWidget):
     duplicate_requested = Signal(str)
     delete_requested = Signal(str)
     export_requested = Signal(str, str)  # id, "md" | "json"
+    recall_requested = Signal(str)  # id: an earlier conversation to join the open one's memory
 
     def __init__(self, library: ConversationLibrary, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -207,6 +209,10 @@ class HistorySidebar(QWidget):
         cid = item.data(ID_ROLE) if item is not None else None
         if not cid:
             return
+        self.context_menu(str(cid)).exec(self.list.viewport().mapToGlobal(pos))
+
+    def context_menu(self, cid: str) -> QMenu:
+        """The menu of one conversation's row."""
         menu = QMenu(self)
         menu.addAction("Rename", lambda: self.start_rename(cid))
         menu.addAction("Duplicate", lambda: self.duplicate_requested.emit(cid))
@@ -214,5 +220,9 @@ class HistorySidebar(QWidget):
         menu.addAction("Export as Markdown…", lambda: self.export_requested.emit(cid, "md"))
         menu.addAction("Export as JSON…", lambda: self.export_requested.emit(cid, "json"))
         menu.addSeparator()
+        recall = menu.addAction("Recall in Current Conversation", lambda: self.recall_requested.emit(cid))
+        recall.setToolTip("The open conversation may draw on what was said in this one")
+        recall.setEnabled(cid != self.current_id)  # a conversation is its own memory already
+        menu.addSeparator()
         menu.addAction("Delete", lambda: self.delete_requested.emit(cid))
-        menu.exec(self.list.viewport().mapToGlobal(pos))
+        return menu

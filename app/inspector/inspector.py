@@ -1,5 +1,6 @@
-"""The inspector: one collapsible side pane that says in plain words what runs, what the model remembers, how fast
-it goes and how the machine is doing; the detailed panels (tiers, thermal, memory, session) sit behind a
+"""The inspector: one collapsible side pane that says in plain words what runs, what the model remembers (this
+conversation, the documents and earlier conversations attached to it, what the last reply drew on), how fast it goes
+and how the machine is doing; the detailed panels (tiers, thermal, memory, session) sit behind a
 "Details" disclosure."""
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ from app.inspector.panels import (
     ThermalPanel,
 )
 from app.inspector.panels.base import bytes_text
-from app.worker.types import MemoryHeld, MemoryReport, ModelInfo, ReadProgress, TurnProgress, remote_name
+from app.worker.types import (
+    AttachKind,
+    AttachmentView,
+    MemoryHeld,
+    MemoryReport,
+    ModelInfo,
+    ReadProgress,
+    TurnProgress,
+    remote_name,
+)
 from engine import RemoteServer
 
 REMOTE_MEMORY = "Does not apply to a remote model: the server keeps its own memory; Spark stores the transcript only."
@@ -68,12 +78,39 @@ def memory_words(report: MemoryReport) -> str:
         return "Nothing yet: the conversation is empty."
     used = bytes_text(sum(t.bytes for t in report.tiers if t.name != "persistent"))
     if working is None or not working.evictions:
-        return f"Remembers this whole conversation word for word ({report.tokens:,} tokens, {used})."
+        return f"Remembers this whole conversation word for word ({report.tokens:,} tokens, {used} in RAM)."
     n = episodic.entries if episodic is not None else 0
     recall = f"and can recall {n:,} earlier passage{'s' if n != 1 else ''} when they matter" if n else ""
     return " ".join(
-        p for p in (f"Remembers the last {working.entries:,} tokens word for word", recall, f"({used}).") if p
+        p for p in (f"Remembers the last {working.entries:,} tokens word for word", recall, f"({used} in RAM).") if p
     )
+
+
+NOTHING_ATTACHED = (
+    "Nothing attached. Attach documents with the paperclip (or drop them on the window), or recall an earlier "
+    "conversation from the sidebar's menu: the model reads each once and draws on it when a question needs it."
+)
+
+
+def attachment_line(view: AttachmentView) -> str:
+    what = f"Earlier conversation “{view.shown}”" if view.kind == AttachKind.CONVERSATION else view.shown
+    how = "read just now" if view.read_tokens else "read before, nothing read again"
+    return f"{what}: {view.tokens:,} tokens, {bytes_text(view.disk_bytes)} on disk ({how})."
+
+
+def attached_words(report: MemoryReport) -> str:
+    """The documents and earlier conversations joined to this conversation's memory, and what the last reply drew
+    on, one line each."""
+    if report.remote:
+        return "Documents cannot be attached to a remote model's conversation."
+    if not report.attachments:
+        return NOTHING_ATTACHED
+    lines = [attachment_line(v) for v in report.attachments]
+    if report.recalled:
+        lines.append("The last reply drew on " + "; ".join(c.label for c in report.recalled) + ".")
+    else:
+        lines.append("Nothing was drawn from them for the last reply.")
+    return "\n".join(lines)
 
 
 HELD_WORDS = {
@@ -132,6 +169,8 @@ class Inspector(QScrollArea):
         layout.setSpacing(6)
         self.model = _Section("Model")
         self.memory = _Section("Memory")
+        self.attached = _Section("Attached")  # short: a heading does not wrap, and sets the pane's width
+        self.attached.body.setText(NOTHING_ATTACHED)
         self.speed = _Section("Speed")
         self.sampling = _Section("Sampling")
         self.sampling_button = QPushButton("Change for This Conversation…")
@@ -141,7 +180,7 @@ class Inspector(QScrollArea):
         self.sampling.box.addWidget(self.sampling_button, 0, Qt.AlignmentFlag.AlignLeft)
         self.machine = _Section("This Mac" if sys.platform == "darwin" else "This computer")
         self.conversation = _Section("Conversation")
-        for s in (self.model, self.memory, self.speed, self.sampling, self.machine, self.conversation):
+        for s in (self.model, self.memory, self.attached, self.speed, self.sampling, self.machine, self.conversation):
             layout.addWidget(s)
         self.details_button = QToolButton()
         self.details_button.setObjectName("disclosure")
@@ -200,6 +239,7 @@ class Inspector(QScrollArea):
     @Slot(MemoryReport)
     def on_memory(self, report: MemoryReport) -> None:
         self.memory.body.setText(" ".join(p for p in (memory_words(report), kept_words(report)) if p))
+        self.attached.body.setText(attached_words(report))
         self.cache_panel.on_memory(report)
         self.memory_panel.on_memory(report)
         self.session_panel.on_memory(report)

@@ -8,7 +8,8 @@ replies run the column's width under a small "Spark". Copy, Branch and (on the l
 while the pointer is over a message (app.window.message_actions); the anchors `copy:N` / `branch:N` (N = the
 message's index in the conversation) do the same. While a prompt is read, the reply shows how far the reading got. The view stays at the newest text unless the user
 scrolled up; then a "↓ New text" pill says more came, and takes them back down. An empty conversation shows a
-greeting with example prompts (anchors `example:K`); a long paste shows its first lines and "Show all".
+greeting with example prompts (anchors `example:K`); a long paste shows its first lines and "Show all". A reply that
+drew on attached documents or recalled conversations lists them under it (anchors `cite:K`: the passage's text).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from app.window.message_actions import MessageActions
 from app.window.thinking import Thoughts
 from app.window.tool_cards import Card, card_html, segments
 from app.worker.tool_turns import RESPONSE_CLOSE, display_messages
-from app.worker.types import MessageView
+from app.worker.types import CitationView, MessageView
 from engine.tools.calls import CLOSE as TOOL_CALL_CLOSE
 from engine.tools.calls import OPEN as TOOL_CALL_OPEN
 
@@ -75,6 +76,7 @@ class ChatView(QTextBrowser):
     regenerate_requested = Signal()  # the last reply's Regenerate icon
     copied = Signal(int)
     example_chosen = Signal(str)  # an example prompt from the greeting
+    citation_opened = Signal(object)  # CitationView: a passage under a reply was clicked
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -100,6 +102,7 @@ class ChatView(QTextBrowser):
         self._mono = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
         self._markdown = MarkdownRenderer()
         self._code_blocks: dict[str, str] = {}  # "message.block" -> the code a block's Copy link copies
+        self._citations: list[CitationView] = []  # anchor cite:K -> the passage K
         self._expanded: set[int] = set()  # long pastes the user opened in full
         self.thoughts = Thoughts()  # each reply's thinking (a reasoning model), folded above its answer
         self._last_render = 0.0
@@ -317,6 +320,7 @@ class ChatView(QTextBrowser):
     # -- public ------------------------------------------------------------------------------------------------------
     def set_messages(self, messages: Sequence[MessageView], notes: dict[int, str] | None = None) -> None:
         """Show a whole conversation; `notes` are the remarks that were shown under some of its messages."""
+        self._citations = []
         self._reply = None
         self._reading = False
         self._contents = {}
@@ -470,6 +474,34 @@ class ChatView(QTextBrowser):
             self._add_note(frame, note)
         self._more_text()
 
+    def add_citations(self, citations: Sequence[CitationView]) -> None:
+        """Under the last reply: the passages it drew on ("Drew on: notes.md, l. 3-9 · paper.pdf, p. 2, l. 1"),
+        each a link to its text."""
+        if not citations:
+            return
+        cursor = QTextCursor(self.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        if cursor.block().length() > 1:  # the reply's note is there: a line of its own
+            cursor.insertBlock()
+        block = QTextBlockFormat()
+        block.setLeftMargin(10)
+        cursor.setBlockFormat(block)
+        cursor.insertText("Drew on: ", self._note_format())
+        for n, c in enumerate(citations):
+            if n:
+                cursor.insertText("  ·  ", self._note_format())
+            key = len(self._citations)
+            self._citations.append(c)
+            cursor.insertText(c.label, self._link_format(f"cite:{key}", f"Show the passage from {c.label}"))
+        self._more_text()
+
+    def citation_labels(self) -> list[str]:
+        return [c.label for c in self._citations]
+
+    def open_citation(self, key: int) -> None:
+        if 0 <= key < len(self._citations):
+            self.citation_opened.emit(self._citations[key])
+
     def _add_note(self, frame: QTextFrame, note: str) -> None:
         after = QTextCursor(self.document())
         after.setPosition(frame.lastPosition() + 1)
@@ -540,6 +572,8 @@ class ChatView(QTextBrowser):
             self._expand(int(arg))
         elif scheme == "think" and arg.isdigit():
             self._toggle_thought(int(arg))
+        elif scheme == "cite" and arg.isdigit():
+            self.open_citation(int(arg))
         elif url.scheme() in ("http", "https"):
             QDesktopServices.openUrl(url)
 

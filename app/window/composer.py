@@ -1,17 +1,29 @@
 """The composer: a rounded box holding the prompt (Return sends, Shift+Return a new line; it grows with its text up
 to a third of the window) and a round icon button that sends, or stops a reply being written; under it the JSON
-mode's chip and a live count of the prompt's tokens against the model's context."""
+mode's chip and a live count of the prompt's tokens against the model's context. Documents come in by the paperclip,
+by dropping files on the prompt, or by pasting a file (or one file's path) into it; their chips sit above the box
+(app.window.attachments)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from PySide6.QtCore import QEvent, QObject, QSize, Qt, QTimer, Signal, Slot
+from PySide6.QtCore import QEvent, QMimeData, QObject, QSize, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QKeyEvent, QPalette
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.misc import theme
 from app.misc.ui_icons import icon
+from app.window.attachments import AttachmentsBar, dropped_documents, pasted_path
 
 COUNT_DELAY_MS = 150  # the count follows typing after this pause (a 20,000-character paste counts once)
 MIN_LINES = 2
@@ -50,6 +62,7 @@ class PromptEdit(QPlainTextEdit):
     now (it says why not, e.g. while a reply is being written); the text stays until it is."""
 
     submitted = Signal(str)
+    files_given = Signal(list)  # list[Path]: documents dropped or pasted here (attached, not typed)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -69,6 +82,20 @@ class PromptEdit(QPlainTextEdit):
         margins = int(2 * self.document().documentMargin()) + 10
         lines = max(MIN_LINES, int(self.document().size().height()))  # a plain document's height is in lines
         self.setFixedHeight(max(line * MIN_LINES + margins, min(self.max_height, lines * line + margins)))
+
+    def canInsertFromMimeData(self, source: QMimeData) -> bool:
+        return bool(dropped_documents(source)) or super().canInsertFromMimeData(source)
+
+    def insertFromMimeData(self, source: QMimeData) -> None:
+        """A dropped or pasted file, or a pasted path of one, is attached rather than typed as its address."""
+        paths = dropped_documents(source)
+        if not paths and source.hasText() and not source.hasUrls():
+            one = pasted_path(source.text())
+            paths = [one] if one is not None else []
+        if paths:
+            self.files_given.emit(paths)
+            return
+        super().insertFromMimeData(source)
 
     def keyPressEvent(self, event: QKeyEvent) -> None:
         if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
@@ -102,11 +129,22 @@ class Composer(QWidget):
         self.json_chip.setAccessibleName("Replies are JSON in this conversation; turn off")
         self.json_chip.setCursor(Qt.CursorShape.PointingHandCursor)
         self.json_chip.hide()
+        self.attach_button = QToolButton()
+        self.attach_button.setObjectName("attachButton")
+        self.attach_button.setIcon(icon("paperclip"))
+        self.attach_button.setIconSize(QSize(18, 18))
+        self.attach_button.setAutoRaise(True)
+        self.attach_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.attach_button.setToolTip("Attach documents the model may draw on (text, Markdown, code, HTML, PDF)")
+        self.attach_button.setAccessibleName("Attach Documents")
+        self.attachments = AttachmentsBar()
+        self.prompt.files_given.connect(self.attachments.request)
         self.box = QFrame()
         self.box.setObjectName("composerBox")
         row = QHBoxLayout(self.box)
         row.setContentsMargins(14, 8, 8, 8)
         row.setSpacing(8)
+        row.addWidget(self.attach_button, 0, Qt.AlignmentFlag.AlignBottom)
         row.addWidget(self.prompt, 1)
         row.addWidget(self.send_button, 0, Qt.AlignmentFlag.AlignBottom)
         self.prompt.installEventFilter(self)  # the box's border shows the prompt's focus
@@ -115,6 +153,7 @@ class Composer(QWidget):
         inner = QVBoxLayout(self.column)
         inner.setContentsMargins(0, 0, 0, 0)
         inner.setSpacing(4)
+        inner.addWidget(self.attachments)
         inner.addWidget(self.box)
         self._below = below = QHBoxLayout()
         below.setContentsMargins(8, 0, 8, 0)

@@ -46,6 +46,7 @@ from app.window.commands import ConversationCommands
 from app.window.composer import Composer
 from app.window.conversation_presenter import ConversationPresenter
 from app.window.dialogs import Dialogs
+from app.window.memory_controls import AttachmentRecord, MemoryControls
 from app.window.menus import WindowMenus
 from app.window.model_presenter import ModelPresenter
 from app.window.notice_bar import NoticeBar
@@ -152,6 +153,7 @@ class MainWindow(QMainWindow):
         self.use_remote = self.model.use_remote
         self.quick_panel = QuickPromptPanel(quick_client, settings.generation_settings)
         self._connect_signals()
+        self._connect_memory()
         self._restore_layout()
         conv.show_current()
         settings.show_reply_json()
@@ -320,6 +322,22 @@ class MainWindow(QMainWindow):
             sizes[1] = max(0, sizes[1] + sizes[2] - INSPECTOR_WIDTH)
             sizes[2] = INSPECTOR_WIDTH
         self.splitter.setSizes(sizes)
+
+    def _connect_memory(self) -> None:
+        """Documents and earlier conversations as memory: chips, drops, recall, citations (app.window.memory_controls)."""
+        self.memory_controls = MemoryControls(
+            self,
+            self.client,
+            self.composer,
+            self.chat,
+            self.sidebar,
+            self.library,
+            lambda: self.state.opening or self.state.current_id,  # a restore in flight: the one it opens
+            lambda text: self.notice.show_message(text, error=True),
+            AttachmentRecord(self.dirs.data / "attachments.json"),
+            self.dirs.documents,
+            self.menus.chat_menu,
+        )
 
     def _remember_inspector(self, shown: bool) -> None:
         if not self.auto_layout:  # the user's choice, not the narrow-window rule

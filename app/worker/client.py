@@ -13,6 +13,8 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from app.tools.mcp_host import McpServerSpec
 from app.worker.types import (
+    AttachKind,
+    AttachProgress,
     LoadedModel,
     MemoryReport,
     ReadProgress,
@@ -43,6 +45,8 @@ class ConversationClient(QObject):
     _forget = Signal(str)
     _shutdown = Signal()
     _tool_servers = Signal(list)
+    _attach_file = Signal(str, object, str, object)
+    _detach = Signal(str)
 
     # Results, on the GUI thread (the worker's signals of the same names, see app.worker.worker).
     loading = Signal(str)
@@ -65,6 +69,8 @@ class ConversationClient(QObject):
     remote_ready = Signal(object)
     consent_needed = Signal(object)  # ConsentRequest: answer it (the worker waits, the GUI does not)
     tool_ran = Signal(object)  # ToolRun
+    attaching = Signal(AttachProgress)
+    attach_failed = Signal(str, str)  # path, why ("": cancelled)
     busy_changed = Signal(bool)  # a reply is being generated
     stopping = Signal()  # Stop was asked while a reply was being generated (it ends with `finished`)
 
@@ -100,6 +106,8 @@ class ConversationClient(QObject):
             (self._forget, w.on_forget),
             (self._shutdown, w.on_shutdown),
             (self._tool_servers, w.on_tool_servers),
+            (self._attach_file, w.on_attach_file),
+            (self._detach, w.on_detach),
         ):
             request.connect(slot)  # auto connection: queued, since the worker lives in another thread
         for result, own in (
@@ -122,11 +130,15 @@ class ConversationClient(QObject):
             (w.remote_ready, self.remote_ready),
             (w.consent_needed, self.consent_needed),
             (w.tool_ran, self.tool_ran),
+            (w.attaching, self.attaching),
+            (w.attach_failed, self.attach_failed),
+            (w.attach_failed, self._on_attach_failed),
         ):
             result.connect(own)  # queued into the GUI thread: the client lives there
         w.finished.connect(self._on_finished)
         self._stop: threading.Event | None = None
         self._cancel_load: threading.Event | None = None
+        self._cancel_reading: dict[str, threading.Event] = {}  # path -> its first reading's cancel
         self._thread.start()
 
     @property
@@ -188,6 +200,21 @@ class ConversationClient(QObject):
         """The conversation stored at `store_path` was deleted: its memory is kept no more (RAM and disk)."""
         self._forget.emit(str(store_path))
 
+    def attach_file(self, path: Path, kind: AttachKind = AttachKind.DOCUMENT, title: str = "") -> None:
+        """`path` joins the open conversation's memory (`memory` lists it when done, `attach_failed` says why not);
+        `cancel_attach(path)` stops its first reading."""
+        cancel = self._cancel_reading[str(path)] = threading.Event()
+        self._attach_file.emit(str(path), kind, title, cancel)
+
+    def cancel_attach(self, path: Path) -> None:
+        cancel = self._cancel_reading.pop(str(path), None)
+        if cancel is not None:
+            cancel.set()
+
+    def detach(self, path: Path) -> None:
+        self.cancel_attach(path)  # still being read: it stops; else a no-op
+        self._detach.emit(str(path))
+
     def shutdown(self, timeout_ms: int = 30_000) -> bool:
         """Stop any reply, store the conversation, end the thread; False when it is still busy after `timeout_ms`."""
         self.begin_shutdown()
@@ -197,6 +224,8 @@ class ConversationClient(QObject):
         """Stop any reply (or loading) and ask the worker to store its conversation and end (its last request)."""
         self.stop()
         self.cancel_load()
+        for cancel in self._cancel_reading.values():  # a document being read stops at its next chunk
+            cancel.set()
         self._shutdown.emit()
 
     def wait_shut_down(self, timeout_ms: int) -> bool:
@@ -209,6 +238,10 @@ class ConversationClient(QObject):
         self._stop = threading.Event()
         self.busy_changed.emit(True)
         return self._stop
+
+    @Slot(str, str)
+    def _on_attach_failed(self, path: str, _why: str) -> None:
+        self._cancel_reading.pop(path, None)
 
     @Slot(TurnResult)
     def _on_finished(self, result: TurnResult) -> None:

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from app.worker.types import MemoryHeld, MemoryReport, remote_name
+from app.worker.types import AttachKind, AttachmentView, CitationView, MemoryHeld, MemoryReport, remote_name
 from engine import (
+    Attached,
+    Attachments,
     ChatMessage,
+    Citation,
     Engine,
     GenerationEvent,
     GenerationSettings,
@@ -25,6 +28,7 @@ from engine import (
     RemoteClient,
     RemoteServer,
     RemoteSession,
+    SparkError,
     TierStats,
     display_name,
     load_session,
@@ -119,6 +123,28 @@ class Conversation(Protocol):
         """Blocks the episodic tier has paged back so far (0 without one)."""
         ...
 
+    def attach(
+        self, path: Path, kind: AttachKind, title: str, on_progress: Callable[[int, int], None]
+    ) -> AttachmentView:
+        """`path` (a document, or an earlier conversation's .spark) joins this conversation's memory, read through
+        the model the first time, named `title` in citations ("": its file name); raises SparkError (one
+        sentence), the memory left as it was."""
+        ...
+
+    def detach(self, path: Path) -> None:
+        """The attachment read from `path` leaves the memory (nothing when there is none)."""
+        ...
+
+    def attachments(self) -> tuple[AttachmentView, ...]: ...
+
+    def observe_recalled(self) -> None:
+        """The reply's first token came: what it draws on from the attachments is noted (see `recalled`)."""
+        ...
+
+    def recalled(self) -> tuple[CitationView, ...]:
+        """What the last reply drew on from the attachments."""
+        ...
+
 
 class LocalConversation:
     """A `Session` on the loaded engine: its memory is ours to report, save and restore."""
@@ -137,6 +163,9 @@ class LocalConversation:
         self.session = engine.new_session()
         self.session.on_prefill = on_prefill
         self._turn_starts: list[int] = []  # memory length when each turn began
+        self._attachments: Attachments | None = None  # made on the first attach (it needs the cascade)
+        self._attached: list[tuple[AttachmentView, Attached]] = []
+        self._recalled: tuple[CitationView, ...] = ()
         self.set_tools(None)
 
     @property
@@ -195,9 +224,49 @@ class LocalConversation:
         self.session.save(path, compact=not full_memory, digest=verify)
 
     def reset(self) -> None:
+        for view, _item in list(self._attached):  # a new chat starts with nothing attached
+            self.detach(view.path)
         self.session.reset()
         self._turn_starts = []
+        self._recalled = ()
         self.held = MemoryHeld.NEW
+
+    def attach(
+        self, path: Path, kind: AttachKind, title: str, on_progress: Callable[[int, int], None]
+    ) -> AttachmentView:
+        if any(view.path == path for view, _item in self._attached):
+            raise SparkError(f"{title or path.name} is already attached to this conversation.")
+        if self._attachments is None or self._attachments.memory is not self.session.memory:
+            self._attachments = Attachments(self.session.memory, self.session.tokenizer)
+        attachments = self._attachments
+        reader = attachments.attach_file if kind == AttachKind.DOCUMENT else attachments.recall_session
+        item = reader(path, on_progress)
+        cap = item.capsule
+        view = AttachmentView(path, cap.name, kind, cap.tokens, cap.disk_bytes, cap.read_tokens, title)
+        self._attached.append((view, item))
+        return view
+
+    def detach(self, path: Path) -> None:
+        for i, (view, item) in enumerate(self._attached):
+            if view.path == path:
+                assert self._attachments is not None  # something is attached
+                self._attachments.detach(item)
+                del self._attached[i]
+                self._recalled = tuple(c for c in self._recalled if c.source != view.shown)
+                return
+
+    def attachments(self) -> tuple[AttachmentView, ...]:
+        return tuple(view for view, _item in self._attached)
+
+    def observe_recalled(self) -> None:
+        if self._attachments is not None and self._attached:
+            titles = {view.name: view.shown for view, _item in self._attached}
+            self._recalled = tuple(
+                citation_view(c, titles.get(c.source, c.source)) for c in self._attachments.observe()
+            )
+
+    def recalled(self) -> tuple[CitationView, ...]:
+        return self._recalled
 
     def _signature(self) -> tuple[int, int | None, int]:
         s = self.session
@@ -240,16 +309,19 @@ class LocalConversation:
         """The tiers of the memory (a memory without tiers is shown as one flat tier)."""
         memory = self.session.memory
         stats = self.session.stats()
+        attached = self.attachments()
         if stats is not None:
-            return MemoryReport((stats.working, stats.episodic, stats.persistent), len(memory.tokens), "", self.held)
+            tiers = (stats.working, stats.episodic, stats.persistent)
+            return MemoryReport(tiers, len(memory.tokens), "", self.held, 0, attached, self._recalled)
         backend = self.session.backend
         per_token = backend.kv_bytes_per_token()
         n = len(memory.tokens)
         row = TierStats("working", n, n * per_token, backend.num_slots * per_token, 0, 0, 0.0, 0)
-        return MemoryReport((row,), n, "", self.held)
+        return MemoryReport((row,), n, "", self.held, 0, attached, self._recalled)
 
     def begin_turn(self) -> None:
         self._turn_starts.append(len(self.session.memory.tokens))
+        self._recalled = ()
 
     def recall_hits(self) -> int:
         stats = self.session.stats()
@@ -262,6 +334,8 @@ class LocalConversation:
         if stats is None or stats.episodic.hits <= hits_before:
             return 0
         evicted = stats.working.evictions
+        if not evicted:  # nothing of the conversation left the window: what was paged in is an attachment's
+            return 0
         for back in range(1, len(self._turn_starts)):
             if self._turn_starts[-back] <= evicted:  # turn -(back+1) ended where turn -back began: wholly evicted
                 return back
@@ -343,8 +417,33 @@ class RemoteConversation:
     def begin_turn(self) -> None:
         pass  # no memory of ours: nothing is recalled
 
+    def attach(
+        self, path: Path, kind: AttachKind, title: str, on_progress: Callable[[int, int], None]
+    ) -> AttachmentView:
+        raise SparkError(
+            f"{title or path.name} was not attached: a remote model reads only the conversation's text; load a local model to attach it."
+        )
+
+    def detach(self, path: Path) -> None:
+        pass  # nothing can be attached
+
+    def attachments(self) -> tuple[AttachmentView, ...]:
+        return ()
+
+    def observe_recalled(self) -> None:
+        pass
+
+    def recalled(self) -> tuple[CitationView, ...]:
+        return ()
+
     def recall_hits(self) -> int:
         return 0
 
     def recalled_turns_ago(self, hits_before: int) -> int:
         return 0
+
+
+def citation_view(c: Citation, shown: str) -> CitationView:
+    """`c` as the app shows it, its source named `shown` (an earlier conversation's title, not its file's)."""
+    label = Citation(shown, c.page, c.start, c.end, c.text).label()
+    return CitationView(shown, c.page, c.start, c.end, c.text, label)

@@ -59,6 +59,51 @@ class MemoryHeld(Enum):
     FILE = "file"  # restored from a file that holds its memory
 
 
+class AttachKind(Enum):
+    """What joins a conversation's memory: a file the user attached, or an earlier conversation recalled."""
+
+    DOCUMENT = "document"
+    CONVERSATION = "conversation"
+
+
+@dataclass(frozen=True)
+class AttachmentView:
+    """One thing a conversation has attached, as the composer's chips and the inspector show it."""
+
+    path: Path  # the file as the user chose it (an earlier conversation: its stored .spark)
+    name: str  # how citations name it
+    kind: AttachKind
+    tokens: int  # what it holds, in the model's tokens
+    disk_bytes: int  # what its memory takes in the cache folder
+    read_tokens: int  # tokens the model computed to read it now (0: read before, found on disk)
+    title: str = ""  # how the app names it (an earlier conversation: its title), else `name`
+
+    @property
+    def shown(self) -> str:
+        return self.title or self.name
+
+
+@dataclass(frozen=True)
+class CitationView:
+    """A passage a reply drew on: where it is (file, page, lines) and its text as the model read it."""
+
+    source: str
+    page: int | None
+    start: int
+    end: int
+    text: str
+    label: str  # "notes.md, l. 12-20", "paper.pdf, p. 3, l. 4"
+
+
+@dataclass(frozen=True)
+class AttachProgress:
+    """A document being read through the model the first time: tokens done of total."""
+
+    path: Path
+    done: int
+    total: int
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     tiers: tuple[TierStats, ...]  # the cascade's own snapshot type: plain numbers, no tensors
@@ -66,6 +111,8 @@ class MemoryReport:
     remote: str = ""  # a remote server's URL: its memory is the server's, none of these numbers apply
     held: MemoryHeld = MemoryHeld.NEW
     kept_bytes: int = 0  # the copy of this memory kept on disk (0: none yet)
+    attachments: tuple[AttachmentView, ...] = ()  # documents and earlier conversations joined to it
+    recalled: tuple[CitationView, ...] = ()  # what the last reply drew on from them
 
 
 @dataclass(frozen=True)
@@ -76,6 +123,7 @@ class TurnResult:
     recalled_turns_ago: int = 0  # > 0: the reply used recalled (episodic) memory holding turns at least this old
     memory_tokens: int = 0  # tokens the conversation's memory holds after the turn (a Stop while reading: part of it)
     messages: int = 0  # messages the conversation holds after the turn (one turn that called tools adds several)
+    recalled: tuple[CitationView, ...] = ()  # passages of the attachments the reply drew on
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ from app.worker import session_files, tool_turns
 from app.worker.conversation import Conversation, LocalConversation, RemoteConversation
 from app.worker.engine_factory import load_engine
 from app.worker.types import (
+    AttachKind,
+    AttachProgress,
     LoadedModel,
     MemoryHeld,
     MemoryReport,
@@ -109,6 +111,8 @@ class ConversationWorker(QObject):
     remote_ready = Signal(object)  # RemoteServer: replies now stream from it
     consent_needed = Signal(object)  # ConsentRequest: the GUI asks the user and answers it
     tool_ran = Signal(object)  # ToolRun: a call the model made, and what came of it
+    attaching = Signal(AttachProgress)  # a document read through the model the first time
+    attach_failed = Signal(str, str)  # path, why in one sentence ("": the user cancelled the reading)
 
     def __init__(
         self,
@@ -285,6 +289,50 @@ class ConversationWorker(QObject):
         self._store()
         self._keep_soon()
         self.finished.emit(TurnResult(FinishReason.STOP, TurnProgress(report.tokens, 0, 0.0, 0.0), ""))
+
+    # -- attachments -------------------------------------------------------------------------------------------------
+    @Slot(str, object, str, object)
+    def on_attach_file(self, path: str, kind: AttachKind, title: str, cancel: threading.Event) -> None:
+        """`path` (a document, or an earlier conversation's stored file) joins the open conversation's memory; the
+        memory report that follows lists it. Reading reports progress and stops at the next chunk once `cancel`
+        is set."""
+        source = Path(path)
+        conversation = self._require()
+        if conversation is None:
+            self.attach_failed.emit(path, "")
+            return
+        if kind == AttachKind.CONVERSATION and source == self._store_path:
+            self.attach_failed.emit(path, "This is the conversation you are in; recall an earlier one.")
+            return
+        last = [0.0]
+
+        def on_progress(done: int, total: int) -> None:
+            if cancel.is_set():
+                raise _ReadingCancelled
+            now = self._clock()
+            if done >= total or now - last[0] >= READ_INTERVAL_S:
+                last[0] = now
+                self.attaching.emit(AttachProgress(source, done, total))
+
+        try:
+            conversation.attach(source, kind, title, on_progress)
+        except _ReadingCancelled:
+            self.attach_failed.emit(path, "")
+            return
+        except SparkError as exc:
+            self.attach_failed.emit(path, str(exc))
+            return
+        except Exception as exc:
+            log.exception("attaching failed")
+            self.attach_failed.emit(path, f"{source.name} could not be attached ({type(exc).__name__}: {exc}).")
+            return
+        self.memory.emit(self._report(conversation))
+
+    @Slot(str)
+    def on_detach(self, path: str) -> None:
+        if self.conversation is not None:
+            self.conversation.detach(Path(path))
+            self.memory.emit(self._report(self.conversation))
 
     @Slot(list)
     def on_tool_servers(self, specs: list[McpServerSpec]) -> None:
@@ -628,10 +676,14 @@ class ConversationWorker(QObject):
         self._read_last = 0.0  # the first reading report goes out at once
         hits_before = conversation.recall_hits()
         conversation.begin_turn()
+        observed = False
         try:
             for ev in start():
                 if isinstance(ev, ToolCalls):  # a turn's calls are tool_turns' to run; here only what streams
                     continue
+                if not observed:  # the prompt has routed the reply: what it draws on from the attachments
+                    observed = True
+                    conversation.observe_recalled()
                 if ev.reasoning:
                     self.reasoning.emit(ev.reasoning)
                 if ev.text:
@@ -665,5 +717,17 @@ class ConversationWorker(QObject):
         self._store(cut_off=reason == FinishReason.CANCELLED)  # stored before `finished`: never only in memory
         self._keep_soon()
         self.finished.emit(
-            TurnResult(reason, progress, "".join(text), recalled, report.tokens, len(conversation.messages))
+            TurnResult(
+                reason,
+                progress,
+                "".join(text),
+                recalled,
+                report.tokens,
+                len(conversation.messages),
+                conversation.recalled(),
+            )
         )
+
+
+class _ReadingCancelled(Exception):
+    """The user cancelled a document's first reading (raised from its progress callback, between chunks)."""

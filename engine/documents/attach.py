@@ -12,6 +12,7 @@ the reply (the blocks the layers agree on), merged into passages per source, in 
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +84,12 @@ class Attachments:
         self.items.append(item)
         return item
 
+    def detach(self, item: Attached) -> None:
+        """`item` leaves the memory (the conversation goes on; its capsule stays on disk for a later attach)."""
+        self.items.remove(item)
+        self.memory.detach(item.first_id)
+        self.recalled = [c for c in self.recalled if c.source != item.capsule.name]
+
     def recall_session(self, path: Path, on_progress: Callable[[int, int], None] | None = None) -> Attached:
         """An earlier conversation (.spark) joins as a capsule of its transcript, one line per message line."""
         return self.attach_document(transcript_document(path), on_progress, "earlier conversation")
@@ -97,19 +104,29 @@ class Attachments:
         for item in self.items:
             n = len(item.capsule.keys)
             blocks = sorted(b - item.first_id for b in agreed if 0 <= b - item.first_id < n)
+            cites = {j: item.capsule.cite(j, self.tokenizer) for j in blocks}
             runs: list[list[int]] = []
-            for j in blocks:
-                if runs and runs[-1][-1] == j - 1:
+            for j in blocks:  # a passage is consecutive blocks of one page (its label names one page)
+                if runs and runs[-1][-1] == j - 1 and cites[runs[-1][-1]].page == cites[j].page:
                     runs[-1].append(j)
                 else:
                     runs.append([j])
             for run in runs:
-                first, last = item.capsule.cite(run[0], self.tokenizer), item.capsule.cite(run[-1], self.tokenizer)
-                text = " ".join(item.capsule.cite(j, self.tokenizer).text for j in run)
-                end = last.end if last.page == first.page else first.end
-                passages.append(Citation(first.source, first.page, first.start, end, text))
+                first, last = cites[run[0]], cites[run[-1]]
+                text = self._passage(item.capsule, run)
+                passages.append(Citation(first.source, first.page, first.start, last.end, text))
         self.recalled = passages
         return passages
+
+    def _passage(self, capsule: Capsule, run: list[int]) -> str:
+        """The text of blocks `run` as the document has it: decoded at once (no seam inside a word), without the
+        header the model was told the text with, and ending where the page its first line is on ends."""
+        size, where, starts = capsule.block_size, capsule.token_map.where, capsule.token_map.starts
+        lo, hi = max(run[0] * size, starts[0]), (run[-1] + 1) * size
+        first = bisect.bisect_right(starts, lo) - 1
+        page = where[first][0]
+        turn = next((starts[i] for i in range(first + 1, len(starts)) if where[i][0] != page), hi)
+        return self.tokenizer.decode(capsule.ids[lo : min(hi, turn)]).strip()
 
 
 def transcript_document(path: Path) -> Document:

@@ -133,10 +133,22 @@ class CascadeMemory:
         want = (len(keys), *self.episodic.kmin.shape[1:])
         if tuple(kmin.shape) != want or tuple(kmax.shape) != want:
             raise SparkError("The attached memory was read by another model geometry; read it again.")
-        first = ADOPTED_BASE + sum(len(a[3]) for a in self.attachments)
+        # After the last attachment's ids (not after their count): a detached one leaves a gap, never a reused id.
+        first = max((a[0] + len(a[3]) for a in self.attachments), default=ADOPTED_BASE)
         self.attachments.append((first, kmin, kmax, list(keys)))
         self.episodic.adopt(first, kmin, kmax, list(keys))
         return first
+
+    def detach(self, first: int) -> None:
+        """The attachment whose block 0 is `first` leaves: its blocks are forgotten (their KV stays in L3 for
+        others) and the retrieval groups emptied, so no slot still holds one; the next routing refills them."""
+        for i, (start, _kmin, _kmax, keys) in enumerate(self.attachments):
+            if start == first:
+                del self.attachments[i]
+                self.episodic.forget_adopted(first, len(keys))
+                self.working.set_groups([[] for _ in range(self.working.num_layers)])
+                return
+        raise KeyError(first)
 
     def invalidate(self, tier: str | None = None) -> None:
         """Drop a tier's contents ('working' forgets the conversation, as reset(); None: every tier)."""

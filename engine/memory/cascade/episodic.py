@@ -179,6 +179,13 @@ class EpisodicMemory:
             self.pinned.add(first_id + j)
             self.stubs += 1
 
+    def forget_adopted(self, first_id: int, n: int) -> None:
+        """Adopted blocks first_id .. first_id + n - 1 leave (their attachment was detached)."""
+        for block_id in range(first_id, first_id + n):
+            block = self.blocks.get(block_id)
+            if block is not None:
+                self._forget(block)
+
     def _loose_stubs(self) -> list[Block]:
         """Stubs the budgets may forget (every stub but the pinned ones)."""
         return [b for b in self.blocks.values() if b.k is None and b.id not in self.pinned]

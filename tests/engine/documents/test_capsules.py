@@ -16,6 +16,7 @@ from engine.generation.loop import GenerationSettings, prefill
 from engine.memory.base import FullAttentionMemory
 from engine.memory.cascade import CascadeMemory
 from engine.session.engine import Engine, memory_factory_for
+from tests.engine.documents.pdfs import text_pdf
 from tests.helpers.tiny import make_tiny_model
 
 DOC = "\n".join(f"line {i}: The quick brown fox jumps over the lazy dog." for i in range(1, 61))
@@ -103,3 +104,22 @@ def test_attaching_needs_the_persistent_cache(tmp_path: Path) -> None:
     engine = Engine.load(model, "cpu", memory_factory=memory_factory_for(model, prefix_cache=False))
     with pytest.raises(Exception, match="persistent cache"):
         Attachments(engine.new_session().memory, engine.tokenizer).attach_document(extract("a.txt", b"hello"))
+
+
+def test_a_recalled_passage_keeps_to_one_page_and_reads_as_the_text(engine: Engine) -> None:
+    pages = [[f"Page one, line {i}: the meeting moved to room {i}." for i in range(1, 7)],
+             [f"Page two, line {i}: the seed swap is on day {i}." for i in range(1, 7)]]  # fmt: skip
+    session = engine.new_session()
+    attachments = Attachments(session.memory, engine.tokenizer)
+    item = attachments.attach_document(extract("minutes.pdf", text_pdf(pages)))
+    memory = session.memory
+    assert isinstance(memory, CascadeMemory)
+    every = list(range(item.first_id, item.first_id + len(item.capsule.keys)))
+    memory.working.groups = [list(every) for _ in memory.working.groups]  # every layer agrees on every block
+    recalled = attachments.observe()
+    assert [(c.page, c.start) for c in recalled] == [(1, 1), (2, recalled[1].start)]  # split where the page turns
+    assert recalled[0].end == 6 and recalled[1].end == 6
+    assert "Page one, line 3: the meeting moved to room 3." in recalled[0].text  # one decode: no seam in a word
+    assert "Page two, line 6: the seed swap is on day 6." in recalled[1].text
+    assert recalled[0].text.startswith("Page one, line 1:")  # not the header the model was told the text with
+    assert "Page two" not in recalled[0].text  # a passage ends where its page ends

@@ -152,3 +152,23 @@ def test_invalidating_episodic_keeps_the_conversation_going(tiny_model: Path, tm
         feed(b, m, random_ids(16, seed=at))
     assert m.episodic.blocks and all(blk.l3_key for blk in m.episodic.blocks.values())
     assert min(m.episodic.blocks) > (160 - cfg.sink_tokens - cfg.window) // cfg.block_size - 1
+
+
+def test_a_detached_attachment_leaves_and_its_ids_are_never_given_again(tiny_model: Path, tmp_path: Path) -> None:
+    b = TorchBackend(tiny_model)
+    m = CascadeMemory(b, SMALL, store=PersistentStore(tmp_path, b.fingerprint, b.numerics))
+    shape = tuple(m.episodic.kmin.shape[1:])
+
+    def attach(keys: list[str]) -> int:
+        return m.attach(torch.zeros(len(keys), *shape), torch.ones(len(keys), *shape), keys)
+
+    first = attach(["a0", "a1", "a2"])
+    second = attach(["b0", "b1"])
+    m.detach(first)
+    assert m.episodic.pinned == {second, second + 1} and set(m.episodic.blocks) == {second, second + 1}
+    third = attach(["c0"])
+    assert third == second + 2  # after the last one's ids: never one the remaining attachment holds
+    m.reset()  # a new chat adopts what is still attached, and nothing detached
+    assert m.episodic.pinned == {second, second + 1, third}
+    with pytest.raises(KeyError):
+        m.detach(first)
