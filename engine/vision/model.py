@@ -27,7 +27,7 @@ from torch import nn
 from engine.errors import ModelLoadError, SparkError
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import mmap_tensors, read_safetensors_header, weight_files
-from engine.model.config import VISION_ARCHITECTURES
+from engine.model.config import IMAGE_ID_LIMIT, VISION_ARCHITECTURES
 from engine.model.network import Transformer
 from engine.vision.idefics3 import IMAGE_TOKEN, Frames, Idefics3Preprocessing
 from engine.vision.images import DecodedImage
@@ -35,7 +35,7 @@ from engine.vision.siglip import VisionConfig, VisionTower
 
 TOWER_PREFIXES = ("model.vision_model.", "model.connector.")
 MAX_HELD_IMAGES = 16  # pictures whose frames or features are held for embedding, most recent first
-ID_CEILING = 2**31 - 1  # prefix digests hash ids as int32
+ID_CEILING = IMAGE_ID_LIMIT
 
 
 class ImageInputError(SparkError):
@@ -185,6 +185,21 @@ class VisionModel:
                 out[i] = token
             start += count
         return out
+
+    def register(self, images: Sequence[DecodedImage]) -> set[int]:
+        """Every id `images` stand for in a prompt (a restored conversation's pictures, so its ids embed again)."""
+        if self.embedding is None:
+            raise ImageInputError("The vision model is not attached to a loaded text model.")
+        distinct = {img.sha256: img for img in images}
+        if len(distinct) > MAX_HELD_IMAGES:
+            raise ImageInputError(
+                f"The conversation holds {len(distinct)} pictures; at most {MAX_HELD_IMAGES} can be held at once."
+            )
+        ids: set[int] = set()
+        for img in distinct.values():
+            f = self.preprocessing.frames(img.image)
+            ids.update(self.embedding.register(img, f, int(f.pixels.shape[0]) * self.preprocessing.image_seq_len))
+        return ids
 
     def encode_prompt(self, text: str, images: Sequence[DecodedImage], add_bos: bool | None = None) -> list[int]:
         """A rendered prompt holding one `<image>` per picture -> its token ids, pictures included (`add_bos` as
