@@ -86,6 +86,20 @@ def test_second_question_about_the_same_picture_encodes_nothing(folder: Path, tm
     assert tokens == first
 
 
+def test_a_restored_prefix_cutting_a_picture_encodes_only_the_frames_read_again(folder: Path, tmp_path: Path) -> None:
+    pic = picture(64, 40, 7)
+    first = load(folder, "cpu", cache_dir=tmp_path / "cache")
+    ask(first.new_session(), "Describe the picture in a few words, please.", [pic])
+    assert frames_encoded(first) == 5
+    # A new process asks a shorter question: the stored prefix blocks end inside the picture, so its tail is read
+    # again, and only the frames that tail holds are encoded (each frame alone: the same rows as a whole encode).
+    again = load(folder, "cpu", cache_dir=tmp_path / "cache")
+    tokens, seen = ask(again.new_session(), "What?", [pic])
+    assert 0 < seen[-1].reused < seen[-1].total and 0 < frames_encoded(again) < 5
+    cold = load(folder, "cpu", prefix_cache=False)
+    assert tokens == ask(cold.new_session(), "What?", [pic])[0]
+
+
 def test_text_only_model_refuses_pictures(tmp_path: Path) -> None:
     engine = load(make_tiny_model(tmp_path / "text"), "cpu", prefix_cache=False)
     assert engine.vision is None
