@@ -163,3 +163,18 @@ def test_a_text_model_refuses_a_file_with_pictures(folder: Path, tmp_path: Path)
     text = load(make_tiny_model(tmp_path / "text"), "cpu", prefix_cache=False).new_session()
     report = text.load(path)  # another model's file: the transcript only, when asked for
     assert not report.applied and text.images == []
+
+
+def test_session_verify_and_inspect_a_file_with_pictures(folder: Path, tmp_path: Path) -> None:
+    from tests.helpers.engine_cli import engine_cli
+
+    engine = load(folder, "cpu", prefix_cache=False)
+    session = conversation(engine)
+    for compact in (False, True):
+        path = tmp_path / f"cli-{compact}.spark"
+        session.save(path, compact=compact)
+        r = engine_cli("session", "verify", str(path), "--model", str(folder), cache=tmp_path / "cache")
+        assert r.returncode == 0 and "restores on this model" in r.stdout, r.stderr
+        r = engine_cli("session", "inspect", str(path), "--json", cache=tmp_path / "cache")
+        assert r.returncode == 0, r.stderr
+        assert '"image"' in r.stdout  # the pictures' bytes, reported beside the memory's tiers
