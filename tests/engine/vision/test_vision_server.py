@@ -171,6 +171,9 @@ def test_anthropic_image_blocks(url: str, folder: Path) -> None:
     assert r.status_code == 200, r.text
     text = "".join(b["text"] for b in r.json()["content"] if b["type"] == "text")
     assert text == Tokenizer.from_dir(folder).decode(expected_tokens(folder, "Hi?"))
+    counted = post(url, "/v1/messages/count_tokens", anthropic_body(base64_block(data)))
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] == r.json()["usage"]["input_tokens"] > 5 * 4  # the picture's tokens too
 
 
 @pytest.mark.parametrize(
