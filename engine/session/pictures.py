@@ -30,12 +30,23 @@ def image_tensors(images: Sequence[DecodedImage]) -> tuple[list[str], dict[str, 
     """The transcript's pictures -> (their hashes in order, one byte tensor per distinct picture); SessionFileError
     for a picture without its bytes."""
     order = [img.sha256 for img in images]
+    if len(order) > MAX_SESSION_IMAGES:
+        raise SessionFileError(
+            f"The conversation shows {len(order)} pictures, more than the {MAX_SESSION_IMAGES} a file holds, "
+            "so it cannot be saved."
+        )
     tensors: dict[str, torch.Tensor] = {}
     for img in images:
         if not img.data or hashlib.sha256(img.data).hexdigest() != img.sha256:
             raise SessionFileError("A picture of this conversation lost its bytes, so it cannot be saved.")
         if IMAGE_PREFIX + img.sha256 not in tensors:
             tensors[IMAGE_PREFIX + img.sha256] = torch.frombuffer(bytearray(img.data), dtype=torch.uint8)
+    total = sum(t.numel() for t in tensors.values())
+    if total > MAX_SESSION_IMAGE_BYTES:
+        raise SessionFileError(
+            f"The conversation's pictures are {total // 2**20} MB, more than the {MAX_SESSION_IMAGE_BYTES // 2**20} MB "
+            "a file holds, so it cannot be saved."
+        )
     return order, tensors
 
 

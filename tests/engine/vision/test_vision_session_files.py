@@ -178,3 +178,20 @@ def test_session_verify_and_inspect_a_file_with_pictures(folder: Path, tmp_path:
         r = engine_cli("session", "inspect", str(path), "--json", cache=tmp_path / "cache")
         assert r.returncode == 0, r.stderr
         assert '"image"' in r.stdout  # the pictures' bytes, reported beside the memory's tiers
+
+
+def test_more_pictures_than_a_file_holds_are_refused_when_saving(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.session import pictures
+
+    session = load(folder, "cpu", prefix_cache=False).new_session()
+    reply(session, "What is it?", [picture(40, 24, 18), picture(40, 24, 19)])
+    monkeypatch.setattr(pictures, "MAX_SESSION_IMAGES", 1)
+    with pytest.raises(SessionFileError, match="shows 2 pictures, more than the 1 a file holds"):
+        session.save(tmp_path / "many.spark")
+    monkeypatch.setattr(pictures, "MAX_SESSION_IMAGES", 256)
+    monkeypatch.setattr(pictures, "MAX_SESSION_IMAGE_BYTES", 100)
+    with pytest.raises(SessionFileError, match="more than the 0 MB a file holds"):
+        session.save(tmp_path / "many.spark")
+    assert not (tmp_path / "many.spark").exists()
