@@ -195,3 +195,38 @@ def test_more_pictures_than_a_file_holds_are_refused_when_saving(
     with pytest.raises(SessionFileError, match="more than the 0 MB a file holds"):
         session.save(tmp_path / "many.spark")
     assert not (tmp_path / "many.spark").exists()
+
+
+def test_generate_image_save_load_continue(folder: Path, tmp_path: Path) -> None:
+    """N tokens about a picture, saved, loaded and continued M tokens, equal N+M in one run (the CLI's contract)."""
+    import json
+
+    from tests.helpers.engine_cli import engine_cli
+    from tests.helpers.pictures import png
+
+    (tmp_path / "a.png").write_bytes(png(40, 24, 20))
+    common = ["generate", "--model", str(folder), "--backend", "cpu", "--no-prefix-cache", "--chat", "--greedy"]
+    common += ["--json", "--image", str(tmp_path / "a.png"), "--prompt", "What?"]
+    cache = tmp_path / "cache"
+    whole = engine_cli(*common, "--max-tokens", "10", cache=cache)
+    assert whole.returncode == 0, whole.stderr
+    first = engine_cli(*common, "--max-tokens", "4", "--save-session", str(tmp_path / "s.spark"), cache=cache)
+    assert first.returncode == 0, first.stderr
+    rest = engine_cli(
+        "generate",
+        "--model",
+        str(folder),
+        "--backend",
+        "cpu",
+        "--no-prefix-cache",
+        "--greedy",
+        "--json",
+        "--load-session",
+        str(tmp_path / "s.spark"),
+        "--continue",
+        "--max-tokens",
+        "6",
+        cache=cache,
+    )
+    assert rest.returncode == 0, rest.stderr
+    assert json.loads(first.stdout)["tokens"] + json.loads(rest.stdout)["tokens"] == json.loads(whole.stdout)["tokens"]
