@@ -30,6 +30,7 @@ SUITES: dict[str, str] = {
     "memory": "engine.bench.memory",
     "documents": "engine.bench.documents",
     "reopen": "engine.bench.reopen",
+    "vision": "engine.bench.vision",
 }
 
 

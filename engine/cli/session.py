@@ -137,5 +137,5 @@ def _model_target(model_dir: Path) -> tuple[StateTarget, str]:
     config = read_config(path)
     cascade = CascadeConfig.for_model(settings_dir(path), config)
     dims = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-    target = StateTarget(config.vocab_size, dims, cascade=cascade, max_positions=config.max_position_embeddings)
+    target = StateTarget(config.id_limit, dims, cascade=cascade, max_positions=config.max_position_embeddings)
     return target, model_fingerprint(path)

@@ -205,7 +205,7 @@ class FullAttentionMemory:
     def state_target(self) -> StateTarget:
         c = self.backend.config
         return StateTarget(
-            c.vocab_size, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), max_slots=self.backend.num_slots
+            c.id_limit, (c.num_hidden_layers, c.num_key_value_heads, c.head_dim), max_slots=self.backend.num_slots
         )
 
     def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

@@ -33,6 +33,7 @@ MODEL_TYPES: dict[str, str] = {
 # Vision-language folders whose text model is one of the above (its config under `text_config`, its weights under
 # `model.text_model.`); engine.vision reads the rest.
 VISION_ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
+IMAGE_ID_LIMIT = 2**31 - 1  # pictures' ids lie below it (prefix digests hash ids as int32)
 # Gemma 3's sliding-window layers: every layer but each sixth, when config.json predates `layer_types`.
 GEMMA3_GLOBAL_EVERY = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -223,7 +224,15 @@ class ModelConfig:
     # Partial rotary (Phi-4-mini: 0.75 of each head): the rotated channels R < head_dim; 0 = all of them. Loading
     # reorders q/k rows so the rotated pairs sit at (i, i + D/2) for i < R/2 (engine.loading.rotary_rows).
     rotary_dims: int = 0
+    # A vision-language model's text model: ids from the vocabulary up to IMAGE_ID_LIMIT stand for pictures' tokens
+    # (engine.vision.model), so memories hold them and their states may name them.
+    image_ids: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def id_limit(self) -> int:
+        """One past the largest token id a memory of this model may hold."""
+        return IMAGE_ID_LIMIT if self.image_ids else self.vocab_size
 
     @property
     def rope_dim(self) -> int:
@@ -271,7 +280,7 @@ class ModelConfig:
             text = d.get("text_config")
             if not isinstance(text, dict):
                 raise ModelLoadError(f"config.json of a {arch} has no text_config object; it looks damaged.")
-            return cls.from_dict(text)
+            return dataclasses.replace(cls.from_dict(text), image_ids=True)
         if arch not in SUPPORTED_ARCHITECTURES:
             known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise ModelLoadError(

@@ -3,8 +3,9 @@ translated into the OpenAI chat request it means and checked by engine.openai.pr
 tool grammar and scheduler), and the reply is written back in Anthropic's shapes.
 
 Read: `model`, `max_tokens` (required, as Anthropic requires it), `system` (a string or text blocks), `messages`
-(user and assistant turns of a string or `text`, `tool_use`, `tool_result` and `thinking` blocks; images are
-refused), `tools` (`name`, `description`, `input_schema`), `tool_choice` (`auto`, `any`, `tool` with its `name`,
+(user and assistant turns of a string or `text`, `tool_use`, `tool_result` and `thinking` blocks; a user turn's
+`image` blocks with a `base64` source — PNG, JPEG, GIF or WebP — or a `url` source become OpenAI `image_url` parts,
+so they meet the same limits, the same decoding and the same `--allow-image-urls` rule), `tools` (`name`, `description`, `input_schema`), `tool_choice` (`auto`, `any`, `tool` with its `name`,
 `none`; `disable_parallel_tool_use`), `stop_sequences`, `temperature`, `top_p`, `top_k`, `stream`, `thinking`
 (`enabled` or `between_tools` / `disabled` / `adaptive`: the model's thinking switch on / off / its default),
 `output_config.format` (a JSON schema the reply is constrained to); `metadata`, `service_tier` and
@@ -33,8 +34,10 @@ from engine.generation.reasoning import Think
 from engine.openai import protocol
 from engine.openai.errors import ApiError, bad_request
 from engine.tools.calls import ToolCall, ToolCallReader, finish_with_calls, read_reply
+from engine.vision.images import MAX_BASE64_CHARS, MAX_IMAGE_BYTES
 
 MAX_STOP_SEQUENCES = 16
+IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 MAX_TOP_K = 1 << 20
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -75,7 +78,7 @@ def _text_blocks(value: Any, where: str) -> str:
     for i, block in enumerate(value):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             kind = block.get("type") if isinstance(block, dict) else None
-            what = "images are not supported; this model reads text only" if kind == "image" else "only text blocks"
+            what = "a tool result's images are not read" if kind == "image" else "only text blocks"
             raise bad_request(f"{where}[{i}] is not a text block ({what}).", f"{where}[{i}]")
         parts.append(block["text"])
     return "".join(parts)
@@ -87,12 +90,13 @@ def _user_turn(content: Any, i: int) -> list[dict[str, Any]]:
         return [{"role": "user", "content": content}]
     if not isinstance(content, list) or not content:
         raise bad_request(f"messages[{i}].content must be a string or a non-empty list of blocks.", f"messages[{i}]")
-    results, texts = [], []
+    results: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []  # OpenAI content parts: text and image_url
     for j, block in enumerate(content):
         where = f"messages[{i}].content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:
@@ -103,10 +107,34 @@ def _user_turn(content: Any, i: int) -> list[dict[str, Any]]:
                 text = f"Error: {text}"
             results.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "image":
-            raise bad_request(f"{where} is an image; this model reads text only.", where)
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), where)}})
         else:
-            raise bad_request(f"{where} must be a text or tool_result block.", where)
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
+            raise bad_request(f"{where} must be a text, image or tool_result block.", where)
+    if not parts:
+        return results
+    if all(p["type"] == "text" for p in parts):
+        return [*results, {"role": "user", "content": "".join(p["text"] for p in parts)}]
+    return [*results, {"role": "user", "content": parts}]
+
+
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source as the URL an OpenAI image_url part holds: a data: URL for base64 (its length checked
+    before it is copied), the URL itself for a url source (fetched only where the server allows it)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "url" and isinstance(source.get("url"), str):
+        return str(source["url"])
+    if kind != "base64":
+        raise bad_request(f"{where} needs a 'source' of type base64 (with media_type and data) or url.", where)
+    media, data = source.get("media_type"), source.get("data")
+    if media not in IMAGE_MEDIA_TYPES:
+        raise bad_request(f"{where}'s media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}.", where)
+    if not isinstance(data, str):
+        raise bad_request(f"{where}'s source needs its picture as a base64 'data' string.", where)
+    if len(data) > MAX_BASE64_CHARS:
+        raise bad_request(
+            f"{where} is {len(data) // 1_000_000} MB of base64; the limit is {MAX_IMAGE_BYTES // 2**20} MB.", where
+        )
+    return f"data:{media};base64,{data}"
 
 
 def _assistant_turn(content: Any, i: int) -> dict[str, Any]:

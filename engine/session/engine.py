@@ -67,6 +67,7 @@ from engine.session.file import (
     save_session,
 )
 from engine.session.kept import KeptMemory, entry_estimate, snapshot_tensors
+from engine.session.pictures import image_tensors
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
 from engine.session.setup import LockedBackend, MemoryFactory, TokenCounter, check_fits, memory_factory_for
 from engine.tools.calls import ChatEvent, ToolChoice, ToolSpec, finish_with_calls, read_reply
@@ -449,9 +450,10 @@ class Session:
         the rebuilt one is bit-identical; hashing the whole slot table takes a while, so a save in a hurry (Quit)
         goes without.
         """
-        if self.images:
-            raise SessionFileError("A conversation with images cannot be saved to a file yet.")
         extra: dict[str, Any] = {"known_text": self.known_text, "model": display_name(self.engine.model_dir)}
+        order, pictures = image_tensors(self.images)  # each picture once, by its hash
+        if order:
+            extra["images"] = order
         schedule = self.feed_log.schedule_for(len(self.memory.tokens))
         token_ids = list(self.memory.tokens)
         if schedule is not None:
@@ -460,7 +462,7 @@ class Session:
         if recompute:
             extra["recompute"] = {"version": 1, "digest": memory_digest(self.memory)} if digest else {"version": 1}
         # A compact file holds no KV: the memory's state is copied out only for a full one.
-        state = ({"kind": RECOMPUTE_KIND}, {}) if recompute else self.memory.state()
+        meta, tensors = ({"kind": RECOMPUTE_KIND}, {}) if recompute else self.memory.state()
         return save_session(
             path,
             fingerprint=self.backend.fingerprint,
@@ -468,7 +470,7 @@ class Session:
             messages=[Message(m.role, m.content, m.timestamp, m.reasoning) for m in self.messages],
             system_prompt=self.system_prompt,
             settings={"sampling": asdict(self.sampler.settings)},
-            memory_state=state,
+            memory_state=(meta, {**tensors, **pictures}),
             pending_token=self.pending_token,
             sampler_state=self.sampler.get_state(),
             extra=extra,
@@ -537,6 +539,7 @@ class Session:
 
         def recompute(memory: Memory, data: SessionData) -> None:
             # A compact file: feed its tokens again exactly as they were fed (see engine.session.replay), then compare.
+            self._check_image_ids(path, data)  # its pictures' ids embed again as they did
             schedule = check_schedule(data.extra.get("feed_schedule"), len(data.token_ids))
             if kept is not None and kept.read_into(Path(path), data, memory, fork):
                 sources.append("kept")  # read back as it was when the conversation was left: nothing to compute
@@ -558,6 +561,7 @@ class Session:
                 return LoadReport(False, True, False, len(messages), 0, outcome.reason)
             self.reset()
             self.messages, self.system_prompt = messages, data.system_prompt or ""
+            self.images = list(data.images) if self.engine.vision is not None else []
             return LoadReport(
                 True,
                 True,
@@ -566,7 +570,14 @@ class Session:
                 0,
                 f"{outcome.reason} Restored {len(messages)} messages; the memory will be re-read.",
             )
+        if data.memory_meta.get("kind") != RECOMPUTE_KIND:
+            try:
+                self._check_image_ids(path, data)
+            except SparkError:
+                outcome.memory.reset()
+                raise
         self.backend, self.memory = fork, outcome.memory
+        self.images = list(data.images)
         self.restore_digest_ok = digest_ok[0] if digest_ok else None
         self.memory_source = sources[0] if sources else "file"
         try:
@@ -600,6 +611,26 @@ class Session:
         return LoadReport(
             True, False, False, len(messages), n, f"Restored {len(messages)} messages and {n:,} tokens of memory{how}."
         )
+
+    def _check_image_ids(self, path: str | Path, data: SessionData) -> None:
+        """A file's pictures registered with this model's vision tower, and every id above the vocabulary in its
+        tokens one of theirs; else one sentence, nothing applied. (A text model's vocabulary check refused such ids.)"""
+        vision = self.engine.vision
+        if vision is None:
+            return
+        fed = data.memory_meta.get("tokens")
+        tokens = [*data.token_ids, *(fed if isinstance(fed, list) else [])]
+        above = {t for t in tokens if isinstance(t, int) and t >= vision.vocab_size}
+        name = Path(path).name
+        try:
+            ids = vision.register(data.images) if data.images else set()
+        except ImageInputError as exc:
+            raise SessionFileError(f"The session file {name} cannot be restored here: {exc}") from None
+        if not above <= ids:
+            raise SessionFileError(
+                f"The session file {name} holds picture tokens that none of its pictures gives on this model; "
+                "nothing was restored."
+            )
 
     def stats(self) -> CascadeStats | None:
         """The memory's tier statistics (CascadeStats), or None for a memory without tiers."""

@@ -44,6 +44,7 @@ from engine.session.container import (
     read_checked,
     tensor_table,
 )
+from engine.session.pictures import split_images
 from engine.session.save import remove_stale_temps, save_session
 from engine.session.schema import check_session_meta, check_vocab
 from engine.session.types import (
@@ -147,6 +148,7 @@ def load_session(path: str | Path, target: StateTarget | None = None) -> Session
     pre, fields, section, size = _open(path)
     tensors = decode_tensors(path, section)
     try:
+        images, tensors = split_images(fields["extra"], tensors)
         if target is not None:
             check_vocab(fields["token_ids"], fields["pending_token"], target.vocab_size)
         kind = fields["memory_meta"].get("kind")
@@ -162,7 +164,12 @@ def load_session(path: str | Path, target: StateTarget | None = None) -> Session
     except SchemaError as exc:
         raise bad(path, str(exc)) from None
     return SessionData(
-        format_version=pre.version, tensors=tensors, compression=pre.compression, file_bytes=size, **fields
+        format_version=pre.version,
+        tensors=tensors,
+        compression=pre.compression,
+        file_bytes=size,
+        images=images,
+        **fields,
     )
 
 

@@ -5,12 +5,13 @@ The file format is engine.session.container; reading and restoring engine.sessio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from engine.memory.base import Memory
+from engine.vision.images import DecodedImage
 
 RECOMPUTE_KIND = "recompute"  # memory meta of a compact file: no KV stored, rebuilt on open (engine.session.replay)
 TRANSCRIPT_KIND = "transcript"  # memory meta of a file with no memory at all (a remote server's conversation)
@@ -48,6 +49,7 @@ class SessionData:
     compression: str
     file_bytes: int
     kv_type: str = "f16"  # what the slot table held keys and values in (engine.model.kv_types)
+    images: list[DecodedImage] = field(default_factory=list)  # the transcript's pictures (engine.session.pictures)
 
     @property
     def memory_state(self) -> tuple[dict[str, JSONValue], dict[str, torch.Tensor]]:

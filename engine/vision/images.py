@@ -16,7 +16,7 @@ import hashlib
 import io
 import struct
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,11 +38,13 @@ class ImageError(SparkError):
 @dataclass(frozen=True)
 class DecodedImage:
     """One picture as RGB, with the SHA-256 of the bytes it came from (the prefix cache and session files key on
-    it) and how many frames the file held (only the first is used)."""
+    it), how many frames the file held (only the first is used) and the bytes themselves (what a session file
+    stores)."""
 
     image: Image.Image
     sha256: str
     frames: int = 1
+    data: bytes = field(default=b"", repr=False)
 
     @property
     def size(self) -> tuple[int, int]:
@@ -109,7 +111,7 @@ def decode_bytes(data: bytes, name: str = "The image") -> DecodedImage:
             raise ImageError(f"{name} decodes to more pixels than the engine accepts (a decompression bomb).") from None
         except (OSError, ValueError, SyntaxError, EOFError, IndexError, struct.error):
             raise ImageError(f"{name} is truncated or damaged and cannot be decoded.") from None
-    return DecodedImage(rgb, digest, frames)
+    return DecodedImage(rgb, digest, frames, data)
 
 
 def _check_dimensions(size: tuple[int, int], name: str) -> None:

@@ -4,9 +4,10 @@ tokens.
 An image enters the prompt as ordinary token ids, so the generation loop, the memory cascade and the prefix cache
 need no image type of their own: each of the image's token positions gets an id above the vocabulary derived from
 the picture's content hash and its index (`ImageEmbedding.register`), and `ImageEmbedding` — wrapped around the text
-model's embedding lookup — gives those ids the vision tower's output rows. The encoder runs lazily, the first time
-one of an image's ids is embedded: tokens the prefix cache restores are never embedded, so a second question about
-the same picture reads none of the tokens the restored prefix covers, and in this process encodes nothing again. The same picture gives the same ids in every
+model's embedding lookup — gives those ids the vision tower's output rows. The encoder runs lazily, frame by frame,
+the first time one of a frame's ids is embedded: tokens the prefix cache restores are never embedded, so a second
+question about the same picture reads none of the tokens the restored prefix covers, encodes only the frames of
+those it reads again, and in this process encodes nothing again. The same picture gives the same ids in every
 process (the hash covers the preprocessing's settings too; the model's fingerprint keys the cache on the tower's
 weights), so the persistent prefix cache keys on its content; two pictures sharing a prefix would need every one of
 their ids to coincide (a 31-bit hash each).
@@ -27,7 +28,7 @@ from torch import nn
 from engine.errors import ModelLoadError, SparkError
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import mmap_tensors, read_safetensors_header, weight_files
-from engine.model.config import VISION_ARCHITECTURES
+from engine.model.config import IMAGE_ID_LIMIT, VISION_ARCHITECTURES
 from engine.model.network import Transformer
 from engine.vision.idefics3 import IMAGE_TOKEN, Frames, Idefics3Preprocessing
 from engine.vision.images import DecodedImage
@@ -35,7 +36,7 @@ from engine.vision.siglip import VisionConfig, VisionTower
 
 TOWER_PREFIXES = ("model.vision_model.", "model.connector.")
 MAX_HELD_IMAGES = 16  # pictures whose frames or features are held for embedding, most recent first
-ID_CEILING = 2**31 - 1  # prefix digests hash ids as int32
+ID_CEILING = IMAGE_ID_LIMIT
 
 
 class ImageInputError(SparkError):
@@ -53,8 +54,8 @@ def is_vision_folder(path: Path) -> bool:
 
 @dataclass
 class _Held:
-    frames: Frames | None
-    features: torch.Tensor | None  # (tokens, C), once encoded
+    frames: Frames | None  # until every frame is encoded
+    features: dict[int, torch.Tensor]  # frame -> its rows (tokens_per_frame, C), once encoded
 
 
 class ImageEmbedding(nn.Module):
@@ -74,7 +75,7 @@ class ImageEmbedding(nn.Module):
     def register(self, image: DecodedImage, frames: Frames, count: int) -> list[int]:
         """The `count` ids of `image`'s tokens (the same ids for the same bytes in every process)."""
         if image.sha256 not in self.held:
-            self.held[image.sha256] = _Held(frames, None)
+            self.held[image.sha256] = _Held(frames, {})
         self.held.move_to_end(image.sha256)
         while len(self.held) > MAX_HELD_IMAGES:
             gone, _ = self.held.popitem(last=False)
@@ -105,15 +106,21 @@ class ImageEmbedding(nn.Module):
             raise ImageInputError("The prompt holds an image token whose picture is no longer held; attach it again.")
         sha, k = where
         held = self.held[sha]
-        if held.features is None:
-            assert held.frames is not None  # held until encoded
+        per = self.tower.config.tokens_per_frame
+        frame = k // per
+        rows = held.features.get(frame)
+        if rows is None:
+            # One frame at a time: a frame's rows are the same bits whichever of its picture's frames a prompt
+            # reads, so a tail re-read after a prefix restore encodes only the frames it holds.
+            assert held.frames is not None  # held until every frame is encoded
             p = next(self.tower.parameters())
             with torch.no_grad():
-                pixels = torch.from_numpy(held.frames.pixels).to(device=p.device, dtype=p.dtype)
-                held.features = self.tower(pixels)
-            self.encoded_frames += int(held.frames.pixels.shape[0])
-            held.frames = None
-        return held.features[k]
+                pixels = torch.from_numpy(held.frames.pixels[frame : frame + 1]).to(device=p.device, dtype=p.dtype)
+                rows = held.features[frame] = self.tower(pixels)
+            self.encoded_frames += 1
+            if len(held.features) == held.frames.pixels.shape[0]:
+                held.frames = None
+        return rows[k % per]
 
 
 def _image_token_id(sha256: str, index: int, vocab_size: int) -> int:
@@ -185,6 +192,21 @@ class VisionModel:
                 out[i] = token
             start += count
         return out
+
+    def register(self, images: Sequence[DecodedImage]) -> set[int]:
+        """Every id `images` stand for in a prompt (a restored conversation's pictures, so its ids embed again)."""
+        if self.embedding is None:
+            raise ImageInputError("The vision model is not attached to a loaded text model.")
+        distinct = {img.sha256: img for img in images}
+        if len(distinct) > MAX_HELD_IMAGES:
+            raise ImageInputError(
+                f"The conversation holds {len(distinct)} pictures; at most {MAX_HELD_IMAGES} can be held at once."
+            )
+        ids: set[int] = set()
+        for img in distinct.values():
+            f = self.preprocessing.frames(img.image)
+            ids.update(self.embedding.register(img, f, int(f.pixels.shape[0]) * self.preprocessing.image_seq_len))
+        return ids
 
     def encode_prompt(self, text: str, images: Sequence[DecodedImage], add_bos: bool | None = None) -> list[int]:
         """A rendered prompt holding one `<image>` per picture -> its token ids, pictures included (`add_bos` as

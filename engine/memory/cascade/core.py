@@ -393,7 +393,7 @@ class CascadeMemory:
     def state_target(self) -> StateTarget:
         c = self.backend.config
         dims = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
-        return StateTarget(c.vocab_size, dims, cascade=self.cfg, max_positions=c.max_position_embeddings)
+        return StateTarget(c.id_limit, dims, cascade=self.cfg, max_positions=c.max_position_embeddings)
 
     def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Restore a state saved by any memory of the same model and numerics: in its own geometry (within the

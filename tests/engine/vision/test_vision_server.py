@@ -1,5 +1,6 @@
-"""Pictures through the server: OpenAI `image_url` parts with data URLs and Ollama's `images` answer as the engine's
-own session does; a remote URL, a damaged picture and a text-only model are one-sentence 400s."""
+"""Pictures through the server: OpenAI `image_url` parts with data URLs, Ollama's `images` and Anthropic's `image`
+blocks answer as the engine's own session does; a remote URL, a damaged picture, a picture too large and a text-only
+model are one sentence each."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from engine.backends.torch_backend import TorchBackend
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.loading.tokenizer import Tokenizer
+from engine.openai.anthropic import parse_messages
+from engine.openai.errors import ApiError
+from engine.openai.protocol import Limits
 from engine.openai.server import LocalServer
 from engine.openai.service import ModelService, ServeConfig
 from engine.session.engine import load, memory_factory_for
@@ -150,3 +154,47 @@ def test_bad_pictures_are_400s(url: str, image_url: str, words: str) -> None:
     parts = [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": "Hi?"}]
     r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": parts}]})
     assert r.status_code == 400 and words in r.json()["error"]["message"]
+
+
+def anthropic_body(*blocks: dict[str, Any]) -> dict[str, Any]:
+    content = [*blocks, {"type": "text", "text": "Hi?"}]
+    return {"model": "tiny", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": content}]}
+
+
+def base64_block(data: str, media_type: str = "image/png") -> dict[str, Any]:
+    return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
+
+
+def test_anthropic_image_blocks(url: str, folder: Path) -> None:
+    data = base64.b64encode(png(40, 24, 5)).decode()
+    r = post(url, "/v1/messages", anthropic_body(base64_block(data)))
+    assert r.status_code == 200, r.text
+    text = "".join(b["text"] for b in r.json()["content"] if b["type"] == "text")
+    assert text == Tokenizer.from_dir(folder).decode(expected_tokens(folder, "Hi?"))
+    counted = post(url, "/v1/messages/count_tokens", anthropic_body(base64_block(data)))
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] == r.json()["usage"]["input_tokens"] > 5 * 4  # the picture's tokens too
+
+
+@pytest.mark.parametrize(
+    ("block", "status", "words"),
+    [
+        (base64_block("AAAA", "image/bmp"), 400, "media_type must be one of image/png"),
+        (base64_block(base64.b64encode(png(40, 24, 5)[:80]).decode()), 400, "truncated or damaged"),
+        (base64_block("!!!"), 400, "not valid base64"),
+        ({"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}, 400, "--allow-image-urls"),
+        ({"type": "image", "source": {"type": "file", "file_id": "x"}}, 400, "needs a 'source' of type base64"),
+        (base64_block("A" * (9 * 2**20)), 413, "larger than the 8,388,608 bytes"),
+    ],
+)
+def test_bad_anthropic_images_are_one_sentence(url: str, block: dict[str, Any], status: int, words: str) -> None:
+    r = post(url, "/v1/messages", anthropic_body(block))
+    assert r.status_code == status and r.json()["type"] == "error"
+    assert words in r.json()["error"]["message"]
+
+
+def test_a_50_mb_base64_image_is_refused_before_it_is_copied() -> None:
+    huge = "A" * (50 * 10**6)
+    with pytest.raises(ApiError, match=r"content\[0\] is 50 MB of base64; the limit is 20 MB\.") as err:
+        parse_messages(anthropic_body(base64_block(huge)), Limits())
+    assert err.value.status == 400
