@@ -75,6 +75,9 @@ def handle_command(session: Session, line: str, chat: Chat | None = None) -> boo
         attachments = chat.attached()
         item = (attachments.attach_file if cmd == "/attach" else attachments.recall_session)(Path(arg))
         cap = item.capsule
+        for note in attachments.notes:
+            print(f"note: {note}", file=sys.stderr)
+        attachments.notes.clear()
         how = f"read {cap.read_tokens:,} tokens" if cap.read_tokens else "read before: nothing to read"
         print(f"({cap.name}: {cap.tokens:,} tokens attached, {how})")
     else:

@@ -296,7 +296,8 @@ def run(args: argparse.Namespace) -> int:
             "backend": engine.backend.name,
             "backend_reason": engine.choice.explain(),
             "finish_reason": last.finish_reason if last else None,
-            "read_tokens": session.computed.count,  # every token the model computed in this run (replays too)
+            # every token the model computed in this run: replays and reading attachments too
+            "read_tokens": session.computed.count + (attachments.read_tokens if attachments is not None else 0),
         }
         if attachments is not None:
             out["document_tokens"] = attachments.document_tokens
@@ -327,6 +328,8 @@ def attach_all(session: Session, args: argparse.Namespace) -> Attachments | None
         attachments.attach_file(path, progress(path, args.json))
     for path in args.recall_session:
         attachments.recall_session(path, progress(path, args.json))
+    for note in attachments.notes:
+        print(f"note: {note}", file=sys.stderr)
     return attachments
 
 

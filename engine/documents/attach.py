@@ -21,10 +21,12 @@ from engine.backends.base import Backend
 from engine.documents.capsule import Capsule, load_or_read
 from engine.documents.extract import Document, DocumentError, Kind, Segment, read_file
 from engine.documents.provenance import Citation, tokenize
+from engine.documents.recall import StoredMemoryUnusable, recall_stored
 from engine.errors import SessionFileError, SparkError
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
 from engine.memory.cascade import CascadeMemory
+from engine.session.file import load_session
 
 MAX_ATTACHMENTS = 32
 
@@ -45,6 +47,7 @@ class Attachments:
         self.tokenizer = tokenizer
         self.items: list[Attached] = []
         self.recalled: list[Citation] = []
+        self.notes: list[str] = []  # why an earlier conversation was read again instead of recalled from its memory
 
     @property
     def document_tokens(self) -> int:
@@ -78,13 +81,29 @@ class Attachments:
         capsule = load_or_read(
             reader or self.memory.backend, store, ids, token_map, self.memory.cfg.block_size, pad, on_progress
         )
+        return self._adopt(capsule)
+
+    def _adopt(self, capsule: Capsule) -> Attached:
         first = self.memory.attach(capsule.kmin, capsule.kmax, capsule.keys)
         item = Attached(capsule, first)
         self.items.append(item)
         return item
 
     def recall_session(self, path: Path, on_progress: Callable[[int, int], None] | None = None) -> Attached:
-        """An earlier conversation (.spark) joins as a capsule of its transcript, one line per message line."""
+        """An earlier conversation (.spark) joins: a full file's stored memory as it is (engine.documents.recall:
+        nothing read), else a capsule of its transcript, one line per message line, read once. Why a full file's
+        memory could not serve is kept in `notes`."""
+        if len(self.items) >= MAX_ATTACHMENTS:
+            raise DocumentError(f"A conversation holds at most {MAX_ATTACHMENTS} attachments; {path.name} is one more.")
+        try:
+            stored = recall_stored(self.memory, self.tokenizer, path)
+        except StoredMemoryUnusable as exc:
+            self.notes.append(f"{exc} Reading its transcript instead.")
+            stored = None
+        except SessionFileError as exc:
+            raise DocumentError(str(exc)) from None
+        if stored is not None:
+            return self._adopt(stored)
         return self.attach_document(transcript_document(path), on_progress, "earlier conversation")
 
     def observe(self) -> list[Citation]:
@@ -114,8 +133,6 @@ class Attachments:
 
 def transcript_document(path: Path) -> Document:
     """A .spark file's messages as a text document ("User: ...", one segment per line of each message)."""
-    from engine.session.file import load_session  # only recalling reads session files
-
     try:
         data = load_session(path)
     except SessionFileError as exc:
