@@ -17,13 +17,14 @@ no longer on disk, a conversation shorter than a block) the caller reads the tra
 from __future__ import annotations
 
 import bisect
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from engine.backends.base import Backend
-from engine.documents.capsule import Capsule
+from engine.documents.capsule import CAPSULE_VERSION, Capsule
 from engine.documents.provenance import TokenMap
 from engine.errors import SparkError
 from engine.loading.tokenizer import Tokenizer
@@ -41,9 +42,9 @@ class StoredMemoryUnusable(SparkError):
     """Why a full file's memory cannot be recalled here (one sentence); the transcript is read instead."""
 
 
-def recall_stored(memory: CascadeMemory, tokenizer: Tokenizer, path: Path) -> Capsule | None:
-    """The conversation in `path` as a capsule of its stored memory, put into `memory`'s store; None for a compact
-    file (nothing stored to recall). StoredMemoryUnusable when a full file's memory does not fit this model or is
+def recall_stored(memory: CascadeMemory, tokenizer: Tokenizer, path: Path) -> tuple[Capsule, str] | None:
+    """The conversation in `path` as a capsule of its stored memory, put into `memory`'s store with its index (the
+    second item: its key, what a session file records); None for a compact file (nothing stored to recall). StoredMemoryUnusable when a full file's memory does not fit this model or is
     incomplete; engine.errors.SessionFileError for a damaged file."""
     store = memory.store
     if store is None:
@@ -87,7 +88,7 @@ def _capsule(
     tokenizer: Tokenizer,
     data: SessionData,
     name: str,
-) -> Capsule:
+) -> tuple[Capsule, str]:
     b = recalled.cfg.block_size
     k, v, first = _tokens_kv(recalled, fork, name)  # (L, Hkv, n, D): tokens [first, first + n) in order
     n = k.shape[2]
@@ -119,7 +120,12 @@ def _capsule(
     tokens = list(recalled.tokens)
     ids = [tokens[i] for i in order]
     token_map = _conversation_map(tokenizer, tokens, data.messages, order, name)
-    return Capsule(name, ids, b, keys, torch.cat(kmins), torch.cat(kmaxs), token_map, 0, disk)
+    capsule = Capsule(name, ids, b, keys, torch.cat(kmins), torch.cat(kmaxs), token_map, 0, disk)
+    # Its index, as a read capsule's (engine.documents.capsule), under an address of its blocks' contents.
+    index = store.key(hashlib.sha256("|".join(["recalled", *keys]).encode()).hexdigest(), "capsule")
+    meta = {"version": CAPSULE_VERSION, "block_size": b, "ids": ids, "keys": keys, "map": token_map.to_json()}
+    store.put_state(index, meta, {"kmin": capsule.kmin, "kmax": capsule.kmax})
+    return capsule, index
 
 
 def _tokens_kv(memory: CascadeMemory, fork: Backend, name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
