@@ -13,7 +13,9 @@ from engine.session.engine import Engine, memory_factory_for
 from tests.helpers.default_model import default_model_dir
 
 FILL = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-TEXT = FILL * 60 + "The pass key is 48213. Remember it. 48213 is the pass key. " + FILL * 60
+# "Hello there." places the key's sentence inside one block of the conversation's own block grid (where a block
+# boundary splits "The pass key is" from "48213", retrieval pages in the filler instead: a limit of the blocks).
+TEXT = FILL * 60 + "Hello there. The pass key is 48213. Remember it. 48213 is the pass key. " + FILL * 60
 
 
 def test_the_default_model_answers_from_a_recalled_conversations_memory(tmp_path: Path) -> None:
