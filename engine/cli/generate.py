@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     read_before = 0
     if args.load_session is not None:
         # Documents given with a conversation are read (or found) first: one it recorded is then in the store.
-        pre = attach_all(session, args)
+        pre = attach_all(session, args, notes=False)  # said once, by the attaching after the load
         read_before = pre.read_tokens if pre is not None else 0
         # A compact file the app kept the memory of reads it back instead of recomputing it (engine.session.kept).
         kept_dir = (args.cache_dir or default_cache_dir()) / "kept"
@@ -327,7 +327,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def attach_all(session: Session, args: argparse.Namespace, restored: Sequence[Attached] = ()) -> Attachments | None:
+def attach_all(
+    session: Session, args: argparse.Namespace, restored: Sequence[Attached] = (), notes: bool = True
+) -> Attachments | None:
     """--attach and --recall-session, in that order, each read once (a capsule already on disk reads nothing), beside
     what a loaded conversation holds (`restored`; a document it holds already is not attached twice)."""
     if not args.attach and not args.recall_session and not restored:
@@ -338,7 +340,7 @@ def attach_all(session: Session, args: argparse.Namespace, restored: Sequence[At
         attachments.attach_file(path, progress(path, args.json), once=True)
     for path in args.recall_session:
         attachments.recall_session(path, progress(path, args.json), once=True)
-    for note in attachments.notes:
+    for note in attachments.notes if notes else ():
         print(f"note: {note}", file=sys.stderr)
     return attachments
 
