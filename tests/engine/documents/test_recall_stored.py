@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.documents.attach import Attachments
+from engine.documents.attach import Attachments, Reattacher
 from engine.documents.capsule import Capsule
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
@@ -110,3 +110,27 @@ def test_another_models_file_is_read_again_with_a_note(engine: Engine, tmp_path:
     attachments = Attachments(session.memory, engine.tokenizer)
     attachments.recall_session(path)
     assert len(attachments.notes) == 1 and "different model" in attachments.notes[0]
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["full", "compact"])
+def test_a_conversation_that_recalled_another_saves_and_continues(
+    engine: Engine, tmp_path: Path, compact: bool
+) -> None:
+    earlier = tmp_path / "earlier.spark"
+    talked(engine).save(earlier)
+    session = engine.new_session()
+    Attachments(session.memory, engine.tokenizer, session.attachments).recall_session(earlier)
+    for _ in session.complete("What about the lazy dog?", GREEDY):
+        pass
+    assert [(a.kind, a.name) for a in session.attachments] == [("conversation", "earlier.spark")]
+    path = tmp_path / "now.spark"
+    session.save(path, compact=compact)
+    never_left = [e.token for e in session.complete(" And the fox?", GREEDY)]
+    restored = engine.new_session()
+    found = Reattacher()
+    assert restored.load(path, reattach=found).applied
+    assert (
+        found.found[0].capsule.keys
+        == Attachments(engine.new_session().memory, engine.tokenizer).recall_session(earlier).capsule.keys
+    )  # found by its digest: the same blocks
+    assert [e.token for e in restored.complete(" And the fox?", GREEDY)] == never_left
