@@ -108,3 +108,25 @@ def test_a_saved_conversation_with_a_document_continues_as_one_run(tmp_path: Pat
                       "--continue", "--max-tokens", "4", "--greedy", "--json", "--attach", str(doc), cache=other)  # fmt: skip
     assert back.returncode == 0, back.stderr.decode()
     assert json.loads(back.stdout)["tokens"] == cont["tokens"]
+
+
+def test_chat_saves_and_loads_a_conversation_with_its_attachment(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "tiny")
+    doc = tmp_path / "notes.md"
+    doc.write_text("\n".join(f"Note {i}: the quick brown fox." for i in range(60)))
+    saved = tmp_path / "c.spark"
+    cache = tmp_path / "cache"
+
+    def chat(script: str, cache: Path) -> tuple[str, str]:
+        r = engine_cli("chat", "--model", str(model), "--max-tokens", "3", "--cache-dir", str(cache), cache=cache,
+                       stdin=script.encode())  # fmt: skip
+        assert r.returncode == 0, r.stderr.decode()
+        return r.stdout.decode(), r.stderr.decode()
+
+    out, _ = chat(f"/attach {doc}\nquick\n/save {saved}\n/load {saved}\nquick\n/quit\n", cache)
+    assert "Restored" in out
+    other = tmp_path / "other"
+    out, err = chat(f"/load {saved}\n/quit\n", other)
+    assert "Restored" not in out and "notes.md" in err and "attach it again" in err
+    out, _ = chat(f"/attach {doc}\n/load {saved}\nquick\n/quit\n", other)
+    assert "Restored" in out
