@@ -27,8 +27,7 @@ from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
 from engine.memory.cascade import CascadeMemory
 from engine.session.file import AttachmentRecord, load_session
-
-MAX_ATTACHMENTS = 32
+from engine.session.schema import MAX_ATTACHMENTS as MAX_ATTACHMENTS  # a conversation holds what its file may record
 
 
 @dataclass(frozen=True)
