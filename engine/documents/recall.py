@@ -72,7 +72,7 @@ def recall_stored(memory: CascadeMemory, tokenizer: Tokenizer, path: Path) -> tu
         recalled = outcome.memory
         if not isinstance(recalled, CascadeMemory):
             raise StoredMemoryUnusable(f"{path.name} holds another kind of memory than the cascade's.")
-        return _capsule(recalled, fork, store, tokenizer, outcome.data, path.name)
+        return _capsule(recalled, fork, store, tokenizer, outcome.data, path.name, memory.cfg.block_size)
     finally:
         fork.release()
 
@@ -88,8 +88,9 @@ def _capsule(
     tokenizer: Tokenizer,
     data: SessionData,
     name: str,
+    b: int,
 ) -> tuple[Capsule, str]:
-    b = recalled.cfg.block_size
+    """Blocks of `b` tokens (the recalling memory's block size: the file's geometry may be another)."""
     k, v, first = _tokens_kv(recalled, fork, name)  # (L, Hkv, n, D): tokens [first, first + n) in order
     n = k.shape[2]
     if n < b:

@@ -134,3 +134,16 @@ def test_a_conversation_that_recalled_another_saves_and_continues(
         == Attachments(engine.new_session().memory, engine.tokenizer).recall_session(earlier).capsule.keys
     )  # found by its digest: the same blocks
     assert [e.token for e in restored.complete(" And the fox?", GREEDY)] == never_left
+
+
+def test_a_file_of_another_block_size_is_cut_into_this_memorys_blocks(engine: Engine, tmp_path: Path) -> None:
+    factory = memory_factory_for(engine.model_dir, cache_dir=tmp_path / "other", window=64, block_size=16)
+    earlier = talked(Engine.load(engine.model_dir, "cpu", memory_factory=factory))
+    path = tmp_path / "blocks16.spark"
+    earlier.save(path)
+    session = engine.new_session()
+    attachments = Attachments(session.memory, engine.tokenizer)
+    cap = attachments.recall_session(path).capsule
+    b = session.memory.cfg.block_size  # type: ignore[attr-defined]
+    assert b != 16 and cap.block_size == b and cap.read_tokens == 0 and not attachments.notes
+    assert cap.ids[-b:] == list(earlier.memory.tokens)[-b:]
