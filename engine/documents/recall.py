@@ -44,8 +44,9 @@ class StoredMemoryUnusable(SparkError):
 
 def recall_stored(memory: CascadeMemory, tokenizer: Tokenizer, path: Path) -> tuple[Capsule, str] | None:
     """The conversation in `path` as a capsule of its stored memory, put into `memory`'s store with its index (the
-    second item: its key, what a session file records); None for a compact file (nothing stored to recall). StoredMemoryUnusable when a full file's memory does not fit this model or is
-    incomplete; engine.errors.SessionFileError for a damaged file."""
+    second item: its key, what a session file records); None for a compact file (nothing stored to recall).
+    StoredMemoryUnusable when a full file's memory does not fit this model or is incomplete;
+    engine.errors.SessionFileError for a damaged file."""
     store = memory.store
     if store is None:
         raise SparkError("Recalling needs the persistent cache; run without --no-prefix-cache.")
@@ -58,9 +59,11 @@ def recall_stored(memory: CascadeMemory, tokenizer: Tokenizer, path: Path) -> tu
             tokenizer_hash=tokenizer.content_hash,
             recompute=_refuse,
         )
-    except _Compact:
+    except BaseException as exc:
         fork.release()
-        return None
+        if isinstance(exc, _Compact):
+            return None
+        raise
     try:
         if isinstance(outcome, ForeignModelSession):
             raise StoredMemoryUnusable(outcome.reason)
