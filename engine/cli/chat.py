@@ -16,7 +16,7 @@ from pathlib import Path
 
 from engine.cli.checks import check_text
 from engine.cli.generate import add_model_args, add_sampling_args, open_engine, settings_from_args
-from engine.documents.attach import Attachments
+from engine.documents.attach import Attachments, Reattacher
 from engine.errors import SparkError
 from engine.loading.model_files import display_name, resolve_model_path
 from engine.session.engine import Session
@@ -42,7 +42,7 @@ class Chat:
 
     def attached(self) -> Attachments:
         if self.attachments is None or self.attachments.memory is not self.session.memory:
-            self.attachments = Attachments(self.session.memory, self.session.tokenizer)
+            self.attachments = Attachments(self.session.memory, self.session.tokenizer, self.session.attachments)
         return self.attachments
 
 
@@ -62,7 +62,10 @@ def handle_command(session: Session, line: str, chat: Chat | None = None) -> boo
         session.save(Path(arg))
         print(f"(saved to {arg})")
     elif cmd == "/load" and arg:
-        report = session.load(Path(arg))
+        found = Reattacher()
+        report = session.load(Path(arg), reattach=found)
+        if chat is not None:
+            chat.attached().restored(found.found)
         print(f"({report.message})")
     elif cmd == "/image" and arg and chat is not None:
         if session.engine.vision is None:
@@ -75,6 +78,9 @@ def handle_command(session: Session, line: str, chat: Chat | None = None) -> boo
         attachments = chat.attached()
         item = (attachments.attach_file if cmd == "/attach" else attachments.recall_session)(Path(arg))
         cap = item.capsule
+        for note in attachments.notes:
+            print(f"note: {note}", file=sys.stderr)
+        attachments.notes.clear()
         how = f"read {cap.read_tokens:,} tokens" if cap.read_tokens else "read before: nothing to read"
         print(f"({cap.name}: {cap.tokens:,} tokens attached, {how})")
     else:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from engine.backends import QUANTIZE_CHOICES
 from engine.cli.checks import check_max_tokens, check_seed, check_text, check_threads, read_text_file
-from engine.documents.attach import Attachments
+from engine.documents.attach import Attached, Attachments, Reattacher
 from engine.errors import SparkError
 from engine.generation.beam import MAX_BEAMS, BeamSettings, EarlyStopping, beams_summary
 from engine.generation.constrained import MAX_GRAMMAR_CHARS, Grammar, grammar_from_file_text, json_schema_grammar
@@ -269,13 +269,19 @@ def run(args: argparse.Namespace) -> int:
     engine = open_engine(args)
     check_think(engine.reasoning, settings.think)
     session = engine.new_session()
+    found = Reattacher()
+    read_before = 0
     if args.load_session is not None:
+        # Documents given with a conversation are read (or found) first: one it recorded is then in the store.
+        pre = attach_all(session, args, notes=False)  # said once, by the attaching after the load
+        read_before = pre.read_tokens if pre is not None else 0
         # A compact file the app kept the memory of reads it back instead of recomputing it (engine.session.kept).
         kept_dir = (args.cache_dir or default_cache_dir()) / "kept"
-        report = session.load(args.load_session, kept=None if args.no_prefix_cache else KeptMemory(kept_dir))
+        kept = None if args.no_prefix_cache else KeptMemory(kept_dir)
+        report = session.load(args.load_session, kept=kept, reattach=found)
         if report.foreign_model:
             print(f"note: {report.message}", file=sys.stderr)
-    attachments = attach_all(session, args)
+    attachments = attach_all(session, args, found.found)
     events = pick_stream(session, prompt, args, settings, images)
     if attachments is not None:
         events = observing(events, attachments)
@@ -296,7 +302,10 @@ def run(args: argparse.Namespace) -> int:
             "backend": engine.backend.name,
             "backend_reason": engine.choice.explain(),
             "finish_reason": last.finish_reason if last else None,
-            "read_tokens": session.computed.count,  # every token the model computed in this run (replays too)
+            # every token the model computed in this run: replays and reading attachments too
+            "read_tokens": session.computed.count
+            + read_before
+            + (attachments.read_tokens if attachments is not None else 0),
         }
         if attachments is not None:
             out["document_tokens"] = attachments.document_tokens
@@ -318,15 +327,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def attach_all(session: Session, args: argparse.Namespace) -> Attachments | None:
-    """--attach and --recall-session, in that order, each read once (a capsule already on disk reads nothing)."""
-    if not args.attach and not args.recall_session:
+def attach_all(
+    session: Session, args: argparse.Namespace, restored: Sequence[Attached] = (), notes: bool = True
+) -> Attachments | None:
+    """--attach and --recall-session, in that order, each read once (a capsule already on disk reads nothing), beside
+    what a loaded conversation holds (`restored`; a document it holds already is not attached twice)."""
+    if not args.attach and not args.recall_session and not restored:
         return None
-    attachments = Attachments(session.memory, session.tokenizer)
+    attachments = Attachments(session.memory, session.tokenizer, session.attachments)
+    attachments.restored(list(restored))
     for path in args.attach:
-        attachments.attach_file(path, progress(path, args.json))
+        attachments.attach_file(path, progress(path, args.json), once=True)
     for path in args.recall_session:
-        attachments.recall_session(path, progress(path, args.json))
+        attachments.recall_session(path, progress(path, args.json), once=True)
+    for note in attachments.notes if notes else ():
+        print(f"note: {note}", file=sys.stderr)
     return attachments
 
 

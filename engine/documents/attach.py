@@ -19,15 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.backends.base import Backend
-from engine.documents.capsule import Capsule, load_or_read
+from engine.documents.capsule import Capsule, _check, capsule_key, load_or_read
 from engine.documents.extract import Document, DocumentError, Kind, Segment, read_file
-from engine.documents.provenance import Citation, tokenize
+from engine.documents.provenance import Citation, TokenMap, tokenize
+from engine.documents.recall import StoredMemoryUnusable, recall_stored
 from engine.errors import SessionFileError, SparkError
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import Memory
 from engine.memory.cascade import CascadeMemory
-
-MAX_ATTACHMENTS = 32
+from engine.session.file import AttachmentRecord, load_session
+from engine.session.schema import MAX_ATTACHMENTS as MAX_ATTACHMENTS  # a conversation holds what its file may record
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,17 @@ class Attached:
 class Attachments:
     """What one conversation (its cascade memory on `backend`) has attached."""
 
-    def __init__(self, memory: Memory, tokenizer: Tokenizer) -> None:
+    def __init__(self, memory: Memory, tokenizer: Tokenizer, records: list[AttachmentRecord] | None = None) -> None:
+        """`records`: where each attachment is recorded for the conversation's session file (its Session's
+        `attachments`), when it has one."""
         if not isinstance(memory, CascadeMemory):
             raise SparkError("Attaching needs the memory cascade; this conversation uses another memory.")
         self.memory = memory
         self.tokenizer = tokenizer
+        self.records = records
         self.items: list[Attached] = []
         self.recalled: list[Citation] = []
+        self.notes: list[str] = []  # why an earlier conversation was read again instead of recalled from its memory
 
     @property
     def document_tokens(self) -> int:
@@ -56,8 +61,10 @@ class Attachments:
         """Tokens the model computed to read the attachments in this process (0 for capsules found on disk)."""
         return sum(a.capsule.read_tokens for a in self.items)
 
-    def attach_file(self, path: Path, on_progress: Callable[[int, int], None] | None = None) -> Attached:
-        return self.attach_document(read_file(path), on_progress)
+    def attach_file(
+        self, path: Path, on_progress: Callable[[int, int], None] | None = None, once: bool = False
+    ) -> Attached:
+        return self.attach_document(read_file(path), on_progress, once=once)
 
     def attach_document(
         self,
@@ -65,10 +72,12 @@ class Attachments:
         on_progress: Callable[[int, int], None] | None = None,
         what: str = "document",
         reader: Backend | None = None,
+        once: bool = False,
     ) -> Attached:
         """`doc` joins the memory; its capsule, when not yet on disk, is read by `reader` (default: the memory's own
         backend; the server's rows pass a reader of their own, since their slot table is shared and a capsule's
-        reading must not resize it)."""
+        reading must not resize it). `once`: when the memory holds that capsule already (a restored conversation
+        recorded it), that attachment is returned instead of a second one."""
         if len(self.items) >= MAX_ATTACHMENTS:
             raise DocumentError(f"A conversation holds at most {MAX_ATTACHMENTS} attachments; {doc.name} is one more.")
         ids, token_map = tokenize(self.tokenizer, doc, f"The {what} {doc.name}:\n")
@@ -76,12 +85,19 @@ class Attachments:
         if store is None:
             raise SparkError("Attaching needs the persistent cache; run without --no-prefix-cache.")
         pad = self.tokenizer.encode("\n", add_bos=False)[-1]
-        capsule = load_or_read(
-            reader or self.memory.backend, store, ids, token_map, self.memory.cfg.block_size, pad, on_progress
-        )
+        b = self.memory.cfg.block_size
+        capsule = load_or_read(reader or self.memory.backend, store, ids, token_map, b, pad, on_progress)
+        kind = "conversation" if what == "earlier conversation" else "document"
+        held = [item for item in self.items if item.capsule.keys == capsule.keys] if once else []
+        return held[0] if held else self._adopt(capsule, kind, capsule_key(store, capsule.ids, b, pad))
+
+    def _adopt(self, capsule: Capsule, kind: str, digest: str) -> Attached:
+        at = len(self.memory.tokens)
         first = self.memory.attach(capsule.kmin, capsule.kmax, capsule.keys)
         item = Attached(capsule, first)
         self.items.append(item)
+        if self.records is not None:
+            self.records.append(AttachmentRecord(kind, capsule.name, digest, capsule.tokens, at))
         return item
 
     def detach(self, item: Attached) -> None:
@@ -90,9 +106,29 @@ class Attachments:
         self.memory.detach(item.first_id)
         self.recalled = [c for c in self.recalled if c.source != item.capsule.name]
 
-    def recall_session(self, path: Path, on_progress: Callable[[int, int], None] | None = None) -> Attached:
-        """An earlier conversation (.spark) joins as a capsule of its transcript, one line per message line."""
-        return self.attach_document(transcript_document(path), on_progress, "earlier conversation")
+    def restored(self, found: list[Attached]) -> None:
+        """What a session file's load attached again (Reattacher.found): cited like the rest."""
+        self.items.extend(found)
+
+    def recall_session(
+        self, path: Path, on_progress: Callable[[int, int], None] | None = None, once: bool = False
+    ) -> Attached:
+        """An earlier conversation (.spark) joins: a full file's stored memory as it is (engine.documents.recall:
+        nothing read), else a capsule of its transcript, one line per message line, read once. Why a full file's
+        memory could not serve is kept in `notes`. `once`: as attach_document's."""
+        if len(self.items) >= MAX_ATTACHMENTS:
+            raise DocumentError(f"A conversation holds at most {MAX_ATTACHMENTS} attachments; {path.name} is one more.")
+        try:
+            stored = recall_stored(self.memory, self.tokenizer, path)
+        except StoredMemoryUnusable as exc:
+            self.notes.append(f"{exc} Reading its transcript instead.")
+            stored = None
+        except SessionFileError as exc:
+            raise DocumentError(str(exc)) from None
+        if stored is not None:
+            held = [item for item in self.items if item.capsule.keys == stored[0].keys] if once else []
+            return held[0] if held else self._adopt(stored[0], "conversation", stored[1])
+        return self.attach_document(transcript_document(path), on_progress, "earlier conversation", once=once)
 
     def observe(self) -> list[Citation]:
         """Call once the prompt has routed the reply (its first token): what the reply recalls, kept in
@@ -129,10 +165,48 @@ class Attachments:
         return self.tokenizer.decode(capsule.ids[lo : min(hi, turn)]).strip()
 
 
+class Reattacher:
+    """Session.load's `reattach`: a session file's recorded attachments join the memory being restored again, each
+    found in the persistent store by its digest (nothing is read from a path the file names: it names none). One
+    no longer there fails the load in one sentence naming it; attaching that file again (the user's own action)
+    stores the same capsule under the same digest."""
+
+    def __init__(self) -> None:
+        self.found: list[Attached] = []
+
+    def __call__(self, memory: Memory, record: AttachmentRecord, present: bool) -> None:
+        if not isinstance(memory, CascadeMemory) or memory.store is None:
+            raise SparkError("This conversation holds attachments; open it with the memory cascade and its cache.")
+        capsule = find_capsule(memory, record)
+        if capsule is None:
+            how = (
+                "attach it again (--attach, /attach)"
+                if record.kind == "document"
+                else "recall it again (--recall-session, /recall)"
+            )
+            raise DocumentError(
+                f"{record.name}, attached to this conversation, is no longer in the memory cache; {how}, then open the conversation."
+            )
+        self.found.append(Attached(capsule, memory.attach(capsule.kmin, capsule.kmax, capsule.keys, present=present)))
+
+
+def find_capsule(memory: CascadeMemory, record: AttachmentRecord) -> Capsule | None:
+    """The capsule stored under `record.digest` when every part of it holds for this memory, else None."""
+    assert memory.store is not None
+    got = memory.store.get_state(record.digest)
+    if got is None:
+        return None
+    meta, tensors = got
+    ids, b = meta.get("ids"), memory.cfg.block_size
+    if not isinstance(ids, list) or len(ids) != record.tokens or any(type(t) is not int for t in ids):
+        return None
+    c = memory.backend.config
+    shape = (c.num_hidden_layers, c.num_key_value_heads * c.head_dim)
+    return _check(meta, tensors, memory.store, ids, b, shape, TokenMap(record.name, (0,), ((0, 1),)))
+
+
 def transcript_document(path: Path) -> Document:
     """A .spark file's messages as a text document ("User: ...", one segment per line of each message)."""
-    from engine.session.file import load_session  # only recalling reads session files
-
     try:
         data = load_session(path)
     except SessionFileError as exc:

@@ -70,6 +70,7 @@ from engine.session.kept import KeptMemory, entry_estimate, snapshot_tensors
 from engine.session.pictures import image_tensors
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
 from engine.session.setup import LockedBackend, MemoryFactory, TokenCounter, check_fits, memory_factory_for
+from engine.session.types import AttachmentRecord
 from engine.tools.calls import ChatEvent, ToolChoice, ToolSpec, finish_with_calls, read_reply
 from engine.tools.grammar import tool_settings
 from engine.tools.template import TOOL_ROLE, transcript_inputs
@@ -77,6 +78,10 @@ from engine.vision.idefics3 import IMAGE_TOKEN
 from engine.vision.images import DecodedImage
 from engine.vision.messages import template_messages
 from engine.vision.model import ImageInputError, attach_vision
+
+# Joins a session file's recorded attachment to the memory being restored (engine.documents.attach.Reattacher):
+# `present` when the memory's state already holds its blocks (a full file), else it adopts them (a compact replay).
+Reattach = Callable[[Memory, AttachmentRecord, bool], None]
 
 MAX_PROMPT_CHARS = 1_000_000  # ~250k tokens: anything larger is a mistake (a pasted file), not a prompt
 
@@ -254,6 +259,8 @@ class Session:
         # The tools the last turn offered (engine.tools): described in the prompt, their calls read back; the
         # transcript's earlier calls and results render through engine.tools.template whether or not any are offered.
         self.tools: ToolSpec | None = None
+        # Documents and earlier conversations the memory holds (engine.documents), as a session file records them.
+        self.attachments: list[AttachmentRecord] = []
         self._draft_backend: Backend | None = None  # the draft model's slot table for this conversation
         # Adaptive controllers by drafter (auto shares lookup's): measured costs and acceptance, turn after turn.
         self.controllers = {Speculation.LOOKUP: Controller(), Speculation.DRAFT: Controller()}
@@ -263,7 +270,7 @@ class Session:
         """New chat: forget messages and memory."""
         self.messages = []
         self.images = []
-        self.memory.reset()
+        self._reset_memory()
         self.feed_log.clear()
         self.pending_token = None
         self.known_text = ""
@@ -458,6 +465,8 @@ class Session:
         token_ids = list(self.memory.tokens)
         if schedule is not None:
             extra["feed_schedule"] = schedule  # kept in full files too, so they can be re-saved compact
+        if self.attachments:
+            extra["attachments"] = [a.to_json() for a in self.attachments]
         recompute = compact and schedule is not None
         if recompute:
             extra["recompute"] = {"version": 1, "digest": memory_digest(self.memory)} if digest else {"version": 1}
@@ -525,6 +534,7 @@ class Session:
         accept_transcript_only: bool = False,
         on_progress: Callable[[int, int], None] | None = None,
         kept: KeptMemory | None = None,
+        reattach: Reattach | None = None,
     ) -> LoadReport:
         """Restore a .spark file into this session, or leave it untouched on any error.
 
@@ -532,10 +542,28 @@ class Session:
         from another model changes nothing unless `accept_transcript_only`, in which case its messages come back
         and are re-read on the next turn. A compact file's memory is read back from `kept` when an entry there
         matches it exactly (engine.session.kept), else recomputed.
+
+        A file whose memory holds attachments needs `reattach`: they join the memory again from the persistent store,
+        where they joined it (a compact file's replay) or as the restored state holds them (a full file); one not
+        found there fails the load in one sentence naming it.
         """
         fork = self.backend.fork()
         digest_ok: list[bool] = []
         sources: list[str] = []
+        joined: list[bool] = []  # the compact replay attached them as it went
+
+        def attach_at(memory: Memory, records: list[AttachmentRecord]) -> Callable[[int], None]:
+            waiting = sorted(records, key=lambda a: a.at)
+
+            def before(at: int) -> None:
+                while waiting and waiting[0].at <= at:
+                    if waiting[0].at < at or reattach is None:
+                        raise SessionFileError(
+                            f"The session {Path(path).name}'s attachments do not fit its memory's recipe."
+                        )
+                    reattach(memory, waiting.pop(0), False)
+
+            return before
 
         def recompute(memory: Memory, data: SessionData) -> None:
             # A compact file: feed its tokens again exactly as they were fed (see engine.session.replay), then compare.
@@ -546,7 +574,9 @@ class Session:
                 return
             sources.append("recomputed")
             runner = LockedBackend(fork, self.engine.step_lock, counter=self.computed)
-            replay(backend_feed(runner, memory), memory, data.token_ids, schedule, on_progress)
+            before = attach_at(memory, data.attachments) if data.attachments else None
+            replay(backend_feed(runner, memory), memory, data.token_ids, schedule, on_progress, before)
+            joined.append(True)
             saved = data.extra.get("recompute")
             if not isinstance(saved, dict) or "digest" in saved:  # saved without one: nothing to compare
                 digest_ok.append(isinstance(saved, dict) and saved.get("digest") == memory_digest(memory))
@@ -576,8 +606,20 @@ class Session:
             except SparkError:
                 outcome.memory.reset()
                 raise
+        if data.attachments and not joined:  # a full file, or read back from the kept memory: the blocks are there
+            if reattach is None:
+                raise SessionFileError(
+                    f"The session {Path(path).name} holds attached documents; open it with the engine's attachments."
+                )
+            try:
+                for record in data.attachments:
+                    reattach(outcome.memory, record, True)
+            except BaseException:
+                outcome.memory.reset()
+                raise
         self.backend, self.memory = fork, outcome.memory
         self.images = list(data.images)
+        self.attachments[:] = data.attachments
         self.restore_digest_ok = digest_ok[0] if digest_ok else None
         self.memory_source = sources[0] if sources else "file"
         try:
@@ -698,6 +740,11 @@ class Session:
             return settings
         return replace(settings, reasoning=ReasoningFormat(inside=opens_in_prompt(rendered)))
 
+    def _reset_memory(self) -> None:
+        """Forget the memory's tokens; its attachments stay, adopted again from its first token on."""
+        self.memory.reset()
+        self.attachments[:] = [replace(a, at=0) for a in self.attachments]  # in place: Attachments records into it
+
     def _pending(self) -> list[int]:
         return [self.pending_token] if self.pending_token is not None else []
 
@@ -707,7 +754,7 @@ class Session:
             suffix = rendered[len(self.known_text) :]
             self.known_text = rendered
             return self._pending() + self._encode(suffix, add_bos=False)
-        self.memory.reset()
+        self._reset_memory()
         self.feed_log.clear()
         self.pending_token = None
         ids = self._encode(rendered, add_bos=False) if self._template_has_bos(rendered) else self._encode(rendered)

@@ -50,6 +50,7 @@ from engine.session.schema import check_session_meta, check_vocab
 from engine.session.types import (
     RECOMPUTE_KIND,
     TRANSCRIPT_KIND,
+    AttachmentRecord,
     ForeignModelSession,
     JSONValue,
     Message,
@@ -66,6 +67,7 @@ __all__ = [
     "RECOMPUTE_KIND",
     "SESSION_SUFFIX",
     "TRANSCRIPT_KIND",
+    "AttachmentRecord",
     "ForeignModelSession",
     "JSONValue",
     "Message",
@@ -235,6 +237,7 @@ def inspect_session(path: str | Path) -> dict[str, JSONValue]:
         "token_count": len(fields["token_ids"]) + (fields["pending_token"] is not None),
         "pending_token": fields["pending_token"],
         "memory_kind": fields["memory_meta"].get("kind"),
+        "attachments": [a.to_json() for a in fields["attachments"]],
         "settings": fields["settings"],
         "compression": pre.compression,
         "file_bytes": size,

@@ -136,8 +136,12 @@ def replay(
     ids: Sequence[int],
     schedule: Schedule,
     on_progress: Callable[[int, int], None] | None = None,
+    before: Callable[[int], None] | None = None,
 ) -> None:
     """Rebuild a memory holding `ids` by repeating `schedule` on the empty `memory`.
+
+    `before(at)` runs before each step with the tokens fed so far, and once at the end (a conversation's
+    attachments join the memory where they joined it when it was fed, engine.session.types.AttachmentRecord).
 
     `feed(piece, keep, verify)` runs one forward of `piece` (engine.generation.loop's step, through the session's
     backend; a speculative verify when `verify`) and keeps its first `keep` tokens (all but a verify's rejected
@@ -150,6 +154,8 @@ def replay(
     restore: Callable[[list[int]], int] = getattr(memory, "restore_prefix", memory.reuse_prefix)
     for op, size, count in schedule:
         for _ in range(1 if op == "s" else count):
+            if before is not None:
+                before(at)
             if op == "r":
                 got = min(restore(list(ids[at : at + size])), size)
                 step = max(1, memory.max_feed())
@@ -166,6 +172,8 @@ def replay(
             at += count if op == "s" else size
             if on_progress is not None:
                 on_progress(at, total)
+    if before is not None:
+        before(at)
 
 
 def backend_feed(backend: Backend, memory: Memory) -> Callable[[list[int], int, bool], None]:

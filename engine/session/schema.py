@@ -5,6 +5,7 @@ times, token ids, sampling settings and the sampler's state. Raises `SchemaError
 from __future__ import annotations
 
 import math
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
@@ -14,12 +15,16 @@ import torch
 from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
 from engine.memory.values import SchemaError, finite_number
 from engine.model.kv_types import KVType
+from engine.session.types import ATTACHMENT_KINDS, AttachmentRecord
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_DEPTH = 32  # the deepest a session's JSON nests is ~5; deeper is a hostile file
 MAX_TEXT = 64 * 1024 * 1024
 MAX_ID_CHARS = 256  # versions, fingerprints, hashes
 LATEST_TIME = 253402300799.0  # 9999-12-31: any later timestamp cannot be shown as a date
+MAX_ATTACHMENTS = 32  # attachments per conversation (engine.documents.attach holds to it)
+MAX_ATTACHMENT_TOKENS = 1 << 20  # engine.documents.capsule's limit per attachment
+MAX_ATTACHMENT_NAME = 255
 SAMPLER_STATE_BYTES = len(torch.Generator().get_state())  # the CPU generator's state (engine.generation.sampling)
 
 
@@ -149,6 +154,7 @@ def check_session_meta(meta: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(kv_type, str) or kv_type not in {t.value for t in KVType}:
         shown = kv_type[:MAX_ID_CHARS] if isinstance(kv_type, str) else type(kv_type).__name__
         raise SchemaError(f"holds keys and values of a type this version does not know ({shown!r})")
+    token_ids = [token_id(t, "token_ids") for t in _meta_field(meta, "token_ids", list)]
     return {
         "app_version": _short_text(meta, "app_version"),
         "fingerprint": _short_text(meta, "model_fingerprint"),
@@ -158,13 +164,45 @@ def check_session_meta(meta: dict[str, Any]) -> dict[str, Any]:
         "system_prompt": system_prompt,
         "messages": messages,
         "settings": settings,
-        "token_ids": [token_id(t, "token_ids") for t in _meta_field(meta, "token_ids", list)],
+        "token_ids": token_ids,
         "pending_token": None if pending is None else token_id(pending, "pending_token"),
         "sampler_state": meta.get("sampler_state"),
         "memory_meta": _meta_field(meta, "memory", dict),
         "extra": extra,
         "kv_type": kv_type,
+        "attachments": check_attachments(extra.get("attachments", []), len(token_ids)),
     }
+
+
+def check_attachments(raw: Any, tokens: int) -> list[AttachmentRecord]:
+    """extra["attachments"]: at most MAX_ATTACHMENTS records of known kind, a plain name (no folders, no control
+    characters), a content address, a bounded token count and a point within the memory's tokens."""
+    if not isinstance(raw, list):
+        raise SchemaError("has a malformed 'extra.attachments' field")
+    if len(raw) > MAX_ATTACHMENTS:
+        raise SchemaError(f"names {len(raw)} attachments, more than the {MAX_ATTACHMENTS} a conversation holds")
+    out = []
+    for r in raw:
+        if not isinstance(r, dict) or set(r) != {"kind", "name", "digest", "tokens", "at"}:
+            raise SchemaError("has a malformed attachment record")
+        name, digest, n, at = r["name"], r["digest"], r["tokens"], r["at"]
+        if r["kind"] not in ATTACHMENT_KINDS:
+            raise SchemaError("names an attachment of an unknown kind")
+        if (
+            not isinstance(name, str)
+            or not 0 < len(name) <= MAX_ATTACHMENT_NAME
+            or any(c in name for c in "/\\") or name in (".", "..")
+            or any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name)
+        ):  # fmt: skip
+            raise SchemaError("names an attachment by something other than a plain file name")
+        if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise SchemaError(f"names the attachment {name!r} by a malformed digest")
+        if type(n) is not int or not 0 < n <= MAX_ATTACHMENT_TOKENS:
+            raise SchemaError(f"says the attachment {name!r} is {n!r} tokens, beyond what one may be")
+        if type(at) is not int or not 0 <= at <= tokens:
+            raise SchemaError(f"attaches {name!r} at a point outside its memory")
+        out.append(AttachmentRecord(r["kind"], name, digest, n, at))
+    return out
 
 
 def check_vocab(token_ids: list[int], pending: int | None, vocab: int) -> None:

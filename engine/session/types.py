@@ -27,6 +27,25 @@ class Message:
     reasoning: str = ""  # an assistant message's think block, apart from its answer ("" when none or not kept)
 
 
+ATTACHMENT_KINDS = ("document", "conversation")
+
+
+@dataclass(frozen=True)
+class AttachmentRecord:
+    """A document or earlier conversation the memory holds as a capsule (engine.documents), as a session file
+    records it: by name and content address, never by path. A restore finds the capsule again in the persistent
+    store by `digest`; the file never makes the engine read a path."""
+
+    kind: str  # ATTACHMENT_KINDS
+    name: str  # what the user attached, as shown (a file name, no folders)
+    digest: str  # the capsule's index key in the persistent store (sha256 hex)
+    tokens: int  # its tokens
+    at: int  # the memory's tokens when it was attached: a compact file's replay attaches it there
+
+    def to_json(self) -> dict[str, JSONValue]:
+        return {"kind": self.kind, "name": self.name, "digest": self.digest, "tokens": self.tokens, "at": self.at}
+
+
 @dataclass
 class SessionData:
     """Everything a `.spark` file holds, migrated to the current format version."""
@@ -50,6 +69,7 @@ class SessionData:
     file_bytes: int
     kv_type: str = "f16"  # what the slot table held keys and values in (engine.model.kv_types)
     images: list[DecodedImage] = field(default_factory=list)  # the transcript's pictures (engine.session.pictures)
+    attachments: list[AttachmentRecord] = field(default_factory=list)  # extra["attachments"], checked
 
     @property
     def memory_state(self) -> tuple[dict[str, JSONValue], dict[str, torch.Tensor]]:

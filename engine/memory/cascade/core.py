@@ -123,11 +123,12 @@ class CascadeMemory:
     def reset(self) -> None:
         self._reset_state()
 
-    def attach(self, kmin: torch.Tensor, kmax: torch.Tensor, keys: list[str]) -> int:
+    def attach(self, kmin: torch.Tensor, kmax: torch.Tensor, keys: list[str], present: bool = False) -> int:
         """Blocks read elsewhere (a document's capsule, engine.documents) join episodic memory as pinned stubs:
         kmin, kmax (n, L, F) their key bounds, keys their KV's L3 entries. Returns the first block's id (the
         others follow). While anything is attached, the prefix cache is neither read nor written: this memory's
-        KV depends on more than its tokens."""
+        KV depends on more than its tokens. `present`: a restored state already holds them (a full session file):
+        they are pinned where they are, and only those its budgets let go are adopted again."""
         if self.store is None or not self.cfg.retrieval_blocks:
             raise SparkError("Attaching needs the cascade's retrieval and its persistent cache (no --no-prefix-cache).")
         want = (len(keys), *self.episodic.kmin.shape[1:])
@@ -136,7 +137,14 @@ class CascadeMemory:
         # After the last attachment's ids (not after their count): a detached one leaves a gap, never a reused id.
         first = max((a[0] + len(a[3]) for a in self.attachments), default=ADOPTED_BASE)
         self.attachments.append((first, kmin, kmax, list(keys)))
-        self.episodic.adopt(first, kmin, kmax, list(keys))
+        if not present:
+            self.episodic.adopt(first, kmin, kmax, list(keys))
+            return first
+        for j, key in enumerate(keys):
+            if first + j in self.episodic.blocks:
+                self.episodic.pinned.add(first + j)
+            else:
+                self.episodic.adopt(first + j, kmin[j : j + 1], kmax[j : j + 1], [key])
         return first
 
     def detach(self, first: int) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.memory.cascade.episodic import ADOPTED_BASE
 from engine.memory.values import (
     KV_DTYPE,
     L3_KEY,
@@ -117,7 +118,7 @@ def _check_cascade(
     for entry in as_list(e.get("blocks"), "episodic.blocks", rows):
         if not isinstance(entry, list) or len(entry) != 6:
             raise bad("episodic.blocks", "has an entry that is not [id, row, l3_key, last_access, uses, resident]")
-        bid = as_int(entry[0], "episodic block id", 0, next_id - 1)
+        bid = block_id(entry[0], "episodic block id", next_id)
         row = as_int(entry[1], "episodic block row", 0, rows - 1)
         l3_key = entry[2]
         if l3_key is not None and not (isinstance(l3_key, str) and L3_KEY.fullmatch(l3_key)):
@@ -181,13 +182,24 @@ def _check_cascade(
     exact_names(tensors, expected)
 
 
+MAX_ADOPTED_BLOCKS = 1 << 32  # far beyond 32 attachments of engine.documents' largest
+
+
+def block_id(value: Any, where: str, next_id: int) -> int:
+    """A block of the conversation's own (below next_id) or an attached one's (engine.memory.cascade.episodic's
+    ADOPTED_BASE on: documents and recalled conversations, engine.documents)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= ADOPTED_BASE:
+        return as_int(value, where, ADOPTED_BASE, ADOPTED_BASE + MAX_ADOPTED_BLOCKS - 1)
+    return as_int(value, where, 0, next_id - 1)
+
+
 def _groups(value: Any, version: int, layers: int, groups_n: int, next_id: int) -> None:
     """working.groups: one list of R block ids or None shared by every layer (1); a list per layer (2)."""
     if version == 1:
         groups = as_list(value, "working.groups", groups_n)
         if len(groups) != groups_n:
             raise bad("working.groups", f"does not list the {groups_n} retrieval groups")
-        held = [as_int(g, "working.groups", 0, next_id - 1) for g in groups if g is not None]
+        held = [block_id(g, "working.groups", next_id) for g in groups if g is not None]
         if len(set(held)) != len(held):
             raise bad("working.groups", "holds a block twice")
         return
@@ -196,7 +208,7 @@ def _groups(value: Any, version: int, layers: int, groups_n: int, next_id: int) 
         raise bad("working.groups", f"does not list retrieval groups for each of the {layers} layers")
     sizes = set()
     for layer in per_layer:  # each layer's retrieval slots hold their own blocks, as many in every layer
-        held = [as_int(g, "working.groups", 0, next_id - 1) for g in as_list(layer, "working.groups", groups_n)]
+        held = [block_id(g, "working.groups", next_id) for g in as_list(layer, "working.groups", groups_n)]
         if len(set(held)) != len(held):
             raise bad("working.groups", "holds a block twice in one layer")
         sizes.add(len(held))

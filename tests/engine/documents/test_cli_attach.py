@@ -76,3 +76,57 @@ def test_hostile_attachments_are_one_sentence(tmp_path: Path) -> None:
         r = engine_cli("generate", "--model", str(model), "--prompt", "x", "--attach", str(bad), cache=tmp_path)
         err = r.stderr.decode()
         assert r.returncode != 0 and words in err and "Traceback" not in err
+
+
+def test_a_saved_conversation_with_a_document_continues_as_one_run(tmp_path: Path) -> None:
+    """N tokens with --attach, saved; loaded and continued M tokens == N+M in one run; `read_tokens` counts only
+    what this run computed; a cache without the document says so in one sentence until the user attaches it."""
+    model = make_tiny_model(tmp_path / "tiny")
+    doc = tmp_path / "notes.md"
+    doc.write_text("\n".join(f"Note {i}: the quick brown fox." for i in range(60)))
+    cache = tmp_path / "cache"
+    common = ["generate", "--model", str(model), "--greedy", "--json", "--cache-dir", str(cache)]
+    ask = ["--prompt", "The quick", "--attach", str(doc)]
+    whole = json.loads(engine_cli(*common, *ask, "--max-tokens", "8", cache=cache).stdout)
+    saved = tmp_path / "s.spark"
+    first = engine_cli(*common, *ask, "--max-tokens", "4", "--save-session", str(saved), cache=cache)
+    assert first.returncode == 0, first.stderr.decode()
+    out = json.loads(first.stdout)
+    assert out["read_tokens"] == out["prompt_tokens"] + 3  # the capsule was found: only the prompt and reply ran
+    assert str(doc.parent) not in saved.read_bytes().decode("latin-1")  # the file names the document, not its path
+    more = engine_cli(*common, "--load-session", str(saved), "--continue", "--max-tokens", "4", cache=cache)
+    assert more.returncode == 0, more.stderr.decode()
+    cont = json.loads(more.stdout)
+    assert out["tokens"] + cont["tokens"] == whole["tokens"]
+    assert cont["read_tokens"] == 4 and cont["document_tokens"] == out["document_tokens"]
+    other = tmp_path / "other-cache"
+    gone = engine_cli("generate", "--model", str(model), "--cache-dir", str(other), "--load-session", str(saved),
+                      "--continue", "--max-tokens", "4", cache=other)  # fmt: skip
+    err = gone.stderr.decode()
+    assert gone.returncode != 0 and "notes.md" in err and "attach it again" in err and "Traceback" not in err
+    back = engine_cli("generate", "--model", str(model), "--cache-dir", str(other), "--load-session", str(saved),
+                      "--continue", "--max-tokens", "4", "--greedy", "--json", "--attach", str(doc), cache=other)  # fmt: skip
+    assert back.returncode == 0, back.stderr.decode()
+    assert json.loads(back.stdout)["tokens"] == cont["tokens"]
+
+
+def test_chat_saves_and_loads_a_conversation_with_its_attachment(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "tiny")
+    doc = tmp_path / "notes.md"
+    doc.write_text("\n".join(f"Note {i}: the quick brown fox." for i in range(60)))
+    saved = tmp_path / "c.spark"
+    cache = tmp_path / "cache"
+
+    def chat(script: str, cache: Path) -> tuple[str, str]:
+        r = engine_cli("chat", "--model", str(model), "--max-tokens", "3", "--cache-dir", str(cache), cache=cache,
+                       stdin=script.encode())  # fmt: skip
+        assert r.returncode == 0, r.stderr.decode()
+        return r.stdout.decode(), r.stderr.decode()
+
+    out, _ = chat(f"/attach {doc}\nquick\n/save {saved}\n/load {saved}\nquick\n/quit\n", cache)
+    assert "Restored" in out
+    other = tmp_path / "other"
+    out, err = chat(f"/load {saved}\n/quit\n", other)
+    assert "Restored" not in out and "notes.md" in err and "attach it again" in err
+    out, _ = chat(f"/attach {doc}\n/load {saved}\nquick\n/quit\n", other)
+    assert "Restored" in out
