@@ -8,6 +8,12 @@ from a file becomes a path). Before its memory is used it must match the compact
 tokenizer, keys/values type, the backend's numerics and every token id (and the pending token). A damaged,
 mismatched or stale entry is ignored (a damaged one deleted) and the caller recomputes as before.
 
+An entry is read in part (`EntryFile`), so a long conversation reopens as fast as a short one: the state's small
+part (sinks, window, the block index, routing) at once, checked against the entry's state digest; each episodic
+block by offset when retrieval first asks for it, checked against its own digest (engine.memory.cascade.episodic's
+paged blocks). The file stays open meanwhile, so evicting or rewriting the entry changes nothing for the open
+conversation. Keeping that memory again reads its unchanged blocks on the writer thread, not the worker's.
+
 The folder has a byte budget (the user's, in Settings): room is made before an entry is written by deleting the
 least recently used whole entries; an entry that alone exceeds the budget is not written. Clearing it loses no
 conversation (they recompute).
