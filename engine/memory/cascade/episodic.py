@@ -255,11 +255,11 @@ class EpisodicMemory:
         if block.paged is None:
             return True
         kv = block.paged.read(block.id)
-        block.paged = None
         if kv is None:
-            self._forget(block)
+            self._forget(block)  # still counted as resident until forgotten
             return False
         block.k, block.v = kv
+        block.paged = None
         return True
 
     def content_key(self, block: Block) -> str:
