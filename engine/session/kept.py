@@ -50,6 +50,7 @@ from engine.fileio import SYSTEM, FileSystem, HeaderError, TensorSpan, header_le
 from engine.memory.base import Memory
 from engine.memory.cascade import CascadeMemory
 from engine.memory.cascade.episodic import PagedBlocks, content_digest
+from engine.memory.states import SchemaError, check_memory_state
 from engine.memory.values import all_finite
 from engine.session.container import MAX_FILE_BYTES, TENSOR_LIMITS, bad, read_layout
 from engine.session.file import RECOMPUTE_KIND, TRANSCRIPT_KIND, SessionData, session_fields
@@ -346,9 +347,14 @@ class KeptMemory:
         try:
             if not _matches(opened.data, record, backend):
                 return False  # stale (the conversation went on elsewhere) or another model: rewritten or evicted later
+            target = memory.state_target()
+            slots = None if target.cascade is None else target.cascade.num_slots
+            try:  # names and shapes first, so nothing is read that the model would not hold
+                check_memory_state(opened.data.memory_meta, _padded_shapes(opened.shapes(), slots), target)
+            except SchemaError as exc:
+                raise SessionFileError(f"its state {exc}") from None
             tensors = opened.state_tensors()  # checked against the entry's state digest
-            target = memory.state_target().cascade
-            if target is not None and not pad_slots(tensors, target.num_slots):
+            if slots is not None and not pad_slots(tensors, slots):
                 raise SessionFileError("its working memory holds more slots than this memory has")
             meta = opened.data.memory_meta
             # Every value of the state is checked before anything is written (blocks as shapes; each block's bytes
@@ -506,6 +512,10 @@ class EntryFile:
     def names(self) -> list[str]:
         return list(self._spans)
 
+    def shapes(self) -> dict[str, torch.Tensor]:
+        """Every tensor as its shape and dtype only ("meta" tensors, no values)."""
+        return {n: torch.empty(s.shape, dtype=s.torch_dtype, device="meta") for n, s in self._spans.items()}
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The state's tensors: read and checked against the state digest, the blocks' as shapes only ("meta")."""
         tensors: dict[str, torch.Tensor] = {}
@@ -631,6 +641,15 @@ def _written(part: torch.Tensor) -> torch.Tensor:
     else:
         words = part.contiguous().view(torch.uint8)
     return words.ne(0).to(torch.uint8).amax(dim=(0, 1, 3)).bool()
+
+
+def _padded_shapes(shapes: dict[str, torch.Tensor], num_slots: int | None) -> dict[str, torch.Tensor]:
+    """`shapes` ("meta" tensors) with the trimmed working tensors at the `num_slots` reading pads them to."""
+    for name in SLOT_TENSORS:
+        t = shapes.get(name)
+        if num_slots is not None and t is not None and t.ndim == 4 and t.shape[2] <= num_slots:
+            shapes[name] = torch.empty((*t.shape[:2], num_slots, t.shape[3]), dtype=t.dtype, device="meta")
+    return shapes
 
 
 def pad_slots(tensors: dict[str, torch.Tensor], num_slots: int) -> bool:

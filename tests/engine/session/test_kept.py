@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.session.container import decode_tensors, read_checked
 from engine.session.engine import Engine, Session, memory_factory_for
-from engine.session.file import SessionData, save_session, session_fields
+from engine.session.file import save_session, session_fields
 from engine.session.kept import EntryFile, KeptMemory, take_snapshot
 from engine.session.replay import memory_digest
 from tests.helpers.held_writes import HeldWrites
@@ -176,6 +177,31 @@ def test_keeping_a_reopened_memory_again_reads_its_unchanged_blocks_on_the_write
     assert tokens(c.chat("And then?", GREEDY)) == tokens(a.chat("And then?", GREEDY))
 
 
+def rewrite(entry: Path, digests: object, more: dict[str, torch.Tensor] | None = None) -> None:
+    """The entry written again with `digests` as its extra["kept"] (None: without) and `more` tensors."""
+    pre, raw, section, _ = read_checked(entry)
+    fields = session_fields(entry, pre, raw)
+    tensors = {**decode_tensors(entry, section), **(more or {})}
+    extra = {k: v for k, v in fields["extra"].items() if k != "kept"}
+    if digests is not None:
+        extra["kept"] = digests
+    save_session(
+        entry,
+        fingerprint=fields["fingerprint"],
+        tokenizer_hash=fields["tokenizer_hash"],
+        messages=[],
+        system_prompt=None,
+        settings={},
+        memory_state=(fields["memory_meta"], tensors),
+        pending_token=fields["pending_token"],
+        sampler_state=None,
+        extra=extra,
+        token_ids=fields["token_ids"],
+        compression="none",
+        kv_type=fields["kv_type"],
+    )
+
+
 @pytest.mark.parametrize(
     "digests",
     [
@@ -190,35 +216,25 @@ def test_keeping_a_reopened_memory_again_reads_its_unchanged_blocks_on_the_write
 def test_an_entry_without_sound_digests_is_ignored(engine: Engine, tmp_path: Path, digests: object) -> None:
     _, record, kept = kept_talk(engine, tmp_path)
     entry = kept.entry_path(record)
-    pre, raw, section, _ = read_checked(entry)
-    data = SessionData(
-        format_version=2,
-        tensors=decode_tensors(entry, section),
-        compression="none",
-        file_bytes=0,
-        **session_fields(entry, pre, raw),
-    )
-    extra = {k: v for k, v in data.extra.items() if k != "kept"}
-    if digests is not None:
-        extra["kept"] = digests
-    save_session(
-        entry,
-        fingerprint=data.fingerprint,
-        tokenizer_hash=data.tokenizer_hash,
-        messages=[],
-        system_prompt=None,
-        settings={},
-        memory_state=(data.memory_meta, data.tensors),
-        pending_token=data.pending_token,
-        sampler_state=None,
-        extra=extra,
-        token_ids=data.token_ids,
-        compression="none",
-        kv_type=data.kv_type,
-    )
+    rewrite(entry, digests)
     b = engine.new_session()
     b.load(record, kept=kept)
     assert b.memory_source == "recomputed" and not entry.exists()
+
+
+def test_an_entry_holding_a_tensor_the_model_would_not_is_refused_before_it_is_read(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, record, kept = kept_talk(engine, tmp_path)
+    entry = kept.entry_path(record)
+    digests = EntryFile.open(entry).data.extra["kept"]
+    rewrite(entry, digests, {"junk": torch.zeros(1 << 20, dtype=torch.float16)})
+    reads: list[int] = []
+    real = EntryFile._read
+    monkeypatch.setattr(EntryFile, "_read", lambda self, span: reads.append(span.nbytes) or real(self, span))
+    b = engine.new_session()
+    b.load(record, kept=kept)
+    assert b.memory_source == "recomputed" and not entry.exists() and reads == []
 
 
 def test_an_entry_that_no_longer_matches_its_conversation_is_ignored(engine: Engine, tmp_path: Path) -> None:
