@@ -660,7 +660,8 @@ def pad_slots(tensors: dict[str, torch.Tensor], num_slots: int) -> bool:
             return True  # not a cascade state: load_state's check names what is wrong
         if t.shape[2] > num_slots:
             return False
-        if t.shape[2] < num_slots:
-            pad = torch.zeros((*t.shape[:2], num_slots - t.shape[2], t.shape[3]), dtype=t.dtype)
-            tensors[name] = torch.cat([t, pad], dim=2)
+        if t.shape[2] < num_slots:  # one zeroed table and one copy (a concatenation costs a second pass)
+            full = t.new_zeros((*t.shape[:2], num_slots, t.shape[3]))
+            full[:, :, : t.shape[2]] = t
+            tensors[name] = full
     return True
