@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.backends.base import Backend
@@ -49,9 +50,8 @@ from engine.errors import SessionFileError, SparkError
 from engine.fileio import SYSTEM, FileSystem, HeaderError, TensorSpan, header_length, parse_header
 from engine.memory.base import Memory
 from engine.memory.cascade import CascadeMemory
-from engine.memory.cascade.episodic import PagedBlocks, content_digest
+from engine.memory.cascade.episodic import PagedBlocks
 from engine.memory.states import SchemaError, check_memory_state
-from engine.memory.values import all_finite
 from engine.session.container import MAX_FILE_BYTES, TENSOR_LIMITS, bad, read_layout
 from engine.session.file import RECOMPUTE_KIND, TRANSCRIPT_KIND, SessionData, session_fields
 
@@ -392,15 +392,29 @@ def _canonical(meta: Any) -> bytes:
     return json.dumps(meta, sort_keys=True, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
+# The writer thread copies and hashes through numpy and hashlib, not torch: a daemon thread stopped inside torch's C++
+# by the interpreter's exit (a write abandoned at quit) aborts the process.
+def _host_bytes(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's values as one contiguous numpy array (a copy only when `t` is a strided view)."""
+    return np.ascontiguousarray(t.detach().numpy())
+
+
+def _kv_digest(k: torch.Tensor, v: torch.Tensor) -> str:
+    """engine.memory.cascade.episodic.content_digest's sha256 of a block's k, v bytes."""
+    h = hashlib.sha256(_host_bytes(k).reshape(-1).view(np.uint8).data)
+    h.update(_host_bytes(v).reshape(-1).view(np.uint8).data)
+    return h.hexdigest()
+
+
 def state_digest(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> str:
     """sha256 over the state's metadata and every tensor but the episodic blocks (name, dtype, shape, bytes)."""
     h = hashlib.sha256(_canonical(meta))
     for name in sorted(tensors):
         if _BLOCK_TENSOR.fullmatch(name):
             continue
-        t = tensors[name].detach().contiguous()
+        t = tensors[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        h.update(_host_bytes(t).reshape(-1).view(np.uint8).data)
     return h.hexdigest()
 
 
@@ -409,7 +423,7 @@ def entry_state(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """On the writer's thread: the state's tensors with its paged blocks read in from the entry they were opened
     from (unchanged since, so not snapshotted again), and the digests the entry keeps (`extra["kept"]`)."""
-    full = dict(tensors)
+    full = {name: torch.from_numpy(_host_bytes(t)) for name, t in tensors.items()}  # the trimmed views made whole
     blocks: dict[str, str] = {}
     for bid, source in paged.items():
         kv = source.read(bid)
@@ -421,7 +435,7 @@ def entry_state(
     for name in full:
         m = _BLOCK_TENSOR.fullmatch(name)
         if m and m.group(2) == "k" and m.group(1) not in blocks:
-            blocks[m.group(1)] = content_digest(full[name], full[f"ep.{m.group(1)}.v"])
+            blocks[m.group(1)] = _kv_digest(full[name], full[f"ep.{m.group(1)}.v"])
     digests = {"format": DIGESTS_FORMAT, "state": state_digest(meta, full), "blocks": blocks}
     return full, digests
 
@@ -489,7 +503,7 @@ class EntryFile:
             os.close(fd)
             raise
 
-    def _read(self, span: TensorSpan) -> torch.Tensor:
+    def _bytes(self, span: TensorSpan) -> bytearray:
         buf = bytearray(span.nbytes)
         view, at = memoryview(buf), 0
         while at < len(buf):
@@ -497,11 +511,13 @@ class EntryFile:
             if got <= 0:
                 raise KeptEntryDamaged(f"The kept memory {self.path.name} is shorter than its table says.")
             at += got
-        return (
-            torch.frombuffer(buf, dtype=span.torch_dtype).reshape(span.shape)
-            if buf
-            else torch.empty(span.shape, dtype=span.torch_dtype)
-        )
+        return buf
+
+    def _read(self, span: TensorSpan) -> torch.Tensor:
+        buf = self._bytes(span)
+        if not buf:
+            return torch.empty(span.shape, dtype=span.torch_dtype)
+        return torch.frombuffer(buf, dtype=span.torch_dtype).reshape(span.shape)
 
     def where(self, name: str) -> range:
         """The bytes of tensor `name` in the file (for a reader that shows or checks them)."""
@@ -531,16 +547,19 @@ class EntryFile:
     def read(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Block `block_id`'s k, v, checked against its digest and for finite values; None (the entry set aside
         and the next reopen recomputing) when they fail."""
-        try:
-            k = self._read(self._spans[f"ep.{block_id}.k"])
-            v = self._read(self._spans[f"ep.{block_id}.v"])
+        try:  # also on the writer's thread: numpy and hashlib, no torch operation (see _host_bytes)
+            spans = self._spans[f"ep.{block_id}.k"], self._spans[f"ep.{block_id}.v"]
+            k, v = (self._bytes(span) for span in spans)
         except (KeyError, OSError, SparkError) as exc:
             self._damaged(str(exc))
             return None
-        if content_digest(k, v) != self.digests.get(block_id) or not (all_finite(k) and all_finite(v)):
+        h = hashlib.sha256(k)
+        h.update(v)
+        arrays = [np.frombuffer(b, dtype=np.float16).reshape(span.shape) for b, span in zip((k, v), spans, strict=True)]
+        if h.hexdigest() != self.digests.get(block_id) or not all(bool(np.isfinite(a).all()) for a in arrays):
             self._damaged(f"episodic block {block_id} failed its check")
             return None
-        return k, v
+        return torch.from_numpy(arrays[0]), torch.from_numpy(arrays[1])
 
     def _damaged(self, why: str) -> None:
         log.warning(
