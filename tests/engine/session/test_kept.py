@@ -1,5 +1,6 @@
 """Kept memory (engine.session.kept): a compact conversation reopens by reading its memory back, exactly as if it had
-never been left and exactly as a replay rebuilds it; a damaged or mismatched entry is ignored; the budget holds."""
+never been left and exactly as a replay rebuilds it, its episodic blocks paged in from the entry when first needed;
+a damaged or mismatched entry is ignored, a damaged block never used; the budget holds."""
 
 from __future__ import annotations
 
