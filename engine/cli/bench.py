@@ -83,6 +83,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--sizes", default=None, help="`reopen`: conversation sizes in tokens, comma-separated (default 4000,32000)"
     )
+    p.add_argument(
+        "--recompute-sizes", default=None, help="`reopen`: the sizes whose replay is measured (default: every size)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

@@ -42,6 +42,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -132,6 +133,49 @@ PREAMBLES: dict[int, tuple[int, Callable[[Path, bytes], Preamble]]] = {
 }
 
 
+def read_layout(f: BinaryIO, path: Path, size: int) -> Preamble:
+    """The preamble of the open file `f` (of `size` bytes), with every check before the SHA-256: the magic, a known
+    version, lengths within limits and adding up to the file's size. Raises SessionFileError; OSError propagates."""
+    f.seek(0)
+    head = f.read(max(n for n, _ in PREAMBLES.values()))
+    if head[: len(MAGIC)] != MAGIC[: len(head)]:
+        raise SessionFileError(
+            f"{path.name} is not an MLoT Spark session file (it does not start with the {SESSION_SUFFIX} signature)."
+        )
+    if len(head) < 8:
+        raise bad(path, f"is truncated ({size} bytes)")
+    (version,) = struct.unpack_from("<H", head, 6)
+    if version not in PREAMBLES:
+        if FORMAT_VERSION < version <= 255:
+            raise SessionFileError(
+                f"{path.name} was saved by a newer MLoT Spark (session format v{version}; this build reads up to "
+                f"v{FORMAT_VERSION}); update the app to open it."
+            )
+        raise bad(path, f"has an unknown format version ({version}), so its header is corrupt")
+    pre_size, reader = PREAMBLES[version]
+    if len(head) < pre_size:
+        raise bad(path, f"is truncated ({size} bytes, shorter than its {pre_size}-byte header)")
+    pre = reader(path, head)
+    if pre.meta_len > MAX_META_BYTES:
+        raise bad(
+            path,
+            f"has a corrupt header (it claims {pre.meta_len} bytes of metadata, over the {MAX_META_BYTES}-byte limit)",
+        )
+    total = pre.size + pre.meta_len + pre.tensor_len
+    if total > size:
+        raise bad(path, f"is truncated or its header is corrupt (the header needs {total} bytes, the file has {size})")
+    if total < size:
+        raise bad(path, f"has {size - total} unexpected bytes after its end, so it is corrupt")
+    if pre.compression == "none" and pre.raw_tensor_len != pre.tensor_len:
+        raise bad(path, "has a corrupt header (tensor lengths disagree)")
+    if pre.raw_tensor_len > MAX_COMPRESSION_RATIO * pre.tensor_len:
+        raise bad(
+            path,
+            f"has a corrupt header (it claims {pre.raw_tensor_len} bytes of tensors from {pre.tensor_len} stored)",
+        )
+    return pre
+
+
 def read_checked(path: Path) -> tuple[Preamble, bytes, bytes, int]:
     """(preamble, metadata bytes, stored tensor section, file size), after every check up to the SHA-256."""
     try:
@@ -151,44 +195,7 @@ def read_checked(path: Path) -> tuple[Preamble, bytes, bytes, int]:
         raise bad(path, f"is {size} bytes, larger than any session this build writes ({MAX_FILE_BYTES})")
     try:
         with open(path, "rb") as f:
-            head = f.read(max(n for n, _ in PREAMBLES.values()))
-            if head[: len(MAGIC)] != MAGIC[: len(head)]:
-                raise SessionFileError(
-                    f"{path.name} is not an MLoT Spark session file (it does not start with the {SESSION_SUFFIX} signature)."
-                )
-            if len(head) < 8:
-                raise bad(path, f"is truncated ({size} bytes)")
-            (version,) = struct.unpack_from("<H", head, 6)
-            if version not in PREAMBLES:
-                if FORMAT_VERSION < version <= 255:
-                    raise SessionFileError(
-                        f"{path.name} was saved by a newer MLoT Spark (session format v{version}; this build reads up to "
-                        f"v{FORMAT_VERSION}); update the app to open it."
-                    )
-                raise bad(path, f"has an unknown format version ({version}), so its header is corrupt")
-            pre_size, reader = PREAMBLES[version]
-            if len(head) < pre_size:
-                raise bad(path, f"is truncated ({size} bytes, shorter than its {pre_size}-byte header)")
-            pre = reader(path, head)
-            if pre.meta_len > MAX_META_BYTES:
-                raise bad(
-                    path,
-                    f"has a corrupt header (it claims {pre.meta_len} bytes of metadata, over the {MAX_META_BYTES}-byte limit)",
-                )
-            total = pre.size + pre.meta_len + pre.tensor_len
-            if total > size:
-                raise bad(
-                    path, f"is truncated or its header is corrupt (the header needs {total} bytes, the file has {size})"
-                )
-            if total < size:
-                raise bad(path, f"has {size - total} unexpected bytes after its end, so it is corrupt")
-            if pre.compression == "none" and pre.raw_tensor_len != pre.tensor_len:
-                raise bad(path, "has a corrupt header (tensor lengths disagree)")
-            if pre.raw_tensor_len > MAX_COMPRESSION_RATIO * pre.tensor_len:
-                raise bad(
-                    path,
-                    f"has a corrupt header (it claims {pre.raw_tensor_len} bytes of tensors from {pre.tensor_len} stored)",
-                )
+            pre = read_layout(f, path, size)
             # First pass: the checksum, streamed, so a large damaged (or sparse) file costs no memory. Only a
             # sound file is read into memory, and hashed again as it is, in case it changed in between.
             f.seek(pre.size)

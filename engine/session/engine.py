@@ -66,7 +66,7 @@ from engine.session.file import (
     restore,
     save_session,
 )
-from engine.session.kept import KeptMemory, entry_estimate, snapshot_tensors
+from engine.session.kept import KeptMemory, entry_estimate, entry_state, take_snapshot
 from engine.session.pictures import image_tensors
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
 from engine.session.setup import LockedBackend, MemoryFactory, TokenCounter, check_fits, memory_factory_for
@@ -496,15 +496,14 @@ class Session:
         if not self.memory.tokens:
             kept.discard(conversation)
             return False
-        meta, tensors = self.memory.state()
-        meta = copy.deepcopy(meta)
-        tensors = snapshot_tensors(tensors)  # trimmed of never-written slots, and no longer the live memory's
-        state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        snap = take_snapshot(self.memory)  # the blocks still paged in a kept file are read by the writer
+        meta = copy.deepcopy(snap.meta)
         extra: dict[str, Any] = {"numerics": self.backend.numerics}
         fingerprint, tokenizer_hash = self.backend.fingerprint, self.tokenizer.content_hash
         kv_type, pending, token_ids = self.backend.kv_type.value, self.pending_token, list(self.memory.tokens)
 
         def write(path: Path, fs: FileSystem) -> int:
+            tensors, digests = entry_state(meta, snap.tensors, snap.paged)
             return save_session(
                 path,
                 fingerprint=fingerprint,
@@ -515,14 +514,14 @@ class Session:
                 memory_state=(meta, tensors),
                 pending_token=pending,
                 sampler_state=None,
-                extra=extra,
+                extra={**extra, "kept": digests},  # so it can be read in part (engine.session.kept)
                 token_ids=token_ids,
-                compression="none",  # read back at the speed of a copy
+                compression="none",  # read back at the speed of a copy, and by offset
                 kv_type=kv_type,
                 fs=fs,
             )
 
-        estimate = entry_estimate(state_bytes, len(token_ids))
+        estimate = entry_estimate(snap.bytes, len(token_ids))
         if later:
             return kept.write_later(conversation, estimate, write)
         return kept.write(conversation, estimate, write)

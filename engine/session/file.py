@@ -75,10 +75,10 @@ __all__ = [
     "SessionData",
     "inspect_session",
     "load_session",
-    "read_unchecked_state",
     "remove_stale_temps",
     "restore",
     "save_session",
+    "session_fields",
     "tier_of",
     "verify_session",
 ]
@@ -131,14 +131,11 @@ def _open(path: Path) -> tuple[Preamble, dict[str, Any], bytes, int]:
     return pre, fields, section, size
 
 
-def read_unchecked_state(path: Path) -> SessionData:
-    """Read a `.spark` file with every container and metadata check but without checking its memory state: for
-    a caller that checks the state itself before using it (engine.session.kept: the memory's `load_state` does)."""
-    pre, fields, section, size = _open(path)
-    tensors = decode_tensors(path, section)
-    return SessionData(
-        format_version=pre.version, tensors=tensors, compression=pre.compression, file_bytes=size, **fields
-    )
+def session_fields(path: Path, pre: Preamble, raw: bytes) -> dict[str, Any]:
+    """A `.spark` file's metadata `raw` (after `container.read_layout`) as checked fields, its tensors left unread:
+    for a reader that reads and checks the tensors itself (engine.session.kept reads its entries' blocks when
+    first needed)."""
+    return _parse_meta(path, pre, raw)
 
 
 def load_session(path: str | Path, target: StateTarget | None = None) -> SessionData:

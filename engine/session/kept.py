@@ -8,6 +8,12 @@ from a file becomes a path). Before its memory is used it must match the compact
 tokenizer, keys/values type, the backend's numerics and every token id (and the pending token). A damaged,
 mismatched or stale entry is ignored (a damaged one deleted) and the caller recomputes as before.
 
+An entry is read in part (`EntryFile`), so a long conversation reopens as fast as a short one: the state's small
+part (sinks, window, the block index, routing) at once, checked against the entry's state digest; each episodic
+block by offset when retrieval first asks for it, checked against its own digest (engine.memory.cascade.episodic's
+paged blocks). The file stays open meanwhile, so evicting or rewriting the entry changes nothing for the open
+conversation. Keeping that memory again reads its unchanged blocks on the writer thread, not the worker's.
+
 The folder has a byte budget (the user's, in Settings): room is made before an entry is written by deleting the
 least recently used whole entries; an entry that alone exceeds the budget is not written. Clearing it loses no
 conversation (they recompute).
@@ -22,22 +28,32 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
+import json
 import logging
 import os
+import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from engine.backends.base import Backend
-from engine.errors import SparkError
-from engine.fileio import SYSTEM, FileSystem
+from engine.errors import SessionFileError, SparkError
+from engine.fileio import SYSTEM, FileSystem, HeaderError, TensorSpan, header_length, parse_header
 from engine.memory.base import Memory
-from engine.session.file import RECOMPUTE_KIND, TRANSCRIPT_KIND, SessionData, read_unchecked_state
+from engine.memory.cascade import CascadeMemory
+from engine.memory.cascade.episodic import PagedBlocks
+from engine.memory.states import SchemaError, check_memory_state
+from engine.session.container import MAX_FILE_BYTES, TENSOR_LIMITS, bad, read_layout
+from engine.session.file import RECOMPUTE_KIND, TRANSCRIPT_KIND, SessionData, session_fields
 
 log = logging.getLogger(__name__)
 
@@ -315,30 +331,42 @@ class KeptMemory:
 
     def read_into(self, conversation: Path, record: SessionData, memory: Memory, backend: Backend) -> bool:
         """Restore `conversation`'s kept memory into the fresh `memory` when its entry matches the compact `record`
-        exactly; False (memory untouched or reset) otherwise, and the caller recomputes."""
+        exactly; False (memory untouched or reset) otherwise, and the caller recomputes. A cascade's episodic blocks
+        stay in the entry, paged in when first needed (`EntryFile`)."""
         while (job := self.pending(conversation)) is not None:
             job.done.wait()  # its own copy is being written: reading it beats recomputing
         entry = self.entry_path(conversation)
         if not entry.is_file():
             return False
         try:
-            kept = read_unchecked_state(entry)  # the container and metadata checked; the state by load_state below
+            opened = EntryFile.open(entry)
         except (SparkError, OSError) as exc:
             log.info("kept memory for %s ignored (%s)", conversation.name, exc)
             entry.unlink(missing_ok=True)
             return False
-        if not _matches(kept, record, backend):
-            return False  # stale (the conversation went on elsewhere) or another model: rewritten or evicted later
-        target = memory.state_target().cascade
-        if target is not None and not pad_slots(kept.tensors, target.num_slots):
-            entry.unlink(missing_ok=True)
-            return False
-        try:  # checks every value of the state before anything is written
-            memory.load_state(kept.memory_meta, kept.tensors)
-        except SparkError as exc:
+        try:
+            if not _matches(opened.data, record, backend):
+                return False  # stale (the conversation went on elsewhere) or another model: rewritten or evicted later
+            target = memory.state_target()
+            slots = None if target.cascade is None else target.cascade.num_slots
+            try:  # names and shapes first, so nothing is read that the model would not hold
+                check_memory_state(opened.data.memory_meta, _padded_shapes(opened.shapes(), slots), target)
+            except SchemaError as exc:
+                raise SessionFileError(f"its state {exc}") from None
+            tensors = opened.state_tensors()  # checked against the entry's state digest
+            if slots is not None and not pad_slots(tensors, slots):
+                raise SessionFileError("its working memory holds more slots than this memory has")
+            meta = opened.data.memory_meta
+            # Every value of the state is checked before anything is written (blocks as shapes; each block's bytes
+            # are checked when it is read).
+            if isinstance(memory, CascadeMemory):
+                memory.load_state(meta, tensors, paged=opened)
+            else:
+                memory.load_state(meta, tensors)
+        except (SparkError, OSError) as exc:
             memory.reset()
             log.info("kept memory for %s ignored (%s)", conversation.name, exc)
-            entry.unlink(missing_ok=True)
+            opened.discard()
             return False
         if list(memory.tokens) != record.token_ids:
             memory.reset()
@@ -346,6 +374,224 @@ class KeptMemory:
         with contextlib.suppress(OSError):
             os.utime(entry)  # recently used: the last to be evicted
         return True
+
+
+# What an entry holds beside its state so that it can be read in part (extra["kept"]): a digest over the state's
+# metadata and every tensor but the episodic blocks, checked when the entry is opened, and one per block (the sha256
+# of its k, v bytes: engine.memory.cascade.episodic.content_digest), checked when the block is first read.
+DIGESTS_FORMAT = 1
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_BLOCK_TENSOR = re.compile(r"ep\.(\d{1,15})\.([kv])")
+
+
+class KeptEntryDamaged(SessionFileError):
+    """A kept entry failed one of its checks."""
+
+
+def _canonical(meta: Any) -> bytes:
+    return json.dumps(meta, sort_keys=True, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+# The writer thread copies and hashes through numpy and hashlib, not torch: a daemon thread stopped inside torch's C++
+# by the interpreter's exit (a write abandoned at quit) aborts the process.
+def _host_bytes(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's values as one contiguous numpy array (a copy only when `t` is a strided view)."""
+    return np.ascontiguousarray(t.detach().numpy())
+
+
+def _kv_digest(k: torch.Tensor, v: torch.Tensor) -> str:
+    """engine.memory.cascade.episodic.content_digest's sha256 of a block's k, v bytes."""
+    h = hashlib.sha256(_host_bytes(k).reshape(-1).view(np.uint8).data)
+    h.update(_host_bytes(v).reshape(-1).view(np.uint8).data)
+    return h.hexdigest()
+
+
+def state_digest(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the state's metadata and every tensor but the episodic blocks (name, dtype, shape, bytes)."""
+    h = hashlib.sha256(_canonical(meta))
+    for name in sorted(tensors):
+        if _BLOCK_TENSOR.fullmatch(name):
+            continue
+        t = tensors[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(_host_bytes(t).reshape(-1).view(np.uint8).data)
+    return h.hexdigest()
+
+
+def entry_state(
+    meta: dict[str, Any], tensors: dict[str, torch.Tensor], paged: Mapping[int, PagedBlocks]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """On the writer's thread: the state's tensors with its paged blocks read in from the entry they were opened
+    from (unchanged since, so not snapshotted again), and the digests the entry keeps (`extra["kept"]`)."""
+    full = {name: torch.from_numpy(_host_bytes(t)) for name, t in tensors.items()}  # the trimmed views made whole
+    blocks: dict[str, str] = {}
+    for bid, source in paged.items():
+        kv = source.read(bid)
+        if kv is None:
+            raise KeptEntryDamaged("a block of the kept memory it was opened from failed its check")
+        full[f"ep.{bid}.k"], full[f"ep.{bid}.v"] = kv
+        if isinstance(source, EntryFile):
+            blocks[str(bid)] = source.digests[bid]
+    for name in full:
+        m = _BLOCK_TENSOR.fullmatch(name)
+        if m and m.group(2) == "k" and m.group(1) not in blocks:
+            blocks[m.group(1)] = _kv_digest(full[name], full[f"ep.{m.group(1)}.v"])
+    digests = {"format": DIGESTS_FORMAT, "state": state_digest(meta, full), "blocks": blocks}
+    return full, digests
+
+
+class EntryFile:
+    """A kept entry opened for reading in part (engine.memory.cascade.episodic.PagedBlocks): its metadata and the
+    state's small tensors read and checked at once, its episodic blocks read by offset when first needed, each
+    checked against its digest. The file stays open until no block is left paged in it, so an entry evicted or
+    rewritten meanwhile (both remove or replace the name, never the bytes) still reads back the same."""
+
+    def __init__(
+        self,
+        path: Path,
+        fd: int,
+        data: SessionData,
+        spans: dict[str, TensorSpan],
+        base: int,
+        digests: dict[int, str],
+        state: str,
+    ) -> None:
+        self.path = path
+        self.data = data
+        self.digests = digests
+        self._fd = fd
+        self._spans = spans  # offsets into the tensor section, checked to tile it exactly
+        self._base = base  # where the tensor section starts in the file
+        self._state = state
+        self._inode = os.fstat(fd)[1:3]
+        self._closer = weakref.finalize(self, os.close, fd)
+
+    @classmethod
+    def open(cls, path: Path) -> EntryFile:
+        """Open and check everything but the blocks' bytes: the container's layout, the metadata (the session
+        schema), the tensor table (every span inside the section, tiling it) and the digests' form."""
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if not 0 < size <= MAX_FILE_BYTES:
+                    raise bad(path, f"is {size} bytes, not what this build writes")
+                pre = read_layout(f, path, size)
+                if pre.compression != "none":
+                    raise bad(path, "is compressed, so it cannot be read in part")
+                f.seek(pre.size)
+                raw = f.read(pre.meta_len)
+                if len(raw) != pre.meta_len:
+                    raise bad(path, "changed while it was being read")
+                fields = session_fields(path, pre, raw)
+                base = pre.size + pre.meta_len
+                first8 = f.read(8)
+                n = header_length(first8, pre.tensor_len, TENSOR_LIMITS)
+                table = f.read(n)
+                if len(table) != n:
+                    raise bad(path, "changed while it was being read")
+            spans = parse_header(table, pre.tensor_len, TENSOR_LIMITS).tensors
+            data = SessionData(
+                format_version=pre.version, tensors={}, compression=pre.compression, file_bytes=size, **fields
+            )
+            digests, state = _entry_digests(path, data.extra.get("kept"), spans)
+            return cls(path, fd, data, spans, base, digests, state)
+        except HeaderError:
+            os.close(fd)
+            raise bad(path, "has an unreadable tensor table") from None
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _bytes(self, span: TensorSpan) -> bytearray:
+        buf = bytearray(span.nbytes)
+        view, at = memoryview(buf), 0
+        while at < len(buf):
+            got = os.preadv(self._fd, [view[at:]], self._base + span.start + at)
+            if got <= 0:
+                raise KeptEntryDamaged(f"The kept memory {self.path.name} is shorter than its table says.")
+            at += got
+        return buf
+
+    def _read(self, span: TensorSpan) -> torch.Tensor:
+        buf = self._bytes(span)
+        if not buf:
+            return torch.empty(span.shape, dtype=span.torch_dtype)
+        return torch.frombuffer(buf, dtype=span.torch_dtype).reshape(span.shape)
+
+    def where(self, name: str) -> range:
+        """The bytes of tensor `name` in the file (for a reader that shows or checks them)."""
+        span = self._spans[name]
+        return range(self._base + span.start, self._base + span.end)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._spans)
+
+    def shapes(self) -> dict[str, torch.Tensor]:
+        """Every tensor as its shape and dtype only ("meta" tensors, no values)."""
+        return {n: torch.empty(s.shape, dtype=s.torch_dtype, device="meta") for n, s in self._spans.items()}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The state's tensors: read and checked against the state digest, the blocks' as shapes only ("meta")."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name, span in self._spans.items():
+            if _BLOCK_TENSOR.fullmatch(name):
+                tensors[name] = torch.empty(span.shape, dtype=span.torch_dtype, device="meta")
+            else:
+                tensors[name] = self._read(span)
+        if not hmac.compare_digest(state_digest(self.data.memory_meta, tensors), self._state):
+            raise KeptEntryDamaged(f"The kept memory {self.path.name} does not match its digest.")
+        return tensors
+
+    def read(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Block `block_id`'s k, v, checked against its digest and for finite values; None (the entry set aside
+        and the next reopen recomputing) when they fail."""
+        try:  # also on the writer's thread: numpy and hashlib, no torch operation (see _host_bytes)
+            spans = self._spans[f"ep.{block_id}.k"], self._spans[f"ep.{block_id}.v"]
+            k, v = (self._bytes(span) for span in spans)
+        except (KeyError, OSError, SparkError) as exc:
+            self._damaged(str(exc))
+            return None
+        h = hashlib.sha256(k)
+        h.update(v)
+        arrays = [np.frombuffer(b, dtype=np.float16).reshape(span.shape) for b, span in zip((k, v), spans, strict=True)]
+        if h.hexdigest() != self.digests.get(block_id) or not all(bool(np.isfinite(a).all()) for a in arrays):
+            self._damaged(f"episodic block {block_id} failed its check")
+            return None
+        return torch.from_numpy(arrays[0]), torch.from_numpy(arrays[1])
+
+    def _damaged(self, why: str) -> None:
+        log.warning(
+            "the kept memory %s is damaged (%s): its block is forgotten, the entry deleted", self.path.name, why
+        )
+        self.discard()
+
+    def discard(self) -> None:
+        """Delete the entry on disk, if it is still the one opened (not a newer copy written since)."""
+        with contextlib.suppress(OSError):
+            if os.stat(self.path)[1:3] == self._inode:
+                self.path.unlink()
+
+
+def _entry_digests(path: Path, value: Any, spans: Mapping[str, TensorSpan]) -> tuple[dict[int, str], str]:
+    """The digests an entry keeps, in form and covering exactly its blocks (`extra["kept"]`)."""
+    if not isinstance(value, dict) or value.get("format") != DIGESTS_FORMAT:
+        raise bad(path, "was kept by another build (no digests to read it in part)")
+    state, blocks = value.get("state"), value.get("blocks")
+    if not isinstance(state, str) or not _HEX64.fullmatch(state) or not isinstance(blocks, dict):
+        raise bad(path, "has malformed digests")
+    ids = {int(m.group(1)) for name in spans if (m := _BLOCK_TENSOR.fullmatch(name))}
+    digests: dict[int, str] = {}
+    for key, digest in blocks.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 15) or not (
+            isinstance(digest, str) and _HEX64.fullmatch(digest)
+        ):
+            raise bad(path, "has malformed digests")
+        digests[int(key)] = digest
+    if set(digests) != ids or any(f"ep.{i}.{p}" not in spans for i in ids for p in "kv"):
+        raise bad(path, "has digests that do not cover its blocks")
+    return digests, state
 
 
 def _matches(kept: SessionData, record: SessionData, backend: Backend) -> bool:
@@ -367,16 +613,32 @@ def _matches(kept: SessionData, record: SessionData, backend: Backend) -> bool:
 SLOT_TENSORS = ("wk.k", "wk.v")
 
 
-def snapshot_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of a memory's state to write while the memory goes on: each tensor copied once (the working ones
-    without their trailing never-written slots), contiguous."""
+@dataclass(frozen=True)
+class Snapshot:
+    """A memory's state taken on the worker to be written later: `meta` and `tensors` are the state's own (the
+    working tensors trimmed of never-written slots), and `paged` the blocks still in the kept file they were
+    opened from, read by the writer (`entry_state`)."""
+
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    paged: dict[int, PagedBlocks]
+    bytes: int
+
+
+def take_snapshot(memory: Memory) -> Snapshot:
+    """Memory.state() gives tensors of its own (read back from the slot table, copied, or a block's KV, which never
+    changes once formed), so nothing is copied again here: the working tensors lose their trailing never-written
+    slots (a view; the writer makes it contiguous) and paged blocks stay where they are."""
+    paged: dict[int, PagedBlocks] = {}
+    meta, tensors = memory.state(paged) if isinstance(memory, CascadeMemory) else memory.state()
     used = _used_slots(tensors)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if used is not None and name in SLOT_TENSORS:
-            t = t[:, :, :used]
-        out[name] = t.clone(memory_format=torch.contiguous_format)
-    return out
+    if used is not None:
+        for name in SLOT_TENSORS:
+            tensors[name] = tensors[name][:, :, :used]
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    if isinstance(memory, CascadeMemory):
+        size += len(paged) * memory.episodic.block_bytes
+    return Snapshot(meta, tensors, paged, size)
 
 
 def _used_slots(tensors: dict[str, torch.Tensor]) -> int | None:
@@ -400,6 +662,15 @@ def _written(part: torch.Tensor) -> torch.Tensor:
     return words.ne(0).to(torch.uint8).amax(dim=(0, 1, 3)).bool()
 
 
+def _padded_shapes(shapes: dict[str, torch.Tensor], num_slots: int | None) -> dict[str, torch.Tensor]:
+    """`shapes` ("meta" tensors) with the trimmed working tensors at the `num_slots` reading pads them to."""
+    for name in SLOT_TENSORS:
+        t = shapes.get(name)
+        if num_slots is not None and t is not None and t.ndim == 4 and t.shape[2] <= num_slots:
+            shapes[name] = torch.empty((*t.shape[:2], num_slots, t.shape[3]), dtype=t.dtype, device="meta")
+    return shapes
+
+
 def pad_slots(tensors: dict[str, torch.Tensor], num_slots: int) -> bool:
     """Pad trimmed working tensors back to this memory's `num_slots` (in place); False when they hold more."""
     for name in SLOT_TENSORS:
@@ -408,7 +679,8 @@ def pad_slots(tensors: dict[str, torch.Tensor], num_slots: int) -> bool:
             return True  # not a cascade state: load_state's check names what is wrong
         if t.shape[2] > num_slots:
             return False
-        if t.shape[2] < num_slots:
-            pad = torch.zeros((*t.shape[:2], num_slots - t.shape[2], t.shape[3]), dtype=t.dtype)
-            tensors[name] = torch.cat([t, pad], dim=2)
+        if t.shape[2] < num_slots:  # one zeroed table and one copy (a concatenation costs a second pass)
+            full = t.new_zeros((*t.shape[:2], num_slots, t.shape[3]))
+            full[:, :, : t.shape[2]] = t
+            tensors[name] = full
     return True

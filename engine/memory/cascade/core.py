@@ -33,7 +33,7 @@ from engine.errors import InputTooLarge, SessionFileError, SparkError
 from engine.memory.base import ForkView, RowPlan, window_mask
 from engine.memory.cascade.budget import SharedBudget
 from engine.memory.cascade.config import AUTO_WINDOW, CascadeConfig
-from engine.memory.cascade.episodic import ADOPTED_BASE, EpisodicMemory
+from engine.memory.cascade.episodic import ADOPTED_BASE, EpisodicMemory, PagedBlocks
 from engine.memory.cascade.migrate import migrate_state
 from engine.memory.cascade.persistent import PersistentStore
 from engine.memory.cascade.prefix import PrefixCache
@@ -377,10 +377,11 @@ class CascadeMemory:
 
     # -- session state ------------------------------------------------------------------------------------------
 
-    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def state(self, paged: dict[int, PagedBlocks] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Meta (JSON-able) + tensors: working slots' KV (L, Hkv, S, D) fp16, episodic blocks fp16 with their key
-        bounds, and the routing state (engine.memory.cascade.retrieval)."""
-        ep_meta, tensors = self.episodic.state()
+        bounds, and the routing state (engine.memory.cascade.retrieval). Every tensor is the state's own (a copy, or
+        a block's KV, which never changes once formed). `paged`: see EpisodicMemory.state."""
+        ep_meta, tensors = self.episodic.state(paged)
         k, v = self.backend.read_kv(self.row, torch.arange(self.cfg.num_slots))  # (L, Hkv, S, D) each
         tensors.update({"wk.k": k, "wk.v": v})
         routing, route_tensors = self.retriever.state()
@@ -403,9 +404,13 @@ class CascadeMemory:
         dims = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
         return StateTarget(c.id_limit, dims, cascade=self.cfg, max_positions=c.max_position_embeddings)
 
-    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    def load_state(
+        self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], paged: PagedBlocks | None = None
+    ) -> None:
         """Restore a state saved by any memory of the same model and numerics: in its own geometry (within the
-        model's trained context) under this memory's budgets (engine.memory.cascade.config.CascadeConfig.state_settings)."""
+        model's trained context) under this memory's budgets (engine.memory.cascade.config.CascadeConfig.state_settings).
+        `paged`: where the episodic blocks given as shapes only ("meta" tensors, checked as shapes here) are read
+        from when first needed, each checked then (engine.session.kept)."""
         try:  # the one schema (engine.memory.cascade.state_schema): nothing is touched unless all of it holds
             check_cascade_state(meta, tensors, self.state_target())
         except SchemaError as exc:
@@ -419,16 +424,18 @@ class CascadeMemory:
                     "The saved memory used a different cascade geometry; restore it with the same settings."
                 )
             self._layout(saved.with_budgets_of(self.cfg))
-        self._restore(meta, tensors)
+        self._restore(meta, tensors, paged)
         self.prefix.canonical = None  # a conversation, however it was fed: never snapshot as a fresh read
 
-    def _restore(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    def _restore(
+        self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], paged: PagedBlocks | None = None
+    ) -> None:
         """load_state without its checks (callers check the kind, version and settings)."""
         self._reset_state()
         self.backend.write_kv(self.row, torch.arange(self.cfg.num_slots), tensors["wk.k"], tensors["wk.v"])
         self.working.load_state(meta["working"])
         self.working.counters = Counters.from_dict(meta["counters"])
-        self.episodic.load_state(meta["episodic"], tensors)
+        self.episodic.load_state(meta["episodic"], tensors, paged)
         self.retriever.load_state(meta["routing"], tensors)
         tokens = [int(t) for t in meta["tokens"]]
         self.prefix.load_state(meta["prefix"], tokens)

@@ -18,6 +18,11 @@ under a smaller budget (another machine) is brought within it the same way as so
 `SharedBudget` (engine.memory.cascade.budget) the complete blocks of every memory sharing it stay within its limit
 too: a memory over it evicts its own blocks the same way.
 
+A memory reopened from its kept copy on disk (engine.session.kept) holds its blocks *paged*: resident as far as every
+budget and priority is concerned (so it behaves exactly as the memory read back whole would), but their KV stays in
+the kept file until retrieval first asks for a block, or the budget spills it (`PagedBlocks`). A paged block whose
+bytes fail their check is treated as a block gone from L3: forgotten, never used.
+
 A spilled block's L3 key is its content address (sha256 of its fp16 k, v bytes): whatever the block's KV depended
 on (the geometry, the routing, which blocks earlier budgets kept), the key names exactly those bytes, so a stub can
 never page in another conversation's KV, and cascade snapshots (engine.memory.cascade.prefix) reference the same entries.
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +48,14 @@ FREQUENCY_WEIGHT = 8  # one past access is worth this many routing rounds of rec
 ADOPTED_BASE = 1 << 40
 
 
+class PagedBlocks(Protocol):
+    """Where paged blocks' KV waits (engine.session.kept: the kept file, held open)."""
+
+    def read(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The block's k, v (L, Hkv, B, D) fp16, checked; None when its bytes fail their check."""
+        ...
+
+
 @dataclass
 class Block:
     id: int  # j: holds tokens [sinks + j*B, sinks + (j+1)*B) of the conversation
@@ -52,6 +65,11 @@ class Block:
     l3_key: str | None  # its content address in L3 once computed (spilled, or referenced by a snapshot)
     last_access: int
     uses: int
+    paged: PagedBlocks | None = None  # resident, its KV still in the kept file (k, v None until read)
+
+    @property
+    def resident(self) -> bool:
+        return self.k is not None or self.paged is not None
 
     @property
     def priority(self) -> int:
@@ -188,7 +206,7 @@ class EpisodicMemory:
 
     def _loose_stubs(self) -> list[Block]:
         """Stubs the budgets may forget (every stub but the pinned ones)."""
-        return [b for b in self.blocks.values() if b.k is None and b.id not in self.pinned]
+        return [b for b in self.blocks.values() if not b.resident and b.id not in self.pinned]
 
     def _take_row(self) -> int:
         if not self.free_rows:
@@ -217,7 +235,7 @@ class EpisodicMemory:
         while (loose := self._loose_stubs()) and len(loose) * self.rep_bytes > budget // 4:
             self._forget(min(loose, key=lambda b: b.priority))
         while self.bytes > budget:
-            candidates = [b for b in self.blocks.values() if b.k is not None and b.id not in protect]
+            candidates = [b for b in self.blocks.values() if b.resident and b.id not in protect]
             if candidates:
                 victim = min(candidates, key=lambda b: b.priority)
                 self._evict(victim, keep_stub=self.stubs * self.rep_bytes + self.rep_bytes <= budget // 4)
@@ -229,7 +247,7 @@ class EpisodicMemory:
                 break
             self._forget(min(stubs, key=lambda b: b.priority))
         while self.shared is not None and self.shared.over():  # the memories sharing it hold too much together
-            resident = [b for b in self.blocks.values() if b.k is not None and b.id not in protect]
+            resident = [b for b in self.blocks.values() if b.resident and b.id not in protect]
             stubs = self._loose_stubs()
             if resident:  # a stub only while stubs stay within their quarter of the shared limit
                 keep_stub = self.stubs * self.rep_bytes + self.rep_bytes <= self.shared.limit_bytes // 4
@@ -238,6 +256,18 @@ class EpisodicMemory:
                 self._forget(min(stubs, key=lambda b: b.priority))
             else:  # only blocks in retrieval slots are left here, as above
                 break
+
+    def _read_paged(self, block: Block) -> bool:
+        """Bring a paged block's KV into host memory; False (the block forgotten) when its bytes fail their check."""
+        if block.paged is None:
+            return True
+        kv = block.paged.read(block.id)
+        if kv is None:
+            self._forget(block)  # still counted as resident until forgotten
+            return False
+        block.k, block.v = kv
+        block.paged = None
+        return True
 
     def content_key(self, block: Block) -> str:
         """The resident block's L3 key (its content address), computed once."""
@@ -251,6 +281,8 @@ class EpisodicMemory:
         when `keep_stub` and there is a store, else forgotten."""
         self.counters.evictions += 1
         keep_stub = keep_stub or block.id in self.pinned
+        if keep_stub and self.store is not None and not self._read_paged(block):
+            return  # its bytes failed their check: forgotten
         if keep_stub and self.store is not None and block.k is not None and block.v is not None:
             self.store.put(self.content_key(block), block.k, block.v, self.cfg.block_size)
             block.k = block.v = None
@@ -264,16 +296,17 @@ class EpisodicMemory:
         self.pinned.discard(block.id)
         self.row_block[block.row] = -1
         self.free_rows.append(block.row)
-        if block.k is None:
-            self.stubs -= 1
-        else:
+        if block.resident:
             self.resident -= 1
+        else:
+            self.stubs -= 1
+        block.paged = None
 
     def spill(self) -> int:
         """Memory pressure: move every resident block's KV to L3, keeping its representative keys as a stub so it
         can still be routed to and paged back; without a store the blocks are forgotten. Returns the bytes freed."""
         before = self.bytes
-        for block in [b for b in self.blocks.values() if b.k is not None]:
+        for block in [b for b in self.blocks.values() if b.resident]:
             self._evict(block, keep_stub=True)
         return before - self.bytes
 
@@ -330,6 +363,8 @@ class EpisodicMemory:
         """The block's k, v (L, Hkv, B, D), from host memory or back from L3; None when it is gone."""
         block = self.blocks[block_id]
         block.last_access, block.uses = self.tick, block.uses + 1
+        if not self._read_paged(block):  # a paged block counts as resident: the same stats as one read whole
+            return None
         if block.k is not None and block.v is not None:
             self.counters.hits += 1
             return block.k, block.v
@@ -352,14 +387,28 @@ class EpisodicMemory:
             "episodic", len(self.blocks), self.bytes, self.cfg.episodic_budget_bytes, c.hits, c.misses, c.evictions
         )
 
-    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def state(self, paged: dict[int, PagedBlocks] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Meta and tensors. A paged block's KV is read for it (without keeping it), or, given `paged`, left where it
+        is and listed there by block id, for a caller that reads it later (engine.session.kept's writer)."""
+        blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for b in list(self.blocks.values()):
+            if b.paged is None:
+                continue
+            if paged is not None:
+                paged[b.id] = b.paged
+                continue
+            kv = b.paged.read(b.id)
+            if kv is None:  # its bytes failed their check: forgotten, as a stub whose L3 entry is gone
+                self._forget(b)
+            else:
+                blocks[b.id] = kv
         meta = {
             "partial_n": self.partial_n,
             "next_id": self.next_id,
             "tick": self.tick,
             "rows": self.kmin.shape[0],
             "free_rows": list(self.free_rows),
-            "blocks": [[b.id, b.row, b.l3_key, b.last_access, b.uses, b.k is not None] for b in self.blocks.values()],
+            "blocks": [[b.id, b.row, b.l3_key, b.last_access, b.uses, b.resident] for b in self.blocks.values()],
             "counters": self.counters.to_dict(),
         }
         tensors = {
@@ -368,14 +417,18 @@ class EpisodicMemory:
             "ep.kmin": self.kmin.clone(),
             "ep.kmax": self.kmax.clone(),
         }
-        for b in self.blocks.values():
-            if b.k is not None and b.v is not None:
-                tensors[f"ep.{b.id}.k"], tensors[f"ep.{b.id}.v"] = b.k, b.v
+        for b in self.blocks.values():  # a block's KV never changes once formed: shared, not copied
+            kv = (b.k, b.v) if b.k is not None and b.v is not None else blocks.get(b.id)
+            if kv is not None:
+                tensors[f"ep.{b.id}.k"], tensors[f"ep.{b.id}.v"] = kv
         return meta, tensors
 
-    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    def load_state(
+        self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], paged: PagedBlocks | None = None
+    ) -> None:
         """Inverse of state(), then within this memory's budget (it may be smaller than the writer's): blocks over
-        it spill to L3 or are forgotten, lowest priority first, as any block over budget is."""
+        it spill to L3 or are forgotten, lowest priority first, as any block over budget is. With `paged`, a
+        resident block whose tensors are shapes only (the "meta" device) stays paged there until first read."""
         self.reset()
         self.partial_k.copy_(tensors["ep.partial_k"])
         self.partial_v.copy_(tensors["ep.partial_v"])
@@ -385,11 +438,17 @@ class EpisodicMemory:
         self.row_block = torch.full((int(meta["rows"]),), -1, dtype=torch.long)
         self.free_rows = [int(r) for r in meta["free_rows"]]
         for bid, row, l3_key, last, uses, resident in meta["blocks"]:
-            k = tensors[f"ep.{bid}.k"].to(CANONICAL_KV_DTYPE).clone() if resident else None
-            v = tensors[f"ep.{bid}.v"].to(CANONICAL_KV_DTYPE).clone() if resident else None
+            k = v = None
+            on_disk = None
+            if resident and paged is not None and tensors[f"ep.{bid}.k"].device.type == "meta":
+                on_disk = paged
+            elif resident:
+                k = tensors[f"ep.{bid}.k"].to(CANONICAL_KV_DTYPE).clone()
+                v = tensors[f"ep.{bid}.v"].to(CANONICAL_KV_DTYPE).clone()
             # A resident block's key is recomputed from its KV when needed: a key read from a file is trusted only
             # where it is the sole way back to the KV (a stub).
-            self.blocks[int(bid)] = Block(int(bid), int(row), k, v, None if resident else l3_key, int(last), int(uses))
+            key = None if resident else l3_key
+            self.blocks[int(bid)] = Block(int(bid), int(row), k, v, key, int(last), int(uses), on_disk)
             self.row_block[int(row)] = int(bid)
             self.resident += bool(resident)
             self.stubs += not resident

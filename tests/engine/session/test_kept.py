@@ -1,16 +1,21 @@
 """Kept memory (engine.session.kept): a compact conversation reopens by reading its memory back, exactly as if it had
-never been left and exactly as a replay rebuilds it; a damaged or mismatched entry is ignored; the budget holds."""
+never been left and exactly as a replay rebuilds it, its episodic blocks paged in from the entry when first needed;
+a damaged or mismatched entry is ignored, a damaged block never used; the budget holds."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
+from engine.session.container import decode_tensors, read_checked
 from engine.session.engine import Engine, Session, memory_factory_for
-from engine.session.kept import KeptMemory
+from engine.session.file import save_session, session_fields
+from engine.session.kept import EntryFile, KeptMemory, take_snapshot
+from engine.session.replay import memory_digest
 from tests.helpers.held_writes import HeldWrites
 from tests.helpers.small_window import event_tokens as tokens
 from tests.helpers.small_window import small_window_engine
@@ -57,21 +62,180 @@ def test_kept_memory_reopens_without_computing_and_continues_as_replay_and_never
     assert tokens(replayed.chat("One more?", GREEDY)) == never_left
 
 
-def test_a_damaged_entry_is_ignored_and_the_memory_recomputed(engine: Engine, tmp_path: Path) -> None:
+def flip(entry: Path, at: int) -> None:
+    raw = bytearray(entry.read_bytes())
+    raw[at] ^= 0xFF
+    entry.write_bytes(bytes(raw))
+
+
+def kept_talk(engine: Engine, tmp_path: Path) -> tuple[Session, Path, KeptMemory]:
     kept = KeptMemory(tmp_path / "kept")
     a = talk(engine)
     record = tmp_path / "c.spark"
     a.save(record, compact=True)
-    a.keep(kept, record)
+    assert a.keep(kept, record)
+    return a, record, kept
+
+
+def paged(s: Session) -> int:
+    """How many of the session's episodic blocks are still in the kept file, not yet read."""
+    return sum(b.paged is not None for b in s.memory.episodic.blocks.values())  # type: ignore[attr-defined]
+
+
+def test_a_damaged_entry_is_ignored_and_the_memory_recomputed(engine: Engine, tmp_path: Path) -> None:
+    a, record, kept = kept_talk(engine, tmp_path)
     entry = kept.entry_path(record)
-    raw = bytearray(entry.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    entry.write_bytes(bytes(raw))
+    for name in ("wk.k", "ep.kmin", "route.recent"):  # what is read when the entry is opened
+        opened = EntryFile.open(entry)
+        at = opened.where(name)[len(opened.where(name)) // 2]
+        del opened
+        flip(entry, at)
+        b = engine.new_session()
+        b.load(record, kept=kept)
+        assert b.memory_source == "recomputed" and b.restore_digest_ok is True, name
+        assert not entry.exists()  # a damaged entry is deleted, never trusted
+        assert a.keep(kept, record)
+    flip(entry, 200)  # the metadata
     b = engine.new_session()
     b.load(record, kept=kept)
-    assert b.memory_source == "recomputed" and b.restore_digest_ok is True
-    assert not entry.exists()  # a damaged entry is deleted, never trusted
+    assert b.memory_source == "recomputed" and not entry.exists()
     assert tokens(b.chat("One more?", GREEDY)) == tokens(a.chat("One more?", GREEDY))
+
+
+def test_a_damaged_block_is_never_used_and_the_entry_set_aside(engine: Engine, tmp_path: Path) -> None:
+    _, record, kept = kept_talk(engine, tmp_path)
+    entry = kept.entry_path(record)
+    opened = EntryFile.open(entry)
+    name = next(n for n in opened.names if n.startswith("ep.") and n.endswith(".v") and "partial" not in n)
+    bid = int(name.split(".")[1])
+    flip(entry, opened.where(name)[5])
+    del opened
+    b = engine.new_session()
+    b.load(record, kept=kept)  # blocks are checked when first read, not on opening
+    assert b.memory_source == "kept" and paged(b) > 0
+    episodic = b.memory.episodic  # type: ignore[attr-defined]
+    assert episodic.fetch(bid, protect=()) is None  # failed its digest: forgotten, its bytes never used
+    assert bid not in episodic.blocks and not entry.exists()
+    other = next(i for i, blk in episodic.blocks.items() if blk.paged is not None)
+    assert episodic.fetch(other, protect=()) is not None  # the sound blocks still read: the file is still open
+    c = engine.new_session()
+    c.load(record, kept=kept)
+    assert c.memory_source == "recomputed"  # the next reopen recomputes
+
+
+def test_a_reopened_memory_pages_its_blocks_in_as_retrieval_asks_and_goes_on_as_never_left(
+    engine: Engine, tmp_path: Path
+) -> None:
+    a, record, kept = kept_talk(engine, tmp_path)
+    b = engine.new_session()
+    b.load(record, kept=kept)
+    held = paged(b)
+    assert b.memory_source == "kept" and held == len(b.memory.episodic.blocks) > 0  # type: ignore[attr-defined]
+    never_left = [tokens(a.chat(t, GREEDY)) for t in ("One more?", LONG[:60])]
+    assert [tokens(b.chat(t, GREEDY)) for t in ("One more?", LONG[:60])] == never_left
+    assert paged(b) < held  # retrieval read some back, and only those
+    assert memory_digest(b.memory) == memory_digest(a.memory)  # reads the rest: the same memory, bit for bit
+
+
+@pytest.mark.parametrize("how", ["evicted", "cleared", "rewritten"])
+def test_an_entry_evicted_or_rewritten_while_its_blocks_are_paged_reads_the_same(
+    engine: Engine, tmp_path: Path, how: str
+) -> None:
+    a, record, kept = kept_talk(engine, tmp_path)
+    b = engine.new_session()
+    b.load(record, kept=kept)
+    assert paged(b) > 0
+    if how == "evicted":
+        kept.set_budget(0)
+    elif how == "cleared":
+        kept.clear()
+    else:  # the conversation kept again, from another memory, replaces the file under b's open one
+        c = engine.new_session()
+        c.load(record, kept=kept)
+        tokens(c.chat("Elsewhere.", GREEDY))
+        old = kept.entry_path(record).stat().st_ino
+        assert c.keep(kept, record) and kept.entry_path(record).stat().st_ino != old
+    assert tokens(b.chat("One more?", GREEDY)) == tokens(a.chat("One more?", GREEDY))
+    assert memory_digest(b.memory) == memory_digest(a.memory)
+
+
+def test_keeping_a_reopened_memory_again_reads_its_unchanged_blocks_on_the_writer_not_the_worker(
+    engine: Engine, tmp_path: Path
+) -> None:
+    a, record, kept = kept_talk(engine, tmp_path)
+    b = engine.new_session()
+    b.load(record, kept=kept)
+    tokens(b.chat("One more?", GREEDY))
+    tokens(a.chat("One more?", GREEDY))
+    snap = take_snapshot(b.memory)
+    assert snap.paged and not any(f"ep.{i}.k" in snap.tensors for i in snap.paged)  # not copied on the worker
+    b.save(record, compact=True)
+    assert b.keep(kept, record, later=True) and kept.flush(60)
+    c = engine.new_session()
+    c.load(record, kept=kept)
+    assert c.memory_source == "kept" and c.computed.count == 0
+    assert memory_digest(c.memory) == memory_digest(a.memory)
+    assert tokens(c.chat("And then?", GREEDY)) == tokens(a.chat("And then?", GREEDY))
+
+
+def rewrite(entry: Path, digests: object, more: dict[str, torch.Tensor] | None = None) -> None:
+    """The entry written again with `digests` as its extra["kept"] (None: without) and `more` tensors."""
+    pre, raw, section, _ = read_checked(entry)
+    fields = session_fields(entry, pre, raw)
+    tensors = {**decode_tensors(entry, section), **(more or {})}
+    extra = {k: v for k, v in fields["extra"].items() if k != "kept"}
+    if digests is not None:
+        extra["kept"] = digests
+    save_session(
+        entry,
+        fingerprint=fields["fingerprint"],
+        tokenizer_hash=fields["tokenizer_hash"],
+        messages=[],
+        system_prompt=None,
+        settings={},
+        memory_state=(fields["memory_meta"], tensors),
+        pending_token=fields["pending_token"],
+        sampler_state=None,
+        extra=extra,
+        token_ids=fields["token_ids"],
+        compression="none",
+        kv_type=fields["kv_type"],
+    )
+
+
+@pytest.mark.parametrize(
+    "digests",
+    [
+        None,  # an entry of an earlier build
+        {"format": 1, "state": "0" * 64, "blocks": {}},  # does not cover its blocks
+        {"format": 1, "state": "xyz", "blocks": {}},
+        {"format": 1, "state": "0" * 64, "blocks": {"-1": "0" * 64}},
+        {"format": 1, "state": "0" * 64, "blocks": [1, 2]},
+        {"format": 2, "state": "0" * 64, "blocks": {}},
+    ],
+)
+def test_an_entry_without_sound_digests_is_ignored(engine: Engine, tmp_path: Path, digests: object) -> None:
+    _, record, kept = kept_talk(engine, tmp_path)
+    entry = kept.entry_path(record)
+    rewrite(entry, digests)
+    b = engine.new_session()
+    b.load(record, kept=kept)
+    assert b.memory_source == "recomputed" and not entry.exists()
+
+
+def test_an_entry_holding_a_tensor_the_model_would_not_is_refused_before_it_is_read(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, record, kept = kept_talk(engine, tmp_path)
+    entry = kept.entry_path(record)
+    digests = EntryFile.open(entry).data.extra["kept"]
+    rewrite(entry, digests, {"junk": torch.zeros(1 << 20, dtype=torch.float16)})
+    reads: list[int] = []
+    real = EntryFile._read
+    monkeypatch.setattr(EntryFile, "_read", lambda self, span: reads.append(span.nbytes) or real(self, span))
+    b = engine.new_session()
+    b.load(record, kept=kept)
+    assert b.memory_source == "recomputed" and not entry.exists() and reads == []
 
 
 def test_an_entry_that_no_longer_matches_its_conversation_is_ignored(engine: Engine, tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from engine.backends.torch_backend import TorchBackend
 from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
-from engine.memory.cascade.episodic import EpisodicMemory
+from engine.memory.cascade.episodic import EpisodicMemory, PagedBlocks
 from engine.memory.cascade.retrieval import consensus_groups
 from tests.engine.memory.cascade.helpers import feed, random_ids
 
@@ -175,3 +175,70 @@ def test_consensus_votes_over_rankings_deeper_than_the_groups() -> None:
     assert consensus_groups([pick[:2] for pick in chosen], 1) == [[5, 1], [5, 2], [5, 3]]
     assert consensus_groups([pick[:1] for pick in chosen], 1) == [[1]] * 3  # the top 1 alone: no agreement seen
     assert consensus_groups(chosen, 0, n=2) == [[1, 5], [2, 5], [3, 5]]  # each layer's own top 2
+
+
+class _Paged:
+    """Blocks' KV held elsewhere (as a kept file holds them): counts reads; `bad` ids fail their check."""
+
+    def __init__(self, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], bad: frozenset[int]) -> None:
+        self.kv, self.bad = kv, bad
+        self.reads: list[int] = []
+
+    def read(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self.reads.append(block_id)
+        return None if block_id in self.bad else self.kv[block_id]
+
+
+def _paged_copy(
+    ep: EpisodicMemory, cfg: CascadeConfig, store: PersistentStore | None = None, bad: frozenset[int] = frozenset()
+) -> tuple[EpisodicMemory, _Paged]:
+    """ep's state loaded into a new memory with every block's KV left paged (shapes only, as engine.session.kept
+    gives them)."""
+    meta, tensors = ep.state()
+    kv = {b: (tensors.pop(f"ep.{b}.k"), tensors.pop(f"ep.{b}.v")) for b in ep.blocks}
+    for b, (k, v) in kv.items():
+        tensors[f"ep.{b}.k"] = torch.empty(k.shape, dtype=k.dtype, device="meta")
+        tensors[f"ep.{b}.v"] = torch.empty(v.shape, dtype=v.dtype, device="meta")
+    paged = _Paged(kv, bad)
+    copy = EpisodicMemory(cfg, (L, HKV, D), store)
+    copy.load_state(meta, tensors, paged)
+    return copy, paged
+
+
+def test_paged_blocks_are_read_once_when_first_fetched_and_route_as_resident_ones() -> None:
+    ep, dirs = _blocks_with_directions(6)
+    copy, paged = _paged_copy(ep, ep.cfg)
+    assert paged.reads == [] and copy.resident == 6 and copy.stubs == 0 and copy.bytes == ep.bytes
+    assert copy.select(dirs[3].expand(L, HKV, D), 1) == ep.select(dirs[3].expand(L, HKV, D), 1) == [[3]] * L
+    got = copy.fetch(3, protect=())
+    want = ep.fetch(3, protect=())
+    assert got is not None and want is not None and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    copy.fetch(3, protect=())
+    assert paged.reads == [3]  # read once, then held
+    _, tensors = copy.state()  # a whole state reads the rest, without keeping them
+    assert sorted(paged.reads) == list(range(6)) and all(b.paged is not None for i, b in copy.blocks.items() if i != 3)
+    assert all(torch.equal(tensors[f"ep.{i}.k"], ep.blocks[i].k) for i in range(6))  # type: ignore[arg-type]
+    by_ref: dict[int, PagedBlocks] = {}
+    _, shallow = copy.state(by_ref)
+    assert sorted(by_ref) == [0, 1, 2, 4, 5] and "ep.0.k" not in shallow and "ep.3.k" in shallow
+
+
+def test_a_paged_block_that_fails_its_check_is_forgotten_never_used() -> None:
+    ep, _ = _blocks_with_directions(4)
+    copy, _ = _paged_copy(ep, ep.cfg, bad=frozenset({2}))
+    assert copy.fetch(2, protect=()) is None and 2 not in copy.blocks and copy.resident == 3
+    meta, tensors = copy.state()
+    assert [b[0] for b in meta["blocks"]] == [0, 1, 3] and "ep.2.k" not in tensors
+
+
+def test_a_paged_block_over_budget_is_read_and_spilled_to_l3_as_a_resident_one_is(tmp_path: Path) -> None:
+    ep, _ = _blocks_with_directions(6)
+    per_block = ep.block_bytes + ep.rep_bytes
+    small = CascadeConfig(block_size=B, retrieval_blocks=2, episodic_budget_bytes=4 * per_block)
+    store = PersistentStore(tmp_path / "l3", "fingerprint", "numerics")
+    copy, paged = _paged_copy(ep, small, store)
+    assert copy.bytes <= small.episodic_budget_bytes and copy.stubs >= 1
+    assert sorted(paged.reads) == sorted(b for b, blk in copy.blocks.items() if blk.k is None and blk.paged is None)
+    for b in list(copy.blocks):
+        got = copy.fetch(b, protect=(b,))
+        assert got is not None and torch.equal(got[0], ep.blocks[b].k)  # type: ignore[arg-type]
