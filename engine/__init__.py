@@ -67,6 +67,7 @@ with _deferred():
     from engine.backends import QUANTIZE_CHOICES as QUANTIZE_CHOICES
     from engine.documents.attach import Attached as Attached
     from engine.documents.attach import Attachments as Attachments
+    from engine.documents.attach import Reattacher as Reattacher
     from engine.documents.extract import DocumentError as DocumentError
     from engine.documents.provenance import Citation as Citation
     from engine.errors import SparkError as SparkError

@@ -740,6 +740,11 @@ class Session:
             return settings
         return replace(settings, reasoning=ReasoningFormat(inside=opens_in_prompt(rendered)))
 
+    def drop_recipe(self) -> None:
+        """The memory changed in a way its feed recipe cannot replay (an attachment removed after tokens were
+        computed, engine.documents.attach): compact saves keep the full memory until the memory is next reset."""
+        self.feed_log.valid = False
+
     def _reset_memory(self) -> None:
         """Forget the memory's tokens; its attachments stay, adopted again from its first token on."""
         self.memory.reset()
