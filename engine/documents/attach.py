@@ -111,7 +111,8 @@ class Attachments:
         record goes. The ones attached after it leave and join again, so each holds the ids a session file's restore
         gives it from the records that stay (a removal leaves no gap for a restore to guess). True when the memory
         had computed tokens: a compact recipe cannot replay a removal there (retrieval was emptied mid-stream), so
-        the caller keeps the full memory in its files from then on (Session.drop_recipe)."""
+        the caller keeps the full memory in its files from then on (Session.drop_recipe). False: nothing was
+        computed yet, and the memory is as if `item` had never joined (its file stays compact)."""
         i = self.items.index(item)
         later = self.items[i + 1 :]
         for other in reversed(later):
@@ -123,7 +124,10 @@ class Attachments:
         if self.records is not None and i < len(self.records):
             del self.records[i]
         self.recalled = [c for c in self.recalled if c.source != item.capsule.name]
-        return bool(self.memory.tokens)
+        if self.memory.tokens:
+            return True
+        self.memory.reset()  # nothing computed yet: the memory becomes the one a replay of the records builds
+        return False
 
     def restored(self, found: list[Attached]) -> None:
         """What a session file's load attached again (Reattacher.found): cited like the rest."""
