@@ -5,6 +5,7 @@ the inspector says it all in words; a relaunch attaches the conversation's docum
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,27 @@ def test_a_relaunch_attaches_the_conversations_documents_again_reading_nothing(
         (view,) = again.client.worker.conversation.attachments()
         assert view.read_tokens == 0  # its capsule was on disk: nothing read again
         assert "read before, nothing read again" in again.inspector.attached.body.text()
+    finally:
+        dispose(again)
+
+
+def test_a_document_gone_from_the_cache_still_opens_the_conversation_and_says_which(
+    qtbot, window: MainWindow, gui, prefs, dirs, dialogs: ScriptedDialogs, tiny_model: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    set_reply_tokens(prefs, 4)
+    doc = tmp_path / "notes.md"
+    doc.write_text(NOTES, encoding="utf-8")
+    _attached_report(qtbot, window, lambda: window.composer.attachments.request([doc]), doc)
+    say(qtbot, gui, window, "Where is the garden meeting?")
+    window.shutdown()
+    shutil.rmtree(dirs.cache)  # the user cleared the memory cache: the capsule, and the kept memory, are gone
+    dirs.ensure()
+    again = relaunch(qtbot, prefs, dirs, dialogs, tiny_model, [])
+    try:
+        qtbot.waitUntil(lambda: "notes.md" in again.notice.text(), timeout=WAIT_MS)
+        assert "attach it again" in again.notice.text()
+        assert "Where is the garden meeting?" in again.chat.toPlainText()  # the conversation is not lost
+        assert _chips(again) == []
     finally:
         dispose(again)
 
