@@ -109,6 +109,7 @@ with _deferred():
     from engine.session.kept import DEFAULT_KEPT_BUDGET_BYTES as DEFAULT_KEPT_BUDGET_BYTES
     from engine.session.kept import KeptMemory as KeptMemory
     from engine.session.kept import KeptUsage as KeptUsage
+    from engine.session.types import RecalledRecord as RecalledRecord
     from engine.version import __version__ as __version__
 
 __all__ = ["exit_process", "prepare_process", *_PUBLIC]

@@ -27,6 +27,7 @@ from engine import (
     KeptMemory,
     PrefillProgress,
     Reattacher,
+    RecalledRecord,
     RemoteClient,
     RemoteServer,
     RemoteSession,
@@ -147,6 +148,14 @@ class Conversation(Protocol):
         """What the last reply drew on from the attachments."""
         ...
 
+    def end_turn(self) -> None:
+        """The turn ended: what its reply drew on is kept with that reply (saved with the conversation)."""
+        ...
+
+    def cited(self) -> dict[int, tuple[CitationView, ...]]:
+        """Message index -> the passages that reply drew on (kept with the conversation: shown after a reopen)."""
+        ...
+
 
 class LocalConversation:
     """A `Session` on the loaded engine: its memory is ours to report, save and restore."""
@@ -238,6 +247,7 @@ class LocalConversation:
             ChatMessage(m.role, m.content, m.timestamp or time.time(), m.reasoning) for m in data.messages
         ]
         session.system_prompt = data.system_prompt or ""
+        session.recalled = list(data.recalled)
         found, missing = Reattacher(), []
         for record in data.attachments:
             try:
@@ -332,6 +342,22 @@ class LocalConversation:
 
     def recalled(self) -> tuple[CitationView, ...]:
         return self._recalled
+
+    def end_turn(self) -> None:
+        session = self.session
+        last = len(session.messages) - 1
+        kept = [r for r in session.recalled if r.message < last]
+        if last >= 0 and session.messages[last].role == "assistant":
+            kept += [RecalledRecord(last, c.source, c.page, c.start, c.end, c.text) for c in self._recalled]
+        session.recalled = kept
+
+    def cited(self) -> dict[int, tuple[CitationView, ...]]:
+        out: dict[int, list[CitationView]] = {}
+        for r in self.session.recalled:
+            out.setdefault(r.message, []).append(
+                citation_view(Citation(r.source, r.page, r.start, r.end, r.text), r.source)
+            )
+        return {i: tuple(c) for i, c in out.items()}
 
     def _signature(self) -> tuple[int, int | None, int]:
         s = self.session
@@ -500,6 +526,12 @@ class RemoteConversation:
 
     def recalled(self) -> tuple[CitationView, ...]:
         return ()
+
+    def end_turn(self) -> None:
+        pass  # nothing is attached
+
+    def cited(self) -> dict[int, tuple[CitationView, ...]]:
+        return {}
 
     def recall_hits(self) -> int:
         return 0

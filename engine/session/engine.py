@@ -70,7 +70,7 @@ from engine.session.kept import KeptMemory, entry_estimate, snapshot_tensors
 from engine.session.pictures import image_tensors
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
 from engine.session.setup import LockedBackend, MemoryFactory, TokenCounter, check_fits, memory_factory_for
-from engine.session.types import AttachmentRecord
+from engine.session.types import AttachmentRecord, RecalledRecord
 from engine.tools.calls import ChatEvent, ToolChoice, ToolSpec, finish_with_calls, read_reply
 from engine.tools.grammar import tool_settings
 from engine.tools.template import TOOL_ROLE, transcript_inputs
@@ -261,6 +261,7 @@ class Session:
         self.tools: ToolSpec | None = None
         # Documents and earlier conversations the memory holds (engine.documents), as a session file records them.
         self.attachments: list[AttachmentRecord] = []
+        self.recalled: list[RecalledRecord] = []  # passages replies drew on, kept with the transcript
         self._draft_backend: Backend | None = None  # the draft model's slot table for this conversation
         # Adaptive controllers by drafter (auto shares lookup's): measured costs and acceptance, turn after turn.
         self.controllers = {Speculation.LOOKUP: Controller(), Speculation.DRAFT: Controller()}
@@ -270,6 +271,7 @@ class Session:
         """New chat: forget messages and memory."""
         self.messages = []
         self.images = []
+        self.recalled = []
         self._reset_memory()
         self.feed_log.clear()
         self.pending_token = None
@@ -467,6 +469,9 @@ class Session:
             extra["feed_schedule"] = schedule  # kept in full files too, so they can be re-saved compact
         if self.attachments:
             extra["attachments"] = [a.to_json() for a in self.attachments]
+        recalled = [r.to_json() for r in self.recalled if r.message < len(self.messages)]
+        if recalled:
+            extra["recalled"] = recalled
         recompute = compact and schedule is not None
         if recompute:
             extra["recompute"] = {"version": 1, "digest": memory_digest(self.memory)} if digest else {"version": 1}
@@ -591,6 +596,7 @@ class Session:
                 return LoadReport(False, True, False, len(messages), 0, outcome.reason)
             self.reset()
             self.messages, self.system_prompt = messages, data.system_prompt or ""
+            self.recalled = list(data.recalled)
             self.images = list(data.images) if self.engine.vision is not None else []
             return LoadReport(
                 True,
@@ -630,6 +636,7 @@ class Session:
             self.feed_log.clear()
             self.feed_log.valid = False  # recipe unknown: later compact saves keep the full memory
         self.messages, self.system_prompt = messages, data.system_prompt or ""
+        self.recalled = list(data.recalled)
         self.pending_token = data.pending_token
         self.known_text = str(data.extra.get("known_text", ""))
         sampling = data.settings.get("sampling")

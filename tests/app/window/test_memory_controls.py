@@ -173,7 +173,8 @@ def test_a_relaunch_attaches_the_conversations_documents_again_reading_nothing(
     doc.write_text(NOTES, encoding="utf-8")
     report = _attached_report(qtbot, window, lambda: window.composer.attachments.request([doc]), doc)
     tokens = report.attachments[0].tokens
-    say(qtbot, gui, window, "Where is the garden meeting?")
+    labels = [c.label for c in say(qtbot, gui, window, "Where is the garden meeting?").recalled]
+    assert labels and window.chat.citation_labels() == labels
     stored = window.library.path_for(window.state.current_id)
     window.shutdown()
     assert not (dirs.data / "attachments.json").exists()  # one record: the conversation's session file
@@ -185,6 +186,8 @@ def test_a_relaunch_attaches_the_conversations_documents_again_reading_nothing(
         (view,) = again.client.worker.conversation.attachments()
         assert view.read_tokens == 0  # its capsule was on disk: nothing read again
         assert "read before, nothing read again" in again.inspector.attached.body.text()
+        assert again.chat.citation_labels() == labels  # the reply still says what it drew on
+        assert "Drew on: " in again.chat.toPlainText()
     finally:
         dispose(again)
 

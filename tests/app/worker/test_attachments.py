@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import Qt
 
-from app.worker.types import AttachKind, AttachProgress, MemoryReport, SessionFileEvent, TurnResult
+from app.worker.types import AttachKind, AttachProgress, MemoryReport, MessageView, SessionFileEvent, TurnResult
 from engine import GenerationSettings, SamplingSettings, load_session
 from tests.helpers.app_window import WAIT_MS, running_client
 from tests.helpers.default_model import default_model_dir
@@ -127,6 +127,27 @@ def test_a_relaunch_reopens_a_conversation_with_its_documents_reading_nothing(
         with qtbot.waitSignal(client.stored, timeout=WAIT_MS):
             client.send("Thanks.", SHORT)
     assert load_session(stored).attachments == []
+
+
+def test_the_passages_a_reply_drew_on_are_kept_with_the_conversation(qtbot, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    doc, stored = tmp_path / "notes.md", tmp_path / "talk.spark"
+    doc.write_text(NOTES, encoding="utf-8")
+    with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
+        client.new_chat(stored)
+        _attached(qtbot, client, doc)
+        with qtbot.waitSignal(client.finished, timeout=WAIT_MS) as blocker:
+            client.send("Where is the meeting about the garden?", SHORT)
+        recalled = blocker.args[0].recalled
+        assert recalled  # the document is all the model may draw on besides the prompt
+    saved = load_session(stored).recalled
+    assert [(r.message, r.source, r.start, r.end, r.text) for r in saved] == [
+        (1, c.source, c.start, c.end, c.text) for c in recalled
+    ]
+    with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
+        shown: list[list[MessageView]] = []
+        client.conversation_shown.connect(shown.append)
+        _restored(qtbot, client, stored)
+        assert [m.recalled for m in shown[-1]] == [(), recalled]
 
 
 def test_switching_keeps_each_conversations_documents(qtbot, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]

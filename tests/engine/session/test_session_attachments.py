@@ -19,6 +19,7 @@ from engine.memory.cascade import CascadeMemory
 from engine.session.engine import Engine, Session
 from engine.session.file import AttachmentRecord, inspect_session, load_session
 from engine.session.kept import KeptMemory
+from engine.session.types import RecalledRecord
 from tests.helpers.small_window import event_tokens, small_window_engine
 from tests.helpers.tiny import make_tiny_model
 
@@ -192,3 +193,29 @@ def test_the_kept_copy_of_a_conversation_with_attachments_reads_back_with_them(e
     memory = restored.memory
     assert isinstance(memory, CascadeMemory) and len(memory.episodic.pinned) == len(found.found[0].capsule.keys)
     assert event_tokens(restored.complete(" And the dog?", GREEDY)) == never_left
+
+
+def test_the_passages_replies_drew_on_are_kept_and_hostile_ones_refused(engine: Engine, tmp_path: Path) -> None:
+    session = engine.new_session()
+    event_tokens(session.chat("Hello there.", GREEDY))
+    passage = RecalledRecord(1, "fox.md", None, 3, 5, "line 3: The quick brown fox")
+    session.recalled = [passage, RecalledRecord(7, "gone.md", 2, 1, 1, "a reply no longer there")]
+    path = tmp_path / "cited.spark"
+    session.save(path)
+    assert load_session(path).recalled == [passage]  # only passages under messages the file holds
+    restored = engine.new_session()
+    restored.load(path)
+    assert restored.recalled == [passage]
+    restored.reset()
+    assert restored.recalled == []
+    for hostile, words in (
+        (RecalledRecord(1, "fox.md", None, 5, 3, ""), "out of range"),
+        (RecalledRecord(1, "fox.md", -2, 1, 1, ""), "out of range"),
+        (RecalledRecord(1, "", None, 1, 1, ""), "short name"),
+        (RecalledRecord(1, "fox.md", None, 1, 1, "x" * 20_001), "longer than"),
+    ):
+        session.recalled = [hostile]
+        session.save(path)
+        with pytest.raises(SessionFileError) as err:
+            load_session(path)
+        assert words in str(err.value) and "\n" not in str(err.value)
