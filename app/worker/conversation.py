@@ -311,7 +311,9 @@ class LocalConversation:
         cap = item.capsule
         view = AttachmentView(path, cap.name, kind, cap.tokens, cap.disk_bytes, cap.read_tokens, title)
         held = [i for i, (_view, it) in enumerate(self._attached) if it is item]
-        if held:  # restored under its name: from now on under the file the user chose
+        if held and self._attached[held[0]][0].path.is_absolute():  # the same text from another file: nothing changed
+            raise SparkError(f"{title or path.name} is already attached to this conversation (as {cap.name}).")
+        if held:  # restored under its recorded name: from now on under the file the user chose
             self._attached[held[0]] = (view, item)
         else:
             self._attached.append((view, item))

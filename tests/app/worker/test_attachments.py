@@ -121,8 +121,13 @@ def test_a_relaunch_reopens_a_conversation_with_its_documents_reading_nothing(
             client.send("And where is it now?", SHORT)
         assert blocker.args[0].reason in ("stop", "length")
         assert all(c.source == "notes.md" for c in blocker.args[0].recalled)
+        doc.write_text(NOTES, encoding="utf-8")  # the user attaches the same file again: the one held, now by its path
+        (same,) = _attached(qtbot, client, doc).attachments
+        assert same.path == doc and same.read_tokens == 0
+        session = client.worker.session
+        assert session is not None and len(session.memory.attachments) == 1  # type: ignore[attr-defined]
         with qtbot.waitSignal(client.memory, timeout=WAIT_MS) as removed:
-            client.detach(again.path)  # a restored chip is removed by the key the report gave it
+            client.detach(doc)
         assert removed.args[0].attachments == ()
         with qtbot.waitSignal(client.stored, timeout=WAIT_MS):
             client.send("Thanks.", SHORT)
@@ -146,8 +151,11 @@ def test_the_passages_a_reply_drew_on_are_kept_with_the_conversation(qtbot, tmp_
     with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
         shown: list[list[MessageView]] = []
         client.conversation_shown.connect(shown.append)
-        _restored(qtbot, client, stored)
+        _event, report = _restored(qtbot, client, stored)
         assert [m.recalled for m in shown[-1]] == [(), recalled]
+        with qtbot.waitSignal(client.memory, timeout=WAIT_MS) as removed:
+            client.detach(report.attachments[0].path)  # a restored chip is removed by the key its report gave it
+        assert removed.args[0].attachments == ()
 
 
 def test_switching_keeps_each_conversations_documents(qtbot, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
@@ -162,6 +170,8 @@ def test_switching_keeps_each_conversations_documents(qtbot, tmp_path: Path, tin
         assert [v.name for v in report.attachments] == ["garden.md"]
         _event, report = _restored(qtbot, client, second)
         assert [v.name for v in report.attachments] == ["kitchen.md"]
+        _event, report = _restored(qtbot, client, first)  # back again: its memory handed back from RAM
+        assert [v.name for v in report.attachments] == ["garden.md"]
     assert [a.name for a in load_session(first).attachments] == ["garden.md"]
     assert [a.name for a in load_session(second).attachments] == ["kitchen.md"]
 
