@@ -258,10 +258,10 @@ class LocalConversation:
             session.attachments.append(replace(record, at=0))
         self._restored(found.found)
         self.held = MemoryHeld.RECOMPUTED
-        names = ", ".join(missing) or "an attachment"
+        names, one = ", ".join(missing) or "an attachment", len(missing) <= 1
         return Opened(
             True,
-            f"{names} is no longer in the memory cache: attach it again for the model to draw on it; the conversation is re-read with the next message",
+            f"{names} {'is' if one else 'are'} no longer in the memory cache: attach {'it' if one else 'them'} again for the model to draw on {'it' if one else 'them'}; the conversation is re-read with the next message",
         )
 
     def _restored(self, found: list[Attached]) -> None:

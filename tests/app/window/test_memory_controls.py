@@ -185,6 +185,8 @@ def test_a_relaunch_attaches_the_conversations_documents_again_reading_nothing(
         qtbot.waitUntil(lambda: _chips(again) == [f"notes.md · {tokens:,} tokens"], timeout=WAIT_MS)
         (view,) = again.client.worker.conversation.attachments()
         assert view.read_tokens == 0  # its capsule was on disk: nothing read again
+        session = again.client.worker.session
+        assert session.memory_source == "kept" and session.computed.count == 0  # the kept memory, with its document
         assert "read before, nothing read again" in again.inspector.attached.body.text()
         assert again.chat.citation_labels() == labels  # the reply still says what it drew on
         assert "Drew on: " in again.chat.toPlainText()

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import Qt
 
-from app.worker.types import AttachKind, AttachProgress, MemoryReport, MessageView, SessionFileEvent, TurnResult
+from app.worker.types import (
+    AttachKind,
+    AttachProgress,
+    MemoryReport,
+    MessageView,
+    SessionFileEvent,
+    TurnResult,
+)
 from engine import GenerationSettings, SamplingSettings, load_session
 from tests.helpers.app_window import WAIT_MS, running_client
 from tests.helpers.default_model import default_model_dir
