@@ -165,6 +165,24 @@ def test_the_passages_a_reply_drew_on_are_kept_with_the_conversation(qtbot, tmp_
         assert removed.args[0].attachments == ()
 
 
+def test_a_spark_file_opened_from_elsewhere_joins_the_library_with_its_documents(
+    qtbot, tmp_path: Path, tiny_model: Path
+) -> None:  # type: ignore[no-untyped-def]
+    doc, shared = tmp_path / "notes.md", tmp_path / "from-a-friend.spark"
+    doc.write_text(NOTES, encoding="utf-8")
+    with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
+        _talk_with_a_document(qtbot, client, doc, shared)
+    library = tmp_path / "library" / "c1.spark"
+    library.parent.mkdir()
+    with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
+        reports: list[MemoryReport] = []
+        client.memory.connect(reports.append)
+        with qtbot.waitSignal(client.stored, timeout=WAIT_MS):  # the opened file is stored as a new conversation
+            client.restore(shared, store_path=library)
+        assert [v.name for v in reports[-1].attachments] == ["notes.md"]
+    assert load_session(library).attachments == load_session(shared).attachments
+
+
 def test_switching_keeps_each_conversations_documents(qtbot, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
     garden, kitchen = tmp_path / "garden.md", tmp_path / "kitchen.md"
     garden.write_text(NOTES, encoding="utf-8")
