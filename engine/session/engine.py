@@ -69,6 +69,7 @@ from engine.session.file import (
 from engine.session.kept import KeptMemory, entry_estimate, snapshot_tensors
 from engine.session.pictures import image_tensors
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
+from engine.session.schema import MAX_ATTACHMENT_NAME, MAX_RECALLED, MAX_RECALLED_TEXT
 from engine.session.setup import LockedBackend, MemoryFactory, TokenCounter, check_fits, memory_factory_for
 from engine.session.types import AttachmentRecord, RecalledRecord
 from engine.tools.calls import ChatEvent, ToolChoice, ToolSpec, finish_with_calls, read_reply
@@ -469,7 +470,7 @@ class Session:
             extra["feed_schedule"] = schedule  # kept in full files too, so they can be re-saved compact
         if self.attachments:
             extra["attachments"] = [a.to_json() for a in self.attachments]
-        recalled = [r.to_json() for r in self.recalled if r.message < len(self.messages)]
+        recalled = recalled_to_keep(self.recalled, len(self.messages))
         if recalled:
             extra["recalled"] = recalled
         recompute = compact and schedule is not None
@@ -898,3 +899,13 @@ class Session:
             last = self.messages[-1] if reply_to_messages and not extend_last else None
             if last is not None and not last.content and not last.reasoning and not tokens:
                 self.messages.pop()
+
+
+def recalled_to_keep(recalled: list[RecalledRecord], messages: int) -> list[dict[str, Any]]:
+    """The passages a file keeps: under messages it holds, the newest MAX_RECALLED, each within what its schema
+    accepts (a long name or text cut), so saving never writes a file that its own load would refuse."""
+    out = []
+    for r in recalled:
+        if 0 <= r.message < messages and r.source and 0 <= r.start <= r.end and (r.page is None or r.page > 0):
+            out.append(replace(r, source=r.source[:MAX_ATTACHMENT_NAME], text=r.text[:MAX_RECALLED_TEXT]).to_json())
+    return out[-MAX_RECALLED:]

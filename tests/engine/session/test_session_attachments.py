@@ -16,6 +16,7 @@ from engine.errors import SessionFileError, SparkError
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.memory.cascade import CascadeMemory
+from engine.session import engine as session_engine
 from engine.session.engine import Engine, Session
 from engine.session.file import AttachmentRecord, inspect_session, load_session
 from engine.session.kept import KeptMemory
@@ -195,20 +196,32 @@ def test_the_kept_copy_of_a_conversation_with_attachments_reads_back_with_them(e
     assert event_tokens(restored.complete(" And the dog?", GREEDY)) == never_left
 
 
-def test_the_passages_replies_drew_on_are_kept_and_hostile_ones_refused(engine: Engine, tmp_path: Path) -> None:
+def test_the_passages_replies_drew_on_are_kept_and_hostile_ones_refused(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     session = engine.new_session()
     event_tokens(session.chat("Hello there.", GREEDY))
     passage = RecalledRecord(1, "fox.md", None, 3, 5, "line 3: The quick brown fox")
-    session.recalled = [passage, RecalledRecord(7, "gone.md", 2, 1, 1, "a reply no longer there")]
+    long = RecalledRecord(1, "x" * 300 + ".md", 2, 1, 1, "y" * 30_000)
+    session.recalled = [passage, long, RecalledRecord(7, "gone.md", 2, 1, 1, "a reply no longer there")]
     path = tmp_path / "cited.spark"
     session.save(path)
-    assert load_session(path).recalled == [passage]  # only passages under messages the file holds
+    kept = load_session(path).recalled  # under messages the file holds, within what a load accepts
+    assert kept[0] == passage and len(kept) == 2
+    assert (len(kept[1].source), len(kept[1].text)) == (255, 20_000)
     restored = engine.new_session()
     restored.load(path)
-    assert restored.recalled == [passage]
+    assert restored.recalled == kept
     restored.reset()
     assert restored.recalled == []
+    session.recalled = [RecalledRecord(1, "fox.md", None, i, i, "") for i in range(5000)]
+    session.save(path)
+    assert [r.start for r in load_session(path).recalled] == list(range(5000 - 4096, 5000))  # the newest
+
+    # A file written by something else: every passage is checked on load.
+    monkeypatch.setattr(session_engine, "recalled_to_keep", lambda rs, _n: [r.to_json() for r in rs])
     for hostile, words in (
+        (RecalledRecord(9, "fox.md", None, 1, 1, ""), "does not hold"),
         (RecalledRecord(1, "fox.md", None, 5, 3, ""), "out of range"),
         (RecalledRecord(1, "fox.md", -2, 1, 1, ""), "out of range"),
         (RecalledRecord(1, "", None, 1, 1, ""), "short name"),
