@@ -21,7 +21,7 @@ from app.window.chat_view import ChatView
 from app.window.composer import Composer
 from app.window.passage import show_passage
 from app.worker.client import ConversationClient
-from app.worker.types import AttachKind, CitationView, MemoryReport, TurnResult
+from app.worker.types import AttachKind, CitationView, TurnResult
 
 
 class MemoryControls(QObject):
@@ -57,7 +57,7 @@ class MemoryControls(QObject):
         self.bar.remove_requested.connect(self._on_remove)
         client.attaching.connect(self.bar.on_progress)
         client.attach_failed.connect(self._on_failed)
-        client.memory.connect(self._on_memory)
+        client.memory.connect(self.bar.on_memory)
         client.finished.connect(self._on_finished)  # after the window's own: the reply is closed first
         chat.citation_opened.connect(self.open_passage)
         sidebar.recall_requested.connect(self.recall)
@@ -113,10 +113,6 @@ class MemoryControls(QObject):
         self.bar.on_failed(path, why)
         if why:
             self.notify(why)
-
-    @Slot(MemoryReport)
-    def _on_memory(self, report: MemoryReport) -> None:
-        self.bar.on_memory(report)
 
     @Slot(TurnResult)
     def _on_finished(self, result: TurnResult) -> None:
