@@ -67,6 +67,7 @@ with _deferred():
     from engine.backends import QUANTIZE_CHOICES as QUANTIZE_CHOICES
     from engine.documents.attach import Attached as Attached
     from engine.documents.attach import Attachments as Attachments
+    from engine.documents.attach import Reattacher as Reattacher
     from engine.documents.extract import DocumentError as DocumentError
     from engine.documents.provenance import Citation as Citation
     from engine.errors import SparkError as SparkError
@@ -108,6 +109,7 @@ with _deferred():
     from engine.session.kept import DEFAULT_KEPT_BUDGET_BYTES as DEFAULT_KEPT_BUDGET_BYTES
     from engine.session.kept import KeptMemory as KeptMemory
     from engine.session.kept import KeptUsage as KeptUsage
+    from engine.session.types import RecalledRecord as RecalledRecord
     from engine.version import __version__ as __version__
 
 __all__ = ["exit_process", "prepare_process", *_PUBLIC]

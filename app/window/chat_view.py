@@ -339,6 +339,8 @@ class ChatView(QTextBrowser):
             frame = self._add_message(m.role, m.content, i)
             if notes and notes.get(i):
                 self._add_note(frame, notes[i])
+            if m.recalled:  # kept with the conversation: a reopened reply still says what it drew on
+                self._insert_citations(m.recalled)
         self._next_index = len(messages)
         self.scroll_to_end()
 
@@ -477,8 +479,11 @@ class ChatView(QTextBrowser):
     def add_citations(self, citations: Sequence[CitationView]) -> None:
         """Under the last reply: the passages it drew on ("Drew on: notes.md, l. 3-9 · paper.pdf, p. 2, l. 1"),
         each a link to its text."""
-        if not citations:
-            return
+        if citations:
+            self._insert_citations(citations)
+            self._more_text()
+
+    def _insert_citations(self, citations: Sequence[CitationView]) -> None:
         cursor = QTextCursor(self.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
         if cursor.block().length() > 1:  # the reply's note is there: a line of its own
@@ -493,7 +498,6 @@ class ChatView(QTextBrowser):
             key = len(self._citations)
             self._citations.append(c)
             cursor.insertText(c.label, self._link_format(f"cite:{key}", f"Show the passage from {c.label}"))
-        self._more_text()
 
     def citation_labels(self) -> list[str]:
         return [c.label for c in self._citations]

@@ -46,7 +46,7 @@ from app.window.commands import ConversationCommands
 from app.window.composer import Composer
 from app.window.conversation_presenter import ConversationPresenter
 from app.window.dialogs import Dialogs
-from app.window.memory_controls import AttachmentRecord, MemoryControls
+from app.window.memory_controls import MemoryControls
 from app.window.menus import WindowMenus
 from app.window.model_presenter import ModelPresenter
 from app.window.notice_bar import NoticeBar
@@ -334,7 +334,6 @@ class MainWindow(QMainWindow):
             self.library,
             lambda: self.state.opening or self.state.current_id,  # a restore in flight: the one it opens
             lambda text: self.notice.show_message(text, error=True),
-            AttachmentRecord(self.dirs.data / "attachments.json"),
             self.dirs.documents,
             self.menus.chat_menu,
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -20,11 +20,14 @@ from engine import (
     Attachments,
     ChatMessage,
     Citation,
+    DocumentError,
     Engine,
     GenerationEvent,
     GenerationSettings,
     KeptMemory,
     PrefillProgress,
+    Reattacher,
+    RecalledRecord,
     RemoteClient,
     RemoteServer,
     RemoteSession,
@@ -145,6 +148,14 @@ class Conversation(Protocol):
         """What the last reply drew on from the attachments."""
         ...
 
+    def end_turn(self) -> None:
+        """The turn ended: what its reply drew on is kept with that reply (saved with the conversation)."""
+        ...
+
+    def cited(self) -> dict[int, tuple[CitationView, ...]]:
+        """Message index -> the passages that reply drew on (kept with the conversation: shown after a reopen)."""
+        ...
+
 
 class LocalConversation:
     """A `Session` on the loaded engine: its memory is ours to report, save and restore."""
@@ -206,11 +217,16 @@ class LocalConversation:
         self.session.read_transcript(stop)
 
     def open(self, path: Path, transcript_only: bool, on_progress: Callable[[int, int], None]) -> Opened:
-        report = self.session.load(
-            path, accept_transcript_only=transcript_only, on_progress=on_progress, kept=self._kept
-        )
+        found = Reattacher()  # the file's attachments, found again in the cache by digest (it names no path)
+        try:
+            report = self.session.load(
+                path, accept_transcript_only=transcript_only, on_progress=on_progress, kept=self._kept, reattach=found
+            )
+        except DocumentError:  # an attachment's capsule is gone from the cache: the conversation still opens
+            return self._open_without_memory(path)
         if not report.applied:
             return Opened(False, "", report.message)
+        self._restored(found.found)
         source = self.session.memory_source
         self.held = {"kept": MemoryHeld.DISK, "recomputed": MemoryHeld.RECOMPUTED}.get(source, MemoryHeld.FILE)
         if source == "kept":
@@ -219,6 +235,59 @@ class LocalConversation:
         if self.session.restore_digest_ok is False:
             note = "its memory was recomputed and differs slightly from the saved one (other numerics)"
         return Opened(True, note)
+
+    def _open_without_memory(self, path: Path) -> Opened:
+        """A file whose memory needs an attachment no longer in the cache: its transcript comes back (re-read on the
+        next turn), with the attachments still there attached again; the note names the ones to attach again."""
+        data = load_session(path)
+        session = self.session
+        session.reset()
+        session.attachments.clear()
+        session.messages = [
+            ChatMessage(m.role, m.content, m.timestamp or time.time(), m.reasoning) for m in data.messages
+        ]
+        session.system_prompt = data.system_prompt or ""
+        session.recalled = list(data.recalled)
+        found, missing = Reattacher(), []
+        for record in data.attachments:
+            try:
+                found(session.memory, record, False)
+            except (DocumentError, SparkError):
+                missing.append(record.name)
+                continue
+            session.attachments.append(replace(record, at=0))
+        self._restored(found.found)
+        self.held = MemoryHeld.RECOMPUTED
+        names, one = ", ".join(missing) or "an attachment", len(missing) <= 1
+        return Opened(
+            True,
+            f"{names} {'is' if one else 'are'} no longer in the memory cache: attach {'it' if one else 'them'} again for the model to draw on {'it' if one else 'them'}; the conversation is re-read with the next message",
+        )
+
+    def _restored(self, found: list[Attached]) -> None:
+        """What a load attached again joins this conversation's attachments, each under its recorded name (a
+        session file names no path: the chip's key is the name)."""
+        self._attached = []
+        self._recalled = ()
+        if not found:
+            self._attachments = None
+            return
+        attachments = self._attachments_for_memory()
+        attachments.restored(found)
+        for record, item in zip(self.session.attachments, found, strict=True):
+            kind = AttachKind(record.kind)
+            cap = item.capsule
+            key, n = Path(record.name), 1
+            while any(view.path == key for view, _item in self._attached):
+                n += 1
+                key = Path(f"{record.name} ({n})")  # two attachments of one name keep two chips
+            self._attached.append((AttachmentView(key, cap.name, kind, cap.tokens, cap.disk_bytes, 0), item))
+
+    def _attachments_for_memory(self) -> Attachments:
+        """This conversation's attachments on its current memory, recording into its session's records."""
+        if self._attachments is None or self._attachments.memory is not self.session.memory:
+            self._attachments = Attachments(self.session.memory, self.session.tokenizer, self.session.attachments)
+        return self._attachments
 
     def save(self, path: Path, full_memory: bool, verify: bool = True) -> None:
         self.session.save(path, compact=not full_memory, digest=verify)
@@ -236,22 +305,30 @@ class LocalConversation:
     ) -> AttachmentView:
         if any(view.path == path for view, _item in self._attached):
             raise SparkError(f"{title or path.name} is already attached to this conversation.")
-        if self._attachments is None or self._attachments.memory is not self.session.memory:
-            self._attachments = Attachments(self.session.memory, self.session.tokenizer)
-        attachments = self._attachments
+        attachments = self._attachments_for_memory()
         reader = attachments.attach_file if kind == AttachKind.DOCUMENT else attachments.recall_session
-        item = reader(path, on_progress)
+        item = reader(path, on_progress, once=True)  # once: a restored conversation may hold it already
         cap = item.capsule
         view = AttachmentView(path, cap.name, kind, cap.tokens, cap.disk_bytes, cap.read_tokens, title)
-        self._attached.append((view, item))
+        held = [i for i, (_view, it) in enumerate(self._attached) if it is item]
+        if held and self._attached[held[0]][0].path.is_absolute():  # the same text from another file: nothing changed
+            raise SparkError(f"{title or path.name} is already attached to this conversation (as {cap.name}).")
+        if held:  # restored under its recorded name: from now on under the file the user chose
+            self._attached[held[0]] = (view, item)
+        else:
+            self._attached.append((view, item))
         return view
 
     def detach(self, path: Path) -> None:
         for i, (view, item) in enumerate(self._attached):
             if view.path == path:
                 assert self._attachments is not None  # something is attached
-                self._attachments.detach(item)
+                if self._attachments.detach(item):
+                    self.session.drop_recipe()  # a removal mid-conversation: files keep the full memory
                 del self._attached[i]
+                # The ones attached after it joined again under new ids (Attachments.detach): follow them.
+                items = {id(a.capsule): a for a in self._attachments.items}
+                self._attached = [(v, items.get(id(it.capsule), it)) for v, it in self._attached]
                 self._recalled = tuple(c for c in self._recalled if c.source != view.shown)
                 return
 
@@ -267,6 +344,22 @@ class LocalConversation:
 
     def recalled(self) -> tuple[CitationView, ...]:
         return self._recalled
+
+    def end_turn(self) -> None:
+        session = self.session
+        last = len(session.messages) - 1
+        kept = [r for r in session.recalled if r.message < last]
+        if last >= 0 and session.messages[last].role == "assistant":
+            kept += [RecalledRecord(last, c.source, c.page, c.start, c.end, c.text) for c in self._recalled]
+        session.recalled = kept
+
+    def cited(self) -> dict[int, tuple[CitationView, ...]]:
+        out: dict[int, list[CitationView]] = {}
+        for r in self.session.recalled:
+            out.setdefault(r.message, []).append(
+                citation_view(Citation(r.source, r.page, r.start, r.end, r.text), r.source)
+            )
+        return {i: tuple(c) for i, c in out.items()}
 
     def _signature(self) -> tuple[int, int | None, int]:
         s = self.session
@@ -435,6 +528,12 @@ class RemoteConversation:
 
     def recalled(self) -> tuple[CitationView, ...]:
         return ()
+
+    def end_turn(self) -> None:
+        pass  # nothing is attached
+
+    def cited(self) -> dict[int, tuple[CitationView, ...]]:
+        return {}
 
     def recall_hits(self) -> int:
         return 0

@@ -151,6 +151,7 @@ class StoredConversation:
 class MessageView:
     role: str
     content: str
+    recalled: tuple[CitationView, ...] = ()  # a reply's: the passages it drew on (kept with the conversation)
 
 
 @dataclass(frozen=True)

@@ -662,7 +662,8 @@ class ConversationWorker(QObject):
         return self.conversation.messages if self.conversation is not None else []
 
     def _transcript(self) -> list[MessageView]:
-        return [MessageView(r, c) for r, c in self._messages()]
+        cited = self.conversation.cited() if self.conversation is not None else {}
+        return [MessageView(r, c, cited.get(i, ())) for i, (r, c) in enumerate(self._messages())]
 
     def _stream(
         self, conversation: Conversation, start: Callable[[], Iterator[ChatEvent]], settings: GenerationSettings
@@ -714,6 +715,7 @@ class ConversationWorker(QObject):
         report = self._report(conversation)
         self.memory.emit(report)
         recalled = conversation.recalled_turns_ago(hits_before)
+        conversation.end_turn()
         self._store(cut_off=reason == FinishReason.CANCELLED)  # stored before `finished`: never only in memory
         self._keep_soon()
         self.finished.emit(

@@ -15,8 +15,10 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch
 
 from engine.backends.base import Backend
 from engine.documents.capsule import Capsule, _check, capsule_key, load_or_read
@@ -35,6 +37,10 @@ from engine.session.schema import MAX_ATTACHMENTS as MAX_ATTACHMENTS  # a conver
 class Attached:
     capsule: Capsule
     first_id: int  # the episodic id of its block 0
+
+    def capsule_bounds(self) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """What CascadeMemory.attach takes to adopt it again."""
+        return self.capsule.kmin, self.capsule.kmax, self.capsule.keys
 
 
 class Attachments:
@@ -100,11 +106,28 @@ class Attachments:
             self.records.append(AttachmentRecord(kind, capsule.name, digest, capsule.tokens, at))
         return item
 
-    def detach(self, item: Attached) -> None:
-        """`item` leaves the memory (the conversation goes on; its capsule stays on disk for a later attach)."""
-        self.items.remove(item)
+    def detach(self, item: Attached) -> bool:
+        """`item` leaves the memory (the conversation goes on; its capsule stays on disk for a later attach) and its
+        record goes. The ones attached after it leave and join again, so each holds the ids a session file's restore
+        gives it from the records that stay (a removal leaves no gap for a restore to guess). True when the memory
+        had computed tokens: a compact recipe cannot replay a removal there (retrieval was emptied mid-stream), so
+        the caller keeps the full memory in its files from then on (Session.drop_recipe). False: nothing was
+        computed yet, and the memory is as if `item` had never joined (its file stays compact)."""
+        i = self.items.index(item)
+        later = self.items[i + 1 :]
+        for other in reversed(later):
+            self.memory.detach(other.first_id)
         self.memory.detach(item.first_id)
+        self.items = self.items[:i]
+        for other in later:
+            self.items.append(replace(other, first_id=self.memory.attach(*other.capsule_bounds())))
+        if self.records is not None and i < len(self.records):
+            del self.records[i]
         self.recalled = [c for c in self.recalled if c.source != item.capsule.name]
+        if self.memory.tokens:
+            return True
+        self.memory.reset()  # nothing computed yet: the memory becomes the one a replay of the records builds
+        return False
 
     def restored(self, found: list[Attached]) -> None:
         """What a session file's load attached again (Reattacher.found): cited like the rest."""

@@ -69,8 +69,9 @@ from engine.session.file import (
 from engine.session.kept import KeptMemory, entry_estimate, entry_state, take_snapshot
 from engine.session.pictures import image_tensors
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
+from engine.session.schema import MAX_ATTACHMENT_NAME, MAX_RECALLED, MAX_RECALLED_TEXT
 from engine.session.setup import LockedBackend, MemoryFactory, TokenCounter, check_fits, memory_factory_for
-from engine.session.types import AttachmentRecord
+from engine.session.types import AttachmentRecord, RecalledRecord
 from engine.tools.calls import ChatEvent, ToolChoice, ToolSpec, finish_with_calls, read_reply
 from engine.tools.grammar import tool_settings
 from engine.tools.template import TOOL_ROLE, transcript_inputs
@@ -261,6 +262,7 @@ class Session:
         self.tools: ToolSpec | None = None
         # Documents and earlier conversations the memory holds (engine.documents), as a session file records them.
         self.attachments: list[AttachmentRecord] = []
+        self.recalled: list[RecalledRecord] = []  # passages replies drew on, kept with the transcript
         self._draft_backend: Backend | None = None  # the draft model's slot table for this conversation
         # Adaptive controllers by drafter (auto shares lookup's): measured costs and acceptance, turn after turn.
         self.controllers = {Speculation.LOOKUP: Controller(), Speculation.DRAFT: Controller()}
@@ -270,6 +272,7 @@ class Session:
         """New chat: forget messages and memory."""
         self.messages = []
         self.images = []
+        self.recalled = []
         self._reset_memory()
         self.feed_log.clear()
         self.pending_token = None
@@ -467,6 +470,9 @@ class Session:
             extra["feed_schedule"] = schedule  # kept in full files too, so they can be re-saved compact
         if self.attachments:
             extra["attachments"] = [a.to_json() for a in self.attachments]
+        recalled = recalled_to_keep(self.recalled, len(self.messages))
+        if recalled:
+            extra["recalled"] = recalled
         recompute = compact and schedule is not None
         if recompute:
             extra["recompute"] = {"version": 1, "digest": memory_digest(self.memory)} if digest else {"version": 1}
@@ -590,6 +596,7 @@ class Session:
                 return LoadReport(False, True, False, len(messages), 0, outcome.reason)
             self.reset()
             self.messages, self.system_prompt = messages, data.system_prompt or ""
+            self.recalled = list(data.recalled)
             self.images = list(data.images) if self.engine.vision is not None else []
             return LoadReport(
                 True,
@@ -629,6 +636,7 @@ class Session:
             self.feed_log.clear()
             self.feed_log.valid = False  # recipe unknown: later compact saves keep the full memory
         self.messages, self.system_prompt = messages, data.system_prompt or ""
+        self.recalled = list(data.recalled)
         self.pending_token = data.pending_token
         self.known_text = str(data.extra.get("known_text", ""))
         sampling = data.settings.get("sampling")
@@ -738,6 +746,11 @@ class Session:
         if not self.engine.reasoning.reasons or settings.reasoning is not None:
             return settings
         return replace(settings, reasoning=ReasoningFormat(inside=opens_in_prompt(rendered)))
+
+    def drop_recipe(self) -> None:
+        """The memory changed in a way its feed recipe cannot replay (an attachment removed after tokens were
+        computed, engine.documents.attach): compact saves keep the full memory until the memory is next reset."""
+        self.feed_log.valid = False
 
     def _reset_memory(self) -> None:
         """Forget the memory's tokens; its attachments stay, adopted again from its first token on."""
@@ -885,3 +898,13 @@ class Session:
             last = self.messages[-1] if reply_to_messages and not extend_last else None
             if last is not None and not last.content and not last.reasoning and not tokens:
                 self.messages.pop()
+
+
+def recalled_to_keep(recalled: list[RecalledRecord], messages: int) -> list[dict[str, Any]]:
+    """The passages a file keeps: under messages it holds, the newest MAX_RECALLED, each within what its schema
+    accepts (a long name or text cut), so saving never writes a file that its own load would refuse."""
+    out = []
+    for r in recalled:
+        if 0 <= r.message < messages and r.source and 0 <= r.start <= r.end and (r.page is None or r.page > 0):
+            out.append(replace(r, source=r.source[:MAX_ATTACHMENT_NAME], text=r.text[:MAX_RECALLED_TEXT]).to_json())
+    return out[-MAX_RECALLED:]

@@ -15,7 +15,7 @@ import torch
 from engine.generation.sampling import InvalidSamplingSettings, SamplingSettings
 from engine.memory.values import SchemaError, finite_number
 from engine.model.kv_types import KVType
-from engine.session.types import ATTACHMENT_KINDS, AttachmentRecord
+from engine.session.types import ATTACHMENT_KINDS, AttachmentRecord, RecalledRecord
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_DEPTH = 32  # the deepest a session's JSON nests is ~5; deeper is a hostile file
@@ -25,6 +25,9 @@ LATEST_TIME = 253402300799.0  # 9999-12-31: any later timestamp cannot be shown 
 MAX_ATTACHMENTS = 32  # attachments per conversation (engine.documents.attach holds to it)
 MAX_ATTACHMENT_TOKENS = 1 << 20  # engine.documents.capsule's limit per attachment
 MAX_ATTACHMENT_NAME = 255
+MAX_RECALLED = 4096  # passages replies drew on, kept with the conversation
+MAX_RECALLED_TEXT = 20_000  # characters of one passage
+MAX_LINE = 10**9
 SAMPLER_STATE_BYTES = len(torch.Generator().get_state())  # the CPU generator's state (engine.generation.sampling)
 
 
@@ -171,7 +174,30 @@ def check_session_meta(meta: dict[str, Any]) -> dict[str, Any]:
         "extra": extra,
         "kv_type": kv_type,
         "attachments": check_attachments(extra.get("attachments", []), len(token_ids)),
+        "recalled": check_recalled(extra.get("recalled", []), len(messages)),
     }
+
+
+def check_recalled(raw: Any, messages: int) -> list[RecalledRecord]:
+    """extra["recalled"]: at most MAX_RECALLED passages, each under one of the messages, with bounded text and lines."""
+    if not isinstance(raw, list) or len(raw) > MAX_RECALLED:
+        raise SchemaError("has a malformed 'extra.recalled' field")
+    out = []
+    for r in raw:
+        if not isinstance(r, dict) or set(r) != {"message", "source", "page", "start", "end", "text"}:
+            raise SchemaError("has a malformed recalled passage")
+        i, source, page, start, end, text = (r[k] for k in ("message", "source", "page", "start", "end", "text"))
+        if type(i) is not int or not 0 <= i < messages:
+            raise SchemaError("keeps a recalled passage under a message it does not hold")
+        if not isinstance(source, str) or not 0 < len(source) <= MAX_ATTACHMENT_NAME:
+            raise SchemaError("names a recalled passage's source by something other than a short name")
+        lines_ok = all(type(n) is int and 0 <= n <= MAX_LINE for n in (start, end)) and start <= end
+        if not lines_ok or not (page is None or (type(page) is int and 0 < page <= MAX_LINE)):
+            raise SchemaError(f"gives a passage of {source!r} lines or a page out of range")
+        if not isinstance(text, str) or len(text) > MAX_RECALLED_TEXT:
+            raise SchemaError(f"keeps a passage of {source!r} longer than {MAX_RECALLED_TEXT:,} characters")
+        out.append(RecalledRecord(i, source, page, start, end, text))
+    return out
 
 
 def check_attachments(raw: Any, tokens: int) -> list[AttachmentRecord]:

@@ -46,6 +46,29 @@ class AttachmentRecord:
         return {"kind": self.kind, "name": self.name, "digest": self.digest, "tokens": self.tokens, "at": self.at}
 
 
+@dataclass(frozen=True)
+class RecalledRecord:
+    """A passage a reply drew on from the attachments (engine.documents Citation), kept with the conversation so the
+    reply shows it again after a reopen: display only, nothing is read from it."""
+
+    message: int  # the reply's index in the messages
+    source: str  # how the reply named it
+    page: int | None
+    start: int  # first line
+    end: int  # last line
+    text: str
+
+    def to_json(self) -> dict[str, JSONValue]:
+        return {
+            "message": self.message,
+            "source": self.source,
+            "page": self.page,
+            "start": self.start,
+            "end": self.end,
+            "text": self.text,
+        }
+
+
 @dataclass
 class SessionData:
     """Everything a `.spark` file holds, migrated to the current format version."""
@@ -70,6 +93,7 @@ class SessionData:
     kv_type: str = "f16"  # what the slot table held keys and values in (engine.model.kv_types)
     images: list[DecodedImage] = field(default_factory=list)  # the transcript's pictures (engine.session.pictures)
     attachments: list[AttachmentRecord] = field(default_factory=list)  # extra["attachments"], checked
+    recalled: list[RecalledRecord] = field(default_factory=list)  # extra["recalled"], checked
 
     @property
     def memory_state(self) -> tuple[dict[str, JSONValue], dict[str, torch.Tensor]]:

@@ -5,7 +5,7 @@ the inspector says it all in words; a relaunch attaches the conversation's docum
 
 from __future__ import annotations
 
-import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,9 +17,9 @@ from app.window import memory_controls
 from app.window.chat_view import ChatView
 from app.window.composer import Composer
 from app.window.main_window import MainWindow
-from app.window.memory_controls import read_record
 from app.window.passage import PassageDialog
 from app.worker.types import AttachKind, AttachmentView, CitationView, MemoryReport
+from engine import load_session
 from tests.helpers.app_window import WAIT_MS, ScriptedDialogs, dispose, relaunch, say, set_reply_tokens
 
 NOTES = "".join(f"Line {i}: the meeting about the garden moved to room {i % 7}.\n" for i in range(1, 40))
@@ -173,40 +173,46 @@ def test_a_relaunch_attaches_the_conversations_documents_again_reading_nothing(
     doc.write_text(NOTES, encoding="utf-8")
     report = _attached_report(qtbot, window, lambda: window.composer.attachments.request([doc]), doc)
     tokens = report.attachments[0].tokens
-    say(qtbot, gui, window, "Where is the garden meeting?")
+    labels = [c.label for c in say(qtbot, gui, window, "Where is the garden meeting?").recalled]
+    assert labels and window.chat.citation_labels() == labels
+    stored = window.library.path_for(window.state.current_id)
     window.shutdown()
-    record = json.loads((dirs.data / "attachments.json").read_text(encoding="utf-8"))
-    assert list(record.values()) == [[{"path": str(doc), "kind": "document", "title": ""}]]
+    assert not (dirs.data / "attachments.json").exists()  # one record: the conversation's session file
+    assert [(a.kind, a.name, a.tokens) for a in load_session(stored).attachments] == [("document", "notes.md", tokens)]
+    doc.unlink()  # found again in the cache by its digest: the file itself is not read
     again = relaunch(qtbot, prefs, dirs, dialogs, tiny_model, [])
     try:
         qtbot.waitUntil(lambda: _chips(again) == [f"notes.md · {tokens:,} tokens"], timeout=WAIT_MS)
         (view,) = again.client.worker.conversation.attachments()
         assert view.read_tokens == 0  # its capsule was on disk: nothing read again
+        session = again.client.worker.session
+        assert session.memory_source == "kept" and session.computed.count == 0  # the kept memory, with its document
         assert "read before, nothing read again" in again.inspector.attached.body.text()
+        assert again.chat.citation_labels() == labels  # the reply still says what it drew on
+        assert "Drew on: " in again.chat.toPlainText()
     finally:
         dispose(again)
 
 
-def test_the_attachments_record_is_read_as_hostile_input(tmp_path: Path) -> None:
-    path = tmp_path / "attachments.json"
-    assert read_record(path) == {}  # none yet
-    for junk in (b"\xff\xfe", b"[1, 2]", b"{" * 100_000, b" " * (2 * 1024**2)):
-        path.write_bytes(junk)
-        assert read_record(path) == {}
-    doc = tmp_path / "a.md"
-    rows = {
-        "c1": [
-            {"path": str(doc), "kind": "document"},
-            {"path": "relative/b.md", "kind": "document"},  # not absolute: dropped
-            {"path": str(doc), "kind": "spreadsheet"},  # no such kind
-            {"path": 7, "kind": "document"},
-            "not a row",
-        ],
-        "c2": "nothing",
-    }
-    path.write_text(json.dumps(rows), encoding="utf-8")
-    got = read_record(path)
-    assert list(got) == ["c1"] and [a.path for a in got["c1"]] == [doc]
+def test_a_document_gone_from_the_cache_still_opens_the_conversation_and_says_which(
+    qtbot, window: MainWindow, gui, prefs, dirs, dialogs: ScriptedDialogs, tiny_model: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    set_reply_tokens(prefs, 4)
+    doc = tmp_path / "notes.md"
+    doc.write_text(NOTES, encoding="utf-8")
+    _attached_report(qtbot, window, lambda: window.composer.attachments.request([doc]), doc)
+    say(qtbot, gui, window, "Where is the garden meeting?")
+    window.shutdown()
+    shutil.rmtree(dirs.cache)  # the user cleared the memory cache: the capsule, and the kept memory, are gone
+    dirs.ensure()
+    again = relaunch(qtbot, prefs, dirs, dialogs, tiny_model, [])
+    try:
+        qtbot.waitUntil(lambda: "notes.md" in again.notice.text(), timeout=WAIT_MS)
+        assert "attach it again" in again.notice.text()
+        assert "Where is the garden meeting?" in again.chat.toPlainText()  # the conversation is not lost
+        assert _chips(again) == []
+    finally:
+        dispose(again)
 
 
 def test_the_inspector_says_what_is_attached_and_what_the_last_reply_drew_on() -> None:
@@ -251,8 +257,8 @@ def test_each_conversation_keeps_its_own_documents_when_the_user_switches(
         window.open_conversation(first)
     qtbot.waitUntil(lambda: [c.split(" · ")[0] for c in _chips(window)] == ["garden.md"], timeout=WAIT_MS)
     assert window.inspector.attached.body.text().startswith("garden.md: ")
-    record = read_record(dirs.data / "attachments.json")
-    assert {cid: [a.path for a in got] for cid, got in record.items()} == {first: [garden], second: [kitchen]}
+    for cid, name in ((first, "garden.md"), (second, "kitchen.md")):
+        assert [a.name for a in load_session(window.library.path_for(cid)).attachments] == [name]
 
 
 def test_chat_recall_from_picks_an_earlier_conversation(

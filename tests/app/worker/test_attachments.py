@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import Qt
 
-from app.worker.types import AttachKind, AttachProgress, MemoryReport, TurnResult
-from engine import GenerationSettings, SamplingSettings
+from app.worker.types import (
+    AttachKind,
+    AttachProgress,
+    MemoryReport,
+    MessageView,
+    SessionFileEvent,
+    TurnResult,
+)
+from engine import GenerationSettings, SamplingSettings, load_session
 from tests.helpers.app_window import WAIT_MS, running_client
 from tests.helpers.default_model import default_model_dir
 
@@ -84,6 +91,138 @@ def test_removing_a_document_takes_it_out_of_the_memory(qtbot, tmp_path: Path, t
         with qtbot.waitSignal(client.finished, timeout=WAIT_MS) as blocker:
             client.send("And the kitchen?", SHORT)
         assert blocker.args[0].reason in ("stop", "length")
+
+
+def _talk_with_a_document(qtbot, client, doc: Path, stored: Path) -> MemoryReport:  # type: ignore[no-untyped-def]
+    """A conversation stored at `stored` that attached `doc` and had one turn."""
+    client.new_chat(stored)
+    report = _attached(qtbot, client, doc)
+    with qtbot.waitSignal(client.stored, timeout=WAIT_MS):
+        client.send("Where is the meeting about the garden?", SHORT)
+    return report
+
+
+def _restored(qtbot, client, path: Path) -> tuple[SessionFileEvent, MemoryReport]:  # type: ignore[no-untyped-def]
+    reports: list[MemoryReport] = []
+    client.memory.connect(reports.append)
+    with qtbot.waitSignal(client.restored, timeout=WAIT_MS) as blocker:
+        client.restore(path, store_path=path)
+    client.memory.disconnect(reports.append)
+    return blocker.args[0], reports[-1]
+
+
+def test_a_relaunch_reopens_a_conversation_with_its_documents_reading_nothing(
+    qtbot, tmp_path: Path, tiny_model: Path
+) -> None:  # type: ignore[no-untyped-def]
+    doc, stored = tmp_path / "notes.md", tmp_path / "talk.spark"
+    doc.write_text(NOTES, encoding="utf-8")
+    with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
+        view = _talk_with_a_document(qtbot, client, doc, stored).attachments[0]
+    doc.unlink()  # the session file records the capsule by digest: the file the user chose is not read again
+    assert [a.name for a in load_session(stored).attachments] == ["notes.md"]
+    with running_client(qtbot, tmp_path / "cache", tiny_model) as client:  # the next launch
+        _event, report = _restored(qtbot, client, stored)
+        (again,) = report.attachments
+        assert (again.name, again.tokens, again.read_tokens) == ("notes.md", view.tokens, 0)
+        with qtbot.waitSignal(client.finished, timeout=WAIT_MS) as blocker:
+            client.send("And where is it now?", SHORT)
+        assert blocker.args[0].reason in ("stop", "length")
+        assert all(c.source == "notes.md" for c in blocker.args[0].recalled)
+        doc.write_text(NOTES, encoding="utf-8")  # the user attaches the same file again: the one held, now by its path
+        (same,) = _attached(qtbot, client, doc).attachments
+        assert same.path == doc and same.read_tokens == 0
+        session = client.worker.session
+        assert session is not None and len(session.memory.attachments) == 1  # type: ignore[attr-defined]
+        with qtbot.waitSignal(client.memory, timeout=WAIT_MS) as removed:
+            client.detach(doc)
+        assert removed.args[0].attachments == ()
+        with qtbot.waitSignal(client.stored, timeout=WAIT_MS):
+            client.send("Thanks.", SHORT)
+    assert load_session(stored).attachments == []
+
+
+def test_the_passages_a_reply_drew_on_are_kept_with_the_conversation(qtbot, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    doc, stored = tmp_path / "notes.md", tmp_path / "talk.spark"
+    doc.write_text(NOTES, encoding="utf-8")
+    with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
+        client.new_chat(stored)
+        _attached(qtbot, client, doc)
+        with qtbot.waitSignal(client.finished, timeout=WAIT_MS) as blocker:
+            client.send("Where is the meeting about the garden?", SHORT)
+        recalled = blocker.args[0].recalled
+        assert recalled  # the document is all the model may draw on besides the prompt
+    saved = load_session(stored).recalled
+    assert [(r.message, r.source, r.start, r.end, r.text) for r in saved] == [
+        (1, c.source, c.start, c.end, c.text) for c in recalled
+    ]
+    with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
+        shown: list[list[MessageView]] = []
+        client.conversation_shown.connect(shown.append)
+        _event, report = _restored(qtbot, client, stored)
+        assert [m.recalled for m in shown[-1]] == [(), recalled]
+        with qtbot.waitSignal(client.memory, timeout=WAIT_MS) as removed:
+            client.detach(report.attachments[0].path)  # a restored chip is removed by the key its report gave it
+        assert removed.args[0].attachments == ()
+
+
+def test_a_spark_file_opened_from_elsewhere_joins_the_library_with_its_documents(
+    qtbot, tmp_path: Path, tiny_model: Path
+) -> None:  # type: ignore[no-untyped-def]
+    doc, shared = tmp_path / "notes.md", tmp_path / "from-a-friend.spark"
+    doc.write_text(NOTES, encoding="utf-8")
+    with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
+        _talk_with_a_document(qtbot, client, doc, shared)
+    library = tmp_path / "library" / "c1.spark"
+    library.parent.mkdir()
+    with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
+        reports: list[MemoryReport] = []
+        client.memory.connect(reports.append)
+        with qtbot.waitSignal(client.stored, timeout=WAIT_MS):  # the opened file is stored as a new conversation
+            client.restore(shared, store_path=library)
+        assert [v.name for v in reports[-1].attachments] == ["notes.md"]
+    assert load_session(library).attachments == load_session(shared).attachments
+
+
+def test_switching_keeps_each_conversations_documents(qtbot, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    garden, kitchen = tmp_path / "garden.md", tmp_path / "kitchen.md"
+    garden.write_text(NOTES, encoding="utf-8")
+    kitchen.write_text(NOTES.replace("garden", "kitchen"), encoding="utf-8")
+    first, second = tmp_path / "first.spark", tmp_path / "second.spark"
+    with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
+        _talk_with_a_document(qtbot, client, garden, first)
+        _talk_with_a_document(qtbot, client, kitchen, second)
+        _event, report = _restored(qtbot, client, first)
+        assert [v.name for v in report.attachments] == ["garden.md"]
+        _event, report = _restored(qtbot, client, second)
+        assert [v.name for v in report.attachments] == ["kitchen.md"]
+        _event, report = _restored(qtbot, client, first)  # back again: its memory handed back from RAM
+        assert [v.name for v in report.attachments] == ["garden.md"]
+    assert [a.name for a in load_session(first).attachments] == ["garden.md"]
+    assert [a.name for a in load_session(second).attachments] == ["kitchen.md"]
+
+
+def test_a_document_gone_from_the_cache_still_opens_the_conversation_and_names_it(
+    qtbot, tmp_path: Path, tiny_model: Path
+) -> None:  # type: ignore[no-untyped-def]
+    doc, stored = tmp_path / "notes.md", tmp_path / "talk.spark"
+    doc.write_text(NOTES, encoding="utf-8")
+    with running_client(qtbot, tmp_path / "cache", tiny_model) as client:
+        _talk_with_a_document(qtbot, client, doc, stored)
+        messages = client.worker.conversation.messages  # type: ignore[union-attr]
+    with running_client(qtbot, tmp_path / "other-cache", tiny_model) as client:  # the cache was cleared
+        shown: list[list[object]] = []
+        client.conversation_shown.connect(shown.append)
+        event, report = _restored(qtbot, client, stored)
+        assert "notes.md" in event.note and "attach it again" in event.note and event.note.count(". ") == 0
+        assert report.attachments == ()
+        assert [(m.role, m.content) for m in shown[-1]] == messages  # the transcript is not lost
+        with qtbot.waitSignal(client.finished, timeout=WAIT_MS) as blocker:
+            client.send("Where was it?", SHORT)  # the memory is read again, without the document
+        assert blocker.args[0].reason in ("stop", "length")
+        report = _attached(qtbot, client, doc)  # attached again: the next store records it again
+        with qtbot.waitSignal(client.stored, timeout=WAIT_MS):
+            client.send("And now?", SHORT)
+    assert [a.name for a in load_session(stored).attachments] == ["notes.md"]
 
 
 def test_hostile_and_unsupported_files_are_refused_in_one_sentence(qtbot, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]

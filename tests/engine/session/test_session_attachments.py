@@ -16,8 +16,11 @@ from engine.errors import SessionFileError, SparkError
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.memory.cascade import CascadeMemory
+from engine.session import engine as session_engine
 from engine.session.engine import Engine, Session
 from engine.session.file import AttachmentRecord, inspect_session, load_session
+from engine.session.kept import KeptMemory
+from engine.session.types import RecalledRecord
 from tests.helpers.small_window import event_tokens, small_window_engine
 from tests.helpers.tiny import make_tiny_model
 
@@ -131,3 +134,101 @@ def test_too_many_attachment_records_are_refused(engine: Engine, tmp_path: Path)
     session.save(path)
     with pytest.raises(SparkError, match="more than the 32"):
         load_session(path)
+
+
+def test_a_document_removed_before_anything_was_computed_leaves_no_record(engine: Engine, tmp_path: Path) -> None:
+    session = engine.new_session()
+    attachments = Attachments(session.memory, engine.tokenizer, session.attachments)
+    cat = attachments.attach_document(extract("cat.md", DOC.replace("fox", "cat").encode()))
+    attachments.attach_document(extract("fox.md", DOC.encode()))
+    assert attachments.detach(cat) is False  # nothing computed yet: nothing for a recipe to replay
+    assert [a.name for a in session.attachments] == ["fox.md"]
+    event_tokens(session.complete("Tell me about the quick brown fox and the lazy dog.", GREEDY))
+    path = tmp_path / "fox.spark"
+    session.save(path, compact=True)
+    assert load_session(path).memory_meta.get("kind") == "recompute"  # still compact
+    never_left = event_tokens(session.complete(" And the dog?", GREEDY))
+    restored = engine.new_session()
+    restored.load(path, reattach=Reattacher())
+    assert restored.restore_digest_ok is True
+    assert event_tokens(restored.complete(" And the dog?", GREEDY)) == never_left
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_a_document_removed_later_reopens_as_the_conversation_that_never_left(
+    engine: Engine, tmp_path: Path, which: str
+) -> None:
+    session = engine.new_session()
+    attachments = Attachments(session.memory, engine.tokenizer, session.attachments)
+    cat = attachments.attach_document(extract("cat.md", DOC.replace("fox", "cat").encode()))
+    fox = attachments.attach_document(extract("fox.md", DOC.encode()))
+    event_tokens(session.complete("Tell me about the quick brown fox and the lazy dog.", GREEDY))
+    gone, stays = (cat, "fox.md") if which == "first" else (fox, "cat.md")
+    if attachments.detach(gone):
+        session.drop_recipe()
+    assert [a.name for a in session.attachments] == [stays] and len(attachments.items) == 1
+    memory = session.memory
+    assert isinstance(memory, CascadeMemory) and [a[0] for a in memory.attachments] == [attachments.items[0].first_id]
+    event_tokens(session.complete(" How many times does the fox jump?", GREEDY))
+    path = tmp_path / "fox.spark"
+    session.save(path, compact=True)  # a removal cannot be replayed: the file keeps the full memory
+    assert load_session(path).memory_meta.get("kind") != "recompute"
+    never_left = event_tokens(session.complete(" And the dog?", GREEDY))
+    restored, found = engine.new_session(), Reattacher()
+    assert restored.load(path, reattach=found).applied
+    assert [f.capsule.name for f in found.found] == [stays] and found.found[0].first_id == attachments.items[0].first_id
+    assert event_tokens(restored.complete(" And the dog?", GREEDY)) == never_left
+
+
+def test_the_kept_copy_of_a_conversation_with_attachments_reads_back_with_them(engine: Engine, tmp_path: Path) -> None:
+    session, _ = attached_conversation(engine, True)
+    record = tmp_path / "fox.spark"
+    session.save(record, compact=True)
+    kept = KeptMemory(tmp_path / "kept")
+    assert session.keep(kept, record)
+    never_left = event_tokens(session.complete(" And the dog?", GREEDY))
+    restored, found = engine.new_session(), Reattacher()
+    restored.load(record, kept=kept, reattach=found)
+    assert restored.memory_source == "kept" and restored.computed.count == 0
+    assert restored.attachments == session.attachments and [f.capsule.name for f in found.found] == ["fox.md"]
+    memory = restored.memory
+    assert isinstance(memory, CascadeMemory) and len(memory.episodic.pinned) == len(found.found[0].capsule.keys)
+    assert event_tokens(restored.complete(" And the dog?", GREEDY)) == never_left
+
+
+def test_the_passages_replies_drew_on_are_kept_and_hostile_ones_refused(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session = engine.new_session()
+    event_tokens(session.chat("Hello there.", GREEDY))
+    passage = RecalledRecord(1, "fox.md", None, 3, 5, "line 3: The quick brown fox")
+    long = RecalledRecord(1, "x" * 300 + ".md", 2, 1, 1, "y" * 30_000)
+    session.recalled = [passage, long, RecalledRecord(7, "gone.md", 2, 1, 1, "a reply no longer there")]
+    path = tmp_path / "cited.spark"
+    session.save(path)
+    kept = load_session(path).recalled  # under messages the file holds, within what a load accepts
+    assert kept[0] == passage and len(kept) == 2
+    assert (len(kept[1].source), len(kept[1].text)) == (255, 20_000)
+    restored = engine.new_session()
+    restored.load(path)
+    assert restored.recalled == kept
+    restored.reset()
+    assert restored.recalled == []
+    session.recalled = [RecalledRecord(1, "fox.md", None, i, i, "") for i in range(5000)]
+    session.save(path)
+    assert [r.start for r in load_session(path).recalled] == list(range(5000 - 4096, 5000))  # the newest
+
+    # A file written by something else: every passage is checked on load.
+    monkeypatch.setattr(session_engine, "recalled_to_keep", lambda rs, _n: [r.to_json() for r in rs])
+    for hostile, words in (
+        (RecalledRecord(9, "fox.md", None, 1, 1, ""), "does not hold"),
+        (RecalledRecord(1, "fox.md", None, 5, 3, ""), "out of range"),
+        (RecalledRecord(1, "fox.md", -2, 1, 1, ""), "out of range"),
+        (RecalledRecord(1, "", None, 1, 1, ""), "short name"),
+        (RecalledRecord(1, "fox.md", None, 1, 1, "x" * 20_001), "longer than"),
+    ):
+        session.recalled = [hostile]
+        session.save(path)
+        with pytest.raises(SessionFileError) as err:
+            load_session(path)
+        assert words in str(err.value) and "\n" not in str(err.value)
