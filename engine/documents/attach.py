@@ -78,7 +78,7 @@ class Attachments:
         capsule = load_or_read(
             reader or self.memory.backend, store, ids, token_map, self.memory.cfg.block_size, pad, on_progress
         )
-        first = self.memory.attach(capsule.kmin, capsule.kmax, capsule.keys)
+        first = self.memory.attach(capsule.kmin, capsule.kmax, capsule.keys, capsule.ids)
         item = Attached(capsule, first)
         self.items.append(item)
         return item

@@ -10,7 +10,8 @@ and each layer's best others its last `layer_blocks` groups (consensus_groups).
 Only the (layer, group) pairs whose block changed are paged in (read from host memory, or back from L3).
 While documents are attached (pinned blocks), the recent summaries are kept per token where the backend gives them,
 blocks rank by their best bound over those tokens' queries, and the consensus votes over each layer's top
-ATTACHED_DEPTH.
+ATTACHED_DEPTH; the attached blocks the conversation's recent tokens name (engine.memory.cascade.lexical's BM25,
+at most LEXICAL_BLOCKS of them, each within LEXICAL_RATIO of the best) take the first groups of every layer.
 """
 
 from __future__ import annotations
@@ -24,17 +25,20 @@ import torch
 from engine.backends.base import Backend
 from engine.memory.cascade.config import CascadeConfig
 from engine.memory.cascade.episodic import EpisodicMemory
+from engine.memory.cascade.lexical import QUERY_TOKENS, LexicalIndex
 from engine.memory.cascade.routing import ROUTING, RouteContext
 from engine.memory.cascade.window_bounds import WindowBounds
 from engine.memory.cascade.working import WorkingMemory
 
 
-def consensus_groups(chosen: list[list[int]], shared: int, n: int = 0) -> list[list[int]]:
+def consensus_groups(chosen: list[list[int]], shared: int, n: int = 0, named: tuple[int, ...] = ()) -> list[list[int]]:
     """Per layer, its n chosen blocks (best first) -> the blocks its n retrieval groups hold, in group order.
 
     Groups [0, shared) hold, in every layer alike, the `shared` blocks the layers rank highest together (Borda
     count over the layers' rankings; ties to the older block); groups [shared, n) hold each layer's best other
-    blocks. Each part is in conversation order. Why: one position table serves every layer, so a block's position
+    blocks. Each part is in conversation order. `named` (at most n blocks: those the question names,
+    engine.memory.cascade.lexical) are shared by every layer first, whatever the layers rank, and the vote fills
+    the shared groups they leave. Why: one position table serves every layer, so a block's position
     follows its group; when layers put the same block in different groups, its tokens sit at positions up to
     n * block_size apart from one layer to the next, and on the default model a passkey retrieved by every layer
     was still misread (bench passkey); blocks in conversation order read a fact split over blocks j, j + 1 whole.
@@ -45,20 +49,32 @@ def consensus_groups(chosen: list[list[int]], shared: int, n: int = 0) -> list[l
     for pick in chosen:
         for rank, b in enumerate(pick):
             votes[b] = votes.get(b, 0) + depth - rank
-    common = sorted(sorted(votes, key=lambda b: (-votes[b], b))[:shared])
+    named = named[:n]
+    voted = [b for b in sorted(votes, key=lambda b: (-votes[b], b)) if b not in named]
+    common = sorted([*named, *voted[: max(0, shared - len(named))]])
     return [common + sorted([b for b in pick if b not in common][: n - len(common)]) for pick in chosen]
 
 
 ATTACHED_DEPTH = 32  # with attachments, how deep each layer's ranking votes in the consensus
+LEXICAL_BLOCKS = 4  # with attachments, at most this many blocks the question names go into every layer's groups
+LEXICAL_RATIO = 0.5  # ... each scoring at least this share of the best block's BM25 score
 
 
 class Retriever:
     """Routing state and paging for one memory (row `row` of the backend's slot table)."""
 
     def __init__(
-        self, backend: Backend, row: int, cfg: CascadeConfig, working: WorkingMemory, episodic: EpisodicMemory
+        self,
+        backend: Backend,
+        row: int,
+        cfg: CascadeConfig,
+        working: WorkingMemory,
+        episodic: EpisodicMemory,
+        lexical: LexicalIndex | None = None,
     ) -> None:
+        """`lexical`: the attached blocks' index (the memory's, as it outlives a reset like the attachments)."""
         self.backend = backend
+        self.lexical = lexical if lexical is not None else LexicalIndex()
         self.row = row
         self.cfg = cfg
         self.working = working
@@ -129,9 +145,11 @@ class Retriever:
 
     # -- routing and paging -------------------------------------------------------------------------------------
 
-    def route(self, prefill: bool, answering: bool) -> None:
+    def route(self, prefill: bool, answering: bool, fed: list[int] | None = None) -> None:
         """Before a plan: re-select and page in each layer's blocks when the strategy says so. `answering`: the
-        plan is a decoding step or a prompt's last tokens (they route the reply), else part of a prompt being read."""
+        plan is a decoding step or a prompt's last tokens (they route the reply), else part of a prompt being read.
+        `fed`: the token ids fed so far (their last QUERY_TOKENS are the lexical query while anything is attached;
+        only tokens already fed, as the query summaries are, so a reply never depends on how it was drafted)."""
         query = self._routing_query()
         if query is None:
             return
@@ -157,8 +175,15 @@ class Retriever:
             chosen = self.episodic.select(query, self.cfg.retrieval_blocks, beat, keep, tokens, depth)  # (L, >= n)
             n = min(len(chosen[0]), self.cfg.retrieval_blocks)
             shared = n - min(n, self.cfg.layer_blocks) if answering else 0
-            if self._page_in(consensus_groups(chosen, shared, n)):
+            if self._page_in(consensus_groups(chosen, shared, n, self._named(fed))):
                 return
+
+    def _named(self, fed: list[int] | None) -> tuple[int, ...]:
+        """The attached blocks the recent tokens name (BM25; engine.memory.cascade.lexical), best first."""
+        if not fed or not self.episodic.pinned or not len(self.lexical):
+            return ()
+        picks = self.lexical.top(fed[-QUERY_TOKENS:], LEXICAL_BLOCKS, LEXICAL_RATIO)
+        return tuple(b for b in picks if b in self.episodic.blocks)
 
     def _page_in(self, new: list[list[int]]) -> bool:
         """Put each layer's blocks in its retrieval groups (new[layer][g]: group g's block), paging in only

@@ -1,0 +1,82 @@
+"""The attached blocks' lexical index (engine.memory.cascade.lexical): BM25 over token ids ranks the block holding a
+question's rare words first among look-alike blocks, deterministically, and refuses what is not whole blocks of
+token ids; the blocks it names join every layer's retrieval groups (engine.memory.cascade.retrieval)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.memory.cascade import lexical
+from engine.memory.cascade.lexical import LexicalIndex
+from engine.memory.cascade.retrieval import consensus_groups
+
+B = 8
+TEMPLATE = [1, 2, 3, 4]  # "the pass key of": in every block
+FILLER = [5, 6, 7, 8]
+
+
+def _look_alikes(names: list[tuple[int, int]]) -> list[int]:
+    """One block per (colour, place) name: the template, the name, filler. Every block reads alike but for its name."""
+    out: list[int] = []
+    for colour, place in names:
+        out += TEMPLATE + [colour, place] + FILLER[:2]
+    return out
+
+
+NAMES = [(100, 200), (101, 201), (100, 202), (102, 200), (103, 203), (101, 204)]
+
+
+def test_the_block_sharing_the_questions_rare_words_ranks_first() -> None:
+    index = LexicalIndex()
+    index.add(10, _look_alikes(NAMES), B)
+    question = FILLER + TEMPLATE + [100, 200] + [3, 4]  # "... the pass key of the red harbour is"
+    assert index.top(question, 3, 0.0)[0] == 10  # the block naming both words, though each word is in two blocks
+    assert index.top(FILLER + TEMPLATE + [103, 203], 1, 0.0) == [14]
+    # Words every block holds weigh next to nothing: the template alone names no block clearly.
+    s = index.scores(TEMPLATE + [102])
+    assert int(s.argmax()) == 3 and float(s[3]) > 5 * float(s[0])
+
+
+def test_ranking_is_deterministic_and_ignores_repetition_and_order() -> None:
+    index = LexicalIndex()
+    index.add(0, _look_alikes(NAMES), B)
+    q = TEMPLATE + [100, 200, 101]
+    assert index.top(q, 6, 0.0) == index.top(list(reversed(q)) * 3, 6, 0.0)
+    other = LexicalIndex()
+    other.add(0, _look_alikes(NAMES), B)
+    assert other.scores(q).tolist() == index.scores(q).tolist()
+    # Equal scores go to the older block.
+    assert index.top(TEMPLATE + [101], 2, 0.0) == [1, 5]
+
+
+def test_only_blocks_clearly_named_are_returned() -> None:
+    index = LexicalIndex()
+    index.add(0, _look_alikes(NAMES), B)
+    assert index.top(TEMPLATE + [100, 200], 4, 0.9) == [0]  # the two half-matches score well below the full one
+    assert index.top([999, 998], 4, 0.0) == []  # words no block holds
+    assert index.top([], 4, 0.0) == [] and LexicalIndex().top([1], 4, 0.0) == []
+
+
+def test_the_index_refuses_what_is_not_whole_blocks_of_token_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    index = LexicalIndex()
+    with pytest.raises(ValueError, match="whole blocks"):
+        index.add(0, [1, 2, 3], B)
+    with pytest.raises(ValueError, match="whole blocks"):
+        index.add(0, [1] * B, 0)
+    with pytest.raises(ValueError, match="out of range"):
+        index.add(0, [1] * (B - 1) + [-1], B)
+    with pytest.raises(ValueError, match="out of range"):
+        index.add(0, [1] * (B - 1) + [1 << 40], B)
+    monkeypatch.setattr(lexical, "MAX_BLOCKS", 2)
+    index.add(0, [1] * (2 * B), B)
+    with pytest.raises(ValueError, match="at most 2 blocks"):
+        index.add(2, [1] * B, B)
+    assert len(index) == 2  # a refused add leaves the index as it was
+
+
+def test_named_blocks_take_the_first_groups_of_every_layer() -> None:
+    chosen = [[1, 2, 3, 4], [2, 1, 5, 6], [7, 2, 1, 8]]
+    assert consensus_groups(chosen, 0, 2, named=(9,)) == [[9, 1], [9, 2], [9, 7]]
+    assert consensus_groups(chosen, 2, 3, named=(9,)) == [[2, 9, 1], [2, 9, 1], [2, 9, 7]]
+    assert consensus_groups(chosen, 2, 3, named=(9, 8, 3)) == [[3, 8, 9]] * 3
+    assert consensus_groups(chosen, 2, 3) == [[1, 2, 3], [1, 2, 5], [1, 2, 7]]
