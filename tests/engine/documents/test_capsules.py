@@ -103,3 +103,28 @@ def test_attaching_needs_the_persistent_cache(tmp_path: Path) -> None:
     engine = Engine.load(model, "cpu", memory_factory=memory_factory_for(model, prefix_cache=False))
     with pytest.raises(Exception, match="persistent cache"):
         Attachments(engine.new_session().memory, engine.tokenizer).attach_document(extract("a.txt", b"hello"))
+
+
+def test_the_block_a_question_names_is_paged_into_every_layer(engine: Engine) -> None:
+    """Among look-alike facts, the one whose rare words the question shares is in every layer's retrieval groups
+    and among the passages the reply recalls (engine.memory.cascade.lexical)."""
+    facts = {"QX": 40, "ZJ": 25, "KV": 10, "WY": 50}  # name -> line; these letters appear nowhere else
+    lines = [f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(1, 61)]
+    for name, at in facts.items():
+        lines[at - 1] = f"the code of gate {name} is 4821, remember the code of gate {name}."
+    session = engine.new_session()
+    attachments = Attachments(session.memory, engine.tokenizer)
+    item = attachments.attach_document(extract("gates.txt", "\n".join(lines).encode()))
+    memory = session.memory
+    assert isinstance(memory, CascadeMemory)
+    for name, line in facts.items():
+        session.reset()
+        events = session.complete(f"the quick brown fox. the code of gate {name} is", GenerationSettings(max_tokens=2))
+        next(iter(events))
+        named = [
+            item.first_id + j
+            for j in range(len(item.capsule.keys))
+            if name[0] in item.capsule.cite(j, engine.tokenizer).text
+        ]
+        assert named and all(any(b in layer for b in named) for layer in memory.working.groups), name
+        assert any(c.start <= line <= c.end for c in attachments.observe()), name

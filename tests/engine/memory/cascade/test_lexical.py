@@ -19,7 +19,7 @@ def _look_alikes(names: list[tuple[int, int]]) -> list[int]:
     """One block per (colour, place) name: the template, the name, filler. Every block reads alike but for its name."""
     out: list[int] = []
     for colour, place in names:
-        out += TEMPLATE + [colour, place] + FILLER[:2]
+        out += [*TEMPLATE, colour, place, *FILLER[:2]]
     return out
 
 
@@ -33,26 +33,26 @@ def test_the_block_sharing_the_questions_rare_words_ranks_first() -> None:
     assert index.top(question, 3, 0.0)[0] == 10  # the block naming both words, though each word is in two blocks
     assert index.top(FILLER + TEMPLATE + [103, 203], 1, 0.0) == [14]
     # Words every block holds weigh next to nothing: the template alone names no block clearly.
-    s = index.scores(TEMPLATE + [102])
+    s = index.scores([*TEMPLATE, 102])
     assert int(s.argmax()) == 3 and float(s[3]) > 5 * float(s[0])
 
 
 def test_ranking_is_deterministic_and_ignores_repetition_and_order() -> None:
     index = LexicalIndex()
     index.add(0, _look_alikes(NAMES), B)
-    q = TEMPLATE + [100, 200, 101]
+    q = [*TEMPLATE, 100, 200, 101]
     assert index.top(q, 6, 0.0) == index.top(list(reversed(q)) * 3, 6, 0.0)
     other = LexicalIndex()
     other.add(0, _look_alikes(NAMES), B)
     assert other.scores(q).tolist() == index.scores(q).tolist()
     # Equal scores go to the older block.
-    assert index.top(TEMPLATE + [101], 2, 0.0) == [1, 5]
+    assert index.top([*TEMPLATE, 101], 2, 0.0) == [1, 5]
 
 
 def test_only_blocks_clearly_named_are_returned() -> None:
     index = LexicalIndex()
     index.add(0, _look_alikes(NAMES), B)
-    assert index.top(TEMPLATE + [100, 200], 4, 0.9) == [0]  # the two half-matches score well below the full one
+    assert index.top([*TEMPLATE, 100, 200], 4, 0.9) == [0]  # the two half-matches score well below the full one
     assert index.top([999, 998], 4, 0.0) == []  # words no block holds
     assert index.top([], 4, 0.0) == [] and LexicalIndex().top([1], 4, 0.0) == []
 
