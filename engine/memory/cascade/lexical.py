@@ -35,6 +35,7 @@ class LexicalIndex:
     """Per attached block, the counts of its token ids; scores blocks against a query's tokens (BM25)."""
 
     ids: list[int] = field(default_factory=list)  # block id of row r
+    spans: list[tuple[int, int]] = field(default_factory=list)  # (first, end) block ids of each text added
     postings: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # term -> (row, count) per block
     _cache: tuple[frozenset[int], torch.Tensor] | None = None
 
@@ -51,6 +52,7 @@ class LexicalIndex:
             raise ValueError(f"the lexical index holds at most {MAX_BLOCKS:,} blocks")
         if any(not isinstance(t, int) or not 0 <= t < MAX_TERM_ID for t in tokens):
             raise ValueError("a token id is out of range")
+        self.spans.append((first_id, first_id + n))
         for j in range(n):
             row = len(self.ids)
             self.ids.append(first_id + j)
@@ -76,15 +78,31 @@ class LexicalIndex:
         self._cache = (terms, result)
         return result
 
-    def top(self, query: list[int], limit: int, ratio: float) -> list[int]:
-        """Block ids of at most `limit` blocks, best first, scoring at least `ratio` of the best score (and above
-        0): the blocks the query names clearly, rather than a fixed number whatever their score. Ties go to the
-        older block."""
+    def top(self, query: list[int], limit: int, ratio: float, least: float = 0.0) -> list[int]:
+        """Block ids of at most `limit` blocks, best first, scoring at least `ratio` of the best score, when the
+        best reaches `least` (and is above 0): the blocks the query names clearly, rather than a fixed number
+        whatever their score. Ties go to the older block."""
         if not self.ids or limit <= 0:
             return []
         s = self.scores(query)
         best = float(s.max())
-        if best <= 0.0:
+        if best <= 0.0 or best < least:
             return []
         rows = (s >= ratio * best).nonzero().flatten().tolist()
         return [self.ids[r] for r in sorted(rows, key=lambda r: (-float(s[r]), self.ids[r]))[:limit]]
+
+    def passage(self, named: list[int], n: int) -> list[int]:
+        """Up to n block ids: `named` first, then the blocks around them in their own text, nearest first (a
+        named block is read with what precedes and follows it, as a reader would read the passage)."""
+        out = list(dict.fromkeys(named))[:n]
+        around: list[tuple[int, int, int]] = []  # (distance, rank of the named block, block id)
+        for rank, b in enumerate(out):
+            first, end = next(((f, e) for f, e in self.spans if f <= b < e), (b, b + 1))
+            for d in range(1, n):
+                around += [(d, rank, c) for c in (b - d, b + d) if first <= c < end]
+        for _, _, c in sorted(around):
+            if len(out) >= n:
+                break
+            if c not in out:
+                out.append(c)
+        return out

@@ -10,8 +10,10 @@ and each layer's best others its last `layer_blocks` groups (consensus_groups).
 Only the (layer, group) pairs whose block changed are paged in (read from host memory, or back from L3).
 While documents are attached (pinned blocks), the recent summaries are kept per token where the backend gives them,
 blocks rank by their best bound over those tokens' queries, and the consensus votes over each layer's top
-ATTACHED_DEPTH; the attached blocks the conversation's recent tokens name (engine.memory.cascade.lexical's BM25,
-at most LEXICAL_BLOCKS of them, each within LEXICAL_RATIO of the best) take the first groups of every layer.
+ATTACHED_DEPTH. When the conversation's recent tokens name attached blocks (engine.memory.cascade.lexical's BM25:
+at most LEXICAL_BLOCKS, each within LEXICAL_RATIO of the best, the best at least LEXICAL_LEAST), those blocks and
+the passage around them fill every layer's groups instead: the look-alike blocks the bounds rank as high would
+otherwise sit beside them, and the model answers from one of those (docs/BENCHMARKS.md, "Documents as memory").
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def consensus_groups(chosen: list[list[int]], shared: int, n: int = 0, named: tu
 ATTACHED_DEPTH = 32  # with attachments, how deep each layer's ranking votes in the consensus
 LEXICAL_BLOCKS = 4  # with attachments, at most this many blocks the question names go into every layer's groups
 LEXICAL_RATIO = 0.5  # ... each scoring at least this share of the best block's BM25 score
+# ... and only when the best scores this much: about one word that one block in 20 holds (BM25's idf of such a
+# word is ln(1 + 19.5 / 1.5) = 2.6), so words most blocks share never name a passage on their own.
+LEXICAL_LEAST = 2.5
 
 
 class Retriever:
@@ -175,15 +180,20 @@ class Retriever:
             chosen = self.episodic.select(query, self.cfg.retrieval_blocks, beat, keep, tokens, depth)  # (L, >= n)
             n = min(len(chosen[0]), self.cfg.retrieval_blocks)
             shared = n - min(n, self.cfg.layer_blocks) if answering else 0
-            if self._page_in(consensus_groups(chosen, shared, n, self._named(fed))):
+            named = self._named(fed, n)
+            if named:  # the passages the question names, in every layer (the vote fills what they leave)
+                shared = n
+            if self._page_in(consensus_groups(chosen, shared, n, named)):
                 return
 
-    def _named(self, fed: list[int] | None) -> tuple[int, ...]:
-        """The attached blocks the recent tokens name (BM25; engine.memory.cascade.lexical), best first."""
-        if not fed or not self.episodic.pinned or not len(self.lexical):
+    def _named(self, fed: list[int] | None, n: int) -> tuple[int, ...]:
+        """Up to n attached blocks: those the recent tokens name (BM25; engine.memory.cascade.lexical), best
+        first, then the passage around them; () when they name none."""
+        if not fed or not n or not self.episodic.pinned or not len(self.lexical):
             return ()
-        picks = self.lexical.top(fed[-QUERY_TOKENS:], LEXICAL_BLOCKS, LEXICAL_RATIO)
-        return tuple(b for b in picks if b in self.episodic.blocks)
+        picks = self.lexical.top(fed[-QUERY_TOKENS:], LEXICAL_BLOCKS, LEXICAL_RATIO, LEXICAL_LEAST)
+        around = self.lexical.passage([b for b in picks if b in self.episodic.blocks], n)
+        return tuple(b for b in around if b in self.episodic.blocks)
 
     def _page_in(self, new: list[list[int]]) -> bool:
         """Put each layer's blocks in its retrieval groups (new[layer][g]: group g's block), paging in only
