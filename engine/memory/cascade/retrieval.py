@@ -59,7 +59,9 @@ def consensus_groups(chosen: list[list[int]], shared: int, n: int = 0, named: tu
 
 ATTACHED_DEPTH = 32  # with attachments, how deep each layer's ranking votes in the consensus
 LEXICAL_BLOCKS = 4  # with attachments, at most this many blocks the question names go into every layer's groups
-LEXICAL_RATIO = 0.5  # ... each scoring at least this share of the best block's BM25 score
+# ... each scoring at least this share of the best block's score: near-ties only (on bench documents a look-alike
+# sharing part of the name, "amber tower" for "amber market", scores about two thirds of it)
+LEXICAL_RATIO = 0.8
 # ... and only when the best scores this much: about one word that one block in 20 holds (BM25's idf of such a
 # word is ln(1 + 19.5 / 1.5) = 2.6), so words most blocks share never name a passage on their own.
 LEXICAL_LEAST = 2.5

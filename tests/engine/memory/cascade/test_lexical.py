@@ -80,3 +80,23 @@ def test_named_blocks_take_the_first_groups_of_every_layer() -> None:
     assert consensus_groups(chosen, 2, 3, named=(9,)) == [[2, 9, 1], [2, 9, 1], [2, 9, 7]]
     assert consensus_groups(chosen, 2, 3, named=(9, 8, 3)) == [[3, 8, 9]] * 3
     assert consensus_groups(chosen, 2, 3) == [[1, 2, 3], [1, 2, 5], [1, 2, 7]]
+
+
+def test_a_passage_is_the_named_blocks_and_those_around_them_in_their_own_text() -> None:
+    index = LexicalIndex()
+    index.add(100, [1] * (6 * B), B)  # one text: blocks 100..105
+    index.add(200, [2] * (3 * B), B)  # another: 200..202
+    assert index.passage([102], 4) == [102, 101, 103, 100]  # nearest first, the older side first
+    assert index.passage([105, 100], 4) == [105, 100, 104, 101]  # never past its own text's ends
+    assert index.passage([200], 8) == [200, 201, 202]  # a short text gives what it has
+    assert index.passage([], 4) == []
+
+
+def test_words_most_blocks_share_name_no_passage() -> None:
+    index = LexicalIndex()
+    index.add(0, _look_alikes(NAMES), B)
+    assert index.top([*TEMPLATE, 100], 4, 0.5, least=2.5) == []  # a word two blocks in six hold: too common
+    many = LexicalIndex()
+    many.add(0, _look_alikes(NAMES) + [9] * (B * 40), B)
+    assert many.top([*TEMPLATE, 103], 4, 0.8, least=2.5) == [4]  # a word one block in 46 holds
+    assert many.top([*TEMPLATE, 103], 4, 0.5, least=2.5) == [4, 0, 1, 2]  # the template's blocks, two thirds as high
