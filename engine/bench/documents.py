@@ -129,10 +129,10 @@ def ask(session: Session, attachments: Attachments, name: str, paraphrased: bool
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    model = resolve_model_path(args.model)
     tokens = getattr(args, "tokens", None) or (QUICK_TOKENS if getattr(args, "quick", False) else TOKENS)
     if not MIN_TOKENS <= tokens <= MAX_TOKENS:
         raise SparkError(f"--tokens must be between {MIN_TOKENS:,} and {MAX_TOKENS:,}.")
+    model = resolve_model_path(args.model)
     docs, facts = corpus(tokens)
     with tempfile.TemporaryDirectory(prefix="spark-bench-documents-") as cache:
         factory = memory_factory_for(model, cache_dir=Path(cache))
