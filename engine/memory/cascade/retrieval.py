@@ -12,8 +12,9 @@ While documents are attached (pinned blocks), the recent summaries are kept per 
 blocks rank by their best bound over those tokens' queries, and the consensus votes over each layer's top
 ATTACHED_DEPTH. When the conversation's recent tokens name attached blocks (engine.memory.cascade.lexical's BM25:
 at most LEXICAL_BLOCKS, each within LEXICAL_RATIO of the best, the best at least LEXICAL_LEAST), those blocks and
-the passage around them fill every layer's groups instead: the look-alike blocks the bounds rank as high would
-otherwise sit beside them, and the model answers from one of those (docs/BENCHMARKS.md, "Documents as memory").
+the PASSAGE_RADIUS blocks either side of each are every layer's groups instead, and only they: the look-alike
+blocks the bounds rank as high would otherwise sit beside them, and the model answers from one of those
+(docs/BENCHMARKS.md, "Documents as memory").
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ LEXICAL_RATIO = 0.8
 # ... and only when the best scores this much: about one word that one block in 20 holds (BM25's idf of such a
 # word is ln(1 + 19.5 / 1.5) = 2.6), so words most blocks share never name a passage on their own.
 LEXICAL_LEAST = 2.5
+PASSAGE_RADIUS = 1  # a named block is read with this many blocks either side (a sentence cut by a block's edge)
 
 
 class Retriever:
@@ -183,18 +185,21 @@ class Retriever:
             n = min(len(chosen[0]), self.cfg.retrieval_blocks)
             shared = n - min(n, self.cfg.layer_blocks) if answering else 0
             named = self._named(fed, n)
-            if named:  # the passages the question names, in every layer (the vote fills what they leave)
+            if named:  # the passages the question names, and only those, in every layer
+                # (while decoding, never fewer groups than are filled: the vote fills what they leave)
+                n = len(named) if prefill else max(len(named), min(n, self.working.resident_blocks))
                 shared = n
             if self._page_in(consensus_groups(chosen, shared, n, named)):
                 return
 
     def _named(self, fed: list[int] | None, n: int) -> tuple[int, ...]:
         """Up to n attached blocks: those the recent tokens name (BM25; engine.memory.cascade.lexical), best
-        first, then the passage around them; () when they name none."""
+        first, then the PASSAGE_RADIUS blocks either side of each; () when they name none."""
         if not fed or not n or not self.episodic.pinned or not len(self.lexical):
             return ()
         picks = self.lexical.top(fed[-QUERY_TOKENS:], LEXICAL_BLOCKS, LEXICAL_RATIO, LEXICAL_LEAST)
-        around = self.lexical.passage([b for b in picks if b in self.episodic.blocks], n)
+        picks = [b for b in picks if b in self.episodic.blocks]
+        around = self.lexical.passage(picks, min(n, (2 * PASSAGE_RADIUS + 1) * len(picks)))
         return tuple(b for b in around if b in self.episodic.blocks)
 
     def _page_in(self, new: list[list[int]]) -> bool:
