@@ -60,8 +60,8 @@ def consensus_groups(chosen: list[list[int]], shared: int, n: int = 0, named: tu
 
 ATTACHED_DEPTH = 32  # with attachments, how deep each layer's ranking votes in the consensus
 LEXICAL_BLOCKS = 4  # with attachments, at most this many blocks the question names go into every layer's groups
-# ... each scoring at least this share of the best block's score: near-ties only (on bench documents a look-alike
-# sharing part of the name, "amber tower" for "amber market", scores about two thirds of it)
+# ... each scoring at least this share of the best block's score: near-ties only, since a block sharing part of the
+# question's words (another fact in the same words) is a look-alike, and the model copies look-alikes it sees
 LEXICAL_RATIO = 0.8
 # ... and only when the best scores this much: about one word that one block in 20 holds (BM25's idf of such a
 # word is ln(1 + 19.5 / 1.5) = 2.6), so words most blocks share never name a passage on their own.
