@@ -3,7 +3,9 @@
 The corpus: DOCUMENTS generated text files (the passkey bench's filler, engine.bench.passkey) of about
 `tokens / DOCUMENTS` tokens each, every one with FACTS_PER_DOCUMENT facts ("The pass key of the red harbour is
 48213. ...") planted at known depths. Each question asks for one fact as raw text ("What is the pass key of the red
-harbour? The pass key of the red harbour is") and is right when the greedy answer holds the key.
+harbour? The pass key of the red harbour is") and is right when the greedy answer holds the key; each is also
+asked in other words (PARAPHRASE: "Which number opens the harbour painted red? ..."), sharing only the name with
+the fact, so the figure is not only a template matching itself.
 
 - `accuracy`: a conversation with every document attached (capsules in a fresh persistent store), reset between
   questions (attachments stay);
@@ -13,7 +15,11 @@ harbour? The pass key of the red harbour is") and is right when the greedy answe
   (less the question and answer) then the question, under full attention;
 - `second_question_ttft_ratio`: the first question's time to first token (reading every document included) over a
   second question's in another conversation attaching the same documents (found on disk);
-- `disk_bytes_per_token`: what the capsules take in the persistent store per document token.
+- `disk_bytes_per_token`: what the capsules take in the persistent store per document token;
+- `accuracy_paraphrased` (and `accuracy_paraphrased_full_attention`): the same facts asked in other words.
+
+`--tokens N` sets the corpus's size (default TOKENS, `--quick` QUICK_TOKENS): 8x the default model's trained
+context is `--tokens 65536`.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from engine.bench.passkey import FILLER
 from engine.documents.attach import Attachments
 from engine.documents.extract import extract
+from engine.errors import SparkError
 from engine.generation.loop import GenerationSettings, decode_step, prefill
 from engine.generation.sampling import SamplingSettings
 from engine.loading.model_files import resolve_model_path
@@ -40,11 +47,13 @@ DOCUMENTS = 4
 FACTS_PER_DOCUMENT = 3
 TOKENS = 32_000
 QUICK_TOKENS = 6_000
+MIN_TOKENS, MAX_TOKENS = 1_000, 1_000_000  # --tokens: room for the facts, and within what attaching allows
 ANSWER_TOKENS = 6
 COLOURS = ("red", "blue", "green", "silver", "amber", "violet", "black", "white", "golden", "grey", "orange", "pink")
 PLACES = ("harbour", "library", "tower", "garden", "bridge", "market", "mill", "chapel", "station", "farm", "gate")
 FACT = "The pass key of the {name} is {key}. Remember it. {key} is the pass key of the {name}. "
 QUESTION = "\nWhat is the pass key of the {name}? The pass key of the {name} is"
+PARAPHRASE = "\nWhich number opens the {place} painted {colour}? The number that opens the {place} painted {colour} is"
 CHUNK = 256
 
 
@@ -77,11 +86,20 @@ def greedy(backend: Any, memory: Any, tok: Any, ids: list[int]) -> str:
     return str(tok.decode(out))
 
 
-def full_attention(engine: Engine, context: list[int], facts: list[tuple[str, str, float]]) -> float:
+def question(name: str, paraphrased: bool) -> str:
+    if not paraphrased:
+        return QUESTION.format(name=name)
+    colour, place = name.split(" ", 1)
+    return PARAPHRASE.format(colour=colour, place=place)
+
+
+def full_attention(
+    engine: Engine, context: list[int], facts: list[tuple[str, str, float]], paraphrased: bool = False
+) -> float:
     """The context read once under full attention; each question after it, taken back before the next."""
     tok = engine.tokenizer
     backend = engine.backend.fork()
-    questions = [tok.encode(QUESTION.format(name=n), add_bos=False) for n, _, _ in facts]
+    questions = [tok.encode(question(n, paraphrased), add_bos=False) for n, _, _ in facts]
     backend.allocate(1, len(context) + max(map(len, questions)) + ANSWER_TOKENS)
     memory = FullAttentionMemory(backend)
     prefill(backend, memory, context, CHUNK)
@@ -93,14 +111,14 @@ def full_attention(engine: Engine, context: list[int], facts: list[tuple[str, st
     return right / len(facts)
 
 
-def ask(session: Session, attachments: Attachments, name: str) -> tuple[str, float]:
+def ask(session: Session, attachments: Attachments, name: str, paraphrased: bool = False) -> tuple[str, float]:
     """The answer to one question in `session` (reset first) and its time to first token."""
     session.reset()
     settings = GenerationSettings(max_tokens=ANSWER_TOKENS, sampling=SamplingSettings(greedy=True))
     t0 = time.perf_counter()
     first = 0.0
     text = []
-    for ev in session.complete(FILLER + QUESTION.format(name=name), settings):
+    for ev in session.complete(FILLER + question(name, paraphrased), settings):
         if not first:
             first = time.perf_counter() - t0
             attachments.observe()
@@ -111,8 +129,10 @@ def ask(session: Session, attachments: Attachments, name: str) -> tuple[str, flo
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
+    tokens = getattr(args, "tokens", None) or (QUICK_TOKENS if getattr(args, "quick", False) else TOKENS)
+    if not MIN_TOKENS <= tokens <= MAX_TOKENS:
+        raise SparkError(f"--tokens must be between {MIN_TOKENS:,} and {MAX_TOKENS:,}.")
     model = resolve_model_path(args.model)
-    tokens = QUICK_TOKENS if getattr(args, "quick", False) else TOKENS
     docs, facts = corpus(tokens)
     with tempfile.TemporaryDirectory(prefix="spark-bench-documents-") as cache:
         factory = memory_factory_for(model, cache_dir=Path(cache))
@@ -133,6 +153,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cited = [c.label() for c in attachments.recalled]
             trials.append({"name": name, "key": key, "depth": depth, "answer": got, "ok": key in got,
                            "ttft_s": round(ttft, 3), "recalled": cited})  # fmt: skip
+        reworded: list[dict[str, Any]] = []
+        for name, key, depth in facts:
+            got, _ = ask(session, attachments, name, paraphrased=True)
+            cited = [c.label() for c in attachments.recalled]
+            reworded.append({"name": name, "key": key, "depth": depth, "answer": got, "ok": key in got,
+                             "recalled": cited})  # fmt: skip
         second = engine.new_session()  # another conversation: its capsules are found on disk
         t1 = time.perf_counter()
         again = Attachments(second.memory, tok)
@@ -145,7 +171,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         disk = sum(a.capsule.disk_bytes for a in attachments.items)
         corpus_ids = tok.encode("\n".join(text for _, text in docs))
         room = trained - 64 - ANSWER_TOKENS
-        full = full_attention(engine, corpus_ids, facts) if len(corpus_ids) <= room else None
+        fits = len(corpus_ids) <= room
+        full = full_attention(engine, corpus_ids, facts) if fits else None
+        full_reworded = full_attention(engine, corpus_ids, facts, paraphrased=True) if fits else None
         truncated = full_attention(engine, corpus_ids[-room:], facts)
     return {
         "accuracy": sum(t["ok"] for t in trials) / len(trials),
@@ -153,6 +181,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "accuracy_truncated": truncated,
         "second_question_ttft_ratio": round(trials[0]["ttft_s"] / ttft2, 2) if ttft2 else None,
         "disk_bytes_per_token": round(disk / doc_tokens, 1),
+        "accuracy_paraphrased": sum(t["ok"] for t in reworded) / len(reworded),
+        "accuracy_paraphrased_full_attention": full_reworded,
         "document_tokens": doc_tokens,
         "corpus_vs_trained_context": round(len(corpus_ids) / trained, 2),
         "first_question_ttft_s": trials[0]["ttft_s"],
@@ -161,4 +191,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(model),
         "numerics": engine.backend.numerics,
         "trials": trials,
+        "paraphrased_trials": reworded,
     }

@@ -86,6 +86,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--recompute-sizes", default=None, help="`reopen`: the sizes whose replay is measured (default: every size)"
     )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="`documents`: the corpus's size in tokens (default 32000; --quick 6000)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

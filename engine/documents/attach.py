@@ -99,7 +99,7 @@ class Attachments:
 
     def _adopt(self, capsule: Capsule, kind: str, digest: str) -> Attached:
         at = len(self.memory.tokens)
-        first = self.memory.attach(capsule.kmin, capsule.kmax, capsule.keys)
+        first = self.memory.attach(capsule.kmin, capsule.kmax, capsule.keys, ids=capsule.ids)
         item = Attached(capsule, first)
         self.items.append(item)
         if self.records is not None:
@@ -120,7 +120,9 @@ class Attachments:
         self.memory.detach(item.first_id)
         self.items = self.items[:i]
         for other in later:
-            self.items.append(replace(other, first_id=self.memory.attach(*other.capsule_bounds())))
+            self.items.append(
+                replace(other, first_id=self.memory.attach(*other.capsule_bounds(), ids=other.capsule.ids))
+            )
         if self.records is not None and i < len(self.records):
             del self.records[i]
         self.recalled = [c for c in self.recalled if c.source != item.capsule.name]
@@ -210,7 +212,9 @@ class Reattacher:
             raise DocumentError(
                 f"{record.name}, attached to this conversation, is no longer in the memory cache; {how}, then open the conversation."
             )
-        self.found.append(Attached(capsule, memory.attach(capsule.kmin, capsule.kmax, capsule.keys, present=present)))
+        self.found.append(
+            Attached(capsule, memory.attach(capsule.kmin, capsule.kmax, capsule.keys, ids=capsule.ids, present=present))
+        )
 
 
 def find_capsule(memory: CascadeMemory, record: AttachmentRecord) -> Capsule | None:

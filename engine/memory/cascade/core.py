@@ -34,6 +34,7 @@ from engine.memory.base import ForkView, RowPlan, window_mask
 from engine.memory.cascade.budget import SharedBudget
 from engine.memory.cascade.config import AUTO_WINDOW, CascadeConfig
 from engine.memory.cascade.episodic import ADOPTED_BASE, EpisodicMemory, PagedBlocks
+from engine.memory.cascade.lexical import LexicalIndex
 from engine.memory.cascade.migrate import migrate_state
 from engine.memory.cascade.persistent import PersistentStore
 from engine.memory.cascade.prefix import PrefixCache
@@ -74,6 +75,7 @@ class CascadeMemory:
         # Blocks read elsewhere and attached (engine.documents): (first block id, key bounds min, max, L3 keys).
         # They outlive a reset (a new chat, an edited transcript), as the attachment does.
         self.attachments: list[tuple[int, torch.Tensor, torch.Tensor, list[str]]] = []
+        self.lexical = LexicalIndex()  # their token ids, for the retrieval of the blocks a question names
         self._layout(config)
 
     def _layout(self, config: CascadeConfig) -> None:
@@ -97,7 +99,7 @@ class CascadeMemory:
         if self.shared_budget is not None and laid_out is not None:  # laid out again: the old store stops counting
             self.shared_budget.leave(laid_out)
         self.episodic = EpisodicMemory(config, kv_shape, self.store, self.shared_budget)
-        self.retriever = Retriever(backend, self.row, config, self.working, self.episodic)
+        self.retriever = Retriever(backend, self.row, config, self.working, self.episodic, self.lexical)
         self.prefix = PrefixCache(self.store, config)
         self.tokens: list[int] = []
         self._reset_state()
@@ -123,9 +125,17 @@ class CascadeMemory:
     def reset(self) -> None:
         self._reset_state()
 
-    def attach(self, kmin: torch.Tensor, kmax: torch.Tensor, keys: list[str], present: bool = False) -> int:
+    def attach(
+        self,
+        kmin: torch.Tensor,
+        kmax: torch.Tensor,
+        keys: list[str],
+        ids: list[int] | None = None,
+        present: bool = False,
+    ) -> int:
         """Blocks read elsewhere (a document's capsule, engine.documents) join episodic memory as pinned stubs:
-        kmin, kmax (n, L, F) their key bounds, keys their KV's L3 entries. Returns the first block's id (the
+        kmin, kmax (n, L, F) their key bounds, keys their KV's L3 entries, ids the token ids they hold (n whole
+        blocks; for the lexical index, engine.memory.cascade.lexical). Returns the first block's id (the
         others follow). While anything is attached, the prefix cache is neither read nor written: this memory's
         KV depends on more than its tokens. `present`: a restored state already holds them (a full session file):
         they are pinned where they are, and only those its budgets let go are adopted again."""
@@ -134,8 +144,15 @@ class CascadeMemory:
         want = (len(keys), *self.episodic.kmin.shape[1:])
         if tuple(kmin.shape) != want or tuple(kmax.shape) != want:
             raise SparkError("The attached memory was read by another model geometry; read it again.")
+        if ids is not None and len(ids) != len(keys) * self.cfg.block_size:
+            raise SparkError("The attached memory's tokens do not fill its blocks; read it again.")
         # After the last attachment's ids (not after their count): a detached one leaves a gap, never a reused id.
         first = max((a[0] + len(a[3]) for a in self.attachments), default=ADOPTED_BASE)
+        if ids is not None:
+            try:
+                self.lexical.add(first, ids, self.cfg.block_size)
+            except ValueError as exc:
+                raise SparkError(f"The attached memory cannot be indexed: {exc}.") from None
         self.attachments.append((first, kmin, kmax, list(keys)))
         if not present:
             self.episodic.adopt(first, kmin, kmax, list(keys))
@@ -154,6 +171,7 @@ class CascadeMemory:
             if start == first:
                 del self.attachments[i]
                 self.episodic.forget_adopted(first, len(keys))
+                self.lexical.remove(first)
                 self.working.set_groups([[] for _ in range(self.working.num_layers)])
                 return
         raise KeyError(first)
@@ -181,7 +199,7 @@ class CascadeMemory:
                 f"A step of {t} tokens exceeds the {self.cfg.window}-token window; feed it in smaller chunks."
             )
         if self.cfg.retrieval_blocks and self.episodic.blocks:
-            self.retriever.route(prefill=t > 1, answering=t <= TAIL_STEP)
+            self.retriever.route(prefill=t > 1, answering=t <= TAIL_STEP, fed=self.tokens)
         start = len(self.tokens)
         slots, evicted = self.working.assign(t)
         self._last_evicted = len(evicted)

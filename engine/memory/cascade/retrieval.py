@@ -10,7 +10,11 @@ and each layer's best others its last `layer_blocks` groups (consensus_groups).
 Only the (layer, group) pairs whose block changed are paged in (read from host memory, or back from L3).
 While documents are attached (pinned blocks), the recent summaries are kept per token where the backend gives them,
 blocks rank by their best bound over those tokens' queries, and the consensus votes over each layer's top
-ATTACHED_DEPTH.
+ATTACHED_DEPTH. When the conversation's recent tokens name attached blocks (engine.memory.cascade.lexical's BM25:
+at most LEXICAL_BLOCKS, each within LEXICAL_RATIO of the best, the best at least LEXICAL_LEAST), those blocks and
+the PASSAGE_RADIUS blocks either side of each are every layer's groups instead, and only they: the look-alike
+blocks the bounds rank as high would otherwise sit beside them, and the model answers from one of those
+(docs/BENCHMARKS.md, "Documents as memory").
 """
 
 from __future__ import annotations
@@ -24,17 +28,20 @@ import torch
 from engine.backends.base import Backend
 from engine.memory.cascade.config import CascadeConfig
 from engine.memory.cascade.episodic import EpisodicMemory
+from engine.memory.cascade.lexical import QUERY_TOKENS, LexicalIndex
 from engine.memory.cascade.routing import ROUTING, RouteContext
 from engine.memory.cascade.window_bounds import WindowBounds
 from engine.memory.cascade.working import WorkingMemory
 
 
-def consensus_groups(chosen: list[list[int]], shared: int, n: int = 0) -> list[list[int]]:
+def consensus_groups(chosen: list[list[int]], shared: int, n: int = 0, named: tuple[int, ...] = ()) -> list[list[int]]:
     """Per layer, its n chosen blocks (best first) -> the blocks its n retrieval groups hold, in group order.
 
     Groups [0, shared) hold, in every layer alike, the `shared` blocks the layers rank highest together (Borda
     count over the layers' rankings; ties to the older block); groups [shared, n) hold each layer's best other
-    blocks. Each part is in conversation order. Why: one position table serves every layer, so a block's position
+    blocks. Each part is in conversation order. `named` (at most n blocks: those the question names,
+    engine.memory.cascade.lexical) are shared by every layer first, whatever the layers rank, and the vote fills
+    the shared groups they leave. Why: one position table serves every layer, so a block's position
     follows its group; when layers put the same block in different groups, its tokens sit at positions up to
     n * block_size apart from one layer to the next, and on the default model a passkey retrieved by every layer
     was still misread (bench passkey); blocks in conversation order read a fact split over blocks j, j + 1 whole.
@@ -45,20 +52,38 @@ def consensus_groups(chosen: list[list[int]], shared: int, n: int = 0) -> list[l
     for pick in chosen:
         for rank, b in enumerate(pick):
             votes[b] = votes.get(b, 0) + depth - rank
-    common = sorted(sorted(votes, key=lambda b: (-votes[b], b))[:shared])
+    named = named[:n]
+    voted = [b for b in sorted(votes, key=lambda b: (-votes[b], b)) if b not in named]
+    common = sorted([*named, *voted[: max(0, shared - len(named))]])
     return [common + sorted([b for b in pick if b not in common][: n - len(common)]) for pick in chosen]
 
 
 ATTACHED_DEPTH = 32  # with attachments, how deep each layer's ranking votes in the consensus
+LEXICAL_BLOCKS = 4  # with attachments, at most this many blocks the question names go into every layer's groups
+# ... each scoring at least this share of the best block's score: near-ties only, since a block sharing part of the
+# question's words (another fact in the same words) is a look-alike, and the model copies look-alikes it sees
+LEXICAL_RATIO = 0.8
+# ... and only when the best scores this much: about one word that one block in 20 holds (BM25's idf of such a
+# word is ln(1 + 19.5 / 1.5) = 2.6), so words most blocks share never name a passage on their own.
+LEXICAL_LEAST = 2.5
+PASSAGE_RADIUS = 1  # a named block is read with this many blocks either side (a sentence cut by a block's edge)
 
 
 class Retriever:
     """Routing state and paging for one memory (row `row` of the backend's slot table)."""
 
     def __init__(
-        self, backend: Backend, row: int, cfg: CascadeConfig, working: WorkingMemory, episodic: EpisodicMemory
+        self,
+        backend: Backend,
+        row: int,
+        cfg: CascadeConfig,
+        working: WorkingMemory,
+        episodic: EpisodicMemory,
+        lexical: LexicalIndex | None = None,
     ) -> None:
+        """`lexical`: the attached blocks' index (the memory's, as it outlives a reset like the attachments)."""
         self.backend = backend
+        self.lexical = lexical if lexical is not None else LexicalIndex()
         self.row = row
         self.cfg = cfg
         self.working = working
@@ -129,9 +154,11 @@ class Retriever:
 
     # -- routing and paging -------------------------------------------------------------------------------------
 
-    def route(self, prefill: bool, answering: bool) -> None:
+    def route(self, prefill: bool, answering: bool, fed: list[int] | None = None) -> None:
         """Before a plan: re-select and page in each layer's blocks when the strategy says so. `answering`: the
-        plan is a decoding step or a prompt's last tokens (they route the reply), else part of a prompt being read."""
+        plan is a decoding step or a prompt's last tokens (they route the reply), else part of a prompt being read.
+        `fed`: the token ids fed so far (their last QUERY_TOKENS are the lexical query while anything is attached;
+        only tokens already fed, as the query summaries are, so a reply never depends on how it was drafted)."""
         query = self._routing_query()
         if query is None:
             return
@@ -157,8 +184,23 @@ class Retriever:
             chosen = self.episodic.select(query, self.cfg.retrieval_blocks, beat, keep, tokens, depth)  # (L, >= n)
             n = min(len(chosen[0]), self.cfg.retrieval_blocks)
             shared = n - min(n, self.cfg.layer_blocks) if answering else 0
-            if self._page_in(consensus_groups(chosen, shared, n)):
+            named = self._named(fed, n)
+            if named:  # the passages the question names, and only those, in every layer
+                # (while decoding, never fewer groups than are filled: the vote fills what they leave)
+                n = len(named) if prefill else max(len(named), min(n, self.working.resident_blocks))
+                shared = n
+            if self._page_in(consensus_groups(chosen, shared, n, named)):
                 return
+
+    def _named(self, fed: list[int] | None, n: int) -> tuple[int, ...]:
+        """Up to n attached blocks: those the recent tokens name (BM25; engine.memory.cascade.lexical), best
+        first, then the PASSAGE_RADIUS blocks either side of each; () when they name none."""
+        if not fed or not n or not self.episodic.pinned or not len(self.lexical):
+            return ()
+        picks = self.lexical.top(fed[-QUERY_TOKENS:], LEXICAL_BLOCKS, LEXICAL_RATIO, LEXICAL_LEAST)
+        picks = [b for b in picks if b in self.episodic.blocks]
+        around = self.lexical.passage(picks, min(n, (2 * PASSAGE_RADIUS + 1) * len(picks)))
+        return tuple(b for b in around if b in self.episodic.blocks)
 
     def _page_in(self, new: list[list[int]]) -> bool:
         """Put each layer's blocks in its retrieval groups (new[layer][g]: group g's block), paging in only

@@ -123,3 +123,28 @@ def test_a_recalled_passage_keeps_to_one_page_and_reads_as_the_text(engine: Engi
     assert "Page two, line 6: the seed swap is on day 6." in recalled[1].text
     assert recalled[0].text.startswith("Page one, line 1:")  # not the header the model was told the text with
     assert "Page two" not in recalled[0].text  # a passage ends where its page ends
+
+
+def test_the_block_a_question_names_is_paged_into_every_layer(engine: Engine) -> None:
+    """Among look-alike facts, the one whose rare words the question shares is in every layer's retrieval groups
+    and among the passages the reply recalls (engine.memory.cascade.lexical)."""
+    facts = {"QX": 40, "ZJ": 25, "KV": 10, "WY": 50}  # name -> line; these letters appear nowhere else
+    lines = [f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(1, 61)]
+    for name, at in facts.items():
+        lines[at - 1] = f"the code of gate {name} is 4821, remember the code of gate {name}."
+    session = engine.new_session()
+    attachments = Attachments(session.memory, engine.tokenizer)
+    item = attachments.attach_document(extract("gates.txt", "\n".join(lines).encode()))
+    memory = session.memory
+    assert isinstance(memory, CascadeMemory)
+    for name, line in facts.items():
+        session.reset()
+        events = session.complete(f"the quick brown fox. the code of gate {name} is", GenerationSettings(max_tokens=2))
+        next(iter(events))
+        named = [
+            item.first_id + j
+            for j in range(len(item.capsule.keys))
+            if name[0] in item.capsule.cite(j, engine.tokenizer).text
+        ]
+        assert named and all(any(b in layer for b in named) for layer in memory.working.groups), name
+        assert any(c.start <= line <= c.end for c in attachments.observe()), name
