@@ -111,6 +111,11 @@ with _deferred():
     from engine.session.kept import KeptUsage as KeptUsage
     from engine.session.types import RecalledRecord as RecalledRecord
     from engine.version import __version__ as __version__
+    from engine.vision.idefics3 import IMAGE_TOKEN as IMAGE_TOKEN
+    from engine.vision.images import DecodedImage as DecodedImage
+    from engine.vision.images import ImageError as ImageError
+    from engine.vision.images import decode_bytes as decode_bytes
+    from engine.vision.images import decode_file as decode_file
 
 __all__ = ["exit_process", "prepare_process", *_PUBLIC]
 

@@ -1,7 +1,10 @@
 """Documents attached to the open conversation, in the composer: a chip per attachment (its name, its size in
 tokens once read, a ✕ that removes it or cancels its first reading), how files come in (the paperclip's file dialog,
 files dropped on the window or the prompt, a file or a file's path pasted into the prompt), and the refusals in one
-sentence. The chips follow the worker's memory reports; the bar only shows and asks, the window's client acts."""
+sentence. The chips follow the worker's memory reports; the bar only shows and asks, the window's client acts.
+
+Pictures come in the same ways and sit in the same row as thumbnail chips (app.window.pictures), but they are not
+memory: they wait for the next message and go with it."""
 
 from __future__ import annotations
 
@@ -12,12 +15,18 @@ from PySide6.QtCore import QEvent, QMimeData, QObject, Qt, Signal, Slot
 from PySide6.QtGui import QDragMoveEvent, QDropEvent
 from PySide6.QtWidgets import QFileDialog, QFrame, QHBoxLayout, QLabel, QToolButton, QWidget
 
+from app.window.pictures import PictureChip, is_picture
 from app.worker.types import AttachKind, AttachmentView, AttachProgress, MemoryReport
+from engine import DecodedImage
 
 # What the file dialog offers (the engine decides what it reads: anything else is refused in one sentence).
+DOCUMENTS = (
+    "*.txt *.md *.markdown *.rst *.csv *.log *.html *.htm *.pdf *.py *.js *.ts *.c *.h *.cpp *.rs *.go *.java *.swift "
+    "*.json *.yaml *.yml *.toml"
+)
+PICTURES = "*.png *.jpg *.jpeg *.webp *.gif"
 DOCUMENT_FILTER = (
-    "Documents (*.txt *.md *.markdown *.rst *.csv *.log *.html *.htm *.pdf *.py *.js *.ts *.c *.h *.cpp *.rs *.go "
-    "*.java *.swift *.json *.yaml *.yml *.toml);;All files (*)"
+    f"Documents and pictures ({DOCUMENTS} {PICTURES});;Documents ({DOCUMENTS});;Pictures ({PICTURES});;All files (*)"
 )
 NOT_DOCUMENTS = frozenset({".spark", ".gguf"})  # conversations open and models load; they are never attached
 MAX_PASTED_PATH = 4096
@@ -107,6 +116,7 @@ class AttachmentsBar(QWidget):
     """The chips above the prompt; hidden while nothing is attached."""
 
     attach_requested = Signal(Path)  # a file to attach (dialog, drop, paste)
+    pictures_requested = Signal(list)  # list[Path]: picture files for the next message (dialog, drop, paste)
     remove_requested = Signal(Path)  # ✕: stop its reading, or take it out of the memory
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -117,6 +127,7 @@ class AttachmentsBar(QWidget):
         self._row.setSpacing(6)
         self._row.addStretch(1)
         self.chips: dict[Path, AttachmentChip] = {}
+        self.pictures: list[PictureChip] = []  # pictures waiting for the next message, in the order given
         self._pending: set[Path] = set()  # asked for, not yet in a memory report
         self.hide()
 
@@ -124,8 +135,14 @@ class AttachmentsBar(QWidget):
         return [c.text() for c in self.chips.values()]
 
     def request(self, paths: Sequence[Path]) -> None:
-        """Attach these files: a chip each at once (reading…), then the worker's answer."""
+        """Attach these files: a chip each at once (reading…), then the worker's answer; pictures are asked for
+        the next message instead (the window checks and decodes them, then `add_picture`)."""
+        pictures = [p for p in paths if is_picture(p)]
+        if pictures:
+            self.pictures_requested.emit(pictures)
         for path in paths:
+            if is_picture(path):
+                continue
             if path in self.chips:
                 continue
             self._pending.add(path)
@@ -161,6 +178,31 @@ class AttachmentsBar(QWidget):
             chip = self.chips.get(path) or self._add_chip(path, view.shown)
             chip.show_attached(view)
 
+    def add_picture(self, picture: DecodedImage, name: str) -> None:
+        """A picture accepted for the next message: its thumbnail chip (a picture given twice shows once)."""
+        if any(c.picture.sha256 == picture.sha256 for c in self.pictures):
+            return
+        chip = PictureChip(picture, name)
+        chip.remove_clicked.connect(self._drop_picture)
+        self.pictures.append(chip)
+        self._row.insertWidget(self._row.count() - 1, chip)
+        self.show()
+
+    def take_pictures(self) -> tuple[DecodedImage, ...]:
+        """The waiting pictures, which go with the message being sent: their chips go."""
+        taken = tuple(c.picture for c in self.pictures)
+        for chip in list(self.pictures):
+            self._drop_picture(chip)
+        return taken
+
+    @Slot(object)
+    def _drop_picture(self, chip: PictureChip) -> None:
+        if chip in self.pictures:
+            self.pictures.remove(chip)
+            chip.hide()
+            chip.deleteLater()
+        self.setVisible(bool(self.chips or self.pictures))
+
     def clear(self) -> None:
         """Another conversation: its own attachments arrive with its memory report."""
         self._pending.clear()
@@ -180,7 +222,7 @@ class AttachmentsBar(QWidget):
         if chip is not None:
             chip.hide()
             chip.deleteLater()
-        self.setVisible(bool(self.chips))
+        self.setVisible(bool(self.chips or self.pictures))
 
     @Slot(Path)
     def _on_remove(self, path: Path) -> None:

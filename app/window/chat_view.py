@@ -34,18 +34,22 @@ from PySide6.QtGui import (
     QTextBlockFormat,
     QTextCharFormat,
     QTextCursor,
+    QTextDocument,
     QTextFrame,
     QTextFrameFormat,
+    QTextImageFormat,
 )
 from PySide6.QtWidgets import QMenu, QPushButton, QTextBrowser, QWidget
 
 from app.misc import theme
 from app.window.markdown import MarkdownRenderer, Palette, open_fence
 from app.window.message_actions import MessageActions
+from app.window.pictures import BUBBLE_SIDE, show_picture, thumbnail
 from app.window.thinking import Thoughts
 from app.window.tool_cards import Card, card_html, segments
 from app.worker.tool_turns import RESPONSE_CLOSE, display_messages
 from app.worker.types import CitationView, MessageView
+from engine import IMAGE_TOKEN
 from engine.tools.calls import CLOSE as TOOL_CALL_CLOSE
 from engine.tools.calls import OPEN as TOOL_CALL_OPEN
 
@@ -98,6 +102,8 @@ class ChatView(QTextBrowser):
         self._reply_text: list[str] = []  # the streamed reply as received (the document would normalise it)
         self._reading = False  # the reply bubble shows reading progress, not text yet
         self._contents: dict[int, str] = {}  # message index -> its text as received (what Copy copies)
+        self._pictures: dict[int, tuple[bytes, ...]] = {}  # a user message's index -> its pictures, encoded
+        self.picture_window: QWidget | None = None  # the picture enlarged last
         self._next_index = 0
         self._mono = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
         self._markdown = MarkdownRenderer()
@@ -153,6 +159,8 @@ class ChatView(QTextBrowser):
         metrics = self.fontMetrics()
         lines = text.splitlines()[:PASTE_LINES] or [""]
         natural = max(metrics.horizontalAdvance(line) for line in lines) + 2 * BUBBLE_PADDING + 8
+        pictures = self._pictures.get(index, ()) if isinstance(index, int) else ()
+        natural = max(natural, len(pictures) * (BUBBLE_SIDE + 6) + 2 * BUBBLE_PADDING + 8)
         column = self._column_width()
         width = min(max(natural, 48.0), column * BUBBLE_SHARE)
         fmt = frame.frameFormat()
@@ -324,6 +332,7 @@ class ChatView(QTextBrowser):
         self._reply = None
         self._reading = False
         self._contents = {}
+        self._pictures = {}
         self._code_blocks = {}
         self._expanded = set()
         self.thoughts = Thoughts()  # a transcript shown again carries answers only
@@ -336,7 +345,7 @@ class ChatView(QTextBrowser):
         for i, m in display_messages(list(messages)):  # a reply with its tool calls and results is one message
             if m.role == "system":
                 continue
-            frame = self._add_message(m.role, m.content, i)
+            frame = self._add_message(m.role, m.content, i, m.images)
             if notes and notes.get(i):
                 self._add_note(frame, notes[i])
             if m.recalled:  # kept with the conversation: a reopened reply still says what it drew on
@@ -362,12 +371,13 @@ class ChatView(QTextBrowser):
         """The index of the newest message shown (the reply that just ended)."""
         return self._next_index - 1
 
-    def add_user_message(self, text: str) -> None:
+    def add_user_message(self, text: str, images: Sequence[bytes] = ()) -> None:
+        """The user's message as sent; `images`: the pictures that went with it (thumbnails above its text)."""
         if self._empty:  # the greeting goes with the first message
             self._empty = False
             self.clear()
             self._place_column()
-        self._add_message("user", text, self._next_index)
+        self._add_message("user", text, self._next_index, images)
         self._next_index += 1
         self.scroll_to_end()  # sending is a choice to see what comes
 
@@ -578,6 +588,8 @@ class ChatView(QTextBrowser):
             self._toggle_thought(int(arg))
         elif scheme == "cite" and arg.isdigit():
             self.open_citation(int(arg))
+        elif scheme == "picture":
+            self.open_picture(arg)
         elif url.scheme() in ("http", "https"):
             QDesktopServices.openUrl(url)
 
@@ -590,7 +602,18 @@ class ChatView(QTextBrowser):
         return [f for f in self.document().rootFrame().childFrames() if f.frameFormat().property(ROLE_PROPERTY) == role]
 
     # -- rendering ---------------------------------------------------------------------------------------------------
-    def _add_message(self, role: str, content: str, index: int) -> QTextFrame:
+    def picture_keys(self) -> list[str]:
+        """The thumbnails shown, as "message.picture" keys (what a click on one opens)."""
+        return [f"{i}.{k}" for i, shown in sorted(self._pictures.items()) for k in range(len(shown))]
+
+    def open_picture(self, key: str) -> None:
+        """A thumbnail was clicked: the picture enlarged in a small window of its own."""
+        index, _, k = key.partition(".")
+        shown = self._pictures.get(int(index), ()) if index.isdigit() else ()
+        if k.isdigit() and int(k) < len(shown):
+            self.picture_window = show_picture(self, shown[int(k)])
+
+    def _add_message(self, role: str, content: str, index: int, images: Sequence[bytes] = ()) -> QTextFrame:
         cursor = QTextCursor(self.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
         fmt = QTextFrameFormat()
@@ -601,6 +624,9 @@ class ChatView(QTextBrowser):
         fmt.setProperty(ROLE_PROPERTY, role)
         fmt.setProperty(INDEX_PROPERTY, index)
         frame = cursor.insertFrame(fmt)
+        if images:  # the markers that placed the pictures are the engine's; the bubble shows the pictures
+            self._pictures[index] = tuple(images)
+            content = content.replace(IMAGE_TOKEN, "")
         self._contents[index] = content
         self._fill(frame, role, content)
         if role == "user":
@@ -628,6 +654,11 @@ class ChatView(QTextBrowser):
                     self._code_blocks[f"{prefix}{k}"] = code
                 cursor.insertHtml(rendered.html)
             return
+        if role == "user" and isinstance(index, int) and self._pictures.get(index):
+            self._insert_pictures(cursor, index)
+            if not content:
+                return
+            cursor.insertBlock(QTextBlockFormat(), self._body_format())
         if role == "user" and isinstance(index, int) and index not in self._expanded and _is_long(content):
             lines = content.splitlines()
             shown = "\n".join(lines[:PASTE_PREVIEW_LINES])
@@ -640,6 +671,23 @@ class ChatView(QTextBrowser):
             cursor.insertText(f"Show all ({rest})", self._link_format(f"expand:{index}", "Show the whole message"))
             return
         cursor.insertText(content, self._body_format())
+
+    def _insert_pictures(self, cursor: QTextCursor, index: int) -> None:
+        """A user message's pictures as thumbnails, each a link that enlarges it."""
+        for k, data in enumerate(self._pictures[index]):
+            key = f"{index}.{k}"
+            image = thumbnail(data, BUBBLE_SIDE)
+            url = QUrl(f"picture:{key}")
+            self.document().addResource(QTextDocument.ResourceType.ImageResource, url, image)
+            fmt = QTextImageFormat()
+            fmt.setName(url.toString())
+            fmt.setWidth(image.width())
+            fmt.setHeight(image.height())
+            fmt.setAnchor(True)
+            fmt.setAnchorHref(url.toString())
+            fmt.setToolTip("Click to enlarge")
+            cursor.insertImage(fmt)
+            cursor.insertText(" ", self._body_format())
 
     def _toggle_thought(self, index: int) -> None:
         """Open or fold a reply's thinking."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from PySide6.QtCore import QEvent, QMimeData, QObject, QSize, Qt, QTimer, Signal, Slot
-from PySide6.QtGui import QKeyEvent, QPalette
+from PySide6.QtGui import QImage, QKeyEvent, QPalette
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 from app.misc import theme
 from app.misc.ui_icons import icon
 from app.window.attachments import AttachmentsBar, dropped_documents, pasted_path
+from app.window.pictures import image_png
 
 COUNT_DELAY_MS = 150  # the count follows typing after this pause (a 20,000-character paste counts once)
 MIN_LINES = 2
@@ -63,6 +64,7 @@ class PromptEdit(QPlainTextEdit):
 
     submitted = Signal(str)
     files_given = Signal(list)  # list[Path]: documents dropped or pasted here (attached, not typed)
+    image_pasted = Signal(bytes)  # clipboard image data (a copied screenshot), as PNG
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -73,6 +75,7 @@ class PromptEdit(QPlainTextEdit):
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setTabChangesFocus(True)
         self.max_height = 10_000  # the window sets a third of its height
+        self.sends_empty: Callable[[], bool] = lambda: False  # pictures waiting: Return sends them without text
         self.document().documentLayout().documentSizeChanged.connect(lambda _s: self.fit())
         self.fit()
 
@@ -84,11 +87,17 @@ class PromptEdit(QPlainTextEdit):
         self.setFixedHeight(max(line * MIN_LINES + margins, min(self.max_height, lines * line + margins)))
 
     def canInsertFromMimeData(self, source: QMimeData) -> bool:
-        return bool(dropped_documents(source)) or super().canInsertFromMimeData(source)
+        return bool(dropped_documents(source)) or source.hasImage() or super().canInsertFromMimeData(source)
 
     def insertFromMimeData(self, source: QMimeData) -> None:
-        """A dropped or pasted file, or a pasted path of one, is attached rather than typed as its address."""
+        """A dropped or pasted file, or a pasted path of one, is attached rather than typed as its address; pasted
+        image data (a screenshot copied) becomes a picture for the next message."""
         paths = dropped_documents(source)
+        if not paths and source.hasImage() and not source.hasUrls():
+            image = source.imageData()
+            if isinstance(image, QImage) and not image.isNull():
+                self.image_pasted.emit(image_png(image))
+                return
         if not paths and source.hasText() and not source.hasUrls():
             one = pasted_path(source.text())
             paths = [one] if one is not None else []
@@ -103,7 +112,7 @@ class PromptEdit(QPlainTextEdit):
                 self.insertPlainText("\n")
                 return
             text = self.toPlainText().strip()
-            if text:
+            if text or self.sends_empty():
                 self.submitted.emit(text)
             return
         super().keyPressEvent(event)
@@ -135,10 +144,13 @@ class Composer(QWidget):
         self.attach_button.setIconSize(QSize(18, 18))
         self.attach_button.setAutoRaise(True)
         self.attach_button.setCursor(Qt.CursorShape.PointingHandCursor)
-        self.attach_button.setToolTip("Attach documents the model may draw on (text, Markdown, code, HTML, PDF)")
+        self.attach_button.setToolTip(
+            "Attach documents the model may draw on (text, Markdown, code, HTML, PDF), or pictures to ask about"
+        )
         self.attach_button.setAccessibleName("Attach Documents")
         self.attachments = AttachmentsBar()
         self.prompt.files_given.connect(self.attachments.request)
+        self.prompt.sends_empty = lambda: bool(self.attachments.pictures)
         self.box = QFrame()
         self.box.setObjectName("composerBox")
         row = QHBoxLayout(self.box)

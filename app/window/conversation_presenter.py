@@ -120,11 +120,12 @@ class ConversationPresenter(QObject):
             return False
         notice.hide()
         self._views.composer.prompt.clear()
+        pictures = self._views.composer.attachments.take_pictures()  # they go with this message
         chat = self._views.chat
-        chat.add_user_message(text)
+        chat.add_user_message(text, [p.data for p in pictures])
         chat.begin_reply()
         chat.show_reading("Reading…")
-        self._client.send(text, self._reply_settings())
+        self._client.send(text, self._reply_settings(), pictures)
         return True
 
     @Slot()
@@ -134,7 +135,7 @@ class ConversationPresenter(QObject):
             self.stop_reply()
             return
         text = self._views.composer.prompt.toPlainText().strip()
-        if text:
+        if text or self._views.composer.attachments.pictures:
             self.submit(text)
 
     @Slot()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
@@ -24,7 +24,7 @@ from app.worker.types import (
     TurnResult,
 )
 from app.worker.worker import ConversationWorker
-from engine import Engine, GenerationSettings, KeptMemory, RemoteServer
+from engine import DecodedImage, Engine, GenerationSettings, KeptMemory, RemoteServer
 from engine.hw import HardwarePolicy, PolicyDecision
 
 
@@ -34,7 +34,7 @@ class ConversationClient(QObject):
     _load = Signal(str, str, str, object)
     _attach = Signal(object)
     _use_remote = Signal(object)
-    _send = Signal(str, object, object)
+    _send = Signal(str, object, object, object)
     _regenerate = Signal(object, object)
     _new_chat = Signal(str)
     _branch = Signal(str, str, int, object)
@@ -161,8 +161,9 @@ class ConversationClient(QObject):
         """Chat with a remote server from now on (until a local model is loaded); `remote_ready` says when."""
         self._use_remote.emit(server)
 
-    def send(self, text: str, settings: GenerationSettings) -> None:
-        self._send.emit(text, settings, self._begin())
+    def send(self, text: str, settings: GenerationSettings, images: Sequence[DecodedImage] = ()) -> None:
+        """`images`: pictures that go with the message (a model that sees images places them before its text)."""
+        self._send.emit(text, settings, tuple(images), self._begin())
 
     def regenerate(self, settings: GenerationSettings) -> None:
         self._regenerate.emit(settings, self._begin())

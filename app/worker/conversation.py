@@ -9,17 +9,19 @@ holds, whether a branch re-reads its memory) differs inside these classes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
 from app.worker.types import AttachKind, AttachmentView, CitationView, MemoryHeld, MemoryReport, remote_name
 from engine import (
+    IMAGE_TOKEN,
     Attached,
     Attachments,
     ChatMessage,
     Citation,
+    DecodedImage,
     DocumentError,
     Engine,
     GenerationEvent,
@@ -69,9 +71,15 @@ class Conversation(Protocol):
         """How the history names the model that wrote it."""
         ...
 
-    def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]:
+    def chat(
+        self, text: str, settings: GenerationSettings, stop: StopCheck, images: Sequence[DecodedImage] = ()
+    ) -> Iterator[ChatEvent]:
         """The reply's events; a local conversation offered tools (`set_tools`) ends a reply that calls them in a
         ToolCalls event."""
+        ...
+
+    def pictures(self) -> list[tuple[bytes, ...]]:
+        """Each message's pictures (encoded), index for index with `messages`."""
         ...
 
     def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]: ...
@@ -203,8 +211,21 @@ class LocalConversation:
     def model_name(self) -> str:
         return display_name(self._engine.model_dir)
 
-    def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]:
-        return self.session.chat(text, settings, stop, tools=self._tools)
+    def chat(
+        self, text: str, settings: GenerationSettings, stop: StopCheck, images: Sequence[DecodedImage] = ()
+    ) -> Iterator[ChatEvent]:
+        return self.session.chat(text, settings, stop, tools=self._tools, images=images)
+
+    def pictures(self) -> list[tuple[bytes, ...]]:
+        """Each message's pictures (encoded), in order: the session keeps them in the order of the transcript's
+        markers, so a user message takes as many as its text has."""
+        held = [p.data for p in self.session.images]
+        out: list[tuple[bytes, ...]] = []
+        for m in self.session.messages:
+            n = m.content.count(IMAGE_TOKEN) if m.role == "user" else 0
+            out.append(tuple(held[:n]))
+            held = held[n:]
+        return out
 
     def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]:
         """Answer the last user message again: the whole last turn goes, its tool calls and results included."""
@@ -462,8 +483,15 @@ class RemoteConversation:
     def model_name(self) -> str:
         return remote_name(self.server)
 
-    def chat(self, text: str, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
+    def chat(
+        self, text: str, settings: GenerationSettings, stop: StopCheck, images: Sequence[DecodedImage] = ()
+    ) -> Iterator[GenerationEvent]:
+        if images:  # the window refuses first; a request that got here anyway says the same
+            raise SparkError(f"{self.model_name} cannot see images here; load a model that does, such as SmolVLM.")
         return self.remote.chat(text, settings, stop)
+
+    def pictures(self) -> list[tuple[bytes, ...]]:
+        return []
 
     def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
         return self.remote.regenerate(settings, stop)

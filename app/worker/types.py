@@ -22,6 +22,7 @@ class ModelInfo:
     kv_bytes_per_token: int
     context_tokens: int = 0  # the model's trained context
     sampling: ModelSampling | None = None  # the model's own sampling defaults (Settings shows them)
+    sees_images: bool = False  # the folder has a vision tower: pictures may go with a message
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class MessageView:
     role: str
     content: str
     recalled: tuple[CitationView, ...] = ()  # a reply's: the passages it drew on (kept with the conversation)
+    images: tuple[bytes, ...] = ()  # a user message's pictures, encoded as they were given (the bubble's thumbnails)
 
 
 @dataclass(frozen=True)

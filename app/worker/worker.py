@@ -58,6 +58,7 @@ from app.worker.types import (
 from engine import (
     RECOMPUTE_KIND,
     TRANSCRIPT_KIND,
+    DecodedImage,
     Engine,
     FinishReason,
     GenerationEvent,
@@ -190,6 +191,7 @@ class ConversationWorker(QObject):
             b.kv_bytes_per_token(),
             b.config.max_position_embeddings,
             engine.sampling_defaults,
+            engine.vision is not None,
         )
         tokenizer = engine.tokenizer
         self.loaded.emit(LoadedModel(engine, info, lambda text: len(tokenizer.encode(text, add_bos=False))))
@@ -214,13 +216,15 @@ class ConversationWorker(QObject):
         self.memory.emit(self._report(remote))
 
     # -- conversation ----------------------------------------------------------------------------------------------
-    @Slot(str, object, object)
-    def on_send(self, text: str, settings: GenerationSettings, stop: threading.Event) -> None:
+    @Slot(str, object, object, object)
+    def on_send(
+        self, text: str, settings: GenerationSettings, images: tuple[DecodedImage, ...], stop: threading.Event
+    ) -> None:
         conversation = self._require()
         if conversation is None:
             self._finish_unstarted()
             return
-        self._turn(conversation, lambda s: conversation.chat(text, s, stop.is_set), settings, stop)
+        self._turn(conversation, lambda s: conversation.chat(text, s, stop.is_set, images), settings, stop)
 
     @Slot(object, object)
     def on_regenerate(self, settings: GenerationSettings, stop: threading.Event) -> None:
@@ -663,7 +667,11 @@ class ConversationWorker(QObject):
 
     def _transcript(self) -> list[MessageView]:
         cited = self.conversation.cited() if self.conversation is not None else {}
-        return [MessageView(r, c, cited.get(i, ())) for i, (r, c) in enumerate(self._messages())]
+        pictures = self.conversation.pictures() if self.conversation is not None else []
+        return [
+            MessageView(r, c, cited.get(i, ()), pictures[i] if i < len(pictures) else ())
+            for i, (r, c) in enumerate(self._messages())
+        ]
 
     def _stream(
         self, conversation: Conversation, start: Callable[[], Iterator[ChatEvent]], settings: GenerationSettings
