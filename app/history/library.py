@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from app.settings.sampling_choice import SamplingChoice, choice_from_json
-from engine import InvalidSamplingSettings, atomic_write, load_session
+from engine import IMAGE_TOKEN, InvalidSamplingSettings, atomic_write, load_session
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,12 @@ def new_id() -> str:
 
 
 def title_from(text: str, chars: int = 0) -> str:
-    """A conversation's title from its first message: the first line, shortened at a word."""
+    """A conversation's title from its first message: the first line, shortened at a word (the markers that place
+    its pictures are not words: a message of pictures alone is titled "Picture")."""
     chars = chars or TITLE_CHARS
-    line = " ".join(text.strip().split())
+    line = " ".join(text.replace(IMAGE_TOKEN, " ").strip().split())
     if len(line) <= chars:
-        return line or "New Chat"
+        return line or ("Picture" if IMAGE_TOKEN in text else "New Chat")
     cut = line[:chars].rsplit(" ", 1)[0]
     return (cut if len(cut) > chars // 2 else line[:chars]) + "…"
 

@@ -84,8 +84,15 @@ class Conversation(Protocol):
 
     def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]: ...
 
-    def take_transcript(self, messages: list[tuple[str, str]], system_prompt: str, stop: StopCheck) -> None:
-        """Become these messages (a branch); a local memory reads them (Stop ends that early)."""
+    def take_transcript(
+        self,
+        messages: list[tuple[str, str]],
+        system_prompt: str,
+        stop: StopCheck,
+        images: Sequence[DecodedImage] = (),
+    ) -> None:
+        """Become these messages (a branch); a local memory reads them (Stop ends that early). `images`: the
+        transcript's pictures in the order of its markers."""
         ...
 
     def open(self, path: Path, transcript_only: bool, on_progress: Callable[[int, int], None]) -> Opened:
@@ -217,24 +224,23 @@ class LocalConversation:
         return self.session.chat(text, settings, stop, tools=self._tools, images=images)
 
     def pictures(self) -> list[tuple[bytes, ...]]:
-        """Each message's pictures (encoded), in order: the session keeps them in the order of the transcript's
-        markers, so a user message takes as many as its text has."""
-        held = [p.data for p in self.session.images]
-        out: list[tuple[bytes, ...]] = []
-        for m in self.session.messages:
-            n = m.content.count(IMAGE_TOKEN) if m.role == "user" else 0
-            out.append(tuple(held[:n]))
-            held = held[n:]
-        return out
+        return [tuple(p.data for p in ps) for ps in pictures_by_message(self.messages, self.session.images)]
 
     def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]:
         """Answer the last user message again: the whole last turn goes, its tool calls and results included."""
         return self.session.regenerate(settings, stop, tools=self._tools)
 
-    def take_transcript(self, messages: list[tuple[str, str]], system_prompt: str, stop: StopCheck) -> None:
+    def take_transcript(
+        self,
+        messages: list[tuple[str, str]],
+        system_prompt: str,
+        stop: StopCheck,
+        images: Sequence[DecodedImage] = (),
+    ) -> None:
         now = time.time()
         self.session.messages = [ChatMessage(role, content, now) for role, content in messages]
         self.session.system_prompt = system_prompt
+        self.session.images = list(images)
         self.session.read_transcript(stop)
 
     def open(self, path: Path, transcript_only: bool, on_progress: Callable[[int, int], None]) -> Opened:
@@ -496,7 +502,13 @@ class RemoteConversation:
     def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
         return self.remote.regenerate(settings, stop)
 
-    def take_transcript(self, messages: list[tuple[str, str]], system_prompt: str, stop: StopCheck) -> None:
+    def take_transcript(
+        self,
+        messages: list[tuple[str, str]],
+        system_prompt: str,
+        stop: StopCheck,
+        images: Sequence[DecodedImage] = (),
+    ) -> None:
         self.remote.messages = [{"role": r, "content": c} for r, c in messages]
         self.remote.system_prompt = system_prompt
 
@@ -568,6 +580,20 @@ class RemoteConversation:
 
     def recalled_turns_ago(self, hits_before: int) -> int:
         return 0
+
+
+def pictures_by_message(
+    messages: Sequence[tuple[str, str]], images: Sequence[DecodedImage]
+) -> list[tuple[DecodedImage, ...]]:
+    """Each message's pictures: a session keeps them in the order of its transcript's markers, so a user message
+    takes as many as its text has."""
+    out: list[tuple[DecodedImage, ...]] = []
+    held = list(images)
+    for role, content in messages:
+        n = content.count(IMAGE_TOKEN) if role == "user" else 0
+        out.append(tuple(held[:n]))
+        held = held[n:]
+    return out
 
 
 def citation_view(c: Citation, shown: str) -> CitationView:

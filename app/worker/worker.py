@@ -38,7 +38,7 @@ from app.tools.consent import ConsentGate, ConsentRequest, Decision, PendingCall
 from app.tools.mcp_host import McpHost, McpServerSpec
 from app.tools.toolbox import Toolbox, ToolRun
 from app.worker import session_files, tool_turns
-from app.worker.conversation import Conversation, LocalConversation, RemoteConversation
+from app.worker.conversation import Conversation, LocalConversation, RemoteConversation, pictures_by_message
 from app.worker.engine_factory import load_engine
 from app.worker.types import (
     AttachKind,
@@ -276,15 +276,18 @@ class ConversationWorker(QObject):
             self._finish_unstarted()
             return
         messages = [(m.role, m.content) for m in data.messages[: upto + 1]]
+        pictures = pictures_by_message(messages, data.images)  # those of the messages the branch keeps
         self._park()
         branch = self.conversation = conversation.fresh()
         self._store_path = Path(store_path)
         self._system_text = data.system_prompt or ""
         self.system_prompt.emit(self._system_text)
-        self.conversation_shown.emit([MessageView(r, c) for r, c in messages])
+        self.conversation_shown.emit(
+            [MessageView(r, c, images=tuple(p.data for p in ps)) for (r, c), ps in zip(messages, pictures, strict=True)]
+        )
         self._start_reading()
         try:
-            branch.take_transcript(messages, self._system_text, stop.is_set)
+            branch.take_transcript(messages, self._system_text, stop.is_set, [p for ps in pictures for p in ps])
         except Exception as exc:
             log.exception("reading a branch failed")
             self.error.emit(f"The branch's memory could not be read ({exc}); it is read on the next message instead.")

@@ -108,6 +108,8 @@ def test_a_pasted_picture_goes_with_the_message_and_its_thumbnail_stays_in_the_t
     assert session.messages[0].content.count(IMAGE_TOKEN) == 1
     assert waiting(window) == [] and not window.composer.attachments.isVisibleTo(window)  # it went with the message
     assert window.chat.picture_keys() == ["0.0"] and IMAGE_TOKEN not in window.chat.message_text(0)
+    entry = window.library.get(window.state.current_id)
+    assert entry is not None and entry.title == "What is in this picture?"  # the marker is no word of its title
     shot(window, "picture-answered.png")
     window.chat.open_picture("0.0")
     enlarged = window.chat.picture_window
@@ -202,3 +204,20 @@ def test_a_bubble_shows_its_pictures_without_the_marker_and_a_click_enlarges_one
     view.picture_window.close()
     view.open_picture("0.7")  # no such picture: nothing opens
     view.open_picture("x.y")
+
+
+def test_a_branch_keeps_the_pictures_of_the_messages_it_keeps_and_answers_about_them(
+    qtbot, window: MainWindow, gui, prefs
+) -> None:  # type: ignore[no-untyped-def]
+    set_reply_tokens(prefs, 4)
+    paste_image(window, png(30, 30, seed=9))
+    (sha,) = waiting(window)
+    say(qtbot, gui, window, "What is this?")
+    with qtbot.waitSignal(window.client.finished, timeout=WAIT_MS) as blocker:
+        window.chat.branch_requested.emit(1)  # from the reply: the question and its picture are kept
+    assert blocker.args[0].reason != "error" and "could not be read" not in window.notice.text()
+    assert window.chat.picture_keys() == ["0.0"]
+    session = window.client.worker.session
+    assert session is not None and [p.sha256 for p in session.images] == [sha]
+    result = say(qtbot, gui, window, "And now?")
+    assert result.reason != "error" and result.progress.generated_tokens == 4
