@@ -25,9 +25,9 @@ from app.misc.signal_wait import GuiRelay
 from app.window import memory_controls
 from app.window.chat_view import ChatView
 from app.window.main_window import MainWindow
-from engine import IMAGE_TOKEN, load_session
+from engine import IMAGE_TOKEN, GenerationSettings, RemoteServer, load_session
 from tests.helpers.app_window import WAIT_MS, dispose, relaunch, say, set_reply_tokens, shown_chat_view
-from tests.helpers.pictures import png
+from tests.helpers.pictures import picture, png
 from tests.helpers.tiny import make_tiny_model
 
 pytest.importorskip("transformers")
@@ -221,3 +221,15 @@ def test_a_branch_keeps_the_pictures_of_the_messages_it_keeps_and_answers_about_
     assert session is not None and [p.sha256 for p in session.images] == [sha]
     result = say(qtbot, gui, window, "And now?")
     assert result.reason != "error" and result.progress.generated_tokens == 4
+
+
+def test_a_remote_server_refuses_a_picture_in_the_window_and_in_the_worker(qtbot, window: MainWindow, gui) -> None:  # type: ignore[no-untyped-def]
+    server = RemoteServer("http://127.0.0.1:9/v1", "tiny")  # never contacted: both refusals come first
+    with qtbot.waitSignal(gui(window.client.remote_ready), timeout=WAIT_MS):
+        window.client.use_remote(server)
+    paste_image(window, png(16, 16, seed=10))
+    assert window.notice.text().endswith("cannot see images here; load a model that does, such as SmolVLM.")
+    assert waiting(window) == []
+    with qtbot.waitSignal(gui(window.client.error), timeout=WAIT_MS) as blocker:
+        window.client.send("What is this?", GenerationSettings(max_tokens=4), [picture(16, 16, seed=10)])
+    assert "cannot see images here" in blocker.args[0]
