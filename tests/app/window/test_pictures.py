@@ -141,6 +141,7 @@ def test_a_dropped_picture_and_one_from_the_paperclip_wait_as_chips_and_x_remove
     [
         ("cut.png", png(64, 64, seed=4)[:200], "truncated or damaged"),
         ("huge.png", png_claiming(100_000, 100_000), "huge.png"),
+        ("bomb.png", png_claiming(8_000, 8_000), "bomb.png"),  # 64 million pixels behind a 33-byte header
         ("note.png", b"plain text, not a picture", "not a PNG, JPEG, WebP or GIF"),
     ],
 )
@@ -233,3 +234,15 @@ def test_a_remote_server_refuses_a_picture_in_the_window_and_in_the_worker(qtbot
     with qtbot.waitSignal(gui(window.client.error), timeout=WAIT_MS) as blocker:
         window.client.send("What is this?", GenerationSettings(max_tokens=4), [picture(16, 16, seed=10)])
     assert "cannot see images here" in blocker.args[0]
+
+
+def test_return_sends_a_picture_without_text(qtbot, window: MainWindow, gui, prefs) -> None:  # type: ignore[no-untyped-def]
+    set_reply_tokens(prefs, 4)
+    paste_image(window, png(20, 20, seed=11))
+    with qtbot.waitSignal(gui(window.client.finished), timeout=WAIT_MS) as blocker:
+        qtbot.keyClick(window.composer.prompt, Qt.Key.Key_Return)
+    assert blocker.args[0].reason != "error"
+    session = window.client.worker.session
+    assert session is not None and session.messages[0].content == IMAGE_TOKEN and len(session.images) == 1
+    entry = window.library.get(window.state.current_id)
+    assert entry is not None and entry.title == "Picture"
