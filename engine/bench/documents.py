@@ -25,6 +25,7 @@ context is `--tokens 65536`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import tempfile
 import time
@@ -134,7 +135,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SparkError(f"--tokens must be between {MIN_TOKENS:,} and {MAX_TOKENS:,}.")
     model = resolve_model_path(args.model)
     docs, facts = corpus(tokens)
-    with tempfile.TemporaryDirectory(prefix="spark-bench-documents-") as cache:
+    kept = getattr(args, "cache_dir", None)  # capsules reused across runs: nothing is read again (iterating)
+    with (
+        contextlib.nullcontext(str(kept))
+        if kept
+        else tempfile.TemporaryDirectory(prefix="spark-bench-documents-") as cache
+    ):
         factory = memory_factory_for(model, cache_dir=Path(cache))
         engine = Engine.load(model, args.backend or "cpu", memory_factory=factory, quantize=args.quantize)
         tok = engine.tokenizer

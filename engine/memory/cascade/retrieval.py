@@ -197,7 +197,7 @@ class Retriever:
         first, then the PASSAGE_RADIUS blocks either side of each; () when they name none."""
         if not fed or not n or not self.episodic.pinned or not len(self.lexical):
             return ()
-        picks = self.lexical.top(fed[-QUERY_TOKENS:], LEXICAL_BLOCKS, LEXICAL_RATIO, LEXICAL_LEAST)
+        picks = self.lexical.top(fed[-QUERY_TOKENS:], LEXICAL_BLOCKS, LEXICAL_RATIO, LEXICAL_LEAST, PASSAGE_RADIUS)
         picks = [b for b in picks if b in self.episodic.blocks]
         around = self.lexical.passage(picks, min(n, (2 * PASSAGE_RADIUS + 1) * len(picks)))
         return tuple(b for b in around if b in self.episodic.blocks)
