@@ -4,10 +4,11 @@ Quest key bounds rank a block by the best dot product any of its keys could give
 dozen passages that read alike (the same template, other names and numbers) every one of them bounds about as
 high, and the one the question names is not reliably first (docs/BENCHMARKS.md, "Documents as memory"). The words
 the question shares with a passage separate them at once: a block that holds the question's rare terms is the
-passage it asks about. So while documents are attached, each routing decision also scores the attached blocks
-against the conversation's most recent tokens with BM25 (the field's standard lexical ranking; hybrid lexical +
-dense retrieval is standard practice), and the few blocks it ranks clearly first, each with its neighbours, are every
-layer's retrieval groups (engine.memory.cascade.retrieval); the bounds route when the question names no block.
+passage it asks about. So while documents are attached, each routing decision also scores the attached passages
+(a block with its neighbours, so a sentence cut by a block's edge scores whole) against the conversation's most
+recent tokens with BM25 (the field's standard lexical ranking; hybrid lexical + dense retrieval is standard
+practice), and the few passages it ranks clearly first, none overlapping another, are every layer's retrieval groups
+(engine.memory.cascade.retrieval); the bounds route when the question names no block.
 
 Terms are token ids: the index needs no tokenizer and no language, and a term is exactly what the model read. It
 is built from the blocks' own token ids (an attached capsule's ids, engine.documents.capsule), so it cannot
