@@ -131,7 +131,8 @@ class LexicalIndex:
         return result
 
     def top(self, query: list[int], limit: int, ratio: float, least: float = 0.0, radius: int = 0) -> list[int]:
-        """Block ids of at most `limit` windows' middle blocks (scores(query, radius)), best first, when the best
+        """Block ids of at most `limit` windows (scores(query, radius)), best first, each window's own best block
+        (scores(query): the part of the passage that holds most of it; the first of equals), when the best
         reaches `least` (and is above 0): the passages the query names clearly, rather than a fixed number
         whatever their score. Ties go to the older block. Beside the best, a window counts only when it
         - scores at least `ratio` of the best,
@@ -162,7 +163,14 @@ class LexicalIndex:
             if any(lo[r] == lo[c] and abs(r - c) <= 2 * radius for c in named):
                 continue
             named.append(r)
-        return [self.ids[r] for r in named]
+        if radius:  # each passage read around its own best block, the one holding most of it (not a window's edge)
+            own = self.scores(query)
+            lo, hi = self._row_bounds()
+            named = [
+                max(range(max(r - radius, int(lo[r])), min(r + radius + 1, int(hi[r]))), key=lambda c: float(own[c]))
+                for r in named
+            ]
+        return [self.ids[r] for r in dict.fromkeys(named)]
 
     def passage(self, named: list[int], n: int) -> list[int]:
         """Up to n block ids: `named` first, then the blocks around them in their own text, nearest first (a
