@@ -142,6 +142,16 @@ def test_a_window_scores_a_fact_cut_by_a_blocks_edge_whole_and_names_a_passage_o
     assert float(index.scores([200], radius=1)[last - index.ids[0]]) == 0.0
 
 
+def test_a_passage_is_read_around_its_own_best_block() -> None:
+    index = LexicalIndex()
+    often = [5, *[9] * (B - 1)]  # a word of the question some filler blocks hold too
+    index.add(0, often + often + [*TEMPLATE, 100, 200, 9, 9] + [9] * B * 30 + often * 8, B)
+    question = [*TEMPLATE, 100, 200, 5]
+    windows = index.scores(question, radius=1)
+    assert float(windows[1]) > float(windows[2])  # the window ending at the fact holds the common word twice
+    assert index.top(question, 4, 0.8, least=2.5, radius=1) == [2]  # its passage is read around the fact
+
+
 def test_a_removed_text_is_never_named_again_and_leaves_the_others_scores_as_if_never_added() -> None:
     alone, both = LexicalIndex(), LexicalIndex()
     alone.add(10, _look_alikes(NAMES), B)
