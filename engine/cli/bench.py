@@ -92,6 +92,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         help="`documents`: the corpus's size in tokens (default 32000; --quick 6000)",
     )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="`documents`: keep the capsules here and reuse them on later runs (default: a fresh temporary folder,"
+        " so the first question reads every document)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

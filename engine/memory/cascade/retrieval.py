@@ -10,9 +10,10 @@ and each layer's best others its last `layer_blocks` groups (consensus_groups).
 Only the (layer, group) pairs whose block changed are paged in (read from host memory, or back from L3).
 While documents are attached (pinned blocks), the recent summaries are kept per token where the backend gives them,
 blocks rank by their best bound over those tokens' queries, and the consensus votes over each layer's top
-ATTACHED_DEPTH. When the conversation's recent tokens name attached blocks (engine.memory.cascade.lexical's BM25:
-at most LEXICAL_BLOCKS, each within LEXICAL_RATIO of the best, the best at least LEXICAL_LEAST), those blocks and
-the PASSAGE_RADIUS blocks either side of each are every layer's groups instead, and only they: the look-alike
+ATTACHED_DEPTH. When the conversation's recent tokens name attached passages (engine.memory.cascade.lexical's BM25
+over each block with the PASSAGE_RADIUS blocks either side: at most LEXICAL_BLOCKS, each within LEXICAL_RATIO of the
+best and holding a rare word of the question the best lacks, the best at least LEXICAL_LEAST), those passages are
+every layer's groups instead, and only they: the look-alike
 blocks the bounds rank as high would otherwise sit beside them, and the model answers from one of those
 (docs/BENCHMARKS.md, "Documents as memory").
 """
@@ -60,13 +61,14 @@ def consensus_groups(chosen: list[list[int]], shared: int, n: int = 0, named: tu
 
 ATTACHED_DEPTH = 32  # with attachments, how deep each layer's ranking votes in the consensus
 LEXICAL_BLOCKS = 4  # with attachments, at most this many blocks the question names go into every layer's groups
-# ... each scoring at least this share of the best block's score: near-ties only, since a block sharing part of the
-# question's words (another fact in the same words) is a look-alike, and the model copies look-alikes it sees
+# ... each scoring at least this share of the best passage's score, and holding a rare word of the question the best
+# lacks: near-ties only, since a passage sharing part of the question's words (another fact in the same words) is
+# a look-alike, and the model copies look-alikes it sees
 LEXICAL_RATIO = 0.8
 # ... and only when the best scores this much: about one word that one block in 20 holds (BM25's idf of such a
 # word is ln(1 + 19.5 / 1.5) = 2.6), so words most blocks share never name a passage on their own.
 LEXICAL_LEAST = 2.5
-PASSAGE_RADIUS = 1  # a named block is read with this many blocks either side (a sentence cut by a block's edge)
+PASSAGE_RADIUS = 1  # a block is scored, and read, with this many blocks either side (a sentence cut by an edge)
 
 
 class Retriever:
@@ -193,11 +195,12 @@ class Retriever:
                 return
 
     def _named(self, fed: list[int] | None, n: int) -> tuple[int, ...]:
-        """Up to n attached blocks: those the recent tokens name (BM25; engine.memory.cascade.lexical), best
-        first, then the PASSAGE_RADIUS blocks either side of each; () when they name none."""
+        """Up to n attached blocks: the middle blocks of the passages the recent tokens name (BM25;
+        engine.memory.cascade.lexical), best first, then the PASSAGE_RADIUS blocks either side of each; () when
+        they name none."""
         if not fed or not n or not self.episodic.pinned or not len(self.lexical):
             return ()
-        picks = self.lexical.top(fed[-QUERY_TOKENS:], LEXICAL_BLOCKS, LEXICAL_RATIO, LEXICAL_LEAST)
+        picks = self.lexical.top(fed[-QUERY_TOKENS:], LEXICAL_BLOCKS, LEXICAL_RATIO, LEXICAL_LEAST, PASSAGE_RADIUS)
         picks = [b for b in picks if b in self.episodic.blocks]
         around = self.lexical.passage(picks, min(n, (2 * PASSAGE_RADIUS + 1) * len(picks)))
         return tuple(b for b in around if b in self.episodic.blocks)

@@ -99,7 +99,57 @@ def test_words_most_blocks_share_name_no_passage() -> None:
     many = LexicalIndex()
     many.add(0, _look_alikes(NAMES) + [9] * (B * 40), B)
     assert many.top([*TEMPLATE, 103], 4, 0.8, least=2.5) == [4]  # a word one block in 46 holds
-    assert many.top([*TEMPLATE, 103], 4, 0.5, least=2.5) == [4, 0, 1, 2]  # the template's blocks, two thirds as high
+    # The template's blocks score two thirds as high but hold none of the question's rare words: no tie.
+    assert many.top([*TEMPLATE, 103], 4, 0.5, least=2.5) == [4]
+
+
+def test_a_block_holding_only_some_of_the_best_blocks_rare_words_is_no_near_tie() -> None:
+    index = LexicalIndex()
+    index.add(0, _look_alikes([*NAMES, (104, 205), (105, 206)]) + [9] * (B * 40), B)  # one block in 48 each
+    question = [*TEMPLATE, 100, 200]  # "the red harbour": blocks 0 (both words), 2 (red) and 3 (harbour)
+    s = index.scores(question)
+    assert float(s[2]) >= 0.4 * float(s[0]) and float(s[3]) >= 0.4 * float(s[0])
+    assert index.top(question, 4, 0.4, least=2.5) == [0]  # each holds one of the two names: a partial match
+    # A block holding a rare word of the question that the best lacks is a near-tie: asked about the red harbour
+    # and the red tower, the red tower (202: the rarest word) is first, the red harbour and the harbour beside it.
+    assert index.top([*TEMPLATE, 100, 200, 202], 4, 0.4, least=2.5) == [2, 0, 3]
+
+
+def test_a_window_scores_a_fact_cut_by_a_blocks_edge_whole_and_names_a_passage_once() -> None:
+    index = LexicalIndex()
+    filler = [9] * B
+    # One text: the red harbour's fact cut by a block's edge (red ends block 3, harbour starts block 4), another
+    # fact naming red with the whole template (block 8); a second text right after it, whose first block names
+    # harbour.
+    text = [
+        *filler * 3,
+        *[1, 2, 5, 6, 7, 8, 5, 100],  # "the pass ... red"
+        *[200, 3, 4, 7, 8, 5, 6, 7],  # "harbour ... key of"
+        *filler * 3,
+        *[*TEMPLATE, 100, 201, 5, 6],
+    ]
+    index.add(0, text + filler * 30, B)
+    index.add(index.spans[-1][1], [200, *[9] * (B - 1)] + filler * 5, B)
+    question = [*TEMPLATE, 100, 200]
+    alone = index.scores(question)
+    assert float(alone[8]) > float(alone[3]) and float(alone[8]) > float(alone[4])  # block by block, "red" wins
+    windows = index.scores(question, radius=1)
+    assert {int(r) for r in (windows == windows.max()).nonzero().flatten()} == {3, 4}  # both halves in view
+    # Adjacent windows tie (each holds both halves): the passage is named once, its older middle block.
+    assert index.top(question, 4, 0.5, least=2.5, radius=1) == [3]
+    # A window never reads across into another text: the text's last block does not see the next one's "harbour".
+    last = index.spans[0][1] - 1
+    assert float(index.scores([200], radius=1)[last - index.ids[0]]) == 0.0
+
+
+def test_a_passage_is_read_around_its_own_best_block() -> None:
+    index = LexicalIndex()
+    often = [5, *[9] * (B - 1)]  # a word of the question some filler blocks hold too
+    index.add(0, often + often + [*TEMPLATE, 100, 200, 9, 9] + [9] * B * 30 + often * 8, B)
+    question = [*TEMPLATE, 100, 200, 5]
+    windows = index.scores(question, radius=1)
+    assert float(windows[1]) > float(windows[2])  # the window ending at the fact holds the common word twice
+    assert index.top(question, 4, 0.8, least=2.5, radius=1) == [2]  # its passage is read around the fact
 
 
 def test_a_removed_text_is_never_named_again_and_leaves_the_others_scores_as_if_never_added() -> None:
