@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.backends.base import Backend
-from engine.documents.capsule import Capsule, _check, capsule_key, load_or_read
+from engine.documents.capsule import Capsule, capsule_key, checked, load_or_read
 from engine.documents.extract import Document, DocumentError, Kind, Segment, read_file
 from engine.documents.provenance import Citation, TokenMap, tokenize
 from engine.documents.recall import StoredMemoryUnusable, recall_stored
@@ -227,9 +227,7 @@ def find_capsule(memory: CascadeMemory, record: AttachmentRecord) -> Capsule | N
     ids, b = meta.get("ids"), memory.cfg.block_size
     if not isinstance(ids, list) or len(ids) != record.tokens or any(type(t) is not int for t in ids):
         return None
-    c = memory.backend.config
-    shape = (c.num_hidden_layers, c.num_key_value_heads * c.head_dim)
-    return _check(meta, tensors, memory.store, ids, b, shape, TokenMap(record.name, (0,), ((0, 1),)))
+    return checked(meta, tensors, memory.store, ids, b, memory.backend, TokenMap(record.name, (0,), ((0, 1),)))
 
 
 def transcript_document(path: Path) -> Document:

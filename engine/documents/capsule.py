@@ -83,11 +83,9 @@ def load_or_read(
         )
     ids = ids + [pad] * (-len(ids) % block_size)
     key = capsule_key(store, ids, block_size, pad)
-    c = backend.config
-    shape = (c.num_hidden_layers, c.num_key_value_heads * c.head_dim)
     got = store.get_state(key)
     if got is not None:
-        found = _check(got[0], got[1], store, ids, block_size, shape, token_map)
+        found = checked(got[0], got[1], store, ids, block_size, backend, token_map)
         if found is not None:
             return found
         store.discard(key)
@@ -98,16 +96,19 @@ def load_or_read(
     return capsule
 
 
-def _check(
+def checked(
     meta: dict[str, Any],
     tensors: dict[str, torch.Tensor],
     store: PersistentStore,
     ids: list[int],
     block_size: int,
-    shape: tuple[int, int],
+    backend: Backend,
     token_map: TokenMap,
 ) -> Capsule | None:
-    """The stored capsule when every part of it holds (and every block is still in L3), else None."""
+    """A stored capsule (`store.get_state`'s meta and tensors) when every part of it holds for `ids` and
+    `backend`'s geometry (and every block is still in L3), else None."""
+    c = backend.config
+    shape = (c.num_hidden_layers, c.num_key_value_heads * c.head_dim)
     keys = meta.get("keys")
     n = len(ids) // block_size
     if (
