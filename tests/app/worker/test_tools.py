@@ -18,27 +18,16 @@ from app.worker.client import ConversationClient
 from app.worker.tool_turns import MAX_TOOL_ROUNDS, RESPONSE_OPEN, ToolStatus
 from app.worker.types import TurnResult
 from engine import FinishReason, GenerationSettings, SamplingSettings, load_session
-from engine.tools.calls import Tool, ToolChoice, ToolSpec
+from engine.tools.calls import ToolChoice, ToolSpec
 from engine.tools.grammar import tool_grammar
 from engine.tools.template import FALLBACK_SYSTEM, TOOL_ROLE
 from tests.helpers.app_window import WAIT_MS, running_client
 from tests.helpers.default_model import default_model_dir
+from tests.helpers.tool_specs import add_tool
 
 SERVER = str(Path(__file__).resolve().parents[2] / "helpers" / "mcp_demo_server.py")
 DEMO = McpServerSpec("demo", sys.executable, (SERVER,))
-ADD = Tool(
-    "demo__add",
-    "Add two integers.",
-    {
-        "type": "object",
-        "properties": {
-            "a": {"type": "integer", "minimum": 0, "maximum": 99},
-            "b": {"type": "integer", "minimum": 0, "maximum": 99},
-        },
-        "required": ["a", "b"],
-        "additionalProperties": False,
-    },
-)
+ADD = add_tool("demo__add")
 # The tiny random model is made to call `add` every round (the settings' grammar: tool_choice "required"), so a turn
 # goes the whole bounded number of rounds.
 FORCED = GenerationSettings(

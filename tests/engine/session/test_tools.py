@@ -20,20 +20,9 @@ from engine.tools.grammar import tool_grammar, tool_settings
 from engine.tools.template import FALLBACK_SYSTEM, TOOL_ROLE
 from tests.helpers.default_model import default_model_dir
 from tests.helpers.fixtures import TinyModel
+from tests.helpers.tool_specs import add_tool
 
-ADD = Tool(
-    "add",
-    "Add two integers.",
-    {
-        "type": "object",
-        "properties": {
-            "a": {"type": "integer", "minimum": 0, "maximum": 99},
-            "b": {"type": "integer", "minimum": 0, "maximum": 99},
-        },
-        "required": ["a", "b"],
-        "additionalProperties": False,
-    },
-)
+ADD = add_tool("add")
 INTS = {"a": {"type": "integer"}, "b": {"type": "integer"}}  # unbounded: what the model picks is its own
 FORCED = ToolSpec((ADD,), ToolChoice.REQUIRED, parallel=False)  # a random model calls `add`, once per reply
 SETTINGS = GenerationSettings(max_tokens=160, sampling=SamplingSettings(seed=0))
