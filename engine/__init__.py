@@ -116,6 +116,7 @@ with _deferred():
     from engine.vision.images import ImageError as ImageError
     from engine.vision.images import decode_bytes as decode_bytes
     from engine.vision.images import decode_file as decode_file
+    from engine.vision.images import media_type as media_type
 
 __all__ = ["exit_process", "prepare_process", *_PUBLIC]
 

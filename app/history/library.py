@@ -355,16 +355,3 @@ def _write_index(path: Path, data: bytes) -> None:
         atomic_write(path, [data])
     except Exception:  # the files are the truth; a lost index row is recovered on the next load
         log.exception("could not write the conversation index")
-
-
-def export_markdown(title: str, messages: list[tuple[str, str]]) -> str:
-    labels = {"user": "You", "assistant": "Spark", "system": "System"}
-    parts = [f"# {title}", ""]
-    for role, content in messages:
-        parts += [f"**{labels.get(role, role.title())}:**", "", content.strip(), ""]
-    return "\n".join(parts)
-
-
-def export_json(title: str, messages: list[tuple[str, str]], model: str) -> str:
-    data = {"title": title, "model": model, "messages": [{"role": r, "content": c} for r, c in messages]}
-    return json.dumps(data, ensure_ascii=False, indent=2) + "\n"

@@ -1,6 +1,7 @@
 """Remote OpenAI-compatible servers as model choices: the "Add a server…" dialog and where the choices are kept.
 
-`AddServerDialog` asks for a base URL, an API key and a model; "Check" lists the server's models (on a worker
+`AddServerDialog` asks for a base URL, an API key, a model and whether it sees images (the user's word: OpenAI's model
+list does not say; pictures go to it as `image_url` parts only when ticked); "Check" lists the server's models (on a worker
 thread, so a slow server never freezes the window) and fills the model box. `RemoteServerList` keeps the added
 servers in QSettings as JSON (QSettings back ends disagree on types). Chatting with one goes through
 `engine.openai.client.RemoteSession` (the same GenerationEvents as a local session); the cascade and session memory
@@ -17,6 +18,7 @@ import threading
 
 from PySide6.QtCore import QObject, QSettings, Signal, Slot
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QDialog,
     QDialogButtonBox,
@@ -47,24 +49,25 @@ class RemoteServerList:
         out = []
         for d in data if isinstance(data, list) else []:
             try:
-                out.append(RemoteServer(str(d["base_url"]), str(d["model"]), str(d.get("api_key", ""))))
+                sees = d.get("sees_images", False) is True  # only a JSON true: a hand-edited value is not a yes
+                out.append(RemoteServer(str(d["base_url"]), str(d["model"]), str(d.get("api_key", "")), sees))
             except (KeyError, TypeError, RemoteError):
                 continue  # a hand-edited entry that no longer makes sense is skipped, the others stay
         return out
 
     def add(self, server: RemoteServer) -> None:
-        servers = [s for s in self.all() if (s.url, s.model) != (server.url, server.model)] + [server]
-        self._s.setValue(
-            SETTINGS_KEY,
-            json.dumps([{"base_url": s.base_url, "model": s.model, "api_key": s.api_key} for s in servers]),
-        )
+        """Keep `server`, replacing one with the same address and model (adding it again changes its settings)."""
+        self._store([s for s in self.all() if (s.url, s.model) != (server.url, server.model)] + [server])
 
     def remove(self, server: RemoteServer) -> None:
-        servers = [s for s in self.all() if (s.url, s.model) != (server.url, server.model)]
-        self._s.setValue(
-            SETTINGS_KEY,
-            json.dumps([{"base_url": s.base_url, "model": s.model, "api_key": s.api_key} for s in servers]),
-        )
+        self._store([s for s in self.all() if (s.url, s.model) != (server.url, server.model)])
+
+    def _store(self, servers: list[RemoteServer]) -> None:
+        rows = [
+            {"base_url": s.base_url, "model": s.model, "api_key": s.api_key, "sees_images": s.sees_images}
+            for s in servers
+        ]
+        self._s.setValue(SETTINGS_KEY, json.dumps(rows))
 
 
 class _ModelLister(QObject):
@@ -100,6 +103,10 @@ class AddServerDialog(QDialog):
         self.key.setPlaceholderText("optional")
         self.model = QComboBox()
         self.model.setEditable(True)
+        self.sees_images = QCheckBox("Sees images")
+        self.sees_images.setToolTip(
+            "Tick this if the server's model takes pictures (a vision model): they are sent to it with the message."
+        )
         self.check = QPushButton("Check")
         self.status = QLabel("")
         self.status.setWordWrap(True)
@@ -107,6 +114,7 @@ class AddServerDialog(QDialog):
         form.addRow("Server URL", self.url)
         form.addRow("API key", self.key)
         form.addRow("Model", self.model)
+        form.addRow("", self.sees_images)
         form.addRow("", self.check)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
         buttons.accepted.connect(self.accept)
@@ -151,7 +159,12 @@ class AddServerDialog(QDialog):
 
     def accept(self) -> None:
         try:
-            self._value = RemoteServer(self.url.text().strip(), self.model.currentText().strip(), self.key.text())
+            self._value = RemoteServer(
+                self.url.text().strip(),
+                self.model.currentText().strip(),
+                self.key.text(),
+                self.sees_images.isChecked(),
+            )
         except RemoteError as exc:
             self.status.setText(str(exc))
             return

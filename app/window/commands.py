@@ -14,11 +14,14 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from app.history.library import ConversationEntry, ConversationLibrary, export_json, export_markdown, new_id
+from app.history.export import Exported, ExportMessage, export_conversation
+from app.history.library import ConversationEntry, ConversationLibrary, new_id
+from app.models.dialog import REVEAL_WORDS, reveal_in_file_manager
 from app.window.dialogs import Dialogs
 from app.window.state import Notice, WindowState
 from app.worker.client import ConversationClient
-from engine import SESSION_SUFFIX, atomic_write, load_session
+from app.worker.conversation import pictures_by_message
+from engine import SESSION_SUFFIX, load_session
 
 
 @dataclass(frozen=True)
@@ -175,25 +178,38 @@ class ConversationCommands(QObject):
 
     @Slot(str, str)
     def export(self, conversation_id: str, kind: str) -> None:
+        """Export as Markdown ("md") or JSON ("json"), the pictures with it (app.history.export)."""
         entry = self._library.get(conversation_id)
         if entry is None:
             self.notice.emit(Notice("This conversation has no messages yet, so there is nothing to export."))
             return
-        path = self._dialogs.export_path(self._documents_dir() / f"{_file_name(entry.title)}.{kind}", kind)
-        if path is None:
-            return
         try:
-            messages = [(m.role, m.content) for m in load_session(self._library.path_for(conversation_id)).messages]
-            text = (
-                export_markdown(entry.title, messages)
-                if kind == "md"
-                else export_json(entry.title, messages, entry.model)
-            )
-            atomic_write(path, [text.encode("utf-8")])
+            data = load_session(self._library.path_for(conversation_id))
+        except Exception as exc:  # one sentence, nothing lost
+            self.notice.emit(Notice(f"The conversation could not be read for export ({exc}).", True))
+            return
+        pairs = [(m.role, m.content) for m in data.messages]
+        messages = [
+            ExportMessage(r, c, ps) for (r, c), ps in zip(pairs, pictures_by_message(pairs, data.images), strict=True)
+        ]
+        start = self._documents_dir() / f"{_file_name(entry.title)}.{kind}"
+        chosen = self._dialogs.export_path(start, kind, bool(data.images))
+        if chosen is None:
+            return
+        path, form = chosen
+        try:
+            done = export_conversation(path, form, entry.title, entry.model, messages)
         except Exception as exc:  # one sentence, nothing lost
             self.notice.emit(Notice(f"The conversation could not be exported to {path.name} ({exc}).", True))
             return
-        self.notice.emit(Notice(f"Exported {path.name}."))
+        self.notice.emit(Notice(_exported_words(done), False, (REVEAL_WORDS, lambda: reveal_in_file_manager(path))))
+
+
+def _exported_words(done: Exported) -> str:
+    if done.folder is None:
+        return f"Exported {done.path.name}."
+    n = len(done.pictures)
+    return f"Exported {done.path.name}, its {n} picture{'s' if n != 1 else ''} in “{done.folder.name}”."
 
 
 def _file_name(title: str) -> str:

@@ -8,6 +8,7 @@ from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
 
 import engine
+from app.history.export import ExportForm
 from app.settings.conversation_sampling import ConversationSamplingDialog, SamplingEdit
 from app.settings.json_reply import SchemaDialog
 from app.settings.kept_memory import KeptMemoryControl
@@ -22,6 +23,10 @@ from engine.paths import APP_NAME
 SESSION_FILTER = "Spark conversations (*.spark)"
 MODEL_FILTER = "GGUF models (*.gguf)"
 EXPORT_FILTERS = {"md": "Markdown (*.md)", "json": "JSON (*.json)"}
+MARKDOWN_PICTURE_FILTERS = {
+    "Markdown, pictures in a folder beside it (*.md)": ExportForm.MARKDOWN,
+    "Markdown, pictures inside the file (*.md)": ExportForm.MARKDOWN_INLINE,
+}
 HELP_TEXT = """<h3>Chatting</h3>
 <p>Type in the box at the bottom and press Return; Shift+Return starts a new line. While Spark writes, the Send
 button becomes Stop. A long message is read first: the reply shows how far the reading got.</p>
@@ -67,12 +72,16 @@ class Dialogs:
         name, _ = QFileDialog.getOpenFileName(self.parent, "Open Model", str(start), MODEL_FILTER)
         return Path(name) if name else None
 
-    def export_path(self, start: Path, kind: str) -> Path | None:
-        name, _ = QFileDialog.getSaveFileName(self.parent, "Export", str(start), EXPORT_FILTERS[kind])
+    def export_path(self, start: Path, kind: str, pictures: bool = False) -> tuple[Path, ExportForm] | None:
+        """Where to export and in which form: for Markdown with `pictures`, the format menu offers the pictures in a
+        folder beside the file (first, the default) or inside it."""
+        filters = MARKDOWN_PICTURE_FILTERS if kind == "md" and pictures else {EXPORT_FILTERS[kind]: ExportForm(kind)}
+        name, chosen = QFileDialog.getSaveFileName(self.parent, "Export", str(start), ";;".join(filters))
         if not name:
             return None
+        form = filters.get(chosen, next(iter(filters.values())))
         path = Path(name)
-        return path if path.suffix == f".{kind}" else path.with_suffix(f".{kind}")
+        return (path if path.suffix == form.suffix else path.with_suffix(form.suffix)), form
 
     def ask_text(self, title: str, label: str, current: str) -> str | None:
         text, ok = QInputDialog.getText(self.parent, title, label, text=current)

@@ -152,7 +152,10 @@ class MemoryControls(QObject):
     @Slot(object)
     def _on_remote(self, server: RemoteServer) -> None:
         self.pictures_refused = (
-            f"{remote_name(server)} cannot see images here; load a model that does, such as SmolVLM."
+            ""
+            if server.sees_images
+            else f"{remote_name(server)} cannot see images here; if it can, add the server again with “Sees images” "
+            "ticked, or load a model that does, such as SmolVLM."
         )
 
     @Slot(str, str)

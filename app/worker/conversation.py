@@ -82,6 +82,10 @@ class Conversation(Protocol):
         """Each message's pictures (encoded), index for index with `messages`."""
         ...
 
+    def images(self) -> list[DecodedImage]:
+        """The transcript's pictures in the order of its markers (what another conversation takes it over with)."""
+        ...
+
     def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]: ...
 
     def take_transcript(
@@ -225,6 +229,9 @@ class LocalConversation:
 
     def pictures(self) -> list[tuple[bytes, ...]]:
         return [tuple(p.data for p in ps) for ps in pictures_by_message(self.messages, self.session.images)]
+
+    def images(self) -> list[DecodedImage]:
+        return list(self.session.images)
 
     def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[ChatEvent]:
         """Answer the last user message again: the whole last turn goes, its tool calls and results included."""
@@ -463,7 +470,8 @@ class LocalConversation:
 
 
 class RemoteConversation:
-    """A transcript answered by a remote server: no memory of ours, so files hold the transcript only."""
+    """A transcript answered by a remote server: no memory of ours, so files hold the transcript and its pictures
+    only. The pictures go to a server whose model sees them; any other refuses the turn (engine.openai.client)."""
 
     def __init__(self, server: RemoteServer, client: RemoteClient | None = None) -> None:
         self._client = client or RemoteClient(server)
@@ -492,12 +500,13 @@ class RemoteConversation:
     def chat(
         self, text: str, settings: GenerationSettings, stop: StopCheck, images: Sequence[DecodedImage] = ()
     ) -> Iterator[GenerationEvent]:
-        if images:  # the window refuses first; a request that got here anyway says the same
-            raise SparkError(f"{self.model_name} cannot see images here; load a model that does, such as SmolVLM.")
-        return self.remote.chat(text, settings, stop)
+        return self.remote.chat(text, settings, stop, images)
 
     def pictures(self) -> list[tuple[bytes, ...]]:
-        return []
+        return [tuple(p.data for p in ps) for ps in pictures_by_message(self.messages, self.remote.images)]
+
+    def images(self) -> list[DecodedImage]:
+        return list(self.remote.images)
 
     def regenerate(self, settings: GenerationSettings, stop: StopCheck) -> Iterator[GenerationEvent]:
         return self.remote.regenerate(settings, stop)
@@ -511,11 +520,13 @@ class RemoteConversation:
     ) -> None:
         self.remote.messages = [{"role": r, "content": c} for r, c in messages]
         self.remote.system_prompt = system_prompt
+        self.remote.images = list(images)
 
     def open(self, path: Path, transcript_only: bool, on_progress: Callable[[int, int], None]) -> Opened:
         """Any conversation opens as its transcript: the server re-reads it with the next message."""
         data = load_session(path)
-        self.take_transcript([(m.role, m.content) for m in data.messages], data.system_prompt or "", lambda: False)
+        messages = [(m.role, m.content) for m in data.messages]
+        self.take_transcript(messages, data.system_prompt or "", lambda: False, data.images)
         return Opened(True, "")
 
     def save(self, path: Path, full_memory: bool, verify: bool = True) -> None:

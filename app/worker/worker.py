@@ -209,7 +209,8 @@ class ConversationWorker(QObject):
         """Chat with `server` from now on; the open conversation goes on there (its transcript is sent with the
         next message). Nothing is contacted until then, so this never waits on the network."""
         remote = RemoteConversation(server)
-        remote.take_transcript(self._messages(), self._system_text, lambda: False)
+        images = self.conversation.images() if self.conversation is not None else []
+        remote.take_transcript(self._messages(), self._system_text, lambda: False, images)  # pictures included
         self._close_all()  # a local memory would go stale beside the remote transcript: freed
         self.conversation = remote
         self.remote_ready.emit(server)

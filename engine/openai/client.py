@@ -12,12 +12,13 @@ takes effect at once even while the server is silent (a big model reading a long
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,9 @@ from engine.generation.loop import FinishReason, GenerationEvent, GenerationSett
 from engine.hw.memory import format_bytes
 from engine.openai.protocol import parse_finish_reason
 from engine.session.file import TRANSCRIPT_KIND, Message, save_session
+from engine.session.pictures import image_tensors
+from engine.vision.idefics3 import IMAGE_TOKEN
+from engine.vision.images import DecodedImage, media_type
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 300.0  # between two chunks of a stream (a big model's first token can take a while)
@@ -96,6 +100,7 @@ class RemoteServer:
     base_url: str  # e.g. http://192.168.1.20:8000/v1
     model: str
     api_key: str = ""
+    sees_images: bool = False  # the user says the model takes pictures: they go as image_url parts
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.base_url)
@@ -197,7 +202,7 @@ class RemoteClient:
 
     def stream_chat(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         settings: GenerationSettings,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> Iterator[GenerationEvent]:
@@ -209,7 +214,7 @@ class RemoteClient:
         s = settings.sampling
         body: dict[str, Any] = {
             "model": self.server.model,
-            "messages": list(messages),
+            "messages": [dict(m) for m in messages],
             "max_tokens": settings.max_tokens,
             "temperature": 0.0 if s.is_greedy else s.temperature,
             "top_p": s.top_p,
@@ -405,23 +410,72 @@ class RemoteClient:
         return chunk
 
 
+CANNOT_SEE_IMAGES = (
+    "This server's model cannot see images and this conversation shows pictures, so nothing was sent; if the model "
+    "can, add the server again with “Sees images” ticked, or load a model that does, such as SmolVLM."
+)
+
+
+def data_url(picture: DecodedImage) -> str:
+    """A picture as a `data:` URL of its own bytes, its type read from them."""
+    return f"data:{media_type(picture.data)};base64,{base64.b64encode(picture.data).decode('ascii')}"
+
+
+def wire_messages(messages: Sequence[Mapping[str, str]], images: Sequence[DecodedImage]) -> list[dict[str, Any]]:
+    """The transcript as OpenAI messages: a user message with pictures becomes text and `image_url` parts in the
+    order of its markers (the transcript's pictures are listed in that order, as engine.session.pictures keeps
+    them); every other message is sent as it is. A marker without a picture left is the user's own text."""
+    held = list(images)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        content = m["content"]
+        n = content.count(IMAGE_TOKEN) if m["role"] == "user" else 0
+        mine, held = held[:n], held[n:]
+        if not mine:
+            out.append(dict(m))
+            continue
+        parts: list[dict[str, Any]] = []
+        text = ""
+        for k, piece in enumerate(content.split(IMAGE_TOKEN)):
+            if k and k <= len(mine):
+                if text:
+                    parts.append({"type": "text", "text": text})
+                parts.append({"type": "image_url", "image_url": {"url": data_url(mine[k - 1])}})
+                text = ""
+            elif k:
+                text += IMAGE_TOKEN
+            text += piece
+        if text:
+            parts.append({"type": "text", "text": text})
+        out.append({**m, "content": parts})
+    return out
+
+
 @dataclass
 class RemoteSession:
-    """A conversation with a remote model: the transcript only (the server keeps whatever memory it keeps)."""
+    """A conversation with a remote model: the transcript only (the server keeps whatever memory it keeps) and its
+    pictures, in the order of the transcript's markers."""
 
     client: RemoteClient
     messages: list[dict[str, str]] = field(default_factory=list)
     system_prompt: str = ""
+    images: list[DecodedImage] = field(default_factory=list)
 
     def reset(self) -> None:
         self.messages = []
+        self.images = []
 
     def save(self, path: str | Path) -> int:
-        """Write the transcript as a .spark file (no memory: the server's is not ours to save). Opened with a
-        local model it restores as a transcript of another model, to be re-read; returns the size in bytes."""
+        """Write the transcript and its pictures as a .spark file (no memory: the server's is not ours to save).
+        Opened with a local model it restores as a transcript of another model, to be re-read; returns the size
+        in bytes."""
         fingerprint = (
             "remote-" + hashlib.sha256(f"{self.client.server.url}\n{self.client.server.model}".encode()).hexdigest()
         )
+        extra: dict[str, Any] = {"remote_url": self.client.server.url, "model": self.client.server.model}
+        order, pictures = image_tensors(self.images)  # each picture once, by its hash
+        if order:
+            extra["images"] = order
         return save_session(
             path,
             fingerprint=fingerprint,
@@ -429,29 +483,49 @@ class RemoteSession:
             messages=[Message(m["role"], m["content"]) for m in self.messages],
             system_prompt=self.system_prompt,
             settings={},
-            memory_state=({"kind": TRANSCRIPT_KIND}, {}),
+            memory_state=({"kind": TRANSCRIPT_KIND}, pictures),
             pending_token=None,
             sampler_state=None,
-            extra={"remote_url": self.client.server.url, "model": self.client.server.model},
+            extra=extra,
             token_ids=[],
         )
 
     def chat(
-        self, user_text: str, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False
+        self,
+        user_text: str,
+        settings: GenerationSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        images: Sequence[DecodedImage] = (),
     ) -> Iterator[GenerationEvent]:
-        """Append a user message and stream the reply (appended to `messages` as it arrives)."""
-        self.messages.append({"role": "user", "content": user_text})
+        """Append a user message and stream the reply (appended to `messages` as it arrives). `images`: pictures
+        that go with the message, placed before its text as a local session places them; RemoteError, with nothing
+        appended, when the server's model cannot see them."""
+        self._check_pictures(len(images))
+        placed = user_text.count(IMAGE_TOKEN)  # markers place the pictures, as in a local session
+        if placed and not images and self.client.server.sees_images:
+            raise RemoteError(f"The text holds {IMAGE_TOKEN}, which marks where a picture goes; attach one.")
+        if placed and images and placed != len(images):
+            raise RemoteError(f"The text places {placed} images but {len(images)} were given.")
+        marked = user_text if placed == len(images) else IMAGE_TOKEN * len(images) + user_text
+        self.messages.append({"role": "user", "content": marked})
+        self.images += images
         return self._reply(settings, should_stop)
 
     def regenerate(
         self, settings: GenerationSettings, should_stop: Callable[[], bool] = lambda: False
     ) -> Iterator[GenerationEvent]:
+        self._check_pictures(0)
         while self.messages and self.messages[-1]["role"] == "assistant":
             self.messages.pop()
         return self._reply(settings, should_stop)
 
+    def _check_pictures(self, new: int) -> None:
+        if (new or self.images) and not self.client.server.sees_images:
+            raise RemoteError(CANNOT_SEE_IMAGES)
+
     def _reply(self, settings: GenerationSettings, should_stop: Callable[[], bool]) -> Iterator[GenerationEvent]:
-        sent = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + list(self.messages)
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        sent = wire_messages(system + list(self.messages), self.images)
         reply = {"role": "assistant", "content": ""}
         self.messages.append(reply)
         try:

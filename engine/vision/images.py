@@ -160,3 +160,23 @@ def _to_srgb(img: Image.Image) -> Image.Image:
         return img
     assert out is not None  # inPlace=False returns the converted picture
     return out
+
+
+# The four formats' signatures: a picture's bytes name their own type (what a data URL or an exported file says).
+_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+)
+
+
+def media_type(data: bytes) -> str:
+    """The media type of a picture's encoded bytes (`image/png`, `image/jpeg`, `image/webp`, `image/gif`), read
+    from its signature, never from a name; ImageError for bytes that are none of the four."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    for signature, kind in _SIGNATURES:
+        if data.startswith(signature):
+            return kind
+    raise ImageError("The picture is not a PNG, JPEG, WebP or GIF picture.")

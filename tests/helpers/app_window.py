@@ -11,6 +11,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QCoreApplication, QEvent
 
+from app.history.export import ExportForm
 from app.misc.signal_wait import GuiRelay
 from app.settings.conversation_sampling import SamplingEdit
 from app.settings.preferences import Preferences, default_generation
@@ -44,6 +45,7 @@ class ScriptedDialogs(Dialogs):
     conversation_sampling: SamplingEdit | None = None  # the Sampling sheet's answer (None: cancelled)
     answer_text: str | None = None
     export_to: Path | None = None
+    export_inline: bool = False  # Markdown's "pictures inside the file" form
     server_to_add: RemoteServer | None = None
     new_tool_servers: list[McpServerSpec] | None = None  # None: Settings keeps the servers it was shown
     tool_decisions: list[Decision] = field(default_factory=list)  # answers to "Run a Tool?" in turn (then Deny)
@@ -63,9 +65,10 @@ class ScriptedDialogs(Dialogs):
         self.save_starts.append(start)
         return self.save_to
 
-    def export_path(self, start: Path, kind: str) -> Path | None:
+    def export_path(self, start: Path, kind: str, pictures: bool = False) -> tuple[Path, ExportForm] | None:
         self.asked.append(f"export {start}")
-        return self.export_to
+        form = ExportForm.MARKDOWN_INLINE if kind == "md" and self.export_inline else ExportForm(kind)
+        return None if self.export_to is None else (self.export_to, form)
 
     def ask_text(self, title: str, label: str, current: str) -> str | None:
         self.asked.append(title)
