@@ -10,6 +10,7 @@ from engine.loading.tokenizer import Tokenizer
 from engine.openai.server import LocalServer
 from engine.openai.service import ModelService, ServeConfig
 from engine.session.engine import memory_factory_for
+from engine.vision.model import attach_vision
 
 KEY = "sk-test-key"
 # A small cascade so a short conversation spans several prefix blocks, and a longer one leaves the window.
@@ -30,12 +31,16 @@ class Served:
         return self.server.url
 
 
-def start_server(model_dir: Path, cache_dir: Path, *, draft: Path | None = None, **config: object) -> Served:
-    """`draft`: a draft model for "speculative": "draft" requests."""
+def start_server(
+    model_dir: Path, cache_dir: Path, *, draft: Path | None = None, vision: bool = False, **config: object
+) -> Served:
+    """`draft`: a draft model for "speculative": "draft" requests; `vision`: the model folder's vision tower
+    answers image parts."""
     backend = TorchBackend(model_dir)
     tok = Tokenizer.from_dir(model_dir)
     factory = memory_factory_for(model_dir, cache_dir=cache_dir, **CASCADE)
     settings = {"model_id": "tiny", "api_key": KEY, "max_batch": 4, "max_queue": 8, "max_prompt_tokens": 600, **config}
     drafts = None if draft is None else TorchBackend(draft)
-    service = ModelService(backend.fork(), tok, factory, ServeConfig(**settings), drafts)  # type: ignore[arg-type]
+    tower = attach_vision(model_dir, tok, backend) if vision else None
+    service = ModelService(backend.fork(), tok, factory, ServeConfig(**settings), drafts, vision=tower)  # type: ignore[arg-type]
     return Served(LocalServer(service, port=0).start(), service, tok, backend, model_dir, cache_dir)

@@ -229,11 +229,14 @@ def test_a_remote_server_refuses_a_picture_in_the_window_and_in_the_worker(qtbot
     with qtbot.waitSignal(gui(window.client.remote_ready), timeout=WAIT_MS):
         window.client.use_remote(server)
     paste_image(window, png(16, 16, seed=10))
-    assert window.notice.text().endswith("cannot see images here; load a model that does, such as SmolVLM.")
+    assert window.notice.text().endswith(
+        "cannot see images here; if it can, add the server again with “Sees images” ticked, or load a model that "
+        "does, such as SmolVLM."
+    )
     assert waiting(window) == []
     with qtbot.waitSignal(gui(window.client.error), timeout=WAIT_MS) as blocker:
         window.client.send("What is this?", GenerationSettings(max_tokens=4), [picture(16, 16, seed=10)])
-    assert "cannot see images here" in blocker.args[0]
+    assert blocker.args[0].startswith("This server's model cannot see images")
 
 
 def test_return_sends_a_picture_without_text(qtbot, window: MainWindow, gui, prefs) -> None:  # type: ignore[no-untyped-def]
