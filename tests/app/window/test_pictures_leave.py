@@ -1,0 +1,208 @@
+"""Pictures leaving the local model's path, as a user meets them with the tiny random SmolVLM / Idefics3 model: Export
+writes a conversation's picture beside its Markdown (or inside it, or in its JSON) and says where; a conversation with
+a picture moved to a server whose model sees images sends the picture with the next turn and keeps it in the stored
+file; moved to any other server, the next turn is refused in one sentence and nothing is sent. "Add a Server…" asks
+whether the model sees images and remembers the answer.
+
+With SPARK_SHOTS set to a folder, the export's result and the remote turns are grabbed there."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from PySide6.QtCore import QSettings
+from PySide6.QtWidgets import QFileDialog, QTreeView, QWidget
+
+from app.history.export import PICTURES_SUFFIX
+from app.settings.remote_servers import AddServerDialog, RemoteServerList
+from app.window.dialogs import MARKDOWN_PICTURE_FILTERS
+from app.window.main_window import MainWindow
+from engine import IMAGE_TOKEN, RemoteServer, load_session
+from engine.openai.client import CANNOT_SEE_IMAGES
+from tests.helpers.app_window import WAIT_MS, ScriptedDialogs, say, set_reply_tokens
+from tests.helpers.http_clients import closed_after_test
+from tests.helpers.pictures import png
+from tests.helpers.server import KEY, Served, start_server
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The window fixture's model, here one that sees images."""
+    from tests.helpers.tiny_idefics3 import make_tiny_idefics3
+
+    return make_tiny_idefics3(tmp_path_factory.mktemp("idefics3"))
+
+
+@pytest.fixture(scope="module")
+def vision_served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    s = start_server(tiny_model, tmp_path_factory.mktemp("kv"), vision=True)
+    yield s
+    s.server.stop()
+
+
+@pytest.fixture
+def shown(qtbot, window: MainWindow) -> Iterator[MainWindow]:  # type: ignore[no-untyped-def]
+    window.resize(900, 640)
+    window.show()
+    qtbot.waitExposed(window)
+    yield window
+
+
+def shot(widget: QWidget, name: str) -> None:
+    folder = os.environ.get("SPARK_SHOTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        assert widget.grab().save(str(Path(folder) / name), "PNG")
+
+
+def listing_shot(qtbot, folder: Path, name: str, selected: str, filters: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """The export panel on `folder`, `selected` chosen, as a user sees the result of an export in it (Qt's own
+    panel: the platform's cannot be grabbed)."""
+    if not os.environ.get("SPARK_SHOTS"):
+        return
+    panel = QFileDialog(None, "Export", str(folder))
+    panel.setOption(QFileDialog.Option.DontUseNativeDialog)
+    panel.setAcceptMode(QFileDialog.AcceptMode.AcceptSave)
+    panel.setNameFilters(filters)
+    panel.setViewMode(QFileDialog.ViewMode.Detail)
+    panel.resize(900, 420)
+    panel.show()
+    qtbot.waitExposed(panel)
+    qtbot.wait(800)  # the panel lists the folder on a thread of its own
+    panel.selectFile(str(folder / selected))
+    for view in panel.findChildren(QTreeView):
+        for column in range(4):
+            view.resizeColumnToContents(column)
+    shot(panel, name)
+    panel.close()
+    panel.deleteLater()
+
+
+def with_picture(qtbot, gui, window: MainWindow, data: bytes, text: str):  # type: ignore[no-untyped-def]
+    """Send `text` with the picture `data` as the paperclip would; returns the turn's result."""
+    from engine import decode_bytes
+
+    window.composer.attachments.add_picture(decode_bytes(data), "photo.png")
+    return say(qtbot, gui, window, text)
+
+
+def test_export_writes_the_picture_beside_the_markdown_inside_it_or_in_the_json_and_says_where(
+    qtbot, shown: MainWindow, gui, dialogs: ScriptedDialogs, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    window = shown
+    data = png(40, 28, seed=21)
+    result = with_picture(qtbot, gui, window, data, "What is in this picture?")
+    assert result.reason != "error"
+    out = tmp_path / "exports"
+    out.mkdir()
+    dialogs.export_to = out / "Look.md"
+    window.menus.export_md_action.trigger()
+    folder = out / f"Look{PICTURES_SUFFIX}"
+    (file,) = folder.iterdir()
+    assert file.read_bytes() == data and file.suffix == ".png" and len(file.stem) == 12
+    md = (out / "Look.md").read_text()
+    assert "![picture](Look%20pictures/" + file.name + ")" in md and IMAGE_TOKEN not in md
+    assert window.notice.text() == "Exported Look.md, its 1 picture in “Look pictures”."
+    shot(window, "picture-export-notice.png")
+
+    dialogs.export_inline = True
+    dialogs.export_to = out / "One file.md"
+    window.menus.export_md_action.trigger()
+    inline = (out / "One file.md").read_text()
+    assert "![picture](data:image/png;base64," + base64.b64encode(data).decode() + ")" in inline
+    assert not (out / f"One file{PICTURES_SUFFIX}").exists() and window.notice.text() == "Exported One file.md."
+
+    dialogs.export_to = out / "Look.json"
+    window.menus.export_json_action.trigger()
+    exported = json.loads((out / "Look.json").read_text())
+    (image,) = exported["images"]
+    assert base64.b64decode(image["data"]) == data and image["media_type"] == "image/png"
+    assert exported["messages"][0]["content"][0] == {"type": "image", "sha256": image["sha256"]}
+    listing_shot(qtbot, out, "picture-export-dialog-listing.png", "Look.md", list(MARKDOWN_PICTURE_FILTERS))
+    listing_shot(qtbot, folder, "picture-export-pictures-folder.png", file.name, ["All files (*)"])
+
+
+def test_a_conversation_with_a_picture_goes_on_with_a_server_that_sees_images(
+    qtbot, shown: MainWindow, gui, dialogs: ScriptedDialogs, prefs, vision_served: Served
+) -> None:  # type: ignore[no-untyped-def]
+    window = shown
+    data = png(36, 24, seed=22)
+    with_picture(qtbot, gui, window, data, "What is this?")
+    set_reply_tokens(prefs, 8)  # seeded sampling: the tiny random model's greedy reply is special tokens alone
+    dialogs.server_to_add = RemoteServer(vision_served.url, "tiny", KEY, sees_images=True)
+    with qtbot.waitSignal(gui(window.client.remote_ready), timeout=WAIT_MS):
+        window.menus.add_server_action.trigger()
+    conversation: Any = window.client.worker.conversation
+    before = [dict(m) for m in conversation.remote.messages]
+    assert before[0]["content"] == f"{IMAGE_TOKEN}What is this?"
+    result = say(qtbot, gui, window, "And its colours?")
+    assert result.reason != "error" and result.text
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    sent: list[Any] = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}],
+        },
+        before[1],
+        {"role": "user", "content": "And its colours?"},
+    ]
+    client = closed_after_test(openai.OpenAI(base_url=vision_served.url, api_key=KEY, max_retries=0))
+    sampling = prefs.generation().sampling
+    want = client.chat.completions.create(
+        model="tiny",
+        messages=sent,
+        max_tokens=8,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+    )
+    assert result.text == want.choices[0].message.content  # the same reply: the server read the same prompt
+    assert want.usage is not None and result.progress.prompt_tokens == want.usage.prompt_tokens
+    assert window.chat.picture_keys() == ["0.0"]  # the bubble keeps its thumbnail on the server too
+    stored = load_session(window.library.path_for(window.state.current_id))
+    assert [p.data for p in stored.images] == [data]  # the transcript's file keeps the picture
+    shot(window, "picture-remote-server-sent.png")
+
+
+def test_a_server_whose_model_cannot_see_refuses_the_next_turn_and_nothing_is_sent(
+    qtbot, shown: MainWindow, gui
+) -> None:  # type: ignore[no-untyped-def]
+    window = shown
+    with_picture(qtbot, gui, window, png(30, 30, seed=23), "What is this?")
+    server = RemoteServer("http://127.0.0.1:9/v1", "text-model")  # never contacted: the refusal comes first
+    with qtbot.waitSignal(gui(window.client.remote_ready), timeout=WAIT_MS):
+        window.client.use_remote(server)
+    with qtbot.waitSignal(gui(window.client.finished), timeout=WAIT_MS):
+        assert window.submit("And now?")
+    assert window.notice.text() == CANNOT_SEE_IMAGES  # not "cannot reach": nothing went to the server
+    assert [m["role"] for m in window.client.worker.conversation.remote.messages] == ["user", "assistant"]  # type: ignore[union-attr]
+    assert window.chat.picture_keys() == ["0.0"]
+    shot(window, "picture-remote-server-refused.png")
+
+
+def test_add_a_server_asks_whether_it_sees_images_and_the_list_remembers(qtbot, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    dialog = AddServerDialog()
+    qtbot.addWidget(dialog)
+    dialog.url.setText("http://127.0.0.1:8000/v1")
+    dialog.model.setEditText("vlm")
+    assert not dialog.sees_images.isChecked()  # the user's word: nothing is assumed
+    dialog.sees_images.setChecked(True)
+    dialog.accept()
+    server = dialog.value()
+    assert server == RemoteServer("http://127.0.0.1:8000/v1", "vlm", sees_images=True)
+    settings = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
+    servers = RemoteServerList(settings)
+    servers.add(server)
+    servers.add(RemoteServer("http://127.0.0.1:8000/v1", "text"))
+    assert [(s.model, s.sees_images) for s in servers.all()] == [("vlm", True), ("text", False)]
+    settings.setValue("remote/servers", json.dumps([{"base_url": "http://h:1/v1", "model": "m", "sees_images": "yes"}]))
+    assert [s.sees_images for s in servers.all()] == [False]  # only a JSON true says yes
