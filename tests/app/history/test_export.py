@@ -22,7 +22,7 @@ from app.history.export import (
     file_names,
     pictures_folder,
 )
-from engine import IMAGE_TOKEN, DecodedImage, decode_bytes
+from engine import IMAGE_TOKEN, DecodedImage, ImageError, decode_bytes, media_type
 from tests.helpers.pictures import png
 
 LINK = re.compile(r"!\[picture\]\(([^)]+)\)")
@@ -128,6 +128,11 @@ def test_a_pictures_name_and_type_come_from_its_hash_and_its_bytes(
     path = tmp_path / "x.json"
     export_conversation(path, ExportForm.JSON, "X", "m", [ExportMessage("user", IMAGE_TOKEN, (pic,))])
     assert json.loads(path.read_text())["images"][0]["media_type"] == kind
+
+
+def test_bytes_of_no_picture_type_have_no_media_type() -> None:
+    with pytest.raises(ImageError, match="not a PNG, JPEG, WebP or GIF"):
+        media_type(b"RIFF\0\0\0\0WAVE and not a picture")
 
 
 def test_two_pictures_whose_hashes_begin_alike_take_their_whole_hashes() -> None:
