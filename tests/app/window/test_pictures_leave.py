@@ -170,6 +170,31 @@ def test_a_conversation_with_a_picture_goes_on_with_a_server_that_sees_images(
     assert window.chat.picture_keys() == ["0.0"]  # the bubble keeps its thumbnail on the server too
     stored = load_session(window.library.path_for(window.state.current_id))
     assert [p.data for p in stored.images] == [data]  # the transcript's file keeps the picture
+    # A picture given while the server is the model goes with its message, as the paperclip gives it.
+    second = png(20, 20, seed=24)
+    again = with_picture(qtbot, gui, window, second, "And this one?")
+    assert again.reason != "error"
+    assert window.chat.picture_keys() == ["0.0", "4.0"]
+    url2 = "data:image/png;base64," + base64.b64encode(second).decode()
+    sent += [
+        {"role": "assistant", "content": result.text},
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url2}}, {"type": "text", "text": "And this one?"}],
+        },
+    ]
+    want = client.chat.completions.create(
+        model="tiny",
+        messages=sent,
+        max_tokens=8,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+    )
+    assert want.usage is not None and again.progress.prompt_tokens == want.usage.prompt_tokens
+    assert again.text == want.choices[0].message.content
+    stored = load_session(window.library.path_for(window.state.current_id))
+    assert [p.data for p in stored.images] == [data, second]
     shot(window, "picture-remote-server-sent.png")
 
 
