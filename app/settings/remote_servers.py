@@ -1,8 +1,9 @@
 """Remote OpenAI-compatible servers as model choices: the "Add a server…" dialog and where the choices are kept.
 
-`AddServerDialog` asks for a base URL, an API key, a model and whether it sees images (the user's word: OpenAI's model
-list does not say; pictures go to it as `image_url` parts only when ticked); "Check" lists the server's models (on a worker
-thread, so a slow server never freezes the window) and fills the model box. `RemoteServerList` keeps the added
+`AddServerDialog` asks for a base URL, an API key, a model and whether the model sees images (pictures go to it as
+`image_url` parts only when ticked). "Check" lists the server's models (on a worker thread, so a slow server never
+freezes the window), fills the model box, and ticks or clears "Sees images" where the server says (llama.cpp, Ollama
+and LM Studio do; OpenAI's model list does not). `RemoteServerList` keeps the added
 servers in QSettings as JSON (QSettings back ends disagree on types). Chatting with one goes through
 `engine.openai.client.RemoteSession` (the same GenerationEvents as a local session); the cascade and session memory
 panels do not apply to it.
@@ -71,17 +72,27 @@ class RemoteServerList:
 
 
 class _ModelLister(QObject):
-    """Lists a server's models on a plain thread and reports back through queued signals."""
+    """Lists a server's models on a plain thread, then asks whether the model chosen sees images, and reports back
+    through queued signals."""
 
     listed = Signal(list)
     failed = Signal(str)
+    seen = Signal(str, object)  # model, True | False | None (the server does not say)
 
-    def run(self, base_url: str, api_key: str) -> None:
+    def run(self, base_url: str, api_key: str, model: str) -> None:
         def work() -> None:
             try:
                 client = RemoteClient(RemoteServer(base_url, "-", api_key))
                 try:
-                    self.listed.emit(client.list_models())
+                    names = client.list_models()
+                    self.listed.emit(names)
+                    chosen = model if model in names else (names[0] if names else "")
+                    if chosen:
+                        asked = RemoteClient(RemoteServer(base_url, chosen, api_key))
+                        try:
+                            self.seen.emit(chosen, asked.sees_images())
+                        finally:
+                            asked.close()
                 finally:
                     client.close()
             except RemoteError as exc:
@@ -126,6 +137,7 @@ class AddServerDialog(QDialog):
         self._lister = _ModelLister(self)
         self._lister.listed.connect(self._on_listed)
         self._lister.failed.connect(self._on_failed)
+        self._lister.seen.connect(self._on_seen)
         self.check.clicked.connect(self._on_check)
         self._value: RemoteServer | None = None
 
@@ -136,7 +148,7 @@ class AddServerDialog(QDialog):
     def _on_check(self) -> None:
         self.status.setText("Asking the server for its models…")
         self.check.setEnabled(False)
-        self._lister.run(self.url.text().strip(), self.key.text())
+        self._lister.run(self.url.text().strip(), self.key.text(), self.model.currentText().strip())
 
     @Slot(list)
     def _on_listed(self, names: list[str]) -> None:
@@ -151,6 +163,15 @@ class AddServerDialog(QDialog):
             if names
             else "The server lists no models."
         )
+
+    @Slot(str, object)
+    def _on_seen(self, model: str, sees: bool | None) -> None:
+        """The server said whether `model` sees images: the box follows (the user may still change it)."""
+        if sees is None or model != self.model.currentText():
+            return
+        self.sees_images.setChecked(sees)
+        words = "sees images" if sees else "reads text only"
+        self.status.setText(f"{self.status.text()} It says {model} {words}.".strip())
 
     @Slot(str)
     def _on_failed(self, message: str) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -50,6 +50,7 @@ class ReplyLimits:
     error_bytes: int = 64 << 10  # an error body, read for its message only
     list_bytes: int = 8 << 20  # a model list
     list_s: float = 15.0  # a model list, whole: connect, headers and body (a silent server fails in seconds)
+    probe_s: float = 5.0  # one question about what the server's model takes (each probe of `sees_images`)
 
 
 MAX_RETRY_AFTER_S = 86_400  # a Retry-After past a day is not advice worth passing on
@@ -199,6 +200,38 @@ class RemoteClient:
         if not isinstance(data, list):
             raise RemoteError(f"The server at {self.server.url} sent a model list that is not OpenAI's format.")
         return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+    def sees_images(self) -> bool | None:
+        """Whether the server says its model takes pictures, where it has a way to say it: llama.cpp's `/props`
+        (`modalities.vision`), Ollama's `/api/show` (`capabilities`), LM Studio's `/api/v0/models/<model>` (`type`
+        "vlm"). None when none of them answers (OpenAI's own API does not say): the user's word stands. Each probe is
+        bounded like a model list (`limits.probe_s`, `limits.list_bytes`); what comes back is checked as hostile."""
+        root = self.server.url.removesuffix("/v1")
+        model = self.server.model
+        props = self._probe("GET", root + "/props")
+        modalities = props.get("modalities") if isinstance(props, dict) else None
+        if isinstance(modalities, dict) and isinstance(modalities.get("vision"), bool):
+            return bool(modalities["vision"])
+        shown = self._probe("POST", root + "/api/show", {"model": model})
+        capabilities = shown.get("capabilities") if isinstance(shown, dict) else None
+        if isinstance(capabilities, list) and all(isinstance(c, str) for c in capabilities):
+            return "vision" in capabilities
+        listed = self._probe("GET", root + "/api/v0/models/" + quote(model, safe=""))
+        kind = listed.get("type") if isinstance(listed, dict) else None
+        return {"vlm": True, "llm": False}.get(kind) if isinstance(kind, str) else None
+
+    def _probe(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+        """The JSON a 200 answer holds, or None for anything else (an error, a page, a silent or oversized reply)."""
+        deadline = time.monotonic() + self.limits.probe_s
+        timeout = httpx.Timeout(self.limits.probe_s, connect=min(CONNECT_TIMEOUT_S, self.limits.probe_s))
+        try:
+            with self._http.stream(method, url, json=body, timeout=timeout) as response:
+                if response.status_code != 200:
+                    return None
+                raw = _read_capped(response, self.limits.list_bytes, deadline)  # a license or template may be long
+        except httpx.HTTPError:
+            return None
+        return _loads(raw) if raw is not None else None
 
     def stream_chat(
         self,

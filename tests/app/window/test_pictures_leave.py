@@ -2,15 +2,17 @@
 writes a conversation's picture beside its Markdown (or inside it, or in its JSON) and says where; a conversation with
 a picture moved to a server whose model sees images sends the picture with the next turn and keeps it in the stored
 file; moved to any other server, the next turn is refused in one sentence and nothing is sent. "Add a Server…" asks
-whether the model sees images and remembers the answer.
+whether the model sees images (its Check ticks it where the server says) and remembers the answer.
 
 With SPARK_SHOTS set to a folder, the export's result and the remote turns are grabbed there."""
 
 from __future__ import annotations
 
 import base64
+import http.server
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -231,3 +233,35 @@ def test_add_a_server_asks_whether_it_sees_images_and_the_list_remembers(qtbot, 
     assert [(s.model, s.sees_images) for s in servers.all()] == [("vlm", True), ("text", False)]
     settings.setValue("remote/servers", json.dumps([{"base_url": "http://h:1/v1", "model": "m", "sees_images": "yes"}]))
     assert [s.sees_images for s in servers.all()] == [False]  # only a JSON true says yes
+
+
+class LlamaCppLike(http.server.BaseHTTPRequestHandler):
+    """A loopback server that lists one model and says, as llama.cpp's /props does, that it sees images."""
+
+    def do_GET(self) -> None:  # http.server's name for it
+        answers = {"/v1/models": {"data": [{"id": "vlm"}]}, "/props": {"modalities": {"vision": True}}}
+        body = json.dumps(answers.get(self.path, {})).encode()
+        self.send_response(200 if self.path in answers else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_check_ticks_sees_images_where_the_server_says_its_model_does(qtbot) -> None:  # type: ignore[no-untyped-def]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), LlamaCppLike)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        dialog = AddServerDialog()
+        qtbot.addWidget(dialog)
+        dialog.url.setText(f"http://127.0.0.1:{server.server_address[1]}/v1")
+        dialog.check.click()
+        qtbot.waitUntil(dialog.sees_images.isChecked, timeout=WAIT_MS)
+        assert dialog.model.currentText() == "vlm"
+        assert dialog.status.text() == "The server offers 1 model. It says vlm sees images."
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,7 +1,8 @@
 """A conversation's pictures and a remote server: to a server whose model sees images each `<image>` marker goes as an
 OpenAI `image_url` part holding the picture (our own server on loopback answers exactly as to the same request sent
 directly); to any other nothing is sent while the conversation shows a picture, in one sentence; a saved remote
-transcript keeps its pictures."""
+transcript keeps its pictures. Where a server says whether its model sees images (llama.cpp, Ollama, LM Studio),
+"Check" hears it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from engine.openai.client import (
     RemoteError,
     RemoteServer,
     RemoteSession,
+    ReplyLimits,
     wire_messages,
 )
 from engine.session.file import load_session
@@ -188,3 +190,51 @@ def test_our_own_server_answers_the_picture_as_it_answers_the_same_request_sent_
     )
     assert text_only.usage is not None and want.usage is not None
     assert want.usage.prompt_tokens > text_only.usage.prompt_tokens
+
+
+def asking(routes: dict[tuple[str, str], httpx.Response]) -> RemoteClient:
+    """A fake server answering `routes` ((method, path) -> response) and 404 to anything else."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return routes.get((request.method, request.url.raw_path.decode()), httpx.Response(404))
+
+    server = RemoteServer("http://remote.test/v1", "org/vlm")
+    return closed_after_test(RemoteClient(server, httpx.MockTransport(handler)))
+
+
+@pytest.mark.parametrize(
+    ("routes", "says"),
+    [
+        ({("GET", "/props"): httpx.Response(200, json={"modalities": {"vision": True, "audio": False}})}, True),
+        ({("GET", "/props"): httpx.Response(200, json={"modalities": {"vision": False}})}, False),
+        ({("POST", "/api/show"): httpx.Response(200, json={"capabilities": ["completion", "vision"]})}, True),
+        ({("POST", "/api/show"): httpx.Response(200, json={"capabilities": ["completion", "tools"]})}, False),
+        ({("GET", "/api/v0/models/org%2Fvlm"): httpx.Response(200, json={"type": "vlm"})}, True),
+        ({("GET", "/api/v0/models/org%2Fvlm"): httpx.Response(200, json={"type": "llm"})}, False),
+        ({}, None),  # OpenAI's API alone does not say: the user's word stands
+        # Shapes that say nothing are passed over, never taken for a yes.
+        ({("GET", "/props"): httpx.Response(200, json={"modalities": {"vision": "yes"}})}, None),
+        ({("POST", "/api/show"): httpx.Response(200, json={"capabilities": ["vision", 1]})}, None),
+        ({("GET", "/props"): httpx.Response(200, text="<html>not JSON</html>")}, None),
+        ({("GET", "/api/v0/models/org%2Fvlm"): httpx.Response(200, json={"type": ["vlm"]})}, None),
+    ],
+)
+def test_a_server_that_says_whether_its_model_sees_images_is_heard(
+    routes: dict[tuple[str, str], httpx.Response], says: bool | None
+) -> None:
+    assert asking(routes).sees_images() is says
+
+
+def test_the_probe_names_the_model_and_reads_no_more_than_a_model_list_may_hold() -> None:
+    bodies: list[bytes] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(request.content)
+        if request.url.path == "/props":
+            return httpx.Response(200, json={"modalities": {"vision": True}, "pad": "x" * 500})
+        return httpx.Response(404)
+
+    server = RemoteServer("http://remote.test/v1", "org/vlm")
+    small = closed_after_test(RemoteClient(server, httpx.MockTransport(handler), ReplyLimits(list_bytes=100)))
+    assert small.sees_images() is None  # the answer was longer than the limit: not read
+    assert json.loads(bodies[1]) == {"model": "org/vlm"}  # Ollama's show names the model
