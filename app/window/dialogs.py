@@ -33,11 +33,12 @@ button becomes Stop. A long message is read first: the reply shows how far the r
 <h3>Nothing is lost</h3>
 <p>Every conversation is stored as you chat, with the model's memory, and the app reopens where you left off.
 New Chat and Delete can be undone. The sidebar lists your conversations; search it, or right-click one to
-rename, duplicate, export or delete it. "Branch" on a message starts a new conversation up to that point.</p>
+rename, duplicate, export or delete it (a Markdown export puts the pictures in a folder beside it, or inside it). "Branch" on a message starts a new conversation up to that point.</p>
 <h3>Models</h3>
 <p>The Model button chooses the default model, a recent one, or opens a model folder or a .gguf file (you can
 also drop one on the window). "Add a Server…" chats with a model on an OpenAI-compatible server instead (vLLM,
-Ollama, llama.cpp, LM Studio); the server then keeps the memory and Spark stores the transcript. Weight Precision
+Ollama, llama.cpp, LM Studio); the server then keeps the memory and Spark stores the transcript, pictures included
+(they go to the server when "Sees images" is ticked for it). Weight Precision
 trades memory for faithfulness. The inspector says what runs where.</p>
 <h3>How replies are sampled</h3>
 <p>Replies use the model's own recommended settings unless Settings says otherwise. Chat ▸ Sampling for This
