@@ -26,6 +26,7 @@ from app.window.views import WindowViews
 from app.worker.client import ConversationClient
 from app.worker.types import MessageView, ReadProgress, SessionFileEvent, StoredConversation, TurnResult
 from engine import SESSION_SUFFIX, FinishReason, GenerationSettings
+from engine.openai.client import CANNOT_SEE_IMAGES
 
 FINISH_NOTES: dict[FinishReason | str, str] = {
     FinishReason.CANCELLED: "Stopped.",
@@ -117,6 +118,11 @@ class ConversationPresenter(QObject):
                 error=False,
                 action=("Stop", self.stop_reply),
             )
+            return False
+        remote = self._state.remote
+        waiting = self._views.composer.attachments.pictures
+        if remote is not None and not remote.sees_images and (waiting or self._views.chat.picture_keys()):
+            notice.show_message(CANNOT_SEE_IMAGES, error=True)  # refused here, so the message stays in the box
             return False
         notice.hide()
         self._views.composer.prompt.clear()

@@ -26,7 +26,7 @@ from app.history.export import PICTURES_SUFFIX
 from app.settings.remote_servers import AddServerDialog, RemoteServerList
 from app.window.dialogs import MARKDOWN_PICTURE_FILTERS
 from app.window.main_window import MainWindow
-from engine import IMAGE_TOKEN, RemoteServer, load_session
+from engine import IMAGE_TOKEN, GenerationSettings, RemoteServer, load_session
 from engine.openai.client import CANNOT_SEE_IMAGES
 from tests.helpers.app_window import WAIT_MS, ScriptedDialogs, say, set_reply_tokens
 from tests.helpers.http_clients import closed_after_test
@@ -208,12 +208,17 @@ def test_a_server_whose_model_cannot_see_refuses_the_next_turn_and_nothing_is_se
     server = RemoteServer("http://127.0.0.1:9/v1", "text-model")  # never contacted: the refusal comes first
     with qtbot.waitSignal(gui(window.client.remote_ready), timeout=WAIT_MS):
         window.client.use_remote(server)
-    with qtbot.waitSignal(gui(window.client.finished), timeout=WAIT_MS):
-        assert window.submit("And now?")
-    assert window.notice.text() == CANNOT_SEE_IMAGES  # not "cannot reach": nothing went to the server
+    window.composer.prompt.setPlainText("And now?")
+    window.composer.send_button.click()
+    assert window.notice.text() == CANNOT_SEE_IMAGES  # the window refuses: nothing went to the server
+    assert window.composer.prompt.toPlainText() == "And now?"  # the user's words stay in the box
+    shot(window, "picture-remote-server-refused.png")
+    # The worker refuses as well, should a request get there (not "cannot reach": it never tries).
+    with qtbot.waitSignal(gui(window.client.error), timeout=WAIT_MS) as blocker:
+        window.client.send("And now?", GenerationSettings(max_tokens=4))
+    assert blocker.args[0] == CANNOT_SEE_IMAGES
     assert [m["role"] for m in window.client.worker.conversation.remote.messages] == ["user", "assistant"]  # type: ignore[union-attr]
     assert window.chat.picture_keys() == ["0.0"]
-    shot(window, "picture-remote-server-refused.png")
 
 
 def test_add_a_server_asks_whether_it_sees_images_and_the_list_remembers(qtbot, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
