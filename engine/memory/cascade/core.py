@@ -366,8 +366,9 @@ class CascadeMemory:
                 if c > len(self.tokens)
             )
         cuts.update(c - base for c in self.prefix.cut(len(self.tokens), end, TAIL_STEP * TAIL_STEPS))
-        if self.pictures.tokens is not None and end > self.cfg.sink_tokens + self.cfg.window:
-            # each picture's end: no plan pushes out part of a picture while it feeds the rest (the module doc)
+        if self.pictures.tokens is not None:
+            # Each picture's end: no plan pushes out part of a picture while it feeds the rest (the module doc).
+            # Whatever the prompt's length, so a prefix's chunks (and a snapshot of it) are the same in every prompt.
             cuts.update(c for c in self.pictures.ends_in(ids, base) if c + base > len(self.tokens))
         return sorted(cuts)
 

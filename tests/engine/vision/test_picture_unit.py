@@ -14,6 +14,7 @@ from engine.generation.sampling import SamplingSettings
 from engine.memory.base import RowPlan
 from engine.memory.cascade import CascadeMemory
 from engine.session.engine import Engine, Session, memory_factory_for
+from engine.session.kept import KeptMemory
 from engine.session.replay import memory_digest
 from engine.vision.images import DecodedImage
 from tests.helpers.pictures import picture
@@ -114,3 +115,22 @@ def test_a_conversation_whose_picture_left_restores_exactly(folder: Path, tmp_pa
     assert memory_digest(restored.memory) == digest
     assert isinstance(restored.memory, CascadeMemory) and restored.memory.pictures.spans == memory.pictures.spans
     assert reply(restored, QUESTIONS[3]) == expected
+
+
+def test_a_kept_memory_with_a_picture_reopens_and_goes_on_as_never_left(folder: Path, tmp_path: Path) -> None:
+    eng = engine(folder, tmp_path / "cache")
+    session = eng.new_session()
+    reply(session, "Look at this picture.", [picture(40, 24, 3)])
+    for question in QUESTIONS[:3]:
+        reply(session, question)
+    record = tmp_path / "picture.spark"
+    session.save(record, compact=True)
+    kept = KeptMemory(tmp_path / "kept")
+    assert session.keep(kept, record)
+    reopened = eng.new_session()
+    reopened.load(record, kept=kept)
+    assert reopened.memory_source == "kept" and reopened.computed.count == 0
+    memory = session.memory
+    assert isinstance(memory, CascadeMemory) and isinstance(reopened.memory, CascadeMemory)
+    assert reopened.memory.pictures.spans == memory.pictures.spans
+    assert reply(reopened, QUESTIONS[3]) == reply(session, QUESTIONS[3])
