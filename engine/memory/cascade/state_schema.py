@@ -201,9 +201,9 @@ def _pictures(value: Any, n: int) -> bool:
         opened = as_list(p["open"], "pictures.open", 3)
         if len(opened) != 3:
             raise bad("pictures.open", "is not [start, next index, count]")
-        as_int(opened[0], "open picture's start", last, n - 1)
+        start = as_int(opened[0], "open picture's start", last, n - 1)
         count = as_int(opened[2], "open picture's count", 2, MAX_COUNT)
-        as_int(opened[1], "open picture's next index", 1, count - 1)
+        as_int(opened[1], "open picture's next index", 1, min(count - 1, n - start))
     return True
 
 

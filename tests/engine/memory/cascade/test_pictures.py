@@ -180,6 +180,7 @@ def test_a_state_with_pictures_restores_and_continues_exactly(tiny_model: Path, 
         {"spans": [[30, 52], [40, 60]], "open": None},  # overlapping
         {"spans": [[30, 10_000]], "open": None},  # past the tokens
         {"spans": [[30, 52]], "open": [10, 1, 5]},  # an open one before a closed one
+        {"spans": [[30, 52]], "open": [90, 9, 20]},  # more of it fed than there are tokens
         {"spans": [[30, 52]]},
         {"spans": "all", "open": None},
     ],
