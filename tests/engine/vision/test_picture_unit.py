@@ -1,7 +1,8 @@
 """A real picture (the tiny SmolVLM checkpoint's) is a unit in the memory cascade: through a conversation that runs
 until it leaves a small window, after every forward its tokens are all in the window or all out; once evicted, a
 routing decision that brings any of it back brings all of it, in every layer; and the conversation saved full or
-compact restores bit-identically and continues exactly."""
+compact, or kept on disk, restores bit-identically and continues exactly. (That a second question about the same
+picture reads none of its tokens again is test_vision_session's.)"""
 
 from __future__ import annotations
 
