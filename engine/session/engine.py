@@ -70,7 +70,14 @@ from engine.session.kept import KeptMemory, entry_estimate, entry_state, take_sn
 from engine.session.pictures import image_tensors
 from engine.session.replay import FeedLog, backend_feed, check_schedule, memory_digest, replay
 from engine.session.schema import MAX_ATTACHMENT_NAME, MAX_RECALLED, MAX_RECALLED_TEXT
-from engine.session.setup import LockedBackend, MemoryFactory, TokenCounter, check_fits, memory_factory_for
+from engine.session.setup import (
+    LockedBackend,
+    MemoryFactory,
+    TokenCounter,
+    check_fits,
+    memory_factory_for,
+    seeing_pictures,
+)
 from engine.session.types import AttachmentRecord, RecalledRecord
 from engine.tools.calls import ChatEvent, ToolChoice, ToolSpec, finish_with_calls, read_reply
 from engine.tools.grammar import tool_settings
@@ -144,6 +151,8 @@ class Engine:
         self.step_lock = threading.Lock()
         self.draft = draft  # the draft model's backend (speculative decoding), when one was loaded
         self.vision = attach_vision(model_dir, tokenizer, choice.backend)  # None: the model reads text only
+        if self.vision is not None:  # its memories keep each picture a unit (engine.memory.cascade.pictures)
+            self.memory_factory = seeing_pictures(memory_factory, self.vision.picture_token)
 
     @classmethod
     def load(

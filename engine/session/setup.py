@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -20,6 +20,7 @@ from engine.hw import HardwarePolicy
 from engine.loading.model_files import resolve_model_path, settings_dir
 from engine.memory.base import Memory
 from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore, SharedBudget
+from engine.memory.cascade.pictures import PictureTokens
 from engine.model.slots import SlotBatch
 from engine.paths import default_cache_dir
 from engine.session.replay import FeedLog
@@ -92,6 +93,21 @@ def memory_factory_for(
             if not shared:
                 shared.append(SharedBudget(config.episodic_budget_bytes))
         return CascadeMemory(backend, config, row=row, store=store_for(backend, config), shared_budget=shared[0])
+
+    return make
+
+
+def seeing_pictures(factory: MemoryFactory, pictures: PictureTokens) -> MemoryFactory:
+    """`factory`'s memories (called as it is: with a backend, and a row where a scheduler names one), each told
+    which ids are pictures' tokens, so a memory that can keeps each picture a unit (engine.memory.cascade.pictures)."""
+    make_inner = cast(Callable[..., Memory], factory)
+
+    def make(backend: Backend, *row: int) -> Memory:
+        memory = make_inner(backend, *row)
+        see: Callable[[PictureTokens], None] | None = getattr(memory, "see_pictures", None)
+        if see is not None:
+            see(pictures)
+        return memory
 
     return make
 

@@ -69,6 +69,7 @@ class ImageEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.tower = tower
         self.rows: dict[int, tuple[str, int]] = {}  # id -> (picture hash, its row)
+        self.counts: dict[str, int] = {}  # picture hash -> its token count
         self.held: OrderedDict[str, _Held] = OrderedDict()
         self.encoded_frames = 0  # frames run through the tower since load: what tests and benchmarks count
 
@@ -80,6 +81,8 @@ class ImageEmbedding(nn.Module):
         while len(self.held) > MAX_HELD_IMAGES:
             gone, _ = self.held.popitem(last=False)
             self.rows = {i: r for i, r in self.rows.items() if r[0] != gone}
+            self.counts.pop(gone, None)
+        self.counts[image.sha256] = count
         ids = []
         for k in range(count):
             i = _image_token_id(self.salt + image.sha256, k, self.vocab_size)
@@ -164,6 +167,14 @@ class VisionModel:
         assert isinstance(embedding, ImageEmbedding)
         self.embedding = embedding
         return embedding
+
+    def picture_token(self, token_id: int) -> tuple[int, int] | None:
+        """(its index in its picture, the picture's token count) for a held picture's id; None for any other id.
+        What the memory cascade keeps a picture a unit by (engine.memory.cascade.pictures)."""
+        if token_id < self.vocab_size or self.embedding is None:
+            return None
+        where = self.embedding.rows.get(token_id)
+        return None if where is None else (where[1], self.embedding.counts[where[0]])
 
     def prompt_text(self, text: str, images: Sequence[DecodedImage]) -> tuple[str, list[Frames]]:
         """`text` with each `<image>` (one per picture, in order) expanded as the processor does, and the frames."""

@@ -17,6 +17,15 @@ A plan may hold at most `window` tokens: with more, a new token would overwrite 
 whose KV does not exist yet. Within one chunk that wraps the window, earlier tokens of the chunk see the window
 as it is after the whole chunk is written (at least W - T + 1 window tokens instead of W).
 
+Pictures (given `PictureTokens`, engine.memory.cascade.pictures) are units: when the window's edge would fall
+inside a picture's span, the whole picture leaves with the tokens the plan pushes out (`WorkingMemory.release`),
+and the text after it up to the next block boundary where those tokens are already fed, so its episodic blocks
+are complete at once; the window then holds fewer than `window` tokens until new ones fill it. A prompt's chunks
+end at each picture's end (prefill_cut), so no plan pushes out part of a picture while it feeds the rest: a
+picture no longer than the window is always wholly in it or wholly out. A longer one, or one fed in chunks that
+ignored the cuts, leaves in pieces as text does. Retrieval brings a picture's blocks back together
+(engine.memory.cascade.retrieval).
+
 A state (state(), load_state()) depends on the model, its numerics and CascadeConfig.state_settings() (the
 geometry and routing settings, never the budgets): it restores on any machine with the same model, under that
 machine's budgets.
@@ -37,6 +46,7 @@ from engine.memory.cascade.episodic import ADOPTED_BASE, EpisodicMemory, PagedBl
 from engine.memory.cascade.lexical import LexicalIndex
 from engine.memory.cascade.migrate import migrate_state
 from engine.memory.cascade.persistent import PersistentStore
+from engine.memory.cascade.pictures import PictureSpans, PictureTokens
 from engine.memory.cascade.prefix import PrefixCache
 from engine.memory.cascade.retrieval import Retriever
 from engine.memory.cascade.state_schema import CASCADE_STATE_VERSION, check_cascade_state
@@ -62,9 +72,11 @@ class CascadeMemory:
         row: int = 0,
         store: PersistentStore | None = None,
         shared_budget: SharedBudget | None = None,
+        pictures: PictureTokens | None = None,
     ) -> None:
         """`shared_budget`: the episodic budget this memory shares with the others of its owner (a server's rows,
-        an app's conversations), on top of its own (engine.memory.cascade.budget)."""
+        an app's conversations), on top of its own (engine.memory.cascade.budget). `pictures`: which ids are
+        pictures' tokens (a vision model's; see_pictures)."""
         if config.window == AUTO_WINDOW:
             raise ValueError("resolve the automatic window first (CascadeConfig.fit_to or for_model)")
         self.backend = backend
@@ -76,6 +88,7 @@ class CascadeMemory:
         # They outlive a reset (a new chat, an edited transcript), as the attachment does.
         self.attachments: list[tuple[int, torch.Tensor, torch.Tensor, list[str]]] = []
         self.lexical = LexicalIndex()  # their token ids, for the retrieval of the blocks a question names
+        self.pictures = PictureSpans(pictures)  # where the conversation's pictures lie (kept as units)
         self._layout(config)
 
     def _layout(self, config: CascadeConfig) -> None:
@@ -99,7 +112,7 @@ class CascadeMemory:
         if self.shared_budget is not None and laid_out is not None:  # laid out again: the old store stops counting
             self.shared_budget.leave(laid_out)
         self.episodic = EpisodicMemory(config, kv_shape, self.store, self.shared_budget)
-        self.retriever = Retriever(backend, self.row, config, self.working, self.episodic, self.lexical)
+        self.retriever = Retriever(backend, self.row, config, self.working, self.episodic, self.lexical, self.pictures)
         self.prefix = PrefixCache(self.store, config)
         self.tokens: list[int] = []
         self._reset_state()
@@ -108,6 +121,7 @@ class CascadeMemory:
 
     def _reset_state(self) -> None:
         self.tokens = []
+        self.pictures.reset()
         self.working.reset()
         self.episodic.reset()
         for first, kmin, kmax, keys in self.attachments:
@@ -116,6 +130,7 @@ class CascadeMemory:
         self.prefix.reset()
         self._last_fed = 0  # tokens of the last plan (its forward's query summary covers them)
         self._last_evicted = 0  # tokens the last plan pushed out of the window
+        self._released = 0  # ... of which its WorkingMemory.release took (a picture leaving whole)
         # Their slots (e,) and KV (L, Hkv, e, D) each, read before the forward overwrote them, until after_forward
         self._evicted_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._verified = False  # the last plan was a speculative verify (rollback heard of it, maybe with 0)
@@ -124,6 +139,11 @@ class CascadeMemory:
 
     def reset(self) -> None:
         self._reset_state()
+
+    def see_pictures(self, pictures: PictureTokens) -> None:
+        """From now on, ids `pictures` names are pictures' tokens (a vision model's memory; before any is fed)."""
+        self.pictures.tokens = pictures
+        self.pictures.load_state(None, self.tokens)
 
     def attach(
         self,
@@ -201,7 +221,10 @@ class CascadeMemory:
         if self.cfg.retrieval_blocks and self.episodic.blocks:
             self.retriever.route(prefill=t > 1, answering=t <= TAIL_STEP, fed=self.tokens)
         start = len(self.tokens)
+        self._released = self._unit_release(t)
+        released = self.working.release(self._released) if self._released else []
         slots, evicted = self.working.assign(t)
+        evicted = released + evicted
         self._last_evicted = len(evicted)
         self._verified = self._taken_back = False
         self._evicted_kv = None
@@ -210,6 +233,7 @@ class CascadeMemory:
             self._evicted_kv = (gone, *self.backend.read_kv(self.row, gone))
         self.prefix.feed(ids, start)
         self.tokens.extend(ids)
+        self.pictures.feed(ids, start)
         self.retriever.since_route += t
         self._last_fed = t
         self.working.refresh_positions()
@@ -226,6 +250,27 @@ class CascadeMemory:
         return RowPlan(
             w.slot_positions[ws], ws, w.slot_positions[:live].clone(), mask[:, :live], w.frame, w.window_start, local
         )
+
+    def _unit_release(self, t: int) -> int:
+        """How many of the window's oldest tokens leave before a plan of `t` tokens goes in: 0 unless the tokens it
+        pushes out would end inside a picture; then through the picture, and on to the next block boundary where
+        those tokens are fed and no other picture is cut there."""
+        if not self.pictures.spans:
+            return 0
+        w, sinks = self.working, self.cfg.sink_tokens
+        out = w.n_window + t - min(t, sinks - w.n_sink) - self.cfg.window  # what assign would push out
+        if out <= 0:
+            return 0
+        first = sinks + w.evicted  # the window's oldest token
+        span = self.pictures.cut(first + out)
+        fed = len(self.tokens)
+        if span is None or span[1] > fed:  # no picture cut, or one still being fed (longer than the window)
+            return 0
+        end = span[1]
+        whole = sinks + -(-(end - sinks) // self.cfg.block_size) * self.cfg.block_size
+        if whole <= fed and self.pictures.cut(whole) is None:
+            end = whole
+        return end - first
 
     def after_forward(self) -> None:
         if self._evicted_kv is not None:  # the forward is done: what it pushed out of the window is history now
@@ -283,6 +328,7 @@ class CascadeMemory:
         self.prefix.persisted = n
         self.prefix.feed(ids[:n], 0)
         self.tokens.extend(ids[:n])
+        self.pictures.feed(ids[:n], 0)
         self.retriever.since_route += n
         self.working.refresh_positions()
         return n
@@ -320,6 +366,10 @@ class CascadeMemory:
                 if c > len(self.tokens)
             )
         cuts.update(c - base for c in self.prefix.cut(len(self.tokens), end, TAIL_STEP * TAIL_STEPS))
+        if self.pictures.tokens is not None:
+            # Each picture's end: no plan pushes out part of a picture while it feeds the rest (the module doc).
+            # Whatever the prompt's length, so a prefix's chunks (and a snapshot of it) are the same in every prompt.
+            cuts.update(c for c in self.pictures.ends_in(ids, base) if c + base > len(self.tokens))
         return sorted(cuts)
 
     def spill(self) -> int:
@@ -352,14 +402,15 @@ class CascadeMemory:
             )
         kept = self._last_fed - n
         start = len(self.tokens) - self._last_fed
-        self.working.unassign(n, self._last_evicted)
+        self.working.unassign(n, self._last_evicted - self._released, self._released)
         if self._evicted_kv is not None:
             gone, k, v = self._evicted_kv
             self.backend.write_kv(self.row, gone, k, v)  # over what the stopped forward's first layers wrote
             self._evicted_kv = None
-            self._last_evicted = 0
+            self._last_evicted = self._released = 0
         self.working.refresh_positions()
         self.prefix.take_back(self.tokens[start : start + kept], start)
+        self.pictures.truncate(self.tokens, start + kept)
         del self.tokens[-n:]
         self.retriever.since_route -= n
         self._last_fed = kept
@@ -415,6 +466,9 @@ class CascadeMemory:
             "prefix": self.prefix.state(),
             "counters": self.working.counters.to_dict(),
         }
+        pictures = self.pictures.state()
+        if pictures is not None:  # only where there are any: a text conversation's state is as it always was
+            meta["pictures"] = pictures
         return meta, tensors
 
     def state_target(self) -> StateTarget:
@@ -457,4 +511,5 @@ class CascadeMemory:
         self.retriever.load_state(meta["routing"], tensors)
         tokens = [int(t) for t in meta["tokens"]]
         self.prefix.load_state(meta["prefix"], tokens)
+        self.pictures.load_state(meta.get("pictures"), tokens)
         self.tokens = tokens

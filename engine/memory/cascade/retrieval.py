@@ -16,6 +16,10 @@ best and holding a rare word of the question the best lacks, the best at least L
 every layer's groups instead, and only they: the look-alike
 blocks the bounds rank as high would otherwise sit beside them, and the model answers from one of those
 (docs/BENCHMARKS.md, "Documents as memory").
+A picture is recalled whole: when any layer picks one of its blocks, all of the picture's blocks fill the first
+groups of every layer (as the passages a question names do, after them), in the order the layers rank the
+pictures, as many pictures as the groups hold whole (engine.memory.cascade.pictures). A picture of more blocks
+than there are retrieval groups cannot come back whole: its blocks are routed one by one, as text's are.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from engine.backends.base import Backend
 from engine.memory.cascade.config import CascadeConfig
 from engine.memory.cascade.episodic import EpisodicMemory
 from engine.memory.cascade.lexical import QUERY_TOKENS, LexicalIndex
+from engine.memory.cascade.pictures import PictureSpans
 from engine.memory.cascade.routing import ROUTING, RouteContext
 from engine.memory.cascade.window_bounds import WindowBounds
 from engine.memory.cascade.working import WorkingMemory
@@ -82,10 +87,13 @@ class Retriever:
         working: WorkingMemory,
         episodic: EpisodicMemory,
         lexical: LexicalIndex | None = None,
+        pictures: PictureSpans | None = None,
     ) -> None:
-        """`lexical`: the attached blocks' index (the memory's, as it outlives a reset like the attachments)."""
+        """`lexical`: the attached blocks' index (the memory's, as it outlives a reset like the attachments);
+        `pictures`: where the conversation's pictures lie (the memory's)."""
         self.backend = backend
         self.lexical = lexical if lexical is not None else LexicalIndex()
+        self.pictures = pictures if pictures is not None else PictureSpans()
         self.row = row
         self.cfg = cfg
         self.working = working
@@ -191,8 +199,29 @@ class Retriever:
                 # (while decoding, never fewer groups than are filled: the vote fills what they leave)
                 n = len(named) if prefill else max(len(named), min(n, self.working.resident_blocks))
                 shared = n
-            if self._page_in(consensus_groups(chosen, shared, n, named)):
+            whole = self._whole_pictures(chosen, n, named)
+            if len(whole) > n:  # a picture's other blocks take groups the gate left empty
+                n = len(whole)
+            if self._page_in(consensus_groups(chosen, shared, n, whole)):
                 return
+
+    def _whole_pictures(self, chosen: list[list[int]], n: int, named: tuple[int, ...]) -> tuple[int, ...]:
+        """`named`, then every block of each picture one of whose blocks a layer put among its first n picks, the
+        best-ranked picks first, while they fit the retrieval groups whole."""
+        if not self.pictures.spans or not n:
+            return named
+        of: dict[int, tuple[int, ...]] = {}  # block id -> its picture's blocks still held
+        for span in self.pictures.blocks(self.cfg.sink_tokens, self.cfg.block_size):
+            held = tuple(b for b in span if b in self.episodic.blocks)
+            of.update(dict.fromkeys(held, held))
+        out = list(named)
+        for rank in range(n):
+            for pick in chosen:
+                blocks = of.get(pick[rank], ()) if rank < len(pick) else ()
+                extra = [b for b in blocks if b not in out]
+                if extra and len(out) + len(extra) <= self.cfg.retrieval_blocks:
+                    out += extra
+        return tuple(out)
 
     def _named(self, fed: list[int] | None, n: int) -> tuple[int, ...]:
         """Up to n attached blocks: the middle blocks of the passages the recent tokens name (BM25;

@@ -90,12 +90,14 @@ def _check_cascade(
     n_window = as_int(w.get("n_window"), "working.n_window", 0, window)
     head = as_int(w.get("head"), "working.head", 0, window - 1)
     evicted = as_int(w.get("evicted"), "working.evicted", 0, MAX_COUNT)
-    # Every token fed went to a sink or the window; the ring fills sinks first and is full before it evicts.
+    # Every token fed went to a sink or the window; the ring fills sinks first and is full before it evicts
+    # (a memory with pictures may have let one leave whole since: engine.memory.cascade.pictures).
+    pictures = _pictures(meta["pictures"], n) if "pictures" in meta else False
     if n_sink + n_window + evicted != n:
         raise bad("working memory", f"accounts for {n_sink + n_window + evicted} tokens, not the {n} it holds")
     if (
         (n_sink < sinks and (n_window or evicted))
-        or (evicted and n_window != window)
+        or (evicted and n_window != window and not pictures)
         or head != (n_window + evicted) % window
     ):
         raise bad("working memory", "is inconsistent (sinks, window fill, ring head)")
@@ -180,6 +182,29 @@ def _check_cascade(
             expected.add(f"ep.{bid}.{part}")
     expected |= _routing_tensors(r, tensors, version, (L, hkv, d))
     exact_names(tensors, expected)
+
+
+def _pictures(value: Any, n: int) -> bool:
+    """pictures: {"spans": [[start, end], ...] in order, not overlapping, within the n tokens; "open": null or
+    [start, next index, count] of a picture being fed, after them}. True (a state names pictures)."""
+    p = as_dict(value, "pictures")
+    if set(p) != {"spans", "open"}:
+        raise bad("pictures", "is not {spans, open}")
+    last = 0
+    for span in as_list(p["spans"], "pictures.spans", n):
+        pair = as_list(span, "pictures.spans", 2)
+        if len(pair) != 2:
+            raise bad("pictures.spans", "has an entry that is not [start, end]")
+        start = as_int(pair[0], "picture's start", last, n - 1)
+        last = as_int(pair[1], "picture's end", start + 1, n)
+    if p["open"] is not None:
+        opened = as_list(p["open"], "pictures.open", 3)
+        if len(opened) != 3:
+            raise bad("pictures.open", "is not [start, next index, count]")
+        start = as_int(opened[0], "open picture's start", last, n - 1)
+        count = as_int(opened[2], "open picture's count", 2, MAX_COUNT)
+        as_int(opened[1], "open picture's next index", 1, min(count - 1, n - start))
+    return True
 
 
 MAX_ADOPTED_BLOCKS = 1 << 32  # far beyond 32 attachments of engine.documents' largest

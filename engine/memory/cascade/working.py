@@ -128,10 +128,22 @@ class WorkingMemory:
         self.valid[slots] = True
         return slots, evicted
 
-    def unassign(self, count: int, evicted: int = 0) -> None:
+    def release(self, count: int) -> list[int]:
+        """Push the window's `count` oldest tokens out ahead of the tokens that would push them (a picture leaves
+        whole, engine.memory.cascade.pictures): their slots, oldest first, free for the next tokens. The caller
+        reads their KV before anything overwrites it."""
+        oldest = (self.head - self.n_window) % self.window
+        slots = ((oldest + torch.arange(count)) % self.window + self.window_start).tolist()
+        self.n_window -= count
+        self.evicted += count
+        self.valid[slots] = False
+        return slots
+
+    def unassign(self, count: int, evicted: int = 0, released: int = 0) -> None:
         """Undo `assign` of the last `count` tokens, the last `evicted` of which pushed a token out (the caller
         writes those tokens' KV back): their slots are free again, or hold the pushed-out tokens again (newest
-        first: the window's before the sinks', the reverse of the order assign fills them)."""
+        first: the window's before the sinks', the reverse of the order assign fills them). `released`: the
+        `release` before that assign, undone after it (those tokens are the window's oldest again)."""
         self.evicted -= evicted
         for i in range(count):
             if i < evicted:  # it took a full window's oldest slot: the slot holds that token again
@@ -143,6 +155,11 @@ class WorkingMemory:
             else:
                 self.n_sink -= 1
                 self.valid[self.n_sink] = False
+        if released:
+            self.n_window += released
+            self.evicted -= released
+            oldest = (self.head - self.n_window) % self.window
+            self.valid[(oldest + torch.arange(released)) % self.window + self.window_start] = True
 
     def set_groups(self, groups: list[list[int]]) -> None:
         """Record which block each layer's retrieval groups [0, n) hold (the same n in every layer)."""
