@@ -14,6 +14,7 @@ written as one kernel per frame. From the command line:
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -61,7 +62,7 @@ def clip_of_folder(family: Family, d: dict[str, Any], model_dir: Path) -> ClipCo
     if family.projector == "qwen2.5vl_merger":
         full = [int(i) for i in v.get("fullatt_block_indexes", [])]
         pattern = full[0] + 1 if full else 0
-        if not full or any(b - a != pattern for a, b in zip(full, full[1:], strict=False)):
+        if not full or any(b - a != pattern for a, b in itertools.pairwise(full)):
             raise SparkError("A Qwen2.5-VL mmproj needs evenly spaced fullatt_block_indexes; this folder has others.")
         if int(v.get("temporal_patch_size", QWEN_FRAMES)) != QWEN_FRAMES or int(v.get("spatial_merge_size", 2)) != 2:
             raise SparkError(
