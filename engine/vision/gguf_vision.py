@@ -28,12 +28,16 @@ Loader = Callable[[Mmproj, Tokenizer, int, int], VisionModel]
 
 def find_mmproj(model: Path, given: Path | None = None) -> Path | None:
     """The projector file for `model`: `given`, else the one `mmproj*.gguf` beside a GGUF model, else None."""
+    file = gguf_file_of(model)
     if given is not None:
         given = Path(given).expanduser()
+        if file is None:
+            raise ModelLoadError(
+                f"--mmproj goes with a GGUF model; {Path(model).name} is a model folder, which holds its own vision tower."
+            )
         if not given.is_file():
             raise ModelLoadError(f"The projector file {given} does not exist.")
         return given
-    file = gguf_file_of(model)
     if file is None:
         return None
     found = sorted(p for p in file.parent.glob(f"{MMPROJ_PREFIX}*") if is_mmproj_name(p.name) and p.is_file())
