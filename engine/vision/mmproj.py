@@ -413,7 +413,9 @@ def clip_config(name: str, meta: dict[str, Any]) -> ClipConfig:
         image_mean=_triple(meta, name, v + "image_mean", (0.5, 0.5, 0.5)),
         image_std=std,
         scale_factor=0 if qwen else _whole(meta, name, v + "projector.scale_factor", 1, 64, family.default_scale),
-        preproc_image_size=_whole(meta, name, v + "preproc_image_size", 1, MAX_SIDE, 0) if not qwen else 0,
+        preproc_image_size=_whole(meta, name, v + "preproc_image_size", 0, MAX_SIDE, 0)
+        if projector == "idefics3"
+        else 0,
         wa_pattern=_whole(meta, name, v + "n_wa_pattern", 1, MAX_LAYERS) if qwen else 0,
         window_size=_whole(meta, name, v + "window_size", 1, MAX_SIDE, DEFAULT_QWEN_WINDOW) if qwen else 0,
     )
