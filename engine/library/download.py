@@ -288,10 +288,8 @@ class Downloader:
         part = self.store.partial_path(source)
         extra_part = self.store.partial_path(projector) if projector else None
         try:
-            have = self.store.partial_size(part) + (self.store.partial_size(extra_part) if extra_part else 0)
-            if self.free_space(self.store.root) < total - have + DISK_MARGIN_BYTES:  # both files' room first
-                raise self._disk_full(source, total - have + DISK_MARGIN_BYTES)
-            self._fetch(source, part, _span(report, 0, total), control)
+            later = projector.size_bytes - self.store.partial_size(extra_part) if projector and extra_part else 0
+            self._fetch(source, part, _span(report, 0, total), control, later)
             if projector is not None and extra_part is not None:
                 self._fetch(projector, extra_part, _span(report, source.size_bytes, total), control)
             report(DownloadProgress(repo, chosen.name, Phase.VERIFYING, total, total, 0.0, 0.0))
@@ -313,11 +311,14 @@ class Downloader:
         return model
 
     # -- steps -----------------------------------------------------------------------------------------------------
-    def _fetch(self, source: ModelSource, part: Path, report: ProgressCallback, control: DownloadControl) -> None:
+    def _fetch(
+        self, source: ModelSource, part: Path, report: ProgressCallback, control: DownloadControl, later: int = 0
+    ) -> None:
+        """`later`: bytes of a second file still to come after this one (a projector), whose room is checked too."""
         have = self.store.partial_size(part)
         if have > source.size_bytes:  # not this file's bytes: start again
             have = 0
-        self._check_space(source, have)
+        self._check_space(source, have - max(later, 0))
         report(DownloadProgress(source.repo, source.file, Phase.CONNECTING, have, source.size_bytes, 0.0, None))
         started, got, last = self.clock(), 0, 0.0
         stall = _StallWatch(self.clock, self.stall_window_s, self.stall_min_bytes)
