@@ -146,3 +146,20 @@ def test_generate_with_mmproj_flag(exports: dict[str, tuple[Path, Path]], tmp_pa
     )
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["tokens"]) == 4
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_session_file_restores_and_continues(
+    exports: dict[str, tuple[Path, Path]], tmp_path: Path, compact: bool
+) -> None:
+    settings = GenerationSettings(max_tokens=6, ignore_eos=True, sampling=SamplingSettings(temperature=0.0))
+    text_file = exports["q8_0"][0]
+    session = load(text_file, "cpu", prefix_cache=False).new_session()
+    list(session.chat("What is it?", settings, images=[picture(40, 24, 3)]))
+    path = tmp_path / "pictures.spark"
+    session.save(path, compact=compact)
+    expected = [e.token for e in session.chat("And now?", settings) if e.token is not None]
+
+    restored = load(text_file, "cpu", prefix_cache=False).new_session()  # another engine: no picture held
+    assert restored.load(path).applied
+    assert [e.token for e in restored.chat("And now?", settings) if e.token is not None] == expected
