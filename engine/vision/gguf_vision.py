@@ -27,7 +27,9 @@ Loader = Callable[[Mmproj, Tokenizer, int, int], VisionModel]
 
 
 def find_mmproj(model: Path, given: Path | None = None) -> Path | None:
-    """The projector file for `model`: `given`, else the one `mmproj*.gguf` beside a GGUF model, else None."""
+    """The projector file for `model`: `given`, else the one `mmproj*.gguf` beside a GGUF model, else None. A
+    projector found beside the model whose family this build does not run yet is left there: the model opens for
+    text (one named with --mmproj is refused in its own sentence when it loads)."""
     file = gguf_file_of(model)
     if given is not None:
         given = Path(given).expanduser()
@@ -44,7 +46,9 @@ def find_mmproj(model: Path, given: Path | None = None) -> Path | None:
     if len(found) > 1:
         names = ", ".join(p.name for p in found[:3])
         raise ModelLoadError(f"{file.parent} holds several projector files ({names}); choose one with --mmproj.")
-    return found[0] if found else None
+    if not found or Mmproj(found[0]).clip.projector not in LOADERS:
+        return None
+    return found[0]
 
 
 def attach_mmproj(path: Path, tokenizer: Tokenizer, backend: object) -> VisionModel:
