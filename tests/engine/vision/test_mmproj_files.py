@@ -178,6 +178,11 @@ def test_projector_beside_a_model_is_found_only_when_unambiguous(tmp_path: Path,
     assert find_mmproj(text, first) == first
     with pytest.raises(ModelLoadError, match="does not exist"):
         find_mmproj(text, tmp_path / "missing.gguf")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="--mmproj goes with a GGUF model"):
+        find_mmproj(folder, first)
 
 
 # -- Gemma 3 and Qwen2.5-VL: written by our exporter from transformers' checkpoints, read back ----------------------
