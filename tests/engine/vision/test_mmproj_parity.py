@@ -141,6 +141,11 @@ def test_generate_with_mmproj_flag(exports: dict[str, tuple[Path, Path]], tmp_pa
     args += ["--max-tokens", "4", "--greedy", "--json", "--no-prefix-cache"]
     refused = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert refused.returncode != 0 and "image" in refused.stderr.lower() and "Traceback" not in refused.stderr
+    foreign = subprocess.run(  # a text model named as the projector: one line, no traceback
+        [*args, "--mmproj", str(text_file)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+    assert foreign.returncode != 0 and "is not a projector file" in foreign.stderr
+    assert len(foreign.stderr.strip().splitlines()) == 1
     done = subprocess.run(
         [*args, "--mmproj", str(mmproj)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
     )
