@@ -386,6 +386,8 @@ def _triple(
 def clip_config(name: str, meta: dict[str, Any]) -> ClipConfig:
     """The `clip.*` keys of a projector file, each checked (type, range, how the sizes divide)."""
     projector = meta.get("clip.projector_type", meta.get("clip.vision.projector_type"))
+    if projector is None:
+        raise ModelLoadError(f"{name} names no projector type (clip.projector_type); the projector file is incomplete.")
     if not isinstance(projector, str) or projector not in FAMILIES:
         known = ", ".join(FAMILIES)
         raise ModelLoadError(f"{name} is a {str(projector)[:40]!r} projector; MLoT Spark reads the {known} projectors.")

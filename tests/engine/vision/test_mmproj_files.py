@@ -122,6 +122,7 @@ def test_idefics3_names_and_config_are_the_towers(tmp_path: Path) -> None:
 
 HOSTILE: dict[str, tuple[dict[str, Any], dict[str, np.ndarray | None], str]] = {
     "unknown projector": ({"clip.projector_type": "ldp"}, {}, "'ldp' projector"),
+    "no projector type": ({"clip.projector_type": None}, {}, "names no projector type"),
     "missing tensor": ({}, {"v.blk.1.attn_q.weight": None}, "lacks the tensor v.blk.1.attn_q.weight"),
     "extra tensor": ({}, {"v.blk.2.attn_q.weight": np.zeros((32, 32), np.float32)}, "does not have"),
     "wrong shape": ({}, {"mm.model.fc.weight": np.zeros((64, 64), np.float32)}, "clip configuration implies"),
