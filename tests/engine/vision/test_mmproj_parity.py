@@ -168,3 +168,21 @@ def test_session_file_restores_and_continues(
     restored = load(text_file, "cpu", prefix_cache=False).new_session()  # another engine: no picture held
     assert restored.load(path).applied
     assert [e.token for e in restored.chat("And now?", settings) if e.token is not None] == expected
+
+
+def test_the_servers_loader_keeps_the_named_projector(exports: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """`serve --mmproj`: a model unloaded and loaded again by the pool sees images again."""
+    from engine.openai.metrics import Metrics
+    from engine.openai.models import LoadSettings, loader_for
+    from engine.openai.pool import Servable
+    from engine.openai.service import ServeConfig
+
+    text_file, mmproj = exports["f32"]
+    alone = tmp_path / "alone" / text_file.name
+    alone.parent.mkdir()
+    alone.write_bytes(text_file.read_bytes())  # no projector beside it
+    settings = LoadSettings(backend="cpu", prefix_cache=False)
+    config = ServeConfig(model_id="tiny")
+    named = loader_for(LoadSettings(backend="cpu", prefix_cache=False, projectors=((alone, mmproj),)))
+    assert named(Servable("tiny", alone, 0), config, Metrics()).vision is not None
+    assert loader_for(settings)(Servable("tiny", alone, 0), config, Metrics()).vision is None
