@@ -22,6 +22,10 @@ from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import load_model
+from engine.openai.metrics import Metrics
+from engine.openai.models import LoadSettings, loader_for
+from engine.openai.pool import Servable
+from engine.openai.service import ServeConfig
 from engine.session.engine import load
 from engine.vision.gguf_vision import load_mmproj
 from engine.vision.mmproj import read_mmproj
@@ -172,11 +176,6 @@ def test_session_file_restores_and_continues(
 
 def test_the_servers_loader_keeps_the_named_projector(exports: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
     """`serve --mmproj`: a model unloaded and loaded again by the pool sees images again."""
-    from engine.openai.metrics import Metrics
-    from engine.openai.models import LoadSettings, loader_for
-    from engine.openai.pool import Servable
-    from engine.openai.service import ServeConfig
-
     text_file, mmproj = exports["f32"]
     alone = tmp_path / "alone" / text_file.name
     alone.parent.mkdir()
