@@ -35,6 +35,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct, the installed default model)",
     )
+    p.add_argument(
+        "--mmproj",
+        type=Path,
+        default=None,
+        help="a GGUF model's llama.cpp projector file, for pictures (default: the one mmproj*.gguf beside the model)",
+    )
     p.add_argument("--backend", default="auto", choices=["auto", "coreml", "mlx", "mps", "cuda", "cpu"])
     p.add_argument("--cache-dir", type=Path, default=None, help="persistent (L3) prefix cache folder")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not read or write the persistent prefix cache")
@@ -159,6 +165,7 @@ def open_engine(args: argparse.Namespace) -> Engine:
         quantize=args.quantize,
         draft_model=getattr(args, "draft_model", None),
         kv_type=KVType(args.kv_type),
+        mmproj=getattr(args, "mmproj", None),
     )
 
 

@@ -134,7 +134,7 @@ def _recommend(lib: Any) -> dict[str, Any]:
 def _print(action: str, result: dict[str, Any]) -> None:
     if action == "list":
         for m in result["models"]:
-            mark = " (default)" if m.get("default") else ""
+            mark = (" (default)" if m.get("default") else "") + (" (sees images)" if m.get("mmproj") else "")
             print(f"{shown(m['name']):<40} {format_bytes(m['size_bytes']):>9}  {shown(m['family'])}{mark}")
         for p in result["partial_downloads"]:
             print(

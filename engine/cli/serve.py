@@ -7,6 +7,7 @@ at start), each `--add-model`, and every model of the library, loaded when a req
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -141,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     default = Servable(config.model_id, engine.model_dir, model_size(engine.model_dir))
     servable = servable_models(default, extra, ModelStore(models_dir()).models())
     keep_alive = None if args.keep_alive < 0 else args.keep_alive
-    loader = loader_for(load_settings(args))
+    projectors = ((engine.model_dir, engine.mmproj),) if engine.mmproj is not None else ()
+    loader = loader_for(dataclasses.replace(load_settings(args), projectors=projectors))
     pool = ModelPool(servable, config, loader, max_models=args.max_models, keep_alive_s=keep_alive)
     first = ModelService(
         engine.locked_fork(),

@@ -114,6 +114,7 @@ class CatalogModel:
     sampling: RecommendedSampling
     bundled: bool = False  # the default model ships with the app (nothing to download)
     vision: bool = False  # takes pictures as well as text (engine.vision): the catalog's "sees images" mark
+    mmproj: str | None = None  # a vision model's llama.cpp projector file in the same repo, downloaded beside it
 
     def file(self, quantization: str | None = None) -> CatalogFile:
         wanted = quantization or self.default_quantization
@@ -254,6 +255,12 @@ def _model(entry: Any) -> CatalogModel:
         )
     if not files:
         raise ValueError("a model needs at least one file")
+    mmproj = entry.get("mmproj")
+    if mmproj is not None:
+        if not isinstance(mmproj, str) or "/" in mmproj or "\\" in mmproj or not mmproj.startswith("mmproj"):
+            raise ValueError(f"mmproj {str(mmproj)[:40]!r} is not a plain mmproj*.gguf file name")
+        if not mmproj.lower().endswith(".gguf"):
+            raise ValueError(f"mmproj {mmproj[:40]!r} is not a .gguf file")
     model = CatalogModel(
         id=_typed(entry, "id", str),
         name=_typed(entry, "name", str),
@@ -268,8 +275,11 @@ def _model(entry: Any) -> CatalogModel:
         sampling=sampling,
         bundled=_typed(entry, "bundled", bool, False),
         vision=_typed(entry, "vision", bool, False),
+        mmproj=mmproj,
     )
     model.file()  # the default quantization must be one of the files
+    if model.vision != (model.mmproj is not None) and not model.bundled:
+        raise ValueError("a vision model's GGUF comes with its mmproj, and only a vision model's")
     return model
 
 
@@ -291,6 +301,7 @@ def catalog_entry_json(model: CatalogModel, quantization: str) -> dict[str, Any]
         "license": model.license,
         "bundled": model.bundled,
         "vision": model.vision,
+        "mmproj": model.mmproj,
         "sampling": {
             "temperature": model.sampling.temperature,
             "top_p": model.sampling.top_p,

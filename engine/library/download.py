@@ -5,6 +5,10 @@ Steps: the repo's file list (size and LFS sha256, at one commit) → refuse an a
 progress reported and pause/cancel checked between chunks → the sha256 of the whole file against the Hub's → the
 GGUF's header and tensor table read (`validate_gguf`) → moved into the store with its manifest.
 
+A vision model's projector (llama.cpp's `mmproj*.gguf`: the catalog's, else the repo's only one, else its f16 one)
+comes the same way right after the model, one progress over both files, checked as loading checks it (every tensor,
+and its width against the model's) and installed beside the model in the same folder, or neither is.
+
 huggingface_hub's own `hf_hub_download` keeps no partial file across processes (since 1.x each attempt downloads to
 a file unique to it) and reads in 10 MB chunks, so a pause would wait for a whole chunk: this module reads the
 stream itself, in 1 MiB chunks, through huggingface_hub's session, headers and error mapping (engine.library.hub).
@@ -39,6 +43,7 @@ from engine.library.store import LocalModel, ModelSource, ModelStore
 from engine.loading.gguf import ARCHITECTURES, GGUFModel
 from engine.loading.validate import validate_gguf as check_gguf
 from engine.untrusted import shown
+from engine.vision.mmproj import read_mmproj
 
 CHUNK_BYTES = 1 << 20
 DISK_MARGIN_BYTES = 256 << 20  # left free after the download, so the disk is not filled to the last byte
@@ -149,10 +154,52 @@ def choose_file(files: RepoFiles, wanted: str | None, catalog: Catalog | None) -
     raise LibraryError(Problem.CHOOSE_FILE, f"{files.repo} holds several GGUF files; {_choices(files)}")
 
 
+def choose_projector(files: RepoFiles, model: HubFile, catalog: Catalog | None) -> HubFile | None:
+    """The vision projector to fetch with `model`: the catalog's for a known vision model, else the repo's only
+    one, else its one f16 file; None for a repo without one (a text model)."""
+    known = catalog.by_file(model.name) if catalog else None
+    if known is not None and known.mmproj is not None:
+        pick = files.projector(known.mmproj)
+        if pick is None:
+            raise LibraryError(
+                Problem.NO_FILE,
+                f"{files.repo} no longer holds {shown(known.mmproj)}, the projector {known.name} needs.",
+            )
+        return pick
+    if len(files.projectors) == 1:
+        return files.projectors[0]
+    f16 = [f for f in files.projectors if "f16" in f.name.lower()]
+    return f16[0] if len(f16) == 1 else None
+
+
 def _choices(files: RepoFiles) -> str:
     listed = ", ".join(f"{shown(f.name)} ({format_bytes(f.size_bytes)})" for f in files.files[:12])
     more = f" and {len(files.files) - 12} more" if len(files.files) > 12 else ""
     return f"choose one with --file: {listed}{more}."
+
+
+def _span(report: ProgressCallback, before: int, total: int) -> ProgressCallback:
+    """One file's progress as part of a download of `total` bytes whose first `before` bytes are done."""
+
+    def moved(p: DownloadProgress) -> None:
+        done = before + p.done_bytes
+        eta = (total - done) / p.bytes_per_s if p.bytes_per_s > 0 else p.eta_s
+        report(DownloadProgress(p.repo, p.file, p.phase, done, total, p.bytes_per_s, eta))
+
+    return moved
+
+
+def _same_projector(model: LocalModel, projector: ModelSource | None) -> bool:
+    """Whether the stored model already has the projector a download would bring (by name and size)."""
+    if projector is None or model.mmproj is None:
+        return projector is None and model.mmproj is None
+    try:
+        return (
+            model.mmproj.name == projector.file.rsplit("/", 1)[-1]
+            and model.mmproj.stat().st_size == projector.size_bytes
+        )
+    except OSError:
+        return False
 
 
 class _StallWatch:
@@ -223,31 +270,55 @@ class Downloader:
                 f"(it runs {', '.join(sorted(self.supported))}); choose another model.",
             )
         source = ModelSource(repo, chosen.name, files.revision, chosen.sha256, chosen.size_bytes)
+        extra = choose_projector(files, chosen, self.catalog)
+        projector = None
+        if extra is not None:
+            if extra.sha256 is None:
+                raise LibraryError(
+                    Problem.BAD_FILE,
+                    f"The Hub gives no sha256 for {extra.name}, the model's vision projector, so it cannot be verified.",
+                )
+            projector = ModelSource(repo, extra.name, files.revision, extra.sha256, extra.size_bytes)
         existing = self.store.find(repo, chosen.name)
-        if existing is not None and existing.source.sha256 == source.sha256:
+        if existing is not None and existing.source.sha256 == source.sha256 and _same_projector(existing, projector):
             return existing
         report = progress or (lambda _p: None)
         control = control or DownloadControl()
+        total = source.size_bytes + (projector.size_bytes if projector else 0)
         part = self.store.partial_path(source)
+        extra_part = self.store.partial_path(projector) if projector else None
         try:
-            self._fetch(source, part, report, control)
-            report(DownloadProgress(repo, chosen.name, Phase.VERIFYING, source.size_bytes, source.size_bytes, 0.0, 0.0))
+            later = projector.size_bytes - self.store.partial_size(extra_part) if projector and extra_part else 0
+            self._fetch(source, part, _span(report, 0, total), control, later)
+            if projector is not None and extra_part is not None:
+                self._fetch(projector, extra_part, _span(report, source.size_bytes, total), control)
+            report(DownloadProgress(repo, chosen.name, Phase.VERIFYING, total, total, 0.0, 0.0))
             self._verify(source, part, control)
+            if projector is not None and extra_part is not None:
+                self._verify(projector, extra_part, control)
             family = self._validate(part, source)
+            if projector is not None and extra_part is not None:
+                self._validate_projector(extra_part, projector, part)
         except DownloadStopped as stop:
             if stop.reason is StopReason.CANCELLED:
                 self.store.discard_partial(source)
+                if projector is not None:
+                    self.store.discard_partial(projector)
             raise
-        model = self.store.install(part, source, family)
-        report(DownloadProgress(repo, chosen.name, Phase.DONE, source.size_bytes, source.size_bytes, 0.0, 0.0))
+        pair = (extra_part, projector) if projector is not None and extra_part is not None else None
+        model = self.store.install(part, source, family, pair)
+        report(DownloadProgress(repo, chosen.name, Phase.DONE, total, total, 0.0, 0.0))
         return model
 
     # -- steps -----------------------------------------------------------------------------------------------------
-    def _fetch(self, source: ModelSource, part: Path, report: ProgressCallback, control: DownloadControl) -> None:
+    def _fetch(
+        self, source: ModelSource, part: Path, report: ProgressCallback, control: DownloadControl, later: int = 0
+    ) -> None:
+        """`later`: bytes of a second file still to come after this one (a projector), whose room is checked too."""
         have = self.store.partial_size(part)
         if have > source.size_bytes:  # not this file's bytes: start again
             have = 0
-        self._check_space(source, have)
+        self._check_space(source, have - max(later, 0))
         report(DownloadProgress(source.repo, source.file, Phase.CONNECTING, have, source.size_bytes, 0.0, None))
         started, got, last = self.clock(), 0, 0.0
         stall = _StallWatch(self.clock, self.stall_window_s, self.stall_min_bytes)
@@ -302,6 +373,18 @@ class Downloader:
                 f"The Hub sent {have} bytes of {shown(source.file)} instead of {source.size_bytes}; the partial copy "
                 "was deleted: download it again.",
             )
+
+    def _validate_projector(self, part: Path, source: ModelSource, model_part: Path) -> None:
+        """The projector read as loading reads it (every tensor checked) and fitting the model's width."""
+        try:
+            read_mmproj(part).check_width(GGUFModel(model_part).config.hidden_size)
+        except ModelLoadError as exc:
+            self.store.discard_partial(source)
+            raise LibraryError(
+                Problem.BAD_FILE,
+                f"{shown(source.file)} from {source.repo} is not a vision projector MLoT Spark can open for this model, "
+                f"so neither was added: {shown(str(exc), 400)}",
+            ) from None
 
     def _check_space(self, source: ModelSource, have: int) -> None:
         needed = source.size_bytes - have + DISK_MARGIN_BYTES

@@ -120,6 +120,10 @@ class RepoFiles:
     gated: bool
     architecture: str | None  # the Hub's reading of the GGUF header, where it gives one
     files: tuple[HubFile, ...]
+    projectors: tuple[HubFile, ...] = ()  # llama.cpp's vision projectors (mmproj*.gguf) beside the models
+
+    def projector(self, name: str) -> HubFile | None:
+        return next((f for f in self.projectors if f.name == name), None)
 
     def file(self, name: str) -> HubFile | None:
         return next((f for f in self.files if f.name == name), None)
@@ -200,8 +204,8 @@ class HubClient:
         return found[:limit]
 
     def repo_files(self, repo: str) -> RepoFiles:
-        """The repo's single-file GGUF models (split parts, vision projectors and unsafe names left out), with size
-        and sha256."""
+        """The repo's single-file GGUF models (split parts and unsafe names left out) and, apart, its vision
+        projectors, each with size and sha256."""
         check_repo_id(repo)
         deadline = time.monotonic() + self.limits.deadline_s
         with self._errors(repo), _client() as http:
@@ -216,11 +220,12 @@ class HubClient:
         if not isinstance(info, dict):
             raise _bad_reply(f"{repo}'s file list")
         siblings = info.get("siblings")
-        files = []
+        files: list[HubFile] = []
+        projectors: list[HubFile] = []
         for s in siblings if isinstance(siblings, list) else []:
             f = _file_entry(s)
             if f is not None:
-                files.append(f)
+                (projectors if _is_projector(f.name) else files).append(f)
         gguf = info.get("gguf")
         arch = gguf.get("architecture") if isinstance(gguf, dict) else None
         sha = info.get("sha")
@@ -230,6 +235,7 @@ class HubClient:
             gated=bool(info.get("gated")),
             architecture=arch if isinstance(arch, str) and len(arch) <= 64 and arch.isprintable() else None,
             files=tuple(files),
+            projectors=tuple(projectors),
         )
 
     @contextmanager
@@ -455,7 +461,7 @@ def _file_entry(s: Any) -> HubFile | None:
     if not isinstance(name, str) or file_name_problem(name) is not None:
         return None
     low = name.lower()
-    if not low.endswith(".gguf") or _SPLIT_RE.search(name) or low.rsplit("/", 1)[-1].startswith("mmproj"):
+    if not low.endswith(".gguf") or _SPLIT_RE.search(name):
         return None
     lfs = s.get("lfs")
     size = lfs.get("size") if isinstance(lfs, dict) else s.get("size")
@@ -464,6 +470,11 @@ def _file_entry(s: Any) -> HubFile | None:
         return None
     # The sha256 names the partial download's file: only 64 hex digits are taken from the Hub.
     return HubFile(name, size, sha if isinstance(sha, str) and _SHA256_RE.fullmatch(sha) else None)
+
+
+def _is_projector(name: str) -> bool:
+    """llama.cpp's vision projector file (`mmproj*.gguf`), not a model."""
+    return name.lower().rsplit("/", 1)[-1].startswith("mmproj")
 
 
 class Stalled(Exception):

@@ -150,8 +150,9 @@ def recommend(catalog: Catalog, machine: Machine) -> list[Recommendation]:
             if _rank(_fit(f, machine)) > _rank(fit):
                 best, fit = f, _fit(f, machine)
         rows.append((model, best, fit))
-    well = [r for r in rows if r[2] is Fit.RUNS_WELL]
-    fits = [r for r in rows if r[2] is Fit.FITS]
+    # The first pick is a chat model: a vision model is listed with its fit, for whoever wants pictures.
+    well = [r for r in rows if r[2] is Fit.RUNS_WELL and not r[0].vision]
+    fits = [r for r in rows if r[2] is Fit.FITS and not r[0].vision]
     if well:
         pick = max(well, key=lambda r: (r[0].parameters, -rows.index(r)))
     elif fits:

@@ -3,7 +3,8 @@
     models/
       Qwen3-4B-Q4_K_M/                 a complete model: appears in `models list`, opens with `--model NAME`
         Qwen3-4B-Q4_K_M.gguf
-        spark-model.json               where it came from: repo, file, revision, sha256, size, family
+        mmproj-Qwen3-4B-f16.gguf       a vision model's projector (llama.cpp's mmproj), when it has one
+        spark-model.json               where they came from: repo, file, revision, sha256, size, family
       .downloads/                      partial downloads, never listed as models
         <sha256>.part, <sha256>.json   the bytes so far and what they are (a resumed download appends)
 
@@ -68,6 +69,7 @@ class LocalModel:
     size_bytes: int
     family: str  # the GGUF's general.architecture
     source: ModelSource
+    mmproj: Path | None = None  # its vision projector beside it (found there by loading, engine.vision.gguf_vision)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -79,6 +81,7 @@ class LocalModel:
             "file": self.source.file,
             "revision": self.source.revision,
             "sha256": self.source.sha256,
+            "mmproj": str(self.mmproj) if self.mmproj is not None else None,
         }
 
 
@@ -129,19 +132,20 @@ class ModelStore:
             data = read_small_json(folder / MANIFEST)
             source = _source(data["source"])
             family = data["family"]
+            projector = _source(data["mmproj"]) if data.get("mmproj") is not None else None
             if not isinstance(family, str):
                 return None
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
         gguf = folder / model_file_name(source.file)
-        try:
-            info = gguf.lstat()
-        except OSError:
+        if not _stated_size(gguf, source):
             return None
-        size = info.st_size
-        if not stat.S_ISREG(info.st_mode) or size != source.size_bytes:
-            return None
-        return LocalModel(folder.name, gguf, size, family, source)
+        mmproj = None
+        if projector is not None:  # recorded: the model is whole only with it
+            mmproj = folder / model_file_name(projector.file)
+            if mmproj == gguf or not _stated_size(mmproj, projector):
+                return None
+        return LocalModel(folder.name, gguf, source.size_bytes, family, source, mmproj)
 
     def free_name(self, file: str, repo: str) -> str:
         """A name for a new model: the file's stem, or with the repo's owner added when another repo's file took it."""
@@ -153,16 +157,30 @@ class ModelStore:
             return name  # the same repo's newer copy replaces it
         return f"{name}-{model_name(repo.split('/', 1)[0])}"
 
-    def install(self, part: Path, source: ModelSource, family: str) -> LocalModel:
-        """Move a verified download into the store under a free name, atomically, with its manifest."""
+    def install(
+        self, part: Path, source: ModelSource, family: str, projector: tuple[Path, ModelSource] | None = None
+    ) -> LocalModel:
+        """Move a verified download (and its verified projector) into the store under a free name, atomically,
+        with its manifest."""
         name = self.free_name(source.file, source.repo)
         _plain_file(part)
-        manifest = {"format": 1, "family": family, "source": asdict(source)}
+        manifest: dict[str, Any] = {"format": 1, "family": family, "source": asdict(source)}
+        if projector is not None:
+            _plain_file(projector[0])
+            if model_file_name(projector[1].file) == model_file_name(source.file):
+                raise StoreError(
+                    f"The projector {shown(projector[1].file)} has the model's own name; it was not added."
+                )
+            manifest["mmproj"] = asdict(projector[1])
         with atomic_dir(self.root / name) as tmp:
             tmp.mkdir(parents=True)
             part.replace(tmp / model_file_name(source.file))
+            if projector is not None:
+                projector[0].replace(tmp / model_file_name(projector[1].file))
             atomic_write(tmp / MANIFEST, [json.dumps(manifest, indent=2).encode()])
         self._forget_partial(source.sha256)
+        if projector is not None:
+            self._forget_partial(projector[1].sha256)
         installed = self.get(name)
         if installed is None:  # only a concurrent removal gets here
             raise StoreError(f"The model {name} vanished from {self.root} as it was installed; download it again.")
@@ -291,6 +309,15 @@ def read_small_json(path: Path) -> Any:
     finally:
         os.close(fd)
     return loads_bounded(raw, max_bytes=MAX_MANIFEST_BYTES, max_depth=MAX_MANIFEST_DEPTH)
+
+
+def _stated_size(path: Path, source: ModelSource) -> bool:
+    """A plain file (not a link) of the size its manifest states."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_size == source.size_bytes
 
 
 def _is_real_dir(path: Path) -> bool:

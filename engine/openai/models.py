@@ -38,6 +38,7 @@ class LoadSettings:
     cache_dir: Path | None = None  # the persistent (L3) prefix cache's folder (None: the default)
     prefix_cache: bool = True
     policy: HardwarePolicy | None = None  # None: this machine's, asked at each load
+    projectors: tuple[tuple[Path, Path], ...] = ()  # (model, its projector file) given with --mmproj
 
 
 def model_size(path: Path) -> int:
@@ -76,6 +77,7 @@ def loader_for(settings: LoadSettings) -> Loader:
             policy=policy,
             quantize=settings.quantize,
             kv_type=settings.kv_type,
+            mmproj=dict(settings.projectors).get(servable.path),
         )
         return ModelService(
             engine.locked_fork(), engine.tokenizer, engine.memory_factory, config, None, metrics, vision=engine.vision

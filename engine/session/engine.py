@@ -82,6 +82,7 @@ from engine.session.types import AttachmentRecord, RecalledRecord
 from engine.tools.calls import ChatEvent, ToolChoice, ToolSpec, finish_with_calls, read_reply
 from engine.tools.grammar import tool_settings
 from engine.tools.template import TOOL_ROLE, transcript_inputs
+from engine.vision.gguf_vision import attach_mmproj, find_mmproj
 from engine.vision.idefics3 import IMAGE_TOKEN
 from engine.vision.images import DecodedImage
 from engine.vision.messages import template_messages
@@ -139,6 +140,7 @@ class Engine:
         memory_factory: MemoryFactory,
         policy: HardwarePolicy | None = None,
         draft: Backend | None = None,
+        mmproj: Path | None = None,
     ) -> None:
         self.policy = policy  # paces every session's generation (thermal throttling / pause) unless given another
         self.choice = choice
@@ -150,7 +152,13 @@ class Engine:
         # prompt interleaves with a running chat token by token instead of waiting for the whole reply.
         self.step_lock = threading.Lock()
         self.draft = draft  # the draft model's backend (speculative decoding), when one was loaded
-        self.vision = attach_vision(model_dir, tokenizer, choice.backend)  # None: the model reads text only
+        self.mmproj = mmproj  # a GGUF model's projector file (engine.vision.gguf_vision), or None
+        # None: the model reads text only
+        self.vision = (
+            attach_mmproj(mmproj, tokenizer, choice.backend)
+            if mmproj is not None
+            else attach_vision(model_dir, tokenizer, choice.backend)
+        )
         if self.vision is not None:  # its memories keep each picture a unit (engine.memory.cascade.pictures)
             self.memory_factory = seeing_pictures(memory_factory, self.vision.picture_token)
 
@@ -166,15 +174,18 @@ class Engine:
         draft_model: str | Path | None = None,
         draft_quantize: str = "auto",
         kv_type: KVType = KVType.F16,
+        mmproj: str | Path | None = None,
     ) -> Engine:
         """Load a model (HF folder or GGUF; the default model when None); with a `policy`, refuse (one sentence) a
         model this machine cannot hold, by the loaded backend's own figures. `draft_model`: a smaller model with the
-        same vocabulary, loaded on the same backend kind, for speculative decoding (`Speculation.DRAFT`)."""
+        same vocabulary, loaded on the same backend kind, for speculative decoding (`Speculation.DRAFT`). `mmproj`:
+        a GGUF model's llama.cpp projector file (else the one beside it, if one)."""
         # The code that only ran while importing (torch's operator registrations) gives its pages back before the
         # weights come in, and the loader's own code after: the process holds the model, not its start-up.
         release_code_pages()
         model_dir = resolve_model_path(model_dir)
         check_model_path(model_dir)
+        projector = find_mmproj(model_dir, Path(mmproj) if mmproj is not None else None)
         tokenizer = Tokenizer.load(model_dir)
         choice = open_backend(model_dir, backend, quantize, kv_type=kv_type)
         if policy is not None:
@@ -186,7 +197,7 @@ class Engine:
             check_same_vocabulary(tokenizer, Tokenizer.load(draft_dir))
             draft = open_backend(draft_dir, choice.backend.name, draft_quantize).backend
         release_code_pages()
-        return cls(choice, tokenizer, model_dir, memory_factory, policy, draft)
+        return cls(choice, tokenizer, model_dir, memory_factory, policy, draft, projector)
 
     @property
     def backend(self) -> Backend:
@@ -232,12 +243,16 @@ def load(
     prefix_cache: bool = True,
     policy: HardwarePolicy | None = None,
     kv_type: KVType = KVType.F16,
+    mmproj: str | Path | None = None,
 ) -> Engine:
     """The engine's front door: a model (HF folder, GGUF file, or the default model when None) on `backend`, each
     conversation's memory the cascade over a persistent prefix cache under `cache_dir` (the app's cache dir when
-    None). With a `policy`, a model this machine cannot hold is refused in one sentence."""
+    None). With a `policy`, a model this machine cannot hold is refused in one sentence. `mmproj`: a GGUF model's
+    projector file, when it is not the one beside the model."""
     factory = memory_factory_for(model, cache_dir=cache_dir, prefix_cache=prefix_cache, policy=policy)
-    return Engine.load(model, backend, memory_factory=factory, policy=policy, quantize=quantize, kv_type=kv_type)
+    return Engine.load(
+        model, backend, memory_factory=factory, policy=policy, quantize=quantize, kv_type=kv_type, mmproj=mmproj
+    )
 
 
 def check_same_vocabulary(target: Tokenizer, draft: Tokenizer) -> None:

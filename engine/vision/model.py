@@ -135,9 +135,17 @@ class VisionModel:
     """SmolVLM / Idefics3's image path for a loaded text model: the preprocessing, the tower, and the prompt."""
 
     def __init__(
-        self, preprocessing: Idefics3Preprocessing, tower: VisionTower, tokenizer: Tokenizer, vocab_size: int
+        self,
+        preprocessing: Idefics3Preprocessing,
+        tower: VisionTower,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        weights_id: str = "",
     ) -> None:
         self.preprocessing = preprocessing
+        # Where the text model's fingerprint does not cover the tower (a GGUF and its mmproj): the tower's identity,
+        # in the ids' salt, so the prefix cache never gives one projector's features for another's picture.
+        self.weights_id = weights_id
         self.tower = tower
         self.tokenizer = tokenizer
         image_id = tokenizer.token_to_id(IMAGE_TOKEN)
@@ -161,7 +169,7 @@ class VisionModel:
         """Wrap `model`'s embedding lookup (whatever the backend installed) so image ids embed as pictures."""
         backbone = model.model
         if not isinstance(backbone.embed_tokens, ImageEmbedding):
-            salt = hashlib.sha256(repr(self.preprocessing).encode()).hexdigest()[:16]
+            salt = hashlib.sha256((repr(self.preprocessing) + self.weights_id).encode()).hexdigest()[:16]
             backbone.embed_tokens = ImageEmbedding(backbone.embed_tokens, self.vocab_size, self.tower, salt)
         embedding = backbone.embed_tokens
         assert isinstance(embedding, ImageEmbedding)

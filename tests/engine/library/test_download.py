@@ -214,7 +214,9 @@ def test_several_files_need_a_choice(library: Library, hub: FakeHub, tiny_gguf: 
     hub.add("spark-tests/many-GGUF", {"m-Q8_0.gguf": tiny_gguf, "m-Q5_K_M.gguf": tiny_gguf, "mmproj-f16.gguf": b"x"})
     message = _fails(Problem.CHOOSE_FILE, lambda: library.downloader().download("spark-tests/many-GGUF"))
     assert "m-Q8_0.gguf" in str(message) and "mmproj" not in str(message)
-    assert library.downloader().download("spark-tests/many-GGUF", "m-Q8_0.gguf").name == "m-Q8_0"
+    # the repo's projector comes with the model, checked as loading checks it: a broken one adds neither
+    broken = _fails(Problem.BAD_FILE, lambda: library.downloader().download("spark-tests/many-GGUF", "m-Q8_0.gguf"))
+    assert "mmproj-f16.gguf" in str(broken) and library.store.models() == []
 
 
 def test_search_asks_for_gguf_repos(library: Library, hub: FakeHub) -> None:

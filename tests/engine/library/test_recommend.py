@@ -38,7 +38,11 @@ def test_a_small_machine_gets_smaller_files_or_nothing() -> None:
     assert rows["llama3.2-1b"][1:] == (False, "Q4_K_M")  # its Q8_0 is too big here, its Q4_K_M fits
     assert sum(pick for _, pick, _ in rows.values()) == 1
     nothing = _by_id(Machine(3 * GB, ("cpu",)))
-    assert all(fit is Fit.TOO_BIG and not pick for fit, pick, _ in nothing.values())
+    assert not any(pick for _, pick, _ in nothing.values())
+    catalog = load_catalog()
+    text = {m.id for m in catalog.models if not m.vision}
+    assert all(fit is Fit.TOO_BIG for model, (fit, _, _) in nothing.items() if model in text)
+    assert nothing["smolvlm-256m"][0] is not Fit.TOO_BIG  # a small vision model fits, listed but never the first pick
 
 
 def test_a_two_core_cpu_is_not_told_to_fetch_what_it_cannot_run_at_a_chatting_pace() -> None:
