@@ -59,6 +59,7 @@ class Gemma3Preprocessing:
     preprocessor_config.json)."""
 
     image_token: ClassVar[str] = SOFT
+    template_marker: ClassVar[str] = BOI  # what Gemma 3's chat template writes for an image part
     height: int
     width: int
     image_seq_len: int  # mm_tokens_per_image: image tokens a picture

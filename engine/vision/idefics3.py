@@ -42,6 +42,7 @@ class Idefics3Preprocessing:
     """The processor's settings (processor_config.json, or the older preprocessor_config.json)."""
 
     image_token: ClassVar[str] = IMAGE_TOKEN  # the token its expansion repeats for a frame's rows
+    template_marker: ClassVar[str] = IMAGE_TOKEN  # what SmolVLM's chat template writes for an image part
     frame: int  # max_image_size.longest_edge: the side of every tile and of the global view
     longest_edge: int  # size.longest_edge: the first resize
     image_seq_len: int  # image tokens per frame

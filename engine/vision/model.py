@@ -54,6 +54,11 @@ class Preprocessing(Protocol):
         ...
 
     @property
+    def template_marker(self) -> str:
+        """What the family's chat template writes for an image part (the processor's own marker)."""
+        ...
+
+    @property
     def image_seq_len(self) -> int:
         """Image tokens a frame gives."""
         ...
@@ -220,8 +225,16 @@ class VisionModel:
         self.embedding = embedding
         return embedding
 
+    def markers(self, text: str) -> str:
+        """A rendered prompt with the family's own image marker (what its chat template writes for an image part:
+        Gemma 3's `<start_of_image>`) as the engine's `<image>`."""
+        marker = self.preprocessing.template_marker
+        return text if marker == IMAGE_TOKEN else text.replace(marker, IMAGE_TOKEN)
+
     def prompt_text(self, text: str, images: Sequence[DecodedImage]) -> tuple[str, list[Frames]]:
-        """`text` with each `<image>` (one per picture, in order) expanded as the processor does, and the frames."""
+        """`text` with each `<image>` (one per picture, in order; or the family's own marker) expanded as the
+        processor does, and the frames."""
+        text = self.markers(text)
         if text.count(IMAGE_TOKEN) != len(images):
             raise ImageInputError(f"The prompt places {text.count(IMAGE_TOKEN)} images but {len(images)} were given.")
         frames = [self.preprocessing.frames(img.image) for img in images]

@@ -2,7 +2,8 @@
 Gemma3ForConditionalGeneration and its Gemma3Processor): SigLIP encoder, average pooling, soft-embedding norm and
 projection, and a Gemma 3 text model (five sliding layers of an 8-token window, then a global one), with the tiny
 BPE tokenizer of tests.helpers.tiny plus Gemma 3's image tokens. Pictures of 32 pixels, patches of 4: 64 patches
-pooled to 4 image tokens."""
+pooled to 4 image tokens. Its chat template is tests.helpers.tiny's, or `PARTS_TEMPLATE`: Gemma 3's shape, reading
+content as typed parts and writing `<start_of_image>` for an image part."""
 
 from __future__ import annotations
 
@@ -20,9 +21,16 @@ BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 IMAGE_SIZE = 32  # the encoder's square input, pixels
 PATCH = 4
 TOKENS_PER_IMAGE = 4  # (32 / 4)**2 = 64 patches pooled 4 x 4
+PARTS_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}{% for item in m['content'] %}"
+    "{% if item['type'] == 'image' %}<start_of_image>{% elif item['type'] == 'text' %}{{ item['text'] | trim }}"
+    "{% endif %}{% endfor %}{% endif %}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
-def make_tiny_gemma3(out: Path, *, seed: int = 0) -> Path:
+def make_tiny_gemma3(out: Path, *, seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
     import transformers
 
     out = Path(out)
@@ -78,7 +86,7 @@ def make_tiny_gemma3(out: Path, *, seed: int = 0) -> Path:
         image_processor=transformers.Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
         tokenizer=hf_tok,
         image_seq_length=TOKENS_PER_IMAGE,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
     processor.save_pretrained(out)
     shutil.rmtree(tok_dir)

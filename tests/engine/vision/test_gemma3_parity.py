@@ -2,7 +2,7 @@
 frame equals the processor's pixel values, the prompt ids its input ids, and greedy tokens its `generate`, fp32,
 over 24 tokens, for a prompt with one picture and with two; the pictures' tokens attend to each other both ways
 (without it the logits differ), and a conversation through the engine's front door, read in chunks smaller than a
-picture, answers as transformers does."""
+picture, answers as transformers does, with a chat template that writes Gemma 3's own image marker too."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from engine.loading.weights import load_model
 from engine.session.engine import load
 from engine.vision.model import VisionModel, load_vision
 from tests.helpers.pictures import picture
-from tests.helpers.tiny_gemma3 import BOI, TOKENS_PER_IMAGE, make_tiny_gemma3
+from tests.helpers.tiny_gemma3 import BOI, PARTS_TEMPLATE, TOKENS_PER_IMAGE, make_tiny_gemma3
 
 transformers = pytest.importorskip("transformers")
 STEPS = 24
@@ -136,6 +136,31 @@ def test_chat_read_in_small_chunks_equals_transformers(folder: Path, tmp_path: P
         return_tensors="pt",
         add_special_tokens=False,
     )
+    with torch.no_grad():
+        out = model.generate(
+            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert tokens == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_a_template_writing_gemmas_marker_places_the_pictures_as_transformers(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Gemma 3's template reads content as parts and writes <start_of_image> for a picture: the session takes it as
+    the picture's place, and the prompt and answer are what transformers' processor makes of the same messages."""
+    folder = make_tiny_gemma3(tmp_path_factory.mktemp("gemma3_parts"), chat_template=PARTS_TEMPLATE)
+    engine = load(folder, "cpu", cache_dir=tmp_path / "cache")
+    pictures = [picture(40, 24, 0), picture(60, 14, 1)]
+    settings = GenerationSettings(max_tokens=STEPS, ignore_eos=True, sampling=SamplingSettings(temperature=0.0))
+    session = engine.new_session()
+    tokens = [e.token for e in session.chat("Which is wider?", settings, images=pictures) if e.token is not None]
+
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    parts = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which is wider?"}]
+    text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+    assert text.count(BOI) == 2
+    inputs = processor(text=text, images=[p.image for p in pictures], return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(
             **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
