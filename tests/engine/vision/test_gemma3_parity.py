@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.generation.batch import generate_batch
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.loading.tokenizer import Tokenizer
@@ -166,3 +167,27 @@ def test_a_template_writing_gemmas_marker_places_the_pictures_as_transformers(
             **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
         )
     assert tokens == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_batched_rows_read_in_small_chunks_equal_transformers(
+    folder: Path, tmp_path: Path, theirs: tuple[Any, Any]
+) -> None:
+    """The server's path: rows of one slot table (padded, each with its own chunks) read each picture whole."""
+    engine = load(folder, "cpu", cache_dir=tmp_path / "cache")
+    assert engine.vision is not None
+    hf_model, processor = theirs
+    prompts, expected = [], []
+    for text, sizes in (CASES["two"], CASES["one"]):
+        pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+        prompts.append(engine.vision.encode_prompt(text, pictures))
+        inputs = their_inputs(processor, text, sizes)
+        with torch.no_grad():
+            out = hf_model.generate(
+                **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        expected.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    settings = GenerationSettings(
+        max_tokens=STEPS, ignore_eos=True, prefill_chunk=3, sampling=SamplingSettings(temperature=0.0)
+    )
+    got = generate_batch(engine.backend.fork(), engine.tokenizer, prompts, settings)
+    assert [c.tokens for c in got] == expected
