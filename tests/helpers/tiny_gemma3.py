@@ -53,6 +53,7 @@ def make_tiny_gemma3(out: Path, *, seed: int = 0, chat_template: str = CHAT_TEMP
     )
     hf_tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
     bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|end|>")
+    assert bos is not None and eos is not None
     text = family_config("gemma3", tok.get_vocab_size(), bos, eos)
     vision: dict[str, Any] = {
         "hidden_size": 32,
