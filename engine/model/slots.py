@@ -125,6 +125,8 @@ def open_image_runs(batch: SlotBatch, tokens: torch.Tensor, image_from: int) -> 
     """`batch` with each picture's tokens (image_runs) also seeing the later tokens of their picture that this step
     writes, in every layer (transformers' or-mask: a sliding layer's window bounds only the past). The step must
     hold the whole run for the result to be the model's (engine.generation.loop.PromptFeed keeps it whole)."""
+    if not bool((tokens >= image_from).any()):
+        return batch  # text only: no (B, T, T) table
     runs = image_runs(tokens, image_from)  # (B, T, T)
     if not bool(runs.any()):
         return batch
