@@ -784,7 +784,7 @@ class Session:
             return text
         if self.engine.vision is None:
             raise ImageInputError(
-                f"{display_name(self.engine.model_dir)} reads text only; choose a model that sees images (SmolVLM)."
+                f"{display_name(self.engine.model_dir)} reads text only; choose a model that sees images (SmolVLM, Gemma 3)."
             )
         marked = text if text.count(IMAGE_TOKEN) == len(images) else IMAGE_TOKEN * len(images) + text
         if marked.count(IMAGE_TOKEN) != len(images):
