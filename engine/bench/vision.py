@@ -1,11 +1,13 @@
 """`bench vision`: what a question about a picture costs, beside transformers on the same folder in the same run.
 
-- `encode_ms`: the vision encoder (SigLIP, pixel shuffle, connector) over one 896x896 picture's frames (after the
-  processor's tiling: for SmolVLM, 4 x 4 tiles and the global view);
+- `encode_ms`: the vision encoder (SigLIP, then SmolVLM's pixel shuffle and connector or Gemma 3's pooling and
+  projector) over one 896x896 picture's frames (after the processor's tiling: for SmolVLM, 4 x 4 tiles and the
+  global view; Gemma 3 takes one frame);
 - `ttft_ms`: a chat question about that picture, from the request to its first token: decoding the picture,
   preprocessing, encoding and reading the prompt (no prefix cache, a picture not seen before);
 - `ratio_vs_peer`: transformers' time ÷ ours for each (above 1: we are faster), with `peer_encode_ms` and
-  `peer_ttft_ms` (its processor, `Idefics3ForConditionalGeneration` in fp32, one forward for the first token).
+  `peer_ttft_ms` (its processor, the folder's `Idefics3ForConditionalGeneration` or `Gemma3ForConditionalGeneration`
+  in fp32, one forward for the first token).
 
 The peer is transformers: our engine reads vision models from Hugging Face folders, not GGUF + mmproj, so
 llama.cpp's mtmd has no file of ours to run. Each figure is the median over fresh pictures (the encoder's output is
@@ -174,24 +176,38 @@ class Ours:
         return sum(self.watch.ms), ttft
 
 
+# architecture -> the encoder's first and last modules in transformers' model (`.model.<name>`)
+PEER_ENCODERS = {
+    "Idefics3ForConditionalGeneration": ("vision_model", "connector"),
+    "Gemma3ForConditionalGeneration": ("vision_tower", "multi_modal_projector"),
+}
+
+
 class Peer:
-    """transformers' Idefics3 on the same folder: its processor and one forward for the first token."""
+    """transformers' model of the same folder (Idefics3, Gemma 3): its processor and one forward for the first
+    token."""
 
     def __init__(self, folder: Path) -> None:
         import transformers
 
-        self.model = transformers.Idefics3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        arch = json.loads((folder / "config.json").read_text(encoding="utf-8"))["architectures"][0]
+        model_class = getattr(transformers, arch)
+        self.model = model_class.from_pretrained(folder, dtype=torch.float32).eval()
         self.processor = transformers.AutoProcessor.from_pretrained(folder)
-        self.watch = Stopwatch(self.model.model.vision_model, self.model.model.connector)
+        first, last = PEER_ENCODERS[arch]
+        self.watch = Stopwatch(getattr(self.model.model, first), getattr(self.model.model, last))
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
         self.prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        # A template that writes BOS itself: the tokenizer adds none (as ours, and apply_chat_template's tokenizing)
+        bos = self.processor.tokenizer.bos_token
+        self.special = not (bos and self.prompt.startswith(bos))
         self.prompt_tokens = 0
 
     def ask(self, data: bytes) -> tuple[float, float]:
         self.watch.ms.clear()
         t0 = time.perf_counter()
         image = Image.open(io.BytesIO(data)).convert("RGB")
-        inputs = self.processor(text=self.prompt, images=[image], return_tensors="pt")
+        inputs = self.processor(text=self.prompt, images=[image], return_tensors="pt", add_special_tokens=self.special)
         with torch.no_grad():
             int(self.model(**inputs).logits[0, -1].argmax())
         ttft = (time.perf_counter() - t0) * 1000
@@ -219,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             folder = resolve_model_path(args.model)
             name = display_name(folder)
             if not is_vision_folder(folder):
-                raise SparkError(f"{name} is not a vision model folder this engine runs (SmolVLM / Idefics3).")
+                raise SparkError(f"{name} is not a vision model folder this engine runs (SmolVLM, Gemma 3).")
         quantize = "none" if args.quantize == "auto" else args.quantize  # the peer runs fp32
         ours, theirs = Ours(load(folder, args.backend, quantize=quantize, prefix_cache=False)), Peer(folder)
         # Alternated picture by picture, so a machine whose load drifts weighs on both alike; the first warms up.

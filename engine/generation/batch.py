@@ -37,9 +37,8 @@ from engine.generation.loop import (
     FinishReason,
     GenerationEvent,
     GenerationSettings,
-    PromptFeed,
     Reply,
-    prefill_cuts,
+    prompt_feed,
     settle,
     speculator_for,
 )
@@ -174,7 +173,7 @@ class RowState:
             memory.reset()
             held = 0
         self.cached_tokens = held or memory.reuse_prefix(ids[:-1])
-        self.feed = PromptFeed(ids, self.cached_tokens, prefill_cuts(memory, ids, self.cached_tokens))
+        self.feed = prompt_feed(backend, memory, ids, self.cached_tokens)
         self.reply = Reply(tokenizer, len(ids), settings, t0=t0)  # what memory holds is a prefix of the prompt
         self.skip = skip
         self.last: int | None = None  # sampled last, fed on the next step

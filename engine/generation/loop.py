@@ -125,8 +125,7 @@ def prefill(
     start = memory.reuse_prefix(ids[:-1])
     backend.expect(memory.slots_after(len(ids) - start + reply_tokens))
     chunk = max(1, min(chunk, memory.max_feed()))
-    config = getattr(backend, "config", None)  # Backend declares it; a stand-in without one feeds no pictures
-    feed = PromptFeed(ids, start, prefill_cuts(memory, ids, start), image_from=getattr(config, "vocab_size", None))
+    feed = prompt_feed(backend, memory, ids, start)
     logits = None
     if on_progress is not None:
         on_progress(PrefillProgress(feed.at, len(ids), start, 0.0))
@@ -154,46 +153,73 @@ class PromptFeed:
     """The prompt ids still to feed, handed out in chunks of at most `chunk` that also end at every cut (so a
     chunk boundary falls where the memory asked, whoever drives the feed). With `image_from` (the vocabulary size:
     a picture's tokens are the ids from there up, engine.vision), a chunk that the size limit would end inside a
-    picture's run of ids ends before the run instead, unless the run began the chunk; cuts stay where they are."""
+    picture's run of ids ends before the run instead, unless the run began the chunk; cuts stay where they are.
+    With `whole_runs` too (a model whose pictures attend both ways: the most tokens one forward may take), a run is
+    never cut: a chunk or a cut that would end inside one ends before it, and a chunk the run begins grows to hold
+    it (up to `whole_runs` tokens; a longer run is cut there, and its pieces no longer see each other both ways)."""
 
-    def __init__(self, ids: Sequence[int], start: int, cuts: Sequence[int], image_from: int | None = None) -> None:
-        self.pending = list(ids[start:])  # prompt ids not fed yet
-        self.at = start  # index in the prompt of pending[0]
+    def __init__(
+        self, ids: Sequence[int], start: int, cuts: Sequence[int], image_from: int | None = None, whole_runs: int = 0
+    ) -> None:
+        self.ids = list(ids)
+        self.at = start  # index in the prompt of the next id to feed
         self.cuts = sorted(cuts)
         self.image_from = image_from
+        self.whole_runs = whole_runs if image_from is not None else 0
 
     @property
     def done(self) -> bool:
-        return not self.pending
+        return self.at >= len(self.ids)
 
     def next(self, chunk: int) -> list[int]:
-        n = min([chunk, *(c - self.at for c in self.cuts if c > self.at)])
-        if n == chunk and self.image_from is not None and n < len(self.pending):
-            n = self._before_image_run(n)
-        piece, self.pending = self.pending[:n], self.pending[n:]
+        n = self._size(self.at, chunk)
+        piece = self.ids[self.at : self.at + n]
         self.at += len(piece)
         return piece
 
-    def _before_image_run(self, n: int) -> int:
-        """n, or where the picture run that n would cut begins (when that is inside the chunk)."""
+    def _size(self, at: int, chunk: int) -> int:
+        """The size of the chunk that starts at `at`."""
+        n = min([chunk, *(c - at for c in self.cuts if c > at)])
         first = self.image_from
-        assert first is not None
-        if self.pending[n] < first or self.pending[n - 1] < first:
-            return n
-        begin = n
-        while begin > 0 and self.pending[begin - 1] >= first:
+        if first is None or at + n >= len(self.ids) or self.ids[at + n] < first or self.ids[at + n - 1] < first:
+            return n  # no limit given, or the chunk cuts no run
+        if not self.whole_runs and n < chunk:
+            return n  # a cut: it stays
+        begin = at + n
+        while begin > at and self.ids[begin - 1] >= first:
             begin -= 1
-        return begin or n
+        if begin > at:
+            return begin - at  # end before the run
+        if not self.whole_runs:
+            return n  # the run began the chunk: fed in pieces
+        end = at + n
+        while end < len(self.ids) and self.ids[end] >= first:
+            end += 1
+        return max(n, min(end - at, self.whole_runs))
 
     def steps(self, chunk: int) -> int:
-        """How many `next(chunk)` calls feed the rest (a feed without `image_from`: the batch scheduler's)."""
-        end = self.at + len(self.pending)
-        bounds = sorted({end, *(c for c in self.cuts if self.at < c < end)})
+        """How many `next(chunk)` calls feed the rest."""
         at, steps = self.at, 0
+        if self.image_from is not None:
+            while at < len(self.ids):
+                at, steps = at + self._size(at, chunk), steps + 1
+            return steps
+        end = len(self.ids)
+        bounds = sorted({end, *(c for c in self.cuts if self.at < c < end)})
         for b in bounds:
             steps += -(-(b - at) // chunk)
             at = b
         return steps
+
+
+def prompt_feed(backend: Backend, memory: Memory, ids: Sequence[int], start: int) -> PromptFeed:
+    """The feed of `ids` from `start` for `backend`'s model into `memory`: chunks end at the memory's cuts, and
+    before a picture's run they would cut (a model whose pictures attend both ways reads each run in one forward,
+    as large as the memory takes at once)."""
+    config = getattr(backend, "config", None)  # Backend declares it; a stand-in without one feeds no pictures
+    whole = memory.max_feed() if getattr(config, "images_bidirectional", False) else 0
+    cuts = prefill_cuts(memory, list(ids), start)
+    return PromptFeed(ids, start, cuts, image_from=getattr(config, "vocab_size", None), whole_runs=whole)
 
 
 def verify_forward(backend: Backend, memory: Memory, piece: list[int]) -> torch.Tensor:

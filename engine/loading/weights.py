@@ -235,17 +235,20 @@ def hf_family_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict
     return out
 
 
-TEXT_MODEL_PREFIX = "model.text_model."
+# A vision-language checkpoint's text model: Idefics3's, and Gemma 3's as published and as transformers 5 names it.
+TEXT_MODEL_PREFIXES = ("model.text_model.", "language_model.model.", "model.language_model.")
 
 
 def text_model_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A vision-language checkpoint's text model under the network's names (`model.text_model.` -> `model.`); its
-    vision tower and connector are engine.vision's. A text-only checkpoint passes through."""
-    if not any(name.startswith(TEXT_MODEL_PREFIX) for name in state):
+    """A vision-language checkpoint's text model under the network's names (`model.text_model.` and the like ->
+    `model.`); its vision tower and projector are engine.vision's. A text-only checkpoint passes through."""
+    prefix = next((p for p in TEXT_MODEL_PREFIXES if any(name.startswith(p) for name in state)), None)
+    if prefix is None:
         return state
-    out = {"model." + n.removeprefix(TEXT_MODEL_PREFIX): t for n, t in state.items() if n.startswith(TEXT_MODEL_PREFIX)}
-    if "lm_head.weight" in state:
-        out["lm_head.weight"] = state["lm_head.weight"]
+    out = {"model." + n.removeprefix(prefix): t for n, t in state.items() if n.startswith(prefix)}
+    for head in ("lm_head.weight", "language_model.lm_head.weight"):
+        if head in state:
+            out["lm_head.weight"] = state[head]
     return out
 
 

@@ -185,9 +185,10 @@ class StepAttention(Protocol):
 
 class CausalStep:
     """A pass without a cache (training, scoring): tokens at positions 0..T-1, each attending to those before it
-    (within its window, in a sliding-window layer)."""
+    (within its window, in a sliding-window layer), and to the later tokens `runs` (B, T, T) names (a picture's own,
+    in a model whose pictures attend both ways: engine.model.slots.image_runs)."""
 
-    def __init__(self, rope: RotaryTable, tokens: int, cfg: ModelConfig) -> None:
+    def __init__(self, rope: RotaryTable, tokens: int, cfg: ModelConfig, runs: torch.Tensor | None = None) -> None:
         self.rope = rope.leading(tokens)  # cos, sin (1, 1, T, D) or (K, 1, 1, T, D)
         self.kinds = layer_rope_kinds(cfg)
         self.windows = cfg.layer_windows
@@ -195,6 +196,8 @@ class CausalStep:
         self.local = {  # window -> (T, T) True where a query may attend
             w: (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w) for w in set(self.windows) if w
         }
+        self.runs = None if runs is None or not bool(runs.any()) else runs[:, None]  # (B, 1, T, T)
+        self.causal = pos[None, :] <= pos[:, None]  # (T, T)
 
     def record_queries(self, layer: int, q: torch.Tensor) -> None:
         pass  # no memory routes on a causal pass
@@ -204,6 +207,9 @@ class CausalStep:
         q = apply_rope(q, cos, sin)  # (B, H, T, D)
         k = apply_rope(k, cos, sin)  # (B, Hkv, T, D)
         window = self.windows[layer] if self.windows else 0
+        if self.runs is not None:  # transformers' or-mask: a sliding layer's window still bounds the past
+            mask = (self.local[window] if window else self.causal) | self.runs
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         if window:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.local[window], enable_gqa=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, D)

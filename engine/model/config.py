@@ -31,8 +31,28 @@ MODEL_TYPES: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
 }
 # Vision-language folders whose text model is one of the above (its config under `text_config`, its weights under
-# `model.text_model.`); engine.vision reads the rest.
-VISION_ARCHITECTURES = ("Idefics3ForConditionalGeneration",)
+# `model.text_model.` or `language_model.model.`); engine.vision reads the rest.
+VISION_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "Gemma3ForConditionalGeneration")
+# Those whose picture's tokens attend to each other both ways (transformers' token_type_ids mask).
+BIDIRECTIONAL_IMAGES = ("Gemma3ForConditionalGeneration",)
+# Gemma 3's published vision folders keep in `text_config` only what differs from transformers' Gemma3TextConfig
+# (gemma-3-4b-it's names its width, layers, window and rope scaling): its defaults fill the rest.
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
 IMAGE_ID_LIMIT = 2**31 - 1  # pictures' ids lie below it (prefix digests hash ids as int32)
 # Gemma 3's sliding-window layers: every layer but each sixth, when config.json predates `layer_types`.
 GEMMA3_GLOBAL_EVERY = 6
@@ -227,6 +247,9 @@ class ModelConfig:
     # A vision-language model's text model: ids from the vocabulary up to IMAGE_ID_LIMIT stand for pictures' tokens
     # (engine.vision.model), so memories hold them and their states may name them.
     image_ids: bool = False
+    # A picture's run of ids attends to itself both ways (Gemma 3): a query there sees the run's later tokens in the
+    # same forward (engine.model.slots.open_image_runs), so the run is read in one forward (generation.loop).
+    images_bidirectional: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -280,7 +303,10 @@ class ModelConfig:
             text = d.get("text_config")
             if not isinstance(text, dict):
                 raise ModelLoadError(f"config.json of a {arch} has no text_config object; it looks damaged.")
-            return dataclasses.replace(cls.from_dict(text), image_ids=True)
+            if arch == "Gemma3ForConditionalGeneration":
+                text = {**GEMMA3_TEXT_DEFAULTS, **text}
+            text_config = cls.from_dict(text)
+            return dataclasses.replace(text_config, image_ids=True, images_bidirectional=arch in BIDIRECTIONAL_IMAGES)
         if arch not in SUPPORTED_ARCHITECTURES:
             known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise ModelLoadError(

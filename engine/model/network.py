@@ -30,7 +30,7 @@ from engine.model.attention import (
 )
 from engine.model.config import ModelConfig
 from engine.model.kv_types import KVType
-from engine.model.slots import KVCache, SlotBatch, SlotStep, StepReads
+from engine.model.slots import KVCache, SlotBatch, SlotStep, StepReads, image_runs, open_image_runs
 
 # ROTARY_HEADROOM, SlotBatch and rope_inv_freq are re-exported: the cascade, batching and Core ML import them here.
 __all__ = [
@@ -249,7 +249,14 @@ class Transformer(nn.Module):
         `should_stop` is polled before every layer after the first; when true, raises ForwardCancelled."""
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # as transformers: the scale in the weights' dtype
+            scaled = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # as transformers: in the weights' dtype
+            # A picture's rows (ids from the vocabulary up) go in as the tower gave them: transformers puts them
+            # in after the scale.
+            x = (
+                torch.where((tokens < self.config.vocab_size)[..., None], scaled, x)
+                if self.config.image_ids
+                else scaled
+            )
         for i, layer in enumerate(self.decoder_layers()):
             if i and should_stop is not None and should_stop():  # a long prefill chunk stops within one layer
                 raise ForwardCancelled
@@ -259,8 +266,9 @@ class Transformer(nn.Module):
 
     def forward_causal(self, tokens: torch.Tensor) -> torch.Tensor:
         """Training / scoring path without a cache: tokens (B, T) -> logits (B, T, V), causal, positions 0..T-1."""
+        runs = image_runs(tokens, self.config.vocab_size) if self.config.images_bidirectional else None
         logits: torch.Tensor = self.lm_head(
-            self.hidden_states(tokens, CausalStep(self.rotary(), tokens.shape[1], self.config))
+            self.hidden_states(tokens, CausalStep(self.rotary(), tokens.shape[1], self.config, runs))
         )
         return logits
 
@@ -276,6 +284,8 @@ class Transformer(nn.Module):
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last token only when `last_only`; writes this
         step's K/V into `cache`. `reads`: the step's plan when the caller already made it (KVCache.plan).
         `should_stop`: polled between layers (see hidden_states)."""
+        if self.config.images_bidirectional and tokens.shape[1] > 1 and reads is None:
+            batch = open_image_runs(batch, tokens, self.config.vocab_size)
         reads = reads or cache.plan(batch, self.rotary())
         h = self.hidden_states(tokens, SlotStep(cache, batch, reads), should_stop)
         if last_only:

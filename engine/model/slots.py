@@ -15,6 +15,7 @@ heads, D head dim.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import mmap
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.model.attention import (
@@ -105,6 +107,34 @@ class SlotBatch:
         if self.frame is not None and self.frame.numel():
             top += max(int(self.frame.max()), 0)
         return top + 1
+
+
+def image_runs(tokens: torch.Tensor, image_from: int) -> torch.Tensor:
+    """tokens (B, T) -> (B, T, T) bool, True where query i and a later token j lie in one run of picture ids (ids
+    from `image_from` up, engine.vision: consecutive ones are one picture, as transformers groups Gemma 3's image
+    tokens)."""
+    image = tokens >= image_from  # (B, T)
+    starts = image & ~F.pad(image, (1, 0))[:, :-1]  # (B, T) a run's first token
+    group = torch.where(image, starts.cumsum(1), 0)  # (B, T) the run's number from 1, 0 for text
+    t = tokens.shape[1]
+    later = torch.ones(t, t, dtype=torch.bool, device=tokens.device).triu(1)  # (T, T) j > i
+    return (group[:, :, None] == group[:, None, :]) & image[:, :, None] & later
+
+
+def open_image_runs(batch: SlotBatch, tokens: torch.Tensor, image_from: int) -> SlotBatch:
+    """`batch` with each picture's tokens (image_runs) also seeing the later tokens of their picture that this step
+    writes, in every layer (transformers' or-mask: a sliding layer's window bounds only the past). The step must
+    hold the whole run for the result to be the model's (engine.generation.loop.PromptFeed keeps it whole)."""
+    if not bool((tokens >= image_from).any()):
+        return batch  # text only: no (B, T, T) table
+    runs = image_runs(tokens, image_from)  # (B, T, T)
+    if not bool(runs.any()):
+        return batch
+    b, t = tokens.shape
+    seen = torch.zeros_like(batch.mask[:, 0])  # (B, T, S')
+    seen.scatter_(2, batch.write_slots[:, None, :].expand(b, t, t), runs)  # real tokens write distinct slots
+    local = None if batch.local_mask is None else batch.local_mask | seen[:, None]
+    return dataclasses.replace(batch, mask=batch.mask | seen[:, None], local_mask=local)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -727,7 +727,9 @@ class Session:
         else:
             msgs, extra = list(messages), {}
         msgs, extra = switched(style, think, msgs, extra)
-        return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
+        rendered = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
+        # The template's own image marker (Gemma 3's <start_of_image>) as the engine's <image>.
+        return rendered if self.engine.vision is None else self.engine.vision.markers(rendered)
 
     def _answer(
         self,
@@ -806,7 +808,7 @@ class Session:
             return text
         if self.engine.vision is None:
             raise ImageInputError(
-                f"{display_name(self.engine.model_dir)} reads text only; choose a model that sees images (SmolVLM)."
+                f"{display_name(self.engine.model_dir)} reads text only; choose a model that sees images (SmolVLM, Gemma 3)."
             )
         marked = text if text.count(IMAGE_TOKEN) == len(images) else IMAGE_TOKEN * len(images) + text
         if marked.count(IMAGE_TOKEN) != len(images):

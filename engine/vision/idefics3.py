@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from PIL import Image
@@ -41,6 +41,8 @@ class Frames:
 class Idefics3Preprocessing:
     """The processor's settings (processor_config.json, or the older preprocessor_config.json)."""
 
+    image_token: ClassVar[str] = IMAGE_TOKEN  # the token its expansion repeats for a frame's rows
+    template_marker: ClassVar[str] = IMAGE_TOKEN  # what SmolVLM's chat template writes for an image part
     frame: int  # max_image_size.longest_edge: the side of every tile and of the global view
     longest_edge: int  # size.longest_edge: the first resize
     image_seq_len: int  # image tokens per frame
@@ -52,10 +54,7 @@ class Idefics3Preprocessing:
 
     @classmethod
     def from_folder(cls, folder: Path) -> Idefics3Preprocessing:
-        proc = _read_json(folder / "processor_config.json")
-        image = proc.get("image_processor")
-        if not isinstance(image, dict):
-            image = _read_json(folder / "preprocessor_config.json")
+        proc, image = read_processor_json(folder)
         try:
             frame = int(image["max_image_size"]["longest_edge"])
             longest = int(image["size"]["longest_edge"])
@@ -97,6 +96,10 @@ class Idefics3Preprocessing:
         tiles = [img.crop((c * f, r * f, c * f + f, r * f + f)) for r in range(rows) for c in range(cols)]
         return Frames(self._normalise([*tiles, self._resize(img, f, f)]), rows, cols)
 
+    def expand(self, frames: Frames) -> str:
+        """What the prompt's `<image>` becomes for `frames`."""
+        return self.prompt_text(frames.rows, frames.cols)
+
     def prompt_text(self, rows: int, cols: int) -> str:
         """What the prompt's `<image>` becomes for a picture of rows x cols tiles."""
         tokens = IMAGE_TOKEN * self.image_seq_len
@@ -114,12 +117,19 @@ class Idefics3Preprocessing:
         return img.resize((width, height), Image.Resampling(self.resample))
 
     def _normalise(self, frames: list[Image.Image]) -> np.ndarray:
-        """8-bit RGB frames -> (N, 3, H, W) float32: x * rescale in float64, then (x - mean) / std in float32."""
-        a = np.stack([np.asarray(f, dtype=np.uint8) for f in frames]).astype(np.float64) * self.rescale
-        a = a.astype(np.float32)
-        mean, std = np.array(self.mean, np.float32), np.array(self.std, np.float32)
-        out: np.ndarray = ((a - mean) / std).transpose(0, 3, 1, 2)
-        return np.ascontiguousarray(out)
+        return normalise(frames, self.rescale, self.mean, self.std)
+
+
+def normalise(
+    frames: list[Image.Image], rescale: float, mean: tuple[float, float, float], std: tuple[float, float, float]
+) -> np.ndarray:
+    """8-bit RGB frames -> (N, 3, H, W) float32 as transformers' Pillow processors make them: x * rescale in
+    float64, then (x - mean) / std in float32."""
+    a = np.stack([np.asarray(f, dtype=np.uint8) for f in frames]).astype(np.float64) * rescale
+    a = a.astype(np.float32)
+    m, s = np.array(mean, np.float32), np.array(std, np.float32)
+    out: np.ndarray = ((a - m) / s).transpose(0, 3, 1, 2)
+    return np.ascontiguousarray(out)
 
 
 def _longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]:
@@ -152,6 +162,16 @@ def _multiple_of_frame(height: int, width: int, frame: int) -> tuple[int, int]:
         height = math.ceil(height / frame) * frame
         width = math.ceil(int(height * aspect) / frame) * frame
     return height, width
+
+
+def read_processor_json(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A folder's processor settings and its image processor's: processor_config.json, the image processor's
+    nested in it or in the older preprocessor_config.json ({} for what is missing)."""
+    proc = _read_json(folder / "processor_config.json")
+    image = proc.get("image_processor")
+    if not isinstance(image, dict):
+        image = _read_json(folder / "preprocessor_config.json")
+    return proc, image
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -11,6 +11,10 @@ those it reads again, and in this process encodes nothing again. The same pictur
 process (the hash covers the preprocessing's settings too; the model's fingerprint keys the cache on the tower's
 weights), so the persistent prefix cache keys on its content; two pictures sharing a prefix would need every one of
 their ids to coincide (a 31-bit hash each).
+
+A family (`FAMILIES`, by the folder's architecture) gives the rest: its preprocessing (pictures to frames, and what
+the prompt's `<image>` marker becomes), its tower (frames to rows of the text model's width) and which checkpoint
+tensors are the tower's: SmolVLM / Idefics3 (engine.vision.idefics3, siglip) and Gemma 3 (engine.vision.gemma3).
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+from PIL import Image
 from torch import nn
 
 from engine.errors import ModelLoadError, SparkError
@@ -30,13 +36,66 @@ from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import mmap_tensors, read_safetensors_header, weight_files
 from engine.model.config import IMAGE_ID_LIMIT, VISION_ARCHITECTURES
 from engine.model.network import Transformer
+from engine.vision import gemma3
 from engine.vision.idefics3 import IMAGE_TOKEN, Frames, Idefics3Preprocessing
 from engine.vision.images import DecodedImage
-from engine.vision.siglip import VisionConfig, VisionTower
+from engine.vision.siglip import Tower, VisionConfig, VisionTower
 
-TOWER_PREFIXES = ("model.vision_model.", "model.connector.")
 MAX_HELD_IMAGES = 16  # pictures whose frames or features are held for embedding, most recent first
 ID_CEILING = IMAGE_ID_LIMIT
+
+
+class Preprocessing(Protocol):
+    """A family's processor: a picture's frames, and what the prompt's `<image>` marker becomes for them."""
+
+    @property
+    def image_token(self) -> str:
+        """The token the expansion repeats, once per image row."""
+        ...
+
+    @property
+    def template_marker(self) -> str:
+        """What the family's chat template writes for an image part (the processor's own marker)."""
+        ...
+
+    @property
+    def image_seq_len(self) -> int:
+        """Image tokens a frame gives."""
+        ...
+
+    @property
+    def frame(self) -> int:
+        """The side of the square frames it cuts."""
+        ...
+
+    def frames(self, image: Image.Image) -> Frames: ...
+
+    def expand(self, frames: Frames) -> str: ...
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a vision-language architecture brings to the shared image path."""
+
+    tower: Callable[[dict[str, Any], int], Tower]  # (config.json, text width) -> the tower, built on meta
+    tower_name: Callable[[str], str | None]  # a checkpoint tensor's name in the tower, None for the text model's
+    preprocessing: Callable[[Path], Preprocessing]
+
+
+def _idefics3_name(name: str) -> str | None:
+    return name.removeprefix("model.") if name.startswith(("model.vision_model.", "model.connector.")) else None
+
+
+FAMILIES: dict[str, Family] = {
+    "Idefics3ForConditionalGeneration": Family(
+        lambda d, width: VisionTower(VisionConfig.from_dict(d, width)),
+        _idefics3_name,
+        Idefics3Preprocessing.from_folder,
+    ),
+    "Gemma3ForConditionalGeneration": Family(
+        gemma3.build_tower, gemma3.tower_name, gemma3.Gemma3Preprocessing.from_folder
+    ),
+}
 
 
 class ImageInputError(SparkError):
@@ -62,7 +121,7 @@ class ImageEmbedding(nn.Module):
     """The text model's embedding lookup with image rows: ids below the vocabulary go to `inner`, ids of a
     registered picture to the vision tower's rows for it (encoded on first use, then kept)."""
 
-    def __init__(self, inner: nn.Module, vocab_size: int, tower: VisionTower, salt: str = "") -> None:
+    def __init__(self, inner: nn.Module, vocab_size: int, tower: Tower, salt: str = "") -> None:
         super().__init__()
         self.inner = inner
         self.salt = salt  # the preprocessing's settings: other settings, other features, other ids
@@ -109,7 +168,7 @@ class ImageEmbedding(nn.Module):
             raise ImageInputError("The prompt holds an image token whose picture is no longer held; attach it again.")
         sha, k = where
         held = self.held[sha]
-        per = self.tower.config.tokens_per_frame
+        per = self.tower.tokens_per_frame
         frame = k // per
         rows = held.features.get(frame)
         if rows is None:
@@ -132,12 +191,13 @@ def _image_token_id(sha256: str, index: int, vocab_size: int) -> int:
 
 
 class VisionModel:
-    """SmolVLM / Idefics3's image path for a loaded text model: the preprocessing, the tower, and the prompt."""
+    """A vision-language model's image path for a loaded text model: the preprocessing, the tower, and the
+    prompt."""
 
     def __init__(
         self,
-        preprocessing: Idefics3Preprocessing,
-        tower: VisionTower,
+        preprocessing: Preprocessing,
+        tower: Tower,
         tokenizer: Tokenizer,
         vocab_size: int,
         weights_id: str = "",
@@ -148,21 +208,23 @@ class VisionModel:
         self.weights_id = weights_id
         self.tower = tower
         self.tokenizer = tokenizer
-        image_id = tokenizer.token_to_id(IMAGE_TOKEN)
+        image_id = tokenizer.token_to_id(preprocessing.image_token)
         if image_id is None:
-            raise ModelLoadError(f"The model's tokenizer has no {IMAGE_TOKEN} token; its folder looks damaged.")
+            raise ModelLoadError(
+                f"The model's tokenizer has no {preprocessing.image_token} token; its folder looks damaged."
+            )
         self.image_token_id = image_id
         self.vocab_size = vocab_size
         self.embedding: ImageEmbedding | None = None
-        if preprocessing.image_seq_len != tower.config.tokens_per_frame:
+        if preprocessing.image_seq_len != tower.tokens_per_frame:
             raise ModelLoadError(
                 f"The processor gives {preprocessing.image_seq_len} image tokens a frame but the vision encoder "
-                f"{tower.config.tokens_per_frame}; the model folder does not fit together."
+                f"{tower.tokens_per_frame}; the model folder does not fit together."
             )
-        if preprocessing.frame != tower.config.image_size:
+        if preprocessing.frame != tower.image_size:
             raise ModelLoadError(
-                f"The processor cuts {preprocessing.frame}-pixel frames but the vision encoder takes "
-                f"{tower.config.image_size}; the model folder does not fit together."
+                f"The processor makes {preprocessing.frame or 'non-square'}-pixel frames but the vision encoder "
+                f"takes {tower.image_size}; the model folder does not fit together."
             )
 
     def attach(self, model: Transformer) -> ImageEmbedding:
@@ -184,15 +246,23 @@ class VisionModel:
         where = self.embedding.rows.get(token_id)
         return None if where is None else (where[1], self.embedding.counts[where[0]])
 
+    def markers(self, text: str) -> str:
+        """A rendered prompt with the family's own image marker (what its chat template writes for an image part:
+        Gemma 3's `<start_of_image>`) as the engine's `<image>`."""
+        marker = self.preprocessing.template_marker
+        return text if marker == IMAGE_TOKEN else text.replace(marker, IMAGE_TOKEN)
+
     def prompt_text(self, text: str, images: Sequence[DecodedImage]) -> tuple[str, list[Frames]]:
-        """`text` with each `<image>` (one per picture, in order) expanded as the processor does, and the frames."""
+        """`text` with each `<image>` (one per picture, in order; or the family's own marker) expanded as the
+        processor does, and the frames."""
+        text = self.markers(text)
         if text.count(IMAGE_TOKEN) != len(images):
             raise ImageInputError(f"The prompt places {text.count(IMAGE_TOKEN)} images but {len(images)} were given.")
         frames = [self.preprocessing.frames(img.image) for img in images]
         pieces = text.split(IMAGE_TOKEN)
         out = [pieces[0]]
         for f, rest in zip(frames, pieces[1:], strict=True):
-            out += [self.preprocessing.prompt_text(f.rows, f.cols), rest]
+            out += [self.preprocessing.expand(f), rest]
         return "".join(out), frames
 
     def image_ids(self, ids: Sequence[int], images: Sequence[DecodedImage], frames: Sequence[Frames]) -> list[int]:
@@ -249,27 +319,32 @@ def attach_vision(folder: Path, tokenizer: Tokenizer, backend: object) -> Vision
 
 
 def load_vision(folder: Path, tokenizer: Tokenizer, text_hidden_size: int, vocab_size: int) -> VisionModel:
-    """The vision tower of a Hugging Face SmolVLM / Idefics3 folder, fp32 on the CPU, and its preprocessing."""
+    """The vision tower of a Hugging Face vision-language folder (a family of FAMILIES), fp32 on the CPU, and its
+    preprocessing."""
     d = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    cfg = VisionConfig.from_dict(d, text_hidden_size)
+    family = FAMILIES[(d.get("architectures") or [""])[0]]
     state: dict[str, torch.Tensor] = {}
+    named: dict[str, str] = {}  # ours -> the checkpoint's, for the sentences
     for f in weight_files(folder):
-        table = [t for t in read_safetensors_header(f) if t.name.startswith(TOWER_PREFIXES)]
-        state.update({n.removeprefix("model."): t for n, t in mmap_tensors(f, table).items()})
+        table = [t for t in read_safetensors_header(f) if family.tower_name(t.name) is not None]
+        for theirs, tensor in mmap_tensors(f, table).items():
+            ours = family.tower_name(theirs)
+            assert ours is not None  # the table holds the tower's only
+            state[ours], named[ours] = tensor, theirs
     with torch.device("meta"):
-        tower = VisionTower(cfg)
+        tower = family.tower(d, text_hidden_size)
     expected = tower.state_dict()
     for name, ref in expected.items():
         t = state.get(name)
         if t is None:
-            raise ModelLoadError(f"The vision weights lack model.{name}; they do not match the model's configuration.")
+            raise ModelLoadError(f"The vision weights lack {name}; they do not match the model's configuration.")
         if tuple(t.shape) != tuple(ref.shape) or not t.is_floating_point():
             raise ModelLoadError(
-                f"Vision tensor model.{name} has shape {tuple(t.shape)} but the configuration implies "
+                f"Vision tensor {named[name]} has shape {tuple(t.shape)} but the configuration implies "
                 f"{tuple(ref.shape)}."
             )
         if not bool(torch.isfinite(t.float().sum())):
-            raise ModelLoadError(f"Vision tensor model.{name} holds NaN or infinite values; the file is corrupt.")
+            raise ModelLoadError(f"Vision tensor {named[name]} holds NaN or infinite values; the file is corrupt.")
     tower.load_state_dict({n: state[n].float() for n in expected}, strict=True, assign=True)
     tower.eval().requires_grad_(False)
-    return VisionModel(Idefics3Preprocessing.from_folder(folder), tower, tokenizer, vocab_size)
+    return VisionModel(family.preprocessing(folder), tower, tokenizer, vocab_size)

@@ -1,7 +1,8 @@
-"""The SigLIP vision encoder of SmolVLM / Idefics3 and its connector, gpt-fast sized: patches (a strided conv) plus
-learned positions, pre-norm layers of full (bidirectional) attention and a GELU MLP, a final LayerNorm; then the
-connector's pixel shuffle (each scale x scale block of patches folded into one vector) and one linear into the text
-model's width. Module and parameter names mirror Hugging Face's, so the checkpoint's tensors load without renaming.
+"""The SigLIP vision encoder, gpt-fast sized: patches (a strided conv) plus learned positions, pre-norm layers of full
+(bidirectional) attention and a GELU MLP, a final LayerNorm. SmolVLM / Idefics3's connector follows it here (its
+pixel shuffle, each scale x scale block of patches folded into one vector, and one linear into the text model's
+width); Gemma 3's projector is engine.vision.gemma3's. Module and parameter names mirror Hugging Face's, so the
+checkpoint's tensors load without renaming.
 
 Shapes: N frames, P patches a frame (a square), E encoder width, C the text model's width.
 """
@@ -21,9 +22,31 @@ from engine.errors import ModelLoadError
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 
 
+# SigLIP's sizes where a config.json leaves them out: transformers' defaults differ by family (Idefics3VisionConfig's,
+# SiglipVisionConfig's), and a saved config keeps only what differs from its class's.
+IDEFICS3_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 1152,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "image_size": 224,
+    "patch_size": 32,
+    "scale_factor": 2,
+}
+SIGLIP_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "image_size": 224,
+    "patch_size": 16,
+    "scale_factor": 1,  # no pixel shuffle
+}
+
+
 @dataclass(frozen=True)
 class VisionConfig:
-    """`vision_config` of an Idefics3 config.json, with the connector's scale and the text model's width."""
+    """`vision_config` of a config.json, with Idefics3's connector scale (1 elsewhere) and the text model's width."""
 
     hidden_size: int
     intermediate_size: int
@@ -47,21 +70,23 @@ class VisionConfig:
         return self.patches_per_side**2 // self.scale_factor**2
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], text_hidden_size: int) -> VisionConfig:
+    def from_dict(
+        cls, d: dict[str, Any], text_hidden_size: int, defaults: dict[str, Any] = IDEFICS3_DEFAULTS
+    ) -> VisionConfig:
         v = d.get("vision_config")
         if not isinstance(v, dict):
             raise ModelLoadError("config.json has no vision_config object; the model folder looks damaged.")
         try:
             cfg = cls(
-                hidden_size=int(v.get("hidden_size", 1152)),
-                intermediate_size=int(v.get("intermediate_size", 3072)),
-                num_hidden_layers=int(v.get("num_hidden_layers", 12)),
-                num_attention_heads=int(v.get("num_attention_heads", 16)),
-                image_size=int(v.get("image_size", 224)),
-                patch_size=int(v.get("patch_size", 32)),
+                hidden_size=int(v.get("hidden_size", defaults["hidden_size"])),
+                intermediate_size=int(v.get("intermediate_size", defaults["intermediate_size"])),
+                num_hidden_layers=int(v.get("num_hidden_layers", defaults["num_hidden_layers"])),
+                num_attention_heads=int(v.get("num_attention_heads", defaults["num_attention_heads"])),
+                image_size=int(v.get("image_size", defaults["image_size"])),
+                patch_size=int(v.get("patch_size", defaults["patch_size"])),
                 layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
                 hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
-                scale_factor=int(d.get("scale_factor", 2)),
+                scale_factor=int(d.get("scale_factor", defaults["scale_factor"])),
                 text_hidden_size=text_hidden_size,
                 num_channels=int(v.get("num_channels", 3)),
             )
@@ -184,13 +209,23 @@ def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
     return x.reshape(n, p // scale**2, e * scale * scale)
 
 
-class VisionTower(nn.Module):
-    """The encoder and the connector under their checkpoint names (`vision_model.`, `connector.`): frames in, one
-    row of the text model's width per image token out."""
+class Tower(nn.Module):
+    """A family's vision tower: frames (N, 3, S, S), S = `image_size`, in; `tokens_per_frame` rows a frame of the
+    text model's width out, (N * tokens_per_frame, C)."""
+
+    tokens_per_frame: int
+    image_size: int
+
+
+class VisionTower(Tower):
+    """SmolVLM / Idefics3's: the encoder and the connector under their checkpoint names (`vision_model.`,
+    `connector.`)."""
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.tokens_per_frame = cfg.tokens_per_frame
+        self.image_size = cfg.image_size
         self.vision_model = VisionTransformer(cfg)
         self.connector = Connector(cfg)
 

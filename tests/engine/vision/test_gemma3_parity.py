@@ -1,0 +1,193 @@
+"""Gemma 3 with vision against transformers on a tiny random checkpoint it wrote itself (model and processor): the
+frame equals the processor's pixel values, the prompt ids its input ids, and greedy tokens its `generate`, fp32,
+over 24 tokens, for a prompt with one picture and with two; the pictures' tokens attend to each other both ways
+(without it the logits differ), and a conversation through the engine's front door, read in chunks smaller than a
+picture, answers as transformers does, with a chat template that writes Gemma 3's own image marker too."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine.generation.batch import generate_batch
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
+from engine.loading.tokenizer import Tokenizer
+from engine.loading.weights import load_model
+from engine.session.engine import load
+from engine.vision.model import VisionModel, load_vision
+from tests.helpers.pictures import picture
+from tests.helpers.tiny_gemma3 import BOI, PARTS_TEMPLATE, TOKENS_PER_IMAGE, make_tiny_gemma3
+
+transformers = pytest.importorskip("transformers")
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="module")
+def ours(folder: Path) -> tuple[Any, VisionModel]:
+    loaded = load_model(folder)
+    tok = Tokenizer.load(folder)
+    vision = load_vision(folder, tok, loaded.config.hidden_size, loaded.config.vocab_size)
+    vision.attach(loaded.model)
+    return loaded.model, vision
+
+
+@pytest.fixture(scope="module")
+def theirs(folder: Path) -> tuple[Any, Any]:
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, transformers.AutoProcessor.from_pretrained(folder)
+
+
+def our_greedy(model: Any, ids: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model.forward_causal(torch.tensor([ids + out]))
+            out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+CASES = {
+    "one": ("<|user|>\n<image>What is in the picture?<|end|>\n<|assistant|>\n", [(40, 24)]),
+    "two": ("<|user|>\n<image>and<image> which is wider?<|end|>\n<|assistant|>\n", [(60, 14), (10, 12)]),
+}
+
+
+def their_inputs(processor: Any, text: str, sizes: list[tuple[int, int]]) -> Any:
+    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    # Gemma3Processor's marker is <start_of_image>; ours, the engine's, is <image>.
+    return processor(text=text.replace("<image>", BOI), images=[p.image for p in pictures], return_tensors="pt")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_tokens_equal_transformers(case: str, ours: tuple[Any, VisionModel], theirs: tuple[Any, Any]) -> None:
+    text, sizes = CASES[case]
+    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    model, vision = ours
+    hf_model, processor = theirs
+    inputs = their_inputs(processor, text, sizes)
+
+    expanded, frames = vision.prompt_text(text, pictures)
+    pixels = np.concatenate([f.pixels for f in frames])
+    assert np.array_equal(pixels, inputs["pixel_values"].numpy())
+    ids = vision.image_ids(vision.tokenizer.encode(expanded), pictures, frames)
+    plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
+    assert plain == inputs["input_ids"][0].tolist()
+    assert len(set(ids) - set(plain)) == len(pictures) * TOKENS_PER_IMAGE
+
+    with torch.no_grad():
+        hf = hf_model.generate(
+            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert our_greedy(model, ids, STEPS) == hf[0, len(plain) :].tolist()
+
+
+def test_a_pictures_tokens_attend_both_ways(ours: tuple[Any, VisionModel], theirs: tuple[Any, Any]) -> None:
+    """Equal to transformers' logits with the pictures' runs open both ways; read causally, the picture's own
+    positions (all but its last) and everything after them differ."""
+    text, sizes = CASES["two"]
+    model, vision = ours
+    hf_model, processor = theirs
+    inputs = their_inputs(processor, text, sizes)
+    ids = vision.encode_prompt(text, [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)])
+    with torch.no_grad():
+        expected = hf_model(**inputs).logits[0]
+        both_ways = model.forward_causal(torch.tensor([ids]))[0]
+        model.config = dataclasses.replace(model.config, images_bidirectional=False)
+        try:
+            causal = model.forward_causal(torch.tensor([ids]))[0]
+        finally:
+            model.config = dataclasses.replace(model.config, images_bidirectional=True)
+    first = next(i for i, t in enumerate(ids) if t >= vision.vocab_size)
+    assert torch.allclose(both_ways, expected, atol=1e-4, rtol=0)
+    assert torch.allclose(causal[:first], expected[:first], atol=1e-4, rtol=0)  # text before the picture
+    assert (causal[first] - expected[first]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("chunk", [3, 256])
+def test_chat_read_in_small_chunks_equals_transformers(folder: Path, tmp_path: Path, chunk: int) -> None:
+    """Through Session and the memory cascade: a prefill chunk of 3 would cut each 4-token picture; the chunk grows
+    to hold it, and the answer is transformers'."""
+    engine = load(folder, "cpu", cache_dir=tmp_path / "cache")
+    session = engine.new_session()
+    sizes = [(40, 24), (60, 14)]
+    settings = GenerationSettings(
+        max_tokens=STEPS, ignore_eos=True, prefill_chunk=chunk, sampling=SamplingSettings(temperature=0.0)
+    )
+    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    tokens = [e.token for e in session.chat("Which is wider?", settings, images=pictures) if e.token is not None]
+    rendered = session._render(add_generation_prompt=False)  # the prompt as fed: the reply's text follows it
+    prompt = rendered[: rendered.rindex("<|assistant|>\n") + len("<|assistant|>\n")]
+
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    inputs = processor(
+        text=prompt.replace("<image>", BOI),
+        images=[p.image for p in pictures],
+        return_tensors="pt",
+        add_special_tokens=False,
+    )
+    with torch.no_grad():
+        out = model.generate(
+            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert tokens == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_a_template_writing_gemmas_marker_places_the_pictures_as_transformers(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Gemma 3's template reads content as parts and writes <start_of_image> for a picture: the session takes it as
+    the picture's place, and the prompt and answer are what transformers' processor makes of the same messages."""
+    folder = make_tiny_gemma3(tmp_path_factory.mktemp("gemma3_parts"), chat_template=PARTS_TEMPLATE)
+    engine = load(folder, "cpu", cache_dir=tmp_path / "cache")
+    pictures = [picture(40, 24, 0), picture(60, 14, 1)]
+    settings = GenerationSettings(max_tokens=STEPS, ignore_eos=True, sampling=SamplingSettings(temperature=0.0))
+    session = engine.new_session()
+    tokens = [e.token for e in session.chat("Which is wider?", settings, images=pictures) if e.token is not None]
+
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    parts = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which is wider?"}]
+    text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+    assert text.count(BOI) == 2
+    inputs = processor(text=text, images=[p.image for p in pictures], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(
+            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert tokens == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_batched_rows_read_in_small_chunks_equal_transformers(
+    folder: Path, tmp_path: Path, theirs: tuple[Any, Any]
+) -> None:
+    """The server's path: rows of one slot table (padded, each with its own chunks) read each picture whole."""
+    engine = load(folder, "cpu", cache_dir=tmp_path / "cache")
+    assert engine.vision is not None
+    hf_model, processor = theirs
+    prompts, expected = [], []
+    for text, sizes in (CASES["two"], CASES["one"]):
+        pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+        prompts.append(engine.vision.encode_prompt(text, pictures))
+        inputs = their_inputs(processor, text, sizes)
+        with torch.no_grad():
+            out = hf_model.generate(
+                **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        expected.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    settings = GenerationSettings(
+        max_tokens=STEPS, ignore_eos=True, prefill_chunk=3, sampling=SamplingSettings(temperature=0.0)
+    )
+    got = generate_batch(engine.backend.fork(), engine.tokenizer, prompts, settings)
+    assert [c.tokens for c in got] == expected

@@ -1,0 +1,94 @@
+"""A tiny random Gemma 3 with vision written by transformers itself (`save_pretrained` of
+Gemma3ForConditionalGeneration and its Gemma3Processor): SigLIP encoder, average pooling, soft-embedding norm and
+projection, and a Gemma 3 text model (five sliding layers of an 8-token window, then a global one), with the tiny
+BPE tokenizer of tests.helpers.tiny plus Gemma 3's image tokens. Pictures of 32 pixels, patches of 4: 64 patches
+pooled to 4 image tokens. Its chat template is tests.helpers.tiny's, or `PARTS_TEMPLATE`: Gemma 3's shape, reading
+content as typed parts and writing `<start_of_image>` for an image part."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.helpers.tiny import CHAT_TEMPLATE, build_tokenizer
+from tests.helpers.tiny_families import family_config
+
+BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+IMAGE_SIZE = 32  # the encoder's square input, pixels
+PATCH = 4
+TOKENS_PER_IMAGE = 4  # (32 / 4)**2 = 64 patches pooled 4 x 4
+PARTS_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}{% for item in m['content'] %}"
+    "{% if item['type'] == 'image' %}<start_of_image>{% elif item['type'] == 'text' %}{{ item['text'] | trim }}"
+    "{% endif %}{% endfor %}{% endif %}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def make_tiny_gemma3(out: Path, *, seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
+    import transformers
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    tok.add_special_tokens([BOI, EOI, SOFT])
+    tok_dir = out / "_tok"
+    tok_dir.mkdir(exist_ok=True)
+    tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|bos|>",
+                "eos_token": "<|end|>",
+                "add_bos_token": True,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "extra_special_tokens": {"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT},
+            }
+        )
+    )
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|end|>")
+    assert bos is not None and eos is not None
+    text = family_config("gemma3", tok.get_vocab_size(), bos, eos)
+    vision: dict[str, Any] = {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": IMAGE_SIZE,
+        "patch_size": PATCH,
+        "vision_use_head": False,
+    }
+    cfg = transformers.Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision,
+        mm_tokens_per_image=TOKENS_PER_IMAGE,
+        boi_token_index=tok.token_to_id(BOI),
+        eoi_token_index=tok.token_to_id(EOI),
+        image_token_index=tok.token_to_id(SOFT),
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ("language_model" in name and name.endswith("norm.weight")) or "mm_soft_emb_norm" in name:
+                torch.nn.init.normal_(p, 0.0, 0.1)  # Gemma scales by 1 + w: near the identity
+            elif name.endswith("weight") and p.dim() == 1:  # SigLIP's LayerNorms
+                torch.nn.init.normal_(p, 1.0, 0.1)
+            else:
+                torch.nn.init.normal_(p, 0.0, 0.08 if p.dim() > 1 else 0.02)
+    model.save_pretrained(out, safe_serialization=True)
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+        tokenizer=hf_tok,
+        image_seq_length=TOKENS_PER_IMAGE,
+        chat_template=chat_template,
+    )
+    processor.save_pretrained(out)
+    shutil.rmtree(tok_dir)
+    return out
