@@ -32,9 +32,20 @@ from engine.model.config import IMAGE_ID_LIMIT, VISION_ARCHITECTURES
 from engine.model.network import Transformer
 from engine.vision.idefics3 import IMAGE_TOKEN, Frames, Idefics3Preprocessing
 from engine.vision.images import DecodedImage
+from engine.vision.qwen25vl import (
+    IMAGE_PAD,
+    Qwen25VLPreprocessing,
+    Qwen25VLTower,
+    Qwen25VLVisionConfig,
+    fits,
+    mrope_offsets,
+)
 from engine.vision.siglip import VisionConfig, VisionTower
 
 TOWER_PREFIXES = ("model.vision_model.", "model.connector.")
+QWEN_TOWER_PREFIXES = ("visual.", "model.visual.")  # transformers 5 writes the first, as Qwen's own folders do
+Tower = VisionTower | Qwen25VLTower
+Preprocessing = Idefics3Preprocessing | Qwen25VLPreprocessing
 MAX_HELD_IMAGES = 16  # pictures whose frames or features are held for embedding, most recent first
 ID_CEILING = IMAGE_ID_LIMIT
 
@@ -62,7 +73,7 @@ class ImageEmbedding(nn.Module):
     """The text model's embedding lookup with image rows: ids below the vocabulary go to `inner`, ids of a
     registered picture to the vision tower's rows for it (encoded on first use, then kept)."""
 
-    def __init__(self, inner: nn.Module, vocab_size: int, tower: VisionTower, salt: str = "") -> None:
+    def __init__(self, inner: nn.Module, vocab_size: int, tower: Tower, salt: str = "") -> None:
         super().__init__()
         self.inner = inner
         self.salt = salt  # the preprocessing's settings: other settings, other features, other ids
@@ -129,20 +140,32 @@ def _image_token_id(sha256: str, index: int, vocab_size: int) -> int:
 
 
 class VisionModel:
-    """SmolVLM / Idefics3's image path for a loaded text model: the preprocessing, the tower, and the prompt."""
+    """A vision-language model's image path for a loaded text model (SmolVLM / Idefics3, Qwen2.5-VL): the
+    preprocessing, the tower, and the prompt. The prompt marks each picture with `<image>`; the family's
+    preprocessing says what it becomes."""
 
-    def __init__(
-        self, preprocessing: Idefics3Preprocessing, tower: VisionTower, tokenizer: Tokenizer, vocab_size: int
-    ) -> None:
+    def __init__(self, preprocessing: Preprocessing, tower: Tower, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.preprocessing = preprocessing
         self.tower = tower
         self.tokenizer = tokenizer
-        image_id = tokenizer.token_to_id(IMAGE_TOKEN)
+        qwen = isinstance(preprocessing, Qwen25VLPreprocessing)
+        token = IMAGE_PAD if qwen else IMAGE_TOKEN
+        image_id = tokenizer.token_to_id(token)
         if image_id is None:
-            raise ModelLoadError(f"The model's tokenizer has no {IMAGE_TOKEN} token; its folder looks damaged.")
+            raise ModelLoadError(f"The model's tokenizer has no {token} token; its folder looks damaged.")
         self.image_token_id = image_id
         self.vocab_size = vocab_size
         self.embedding: ImageEmbedding | None = None
+        self.grids: dict[str, tuple[int, int]] = {}  # picture hash -> its rows x cols of tokens (Qwen2.5-VL)
+        if isinstance(preprocessing, Qwen25VLPreprocessing) or isinstance(tower, Qwen25VLTower):
+            why = (
+                fits(preprocessing, tower.config)
+                if isinstance(preprocessing, Qwen25VLPreprocessing) and isinstance(tower, Qwen25VLTower)
+                else "The image processor and the vision encoder are of different model families."
+            )
+            if why:
+                raise ModelLoadError(why)
+            return
         if preprocessing.image_seq_len != tower.config.tokens_per_frame:
             raise ModelLoadError(
                 f"The processor gives {preprocessing.image_seq_len} image tokens a frame but the vision encoder "
@@ -182,16 +205,49 @@ class VisionModel:
             raise ImageInputError("The vision model is not attached to a loaded text model.")
         out = list(ids)
         at = [i for i, t in enumerate(out) if t == self.image_token_id]
-        need = sum(int(f.pixels.shape[0]) for f in frames) * self.preprocessing.image_seq_len
+        need = sum(self._count(f) for f in frames)
         if len(at) != need:
             raise ImageInputError(f"The prompt holds {len(at)} image tokens where its pictures need {need}.")
         start = 0
         for img, f in zip(images, frames, strict=True):
-            count = int(f.pixels.shape[0]) * self.preprocessing.image_seq_len
-            for i, token in zip(at[start : start + count], self.embedding.register(img, f, count), strict=True):
+            count = self._count(f)
+            for i, token in zip(at[start : start + count], self._register(img, f, count), strict=True):
                 out[i] = token
             start += count
         return out
+
+    def _count(self, f: Frames) -> int:
+        """Image tokens of one picture's frames."""
+        if isinstance(self.preprocessing, Qwen25VLPreprocessing):
+            return f.rows * f.cols
+        return int(f.pixels.shape[0]) * self.preprocessing.image_seq_len
+
+    def _register(self, image: DecodedImage, f: Frames, count: int) -> list[int]:
+        assert self.embedding is not None
+        ids = self.embedding.register(image, f, count)
+        self.grids[image.sha256] = (f.rows, f.cols)
+        held = self.embedding.held
+        self.grids = {sha: g for sha, g in self.grids.items() if sha in held}
+        return ids
+
+    def position_offsets(self, ids: Sequence[int]) -> torch.Tensor | None:
+        """(T, 3) long: the multimodal rotary offsets of a conversation's tokens `ids` (from its first), derived from
+        the ids and the registered pictures (engine.vision.qwen25vl.mrope_offsets); None for a model without
+        multimodal rotary or a conversation without pictures."""
+        if not isinstance(self.preprocessing, Qwen25VLPreprocessing) or self.embedding is None:
+            return None
+        rows = self.embedding.rows
+
+        def picture(token: int) -> tuple[int, int, int]:
+            where = rows.get(token)
+            grid = None if where is None else self.grids.get(where[0])
+            if where is None or grid is None:
+                raise ImageInputError(
+                    "The conversation holds an image token whose picture is no longer held; attach it again."
+                )
+            return where[1], grid[0], grid[1]
+
+        return mrope_offsets(ids, self.vocab_size, picture)
 
     def register(self, images: Sequence[DecodedImage]) -> set[int]:
         """Every id `images` stand for in a prompt (a restored conversation's pictures, so its ids embed again)."""
@@ -205,7 +261,7 @@ class VisionModel:
         ids: set[int] = set()
         for img in distinct.values():
             f = self.preprocessing.frames(img.image)
-            ids.update(self.embedding.register(img, f, int(f.pixels.shape[0]) * self.preprocessing.image_seq_len))
+            ids.update(self._register(img, f, self._count(f)))
         return ids
 
     def encode_prompt(self, text: str, images: Sequence[DecodedImage], add_bos: bool | None = None) -> list[int]:
@@ -230,15 +286,22 @@ def attach_vision(folder: Path, tokenizer: Tokenizer, backend: object) -> Vision
 
 
 def load_vision(folder: Path, tokenizer: Tokenizer, text_hidden_size: int, vocab_size: int) -> VisionModel:
-    """The vision tower of a Hugging Face SmolVLM / Idefics3 folder, fp32 on the CPU, and its preprocessing."""
+    """The vision tower of a Hugging Face SmolVLM / Idefics3 or Qwen2.5-VL folder, fp32 on the CPU, and its
+    preprocessing."""
     d = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    cfg = VisionConfig.from_dict(d, text_hidden_size)
+    qwen = (d.get("architectures") or [None])[0] == "Qwen2_5_VLForConditionalGeneration"
+    prefixes = QWEN_TOWER_PREFIXES if qwen else TOWER_PREFIXES
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(folder):
-        table = [t for t in read_safetensors_header(f) if t.name.startswith(TOWER_PREFIXES)]
+        table = [t for t in read_safetensors_header(f) if t.name.startswith(prefixes)]
         state.update({n.removeprefix("model."): t for n, t in mmap_tensors(f, table).items()})
+    tower: Tower
+    preprocessing: Preprocessing
     with torch.device("meta"):
-        tower = VisionTower(cfg)
+        if qwen:
+            tower = Qwen25VLTower(Qwen25VLVisionConfig.from_dict(d, text_hidden_size))
+        else:
+            tower = VisionTower(VisionConfig.from_dict(d, text_hidden_size))
     expected = tower.state_dict()
     for name, ref in expected.items():
         t = state.get(name)
@@ -253,4 +316,8 @@ def load_vision(folder: Path, tokenizer: Tokenizer, text_hidden_size: int, vocab
             raise ModelLoadError(f"Vision tensor model.{name} holds NaN or infinite values; the file is corrupt.")
     tower.load_state_dict({n: state[n].float() for n in expected}, strict=True, assign=True)
     tower.eval().requires_grad_(False)
-    return VisionModel(Idefics3Preprocessing.from_folder(folder), tower, tokenizer, vocab_size)
+    if qwen:
+        preprocessing = Qwen25VLPreprocessing.from_folder(folder)
+    else:
+        preprocessing = Idefics3Preprocessing.from_folder(folder)
+    return VisionModel(preprocessing, tower, tokenizer, vocab_size)
