@@ -186,6 +186,8 @@ class VisionModel:
         embedding = backbone.embed_tokens
         assert isinstance(embedding, ImageEmbedding)
         self.embedding = embedding
+        if model.config.mrope_section:
+            model.position_offsets = self.position_offsets
         return embedding
 
     def prompt_text(self, text: str, images: Sequence[DecodedImage]) -> tuple[str, list[Frames]]:

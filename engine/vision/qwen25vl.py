@@ -205,7 +205,7 @@ class Qwen25VLVisionConfig:
                 out_hidden_size=int(v.get("out_hidden_size", text_hidden_size)),
                 fullatt_block_indexes=tuple(int(i) for i in full),
                 rope_theta=float((rope if isinstance(rope, dict) else {}).get("rope_theta", 10000.0)),
-                in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+                in_channels=int(v.get("in_channels") or v.get("in_chans") or 3),
             )
         except (TypeError, ValueError):
             raise ModelLoadError("config.json's vision_config holds a value that is not a number.") from None
@@ -258,7 +258,12 @@ class VisionAttention(nn.Module):
         out = torch.cat(
             [
                 F.scaled_dot_product_attention(qs, ks, vs)
-                for qs, ks, vs in zip(q.split(spans, 1), k.split(spans, 1), v.split(spans, 1), strict=True)
+                for qs, ks, vs in zip(
+                    q.split_with_sizes(spans, 1),
+                    k.split_with_sizes(spans, 1),
+                    v.split_with_sizes(spans, 1),
+                    strict=True,
+                )
             ],
             dim=1,
         )  # (H, N, D)
@@ -330,7 +335,7 @@ class VisionTransformer(nn.Module):
         windows, whole = [s * unit for s in spans], [gh * gw]
         for i, block in enumerate(self.blocks):
             x = block(x, (cos, sin), whole if i in cfg.fullatt_block_indexes else windows)
-        merged = self.merger(x)  # (N / unit, C), window by window
+        merged: torch.Tensor = self.merger(x)  # (N / unit, C), window by window
         return merged[torch.argsort(order)]
 
     def _rope(self, gh: int, gw: int) -> tuple[torch.Tensor, torch.Tensor]:

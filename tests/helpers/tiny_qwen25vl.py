@@ -101,7 +101,7 @@ def make_tiny_qwen25vl(out: Path, *, seed: int = 0) -> Path:
             if name.endswith("weight") and p.dim() == 1:  # the norms: near their identity
                 torch.nn.init.normal_(p, 1.0, 0.1)
             else:
-                torch.nn.init.normal_(p, 0.0, 0.08 if p.dim() > 1 else 0.02)
+                torch.nn.init.normal_(p, 0.0, 0.25 if p.dim() > 1 else 0.02)
     model.save_pretrained(out, safe_serialization=True)
     processor = image_only_processor()(
         image_processor=transformers.Qwen2VLImageProcessorPil(
