@@ -8,6 +8,7 @@ from the ids, so a memory saved and restored continues exactly."""
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,14 @@ import pytest
 import torch
 from PIL import Image
 
+from engine.backends.base import Backend, BackendWrapper
 from engine.backends.torch_backend import TorchBackend
 from engine.generation.loop import decode_step, prefill
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import load_model
 from engine.memory.base import FullAttentionMemory, Memory
-from engine.memory.cascade.config import CascadeConfig
-from engine.memory.cascade.core import CascadeMemory
+from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
+from engine.model.slots import SlotBatch
 from engine.vision.images import DecodedImage, decode_bytes
 from engine.vision.model import VisionModel, attach_vision, load_vision
 from engine.vision.qwen25vl import PictureShapeError, smart_resize
@@ -96,7 +98,7 @@ def causal_greedy(model: Any, vision: VisionModel, ids: list[int], n: int, offse
     return out
 
 
-def slot_greedy(backend: TorchBackend, memory: Memory, ids: list[int], n: int, chunk: int) -> list[int]:
+def slot_greedy(backend: Backend, memory: Memory, ids: list[int], n: int, chunk: int) -> list[int]:
     logits = prefill(backend, memory, ids, chunk)
     assert logits is not None
     out = [int(logits.argmax())]
@@ -223,3 +225,36 @@ def test_smart_resize_as_transformers() -> None:
         assert smart_resize(h, w, 4, 64, 1920) == theirs(h, w, factor=4, min_pixels=64, max_pixels=1920)
     with pytest.raises(PictureShapeError, match="elongated"):
         smart_resize(2, 500, 4, 64, 1920)
+
+
+class Counting(BackendWrapper):
+    """Counts the tokens its forwards read."""
+
+    fed = 0
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: SlotBatch,
+        last_only: bool = False,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
+        self.fed += int(tokens.numel())
+        return self.inner.forward(tokens, batch, last_only, should_stop)
+
+
+def test_a_prefix_restored_from_the_cache_continues_exactly(
+    slot_backend: tuple[TorchBackend, VisionModel], theirs: tuple[Any, Any], tmp_path: Path
+) -> None:
+    backend, vision = slot_backend
+    ids, _, inputs = case("two", vision, theirs[1])
+    want = hf_tokens(theirs[0], inputs)
+    cfg = CascadeConfig(sink_tokens=4, window=448, block_size=8, retrieval_blocks=2)
+    counting = Counting(backend)
+    for _ in range(2):  # the second time the same prompt's prefix comes from the persistent cache
+        backend.allocate(1, 512)
+        store = PersistentStore(tmp_path / "l3", backend.fingerprint, backend.numerics, cfg.persistent_budget_bytes)
+        memory = CascadeMemory(counting, cfg, store=store)
+        counting.fed = 0
+        assert slot_greedy(counting, memory, ids, STEPS, chunk=32) == want
+    assert counting.fed < STEPS + len(ids) // 2  # most of the prompt, pictures included, was not read again
