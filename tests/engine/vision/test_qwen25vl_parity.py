@@ -27,7 +27,7 @@ from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
 from engine.model.slots import SlotBatch
 from engine.vision.images import DecodedImage, decode_bytes
 from engine.vision.model import VisionModel, attach_vision, load_vision
-from engine.vision.qwen25vl import PictureShapeError, smart_resize
+from engine.vision.qwen25vl import PictureShapeError, Qwen25VLPreprocessing, smart_resize
 from tests.helpers.tiny_qwen25vl import image_only_processor, make_tiny_qwen25vl
 
 transformers = pytest.importorskip("transformers")
@@ -117,7 +117,8 @@ def test_patches_grids_and_prompt_equal_the_processor(
     expanded, frames = vision.prompt_text(text, pictures)
     pixels = np.concatenate([f.pixels.reshape(-1, f.pixels.shape[-1]) for f in frames])
     assert np.array_equal(pixels, inputs["pixel_values"].numpy())
-    merge = vision.tower.config.spatial_merge_size
+    assert isinstance(vision.preprocessing, Qwen25VLPreprocessing)
+    merge = vision.preprocessing.merge
     assert [[1, f.rows * merge, f.cols * merge] for f in frames] == inputs["image_grid_thw"].tolist()
     ids = vision.image_ids(vision.tokenizer.encode(expanded), pictures, frames)
     plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
