@@ -6,7 +6,8 @@ The caller (the memory cascade) decides which token lives in which slot and at w
 the same forward serves full attention, StreamingLLM-style sink+window, paged-in episodic blocks, batching and
 Core ML conversion. Keys are stored *without* rotary embedding and rotated on read with the slot's current
 position: the cascade re-numbers positions as the window slides without rewriting the cache, and while positions
-equal absolute token indices the result equals standard attention exactly.
+equal absolute token indices the result equals standard attention exactly. (A multimodal-rotary model's keys are
+stored turned by their token's own offsets, SlotBatch.offsets, and rotated by position on read all the same.)
 
 Shapes: L layers, B batch, T new tokens, S slots, S' live slots, m attended slots, H query heads, Hkv key/value
 heads, D head dim.

@@ -19,7 +19,9 @@ from PIL import Image
 
 from engine.backends.base import Backend, BackendWrapper
 from engine.backends.torch_backend import TorchBackend
-from engine.generation.loop import decode_step, prefill
+from engine.generation.beam import BeamSettings
+from engine.generation.loop import GenerationSettings, decode_step, prefill, stream_generate
+from engine.generation.sampling import SamplingSettings
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import load_model
 from engine.memory.base import FullAttentionMemory, Memory
@@ -169,7 +171,7 @@ def test_the_offsets_are_what_makes_them_equal(ours: tuple[Any, VisionModel], th
 
 @pytest.fixture(scope="module")
 def slot_backend(folder: Path) -> tuple[TorchBackend, VisionModel]:
-    backend = TorchBackend(folder)
+    backend = TorchBackend(folder, "cpu", kv_dtype=torch.float32)  # fp32 KV: transformers' arithmetic
     vision = attach_vision(folder, Tokenizer.load(folder), backend)
     assert vision is not None
     return backend, vision
@@ -204,7 +206,9 @@ def test_a_restored_memory_continues_exactly(slot_backend: tuple[TorchBackend, V
     first = slot_greedy(backend, memory, ids, 8, chunk=64)
     meta, tensors = memory.state()
 
-    other = TorchBackend(folder)  # another process's model: the same pictures registered again
+    other = TorchBackend(
+        folder, "cpu", kv_dtype=torch.float32
+    )  # another process's model: the same pictures registered again
     vision2 = attach_vision(folder, Tokenizer.load(folder), other)
     assert vision2 is not None
     vision2.register([picture(60, 14, 0), picture(100, 90, 1)])
@@ -259,3 +263,20 @@ def test_a_prefix_restored_from_the_cache_continues_exactly(
         counting.fed = 0
         assert slot_greedy(counting, memory, ids, STEPS, chunk=32) == want
     assert counting.fed < STEPS + len(ids) // 2  # most of the prompt, pictures included, was not read again
+
+
+def test_beams_after_pictures_equal_transformers(
+    slot_backend: tuple[TorchBackend, VisionModel], theirs: tuple[Any, Any]
+) -> None:
+    backend, vision = slot_backend
+    ids, _, inputs = case("two", vision, theirs[1])
+    with torch.no_grad():
+        out = theirs[0].generate(
+            **inputs, max_new_tokens=12, num_beams=3, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    backend.allocate(1, 512)
+    settings = GenerationSettings(
+        max_tokens=12, sampling=SamplingSettings(greedy=True), beam=BeamSettings(beams=3), ignore_eos=True
+    )
+    events = stream_generate(backend, FullAttentionMemory(backend), vision.tokenizer, ids, settings)
+    assert [e.token for e in events if e.token is not None] == out[0, len(ids) :].tolist()
