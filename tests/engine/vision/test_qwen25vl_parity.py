@@ -7,7 +7,6 @@ from the ids, so a memory saved and restored continues exactly."""
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from engine.backends.base import Backend, BackendWrapper
 from engine.backends.torch_backend import TorchBackend
@@ -27,9 +25,10 @@ from engine.loading.weights import load_model
 from engine.memory.base import FullAttentionMemory, Memory
 from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
 from engine.model.slots import SlotBatch
-from engine.vision.images import DecodedImage, decode_bytes
+from engine.vision.images import DecodedImage
 from engine.vision.model import VisionModel, attach_vision, load_vision
 from engine.vision.qwen25vl import PictureShapeError, Qwen25VLPreprocessing, smart_resize
+from tests.helpers.pictures import picture
 from tests.helpers.tiny_qwen25vl import image_only_processor, make_tiny_qwen25vl
 
 transformers = pytest.importorskip("transformers")
@@ -40,14 +39,6 @@ CASES = {
     "one": ("<|user|>\n<image>What is in the picture?<|end|>\n<|assistant|>\n", [(40, 24)]),
     "two": ("<|user|>\n<image>and<image> which is wider?<|end|>\n<|assistant|>\n", [(60, 14), (100, 90)]),
 }
-
-
-def picture(w: int, h: int, seed: int) -> DecodedImage:
-    rng = np.random.default_rng(seed)
-    a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(a, "RGB").save(buf, "PNG")
-    return decode_bytes(buf.getvalue())
 
 
 @pytest.fixture(scope="module")

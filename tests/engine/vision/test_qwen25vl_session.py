@@ -1,0 +1,47 @@
+"""A conversation about pictures with Qwen2.5-VL through the session: its multimodal rotary offsets come from the
+ids and the registered pictures, so a full or compact `.spark` file restores in another engine and continues
+exactly as never having stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
+from engine.session.engine import Session, load
+from engine.vision.images import DecodedImage
+from tests.helpers.pictures import picture
+from tests.helpers.tiny_qwen25vl import make_tiny_qwen25vl
+
+pytest.importorskip("transformers")
+GREEDY = GenerationSettings(max_tokens=6, ignore_eos=True, sampling=SamplingSettings(temperature=0.0))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen25vl(tmp_path_factory.mktemp("qwen25vl"))
+
+
+def reply(session: Session, text: str, images: list[DecodedImage] = []) -> list[int]:  # noqa: B006 (never mutated)
+    return [e.token for e in session.chat(text, GREEDY, images=images) if e.token is not None]
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_restore_and_continue_exactly(folder: Path, tmp_path: Path, compact: bool) -> None:
+    engine = load(folder, "cpu", prefix_cache=False)
+    session = engine.new_session()
+    pic, other = picture(40, 24, 11), picture(20, 30, 12)
+    reply(session, "What is it?", [pic])
+    reply(session, "Look again:", [pic])
+    reply(session, "And this one?", [other])
+    path = tmp_path / "pictures.spark"
+    session.save(path, compact=compact)
+    expected = reply(session, "Which was first?")
+
+    fresh = load(folder, "cpu", prefix_cache=False)  # another engine: nothing of the pictures held
+    restored = fresh.new_session()
+    assert restored.load(path).applied
+    assert restored.memory_source == ("recomputed" if compact else "file")
+    assert reply(restored, "Which was first?") == expected
