@@ -369,8 +369,7 @@ class TorchBackend(Backend):
 
     def position_offsets(self, tokens: Sequence[int], new: int) -> torch.Tensor | None:
         hook = self.model.position_offsets
-        out = None if hook is None else hook(tokens)
-        return None if out is None else out[len(tokens) - new :]
+        return None if hook is None else hook(tokens, len(tokens) - new)
 
     @torch.inference_mode()
     def forward(

@@ -226,9 +226,9 @@ class Transformer(nn.Module):
             assert isinstance(self.model.embed_tokens, nn.Embedding)  # as built; backends swap it later
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
-        # A conversation's tokens -> their multimodal rotary offsets (T, 3), or None: set by engine.vision for a
-        # model with mrope (Backend.position_offsets reads it), None otherwise.
-        self.position_offsets: Callable[[Sequence[int]], torch.Tensor | None] | None = None
+        # (a conversation's tokens, start) -> the multimodal rotary offsets (T - start, 3) of tokens[start:], or None:
+        # set by engine.vision for a model with mrope (Backend.position_offsets reads it), None otherwise.
+        self.position_offsets: Callable[[Sequence[int], int], torch.Tensor | None] | None = None
         self.embed_scale = cfg.hidden_size**0.5 if cfg.scale_embeddings else None
 
     def decoder_layers(self) -> Sequence[DecoderLayer]:

@@ -232,10 +232,10 @@ class VisionModel:
         self.grids = {sha: g for sha, g in self.grids.items() if sha in held}
         return ids
 
-    def position_offsets(self, ids: Sequence[int]) -> torch.Tensor | None:
-        """(T, 3) long: the multimodal rotary offsets of a conversation's tokens `ids` (from its first), derived from
-        the ids and the registered pictures (engine.vision.qwen25vl.mrope_offsets); None for a model without
-        multimodal rotary or a conversation without pictures."""
+    def position_offsets(self, ids: Sequence[int], start: int = 0) -> torch.Tensor | None:
+        """(T - start, 3) long: the multimodal rotary offsets of `ids[start:]`, `ids` a conversation's tokens from
+        its first, derived from the ids and the registered pictures (engine.vision.qwen25vl.mrope_offsets); None for
+        a model without multimodal rotary or a conversation without pictures."""
         if not isinstance(self.preprocessing, Qwen25VLPreprocessing) or self.embedding is None:
             return None
         rows = self.embedding.rows
@@ -249,7 +249,7 @@ class VisionModel:
                 )
             return where[1], grid[0], grid[1]
 
-        return mrope_offsets(ids, self.vocab_size, picture)
+        return mrope_offsets(ids, self.vocab_size, picture, start)
 
     def register(self, images: Sequence[DecodedImage]) -> set[int]:
         """Every id `images` stand for in a prompt (a restored conversation's pictures, so its ids embed again)."""

@@ -395,26 +395,27 @@ def fits(preprocessing: Qwen25VLPreprocessing, cfg: Qwen25VLVisionConfig) -> str
 
 
 def mrope_offsets(
-    ids: Sequence[int], vocab_size: int, picture: Callable[[int], tuple[int, int, int]]
+    ids: Sequence[int], vocab_size: int, picture: Callable[[int], tuple[int, int, int]], start: int = 0
 ) -> torch.Tensor | None:
-    """(T, 3) long: each token's (dt, dh, dw), what turns its index in `ids` (a whole conversation, from its first
-    token) into its (t, h, w) rotary positions as transformers' get_rope_index gives them; None when every offset is
-    0 (no picture). `picture(id)` of an image id: (k, rows, cols), the token's index in its picture and the
-    picture's merged grid."""
+    """(T - start, 3) long: the (dt, dh, dw) of tokens `ids[start:]`, what turns each one's index in `ids` (a whole
+    conversation, from its first token) into its (t, h, w) rotary positions as transformers' get_rope_index gives
+    them; None when the conversation holds no picture (every offset 0). `picture(id)` of an image id: (k, rows,
+    cols), the token's index in its picture and the picture's merged grid."""
     at = [i for i, t in enumerate(ids) if t >= vocab_size]
     if not at:
         return None
-    out = torch.zeros(len(ids), 3, dtype=torch.long)
-    delta, done = 0, 0  # the text's offset so far; tokens before `done` have theirs
+    out = np.zeros((len(ids) - start, 3), dtype=np.int64)
+    delta, done = 0, start  # the text's offset so far; tokens before `done` have theirs
     for i in at:
-        out[done:i] = delta
         k, rows, cols = picture(ids[i])
-        out[i] = torch.tensor([delta - k, delta + k // cols - k, delta + k % cols - k])
-        done = i + 1
+        if i >= start:
+            out[done - start : i - start] = delta
+            out[i - start] = (delta - k, delta + k // cols - k, delta + k % cols - k)
+            done = i + 1
         if k == rows * cols - 1:  # the picture's last token: the text after it continues at base + max(rows, cols)
             delta += max(rows, cols) - rows * cols
-    out[done:] = delta
-    return out
+    out[done - start :] = delta
+    return torch.from_numpy(out)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -271,3 +271,14 @@ def test_beams_after_pictures_equal_transformers(
     )
     events = stream_generate(backend, FullAttentionMemory(backend), vision.tokenizer, ids, settings)
     assert [e.token for e in events if e.token is not None] == out[0, len(ids) :].tolist()
+
+
+def test_the_offsets_of_a_conversations_tail_are_those_of_the_whole(ours: tuple[Any, VisionModel]) -> None:
+    _, vision = ours
+    ids = vision.encode_prompt(CASES["two"][0], [picture(60, 14, 0), picture(100, 90, 1)])
+    whole = vision.position_offsets(ids)
+    assert whole is not None and bool(whole.any())
+    for start in range(0, len(ids), 7):
+        tail = vision.position_offsets(ids, start)
+        assert tail is not None and torch.equal(tail, whole[start:])
+    assert vision.position_offsets(ids[:3]) is None  # no picture yet
