@@ -703,7 +703,8 @@ class Session:
         else:
             msgs, extra = list(messages), {}
         msgs, extra = switched(style, think, msgs, extra)
-        return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
+        rendered = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
+        return rendered if self.engine.vision is None else self.engine.vision.markers(rendered)
 
     def _answer(
         self,

@@ -34,6 +34,7 @@ from engine.vision.idefics3 import IMAGE_TOKEN, Frames, Idefics3Preprocessing
 from engine.vision.images import DecodedImage
 from engine.vision.qwen25vl import (
     IMAGE_PAD,
+    TEMPLATE_MARK,
     Qwen25VLPreprocessing,
     Qwen25VLTower,
     Qwen25VLVisionConfig,
@@ -189,6 +190,13 @@ class VisionModel:
         if model.config.mrope_section:
             model.position_offsets = self.position_offsets
         return embedding
+
+    def markers(self, rendered: str) -> str:
+        """A rendered chat with each picture marked as the engine marks it (`<image>`), where the model's template
+        marks an image part its own way (Qwen2.5-VL's `<|vision_start|><|image_pad|><|vision_end|>`)."""
+        if isinstance(self.preprocessing, Qwen25VLPreprocessing):
+            return rendered.replace(TEMPLATE_MARK, IMAGE_TOKEN)
+        return rendered
 
     def prompt_text(self, text: str, images: Sequence[DecodedImage]) -> tuple[str, list[Frames]]:
         """`text` with each `<image>` (one per picture, in order) expanded as the processor does, and the frames."""

@@ -47,6 +47,7 @@ from engine.vision.idefics3 import Frames
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
+TEMPLATE_MARK = VISION_START + IMAGE_PAD + VISION_END  # what Qwen's chat template renders for an image part
 MAX_PROCESSOR_BYTES = 1024 * 1024
 MAX_PICTURE_PIXELS = 4096 * 4096  # our own bound on a processor's max_pixels: what one picture may be resized to
 MAX_ASPECT = 200  # transformers' smart_resize refuses pictures more elongated than this

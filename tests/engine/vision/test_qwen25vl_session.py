@@ -4,6 +4,7 @@ exactly as never having stopped."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,26 @@ def test_restore_and_continue_exactly(folder: Path, tmp_path: Path, compact: boo
     assert restored.load(path).applied
     assert restored.memory_source == ("recomputed" if compact else "file")
     assert reply(restored, "Which was first?") == expected
+
+
+# Qwen's own template renders an image part as its vision block (a plain string as is).
+PARTS_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_a_template_that_marks_pictures_its_own_way(folder: Path, tmp_path: Path) -> None:
+    parts = tmp_path / "parts"
+    shutil.copytree(folder, parts)
+    (parts / "chat_template.jinja").write_text(PARTS_TEMPLATE)
+    pic = picture(40, 24, 11)
+    plain = load(folder, "cpu", prefix_cache=False).new_session()
+    session = load(parts, "cpu", prefix_cache=False).new_session()
+    assert reply(session, "What is it?", [pic]) == reply(plain, "What is it?", [pic])
+    vision = session.engine.vision
+    assert vision is not None
+    grid = vision.preprocessing.frames(pic.image)
+    assert sum(t >= vision.vocab_size for t in session.memory.tokens) == grid.rows * grid.cols
