@@ -4,16 +4,23 @@ exactly as never having stopped."""
 
 from __future__ import annotations
 
+import base64
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
+from engine.backends.torch_backend import TorchBackend
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
-from engine.session.engine import Session, load
+from engine.loading.tokenizer import Tokenizer
+from engine.openai.server import LocalServer
+from engine.openai.service import ModelService, ServeConfig
+from engine.session.engine import Session, load, memory_factory_for
 from engine.vision.images import DecodedImage
-from tests.helpers.pictures import picture
+from engine.vision.model import attach_vision
+from tests.helpers.pictures import picture, png
 from tests.helpers.tiny_qwen25vl import make_tiny_qwen25vl
 
 pytest.importorskip("transformers")
@@ -69,3 +76,33 @@ def test_a_template_that_marks_pictures_its_own_way(folder: Path, tmp_path: Path
     assert vision is not None
     grid = vision.preprocessing.frames(pic.image)
     assert sum(t >= vision.vocab_size for t in session.memory.tokens) == grid.rows * grid.cols
+
+
+def test_the_server_answers_as_the_session(folder: Path, tmp_path: Path) -> None:
+    parts_dir = tmp_path / "parts"
+    shutil.copytree(folder, parts_dir)
+    (parts_dir / "chat_template.jinja").write_text(PARTS_TEMPLATE)
+    expected = reply(load(parts_dir, "cpu", prefix_cache=False).new_session(), "Hi?", [picture(40, 24, 5)])
+    backend = TorchBackend(parts_dir)
+    tok = Tokenizer.from_dir(parts_dir)
+    vision = attach_vision(parts_dir, tok, backend)
+    config = ServeConfig(model_id="tiny", api_key="k", max_batch=2, max_queue=4, max_prompt_tokens=600)
+    factory = memory_factory_for(parts_dir, cache_dir=tmp_path / "cache")
+    server = LocalServer(ModelService(backend.fork(), tok, factory, config, None, vision=vision), port=0).start()
+    try:
+        data = base64.b64encode(png(40, 24, 5)).decode()
+        content = [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+            {"type": "text", "text": "Hi?"},
+        ]
+        body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 6}
+        r = httpx.post(
+            server.url.removesuffix("/v1") + "/v1/chat/completions",
+            json=body | {"temperature": 0},
+            headers={"Authorization": "Bearer k"},
+            timeout=300,
+        )
+    finally:
+        server.stop()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == tok.decode(expected)
