@@ -230,7 +230,7 @@ class ModelConfig:
     # (engine.vision.model), so memories hold them and their states may name them.
     image_ids: bool = False
     # Multimodal rotary (Qwen2.5-VL): the rotated pairs of each head in three sections, turned by a token's time,
-    # row and column position (engine.model.attention.MropeRotation). Empty: one position turns every pair.
+    # row and column position (engine.model.attention.mrope_turn). Empty: one position turns every pair.
     mrope_section: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

@@ -48,6 +48,7 @@ QWEN_TOWER_PREFIXES = ("visual.", "model.visual.")  # transformers 5 writes the 
 Tower = VisionTower | Qwen25VLTower
 Preprocessing = Idefics3Preprocessing | Qwen25VLPreprocessing
 MAX_HELD_IMAGES = 16  # pictures whose frames or features are held for embedding, most recent first
+MAX_GRIDS = 65536  # Qwen2.5-VL: pictures whose grids a conversation's ids still name, most recent kept
 ID_CEILING = IMAGE_ID_LIMIT
 
 
@@ -157,7 +158,9 @@ class VisionModel:
         self.image_token_id = image_id
         self.vocab_size = vocab_size
         self.embedding: ImageEmbedding | None = None
-        self.grids: dict[str, tuple[int, int]] = {}  # picture hash -> its rows x cols of tokens (Qwen2.5-VL)
+        # Qwen2.5-VL: the first id of a picture's tokens -> its rows x cols, for every picture registered (not only
+        # those held), so a long conversation's offsets still find its early pictures.
+        self.grids: dict[int, tuple[int, int]] = {}
         if isinstance(preprocessing, Qwen25VLPreprocessing) or isinstance(tower, Qwen25VLTower):
             why = (
                 fits(preprocessing, tower.config)
@@ -235,29 +238,27 @@ class VisionModel:
     def _register(self, image: DecodedImage, f: Frames, count: int) -> list[int]:
         assert self.embedding is not None
         ids = self.embedding.register(image, f, count)
-        self.grids[image.sha256] = (f.rows, f.cols)
-        held = self.embedding.held
-        self.grids = {sha: g for sha, g in self.grids.items() if sha in held}
+        if isinstance(self.preprocessing, Qwen25VLPreprocessing) and ids:
+            self.grids.pop(ids[0], None)
+            self.grids[ids[0]] = (f.rows, f.cols)
+            if len(self.grids) > MAX_GRIDS:
+                del self.grids[next(iter(self.grids))]
         return ids
 
     def position_offsets(self, ids: Sequence[int], start: int = 0) -> torch.Tensor | None:
         """(T - start, 3) long: the multimodal rotary offsets of `ids[start:]`, `ids` a conversation's tokens from
         its first, derived from the ids and the registered pictures (engine.vision.qwen25vl.mrope_offsets); None for
         a model without multimodal rotary or a conversation without pictures."""
-        if not isinstance(self.preprocessing, Qwen25VLPreprocessing) or self.embedding is None:
+        if not isinstance(self.preprocessing, Qwen25VLPreprocessing):
             return None
-        rows = self.embedding.rows
 
-        def picture(token: int) -> tuple[int, int, int]:
-            where = rows.get(token)
-            grid = None if where is None else self.grids.get(where[0])
-            if where is None or grid is None:
-                raise ImageInputError(
-                    "The conversation holds an image token whose picture is no longer held; attach it again."
-                )
-            return where[1], grid[0], grid[1]
+        def grid(first: int) -> tuple[int, int]:
+            found = self.grids.get(first)
+            if found is None:
+                raise ImageInputError("The conversation holds image tokens of a picture never attached here.")
+            return found
 
-        return mrope_offsets(ids, self.vocab_size, picture, start)
+        return mrope_offsets(ids, self.vocab_size, grid, start)
 
     def register(self, images: Sequence[DecodedImage]) -> set[int]:
         """Every id `images` stand for in a prompt (a restored conversation's pictures, so its ids embed again)."""

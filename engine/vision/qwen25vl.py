@@ -396,19 +396,24 @@ def fits(preprocessing: Qwen25VLPreprocessing, cfg: Qwen25VLVisionConfig) -> str
 
 
 def mrope_offsets(
-    ids: Sequence[int], vocab_size: int, picture: Callable[[int], tuple[int, int, int]], start: int = 0
+    ids: Sequence[int], vocab_size: int, grid: Callable[[int], tuple[int, int]], start: int = 0
 ) -> torch.Tensor | None:
     """(T - start, 3) long: the (dt, dh, dw) of tokens `ids[start:]`, what turns each one's index in `ids` (a whole
     conversation, from its first token) into its (t, h, w) rotary positions as transformers' get_rope_index gives
-    them; None when the conversation holds no picture (every offset 0). `picture(id)` of an image id: (k, rows,
-    cols), the token's index in its picture and the picture's merged grid."""
+    them; None when the conversation holds no picture (every offset 0). A picture's tokens are one run of ids above
+    the vocabulary (the prompt wraps each in its vision start and end); `grid(id)` of a run's first id: the
+    picture's merged rows and columns."""
     at = [i for i, t in enumerate(ids) if t >= vocab_size]
     if not at:
         return None
     out = np.zeros((len(ids) - start, 3), dtype=np.int64)
     delta, done = 0, start  # the text's offset so far; tokens before `done` have theirs
+    first, rows, cols = -2, 0, 0  # the current run's first index and its picture's grid
     for i in at:
-        k, rows, cols = picture(ids[i])
+        k = i - first
+        if k > rows * cols - 1 or ids[i - 1] < vocab_size:  # a new run: its first id names its picture
+            first, k = i, 0
+            rows, cols = grid(ids[i])
         if i >= start:
             out[done - start : i - start] = delta
             out[i - start] = (delta - k, delta + k // cols - k, delta + k % cols - k)

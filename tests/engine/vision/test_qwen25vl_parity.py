@@ -26,7 +26,7 @@ from engine.memory.base import FullAttentionMemory, Memory
 from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
 from engine.model.slots import SlotBatch
 from engine.vision.images import DecodedImage
-from engine.vision.model import VisionModel, attach_vision, load_vision
+from engine.vision.model import MAX_HELD_IMAGES, VisionModel, attach_vision, load_vision
 from engine.vision.qwen25vl import PictureShapeError, Qwen25VLPreprocessing, smart_resize
 from tests.helpers.pictures import picture
 from tests.helpers.tiny_qwen25vl import image_only_processor, make_tiny_qwen25vl
@@ -282,3 +282,21 @@ def test_the_offsets_of_a_conversations_tail_are_those_of_the_whole(ours: tuple[
         tail = vision.position_offsets(ids, start)
         assert tail is not None and torch.equal(tail, whole[start:])
     assert vision.position_offsets(ids[:3]) is None  # no picture yet
+
+
+def test_offsets_name_pictures_no_longer_held(ours: tuple[Any, VisionModel], theirs: tuple[Any, Any]) -> None:
+    """A long conversation's early pictures leave the tower's held features; their positions still count."""
+    _, vision = ours
+    hf_model, processor = theirs
+    pictures = [picture(8 + 4 * (n % 3), 8 + 4 * (n % 2), 100 + n) for n in range(MAX_HELD_IMAGES + 2)]
+    text = "".join(f"{n}<image>" for n in range(len(pictures))) + " which?"
+    ids = vision.encode_prompt(text, pictures)
+    assert vision.embedding is not None and pictures[0].sha256 not in vision.embedding.held
+    inputs = processor(text=text.replace("<image>", MARKED), images=[p.image for p in pictures], return_tensors="pt")
+    with torch.no_grad():
+        want, _ = hf_model.model.get_rope_index(
+            inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
+        )
+    offsets = vision.position_offsets(ids)
+    assert offsets is not None
+    assert torch.equal((torch.arange(len(ids))[:, None] + offsets).T, want[:, 0])
