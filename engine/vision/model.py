@@ -316,15 +316,15 @@ def load_vision(folder: Path, tokenizer: Tokenizer, text_hidden_size: int, vocab
     expected = tower.state_dict()
     for name, ref in expected.items():
         t = state.get(name)
+        shown = name if qwen else f"model.{name}"
         if t is None:
-            raise ModelLoadError(f"The vision weights lack model.{name}; they do not match the model's configuration.")
+            raise ModelLoadError(f"The vision weights lack {shown}; they do not match the model's configuration.")
         if tuple(t.shape) != tuple(ref.shape) or not t.is_floating_point():
             raise ModelLoadError(
-                f"Vision tensor model.{name} has shape {tuple(t.shape)} but the configuration implies "
-                f"{tuple(ref.shape)}."
+                f"Vision tensor {shown} has shape {tuple(t.shape)} but the configuration implies {tuple(ref.shape)}."
             )
         if not bool(torch.isfinite(t.float().sum())):
-            raise ModelLoadError(f"Vision tensor model.{name} holds NaN or infinite values; the file is corrupt.")
+            raise ModelLoadError(f"Vision tensor {shown} holds NaN or infinite values; the file is corrupt.")
     tower.load_state_dict({n: state[n].float() for n in expected}, strict=True, assign=True)
     tower.eval().requires_grad_(False)
     if qwen:

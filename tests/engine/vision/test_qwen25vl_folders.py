@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from PIL import Image
+from safetensors.torch import load_file, save_file
 
 from engine.errors import ModelLoadError
 from engine.loading.tokenizer import Tokenizer
@@ -111,3 +112,18 @@ def test_a_picture_too_elongated_for_the_processor_is_refused(folder: Path) -> N
     vision = load_vision(folder, Tokenizer.load(folder), cfg.hidden_size, cfg.vocab_size)
     with pytest.raises(PictureShapeError, match="elongated"):
         vision.preprocessing.frames(Image.new("RGB", (1000, 4)))
+
+
+def test_weights_that_do_not_match_the_encoder_are_refused(folder: Path, tmp_path: Path) -> None:
+    path = tmp_path / "edited"
+    shutil.copytree(folder, path)
+    state = load_file(path / "model.safetensors")
+    del state["visual.merger.ln_q.weight"]
+    state["visual.blocks.0.attn.qkv.weight"] = state["visual.blocks.0.attn.qkv.weight"][:-1]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"Vision tensor visual\.blocks\.0\.attn\.qkv\.weight has shape"):
+        load(path)
+    del state["visual.blocks.0.attn.qkv.weight"]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"lack visual\.blocks\.0\.attn\.qkv\.weight"):
+        load(path)
