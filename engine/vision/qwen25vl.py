@@ -121,9 +121,10 @@ class Qwen25VLPreprocessing:
     def frames(self, image: Image.Image) -> Frames:
         """An RGB picture -> its patches as the processor makes them, one frame (see the module doc)."""
         h, w = smart_resize(image.height, image.width, self.factor, self.min_pixels, self.max_pixels)
+        image = image if image.mode == "RGB" else image.convert("RGB")  # as the processor: RGB, then resized
         if (image.height, image.width) != (h, w):
             image = image.resize((w, h), Image.Resampling(self.resample))
-        a = np.asarray(image.convert("RGB"), dtype=np.uint8).astype(np.float64) * self.rescale
+        a = np.asarray(image, dtype=np.uint8).astype(np.float64) * self.rescale
         mean, std = np.array(self.mean, np.float32), np.array(self.std, np.float32)
         x = ((a.astype(np.float32) - mean) / std).transpose(2, 0, 1)  # (3, H, W)
         p, m, gh, gw = self.patch, self.merge, h // self.patch, w // self.patch
