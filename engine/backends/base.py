@@ -8,7 +8,7 @@ scheduler never know which one runs. KV crosses the boundary in one canonical la
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
@@ -117,6 +117,12 @@ class Backend(ABC):
         K/V into the write slots: the caller takes the step back (engine.memory.base.Memory.rollback).
         """
 
+    def position_offsets(self, tokens: Sequence[int], new: int) -> torch.Tensor | None:
+        """(new, 3) long: the multimodal rotary offsets of the last `new` of a conversation's `tokens` (every token
+        from its first), what a memory puts in its plan (SlotBatch.offsets); None where the model has none or the
+        conversation holds no picture. Only a model that sees images through engine.vision has any."""
+        return None
+
     @abstractmethod
     def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """slots (n,) long -> k, v each (L, Hkv, n, D) in CANONICAL_KV_DTYPE on the host (keys unrotated)."""
@@ -219,6 +225,9 @@ class BackendWrapper(Backend):
         should_stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         return self.inner.forward(tokens, batch, last_only, should_stop)
+
+    def position_offsets(self, tokens: Sequence[int], new: int) -> torch.Tensor | None:
+        return self.inner.position_offsets(tokens, new)
 
     def read_kv(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.read_kv(row, slots)

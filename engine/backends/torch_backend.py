@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import os
 import platform
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -367,6 +367,10 @@ class TorchBackend(Backend):
         twin.cache = self.model.new_cache(self.batch, self.num_slots, self.kv_dtype, self.kv_type)
         return twin
 
+    def position_offsets(self, tokens: Sequence[int], new: int) -> torch.Tensor | None:
+        hook = self.model.position_offsets
+        return None if hook is None else hook(tokens, len(tokens) - new)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -391,6 +395,7 @@ class TorchBackend(Backend):
             self._rows_run = rows
         native = (
             self.decoder is not None
+            and batch.offsets is None  # the one-call step rotates by the slot's position alone
             and rows == 1
             and tokens.shape[1] <= (MAX_ROWS if self.native_chunks else 1)
             and self.decoder.accepts(self.cache)

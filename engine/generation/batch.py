@@ -96,6 +96,11 @@ class RowBatcher:
         mask[:, :, :, 0] = True  # padding attends to the scratch slot only (cleared below for real tokens)
         local = mask.clone() if any(p is not None and p.local_mask is not None for p in plans) else None
         weights = torch.zeros((b, t))  # (B, T) each row's real tokens share its query summary; padding has no say
+        offsets = (
+            torch.zeros((b, t, 3), dtype=torch.long)
+            if any(p is not None and p.offsets is not None for p in plans)
+            else None
+        )
         for r, plan in enumerate(plans):
             if plan is None:
                 continue
@@ -108,10 +113,14 @@ class RowBatcher:
             mask[r, 0, off:, 1 : n + 1] = plan.mask
             mask[r, 0, off:, 0] = False
             weights[r, off:] = 1.0 / len(feeds[r])
+            if offsets is not None and plan.offsets is not None:  # multimodal rotary (SlotBatch.offsets)
+                offsets[r, off:] = plan.offsets
             if local is not None:  # sliding-window layers' view (engine.model.slots.SlotBatch.local_mask)
                 local[r, 0, off:, 1 : n + 1] = plan.mask if plan.local_mask is None else plan.local_mask
                 local[r, 0, off:, 0] = False
-        batch = SlotBatch(positions, write_slots, slot_positions, mask, summary_weights=weights, local_mask=local)
+        batch = SlotBatch(
+            positions, write_slots, slot_positions, mask, summary_weights=weights, local_mask=local, offsets=offsets
+        )
         tail = min(tail, t)
         logits = self.backend.forward(tokens, batch, last_only=tail == 1)  # (b, 1, V) or (b, T, V)
         out = logits[:, -tail:]  # (b, tail, V)

@@ -160,8 +160,10 @@ class BeamSearch:
 class BeamForks:
     """The running beams as forks of one memory: each step feeds every beam's next token in one forward."""
 
-    def __init__(self, backend: Backend, view: ForkView) -> None:
-        self.backend, self.view = backend, view
+    def __init__(self, backend: Backend, view: ForkView, offsets: torch.Tensor | None = None) -> None:
+        """`offsets` (1, 3): the multimodal rotary offsets of a token after the memory's (every fork's token is
+        text, so all have them; Backend.position_offsets), or None."""
+        self.backend, self.view, self.offsets = backend, view, offsets
         self.table = ForkTable(view.slot_positions.numel())
         self.nodes = [ForkTable.ROOT]  # the node each running beam continues from
 
@@ -200,7 +202,8 @@ class BeamForks:
         write = torch.tensor([t.slot[n] for n in self.nodes])  # (R,)
         positions = torch.full((len(self.nodes),), v.position + depth - 1)  # (R,)
         local = window_mask(mask, slot_tokens, positions - v.position + v.index, self.backend.config.sliding_window)
-        return RowPlan(positions, write, slot_positions, mask, v.frame, v.frame_start, local)
+        turn = None if self.offsets is None else self.offsets.expand(len(self.nodes), 3)
+        return RowPlan(positions, write, slot_positions, mask, v.frame, v.frame_start, local, turn)
 
 
 def check_room(view: ForkView, max_tokens: int) -> None:

@@ -603,7 +603,8 @@ def beam_generate(
     view = memory.fork_view()
     check_room(view, settings.max_tokens)
     search = BeamSearch(settings.beam, reply.eos, settings.max_tokens)
-    forks = BeamForks(backend, view)
+    # A reply's tokens are text: any text id after the memory's tokens has their offsets.
+    forks = BeamForks(backend, view, backend.position_offsets([*memory.tokens, 0], 1))
     step, stopped = search.step(logits[None]), False  # the prompt's logits are the one beam's
     t_first = time.perf_counter()  # the first token is chosen: the search's time to first token
     while not search.done:

@@ -44,6 +44,7 @@ class RowPlan:
     frame: int = 0  # rotation frame of the slots from frame_start on (engine.model.network.SlotBatch)
     frame_start: int = 0
     local_mask: torch.Tensor | None = None  # (T, S') what sliding-window layers see; None: the same as mask
+    offsets: torch.Tensor | None = None  # (T, 3) multimodal rotary offsets (Backend.position_offsets); None: none
 
     def as_batch(self) -> SlotBatch:
         """A B=1 SlotBatch: positions (1,T), write_slots (1,T), slot_positions (1,S), mask (1,1,T,S), frame (1,)."""
@@ -56,6 +57,7 @@ class RowPlan:
             torch.tensor([self.frame]) if framed else None,
             torch.tensor([self.frame_start]) if framed else None,
             local_mask=None if self.local_mask is None else self.local_mask[None, None],
+            offsets=None if self.offsets is None else self.offsets[None],
         )
 
 
@@ -228,7 +230,8 @@ class FullAttentionMemory:
         mask = self._slot_positions[None, :live] <= new[:, None]  # (T, S') causal
         self.tokens.extend(ids)
         local = window_mask(mask, self._slot_positions[:live], new, self.backend.config.sliding_window)
-        return RowPlan(new, new, self._slot_positions[:live], mask, local_mask=local)
+        offsets = self.backend.position_offsets(self.tokens, t)
+        return RowPlan(new, new, self._slot_positions[:live], mask, local_mask=local, offsets=offsets)
 
 
 def check_full_state(meta: Any, tensors: Mapping[str, torch.Tensor], target: StateTarget) -> None:

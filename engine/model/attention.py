@@ -103,6 +103,20 @@ def _cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, t
     return cos, sin
 
 
+def mrope_turn(cfg: ModelConfig, offsets: torch.Tensor) -> Rope:
+    """Multimodal rotary (ModelConfig.mrope_section): offsets (B, T, 3) long, each token's (dt, dh, dw) from its
+    scalar position -> cos, signed sin (B, 1, T, D) that turn each pair by its section's offset. Rotations add, so a
+    q or k turned by this and then by the slot table at position p is turned by p + the offset of its section: the
+    three positions of transformers' mrope, while the slot table keeps one position per slot."""
+    sections = torch.tensor(cfg.mrope_section, device=offsets.device)
+    pair_section = torch.repeat_interleave(torch.arange(3, device=offsets.device), sections)  # (D/2,)
+    angles = offsets.to(torch.float32)[..., pair_section] * rope_inv_freq(cfg).to(offsets.device)  # (B, T, D/2)
+    emb = torch.cat((angles, angles), dim=-1)  # (B, T, D)
+    cos, sin = emb.cos(), emb.sin()
+    sin[..., : cfg.head_dim // 2].neg_()
+    return cos[:, None], sin[:, None]
+
+
 class RotaryTable:
     """cos/sin lookup by position: a precomputed table (P, D) indexed per step instead of recomputing trig.
 

@@ -30,9 +30,16 @@ MODEL_TYPES: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
-# Vision-language folders whose text model is one of the above (its config under `text_config`, its weights under
-# `model.text_model.` or `language_model.model.`); engine.vision reads the rest.
-VISION_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "Gemma3ForConditionalGeneration")
+# Vision-language folders whose text model is one of the above (its config under `text_config`, or flat as
+# transformers 4 wrote Qwen2.5-VL's; its weights under `model.text_model.`, `language_model.model.` or `model.`);
+# engine.vision reads the rest.
+VISION_ARCHITECTURES = (
+    "Idefics3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+)
+# The text model of a vision folder whose text config names no architecture of its own.
+VISION_TEXT_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
 # Those whose picture's tokens attend to each other both ways (transformers' token_type_ids mask).
 BIDIRECTIONAL_IMAGES = ("Gemma3ForConditionalGeneration",)
 # Gemma 3's published vision folders keep in `text_config` only what differs from transformers' Gemma3TextConfig
@@ -250,6 +257,9 @@ class ModelConfig:
     # A picture's run of ids attends to itself both ways (Gemma 3): a query there sees the run's later tokens in the
     # same forward (engine.model.slots.open_image_runs), so the run is read in one forward (generation.loop).
     images_bidirectional: bool = False
+    # Multimodal rotary (Qwen2.5-VL): the rotated pairs of each head in three sections, turned by a token's time,
+    # row and column position (engine.model.attention.mrope_turn). Empty: one position turns every pair.
+    mrope_section: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -300,11 +310,24 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         arch = (d.get("architectures") or [None])[0] or MODEL_TYPES.get(str(d.get("model_type")), "")
         if arch in VISION_ARCHITECTURES:  # a vision-language folder: this is its text model's config
-            text = d.get("text_config")
+            text = d.get("text_config", d if arch in VISION_TEXT_ARCHITECTURES else None)
             if not isinstance(text, dict):
                 raise ModelLoadError(f"config.json of a {arch} has no text_config object; it looks damaged.")
             if arch == "Gemma3ForConditionalGeneration":
                 text = {**GEMMA3_TEXT_DEFAULTS, **text}
+            inner = VISION_TEXT_ARCHITECTURES.get(arch)
+            if inner is not None:
+                text = {k: v for k, v in text.items() if k not in ("text_config", "vision_config", "model_type")}
+                text["architectures"] = [inner]
+                section = _mrope_section(text)
+                text = _without_mrope(text)
+                cfg = cls.from_dict(text)
+                if sum(section) != cfg.head_dim // 2:
+                    raise ModelLoadError(
+                        f"config.json's mrope_section {list(section)} does not cover the {cfg.head_dim // 2} rotated "
+                        "pairs of a head; it looks damaged."
+                    )
+                return dataclasses.replace(cfg, image_ids=True, mrope_section=section, raw=dict(d))
             text_config = cls.from_dict(text)
             return dataclasses.replace(text_config, image_ids=True, images_bidirectional=arch in BIDIRECTIONAL_IMAGES)
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -398,6 +421,39 @@ class ModelConfig:
         if not isinstance(data, dict):
             raise ModelLoadError(f"{path} does not hold a JSON object; it is not a model config.")
         return cls.from_dict(data)
+
+
+def _rope_entries(d: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in (d.get("rope_parameters"), d.get("rope_scaling")) if isinstance(r, dict)]
+
+
+def _mrope_section(d: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen2.5-VL's (t, h, w) section sizes in rotated pairs, from rope_parameters (transformers 5) or rope_scaling
+    (transformers 4, `type: mrope`)."""
+    for r in _rope_entries(d):
+        section = r.get("mrope_section")
+        if section is not None:
+            if (
+                not isinstance(section, list)
+                or len(section) != 3
+                or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= 512 for s in section)
+            ):
+                raise ModelLoadError("config.json's mrope_section is not three whole numbers; it looks damaged.")
+            return tuple(section)
+    raise ModelLoadError("config.json of a Qwen2.5-VL model has no mrope_section; it looks damaged.")
+
+
+def _without_mrope(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` with its rope entries' mrope keys removed (an mrope type read as the default rope it rotates with)."""
+    out = dict(d)
+    for key in ("rope_parameters", "rope_scaling"):
+        r = out.get(key)
+        if isinstance(r, dict):
+            r = {k: v for k, v in r.items() if k not in ("mrope_section", "mrope_interleaved")}
+            if r.get("rope_type", r.get("type")) == "mrope":
+                r = {**{k: v for k, v in r.items() if k not in ("type", "rope_type")}, "rope_type": "default"}
+            out[key] = r
+    return out
 
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024

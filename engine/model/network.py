@@ -24,8 +24,11 @@ from torch import nn
 from engine.model.attention import (
     ROTARY_HEADROOM,
     CausalStep,
+    Rope,
     RotaryTable,
     StepAttention,
+    apply_rope,
+    mrope_turn,
     rope_inv_freq,
 )
 from engine.model.config import ModelConfig
@@ -84,7 +87,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split((self.n_heads * self.head_dim, kv, kv), dim=-1)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, layer: int, step: StepAttention) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+    def forward(
+        self, x: torch.Tensor, layer: int, step: StepAttention, turn: Rope | None = None
+    ) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         b, t, _ = x.shape
         q, k, v = self.project(x)
         if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotation
@@ -96,6 +101,8 @@ class Attention(nn.Module):
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if turn is not None:  # multimodal rotary: each token's own offsets first, its slot's position on reading
+            q, k = apply_rope(q, *turn), apply_rope(k, *turn)
         out = step.attend(layer, q, k, v)  # (B, H, T, D)
         y: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (B, T, C)
         return y
@@ -174,12 +181,14 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, layer: int, step: StepAttention) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+    def forward(
+        self, x: torch.Tensor, layer: int, step: StepAttention, turn: Rope | None = None
+    ) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         if not self.sandwich:
-            x = x + self.self_attn(self.input_layernorm(x), layer, step)
+            x = x + self.self_attn(self.input_layernorm(x), layer, step, turn)
             y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
             return y
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), layer, step))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), layer, step, turn))
         out: torch.Tensor = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return out
 
@@ -217,6 +226,9 @@ class Transformer(nn.Module):
             assert isinstance(self.model.embed_tokens, nn.Embedding)  # as built; backends swap it later
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryTable | None = None
+        # (a conversation's tokens, start) -> the multimodal rotary offsets (T - start, 3) of tokens[start:], or None:
+        # set by engine.vision for a model with mrope (Backend.position_offsets reads it), None otherwise.
+        self.position_offsets: Callable[[Sequence[int], int], torch.Tensor | None] | None = None
         self.embed_scale = cfg.hidden_size**0.5 if cfg.scale_embeddings else None
 
     def decoder_layers(self) -> Sequence[DecoderLayer]:
@@ -243,11 +255,20 @@ class Transformer(nn.Module):
         return KVCache(self.config, batch, num_slots, p.device, dtype or p.dtype, p.dtype, kv_type)
 
     def hidden_states(
-        self, tokens: torch.Tensor, step: StepAttention, should_stop: Callable[[], bool] | None = None
+        self,
+        tokens: torch.Tensor,
+        step: StepAttention,
+        should_stop: Callable[[], bool] | None = None,
+        offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (B, T) -> final normed hidden states (B, T, C), each layer attending through `step`.
-        `should_stop` is polled before every layer after the first; when true, raises ForwardCancelled."""
+        `should_stop` is polled before every layer after the first; when true, raises ForwardCancelled.
+        `offsets` (B, T, 3) long: each token's multimodal rotary offsets (attention.mrope_turn), or None."""
         x = self.model.embed_tokens(tokens)  # (B, T, C)
+        turn: Rope | None = None
+        if offsets is not None and self.config.mrope_section and bool(offsets.any()):
+            cos, sin = mrope_turn(self.config, offsets)
+            turn = cos.to(x.dtype), sin.to(x.dtype)
         if self.embed_scale is not None:
             scaled = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # as transformers: in the weights' dtype
             # A picture's rows (ids from the vocabulary up) go in as the tower gave them: transformers puts them
@@ -260,15 +281,16 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.decoder_layers()):
             if i and should_stop is not None and should_stop():  # a long prefill chunk stops within one layer
                 raise ForwardCancelled
-            x = layer(x, i, step)
+            x = layer(x, i, step, turn)
         h: torch.Tensor = self.model.norm(x)
         return h
 
-    def forward_causal(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Training / scoring path without a cache: tokens (B, T) -> logits (B, T, V), causal, positions 0..T-1."""
+    def forward_causal(self, tokens: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """Training / scoring path without a cache: tokens (B, T) -> logits (B, T, V), causal, positions 0..T-1
+        (each turned by its `offsets` (B, T, 3), multimodal rotary, when given)."""
         runs = image_runs(tokens, self.config.vocab_size) if self.config.images_bidirectional else None
         logits: torch.Tensor = self.lm_head(
-            self.hidden_states(tokens, CausalStep(self.rotary(), tokens.shape[1], self.config, runs))
+            self.hidden_states(tokens, CausalStep(self.rotary(), tokens.shape[1], self.config, runs), offsets=offsets)
         )
         return logits
 
@@ -287,7 +309,7 @@ class Transformer(nn.Module):
         if self.config.images_bidirectional and tokens.shape[1] > 1 and reads is None:
             batch = open_image_runs(batch, tokens, self.config.vocab_size)
         reads = reads or cache.plan(batch, self.rotary())
-        h = self.hidden_states(tokens, SlotStep(cache, batch, reads), should_stop)
+        h = self.hidden_states(tokens, SlotStep(cache, batch, reads), should_stop, batch.offsets)
         if last_only:
             h = h[:, -1:, :]
         logits: torch.Tensor = self.lm_head(h)

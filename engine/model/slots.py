@@ -6,7 +6,8 @@ The caller (the memory cascade) decides which token lives in which slot and at w
 the same forward serves full attention, StreamingLLM-style sink+window, paged-in episodic blocks, batching and
 Core ML conversion. Keys are stored *without* rotary embedding and rotated on read with the slot's current
 position: the cascade re-numbers positions as the window slides without rewriting the cache, and while positions
-equal absolute token indices the result equals standard attention exactly.
+equal absolute token indices the result equals standard attention exactly. (A multimodal-rotary model's keys are
+stored turned by their token's own offsets, SlotBatch.offsets, and rotated by position on read all the same.)
 
 Shapes: L layers, B batch, T new tokens, S slots, S' live slots, m attended slots, H query heads, Hkv key/value
 heads, D head dim.
@@ -84,6 +85,9 @@ class SlotBatch:
     local_mask:     (B, 1, T, S') bool or None: what a sliding-window layer's new tokens may attend to, a subset of
                     `mask` (the slots of the last `window` tokens, never a retrieved block); None: the same as
                     `mask` (everything attended is inside the window). Memories build it (engine.memory.base).
+    offsets:        (B, T, 3) long or None: each new token's multimodal rotary offsets (engine.model.attention.
+                    mrope_turn), applied to its q and k before the slot table's rotation, so its stored key
+                    carries them; None: none (a text-only model, or no picture in the conversation).
 
     Only the leading S' slots take part (S' = slot_positions.shape[1]): a memory that has filled 300 of 4096 slots
     pays for 300, and a backend with a fixed shape (Core ML) pads the plan to its S with masked-off slots.
@@ -97,6 +101,7 @@ class SlotBatch:
     frame_start: torch.Tensor | None = None
     summary_weights: torch.Tensor | None = None
     local_mask: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
 
     def position_bound(self) -> int:
         """One past the largest position this step rotates a query or key at, frames included: what the rotary

@@ -283,6 +283,8 @@ class ModelService:
             if self.vision is not None:  # a template that reads content parts gets them
                 messages = template_messages(messages, tok.chat_template)
             rendered = tok.apply_chat_template(messages, **extra)
+            if self.vision is not None:  # its own marks of the pictures as the engine's <image>
+                rendered = self.vision.markers(rendered)
             urls = [u for m in req.messages for u in m.get("images", ())]
             ids = self._image_prompt_ids(rendered, urls) if urls else tok.encode(rendered, add_bos=False)
             inside = opens_in_prompt(rendered)

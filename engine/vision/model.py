@@ -39,9 +39,17 @@ from engine.model.network import Transformer
 from engine.vision import gemma3
 from engine.vision.idefics3 import IMAGE_TOKEN, Frames, Idefics3Preprocessing
 from engine.vision.images import DecodedImage
+from engine.vision.qwen25vl import (
+    Qwen25VLPreprocessing,
+    Qwen25VLTower,
+    Qwen25VLVisionConfig,
+    fits,
+    mrope_offsets,
+)
 from engine.vision.siglip import Tower, VisionConfig, VisionTower
 
 MAX_HELD_IMAGES = 16  # pictures whose frames or features are held for embedding, most recent first
+MAX_GRIDS = 65536  # Qwen2.5-VL: pictures whose grids a conversation's ids still name, most recent kept
 ID_CEILING = IMAGE_ID_LIMIT
 
 
@@ -86,6 +94,10 @@ def _idefics3_name(name: str) -> str | None:
     return name.removeprefix("model.") if name.startswith(("model.vision_model.", "model.connector.")) else None
 
 
+def _qwen25vl_name(name: str) -> str | None:  # transformers 5 writes `visual.`, as Qwen's own folders do
+    return name.removeprefix("model.") if name.startswith(("visual.", "model.visual.")) else None
+
+
 FAMILIES: dict[str, Family] = {
     "Idefics3ForConditionalGeneration": Family(
         lambda d, width: VisionTower(VisionConfig.from_dict(d, width)),
@@ -94,6 +106,11 @@ FAMILIES: dict[str, Family] = {
     ),
     "Gemma3ForConditionalGeneration": Family(
         gemma3.build_tower, gemma3.tower_name, gemma3.Gemma3Preprocessing.from_folder
+    ),
+    "Qwen2_5_VLForConditionalGeneration": Family(
+        lambda d, width: Qwen25VLTower(Qwen25VLVisionConfig.from_dict(d, width)),
+        _qwen25vl_name,
+        Qwen25VLPreprocessing.from_folder,
     ),
 }
 
@@ -191,8 +208,9 @@ def _image_token_id(sha256: str, index: int, vocab_size: int) -> int:
 
 
 class VisionModel:
-    """A vision-language model's image path for a loaded text model: the preprocessing, the tower, and the
-    prompt."""
+    """A vision-language model's image path for a loaded text model (SmolVLM / Idefics3, Gemma 3, Qwen2.5-VL): the
+    preprocessing, the tower, and the prompt. The prompt marks each picture with `<image>`; the family's
+    preprocessing says what it becomes."""
 
     def __init__(
         self,
@@ -216,6 +234,18 @@ class VisionModel:
         self.image_token_id = image_id
         self.vocab_size = vocab_size
         self.embedding: ImageEmbedding | None = None
+        # Qwen2.5-VL: the first id of a picture's tokens -> its rows x cols, for every picture registered (not only
+        # those held), so a long conversation's offsets still find its early pictures.
+        self.grids: dict[int, tuple[int, int]] = {}
+        if isinstance(preprocessing, Qwen25VLPreprocessing) or isinstance(tower, Qwen25VLTower):
+            why = (
+                fits(preprocessing, tower.config)
+                if isinstance(preprocessing, Qwen25VLPreprocessing) and isinstance(tower, Qwen25VLTower)
+                else "The image processor and the vision encoder are of different model families."
+            )
+            if why:
+                raise ModelLoadError(why)
+            return
         if preprocessing.image_seq_len != tower.tokens_per_frame:
             raise ModelLoadError(
                 f"The processor gives {preprocessing.image_seq_len} image tokens a frame but the vision encoder "
@@ -236,6 +266,8 @@ class VisionModel:
         embedding = backbone.embed_tokens
         assert isinstance(embedding, ImageEmbedding)
         self.embedding = embedding
+        if model.config.mrope_section:
+            model.position_offsets = self.position_offsets
         return embedding
 
     def picture_token(self, token_id: int) -> tuple[int, int] | None:
@@ -271,16 +303,47 @@ class VisionModel:
             raise ImageInputError("The vision model is not attached to a loaded text model.")
         out = list(ids)
         at = [i for i, t in enumerate(out) if t == self.image_token_id]
-        need = sum(int(f.pixels.shape[0]) for f in frames) * self.preprocessing.image_seq_len
+        need = sum(self._count(f) for f in frames)
         if len(at) != need:
             raise ImageInputError(f"The prompt holds {len(at)} image tokens where its pictures need {need}.")
         start = 0
         for img, f in zip(images, frames, strict=True):
-            count = int(f.pixels.shape[0]) * self.preprocessing.image_seq_len
-            for i, token in zip(at[start : start + count], self.embedding.register(img, f, count), strict=True):
+            count = self._count(f)
+            for i, token in zip(at[start : start + count], self._register(img, f, count), strict=True):
                 out[i] = token
             start += count
         return out
+
+    def _count(self, f: Frames) -> int:
+        """Image tokens of one picture's frames."""
+        if isinstance(self.preprocessing, Qwen25VLPreprocessing):
+            return f.rows * f.cols
+        return int(f.pixels.shape[0]) * self.preprocessing.image_seq_len
+
+    def _register(self, image: DecodedImage, f: Frames, count: int) -> list[int]:
+        assert self.embedding is not None
+        ids = self.embedding.register(image, f, count)
+        if isinstance(self.preprocessing, Qwen25VLPreprocessing) and ids:
+            self.grids.pop(ids[0], None)
+            self.grids[ids[0]] = (f.rows, f.cols)
+            if len(self.grids) > MAX_GRIDS:
+                del self.grids[next(iter(self.grids))]
+        return ids
+
+    def position_offsets(self, ids: Sequence[int], start: int = 0) -> torch.Tensor | None:
+        """(T - start, 3) long: the multimodal rotary offsets of `ids[start:]`, `ids` a conversation's tokens from
+        its first, derived from the ids and the registered pictures (engine.vision.qwen25vl.mrope_offsets); None for
+        a model without multimodal rotary or a conversation without pictures."""
+        if not isinstance(self.preprocessing, Qwen25VLPreprocessing):
+            return None
+
+        def grid(first: int) -> tuple[int, int]:
+            found = self.grids.get(first)
+            if found is None:
+                raise ImageInputError("The conversation holds image tokens of a picture never attached here.")
+            return found
+
+        return mrope_offsets(ids, self.vocab_size, grid, start)
 
     def register(self, images: Sequence[DecodedImage]) -> set[int]:
         """Every id `images` stand for in a prompt (a restored conversation's pictures, so its ids embed again)."""
@@ -294,7 +357,7 @@ class VisionModel:
         ids: set[int] = set()
         for img in distinct.values():
             f = self.preprocessing.frames(img.image)
-            ids.update(self.embedding.register(img, f, int(f.pixels.shape[0]) * self.preprocessing.image_seq_len))
+            ids.update(self._register(img, f, self._count(f)))
         return ids
 
     def encode_prompt(self, text: str, images: Sequence[DecodedImage], add_bos: bool | None = None) -> list[int]:

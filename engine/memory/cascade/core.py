@@ -248,7 +248,14 @@ class CascadeMemory:
             queries = torch.arange(start, start + t)  # (T,)
             local = window_mask(mask[:, :live], w.slot_tokens()[:live], queries, self.backend.config.sliding_window)
         return RowPlan(
-            w.slot_positions[ws], ws, w.slot_positions[:live].clone(), mask[:, :live], w.frame, w.window_start, local
+            w.slot_positions[ws],
+            ws,
+            w.slot_positions[:live].clone(),
+            mask[:, :live],
+            w.frame,
+            w.window_start,
+            local,
+            self.backend.position_offsets(self.tokens, t),
         )
 
     def _unit_release(self, t: int) -> int:

@@ -1,0 +1,115 @@
+"""A tiny random Qwen2.5-VL checkpoint written by transformers itself (`save_pretrained` of the model and its
+processor): the window-attention ViT, its 2x2 patch merger and a Qwen2 text model with multimodal rotary positions,
+with the tiny BPE tokenizer of tests.helpers.tiny plus Qwen's vision tokens. Patches of 2 pixels, a 2x2 merge and
+windows of 8 pixels (2x2 merged tokens), so a picture's tokens fall in several windows; block 1 of 3 attends over
+the whole picture."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.helpers.tiny import CHAT_TEMPLATE, build_tokenizer
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+PATCH = 2
+MERGE = 2
+MIN_PIXELS = 8 * 8
+MAX_PIXELS = 40 * 48  # larger pictures shrink to fit (smart_resize)
+
+
+def image_only_processor() -> Any:
+    """Qwen2_5_VLProcessor without its video processor (which needs torchvision, not installed): images and text
+    go through the processor's own code."""
+    import transformers
+
+    class ImageOnlyProcessor(transformers.Qwen2_5_VLProcessor):  # type: ignore[misc]
+        @classmethod
+        def get_attributes(cls) -> list[str]:
+            return ["image_processor", "tokenizer"]
+
+    return ImageOnlyProcessor
+
+
+def make_tiny_qwen25vl(out: Path, *, seed: int = 0) -> Path:
+    import transformers
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    tok.add_special_tokens(VISION_TOKENS)
+    tok_dir = out / "_tok"
+    tok_dir.mkdir(exist_ok=True)
+    tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|bos|>",
+                "eos_token": "<|end|>",
+                "add_bos_token": True,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    vocab = tok.get_vocab_size()
+    bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|end|>")
+    text: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    }
+    vision: dict[str, Any] = {
+        "depth": 3,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_heads": 2,
+        "patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": 2,
+        "window_size": 8,
+        "out_hidden_size": 64,
+        "fullatt_block_indexes": [1],
+    }
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tok.token_to_id("<|image_pad|>"),
+        video_token_id=tok.token_to_id("<|video_pad|>"),
+        vision_start_token_id=tok.token_to_id("<|vision_start|>"),
+        vision_end_token_id=tok.token_to_id("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("weight") and p.dim() == 1:  # the norms: near their identity
+                torch.nn.init.normal_(p, 1.0, 0.1)
+            else:
+                torch.nn.init.normal_(p, 0.0, 0.25 if p.dim() > 1 else 0.02)
+    model.save_pretrained(out, safe_serialization=True)
+    processor = image_only_processor()(
+        image_processor=transformers.Qwen2VLImageProcessorPil(
+            patch_size=PATCH, merge_size=MERGE, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS
+        ),
+        tokenizer=hf_tok,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    shutil.rmtree(tok_dir)
+    return out
