@@ -172,7 +172,8 @@ def export_gguf(
     cfg, sd = loaded.config, loaded.model.state_dict()
     if cfg.o_bias or cfg.mlp_bias:
         raise SparkError("The GGUF export covers Llama/Qwen2 shapes; this model has output or MLP biases.")
-    arch = GGUF_ARCH[cfg.architecture]
+    # Qwen2.5-VL's text model: Qwen2 with multimodal rotary, llama.cpp's `qwen2vl` (its vision part: mmproj_export)
+    arch = "qwen2vl" if cfg.mrope_section else GGUF_ARCH[cfg.architecture]
     if arch == "gemma3" and cfg.query_scale is not None:
         raise SparkError("A Gemma 3 GGUF scales queries by head_dim**-0.5; this model's query_pre_attn_scalar differs.")
     permute = arch == "llama"
@@ -192,6 +193,8 @@ def export_gguf(
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+    if cfg.mrope_section:  # llama.cpp stores four sections, the fourth empty for Qwen2-VL and Qwen2.5-VL
+        w.add_rope_dimension_sections([*cfg.mrope_section, 0])
     if cfg.sliding_window:
         w.add_sliding_window(cfg.sliding_window)  # Gemma 3's layer pattern and local rope base are llama.cpp's own
     for key, value in (sampling or {}).items():

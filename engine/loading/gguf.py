@@ -39,6 +39,7 @@ ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "llama": ("LlamaForCausalLM", True),
     "mistral": ("MistralForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen2vl": ("Qwen2ForCausalLM", False),  # Qwen2.5-VL's text model: Qwen2 with multimodal rotary sections
     "qwen3": ("Qwen3ForCausalLM", False),
     "gemma3": ("Gemma3ForCausalLM", False),
     "phi3": ("Phi3ForCausalLM", False),
@@ -48,6 +49,9 @@ ARCHITECTURES: dict[str, tuple[str, bool]] = {
 GEMMA3_GLOBAL_EVERY = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 GEMMA3_27B_LAYERS = 62
+# llama.cpp's multimodal rotary sections (`qwen2vl.rope.dimension_sections`): rotated pairs turned by the token's
+# (t, h, w) positions and a fourth section Qwen2-VL and Qwen2.5-VL leave empty.
+MROPE_SECTIONS = 4
 
 # Tensor types we read: float types as is, block types dequantized here (or run as stored by a backend that can).
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -274,6 +278,11 @@ class GGUFModel:
         if rope_dims != head_dim:  # partial rotary (Phi-4-mini)
             d["rope_parameters"]["partial_rotary_factor"] = rope_dims / head_dim
         config = ModelConfig.from_dict(d)
+        if arch == "qwen2vl":
+            section = self._mrope_section(config.head_dim)
+            config = dataclasses.replace(
+                config, mrope_section=section, raw={**config.raw, "mrope_section": list(section)}
+            )
         factors = self._rope_freq_factors(config)
         if factors is not None:
             config = config.with_rope_freq_factors(factors)
@@ -329,6 +338,23 @@ class GGUFModel:
         if attn is not None:
             params["attention_factor"] = float(attn)
         return params
+
+    def _mrope_section(self, head_dim: int) -> tuple[int, ...]:
+        """transformers' mrope_section (t, h, w) from llama.cpp's four sections, which count rotated pairs too."""
+        key = f"{self.architecture}.rope.dimension_sections"
+        sections = self.metadata.get(key)
+        if (
+            not isinstance(sections, list)
+            or len(sections) != MROPE_SECTIONS
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= head_dim for s in sections)
+        ):
+            raise ModelLoadError(f"{self.path.name} lacks {key} as four whole numbers; the file is incomplete.")
+        if sections[3] or sum(sections) != head_dim // 2:
+            raise ModelLoadError(
+                f"{self.path.name}'s {key} {sections} do not split the {head_dim // 2} rotated pairs of a head into "
+                "time, height and width; the file is damaged."
+            )
+        return tuple(sections[:3])
 
     def _rope_scaling(self) -> dict[str, Any]:
         kind = self._key("rope.scaling.type", "none")

@@ -57,7 +57,7 @@ class ClipConfig:
     image_std: tuple[float, float, float]
     scale_factor: int  # Idefics3's pixel shuffle, Gemma 3's pooling kernel (0 where the family has none)
     preproc_image_size: int  # Idefics3's first resize (0: not stated)
-    wa_pattern: int  # Qwen2.5-VL: every n-th layer attends globally (0 elsewhere)
+    wa_pattern: int  # Qwen2.5-VL: every n-th layer attends globally, however many layers (0 elsewhere)
     window_size: int  # Qwen2.5-VL's attention window, pixels (0 elsewhere)
 
     @property
@@ -427,8 +427,6 @@ def clip_config(name: str, meta: dict[str, Any]) -> ClipConfig:
         )
     if not qwen and (cfg.image_size % cfg.patch_size or cfg.patches_per_side % cfg.scale_factor):
         raise ModelLoadError(f"{name}'s image, patch and scale sizes do not divide; the projector file is damaged.")
-    if qwen and cfg.layers % cfg.wa_pattern:
-        raise ModelLoadError(f"{name}'s window-attention pattern does not divide its {cfg.layers} layers.")
     return cfg
 
 

@@ -30,7 +30,10 @@ PARTS_TEMPLATE = (
 )
 
 
-def make_tiny_gemma3(out: Path, *, seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
+def make_tiny_gemma3(
+    out: Path, *, seed: int = 0, chat_template: str = CHAT_TEMPLATE, query_pre_attn_scalar: int = 24
+) -> Path:
+    """`query_pre_attn_scalar`: 16 (the head width) for a model a Gemma 3 GGUF can hold, which scales queries so."""
     import transformers
 
     out = Path(out)
@@ -54,7 +57,7 @@ def make_tiny_gemma3(out: Path, *, seed: int = 0, chat_template: str = CHAT_TEMP
     hf_tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
     bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|end|>")
     assert bos is not None and eos is not None
-    text = family_config("gemma3", tok.get_vocab_size(), bos, eos)
+    text = family_config("gemma3", tok.get_vocab_size(), bos, eos, query_pre_attn_scalar=query_pre_attn_scalar)
     vision: dict[str, Any] = {
         "hidden_size": 32,
         "intermediate_size": 48,
