@@ -1,0 +1,121 @@
+"""Gemma 3 from a GGUF (llama.cpp's `gemma3` text model of a Gemma3ForConditionalGeneration folder) and its llama.cpp
+mmproj, exported from the tiny checkpoint transformers wrote: the frame equals the processor's pixel values, the ids
+its input ids, and greedy tokens its `generate` over 24 tokens for a prompt with one picture and with two (an f32
+export exactly; a Q8_0 text model with an f16 mmproj against transformers running the very weights the files
+store); the loaded text model's pictures attend both ways, as the folder's do; through the engine's front door the
+GGUF answers as the folder does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine.bench.mmproj_export import export_vision
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
+from engine.loading.tokenizer import Tokenizer
+from engine.loading.weights import load_model
+from engine.session.engine import load
+from engine.vision.gemma3 import Gemma3Preprocessing
+from engine.vision.gguf_vision import attach_mmproj
+from engine.vision.model import VisionModel
+from tests.helpers.mmproj_refs import causal_greedy, on_stored_weights
+from tests.helpers.pictures import picture
+from tests.helpers.tiny_gemma3 import BOI, IMAGE_SIZE, TOKENS_PER_IMAGE, make_tiny_gemma3
+
+transformers = pytest.importorskip("transformers")
+STEPS = 24
+CASES = {
+    "one": ("<|user|>\n<image>What is in the picture?<|end|>\n<|assistant|>\n", [(40, 24)]),
+    "two": ("<|user|>\n<image>and<image> which is wider?<|end|>\n<|assistant|>\n", [(60, 14), (10, 12)]),
+}
+EXPORTS = {"f32": ("f32", "f32"), "q8_0": ("q8_0", "f16")}  # (text model, mmproj)
+
+
+class _Backend:
+    """What attach_mmproj reads of a backend: its model and config."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.config = model.config
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # A Gemma 3 GGUF scales queries by head_dim**-0.5 (llama.cpp's constant): the checkpoint's scalar is the head width.
+    return make_tiny_gemma3(tmp_path_factory.mktemp("gemma3") / "GemmaTiny", query_pre_attn_scalar=16)
+
+
+@pytest.fixture(scope="module")
+def exports(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("gguf")
+    return {kind: export_vision(folder, root / kind, *types) for kind, types in EXPORTS.items()}
+
+
+@pytest.fixture(scope="module")
+def theirs(folder: Path) -> tuple[Any, Any]:
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, transformers.AutoProcessor.from_pretrained(folder)
+
+
+def ours(text: Path, mmproj: Path) -> tuple[Any, VisionModel]:
+    loaded = load_model(text)
+    assert not loaded.config.images_bidirectional  # a GGUF's text config alone: the projector brings it
+    backend = _Backend(loaded.model)
+    vision = attach_mmproj(mmproj, Tokenizer.load(text), backend)
+    assert backend.config.images_bidirectional and loaded.model.config.images_bidirectional
+    assert backend.config.image_ids
+    return loaded.model, vision
+
+
+def test_preprocessing_from_the_clip_keys(exports: dict[str, tuple[Path, Path]]) -> None:
+    _, vision = ours(*exports["f32"])
+    pre = vision.preprocessing
+    assert isinstance(pre, Gemma3Preprocessing)
+    assert (pre.height, pre.width, pre.image_seq_len) == (IMAGE_SIZE, IMAGE_SIZE, TOKENS_PER_IMAGE)
+    assert vision.tower.tokens_per_frame == TOKENS_PER_IMAGE
+
+
+@pytest.mark.parametrize("kind", sorted(EXPORTS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_tokens_equal_transformers(
+    kind: str, case: str, exports: dict[str, tuple[Path, Path]], theirs: tuple[Any, Any]
+) -> None:
+    text_file, mmproj = exports[kind]
+    prompt, sizes = CASES[case]
+    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    model, vision = ours(text_file, mmproj)
+    hf_model, processor = theirs
+    if kind != "f32":
+        hf_model = on_stored_weights(hf_model, text_file, mmproj, "model.language_model.", "model.")
+    inputs = processor(text=prompt.replace("<image>", BOI), images=[p.image for p in pictures], return_tensors="pt")
+
+    expanded, frames = vision.prompt_text(prompt, pictures)
+    assert np.array_equal(np.concatenate([f.pixels for f in frames]), inputs["pixel_values"].numpy())
+    ids = vision.image_ids(vision.tokenizer.encode(expanded), pictures, frames)
+    plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
+    assert plain == inputs["input_ids"][0].tolist()  # the GGUF's vocabulary tokenizes as the folder's
+
+    with torch.no_grad():
+        hf = hf_model.generate(
+            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert causal_greedy(model, vision, ids, STEPS) == hf[0, len(plain) :].tolist()
+
+
+def test_front_door_answers_as_the_folder(folder: Path, exports: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """The mmproj found beside the GGUF; the prompt fed by the generation loop, each picture's run in one forward."""
+    settings = GenerationSettings(max_tokens=STEPS, ignore_eos=True, sampling=SamplingSettings(temperature=0.0))
+    pictures = [picture(40, 24, 0), picture(10, 12, 1)]
+    replies = []
+    for model in (folder, exports["f32"][0]):
+        engine = load(model, "cpu", cache_dir=tmp_path / model.name)
+        assert engine.vision is not None and engine.choice.backend.config.images_bidirectional
+        session = engine.new_session()
+        replies.append([e.token for e in session.chat("Which one?", settings, images=pictures) if e.token is not None])
+    assert engine.mmproj == exports["f32"][1]
+    assert replies[0] == replies[1] and len(replies[0]) == STEPS
