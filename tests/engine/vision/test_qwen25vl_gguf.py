@@ -1,0 +1,162 @@
+"""Qwen2.5-VL from a GGUF (llama.cpp's `qwen2vl` text model: Qwen2 with its multimodal rotary sections) and its
+llama.cpp mmproj (`qwen2.5vl_merger`), exported from the tiny checkpoint transformers wrote: the patches and grids
+equal the processor's at clip.cpp's picture sizes (8 to 4096 merged tokens), the ids its input ids, and greedy tokens
+its `generate` over 24 tokens with one picture and with two (an f32 export exactly; a Q8_0 text model with an f16
+mmproj against transformers running the very weights the files store); the rotary sections survive the file; a
+damaged section key is one sentence; through the engine's front door the GGUF answers as the folder does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine.bench.mmproj_export import export_vision
+from engine.errors import ModelLoadError
+from engine.generation.loop import GenerationSettings
+from engine.generation.sampling import SamplingSettings
+from engine.loading.gguf import GGUFModel
+from engine.loading.tokenizer import Tokenizer
+from engine.loading.weights import load_model
+from engine.session.engine import load
+from engine.vision.gguf_vision import QWEN_MAX_TOKENS, QWEN_MIN_TOKENS, load_mmproj
+from engine.vision.model import VisionModel
+from engine.vision.qwen25vl import Qwen25VLPreprocessing
+from tests.helpers.mmproj_refs import causal_greedy, on_stored_weights
+from tests.helpers.pictures import picture
+from tests.helpers.tiny_qwen25vl import MERGE, PATCH, image_only_processor, make_tiny_qwen25vl
+
+transformers = pytest.importorskip("transformers")
+STEPS = 24
+MARKED = "<|vision_start|><|image_pad|><|vision_end|>"
+SECTIONS_KEY = "qwen2vl.rope.dimension_sections"
+CASES = {
+    "one": ("<|user|>\n<image>What is in the picture?<|end|>\n<|assistant|>\n", [(40, 24)]),
+    # the second is under clip.cpp's 8 merged tokens: enlarged, as the processor does at that minimum
+    "two": ("<|user|>\n<image>and<image> which is wider?<|end|>\n<|assistant|>\n", [(60, 14), (10, 12)]),
+}
+EXPORTS = {"f32": ("f32", "f32"), "q8_0": ("q8_0", "f16")}  # (text model, mmproj)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen25vl(tmp_path_factory.mktemp("qwen25vl") / "QwenTiny")
+
+
+@pytest.fixture(scope="module")
+def exports(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("gguf")
+    return {kind: export_vision(folder, root / kind, *types) for kind, types in EXPORTS.items()}
+
+
+@pytest.fixture(scope="module")
+def theirs(folder: Path) -> tuple[Any, Any]:
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = image_only_processor().from_pretrained(folder)
+    area = (PATCH * MERGE) ** 2  # clip.cpp's limits, not the folder's own
+    image = processor.image_processor
+    image.min_pixels = image.max_pixels = None  # the size below rules (transformers' deprecated pair unset)
+    image.size = {"shortest_edge": QWEN_MIN_TOKENS * area, "longest_edge": QWEN_MAX_TOKENS * area}
+    return model, processor
+
+
+def with_sections(path: Path, out: Path, sections: list[int]) -> Path:
+    """A copy of the GGUF at `path` whose rotary sections are `sections`."""
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    w = gguf.GGUFWriter(str(out), str(r.fields["general.architecture"].contents()))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # written by the writer itself
+        value = sections if key == SECTIONS_KEY else f.contents()
+        vtype = f.types[0]
+        w.add_key_value(key, value, vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def ours(text: Path, mmproj: Path) -> tuple[Any, VisionModel]:
+    loaded = load_model(text)
+    vision = load_mmproj(mmproj, Tokenizer.load(text), loaded.config.hidden_size, loaded.config.vocab_size)
+    vision.attach(loaded.model)
+    return loaded.model, vision
+
+
+def test_text_model_keeps_the_rotary_sections(folder: Path, exports: dict[str, tuple[Path, Path]]) -> None:
+    gguf = GGUFModel(exports["f32"][0])
+    assert gguf.architecture == "qwen2vl"
+    assert list(gguf.metadata[SECTIONS_KEY]) == [2, 3, 3, 0]  # llama.cpp's four: (t, h, w) and an empty one
+    assert gguf.config.mrope_section == load_model(folder).config.mrope_section == (2, 3, 3)
+
+
+@pytest.mark.parametrize(
+    ("sections", "match"),
+    [([2, 3, 3], "as four whole numbers"), ([2, 3, 2, 1], "do not split"), ([2, 3, 4, 0], "do not split")],
+)
+def test_damaged_sections_are_one_sentence(
+    sections: list[int], match: str, exports: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    damaged = with_sections(exports["f32"][0], tmp_path / "damaged.gguf", sections)
+    with pytest.raises(ModelLoadError, match=match):
+        _ = GGUFModel(damaged).config
+
+
+def test_preprocessing_from_the_clip_keys(exports: dict[str, tuple[Path, Path]]) -> None:
+    _, vision = ours(*exports["f32"])
+    pre = vision.preprocessing
+    assert isinstance(pre, Qwen25VLPreprocessing)
+    area = (PATCH * MERGE) ** 2
+    assert (pre.patch, pre.merge, pre.temporal) == (PATCH, MERGE, 2)
+    assert (pre.min_pixels, pre.max_pixels) == (QWEN_MIN_TOKENS * area, QWEN_MAX_TOKENS * area)
+
+
+@pytest.mark.parametrize("kind", sorted(EXPORTS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_tokens_equal_transformers(
+    kind: str, case: str, exports: dict[str, tuple[Path, Path]], theirs: tuple[Any, Any]
+) -> None:
+    text_file, mmproj = exports[kind]
+    prompt, sizes = CASES[case]
+    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    model, vision = ours(text_file, mmproj)
+    hf_model, processor = theirs
+    if kind != "f32":
+        hf_model = on_stored_weights(hf_model, text_file, mmproj, "model.language_model.", "model.")
+    inputs = processor(text=prompt.replace("<image>", MARKED), images=[p.image for p in pictures], return_tensors="pt")
+
+    expanded, frames = vision.prompt_text(prompt, pictures)
+    pixels = np.concatenate([f.pixels.reshape(-1, f.pixels.shape[-1]) for f in frames])
+    assert np.array_equal(pixels, inputs["pixel_values"].numpy())
+    assert [[1, f.rows * MERGE, f.cols * MERGE] for f in frames] == inputs["image_grid_thw"].tolist()
+    ids = vision.image_ids(vision.tokenizer.encode(expanded), pictures, frames)
+    plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
+    assert plain == inputs["input_ids"][0].tolist()  # the GGUF's vocabulary tokenizes as the folder's
+
+    with torch.no_grad():
+        hf = hf_model.generate(
+            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert causal_greedy(model, vision, ids, STEPS) == hf[0, len(plain) :].tolist()
+
+
+def test_front_door_answers_as_the_folder(folder: Path, exports: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """The mmproj found beside the GGUF; the slot table turning each token by its multimodal offsets."""
+    settings = GenerationSettings(max_tokens=STEPS, ignore_eos=True, sampling=SamplingSettings(temperature=0.0))
+    pictures = [picture(40, 24, 0), picture(60, 14, 1)]  # inside both the folder's and clip.cpp's sizes
+    replies = []
+    for model in (folder, exports["f32"][0]):
+        engine = load(model, "cpu", cache_dir=tmp_path / model.name)
+        assert engine.vision is not None and engine.choice.backend.config.mrope_section == (2, 3, 3)
+        session = engine.new_session()
+        replies.append([e.token for e in session.chat("Which one?", settings, images=pictures) if e.token is not None])
+    assert engine.mmproj == exports["f32"][1]
+    assert replies[0] == replies[1] and len(replies[0]) == STEPS
