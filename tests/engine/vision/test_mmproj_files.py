@@ -300,13 +300,3 @@ def test_tensor_types_as_llamacpp_writes_them(projector: str, tmp_path: Path) ->
     else:
         assert f16["v.patch_embd.weight"] == f16["v.patch_embd.weight.1"] == "F16"
         assert q8["v.patch_embd.weight"] == "F32" and q8["mm.2.weight"] == "Q8_0"
-
-
-def test_projector_of_a_family_without_a_tower_yet(tmp_path: Path, tiny_text: Path) -> None:
-    """Found beside a model it is left there (the model opens for text); named, it is one sentence."""
-    text = tmp_path / "model.gguf"
-    text.write_bytes(tiny_text.read_bytes())
-    mmproj = export_mmproj(gemma3_folder(tmp_path / "gemma"), tmp_path / "mmproj-model-f16.gguf", "f16")
-    assert find_mmproj(text) is None and find_mmproj(text, mmproj) == mmproj
-    with pytest.raises(ModelLoadError, match="gemma3 projector, whose family MLoT Spark does not run from a GGUF yet"):
-        load_mmproj(mmproj, None, 64, 300)  # type: ignore[arg-type]  # refused before the tokenizer is used
