@@ -208,8 +208,9 @@ def export_mmproj(model_dir: Path, out: Path, dtype: str = "f16") -> Path:
 
 def export_vision(model_dir: Path, out_dir: Path, dtype: str = "f16", mmproj_dtype: str = "f16") -> tuple[Path, Path]:
     """The folder's text model (`<name>-<dtype>.gguf`) and its projector (`mmproj-<name>-<dtype>.gguf`) in
-    `out_dir`, as ggml-org's repos name them. The text model is any family engine.bench.gguf_export writes (a
-    Qwen2.5-VL's `qwen2vl` text, with its multimodal rotary sections, is not one of them yet)."""
+    `out_dir`, as ggml-org's repos name them. The text model is written by engine.bench.gguf_export, as llama.cpp's
+    converter writes a vision folder's text part: Gemma 3's as `gemma3`, Qwen2.5-VL's as `qwen2vl` with its
+    multimodal rotary sections."""
     out_dir.mkdir(parents=True, exist_ok=True)
     name = model_dir.name
     text = export_gguf(model_dir, out_dir / f"{name}-{dtype}.gguf", dtype)
