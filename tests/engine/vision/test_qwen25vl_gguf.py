@@ -3,7 +3,8 @@ llama.cpp mmproj (`qwen2.5vl_merger`), exported from the tiny checkpoint transfo
 equal the processor's at clip.cpp's picture sizes (8 to 4096 merged tokens), the ids its input ids, and greedy tokens
 its `generate` over 24 tokens with one picture and with two (an f32 export exactly; a Q8_0 text model with an f16
 mmproj against transformers running the very weights the files store); the rotary sections survive the file; a
-damaged section key is one sentence; through the engine's front door the GGUF answers as the folder does."""
+damaged section key is one sentence; through the engine's front door the GGUF answers as the folder does, and a
+conversation saved to a session file continues in another engine exactly."""
 
 from __future__ import annotations
 
@@ -160,3 +161,18 @@ def test_front_door_answers_as_the_folder(folder: Path, exports: dict[str, tuple
         replies.append([e.token for e in session.chat("Which one?", settings, images=pictures) if e.token is not None])
     assert engine.mmproj == exports["f32"][1]
     assert replies[0] == replies[1] and len(replies[0]) == STEPS
+
+
+def test_session_file_restores_and_continues(exports: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """Another engine holds no picture: the restored conversation's offsets come from its ids and pictures alone."""
+    settings = GenerationSettings(max_tokens=6, ignore_eos=True, sampling=SamplingSettings(temperature=0.0))
+    text_file = exports["q8_0"][0]
+    session = load(text_file, "cpu", prefix_cache=False).new_session()
+    list(session.chat("What is it?", settings, images=[picture(40, 24, 3)]))
+    path = tmp_path / "pictures.spark"
+    session.save(path)
+    expected = [e.token for e in session.chat("And now?", settings) if e.token is not None]
+
+    restored = load(text_file, "cpu", prefix_cache=False).new_session()
+    assert restored.load(path).applied
+    assert [e.token for e in restored.chat("And now?", settings) if e.token is not None] == expected
