@@ -138,9 +138,6 @@ def _gemma3(m: Mmproj, tokenizer: Tokenizer, text_hidden_size: int, vocab_size: 
 
 def _qwen25vl(m: Mmproj, tokenizer: Tokenizer, text_hidden_size: int, vocab_size: int) -> VisionModel:
     cfg = Qwen25VLVisionConfig.from_dict(m.config, text_hidden_size)
-    with torch.device("meta"):
-        tower = Qwen25VLTower(cfg)
-    _load(tower, m, lambda name: name)
     # clip.cpp's qwen2.5vl preprocessing: sides multiples of patch x merge, 8 to 4096 merged tokens a picture.
     area = (cfg.patch_size * cfg.spatial_merge_size) ** 2
     if QWEN_MAX_TOKENS * area > MAX_PICTURE_PIXELS:
@@ -148,6 +145,9 @@ def _qwen25vl(m: Mmproj, tokenizer: Tokenizer, text_hidden_size: int, vocab_size
             f"{m.name} would resize a picture to {QWEN_MAX_TOKENS * area} pixels; MLoT Spark takes at most "
             f"{MAX_PICTURE_PIXELS}."
         )
+    with torch.device("meta"):
+        tower = Qwen25VLTower(cfg)
+    _load(tower, m, lambda name: name)
     pre = Qwen25VLPreprocessing(
         patch=cfg.patch_size,
         merge=cfg.spatial_merge_size,
