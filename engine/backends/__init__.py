@@ -134,6 +134,7 @@ def open_backend(
     memo: BackendMemo | None = None,
     registry: Mapping[str, BackendEntry] = REGISTRY,
     kv_type: KVType = KVType.F16,
+    passed_over: Mapping[str, str] | None = None,
 ) -> BackendChoice:
     """Open `name`, or with `auto` the first backend in AUTO_ORDER that probes available and loads.
 
@@ -141,7 +142,9 @@ def open_backend(
     cannot run it says so, and the `auto` backend passes over it with that reason. A runtime that hangs (Core ML's
     watchdog, coreml.watchdog) is remembered in `memo` (by default in the app's cache dir) for this model, and
     `auto` passes over it at the next load with the remembered reason. `kv_type` (engine.model.kv_types): what
-    the slot table holds keys and values in; a backend that holds only fp16 is passed over by `auto` for q8_0."""
+    the slot table holds keys and values in; a backend that holds only fp16 is passed over by `auto` for q8_0.
+    `passed_over`: backends `auto` skips for this model, each with its reason (a model that sees images runs its
+    pictures on the PyTorch backends only)."""
     model_dir = Path(model_dir).expanduser()
     memo = memo if memo is not None else BackendMemo(default_cache_dir())
 
@@ -167,6 +170,8 @@ def open_backend(
         probe = registry[candidate].probe()
         if probe.available and candidate in avoided:
             probe = BackendProbe(candidate, False, f"earlier on this model: {avoided[candidate]}")
+        if probe.available and passed_over and candidate in passed_over:
+            probe = BackendProbe(candidate, False, passed_over[candidate])
         if not probe.available:
             skipped.append(probe)
             continue

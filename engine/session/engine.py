@@ -86,7 +86,7 @@ from engine.vision.gguf_vision import attach_mmproj, find_mmproj
 from engine.vision.idefics3 import IMAGE_TOKEN
 from engine.vision.images import DecodedImage
 from engine.vision.messages import template_messages
-from engine.vision.model import ImageInputError, attach_vision
+from engine.vision.model import ImageInputError, attach_vision, backends_passed_over
 
 # Joins a session file's recorded attachment to the memory being restored (engine.documents.attach.Reattacher):
 # `present` when the memory's state already holds its blocks (a full file), else it adopts them (a compact replay).
@@ -187,7 +187,8 @@ class Engine:
         check_model_path(model_dir)
         projector = find_mmproj(model_dir, Path(mmproj) if mmproj is not None else None)
         tokenizer = Tokenizer.load(model_dir)
-        choice = open_backend(model_dir, backend, quantize, kv_type=kv_type)
+        passed_over = backends_passed_over(model_dir, projector)  # a model that sees images: not Core ML or MLX
+        choice = open_backend(model_dir, backend, quantize, kv_type=kv_type, passed_over=passed_over)
         if policy is not None:
             check_fits(policy, choice.backend, model_dir)
         draft = None

@@ -115,6 +115,19 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Backends running a converted program whose embedding lookup ImageEmbedding cannot wrap: `auto` passes over them
+# for a model that sees images (engine.backends.open_backend's `passed_over`), so a Mac opens it on MPS.
+PICTURES_ELSEWHERE: dict[str, str] = {
+    name: "a model that sees images runs its pictures on MPS, CUDA or the CPU" for name in ("coreml", "mlx")
+}
+
+
+def backends_passed_over(model_dir: Path, projector: Path | None) -> dict[str, str]:
+    """The backends `auto` passes over for this model: PICTURES_ELSEWHERE where it sees images (a vision folder, or
+    a GGUF with its projector), none for a text model."""
+    return dict(PICTURES_ELSEWHERE) if projector is not None or is_vision_folder(model_dir) else {}
+
+
 class ImageInputError(SparkError):
     """Images given to a model that cannot take them, or in a number its prompt does not place."""
 
