@@ -18,9 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import mmap_tensors, read_safetensors_header, weight_files
 from engine.model.config import IMAGE_ID_LIMIT, VISION_ARCHITECTURES
 from engine.model.network import Transformer
+from engine.model.quant import StoredTensor
 from engine.vision.idefics3 import IMAGE_TOKEN, Frames, Idefics3Preprocessing
 from engine.vision.images import DecodedImage
 from engine.vision.siglip import VisionConfig, VisionTower
@@ -41,6 +43,16 @@ ID_CEILING = IMAGE_ID_LIMIT
 
 class ImageInputError(SparkError):
     """Images given to a model that cannot take them, or in a number its prompt does not place."""
+
+
+@runtime_checkable
+class TowerHost(Protocol):
+    """A backend that runs a vision tower where it runs the text model (TorchBackend: its device, or the native
+    kernels' block products); `stored` holds weights as a file stores them, by Hugging Face name."""
+
+    def place_tower(self, tower: nn.Module, stored: Mapping[str, StoredTensor] | None = None) -> str:
+        """Move `tower` in place; the line saying where it runs."""
+        ...
 
 
 def is_vision_folder(path: Path) -> bool:
@@ -143,6 +155,7 @@ class VisionModel:
         self.image_token_id = image_id
         self.vocab_size = vocab_size
         self.embedding: ImageEmbedding | None = None
+        self.placement = "vision encoder: PyTorch cpu float32"  # where the tower runs (TowerHost.place_tower)
         if preprocessing.image_seq_len != tower.config.tokens_per_frame:
             raise ModelLoadError(
                 f"The processor gives {preprocessing.image_seq_len} image tokens a frame but the vision encoder "
@@ -225,6 +238,8 @@ def attach_vision(folder: Path, tokenizer: Tokenizer, backend: object) -> Vision
             f"{folder.name} sees images only on the CPU, CUDA or MPS backends; choose one of them with --backend."
         )
     vision = load_vision(folder, tokenizer, model.config.hidden_size, model.config.vocab_size)
+    if isinstance(backend, TowerHost):
+        vision.placement = backend.place_tower(vision.tower)
     vision.attach(model)
     return vision
 
