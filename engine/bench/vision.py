@@ -1,35 +1,44 @@
-"""`bench vision`: what a question about a picture costs, beside transformers on the same folder in the same run.
+"""`bench vision`: what a question about a picture costs, beside a peer on the same weights in the same run.
 
 - `encode_ms`: the vision encoder (SigLIP, pixel shuffle, connector) over one 896x896 picture's frames (after the
-  processor's tiling: for SmolVLM, 4 x 4 tiles and the global view);
+  processor's tiling: for SmolVLM, 4 x 4 tiles and the global view), on the backend that runs the model (with
+  `--quantize q8_0` on the CPU: the native kernels' block products, engine.backends.vision_tower);
 - `ttft_ms`: a chat question about that picture, from the request to its first token: decoding the picture,
   preprocessing, encoding and reading the prompt (no prefix cache, a picture not seen before);
-- `ratio_vs_peer`: transformers' time ÷ ours for each (above 1: we are faster), with `peer_encode_ms` and
-  `peer_ttft_ms` (its processor, `Idefics3ForConditionalGeneration` in fp32, one forward for the first token).
+- `ratio_vs_peer`: the peer's time ÷ ours for each (above 1: we are faster), with `peer_encode_ms`,
+  `peer_ttft_ms` and `peer`.
 
-The peer is transformers: our engine reads vision models from Hugging Face folders, not GGUF + mmproj, so
-llama.cpp's mtmd has no file of ours to run. Each figure is the median over fresh pictures (the encoder's output is
-kept per picture, so a picture seen before would cost nothing), the two engines alternating picture by picture. Without `--model` the folder is random weights at
-SmolVLM-256M-Instruct's shapes written by transformers (`write_smolvlm_shapes`; weights do not change speed, and
-nothing is downloaded).
+The peer is llama.cpp's mtmd (llama-cpp-python) where it can run: `--peer-python` names an interpreter that has
+llama_cpp built (else this one, when it imports llama_cpp); it runs in a process of its own
+(engine/bench/vision_peer.py) on a GGUF of the text model and an mmproj of the encoder written here from the same
+folder, in the block format we hold (`--quantize q8_0`: the very bytes our load quantizes to, both quantizers being
+ggml's reference one). Otherwise the peer is transformers' Idefics3 (fp32, its processor, one forward for the first
+token) and we run fp32 too. Each figure is the median over fresh pictures (the encoder's output is kept per picture,
+so a picture seen before would cost nothing), the two engines alternating picture by picture. Without `--model` the
+folder is random weights at SmolVLM-256M-Instruct's shapes written by transformers (`write_smolvlm_shapes`; weights
+do not change speed, and nothing is downloaded).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from PIL import Image
 
 from engine.bench.checkpoints import byte_level_vocabulary
+from engine.bench.gguf_export import export_gguf
 from engine.errors import SparkError
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
@@ -174,17 +183,40 @@ class Ours:
         return sum(self.watch.ms), ttft
 
 
-class Peer:
+class Peer(Protocol):
+    name: str
+    version: str
+    prompt_tokens: int
+
+    def ask(self, data: bytes) -> tuple[float, float]:
+        """(encode ms, ttft ms) for a question about the picture `data`."""
+        ...
+
+
+def question_prompt(folder: Path) -> str:
+    """The question about one picture through the folder's chat template, `<image>` where the picture goes (the
+    processor's own rendering: what both engines read)."""
+    import transformers
+
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    prompt: str = processor.apply_chat_template(messages, add_generation_prompt=True)
+    return prompt
+
+
+class TransformersPeer:
     """transformers' Idefics3 on the same folder: its processor and one forward for the first token."""
+
+    name = "transformers"
 
     def __init__(self, folder: Path) -> None:
         import transformers
 
+        self.version = transformers.__version__
         self.model = transformers.Idefics3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
         self.processor = transformers.AutoProcessor.from_pretrained(folder)
         self.watch = Stopwatch(self.model.model.vision_model, self.model.model.connector)
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
-        self.prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        self.prompt = question_prompt(folder)
         self.prompt_tokens = 0
 
     def ask(self, data: bytes) -> tuple[float, float]:
@@ -199,19 +231,133 @@ class Peer:
         return sum(self.watch.ms), ttft
 
 
+class MtmdPeer:
+    """llama.cpp's mtmd on a GGUF + mmproj, in a process of its own run by `python` (engine/bench/vision_peer.py),
+    driven a picture at a time."""
+
+    name = "llama.cpp mtmd"
+
+    def __init__(self, python: str, text: Path, mmproj: Path, prompt: str, threads: int, work: Path) -> None:
+        script = Path(__file__).with_name("vision_peer.py")
+        command = [python, str(script), "--model", str(text), "--mmproj", str(mmproj), "--prompt", prompt]
+        command += ["--threads", str(threads)]
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        self.work = work
+        self.asked = 0
+        self.version = str(self._reply().get("llama_cpp", "?"))
+        self.prompt_tokens = 0
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        reply = json.loads(line) if line.strip() else {"error": f"it exited (code {self.proc.poll()})"}
+        if not isinstance(reply, dict) or "error" in reply:
+            raise SparkError(
+                f"The llama.cpp mtmd peer failed: {reply.get('error') if isinstance(reply, dict) else reply}."
+            )
+        return reply
+
+    def ask(self, data: bytes) -> tuple[float, float]:
+        assert self.proc.stdin is not None
+        path = self.work / f"picture-{self.asked}.png"
+        self.asked += 1
+        path.write_bytes(data)
+        self.proc.stdin.write(f"{path}\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        self.prompt_tokens = int(reply["prompt_tokens"])
+        return float(reply["encode_ms"]), float(reply["ttft_ms"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def write_mmproj(folder: Path, out: Path, qtype: str = "Q8_0") -> Path:
+    """The folder's SigLIP encoder and connector as llama.cpp's mmproj (projector type idefics3), written as its
+    converter writes SmolVLM's: the patch and position embeddings and every 1-D tensor F32, the linears in `qtype`
+    (F16, F32 or a block format the gguf package quantizes). Inside the bench only: the product reads no mmproj."""
+    import gguf
+    from safetensors import safe_open
+
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    v, text = cfg["vision_config"], cfg["text_config"]
+    pre: dict[str, Any] = {}
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        if (folder / name).is_file():
+            d = json.loads((folder / name).read_text(encoding="utf-8"))
+            pre.update(d.get("image_processor", d))
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if qtype == "F16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_clip_has_vision_encoder(True)
+    w.add_vision_projection_dim(int(text["hidden_size"]))
+    w.add_vision_image_size(int(v["image_size"]))
+    w.add_vision_patch_size(int(v["patch_size"]))
+    w.add_vision_embedding_length(int(v["hidden_size"]))
+    w.add_vision_feed_forward_length(int(v["intermediate_size"]))
+    w.add_vision_block_count(int(v["num_hidden_layers"]))
+    w.add_vision_head_count(int(v["num_attention_heads"]))
+    w.add_vision_image_mean([float(x) for x in pre.get("image_mean", [0.5, 0.5, 0.5])])
+    w.add_vision_image_std([float(x) for x in pre.get("image_std", [0.5, 0.5, 0.5])])
+    w.add_clip_projector_type(gguf.VisionProjectorType.IDEFICS3)
+    w.add_vision_attention_layernorm_eps(float(v.get("layer_norm_eps", 1e-5)))
+    w.add_vision_projector_scale_factor(int(cfg.get("scale_factor", 2)))
+    w.add_vision_use_gelu(True)
+    w.add_vision_preproc_image_size(int(pre.get("size", {}).get("longest_edge", v["image_size"])))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, int(v["num_hidden_layers"]))
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():  # noqa: SIM118  (safe_open is no mapping)
+                if not key.startswith(("model.vision_model.", "model.connector.")):
+                    continue
+                new = names.get_name(key, try_suffixes=(".weight", ".bias"))
+                if new is None:
+                    raise SparkError(f"The mmproj writer has no llama.cpp name for {key}.")
+                a = st.get_tensor(key).float().numpy()
+                if a.ndim != 2 or ".embeddings." in key or qtype == "F32":
+                    w.add_tensor(new, a)
+                elif qtype == "F16" or a.shape[1] % 32:  # llama.cpp's converter falls back to F16 likewise
+                    w.add_tensor(new, a.astype(np.float16))
+                else:
+                    kind = getattr(gguf.GGMLQuantizationType, qtype)
+                    w.add_tensor(new, gguf.quants.quantize(a, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def peer_python(args: argparse.Namespace) -> str | None:
+    """The interpreter that runs llama.cpp's mtmd: `--peer-python`, else this one where it imports llama_cpp."""
+    named = getattr(args, "peer_python", None)
+    if named:
+        return str(named)
+    return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
+
+
 def median(values: list[float]) -> float:
     return round(statistics.median(values), 1)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
-        import transformers  # noqa: F401  (the peer)
+        import transformers  # noqa: F401  (the random folder's writer, the prompt's rendering, the fallback peer)
     except ImportError:
-        raise SparkError("bench vision needs transformers, its peer; install the bench extra.") from None
+        raise SparkError("bench vision needs transformers; install the bench extra.") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     reps = 1 if args.quick else 3
     pictures = [noise_picture(seed) for seed in range(reps + 1)]  # the first warms both engines up
+    python = peer_python(args)
     with tempfile.TemporaryDirectory(prefix="spark-bench-vision-") as tmp:
         if args.model is None:
             folder, name = write_smolvlm_shapes(Path(tmp) / "smolvlm"), "random weights, SmolVLM-256M-Instruct shapes"
@@ -220,10 +366,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             name = display_name(folder)
             if not is_vision_folder(folder):
                 raise SparkError(f"{name} is not a vision model folder this engine runs (SmolVLM / Idefics3).")
-        quantize = "none" if args.quantize == "auto" else args.quantize  # the peer runs fp32
-        ours, theirs = Ours(load(folder, args.backend, quantize=quantize, prefix_cache=False)), Peer(folder)
-        # Alternated picture by picture, so a machine whose load drifts weighs on both alike; the first warms up.
-        timings = [(ours.ask(data), theirs.ask(data)) for data in pictures]
+        if python is None:  # transformers runs fp32: so do we
+            quantize = "none" if args.quantize == "auto" else args.quantize
+            theirs: Peer = TransformersPeer(folder)
+        else:  # llama.cpp runs the blocks we hold, from a file of the same bytes
+            quantize = "q8_0" if args.quantize in ("auto", "none") else args.quantize
+            text = export_gguf(folder, Path(tmp) / "text.gguf", quantize)
+            mmproj = write_mmproj(folder, Path(tmp) / "mmproj.gguf", "Q8_0")
+            threads = args.threads or torch.get_num_threads()
+            theirs = MtmdPeer(python, text, mmproj, question_prompt(folder), threads, Path(tmp))
+        ours = Ours(load(folder, args.backend, quantize=quantize, prefix_cache=False))
+        try:
+            # Alternated picture by picture, so a machine whose load drifts weighs on both alike; the first warms up.
+            timings = [(ours.ask(data), theirs.ask(data)) for data in pictures]
+        finally:
+            if isinstance(theirs, MtmdPeer):
+                theirs.close()
+    assert ours.engine.vision is not None
     encode = [o[0] for o, _ in timings[1:]]
     ttft = [o[1] for o, _ in timings[1:]]
     peer_encode = [p[0] for _, p in timings[1:]]
@@ -232,6 +391,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": name,
         "backend": args.backend,
         "quantize": quantize,
+        "encoder": ours.engine.vision.placement,
         "threads": torch.get_num_threads(),
         "image": f"{SIDE}x{SIDE}",
         "runs": reps,
@@ -239,7 +399,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peer_prompt_tokens": theirs.prompt_tokens,
         "encode_ms": median(encode),
         "ttft_ms": median(ttft),
-        "peer": "transformers " + __import__("transformers").__version__,
+        "peer": theirs.name,
+        "peer_version": theirs.version,
         "peer_encode_ms": median(peer_encode),
         "peer_ttft_ms": median(peer_ttft),
     }

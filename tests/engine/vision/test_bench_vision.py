@@ -17,7 +17,11 @@ def test_bench_vision_reports_its_headlines(tmp_path: Path) -> None:
     folder = make_tiny_idefics3(tmp_path / "smolvlm")
     (folder / "chat_template.jinja").write_text(vision.SMOLVLM_TEMPLATE)  # the template both engines render
     args = argparse.Namespace(model=folder, backend="cpu", quantize="auto", threads=None, quick=True)
+    args.peer_python = None
+    if vision.peer_python(args) is not None:
+        pytest.skip("llama_cpp imports here: the peer would be llama.cpp's mtmd")
     out = vision.run(args)
+    assert out["peer"] == "transformers" and out["encoder"] == "vision encoder: PyTorch cpu float32"
     assert out["prompt_tokens"] == out["peer_prompt_tokens"] > 5 * 4  # 2 x 2 tiles and the global view, 4 tokens each
     assert out["image"] == "896x896" and out["quantize"] == "none"
     for key in ("encode_ms", "ttft_ms", "peer_encode_ms", "peer_ttft_ms"):
@@ -30,6 +34,26 @@ def test_a_text_model_is_refused(tmp_path: Path) -> None:
     from tests.helpers.tiny import make_tiny_model
 
     args = argparse.Namespace(model=make_tiny_model(tmp_path / "text"), backend="cpu", quantize="auto", threads=None)
-    args.quick = True
+    args.quick, args.peer_python = True, None
     with pytest.raises(SparkError, match="is not a vision model folder"):
         vision.run(args)
+
+
+def test_the_mmproj_holds_the_encoder_under_llamacpps_names(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    folder = make_tiny_idefics3(tmp_path / "smolvlm")
+    reader = gguf.GGUFReader(str(vision.write_mmproj(folder, tmp_path / "mmproj.gguf", "Q8_0")))
+    field = reader.fields["clip.projector_type"]
+    assert bytes(field.parts[field.data[0]]).decode() == "idefics3"
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    layers = 2
+    assert len(kinds) == 3 + 2 + 16 * layers + 1  # embeddings, post_ln, 16 per layer, the projection
+    assert kinds["v.patch_embd.weight"] == kinds["v.position_embd.weight"] == "F32"
+    assert kinds["v.blk.0.attn_q.weight"] == kinds["mm.model.fc.weight"] == "Q8_0"
+    assert kinds["v.blk.0.attn_q.bias"] == kinds["v.blk.0.ln1.weight"] == "F32"
+    assert kinds["v.blk.0.ffn_down.weight"] == "F16"  # 48 inputs: no Q8_0 row, F16 as llama.cpp's converter falls back
+
+
+def test_the_peer_interpreter_is_the_one_named(tmp_path: Path) -> None:
+    args = argparse.Namespace(peer_python="/opt/lcp/bin/python")
+    assert vision.peer_python(args) == "/opt/lcp/bin/python"
