@@ -246,7 +246,11 @@ class MtmdPeer:
         )
         self.work = work
         self.asked = 0
-        self.version = str(self._reply().get("llama_cpp", "?"))
+        try:
+            self.version = str(self._reply().get("llama_cpp", "?"))
+        except SparkError:
+            self.close()
+            raise
         self.prompt_tokens = 0
 
     def _reply(self) -> dict[str, Any]:
@@ -271,6 +275,7 @@ class MtmdPeer:
         return float(reply["encode_ms"]), float(reply["ttft_ms"])
 
     def close(self) -> None:
+        """End the peer: its input closed, it exits; one that does not within 30 s is killed."""
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         try:
@@ -278,6 +283,8 @@ class MtmdPeer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def write_mmproj(folder: Path, out: Path, qtype: str = "Q8_0") -> Path:

@@ -57,3 +57,44 @@ def test_the_mmproj_holds_the_encoder_under_llamacpps_names(tmp_path: Path) -> N
 def test_the_peer_interpreter_is_the_one_named(tmp_path: Path) -> None:
     args = argparse.Namespace(peer_python="/opt/lcp/bin/python")
     assert vision.peer_python(args) == "/opt/lcp/bin/python"
+
+
+FAKE_PEER = """import json, sys
+print(json.dumps({"ready": True, "llama_cpp": "fake"}), flush=True)
+for n, line in enumerate(sys.stdin):
+    size = len(open(line.strip(), "rb").read())
+    print(json.dumps({"encode_ms": 1.5 * size, "ttft_ms": 2.0 + n, "prompt_tokens": 7, "token": 3}), flush=True)
+"""
+
+
+def fake_interpreter(tmp_path: Path, body: str) -> str:
+    """An executable standing for the peer's interpreter: it runs `body` whatever script and flags it is given."""
+    import sys
+
+    path = tmp_path / "fake-python"
+    path.write_text(f"#!{sys.executable}\n{body}")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_mtmd_peer_is_driven_a_picture_at_a_time(tmp_path: Path) -> None:
+    python = fake_interpreter(tmp_path, FAKE_PEER)
+    peer = vision.MtmdPeer(python, tmp_path / "t.gguf", tmp_path / "m.gguf", "<image>Q", 2, tmp_path)
+    try:
+        assert peer.version == "fake"
+        assert peer.ask(b"12345") == (7.5, 2.0)
+        assert peer.ask(b"1") == (1.5, 3.0) and peer.prompt_tokens == 7
+    finally:
+        peer.close()
+    assert peer.proc.returncode == 0
+
+
+def test_a_failing_peer_is_one_sentence(tmp_path: Path) -> None:
+    from engine.errors import SparkError
+
+    python = fake_interpreter(tmp_path, 'print(\'{"error": "mtmd could not load m.gguf"}\')')
+    with pytest.raises(SparkError, match=r"mtmd peer failed: mtmd could not load m\.gguf"):
+        vision.MtmdPeer(python, tmp_path / "t.gguf", tmp_path / "m.gguf", "<image>", 1, tmp_path)
+    python = fake_interpreter(tmp_path, "import sys; sys.exit(3)")
+    with pytest.raises(SparkError, match="exited"):
+        vision.MtmdPeer(python, tmp_path / "t.gguf", tmp_path / "m.gguf", "<image>", 1, tmp_path)
