@@ -39,10 +39,12 @@ from PIL import Image
 
 from engine.bench.checkpoints import byte_level_vocabulary
 from engine.bench.gguf_export import export_gguf
+from engine.bench.llamacpp_peer import peer_environment
 from engine.errors import SparkError
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.loading.model_files import display_name, resolve_model_path
+from engine.process import user_omp_wait_policy
 from engine.session.engine import Engine, load
 from engine.vision.images import decode_bytes
 from engine.vision.model import is_vision_folder
@@ -241,8 +243,13 @@ class MtmdPeer:
         script = Path(__file__).with_name("vision_peer.py")
         command = [python, str(script), "--model", str(text), "--mmproj", str(mmproj), "--prompt", prompt]
         command += ["--threads", str(threads)]
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        self.proc = subprocess.Popen(  # OpenMP's wait policy as the user had it (llamacpp_peer says why)
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=peer_environment(user_omp_wait_policy()),
+            text=True,
         )
         self.work = work
         self.asked = 0
