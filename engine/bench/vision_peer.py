@@ -37,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     import llama_cpp
     from llama_cpp import mtmd_cpp
 
-    llama_cpp.llama_log_set(llama_cpp.llama_log_callback(lambda *_: None), ctypes.c_void_p(0))
     llm = llama_cpp.Llama(
         model_path=args.model,
         n_ctx=args.ctx,
@@ -85,15 +84,16 @@ def ask(llama_cpp: Any, mtmd_cpp: Any, llm: Any, ctx: Any, prompt: bytes, path: 
     count = mtmd_cpp.mtmd_input_chunks_size(chunks)
     for i in range(count):
         chunk = mtmd_cpp.mtmd_input_chunks_get(chunks, i)
-        after = llama_cpp.llama_pos(0)
+        after = llama_cpp.llama_pos(n_past.value)  # a text chunk's evaluation adds its tokens to it
         if mtmd_cpp.mtmd_input_chunk_get_type(chunk) == mtmd_cpp.MTMD_INPUT_CHUNK_TYPE_IMAGE:
             te = time.perf_counter()
             if mtmd_cpp.mtmd_encode_chunk(ctx, chunk) != 0:
                 raise RuntimeError("mtmd could not encode the picture")
             encode_ms += (time.perf_counter() - te) * 1000
             embd = mtmd_cpp.mtmd_get_output_embd(ctx)
+            no_callback = mtmd_cpp.mtmd_helper_post_decode_callback(0)  # a NULL function pointer
             done = mtmd_cpp.mtmd_helper_decode_image_chunk(
-                ctx, lctx, chunk, embd, n_past, 0, llm.n_batch, ctypes.byref(after), None, None
+                ctx, lctx, chunk, embd, n_past, 0, llm.n_batch, ctypes.byref(after), no_callback, None
             )
         else:
             done = mtmd_cpp.mtmd_helper_eval_chunk_single(
