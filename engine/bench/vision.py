@@ -61,6 +61,8 @@ SMOLVLM_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 IDEFICS3_TOKENS = ["<|endoftext|>", "<|im_start|>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"]
+NEWLINE = "\u010a"  # "\n" as a byte-level vocabulary spells it
+NEWLINES = NEWLINE * 2
 IDEFICS3_TOKENS += ["<global-img>"] + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
 
 
@@ -72,6 +74,10 @@ def write_smolvlm_shapes(out: Path, seed: int = 0) -> Path:
 
     vocab_size = 49280
     vocab, merges = byte_level_vocabulary(vocab_size - len(IDEFICS3_TOKENS) + 1)  # its <|endoftext|> is ours
+    # "\n\n" as one token, as SmolLM2's vocabulary has it: llama.cpp's mtmd looks it up to open the global view.
+    left, right = merges.pop()
+    vocab[NEWLINES] = vocab.pop(left + right)
+    merges.append((NEWLINE, NEWLINE))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -261,14 +267,23 @@ class MtmdPeer:
         self.prompt_tokens = 0
 
     def _reply(self) -> dict[str, Any]:
+        """The peer's next JSON object; lines that are none (llama.cpp's backtrace when it aborts) are skipped."""
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        reply = json.loads(line) if line.strip() else {"error": f"it exited (code {self.proc.poll()})"}
-        if not isinstance(reply, dict) or "error" in reply:
-            raise SparkError(
-                f"The llama.cpp mtmd peer failed: {reply.get('error') if isinstance(reply, dict) else reply}."
-            )
-        return reply
+        for line in self.proc.stdout:
+            try:
+                reply = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(reply, dict):
+                if "error" in reply:
+                    raise SparkError(f"The llama.cpp mtmd peer failed: {reply['error']}.")
+                return reply
+        try:
+            code: int | None = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited (code {code})"
+        raise SparkError(f"The llama.cpp mtmd peer {how}.")
 
     def ask(self, data: bytes) -> tuple[float, float]:
         assert self.proc.stdin is not None
