@@ -95,6 +95,6 @@ def test_a_failing_peer_is_one_sentence(tmp_path: Path) -> None:
     python = fake_interpreter(tmp_path, 'print(\'{"error": "mtmd could not load m.gguf"}\')')
     with pytest.raises(SparkError, match=r"mtmd peer failed: mtmd could not load m\.gguf"):
         vision.MtmdPeer(python, tmp_path / "t.gguf", tmp_path / "m.gguf", "<image>", 1, tmp_path)
-    python = fake_interpreter(tmp_path, "import os, sys; print(\"[New LWP 1]\", flush=True); os.abort()")
+    python = fake_interpreter(tmp_path, 'import os, sys; print("[New LWP 1]", flush=True); os.abort()')
     with pytest.raises(SparkError, match="was killed by signal 6"):
         vision.MtmdPeer(python, tmp_path / "t.gguf", tmp_path / "m.gguf", "<image>", 1, tmp_path)
