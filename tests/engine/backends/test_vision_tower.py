@@ -132,6 +132,10 @@ def test_a_quantized_backend_runs_the_tower_on_its_kernels(folder: Path, kernels
     plain = attach_vision(folder, Tokenizer.load(folder), TorchBackend(folder))
     assert plain is not None and plain.placement == "vision encoder: PyTorch cpu float32"
     assert not any(isinstance(m, NativeBlockLinear) for m in plain.tower.modules())
+    half = TorchBackend(folder, dtype=torch.bfloat16)  # a GPU backend's case: its device and dtype, no kernels
+    placed = copy.deepcopy(plain.tower)
+    assert half.place_tower(placed) == "vision encoder: PyTorch cpu bfloat16"
+    assert {p.dtype for p in placed.parameters()} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize(
