@@ -1,8 +1,8 @@
 """`bench vision`: what a question about a picture costs, beside a peer on the same weights in the same run.
 
 - `encode_ms`: the vision encoder (SigLIP, pixel shuffle, connector) over one 896x896 picture's frames (after the
-  processor's tiling: for SmolVLM, 4 x 4 tiles and the global view), on the backend that runs the model (with
-  `--quantize q8_0` on the CPU: the native kernels' block products, engine.backends.vision_tower);
+  processor's tiling: for SmolVLM, 4 x 4 tiles and the global view), on the backend that runs the model (a model
+  held in blocks on the CPU, as beside llama.cpp: the native kernels' block products, engine.backends.vision_tower);
 - `ttft_ms`: a chat question about that picture, from the request to its first token: decoding the picture,
   preprocessing, encoding and reading the prompt (no prefix cache, a picture not seen before);
 - `ratio_vs_peer`: the peer's time ÷ ours for each (above 1: we are faster), with `peer_encode_ms`,
@@ -11,8 +11,8 @@
 The peer is llama.cpp's mtmd (llama-cpp-python) where it can run: `--peer-python` names an interpreter that has
 llama_cpp built (else this one, when it imports llama_cpp); it runs in a process of its own
 (engine/bench/vision_peer.py) on a GGUF of the text model and an mmproj of the encoder written here from the same
-folder, in the block format we hold (`--quantize q8_0`: the very bytes our load quantizes to, both quantizers being
-ggml's reference one). Otherwise the peer is transformers' Idefics3 (fp32, its processor, one forward for the first
+folder, in the block format we hold (Q8_0 unless `--quantize` names another: the very bytes our load quantizes to,
+both quantizers being ggml's reference one). Otherwise the peer is transformers' Idefics3 (fp32, its processor, one forward for the first
 token) and we run fp32 too. Each figure is the median over fresh pictures (the encoder's output is kept per picture,
 so a picture seen before would cost nothing), the two engines alternating picture by picture. Without `--model` the
 folder is random weights at SmolVLM-256M-Instruct's shapes written by transformers (`write_smolvlm_shapes`; weights
