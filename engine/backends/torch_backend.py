@@ -34,6 +34,7 @@ from engine.backends.native.decoder import (
     NativeDecoder,
     plan_rows,
 )
+from engine.backends.vision_tower import TOWER_BLOCKS, TowerPlacement, place_tower
 from engine.errors import BackendUnavailable
 from engine.loading.model_files import release_file_pages
 from engine.loading.weights import load_model
@@ -274,6 +275,14 @@ class TorchBackend(Backend):
             self.model.model.embed_tokens = NativeBlockEmbedding(kernels, head)  # the tied head's rows, natively
         if self.native_steps and self.config.plain_llama:  # its one-call step implements the Llama layer only
             self.decoder = NativeDecoder(kernels, self.model)
+
+    def place_tower(self, tower: nn.Module, stored: Mapping[str, StoredTensor] | None = None) -> str:
+        """A vision tower onto this backend (engine.backends.vision_tower): on the native kernels' block products
+        where the text model runs on them (fp32 weights held as TOWER_BLOCKS, `stored` ones as stored), else this
+        backend's device and dtype. Returns the line that says which."""
+        native = load_kernels().kernels if self.native_isa is not None else None
+        blocks = TOWER_BLOCKS if native is not None else None
+        return place_tower(tower, TowerPlacement(self.device, self.dtype, native, blocks), stored)
 
     @contextmanager
     def timed_parts(self, timer: PartTimer) -> Iterator[None]:

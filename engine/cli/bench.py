@@ -61,6 +61,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--peer-gguf", type=Path, default=None, help="`serve`: the GGUF of the same weights for llama.cpp's server"
     )
     p.add_argument(
+        "--peer-python",
+        default=None,
+        help="`vision`: an interpreter with llama-cpp-python built, to run llama.cpp's mtmd as the peer",
+    )
+    p.add_argument(
         "--second-model",
         type=Path,
         default=None,

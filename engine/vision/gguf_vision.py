@@ -26,7 +26,7 @@ from engine.model.network import Transformer
 from engine.vision import gemma3
 from engine.vision.idefics3 import MAX_TILES_A_SIDE, Idefics3Preprocessing
 from engine.vision.mmproj import Mmproj
-from engine.vision.model import VisionModel
+from engine.vision.model import TowerHost, VisionModel
 from engine.vision.qwen25vl import MAX_PICTURE_PIXELS, Qwen25VLPreprocessing, Qwen25VLTower, Qwen25VLVisionConfig
 from engine.vision.siglip import Tower, VisionConfig, VisionTower
 
@@ -73,6 +73,12 @@ def attach_mmproj(path: Path, tokenizer: Tokenizer, backend: object) -> VisionMo
     model.config = config
     if hasattr(backend, "config"):
         backend.config = config
+    if isinstance(
+        backend, TowerHost
+    ):  # the tower's matrices run as the file stores them (engine.backends.vision_tower)
+        rename = RENAMES[m.clip.projector]
+        stored = {ours: t for name, t in m.stored_tensors().items() if (ours := rename(name)) is not None}
+        vision.placement = backend.place_tower(vision.tower, stored)
     vision.attach(model)
     return vision
 
@@ -90,6 +96,14 @@ def _vision(m: Mmproj, tokenizer: Tokenizer, text_hidden_size: int, vocab_size: 
     return vision
 
 
+# projector type -> a checkpoint tensor's name in the family's tower
+RENAMES: dict[str, Callable[[str], str | None]] = {
+    "idefics3": lambda name: name.removeprefix("model."),
+    "gemma3": gemma3.tower_name,
+    "qwen2.5vl_merger": lambda name: name,
+}
+
+
 def _load(tower: Tower, m: Mmproj, rename: Callable[[str], str | None]) -> None:
     """`m`'s tensors into `tower` (built on meta) under its names for the checkpoint's."""
     state: dict[str, torch.Tensor] = {}
@@ -105,7 +119,7 @@ def _idefics3(m: Mmproj, tokenizer: Tokenizer, text_hidden_size: int, vocab_size
     cfg = VisionConfig.from_dict(m.config, text_hidden_size)
     with torch.device("meta"):
         tower = VisionTower(cfg)
-    _load(tower, m, lambda name: name.removeprefix("model."))
+    _load(tower, m, RENAMES["idefics3"])
     # llama.cpp's idefics3 preprocessing: tiles of the encoder's frame after resizing the longest edge to
     # preproc_image_size (without it, the global view alone), always split, 8-bit RGB rescaled by 1/255.
     longest = m.clip.preproc_image_size or cfg.image_size
@@ -124,7 +138,7 @@ def _idefics3(m: Mmproj, tokenizer: Tokenizer, text_hidden_size: int, vocab_size
 def _gemma3(m: Mmproj, tokenizer: Tokenizer, text_hidden_size: int, vocab_size: int) -> VisionModel:
     with torch.device("meta"):
         tower = gemma3.build_tower(m.config, text_hidden_size)  # tokens a picture: the patch grid pooled
-    _load(tower, m, gemma3.tower_name)
+    _load(tower, m, RENAMES["gemma3"])
     # llama.cpp's gemma3 preprocessing: the picture resized to the encoder's square, normalised by clip's mean/std.
     pre = gemma3.Gemma3Preprocessing(
         height=tower.image_size,
@@ -147,7 +161,7 @@ def _qwen25vl(m: Mmproj, tokenizer: Tokenizer, text_hidden_size: int, vocab_size
         )
     with torch.device("meta"):
         tower = Qwen25VLTower(cfg)
-    _load(tower, m, lambda name: name)
+    _load(tower, m, RENAMES["qwen2.5vl_merger"])
     pre = Qwen25VLPreprocessing(
         patch=cfg.patch_size,
         merge=cfg.spatial_merge_size,

@@ -301,11 +301,12 @@ class Mmproj:
         return tensor_view(self._mapping, self.header, self._infos[name])
 
     def stored_tensors(self) -> dict[str, StoredTensor]:
-        """Every block-typed matrix by checkpoint name, as stored (fused rows joined: a copy of the same blocks)."""
+        """Every matrix by checkpoint name, as stored (fused rows joined: a copy of the same blocks or floats)."""
         out: dict[str, StoredTensor] = {}
         for hf, part in self._table.items():
             info = self._infos[part.gguf[0]]
-            if info.type_name not in BLOCK_TYPES or len(part.shape) != 2 or part.join == "frames":
+            kinds = BLOCK_TYPES + FLOAT_TYPES
+            if info.type_name not in kinds or len(part.shape) != 2 or part.join == "frames" or part.add:
                 continue
             views = [self._view(g) for g in part.gguf]
             data = views[0] if len(views) == 1 else np.concatenate(views)

@@ -22,10 +22,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from PIL import Image
@@ -36,6 +36,7 @@ from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import mmap_tensors, read_safetensors_header, weight_files
 from engine.model.config import IMAGE_ID_LIMIT, VISION_ARCHITECTURES
 from engine.model.network import Transformer
+from engine.model.quant import StoredTensor
 from engine.vision import gemma3
 from engine.vision.idefics3 import IMAGE_TOKEN, Frames, Idefics3Preprocessing
 from engine.vision.images import DecodedImage
@@ -130,6 +131,16 @@ def backends_passed_over(model_dir: Path, projector: Path | None) -> dict[str, s
 
 class ImageInputError(SparkError):
     """Images given to a model that cannot take them, or in a number its prompt does not place."""
+
+
+@runtime_checkable
+class TowerHost(Protocol):
+    """A backend that runs a vision tower where it runs the text model (TorchBackend: its device, or the native
+    kernels' block products); `stored` holds weights as a file stores them, by Hugging Face name."""
+
+    def place_tower(self, tower: nn.Module, stored: Mapping[str, StoredTensor] | None = None) -> str:
+        """Move `tower` in place; the line saying where it runs."""
+        ...
 
 
 def is_vision_folder(path: Path) -> bool:
@@ -247,6 +258,7 @@ class VisionModel:
         self.image_token_id = image_id
         self.vocab_size = vocab_size
         self.embedding: ImageEmbedding | None = None
+        self.placement = "vision encoder: PyTorch cpu float32"  # where the tower runs (TowerHost.place_tower)
         # Qwen2.5-VL: the first id of a picture's tokens -> its rows x cols, for every picture registered (not only
         # those held), so a long conversation's offsets still find its early pictures.
         self.grids: dict[int, tuple[int, int]] = {}
@@ -390,6 +402,8 @@ def attach_vision(folder: Path, tokenizer: Tokenizer, backend: object) -> Vision
             f"{folder.name} sees images only on the CPU, CUDA or MPS backends; choose one of them with --backend."
         )
     vision = load_vision(folder, tokenizer, model.config.hidden_size, model.config.vocab_size)
+    if isinstance(backend, TowerHost):
+        vision.placement = backend.place_tower(vision.tower)
     vision.attach(model)
     return vision
 
