@@ -114,6 +114,10 @@ class Gemma3Preprocessing:
 
     def expand(self, frames: Frames) -> str:
         """What the prompt's marker becomes: Gemma3Processor's full_image_sequence."""
+        return self.largest_expansion()
+
+    def largest_expansion(self) -> str:
+        """Every picture's expansion (one frame of `mm_tokens_per_image` tokens, whatever its size)."""
         return f"\n\n{BOI}{SOFT * self.image_seq_len}{EOI}\n\n"
 
 

@@ -100,6 +100,13 @@ class Idefics3Preprocessing:
         """What the prompt's `<image>` becomes for `frames`."""
         return self.prompt_text(frames.rows, frames.cols)
 
+    def largest_expansion(self) -> str:
+        """What `<image>` becomes for the largest picture this processor makes: with splitting, as many tiles a side
+        as the first resize's longest edge holds frames (rounded up; the other side never exceeds it), and the
+        global view; without, the global view alone."""
+        side = -(-min(self.longest_edge, MAX_IMAGE_SIZE) // self.frame) if self.splitting else 1
+        return self.prompt_text(side, side) if side > 1 else self.prompt_text(0, 0)
+
     def prompt_text(self, rows: int, cols: int) -> str:
         """What the prompt's `<image>` becomes for a picture of rows x cols tiles."""
         tokens = IMAGE_TOKEN * self.image_seq_len

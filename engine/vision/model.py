@@ -19,6 +19,7 @@ tensors are the tower's: SmolVLM / Idefics3 (engine.vision.idefics3, siglip) and
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections import OrderedDict
@@ -79,6 +80,10 @@ class Preprocessing(Protocol):
     def frames(self, image: Image.Image) -> Frames: ...
 
     def expand(self, frames: Frames) -> str: ...
+
+    def largest_expansion(self) -> str:
+        """What the marker becomes for the largest picture the processor makes (VisionModel.max_picture_tokens)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -277,6 +282,13 @@ class VisionModel:
             return None
         where = self.embedding.rows.get(token_id)
         return None if where is None else (where[1], self.embedding.counts[where[0]])
+
+    @functools.cached_property
+    def max_picture_tokens(self) -> int:
+        """Tokens of the largest picture's expansion, wrappers included (an upper bound on any picture's span in a
+        prompt: special tokens split the text around it the same way in any context). What the memory reserves
+        retrieval room for (engine.session.setup.seeing_pictures)."""
+        return len(self.tokenizer.encode(self.preprocessing.largest_expansion(), add_bos=False))
 
     def markers(self, text: str) -> str:
         """A rendered prompt with the family's own image marker (what its chat template writes for an image part:
