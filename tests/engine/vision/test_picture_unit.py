@@ -6,19 +6,22 @@ picture reads none of its tokens again is test_vision_session's.)"""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
+from engine.backends.torch_backend import TorchBackend
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.memory.base import RowPlan
-from engine.memory.cascade import CascadeMemory
+from engine.memory.cascade import CascadeConfig, CascadeMemory
 from engine.session.engine import Engine, Session, memory_factory_for
 from engine.session.kept import KeptMemory
 from engine.session.replay import memory_digest
 from engine.vision.images import DecodedImage
 from tests.helpers.pictures import picture
+from tests.helpers.tiny import make_tiny_model
 from tests.helpers.tiny_gemma3 import make_tiny_gemma3
 from tests.helpers.tiny_idefics3 import make_tiny_idefics3
 from tests.helpers.tiny_qwen25vl import make_tiny_qwen25vl
@@ -234,3 +237,23 @@ def test_a_large_picture_leaves_whole_and_comes_back_whole(
         assert memory_digest(restored.memory) == digest
         assert isinstance(restored.memory, CascadeMemory) and restored.memory.pictures.spans == [span]
         assert reply(restored, MORE[-1]) == expected
+
+
+def test_a_text_models_geometry_is_unchanged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = make_tiny_model(tmp_path / "text", max_positions=512)
+    factory = memory_factory_for(model, cache_dir=tmp_path / "cache", block_size=8)
+    eng = Engine.load(model, "cpu", memory_factory=factory)
+    assert eng.vision is None and eng.memory_factory is factory and factory.picture_tokens == 0
+    memory = eng.new_session().memory
+    assert isinstance(memory, CascadeMemory)
+    assert memory.cfg == CascadeConfig.for_model(model, eng.choice.backend.config, block_size=8)
+    assert memory.cfg.retrieval_blocks == 8 and memory.cfg.window == 512 - 4 - 64
+    # Room a context cannot make (51 groups and a window of the picture's 400 tokens in 512 positions): the text
+    # geometry, and one sentence saying so, once.
+    wide = factory.for_pictures(400)
+    with caplog.at_level(logging.WARNING, logger="engine.session.setup"):
+        first, second = wide(TorchBackend(model)), wide(TorchBackend(model))
+    assert isinstance(first, CascadeMemory) and isinstance(second, CascadeMemory)
+    assert first.cfg == second.cfg == memory.cfg
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "engine.session.setup"]
+    assert "400 tokens" in said and "block by block" in said
