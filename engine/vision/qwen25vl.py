@@ -146,8 +146,9 @@ class Qwen25VLPreprocessing:
     def largest_expansion(self) -> str:
         """The expansion of the largest grid `smart_resize` gives: at most max_pixels / factor^2 merged tokens,
         except where a picture at the most elongated aspect it takes would shrink its short side below one factor
-        (kept at one factor: its long side's tokens then). A picture the processor enlarges to min_pixels may
-        round past this only where min_pixels is within a row of factors of max_pixels."""
+        (kept at one factor: its long side's tokens then). A picture enlarged to min_pixels rounds each side up by
+        less than a factor: past this only where max_pixels - min_pixels is under factor x (its height + width) +
+        factor^2."""
         tokens = self.max_pixels // self.factor**2
         if self.max_pixels < MAX_ASPECT * self.factor**2:  # sqrt(max_pixels / MAX_ASPECT) < factor
             tokens = max(tokens, math.isqrt(self.max_pixels * MAX_ASPECT) // self.factor)
