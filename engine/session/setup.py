@@ -110,8 +110,8 @@ def memory_factory_for(
         if not config.holds_pictures(picture_tokens) and picture_tokens not in said:
             said.append(picture_tokens)
             log.warning(
-                "The model's context leaves no room to recall its largest picture (%d tokens, %d blocks of %d) "
-                "whole, so an evicted picture comes back block by block.",
+                "The model's trained context or the memory budget leaves no room to recall its largest picture "
+                "(%d tokens, %d blocks of %d) whole, so an evicted picture comes back block by block.",
                 picture_tokens,
                 config.picture_blocks(picture_tokens),
                 config.block_size,

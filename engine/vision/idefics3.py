@@ -101,10 +101,13 @@ class Idefics3Preprocessing:
         return self.prompt_text(frames.rows, frames.cols)
 
     def largest_expansion(self) -> str:
-        """What `<image>` becomes for the largest picture this processor makes: with splitting, as many tiles a side
-        as the first resize's longest edge holds frames (rounded up; the other side never exceeds it), and the
-        global view; without, the global view alone."""
-        side = -(-min(self.longest_edge, MAX_IMAGE_SIZE) // self.frame) if self.splitting else 1
+        """What `<image>` becomes for the largest picture this processor makes: with splitting, the tiles a side of
+        a square picture's resizes (no side of any picture's is longer: the first resize's longest edge, the other
+        rounded up to even) on both sides, and the global view; without, the global view alone."""
+        if not self.splitting:
+            return self.prompt_text(0, 0)
+        h, w = _longest_edge_size(self.longest_edge, self.longest_edge, self.longest_edge)
+        side = max(_multiple_of_frame(h, w, self.frame)) // self.frame
         return self.prompt_text(side, side) if side > 1 else self.prompt_text(0, 0)
 
     def prompt_text(self, rows: int, cols: int) -> str:
