@@ -1,8 +1,11 @@
 """A real picture (the tiny SmolVLM checkpoint's) is a unit in the memory cascade: through a conversation that runs
 until it leaves a small window, after every forward its tokens are all in the window or all out; once evicted, a
 routing decision that brings any of it back brings all of it, in every layer; and the conversation saved full or
-compact, or kept on disk, restores bit-identically and continues exactly. (That a second question about the same
-picture reads none of its tokens again is test_vision_session's.)"""
+compact, or kept on disk, restores bit-identically and continues exactly. A picture of more blocks than a text
+model's retrieval groups (SmolVLM's tiles, Gemma 3's frame, Qwen2.5-VL's longest grid) comes back whole too, in
+the room its model's largest picture reserved (`max_picture_tokens`, a GGUF projector's the folder's); a text
+model's geometry is unchanged. (That a second question about the same picture reads none of its tokens again is
+test_vision_session's.)"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine.backends.torch_backend import TorchBackend
+from engine.bench.mmproj_export import export_vision
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.memory.base import RowPlan
@@ -257,3 +261,17 @@ def test_a_text_models_geometry_is_unchanged(tmp_path: Path, caplog: pytest.LogC
     assert first.cfg == second.cfg == memory.cfg
     (said,) = [r.getMessage() for r in caplog.records if r.name == "engine.session.setup"]
     assert "400 tokens" in said and "block by block" in said
+
+
+def test_a_gguf_and_its_projector_reserve_the_same_room(folders: dict[str, Path], tmp_path: Path) -> None:
+    """The projector's VisionModel answers max_picture_tokens from the same preprocessing, so its memory's
+    geometry is the folder's."""
+    gguf, _ = export_vision(folders["idefics3"], tmp_path / "gguf", "f32", "f32")
+    geometry, _ = LARGE["idefics3"]
+    of_folder = large_engine(folders, "idefics3", tmp_path / "cache")
+    of_gguf = Engine.load(gguf, "cpu", memory_factory=memory_factory_for(gguf, cache_dir=tmp_path / "c2", **geometry))
+    assert of_gguf.mmproj is not None and of_gguf.vision is not None and of_folder.vision is not None
+    assert of_gguf.vision.max_picture_tokens == of_folder.vision.max_picture_tokens
+    mine, theirs = of_gguf.new_session().memory, of_folder.new_session().memory
+    assert isinstance(mine, CascadeMemory) and isinstance(theirs, CascadeMemory)
+    assert mine.cfg == theirs.cfg and mine.cfg.retrieval_blocks > 8
