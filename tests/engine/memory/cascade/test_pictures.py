@@ -1,8 +1,9 @@
 """A picture is a unit in the cascade: its span is wholly in the window or wholly out at every step, it leaves as
 whole episodic blocks, routing that picks one of its blocks brings all of them back in every layer, a taken-back
 plan puts it back exactly, and its state restores and continues exactly; a geometry fitted with room for a
-picture of more blocks than the groups brings it back whole beside text routing's picks. The pictures here are stand-in ids a
-`PictureTokens` names (the cascade never sees pixels); tests/engine/vision/test_picture_unit.py runs a real one."""
+picture of more blocks than the groups brings it back whole beside text routing's picks. The pictures here are
+stand-in ids a `PictureTokens` names (the cascade never sees pixels); tests/engine/vision/test_picture_unit.py runs
+real ones."""
 
 from __future__ import annotations
 
