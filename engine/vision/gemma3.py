@@ -114,11 +114,11 @@ class Gemma3Preprocessing:
 
     def expand(self, frames: Frames) -> str:
         """What the prompt's marker becomes: Gemma3Processor's full_image_sequence."""
-        return self.largest_expansion()
-
-    def largest_expansion(self) -> str:
-        """Every picture's expansion (one frame of `mm_tokens_per_image` tokens, whatever its size)."""
         return f"\n\n{BOI}{SOFT * self.image_seq_len}{EOI}\n\n"
+
+    def largest_picture(self) -> tuple[str, int]:
+        """Every picture, as the Preprocessing protocol says: one frame of `mm_tokens_per_image` tokens."""
+        return f"\n\n{BOI}{SOFT}{EOI}\n\n", self.image_seq_len - 1
 
 
 class RMSNorm(nn.Module):

@@ -81,8 +81,10 @@ class Preprocessing(Protocol):
 
     def expand(self, frames: Frames) -> str: ...
 
-    def largest_expansion(self) -> str:
-        """What the marker becomes for the largest picture the processor makes (VisionModel.max_picture_tokens)."""
+    def largest_picture(self) -> tuple[str, int]:
+        """The largest picture the processor makes (VisionModel.max_picture_tokens): its expansion with one image
+        token a run, and how many more image tokens its runs hold (counted, not written: a folder's settings may
+        ask for millions)."""
         ...
 
 
@@ -286,9 +288,10 @@ class VisionModel:
     @functools.cached_property
     def max_picture_tokens(self) -> int:
         """Tokens of the largest picture's expansion, wrappers included (an upper bound on any picture's span in a
-        prompt: special tokens split the text around it the same way in any context). What the memory reserves
+        prompt: special tokens split the text around it the same way in any context; the image token is one). What the memory reserves
         retrieval room for (engine.session.setup.seeing_pictures)."""
-        return len(self.tokenizer.encode(self.preprocessing.largest_expansion(), add_bos=False))
+        text, more = self.preprocessing.largest_picture()
+        return len(self.tokenizer.encode(text, add_bos=False)) + more
 
     def markers(self, text: str) -> str:
         """A rendered prompt with the family's own image marker (what its chat template writes for an image part:

@@ -24,6 +24,7 @@ from engine.session.engine import Engine, Session, memory_factory_for
 from engine.session.kept import KeptMemory
 from engine.session.replay import memory_digest
 from engine.vision.images import DecodedImage
+from engine.vision.qwen25vl import Qwen25VLPreprocessing
 from tests.helpers.pictures import picture
 from tests.helpers.tiny import make_tiny_model
 from tests.helpers.tiny_gemma3 import make_tiny_gemma3
@@ -275,3 +276,10 @@ def test_a_gguf_and_its_projector_reserve_the_same_room(folders: dict[str, Path]
     mine, theirs = of_gguf.new_session().memory, of_folder.new_session().memory
     assert isinstance(mine, CascadeMemory) and isinstance(theirs, CascadeMemory)
     assert mine.cfg == theirs.cfg and mine.cfg.retrieval_blocks > 8
+
+
+def test_the_largest_picture_is_counted_not_written() -> None:
+    """A folder's settings may ask for millions of tokens a picture: the count costs no allocation of that size."""
+    huge = Qwen25VLPreprocessing(patch=1, merge=1, temporal=1, min_pixels=1, max_pixels=4096 * 4096)
+    text, more = huge.largest_picture()
+    assert len(text) < 64 and more == 4096 * 4096 - 1
