@@ -160,7 +160,9 @@ class Engine:
             else attach_vision(model_dir, tokenizer, choice.backend)
         )
         if self.vision is not None:  # its memories keep each picture a unit (engine.memory.cascade.pictures)
-            self.memory_factory = seeing_pictures(memory_factory, self.vision.picture_token)
+            self.memory_factory = seeing_pictures(
+                memory_factory, self.vision.picture_token, self.vision.max_picture_tokens
+            )
 
     @classmethod
     def load(

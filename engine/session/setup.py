@@ -7,6 +7,7 @@ slot table the cascade will really build, not from guesses per backend name.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -25,6 +26,7 @@ from engine.model.slots import SlotBatch
 from engine.paths import default_cache_dir
 from engine.session.replay import FeedLog
 
+log = logging.getLogger(__name__)
 MemoryFactory = Callable[[Backend], Memory]
 # The least slot table a memory budget shrinks a conversation to (its window grows into what the budget leaves,
 # up to the trained context).
@@ -51,6 +53,22 @@ def check_fits(policy: HardwarePolicy, backend: Backend, model_path: Path) -> No
     policy.check_model_fits(backend.weight_bytes, geometry.num_slots * backend.slot_bytes_per_token())
 
 
+@dataclass(frozen=True)
+class CascadeFactory:
+    """memory_factory_for's factory: a MemoryFactory (called with a backend, and a row where a scheduler names one)
+    whose memories reserve retrieval room for a picture of `picture_tokens` (CascadeConfig.fit_to; 0: none)."""
+
+    build: Callable[[Backend, int, int], Memory]  # (backend, row, picture tokens) -> the memory
+    picture_tokens: int = 0
+
+    def __call__(self, backend: Backend, row: int = 0) -> Memory:
+        return self.build(backend, row, self.picture_tokens)
+
+    def for_pictures(self, picture_tokens: int) -> CascadeFactory:
+        """The same memories, with room to recall a picture of `picture_tokens` tokens whole."""
+        return replace(self, picture_tokens=picture_tokens)
+
+
 def memory_factory_for(
     model_dir: str | Path | None,
     *,
@@ -59,7 +77,7 @@ def memory_factory_for(
     policy: HardwarePolicy | None = None,
     shared_budget: SharedBudget | None = None,
     **cascade_overrides: Any,
-) -> MemoryFactory:
+) -> CascadeFactory:
     """Each conversation's memory: the cascade laid out per the model's cascade.json, over one persistent
     (L3) store per model + backend numerics under `cache_dir` (default: the platform cache dir). With a `policy`,
     the slot table and the episodic tier get their share of the machine's memory budget instead of the defaults.
@@ -82,10 +100,22 @@ def memory_factory_for(
                 )
             return stores[key]
 
-    def make(backend: Backend, row: int = 0) -> Memory:  # row: as a scheduler's RowMemoryFactory
+    said: list[int] = []  # picture sizes the trained context could not make room for, said once each
+
+    def make(backend: Backend, row: int, picture_tokens: int) -> Memory:  # row: as a scheduler's RowMemoryFactory
+        limit = slot_table_limit(policy, backend)
         config = CascadeConfig.for_model(
-            settings_dir(model_path), backend.config, max_slots=slot_table_limit(policy, backend), **cascade_overrides
+            settings_dir(model_path), backend.config, limit, picture_tokens, **cascade_overrides
         )
+        if not config.holds_pictures(picture_tokens) and picture_tokens not in said:
+            said.append(picture_tokens)
+            log.warning(
+                "The model's trained context or the memory budget leaves no room to recall its largest picture "
+                "(%d tokens, %d blocks of %d) whole, so an evicted picture comes back block by block.",
+                picture_tokens,
+                config.picture_blocks(picture_tokens),
+                config.block_size,
+            )
         if policy is not None and "episodic_budget_bytes" not in cascade_overrides:
             working = config.num_slots * backend.slot_bytes_per_token()
             config = replace(config, episodic_budget_bytes=policy.episodic_budget_bytes(backend.weight_bytes, working))
@@ -94,12 +124,15 @@ def memory_factory_for(
                 shared.append(SharedBudget(config.episodic_budget_bytes))
         return CascadeMemory(backend, config, row=row, store=store_for(backend, config), shared_budget=shared[0])
 
-    return make
+    return CascadeFactory(make)
 
 
-def seeing_pictures(factory: MemoryFactory, pictures: PictureTokens) -> MemoryFactory:
+def seeing_pictures(factory: MemoryFactory, pictures: PictureTokens, max_picture_tokens: int = 0) -> MemoryFactory:
     """`factory`'s memories (called as it is: with a backend, and a row where a scheduler names one), each told
-    which ids are pictures' tokens, so a memory that can keeps each picture a unit (engine.memory.cascade.pictures)."""
+    which ids are pictures' tokens, so a memory that can keeps each picture a unit (engine.memory.cascade.pictures);
+    a cascade's laid out with retrieval room for a picture of `max_picture_tokens` (the model's largest)."""
+    if isinstance(factory, CascadeFactory) and max_picture_tokens:
+        factory = factory.for_pictures(max_picture_tokens)
     make_inner = cast(Callable[..., Memory], factory)
 
     def make(backend: Backend, *row: int) -> Memory:

@@ -116,6 +116,10 @@ class Gemma3Preprocessing:
         """What the prompt's marker becomes: Gemma3Processor's full_image_sequence."""
         return f"\n\n{BOI}{SOFT * self.image_seq_len}{EOI}\n\n"
 
+    def largest_picture(self) -> tuple[str, int]:
+        """Every picture, as the Preprocessing protocol says: one frame of `mm_tokens_per_image` tokens."""
+        return f"\n\n{BOI}{SOFT}{EOI}\n\n", self.image_seq_len - 1
+
 
 class RMSNorm(nn.Module):
     """Gemma's: x / rms(x) * (1 + w), in fp32 as transformers computes it."""

@@ -100,9 +100,21 @@ class Idefics3Preprocessing:
         """What the prompt's `<image>` becomes for `frames`."""
         return self.prompt_text(frames.rows, frames.cols)
 
-    def prompt_text(self, rows: int, cols: int) -> str:
-        """What the prompt's `<image>` becomes for a picture of rows x cols tiles."""
-        tokens = IMAGE_TOKEN * self.image_seq_len
+    def largest_picture(self) -> tuple[str, int]:
+        """The largest picture this processor makes, as the Preprocessing protocol says: with splitting, the tiles a
+        side of a square picture's resizes (no side of any picture's is longer: the first resize's longest edge,
+        the other rounded up to even) on both sides, and the global view; without, the global view alone."""
+        side = 0
+        if self.splitting:
+            h, w = _longest_edge_size(self.longest_edge, self.longest_edge, self.longest_edge)
+            side = max(_multiple_of_frame(h, w, self.frame)) // self.frame
+        side = side if side > 1 else 0
+        return self.prompt_text(side, side, 1), (side * side + 1) * (self.image_seq_len - 1)
+
+    def prompt_text(self, rows: int, cols: int, run: int | None = None) -> str:
+        """What the prompt's `<image>` becomes for a picture of rows x cols tiles (`run`: image tokens a frame
+        written, image_seq_len unless given)."""
+        tokens = IMAGE_TOKEN * (self.image_seq_len if run is None else run)
         glob = f"{FAKE_TOKEN}{GLOBAL_TAG}{tokens}{FAKE_TOKEN}"
         if rows == 0 and cols == 0:
             return glob

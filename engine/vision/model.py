@@ -19,6 +19,7 @@ tensors are the tower's: SmolVLM / Idefics3 (engine.vision.idefics3, siglip) and
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections import OrderedDict
@@ -80,6 +81,12 @@ class Preprocessing(Protocol):
     def frames(self, image: Image.Image) -> Frames: ...
 
     def expand(self, frames: Frames) -> str: ...
+
+    def largest_picture(self) -> tuple[str, int]:
+        """The largest picture the processor makes (VisionModel.max_picture_tokens): its expansion with one image
+        token a run, and how many more image tokens its runs hold (counted, not written: a folder's settings may
+        ask for millions)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -302,6 +309,14 @@ class VisionModel:
             return None
         where = self.embedding.rows.get(token_id)
         return None if where is None else (where[1], self.embedding.counts[where[0]])
+
+    @functools.cached_property
+    def max_picture_tokens(self) -> int:
+        """Tokens of the largest picture's expansion, wrappers included (an upper bound on any picture's span in a
+        prompt: special tokens split the text around it the same way in any context; the image token is one). What the memory reserves
+        retrieval room for (engine.session.setup.seeing_pictures)."""
+        text, more = self.preprocessing.largest_picture()
+        return len(self.tokenizer.encode(text, add_bos=False)) + more
 
     def markers(self, text: str) -> str:
         """A rendered prompt with the family's own image marker (what its chat template writes for an image part:

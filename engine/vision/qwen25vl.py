@@ -143,6 +143,17 @@ class Qwen25VLPreprocessing:
         """What the prompt's marker of one picture becomes: its image tokens between the vision start and end."""
         return VISION_START + IMAGE_PAD * (frames.rows * frames.cols) + VISION_END
 
+    def largest_picture(self) -> tuple[str, int]:
+        """The largest grid `smart_resize` gives, as the Preprocessing protocol says: at most max_pixels / factor^2 merged tokens,
+        except where a picture at the most elongated aspect it takes would shrink its short side below one factor
+        (kept at one factor: its long side's tokens then). A picture enlarged to min_pixels rounds each side up by
+        less than a factor: past this only where max_pixels - min_pixels is under factor x (its height + width) +
+        factor^2."""
+        tokens = self.max_pixels // self.factor**2
+        if self.max_pixels < MAX_ASPECT * self.factor**2:  # sqrt(max_pixels / MAX_ASPECT) < factor
+            tokens = max(tokens, math.isqrt(self.max_pixels * MAX_ASPECT) // self.factor)
+        return VISION_START + IMAGE_PAD + VISION_END, tokens - 1
+
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' smart_resize: sides rounded to multiples of `factor`, scaled into [min_pixels, max_pixels]."""

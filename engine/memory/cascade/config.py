@@ -132,15 +132,41 @@ class CascadeConfig:
                 )
         return cls(**d)
 
-    def fit_to(self, max_positions: int, max_slots: int | None = None) -> CascadeConfig:
+    def picture_blocks(self, picture_tokens: int) -> int:
+        """Retrieval groups a picture of `picture_tokens` tokens needs to come back whole: its blocks, and one more
+        for a picture that starts inside a block (0 for no picture)."""
+        return -(-picture_tokens // self.block_size) + 1 if picture_tokens > 0 else 0
+
+    def holds_pictures(self, picture_tokens: int) -> bool:
+        """Whether a picture of `picture_tokens` tokens comes back whole (else its blocks are routed one by one);
+        true without retrieval, where nothing comes back."""
+        return not self.retrieval_blocks or self.retrieval_blocks >= self.picture_blocks(picture_tokens)
+
+    def fit_to(self, max_positions: int, max_slots: int | None = None, picture_tokens: int = 0) -> CascadeConfig:
         """Resolve an automatic window and shrink the geometry so sinks + retrieval + window never exceed
         `max_positions` (nor `max_slots`, what memory allows the slot table).
 
         An automatic window takes every position the sinks and retrieval leave. Then the window gives way first
         (down to one block), then retrieval blocks, then the window again and the sinks: a model with a short
         trained context gets less retrieval rather than positions it never saw.
+
+        `picture_tokens` (a vision model's largest picture): retrieval gets at least picture_blocks() groups, so a
+        recalled picture comes back whole, the window giving way for them, but never below one picture (a picture
+        leaves the window whole only from a window that holds it); where that does not fit, the geometry is the
+        one without pictures (holds_pictures() says so). With retrieval off (0 blocks) nothing is reserved.
         """
         limit = max_positions if max_slots is None else max(1, min(max_positions, max_slots))
+        plain = self._fit(limit)
+        need = self.picture_blocks(picture_tokens)
+        if not self.retrieval_blocks or need <= plain.retrieval_blocks:
+            return plain
+        wide = replace(self, retrieval_blocks=need)._fit(limit)
+        if wide.retrieval_blocks >= need and wide.window >= min(plain.window, picture_tokens):
+            return wide
+        return plain
+
+    def _fit(self, limit: int) -> CascadeConfig:
+        """fit_to's resolution without pictures, within `limit` slots."""
         c = self
         if c.window == AUTO_WINDOW:
             c = replace(c, window=max(c.block_size, limit - c.sink_tokens - c.retrieval_slots))
@@ -158,11 +184,16 @@ class CascadeConfig:
 
     @classmethod
     def for_model(
-        cls, model_dir: str | Path | None, config: ModelConfig, max_slots: int | None = None, **overrides: Any
+        cls,
+        model_dir: str | Path | None,
+        config: ModelConfig,
+        max_slots: int | None = None,
+        picture_tokens: int = 0,
+        **overrides: Any,
     ) -> CascadeConfig:
         """Defaults, then the model folder's optional cascade.json (none for a bare GGUF file: `model_dir` None),
         then `overrides`, fitted to the model's context and to `max_slots` (the slot table the memory budget and the
-        backend allow; None: no limit)."""
+        backend allow; None: no limit), with retrieval room for a picture of `picture_tokens` (fit_to)."""
         values: dict[str, Any] = {}
         path = Path(model_dir).expanduser() / CONFIG_FILE if model_dir is not None else None
         if path is not None and path.is_file():
@@ -176,4 +207,4 @@ class CascadeConfig:
                 raise CascadeConfigError(f"{path} must hold a JSON object of cascade settings.")
             values.update(data)
         values.update(overrides)
-        return cls.from_dict(values).fit_to(config.max_position_embeddings, max_slots)
+        return cls.from_dict(values).fit_to(config.max_position_embeddings, max_slots, picture_tokens)

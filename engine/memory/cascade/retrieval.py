@@ -17,9 +17,11 @@ every layer's groups instead, and only they: the look-alike
 blocks the bounds rank as high would otherwise sit beside them, and the model answers from one of those
 (docs/BENCHMARKS.md, "Documents as memory").
 A picture is recalled whole: when any layer picks one of its blocks, all of the picture's blocks fill the first
-groups of every layer (as the passages a question names do, after them), in the order the layers rank the
-pictures, as many pictures as the groups hold whole (engine.memory.cascade.pictures). A picture of more blocks
-than there are retrieval groups cannot come back whole: its blocks are routed one by one, as text's are.
+groups of every layer (as the passages a question names do, after them), in conversation order, as many pictures
+as the groups hold whole, in the order the layers rank them (engine.memory.cascade.pictures); the groups they leave
+hold text routing's picks as without them, as many as it chose (beside named passages: none). A vision model's
+geometry has groups for its largest picture (CascadeConfig.fit_to); a picture of more blocks than there are groups
+(a context too short for that room) cannot come back whole: its blocks are routed one by one, as text's are.
 """
 
 from __future__ import annotations
@@ -200,8 +202,12 @@ class Retriever:
                 n = len(named) if prefill else max(len(named), min(n, self.working.resident_blocks))
                 shared = n
             whole = self._whole_pictures(chosen, n, named)
-            if len(whole) > n:  # a picture's other blocks take groups the gate left empty
-                n = len(whole)
+            if named:  # the passages and the pictures among them, and only they
+                n = max(n, len(whole))
+            elif whole:  # pictures first, whole; text routing keeps as many groups beside them as it chose
+                text = min([n, *(len([b for b in pick if b not in whole]) for pick in chosen)])
+                n = min(self.cfg.retrieval_blocks, len(whole) + text)
+                shared = min(n, len(whole) + shared)
             if self._page_in(consensus_groups(chosen, shared, n, whole)):
                 return
 

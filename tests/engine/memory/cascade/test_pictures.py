@@ -1,7 +1,9 @@
 """A picture is a unit in the cascade: its span is wholly in the window or wholly out at every step, it leaves as
 whole episodic blocks, routing that picks one of its blocks brings all of them back in every layer, a taken-back
-plan puts it back exactly, and its state restores and continues exactly. The pictures here are stand-in ids a
-`PictureTokens` names (the cascade never sees pixels); tests/engine/vision/test_picture_unit.py runs a real one."""
+plan puts it back exactly, and its state restores and continues exactly; a geometry fitted with room for a
+picture of more blocks than the groups brings it back whole beside text routing's picks. The pictures here are
+stand-in ids a `PictureTokens` names (the cascade never sees pixels); tests/engine/vision/test_picture_unit.py runs
+real ones."""
 
 from __future__ import annotations
 
@@ -222,3 +224,95 @@ def test_a_picture_longer_than_the_window_leaves_in_pieces(tiny_model: Path) -> 
     _, m2 = memory(tiny_model)
     m2.load_state(json.loads(json.dumps(meta)), tensors)
     assert m2.pictures.spans == [(30, 90)]
+
+
+# -- room for a whole picture ------------------------------------------------------------------------------------
+
+BIG_FIRST, BIG_COUNT = 220, 40  # a picture of more blocks than CFG's 4 groups: 40 tokens and 2 between = 6+ blocks
+
+
+def big_token(token: int) -> tuple[int, int] | None:
+    return (token - BIG_FIRST, BIG_COUNT) if BIG_FIRST <= token < BIG_FIRST + BIG_COUNT else None
+
+
+def test_a_text_geometry_is_what_it_always_was() -> None:
+    """No picture, no reservation: the defaults fitted to a context as before, whatever the context."""
+    base = CascadeConfig()
+    for context in (512, 2048, 8192, 32768):
+        plain = base.fit_to(context)
+        assert plain == base.fit_to(context, None, 0)
+        assert plain.retrieval_blocks == 8 and plain.used_slots == context
+    assert base.fit_to(8192).window == 8192 - 4 - 256
+
+
+def test_retrieval_makes_room_for_the_largest_picture_and_the_window_gives_way() -> None:
+    base = CascadeConfig()
+    wide = base.fit_to(8192, None, 1100)  # SmolVLM-256M's size: 17 frames of 64 and their markers
+    assert wide.retrieval_blocks == -(-1100 // 32) + 1 == 36 and wide.holds_pictures(1100)
+    assert wide.window == 8192 - 4 - 36 * 32 and wide.used_slots == 8192
+    set_window = CascadeConfig(window=4000).fit_to(4096, None, 1100)  # an explicit window gives way first
+    assert set_window.retrieval_blocks == 36 and set_window.window == 4096 - 4 - 36 * 32
+    assert base.fit_to(8192, None, 200) == base.fit_to(8192)  # a picture the 8 groups already hold
+    assert CascadeConfig(retrieval_blocks=12).fit_to(8192, None, 300).retrieval_blocks == 12
+    assert CascadeConfig(retrieval_blocks=0).fit_to(8192, None, 1100) == CascadeConfig(retrieval_blocks=0).fit_to(8192)
+
+
+def test_a_context_that_cannot_hold_the_picture_keeps_the_text_geometry() -> None:
+    base = CascadeConfig()
+    small = base.fit_to(1536, None, 1100)  # 36 groups would leave a window shorter than the picture
+    assert small == base.fit_to(1536) and not small.holds_pictures(1100)
+    capped = base.fit_to(8192, 1024, 1100)  # the memory budget's slot table, likewise
+    assert capped == base.fit_to(8192, 1024) and not capped.holds_pictures(1100)
+
+
+def recall_one_block(
+    tiny_model: Path, cfg: CascadeConfig, monkeypatch: pytest.MonkeyPatch
+) -> tuple[CascadeMemory, list[int], tuple[int, int], tuple[int, int]]:
+    """A big picture fed and evicted, then one layer's routing picks one of its blocks and a text block, the others
+    two other text blocks: the memory, the picture's blocks, its span, the first layer's text block and the others'
+    first."""
+    b = TorchBackend(tiny_model)
+    m = CascadeMemory(b, cfg, pictures=big_token)
+    big = [*range(BIG_FIRST, BIG_FIRST + 20), 5, 6, *range(BIG_FIRST + 20, BIG_FIRST + BIG_COUNT)]
+    ids = random_ids(30, seed=1, vocab=TEXT_VOCAB) + big + random_ids(90, seed=2, vocab=TEXT_VOCAB)
+    prompt(b, m, ids, 16)
+    (span,) = m.pictures.spans
+    blocks = list(m.pictures.blocks(cfg.sink_tokens, cfg.block_size)[0])
+    assert in_window(m, span) == 0 and set(blocks) <= set(m.episodic.blocks)
+    text = [i for i in sorted(m.episodic.blocks) if i not in blocks]
+    picks = [[blocks[2], text[-1]]] + [[text[0], text[1]]] * (m.working.num_layers - 1)
+    monkeypatch.setattr(m.episodic, "select", lambda *a, **k: [list(p) for p in picks])
+    m.retriever.route(prefill=True, answering=False)
+    return m, blocks, span, (text[-1], text[0])
+
+
+def test_a_picture_larger_than_the_groups_comes_back_whole_where_room_was_made(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = CFG.fit_to(512, None, BIG_COUNT + 2)
+    assert cfg.retrieval_blocks == -(-(BIG_COUNT + 2) // CFG.block_size) + 1 > CFG.retrieval_blocks
+    m, blocks, span, (text_block, other_block) = recall_one_block(tiny_model, cfg, monkeypatch)
+    assert len(blocks) > CFG.retrieval_blocks
+    for layer in m.working.groups:  # in every layer: its blocks in consecutive groups, in order
+        at = layer.index(blocks[0])
+        assert layer[at : at + len(blocks)] == blocks
+    # The group it leaves goes to text routing: each layer's own best other pick.
+    assert [sorted(set(layer) - set(blocks)) for layer in m.working.groups] == [[text_block]] + [[other_block]] * (
+        m.working.num_layers - 1
+    )
+    # Count its tokens back: every token of the span sits in a group's block, that block's KV in the group's slots.
+    for layer, groups in enumerate(m.working.groups):
+        back = set()
+        for g, bid in enumerate(groups):
+            k, _ = m.backend.read_kv(0, m.working.group_slots(g))
+            assert torch.equal(k[layer], m.episodic.blocks[bid].k[layer])
+            back |= {t for t in range(4 + bid * 8, 4 + (bid + 1) * 8) if span[0] <= t < span[1]}
+        assert len(back) == span[1] - span[0] == BIG_COUNT + 2
+
+
+def test_without_the_room_a_big_picture_is_routed_block_by_block(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the reservation is for: in 4 groups the picture cannot come back whole, only the block picked."""
+    m, blocks, _, _ = recall_one_block(tiny_model, CFG, monkeypatch)
+    assert [b for b in m.working.groups[0] if b in blocks] == [blocks[2]]
