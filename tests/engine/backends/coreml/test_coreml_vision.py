@@ -46,7 +46,10 @@ def cache(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def coreml_backend(folder: Path, cache: Path, loader: Callable[..., object] | None = None) -> CoreMLBackend:
     backend = CoreMLBackend(
-        folder, quantize="none", cache_dir=cache, loader=loader or FakeLoader()  # type: ignore[arg-type]
+        folder,
+        quantize="none",
+        cache_dir=cache,
+        loader=loader or FakeLoader(),  # type: ignore[arg-type]
     )
     backend.allocate(1, SLOTS)
     return backend
@@ -141,5 +144,6 @@ def test_real_core_ml_reads_a_picture_as_the_torch_cpu_path_does(folder: Path, c
     ids = prompt(vision, 1)
     ref_logits, ref_tokens = greedy(reference, ids)
     got_logits, got_tokens = greedy(backend, ids)
+    assert got_tokens == ref_tokens
     for r, g in zip(ref_logits, got_logits, strict=True):
         torch.testing.assert_close(g, r, atol=ATOL, rtol=0)
