@@ -174,6 +174,10 @@ class PictureHost(Protocol):
 
     def take_pictures(self, rows: Callable[[np.ndarray], np.ndarray]) -> None: ...
 
+    def picture_tower(self, tower: Tower) -> tuple[Tower, str]:
+        """The tower its pictures run on (its own encoder program, or `tower`), and the line saying where."""
+        ...
+
 
 def is_vision_folder(path: Path) -> bool:
     """Whether `path` is a Hugging Face folder of a vision-language model engine.vision runs."""
@@ -250,9 +254,11 @@ class ImageEmbedding(nn.Module):
             # One frame at a time: a frame's rows are the same bits whichever of its picture's frames a prompt
             # reads, so a tail re-read after a prefix restore encodes only the frames it holds.
             assert held.frames is not None  # held until every frame is encoded
-            p = next(self.tower.parameters())
+            p = next(self.tower.parameters(), None)  # None: a program's tower (Core ML), fed fp32 on the CPU
             with torch.no_grad():
-                pixels = torch.from_numpy(held.frames.pixels[frame : frame + 1]).to(device=p.device, dtype=p.dtype)
+                pixels = torch.from_numpy(held.frames.pixels[frame : frame + 1])
+                if p is not None:
+                    pixels = pixels.to(device=p.device, dtype=p.dtype)
                 rows = held.features[frame] = self.tower(pixels)
             self.encoded_frames += 1
             if len(held.features) == held.frames.pixels.shape[0]:
@@ -457,6 +463,7 @@ def attach_vision(folder: Path, tokenizer: Tokenizer, backend: object) -> Vision
         if isinstance(backend, PictureHost) and _architecture(folder) in PICTURES_ON_HOST:
             # the tower in PyTorch on the CPU, its rows fed to the host's programs as fp16 (docs/DESIGN.md, "Images")
             vision = load_vision(folder, tokenizer, backend.config.hidden_size, backend.config.vocab_size)
+            vision.tower, vision.placement = backend.picture_tower(vision.tower)
             vision.attach_host(backend)
             return vision
         raise ModelLoadError(

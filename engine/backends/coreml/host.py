@@ -32,6 +32,7 @@ from engine.model.attention import rope_cos_sin
 from engine.model.config import ModelConfig
 from engine.model.network import ForwardCancelled, SlotBatch
 from engine.vision.model import ImageInputError
+from engine.vision.siglip import Tower
 
 # ids (n,) int64, each at or above the vocabulary -> their rows (n, C), any float dtype (the host casts to fp16);
 # ImageInputError for an id it does not hold.
@@ -103,6 +104,11 @@ class PackageBackend(Backend):
     def take_pictures(self, rows: PictureRows) -> None:
         """Embed ids at or above the vocabulary through `rows` (engine.vision.model.PictureHost)."""
         self.pictures = rows
+
+    def picture_tower(self, tower: Tower) -> tuple[Tower, str]:
+        """The tower this host's pictures run on and where (engine.vision.model.PictureHost): here `tower` itself,
+        in PyTorch on the CPU; the Core ML runtime runs its encoder program where it has one."""
+        return tower, "vision encoder: PyTorch cpu float32"
 
     def query_summary(self) -> torch.Tensor | None:
         """Backend protocol: the per-layer query summary of the last forward, (B, L, Hkv, D) fp32."""

@@ -1,6 +1,7 @@
-"""Pictures on the Core ML backend: the host embeds a picture's ids through the vision model's rows (the tower in
-PyTorch on the CPU), so a tiny SmolVLM runs its pictures on a converted bundle of its text model. Off-Mac through the
-fake bridge (tests/helpers/fake_coreml.py); the `mac` test runs real Core ML."""
+"""Pictures on the Core ML backend: the host embeds a picture's ids through the vision model's rows, so a tiny SmolVLM
+runs its pictures on a converted bundle of its text model; its tower runs as the encoder's Core ML program where the
+conversion cache holds one (or a converter is passed in), else in PyTorch on the CPU. Off-Mac through the fake bridge
+(tests/helpers/fake_coreml.py) and the reference interpreter; the `mac` test runs real Core ML."""
 
 from __future__ import annotations
 
@@ -13,15 +14,19 @@ import pytest
 import torch
 
 from coreml.convert import cached_bundle
+from coreml.interpreter import Interpreter
+from coreml.vision import convert_encoder
 from engine.backends.base import Backend
+from engine.backends.coreml.package import Package
 from engine.backends.coreml.runtime import CoreMLBackend, core_ml_loader
+from engine.backends.coreml.vision_runtime import ProgramTower, core_ml_encoder_loader
 from engine.backends.torch_backend import TorchBackend
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory
 from engine.vision.model import ImageInputError, VisionModel, attach_vision
 from tests.helpers.coreml_bundles import ATOL, run_greedy
 from tests.helpers.coreml_fixtures import SLOTS
-from tests.helpers.fake_coreml import FakeLoader
+from tests.helpers.fake_coreml import FakeLoader, FakeProgram
 from tests.helpers.pictures import picture
 from tests.helpers.tiny_idefics3 import make_tiny_idefics3
 
@@ -44,12 +49,25 @@ def cache(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def coreml_backend(folder: Path, cache: Path, loader: Callable[..., object] | None = None) -> CoreMLBackend:
+def fake_encoder_loader(package: Path, units: str) -> FakeProgram:
+    """The encoder program through the reference interpreter, behind the fake bridge's input checks."""
+    return FakeProgram(Interpreter(Package.open(package)), "encoder", "main")
+
+
+def coreml_backend(
+    folder: Path,
+    cache: Path,
+    loader: Callable[..., object] | None = None,
+    encoder_loader: Callable[..., object] = fake_encoder_loader,
+    convert_encoder: Callable[[torch.nn.Module, Path], Path] | None = None,
+) -> CoreMLBackend:
     backend = CoreMLBackend(
         folder,
         quantize="none",
         cache_dir=cache,
         loader=loader or FakeLoader(),  # type: ignore[arg-type]
+        encoder_loader=encoder_loader,  # type: ignore[arg-type]
+        convert_encoder=convert_encoder,
     )
     backend.allocate(1, SLOTS)
     return backend
@@ -83,6 +101,50 @@ def test_the_core_ml_host_reads_pictures_as_the_torch_cpu_path_does(folder: Path
     for r, g in zip(ref_logits, got_logits, strict=True):
         torch.testing.assert_close(g, r, atol=ATOL, rtol=0)
     assert vision.embedding is not None and vision.embedding.encoded_frames > 0
+
+
+def test_the_encoder_program_is_converted_once_and_runs_the_pictures(
+    folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Given the converter, the first backend writes the encoder's program into the conversion cache and the next
+    finds it there; the program's rows equal the torch tower's (tolerance of tests/coreml/test_vision.py) and the
+    greedy tokens the torch CPU path's, for one picture and for two."""
+    tok = Tokenizer.load(folder)
+    cache = tmp_path_factory.mktemp("encoder-cache")
+    cached_bundle(folder, slots=SLOTS, quantize="none", cache_dir=cache)
+    converted: list[Path] = []
+
+    def convert(tower: torch.nn.Module, out: Path) -> Path:
+        converted.append(out)
+        return convert_encoder(tower, out)
+
+    reference = TorchBackend(folder)
+    ref_vision = attach_vision(folder, tok, reference)
+    first = attach_vision(folder, tok, coreml_backend(folder, cache, convert_encoder=convert))
+    assert ref_vision is not None and first is not None
+    assert len(converted) == 1 and isinstance(first.tower, ProgramTower)
+    assert first.placement == "vision encoder: Core ML CPU_AND_NE float16"
+    frame = torch.from_numpy(np.random.default_rng(0).uniform(-1, 1, (1, 3, 16, 16)).astype(np.float32))
+    with torch.no_grad():
+        want, got = ref_vision.tower(frame), first.tower(frame)
+    assert float((got - want).norm() / want.norm()) < 3e-3
+    backend = coreml_backend(folder, cache, convert_encoder=convert)
+    vision = attach_vision(folder, tok, backend)  # found in the cache: not converted again
+    assert vision is not None and isinstance(vision.tower, ProgramTower) and len(converted) == 1
+    for pictures in (1, 2):
+        ids = prompt(vision, pictures)
+        assert ids == prompt(ref_vision, pictures)
+        ref_logits, ref_tokens = greedy(reference, ids)
+        got_logits, got_tokens = greedy(backend, ids)
+        assert got_tokens == ref_tokens
+        for r, g in zip(ref_logits, got_logits, strict=True):
+            torch.testing.assert_close(g, r, atol=ATOL, rtol=0)
+
+
+def test_without_a_converted_encoder_the_tower_runs_in_pytorch(folder: Path, cache: Path) -> None:
+    vision = attach_vision(folder, Tokenizer.load(folder), coreml_backend(folder, cache))
+    assert vision is not None and not isinstance(vision.tower, ProgramTower)
+    assert vision.placement == "vision encoder: PyTorch cpu float32 (no Core ML conversion of it in the cache)"
 
 
 def test_pictures_change_the_reply_and_text_is_embedded_as_before(folder: Path, cache: Path) -> None:
@@ -138,10 +200,14 @@ def test_real_core_ml_reads_a_picture_as_the_torch_cpu_path_does(folder: Path, c
     tok = Tokenizer.load(folder)
     reference = TorchBackend(folder)
     ref_vision = attach_vision(folder, tok, reference)
-    backend = coreml_backend(folder, cache, core_ml_loader)
+    backend = coreml_backend(
+        folder, cache, core_ml_loader, encoder_loader=core_ml_encoder_loader, convert_encoder=convert_encoder
+    )
     vision = attach_vision(folder, tok, backend)
+    assert vision is not None and isinstance(vision.tower, ProgramTower)
     assert ref_vision is not None and vision is not None
     ids = prompt(vision, 1)
+    assert ids == prompt(ref_vision, 1)
     ref_logits, ref_tokens = greedy(reference, ids)
     got_logits, got_tokens = greedy(backend, ids)
     assert got_tokens == ref_tokens
