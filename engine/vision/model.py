@@ -134,7 +134,8 @@ PICTURES_ELSEWHERE: dict[str, str] = {
 PICTURES_ON_HOST = frozenset({"Idefics3ForConditionalGeneration"})
 
 
-def _architecture(folder: Path) -> str | None:
+def architecture(folder: Path) -> str | None:
+    """The first of a Hugging Face folder's `architectures`; None where it has no readable one."""
     try:
         d = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
@@ -146,7 +147,7 @@ def _architecture(folder: Path) -> str | None:
 def backends_passed_over(model_dir: Path, projector: Path | None) -> dict[str, str]:
     """The backends `auto` passes over for this model: PICTURES_ELSEWHERE where it sees images (a vision folder, or
     a GGUF with its projector), except Core ML for a folder of PICTURES_ON_HOST; none for a text model."""
-    if projector is None and _architecture(model_dir) in PICTURES_ON_HOST:
+    if projector is None and architecture(model_dir) in PICTURES_ON_HOST:
         return {name: why for name, why in PICTURES_ELSEWHERE.items() if name != "coreml"}
     return dict(PICTURES_ELSEWHERE) if projector is not None or is_vision_folder(model_dir) else {}
 
@@ -181,7 +182,7 @@ class PictureHost(Protocol):
 
 def is_vision_folder(path: Path) -> bool:
     """Whether `path` is a Hugging Face folder of a vision-language model engine.vision runs."""
-    return _architecture(path) in VISION_ARCHITECTURES
+    return architecture(path) in VISION_ARCHITECTURES
 
 
 @dataclass
@@ -460,7 +461,7 @@ def attach_vision(folder: Path, tokenizer: Tokenizer, backend: object) -> Vision
         return None
     model = getattr(backend, "model", None)
     if not isinstance(model, Transformer):
-        if isinstance(backend, PictureHost) and _architecture(folder) in PICTURES_ON_HOST:
+        if isinstance(backend, PictureHost) and architecture(folder) in PICTURES_ON_HOST:
             # the tower in PyTorch on the CPU, its rows fed to the host's programs as fp16 (docs/DESIGN.md, "Images")
             vision = load_vision(folder, tokenizer, backend.config.hidden_size, backend.config.vocab_size)
             vision.tower, vision.placement = backend.picture_tower(vision.tower)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.backends.coreml.cache import encoder_cache_key
+from engine.backends.coreml.cache import default_cache_root, encoder_cache_key
 from engine.backends.coreml.vision import ENCODER_INPUT, ENCODER_OUTPUT, ENCODER_PACKAGE, frame_patches, rows
 from engine.backends.coreml.watchdog import Watchdog
 from engine.fileio import atomic_dir
@@ -98,10 +98,35 @@ def encoder_tower(
     if found is None:
         if convert is None:
             return tower, "vision encoder: PyTorch cpu float32 (no Core ML conversion of it in the cache)"
-        with atomic_dir(roots[-1] / key) as tmp:
-            tmp.mkdir()
-            convert(tower, tmp / ENCODER_PACKAGE)
-        found = roots[-1] / key / ENCODER_PACKAGE
+        found = _convert_into(roots[-1] / key, tower, convert)
     package = found
     program = watchdog.load(lambda: loader(package, units))
     return ProgramTower(program, tower, watchdog), f"vision encoder: Core ML {units} float16"
+
+
+def _convert_into(folder: Path, tower: nn.Module, convert: EncoderConverter) -> Path:
+    """The program written whole into `folder` (atomically: a cache entry is complete or absent)."""
+    with atomic_dir(folder) as tmp:
+        tmp.mkdir()
+        convert(tower, tmp / ENCODER_PACKAGE)
+    return folder / ENCODER_PACKAGE
+
+
+def cache_encoder(
+    model_dir: Path, *, units: str, convert: EncoderConverter, cache_dir: Path | None = None
+) -> Path | None:
+    """`python -m coreml convert`'s second program: a SmolVLM / Idefics3 folder's encoder into the conversion cache
+    (converted once), where `CoreMLBackend.picture_tower` finds it; None for a model with no such encoder."""
+    from engine.loading.model_files import read_config
+    from engine.loading.tokenizer import Tokenizer
+    from engine.loading.weights import model_fingerprint
+    from engine.vision.model import PICTURES_ON_HOST, architecture, load_vision
+
+    if architecture(model_dir) not in PICTURES_ON_HOST:
+        return None
+    folder = (cache_dir or default_cache_root()) / encoder_cache_key(model_fingerprint(model_dir), units)
+    if (folder / ENCODER_PACKAGE).is_dir():
+        return folder / ENCODER_PACKAGE
+    config = read_config(model_dir)
+    vision = load_vision(model_dir, Tokenizer.load(model_dir), config.hidden_size, config.vocab_size)
+    return _convert_into(folder, vision.tower, convert)

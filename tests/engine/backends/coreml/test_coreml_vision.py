@@ -19,7 +19,7 @@ from coreml.vision import convert_encoder
 from engine.backends.base import Backend
 from engine.backends.coreml.package import Package
 from engine.backends.coreml.runtime import CoreMLBackend, core_ml_loader
-from engine.backends.coreml.vision_runtime import ProgramTower, core_ml_encoder_loader
+from engine.backends.coreml.vision_runtime import ProgramTower, cache_encoder, core_ml_encoder_loader
 from engine.backends.torch_backend import TorchBackend
 from engine.loading.tokenizer import Tokenizer
 from engine.memory.base import FullAttentionMemory
@@ -139,6 +139,31 @@ def test_the_encoder_program_is_converted_once_and_runs_the_pictures(
         assert got_tokens == ref_tokens
         for r, g in zip(ref_logits, got_logits, strict=True):
             torch.testing.assert_close(g, r, atol=ATOL, rtol=0)
+
+
+def test_the_converters_cache_entry_is_what_the_backend_finds(
+    folder: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`python -m coreml convert`'s second program (cache_encoder): written once, found by a backend given no
+    converter; a text model has none."""
+    cache = tmp_path_factory.mktemp("cli-cache")
+    cached_bundle(folder, slots=SLOTS, quantize="none", cache_dir=cache)
+    converted: list[Path] = []
+
+    def convert(tower: torch.nn.Module, out: Path) -> Path:
+        converted.append(out)
+        return convert_encoder(tower, out)
+
+    made = cache_encoder(folder, units="CPU_AND_NE", convert=convert, cache_dir=cache)
+    assert made is not None and made.is_dir() and len(converted) == 1
+    assert cache_encoder(folder, units="CPU_AND_NE", convert=convert, cache_dir=cache) == made
+    assert len(converted) == 1
+    vision = attach_vision(folder, Tokenizer.load(folder), coreml_backend(folder, cache))
+    assert vision is not None and isinstance(vision.tower, ProgramTower)
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    assert cache_encoder(text, units="CPU_AND_NE", convert=convert, cache_dir=cache) is None
 
 
 def test_without_a_converted_encoder_the_tower_runs_in_pytorch(folder: Path, cache: Path) -> None:
