@@ -36,7 +36,13 @@ from engine.backends.coreml.cache import Geometry, cache_key, cached, default_ca
 from engine.backends.coreml.errors import CoreMLError, PackageError
 from engine.backends.coreml.host import PackageBackend
 from engine.backends.coreml.programs import ANE_MAX_SLOTS, COMPUTE_UNITS, DEFAULT_UNITS, resolve
-from engine.backends.coreml.vision_runtime import EncoderConverter, EncoderLoader, core_ml_encoder_loader, encoder_tower
+from engine.backends.coreml.vision_runtime import (
+    EncoderConverter,
+    EncoderLoader,
+    ProgramTower,
+    core_ml_encoder_loader,
+    encoder_tower,
+)
 from engine.backends.coreml.watchdog import Watchdog
 from engine.errors import BackendUnavailable
 from engine.fileio import atomic_dir
@@ -182,6 +188,7 @@ class CoreMLBackend(PackageBackend):
         self.loader = loader
         self.convert_encoder = convert_encoder  # coreml.vision.convert_encoder, from a caller that may convert
         self.encoder_loader = encoder_loader
+        self.tower_numerics = ""  # where pictures are encoded: their rows' bits, so the persistent cache's key
         self.watchdog = watchdog or Watchdog()  # loads and predictions that never return are abandoned
         self._plan: dict[str, dict[str, float]] | None = None
         # Identity without loading the weights: the bundle is what runs.
@@ -196,7 +203,7 @@ class CoreMLBackend(PackageBackend):
 
     @property
     def numerics(self) -> str:
-        return f"coreml-{self.units.lower()}-fp16-{self.quantize}"
+        return f"coreml-{self.units.lower()}-fp16-{self.quantize}{self.tower_numerics}"
 
     @property
     def batch(self) -> int:
@@ -234,7 +241,7 @@ class CoreMLBackend(PackageBackend):
     def picture_tower(self, tower: Tower) -> tuple[Tower, str]:
         """SmolVLM / Idefics3's tower as its Core ML encoder program, found (or converted, given `convert_encoder`)
         beside the text model's bundles; else the PyTorch tower on the CPU (vision_runtime)."""
-        return encoder_tower(
+        placed, line = encoder_tower(
             tower,
             fingerprint=self.fingerprint,
             units=self.units,
@@ -243,6 +250,8 @@ class CoreMLBackend(PackageBackend):
             watchdog=self.watchdog,
             convert=self.convert_encoder,
         )
+        self.tower_numerics = "-vision-program" if isinstance(placed, ProgramTower) else "-vision-torch"
+        return placed, line
 
     def _new_row(self) -> dict[str, State]:
         # All functions of a chunk declare the same states; a state made by one is used by all (see module doc).

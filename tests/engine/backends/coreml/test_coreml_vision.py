@@ -131,6 +131,7 @@ def test_the_encoder_program_is_converted_once_and_runs_the_pictures(
     backend = coreml_backend(folder, cache, convert_encoder=convert)
     vision = attach_vision(folder, tok, backend)  # found in the cache: not converted again
     assert vision is not None and isinstance(vision.tower, ProgramTower) and len(converted) == 1
+    assert backend.numerics.endswith("-vision-program")  # the persistent cache keeps apart the towers' rows
     for pictures in (1, 2):
         ids = prompt(vision, pictures)
         assert ids == prompt(ref_vision, pictures)
@@ -167,8 +168,11 @@ def test_the_converters_cache_entry_is_what_the_backend_finds(
 
 
 def test_without_a_converted_encoder_the_tower_runs_in_pytorch(folder: Path, cache: Path) -> None:
-    vision = attach_vision(folder, Tokenizer.load(folder), coreml_backend(folder, cache))
+    backend = coreml_backend(folder, cache)
+    text_numerics = backend.numerics
+    vision = attach_vision(folder, Tokenizer.load(folder), backend)
     assert vision is not None and not isinstance(vision.tower, ProgramTower)
+    assert backend.numerics == text_numerics + "-vision-torch"
     assert vision.placement == "vision encoder: PyTorch cpu float32 (no Core ML conversion of it in the cache)"
 
 
