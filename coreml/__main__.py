@@ -1,6 +1,6 @@
 """`python -m coreml convert --model DIR [--out BUNDLE] [--quantize ...] [--units ...] [--slots S]` (without `--out`
-into the conversion cache the Core ML backend reads, engine.backends.coreml.cache),
-`python -m coreml check BUNDLE` and `python -m coreml faithfulness --model DIR`.
+into the conversion cache the Core ML backend reads, engine.backends.coreml.cache; for a SmolVLM / Idefics3 folder
+its vision encoder's program too), `python -m coreml check BUNDLE` and `python -m coreml faithfulness --model DIR`.
 
 Errors the user can act on print one line on stderr and exit 2 (as `python -m engine` does); a bundle that
 fails `check` exits 1. Converting prints its progress on stderr; Ctrl-C cancels it and leaves nothing behind."""
@@ -16,6 +16,8 @@ from engine.cli import run_command
 
 def _convert(args: argparse.Namespace) -> int:
     from coreml.convert import cached_bundle, convert
+    from coreml.vision import convert_encoder
+    from engine.backends.coreml.vision_runtime import cache_encoder
 
     def progress(stage: str, fraction: float) -> None:
         print(f"[{fraction * 100:5.1f}%] {stage}", file=sys.stderr, flush=True)
@@ -26,6 +28,9 @@ def _convert(args: argparse.Namespace) -> int:
     try:
         if args.out is None:
             out = cached_bundle(model, slots=args.slots, quantize=args.quantize, units=args.units, progress=progress)
+            encoder = cache_encoder(model, units=args.units, convert=convert_encoder)  # a model that sees images
+            if encoder is not None:
+                print(f"vision encoder: {encoder}", file=sys.stderr, flush=True)
         else:
             out = convert(
                 model, args.out, quantize=args.quantize, units=args.units, slots=args.slots, progress=progress

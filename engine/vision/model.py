@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from PIL import Image
 from torch import nn
@@ -35,7 +36,7 @@ from torch import nn
 from engine.errors import ModelLoadError, SparkError
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import mmap_tensors, read_safetensors_header, weight_files
-from engine.model.config import IMAGE_ID_LIMIT, VISION_ARCHITECTURES
+from engine.model.config import IMAGE_ID_LIMIT, VISION_ARCHITECTURES, ModelConfig
 from engine.model.network import Transformer
 from engine.model.quant import StoredTensor
 from engine.vision import gemma3
@@ -128,11 +129,26 @@ FAMILIES: dict[str, Family] = {
 PICTURES_ELSEWHERE: dict[str, str] = {
     name: "a model that sees images runs its pictures on MPS, CUDA or the CPU" for name in ("coreml", "mlx")
 }
+# Families a PictureHost (the Core ML host, which embeds ids itself) runs: a plain causal text model with ordinary
+# rotary. Gemma 3's pictures attend both ways and Qwen2.5-VL's rotary is multimodal, which its programs do not take.
+PICTURES_ON_HOST = frozenset({"Idefics3ForConditionalGeneration"})
+
+
+def architecture(folder: Path) -> str | None:
+    """The first of a Hugging Face folder's `architectures`; None where it has no readable one."""
+    try:
+        d = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    arch = (d.get("architectures") or [None])[0] if isinstance(d, dict) else None
+    return arch if isinstance(arch, str) else None
 
 
 def backends_passed_over(model_dir: Path, projector: Path | None) -> dict[str, str]:
     """The backends `auto` passes over for this model: PICTURES_ELSEWHERE where it sees images (a vision folder, or
-    a GGUF with its projector), none for a text model."""
+    a GGUF with its projector), except Core ML for a folder of PICTURES_ON_HOST; none for a text model."""
+    if projector is None and architecture(model_dir) in PICTURES_ON_HOST:
+        return {name: why for name, why in PICTURES_ELSEWHERE.items() if name != "coreml"}
     return dict(PICTURES_ELSEWHERE) if projector is not None or is_vision_folder(model_dir) else {}
 
 
@@ -150,13 +166,23 @@ class TowerHost(Protocol):
         ...
 
 
+@runtime_checkable
+class PictureHost(Protocol):
+    """A backend that looks its embedding up itself (the Core ML host) and takes a picture's rows from a callable:
+    ids (n,) int64 at or above the vocabulary -> (n, C) float rows (engine.backends.coreml.host.PictureRows)."""
+
+    config: ModelConfig
+
+    def take_pictures(self, rows: Callable[[np.ndarray], np.ndarray]) -> None: ...
+
+    def picture_tower(self, tower: Tower) -> tuple[Tower, str]:
+        """The tower its pictures run on (its own encoder program, or `tower`), and the line saying where."""
+        ...
+
+
 def is_vision_folder(path: Path) -> bool:
     """Whether `path` is a Hugging Face folder of a vision-language model engine.vision runs."""
-    try:
-        d = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(d, dict) and (d.get("architectures") or [None])[0] in VISION_ARCHITECTURES
+    return architecture(path) in VISION_ARCHITECTURES
 
 
 @dataclass
@@ -169,9 +195,9 @@ class ImageEmbedding(nn.Module):
     """The text model's embedding lookup with image rows: ids below the vocabulary go to `inner`, ids of a
     registered picture to the vision tower's rows for it (encoded on first use, then kept)."""
 
-    def __init__(self, inner: nn.Module, vocab_size: int, tower: Tower, salt: str = "") -> None:
+    def __init__(self, inner: nn.Module | None, vocab_size: int, tower: Tower, salt: str = "") -> None:
         super().__init__()
-        self.inner = inner
+        self.inner = inner  # None where the backend looks text rows up itself (a PictureHost): picture_rows only
         self.salt = salt  # the preprocessing's settings: other settings, other features, other ids
         self.vocab_size = vocab_size
         self.tower = tower
@@ -200,15 +226,21 @@ class ImageEmbedding(nn.Module):
         return ids
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C)
+        if self.inner is None:
+            raise ImageInputError("This picture embedding has no text lookup; its backend embeds text itself.")
         mask = ids >= self.vocab_size
         if not bool(mask.any()):
             out: torch.Tensor = self.inner(ids)
             return out
         out = self.inner(torch.where(mask, torch.zeros_like(ids), ids))
         at = mask.nonzero(as_tuple=False)
-        picked = [self._row(int(ids[b, t])) for b, t in at.tolist()]
-        out[at[:, 0], at[:, 1]] = torch.stack(picked).to(device=out.device, dtype=out.dtype)
+        picked = self.picture_rows([int(ids[b, t]) for b, t in at.tolist()])
+        out[at[:, 0], at[:, 1]] = picked.to(device=out.device, dtype=out.dtype)
         return out
+
+    def picture_rows(self, ids: Sequence[int]) -> torch.Tensor:
+        """Held pictures' ids -> their rows (n, C) in the tower's dtype; ImageInputError for one not held."""
+        return torch.stack([self._row(i) for i in ids])
 
     def _row(self, token_id: int) -> torch.Tensor:
         where = self.rows.get(token_id)
@@ -223,9 +255,11 @@ class ImageEmbedding(nn.Module):
             # One frame at a time: a frame's rows are the same bits whichever of its picture's frames a prompt
             # reads, so a tail re-read after a prefix restore encodes only the frames it holds.
             assert held.frames is not None  # held until every frame is encoded
-            p = next(self.tower.parameters())
+            p = next(self.tower.parameters(), None)  # None: a program's tower (Core ML), fed fp32 on the CPU
             with torch.no_grad():
-                pixels = torch.from_numpy(held.frames.pixels[frame : frame + 1]).to(device=p.device, dtype=p.dtype)
+                pixels = torch.from_numpy(held.frames.pixels[frame : frame + 1])
+                if p is not None:
+                    pixels = pixels.to(device=p.device, dtype=p.dtype)
                 rows = held.features[frame] = self.tower(pixels)
             self.encoded_frames += 1
             if len(held.features) == held.frames.pixels.shape[0]:
@@ -289,12 +323,26 @@ class VisionModel:
                 f"takes {tower.image_size}; the model folder does not fit together."
             )
 
+    @property
+    def _salt(self) -> str:
+        return hashlib.sha256((repr(self.preprocessing) + self.weights_id).encode()).hexdigest()[:16]
+
+    def attach_host(self, host: PictureHost) -> ImageEmbedding:
+        """Give `host` (which embeds text ids itself) the rows of this model's pictures' ids."""
+        embedding = ImageEmbedding(None, self.vocab_size, self.tower, self._salt)
+        self.embedding = embedding
+
+        def rows(ids: np.ndarray) -> np.ndarray:
+            return embedding.picture_rows(ids.tolist()).float().cpu().numpy()
+
+        host.take_pictures(rows)
+        return embedding
+
     def attach(self, model: Transformer) -> ImageEmbedding:
         """Wrap `model`'s embedding lookup (whatever the backend installed) so image ids embed as pictures."""
         backbone = model.model
         if not isinstance(backbone.embed_tokens, ImageEmbedding):
-            salt = hashlib.sha256((repr(self.preprocessing) + self.weights_id).encode()).hexdigest()[:16]
-            backbone.embed_tokens = ImageEmbedding(backbone.embed_tokens, self.vocab_size, self.tower, salt)
+            backbone.embed_tokens = ImageEmbedding(backbone.embed_tokens, self.vocab_size, self.tower, self._salt)
         embedding = backbone.embed_tokens
         assert isinstance(embedding, ImageEmbedding)
         self.embedding = embedding
@@ -413,6 +461,12 @@ def attach_vision(folder: Path, tokenizer: Tokenizer, backend: object) -> Vision
         return None
     model = getattr(backend, "model", None)
     if not isinstance(model, Transformer):
+        if isinstance(backend, PictureHost) and architecture(folder) in PICTURES_ON_HOST:
+            # the tower in PyTorch on the CPU, its rows fed to the host's programs as fp16 (docs/DESIGN.md, "Images")
+            vision = load_vision(folder, tokenizer, backend.config.hidden_size, backend.config.vocab_size)
+            vision.tower, vision.placement = backend.picture_tower(vision.tower)
+            vision.attach_host(backend)
+            return vision
         raise ModelLoadError(
             f"{folder.name} sees images only on the CPU, CUDA or MPS backends; choose one of them with --backend."
         )

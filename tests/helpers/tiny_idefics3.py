@@ -20,7 +20,10 @@ FRAME = 16  # the vision encoder's square input, pixels
 LONGEST_EDGE = 2 * FRAME  # the processor's first resize: up to 2 x 2 tiles plus the global view
 
 
-def make_tiny_idefics3(out: Path, *, seed: int = 0, splitting: bool = True) -> Path:
+def make_tiny_idefics3(
+    out: Path, *, seed: int = 0, splitting: bool = True, text_overrides: dict[str, Any] | None = None
+) -> Path:
+    """`text_overrides`: text model settings over the defaults (a Core ML bundle needs a head dimension of 32)."""
     import transformers
 
     out = Path(out)
@@ -57,6 +60,7 @@ def make_tiny_idefics3(out: Path, *, seed: int = 0, splitting: bool = True) -> P
         "eos_token_id": eos,
         "pad_token_id": 0,
         "tie_word_embeddings": False,
+        **(text_overrides or {}),
     }
     vision: dict[str, Any] = {
         "hidden_size": 32,

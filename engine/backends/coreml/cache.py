@@ -59,3 +59,10 @@ def cached(path: Path) -> bool:
         return Bundle.open(path).provenance.get("cache_key") == path.name
     except PackageError:
         return False
+
+
+def encoder_cache_key(fingerprint: str, units: str = DEFAULT_UNITS) -> str:
+    """The vision encoder's program (engine.backends.coreml.vision_runtime): fp16, no geometry, so only the model,
+    the units, the format and the tool versions change its bytes."""
+    ident = {"format": FORMAT_VERSION, "program": "vision-encoder", "fingerprint": fingerprint, "units": units}
+    return hashlib.sha256(json.dumps({**ident, **tool_versions()}, sort_keys=True).encode()).hexdigest()[:24]

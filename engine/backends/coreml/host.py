@@ -6,6 +6,10 @@ bundle's fixed token counts, computes the RoPE tables, the additive mask and the
 layer chunks in order, runs the head only on the rows whose logits are used, and maps read_kv / write_kv onto the
 chunks' (L_chunk, Hkv, S, D) states, which are the canonical KV layout split by layers.
 
+Pictures: ids at or above the vocabulary are a picture's tokens (engine.vision.model). The host embeds them through
+an injected `PictureRows` (`take_pictures`), in fp16 as the text rows; without one, or for an id it does not hold,
+the step is refused in one sentence. A step of text ids only is embedded exactly as before.
+
 After every forward, `query_summary()` returns (B, L, Hkv, D) fp32: per layer, the mean pre-RoPE query over the
 step's tokens and the query heads of each KV group (what the cascade's retrieval scores blocks against).
 """
@@ -27,6 +31,12 @@ from engine.backends.coreml.programs import MASK_MIN, STATE_NAMES, has_local_inp
 from engine.model.attention import rope_cos_sin
 from engine.model.config import ModelConfig
 from engine.model.network import ForwardCancelled, SlotBatch
+from engine.vision.model import ImageInputError
+from engine.vision.siglip import Tower
+
+# ids (n,) int64, each at or above the vocabulary -> their rows (n, C), any float dtype (the host casts to fp16);
+# ImageInputError for an id it does not hold.
+PictureRows = Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,16 @@ class PackageBackend(Backend):
     functions: dict[str, int]  # function name -> tokens per call
     slots: int
     _summary: torch.Tensor | None = None  # the last forward's query summary (the cascade reads query_summary())
+    pictures: PictureRows | None = None  # a picture's rows (engine.vision.model.attach_vision), None for text only
+
+    def take_pictures(self, rows: PictureRows) -> None:
+        """Embed ids at or above the vocabulary through `rows` (engine.vision.model.PictureHost)."""
+        self.pictures = rows
+
+    def picture_tower(self, tower: Tower) -> tuple[Tower, str]:
+        """The tower this host's pictures run on and where (engine.vision.model.PictureHost): here `tower` itself,
+        in PyTorch on the CPU; the Core ML runtime runs its encoder program where it has one."""
+        return tower, "vision encoder: PyTorch cpu float32"
 
     def query_summary(self) -> torch.Tensor | None:
         """Backend protocol: the per-layer query summary of the last forward, (B, L, Hkv, D) fp32."""
@@ -142,7 +162,7 @@ class PackageBackend(Backend):
         q_cos, q_sin = self.rope(batch.positions[row, rows])  # (T, D) each
         write, keep = write_matrix(batch.write_slots[row, rows].tolist(), self.slots)
         mask = batch.mask[row, 0, rows].numpy()  # (T, S) bool
-        embedded = self.embedding(tokens[row, rows].numpy())  # (T, C) fp16
+        embedded = self._embed(tokens[row, rows].numpy())  # (T, C) fp16
         if self.embed_scale is not None:
             embedded = embedded * self.embed_scale  # fp16 times fp16, rounded to fp16 as torch does
         hidden = np.ascontiguousarray(embedded.T[None, :, None, :])  # (1, C, 1, T)
@@ -176,6 +196,22 @@ class PackageBackend(Backend):
             hidden = np.asarray(out["hidden_out"], dtype=np.float16)
             summaries.append(np.asarray(out["qsum"], dtype=np.float32)[0])  # (L_chunk, Hkv, D)
         return hidden, np.concatenate(summaries, axis=0)
+
+    def _embed(self, ids: np.ndarray) -> np.ndarray:
+        """ids (T,) -> (T, C) fp16: text rows from the host embedding, a picture's from `pictures`."""
+        image = ids >= self.embedding.vocab
+        if not image.any():
+            return self.embedding(ids)
+        if self.pictures is None:
+            raise ImageInputError("The prompt holds image tokens but this model has no picture attached to embed them.")
+        out = self.embedding(np.where(image, 0, ids))
+        rows = np.asarray(self.pictures(ids[image].astype(np.int64)))
+        if rows.shape != (int(image.sum()), self.embedding.hidden):
+            raise ImageInputError(
+                f"The vision encoder gave rows of shape {rows.shape}, not one of {self.embedding.hidden} a token."
+            )
+        out[image] = rows.astype(np.float16)
+        return out
 
     def _head(self, hidden: np.ndarray) -> np.ndarray:
         """hidden (n, C) fp16 -> logits (n, V) fp32, in calls of the head's token counts."""

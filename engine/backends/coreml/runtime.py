@@ -36,10 +36,18 @@ from engine.backends.coreml.cache import Geometry, cache_key, cached, default_ca
 from engine.backends.coreml.errors import CoreMLError, PackageError
 from engine.backends.coreml.host import PackageBackend
 from engine.backends.coreml.programs import ANE_MAX_SLOTS, COMPUTE_UNITS, DEFAULT_UNITS, resolve
+from engine.backends.coreml.vision_runtime import (
+    EncoderConverter,
+    EncoderLoader,
+    ProgramTower,
+    core_ml_encoder_loader,
+    encoder_tower,
+)
 from engine.backends.coreml.watchdog import Watchdog
 from engine.errors import BackendUnavailable
 from engine.fileio import atomic_dir
 from engine.loading.model_files import read_config
+from engine.vision.siglip import Tower
 
 UNITS_ENV = "MLOT_SPARK_COREML_UNITS"
 QUANT_ENV = "MLOT_SPARK_COREML_QUANTIZE"
@@ -164,6 +172,8 @@ class CoreMLBackend(PackageBackend):
         convert: Converter | None = None,
         loader: Loader = core_ml_loader,
         watchdog: Watchdog | None = None,
+        convert_encoder: EncoderConverter | None = None,
+        encoder_loader: EncoderLoader = core_ml_encoder_loader,
     ) -> None:
         from engine.loading.weights import model_fingerprint, stored_weight_bytes
 
@@ -176,6 +186,9 @@ class CoreMLBackend(PackageBackend):
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else None
         self.convert = convert
         self.loader = loader
+        self.convert_encoder = convert_encoder  # coreml.vision.convert_encoder, from a caller that may convert
+        self.encoder_loader = encoder_loader
+        self.tower_numerics = ""  # where pictures are encoded: their rows' bits, so the persistent cache's key
         self.watchdog = watchdog or Watchdog()  # loads and predictions that never return are abandoned
         self._plan: dict[str, dict[str, float]] | None = None
         # Identity without loading the weights: the bundle is what runs.
@@ -190,7 +203,7 @@ class CoreMLBackend(PackageBackend):
 
     @property
     def numerics(self) -> str:
-        return f"coreml-{self.units.lower()}-fp16-{self.quantize}"
+        return f"coreml-{self.units.lower()}-fp16-{self.quantize}{self.tower_numerics}"
 
     @property
     def batch(self) -> int:
@@ -224,6 +237,21 @@ class CoreMLBackend(PackageBackend):
         }
         self.path = path
         self.weight_bytes = bundle.total_bytes()
+
+    def picture_tower(self, tower: Tower) -> tuple[Tower, str]:
+        """SmolVLM / Idefics3's tower as its Core ML encoder program, found (or converted, given `convert_encoder`)
+        beside the text model's bundles; else the PyTorch tower on the CPU (vision_runtime)."""
+        placed, line = encoder_tower(
+            tower,
+            fingerprint=self.fingerprint,
+            units=self.units,
+            roots=(shipped_root(), self.cache_dir or default_cache_root()),
+            loader=self.encoder_loader,
+            watchdog=self.watchdog,
+            convert=self.convert_encoder,
+        )
+        self.tower_numerics = "-vision-program" if isinstance(placed, ProgramTower) else "-vision-torch"
+        return placed, line
 
     def _new_row(self) -> dict[str, State]:
         # All functions of a chunk declare the same states; a state made by one is used by all (see module doc).

@@ -5,8 +5,8 @@ values in the patch embedding's own order (channel, row, column), channels-first
 a reshape on the host (`frame_patches`), so the whole program is 1x1 convolutions, matrix products and norms.
 Output `features` (1, C, 1, N): the frame's N image-token rows, channels-first (`rows` turns them into (N, C)).
 
-The runtime does not load it yet: the Core ML backend takes no pictures (its host embedding has no image rows), and
-its bundles hold no encoder program (docs/DESIGN.md, "Images").
+The runtime loads it from `<cache key>/ENCODER_PACKAGE` in the conversion cache (engine.backends.coreml.vision_runtime);
+it is not part of the text model's bundle.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 ENCODER_INPUT = "patches"
 ENCODER_OUTPUT = "features"
+ENCODER_PACKAGE = "encoder.mlpackage"
 
 
 def frame_patches(pixels: np.ndarray, patch: int) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""A model that sees images opens where its pictures run: `auto` passes over Core ML and MLX for it (a Mac then opens
-it on MPS), saying why; a text model's order is unchanged."""
+"""A model that sees images opens where its pictures run: `auto` passes over MLX for it, and Core ML unless its family
+is one the Core ML host feeds (SmolVLM / Idefics3), saying why; a text model's order is unchanged."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 from engine.backends import REGISTRY, BackendEntry, open_backend
 from engine.backends.base import Backend, BackendProbe
 from engine.backends.memo import BackendMemo
-from engine.vision.model import PICTURES_ELSEWHERE, backends_passed_over
+from engine.vision.model import PICTURES_ELSEWHERE, PICTURES_ON_HOST, backends_passed_over
+from tests.helpers.tiny_gemma3 import make_tiny_gemma3
 from tests.helpers.tiny_idefics3 import make_tiny_idefics3
 
 
@@ -18,14 +19,22 @@ def test_a_vision_folder_or_a_projector_passes_over_the_converted_backends(tmp_p
     text = tmp_path / "text"
     text.mkdir()
     (text / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    assert backends_passed_over(folder, None) == PICTURES_ELSEWHERE
     assert set(PICTURES_ELSEWHERE) == {"coreml", "mlx"}
+    assert set(PICTURES_ON_HOST) == {"Idefics3ForConditionalGeneration"}
+    # SmolVLM's pictures run on the Core ML host (engine.backends.coreml.host.PictureRows); not on MLX
+    assert backends_passed_over(folder, None) == {"mlx": PICTURES_ELSEWHERE["mlx"]}
+    # a GGUF's projector, Gemma 3's two-way picture attention and Qwen2.5-VL's multimodal rotary: both passed over
     assert backends_passed_over(text, tmp_path / "mmproj-x.gguf") == PICTURES_ELSEWHERE
+    for arch in ("Gemma3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
+        other = tmp_path / arch
+        other.mkdir()
+        (other / "config.json").write_text(f'{{"architectures": ["{arch}"]}}')
+        assert backends_passed_over(other, None) == PICTURES_ELSEWHERE
     assert backends_passed_over(text, None) == {}
 
 
 def test_auto_passes_over_what_it_is_told_with_the_reason(tmp_path: Path) -> None:
-    folder = make_tiny_idefics3(tmp_path / "vlm")
+    folder = make_tiny_gemma3(tmp_path / "gemma")
     opened: list[str] = []
     cpu = REGISTRY["cpu"]
 
@@ -48,3 +57,7 @@ def test_auto_passes_over_what_it_is_told_with_the_reason(tmp_path: Path) -> Non
     assert "coreml: a model that sees images runs its pictures on MPS, CUDA or the CPU" in choice.explain()
     open_backend(folder, "auto", memo=memo, registry=registry)  # a text model's order: the converted one first
     assert opened == ["coreml"]
+    smolvlm = make_tiny_idefics3(tmp_path / "vlm")  # its pictures run on the Core ML host: opened there
+    told = backends_passed_over(smolvlm, None)
+    assert open_backend(smolvlm, "auto", memo=memo, registry=registry, passed_over=told).backend.name == "cpu"
+    assert opened == ["coreml", "coreml"]
