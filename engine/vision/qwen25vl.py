@@ -27,7 +27,6 @@ Shapes: N patches of one picture, E encoder width, P patch values (3 * temporal 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,14 +41,13 @@ from torch import nn
 
 from engine.errors import ModelLoadError, SparkError
 from engine.model.network import RMSNorm
-from engine.vision.idefics3 import Frames
+from engine.vision.idefics3 import Frames, read_processor_json
 from engine.vision.siglip import Tower
 
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
 TEMPLATE_MARK = VISION_START + IMAGE_PAD + VISION_END  # what Qwen's chat template renders for an image part
-MAX_PROCESSOR_BYTES = 1024 * 1024
 MAX_PICTURE_PIXELS = 4096 * 4096  # our own bound on a processor's max_pixels: what one picture may be resized to
 MAX_ASPECT = 200  # transformers' smart_resize refuses pictures more elongated than this
 # One frame per picture, however many tokens: engine.vision.model reads token k of a picture as frame k // this.
@@ -83,10 +81,7 @@ class Qwen25VLPreprocessing:
 
     @classmethod
     def from_folder(cls, folder: Path) -> Qwen25VLPreprocessing:
-        proc = _read_json(folder / "processor_config.json")
-        image = proc.get("image_processor")
-        if not isinstance(image, dict):
-            image = _read_json(folder / "preprocessor_config.json")
+        _, image = read_processor_json(folder)
         try:
             size = image.get("size") or {}
             lo = image.get("min_pixels", size.get("shortest_edge", size.get("min_pixels", 56 * 56)))
@@ -442,15 +437,3 @@ def mrope_offsets(
             delta += max(rows, cols) - rows * cols
     out[done - start :] = delta
     return torch.from_numpy(out)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        if path.stat().st_size > MAX_PROCESSOR_BYTES:
-            raise ModelLoadError(f"{path.name} is larger than any processor config; the model folder looks damaged.")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        raise ModelLoadError(f"{path.name} is not valid JSON; the download may be incomplete.") from None
-    return data if isinstance(data, dict) else {}
