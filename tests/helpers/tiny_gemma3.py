@@ -7,15 +7,14 @@ content as typed parts and writing `<start_of_image>` for an image part."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.helpers.tiny import CHAT_TEMPLATE, build_tokenizer
+from tests.helpers.tiny import CHAT_TEMPLATE
 from tests.helpers.tiny_families import family_config
+from tests.helpers.tiny_vision import init_near_identity, vision_tokenizer
 
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 IMAGE_SIZE = 32  # the encoder's square input, pixels
@@ -38,23 +37,9 @@ def make_tiny_gemma3(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
-    tok.add_special_tokens([BOI, EOI, SOFT])
-    tok_dir = out / "_tok"
-    tok_dir.mkdir(exist_ok=True)
-    tok.save(str(tok_dir / "tokenizer.json"))
-    (tok_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<|bos|>",
-                "eos_token": "<|end|>",
-                "add_bos_token": True,
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "extra_special_tokens": {"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT},
-            }
-        )
+    tok, hf_tok = vision_tokenizer(
+        out, [BOI, EOI, SOFT], {"extra_special_tokens": {"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT}}
     )
-    hf_tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
     bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|end|>")
     assert bos is not None and eos is not None
     text = family_config("gemma3", tok.get_vocab_size(), bos, eos, query_pre_attn_scalar=query_pre_attn_scalar)
@@ -77,14 +62,8 @@ def make_tiny_gemma3(
     )
     torch.manual_seed(seed)
     model = transformers.Gemma3ForConditionalGeneration(cfg).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ("language_model" in name and name.endswith("norm.weight")) or "mm_soft_emb_norm" in name:
-                torch.nn.init.normal_(p, 0.0, 0.1)  # Gemma scales by 1 + w: near the identity
-            elif name.endswith("weight") and p.dim() == 1:  # SigLIP's LayerNorms
-                torch.nn.init.normal_(p, 1.0, 0.1)
-            else:
-                torch.nn.init.normal_(p, 0.0, 0.08 if p.dim() > 1 else 0.02)
+    # Gemma scales its text norms and the soft-embedding norm by 1 + w: those near the identity around 0.
+    init_near_identity(model, 0.08, zero_centred=_scaled_by_one_plus)
     model.save_pretrained(out, safe_serialization=True)
     processor = transformers.Gemma3Processor(
         image_processor=transformers.Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
@@ -93,5 +72,8 @@ def make_tiny_gemma3(
         chat_template=chat_template,
     )
     processor.save_pretrained(out)
-    shutil.rmtree(tok_dir)
     return out
+
+
+def _scaled_by_one_plus(name: str) -> bool:
+    return ("language_model" in name and name.endswith("norm.weight")) or "mm_soft_emb_norm" in name

@@ -4,14 +4,13 @@ tests.helpers.tiny plus Idefics3's image tokens. Frames of 16 pixels, patches of
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.helpers.tiny import CHAT_TEMPLATE, build_tokenizer
+from tests.helpers.tiny import CHAT_TEMPLATE
+from tests.helpers.tiny_vision import init_near_identity, vision_tokenizer
 
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
     f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
@@ -28,22 +27,7 @@ def make_tiny_idefics3(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
-    tok.add_special_tokens(IMAGE_TOKENS)
-    tok_dir = out / "_tok"
-    tok_dir.mkdir(exist_ok=True)
-    tok.save(str(tok_dir / "tokenizer.json"))
-    (tok_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<|bos|>",
-                "eos_token": "<|end|>",
-                "add_bos_token": True,
-                "tokenizer_class": "PreTrainedTokenizerFast",
-            }
-        )
-    )
-    hf_tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    tok, hf_tok = vision_tokenizer(out, IMAGE_TOKENS)
     vocab = tok.get_vocab_size()
     bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|end|>")
     text: dict[str, Any] = {
@@ -79,12 +63,7 @@ def make_tiny_idefics3(
     )
     torch.manual_seed(seed)
     model = transformers.Idefics3ForConditionalGeneration(cfg).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("weight") and p.dim() == 1:  # the norms: near their identity
-                torch.nn.init.normal_(p, 1.0, 0.1)
-            else:
-                torch.nn.init.normal_(p, 0.0, 0.08 if p.dim() > 1 else 0.02)
+    init_near_identity(model, 0.08)
     model.save_pretrained(out, safe_serialization=True)
     processor = transformers.Idefics3Processor(
         image_processor=transformers.Idefics3ImageProcessorPil(
@@ -97,5 +76,4 @@ def make_tiny_idefics3(
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)
-    shutil.rmtree(tok_dir)
     return out

@@ -6,14 +6,13 @@ the whole picture."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.helpers.tiny import CHAT_TEMPLATE, build_tokenizer
+from tests.helpers.tiny import CHAT_TEMPLATE
+from tests.helpers.tiny_vision import init_near_identity, vision_tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 PATCH = 2
@@ -40,22 +39,7 @@ def make_tiny_qwen25vl(out: Path, *, seed: int = 0) -> Path:
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
-    tok.add_special_tokens(VISION_TOKENS)
-    tok_dir = out / "_tok"
-    tok_dir.mkdir(exist_ok=True)
-    tok.save(str(tok_dir / "tokenizer.json"))
-    (tok_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<|bos|>",
-                "eos_token": "<|end|>",
-                "add_bos_token": True,
-                "tokenizer_class": "PreTrainedTokenizerFast",
-            }
-        )
-    )
-    hf_tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    tok, hf_tok = vision_tokenizer(out, VISION_TOKENS)
     vocab = tok.get_vocab_size()
     bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|end|>")
     text: dict[str, Any] = {
@@ -96,12 +80,7 @@ def make_tiny_qwen25vl(out: Path, *, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("weight") and p.dim() == 1:  # the norms: near their identity
-                torch.nn.init.normal_(p, 1.0, 0.1)
-            else:
-                torch.nn.init.normal_(p, 0.0, 0.25 if p.dim() > 1 else 0.02)
+    init_near_identity(model, 0.25)
     model.save_pretrained(out, safe_serialization=True)
     processor = image_only_processor()(
         image_processor=transformers.Qwen2VLImageProcessorPil(
@@ -111,5 +90,4 @@ def make_tiny_qwen25vl(out: Path, *, seed: int = 0) -> Path:
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)
-    shutil.rmtree(tok_dir)
     return out
