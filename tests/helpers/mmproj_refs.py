@@ -1,5 +1,6 @@
 """transformers' vision-language model holding the very weights a GGUF and its mmproj store (dequantized), to
-compare a quantized export against; and greedy tokens from our causal path, multimodal offsets included."""
+compare a quantized export against; our vision model loaded from a folder or from a GGUF and its mmproj; and greedy
+tokens from our causal path, multimodal offsets included."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from typing import Any
 
 import torch
 
+from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import load_model
+from engine.vision.gguf_vision import load_mmproj
 from engine.vision.mmproj import read_mmproj
-from engine.vision.model import VisionModel
+from engine.vision.model import VisionModel, load_vision
 
 
 def on_stored_weights(hf_model: Any, text: Path, mmproj: Path, text_prefix: str, vision_prefix: str) -> Any:
@@ -34,12 +37,30 @@ def on_stored_weights(hf_model: Any, text: Path, mmproj: Path, text_prefix: str,
     return model
 
 
-def causal_greedy(model: Any, vision: VisionModel, ids: list[int], n: int) -> list[int]:
+def ours_from_folder(folder: Path) -> tuple[Any, VisionModel]:
+    """Our text model of a checkpoint folder with its vision model attached."""
+    loaded = load_model(folder)
+    vision = load_vision(folder, Tokenizer.load(folder), loaded.config.hidden_size, loaded.config.vocab_size)
+    vision.attach(loaded.model)
+    return loaded.model, vision
+
+
+def ours_from_gguf(text: Path, mmproj: Path) -> tuple[Any, VisionModel]:
+    """Our text model of a GGUF with the vision model of its mmproj attached."""
+    loaded = load_model(text)
+    vision = load_mmproj(mmproj, Tokenizer.load(text), loaded.config.hidden_size, loaded.config.vocab_size)
+    vision.attach(loaded.model)
+    return loaded.model, vision
+
+
+def causal_greedy(model: Any, vision: VisionModel, ids: list[int], n: int, offsets: bool = True) -> list[int]:
+    """n greedy tokens after `ids` through the causal path, each turned by its multimodal offsets (a model without
+    them has none; `offsets=False` leaves them out)."""
     out: list[int] = []
     with torch.no_grad():
         for _ in range(n):
             seq = ids + out
-            turn = vision.position_offsets(seq)
+            turn = vision.position_offsets(seq) if offsets else None
             logits = model.forward_causal(torch.tensor([seq]), None if turn is None else turn[None])
             out.append(int(logits[0, -1].argmax()))
     return out

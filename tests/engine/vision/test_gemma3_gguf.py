@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from engine.bench.mmproj_export import export_vision
 from engine.generation.loop import GenerationSettings
@@ -23,16 +22,13 @@ from engine.session.engine import load
 from engine.vision.gemma3 import Gemma3Preprocessing
 from engine.vision.gguf_vision import attach_mmproj
 from engine.vision.model import VisionModel
+from tests.helpers.hf_greedy import hf_vision_model, hf_vision_tokens
 from tests.helpers.mmproj_refs import causal_greedy, on_stored_weights
-from tests.helpers.pictures import picture
+from tests.helpers.pictures import CASES, picture, pictures_of
 from tests.helpers.tiny_gemma3 import BOI, IMAGE_SIZE, TOKENS_PER_IMAGE, make_tiny_gemma3
 
 transformers = pytest.importorskip("transformers")
 STEPS = 24
-CASES = {
-    "one": ("<|user|>\n<image>What is in the picture?<|end|>\n<|assistant|>\n", [(40, 24)]),
-    "two": ("<|user|>\n<image>and<image> which is wider?<|end|>\n<|assistant|>\n", [(60, 14), (10, 12)]),
-}
 EXPORTS = {"f32": ("f32", "f32"), "q8_0": ("q8_0", "f16")}  # (text model, mmproj)
 
 
@@ -58,8 +54,7 @@ def exports(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 @pytest.fixture(scope="module")
 def theirs(folder: Path) -> tuple[Any, Any]:
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, transformers.AutoProcessor.from_pretrained(folder)
+    return hf_vision_model(transformers.Gemma3ForConditionalGeneration, folder)
 
 
 def ours(text: Path, mmproj: Path) -> tuple[Any, VisionModel]:
@@ -87,7 +82,7 @@ def test_greedy_tokens_equal_transformers(
 ) -> None:
     text_file, mmproj = exports[kind]
     prompt, sizes = CASES[case]
-    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    pictures = pictures_of(sizes)
     model, vision = ours(text_file, mmproj)
     hf_model, processor = theirs
     if kind != "f32":
@@ -100,11 +95,7 @@ def test_greedy_tokens_equal_transformers(
     plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
     assert plain == inputs["input_ids"][0].tolist()  # the GGUF's vocabulary tokenizes as the folder's
 
-    with torch.no_grad():
-        hf = hf_model.generate(
-            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    assert causal_greedy(model, vision, ids, STEPS) == hf[0, len(plain) :].tolist()
+    assert causal_greedy(model, vision, ids, STEPS) == hf_vision_tokens(hf_model, inputs, STEPS)
 
 
 def test_front_door_answers_as_the_folder(folder: Path, exports: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:

@@ -17,11 +17,11 @@ import torch
 from engine.generation.batch import generate_batch
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
-from engine.loading.tokenizer import Tokenizer
-from engine.loading.weights import load_model
 from engine.session.engine import load
-from engine.vision.model import VisionModel, load_vision
-from tests.helpers.pictures import picture
+from engine.vision.model import VisionModel
+from tests.helpers.hf_greedy import hf_vision_model, hf_vision_tokens
+from tests.helpers.mmproj_refs import causal_greedy, ours_from_folder
+from tests.helpers.pictures import CASES, picture, pictures_of
 from tests.helpers.tiny_gemma3 import BOI, PARTS_TEMPLATE, TOKENS_PER_IMAGE, make_tiny_gemma3
 
 transformers = pytest.importorskip("transformers")
@@ -35,36 +35,16 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ours(folder: Path) -> tuple[Any, VisionModel]:
-    loaded = load_model(folder)
-    tok = Tokenizer.load(folder)
-    vision = load_vision(folder, tok, loaded.config.hidden_size, loaded.config.vocab_size)
-    vision.attach(loaded.model)
-    return loaded.model, vision
+    return ours_from_folder(folder)
 
 
 @pytest.fixture(scope="module")
 def theirs(folder: Path) -> tuple[Any, Any]:
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, transformers.AutoProcessor.from_pretrained(folder)
-
-
-def our_greedy(model: Any, ids: list[int], n: int) -> list[int]:
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model.forward_causal(torch.tensor([ids + out]))
-            out.append(int(logits[0, -1].argmax()))
-    return out
-
-
-CASES = {
-    "one": ("<|user|>\n<image>What is in the picture?<|end|>\n<|assistant|>\n", [(40, 24)]),
-    "two": ("<|user|>\n<image>and<image> which is wider?<|end|>\n<|assistant|>\n", [(60, 14), (10, 12)]),
-}
+    return hf_vision_model(transformers.Gemma3ForConditionalGeneration, folder)
 
 
 def their_inputs(processor: Any, text: str, sizes: list[tuple[int, int]]) -> Any:
-    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    pictures = pictures_of(sizes)
     # Gemma3Processor's marker is <start_of_image>; ours, the engine's, is <image>.
     return processor(text=text.replace("<image>", BOI), images=[p.image for p in pictures], return_tensors="pt")
 
@@ -72,7 +52,7 @@ def their_inputs(processor: Any, text: str, sizes: list[tuple[int, int]]) -> Any
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_tokens_equal_transformers(case: str, ours: tuple[Any, VisionModel], theirs: tuple[Any, Any]) -> None:
     text, sizes = CASES[case]
-    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    pictures = pictures_of(sizes)
     model, vision = ours
     hf_model, processor = theirs
     inputs = their_inputs(processor, text, sizes)
@@ -85,11 +65,7 @@ def test_greedy_tokens_equal_transformers(case: str, ours: tuple[Any, VisionMode
     assert plain == inputs["input_ids"][0].tolist()
     assert len(set(ids) - set(plain)) == len(pictures) * TOKENS_PER_IMAGE
 
-    with torch.no_grad():
-        hf = hf_model.generate(
-            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    assert our_greedy(model, ids, STEPS) == hf[0, len(plain) :].tolist()
+    assert causal_greedy(model, vision, ids, STEPS) == hf_vision_tokens(hf_model, inputs, STEPS)
 
 
 def test_a_pictures_tokens_attend_both_ways(ours: tuple[Any, VisionModel], theirs: tuple[Any, Any]) -> None:
@@ -99,7 +75,7 @@ def test_a_pictures_tokens_attend_both_ways(ours: tuple[Any, VisionModel], their
     model, vision = ours
     hf_model, processor = theirs
     inputs = their_inputs(processor, text, sizes)
-    ids = vision.encode_prompt(text, [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)])
+    ids = vision.encode_prompt(text, pictures_of(sizes))
     with torch.no_grad():
         expected = hf_model(**inputs).logits[0]
         both_ways = model.forward_causal(torch.tensor([ids]))[0]
@@ -124,24 +100,19 @@ def test_chat_read_in_small_chunks_equals_transformers(folder: Path, tmp_path: P
     settings = GenerationSettings(
         max_tokens=STEPS, ignore_eos=True, prefill_chunk=chunk, sampling=SamplingSettings(temperature=0.0)
     )
-    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    pictures = pictures_of(sizes)
     tokens = [e.token for e in session.chat("Which is wider?", settings, images=pictures) if e.token is not None]
     rendered = session._render(add_generation_prompt=False)  # the prompt as fed: the reply's text follows it
     prompt = rendered[: rendered.rindex("<|assistant|>\n") + len("<|assistant|>\n")]
 
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    processor = transformers.AutoProcessor.from_pretrained(folder)
+    model, processor = hf_vision_model(transformers.Gemma3ForConditionalGeneration, folder)
     inputs = processor(
         text=prompt.replace("<image>", BOI),
         images=[p.image for p in pictures],
         return_tensors="pt",
         add_special_tokens=False,
     )
-    with torch.no_grad():
-        out = model.generate(
-            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    assert tokens == out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert tokens == hf_vision_tokens(model, inputs, STEPS)
 
 
 def test_a_template_writing_gemmas_marker_places_the_pictures_as_transformers(
@@ -156,17 +127,12 @@ def test_a_template_writing_gemmas_marker_places_the_pictures_as_transformers(
     session = engine.new_session()
     tokens = [e.token for e in session.chat("Which is wider?", settings, images=pictures) if e.token is not None]
 
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    processor = transformers.AutoProcessor.from_pretrained(folder)
+    model, processor = hf_vision_model(transformers.Gemma3ForConditionalGeneration, folder)
     parts = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which is wider?"}]
     text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
     assert text.count(BOI) == 2
     inputs = processor(text=text, images=[p.image for p in pictures], return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(
-            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    assert tokens == out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert tokens == hf_vision_tokens(model, inputs, STEPS)
 
 
 def test_batched_rows_read_in_small_chunks_equal_transformers(
@@ -178,14 +144,10 @@ def test_batched_rows_read_in_small_chunks_equal_transformers(
     hf_model, processor = theirs
     prompts, expected = [], []
     for text, sizes in (CASES["two"], CASES["one"]):
-        pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+        pictures = pictures_of(sizes)
         prompts.append(engine.vision.encode_prompt(text, pictures))
         inputs = their_inputs(processor, text, sizes)
-        with torch.no_grad():
-            out = hf_model.generate(
-                **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
-            )
-        expected.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+        expected.append(hf_vision_tokens(hf_model, inputs, STEPS))
     settings = GenerationSettings(
         max_tokens=STEPS, ignore_eos=True, prefill_chunk=3, sampling=SamplingSettings(temperature=0.0)
     )

@@ -4,31 +4,21 @@ over 24 tokens, for a prompt with one picture and with two."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from engine.loading.tokenizer import Tokenizer
-from engine.loading.weights import load_model
-from engine.vision.images import DecodedImage, decode_bytes
-from engine.vision.model import ImageEmbedding, VisionModel, load_vision
+from engine.vision.model import ImageEmbedding, VisionModel
+from tests.helpers.hf_greedy import hf_vision_model, hf_vision_tokens
+from tests.helpers.mmproj_refs import causal_greedy, ours_from_folder
+from tests.helpers.pictures import CASES, picture, pictures_of
 from tests.helpers.tiny_idefics3 import make_tiny_idefics3
 
 transformers = pytest.importorskip("transformers")
 STEPS = 24
-
-
-def picture(w: int, h: int, seed: int) -> DecodedImage:
-    rng = np.random.default_rng(seed)
-    a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(a, "RGB").save(buf, "PNG")
-    return decode_bytes(buf.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -38,38 +28,18 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ours(folder: Path) -> tuple[Any, VisionModel]:
-    loaded = load_model(folder)
-    tok = Tokenizer.load(folder)
-    vision = load_vision(folder, tok, loaded.config.hidden_size, loaded.config.vocab_size)
-    vision.attach(loaded.model)
-    return loaded.model, vision
+    return ours_from_folder(folder)
 
 
 @pytest.fixture(scope="module")
 def theirs(folder: Path) -> tuple[Any, Any]:
-    model = transformers.Idefics3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, transformers.AutoProcessor.from_pretrained(folder)
-
-
-def our_greedy(model: Any, ids: list[int], n: int) -> list[int]:
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model.forward_causal(torch.tensor([ids + out]))
-            out.append(int(logits[0, -1].argmax()))
-    return out
-
-
-CASES = {
-    "one": ("<|user|>\n<image>What is in the picture?<|end|>\n<|assistant|>\n", [(40, 24)]),
-    "two": ("<|user|>\n<image>and<image> which is wider?<|end|>\n<|assistant|>\n", [(60, 14), (10, 12)]),
-}
+    return hf_vision_model(transformers.Idefics3ForConditionalGeneration, folder)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_tokens_equal_transformers(case: str, ours: tuple[Any, VisionModel], theirs: tuple[Any, Any]) -> None:
     text, sizes = CASES[case]
-    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    pictures = pictures_of(sizes)
     model, vision = ours
     hf_model, processor = theirs
     inputs = processor(text=text, images=[p.image for p in pictures], return_tensors="pt")
@@ -82,12 +52,7 @@ def test_greedy_tokens_equal_transformers(case: str, ours: tuple[Any, VisionMode
     assert plain == inputs["input_ids"][0].tolist()
     assert len(set(ids) - set(plain)) == sum(f.pixels.shape[0] for f in frames) * vision.preprocessing.image_seq_len
 
-    with torch.no_grad():
-        hf = hf_model.generate(
-            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    expected = hf[0, len(plain) :].tolist()
-    assert our_greedy(model, ids, STEPS) == expected
+    assert causal_greedy(model, vision, ids, STEPS) == hf_vision_tokens(hf_model, inputs, STEPS)
 
 
 def test_same_picture_same_ids_other_picture_other_ids(ours: tuple[Any, VisionModel]) -> None:

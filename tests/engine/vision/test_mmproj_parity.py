@@ -15,31 +15,25 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from engine.bench.mmproj_export import export_vision
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
-from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import load_model
 from engine.openai.metrics import Metrics
 from engine.openai.models import LoadSettings, loader_for
 from engine.openai.pool import Servable
 from engine.openai.service import ServeConfig
 from engine.session.engine import load
-from engine.vision.gguf_vision import load_mmproj
 from engine.vision.mmproj import read_mmproj
-from engine.vision.model import VisionModel
-from tests.helpers.pictures import picture, png
+from tests.helpers.hf_greedy import hf_vision_model, hf_vision_tokens
+from tests.helpers.mmproj_refs import causal_greedy, ours_from_gguf
+from tests.helpers.pictures import CASES, picture, pictures_of, png
 from tests.helpers.tiny_idefics3 import make_tiny_idefics3
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 24
-CASES = {
-    "one": ("<|user|>\n<image>What is in the picture?<|end|>\n<|assistant|>\n", [(40, 24)]),
-    "two": ("<|user|>\n<image>and<image> which is wider?<|end|>\n<|assistant|>\n", [(60, 14), (10, 12)]),
-}
 EXPORTS = {"f32": ("f32", "f32"), "q8_0": ("q8_0", "f16")}  # (text model, mmproj)
 
 
@@ -56,15 +50,7 @@ def exports(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 @pytest.fixture(scope="module")
 def theirs(folder: Path) -> tuple[Any, Any]:
-    model = transformers.Idefics3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, transformers.AutoProcessor.from_pretrained(folder)
-
-
-def ours(text: Path, mmproj: Path) -> tuple[Any, VisionModel]:
-    loaded = load_model(text)
-    vision = load_mmproj(mmproj, Tokenizer.load(text), loaded.config.hidden_size, loaded.config.vocab_size)
-    vision.attach(loaded.model)
-    return loaded.model, vision
+    return hf_vision_model(transformers.Idefics3ForConditionalGeneration, folder)
 
 
 def on_stored_weights(hf_model: Any, text: Path, mmproj: Path) -> Any:
@@ -83,14 +69,6 @@ def on_stored_weights(hf_model: Any, text: Path, mmproj: Path) -> Any:
     return model
 
 
-def greedy(model: Any, ids: list[int], n: int) -> list[int]:
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(n):
-            out.append(int(model.forward_causal(torch.tensor([ids + out]))[0, -1].argmax()))
-    return out
-
-
 @pytest.mark.parametrize("kind", sorted(EXPORTS))
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_tokens_equal_transformers(
@@ -98,8 +76,8 @@ def test_greedy_tokens_equal_transformers(
 ) -> None:
     text_file, mmproj = exports[kind]
     prompt, sizes = CASES[case]
-    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
-    model, vision = ours(text_file, mmproj)
+    pictures = pictures_of(sizes)
+    model, vision = ours_from_gguf(text_file, mmproj)
     hf_model, processor = theirs
     if kind != "f32":
         hf_model = on_stored_weights(hf_model, text_file, mmproj)
@@ -111,11 +89,7 @@ def test_greedy_tokens_equal_transformers(
     plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
     assert plain == inputs["input_ids"][0].tolist()  # the GGUF's vocabulary tokenizes as the folder's
 
-    with torch.no_grad():
-        hf = hf_model.generate(
-            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    assert greedy(model, ids, STEPS) == hf[0, len(plain) :].tolist()
+    assert causal_greedy(model, vision, ids, STEPS) == hf_vision_tokens(hf_model, inputs, STEPS)
 
 
 def test_front_door_finds_the_mmproj_beside_the_model(

@@ -20,25 +20,21 @@ from engine.errors import ModelLoadError
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.loading.gguf import GGUFModel
-from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import load_model
 from engine.session.engine import load
-from engine.vision.gguf_vision import QWEN_MAX_TOKENS, QWEN_MIN_TOKENS, load_mmproj
-from engine.vision.model import VisionModel
+from engine.vision.gguf_vision import QWEN_MAX_TOKENS, QWEN_MIN_TOKENS
 from engine.vision.qwen25vl import Qwen25VLPreprocessing
-from tests.helpers.mmproj_refs import causal_greedy, on_stored_weights
-from tests.helpers.pictures import picture
+from tests.helpers.hf_greedy import hf_vision_tokens
+from tests.helpers.mmproj_refs import causal_greedy, on_stored_weights, ours_from_gguf
+from tests.helpers.pictures import CASES, picture, pictures_of
 from tests.helpers.tiny_qwen25vl import MERGE, PATCH, image_only_processor, make_tiny_qwen25vl
 
 transformers = pytest.importorskip("transformers")
 STEPS = 24
 MARKED = "<|vision_start|><|image_pad|><|vision_end|>"
 SECTIONS_KEY = "qwen2vl.rope.dimension_sections"
-CASES = {
-    "one": ("<|user|>\n<image>What is in the picture?<|end|>\n<|assistant|>\n", [(40, 24)]),
-    # the second is under clip.cpp's 8 merged tokens: enlarged, as the processor does at that minimum
-    "two": ("<|user|>\n<image>and<image> which is wider?<|end|>\n<|assistant|>\n", [(60, 14), (10, 12)]),
-}
+# CASES: the second picture of "two" is under clip.cpp's 8 merged tokens: enlarged, as the processor does at that
+# minimum.
 EXPORTS = {"f32": ("f32", "f32"), "q8_0": ("q8_0", "f16")}  # (text model, mmproj)
 
 
@@ -85,13 +81,6 @@ def with_sections(path: Path, out: Path, sections: list[int]) -> Path:
     return out
 
 
-def ours(text: Path, mmproj: Path) -> tuple[Any, VisionModel]:
-    loaded = load_model(text)
-    vision = load_mmproj(mmproj, Tokenizer.load(text), loaded.config.hidden_size, loaded.config.vocab_size)
-    vision.attach(loaded.model)
-    return loaded.model, vision
-
-
 def test_text_model_keeps_the_rotary_sections(folder: Path, exports: dict[str, tuple[Path, Path]]) -> None:
     gguf = GGUFModel(exports["f32"][0])
     assert gguf.architecture == "qwen2vl"
@@ -112,7 +101,7 @@ def test_damaged_sections_are_one_sentence(
 
 
 def test_preprocessing_from_the_clip_keys(exports: dict[str, tuple[Path, Path]]) -> None:
-    _, vision = ours(*exports["f32"])
+    _, vision = ours_from_gguf(*exports["f32"])
     pre = vision.preprocessing
     assert isinstance(pre, Qwen25VLPreprocessing)
     area = (PATCH * MERGE) ** 2
@@ -127,8 +116,8 @@ def test_greedy_tokens_equal_transformers(
 ) -> None:
     text_file, mmproj = exports[kind]
     prompt, sizes = CASES[case]
-    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
-    model, vision = ours(text_file, mmproj)
+    pictures = pictures_of(sizes)
+    model, vision = ours_from_gguf(text_file, mmproj)
     hf_model, processor = theirs
     if kind != "f32":
         hf_model = on_stored_weights(hf_model, text_file, mmproj, "model.language_model.", "model.")
@@ -142,11 +131,7 @@ def test_greedy_tokens_equal_transformers(
     plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
     assert plain == inputs["input_ids"][0].tolist()  # the GGUF's vocabulary tokenizes as the folder's
 
-    with torch.no_grad():
-        hf = hf_model.generate(
-            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    assert causal_greedy(model, vision, ids, STEPS) == hf[0, len(plain) :].tolist()
+    assert causal_greedy(model, vision, ids, STEPS) == hf_vision_tokens(hf_model, inputs, STEPS)
 
 
 def test_front_door_answers_as_the_folder(folder: Path, exports: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:

@@ -21,14 +21,15 @@ from engine.generation.beam import BeamSettings
 from engine.generation.loop import GenerationSettings, decode_step, prefill, stream_generate
 from engine.generation.sampling import SamplingSettings
 from engine.loading.tokenizer import Tokenizer
-from engine.loading.weights import load_model
 from engine.memory.base import FullAttentionMemory, Memory
 from engine.memory.cascade import CascadeConfig, CascadeMemory, PersistentStore
 from engine.model.slots import SlotBatch
 from engine.vision.images import DecodedImage
-from engine.vision.model import MAX_HELD_IMAGES, VisionModel, attach_vision, load_vision
+from engine.vision.model import MAX_HELD_IMAGES, VisionModel, attach_vision
 from engine.vision.qwen25vl import PictureShapeError, Qwen25VLPreprocessing, smart_resize
-from tests.helpers.pictures import picture
+from tests.helpers.hf_greedy import hf_vision_model, hf_vision_tokens
+from tests.helpers.mmproj_refs import causal_greedy, ours_from_folder
+from tests.helpers.pictures import picture, pictures_of
 from tests.helpers.tiny_qwen25vl import image_only_processor, make_tiny_qwen25vl
 
 transformers = pytest.importorskip("transformers")
@@ -48,47 +49,22 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ours(folder: Path) -> tuple[Any, VisionModel]:
-    loaded = load_model(folder)
-    tok = Tokenizer.load(folder)
-    vision = load_vision(folder, tok, loaded.config.hidden_size, loaded.config.vocab_size)
-    vision.attach(loaded.model)
-    return loaded.model, vision
+    return ours_from_folder(folder)
 
 
 @pytest.fixture(scope="module")
 def theirs(folder: Path) -> tuple[Any, Any]:
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, image_only_processor().from_pretrained(folder)
+    return hf_vision_model(transformers.Qwen2_5_VLForConditionalGeneration, folder, image_only_processor())
 
 
 def case(name: str, vision: VisionModel, processor: Any) -> tuple[list[int], list[DecodedImage], Any]:
     """Our ids for a case, its pictures, and the processor's inputs for the same prompt."""
     text, sizes = CASES[name]
-    pictures = [picture(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+    pictures = pictures_of(sizes)
     inputs = processor(
         text=text.replace("<image>", MARKED), images=[p.image for p in pictures] or None, return_tensors="pt"
     )
     return vision.encode_prompt(text, pictures), pictures, inputs
-
-
-def hf_tokens(hf_model: Any, inputs: Any) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(
-            **inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    tokens: list[int] = out[0, inputs["input_ids"].shape[1] :].tolist()
-    return tokens
-
-
-def causal_greedy(model: Any, vision: VisionModel, ids: list[int], n: int, offsets: bool = True) -> list[int]:
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(n):
-            seq = ids + out
-            turn = vision.position_offsets(seq) if offsets else None
-            logits = model.forward_causal(torch.tensor([seq]), None if turn is None else turn[None])
-            out.append(int(logits[0, -1].argmax()))
-    return out
 
 
 def slot_greedy(backend: Backend, memory: Memory, ids: list[int], n: int, chunk: int) -> list[int]:
@@ -151,13 +127,13 @@ def test_positions_equal_get_rope_index(name: str, ours: tuple[Any, VisionModel]
 def test_greedy_tokens_equal_transformers(name: str, ours: tuple[Any, VisionModel], theirs: tuple[Any, Any]) -> None:
     model, vision = ours
     ids, _, inputs = case(name, vision, theirs[1])
-    assert causal_greedy(model, vision, ids, STEPS) == hf_tokens(theirs[0], inputs)
+    assert causal_greedy(model, vision, ids, STEPS) == hf_vision_tokens(theirs[0], inputs, STEPS)
 
 
 def test_the_offsets_are_what_makes_them_equal(ours: tuple[Any, VisionModel], theirs: tuple[Any, Any]) -> None:
     model, vision = ours
     ids, _, inputs = case("two", vision, theirs[1])
-    assert causal_greedy(model, vision, ids, STEPS, offsets=False) != hf_tokens(theirs[0], inputs)
+    assert causal_greedy(model, vision, ids, STEPS, offsets=False) != hf_vision_tokens(theirs[0], inputs, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +158,7 @@ def test_greedy_through_the_slot_table_equals_transformers(
     else:  # a window holding the whole conversation: nothing is evicted
         memory = CascadeMemory(backend, CascadeConfig(sink_tokens=4, window=448, block_size=8, retrieval_blocks=2))
     # Chunks of 13 tokens: pictures' tokens arrive over several forwards.
-    assert slot_greedy(backend, memory, ids, STEPS, chunk=13) == hf_tokens(theirs[0], inputs)
+    assert slot_greedy(backend, memory, ids, STEPS, chunk=13) == hf_vision_tokens(theirs[0], inputs, STEPS)
 
 
 def test_a_restored_memory_continues_exactly(slot_backend: tuple[TorchBackend, VisionModel], folder: Path) -> None:
@@ -244,7 +220,7 @@ def test_a_prefix_restored_from_the_cache_continues_exactly(
 ) -> None:
     backend, vision = slot_backend
     ids, _, inputs = case("two", vision, theirs[1])
-    want = hf_tokens(theirs[0], inputs)
+    want = hf_vision_tokens(theirs[0], inputs, STEPS)
     cfg = CascadeConfig(sink_tokens=4, window=448, block_size=8, retrieval_blocks=2)
     counting = Counting(backend)
     for _ in range(2):  # the second time the same prompt's prefix comes from the persistent cache
