@@ -4,12 +4,14 @@ ends a window (its worker threads first). The fixtures in tests/app/conftest.py 
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from PySide6.QtCore import QCoreApplication, QEvent
+from PySide6.QtWidgets import QWidget
 
 from app.history.export import ExportForm
 from app.misc.signal_wait import GuiRelay
@@ -209,3 +211,19 @@ def shown_chat_view(qtbot) -> ChatView:  # type: ignore[no-untyped-def]
     view.show()
     qtbot.waitExposed(view)
     return view
+
+
+def show_window(qtbot, window: MainWindow) -> MainWindow:  # type: ignore[no-untyped-def]
+    """`window` shown, at the size the pictures tests grab it, once exposed."""
+    window.resize(900, 640)
+    window.show()
+    qtbot.waitExposed(window)
+    return window
+
+
+def shot(widget: QWidget, name: str) -> None:
+    """With SPARK_SHOTS set to a folder, `widget` grabbed there as the PNG `name`."""
+    folder = os.environ.get("SPARK_SHOTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        assert widget.grab().save(str(Path(folder) / name), "PNG")

@@ -9,24 +9,30 @@ With SPARK_SHOTS set to a folder, the window is grabbed there at the moments a r
 from __future__ import annotations
 
 import io
-import os
 import struct
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from PIL import Image
 from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
 from PySide6.QtGui import QDropEvent, QImage
-from PySide6.QtWidgets import QWidget
 
 from app.misc.signal_wait import GuiRelay
 from app.window import memory_controls
 from app.window.chat_view import ChatView
 from app.window.main_window import MainWindow
 from engine import IMAGE_TOKEN, GenerationSettings, RemoteServer, load_session
-from tests.helpers.app_window import WAIT_MS, dispose, relaunch, say, set_reply_tokens, shown_chat_view
+from tests.helpers.app_window import (
+    WAIT_MS,
+    dispose,
+    relaunch,
+    say,
+    set_reply_tokens,
+    shot,
+    show_window,
+    shown_chat_view,
+)
 from tests.helpers.pictures import picture, png
 from tests.helpers.tiny import make_tiny_model
 
@@ -48,18 +54,8 @@ def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def shown(qtbot, window: MainWindow) -> Iterator[MainWindow]:  # type: ignore[no-untyped-def]
-    window.resize(900, 640)
-    window.show()
-    qtbot.waitExposed(window)
-    yield window
-
-
-def shot(widget: QWidget, name: str) -> None:
-    folder = os.environ.get("SPARK_SHOTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        assert widget.grab().save(str(Path(folder) / name), "PNG")
+def shown(qtbot, window: MainWindow) -> MainWindow:  # type: ignore[no-untyped-def]
+    return show_window(qtbot, window)
 
 
 def paste_image(window: MainWindow, data: bytes) -> None:

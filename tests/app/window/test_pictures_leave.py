@@ -20,15 +20,15 @@ from typing import Any
 import openai
 import pytest
 from PySide6.QtCore import QSettings
-from PySide6.QtWidgets import QFileDialog, QTreeView, QWidget
+from PySide6.QtWidgets import QFileDialog, QTreeView
 
 from app.history.export import PICTURES_SUFFIX
 from app.settings.remote_servers import AddServerDialog, RemoteServerList
 from app.window.dialogs import MARKDOWN_PICTURE_FILTERS
 from app.window.main_window import MainWindow
-from engine import IMAGE_TOKEN, GenerationSettings, RemoteServer, load_session
+from engine import IMAGE_TOKEN, GenerationSettings, RemoteServer, SamplingSettings, load_session
 from engine.openai.client import CANNOT_SEE_IMAGES
-from tests.helpers.app_window import WAIT_MS, ScriptedDialogs, say, set_reply_tokens
+from tests.helpers.app_window import WAIT_MS, ScriptedDialogs, say, set_reply_tokens, shot, show_window
 from tests.helpers.http_clients import closed_after_test
 from tests.helpers.pictures import png
 from tests.helpers.server import KEY, Served, start_server
@@ -52,18 +52,8 @@ def vision_served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture
-def shown(qtbot, window: MainWindow) -> Iterator[MainWindow]:  # type: ignore[no-untyped-def]
-    window.resize(900, 640)
-    window.show()
-    qtbot.waitExposed(window)
-    yield window
-
-
-def shot(widget: QWidget, name: str) -> None:
-    folder = os.environ.get("SPARK_SHOTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        assert widget.grab().save(str(Path(folder) / name), "PNG")
+def shown(qtbot, window: MainWindow) -> MainWindow:  # type: ignore[no-untyped-def]
+    return show_window(qtbot, window)
 
 
 def listing_shot(qtbot, folder: Path, name: str, selected: str, filters: list[str]) -> None:  # type: ignore[no-untyped-def]
@@ -87,6 +77,18 @@ def listing_shot(qtbot, folder: Path, name: str, selected: str, filters: list[st
     shot(panel, name)
     panel.close()
     panel.deleteLater()
+
+
+def served_reply(client: openai.OpenAI, messages: list[Any], sampling: SamplingSettings) -> Any:
+    """The server's own reply to `messages`, sampled as the window samples (8 tokens, its seed)."""
+    return client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+    )
 
 
 def with_picture(qtbot, gui, window: MainWindow, data: bytes, text: str):  # type: ignore[no-untyped-def]
@@ -159,14 +161,7 @@ def test_a_conversation_with_a_picture_goes_on_with_a_server_that_sees_images(
     ]
     client = closed_after_test(openai.OpenAI(base_url=vision_served.url, api_key=KEY, max_retries=0))
     sampling = prefs.generation().sampling
-    want = client.chat.completions.create(
-        model="tiny",
-        messages=sent,
-        max_tokens=8,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        seed=sampling.seed,
-    )
+    want = served_reply(client, sent, sampling)
     assert result.text == want.choices[0].message.content  # the same reply: the server read the same prompt
     assert want.usage is not None and result.progress.prompt_tokens == want.usage.prompt_tokens
     assert window.chat.picture_keys() == ["0.0"]  # the bubble keeps its thumbnail on the server too
@@ -185,14 +180,7 @@ def test_a_conversation_with_a_picture_goes_on_with_a_server_that_sees_images(
             "content": [{"type": "image_url", "image_url": {"url": url2}}, {"type": "text", "text": "And this one?"}],
         },
     ]
-    want = client.chat.completions.create(
-        model="tiny",
-        messages=sent,
-        max_tokens=8,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        seed=sampling.seed,
-    )
+    want = served_reply(client, sent, sampling)
     assert want.usage is not None and again.progress.prompt_tokens == want.usage.prompt_tokens
     assert again.text == want.choices[0].message.content
     stored = load_session(window.library.path_for(window.state.current_id))
