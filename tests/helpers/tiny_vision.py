@@ -1,6 +1,6 @@
 """What the tiny vision checkpoints (tiny_idefics3, tiny_gemma3, tiny_qwen25vl) build alike: the tiny BPE tokenizer of
 tests.helpers.tiny with a family's image tokens, loaded back by transformers, and a random init that keeps every norm
-near its identity."""
+near its identity; and a copy of such a folder with one of its JSON files edited, for the damaged-folder tests."""
 
 from __future__ import annotations
 
@@ -51,3 +51,12 @@ def init_near_identity(
                 torch.nn.init.normal_(p, 1.0, 0.1)
             else:
                 torch.nn.init.normal_(p, 0.0, matrix_std if p.dim() > 1 else 0.02)
+
+
+def edited_copy(folder: Path, out: Path, name: str, change: Callable[[dict[str, Any]], None]) -> Path:
+    """`folder` copied to `out`, its JSON file `name` changed in place by `change`."""
+    shutil.copytree(folder, out)
+    d = json.loads((out / name).read_text())
+    change(d)
+    (out / name).write_text(json.dumps(d))
+    return out

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from engine.model.config import ModelConfig
 from engine.vision.model import load_vision
 from engine.vision.qwen25vl import PictureShapeError
 from tests.helpers.tiny_qwen25vl import make_tiny_qwen25vl
+from tests.helpers.tiny_vision import edited_copy
 
 pytest.importorskip("transformers")
 
@@ -25,15 +25,6 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_qwen25vl(tmp_path_factory.mktemp("qwen25vl"))
-
-
-def edited(folder: Path, tmp: Path, name: str, change: Callable[[dict[str, Any]], None]) -> Path:
-    out = tmp / "edited"
-    shutil.copytree(folder, out)
-    d = json.loads((out / name).read_text())
-    change(d)
-    (out / name).write_text(json.dumps(d))
-    return out
 
 
 def load(path: Path) -> None:
@@ -82,27 +73,34 @@ def test_a_damaged_mrope_section_is_refused(
         else:
             d["text_config"]["rope_parameters"]["mrope_section"] = section
 
-    path = edited(folder, tmp_path, "config.json", change)
+    path = edited_copy(folder, tmp_path / "edited", "config.json", change)
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_file(path / "config.json")
 
 
 def test_a_processor_allowing_huge_pictures_is_refused(folder: Path, tmp_path: Path) -> None:
-    path = edited(
-        folder, tmp_path, "processor_config.json", lambda d: d["image_processor"]["size"].update(longest_edge=10**12)
+    path = edited_copy(
+        folder,
+        tmp_path / "edited",
+        "processor_config.json",
+        lambda d: d["image_processor"]["size"].update(longest_edge=10**12),
     )
     with pytest.raises(ModelLoadError, match="at most"):
         load(path)
 
 
 def test_a_processor_whose_patches_do_not_fit_the_encoder_is_refused(folder: Path, tmp_path: Path) -> None:
-    path = edited(folder, tmp_path, "processor_config.json", lambda d: d["image_processor"].update(patch_size=4))
+    path = edited_copy(
+        folder, tmp_path / "edited", "processor_config.json", lambda d: d["image_processor"].update(patch_size=4)
+    )
     with pytest.raises(ModelLoadError, match="does not fit together"):
         load(path)
 
 
 def test_an_encoder_narrower_than_the_text_model_is_refused(folder: Path, tmp_path: Path) -> None:
-    path = edited(folder, tmp_path, "config.json", lambda d: d["vision_config"].update(out_hidden_size=32))
+    path = edited_copy(
+        folder, tmp_path / "edited", "config.json", lambda d: d["vision_config"].update(out_hidden_size=32)
+    )
     with pytest.raises(ModelLoadError, match="does not fit together"):
         load(path)
 

@@ -3,7 +3,6 @@ load: never a shape error mid-answer."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,17 +14,12 @@ from engine.errors import ModelLoadError
 from engine.loading.tokenizer import Tokenizer
 from engine.vision.model import is_vision_folder, load_vision
 from tests.helpers.tiny_idefics3 import make_tiny_idefics3
+from tests.helpers.tiny_vision import edited_copy
 
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_idefics3(tmp_path_factory.mktemp("idefics3"))
-
-
-def edit(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
-    d = json.loads(path.read_text())
-    change(d)
-    path.write_text(json.dumps(d))
 
 
 def seq_len(d: dict[str, Any]) -> None:
@@ -72,9 +66,7 @@ CASES = [
 def test_damaged_folders_are_one_sentence(
     pristine: Path, tmp_path: Path, name: str, change: Callable[[dict[str, Any]], None], words: str
 ) -> None:
-    folder = tmp_path / "m"
-    shutil.copytree(pristine, folder)
-    edit(folder / name, change)
+    folder = edited_copy(pristine, tmp_path / "m", name, change)
     assert is_vision_folder(folder)
     with pytest.raises(ModelLoadError, match=words):
         load_vision(folder, Tokenizer.load(folder), 64, 360)
