@@ -27,6 +27,7 @@ from engine.bench.gguf_export import export_gguf
 from engine.errors import SparkError
 from engine.loading.weights import mmap_tensors, read_safetensors_header, weight_files
 from engine.vision.mmproj import QWEN_FRAMES, ClipConfig, Family, family_of_architecture
+from engine.vision.processor_json import read_processor_json
 
 MMPROJ_TYPES = {"f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0")}
 # What a Gemma 3 folder written by transformers names its encoder, from the name the Hub's checkpoints use.
@@ -40,17 +41,11 @@ def _json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _image_processor(model_dir: Path) -> dict[str, Any]:
-    """preprocessor_config.json, or the image processor inside processor_config.json."""
-    inner = _json(model_dir / "processor_config.json").get("image_processor")
-    return inner if isinstance(inner, dict) else _json(model_dir / "preprocessor_config.json")
-
-
 def clip_of_folder(family: Family, d: dict[str, Any], model_dir: Path) -> ClipConfig:
     """The `clip.*` sizes llama.cpp's converter writes for this folder (its defaults where config.json has none)."""
     v = d.get("vision_config") or {}
     text = d.get("text_config") or {}
-    proc = _image_processor(model_dir)
+    _, proc = read_processor_json(model_dir)
     mean = tuple(float(x) for x in proc.get("image_mean", (0.5, 0.5, 0.5)))
     std = tuple(float(x) for x in proc.get("image_std", (0.5, 0.5, 0.5)))
     common: dict[str, Any] = {

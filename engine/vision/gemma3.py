@@ -27,7 +27,8 @@ from PIL import Image
 from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.vision.idefics3 import Frames, normalise, read_processor_json
+from engine.vision.idefics3 import Frames, normalise
+from engine.vision.processor_json import read_processor_json
 from engine.vision.siglip import SIGLIP_DEFAULTS, Tower, VisionConfig, VisionTransformer
 
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"

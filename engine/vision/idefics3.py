@@ -8,23 +8,22 @@ view `<fake_token_around_image><global-img>`, its image tokens and a closing `<f
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 from PIL import Image
 
 from engine.errors import ModelLoadError
+from engine.vision.processor_json import read_processor_json
 
 IMAGE_TOKEN = "<image>"
 FAKE_TOKEN = "<fake_token_around_image>"
 GLOBAL_TAG = "<global-img>"
 MAX_IMAGE_SIZE = 4096  # transformers' own bound on the first resize
 MAX_TILES_A_SIDE = 6  # the tokenizer names tiles <row_1_col_1> .. <row_6_col_6>
-MAX_PROCESSOR_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -174,25 +173,3 @@ def _multiple_of_frame(height: int, width: int, frame: int) -> tuple[int, int]:
         height = math.ceil(height / frame) * frame
         width = math.ceil(int(height * aspect) / frame) * frame
     return height, width
-
-
-def read_processor_json(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A folder's processor settings and its image processor's: processor_config.json, the image processor's
-    nested in it or in the older preprocessor_config.json ({} for what is missing)."""
-    proc = _read_json(folder / "processor_config.json")
-    image = proc.get("image_processor")
-    if not isinstance(image, dict):
-        image = _read_json(folder / "preprocessor_config.json")
-    return proc, image
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        if path.stat().st_size > MAX_PROCESSOR_BYTES:
-            raise ModelLoadError(f"{path.name} is larger than any processor config; the model folder looks damaged.")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        raise ModelLoadError(f"{path.name} is not valid JSON; the download may be incomplete.") from None
-    return data if isinstance(data, dict) else {}

@@ -41,7 +41,8 @@ from torch import nn
 
 from engine.errors import ModelLoadError, SparkError
 from engine.model.network import RMSNorm
-from engine.vision.idefics3 import Frames, read_processor_json
+from engine.vision.idefics3 import Frames
+from engine.vision.processor_json import read_processor_json
 from engine.vision.siglip import Tower
 
 VISION_START = "<|vision_start|>"
