@@ -16,10 +16,9 @@ FAMILIES = ("qwen3", "gemma3", "phi3")
 GEMMA_WINDOW = 8
 
 
-def family_config(family: str, vocab: int, bos: int, eos: int, **extra: Any) -> Any:
-    import transformers
-
-    common: dict[str, Any] = {
+def text_settings(vocab: int, bos: int | None, eos: int | None) -> dict[str, Any]:
+    """The sizes every tiny text model shares (the vision checkpoints' text models too); layers are each one's own."""
+    return {
         "vocab_size": vocab,
         "hidden_size": 64,
         "intermediate_size": 96,
@@ -31,6 +30,12 @@ def family_config(family: str, vocab: int, bos: int, eos: int, **extra: Any) -> 
         "eos_token_id": eos,
         "pad_token_id": 0,
     }
+
+
+def family_config(family: str, vocab: int, bos: int, eos: int, **extra: Any) -> Any:
+    import transformers
+
+    common = text_settings(vocab, bos, eos)
     if family == "qwen3":
         cfg = transformers.Qwen3Config(**common, num_hidden_layers=2, head_dim=16, tie_word_embeddings=False)
     elif family == "gemma3":

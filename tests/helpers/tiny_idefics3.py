@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from tests.helpers.tiny import CHAT_TEMPLATE
+from tests.helpers.tiny_families import text_settings
 from tests.helpers.tiny_vision import init_near_identity, vision_tokenizer
 
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
@@ -32,17 +33,8 @@ def make_tiny_idefics3(
     bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|end|>")
     text: dict[str, Any] = {
         "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": 64,
-        "intermediate_size": 96,
+        **text_settings(vocab, bos, eos),
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "pad_token_id": 0,
         "tie_word_embeddings": False,
         **(text_overrides or {}),
     }

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from tests.helpers.tiny import CHAT_TEMPLATE
+from tests.helpers.tiny_families import text_settings
 from tests.helpers.tiny_vision import init_near_identity, vision_tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -43,17 +44,8 @@ def make_tiny_qwen25vl(out: Path, *, seed: int = 0) -> Path:
     vocab = tok.get_vocab_size()
     bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|end|>")
     text: dict[str, Any] = {
-        "vocab_size": vocab,
-        "hidden_size": 64,
-        "intermediate_size": 96,
+        **text_settings(vocab, bos, eos),
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "pad_token_id": 0,
         "tie_word_embeddings": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
     }
