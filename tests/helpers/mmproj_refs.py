@@ -1,6 +1,6 @@
 """transformers' vision-language model holding the very weights a GGUF and its mmproj store (dequantized), to
-compare a quantized export against; our vision model loaded from a folder or from a GGUF and its mmproj; and greedy
-tokens from our causal path, multimodal offsets included."""
+compare a quantized export against; our vision model loaded from a folder or from a GGUF and its mmproj; a prompt's ids as ours and as transformers'
+processor writes them; and greedy tokens from our causal path, multimodal offsets included."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import torch
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import load_model
 from engine.vision.gguf_vision import load_mmproj
+from engine.vision.idefics3 import Frames
+from engine.vision.images import DecodedImage
 from engine.vision.mmproj import read_mmproj
 from engine.vision.model import VisionModel, load_vision
 
@@ -51,6 +53,17 @@ def ours_from_gguf(text: Path, mmproj: Path) -> tuple[Any, VisionModel]:
     vision = load_mmproj(mmproj, Tokenizer.load(text), loaded.config.hidden_size, loaded.config.vocab_size)
     vision.attach(loaded.model)
     return loaded.model, vision
+
+
+def our_prompt(
+    vision: VisionModel, prompt: str, pictures: list[DecodedImage]
+) -> tuple[list[int], list[int], list[Frames]]:
+    """(our ids for `prompt` with `pictures`, each picture's tokens its own ids above the vocabulary; the same ids with
+    those as the model's image token, as transformers' processor writes them; the pictures' frames)."""
+    expanded, frames = vision.prompt_text(prompt, pictures)
+    ids = vision.image_ids(vision.tokenizer.encode(expanded), pictures, frames)
+    plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
+    return ids, plain, frames
 
 
 def causal_greedy(model: Any, vision: VisionModel, ids: list[int], n: int, offsets: bool = True) -> list[int]:

@@ -23,7 +23,7 @@ from engine.vision.gemma3 import Gemma3Preprocessing
 from engine.vision.gguf_vision import attach_mmproj
 from engine.vision.model import VisionModel
 from tests.helpers.hf_greedy import hf_vision_model, hf_vision_tokens
-from tests.helpers.mmproj_refs import causal_greedy, on_stored_weights
+from tests.helpers.mmproj_refs import causal_greedy, on_stored_weights, our_prompt
 from tests.helpers.pictures import CASES, picture, pictures_of
 from tests.helpers.tiny_gemma3 import BOI, IMAGE_SIZE, TOKENS_PER_IMAGE, make_tiny_gemma3
 
@@ -89,10 +89,8 @@ def test_greedy_tokens_equal_transformers(
         hf_model = on_stored_weights(hf_model, text_file, mmproj, "model.language_model.", "model.")
     inputs = processor(text=prompt.replace("<image>", BOI), images=[p.image for p in pictures], return_tensors="pt")
 
-    expanded, frames = vision.prompt_text(prompt, pictures)
+    ids, plain, frames = our_prompt(vision, prompt, pictures)
     assert np.array_equal(np.concatenate([f.pixels for f in frames]), inputs["pixel_values"].numpy())
-    ids = vision.image_ids(vision.tokenizer.encode(expanded), pictures, frames)
-    plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
     assert plain == inputs["input_ids"][0].tolist()  # the GGUF's vocabulary tokenizes as the folder's
 
     assert causal_greedy(model, vision, ids, STEPS) == hf_vision_tokens(hf_model, inputs, STEPS)

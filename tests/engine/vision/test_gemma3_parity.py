@@ -20,7 +20,7 @@ from engine.generation.sampling import SamplingSettings
 from engine.session.engine import load
 from engine.vision.model import VisionModel
 from tests.helpers.hf_greedy import hf_vision_model, hf_vision_tokens
-from tests.helpers.mmproj_refs import causal_greedy, ours_from_folder
+from tests.helpers.mmproj_refs import causal_greedy, our_prompt, ours_from_folder
 from tests.helpers.pictures import CASES, picture, pictures_of
 from tests.helpers.tiny_gemma3 import BOI, PARTS_TEMPLATE, TOKENS_PER_IMAGE, make_tiny_gemma3
 
@@ -57,11 +57,9 @@ def test_greedy_tokens_equal_transformers(case: str, ours: tuple[Any, VisionMode
     hf_model, processor = theirs
     inputs = their_inputs(processor, text, sizes)
 
-    expanded, frames = vision.prompt_text(text, pictures)
+    ids, plain, frames = our_prompt(vision, text, pictures)
     pixels = np.concatenate([f.pixels for f in frames])
     assert np.array_equal(pixels, inputs["pixel_values"].numpy())
-    ids = vision.image_ids(vision.tokenizer.encode(expanded), pictures, frames)
-    plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
     assert plain == inputs["input_ids"][0].tolist()
     assert len(set(ids) - set(plain)) == len(pictures) * TOKENS_PER_IMAGE
 

@@ -13,7 +13,7 @@ import torch
 
 from engine.vision.model import ImageEmbedding, VisionModel
 from tests.helpers.hf_greedy import hf_vision_model, hf_vision_tokens
-from tests.helpers.mmproj_refs import causal_greedy, ours_from_folder
+from tests.helpers.mmproj_refs import causal_greedy, our_prompt, ours_from_folder
 from tests.helpers.pictures import CASES, picture, pictures_of
 from tests.helpers.tiny_idefics3 import make_tiny_idefics3
 
@@ -44,11 +44,9 @@ def test_greedy_tokens_equal_transformers(case: str, ours: tuple[Any, VisionMode
     hf_model, processor = theirs
     inputs = processor(text=text, images=[p.image for p in pictures], return_tensors="pt")
 
-    expanded, frames = vision.prompt_text(text, pictures)
+    ids, plain, frames = our_prompt(vision, text, pictures)
     pixels = np.concatenate([f.pixels for f in frames])
     assert np.array_equal(pixels, inputs["pixel_values"][0].numpy())
-    ids = vision.image_ids(vision.tokenizer.encode(expanded), pictures, frames)
-    plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
     assert plain == inputs["input_ids"][0].tolist()
     assert len(set(ids) - set(plain)) == sum(f.pixels.shape[0] for f in frames) * vision.preprocessing.image_seq_len
 

@@ -27,7 +27,7 @@ from engine.openai.service import ServeConfig
 from engine.session.engine import load
 from engine.vision.mmproj import read_mmproj
 from tests.helpers.hf_greedy import hf_vision_model, hf_vision_tokens
-from tests.helpers.mmproj_refs import causal_greedy, ours_from_gguf
+from tests.helpers.mmproj_refs import causal_greedy, our_prompt, ours_from_gguf
 from tests.helpers.pictures import CASES, picture, pictures_of, png
 from tests.helpers.tiny_idefics3 import make_tiny_idefics3
 
@@ -83,10 +83,8 @@ def test_greedy_tokens_equal_transformers(
         hf_model = on_stored_weights(hf_model, text_file, mmproj)
     inputs = processor(text=prompt, images=[p.image for p in pictures], return_tensors="pt")
 
-    expanded, frames = vision.prompt_text(prompt, pictures)
+    ids, plain, frames = our_prompt(vision, prompt, pictures)
     assert np.array_equal(np.concatenate([f.pixels for f in frames]), inputs["pixel_values"][0].numpy())
-    ids = vision.image_ids(vision.tokenizer.encode(expanded), pictures, frames)
-    plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
     assert plain == inputs["input_ids"][0].tolist()  # the GGUF's vocabulary tokenizes as the folder's
 
     assert causal_greedy(model, vision, ids, STEPS) == hf_vision_tokens(hf_model, inputs, STEPS)

@@ -25,7 +25,7 @@ from engine.session.engine import load
 from engine.vision.gguf_vision import QWEN_MAX_TOKENS, QWEN_MIN_TOKENS
 from engine.vision.qwen25vl import Qwen25VLPreprocessing
 from tests.helpers.hf_greedy import hf_vision_tokens
-from tests.helpers.mmproj_refs import causal_greedy, on_stored_weights, ours_from_gguf
+from tests.helpers.mmproj_refs import causal_greedy, on_stored_weights, our_prompt, ours_from_gguf
 from tests.helpers.pictures import CASES, picture, pictures_of
 from tests.helpers.tiny_qwen25vl import MERGE, PATCH, image_only_processor, make_tiny_qwen25vl
 
@@ -123,12 +123,10 @@ def test_greedy_tokens_equal_transformers(
         hf_model = on_stored_weights(hf_model, text_file, mmproj, "model.language_model.", "model.")
     inputs = processor(text=prompt.replace("<image>", MARKED), images=[p.image for p in pictures], return_tensors="pt")
 
-    expanded, frames = vision.prompt_text(prompt, pictures)
+    ids, plain, frames = our_prompt(vision, prompt, pictures)
     pixels = np.concatenate([f.pixels.reshape(-1, f.pixels.shape[-1]) for f in frames])
     assert np.array_equal(pixels, inputs["pixel_values"].numpy())
     assert [[1, f.rows * MERGE, f.cols * MERGE] for f in frames] == inputs["image_grid_thw"].tolist()
-    ids = vision.image_ids(vision.tokenizer.encode(expanded), pictures, frames)
-    plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
     assert plain == inputs["input_ids"][0].tolist()  # the GGUF's vocabulary tokenizes as the folder's
 
     assert causal_greedy(model, vision, ids, STEPS) == hf_vision_tokens(hf_model, inputs, STEPS)

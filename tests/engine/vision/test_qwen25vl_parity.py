@@ -28,7 +28,7 @@ from engine.vision.images import DecodedImage
 from engine.vision.model import MAX_HELD_IMAGES, VisionModel, attach_vision
 from engine.vision.qwen25vl import PictureShapeError, Qwen25VLPreprocessing, smart_resize
 from tests.helpers.hf_greedy import hf_vision_model, hf_vision_tokens
-from tests.helpers.mmproj_refs import causal_greedy, ours_from_folder
+from tests.helpers.mmproj_refs import causal_greedy, our_prompt, ours_from_folder
 from tests.helpers.pictures import picture, pictures_of
 from tests.helpers.tiny_qwen25vl import image_only_processor, make_tiny_qwen25vl
 
@@ -67,6 +67,17 @@ def case(name: str, vision: VisionModel, processor: Any) -> tuple[list[int], lis
     return vision.encode_prompt(text, pictures), pictures, inputs
 
 
+def assert_positions_are_transformers(vision: VisionModel, ids: list[int], hf_model: Any, inputs: Any) -> None:
+    """Each token's three rotary positions (its place plus our offsets) are transformers' get_rope_index."""
+    with torch.no_grad():
+        want, _ = hf_model.model.get_rope_index(
+            inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
+        )
+    offsets = vision.position_offsets(ids)
+    assert offsets is not None
+    assert torch.equal((torch.arange(len(ids))[:, None] + offsets).T, want[:, 0])
+
+
 def slot_greedy(backend: Backend, memory: Memory, ids: list[int], n: int, chunk: int) -> list[int]:
     logits = prefill(backend, memory, ids, chunk)
     assert logits is not None
@@ -83,14 +94,12 @@ def test_patches_grids_and_prompt_equal_the_processor(
     _, vision = ours
     text, _ = CASES[name]
     _, pictures, inputs = case(name, vision, theirs[1])
-    expanded, frames = vision.prompt_text(text, pictures)
+    ids, plain, frames = our_prompt(vision, text, pictures)
     pixels = np.concatenate([f.pixels.reshape(-1, f.pixels.shape[-1]) for f in frames])
     assert np.array_equal(pixels, inputs["pixel_values"].numpy())
     assert isinstance(vision.preprocessing, Qwen25VLPreprocessing)
     merge = vision.preprocessing.merge
     assert [[1, f.rows * merge, f.cols * merge] for f in frames] == inputs["image_grid_thw"].tolist()
-    ids = vision.image_ids(vision.tokenizer.encode(expanded), pictures, frames)
-    plain = [vision.image_token_id if i >= vision.vocab_size else i for i in ids]
     assert plain == inputs["input_ids"][0].tolist()
     assert len(set(ids) - set(plain)) == sum(f.rows * f.cols for f in frames)
 
@@ -114,13 +123,7 @@ def test_positions_equal_get_rope_index(name: str, ours: tuple[Any, VisionModel]
     _, vision = ours
     hf_model, processor = theirs
     ids, _, inputs = case(name, vision, processor)
-    with torch.no_grad():
-        want, _ = hf_model.model.get_rope_index(
-            inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
-        )
-    offsets = vision.position_offsets(ids)
-    assert offsets is not None
-    assert torch.equal((torch.arange(len(ids))[:, None] + offsets).T, want[:, 0])
+    assert_positions_are_transformers(vision, ids, hf_model, inputs)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -269,10 +272,4 @@ def test_offsets_name_pictures_no_longer_held(ours: tuple[Any, VisionModel], the
     ids = vision.encode_prompt(text, pictures)
     assert vision.embedding is not None and pictures[0].sha256 not in vision.embedding.held
     inputs = processor(text=text.replace("<image>", MARKED), images=[p.image for p in pictures], return_tensors="pt")
-    with torch.no_grad():
-        want, _ = hf_model.model.get_rope_index(
-            inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
-        )
-    offsets = vision.position_offsets(ids)
-    assert offsets is not None
-    assert torch.equal((torch.arange(len(ids))[:, None] + offsets).T, want[:, 0])
+    assert_positions_are_transformers(vision, ids, hf_model, inputs)
