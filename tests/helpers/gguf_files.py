@@ -44,17 +44,28 @@ def write_gguf(model_dir: Path, out: Path, dtype: str) -> Path:
 
 def with_tensor_as(path: Path, out: Path, name: str, kind: Any) -> Path:
     """A copy of the GGUF at `path` with tensor `name` re-quantized to `kind` (a gguf.GGMLQuantizationType)."""
+    return rewritten(path, out, tensors={name: kind})
+
+
+def rewritten(
+    path: Path, out: Path, values: dict[str, Any] | None = None, tensors: dict[str, Any] | None = None
+) -> Path:
+    """A copy of the GGUF at `path` with the metadata `values` (key -> value, written as the stored key's type) and
+    the tensors in `tensors` re-quantized (name -> gguf.GGMLQuantizationType); the rest as stored."""
     import gguf
 
+    values, tensors = values or {}, tensors or {}
     r = gguf.GGUFReader(path)
     w = gguf.GGUFWriter(str(out), str(r.fields["general.architecture"].contents()))
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue  # written by the writer itself
+        value = values[key] if key in values else f.contents()
         vtype = f.types[0]
-        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+        w.add_key_value(key, value, vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     for t in r.tensors:
-        if t.name == name:
+        kind = tensors.get(t.name)
+        if kind is not None:
             w.add_tensor(
                 t.name, gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind), raw_dtype=kind
             )

@@ -24,6 +24,7 @@ from engine.loading.weights import load_model
 from engine.session.engine import load
 from engine.vision.gguf_vision import QWEN_MAX_TOKENS, QWEN_MIN_TOKENS
 from engine.vision.qwen25vl import Qwen25VLPreprocessing
+from tests.helpers.gguf_files import rewritten
 from tests.helpers.hf_greedy import hf_vision_tokens
 from tests.helpers.mmproj_refs import causal_greedy, on_stored_weights, our_prompt, ours_from_gguf
 from tests.helpers.pictures import CASES, picture, pictures_of
@@ -62,23 +63,7 @@ def theirs(folder: Path) -> tuple[Any, Any]:
 
 def with_sections(path: Path, out: Path, sections: list[int]) -> Path:
     """A copy of the GGUF at `path` whose rotary sections are `sections`."""
-    import gguf
-
-    r = gguf.GGUFReader(path)
-    w = gguf.GGUFWriter(str(out), str(r.fields["general.architecture"].contents()))
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue  # written by the writer itself
-        value = sections if key == SECTIONS_KEY else f.contents()
-        vtype = f.types[0]
-        w.add_key_value(key, value, vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    for t in r.tensors:
-        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return rewritten(path, out, values={SECTIONS_KEY: sections})
 
 
 def test_text_model_keeps_the_rotary_sections(folder: Path, exports: dict[str, tuple[Path, Path]]) -> None:
