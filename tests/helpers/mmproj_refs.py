@@ -1,4 +1,5 @@
-"""transformers' vision-language model holding the very weights a GGUF and its mmproj store (dequantized), to
+"""The exports the GGUF vision tests compare (an f32 pair, exact, and a Q8_0 text model with an f16 mmproj);
+transformers' vision-language model holding the very weights a GGUF and its mmproj store (dequantized), to
 compare a quantized export against; our vision model loaded from a folder or from a GGUF and its mmproj; a prompt's ids as ours and as transformers'
 processor writes them; and greedy tokens from our causal path, multimodal offsets included."""
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch
 
+from engine.bench.mmproj_export import export_vision
 from engine.loading.tokenizer import Tokenizer
 from engine.loading.weights import load_model
 from engine.vision.gguf_vision import load_mmproj
@@ -17,6 +19,13 @@ from engine.vision.idefics3 import Frames
 from engine.vision.images import DecodedImage
 from engine.vision.mmproj import read_mmproj
 from engine.vision.model import VisionModel, load_vision
+
+EXPORTS = {"f32": ("f32", "f32"), "q8_0": ("q8_0", "f16")}  # (text model, mmproj)
+
+
+def exported(folder: Path, root: Path) -> dict[str, tuple[Path, Path]]:
+    """Each of EXPORTS of `folder` under `root`: kind -> (text model GGUF, mmproj)."""
+    return {kind: export_vision(folder, root / kind, *types) for kind, types in EXPORTS.items()}
 
 
 def on_stored_weights(hf_model: Any, text: Path, mmproj: Path, text_prefix: str, vision_prefix: str) -> Any:

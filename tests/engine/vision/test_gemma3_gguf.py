@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.bench.mmproj_export import export_vision
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.loading.tokenizer import Tokenizer
@@ -23,13 +22,12 @@ from engine.vision.gemma3 import Gemma3Preprocessing
 from engine.vision.gguf_vision import attach_mmproj
 from engine.vision.model import VisionModel
 from tests.helpers.hf_greedy import hf_vision_model, hf_vision_tokens
-from tests.helpers.mmproj_refs import causal_greedy, on_stored_weights, our_prompt
+from tests.helpers.mmproj_refs import EXPORTS, causal_greedy, exported, on_stored_weights, our_prompt
 from tests.helpers.pictures import CASES, picture, pictures_of
 from tests.helpers.tiny_gemma3 import BOI, IMAGE_SIZE, TOKENS_PER_IMAGE, make_tiny_gemma3
 
 transformers = pytest.importorskip("transformers")
 STEPS = 24
-EXPORTS = {"f32": ("f32", "f32"), "q8_0": ("q8_0", "f16")}  # (text model, mmproj)
 
 
 class _Backend:
@@ -48,8 +46,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def exports(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    root = tmp_path_factory.mktemp("gguf")
-    return {kind: export_vision(folder, root / kind, *types) for kind, types in EXPORTS.items()}
+    return exported(folder, tmp_path_factory.mktemp("gguf"))
 
 
 @pytest.fixture(scope="module")

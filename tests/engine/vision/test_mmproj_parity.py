@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.bench.mmproj_export import export_vision
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
 from engine.loading.weights import load_model
@@ -27,14 +26,13 @@ from engine.openai.service import ServeConfig
 from engine.session.engine import load
 from engine.vision.mmproj import read_mmproj
 from tests.helpers.hf_greedy import hf_vision_model, hf_vision_tokens
-from tests.helpers.mmproj_refs import causal_greedy, our_prompt, ours_from_gguf
+from tests.helpers.mmproj_refs import EXPORTS, causal_greedy, exported, our_prompt, ours_from_gguf
 from tests.helpers.pictures import CASES, picture, pictures_of, png
 from tests.helpers.tiny_idefics3 import make_tiny_idefics3
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 24
-EXPORTS = {"f32": ("f32", "f32"), "q8_0": ("q8_0", "f16")}  # (text model, mmproj)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +42,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def exports(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    root = tmp_path_factory.mktemp("gguf")
-    return {kind: export_vision(folder, root / kind, *types) for kind, types in EXPORTS.items()}
+    return exported(folder, tmp_path_factory.mktemp("gguf"))
 
 
 @pytest.fixture(scope="module")

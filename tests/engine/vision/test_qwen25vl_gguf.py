@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine.bench.mmproj_export import export_vision
 from engine.errors import ModelLoadError
 from engine.generation.loop import GenerationSettings
 from engine.generation.sampling import SamplingSettings
@@ -26,7 +25,7 @@ from engine.vision.gguf_vision import QWEN_MAX_TOKENS, QWEN_MIN_TOKENS
 from engine.vision.qwen25vl import Qwen25VLPreprocessing
 from tests.helpers.gguf_files import rewritten
 from tests.helpers.hf_greedy import hf_vision_tokens
-from tests.helpers.mmproj_refs import causal_greedy, on_stored_weights, our_prompt, ours_from_gguf
+from tests.helpers.mmproj_refs import EXPORTS, causal_greedy, exported, on_stored_weights, our_prompt, ours_from_gguf
 from tests.helpers.pictures import CASES, picture, pictures_of
 from tests.helpers.tiny_qwen25vl import MERGE, PATCH, image_only_processor, make_tiny_qwen25vl
 
@@ -36,7 +35,6 @@ MARKED = "<|vision_start|><|image_pad|><|vision_end|>"
 SECTIONS_KEY = "qwen2vl.rope.dimension_sections"
 # CASES: the second picture of "two" is under clip.cpp's 8 merged tokens: enlarged, as the processor does at that
 # minimum.
-EXPORTS = {"f32": ("f32", "f32"), "q8_0": ("q8_0", "f16")}  # (text model, mmproj)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +44,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def exports(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    root = tmp_path_factory.mktemp("gguf")
-    return {kind: export_vision(folder, root / kind, *types) for kind, types in EXPORTS.items()}
+    return exported(folder, tmp_path_factory.mktemp("gguf"))
 
 
 @pytest.fixture(scope="module")
