@@ -26,7 +26,7 @@ from engine.model.network import Transformer
 from engine.vision import gemma3
 from engine.vision.idefics3 import MAX_TILES_A_SIDE, Idefics3Preprocessing
 from engine.vision.mmproj import Mmproj
-from engine.vision.model import TowerHost, VisionModel
+from engine.vision.model import VisionModel, not_on_this_backend, seat
 from engine.vision.qwen25vl import MAX_PICTURE_PIXELS, Qwen25VLPreprocessing, Qwen25VLTower, Qwen25VLVisionConfig
 from engine.vision.siglip import Tower, VisionConfig, VisionTower
 
@@ -61,9 +61,7 @@ def attach_mmproj(path: Path, tokenizer: Tokenizer, backend: object) -> VisionMo
     """The image path of `backend`'s GGUF text model from the projector file at `path`, wrapped around it."""
     model = getattr(backend, "model", None)
     if not isinstance(model, Transformer):
-        raise ModelLoadError(
-            f"{path.name} sees images only on the CPU, CUDA or MPS backends; choose one of them with --backend."
-        )
+        raise not_on_this_backend(path)
     m = Mmproj(path)
     vision = _vision(m, tokenizer, model.config.hidden_size, model.config.vocab_size)
     # A vision model's memories hold ids above the vocabulary (engine.model.config.IMAGE_ID_LIMIT); a family whose
@@ -73,14 +71,9 @@ def attach_mmproj(path: Path, tokenizer: Tokenizer, backend: object) -> VisionMo
     model.config = config
     if hasattr(backend, "config"):
         backend.config = config
-    if isinstance(
-        backend, TowerHost
-    ):  # the tower's matrices run as the file stores them (engine.backends.vision_tower)
-        rename = RENAMES[m.clip.projector]
-        stored = {ours: t for name, t in m.stored_tensors().items() if (ours := rename(name)) is not None}
-        vision.placement = backend.place_tower(vision.tower, stored)
-    vision.attach(model)
-    return vision
+    rename = RENAMES[m.clip.projector]  # the tower's matrices run as the file stores them
+    stored = {ours: t for name, t in m.stored_tensors().items() if (ours := rename(name)) is not None}
+    return seat(vision, model, backend, stored)
 
 
 def load_mmproj(path: Path, tokenizer: Tokenizer, text_hidden_size: int, vocab_size: int) -> VisionModel:

@@ -467,12 +467,25 @@ def attach_vision(folder: Path, tokenizer: Tokenizer, backend: object) -> Vision
             vision.tower, vision.placement = backend.picture_tower(vision.tower)
             vision.attach_host(backend)
             return vision
-        raise ModelLoadError(
-            f"{folder.name} sees images only on the CPU, CUDA or MPS backends; choose one of them with --backend."
-        )
+        raise not_on_this_backend(folder)
     vision = load_vision(folder, tokenizer, model.config.hidden_size, model.config.vocab_size)
+    return seat(vision, model, backend)
+
+
+def not_on_this_backend(path: Path) -> ModelLoadError:
+    """The sentence for a model that sees images, opened on a backend whose text model ImageEmbedding cannot wrap."""
+    return ModelLoadError(
+        f"{path.name} sees images only on the CPU, CUDA or MPS backends; choose one of them with --backend."
+    )
+
+
+def seat(
+    vision: VisionModel, model: Transformer, backend: object, stored: Mapping[str, StoredTensor] | None = None
+) -> VisionModel:
+    """`vision`'s tower placed where `backend` runs `model` (TowerHost: its matrices from `stored` where given, as a
+    file stores them), and its embedding wrapped around `model`'s lookup."""
     if isinstance(backend, TowerHost):
-        vision.placement = backend.place_tower(vision.tower)
+        vision.placement = backend.place_tower(vision.tower, stored)
     vision.attach(model)
     return vision
 
